@@ -1,0 +1,243 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore, and up-front validation.
+
+Every option YAML under ``conf/`` extends one of these schemas through its defaults list
+(``- /schema/<group>@_here_: <schema>``), so a mistyped value (``model.width=abc``) or an unknown key
+(``strategy.bucket_mb=3``) fails at composition time with the full key in Hydra's message.
+:func:`validate` then checks what types cannot express (positive sizes, axes that do not apply to a
+strategy, targets that must import) before any rank is started, and raises :class:`ConfigError`
+naming the key, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+__all__ = ["ConfigError", "register_schemas", "validate", "MODEL_RESERVED_KEYS"]
+
+
+class ConfigError(ValueError):
+    """A configuration that zeroexp refuses before any work starts.
+
+    The message always names the offending key, the given value and what is accepted.
+    """
+
+    def __init__(self, key: str, value: Any, accepted: str, why: str = "") -> None:
+        self.key, self.value, self.accepted = key, value, accepted
+        msg = f"invalid config: {key}={value!r}: {why + '; ' if why else ''}accepted: {accepted}"
+        super().__init__(msg)
+
+
+# --- model -------------------------------------------------------------------------------------------
+# Keys of the model node that belong to zeroexp (data spec, loss, naming); everything else is passed
+# to the ``_target_`` factory.
+MODEL_RESERVED_KEYS = ("name", "input_shape", "dtype", "low", "high", "loss", "wrap")
+
+
+@dataclass
+class ModelConfig:
+    """Any ``nn.Module`` factory plus the shape of one sample, so zeroexp can make synthetic batches."""
+
+    _target_: str = MISSING
+    name: str = MISSING
+    input_shape: List[int] = MISSING  # one sample, without the batch dimension
+    dtype: str = "float32"  # float32 | float16 | bfloat16 | long (token ids in [low, high))
+    low: int = 0
+    high: int = 2
+    loss: str = "mean_square"  # see zeroexp.models.LOSSES
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    """The reference Linear stack: ``depth`` bias-free ``nn.Linear(width, width)`` layers."""
+
+    _target_: str = "zeroexp.models.LinearStack"
+    width: int = 256
+    depth: int = 8
+
+
+# --- strategies --------------------------------------------------------------------------------------
+@dataclass
+class StrategyConfig:
+    name: str = MISSING
+
+
+@dataclass
+class DDPConfig(StrategyConfig):
+    # Set explicitly, DDP also uses it as the first bucket's cap (otherwise 1 MiB), so buckets are even.
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+
+
+@dataclass
+class ZROConfig(DDPConfig):
+    # False: one broadcast per parameter after the step (the reference experiment's fingerprint).
+    parameters_as_bucket_view: bool = False
+
+
+@dataclass
+class FSDPConfig(StrategyConfig):
+    sharding: str = MISSING  # FULL_SHARD | SHARD_GRAD_OP
+    # Module classes wrapped as their own FSDP unit (import paths); the root unit holds the rest.
+    wrap: List[str] = field(default_factory=lambda: ["torch.nn.Linear"])
+    use_orig_params: bool = False
+    limit_all_gathers: bool = True
+    forward_prefetch: bool = False
+
+
+# --- small axes --------------------------------------------------------------------------------------
+@dataclass
+class PrefetchConfig:
+    name: str = MISSING  # pre | post | none (FSDP BackwardPrefetch)
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING
+
+
+@dataclass
+class OffloadConfig:
+    name: str = MISSING
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING  # wandb | csv | none
+    mode: str = "offline"  # wandb only: offline | online | disabled
+    project: str = "zeroexp"
+    entity: Optional[str] = None
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, the optimizer of the reference experiment (two fp32 moments per parameter)."""
+
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass
+class TimeoutConfig:
+    collective_s: float = 300.0  # process-group timeout: a rank stuck in a collective fails after this
+    cell_s: float = 3600.0  # whole cell, all ranks
+    grace_s: float = 5.0  # after one rank fails, how long the others get to exit before they are killed
+
+
+@dataclass
+class ZeroexpConfig:
+    model: Any = MISSING
+    strategy: Any = MISSING
+    prefetch: Any = MISSING
+    precision: Any = MISSING
+    offload: Any = MISSING
+    logger: Any = MISSING
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    timeout: TimeoutConfig = field(default_factory=TimeoutConfig)
+    world_size: int = 4
+    steps: int = 30
+    batch_size: int = 8  # per rank; the global batch is batch_size * world_size
+    seed: int = 0
+    warmup_steps: int = 3  # steps excluded from steady measurements
+    device: str = "auto"  # auto | cpu | cuda
+    ddp_bucket_cap_mb: float = 25.0  # shared default of strategy.bucket_cap_mb for ddp and zro
+
+
+def register_schemas() -> None:
+    """Register the schemas under ``schema/<group>`` (options extend them) and the root schema."""
+    cs = ConfigStore.instance()
+    cs.store(name="zeroexp_schema", node=ZeroexpConfig)
+    cs.store(group="schema/model", name="model", node=ModelConfig)
+    cs.store(group="schema/model", name="mlp", node=MLPConfig)
+    cs.store(group="schema/strategy", name="ddp", node=DDPConfig)
+    cs.store(group="schema/strategy", name="zro", node=ZROConfig)
+    cs.store(group="schema/strategy", name="fsdp", node=FSDPConfig)
+    cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
+    cs.store(group="schema/precision", name="precision", node=PrecisionConfig)
+    cs.store(group="schema/offload", name="offload", node=OffloadConfig)
+    cs.store(group="schema/logger", name="logger", node=LoggerConfig)
+
+
+# --- validation --------------------------------------------------------------------------------------
+_ACCEPTED = {
+    "prefetch.name": ("pre", "post", "none"),
+    "precision.name": ("fp32",),
+    "offload.name": ("none",),
+    "logger.name": ("wandb", "csv", "none"),
+    "logger.mode": ("offline", "online", "disabled"),
+    "device": ("auto", "cpu", "cuda"),
+    "model.dtype": ("float32", "float16", "bfloat16", "long"),
+}
+
+
+def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, value, f"an integer >= {minimum}")
+
+
+def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
+    """Check a composed cell config; raise :class:`ConfigError` on the first problem.
+
+    ``explicit_overrides`` are the keys the user set on the command line (``prefetch``,
+    ``strategy.bucket_cap_mb``...): an axis that does not apply to the strategy is an error only when the
+    user asked for it explicitly in a single run (sweeps de-duplicate such cells instead).
+    """
+    from zeroexp.models import LOSSES
+    from zeroexp.strategies import get_adapter_class, registered
+
+    name = cfg.strategy.name
+    if name not in registered():
+        raise ConfigError("strategy", name, ", ".join(sorted(registered())))
+    for key, accepted in _ACCEPTED.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in accepted:
+            raise ConfigError(key, value, ", ".join(accepted))
+    _positive_int(cfg, "world_size")
+    _positive_int(cfg, "steps")
+    _positive_int(cfg, "batch_size")
+    _positive_int(cfg, "warmup_steps", minimum=0)
+    if cfg.warmup_steps >= cfg.steps:
+        raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer below steps ({cfg.steps})")
+    for key in ("timeout.collective_s", "timeout.cell_s", "timeout.grace_s"):
+        if not OmegaConf.select(cfg, key) > 0:
+            raise ConfigError(key, OmegaConf.select(cfg, key), "a positive number of seconds")
+
+    model = cfg.model
+    for key in ("width", "depth"):
+        if key in model:
+            _positive_int(cfg, f"model.{key}")
+    shape = list(model.input_shape)
+    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+        raise ConfigError("model.input_shape", shape, "a non-empty list of positive integers")
+    if model.loss not in LOSSES:
+        raise ConfigError("model.loss", model.loss, ", ".join(sorted(LOSSES)))
+    _check_target(str(model._target_))
+
+    adapter = get_adapter_class(name)
+    for axis in ("prefetch",):
+        if axis in explicit_overrides and axis not in adapter.axes:
+            value = OmegaConf.select(cfg, f"{axis}.name")
+            raise ConfigError(
+                axis,
+                value,
+                f"strategies that use it: {', '.join(sorted(n for n in registered() if axis in get_adapter_class(n).axes))}",
+                why=f"{axis} does not apply to strategy={name}",
+            )
+    adapter.validate(cfg)
+
+
+def _check_target(target: str) -> None:
+    module_name, _, attr = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why=str(e)) from e
+    if not callable(obj):
+        raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why="not callable")

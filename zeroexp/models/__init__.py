@@ -1,0 +1,73 @@
+"""Models, synthetic data and losses.
+
+A model config names an ``nn.Module`` factory (``_target_``) and what one sample looks like
+(``input_shape``, ``dtype``); zeroexp builds seeded synthetic batches of that shape, so any module can be
+put in a cell. The loss is a fixed, documented function of the output (:data:`LOSSES`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["LinearStack", "LOSSES", "build_model", "make_batch"]
+
+
+class LinearStack(nn.Sequential):
+    """``depth`` bias-free ``nn.Linear(width, width)`` layers: the reference experiment's model.
+
+    No activations, so the model is exactly the stack of weight matrices whose bytes the probes count.
+    """
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__(*(nn.Linear(width, width, bias=False) for _ in range(depth)))
+
+
+def _mean_square(output: Any, batch: torch.Tensor) -> torch.Tensor:
+    """mean(output ** 2) over every element: a loss of the output alone, no targets needed."""
+    return output.float().pow(2).mean()
+
+
+def _next_token(output: Any, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy: logits[:, :-1] against the input ids shifted by one."""
+    logits = getattr(output, "logits", output)
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
+    )
+
+
+LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
+    "mean_square": _mean_square,
+    "next_token": _next_token,
+}
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "long": torch.long}
+
+
+def build_model(model_cfg: Mapping[str, Any]) -> nn.Module:
+    """Instantiate the model config's ``_target_`` with every key that is not zeroexp's own."""
+    from hydra.utils import instantiate
+
+    from zeroexp.config import MODEL_RESERVED_KEYS
+
+    kwargs = {k: v for k, v in model_cfg.items() if k not in MODEL_RESERVED_KEYS}
+    module = instantiate(kwargs, _convert_="all")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"model._target_={model_cfg['_target_']} returned {type(module).__name__}, not an nn.Module")
+    return module
+
+
+def make_batch(model_cfg: Mapping[str, Any], batch_size: int, seed: int, step: int, rank: int) -> torch.Tensor:
+    """The batch rank ``rank`` trains on at ``step``: a pure function of (seed, step, rank).
+
+    The global batch of a step is the concatenation over ranks, which is what an unsharded reference
+    trains on. Floats are standard normal; ``long`` samples are uniform in ``[low, high)``.
+    """
+    g = torch.Generator().manual_seed(hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF)
+    shape = (batch_size, *model_cfg["input_shape"])
+    dtype = _DTYPES[model_cfg.get("dtype", "float32")]
+    if dtype == torch.long:
+        return torch.randint(int(model_cfg.get("low", 0)), int(model_cfg.get("high", 2)), shape, generator=g)
+    return torch.randn(shape, generator=g).to(dtype)

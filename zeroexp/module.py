@@ -1,0 +1,47 @@
+"""The LightningModule that trains any ``nn.Module`` of a cell on its seeded synthetic batches."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from zeroexp.models import LOSSES, make_batch
+
+
+class CellModule(pl.LightningModule):
+    """``net`` + the model config's loss + the strategy adapter's optimizer."""
+
+    def __init__(self, net: nn.Module, loss: str, optimizer_factory: Callable[[Iterable[nn.Parameter]], Any]) -> None:
+        super().__init__()
+        self.net = net
+        self.loss_fn = LOSSES[loss]
+        self.optimizer_factory = optimizer_factory
+
+    def forward(self, batch: torch.Tensor) -> Any:
+        return self.net(batch)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.loss_fn(self.net(batch), batch)
+        # Rank-local loss, logged by rank 0 only; no sync_dist (it would add an all_reduce to every step).
+        self.log("train/loss_rank0", loss.detach(), on_step=True, prog_bar=False, logger=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return self.optimizer_factory(self.parameters())
+
+
+class SyntheticBatches(Dataset):
+    """``steps`` batches for one rank; item ``i`` is :func:`zeroexp.models.make_batch` at step ``i``."""
+
+    def __init__(self, model_cfg: Mapping[str, Any], batch_size: int, seed: int, rank: int, steps: int) -> None:
+        self.model_cfg, self.batch_size, self.seed, self.rank, self.steps = model_cfg, batch_size, seed, rank, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> torch.Tensor:
+        return make_batch(self.model_cfg, self.batch_size, self.seed, step, self.rank)

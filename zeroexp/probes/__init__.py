@@ -1,0 +1,17 @@
+"""Probes: independent measurements taken on every rank as Lightning callbacks.
+
+Each probe keeps rank-local records while the cell trains, returns them as a JSON-able dict
+(:meth:`Probe.rank_result`), and turns the records of all ranks into one :class:`ProbeReport`
+(a ``summary.json`` section, per-rank tables written as CSV files, and flat metrics for W&B).
+Probes never import strategy adapters; the runner hands them what the adapter knows.
+"""
+
+from zeroexp.probes.base import Probe, ProbeReport, RunContext
+from zeroexp.probes.iterations import IterationsProbe
+
+__all__ = ["Probe", "ProbeReport", "RunContext", "IterationsProbe", "default_probes"]
+
+
+def default_probes() -> list[type[Probe]]:
+    """The probes every cell runs, in the order their sections appear in ``summary.json``."""
+    return [IterationsProbe]

@@ -1,0 +1,113 @@
+"""The files of a cell directory: atomic writers, the manifest, and reading results back.
+
+Every file is written to a temporary name in the same directory and renamed into place, so a file that
+exists is whole. The public contract of these files is ``docs/results.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import io
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["write_text", "write_json", "write_csv", "read_json", "versions", "git_commit", "utc_now"]
+
+
+def write_text(path: Path | str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file in the same directory, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _finite(o: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def write_json(path: Path | str, obj: Mapping[str, Any]) -> None:
+    """Atomically write ``obj`` as indented JSON (non-finite floats become null)."""
+    write_text(path, json.dumps(_finite(obj), indent=2, default=_json_default, allow_nan=False) + "\n")
+
+
+def write_csv(path: Path | str, frame: Any) -> None:
+    """Atomically write a pandas DataFrame as CSV without the index."""
+    buf = io.StringIO()
+    frame.to_csv(buf, index=False)
+    write_text(path, buf.getvalue())
+
+
+def read_json(path: Path | str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+_PACKAGES = ("torch", "lightning", "hydra-core", "omegaconf", "wandb", "deepspeed", "pandas")
+
+
+def versions() -> dict[str, str | None]:
+    """Python and package versions (null when a package is not installed)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit(cwd: Path | str | None = None) -> dict[str, Any] | None:
+    """The commit of the checkout zeroexp runs from, and whether it has uncommitted changes; null outside git."""
+    cwd = cwd or Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        return {"commit": commit, "dirty": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def host() -> str:
+    return socket.gethostname()

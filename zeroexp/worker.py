@@ -1,0 +1,185 @@
+"""One rank of a cell: build the model, the adapter's Lightning strategy and the probes, train, report.
+
+:func:`run_rank` is the same whoever started the process (zeroexp's local launcher, or later torchrun):
+it reads its rank from the environment, trains, writes ``.ranks/rank<r>.json``, and rank 0 assembles the
+cell's files once every rank has written its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from zeroexp.models import build_model
+from zeroexp.module import CellModule, SyntheticBatches
+from zeroexp.probes import RunContext, default_probes
+from zeroexp.results import write_csv, write_json, write_text
+from zeroexp.strategies import get_adapter_class
+
+RANKS_DIR = ".ranks"
+
+
+def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_dir: str, run_info: dict) -> None:
+    """Process target of the local launcher: set up the rank's environment and logs, then :func:`run_rank`."""
+    _die_with_parent()
+    cell = Path(cell_dir)
+    (cell / "logs").mkdir(parents=True, exist_ok=True)
+    log_fd = os.open(cell / "logs" / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(log_fd, 1), os.dup2(log_fd, 2)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0",
+    )
+    try:
+        run_rank(cfg, cell, run_info)
+    except BaseException as e:  # noqa: BLE001 - every failure is recorded, then re-raised as exit code 1
+        traceback.print_exc()
+        write_json(cell / RANKS_DIR / f"rank{rank}.error.json",
+                   {"rank": rank, "cause": "exception", "type": type(e).__name__, "message": str(e)[:2000],
+                    "traceback": traceback.format_exc()[-8000:]})
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush(), sys.stderr.flush()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if its parent dies, so no rank outlives its launcher."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _quiet() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*Checkpointing is disabled.*")
+    warnings.filterwarnings("ignore", message=".*FSDP.state_dict_type.*")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_CONSOLE", "off")
+
+
+def resolve_device(cfg: Any) -> torch.device:
+    """``device=auto``: CUDA when enough GPUs are visible for one per rank, else the CPU."""
+    want = cfg["device"]
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _make_logger(cfg: Any, cell: Path, run_info: dict) -> Any:
+    lg = cfg.logger
+    if lg.name == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        extra = {"mode": "disabled"} if lg.mode == "disabled" else {}
+        return WandbLogger(
+            project=lg.project, entity=lg.entity, name=run_info["cell_name"], group=run_info.get("sweep") or "single",
+            job_type="cell", save_dir=str(cell), offline=lg.mode == "offline",
+            config=OmegaConf.to_container(cfg, resolve=True), tags=[cfg.strategy.name], **extra,
+        )
+    if lg.name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(cell), name="csv", version="")
+    return False
+
+
+def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
+    """Train one rank of the cell and write its results; rank 0 also writes the cell's files."""
+    _quiet()
+    cfg = OmegaConf.create(cfg_dict)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = resolve_device(cfg)
+    if device.type == "cpu":  # ranks share the cores: do not oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    adapter = get_adapter_class(cfg.strategy.name)(cfg)
+    ctx = RunContext(cfg=cfg, rank=rank, world_size=world_size,
+                     device=torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device.type == "cuda" else device,
+                     adapter=adapter)
+
+    pl.seed_everything(cfg.seed, workers=False, verbose=False)  # identical initial weights on every rank
+    net = build_model(cfg.model)
+    module = CellModule(net, cfg.model.loss, adapter.make_optimizer)
+    data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps), batch_size=None)
+    probe_classes = default_probes()
+    probes = [cls(ctx) for cls in probe_classes]
+    logger = _make_logger(cfg, cell, run_info)
+    if logger and rank == 0 and cfg.logger.name == "wandb":
+        _ = logger.experiment  # start the W&B run before training, not inside the first timed step
+
+    trainer = pl.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        num_nodes=world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        strategy=adapter.lightning_strategy(cfg.timeout.collective_s, "nccl" if device.type == "cuda" else "gloo"),
+        precision="32-true", max_steps=cfg.steps, max_epochs=1, logger=logger, callbacks=probes,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, use_distributed_sampler=False,
+        default_root_dir=str(cell),
+    )
+    trainer.fit(module, train_dataloaders=data)
+
+    results = {p.name: p.rank_result() for p in probes}
+    write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
+    dist.barrier()  # outside every measured window: all rank files exist
+    if rank == 0:
+        summary = finalize(cell, cfg, probe_classes, run_info)
+        if logger and cfg.logger.name == "wandb":
+            _log_summary_to_wandb(logger, summary)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict) -> dict[str, Any]:
+    """Read every rank's results, write the probes' tables and ``summary.json``; return the summary."""
+    world_size = int(cfg.world_size)
+    ranks = [json.loads((cell / RANKS_DIR / f"rank{r}.json").read_text()) for r in range(world_size)]
+    summary: dict[str, Any] = {
+        "status": "ok", "cell": run_info["cell"], "cell_id": run_info["cell_id"], "world_size": world_size,
+        "steps": int(cfg.steps), "final_loss": None,
+    }
+    for cls in probe_classes:
+        report = cls.aggregate([r[cls.name] for r in ranks], cfg)
+        for fname, frame in report.tables.items():
+            write_csv(cell / fname, frame)
+        summary.update(report.top_level)
+        if report.section:
+            summary[cls.name] = report.section
+    write_json(cell / "summary.json", summary)
+    return summary
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "/"))
+        elif not isinstance(v, list):
+            out[key] = v
+    return out
+
+
+def _log_summary_to_wandb(logger: Any, summary: dict[str, Any]) -> None:
+    import wandb
+
+    logger.experiment.summary.update(_flatten(summary))
+    wandb.finish()
