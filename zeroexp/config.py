@@ -131,6 +131,14 @@ class TimeoutConfig:
 
 
 @dataclass
+class ProbesConfig:
+    """How many post-warm-up steps each measurement owns (see ``zeroexp.schedule``)."""
+
+    profile_steps: int = 2  # steps the collectives probe records with the torch profiler
+    memory_steps: int = 2  # steps the memory probe tracks for the training peak
+
+
+@dataclass
 class ZeroexpConfig:
     model: Any = MISSING
     strategy: Any = MISSING
@@ -140,6 +148,7 @@ class ZeroexpConfig:
     logger: Any = MISSING
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     timeout: TimeoutConfig = field(default_factory=TimeoutConfig)
+    probes: ProbesConfig = field(default_factory=ProbesConfig)
     world_size: int = 4
     steps: int = 30
     batch_size: int = 8  # per rank; the global batch is batch_size * world_size
@@ -203,8 +212,10 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     _positive_int(cfg, "steps")
     _positive_int(cfg, "batch_size")
     _positive_int(cfg, "warmup_steps", minimum=0)
-    if cfg.warmup_steps >= cfg.steps:
-        raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer below steps ({cfg.steps})")
+    from zeroexp.schedule import Schedule
+
+    for problem in Schedule.from_cfg(cfg).problems():
+        raise ConfigError("steps", cfg.steps, "enough steps for warm-up, every probe and timing", why=problem)
     for key in ("timeout.collective_s", "timeout.cell_s", "timeout.grace_s"):
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(key, OmegaConf.select(cfg, key), "a positive number of seconds")

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from zeroexp.models import build_model
 from zeroexp.module import CellModule, SyntheticBatches
 from zeroexp.probes import RunContext, default_probes
+from zeroexp.schedule import Schedule
 from zeroexp.results import write_csv, write_json, write_text
 from zeroexp.strategies import get_adapter_class
 
@@ -113,7 +114,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     adapter = get_adapter_class(cfg.strategy.name)(cfg)
     ctx = RunContext(cfg=cfg, rank=rank, world_size=world_size,
                      device=torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device.type == "cuda" else device,
-                     adapter=adapter)
+                     adapter=adapter, schedule=Schedule.from_cfg(cfg))
 
     pl.seed_everything(cfg.seed, workers=False, verbose=False)  # identical initial weights on every rank
     net = build_model(cfg.model)

@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
+from zeroexp.schedule import Schedule
+
 
 @dataclass(frozen=True)
 class RunContext:
@@ -19,6 +21,7 @@ class RunContext:
     world_size: int
     device: torch.device
     adapter: Any  # zeroexp.strategies.StrategyAdapter; typed loosely so probes do not import adapters
+    schedule: Schedule
 
 
 @dataclass
