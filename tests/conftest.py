@@ -39,10 +39,10 @@ def cell(compose, tmp_path_factory) -> Callable[..., CellResult]:
     cache: dict[tuple[str, ...], CellResult] = {}
     root = tmp_path_factory.mktemp("cells")
 
-    def _cell(*overrides: str) -> CellResult:
-        key = tuple(overrides)
+    def _cell(*overrides: str, base: tuple[str, ...] = BASE) -> CellResult:
+        key = (*base, "|", *overrides)
         if key not in cache:
-            cfg = compose(*overrides)
+            cfg = compose(*overrides, base=base)
             cache[key] = run_cell(cfg, root / f"cell{len(cache):03d}")
         return cache[key]
 

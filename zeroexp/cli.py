@@ -32,8 +32,13 @@ def _explicit_keys(overrides: list[str]) -> tuple[str, ...]:
     return tuple(keys)
 
 
+_TASK_STARTED = False
+
+
 def task(cfg: DictConfig) -> None:
     """Hydra's task function: one cell per call (one call per job of a ``--multirun`` sweep)."""
+    global _TASK_STARTED
+    _TASK_STARTED = True
     from rich.console import Console
 
     from zeroexp.runner import run_cell
@@ -69,4 +74,11 @@ def task(cfg: DictConfig) -> None:
 def main() -> None:
     """Console entry point (``python -m zeroexp`` and ``zeroexp``)."""
     register()
-    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(task)()
+    try:
+        hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(task)()
+    except SystemExit as e:
+        # Hydra reports a composition error (unknown option, mistyped value, unknown key) and exits 1
+        # before any task ran: that is bad input, which zeroexp reports with exit code 2.
+        if e.code == 1 and not _TASK_STARTED:
+            sys.exit(2)
+        raise

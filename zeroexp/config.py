@@ -162,7 +162,8 @@ def register_schemas() -> None:
     """Register the schemas under ``schema/<group>`` (options extend them) and the root schema."""
     cs = ConfigStore.instance()
     cs.store(name="zeroexp_schema", node=ZeroexpConfig)
-    cs.store(group="schema/model", name="model", node=ModelConfig)
+    # Open schema: the data-spec keys are typed, any other key is an argument of the `_target_` factory.
+    cs.store(group="schema/model", name="model", node=OmegaConf.structured(ModelConfig, flags={"struct": False}))
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
     cs.store(group="schema/strategy", name="ddp", node=DDPConfig)
     cs.store(group="schema/strategy", name="zro", node=ZROConfig)
@@ -230,6 +231,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     if model.loss not in LOSSES:
         raise ConfigError("model.loss", model.loss, ", ".join(sorted(LOSSES)))
     _check_target(str(model._target_))
+    _check_model_builds(cfg)
 
     adapter = get_adapter_class(name)
     for axis in ("prefetch",):
@@ -242,6 +244,21 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
                 why=f"{axis} does not apply to strategy={name}",
             )
     adapter.validate(cfg)
+
+
+def _check_model_builds(cfg: DictConfig) -> None:
+    """Build the model on the meta device (no memory, any size) so bad factory arguments fail now."""
+    import torch
+
+    from zeroexp.models import build_model
+
+    try:
+        with torch.device("meta"):
+            build_model(cfg.model)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
+        cause = e.__cause__ or e
+        raise ConfigError("model._target_", cfg.model._target_, "a factory that builds an nn.Module from the "
+                          "model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
 
 
 def _check_target(target: str) -> None:

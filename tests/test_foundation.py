@@ -1,0 +1,141 @@
+"""The foundation: configs compose, bad input is refused up front, every strategy trains the same numbers,
+sweeps run each distinct cell once, W&B writes one offline run per cell from rank 0 only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import read_csv
+from zeroexp.cli import CONF_DIR
+from zeroexp.config import ConfigError, validate
+
+LADDER = [("strategy=ddp",), ("strategy=zro",), ("strategy=fsdp_grad_op",),
+          ("strategy=fsdp_full", "prefetch=pre"), ("strategy=fsdp_full", "prefetch=post"),
+          ("strategy=fsdp_full", "prefetch=none")]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "strategy", "prefetch", "precision", "offload", "logger", "experiment"])
+def test_every_option_composes_and_validates(compose, group):
+    options = _options(group)
+    assert options, group
+    for option in options:
+        overrides = [f"{group}={option}"]
+        if group == "prefetch":
+            overrides.append("strategy=fsdp_full")
+        cfg = compose(*overrides)
+        OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+        validate(cfg)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("world_size=0", "world_size"), ("world_size=-4", "world_size"), ("steps=0", "steps"),
+    ("batch_size=0", "batch_size"), ("model.depth=0", "model.depth"), ("model.width=-3", "model.width"),
+    ("model.loss=hinge", "model.loss"), ("model.input_shape=[]", "model.input_shape"),
+    ("model._target_=torch.nn.NoSuchLayer", "model._target_"), ("device=tpu", "device"),
+    ("logger.mode=loud", "logger.mode"), ("steps=5", "steps"),
+])
+def test_validation_names_the_key(compose, override, key):
+    with pytest.raises(ConfigError) as e:
+        validate(compose(override))
+    assert e.value.key == key and key in str(e.value)
+
+
+def test_prefetch_on_a_strategy_without_it_is_refused_only_when_asked_for(compose):
+    cfg = compose("strategy=ddp", "prefetch=post")
+    validate(cfg)  # in a sweep the axis is ignored (and the cell de-duplicated)
+    with pytest.raises(ConfigError, match="prefetch does not apply to strategy=ddp"):
+        validate(cfg, explicit_overrides=("strategy", "prefetch"))
+
+
+def _zeroexp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    return subprocess.run([sys.executable, "-m", "zeroexp", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("strategy=foo", "strategy"), ("world_size=-4", "world_size"), ("model.width=abc", "model.width"),
+])
+def test_cli_refuses_bad_overrides_before_any_rank(tmp_path, override, needle):
+    proc = _zeroexp(override, "logger=none", f"hydra.run.dir={tmp_path}/cell", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stdout + proc.stderr
+    assert not (tmp_path / "cell").exists()  # nothing that looks like a result
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_strategy_trains_the_same_losses_as_ddp(cell, world_size):
+    results = {o: cell(*o, f"world_size={world_size}") for o in LADDER}
+    for o, r in results.items():
+        assert r.status == "ok", (o, r.error)
+        for name in ("manifest.json", "summary.json", "iterations.csv"):
+            assert (r.cell_dir / name).exists(), (o, name)
+    ref = read_csv(results[LADDER[0]], "iterations.csv").sort_values(["rank", "step"]).reset_index(drop=True)
+    assert len(ref) == world_size * 10 and ref.loss.gt(0).all()
+    assert ref.groupby("rank").loss.apply(lambda s: s.iloc[-1] < s.iloc[0]).all()  # it trains
+    for o, r in results.items():
+        it = read_csv(r, "iterations.csv").sort_values(["rank", "step"]).reset_index(drop=True)
+        assert (it[["rank", "step"]].values == ref[["rank", "step"]].values).all()
+        rel = ((it.loss - ref.loss).abs() / ref.loss.abs()).max()
+        assert rel <= 1e-5, (o, rel)
+        assert r.summary["final_loss"] == pytest.approx(results[LADDER[0]].summary["final_loss"], rel=1e-5)
+
+
+def test_manifest_and_summary_fields(cell):
+    r = cell("strategy=ddp", "world_size=2")
+    m = __import__("json").loads((r.cell_dir / "manifest.json").read_text())
+    assert m["status"] == "ok" and m["error"] is None and m["world_size"] == 2
+    assert m["backend"] == "gloo" and m["device_type"] == "cpu" and m["launcher"] == "local"
+    assert {"python", "torch", "lightning", "hydra-core", "omegaconf", "wandb", "deepspeed"} <= set(m["versions"])
+    assert m["cell"] == {"model": "mlp", "strategy": "ddp", "precision": "fp32", "offload": "none", "world_size": 2}
+    assert m["config"]["strategy"]["bucket_cap_mb"] == 25.0  # resolved
+    assert m["started_at"] <= m["ended_at"]
+    s = r.summary
+    assert s["status"] == "ok" and s["cell"] == m["cell"] and s["world_size"] == 2 and s["steps"] == 10
+
+
+def test_multirun_runs_each_distinct_cell_once(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _zeroexp("--multirun", "strategy=ddp,zro", "prefetch=pre,post", "logger=wandb", "world_size=2",
+                    "model.width=32", "steps=9", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert len(cells) == 2, cells  # 4 jobs, 2 distinct cells: prefetch does not apply to ddp or zro
+    assert proc.stdout.count("already ran in this sweep") == 2
+    assert proc.stdout.strip().splitlines()[-1] == str(sweep)
+    for c in cells:
+        for name in ("manifest.json", "summary.json", "iterations.csv"):
+            assert (c / name).exists(), (c, name)
+        # W&B: one offline run per cell, written by rank 0 only, grouped by the sweep
+        from zeroexp.wandb_offline import read_run
+
+        runs = list((c / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(runs) == 1, runs
+        run = read_run(runs[0])
+        assert run["run"]["name"] == c.name and run["run"]["group"] == sweep.name
+        assert run["summary"]["status"] == "ok" and run["summary"]["world_size"] == 2
+        assert len([h for h in run["history"] if "train/loss_rank0" in h]) == 9
+    assert not list(tmp_path.glob("wandb")) and not list(tmp_path.glob("outputs"))
+
+
+def test_any_module_through_target(cell, compose):
+    """torch's own TransformerEncoderLayer, built from the model config's _target_ and its arguments."""
+    base = ("logger=none", "steps=10")
+    with pytest.raises(ConfigError, match="width"):
+        validate(compose("model=transformer_layer", "+model.width=64", base=()))
+    ddp = cell("model=transformer_layer", "strategy=ddp", "world_size=2", base=base)
+    fsdp = cell("model=transformer_layer", "strategy=fsdp_full", "prefetch=pre", "world_size=2",
+                "strategy.wrap=[torch.nn.TransformerEncoderLayer]", base=base)
+    assert ddp.status == "ok" and fsdp.status == "ok", (ddp.error, fsdp.error)
+    a, b = read_csv(ddp, "iterations.csv"), read_csv(fsdp, "iterations.csv")
+    assert ((a.loss - b.loss).abs() / a.loss.abs()).max() <= 1e-5
