@@ -1,4 +1,8 @@
-"""``python -m zeroexp``: compose a cell with Hydra, run it, print its directory last."""
+"""``python -m zeroexp``: compose a cell with Hydra, run it, print its directory last.
+
+Exit codes: 0 every cell ok; 1 a cell failed (a sweep runs its other cells first); 2 bad input, refused
+before any rank started (for a sweep, before its first cell).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from zeroexp.config import ConfigError, register_schemas
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
+_TASK_STARTED = False
+_RAN_THIS_INVOCATION: set[Path] = set()
+
 
 def register() -> None:
     """Register zeroexp's schemas and the ``zx_cell_name`` resolver (used in Hydra's output paths)."""
@@ -24,38 +31,40 @@ def register() -> None:
         OmegaConf.register_new_resolver("zx_cell_name", lambda *, _root_: cell_name(_root_))
 
 
-def _explicit_keys(overrides: list[str]) -> tuple[str, ...]:
-    keys = []
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        keys.append(key)
-    return tuple(keys)
-
-
-_TASK_STARTED = False
+def explicit_keys(overrides: list[str]) -> tuple[str, ...]:
+    """The config keys named on the command line (``prefetch=post`` -> ``prefetch``)."""
+    return tuple(o.split("=", 1)[0].lstrip("+~") for o in overrides)
 
 
 def task(cfg: DictConfig) -> None:
     """Hydra's task function: one cell per call (one call per job of a ``--multirun`` sweep)."""
-    global _TASK_STARTED
-    _TASK_STARTED = True
     from rich.console import Console
 
+    from zeroexp.results import read_json
     from zeroexp.runner import run_cell
 
-    console = Console(stderr=False, highlight=False)
+    global _TASK_STARTED
+    _TASK_STARTED = True
+    console = Console(highlight=False)
     hc = HydraConfig.get()
-    cell_dir = Path(hc.runtime.output_dir)
+    cell_dir = Path(hc.runtime.output_dir).resolve()
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
     sweep = Path(hc.sweep.dir).name if multirun else None
-    if multirun and (cell_dir / "manifest.json").exists():
+    manifest = cell_dir / "manifest.json"
+    if multirun and cell_dir in _RAN_THIS_INVOCATION:
         console.print(f"[yellow]skip[/] {cell_dir.name}: this cell already ran in this sweep "
                       f"(overrides {' '.join(overrides)} give the same cell)")
         return
+    _RAN_THIS_INVOCATION.add(cell_dir)
+    if multirun and cfg.resume and manifest.exists() and read_json(manifest).get("status") == "ok":
+        console.print(f"[yellow]skip[/] {cell_dir.name}: ok in an earlier run of this sweep (resume=true)")
+        return
+    if manifest.exists():  # an earlier, unfinished or failed attempt (or resume=false): start clean
+        _clear(cell_dir)
     try:
         result = run_cell(cfg, cell_dir, overrides=overrides, sweep=sweep,
-                          explicit_keys=() if multirun else _explicit_keys(overrides))
+                          explicit_keys=() if multirun else explicit_keys(overrides))
     except ConfigError as e:
         if not any(cell_dir.iterdir()) or {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
             shutil.rmtree(cell_dir, ignore_errors=True)
@@ -66,9 +75,17 @@ def task(cfg: DictConfig) -> None:
     if result.summary is not None:
         line += f"  final_loss={result.summary['final_loss']:.6g}"
     if result.error:
-        line += f"  error: {result.error['message']}"
+        line += f"  error: {result.error['message']} (see {result.error.get('log')})"
     console.print(line)
     print(cell_dir)
+    if result.status != "ok" and not multirun:
+        sys.exit(1)
+
+
+def _clear(cell_dir: Path) -> None:
+    for p in cell_dir.iterdir():
+        if p.name != "zeroexp.log":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def main() -> None:

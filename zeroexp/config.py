@@ -155,6 +155,7 @@ class ZeroexpConfig:
     seed: int = 0
     warmup_steps: int = 3  # steps excluded from steady measurements
     device: str = "auto"  # auto | cpu | cuda
+    resume: bool = False  # --multirun into an existing sweep dir: re-run only cells missing or not ok
     ddp_bucket_cap_mb: float = 25.0  # shared default of strategy.bucket_cap_mb for ddp and zro
 
 

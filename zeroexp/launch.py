@@ -1,23 +1,26 @@
 """The local launcher: start ``world_size`` rank processes for one cell, watch them, reap them.
 
 Ranks are forked from a forkserver that has already imported torch and Lightning, so a cell pays the import
-once per sweep, not once per rank. Ranks are handed the resolved config as an argument and never read
-``sys.argv`` (Lightning's own subprocess launcher replays argv, which under Hydra ``--multirun`` re-runs the
-whole sweep in every rank). Each cell rendezvous on a free loopback port.
+once per sweep, not once per rank. Ranks are handed the resolved config and the launcher's environment as
+arguments and never read ``sys.argv`` (Lightning's own subprocess launcher replays argv, which under Hydra
+``--multirun`` re-runs the whole sweep in every rank). Each cell rendezvous on a free loopback port.
 
-When a rank fails (exception, signal, or the cell timeout) the others get ``timeout.grace_s`` to exit and are
-then killed; every rank process is joined before :func:`launch_local` returns.
+Failure handling: when a rank fails (exception, signal) the others get ``timeout.grace_s`` to exit and are
+then killed. A rank that hangs makes its peers fail in a collective after ``timeout.collective_s``; the rank
+still alive when its peers have failed is reported as the hung one. Past ``timeout.cell_s`` every rank is
+killed. Every rank process is joined before :func:`launch_local` returns, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from zeroexp.results import read_json
 
@@ -45,55 +48,74 @@ def free_port() -> int:
 class LaunchResult:
     ok: bool
     exitcodes: list[int | None]
-    error: dict[str, Any] | None  # {"rank", "cause", "message"} of the first failure
+    pids: list[int | None]
+    error: dict[str, Any] | None  # {"rank", "cause", "message", "log"} of the first failure
+    rank_errors: list[dict[str, Any]] = field(default_factory=list)  # every failed rank, in rank order
 
 
 def _describe(rank: int, code: int | None, cell_dir: Path) -> dict[str, Any]:
     err_file = cell_dir / ".ranks" / f"rank{rank}.error.json"
+    log = f"logs/rank{rank}.log"
     if err_file.exists():
         e = read_json(err_file)
-        return {"rank": rank, "cause": "exception", "message": f"{e['type']}: {e['message']}",
-                "log": f"logs/rank{rank}.log"}
+        return {"rank": rank, "cause": "exception", "message": f"{e['type']}: {e['message']}", "log": log}
     if code is not None and code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals.__members__.values() else str(-code)
-        return {"rank": rank, "cause": "signal", "message": f"rank {rank} was killed by {name}",
-                "log": f"logs/rank{rank}.log"}
-    return {"rank": rank, "cause": "exit", "message": f"rank {rank} exited with code {code}",
-            "log": f"logs/rank{rank}.log"}
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return {"rank": rank, "cause": "signal", "message": f"rank {rank} was killed by {name}", "log": log}
+    return {"rank": rank, "cause": "exit", "message": f"rank {rank} exited with code {code}", "log": log}
 
 
-def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any]) -> LaunchResult:
-    """Run every rank of the cell on this machine; block until all have exited."""
+def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any],
+                 on_started: Callable[[list[int | None]], None] | None = None) -> LaunchResult:
+    """Run every rank of the cell on this machine; block until all have exited.
+
+    ``on_started`` is called with the rank pids once every rank process exists.
+    """
     from zeroexp.worker import rank_entry
 
     world_size = int(cfg["world_size"])
     timeouts = cfg["timeout"]
     port = free_port()
     ctx = _context()
-    procs = [ctx.Process(target=rank_entry, args=(r, world_size, port, cfg, str(cell_dir), run_info),
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=rank_entry, args=(r, world_size, port, cfg, str(cell_dir), run_info, environ),
                          name=f"zeroexp-rank{r}") for r in range(world_size)]
     error: dict[str, Any] | None = None
+    killed_by_us: set[int] = set()
     try:
         for p in procs:
             p.start()
+        if on_started is not None:
+            on_started([p.pid for p in procs])
         deadline = time.monotonic() + float(timeouts["cell_s"])
         kill_at: float | None = None
         while any(p.is_alive() for p in procs):
             time.sleep(0.05)
             if error is None:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0):
-                        error = _describe(r, p.exitcode, cell_dir)
-                        kill_at = time.monotonic() + float(timeouts["grace_s"])
-                        break
-            if error is None and time.monotonic() > deadline:
-                error = {"rank": None, "cause": "timeout",
-                         "message": f"cell did not finish within timeout.cell_s={timeouts['cell_s']}s"}
-                kill_at = time.monotonic()
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    error = _describe(failed[0], procs[failed[0]].exitcode, cell_dir)
+                    kill_at = time.monotonic() + float(timeouts["grace_s"])
+                elif time.monotonic() > deadline:
+                    error = {"rank": None, "cause": "timeout", "log": None,
+                             "message": f"cell did not finish within timeout.cell_s={timeouts['cell_s']}s"}
+                    kill_at = time.monotonic()
             if kill_at is not None and time.monotonic() >= kill_at:
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
+                alive = [r for r, p in enumerate(procs) if p.is_alive()]
+                if error is not None and error["cause"] == "exception" and "timed out" in error["message"].lower() \
+                        and alive:
+                    # Peers timed out in a collective while these ranks were still running: they hung.
+                    error = {"rank": alive[0], "cause": "hang", "log": f"logs/rank{alive[0]}.log",
+                             "message": f"rank(s) {', '.join(map(str, alive))} stopped responding; rank "
+                                        f"{error['rank']} timed out in a collective after "
+                                        f"timeout.collective_s={timeouts['collective_s']}s"}
+                for r in alive:
+                    killed_by_us.add(r)
+                    procs[r].kill()
+                kill_at = None
     finally:  # also on KeyboardInterrupt: no rank outlives the cell
         for p in procs:
             if p.is_alive():
@@ -101,7 +123,8 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any]) 
         for p in procs:
             p.join()
     codes = [p.exitcode for p in procs]
-    if error is None and any(c != 0 for c in codes):
-        r = next(i for i, c in enumerate(codes) if c != 0)
-        error = _describe(r, codes[r], cell_dir)
-    return LaunchResult(ok=error is None, exitcodes=codes, error=error)
+    rank_errors = [_describe(r, c, cell_dir) for r, c in enumerate(codes) if c != 0 and r not in killed_by_us]
+    if error is None and rank_errors:
+        error = rank_errors[0]
+    return LaunchResult(ok=error is None, exitcodes=codes, pids=[p.pid for p in procs], error=error,
+                        rank_errors=rank_errors)

@@ -19,11 +19,43 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["write_text", "write_json", "write_csv", "read_json", "versions", "git_commit", "utc_now"]
+__all__ = ["redact", "redact_obj", "write_text", "write_json", "write_csv", "read_json", "versions", "git_commit", "utc_now"]
+
+
+#: Environment variables whose names contain one of these are secrets: their values never reach a file.
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def secret_values() -> list[str]:
+    """Values of the secret-named environment variables (longest first, at least 4 characters)."""
+    vals = {v for k, v in os.environ.items() if any(m in k.upper() for m in SECRET_MARKERS) and len(v) >= 4}
+    return sorted(vals, key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret environment value replaced by ``***``."""
+    for v in secret_values():
+        text = text.replace(v, "***")
+    return text
+
+
+def redact_obj(obj: Any) -> Any:
+    """A copy of a JSON-like object with secret environment values redacted in every string."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {k: redact_obj(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_obj(v) for v in obj]
+    return obj
 
 
 def write_text(path: Path | str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file in the same directory, fsync, rename)."""
+    """Write ``text`` to ``path`` atomically (temporary file in the same directory, fsync, rename).
+
+    Secret environment values (see :data:`SECRET_MARKERS`) are redacted first.
+    """
+    text = redact(text)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

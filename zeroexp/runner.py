@@ -8,6 +8,7 @@ This is the Python API the CLI and the tests share::
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,21 +50,30 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
     assert isinstance(resolved, dict)
     resolved.pop("hydra", None)
     device, backend = _device_and_backend(cfg)
-    run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep}
+    from zeroexp.faults import ENV as FAULT_ENV
+
+    run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep,
+                "fault": os.environ.get(FAULT_ENV)}
     manifest: dict[str, Any] = {
         "status": "running", "error": None, "cell": run_info["cell"], "cell_id": run_info["cell_id"],
         "cell_name": run_info["cell_name"], "sweep": sweep, "config": resolved, "overrides": list(overrides),
         "world_size": int(cfg.world_size), "device_type": device, "backend": backend, "launcher": "local",
         "host": host(), "versions": versions(), "git": git_commit(), "started_at": utc_now(), "ended_at": None,
-        "duration_s": None,
+        "duration_s": None, "ranks": None, "partial_files": [],
     }
     write_json(cell_dir / "manifest.json", manifest)
     t0 = time.monotonic()
     from zeroexp.launch import launch_local
 
     try:
-        launched = launch_local(resolved, cell_dir, run_info)
+        def started(pids: list[int | None]) -> None:
+            manifest["ranks"] = [{"rank": r, "pid": pid, "exitcode": None} for r, pid in enumerate(pids)]
+            write_json(cell_dir / "manifest.json", manifest)
+
+        launched = launch_local(resolved, cell_dir, run_info, on_started=started)
         error = launched.error
+        manifest["ranks"] = [{"rank": r, "pid": pid, "exitcode": code}
+                             for r, (pid, code) in enumerate(zip(launched.pids, launched.exitcodes))]
         summary_path = cell_dir / "summary.json"
         if error is None and not summary_path.exists():
             error = {"rank": 0, "cause": "missing", "message": "ranks exited cleanly but summary.json was not written"}
@@ -79,9 +89,21 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
 
 def _finish(manifest: dict[str, Any], cell_dir: Path, status: str, error: Any, t0: float) -> None:
     manifest.update(status=status, error=error, ended_at=utc_now(), duration_s=round(time.monotonic() - t0, 3))
-    summary_path = cell_dir / "summary.json"
-    if status != "ok" and summary_path.exists():  # never leave a summary that claims ok for a failed cell
-        summary = read_json(summary_path)
-        summary.update(status=status, error=error)
-        write_json(summary_path, summary)
+    if status != "ok":
+        manifest["partial_files"] = _mark_partial(cell_dir, status, error)
     write_json(cell_dir / "manifest.json", manifest)
+
+
+def _mark_partial(cell_dir: Path, status: str, error: Any) -> list[str]:
+    """Rename the result files of a cell that did not finish to ``<name>.partial``: no reader takes them for
+    results, and a ``summary.json`` never claims ``ok`` for a failed cell."""
+    marked = []
+    for path in sorted([*cell_dir.glob("*.csv"), *cell_dir.glob("summary.json")]):
+        if path.name == "summary.json":
+            summary = read_json(path)
+            summary.update(status=status, error=error)
+            write_json(path, summary)
+        target = path.with_name(path.name + ".partial")
+        os.replace(path, target)
+        marked.append(target.name)
+    return marked

@@ -1,7 +1,8 @@
-"""Hydra callback for ``--multirun``: a table of every cell of the sweep at its end."""
+"""Hydra callbacks for ``--multirun``: validate every job before the first cell runs; a table at the end."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,38 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """The override lists of every job the basic sweeper will run (the Cartesian product of the sweep)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = list(config.hydra.overrides.task)
+    params = config.hydra.sweeper.get("params") or {}
+    overrides = [f"{k}={v}" for k, v in params.items()] + overrides  # as BasicSweeper does
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [list(job) for batch in batches for job in batch]
+
+
 class SweepSummary(Callback):
-    """Prints one row per cell directory of the sweep (status, final loss, error)."""
+    """Refuses a sweep with any invalid job before it starts; prints every cell's outcome at the end."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.types import RunMode
+        from rich.console import Console
+
+        from zeroexp.config import ConfigError, validate
+
+        loader = GlobalHydra.instance().config_loader()
+        for i, job in enumerate(sweep_jobs(config)):
+            cfg = loader.load_configuration(config.hydra.job.config_name, job, run_mode=RunMode.MULTIRUN)
+            try:
+                validate(cfg)
+            except ConfigError as e:
+                Console(highlight=False).print(f"[red]error:[/] sweep job #{i} ({' '.join(job)}): {e}\n"
+                                               "nothing was run")
+                sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from rich.console import Console
@@ -22,11 +53,16 @@ class SweepSummary(Callback):
         table = Table(title=f"zeroexp sweep {sweep_dir}")
         for col in ("cell", "status", "final_loss", "error"):
             table.add_column(col)
+        failed = 0
         for manifest_path in sorted(sweep_dir.glob("*/manifest.json")):
             m = read_json(manifest_path)
             summary_path = manifest_path.with_name("summary.json")
             loss = read_json(summary_path).get("final_loss") if summary_path.exists() else None
-            err = (m.get("error") or {}).get("message", "") if isinstance(m.get("error"), dict) else ""
-            table.add_row(manifest_path.parent.name, m["status"], "" if loss is None else f"{loss:.6g}", err)
+            err = m.get("error") if isinstance(m.get("error"), dict) else {}
+            failed += m["status"] == "failed"
+            table.add_row(manifest_path.parent.name, m["status"], "" if loss is None else f"{loss:.6g}",
+                          (err or {}).get("message", ""))
         Console().print(table)
         print(sweep_dir)
+        if failed:
+            sys.exit(1)

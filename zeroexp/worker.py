@@ -26,15 +26,21 @@ from zeroexp.models import build_model
 from zeroexp.module import CellModule, SyntheticBatches
 from zeroexp.probes import RunContext, default_probes
 from zeroexp.schedule import Schedule
-from zeroexp.results import write_csv, write_json, write_text
+from zeroexp.results import redact_obj, write_csv, write_json, write_text
 from zeroexp.strategies import get_adapter_class
 
 RANKS_DIR = ".ranks"
 
 
-def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_dir: str, run_info: dict) -> None:
-    """Process target of the local launcher: set up the rank's environment and logs, then :func:`run_rank`."""
+def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_dir: str, run_info: dict,
+               environ: dict[str, str]) -> None:
+    """Process target of the local launcher: set up the rank's environment and logs, then :func:`run_rank`.
+
+    ``environ`` is the launching process's environment: ranks are forked from a forkserver started earlier,
+    whose environment may be older.
+    """
     _die_with_parent()
+    os.environ.update(environ)
     cell = Path(cell_dir)
     (cell / "logs").mkdir(parents=True, exist_ok=True)
     log_fd = os.open(cell / "logs" / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -44,6 +50,9 @@ def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0",
     )
+    # One machine: keep gloo's and NCCL's own sockets on loopback too (the rendezvous is 127.0.0.1).
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     try:
         run_rank(cfg, cell, run_info)
     except BaseException as e:  # noqa: BLE001 - every failure is recorded, then re-raised as exit code 1
@@ -94,7 +103,7 @@ def _make_logger(cfg: Any, cell: Path, run_info: dict) -> Any:
         return WandbLogger(
             project=lg.project, entity=lg.entity, name=run_info["cell_name"], group=run_info.get("sweep") or "single",
             job_type="cell", save_dir=str(cell), offline=lg.mode == "offline",
-            config=OmegaConf.to_container(cfg, resolve=True), tags=[cfg.strategy.name], **extra,
+            config=redact_obj(OmegaConf.to_container(cfg, resolve=True)), tags=[cfg.strategy.name], **extra,
         )
     if lg.name == "csv":
         from lightning.pytorch.loggers import CSVLogger
@@ -122,6 +131,11 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps), batch_size=None)
     probe_classes = default_probes()
     probes = [cls(ctx) for cls in probe_classes]
+    callbacks: list[pl.Callback] = list(probes)
+    if run_info.get("fault"):
+        from zeroexp.faults import Fault, FaultInjector
+
+        callbacks.append(FaultInjector(Fault.parse(run_info["fault"]), rank, run_info["cell_name"]))
     logger = _make_logger(cfg, cell, run_info)
     if logger and rank == 0 and cfg.logger.name == "wandb":
         _ = logger.experiment  # start the W&B run before training, not inside the first timed step
@@ -131,7 +145,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         num_nodes=world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         strategy=adapter.lightning_strategy(cfg.timeout.collective_s, "nccl" if device.type == "cuda" else "gloo"),
-        precision="32-true", max_steps=cfg.steps, max_epochs=1, logger=logger, callbacks=probes,
+        precision="32-true", max_steps=cfg.steps, max_epochs=1, logger=logger, callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, use_distributed_sampler=False,
         default_root_dir=str(cell),

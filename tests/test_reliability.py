@@ -1,0 +1,198 @@
+"""Reliability: bad input refused up front (exit 2, key named, nothing started), failed and hung ranks end
+the cell within the timeouts with no process left, sweeps survive a failed cell and resume, writes are
+atomic, secrets never reach a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zeroexp.results import read_json, write_json
+
+BAD = [  # (override, key the message must name)
+    ("strategy=foo", "strategy"), ("model=nosuchmodel", "model"), ("prefetch=sideways", "prefetch"),
+    ("precision=fp64", "precision"), ("offload=nvme", "offload"), ("logger=tensorboard", "logger"),
+    ("experiment=nope", "experiment"), ("world_size=0", "world_size"), ("world_size=-4", "world_size"),
+    ("world_size=two", "world_size"), ("steps=0", "steps"), ("steps=4", "steps"), ("batch_size=0", "batch_size"),
+    ("batch_size=1.5", "batch_size"), ("seed=abc", "seed"), ("warmup_steps=-1", "warmup_steps"),
+    ("model.width=abc", "model.width"), ("model.width=0", "model.width"), ("model.depth=-2", "model.depth"),
+    ("model.widht=3", "model.widht"), ("model.loss=hinge", "model.loss"), ("model.dtype=int8", "model.dtype"),
+    ("model._target_=torch.nn.NoSuchLayer", "model._target_"), ("model._target_=os.getcwd", "model._target_"),
+    ("strategy.bucket_cap_mb=big", "strategy.bucket_cap_mb"), ("prefetch=post", "prefetch"),
+    ("device=tpu", "device"), ("logger.mode=loud", "logger.mode"), ("timeout.collective_s=0", "timeout.collective_s"),
+    ("optimizer.lr=fast", "optimizer.lr"), ("strategy=fsdp_full strategy.wrap=[torch.nn.Nope]", "strategy.wrap"),
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "ZEROEXP"))}
+    env.update(extra)
+    return env
+
+
+def _refuse_in_process(override: str, cell_dir: Path, capsys) -> tuple[int, float, str]:
+    """Run the real CLI entry point (``zeroexp.cli.main``) in this process: same code path as
+    ``python -m zeroexp``, without paying the interpreter start-up for each of the many cases."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    import zeroexp.cli as cli
+
+    extra = [] if override.startswith("logger") else ["logger=none"]
+    argv = ["zeroexp", *override.split(), *extra, f"hydra.run.dir={cell_dir}"]
+    GlobalHydra.instance().clear()
+    cli._TASK_STARTED = False
+    t0 = time.monotonic()
+    old = sys.argv
+    sys.argv = argv
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = old
+        GlobalHydra.instance().clear()
+    out = capsys.readouterr()
+    return code, time.monotonic() - t0, out.out + out.err
+
+
+def test_bad_overrides_are_refused_before_any_rank(tmp_path, capsys, monkeypatch):
+    import zeroexp.launch as launch
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launch, "launch_local", no_launch)
+    monkeypatch.chdir(tmp_path)
+    assert len(BAD) >= 25
+    for i, (override, key) in enumerate(BAD):
+        code, seconds, out = _refuse_in_process(override, tmp_path / f"cell{i}", capsys)
+        assert code == 2, (override, out)
+        assert key in out, (override, key, out)
+        assert seconds < 10, (override, seconds)
+        assert not (tmp_path / f"cell{i}").exists(), override  # nothing that looks like a result
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes, but it still needs reaping by its parent
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
+def test_a_failing_rank_ends_the_cell_cleanly(compose, tmp_path, monkeypatch, kind):
+    from zeroexp.runner import run_cell
+
+    monkeypatch.setenv("ZEROEXP_FAULT", f"1:4:{kind}")
+    cfg = compose("world_size=4", "timeout.collective_s=4", "timeout.grace_s=1")
+    t0 = time.monotonic()
+    result = run_cell(cfg, tmp_path / "cell")
+    elapsed = time.monotonic() - t0
+    assert elapsed < 4 + 1 + 25  # collective timeout + grace + start-up and margin on 2 shared cores
+    assert result.status == "failed"
+    m = read_json(tmp_path / "cell" / "manifest.json")
+    assert m["status"] == "failed" and m["error"]["rank"] == 1
+    assert m["error"]["cause"] == {"raise": "exception", "kill": "signal", "hang": "hang"}[kind]
+    assert "injected fault" in m["error"]["message"] if kind == "raise" else True
+    assert len(m["ranks"]) == 4 and all(r["exitcode"] not in (None, 0) or r["rank"] != 1 for r in m["ranks"])
+    assert not any(_alive(r["pid"]) for r in m["ranks"])
+    assert not (tmp_path / "cell" / "summary.json").exists()  # nothing claims ok
+
+
+def _sweep(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zeroexp", "--multirun", "strategy=ddp,zro,fsdp_grad_op",
+                           "logger=none", "world_size=2", "model.width=32", "steps=9",
+                           "timeout.collective_s=4", "timeout.grace_s=1", f"hydra.sweep.dir={tmp_path}/sweep", *args],
+                          cwd=tmp_path, env=_env(**env), capture_output=True, text=True, timeout=600)
+
+
+def test_a_sweep_survives_a_failed_cell_and_resumes_it(tmp_path):
+    proc = _sweep(tmp_path, ZEROEXP_FAULT="0:4:raise:zro")
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the failure is reported at the end
+    manifests = {p.parent.name.split("_")[0]: read_json(p) for p in (tmp_path / "sweep").glob("*/manifest.json")}
+    assert {k: m["status"] for k, m in manifests.items()} == {"ddp": "ok", "zro": "failed", "fsdp": "ok"}
+    assert "injected fault" in proc.stdout
+    zro_dir = next((tmp_path / "sweep").glob("zro_*"))
+    assert not (zro_dir / "summary.json").exists()
+    ddp_started = manifests["ddp"]["started_at"]
+
+    proc = _sweep(tmp_path, "resume=true")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok in an earlier run of this sweep") == 2
+    after = {p.parent.name.split("_")[0]: read_json(p) for p in (tmp_path / "sweep").glob("*/manifest.json")}
+    assert all(m["status"] == "ok" for m in after.values())
+    assert after["ddp"]["started_at"] == ddp_started  # not re-run
+    assert (zro_dir / "summary.json").exists() and not list(zro_dir.glob("*.partial"))
+
+
+def test_ctrl_c_stops_the_cell_and_its_ranks(tmp_path):
+    cell = tmp_path / "cell"
+    proc = subprocess.Popen([sys.executable, "-m", "zeroexp", "logger=none", "world_size=2", "model.width=32",
+                             "steps=100000", f"hydra.run.dir={cell}"], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    pids: list[int] = []
+    while time.monotonic() < deadline and not pids:
+        time.sleep(0.2)
+        try:
+            pids = [r["pid"] for r in read_json(cell / "manifest.json").get("ranks") or []]
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+    assert pids, "ranks never started"
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    proc.wait(timeout=60)
+    time.sleep(0.5)
+    assert not any(_alive(p) for p in pids)
+    m = read_json(cell / "manifest.json")
+    assert m["status"] == "failed" and m["error"]["cause"] == "interrupted"
+
+
+_WRITER = """
+import sys
+from zeroexp.results import write_json
+payload = {"status": "ok", "rows": [{"i": i, "x": "y" * 50} for i in range(40000)]}
+while True:
+    write_json(sys.argv[1], payload)
+"""
+
+
+def test_a_killed_write_never_leaves_a_truncated_file(tmp_path):
+    target = tmp_path / "summary.json"
+    for delay in (0.3, 0.55, 0.8, 1.1):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)])
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        if target.exists():
+            assert json.loads(target.read_text())["status"] == "ok"  # whole, or not there at all
+    write_json(target, {"a": 1})
+    assert read_json(target) == {"a": 1}
+
+
+def test_secrets_never_reach_the_cell_directory(compose, tmp_path, monkeypatch):
+    from zeroexp.runner import run_cell
+
+    secret = "s3cr3t-value-0123456789"
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
+    monkeypatch.setenv("MY_SERVICE_TOKEN", secret)
+    cfg = compose("logger=wandb", "world_size=2", f"+secret_in_config={secret}")
+    result = run_cell(cfg, tmp_path / "cell")
+    assert result.status == "ok", result.error
+    files = [p for p in (tmp_path / "cell").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    for p in files:
+        data = p.read_bytes()
+        assert secret.encode() not in data, p
+        assert b"0123456789abcdef0123456789abcdef01234567" not in data, p

@@ -1,0 +1,27 @@
+"""The one Lightning strategy that runs every adapter (imported only inside a rank: Lightning is heavy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+
+
+class CellStrategy(DDPStrategy):
+    """``DDPStrategy`` whose model wrapping is the adapter's (DDP, FSDP, ...).
+
+    ``DDPStrategy.setup`` moves the LightningModule to the device, calls :meth:`configure_ddp` and only then
+    builds the optimizer, so the optimizer sees the wrapped module's parameters (FSDP flat parameters).
+    """
+
+    strategy_name = "zeroexp_cell"
+
+    def __init__(self, adapter: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.adapter = adapter
+
+    def configure_ddp(self) -> None:
+        self.model = self.adapter.wrap(self.model, self.root_device)
+        if isinstance(self.model, DistributedDataParallel):
+            self._register_ddp_hooks()
