@@ -40,7 +40,7 @@ def cell(compose, tmp_path_factory) -> Callable[..., CellResult]:
     root = tmp_path_factory.mktemp("cells")
 
     def _cell(*overrides: str, base: tuple[str, ...] = BASE) -> CellResult:
-        key = (*base, "|", *overrides)
+        key = (*base, "|", *sorted(overrides))  # group choices apply before values: order is irrelevant
         if key not in cache:
             cfg = compose(*overrides, base=base)
             cache[key] = run_cell(cfg, root / f"cell{len(cache):03d}")

@@ -1,7 +1,7 @@
 """``python -m zeroexp``: compose a cell with Hydra, run it, print its directory last.
 
-Exit codes: 0 every cell ok; 1 a cell failed (a sweep runs its other cells first); 2 bad input, refused
-before any rank started (for a sweep, before its first cell).
+Exit codes: 0 every cell ok; 1 a cell failed (a sweep runs its other cells first) or the sweep report could
+not be written; 2 bad input, refused before any rank started (for a sweep, before its first cell).
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ class ModelConfig:
     low: int = 0
     high: int = 2
     loss: str = "mean_square"  # see zeroexp.models.LOSSES
+    # The model's natural FSDP unit (module classes by import path), used when strategy.wrap is null.
+    wrap: Optional[List[str]] = None
 
 
 @dataclass
@@ -58,6 +60,22 @@ class MLPConfig(ModelConfig):
     _target_: str = "zeroexp.models.LinearStack"
     width: int = 256
     depth: int = 8
+    wrap: Optional[List[str]] = field(default_factory=lambda: ["torch.nn.Linear"])
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """zeroexp's decoder-only transformer (``zeroexp.models.gpt.GPT``) on random token ids."""
+
+    _target_: str = "zeroexp.models.gpt.GPT"
+    vocab_size: int = 256
+    seq_len: int = 32
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    bias: bool = True
+    tie_weights: bool = True
+    wrap: Optional[List[str]] = field(default_factory=lambda: ["zeroexp.models.gpt.Block"])
 
 
 # --- strategies --------------------------------------------------------------------------------------
@@ -80,10 +98,21 @@ class ZROConfig(DDPConfig):
 
 
 @dataclass
+class ZeroConfig(StrategyConfig):
+    """zeroexp's own ZeRO-1 / ZeRO-2 (``zeroexp.sharding``)."""
+
+    # Flat buckets, in compute-dtype bytes of parameters: one reduce_scatter and one all_gather each per step.
+    bucket_cap_mb: float = 25.0
+    reduce: str = "reduce_scatter"  # reduce_scatter | allreduce (the naive ZeRO: all_reduce, keep the shard)
+    clip_grad_norm: Optional[float] = None  # global-norm clipping: the max norm; null: no clipping
+
+
+@dataclass
 class FSDPConfig(StrategyConfig):
     sharding: str = MISSING  # FULL_SHARD | SHARD_GRAD_OP
     # Module classes wrapped as their own FSDP unit (import paths); the root unit holds the rest.
-    wrap: List[str] = field(default_factory=lambda: ["torch.nn.Linear"])
+    # null: the model's own unit (model.wrap: Linear for mlp, Block for gpt); [] wraps the model as one unit.
+    wrap: Optional[List[str]] = None
     use_orig_params: bool = False
     limit_all_gathers: bool = True
     forward_prefetch: bool = False
@@ -97,7 +126,13 @@ class PrefetchConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = MISSING
+    """Dtypes of training; a strategy runs only the precisions its adapter lists (``StrategyAdapter.precisions``)."""
+
+    name: str = MISSING  # fp32 | bf16 | fp16
+    param_dtype: str = "float32"  # compute parameters, activations and gradients: float32 | bfloat16 | float16
+    master_dtype: str = "float32"  # the optimizer's copy of the parameters and its moments: float32
+    loss_scale: Optional[float] = None  # initial dynamic loss scale (fp16); null: no loss scaling
+    growth_interval: int = 2000  # finite steps after which the loss scale doubles
 
 
 @dataclass
@@ -166,8 +201,10 @@ def register_schemas() -> None:
     # Open schema: the data-spec keys are typed, any other key is an argument of the `_target_` factory.
     cs.store(group="schema/model", name="model", node=OmegaConf.structured(ModelConfig, flags={"struct": False}))
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
+    cs.store(group="schema/model", name="gpt", node=GPTConfig)
     cs.store(group="schema/strategy", name="ddp", node=DDPConfig)
     cs.store(group="schema/strategy", name="zro", node=ZROConfig)
+    cs.store(group="schema/strategy", name="zero", node=ZeroConfig)
     cs.store(group="schema/strategy", name="fsdp", node=FSDPConfig)
     cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
     cs.store(group="schema/precision", name="precision", node=PrecisionConfig)
@@ -178,7 +215,9 @@ def register_schemas() -> None:
 # --- validation --------------------------------------------------------------------------------------
 _ACCEPTED = {
     "prefetch.name": ("pre", "post", "none"),
-    "precision.name": ("fp32",),
+    "precision.name": ("fp32", "bf16", "fp16"),
+    "precision.param_dtype": ("float32", "bfloat16", "float16"),
+    "precision.master_dtype": ("float32",),
     "offload.name": ("none",),
     "logger.name": ("wandb", "csv", "none"),
     "logger.mode": ("offline", "online", "disabled"),
@@ -223,9 +262,13 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
             raise ConfigError(key, OmegaConf.select(cfg, key), "a positive number of seconds")
 
     model = cfg.model
-    for key in ("width", "depth"):
+    for key in ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
         if key in model:
             _positive_int(cfg, f"model.{key}")
+    if "n_head" in model and model.n_embd % model.n_head:
+        raise ConfigError("model.n_head", model.n_head, f"a divisor of model.n_embd={model.n_embd}")
+    if model.dtype == "long" and not 0 <= model.low < model.high:
+        raise ConfigError("model.high", model.high, f"an integer above model.low={model.low} >= 0")
     shape = list(model.input_shape)
     if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
         raise ConfigError("model.input_shape", shape, "a non-empty list of positive integers")
@@ -235,6 +278,11 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     _check_model_builds(cfg)
 
     adapter = get_adapter_class(name)
+    if cfg.precision.name not in adapter.precisions:
+        supported = sorted(n for n, a in registered().items() if cfg.precision.name in a.precisions)
+        raise ConfigError("precision", cfg.precision.name, ", ".join(sorted(adapter.precisions)),
+                          why=f"strategy={name} does not implement it; strategies that do: "
+                              f"{', '.join(supported) or 'none'}")
     for axis in ("prefetch",):
         if axis in explicit_overrides and axis not in adapter.axes:
             value = OmegaConf.select(cfg, f"{axis}.name")
@@ -244,6 +292,10 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
                 f"strategies that use it: {', '.join(sorted(n for n in registered() if axis in get_adapter_class(n).axes))}",
                 why=f"{axis} does not apply to strategy={name}",
             )
+    if cfg.warmup_steps < adapter.min_warmup_steps:  # the collectives probe records the first step after it
+        raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer >= {adapter.min_warmup_steps}",
+                          why=f"strategy={name} issues its steady per-step collectives only from step "
+                              f"{adapter.min_warmup_steps} on")
     adapter.validate(cfg)
 
 
@@ -262,11 +314,19 @@ def _check_model_builds(cfg: DictConfig) -> None:
                           "model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
 
 
+#: Optional dependencies and the extra that installs them.
+OPTIONAL_EXTRAS = {"transformers": "hf", "deepspeed": "deepspeed"}
+
+
 def _check_target(target: str) -> None:
     module_name, _, attr = target.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why=str(e)) from e
+        why = str(e)
+        top = module_name.split(".")[0]
+        if isinstance(e, ImportError) and top in OPTIONAL_EXTRAS:
+            why = f"{top} is not installed; install it with: pip install -e '.[{OPTIONAL_EXTRAS[top]}]'"
+        raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why=why) from e
     if not callable(obj):
         raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why="not callable")

@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["redact", "redact_obj", "write_text", "write_json", "write_csv", "read_json", "versions", "git_commit", "utc_now"]
+__all__ = ["redact", "redact_obj", "write_text", "write_json", "write_csv", "read_json", "versions", "git_commit", "utc_now",
+           "load_sweep"]
 
 
 #: Environment variables whose names contain one of these are secrets: their values never reach a file.
@@ -143,3 +144,48 @@ def git_commit(cwd: Path | str | None = None) -> dict[str, Any] | None:
 
 def host() -> str:
     return socket.gethostname()
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+#: Top-level summary.json fields that repeat the manifest's (the manifest's value is kept).
+_SUMMARY_DUPLICATES = ("status", "error", "cell", "cell_id", "world_size")
+
+
+def load_sweep(sweep_dir: Path | str) -> Any:
+    """Every cell of a sweep directory as a pandas DataFrame, one row per cell (directory-name order).
+
+    A cell is a subdirectory holding ``manifest.json``. Columns are the manifest's fields and, for a cell
+    whose status is ``ok``, its ``summary.json``, flattened with dots: ``status``, ``error.message``,
+    ``cell.strategy``, ``config.model.width``, ``versions.torch``, ``final_loss``, ``state.factors.param``,
+    ``collectives.counts.all_reduce``, ``timing.median_ms``, ... (``docs/results.md`` defines each), plus
+    ``cell_dir`` (absolute path). Lists stay Python lists (``timing.step_ms``, ``memory.peak_bytes``). Failed,
+    skipped or running cells are rows too, with their ``status`` and ``error.*``; their partial results are not
+    read. A field a cell lacks (a probe section its strategy does not have) is missing (NaN/None).
+    """
+    import pandas as pd
+
+    rows = []
+    for manifest_path in sorted(Path(sweep_dir).glob("*/manifest.json")):
+        cell = manifest_path.parent
+        row: dict[str, Any] = {"cell_dir": str(cell.resolve())}
+        try:
+            row.update(_flat(read_json(manifest_path)))
+            summary_path = cell / "summary.json"
+            if row.get("status") == "ok" and summary_path.exists():
+                summary = read_json(summary_path)
+                row.update(_flat({k: v for k, v in summary.items() if k not in _SUMMARY_DUPLICATES}))
+        except (OSError, ValueError) as e:  # unreadable JSON: keep the cell, say why
+            row.setdefault("status", "unreadable")
+            row["error.message"] = f"cannot read {cell.name}: {e}"
+        row.setdefault("cell_name", cell.name)
+        rows.append(row)
+    return pd.DataFrame(rows)

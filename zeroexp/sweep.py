@@ -1,4 +1,5 @@
-"""Hydra callbacks for ``--multirun``: validate every job before the first cell runs; a table at the end."""
+"""Hydra callbacks for ``--multirun``: validate every job before the first cell runs; a table and the sweep
+report (``zeroexp.report``) at the end."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
 
 
 class SweepSummary(Callback):
-    """Refuses a sweep with any invalid job before it starts; prints every cell's outcome at the end."""
+    """Refuses a sweep with any invalid job before it starts; prints every cell's outcome and writes the sweep
+    report at the end."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
@@ -63,6 +65,11 @@ class SweepSummary(Callback):
             table.add_row(manifest_path.parent.name, m["status"], "" if loss is None else f"{loss:.6g}",
                           (err or {}).get("message", ""))
         Console().print(table)
+        reported = True
+        if any(sweep_dir.glob("*/manifest.json")):
+            from zeroexp.report import report_after_sweep
+
+            reported = report_after_sweep(sweep_dir)  # never raises: a failed report keeps the cells' results
         print(sweep_dir)
-        if failed:
+        if failed or not reported:
             sys.exit(1)

@@ -150,6 +150,9 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, use_distributed_sampler=False,
         default_root_dir=str(cell),
     )
+    # Lightning >= 2.5 broadcasts a SIGTERM flag from rank 0 before every step (and reads it back with .item(),
+    # a device sync on CUDA). It is not the strategy's traffic and zeroexp's launcher ends ranks itself: off.
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
     trainer.fit(module, train_dataloaders=data)
 
     results = {p.name: p.rank_result() for p in probes}
@@ -158,7 +161,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     if rank == 0:
         summary = finalize(cell, cfg, probe_classes, run_info)
         if logger and cfg.logger.name == "wandb":
-            _log_summary_to_wandb(logger, summary)
+            _log_summary_to_wandb(logger, summary, cell)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -193,8 +196,18 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _log_summary_to_wandb(logger: Any, summary: dict[str, Any]) -> None:
+def _log_summary_to_wandb(logger: Any, summary: dict[str, Any], cell: Path) -> None:
+    import pandas as pd
     import wandb
 
-    logger.experiment.summary.update(_flatten(summary))
+    from zeroexp.report.wandb_run import staging_dir
+
+    run = logger.experiment
+    run.summary.update(_flatten(summary))
+    # Per-rank tables (tables/rank_state, tables/collectives); their artifact copies stay in the run's directory.
+    tables = {f"tables/{p.stem}": wandb.Table(dataframe=pd.read_csv(p))
+              for p in (cell / "rank_state.csv", cell / "collectives.csv") if p.exists()}
+    if tables:
+        with staging_dir(Path(run.dir).parent / "staging"):
+            run.log(tables)
     wandb.finish()

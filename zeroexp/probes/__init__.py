@@ -8,10 +8,16 @@ Probes never import strategy adapters; the runner hands them what the adapter kn
 
 from zeroexp.probes.base import Probe, ProbeReport, RunContext
 from zeroexp.probes.iterations import IterationsProbe
+from zeroexp.probes.state import StateProbe
+from zeroexp.probes.collectives import CollectivesProbe
+from zeroexp.probes.memory import MemoryProbe
+from zeroexp.probes.timing import TimingProbe
+from zeroexp.probes.equivalence import EquivalenceProbe
 
-__all__ = ["Probe", "ProbeReport", "RunContext", "IterationsProbe", "default_probes"]
+__all__ = ["Probe", "ProbeReport", "RunContext", "IterationsProbe", "StateProbe", "CollectivesProbe", "MemoryProbe",
+           "TimingProbe", "EquivalenceProbe", "default_probes"]
 
 
 def default_probes() -> list[type[Probe]]:
     """The probes every cell runs, in the order their sections appear in ``summary.json``."""
-    return [IterationsProbe]
+    return [IterationsProbe, StateProbe, CollectivesProbe, MemoryProbe, TimingProbe, EquivalenceProbe]

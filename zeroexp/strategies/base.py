@@ -8,14 +8,53 @@ follows the device: gloo on CPU, NCCL on CUDA (one GPU per rank).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Iterator, NamedTuple
 
 import torch
 from omegaconf import DictConfig
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+
+from zeroexp.formulas import zero_state_factors
+
+
+class StateTensor(NamedTuple):
+    """One rank-local tensor of model state, as an adapter reports it to the state probe.
+
+    ``kind`` is an open set (``param``, ``grad``, ``optim``, ``optim_scalar``; later ``master``...);
+    ``logical_numel`` is how many elements of the model's real parameters the tensor stands for (FSDP
+    padding excluded), while the probe reads the physical size from the tensor's storage.
+    """
+
+    kind: str
+    tensor: torch.Tensor
+    logical_numel: int
+
+
+def parameter_state_tensors(model: nn.Module) -> Iterator[StateTensor]:
+    """Every parameter of ``model`` as ``param`` and its gradient, when it has one, as ``grad``."""
+    for p in model.parameters():
+        yield StateTensor("param", p.detach(), p.numel())
+        if p.grad is not None:
+            yield StateTensor("grad", p.grad, p.numel())
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer,
+                            logical_numel: dict[int, int] | None = None) -> Iterator[StateTensor]:
+    """Every tensor in ``optimizer.state``: 0-dim ones (Adam's ``step``) as ``optim_scalar``, others ``optim``.
+
+    ``logical_numel`` maps ``id(param)`` to the param's logical numel when it differs from its numel (a
+    padded FSDP shard); element-wise state of that param (same numel, e.g. Adam's moments) takes it too.
+    """
+    logical_numel = logical_numel or {}
+    for param, state in optimizer.state.items():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                kind = "optim_scalar" if value.dim() == 0 else "optim"
+                elementwise = kind == "optim" and value.numel() == param.numel()
+                yield StateTensor(kind, value, logical_numel.get(id(param), value.numel()) if elementwise
+                                  else value.numel())
 
 
 class StrategyAdapter:
@@ -29,6 +68,12 @@ class StrategyAdapter:
     axes: ClassVar[frozenset[str]] = frozenset()
     #: One sentence: which ZeRO semantics the strategy follows (reported beside the measurements).
     semantics: ClassVar[str] = ""
+    #: The ZeRO stage whose state formula (zeroexp.formulas.zero_state_factors) the strategy claims.
+    zero_stage: ClassVar[int | None] = None
+    #: Warm-up steps before the strategy issues its steady per-step collectives (checked by config.validate).
+    min_warmup_steps: ClassVar[int] = 0
+    #: The ``precision`` options (conf/precision/) the strategy implements; config.validate refuses others.
+    precisions: ClassVar[frozenset[str]] = frozenset({"fp32"})
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -50,21 +95,42 @@ class StrategyAdapter:
         o = self.cfg.optimizer
         return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
 
-    def lightning_strategy(self, timeout_s: float, backend: str) -> "CellStrategy":
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
+        """Where this rank keeps its model state now: parameters, their gradients, the optimizer's tensors.
+
+        ``model`` is the wrapped model, ``optimizer`` the one :meth:`make_optimizer` built. Yield each
+        piece of state once; tensors that share a storage (views, buckets) are deduplicated by the probe.
+        """
+        yield from parameter_state_tensors(model)
+        yield from optimizer_state_tensors(optimizer)
+
+    def expected_state_factors(self, world_size: int) -> dict[str, float]:
+        """The aggregate factor (sum over ranks / P) each state kind should show at the optimizer boundary."""
+        if self.zero_stage is None:
+            raise NotImplementedError(f"strategy {self.name!r} declares no zero_stage nor expected_state_factors")
+        return zero_state_factors(self.zero_stage, world_size)
+
+    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             world_size: int) -> dict[str, dict[str, int]]:
+        """The steady per-step collectives of one rank: ``{op: {"count", "payload_bytes"}}``.
+
+        Derived from the wrapped ``model``'s structure (buckets, owners, units) and the payload model of
+        ``zeroexp.formulas``; payload S in the nccl-tests convention. Issues no collective.
+        """
+        raise NotImplementedError(f"strategy {self.name!r} has no collectives model")
+
+    @contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+        """Every parameter of the wrapped ``model`` at full size, by its name in the wrapped LightningModule.
+
+        A collective for strategies that shard parameters: enter it on every rank. The tensors are valid
+        only inside the context and must not be modified. Default: a model that is not wrapped at all.
+        """
+        with torch.no_grad():
+            yield {name: p.detach() for name, p in model.named_parameters()}
+
+    def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """The Lightning strategy that runs this adapter."""
+        from zeroexp.strategies._lightning import CellStrategy
+
         return CellStrategy(adapter=self, timeout=timedelta(seconds=timeout_s), process_group_backend=backend)
-
-
-class CellStrategy(DDPStrategy):
-    """``DDPStrategy`` whose model wrapping is the adapter's (DDP, FSDP, ...)."""
-
-    strategy_name = "zeroexp_cell"
-
-    def __init__(self, adapter: StrategyAdapter, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.adapter = adapter
-
-    def configure_ddp(self) -> None:
-        self.model = self.adapter.wrap(self.model, self.root_device)
-        if isinstance(self.model, DistributedDataParallel):
-            self._register_ddp_hooks()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import ContextManager
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from zeroexp.formulas import ddp_collectives
 from zeroexp.strategies import register
 from zeroexp.strategies.base import StrategyAdapter
 
@@ -14,6 +18,11 @@ from zeroexp.strategies.base import StrategyAdapter
 class DDPAdapter(StrategyAdapter):
     name = "ddp"
     semantics = "ZeRO-0 baseline: every rank holds the full parameters, gradients and Adam moments."
+    zero_stage = 0
+    #: Step 0 all-reduces every gradient in one bucket; the forward of step 1 rebuilds the buckets in
+    #: gradient-ready order and broadcasts the new assignment from rank 0 (Reducer::rebuild_buckets, see
+    #: torch/nn/parallel/distributed.py): the fingerprint is steady from step 2 on.
+    min_warmup_steps = 2
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         return DistributedDataParallel(
@@ -22,3 +31,25 @@ class DDPAdapter(StrategyAdapter):
             bucket_cap_mb=float(self.scfg.bucket_cap_mb),
             gradient_as_bucket_view=bool(self.scfg.gradient_as_bucket_view),
         )
+
+    def full_parameters(self, model: nn.Module) -> ContextManager[dict[str, torch.Tensor]]:
+        """Every rank holds the full parameters: those of the module DDP wraps, without DDP's ``module.``."""
+        return super().full_parameters(model.module if isinstance(model, DistributedDataParallel) else model)
+
+    def gradient_bucket_bytes(self, model: nn.Module) -> list[int]:
+        """Bytes of each steady gradient bucket, as DDP's Reducer rebuilds them after the first step.
+
+        Parameters are bucketed in gradient-ready order, approximated (as DDP itself does for its initial
+        buckets) by reverse definition order; ``bucket_cap_mb`` is passed explicitly, so DDP uses it for the
+        first bucket too (``_BucketCapacityConfig``), not its 1 MiB first-bucket default.
+        """
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        ready = [p for p in module.parameters() if p.requires_grad][::-1]
+        cap = int(float(self.scfg.bucket_cap_mb) * 1024 * 1024)
+        buckets, _ = dist._compute_bucket_assignment_by_size(ready, [cap, cap])
+        return [sum(ready[i].numel() * ready[i].element_size() for i in bucket) for bucket in buckets]
+
+    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             world_size: int) -> dict[str, dict[str, int]]:
+        """One gradient all_reduce per bucket (zeroexp.formulas.ddp_collectives)."""
+        return ddp_collectives(self.gradient_bucket_bytes(model))

@@ -10,14 +10,18 @@ On CPU, FSDP runs with gloo when given ``device_id=torch.device("cpu")``.
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from zeroexp.formulas import fsdp_collectives, padded_numel, zero_state_factors
 from zeroexp.strategies import register
-from zeroexp.strategies.base import StrategyAdapter
+from zeroexp.strategies.base import (StateTensor, StrategyAdapter, optimizer_state_tensors,
+                                     parameter_state_tensors)
 
 _PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
 
@@ -30,6 +34,13 @@ def _import_class(path: str) -> type:
     return cls
 
 
+def wrap_paths(cfg) -> list[str]:
+    """The module classes wrapped as FSDP units: ``strategy.wrap``, else the model's ``model.wrap``, else none
+    (the whole model is then one unit)."""
+    paths = cfg.strategy.wrap if cfg.strategy.get("wrap") is not None else cfg.model.get("wrap")
+    return [str(p) for p in (paths or [])]
+
+
 class FSDPAdapter(StrategyAdapter):
     """Shared FSDP1 wrapping; subclasses fix the sharding strategy."""
 
@@ -39,17 +50,75 @@ class FSDPAdapter(StrategyAdapter):
     def validate(cls, cfg) -> None:
         from zeroexp.config import ConfigError
 
-        for i, path in enumerate(cfg.strategy.wrap):
+        key = "strategy.wrap" if cfg.strategy.wrap is not None else "model.wrap"
+        for i, path in enumerate(wrap_paths(cfg)):
             try:
                 _import_class(str(path))
             except (ImportError, AttributeError, ValueError, TypeError) as e:
-                raise ConfigError(f"strategy.wrap[{i}]", path, "import paths of nn.Module classes", why=str(e)) from e
+                raise ConfigError(f"{key}[{i}]", path, "import paths of nn.Module classes", why=str(e)) from e
 
     def backward_prefetch(self) -> BackwardPrefetch | None:
         return None
 
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
+        """Each unit's FlatParameter local shard and its gradient shard, then the optimizer's tensors.
+
+        A shard's physical size includes FSDP's padding; its logical numel is the elements of original
+        parameters that fall in this rank's shard (``_shard_param_infos``), so neither world-size padding
+        nor ``use_orig_params`` alignment padding counts as logical. The unsharded padded buffer is reported
+        as ``param_unsharded`` only while its storage is allocated. The parameter walk that follows yields the
+        ``use_orig_params`` views, which the probe skips as lying inside the shards already counted; Adam's
+        moments of a FlatParameter are padded like it and take its logical numel.
+        """
+        logical_of: dict[int, int] = {}
+        for unit in FullyShardedDataParallel.fsdp_modules(model):
+            handle = unit._handle
+            if handle is None:  # a unit without parameters of its own (e.g. the root of a Linear stack)
+                continue
+            flat = handle.flat_param
+            logical = sum(info.numel_in_shard for info in flat._shard_param_infos if info.in_shard)
+            logical_of[id(flat)] = logical
+            yield StateTensor("param", flat.detach(), logical)
+            if flat.grad is not None:
+                yield StateTensor("grad", flat.grad, logical)
+            full = getattr(flat, "_full_param_padded", None)
+            if full is not None and full.untyped_storage().nbytes() > 0:
+                yield StateTensor("param_unsharded", full, sum(flat._numels))
+        yield from parameter_state_tensors(model)
+        yield from optimizer_state_tensors(optimizer, logical_of)
+
+    def expected_state_factors(self, world_size: int) -> dict[str, float]:
+        """ZeRO stage factors with parameters resharded at the optimizer boundary; no unsharded buffer left."""
+        return {**zero_state_factors(self.zero_stage, world_size, params_resharded=True), "param_unsharded": 0.0}
+
+    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             world_size: int) -> dict[str, dict[str, int]]:
+        """Per FlatParameter unit (padded to N [FSDP]): its all_gathers and one reduce_scatter.
+
+        A unit is gathered twice when FULL_SHARD reshards it after forward, which FSDP skips for the root
+        unit (``_post_forward_reshard``: ``not state._is_root``); the prefetch mode changes the order only.
+        """
+        unit_bytes, gathers = [], []
+        for unit in FullyShardedDataParallel.fsdp_modules(model):
+            if unit._handle is None:  # no parameters of its own: no collectives
+                continue
+            flat = unit._handle.flat_param
+            unit_bytes.append(padded_numel(flat._unpadded_unsharded_size.numel(), world_size) * flat.element_size())
+            gathers.append(2 if self.sharding == ShardingStrategy.FULL_SHARD and not unit._is_root else 1)
+        return fsdp_collectives(unit_bytes, gathers)
+
+    @contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+        """All-gathers every unit (``summon_full_params``, ``writeback=False``): enter it on every rank.
+
+        Inside the context FSDP restores the original parameters, named without its wrapper prefixes; the
+        local shards are left untouched when the context exits.
+        """
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=False), torch.no_grad():
+            yield {name: p.detach() for name, p in model.named_parameters()}
+
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
-        classes = {_import_class(str(p)) for p in self.scfg.wrap}
+        classes = {_import_class(str(p)) for p in wrap_paths(self.cfg)}
         return FullyShardedDataParallel(
             module,
             sharding_strategy=self.sharding,
@@ -66,6 +135,7 @@ class FSDPAdapter(StrategyAdapter):
 class FSDPGradOpAdapter(FSDPAdapter):
     name = "fsdp_grad_op"
     sharding = ShardingStrategy.SHARD_GRAD_OP
+    zero_stage = 2
     semantics = (
         "FSDP SHARD_GRAD_OP: gradients and optimizer state sharded; parameters sharded outside computation "
         "(resharded after backward), so at the optimizer boundary the parameter factor is 1, unlike canonical "
@@ -78,6 +148,7 @@ class FSDPFullAdapter(FSDPAdapter):
     name = "fsdp_full"
     axes = frozenset({"prefetch"})
     sharding = ShardingStrategy.FULL_SHARD
+    zero_stage = 3
     semantics = (
         "FSDP FULL_SHARD (ZeRO-3 direction): parameters, gradients and optimizer state sharded; each unit is "
         "all-gathered before forward and again before backward."

@@ -1,0 +1,124 @@
+"""Memory, timing and equivalence probes (issue 5): the ZeRO ladder at N=4 on the small mlp of BASE."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import read_csv
+from zeroexp.probes.equivalence import compare
+from zeroexp.probes.timing import TimingProbe, step_statistics
+from zeroexp.runner import run_cell
+from zeroexp.strategies import get_adapter_class
+
+N = 4
+#: The six cells of the ladder, with exactly the overrides other test modules use (shared runs).
+LADDER = {
+    "ddp": ("strategy=ddp", f"world_size={N}"),
+    "zro": ("strategy=zro", f"world_size={N}"),
+    "fsdp_grad_op": ("strategy=fsdp_grad_op", f"world_size={N}"),
+    "fsdp_full-pre": ("strategy=fsdp_full", f"world_size={N}", "prefetch=pre"),
+    "fsdp_full-post": ("strategy=fsdp_full", f"world_size={N}", "prefetch=post"),
+    "fsdp_full-none": ("strategy=fsdp_full", f"world_size={N}", "prefetch=none"),
+}
+
+
+@pytest.fixture(scope="module")
+def ladder(cell):
+    results = {name: cell(*overrides) for name, overrides in LADDER.items()}
+    for name, r in results.items():
+        assert r.status == "ok", (name, r.error)
+    return results
+
+
+def _param_bytes(cfg) -> int:
+    """P: logical fp32 parameter bytes of the mlp (depth bias-free width x width layers)."""
+    return int(cfg.model.depth) * int(cfg.model.width) ** 2 * 4
+
+
+@pytest.mark.parametrize("name", list(LADDER))
+def test_steady_at_most_peak_on_every_rank(ladder, name):
+    frame = read_csv(ladder[name], "memory.csv")
+    assert list(frame["rank"]) == list(range(N))
+    assert (frame.steady_bytes > 0).all()
+    assert (frame.steady_bytes <= frame.peak_bytes).all()
+    mem = ladder[name].summary["memory"]
+    assert mem["source"].startswith("torch.")
+    assert mem["peak_kind"] == "training" and "training peak" in mem["peak_meaning"]
+    assert mem["peak_bytes_max"] == frame.peak_bytes.max()
+    assert mem["peak_minus_steady_max"] == (frame.peak_bytes - frame.steady_bytes).max()
+
+
+def test_fsdp_full_steady_below_ddp_by_the_sharded_state(ladder, compose):
+    cfg = compose(*LADDER["ddp"])
+    p = _param_bytes(cfg)
+    per_rank = {name: sum(get_adapter_class(name)(compose(*LADDER[key])).expected_state_factors(N).values()) / N
+                for name, key in (("ddp", "ddp"), ("fsdp_full", "fsdp_full-pre"))}
+    state_delta = (per_rank["ddp"] - per_rank["fsdp_full"]) * p  # 4P - 4P/N: params, grads, Adam moments
+    ddp, full = read_csv(ladder["ddp"], "memory.csv"), read_csv(ladder["fsdp_full-pre"], "memory.csv")
+    if "steady_parameters_bytes" in ddp:  # the CPU source labels model state
+        state = ["steady_parameters_bytes", "steady_gradients_bytes", "steady_optimizer_state_bytes"]
+        measured = ddp[state].sum(axis=1) - full[state].sum(axis=1)
+        assert (abs(measured - state_delta) <= 64).all(), (list(measured), state_delta)  # 64: Adam step scalars
+    # DDP also keeps its gradient buckets, one more P per rank with gradient_as_bucket_view=false.
+    assert not cfg.strategy.gradient_as_bucket_view
+    delta = ddp.steady_bytes - full.steady_bytes
+    assert (abs(delta - (state_delta + p)) <= 0.01 * p).all(), (list(delta), state_delta + p)
+
+
+@pytest.mark.parametrize("prefetch", ["pre", "post", "none"])
+def test_grad_op_peaks_above_full_shard(ladder, prefetch):
+    grad_op = ladder["fsdp_grad_op"].summary["memory"]
+    full = ladder[f"fsdp_full-{prefetch}"].summary["memory"]
+    assert grad_op["steady_bytes_max"] == full["steady_bytes_max"]  # same steady state...
+    assert grad_op["peak_bytes_max"] > full["peak_bytes_max"]  # ...but unsharded parameters until backward
+
+
+@pytest.mark.parametrize("name", list(LADDER))
+def test_equivalence_passes_on_the_ladder(ladder, name):
+    eq = ladder[name].summary["equivalence"]
+    assert eq["check"] == "PASS", eq
+    assert eq["max_abs_err"] <= eq["threshold"] == 1e-5
+    assert eq["compared_tensors"] == 8 and eq["steps"] == 10
+    assert "unsharded" in eq["reference"]
+
+
+def test_timing_section_over_timed_steps_only(ladder):
+    timing = ladder["ddp"].summary["timing"]
+    assert timing["steps"] == [7, 8, 9]  # steps=10: warm-up 0-2, profiled 3-4, memory 5-6
+    assert timing["timed_steps"] == 3 and isinstance(timing["unstable"], bool)
+
+
+def test_perturbed_rank_fails_equivalence(compose, tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROEXP_FAULT", "1:4:perturb")  # rank 1 trains on other data at step 4
+    result = run_cell(compose("strategy=ddp", "world_size=2"), tmp_path / "perturbed")
+    assert result.status == "ok", result.error
+    eq = result.summary["equivalence"]
+    assert eq["check"] == "FAIL" and eq["max_abs_err"] > eq["threshold"], eq
+
+
+def test_compare_fails_on_different_names():
+    import torch
+
+    out = compare({"net.0.weight": torch.zeros(2)}, {"net.1.weight": torch.zeros(2)}, 1e-5)
+    assert out["check"] == "FAIL" and "names differ" in out["why"]
+
+
+def test_step_statistics_on_known_series():
+    s = step_statistics([10.0, 10.0, 10.0, 10.0, 20.0])
+    # median 10; P95 at 0.95 * 4 = 3.8 between 10 and 20 -> 18; mean 12, population std 4 -> CV 1/3
+    assert s == {"median_ms": 10.0, "p95_ms": pytest.approx(18.0), "cv": pytest.approx(1 / 3),
+                 "unstable": True, "timed_steps": 5}
+    s = step_statistics([100.0, 101.0, 99.0, 100.0])
+    # std = sqrt(2/4); P95 at 0.95 * 3 = 2.85 between 100 and 101
+    assert s["median_ms"] == 100.0 and s["p95_ms"] == pytest.approx(100.85)
+    assert s["cv"] == pytest.approx(0.5 ** 0.5 / 100) and s["unstable"] is False
+    assert step_statistics([100.0, 105.0, 95.0], cv_limit=0.05)["unstable"] is False  # CV 4.08 %: stable
+    with pytest.raises(ValueError):
+        step_statistics([])
+
+
+def test_timing_aggregate_takes_the_slowest_rank_per_step():
+    results = [{"step_ms": [(7, 10.0), (8, 30.0)]}, {"step_ms": [(7, 20.0), (8, 10.0)]}]
+    section = TimingProbe.aggregate(results, cfg=None).section
+    assert section["step_ms"] == [20.0, 30.0] and section["median_ms"] == 25.0
+    assert section["rank_median_ms"] == [20.0, 15.0] and section["unstable"] is True

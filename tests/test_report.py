@@ -1,0 +1,249 @@
+"""Sweep reports: files, self-contained HTML, numbers equal to the cells' summaries, failures, W&B runs.
+
+One real sweep (ddp, zro, fsdp_grad_op, fsdp_full x pre/post/none at N=2, logger=wandb offline) runs once per
+module through the CLI, as a user runs it; a second, two-cell sweep has one cell failing on purpose. The
+robustness tests edit copies of finished cells, so they cost no run.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from zeroexp.faults import ENV as FAULT_ENV
+from zeroexp.report import build_report, write_report
+from zeroexp.report.__main__ import main as report_main
+from zeroexp.report.format import NA
+from zeroexp.results import load_sweep, read_json
+from zeroexp.wandb_offline import iter_records, read_run
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ("world_size=2", "model.width=64", "steps=10")
+LADDER_LABELS = ["ddp", "zro", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-post", "fsdp_full-none"]
+PLOTS = ["report_state_bytes.png", "report_memory.png", "report_step_times.png", "report_collectives.png"]
+
+
+def run_sweep(sweep_dir: Path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m zeroexp --multirun ...`` into ``sweep_dir``, in a fresh process, as a user runs it."""
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    if fault:
+        env[FAULT_ENV] = fault
+    cmd = [sys.executable, "-m", "zeroexp", "--multirun", *overrides, *SMALL, f"hydra.sweep.dir={sweep_dir}"]
+    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    sweep_dir = tmp_path_factory.mktemp("report") / "sweep"
+    proc = run_sweep(sweep_dir, "strategy=ddp,zro,fsdp_grad_op,fsdp_full", "prefetch=pre,post,none", "logger=wandb")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(sweep_dir)
+    return sweep_dir
+
+
+@pytest.fixture(scope="module")
+def failed_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    sweep_dir = tmp_path_factory.mktemp("report_fail") / "sweep"
+    return sweep_dir, run_sweep(sweep_dir, "strategy=ddp,zro", "logger=none", fault="0:4:raise:zro")
+
+
+def cell_dirs(sweep: Path) -> list[Path]:
+    return sorted(p.parent for p in sweep.glob("*/manifest.json"))
+
+
+def run_file(run_parent: Path) -> Path:
+    (path,) = run_parent.glob("wandb/offline-run-*/run-*.wandb")
+    return path
+
+
+def test_sweep_writes_every_report_file(sweep):
+    for name in ["report.md", "report.html", "report.csv", "report.parquet", *PLOTS]:
+        assert (sweep / name).stat().st_size > 0, name
+    for name in PLOTS:
+        assert (sweep / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(cell_dirs(sweep)) == 6
+    assert not (sweep / "report.error.txt").exists()
+
+
+def test_html_is_self_contained_and_holds_every_cell(sweep):
+    text = (sweep / "report.html").read_text(encoding="utf-8")
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text, re.I)
+    assert not re.search(r"url\(\s*['\"]?\s*(https?:)?//|@import|<script|<link", text, re.I)
+    assert text.count('src="data:image/png;base64,') == len(PLOTS)
+    for cell in cell_dirs(sweep):
+        assert cell.name in text
+
+
+def test_cells_in_ladder_order_and_loaded_back(sweep):
+    frame = load_sweep(sweep)
+    assert len(frame) == 6 and set(frame.status) == {"ok"}
+    report = build_report(sweep)
+    assert list(report.cells.label) == LADDER_LABELS
+    assert list(report.table("state").raw.label) == LADDER_LABELS
+    csv = pd.read_csv(sweep / "report.csv")
+    assert list(csv.label) == LADDER_LABELS
+    assert list(pd.read_parquet(sweep / "report.parquet").cell_name) == list(csv.cell_name)
+
+
+def test_table_numbers_equal_the_cells_summaries(sweep):
+    report = build_report(sweep)
+    csv = pd.read_csv(sweep / "report.csv").set_index("cell_name")
+    tables = {t.key: t.raw.set_index("cell_name") for t in report.tables}
+    ops = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+    for cell in cell_dirs(sweep):
+        s = read_json(cell / "summary.json")
+        for kind in ("param", "grad", "optim"):
+            assert tables["state"].at[cell.name, f"state.factors.{kind}"] == s["state"]["factors"][kind]
+            assert tables["state"].at[cell.name, f"state.max_rank_bytes.{kind}"] == s["state"]["max_rank_bytes"][kind]
+            assert tables["state"].at[cell.name, f"state.expected.{kind}"] == s["state"]["expected"][kind]
+        for key in ("steady_bytes_max", "peak_bytes_max", "peak_minus_steady_max"):
+            assert tables["memory"].at[cell.name, f"memory.{key}"] == s["memory"][key]
+        c = s["collectives"]
+        for op in ops:
+            assert tables["collectives"].at[cell.name, f"collectives.counts.{op}"] == c["counts"].get(op, 0)
+            assert tables["collectives"].at[cell.name, f"collectives.payload_bytes.{op}"] == c["payload_bytes"].get(op, 0)
+        for key in ("median_ms", "p95_ms", "cv", "unstable"):
+            assert tables["timing"].at[cell.name, f"timing.{key}"] == s["timing"][key]
+        assert tables["equivalence"].at[cell.name, "equivalence.max_abs_err"] == s["equivalence"]["max_abs_err"]
+        for section in ("state", "collectives", "equivalence"):
+            assert tables[section].at[cell.name, f"{section}.check"] == s[section]["check"]
+        # the joined rows for pandas users carry the same numbers
+        assert csv.at[cell.name, "state.factors.optim"] == pytest.approx(s["state"]["factors"]["optim"], rel=1e-15)
+        assert csv.at[cell.name, "timing.median_ms"] == pytest.approx(s["timing"]["median_ms"], rel=1e-15)
+        assert csv.at[cell.name, "memory.peak_bytes_max"] == s["memory"]["peak_bytes_max"]
+        assert json.loads(csv.at[cell.name, "timing.step_ms"]) == s["timing"]["step_ms"]
+
+
+def test_markdown_html_and_verdicts_show_the_same_table_strings(sweep):
+    report = build_report(sweep)
+    md = (sweep / "report.md").read_text(encoding="utf-8")
+    html_text = (sweep / "report.html").read_text(encoding="utf-8")
+    for table in report.tables:
+        shown = table.display()
+        for row in shown.itertuples(index=False):
+            assert "| " + " | ".join(str(v).replace("|", "\\|") for v in row) + " |" in md, (table.key, row)
+            assert all(html.escape(v) in html_text for v in row if v and v != NA), (table.key, row)
+    summaries = [read_json(c / "summary.json") for c in cell_dirs(sweep)]
+    for section in ("state", "collectives", "equivalence"):
+        passed = sum(s[section]["check"] == "PASS" for s in summaries)
+        assert f"{section}: {passed} of 6 finished cells PASS" in md
+    unstable = sum(s["timing"]["unstable"] for s in summaries)
+    if unstable:  # unstable timings are trends: no ratio anywhere in the timing table
+        assert "trends, not ratios" in md
+        assert not any(v.endswith("×") for v in report.table("timing").display().iloc[:, -1])
+
+
+def test_cell_runs_carry_summary_and_per_rank_tables(sweep):
+    for cell in cell_dirs(sweep):
+        summary = read_json(cell / "summary.json")
+        run = read_run(run_file(cell))
+        assert run["run"]["job_type"] == "cell" and run["run"]["group"] == sweep.name
+        assert run["summary"]["state/factors/param"] == summary["state"]["factors"]["param"]
+        assert run["summary"]["collectives/check"] == summary["collectives"]["check"]
+        for name in ("rank_state", "collectives"):
+            assert run["summary"][f"tables/{name}/_type"] == "table-file"
+            table = json.loads((run_file(cell).parent / "files" / run["summary"][f"tables/{name}/path"]).read_text())
+            expected = pd.read_csv(cell / f"{name}.csv")
+            assert table["columns"] == list(expected.columns)
+            assert len(table["data"]) == len(expected)
+            assert [row[:2] for row in table["data"]] == expected.iloc[:, :2].values.tolist()
+
+
+def test_sweep_run_holds_report_tables_plots_and_html_artifact(sweep):
+    path = run_file(sweep)
+    run = read_run(path)
+    assert run["run"]["job_type"] == "report" and run["run"]["group"] == sweep.name
+    assert run["summary"]["all_passed"] in (True, False)
+    report = build_report(sweep)
+    for table in report.tables:
+        if not len(table.raw):
+            continue
+        logged = json.loads((path.parent / "files" / run["summary"][f"report/{table.key}/path"]).read_text())
+        shown = table.display()
+        assert logged["columns"] == list(shown.columns)
+        assert logged["data"] == shown.values.tolist()
+    for name in PLOTS:
+        assert run["summary"][f"plots/{name.removeprefix('report_').removesuffix('.png')}/_type"] == "image-file"
+    artifacts = {rec.artifact.type: rec.artifact for rec in iter_records(path) if rec.WhichOneof("record_type") == "artifact"}
+    contents = {c.path: c.local_path for c in artifacts["report"].manifest.contents}
+    assert {"report.html", "report.md", "report.csv"} <= set(contents)
+    # a sweep directory holds everything wandb sync needs: no staged file outside it
+    for p in [path, *(run_file(c) for c in cell_dirs(sweep))]:
+        for rec in iter_records(p):
+            if rec.WhichOneof("record_type") == "artifact":
+                for c in rec.artifact.manifest.contents:
+                    assert Path(c.local_path).resolve().is_relative_to(sweep.resolve()), c.local_path
+
+
+def test_failed_cell_is_reported(failed_sweep):
+    sweep_dir, proc = failed_sweep
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(sweep_dir)
+    md = (sweep_dir / "report.md").read_text(encoding="utf-8")
+    assert "zro: the cell failed: rank 0 (exception)" in md and "injected fault" in md
+    assert "Cells: 2, 1 finished, 1 failed." in md
+    report = build_report(sweep_dir)
+    assert list(report.table("failures").raw.label) == ["zro"]
+    assert list(report.table("state").raw.label) == ["ddp"]
+    assert "injected fault" in (sweep_dir / "report.html").read_text(encoding="utf-8")
+    assert not (sweep_dir / "wandb").exists()  # logger=none: no sweep run
+
+
+def _edit_summary(cell: Path, edit) -> None:
+    path = cell / "summary.json"
+    summary = read_json(path)
+    edit(summary)
+    path.write_text(json.dumps(summary))
+
+
+def test_missing_sections_unknown_strategy_and_plan(sweep, tmp_path):
+    """A future strategy without some probe sections, and a plan section, still report (n/a, never a crash)."""
+    fake = tmp_path / "sweep"
+    fake.mkdir()
+    cells = cell_dirs(sweep)
+    for cell in cells[:2]:
+        shutil.copytree(cell, fake / cell.name, ignore=shutil.ignore_patterns("wandb"))
+    newcomer = fake / "zero9_mlp_fp32_n2_00000000"
+    shutil.copytree(cells[0], newcomer, ignore=shutil.ignore_patterns("wandb"))
+    manifest = read_json(newcomer / "manifest.json")
+    manifest["cell"]["strategy"], manifest["cell_id"], manifest["cell_name"] = "zero9", "00000000", newcomer.name
+    (newcomer / "manifest.json").write_text(json.dumps(manifest))
+    (newcomer / "rank_state.csv").unlink()
+
+    def strip(s):
+        for section in ("state", "equivalence", "collectives"):
+            s.pop(section)
+        s["plan"] = {"predicted_bytes": {"param": 131072}, "measured_bytes": {"param": 131072}, "check": "PASS"}
+
+    _edit_summary(newcomer, strip)
+    assert report_main([str(fake), "--wandb", "none"]) == 0
+    report = build_report(fake)
+    assert report.cells.label.iloc[-1] == "zero9"  # after the ladder
+    state = report.table("state").display().set_index("cell")
+    assert state.loc["zero9", "check"] == NA and state.loc["zero9", "param ×P"] == NA
+    assert report.table("collectives").display().set_index("cell").loc["zero9", "check"] == NA
+    plan = report.table("plan").display().set_index("cell")
+    assert plan.loc["zero9", "predicted_bytes.param MiB"] == "0.1250"
+    assert "n/a (no state section)" in (fake / "report.md").read_text(encoding="utf-8")
+    assert not (fake / "wandb").exists()
+
+
+def test_empty_and_all_failed_sweeps_report(tmp_path, sweep):
+    cell = cell_dirs(sweep)[0]
+    shutil.copytree(cell, tmp_path / "s" / cell.name, ignore=shutil.ignore_patterns("wandb"))
+    manifest = read_json(tmp_path / "s" / cell.name / "manifest.json")
+    manifest.update(status="failed", error={"rank": None, "cause": "timeout", "message": "cell ran past 1 s", "log": None})
+    (tmp_path / "s" / cell.name / "manifest.json").write_text(json.dumps(manifest))
+    report = write_report(tmp_path / "s", wandb_mode="none")
+    assert report.plots == [] and "ddp: the cell failed: (timeout) cell ran past 1 s" in report.verdicts.failures
+    assert (tmp_path / "s" / "report.html").exists()

@@ -1,0 +1,175 @@
+"""The state probe (issue 3): rank-local parameter, gradient and optimizer bytes against the ZeRO table."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+from conftest import read_csv
+from zeroexp.formulas import padded_numel
+from zeroexp.launch import free_port
+from zeroexp.models import LinearStack
+from zeroexp.probes.state import StateProbe, count_state
+from zeroexp.strategies import get_adapter_class
+
+WIDTH, DEPTH = 64, 8  # conftest BASE: model.width=64, the mlp's default depth
+P = WIDTH * WIDTH * DEPTH * 4  # logical fp32 parameter bytes
+#: Aggregate factors param / grad / optim of fp32 AdamW (ZeRO section 5.1; FSDP reshards at the boundary).
+TABLE = {"ddp": lambda n: (n, n, 2 * n), "zro": lambda n: (n, n, 2),
+         "fsdp_grad_op": lambda n: (1, 1, 2), "fsdp_full": lambda n: (1, 1, 2)}
+# The override tuples of tests/test_foundation.py, so both modules share the session's cached runs.
+CELLS = [("strategy=ddp",), ("strategy=zro",), ("strategy=fsdp_grad_op",),
+         ("strategy=fsdp_full", "prefetch=pre"), ("strategy=fsdp_full", "prefetch=post"),
+         ("strategy=fsdp_full", "prefetch=none")]
+
+
+# Every prefetch at N=2; at N=4 one prefetch suffices (prefetch changes issue order, not what is held).
+GRID = [(o, 2) for o in CELLS] + [(o, 4) for o in CELLS[:4]]
+
+
+@pytest.mark.parametrize("overrides, world_size", GRID,
+                         ids=lambda v: "-".join(x.split("=")[1] for x in v) if isinstance(v, tuple) else f"n{v}")
+def test_factors_match_the_zero_table(cell, overrides, world_size):
+    r = cell(*overrides, f"world_size={world_size}")
+    assert r.status == "ok", r.error
+    s, strategy, n = r.summary["state"], overrides[0].split("=")[1], world_size
+    want = dict(zip(("param", "grad", "optim"), TABLE[strategy](n)))
+    assert s["check"] == "PASS" and s["reasons"] == [], s["reasons"]
+    assert {k: s["expected"][k] for k in want} == want
+    assert s["logical_param_bytes"] == P
+    # Adam keeps one 4-byte step scalar per parameter it updates: 8 per rank, or 8 in all under zro owners.
+    scalars = 8 * 4 * (1 if strategy == "zro" else n)
+    assert s["optim_scalar_bytes"] == scalars and s["factors"]["optim_scalar"] == pytest.approx(scalars / P)
+    for kind, factor in want.items():
+        assert s["factors"][kind] == pytest.approx(factor, abs=1e-3)
+    assert s["factors"]["optim"] + s["factors"]["optim_scalar"] - want["optim"] == pytest.approx(scalars / P)
+    # The reference figures, scaled down: the largest rank holds P or P/N of params and grads, 2P or 2P/N of moments.
+    replicated = strategy in ("ddp", "zro")
+    assert s["max_rank_bytes"]["param"] == s["max_rank_bytes"]["grad"] == (P if replicated else P // n)
+    assert s["max_rank_bytes"]["optim"] == (2 * P if strategy == "ddp" else 2 * P // n)
+    assert s["padding_bytes"] == 0 and s["physical_param_bytes"] == want["param"] * P
+    assert s["owner_imbalance"] == pytest.approx(1.0)  # 8 equal Linear weights over 2 or 4 owners
+    assert s["semantics"]
+
+    frame = read_csv(r, "rank_state.csv")
+    assert list(frame.columns) == ["rank", "kind", "logical_bytes", "physical_bytes", "dtype", "device", "numel"]
+    for kind, factor in want.items():
+        rows = frame[frame.kind == kind]
+        assert sorted(rows["rank"]) == list(range(n))
+        assert rows.logical_bytes.sum() == factor * P and (rows.numel * 4 == rows.logical_bytes).all()
+        assert set(rows.dtype) == {"float32"} and set(rows.device) == {"cpu"}
+
+
+def test_grad_op_semantics_says_param_factor_differs_from_zero2(cell):
+    s = cell("strategy=fsdp_grad_op", "world_size=2").summary["state"]
+    assert s["factors"]["param"] == 1.0 and "ZeRO-2" in s["semantics"] and "factor is 1" in s["semantics"]
+
+
+PAD_N, PAD_WIDTH = 3, 10  # each unit holds one 10 x 10 weight: 100 elements, padded to 102 over 3 ranks
+
+
+def _assert_padded(s: dict, frame, optim_padded: bool) -> None:
+    """Physical exceeds logical by exactly FSDP's padding (computed here from the formula); factors exact."""
+    p = PAD_WIDTH * PAD_WIDTH * DEPTH * 4
+    padding = DEPTH * (padded_numel(PAD_WIDTH * PAD_WIDTH, PAD_N) - PAD_WIDTH * PAD_WIDTH) * 4
+    assert padding > 0 and s["logical_param_bytes"] == p
+    assert s["check"] == "PASS", s["reasons"]
+    assert s["factors"]["param"] == s["factors"]["grad"] == 1.0 and s["factors"]["optim"] == 2.0
+    assert s["padding_bytes"] == s["physical_param_bytes"] - p == padding
+    assert s["padding_bytes_by_kind"]["grad"] == padding
+    assert s["padding_bytes_by_kind"]["optim"] == (2 * padding if optim_padded else 0)
+    params = frame[frame.kind == "param"]
+    shard = DEPTH * padded_numel(PAD_WIDTH * PAD_WIDTH, PAD_N) // PAD_N * 4
+    assert (params.physical_bytes == shard).all()  # every rank's shards are padded to the same size
+    assert params.logical_bytes.sum() == p
+
+
+def test_padding_when_numel_does_not_divide_by_world_size(cell):
+    r = cell("strategy=fsdp_full", "prefetch=pre", f"world_size={PAD_N}", f"model.width={PAD_WIDTH}")
+    assert r.status == "ok", r.error
+    _assert_padded(r.summary["state"], read_csv(r, "rank_state.csv"), optim_padded=True)  # moments padded too
+
+
+def _orig_params_rank(rank: int, port: int, cfg_dict: dict, out: str) -> None:
+    """One rank of an FSDP use_orig_params run without Lightning or the other probes: step once, count."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=PAD_N)
+    cfg = OmegaConf.create(cfg_dict)
+    adapter = get_adapter_class(cfg.strategy.name)(cfg)
+    torch.manual_seed(0)
+    model = adapter.wrap(LinearStack(PAD_WIDTH, DEPTH), torch.device("cpu"))
+    optimizer = adapter.make_optimizer(model.parameters())
+    model(torch.randn(4, PAD_WIDTH)).pow(2).mean().backward()
+    optimizer.step()
+    result = {"rows": count_state(adapter.state_tensors(model, optimizer)), "step": 0,
+              "logical_param_bytes": PAD_WIDTH * PAD_WIDTH * DEPTH * 4,
+              "expected": adapter.expected_state_factors(PAD_N), "semantics": adapter.semantics}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_use_orig_params_views_are_not_counted_twice(compose, tmp_path):
+    # Run directly (not as a cell): the CPU memory probe cannot track use_orig_params views (probes/memory.py).
+    cfg = compose("strategy=fsdp_grad_op", f"world_size={PAD_N}", f"model.width={PAD_WIDTH}",
+                  "strategy.use_orig_params=true")
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    cfg_dict.pop("hydra", None)
+    mp.spawn(_orig_params_rank, args=(free_port(), cfg_dict, str(tmp_path)), nprocs=PAD_N)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(PAD_N)]
+    report = StateProbe.aggregate(results, cfg)
+    _assert_padded(report.section, report.tables["rank_state.csv"], optim_padded=False)  # moments per view
+
+
+def _rank_result(adapter, model, optimizer, world_size):
+    return {"rows": count_state(adapter.state_tensors(model, optimizer)), "step": 3,
+            "logical_param_bytes": 4 * sum(q.numel() for q in model.parameters()),
+            "expected": adapter.expected_state_factors(world_size), "semantics": adapter.semantics}
+
+
+def _stepped_adamw(params):
+    params = list(params)
+    opt = torch.optim.AdamW(params)
+    for q in params:
+        q.grad = torch.ones_like(q)
+    opt.step()
+    return opt
+
+
+def test_check_fails_on_an_unsharded_optimizer_under_a_zero1_claim(compose):
+    cfg = compose("strategy=zro", "world_size=2")
+    adapter = get_adapter_class("zro")(cfg)
+    model = LinearStack(16, 4)
+    p = 4 * sum(q.numel() for q in model.parameters())
+    # Plain AdamW on both ranks: every rank holds every moment, while zro claims ZeRO-1 (optim factor 2).
+    full = _rank_result(adapter, model, _stepped_adamw(model.parameters()), 2)
+    report = StateProbe.aggregate([full, full], cfg)
+    s = report.section
+    assert s["check"] == "FAIL" and s["factors"]["optim"] == 4.0
+    assert s["reasons"] == [f"optim: measured factor 4 ({4 * p} B summed over 2 ranks / P = {p} B), expected 2"]
+    # The same tensors owned half by each rank, as ZeroRedundancyOptimizer would: PASS.
+    layers = list(model)
+    owned = [_rank_result(adapter, model, _stepped_adamw(q for m in part for q in m.parameters()), 2)
+             for part in (layers[:2], layers[2:])]
+    s = StateProbe.aggregate(owned, cfg).section
+    assert s["check"] == "PASS" and s["factors"]["optim"] == 2.0 and s["owner_imbalance"] == 1.0
+    assert len(report.tables["rank_state.csv"]) == 2 * 4  # param, grad, optim, optim_scalar per rank
+
+
+def test_count_state_counts_each_storage_and_each_element_once():
+    flat = torch.zeros(10)  # a padded shard holding 8 logical elements, and two views into it
+    bucket = torch.zeros(6)  # a gradient bucket seen only through its views
+    rows = {r["kind"]: r for r in count_state([
+        ("param", flat, 8), ("param", flat[:4], 4), ("param", flat[4:8], 4), ("param", flat, 8),
+        ("grad", bucket[:3], 3), ("grad", bucket[3:], 3), ("optim", flat[:2], 2),
+    ])}
+    assert (rows["param"]["logical_bytes"], rows["param"]["physical_bytes"]) == (32, 40)
+    assert (rows["grad"]["logical_bytes"], rows["grad"]["physical_bytes"]) == (24, 24)
+    assert (rows["optim"]["logical_bytes"], rows["optim"]["physical_bytes"]) == (0, 0)  # inside the counted shard
+    assert rows["param"]["dtype"] == "float32" and rows["param"]["device"] == "cpu" and rows["grad"]["numel"] == 6

@@ -1,0 +1,228 @@
+"""Which collectives each rank issues per steady step, counted by the torch profiler, against the payload model.
+
+Over ``schedule.profiled`` (the steps right after warm-up) every rank runs ``torch.profiler`` (CPU activity,
+``record_shapes=True``) and keeps each outermost ``c10d::*`` dispatcher op: the one layer that every caller
+goes through, whatever the backend (gloo, NCCL) and whoever calls it: DDP's C++ Reducer, FSDP,
+ZeroRedundancyOptimizer, DeepSpeed, functional collectives. Backend events (``gloo:all_reduce``) are not
+used: they run on worker threads, may finish after the window, and gloo emulates reduce_scatter with an
+all_reduce. Shapes and dtypes come from the profiler's event tree (``kineto_results.experimental_event_tree``),
+which, unlike the chrome trace's ``Input type``, keeps the dtype of the tensors inside a ``Tensor[]`` argument.
+
+Payload S follows nccl-tests (doc/PERFORMANCE.md): the full array, so for all_gather and reduce_scatter one
+rank's chunk x N, N being the world size (every strategy here uses the default group; gloo records no group
+size). Bus bytes = S x ``zeroexp.formulas.bus_factor``. The adapter derives the expected collectives from the
+model's structure (``expected_collectives``) after the window; this probe issues no collective at all.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import pandas as pd
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from zeroexp.formulas import bus_bytes
+from zeroexp.probes.base import Probe, ProbeReport
+
+__all__ = ["CollectivesProbe", "SOURCE"]
+
+SOURCE = "torch.profiler: outermost c10d:: dispatcher ops (kineto event tree, record_shapes=True)"
+COLUMNS = ["rank", "op", "count", "dtype", "payload_bytes", "bus_bytes"]
+_MARK = "zeroexp.collectives."  # + "start.<step>" / "end.<step>"
+
+#: c10d op -> (op name, index of the argument holding the payload, whether that argument is one rank's chunk).
+#: An op not listed is reported under its own name with the bytes of all its tensor arguments.
+_C10D = {
+    "allreduce_": ("all_reduce", 0, False), "allreduce_coalesced_": ("all_reduce", 0, False),
+    "broadcast_": ("broadcast", 0, False),
+    "allgather_": ("all_gather", 1, True), "_allgather_base_": ("all_gather", 1, True),
+    "allgather_coalesced_": ("all_gather", 1, True), "allgather_into_tensor_coalesced_": ("all_gather", 1, True),
+    "reduce_scatter_": ("reduce_scatter", 0, True), "_reduce_scatter_base_": ("reduce_scatter", 0, True),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 0, True),
+    "reduce_": ("reduce", 0, False), "alltoall_": ("all_to_all", 1, False), "alltoall_base_": ("all_to_all", 1, False),
+    "barrier": ("barrier", None, False), "monitored_barrier_": ("barrier", None, False),
+}
+
+
+def _tensors(arg: Any) -> list[Any]:
+    """The tensor metadata in one recorded argument (a tensor, a ``Tensor[]`` or a ``Tensor[][]``)."""
+    if isinstance(arg, (list, tuple)):
+        return [t for a in arg for t in _tensors(a)]
+    return [arg] if hasattr(arg, "dtype") and hasattr(arg, "sizes") else []
+
+
+def classify(name: str, inputs: list[Any], world_size: int) -> tuple[str, str, int]:
+    """``(op, dtype, payload S in bytes)`` of one ``c10d::<name>`` call from its recorded inputs."""
+    op, index, chunk = _C10D.get(name, (name.strip("_"), -1, False))
+    tensors = [] if index is None else _tensors(inputs if index == -1 else inputs[index] if index < len(inputs) else [])
+    nbytes = sum(torch.Size(t.sizes).numel() * t.dtype.itemsize for t in tensors)
+    dtype = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors})) or "-"
+    return op, dtype, nbytes * (world_size if chunk else 1)
+
+
+def extract(prof: profile, steps: list[int], world_size: int) -> list[dict[str, Any]]:
+    """Per step, op and dtype: ``count`` and ``payload_bytes`` of the outermost c10d ops in ``prof``.
+
+    A call between a step's start and end marks belongs to that step (``phase`` "step"); one between a
+    step's end and the next step's start (the trainer's own traffic, e.g. Lightning's per-step SIGTERM flag
+    broadcast) to phase "between".
+    """
+    marks, calls = [], []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag != _EventType.TorchOp:
+            stack.extend(event.children)
+        elif event.name.startswith(_MARK):
+            phase, step = event.name.removeprefix(_MARK).split(".")
+            marks.append((event.start_time_ns, phase, int(step)))
+        elif event.name.startswith("c10d::"):  # outermost: its children are the backend's own work
+            calls.append((event.start_time_ns, classify(event.name[6:], event.extra_fields.inputs, world_size)))
+        else:
+            stack.extend(event.children)
+    marks.sort()
+    totals: dict[tuple[str, int, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for t, (op, dtype, nbytes) in calls:  # a call belongs to the last mark before it
+        _, mark, step = next((m for m in reversed(marks) if m[0] <= t), (0, "start", steps[0]))
+        key = ("step" if mark == "start" else "between", step, op, dtype)
+        totals[key][0] += 1
+        totals[key][1] += nbytes
+    return [{"phase": ph, "step": s, "op": op, "dtype": d, "count": c, "payload_bytes": b}
+            for (ph, s, op, d), (c, b) in sorted(totals.items())]
+
+
+class CollectivesProbe(Probe):
+    """Records every collective of the profiled steps on each rank; checks it against the adapter's model."""
+
+    name = "collectives"
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.steps = list(ctx.schedule.profiled)
+        self.prof: profile | None = None
+        self.records: list[dict[str, Any]] = []
+        self.expected: dict[str, dict[str, int]] | None = None
+        self.expected_error: str | None = None
+        self.param_bytes = 0
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # P before the strategy wraps (and shards) the model: the model's logical parameter bytes.
+        self.param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx not in self.steps:
+            return
+        if batch_idx == self.steps[0]:
+            self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            self.prof.start()
+        with record_function(f"{_MARK}start.{batch_idx}"):  # zero-length marks bound each step
+            pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx not in self.steps or self.prof is None:
+            return
+        with record_function(f"{_MARK}end.{batch_idx}"):
+            pass
+        if batch_idx != self.steps[-1]:
+            return
+        self.prof.stop()
+        self.records = extract(self.prof, self.steps, self.ctx.world_size)
+        self.prof = None
+        try:  # after the window: reads the wrapped model and the optimizer, issues no collective
+            self.expected = self.ctx.adapter.expected_collectives(
+                trainer.strategy.model, trainer.optimizers[0], self.ctx.world_size)
+        except NotImplementedError as e:
+            self.expected_error = str(e)
+
+    def rank_result(self) -> dict[str, Any]:
+        return {"records": self.records, "steps": self.steps, "expected": self.expected,
+                "expected_error": self.expected_error, "param_bytes": self.param_bytes, "source": SOURCE}
+
+    @classmethod
+    def aggregate(cls, results: list[dict[str, Any]], cfg) -> ProbeReport:
+        """Per-step fingerprint of every rank -> ``collectives.csv`` and the checked ``collectives`` section."""
+        n, first = int(cfg.world_size), results[0]
+        per_rank, reasons = [], []
+        for rank, res in enumerate(results):
+            mean, unsteady = _per_step_mean([r for r in res["records"] if r["phase"] == "step"], res["steps"])
+            per_rank.append(mean)
+            reasons += [f"rank {rank}: {u}" for u in unsteady]
+        rows = [{"rank": r, "op": op, "count": c, "dtype": d, "payload_bytes": b, "bus_bytes": bus_bytes(op, b, n)}
+                for r, mean in enumerate(per_rank) for (op, d), (c, b) in mean.items()]
+        disagreements = [{"op": op, "dtype": d, "counts": [m.get((op, d), (0, 0))[0] for m in per_rank],
+                          "payload_bytes": [m.get((op, d), (0, 0))[1] for m in per_rank]}
+                         for op, d in sorted(set().union(*per_rank)) if len({m.get((op, d)) for m in per_rank}) > 1]
+        reasons += [f"ranks disagree on {x['op']} ({x['dtype']}): counts {x['counts']}, payload bytes "
+                    f"{x['payload_bytes']}" for x in disagreements]
+        counts, payload, dtypes = defaultdict(int), defaultdict(int), defaultdict(set)
+        for (op, d), (c, b) in per_rank[0].items():  # rank 0 speaks for all; disagreements are listed
+            counts[op] += c
+            payload[op] += b
+            dtypes[op].add(d)
+        expected = first["expected"]
+        if expected is None:
+            reasons.append(f"no expected collectives: {first['expected_error']}")
+            expected = {}
+        want_counts = {op: e["count"] for op, e in expected.items()}
+        want_payload = {op: e["payload_bytes"] for op, e in expected.items()}
+        for op in sorted(set(counts) | set(expected)):
+            if counts.get(op, 0) != want_counts.get(op, 0):
+                reasons.append(f"{op}: {counts.get(op, 0)} per step measured, {want_counts.get(op, 0)} expected")
+            if payload.get(op, 0) != want_payload.get(op, 0):
+                reasons.append(f"{op}: {payload.get(op, 0)} payload bytes per step measured, "
+                               f"{want_payload.get(op, 0)} expected")
+        p_bytes = int(first["param_bytes"])
+        section = {
+            "source": first["source"],
+            "profiled_steps": list(first["steps"]),
+            "world_size": n,
+            "counts": dict(counts),
+            "dtypes": {op: "+".join(sorted(d)) for op, d in dtypes.items()},
+            "payload_bytes": dict(payload),
+            "bus_bytes": {op: bus_bytes(op, b, n) for op, b in payload.items()},
+            "payload_total_bytes": sum(payload.values()),
+            "param_bytes": p_bytes,
+            "payload_over_param_bytes": {op: b / p_bytes for op, b in payload.items()} if p_bytes else {},
+            "expected_counts": want_counts,
+            "expected_payload_bytes": want_payload,
+            "expected_bus_bytes": {op: bus_bytes(op, b, n) for op, b in want_payload.items()},
+            "rank_disagreements": disagreements,
+            "between_steps": _between(first),
+            "check": "FAIL" if reasons else "PASS",
+            "reasons": reasons,
+        }
+        return ProbeReport(section=section, tables={"collectives.csv": pd.DataFrame(rows, columns=COLUMNS)})
+
+
+def _per_step_mean(records: list[dict[str, Any]], steps: list[int]) -> tuple[dict, list[str]]:
+    """``{(op, dtype): (count, payload bytes)}`` per step (mean over ``steps``), and how the steps differ."""
+    by_step: dict[int, dict[tuple[str, str], tuple[int, int]]] = {s: {} for s in steps}
+    for r in records:
+        by_step[r["step"]][r["op"], r["dtype"]] = (r["count"], r["payload_bytes"])
+    unsteady = [f"step {s} issued {by_step[s]}, step {steps[0]} {by_step[steps[0]]}"
+                for s in steps[1:] if by_step[s] != by_step[steps[0]]]
+    keys = sorted(set().union(*by_step.values()))
+    k = len(steps)
+    mean = {key: tuple(_exact(sum(by_step[s].get(key, (0, 0))[i] for s in steps) / k) for i in (0, 1))
+            for key in keys}
+    return mean, unsteady
+
+
+def _between(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Rank 0's collectives between two profiled steps (outside the step hooks), per gap; not checked."""
+    gaps = max(len(res["steps"]) - 1, 1)
+    out: dict[str, dict[str, Any]] = {}
+    for r in res["records"]:
+        if r["phase"] == "between":
+            e = out.setdefault(r["op"], {"count": 0, "payload_bytes": 0, "dtype": r["dtype"]})
+            e["count"] += r["count"] / gaps
+            e["payload_bytes"] += r["payload_bytes"] / gaps
+    return {op: {**e, "count": _exact(e["count"]), "payload_bytes": _exact(e["payload_bytes"])}
+            for op, e in out.items()}
+
+
+def _exact(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x

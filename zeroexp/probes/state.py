@@ -1,0 +1,144 @@
+"""What each rank really holds of parameters, gradients and optimizer state, checked against ZeRO's formulas.
+
+At the optimizer boundary of ``schedule.state_step`` (after the step, once Adam's moments exist) every rank
+asks the strategy adapter where its state lives (``ctx.adapter.state_tensors``) and counts those tensors by
+kind. A storage is counted once however many tensors view it (FSDP ``use_orig_params`` views, DDP bucket
+views). Logical bytes are the elements of the model's real parameters a tensor stands for; physical bytes
+are what its storage allocates (FSDP padding included). The aggregate factor of a kind is its logical bytes
+summed over ranks divided by P, the logical fp32 bytes of the model's parameters (ZeRO, arXiv:1910.02054,
+section 5.1); ``zeroexp.formulas.zero_state_factors`` gives what each stage expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import lightning.pytorch as pl
+import pandas as pd
+from omegaconf import DictConfig
+
+from zeroexp.probes.base import Probe, ProbeReport, RunContext
+
+__all__ = ["StateProbe", "count_state", "check_factors", "FACTOR_TOL"]
+
+#: Logical factors are ratios of exact integers; the step scalars and the padding are reported apart, so
+#: any difference beyond float rounding is a real deviation from the formula.
+FACTOR_TOL = 1e-6
+COLUMNS = ["rank", "kind", "logical_bytes", "physical_bytes", "dtype", "device", "numel"]
+
+
+def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
+    """Bytes per kind of ``(kind, tensor, logical_numel)`` items, one row per kind in first-seen order.
+
+    Physical bytes: each storage (keyed by device and ``untyped_storage().data_ptr()``) is counted once,
+    under the first kind that reaches it, at its full allocated size. Logical bytes: ``logical_numel x
+    itemsize`` of every tensor, except one whose element range lies inside a range of the same storage
+    already counted (a view of a tensor that was itself yielded), which would count the same elements twice.
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    storages: set[tuple[str, int]] = set()
+    ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for kind, tensor, logical_numel in items:
+        row = rows.setdefault(kind, {"kind": kind, "logical_bytes": 0, "physical_bytes": 0,
+                                     "dtype": set(), "device": set(), "numel": 0})
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key not in storages and storage.nbytes() > 0:
+            storages.add(key)
+            row["physical_bytes"] += storage.nbytes()
+        start = tensor.storage_offset() * tensor.element_size()
+        span = (start, start + tensor.numel() * tensor.element_size())
+        seen = ranges.setdefault(key, [])
+        if tensor.numel() and any(lo <= span[0] and span[1] <= hi for lo, hi in seen):
+            continue
+        seen.append(span)
+        row["logical_bytes"] += int(logical_numel) * tensor.element_size()
+        row["numel"] += int(logical_numel)
+        row["dtype"].add(str(tensor.dtype).removeprefix("torch."))
+        row["device"].add(str(tensor.device))
+    return [{**r, "dtype": "+".join(sorted(r["dtype"])), "device": "+".join(sorted(r["device"]))}
+            for r in rows.values()]
+
+
+def check_factors(factors: dict[str, float], expected: dict[str, float], per_kind_bytes: dict[str, int],
+                  param_bytes: int, world_size: int) -> list[str]:
+    """Why the measured factors do not match the expected ones (empty: PASS); each reason names the numbers."""
+    reasons = []
+    for kind, want in expected.items():
+        got = factors.get(kind, 0.0)
+        if abs(got - want) > FACTOR_TOL:
+            reasons.append(f"{kind}: measured factor {got:.6g} ({per_kind_bytes.get(kind, 0)} B summed over "
+                           f"{world_size} ranks / P = {param_bytes} B), expected {want:g}")
+    return reasons
+
+
+class StateProbe(Probe):
+    """Counts the rank-local model state by kind at the optimizer boundary of ``schedule.state_step``."""
+
+    name = "state"
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.rows: list[dict[str, Any]] = []
+        self.param_numel = 0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Before the strategy wraps the model: the original parameters, each once (tied weights too).
+        self.param_numel = sum(p.numel() for p in pl_module.parameters())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """At ``schedule.state_step``, after its optimizer step: count what the adapter says this rank holds."""
+        if batch_idx == self.ctx.schedule.state_step:
+            items = self.ctx.adapter.state_tensors(trainer.strategy.model, trainer.optimizers[0])
+            self.rows = count_state(items)
+
+    def rank_result(self) -> dict[str, Any]:
+        """Per-kind rows, P, and what the adapter expects and claims (aggregate sees no adapter)."""
+        return {
+            "rows": self.rows,
+            "step": self.ctx.schedule.state_step,
+            "logical_param_bytes": 4 * self.param_numel,  # P: numel x 4 (fp32), formulas.py convention
+            "expected": self.ctx.adapter.expected_state_factors(self.ctx.world_size),
+            "semantics": self.ctx.adapter.semantics,
+        }
+
+    @classmethod
+    def aggregate(cls, results: list[dict[str, Any]], cfg: DictConfig) -> ProbeReport:
+        """Factors, padding, imbalance and the PASS/FAIL check; ``rank_state.csv`` with a row per rank per kind."""
+        first, n = results[0], len(results)
+        p_bytes, expected = int(first["logical_param_bytes"]), dict(first["expected"])
+        kinds = list(dict.fromkeys([*expected, *(row["kind"] for res in results for row in res["rows"])]))
+        blank = {"logical_bytes": 0, "physical_bytes": 0, "dtype": "", "device": "", "numel": 0}
+        records = []
+        for rank, res in enumerate(results):
+            by_kind = {row["kind"]: row for row in res["rows"]}
+            records += [{**blank, **by_kind.get(k, {}), "rank": rank, "kind": k} for k in kinds]
+        frame = pd.DataFrame(records, columns=COLUMNS)
+        total = frame.groupby("kind", sort=False)[["logical_bytes", "physical_bytes"]].sum()
+        logical, physical = total.logical_bytes.to_dict(), total.physical_bytes.to_dict()
+        per_rank = {k: frame[frame.kind == k].set_index("rank") for k in kinds}
+        factors = {k: logical[k] / p_bytes for k in kinds}
+        reasons = check_factors(factors, expected, logical, p_bytes, n)
+        reasons += [f"{k}: physical {physical[k]} B < logical {logical[k]} B" for k in kinds if physical[k] < logical[k]]
+        optim = per_rank.get("optim")
+        mean_optim = float(optim.logical_bytes.mean()) if optim is not None else 0.0
+        section = {
+            "step": int(first["step"]),
+            "factors": factors,
+            "physical_factors": {k: physical[k] / p_bytes for k in kinds},
+            "per_rank_factors": {k: [float(v) / p_bytes for v in per_rank[k].logical_bytes] for k in kinds},
+            "expected": expected,
+            "max_rank_bytes": {k: int(per_rank[k].physical_bytes.max()) for k in kinds},
+            "logical_param_bytes": p_bytes,
+            "physical_param_bytes": int(physical.get("param", 0)),
+            "padding_bytes": int(physical.get("param", 0) - logical.get("param", 0)),
+            "padding_bytes_by_kind": {k: int(physical[k] - logical[k]) for k in kinds},
+            "optim_scalar_bytes": int(physical.get("optim_scalar", 0)),
+            "owner_imbalance": float(optim.logical_bytes.max()) / mean_optim if mean_optim else None,
+            "unchecked_kinds": [k for k in kinds if k not in expected],
+            "check": "FAIL" if reasons else "PASS",
+            "reasons": reasons,
+            "semantics": first["semantics"],
+        }
+        return ProbeReport(section=section, tables={"rank_state.csv": frame})

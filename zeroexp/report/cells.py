@@ -1,0 +1,69 @@
+"""The cells of a sweep in the order of the ZeRO ladder, each with a short label for tables and plots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from zeroexp.report.format import missing
+
+__all__ = ["LADDER", "PREFETCH_ORDER", "column", "order_cells"]
+
+#: Replicated first, then what each stage shards: ZeRO-0, ZeRO-1 (PyTorch's, then zeroexp's), ZeRO-2, FSDP
+#: SHARD_GRAD_OP, FULL_SHARD (the ZeRO-3 direction). Strategies not listed follow, by name.
+LADDER = ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full")
+PREFETCH_ORDER = ("pre", "post", "none")
+#: Axes that can tell cells of a sweep apart besides the strategy, in the order they appear in a label.
+_AXES = ("model", "precision", "offload", "world_size")
+
+
+def column(frame: pd.DataFrame, key: str) -> pd.Series:
+    """``frame[key]``, or a column of missing values when no cell has that field."""
+    return frame[key] if key in frame.columns else pd.Series([None] * len(frame), index=frame.index, dtype=object)
+
+
+def _rank(values: tuple[str, ...], value: Any) -> tuple[int, str]:
+    value = "" if missing(value) else str(value)
+    return (values.index(value), "") if value in values else (len(values), value)
+
+
+def _sort_key(row: pd.Series) -> tuple:
+    stage = row.get("cell.stage")
+    return (*_rank(LADDER, row.get("cell.strategy")),
+            -1 if missing(stage) else float(stage),
+            *_rank(PREFETCH_ORDER, row.get("cell.prefetch")),
+            *(str(row.get(f"cell.{axis}")) for axis in _AXES), str(row.get("cell_name")))
+
+
+def _label(row: pd.Series, varying: list[str]) -> str:
+    label = str(row.get("cell.strategy")) if not missing(row.get("cell.strategy")) else str(row.get("cell_name"))
+    for key in [k for k in row.index if k.startswith("cell.") and k not in ("cell.strategy",)]:
+        value, axis = row[key], key.removeprefix("cell.")
+        if missing(value) or (axis != "prefetch" and key not in varying):
+            continue
+        if axis == "prefetch":
+            label += f"-{value}"
+        elif axis == "world_size":
+            label += f" N={value}"
+        elif axis in _AXES:
+            label += f" {value}"
+        else:
+            label += f" {axis}={value}"
+    return label
+
+
+def order_cells(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` (from :func:`zeroexp.results.load_sweep`) in ladder order, with a ``label`` column.
+
+    A label is the strategy, ``-<prefetch>`` where prefetch applies, and each other axis that varies across the
+    sweep (``N=4``, ``bf16``, ``stage=2``); labels that would still collide get the cell id.
+    """
+    if frame.empty:
+        return frame.assign(label=pd.Series(dtype=object))
+    frame = frame.iloc[sorted(range(len(frame)), key=lambda i: _sort_key(frame.iloc[i]))].reset_index(drop=True)
+    varying = [k for k in frame.columns if k.startswith("cell.") and frame[k].astype(str).nunique() > 1]
+    labels = [_label(row, varying) for _, row in frame.iterrows()]
+    dupes = {lab for lab in labels if labels.count(lab) > 1}
+    frame["label"] = [f"{lab} #{cid}" if lab in dupes else lab for lab, cid in zip(labels, column(frame, "cell_id"))]
+    return frame

@@ -1,0 +1,153 @@
+"""The report's PNG plots (matplotlib, Agg canvas, no pyplot state): one function per plot.
+
+Each function takes the cells in ladder order (with ``label`` and ``cell_dir``) and the path to write, and
+returns the path, or None when no cell has the data. Bytes use the same MiB/GiB choice as the tables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.transforms import blended_transform_factory
+
+from zeroexp.report.cells import column
+from zeroexp.report.format import byte_unit, missing
+from zeroexp.report.tables import OPS
+
+__all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "step_times", "collective_payload"]
+
+KIND_COLOURS = {"param": "#4C72B0", "grad": "#DD8452", "optim": "#55A868", "master": "#8172B3"}
+OP_COLOURS = {"all_reduce": "#4C72B0", "broadcast": "#C44E52", "all_gather": "#55A868", "reduce_scatter": "#DD8452"}
+
+
+def _figure(n_groups: int, title: str) -> tuple[Figure, object]:
+    fig = Figure(figsize=(max(6.0, 1.15 * n_groups + 2), 4.2), dpi=110, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=11)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    return fig, ax
+
+
+def _read_csv(cell_dir: str, name: str) -> pd.DataFrame | None:
+    path = Path(cell_dir) / name
+    return pd.read_csv(path) if path.exists() else None
+
+
+def state_bytes(cells: pd.DataFrame, path: Path) -> Path | None:
+    """Per-rank stacked bars of the physical bytes of param, grad and optim (and master) for each cell."""
+    ok = cells[column(cells, "status") == "ok"]
+    frames = [(row["label"], _read_csv(row["cell_dir"], "rank_state.csv")) for _, row in ok.iterrows()]
+    frames = [(label, f) for label, f in frames if f is not None and not f.empty]
+    if not frames:
+        return None
+    kinds = [k for k in KIND_COLOURS if any(k in set(f.kind) for _, f in frames)]
+    unit = byte_unit(f.groupby("rank").physical_bytes.sum().max() for _, f in frames)
+    fig, ax = _figure(len(frames), f"State per rank at the optimizer boundary (physical {unit})")
+    x, centres, ticks, tick_labels = 0.0, [], [], []
+    for label, f in frames:
+        ranks = sorted(f["rank"].unique())
+        xs = [x + i for i in range(len(ranks))]
+        bottom = [0.0] * len(ranks)
+        for kind in kinds:
+            sub = f[f.kind == kind].set_index("rank").physical_bytes
+            heights = [unit.value(sub.get(r, 0)) for r in ranks]
+            ax.bar(xs, heights, bottom=bottom, width=0.8, color=KIND_COLOURS[kind],
+                   label=kind if label == frames[0][0] else None)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        centres.append((xs[0] + xs[-1]) / 2)
+        if len(ranks) <= 8:
+            ticks += xs
+            tick_labels += [f"r{r}" for r in ranks]
+        x = xs[-1] + 2
+    ax.set_xticks(ticks, tick_labels, fontsize=7)
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    for c, (label, _) in zip(centres, frames):
+        ax.text(c, -0.09, label, transform=trans, ha="center", va="top", fontsize=8)
+    ax.set_ylabel(unit.name)
+    ax.legend(fontsize=8)
+    fig.savefig(path)
+    return path
+
+
+def _bars(cells: pd.DataFrame, series: dict[str, str], title: str, path: Path) -> Path | None:
+    ok = cells[column(cells, "status") == "ok"]
+    if ok.empty or all(missing(v) for k in series.values() for v in column(ok, k)):
+        return None
+    unit = byte_unit(v for k in series.values() for v in column(ok, k))
+    fig, ax = _figure(len(ok), title.format(unit=unit))
+    width = 0.8 / len(series)
+    for i, (name, key) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(ok))]
+        heights = [unit.value(v) for v in column(ok, key)]
+        bars = ax.bar(xs, heights, width=width, label=name)
+        ax.bar_label(bars, labels=[unit(v) for v in column(ok, key)], fontsize=6, padding=1)
+    ax.set_xticks(range(len(ok)), list(ok["label"]), fontsize=8, rotation=20, ha="right")
+    ax.set_ylabel(unit.name)
+    ax.legend(fontsize=8)
+    fig.savefig(path)
+    return path
+
+
+def steady_vs_peak(cells: pd.DataFrame, path: Path) -> Path | None:
+    """Steady and peak bytes (largest rank) side by side for each cell."""
+    return _bars(cells, {"steady": "memory.steady_bytes_max", "peak": "memory.peak_bytes_max"},
+                 "Steady vs training peak, largest rank ({unit})", path)
+
+
+def step_times(cells: pd.DataFrame, path: Path) -> Path | None:
+    """The distribution of timed step times (slowest rank per step) for each cell; unstable cells in red."""
+    ok = cells[column(cells, "status") == "ok"]
+    data = [(r["label"], list(r["timing.step_ms"]), bool(r.get("timing.unstable"))) for _, r in ok.iterrows()
+            if isinstance(r.get("timing.step_ms"), list) and r["timing.step_ms"]]
+    if not data:
+        return None
+    fig, ax = _figure(len(data), "Step time per timed step, slowest rank (ms); red: unstable, trend only")
+    ax.boxplot([d for _, d, _ in data], positions=range(len(data)), widths=0.5, showfliers=False)
+    for i, (_, d, unstable) in enumerate(data):
+        jitter = [i + 0.12 * ((k % 5) - 2) / 2 for k in range(len(d))]
+        ax.scatter(jitter, d, s=12, alpha=0.7, color="#C44E52" if unstable else "#4C72B0", zorder=3)
+    ax.set_xticks(range(len(data)), [label for label, _, _ in data], fontsize=8, rotation=20, ha="right")
+    for tick, (_, _, unstable) in zip(ax.get_xticklabels(), data):
+        tick.set_color("#C44E52" if unstable else "black")
+    ax.set_ylabel("ms")
+    ax.set_ylim(bottom=0)
+    fig.savefig(path)
+    return path
+
+
+def collective_payload(cells: pd.DataFrame, path: Path) -> Path | None:
+    """Payload per step by op (stacked) for each cell, with the expected total as a black tick."""
+    ok = cells[column(cells, "status") == "ok"]
+    ops = [op for op in [*OPS, *sorted({k.split(".")[-1] for k in ok.columns if k.startswith("collectives.payload_bytes.")} - set(OPS))]
+           if f"collectives.payload_bytes.{op}" in ok.columns]
+    if not ops or all(missing(v) for v in column(ok, "collectives.payload_total_bytes")):
+        return None
+    unit = byte_unit(column(ok, "collectives.payload_total_bytes"))
+    fig, ax = _figure(len(ok), f"Collective payload per step by op, rank 0 ({unit}, nccl-tests S)")
+    bottom = [0.0] * len(ok)
+    for op in ops:
+        heights = [0.0 if missing(v) else unit.value(v) for v in ok[f"collectives.payload_bytes.{op}"]]
+        ax.bar(range(len(ok)), heights, bottom=bottom, width=0.6, label=op, color=OP_COLOURS.get(op))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    expected = [sum(0.0 if missing(row.get(f"collectives.expected_payload_bytes.{op}")) else
+                    unit.value(row.get(f"collectives.expected_payload_bytes.{op}")) for op in ops)
+                for _, row in ok.iterrows()]
+    ax.scatter(range(len(ok)), expected, marker="_", s=600, color="black", zorder=3, label="expected total")
+    ax.set_xticks(range(len(ok)), list(ok["label"]), fontsize=8, rotation=20, ha="right")
+    ax.set_ylabel(unit.name)
+    ax.legend(fontsize=8)
+    fig.savefig(path)
+    return path
+
+
+#: File name -> (plot function, caption), in the order the report shows them.
+PLOTS: dict[str, tuple[Callable[[pd.DataFrame, Path], Path | None], str]] = {
+    "report_state_bytes.png": (state_bytes, "Per-rank parameter, gradient and optimizer bytes"),
+    "report_memory.png": (steady_vs_peak, "Steady vs peak memory"),
+    "report_step_times.png": (step_times, "Step-time distributions"),
+    "report_collectives.png": (collective_payload, "Collective payload by op"),
+}

@@ -1,0 +1,113 @@
+"""Markdown and self-contained HTML from one :class:`~zeroexp.report.Report` (same tables, same strings).
+
+The HTML embeds its plots as base64 PNG and its style inline: it opens offline and references nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zeroexp.report import Report
+    from zeroexp.report.tables import ReportTable
+
+__all__ = ["to_markdown", "to_html"]
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(table: ReportTable) -> list[str]:
+    shown = table.display()
+    if shown.empty:
+        return [f"_{table.empty_text}_"]
+    lines = ["| " + " | ".join(_md_cell(c) for c in shown.columns) + " |",
+             "|" + "|".join("---" for _ in shown.columns) + "|"]
+    lines += ["| " + " | ".join(_md_cell(v) for v in row) + " |" for row in shown.itertuples(index=False)]
+    return lines
+
+
+def to_markdown(report: Report) -> str:
+    """``report.md``: verdicts, tables with their notes, plots linked beside it."""
+    out = [f"# zeroexp sweep report: {report.sweep_dir.name}", "",
+           f"{report.sweep_dir} · generated {report.generated_at} · {report.environment}", "", "## Verdicts", ""]
+    out += [f"- {line}" for line in report.verdicts.lines]
+    out += ["", "**Failures:**" if report.verdicts.failures else "**Failures:** none.", ""]
+    out += [f"- {f}" for f in report.verdicts.failures]
+    for table in report.tables:
+        out += ["", f"## {table.title}", "", *_md_table(table)]
+        if table.note:
+            out += ["", table.note]
+        out += [f"- {b}" for b in table.bullets] if table.bullets else []
+    if report.plots:
+        out += ["", "## Plots", ""]
+        for name, caption in report.plots:
+            out += [f"### {caption}", "", f"![{caption}]({name})", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+_CSS = """
+body{font:14px/1.45 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1f2328;max-width:1200px;margin:2em auto;padding:0 1.5em}
+h1{font-size:1.6em;border-bottom:1px solid #d0d7de;padding-bottom:.3em}h2{font-size:1.25em;margin-top:1.8em}
+.meta{color:#59636e;font-size:.9em}.note{color:#59636e;font-size:.88em;max-width:60em}
+.verdicts{border:1px solid #d0d7de;border-left:6px solid #1a7f37;border-radius:6px;padding:.6em 1.2em;background:#f6f8fa}
+.verdicts.bad{border-left-color:#cf222e}.verdicts h2{margin-top:.3em}.verdicts li{margin:.15em 0}.failures li{color:#cf222e}
+.scroll{overflow-x:auto}table{border-collapse:collapse;font-size:.9em;margin:.4em 0}
+th,td{border:1px solid #d0d7de;padding:.3em .6em;white-space:nowrap}th{background:#f6f8fa;text-align:left}
+td.num{text-align:right;font-variant-numeric:tabular-nums}tr:nth-child(even) td{background:#fbfcfd}
+td.pass{color:#1a7f37;font-weight:600}td.fail{color:#cf222e;font-weight:600}td.warn{color:#9a6700}
+td.wrap{white-space:normal;min-width:24em}figure{margin:1.2em 0}img{max-width:100%;border:1px solid #d0d7de}
+figcaption{color:#59636e;font-size:.9em}
+"""
+
+
+def _td(text: str) -> str:
+    cls = {"PASS": "pass", "FAIL": "fail", "failed": "fail", "unstable": "warn", "ok": "pass"}.get(text, "")
+    stripped = text.replace(",", "").replace("×", "").replace(" %", "").split(" (exp.")[0]
+    try:
+        float(stripped)
+        cls = cls or "num"
+    except ValueError:
+        cls = cls or ("wrap" if len(text) > 60 else "")
+    return f'<td class="{cls}">{html.escape(text)}</td>' if cls else f"<td>{html.escape(text)}</td>"
+
+
+def _html_table(table: ReportTable) -> str:
+    shown = table.display()
+    if shown.empty:
+        return f'<p class="note"><em>{html.escape(table.empty_text)}</em></p>'
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in shown.columns)
+    rows = "".join("<tr>" + "".join(_td(str(v)) for v in row) + "</tr>" for row in shown.itertuples(index=False))
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>'
+
+
+def to_html(report: Report) -> str:
+    """``report.html``: the same content as the Markdown, with the plots embedded."""
+    esc = html.escape
+    v = report.verdicts
+    parts = [f"<h1>zeroexp sweep report: {esc(report.sweep_dir.name)}</h1>",
+             f'<p class="meta">{esc(str(report.sweep_dir))} · generated {esc(report.generated_at)} · '
+             f"{esc(report.environment)}</p>",
+             f'<div class="verdicts{"" if v.ok else " bad"}"><h2>Verdicts</h2><ul>'
+             + "".join(f"<li>{esc(line)}</li>" for line in v.lines) + "</ul>"
+             + (f'<p><strong>Failures:</strong></p><ul class="failures">'
+                + "".join(f"<li>{esc(f)}</li>" for f in v.failures) + "</ul>" if v.failures
+                else "<p><strong>Failures:</strong> none.</p>") + "</div>"]
+    for table in report.tables:
+        parts += [f'<h2 id="{table.key}">{esc(table.title)}</h2>', _html_table(table)]
+        if table.note:
+            parts.append(f'<p class="note">{esc(table.note)}</p>')
+        if table.bullets:
+            parts.append('<ul class="note">' + "".join(f"<li>{esc(b)}</li>" for b in table.bullets) + "</ul>")
+    if report.plots:
+        parts.append("<h2>Plots</h2>")
+        for name, caption in report.plots:
+            data = base64.b64encode((report.sweep_dir / name).read_bytes()).decode("ascii")
+            parts.append(f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}">'
+                         f"<figcaption>{esc(caption)} ({esc(name)})</figcaption></figure>")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>zeroexp report {esc(report.sweep_dir.name)}</title><style>{_CSS}</style></head><body>"
+            + "\n".join(parts) + "</body></html>\n")

@@ -1,0 +1,98 @@
+"""The verdicts block on top of the report: how many cells passed each check, and every failure in words."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from zeroexp.report.cells import column
+from zeroexp.report.format import fmt_err, fmt_ms, missing
+
+__all__ = ["Verdicts", "verdicts"]
+
+#: The checked sections: summary.json key -> what the check asserts.
+CHECKS = {"state": "state factors match the ZeRO formula", "collectives": "collective fingerprint matches",
+          "equivalence": "parameters match the unsharded reference"}
+
+
+@dataclass
+class Verdicts:
+    """``lines``: one per check; ``failures``: one sentence per failure; ``ok``: nothing failed."""
+
+    lines: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    ok: bool = True
+
+
+def _as_list(value) -> list[str]:
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return [] if missing(value) else [str(value)]
+
+
+def _cells_line(cells: pd.DataFrame) -> str:
+    status = column(cells, "status").fillna("unknown").value_counts()
+    others = ", ".join(f"{n} {s}" for s, n in status.items() if s not in ("ok", "failed"))
+    return (f"Cells: {len(cells)}, {status.get('ok', 0)} finished, {status.get('failed', 0)} failed"
+            + (f", {others}" if others else "") + ".")
+
+
+def _check_line(ok: pd.DataFrame, section: str, claim: str) -> str:
+    checks = list(column(ok, f"{section}.check"))
+    passed, failed = checks.count("PASS"), checks.count("FAIL")
+    na = sum(missing(c) for c in checks)
+    line = f"{section}: {passed} of {len(ok)} finished cells PASS ({claim})"
+    line += f", {failed} FAIL" if failed else ""
+    return line + (f", {na} n/a (no {section} section)" if na else "") + "."
+
+
+def _timing_lines(ok: pd.DataFrame) -> list[str]:
+    timed = ok[[not missing(v) for v in column(ok, "timing.median_ms")]]
+    if timed.empty:
+        return ["timing: n/a (no timing section)."]
+    unstable = [bool(v) for v in timed["timing.unstable"]]
+    order = timed.sort_values("timing.median_ms")
+    if any(unstable):
+        head = (f"timing: {sum(unstable)} of {len(timed)} cells unstable (CV > 5 %): step times are trends, "
+                "not ratios.")
+        return [head, "Median step time, fastest first (trend only): " + ", ".join(order["label"]) + "."]
+    base = timed.iloc[0]
+    ratios = ", ".join(f"{r['label']} {float(r['timing.median_ms']) / float(base['timing.median_ms']):.2f}×"
+                       for _, r in timed.iloc[1:].iterrows())
+    return [f"timing: all {len(timed)} cells stable (CV <= 5 %).",
+            f"Median step time relative to {base['label']} ({fmt_ms(base['timing.median_ms'])} ms): {ratios or '-'}."]
+
+
+def _failures(cells: pd.DataFrame) -> list[str]:
+    out = []
+    for _, row in cells.iterrows():
+        label = row["label"]
+        if row.get("status") != "ok":
+            rank = row.get("error.rank")
+            who = "" if missing(rank) else f"rank {int(rank)} "
+            cause = row.get("error.cause")
+            log = row.get("error.log")
+            out.append(f"{label}: the cell {row.get('status')}: {who}{'' if missing(cause) else f'({cause}) '}"
+                       f"{row.get('error.message') if not missing(row.get('error.message')) else 'no error recorded'}"
+                       + ("" if missing(log) else f" (see {row['cell_name']}/{log})"))
+            continue
+        for section in CHECKS:
+            if row.get(f"{section}.check") == "FAIL":
+                reasons = _as_list(row.get(f"{section}.reasons")) or _as_list(row.get(f"{section}.why"))
+                if section == "equivalence" and not reasons:
+                    reasons = [f"max abs err {fmt_err(row.get('equivalence.max_abs_err'))} > threshold "
+                               f"{fmt_err(row.get('equivalence.threshold'))}"]
+                out.append(f"{label}: {section} FAIL: " + "; ".join(reasons or ["no reason recorded"]))
+    return out
+
+
+def verdicts(cells: pd.DataFrame) -> Verdicts:
+    """The verdicts of cells in ladder order (with ``label``), as sentences."""
+    ok = cells[column(cells, "status") == "ok"]
+    lines = [_cells_line(cells), *(_check_line(ok, s, c) for s, c in CHECKS.items())]
+    mem = sum(not missing(v) for v in column(ok, "memory.peak_bytes_max"))
+    lines.append(f"memory: steady and peak measured in {mem} of {len(ok)} finished cells (reported, not checked).")
+    lines += _timing_lines(ok)
+    failures = _failures(cells)
+    return Verdicts(lines=lines, failures=failures, ok=not failures)

@@ -1,0 +1,268 @@
+"""ZeRO-1 and ZeRO-2 by hand: flat bucketed shards, reduce_scatter, a local AdamW, all_gather.
+
+Rajbhandari, Rasley, Ruwase, He. "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+SC'20, arXiv:1910.02054. Section 5.1: P_os (stage 1) partitions the optimizer states (fp32 master copy and
+Adam's two moments, K=12 bytes per parameter) over the N data-parallel ranks; P_os+g (stage 2) partitions the
+gradients too. Section 7.2.1: the gradients are reduce-scattered, each rank updates its partition, and the
+updated parameters are all-gathered: Psi + Psi per step, the volume of one all-reduce.
+
+Layout. The trainable parameters are cut, in definition order, into buckets of at most ``bucket_cap_bytes``
+(a parameter is never split; one larger than the cap is a bucket alone). A bucket is one contiguous buffer
+in the compute dtype, padded to a multiple of N; the module's parameters are views into it. Rank r owns
+elements ``[r*s, (r+1)*s)`` of every bucket (``s = padded / N``): the fp32 master copy of them and AdamW's
+moments. The master is a separate fp32 tensor even when the compute dtype is fp32, as DeepSpeed's ZeRO-1/2
+keeps ``single_partition_of_fp32_groups``.
+
+One :meth:`ShardedAdamW.step`, after the closure's forward and backward:
+
+1. per bucket, the flat gradient is reduce-scattered (SUM) and rank r divides its shard by N in fp32;
+   ``reduce="allreduce"`` all-reduces the whole bucket and keeps shard r instead (the "naive ZeRO");
+2. with ``clip_grad_norm`` or loss scaling, one all_reduce of the sum of the shards' squared norms gives
+   the global norm (clip coefficient as ``torch.nn.utils.clip_grad_norm_``; non-finite: skip the update);
+3. ``torch.optim.AdamW``, unchanged, updates the fp32 master shards;
+4. per bucket, the updated shard (cast to the compute dtype) is all-gathered into the bucket: the parameters.
+
+Stage 1 keeps the full gradient buffer (``p.grad`` are views into it, zeroed in place by ``zero_grad``).
+Stage 2 releases the full gradient as soon as it is reduce-scattered and keeps only the averaged shard r,
+until ``zero_grad``: between steps a rank holds 1/N of the gradients. Every collective here must be entered
+by every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroexp.formulas import padded_numel
+
+__all__ = ["Bucket", "DynamicLossScale", "ShardedAdamW", "flatten_into_buckets", "gather_full_masters"]
+
+# torch >= 2.12 renamed the tensor collectives; both take (output, input, ...).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters flattened into one padded buffer, and rank ``rank``'s shard of their optimizer state."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # elements of real parameters; the buffer holds padded_numel(numel, world_size)
+    world_size: int
+    rank: int
+    flat: torch.Tensor  # compute dtype, padded; every parameter is a view into it
+    master: torch.Tensor  # fp32 copy of shard ``rank`` of ``flat``
+    grad: torch.Tensor | None = None  # stage 1: the full flat gradient; the params' .grad are views into it
+    grad_shard: torch.Tensor | None = None  # stage 2: the averaged gradient of shard ``rank``, compute dtype
+
+    @property
+    def shard_numel(self) -> int:
+        return self.flat.numel() // self.world_size
+
+    @property
+    def logical_shard_numel(self) -> int:
+        """Elements of real parameters in this rank's shard (the padding sits at the end of the last shards)."""
+        return max(0, min(self.shard_numel, self.numel - self.rank * self.shard_numel))
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full bucket-sized tensor (a view)."""
+        return full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+
+    def views(self, full: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter and its view, shaped like it, into a full bucket-sized tensor."""
+        for p, off in zip(self.params, self.offsets):
+            yield p, full[off:off + p.numel()].view_as(p)
+
+
+def flatten_into_buckets(params: Iterable[nn.Parameter], world_size: int, rank: int, bucket_cap_bytes: int,
+                         compute_dtype: torch.dtype) -> list[Bucket]:
+    """Move ``params`` into padded flat buckets of ``compute_dtype``; take rank ``rank``'s fp32 master shard.
+
+    The master is copied from the parameters as they are (fp32), before they are cast to ``compute_dtype``,
+    so mixed precision starts from the same weights as fp32 training. Afterwards every parameter's ``.data``
+    is a view into its bucket's ``flat``.
+    """
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    groups: list[list[nn.Parameter]] = [[]]
+    for p in params:
+        size = sum(q.numel() for q in groups[-1]) * itemsize
+        if groups[-1] and size + p.numel() * itemsize > bucket_cap_bytes:
+            groups.append([])
+        groups[-1].append(p)
+    return [_make_bucket(g, world_size, rank, compute_dtype) for g in groups if g]
+
+
+def _make_bucket(params: list[nn.Parameter], world_size: int, rank: int, dtype: torch.dtype) -> Bucket:
+    offsets = [0]
+    for p in params[:-1]:
+        offsets.append(offsets[-1] + p.numel())
+    numel = offsets[-1] + params[-1].numel()
+    with torch.no_grad():
+        full32 = torch.zeros(padded_numel(numel, world_size), dtype=torch.float32, device=params[0].device)
+        for p, off in zip(params, offsets):
+            full32[off:off + p.numel()].copy_(p.detach().reshape(-1))
+        bucket = Bucket(params, offsets, numel, world_size, rank, flat=full32.to(dtype), master=torch.empty(0))
+        bucket.master = bucket.shard(full32).clone()  # its own storage, also when flat is full32 itself
+        for p, view in bucket.views(bucket.flat):
+            p.data = view
+    return bucket
+
+
+@dataclass
+class DynamicLossScale:
+    """fp16 loss scaling: multiply the loss by ``value``; halve it on a non-finite gradient (that step is
+    skipped), double it after ``growth_interval`` finite steps (torch.amp.GradScaler's defaults)."""
+
+    value: float = 2.0 ** 16
+    growth_interval: int = 2000
+    finite_steps: int = 0
+    skipped_steps: int = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.value, self.finite_steps, self.skipped_steps = self.value / 2, 0, self.skipped_steps + 1
+            return
+        self.finite_steps += 1
+        if self.finite_steps == self.growth_interval:
+            self.value, self.finite_steps = self.value * 2, 0
+
+
+@dataclass
+class _Settings:
+    stage: int
+    reduce: str
+    clip_grad_norm: float | None
+    loss_scale: DynamicLossScale | None
+    group: Any
+    world_size: int
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW over the fp32 master shards of ``buckets``; ``step`` reduces gradients and all-gathers parameters.
+
+    ``param_groups`` hold the module's parameters (what Lightning and LR schedulers look at); their ``lr``,
+    ``betas``, ``eps`` and ``weight_decay`` are handed to :attr:`local` (a plain ``torch.optim.AdamW`` over
+    the master shards) at every step. ``stage``: 1 or 2 (see the module docstring). ``reduce``:
+    ``"reduce_scatter"`` or ``"allreduce"``. ``loss_scale``: fp16 dynamic loss scaling; the caller multiplies
+    the loss by ``loss_scale.value`` (:meth:`scale_loss`) before backward. A collective on every call of
+    :meth:`step`: call it on every rank.
+    """
+
+    def __init__(self, buckets: list[Bucket], *, stage: int, reduce: str = "reduce_scatter",
+                 clip_grad_norm: float | None = None, loss_scale: DynamicLossScale | None = None,
+                 group: Any = None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
+        if stage not in (1, 2) or reduce not in ("reduce_scatter", "allreduce"):
+            raise ValueError(f"stage must be 1 or 2 and reduce reduce_scatter or allreduce, got {stage}, {reduce}")
+        hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__([p for b in buckets for p in b.params], hyper)
+        self.buckets = buckets
+        self.local = torch.optim.AdamW([b.master for b in buckets], **hyper)
+        # Mutable state lives in objects, never in rebound attributes: Lightning's LightningOptimizer copies
+        # this optimizer's __dict__ at wrap time.
+        self.settings = _Settings(stage, reduce, clip_grad_norm, loss_scale, group,
+                                  buckets[0].world_size if buckets else 1)
+        if stage == 1:
+            for b in buckets:
+                b.grad = torch.zeros_like(b.flat)
+                for p, view in b.views(b.grad):
+                    p.grad = view
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (fp16), or ``loss`` itself."""
+        scale = self.settings.loss_scale
+        return loss if scale is None else loss * scale.value
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Stage 1: zero the full gradient buffer in place (the ``.grad`` views stay). Stage 2: drop the
+        gradient shards and any ``.grad``; backward allocates the next gradients."""
+        for b in self.buckets:
+            if self.settings.stage == 1:
+                b.grad.zero_()
+                for p, view in b.views(b.grad):
+                    p.grad = view
+            else:
+                b.grad_shard = None
+                for p in b.params:
+                    p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (forward and backward), then reduce -> [global norm] -> local AdamW -> all_gather."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        s = self.settings
+        divisor = s.world_size * (s.loss_scale.value if s.loss_scale is not None else 1.0)
+        for b in self.buckets:
+            b.master.grad = self._reduce(b).to(torch.float32, copy=True).div_(divisor)
+            if s.stage == 2:
+                b.grad_shard = b.master.grad if b.flat.dtype == torch.float32 else b.master.grad.to(b.flat.dtype)
+        update = True
+        if s.clip_grad_norm is not None or s.loss_scale is not None:
+            update = self._global_norm_and_clip()
+        if update:
+            for group in self.local.param_groups:
+                group.update({k: self.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
+            self.local.step()
+        for b in self.buckets:
+            b.master.grad = None
+            _all_gather(b.flat, b.master if b.flat.dtype == torch.float32 else b.master.to(b.flat.dtype),
+                        group=s.group)
+        return loss
+
+    def _reduce(self, b: Bucket) -> torch.Tensor:
+        """The bucket's gradient summed over ranks, shard ``rank`` only (compute dtype)."""
+        s = self.settings
+        if s.stage == 1:
+            flat = b.grad
+        else:  # autograd allocated each .grad; flatten them here and release them
+            flat = torch.zeros_like(b.flat)
+        for p, view in b.views(flat):
+            if p.grad is None:  # not used in this step's forward
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():  # not a view of the buffer (yet): copy it in
+                view.copy_(p.grad)
+            p.grad = view if s.stage == 1 else None
+        if s.reduce == "allreduce":
+            dist.all_reduce(flat, group=s.group)
+            return b.shard(flat)
+        shard = flat.new_empty(b.shard_numel)
+        _reduce_scatter(shard, flat, group=s.group)
+        return shard
+
+    def _global_norm_and_clip(self) -> bool:
+        """All-reduce the squared norm of the gradient shards; clip; update the loss scale. False: skip."""
+        s = self.settings
+        squares = torch.zeros((), dtype=torch.float32, device=self.buckets[0].master.device)
+        for b in self.buckets:  # padding holds zero gradients
+            squares += b.master.grad.pow(2).sum()
+        dist.all_reduce(squares, group=s.group)
+        norm = squares.sqrt()
+        if s.loss_scale is not None:
+            finite = bool(torch.isfinite(norm))
+            s.loss_scale.update(finite)
+            if not finite:
+                return False
+        if s.clip_grad_norm is not None:  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
+            coef = torch.clamp(s.clip_grad_norm / (norm + 1e-6), max=1.0)
+            for b in self.buckets:
+                b.master.grad.mul_(coef)
+        return True
+
+
+def gather_full_masters(buckets: list[Bucket], group: Any = None) -> dict[nn.Parameter, torch.Tensor]:
+    """Every parameter's fp32 master value at full size, all-gathered from the shards (a collective)."""
+    full: dict[nn.Parameter, torch.Tensor] = {}
+    for b in buckets:
+        flat32 = torch.empty(b.flat.numel(), dtype=torch.float32, device=b.master.device)
+        _all_gather(flat32, b.master, group=group)
+        full.update(b.views(flat32))
+    return full

@@ -1,0 +1,156 @@
+"""zeroexp's own ZeRO-1 and ZeRO-2 (``zeroexp.sharding``): no DDP, no library optimizer wrapper.
+
+``wrap`` flattens the trainable parameters into padded buckets (and casts them to the precision's
+``param_dtype``, keeping an fp32 master shard), ``make_optimizer`` returns :class:`ShardedAdamW`, whose
+``step`` runs Lightning's closure (forward, zero_grad, backward), then reduce_scatter -> AdamW on this rank's
+shard -> all_gather. See Rajbhandari et al., ZeRO, arXiv:1910.02054, sections 5.1 and 7.2.1.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, ClassVar, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroexp.formulas import sharded_zero_collectives, sharded_zero_state_factors
+from zeroexp.sharding import Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets, gather_full_masters
+from zeroexp.strategies import register
+from zeroexp.strategies.base import StateTensor, StrategyAdapter, optimizer_state_tensors, parameter_state_tensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cast_floating_inputs(dtype: torch.dtype) -> Callable[..., Any]:
+    """A forward pre-hook casting the floating-point tensor arguments (top level only) to ``dtype``."""
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _loss_scaling_precision(scale: DynamicLossScale) -> Any:
+    """Lightning's 32-true precision plugin whose backward multiplies the loss by ``scale.value`` (fp16)."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    class LossScaling(Precision):
+        def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+            return super().pre_backward(tensor * scale.value, module)
+
+    return LossScaling()
+
+
+class ShardedZeroAdapter(StrategyAdapter):
+    """Shared by ``zero1`` and ``zero2``; subclasses fix ``zero_stage``."""
+
+    precisions = frozenset({"fp32", "bf16", "fp16"})
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.dtype = DTYPES[str(cfg.precision.param_dtype)]
+        scale = cfg.precision.get("loss_scale")
+        self.loss_scale = None if scale is None else DynamicLossScale(float(scale), int(cfg.precision.growth_interval))
+        self.buckets: list[Bucket] = []
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        from zeroexp.config import ConfigError
+
+        s, p = cfg.strategy, cfg.precision
+        if s.reduce not in ("reduce_scatter", "allreduce"):
+            raise ConfigError("strategy.reduce", s.reduce, "reduce_scatter, allreduce")
+        if not s.bucket_cap_mb > 0:
+            raise ConfigError("strategy.bucket_cap_mb", s.bucket_cap_mb, "a positive number of MiB")
+        if s.clip_grad_norm is not None and not s.clip_grad_norm > 0:
+            raise ConfigError("strategy.clip_grad_norm", s.clip_grad_norm, "null or a positive max norm")
+        if p.get("loss_scale") is not None and not (p.loss_scale > 0 and p.growth_interval >= 1):
+            raise ConfigError("precision.loss_scale", p.loss_scale, "null or a positive initial scale, with "
+                              "precision.growth_interval >= 1")
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """Flatten the trainable parameters into buckets (views) in the compute dtype; no wrapper module."""
+        cap = int(float(self.scfg.bucket_cap_mb) * 1024 * 1024)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = flatten_into_buckets(trainable, dist.get_world_size(), dist.get_rank(), cap, self.dtype)
+        if self.dtype != torch.float32:
+            for t in [*module.buffers(), *(p for p in module.parameters() if not p.requires_grad)]:
+                if t.is_floating_point():
+                    t.data = t.data.to(self.dtype)
+            for child in module.children():  # the LightningModule's net: its inputs in the compute dtype
+                child.register_forward_pre_hook(_cast_floating_inputs(self.dtype), with_kwargs=True)
+        return module
+
+    def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        bucketed = {id(p) for b in self.buckets for p in b.params}
+        if any(p.requires_grad and id(p) not in bucketed for p in params):
+            raise ValueError("make_optimizer got parameters that wrap() did not flatten")
+        return ShardedAdamW(self.buckets, stage=int(self.zero_stage), reduce=str(self.scfg.reduce),
+                            clip_grad_norm=self.scfg.clip_grad_norm, loss_scale=self.loss_scale,
+                            **self.optimizer_kwargs())
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
+        """The padded buckets (param; stage 1 grad), the stage-2 gradient shards, the fp32 master shards
+        (``master``) and AdamW's moments of them; logical numel excludes the padding."""
+        for b in self.buckets:
+            yield StateTensor("param", b.flat, b.numel)
+            if b.grad is not None:
+                yield StateTensor("grad", b.grad, b.numel)
+            if b.grad_shard is not None:
+                yield StateTensor("grad", b.grad_shard, b.logical_shard_numel)
+        yield from parameter_state_tensors(model)  # views into the buckets (not counted twice); frozen ones
+        for b in self.buckets:
+            yield StateTensor("master", b.master, b.logical_shard_numel)
+        local = optimizer.local if isinstance(optimizer, ShardedAdamW) else optimizer
+        yield from optimizer_state_tensors(local, {id(b.master): b.logical_shard_numel for b in self.buckets})
+
+    def expected_state_factors(self, world_size: int) -> dict[str, float]:
+        """zeroexp.formulas.sharded_zero_state_factors: param N, grad N (zero1) or 1 (zero2), optim 2,
+        master 1 in fp32; the parameter and gradient factors scale with the compute dtype's size."""
+        return sharded_zero_state_factors(int(self.zero_stage), world_size, self.dtype.itemsize)
+
+    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             world_size: int) -> dict[str, dict[str, int]]:
+        """Per bucket (padded, compute dtype) one reduce_scatter (or all_reduce) and one all_gather, and one
+        fp32 scalar all_reduce with clipping or loss scaling (zeroexp.formulas.sharded_zero_collectives)."""
+        return sharded_zero_collectives([b.flat.numel() * b.flat.element_size() for b in self.buckets],
+                                        reduce=str(self.scfg.reduce),
+                                        norm_allreduce=self.scfg.clip_grad_norm is not None or self.loss_scale is not None)
+
+    @contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+        """The fp32 master shards all-gathered (what the optimizer trains; the compute parameters are their
+        cast): a collective, enter it on every rank. Parameters outside the buckets are returned as they are."""
+        with torch.no_grad():
+            full = gather_full_masters(self.buckets)
+            yield {name: full.get(p, p.detach()) for name, p in model.named_parameters()}
+
+    def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
+        strategy = super().lightning_strategy(timeout_s, backend)
+        if self.loss_scale is not None:
+            strategy.precision_plugin = _loss_scaling_precision(self.loss_scale)
+        return strategy
+
+
+@register
+class Zero1Adapter(ShardedZeroAdapter):
+    name = "zero1"
+    zero_stage = 1
+    semantics = (
+        "ZeRO-1 (P_os) by hand: parameters and gradients replicated in the compute dtype, the fp32 master and "
+        "Adam moments sharded 1/N; gradients reduce-scattered, updated shards all-gathered."
+    )
+
+
+@register
+class Zero2Adapter(ShardedZeroAdapter):
+    name = "zero2"
+    zero_stage = 2
+    semantics = (
+        "ZeRO-2 (P_os+g) by hand: parameters replicated; after the reduce_scatter each rank keeps only its "
+        "gradient shard; the fp32 master and Adam moments sharded 1/N."
+    )
