@@ -19,6 +19,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 STRATEGIES = ("ddp", "zro", "fsdp_grad_op", "fsdp_full")
 
@@ -69,6 +70,9 @@ def _bare_rank(rank: int, world_size: int, port: int, strategy: str, a: dict, ou
         Path(out).write_text(json.dumps(gathered))
     dist.barrier()  # rank 0 has written the times: nobody tears down a peer still in a collective
     dist.destroy_process_group()
+    # Skip interpreter teardown, as zeroexp's forked ranks do: with torch 2.13 a spawned FSDP/gloo rank
+    # sometimes aborts there ("terminate called without an active exception"), after its work is done.
+    os._exit(0)
 
 
 def run_bare(strategy: str, a: dict, timed: range) -> list[float]:
@@ -85,7 +89,7 @@ def run_bare(strategy: str, a: dict, timed: range) -> list[float]:
 
 
 # --- the same cell through zeroexp -----------------------------------------------------------------
-def compose_cell(strategy: str, a: dict):
+def compose_cell(strategy: str, a: dict) -> Any:
     """The zeroexp config of the cell (default probes steps: warm-up 3, profiled 2, memory 2)."""
     from hydra import compose, initialize_config_dir
 
@@ -99,7 +103,7 @@ def compose_cell(strategy: str, a: dict):
         return compose(config_name="config", overrides=overrides)
 
 
-def run_zeroexp(cfg, root: Path) -> list[float]:
+def run_zeroexp(cfg: Any, root: Path) -> list[float]:
     """Per timed step, the slowest rank's time (ms) of the zeroexp cell (its timing section)."""
     from zeroexp.runner import run_cell
 

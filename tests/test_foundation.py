@@ -116,7 +116,7 @@ def test_multirun_runs_each_distinct_cell_once(tmp_path):
     proc = _zeroexp("--multirun", "strategy=ddp,zro", "prefetch=pre,post", "logger=wandb", "world_size=2",
                     "model.width=32", "steps=9", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    cells = sorted(p for p in sweep.iterdir() if p.is_dir())
+    cells = sorted(p.parent for p in sweep.glob("*/manifest.json"))  # sweep/wandb is the report's run
     assert len(cells) == 2, cells  # 4 jobs, 2 distinct cells: prefetch does not apply to ddp or zro
     assert proc.stdout.count("already ran in this sweep") == 2
     assert proc.stdout.strip().splitlines()[-1] == str(sweep)

@@ -115,6 +115,9 @@ def test_table_numbers_equal_the_cells_summaries(sweep):
         for key in ("median_ms", "p95_ms", "cv", "unstable"):
             assert tables["timing"].at[cell.name, f"timing.{key}"] == s["timing"][key]
         assert tables["equivalence"].at[cell.name, "equivalence.max_abs_err"] == s["equivalence"]["max_abs_err"]
+        for kind, planned in s.get("plan", {}).get("predicted_bytes", {}).items():  # once the planner is there
+            assert tables["plan"].at[cell.name, f"plan.predicted_bytes.{kind}"] == planned
+            assert tables["plan"].at[cell.name, f"plan.measured_bytes.{kind}"] == s["plan"]["measured_bytes"][kind]
         for section in ("state", "collectives", "equivalence"):
             assert tables[section].at[cell.name, f"{section}.check"] == s[section]["check"]
         # the joined rows for pandas users carry the same numbers
@@ -190,7 +193,7 @@ def test_failed_cell_is_reported(failed_sweep):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(sweep_dir)
     md = (sweep_dir / "report.md").read_text(encoding="utf-8")
-    assert "zro: the cell failed: rank 0 (exception)" in md and "injected fault" in md
+    assert "zro: cell failed: rank 0 (exception)" in md and "injected fault" in md
     assert "Cells: 2, 1 finished, 1 failed." in md
     report = build_report(sweep_dir)
     assert list(report.table("failures").raw.label) == ["zro"]
@@ -223,7 +226,8 @@ def test_missing_sections_unknown_strategy_and_plan(sweep, tmp_path):
     def strip(s):
         for section in ("state", "equivalence", "collectives"):
             s.pop(section)
-        s["plan"] = {"predicted_bytes": {"param": 131072}, "measured_bytes": {"param": 131072}, "check": "PASS"}
+        s["plan"] = {"predicted_bytes": {"param": 131072}, "measured_bytes": {"param": 131088},
+                     "difference_bytes": {"param": 16}, "check": "FAIL", "reasons": ["rank 0 param: 16 B more"]}
 
     _edit_summary(newcomer, strip)
     assert report_main([str(fake), "--wandb", "none"]) == 0
@@ -233,8 +237,9 @@ def test_missing_sections_unknown_strategy_and_plan(sweep, tmp_path):
     assert state.loc["zero9", "check"] == NA and state.loc["zero9", "param ×P"] == NA
     assert report.table("collectives").display().set_index("cell").loc["zero9", "check"] == NA
     plan = report.table("plan").display().set_index("cell")
-    assert plan.loc["zero9", "predicted_bytes.param MiB"] == "0.1250"
-    assert "n/a (no state section)" in (fake / "report.md").read_text(encoding="utf-8")
+    assert plan.loc["zero9", "param planned / measured MiB"] == "0.1250 / 0.1250 (Δ +16 B)"
+    md = (fake / "report.md").read_text(encoding="utf-8")
+    assert "n/a (no state section)" in md and "zero9: plan FAIL: rank 0 param: 16 B more" in md
     assert not (fake / "wandb").exists()
 
 
@@ -245,5 +250,5 @@ def test_empty_and_all_failed_sweeps_report(tmp_path, sweep):
     manifest.update(status="failed", error={"rank": None, "cause": "timeout", "message": "cell ran past 1 s", "log": None})
     (tmp_path / "s" / cell.name / "manifest.json").write_text(json.dumps(manifest))
     report = write_report(tmp_path / "s", wandb_mode="none")
-    assert report.plots == [] and "ddp: the cell failed: (timeout) cell ran past 1 s" in report.verdicts.failures
+    assert report.plots == [] and "ddp: cell failed: (timeout) cell ran past 1 s" in report.verdicts.failures
     assert (tmp_path / "s" / "report.html").exists()

@@ -6,9 +6,14 @@ Sources:
   section 7 (communication volume), Figure 1.
 - [NCCL-TESTS] NVIDIA nccl-tests, doc/PERFORMANCE.md: algorithm vs bus bandwidth; S is the full array, so for
   all_gather / reduce_scatter S = per-rank chunk x N; bus factor all_reduce 2(N-1)/N, all_gather and
-  reduce_scatter (N-1)/N, broadcast 1.
+  reduce_scatter (N-1)/N, broadcast 1, reduce 1.
 - [FSDP] torch/distributed/fsdp/_flat_param.py: a FlatParameter is padded to a multiple of the world size
-  before it is chunked into shards.
+  before it is chunked into shards; with ``use_orig_params`` each parameter starts 16-byte aligned.
+- [OFFLOAD] Ren et al. "ZeRO-Offload", arXiv:2101.06840, section 4 (optimizer state and gradient partitions on
+  the host); Rajbhandari et al. "ZeRO-Infinity", arXiv:2104.07857 (parameters too, with stage 3).
+- [DS] DeepSpeed v0.14.4 runtime/zero/stage_1_and_2.py (fp32 partition ``single_partition_of_fp32_groups`` at
+  any precision; bit16 groups padded to 2N elements; ``average_tensor`` reduces each rank's slice with
+  ``dist.reduce``), stage3.py (every parameter partitioned on its own, padded to N; fp32 partitions).
 
 Conventions: P is the logical fp32 parameter bytes (numel x 4); factors are aggregate (sum over ranks of a
 kind's bytes divided by P) unless a name says per-rank.
@@ -16,10 +21,15 @@ kind's bytes divided by P) unless a name says per-rank.
 
 from __future__ import annotations
 
+import heapq
 import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 __all__ = ["padded_numel", "zero_state_factors", "bus_factor", "bus_bytes", "ddp_collectives", "zero1_collectives",
-           "fsdp_collectives", "sharded_zero_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives"]
+           "fsdp_collectives", "sharded_zero_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives",
+           "COMPUTE_ITEMSIZE", "STATE_KINDS", "ModelShape", "PlanKnobs", "Groups", "StateLayout", "LAYOUTS",
+           "owner_numels", "rank_state_bytes", "step_collectives", "unsharded_floor_bytes", "offloaded_kinds"]
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -56,12 +66,12 @@ Collectives = dict[str, dict[str, int]]
 def bus_factor(op: str, world_size: int) -> float | None:
     """Bus bytes / S of one collective on N ranks [NCCL-TESTS]; None for ops the convention does not cover.
 
-    all_reduce 2(N-1)/N, all_gather and reduce_scatter (N-1)/N, broadcast 1. S (the payload) is the full
-    array: for all_gather and reduce_scatter, one rank's chunk x N.
+    all_reduce 2(N-1)/N, all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1. S (the payload) is
+    the full array: for all_gather and reduce_scatter, one rank's chunk x N.
     """
     n = world_size
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "broadcast": 1.0}.get(op)
+            "broadcast": 1.0, "reduce": 1.0}.get(op)
 
 
 def bus_bytes(op: str, payload_bytes: int, world_size: int) -> int | None:
@@ -126,3 +136,288 @@ def sharded_zero_collectives(bucket_bytes: list[int], reduce: str = "reduce_scat
     reduces = list(bucket_bytes) if reduce == "allreduce" else []
     return _model(reduce_scatter=[] if reduce == "allreduce" else list(bucket_bytes), all_gather=list(bucket_bytes),
                   all_reduce=reduces + ([4] if norm_allreduce else []))
+
+
+# --- the planner's strategy table: where each strategy keeps its state and what it sends per step ---------
+#: Bytes per element of a precision's compute dtype (parameters, gradients); masters and moments are fp32.
+COMPUTE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: The model-state kinds the planner predicts, named as the state probe names them.
+STATE_KINDS = ("param", "grad", "optim", "master")
+_MOMENTS, _MASTER, _STEP = 8, 4, 4  # bytes per element: Adam's fp32 exp_avg + exp_avg_sq; fp32 master; ``step``
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner knows of a model.
+
+    ``params``: each parameter's numel in definition order (a shared one once); ``units``: the FSDP units, each
+    its parameters' numels in FlatParameter order, with ``root`` marking the root unit. Known only by its count
+    (:meth:`from_count`), a model is one flat group whose units are unknown (``exact`` False).
+    """
+
+    params: tuple[int, ...]
+    units: tuple[tuple[int, ...], ...]
+    root: tuple[bool, ...]
+    exact: bool = True
+
+    @classmethod
+    def from_count(cls, numel: int) -> ModelShape:
+        """A model known only by its number of parameters."""
+        return cls((int(numel),), ((int(numel),),), (False,), exact=False)
+
+    @property
+    def numel(self) -> int:
+        """Psi: the number of parameters."""
+        return sum(self.params)
+
+
+@dataclass(frozen=True)
+class PlanKnobs:
+    """Strategy settings that change bytes: zeroexp's ZeRO buckets (``strategy.bucket_cap_mb``, ``reduce``, the
+    norm all_reduce of clipping or loss scaling) and FSDP ``use_orig_params`` (16-byte aligned parameters in the
+    FlatParameter, Adam moments per unpadded view) [FSDP]."""
+
+    bucket_cap_bytes: int = 25 * 2**20
+    reduce: str = "reduce_scatter"
+    norm_allreduce: bool = False
+    use_orig_params: bool = False
+
+
+class Groups(NamedTuple):
+    """What a payload model sees: the padded compute-dtype bytes of each flat group the strategy sends (FSDP
+    units, buckets, one flat buffer; the unpadded parameters for replicated ones), which is FSDP's root unit."""
+
+    nbytes: list[int]
+    root: list[bool]
+    knobs: PlanKnobs
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where one strategy keeps each kind of model state at the optimizer boundary, and what it sends per step.
+
+    ``sharded``: the kinds each rank holds 1/N of (``param``, ``grad``, ``optim``; a master follows ``optim``).
+    ``master``: a separate fp32 copy of the parameters ``always`` (even in fp32 training), ``mixed`` (only when
+    the compute dtype is not fp32: the paper's K = 12 = 4 + 8 [ZeRO 5.1]) or ``never``. ``groups``: how the
+    sharded kinds are cut: ``flat`` (one buffer padded to ``pad`` x N), ``params`` (each parameter padded to N),
+    ``units`` (FSDP FlatParameters padded to N), ``buckets`` (zeroexp.sharding's, padded to N), ``owners`` (whole
+    parameters, as ZeroRedundancyOptimizer assigns them) or ``none``; the replicated kinds of ``flat`` and
+    ``buckets`` are the padded buffers. ``payload``: the per-step collectives [ZeRO 7]. ``gather``: unsharded
+    parameters held on top of the state while computing: the ``largest`` unit, ``all`` units, or ``none``.
+    ``precisions`` and ``offloads``: the settings this byte model covers.
+    """
+
+    label: str
+    stage: int
+    sharded: frozenset[str]
+    master: str
+    groups: str
+    payload: Callable[[Groups], Collectives]
+    gather: str = "none"
+    pad: int = 1
+    precisions: frozenset[str] = frozenset({"fp32"})
+    offloads: frozenset[str] = frozenset({"none"})
+    source: str = ""
+
+
+def _all_reduce(g: Groups) -> Collectives:
+    return ddp_collectives([sum(g.nbytes)])
+
+
+def _all_reduce_broadcast(g: Groups) -> Collectives:
+    return zero1_collectives([sum(g.nbytes)], [sum(g.nbytes)])
+
+
+def _scatter_gather(g: Groups) -> Collectives:
+    return sharded_zero_collectives(g.nbytes, g.knobs.reduce, g.knobs.norm_allreduce)
+
+
+def _reduce_gather(g: Groups) -> Collectives:
+    return _model(reduce=g.nbytes, all_gather=g.nbytes)
+
+
+def _gather_once(g: Groups) -> Collectives:
+    return fsdp_collectives(g.nbytes, [1] * len(g.nbytes))
+
+
+def _gather_twice(g: Groups) -> Collectives:
+    return fsdp_collectives(g.nbytes, [1 if root else 2 for root in g.root])
+
+
+_MIXED = frozenset({"fp32", "bf16", "fp16"})
+_OS, _OS_G, _OS_G_P = frozenset({"optim"}), frozenset({"optim", "grad"}), frozenset({"optim", "grad", "param"})
+_OFF = [frozenset({"none"}), frozenset({"none", "optimizer"}), frozenset({"none", "optimizer", "full"})]
+
+#: Every strategy the planner knows. A registered strategy (zeroexp.strategies) is planned with its entry here;
+#: one without falls back to its ``zero_stage``'s paper entry. A new strategy is one more row.
+LAYOUTS: dict[str, StateLayout] = {
+    "zero_stage0": StateLayout("baseline (paper)", 0, frozenset(), "mixed", "none", _all_reduce, precisions=_MIXED,
+                               source="[ZeRO] 5.1, 7.1, Figure 1"),
+    "zero_stage1": StateLayout("P_os (paper)", 1, _OS, "mixed", "flat", _scatter_gather, precisions=_MIXED,
+                               offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]"),
+    "zero_stage2": StateLayout("P_os+g (paper)", 2, _OS_G, "mixed", "flat", _scatter_gather, precisions=_MIXED,
+                               offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]"),
+    "zero_stage3": StateLayout("P_os+g+p (paper)", 3, _OS_G_P, "mixed", "flat", _gather_twice, "largest",
+                               precisions=_MIXED, offloads=_OFF[2], source="[ZeRO] 5.1, 7.2.2, Figure 1; [OFFLOAD]"),
+    "deepspeed_stage0": StateLayout("DeepSpeed stage 0", 0, frozenset(), "mixed", "none", _all_reduce,
+                                    precisions=_MIXED, source="[DS] (read, not run)"),
+    "deepspeed_stage1": StateLayout("DeepSpeed stage 1", 1, _OS, "always", "flat", _reduce_gather, pad=2,
+                                    precisions=_MIXED, offloads=_OFF[1], source="[DS] (read, not run)"),
+    "deepspeed_stage2": StateLayout("DeepSpeed stage 2", 2, _OS_G, "always", "flat", _reduce_gather, pad=2,
+                                    precisions=_MIXED, offloads=_OFF[1], source="[DS] (read, not run)"),
+    "deepspeed_stage3": StateLayout("DeepSpeed stage 3", 3, _OS_G_P, "always", "params", _gather_twice, "largest",
+                                    precisions=_MIXED, offloads=_OFF[2], source="[DS] (read, not run)"),
+    "ddp": StateLayout("DDP", 0, frozenset(), "never", "none", _all_reduce, source="zeroexp.strategies.ddp"),
+    "zro": StateLayout("DDP + ZeroRedundancyOptimizer", 1, _OS, "never", "owners", _all_reduce_broadcast,
+                       source="zeroexp.strategies.zro"),
+    "zero1": StateLayout("zeroexp ZeRO-1", 1, _OS, "always", "buckets", _scatter_gather, precisions=_MIXED,
+                         source="zeroexp.sharding"),
+    "zero2": StateLayout("zeroexp ZeRO-2", 2, _OS_G, "always", "buckets", _scatter_gather, precisions=_MIXED,
+                         source="zeroexp.sharding"),
+    "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, _OS_G_P, "never", "units", _gather_once, "all",
+                                source="zeroexp.strategies.fsdp; [FSDP]"),
+    "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", _gather_twice, "largest",
+                             source="zeroexp.strategies.fsdp; [FSDP]"),
+}
+
+
+def owner_numels(numels: tuple[int, ...] | list[int], world_size: int) -> list[list[int]]:
+    """The parameters (numels) each rank owns under ZeroRedundancyOptimizer: largest first, each to the rank
+    owning the fewest elements so far, the lowest rank on ties (``_partition_parameters``, torch/distributed/optim/
+    zero_redundancy_optimizer.py)."""
+    heap, owned = [(0, r) for r in range(world_size)], [[] for _ in range(world_size)]
+    for n in sorted(numels, reverse=True):
+        size, rank = heapq.heappop(heap)
+        owned[rank].append(n)
+        heapq.heappush(heap, (size + n, rank))
+    return owned
+
+
+def _flat(numels: tuple[int, ...], align: int) -> tuple[list[tuple[int, int]], int]:
+    """Element ranges of ``numels`` laid out in one buffer, each starting at a multiple of ``align`` (0: packed),
+    and the buffer's length before world-size padding [FSDP]."""
+    spans, end = [], 0
+    for n in numels:
+        end += (align - end % align) % align if align else 0
+        spans.append((end, end + n))
+        end += n
+    return spans, end
+
+
+def _buckets(numels: tuple[int, ...], itemsize: int, cap_bytes: int) -> list[tuple[int, ...]]:
+    """zeroexp.sharding.flatten_into_buckets' cut: in order, a new bucket when the next parameter would pass the
+    cap; a parameter is never split."""
+    groups: list[list[int]] = [[]]
+    for n in numels:
+        if groups[-1] and (sum(groups[-1]) + n) * itemsize > cap_bytes:
+            groups.append([])
+        groups[-1].append(n)
+    return [tuple(g) for g in groups if g]
+
+
+def _groups(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
+            knobs: PlanKnobs) -> list[tuple[list[tuple[int, int]], int]]:
+    """Each flat group the layout shards: its parameters' element ranges, and its length padded to pad x N."""
+    kind, align = layout.groups, 0
+    if kind == "units":
+        parts, align = shape.units, (16 // itemsize if knobs.use_orig_params else 0)
+    elif kind == "buckets":
+        parts = _buckets(shape.params, itemsize, knobs.bucket_cap_bytes)
+    elif kind == "params":
+        parts = [(n,) for n in shape.params]
+    else:
+        parts = [shape.params]
+    groups = [_flat(part, align) for part in parts]
+    return [(spans, padded_numel(length, layout.pad * world_size)) for spans, length in groups if length]
+
+
+def _shards(groups: list[tuple[list[tuple[int, int]], int]], world_size: int) -> tuple[list[int], list[int]]:
+    """Per rank: elements of real parameters in its shards (logical) and the shards' length (physical)."""
+    logical, step = [0] * (world_size + 1), [0] * (world_size + 1)  # step: a difference array of whole shards
+    physical = 0
+    for spans, padded in groups:
+        shard = padded // world_size
+        physical += shard
+        for a, b in spans:
+            first, last = a // shard, (b - 1) // shard
+            if first == last:
+                logical[first] += b - a
+                continue
+            logical[first] += (first + 1) * shard - a
+            logical[last] += b - last * shard
+            step[first + 1] += shard
+            step[last] -= shard
+    run = 0
+    for r in range(world_size):
+        run += step[r]
+        logical[r] += run
+    return logical[:world_size], [physical] * world_size
+
+
+def rank_state_bytes(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
+                     knobs: PlanKnobs = PlanKnobs()) -> dict[str, list[tuple[int, int]]]:
+    """Per kind, per rank: (logical, physical) bytes of model state at the optimizer boundary [ZeRO 5.1].
+
+    ``param`` and ``grad`` in the compute dtype (``itemsize`` bytes), ``optim`` Adam's two fp32 moments, ``master``
+    the fp32 copy when the layout keeps one; each replicated or sharded as the layout says, physical bytes with
+    the layout's padding. ``optim_scalar``: Adam's 4-byte ``step`` per optimizer tensor, when the model's shapes
+    fix their number (a residual beside the model state, not part of it).
+    """
+    n, psi, s = world_size, shape.numel, layout.sharded
+    if layout.groups in ("none", "owners") and shape.exact:
+        owned = owner_numels(shape.params, n) if layout.groups == "owners" else [list(shape.params)] * n
+        logical = physical = [sum(o) for o in owned]
+        full, tensors = psi, [len(o) for o in owned]
+    else:
+        groups = _groups(layout, shape, n, itemsize, knobs)
+        logical, physical = _shards(groups, n)
+        full = psi if layout.groups in ("none", "owners") else sum(padded for _, padded in groups)
+        tensors = [len(groups)] * n if shape.exact and layout.groups in ("units", "buckets") else None
+
+    def kind(sharded: bool, nbytes: int) -> list[tuple[int, int]]:
+        if sharded:
+            return [(lo * nbytes, ph * nbytes) for lo, ph in zip(logical, physical)]
+        return [(psi * nbytes, full * nbytes)] * n
+
+    out = {"param": kind("param" in s, itemsize), "grad": kind("grad" in s, itemsize), "optim": kind("optim" in s, _MOMENTS)}
+    if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
+        out["master"] = kind("optim" in s, _MASTER)
+    if knobs.use_orig_params and layout.groups == "units":  # moments of the unpadded views; steps per view
+        out["optim"], tensors = [(lo, lo) for lo, _ in out["optim"]], None
+    if tensors is not None:
+        out["optim_scalar"] = [(_STEP * t, _STEP * t) for t in tensors]
+    return out
+
+
+def step_collectives(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
+                     knobs: PlanKnobs = PlanKnobs()) -> Collectives:
+    """One rank's per-step collectives under ``layout``: its payload model over the padded groups [ZeRO 7]."""
+    if layout.groups in ("none", "owners"):
+        return layout.payload(Groups([shape.numel * itemsize], [False], knobs))
+    groups = _groups(layout, shape, world_size, itemsize, knobs)
+    roots = list(shape.root) if layout.groups == "units" else [False] * len(groups)
+    return layout.payload(Groups([padded * itemsize for _, padded in groups], roots, knobs))
+
+
+def unsharded_floor_bytes(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
+                          knobs: PlanKnobs = PlanKnobs()) -> int | None:
+    """Unsharded parameter bytes a rank holds on top of its state while computing, a floor under the peak: the
+    largest FSDP unit (FULL_SHARD gathers one at a time), every unit (SHARD_GRAD_OP keeps them from forward to the
+    end of backward), 0 for replicated parameters; None when the units are unknown (a count, no model)."""
+    if layout.gather == "none":
+        return 0
+    align = 16 // itemsize if knobs.use_orig_params else 0
+    units = [padded_numel(_flat(u, align)[1], world_size) * itemsize for u in shape.units]
+    if layout.gather == "all":
+        return sum(units)
+    return max(units) if shape.exact else None
+
+
+def offloaded_kinds(layout: StateLayout, offload: str) -> frozenset[str]:
+    """The kinds kept in host memory [OFFLOAD]: ``optimizer``: master and moments, and the gradient partition
+    when gradients are sharded (ZeRO-Offload); ``full``: every kind (ZeRO-Infinity); ``none``: none."""
+    kinds = {"none": frozenset(), "optimizer": frozenset({"optim", "master"}) | (layout.sharded & {"grad"}),
+             "full": frozenset(STATE_KINDS)}
+    if offload not in kinds:
+        raise ValueError(f"offload must be none, optimizer or full, got {offload!r}")
+    return kinds[offload]

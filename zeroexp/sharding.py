@@ -15,17 +15,19 @@ keeps ``single_partition_of_fp32_groups``.
 
 One :meth:`ShardedAdamW.step`, after the closure's forward and backward:
 
-1. per bucket, the flat gradient is reduce-scattered (SUM) and rank r divides its shard by N in fp32;
-   ``reduce="allreduce"`` all-reduces the whole bucket and keeps shard r instead (the "naive ZeRO");
+1. per bucket, the flat gradient is reduce-scattered (SUM, in place: shard r of the buffer receives it) and
+   rank r divides its shard by N in fp32; ``reduce="allreduce"`` all-reduces the whole bucket instead (the
+   "naive ZeRO": N times the reduced bytes a rank needs);
 2. with ``clip_grad_norm`` or loss scaling, one all_reduce of the sum of the shards' squared norms gives
    the global norm (clip coefficient as ``torch.nn.utils.clip_grad_norm_``; non-finite: skip the update);
 3. ``torch.optim.AdamW``, unchanged, updates the fp32 master shards;
 4. per bucket, the updated shard (cast to the compute dtype) is all-gathered into the bucket: the parameters.
 
 Stage 1 keeps the full gradient buffer (``p.grad`` are views into it, zeroed in place by ``zero_grad``).
-Stage 2 releases the full gradient as soon as it is reduce-scattered and keeps only the averaged shard r,
-until ``zero_grad``: between steps a rank holds 1/N of the gradients. Every collective here must be entered
-by every rank, in the same order.
+Stage 2 allocates a bucket's full gradient buffer when backward reaches the bucket (a gradient hook attaches
+the views before autograd accumulates), copies the reduced shard r into a kept shard buffer and releases the
+full buffer right after the bucket's reduce_scatter: between steps a rank holds 1/N of the gradients,
+whenever ``zero_grad`` is called. Every collective here must be entered by every rank, in the same order.
 """
 
 from __future__ import annotations
@@ -167,11 +169,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         # this optimizer's __dict__ at wrap time.
         self.settings = _Settings(stage, reduce, clip_grad_norm, loss_scale, group,
                                   buckets[0].world_size if buckets else 1)
-        if stage == 1:
-            for b in buckets:
-                b.grad = torch.zeros_like(b.flat)
-                for p, view in b.views(b.grad):
-                    p.grad = view
+        for b in buckets:
+            if stage == 1:  # the full gradient buffer lives as long as the optimizer
+                _attach_grad_buffer(b)
+            else:  # allocated when backward reaches the bucket, released after its reduce_scatter
+                b.grad_shard = torch.zeros(b.shard_numel, dtype=b.flat.dtype, device=b.flat.device)
+                for p in b.params:
+                    p.register_hook(_attach_on_first_grad(b))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (fp16), or ``loss`` itself."""
@@ -180,17 +184,14 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Stage 1: zero the full gradient buffer in place (the ``.grad`` views stay). Stage 2: drop the
-        gradient shards and any ``.grad``; backward allocates the next gradients."""
+        """Stage 1: zero the full gradient buffer in place (the ``.grad`` views stay). Stage 2: zero the
+        gradient shard; no full gradient exists until backward reaches the bucket. ``set_to_none`` is ignored."""
         for b in self.buckets:
             if self.settings.stage == 1:
-                b.grad.zero_()
-                for p, view in b.views(b.grad):
-                    p.grad = view
+                _attach_grad_buffer(b)
             else:
-                b.grad_shard = None
-                for p in b.params:
-                    p.grad = None
+                b.grad_shard.zero_()
+                _release_grad_buffer(b)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -202,9 +203,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         s = self.settings
         divisor = s.world_size * (s.loss_scale.value if s.loss_scale is not None else 1.0)
         for b in self.buckets:
-            b.master.grad = self._reduce(b).to(torch.float32, copy=True).div_(divisor)
-            if s.stage == 2:
-                b.grad_shard = b.master.grad if b.flat.dtype == torch.float32 else b.master.grad.to(b.flat.dtype)
+            shard = self._reduce(b)  # the summed gradient of shard r, in the bucket's full gradient buffer
+            if s.stage == 2:  # keep the shard, release the full gradient
+                shard = b.grad_shard.copy_(shard)
+                _release_grad_buffer(b)
+            b.master.grad = shard.float().div_(divisor)  # fp32 compute: in place, the shard becomes the average
         update = True
         if s.clip_grad_norm is not None or s.loss_scale is not None:
             update = self._global_norm_and_clip()
@@ -213,29 +216,28 @@ class ShardedAdamW(torch.optim.Optimizer):
                 group.update({k: self.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
             self.local.step()
         for b in self.buckets:
+            if s.stage == 2 and b.master.grad.data_ptr() != b.grad_shard.data_ptr():
+                b.grad_shard.copy_(b.master.grad)  # low-precision compute: keep the averaged, clipped shard
             b.master.grad = None
             _all_gather(b.flat, b.master if b.flat.dtype == torch.float32 else b.master.to(b.flat.dtype),
                         group=s.group)
         return loss
 
     def _reduce(self, b: Bucket) -> torch.Tensor:
-        """The bucket's gradient summed over ranks, shard ``rank`` only (compute dtype)."""
-        s = self.settings
-        if s.stage == 1:
-            flat = b.grad
-        else:  # autograd allocated each .grad; flatten them here and release them
-            flat = torch.zeros_like(b.flat)
-        for p, view in b.views(flat):
+        """Sum the bucket's gradient over ranks, in place: shard ``rank`` of ``b.grad`` (a view) holds it."""
+        if b.grad is None:  # backward produced no gradient for the bucket (or hooks were bypassed)
+            _attach_grad_buffer(b)
+        for p, view in b.views(b.grad):
             if p.grad is None:  # not used in this step's forward
                 view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():  # not a view of the buffer (yet): copy it in
+            elif p.grad.data_ptr() != view.data_ptr():  # not a view of the buffer (set by someone else): copy
                 view.copy_(p.grad)
-            p.grad = view if s.stage == 1 else None
-        if s.reduce == "allreduce":
-            dist.all_reduce(flat, group=s.group)
-            return b.shard(flat)
-        shard = flat.new_empty(b.shard_numel)
-        _reduce_scatter(shard, flat, group=s.group)
+            p.grad = view
+        shard = b.shard(b.grad)
+        if self.settings.reduce == "allreduce":
+            dist.all_reduce(b.grad, group=self.settings.group)
+        else:  # in place: output = input + rank * shard_numel, as NCCL allows and gloo supports
+            _reduce_scatter(shard, b.grad, group=self.settings.group)
         return shard
 
     def _global_norm_and_clip(self) -> bool:
@@ -256,6 +258,30 @@ class ShardedAdamW(torch.optim.Optimizer):
             for b in self.buckets:
                 b.master.grad.mul_(coef)
         return True
+
+
+def _attach_grad_buffer(b: Bucket) -> None:
+    """Zero the bucket's full flat gradient buffer (allocate it if released); make every ``.grad`` a view of it."""
+    b.grad = torch.zeros_like(b.flat) if b.grad is None else b.grad.zero_()
+    for p, view in b.views(b.grad):
+        p.grad = view
+
+
+def _release_grad_buffer(b: Bucket) -> None:
+    """Drop the bucket's full gradient buffer and every ``.grad`` viewing it (stage 2)."""
+    b.grad = None
+    for p in b.params:
+        p.grad = None
+
+
+def _attach_on_first_grad(b: Bucket) -> Callable[[torch.Tensor], None]:
+    """A gradient hook (it runs before autograd accumulates into ``.grad``): on the bucket's first gradient of a
+    backward, allocate its zeroed buffer and attach the views, so that autograd accumulates into the buffer."""
+    def hook(grad: torch.Tensor) -> None:
+        if b.grad is None:
+            _attach_grad_buffer(b)
+
+    return hook
 
 
 def gather_full_masters(buckets: list[Bucket], group: Any = None) -> dict[nn.Parameter, torch.Tensor]:

@@ -181,6 +181,9 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict) -> dict[
         summary.update(report.top_level)
         if report.section:
             summary[cls.name] = report.section
+    from zeroexp.plan.cell import plan_section  # the planner's prediction for this cell, beside the measurement
+
+    summary["plan"] = plan_section(cfg, cell, summary)
     write_json(cell / "summary.json", summary)
     return summary
 

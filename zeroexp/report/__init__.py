@@ -15,7 +15,6 @@ import json
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
@@ -37,7 +36,7 @@ class Report:
     verdicts: Verdicts
     generated_at: str
     environment: str
-    plots: list[tuple[str, str]] = field(default_factory=list)  # (file name in sweep_dir, caption)
+    plots: list[tuple[str, str, str]] = field(default_factory=list)  # (file name in sweep_dir, caption, table key)
     files: list[Path] = field(default_factory=list)
     wandb_run_dir: Path | None = None
     wandb_error: str | None = None
@@ -53,7 +52,7 @@ def _environment(cells: pd.DataFrame) -> str:
         return "/".join(found) or "?"
 
     commit = values("git.commit")[:10]
-    dirty = " (dirty)" if any(v is True for v in column(cells, "git.dirty")) else ""
+    dirty = " (dirty)" if any(not missing(v) and bool(v) for v in column(cells, "git.dirty")) else ""
     return (f"torch {values('versions.torch')}, lightning {values('versions.lightning')}, "
             f"{values('device_type')} ({values('backend')}), host {values('host')}, git {commit}{dirty}")
 
@@ -94,10 +93,10 @@ def write_report(sweep_dir: Path | str, wandb_mode: str = "auto") -> Report:
 
     report = build_report(sweep_dir)
     d = report.sweep_dir
-    for name, (plot, caption) in PLOTS.items():
+    for name, (plot, caption, table_key) in PLOTS.items():
         (d / name).unlink(missing_ok=True)  # a plot with no data this time must not show an old one
         if plot(report.cells, d / name) is not None:
-            report.plots.append((name, caption))
+            report.plots.append((name, caption, table_key))
     rows = _flat_rows(report.cells)
     buf = io.StringIO()
     rows.to_csv(buf, index=False)
@@ -106,7 +105,7 @@ def write_report(sweep_dir: Path | str, wandb_mode: str = "auto") -> Report:
     write_text(d / "report.md", to_markdown(report))
     write_text(d / "report.html", to_html(report))
     report.files = [d / n for n in ("report.md", "report.html", "report.csv", "report.parquet")]
-    report.files += [d / name for name, _ in report.plots]
+    report.files += [d / name for name, _, _ in report.plots]
     settings = wandb_settings(report.cells, wandb_mode)
     if settings is not None:
         try:

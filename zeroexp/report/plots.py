@@ -19,12 +19,13 @@ from zeroexp.report.tables import OPS
 
 __all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "step_times", "collective_payload"]
 
-KIND_COLOURS = {"param": "#4C72B0", "grad": "#DD8452", "optim": "#55A868", "master": "#8172B3"}
+#: Stacked kinds; every other kind (optimizer step scalars, an unfreed FSDP unsharded buffer, ...) is "other".
+KIND_COLOURS = {"param": "#4C72B0", "grad": "#DD8452", "optim": "#55A868", "master": "#8172B3", "other": "#8C8C8C"}
 OP_COLOURS = {"all_reduce": "#4C72B0", "broadcast": "#C44E52", "all_gather": "#55A868", "reduce_scatter": "#DD8452"}
 
 
 def _figure(n_groups: int, title: str) -> tuple[Figure, object]:
-    fig = Figure(figsize=(max(6.0, 1.15 * n_groups + 2), 4.2), dpi=110, layout="constrained")
+    fig = Figure(figsize=(min(24.0, max(6.0, 1.15 * n_groups + 2)), 4.2), dpi=110, layout="constrained")
     ax = fig.add_subplot()
     ax.set_title(title, fontsize=11)
     ax.grid(axis="y", alpha=0.3)
@@ -41,10 +42,11 @@ def state_bytes(cells: pd.DataFrame, path: Path) -> Path | None:
     """Per-rank stacked bars of the physical bytes of param, grad and optim (and master) for each cell."""
     ok = cells[column(cells, "status") == "ok"]
     frames = [(row["label"], _read_csv(row["cell_dir"], "rank_state.csv")) for _, row in ok.iterrows()]
-    frames = [(label, f) for label, f in frames if f is not None and not f.empty]
+    frames = [(label, f.assign(kind=f.kind.where(f.kind.isin(list(KIND_COLOURS)), "other")))
+              for label, f in frames if f is not None and not f.empty]
     if not frames:
         return None
-    kinds = [k for k in KIND_COLOURS if any(k in set(f.kind) for _, f in frames)]
+    kinds = [k for k in KIND_COLOURS if any(f[f.kind == k].physical_bytes.sum() > 0 for _, f in frames)]
     unit = byte_unit(f.groupby("rank").physical_bytes.sum().max() for _, f in frames)
     fig, ax = _figure(len(frames), f"State per rank at the optimizer boundary (physical {unit})")
     x, centres, ticks, tick_labels = 0.0, [], [], []
@@ -53,7 +55,7 @@ def state_bytes(cells: pd.DataFrame, path: Path) -> Path | None:
         xs = [x + i for i in range(len(ranks))]
         bottom = [0.0] * len(ranks)
         for kind in kinds:
-            sub = f[f.kind == kind].set_index("rank").physical_bytes
+            sub = f[f.kind == kind].groupby("rank").physical_bytes.sum()
             heights = [unit.value(sub.get(r, 0)) for r in ranks]
             ax.bar(xs, heights, bottom=bottom, width=0.8, color=KIND_COLOURS[kind],
                    label=kind if label == frames[0][0] else None)
@@ -144,10 +146,10 @@ def collective_payload(cells: pd.DataFrame, path: Path) -> Path | None:
     return path
 
 
-#: File name -> (plot function, caption), in the order the report shows them.
-PLOTS: dict[str, tuple[Callable[[pd.DataFrame, Path], Path | None], str]] = {
-    "report_state_bytes.png": (state_bytes, "Per-rank parameter, gradient and optimizer bytes"),
-    "report_memory.png": (steady_vs_peak, "Steady vs peak memory"),
-    "report_step_times.png": (step_times, "Step-time distributions"),
-    "report_collectives.png": (collective_payload, "Collective payload by op"),
+#: File name -> (plot function, caption, key of the table it is shown under), in the order the report shows them.
+PLOTS: dict[str, tuple[Callable[[pd.DataFrame, Path], Path | None], str, str]] = {
+    "report_state_bytes.png": (state_bytes, "Per-rank parameter, gradient and optimizer bytes", "state"),
+    "report_memory.png": (steady_vs_peak, "Steady vs peak memory", "memory"),
+    "report_collectives.png": (collective_payload, "Collective payload by op", "collectives"),
+    "report_step_times.png": (step_times, "Step-time distributions", "timing"),
 }

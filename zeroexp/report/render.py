@@ -31,21 +31,19 @@ def _md_table(table: ReportTable) -> list[str]:
 
 
 def to_markdown(report: Report) -> str:
-    """``report.md``: verdicts, tables with their notes, plots linked beside it."""
+    """``report.md``: verdicts, then each table with its note and its plot (the PNG files beside it)."""
     out = [f"# zeroexp sweep report: {report.sweep_dir.name}", "",
            f"{report.sweep_dir} · generated {report.generated_at} · {report.environment}", "", "## Verdicts", ""]
     out += [f"- {line}" for line in report.verdicts.lines]
-    out += ["", "**Failures:**" if report.verdicts.failures else "**Failures:** none.", ""]
-    out += [f"- {f}" for f in report.verdicts.failures]
+    failures = report.verdicts.failures
+    out += ["", "**Failures:**", "", *(f"- {f}" for f in failures)] if failures else ["", "**Failures:** none."]
     for table in report.tables:
         out += ["", f"## {table.title}", "", *_md_table(table)]
         if table.note:
             out += ["", table.note]
-        out += [f"- {b}" for b in table.bullets] if table.bullets else []
-    if report.plots:
-        out += ["", "## Plots", ""]
-        for name, caption in report.plots:
-            out += [f"### {caption}", "", f"![{caption}]({name})", ""]
+        out += ["", *(f"- {b}" for b in table.bullets)] if table.bullets else []
+        out += [line for name, caption, key in report.plots if key == table.key
+                for line in ("", f"![{caption}]({name})")]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -65,7 +63,8 @@ figcaption{color:#59636e;font-size:.9em}
 
 
 def _td(text: str) -> str:
-    cls = {"PASS": "pass", "FAIL": "fail", "failed": "fail", "unstable": "warn", "ok": "pass"}.get(text, "")
+    cls = {"PASS": "pass", "FAIL": "fail", "ERROR": "fail", "failed": "fail", "unstable": "warn",
+           "ok": "pass"}.get(text, "")
     stripped = text.replace(",", "").replace("×", "").replace(" %", "").split(" (exp.")[0]
     try:
         float(stripped)
@@ -85,7 +84,7 @@ def _html_table(table: ReportTable) -> str:
 
 
 def to_html(report: Report) -> str:
-    """``report.html``: the same content as the Markdown, with the plots embedded."""
+    """``report.html``: the same content as the Markdown, with the plots embedded as base64 PNG."""
     esc = html.escape
     v = report.verdicts
     parts = [f"<h1>zeroexp sweep report: {esc(report.sweep_dir.name)}</h1>",
@@ -93,7 +92,7 @@ def to_html(report: Report) -> str:
              f"{esc(report.environment)}</p>",
              f'<div class="verdicts{"" if v.ok else " bad"}"><h2>Verdicts</h2><ul>'
              + "".join(f"<li>{esc(line)}</li>" for line in v.lines) + "</ul>"
-             + (f'<p><strong>Failures:</strong></p><ul class="failures">'
+             + ('<p><strong>Failures:</strong></p><ul class="failures">'
                 + "".join(f"<li>{esc(f)}</li>" for f in v.failures) + "</ul>" if v.failures
                 else "<p><strong>Failures:</strong> none.</p>") + "</div>"]
     for table in report.tables:
@@ -102,12 +101,11 @@ def to_html(report: Report) -> str:
             parts.append(f'<p class="note">{esc(table.note)}</p>')
         if table.bullets:
             parts.append('<ul class="note">' + "".join(f"<li>{esc(b)}</li>" for b in table.bullets) + "</ul>")
-    if report.plots:
-        parts.append("<h2>Plots</h2>")
-        for name, caption in report.plots:
-            data = base64.b64encode((report.sweep_dir / name).read_bytes()).decode("ascii")
-            parts.append(f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}">'
-                         f"<figcaption>{esc(caption)} ({esc(name)})</figcaption></figure>")
+        for name, caption, key in report.plots:
+            if key == table.key:
+                data = base64.b64encode((report.sweep_dir / name).read_bytes()).decode("ascii")
+                parts.append(f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}">'
+                             f"<figcaption>{esc(caption)} ({esc(name)})</figcaption></figure>")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>zeroexp report {esc(report.sweep_dir.name)}</title><style>{_CSS}</style></head><body>"
             + "\n".join(parts) + "</body></html>\n")

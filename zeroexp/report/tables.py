@@ -36,7 +36,7 @@ class Column:
 
 @dataclass
 class ReportTable:
-    """One table of the report: its raw rows, the columns that display them, and a note under it."""
+    """One table of the report: its raw rows, the columns that display them, a note and bullets under it."""
 
     key: str
     title: str
@@ -45,7 +45,6 @@ class ReportTable:
     note: str = ""
     empty_text: str = "no finished cell"
     bullets: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def display(self) -> pd.DataFrame:
         """The table as strings, the one formatting shared by every renderer."""
@@ -83,10 +82,13 @@ def state_table(ok: pd.DataFrame) -> ReportTable:
     kinds = [*CORE_KINDS, *extra]
     raw = _raw(ok, [f"state.{f}.{k}" for f in ("factors", "expected", "max_rank_bytes") for k in kinds]
                + ["state.check", "state.padding_bytes", "state.owner_imbalance", "state.logical_param_bytes"])
-    raw["expected"] = [" / ".join(fmt_factor(raw.at[i, f"state.expected.{k}"]) for k in kinds) for i in raw.index]
+    has = [not missing(v) for v in raw["state.check"]]
+    for key in [f"state.{f}.{k}" for f in ("factors", "max_rank_bytes") for k in kinds]:  # a kind not held is 0
+        raw[key] = [0 if h and missing(v) else v for h, v in zip(has, raw[key])]
+    raw["expected"] = [_joined([raw.at[i, f"state.expected.{k}"] for k in kinds], fmt_factor) for i in raw.index]
     raw["other kinds"] = [_other_kinds(row, kinds) for _, row in ok.iterrows()]
     unit = byte_unit([*(v for k in kinds for v in raw[f"state.max_rank_bytes.{k}"]), *raw["state.padding_bytes"]])
-    raw["max-rank"] = [" / ".join(unit(raw.at[i, f"state.max_rank_bytes.{k}"]) for k in kinds) for i in raw.index]
+    raw["max-rank"] = [_joined([raw.at[i, f"state.max_rank_bytes.{k}"] for k in kinds], unit) for i in raw.index]
     short = "/".join(k[0].upper() if k in CORE_KINDS else k for k in kinds)
     cols = [Column("cell", "label", str),
             *(Column(f"{k} ×P", f"state.factors.{k}", fmt_factor) for k in kinds),
@@ -110,7 +112,14 @@ def state_table(ok: pd.DataFrame) -> ReportTable:
     return ReportTable("state", "Model state per rank", raw, cols, note, bullets=bullets)
 
 
+def _joined(values: list[Any], fmt: Callable[[Any], str]) -> str:
+    """``a / b / c``, or n/a when the cell has none of them."""
+    return NA if all(missing(v) for v in values) else " / ".join(fmt(v) for v in values)
+
+
 def _other_kinds(row: pd.Series, shown: list[str]) -> str:
+    if missing(row.get("state.check")):
+        return NA
     parts = []
     for key in row.index:
         kind = key.removeprefix("state.factors.")
@@ -149,7 +158,7 @@ def collectives_table(ok: pd.DataFrame) -> ReportTable:
     for f in ("counts", "payload_bytes"):  # an op a profiled cell never issued is 0, not unknown
         for op in ops:
             raw[f"collectives.{f}.{op}"] = [0 if h and missing(v) else v for h, v in zip(has, raw[f"collectives.{f}.{op}"])]
-    raw["payload / P"] = [NA if missing(t) or missing(p) or not p else t / p
+    raw["payload / P"] = [None if missing(t) or missing(p) or not p else t / p
                           for t, p in zip(raw["collectives.payload_total_bytes"], raw["collectives.param_bytes"])]
     raw["expected"] = [_expected_text(row, ops) for _, row in raw.iterrows()]
     unit = byte_unit(v for op in ops for v in raw[f"collectives.payload_bytes.{op}"])
@@ -175,7 +184,8 @@ def _expected_text(row: pd.Series, ops: list[str]) -> str:
 
 
 def timing_table(ok: pd.DataFrame) -> ReportTable:
-    """Median and P95 step time, CV, the stability flag, and a trend (never a ratio) against the first cell."""
+    """Median and P95 step time, CV, the stability flag, and the comparison with the first cell: a ratio when
+    both are stable, else a trend word (slower, faster, within noise)."""
     keys = ["timing.median_ms", "timing.p95_ms", "timing.cv", "timing.unstable", "timing.timed_steps"]
     raw = _raw(ok, keys)
     timed = raw.dropna(subset=["timing.median_ms"])
@@ -188,7 +198,7 @@ def timing_table(ok: pd.DataFrame) -> ReportTable:
             Column(f"vs {base['label'] if base is not None else 'first'}", "vs first", str)]
     note = ("Slowest rank per timed step (warm-up and probed steps excluded). A cell with CV > 5 % is unstable: "
             "compare it by trend only; a ratio is given only when both cells are stable.")
-    return ReportTable("timing", "Step time", raw, cols, note, extra={"baseline": None if base is None else base["label"]})
+    return ReportTable("timing", "Step time", raw, cols, note)
 
 
 def _trend(row: pd.Series, base: pd.Series | None) -> str:
@@ -216,7 +226,40 @@ def equivalence_table(ok: pd.DataFrame) -> ReportTable:
 
 
 def plan_table(ok: pd.DataFrame) -> ReportTable | None:
-    """The planner's prediction beside the measurement, where cells have a ``plan`` section; else None."""
+    """The planner's prediction beside the measurement, where cells have a ``plan`` section; else None.
+
+    With the planner's per-kind fields (``plan.predicted_bytes.<kind>``, ``plan.measured_bytes.<kind>``) one
+    ``planned / measured`` column per kind; any other plan section shows its scalar fields as they are.
+    """
+    kinds = [k.removeprefix("plan.predicted_bytes.") for k in ok.columns if k.startswith("plan.predicted_bytes.")]
+    if not kinds:
+        return _plain_plan_table(ok)
+    kinds = [k for k in kinds if k != "total"] + (["total"] if "total" in kinds else [])
+    raw = _raw(ok, [f"plan.{f}.{k}" for f in ("predicted_bytes", "measured_bytes", "difference_bytes") for k in kinds]
+               + ["plan.layout", "plan.payload_check", "plan.check"])
+    unit = byte_unit(v for f in ("predicted_bytes", "measured_bytes") for k in kinds for v in raw[f"plan.{f}.{k}"])
+    for k in kinds:
+        raw[f"plan {k}"] = [_planned_measured(p, m, d, unit) for p, m, d in
+                            zip(raw[f"plan.predicted_bytes.{k}"], raw[f"plan.measured_bytes.{k}"],
+                                raw[f"plan.difference_bytes.{k}"])]
+    cols = [Column("cell", "label", str), Column("layout", "plan.layout"),
+            *(Column(f"{k} planned / measured {unit}", f"plan {k}", str) for k in kinds),
+            Column("payload check", "plan.payload_check"), Column("check", "plan.check")]
+    note = (f"Largest rank, physical bytes in {unit}: the planner's prediction for this very cell beside the state "
+            "probe's measurement; a difference is shown exactly, Δ = measured - planned, in bytes. Explained "
+            "residuals the planner leaves out (Adam's step scalars) are not in these columns. Payload check: the "
+            "planned payload S per op against the collectives probe's.")
+    return ReportTable("plan", "Plan vs measured", raw, cols, note)
+
+
+def _planned_measured(planned: Any, measured: Any, diff: Any, unit: Any) -> str:
+    if missing(planned) and missing(measured):
+        return NA
+    text = f"{unit(planned)} / {unit(measured)}"
+    return text if missing(diff) or not float(diff) else f"{text} (Δ {int(diff):+,} B)"
+
+
+def _plain_plan_table(ok: pd.DataFrame) -> ReportTable | None:
     keys = [k for k in ok.columns if k.startswith("plan.")
             and all(missing(v) or isinstance(v, (int, float, str, bool)) for v in ok[k])]
     if not keys:
@@ -235,9 +278,9 @@ def failures_table(frame: pd.DataFrame) -> ReportTable:
     cols = [Column("cell", "label", str), Column("status", keys[0]), Column("rank", keys[1], fmt_int),
             Column("cause", keys[2]), Column("error", keys[3]), Column("log", keys[4]),
             Column("directory", "cell_name", str)]
-    return ReportTable("failures", "Failed or skipped cells", _raw(frame[frame.status != "ok"], keys), cols,
-                       "Their partial files are in their directories (renamed *.partial); they are in no other table.",
-                       empty_text="none")
+    raw = _raw(frame[frame.status != "ok"], keys)
+    note = "Their partial files stay in their directories (renamed *.partial); no other table shows them." if len(raw) else ""
+    return ReportTable("failures", "Failed or skipped cells", raw, cols, note, empty_text="none")
 
 
 def build_tables(cells: pd.DataFrame) -> list[ReportTable]:

@@ -13,7 +13,10 @@ __all__ = ["Verdicts", "verdicts"]
 
 #: The checked sections: summary.json key -> what the check asserts.
 CHECKS = {"state": "state factors match the ZeRO formula", "collectives": "collective fingerprint matches",
-          "equivalence": "parameters match the unsharded reference"}
+          "equivalence": "parameters match the unsharded reference",
+          "plan": "planned state bytes equal the measured ones"}
+#: Sections reported only when some cell has them (the planner's is newer than the probes).
+OPTIONAL = ("plan",)
 
 
 @dataclass
@@ -40,10 +43,10 @@ def _cells_line(cells: pd.DataFrame) -> str:
 
 def _check_line(ok: pd.DataFrame, section: str, claim: str) -> str:
     checks = list(column(ok, f"{section}.check"))
-    passed, failed = checks.count("PASS"), checks.count("FAIL")
-    na = sum(missing(c) for c in checks)
+    passed, na = checks.count("PASS"), sum(missing(c) for c in checks)
+    others = pd.Series([c for c in checks if not missing(c) and c != "PASS"], dtype=object).value_counts()
     line = f"{section}: {passed} of {len(ok)} finished cells PASS ({claim})"
-    line += f", {failed} FAIL" if failed else ""
+    line += "".join(f", {n} {value}" for value, n in others.items())
     return line + (f", {na} n/a (no {section} section)" if na else "") + "."
 
 
@@ -56,6 +59,8 @@ def _timing_lines(ok: pd.DataFrame) -> list[str]:
     if any(unstable):
         head = (f"timing: {sum(unstable)} of {len(timed)} cells unstable (CV > 5 %): step times are trends, "
                 "not ratios.")
+        if len(timed) < 2:
+            return [head]
         return [head, "Median step time, fastest first (trend only): " + ", ".join(order["label"]) + "."]
     base = timed.iloc[0]
     ratios = ", ".join(f"{r['label']} {float(r['timing.median_ms']) / float(base['timing.median_ms']):.2f}×"
@@ -73,24 +78,26 @@ def _failures(cells: pd.DataFrame) -> list[str]:
             who = "" if missing(rank) else f"rank {int(rank)} "
             cause = row.get("error.cause")
             log = row.get("error.log")
-            out.append(f"{label}: the cell {row.get('status')}: {who}{'' if missing(cause) else f'({cause}) '}"
+            out.append(f"{label}: cell {row.get('status')}: {who}{'' if missing(cause) else f'({cause}) '}"
                        f"{row.get('error.message') if not missing(row.get('error.message')) else 'no error recorded'}"
                        + ("" if missing(log) else f" (see {row['cell_name']}/{log})"))
             continue
         for section in CHECKS:
-            if row.get(f"{section}.check") == "FAIL":
+            check = row.get(f"{section}.check")
+            if check in ("FAIL", "ERROR"):
                 reasons = _as_list(row.get(f"{section}.reasons")) or _as_list(row.get(f"{section}.why"))
                 if section == "equivalence" and not reasons:
                     reasons = [f"max abs err {fmt_err(row.get('equivalence.max_abs_err'))} > threshold "
                                f"{fmt_err(row.get('equivalence.threshold'))}"]
-                out.append(f"{label}: {section} FAIL: " + "; ".join(reasons or ["no reason recorded"]))
+                out.append(f"{label}: {section} {check}: " + "; ".join(reasons or ["no reason recorded"]))
     return out
 
 
 def verdicts(cells: pd.DataFrame) -> Verdicts:
     """The verdicts of cells in ladder order (with ``label``), as sentences."""
     ok = cells[column(cells, "status") == "ok"]
-    lines = [_cells_line(cells), *(_check_line(ok, s, c) for s, c in CHECKS.items())]
+    lines = [_cells_line(cells), *(_check_line(ok, s, c) for s, c in CHECKS.items()
+                                   if s not in OPTIONAL or f"{s}.check" in ok.columns)]
     mem = sum(not missing(v) for v in column(ok, "memory.peak_bytes_max"))
     lines.append(f"memory: steady and peak measured in {mem} of {len(ok)} finished cells (reported, not checked).")
     lines += _timing_lines(ok)

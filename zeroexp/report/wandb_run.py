@@ -90,7 +90,7 @@ def log_sweep_run(report: Report, settings: dict[str, Any]) -> Path:
                                 for t in report.tables if len(t.raw)}
         data.update({f"plots/{Path(name).stem.removeprefix('report_')}": wandb.Image(str(report.sweep_dir / name),
                                                                                        caption=caption)
-                     for name, caption in report.plots})
+                     for name, caption, _ in report.plots})
         data["report/html"] = wandb.Html((report.sweep_dir / "report.html").read_text(encoding="utf-8"), inject=False)
         run.log(data)
         run.summary.update({"verdicts": "\n".join(report.verdicts.lines),
@@ -99,8 +99,7 @@ def log_sweep_run(report: Report, settings: dict[str, Any]) -> Path:
         artifact = wandb.Artifact(re.sub(r"[^A-Za-z0-9._-]", "_", f"report-{sweep}"), type="report",
                                   description=f"zeroexp sweep report of {sweep}")
         for path in report.files:
-            if path.suffix in (".html", ".md", ".csv", ".png"):
-                artifact.add_file(str(path))
+            artifact.add_file(str(path))
         run.log_artifact(artifact)
     run.finish()
     return run_dir

@@ -1,0 +1,141 @@
+"""Plan records: for one strategy at one world size, the bytes each rank keeps and sends, from zeroexp.formulas.
+
+Nothing here allocates a parameter: a model enters as a :class:`~zeroexp.formulas.ModelShape` (its parameters'
+numels and FSDP units, read on the meta device by :mod:`zeroexp.plan.shape`) or as a bare count.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
+
+from zeroexp.config import ConfigError
+from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout, bus_bytes,
+                              offloaded_kinds, padded_numel, rank_state_bytes, step_collectives,
+                              unsharded_floor_bytes)
+
+__all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
+           "OFFLOADS", "UNITS"]
+
+OFFLOADS = ("none", "optimizer", "full")
+#: Table units: GB is 1e9 bytes (the ZeRO paper's, Figure 1), GiB is 2^30 bytes.
+UNITS = {"GB": 10**9, "GiB": 2**30}
+_SIZE = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+         "GIB": 2**30, "TIB": 2**40}
+_COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A precision option (conf/precision/): its name and compute dtype; masters and moments are fp32."""
+
+    name: str
+    param_dtype: str = "float32"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of parameters and gradients."""
+        return COMPUTE_ITEMSIZE[self.param_dtype]
+
+
+def strategy_table() -> dict[str, StateLayout]:
+    """Every strategy the planner can plan, by ZeRO stage: the rows of ``zeroexp.formulas.LAYOUTS``, plus each
+    registered strategy (``zeroexp.strategies``) without a row, planned as its ``zero_stage``'s paper row."""
+    from zeroexp.strategies import registered
+
+    table = dict(LAYOUTS)
+    for name, cls in registered().items():
+        if name not in table and cls.zero_stage is not None:
+            table[name] = replace(LAYOUTS[f"zero_stage{cls.zero_stage}"], label=f"{name} (as the paper's stage)",
+                                  precisions=frozenset(cls.precisions), offloads=frozenset({"none"}),
+                                  source=f"no row in zeroexp.formulas.LAYOUTS: zero_stage={cls.zero_stage}")
+    return dict(sorted(table.items(), key=lambda item: item[1].stage))
+
+
+def largest_unit_bytes(shape: ModelShape, world_size: int, itemsize: int) -> int | None:
+    """The largest FSDP unit, unsharded and padded to N, in the compute dtype; None without the model's units."""
+    if not shape.exact:
+        return None
+    return max(padded_numel(sum(u), world_size) for u in shape.units) * itemsize
+
+
+def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: int, precision: Precision,
+                offload: str = "none", knobs: PlanKnobs = PlanKnobs(), device_memory: int | None = None,
+                model: str = "params") -> dict[str, Any]:
+    """One strategy at one world size: per-rank bytes of each kind (the largest rank's, padding included), device
+    and host totals, the gather floor, fits, and per-step payload and bus bytes by collective (bytes throughout)."""
+    n, c = world_size, precision.itemsize
+    state = rank_state_bytes(layout, shape, n, c, knobs)
+    host = offloaded_kinds(layout, offload)
+
+    def largest(kinds: Iterable[str]) -> int:
+        kinds = [k for k in kinds if k in state]
+        return max(sum(state[k][r][1] for k in kinds) for r in range(n)) if kinds else 0
+
+    device = largest(k for k in STATE_KINDS if k not in host)
+    floor = unsharded_floor_bytes(layout, shape, n, c, knobs)
+    payload = {op: v["payload_bytes"] for op, v in step_collectives(layout, shape, n, c, knobs).items()}
+    bus = {op: bus_bytes(op, b, n) for op, b in payload.items()}
+    return {
+        "strategy": name, "label": layout.label, "zero_stage": layout.stage, "world_size": n,
+        "precision": precision.name, "offload": offload, "model": model, "numel": shape.numel,
+        "shapes_known": shape.exact,
+        **{f"{k}_bytes": largest([k]) for k in STATE_KINDS},
+        "total_bytes": largest(STATE_KINDS), "device_bytes": device, "host_bytes": largest(host),
+        "largest_unit_bytes": largest_unit_bytes(shape, n, c), "gather_floor_bytes": floor,
+        "device_floor_bytes": device + (floor or 0), "device_memory_bytes": device_memory,
+        "fits": None if device_memory is None else device + (floor or 0) <= device_memory,
+        "payload_bytes": payload, "bus_bytes": bus, "payload_total_bytes": sum(payload.values()),
+        "bus_total_bytes": sum(b for b in bus.values() if b is not None), "source": layout.source,
+    }
+
+
+def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, offload: str = "none",
+         strategies: Iterable[str] | None = None, knobs: PlanKnobs = PlanKnobs(), device_memory: int | None = None,
+         model: str = "params") -> tuple[list[dict[str, Any]], list[str]]:
+    """Records for every strategy x world size, and a note for each strategy whose byte model does not cover the
+    precision or offload (those are left out). Raises :class:`ConfigError` for an unknown strategy or offload."""
+    table = strategy_table()
+    if offload not in OFFLOADS:
+        raise ConfigError("offload", offload, ", ".join(OFFLOADS))
+    names = list(table) if strategies is None else list(strategies)
+    for name in names:
+        if name not in table:
+            raise ConfigError("strategies", name, ", ".join(table))
+    records, notes = [], []
+    for name in names:
+        layout = table[name]
+        if precision.name not in layout.precisions:
+            notes.append(f"{name}: precision={precision.name} is not modelled (covers {', '.join(sorted(layout.precisions))})")
+        elif offload not in layout.offloads:
+            notes.append(f"{name}: offload={offload} is not modelled (covers {', '.join(sorted(layout.offloads))})")
+        else:
+            records += [plan_record(name, layout, shape, n, precision, offload, knobs, device_memory, model)
+                        for n in world_sizes]
+    return records, notes
+
+
+def _parse(value: Any, suffixes: dict[str, int], what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not {what}")
+    if isinstance(value, (int, float)):
+        number, scale = float(value), 1
+    else:
+        m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2).upper() not in suffixes:
+            raise ValueError(f"{value!r} is not {what}")
+        number, scale = float(m.group(1)), suffixes[m.group(2).upper()]
+    if not number > 0:
+        raise ValueError(f"{value!r} is not {what}")
+    return round(number * scale)
+
+
+def parse_bytes(value: Any) -> int:
+    """``32GB`` -> 32e9, ``80GiB`` -> 80 x 2^30 (also B, KB, MB, TB, KiB, MiB, TiB); a bare number is bytes."""
+    return _parse(value, _SIZE, "a size like 32GB or 80GiB")
+
+
+def parse_count(value: Any) -> int:
+    """``7.5e9``, ``7.5B``, ``350M``, ``1T`` -> a number of parameters."""
+    return _parse(value, _COUNT, "a parameter count like 7.5e9 or 7.5B")

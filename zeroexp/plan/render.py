@@ -1,0 +1,80 @@
+"""The planner's output: readable tables (rich) or JSON records (bytes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from zeroexp.plan.core import UNITS
+
+__all__ = ["render_json", "render_tables", "fmt_size"]
+
+_UNIT_NOTE = {"GB": "GB = 1e9 bytes", "GiB": "GiB = 2^30 bytes"}
+
+
+def fmt_size(nbytes: int | None, unit: str) -> str:
+    """Bytes in ``unit``: one decimal from 1 on (the ZeRO paper's Figure 1 style), else 3 significant digits."""
+    if nbytes is None:
+        return "n/a"
+    value = nbytes / UNITS[unit]
+    return "0" if value == 0 else f"{value:,.1f}" if value >= 1 else f"{value:.3g}"
+
+
+def render_json(records: list[dict[str, Any]]) -> str:
+    """One JSON object per strategy x world size, every size in bytes."""
+    return json.dumps(records, indent=2)
+
+
+def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, console: Console) -> None:
+    """A memory table (per rank, at the optimizer boundary) and a communication table (per step)."""
+    if not records:
+        console.print("nothing to plan")
+    else:
+        first = records[0]
+        what = (f"{first['numel']:,} parameters" + ("" if first["shapes_known"] else " (a count: one flat group, "
+                "units unknown)") if first["model"] == "params" else f"model {first['model']}: {first['numel']:,} parameters")
+        console.print(_memory_table(records, unit))
+        console.print(f"{what} · precision {first['precision']} · offload {first['offload']} · Adam: fp32 moments "
+                      "8 B and fp32 master 4 B a parameter · not modelled: activations, temporaries, fragmentation "
+                      "(docs/planner.md)\n")
+        console.print(_comm_table(records, unit))
+        console.print("bus = S x all_reduce 2(N-1)/N, all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1 "
+                      "(nccl-tests PERFORMANCE.md)\n")
+    for note in notes:
+        console.print(f"[yellow]not planned[/] {note}")
+
+
+def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
+    first = records[0]
+    offload = any(r["host_bytes"] for r in records) or first["offload"] != "none"
+    fits = first["device_memory_bytes"] is not None
+    table = Table(title=f"Model state per rank (the largest rank) at the optimizer boundary, in {unit} "
+                        f"({_UNIT_NOTE[unit]})")
+    cols = ["strategy", "stage", "N", "params", "grads", "moments", "master", "total"]
+    cols += ["host", "device"] if offload else []
+    cols += ["gather floor"] + ([f"fits {fmt_size(first['device_memory_bytes'], unit)} {unit}"] if fits else [])
+    for i, c in enumerate(cols):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in records:
+        row = [f"{r['strategy']} [dim]{r['label']}[/]", str(r["zero_stage"]), str(r["world_size"])]
+        row += [fmt_size(r[k], unit) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "total_bytes")]
+        row += [fmt_size(r["host_bytes"], unit), fmt_size(r["device_bytes"], unit)] if offload else []
+        row += [fmt_size(r["gather_floor_bytes"], unit)]
+        row += (["yes" if r["fits"] else "[red]NO[/]"] if fits else [])
+        table.add_row(*row)
+    return table
+
+
+def _comm_table(records: list[dict[str, Any]], unit: str) -> Table:
+    ops = list(dict.fromkeys(op for r in records for op in r["payload_bytes"]))
+    table = Table(title=f"Collectives per step per rank: payload S (nccl-tests: the full array) and bus bytes, in {unit}")
+    for i, c in enumerate(["strategy", "N", *(f"{op} S" for op in ops), "total S", "total bus"]):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in records:
+        table.add_row(r["strategy"], str(r["world_size"]),
+                      *(fmt_size(r["payload_bytes"].get(op), unit) if op in r["payload_bytes"] else "-" for op in ops),
+                      fmt_size(r["payload_total_bytes"], unit), fmt_size(r["bus_total_bytes"], unit))
+    return table
