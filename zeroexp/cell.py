@@ -34,7 +34,13 @@ def cell_axes(cfg: DictConfig) -> dict[str, Any]:
     for a in _applicable(cfg):
         axes[a] = cfg[a].name
     axes.update(precision=cfg.precision.name, offload=cfg.offload.name, world_size=int(cfg.world_size))
+    if _checkpoint(cfg) != "none":  # measured after training; absent for none, so those ids are unchanged
+        axes["checkpoint"] = _checkpoint(cfg)
     return axes
+
+
+def _checkpoint(cfg: DictConfig) -> str:
+    return str(cfg.checkpoint.name) if cfg.get("checkpoint") is not None else "none"
 
 
 def cell_identity(cfg: DictConfig) -> dict[str, Any]:
@@ -43,6 +49,10 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
              for k in _IDENTITY_KEYS}
     for a in _applicable(cfg):
         ident[a] = cfg[a].name
+    if cfg.get("dry_run"):  # a dry run is another cell than the real run of the same axes (absent: ids unchanged)
+        ident["dry_run"] = True
+    if _checkpoint(cfg) != "none":
+        ident["checkpoint"] = _checkpoint(cfg)
     return ident
 
 
@@ -59,5 +69,7 @@ def cell_name(cfg: DictConfig) -> str:
     parts = [strategy, ax["model"], ax["precision"]]
     if ax["offload"] != "none":
         parts.append(f"off-{ax['offload']}")
-    parts += [f"n{ax['world_size']}", cell_id(cfg)]
+    if "checkpoint" in ax:
+        parts.append(f"ckpt-{ax['checkpoint']}")
+    parts += [f"n{ax['world_size']}", *(["dry"] if cfg.get("dry_run") else []), cell_id(cfg)]
     return "_".join(parts)

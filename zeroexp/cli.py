@@ -72,7 +72,7 @@ def task(cfg: DictConfig) -> None:
         sys.exit(2)
     colour = "green" if result.status == "ok" else "red"
     line = f"[{colour}]{result.status}[/] {cell_dir.name}"
-    if result.summary is not None:
+    if result.summary is not None and result.summary.get("final_loss") is not None:  # a dry run has no loss
         line += f"  final_loss={result.summary['final_loss']:.6g}"
     if result.error:
         line += f"  error: {result.error['message']} (see {result.error.get('log')})"

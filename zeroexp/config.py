@@ -118,6 +118,14 @@ class FSDPConfig(StrategyConfig):
     forward_prefetch: bool = False
 
 
+@dataclass
+class FSDP2Config(StrategyConfig):
+    """FSDP2 (``fully_shard``); ``reshard_after_forward`` is fixed by the strategy (fsdp2_full / fsdp2_grad_op)."""
+
+    # Module classes given their own fully_shard unit (import paths), as for FSDP1; the root takes the rest.
+    wrap: Optional[List[str]] = None
+
+
 # --- small axes --------------------------------------------------------------------------------------
 @dataclass
 class PrefetchConfig:
@@ -138,6 +146,24 @@ class PrecisionConfig:
 @dataclass
 class OffloadConfig:
     name: str = MISSING
+
+
+@dataclass
+class LauncherConfig:
+    """Who starts the ranks (docs/cluster.md): zeroexp itself, torchrun, or SLURM through Hydra's submitit launcher."""
+
+    name: str = MISSING  # local | torchrun | slurm
+    nodes: Optional[int] = None  # slurm: nodes per cell (hydra.launcher.nodes); local: 1; torchrun: from its env
+    ranks_per_node: Optional[int] = None  # slurm: tasks per node (hydra.launcher.tasks_per_node); torchrun: env
+
+
+@dataclass
+class CheckpointConfig:
+    """After training: save, restore into a fresh model, continue one step (zeroexp.probes.checkpoint)."""
+
+    name: str = MISSING  # none | full | sharded
+    dir: Optional[str] = None  # where the checkpoint is written, seen by every rank; null: <cell>/checkpoint
+    keep: bool = False  # keep the files once checked (else they are removed: the summary keeps their sizes)
 
 
 @dataclass
@@ -181,6 +207,8 @@ class ZeroexpConfig:
     precision: Any = MISSING
     offload: Any = MISSING
     logger: Any = MISSING
+    launcher: Any = MISSING
+    checkpoint: Any = MISSING
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     timeout: TimeoutConfig = field(default_factory=TimeoutConfig)
     probes: ProbesConfig = field(default_factory=ProbesConfig)
@@ -192,6 +220,9 @@ class ZeroexpConfig:
     device: str = "auto"  # auto | cpu | cuda
     resume: bool = False  # --multirun into an existing sweep dir: re-run only cells missing or not ok
     ddp_bucket_cap_mb: float = 25.0  # shared default of strategy.bucket_cap_mb for ddp and zro
+    # One process plays rank 0 of world_size ranks under a fake process group and FakeTensorMode: state table
+    # and collectives without allocating the parameters (zeroexp.dryrun); no time, memory or equivalence.
+    dry_run: bool = False
 
 
 def register_schemas() -> None:
@@ -206,10 +237,13 @@ def register_schemas() -> None:
     cs.store(group="schema/strategy", name="zro", node=ZROConfig)
     cs.store(group="schema/strategy", name="zero", node=ZeroConfig)
     cs.store(group="schema/strategy", name="fsdp", node=FSDPConfig)
+    cs.store(group="schema/strategy", name="fsdp2", node=FSDP2Config)
     cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
     cs.store(group="schema/precision", name="precision", node=PrecisionConfig)
     cs.store(group="schema/offload", name="offload", node=OffloadConfig)
     cs.store(group="schema/logger", name="logger", node=LoggerConfig)
+    cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
+    cs.store(group="schema/checkpoint", name="checkpoint", node=CheckpointConfig)
 
 
 # --- validation --------------------------------------------------------------------------------------
@@ -223,6 +257,8 @@ _ACCEPTED = {
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
     "model.dtype": ("float32", "float16", "bfloat16", "long"),
+    "launcher.name": ("local", "torchrun", "slurm"),
+    "checkpoint.name": ("none", "full", "sharded"),
 }
 
 
@@ -296,7 +332,32 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
         raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer >= {adapter.min_warmup_steps}",
                           why=f"strategy={name} issues its steady per-step collectives only from step "
                               f"{adapter.min_warmup_steps} on")
+    _validate_launcher_and_checkpoint(cfg, adapter)
     adapter.validate(cfg)
+
+
+def _validate_launcher_and_checkpoint(cfg: DictConfig, adapter: Any) -> None:
+    """The launcher's node layout adds up to ``world_size``; the strategy implements the checkpoint kind."""
+    from zeroexp.strategies import registered
+
+    launcher, kind = cfg.launcher, cfg.checkpoint.name
+    if cfg.get("dry_run") and (launcher.name != "local" or kind != "none"):
+        key, value = ("launcher", launcher.name) if launcher.name != "local" else ("checkpoint", kind)
+        raise ConfigError(key, value, "local" if key == "launcher" else "none",
+                          why="a dry run is one process with fake tensors")
+    if launcher.name == "slurm":
+        _positive_int(cfg, "launcher.nodes")
+        _positive_int(cfg, "launcher.ranks_per_node")
+        if launcher.nodes * launcher.ranks_per_node != cfg.world_size:
+            raise ConfigError("launcher.ranks_per_node", launcher.ranks_per_node,
+                              f"world_size / launcher.nodes = {cfg.world_size} / {launcher.nodes}",
+                              why=f"launcher.nodes * launcher.ranks_per_node = {launcher.nodes} * "
+                                  f"{launcher.ranks_per_node} != world_size = {cfg.world_size}")
+    if kind != "none" and kind not in adapter.checkpoint_kinds:
+        supported = sorted(n for n, a in registered().items() if kind in a.checkpoint_kinds)
+        raise ConfigError("checkpoint", kind, ", ".join(["none", *sorted(adapter.checkpoint_kinds)]),
+                          why=f"strategy={cfg.strategy.name} does not implement it; strategies that do: "
+                              f"{', '.join(supported) or 'none'}")
 
 
 def _check_model_builds(cfg: DictConfig) -> None:

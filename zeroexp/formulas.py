@@ -9,6 +9,8 @@ Sources:
   reduce_scatter (N-1)/N, broadcast 1, reduce 1.
 - [FSDP] torch/distributed/fsdp/_flat_param.py: a FlatParameter is padded to a multiple of the world size
   before it is chunked into shards; with ``use_orig_params`` each parameter starts 16-byte aligned.
+- [FSDP2] torch/distributed/fsdp/_fully_shard/_fsdp_param.py: each parameter is chunked on dim 0 and every
+  chunk padded to the first's size; _fsdp_collectives.py: one all_gather and one reduce_scatter per unit.
 - [OFFLOAD] Ren et al. "ZeRO-Offload", arXiv:2101.06840, section 4 (optimizer state and gradient partitions on
   the host); Rajbhandari et al. "ZeRO-Infinity", arXiv:2104.07857 (parameters too, with stage 3).
 - [DS] DeepSpeed v0.14.4 runtime/zero/stage_1_and_2.py (fp32 partition ``single_partition_of_fp32_groups`` at
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 __all__ = ["padded_numel", "zero_state_factors", "bus_factor", "bus_bytes", "ddp_collectives", "zero1_collectives",
-           "fsdp_collectives", "sharded_zero_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives",
+           "fsdp_collectives", "fsdp2_padded_numel", "sharded_zero_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives",
            "COMPUTE_ITEMSIZE", "STATE_KINDS", "ModelShape", "PlanKnobs", "Groups", "StateLayout", "LAYOUTS",
            "owner_numels", "rank_state_bytes", "step_collectives", "unsharded_floor_bytes", "offloaded_kinds"]
 
@@ -96,12 +98,24 @@ def zero1_collectives(bucket_bytes: list[int], broadcast_bytes: list[int]) -> Co
     return _model(all_reduce=bucket_bytes, broadcast=broadcast_bytes)
 
 
-def fsdp_collectives(unit_bytes: list[int], gathers_per_unit: list[int]) -> Collectives:
+def fsdp_collectives(unit_bytes: list[int], gathers_per_unit: list[int],
+                     reduce_bytes: list[int] | None = None) -> Collectives:
     """FSDP [ZeRO 7.2.2]: per unit of padded flat bytes b, all_gather S = b before forward, and again before
     backward when the unit was resharded after forward (FULL_SHARD, non-root: ``gathers_per_unit`` 2), then
-    one reduce_scatter S = b of its gradient. SHARD_GRAD_OP: P + P; FULL_SHARD: 2P + P (P padded) [FSDP]."""
+    one reduce_scatter S = b of its gradient. SHARD_GRAD_OP: P + P; FULL_SHARD: 2P + P (P padded) [FSDP].
+    ``reduce_bytes``: the units' reduce_scatter S when the gradients are reduced in another dtype than the
+    parameters are gathered in (FSDP2 ``MixedPrecisionPolicy.reduce_dtype``); default ``unit_bytes``."""
     gathers = [b for b, k in zip(unit_bytes, gathers_per_unit) for _ in range(k)]
-    return _model(all_gather=gathers, reduce_scatter=list(unit_bytes))
+    return _model(all_gather=gathers, reduce_scatter=list(unit_bytes if reduce_bytes is None else reduce_bytes))
+
+
+def fsdp2_padded_numel(shape: tuple[int, ...] | list[int], world_size: int) -> int:
+    """Elements an FSDP2 parameter of ``shape`` occupies across all ranks: dim 0 chunked over N, every chunk
+    padded to the first's ``ceil(dim0 / N)`` rows, so N * ceil(dim0 / N) * (numel / dim0) [FSDP2]."""
+    if not shape:
+        return world_size  # a 0-dim parameter is viewed as one row
+    rest = math.prod(shape[1:])
+    return world_size * math.ceil(shape[0] / world_size) * rest
 
 
 # --- zeroexp's own ZeRO-1 / ZeRO-2 (zeroexp.sharding) ----------------------------------------------------
@@ -150,12 +164,12 @@ _MOMENTS, _MASTER, _STEP = 8, 4, 4  # bytes per element: Adam's fp32 exp_avg + e
 class ModelShape:
     """What the planner knows of a model.
 
-    ``params``: each parameter's numel in definition order (a shared one once); ``units``: the FSDP units, each
-    its parameters' numels in FlatParameter order, with ``root`` marking the root unit. Known only by its count
-    (:meth:`from_count`), a model is one flat group whose units are unknown (``exact`` False).
+    ``params``: each parameter's shape in definition order (a shared one once); ``units``: the FSDP units, each
+    the indices of its parameters in FlatParameter order, ``root`` marking the root unit. Known only by its
+    count (:meth:`from_count`), a model is one flat parameter whose units are unknown (``exact`` False).
     """
 
-    params: tuple[int, ...]
+    params: tuple[tuple[int, ...], ...]
     units: tuple[tuple[int, ...], ...]
     root: tuple[bool, ...]
     exact: bool = True
@@ -163,12 +177,17 @@ class ModelShape:
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
         """A model known only by its number of parameters."""
-        return cls((int(numel),), ((int(numel),),), (False,), exact=False)
+        return cls(((int(numel),),), ((0,),), (False,), exact=False)
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        """Each parameter's number of elements."""
+        return tuple(math.prod(s) for s in self.params)
 
     @property
     def numel(self) -> int:
         """Psi: the number of parameters."""
-        return sum(self.params)
+        return sum(self.numels)
 
 
 @dataclass(frozen=True)
@@ -184,8 +203,8 @@ class PlanKnobs:
 
 
 class Groups(NamedTuple):
-    """What a payload model sees: the padded compute-dtype bytes of each flat group the strategy sends (FSDP
-    units, buckets, one flat buffer; the unpadded parameters for replicated ones), which is FSDP's root unit."""
+    """What a payload model sees: the padded compute-dtype bytes of each group the strategy sends (FSDP units,
+    buckets, flat buffers; the unpadded parameters for replicated strategies), which is FSDP's root unit."""
 
     nbytes: list[int]
     root: list[bool]
@@ -197,14 +216,17 @@ class StateLayout:
     """Where one strategy keeps each kind of model state at the optimizer boundary, and what it sends per step.
 
     ``sharded``: the kinds each rank holds 1/N of (``param``, ``grad``, ``optim``; a master follows ``optim``).
-    ``master``: a separate fp32 copy of the parameters ``always`` (even in fp32 training), ``mixed`` (only when
-    the compute dtype is not fp32: the paper's K = 12 = 4 + 8 [ZeRO 5.1]) or ``never``. ``groups``: how the
-    sharded kinds are cut: ``flat`` (one buffer padded to ``pad`` x N), ``params`` (each parameter padded to N),
-    ``units`` (FSDP FlatParameters padded to N), ``buckets`` (zeroexp.sharding's, padded to N), ``owners`` (whole
-    parameters, as ZeroRedundancyOptimizer assigns them) or ``none``; the replicated kinds of ``flat`` and
-    ``buckets`` are the padded buffers. ``payload``: the per-step collectives [ZeRO 7]. ``gather``: unsharded
-    parameters held on top of the state while computing: the ``largest`` unit, ``all`` units, or ``none``.
-    ``precisions`` and ``offloads``: the settings this byte model covers.
+    ``master``: a separate fp32 copy of the parameters ``always`` (even in fp32 training), only when the compute
+    dtype is not fp32 (``mixed``: the paper's K = 12 = 4 + 8 [ZeRO 5.1]) or ``never``. ``groups``: how sharded
+    kinds are cut: ``flat`` (one buffer padded to ``pad`` x N), ``params`` (each parameter padded to N),
+    ``units`` (FSDP FlatParameters padded to N), ``rows`` (each parameter's dim 0 chunked, chunks padded [FSDP2]),
+    ``buckets`` (zeroexp.sharding's, padded to N), ``owners`` (whole parameters, as ZeroRedundancyOptimizer
+    assigns them) or ``none``; the replicated kinds of ``flat`` and ``buckets`` are the padded buffers.
+    ``payload``: the per-step collectives [ZeRO 7], over the FSDP units for ``units`` and ``rows``. ``gather``:
+    unsharded parameters held on top of the state while computing: the ``largest`` unit, ``all``, ``none``.
+    ``fp32_at_rest``: parameters and gradients stay fp32 between steps, the compute dtype is only what is
+    gathered and reduced (FSDP2 ``MixedPrecisionPolicy``). ``padded_moments``: Adam's moments are as long as the
+    padded shard. ``precisions`` and ``offloads``: the settings this byte model covers.
     """
 
     label: str
@@ -215,6 +237,8 @@ class StateLayout:
     payload: Callable[[Groups], Collectives]
     gather: str = "none"
     pad: int = 1
+    fp32_at_rest: bool = False
+    padded_moments: bool = True
     precisions: frozenset[str] = frozenset({"fp32"})
     offloads: frozenset[str] = frozenset({"none"})
     source: str = ""
@@ -244,12 +268,16 @@ def _gather_twice(g: Groups) -> Collectives:
     return fsdp_collectives(g.nbytes, [1 if root else 2 for root in g.root])
 
 
+def _gather_twice_root_too(g: Groups) -> Collectives:
+    return fsdp_collectives(g.nbytes, [2] * len(g.nbytes))
+
+
 _MIXED = frozenset({"fp32", "bf16", "fp16"})
 _OS, _OS_G, _OS_G_P = frozenset({"optim"}), frozenset({"optim", "grad"}), frozenset({"optim", "grad", "param"})
 _OFF = [frozenset({"none"}), frozenset({"none", "optimizer"}), frozenset({"none", "optimizer", "full"})]
 
-#: Every strategy the planner knows. A registered strategy (zeroexp.strategies) is planned with its entry here;
-#: one without falls back to its ``zero_stage``'s paper entry. A new strategy is one more row.
+#: Every strategy the planner knows. A registered strategy (zeroexp.strategies) is planned with its row here;
+#: one without falls back to its ``zero_stage``'s paper row. A new strategy is one more row.
 LAYOUTS: dict[str, StateLayout] = {
     "zero_stage0": StateLayout("baseline (paper)", 0, frozenset(), "mixed", "none", _all_reduce, precisions=_MIXED,
                                source="[ZeRO] 5.1, 7.1, Figure 1"),
@@ -278,6 +306,12 @@ LAYOUTS: dict[str, StateLayout] = {
                                 source="zeroexp.strategies.fsdp; [FSDP]"),
     "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", _gather_twice, "largest",
                              source="zeroexp.strategies.fsdp; [FSDP]"),
+    "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows", _gather_once,
+                                 "all", fp32_at_rest=True, padded_moments=False, precisions=frozenset({"fp32", "bf16"}),
+                                 source="zeroexp.strategies.fsdp2; [FSDP2]"),
+    "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows", _gather_twice_root_too,
+                              "largest", fp32_at_rest=True, padded_moments=False, precisions=frozenset({"fp32", "bf16"}),
+                              source="zeroexp.strategies.fsdp2; [FSDP2]"),
 }
 
 
@@ -293,7 +327,7 @@ def owner_numels(numels: tuple[int, ...] | list[int], world_size: int) -> list[l
     return owned
 
 
-def _flat(numels: tuple[int, ...], align: int) -> tuple[list[tuple[int, int]], int]:
+def _flat(numels: tuple[int, ...] | list[int], align: int) -> tuple[list[tuple[int, int]], int]:
     """Element ranges of ``numels`` laid out in one buffer, each starting at a multiple of ``align`` (0: packed),
     and the buffer's length before world-size padding [FSDP]."""
     spans, end = [], 0
@@ -317,18 +351,30 @@ def _buckets(numels: tuple[int, ...], itemsize: int, cap_bytes: int) -> list[tup
 
 def _groups(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
             knobs: PlanKnobs) -> list[tuple[list[tuple[int, int]], int]]:
-    """Each flat group the layout shards: its parameters' element ranges, and its length padded to pad x N."""
-    kind, align = layout.groups, 0
+    """Each group the layout shards: its parameters' element ranges and its length padded as the layout pads."""
+    kind, numels, align = layout.groups, shape.numels, 0
+    if kind == "rows":
+        return [([(0, n)], fsdp2_padded_numel(s, world_size)) for s, n in zip(shape.params, numels) if n]
     if kind == "units":
-        parts, align = shape.units, (16 // itemsize if knobs.use_orig_params else 0)
+        parts, align = [[numels[i] for i in u] for u in shape.units], (16 // itemsize if knobs.use_orig_params else 0)
     elif kind == "buckets":
-        parts = _buckets(shape.params, itemsize, knobs.bucket_cap_bytes)
+        parts = _buckets(numels, itemsize, knobs.bucket_cap_bytes)
     elif kind == "params":
-        parts = [(n,) for n in shape.params]
+        parts = [(n,) for n in numels]
     else:
-        parts = [shape.params]
+        parts = [numels]
     groups = [_flat(part, align) for part in parts]
     return [(spans, padded_numel(length, layout.pad * world_size)) for spans, length in groups if length]
+
+
+def _unit_numels(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
+                 knobs: PlanKnobs) -> list[int]:
+    """Each FSDP unit's unsharded length as it is gathered: per parameter padded on dim 0 (``rows``, [FSDP2]),
+    else one FlatParameter padded to N [FSDP]."""
+    if layout.groups == "rows":
+        return [sum(fsdp2_padded_numel(shape.params[i], world_size) for i in u) for u in shape.units]
+    align = 16 // itemsize if knobs.use_orig_params and layout.groups == "units" else 0
+    return [padded_numel(_flat([shape.numels[i] for i in u], align)[1], world_size) for u in shape.units]
 
 
 def _shards(groups: list[tuple[list[tuple[int, int]], int]], world_size: int) -> tuple[list[int], list[int]]:
@@ -358,32 +404,35 @@ def rank_state_bytes(layout: StateLayout, shape: ModelShape, world_size: int, it
                      knobs: PlanKnobs = PlanKnobs()) -> dict[str, list[tuple[int, int]]]:
     """Per kind, per rank: (logical, physical) bytes of model state at the optimizer boundary [ZeRO 5.1].
 
-    ``param`` and ``grad`` in the compute dtype (``itemsize`` bytes), ``optim`` Adam's two fp32 moments, ``master``
-    the fp32 copy when the layout keeps one; each replicated or sharded as the layout says, physical bytes with
-    the layout's padding. ``optim_scalar``: Adam's 4-byte ``step`` per optimizer tensor, when the model's shapes
-    fix their number (a residual beside the model state, not part of it).
+    ``param`` and ``grad`` in the compute dtype (``itemsize`` bytes; fp32 for ``fp32_at_rest``), ``optim`` Adam's
+    two fp32 moments, ``master`` the fp32 copy when the layout keeps one; each replicated or sharded as the
+    layout says, physical bytes with the layout's padding. ``optim_scalar``: Adam's 4-byte ``step`` per
+    optimizer tensor, when the model's shapes fix their number (a residual beside the model state).
     """
     n, psi, s = world_size, shape.numel, layout.sharded
     if layout.groups in ("none", "owners") and shape.exact:
-        owned = owner_numels(shape.params, n) if layout.groups == "owners" else [list(shape.params)] * n
+        owned = owner_numels(shape.numels, n) if layout.groups == "owners" else [list(shape.numels)] * n
         logical = physical = [sum(o) for o in owned]
         full, tensors = psi, [len(o) for o in owned]
     else:
         groups = _groups(layout, shape, n, itemsize, knobs)
         logical, physical = _shards(groups, n)
         full = psi if layout.groups in ("none", "owners") else sum(padded for _, padded in groups)
-        tensors = [len(groups)] * n if shape.exact and layout.groups in ("units", "buckets") else None
+        tensors = [len(groups)] * n if shape.exact and layout.groups in ("units", "buckets", "rows") else None
 
     def kind(sharded: bool, nbytes: int) -> list[tuple[int, int]]:
         if sharded:
             return [(lo * nbytes, ph * nbytes) for lo, ph in zip(logical, physical)]
         return [(psi * nbytes, full * nbytes)] * n
 
-    out = {"param": kind("param" in s, itemsize), "grad": kind("grad" in s, itemsize), "optim": kind("optim" in s, _MOMENTS)}
+    rest = 4 if layout.fp32_at_rest else itemsize
+    out = {"param": kind("param" in s, rest), "grad": kind("grad" in s, rest), "optim": kind("optim" in s, _MOMENTS)}
     if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
         out["master"] = kind("optim" in s, _MASTER)
-    if knobs.use_orig_params and layout.groups == "units":  # moments of the unpadded views; steps per view
+    if knobs.use_orig_params and layout.groups == "units":  # moments and steps per unpadded view [FSDP]
         out["optim"], tensors = [(lo, lo) for lo, _ in out["optim"]], None
+    if not layout.padded_moments:
+        out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
     if tensors is not None:
         out["optim_scalar"] = [(_STEP * t, _STEP * t) for t in tensors]
     return out
@@ -391,12 +440,15 @@ def rank_state_bytes(layout: StateLayout, shape: ModelShape, world_size: int, it
 
 def step_collectives(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
                      knobs: PlanKnobs = PlanKnobs()) -> Collectives:
-    """One rank's per-step collectives under ``layout``: its payload model over the padded groups [ZeRO 7]."""
+    """One rank's per-step collectives under ``layout``: its payload model over the padded groups, in the
+    compute dtype [ZeRO 7]."""
     if layout.groups in ("none", "owners"):
         return layout.payload(Groups([shape.numel * itemsize], [False], knobs))
+    if layout.groups in ("units", "rows"):
+        units = _unit_numels(layout, shape, world_size, itemsize, knobs)
+        return layout.payload(Groups([u * itemsize for u in units], list(shape.root), knobs))
     groups = _groups(layout, shape, world_size, itemsize, knobs)
-    roots = list(shape.root) if layout.groups == "units" else [False] * len(groups)
-    return layout.payload(Groups([padded * itemsize for _, padded in groups], roots, knobs))
+    return layout.payload(Groups([padded * itemsize for _, padded in groups], [False] * len(groups), knobs))
 
 
 def unsharded_floor_bytes(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
@@ -406,8 +458,7 @@ def unsharded_floor_bytes(layout: StateLayout, shape: ModelShape, world_size: in
     end of backward), 0 for replicated parameters; None when the units are unknown (a count, no model)."""
     if layout.gather == "none":
         return 0
-    align = 16 // itemsize if knobs.use_orig_params else 0
-    units = [padded_numel(_flat(u, align)[1], world_size) * itemsize for u in shape.units]
+    units = [u * itemsize for u in _unit_numels(layout, shape, world_size, itemsize, knobs)]
     if layout.gather == "all":
         return sum(units)
     return max(units) if shape.exact else None

@@ -72,7 +72,8 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any],
                  on_started: Callable[[list[int | None]], None] | None = None) -> LaunchResult:
     """Run every rank of the cell on this machine; block until all have exited.
 
-    ``on_started`` is called with the rank pids once every rank process exists.
+    ``on_started`` is called with the rank pids once every rank process exists. A dry run
+    (``cfg["dry_run"]``, zeroexp.dryrun) starts one process, rank 0, which plays its part of ``world_size``.
     """
     from zeroexp.worker import rank_entry
 
@@ -81,8 +82,9 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any],
     port = free_port()
     ctx = _context()
     environ = dict(os.environ)
+    nprocs = 1 if cfg.get("dry_run") else world_size
     procs = [ctx.Process(target=rank_entry, args=(r, world_size, port, cfg, str(cell_dir), run_info, environ),
-                         name=f"zeroexp-rank{r}") for r in range(world_size)]
+                         name=f"zeroexp-rank{r}") for r in range(nprocs)]
     error: dict[str, Any] | None = None
     killed_by_us: set[int] = set()
     try:

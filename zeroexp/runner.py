@@ -20,7 +20,7 @@ from zeroexp.cell import cell_axes, cell_id, cell_name
 from zeroexp.config import validate
 from zeroexp.results import git_commit, host, read_json, utc_now, versions, write_json
 
-__all__ = ["CellResult", "run_cell"]
+__all__ = ["CellResult", "run_cell", "new_manifest"]
 
 
 @dataclass
@@ -31,19 +31,41 @@ class CellResult:
     summary: dict[str, Any] | None
 
 
-def _device_and_backend(cfg: DictConfig) -> tuple[str, str]:
+def _device_and_backend(cfg: DictConfig, local_world_size: int | None = None) -> tuple[str, str]:
+    """``device=auto``: CUDA when there is a GPU for each rank of this node (``local_world_size``, default all)."""
     import torch
 
+    if cfg.get("dry_run"):  # zeroexp.dryrun: one CPU process, fake process group, FakeTensorMode
+        return "cpu", "fake"
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()
-                                and torch.cuda.device_count() >= cfg.world_size):
+                                and torch.cuda.device_count() >= (local_world_size or cfg.world_size)):
         return "cuda", "nccl"
     return "cpu", "gloo"
+
+
+def new_manifest(cfg: DictConfig, resolved: dict[str, Any], run_info: dict[str, Any], overrides: Sequence[str],
+                 sweep: str | None, device: str, backend: str, launch: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a cell starting now (``running``); ``launch``: ``launcher``, ``nodes``, ``ranks_per_node``,
+    ``job_id`` (docs/results.md)."""
+    return {
+        "status": "running", "mode": "dry_run" if cfg.get("dry_run") else "run", "error": None,
+        "cell": run_info["cell"], "cell_id": run_info["cell_id"],
+        "cell_name": run_info["cell_name"], "sweep": sweep, "config": resolved, "overrides": list(overrides),
+        "world_size": int(cfg.world_size), "device_type": device, "backend": backend, **launch,
+        "host": host(), "versions": versions(), "git": git_commit(), "started_at": utc_now(), "ended_at": None,
+        "duration_s": None, "ranks": None, "partial_files": [],
+    }
 
 
 def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), sweep: str | None = None,
              explicit_keys: Sequence[str] = ()) -> CellResult:
     """Validate ``cfg`` (raises ``ConfigError`` before anything is written), then run the cell in ``cell_dir``."""
     validate(cfg, tuple(explicit_keys))
+    if cfg.get("launcher") is not None and cfg.launcher.name != "local":
+        from zeroexp.config import ConfigError
+
+        raise ConfigError("launcher", cfg.launcher.name, "local", why="run_cell starts the ranks itself; a torchrun "
+                          "or SLURM rank runs through python -m zeroexp (zeroexp.cluster)")
     cell_dir = Path(cell_dir).resolve()
     cell_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -54,13 +76,8 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
 
     run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep,
                 "fault": os.environ.get(FAULT_ENV)}
-    manifest: dict[str, Any] = {
-        "status": "running", "error": None, "cell": run_info["cell"], "cell_id": run_info["cell_id"],
-        "cell_name": run_info["cell_name"], "sweep": sweep, "config": resolved, "overrides": list(overrides),
-        "world_size": int(cfg.world_size), "device_type": device, "backend": backend, "launcher": "local",
-        "host": host(), "versions": versions(), "git": git_commit(), "started_at": utc_now(), "ended_at": None,
-        "duration_s": None, "ranks": None, "partial_files": [],
-    }
+    manifest = new_manifest(cfg, resolved, run_info, overrides, sweep, device, backend,
+                            {"launcher": "local", "nodes": 1, "ranks_per_node": int(cfg.world_size), "job_id": None})
     write_json(cell_dir / "manifest.json", manifest)
     t0 = time.monotonic()
     from zeroexp.launch import launch_local

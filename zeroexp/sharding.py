@@ -13,11 +13,13 @@ elements ``[r*s, (r+1)*s)`` of every bucket (``s = padded / N``): the fp32 maste
 moments. The master is a separate fp32 tensor even when the compute dtype is fp32, as DeepSpeed's ZeRO-1/2
 keeps ``single_partition_of_fp32_groups``.
 
-One :meth:`ShardedAdamW.step`, after the closure's forward and backward:
+One :meth:`ShardedAdamW.step` (one backward per step):
 
-1. per bucket, the flat gradient is reduce-scattered (SUM, in place: shard r of the buffer receives it) and
-   rank r divides its shard by N in fp32; ``reduce="allreduce"`` all-reduces the whole bucket instead (the
-   "naive ZeRO": N times the reduced bytes a rank needs);
+1. per bucket, the flat gradient is reduce-scattered (SUM, in place: shard r of the buffer receives it;
+   started asynchronously by a gradient hook as soon as backward has filled the bucket, so that it overlaps
+   the rest of backward, as DDP's buckets do) and rank r divides its shard by N in fp32;
+   ``reduce="allreduce"`` all-reduces the whole bucket instead (the "naive ZeRO": N times the reduced bytes
+   a rank needs);
 2. with ``clip_grad_norm`` or loss scaling, one all_reduce of the sum of the shards' squared norms gives
    the global norm (clip coefficient as ``torch.nn.utils.clip_grad_norm_``; non-finite: skip the update);
 3. ``torch.optim.AdamW``, unchanged, updates the fp32 master shards;
@@ -61,6 +63,8 @@ class Bucket:
     master: torch.Tensor  # fp32 copy of shard ``rank`` of ``flat``
     grad: torch.Tensor | None = None  # stage 1: the full flat gradient; the params' .grad are views into it
     grad_shard: torch.Tensor | None = None  # stage 2: the averaged gradient of shard ``rank``, compute dtype
+    ready: int = 0  # parameters whose gradient this backward has accumulated
+    work: Any = None  # the bucket's gradient reduction in flight (async), until step waits for it
 
     @property
     def shard_numel(self) -> int:
@@ -174,8 +178,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                 _attach_grad_buffer(b)
             else:  # allocated when backward reaches the bucket, released after its reduce_scatter
                 b.grad_shard = torch.zeros(b.shard_numel, dtype=b.flat.dtype, device=b.flat.device)
-                for p in b.params:
+            for p in b.params:
+                if stage == 2:
                     p.register_hook(_attach_on_first_grad(b))
+                p.register_post_accumulate_grad_hook(self._reduce_when_full(b))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (fp16), or ``loss`` itself."""
@@ -187,6 +193,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Stage 1: zero the full gradient buffer in place (the ``.grad`` views stay). Stage 2: zero the
         gradient shard; no full gradient exists until backward reaches the bucket. ``set_to_none`` is ignored."""
         for b in self.buckets:
+            b.ready = 0
             if self.settings.stage == 1:
                 _attach_grad_buffer(b)
             else:
@@ -202,8 +209,13 @@ class ShardedAdamW(torch.optim.Optimizer):
                 loss = closure()
         s = self.settings
         divisor = s.world_size * (s.loss_scale.value if s.loss_scale is not None else 1.0)
+        for b in self.buckets:  # buckets backward did not fill (unused parameters): reduce them now
+            if b.work is None:
+                self._start_reduce(b)
         for b in self.buckets:
-            shard = self._reduce(b)  # the summed gradient of shard r, in the bucket's full gradient buffer
+            b.work.wait()
+            b.work, b.ready = None, 0
+            shard = b.shard(b.grad)  # the summed gradient of shard r, in the bucket's full gradient buffer
             if s.stage == 2:  # keep the shard, release the full gradient
                 shard = b.grad_shard.copy_(shard)
                 _release_grad_buffer(b)
@@ -223,9 +235,21 @@ class ShardedAdamW(torch.optim.Optimizer):
                         group=s.group)
         return loss
 
-    def _reduce(self, b: Bucket) -> torch.Tensor:
-        """Sum the bucket's gradient over ranks, in place: shard ``rank`` of ``b.grad`` (a view) holds it."""
-        if b.grad is None:  # backward produced no gradient for the bucket (or hooks were bypassed)
+    def _reduce_when_full(self, b: Bucket) -> Callable[[nn.Parameter], None]:
+        """A post-accumulate hook: once backward has accumulated every gradient of the bucket, start its
+        reduction, so that it overlaps the rest of backward (one backward per step)."""
+        def hook(p: nn.Parameter) -> None:
+            if b.work is not None:
+                raise RuntimeError("a second backward before step: gradient accumulation is not supported")
+            b.ready += 1
+            if b.ready == len(b.params):
+                self._start_reduce(b)
+
+        return hook
+
+    def _start_reduce(self, b: Bucket) -> None:
+        """Sum the bucket's gradient over ranks, in place and async: shard ``rank`` of ``b.grad`` receives it."""
+        if b.grad is None:  # backward produced no gradient for the bucket
             _attach_grad_buffer(b)
         for p, view in b.views(b.grad):
             if p.grad is None:  # not used in this step's forward
@@ -233,12 +257,11 @@ class ShardedAdamW(torch.optim.Optimizer):
             elif p.grad.data_ptr() != view.data_ptr():  # not a view of the buffer (set by someone else): copy
                 view.copy_(p.grad)
             p.grad = view
-        shard = b.shard(b.grad)
+        group = self.settings.group
         if self.settings.reduce == "allreduce":
-            dist.all_reduce(b.grad, group=self.settings.group)
+            b.work = dist.all_reduce(b.grad, group=group, async_op=True)
         else:  # in place: output = input + rank * shard_numel, as NCCL allows and gloo supports
-            _reduce_scatter(shard, b.grad, group=self.settings.group)
-        return shard
+            b.work = _reduce_scatter(b.shard(b.grad), b.grad, group=group, async_op=True)
 
     def _global_norm_and_clip(self) -> bool:
         """All-reduce the squared norm of the gradient shards; clip; update the loss scale. False: skip."""

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from zeroexp.models import build_model
 from zeroexp.module import CellModule, SyntheticBatches
-from zeroexp.probes import RunContext, default_probes
+from zeroexp.probes import RunContext, probes_for
 from zeroexp.schedule import Schedule
 from zeroexp.results import redact_obj, write_csv, write_json, write_text
 from zeroexp.strategies import get_adapter_class
@@ -54,7 +54,12 @@ def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     try:
-        run_rank(cfg, cell, run_info)
+        if cfg.get("dry_run"):  # one process plays rank 0 of world_size under a fake process group
+            from zeroexp.dryrun import run_dry
+
+            run_dry(cfg, cell, run_info)
+        else:
+            run_rank(cfg, cell, run_info)
     except BaseException as e:  # noqa: BLE001 - every failure is recorded, then re-raised as exit code 1
         traceback.print_exc()
         write_json(cell / RANKS_DIR / f"rank{rank}.error.json",
@@ -87,9 +92,10 @@ def _quiet() -> None:
 
 
 def resolve_device(cfg: Any) -> torch.device:
-    """``device=auto``: CUDA when enough GPUs are visible for one per rank, else the CPU."""
+    """``device=auto``: CUDA when enough GPUs are visible for one per rank of this node, else the CPU."""
     want = cfg["device"]
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]):
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg["world_size"]))  # ranks on this node (torchrun, SLURM)
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local):
         return torch.device("cuda")
     return torch.device("cpu")
 
@@ -129,7 +135,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     net = build_model(cfg.model)
     module = CellModule(net, cfg.model.loss, adapter.make_optimizer)
     data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps), batch_size=None)
-    probe_classes = default_probes()
+    probe_classes = probes_for(cfg)
     probes = [cls(ctx) for cls in probe_classes]
     callbacks: list[pl.Callback] = list(probes)
     if run_info.get("fault"):

@@ -62,7 +62,10 @@ def _world_sizes(value: Any) -> list[int]:
 
 
 def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
-    from zeroexp.plan.shape import model_shape
+    import torch
+
+    from zeroexp.models import build_model
+    from zeroexp.plan.shape import shape_of, wrap_classes
     from zeroexp.strategies.fsdp import wrap_paths
 
     if (cfg.model is None) == (cfg.params is None):
@@ -75,12 +78,21 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
             raise ConfigError("params", cfg.params, "a positive count: 7.5e9, 7.5B, 350M, 1T", why=str(e)) from e
     wrap = wrap_paths(SimpleNamespace(strategy=OmegaConf.create({"wrap": cfg.wrap}), model=cfg.model))
     try:
-        return model_shape(cfg.model, wrap), str(cfg.model.name)
-    except Exception as e:  # noqa: BLE001 - the user's factory or wrap class: a config error
-        key = "wrap" if "wrap" in str(e) or isinstance(e, (ImportError, TypeError)) and wrap else "model._target_"
-        raise ConfigError(key, cfg.wrap if key == "wrap" else cfg.model.get("_target_"),
-                          "import paths of nn.Module classes" if key == "wrap" else "a factory building an nn.Module",
-                          why=f"{type(e).__name__}: {e}") from e
+        classes = wrap_classes(wrap)
+    except (ImportError, AttributeError, ValueError, TypeError) as e:
+        key = "wrap" if cfg.wrap is not None else "model.wrap"
+        raise ConfigError(key, wrap, "import paths of nn.Module classes", why=f"{type(e).__name__}: {e}") from e
+    try:
+        with torch.device("meta"):
+            net = build_model(cfg.model)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
+        cause = e.__cause__ or e
+        raise ConfigError("model._target_", cfg.model.get("_target_"), "a factory that builds an nn.Module from "
+                          "the model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
+    shape = shape_of(net, classes)
+    if not shape.numel:
+        raise ConfigError("model", cfg.model.name, "a model with parameters", why="it has none")
+    return shape, str(cfg.model.name)
 
 
 def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:

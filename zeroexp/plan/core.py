@@ -1,7 +1,7 @@
 """Plan records: for one strategy at one world size, the bytes each rank keeps and sends, from zeroexp.formulas.
 
 Nothing here allocates a parameter: a model enters as a :class:`~zeroexp.formulas.ModelShape` (its parameters'
-numels and FSDP units, read on the meta device by :mod:`zeroexp.plan.shape`) or as a bare count.
+shapes and FSDP units, read on the meta device by :mod:`zeroexp.plan.shape`) or as a bare count.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from typing import Any, Iterable
 
 from zeroexp.config import ConfigError
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout, bus_bytes,
-                              offloaded_kinds, padded_numel, rank_state_bytes, step_collectives,
-                              unsharded_floor_bytes)
+                              offloaded_kinds, rank_state_bytes, step_collectives, unsharded_floor_bytes)
 
 __all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
            "OFFLOADS", "UNITS"]
@@ -54,10 +53,9 @@ def strategy_table() -> dict[str, StateLayout]:
 
 
 def largest_unit_bytes(shape: ModelShape, world_size: int, itemsize: int) -> int | None:
-    """The largest FSDP unit, unsharded and padded to N, in the compute dtype; None without the model's units."""
-    if not shape.exact:
-        return None
-    return max(padded_numel(sum(u), world_size) for u in shape.units) * itemsize
+    """The largest FSDP unit, unsharded and padded to N, in the compute dtype: what FULL_SHARD gathers at once;
+    None without the model's units."""
+    return unsharded_floor_bytes(LAYOUTS["fsdp_full"], shape, world_size, itemsize)
 
 
 def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: int, precision: Precision,
@@ -96,7 +94,7 @@ def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, of
          model: str = "params") -> tuple[list[dict[str, Any]], list[str]]:
     """Records for every strategy x world size, and a note for each strategy whose byte model does not cover the
     precision or offload (those are left out). Raises :class:`ConfigError` for an unknown strategy or offload."""
-    table = strategy_table()
+    table, world_sizes = strategy_table(), list(world_sizes)
     if offload not in OFFLOADS:
         raise ConfigError("offload", offload, ", ".join(OFFLOADS))
     names = list(table) if strategies is None else list(strategies)
@@ -126,9 +124,10 @@ def _parse(value: Any, suffixes: dict[str, int], what: str) -> int:
         if not m or m.group(2).upper() not in suffixes:
             raise ValueError(f"{value!r} is not {what}")
         number, scale = float(m.group(1)), suffixes[m.group(2).upper()]
-    if not number > 0:
+    result = round(number * scale)
+    if result < 1:
         raise ValueError(f"{value!r} is not {what}")
-    return round(number * scale)
+    return result
 
 
 def parse_bytes(value: Any) -> int:

@@ -41,8 +41,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                       "8 B and fp32 master 4 B a parameter · not modelled: activations, temporaries, fragmentation "
                       "(docs/planner.md)\n")
         console.print(_comm_table(records, unit))
-        console.print("bus = S x all_reduce 2(N-1)/N, all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1 "
-                      "(nccl-tests PERFORMANCE.md)\n")
+        console.print("S: the payload, the full array (nccl-tests PERFORMANCE.md); bus = S x all_reduce 2(N-1)/N, "
+                      "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1\n")
     for note in notes:
         console.print(f"[yellow]not planned[/] {note}")
 
@@ -70,7 +70,7 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
 
 def _comm_table(records: list[dict[str, Any]], unit: str) -> Table:
     ops = list(dict.fromkeys(op for r in records for op in r["payload_bytes"]))
-    table = Table(title=f"Collectives per step per rank: payload S (nccl-tests: the full array) and bus bytes, in {unit}")
+    table = Table(title=f"Collectives per step per rank, in {unit}")
     for i, c in enumerate(["strategy", "N", *(f"{op} S" for op in ops), "total S", "total bus"]):
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in records:

@@ -31,7 +31,7 @@ from torch import nn
 
 from zeroexp.probes.base import Probe, ProbeReport
 
-__all__ = ["MemoryProbe", "PEAK_MEANING"]
+__all__ = ["MemoryProbe", "PEAK_MEANING", "memory_source"]
 
 PEAK_MEANING = (
     "peak_bytes is a training peak: the highest allocation during the memory-tracked steps, reset after the "
@@ -58,6 +58,10 @@ class _CudaAllocator:
     def before_optimizer_update(self) -> None:
         pass
 
+    def current_bytes(self) -> int:
+        """Bytes allocated now (between ``begin`` and ``end``)."""
+        return int(torch.cuda.memory_allocated(self.device))
+
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         torch.cuda.synchronize(self.device)
         return {"steady": int(torch.cuda.memory_allocated(self.device)),
@@ -78,6 +82,12 @@ def _live_tensors_and_optimizers() -> tuple[list[torch.Tensor], list[torch.optim
         elif isinstance(obj, torch.optim.Optimizer):
             optimizers.append(obj)
     return tensors, optimizers
+
+
+def _trackable(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """The optimizers MemTracker can walk: ZeroRedundancyOptimizer.load_state_dict leaves None in the wrapper's
+    state for parameters other ranks own (its local optimizer, tracked too, holds the real state)."""
+    return [o for o in optimizers if all(isinstance(s, dict) for s in o.state.values())]
 
 
 def _totals(snapshot: dict[torch.device, dict[Any, int]], device_type: str) -> tuple[int, dict[str, int]]:
@@ -138,17 +148,21 @@ class _TensorTracker:
         tensors, self._optimizers = _live_tensors_and_optimizers()
         self._mt.track_external(*tensors)  # as "other"; the model and optimizers below re-label theirs
         del tensors  # the tracker holds weak references only: freed storages must leave the count
-        self._mt.track_external(model, *self._optimizers)
+        self._mt.track_external(model, *_trackable(self._optimizers))
         self._mt.__enter__()
 
     def before_optimizer_update(self) -> None:
         if self._mt is not None:
             self._mt.set_in_optimizer_update(True)
 
+    def current_bytes(self) -> int:
+        """Bytes of the tracked storages alive now (between ``begin`` and ``end``)."""
+        return _totals(self._mt.get_tracker_snapshot("current"), self.device.type)[0]
+
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         mt = self._mt
         mt.set_in_optimizer_update(False)
-        mt.track_external(model, *self._optimizers)  # label this step's new gradients and optimizer state
+        mt.track_external(model, *_trackable(self._optimizers))  # label this step's new gradients and optimizer state
         steady, steady_cats = _totals(mt.get_tracker_snapshot("current"), self.device.type)
         peak, peak_cats = _totals(mt.get_tracker_snapshot("peak"), self.device.type)
         self.abort()
@@ -160,6 +174,12 @@ class _TensorTracker:
         self._mt, self._optimizers = None, []
 
 
+def memory_source(device: torch.device) -> "_CudaAllocator | _TensorTracker":
+    """The tracker for ``device``: ``begin(model, optimizer)``, ``current_bytes()``, ``end(...)`` -> ``{"steady",
+    "peak", "steady_categories", "peak_categories"}``, ``abort()``; ``source`` names it."""
+    return _CudaAllocator(device) if device.type == "cuda" else _TensorTracker(device)
+
+
 class MemoryProbe(Probe):
     """Steady bytes at the optimizer boundary and the training peak of each memory-tracked step, per rank."""
 
@@ -167,7 +187,7 @@ class MemoryProbe(Probe):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        self.source = _CudaAllocator(ctx.device) if ctx.device.type == "cuda" else _TensorTracker(ctx.device)
+        self.source = memory_source(ctx.device)
         self.records: list[dict[str, Any]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -30,7 +30,8 @@ COLUMNS = ["rank", "kind", "logical_bytes", "physical_bytes", "dtype", "device",
 def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
     """Bytes per kind of ``(kind, tensor, logical_numel)`` items, one row per kind in first-seen order.
 
-    Physical bytes: each storage (keyed by device and ``untyped_storage().data_ptr()``) is counted once,
+    Physical bytes: each storage (keyed by device and ``untyped_storage().data_ptr()``, or the storage
+    itself for a FakeTensor's, which has no data) is counted once,
     under the first kind that reaches it, at its full allocated size. Logical bytes: ``logical_numel x
     itemsize`` of every tensor, except one whose element range lies inside a range of the same storage
     already counted (a view of a tensor that was itself yielded), which would count the same elements twice.
@@ -42,7 +43,8 @@ def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
         row = rows.setdefault(kind, {"kind": kind, "logical_bytes": 0, "physical_bytes": 0,
                                      "dtype": set(), "device": set(), "numel": 0})
         storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
+        # A FakeTensor's storage (zeroexp.dryrun) has no data: data_ptr() is 0 for all of them; its identity is.
+        key = (str(tensor.device), storage.data_ptr() or (storage._cdata if storage.nbytes() else 0))
         if key not in storages and storage.nbytes() > 0:
             storages.add(key)
             row["physical_bytes"] += storage.nbytes()

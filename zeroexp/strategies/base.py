@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, NamedTuple
 
 import torch
@@ -74,6 +75,13 @@ class StrategyAdapter:
     min_warmup_steps: ClassVar[int] = 0
     #: The ``precision`` options (conf/precision/) the strategy implements; config.validate refuses others.
     precisions: ClassVar[frozenset[str]] = frozenset({"fp32"})
+    #: The ``checkpoint`` kinds (conf/checkpoint/: full, sharded) the adapter saves and loads; config.validate
+    #: refuses the others.
+    checkpoint_kinds: ClassVar[frozenset[str]] = frozenset()
+    #: ``dry_run=true`` (zeroexp.dryrun): True when the strategy's own code runs under a fake process group and
+    #: ``FakeTensorMode`` (its state and collectives are traced); False when it needs real storage (DDP's C++
+    #: Reducer): the dry run then derives the collectives and the state table instead, and says so.
+    dry_run_traced: ClassVar[bool] = False
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -82,6 +90,10 @@ class StrategyAdapter:
     @classmethod
     def validate(cls, cfg: DictConfig) -> None:
         """Refuse settings this strategy cannot run (raise ``zeroexp.config.ConfigError``)."""
+
+    def setup(self, device: torch.device) -> None:
+        """Once the process group exists and before any model is built (a dry run calls it before entering
+        ``FakeTensorMode``): make what must hold real tensors, e.g. a device mesh. Default: nothing."""
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """Wrap the LightningModule (already on ``device``) for training; called on every rank."""
@@ -128,6 +140,20 @@ class StrategyAdapter:
         """
         with torch.no_grad():
             yield {name: p.detach() for name, p in model.named_parameters()}
+
+    def checkpoint_format(self, kind: str) -> str:
+        """One sentence: how this strategy writes a ``kind`` checkpoint (reported in ``summary.json``)."""
+        raise NotImplementedError(f"strategy {self.name!r} does not implement checkpoints")
+
+    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
+        """Write the wrapped ``model``'s and ``optimizer``'s state as a ``kind`` checkpoint into the existing
+        directory ``path``; return the files this rank wrote. A collective: call it on every rank."""
+        raise NotImplementedError(f"strategy {self.name!r} does not implement checkpoints")
+
+    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Restore a :meth:`save_checkpoint` directory into a freshly wrapped ``model`` and its ``optimizer``
+        (same strategy, same world size). A collective: call it on every rank."""
+        raise NotImplementedError(f"strategy {self.name!r} does not implement checkpoints")
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """The Lightning strategy that runs this adapter."""

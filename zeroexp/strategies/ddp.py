@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ContextManager
 
 import torch
@@ -11,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zeroexp.formulas import ddp_collectives
 from zeroexp.strategies import register
+from zeroexp.strategies._checkpoint import load_full, load_sharded, save_full, save_sharded
 from zeroexp.strategies.base import StrategyAdapter
 
 
@@ -31,6 +33,21 @@ class DDPAdapter(StrategyAdapter):
             bucket_cap_mb=float(self.scfg.bucket_cap_mb),
             gradient_as_bucket_view=bool(self.scfg.gradient_as_bucket_view),
         )
+
+    checkpoint_kinds = frozenset({"full", "sharded"})
+
+    def checkpoint_format(self, kind: str) -> str:
+        if kind == "full":
+            return "get_state_dict(full_state_dict, cpu_offload): rank 0 writes its replicated state to one file"
+        return ("torch.distributed.checkpoint of the replicated state: the planner deduplicates each tensor "
+                "and spreads the writes over the ranks (__<rank>_0.distcp, .metadata)")
+
+    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
+        """full: rank 0 writes the state it already holds (no gather needed); sharded: DCP (zeroexp.strategies._checkpoint)."""
+        return (save_full if kind == "full" else save_sharded)(path, model, optimizer)
+
+    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        (load_full if kind == "full" else load_sharded)(path, model, optimizer)
 
     def full_parameters(self, model: nn.Module) -> ContextManager[dict[str, torch.Tensor]]:
         """Every rank holds the full parameters: those of the module DDP wraps, without DDP's ``module.``."""

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import importlib
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp import (BackwardPrefetch, FullOptimStateDictConfig, FullStateDictConfig,
+                                    FullyShardedDataParallel, ShardingStrategy, StateDictType)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from zeroexp.formulas import fsdp_collectives, padded_numel, zero_state_factors
 from zeroexp.strategies import register
+from zeroexp.strategies._checkpoint import load_sharded, read_full, save_sharded, write_full
 from zeroexp.strategies.base import (StateTensor, StrategyAdapter, optimizer_state_tensors,
                                      parameter_state_tensors)
 
@@ -45,6 +48,7 @@ class FSDPAdapter(StrategyAdapter):
     """Shared FSDP1 wrapping; subclasses fix the sharding strategy."""
 
     sharding: ShardingStrategy
+    dry_run_traced = True  # FSDP1 runs under a fake process group and FakeTensorMode
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -59,6 +63,40 @@ class FSDPAdapter(StrategyAdapter):
 
     def backward_prefetch(self) -> BackwardPrefetch | None:
         return None
+
+    checkpoint_kinds = frozenset({"full", "sharded"})
+
+    def checkpoint_format(self, kind: str) -> str:
+        if kind == "full":
+            return ("FULL_STATE_DICT with rank0_only and offload_to_cpu (get_state_dict(full_state_dict, cpu_offload)): "
+                    "every unit all-gathered, rank 0 writes model and optimizer state to one file")
+        return ("SHARDED_STATE_DICT through torch.distributed.checkpoint: each rank writes its own shards "
+                "(__<rank>_0.distcp), rank 0 the .metadata")
+
+    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
+        """full: FULL_STATE_DICT, rank0_only (every unit all-gathered, then each optimizer state tensor), CPU offload
+        on CUDA only (with the parameters already on the CPU, FSDP1's offload_to_cpu frees the gathered storage
+        it is about to read, torch 2.13); sharded: zeroexp.strategies._checkpoint.save_sharded."""
+        if kind != "full":
+            return save_sharded(path, model, optimizer)
+        offload = next(model.parameters()).device.type != "cpu"
+        with FullyShardedDataParallel.state_dict_type(
+                model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+                FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True)):
+            model_sd = model.state_dict()
+            optim_sd = FullyShardedDataParallel.optim_state_dict(model, optimizer)
+        return write_full(path, model_sd, optim_sd)
+
+    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """full: every rank reads the file and keeps its shards (optim_state_dict_to_load); sharded: DCP."""
+        if kind != "full":
+            return load_sharded(path, model, optimizer)
+        full = read_full(path)
+        with FullyShardedDataParallel.state_dict_type(
+                model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                FullOptimStateDictConfig(rank0_only=False)):
+            model.load_state_dict(full["model"])
+            optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, full["optim"]))
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
         """Each unit's FlatParameter local shard and its gradient shard, then the optimizer's tensors.

@@ -117,9 +117,9 @@ class ShardedZeroAdapter(StrategyAdapter):
                              world_size: int) -> dict[str, dict[str, int]]:
         """Per bucket (padded, compute dtype) one reduce_scatter (or all_reduce) and one all_gather, and one
         fp32 scalar all_reduce with clipping or loss scaling (zeroexp.formulas.sharded_zero_collectives)."""
+        norm = self.scfg.clip_grad_norm is not None or self.loss_scale is not None
         return sharded_zero_collectives([b.flat.numel() * b.flat.element_size() for b in self.buckets],
-                                        reduce=str(self.scfg.reduce),
-                                        norm_allreduce=self.scfg.clip_grad_norm is not None or self.loss_scale is not None)
+                                        reduce=str(self.scfg.reduce), norm_allreduce=norm)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

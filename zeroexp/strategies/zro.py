@@ -7,14 +7,18 @@ parameters after each update"); see Rajbhandari et al., ZeRO, arXiv:1910.02054, 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 from zeroexp.formulas import zero1_collectives
 from zeroexp.strategies import register
+from zeroexp.strategies._checkpoint import FULL_FILE
 from zeroexp.strategies.base import StateTensor
 from zeroexp.strategies.ddp import DDPAdapter
 
@@ -57,3 +61,42 @@ class ZROAdapter(DDPAdapter):
             parameters_as_bucket_view=bool(self.scfg.parameters_as_bucket_view),
             **self.optimizer_kwargs(),
         )
+
+    def checkpoint_format(self, kind: str) -> str:
+        if kind == "full":
+            return ("ZeroRedundancyOptimizer.consolidate_state_dict(to=0) (every owner broadcasts its state), rank 0 "
+                    "writes model and optimizer state to one file")
+        return "rank 0 writes the replicated parameters (model.pt), each rank its owned optimizer state (optim_rank<r>.pt)"
+
+    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
+        """full: consolidate to rank 0, one file; sharded: no collective, each rank writes the state it owns."""
+        rank, module = dist.get_rank(), _unwrapped(model)
+        if kind == "full":
+            optimizer.consolidate_state_dict(to=0)  # a collective: every rank broadcasts what it owns
+            if rank != 0:
+                return []
+            torch.save({"model": module.state_dict(), "optim": optimizer.state_dict()}, path / FULL_FILE)
+            return [path / FULL_FILE]
+        files = [path / f"optim_rank{rank}.pt"]
+        torch.save(optimizer.optim.state_dict(), files[0])  # the local AdamW over the owned parameters
+        if rank == 0:
+            torch.save(module.state_dict(), path / "model.pt")
+            files.insert(0, path / "model.pt")
+        return files
+
+    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank reads the parameters; full: the optimizer re-partitions the consolidated state by owner;
+        sharded: each rank reads its own optimizer file (same world size, so the same owners)."""
+        module = _unwrapped(model)
+        if kind == "full":
+            full = torch.load(path / FULL_FILE, map_location="cpu", weights_only=True)
+            module.load_state_dict(full["model"])
+            optimizer.load_state_dict(full["optim"])
+            return
+        module.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+        optimizer.optim.load_state_dict(
+            torch.load(path / f"optim_rank{dist.get_rank()}.pt", map_location="cpu", weights_only=True))
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,210 @@
+"""``dry_run=true``: the state table and collective fingerprint of a cell at any world size, on one CPU process.
+
+One process plays rank 0 of ``world_size`` ranks under a fake process group (``FakeStore`` +
+``init_process_group("fake")``: every collective returns at once, no peer exists) and ``FakeTensorMode`` (tensors
+carry shapes, dtypes and storage sizes but no data), so no parameter memory is allocated whatever the model's
+size. It writes the same cell directory as a real run, with ``manifest.json`` and ``summary.json`` saying
+``mode: dry_run``; what a dry run cannot measure (loss, step time, real memory, equivalence) is absent, and
+``summary.json["dry_run"]`` says why.
+
+Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.dry_run_traced``):
+
+- ``traced`` (FSDP1, FSDP2): the adapter wraps the cell's model and the steps run (forward, backward, AdamW)
+  with the real run's probes driven from a plain loop: the state probe counts rank 0's tensors at
+  ``schedule.state_step``, the collectives probe's profiler records ``schedule.profiled``. The device mesh is
+  made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``).
+- ``derived`` (DDP, ZeroRedundancyOptimizer, any strategy not traced): DDP's C++ Reducer needs real storage, so
+  the model is built on the meta device; the collectives are the adapter's ``expected_collectives`` of that
+  structure (DDP's bucket assignment, the optimizer's owners), or the planner's payload model when the adapter
+  cannot build its optimizer unwrapped; the state table is ``zeroexp.formulas.rank_state_bytes``, every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from zeroexp.models import LOSSES, build_model, make_batch
+from zeroexp.module import CellModule
+from zeroexp.probes import CollectivesProbe, RunContext, StateProbe
+from zeroexp.probes.state import check_factors
+from zeroexp.results import write_csv, write_json, write_text
+from zeroexp.schedule import Schedule
+from zeroexp.strategies import get_adapter_class
+
+__all__ = ["run_dry", "SOURCES", "ABSENT"]
+
+SOURCES = {
+    "traced": "traced: the strategy's own code ran as rank 0 of world_size under a fake process group and "
+              "FakeTensorMode; state counted by the state probe, collectives recorded by the collectives probe",
+    "derived": "derived: the strategy needs real storage (DDP's C++ Reducer), so nothing ran; collectives from "
+               "the adapter's expected_collectives on the model's structure (or the planner's payload model), "
+               "state table from zeroexp.formulas.rank_state_bytes",
+}
+#: The sections of a real run that a dry run leaves out, and why.
+ABSENT = {
+    "iterations": "no loss: FakeTensorMode computes shapes and dtypes, not values",
+    "memory": "no real memory: no tensor is allocated, and the fake process group moves no bytes",
+    "timing": "no step time: a fake step computes nothing and communicates with no peer",
+    "equivalence": "no parameter values to compare with the reference",
+}
+FACTORS_BASIS = ("rank 0 x world_size: a dry run measures rank 0 only. Exact when every rank holds as much as "
+                 "rank 0 (N divides every unit, or every parameter's dim 0 for FSDP2); otherwise above the sum "
+                 "over ranks by the padding the last ranks hold instead of parameters")
+CPU = torch.device("cpu")
+
+
+def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any]) -> dict[str, Any]:
+    """Play rank 0 of the cell under a fake process group; write the cell's files; return the summary."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+    cfg = OmegaConf.create(cfg_dict)
+    n = int(cfg.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        adapter = get_adapter_class(cfg.strategy.name)(cfg)
+        ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg))
+        source = "traced" if adapter.dry_run_traced else "derived"
+        state, collectives, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
+        write_text(Path(cell) / ".ranks" / "rank0.json", json.dumps({"state": state, "collectives": collectives}))
+        return _finalize(Path(cell), cfg, run_info, source, state, collectives, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+    """Rank 0's steps under FakeTensorMode with the real run's state and collectives probes."""
+    import lightning.pytorch as pl
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    adapter, schedule = ctx.adapter, ctx.schedule
+    adapter.setup(CPU)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    steps = schedule.profiled.stop  # warm-up, the state step and the profiled steps; nothing later is measured
+    with FakeTensorMode() as mode:
+        pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
+        module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer)
+        trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read
+        probes = [StateProbe(ctx), CollectivesProbe(ctx)]
+        for probe in probes:
+            probe.setup(trainer, module, "fit")  # P, before the adapter shards the model
+        model = trainer.strategy.model = adapter.wrap(module, CPU)
+        optimizer = adapter.make_optimizer(model.parameters())
+        trainer.optimizers = [optimizer]
+        loss_fn = LOSSES[cfg.model.loss]
+        for step in range(steps):
+            with unset_fake_temporarily():  # the batch rank 0 of a real run trains on, then faked
+                batch = make_batch(model_cfg, int(cfg.batch_size), int(cfg.seed), step, 0)
+            batch = mode.from_tensor(batch)
+            for probe in probes:
+                probe.on_train_batch_start(trainer, module, batch, step)
+            loss = loss_fn(model(batch), batch)  # as Lightning: forward, zero_grad, backward, step
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            for probe in probes:
+                probe.on_train_batch_end(trainer, module, loss, batch, step)
+    return probes[0].rank_result(), probes[1].rank_result(), steps
+
+
+def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+    """The model's structure on the meta device: the adapter's collectives model and the formulas' state table."""
+    from zeroexp.formulas import rank_state_bytes, step_collectives
+    from zeroexp.plan.cell import knobs_of
+    from zeroexp.plan.core import Precision, strategy_table
+    from zeroexp.plan.shape import model_shape
+    from zeroexp.probes.collectives import SOURCE
+    from zeroexp.strategies.fsdp import wrap_paths
+
+    adapter, n, name = ctx.adapter, ctx.world_size, str(cfg.strategy.name)
+    with torch.device("meta"):
+        module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer)
+    p_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
+    layout, shape, knobs = strategy_table()[name], model_shape(cfg.model, wrap_paths(cfg)), knobs_of(cfg)
+    try:  # DDP's bucket assignment, ZeroRedundancyOptimizer's owners: the adapter's own model of its structure
+        expected, how = adapter.expected_collectives(module, adapter.make_optimizer(module.parameters()), n), \
+            "the adapter's expected_collectives on the unwrapped model"
+    except Exception:  # noqa: BLE001 - e.g. an optimizer that needs wrap() first: the planner's payload model
+        expected, how = step_collectives(layout, shape, n, precision.itemsize, knobs), \
+            f"zeroexp.formulas.step_collectives ({layout.label})"
+    dtype = str(cfg.precision.param_dtype)
+    steps = list(ctx.schedule.profiled)
+    records = [{"phase": "step", "step": s, "op": op, "dtype": dtype, "count": e["count"],
+                "payload_bytes": e["payload_bytes"]} for s in steps for op, e in expected.items()]
+    collectives = {"records": records, "steps": steps, "expected": expected, "expected_error": None,
+                   "param_bytes": p_bytes, "source": f"derived, not traced: {how}", "derived_from": SOURCE}
+    table = rank_state_bytes(layout, shape, n, precision.itemsize, knobs)
+    compute = {"param", "grad"}  # in the compute dtype; masters, moments and step scalars in fp32
+    state = [{"rows": [{"kind": k, "logical_bytes": v[r][0], "physical_bytes": v[r][1],
+                        "dtype": dtype if k in compute else "float32", "device": "",
+                        "numel": v[r][0] // (precision.itemsize if k in compute else 4)} for k, v in table.items()],
+              "step": ctx.schedule.state_step, "logical_param_bytes": 4 * shape.numel,
+              "expected": adapter.expected_state_factors(n), "semantics": adapter.semantics} for r in range(n)]
+    return state, collectives, 0
+
+
+def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, Any], Any]:
+    """The state probe's section: over every rank (derived), or rank 0's bytes times N (traced)."""
+    if source == "derived":
+        report = StateProbe.aggregate(state, cfg)
+        return {**report.section, "ranks_in_table": "every rank (formulas)"}, report.tables["rank_state.csv"]
+    report = StateProbe.aggregate([state], cfg)
+    s, n, p = report.section, int(cfg.world_size), int(state["logical_param_bytes"])
+    frame = report.tables["rank_state.csv"]
+    logical = {k: n * int(frame[frame.kind == k].logical_bytes.sum()) for k in s["factors"]}
+    physical = {k: n * int(frame[frame.kind == k].physical_bytes.sum()) for k in s["factors"]}
+    reasons = [r.replace(f"summed over {n} ranks", f"= rank 0 x {n}") + " (with padding the last ranks hold less "
+               "than rank 0: see factors_basis)" for r in check_factors({k: v / p for k, v in logical.items()},
+                                                                         s["expected"], logical, p, n)]
+    s.update(factors={k: v / p for k, v in logical.items()}, physical_factors={k: v / p for k, v in physical.items()},
+             padding_bytes=physical.get("param", 0) - logical.get("param", 0),
+             padding_bytes_by_kind={k: physical[k] - logical[k] for k in logical},
+             physical_param_bytes=physical.get("param", 0), optim_scalar_bytes=physical.get("optim_scalar", 0),
+             owner_imbalance=None, check="FAIL" if reasons else "PASS", reasons=reasons,
+             factors_basis=FACTORS_BASIS, ranks_in_table="rank 0")
+    return s, frame
+
+
+def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, state: Any,
+              collectives: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Write ``rank_state.csv``, ``collectives.csv`` and ``summary.json`` (with the planner's prediction)."""
+    n = int(cfg.world_size)
+    state_section, state_frame = _state_section(state, cfg, source)
+    coll = CollectivesProbe.aggregate([collectives], cfg)
+    coll_section = dict(coll.section)
+    if source == "derived":  # measured == expected by construction: there is nothing to check
+        coll_section.update(source=collectives["source"], check="n/a",
+                            reasons=["derived from the model's structure, not traced: nothing measured to check"])
+    coll_section["ranks_in_table"] = "rank 0"
+    write_csv(cell / "rank_state.csv", state_frame)
+    write_csv(cell / "collectives.csv", coll.tables["collectives.csv"])
+    summary: dict[str, Any] = {
+        "status": "ok", "mode": "dry_run", "cell": run_info["cell"], "cell_id": run_info["cell_id"],
+        "world_size": n, "steps": steps,
+        "dry_run": {"source": SOURCES[source], "played_rank": 0, "world_size": n, "backend": "fake",
+                    "steps_run": steps, "absent": ABSENT,
+                    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+        "state": state_section, "collectives": coll_section,
+    }
+    try:
+        from zeroexp.plan.cell import plan_section
+    except ImportError:  # no planner in this checkout
+        pass
+    else:
+        summary["plan"] = plan_section(cfg, cell, summary)
+    write_json(cell / "summary.json", summary)
+    if cfg.logger.name == "wandb":
+        from zeroexp.worker import _log_summary_to_wandb, _make_logger
+
+        _log_summary_to_wandb(_make_logger(cfg, cell, run_info), summary, cell)
+    return summary

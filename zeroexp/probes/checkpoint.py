@@ -1,0 +1,295 @@
+"""What a checkpoint costs and whether it restores exactly: ``checkpoint.csv`` and ``summary.json[checkpoint]``.
+
+With ``checkpoint=full`` or ``checkpoint=sharded`` the probe runs once training is over (``on_train_end``,
+after the equivalence probe, so no measured step and no other probe sees it), on every rank:
+
+1. **save**: the adapter's ``save_checkpoint(kind, dir, model, optimizer)`` (the adapter knows how its
+   strategy saves; full: everything gathered to rank 0, sharded: each rank its own part) with the torch
+   profiler (collectives, counted by :func:`zeroexp.probes.collectives.extract`) and the memory probe's
+   tracker (:func:`zeroexp.probes.memory.memory_source`) running: wall time, files and bytes written, the
+   collectives issued, the bytes held when the save started and the peak during it.
+2. **meta.json**: rank 0 records kind, strategy, world size and every file's size and SHA-256, last: a
+   directory without it is an unfinished save.
+3. **load**: a fresh model (another seed, so every tensor must come from the checkpoint), wrapped by the
+   adapter, and its optimizer. :func:`verify_checkpoint` refuses a checkpoint of another kind or strategy, a
+   sharded one of another world size, and a missing, truncated or altered file (:class:`CheckpointError`);
+   then the adapter's ``load_checkpoint``, measured like the save.
+4. **continuation**: the restored parameters against the saved ones, bit for bit; then one more step (the
+   batches of step ``steps``) on the trained model and on the restored one, and the parameters again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.profiler import ProfilerActivity, profile
+
+from zeroexp.models import build_model, make_batch
+from zeroexp.module import CellModule
+from zeroexp.probes.base import Probe, ProbeReport
+from zeroexp.probes.collectives import SOURCE as COLLECTIVES_SOURCE
+from zeroexp.probes.collectives import extract
+from zeroexp.probes.memory import memory_source
+from zeroexp.results import write_json
+
+__all__ = ["CheckpointProbe", "CheckpointError", "verify_checkpoint", "META", "FORMAT"]
+
+META = "meta.json"
+FORMAT = "zeroexp-checkpoint/1"
+COLUMNS = ["rank", "phase", "ms", "bytes_written", "start_bytes", "peak_bytes", "peak_over_start_bytes",
+           "collective_calls", "collective_payload_bytes"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that zeroexp refuses to load; the message says which file or field and why."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(path: Path | str, *, kind: str | None = None, strategy: str | None = None,
+                      world_size: int | None = None, hash_files: Iterable[str] | None = None) -> dict[str, Any]:
+    """Check a checkpoint directory against its ``meta.json`` before anything is loaded; return the meta.
+
+    Refuses (``CheckpointError``): no or unreadable ``meta.json``; another ``kind`` or ``strategy`` than
+    given; a sharded checkpoint written by another ``world_size`` (its files hold that many ranks' shards);
+    a listed file that is missing or whose size differs (truncated); a SHA-256 that differs (altered). Only
+    the files named in ``hash_files`` are hashed (default: all). Issues no collective.
+    """
+    path = Path(path)
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: no {META}: not a zeroexp checkpoint, or its save did not finish")
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = list(meta["files"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({type(e).__name__}: {e}): the checkpoint is corrupted") from e
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, this zeroexp reads {FORMAT!r}")
+    if kind is not None and meta.get("kind") != kind:
+        raise CheckpointError(f"{path}: a {meta.get('kind')} checkpoint; a {kind} one was asked for")
+    if strategy is not None and meta.get("strategy") != strategy:
+        raise CheckpointError(f"{path}: written by strategy={meta.get('strategy')}; it loads only into that "
+                              f"strategy, not into strategy={strategy}")
+    if world_size is not None and meta.get("kind") == "sharded" and meta.get("world_size") != world_size:
+        raise CheckpointError(f"{path}: a sharded checkpoint written by {meta.get('world_size')} ranks; it holds "
+                              f"their shards and loads only at world_size={meta.get('world_size')}, not "
+                              f"world_size={world_size}")
+    to_hash = None if hash_files is None else set(hash_files)
+    for entry in files:
+        file = path / entry["name"]
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (listed in {META}, written by rank {entry['rank']})")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, {META} says {entry['bytes']}: the file is truncated or "
+                                  "corrupted")
+        if (to_hash is None or entry["name"] in to_hash) and _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"{file}: its SHA-256 differs from the one in {META}: the file was altered "
+                                  "or corrupted")
+    return meta
+
+
+def _measured(fn: Callable[[], Any], device: torch.device, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer, world_size: int) -> tuple[Any, dict[str, Any]]:
+    """Run ``fn`` (a collective) with the profiler and the memory tracker; its result and its measurement."""
+    tracker = memory_source(device)
+    dist.barrier()  # every rank starts together: the time is the save's, not the wait for a slower rank
+    tracker.begin(model, optimizer)
+    start = tracker.current_bytes()
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    prof.start()
+    try:
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ms = (time.perf_counter() - t0) * 1e3
+    except BaseException:
+        prof.stop()
+        tracker.abort()
+        raise
+    prof.stop()
+    memory = tracker.end(model, optimizer)
+    counts: dict[str, int] = {}
+    payload: dict[str, int] = {}
+    for rec in extract(prof, [0], world_size):
+        counts[rec["op"]] = counts.get(rec["op"], 0) + rec["count"]
+        payload[rec["op"]] = payload.get(rec["op"], 0) + rec["payload_bytes"]
+    return out, {"ms": ms, "start_bytes": start, "peak_bytes": memory["peak"],
+                 "peak_over_start_bytes": memory["peak"] - start, "counts": counts, "payload_bytes": payload,
+                 "memory_source": tracker.source}
+
+
+def _train_step(model: torch.nn.Module, module: CellModule, optimizer: torch.optim.Optimizer,
+                batch: torch.Tensor) -> None:
+    """One data-parallel step outside Lightning: forward through the wrapper, backward, optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        module.loss_fn(model(batch), batch).backward()
+    optimizer.step()
+
+
+class CheckpointProbe(Probe):
+    """Saves after training, restores into a fresh model, checks that training continues bit-identically."""
+
+    name = "checkpoint"
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.kind = str(ctx.cfg.checkpoint.name)
+        self.result: dict[str, Any] = {}
+
+    def _directory(self, trainer) -> Path:
+        where = self.ctx.cfg.checkpoint.get("dir")
+        return Path(where) if where else Path(trainer.default_root_dir) / "checkpoint"
+
+    def _fresh(self) -> tuple[torch.nn.Module, CellModule, torch.optim.Optimizer]:
+        """A new model with other initial weights, wrapped by the adapter, and its optimizer (as Lightning builds it)."""
+        cfg, adapter = self.ctx.cfg, self.ctx.adapter
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(cfg.seed) + 1)
+            net = build_model(OmegaConf.to_container(cfg.model, resolve=True))
+        module = CellModule(net, cfg.model.loss, adapter.make_optimizer).to(self.ctx.device)
+        model = adapter.wrap(module, self.ctx.device)
+        return model, module, module.configure_optimizers()
+
+    def _compare(self, a: torch.nn.Module, b: torch.nn.Module) -> dict[str, Any]:
+        """Rank 0: whether every full parameter of ``a`` equals ``b``'s bit for bit (a collective for sharded models)."""
+        full: list[dict[str, torch.Tensor]] = []
+        for model in (a, b):
+            with self.ctx.adapter.full_parameters(model) as params:
+                full.append({n: t.to("cpu", copy=True) for n, t in params.items()} if self.ctx.rank == 0 else {})
+        if self.ctx.rank != 0:
+            return {}
+        x, y = full
+        if set(x) != set(y):
+            return {"bit_identical": False, "max_abs_diff": None, "compared_tensors": 0}
+        diff = max((float((x[n] - y[n]).abs().max()) if x[n].numel() else 0.0 for n in x), default=0.0)
+        return {"bit_identical": all(torch.equal(x[n], y[n]) for n in x), "max_abs_diff": diff,
+                "compared_tensors": len(x)}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        cfg, adapter, rank, n = self.ctx.cfg, self.ctx.adapter, self.ctx.rank, self.ctx.world_size
+        path = self._directory(trainer)
+        model, optimizer, device = trainer.strategy.model, trainer.optimizers[0], self.ctx.device
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # an earlier attempt's files are not this save's
+            path.mkdir(parents=True)
+        dist.barrier()
+        files, save = _measured(lambda: adapter.save_checkpoint(self.kind, path, model, optimizer),
+                                device, model, optimizer, n)
+        mine = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size, "sha256": _sha256(f), "rank": rank}
+                for f in files]
+        written: list[Any] = [None] * n
+        dist.all_gather_object(written, mine)
+        if rank == 0:
+            write_json(path / META, {"format": FORMAT, "kind": self.kind, "strategy": cfg.strategy.name,
+                                     "world_size": n, "step": int(trainer.global_step),
+                                     "files": [f for per_rank in written for f in per_rank]})
+        dist.barrier()
+        fresh, fresh_module, fresh_optimizer = self._fresh()
+        refusals: list[Any] = [None] * n
+        try:
+            verify_checkpoint(path, kind=self.kind, strategy=cfg.strategy.name, world_size=n,
+                              hash_files=[f["name"] for f in mine])
+            refusal = None
+        except CheckpointError as e:
+            refusal = str(e)
+        dist.all_gather_object(refusals, refusal)
+        if any(refusals):  # every rank refuses, with the first reason
+            raise CheckpointError(next(r for r in refusals if r))
+        _, load = _measured(lambda: adapter.load_checkpoint(self.kind, path, fresh, fresh_optimizer),
+                            device, fresh, fresh_optimizer, n)
+        restored = self._compare(model, fresh)
+        step = int(trainer.global_step)
+        batch = make_batch(OmegaConf.to_container(cfg.model, resolve=True), int(cfg.batch_size), int(cfg.seed), step,
+                           rank).to(device)
+        _train_step(model, pl_module, optimizer, batch)
+        _train_step(fresh, fresh_module, fresh_optimizer, batch)
+        continued = self._compare(model, fresh)
+        keep = bool(cfg.checkpoint.keep)
+        dist.barrier()
+        if rank == 0 and not keep:
+            shutil.rmtree(path, ignore_errors=True)
+        self.result = {"kind": self.kind, "format": adapter.checkpoint_format(self.kind), "files": mine,
+                       "save": save, "load": load, "restored": restored, "continued": continued,
+                       "continuation_step": step, "kept": keep,
+                       "directory": _shown(path, Path(trainer.default_root_dir)) if keep else None}
+
+    def rank_result(self) -> dict[str, Any]:
+        return self.result
+
+    @classmethod
+    def aggregate(cls, results: list[dict[str, Any]], cfg) -> ProbeReport:
+        first = results[0]
+        rows = []
+        for rank, res in enumerate(results):
+            for phase in ("save", "load"):
+                m = res[phase]
+                rows.append({"rank": rank, "phase": phase, "ms": m["ms"],
+                             "bytes_written": sum(f["bytes"] for f in res["files"]) if phase == "save" else 0,
+                             "start_bytes": m["start_bytes"], "peak_bytes": m["peak_bytes"],
+                             "peak_over_start_bytes": m["peak_over_start_bytes"],
+                             "collective_calls": sum(m["counts"].values()),
+                             "collective_payload_bytes": sum(m["payload_bytes"].values())})
+        frame = pd.DataFrame(rows, columns=COLUMNS)
+        restored, continued = first["restored"], first["continued"]
+        reasons = []
+        if not restored.get("bit_identical"):
+            reasons.append("the restored parameters differ from the saved ones")
+        if not continued.get("bit_identical"):
+            reasons.append(f"one more step after the restore differs from one more step without it "
+                           f"(max abs diff {continued.get('max_abs_diff')})")
+        section = {
+            "kind": first["kind"], "format": first["format"], "kept": first["kept"], "directory": first["directory"],
+            "files": sum(len(r["files"]) for r in results),
+            "save": {**_phase(results, frame, "save"),
+                     "bytes_written": int(sum(sum(f["bytes"] for f in r["files"]) for r in results)),
+                     "rank_bytes_written": [int(sum(f["bytes"] for f in r["files"])) for r in results]},
+            "load": _phase(results, frame, "load"),
+            "memory_source": first["save"]["memory_source"], "collectives_source": COLLECTIVES_SOURCE,
+            "restored_bit_identical": bool(restored.get("bit_identical")),
+            "continuation_step": first["continuation_step"],
+            "continuation_bit_identical": bool(continued.get("bit_identical")),
+            "continuation_max_abs_diff": continued.get("max_abs_diff"),
+            "compared_tensors": continued.get("compared_tensors"),
+            "check": "FAIL" if reasons else "PASS", "reasons": reasons,
+        }
+        return ProbeReport(section=section, tables={"checkpoint.csv": frame})
+
+
+def _phase(results: list[dict[str, Any]], frame: pd.DataFrame, phase: str) -> dict[str, Any]:
+    """One phase's section: the slowest rank's time, per-rank memory, rank 0's collectives."""
+    rows = frame[frame.phase == phase]
+    r0 = results[0][phase]
+    return {"ms": float(rows.ms.max()), "rank_ms": [float(v) for v in rows.ms],
+            "start_bytes": [int(v) for v in rows.start_bytes], "peak_bytes": [int(v) for v in rows.peak_bytes],
+            "peak_over_start_bytes": [int(v) for v in rows.peak_over_start_bytes],
+            "rank0_peak_bytes": int(r0["peak_bytes"]), "rank0_peak_over_start_bytes": int(r0["peak_over_start_bytes"]),
+            "max_peak_over_start_bytes": int(rows.peak_over_start_bytes.max()),
+            "collectives": {"counts": dict(r0["counts"]), "payload_bytes": dict(r0["payload_bytes"])},
+            "rank_collective_calls": [int(v) for v in rows.collective_calls]}
+
+
+def _shown(path: Path, cell: Path) -> str:
+    """``path`` relative to the cell directory when inside it, else absolute."""
+    try:
+        return path.resolve().relative_to(cell.resolve()).as_posix()
+    except ValueError:
+        return str(path.resolve())

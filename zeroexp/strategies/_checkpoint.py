@@ -1,0 +1,82 @@
+"""Full and sharded checkpoints through ``torch.distributed.checkpoint.state_dict`` (DDP and FSDP adapters).
+
+``get_state_dict(model, optimizer)`` gives FQN-keyed model and optimizer state for DDP and FSDP alike:
+
+- **full** (``full_state_dict=True, cpu_offload=True``): rank 0 gets the whole state on the CPU, the other
+  ranks empty dicts; rank 0 writes it to one file, :data:`FULL_FILE`. Loading: every rank reads that file and
+  ``set_state_dict`` with ``full_state_dict=True``. (For FSDP1 this is ``FULL_STATE_DICT`` with
+  ``offload_to_cpu=True, rank0_only=True``, which fails when the parameters are already on the CPU: the FSDP
+  adapter calls FSDP's own API there, see ``zeroexp.strategies.fsdp``.)
+- **sharded** (default options): for FSDP1 ``SHARDED_STATE_DICT`` (each rank's shards as ShardedTensors);
+  for DDP plain, replicated tensors. ``torch.distributed.checkpoint.save`` writes each rank's items to
+  ``__<rank>_0.distcp`` (a replicated tensor is deduplicated by the default save planner and written by one
+  rank only) and rank 0 writes ``.metadata``. Loading: ``get_state_dict`` of the fresh model gives the
+  tensors to load into (it first initialises the optimizer's state by a zero-gradient step with lr 0),
+  ``torch.distributed.checkpoint.load`` fills them in place, ``set_state_dict`` puts them back.
+
+Every function here is a collective: call it on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+__all__ = ["FULL_FILE", "save_full", "load_full", "write_full", "read_full", "save_sharded", "load_sharded",
+           "dcp_files"]
+
+FULL_FILE = "full.pt"
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def save_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
+    """Gather the whole model and optimizer state to rank 0 (CPU) and write it there; the files this rank wrote."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FULL)
+    return write_full(path, model_sd, optim_sd)
+
+
+def write_full(path: Path, model_sd: dict, optim_sd: dict) -> list[Path]:
+    """Rank 0 writes the full model and optimizer state dicts to :data:`FULL_FILE`; the files this rank wrote."""
+    if dist.get_rank() != 0:
+        return []
+    torch.save({"model": model_sd, "optim": optim_sd}, path / FULL_FILE)
+    return [path / FULL_FILE]
+
+
+def read_full(path: Path) -> dict:
+    """``{"model": ..., "optim": ...}`` of a :data:`FULL_FILE`, on the CPU (tensors and plain types only)."""
+    return torch.load(path / FULL_FILE, map_location="cpu", weights_only=True)
+
+
+def load_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank reads :data:`FULL_FILE` and keeps what its model and optimizer hold of it."""
+    full = read_full(path)
+    set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
+    """Each rank writes its own items with ``torch.distributed.checkpoint``; the files this rank wrote."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(path))
+    return dcp_files(path, dist.get_rank())
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a :func:`save_sharded` checkpoint in place into ``model`` and ``optimizer``."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def dcp_files(path: Path, rank: int) -> list[Path]:
+    """The files ``torch.distributed.checkpoint``'s ``FileSystemWriter`` wrote for ``rank`` (rank 0 also
+    the ``.metadata`` it writes as coordinator)."""
+    files = sorted(path.glob(f"__{rank}_*.distcp"))
+    return files + ([path / ".metadata"] if rank == 0 and (path / ".metadata").exists() else [])

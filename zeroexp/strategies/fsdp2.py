@@ -1,0 +1,171 @@
+"""FSDP2 (``fully_shard``): every parameter a DTensor sharded on dim 0, one unit per wrapped module class.
+
+``fully_shard`` is applied to each module of a wrapped class (``strategy.wrap``, else ``model.wrap``: the same
+rule as FSDP1, :func:`zeroexp.strategies.fsdp.wrap_paths`), children before parents, then to the root. A unit
+all-gathers its parameters in one ``all_gather_into_tensor`` and reduce-scatters their gradients in one
+``reduce_scatter_tensor``. Unlike FSDP1 there is no FlatParameter: each parameter is chunked on dim 0 and every
+chunk is padded to the first's size (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so the padding is per
+parameter, ``ceil(dim0 / N) * N`` rows. ``reshard_after_forward=True`` (``fsdp2_full``, ZeRO-3 direction)
+frees each unit after forward and gathers it again in backward, the root included: passed explicitly, FSDP2
+does not exempt the root (``FSDPState._lazy_init`` clears ``post_forward_mesh_info`` only when the flag was
+left unset). ``False`` (``fsdp2_grad_op``) keeps the unsharded parameters until the end of backward.
+The device mesh is made on the rank's device type (``init_device_mesh("cpu", (N,))`` with gloo) in
+:meth:`FSDP2Adapter.setup`, before any model exists (a dry run enters ``FakeTensorMode`` after it).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from zeroexp.formulas import fsdp2_padded_numel, fsdp_collectives, zero_state_factors
+from zeroexp.strategies import register
+from zeroexp.strategies.base import StateTensor, StrategyAdapter
+from zeroexp.strategies.fsdp import FSDPAdapter, _import_class, wrap_paths
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view of FSDP2's padded shard storage); any other tensor as it is."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _param_groups(model: nn.Module) -> Iterator[Any]:
+    """Every FSDP2 parameter group (one per ``fully_shard`` unit that holds parameters) under ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                yield group
+
+
+class FSDP2Adapter(StrategyAdapter):
+    """Shared FSDP2 wrapping; subclasses fix ``reshard_after_forward``."""
+
+    reshard_after_forward: bool
+    precisions = frozenset({"fp32", "bf16"})  # bf16 through MixedPrecisionPolicy; fp16 would need loss scaling
+    dry_run_traced = True
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self._mesh: Any = None
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        FSDPAdapter.validate(cfg)  # the wrap classes must import, as for FSDP1
+
+    def setup(self, device: torch.device) -> None:
+        """The 1-D device mesh over the default group, on the rank's device type (``cpu`` with gloo)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+
+    def mp_policy(self) -> Any:
+        """``MixedPrecisionPolicy``: compute (and reduce) in the precision's ``param_dtype``; fp32 shards."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtype = _DTYPES[str(self.cfg.precision.param_dtype)]
+        return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype)
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """``fully_shard`` each module of a wrapped class, innermost first, then the root; returns ``module``.
+
+        The root is the user's model (``CellModule.net``), not the LightningModule: Lightning calls
+        ``training_step`` directly on a module it does not see wrapped, so only the model's own ``forward``
+        runs FSDP2's root hooks (lazy init, the root's unshard and reshard).
+        """
+        from torch.distributed.fsdp import fully_shard
+
+        self.setup(device)
+        root = getattr(module, "net", module)
+        classes = tuple(_import_class(p) for p in wrap_paths(self.cfg))
+        kwargs = {"mesh": self._mesh, "reshard_after_forward": self.reshard_after_forward, "mp_policy": self.mp_policy()}
+        units = [m for m in root.modules() if classes and isinstance(m, classes) and m is not root]
+        for unit in reversed(units):  # reversed pre-order: every child before its parent
+            fully_shard(unit, **kwargs)
+        fully_shard(root, **kwargs)
+        return module
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
+        """Each parameter's local shard and its gradient's, the optimizer's tensors, any unsharded buffer left.
+
+        A shard's storage is FSDP2's padded chunk (physical); its logical numel is the rows this rank really
+        holds (the last ranks hold fewer, or none). Gradient shards are views into the unit's reduce-scatter
+        output. Adam's moments are DTensors of the local (unpadded) shard's size. ``param_unsharded``: a unit's
+        all-gather output, reported only while its storage is allocated (FSDP2 frees it on reshard).
+        """
+        for p in model.parameters():
+            local = _local(p.detach())
+            yield StateTensor("param", local, local.numel())
+            if p.grad is not None:
+                grad = _local(p.grad)
+                yield StateTensor("grad", grad, grad.numel())
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value = _local(value)
+                    yield StateTensor("optim_scalar" if value.dim() == 0 else "optim", value, value.numel())
+        for group in _param_groups(model):
+            for fsdp_param in group.fsdp_params:
+                for out in fsdp_param.all_gather_outputs:
+                    if out.untyped_storage().nbytes() > 0:
+                        yield StateTensor("param_unsharded", out, fsdp_param._orig_size.numel())
+
+    def expected_state_factors(self, world_size: int) -> dict[str, float]:
+        """ZeRO factors with parameters sharded at the optimizer boundary (1/1/2); no unsharded buffer left."""
+        return {**zero_state_factors(self.zero_stage, world_size, params_resharded=True), "param_unsharded": 0.0}
+
+    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             world_size: int) -> dict[str, dict[str, int]]:
+        """Per unit with parameters: one all_gather of its parameters padded on dim 0 (``fsdp2_padded_numel``)
+        in the compute dtype, twice when the unit is resharded after forward (``post_forward_mesh_info``),
+        and one reduce_scatter of the same elements in the reduce dtype."""
+        gather_bytes, reduce_bytes, gathers = [], [], []
+        for group in _param_groups(model):
+            numel = sum(fsdp2_padded_numel(tuple(p._orig_size), world_size) for p in group.fsdp_params)
+            first = group.fsdp_params[0]
+            compute = first.param_dtype or first.orig_dtype
+            gather_bytes.append(numel * compute.itemsize)
+            reduce_bytes.append(numel * (first.reduce_dtype or compute).itemsize)
+            gathers.append(2 if group.post_forward_mesh_info is not None else 1)
+        return fsdp_collectives(gather_bytes, gathers, reduce_bytes)
+
+    @contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+        """``DTensor.full_tensor()`` of every parameter: one all_gather each, so enter it on every rank."""
+        with torch.no_grad():
+            yield {name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                   for name, p in model.named_parameters()}
+
+
+@register
+class FSDP2FullAdapter(FSDP2Adapter):
+    name = "fsdp2_full"
+    reshard_after_forward = True
+    zero_stage = 3
+    semantics = (
+        "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3 direction): parameters, gradients and optimizer "
+        "state sharded per parameter on dim 0; each unit, the root included, is all-gathered before forward and "
+        "again before backward."
+    )
+
+
+@register
+class FSDP2GradOpAdapter(FSDP2Adapter):
+    name = "fsdp2_grad_op"
+    reshard_after_forward = False
+    zero_stage = 2
+    semantics = (
+        "FSDP2 fully_shard, reshard_after_forward=False: gradients and optimizer state sharded; parameters "
+        "resharded after backward, so at the optimizer boundary the parameter factor is 1, unlike canonical "
+        "ZeRO-2 which keeps parameters replicated."
+    )
