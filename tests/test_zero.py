@@ -152,9 +152,9 @@ def test_fp32_state_collectives_and_ddp_losses(cell, name, grad):
     assert sum(c["bus_bytes"].values()) == sum(ddp["bus_bytes"].values()) == bus_bytes("all_reduce", P, N)
     eq = r.summary["equivalence"]
     assert eq["check"] == "PASS" and eq["max_abs_err"] <= 1e-5, eq
-    ours, theirs = read_csv(r, "iterations.csv"), read_csv(cell("strategy=ddp", f"world_size={N}", TWO_BUCKETS),
-                                                           "iterations.csv")
-    assert (ours.loss - theirs.loss).abs().max() <= 1e-5
+    ddp_run = cell("strategy=ddp", f"world_size={N}", TWO_BUCKETS)
+    losses = read_csv(r, "iterations.csv").merge(read_csv(ddp_run, "iterations.csv"), on=["rank", "step"])
+    assert len(losses) == N * 10 and (losses.loss_x - losses.loss_y).abs().max() <= 1e-5  # every rank, every step
 
 
 def test_zero2_keeps_a_gradient_shard_between_steps(cell):

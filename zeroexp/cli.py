@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -51,6 +52,8 @@ def task(cfg: DictConfig) -> None:
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
     sweep = Path(hc.sweep.dir).name if multirun else None
+    if cfg.launcher.name != "local":  # torchrun or SLURM started this process as one rank (zeroexp.cluster)
+        return _external_rank(cfg, cell_dir, overrides, sweep, multirun, console)
     manifest = cell_dir / "manifest.json"
     if multirun and cell_dir in _RAN_THIS_INVOCATION:
         console.print(f"[yellow]skip[/] {cell_dir.name}: this cell already ran in this sweep "
@@ -70,6 +73,12 @@ def task(cfg: DictConfig) -> None:
             shutil.rmtree(cell_dir, ignore_errors=True)
         console.print(f"[red]error:[/] {e}")
         sys.exit(2)
+    _print_result(result, console, multirun)
+
+
+def _print_result(result: Any, console: Any, multirun: bool) -> None:
+    """The cell's status line, then its directory (the last line); exit 1 for a failed single run."""
+    cell_dir = result.cell_dir
     colour = "green" if result.status == "ok" else "red"
     line = f"[{colour}]{result.status}[/] {cell_dir.name}"
     if result.summary is not None and result.summary.get("final_loss") is not None:  # a dry run has no loss
@@ -80,6 +89,29 @@ def task(cfg: DictConfig) -> None:
     print(cell_dir)
     if result.status != "ok" and not multirun:
         sys.exit(1)
+
+
+def _external_rank(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, multirun: bool,
+                   console: Any) -> None:
+    """One rank of a torchrun or SLURM job; rank 0 prints the cell's line (other ranks only a failure)."""
+    from zeroexp.cluster.rank import run_external_rank
+    from zeroexp.sweep import duplicate_of
+
+    hc = HydraConfig.get()
+    first = duplicate_of(Path(hc.sweep.dir), int(hc.job.num)) if multirun else None
+    if first is not None:  # jobs run in other processes: the sweep's start noted which repeat a cell
+        console.print(f"[yellow]skip[/] {cell_dir.name}: job #{first} of this sweep runs the same cell")
+        return
+    try:
+        result = run_external_rank(cfg, cell_dir, overrides=overrides, sweep=sweep, multirun=multirun,
+                                   explicit_keys=() if multirun else explicit_keys(overrides))
+    except ConfigError as e:
+        if cell_dir.is_dir() and {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
+            shutil.rmtree(cell_dir, ignore_errors=True)  # refused before anything ran (any rank may remove it)
+        console.print(f"[red]error:[/] {e}")
+        sys.exit(2)
+    if result is not None:
+        _print_result(result, console, multirun)
 
 
 def _clear(cell_dir: Path) -> None:
@@ -99,3 +131,8 @@ def main() -> None:
         if e.code == 1 and not _TASK_STARTED:
             sys.exit(2)
         raise
+
+
+# Hydra launchers that run jobs in other processes (submitit) unpickle ``task`` by importing this module, then
+# resolve the output paths, which use zeroexp's resolvers: register them on import too.
+register()

@@ -130,13 +130,17 @@ def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], di
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer)
     p_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
-    layout, shape, knobs = strategy_table()[name], model_shape(cfg.model, wrap_paths(cfg)), knobs_of(cfg)
+    layout = strategy_table().get(name)
+    if layout is None:
+        raise ValueError(f"strategy={name} is not traced by a dry run (StrategyAdapter.dry_run_traced) and has no "
+                         "byte model to derive it from (zeroexp.formulas.LAYOUTS, or a zero_stage)")
+    shape, knobs = model_shape(cfg.model, wrap_paths(cfg)), knobs_of(cfg)
+    how = "the adapter's expected_collectives on the unwrapped model"
     try:  # DDP's bucket assignment, ZeroRedundancyOptimizer's owners: the adapter's own model of its structure
-        expected, how = adapter.expected_collectives(module, adapter.make_optimizer(module.parameters()), n), \
-            "the adapter's expected_collectives on the unwrapped model"
+        expected = adapter.expected_collectives(module, adapter.make_optimizer(module.parameters()), n)
     except Exception:  # noqa: BLE001 - e.g. an optimizer that needs wrap() first: the planner's payload model
-        expected, how = step_collectives(layout, shape, n, precision.itemsize, knobs), \
-            f"zeroexp.formulas.step_collectives ({layout.label})"
+        how = f"zeroexp.formulas.step_collectives ({layout.label})"
+        expected = step_collectives(layout, shape, n, precision.itemsize, knobs)
     dtype = str(cfg.precision.param_dtype)
     steps = list(ctx.schedule.profiled)
     records = [{"phase": "step", "step": s, "op": op, "dtype": dtype, "count": e["count"],

@@ -24,6 +24,20 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
     return [list(job) for batch in batches for job in batch]
 
 
+#: In a sweep directory: {job number: the earlier job number of the same cell}, written before the first job.
+DUPLICATES = ".duplicate_jobs.json"
+
+
+def duplicate_of(sweep_dir: Path, job_num: int) -> int | None:
+    """The earlier job of this sweep that runs the same cell as job ``job_num``, or None."""
+    path = Path(sweep_dir) / DUPLICATES
+    if not path.exists():
+        return None
+    from zeroexp.results import read_json
+
+    return read_json(path).get(str(job_num))
+
+
 class SweepSummary(Callback):
     """Refuses a sweep with any invalid job before it starts; prints every cell's outcome and writes the sweep
     report at the end."""
@@ -35,7 +49,11 @@ class SweepSummary(Callback):
 
         from zeroexp.config import ConfigError, validate
 
+        from zeroexp.cell import cell_name
+
         loader = GlobalHydra.instance().config_loader()
+        first: dict[str, int] = {}
+        duplicates: dict[str, int] = {}
         for i, job in enumerate(sweep_jobs(config)):
             cfg = loader.load_configuration(config.hydra.job.config_name, job, run_mode=RunMode.MULTIRUN)
             try:
@@ -44,6 +62,16 @@ class SweepSummary(Callback):
                 Console(highlight=False).print(f"[red]error:[/] sweep job #{i} ({' '.join(job)}): {e}\n"
                                                "nothing was run")
                 sys.exit(2)
+            name = cell_name(cfg)
+            if name in first:
+                duplicates[str(i)] = first[name]
+            first.setdefault(name, i)
+        if duplicates:  # jobs that run in other processes (submitit) skip a repeated cell by this file
+            from zeroexp.results import write_json
+
+            write_json(Path(config.hydra.sweep.dir) / DUPLICATES, duplicates)
+        else:  # a resumed sweep: an earlier invocation's list does not apply
+            (Path(config.hydra.sweep.dir) / DUPLICATES).unlink(missing_ok=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from rich.console import Console

@@ -26,9 +26,11 @@ __all__ = ["EquivalenceProbe", "THRESHOLDS", "train_reference", "compare"]
 #: vs whole-tensor AdamW) move weights by a few ulps per step; 1e-5 is far above that and far below any real
 #: divergence (a changed batch moves weights by ~lr = 1e-3). A precision missing here: errors reported, SKIP.
 #: bf16 / fp16 (fp32 master, low-precision forward and backward) against the fp32 reference: rounding (8 / 11
-#: significand bits) flips Adam's lr-sized steps on gradients within the noise; measured on the mlp (N=2-4,
-#: 10-30 steps, lr 1e-3): bf16 1.5e-3 to 2.1e-3, fp16 2.7e-4 to 7.3e-4. Thresholds about 2.5x above that.
-THRESHOLDS: dict[str, float] = {"fp32": 1e-5, "bf16": 5e-3, "fp16": 2e-3}
+#: significand bits) flips Adam's lr-sized steps on gradients within the noise, so the drift grows with the
+#: steps. Measured with zero1/zero2 at lr 1e-3: mlp (N=2-4, 10-30 steps) bf16 1.5e-3 to 2.1e-3, fp16 2.7e-4 to
+#: 7.3e-4; gpt (N=2) bf16 6.8e-3 (10 steps) and 1.2e-2 (30), fp16 3.0e-3 and 5.2e-3. Sized for cells of up to
+#: about 30 steps; they catch a divergence, not an error of one step (about lr).
+THRESHOLDS: dict[str, float] = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
 REFERENCE = "unsharded nn.Module + torch.optim.AdamW, one process, same seed, identical global batches"
 #: CellModule keeps the user's model as ``net``: the prefix of every parameter name the adapter reports.
 _PREFIX = "net."

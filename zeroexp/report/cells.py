@@ -11,8 +11,8 @@ from zeroexp.report.format import missing
 __all__ = ["LADDER", "PREFETCH_ORDER", "column", "order_cells"]
 
 #: Replicated first, then what each stage shards: ZeRO-0, ZeRO-1 (PyTorch's, then zeroexp's), ZeRO-2, FSDP
-#: SHARD_GRAD_OP, FULL_SHARD (the ZeRO-3 direction). Strategies not listed follow, by name.
-LADDER = ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full")
+#: SHARD_GRAD_OP, FULL_SHARD (the ZeRO-3 direction), each FSDP1 then FSDP2. Strategies not listed follow, by name.
+LADDER = ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp2_grad_op", "fsdp_full", "fsdp2_full")
 PREFETCH_ORDER = ("pre", "post", "none")
 #: Axes that can tell cells of a sweep apart besides the strategy, in the order they appear in a label.
 _AXES = ("model", "precision", "offload", "world_size")
@@ -38,7 +38,8 @@ def _sort_key(row: pd.Series) -> tuple:
 
 def _label(row: pd.Series, varying: list[str]) -> str:
     label = str(row.get("cell.strategy")) if not missing(row.get("cell.strategy")) else str(row.get("cell_name"))
-    for key in [k for k in row.index if k.startswith("cell.") and k not in ("cell.strategy",)]:
+    keys = [k for k in row.index if k.startswith("cell.") and k not in ("cell.strategy",)]
+    for key in sorted(keys, key=lambda k: k != "cell.prefetch"):  # the prefetch suffix belongs to the strategy
         value, axis = row[key], key.removeprefix("cell.")
         if missing(value) or (axis != "prefetch" and key not in varying):
             continue

@@ -272,6 +272,35 @@ def _plain_plan_table(ok: pd.DataFrame) -> ReportTable | None:
     return ReportTable("plan", "Plan vs measured", raw, cols, f"The cells' plan sections; bytes in {unit}.")
 
 
+def checkpoint_table(ok: pd.DataFrame) -> ReportTable | None:
+    """Save and restore of the cells run with ``checkpoint=full|sharded``: bytes, rank 0's and the largest save
+    peak above what the rank held, the save's collectives, times, the bit-identical continuation; else None."""
+    has = [not missing(v) for v in column(ok, "checkpoint.kind")]
+    if not any(has):
+        return None
+    ok = ok[has]
+    ops = sorted({k.split(".")[-1] for k in ok.columns if k.startswith("checkpoint.save.collectives.counts.")},
+                 key=lambda op: (list(OPS).index(op) if op in OPS else len(OPS), op))
+    keys = ["checkpoint.kind", "checkpoint.files", "checkpoint.save.bytes_written",
+            "checkpoint.save.rank0_peak_over_start_bytes", "checkpoint.save.max_peak_over_start_bytes",
+            "checkpoint.save.ms", "checkpoint.load.ms", "checkpoint.continuation_max_abs_diff", "checkpoint.check"]
+    raw = _raw(ok, keys + [f"checkpoint.save.collectives.counts.{op}" for op in ops])
+    raw["save collectives"] = [", ".join(f"{OPS.get(op, op)} {fmt_int(row[f'checkpoint.save.collectives.counts.{op}'])}"
+                                         for op in ops if not missing(row[f"checkpoint.save.collectives.counts.{op}"]))
+                               or "none" for _, row in raw.iterrows()]
+    unit = byte_unit(v for k in keys[2:5] for v in raw[k])
+    cols = [Column("cell", "label", str), Column("kind", keys[0]), Column("files", keys[1], fmt_int),
+            Column(f"written {unit}", keys[2], unit), Column(f"rank-0 save peak + {unit}", keys[3], unit),
+            Column(f"max save peak + {unit}", keys[4], unit), Column("save collectives", "save collectives", str),
+            Column("save ms", keys[5], fmt_ms), Column("load ms", keys[6], fmt_ms),
+            Column("continuation max abs diff", keys[7], fmt_err), Column("check", keys[8])]
+    note = (f"After training: bytes written by all ranks; save peak + is the highest allocation during the save "
+            f"above what the rank held when it started ({unit}; rank 0, and the largest rank); the save's collectives "
+            "(rank 0's calls, torch.profiler); times with the profiler and memory tracker running. PASS: restored into "
+            "a fresh model, one more step gives bit-identical parameters.")
+    return ReportTable("checkpoint", "Checkpoint: save and restore", raw, cols, note)
+
+
 def failures_table(frame: pd.DataFrame) -> ReportTable:
     """Cells that did not finish, with their first error."""
     keys = ["status", "error.rank", "error.cause", "error.message", "error.log"]
@@ -291,5 +320,8 @@ def build_tables(cells: pd.DataFrame) -> list[ReportTable]:
     plan = plan_table(ok)
     if plan is not None:
         tables.append(plan)
+    checkpoint = checkpoint_table(ok)
+    if checkpoint is not None:
+        tables.append(checkpoint)
     tables.append(failures_table(cells if "status" in cells.columns else cells.assign(status="unknown")))
     return tables

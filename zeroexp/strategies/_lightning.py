@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
@@ -18,6 +19,10 @@ class CellStrategy(DDPStrategy):
     strategy_name = "zeroexp_cell"
 
     def __init__(self, adapter: Any, **kwargs: Any) -> None:
+        # Every launcher (zeroexp's own, torchrun, SLURM via zeroexp.cluster) exports RANK, WORLD_SIZE,
+        # LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT: read those, never guess from SLURM_*
+        # (a local cell inside an sbatch script is not a SLURM job of world_size tasks).
+        kwargs.setdefault("cluster_environment", TorchElasticEnvironment())
         super().__init__(**kwargs)
         self.adapter = adapter
 

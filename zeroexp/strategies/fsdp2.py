@@ -88,7 +88,8 @@ class FSDP2Adapter(StrategyAdapter):
         self.setup(device)
         root = getattr(module, "net", module)
         classes = tuple(_import_class(p) for p in wrap_paths(self.cfg))
-        kwargs = {"mesh": self._mesh, "reshard_after_forward": self.reshard_after_forward, "mp_policy": self.mp_policy()}
+        kwargs = {"mesh": self._mesh, "reshard_after_forward": self.reshard_after_forward,
+                  "mp_policy": self.mp_policy()}
         units = [m for m in root.modules() if classes and isinstance(m, classes) and m is not root]
         for unit in reversed(units):  # reversed pre-order: every child before its parent
             fully_shard(unit, **kwargs)

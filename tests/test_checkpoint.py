@@ -1,0 +1,124 @@
+"""Full and sharded checkpoints (zeroexp/probes/checkpoint.py): round trips for ddp, zro and fsdp_full at N=2
+continue bit-identically; a full save gathers to rank 0, a sharded one does not; a damaged checkpoint is refused.
+
+Six cells at N=2 (the mlp of 8 x Linear(64, 64), P = 128 KiB), their checkpoints kept for the refusal tests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import read_csv
+from zeroexp.config import ConfigError, validate
+from zeroexp.probes.checkpoint import META, CheckpointError, verify_checkpoint
+
+P = 8 * 64 * 64 * 4  # logical parameter bytes of the test mlp
+STRATEGIES = ("ddp", "zro", "fsdp_full")
+
+
+def _cell(cell, strategy: str, kind: str):
+    result = cell(f"strategy={strategy}", f"checkpoint={kind}", "world_size=2", "checkpoint.keep=true")
+    assert result.status == "ok", result.error
+    return result
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_round_trip_continues_bit_identically(cell, strategy, kind):
+    result = _cell(cell, strategy, kind)
+    ck = result.summary["checkpoint"]
+    assert ck["check"] == "PASS", ck["reasons"]
+    assert ck["restored_bit_identical"] and ck["continuation_bit_identical"]
+    assert ck["continuation_max_abs_diff"] == 0.0 and ck["compared_tensors"] == 8
+    assert ck["kind"] == kind and ck["kept"] and ck["directory"] == "checkpoint"
+    manifest = json.loads((Path(result.cell_dir) / "manifest.json").read_text())
+    assert result.summary["cell"]["checkpoint"] == kind and f"_ckpt-{kind}_" in manifest["cell_name"]
+    written = ck["save"]["rank_bytes_written"]
+    assert sum(written) == ck["save"]["bytes_written"] > 3 * P  # parameters and both Adam moments
+    if kind == "full":  # everything on rank 0, one file
+        assert written[1] == 0 and ck["files"] == 1
+    else:  # nothing gathered: every rank writes its part
+        assert all(w > 0 for w in written)
+    meta = json.loads((Path(result.cell_dir) / "checkpoint" / META).read_text())
+    assert meta["world_size"] == 2 and meta["strategy"] == strategy
+    assert sum(f["bytes"] for f in meta["files"]) == ck["save"]["bytes_written"]
+    frame = read_csv(result, "checkpoint.csv")
+    assert sorted(frame.phase.unique()) == ["load", "save"] and len(frame) == 4
+
+
+def test_what_each_save_sends_and_holds(cell):
+    """Collectives and rank 0's peak above its starting bytes, per strategy (CPU, MemTracker)."""
+    saves = {(s, k): _cell(cell, s, k).summary["checkpoint"]["save"] for s in STRATEGIES for k in ("full", "sharded")}
+    # DDP: rank 0 already holds everything: the full save neither communicates nor allocates.
+    assert saves["ddp", "full"]["collectives"]["counts"] == {} and saves["ddp", "full"]["rank0_peak_over_start_bytes"] == 0
+    # ZeroRedundancyOptimizer: consolidating broadcasts the other owner's state (size, then bytes) to rank 0;
+    # sharded: each owner writes its own, no collective, no allocation.
+    assert saves["zro", "full"]["collectives"]["counts"] == {"broadcast": 2}
+    assert saves["zro", "sharded"]["collectives"]["counts"] == {} and saves["zro", "sharded"]["rank0_peak_over_start_bytes"] == 0
+    # FSDP FULL_STATE_DICT: every unit's parameters and Adam moments all-gathered (3P of payload).
+    assert saves["fsdp_full", "full"]["collectives"]["payload_bytes"]["all_gather"] >= 3 * P
+    for strategy in ("zro", "fsdp_full"):  # the full save's rank 0 peak is above the sharded save's
+        full, sharded = saves[strategy, "full"], saves[strategy, "sharded"]
+        assert full["rank0_peak_over_start_bytes"] > sharded["rank0_peak_over_start_bytes"], strategy
+        assert full["rank0_peak_bytes"] > sharded["rank0_peak_bytes"], strategy
+    # FSDP full with rank0_only: rank 0 keeps the gathered state (>= P of parameters + 2P of moments), rank 1 does not.
+    assert saves["fsdp_full", "full"]["peak_over_start_bytes"][0] >= 3 * P > saves["fsdp_full", "full"]["peak_over_start_bytes"][1]
+
+
+def _copy(cell, tmp_path: Path, strategy: str, kind: str) -> Path:
+    src = Path(_cell(cell, strategy, kind).cell_dir) / "checkpoint"
+    return Path(shutil.copytree(src, tmp_path / f"{strategy}-{kind}"))
+
+
+def test_damaged_or_mismatched_checkpoints_are_refused(cell, tmp_path):
+    sharded = _copy(cell, tmp_path, "fsdp_full", "sharded")
+    assert verify_checkpoint(sharded, kind="sharded", strategy="fsdp_full", world_size=2)["step"] == 10
+    with pytest.raises(CheckpointError, match="written by 2 ranks.*not world_size=4"):
+        verify_checkpoint(sharded, kind="sharded", strategy="fsdp_full", world_size=4)
+    with pytest.raises(CheckpointError, match="a sharded checkpoint; a full one"):
+        verify_checkpoint(sharded, kind="full")
+    with pytest.raises(CheckpointError, match="strategy=fsdp_full.*not into strategy=ddp"):
+        verify_checkpoint(sharded, strategy="ddp")
+    shard = sharded / "__1_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp: \d+ bytes, meta.json says \d+: the file is truncated"):
+        verify_checkpoint(sharded)
+    shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    with pytest.raises(CheckpointError, match="SHA-256 differs"):
+        verify_checkpoint(sharded)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        verify_checkpoint(sharded)
+
+    full = _copy(cell, tmp_path, "zro", "full")
+    assert verify_checkpoint(full, kind="full", strategy="zro", world_size=4)  # a full checkpoint is N-independent
+    (full / META).write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable.*corrupted"):
+        verify_checkpoint(full)
+    (full / META).unlink()
+    with pytest.raises(CheckpointError, match="no meta.json"):
+        verify_checkpoint(full)
+
+
+def test_checkpoint_kind_the_strategy_lacks_is_refused(compose):
+    with pytest.raises(ConfigError, match="invalid config: checkpoint='full'.*strategy=zero1 does not implement it"):
+        validate(compose("strategy=zero1", "checkpoint=full"))
+
+
+def test_report_has_a_checkpoint_table(cell):
+    from zeroexp.report.cells import order_cells
+    from zeroexp.report.tables import build_tables
+    from zeroexp.results import load_sweep
+
+    result = _cell(cell, "fsdp_full", "full")
+    tables = {t.key: t for t in build_tables(order_cells(load_sweep(Path(result.cell_dir).parent)))}
+    shown = tables["checkpoint"].display()
+    rows = {(cell_label.split(" ")[0], kind): row for (cell_label, kind), (_, row)
+            in zip(zip(shown["cell"], shown["kind"]), shown.iterrows())}
+    assert rows["fsdp_full-pre", "full"]["check"] == "PASS" and "AG" in rows["fsdp_full-pre", "full"]["save collectives"]
+    assert rows["ddp", "full"]["save collectives"] == "none"
