@@ -122,3 +122,10 @@ def test_report_has_a_checkpoint_table(cell):
             in zip(zip(shown["cell"], shown["kind"]), shown.iterrows())}
     assert rows["fsdp_full-pre", "full"]["check"] == "PASS" and "AG" in rows["fsdp_full-pre", "full"]["save collectives"]
     assert rows["ddp", "full"]["save collectives"] == "none"
+
+
+@pytest.mark.parametrize("kind", ["none", "full", "sharded"])
+def test_every_checkpoint_option_composes_and_validates(compose, kind):
+    cfg = compose(f"checkpoint={kind}", "strategy=fsdp_grad_op")
+    validate(cfg)
+    assert cfg.checkpoint.name == kind and cfg.checkpoint.keep is False and cfg.checkpoint.dir is None

@@ -123,3 +123,14 @@ def test_slurm_layout_must_add_up_to_world_size(compose):
 
     with pytest.raises(ConfigError, match=r"launcher.nodes \* launcher.ranks_per_node = 2 \* 2 != world_size = 8"):
         validate(compose("launcher=slurm", "world_size=8", "launcher.nodes=2", "launcher.ranks_per_node=2"))
+
+
+@pytest.mark.parametrize("launcher", ["local", "torchrun", "slurm"])
+def test_every_launcher_option_composes_and_validates(compose, launcher):
+    if launcher == "slurm":
+        pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from zeroexp.config import validate
+
+    cfg = compose(f"launcher={launcher}")
+    validate(cfg)
+    assert cfg.launcher.name == launcher

@@ -45,9 +45,9 @@ __all__ = ["run_dry", "SOURCES", "ABSENT"]
 SOURCES = {
     "traced": "traced: the strategy's own code ran as rank 0 of world_size under a fake process group and "
               "FakeTensorMode; state counted by the state probe, collectives recorded by the collectives probe",
-    "derived": "derived: the strategy needs real storage (DDP's C++ Reducer), so nothing ran; collectives from "
-               "the adapter's expected_collectives on the model's structure (or the planner's payload model), "
-               "state table from zeroexp.formulas.rank_state_bytes",
+    "derived": "derived: the strategy is not traced (StrategyAdapter.dry_run_traced; DDP's C++ Reducer needs real "
+               "storage), so nothing ran; collectives from the adapter's expected_collectives on the model's "
+               "structure (or the planner's payload model), state table from zeroexp.formulas.rank_state_bytes",
 }
 #: The sections of a real run that a dry run leaves out, and why.
 ABSENT = {
