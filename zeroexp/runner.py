@@ -9,6 +9,7 @@ This is the Python API the CLI and the tests share::
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,12 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
             manifest["ranks"] = [{"rank": r, "pid": pid, "exitcode": None} for r, pid in enumerate(pids)]
             write_json(cell_dir / "manifest.json", manifest)
 
-        launched = launch_local(resolved, cell_dir, run_info, on_started=started)
+        for attempt in range(3):
+            launched = launch_local(resolved, cell_dir, run_info, on_started=started)
+            # The free port can be taken by another process between probing and binding: retry that alone.
+            if not (launched.error and "address already in use" in launched.error["message"].lower()):
+                break
+            shutil.rmtree(cell_dir / ".ranks", ignore_errors=True)
         error = launched.error
         manifest["ranks"] = [{"rank": r, "pid": pid, "exitcode": code}
                              for r, (pid, code) in enumerate(zip(launched.pids, launched.exitcodes))]
