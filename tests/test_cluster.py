@@ -69,6 +69,22 @@ def test_two_torchrun_nodes_measure_what_the_local_launcher_measures(cell, tmp_p
     assert read_csv(local, "collectives.csv").groupby("rank")["count"].sum().tolist() == [24] * 4  # 16 AG + 8 RS
 
 
+def test_a_failing_torchrun_rank_is_recorded(tmp_path):
+    """Rank 1 raises at step 5: torchrun exits 1, the manifest says failed with rank 1's exception."""
+    cmd = [*TORCHRUN, "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=fault", "--local-addr=127.0.0.1", "-m", "zeroexp",
+           "launcher=torchrun", *BASE]
+    out = subprocess.run(cmd, cwd=tmp_path, env=_env(ZEROEXP_FAULT="1:5:raise"), capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    (cell_dir,) = (tmp_path / "outputs" / "runs").iterdir()
+    manifest = json.loads((cell_dir / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["ended_at"]
+    assert manifest["error"] == {"rank": 1, "cause": "exception", "log": "logs/rank1.log",
+                                 "message": "RuntimeError: injected fault: rank 1 raised at step 5"}
+    assert (cell_dir / ".ranks" / "rank1.error.json").exists() and not (cell_dir / "summary.json").exists()
+
+
 def test_torchrun_launcher_refuses_what_it_cannot_run(tmp_path):
     """Outside torchrun, and with a world_size other than torchrun's: exit 2 before any rendezvous."""
     base = [sys.executable, "-m", "zeroexp", "launcher=torchrun", *BASE]

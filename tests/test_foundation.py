@@ -36,6 +36,8 @@ def test_every_option_composes_and_validates(compose, group):
             from zeroexp.strategies import registered
 
             overrides.append(f"strategy={min(n for n, a in registered().items() if option in a.precisions)}")
+        if group == "offload":  # with DeepSpeed ZeRO-3, which implements every offload (StrategyAdapter.offloads)
+            overrides += ["strategy=deepspeed", "strategy.stage=3"]
         cfg = compose(*overrides, base=("logger=none",))
         OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
         try:

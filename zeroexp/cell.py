@@ -14,8 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["cell_axes", "cell_identity", "cell_id", "cell_name"]
 
-#: Optional axes; each applies only to strategies whose adapter lists it in ``axes``.
-OPTIONAL_AXES = ("prefetch",)
+#: Optional axes; each applies only to strategies whose adapter lists it in ``axes``. ``stage`` is a strategy
+#: knob (``strategy.stage``, DeepSpeed's ZeRO stage) named like an axis: it is the cell's ``stage``.
+OPTIONAL_AXES = ("prefetch", "stage")
 _IDENTITY_KEYS = ("model", "strategy", "precision", "offload", "optimizer", "world_size", "steps",
                   "batch_size", "seed", "warmup_steps", "device")
 
@@ -28,11 +29,15 @@ def _applicable(cfg: DictConfig) -> tuple[str, ...]:
     return tuple(a for a in OPTIONAL_AXES if a in axes)
 
 
+def _axis_value(cfg: DictConfig, axis: str) -> Any:
+    return int(cfg.strategy.stage) if axis == "stage" else cfg[axis].name
+
+
 def cell_axes(cfg: DictConfig) -> dict[str, Any]:
     """The axes that name this cell: model, strategy, the optional axes that apply, precision, offload, N."""
     axes: dict[str, Any] = {"model": cfg.model.name, "strategy": cfg.strategy.name}
     for a in _applicable(cfg):
-        axes[a] = cfg[a].name
+        axes[a] = _axis_value(cfg, a)
     axes.update(precision=cfg.precision.name, offload=cfg.offload.name, world_size=int(cfg.world_size))
     if _checkpoint(cfg) != "none":  # measured after training; absent for none, so those ids are unchanged
         axes["checkpoint"] = _checkpoint(cfg)
@@ -48,7 +53,7 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
     ident = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in _IDENTITY_KEYS}
     for a in _applicable(cfg):
-        ident[a] = cfg[a].name
+        ident[a] = _axis_value(cfg, a)
     if cfg.get("dry_run"):  # a dry run is another cell than the real run of the same axes (absent: ids unchanged)
         ident["dry_run"] = True
     if _checkpoint(cfg) != "none":
@@ -65,7 +70,8 @@ def cell_id(cfg: DictConfig) -> str:
 def cell_name(cfg: DictConfig) -> str:
     """A readable, unique directory name, e.g. ``fsdp_full-pre_mlp_fp32_n4_1a2b3c4d``."""
     ax = cell_axes(cfg)
-    strategy = "-".join([ax["strategy"], *(str(ax[a]) for a in OPTIONAL_AXES if a in ax)])
+    strategy = "-".join([ax["strategy"], *(f"stage{ax[a]}" if a == "stage" else str(ax[a])
+                                          for a in OPTIONAL_AXES if a in ax)])
     parts = [strategy, ax["model"], ax["precision"]]
     if ax["offload"] != "none":
         parts.append(f"off-{ax['offload']}")

@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cell import cell_name
-from zeroexp.config import ConfigError, register_schemas
+from zeroexp.config import ConfigError, NotApplicableHere, register_schemas
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -68,6 +68,14 @@ def task(cfg: DictConfig) -> None:
     try:
         result = run_cell(cfg, cell_dir, overrides=overrides, sweep=sweep,
                           explicit_keys=() if multirun else explicit_keys(overrides))
+    except NotApplicableHere as e:
+        if not multirun:
+            console.print(f"[red]error:[/] {e}")
+            sys.exit(2)
+        _skipped(cfg, cell_dir, overrides, sweep, str(e))
+        console.print(f"[yellow]skipped[/] {cell_dir.name}: {e}")
+        print(cell_dir)
+        return
     except ConfigError as e:
         if not any(cell_dir.iterdir()) or {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
             shutil.rmtree(cell_dir, ignore_errors=True)
@@ -89,6 +97,23 @@ def _print_result(result: Any, console: Any, multirun: bool) -> None:
     print(cell_dir)
     if result.status != "ok" and not multirun:
         sys.exit(1)
+
+
+def _skipped(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, why: str) -> None:
+    """The manifest of a sweep cell this machine cannot run (``status: skipped``, the reason in ``error``)."""
+    from zeroexp.cell import cell_axes, cell_id
+    from zeroexp.results import utc_now, write_json
+    from zeroexp.runner import new_manifest
+
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved.pop("hydra", None)
+    run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep}
+    manifest = new_manifest(cfg, resolved, run_info, overrides, sweep, "n/a", "n/a",
+                            {"launcher": "local", "nodes": 1, "ranks_per_node": int(cfg.world_size), "job_id": None})
+    manifest.update(status="skipped", error={"rank": None, "cause": "not_applicable", "message": why},
+                    ended_at=utc_now(), duration_s=0.0)
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    write_json(cell_dir / "manifest.json", manifest)
 
 
 def _external_rank(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, multirun: bool,

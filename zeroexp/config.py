@@ -32,6 +32,11 @@ class ConfigError(ValueError):
         super().__init__(msg)
 
 
+class NotApplicableHere(ConfigError):
+    """A valid cell this machine cannot run (e.g. FSDP CPU offload with no accelerator): refused up front in a
+    single run; in a ``--multirun`` sweep the cell is ``skipped`` with this message and the sweep goes on."""
+
+
 # --- model -------------------------------------------------------------------------------------------
 # Keys of the model node that belong to zeroexp (data spec, loss, naming); everything else is passed
 # to the ``_target_`` factory.
@@ -105,6 +110,14 @@ class ZeroConfig(StrategyConfig):
     bucket_cap_mb: float = 25.0
     reduce: str = "reduce_scatter"  # reduce_scatter | allreduce (the naive ZeRO: all_reduce, keep the shard)
     clip_grad_norm: Optional[float] = None  # global-norm clipping: the max norm; null: no clipping
+
+
+@dataclass
+class DeepSpeedConfig(StrategyConfig):
+    """DeepSpeed ZeRO through ``deepspeed.initialize`` (zeroexp.strategies.deepspeed); an optional extra."""
+
+    stage: int = 2  # ZeRO stage 0 | 1 | 2 | 3 (a cell axis)
+    bucket_cap_mb: float = 25.0  # reduce_bucket_size and allgather_bucket_size, in MiB of fp32 elements
 
 
 @dataclass
@@ -236,6 +249,7 @@ def register_schemas() -> None:
     cs.store(group="schema/strategy", name="ddp", node=DDPConfig)
     cs.store(group="schema/strategy", name="zro", node=ZROConfig)
     cs.store(group="schema/strategy", name="zero", node=ZeroConfig)
+    cs.store(group="schema/strategy", name="deepspeed", node=DeepSpeedConfig)
     cs.store(group="schema/strategy", name="fsdp", node=FSDPConfig)
     cs.store(group="schema/strategy", name="fsdp2", node=FSDP2Config)
     cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
@@ -252,7 +266,7 @@ _ACCEPTED = {
     "precision.name": ("fp32", "bf16", "fp16"),
     "precision.param_dtype": ("float32", "bfloat16", "float16"),
     "precision.master_dtype": ("float32",),
-    "offload.name": ("none",),
+    "offload.name": ("none", "optimizer", "full"),
     "logger.name": ("wandb", "csv", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
@@ -317,6 +331,12 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     if cfg.precision.name not in adapter.precisions:
         supported = sorted(n for n, a in registered().items() if cfg.precision.name in a.precisions)
         raise ConfigError("precision", cfg.precision.name, ", ".join(sorted(adapter.precisions)),
+                          why=f"strategy={name} does not implement it; strategies that do: "
+                              f"{', '.join(supported) or 'none'}")
+    offloads = getattr(adapter, "offloads", frozenset({"none"}))
+    if cfg.offload.name not in offloads:
+        supported = sorted(n for n, a in registered().items() if cfg.offload.name in getattr(a, "offloads", ()))
+        raise ConfigError("offload", cfg.offload.name, ", ".join(sorted(offloads)),
                           why=f"strategy={name} does not implement it; strategies that do: "
                               f"{', '.join(supported) or 'none'}")
     for axis in ("prefetch",):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 __all__ = ["padded_numel", "zero_state_factors", "bus_factor", "bus_bytes", "ddp_collectives", "zero1_collectives",
-           "fsdp_collectives", "fsdp2_padded_numel", "sharded_zero_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives",
+           "fsdp_collectives", "fsdp2_padded_numel", "sharded_zero_state_factors", "deepspeed_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives",
            "COMPUTE_ITEMSIZE", "STATE_KINDS", "ModelShape", "PlanKnobs", "Groups", "StateLayout", "LAYOUTS",
            "owner_numels", "rank_state_bytes", "step_collectives", "unsharded_floor_bytes", "offloaded_kinds"]
 
@@ -131,6 +131,34 @@ def sharded_zero_state_factors(stage: int, world_size: int, compute_itemsize: in
         raise ValueError(f"zeroexp's sharded optimizer implements ZeRO stage 1 or 2, got {stage}")
     n, c = float(world_size), compute_itemsize / 4
     return {"param": n * c, "grad": n * c if stage == 1 else c, "optim": 2.0, "master": 1.0}
+
+
+def deepspeed_state_factors(stage: int, world_size: int, compute_itemsize: int = 4,
+                            offload: str = "none") -> dict[str, float]:
+    """Aggregate factors of DeepSpeed ZeRO at the optimizer boundary (before ``engine.step`` frees the gradients)
+    [DS], in units of P = 4 Psi, compute dtype c bytes.
+
+    Parameters: N c/4 replicated (stages 0-2, stage 1/2 as ``bit16_groups_flat``), c/4 partitioned (stage 3).
+    Gradients: N c/4 at stage 0; from stage 1 on, the rank's reduced partition, c/4 (stage 1 too frees the full
+    gradients once reduced: ``averaged_gradients`` is the partition); with optimizer offload the fp32
+    partition on the host (1) at stages 1-2, both the compute-dtype partition and the fp32 one at stage 3. Moments 2 (2N at stage 0). ``master`` (fp32): 1 at stages 1-3 (``single_partition_of_fp32_groups``,
+    ``fp32_partitioned_groups_flat``, kept in fp32 training too), N at stage 0 with mixed precision (the FP16
+    optimizer's full copy), absent at stage 0 in fp32.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"DeepSpeed ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    n, c = float(world_size), compute_itemsize / 4
+    out = {"param": c if stage == 3 else n * c, "grad": n * c if stage == 0 else c,
+           "optim": 2.0 * n if stage == 0 else 2.0}
+    if offload != "none" and stage in (1, 2):
+        out["grad"] = 1.0  # the fp32 gradient partition on the host replaces the compute-dtype one
+    elif offload != "none" and stage == 3:
+        out["grad"] = c + 1.0  # grad_partitions_flat_buffer (compute dtype) and its fp32 copy on the host
+    if stage > 0:
+        out["master"] = 1.0
+    elif compute_itemsize != 4:
+        out["master"] = n
+    return out
 
 
 def sharded_zero_rank_bytes(stage: int, numel: int, world_size: int, compute_itemsize: int = 2) -> float:

@@ -47,7 +47,7 @@ class SweepSummary(Callback):
         from hydra.types import RunMode
         from rich.console import Console
 
-        from zeroexp.config import ConfigError, validate
+        from zeroexp.config import ConfigError, NotApplicableHere, validate
 
         from zeroexp.cell import cell_name
 
@@ -58,6 +58,8 @@ class SweepSummary(Callback):
             cfg = loader.load_configuration(config.hydra.job.config_name, job, run_mode=RunMode.MULTIRUN)
             try:
                 validate(cfg)
+            except NotApplicableHere as e:  # valid, but not on this machine: the job records it as skipped
+                Console(highlight=False).print(f"[yellow]skip:[/] sweep job #{i} ({' '.join(job)}): {e}")
             except ConfigError as e:
                 Console(highlight=False).print(f"[red]error:[/] sweep job #{i} ({' '.join(job)}): {e}\n"
                                                "nothing was run")

@@ -24,7 +24,7 @@ __all__ = ["StateProbe", "count_state", "check_factors", "FACTOR_TOL"]
 #: Logical factors are ratios of exact integers; the step scalars and the padding are reported apart, so
 #: any difference beyond float rounding is a real deviation from the formula.
 FACTOR_TOL = 1e-6
-COLUMNS = ["rank", "kind", "logical_bytes", "physical_bytes", "dtype", "device", "numel"]
+COLUMNS = ["rank", "kind", "logical_bytes", "physical_bytes", "host_bytes", "dtype", "device", "numel"]
 
 
 def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
@@ -40,7 +40,7 @@ def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
     storages: set[tuple[str, int]] = set()
     ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for kind, tensor, logical_numel in items:
-        row = rows.setdefault(kind, {"kind": kind, "logical_bytes": 0, "physical_bytes": 0,
+        row = rows.setdefault(kind, {"kind": kind, "logical_bytes": 0, "physical_bytes": 0, "host_bytes": 0,
                                      "dtype": set(), "device": set(), "numel": 0})
         storage = tensor.untyped_storage()
         # A FakeTensor's storage (zeroexp.dryrun) has no data: data_ptr() is 0 for all of them; its identity is.
@@ -48,6 +48,7 @@ def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
         if key not in storages and storage.nbytes() > 0:
             storages.add(key)
             row["physical_bytes"] += storage.nbytes()
+            row["host_bytes"] += storage.nbytes() if tensor.device.type == "cpu" else 0  # physical, in host memory
         start = tensor.storage_offset() * tensor.element_size()
         span = (start, start + tensor.numel() * tensor.element_size())
         seen = ranges.setdefault(key, [])
@@ -83,6 +84,7 @@ class StateProbe(Probe):
         super().__init__(ctx)
         self.rows: list[dict[str, Any]] = []
         self.param_numel = 0
+        self.loss_scale: float | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Before the strategy wraps the model: the original parameters, each once (tied weights too).
@@ -94,6 +96,8 @@ class StateProbe(Probe):
         if batch_idx == self.ctx.schedule.state_step:
             items = self.ctx.adapter.state_tensors(trainer.strategy.model, trainer.optimizers[0])
             self.rows = count_state(items)
+            scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)  # Lightning's AMP GradScaler
+            self.loss_scale = float(scaler.get_scale()) if scaler is not None else self.ctx.adapter.current_loss_scale()
 
     def rank_result(self) -> dict[str, Any]:
         """Per-kind rows, P, and what the adapter expects and claims (aggregate sees no adapter)."""
@@ -103,6 +107,10 @@ class StateProbe(Probe):
             "logical_param_bytes": 4 * self.param_numel,  # P: numel x 4 (fp32), formulas.py convention
             "expected": self.ctx.adapter.expected_state_factors(self.ctx.world_size),
             "semantics": self.ctx.adapter.semantics,
+            "beyond_canonical": self.ctx.adapter.beyond_canonical(),
+            "offload": str(self.ctx.cfg.offload.name),
+            "device_type": self.ctx.device.type,
+            "loss_scale": self.loss_scale,
         }
 
     @classmethod
@@ -111,13 +119,13 @@ class StateProbe(Probe):
         first, n = results[0], len(results)
         p_bytes, expected = int(first["logical_param_bytes"]), dict(first["expected"])
         kinds = list(dict.fromkeys([*expected, *(row["kind"] for res in results for row in res["rows"])]))
-        blank = {"logical_bytes": 0, "physical_bytes": 0, "dtype": "", "device": "", "numel": 0}
+        blank = {"logical_bytes": 0, "physical_bytes": 0, "host_bytes": 0, "dtype": "", "device": "", "numel": 0}
         records = []
         for rank, res in enumerate(results):
             by_kind = {row["kind"]: row for row in res["rows"]}
             records += [{**blank, **by_kind.get(k, {}), "rank": rank, "kind": k} for k in kinds]
         frame = pd.DataFrame(records, columns=COLUMNS)
-        total = frame.groupby("kind", sort=False)[["logical_bytes", "physical_bytes"]].sum()
+        total = frame.groupby("kind", sort=False)[["logical_bytes", "physical_bytes", "host_bytes"]].sum()
         logical, physical = total.logical_bytes.to_dict(), total.physical_bytes.to_dict()
         per_rank = {k: frame[frame.kind == k].set_index("rank") for k in kinds}
         factors = {k: logical[k] / p_bytes for k in kinds}
@@ -142,5 +150,18 @@ class StateProbe(Probe):
             "check": "FAIL" if reasons else "PASS",
             "reasons": reasons,
             "semantics": first["semantics"],
+            "dtypes": {k: "+".join(sorted({d for d in per_rank[k].dtype if d})) for k in kinds},
+            # Per kind, physical bytes summed over ranks: in host memory and on the training device (an accelerator;
+            # on a CPU-only cell the training device is the host, so offload moves nothing: device_bytes is 0).
+            "placement": {k: {"host_bytes": int(total.host_bytes[k]),
+                              "device_bytes": int(physical[k] - total.host_bytes[k])} for k in kinds},
+            "offload": first.get("offload", "none"),
+            "device_type": first.get("device_type"),
+            "loss_scale": first.get("loss_scale"),  # fp16's dynamic loss scale at the state step; None: no scaling
+            # Kinds the strategy keeps beyond the canonical fp32 formula (param, grad, 2 moments; ZeRO 5.1): which
+            # tensors and how many logical bytes, summed over ranks; they are in ``expected`` too.
+            "beyond_canonical": {k: {"tensors": why, "bytes": int(logical.get(k, 0)),
+                                     "max_rank_bytes": int(per_rank[k].logical_bytes.max()) if k in per_rank else 0}
+                                 for k, why in first.get("beyond_canonical", {}).items()},
         }
         return ProbeReport(section=section, tables={"rank_state.csv": frame})

@@ -33,7 +33,17 @@ def _sort_key(row: pd.Series) -> tuple:
     return (*_rank(LADDER, row.get("cell.strategy")),
             -1 if missing(stage) else float(stage),
             *_rank(PREFETCH_ORDER, row.get("cell.prefetch")),
-            *(str(row.get(f"cell.{axis}")) for axis in _AXES), str(row.get("cell_name")))
+            *(_axis_key(row.get(f"cell.{axis}")) for axis in _AXES), str(row.get("cell_name")))
+
+
+def _axis_key(value: Any) -> tuple[int, float, str]:
+    """Numbers (world sizes) sort as numbers, before text; missing values last."""
+    if missing(value):
+        return (2, 0.0, "")
+    try:
+        return (0, float(value), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(value))
 
 
 def _label(row: pd.Series, varying: list[str]) -> str:

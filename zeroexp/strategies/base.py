@@ -75,6 +75,8 @@ class StrategyAdapter:
     min_warmup_steps: ClassVar[int] = 0
     #: The ``precision`` options (conf/precision/) the strategy implements; config.validate refuses others.
     precisions: ClassVar[frozenset[str]] = frozenset({"fp32"})
+    #: The ``offload`` options (conf/offload/: none, optimizer, full) the strategy implements; others are refused.
+    offloads: ClassVar[frozenset[str]] = frozenset({"none"})
     #: The ``checkpoint`` kinds (conf/checkpoint/: full, sharded) the adapter saves and loads; config.validate
     #: refuses the others.
     checkpoint_kinds: ClassVar[frozenset[str]] = frozenset()
@@ -121,6 +123,15 @@ class StrategyAdapter:
         if self.zero_stage is None:
             raise NotImplementedError(f"strategy {self.name!r} declares no zero_stage nor expected_state_factors")
         return zero_state_factors(self.zero_stage, world_size)
+
+    def current_loss_scale(self) -> float | None:
+        """The strategy's own dynamic loss scale now (fp16), when it keeps one outside Lightning's GradScaler."""
+        return None
+
+    def beyond_canonical(self) -> dict[str, str]:
+        """State kinds the strategy keeps beyond the canonical fp32 formula (param, grad, two moments [ZeRO 5.1])
+        and in which tensors, e.g. ``{"master": "fp32 partition ..."}``; the state probe reports their bytes."""
+        return {}
 
     def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                              world_size: int) -> dict[str, dict[str, int]]:

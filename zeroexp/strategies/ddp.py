@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,20 @@ class DDPAdapter(StrategyAdapter):
     #: gradient-ready order and broadcasts the new assignment from rank 0 (Reducer::rebuild_buckets, see
     #: torch/nn/parallel/distributed.py): the fingerprint is steady from step 2 on.
     min_warmup_steps = 2
+    #: bf16 / fp16 by autocast (zeroexp.strategies._amp): parameters, gradients and moments stay fp32 (the fp32
+    #: parameters are the master), matmuls run in the low precision; fp16 with a dynamic GradScaler. So the
+    #: 2 + 2 + 12 bytes formula does not apply: the state is fp32 and its factors those of fp32 (semantics_for).
+    precisions = frozenset({"fp32", "bf16", "fp16"})
+
+    def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
+        """CellStrategy, with Lightning's autocast plugin for bf16 / fp16 (and a GradScaler for fp16)."""
+        from zeroexp.strategies._amp import amp_precision
+
+        strategy = super().lightning_strategy(timeout_s, backend)
+        plugin = amp_precision(self.cfg, backend)
+        if plugin is not None:
+            strategy.precision_plugin = plugin
+        return strategy
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         return DistributedDataParallel(

@@ -16,8 +16,8 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import (BackwardPrefetch, FullOptimStateDictConfig, FullStateDictConfig,
-                                    FullyShardedDataParallel, ShardingStrategy, StateDictType)
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig,
+                                    FullyShardedDataParallel, MixedPrecision, ShardingStrategy, StateDictType)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from zeroexp.formulas import fsdp_collectives, padded_numel, zero_state_factors
@@ -49,11 +49,23 @@ class FSDPAdapter(StrategyAdapter):
 
     sharding: ShardingStrategy
     dry_run_traced = True  # FSDP1 runs under a fake process group and FakeTensorMode
+    #: bf16 / fp16 through ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``: the sharded FlatParameter,
+    #: its gradient shard and Adam's moments stay fp32 (the shard is the master); each unit is gathered, computed
+    #: and reduce-scattered in the low precision, its gradient cast back to fp32 after the reduce_scatter. fp16
+    #: adds a dynamic ``ShardedGradScaler`` (zeroexp.strategies._amp).
+    precisions = frozenset({"fp32", "bf16", "fp16"})
+    #: offload=full: ``CPUOffload(offload_params=True)`` (parameters, gradients and optimizer state on the host);
+    #: needs an accelerator to compute on.
+    offloads = frozenset({"none", "full"})
 
     @classmethod
     def validate(cls, cfg) -> None:
-        from zeroexp.config import ConfigError
+        from zeroexp.config import ConfigError, NotApplicableHere
 
+        if cfg.offload.name == "full" and not _has_accelerator(cfg):
+            raise NotApplicableHere("offload", "full", "none (on this machine)",
+                                    why="FSDP CPUOffload moves the shards to the host between computations, but this "
+                                        "cell runs on the CPU (no GPU for each rank): there is nowhere to offload from")
         key = "strategy.wrap" if cfg.strategy.wrap is not None else "model.wrap"
         for i, path in enumerate(wrap_paths(cfg)):
             try:
@@ -166,7 +178,32 @@ class FSDPAdapter(StrategyAdapter):
             limit_all_gathers=bool(self.scfg.limit_all_gathers),
             use_orig_params=bool(self.scfg.use_orig_params),
             device_id=device if device.type == "cpu" else device.index,
+            mixed_precision=self.mixed_precision(),
+            cpu_offload=CPUOffload(offload_params=True) if self.cfg.offload.name == "full" else None,
         )
+
+    def mixed_precision(self) -> MixedPrecision | None:
+        """``MixedPrecision`` with parameters, gradient reduction and buffers in the precision's dtype; None in fp32."""
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(self.cfg.precision.param_dtype))
+        if dtype is None:
+            return None
+        return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype, cast_forward_inputs=True)
+
+    def lightning_strategy(self, timeout_s: float, backend: str):
+        """CellStrategy; for fp16, Lightning's mixed-precision plugin with a ``ShardedGradScaler``."""
+        from zeroexp.strategies._amp import amp_precision
+
+        strategy = super().lightning_strategy(timeout_s, backend)
+        if self.cfg.precision.name == "fp16":
+            strategy.precision_plugin = amp_precision(self.cfg, backend, sharded=True)
+        return strategy
+
+
+def _has_accelerator(cfg) -> bool:
+    """Whether the cell's ranks get a GPU each (zeroexp.runner's rule for ``device``)."""
+    if cfg.device == "cpu":
+        return False
+    return cfg.device == "cuda" or (torch.cuda.is_available() and torch.cuda.device_count() >= int(cfg.world_size))
 
 
 @register

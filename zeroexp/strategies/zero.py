@@ -108,6 +108,9 @@ class ShardedZeroAdapter(StrategyAdapter):
         local = optimizer.local if isinstance(optimizer, ShardedAdamW) else optimizer
         yield from optimizer_state_tensors(local, {id(b.master): b.logical_shard_numel for b in self.buckets})
 
+    def current_loss_scale(self) -> float | None:
+        return None if self.loss_scale is None else float(self.loss_scale.value)
+
     def expected_state_factors(self, world_size: int) -> dict[str, float]:
         """zeroexp.formulas.sharded_zero_state_factors: param N, grad N (zero1) or 1 (zero2), optim 2,
         master 1 in fp32; the parameter and gradient factors scale with the compute dtype's size."""

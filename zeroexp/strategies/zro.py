@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zeroexp.formulas import zero1_collectives
 from zeroexp.strategies import register
-from zeroexp.strategies._checkpoint import FULL_FILE
+from zeroexp.strategies._checkpoint import read_full, write_full
 from zeroexp.strategies.base import StateTensor
 from zeroexp.strategies.ddp import DDPAdapter
 
@@ -73,10 +73,7 @@ class ZROAdapter(DDPAdapter):
         rank, module = dist.get_rank(), _unwrapped(model)
         if kind == "full":
             optimizer.consolidate_state_dict(to=0)  # a collective: every rank broadcasts what it owns
-            if rank != 0:
-                return []
-            torch.save({"model": module.state_dict(), "optim": optimizer.state_dict()}, path / FULL_FILE)
-            return [path / FULL_FILE]
+            return write_full(path, module.state_dict(), optimizer.state_dict() if rank == 0 else {})
         files = [path / f"optim_rank{rank}.pt"]
         torch.save(optimizer.optim.state_dict(), files[0])  # the local AdamW over the owned parameters
         if rank == 0:
@@ -89,7 +86,7 @@ class ZROAdapter(DDPAdapter):
         sharded: each rank reads its own optimizer file (same world size, so the same owners)."""
         module = _unwrapped(model)
         if kind == "full":
-            full = torch.load(path / FULL_FILE, map_location="cpu", weights_only=True)
+            full = read_full(path)
             module.load_state_dict(full["model"])
             optimizer.load_state_dict(full["optim"])
             return
@@ -99,4 +96,5 @@ class ZROAdapter(DDPAdapter):
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
+    """The LightningModule inside DDP (its state dict keys have no ``module.`` prefix)."""
     return model.module if isinstance(model, DistributedDataParallel) else model

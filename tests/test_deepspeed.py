@@ -1,0 +1,75 @@
+"""DeepSpeed ZeRO stages 0-3 as runtime cells on 2 CPU ranks (gloo): they train, their state matches
+zeroexp.formulas.deepspeed_state_factors, the fp32 master DeepSpeed keeps beyond the canonical formula is reported,
+ZeRO-3 parameters are gathered for the equivalence check, and an offload cell reports its state on the host."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroexp.config import ConfigError, validate
+from zeroexp.strategies import deepspeed as ds_adapter
+
+pytestmark = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
+                                reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+
+N2 = ("strategy=deepspeed", "world_size=2")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_trains_with_its_state_factors_and_matches_the_reference(cell, stage):
+    res = cell(*N2, f"strategy.stage={stage}")
+    assert res.status == "ok", res.error
+    s = res.summary
+    assert s["cell"]["stage"] == stage
+    st = s["state"]
+    assert st["check"] == "PASS", st["reasons"]
+    f = st["factors"]
+    if stage == 3:
+        assert f["param"] == 1.0 and f["grad"] == 1.0 and f["optim"] >= 2.0
+    if stage == 1:
+        assert f["optim"] == pytest.approx(2.0) and f["param"] == 2.0
+    if stage >= 1:  # the fp32 partition DeepSpeed keeps in fp32 training too: reported, with its tensors
+        beyond = st["beyond_canonical"]["master"]
+        assert beyond["bytes"] == s["state"]["logical_param_bytes"] and "fp32" in beyond["tensors"]
+    else:
+        assert st["beyond_canonical"] == {} and "master" not in f
+    assert set(st["dtypes"][k] for k in ("param", "grad", "optim")) == {"float32"}
+    eq = s["equivalence"]
+    assert eq["check"] == "PASS" and eq["max_abs_err"] <= eq["threshold"]
+    assert s["collectives"]["counts"], "the collectives probe saw DeepSpeed's collectives"
+    assert s["memory"]["peak_bytes_max"] > 0
+
+
+def test_bf16_optimizer_offload_cell_keeps_optimizer_state_on_the_host(cell):
+    res = cell(*N2, "strategy.stage=2", "precision=bf16", "offload=optimizer")
+    assert res.status == "ok", res.error
+    st = res.summary["state"]
+    assert st["check"] == "PASS", st["reasons"]
+    assert st["dtypes"]["param"] == "bfloat16" and st["dtypes"]["optim"] == "float32"
+    assert st["dtypes"]["master"] == "float32" and st["dtypes"]["grad"] == "float32"  # fp32 partition on the host
+    for kind in ("optim", "master"):
+        assert st["placement"][kind]["host_bytes"] > 0
+    assert st["offload"] == "optimizer"
+    # 2P' + 2P' / N ... per rank: bf16 parameters (P/2 in units of P = 4 P'), master + moments 12P'/N
+    assert st["factors"]["param"] == pytest.approx(2 * 0.5) and st["factors"]["optim"] == pytest.approx(2.0)
+    eq = res.summary["equivalence"]
+    assert eq["check"] == "PASS" and eq["threshold"] == pytest.approx(2e-2)
+
+
+def test_stage_names_the_cell(compose):
+    from zeroexp.cell import cell_name
+
+    assert cell_name(compose(*N2, "strategy.stage=3")).startswith("deepspeed-stage3_mlp_fp32_n2_")
+
+
+def test_refusals(compose, monkeypatch):
+    with pytest.raises(ConfigError, match="offload_param needs ZeRO stage 3"):
+        validate(compose(*N2, "strategy.stage=2", "offload=full"))
+    with pytest.raises(ConfigError, match="strategy.stage"):
+        validate(compose(*N2, "strategy.stage=4"))
+    if not ds_adapter._cuda_for(compose(*N2)):
+        with pytest.raises(ConfigError, match="does not support fp16"):
+            validate(compose(*N2, "precision=fp16"))
+    monkeypatch.setattr(ds_adapter, "deepspeed_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"strategy.*pip install -e '\.\[deepspeed\]'"):
+        validate(compose(*N2))

@@ -1,0 +1,268 @@
+"""DeepSpeed ZeRO stages 0-3 (``deepspeed.initialize``) through zeroexp's own Lightning strategy, on CPU and CUDA.
+
+Lightning's ``DeepSpeedStrategy`` refuses a CPU accelerator, so the adapter builds the engine itself in
+:meth:`DeepSpeedAdapter.wrap` (the client optimizer is ``torch.optim.AdamW`` with the cell's hyper-parameters;
+DeepSpeed wraps it in its ZeRO optimizer) and hands Lightning the engine as the model and ``engine.optimizer``
+as the optimizer. A precision plugin routes Lightning's backward to ``engine.backward`` and its optimizer step
+to ``engine.step`` (the minimal part of lightning/pytorch/plugins/precision/deepspeed.py). With no GPU
+DeepSpeed picks its CPU accelerator and runs over the gloo group zeroexp already made.
+
+Where the state lives (DeepSpeed 0.19, runtime/zero/stage_1_and_2.py, stage3.py, fp16/):
+- stage 0: the module's parameters and their ``.grad``; mixed precision adds the fp32 copies of the
+  FP16 optimizer (``fp32_groups`` / ``fp32_groups_flat``, full on every rank) as ``master``.
+- stage 1/2: ``bit16_groups_flat`` (the compute-dtype parameters, replicated, padded), the rank's fp32
+  partition ``single_partition_of_fp32_groups`` (``master``, even in fp32 training), the gradient partition
+  ``averaged_gradients`` (or its fp32 host copy with optimizer offload). Stage 1 too frees the full
+  gradients once they are reduced into the partition, so at the optimizer boundary its gradient factor is 1.
+- stage 3: each parameter's partition ``ds_tensor`` (views into ``fp16_partitioned_groups_flat``), the fp32
+  partition ``fp32_partitioned_groups_flat`` (``master``), ``grad_partitions_flat_buffer``.
+Gradients exist only between backward and ``engine.step`` (which frees them): at ``schedule.state_step`` the
+adapter takes references to them right before the step and hands them to the state probe once.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from zeroexp.strategies import register
+from zeroexp.strategies.base import StateTensor, StrategyAdapter, optimizer_state_tensors
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
+_MASTER_TENSORS = {0: "FP16 optimizer fp32_groups (full fp32 copy on every rank)",
+                   1: "single_partition_of_fp32_groups (the rank's fp32 partition)",
+                   2: "single_partition_of_fp32_groups (the rank's fp32 partition)",
+                   3: "fp32_partitioned_groups_flat (the rank's fp32 partition)"}
+
+
+def deepspeed_available() -> bool:
+    """True when ``import deepspeed`` would work (checked without importing it: it is slow)."""
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def ds_config(cfg: Any, device_type: str) -> dict[str, Any]:
+    """The DeepSpeed config of a cell: ZeRO stage, precision, offload; nothing DeepSpeed would add on its own.
+
+    ``stage3_param_persistence_threshold: 0``: every parameter is partitioned (DeepSpeed keeps parameters under
+    1e5 elements whole on every rank by default, which is not ZeRO-3). ``zero_force_ds_cpu_optimizer: false``:
+    offload keeps torch's AdamW (the reference's), not DeepSpeedCPUAdam (a compiled op).
+    """
+    s, p, off = cfg.strategy, cfg.precision, str(cfg.offload.name)
+    zero: dict[str, Any] = {"stage": int(s.stage), "stage3_param_persistence_threshold": 0,
+                            "reduce_bucket_size": int(float(s.bucket_cap_mb) * 2**20 // 4),
+                            "allgather_bucket_size": int(float(s.bucket_cap_mb) * 2**20 // 4),
+                            "overlap_comm": False, "contiguous_gradients": True}
+    pin = device_type == "cuda"
+    if off in ("optimizer", "full"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if off == "full":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    conf: dict[str, Any] = {"train_micro_batch_size_per_gpu": int(cfg.batch_size), "gradient_accumulation_steps": 1,
+                            "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
+                            "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False, "gradient_clipping": 0.0}
+    if p.name == "bf16":
+        conf["bf16"] = {"enabled": True}
+    elif p.name == "fp16":
+        conf["fp16"] = {"enabled": True, "initial_scale_power": int(math.log2(float(p.loss_scale))),
+                        "loss_scale_window": int(p.growth_interval), "loss_scale": 0}
+    return conf
+
+
+def _cast_inputs(dtype: torch.dtype) -> Any:
+    """A forward pre-hook casting floating-point tensor arguments to the engine's compute dtype."""
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
+    """Lightning precision plugin: backward is ``engine.backward``, the optimizer step is ``engine.step``."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    class EnginePrecision(Precision):
+        def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            adapter.engine.backward(tensor)
+
+        def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+            closure()
+            self._after_closure(model, optimizer)  # on_before_optimizer_step (the memory probe's mark)
+            adapter.before_step()
+            return adapter.engine.step()
+
+    return EnginePrecision()
+
+
+@register
+class DeepSpeedAdapter(StrategyAdapter):
+    name = "deepspeed"
+    axes = frozenset({"stage"})
+    precisions = frozenset({"fp32", "bf16", "fp16"})
+    offloads = frozenset({"none", "optimizer", "full"})
+    semantics = ("DeepSpeed ZeRO (runtime): stage 0 replicates everything; 1 partitions the fp32 master and Adam "
+                 "moments; 2 also the gradients; 3 also the parameters. Mixed precision: compute-dtype parameters "
+                 "and gradients, fp32 master and moments; DeepSpeed keeps the fp32 master partition in fp32 "
+                 "training too (reported as beyond the canonical formula).")
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.stage = int(self.scfg.stage)
+        self.zero_stage = self.stage
+        self.dtype = _DTYPES[str(cfg.precision.param_dtype)]
+        self.engine: Any = None
+        self._steps = 0
+        self._capture_at = int(cfg.warmup_steps)  # schedule.state_step
+        self._grads: list[torch.Tensor] = []
+
+    @classmethod
+    def validate(cls, cfg: Any) -> None:
+        from zeroexp.config import ConfigError
+
+        s, off = cfg.strategy, str(cfg.offload.name)
+        if not deepspeed_available():
+            raise ConfigError("strategy", s.name, "any other strategy, or install DeepSpeed",
+                              why="deepspeed is not installed; install it with: pip install -e '.[deepspeed]'")
+        if s.stage not in (0, 1, 2, 3):
+            raise ConfigError("strategy.stage", s.stage, "0, 1, 2, 3")
+        if not s.bucket_cap_mb > 0:
+            raise ConfigError("strategy.bucket_cap_mb", s.bucket_cap_mb, "a positive number of MiB")
+        if off != "none" and s.stage == 0:
+            raise ConfigError("offload", off, "none", why="DeepSpeed offloads ZeRO partitions: stage 0 has none")
+        if off == "full" and s.stage != 3:
+            raise ConfigError("offload", off, "none, optimizer",
+                              why=f"offload_param needs ZeRO stage 3 (strategy.stage={s.stage})")
+        if cfg.precision.name == "fp16" and not _cuda_for(cfg):
+            raise ConfigError("precision", "fp16", "fp32, bf16",
+                              why="DeepSpeed's CPU accelerator does not support fp16 (no GPU for each rank here)")
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """``deepspeed.initialize`` over the LightningModule with AdamW; returns the engine (converts the module
+        to the compute dtype; stage 3 partitions its parameters)."""
+        import deepspeed
+
+        client = torch.optim.AdamW(module.parameters(), **self.optimizer_kwargs())
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client,
+                                                    config=ds_config(self.cfg, device.type), dist_init_required=False)
+        if self.dtype != torch.float32:
+            for child in module.children():  # the user's net: its inputs in the compute dtype
+                child.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True)
+        opt = self.engine.optimizer
+        if not hasattr(opt, "defaults"):  # Lightning's Optimizable protocol; DeepSpeed's ZeRO optimizers lack it
+            opt.defaults = dict(client.defaults)
+        return self.engine
+
+    def make_optimizer(self, params: Iterable[nn.Parameter]) -> Any:
+        """The engine's optimizer (DeepSpeed's ZeRO or FP16 optimizer around AdamW), built in :meth:`wrap`."""
+        return self.engine.optimizer
+
+    def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
+        strategy = super().lightning_strategy(timeout_s, backend)
+        strategy.precision_plugin = _engine_precision(self)
+        return strategy
+
+    # --- state -------------------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Called between backward and ``engine.step``: at ``schedule.state_step``, keep the gradients."""
+        if self._steps == self._capture_at:
+            self._grads = list(self._gradient_tensors())
+        self._steps += 1
+
+    def _gradient_tensors(self) -> Iterator[torch.Tensor]:
+        opt = self.engine.optimizer
+        if self.stage == 0:
+            yield from (p.grad for p in self.engine.module.parameters() if p.grad is not None)
+            return
+        if self.stage == 3:
+            buf = getattr(opt, "grad_partitions_flat_buffer", None)
+            if buf is not None:
+                yield buf
+        else:
+            for group in getattr(opt, "averaged_gradients", {}).values():  # None with optimizer offload
+                yield from (g for g in group or () if g is not None)
+        for master in self._masters():  # optimizer offload: the fp32 gradient partition on the host
+            if master.grad is not None:
+                yield master.grad
+
+    def _masters(self) -> list[torch.Tensor]:
+        opt = self.engine.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat"):
+            if hasattr(opt, attr):
+                return list(getattr(opt, attr))
+        if hasattr(opt, "fp32_groups"):  # FP16_UnfusedOptimizer (stage 0, bf16 / fp16 unfused)
+            return [t for group in opt.fp32_groups for t in group]
+        return []
+
+    def state_tensors(self, model: nn.Module, optimizer: Any) -> Iterator[StateTensor]:
+        """Parameters (stage 3: the partitions), gradients kept at the boundary, fp32 master, Adam's state.
+
+        Logical numel: for the replicated flat groups, the model's elements (padding excluded); for partitions,
+        their length (the padding of the last partition, at most 2N - 1 elements, counts as logical).
+        """
+        opt = self.engine.optimizer
+        params = list(self.engine.module.parameters())
+        if self.stage == 3:
+            for p in params:
+                yield StateTensor("param", p.ds_tensor, p.ds_tensor.numel())
+                if p.data.untyped_storage().nbytes() > 0 and p.data.numel() > 0:
+                    yield StateTensor("param_unsharded", p.data, p.ds_numel)
+        elif self.stage in (1, 2):
+            for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups):
+                yield StateTensor("param", flat, sum(p.numel() for p in group))
+        else:
+            for p in params:
+                yield StateTensor("param", p.detach(), p.numel())
+        for g in self._grads:
+            yield StateTensor("grad", g, g.numel())
+        self._grads = []  # handed over once: the probe counts them, nothing keeps them alive after
+        for m in self._masters():
+            yield StateTensor("master", m, m.numel())
+        base = getattr(opt, "optimizer", opt)  # the client AdamW inside DeepSpeed's wrapper
+        yield from optimizer_state_tensors(base)
+
+    def expected_state_factors(self, world_size: int) -> dict[str, float]:
+        """zeroexp.formulas.deepspeed_state_factors for this stage, precision and offload."""
+        from zeroexp.formulas import deepspeed_state_factors
+
+        return deepspeed_state_factors(self.stage, world_size, self.dtype.itemsize, str(self.cfg.offload.name))
+
+    def current_loss_scale(self) -> float | None:
+        """fp16: the FP16 / ZeRO optimizer's dynamic loss scale (``cur_scale``); None otherwise."""
+        return float(self.engine.optimizer.cur_scale) if self.cfg.precision.name == "fp16" else None
+
+    def beyond_canonical(self) -> dict[str, str]:
+        """The kinds DeepSpeed keeps beyond the canonical fp32 formula [ZeRO 5.1], and in which tensors."""
+        if self.stage == 0 and self.dtype == torch.float32:
+            return {}
+        return {"master": _MASTER_TENSORS[self.stage]}
+
+    @contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+        """The fp32 master all-gathered would be DeepSpeed's ``zero_to_fp32``; here the trained compute parameters:
+        stage 3 gathers them with ``deepspeed.zero.GatheredParameters`` (a collective: enter on every rank)."""
+        module = self.engine.module
+        params = list(module.parameters())
+        if self.stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
+                yield {name: p.detach() for name, p in module.named_parameters()}
+        else:
+            with torch.no_grad():
+                yield {name: p.detach() for name, p in module.named_parameters()}
+
+
+def _cuda_for(cfg: Any) -> bool:
+    """Whether the cell's ranks get a GPU each (zeroexp.runner's rule for ``device``)."""
+    if cfg.device == "cpu":
+        return False
+    return cfg.device == "cuda" or (torch.cuda.is_available() and torch.cuda.device_count() >= int(cfg.world_size))
