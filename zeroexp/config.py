@@ -33,8 +33,9 @@ class ConfigError(ValueError):
 
 
 class NotApplicableHere(ConfigError):
-    """A valid cell this machine cannot run (e.g. FSDP CPU offload with no accelerator): refused up front in a
-    single run; in a ``--multirun`` sweep the cell is ``skipped`` with this message and the sweep goes on."""
+    """A cell of valid axis values that cannot run, on this machine (FSDP CPU offload with no accelerator) or in
+    this combination (DeepSpeed offload at stage 0): refused up front in a single run; in a ``--multirun`` sweep
+    the cell is ``skipped`` with this message and the sweep goes on (a sweep is a product of axes)."""
 
 
 # --- model -------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ class DeepSpeedAdapter(StrategyAdapter):
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
-        from zeroexp.config import ConfigError
+        from zeroexp.config import ConfigError, NotApplicableHere
 
         s, off = cfg.strategy, str(cfg.offload.name)
         if not deepspeed_available():
@@ -137,9 +137,9 @@ class DeepSpeedAdapter(StrategyAdapter):
         if not s.bucket_cap_mb > 0:
             raise ConfigError("strategy.bucket_cap_mb", s.bucket_cap_mb, "a positive number of MiB")
         if off != "none" and s.stage == 0:
-            raise ConfigError("offload", off, "none", why="DeepSpeed offloads ZeRO partitions: stage 0 has none")
+            raise NotApplicableHere("offload", off, "none", why="DeepSpeed offloads ZeRO partitions: stage 0 has none")
         if off == "full" and s.stage != 3:
-            raise ConfigError("offload", off, "none, optimizer",
+            raise NotApplicableHere("offload", off, "none, optimizer",
                               why=f"offload_param needs ZeRO stage 3 (strategy.stage={s.stage})")
         if cfg.precision.name == "fp16" and not _cuda_for(cfg):
             raise ConfigError("precision", "fp16", "fp32, bf16",
