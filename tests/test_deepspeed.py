@@ -36,8 +36,51 @@ def test_stage_trains_with_its_state_factors_and_matches_the_reference(cell, sta
     assert set(st["dtypes"][k] for k in ("param", "grad", "optim")) == {"float32"}
     eq = s["equivalence"]
     assert eq["check"] == "PASS" and eq["max_abs_err"] <= eq["threshold"]
-    assert s["collectives"]["counts"], "the collectives probe saw DeepSpeed's collectives"
+    co = s["collectives"]
+    assert co["check"] == "PASS", co["reasons"]  # held against zeroexp.formulas.deepspeed_collectives
+    # 8 Linear(64, 64) in one 25 MiB bucket: ZeRO-0 one all_reduce; 1/2 one bucket all_reduce + the norm
+    # scalar and one all_gather of the flat group; 3 one prefetch all_gather, one reduce_scatter, the norm.
+    want = {0: {"all_reduce": 1}, 1: {"all_reduce": 2, "all_gather": 1}, 2: {"all_reduce": 2, "all_gather": 1},
+            3: {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}}[stage]
+    assert co["counts"] == co["expected_counts"] == want
+    p = s["state"]["logical_param_bytes"]
+    assert co["payload_bytes"] == {0: {"all_reduce": p}, 1: {"all_reduce": p + 4, "all_gather": p},
+                                   2: {"all_reduce": p + 4, "all_gather": p},
+                                   3: {"all_gather": p, "reduce_scatter": p, "all_reduce": 8}}[stage]  # fp64 norm
     assert s["memory"]["peak_bytes_max"] > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_depth_and_bucket_size_move_the_collectives_as_modelled(cell, stage):
+    # reduce_bucket_size = 0.03 MiB / 4 = 7864 elements: one Linear(64, 64) (4096) per gradient bucket
+    res = cell(*N2, f"strategy.stage={stage}", "model.depth=5", "ddp_bucket_cap_mb=0.03")
+    assert res.status == "ok", res.error
+    co = res.summary["collectives"]
+    assert co["check"] == "PASS", co["reasons"]
+    p = res.summary["state"]["logical_param_bytes"]
+    if stage == 3:
+        assert co["counts"] == {"all_gather": 1, "reduce_scatter": 5, "all_reduce": 1}
+        assert co["payload_bytes"]["reduce_scatter"] == co["payload_bytes"]["all_gather"] == p
+    else:
+        assert co["counts"] == {"all_reduce": 5 + 1, "all_gather": 1}
+        assert co["payload_bytes"] == {"all_reduce": p + 4, "all_gather": p}
+
+
+def test_collectives_model_follows_buckets_and_depth():
+    from zeroexp.formulas import deepspeed_collectives, deepspeed_ipg_buckets
+
+    assert deepspeed_ipg_buckets([3, 3, 3], 6) == [[3, 3], [3]]
+    assert deepspeed_ipg_buckets([3, 3, 3], 5) == [[3], [3], [3]]
+    for depth in (4, 8):
+        m = deepspeed_collectives(2, 2, [4096] * depth, 4, 8192, flat_group_bytes=[depth * 4096 * 4], norm_groups=1)
+        assert m == {"all_reduce": {"count": depth // 2 + 1, "payload_bytes": depth * 4096 * 4 + 4},
+                     "all_gather": {"count": 1, "payload_bytes": depth * 4096 * 4}}
+        m3 = deepspeed_collectives(3, 2, [4097] * depth, 2, 4097, gather_numels=[[4097] * depth], param_itemsize=2,
+                                   norm_groups=1, norm_itemsize=8)
+        assert m3 == {"reduce_scatter": {"count": depth, "payload_bytes": depth * 4098 * 2},
+                      "all_reduce": {"count": 1, "payload_bytes": 8},
+                      "all_gather": {"count": 1, "payload_bytes": depth * 4098 * 2}}
+    assert deepspeed_collectives(0, 2, [4096] * 8, 2, 0) == {"all_reduce": {"count": 1, "payload_bytes": 65536}}
 
 
 def test_bf16_optimizer_offload_cell_keeps_optimizer_state_on_the_host(cell):

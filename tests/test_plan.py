@@ -117,7 +117,8 @@ def test_every_registered_strategy_has_a_row():
     from zeroexp.strategies import registered
 
     table = strategy_table()
-    assert set(registered()) <= set(table) and set(PAPER + DEEPSPEED) <= set(table)
+    # deepspeed's stage is a knob (strategy.stage): it is planned through the deepspeed_stage<k> rows
+    assert set(registered()) - {"deepspeed"} <= set(table) and set(PAPER + DEEPSPEED) <= set(table)
     assert [layout.stage for layout in table.values()] == sorted(layout.stage for layout in table.values())
 
 

@@ -59,7 +59,8 @@ def test_factors_match_the_zero_table(cell, overrides, world_size):
     assert s["semantics"]
 
     frame = read_csv(r, "rank_state.csv")
-    assert list(frame.columns) == ["rank", "kind", "logical_bytes", "physical_bytes", "dtype", "device", "numel"]
+    assert list(frame.columns) == ["rank", "kind", "logical_bytes", "physical_bytes", "host_bytes", "dtype", "device",
+                                   "numel"]
     for kind, factor in want.items():
         rows = frame[frame.kind == kind]
         assert sorted(rows["rank"]) == list(range(n))

@@ -218,7 +218,7 @@ def test_fp16_loss_scaling(cell):
 
 def test_config_refusals_name_the_key(compose):
     with pytest.raises(ConfigError) as e:
-        validate(compose("strategy=ddp", "precision=bf16"))
+        validate(compose("strategy=fsdp2_full", "precision=fp16"))
     assert e.value.key == "precision" and "zero1" in str(e.value)
     with pytest.raises(ConfigError) as e:
         validate(compose("strategy=zero1", "strategy.reduce=broadcast"))

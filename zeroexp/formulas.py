@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 __all__ = ["padded_numel", "zero_state_factors", "bus_factor", "bus_bytes", "ddp_collectives", "zero1_collectives",
-           "fsdp_collectives", "fsdp2_padded_numel", "sharded_zero_state_factors", "deepspeed_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives",
+           "fsdp_collectives", "fsdp2_padded_numel", "sharded_zero_state_factors", "deepspeed_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives", "deepspeed_collectives", "deepspeed_ipg_buckets",
+           "deepspeed_allreduce_chunks",
            "COMPUTE_ITEMSIZE", "STATE_KINDS", "ModelShape", "PlanKnobs", "Groups", "StateLayout", "LAYOUTS",
            "owner_numels", "rank_state_bytes", "step_collectives", "unsharded_floor_bytes", "offloaded_kinds"]
 
@@ -178,6 +179,82 @@ def sharded_zero_collectives(bucket_bytes: list[int], reduce: str = "reduce_scat
     reduces = list(bucket_bytes) if reduce == "allreduce" else []
     return _model(reduce_scatter=[] if reduce == "allreduce" else list(bucket_bytes), all_gather=list(bucket_bytes),
                   all_reduce=reduces + ([4] if norm_allreduce else []))
+
+
+# --- DeepSpeed's runtime collectives [DS-COMM] ----------------------------------------------------------
+# [DS-COMM] DeepSpeed 0.19.8: runtime/engine.py (allreduce_gradients -> buffered_allreduce_fallback ->
+# allreduce_no_retain, MEMORY_OPT_ALLREDUCE_SIZE); runtime/zero/stage_1_and_2.py (reduce_gradients,
+# reduce_independent_p_g_buckets_and_remove_grads, average_tensor -> allreduce_and_scatter, get_grad_norm_direct,
+# has_overflow, step -> runtime/utils.py all_gather_dp_groups -> all_gather_into_tensor_dp_groups);
+# runtime/zero/stage3.py (reduce_independent_p_g_buckets_and_remove_grads, __avg_scatter_grads ->
+# runtime/comm/coalesced_collectives.py reduce_scatter_coalesced, _get_norm_groups, has_overflow);
+# runtime/zero/partitioned_param_coordinator.py (fetch_sub_module: the current module's parameters, then a
+# prefetch of the traced parameters up to prefetch_bucket_size, each one all_gather_coalesced call).
+#: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
+DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
+
+
+def deepspeed_allreduce_chunks(numels: list[int], numel_per_bucket: int) -> list[int]:
+    """engine.allreduce_no_retain / stage_1_and_2.allreduce_and_scatter [DS-COMM]: tensors are appended in
+    order and the chunk is all-reduced as soon as it holds *more* than ``numel_per_bucket`` elements, then the
+    rest: the element counts of the all_reduce calls."""
+    chunks, numel = [], 0
+    for n in numels:
+        numel += n
+        if numel > numel_per_bucket:
+            chunks.append(numel)
+            numel = 0
+    return chunks + ([numel] if numel else [])
+
+
+def deepspeed_ipg_buckets(numels: list[int], reduce_bucket_size: int) -> list[list[int]]:
+    """The gradient buckets (``ipg_buckets``) of ZeRO-1/2/3 [DS-COMM]: gradients enter in arrival order; before
+    one is added, a bucket that would exceed ``reduce_bucket_size`` elements is reduced; the last bucket is
+    reduced at the end of backward (``independent_gradient_partition_epilogue`` / stage 3's epilogue).
+    The gradients' element counts, per bucket. A parameter larger than the bucket is reduced on its own in DeepSpeed by a
+    different path (``extra_large_param_to_reduce``): the caller must not pass one."""
+    buckets: list[list[int]] = [[]]
+    for n in numels:
+        if n > reduce_bucket_size:
+            raise ValueError(f"a parameter of {n} elements exceeds reduce_bucket_size={reduce_bucket_size}")
+        if buckets[-1] and sum(buckets[-1]) + n > reduce_bucket_size:
+            buckets.append([])
+        buckets[-1].append(n)
+    return [b for b in buckets if b]
+
+
+def deepspeed_collectives(stage: int, world_size: int, grad_numels: list[int], grad_itemsize: int,
+                          reduce_bucket_size: int, *, flat_group_bytes: list[int] = (),
+                          gather_numels: list[list[int]] = (), param_itemsize: int = 4, norm_groups: int = 0,
+                          norm_itemsize: int = 4, overflow_check: bool = False) -> Collectives:
+    """Per-step collectives of one rank of DeepSpeed ZeRO ``stage`` (no offload) [DS-COMM], S per [NCCL-TESTS].
+
+    ``grad_numels``: the gradients in the order DeepSpeed reduces them (stage 0 and 1: parameter order, at the
+    step; 2 and 3: backward hook order), of ``grad_itemsize`` bytes (the communication dtype).
+    - stage 0: all_reduce of the gradients in chunks of more than ``DS_MEMORY_OPT_ALLREDUCE_SIZE`` elements (P).
+    - stage 1/2: one all_reduce per gradient bucket (``average_tensor`` with ``use_multi_rank_bucket_allreduce``:
+      every rank's slice of the bucket in one all_reduce; P in total), one fp32 all_reduce of the squared
+      gradient norm per parameter group (``norm_groups``), fp16 one uint8 overflow all_reduce, and after the
+      optimizer step one all_gather of each padded bit16 flat group (``flat_group_bytes``; P).
+    - stage 3: one reduce_scatter per gradient bucket (``reduce_scatter_coalesced``: each gradient padded to a
+      multiple of N; P), one all_reduce of the squared norm per sub-group in the norm dtype (fp64 where the
+      accelerator has it), fp16 one uint8 overflow all_reduce, and one all_gather per parameter fetch
+      (``gather_numels``: the full, N-padded numels of the parameters of each ``all_gather_coalesced``; P).
+    """
+    n = world_size
+    if stage == 0:
+        return _model(all_reduce=[c * grad_itemsize
+                                  for c in deepspeed_allreduce_chunks(grad_numels, DS_MEMORY_OPT_ALLREDUCE_SIZE)])
+    scalars = [norm_itemsize] * norm_groups + ([1] if overflow_check else [])
+    if stage in (1, 2):
+        buckets = deepspeed_ipg_buckets(grad_numels, reduce_bucket_size)
+        return _model(all_reduce=[sum(b) * grad_itemsize for b in buckets] + scalars, all_gather=list(flat_group_bytes))
+    if stage == 3:
+        buckets = deepspeed_ipg_buckets(grad_numels, reduce_bucket_size)
+        return _model(reduce_scatter=[sum(-(-g // n) * n for g in bk) * grad_itemsize for bk in buckets],
+                      all_reduce=scalars,
+                      all_gather=[sum(-(-g // n) * n for g in gather) * param_itemsize for gather in gather_numels])
+    raise ValueError(f"DeepSpeed ZeRO stage {stage}: 0, 1, 2 or 3")
 
 
 # --- the planner's strategy table: where each strategy keeps its state and what it sends per step ---------

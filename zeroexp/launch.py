@@ -68,6 +68,22 @@ def _describe(rank: int, code: int | None, cell_dir: Path) -> dict[str, Any]:
     return {"rank": rank, "cause": "exit", "message": f"rank {rank} exited with code {code}", "log": log}
 
 
+def _root_cause(failed: list[int], procs: list[Any], cell_dir: Path) -> dict[str, Any]:
+    """Of the ranks that have failed by now, the one that failed first: its peers' errors (a closed connection,
+    a collective timeout) are consequences. A rank killed by a signal is a root cause; among ranks that raised,
+    the earliest exception wins."""
+    def order(r: int) -> tuple[int, float]:
+        code = procs[r].exitcode
+        if code is not None and code < 0:
+            return (0, 0.0)
+        err = cell_dir / ".ranks" / f"rank{r}.error.json"
+        stamp = read_json(err).get("time") if err.exists() else None
+        return (1, stamp if stamp is not None else float("inf"))
+
+    first = min(failed, key=order)
+    return _describe(first, procs[first].exitcode, cell_dir)
+
+
 def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any],
                  on_started: Callable[[list[int | None]], None] | None = None) -> LaunchResult:
     """Run every rank of the cell on this machine; block until all have exited.
@@ -99,7 +115,7 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any],
             if error is None:
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
-                    error = _describe(failed[0], procs[failed[0]].exitcode, cell_dir)
+                    error = _root_cause(failed, procs, cell_dir)
                     kill_at = time.monotonic() + float(timeouts["grace_s"])
                 elif time.monotonic() > deadline:
                     error = {"rank": None, "cause": "timeout", "log": None,

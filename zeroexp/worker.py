@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -64,6 +65,7 @@ def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_
         traceback.print_exc()
         write_json(cell / RANKS_DIR / f"rank{rank}.error.json",
                    {"rank": rank, "cause": "exception", "type": type(e).__name__, "message": str(e)[:2000],
+                    "time": time.time(),
                     "traceback": traceback.format_exc()[-8000:]})
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(1)

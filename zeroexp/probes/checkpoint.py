@@ -136,15 +136,6 @@ def _measured(fn: Callable[[], Any], device: torch.device, model: torch.nn.Modul
                  "memory_source": tracker.source}
 
 
-def _train_step(model: torch.nn.Module, module: CellModule, optimizer: torch.optim.Optimizer,
-                batch: torch.Tensor) -> None:
-    """One data-parallel step outside Lightning: forward through the wrapper, backward, optimizer step."""
-    optimizer.zero_grad(set_to_none=True)
-    with torch.enable_grad():
-        module.loss_fn(model(batch), batch).backward()
-    optimizer.step()
-
-
 class CheckpointProbe(Probe):
     """Saves after training, restores into a fresh model, checks that training continues bit-identically."""
 
@@ -220,8 +211,8 @@ class CheckpointProbe(Probe):
         step = int(trainer.global_step)
         batch = make_batch(OmegaConf.to_container(cfg.model, resolve=True), int(cfg.batch_size), int(cfg.seed), step,
                            rank).to(device)
-        _train_step(model, pl_module, optimizer, batch)
-        _train_step(fresh, fresh_module, fresh_optimizer, batch)
+        adapter.train_step(model, pl_module.loss_fn, optimizer, batch)  # the adapter's step (DeepSpeed: the engine's)
+        adapter.train_step(fresh, fresh_module.loss_fn, fresh_optimizer, batch)
         continued = self._compare(model, fresh)
         keep = bool(cfg.checkpoint.keep)
         dist.barrier()

@@ -166,6 +166,15 @@ class StrategyAdapter:
         (same strategy, same world size). A collective: call it on every rank."""
         raise NotImplementedError(f"strategy {self.name!r} does not implement checkpoints")
 
+    def train_step(self, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
+                   batch: torch.Tensor) -> None:
+        """One step outside Lightning (the checkpoint probe's continuation step): forward through the wrapped
+        ``model``, ``loss_fn(output, batch)``, backward, optimizer step. A collective: call it on every rank."""
+        optimizer.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            loss_fn(model(batch), batch).backward()
+        optimizer.step()
+
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """The Lightning strategy that runs this adapter."""
         from zeroexp.strategies._lightning import CellStrategy

@@ -18,12 +18,28 @@ Where the state lives (DeepSpeed 0.19, runtime/zero/stage_1_and_2.py, stage3.py,
   partition ``fp32_partitioned_groups_flat`` (``master``), ``grad_partitions_flat_buffer``.
 Gradients exist only between backward and ``engine.step`` (which frees them): at ``schedule.state_step`` the
 adapter takes references to them right before the step and hands them to the state probe once.
+
+Checkpoints (zeroexp.probes.checkpoint; ZeRO stage 3 only, refused at other stages):
+- **sharded**: DeepSpeed's own ``engine.save_checkpoint(path, tag="zeroexp")``: every rank writes its fp32
+  master and Adam partitions (``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``) and its model-states file; rank 0
+  also DeepSpeed's ``zero_to_fp32.py``. Restore: ``engine.load_checkpoint`` into the fresh engine (same world size).
+- **full**: the consolidated fp32 state, on rank 0, in one file (:data:`DS_FULL_FILE`): every parameter's fp32
+  master (``deepspeed.utils.safe_get_full_fp32_param``, an all-gather per parameter: what ``zero_to_fp32`` would
+  rebuild from a sharded checkpoint, without writing one first), its Adam moments
+  (``safe_get_full_optimizer_state``) and Adam's step count. Restore: every rank reads the file, the compute
+  parameters are set from the fp32 master cast to the compute dtype (``GatheredParameters`` with
+  ``modifier_rank=0``), the master and moment partitions with ``safe_set_full_*``. Because the moments and the step
+  are in the file, a full restore continues bit-identically; the fp32 weights alone (``zero_to_fp32``'s output)
+  would not (fresh Adam moments), and the checkpoint probe's continuation check would report the difference.
+  Not restored: DeepSpeed's engine counters (``global_steps``, ``global_samples``), an fp16 loss scaler and an LR
+  scheduler (zeroexp has none; fp16 needs a GPU): a full checkpoint is weights plus optimizer state, no more.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -31,6 +47,11 @@ from torch import nn
 
 from zeroexp.strategies import register
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, optimizer_state_tensors
+
+#: The one file of a full DeepSpeed checkpoint (rank 0): fp32 master, Adam moments and step, by parameter name.
+DS_FULL_FILE = "full_fp32.pt"
+#: DeepSpeed's checkpoint tag (its subdirectory) for a sharded checkpoint.
+DS_TAG = "zeroexp"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
@@ -56,8 +77,10 @@ def ds_config(cfg: Any, device_type: str) -> dict[str, Any]:
     """
     s, p, off = cfg.strategy, cfg.precision, str(cfg.offload.name)
     zero: dict[str, Any] = {"stage": int(s.stage), "stage3_param_persistence_threshold": 0,
-                            "reduce_bucket_size": int(float(s.bucket_cap_mb) * 2**20 // 4),
-                            "allgather_bucket_size": int(float(s.bucket_cap_mb) * 2**20 // 4),
+                            # elements of 4 bytes, rounded down to even: DeepSpeed asserts the all-gather
+                            # bucket is a multiple of its NCCL start alignment (2)
+                            "reduce_bucket_size": int(float(s.bucket_cap_mb) * 2**20 // 4) // 2 * 2,
+                            "allgather_bucket_size": int(float(s.bucket_cap_mb) * 2**20 // 4) // 2 * 2,
                             "overlap_comm": False, "contiguous_gradients": True}
     pin = device_type == "cuda"
     if off in ("optimizer", "full"):
@@ -109,6 +132,7 @@ class DeepSpeedAdapter(StrategyAdapter):
     axes = frozenset({"stage"})
     precisions = frozenset({"fp32", "bf16", "fp16"})
     offloads = frozenset({"none", "optimizer", "full"})
+    checkpoint_kinds = frozenset({"full", "sharded"})  # ZeRO stage 3 only (validate refuses the others)
     semantics = ("DeepSpeed ZeRO (runtime): stage 0 replicates everything; 1 partitions the fp32 master and Adam "
                  "moments; 2 also the gradients; 3 also the parameters. Mixed precision: compute-dtype parameters "
                  "and gradients, fp32 master and moments; DeepSpeed keeps the fp32 master partition in fp32 "
@@ -141,6 +165,10 @@ class DeepSpeedAdapter(StrategyAdapter):
         if off == "full" and s.stage != 3:
             raise NotApplicableHere("offload", off, "none, optimizer",
                               why=f"offload_param needs ZeRO stage 3 (strategy.stage={s.stage})")
+        if str(cfg.checkpoint.name) != "none" and s.stage != 3:
+            raise NotApplicableHere("checkpoint", cfg.checkpoint.name, "none",
+                                    why=f"DeepSpeed checkpoints are implemented for ZeRO stage 3 only "
+                                        f"(strategy.stage={s.stage})")
         if cfg.precision.name == "fp16" and not _cuda_for(cfg):
             raise ConfigError("precision", "fp16", "fp32, bf16",
                               why="DeepSpeed's CPU accelerator does not support fp16 (no GPU for each rank here)")
@@ -245,11 +273,64 @@ class DeepSpeedAdapter(StrategyAdapter):
             return {}
         return {"master": _MASTER_TENSORS[self.stage]}
 
+    def expected_collectives(self, model: nn.Module, optimizer: Any, world_size: int) -> dict[str, dict[str, int]]:
+        """DeepSpeed's per-step collectives (zeroexp.formulas.deepspeed_collectives) from the engine's structure:
+        its parameters, ZeRO groups, bucket sizes and stage-3 fetch settings, read off the built engine and
+        optimizer (they come from the cell's ds config). Gradients become ready in reverse registration order
+        (stages 2 and 3 reduce them in that order): true of a stack of layers. Not modelled (raises, so the
+        check reads n/a with the reason): offload, a parameter larger than reduce_bucket_size, a stage-3 model
+        larger than one prefetch bucket, DeepSpeed's reduce (not all_reduce) gradient path."""
+        from zeroexp.formulas import deepspeed_collectives
+
+        off, eng, opt = str(self.cfg.offload.name), self.engine, self.engine.optimizer
+        if off != "none":
+            raise NotImplementedError(f"strategy 'deepspeed' has no collectives model for offload={off!r}")
+        params = [p for p in eng.module.parameters() if p.requires_grad]
+        if self.stage == 0:
+            if len({p.dtype for p in params}) != 1:
+                raise NotImplementedError("strategy 'deepspeed' stage 0: parameters of several dtypes not modelled")
+            return deepspeed_collectives(0, world_size, [p.numel() for p in params], params[0].element_size(), 0)
+        comm = torch.empty(0, dtype=opt.communication_data_type).element_size()
+        bucket = int(opt.reduce_bucket_size)
+        if any((p.ds_numel if self.stage == 3 else p.numel()) > bucket for p in params):
+            raise NotImplementedError(f"strategy 'deepspeed': a parameter larger than reduce_bucket_size={bucket} "
+                                      "is reduced on its own (extra_large_param_to_reduce): not modelled")
+        if self.stage in (1, 2):
+            import deepspeed.comm as ds_comm
+
+            if not (opt.reduce_scatter and opt.use_multi_rank_bucket_allreduce and ds_comm.has_all_gather_into_tensor()):
+                raise NotImplementedError("strategy 'deepspeed': only the all_reduce bucket path and one "
+                                          "all_gather_into_tensor per group are modelled")
+            order = [p for group in opt.bit16_groups for p in group]  # stage 1: reduce_gradients, group order
+            if self.stage == 2:
+                order = order[::-1]  # backward hooks
+            return deepspeed_collectives(
+                self.stage, world_size, [p.numel() for p in order], comm, bucket,
+                flat_group_bytes=[f.numel() * f.element_size() for f in opt.bit16_groups_flat],
+                norm_groups=len(opt.bit16_groups) if opt.compute_grad_norm else 0, norm_itemsize=4,
+                overflow_check=bool(opt.check_grad_overflow))
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        total = sum(p.ds_numel for p in params)
+        limit = min(eng.zero_prefetch_bucket_size(), eng.zero_max_live_parameters(), eng.zero_max_reuse_distance())
+        if total > limit:
+            raise NotImplementedError(f"strategy 'deepspeed' stage 3: {total} parameter elements exceed one prefetch "
+                                      f"bucket ({limit}): several fetches per step, not modelled")
+        # The root module's own parameters are fetched with it; then one prefetch gathers the traced rest (and
+        # with reuse distance and live parameters above P, nothing is released before backward).
+        own = {id(p) for p in eng.module.parameters(recurse=False)}
+        gathers = [[p.ds_numel for p in params if id(p) in own], [p.ds_numel for p in params if id(p) not in own]]
+        return deepspeed_collectives(
+            3, world_size, [p.ds_numel for p in params[::-1]], comm, bucket,
+            gather_numels=[g for g in gathers if g], param_itemsize=self.dtype.itemsize,
+            norm_groups=len(opt.fp16_groups), norm_itemsize=torch.empty(0, dtype=get_norm_dtype()).element_size(),
+            overflow_check=opt.dtype == torch.float16)
+
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         """The fp32 master all-gathered would be DeepSpeed's ``zero_to_fp32``; here the trained compute parameters:
         stage 3 gathers them with ``deepspeed.zero.GatheredParameters`` (a collective: enter on every rank)."""
-        module = self.engine.module
+        module = getattr(model, "module", self.engine.module)  # the engine given (the probe compares two)
         params = list(module.parameters())
         if self.stage == 3:
             import deepspeed
@@ -259,6 +340,112 @@ class DeepSpeedAdapter(StrategyAdapter):
         else:
             with torch.no_grad():
                 yield {name: p.detach() for name, p in module.named_parameters()}
+
+
+    # --- checkpoints (stage 3) -------------------------------------------------------------------------------
+    def train_step(self, model: nn.Module, loss_fn: Any, optimizer: Any, batch: torch.Tensor) -> None:
+        """The engine's step: ``engine.backward`` (reduce-scatters the gradients) and ``engine.step``."""
+        with torch.enable_grad():
+            loss = loss_fn(model(batch), batch)
+            model.backward(loss)
+        model.step()
+
+    def checkpoint_format(self, kind: str) -> str:
+        if kind == "full":
+            return (f"consolidated fp32 state on rank 0 ({DS_FULL_FILE}): each parameter's fp32 master and Adam "
+                    "moments all-gathered (deepspeed.utils.safe_get_full_fp32_param / safe_get_full_optimizer_state) "
+                    "and Adam's step; no engine counters, loss scaler or scheduler")
+        return (f"DeepSpeed engine.save_checkpoint (tag {DS_TAG!r}): each rank its fp32 master and optimizer "
+                "partitions and model states (zero_pp_rank_<r>_*), rank 0 also zero_to_fp32.py")
+
+    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: Any) -> list[Path]:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        if kind == "sharded":
+            model.save_checkpoint(str(path), tag=DS_TAG, save_latest=False)
+            dist.barrier()
+            mine = [f for f in sorted(path.rglob("*")) if f.is_file() and f"zero_pp_rank_{rank}_" in f.name]
+            if rank == 0:  # the files of no rank in particular (zero_to_fp32.py, mp_rank_00_model_states.pt)
+                mine += [f for f in sorted(path.rglob("*")) if f.is_file() and "zero_pp_rank_" not in f.name]
+            return mine
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        base = _base_optimizer(model)
+        keys = _moment_keys(base)
+        weights: dict[str, torch.Tensor] = {}
+        moments: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in model.module.named_parameters():  # every rank, same order: each is an all-gather
+            w = safe_get_full_fp32_param(p)
+            m = {k: safe_get_full_optimizer_state(p, k) for k in keys}
+            if rank == 0:
+                weights[name] = w.detach().to("cpu", copy=True).view(p.ds_shape)
+                moments[name] = {k: v.detach().to("cpu", copy=True).view(p.ds_shape) for k, v in m.items()}
+        if rank != 0:
+            return []
+        steps = [base.state[q]["step"].detach().to("cpu", copy=True) if "step" in base.state.get(q, {}) else None
+                 for q in _flat_partitions(model)]
+        torch.save({"model": weights, "optim": moments, "step": steps, "moment_keys": keys}, path / DS_FULL_FILE)
+        return [path / DS_FULL_FILE]
+
+    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: Any) -> None:
+        import torch.distributed as dist
+
+        if kind == "sharded":
+            loaded, _ = model.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False, load_module_strict=True)
+            if loaded is None:
+                raise RuntimeError(f"{path}: DeepSpeed found no checkpoint with tag {DS_TAG!r}")
+            return
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        full = torch.load(path / DS_FULL_FILE, map_location="cpu", weights_only=True)
+        named = dict(model.module.named_parameters())
+        if set(named) != set(full["model"]):
+            raise RuntimeError(f"{path / DS_FULL_FILE}: parameters {sorted(set(full['model']) ^ set(named))} are in "
+                               "only one of the checkpoint and the model")
+        with deepspeed.zero.GatheredParameters(list(named.values()), modifier_rank=0), torch.no_grad():
+            if dist.get_rank() == 0:  # the compute parameters: the fp32 master cast, as DeepSpeed's step makes them
+                for name, p in named.items():
+                    p.data.copy_(full["model"][name].to(p.dtype).view_as(p.data))
+        base = _base_optimizer(model)
+        flats = _flat_partitions(model)
+        if len(flats) != len(full["step"]):
+            raise RuntimeError(f"{path / DS_FULL_FILE}: {len(full['step'])} optimizer sub-groups, the engine has "
+                               f"{len(flats)}")
+        for q, step in zip(flats, full["step"]):  # a fresh torch optimizer has no state until its first step
+            if step is None:
+                continue
+            state = base.state[q]
+            state["step"] = step.clone()
+            for k in full["moment_keys"]:
+                state[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
+        for name, p in named.items():
+            safe_set_full_fp32_param(p, full["model"][name].to(p.device).flatten())
+            for k, v in full["optim"][name].items():
+                safe_set_full_optimizer_state(p, v.to(p.device).flatten(), k)
+
+
+def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The client torch optimizer inside the engine's ZeRO optimizer (its state is keyed by the flat fp32 partitions)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _flat_partitions(engine: Any) -> list[torch.Tensor]:
+    """The rank's flat fp32 master partitions, the keys of the torch optimizer's state (one per sub-group)."""
+    opt = engine.optimizer
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        if hasattr(opt, attr):
+            return list(getattr(opt, attr))
+    return [q for group in _base_optimizer(engine).param_groups for q in group["params"]]
+
+
+def _moment_keys(base: torch.optim.Optimizer) -> list[str]:
+    """The element-wise state keys of the torch optimizer (AdamW: ``exp_avg``, ``exp_avg_sq``), from its first state."""
+    for state in base.state.values():
+        return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return []
 
 
 def _cuda_for(cfg: Any) -> bool:
