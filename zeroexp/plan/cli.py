@@ -41,16 +41,11 @@ class PlanConfig:
 
 
 def register() -> None:
-    """Register the runner's schemas (model, precision options extend them) and the planner's: its schema, and
-    the offload options no strategy runs yet (``optimizer``, ``full``), so ``offload=`` reads as in the runner."""
+    """Register the runner's schemas (model, precision and offload options extend them) and the planner's."""
     from zeroexp.cli import register as register_runner
-    from zeroexp.config import OffloadConfig
 
     register_runner()
-    cs = ConfigStore.instance()
-    cs.store(name="plan_schema", node=PlanConfig)
-    for name in OFFLOADS[1:]:
-        cs.store(group="offload", name=name, node=OffloadConfig(name=name))
+    ConfigStore.instance().store(name="plan_schema", node=PlanConfig)
 
 
 def _world_sizes(value: Any) -> list[int]:
