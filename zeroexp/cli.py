@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -145,17 +145,21 @@ def _clear(cell_dir: Path) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def run_hydra_app(config_name: str, task_fn: Callable[[DictConfig], None], started: Callable[[], bool]) -> None:
+    """Run a Hydra app on ``conf/<config_name>.yaml``. Hydra reports a composition error (unknown option,
+    mistyped value, unknown key) and exits 1 before any task ran: that is bad input, reported as exit code 2."""
+    try:
+        hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task_fn)()
+    except SystemExit as e:
+        if e.code == 1 and not started():
+            sys.exit(2)
+        raise
+
+
 def main() -> None:
     """Console entry point (``python -m zeroexp`` and ``zeroexp``)."""
     register()
-    try:
-        hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(task)()
-    except SystemExit as e:
-        # Hydra reports a composition error (unknown option, mistyped value, unknown key) and exits 1
-        # before any task ran: that is bad input, which zeroexp reports with exit code 2.
-        if e.code == 1 and not _TASK_STARTED:
-            sys.exit(2)
-        raise
+    run_hydra_app("config", task, lambda: _TASK_STARTED)
 
 
 # Hydra launchers that run jobs in other processes (submitit) unpickle ``task`` by importing this module, then

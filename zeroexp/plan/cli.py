@@ -10,13 +10,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, List, Optional
 
-import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from zeroexp.config import ConfigError
 from zeroexp.formulas import COMPUTE_ITEMSIZE, ModelShape, PlanKnobs
-from zeroexp.plan.core import OFFLOADS, UNITS, Precision, parse_bytes, parse_count, plan
+from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
 
 __all__ = ["PlanConfig", "main", "run"]
 
@@ -135,13 +134,7 @@ def task(cfg: DictConfig) -> None:
 
 def main() -> None:
     """``python -m zeroexp.plan``."""
-    from zeroexp.cli import CONF_DIR
+    from zeroexp.cli import run_hydra_app
 
     register()
-    try:
-        hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="plan")(task)()
-    except SystemExit as e:
-        # A composition error (unknown key, mistyped value) exits 1 before the task ran: bad input, exit 2.
-        if e.code == 1 and not _STARTED:
-            sys.exit(2)
-        raise
+    run_hydra_app("plan", task, lambda: _STARTED)

@@ -9,7 +9,7 @@ shard -> all_gather. See Rajbhandari et al., ZeRO, arXiv:1910.02054, sections 5.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
