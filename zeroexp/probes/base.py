@@ -46,6 +46,11 @@ class Probe(pl.Callback):
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
 
+    def sync_device(self) -> None:
+        """Wait for the rank's device (CUDA kernels are asynchronous) before reading a clock; no-op on CPU."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+
     def rank_result(self) -> dict[str, Any]:
         """This rank's records, JSON-able; written to ``.ranks/rank<r>.json`` under the probe's name."""
         raise NotImplementedError

@@ -6,7 +6,6 @@ import time
 from typing import Any
 
 import pandas as pd
-import torch
 
 from zeroexp.probes.base import Probe, ProbeReport
 
@@ -25,16 +24,12 @@ class IterationsProbe(Probe):
         self.rows: list[dict[str, Any]] = []
         self._t0 = 0.0
 
-    def _sync(self) -> None:
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._sync()
+        self.sync_device()
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._sync()
+        self.sync_device()
         step_ms = (time.perf_counter() - self._t0) * 1e3
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.rows.append({"step": batch_idx, "loss": float(loss.detach().float().item()), "step_ms": step_ms})

@@ -96,9 +96,7 @@ class StateProbe(Probe):
         if batch_idx == self.ctx.schedule.state_step:
             items = self.ctx.adapter.state_tensors(trainer.strategy.model, trainer.optimizers[0])
             self.rows = count_state(items)
-            plugin = getattr(trainer.strategy, "precision_plugin", None)  # absent in a dry run's plain loop
-            scaler = getattr(plugin, "scaler", None)  # Lightning's AMP GradScaler
-            self.loss_scale = float(scaler.get_scale()) if scaler is not None else self.ctx.adapter.current_loss_scale()
+            self.loss_scale = self.ctx.adapter.current_loss_scale()
 
     def rank_result(self) -> dict[str, Any]:
         """Per-kind rows, P, and what the adapter expects and claims (aggregate sees no adapter)."""

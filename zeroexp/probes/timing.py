@@ -13,7 +13,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
 from zeroexp.probes.base import Probe, ProbeReport
 
@@ -47,18 +46,14 @@ class TimingProbe(Probe):
         self.step_ms: list[tuple[int, float]] = []
         self._t0 = 0.0
 
-    def _sync(self) -> None:
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx in self.ctx.schedule.timed:
-            self._sync()
+            self.sync_device()
             self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx in self.ctx.schedule.timed:
-            self._sync()
+            self.sync_device()
             self.step_ms.append((batch_idx, (time.perf_counter() - self._t0) * 1e3))
 
     def rank_result(self) -> dict[str, Any]:

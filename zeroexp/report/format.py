@@ -7,8 +7,9 @@ section, an op a cell never issued) is written :data:`NA`, never guessed.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 __all__ = ["NA", "missing", "ByteUnit", "byte_unit", "fmt_factor", "fmt_int", "fmt_ms", "fmt_pct", "fmt_err",
            "fmt_number"]
@@ -57,37 +58,41 @@ def byte_unit(values: Iterable[Any]) -> ByteUnit:
     return ByteUnit(name, 2 if top / scale >= 1 else 4)
 
 
-def fmt_factor(value: Any) -> str:
+def _or_na(fmt: Callable[[float], str]) -> Callable[[Any], str]:
+    """Wrap a formatter of a number so that an absent value is written :data:`NA`."""
+    @functools.wraps(fmt)
+    def wrapper(value: Any) -> str:
+        return NA if missing(value) else fmt(float(value))
+    return wrapper
+
+
+@_or_na
+def fmt_factor(v: float) -> str:
     """A state or payload factor (a multiple of P): up to 6 significant digits, so 2 reads ``2``."""
-    return NA if missing(value) else f"{float(value):.6g}"
+    return f"{v:.6g}"
 
 
-def fmt_int(value: Any) -> str:
+@_or_na
+def fmt_int(v: float) -> str:
     """A count; a non-integer mean over profiled steps keeps 3 decimals."""
-    if missing(value):
-        return NA
-    v = float(value)
     return f"{int(v):d}" if v.is_integer() else f"{v:.3f}"
 
 
-def fmt_ms(value: Any) -> str:
+@_or_na
+def fmt_ms(v: float) -> str:
     """Milliseconds with 3 significant decimals below 100 ms, 1 above."""
-    if missing(value):
-        return NA
-    v = float(value)
     return f"{v:.3f}" if abs(v) < 100 else f"{v:,.1f}"
 
 
-def fmt_pct(value: Any) -> str:
+@_or_na
+def fmt_pct(v: float) -> str:
     """A fraction as a percentage with 2 decimals (0.0684 -> ``6.84 %``)."""
-    return NA if missing(value) else f"{100 * float(value):.2f} %"
+    return f"{100 * v:.2f} %"
 
 
-def fmt_err(value: Any) -> str:
+@_or_na
+def fmt_err(v: float) -> str:
     """A numerical error in scientific notation (``0`` when exactly zero)."""
-    if missing(value):
-        return NA
-    v = float(value)
     return "0" if v == 0 else f"{v:.2e}"
 
 
@@ -95,7 +100,7 @@ def fmt_number(value: Any) -> str:
     """Anything else: bools and strings as they are, numbers with up to 6 significant digits."""
     if missing(value):
         return NA
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return str(value)
     if isinstance(value, (int, float)):
         return fmt_factor(value)

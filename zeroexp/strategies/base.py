@@ -125,8 +125,11 @@ class StrategyAdapter:
         return zero_state_factors(self.zero_stage, world_size)
 
     def current_loss_scale(self) -> float | None:
-        """The strategy's own dynamic loss scale now (fp16), when it keeps one outside Lightning's GradScaler."""
-        return None
+        """The dynamic loss scale now (fp16): by default that of the GradScaler in the Lightning precision
+        plugin the adapter installed; strategies that scale the loss themselves override this. None without."""
+        plugin = getattr(getattr(self, "_lightning_strategy", None), "precision_plugin", None)
+        scaler = getattr(plugin, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None else None
 
     def beyond_canonical(self) -> dict[str, str]:
         """State kinds the strategy keeps beyond the canonical fp32 formula (param, grad, two moments [ZeRO 5.1])
@@ -179,4 +182,6 @@ class StrategyAdapter:
         """The Lightning strategy that runs this adapter."""
         from zeroexp.strategies._lightning import CellStrategy
 
-        return CellStrategy(adapter=self, timeout=timedelta(seconds=timeout_s), process_group_backend=backend)
+        self._lightning_strategy = CellStrategy(adapter=self, timeout=timedelta(seconds=timeout_s),
+                                                process_group_backend=backend)
+        return self._lightning_strategy
