@@ -4,7 +4,9 @@
 of the last memory-tracked step; ``peak`` is the highest allocation during the memory-tracked steps
 (``Schedule.memory_tracked``: after warm-up, so the model is wrapped and the optimizer state exists, and
 after the profiled steps). The peak is reset at the start of each tracked step, so it is a *training* peak:
-the construction of the full model on every rank and the wrapping are not in it.
+the construction of the full model on every rank and the wrapping are not in it. The cycle collector runs
+before steady is read and at each tracked step's start: garbage that only a reference cycle keeps alive is
+not state, and counting it made steady depend on when Python's collector happened to run.
 
 Sources (``memory.source`` names the one used):
 
@@ -52,6 +54,7 @@ class _CudaAllocator:
         self.device = device
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        gc.collect()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -63,6 +66,7 @@ class _CudaAllocator:
         return int(torch.cuda.memory_allocated(self.device))
 
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        gc.collect()  # see _TensorTracker.end
         torch.cuda.synchronize(self.device)
         return {"steady": int(torch.cuda.memory_allocated(self.device)),
                 "peak": int(torch.cuda.max_memory_allocated(self.device)), "steady_categories": {},
@@ -145,6 +149,7 @@ class _TensorTracker:
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._mt = _step_mem_tracker()
+        gc.collect()  # garbage awaiting the cycle collector is not held memory: do not register it
         tensors, self._optimizers = _live_tensors_and_optimizers()
         self._mt.track_external(*tensors)  # as "other"; the model and optimizers below re-label theirs
         del tensors  # the tracker holds weak references only: freed storages must leave the count
@@ -162,6 +167,7 @@ class _TensorTracker:
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         mt = self._mt
         mt.set_in_optimizer_update(False)
+        gc.collect()  # storages only kept by reference cycles leave the count now, not at a random later step
         mt.track_external(model, *_trackable(self._optimizers))  # label this step's new gradients and optimizer state
         steady, steady_cats = _totals(mt.get_tracker_snapshot("current"), self.device.type)
         peak, peak_cats = _totals(mt.get_tracker_snapshot("peak"), self.device.type)
