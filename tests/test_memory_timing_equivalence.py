@@ -78,6 +78,9 @@ def test_equivalence_passes_on_the_ladder(ladder, name):
     eq = ladder[name].summary["equivalence"]
     assert eq["check"] == "PASS", eq
     assert eq["max_abs_err"] <= eq["threshold"] == 1e-5
+    # 10 steps: the reduction-order floor is a few ulps, far below 1e-5, so the precision's threshold holds
+    assert 0 <= eq["reduction_floor"] < 1e-6 and eq["threshold_basis"] == "precision"
+    assert eq["effective_threshold"] == eq["threshold"]
     assert eq["compared_tensors"] == 8 and eq["steps"] == 10
     assert "unsharded" in eq["reference"]
 
@@ -101,6 +104,35 @@ def test_compare_fails_on_different_names():
 
     out = compare({"net.0.weight": torch.zeros(2)}, {"net.1.weight": torch.zeros(2)}, 1e-5)
     assert out["check"] == "FAIL" and "names differ" in out["why"]
+
+
+def test_compare_raises_the_bound_to_the_reduction_order_floor():
+    import torch
+
+    ref = {"w": torch.zeros(3)}
+    got = {"w": torch.tensor([0.0, 3e-5, 0.0])}
+    assert compare(got, ref, 1e-5)["check"] == "FAIL"  # no floor measured: the precision's threshold
+    low = compare(got, ref, 1e-5, floor=1e-7)
+    assert (low["check"], low["threshold_basis"], low["effective_threshold"]) == ("FAIL", "precision", 1e-5)
+    high = compare(got, ref, 1e-5, floor=4e-6)
+    assert high["check"] == "PASS" and high["threshold_basis"] == "reduction-order floor"
+    assert high["effective_threshold"] == pytest.approx(4e-5) and high["reduction_floor"] == 4e-6
+    assert compare(got, ref, None, floor=4e-6)["check"] == "SKIP"
+
+
+def test_reference_arithmetics_differ_by_rounding_only(compose):
+    from zeroexp.probes.equivalence import max_abs_diff, train_reference
+
+    cfg = compose("model=gpt", "world_size=3", base=("logger=none",))
+    mean_loss = train_reference(cfg, 3)
+    averaged = train_reference(cfg, 3, averaged_grads=True)
+    assert set(mean_loss) == set(averaged)
+    # Rounding only, but not ulps: AdamW's first update is g / (|g| + eps) * lr, so on a component whose gradient
+    # is near zero the rounding of the division by 3 moves the weight by a fraction of lr (3.9e-5 here).
+    floor = max_abs_diff(averaged, mean_loss)
+    assert 1e-5 < floor < 1e-4, floor
+    assert max_abs_diff(mean_loss, train_reference(cfg, 3)) == 0.0  # each arithmetic is deterministic
+    assert max_abs_diff(train_reference(cfg, 2), mean_loss) > 10 * floor  # one AdamW step more: about lr = 1e-3
 
 
 def test_step_statistics_on_known_series():

@@ -15,6 +15,7 @@ import pandas as pd
 from zeroexp.report.cells import column
 from zeroexp.report.format import (NA, byte_unit, fmt_err, fmt_factor, fmt_int, fmt_ms, fmt_number, fmt_pct,
                                    missing)
+from zeroexp.tolerances import FLOOR_FACTOR
 
 __all__ = ["Column", "ReportTable", "build_tables", "OPS"]
 
@@ -215,13 +216,17 @@ def _trend(row: pd.Series, base: pd.Series | None) -> str:
 
 def equivalence_table(ok: pd.DataFrame) -> ReportTable:
     """Final parameters against the unsharded reference."""
-    keys = ["equivalence.max_abs_err", "equivalence.max_rel_err", "equivalence.threshold", "equivalence.check",
-            "equivalence.steps", "equivalence.compared_tensors"]
+    keys = ["equivalence.max_abs_err", "equivalence.max_rel_err", "equivalence.reduction_floor",
+            "equivalence.threshold", "equivalence.effective_threshold", "equivalence.check", "equivalence.steps",
+            "equivalence.compared_tensors"]
     cols = [Column("cell", "label", str), Column("max abs err", keys[0], fmt_err), Column("max rel err", keys[1], fmt_err),
-            Column("threshold", keys[2], fmt_err), Column("check", keys[3]), Column("steps", keys[4], fmt_int),
-            Column("tensors", keys[5], fmt_int)]
+            Column("reduction floor", keys[2], fmt_err), Column("threshold", keys[3], fmt_err),
+            Column("bound", keys[4], fmt_err), Column("check", keys[5]), Column("steps", keys[6], fmt_int),
+            Column("tensors", keys[7], fmt_int)]
     note = ("Every parameter after the last step against an unsharded nn.Module + AdamW trained in one process on "
-            "the same global batches; PASS when max abs err <= threshold.")
+            "the same global batches; the reduction floor is how far the same reference moves when only the "
+            "rounding of data parallelism's sums changes. PASS when max abs err <= bound: the precision's "
+            f"threshold, or {FLOOR_FACTOR:g}x the floor where larger.")
     return ReportTable("equivalence", "Numerical equivalence", _raw(ok, keys), cols, note)
 
 

@@ -88,8 +88,12 @@ def _failures(cells: pd.DataFrame) -> list[str]:
             if check in ("FAIL", "ERROR"):
                 reasons = _as_list(row.get(f"{section}.reasons")) or _as_list(row.get(f"{section}.why"))
                 if section == "equivalence" and not reasons:
-                    reasons = [f"max abs err {fmt_err(row.get('equivalence.max_abs_err'))} > threshold "
-                               f"{fmt_err(row.get('equivalence.threshold'))}"]
+                    bound = row.get("equivalence.effective_threshold")
+                    if missing(bound):  # summaries written before the reduction-order floor existed
+                        bound = row.get("equivalence.threshold")
+                    basis = row.get("equivalence.threshold_basis")
+                    reasons = [f"max abs err {fmt_err(row.get('equivalence.max_abs_err'))} > bound {fmt_err(bound)}"
+                               + ("" if missing(basis) else f" ({basis})")]
                 out.append(f"{label}: {section} {check}: " + "; ".join(reasons or ["no reason recorded"]))
     return out
 

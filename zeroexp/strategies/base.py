@@ -105,6 +105,13 @@ class StrategyAdapter:
         """The optimizer over the wrapped module's parameters (AdamW unless the strategy shards it)."""
         return torch.optim.AdamW(params, **self.optimizer_kwargs())
 
+    @property
+    def clip_grad_norm(self) -> float | None:
+        """The max norm when the strategy clips gradients by their global norm (``strategy.clip_grad_norm``),
+        else None; the equivalence reference clips the same way."""
+        value = self.scfg.get("clip_grad_norm")
+        return None if value is None else float(value)
+
     def optimizer_kwargs(self) -> dict[str, Any]:
         o = self.cfg.optimizer
         return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
