@@ -252,3 +252,14 @@ def test_empty_and_all_failed_sweeps_report(tmp_path, sweep):
     report = write_report(tmp_path / "s", wandb_mode="none")
     assert report.plots == [] and "ddp: cell failed: (timeout) cell ran past 1 s" in report.verdicts.failures
     assert (tmp_path / "s" / "report.html").exists()
+
+
+def test_labels_name_an_integer_axis_as_an_integer():
+    """A sweep mixing DeepSpeed stages with FSDP cells: pandas makes the stage column float (NaN for FSDP)."""
+    import pandas as pd
+
+    from zeroexp.report.cells import order_cells
+
+    frame = pd.DataFrame({"cell.strategy": ["deepspeed", "fsdp_full", "deepspeed"], "cell.prefetch": [None, "pre", None],
+                          "cell.stage": [3, None, 2], "cell_id": ["a", "b", "c"], "cell_name": ["x", "y", "z"]})
+    assert list(order_cells(frame).label) == ["fsdp_full-pre", "deepspeed stage=2", "deepspeed stage=3"]

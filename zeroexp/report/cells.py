@@ -53,6 +53,8 @@ def _label(row: pd.Series, varying: list[str]) -> str:
         value, axis = row[key], key.removeprefix("cell.")
         if missing(value) or (axis != "prefetch" and key not in varying):
             continue
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # a column with missing values is float in pandas: stage 2, not 2.0
         if axis == "prefetch":
             label += f"-{value}"
         elif axis == "world_size":
