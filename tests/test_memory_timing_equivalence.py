@@ -65,6 +65,34 @@ def test_fsdp_full_steady_below_ddp_by_the_sharded_state(ladder, compose):
     assert (abs(delta - (state_delta + p)) <= 0.01 * p).all(), (list(delta), state_delta + p)
 
 
+@pytest.mark.parametrize("name", list(LADDER))
+def test_peak_is_the_largest_phase_peak(ladder, name):
+    frame = read_csv(ladder[name], "memory.csv")
+    phases = frame[["forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes"]]
+    assert (phases.max(axis=1) == frame.peak_bytes).all()
+    assert list(frame.peak_phase) == [c.removesuffix("_peak_bytes") for c in phases.idxmax(axis=1)]
+    mem = ladder[name].summary["memory"]
+    assert mem["peak_phase_of_max_rank"] == frame.peak_phase[frame.peak_bytes.idxmax()]
+    assert mem["phase_peak_bytes_max"] == {c.removesuffix("_peak_bytes"): int(phases[c].max()) for c in phases}
+
+
+def test_backward_prefetch_moves_only_the_backward_peak(ladder):
+    rows = {p: read_csv(ladder[f"fsdp_full-{p}"], "memory.csv").iloc[0] for p in ("pre", "post", "none")}
+    for phase in ("forward", "optimizer"):  # BACKWARD_PRE / POST change nothing outside backward
+        assert rows["pre"][f"{phase}_peak_bytes"] == rows["post"][f"{phase}_peak_bytes"] \
+            == rows["none"][f"{phase}_peak_bytes"], phase
+    back = {p: r.backward_peak_bytes for p, r in rows.items()}
+    assert back["pre"] > back["post"] >= back["none"], back  # PRE holds the next unit while computing this one
+    assert all(r.peak_phase == "backward" for r in rows.values())
+    # SHARD_GRAD_OP keeps every unit gathered from forward on: its forward peak is above FULL_SHARD's
+    grad_op = read_csv(ladder["fsdp_grad_op"], "memory.csv").iloc[0]
+    assert grad_op.forward_peak_bytes > rows["pre"].forward_peak_bytes
+    # DDP's step peaks in AdamW's update (its temporaries), when the activations are already freed
+    ddp = ladder["ddp"].summary["memory"]
+    assert ddp["peak_phase_of_max_rank"] == "optimizer"
+    assert ddp["peak_categories_of_max_rank"]["activations"] < 1024
+
+
 @pytest.mark.parametrize("prefetch", ["pre", "post", "none"])
 def test_grad_op_peaks_above_full_shard(ladder, prefetch):
     grad_op = ladder["fsdp_grad_op"].summary["memory"]

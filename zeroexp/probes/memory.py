@@ -33,47 +33,70 @@ from torch import nn
 
 from zeroexp.probes.base import Probe, ProbeReport
 
-__all__ = ["MemoryProbe", "PEAK_MEANING", "memory_source"]
+__all__ = ["MemoryProbe", "PEAK_MEANING", "PHASES", "memory_source"]
 
 PEAK_MEANING = (
     "peak_bytes is a training peak: the highest allocation during the memory-tracked steps, reset after the "
     "model was wrapped and the optimizer state existed; it does not include building and wrapping the model, "
     "so it does not prove that a model can be initialised in that memory."
 )
+#: The phases of a training step, in order, each ending at a Lightning hook: ``forward`` (the training step's
+#: forward and zero_grad; ends at ``on_before_backward``), ``backward`` (backward with the strategy's gradient
+#: collectives, unscaling and clipping; ends at ``on_before_optimizer_step``), ``optimizer`` (the optimizer's step:
+#: the update, and what a strategy does inside it: zero1/zero2's reduce-scatter and all-gather, DeepSpeed's
+#: ``engine.step``; ends at ``on_train_batch_end``). A phase whose hook never fires merges into the next.
+PHASES = ("forward", "backward", "optimizer")
+LAST_PHASE = PHASES[-1]
 #: MemTracker's reference types -> the category names in memory.csv and the summary.
 CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
               "Temp": "temporaries", "Optstate": "optimizer_state", "Other": "other"}
 
 
 class _CudaAllocator:
-    """CUDA caching allocator statistics, reset at each tracked step's start."""
+    """CUDA caching allocator statistics, the peak reset at each tracked step's start and at each phase's end."""
 
     source = "torch.cuda caching allocator: memory_allocated (steady), max_memory_allocated (peak)"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._phases: dict[str, tuple[int, dict[str, int]]] = {}
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         gc.collect()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._phases = {}
 
     def before_optimizer_update(self) -> None:
         pass
+
+    def phase_end(self, phase: str) -> None:
+        """Record the peak of the phase that ends now; the next phase's peak starts from the current bytes."""
+        torch.cuda.synchronize(self.device)
+        self._phases[phase] = (int(torch.cuda.max_memory_allocated(self.device)), {})
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def current_bytes(self) -> int:
         """Bytes allocated now (between ``begin`` and ``end``)."""
         return int(torch.cuda.memory_allocated(self.device))
 
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        self.phase_end(LAST_PHASE)
         gc.collect()  # see _TensorTracker.end
         torch.cuda.synchronize(self.device)
-        return {"steady": int(torch.cuda.memory_allocated(self.device)),
-                "peak": int(torch.cuda.max_memory_allocated(self.device)), "steady_categories": {},
-                "peak_categories": {}}
+        return {"steady": int(torch.cuda.memory_allocated(self.device)), "steady_categories": {},
+                **_peak_of_phases(self._phases)}
 
     def abort(self) -> None:
         pass
+
+
+def _peak_of_phases(phases: dict[str, tuple[int, dict[str, int]]]) -> dict[str, Any]:
+    """The step's peak (the largest phase peak; ties: the earliest phase), its phase and categories, every
+    phase's peak."""
+    top = max(phases, key=lambda ph: phases[ph][0])  # dicts keep the phases' order; max keeps the first tie
+    return {"peak": phases[top][0], "peak_categories": phases[top][1], "peak_phase": top,
+            "phase_peaks": {ph: total for ph, (total, _) in phases.items()}}
 
 
 def _live_tensors_and_optimizers() -> tuple[list[torch.Tensor], list[torch.optim.Optimizer]]:
@@ -111,7 +134,10 @@ def _totals(snapshot: dict[torch.device, dict[Any, int]], device_type: str) -> t
 
 def _step_mem_tracker() -> Any:
     """A MemTracker whose optimizer-state region is only the optimizer's update (see :class:`_TensorTracker`)."""
+    from copy import deepcopy
+
     from torch.distributed._tools import MemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     class _StepMemTracker(MemTracker):
         # Lightning runs forward and backward inside ``optimizer.step(closure)``: MemTracker's global step
@@ -121,6 +147,11 @@ def _step_mem_tracker() -> Any:
 
         def set_in_optimizer_update(self, flag: bool) -> None:
             self._in_opt = flag
+
+        def reset_peak(self) -> None:
+            """Start a new peak from the bytes alive now (MemTracker only ever raises its peak)."""
+            self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()}
+            self._peak_mem_snap = deepcopy(self._curr_mem_snap)
 
         # FSDP1 with use_orig_params=True exposes non-leaf parameter views in forward, on which MemTracker's
         # gradient hooks cannot be registered; their gradients land in the FlatParameter's, counted anyway.
@@ -146,6 +177,7 @@ class _TensorTracker:
         self.device = device
         self._mt: Any = None
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._phases: dict[str, tuple[int, dict[str, int]]] = {}
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._mt = _step_mem_tracker()
@@ -155,10 +187,18 @@ class _TensorTracker:
         del tensors  # the tracker holds weak references only: freed storages must leave the count
         self._mt.track_external(model, *_trackable(self._optimizers))
         self._mt.__enter__()
+        self._phases = {}
 
     def before_optimizer_update(self) -> None:
         if self._mt is not None:
             self._mt.set_in_optimizer_update(True)
+
+    def phase_end(self, phase: str) -> None:
+        """Record the peak of the phase that ends now (with its categories); the next phase's peak starts from
+        the bytes alive now. No-op when not tracking."""
+        if self._mt is not None:
+            self._phases[phase] = _totals(self._mt.get_tracker_snapshot("peak"), self.device.type)
+            self._mt.reset_peak()
 
     def current_bytes(self) -> int:
         """Bytes of the tracked storages alive now (between ``begin`` and ``end``)."""
@@ -166,18 +206,19 @@ class _TensorTracker:
 
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         mt = self._mt
+        self.phase_end(LAST_PHASE)
         mt.set_in_optimizer_update(False)
         gc.collect()  # storages only kept by reference cycles leave the count now, not at a random later step
         mt.track_external(model, *_trackable(self._optimizers))  # label this step's new gradients and optimizer state
         steady, steady_cats = _totals(mt.get_tracker_snapshot("current"), self.device.type)
-        peak, peak_cats = _totals(mt.get_tracker_snapshot("peak"), self.device.type)
+        peaks = _peak_of_phases(self._phases)
         self.abort()
-        return {"steady": steady, "peak": peak, "steady_categories": steady_cats, "peak_categories": peak_cats}
+        return {"steady": steady, "steady_categories": steady_cats, **peaks}
 
     def abort(self) -> None:
         if self._mt is not None:
             self._mt.__exit__(None, None, None)
-        self._mt, self._optimizers = None, []
+        self._mt, self._optimizers, self._phases = None, [], {}
 
 
 def memory_source(device: torch.device) -> "_CudaAllocator | _TensorTracker":
@@ -195,16 +236,25 @@ class MemoryProbe(Probe):
         super().__init__(ctx)
         self.source = memory_source(ctx.device)
         self.records: list[dict[str, Any]] = []
+        self._open = False  # inside a memory-tracked step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx in self.ctx.schedule.memory_tracked:
+        self._open = batch_idx in self.ctx.schedule.memory_tracked
+        if self._open:
             self.source.begin(trainer.strategy.model, trainer.optimizers[0])
 
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._open:
+            self.source.phase_end("forward")
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.source.before_optimizer_update()  # after backward, before the update; no-op when not tracking
+        if self._open:
+            self.source.phase_end("backward")
+            self.source.before_optimizer_update()  # after backward, before the update
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx in self.ctx.schedule.memory_tracked:
+        if self._open:
+            self._open = False
             self.records.append({"step": batch_idx, **self.source.end(trainer.strategy.model, trainer.optimizers[0])})
 
     def on_exception(self, trainer, pl_module, exception) -> None:
@@ -221,7 +271,9 @@ class MemoryProbe(Probe):
             last = records[-1]  # steady: the boundary of the last tracked step
             top = max(reversed(records), key=lambda rec: rec["peak"])  # ties: the latest, as for steady
             row = {"rank": rank, "steady_bytes": last["steady"], "peak_bytes": top["peak"],
-                   "peak_minus_steady_bytes": top["peak"] - last["steady"], "peak_step": top["step"]}
+                   "peak_minus_steady_bytes": top["peak"] - last["steady"], "peak_step": top["step"],
+                   "peak_phase": top["peak_phase"]}
+            row.update({f"{ph}_peak_bytes": top["phase_peaks"].get(ph) for ph in PHASES})
             row.update({f"steady_{c}_bytes": b for c, b in last["steady_categories"].items()})
             row.update({f"peak_{c}_bytes": b for c, b in top["peak_categories"].items()})
             rows.append(row)
@@ -237,6 +289,9 @@ class MemoryProbe(Probe):
             "peak_bytes": [int(v) for v in frame.peak_bytes],
             "peak_minus_steady_bytes": [int(v) for v in frame.peak_minus_steady_bytes],
             "tracked_steps": [rec["step"] for rec in results[0]["records"]],
+            "peak_phase_of_max_rank": str(frame.peak_phase[worst]),
+            "phase_peak_bytes_max": {ph: int(frame[f"{ph}_peak_bytes"].max())
+                                     for ph in PHASES if frame[f"{ph}_peak_bytes"].notna().any()},
             "peak_kind": "training",
             "peak_meaning": PEAK_MEANING,
         }

@@ -130,16 +130,25 @@ def _other_kinds(row: pd.Series, shown: list[str]) -> str:
 
 
 def memory_table(ok: pd.DataFrame) -> ReportTable:
-    """Steady bytes at the optimizer boundary, the training peak, and the difference (the largest rank's each)."""
-    keys = ["memory.steady_bytes_max", "memory.peak_bytes_max", "memory.peak_minus_steady_max"]
-    raw = _raw(ok, keys + ["memory.source"])
+    """Steady bytes at the optimizer boundary, the training peak, the difference, the peak of each phase of the
+    step and the phase the peak falls in (the largest rank's each)."""
+    phases = ("forward", "backward", "optimizer")
+    keys = ["memory.steady_bytes_max", "memory.peak_bytes_max", "memory.peak_minus_steady_max",
+            *(f"memory.phase_peak_bytes_max.{ph}" for ph in phases)]
+    raw = _raw(ok, keys + ["memory.peak_phase_of_max_rank", "memory.source"])
     unit = byte_unit(v for k in keys for v in raw[k])
     cols = [Column("cell", "label", str), Column(f"steady {unit}", keys[0], unit), Column(f"peak {unit}", keys[1], unit),
-            Column(f"peak - steady {unit}", keys[2], unit)]
+            Column(f"peak - steady {unit}", keys[2], unit),
+            *(Column(f"{ph} peak {unit}", key, unit) for ph, key in zip(phases, keys[3:])),
+            Column("peak in", "memory.peak_phase_of_max_rank")]
     sources = sorted({str(s).split(":")[0] for s in raw["memory.source"] if not missing(s)})
     note = (f"Largest rank of each, in {unit}. Steady: what a rank holds at the optimizer boundary; peak: the highest "
             "allocation during the memory-tracked steps (a training peak: building and wrapping the model are not "
-            f"in it). Source: {'; '.join(sources) or NA}.")
+            "in it). Phase peaks: the highest allocation within forward (to on_before_backward), backward (with the "
+            "gradient collectives, to on_before_optimizer_step) and the optimizer step; 'peak in' names the phase "
+            "of the peak. A peak in the optimizer step is what the step allocates (AdamW's update temporaries; "
+            "zero1/zero2's and DeepSpeed's gradient reduction run there too): the activations are freed by then. "
+            f"Source: {'; '.join(sources) or NA}.")
     return ReportTable("memory", "Steady and peak memory", raw, cols, note)
 
 
