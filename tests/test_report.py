@@ -263,3 +263,32 @@ def test_labels_name_an_integer_axis_as_an_integer():
     frame = pd.DataFrame({"cell.strategy": ["deepspeed", "fsdp_full", "deepspeed"], "cell.prefetch": [None, "pre", None],
                           "cell.stage": [3, None, 2], "cell_id": ["a", "b", "c"], "cell_name": ["x", "y", "z"]})
     assert list(order_cells(frame).label) == ["fsdp_full-pre", "deepspeed stage=2", "deepspeed stage=3"]
+
+
+def test_a_sweep_of_dry_runs_says_so(tmp_path, sweep):
+    """Dry runs beside a trained cell: the cells table names each cell's mode, the verdicts say why memory,
+    timing and equivalence are absent instead of counting them as missing sections."""
+    from conftest import BASE
+    from hydra import compose, initialize_config_dir
+
+    from zeroexp.cli import CONF_DIR, register
+    from zeroexp.runner import run_cell
+
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copytree(cell_dirs(sweep)[0], mixed / cell_dirs(sweep)[0].name, ignore=shutil.ignore_patterns("wandb"))
+    register()
+    for strategy in ("ddp", "fsdp2_full"):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*BASE, f"strategy={strategy}", "world_size=8", "dry_run=true"])
+        assert run_cell(cfg, mixed / f"{strategy}_dry").status == "ok"
+    report = build_report(mixed)
+    cells = report.table("cells").display().set_index("cell")
+    assert cells.loc["ddp N=8", "mode"] == "dry run, derived" and cells.loc["fsdp2_full N=8", "mode"] == "dry run, traced"
+    assert cells.loc["ddp N=2", "mode"] == "trained"
+    lines = report.verdicts.lines
+    assert "2 of them dry runs" in lines[0]
+    eq = next(line for line in lines if line.startswith("equivalence:"))
+    assert eq.startswith("equivalence: 1 of 3 finished cells PASS") and "2 n/a (dry run: not measured)" in eq
+    assert "no equivalence section" not in eq
+    assert any(line.startswith("memory: steady and peak measured in 1 of 3") and "2 dry runs" in line for line in lines)

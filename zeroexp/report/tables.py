@@ -72,7 +72,20 @@ def cells_table(frame: pd.DataFrame) -> ReportTable:
             Column("N", "cell.world_size", fmt_int), Column("final loss", "final_loss", lambda v: NA if missing(v) else f"{float(v):.6g}"),
             Column("wall s", "duration_s", lambda v: NA if missing(v) else f"{float(v):.1f}"),
             Column("directory", "cell_name", str)]
-    return ReportTable("cells", "Cells", _raw(frame, [c.key for c in cols[1:-1]]), cols, empty_text="no cell")
+    raw = _raw(frame, [c.key for c in cols[1:-1]])
+    if (column(frame, "mode") == "dry_run").any():  # a sweep with dry runs says which cells trained
+        raw["mode"] = [_mode(m, src) for m, src in zip(column(frame, "mode"), column(frame, "dry_run.source"))]
+        cols.insert(2, Column("mode", "mode", str))
+    return ReportTable("cells", "Cells", raw, cols, empty_text="no cell")
+
+
+def _mode(mode: Any, source: Any) -> str:
+    """``trained``, or ``dry run, traced`` / ``dry run, derived`` (zeroexp.dryrun: measured on a fake rank 0, or
+    computed from the model's structure)."""
+    if mode != "dry_run":
+        return "trained"
+    kind = str(source).split(":")[0] if not missing(source) else ""
+    return f"dry run, {kind}" if kind in ("traced", "derived") else "dry run"
 
 
 def state_table(ok: pd.DataFrame) -> ReportTable:

@@ -35,26 +35,37 @@ def _as_list(value) -> list[str]:
     return [] if missing(value) else [str(value)]
 
 
+def _dry(frame: pd.DataFrame) -> pd.Series:
+    """True for the cells that are dry runs (``summary.json["mode"] == "dry_run"``)."""
+    return column(frame, "mode") == "dry_run"
+
+
 def _cells_line(cells: pd.DataFrame) -> str:
     status = column(cells, "status").fillna("unknown").value_counts()
     others = ", ".join(f"{n} {s}" for s, n in status.items() if s not in ("ok", "failed"))
+    dry = int(_dry(cells).sum())
     return (f"Cells: {len(cells)}, {status.get('ok', 0)} finished, {status.get('failed', 0)} failed"
-            + (f", {others}" if others else "") + ".")
+            + (f", {others}" if others else "")
+            + (f"; {dry} of them dry runs (one process under a fake process group: state and collectives only; "
+               "no memory, timing or equivalence)" if dry else "") + ".")
 
 
 def _check_line(ok: pd.DataFrame, section: str, claim: str) -> str:
-    checks = list(column(ok, f"{section}.check"))
-    passed, na = checks.count("PASS"), sum(missing(c) for c in checks)
+    checks, dry = list(column(ok, f"{section}.check")), list(_dry(ok))
+    passed = checks.count("PASS")
+    na_dry = sum(missing(c) and d for c, d in zip(checks, dry))
+    na = sum(missing(c) for c in checks) - na_dry
     others = pd.Series([c for c in checks if not missing(c) and c != "PASS"], dtype=object).value_counts()
     line = f"{section}: {passed} of {len(ok)} finished cells PASS ({claim})"
     line += "".join(f", {n} {value}" for value, n in others.items())
-    return line + (f", {na} n/a (no {section} section)" if na else "") + "."
+    line += f", {na} n/a (no {section} section)" if na else ""
+    return line + (f", {na_dry} n/a (dry run: not measured)" if na_dry else "") + "."
 
 
 def _timing_lines(ok: pd.DataFrame) -> list[str]:
     timed = ok[[not missing(v) for v in column(ok, "timing.median_ms")]]
     if timed.empty:
-        return ["timing: n/a (no timing section)."]
+        return ["timing: n/a (dry runs: no step time)." if len(ok) and _dry(ok).all() else "timing: n/a (no timing section)."]
     unstable = [bool(v) for v in timed["timing.unstable"]]
     order = timed.sort_values("timing.median_ms")
     if any(unstable):
@@ -104,7 +115,9 @@ def verdicts(cells: pd.DataFrame) -> Verdicts:
     lines = [_cells_line(cells), *(_check_line(ok, s, c) for s, c in CHECKS.items()
                                    if s not in OPTIONAL or f"{s}.check" in ok.columns)]
     mem = sum(not missing(v) for v in column(ok, "memory.peak_bytes_max"))
-    lines.append(f"memory: steady and peak measured in {mem} of {len(ok)} finished cells (reported, not checked).")
+    dry = int(_dry(ok).sum())
+    lines.append(f"memory: steady and peak measured in {mem} of {len(ok)} finished cells (reported, not checked)"
+                 + (f"; {dry} dry runs allocate nothing to measure." if dry else "."))
     lines += _timing_lines(ok)
     failures = _failures(cells)
     return Verdicts(lines=lines, failures=failures, ok=not failures)
