@@ -21,7 +21,7 @@ from zeroexp.cell import cell_axes, cell_id, cell_name
 from zeroexp.config import validate
 from zeroexp.results import git_commit, host, read_json, utc_now, versions, write_json
 
-__all__ = ["CellResult", "run_cell", "new_manifest"]
+__all__ = ["CellResult", "device_and_backend", "mark_partial", "new_manifest", "run_cell"]
 
 
 @dataclass
@@ -32,7 +32,7 @@ class CellResult:
     summary: dict[str, Any] | None
 
 
-def _device_and_backend(cfg: DictConfig, local_world_size: int | None = None) -> tuple[str, str]:
+def device_and_backend(cfg: DictConfig, local_world_size: int | None = None) -> tuple[str, str]:
     """``device=auto``: CUDA when there is a GPU for each rank of this node (``local_world_size``, default all)."""
     import torch
 
@@ -72,7 +72,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
     resolved.pop("hydra", None)
-    device, backend = _device_and_backend(cfg)
+    device, backend = device_and_backend(cfg)
     from zeroexp.faults import ENV as FAULT_ENV
 
     run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep,
@@ -113,11 +113,11 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
 def _finish(manifest: dict[str, Any], cell_dir: Path, status: str, error: Any, t0: float) -> None:
     manifest.update(status=status, error=error, ended_at=utc_now(), duration_s=round(time.monotonic() - t0, 3))
     if status != "ok":
-        manifest["partial_files"] = _mark_partial(cell_dir, status, error)
+        manifest["partial_files"] = mark_partial(cell_dir, status, error)
     write_json(cell_dir / "manifest.json", manifest)
 
 
-def _mark_partial(cell_dir: Path, status: str, error: Any) -> list[str]:
+def mark_partial(cell_dir: Path, status: str, error: Any) -> list[str]:
     """Rename the result files of a cell that did not finish to ``<name>.partial``: no reader takes them for
     results, and a ``summary.json`` never claims ``ok`` for a failed cell."""
     marked = []

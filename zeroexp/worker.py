@@ -14,8 +14,9 @@ import sys
 import time
 import traceback
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -43,10 +44,11 @@ def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_
     _die_with_parent()
     os.environ.update(environ)
     cell = Path(cell_dir)
-    (cell / "logs").mkdir(parents=True, exist_ok=True)
-    log_fd = os.open(cell / "logs" / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush(), sys.stderr.flush()
-    os.dup2(log_fd, 1), os.dup2(log_fd, 2)
+    with rank_log(cell / "logs" / f"rank{rank}.log"):
+        _run_local_rank(rank, world_size, port, cfg, cell, run_info)
+
+
+def _run_local_rank(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell: Path, run_info: dict) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0",
@@ -70,6 +72,24 @@ def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(1)
     sys.stdout.flush(), sys.stderr.flush()
+
+
+@contextmanager
+def rank_log(path: Path) -> Iterator[None]:
+    """This process's stdout and stderr (file descriptors 1 and 2, so C++ and child output too) appended to
+    ``path``, restored on exit; the local launcher and torchrun / SLURM ranks share it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(fd, 1), os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
 
 
 def _die_with_parent() -> None:

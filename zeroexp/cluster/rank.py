@@ -27,10 +27,9 @@ import shutil
 import signal
 import sys
 import traceback
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,7 +37,7 @@ from zeroexp.cell import cell_axes, cell_id, cell_name
 from zeroexp.cluster.env import RankEnv, detect
 from zeroexp.config import ConfigError, validate
 from zeroexp.results import host, read_json, utc_now, write_json
-from zeroexp.runner import CellResult, _device_and_backend, _mark_partial, new_manifest
+from zeroexp.runner import CellResult, device_and_backend, mark_partial, new_manifest
 
 __all__ = ["run_external_rank"]
 
@@ -75,7 +74,7 @@ def run_external_rank(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] 
     env = _check(cfg, multirun)
     env.export()
     cell_dir = Path(cell_dir).resolve()
-    device, backend = _device_and_backend(cfg, env.local_world_size)
+    device, backend = device_and_backend(cfg, env.local_world_size)
     if device == "cuda":
         torch.cuda.set_device(env.local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg.timeout.collective_s)))
@@ -122,7 +121,7 @@ def _prepare(cfg: DictConfig, cell_dir: Path, multirun: bool) -> str:
 def _run(resolved: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], env: RankEnv) -> CellResult | None:
     import torch.distributed as dist
 
-    from zeroexp.worker import RANKS_DIR, run_rank
+    from zeroexp.worker import RANKS_DIR, rank_log, run_rank
 
     def terminated(signum: int, frame: Any) -> None:
         raise Terminated(f"rank {env.rank} was stopped by SIGTERM ({env.launcher} ends the other ranks when one fails)")
@@ -130,7 +129,7 @@ def _run(resolved: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], env
     previous = signal.signal(signal.SIGTERM, terminated)
     log = f"logs/rank{env.rank}.log"
     try:
-        with _rank_log(cell_dir / log):
+        with rank_log(cell_dir / log):
             try:
                 run_rank(resolved, cell_dir, run_info)
             except BaseException:
@@ -180,7 +179,7 @@ def _record_failure(cell_dir: Path, error: dict[str, Any]) -> None:
     if manifest.get("status") != "running":
         return
     try:
-        partial = _mark_partial(cell_dir, "failed", error)
+        partial = mark_partial(cell_dir, "failed", error)
     except OSError:  # another failing rank is renaming them at the same moment
         partial = []
     manifest.update(status="failed", error=error, ended_at=utc_now(), duration_s=_since(manifest["started_at"]),
@@ -190,20 +189,3 @@ def _record_failure(cell_dir: Path, error: dict[str, Any]) -> None:
 
 def _since(started_at: str) -> float:
     return round((_dt.datetime.now(_dt.timezone.utc) - _dt.datetime.fromisoformat(started_at)).total_seconds(), 3)
-
-
-@contextmanager
-def _rank_log(path: Path) -> Iterator[None]:
-    """This process's stdout and stderr (file descriptors 1 and 2) appended to ``path``, restored on exit."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush(), sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    os.dup2(fd, 1), os.dup2(fd, 2)
-    try:
-        yield
-    finally:
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
