@@ -1,7 +1,9 @@
-"""Full and sharded checkpoints (zeroexp/probes/checkpoint.py): round trips for ddp, zro and fsdp_full at N=2
-continue bit-identically; a full save gathers to rank 0, a sharded one does not; a damaged checkpoint is refused.
+"""Full and sharded checkpoints (zeroexp/probes/checkpoint.py): round trips for ddp, zro, fsdp_full and DeepSpeed
+ZeRO stages 0-3 at N=2 continue bit-identically; a full save gathers to rank 0, a sharded one does not; a damaged
+checkpoint is refused.
 
-Six cells at N=2 (the mlp of 8 x Linear(64, 64), P = 128 KiB), their checkpoints kept for the refusal tests.
+Six cells at N=2 (the mlp of 8 x Linear(64, 64), P = 128 KiB), their checkpoints kept for the refusal tests, and
+eight DeepSpeed cells (stage x kind, fp32) when DeepSpeed is installed.
 """
 
 from __future__ import annotations
@@ -131,17 +133,26 @@ def test_every_checkpoint_option_composes_and_validates(compose, kind):
     assert cfg.checkpoint.name == kind and cfg.checkpoint.keep is False and cfg.checkpoint.dir is None
 
 
-@pytest.mark.parametrize("kind", ["full", "sharded"])
-def test_deepspeed_stage3_round_trip_continues_bit_identically(cell, kind):
-    """DeepSpeed ZeRO-3 at N=2: full (consolidated fp32 master + Adam state on rank 0) and sharded (DeepSpeed's own
-    engine.save_checkpoint) restore into a fresh engine and continue bit-identically (engine.backward/engine.step)."""
+def _ds_cell(cell, stage: int, kind: str):
+    """The DeepSpeed cell at ZeRO ``stage`` with a kept ``kind`` checkpoint (N=2, fp32); skipped without DeepSpeed."""
     from zeroexp.strategies import deepspeed as ds_adapter
 
     if not ds_adapter.deepspeed_available():
         pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
-    result = cell("strategy=deepspeed", "strategy.stage=3", f"checkpoint={kind}", "world_size=2",
+    result = cell("strategy=deepspeed", f"strategy.stage={stage}", f"checkpoint={kind}", "world_size=2",
                   "checkpoint.keep=true")
     assert result.status == "ok", result.error
+    return result
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_round_trip_continues_bit_identically(cell, stage, kind):
+    """DeepSpeed ZeRO 0-3 at N=2: full (consolidated fp32 master + Adam state on rank 0) and sharded (DeepSpeed's own
+    engine.save_checkpoint) restore into a fresh engine and continue bit-identically (engine.backward/engine.step)."""
+    from zeroexp.strategies.deepspeed import DS_FULL_FILE, DS_TAG
+
+    result = _ds_cell(cell, stage, kind)
     ck = result.summary["checkpoint"]
     assert ck["check"] == "PASS", ck["reasons"]
     assert ck["restored_bit_identical"] and ck["continuation_bit_identical"]
@@ -149,36 +160,35 @@ def test_deepspeed_stage3_round_trip_continues_bit_identically(cell, kind):
     written = ck["save"]["rank_bytes_written"]
     assert sum(written) == ck["save"]["bytes_written"] > 3 * P  # fp32 master and both Adam moments
     directory = Path(result.cell_dir) / "checkpoint"
-    if kind == "full":  # one file on rank 0, gathered by all-gathers
-        assert written[1] == 0 and ck["files"] == 1 and (directory / ds_adapter.DS_FULL_FILE).is_file()
-        assert ck["save"]["collectives"]["counts"].get("all_gather", 0) + \
-            ck["save"]["collectives"]["counts"].get("all_gather_into_tensor", 0) > 0
-    else:  # every rank writes its own partitions
-        assert all(w > 0 for w in written)
-        assert list(directory.rglob("zero_pp_rank_1_*optim_states.pt"))
+    counts = ck["save"]["collectives"]["counts"]
+    if kind == "full":  # one file on rank 0
+        assert written[1] == 0 and ck["files"] == 1 and (directory / DS_FULL_FILE).is_file()
+        if stage == 3:  # the partitions all-gathered
+            assert counts.get("all_gather", 0) + counts.get("all_gather_into_tensor", 0) > 0
+        elif stage in (1, 2):  # each rank's fragment all-reduced into a full buffer: master and 2 moments, 3P
+            assert counts == {"all_reduce": 3 * 8} and ck["save"]["collectives"]["payload_bytes"]["all_reduce"] == 3 * P
+        else:  # stage 0: everything is replicated, rank 0 reads its own copy
+            assert counts == {}
+    elif stage == 0:  # nothing partitioned: rank 0 alone writes the module and the torch optimizer's state_dict
+        assert written[1] == 0 and not list(directory.rglob("zero_pp_rank_*"))
+        assert (directory / DS_TAG / "mp_rank_00_model_states.pt").stat().st_size > 3 * P
+    else:  # every rank writes its fp32 master and Adam partitions (3P / N), no gather
+        assert all(w > 0 for w in written) and "all_gather" not in counts
+        for rank in range(2):
+            (optim,) = directory.rglob(f"zero_pp_rank_{rank}_*optim_states.pt")
+            assert optim.stat().st_size > 3 * P // 2
     meta = json.loads((directory / META).read_text())
     assert meta["strategy"] == "deepspeed" and meta["world_size"] == 2
+    assert {f["name"] for f in meta["files"]} == {f.relative_to(directory).as_posix() for f in directory.rglob("*")
+                                                  if f.is_file() and f.name != META}  # every file DeepSpeed wrote
 
 
-def test_deepspeed_checkpoint_needs_stage3(compose):
-    from zeroexp.strategies import deepspeed as ds_adapter
-
-    if not ds_adapter.deepspeed_available():
-        pytest.skip("deepspeed is not installed")
-    with pytest.raises(ConfigError, match="checkpoint.*stage 3 only"):
-        validate(compose("strategy=deepspeed", "strategy.stage=2", "world_size=2", "checkpoint=full"))
-    validate(compose("strategy=deepspeed", "strategy.stage=3", "world_size=2", "checkpoint=sharded"))
-
-
-def test_deepspeed_full_save_gathers_and_peaks_above_sharded(cell):
-    """Full: 3 all-gathers per parameter (fp32 master, exp_avg, exp_avg_sq: 3P of payload), rank 0 holds them;
-    sharded (DeepSpeed's save_checkpoint): no gather, rank 0's peak stays below the full save's."""
-    from zeroexp.strategies import deepspeed as ds_adapter
-
-    if not ds_adapter.deepspeed_available():
-        pytest.skip("deepspeed is not installed")
-    saves = {k: cell("strategy=deepspeed", "strategy.stage=3", f"checkpoint={k}", "world_size=2",
-                     "checkpoint.keep=true").summary["checkpoint"]["save"] for k in ("full", "sharded")}
-    assert saves["full"]["collectives"]["payload_bytes"]["all_gather"] == 3 * P
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_full_save_peaks_above_sharded(cell, stage):
+    """Rank 0 holds the whole fp32 state during a full save (>= 3P: master and both moments; stage 3 all-gathers 3P),
+    the sharded save (DeepSpeed's save_checkpoint) serializes what the rank already holds."""
+    saves = {k: _ds_cell(cell, stage, k).summary["checkpoint"]["save"] for k in ("full", "sharded")}
+    if stage == 3:
+        assert saves["full"]["collectives"]["payload_bytes"]["all_gather"] == 3 * P
     assert "all_gather" not in saves["sharded"]["collectives"]["counts"]
-    assert saves["full"]["rank0_peak_over_start_bytes"] > saves["sharded"]["rank0_peak_over_start_bytes"]
+    assert saves["full"]["rank0_peak_over_start_bytes"] >= 3 * P > saves["sharded"]["rank0_peak_over_start_bytes"]

@@ -105,6 +105,24 @@ def test_stage_names_the_cell(compose):
     assert cell_name(compose(*N2, "strategy.stage=3")).startswith("deepspeed-stage3_mlp_fp32_n2_")
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_both_checkpoint_kinds_validate_at_every_stage(compose, stage):
+    """Round trips in tests/test_checkpoint.py. The format names what this stage writes: stage 0 (nothing
+    partitioned) rank 0's mp_rank_00_model_states.pt with the optimizer in it, stages 1-3 each rank's partitions."""
+    formats = {}
+    for kind in ("full", "sharded"):
+        cfg = compose(*N2, f"strategy.stage={stage}", f"checkpoint={kind}")
+        validate(cfg)
+        formats[kind] = ds_adapter.DeepSpeedAdapter(cfg).checkpoint_format(kind)
+    assert ds_adapter.DS_FULL_FILE in formats["full"] and ("all-gathered" if stage == 3 else "all_reduce" if stage
+                                                           else "no collective") in formats["full"]
+    assert ("zero_pp_rank_<r>_" in formats["sharded"]) == (stage > 0)
+    assert ("mp_rank_00_model_states.pt" in formats["sharded"]) == (stage < 3)
+    if stage < 3:
+        with pytest.raises(ConfigError, match="offload"):  # a checkpoint does not lift the offload rules
+            validate(compose(*N2, f"strategy.stage={stage}", "checkpoint=sharded", "offload=full"))
+
+
 def test_refusals(compose, monkeypatch):
     with pytest.raises(ConfigError, match="offload_param needs ZeRO stage 3"):
         validate(compose(*N2, "strategy.stage=2", "offload=full"))
