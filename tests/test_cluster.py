@@ -4,6 +4,7 @@ launcher running SLURM-style tasks locally; each must measure what the local lau
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -54,6 +55,9 @@ def test_two_torchrun_nodes_measure_what_the_local_launcher_measures(cell, tmp_p
     (cell_dir,) = (tmp_path / "outputs" / "runs").iterdir()
     assert cell_dir.name.startswith("torchrun-twonodes_fsdp_full-pre_mlp_fp32_n4_")
     assert any(out.strip().endswith(str(cell_dir)) for out in outputs)  # rank 0's node prints the directory last
+    rank0_out = next(out for out in outputs if out.strip().endswith(str(cell_dir)))
+    for probe in ("state", "collectives", "memory", "timing", "equivalence", "plan"):  # the digest, one line each
+        assert re.search(rf"^{probe}\s", rank0_out, re.M), (probe, rank0_out[-2000:])
     manifest = json.loads((cell_dir / "manifest.json").read_text())
     assert (manifest["status"], manifest["launcher"], manifest["nodes"], manifest["ranks_per_node"]) == \
            ("ok", "torchrun", 2, 2)

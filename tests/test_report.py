@@ -292,3 +292,19 @@ def test_a_sweep_of_dry_runs_says_so(tmp_path, sweep):
     assert eq.startswith("equivalence: 1 of 3 finished cells PASS") and "2 n/a (dry run: not measured)" in eq
     assert "no equivalence section" not in eq
     assert any(line.startswith("memory: steady and peak measured in 1 of 3") and "2 dry runs" in line for line in lines)
+
+
+def test_terminal_digest_shows_the_summary_numbers(sweep):
+    from zeroexp.report.digest import digest
+
+    summary = read_json(cell_dirs(sweep)[0] / "summary.json")
+    rows = {probe: (found, check) for probe, found, check in digest(summary)}
+    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "plan"]
+    for probe in ("state", "collectives", "equivalence", "plan"):
+        assert rows[probe][1] == summary[probe]["check"]
+    assert rows["memory"][1] == rows["timing"][1] == "-"  # reported, not checked
+    f = summary["state"]["factors"]
+    assert rows["state"][0].startswith(f"P/G/O x P (sum over ranks) {f['param']:g} / {f['grad']:g} / {f['optim']:g}")
+    assert f"in {summary['memory']['peak_phase_of_max_rank']}" in rows["memory"][0]
+    assert "CV" in rows["timing"][0] and ("unstable" in rows["timing"][0]) == summary["timing"]["unstable"]
+    assert digest({"status": "ok"}) == []

@@ -94,9 +94,29 @@ def _print_result(result: Any, console: Any, multirun: bool) -> None:
     if result.error:
         line += f"  error: {result.error['message']} (see {result.error.get('log')})"
     console.print(line)
+    if result.summary is not None and not multirun:  # a sweep's cells are in its report
+        _print_digest(result.summary, console)
     print(cell_dir)
     if result.status != "ok" and not multirun:
         sys.exit(1)
+
+
+def _print_digest(summary: dict[str, Any], console: Any) -> None:
+    """One line per probe: what it found and its check (zeroexp.report.digest)."""
+    from rich.table import Table
+
+    from zeroexp.report.digest import digest
+
+    rows = digest(summary)
+    if not rows:
+        return
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for col in ("probe", "found", "check"):
+        table.add_column(col, overflow="fold")
+    colours = {"PASS": "green", "FAIL": "red", "ERROR": "red"}
+    for probe, found, check in rows:
+        table.add_row(probe, found, f"[{colours[check]}]{check}[/]" if check in colours else check)
+    console.print(table)
 
 
 def _skipped(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, why: str) -> None:
