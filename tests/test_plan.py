@@ -37,10 +37,13 @@ def _totals(names, shape, n, precision, **kw):
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_figure_1(precision):
     shape = ModelShape.from_count(7_500_000_000)
-    for family in (PAPER, DEEPSPEED, [None, "zero1", "zero2", None]):
+    # DeepSpeed 0.19's stage 1 partitions the gradients too (it frees the full ones once reduced): its stage 1
+    # holds what its stage 2 does, P_os+g's 16.6 GB, not P_os's 31.4.
+    deepspeed = [FIGURE_1[0], FIGURE_1[2], FIGURE_1[2], FIGURE_1[3]]
+    for family, want in ((PAPER, FIGURE_1), (DEEPSPEED, deepspeed), ([None, "zero1", "zero2", None], FIGURE_1)):
         records = _totals([s for s in family if s], shape, 64, PRECISIONS[precision])
-        got = [round(records[s]["total_bytes"] / 1e9, 1) if s else want for s, want in zip(family, FIGURE_1)]
-        assert got == FIGURE_1, (family, got)
+        got = [round(records[s]["total_bytes"] / 1e9, 1) if s else w for s, w in zip(family, want)]
+        assert got == want, (family, got)
     paper = _totals(PAPER, shape, 64, PRECISIONS[precision])
     for stage in (1, 2):  # the same closed form as zeroexp.formulas.sharded_zero_rank_bytes, to the byte
         assert paper[f"zero_stage{stage}"]["total_bytes"] == sharded_zero_rank_bytes(stage, 7_500_000_000, 64)

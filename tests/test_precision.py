@@ -16,7 +16,8 @@ N2 = ("world_size=2",)
 
 
 @pytest.mark.parametrize("strategy,precision", [("ddp", "bf16"), ("ddp", "fp16"), ("zro", "bf16"),
-                                                ("fsdp_full", "bf16"), ("fsdp_grad_op", "fp16")])
+                                                ("fsdp_full", "bf16"), ("fsdp_grad_op", "fp16"),
+                                                ("fsdp2_full", "fp16")])
 def test_mixed_precision_cell_trains_with_fp32_state_and_its_threshold(cell, strategy, precision):
     res = cell(*N2, f"strategy={strategy}", f"precision={precision}")
     assert res.status == "ok", res.error
@@ -31,9 +32,20 @@ def test_mixed_precision_cell_trains_with_fp32_state_and_its_threshold(cell, str
         assert st["loss_scale"] is None
     eq = s["equivalence"]
     assert eq["threshold"] == THRESHOLDS[precision] and eq["check"] == "PASS", eq
-    if strategy.startswith("fsdp"):  # FSDP gathers and reduce-scatters in the low precision
-        assert set(s["collectives"]["dtypes"].values()) <= {"bfloat16", "float16", "float32"}
-        assert ("bfloat16" if precision == "bf16" else "float16") in s["collectives"]["dtypes"].values()
+    co = s["collectives"]
+    assert co["check"] == "PASS", co["reasons"]  # the expected payload is in the dtype that travels
+    plan = s["plan"]  # the planner's rows cover the precision: bytes at rest and on the wire, per rank
+    assert (plan["check"], plan["payload_check"]) == ("PASS", "PASS"), (plan["reasons"], plan.get("payload"))
+    if strategy.startswith("fsdp"):  # FSDP gathers and reduce-scatters in the low precision: half the fp32 bytes
+        low = "bfloat16" if precision == "bf16" else "float16"
+        assert co["dtypes"]["all_gather"] == co["dtypes"]["reduce_scatter"] == low
+        fp32 = cell(*N2, f"strategy={strategy}").summary["collectives"]["payload_bytes"]
+        assert {op: co["payload_bytes"][op] * 2 for op in ("all_gather", "reduce_scatter")} == \
+               {op: fp32[op] for op in ("all_gather", "reduce_scatter")}
+        # fp16: the loss scaler's found_inf flag, all-reduced (fp32, 4 bytes) once by ShardedGradScaler and, for
+        # FSDP2's DTensor gradients, once more by DTensor's inf check; no all_reduce without a scaler
+        syncs = {"fp16": 2 if strategy.startswith("fsdp2") else 1}.get(precision, 0)
+        assert co["counts"].get("all_reduce", 0) == syncs and co["payload_bytes"].get("all_reduce", 0) == 4 * syncs
 
 
 def test_fsdp_offload_is_refused_on_a_cpu_only_machine(compose):

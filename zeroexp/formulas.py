@@ -13,9 +13,14 @@ Sources:
   chunk padded to the first's size; _fsdp_collectives.py: one all_gather and one reduce_scatter per unit.
 - [OFFLOAD] Ren et al. "ZeRO-Offload", arXiv:2101.06840, section 4 (optimizer state and gradient partitions on
   the host); Rajbhandari et al. "ZeRO-Infinity", arXiv:2104.07857 (parameters too, with stage 3).
-- [DS] DeepSpeed v0.14.4 runtime/zero/stage_1_and_2.py (fp32 partition ``single_partition_of_fp32_groups`` at
-  any precision; bit16 groups padded to 2N elements; ``average_tensor`` reduces each rank's slice with
-  ``dist.reduce``), stage3.py (every parameter partitioned on its own, padded to N; fp32 partitions).
+- [DS] DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py (``bit16_groups_flat`` padded to a multiple of 2N
+  elements, ``nccl_start_alignment_factor``; the fp32 partition ``single_partition_of_fp32_groups`` at any
+  precision; ``get_flat_partition``: the gradient partition as views of the full gradients of the parameters it
+  overlaps, ``grads_in_partition`` with contiguous gradients, plus a zeros tensor for the partition's padding),
+  stage3.py (every parameter partitioned on its own, padded to N: ``_padding_size``; the fp32 partition
+  ``fp32_partitioned_groups_flat`` and ``grad_partitions_flat_buffer`` per sub-group of ``sub_group_size``
+  elements), runtime/zero/config.py (defaults). The deepspeed_stage* rows of :data:`LAYOUTS` are DeepSpeed 0.19
+  as zeroexp's state probe measures it (zeroexp.strategies.deepspeed, CPU, gloo), this source read alongside.
 
 Conventions: P is the logical fp32 parameter bytes (numel x 4); factors are aggregate (sum over ranks of a
 kind's bytes divided by P) unless a name says per-rank.
@@ -26,11 +31,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, NamedTuple
 
 __all__ = ["padded_numel", "zero_state_factors", "bus_factor", "bus_bytes", "ddp_collectives", "zero1_collectives",
            "fsdp_collectives", "fsdp2_padded_numel", "sharded_zero_state_factors", "deepspeed_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives", "deepspeed_collectives", "deepspeed_ipg_buckets",
-           "deepspeed_allreduce_chunks",
+           "deepspeed_allreduce_chunks", "deepspeed_reduce_bucket_numel", "deepspeed_sub_groups", "deepspeed_payload_limits",
            "COMPUTE_ITEMSIZE", "STATE_KINDS", "ModelShape", "PlanKnobs", "Groups", "StateLayout", "LAYOUTS",
            "owner_numels", "rank_state_bytes", "step_collectives", "unsharded_floor_bytes", "offloaded_kinds"]
 
@@ -100,14 +106,17 @@ def zero1_collectives(bucket_bytes: list[int], broadcast_bytes: list[int]) -> Co
 
 
 def fsdp_collectives(unit_bytes: list[int], gathers_per_unit: list[int],
-                     reduce_bytes: list[int] | None = None) -> Collectives:
+                     reduce_bytes: list[int] | None = None, inf_syncs: int = 0) -> Collectives:
     """FSDP [ZeRO 7.2.2]: per unit of padded flat bytes b, all_gather S = b before forward, and again before
     backward when the unit was resharded after forward (FULL_SHARD, non-root: ``gathers_per_unit`` 2), then
     one reduce_scatter S = b of its gradient. SHARD_GRAD_OP: P + P; FULL_SHARD: 2P + P (P padded) [FSDP].
     ``reduce_bytes``: the units' reduce_scatter S when the gradients are reduced in another dtype than the
-    parameters are gathered in (FSDP2 ``MixedPrecisionPolicy.reduce_dtype``); default ``unit_bytes``."""
+    parameters are gathered in (``MixedPrecision`` / ``MixedPrecisionPolicy`` ``reduce_dtype``); default
+    ``unit_bytes``. ``inf_syncs``: all_reduces of an fp16 loss scaler's found_inf flag (one fp32 element each,
+    ``ShardedGradScaler.unscale_``; torch/distributed/fsdp/sharded_grad_scaler.py)."""
     gathers = [b for b, k in zip(unit_bytes, gathers_per_unit) for _ in range(k)]
-    return _model(all_gather=gathers, reduce_scatter=list(unit_bytes if reduce_bytes is None else reduce_bytes))
+    return _model(all_gather=gathers, reduce_scatter=list(unit_bytes if reduce_bytes is None else reduce_bytes),
+                  all_reduce=[4] * inf_syncs)
 
 
 def fsdp2_padded_numel(shape: tuple[int, ...] | list[int], world_size: int) -> int:
@@ -298,22 +307,29 @@ class ModelShape:
 @dataclass(frozen=True)
 class PlanKnobs:
     """Strategy settings that change bytes: zeroexp's ZeRO buckets (``strategy.bucket_cap_mb``, ``reduce``, the
-    norm all_reduce of clipping or loss scaling) and FSDP ``use_orig_params`` (16-byte aligned parameters in the
-    FlatParameter, Adam moments per unpadded view) [FSDP]."""
+    norm all_reduce of clipping or loss scaling), FSDP ``use_orig_params`` (16-byte aligned parameters in the
+    FlatParameter, Adam moments per unpadded view) [FSDP]; DeepSpeed's reduce bucket is ``bucket_cap_bytes`` / 4
+    elements (:func:`deepspeed_reduce_bucket_numel`) and ``loss_scaling`` (fp16) adds its overflow all_reduce."""
 
     bucket_cap_bytes: int = 25 * 2**20
     reduce: str = "reduce_scatter"
     norm_allreduce: bool = False
     use_orig_params: bool = False
+    loss_scaling: bool = False  # fp16 dynamic loss scaling: DeepSpeed ZeRO-3 all-reduces an overflow flag
 
 
 class Groups(NamedTuple):
     """What a payload model sees: the padded compute-dtype bytes of each group the strategy sends (FSDP units,
-    buckets, flat buffers; the unpadded parameters for replicated strategies), which is FSDP's root unit."""
+    buckets, flat buffers; the unpadded parameters for replicated strategies), which is FSDP's root unit; and the
+    model's parameters (their numels, in definition order), N and the compute dtype's itemsize, for a payload model
+    that needs them (DeepSpeed's, which cuts its own buckets)."""
 
     nbytes: list[int]
     root: list[bool]
     knobs: PlanKnobs
+    numels: tuple[int, ...] = ()
+    world_size: int = 1
+    itemsize: int = 4
 
 
 @dataclass(frozen=True)
@@ -330,8 +346,19 @@ class StateLayout:
     ``payload``: the per-step collectives [ZeRO 7], over the FSDP units for ``units`` and ``rows``. ``gather``:
     unsharded parameters held on top of the state while computing: the ``largest`` unit, ``all``, ``none``.
     ``fp32_at_rest``: parameters and gradients stay fp32 between steps, the compute dtype is only what is
-    gathered and reduced (FSDP2 ``MixedPrecisionPolicy``). ``padded_moments``: Adam's moments are as long as the
+    gathered and reduced (FSDP ``MixedPrecision``, FSDP2 ``MixedPrecisionPolicy``). ``fp32_on_the_wire``: the
+    collectives move fp32 whatever the precision (autocast: DDP all-reduces the fp32 gradients). ``padded_moments``: Adam's moments are as long as the
     padded shard. ``precisions`` and ``offloads``: the settings this byte model covers.
+
+    DeepSpeed's rows [DS]: ``partition_logical``: a sharded kind's logical bytes are its partition's length, padding
+    included (DeepSpeed's partitions are what zeroexp's adapter reports). ``grad_held``: ``shard`` (the gradient
+    shard only) or ``params`` (ZeRO-1/2: the full gradient of every parameter the rank's partition overlaps, and the
+    partition's padding as zeros; a model known by its count has no boundaries: the shard). ``offload_grad``: with
+    an offloaded optimizer the fp32 gradient partition on the host ``replace``s the compute-dtype gradient
+    (ZeRO-1/2) or is ``add``ed to it (ZeRO-3), ``none``: no change. ``flat_optimizer``: the torch optimizer steps one
+    flat fp32 partition per group (ZeRO-3: per sub-group of ``DS_SUB_GROUP_SIZE`` elements), one ``step`` scalar
+    each. ``payload_limits``: ``(shape, knobs, precision, offload) -> reasons`` the payload model is not exact for
+    a cell (empty: exact); None: the payload model claims every cell it covers.
     """
 
     label: str
@@ -343,10 +370,16 @@ class StateLayout:
     gather: str = "none"
     pad: int = 1
     fp32_at_rest: bool = False
+    fp32_on_the_wire: bool = False
     padded_moments: bool = True
     precisions: frozenset[str] = frozenset({"fp32"})
     offloads: frozenset[str] = frozenset({"none"})
     source: str = ""
+    partition_logical: bool = False
+    grad_held: str = "shard"
+    offload_grad: str = "none"
+    flat_optimizer: bool = False
+    payload_limits: Callable[..., list[str]] | None = None
 
 
 def _all_reduce(g: Groups) -> Collectives:
@@ -361,25 +394,119 @@ def _scatter_gather(g: Groups) -> Collectives:
     return sharded_zero_collectives(g.nbytes, g.knobs.reduce, g.knobs.norm_allreduce)
 
 
-def _reduce_gather(g: Groups) -> Collectives:
-    return _model(reduce=g.nbytes, all_gather=g.nbytes)
+#: fp16 loss scaling's found_inf all_reduces per step: FSDP1's ShardedGradScaler once; with FSDP2's DTensor
+#: gradient shards DTensor's dispatch of the inf check reduces the flag once more (zeroexp.strategies.fsdp2).
+_INF_SYNCS = {"units": 1, "rows": 2}
 
 
-def _gather_once(g: Groups) -> Collectives:
-    return fsdp_collectives(g.nbytes, [1] * len(g.nbytes))
+def _syncs(g: Groups, groups: str) -> int:
+    return _INF_SYNCS[groups] if g.knobs.loss_scaling else 0
+
+
+def _gather_once(g: Groups, groups: str = "units") -> Collectives:
+    return fsdp_collectives(g.nbytes, [1] * len(g.nbytes), inf_syncs=_syncs(g, groups))
 
 
 def _gather_twice(g: Groups) -> Collectives:
-    return fsdp_collectives(g.nbytes, [1 if root else 2 for root in g.root])
+    return fsdp_collectives(g.nbytes, [1 if root else 2 for root in g.root], inf_syncs=_syncs(g, "units"))
 
 
 def _gather_twice_root_too(g: Groups) -> Collectives:
-    return fsdp_collectives(g.nbytes, [2] * len(g.nbytes))
+    return fsdp_collectives(g.nbytes, [2] * len(g.nbytes), inf_syncs=_syncs(g, "rows"))
+
+
+# --- DeepSpeed's rows [DS], [DS-COMM] ----------------------------------------------------------------------
+#: runtime/zero/config.py defaults zeroexp's ds_config leaves alone: stage 3's optimizer sub-group
+#: (``sub_group_size``), prefetch bucket, live parameters and reuse distance, in elements.
+DS_SUB_GROUP_SIZE = 1_000_000_000
+DS_PREFETCH_BUCKET_SIZE = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+DS_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+def deepspeed_reduce_bucket_numel(knobs: PlanKnobs) -> int:
+    """DeepSpeed's ``reduce_bucket_size`` as zeroexp.strategies.deepspeed.ds_config sets it: ``bucket_cap_mb`` MiB
+    of 4-byte elements, rounded down to even (DeepSpeed asserts a multiple of its NCCL start alignment, 2)."""
+    return knobs.bucket_cap_bytes // 4 // 2 * 2
+
+
+def deepspeed_sub_groups(partition_numels: list[int] | tuple[int, ...],
+                         sub_group_size: int = DS_SUB_GROUP_SIZE) -> int:
+    """How many optimizer sub-groups ZeRO-3 cuts one parameter group into (stage3.py ``_create_fp16_sub_groups``):
+    one when the partitions total at most ``sub_group_size`` elements, else a new one each time a running total
+    of the parameters' partitions reaches it."""
+    if sum(partition_numels) <= sub_group_size:
+        return 1
+    groups, size = 0, 0
+    for i, k in enumerate(partition_numels):
+        size += k
+        if size >= sub_group_size or i == len(partition_numels) - 1:
+            groups, size = groups + 1, 0
+    return groups
+
+
+def _add(model: Collectives, op: str, sizes: list[int]) -> Collectives:
+    if sizes:
+        entry = model.setdefault(op, {"count": 0, "payload_bytes": 0})
+        entry["count"] += len(sizes)
+        entry["payload_bytes"] += int(sum(sizes))
+    return model
+
+
+def _deepspeed_payload(stage: int, g: Groups) -> Collectives:
+    """DeepSpeed's per-step collectives (:func:`deepspeed_collectives`, no offload) from the model's parameters,
+    in DeepSpeed's default settings as zeroexp configures them: reduce bucket from ``bucket_cap_mb``; stages 1-2
+    one parameter group (one fp32 norm all_reduce; bf16 and fp16 one uint8 overflow all_reduce,
+    ``check_grad_overflow``), gradients reduced in parameter order (1) or backward order, taken as the reverse (2);
+    stage 3 one fp64 norm all_reduce per sub-group, fp16 an overflow flag, one all_gather of every parameter when
+    the model fits one prefetch bucket (gathered parameters are reused by backward), else twice (forward and
+    backward, as the paper: DeepSpeed's fetch schedule beyond one bucket is not modelled). A parameter larger than
+    the reduce bucket is reduced on its own (``extra_large_param_to_reduce``, read, not measured)."""
+    n, c, numels = g.world_size, g.itemsize, [k for k in g.numels if k]
+    bucket = deepspeed_reduce_bucket_numel(g.knobs)
+    if stage == 0:
+        return deepspeed_collectives(0, n, numels, c, 0)
+    fit, big = [k for k in numels if k <= bucket], [k for k in numels if k > bucket]
+    if stage in (1, 2):
+        model = deepspeed_collectives(stage, n, fit if stage == 1 else fit[::-1], c, bucket,
+                                      flat_group_bytes=list(g.nbytes), norm_groups=1, overflow_check=c != 4)
+        return _add(model, "all_reduce", [k * c for k in big])
+    gathers = 1 if sum(numels) <= min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE) else 2
+    model = deepspeed_collectives(3, n, fit[::-1], c, bucket, gather_numels=[numels] * gathers, param_itemsize=c,
+                                  norm_groups=deepspeed_sub_groups([-(-k // n) for k in numels]), norm_itemsize=8,
+                                  overflow_check=g.knobs.loss_scaling)
+    return _add(model, "reduce_scatter", [-(-k // n) * n * c for k in big])
+
+
+def deepspeed_payload_limits(stage: int, shape: ModelShape, knobs: PlanKnobs, precision: str,
+                             offload: str) -> list[str]:
+    """Why :func:`_deepspeed_payload` is not DeepSpeed's real per-step payload for a cell (empty: it is, as the
+    collectives probe measures it on CPU / gloo): the cases zeroexp.strategies.deepspeed's own collectives model
+    refuses too, and what was never run."""
+    reasons = []
+    if offload != "none":
+        reasons.append(f"offload={offload}: DeepSpeed's offloaded gradient and norm collectives are not modelled")
+    if precision == "fp16":
+        reasons.append("fp16: DeepSpeed's overflow and loss-scale collectives are read, not measured (fp16 needs a GPU)")
+    if not shape.exact:
+        reasons.append("a parameter count: DeepSpeed's buckets need the parameters' shapes")
+        return reasons
+    bucket = deepspeed_reduce_bucket_numel(knobs)
+    if stage > 0 and max(shape.numels) > bucket:
+        reasons.append(f"a parameter of {max(shape.numels)} elements exceeds reduce_bucket_size={bucket}: reduced on its "
+                       "own (extra_large_param_to_reduce), not measured")
+    limit = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)
+    if stage == 3 and shape.numel > limit:
+        reasons.append(f"stage 3: {shape.numel} parameter elements exceed one prefetch bucket ({limit}): DeepSpeed's "
+                       "fetch and release schedule is not modelled")
+    return reasons
 
 
 _MIXED = frozenset({"fp32", "bf16", "fp16"})
 _OS, _OS_G, _OS_G_P = frozenset({"optim"}), frozenset({"optim", "grad"}), frozenset({"optim", "grad", "param"})
 _OFF = [frozenset({"none"}), frozenset({"none", "optimizer"}), frozenset({"none", "optimizer", "full"})]
+_DS_SOURCE = ("DeepSpeed 0.19, measured by zeroexp's state probe (CPU, gloo; fp32 and bf16, offload none and "
+              "optimizer, stage 3 full; fp16 read, not run: it needs a GPU); [DS] source")
 
 #: Every strategy the planner knows. A registered strategy (zeroexp.strategies) is planned with its row here;
 #: one without falls back to its ``zero_stage``'s paper row. A new strategy is one more row.
@@ -392,30 +519,45 @@ LAYOUTS: dict[str, StateLayout] = {
                                offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]"),
     "zero_stage3": StateLayout("P_os+g+p (paper)", 3, _OS_G_P, "mixed", "flat", _gather_twice, "largest",
                                precisions=_MIXED, offloads=_OFF[2], source="[ZeRO] 5.1, 7.2.2, Figure 1; [OFFLOAD]"),
-    "deepspeed_stage0": StateLayout("DeepSpeed stage 0", 0, frozenset(), "mixed", "none", _all_reduce,
-                                    precisions=_MIXED, source="[DS] (read, not run)"),
-    "deepspeed_stage1": StateLayout("DeepSpeed stage 1", 1, _OS, "always", "flat", _reduce_gather, pad=2,
-                                    precisions=_MIXED, offloads=_OFF[1], source="[DS] (read, not run)"),
-    "deepspeed_stage2": StateLayout("DeepSpeed stage 2", 2, _OS_G, "always", "flat", _reduce_gather, pad=2,
-                                    precisions=_MIXED, offloads=_OFF[1], source="[DS] (read, not run)"),
-    "deepspeed_stage3": StateLayout("DeepSpeed stage 3", 3, _OS_G_P, "always", "params", _gather_twice, "largest",
-                                    precisions=_MIXED, offloads=_OFF[2], source="[DS] (read, not run)"),
-    "ddp": StateLayout("DDP", 0, frozenset(), "never", "none", _all_reduce, source="zeroexp.strategies.ddp"),
+    # DeepSpeed 0.19 as measured; stage 1 holds the same state as stage 2 (its gradients are partitioned too)
+    "deepspeed_stage0": StateLayout("DeepSpeed 0.19 stage 0", 0, frozenset(), "mixed", "none",
+                                    partial(_deepspeed_payload, 0), precisions=_MIXED,
+                                    payload_limits=partial(deepspeed_payload_limits, 0), source=_DS_SOURCE + (
+                                        "; engine.py FP16_UnfusedOptimizer: an fp32 copy per parameter (mixed)")),
+    "deepspeed_stage1": StateLayout("DeepSpeed 0.19 stage 1", 1, _OS_G, "always", "flat",
+                                    partial(_deepspeed_payload, 1), pad=2, precisions=_MIXED, offloads=_OFF[1],
+                                    partition_logical=True, grad_held="params", offload_grad="replace",
+                                    flat_optimizer=True, payload_limits=partial(deepspeed_payload_limits, 1),
+                                    source=_DS_SOURCE + "; stage_1_and_2.py"),
+    "deepspeed_stage2": StateLayout("DeepSpeed 0.19 stage 2", 2, _OS_G, "always", "flat",
+                                    partial(_deepspeed_payload, 2), pad=2, precisions=_MIXED, offloads=_OFF[1],
+                                    partition_logical=True, grad_held="params", offload_grad="replace",
+                                    flat_optimizer=True, payload_limits=partial(deepspeed_payload_limits, 2),
+                                    source=_DS_SOURCE + "; stage_1_and_2.py"),
+    "deepspeed_stage3": StateLayout("DeepSpeed 0.19 stage 3", 3, _OS_G_P, "always", "params",
+                                    partial(_deepspeed_payload, 3), "largest", precisions=_MIXED, offloads=_OFF[2],
+                                    partition_logical=True, offload_grad="add", flat_optimizer=True,
+                                    payload_limits=partial(deepspeed_payload_limits, 3),
+                                    source=_DS_SOURCE + "; stage3.py, partition_parameters.py"),
+    # ddp / zro under bf16 / fp16: autocast, so parameters, gradients and what is all-reduced stay fp32
+    "ddp": StateLayout("DDP", 0, frozenset(), "never", "none", _all_reduce, fp32_at_rest=True, fp32_on_the_wire=True,
+                       precisions=_MIXED, source="zeroexp.strategies.ddp"),
     "zro": StateLayout("DDP + ZeroRedundancyOptimizer", 1, _OS, "never", "owners", _all_reduce_broadcast,
-                       source="zeroexp.strategies.zro"),
+                       fp32_at_rest=True, fp32_on_the_wire=True, precisions=_MIXED, source="zeroexp.strategies.zro"),
     "zero1": StateLayout("zeroexp ZeRO-1", 1, _OS, "always", "buckets", _scatter_gather, precisions=_MIXED,
                          source="zeroexp.sharding"),
     "zero2": StateLayout("zeroexp ZeRO-2", 2, _OS_G, "always", "buckets", _scatter_gather, precisions=_MIXED,
                          source="zeroexp.sharding"),
     "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, _OS_G_P, "never", "units", _gather_once, "all",
-                                source="zeroexp.strategies.fsdp; [FSDP]"),
+                                fp32_at_rest=True, precisions=_MIXED, source="zeroexp.strategies.fsdp; [FSDP]"),
     "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", _gather_twice, "largest",
-                             source="zeroexp.strategies.fsdp; [FSDP]"),
-    "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows", _gather_once,
-                                 "all", fp32_at_rest=True, padded_moments=False, precisions=frozenset({"fp32", "bf16"}),
+                             fp32_at_rest=True, precisions=_MIXED, source="zeroexp.strategies.fsdp; [FSDP]"),
+    "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows",
+                                 partial(_gather_once, groups="rows"),
+                                 "all", fp32_at_rest=True, padded_moments=False, precisions=_MIXED,
                                  source="zeroexp.strategies.fsdp2; [FSDP2]"),
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows", _gather_twice_root_too,
-                              "largest", fp32_at_rest=True, padded_moments=False, precisions=frozenset({"fp32", "bf16"}),
+                              "largest", fp32_at_rest=True, padded_moments=False, precisions=_MIXED,
                               source="zeroexp.strategies.fsdp2; [FSDP2]"),
 }
 
@@ -478,6 +620,8 @@ def _unit_numels(layout: StateLayout, shape: ModelShape, world_size: int, itemsi
     else one FlatParameter padded to N [FSDP]."""
     if layout.groups == "rows":
         return [sum(fsdp2_padded_numel(shape.params[i], world_size) for i in u) for u in shape.units]
+    if layout.groups == "params":  # each parameter padded to N on its own [DS]
+        return [sum(padded_numel(shape.numels[i], world_size) for i in u) for u in shape.units]
     align = 16 // itemsize if knobs.use_orig_params and layout.groups == "units" else 0
     return [padded_numel(_flat([shape.numels[i] for i in u], align)[1], world_size) for u in shape.units]
 
@@ -505,14 +649,37 @@ def _shards(groups: list[tuple[list[tuple[int, int]], int]], world_size: int) ->
     return logical[:world_size], [physical] * world_size
 
 
+def _held_grads(groups: list[tuple[list[tuple[int, int]], int]], world_size: int) -> list[int]:
+    """Per rank, the elements of DeepSpeed ZeRO-1/2's gradient partition as stored [DS]: the full gradient of every
+    parameter the rank's partition overlaps (``params_in_partition``, views of ``grad_accum`` or of
+    ``grads_in_partition``), plus the partition's padding, a zeros tensor of its own (``get_flat_partition``)."""
+    held = [0] * (world_size + 1)  # a difference array over ranks
+    pads = [0] * world_size
+    for spans, padded in groups:
+        shard = padded // world_size
+        end = max((b for _, b in spans), default=0)
+        for a, b in spans:
+            if b > a:
+                held[a // shard] += b - a
+                held[(b - 1) // shard + 1] -= b - a
+        for r in range(end // shard, world_size):
+            pads[r] += min((r + 1) * shard, padded) - max(r * shard, end)
+    out, run = [], 0
+    for r in range(world_size):
+        run += held[r]
+        out.append(run + pads[r])
+    return out
+
+
 def rank_state_bytes(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
-                     knobs: PlanKnobs = PlanKnobs()) -> dict[str, list[tuple[int, int]]]:
+                     knobs: PlanKnobs = PlanKnobs(), offload: str = "none") -> dict[str, list[tuple[int, int]]]:
     """Per kind, per rank: (logical, physical) bytes of model state at the optimizer boundary [ZeRO 5.1].
 
     ``param`` and ``grad`` in the compute dtype (``itemsize`` bytes; fp32 for ``fp32_at_rest``), ``optim`` Adam's
     two fp32 moments, ``master`` the fp32 copy when the layout keeps one; each replicated or sharded as the
     layout says, physical bytes with the layout's padding. ``optim_scalar``: Adam's 4-byte ``step`` per
-    optimizer tensor, when the model's shapes fix their number (a residual beside the model state).
+    optimizer tensor, when the model's shapes fix their number (a residual beside the model state). ``offload``
+    changes the bytes only of a layout with ``offload_grad`` (DeepSpeed's fp32 gradient partition on the host).
     """
     n, psi, s = world_size, shape.numel, layout.sharded
     if layout.groups in ("none", "owners") and shape.exact:
@@ -527,17 +694,28 @@ def rank_state_bytes(layout: StateLayout, shape: ModelShape, world_size: int, it
 
     def kind(sharded: bool, nbytes: int) -> list[tuple[int, int]]:
         if sharded:
-            return [(lo * nbytes, ph * nbytes) for lo, ph in zip(logical, physical)]
+            return [((ph if layout.partition_logical else lo) * nbytes, ph * nbytes)
+                    for lo, ph in zip(logical, physical)]
         return [(psi * nbytes, full * nbytes)] * n
 
     rest = 4 if layout.fp32_at_rest else itemsize
     out = {"param": kind("param" in s, rest), "grad": kind("grad" in s, rest), "optim": kind("optim" in s, _MOMENTS)}
+    offloaded = offload != "none" and layout.offload_grad != "none"
+    if layout.grad_held == "params" and "grad" in s and shape.exact and layout.groups == "flat" and not offloaded:
+        out["grad"] = [(lo, g * rest) for (lo, _), g in zip(out["grad"], _held_grads(groups, n))]
+    if offloaded:  # the fp32 gradient partition on the host [DS]
+        fp32 = kind("grad" in s, _MASTER)
+        out["grad"] = fp32 if layout.offload_grad == "replace" else \
+            [(a + c, b + d) for (a, b), (c, d) in zip(out["grad"], fp32)]
     if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
         out["master"] = kind("optim" in s, _MASTER)
     if knobs.use_orig_params and layout.groups == "units":  # moments and steps per unpadded view [FSDP]
         out["optim"], tensors = [(lo, lo) for lo, _ in out["optim"]], None
     if not layout.padded_moments:
         out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
+    if layout.flat_optimizer and shape.exact:  # one flat fp32 partition (per sub-group) per rank [DS]
+        parts = [padded // n for _, padded in groups]
+        tensors = [deepspeed_sub_groups(parts) if layout.groups == "params" else len(parts)] * n
     if tensors is not None:
         out["optim_scalar"] = [(_STEP * t, _STEP * t) for t in tensors]
     return out
@@ -546,14 +724,16 @@ def rank_state_bytes(layout: StateLayout, shape: ModelShape, world_size: int, it
 def step_collectives(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
                      knobs: PlanKnobs = PlanKnobs()) -> Collectives:
     """One rank's per-step collectives under ``layout``: its payload model over the padded groups, in the
-    compute dtype [ZeRO 7]."""
+    compute dtype [ZeRO 7] (fp32 for a layout ``fp32_on_the_wire``)."""
+    itemsize = 4 if layout.fp32_on_the_wire else itemsize
+    more = (shape.numels, world_size, itemsize)
     if layout.groups in ("none", "owners"):
-        return layout.payload(Groups([shape.numel * itemsize], [False], knobs))
+        return layout.payload(Groups([shape.numel * itemsize], [False], knobs, *more))
     if layout.groups in ("units", "rows"):
         units = _unit_numels(layout, shape, world_size, itemsize, knobs)
-        return layout.payload(Groups([u * itemsize for u in units], list(shape.root), knobs))
+        return layout.payload(Groups([u * itemsize for u in units], list(shape.root), knobs, *more))
     groups = _groups(layout, shape, world_size, itemsize, knobs)
-    return layout.payload(Groups([padded * itemsize for _, padded in groups], [False] * len(groups), knobs))
+    return layout.payload(Groups([padded * itemsize for _, padded in groups], [False] * len(groups), knobs, *more))
 
 
 def unsharded_floor_bytes(layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,

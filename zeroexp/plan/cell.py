@@ -14,7 +14,7 @@ from zeroexp.formulas import STATE_KINDS, PlanKnobs, rank_state_bytes
 from zeroexp.plan.core import Precision, plan_record, strategy_table
 from zeroexp.plan.shape import model_shape
 
-__all__ = ["plan_section", "knobs_of"]
+__all__ = ["plan_section", "knobs_of", "row_of"]
 
 #: What a measured kind the planner leaves out of the model state is, when it is explained.
 RESIDUALS = {"optim_scalar": "Adam's 4-byte step scalar per optimizer tensor"}
@@ -29,7 +29,18 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         reduce=str(s.get("reduce") or default.reduce),
         norm_allreduce=s.get("clip_grad_norm") is not None or cfg.precision.get("loss_scale") is not None,
         use_orig_params=bool(s.get("use_orig_params", False)),
+        loss_scaling=cfg.precision.get("loss_scale") is not None,
     )
+
+
+def row_of(cfg: Any) -> str:
+    """The planner's row for a cell: the strategy's own (``strategy.name``), else, for a strategy whose ZeRO stage is
+    a knob (``strategy.stage``, e.g. ``deepspeed``), the row ``<name>_stage<k>`` (``deepspeed_stage2``)."""
+    name, stage = str(cfg.strategy.name), cfg.strategy.get("stage")
+    table = strategy_table()
+    if name not in table and stage is not None and f"{name}_stage{int(stage)}" in table:
+        return f"{name}_stage{int(stage)}"
+    return name
 
 
 def plan_section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -56,7 +67,7 @@ def _measured(cell: Path) -> dict[str, list[tuple[int, int]]] | None:
 def _section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
     from zeroexp.strategies.fsdp import wrap_paths
 
-    name, n = str(cfg.strategy.name), int(cfg.world_size)
+    name, n = row_of(cfg), int(cfg.world_size)
     precision, offload = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype)), str(cfg.offload.name)
     layout = strategy_table().get(name)
     if layout is None or precision.name not in layout.precisions or offload not in layout.offloads:
@@ -67,7 +78,7 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
         return {"check": "n/a", "reasons": ["no rank_state.csv: the state probe did not run"]}
     shape, knobs = model_shape(cfg.model, wrap_paths(cfg)), knobs_of(cfg)
     record = plan_record(name, layout, shape, n, precision, offload, knobs, model=str(cfg.model.name))
-    predicted = rank_state_bytes(layout, shape, n, precision.itemsize, knobs)
+    predicted = rank_state_bytes(layout, shape, n, precision.itemsize, knobs, offload)
     kinds = [k for k in STATE_KINDS if k in predicted]
     reasons, ranks = [], []
     for kind in dict.fromkeys([*predicted, *measured]):
@@ -89,9 +100,15 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
     pred = {k: largest(predicted, [k]) for k in kinds} | {"total": record["total_bytes"]}
     meas = {k: largest(measured, [k]) if k in measured else 0 for k in kinds} | {"total": largest(measured, kinds)}
-    payload = _payload(record["payload_bytes"], summary.get("collectives", {}).get("payload_bytes"))
+    measured_payload = summary.get("collectives", {}).get("payload_bytes")
+    payload_reasons = [] if layout.payload_limits is None else \
+        layout.payload_limits(shape, knobs, precision.name, offload)
+    if measured_payload is None:
+        payload_reasons.append("no collectives section: the collectives probe did not run")
+    payload = None if payload_reasons else _payload(record["payload_bytes"], measured_payload)
     return {
         "layout": record["label"],
+        "row": name,
         "predicted_bytes": pred,
         "measured_bytes": meas,
         "difference_bytes": {k: meas[k] - pred[k] for k in pred},
@@ -100,15 +117,14 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "payload": payload,
         "payload_check": "n/a" if payload is None else
                          "PASS" if all(p["difference_bytes"] == 0 for p in payload) else "FAIL",
+        "payload_reasons": payload_reasons,
         "check": "FAIL" if reasons else "PASS",
         "reasons": reasons,
     }
 
 
-def _payload(predicted: dict[str, int], measured: dict[str, int] | None) -> list[dict[str, Any]] | None:
+def _payload(predicted: dict[str, int], measured: dict[str, int]) -> list[dict[str, Any]]:
     """Per collective op, the planned and the measured per-step payload S (the collectives probe's)."""
-    if measured is None:
-        return None
     return [{"op": op, "predicted_bytes": predicted.get(op, 0), "measured_bytes": int(measured.get(op, 0)),
              "difference_bytes": int(measured.get(op, 0)) - predicted.get(op, 0)}
             for op in dict.fromkeys([*predicted, *measured])]

@@ -36,7 +36,7 @@ class PlanConfig:
     units: str = "GB"  # GB (1e9) | GiB (2^30): tables only, JSON is in bytes
     format: str = "table"  # table | json
     wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
-    bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters)
+    bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
 
 
 def register() -> None:
@@ -107,7 +107,9 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         strategies = [str(s) for s in (strategies if isinstance(strategies, ListConfig) else [strategies])]
     shape, model = _shape(cfg)
     return plan(shape, _world_sizes(cfg.world_size), Precision(cfg.precision.name, cfg.precision.param_dtype),
-                cfg.offload.name, strategies, PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20)), memory, model)
+                cfg.offload.name, strategies,
+                PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
+                          loss_scaling=cfg.precision.get("loss_scale") is not None), memory, model)
 
 
 def task(cfg: DictConfig) -> None:

@@ -64,7 +64,7 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
     """One strategy at one world size: per-rank bytes of each kind (the largest rank's, padding included), device
     and host totals, the gather floor, fits, and per-step payload and bus bytes by collective (bytes throughout)."""
     n, c = world_size, precision.itemsize
-    state = rank_state_bytes(layout, shape, n, c, knobs)
+    state = rank_state_bytes(layout, shape, n, c, knobs, offload)
     host = offloaded_kinds(layout, offload)
 
     def largest(kinds: Iterable[str]) -> int:

@@ -148,14 +148,22 @@ class FSDPAdapter(StrategyAdapter):
         A unit is gathered twice when FULL_SHARD reshards it after forward, which FSDP skips for the root
         unit (``_post_forward_reshard``: ``not state._is_root``); the prefetch mode changes the order only.
         """
-        unit_bytes, gathers = [], []
+        unit_bytes, reduce_bytes, gathers = [], [], []
         for unit in FullyShardedDataParallel.fsdp_modules(model):
             if unit._handle is None:  # no parameters of its own: no collectives
                 continue
-            flat = unit._handle.flat_param
-            unit_bytes.append(padded_numel(flat._unpadded_unsharded_size.numel(), world_size) * flat.element_size())
+            handle = unit._handle
+            numel = padded_numel(handle.flat_param._unpadded_unsharded_size.numel(), world_size)
+            # MixedPrecision: gathered in param_dtype, reduce-scattered in reduce_dtype (the fp32 shard otherwise)
+            unit_bytes.append(numel * handle._fwd_bwd_param_dtype.itemsize)
+            reduce_bytes.append(numel * handle._reduce_dtype.itemsize)
             gathers.append(2 if self.sharding == ShardingStrategy.FULL_SHARD and not unit._is_root else 1)
-        return fsdp_collectives(unit_bytes, gathers)
+        return fsdp_collectives(unit_bytes, gathers, reduce_bytes, inf_syncs=self.inf_syncs())
+
+    def inf_syncs(self) -> int:
+        """fp16: ``ShardedGradScaler.unscale_`` all-reduces its found_inf flag (fp32, one element) once per step,
+        each rank having checked only its gradient shards; none without a loss scaler."""
+        return 1 if self.cfg.precision.name == "fp16" else 0
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

@@ -1,0 +1,181 @@
+"""The planner's DeepSpeed rows (``deepspeed_stage0..3``) against DeepSpeed 0.19 as it runs: ``strategy=deepspeed``
+cells are planned with the row of their stage, and their ``summary.json["plan"]`` matches the state probe's
+``rank_state.csv`` to the byte, every kind on every rank; then, without running anything, the rows' per-rank bytes
+for a large model follow the closed forms of DeepSpeed's partitioning.
+
+The cells are the ones tests/test_deepspeed.py runs (the ``cell`` fixture runs each once per session), plus one
+bf16 cell."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import read_csv
+from zeroexp.formulas import (LAYOUTS, ModelShape, deepspeed_state_factors, rank_state_bytes, step_collectives)
+from zeroexp.models import LinearStack
+from zeroexp.plan import Precision, plan
+from zeroexp.plan.shape import shape_of
+from zeroexp.strategies import deepspeed as ds_adapter
+
+pytestmark = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
+                                reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+
+N2 = ("strategy=deepspeed", "world_size=2")  # as tests/test_deepspeed.py: the same cells, run once
+
+
+def _mlp(depth: int = 8, width: int = 64):
+    """The cells' model (a stack of bias-free Linear(width, width)) as the planner reads it, on the meta device."""
+    with torch.device("meta"):
+        return shape_of(LinearStack(width, depth), [nn.Linear])
+
+
+def _planned_exactly(r, stage: int, itemsize: int, offload: str = "none", depth: int = 8):
+    """The cell's plan is PASS with no difference, and rank_state.csv equals rank_state_bytes on every rank and kind
+    (optim_scalar too), computed here apart from plan_section. Returns the plan section and the table."""
+    assert r.status == "ok", r.error
+    section, frame = r.summary["plan"], read_csv(r, "rank_state.csv")
+    assert section["row"] == f"deepspeed_stage{stage}" and section["layout"] == f"DeepSpeed 0.19 stage {stage}"
+    assert section["check"] == "PASS", section["reasons"]
+    assert set(section["difference_bytes"].values()) == {0} and section["predicted_bytes"] == section["measured_bytes"]
+    state = rank_state_bytes(LAYOUTS[f"deepspeed_stage{stage}"], _mlp(depth), 2, itemsize, offload=offload)
+    for kind, per_rank in state.items():
+        rows = frame[frame.kind == kind].sort_values("rank")
+        assert list(zip(rows.logical_bytes, rows.physical_bytes)) == per_rank, kind
+    assert set(frame.kind) - set(state) <= {"param_unsharded"}
+    assert (frame[frame.kind == "param_unsharded"].physical_bytes == 0).all()
+    assert len(section["ranks"]) == 2 * len(state)
+    return section, frame
+
+
+def _per_rank(frame, kind):
+    rows = frame[frame.kind == kind].sort_values("rank")
+    return list(zip(rows.logical_bytes, rows.physical_bytes))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_cells_are_planned_to_the_byte(cell, stage):
+    section, frame = _planned_exactly(cell(*N2, f"strategy.stage={stage}"), stage, 4)
+    assert section["payload_check"] == "PASS", section["payload"]
+    assert section["payload_reasons"] == []
+    p = 4 * 8 * 64 * 64  # fp32 bytes of 8 x Linear(64, 64): 32768 elements, a multiple of 2N, no padding
+    want = {0: {"param": p, "grad": p, "optim": 2 * p},
+            1: {"param": p, "grad": p // 2, "optim": p, "master": p // 2},  # stage 1 too: the gradient partition
+            2: {"param": p, "grad": p // 2, "optim": p, "master": p // 2},
+            3: {"param": p // 2, "grad": p // 2, "optim": p, "master": p // 2}}[stage]
+    for kind, nbytes in want.items():
+        assert _per_rank(frame, kind) == [(nbytes, nbytes)] * 2, kind
+    assert set(frame.kind) - {"optim_scalar", "param_unsharded"} == set(want)  # fp32 stage 0: no master
+    steps = 8 if stage == 0 else 1  # Adam's step: per parameter (stage 0) or per flat fp32 partition
+    assert _per_rank(frame, "optim_scalar") == [(4 * steps, 4 * steps)] * 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_cut_by_the_partition_boundary(cell, stage):
+    # 5 x Linear(64, 64) over 2 ranks: each partition ends half-way through the third Linear. ZeRO-1/2 keep that
+    # parameter's full gradient on both ranks (the partition is views of it); ZeRO-3 partitions every parameter.
+    # Reduce buckets of one Linear each (tests/test_deepspeed.py): the payload is planned over them.
+    r = cell(*N2, f"strategy.stage={stage}", "model.depth=5", "ddp_bucket_cap_mb=0.03")
+    section, frame = _planned_exactly(r, stage, 4, depth=5)
+    assert section["payload_check"] == "PASS", section["payload"]
+    half, linear = 4 * 5 * 4096 // 2, 4 * 4096
+    grads = _per_rank(frame, "grad")
+    if stage == 3:
+        assert grads == [(half, half)] * 2
+    else:
+        assert grads == [(half, 3 * linear)] * 2 and 3 * linear > half
+
+
+def test_a_bf16_cell_is_planned_to_the_byte(cell):
+    # bf16 compute, fp32 master and moments; stage 1 with the straddling Linear: bf16 gradient views, and the
+    # bf16 overflow flag and fp32 norm all_reduces in the payload.
+    r = cell(*N2, "strategy.stage=1", "precision=bf16", "model.depth=5")
+    section, frame = _planned_exactly(r, 1, 2, depth=5)
+    assert section["payload_check"] == "PASS", section["payload"]
+    psi = 5 * 4096
+    assert _per_rank(frame, "param") == [(2 * psi, 2 * psi)] * 2
+    assert _per_rank(frame, "grad") == [(psi, 2 * 3 * 4096)] * 2  # 2 bytes x psi/2 logical, 3 whole Linears
+    assert _per_rank(frame, "master") == [(2 * psi, 2 * psi)] * 2  # fp32, psi/2 each
+    assert {p["op"]: p["measured_bytes"] for p in section["payload"]} == {"all_reduce": 2 * psi + 4 + 1,
+                                                                          "all_gather": 2 * psi}
+
+
+def test_an_offloaded_bf16_cell_plans_its_state_and_says_why_not_its_payload(cell):
+    r = cell(*N2, "strategy.stage=2", "precision=bf16", "offload=optimizer")  # as tests/test_deepspeed.py
+    section, frame = _planned_exactly(r, 2, 2, offload="optimizer")
+    psi = 8 * 4096
+    assert _per_rank(frame, "grad") == [(4 * psi // 2, 4 * psi // 2)] * 2  # the fp32 partition on the host
+    assert section["payload_check"] == "n/a" and section["payload"] is None
+    assert any("offload=optimizer" in why for why in section["payload_reasons"])
+
+
+# --- planner only: a large model, nothing run ---------------------------------------------------------------
+def _held(numels: list[int], padded: int, n: int) -> list[int]:
+    """Per rank, by brute force: the full numel of every parameter overlapping the rank's partition of the flat
+    group, plus the partition's padding."""
+    shard, bounds, start = padded // n, [], 0
+    for k in numels:
+        bounds.append((start, start + k))
+        start += k
+    return [sum(b - a for a, b in bounds if a < (r + 1) * shard and b > r * shard)
+            + max(0, (r + 1) * shard - max(r * shard, start)) for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [3, 8, 64])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_rows_follow_deepspeeds_partitioning_for_a_large_model(n, precision, offload):
+    shape = _mlp(7, 4099)  # 117.6M parameters, 7 x 16.8M: odd, padding everywhere
+    numels, psi = list(shape.numels), shape.numel
+    c = {"fp32": 4, "bf16": 2}[precision]
+    for stage in range(4):
+        if stage == 0 and offload != "none":
+            continue
+        state = rank_state_bytes(LAYOUTS[f"deepspeed_stage{stage}"], shape, n, c, offload=offload)
+        if stage == 0:
+            want = {"param": [(c * psi,) * 2] * n, "grad": [(c * psi,) * 2] * n, "optim": [(8 * psi,) * 2] * n,
+                    "optim_scalar": [(4 * 7,) * 2] * n}
+            if c != 4:
+                want["master"] = [(4 * psi,) * 2] * n  # the FP16 optimizer's fp32 copy, full on every rank
+        elif stage in (1, 2):
+            padded = math.ceil(psi / (2 * n)) * 2 * n  # bit16_groups_flat, aligned to 2N
+            shard = padded // n
+            grad = [(4 * shard,) * 2] * n if offload != "none" else [(c * shard, c * h) for h in _held(numels, padded, n)]
+            want = {"param": [(c * psi, c * padded)] * n, "grad": grad, "optim": [(8 * shard,) * 2] * n,
+                    "master": [(4 * shard,) * 2] * n, "optim_scalar": [(4, 4)] * n}
+        else:
+            shard = sum(math.ceil(k / n) for k in numels)  # each parameter padded to N on its own
+            per = c + (4 if offload != "none" else 0)  # offload: the fp32 gradient partition beside the bf16 one
+            want = {"param": [(c * shard,) * 2] * n, "grad": [(per * shard,) * 2] * n, "optim": [(8 * shard,) * 2] * n,
+                    "master": [(4 * shard,) * 2] * n, "optim_scalar": [(4, 4)] * n}
+        assert state == want, stage
+        # The state probe's aggregate factors (zeroexp.formulas.deepspeed_state_factors) from the logical bytes,
+        # up to the padding.
+        factors = deepspeed_state_factors(stage, n, c, offload)
+        for kind, f in factors.items():
+            logical = sum(lo for lo, _ in state[kind]) / (4 * psi)
+            assert logical == pytest.approx(f, rel=1e-4), (stage, kind)
+
+
+def test_the_planner_plans_the_deepspeed_rows():
+    # 7.3M parameters, each Linear under the 25 MiB reduce bucket, the model under one stage-3 prefetch bucket
+    shape = _mlp(7, 1023)
+    records, notes = plan(shape, [8], Precision("bf16", "bfloat16"), strategies=[f"deepspeed_stage{s}" for s in range(4)])
+    by = {r["strategy"]: r for r in records}
+    assert not notes and all("DeepSpeed 0.19, measured" in r["source"] for r in records)
+    assert by["deepspeed_stage1"]["total_bytes"] == by["deepspeed_stage2"]["total_bytes"]
+    assert by["deepspeed_stage3"]["total_bytes"] < by["deepspeed_stage2"]["total_bytes"] < by["deepspeed_stage0"]["total_bytes"]
+    # the payload: stage 1/2 gradients all-reduced (P) plus the fp32 norm and the bf16 overflow flag, the padded
+    # flat group all-gathered; stage 3 each parameter padded to N, reduce-scattered and gathered once, fp64 norm
+    psi, padded = shape.numel, math.ceil(shape.numel / 16) * 16
+    p3 = sum(math.ceil(k / 8) * 8 for k in shape.numels)
+    assert by["deepspeed_stage2"]["payload_bytes"] == {"all_reduce": 2 * psi + 4 + 1, "all_gather": 2 * padded}
+    assert by["deepspeed_stage3"]["payload_bytes"] == {"reduce_scatter": 2 * p3, "all_reduce": 8, "all_gather": 2 * p3}
+    assert by["deepspeed_stage0"]["payload_bytes"] == {"all_reduce": 2 * psi}
+    # a count has no parameter boundaries: ZeRO-1/2 gradients are the partition alone
+    count = rank_state_bytes(LAYOUTS["deepspeed_stage1"], ModelShape.from_count(7_500_000_000), 64, 2)
+    assert count["grad"] == [(2 * 7_500_000_000 // 64,) * 2] * 64
+    assert step_collectives(LAYOUTS["deepspeed_stage0"], shape, 8, 2)["all_reduce"]["payload_bytes"] == 2 * psi
