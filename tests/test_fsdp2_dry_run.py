@@ -137,3 +137,23 @@ def test_billions_of_parameters_at_1024_ranks_on_one_cpu(cell):
     assert s["max_rank_bytes"]["optim"] == 8 * psi // n
     assert c["counts"] == {"all_gather": 2 * depth, "reduce_scatter": depth}
     assert c["payload_bytes"] == {"all_gather": 2 * 4 * psi, "reduce_scatter": 4 * psi}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_dry_run_derives_the_real_run(cell, stage):
+    """DeepSpeed needs real storage (its engine), so a dry run derives it from the planner's row of its stage
+    (zeroexp.formulas.LAYOUTS deepspeed_stage<k>, DeepSpeed 0.19 as measured): equal to the real N=2 run."""
+    from zeroexp.strategies.deepspeed import deepspeed_available
+
+    if not deepspeed_available():
+        pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
+    overrides = ("strategy=deepspeed", "world_size=2", f"strategy.stage={stage}")  # as tests/test_deepspeed.py
+    real, dry = cell(*overrides), cell(*overrides, DRY)
+    assert real.status == dry.status == "ok", (real.error, dry.error)
+    assert dry.summary["dry_run"]["source"].startswith("derived")
+    assert f"DeepSpeed 0.19 stage {stage}" in dry.summary["collectives"]["source"]
+    for key in ("factors", "max_rank_bytes", "physical_factors"):
+        assert dry.summary["state"][key] == real.summary["state"][key], key
+    for key in ("counts", "payload_bytes"):
+        assert dry.summary["collectives"][key] == real.summary["collectives"][key], key
+    assert dry.summary["plan"]["check"] == real.summary["plan"]["check"] == "PASS"

@@ -119,18 +119,18 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
 def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
     """The model's structure on the meta device: the adapter's collectives model and the formulas' state table."""
     from zeroexp.formulas import rank_state_bytes, step_collectives
-    from zeroexp.plan.cell import knobs_of
+    from zeroexp.plan.cell import knobs_of, row_of
     from zeroexp.plan.core import Precision, strategy_table
     from zeroexp.plan.shape import model_shape
     from zeroexp.probes.collectives import SOURCE
     from zeroexp.strategies.fsdp import wrap_paths
 
-    adapter, n, name = ctx.adapter, ctx.world_size, str(cfg.strategy.name)
+    adapter, n, name, offload = ctx.adapter, ctx.world_size, str(cfg.strategy.name), str(cfg.offload.name)
     with torch.device("meta"):
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer)
     p_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
-    layout = strategy_table().get(name)
+    layout = strategy_table().get(row_of(cfg))  # deepspeed: the row of its stage
     if layout is None:
         raise ValueError(f"strategy={name} is not traced by a dry run (StrategyAdapter.dry_run_traced) and has no "
                          "byte model to derive it from (zeroexp.formulas.LAYOUTS, or a zero_stage)")
@@ -141,13 +141,16 @@ def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], di
     except Exception:  # noqa: BLE001 - e.g. an optimizer that needs wrap() first: the planner's payload model
         how = f"zeroexp.formulas.step_collectives ({layout.label})"
         expected = step_collectives(layout, shape, n, precision.itemsize, knobs)
+        limits = layout.payload_limits(shape, knobs, precision.name, offload) if layout.payload_limits else []
+        if limits:  # the payload model is not exact for this cell: say so where the figures are shown
+            how += "; not exact here: " + "; ".join(limits)
     dtype = str(cfg.precision.param_dtype)
     steps = list(ctx.schedule.profiled)
     records = [{"phase": "step", "step": s, "op": op, "dtype": dtype, "count": e["count"],
                 "payload_bytes": e["payload_bytes"]} for s in steps for op, e in expected.items()]
     collectives = {"records": records, "steps": steps, "expected": expected, "expected_error": None,
                    "param_bytes": p_bytes, "source": f"derived, not traced: {how}", "derived_from": SOURCE}
-    table = rank_state_bytes(layout, shape, n, precision.itemsize, knobs)
+    table = rank_state_bytes(layout, shape, n, precision.itemsize, knobs, offload)
     compute = {"param", "grad"}  # in the compute dtype; masters, moments and step scalars in fp32
     state = [{"rows": [{"kind": k, "logical_bytes": v[r][0], "physical_bytes": v[r][1],
                         "dtype": dtype if k in compute else "float32", "device": "",
