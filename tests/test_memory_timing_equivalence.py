@@ -77,13 +77,18 @@ def test_peak_is_the_largest_phase_peak(ladder, name):
 
 
 def test_backward_prefetch_moves_only_the_backward_peak(ladder):
-    rows = {p: read_csv(ladder[f"fsdp_full-{p}"], "memory.csv").iloc[0] for p in ("pre", "post", "none")}
-    for phase in ("forward", "optimizer"):  # BACKWARD_PRE / POST change nothing outside backward
-        assert rows["pre"][f"{phase}_peak_bytes"] == rows["post"][f"{phase}_peak_bytes"] \
-            == rows["none"][f"{phase}_peak_bytes"], phase
-    back = {p: r.backward_peak_bytes for p, r in rows.items()}
-    assert back["pre"] > back["post"] >= back["none"], back  # PRE holds the next unit while computing this one
-    assert all(r.peak_phase == "backward" for r in rows.values())
+    frames = {p: read_csv(ladder[f"fsdp_full-{p}"], "memory.csv") for p in ("pre", "post", "none")}
+    for phase in ("forward", "optimizer"):  # BACKWARD_PRE / POST change nothing outside backward, on any rank
+        values = {p: set(f[f"{phase}_peak_bytes"]) for p, f in frames.items()}
+        assert len(values["pre"] | values["post"] | values["none"]) == 1, (phase, values)
+    back = {p: f.backward_peak_bytes for p, f in frames.items()}
+    # PRE holds the next unit's parameters while computing this one's gradients: above no prefetch on every rank.
+    # POST issues the next all_gather once this unit's reduce_scatter is out, so where it lands in between
+    # depends on when gloo completes it (measured: 180300 to 192588 B across ranks and runs).
+    assert back["pre"].min() > back["none"].max(), back
+    assert back["none"].max() <= back["post"].min() and back["post"].max() <= back["pre"].max(), back
+    assert all((f.peak_phase == "backward").all() for f in frames.values())
+    rows = {p: f.iloc[0] for p, f in frames.items()}
     # SHARD_GRAD_OP keeps every unit gathered from forward on: its forward peak is above FULL_SHARD's
     grad_op = read_csv(ladder["fsdp_grad_op"], "memory.csv").iloc[0]
     assert grad_op.forward_peak_bytes > rows["pre"].forward_peak_bytes

@@ -4,9 +4,10 @@
 of the last memory-tracked step; ``peak`` is the highest allocation during the memory-tracked steps
 (``Schedule.memory_tracked``: after warm-up, so the model is wrapped and the optimizer state exists, and
 after the profiled steps). The peak is reset at the start of each tracked step, so it is a *training* peak:
-the construction of the full model on every rank and the wrapping are not in it. The cycle collector runs
-before steady is read and at each tracked step's start: garbage that only a reference cycle keeps alive is
-not state, and counting it made steady depend on when Python's collector happened to run.
+the construction of the full model on every rank and the wrapping are not in it. During a tracked step Python's
+cycle collector runs only at its start and at each phase's end (see :class:`_Collector`): garbage that only a
+reference cycle keeps alive is not state, and counting it made steady and the phase peaks depend on when the
+collector happened to run.
 
 Sources (``memory.source`` names the one used):
 
@@ -52,6 +53,30 @@ CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradi
               "Temp": "temporaries", "Optstate": "optimizer_state", "Other": "other"}
 
 
+class _Collector:
+    """Python's cycle collector, held still during a tracked step: collected at its start and at each phase's
+    end, never in between. Tensors that only a reference cycle keeps alive (autograd and FSDP hooks make some)
+    are freed when the collector runs; left to run on its own, it ran at random points, and steady and the phase
+    peaks changed by one FSDP unit's unsharded gradient from run to run."""
+
+    def __init__(self) -> None:
+        self._was_enabled: bool | None = None
+
+    def hold(self) -> None:
+        gc.collect()
+        if self._was_enabled is None:
+            self._was_enabled = gc.isenabled()
+        gc.disable()
+
+    def collect(self) -> None:
+        gc.collect()
+
+    def release(self) -> None:
+        if self._was_enabled:
+            gc.enable()
+        self._was_enabled = None
+
+
 class _CudaAllocator:
     """CUDA caching allocator statistics, the peak reset at each tracked step's start and at each phase's end."""
 
@@ -60,9 +85,10 @@ class _CudaAllocator:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._phases: dict[str, tuple[int, dict[str, int]]] = {}
+        self._gc = _Collector()
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        gc.collect()
+        self._gc.hold()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._phases = {}
@@ -74,6 +100,7 @@ class _CudaAllocator:
         """Record the peak of the phase that ends now; the next phase's peak starts from the current bytes."""
         torch.cuda.synchronize(self.device)
         self._phases[phase] = (int(torch.cuda.max_memory_allocated(self.device)), {})
+        self._gc.collect()
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def current_bytes(self) -> int:
@@ -81,14 +108,14 @@ class _CudaAllocator:
         return int(torch.cuda.memory_allocated(self.device))
 
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        self.phase_end(LAST_PHASE)
-        gc.collect()  # see _TensorTracker.end
+        self.phase_end(LAST_PHASE)  # collects: steady is read after the collector ran
         torch.cuda.synchronize(self.device)
-        return {"steady": int(torch.cuda.memory_allocated(self.device)), "steady_categories": {},
-                **_peak_of_phases(self._phases)}
+        steady = int(torch.cuda.memory_allocated(self.device))
+        self._gc.release()
+        return {"steady": steady, "steady_categories": {}, **_peak_of_phases(self._phases)}
 
     def abort(self) -> None:
-        pass
+        self._gc.release()
 
 
 def _peak_of_phases(phases: dict[str, tuple[int, dict[str, int]]]) -> dict[str, Any]:
@@ -178,10 +205,11 @@ class _TensorTracker:
         self._mt: Any = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._phases: dict[str, tuple[int, dict[str, int]]] = {}
+        self._gc = _Collector()
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._mt = _step_mem_tracker()
-        gc.collect()  # garbage awaiting the cycle collector is not held memory: do not register it
+        self._gc.hold()  # garbage awaiting the cycle collector is not held memory: do not register it
         tensors, self._optimizers = _live_tensors_and_optimizers()
         self._mt.track_external(*tensors)  # as "other"; the model and optimizers below re-label theirs
         del tensors  # the tracker holds weak references only: freed storages must leave the count
@@ -198,6 +226,7 @@ class _TensorTracker:
         the bytes alive now. No-op when not tracking."""
         if self._mt is not None:
             self._phases[phase] = _totals(self._mt.get_tracker_snapshot("peak"), self.device.type)
+            self._gc.collect()  # the next phase starts without the cycles' garbage
             self._mt.reset_peak()
 
     def current_bytes(self) -> int:
@@ -206,9 +235,8 @@ class _TensorTracker:
 
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         mt = self._mt
-        self.phase_end(LAST_PHASE)
+        self.phase_end(LAST_PHASE)  # collects: storages only kept by reference cycles leave the count now
         mt.set_in_optimizer_update(False)
-        gc.collect()  # storages only kept by reference cycles leave the count now, not at a random later step
         mt.track_external(model, *_trackable(self._optimizers))  # label this step's new gradients and optimizer state
         steady, steady_cats = _totals(mt.get_tracker_snapshot("current"), self.device.type)
         peaks = _peak_of_phases(self._phases)
@@ -219,6 +247,7 @@ class _TensorTracker:
         if self._mt is not None:
             self._mt.__exit__(None, None, None)
         self._mt, self._optimizers, self._phases = None, [], {}
+        self._gc.release()
 
 
 def memory_source(device: torch.device) -> "_CudaAllocator | _TensorTracker":
