@@ -67,8 +67,10 @@ def test_what_each_save_sends_and_holds(cell):
         full, sharded = saves[strategy, "full"], saves[strategy, "sharded"]
         assert full["rank0_peak_over_start_bytes"] > sharded["rank0_peak_over_start_bytes"], strategy
         assert full["rank0_peak_bytes"] > sharded["rank0_peak_bytes"], strategy
-    # FSDP full with rank0_only: rank 0 keeps the gathered state (>= P of parameters + 2P of moments), rank 1 does not.
-    assert saves["fsdp_full", "full"]["peak_over_start_bytes"][0] >= 3 * P > saves["fsdp_full", "full"]["peak_over_start_bytes"][1]
+    # FSDP full with rank0_only: rank 0 keeps the gathered state (>= P of parameters + 2P of moments), rank 1 does
+    # not. Slack of one unit (P / 8): a tensor counted at the start that gloo's thread frees late lowers peak - start.
+    over = saves["fsdp_full", "full"]["peak_over_start_bytes"]
+    assert over[0] >= 3 * P - P // 8 and over[1] < 3 * P - P // 8, over
 
 
 def _copy(cell, tmp_path: Path, strategy: str, kind: str) -> Path:
@@ -118,6 +120,7 @@ def test_report_has_a_checkpoint_table(cell):
     from zeroexp.results import load_sweep
 
     result = _cell(cell, "fsdp_full", "full")
+    _cell(cell, "ddp", "full")  # both cells in the session's cell root, whatever ran before (cached runs)
     tables = {t.key: t for t in build_tables(order_cells(load_sweep(Path(result.cell_dir).parent)))}
     shown = tables["checkpoint"].display()
     rows = {(cell_label.split(" ")[0], kind): row for (cell_label, kind), (_, row)

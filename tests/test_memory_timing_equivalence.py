@@ -82,11 +82,16 @@ def test_backward_prefetch_moves_only_the_backward_peak(ladder):
         values = {p: set(f[f"{phase}_peak_bytes"]) for p, f in frames.items()}
         assert len(values["pre"] | values["post"] | values["none"]) == 1, (phase, values)
     back = {p: f.backward_peak_bytes for p, f in frames.items()}
-    # PRE holds the next unit's parameters while computing this one's gradients: above no prefetch on every rank.
-    # POST issues the next all_gather once this unit's reduce_scatter is out, so where it lands in between
-    # depends on when gloo completes it (measured: 180300 to 192588 B across ranks and runs).
-    assert back["pre"].min() > back["none"].max(), back
-    assert back["none"].max() <= back["post"].min() and back["post"].max() <= back["pre"].max(), back
+    unit = 64 * 64 * 4  # one FSDP unit's unsharded parameters (BASE: model.width=64)
+    # A peak is a floor, not an exact figure: gloo's worker thread may free a collective's tensor a few ms after
+    # wait() returns, so a rank's peak can rise by up to a unit now and then, never fall. Compare the per-rank
+    # minimums, and bound the maxima with a unit of slack.
+    # PRE holds the next unit's parameters while computing this one's gradients: a unit above no prefetch.
+    # POST issues the next all_gather once this unit's reduce_scatter is out: in between (measured 180300 to
+    # 192588 B across ranks and runs, against 192588 for PRE and 178252 for none).
+    assert back["pre"].min() - back["none"].min() >= unit // 2, back
+    assert back["none"].min() <= back["post"].min() <= back["pre"].min(), back
+    assert back["post"].max() <= back["pre"].max() + unit, back
     assert all((f.peak_phase == "backward").all() for f in frames.values())
     rows = {p: f.iloc[0] for p, f in frames.items()}
     # SHARD_GRAD_OP keeps every unit gathered from forward on: its forward peak is above FULL_SHARD's
