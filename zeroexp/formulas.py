@@ -35,7 +35,7 @@ from functools import partial
 from typing import Callable, NamedTuple
 
 __all__ = ["padded_numel", "zero_state_factors", "bus_factor", "bus_bytes", "ddp_collectives", "zero1_collectives",
-           "fsdp_collectives", "fsdp2_padded_numel", "sharded_zero_state_factors", "deepspeed_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives", "deepspeed_collectives", "deepspeed_ipg_buckets",
+           "fsdp_collectives", "fp16_inf_syncs", "fsdp2_padded_numel", "sharded_zero_state_factors", "deepspeed_state_factors", "sharded_zero_rank_bytes", "sharded_zero_collectives", "deepspeed_collectives", "deepspeed_ipg_buckets",
            "deepspeed_allreduce_chunks", "deepspeed_reduce_bucket_numel", "deepspeed_sub_groups", "deepspeed_payload_limits",
            "COMPUTE_ITEMSIZE", "STATE_KINDS", "ModelShape", "PlanKnobs", "Groups", "StateLayout", "LAYOUTS",
            "owner_numels", "rank_state_bytes", "step_collectives", "unsharded_floor_bytes", "offloaded_kinds"]
@@ -89,8 +89,20 @@ def bus_bytes(op: str, payload_bytes: int, world_size: int) -> int | None:
     return None if factor is None else round(payload_bytes * factor)
 
 
+def _add(model: Collectives, op: str, sizes: list[int]) -> Collectives:
+    """``model`` with ``len(sizes)`` more calls of ``op`` totalling ``sum(sizes)`` payload bytes (none: unchanged)."""
+    if sizes:
+        entry = model.setdefault(op, {"count": 0, "payload_bytes": 0})
+        entry["count"] += len(sizes)
+        entry["payload_bytes"] += int(sum(sizes))
+    return model
+
+
 def _model(**ops: list[int]) -> Collectives:
-    return {op: {"count": len(sizes), "payload_bytes": int(sum(sizes))} for op, sizes in ops.items() if sizes}
+    model: Collectives = {}
+    for op, sizes in ops.items():
+        _add(model, op, sizes)
+    return model
 
 
 def ddp_collectives(bucket_bytes: list[int]) -> Collectives:
@@ -260,9 +272,9 @@ def deepspeed_collectives(stage: int, world_size: int, grad_numels: list[int], g
         return _model(all_reduce=[sum(b) * grad_itemsize for b in buckets] + scalars, all_gather=list(flat_group_bytes))
     if stage == 3:
         buckets = deepspeed_ipg_buckets(grad_numels, reduce_bucket_size)
-        return _model(reduce_scatter=[sum(-(-g // n) * n for g in bk) * grad_itemsize for bk in buckets],
+        return _model(reduce_scatter=[sum(padded_numel(g, n) for g in bk) * grad_itemsize for bk in buckets],
                       all_reduce=scalars,
-                      all_gather=[sum(-(-g // n) * n for g in gather) * param_itemsize for gather in gather_numels])
+                      all_gather=[sum(padded_numel(g, n) for g in gather) * param_itemsize for gather in gather_numels])
     raise ValueError(f"DeepSpeed ZeRO stage {stage}: 0, 1, 2 or 3")
 
 
@@ -394,13 +406,16 @@ def _scatter_gather(g: Groups) -> Collectives:
     return sharded_zero_collectives(g.nbytes, g.knobs.reduce, g.knobs.norm_allreduce)
 
 
-#: fp16 loss scaling's found_inf all_reduces per step: FSDP1's ShardedGradScaler once; with FSDP2's DTensor
-#: gradient shards DTensor's dispatch of the inf check reduces the flag once more (zeroexp.strategies.fsdp2).
-_INF_SYNCS = {"units": 1, "rows": 2}
+def fp16_inf_syncs(dtensor_grads: bool) -> int:
+    """All_reduces per step of an fp16 loss scaler's found_inf flag (one fp32 element each) when every rank holds
+    only gradient shards: ``ShardedGradScaler.unscale_`` all-reduces it once; with DTensor gradient shards (FSDP2)
+    DTensor's dispatch of the inf check (``_amp_foreach_non_finite_check_and_unscale_``) reduces its found_inf
+    output once more, a functional all_reduce (both seen with the torch profiler, torch 2.13, gloo)."""
+    return 2 if dtensor_grads else 1
 
 
 def _syncs(g: Groups, groups: str) -> int:
-    return _INF_SYNCS[groups] if g.knobs.loss_scaling else 0
+    return fp16_inf_syncs(dtensor_grads=groups == "rows") if g.knobs.loss_scaling else 0
 
 
 def _gather_once(g: Groups, groups: str = "units") -> Collectives:
@@ -422,6 +437,9 @@ DS_SUB_GROUP_SIZE = 1_000_000_000
 DS_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 DS_MAX_REUSE_DISTANCE = 1_000_000_000
+#: Parameter elements stage 3 fetches once per step and keeps for backward: within one prefetch bucket, and
+#: below the live-parameter and reuse-distance limits, nothing is released before backward.
+_DS_FETCH_LIMIT = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)
 
 
 def deepspeed_reduce_bucket_numel(knobs: PlanKnobs) -> int:
@@ -445,14 +463,6 @@ def deepspeed_sub_groups(partition_numels: list[int] | tuple[int, ...],
     return groups
 
 
-def _add(model: Collectives, op: str, sizes: list[int]) -> Collectives:
-    if sizes:
-        entry = model.setdefault(op, {"count": 0, "payload_bytes": 0})
-        entry["count"] += len(sizes)
-        entry["payload_bytes"] += int(sum(sizes))
-    return model
-
-
 def _deepspeed_payload(stage: int, g: Groups) -> Collectives:
     """DeepSpeed's per-step collectives (:func:`deepspeed_collectives`, no offload) from the model's parameters,
     in DeepSpeed's default settings as zeroexp configures them: reduce bucket from ``bucket_cap_mb``; stages 1-2
@@ -471,11 +481,11 @@ def _deepspeed_payload(stage: int, g: Groups) -> Collectives:
         model = deepspeed_collectives(stage, n, fit if stage == 1 else fit[::-1], c, bucket,
                                       flat_group_bytes=list(g.nbytes), norm_groups=1, overflow_check=c != 4)
         return _add(model, "all_reduce", [k * c for k in big])
-    gathers = 1 if sum(numels) <= min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE) else 2
+    gathers = 1 if sum(numels) <= _DS_FETCH_LIMIT else 2
     model = deepspeed_collectives(3, n, fit[::-1], c, bucket, gather_numels=[numels] * gathers, param_itemsize=c,
-                                  norm_groups=deepspeed_sub_groups([-(-k // n) for k in numels]), norm_itemsize=8,
+                                  norm_groups=deepspeed_sub_groups([padded_numel(k, n) // n for k in numels]), norm_itemsize=8,
                                   overflow_check=g.knobs.loss_scaling)
-    return _add(model, "reduce_scatter", [-(-k // n) * n * c for k in big])
+    return _add(model, "reduce_scatter", [padded_numel(k, n) * c for k in big])
 
 
 def deepspeed_payload_limits(stage: int, shape: ModelShape, knobs: PlanKnobs, precision: str,
@@ -495,7 +505,7 @@ def deepspeed_payload_limits(stage: int, shape: ModelShape, knobs: PlanKnobs, pr
     if stage > 0 and max(shape.numels) > bucket:
         reasons.append(f"a parameter of {max(shape.numels)} elements exceeds reduce_bucket_size={bucket}: reduced on its "
                        "own (extra_large_param_to_reduce), not measured")
-    limit = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)
+    limit = _DS_FETCH_LIMIT
     if stage == 3 and shape.numel > limit:
         reasons.append(f"stage 3: {shape.numel} parameter elements exceed one prefetch bucket ({limit}): DeepSpeed's "
                        "fetch and release schedule is not modelled")

@@ -23,6 +23,11 @@ def column(frame: pd.DataFrame, key: str) -> pd.Series:
     return frame[key] if key in frame.columns else pd.Series([None] * len(frame), index=frame.index, dtype=object)
 
 
+def is_dry_run(frame: pd.DataFrame) -> pd.Series:
+    """True for the cells that are dry runs (``summary.json["mode"] == "dry_run"``, zeroexp.dryrun)."""
+    return column(frame, "mode") == "dry_run"
+
+
 def _rank(values: tuple[str, ...], value: Any) -> tuple[int, str]:
     value = "" if missing(value) else str(value)
     return (values.index(value), "") if value in values else (len(values), value)

@@ -9,11 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.report.format import byte_unit, fmt_err, fmt_factor, fmt_ms, fmt_pct, missing
+from zeroexp.report.tables import OPS
 
 __all__ = ["digest"]
-
-_OPS = {"all_reduce": "AR", "broadcast": "BC", "all_gather": "AG", "reduce_scatter": "RS"}
-
 
 def _state(s: dict[str, Any]) -> str:
     f = s.get("factors", {})
@@ -37,7 +35,7 @@ def _human_bytes(nbytes: Any) -> str:
 
 def _collectives(c: dict[str, Any]) -> str:
     counts, payload = c.get("counts", {}), c.get("payload_bytes", {})
-    ops = ", ".join(f"{n} {_OPS.get(op, op)} ({_human_bytes(payload.get(op))})" for op, n in counts.items() if n)
+    ops = ", ".join(f"{n} {OPS.get(op, op)} ({_human_bytes(payload.get(op))})" for op, n in counts.items() if n)
     return f"per step: {ops or 'none'} (payload S)"
 
 

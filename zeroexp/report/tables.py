@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from zeroexp.report.cells import column
+from zeroexp.report.cells import column, is_dry_run
 from zeroexp.report.format import (NA, byte_unit, fmt_err, fmt_factor, fmt_int, fmt_ms, fmt_number, fmt_pct,
                                    missing)
 from zeroexp.tolerances import FLOOR_FACTOR
@@ -73,7 +73,7 @@ def cells_table(frame: pd.DataFrame) -> ReportTable:
             Column("wall s", "duration_s", lambda v: NA if missing(v) else f"{float(v):.1f}"),
             Column("directory", "cell_name", str)]
     raw = _raw(frame, [c.key for c in cols[1:-1]])
-    if (column(frame, "mode") == "dry_run").any():  # a sweep with dry runs says which cells trained
+    if is_dry_run(frame).any():  # a sweep with dry runs says which cells trained
         raw["mode"] = [_mode(m, src) for m, src in zip(column(frame, "mode"), column(frame, "dry_run.source"))]
         cols.insert(2, Column("mode", "mode", str))
     return ReportTable("cells", "Cells", raw, cols, empty_text="no cell")

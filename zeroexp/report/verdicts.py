@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from zeroexp.report.cells import column
+from zeroexp.report.cells import column, is_dry_run
 from zeroexp.report.format import fmt_err, fmt_ms, missing
 
 __all__ = ["Verdicts", "verdicts"]
@@ -35,15 +35,10 @@ def _as_list(value) -> list[str]:
     return [] if missing(value) else [str(value)]
 
 
-def _dry(frame: pd.DataFrame) -> pd.Series:
-    """True for the cells that are dry runs (``summary.json["mode"] == "dry_run"``)."""
-    return column(frame, "mode") == "dry_run"
-
-
 def _cells_line(cells: pd.DataFrame) -> str:
     status = column(cells, "status").fillna("unknown").value_counts()
     others = ", ".join(f"{n} {s}" for s, n in status.items() if s not in ("ok", "failed"))
-    dry = int(_dry(cells).sum())
+    dry = int(is_dry_run(cells).sum())
     return (f"Cells: {len(cells)}, {status.get('ok', 0)} finished, {status.get('failed', 0)} failed"
             + (f", {others}" if others else "")
             + (f"; {dry} of them dry runs (one process under a fake process group: state and collectives only; "
@@ -51,7 +46,7 @@ def _cells_line(cells: pd.DataFrame) -> str:
 
 
 def _check_line(ok: pd.DataFrame, section: str, claim: str) -> str:
-    checks, dry = list(column(ok, f"{section}.check")), list(_dry(ok))
+    checks, dry = list(column(ok, f"{section}.check")), list(is_dry_run(ok))
     passed = checks.count("PASS")
     na_dry = sum(missing(c) and d for c, d in zip(checks, dry))
     na = sum(missing(c) for c in checks) - na_dry
@@ -65,7 +60,7 @@ def _check_line(ok: pd.DataFrame, section: str, claim: str) -> str:
 def _timing_lines(ok: pd.DataFrame) -> list[str]:
     timed = ok[[not missing(v) for v in column(ok, "timing.median_ms")]]
     if timed.empty:
-        return ["timing: n/a (dry runs: no step time)." if len(ok) and _dry(ok).all() else "timing: n/a (no timing section)."]
+        return ["timing: n/a (dry runs: no step time)." if len(ok) and is_dry_run(ok).all() else "timing: n/a (no timing section)."]
     unstable = [bool(v) for v in timed["timing.unstable"]]
     order = timed.sort_values("timing.median_ms")
     if any(unstable):
@@ -115,7 +110,7 @@ def verdicts(cells: pd.DataFrame) -> Verdicts:
     lines = [_cells_line(cells), *(_check_line(ok, s, c) for s, c in CHECKS.items()
                                    if s not in OPTIONAL or f"{s}.check" in ok.columns)]
     mem = sum(not missing(v) for v in column(ok, "memory.peak_bytes_max"))
-    dry = int(_dry(ok).sum())
+    dry = int(is_dry_run(ok).sum())
     lines.append(f"memory: steady and peak measured in {mem} of {len(ok)} finished cells (reported, not checked)"
                  + (f"; {dry} dry runs allocate nothing to measure." if dry else "."))
     lines += _timing_lines(ok)

@@ -33,3 +33,11 @@ def amp_precision(cfg: Any, backend: str, sharded: bool = False) -> Any | None:
         else:
             scaler = torch.amp.GradScaler(device=device, **kwargs)
     return MixedPrecision(_LIGHTNING[name], device=device, scaler=scaler)
+
+
+def with_sharded_scaler(strategy: Any, cfg: Any, backend: str) -> Any:
+    """``strategy`` with Lightning's mixed-precision plugin and a ``ShardedGradScaler`` for fp16, for strategies
+    whose gradients are shards (FSDP, FSDP2: their own mixed-precision policy casts, so bf16 needs no plugin)."""
+    if cfg.precision.name == "fp16":
+        strategy.precision_plugin = amp_precision(cfg, backend, sharded=True)
+    return strategy

@@ -59,14 +59,13 @@ import torch
 from torch import nn
 
 from zeroexp.strategies import register
-from zeroexp.strategies.base import StateTensor, StrategyAdapter, optimizer_state_tensors
+from zeroexp.strategies.base import DTYPES, StateTensor, StrategyAdapter, optimizer_state_tensors, ranks_get_a_gpu
 
 #: The one file of a full DeepSpeed checkpoint (rank 0): fp32 master, Adam moments and step, by parameter name.
 DS_FULL_FILE = "full_fp32.pt"
 #: DeepSpeed's checkpoint tag (its subdirectory) for a sharded checkpoint.
 DS_TAG = "zeroexp"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
 _MASTER_TENSORS = {0: "FP16 optimizer fp32_groups (full fp32 copy on every rank)",
                    1: "single_partition_of_fp32_groups (the rank's fp32 partition)",
@@ -155,7 +154,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         super().__init__(cfg)
         self.stage = int(self.scfg.stage)
         self.zero_stage = self.stage
-        self.dtype = _DTYPES[str(cfg.precision.param_dtype)]
+        self.dtype = DTYPES[str(cfg.precision.param_dtype)]
         self.engine: Any = None
         self._steps = 0
         self._capture_at = int(cfg.warmup_steps)  # schedule.state_step
@@ -534,8 +533,4 @@ def _moment_keys(base: torch.optim.Optimizer) -> list[str]:
     return []
 
 
-def _cuda_for(cfg: Any) -> bool:
-    """Whether the cell's ranks get a GPU each (zeroexp.runner's rule for ``device``)."""
-    if cfg.device == "cpu":
-        return False
-    return cfg.device == "cuda" or (torch.cuda.is_available() and torch.cuda.device_count() >= int(cfg.world_size))
+_cuda_for = ranks_get_a_gpu  # one rule for every adapter (zeroexp.strategies.base)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -20,10 +20,10 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimState
                                     FullyShardedDataParallel, MixedPrecision, ShardingStrategy, StateDictType)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from zeroexp.formulas import fsdp_collectives, padded_numel, zero_state_factors
+from zeroexp.formulas import fp16_inf_syncs, fsdp_collectives, padded_numel, zero_state_factors
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_sharded, read_full, save_sharded, write_full
-from zeroexp.strategies.base import (StateTensor, StrategyAdapter, optimizer_state_tensors,
+from zeroexp.strategies.base import (DTYPES, StateTensor, StrategyAdapter, optimizer_state_tensors, ranks_get_a_gpu,
                                      parameter_state_tensors)
 
 _PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
@@ -62,7 +62,7 @@ class FSDPAdapter(StrategyAdapter):
     def validate(cls, cfg) -> None:
         from zeroexp.config import ConfigError, NotApplicableHere
 
-        if cfg.offload.name == "full" and not _has_accelerator(cfg):
+        if cfg.offload.name == "full" and not ranks_get_a_gpu(cfg):
             raise NotApplicableHere("offload", "full", "none (on this machine)",
                                     why="FSDP CPUOffload moves the shards to the host between computations, but this "
                                         "cell runs on the CPU (no GPU for each rank): there is nowhere to offload from")
@@ -161,9 +161,8 @@ class FSDPAdapter(StrategyAdapter):
         return fsdp_collectives(unit_bytes, gathers, reduce_bytes, inf_syncs=self.inf_syncs())
 
     def inf_syncs(self) -> int:
-        """fp16: ``ShardedGradScaler.unscale_`` all-reduces its found_inf flag (fp32, one element) once per step,
-        each rank having checked only its gradient shards; none without a loss scaler."""
-        return 1 if self.cfg.precision.name == "fp16" else 0
+        """fp16: the loss scaler's found_inf all_reduces per step (``zeroexp.formulas.fp16_inf_syncs``); 0 without."""
+        return fp16_inf_syncs(dtensor_grads=False) if self.cfg.precision.name == "fp16" else 0
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
@@ -192,26 +191,18 @@ class FSDPAdapter(StrategyAdapter):
 
     def mixed_precision(self) -> MixedPrecision | None:
         """``MixedPrecision`` with parameters, gradient reduction and buffers in the precision's dtype; None in fp32."""
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(self.cfg.precision.param_dtype))
-        if dtype is None:
+        dtype = DTYPES[str(self.cfg.precision.param_dtype)]
+        if dtype == torch.float32:
             return None
         return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype, cast_forward_inputs=True)
 
-    def lightning_strategy(self, timeout_s: float, backend: str):
+    def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """CellStrategy; for fp16, Lightning's mixed-precision plugin with a ``ShardedGradScaler``."""
-        from zeroexp.strategies._amp import amp_precision
+        from zeroexp.strategies._amp import with_sharded_scaler
 
-        strategy = super().lightning_strategy(timeout_s, backend)
-        if self.cfg.precision.name == "fp16":
-            strategy.precision_plugin = amp_precision(self.cfg, backend, sharded=True)
-        return strategy
+        return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.cfg, backend)
 
 
-def _has_accelerator(cfg) -> bool:
-    """Whether the cell's ranks get a GPU each (zeroexp.runner's rule for ``device``)."""
-    if cfg.device == "cpu":
-        return False
-    return cfg.device == "cuda" or (torch.cuda.is_available() and torch.cuda.device_count() >= int(cfg.world_size))
 
 
 @register

@@ -23,12 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zeroexp.formulas import fsdp2_padded_numel, fsdp_collectives, zero_state_factors
+from zeroexp.formulas import fp16_inf_syncs, fsdp2_padded_numel, fsdp_collectives, zero_state_factors
 from zeroexp.strategies import register
-from zeroexp.strategies.base import StateTensor, StrategyAdapter
+from zeroexp.strategies.base import DTYPES, StateTensor, StrategyAdapter
 from zeroexp.strategies.fsdp import FSDPAdapter, _import_class, wrap_paths
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -76,17 +75,14 @@ class FSDP2Adapter(StrategyAdapter):
         """``MixedPrecisionPolicy``: compute (and reduce) in the precision's ``param_dtype``; fp32 shards."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        dtype = _DTYPES[str(self.cfg.precision.param_dtype)]
+        dtype = DTYPES[str(self.cfg.precision.param_dtype)]
         return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype)
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """CellStrategy; for fp16, Lightning's mixed-precision plugin with a ``ShardedGradScaler``."""
-        from zeroexp.strategies._amp import amp_precision
+        from zeroexp.strategies._amp import with_sharded_scaler
 
-        strategy = super().lightning_strategy(timeout_s, backend)
-        if self.cfg.precision.name == "fp16":
-            strategy.precision_plugin = amp_precision(self.cfg, backend, sharded=True)
-        return strategy
+        return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.cfg, backend)
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``fully_shard`` each module of a wrapped class, innermost first, then the root; returns ``module``.
@@ -153,11 +149,8 @@ class FSDP2Adapter(StrategyAdapter):
         return fsdp_collectives(gather_bytes, gathers, reduce_bytes, inf_syncs=self.inf_syncs())
 
     def inf_syncs(self) -> int:
-        """fp16: two all_reduces of the loss scaler's found_inf flag (fp32, one element) per step. The gradient
-        shards are DTensors, so the inf check (``_amp_foreach_non_finite_check_and_unscale_``) runs through
-        DTensor, which reduces its found_inf output (a functional all_reduce); then ``ShardedGradScaler.unscale_``
-        all-reduces the flag itself. Both seen with the torch profiler (torch 2.13, gloo)."""
-        return 2 if self.cfg.precision.name == "fp16" else 0
+        """fp16: the loss scaler's found_inf all_reduces per step (``zeroexp.formulas.fp16_inf_syncs``); 0 without."""
+        return fp16_inf_syncs(dtensor_grads=True) if self.cfg.precision.name == "fp16" else 0
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

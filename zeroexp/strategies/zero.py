@@ -18,9 +18,8 @@ from torch import nn
 from zeroexp.formulas import sharded_zero_collectives, sharded_zero_state_factors
 from zeroexp.sharding import Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets, gather_full_masters
 from zeroexp.strategies import register
-from zeroexp.strategies.base import StateTensor, StrategyAdapter, optimizer_state_tensors, parameter_state_tensors
+from zeroexp.strategies.base import DTYPES, StateTensor, StrategyAdapter, optimizer_state_tensors, parameter_state_tensors
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _cast_floating_inputs(dtype: torch.dtype) -> Callable[..., Any]:
