@@ -11,7 +11,7 @@ from zeroexp.probes.collectives import SOURCE, CollectivesProbe
 
 N, WIDTH, DEPTH = 4, 64, 8  # conftest BASE: model.width=64, the mlp's default depth
 P = WIDTH * WIDTH * DEPTH * 4  # 128 KiB of fp32 parameters: 8 Linear units of 16 KiB
-TWO_BUCKETS = "ddp_bucket_cap_mb=0.0625"  # 64 KiB: the 8 gradients of 16 KiB fill exactly two DDP buckets
+TWO_BUCKETS = "strategy.bucket_cap_mb=0.0625"  # 64 KiB: the 8 gradients of 16 KiB fill exactly two DDP buckets
 #: Overrides in the order other test modules use (shared runs), and the reference fingerprint per rank per
 #: step: op -> (count, payload S in units of P).
 CELLS = {
@@ -46,7 +46,7 @@ def test_reference_fingerprint(cell, name):
 
 def test_layers_and_bucket_size_move_the_counts(cell):
     # 5 layers of 16 KiB, 32 KiB buckets: gradients fill buckets of 32, 32 and 16 KiB; 5 owned broadcasts.
-    r = cell("strategy=zro", f"world_size={N}", "ddp_bucket_cap_mb=0.03125", "model.depth=5")
+    r = cell("strategy=zro", f"world_size={N}", "strategy.bucket_cap_mb=0.03125", "model.depth=5")
     assert r.status == "ok", r.error
     s = r.summary["collectives"]
     assert s["check"] == "PASS", s["reasons"]

@@ -53,7 +53,7 @@ def test_stage_trains_with_its_state_factors_and_matches_the_reference(cell, sta
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_depth_and_bucket_size_move_the_collectives_as_modelled(cell, stage):
     # reduce_bucket_size = 0.03 MiB / 4 = 7864 elements: one Linear(64, 64) (4096) per gradient bucket
-    res = cell(*N2, f"strategy.stage={stage}", "model.depth=5", "ddp_bucket_cap_mb=0.03")
+    res = cell(*N2, f"strategy.stage={stage}", "model.depth=5", "strategy.bucket_cap_mb=0.03")
     assert res.status == "ok", res.error
     co = res.summary["collectives"]
     assert co["check"] == "PASS", co["reasons"]

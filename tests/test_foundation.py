@@ -111,6 +111,7 @@ def test_manifest_and_summary_fields(cell):
     assert m["started_at"] <= m["ended_at"]
     s = r.summary
     assert s["status"] == "ok" and s["cell"] == m["cell"] and s["world_size"] == 2 and s["steps"] == 10
+    assert m["schema_version"] == s["schema_version"] == 2  # docs/results.md, Schema versions
 
 
 def test_multirun_runs_each_distinct_cell_once(tmp_path):
@@ -148,3 +149,29 @@ def test_any_module_through_target(cell, compose):
     assert ddp.status == "ok" and fsdp.status == "ok", (ddp.error, fsdp.error)
     a, b = read_csv(ddp, "iterations.csv"), read_csv(fsdp, "iterations.csv")
     assert ((a.loss - b.loss).abs() / a.loss.abs()).max() <= 1e-5
+
+
+def test_schedule_is_assembled_from_the_probes():
+    """Each probe declares its steps (``Probe.steps``); the schedule, its checks and a dry run's absent sections
+    come from the probe registry, so a new probe with a window moves the timed steps by itself."""
+    from zeroexp.dryrun import ABSENT
+    from zeroexp.probes import Probe, Steps, registry
+    from zeroexp.schedule import Schedule
+
+    cfg = OmegaConf.create({"steps": 12, "warmup_steps": 3, "probes": {"profile_steps": 2, "memory_steps": 1}})
+    s = Schedule.from_cfg(cfg)
+    assert (s.state_step, s.profiled, s.memory_tracked, s.timed) == (3, range(3, 5), range(5, 6), range(6, 12))
+    assert s.problems() == []
+    assert list(ABSENT) == ["iterations", "memory", "timing", "equivalence"]
+
+    class Traced(Probe):
+        name = "traced"
+        steps = Steps("traced_steps", key="probes.traced_steps")
+
+    cfg.probes.traced_steps = 4
+    s = Schedule.from_cfg(cfg, [*registry(), Traced])
+    assert (s.traced_steps, s.timed) == (range(6, 10), range(10, 12))
+    cfg.steps = 11
+    assert Schedule.from_cfg(cfg, [*registry(), Traced]).problems() == [
+        "steps=11 leaves fewer than 2 timed steps after warmup_steps=3, probes.profile_steps=2, "
+        "probes.memory_steps=1, probes.traced_steps=4; use steps >= 12"]

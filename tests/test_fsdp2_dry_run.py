@@ -110,7 +110,7 @@ def test_dry_run_directory_says_what_it_is_and_leaves_out_what_it_cannot_measure
                                             ("zro", {"all_reduce": (2, P), "broadcast": (DEPTH, P)})])
 def test_dry_run_derives_ddp_and_zro_and_says_so(cell, strategy, want):
     # The reference fingerprints of tests/test_collectives.py (64 KiB buckets, N=4), without running a rank.
-    r = cell(f"strategy={strategy}", "world_size=4", "ddp_bucket_cap_mb=0.0625", DRY)
+    r = cell(f"strategy={strategy}", "world_size=4", "strategy.bucket_cap_mb=0.0625", DRY)
     assert r.status == "ok", r.error
     c, s = r.summary["collectives"], r.summary["state"]
     assert r.summary["dry_run"]["source"].startswith("derived") and c["source"].startswith("derived")

@@ -78,7 +78,7 @@ def test_a_parameter_cut_by_the_partition_boundary(cell, stage):
     # 5 x Linear(64, 64) over 2 ranks: each partition ends half-way through the third Linear. ZeRO-1/2 keep that
     # parameter's full gradient on both ranks (the partition is views of it); ZeRO-3 partitions every parameter.
     # Reduce buckets of one Linear each (tests/test_deepspeed.py): the payload is planned over them.
-    r = cell(*N2, f"strategy.stage={stage}", "model.depth=5", "ddp_bucket_cap_mb=0.03")
+    r = cell(*N2, f"strategy.stage={stage}", "model.depth=5", "strategy.bucket_cap_mb=0.03")
     section, frame = _planned_exactly(r, stage, 4, depth=5)
     assert section["payload_check"] == "PASS", section["payload"]
     half, linear = 4 * 5 * 4096 // 2, 4 * 4096

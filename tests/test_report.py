@@ -308,3 +308,38 @@ def test_terminal_digest_shows_the_summary_numbers(sweep):
     assert f"in {summary['memory']['peak_phase_of_max_rank']}" in rows["memory"][0]
     assert "CV" in rows["timing"][0] and ("unstable" in rows["timing"][0]) == summary["timing"]["unstable"]
     assert digest({"status": "ok"}) == []
+
+
+def test_cells_without_schema_version_report_the_same(sweep, tmp_path):
+    """Results stay readable: cells written before ``schema_version`` existed (version 1: no field in
+    ``summary.json`` or ``manifest.json``) give the same report as the current version 2; a newer version is
+    refused by name, as an unreadable cell."""
+    from zeroexp.report.render import to_markdown
+    from zeroexp.results import SCHEMA_VERSION
+
+    assert SCHEMA_VERSION == 2
+    new, old = tmp_path / "v2", tmp_path / "v1"
+    for cell in cell_dirs(sweep)[:3]:
+        for target in (new, old):
+            shutil.copytree(cell, target / cell.name, ignore=shutil.ignore_patterns("wandb"))
+        for name in ("manifest.json", "summary.json"):
+            doc = read_json(old / cell.name / name)
+            assert doc.pop("schema_version") == SCHEMA_VERSION
+            (old / cell.name / name).write_text(json.dumps(doc))
+    reports = {d: build_report(d) for d in (new, old)}
+    assert list(load_sweep(new).schema_version) == [2, 2, 2] and list(load_sweep(old).schema_version) == [1, 1, 1]
+    a, b = reports[new], reports[old]
+    assert [t.key for t in a.tables] == [t.key for t in b.tables]
+    for ta, tb in zip(a.tables, b.tables):
+        pd.testing.assert_frame_equal(ta.display(), tb.display())
+        assert ta.note == tb.note and ta.bullets == tb.bullets
+    assert a.verdicts.lines == b.verdicts.lines and a.verdicts.failures == b.verdicts.failures
+    body = {d: to_markdown(r).split("## Verdicts", 1)[1] for d, r in reports.items()}
+    assert body[new] == body[old]
+
+    cell = cell_dirs(new)[0]
+    manifest = read_json(cell / "manifest.json")
+    manifest["schema_version"] = SCHEMA_VERSION + 1
+    (cell / "manifest.json").write_text(json.dumps(manifest))
+    row = load_sweep(new).set_index("cell_name").loc[cell.name]
+    assert row["status"] == "unreadable" and f"schema_version {SCHEMA_VERSION + 1}" in row["error.message"]

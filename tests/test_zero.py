@@ -116,7 +116,7 @@ def test_losses_and_parameters_equal_ddp(compose, tmp_path, world_size):
 # --- cells: state, collectives and equivalence probes --------------------------------------------------
 N, WIDTH, DEPTH = 4, 64, 8  # conftest BASE: model.width=64, the mlp's default depth
 P = WIDTH * WIDTH * DEPTH * 4  # 128 KiB of fp32 parameters
-TWO_BUCKETS = "ddp_bucket_cap_mb=0.0625"  # 64 KiB: four 16 KiB layers per bucket, as in test_collectives
+TWO_BUCKETS = "strategy.bucket_cap_mb=0.0625"  # 64 KiB: four 16 KiB layers per bucket, as in test_collectives
 CELLS = {
     "zero1": ("strategy=zero1", f"world_size={N}", TWO_BUCKETS),
     "zero2": ("strategy=zero2", f"world_size={N}", TWO_BUCKETS),

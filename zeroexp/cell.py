@@ -1,7 +1,10 @@
 """A cell's identity: which axes apply to its strategy, its name, and its hash.
 
 Two configs with the same identity are the same cell: a sweep runs it once. Axes that do not apply to the
-strategy (``prefetch`` for ``ddp``) are not part of the identity, nor are logging and timeout knobs.
+strategy (``prefetch`` for ``ddp``) are not part of the identity, nor are logging and timeout knobs, nor the
+``strategy.*`` keys its schema lacks (set in a sweep for other strategies) or marks as derived (``layout``).
+The optional axes are the strategy's (``StrategyAdapter.axes``): a top-level group (``prefetch``) or one of its
+own keys (deepspeed's ``strategy.stage``, named ``stage<N>``).
 """
 
 from __future__ import annotations
@@ -14,23 +17,49 @@ from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["cell_axes", "cell_identity", "cell_id", "cell_name"]
 
-#: Optional axes; each applies only to strategies whose adapter lists it in ``axes``. ``stage`` is a strategy
-#: knob (``strategy.stage``, DeepSpeed's ZeRO stage) named like an axis: it is the cell's ``stage``.
-OPTIONAL_AXES = ("prefetch", "stage")
 _IDENTITY_KEYS = ("model", "strategy", "precision", "offload", "optimizer", "world_size", "steps",
                   "batch_size", "seed", "warmup_steps", "device")
 
 
-def _applicable(cfg: DictConfig) -> tuple[str, ...]:
+def _adapter(cfg: DictConfig) -> Any:
     from zeroexp.strategies import registered
 
-    adapter = registered().get(cfg.strategy.name)
-    axes = adapter.axes if adapter is not None else frozenset()
-    return tuple(a for a in OPTIONAL_AXES if a in axes)
+    return registered().get(cfg.strategy.name)
+
+
+def _own_keys(cfg: DictConfig) -> frozenset[str]:
+    from zeroexp.strategies.base import schema_keys
+
+    adapter = _adapter(cfg)
+    return frozenset(schema_keys(adapter.schema)) if adapter is not None else frozenset()
+
+
+def _applicable(cfg: DictConfig) -> tuple[str, ...]:
+    """The strategy's optional axes: top-level groups first, then its own keys (each group sorted)."""
+    adapter = _adapter(cfg)
+    axes, own = (adapter.axes if adapter is not None else frozenset()), _own_keys(cfg)
+    return (*sorted(a for a in axes if a not in own), *sorted(a for a in axes if a in own))
 
 
 def _axis_value(cfg: DictConfig, axis: str) -> Any:
-    return int(cfg.strategy.stage) if axis == "stage" else cfg[axis].name
+    return cfg.strategy[axis] if axis in _own_keys(cfg) else cfg[axis].name
+
+
+def _axis_label(cfg: DictConfig, axis: str, value: Any) -> str:
+    """In a cell name: a group's value (``pre``), a strategy key with its value (``stage2``)."""
+    return f"{axis}{value}" if axis in _own_keys(cfg) else str(value)
+
+
+def _strategy_identity(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved strategy node without keys its schema lacks or marks derived (``layout``)."""
+    from zeroexp.strategies.base import identity_keys
+
+    node = OmegaConf.to_container(cfg.strategy, resolve=True)
+    adapter = _adapter(cfg)
+    if adapter is None:  # unknown strategy: validate() refuses it; keep its name unique meanwhile
+        return {k: v for k, v in node.items() if k != "layout"}
+    keep = set(identity_keys(adapter.schema))
+    return {k: v for k, v in node.items() if k in keep}
 
 
 def cell_axes(cfg: DictConfig) -> dict[str, Any]:
@@ -51,7 +80,8 @@ def _checkpoint(cfg: DictConfig) -> str:
 def cell_identity(cfg: DictConfig) -> dict[str, Any]:
     """Everything that determines what the cell computes and measures, resolved."""
     ident = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
-             for k in _IDENTITY_KEYS}
+             for k in _IDENTITY_KEYS if k != "strategy"}
+    ident["strategy"] = _strategy_identity(cfg)
     for a in _applicable(cfg):
         ident[a] = _axis_value(cfg, a)
     if cfg.get("dry_run"):  # a dry run is another cell than the real run of the same axes (absent: ids unchanged)
@@ -70,8 +100,7 @@ def cell_id(cfg: DictConfig) -> str:
 def cell_name(cfg: DictConfig) -> str:
     """A readable, unique directory name, e.g. ``fsdp_full-pre_mlp_fp32_n4_1a2b3c4d``."""
     ax = cell_axes(cfg)
-    strategy = "-".join([ax["strategy"], *(f"stage{ax[a]}" if a == "stage" else str(ax[a])
-                                          for a in OPTIONAL_AXES if a in ax)])
+    strategy = "-".join([ax["strategy"], *(_axis_label(cfg, a, ax[a]) for a in _applicable(cfg))])
     parts = [strategy, ax["model"], ax["precision"]]
     if ax["offload"] != "none":
         parts.append(f"off-{ax['offload']}")

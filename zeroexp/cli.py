@@ -9,17 +9,16 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cell import cell_name
+from zeroexp.hydra_app import CONF_DIR, run_hydra_app  # noqa: F401 - CONF_DIR: tests and callers read it here
 from zeroexp.config import ConfigError, NotApplicableHere, register_schemas
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 _TASK_STARTED = False
 _RAN_THIS_INVOCATION: set[Path] = set()
@@ -122,9 +121,11 @@ def _print_digest(summary: dict[str, Any], console: Any) -> None:
 def _skipped(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, why: str) -> None:
     """The manifest of a sweep cell this machine cannot run (``status: skipped``, the reason in ``error``)."""
     from zeroexp.cell import cell_axes, cell_id
+    from zeroexp.config import without_strategy_extras
     from zeroexp.results import utc_now, write_json
     from zeroexp.runner import new_manifest
 
+    cfg = without_strategy_extras(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
     run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep}
@@ -163,17 +164,6 @@ def _clear(cell_dir: Path) -> None:
     for p in cell_dir.iterdir():
         if p.name != "zeroexp.log":
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-
-
-def run_hydra_app(config_name: str, task_fn: Callable[[DictConfig], None], started: Callable[[], bool]) -> None:
-    """Run a Hydra app on ``conf/<config_name>.yaml``. Hydra reports a composition error (unknown option,
-    mistyped value, unknown key) and exits 1 before any task ran: that is bad input, reported as exit code 2."""
-    try:
-        hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task_fn)()
-    except SystemExit as e:
-        if e.code == 1 and not started():
-            sys.exit(2)
-        raise
 
 
 def main() -> None:

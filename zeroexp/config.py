@@ -1,48 +1,32 @@
 """Typed configuration: dataclass schemas registered in Hydra's ConfigStore, and up-front validation.
 
 Every option YAML under ``conf/`` extends one of these schemas through its defaults list
-(``- /schema/<group>@_here_: <schema>``), so a mistyped value (``model.width=abc``) or an unknown key
-(``strategy.bucket_mb=3``) fails at composition time with the full key in Hydra's message.
-:func:`validate` then checks what types cannot express (positive sizes, axes that do not apply to a
-strategy, targets that must import) before any rank is started, and raises :class:`ConfigError`
-naming the key, the value and what is accepted.
+(``- /schema/<group>@_here_: <schema>``), so a mistyped value (``model.width=abc``) or an unknown top-level key
+fails at composition time with the full key in Hydra's message. Each strategy's schema lives beside its adapter
+(``StrategyAdapter.schema``) and is open to the keys of other strategies, so that one sweep can set a key for the
+strategies that have it (:func:`strategy_extras`). :func:`validate` then checks what types cannot express (a
+``strategy.<key>`` the strategy lacks, positive sizes, axes that do not apply to a strategy, targets that must
+import) before any rank is started, and raises :class:`ConfigError` naming the key, the value and what is accepted.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
-__all__ = ["ConfigError", "register_schemas", "validate", "MODEL_RESERVED_KEYS"]
+from zeroexp.errors import ConfigError, NotApplicableHere
+from zeroexp.models import MODEL_RESERVED_KEYS
 
-
-class ConfigError(ValueError):
-    """A configuration that zeroexp refuses before any work starts.
-
-    The message always names the offending key, the given value and what is accepted.
-    """
-
-    def __init__(self, key: str, value: Any, accepted: str, why: str = "") -> None:
-        self.key, self.value, self.accepted = key, value, accepted
-        msg = f"invalid config: {key}={value!r}: {why + '; ' if why else ''}accepted: {accepted}"
-        super().__init__(msg)
-
-
-class NotApplicableHere(ConfigError):
-    """A cell of valid axis values that cannot run, on this machine (FSDP CPU offload with no accelerator) or in
-    this combination (DeepSpeed offload at stage 0): refused up front in a single run; in a ``--multirun`` sweep
-    the cell is ``skipped`` with this message and the sweep goes on (a sweep is a product of axes)."""
+__all__ = ["ConfigError", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
+           "strategy_extras", "without_strategy_extras"]
 
 
 # --- model -------------------------------------------------------------------------------------------
-# Keys of the model node that belong to zeroexp (data spec, loss, naming); everything else is passed
-# to the ``_target_`` factory.
-MODEL_RESERVED_KEYS = ("name", "input_shape", "dtype", "low", "high", "loss", "wrap")
-
 
 @dataclass
 class ModelConfig:
@@ -85,59 +69,8 @@ class GPTConfig(ModelConfig):
 
 
 # --- strategies --------------------------------------------------------------------------------------
-@dataclass
-class StrategyConfig:
-    name: str = MISSING
-
-
-@dataclass
-class DDPConfig(StrategyConfig):
-    # Set explicitly, DDP also uses it as the first bucket's cap (otherwise 1 MiB), so buckets are even.
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-
-
-@dataclass
-class ZROConfig(DDPConfig):
-    # False: one broadcast per parameter after the step (the reference experiment's fingerprint).
-    parameters_as_bucket_view: bool = False
-
-
-@dataclass
-class ZeroConfig(StrategyConfig):
-    """zeroexp's own ZeRO-1 / ZeRO-2 (``zeroexp.sharding``)."""
-
-    # Flat buckets, in compute-dtype bytes of parameters: one reduce_scatter and one all_gather each per step.
-    bucket_cap_mb: float = 25.0
-    reduce: str = "reduce_scatter"  # reduce_scatter | allreduce (the naive ZeRO: all_reduce, keep the shard)
-    clip_grad_norm: Optional[float] = None  # global-norm clipping: the max norm; null: no clipping
-
-
-@dataclass
-class DeepSpeedConfig(StrategyConfig):
-    """DeepSpeed ZeRO through ``deepspeed.initialize`` (zeroexp.strategies.deepspeed); an optional extra."""
-
-    stage: int = 2  # ZeRO stage 0 | 1 | 2 | 3 (a cell axis)
-    bucket_cap_mb: float = 25.0  # reduce_bucket_size and allgather_bucket_size, in MiB of fp32 elements
-
-
-@dataclass
-class FSDPConfig(StrategyConfig):
-    sharding: str = MISSING  # FULL_SHARD | SHARD_GRAD_OP
-    # Module classes wrapped as their own FSDP unit (import paths); the root unit holds the rest.
-    # null: the model's own unit (model.wrap: Linear for mlp, Block for gpt); [] wraps the model as one unit.
-    wrap: Optional[List[str]] = None
-    use_orig_params: bool = False
-    limit_all_gathers: bool = True
-    forward_prefetch: bool = False
-
-
-@dataclass
-class FSDP2Config(StrategyConfig):
-    """FSDP2 (``fully_shard``); ``reshard_after_forward`` is fixed by the strategy (fsdp2_full / fsdp2_grad_op)."""
-
-    # Module classes given their own fully_shard unit (import paths), as for FSDP1; the root takes the rest.
-    wrap: Optional[List[str]] = None
+# Each strategy's schema lives beside its adapter (``StrategyAdapter.schema``, zeroexp/strategies/); the schemas
+# are registered from the strategy registry (register_schemas).
 
 
 # --- small axes --------------------------------------------------------------------------------------
@@ -233,7 +166,6 @@ class ZeroexpConfig:
     warmup_steps: int = 3  # steps excluded from steady measurements
     device: str = "auto"  # auto | cpu | cuda
     resume: bool = False  # --multirun into an existing sweep dir: re-run only cells missing or not ok
-    ddp_bucket_cap_mb: float = 25.0  # shared default of strategy.bucket_cap_mb for ddp and zro
     # One process plays rank 0 of world_size ranks under a fake process group and FakeTensorMode: state table
     # and collectives without allocating the parameters (zeroexp.dryrun); no time, memory or equivalence.
     dry_run: bool = False
@@ -247,12 +179,15 @@ def register_schemas() -> None:
     cs.store(group="schema/model", name="model", node=OmegaConf.structured(ModelConfig, flags={"struct": False}))
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
     cs.store(group="schema/model", name="gpt", node=GPTConfig)
-    cs.store(group="schema/strategy", name="ddp", node=DDPConfig)
-    cs.store(group="schema/strategy", name="zro", node=ZROConfig)
-    cs.store(group="schema/strategy", name="zero", node=ZeroConfig)
-    cs.store(group="schema/strategy", name="deepspeed", node=DeepSpeedConfig)
-    cs.store(group="schema/strategy", name="fsdp", node=FSDPConfig)
-    cs.store(group="schema/strategy", name="fsdp2", node=FSDP2Config)
+    # Each strategy's own schema (``StrategyAdapter.schema``) as schema/strategy/<name>. Typed, and open to keys of
+    # other strategies: in a sweep across strategies a key set for all (strategy.stage=2,3) stays in the jobs whose
+    # strategy lacks it; it does not apply there (not in the cell's identity, removed before the cell runs), and
+    # validate() refuses it where the user asked for it in a single run (strategy_extras).
+    from zeroexp.strategies import registered
+
+    for name, adapter in registered().items():
+        cs.store(group="schema/strategy", name=name,
+                 node=OmegaConf.structured(adapter.schema, flags={"struct": False}))
     cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
     cs.store(group="schema/precision", name="precision", node=PrecisionConfig)
     cs.store(group="schema/offload", name="offload", node=OffloadConfig)
@@ -277,6 +212,65 @@ _ACCEPTED = {
 }
 
 
+def strategy_extras(cfg: DictConfig) -> tuple[str, ...]:
+    """The keys of ``cfg.strategy`` that its strategy's schema lacks (``stage`` for ``fsdp_full`` in
+    ``--multirun strategy=deepspeed,fsdp_full strategy.stage=2,3``): they do not apply to this cell, are not part of
+    its identity and are removed before it runs (:func:`without_strategy_extras`)."""
+    from zeroexp.strategies import registered
+    from zeroexp.strategies.base import schema_keys
+
+    adapter = registered().get(str(cfg.strategy.name))
+    if adapter is None:
+        return ()
+    own = set(schema_keys(adapter.schema))
+    return tuple(str(k) for k in cfg.strategy if k not in own)
+
+
+def without_strategy_extras(cfg: DictConfig) -> DictConfig:
+    """``cfg`` without the :func:`strategy_extras` (a copy when there are any)."""
+    extras = strategy_extras(cfg)
+    if not extras:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    with read_write(cfg), open_dict(cfg):
+        for key in extras:
+            del cfg.strategy[key]
+    return cfg
+
+
+def strategy_key(override_key: str) -> str | None:
+    """``strategy.bucket_cap_mb`` -> ``bucket_cap_mb`` (also ``strategy.wrap[0]``, ``strategy.a.b``); else None."""
+    if not override_key.startswith("strategy."):
+        return None
+    return override_key[len("strategy."):].split(".", 1)[0].split("[", 1)[0]
+
+
+def owners_of(key: str) -> list[str]:
+    """The registered strategies whose schema has ``strategy.<key>``."""
+    from zeroexp.strategies import registered
+    from zeroexp.strategies.base import schema_keys
+
+    return sorted(n for n, a in registered().items() if key in schema_keys(a.schema))
+
+
+def _check_strategy_keys(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
+    """A ``strategy.<key>`` the strategy lacks: refused when the user set it (a single run) or when no strategy has
+    it (a typo, in a preset too); otherwise it was set for other strategies and does not apply here."""
+    from zeroexp.strategies import get_adapter_class
+    from zeroexp.strategies.base import schema_keys
+
+    name = str(cfg.strategy.name)
+    asked = {strategy_key(k) for k in explicit_overrides}
+    for key in strategy_extras(cfg):
+        owners = owners_of(key)
+        if key in asked or not owners:
+            own = [k for k in schema_keys(get_adapter_class(name).schema) if k != "name"]
+            raise ConfigError(f"strategy.{key}", OmegaConf.select(cfg, f"strategy.{key}"),
+                              f"the keys of strategy={name}: {', '.join(own)}",
+                              why=f"strategy={name} has no key {key!r}"
+                                  + (f" (strategies that have it: {', '.join(owners)})" if owners else ""))
+
+
 def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
     value = OmegaConf.select(cfg, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -287,8 +281,8 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     """Check a composed cell config; raise :class:`ConfigError` on the first problem.
 
     ``explicit_overrides`` are the keys the user set on the command line (``prefetch``,
-    ``strategy.bucket_cap_mb``...): an axis that does not apply to the strategy is an error only when the
-    user asked for it explicitly in a single run (sweeps de-duplicate such cells instead).
+    ``strategy.bucket_cap_mb``...): an axis or a ``strategy.<key>`` that does not apply to the strategy is an error
+    only when the user asked for it explicitly in a single run (sweeps de-duplicate such cells instead).
     """
     from zeroexp.models import LOSSES
     from zeroexp.strategies import get_adapter_class, registered
@@ -296,6 +290,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     name = cfg.strategy.name
     if name not in registered():
         raise ConfigError("strategy", name, ", ".join(sorted(registered())))
+    _check_strategy_keys(cfg, explicit_overrides)
     for key, accepted in _ACCEPTED.items():
         value = OmegaConf.select(cfg, key)
         if value not in accepted:

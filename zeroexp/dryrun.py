@@ -15,8 +15,9 @@ Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.d
   made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``).
 - ``derived`` (DDP, ZeroRedundancyOptimizer, any strategy not traced): DDP's C++ Reducer needs real storage, so
   the model is built on the meta device; the collectives are the adapter's ``expected_collectives`` of that
-  structure (DDP's bucket assignment, the optimizer's owners), or the planner's payload model when the adapter
-  cannot build its optimizer unwrapped; the state table is ``zeroexp.formulas.rank_state_bytes``, every rank.
+  groups its row derives from the shapes (DDP's buckets in gradient-ready order, the optimizer's owners:
+  ``zeroexp.plan.cell.cell_groups``, equal to what the adapter reads in a real run), through
+  ``zeroexp.formulas``; the state table is ``rank_state_bytes``, every rank. The plan check then reads n/a.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from zeroexp.expect import Expectation
 from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.module import CellModule
-from zeroexp.probes import CollectivesProbe, RunContext, StateProbe
+from zeroexp.probes import CollectivesProbe, RunContext, StateProbe, absent_in_dry_run, probes_for
 from zeroexp.probes.state import check_factors
-from zeroexp.results import write_csv, write_json, write_text
+from zeroexp.results import SCHEMA_VERSION, write_csv, write_json, write_text
 from zeroexp.schedule import Schedule
 from zeroexp.strategies import get_adapter_class
 
@@ -46,16 +48,11 @@ SOURCES = {
     "traced": "traced: the strategy's own code ran as rank 0 of world_size under a fake process group and "
               "FakeTensorMode; state counted by the state probe, collectives recorded by the collectives probe",
     "derived": "derived: the strategy is not traced (StrategyAdapter.dry_run_traced; DDP's C++ Reducer needs real "
-               "storage), so nothing ran; collectives from the adapter's expected_collectives on the model's "
-               "structure (or the planner's payload model), state table from zeroexp.formulas.rank_state_bytes",
+               "storage), so nothing ran; collectives and state table from the groups the strategy's row derives "
+               "from the model's shapes (zeroexp.formulas: step_collectives, rank_state_bytes)",
 }
-#: The sections of a real run that a dry run leaves out, and why.
-ABSENT = {
-    "iterations": "no loss: FakeTensorMode computes shapes and dtypes, not values",
-    "memory": "no real memory: no tensor is allocated, and the fake process group moves no bytes",
-    "timing": "no step time: a fake step computes nothing and communicates with no peer",
-    "equivalence": "no parameter values to compare with the reference",
-}
+#: The sections of a real run that a dry run leaves out, and why (each probe's ``Probe.dry_run_absent``).
+ABSENT = absent_in_dry_run()
 FACTORS_BASIS = ("rank 0 x world_size: a dry run measures rank 0 only. Exact when every rank holds as much as "
                  "rank 0 (N divides every unit, or every parameter's dim 0 for FSDP2); otherwise above the sum "
                  "over ranks by the padding the last ranks hold instead of parameters")
@@ -72,11 +69,12 @@ def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any]) -> d
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
         adapter = get_adapter_class(cfg.strategy.name)(cfg)
-        ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg))
+        ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg),
+                         expect=Expectation(cfg, adapter.groups))
         source = "traced" if adapter.dry_run_traced else "derived"
         state, collectives, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
         write_text(Path(cell) / ".ranks" / "rank0.json", json.dumps({"state": state, "collectives": collectives}))
-        return _finalize(Path(cell), cfg, run_info, source, state, collectives, steps)
+        return _finalize(Path(cell), cfg, run_info, source, state, collectives, steps, ctx.expect.groups_record())
     finally:
         dist.destroy_process_group()
 
@@ -89,12 +87,13 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
     adapter, schedule = ctx.adapter, ctx.schedule
     adapter.setup(CPU)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    steps = schedule.profiled.stop  # warm-up, the state step and the profiled steps; nothing later is measured
+    classes = [cls for cls in probes_for(cfg) if not cls.dry_run_absent]  # the state and collectives probes
+    steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
     with FakeTensorMode() as mode:
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer)
         trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read
-        probes = [StateProbe(ctx), CollectivesProbe(ctx)]
+        probes = [cls(ctx) for cls in classes]
         for probe in probes:
             probe.setup(trainer, module, "fit")  # P, before the adapter shards the model
         model = trainer.strategy.model = adapter.wrap(module, CPU)
@@ -113,50 +112,50 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
             optimizer.step()
             for probe in probes:
                 probe.on_train_batch_end(trainer, module, loss, batch, step)
-    return probes[0].rank_result(), probes[1].rank_result(), steps
+    results = {probe.name: probe.rank_result() for probe in probes}
+    return results["state"], results["collectives"], steps
+
+
+def _steps_read(schedule: Any, classes: list[Any]) -> int:
+    """One past the last step that ``classes`` read (``Probe.steps`` on ``schedule``), at least warm-up."""
+    ends = [schedule.warmup]
+    for cls in classes:
+        if cls.steps is not None:
+            window = getattr(schedule, cls.steps.window)
+            ends.append(window.stop if isinstance(window, range) else window + 1)
+    return max(ends)
 
 
 def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
-    """The model's structure on the meta device: the adapter's collectives model and the formulas' state table."""
+    """The model's structure on the meta device: the groups the cell's row derives from its shapes (what the
+    adapter reads off its live structure in a real run), turned into collectives and a state table by the one
+    expectation model (zeroexp.formulas)."""
     from zeroexp.formulas import rank_state_bytes, step_collectives
-    from zeroexp.plan.cell import knobs_of, row_of
-    from zeroexp.plan.core import Precision, strategy_table
-    from zeroexp.plan.shape import model_shape
+    from zeroexp.plan.cell import cell_groups
     from zeroexp.probes.collectives import SOURCE
-    from zeroexp.strategies.fsdp import wrap_paths
 
-    adapter, n, name, offload = ctx.adapter, ctx.world_size, str(cfg.strategy.name), str(cfg.offload.name)
-    with torch.device("meta"):
-        module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer)
-    p_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
-    layout = strategy_table().get(row_of(cfg))  # deepspeed: the row of its stage
-    if layout is None:
-        raise ValueError(f"strategy={name} is not traced by a dry run (StrategyAdapter.dry_run_traced) and has no "
-                         "byte model to derive it from (zeroexp.formulas.LAYOUTS, or a zero_stage)")
-    shape, knobs = model_shape(cfg.model, wrap_paths(cfg)), knobs_of(cfg)
-    how = "the adapter's expected_collectives on the unwrapped model"
-    try:  # DDP's bucket assignment, ZeroRedundancyOptimizer's owners: the adapter's own model of its structure
-        expected = adapter.expected_collectives(module, adapter.make_optimizer(module.parameters()), n)
-    except Exception:  # noqa: BLE001 - e.g. an optimizer that needs wrap() first: the planner's payload model
-        how = f"zeroexp.formulas.step_collectives ({layout.label})"
-        expected = step_collectives(layout, shape, n, precision.itemsize, knobs)
-        limits = layout.payload_limits(shape, knobs, precision.name, offload) if layout.payload_limits else []
-        if limits:  # the payload model is not exact for this cell: say so where the figures are shown
-            how += "; not exact here: " + "; ".join(limits)
+    n, offload, expect = ctx.world_size, str(cfg.offload.name), ctx.expect
+    layout, itemsize, knobs = expect.layout, expect.itemsize, expect.knobs
+    groups = cell_groups(cfg)
+    p_bytes = 4 * groups.numel
+    how = f"zeroexp.formulas.step_collectives over the groups the row {expect.name} derives from the model's shapes"
+    expected = step_collectives(layout, groups, itemsize, knobs)
+    limits = layout.payload_limits(groups, knobs, expect.precision, offload) if layout.payload_limits else []
+    if limits:  # the payload model is not exact for this cell: say so where the figures are shown
+        how += "; not exact here: " + "; ".join(limits)
     dtype = str(cfg.precision.param_dtype)
     steps = list(ctx.schedule.profiled)
     records = [{"phase": "step", "step": s, "op": op, "dtype": dtype, "count": e["count"],
                 "payload_bytes": e["payload_bytes"]} for s in steps for op, e in expected.items()]
     collectives = {"records": records, "steps": steps, "expected": expected, "expected_error": None,
                    "param_bytes": p_bytes, "source": f"derived, not traced: {how}", "derived_from": SOURCE}
-    table = rank_state_bytes(layout, shape, n, precision.itemsize, knobs, offload)
+    table = rank_state_bytes(layout, groups, itemsize, knobs, offload)
     compute = {"param", "grad"}  # in the compute dtype; masters, moments and step scalars in fp32
     state = [{"rows": [{"kind": k, "logical_bytes": v[r][0], "physical_bytes": v[r][1],
                         "dtype": dtype if k in compute else "float32", "device": "",
-                        "numel": v[r][0] // (precision.itemsize if k in compute else 4)} for k, v in table.items()],
-              "step": ctx.schedule.state_step, "logical_param_bytes": 4 * shape.numel,
-              "expected": adapter.expected_state_factors(n), "semantics": adapter.semantics} for r in range(n)]
+                        "numel": v[r][0] // (itemsize if k in compute else 4)} for k, v in table.items()],
+              "step": ctx.schedule.state_step, "logical_param_bytes": p_bytes,
+              "expected": expect.state_factors(), "semantics": ctx.adapter.semantics} for r in range(n)]
     return state, collectives, 0
 
 
@@ -183,7 +182,7 @@ def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, 
 
 
 def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, state: Any,
-              collectives: dict[str, Any], steps: int) -> dict[str, Any]:
+              collectives: dict[str, Any], steps: int, live_groups: dict[str, Any] | None) -> dict[str, Any]:
     """Write ``rank_state.csv``, ``collectives.csv`` and ``summary.json`` (with the planner's prediction)."""
     n = int(cfg.world_size)
     state_section, state_frame = _state_section(state, cfg, source)
@@ -196,10 +195,11 @@ def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str
     write_csv(cell / "rank_state.csv", state_frame)
     write_csv(cell / "collectives.csv", coll.tables["collectives.csv"])
     summary: dict[str, Any] = {
-        "status": "ok", "mode": "dry_run", "cell": run_info["cell"], "cell_id": run_info["cell_id"],
+        "schema_version": SCHEMA_VERSION, "status": "ok", "mode": "dry_run", "cell": run_info["cell"],
+        "cell_id": run_info["cell_id"],
         "world_size": n, "steps": steps,
         "dry_run": {"source": SOURCES[source], "played_rank": 0, "world_size": n, "backend": "fake",
-                    "steps_run": steps, "absent": ABSENT,
+                    "steps_run": steps, "absent": absent_in_dry_run(cfg),
                     "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
         "state": state_section, "collectives": coll_section,
     }
@@ -208,10 +208,12 @@ def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str
     except ImportError:  # no planner in this checkout
         pass
     else:
-        summary["plan"] = plan_section(cfg, cell, summary)
+        itself = None if source == "traced" else ("a derived dry run's state and collectives are the planner's own "
+                                                  "model of this cell: comparing them with the plan cannot fail")
+        summary["plan"] = plan_section(cfg, cell, summary, itself=itself, live_groups=live_groups)
     write_json(cell / "summary.json", summary)
     if cfg.logger.name == "wandb":
-        from zeroexp.worker import _log_summary_to_wandb, _make_logger
+        from zeroexp.wandb_log import log_summary, make_logger
 
-        _log_summary_to_wandb(_make_logger(cfg, cell, run_info), summary, cell)
+        log_summary(make_logger(cfg, cell, run_info), summary, cell)
     return summary

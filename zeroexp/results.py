@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 __all__ = ["redact", "redact_obj", "write_text", "write_json", "write_csv", "read_json", "versions", "git_commit", "utc_now",
-           "load_sweep"]
+           "load_sweep", "SCHEMA_VERSION", "schema_version"]
+
+#: The version of the cell files' layout, written as ``schema_version`` at the top of ``summary.json`` and
+#: ``manifest.json`` (docs/results.md). 1: files written before the field existed (they have none); 2: the
+#: field. Readers (:func:`load_sweep`, the report) read every version up to this one.
+SCHEMA_VERSION = 2
 
 
 #: Environment variables whose names contain one of these are secrets: their values never reach a file.
@@ -157,7 +162,17 @@ def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 #: Top-level summary.json fields that repeat the manifest's (the manifest's value is kept).
-_SUMMARY_DUPLICATES = ("status", "error", "cell", "cell_id", "world_size")
+_SUMMARY_DUPLICATES = ("schema_version", "status", "error", "cell", "cell_id", "world_size")
+
+
+def schema_version(doc: Mapping[str, Any], name: str = "file") -> int:
+    """The ``schema_version`` of a ``summary.json`` / ``manifest.json`` (1 when it has none, as before the field
+    existed); ValueError for a version newer than this zeroexp reads."""
+    version = int(doc.get("schema_version", 1))
+    if version > SCHEMA_VERSION:
+        raise ValueError(f"{name} has schema_version {version}; this zeroexp reads up to {SCHEMA_VERSION}: "
+                         "upgrade zeroexp to read it")
+    return version
 
 
 def load_sweep(sweep_dir: Path | str) -> Any:
@@ -170,6 +185,8 @@ def load_sweep(sweep_dir: Path | str) -> Any:
     ``cell_dir`` (absolute path). Lists stay Python lists (``timing.step_ms``, ``memory.peak_bytes``). Failed,
     skipped or running cells are rows too, with their ``status`` and ``error.*``; their partial results are not
     read. A field a cell lacks (a probe section its strategy does not have) is missing (NaN/None).
+    ``schema_version`` is the manifest's (1 for files written before the field existed); a cell written by a
+    newer zeroexp (a version above :data:`SCHEMA_VERSION`) is a row with status ``unreadable``, saying so.
     """
     import pandas as pd
 
@@ -178,10 +195,13 @@ def load_sweep(sweep_dir: Path | str) -> Any:
         cell = manifest_path.parent
         row: dict[str, Any] = {"cell_dir": str(cell.resolve())}
         try:
-            row.update(_flat(read_json(manifest_path)))
+            manifest = read_json(manifest_path)
+            version = schema_version(manifest, f"{cell.name}/manifest.json")  # before the row takes its status
+            row.update(_flat(manifest), schema_version=version)
             summary_path = cell / "summary.json"
             if row.get("status") == "ok" and summary_path.exists():
                 summary = read_json(summary_path)
+                schema_version(summary, f"{cell.name}/summary.json")  # versions 1 and 2: the same fields
                 row.update(_flat({k: v for k, v in summary.items() if k not in _SUMMARY_DUPLICATES}))
         except (OSError, ValueError) as e:  # unreadable JSON: keep the cell, say why
             row.setdefault("status", "unreadable")

@@ -18,8 +18,8 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cell import cell_axes, cell_id, cell_name
-from zeroexp.config import validate
-from zeroexp.results import git_commit, host, read_json, utc_now, versions, write_json
+from zeroexp.config import validate, without_strategy_extras
+from zeroexp.results import SCHEMA_VERSION, git_commit, host, read_json, utc_now, versions, write_json
 
 __all__ = ["CellResult", "device_and_backend", "mark_partial", "new_manifest", "run_cell"]
 
@@ -49,7 +49,8 @@ def new_manifest(cfg: DictConfig, resolved: dict[str, Any], run_info: dict[str, 
     """The manifest of a cell starting now (``running``); ``launch``: ``launcher``, ``nodes``, ``ranks_per_node``,
     ``job_id`` (docs/results.md)."""
     return {
-        "status": "running", "mode": "dry_run" if cfg.get("dry_run") else "run", "error": None,
+        "schema_version": SCHEMA_VERSION, "status": "running", "mode": "dry_run" if cfg.get("dry_run") else "run",
+        "error": None,
         "cell": run_info["cell"], "cell_id": run_info["cell_id"],
         "cell_name": run_info["cell_name"], "sweep": sweep, "config": resolved, "overrides": list(overrides),
         "world_size": int(cfg.world_size), "device_type": device, "backend": backend, **launch,
@@ -62,6 +63,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
              explicit_keys: Sequence[str] = ()) -> CellResult:
     """Validate ``cfg`` (raises ``ConfigError`` before anything is written), then run the cell in ``cell_dir``."""
     validate(cfg, tuple(explicit_keys))
+    cfg = without_strategy_extras(cfg)  # keys a sweep set for other strategies: they do not apply to this cell
     if cfg.get("launcher") is not None and cfg.launcher.name != "local":
         from zeroexp.config import ConfigError
 

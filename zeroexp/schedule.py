@@ -1,59 +1,84 @@
 """Which training steps each measurement owns, so that no measurement pollutes another.
 
 Steps ``[0, warmup)`` are warm-up (DDP rebuilds its buckets, FSDP lazily initialises, Adam creates its
-moments). Then come the steps the collectives probe profiles, then the steps the memory probe tracks; every
-later step is timed. The state probe reads tensors at the optimizer boundary of the first step after warm-up,
-after that step's time has been taken. Nothing is timed on a step where another probe ran.
+moments). The rest is assembled from what each registered probe declares (``Probe.steps``, a
+``zeroexp.probes.base.Steps``, in ``zeroexp.probes.registry`` order): first the windows of a configured length (the collectives probe's profiled
+steps, ``probes.profile_steps``, then the memory probe's tracked steps, ``probes.memory_steps``), then the
+steps left over (the timing probe's timed steps). A probe may instead read at the first step after warm-up
+without owning it (the state probe, at the optimizer boundary, after that step's time has been taken).
+Nothing is timed on a step where another probe ran.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, Iterable
 
 __all__ = ["Schedule"]
 
 
+def _select(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
 @dataclass(frozen=True)
 class Schedule:
+    """The steps of one cell: ``steps`` in all, ``warmup`` first, then each probe's ``Steps`` with its
+    resolved length (``needs``). Each window is an attribute: ``schedule.profiled``, ``schedule.timed``, ..."""
+
     steps: int
     warmup: int
-    profile_steps: int
-    memory_steps: int
+    needs: tuple[tuple[Any, int], ...]  # (zeroexp.probes.base.Steps, its length)
 
     @classmethod
-    def from_cfg(cls, cfg: Any) -> "Schedule":
-        return cls(steps=int(cfg.steps), warmup=int(cfg.warmup_steps),
-                   profile_steps=int(cfg.probes.profile_steps), memory_steps=int(cfg.probes.memory_steps))
+    def from_cfg(cls, cfg: Any, probes: Iterable[Any] | None = None) -> "Schedule":
+        """The schedule of ``cfg`` assembled from ``probes`` (default: every registered probe)."""
+        if probes is None:
+            from zeroexp.probes import registry
 
-    @property
-    def state_step(self) -> int:
-        """The step after whose optimizer step the state probe counts tensors."""
-        return self.warmup
+            probes = registry()
+        needs = tuple((p.steps, int(_select(cfg, p.steps.key)) if p.steps.key else 0)
+                      for p in probes if getattr(p, "steps", None) is not None)
+        return cls(steps=int(cfg.steps), warmup=int(cfg.warmup_steps), needs=needs)
 
-    @property
-    def profiled(self) -> range:
-        """Steps recorded by the collectives probe (torch profiler)."""
-        return range(self.warmup, self.warmup + self.profile_steps)
+    @cached_property
+    def windows(self) -> dict[str, Any]:
+        """Each declared window by name: a ``range`` of steps, or the step (``first``)."""
+        out: dict[str, Any] = {}
+        start = self.warmup
+        for need, n in self.needs:
+            if need.kind == "window":
+                out[need.window] = range(start, start + n)
+                start += n
+        for need, _ in self.needs:
+            if need.kind == "rest":
+                out[need.window] = range(start, self.steps)
+            elif need.kind == "first":
+                out[need.window] = self.warmup
+        return out
 
-    @property
-    def memory_tracked(self) -> range:
-        """Steps during which the memory probe tracks allocations (peak)."""
-        start = self.profiled.stop
-        return range(start, start + self.memory_steps)
-
-    @property
-    def timed(self) -> range:
-        """Steps whose wall time enters the timing statistics."""
-        return range(self.memory_tracked.stop, self.steps)
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("steps", "warmup", "needs"):
+            raise AttributeError(name)
+        try:
+            return self.windows[name]
+        except KeyError:
+            raise AttributeError(f"no probe declares the steps {name!r}") from None
 
     def problems(self) -> list[str]:
         """Why this schedule cannot run, as messages naming the keys (empty when fine)."""
-        if self.profile_steps < 1 or self.memory_steps < 1:
-            return ["probes.profile_steps and probes.memory_steps must be >= 1"]
-        if self.timed.stop - self.timed.start < 2:
-            need = self.warmup + self.profile_steps + self.memory_steps + 2
-            return [f"steps={self.steps} leaves fewer than 2 timed steps after warmup_steps={self.warmup}, "
-                    f"probes.profile_steps={self.profile_steps}, probes.memory_steps={self.memory_steps}; "
-                    f"use steps >= {need}"]
+        keyed = [(need, n) for need, n in self.needs if need.kind == "window"]
+        if any(n < need.at_least for need, n in keyed):
+            least = max(need.at_least for need, _ in keyed)
+            return [" and ".join(str(need.key) for need, _ in keyed) + f" must be >= {least}"]
+        windows = self.windows
+        for need, _ in self.needs:
+            if need.kind == "rest" and len(windows[need.window]) < need.at_least:
+                used = sum(n for _, n in keyed)
+                sizes = "".join(f", {need.key}={n}" for need, n in keyed)
+                return [f"steps={self.steps} leaves fewer than {need.at_least} {need.window} steps after "
+                        f"warmup_steps={self.warmup}{sizes}; use steps >= {self.warmup + used + need.at_least}"]
         return []

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroexp.formulas import padded_numel
+from zeroexp.formulas import cut_buckets, padded_numel
 
 __all__ = ["Bucket", "DynamicLossScale", "ShardedAdamW", "flatten_into_buckets", "gather_full_masters"]
 
@@ -93,14 +93,9 @@ def flatten_into_buckets(params: Iterable[nn.Parameter], world_size: int, rank: 
     so mixed precision starts from the same weights as fp32 training. Afterwards every parameter's ``.data``
     is a view into its bucket's ``flat``.
     """
-    itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    groups: list[list[nn.Parameter]] = [[]]
-    for p in params:
-        size = sum(q.numel() for q in groups[-1]) * itemsize
-        if groups[-1] and size + p.numel() * itemsize > bucket_cap_bytes:
-            groups.append([])
-        groups[-1].append(p)
-    return [_make_bucket(g, world_size, rank, compute_dtype) for g in groups if g]
+    params = list(params)
+    cut = cut_buckets([p.numel() * compute_dtype.itemsize for p in params], bucket_cap_bytes)  # the planner's cut too
+    return [_make_bucket([params[i] for i in bucket], world_size, rank, compute_dtype) for bucket in cut]
 
 
 def _make_bucket(params: list[nn.Parameter], world_size: int, rank: int, dtype: torch.dtype) -> Bucket:

@@ -24,6 +24,41 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
     return [list(job) for batch in batches for job in batch]
 
 
+def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: Any) -> None:
+    """A ``strategy.<key>`` of a sweep (on the command line, or set by an experiment preset) applies to every job
+    whose strategy has that key; to the others it does not apply and makes no new cell (zeroexp.cell). Print which
+    keys did not apply to which cells; refuse (exit 2, before the first cell) a key that the sweep names and that
+    no job's strategy has (a typo: ``strategy.reduse=x``)."""
+    from zeroexp.cell import cell_name
+    from zeroexp.config import ConfigError, owners_of, strategy_extras, strategy_key
+    from zeroexp.strategies import registered
+    from zeroexp.strategies.base import schema_keys
+
+    named = {k for job in jobs for o in job if (k := strategy_key(o.split("=", 1)[0].lstrip("+~"))) and k != "name"}
+    applied: set[str] = set()
+    not_applied: dict[str, dict[str, Any]] = {}  # key -> {cell name: the value it did not take}
+    strategies: set[str] = set()
+    for cfg in cfgs:
+        strategies.add(str(cfg.strategy.name))
+        extras = strategy_extras(cfg)
+        applied.update(k for k in cfg.strategy if k not in extras)
+        for key in extras:
+            not_applied.setdefault(key, {})[cell_name(cfg)] = cfg.strategy.get(key)
+    for key in sorted(named - applied):
+        own = sorted({k for s in strategies if s in registered() for k in schema_keys(registered()[s].schema)}
+                     - {"name"})
+        owners = owners_of(key)
+        value = next(iter(not_applied.get(key, {None: None}).values()))
+        e = ConfigError(f"strategy.{key}", value, f"the keys of the swept strategies: {', '.join(own)}",
+                        why=f"no strategy of this sweep ({', '.join(sorted(strategies))}) has it"
+                            + (f"; strategies that do: {', '.join(owners)}" if owners else ""))
+        console.print(f"[red]error:[/] {e}\nnothing was run")
+        sys.exit(2)
+    for key, cells in sorted(not_applied.items()):
+        console.print(f"[yellow]not applied:[/] strategy.{key} to {len(cells)} cell(s) whose strategy has no such key "
+                      f"(it makes no new cell): {', '.join(cells)}")
+
+
 #: In a sweep directory: {job number: the earlier job number of the same cell}, written before the first job.
 DUPLICATES = ".duplicate_jobs.json"
 
@@ -52,10 +87,13 @@ class SweepSummary(Callback):
         from zeroexp.cell import cell_name
 
         loader = GlobalHydra.instance().config_loader()
+        jobs = sweep_jobs(config)
+        cfgs = [loader.load_configuration(config.hydra.job.config_name, job, run_mode=RunMode.MULTIRUN)
+                for job in jobs]
+        check_strategy_keys(jobs, cfgs, Console(highlight=False))
         first: dict[str, int] = {}
         duplicates: dict[str, int] = {}
-        for i, job in enumerate(sweep_jobs(config)):
-            cfg = loader.load_configuration(config.hydra.job.config_name, job, run_mode=RunMode.MULTIRUN)
+        for i, (job, cfg) in enumerate(zip(jobs, cfgs)):
             try:
                 validate(cfg)
             except NotApplicableHere as e:  # valid, but not on this machine: the job records it as skipped

@@ -24,12 +24,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from zeroexp.expect import Expectation
 from zeroexp.models import build_model
 from zeroexp.module import CellModule, SyntheticBatches
 from zeroexp.probes import RunContext, probes_for
 from zeroexp.schedule import Schedule
-from zeroexp.results import redact_obj, write_csv, write_json, write_text
+from zeroexp.results import SCHEMA_VERSION, write_csv, write_json, write_text
 from zeroexp.strategies import get_adapter_class
+from zeroexp.wandb_log import log_summary, make_logger
 
 RANKS_DIR = ".ranks"
 
@@ -122,24 +124,6 @@ def resolve_device(cfg: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _make_logger(cfg: Any, cell: Path, run_info: dict) -> Any:
-    lg = cfg.logger
-    if lg.name == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
-        extra = {"mode": "disabled"} if lg.mode == "disabled" else {}
-        return WandbLogger(
-            project=lg.project, entity=lg.entity, name=run_info["cell_name"], group=run_info.get("sweep") or "single",
-            job_type="cell", save_dir=str(cell), offline=lg.mode == "offline",
-            config=redact_obj(OmegaConf.to_container(cfg, resolve=True)), tags=[cfg.strategy.name], **extra,
-        )
-    if lg.name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
-        return CSVLogger(save_dir=str(cell), name="csv", version="")
-    return False
-
-
 def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     """Train one rank of the cell and write its results; rank 0 also writes the cell's files."""
     _quiet()
@@ -151,7 +135,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     adapter = get_adapter_class(cfg.strategy.name)(cfg)
     ctx = RunContext(cfg=cfg, rank=rank, world_size=world_size,
                      device=torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device.type == "cuda" else device,
-                     adapter=adapter, schedule=Schedule.from_cfg(cfg))
+                     adapter=adapter, schedule=Schedule.from_cfg(cfg), expect=Expectation(cfg, adapter.groups))
 
     pl.seed_everything(cfg.seed, workers=False, verbose=False)  # identical initial weights on every rank
     net = build_model(cfg.model)
@@ -164,7 +148,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         from zeroexp.faults import Fault, FaultInjector
 
         callbacks.append(FaultInjector(Fault.parse(run_info["fault"]), rank, run_info["cell_name"]))
-    logger = _make_logger(cfg, cell, run_info)
+    logger = make_logger(cfg, cell, run_info)
     if logger and rank == 0 and cfg.logger.name == "wandb":
         _ = logger.experiment  # start the W&B run before training, not inside the first timed step
 
@@ -187,20 +171,22 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
     dist.barrier()  # outside every measured window: all rank files exist
     if rank == 0:
-        summary = finalize(cell, cfg, probe_classes, run_info)
+        summary = finalize(cell, cfg, probe_classes, run_info, live_groups=ctx.expect.groups_record())
         if logger and cfg.logger.name == "wandb":
-            _log_summary_to_wandb(logger, summary, cell)
+            log_summary(logger, summary, cell)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict) -> dict[str, Any]:
-    """Read every rank's results, write the probes' tables and ``summary.json``; return the summary."""
+def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
+             live_groups: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read every rank's results, write the probes' tables and ``summary.json``; return the summary.
+    ``live_groups``: rank 0's groups as its adapter read them (compared with the planner's in ``plan``)."""
     world_size = int(cfg.world_size)
     ranks = [json.loads((cell / RANKS_DIR / f"rank{r}.json").read_text()) for r in range(world_size)]
     summary: dict[str, Any] = {
-        "status": "ok", "cell": run_info["cell"], "cell_id": run_info["cell_id"], "world_size": world_size,
-        "steps": int(cfg.steps), "final_loss": None,
+        "schema_version": SCHEMA_VERSION, "status": "ok", "cell": run_info["cell"], "cell_id": run_info["cell_id"],
+        "world_size": world_size, "steps": int(cfg.steps), "final_loss": None,
     }
     for cls in probe_classes:
         report = cls.aggregate([r[cls.name] for r in ranks], cfg)
@@ -211,34 +197,6 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict) -> dict[
             summary[cls.name] = report.section
     from zeroexp.plan.cell import plan_section  # the planner's prediction for this cell, beside the measurement
 
-    summary["plan"] = plan_section(cfg, cell, summary)
+    summary["plan"] = plan_section(cfg, cell, summary, live_groups=live_groups)
     write_json(cell / "summary.json", summary)
     return summary
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "/"))
-        elif not isinstance(v, list):
-            out[key] = v
-    return out
-
-
-def _log_summary_to_wandb(logger: Any, summary: dict[str, Any], cell: Path) -> None:
-    import pandas as pd
-    import wandb
-
-    from zeroexp.report.wandb_run import staging_dir
-
-    run = logger.experiment
-    run.summary.update(_flatten(summary))
-    # Per-rank tables (tables/rank_state, tables/collectives); their artifact copies stay in the run's directory.
-    tables = {f"tables/{p.stem}": wandb.Table(dataframe=pd.read_csv(p))
-              for p in (cell / "rank_state.csv", cell / "collectives.csv") if p.exists()}
-    if tables:
-        with staging_dir(Path(run.dir).parent / "staging"):
-            run.log(tables)
-    wandb.finish()

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cell import cell_axes, cell_id, cell_name
 from zeroexp.cluster.env import RankEnv, detect
-from zeroexp.config import ConfigError, validate
+from zeroexp.config import ConfigError, validate, without_strategy_extras
 from zeroexp.results import host, read_json, utc_now, write_json
 from zeroexp.runner import CellResult, device_and_backend, mark_partial, new_manifest
 
@@ -71,6 +71,7 @@ def run_external_rank(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] 
     import torch.distributed as dist
 
     validate(cfg, tuple(explicit_keys))
+    cfg = without_strategy_extras(cfg)  # keys a sweep set for other strategies: they do not apply to this cell
     env = _check(cfg, multirun)
     env.export()
     cell_dir = Path(cell_dir).resolve()

@@ -12,7 +12,11 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["LinearStack", "LOSSES", "build_model", "make_batch"]
+__all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "import_class", "wrap_paths"]
+
+#: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
+#: the ``_target_`` factory.
+MODEL_RESERVED_KEYS = ("name", "input_shape", "dtype", "low", "high", "loss", "wrap")
 
 
 class LinearStack(nn.Sequential):
@@ -50,8 +54,6 @@ def build_model(model_cfg: Mapping[str, Any]) -> nn.Module:
     """Instantiate the model config's ``_target_`` with every key that is not zeroexp's own."""
     from hydra.utils import instantiate
 
-    from zeroexp.config import MODEL_RESERVED_KEYS
-
     kwargs = {k: v for k, v in model_cfg.items() if k not in MODEL_RESERVED_KEYS}
     module = instantiate(kwargs, _convert_="all")
     if not isinstance(module, nn.Module):
@@ -71,3 +73,23 @@ def make_batch(model_cfg: Mapping[str, Any], batch_size: int, seed: int, step: i
     if dtype == torch.long:
         return torch.randint(int(model_cfg.get("low", 0)), int(model_cfg.get("high", 2)), shape, generator=g)
     return torch.randn(shape, generator=g).to(dtype)
+
+
+def import_class(path: str, base: type | None = nn.Module) -> Any:
+    """The object at import path ``module.attr``; with ``base``, it must be a subclass of it (TypeError otherwise).
+    Raises ImportError, AttributeError or ValueError for a path that does not import."""
+    import importlib
+
+    module, _, attr = str(path).rpartition(".")
+    obj = getattr(importlib.import_module(module), attr)
+    if base is not None and not (isinstance(obj, type) and issubclass(obj, base)):
+        raise TypeError(f"{path} is not a {base.__module__}.{base.__qualname__} class")
+    return obj
+
+
+def wrap_paths(cfg: Any) -> list[str]:
+    """The module classes wrapped as FSDP units: ``strategy.wrap``, else the model's ``model.wrap``, else none (the
+    whole model is then one unit)."""
+    strategy = cfg.strategy if cfg.get("strategy") is not None else {}
+    paths = strategy.get("wrap") if strategy.get("wrap") is not None else cfg.model.get("wrap")
+    return [str(p) for p in (paths or [])]

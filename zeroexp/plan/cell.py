@@ -1,8 +1,9 @@
 """``summary.json["plan"]``: the planner's per-rank prediction for a cell that ran, beside what it measured.
 
 Rank 0 calls :func:`plan_section` in ``zeroexp.worker.finalize`` after the probes' sections are written: the
-prediction uses the cell's own model (built again on the meta device), N, precision, offload and strategy
-settings; the measurement is the state probe's ``rank_state.csv`` and the collectives probe's payloads.
+prediction uses the cell's own model (built again on the meta device), N, precision, offload and strategy settings,
+through the groups its row derives from the shapes (:func:`cell_groups`); the measurement is the state probe's
+``rank_state.csv`` and the collectives probe's counts and payloads.
 """
 
 from __future__ import annotations
@@ -10,45 +11,37 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zeroexp.formulas import STATE_KINDS, PlanKnobs, rank_state_bytes
-from zeroexp.plan.core import Precision, plan_record, strategy_table
+from zeroexp.expect import groups_record, itemsize_of, knobs_of, layout_of
+from zeroexp.formulas import STATE_KINDS, Groups, derive_groups, rank_state_bytes
+from zeroexp.models import wrap_paths
+from zeroexp.plan.core import Precision, plan_record
 from zeroexp.plan.shape import model_shape
 
-__all__ = ["plan_section", "knobs_of", "row_of"]
+__all__ = ["plan_section", "cell_groups", "collective_rows"]
 
 #: What a measured kind the planner leaves out of the model state is, when it is explained.
 RESIDUALS = {"optim_scalar": "Adam's 4-byte step scalar per optimizer tensor"}
 
 
-def knobs_of(cfg: Any) -> PlanKnobs:
-    """The byte-relevant strategy settings of a cell config (absent keys take the defaults)."""
-    s, default = cfg.strategy, PlanKnobs()
-    cap = s.get("bucket_cap_mb")
-    return PlanKnobs(
-        bucket_cap_bytes=default.bucket_cap_bytes if cap is None else int(float(cap) * 2**20),
-        reduce=str(s.get("reduce") or default.reduce),
-        norm_allreduce=s.get("clip_grad_norm") is not None or cfg.precision.get("loss_scale") is not None,
-        use_orig_params=bool(s.get("use_orig_params", False)),
-        loss_scaling=cfg.precision.get("loss_scale") is not None,
-    )
+def cell_groups(cfg: Any) -> Groups:
+    """The groups the cell's row (``strategy.layout``) derives from its model's shapes on the meta device: what the
+    strategy's adapter reads off its live structure when the cell runs."""
+    name, layout = layout_of(cfg)
+    return derive_groups(name, layout, model_shape(cfg.model, wrap_paths(cfg)), int(cfg.world_size), itemsize_of(cfg),
+                         knobs_of(cfg))
 
 
-def row_of(cfg: Any) -> str:
-    """The planner's row for a cell: the strategy's own (``strategy.name``), else, for a strategy whose ZeRO stage is
-    a knob (``strategy.stage``, e.g. ``deepspeed``), the row ``<name>_stage<k>`` (``deepspeed_stage2``)."""
-    name, stage = str(cfg.strategy.name), cfg.strategy.get("stage")
-    table = strategy_table()
-    if name not in table and stage is not None and f"{name}_stage{int(stage)}" in table:
-        return f"{name}_stage{int(stage)}"
-    return name
-
-
-def plan_section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """Predicted vs measured bytes per state kind (largest rank, physical) and per rank (logical and physical),
-    and the payload per collective; ``check`` PASS when every state kind matches exactly on every rank and the
-    only other measured kinds are explained residuals. Never raises: a failure becomes ``check: ERROR``."""
+def plan_section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None = None,
+                 live_groups: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Predicted vs measured bytes per state kind (largest rank, physical) and per rank (logical and physical), and
+    the calls and payload per collective; ``check`` PASS when every state kind matches exactly on every rank, the
+    only other measured kinds are explained residuals, and every collective's count and payload match (where the
+    payload model covers the cell). ``itself``: why the measurement is the planner's own model (a derived dry run):
+    the check then reads n/a with that reason. ``live_groups``: the groups the strategy's adapter read off rank 0
+    (``zeroexp.expect.groups_record``); the planner's must equal them, element for element (``groups``). Never
+    raises: a failure becomes ``check: ERROR``."""
     try:
-        return _section(cfg, Path(cell), summary)
+        return _section(cfg, Path(cell), summary, itself, live_groups)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
         return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
 
@@ -64,21 +57,31 @@ def _measured(cell: Path) -> dict[str, list[tuple[int, int]]] | None:
             for kind, rows in frame.groupby("kind", sort=False)}
 
 
-def _section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    from zeroexp.strategies.fsdp import wrap_paths
+def collective_rows(predicted: dict[str, dict[str, int]], measured_counts: dict[str, int],
+                    measured_payload: dict[str, int]) -> list[dict[str, Any]]:
+    """Per collective op, the planned and the measured calls and payload S per step (the collectives probe's)."""
+    return [{"op": op, "predicted_count": predicted.get(op, {}).get("count", 0),
+             "measured_count": int(measured_counts.get(op, 0)),
+             "predicted_bytes": predicted.get(op, {}).get("payload_bytes", 0),
+             "measured_bytes": int(measured_payload.get(op, 0))}
+            for op in dict.fromkeys([*predicted, *measured_payload, *measured_counts])]
 
-    name, n = row_of(cfg), int(cfg.world_size)
-    precision, offload = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype)), str(cfg.offload.name)
-    layout = strategy_table().get(name)
-    if layout is None or precision.name not in layout.precisions or offload not in layout.offloads:
-        return {"check": "n/a", "reasons": [f"no byte model for strategy={name} precision={precision.name} "
-                                             f"offload={offload} (zeroexp.formulas.LAYOUTS)"]}
+
+def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
+             live_groups: dict[str, Any] | None) -> dict[str, Any]:
+    n, offload = int(cfg.world_size), str(cfg.offload.name)
+    precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
+    name, layout = layout_of(cfg)
+    if precision.name not in layout.precisions or offload not in layout.offloads:
+        return {"check": "n/a", "row": name, "reasons": [f"no byte model for strategy.layout={name} precision="
+                                                          f"{precision.name} offload={offload} (zeroexp.formulas.LAYOUTS)"]}
     measured = _measured(cell)
     if measured is None:
-        return {"check": "n/a", "reasons": ["no rank_state.csv: the state probe did not run"]}
+        return {"check": "n/a", "row": name, "reasons": ["no rank_state.csv: the state probe did not run"]}
     shape, knobs = model_shape(cfg.model, wrap_paths(cfg)), knobs_of(cfg)
+    groups = derive_groups(name, layout, shape, n, precision.itemsize, knobs)
     record = plan_record(name, layout, shape, n, precision, offload, knobs, model=str(cfg.model.name))
-    predicted = rank_state_bytes(layout, shape, n, precision.itemsize, knobs, offload)
+    predicted = rank_state_bytes(layout, groups, precision.itemsize, knobs, offload)
     kinds = [k for k in STATE_KINDS if k in predicted]
     reasons, ranks = [], []
     for kind in dict.fromkeys([*predicted, *measured]):
@@ -100,13 +103,31 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
     pred = {k: largest(predicted, [k]) for k in kinds} | {"total": record["total_bytes"]}
     meas = {k: largest(measured, [k]) if k in measured else 0 for k in kinds} | {"total": largest(measured, kinds)}
-    measured_payload = summary.get("collectives", {}).get("payload_bytes")
+    coll = summary.get("collectives", {})
     payload_reasons = [] if layout.payload_limits is None else \
-        layout.payload_limits(shape, knobs, precision.name, offload)
-    if measured_payload is None:
+        layout.payload_limits(groups, knobs, precision.name, offload)
+    if coll.get("payload_bytes") is None:
         payload_reasons.append("no collectives section: the collectives probe did not run")
-    payload = None if payload_reasons else _payload(record["payload_bytes"], measured_payload)
-    return {
+    rows = None if payload_reasons else collective_rows(
+        {op: {"count": record["counts"][op], "payload_bytes": b} for op, b in record["payload_bytes"].items()},
+        coll.get("counts") or {}, coll["payload_bytes"])
+    reasons += [f"{r['op']}: measured {r['measured_count']} calls / {r['measured_bytes']} B per step, planned "
+                f"{r['predicted_count']} / {r['predicted_bytes']}" for r in rows or ()
+                if (r["measured_count"], r["measured_bytes"]) != (r["predicted_count"], r["predicted_bytes"])]
+    planned = groups_record(groups)
+    if live_groups is None:
+        group_check = {"check": "n/a", "reasons": ["the adapter reported no live groups for this cell (see "
+                                                  "collectives.reasons)" if itself is None else itself]}
+    else:
+        differ = [f"{k}: live {live_groups.get(k)!r}, planned {v!r}" for k, v in planned.items()
+                  if live_groups.get(k) != v]
+        group_check = {"check": "FAIL" if differ else "PASS", "reasons": differ}
+        reasons += [f"groups {d}" for d in differ]
+    group_check["planned"] = planned
+    payload = None if rows is None else [
+        {"op": r["op"], "predicted_bytes": r["predicted_bytes"], "measured_bytes": r["measured_bytes"],
+         "difference_bytes": r["measured_bytes"] - r["predicted_bytes"]} for r in rows]
+    section = {
         "layout": record["label"],
         "row": name,
         "predicted_bytes": pred,
@@ -114,6 +135,8 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "difference_bytes": {k: meas[k] - pred[k] for k in pred},
         "residual_bytes": {k: largest(measured, [k]) for k in RESIDUALS if k in measured},
         "ranks": ranks,
+        "collectives": rows,
+        "groups": group_check,
         "payload": payload,
         "payload_check": "n/a" if payload is None else
                          "PASS" if all(p["difference_bytes"] == 0 for p in payload) else "FAIL",
@@ -121,10 +144,7 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "check": "FAIL" if reasons else "PASS",
         "reasons": reasons,
     }
-
-
-def _payload(predicted: dict[str, int], measured: dict[str, int]) -> list[dict[str, Any]]:
-    """Per collective op, the planned and the measured per-step payload S (the collectives probe's)."""
-    return [{"op": op, "predicted_bytes": predicted.get(op, 0), "measured_bytes": int(measured.get(op, 0)),
-             "difference_bytes": int(measured.get(op, 0)) - predicted.get(op, 0)}
-            for op in dict.fromkeys([*predicted, *measured])]
+    if itself:  # the "measurement" is this model: comparing them cannot fail
+        section.update(check="n/a", payload_check="n/a", reasons=[f"not checked: {itself}"])
+        section["groups"].update(check="n/a", reasons=[f"not checked: {itself}"])
+    return section

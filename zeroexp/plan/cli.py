@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from zeroexp.config import ConfigError
+from zeroexp.errors import ConfigError
 from zeroexp.formulas import COMPUTE_ITEMSIZE, ModelShape, PlanKnobs
 from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
 
@@ -41,9 +40,9 @@ class PlanConfig:
 
 def register() -> None:
     """Register the runner's schemas (model, precision and offload options extend them) and the planner's."""
-    from zeroexp.cli import register as register_runner
+    from zeroexp.config import register_schemas
 
-    register_runner()
+    register_schemas()
     ConfigStore.instance().store(name="plan_schema", node=PlanConfig)
 
 
@@ -58,9 +57,8 @@ def _world_sizes(value: Any) -> list[int]:
 def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
     import torch
 
-    from zeroexp.models import build_model
-    from zeroexp.plan.shape import shape_of, wrap_classes
-    from zeroexp.strategies.fsdp import wrap_paths
+    from zeroexp.models import build_model, import_class, wrap_paths
+    from zeroexp.plan.shape import ready_order, shape_of
 
     if (cfg.model is None) == (cfg.params is None):
         raise ConfigError("params", cfg.params, "either a parameter count (params=7.5e9) or a model (model=mlp, "
@@ -70,9 +68,9 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
             return ModelShape.from_count(parse_count(cfg.params)), "params"
         except ValueError as e:
             raise ConfigError("params", cfg.params, "a positive count: 7.5e9, 7.5B, 350M, 1T", why=str(e)) from e
-    wrap = wrap_paths(SimpleNamespace(strategy=OmegaConf.create({"wrap": cfg.wrap}), model=cfg.model))
+    wrap = wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap}, "model": cfg.model}))
     try:
-        classes = wrap_classes(wrap)
+        classes = [import_class(p) for p in wrap]
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         key = "wrap" if cfg.wrap is not None else "model.wrap"
         raise ConfigError(key, wrap, "import paths of nn.Module classes", why=f"{type(e).__name__}: {e}") from e
@@ -83,7 +81,7 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
         cause = e.__cause__ or e
         raise ConfigError("model._target_", cfg.model.get("_target_"), "a factory that builds an nn.Module from "
                           "the model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
-    shape = shape_of(net, classes)
+    shape = shape_of(net, classes, ready_order(net, cfg.model))
     if not shape.numel:
         raise ConfigError("model", cfg.model.name, "a model with parameters", why="it has none")
     return shape, str(cfg.model.name)
@@ -136,7 +134,7 @@ def task(cfg: DictConfig) -> None:
 
 def main() -> None:
     """``python -m zeroexp.plan``."""
-    from zeroexp.cli import run_hydra_app
+    from zeroexp.hydra_app import run_hydra_app
 
     register()
     run_hydra_app("plan", task, lambda: _STARTED)

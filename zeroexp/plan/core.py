@@ -7,12 +7,12 @@ shapes and FSDP units, read on the meta device by :mod:`zeroexp.plan.shape`) or 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable
 
-from zeroexp.config import ConfigError
+from zeroexp.errors import ConfigError
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout, bus_bytes,
-                              offloaded_kinds, rank_state_bytes, step_collectives, unsharded_floor_bytes)
+                              derive_groups, offloaded_kinds, rank_state_bytes, step_collectives, unsharded_floor_bytes)
 
 __all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
            "OFFLOADS", "UNITS"]
@@ -39,32 +39,27 @@ class Precision:
 
 
 def strategy_table() -> dict[str, StateLayout]:
-    """Every strategy the planner can plan, by ZeRO stage: the rows of ``zeroexp.formulas.LAYOUTS``, plus each
-    registered strategy (``zeroexp.strategies``) without a row, planned as its ``zero_stage``'s paper row."""
-    from zeroexp.strategies import registered
-
-    table = dict(LAYOUTS)
-    for name, cls in registered().items():
-        if name not in table and cls.zero_stage is not None:
-            table[name] = replace(LAYOUTS[f"zero_stage{cls.zero_stage}"], label=f"{name} (as the paper's stage)",
-                                  precisions=frozenset(cls.precisions), offloads=frozenset({"none"}),
-                                  source=f"no row in zeroexp.formulas.LAYOUTS: zero_stage={cls.zero_stage}")
-    return dict(sorted(table.items(), key=lambda item: item[1].stage))
+    """Every row the planner can plan (``zeroexp.formulas.LAYOUTS``: each registered strategy's YAML names one in
+    ``strategy.layout``, and the ZeRO paper's stages), by ZeRO stage."""
+    return dict(sorted(LAYOUTS.items(), key=lambda item: item[1].stage))
 
 
 def largest_unit_bytes(shape: ModelShape, world_size: int, itemsize: int) -> int | None:
     """The largest FSDP unit, unsharded and padded to N, in the compute dtype: what FULL_SHARD gathers at once;
     None without the model's units."""
-    return unsharded_floor_bytes(LAYOUTS["fsdp_full"], shape, world_size, itemsize)
+    layout = LAYOUTS["fsdp_full"]
+    return unsharded_floor_bytes(layout, derive_groups("fsdp_full", layout, shape, world_size, itemsize), itemsize)
 
 
 def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: int, precision: Precision,
                 offload: str = "none", knobs: PlanKnobs = PlanKnobs(), device_memory: int | None = None,
                 model: str = "params") -> dict[str, Any]:
     """One strategy at one world size: per-rank bytes of each kind (the largest rank's, padding included), device
-    and host totals, the gather floor, fits, and per-step payload and bus bytes by collective (bytes throughout)."""
+    and host totals, the gather floor, fits, and per-step calls, payload and bus bytes by collective (bytes
+    throughout), from the groups the row derives from ``shape`` (``zeroexp.formulas.derive_groups``)."""
     n, c = world_size, precision.itemsize
-    state = rank_state_bytes(layout, shape, n, c, knobs, offload)
+    groups = derive_groups(name, layout, shape, n, c, knobs)
+    state = rank_state_bytes(layout, groups, c, knobs, offload)
     host = offloaded_kinds(layout, offload)
 
     def largest(kinds: Iterable[str]) -> int:
@@ -72,8 +67,9 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
         return max(sum(state[k][r][1] for k in kinds) for r in range(n)) if kinds else 0
 
     device = largest(k for k in STATE_KINDS if k not in host)
-    floor = unsharded_floor_bytes(layout, shape, n, c, knobs)
-    payload = {op: v["payload_bytes"] for op, v in step_collectives(layout, shape, n, c, knobs).items()}
+    floor = unsharded_floor_bytes(layout, groups, c)
+    collectives = step_collectives(layout, groups, c, knobs)
+    payload = {op: v["payload_bytes"] for op, v in collectives.items()}
     bus = {op: bus_bytes(op, b, n) for op, b in payload.items()}
     return {
         "strategy": name, "label": layout.label, "zero_stage": layout.stage, "world_size": n,
@@ -84,7 +80,7 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
         "largest_unit_bytes": largest_unit_bytes(shape, n, c), "gather_floor_bytes": floor,
         "device_floor_bytes": device + (floor or 0), "device_memory_bytes": device_memory,
         "fits": None if device_memory is None else device + (floor or 0) <= device_memory,
-        "payload_bytes": payload, "bus_bytes": bus, "payload_total_bytes": sum(payload.values()),
+        "counts": {op: v["count"] for op, v in collectives.items()}, "payload_bytes": payload, "bus_bytes": bus, "payload_total_bytes": sum(payload.values()),
         "bus_total_bytes": sum(b for b in bus.values() if b is not None), "source": layout.source,
     }
 

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from zeroexp.formulas import ModelShape
-from zeroexp.models import build_model
+from zeroexp.models import LOSSES, build_model, import_class
 
-__all__ = ["model_shape", "shape_of", "wrap_classes"]
+__all__ = ["model_shape", "shape_of", "ready_order"]
 
 
-def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = ()) -> ModelShape:
+def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[int, ...] | None = None) -> ModelShape:
     """The parameters and FSDP units of ``net`` as zeroexp's FSDP adapters wrap it (``ModuleWrapPolicy``).
 
     Units are formed bottom-up, children before parents (FSDP's ``_recursive_wrap``): each module of a ``wrap``
     class takes the parameters in its subtree that no unit below it took, in ``named_modules`` order (the
-    FlatParameter's); the root unit (the LightningModule around ``net``) takes the rest.
+    FlatParameter's); the root unit (the LightningModule around ``net``) takes the rest. ``ready``: the gradient-
+    ready order (:func:`ready_order`), when traced.
     """
     classes, params = tuple(wrap), list(net.parameters())
     index = {id(p): i for i, p in enumerate(params)}
@@ -47,25 +47,34 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = ()) -> ModelShape
     if rest := take(net):
         units.append(rest)
         roots.append(True)
-    return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots))
+    return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready)
 
 
-def wrap_classes(paths: Iterable[str]) -> list[type[nn.Module]]:
-    """The FSDP unit classes named by import path (``strategy.wrap``, else ``model.wrap``: see
-    zeroexp.strategies.fsdp.wrap_paths); raises ImportError, AttributeError or TypeError for a bad one."""
-    classes = []
-    for path in paths:
-        module, _, name = str(path).rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise TypeError(f"{path} is not an nn.Module class")
-        classes.append(cls)
-    return classes
+def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The order in which the parameters' gradients become ready in one backward of ``net`` (on the meta device: one
+    sample of ``model.input_shape``, the model's loss), as DDP's Reducer records it to rebuild its buckets: each
+    parameter's post-accumulate-grad hook fires once, after its last contribution (a tied weight too). None when the
+    module's forward does not run on the meta device (then reverse definition order is assumed)."""
+    params = list(net.parameters())
+    index, order = {id(p): i for i, p in enumerate(params)}, []
+    hooks = [p.register_post_accumulate_grad_hook(lambda t: order.append(index[id(t)])) for p in params
+             if p.requires_grad]
+    try:
+        dtype = getattr(torch, str(model_cfg.get("dtype", "float32")))
+        batch = torch.zeros((1, *model_cfg["input_shape"]), dtype=dtype, device="meta")
+        LOSSES[str(model_cfg.get("loss", "mean_square"))](net(batch), batch).backward()
+    except Exception:  # noqa: BLE001 - a module whose forward needs real data: fall back, do not fail the plan
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+    return tuple(order) if len(order) == len(hooks) else None
 
 
 def model_shape(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> ModelShape:
-    """Build the model config's module on the meta device and read its shape, FSDP units cut by ``wrap``."""
-    classes = wrap_classes(wrap)
+    """Build the model config's module on the meta device and read its shape, FSDP units cut by ``wrap`` (import
+    paths), gradient-ready order traced by one meta-device backward."""
+    classes = [import_class(p) for p in wrap]
     with torch.device("meta"):
         net = build_model(model_cfg)
-    return shape_of(net, classes)
+    return shape_of(net, classes, ready_order(net, model_cfg))

@@ -4,9 +4,12 @@ Each probe keeps rank-local records while the cell trains, returns them as a JSO
 (:meth:`Probe.rank_result`), and turns the records of all ranks into one :class:`ProbeReport`
 (a ``summary.json`` section, per-rank tables written as CSV files, and flat metrics for W&B).
 Probes never import strategy adapters; the runner hands them what the adapter knows.
+
+:data:`REGISTRY` lists every probe, in the order of their sections in ``summary.json``; the schedule, the run,
+the dry run, the digest and the report loop over it (each probe class declares its part: ``zeroexp.probes.base``).
 """
 
-from zeroexp.probes.base import Probe, ProbeReport, RunContext
+from zeroexp.probes.base import Probe, ProbeReport, RunContext, Steps
 from zeroexp.probes.iterations import IterationsProbe
 from zeroexp.probes.state import StateProbe
 from zeroexp.probes.collectives import CollectivesProbe
@@ -15,17 +18,34 @@ from zeroexp.probes.timing import TimingProbe
 from zeroexp.probes.equivalence import EquivalenceProbe
 from zeroexp.probes.checkpoint import CheckpointProbe
 
-__all__ = ["Probe", "ProbeReport", "RunContext", "IterationsProbe", "StateProbe", "CollectivesProbe", "MemoryProbe",
-           "TimingProbe", "EquivalenceProbe", "CheckpointProbe", "default_probes", "probes_for"]
+__all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "REGISTRY", "registry", "IterationsProbe", "StateProbe",
+           "CollectivesProbe", "MemoryProbe", "TimingProbe", "EquivalenceProbe", "CheckpointProbe", "default_probes",
+           "probes_for", "absent_in_dry_run"]
+
+
+#: Every probe, in the order their sections appear in ``summary.json``; the checkpoint probe last (its
+#: ``on_train_end`` runs after the equivalence probe's).
+REGISTRY: tuple[type[Probe], ...] = (IterationsProbe, StateProbe, CollectivesProbe, MemoryProbe, TimingProbe,
+                                     EquivalenceProbe, CheckpointProbe)
+
+
+def registry() -> list[type[Probe]]:
+    """Every registered probe (:data:`REGISTRY`)."""
+    return list(REGISTRY)
 
 
 def default_probes() -> list[type[Probe]]:
-    """The probes every cell runs, in the order their sections appear in ``summary.json``."""
-    return [IterationsProbe, StateProbe, CollectivesProbe, MemoryProbe, TimingProbe, EquivalenceProbe]
+    """The probes every cell runs (``Probe.always``), in ``summary.json`` order."""
+    return [p for p in REGISTRY if p.always]
 
 
 def probes_for(cfg) -> list[type[Probe]]:
-    """The probes of this cell: :func:`default_probes`, then the checkpoint probe with ``checkpoint`` other than
-    ``none`` (last: its ``on_train_end`` runs after the equivalence probe's)."""
-    extra = [CheckpointProbe] if cfg.get("checkpoint") is not None and cfg.checkpoint.name != "none" else []
-    return default_probes() + extra
+    """The probes of this cell, in ``summary.json`` order: each registered probe whose :meth:`Probe.runs` says
+    so (the checkpoint probe with ``checkpoint`` other than ``none``)."""
+    return [p for p in REGISTRY if p.runs(cfg)]
+
+
+def absent_in_dry_run(cfg=None) -> dict[str, str]:
+    """``{probe: why}`` for the probes of a cell (default: :func:`default_probes`) that a dry run leaves out."""
+    probes = default_probes() if cfg is None else probes_for(cfg)
+    return {p.name: p.dry_run_absent for p in probes if p.dry_run_absent}

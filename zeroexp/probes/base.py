@@ -1,4 +1,12 @@
-"""The probe interface and the one result schema every probe writes."""
+"""The probe interface and the one result schema every probe writes.
+
+A probe is a plug-in: besides measuring (a Lightning callback, :meth:`Probe.rank_result`,
+:meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from which
+``zeroexp.schedule.Schedule`` is assembled), whether and when it runs (:meth:`Probe.runs`), why it is absent
+from a dry run (:attr:`Probe.dry_run_absent`), its line in the terminal digest (:meth:`Probe.digest_line`) and
+its section of the sweep report (:meth:`Probe.report_table`). The run, the dry run, the digest and the report
+loop over ``zeroexp.probes.registry()``: a new probe is one module plus its test, and one entry there.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,20 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
-from zeroexp.schedule import Schedule
+
+@dataclass(frozen=True)
+class Steps:
+    """The steps a probe needs, named ``window`` on the schedule (``schedule.<window>``).
+
+    ``kind``: ``window`` (``key`` names the config key that gives how many consecutive steps; placed after
+    warm-up and the windows of earlier probes), ``rest`` (every step after the windows, at least ``at_least``)
+    or ``first`` (the first step after warm-up, an int, shared: the probe only reads there).
+    """
+
+    window: str
+    kind: str = "window"
+    key: str | None = None
+    at_least: int = 1
 
 
 @dataclass(frozen=True)
@@ -21,7 +42,9 @@ class RunContext:
     world_size: int
     device: torch.device
     adapter: Any  # zeroexp.strategies.StrategyAdapter; typed loosely so probes do not import adapters
-    schedule: Schedule
+    schedule: Any  # zeroexp.schedule.Schedule (which imports the probe registry)
+    #: zeroexp.expect.Expectation: the one expectation model for this cell (state factors, collectives)
+    expect: Any = None
 
 
 @dataclass
@@ -42,6 +65,17 @@ class Probe(pl.Callback):
     """Base class: a Lightning callback with a rank-local result and an all-rank aggregation."""
 
     name: ClassVar[str]
+    #: The steps this probe owns or reads (:class:`Steps`), or None: it needs no step of its own.
+    steps: ClassVar[Steps | None] = None
+    #: Why this probe's section is absent from a dry run (``summary.json["dry_run"]["absent"]``); None: it runs
+    #: in a traced dry run too, on the played rank 0.
+    dry_run_absent: ClassVar[str | None] = None
+    #: Where its digest line and report section sit among the others (ascending; the planner's ``plan``
+    #: section is 70); ``report_order`` defaults to ``order``.
+    order: ClassVar[int] = 100
+    report_order: ClassVar[int | None] = None
+    #: Every cell runs it; False for a probe that :meth:`runs` only when its config asks for it.
+    always: ClassVar[bool] = True
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
@@ -59,3 +93,20 @@ class Probe(pl.Callback):
     def aggregate(cls, results: list[dict[str, Any]], cfg: DictConfig) -> ProbeReport:
         """Combine the ``rank_result`` of every rank (index = rank) into the cell's report."""
         raise NotImplementedError
+
+    @classmethod
+    def runs(cls, cfg: DictConfig) -> bool:
+        """Whether this cell runs the probe: every cell when :attr:`always`; override it for a condition."""
+        return cls.always
+
+    @classmethod
+    def digest_line(cls, section: dict[str, Any]) -> str | None:
+        """What the probe found, in one line of the terminal digest, from its ``summary.json`` section; None: no
+        line."""
+        return None
+
+    @classmethod
+    def report_table(cls, ok: Any) -> Any:
+        """Its section of the sweep report (a ``zeroexp.report.section.ReportTable``) over the finished cells
+        (a DataFrame of ``zeroexp.results.load_sweep`` rows); None: no section."""
+        return None

@@ -11,7 +11,7 @@ which, unlike the chrome trace's ``Input type``, keeps the dtype of the tensors 
 Payload S follows nccl-tests (doc/PERFORMANCE.md): the full array, so for all_gather and reduce_scatter one
 rank's chunk x N, N being the world size (every strategy here uses the default group; gloo records no group
 size). Bus bytes = S x ``zeroexp.formulas.bus_factor``. The adapter derives the expected collectives from the
-model's structure (``expected_collectives``) after the window; this probe issues no collective at all.
+model's structure (``RunContext.expect``: the adapter's live groups in zeroexp.formulas) after the window; this probe issues no collective at all.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from zeroexp.formulas import bus_bytes
-from zeroexp.probes.base import Probe, ProbeReport
+from zeroexp.probes.base import Probe, ProbeReport, Steps
+from zeroexp.report.cells import column
+from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
+from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
 
 __all__ = ["CollectivesProbe", "SOURCE"]
 
@@ -98,6 +101,16 @@ class CollectivesProbe(Probe):
     """Records every collective of the profiled steps on each rank; checks it against the adapter's model."""
 
     name = "collectives"
+    order = 30
+    steps = Steps("profiled", key="probes.profile_steps")
+
+    @classmethod
+    def digest_line(cls, section: dict[str, Any]) -> str:
+        return collectives_line(section)
+
+    @classmethod
+    def report_table(cls, ok: pd.DataFrame) -> ReportTable:
+        return collectives_table(ok)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -132,8 +145,7 @@ class CollectivesProbe(Probe):
         self.records = extract(self.prof, self.steps, self.ctx.world_size)
         self.prof = None
         try:  # after the window: reads the wrapped model and the optimizer, issues no collective
-            self.expected = self.ctx.adapter.expected_collectives(
-                trainer.strategy.model, trainer.optimizers[0], self.ctx.world_size)
+            self.expected = self.ctx.expect.collectives(trainer.strategy.model, trainer.optimizers[0])
         except NotImplementedError as e:
             self.expected_error = str(e)
 
@@ -229,3 +241,64 @@ def _between(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _exact(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
+
+
+# The digest line and the report section (Probe.digest_line, Probe.report_table).
+
+
+def _ops(ok: pd.DataFrame) -> list[str]:
+    found = {k.split(".")[-1] for k in ok.columns
+             if k.startswith(("collectives.counts.", "collectives.expected_counts."))}
+    return [op for op in OPS if op in found] + sorted(found - set(OPS))
+
+
+def collectives_table(ok: pd.DataFrame) -> ReportTable:
+    """Calls and payload per step by op (rank 0's), the expected fingerprint, and the check."""
+    ops = _ops(ok)
+    raw = raw_rows(ok, [f"collectives.{f}.{op}" for f in ("counts", "payload_bytes", "expected_counts",
+                                                     "expected_payload_bytes") for op in ops]
+               + ["collectives.payload_total_bytes", "collectives.param_bytes", "collectives.check"])
+    has = column(ok, "collectives.check").reset_index(drop=True).map(lambda v: not missing(v))
+    for f in ("counts", "payload_bytes"):  # an op a profiled cell never issued is 0, not unknown
+        for op in ops:
+            raw[f"collectives.{f}.{op}"] = [0 if h and missing(v) else v for h, v in zip(has, raw[f"collectives.{f}.{op}"])]
+    raw["payload / P"] = [None if missing(t) or missing(p) or not p else t / p
+                          for t, p in zip(raw["collectives.payload_total_bytes"], raw["collectives.param_bytes"])]
+    raw["expected"] = [_expected_text(row, ops) for _, row in raw.iterrows()]
+    unit = byte_unit(v for op in ops for v in raw[f"collectives.payload_bytes.{op}"])
+    cols = [Column("cell", "label", str)]
+    for op in ops:
+        name = OPS.get(op, op)
+        cols += [Column(f"{name} calls", f"collectives.counts.{op}", fmt_int, f"collectives.expected_counts.{op}"),
+                 Column(f"{name} {unit}", f"collectives.payload_bytes.{op}", unit,
+                        f"collectives.expected_payload_bytes.{op}")]
+    cols += [Column("payload / P", "payload / P", fmt_number), Column("expected calls", "expected", str),
+             Column("check", "collectives.check")]
+    legend = ", ".join(f"{short} = {op}" for op, short in OPS.items() if op in ops)
+    note = (f"Per step, rank 0 (ranks that differ make the check FAIL). {legend}. Payload is the nccl-tests S "
+            f"(the full array) in {unit}, input bytes, not link bytes; a measured value that differs from the "
+            "expected one shows it as (exp. X).")
+    return ReportTable("collectives", "Collectives per step", raw, cols, note)
+
+
+def _expected_text(row: pd.Series, ops: list[str]) -> str:
+    parts = [f"{OPS.get(op, op)} {fmt_int(row[f'collectives.expected_counts.{op}'])}" for op in ops
+             if not missing(row[f"collectives.expected_counts.{op}"]) and float(row[f"collectives.expected_counts.{op}"])]
+    return ", ".join(parts) or (NA if all(missing(row[f"collectives.expected_counts.{op}"]) for op in ops) else "none")
+
+def _human_bytes(nbytes: Any) -> str:
+    """``nbytes`` in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB)."""
+    if missing(nbytes):
+        return "n/a"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} GiB"
+
+
+def collectives_line(c: dict[str, Any]) -> str:
+    counts, payload = c.get("counts", {}), c.get("payload_bytes", {})
+    ops = ", ".join(f"{n} {OPS.get(op, op)} ({_human_bytes(payload.get(op))})" for op, n in counts.items() if n)
+    return f"per step: {ops or 'none'} (payload S)"

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import lightning.pytorch as pl
+import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,6 +30,8 @@ from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.probes.base import Probe, ProbeReport
 
 from zeroexp.tolerances import FLOOR_FACTOR, THRESHOLDS
+from zeroexp.report.format import fmt_err, fmt_int, missing
+from zeroexp.report.section import Column, ReportTable, raw_rows
 
 __all__ = ["EquivalenceProbe", "FLOOR_FACTOR", "THRESHOLDS", "train_reference", "compare", "max_abs_diff"]
 
@@ -118,6 +121,16 @@ class EquivalenceProbe(Probe):
     """Full parameters after training vs the unsharded reference (rank 0 reports)."""
 
     name = "equivalence"
+    order = 60
+    dry_run_absent = "no parameter values to compare with the reference"
+
+    @classmethod
+    def digest_line(cls, section: dict[str, Any]) -> str:
+        return equivalence_line(section)
+
+    @classmethod
+    def report_table(cls, ok: pd.DataFrame) -> ReportTable:
+        return equivalence_table(ok)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -145,3 +158,28 @@ class EquivalenceProbe(Probe):
     @classmethod
     def aggregate(cls, results, cfg) -> ProbeReport:
         return ProbeReport(section=dict(results[0]))
+
+
+# The digest line and the report section (Probe.digest_line, Probe.report_table).
+
+
+def equivalence_table(ok: pd.DataFrame) -> ReportTable:
+    """Final parameters against the unsharded reference."""
+    keys = ["equivalence.max_abs_err", "equivalence.max_rel_err", "equivalence.reduction_floor",
+            "equivalence.threshold", "equivalence.effective_threshold", "equivalence.check", "equivalence.steps",
+            "equivalence.compared_tensors"]
+    cols = [Column("cell", "label", str), Column("max abs err", keys[0], fmt_err), Column("max rel err", keys[1], fmt_err),
+            Column("reduction floor", keys[2], fmt_err), Column("threshold", keys[3], fmt_err),
+            Column("bound", keys[4], fmt_err), Column("check", keys[5]), Column("steps", keys[6], fmt_int),
+            Column("tensors", keys[7], fmt_int)]
+    note = ("Every parameter after the last step against an unsharded nn.Module + AdamW trained in one process on "
+            "the same global batches; the reduction floor is how far the same reference moves when only the "
+            "rounding of data parallelism's sums changes. PASS when max abs err <= bound: the precision's "
+            f"threshold, or {FLOOR_FACTOR:g}x the floor where larger.")
+    return ReportTable("equivalence", "Numerical equivalence", raw_rows(ok, keys), cols, note)
+
+def equivalence_line(e: dict[str, Any]) -> str:
+    bound = e.get("effective_threshold", e.get("threshold"))
+    basis = e.get("threshold_basis")
+    return (f"max abs err {fmt_err(e.get('max_abs_err'))} vs bound {fmt_err(bound)}"
+            + ("" if missing(basis) else f" ({basis})") + f" after {e.get('steps')} steps")

@@ -18,6 +18,8 @@ class IterationsProbe(Probe):
     """
 
     name = "iterations"
+    order = 10
+    dry_run_absent = "no loss: FakeTensorMode computes shapes and dtypes, not values"
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)

@@ -13,37 +13,17 @@ import datetime as _dt
 import io
 import json
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from zeroexp.report.cells import column, order_cells
 from zeroexp.report.format import missing
-from zeroexp.report.tables import ReportTable, build_tables
-from zeroexp.report.verdicts import Verdicts, verdicts
+from zeroexp.report.model import Report
+from zeroexp.report.tables import build_tables
+from zeroexp.report.verdicts import verdicts
 
 __all__ = ["Report", "build_report", "write_report", "report_after_sweep"]
-
-
-@dataclass
-class Report:
-    """A sweep's report: its cells (ladder order), tables, verdicts, plots and the files written."""
-
-    sweep_dir: Path
-    cells: pd.DataFrame
-    tables: list[ReportTable]
-    verdicts: Verdicts
-    generated_at: str
-    environment: str
-    plots: list[tuple[str, str, str]] = field(default_factory=list)  # (file name in sweep_dir, caption, table key)
-    files: list[Path] = field(default_factory=list)
-    wandb_run_dir: Path | None = None
-    wandb_error: str | None = None
-
-    def table(self, key: str) -> ReportTable:
-        """The table named ``key`` (``state``, ``memory``, ``collectives``, ``timing``, ``equivalence``, ...)."""
-        return next(t for t in self.tables if t.key == key)
 
 
 def _environment(cells: pd.DataFrame) -> str:

@@ -15,7 +15,7 @@ from matplotlib.transforms import blended_transform_factory
 
 from zeroexp.report.cells import column
 from zeroexp.report.format import byte_unit, missing
-from zeroexp.report.tables import OPS
+from zeroexp.report.section import OPS
 
 __all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "step_times", "collective_payload"]
 

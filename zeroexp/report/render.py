@@ -10,8 +10,8 @@ import html
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from zeroexp.report import Report
-    from zeroexp.report.tables import ReportTable
+    from zeroexp.report.model import Report
+    from zeroexp.report.section import ReportTable
 
 __all__ = ["to_markdown", "to_html"]
 

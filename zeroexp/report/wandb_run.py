@@ -21,7 +21,7 @@ from zeroexp.report.cells import column
 from zeroexp.report.format import missing
 
 if TYPE_CHECKING:
-    from zeroexp.report import Report
+    from zeroexp.report.model import Report
 
 __all__ = ["MODES", "wandb_settings", "log_sweep_run", "staging_dir"]
 

@@ -9,15 +9,16 @@ follows the device: gloo on CPU, NCCL on CUDA (one GPU per rank).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, NamedTuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 from torch import nn
 
-from zeroexp.formulas import zero_state_factors
+from zeroexp.formulas import Groups
 
 #: ``precision.param_dtype`` (conf/precision/) -> the torch dtype.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,6 +29,36 @@ def ranks_get_a_gpu(cfg: Any) -> bool:
     if cfg.device == "cpu":
         return False
     return cfg.device == "cuda" or (torch.cuda.is_available() and torch.cuda.device_count() >= int(cfg.world_size))
+
+
+@dataclass
+class StrategyConfig:
+    """What every strategy's config (``strategy.*``) holds; each adapter's ``schema`` extends it with its own keys.
+
+    A field whose metadata says ``identity: False`` is derived from the others and not part of the cell's identity
+    (zeroexp.cell): adding such a field leaves every cell id as it was.
+    """
+
+    name: str = MISSING
+    #: The expectation-model row the strategy follows (set in its conf/strategy/*.yaml; deepspeed's follows its stage).
+    layout: str = field(default=MISSING, metadata={"identity": False})
+
+
+def schema_keys(schema: type) -> tuple[str, ...]:
+    """The keys of a strategy schema (``strategy.<key>``), in definition order."""
+    return tuple(f.name for f in fields(schema))
+
+
+def identity_keys(schema: type) -> tuple[str, ...]:
+    """The keys of a strategy schema that are part of a cell's identity (all but derived ones such as ``layout``)."""
+    return tuple(f.name for f in fields(schema) if f.metadata.get("identity", True))
+
+
+def post_order(module: nn.Module, keep: Any) -> list[nn.Module]:
+    """The submodules of ``module`` (itself included) for which ``keep`` is true, children before parents, in
+    definition order: the order in which FSDP's auto-wrap makes units, and the planner's (zeroexp.plan.shape)."""
+    out = [m for child in module.children() for m in post_order(child, keep)]
+    return out + ([module] if keep(module) else [])
 
 
 class StateTensor(NamedTuple):
@@ -71,16 +102,18 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer,
 class StrategyAdapter:
     """One data-parallel strategy: how to wrap the model and build the optimizer, and what it claims.
 
-    Subclasses set ``name`` (the ``strategy=`` option) and ``axes`` (the optional cell axes that apply to
-    it, e.g. ``{"prefetch"}``); only those axes enter the cell's identity.
+    Subclasses set ``name`` (the ``strategy=`` option), ``schema`` (the dataclass of its ``strategy.*`` keys) and
+    ``axes``: the optional cell axes that apply to it and name its cells, either a top-level config group
+    (``{"prefetch"}``: ``prefetch=post``) or one of its own schema keys (``{"stage"}``: ``strategy.stage``).
     """
 
     name: ClassVar[str]
+    #: The strategy's config schema (``strategy.*``), registered by zeroexp.config.register_schemas as
+    #: ``schema/strategy/<name>``; its conf/strategy/<name>.yaml extends it.
+    schema: ClassVar[type[StrategyConfig]] = StrategyConfig
     axes: ClassVar[frozenset[str]] = frozenset()
     #: One sentence: which ZeRO semantics the strategy follows (reported beside the measurements).
     semantics: ClassVar[str] = ""
-    #: The ZeRO stage whose state formula (zeroexp.formulas.zero_state_factors) the strategy claims.
-    zero_stage: ClassVar[int | None] = None
     #: Warm-up steps before the strategy issues its steady per-step collectives (checked by config.validate).
     min_warmup_steps: ClassVar[int] = 0
     #: The ``precision`` options (conf/precision/) the strategy implements; config.validate refuses others.
@@ -101,7 +134,7 @@ class StrategyAdapter:
 
     @classmethod
     def validate(cls, cfg: DictConfig) -> None:
-        """Refuse settings this strategy cannot run (raise ``zeroexp.config.ConfigError``)."""
+        """Refuse settings this strategy cannot run (raise ``zeroexp.errors.ConfigError``)."""
 
     def setup(self, device: torch.device) -> None:
         """Once the process group exists and before any model is built (a dry run calls it before entering
@@ -135,12 +168,6 @@ class StrategyAdapter:
         yield from parameter_state_tensors(model)
         yield from optimizer_state_tensors(optimizer)
 
-    def expected_state_factors(self, world_size: int) -> dict[str, float]:
-        """The aggregate factor (sum over ranks / P) each state kind should show at the optimizer boundary."""
-        if self.zero_stage is None:
-            raise NotImplementedError(f"strategy {self.name!r} declares no zero_stage nor expected_state_factors")
-        return zero_state_factors(self.zero_stage, world_size)
-
     def current_loss_scale(self) -> float | None:
         """The dynamic loss scale now (fp16): by default that of the GradScaler in the Lightning precision
         plugin the adapter installed; strategies that scale the loss themselves override this. None without."""
@@ -153,14 +180,23 @@ class StrategyAdapter:
         and in which tensors, e.g. ``{"master": "fp32 partition ..."}``; the state probe reports their bytes."""
         return {}
 
-    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                             world_size: int) -> dict[str, dict[str, int]]:
-        """The steady per-step collectives of one rank: ``{op: {"count", "payload_bytes"}}``.
+    def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
+        """The live groups that decide what this rank keeps and sends (``zeroexp.formulas.Groups``), read off the
+        wrapped ``model`` and its ``optimizer``: buckets, units, owners, partitions, as plain data. The expectation
+        model (``zeroexp.formulas``, row ``strategy.layout``) turns them into bytes and collectives; the planner
+        derives the same groups from shapes. Issues no collective; raise ``NotImplementedError`` with the reason
+        when the strategy's structure is not modelled for this cell."""
+        raise NotImplementedError(f"strategy {self.name!r} reports no groups")
 
-        Derived from the wrapped ``model``'s structure (buckets, owners, units) and the payload model of
-        ``zeroexp.formulas``; payload S in the nccl-tests convention. Issues no collective.
-        """
-        raise NotImplementedError(f"strategy {self.name!r} has no collectives model")
+    @property
+    def layout(self) -> str:
+        """The expectation model's row this strategy follows (``strategy.layout`` in its YAML)."""
+        return str(self.scfg.get("layout") or self.name)
+
+    @staticmethod
+    def trainable(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """The parameters that train, in definition order, a shared one once (``Groups.numels``)."""
+        return [p for p in params if p.requires_grad]
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

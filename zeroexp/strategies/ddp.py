@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -10,15 +11,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from zeroexp.formulas import ddp_collectives
+from zeroexp.formulas import Groups
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_full, load_sharded, save_full, save_sharded
-from zeroexp.strategies.base import StrategyAdapter
+from zeroexp.strategies.base import StrategyAdapter, StrategyConfig
+
+
+@dataclass
+class DDPConfig(StrategyConfig):
+    """``strategy=ddp`` (conf/strategy/ddp.yaml)."""
+
+    # Set explicitly, DDP also uses it as the first bucket's cap (otherwise 1 MiB), so buckets are even.
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
 
 
 @register
 class DDPAdapter(StrategyAdapter):
     name = "ddp"
+    schema = DDPConfig
     semantics = "ZeRO-0 baseline: every rank holds the full parameters, gradients and Adam moments."
     zero_stage = 0
     #: Step 0 all-reduces every gradient in one bucket; the forward of step 1 rebuilds the buckets in
@@ -67,20 +78,16 @@ class DDPAdapter(StrategyAdapter):
         """Every rank holds the full parameters: those of the module DDP wraps, without DDP's ``module.``."""
         return super().full_parameters(model.module if isinstance(model, DistributedDataParallel) else model)
 
-    def gradient_bucket_bytes(self, model: nn.Module) -> list[int]:
-        """Bytes of each steady gradient bucket, as DDP's Reducer rebuilds them after the first step.
+    def gradient_buckets(self, model: nn.Module) -> tuple[tuple[int, ...], ...]:
+        """DDP's gradient buckets as its Reducer holds them now (rebuilt after the first step in gradient-ready
+        order, ``Reducer::rebuild_buckets``): each bucket's parameters' numels, in bucket order."""
+        if not isinstance(model, DistributedDataParallel):
+            raise NotImplementedError("the model is not wrapped in DistributedDataParallel: no buckets to read")
+        return tuple(tuple(p.numel() for p in bucket.parameters())
+                     for bucket in model.reducer._get_zeros_like_grad_buckets())
 
-        Parameters are bucketed in gradient-ready order, approximated (as DDP itself does for its initial
-        buckets) by reverse definition order; ``bucket_cap_mb`` is passed explicitly, so DDP uses it for the
-        first bucket too (``_BucketCapacityConfig``), not its 1 MiB first-bucket default.
-        """
+    def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
+        """Replicated state; one all_reduce per live gradient bucket."""
         module = model.module if isinstance(model, DistributedDataParallel) else model
-        ready = [p for p in module.parameters() if p.requires_grad][::-1]
-        cap = int(float(self.scfg.bucket_cap_mb) * 1024 * 1024)
-        buckets, _ = dist._compute_bucket_assignment_by_size(ready, [cap, cap])
-        return [sum(ready[i].numel() * ready[i].element_size() for i in bucket) for bucket in buckets]
-
-    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                             world_size: int) -> dict[str, dict[str, int]]:
-        """One gradient all_reduce per bucket (zeroexp.formulas.ddp_collectives)."""
-        return ddp_collectives(self.gradient_bucket_bytes(model))
+        numels = tuple(p.numel() for p in self.trainable(module.parameters()))
+        return Groups(self.layout, dist.get_world_size(), numels, buckets=self.gradient_buckets(model))

@@ -52,14 +52,27 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from zeroexp.errors import ConfigError, NotApplicableHere
+from zeroexp.formulas import Groups, Shard, deepspeed_buckets, deepspeed_gathers
 from zeroexp.strategies import register
-from zeroexp.strategies.base import DTYPES, StateTensor, StrategyAdapter, optimizer_state_tensors, ranks_get_a_gpu
+from zeroexp.strategies.base import (DTYPES, StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors,
+                                     ranks_get_a_gpu)
+
+
+@dataclass
+class DeepSpeedConfig(StrategyConfig):
+    """``strategy=deepspeed``: DeepSpeed ZeRO through ``deepspeed.initialize``; an optional extra."""
+
+    stage: int = 2  # ZeRO stage 0 | 1 | 2 | 3 (a cell axis: DeepSpeedAdapter.axes)
+    bucket_cap_mb: float = 25.0  # reduce_bucket_size and allgather_bucket_size, in MiB of fp32 elements
 
 #: The one file of a full DeepSpeed checkpoint (rank 0): fp32 master, Adam moments and step, by parameter name.
 DS_FULL_FILE = "full_fp32.pt"
@@ -141,7 +154,8 @@ def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
 @register
 class DeepSpeedAdapter(StrategyAdapter):
     name = "deepspeed"
-    axes = frozenset({"stage"})
+    schema = DeepSpeedConfig
+    axes = frozenset({"stage"})  # strategy.stage names the cell: deepspeed-stage2_...
     precisions = frozenset({"fp32", "bf16", "fp16"})
     offloads = frozenset({"none", "optimizer", "full"})
     checkpoint_kinds = frozenset({"full", "sharded"})  # every stage; files and collectives differ by stage
@@ -162,8 +176,6 @@ class DeepSpeedAdapter(StrategyAdapter):
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
-        from zeroexp.config import ConfigError, NotApplicableHere
-
         s, off = cfg.strategy, str(cfg.offload.name)
         if not deepspeed_available():
             raise ConfigError("strategy", s.name, "any other strategy, or install DeepSpeed",
@@ -265,12 +277,6 @@ class DeepSpeedAdapter(StrategyAdapter):
         base = getattr(opt, "optimizer", opt)  # the client AdamW inside DeepSpeed's wrapper
         yield from optimizer_state_tensors(base)
 
-    def expected_state_factors(self, world_size: int) -> dict[str, float]:
-        """zeroexp.formulas.deepspeed_state_factors for this stage, precision and offload."""
-        from zeroexp.formulas import deepspeed_state_factors
-
-        return deepspeed_state_factors(self.stage, world_size, self.dtype.itemsize, str(self.cfg.offload.name))
-
     def current_loss_scale(self) -> float | None:
         """fp16: the FP16 / ZeRO optimizer's dynamic loss scale (``cur_scale``); None otherwise."""
         return float(self.engine.optimizer.cur_scale) if self.cfg.precision.name == "fp16" else None
@@ -281,58 +287,45 @@ class DeepSpeedAdapter(StrategyAdapter):
             return {}
         return {"master": _MASTER_TENSORS[self.stage]}
 
-    def expected_collectives(self, model: nn.Module, optimizer: Any, world_size: int) -> dict[str, dict[str, int]]:
-        """DeepSpeed's per-step collectives (zeroexp.formulas.deepspeed_collectives) from the engine's structure:
-        its parameters, ZeRO groups, bucket sizes and stage-3 fetch settings, read off the built engine and
-        optimizer (they come from the cell's ds config). Gradients become ready in reverse registration order
-        (stages 2 and 3 reduce them in that order): true of a stack of layers. Not modelled (raises, so the
-        check reads n/a with the reason): offload, a parameter larger than reduce_bucket_size, a stage-3 model
-        larger than one prefetch bucket, DeepSpeed's reduce (not all_reduce) gradient path."""
-        from zeroexp.formulas import deepspeed_collectives
-
-        off, eng, opt = str(self.cfg.offload.name), self.engine, self.engine.optimizer
+    def groups(self, model: nn.Module, optimizer: Any) -> Groups:
+        """DeepSpeed's partitions and buckets, read off the built engine and its ZeRO optimizer (they come from the
+        cell's ds config): stage 0 its all_reduce chunks; stages 1-2 the flat groups (``bit16_groups_flat``, padded to
+        2N) and the ``ipg`` buckets of the parameters in reduce order (stage 1 group order at the step, stage 2
+        backward hooks: reverse registration order, true of a stack of layers); stage 3 every parameter's partition
+        (``ds_numel`` padded to N), the buckets in backward order and the fetches (the root module's own parameters,
+        then one prefetch of the rest). Not modelled (the check reads n/a with the reason): offload, DeepSpeed's
+        reduce (not all_reduce) gradient path."""
+        off, eng, opt, n = str(self.cfg.offload.name), self.engine, self.engine.optimizer, dist.get_world_size()
         if off != "none":
             raise NotImplementedError(f"strategy 'deepspeed' has no collectives model for offload={off!r}")
-        params = [p for p in eng.module.parameters() if p.requires_grad]
+        params = self.trainable(eng.module.parameters())
         if self.stage == 0:
-            if len({p.dtype for p in params}) != 1:
-                raise NotImplementedError("strategy 'deepspeed' stage 0: parameters of several dtypes not modelled")
-            return deepspeed_collectives(0, world_size, [p.numel() for p in params], params[0].element_size(), 0)
-        comm = torch.empty(0, dtype=opt.communication_data_type).element_size()
+            numels = [p.numel() for p in params]
+            return Groups(self.layout, n, tuple(numels), buckets=deepspeed_buckets(0, numels, 0))
         bucket = int(opt.reduce_bucket_size)
-        if any((p.ds_numel if self.stage == 3 else p.numel()) > bucket for p in params):
-            raise NotImplementedError(f"strategy 'deepspeed': a parameter larger than reduce_bucket_size={bucket} "
-                                      "is reduced on its own (extra_large_param_to_reduce): not modelled")
         if self.stage in (1, 2):
             import deepspeed.comm as ds_comm
 
             if not (opt.reduce_scatter and opt.use_multi_rank_bucket_allreduce and ds_comm.has_all_gather_into_tensor()):
                 raise NotImplementedError("strategy 'deepspeed': only the all_reduce bucket path and one "
                                           "all_gather_into_tensor per group are modelled")
-            order = [p for group in opt.bit16_groups for p in group]  # stage 1: reduce_gradients, group order
-            if self.stage == 2:
-                order = order[::-1]  # backward hooks
-            return deepspeed_collectives(
-                self.stage, world_size, [p.numel() for p in order], comm, bucket,
-                flat_group_bytes=[f.numel() * f.element_size() for f in opt.bit16_groups_flat],
-                norm_groups=len(opt.bit16_groups) if opt.compute_grad_norm else 0, norm_itemsize=4,
-                overflow_check=bool(opt.check_grad_overflow))
-        from deepspeed.runtime.zero.utils import get_norm_dtype
-
-        total = sum(p.ds_numel for p in params)
-        limit = min(eng.zero_prefetch_bucket_size(), eng.zero_max_live_parameters(), eng.zero_max_reuse_distance())
-        if total > limit:
-            raise NotImplementedError(f"strategy 'deepspeed' stage 3: {total} parameter elements exceed one prefetch "
-                                      f"bucket ({limit}): several fetches per step, not modelled")
-        # The root module's own parameters are fetched with it; then one prefetch gathers the traced rest (and
-        # with reuse distance and live parameters above P, nothing is released before backward).
+            order = [p.numel() for group in opt.bit16_groups for p in group]  # stage 1: reduce_gradients, group order
+            shards = []
+            for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups):
+                spans, offset = [], 0
+                for p in group:
+                    spans.append((offset, offset + p.numel()))
+                    offset += p.numel()
+                shards.append(Shard(tuple(spans), flat.numel()))
+            return Groups(self.layout, n, tuple(order), tuple(shards),
+                          buckets=deepspeed_buckets(self.stage, order if self.stage == 1 else order[::-1], bucket))
+        numels = [p.ds_numel for p in params]
         own = {id(p) for p in eng.module.parameters(recurse=False)}
-        gathers = [[p.ds_numel for p in params if id(p) in own], [p.ds_numel for p in params if id(p) not in own]]
-        return deepspeed_collectives(
-            3, world_size, [p.ds_numel for p in params[::-1]], comm, bucket,
-            gather_numels=[g for g in gathers if g], param_itemsize=self.dtype.itemsize,
-            norm_groups=len(opt.fp16_groups), norm_itemsize=torch.empty(0, dtype=get_norm_dtype()).element_size(),
-            overflow_check=opt.dtype == torch.float16)
+        first = sorted(params, key=lambda p: id(p) not in own)  # the root's own parameters are fetched with it
+        return Groups(self.layout, n, tuple(numels),
+                      tuple(Shard(((0, p.ds_numel),), p.ds_tensor.numel() * n) for p in params),
+                      buckets=deepspeed_buckets(3, numels[::-1], bucket),
+                      gathers=deepspeed_gathers([p.ds_numel for p in first], own=len(own)))
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

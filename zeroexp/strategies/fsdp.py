@@ -9,45 +9,48 @@ On CPU, FSDP runs with gloo when given ``device_id=torch.device("cpu")``.
 
 from __future__ import annotations
 
-import importlib
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
+from omegaconf import MISSING
 from torch import nn
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig,
                                     FullyShardedDataParallel, MixedPrecision, ShardingStrategy, StateDictType)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from zeroexp.formulas import fp16_inf_syncs, fsdp_collectives, padded_numel, zero_state_factors
+from zeroexp.formulas import Groups, Shard, Unit
+from zeroexp.errors import ConfigError, NotApplicableHere
+from zeroexp.models import import_class, wrap_paths
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_sharded, read_full, save_sharded, write_full
-from zeroexp.strategies.base import (DTYPES, StateTensor, StrategyAdapter, optimizer_state_tensors, ranks_get_a_gpu,
-                                     parameter_state_tensors)
+from zeroexp.strategies.base import (DTYPES, StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors, post_order,
+                                     ranks_get_a_gpu, parameter_state_tensors)
+
+
+@dataclass
+class FSDPConfig(StrategyConfig):
+    """``strategy=fsdp_grad_op`` / ``fsdp_full`` (FSDP1)."""
+
+    sharding: str = MISSING  # FULL_SHARD | SHARD_GRAD_OP
+    # Module classes wrapped as their own FSDP unit (import paths); the root unit holds the rest.
+    # null: the model's own unit (model.wrap: Linear for mlp, Block for gpt); [] wraps the model as one unit.
+    wrap: Optional[List[str]] = None
+    use_orig_params: bool = False
+    limit_all_gathers: bool = True
+    forward_prefetch: bool = False
 
 _PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
-
-
-def _import_class(path: str) -> type:
-    module, _, attr = path.rpartition(".")
-    cls = getattr(importlib.import_module(module), attr)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(f"strategy.wrap entry {path!r} is not an nn.Module class")
-    return cls
-
-
-def wrap_paths(cfg) -> list[str]:
-    """The module classes wrapped as FSDP units: ``strategy.wrap``, else the model's ``model.wrap``, else none
-    (the whole model is then one unit)."""
-    paths = cfg.strategy.wrap if cfg.strategy.get("wrap") is not None else cfg.model.get("wrap")
-    return [str(p) for p in (paths or [])]
 
 
 class FSDPAdapter(StrategyAdapter):
     """Shared FSDP1 wrapping; subclasses fix the sharding strategy."""
 
     sharding: ShardingStrategy
+    schema = FSDPConfig
     dry_run_traced = True  # FSDP1 runs under a fake process group and FakeTensorMode
     #: bf16 / fp16 through ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``: the sharded FlatParameter,
     #: its gradient shard and Adam's moments stay fp32 (the shard is the master); each unit is gathered, computed
@@ -60,8 +63,6 @@ class FSDPAdapter(StrategyAdapter):
 
     @classmethod
     def validate(cls, cfg) -> None:
-        from zeroexp.config import ConfigError, NotApplicableHere
-
         if cfg.offload.name == "full" and not ranks_get_a_gpu(cfg):
             raise NotApplicableHere("offload", "full", "none (on this machine)",
                                     why="FSDP CPUOffload moves the shards to the host between computations, but this "
@@ -69,7 +70,7 @@ class FSDPAdapter(StrategyAdapter):
         key = "strategy.wrap" if cfg.strategy.wrap is not None else "model.wrap"
         for i, path in enumerate(wrap_paths(cfg)):
             try:
-                _import_class(str(path))
+                import_class(str(path))
             except (ImportError, AttributeError, ValueError, TypeError) as e:
                 raise ConfigError(f"{key}[{i}]", path, "import paths of nn.Module classes", why=str(e)) from e
 
@@ -137,32 +138,23 @@ class FSDPAdapter(StrategyAdapter):
         yield from parameter_state_tensors(model)
         yield from optimizer_state_tensors(optimizer, logical_of)
 
-    def expected_state_factors(self, world_size: int) -> dict[str, float]:
-        """ZeRO stage factors with parameters resharded at the optimizer boundary; no unsharded buffer left."""
-        return {**zero_state_factors(self.zero_stage, world_size, params_resharded=True), "param_unsharded": 0.0}
-
-    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                             world_size: int) -> dict[str, dict[str, int]]:
-        """Per FlatParameter unit (padded to N [FSDP]): its all_gathers and one reduce_scatter.
-
-        A unit is gathered twice when FULL_SHARD reshards it after forward, which FSDP skips for the root
-        unit (``_post_forward_reshard``: ``not state._is_root``); the prefetch mode changes the order only.
-        """
-        unit_bytes, reduce_bytes, gathers = [], [], []
-        for unit in FullyShardedDataParallel.fsdp_modules(model):
-            if unit._handle is None:  # no parameters of its own: no collectives
-                continue
-            handle = unit._handle
-            numel = padded_numel(handle.flat_param._unpadded_unsharded_size.numel(), world_size)
-            # MixedPrecision: gathered in param_dtype, reduce-scattered in reduce_dtype (the fp32 shard otherwise)
-            unit_bytes.append(numel * handle._fwd_bwd_param_dtype.itemsize)
-            reduce_bytes.append(numel * handle._reduce_dtype.itemsize)
-            gathers.append(2 if self.sharding == ShardingStrategy.FULL_SHARD and not unit._is_root else 1)
-        return fsdp_collectives(unit_bytes, gathers, reduce_bytes, inf_syncs=self.inf_syncs())
-
-    def inf_syncs(self) -> int:
-        """fp16: the loss scaler's found_inf all_reduces per step (``zeroexp.formulas.fp16_inf_syncs``); 0 without."""
-        return fp16_inf_syncs(dtensor_grads=False) if self.cfg.precision.name == "fp16" else 0
+    def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
+        """Each unit with parameters, children before parents (as FSDP wrapped them): its FlatParameter as laid out
+        (the original parameters' element ranges, ``use_orig_params`` alignment padding between them) and padded to N
+        [FSDP], gathered twice when FULL_SHARD reshards it after forward, which FSDP skips for the root unit
+        (``_post_forward_reshard``: ``not state._is_root``); the prefetch mode changes the order only."""
+        shards, units = [], []
+        for unit in post_order(model, lambda m: isinstance(m, FullyShardedDataParallel) and m._handle is not None):
+            flat = unit._handle.flat_param
+            spans, offset = [], 0
+            for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+                if not padding:
+                    spans.append((offset, offset + numel))
+                offset += numel
+            padded = flat._padded_unsharded_size.numel()
+            shards.append(Shard(tuple(spans), padded))
+            units.append(Unit(padded, 2 if self.sharding == ShardingStrategy.FULL_SHARD and not unit._is_root else 1))
+        return Groups(self.layout, dist.get_world_size(), self._numels, tuple(shards), tuple(units))
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
@@ -175,7 +167,8 @@ class FSDPAdapter(StrategyAdapter):
             yield {name: p.detach() for name, p in model.named_parameters()}
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
-        classes = {_import_class(str(p)) for p in wrap_paths(self.cfg)}
+        self._numels = tuple(p.numel() for p in self.trainable(module.parameters()))  # before FSDP flattens them
+        classes = {import_class(str(p)) for p in wrap_paths(self.cfg)}
         return FullyShardedDataParallel(
             module,
             sharding_strategy=self.sharding,

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``): every parameter a DTensor sharded on dim 0, one unit per wrapped module class.
 
 ``fully_shard`` is applied to each module of a wrapped class (``strategy.wrap``, else ``model.wrap``: the same
-rule as FSDP1, :func:`zeroexp.strategies.fsdp.wrap_paths`), children before parents, then to the root. A unit
+rule as FSDP1, :func:`zeroexp.models.wrap_paths`), children before parents, then to the root. A unit
 all-gathers its parameters in one ``all_gather_into_tensor`` and reduce-scatters their gradients in one
 ``reduce_scatter_tensor``. Unlike FSDP1 there is no FlatParameter: each parameter is chunked on dim 0 and every
 chunk is padded to the first's size (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so the padding is per
@@ -16,17 +16,19 @@ The device mesh is made on the rank's device type (``init_device_mesh("cpu", (N,
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zeroexp.formulas import fp16_inf_syncs, fsdp2_padded_numel, fsdp_collectives, zero_state_factors
+from zeroexp.formulas import Groups, Shard, Unit, fsdp2_padded_numel
 from zeroexp.strategies import register
-from zeroexp.strategies.base import DTYPES, StateTensor, StrategyAdapter
-from zeroexp.strategies.fsdp import FSDPAdapter, _import_class, wrap_paths
+from zeroexp.strategies.base import DTYPES, StateTensor, StrategyAdapter, StrategyConfig, post_order
+from zeroexp.models import import_class, wrap_paths
+from zeroexp.strategies.fsdp import FSDPAdapter
 
 
 
@@ -35,21 +37,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _param_groups(model: nn.Module) -> Iterator[Any]:
-    """Every FSDP2 parameter group (one per ``fully_shard`` unit that holds parameters) under ``model``."""
+def _param_group(module: nn.Module) -> Any:
+    """The FSDP2 parameter group of a ``fully_shard`` unit that holds parameters; None for any other module."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                yield group
+    return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+
+
+def _param_groups(model: nn.Module) -> Iterator[Any]:
+    """Every FSDP2 parameter group (one per ``fully_shard`` unit that holds parameters) under ``model``."""
+    return (g for g in map(_param_group, model.modules()) if g is not None)
+
+
+@dataclass
+class FSDP2Config(StrategyConfig):
+    """``strategy=fsdp2_full`` / ``fsdp2_grad_op``; ``reshard_after_forward`` is fixed by the strategy."""
+
+    # Module classes given their own fully_shard unit (import paths), as for FSDP1; the root takes the rest.
+    wrap: Optional[List[str]] = None
 
 
 class FSDP2Adapter(StrategyAdapter):
     """Shared FSDP2 wrapping; subclasses fix ``reshard_after_forward``."""
 
     reshard_after_forward: bool
+    schema = FSDP2Config
     #: bf16 / fp16 through ``MixedPrecisionPolicy`` (gathered, computed and reduced in the low precision, fp32
     #: shards); fp16 adds a dynamic ``ShardedGradScaler`` (zeroexp.strategies._amp), whose inf check runs on each
     #: rank's gradient shards (DTensors) and all-reduces found_inf, as with FSDP1.
@@ -95,7 +107,7 @@ class FSDP2Adapter(StrategyAdapter):
 
         self.setup(device)
         root = getattr(module, "net", module)
-        classes = tuple(_import_class(p) for p in wrap_paths(self.cfg))
+        classes = tuple(import_class(p) for p in wrap_paths(self.cfg))
         kwargs = {"mesh": self._mesh, "reshard_after_forward": self.reshard_after_forward,
                   "mp_policy": self.mp_policy()}
         units = [m for m in root.modules() if classes and isinstance(m, classes) and m is not root]
@@ -129,28 +141,18 @@ class FSDP2Adapter(StrategyAdapter):
                     if out.untyped_storage().nbytes() > 0:
                         yield StateTensor("param_unsharded", out, fsdp_param._orig_size.numel())
 
-    def expected_state_factors(self, world_size: int) -> dict[str, float]:
-        """ZeRO factors with parameters sharded at the optimizer boundary (1/1/2); no unsharded buffer left."""
-        return {**zero_state_factors(self.zero_stage, world_size, params_resharded=True), "param_unsharded": 0.0}
-
-    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                             world_size: int) -> dict[str, dict[str, int]]:
-        """Per unit with parameters: one all_gather of its parameters padded on dim 0 (``fsdp2_padded_numel``)
-        in the compute dtype, twice when the unit is resharded after forward (``post_forward_mesh_info``),
-        and one reduce_scatter of the same elements in the reduce dtype."""
-        gather_bytes, reduce_bytes, gathers = [], [], []
-        for group in _param_groups(model):
-            numel = sum(fsdp2_padded_numel(tuple(p._orig_size), world_size) for p in group.fsdp_params)
-            first = group.fsdp_params[0]
-            compute = first.param_dtype or first.orig_dtype
-            gather_bytes.append(numel * compute.itemsize)
-            reduce_bytes.append(numel * (first.reduce_dtype or compute).itemsize)
-            gathers.append(2 if group.post_forward_mesh_info is not None else 1)
-        return fsdp_collectives(gather_bytes, gathers, reduce_bytes, inf_syncs=self.inf_syncs())
-
-    def inf_syncs(self) -> int:
-        """fp16: the loss scaler's found_inf all_reduces per step (``zeroexp.formulas.fp16_inf_syncs``); 0 without."""
-        return fp16_inf_syncs(dtensor_grads=True) if self.cfg.precision.name == "fp16" else 0
+    def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
+        """Every parameter sharded on its own, dim 0 chunked and padded (``fsdp2_padded_numel``) [FSDP2]; each unit
+        with parameters, children before parents: one all_gather of its padded parameters, twice when it is resharded
+        after forward (``post_forward_mesh_info``), and one reduce_scatter."""
+        n, params = dist.get_world_size(), self.trainable(model.parameters())
+        shards = tuple(Shard(((0, p.numel()),), fsdp2_padded_numel(tuple(p.shape), n)) for p in params if p.numel())
+        units = []
+        for module in post_order(model, lambda m: _param_group(m) is not None):
+            group = _param_group(module)
+            units.append(Unit(sum(fsdp2_padded_numel(tuple(q._orig_size), n) for q in group.fsdp_params),
+                              2 if group.post_forward_mesh_info is not None else 1))
+        return Groups(self.layout, n, tuple(p.numel() for p in params), shards, tuple(units))
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

@@ -9,16 +9,29 @@ shard -> all_gather. See Rajbhandari et al., ZeRO, arXiv:1910.02054, sections 5.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroexp.formulas import sharded_zero_collectives, sharded_zero_state_factors
+from zeroexp.formulas import Groups, Shard
 from zeroexp.sharding import Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets, gather_full_masters
+from zeroexp.errors import ConfigError
 from zeroexp.strategies import register
-from zeroexp.strategies.base import DTYPES, StateTensor, StrategyAdapter, optimizer_state_tensors, parameter_state_tensors
+from zeroexp.strategies.base import (DTYPES, StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors,
+                                     parameter_state_tensors)
+
+
+@dataclass
+class ZeroConfig(StrategyConfig):
+    """``strategy=zero1`` / ``zero2``: zeroexp's own ZeRO-1 / ZeRO-2 (``zeroexp.sharding``)."""
+
+    # Flat buckets, in compute-dtype bytes of parameters: one reduce_scatter and one all_gather each per step.
+    bucket_cap_mb: float = 25.0
+    reduce: str = "reduce_scatter"  # reduce_scatter | allreduce (the naive ZeRO: all_reduce, keep the shard)
+    clip_grad_norm: Optional[float] = None  # global-norm clipping: the max norm; null: no clipping
 
 
 
@@ -47,6 +60,7 @@ def _loss_scaling_precision(scale: DynamicLossScale) -> Any:
 class ShardedZeroAdapter(StrategyAdapter):
     """Shared by ``zero1`` and ``zero2``; subclasses fix ``zero_stage``."""
 
+    schema = ZeroConfig
     precisions = frozenset({"fp32", "bf16", "fp16"})
 
     def __init__(self, cfg) -> None:
@@ -58,8 +72,6 @@ class ShardedZeroAdapter(StrategyAdapter):
 
     @classmethod
     def validate(cls, cfg) -> None:
-        from zeroexp.config import ConfigError
-
         s, p = cfg.strategy, cfg.precision
         if s.reduce not in ("reduce_scatter", "allreduce"):
             raise ConfigError("strategy.reduce", s.reduce, "reduce_scatter, allreduce")
@@ -110,18 +122,13 @@ class ShardedZeroAdapter(StrategyAdapter):
     def current_loss_scale(self) -> float | None:
         return None if self.loss_scale is None else float(self.loss_scale.value)
 
-    def expected_state_factors(self, world_size: int) -> dict[str, float]:
-        """zeroexp.formulas.sharded_zero_state_factors: param N, grad N (zero1) or 1 (zero2), optim 2,
-        master 1 in fp32; the parameter and gradient factors scale with the compute dtype's size."""
-        return sharded_zero_state_factors(int(self.zero_stage), world_size, self.dtype.itemsize)
-
-    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                             world_size: int) -> dict[str, dict[str, int]]:
-        """Per bucket (padded, compute dtype) one reduce_scatter (or all_reduce) and one all_gather, and one
-        fp32 scalar all_reduce with clipping or loss scaling (zeroexp.formulas.sharded_zero_collectives)."""
-        norm = self.scfg.clip_grad_norm is not None or self.loss_scale is not None
-        return sharded_zero_collectives([b.flat.numel() * b.flat.element_size() for b in self.buckets],
-                                        reduce=str(self.scfg.reduce), norm_allreduce=norm)
+    def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
+        """Each flat bucket as it is laid out (its parameters' element ranges, its padded length): one reduce_scatter
+        (or all_reduce) and one all_gather each per step."""
+        shards = tuple(Shard(tuple((off, off + p.numel()) for p, off in zip(b.params, b.offsets)), b.flat.numel())
+                       for b in self.buckets)
+        numels = tuple(p.numel() for b in self.buckets for p in b.params)
+        return Groups(self.layout, dist.get_world_size(), numels, shards)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

@@ -7,6 +7,7 @@ parameters after each update"); see Rajbhandari et al., ZeRO, arXiv:1910.02054, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -16,16 +17,25 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from zeroexp.formulas import zero1_collectives
+from zeroexp.formulas import Groups
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import read_full, write_full
 from zeroexp.strategies.base import StateTensor
-from zeroexp.strategies.ddp import DDPAdapter
+from zeroexp.strategies.ddp import DDPAdapter, DDPConfig
+
+
+@dataclass
+class ZROConfig(DDPConfig):
+    """``strategy=zro`` (conf/strategy/zro.yaml): DDP's keys and ZeroRedundancyOptimizer's."""
+
+    # False: one broadcast per parameter after the step (the reference experiment's fingerprint).
+    parameters_as_bucket_view: bool = False
 
 
 @register
 class ZROAdapter(DDPAdapter):
     name = "zro"
+    schema = ZROConfig
     semantics = (
         "ZeRO-1 (P_os): parameters and gradients replicated, Adam moments only on the owning rank; "
         "owners broadcast their updated parameters after the step."
@@ -40,19 +50,21 @@ class ZROAdapter(DDPAdapter):
         local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         yield from super().state_tensors(model, local)
 
-    def expected_collectives(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                             world_size: int) -> dict[str, dict[str, int]]:
-        """DDP's bucket all_reduces, then the owners' broadcasts as the optimizer partitioned them.
-
-        ``ZeroRedundancyOptimizer._broadcast_params_from_rank``: one broadcast per owned parameter, or with
-        ``parameters_as_bucket_view`` one per (device, owner) bucket, empty buckets included.
-        """
+    def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
+        """DDP's live buckets, the owners as the optimizer partitioned the parameters, and its broadcasts after the
+        step (``_broadcast_params_from_rank``): one per owned parameter, or with ``parameters_as_bucket_view`` one per
+        (device, owner) bucket, empty buckets included."""
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise NotImplementedError("the optimizer is not a ZeroRedundancyOptimizer: no owners to read")
+        owners = tuple(tuple(p.numel() for group in owned for p in group["params"])
+                       for owned in optimizer._partition_parameters())
         if optimizer.parameters_as_bucket_view:
-            sent = [b.numel() * b.element_size() for device_buckets in optimizer._buckets for b in device_buckets]
+            broadcasts = tuple(b.numel() for device_buckets in optimizer._buckets for b in device_buckets)
         else:
-            sent = [p.numel() * p.element_size() for owned in optimizer._partition_parameters()
-                    for group in owned for p in group["params"]]
-        return zero1_collectives(self.gradient_bucket_bytes(model), sent)
+            broadcasts = tuple(k for owned in owners for k in owned)
+        ddp = super().groups(model, optimizer)
+        return Groups(ddp.layout, ddp.world_size, ddp.numels, buckets=ddp.buckets, owners=owners,
+                      broadcasts=broadcasts)
 
     def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(

@@ -1,0 +1,294 @@
+"""Strategy-owned configuration (issue 16): each strategy's schema beside its adapter, no top-level key of one
+strategy, cell ids unchanged, and a ``strategy.<key>`` of a sweep applying only to the strategies that have it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import OmegaConf
+
+from zeroexp.cell import cell_id, cell_identity, cell_name
+from zeroexp.cli import CONF_DIR, register
+from zeroexp.config import ConfigError, strategy_extras, validate, without_strategy_extras
+from zeroexp.strategies import registered
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ("logger=none", "model.width=64", "steps=10", "warmup_steps=3")  # conftest's BASE
+
+#: Cell names (and so cell ids) computed by the code before the move (commit 124fb84, where the bucket cap was a
+#: top-level key shared by ddp, zro, zero1, zero2 and deepspeed, and ds_vs_fsdp swept a top-level stage key), for the
+#: same cells spelled with today's keys (the old spelling in place of strategy.bucket_cap_mb / strategy.stage):
+#: resume=true and reports over older sweeps depend on them. "BASE" stands for conftest's BASE overrides.
+PINNED = [
+    ("strategy=ddp", "ddp_mlp_fp32_n4_1535041b"),
+    ("BASE strategy=ddp world_size=2", "ddp_mlp_fp32_n2_1146f049"),
+    ("strategy=ddp precision=bf16", "ddp_mlp_bf16_n4_23ab5470"),
+    ("strategy=ddp prefetch=post", "ddp_mlp_fp32_n4_1535041b"),
+    ("strategy=ddp dry_run=true world_size=64", "ddp_mlp_fp32_n64_dry_dd65580a"),
+    ("strategy=zro", "zro_mlp_fp32_n4_41d78d0f"),
+    ("BASE strategy=zro world_size=2", "zro_mlp_fp32_n2_c10e266d"),
+    ("strategy=zro precision=bf16", "zro_mlp_bf16_n4_53ffd8fe"),
+    ("strategy=zero1", "zero1_mlp_fp32_n4_d804f2af"),
+    ("BASE strategy=zero1 world_size=2", "zero1_mlp_fp32_n2_2e00d8b9"),
+    ("strategy=zero1 precision=bf16", "zero1_mlp_bf16_n4_4942bfab"),
+    ("strategy=zero2", "zero2_mlp_fp32_n4_17d44813"),
+    ("BASE strategy=zero2 world_size=2", "zero2_mlp_fp32_n2_22b5107a"),
+    ("strategy=zero2 precision=bf16", "zero2_mlp_bf16_n4_5b313c4b"),
+    ("strategy=deepspeed", "deepspeed-stage2_mlp_fp32_n4_31cf07c8"),
+    ("BASE strategy=deepspeed world_size=2", "deepspeed-stage2_mlp_fp32_n2_63794c5d"),
+    ("strategy=deepspeed precision=bf16", "deepspeed-stage2_mlp_bf16_n4_6b5bbafe"),
+    ("strategy=deepspeed prefetch=post", "deepspeed-stage2_mlp_fp32_n4_31cf07c8"),
+    ("strategy=deepspeed checkpoint=full", "deepspeed-stage2_mlp_fp32_ckpt-full_n4_2e6de638"),
+    ("strategy=fsdp_grad_op", "fsdp_grad_op_mlp_fp32_n4_0c26e26b"),
+    ("BASE strategy=fsdp_grad_op world_size=2", "fsdp_grad_op_mlp_fp32_n2_38e32053"),
+    ("strategy=fsdp_grad_op precision=bf16", "fsdp_grad_op_mlp_bf16_n4_1b24b8dd"),
+    ("strategy=fsdp_full", "fsdp_full-pre_mlp_fp32_n4_5837a9bc"),
+    ("BASE strategy=fsdp_full world_size=2", "fsdp_full-pre_mlp_fp32_n2_eb2a5fec"),
+    ("strategy=fsdp_full precision=bf16", "fsdp_full-pre_mlp_bf16_n4_179f2fd5"),
+    ("strategy=fsdp_full prefetch=post", "fsdp_full-post_mlp_fp32_n4_503b1d6d"),
+    ("strategy=fsdp_full checkpoint=full", "fsdp_full-pre_mlp_fp32_ckpt-full_n4_c9cff814"),
+    ("strategy=fsdp2_grad_op", "fsdp2_grad_op_mlp_fp32_n4_0b356910"),
+    ("BASE strategy=fsdp2_grad_op world_size=2", "fsdp2_grad_op_mlp_fp32_n2_f1599a26"),
+    ("strategy=fsdp2_grad_op precision=bf16", "fsdp2_grad_op_mlp_bf16_n4_61a2cbf8"),
+    ("strategy=fsdp2_full", "fsdp2_full_mlp_fp32_n4_e020ec50"),
+    ("BASE strategy=fsdp2_full world_size=2", "fsdp2_full_mlp_fp32_n2_a5e8a815"),
+    ("strategy=fsdp2_full precision=bf16", "fsdp2_full_mlp_bf16_n4_0c925bfc"),
+    ("strategy=fsdp2_full dry_run=true world_size=64", "fsdp2_full_mlp_fp32_n64_dry_927a8265"),
+    ("BASE strategy=ddp world_size=2 strategy.bucket_cap_mb=0.0625", "ddp_mlp_fp32_n2_47e45f7b"),
+    ("BASE strategy=ddp world_size=2 strategy.bucket_cap_mb=0.03", "ddp_mlp_fp32_n2_13a98daa"),
+    ("strategy=ddp strategy.bucket_cap_mb=64", "ddp_mlp_fp32_n4_f5f0d684"),
+    ("BASE strategy=zro world_size=2 strategy.bucket_cap_mb=0.0625", "zro_mlp_fp32_n2_92097906"),
+    ("BASE strategy=zro world_size=2 strategy.bucket_cap_mb=0.03", "zro_mlp_fp32_n2_d7d36266"),
+    ("strategy=zro strategy.bucket_cap_mb=64", "zro_mlp_fp32_n4_dbf9f6a4"),
+    ("BASE strategy=zero1 world_size=2 strategy.bucket_cap_mb=0.0625", "zero1_mlp_fp32_n2_2caef905"),
+    ("BASE strategy=zero1 world_size=2 strategy.bucket_cap_mb=0.03", "zero1_mlp_fp32_n2_dfa7ea98"),
+    ("strategy=zero1 strategy.bucket_cap_mb=64", "zero1_mlp_fp32_n4_f1c07cc7"),
+    ("BASE strategy=zero2 world_size=2 strategy.bucket_cap_mb=0.0625", "zero2_mlp_fp32_n2_588a3875"),
+    ("BASE strategy=zero2 world_size=2 strategy.bucket_cap_mb=0.03", "zero2_mlp_fp32_n2_25ad6866"),
+    ("strategy=zero2 strategy.bucket_cap_mb=64", "zero2_mlp_fp32_n4_4bd9e428"),
+    ("BASE strategy=deepspeed world_size=2 strategy.bucket_cap_mb=0.0625", "deepspeed-stage2_mlp_fp32_n2_97a2e5ec"),
+    ("BASE strategy=deepspeed world_size=2 strategy.bucket_cap_mb=0.03", "deepspeed-stage2_mlp_fp32_n2_2a9ea540"),
+    ("strategy=deepspeed strategy.bucket_cap_mb=64", "deepspeed-stage2_mlp_fp32_n4_815b565b"),
+    ("strategy=deepspeed strategy.stage=0", "deepspeed-stage0_mlp_fp32_n4_594543e8"),
+    ("strategy=deepspeed strategy.stage=0 offload=full precision=bf16",
+     "deepspeed-stage0_mlp_bf16_off-full_n4_3a8e8fcd"),
+    ("BASE world_size=2 strategy=deepspeed strategy.stage=0 model.depth=5 strategy.bucket_cap_mb=0.03",
+     "deepspeed-stage0_mlp_fp32_n2_5c46b56c"),
+    ("strategy=deepspeed strategy.stage=1", "deepspeed-stage1_mlp_fp32_n4_92539f94"),
+    ("strategy=deepspeed strategy.stage=1 offload=full precision=bf16",
+     "deepspeed-stage1_mlp_bf16_off-full_n4_b24dca51"),
+    ("BASE world_size=2 strategy=deepspeed strategy.stage=1 model.depth=5 strategy.bucket_cap_mb=0.03",
+     "deepspeed-stage1_mlp_fp32_n2_e2a71348"),
+    ("strategy=deepspeed strategy.stage=2", "deepspeed-stage2_mlp_fp32_n4_31cf07c8"),
+    ("strategy=deepspeed strategy.stage=2 offload=full precision=bf16",
+     "deepspeed-stage2_mlp_bf16_off-full_n4_0aa30611"),
+    ("BASE world_size=2 strategy=deepspeed strategy.stage=2 model.depth=5 strategy.bucket_cap_mb=0.03",
+     "deepspeed-stage2_mlp_fp32_n2_71f3bb14"),
+    ("strategy=deepspeed strategy.stage=3", "deepspeed-stage3_mlp_fp32_n4_a86d197b"),
+    ("strategy=deepspeed strategy.stage=3 offload=full precision=bf16",
+     "deepspeed-stage3_mlp_bf16_off-full_n4_ffc09d16"),
+    ("BASE world_size=2 strategy=deepspeed strategy.stage=3 model.depth=5 strategy.bucket_cap_mb=0.03",
+     "deepspeed-stage3_mlp_fp32_n2_7e10375a"),
+    ("strategy=zero1 strategy.reduce=allreduce", "zero1_mlp_fp32_n4_d8df90b4"),
+    ("strategy=zero1 strategy.clip_grad_norm=1.0 precision=bf16", "zero1_mlp_bf16_n4_9d6850c7"),
+    ("strategy=zero2 strategy.reduce=allreduce", "zero2_mlp_fp32_n4_58646974"),
+    ("strategy=zero2 strategy.clip_grad_norm=1.0 precision=bf16", "zero2_mlp_bf16_n4_f9fd1e1c"),
+    ("strategy=fsdp_full strategy.wrap=[]", "fsdp_full-pre_mlp_fp32_n4_aef730a5"),
+    ("strategy=fsdp_grad_op strategy.wrap=[]", "fsdp_grad_op_mlp_fp32_n4_451b9a61"),
+    ("strategy=fsdp2_full strategy.wrap=[]", "fsdp2_full_mlp_fp32_n4_237a2937"),
+    ("strategy=fsdp_full prefetch=none offload=full", "fsdp_full-none_mlp_fp32_off-full_n4_f8397164"),
+    ("experiment=zero_ladder strategy=ddp prefetch=pre", "ddp_seed_ch31_fp32_n4_438e6c77"),
+    ("experiment=zero_ladder strategy=ddp prefetch=post", "ddp_seed_ch31_fp32_n4_438e6c77"),
+    ("experiment=zero_ladder strategy=ddp prefetch=none", "ddp_seed_ch31_fp32_n4_438e6c77"),
+    ("experiment=zero_ladder strategy=zro prefetch=pre", "zro_seed_ch31_fp32_n4_34f231b6"),
+    ("experiment=zero_ladder strategy=zro prefetch=post", "zro_seed_ch31_fp32_n4_34f231b6"),
+    ("experiment=zero_ladder strategy=zro prefetch=none", "zro_seed_ch31_fp32_n4_34f231b6"),
+    ("experiment=zero_ladder strategy=fsdp_grad_op prefetch=pre", "fsdp_grad_op_seed_ch31_fp32_n4_1692b6d1"),
+    ("experiment=zero_ladder strategy=fsdp_grad_op prefetch=post", "fsdp_grad_op_seed_ch31_fp32_n4_1692b6d1"),
+    ("experiment=zero_ladder strategy=fsdp_grad_op prefetch=none", "fsdp_grad_op_seed_ch31_fp32_n4_1692b6d1"),
+    ("experiment=zero_ladder strategy=fsdp_full prefetch=pre", "fsdp_full-pre_seed_ch31_fp32_n4_cb7d38ac"),
+    ("experiment=zero_ladder strategy=fsdp_full prefetch=post", "fsdp_full-post_seed_ch31_fp32_n4_76564b9d"),
+    ("experiment=zero_ladder strategy=fsdp_full prefetch=none", "fsdp_full-none_seed_ch31_fp32_n4_882ffa0c"),
+    ("experiment=zero_ladder strategy=zero1 prefetch=pre", "zero1_seed_ch31_fp32_n4_a2201e69"),
+    ("experiment=zero_ladder strategy=zero2 prefetch=pre", "zero2_seed_ch31_fp32_n4_68500c6a"),
+    ("experiment=zero_ladder strategy=deepspeed prefetch=pre", "deepspeed-stage2_seed_ch31_fp32_n4_d799c99e"),
+    ("experiment=zero_ladder", "ddp_seed_ch31_fp32_n4_438e6c77"),
+    ("experiment=ds_vs_fsdp strategy=deepspeed strategy.stage=2", "deepspeed-stage2_mlp_fp32_n4_913a04bc"),
+    ("experiment=ds_vs_fsdp strategy=deepspeed strategy.stage=3", "deepspeed-stage3_mlp_fp32_n4_094fe40c"),
+    ("experiment=ds_vs_fsdp strategy=fsdp_grad_op", "fsdp_grad_op_mlp_fp32_n4_43982127"),
+    ("experiment=ds_vs_fsdp strategy=fsdp_grad_op", "fsdp_grad_op_mlp_fp32_n4_43982127"),
+    ("experiment=ds_vs_fsdp strategy=fsdp_full", "fsdp_full-pre_mlp_fp32_n4_853b78e0"),
+    ("experiment=ds_vs_fsdp strategy=fsdp_full", "fsdp_full-pre_mlp_fp32_n4_853b78e0"),
+    ("experiment=ds_vs_fsdp", "ddp_mlp_fp32_n4_4addd763"),
+    ("experiment=dry_run_7b strategy=fsdp_full world_size=64", "fsdp_full-pre_linear_7b5_fp32_n64_dry_97215a4f"),
+    ("experiment=dry_run_7b strategy=fsdp_full world_size=256", "fsdp_full-pre_linear_7b5_fp32_n256_dry_08c7d0f5"),
+    ("experiment=dry_run_7b strategy=fsdp_full world_size=1024", "fsdp_full-pre_linear_7b5_fp32_n1024_dry_adf55cef"),
+    ("experiment=dry_run_7b strategy=fsdp2_full world_size=64", "fsdp2_full_linear_7b5_fp32_n64_dry_b75c3695"),
+    ("experiment=dry_run_7b strategy=fsdp2_full world_size=256", "fsdp2_full_linear_7b5_fp32_n256_dry_80337642"),
+    ("experiment=dry_run_7b strategy=fsdp2_full world_size=1024", "fsdp2_full_linear_7b5_fp32_n1024_dry_81f4c9ef"),
+    ("experiment=dry_run_7b strategy=fsdp_grad_op world_size=64", "fsdp_grad_op_linear_7b5_fp32_n64_dry_bd382fae"),
+    ("experiment=dry_run_7b strategy=fsdp_grad_op world_size=256", "fsdp_grad_op_linear_7b5_fp32_n256_dry_50362b4f"),
+    ("experiment=dry_run_7b strategy=fsdp_grad_op world_size=1024",
+     "fsdp_grad_op_linear_7b5_fp32_n1024_dry_b859a982"),
+]
+
+
+def _compose(overrides: list[str]):
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def _overrides(spec: str) -> list[str]:
+    words = spec.split()
+    return [*BASE, *words[1:]] if words[0] == "BASE" else words
+
+
+@pytest.mark.parametrize("spec, name", PINNED, ids=[s for s, _ in PINNED])
+def test_cell_names_and_ids_are_those_before_the_move(spec, name):
+    assert cell_name(_compose(_overrides(spec))) == name
+
+
+@pytest.mark.parametrize("strategy, extra", [
+    ("fsdp_full", "strategy.stage=3"), ("fsdp_grad_op", "strategy.bucket_cap_mb=64"), ("ddp", "strategy.reduce=allreduce"),
+    ("fsdp2_full", "strategy.sharding=FULL_SHARD"), ("zero1", "strategy.parameters_as_bucket_view=true"),
+])
+def test_a_key_the_strategy_lacks_makes_no_new_cell(strategy, extra):
+    plain, with_extra = _compose([f"strategy={strategy}"]), _compose([f"strategy={strategy}", extra])
+    key = extra.split("=")[0].split(".")[1]
+    assert strategy_extras(with_extra) == (key,) and strategy_extras(plain) == ()
+    assert cell_name(with_extra) == cell_name(plain)
+    stripped = without_strategy_extras(with_extra)
+    assert key not in stripped.strategy and key in with_extra.strategy  # a copy; the cell runs without it
+    assert OmegaConf.to_container(stripped.strategy) == OmegaConf.to_container(plain.strategy)
+
+
+def test_layout_is_set_for_every_strategy_and_is_not_identity():
+    expected = {"ddp": "ddp", "zro": "zro", "zero1": "zero1", "zero2": "zero2", "fsdp_grad_op": "fsdp_grad_op",
+                "fsdp_full": "fsdp_full", "fsdp2_grad_op": "fsdp2_grad_op", "fsdp2_full": "fsdp2_full",
+                "deepspeed": "deepspeed_stage2"}
+    assert set(expected) == set(registered())
+    for name, layout in expected.items():
+        cfg = _compose([f"strategy={name}"])
+        assert cfg.strategy.layout == layout
+        assert "layout" not in cell_identity(cfg)["strategy"]
+        assert cell_id(_compose([f"strategy={name}", "strategy.layout=other"])) == cell_id(cfg)
+    assert _compose(["strategy=deepspeed", "strategy.stage=3"]).strategy.layout == "deepspeed_stage3"
+
+
+def test_schemas_live_beside_their_adapters():
+    from zeroexp.strategies.base import StrategyConfig, schema_keys
+
+    for name, adapter in registered().items():
+        assert adapter.schema is not StrategyConfig and issubclass(adapter.schema, StrategyConfig), name
+        assert adapter.schema.__module__ == adapter.__module__, name
+        assert {"name", "layout"} <= set(schema_keys(adapter.schema))
+        # every key of the strategy's YAML is one of its schema's
+        assert set(_compose([f"strategy={name}"]).strategy) == set(schema_keys(adapter.schema)), name
+    bucketed = {n for n, a in registered().items() if "bucket_cap_mb" in schema_keys(a.schema)}
+    assert bucketed == {"ddp", "zro", "zero1", "zero2", "deepspeed"}
+    for name in bucketed:
+        assert _compose([f"strategy={name}"]).strategy.bucket_cap_mb == 25.0
+        assert _compose([f"strategy={name}", "experiment=zero_ladder"]).strategy.bucket_cap_mb == 64.0
+
+
+def test_no_top_level_key_of_one_strategy():
+    old_cap, old_stage = "ddp_" + "bucket_cap_mb", "ds_" + "stage"  # the keys before the move
+    cfg = _compose([])
+    assert old_cap not in cfg and old_stage not in cfg
+    with pytest.raises(Exception, match=old_cap):
+        _compose([f"{old_cap}=64"])
+
+
+def test_single_run_refuses_a_key_its_strategy_lacks_only_when_asked_for():
+    cfg = _compose(["strategy=ddp", "strategy.reduce=allreduce"])
+    validate(cfg)  # set in a sweep for other strategies: it does not apply here
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, explicit_overrides=("strategy", "strategy.reduce"))
+    assert e.value.key == "strategy.reduce" and "strategy=ddp has no key 'reduce'" in str(e.value)
+    assert "zero1, zero2" in str(e.value) and "bucket_cap_mb" in str(e.value)
+    with pytest.raises(ConfigError, match="strategy.reduse"):  # a key no strategy has: a typo, wherever it came from
+        validate(_compose(["strategy=zero1", "strategy.reduse=allreduce"]))
+
+
+def _sweep(overrides: list[str]):
+    """The jobs and their composed configs of ``--multirun <overrides>`` (zeroexp.sweep.sweep_jobs)."""
+    from zeroexp.sweep import sweep_jobs
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        main = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        jobs = sweep_jobs(main)
+        return jobs, [hydra_compose(config_name="config", overrides=job) for job in jobs]
+
+
+class _Console:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def print(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_presets_set_strategy_keys_where_they_exist():
+    from zeroexp.sweep import check_strategy_keys
+
+    jobs, cfgs = _sweep(["experiment=ds_vs_fsdp"])
+    assert len(jobs) == 6 and len({cell_name(c) for c in cfgs}) == 4  # stage 2, 3 of deepspeed; each FSDP once
+    assert sorted(int(c.strategy.stage) for c in cfgs if c.strategy.name == "deepspeed") == [2, 3]
+    console = _Console()
+    check_strategy_keys(jobs, cfgs, console)
+    assert len(console.lines) == 1 and "strategy.stage" in console.lines[0] and "fsdp_full-pre" in console.lines[0]
+    jobs, cfgs = _sweep(["experiment=zero_ladder"])
+    assert len({cell_name(c) for c in cfgs}) == 6
+    for c in cfgs:
+        assert c.strategy.bucket_cap_mb == 64  # the cap of ddp and zro; no key (not applied) for fsdp_*
+        assert ("bucket_cap_mb" in strategy_extras(c)) == c.strategy.name.startswith("fsdp")
+
+
+def _zeroexp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    return subprocess.run([sys.executable, "-m", "zeroexp", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, key", [
+    (("--multirun", "strategy=zero1,zero2", "strategy.reduse=x"), "strategy.reduse"),  # a typo
+    (("--multirun", "strategy=zero1,zero2", "strategy.stage=2,3"), "strategy.stage"),  # no swept strategy has it
+    (("strategy=ddp", "strategy.reduce=allreduce"), "strategy.reduce"),  # a single run
+])
+def test_cli_refuses_a_key_no_strategy_of_the_run_has(tmp_path, args, key):
+    proc = _zeroexp(*args, "logger=none", "world_size=2", f"hydra.run.dir={tmp_path}/cell",
+                    f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert key in out
+    assert not (tmp_path / "cell").exists() and not list(tmp_path.glob("sweep/*/manifest.json"))
+
+
+def test_strategies_and_models_import_no_config():
+    """Strategies raise zeroexp.errors (a leaf); models own MODEL_RESERVED_KEYS (no config <-> models circle)."""
+    def imported(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    pkg = ROOT / "zeroexp"
+    for path in [*(pkg / "strategies").glob("*.py"), *(pkg / "models").glob("*.py")]:
+        assert "zeroexp.config" not in imported(path), path
+    assert not {m for m in imported(pkg / "errors.py") if m.startswith("zeroexp")}
+    from zeroexp import config, errors, models
+
+    assert config.ConfigError is errors.ConfigError and config.NotApplicableHere is errors.NotApplicableHere
+    assert config.MODEL_RESERVED_KEYS is models.MODEL_RESERVED_KEYS

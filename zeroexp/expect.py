@@ -1,0 +1,82 @@
+"""A cell's expectations from the one model (:mod:`zeroexp.formulas`): the row its strategy names
+(``strategy.layout``), its precision, offload and byte-relevant settings, and the strategy's live groups.
+
+The runner hands an :class:`Expectation` to the probes (``RunContext.expect``); the planner
+(:mod:`zeroexp.plan.cell`) uses :func:`knobs_of` and :func:`itemsize_of` with groups derived from shapes.
+Both sides call the same functions of :mod:`zeroexp.formulas.layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable
+
+from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Collectives, Groups, PlanKnobs, StateLayout, state_factors,
+                              step_collectives)
+
+__all__ = ["Expectation", "knobs_of", "itemsize_of", "layout_of", "groups_record"]
+
+
+def knobs_of(cfg: Any) -> PlanKnobs:
+    """The byte-relevant settings of a cell config (a strategy that lacks a key takes the default)."""
+    s, default = cfg.strategy, PlanKnobs()
+    cap = s.get("bucket_cap_mb")
+    scaling = cfg.precision.get("loss_scale") is not None
+    return PlanKnobs(
+        bucket_cap_bytes=default.bucket_cap_bytes if cap is None else int(float(cap) * 2**20),
+        reduce=str(s.get("reduce") or default.reduce),
+        norm_allreduce=s.get("clip_grad_norm") is not None or scaling,
+        use_orig_params=bool(s.get("use_orig_params", False)),
+        loss_scaling=scaling,
+        parameters_as_bucket_view=bool(s.get("parameters_as_bucket_view", False)),
+    )
+
+
+def itemsize_of(cfg: Any) -> int:
+    """Bytes per element of the cell's compute dtype (``precision.param_dtype``)."""
+    return ITEMSIZE[str(cfg.precision.param_dtype)]
+
+
+def layout_of(cfg: Any) -> tuple[str, StateLayout]:
+    """The row the cell's strategy names (``strategy.layout``, e.g. ``deepspeed_stage2``), and its name."""
+    name = str(cfg.strategy.get("layout") or cfg.strategy.name)
+    if name not in LAYOUTS:
+        raise KeyError(f"strategy.layout={name!r} is no row of zeroexp.formulas.LAYOUTS ({', '.join(LAYOUTS)})")
+    return name, LAYOUTS[name]
+
+
+class Expectation:
+    """What a cell should show, from its strategy's row and ``groups_of(model, optimizer)`` (the adapter's live
+    groups): the closed-form state factors, the per-step collectives. Issues no collective."""
+
+    def __init__(self, cfg: Any, groups_of: Callable[[Any, Any], Groups]) -> None:
+        self.name, self.layout = layout_of(cfg)
+        self.world_size, self.itemsize = int(cfg.world_size), itemsize_of(cfg)
+        self.precision, self.offload, self.knobs = str(cfg.precision.name), str(cfg.offload.name), knobs_of(cfg)
+        self.groups_of = groups_of
+        self.groups: Groups | None = None  # the live groups, once read
+
+    def state_factors(self) -> dict[str, float]:
+        """Aggregate factors per kind at the optimizer boundary (sum over ranks / P) [ZeRO 5.1]."""
+        return state_factors(self.layout, self.world_size, self.itemsize, self.offload)
+
+    def collectives(self, model: Any, optimizer: Any) -> Collectives:
+        """One rank's per-step collectives over the live groups; ``NotImplementedError`` naming why the payload model
+        does not cover this cell (the check then reads n/a)."""
+        groups = self.groups = self.groups_of(model, optimizer)
+        limits = self.layout.payload_limits
+        reasons = [] if limits is None else limits(groups, self.knobs, self.precision, self.offload)
+        if reasons:
+            raise NotImplementedError("; ".join(reasons))
+        return step_collectives(self.layout, groups, self.itemsize, self.knobs)
+
+    def groups_record(self) -> dict[str, Any] | None:
+        """The live groups as JSON-able data (None until :meth:`collectives` read them)."""
+        return None if self.groups is None else groups_record(self.groups)
+
+
+def groups_record(groups: Groups) -> dict[str, Any]:
+    """``groups`` as JSON-able data: lists for tuples (the form ``summary.json["plan"]["groups"]`` shows)."""
+    import json
+
+    return json.loads(json.dumps(asdict(groups)))

@@ -1,0 +1,149 @@
+"""DeepSpeed's runtime model [DS], [DS-COMM]: its buckets, fetches and partitions as groups, its payload, its rows.
+
+[DS-COMM] DeepSpeed 0.19.8: runtime/engine.py (allreduce_gradients -> buffered_allreduce_fallback ->
+allreduce_no_retain, MEMORY_OPT_ALLREDUCE_SIZE); runtime/zero/stage_1_and_2.py (reduce_independent_p_g_buckets_and_
+remove_grads, average_tensor, get_grad_norm_direct, has_overflow, step -> all_gather_dp_groups); runtime/zero/stage3.py
+(__avg_scatter_grads -> reduce_scatter_coalesced, _get_norm_groups, has_overflow); partitioned_param_coordinator.py
+(fetch_sub_module: the module's parameters, then a prefetch of the traced ones up to prefetch_bucket_size).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, StateLayout, cut_buckets
+from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
+
+__all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_FETCH_LIMIT",
+           "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups", "deepspeed_gathers",
+           "deepspeed_payload_limits", "DEEPSPEED_LAYOUTS"]
+
+#: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
+DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
+#: runtime/zero/config.py defaults zeroexp's ds_config leaves alone: stage 3's optimizer sub-group, prefetch
+#: bucket, live parameters and reuse distance, in elements.
+DS_SUB_GROUP_SIZE = 1_000_000_000
+DS_PREFETCH_BUCKET_SIZE = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+DS_MAX_REUSE_DISTANCE = 1_000_000_000
+#: Parameter elements stage 3 fetches once per step and keeps for backward: within one prefetch bucket, and below
+#: the live-parameter and reuse-distance limits, nothing is released before backward.
+DS_FETCH_LIMIT = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)
+
+
+def deepspeed_reduce_bucket_numel(bucket_cap_bytes: int) -> int:
+    """DeepSpeed's ``reduce_bucket_size`` (and ``allgather_bucket_size``) for ``strategy.bucket_cap_mb`` MiB: that many
+    bytes of 4-byte elements, rounded down to even (DeepSpeed asserts a multiple of its NCCL start alignment, 2)."""
+    return bucket_cap_bytes // 4 // 2 * 2
+
+
+def deepspeed_buckets(stage: int, numels: list[int], bucket_numel: int) -> tuple[tuple[int, ...], ...]:
+    """DeepSpeed's gradient reductions per step, each its gradients' numels, given them in reduce order (stage 0 and 1:
+    parameter order; 2 and 3: backward order). Stage 0: chunks of more than ``DS_MEMORY_OPT_ALLREDUCE_SIZE``
+    elements (``allreduce_no_retain``). Stages 1-3: the ``ipg`` buckets: before a gradient is added, a bucket it would
+    take past ``bucket_numel`` is reduced; a gradient larger than the bucket is reduced on its own
+    (``extra_large_param_to_reduce``, read, not measured), listed last."""
+    numels = [k for k in numels if k]
+    if stage == 0:
+        return tuple(tuple(numels[i] for i in b) for b in cut_buckets(numels, DS_MEMORY_OPT_ALLREDUCE_SIZE, "exceed"))
+    fit, big = [k for k in numels if k <= bucket_numel], [k for k in numels if k > bucket_numel]
+    return tuple(tuple(fit[i] for i in b) for b in cut_buckets(fit, bucket_numel)) + tuple((k,) for k in big)
+
+
+def deepspeed_gathers(numels: list[int], own: int = 0) -> tuple[tuple[int, ...], ...]:
+    """Stage 3's parameter all_gathers per step: the root module's own ``own`` first parameters with it, then one
+    prefetch of the rest; within one prefetch bucket (``DS_FETCH_LIMIT``) nothing is released before backward, else
+    everything is gathered again for backward (as the paper counts; DeepSpeed's schedule beyond one bucket is not
+    modelled: see :func:`deepspeed_payload_limits`)."""
+    fetches = tuple(g for g in (tuple(numels[:own]), tuple(numels[own:])) if g)
+    return fetches if sum(numels) <= DS_FETCH_LIMIT else fetches + fetches
+
+
+def deepspeed_sub_groups(partition_numels: list[int] | tuple[int, ...], sub_group_size: int = DS_SUB_GROUP_SIZE) -> int:
+    """How many optimizer sub-groups ZeRO-3 cuts one parameter group into (stage3.py ``_create_fp16_sub_groups``):
+    one when the partitions total at most ``sub_group_size`` elements, else a new one each time a running total of
+    the parameters' partitions reaches it."""
+    if sum(partition_numels) <= sub_group_size:
+        return 1
+    groups, size = 0, 0
+    for i, k in enumerate(partition_numels):
+        size += k
+        if size >= sub_group_size or i == len(partition_numels) - 1:
+            groups, size = groups + 1, 0
+    return groups
+
+
+def _comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
+    """The buckets (and stage 3's fetches) DeepSpeed makes of a model of ``shape``, as zeroexp configures it."""
+    numels = list(shape.numels)
+    order = numels if stage in (0, 1) else numels[::-1]  # stages 2, 3: backward order, a stack's reverse
+    out = {"buckets": deepspeed_buckets(stage, order, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))}
+    if stage == 3:
+        out["gathers"] = deepspeed_gathers(numels)
+    return out
+
+
+def _payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+    """Per-step collectives of one rank of DeepSpeed ZeRO ``stage`` (no offload) [DS-COMM], S per [NCCL-TESTS].
+    Stage 0: an all_reduce per chunk (P). Stages 1-2: an all_reduce per bucket (every rank's slice in one call; P),
+    one fp32 all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one
+    all_gather per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
+    fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P)."""
+    n = g.world_size
+    if stage == 0:
+        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets])
+    if stage in (1, 2):
+        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + [4] * len(g.shards) + ([1] if c != 4 else []),
+                              all_gather=[sh.numel * c for sh in g.shards])
+    norms = deepspeed_sub_groups([sh.numel // n for sh in g.shards])
+    return collectives_of(reduce_scatter=[sum(padded_numel(k, n) for k in b) * c for b in g.buckets],
+                          all_reduce=[8] * norms + ([1] if knobs.loss_scaling else []),
+                          all_gather=[sum(padded_numel(k, n) for k in f) * c for f in g.gathers])
+
+
+def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, precision: str, offload: str) -> list[str]:
+    """Why the payload model is not DeepSpeed's real per-step payload for a cell (empty: it is, as the collectives
+    probe measures it on CPU / gloo)."""
+    reasons = []
+    if offload != "none":
+        reasons.append(f"offload={offload}: DeepSpeed's offloaded gradient and norm collectives are not modelled")
+    if precision == "fp16":
+        reasons.append("fp16: DeepSpeed's overflow and loss-scale collectives are read, not measured (fp16 needs a GPU)")
+    if not groups.exact:
+        reasons.append("a parameter count: DeepSpeed's buckets need the parameters' shapes")
+        return reasons
+    bucket = deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes)
+    if stage > 0 and max(groups.numels) > bucket:
+        reasons.append(f"a parameter of {max(groups.numels)} elements exceeds reduce_bucket_size={bucket}: reduced on "
+                       "its own (extra_large_param_to_reduce), not measured")
+    if stage == 3 and groups.numel > DS_FETCH_LIMIT:
+        reasons.append(f"stage 3: {groups.numel} parameter elements exceed one prefetch bucket ({DS_FETCH_LIMIT}): "
+                       "DeepSpeed's fetch and release schedule is not modelled")
+    return reasons
+
+
+_MIXED = frozenset({"fp32", "bf16", "fp16"})
+_OS_G, _OS_G_P = frozenset({"optim", "grad"}), frozenset({"optim", "grad", "param"})
+_SOURCE = ("DeepSpeed 0.19, measured by zeroexp's state probe (CPU, gloo; fp32 and bf16, offload none and optimizer, "
+           "stage 3 full; fp16 read, not run: it needs a GPU); [DS] source")
+
+
+def _row(stage: int, **kw) -> StateLayout:
+    return StateLayout(f"DeepSpeed 0.19 stage {stage}", stage, payload=partial(_payload, stage),
+                       comm=partial(_comm, stage), payload_limits=partial(deepspeed_payload_limits, stage),
+                       precisions=_MIXED, **kw)
+
+
+#: DeepSpeed 0.19 as measured; stage 1 holds the same state as stage 2 (its gradients are partitioned too).
+DEEPSPEED_LAYOUTS: dict[str, StateLayout] = {
+    "deepspeed_stage0": _row(0, sharded=frozenset(), master="mixed", groups="none",
+                             source=_SOURCE + "; engine.py FP16_UnfusedOptimizer: an fp32 copy per parameter (mixed)"),
+    **{f"deepspeed_stage{k}": _row(k, sharded=_OS_G, master="always", groups="flat", pad=2,
+                                   offloads=frozenset({"none", "optimizer"}), partition_logical=True, grad_held="params",
+                                   offload_grad="replace", flat_optimizer=True, source=_SOURCE + "; stage_1_and_2.py")
+       for k in (1, 2)},
+    "deepspeed_stage3": _row(3, sharded=_OS_G_P, master="always", groups="params", gather="largest",
+                             offloads=frozenset({"none", "optimizer", "full"}), partition_logical=True,
+                             offload_grad="add", flat_optimizer=True, sub_groups=deepspeed_sub_groups,
+                             source=_SOURCE + "; stage3.py, partition_parameters.py"),
+}

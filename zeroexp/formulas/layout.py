@@ -1,0 +1,447 @@
+"""The layout arithmetic: a strategy's *groups* -> the bytes each rank keeps and the collectives it issues per step.
+
+One model serves every check. A :class:`Groups` is plain data: the buffers a strategy shards (FSDP FlatParameters,
+FSDP2 parameters, zeroexp's buckets, DeepSpeed's flat groups or partitioned parameters), the units FSDP gathers, the
+gradient buckets DDP or DeepSpeed reduce, ZeroRedundancyOptimizer's owners. A strategy adapter reads them off its live
+structure (``StrategyAdapter.groups``); the planner derives them from the model's shapes on the meta device
+(:func:`derive_groups`); :func:`rank_state_bytes`, :func:`step_collectives` and :func:`state_factors` turn either
+into numbers, and a test checks that the two kinds of groups are equal. A :class:`StateLayout` row (named by each
+strategy's YAML, ``strategy.layout``) holds what the groups do not: which kinds are sharded, the dtypes, the payload
+model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+from zeroexp.formulas.paper import Collectives, collectives_of, fp16_inf_syncs, fsdp2_padded_numel, padded_numel
+
+__all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "StateLayout", "cut_buckets",
+           "pack", "owner_assignment", "derive_groups", "rank_state_bytes", "step_collectives", "state_factors",
+           "unsharded_floor_bytes", "offloaded_kinds", "all_reduce_buckets",
+           "all_reduce_then_broadcast", "scatter_gather", "gather_units", "gather_shards_twice", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
+
+#: The model-state kinds the planner predicts, named as the state probe names them.
+STATE_KINDS = ("param", "grad", "optim", "master")
+#: Bytes per element: Adam's fp32 exp_avg + exp_avg_sq; the fp32 master; Adam's ``step`` scalar per tensor.
+MOMENT_BYTES, MASTER_BYTES, STEP_BYTES = 8, 4, 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner knows of a model: each parameter's shape in definition order (a shared one once); the FSDP
+    units (indices of their parameters in FlatParameter order; ``root`` marks the root unit); ``ready``: the order
+    in which the parameters' gradients become ready in backward (a meta-device backward; None: reverse definition
+    order). Known only by its count (:meth:`from_count`), a model is one flat parameter (``exact`` False)."""
+
+    params: tuple[tuple[int, ...], ...]
+    units: tuple[tuple[int, ...], ...]
+    root: tuple[bool, ...]
+    exact: bool = True
+    ready: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_count(cls, numel: int) -> ModelShape:
+        """A model known only by its number of parameters."""
+        return cls(((int(numel),),), ((0,),), (False,), exact=False)
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        """Each parameter's number of elements."""
+        return tuple(math.prod(s) for s in self.params)
+
+    @property
+    def numel(self) -> int:
+        """Psi: the number of parameters."""
+        return sum(self.numels)
+
+    @property
+    def ready_order(self) -> tuple[int, ...]:
+        """Parameter indices in gradient-ready order (reverse definition order when no backward was traced)."""
+        return self.ready if self.ready is not None else tuple(range(len(self.params)))[::-1]
+
+
+@dataclass(frozen=True)
+class PlanKnobs:
+    """Strategy settings that change bytes: the bucket cap (``strategy.bucket_cap_mb``: DDP, zeroexp's ZeRO,
+    DeepSpeed's reduce bucket of cap / 4 elements), zeroexp's ``reduce`` and its norm all_reduce (clipping or loss
+    scaling), FSDP ``use_orig_params`` (16-byte aligned parameters, moments per unpadded view), ZeroRedundancyOptimizer
+    ``parameters_as_bucket_view``, fp16 loss scaling."""
+
+    bucket_cap_bytes: int = 25 * 2**20
+    reduce: str = "reduce_scatter"
+    norm_allreduce: bool = False
+    use_orig_params: bool = False
+    loss_scaling: bool = False
+    parameters_as_bucket_view: bool = False
+
+
+class Shard(NamedTuple):
+    """A buffer sharded over the ranks: its parameters' element ranges in it (padding excluded), its padded length."""
+
+    spans: tuple[tuple[int, int], ...]
+    numel: int
+
+
+class Unit(NamedTuple):
+    """An FSDP unit: the padded elements it gathers and reduce-scatters, and its all_gathers per step."""
+
+    numel: int
+    gathers: int
+
+
+@dataclass(frozen=True)
+class Groups:
+    """What decides what a rank keeps and sends, as plain data (see the module docstring).
+
+    ``numels``: the trainable parameters (definition order; a shared one once). ``shards``: the sharded buffers.
+    ``units``: FSDP units. ``buckets``: gradient reductions, each its parameters' numels in reduce order (DDP's
+    buckets, DeepSpeed's). ``owners``: each rank's parameters' numels (ZeroRedundancyOptimizer).
+    ``broadcasts``: elements per broadcast after the step (ZeroRedundancyOptimizer). ``gathers``: DeepSpeed stage
+    3's parameter fetches, each one all_gather's numels. ``exact``: False when derived from a parameter count.
+    """
+
+    layout: str
+    world_size: int
+    numels: tuple[int, ...]
+    shards: tuple[Shard, ...] = ()
+    units: tuple[Unit, ...] = ()
+    buckets: tuple[tuple[int, ...], ...] = ()
+    owners: tuple[tuple[int, ...], ...] = ()
+    broadcasts: tuple[int, ...] = ()
+    gathers: tuple[tuple[int, ...], ...] = ()
+    exact: bool = True
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    def differences(self, other: Groups) -> list[str]:
+        """What differs between two Groups, field by field (empty: equal)."""
+        return [f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}" for f in self.__dataclass_fields__
+                if getattr(self, f) != getattr(other, f)]
+
+
+Payload = Callable[[Groups, int, PlanKnobs], Collectives]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where one strategy keeps each kind of model state at the optimizer boundary, and what it sends per step.
+
+    ``sharded``: the kinds each rank holds 1/N of (a master follows ``optim``). ``master``: an fp32 copy of the
+    parameters ``always``, only with a low-precision compute dtype (``mixed``, K = 12 [ZeRO 5.1]) or ``never``.
+    ``groups``: how :func:`derive_groups` cuts the shards: ``flat`` (one buffer padded to ``pad`` x N), ``params``
+    (each parameter padded to N), ``units`` (FSDP FlatParameters), ``rows`` (FSDP2: dim 0 chunked), ``buckets``
+    (zeroexp's), ``owners`` (ZeroRedundancyOptimizer) or ``none``. ``payload``: (groups, itemsize, knobs) -> the
+    per-step collectives [ZeRO 7]. ``gather``: unsharded parameters held while computing (``largest`` unit, ``all``,
+    ``none``). ``fp32_at_rest``: parameters and gradients stay fp32 between steps (FSDP MixedPrecision).
+    ``fp32_on_the_wire``: collectives move fp32 (autocast). ``padded_moments``: Adam's moments as long as the
+    padded shard. ``comm``: extra groups the payload needs, derived from shapes (DDP's buckets, DeepSpeed's).
+    DeepSpeed's rows: ``partition_logical`` (a partition's padding counts as logical), ``grad_held`` (``params``:
+    ZeRO-1/2 hold the full gradient of every parameter their partition overlaps), ``offload_grad`` (``replace`` /
+    ``add`` the fp32 host gradient partition), ``flat_optimizer`` (one Adam ``step`` per flat partition; ``sub_groups``: how many partitions of the shards'
+    partition lengths),
+    ``payload_limits`` ((groups, knobs, precision, offload) -> why the payload model is not exact for a cell).
+    """
+
+    label: str
+    stage: int
+    sharded: frozenset[str]
+    master: str
+    groups: str
+    payload: Payload
+    gather: str = "none"
+    pad: int = 1
+    fp32_at_rest: bool = False
+    fp32_on_the_wire: bool = False
+    padded_moments: bool = True
+    precisions: frozenset[str] = frozenset({"fp32"})
+    offloads: frozenset[str] = frozenset({"none"})
+    source: str = ""
+    partition_logical: bool = False
+    grad_held: str = "shard"
+    offload_grad: str = "none"
+    flat_optimizer: bool = False
+    payload_limits: Callable[..., list[str]] | None = None
+    comm: Callable[[ModelShape, int, PlanKnobs], dict] | None = field(default=None, compare=False)
+    gathers_per_unit: Callable[[bool], int] = field(default=lambda root: 1, compare=False)
+    sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
+
+
+# --- cutting: the one bucket cutter, packing, owners ----------------------------------------------------------
+def cut_buckets(sizes: list[int] | tuple[int, ...], cap: int, rule: str = "fit") -> list[list[int]]:
+    """Indices of ``sizes`` cut, in order, into buckets of about ``cap`` (an item is never split).
+
+    ``fit``: a new bucket before an item that would take the bucket past the cap (an item above the cap is a bucket
+    alone): zeroexp.sharding's buckets, DeepSpeed's ``ipg`` buckets. ``reach``: a bucket closes as soon as it holds
+    ``cap`` or more (DDP's ``compute_bucket_assignment_by_size``). ``exceed``: closes once it holds more than ``cap``
+    (DeepSpeed's ``allreduce_no_retain``).
+    """
+    buckets: list[list[int]] = [[]]
+    total = 0
+    for i, size in enumerate(sizes):
+        if rule == "fit" and buckets[-1] and total + size > cap:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(i)
+        total += size
+        if (rule == "reach" and total >= cap) or (rule == "exceed" and total > cap):
+            buckets.append([])
+            total = 0
+    return [b for b in buckets if b]
+
+
+def pack(numels: list[int] | tuple[int, ...], align: int = 0) -> tuple[tuple[tuple[int, int], ...], int]:
+    """Element ranges of ``numels`` laid out in one buffer, each starting at a multiple of ``align`` (0: packed),
+    and the buffer's length before world-size padding [FSDP]."""
+    spans, end = [], 0
+    for n in numels:
+        end += (align - end % align) % align if align else 0
+        spans.append((end, end + n))
+        end += n
+    return tuple(spans), end
+
+
+def owner_assignment(numels: list[int] | tuple[int, ...], world_size: int) -> list[list[int]]:
+    """Indices of the parameters each rank owns under ZeroRedundancyOptimizer, in assignment order: largest first
+    (a stable sort), each to the rank owning the fewest elements so far, the lowest rank on ties
+    (``_partition_parameters``, torch/distributed/optim/zero_redundancy_optimizer.py)."""
+    heap, owned = [(0, r) for r in range(world_size)], [[] for _ in range(world_size)]
+    for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
+        size, rank = heapq.heappop(heap)
+        owned[rank].append(i)
+        heapq.heappush(heap, (size + numels[i], rank))
+    return owned
+
+
+# --- the planner's groups, from shapes ------------------------------------------------------------------------
+def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
+                  knobs: PlanKnobs = PlanKnobs()) -> Groups:
+    """The groups ``layout`` makes of a model of ``shape`` at N = ``world_size``: what the adapter of the strategy
+    would read off its live structure (equal, element for element, where the shapes are exact)."""
+    n, numels, kind = world_size, shape.numels, layout.groups
+    rest = 4 if layout.fp32_at_rest else itemsize
+    shards: list[Shard] = []
+    units: list[Unit] = []
+    owners: list[tuple[int, ...]] = []
+    if not shape.exact:  # a count: one flat buffer, one unit
+        shards = [Shard(((0, shape.numel),), padded_numel(shape.numel, layout.pad * n))]
+        units = [Unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False))]
+    elif kind == "rows":
+        shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
+    elif kind == "units":
+        align = 16 // rest if knobs.use_orig_params else 0
+        for unit in shape.units:
+            spans, length = pack([numels[i] for i in unit], align)
+            if length:
+                shards.append(Shard(spans, padded_numel(length, n)))
+    elif kind == "buckets":
+        for bucket in cut_buckets([k * itemsize for k in numels], knobs.bucket_cap_bytes):
+            spans, length = pack([numels[i] for i in bucket])
+            shards.append(Shard(spans, padded_numel(length, n)))
+    elif kind == "params":
+        shards = [Shard(((0, k),), padded_numel(k, n)) for k in numels]
+    elif kind == "flat":
+        spans, length = pack(list(numels))
+        shards = [Shard(spans, padded_numel(length, layout.pad * n))]
+    elif kind == "owners":
+        owners = [tuple(numels[i] for i in o) for o in owner_assignment(numels, n)]
+    if shape.exact and layout.gather != "none":  # FSDP units: each as it is gathered
+        for unit, root in zip(shape.units, shape.root):
+            if kind == "rows":
+                size = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)
+            elif kind == "params":
+                size = sum(padded_numel(numels[i], n) for i in unit)
+            else:
+                align = 16 // rest if knobs.use_orig_params and kind == "units" else 0
+                size = padded_numel(pack([numels[i] for i in unit], align)[1], n)
+            if size:
+                units.append(Unit(size, layout.gathers_per_unit(root)))
+    extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
+    return Groups(name, n, numels if shape.exact else (shape.numel,), tuple(shards), tuple(units),
+                  owners=tuple(owners), exact=shape.exact, **extra)
+
+
+# --- groups -> bytes per rank ---------------------------------------------------------------------------------
+def _spread(shards: tuple[Shard, ...], world_size: int) -> tuple[list[int], list[int]]:
+    """Per rank: elements of real parameters in its shards (logical) and the shards' length (physical)."""
+    logical, step = [0] * (world_size + 1), [0] * (world_size + 1)  # step: a difference array of whole shards
+    physical = 0
+    for spans, padded in shards:
+        shard = padded // world_size
+        physical += shard
+        for a, b in spans:
+            first, last = a // shard, (b - 1) // shard
+            if first == last:
+                logical[first] += b - a
+                continue
+            logical[first] += (first + 1) * shard - a
+            logical[last] += b - last * shard
+            step[first + 1] += shard
+            step[last] -= shard
+    run = 0
+    for r in range(world_size):
+        run += step[r]
+        logical[r] += run
+    return logical[:world_size], [physical] * world_size
+
+
+def _held_grads(shards: tuple[Shard, ...], world_size: int) -> list[int]:
+    """Per rank, the elements of DeepSpeed ZeRO-1/2's gradient partition as stored [DS]: the full gradient of every
+    parameter the rank's partition overlaps (``params_in_partition``), plus the partition's padding as zeros."""
+    held = [0] * (world_size + 1)  # a difference array over ranks
+    pads = [0] * world_size
+    for spans, padded in shards:
+        shard = padded // world_size
+        end = max((b for _, b in spans), default=0)
+        for a, b in spans:
+            if b > a:
+                held[a // shard] += b - a
+                held[(b - 1) // shard + 1] -= b - a
+        for r in range(end // shard, world_size):
+            pads[r] += min((r + 1) * shard, padded) - max(r * shard, end)
+    out, run = [], 0
+    for r in range(world_size):
+        run += held[r]
+        out.append(run + pads[r])
+    return out
+
+
+def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs = PlanKnobs(),
+                     offload: str = "none") -> dict[str, list[tuple[int, int]]]:
+    """Per kind, per rank: (logical, physical) bytes of model state at the optimizer boundary [ZeRO 5.1].
+
+    ``param`` and ``grad`` in the compute dtype (``itemsize``; fp32 for ``fp32_at_rest``), ``optim`` Adam's two fp32
+    moments, ``master`` the fp32 copy; each replicated or sharded as the layout says over ``groups``' shards (or its
+    owners), physical with the padding. ``optim_scalar``: Adam's 4-byte ``step`` per optimizer tensor where the
+    groups fix their number (a ``flat_optimizer`` layout: one per flat partition, ``layout.sub_groups``).
+    """
+    n, psi, s = groups.world_size, groups.numel, layout.sharded
+    if groups.owners or (not groups.shards and groups.exact):
+        owned = groups.owners or (groups.numels,) * n
+        logical = physical = [sum(o) for o in owned]
+        full, tensors = psi, [len(o) for o in owned]
+    else:
+        logical, physical = _spread(groups.shards, n)
+        full = psi if layout.groups in ("none", "owners") else sum(sh.numel for sh in groups.shards)
+        tensors = [len(groups.shards)] * n if groups.exact and layout.groups in ("units", "buckets", "rows") else None
+
+    def kind(sharded: bool, nbytes: int) -> list[tuple[int, int]]:
+        if sharded:
+            return [((ph if layout.partition_logical else lo) * nbytes, ph * nbytes)
+                    for lo, ph in zip(logical, physical)]
+        return [(psi * nbytes, full * nbytes)] * n
+
+    rest = 4 if layout.fp32_at_rest else itemsize
+    out = {"param": kind("param" in s, rest), "grad": kind("grad" in s, rest),
+           "optim": kind("optim" in s, MOMENT_BYTES)}
+    offloaded = offload != "none" and layout.offload_grad != "none"
+    if layout.grad_held == "params" and "grad" in s and groups.exact and layout.groups == "flat" and not offloaded:
+        out["grad"] = [(lo, g * rest) for (lo, _), g in zip(out["grad"], _held_grads(groups.shards, n))]
+    if offloaded:  # the fp32 gradient partition on the host [DS]
+        fp32 = kind("grad" in s, MASTER_BYTES)
+        out["grad"] = fp32 if layout.offload_grad == "replace" else \
+            [(a + c, b + d) for (a, b), (c, d) in zip(out["grad"], fp32)]
+    if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
+        out["master"] = kind("optim" in s, MASTER_BYTES)
+    if knobs.use_orig_params and layout.groups == "units":  # moments and steps per unpadded view [FSDP]
+        out["optim"], tensors = [(lo, lo) for lo, _ in out["optim"]], None
+    if not layout.padded_moments:
+        out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
+    if layout.flat_optimizer and groups.exact:  # one flat fp32 partition (per sub-group) per rank [DS]
+        parts = [sh.numel // n for sh in groups.shards]
+        tensors = [layout.sub_groups(parts)] * n
+    if tensors is not None:
+        out["optim_scalar"] = [(STEP_BYTES * t, STEP_BYTES * t) for t in tensors]
+    return out
+
+
+def state_factors(layout: StateLayout, world_size: int, itemsize: int, offload: str = "none") -> dict[str, float]:
+    """The aggregate factors (sum over ranks of a kind's logical bytes / P, P = 4 Psi) ``layout`` claims at the
+    optimizer boundary, in closed form [ZeRO 5.1]: a replicated kind N x its bytes per element / 4, a sharded one
+    1 x; two fp32 moments; a master as its ``master`` rule says; FSDP leaves no unsharded buffer
+    (``param_unsharded`` 0). :func:`rank_state_bytes` gives the same sums, per rank and with padding."""
+    n, s = float(world_size), layout.sharded
+    c = 1.0 if layout.fp32_at_rest else itemsize / 4
+    out = {"param": c if "param" in s else n * c, "grad": c if "grad" in s else n * c,
+           "optim": 2.0 if "optim" in s else 2.0 * n}
+    if offload != "none" and layout.offload_grad != "none":
+        out["grad"] = 1.0 if layout.offload_grad == "replace" else out["grad"] + 1.0
+    if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
+        out["master"] = 1.0 if "optim" in s else n
+    if layout.groups in ("units", "rows"):
+        out["param_unsharded"] = 0.0
+    return out
+
+
+# --- groups -> collectives per step ---------------------------------------------------------------------------
+def step_collectives(layout: StateLayout, groups: Groups, itemsize: int,
+                     knobs: PlanKnobs = PlanKnobs()) -> Collectives:
+    """One rank's per-step collectives under ``layout`` over ``groups``, in the compute dtype [ZeRO 7] (fp32 for a
+    layout ``fp32_on_the_wire``): count and payload S per op."""
+    return layout.payload(groups, 4 if layout.fp32_on_the_wire else itemsize, knobs)
+
+
+def all_reduce_buckets(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+    """ZeRO-0 [ZeRO 7.1]: one gradient all_reduce per bucket; S totals P."""
+    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets])
+
+
+def all_reduce_then_broadcast(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+    """ZeRO-1 as ZeroRedundancyOptimizer does it: DDP's bucket all_reduces (P) [ZeRO 7.2.1], then each owner
+    broadcasts its updated parameters (``_sync_params``): one broadcast per parameter, or per owner bucket; S = P."""
+    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets], broadcast=[k * c for k in g.broadcasts])
+
+
+def scatter_gather(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+    """ZeRO-1/2 [ZeRO 7.2.1]: per padded buffer b, one reduce_scatter S = b (``reduce="allreduce"``: an all_reduce)
+    and one all_gather S = b: P + P, the bus bytes of an all_reduce; clipping or loss scaling add one fp32 scalar
+    all_reduce (the squared global norm)."""
+    sizes = [sh.numel * c for sh in g.shards]
+    reduces = sizes if knobs.reduce == "allreduce" else []
+    return collectives_of(reduce_scatter=[] if knobs.reduce == "allreduce" else sizes, all_gather=sizes,
+                          all_reduce=reduces + ([4] if knobs.norm_allreduce else []))
+
+
+def gather_units(dtensor_grads: bool = False) -> Payload:
+    """FSDP [ZeRO 7.2.2]: per unit of padded bytes b, its all_gathers S = b (two when resharded after forward) and one
+    reduce_scatter S = b; fp16 adds the loss scaler's found_inf all_reduces (:func:`fp16_inf_syncs`)."""
+    def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+        syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
+        return collectives_of(all_gather=[u.numel * c for u in g.units for _ in range(u.gathers)],
+                              reduce_scatter=[u.numel * c for u in g.units], all_reduce=[4] * syncs)
+    return payload
+
+
+def gather_shards_twice(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+    """P_os+g+p as the paper counts it [ZeRO 7.2.2]: every padded buffer all-gathered before forward and again before
+    backward, its gradient reduce-scattered once: 2P + P; fp16 adds the loss scaler's found_inf all_reduce."""
+    sizes = [sh.numel * c for sh in g.shards]
+    syncs = fp16_inf_syncs(dtensor_grads=False) if knobs.loss_scaling else 0
+    return collectives_of(all_gather=sizes + sizes, reduce_scatter=sizes, all_reduce=[4] * syncs)
+
+
+def unsharded_floor_bytes(layout: StateLayout, groups: Groups, itemsize: int) -> int | None:
+    """Unsharded parameter bytes a rank holds on top of its state while computing, a floor under the peak: the
+    largest FSDP unit (FULL_SHARD gathers one at a time), every unit (SHARD_GRAD_OP keeps them to the end of
+    backward), 0 for replicated parameters; None when the units are unknown (a count)."""
+    if layout.gather == "none":
+        return 0
+    units = [u.numel * itemsize for u in groups.units]
+    if layout.gather == "all":
+        return sum(units)
+    return max(units) if groups.exact else None
+
+
+def offloaded_kinds(layout: StateLayout, offload: str) -> frozenset[str]:
+    """The kinds kept in host memory [OFFLOAD]: ``optimizer``: master and moments, and the gradient partition when
+    gradients are sharded (ZeRO-Offload); ``full``: every kind (ZeRO-Infinity); ``none``: none."""
+    kinds = {"none": frozenset(), "optimizer": frozenset({"optim", "master"}) | (layout.sharded & {"grad"}),
+             "full": frozenset(STATE_KINDS)}
+    if offload not in kinds:
+        raise ValueError(f"offload must be none, optimizer or full, got {offload!r}")
+    return kinds[offload]

@@ -1,0 +1,90 @@
+"""Every strategy's row: where it keeps each kind of state and what it sends (a strategy's YAML names its row,
+``strategy.layout``); the ZeRO paper's stages for comparison. A new strategy is one more row."""
+
+from __future__ import annotations
+
+from zeroexp.formulas.deepspeed import DEEPSPEED_LAYOUTS
+from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_reduce_buckets, all_reduce_then_broadcast,
+                                     cut_buckets, gather_shards_twice, gather_units, owner_assignment, scatter_gather)
+
+__all__ = ["LAYOUTS", "ddp_buckets"]
+
+
+def ddp_buckets(shape: ModelShape, knobs: PlanKnobs) -> tuple[tuple[int, ...], ...]:
+    """DDP's steady gradient buckets, each its parameters' numels: the parameters in gradient-ready order (the first
+    backward's, which ``Reducer::rebuild_buckets`` keeps), a bucket closed once it holds ``bucket_cap_mb`` or more
+    (``compute_bucket_assignment_by_size``; zeroexp passes the cap explicitly, so it holds for the first bucket too).
+    One dtype assumed (fp32 at rest, also under autocast)."""
+    numels, order = shape.numels, shape.ready_order
+    buckets = cut_buckets([numels[i] * 4 for i in order], knobs.bucket_cap_bytes, "reach")
+    return tuple(tuple(numels[order[j]] for j in b) for b in buckets)
+
+
+def _ddp_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
+    return {"buckets": ddp_buckets(shape, knobs)}
+
+
+def _zro_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
+    """DDP's buckets, then ZeroRedundancyOptimizer's broadcasts: one per owned parameter, rank by rank, or with
+    ``parameters_as_bucket_view`` one per rank's bucket (an empty one included)."""
+    numels = shape.numels
+    if not shape.exact:
+        broadcasts = (shape.numel,)
+    else:
+        owned = [[numels[i] for i in o] for o in owner_assignment(numels, world_size)]
+        broadcasts = tuple(sum(o) for o in owned) if knobs.parameters_as_bucket_view else \
+            tuple(k for o in owned for k in o)
+    return {"buckets": ddp_buckets(shape, knobs), "broadcasts": broadcasts}
+
+
+def _one_bucket(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
+    return {"buckets": (shape.numels if shape.exact else (shape.numel,),)}
+
+
+_MIXED = frozenset({"fp32", "bf16", "fp16"})
+_OS, _OS_G, _OS_G_P = frozenset({"optim"}), frozenset({"optim", "grad"}), frozenset({"optim", "grad", "param"})
+_OFF = [frozenset({"none"}), frozenset({"none", "optimizer"}), frozenset({"none", "optimizer", "full"})]
+
+
+def _twice_unless_root(root: bool) -> int:
+    return 1 if root else 2  # FSDP1 FULL_SHARD keeps the root unit after forward (_post_forward_reshard)
+
+
+def _twice(root: bool) -> int:
+    return 2  # FSDP2 reshard_after_forward=True passed explicitly: the root too
+
+
+#: Every row the planner knows, by name; ``strategy.layout`` of each registered strategy names one.
+LAYOUTS: dict[str, StateLayout] = {
+    "zero_stage0": StateLayout("baseline (paper)", 0, frozenset(), "mixed", "none", all_reduce_buckets,
+                               comm=_one_bucket, precisions=_MIXED, source="[ZeRO] 5.1, 7.1, Figure 1"),
+    "zero_stage1": StateLayout("P_os (paper)", 1, _OS, "mixed", "flat", scatter_gather, precisions=_MIXED,
+                               offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]"),
+    "zero_stage2": StateLayout("P_os+g (paper)", 2, _OS_G, "mixed", "flat", scatter_gather, precisions=_MIXED,
+                               offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]"),
+    "zero_stage3": StateLayout("P_os+g+p (paper)", 3, _OS_G_P, "mixed", "flat", gather_shards_twice, "largest",
+                               precisions=_MIXED, offloads=_OFF[2], gathers_per_unit=_twice_unless_root,
+                               source="[ZeRO] 5.1, 7.2.2, Figure 1; [OFFLOAD]"),
+    **DEEPSPEED_LAYOUTS,
+    # ddp / zro under bf16 / fp16: autocast, so parameters, gradients and what is all-reduced stay fp32
+    "ddp": StateLayout("DDP", 0, frozenset(), "never", "none", all_reduce_buckets, fp32_at_rest=True,
+                       fp32_on_the_wire=True, precisions=_MIXED, comm=_ddp_comm, source="zeroexp.strategies.ddp"),
+    "zro": StateLayout("DDP + ZeroRedundancyOptimizer", 1, _OS, "never", "owners", all_reduce_then_broadcast,
+                       fp32_at_rest=True, fp32_on_the_wire=True, precisions=_MIXED, comm=_zro_comm,
+                       source="zeroexp.strategies.zro"),
+    "zero1": StateLayout("zeroexp ZeRO-1", 1, _OS, "always", "buckets", scatter_gather, precisions=_MIXED,
+                         source="zeroexp.sharding"),
+    "zero2": StateLayout("zeroexp ZeRO-2", 2, _OS_G, "always", "buckets", scatter_gather, precisions=_MIXED,
+                         source="zeroexp.sharding"),
+    "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, _OS_G_P, "never", "units", gather_units(), "all",
+                                fp32_at_rest=True, precisions=_MIXED, source="zeroexp.strategies.fsdp; [FSDP]"),
+    "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", gather_units(), "largest",
+                             fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
+                             source="zeroexp.strategies.fsdp; [FSDP]"),
+    "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows",
+                                 gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
+                                 precisions=_MIXED, source="zeroexp.strategies.fsdp2; [FSDP2]"),
+    "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
+                              gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
+                              precisions=_MIXED, gathers_per_unit=_twice, source="zeroexp.strategies.fsdp2; [FSDP2]"),
+}
