@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO stages 0-3 as runtime cells on 2 CPU ranks (gloo): they train, their state matches
-zeroexp.formulas.deepspeed_state_factors, the fp32 master DeepSpeed keeps beyond the canonical formula is reported,
+zeroexp.formulas.state_factors of the deepspeed_stage<k> rows, the fp32 master DeepSpeed keeps beyond the canonical formula is reported,
 ZeRO-3 parameters are gathered for the equivalence check, and an offload cell reports its state on the host."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_stage_trains_with_its_state_factors_and_matches_the_reference(cell, sta
     eq = s["equivalence"]
     assert eq["check"] == "PASS" and eq["max_abs_err"] <= eq["threshold"]
     co = s["collectives"]
-    assert co["check"] == "PASS", co["reasons"]  # held against zeroexp.formulas.deepspeed_collectives
+    assert co["check"] == "PASS", co["reasons"]  # held against the deepspeed_stage<k> row over the engine's groups
     # 8 Linear(64, 64) in one 25 MiB bucket: ZeRO-0 one all_reduce; 1/2 one bucket all_reduce + the norm
     # scalar and one all_gather of the flat group; 3 one prefetch all_gather, one reduce_scatter, the norm.
     want = {0: {"all_reduce": 1}, 1: {"all_reduce": 2, "all_gather": 1}, 2: {"all_reduce": 2, "all_gather": 1},
@@ -67,20 +67,25 @@ def test_depth_and_bucket_size_move_the_collectives_as_modelled(cell, stage):
 
 
 def test_collectives_model_follows_buckets_and_depth():
-    from zeroexp.formulas import deepspeed_collectives, deepspeed_ipg_buckets
+    from zeroexp.formulas import LAYOUTS, Groups, Shard, deepspeed_buckets, step_collectives
 
-    assert deepspeed_ipg_buckets([3, 3, 3], 6) == [[3, 3], [3]]
-    assert deepspeed_ipg_buckets([3, 3, 3], 5) == [[3], [3], [3]]
+    assert deepspeed_buckets(1, [3, 3, 3], 6) == ((3, 3), (3,))
+    assert deepspeed_buckets(1, [3, 3, 3], 5) == ((3,), (3,), (3,))
     for depth in (4, 8):
-        m = deepspeed_collectives(2, 2, [4096] * depth, 4, 8192, flat_group_bytes=[depth * 4096 * 4], norm_groups=1)
-        assert m == {"all_reduce": {"count": depth // 2 + 1, "payload_bytes": depth * 4096 * 4 + 4},
-                     "all_gather": {"count": 1, "payload_bytes": depth * 4096 * 4}}
-        m3 = deepspeed_collectives(3, 2, [4097] * depth, 2, 4097, gather_numels=[[4097] * depth], param_itemsize=2,
-                                   norm_groups=1, norm_itemsize=8)
-        assert m3 == {"reduce_scatter": {"count": depth, "payload_bytes": depth * 4098 * 2},
-                      "all_reduce": {"count": 1, "payload_bytes": 8},
-                      "all_gather": {"count": 1, "payload_bytes": depth * 4098 * 2}}
-    assert deepspeed_collectives(0, 2, [4096] * 8, 2, 0) == {"all_reduce": {"count": 1, "payload_bytes": 65536}}
+        numels = (4096,) * depth
+        g = Groups("deepspeed_stage2", 2, numels, (Shard((), depth * 4096),), buckets=deepspeed_buckets(2, numels, 8192))
+        assert step_collectives(LAYOUTS["deepspeed_stage2"], g, 4) == {
+            "all_reduce": {"count": depth // 2 + 1, "payload_bytes": depth * 4096 * 4 + 4},
+            "all_gather": {"count": 1, "payload_bytes": depth * 4096 * 4}}
+        numels = (4097,) * depth
+        g3 = Groups("deepspeed_stage3", 2, numels, tuple(Shard(((0, 4097),), 4098) for _ in numels),
+                    buckets=deepspeed_buckets(3, numels, 4097), gathers=(numels,))
+        assert step_collectives(LAYOUTS["deepspeed_stage3"], g3, 2) == {
+            "reduce_scatter": {"count": depth, "payload_bytes": depth * 4098 * 2},
+            "all_reduce": {"count": 1, "payload_bytes": 8},
+            "all_gather": {"count": 1, "payload_bytes": depth * 4098 * 2}}
+    g0 = Groups("deepspeed_stage0", 2, (4096,) * 8, buckets=deepspeed_buckets(0, [4096] * 8, 0))
+    assert step_collectives(LAYOUTS["deepspeed_stage0"], g0, 2) == {"all_reduce": {"count": 1, "payload_bytes": 65536}}
 
 
 def test_bf16_optimizer_offload_cell_keeps_optimizer_state_on_the_host(cell):

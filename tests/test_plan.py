@@ -14,7 +14,7 @@ import pytest
 from torch import nn
 
 from conftest import read_csv
-from zeroexp.formulas import (LAYOUTS, ModelShape, rank_state_bytes,
+from zeroexp.formulas import (LAYOUTS, ModelShape, derive_groups, rank_state_bytes,
                               sharded_zero_rank_bytes, zero_state_factors)
 from zeroexp.plan import Precision, parse_bytes, plan, strategy_table
 from zeroexp.plan.cli import register, run
@@ -27,6 +27,12 @@ FIGURE_1 = [120.0, 31.4, 16.6, 1.9]  # GB per device: 7.5B parameters, N = 64, m
 PRECISIONS = {"fp32": Precision("fp32", "float32"), "bf16": Precision("bf16", "bfloat16"),
               "fp16": Precision("fp16", "float16")}
 MLP = shape_of(LinearStack(64, 8), [nn.Linear])  # the conftest cells' model: 8 x Linear(64, 64), one FSDP unit each
+
+
+def _state(name, shape, n, itemsize):
+    """rank_state_bytes of row ``name`` over the groups it derives from ``shape`` (default knobs)."""
+    layout = LAYOUTS[name]
+    return rank_state_bytes(layout, derive_groups(name, layout, shape, n, itemsize), itemsize)
 
 
 def _totals(names, shape, n, precision, **kw):
@@ -89,7 +95,7 @@ def test_fp32_paper_stages_are_zero_state_factors():
     """The planner and the state probe's check share zeroexp.formulas: per-rank bytes x N / P = the factors."""
     for n in (1, 4, 64):
         for stage in range(4):
-            state = rank_state_bytes(LAYOUTS[f"zero_stage{stage}"], MLP, n, 4)
+            state = _state(f"zero_stage{stage}", MLP, n, 4)
             factors = {k: sum(ph for _, ph in state[k]) / (4 * MLP.numel) for k in ("param", "grad", "optim")}
             assert factors == zero_state_factors(stage, n) and "master" not in state
 
@@ -120,7 +126,7 @@ def test_every_registered_strategy_has_a_row():
     from zeroexp.strategies import registered
 
     table = strategy_table()
-    # deepspeed's stage is a knob (strategy.stage): it is planned through the deepspeed_stage<k> rows
+    # each strategy's YAML names its row (strategy.layout); deepspeed's follows strategy.stage: deepspeed_stage<k>
     assert set(registered()) - {"deepspeed"} <= set(table) and set(PAPER + DEEPSPEED) <= set(table)
     assert [layout.stage for layout in table.values()] == sorted(layout.stage for layout in table.values())
 
@@ -154,7 +160,7 @@ def _check_plan(r):
 def test_planned_state_bytes_equal_measured(cell, overrides, world_size):
     r = cell(*overrides, f"world_size={world_size}")
     section, frame, strategy, n = _check_plan(r)
-    state = rank_state_bytes(strategy_table()[strategy], MLP, n, 4)  # independently of plan_section
+    state = _state(strategy, MLP, n, 4)  # independently of plan_section
     for kind, per_rank in state.items():  # optim_scalar too: Adam's step scalars, the explained residual
         rows = frame[frame.kind == kind].sort_values("rank")
         assert list(zip(rows.logical_bytes, rows.physical_bytes)) == per_rank, kind
@@ -187,7 +193,9 @@ def test_a_34b_model_plans_in_seconds_without_allocating():
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="plan", overrides=["model=seed_ch31", "model.width=65536", "model.depth=8",
                                                      "world_size=[8,64,1024]", "device_memory=80GiB"])
-    strategy_table()  # import the strategy modules first: their import is not the planner's work
+    from zeroexp.strategies import registered
+
+    registered()  # import the strategy modules first (composing the config does): not the planner's work
     rss, peak, start = _rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, time.perf_counter()
     records, _ = run(cfg)
     elapsed = time.perf_counter() - start

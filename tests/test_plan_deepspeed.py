@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from conftest import read_csv
-from zeroexp.formulas import (LAYOUTS, ModelShape, deepspeed_state_factors, rank_state_bytes, step_collectives)
+from zeroexp.formulas import (LAYOUTS, ModelShape, PlanKnobs, derive_groups, rank_state_bytes, state_factors,
+                              step_collectives)
+
+
+def _state(name, shape, n, itemsize, offload="none"):
+    """rank_state_bytes of row ``name`` over the groups it derives from ``shape`` (default knobs)."""
+    layout = LAYOUTS[name]
+    return rank_state_bytes(layout, derive_groups(name, layout, shape, n, itemsize), itemsize, offload=offload)
 from zeroexp.models import LinearStack
 from zeroexp.plan import Precision, plan
 from zeroexp.plan.shape import shape_of
@@ -41,7 +48,7 @@ def _planned_exactly(r, stage: int, itemsize: int, offload: str = "none", depth:
     assert section["row"] == f"deepspeed_stage{stage}" and section["layout"] == f"DeepSpeed 0.19 stage {stage}"
     assert section["check"] == "PASS", section["reasons"]
     assert set(section["difference_bytes"].values()) == {0} and section["predicted_bytes"] == section["measured_bytes"]
-    state = rank_state_bytes(LAYOUTS[f"deepspeed_stage{stage}"], _mlp(depth), 2, itemsize, offload=offload)
+    state = _state(f"deepspeed_stage{stage}", _mlp(depth), 2, itemsize, offload)
     for kind, per_rank in state.items():
         rows = frame[frame.kind == kind].sort_values("rank")
         assert list(zip(rows.logical_bytes, rows.physical_bytes)) == per_rank, kind
@@ -134,7 +141,7 @@ def test_rows_follow_deepspeeds_partitioning_for_a_large_model(n, precision, off
     for stage in range(4):
         if stage == 0 and offload != "none":
             continue
-        state = rank_state_bytes(LAYOUTS[f"deepspeed_stage{stage}"], shape, n, c, offload=offload)
+        state = _state(f"deepspeed_stage{stage}", shape, n, c, offload)
         if stage == 0:
             want = {"param": [(c * psi,) * 2] * n, "grad": [(c * psi,) * 2] * n, "optim": [(8 * psi,) * 2] * n,
                     "optim_scalar": [(4 * 7,) * 2] * n}
@@ -152,9 +159,9 @@ def test_rows_follow_deepspeeds_partitioning_for_a_large_model(n, precision, off
             want = {"param": [(c * shard,) * 2] * n, "grad": [(per * shard,) * 2] * n, "optim": [(8 * shard,) * 2] * n,
                     "master": [(4 * shard,) * 2] * n, "optim_scalar": [(4, 4)] * n}
         assert state == want, stage
-        # The state probe's aggregate factors (zeroexp.formulas.deepspeed_state_factors) from the logical bytes,
+        # The state probe's aggregate factors (zeroexp.formulas.state_factors of the row) from the logical bytes,
         # up to the padding.
-        factors = deepspeed_state_factors(stage, n, c, offload)
+        factors = state_factors(LAYOUTS[f"deepspeed_stage{stage}"], n, c, offload)
         for kind, f in factors.items():
             logical = sum(lo for lo, _ in state[kind]) / (4 * psi)
             assert logical == pytest.approx(f, rel=1e-4), (stage, kind)
@@ -176,6 +183,7 @@ def test_the_planner_plans_the_deepspeed_rows():
     assert by["deepspeed_stage3"]["payload_bytes"] == {"reduce_scatter": 2 * p3, "all_reduce": 8, "all_gather": 2 * p3}
     assert by["deepspeed_stage0"]["payload_bytes"] == {"all_reduce": 2 * psi}
     # a count has no parameter boundaries: ZeRO-1/2 gradients are the partition alone
-    count = rank_state_bytes(LAYOUTS["deepspeed_stage1"], ModelShape.from_count(7_500_000_000), 64, 2)
+    count = _state("deepspeed_stage1", ModelShape.from_count(7_500_000_000), 64, 2)
     assert count["grad"] == [(2 * 7_500_000_000 // 64,) * 2] * 64
-    assert step_collectives(LAYOUTS["deepspeed_stage0"], shape, 8, 2)["all_reduce"]["payload_bytes"] == 2 * psi
+    groups = derive_groups("deepspeed_stage0", LAYOUTS["deepspeed_stage0"], shape, 8, 2, PlanKnobs())
+    assert step_collectives(LAYOUTS["deepspeed_stage0"], groups, 2)["all_reduce"]["payload_bytes"] == 2 * psi

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import read_csv
+from zeroexp.expect import Expectation
 from zeroexp.formulas import padded_numel
 from zeroexp.launch import free_port
 from zeroexp.models import LinearStack
@@ -111,7 +112,7 @@ def _orig_params_rank(rank: int, port: int, cfg_dict: dict, out: str) -> None:
     optimizer.step()
     result = {"rows": count_state(adapter.state_tensors(model, optimizer)), "step": 0,
               "logical_param_bytes": PAD_WIDTH * PAD_WIDTH * DEPTH * 4,
-              "expected": adapter.expected_state_factors(PAD_N), "semantics": adapter.semantics}
+              "expected": Expectation(cfg, adapter.groups).state_factors(), "semantics": adapter.semantics}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -131,7 +132,7 @@ def test_use_orig_params_views_are_not_counted_twice(compose, tmp_path):
 def _rank_result(adapter, model, optimizer, world_size):
     return {"rows": count_state(adapter.state_tensors(model, optimizer)), "step": 3,
             "logical_param_bytes": 4 * sum(q.numel() for q in model.parameters()),
-            "expected": adapter.expected_state_factors(world_size), "semantics": adapter.semantics}
+            "expected": Expectation(adapter.cfg, adapter.groups).state_factors(), "semantics": adapter.semantics}
 
 
 def _stepped_adamw(params):

@@ -12,7 +12,6 @@ import) before any rank is started, and raises :class:`ConfigError` naming the k
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -396,12 +395,13 @@ OPTIONAL_EXTRAS = {"transformers": "hf", "deepspeed": "deepspeed"}
 
 
 def _check_target(target: str) -> None:
-    module_name, _, attr = target.rpartition(".")
+    from zeroexp.models import import_class
+
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
+        obj = import_class(target, base=None)
     except (ImportError, AttributeError, ValueError) as e:
         why = str(e)
-        top = module_name.split(".")[0]
+        top = target.split(".")[0]
         if isinstance(e, ImportError) and top in OPTIONAL_EXTRAS:
             why = f"{top} is not installed; install it with: pip install -e '.[{OPTIONAL_EXTRAS[top]}]'"
         raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why=why) from e

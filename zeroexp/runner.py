@@ -34,14 +34,11 @@ class CellResult:
 
 def device_and_backend(cfg: DictConfig, local_world_size: int | None = None) -> tuple[str, str]:
     """``device=auto``: CUDA when there is a GPU for each rank of this node (``local_world_size``, default all)."""
-    import torch
+    from zeroexp.devices import ranks_get_a_gpu
 
     if cfg.get("dry_run"):  # zeroexp.dryrun: one CPU process, fake process group, FakeTensorMode
         return "cpu", "fake"
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()
-                                and torch.cuda.device_count() >= (local_world_size or cfg.world_size)):
-        return "cuda", "nccl"
-    return "cpu", "gloo"
+    return ("cuda", "nccl") if ranks_get_a_gpu(cfg, local_world_size or int(cfg.world_size)) else ("cpu", "gloo")
 
 
 def new_manifest(cfg: DictConfig, resolved: dict[str, Any], run_info: dict[str, Any], overrides: Sequence[str],

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.expect import Expectation
 from zeroexp.models import build_model
 from zeroexp.module import CellModule, SyntheticBatches
@@ -117,11 +118,7 @@ def _quiet() -> None:
 
 def resolve_device(cfg: Any) -> torch.device:
     """``device=auto``: CUDA when enough GPUs are visible for one per rank of this node, else the CPU."""
-    want = cfg["device"]
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg["world_size"]))  # ranks on this node (torchrun, SLURM)
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local):
-        return torch.device("cuda")
-    return torch.device("cpu")
+    return torch.device("cuda" if ranks_get_a_gpu(cfg) else "cpu")  # zeroexp.devices: the one rule
 
 
 def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:

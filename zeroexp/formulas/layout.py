@@ -42,6 +42,7 @@ class ModelShape:
     root: tuple[bool, ...]
     exact: bool = True
     ready: tuple[int, ...] | None = None
+    modules: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -250,12 +251,12 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
         shards = [Shard(spans, padded_numel(length, layout.pad * n))]
     elif kind == "owners":
         owners = [tuple(numels[i] for i in o) for o in owner_assignment(numels, n)]
-    if shape.exact and layout.gather != "none":  # FSDP units: each as it is gathered
+    if shape.exact and kind == "params":  # each module's own parameters, each padded to N, fetched as one [DS]
+        units = [Unit(sum(padded_numel(numels[i], n) for i in m), 1) for m in shape.modules if m]
+    elif shape.exact and layout.gather != "none":  # FSDP units: each as it is gathered
         for unit, root in zip(shape.units, shape.root):
             if kind == "rows":
                 size = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)
-            elif kind == "params":
-                size = sum(padded_numel(numels[i], n) for i in unit)
             else:
                 align = 16 // rest if knobs.use_orig_params and kind == "units" else 0
                 size = padded_numel(pack([numels[i] for i in unit], align)[1], n)

@@ -12,7 +12,9 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "import_class", "wrap_paths"]
+from zeroexp.formulas import ITEMSIZE
+
+__all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "import_class", "wrap_paths", "torch_dtype"]
 
 #: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
 #: the ``_target_`` factory.
@@ -47,7 +49,14 @@ LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "next_token": _next_token,
 }
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "long": torch.long}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype zeroexp's dtype name stands for (``precision.param_dtype``, ``model.dtype``): the names of
+    ``zeroexp.formulas.ITEMSIZE``, the one dtype map, are torch's own."""
+    if name not in ITEMSIZE:
+        raise ValueError(f"dtype {name!r}: accepted {', '.join(ITEMSIZE)}")
+    return getattr(torch, name)
 
 
 def build_model(model_cfg: Mapping[str, Any]) -> nn.Module:
@@ -69,7 +78,7 @@ def make_batch(model_cfg: Mapping[str, Any], batch_size: int, seed: int, step: i
     """
     g = torch.Generator().manual_seed(hash((seed, step, rank)) & 0x7FFF_FFFF_FFFF_FFFF)
     shape = (batch_size, *model_cfg["input_shape"])
-    dtype = _DTYPES[model_cfg.get("dtype", "float32")]
+    dtype = torch_dtype(model_cfg.get("dtype", "float32"))
     if dtype == torch.long:
         return torch.randint(int(model_cfg.get("low", 0)), int(model_cfg.get("high", 2)), shape, generator=g)
     return torch.randn(shape, generator=g).to(dtype)

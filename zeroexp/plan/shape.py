@@ -47,7 +47,14 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
     if rest := take(net):
         units.append(rest)
         roots.append(True)
-    return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready)
+    own = [tuple(index[id(p)] for p in m.parameters(recurse=False)) for m in _post_order(net)]
+    return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready,
+                      modules=tuple(m for m in own if m))
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    """Every submodule of ``module`` (itself included), children before parents, in definition order."""
+    return [m for child in module.children() for m in _post_order(child)] + [module]
 
 
 def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...] | None:

@@ -21,14 +21,6 @@ from torch import nn
 from zeroexp.formulas import Groups
 
 #: ``precision.param_dtype`` (conf/precision/) -> the torch dtype.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def ranks_get_a_gpu(cfg: Any) -> bool:
-    """Whether the cell's ranks get a GPU each (zeroexp.runner's rule for ``device``)."""
-    if cfg.device == "cpu":
-        return False
-    return cfg.device == "cuda" or (torch.cuda.is_available() and torch.cuda.device_count() >= int(cfg.world_size))
 
 
 @dataclass

@@ -23,12 +23,13 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimState
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from zeroexp.formulas import Groups, Shard, Unit
+from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
-from zeroexp.models import import_class, wrap_paths
+from zeroexp.models import import_class, torch_dtype, wrap_paths
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_sharded, read_full, save_sharded, write_full
-from zeroexp.strategies.base import (DTYPES, StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors, post_order,
-                                     ranks_get_a_gpu, parameter_state_tensors)
+from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors, post_order,
+                                     parameter_state_tensors)
 
 
 @dataclass
@@ -184,7 +185,7 @@ class FSDPAdapter(StrategyAdapter):
 
     def mixed_precision(self) -> MixedPrecision | None:
         """``MixedPrecision`` with parameters, gradient reduction and buffers in the precision's dtype; None in fp32."""
-        dtype = DTYPES[str(self.cfg.precision.param_dtype)]
+        dtype = torch_dtype(str(self.cfg.precision.param_dtype))
         if dtype == torch.float32:
             return None
         return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype, cast_forward_inputs=True)

@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from zeroexp.formulas import Groups, Shard, Unit, fsdp2_padded_numel
 from zeroexp.strategies import register
-from zeroexp.strategies.base import DTYPES, StateTensor, StrategyAdapter, StrategyConfig, post_order
-from zeroexp.models import import_class, wrap_paths
+from zeroexp.strategies.base import StateTensor, StrategyAdapter, StrategyConfig, post_order
+from zeroexp.models import import_class, torch_dtype, wrap_paths
 from zeroexp.strategies.fsdp import FSDPAdapter
 
 
@@ -87,7 +87,7 @@ class FSDP2Adapter(StrategyAdapter):
         """``MixedPrecisionPolicy``: compute (and reduce) in the precision's ``param_dtype``; fp32 shards."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        dtype = DTYPES[str(self.cfg.precision.param_dtype)]
+        dtype = torch_dtype(str(self.cfg.precision.param_dtype))
         return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype)
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:

@@ -19,8 +19,9 @@ from torch import nn
 from zeroexp.formulas import Groups, Shard
 from zeroexp.sharding import Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets, gather_full_masters
 from zeroexp.errors import ConfigError
+from zeroexp.models import torch_dtype
 from zeroexp.strategies import register
-from zeroexp.strategies.base import (DTYPES, StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors,
+from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors,
                                      parameter_state_tensors)
 
 
@@ -65,7 +66,7 @@ class ShardedZeroAdapter(StrategyAdapter):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.dtype = DTYPES[str(cfg.precision.param_dtype)]
+        self.dtype = torch_dtype(str(cfg.precision.param_dtype))
         scale = cfg.precision.get("loss_scale")
         self.loss_scale = None if scale is None else DynamicLossScale(float(scale), int(cfg.precision.growth_interval))
         self.buckets: list[Bucket] = []

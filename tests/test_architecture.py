@@ -1,0 +1,120 @@
+"""The house's layers (issue 16, point 4), read from the source's imports, function-level ones included.
+
+What may import what: docs/architecture.md. The rules: no import circle inside zeroexp; the formulas import nothing
+of zeroexp; strategies import neither probes nor config; probes import no strategy; the planner imports no strategy
+and no CLI; errors live in one leaf module; one device rule, one class importer, one bucket cutter, one dtype map;
+no source file over 500 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "zeroexp"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+SOURCES = {_module(p): p for p in ROOT.rglob("*.py")}
+
+
+def _imports(name: str) -> set[str]:
+    """The zeroexp modules ``name`` imports anywhere in its file (``from pkg import sub`` counts as ``pkg.sub``)."""
+    path = SOURCES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("zeroexp")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            if not base.startswith("zeroexp"):
+                continue
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in SOURCES}
+            out |= subs or {base}
+            if len(subs) < len(node.names):
+                out.add(base)
+    return {m for m in out if m != name}
+
+
+GRAPH = {name: _imports(name) for name in SOURCES}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _importers(target: str, among: str) -> list[tuple[str, str]]:
+    return sorted((m, i) for m in GRAPH if _within(m, among) for i in GRAPH[m] if _within(i, target))
+
+
+def test_no_import_circle():
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH.get(v, ()):
+            if w not in SOURCES:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in SOURCES:
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+@pytest.mark.parametrize("layer, forbidden", [
+    ("zeroexp.formulas", "zeroexp"),  # nothing outside zeroexp.formulas itself
+    ("zeroexp.strategies", "zeroexp.probes"), ("zeroexp.strategies", "zeroexp.config"),
+    ("zeroexp.probes", "zeroexp.strategies"),
+    ("zeroexp.plan", "zeroexp.strategies"), ("zeroexp.plan", "zeroexp.cli"),
+    ("zeroexp.errors", "zeroexp"), ("zeroexp.expect", "zeroexp.strategies"),
+])
+def test_layer_does_not_import(layer, forbidden):
+    bad = [(m, i) for m, i in _importers(forbidden, layer) if not _within(i, layer)]
+    assert bad == []
+
+
+def _calls(pattern: str) -> set[str]:
+    return {name for name, path in SOURCES.items() if re.search(pattern, path.read_text())}
+
+
+def test_one_rule_one_place():
+    assert _calls(r"cuda\.device_count\(") == {"zeroexp.devices"}  # the device rule
+    assert _calls(r"importlib\.import_module\(") == {"zeroexp.models", "zeroexp.strategies"}  # class importer; registry
+    assert _calls(r"\bdef cut_buckets\b|\bdef \w*bucket\w*assign") == {"zeroexp.formulas.layout"}  # the bucket cutter
+    assert _calls(r'"bfloat16":') == {"zeroexp.formulas.paper"}  # the dtype map (torch's own names)
+    assert _calls(r"class ConfigError\b") == {"zeroexp.errors"}
+
+
+def test_no_source_file_over_500_lines():
+    long = {name: n for name, path in SOURCES.items() if (n := len(path.read_text().splitlines())) > 500}
+    assert long == {}

@@ -1,0 +1,221 @@
+"""DeepSpeed checkpoints (zeroexp.probes.checkpoint) for zeroexp.strategies.deepspeed.
+
+At every stage; what DeepSpeed 0.19 writes differs by stage:
+- **sharded**: DeepSpeed's own ``engine.save_checkpoint(path, tag="zeroexp")``, restored by ``engine.load_checkpoint``
+  into the fresh engine (same world size). Stage 3: every rank writes its model states and its fp32 master and Adam
+  partitions (``zero_pp_rank_<r>_mp_rank_00_{model,optim}_states.pt``). Stages 1, 2: rank 0 writes the module
+  (``mp_rank_00_model_states.pt``, the compute-dtype weights), every rank its fp32 master and Adam partition
+  (``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``). Stages 1-3: rank 0 also DeepSpeed's ``zero_to_fp32.py`` and
+  ``zero_to_torch.py``. Stage 0 partitions nothing: rank 0 alone writes ``mp_rank_00_model_states.pt``, the module
+  and the optimizer's ``state_dict`` in one file (no ``zero_pp_rank`` file; the other ranks write nothing).
+- **full**: the consolidated fp32 state, on rank 0, in one file (:data:`DS_FULL_FILE`): every parameter's fp32
+  master, its Adam moments and Adam's step count, by parameter name. Stages 1-3 read them with
+  ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` (what ``zero_to_fp32`` would
+  rebuild from a sharded checkpoint, without writing one first): stage 3 all-gathers each parameter's partitions,
+  stages 1 and 2 all-reduce a zero buffer into which every rank copied its fragment (``_hp_mapping``), three
+  collectives per parameter either way. Stage 0 has no ``_hp_mapping`` (the ``safe_get`` functions return None):
+  everything is replicated, rank 0 reads the tensor the torch optimizer steps (the parameter in fp32; with bf16 the
+  ``FP16_UnfusedOptimizer``'s fp32 copy in ``fp32_groups``) and its ``optimizer.state`` directly, no collective.
+  Restore: every rank reads the file and sets the compute parameters from the fp32 master cast to the compute dtype
+  (stage 3 inside ``GatheredParameters`` with ``modifier_rank=0``; stages 0-2 hold them replicated, every rank its
+  copy), creates the torch optimizer's state (a fresh one has none before its first step) with the saved step, and
+  sets the master and moments: ``safe_set_full_*`` (stages 1, 2 first link each parameter's fragment to the new
+  moment tensors, ``_lazy_init_hp_params_optimizer_state``, which DeepSpeed otherwise does after the first step), at
+  stage 0 the tensors themselves. Because the moments and the step are in the file, a full restore continues
+  bit-identically (tested at N=2 in fp32 at every stage, both kinds); the fp32 weights alone
+  (``zero_to_fp32``'s output) would not (fresh Adam moments), and the checkpoint probe's continuation check would
+  report the difference. Not restored: DeepSpeed's engine counters (``global_steps``, ``global_samples``), an fp16
+  loss scaler and an LR scheduler (zeroexp has none; fp16 needs a GPU): a full checkpoint is weights plus optimizer
+  state, no more.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DS_FULL_FILE", "DS_TAG", "checkpoint_format", "save", "load"]
+
+#: The one file of a full DeepSpeed checkpoint (rank 0): fp32 master, Adam moments and step, by parameter name.
+DS_FULL_FILE = "full_fp32.pt"
+#: DeepSpeed's checkpoint tag (its subdirectory) for a sharded checkpoint.
+DS_TAG = "zeroexp"
+
+
+def checkpoint_format(stage: int, kind: str) -> str:
+    """One sentence: how DeepSpeed at ZeRO ``stage`` writes a ``kind`` checkpoint."""
+    if kind == "full":
+        how = {0: "read on rank 0 from its replicated copy (the parameters, or with bf16 the FP16 optimizer's fp32 "
+                  "copies, and the torch optimizer's state; no collective)",
+               3: "all-gathered (deepspeed.utils.safe_get_full_fp32_param / safe_get_full_optimizer_state)"}
+        gathered = how.get(stage, "all_reduce of each rank's fragments (deepspeed.utils."
+                                       "safe_get_full_fp32_param / safe_get_full_optimizer_state)")
+        return (f"consolidated fp32 state on rank 0 ({DS_FULL_FILE}): each parameter's fp32 master and Adam "
+                f"moments {gathered} and Adam's step; no engine counters, loss scaler or scheduler")
+    if stage == 0:
+        return (f"DeepSpeed engine.save_checkpoint (tag {DS_TAG!r}), ZeRO stage 0: nothing is partitioned, rank 0 "
+                "alone writes mp_rank_00_model_states.pt (the module and the optimizer's state_dict)")
+    files = ("each rank its model states and its fp32 master and optimizer partitions (zero_pp_rank_<r>_*)"
+             if stage == 3 else "rank 0 the module (mp_rank_00_model_states.pt), each rank its fp32 master "
+                                     "and optimizer partitions (zero_pp_rank_<r>_mp_rank_00_optim_states.pt)")
+    return (f"DeepSpeed engine.save_checkpoint (tag {DS_TAG!r}), ZeRO stage {stage}: {files}; rank 0 also "
+            "zero_to_fp32.py and zero_to_torch.py")
+
+
+def save(stage: int, kind: str, path: Path, model: Any) -> list[Path]:
+    """Write the engine ``model``'s state as a ``kind`` checkpoint into ``path``; the files this rank wrote. A collective."""
+    rank = dist.get_rank()
+    if kind == "sharded":
+        model.save_checkpoint(str(path), tag=DS_TAG, save_latest=False)
+        dist.barrier()
+        mine = [f for f in sorted(path.rglob("*")) if f.is_file() and f"zero_pp_rank_{rank}_" in f.name]
+        if rank == 0:  # the files of no rank in particular (mp_rank_00_model_states.pt, zero_to_fp32.py)
+            mine += [f for f in sorted(path.rglob("*")) if f.is_file() and "zero_pp_rank_" not in f.name]
+        return mine
+    base = _base_optimizer(model)
+    keys = _moment_keys(base)
+    masters = _stage0_masters(model) if stage == 0 else {}
+    weights: dict[str, torch.Tensor] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in model.module.named_parameters():  # every rank, same order: stages 1-3 each a collective
+        w, m = _full_fp32_state(p, keys, base, masters)
+        if rank == 0:
+            shape = _full_shape(p)
+            weights[name] = w.detach().to("cpu", torch.float32, copy=True).view(shape)
+            moments[name] = {k: v.detach().to("cpu", copy=True).view(shape) for k, v in m.items()}
+    if rank != 0:
+        return []
+    steps = [base.state[q]["step"].detach().to("cpu", copy=True) if "step" in base.state.get(q, {}) else None
+             for q in _flat_partitions(model)]
+    torch.save({"model": weights, "optim": moments, "step": steps, "moment_keys": keys}, path / DS_FULL_FILE)
+    return [path / DS_FULL_FILE]
+
+
+def load(stage: int, kind: str, path: Path, model: Any) -> None:
+    """Restore a :func:`save` directory into a fresh engine ``model`` (same stage and world size). A collective."""
+    if kind == "sharded":
+        loaded, _ = model.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False, load_module_strict=True)
+        if loaded is None:
+            raise RuntimeError(f"{path}: DeepSpeed found no checkpoint with tag {DS_TAG!r}")
+        return
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    full = torch.load(path / DS_FULL_FILE, map_location="cpu", weights_only=True)
+    named = dict(model.module.named_parameters())
+    if set(named) != set(full["model"]):
+        raise RuntimeError(f"{path / DS_FULL_FILE}: parameters {sorted(set(full['model']) ^ set(named))} are in "
+                           "only one of the checkpoint and the model")
+    if stage == 3:  # the compute parameters: the fp32 master cast, as DeepSpeed's step makes them
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(named.values()), modifier_rank=0), torch.no_grad():
+            if dist.get_rank() == 0:  # leaving the context re-partitions rank 0's values to every rank
+                for name, p in named.items():
+                    p.data.copy_(full["model"][name].to(p.dtype).view_as(p.data))
+    else:  # whole on every rank (stages 1, 2: views into bit16_groups_flat): every rank sets its own copy
+        with torch.no_grad():
+            for name, p in named.items():
+                p.data.copy_(full["model"][name].to(p.dtype).view_as(p.data))
+    base = _base_optimizer(model)
+    flats = _flat_partitions(model)
+    if len(flats) != len(full["step"]):
+        raise RuntimeError(f"{path / DS_FULL_FILE}: {len(full['step'])} optimizer sub-groups, the engine has "
+                           f"{len(flats)}")
+    for q, step in zip(flats, full["step"]):  # a fresh torch optimizer has no state until its first step
+        if step is None:
+            continue
+        state = base.state[q]
+        state["step"] = step.clone()
+        for k in full["moment_keys"]:
+            state[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
+    # Stages 1, 2 (and the BF16 optimizer) link each parameter's fragment to the moment tensors only after the
+    # first step (_lazy_init_hp_params_optimizer_state): link them to the state just made, as that step would.
+    link = getattr(model.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
+    masters = _stage0_masters(model) if stage == 0 else {}
+    for name, p in named.items():
+        w, m = full["model"][name], full["optim"][name]
+        if _is_deepspeed_partitioned(p):
+            safe_set_full_fp32_param(p, w.to(p.device).flatten())
+            for k, v in m.items():
+                safe_set_full_optimizer_state(p, v.to(p.device).flatten(), k)
+            continue
+        master = masters.get(id(p), p)  # stage 0: the tensor the torch optimizer steps (p itself in fp32)
+        with torch.no_grad():
+            if master is not p:
+                master.copy_(w.to(master.dtype).view_as(master))
+            for k, v in m.items():
+                base.state[master][k].copy_(v.view_as(master))
+
+
+def _is_deepspeed_partitioned(p: torch.Tensor) -> bool:
+    """Whether ``deepspeed.utils.safe_get_full_*`` knows the parameter: ZeRO-3 (``ds_id``) or linked to the fp32
+    partition of the stage 1/2 or BF16 optimizer (``_hp_mapping``, set on every parameter, None where this rank
+    holds none of it); stage 0 parameters have neither (the safe_get functions return None for them)."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _full_shape(p: torch.Tensor) -> torch.Size:
+    """The parameter's full shape (ZeRO-3: ``ds_shape``; the local tensor is empty outside a gather)."""
+    return p.ds_shape if hasattr(p, "ds_id") else p.shape
+
+
+def _full_fp32_state(p: torch.Tensor, keys: list[str], base: torch.optim.Optimizer,
+                     masters: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The parameter's fp32 master and its moments, full (every rank must call it: stages 1-3 are collectives).
+
+    Stages 1-3: ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` (stage 3 all-gathers the
+    partitions; stages 1, 2 all-reduce a zero buffer into which each rank copied its fragment). Stage 0 keeps
+    everything replicated: the tensor the torch optimizer updates and its state, read directly, no collective. A
+    parameter no optimizer holds (frozen; stages 0-2 keep it whole on every rank): itself, no moments.
+    """
+    if _is_deepspeed_partitioned(p):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        return safe_get_full_fp32_param(p), {k: safe_get_full_optimizer_state(p, k) for k in keys}
+    master = masters.get(id(p), p)
+    state = base.state.get(master, {})
+    return master, {k: state[k] for k in keys if k in state}
+
+
+def _stage0_masters(engine: Any) -> dict[int, torch.Tensor]:
+    """Stage 0: for each module parameter (by id), the tensor whose state the torch optimizer keeps.
+
+    fp32: DeepSpeed hands the client optimizer through unwrapped, its state is keyed by the parameters. bf16 / fp16:
+    ``FP16_UnfusedOptimizer`` keeps one fp32 copy per parameter (``fp32_groups`` beside ``fp16_groups``) and the
+    client optimizer steps those.
+    """
+    opt = engine.optimizer
+    if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups") and not hasattr(opt, "fp32_groups_flat"):
+        return {id(p): q for lp, hp in zip(opt.fp16_groups, opt.fp32_groups) for p, q in zip(lp, hp)}
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise NotImplementedError(f"DeepSpeed stage 0 with {type(opt).__name__}: where its fp32 master lives is "
+                                  "not known to zeroexp")
+    return {id(p): p for group in opt.param_groups for p in group["params"]}
+
+
+def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The client torch optimizer inside the engine's ZeRO optimizer (its state is keyed by the flat fp32 partitions)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _flat_partitions(engine: Any) -> list[torch.Tensor]:
+    """The keys of the torch optimizer's state: stages 1-3 the rank's flat fp32 master partitions (one per
+    sub-group), stage 0 the tensors it steps (the parameters, or the FP16 optimizer's fp32 copies), in group order."""
+    opt = engine.optimizer
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        if hasattr(opt, attr):
+            return list(getattr(opt, attr))
+    return [q for group in _base_optimizer(engine).param_groups for q in group["params"]]
+
+
+def _moment_keys(base: torch.optim.Optimizer) -> list[str]:
+    """The element-wise state keys of the torch optimizer (AdamW: ``exp_avg``, ``exp_avg_sq``), from its first state."""
+    for state in base.state.values():
+        return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return []
