@@ -70,11 +70,12 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
 
 def _comm_table(records: list[dict[str, Any]], unit: str) -> Table:
     ops = list(dict.fromkeys(op for r in records for op in r["payload_bytes"]))
-    table = Table(title=f"Collectives per step per rank, in {unit}")
-    for i, c in enumerate(["strategy", "N", *(f"{op} S" for op in ops), "total S", "total bus"]):
+    table = Table(title=f"Collectives per step per rank: calls and payload S, in {unit}")
+    for i, c in enumerate(["strategy", "N", *(f"{op} calls / S" for op in ops), "total S", "total bus"]):
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in records:
         table.add_row(r["strategy"], str(r["world_size"]),
-                      *(fmt_size(r["payload_bytes"].get(op), unit) if op in r["payload_bytes"] else "-" for op in ops),
+                      *(f"{r['counts'][op]} / {fmt_size(r['payload_bytes'][op], unit)}" if op in r["payload_bytes"]
+                        else "-" for op in ops),
                       fmt_size(r["payload_total_bytes"], unit), fmt_size(r["bus_total_bytes"], unit))
     return table
