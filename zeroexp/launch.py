@@ -33,7 +33,7 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["zeroexp.worker"])
+        _CTX.set_forkserver_preload(["zeroexp.worker"])  # by name: the ranks' module, imported once, not by this one
     return _CTX
 
 
@@ -84,15 +84,15 @@ def _root_cause(failed: list[int], procs: list[Any], cell_dir: Path) -> dict[str
     return _describe(first, procs[first].exitcode, cell_dir)
 
 
-def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any],
+def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], rank_entry: Callable[..., None],
                  on_started: Callable[[list[int | None]], None] | None = None) -> LaunchResult:
-    """Run every rank of the cell on this machine; block until all have exited.
+    """Run every rank of the cell on this machine: ``rank_entry(rank, world_size, port, cfg, cell_dir, run_info,
+    environ)`` in a process each (``zeroexp.worker.rank_entry``, handed in by the runner); block until all have
+    exited.
 
     ``on_started`` is called with the rank pids once every rank process exists. A dry run
     (``cfg["dry_run"]``, zeroexp.dryrun) starts one process, rank 0, which plays its part of ``world_size``.
     """
-    from zeroexp.worker import rank_entry
-
     world_size = int(cfg["world_size"])
     timeouts = cfg["timeout"]
     port = free_port()

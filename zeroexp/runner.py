@@ -81,6 +81,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
     write_json(cell_dir / "manifest.json", manifest)
     t0 = time.monotonic()
     from zeroexp.launch import launch_local
+    from zeroexp.worker import rank_entry
 
     try:
         def started(pids: list[int | None]) -> None:
@@ -88,7 +89,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
             write_json(cell_dir / "manifest.json", manifest)
 
         for attempt in range(3):
-            launched = launch_local(resolved, cell_dir, run_info, on_started=started)
+            launched = launch_local(resolved, cell_dir, run_info, rank_entry, on_started=started)
             # The free port can be taken by another process between probing and binding: retry that alone.
             if not (launched.error and "address already in use" in launched.error["message"].lower()):
                 break

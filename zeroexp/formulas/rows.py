@@ -54,7 +54,9 @@ def _twice(root: bool) -> int:
     return 2  # FSDP2 reshard_after_forward=True passed explicitly: the root too
 
 
-#: Every row the planner knows, by name; ``strategy.layout`` of each registered strategy names one.
+#: Every row the planner knows, by name; ``strategy.layout`` of each registered strategy names one. The order is the
+#: ZeRO ladder the report lists cells in: the paper's stages, then replicated first and what each stage shards
+#: (ZeRO-0; ZeRO-1, PyTorch's then zeroexp's; ZeRO-2; SHARD_GRAD_OP; FULL_SHARD, each FSDP1 then FSDP2), DeepSpeed's.
 LAYOUTS: dict[str, StateLayout] = {
     "zero_stage0": StateLayout("baseline (paper)", 0, frozenset(), "mixed", "none", all_reduce_buckets,
                                comm=_one_bucket, precisions=_MIXED, source="[ZeRO] 5.1, 7.1, Figure 1"),
@@ -65,7 +67,6 @@ LAYOUTS: dict[str, StateLayout] = {
     "zero_stage3": StateLayout("P_os+g+p (paper)", 3, _OS_G_P, "mixed", "flat", gather_shards_twice, "largest",
                                precisions=_MIXED, offloads=_OFF[2], gathers_per_unit=_twice_unless_root,
                                source="[ZeRO] 5.1, 7.2.2, Figure 1; [OFFLOAD]"),
-    **DEEPSPEED_LAYOUTS,
     # ddp / zro under bf16 / fp16: autocast, so parameters, gradients and what is all-reduced stay fp32
     "ddp": StateLayout("DDP", 0, frozenset(), "never", "none", all_reduce_buckets, fp32_at_rest=True,
                        fp32_on_the_wire=True, precisions=_MIXED, comm=_ddp_comm, source="zeroexp.strategies.ddp"),
@@ -78,13 +79,14 @@ LAYOUTS: dict[str, StateLayout] = {
                          source="zeroexp.sharding"),
     "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, _OS_G_P, "never", "units", gather_units(), "all",
                                 fp32_at_rest=True, precisions=_MIXED, source="zeroexp.strategies.fsdp; [FSDP]"),
-    "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", gather_units(), "largest",
-                             fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
-                             source="zeroexp.strategies.fsdp; [FSDP]"),
     "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows",
                                  gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
                                  precisions=_MIXED, source="zeroexp.strategies.fsdp2; [FSDP2]"),
+    "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", gather_units(), "largest",
+                             fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
+                             source="zeroexp.strategies.fsdp; [FSDP]"),
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                               precisions=_MIXED, gathers_per_unit=_twice, source="zeroexp.strategies.fsdp2; [FSDP2]"),
+    **DEEPSPEED_LAYOUTS,
 }

@@ -6,13 +6,15 @@ from typing import Any
 
 import pandas as pd
 
+from zeroexp.formulas import LAYOUTS
 from zeroexp.report.format import missing
 
 __all__ = ["LADDER", "PREFETCH_ORDER", "column", "order_cells"]
 
-#: Replicated first, then what each stage shards: ZeRO-0, ZeRO-1 (PyTorch's, then zeroexp's), ZeRO-2, FSDP
-#: SHARD_GRAD_OP, FULL_SHARD (the ZeRO-3 direction), each FSDP1 then FSDP2. Strategies not listed follow, by name.
-LADDER = ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp2_grad_op", "fsdp_full", "fsdp2_full")
+#: The ZeRO ladder: the order of the strategies' rows in the one expectation model (``zeroexp.formulas.LAYOUTS``),
+#: replicated first, then what each stage shards; a cell is placed by its row (``plan.row``, else its strategy's
+#: name). Cells of no row follow, by name.
+LADDER = tuple(LAYOUTS)
 PREFETCH_ORDER = ("pre", "post", "none")
 #: Axes that can tell cells of a sweep apart besides the strategy, in the order they appear in a label.
 _AXES = ("model", "precision", "offload", "world_size")
@@ -35,7 +37,8 @@ def _rank(values: tuple[str, ...], value: Any) -> tuple[int, str]:
 
 def _sort_key(row: pd.Series) -> tuple:
     stage = row.get("cell.stage")
-    return (*_rank(LADDER, row.get("cell.strategy")),
+    layout = row.get("plan.row")
+    return (*_rank(LADDER, row.get("cell.strategy") if missing(layout) else layout),
             -1 if missing(stage) else float(stage),
             *_rank(PREFETCH_ORDER, row.get("cell.prefetch")),
             *(_axis_key(row.get(f"cell.{axis}")) for axis in _AXES), str(row.get("cell_name")))

@@ -53,7 +53,7 @@ def plan_table(ok: pd.DataFrame) -> ReportTable | None:
         return _plain_plan_table(ok)
     kinds = [k for k in kinds if k != "total"] + (["total"] if "total" in kinds else [])
     raw = raw_rows(ok, [f"plan.{f}.{k}" for f in ("predicted_bytes", "measured_bytes", "difference_bytes") for k in kinds]
-               + ["plan.layout", "plan.payload_check", "plan.check"])
+               + ["plan.layout", "plan.payload_check", "plan.groups.check", "plan.check"])
     unit = byte_unit(v for f in ("predicted_bytes", "measured_bytes") for k in kinds for v in raw[f"plan.{f}.{k}"])
     for k in kinds:
         raw[f"plan {k}"] = [_planned_measured(p, m, d, unit) for p, m, d in
@@ -61,11 +61,14 @@ def plan_table(ok: pd.DataFrame) -> ReportTable | None:
                                 raw[f"plan.difference_bytes.{k}"])]
     cols = [Column("cell", "label", str), Column("layout", "plan.layout"),
             *(Column(f"{k} planned / measured {unit}", f"plan {k}", str) for k in kinds),
-            Column("payload check", "plan.payload_check"), Column("check", "plan.check")]
+            Column("payload check", "plan.payload_check"), Column("groups", "plan.groups.check"),
+            Column("check", "plan.check")]
     note = (f"Largest rank, physical bytes in {unit}: the planner's prediction for this very cell beside the state "
             "probe's measurement; a difference is shown exactly, Δ = measured - planned, in bytes. Explained "
             "residuals the planner leaves out (Adam's step scalars) are not in these columns. Payload check: the "
-            "planned payload S per op against the collectives probe's.")
+            "planned payload S per op against the collectives probe's. Groups: the buckets, units, owners and "
+            "partitions the planner derived from the shapes against those the strategy reported live. Check: all of "
+            "it, and the calls per op.")
     return ReportTable("plan", "Plan vs measured", raw, cols, note)
 
 
@@ -113,7 +116,9 @@ class PlanSection:
         if p.get("check") == "n/a":
             return "; ".join(p.get("reasons", [])) or "no byte model"
         verdict = "equal the measured" if p.get("check") == "PASS" else "differ from the measured"
-        return f"{p.get('layout')}: predicted bytes per rank and kind {verdict}"
+        what = "bytes per rank and kind" + (", calls per op" if p.get("collectives") else "") + \
+            (" and groups" if (p.get("groups") or {}).get("check") == "PASS" else "")
+        return f"{p.get('layout')}: predicted {what} {verdict}"
 
     @staticmethod
     def report_table(ok: pd.DataFrame) -> ReportTable | None:
