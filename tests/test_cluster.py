@@ -85,7 +85,8 @@ def test_a_failing_torchrun_rank_is_recorded(tmp_path):
     manifest = json.loads((cell_dir / "manifest.json").read_text())
     assert manifest["status"] == "failed" and manifest["ended_at"]
     assert manifest["error"] == {"rank": 1, "cause": "exception", "log": "logs/rank1.log",
-                                 "message": "RuntimeError: injected fault: rank 1 raised at step 5"}
+                                 "message": "rank 1: RuntimeError: injected fault: rank 1 raised at step 5 "
+                                            "(log: logs/rank1.log)"}
     assert (cell_dir / ".ranks" / "rank1.error.json").exists() and not (cell_dir / "summary.json").exists()
 
 

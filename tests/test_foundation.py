@@ -3,6 +3,7 @@ sweeps run each distinct cell once, W&B writes one offline run per cell from ran
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def test_every_option_composes_and_validates(compose, group):
     ("batch_size=0", "batch_size"), ("model.depth=0", "model.depth"), ("model.width=-3", "model.width"),
     ("model.loss=hinge", "model.loss"), ("model.input_shape=[]", "model.input_shape"),
     ("model._target_=torch.nn.NoSuchLayer", "model._target_"), ("device=tpu", "device"),
-    ("logger.mode=loud", "logger.mode"), ("steps=5", "steps"),
+    ("logger.mode=loud", "logger.mode"), ("probes.profile_steps=0", "probes.profile_steps"),
 ])
 def test_validation_names_the_key(compose, override, key):
     with pytest.raises(ConfigError) as e:
@@ -151,6 +152,21 @@ def test_any_module_through_target(cell, compose):
     assert ((a.loss - b.loss).abs() / a.loss.abs()).max() <= 1e-5
 
 
+def test_model_custom_runs_a_module_from_the_command_line_alone(cell, compose):
+    """model=custom holds only what every model needs: _target_ and input_shape are required, the factory's
+    arguments come with +model.<arg>=..."""
+    base = ("logger=none", "steps=10")
+    for overrides, key in ((("model=custom",), "model._target_"),
+                           (("model=custom", "model._target_=torch.nn.Linear"), "model.input_shape")):
+        with pytest.raises(ConfigError) as e:
+            validate(compose(*overrides, base=base))
+        assert e.value.key == key
+    r = cell("model=custom", "model._target_=torch.nn.Linear", "+model.in_features=16", "+model.out_features=16",
+             "model.input_shape=[16]", "world_size=2", base=base)
+    assert r.status == "ok", r.error
+    assert r.summary["cell"]["model"] == "custom" and r.summary["state"]["check"] == "PASS"
+
+
 def test_schedule_is_assembled_from_the_probes():
     """Each probe declares its steps (``Probe.steps``); the schedule, its checks and a dry run's absent sections
     come from the probe registry, so a new probe with a window moves the timed steps by itself."""
@@ -171,7 +187,27 @@ def test_schedule_is_assembled_from_the_probes():
     cfg.probes.traced_steps = 4
     s = Schedule.from_cfg(cfg, [*registry(), Traced])
     assert (s.traced_steps, s.timed) == (range(6, 10), range(10, 12))
-    cfg.steps = 11
-    assert Schedule.from_cfg(cfg, [*registry(), Traced]).problems() == [
-        "steps=11 leaves fewer than 2 timed steps after warmup_steps=3, probes.profile_steps=2, "
-        "probes.memory_steps=1, probes.traced_steps=4; use steps >= 12"]
+    cfg.steps = 11  # too few steps is no problem: what does not fit is skipped, the rest keeps its steps
+    s = Schedule.from_cfg(cfg, [*registry(), Traced])
+    assert s.problems() == [] and (s.profiled, s.traced_steps, s.timed) == (range(3, 5), range(6, 10), range(0))
+    assert s.skipped == {"timed": "too few steps: fewer than 2 timed steps left after warm-up and the other probes' "
+                                  "steps (steps=11, warmup_steps=3; all probes fit in steps >= 12)"}
+    s = Schedule.from_cfg(OmegaConf.create({**cfg, "steps": 2}))
+    assert (s.state_step, s.profiled, s.memory_tracked, s.timed) == (None, range(0), range(0), range(0))
+    assert sorted(s.skipped) == ["memory_tracked", "profiled", "state_step", "timed"]
+    s = Schedule.from_cfg(OmegaConf.create({**cfg, "steps": 5}))  # warm-up, then the profiled window only
+    assert (s.state_step, s.profiled, sorted(s.skipped)) == (3, range(3, 5), ["memory_tracked", "timed"])
+
+
+def test_a_short_run_runs_and_says_what_it_skipped(tmp_path):
+    """steps=2: every probe that needs a step after warm-up reads n/a with the reason; the digest says so."""
+    proc = subprocess.run([sys.executable, "-m", "zeroexp", "steps=2", "logger=none", "world_size=2",
+                           "model.width=32", f"hydra.run.dir={tmp_path}/cell"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "cell" / "summary.json").read_text())
+    assert sorted(summary["skipped"]) == ["collectives", "memory", "state", "timing"]
+    for name in summary["skipped"]:
+        assert summary[name]["check"] == "n/a" and summary[name]["reason"].startswith("too few steps"), name
+    assert summary["equivalence"]["check"] == "PASS"
+    assert proc.stdout.count("not measured: too few") == 4  # the digest line of each skipped probe

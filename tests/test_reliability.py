@@ -20,7 +20,7 @@ BAD = [  # (override, key the message must name)
     ("strategy=foo", "strategy"), ("model=nosuchmodel", "model"), ("prefetch=sideways", "prefetch"),
     ("precision=fp64", "precision"), ("offload=nvme", "offload"), ("logger=tensorboard", "logger"),
     ("experiment=nope", "experiment"), ("world_size=0", "world_size"), ("world_size=-4", "world_size"),
-    ("world_size=two", "world_size"), ("steps=0", "steps"), ("steps=4", "steps"), ("batch_size=0", "batch_size"),
+    ("world_size=two", "world_size"), ("steps=0", "steps"), ("batch_size=0", "batch_size"),
     ("batch_size=1.5", "batch_size"), ("seed=abc", "seed"), ("warmup_steps=-1", "warmup_steps"),
     ("model.width=abc", "model.width"), ("model.width=0", "model.width"), ("model.depth=-2", "model.depth"),
     ("model.widht=3", "model.widht"), ("model.loss=hinge", "model.loss"), ("model.dtype=int8", "model.dtype"),
@@ -28,6 +28,18 @@ BAD = [  # (override, key the message must name)
     ("strategy.bucket_cap_mb=big", "strategy.bucket_cap_mb"), ("prefetch=post", "prefetch"),
     ("device=tpu", "device"), ("logger.mode=loud", "logger.mode"), ("timeout.collective_s=0", "timeout.collective_s"),
     ("optimizer.lr=fast", "optimizer.lr"), ("strategy=fsdp_full strategy.wrap=[torch.nn.Nope]", "strategy.wrap"),
+    # keys that nothing reads, and values torch would refuse later, inside a rank
+    ("+anything=1", "anything"), ("+stepz=10", "stepz"), ("+optimizer.foo=1", "optimizer.foo"),
+    ("+timeout.x=1", "timeout.x"), ("+probes.x=1", "probes.x"), ("+model.foo=1", "model.foo"),
+    ("strategy.bucket_cap_mb=-1", "strategy.bucket_cap_mb"), ("strategy=zro strategy.bucket_cap_mb=0", "strategy.bucket_cap_mb"),
+    ("optimizer.lr=-1", "optimizer.lr"), ("optimizer.betas=[1.5,0.9]", "optimizer.betas"),
+    ("optimizer.betas=[0.9]", "optimizer.betas"), ("optimizer.eps=0", "optimizer.eps"),
+    ("optimizer.weight_decay=-1", "optimizer.weight_decay"), ("probes.profile_steps=0", "probes.profile_steps"),
+    ("probes.memory_steps=-1", "probes.memory_steps"), ("timeout.grace_s=-1", "timeout.grace_s"),
+    ("strategy=fsdp_full strategy.sharding=HALF", "strategy.sharding"),
+    ("strategy=fsdp_full strategy.use_orig_params=maybe", "strategy.use_orig_params"),
+    ("precision.growth_interval=0", "precision.growth_interval"), ("seed=-1", "seed"),
+    ("launcher.nodes=0", "launcher.nodes"),
 ]
 
 
@@ -113,6 +125,27 @@ def test_a_failing_rank_ends_the_cell_cleanly(compose, tmp_path, monkeypatch, ki
     assert not (tmp_path / "cell" / "summary.json").exists()  # nothing claims ok
 
 
+def test_a_rank_error_reaches_the_user_as_one_line_without_tensor_values(tmp_path):
+    """A rank's exception whose message holds a parameter's repr: the terminal and the manifest get one line with
+    ``<tensor>`` in its place, naming the rank and its log file; the numbers stay in the rank's log only."""
+    cell = tmp_path / "cell"
+    proc = subprocess.run([sys.executable, "-m", "zeroexp", "logger=none", "world_size=2", "model.width=32",
+                           "steps=9", "timeout.collective_s=4", "timeout.grace_s=1", f"hydra.run.dir={cell}"],
+                          cwd=tmp_path, env=_env(ZEROEXP_FAULT="1:4:raise_tensor"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    error = read_json(cell / "manifest.json")["error"]
+    message = error["message"]
+    assert error["rank"] == 1 and error["cause"] == "exception"
+    assert message.startswith("rank 1: RuntimeError: injected fault") and "logs/rank1.log" in message, message
+    assert "\n" not in message and "<tensor>" in message and "tensor(" not in message, message
+    assert "Parameter containing" not in message and "e-0" not in message, message
+    line = next(ln for ln in proc.stdout.splitlines() if "injected fault" in ln)
+    assert "tensor(" not in proc.stdout and "<tensor>" in proc.stdout, proc.stdout
+    assert "rank1.log" in line or "rank1.log" in proc.stdout
+    assert "tensor(" in (cell / "logs" / "rank1.log").read_text()  # the rest is in the rank's log
+
+
 def _sweep(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zeroexp", "--multirun", "strategy=ddp,zro,fsdp_grad_op",
                            "logger=none", "world_size=2", "model.width=32", "steps=9",
@@ -162,6 +195,84 @@ def test_ctrl_c_stops_the_cell_and_its_ranks(tmp_path):
     assert m["status"] == "failed" and m["error"]["cause"] == "interrupted"
 
 
+def _tree(root: int) -> set[int]:
+    """``root`` and every process below it (from /proc/<pid>/stat)."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return tree
+
+
+def _listening_addresses(pids: set[int]) -> set[str]:
+    """The local addresses of the listening TCP sockets (IPv4 and IPv6) that ``pids`` hold, from /proc/net/tcp*."""
+    import socket as so
+
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    link = os.readlink(fd)
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass
+    found = set()
+    for name, family in (("tcp", so.AF_INET), ("tcp6", so.AF_INET6)):
+        path = Path("/proc/net") / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr = bytes.fromhex(f[1].split(":")[0])
+            addr = b"".join(addr[i:i + 4][::-1] for i in range(0, len(addr), 4))  # each 32-bit word is host order
+            found.add(so.inet_ntop(family, addr))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp to read listening sockets")
+def test_a_local_cell_listens_on_loopback_only(tmp_path):
+    """The rendezvous store (served by the launching process on 127.0.0.1) and gloo's sockets (GLOO_SOCKET_IFNAME=lo):
+    while a local cell trains, every listening socket of the main process, the forkserver and the ranks is on
+    loopback."""
+    cell = tmp_path / "cell"
+    proc = subprocess.Popen([sys.executable, "-m", "zeroexp", "logger=none", "world_size=2", "model.width=32",
+                             "steps=100000", f"hydra.run.dir={cell}"], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline, seen = time.monotonic() + 90, set()
+        started = False
+        while time.monotonic() < deadline and not started:  # the ranks have started
+            time.sleep(0.2)
+            try:
+                started = bool(read_json(cell / "manifest.json").get("ranks"))
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+        assert started, "ranks never started"
+        time.sleep(2)
+        for _ in range(10):  # over 5 s of training: every rank has joined its process group
+            seen |= _listening_addresses(_tree(proc.pid))
+            time.sleep(0.5)
+        assert seen, "no listening socket seen"
+        assert seen <= {"127.0.0.1", "::1"}, seen
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+
+
 _WRITER = """
 import sys
 from zeroexp.results import write_json
@@ -196,7 +307,7 @@ def test_secrets_never_reach_the_cell_directory(compose, tmp_path, monkeypatch):
     secret = "s3cr3t-value-0123456789"
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
     monkeypatch.setenv("MY_SERVICE_TOKEN", secret)
-    cfg = compose("logger=wandb", "world_size=2", f"+secret_in_config={secret}")
+    cfg = compose("logger=wandb", "world_size=2", f"checkpoint.dir={secret}")  # a value in the config
     result = run_cell(cfg, tmp_path / "cell")
     assert result.status == "ok", result.error
     files = [p for p in (tmp_path / "cell").rglob("*") if p.is_file()]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,10 @@ def task(cfg: DictConfig) -> None:
     if cfg.launcher.name != "local":  # torchrun or SLURM started this process as one rank (zeroexp.cluster)
         return _external_rank(cfg, cell_dir, overrides, sweep, multirun, console)
     manifest = cell_dir / "manifest.json"
+    if multirun:  # cell i of n, and the sweep's ETA from the cells run so far (zeroexp.progress)
+        from zeroexp.progress import SWEEP_CLOCK
+
+        console.print(SWEEP_CLOCK.line(int(hc.job.num), cell_dir.name))
     if multirun and cell_dir in _RAN_THIS_INVOCATION:
         console.print(f"[yellow]skip[/] {cell_dir.name}: this cell already ran in this sweep "
                       f"(overrides {' '.join(overrides)} give the same cell)")
@@ -64,9 +69,10 @@ def task(cfg: DictConfig) -> None:
         return
     if manifest.exists():  # an earlier, unfinished or failed attempt (or resume=false): start clean
         _clear(cell_dir)
+    started = time.monotonic()
     try:
         result = run_cell(cfg, cell_dir, overrides=overrides, sweep=sweep,
-                          explicit_keys=() if multirun else explicit_keys(overrides))
+                          explicit_keys=() if multirun else explicit_keys(overrides), progress=True)
     except NotApplicableHere as e:
         if not multirun:
             console.print(f"[red]error:[/] {e}")
@@ -80,6 +86,10 @@ def task(cfg: DictConfig) -> None:
             shutil.rmtree(cell_dir, ignore_errors=True)
         console.print(f"[red]error:[/] {e}")
         sys.exit(2)
+    if multirun:
+        from zeroexp.progress import SWEEP_CLOCK
+
+        SWEEP_CLOCK.finished(int(hc.job.num), time.monotonic() - started)
     _print_result(result, console, multirun)
 
 
@@ -91,7 +101,8 @@ def _print_result(result: Any, console: Any, multirun: bool) -> None:
     if result.summary is not None and result.summary.get("final_loss") is not None:  # a dry run has no loss
         line += f"  final_loss={result.summary['final_loss']:.6g}"
     if result.error:
-        line += f"  error: {result.error['message']} (see {result.error.get('log')})"
+        log = result.error.get("log")
+        line += f"  error: {result.error['message']}" + (f" (see {log})" if log and log not in result.error["message"] else "")
     console.print(line)
     if result.summary is not None and not multirun:  # a sweep's cells are in its report
         _print_digest(result.summary, console)

@@ -12,6 +12,7 @@ import) before any rank is started, and raises :class:`ConfigError` naming the k
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -276,6 +277,67 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
         raise ConfigError(key, value, f"an integer >= {minimum}")
 
 
+#: Groups with a fixed set of keys (their schema's fields): any other key in them is read by nothing. The model is
+#: open (its other keys are the factory's arguments), the strategy open to other strategies' keys
+#: (_check_strategy_keys).
+_FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes": ProbesConfig,
+                 "prefetch": PrefetchConfig, "precision": PrecisionConfig, "offload": OffloadConfig,
+                 "logger": LoggerConfig, "launcher": LauncherConfig, "checkpoint": CheckpointConfig}
+
+
+def _check_unread_keys(cfg: DictConfig) -> None:
+    """A key that nothing reads (``+stepz=10``, ``+optimizer.foo=1``) is refused, naming it."""
+    from dataclasses import fields
+
+    def refuse(key: str, own: list[str]) -> None:
+        raise ConfigError(key, OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
+                          ", ".join(own), why=f"nothing reads {key!r} (a misspelt key?)")
+
+    top = [f.name for f in fields(ZeroexpConfig)]
+    for key in cfg:
+        if key not in top and key != "hydra":
+            refuse(str(key), top)
+    for group, schema in _FIXED_GROUPS.items():
+        node = cfg.get(group)
+        own = [f.name for f in fields(schema)]
+        for key in node if isinstance(node, DictConfig) else ():
+            if key not in own:
+                refuse(f"{group}.{key}", [f"{group}.{k}" for k in own])
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    """Values that torch would refuse later (in a rank, with a C++ error): refused now, naming the key."""
+    def number(key: str) -> Any:
+        value = OmegaConf.select(cfg, key)
+        return None if isinstance(value, bool) or not isinstance(value, (int, float)) else value
+
+    def at_least(key: str, low: float, accepted: str, strict: bool = False) -> None:
+        v = number(key)
+        if v is None or (v <= low if strict else v < low):
+            raise ConfigError(key, OmegaConf.select(cfg, key), accepted)
+
+    at_least("optimizer.lr", 0, "a number >= 0")
+    at_least("optimizer.eps", 0, "a number > 0", strict=True)
+    at_least("optimizer.weight_decay", 0, "a number >= 0")
+    betas = list(cfg.optimizer.betas)
+    if len(betas) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1
+                              for b in betas):
+        raise ConfigError("optimizer.betas", betas, "two numbers in [0, 1)")
+    seed = OmegaConf.select(cfg, "seed")
+    if not 0 <= seed < 2**32:
+        raise ConfigError("seed", seed, "an integer in [0, 2**32)")
+    if "bucket_cap_mb" in cfg.strategy:  # ddp, zro, zero1/2, deepspeed: torch fails on a cap <= 0 in C++
+        at_least("strategy.bucket_cap_mb", 0, "a positive number of MiB", strict=True)
+    if cfg.precision.get("loss_scale") is not None:
+        at_least("precision.loss_scale", 0, "null or a positive initial loss scale", strict=True)
+    _positive_int(cfg, "precision.growth_interval")
+    if cfg.launcher.name == "local":
+        for key, want in (("launcher.nodes", 1), ("launcher.ranks_per_node", cfg.world_size)):
+            if OmegaConf.select(cfg, key) not in (None, want):
+                raise ConfigError(key, OmegaConf.select(cfg, key), f"{want} (or null)",
+                                  why="a local cell runs its world_size ranks on this machine")
+
+
 def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     """Check a composed cell config; raise :class:`ConfigError` on the first problem.
 
@@ -289,6 +351,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     name = cfg.strategy.name
     if name not in registered():
         raise ConfigError("strategy", name, ", ".join(sorted(registered())))
+    _check_unread_keys(cfg)
     _check_strategy_keys(cfg, explicit_overrides)
     for key, accepted in _ACCEPTED.items():
         value = OmegaConf.select(cfg, key)
@@ -300,13 +363,21 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     _positive_int(cfg, "warmup_steps", minimum=0)
     from zeroexp.schedule import Schedule
 
-    for problem in Schedule.from_cfg(cfg).problems():
-        raise ConfigError("steps", cfg.steps, "enough steps for warm-up, every probe and timing", why=problem)
+    for key in ("probes.profile_steps", "probes.memory_steps"):
+        _positive_int(cfg, key)
+    for problem in Schedule.from_cfg(cfg).problems():  # a window shorter than its probe needs; too few `steps`
+        raise ConfigError("probes", OmegaConf.select(cfg, "probes"), "windows of at least one step", why=problem)
     for key in ("timeout.collective_s", "timeout.cell_s", "timeout.grace_s"):
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(key, OmegaConf.select(cfg, key), "a positive number of seconds")
+    _check_ranges(cfg)
 
     model = cfg.model
+    for key in ("_target_", "input_shape"):  # model=custom leaves them to the user
+        if OmegaConf.is_missing(model, key):
+            raise ConfigError(f"model.{key}", "???", "a class or factory by import path (model._target_=pkg.Module)"
+                              if key == "_target_" else "a non-empty list of positive integers ('model.input_shape="
+                              "[16]')", why=f"model={model.get('name')} needs it")
     for key in ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
         if key in model:
             _positive_int(cfg, f"model.{key}")
@@ -386,6 +457,11 @@ def _check_model_builds(cfg: DictConfig) -> None:
             build_model(cfg.model)
     except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
         cause = e.__cause__ or e
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
+        if isinstance(cause, TypeError) and unexpected and unexpected.group(1) in cfg.model:
+            key = f"model.{unexpected.group(1)}"
+            raise ConfigError(key, cfg.model[unexpected.group(1)], f"the arguments of {cfg.model._target_}",
+                              why=f"{cfg.model._target_} does not take {unexpected.group(1)!r}") from e
         raise ConfigError("model._target_", cfg.model._target_, "a factory that builds an nn.Module from the "
                           "model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
 

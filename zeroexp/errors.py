@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConfigError", "NotApplicableHere"]
+__all__ = ["ConfigError", "NotApplicableHere", "one_line"]
 
 
 class ConfigError(ValueError):
@@ -24,3 +24,30 @@ class NotApplicableHere(ConfigError):
     """A cell of valid axis values that cannot run, on this machine (FSDP CPU offload with no accelerator) or in
     this combination (DeepSpeed offload at stage 0): refused up front in a single run; in a ``--multirun`` sweep
     the cell is ``skipped`` with this message and the sweep goes on (a sweep is a product of axes)."""
+
+
+_TENSOR_STARTS = ("Parameter containing:", "tensor(")
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """An error message as one line for the terminal and the manifest: every tensor repr (``tensor([...])``,
+    ``Parameter containing:\ntensor(...)``, a repr cut short included) replaced by ``<tensor>``, so no parameter's
+    values reach the user; whitespace runs (newlines) collapsed; at most ``limit`` characters."""
+    out, i = [], 0
+    while i < len(text):
+        starts = [(text.find(m, i), m) for m in _TENSOR_STARTS]
+        found = [(at, m) for at, m in starts if at >= 0]
+        if not found:
+            out.append(text[i:])
+            break
+        at, mark = min(found)
+        out.append(text[i:at] + "<tensor>")
+        j = text.find("tensor(", at) if mark != "tensor(" else at
+        j = j + len("tensor(") if j >= 0 else len(text)
+        depth = 1
+        while j < len(text) and depth:
+            depth += {"(": 1, ")": -1}.get(text[j], 0)
+            j += 1
+        i = j
+    line = " ".join("".join(out).split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."

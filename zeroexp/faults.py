@@ -1,6 +1,6 @@
 """Test-only fault injection: make one rank raise, die by SIGKILL, or hang, at a chosen step.
 
-Set ``ZEROEXP_FAULT=<rank>:<step>:<kind>[:<cell>]`` (kind: ``raise``, ``kill``, ``hang``; ``<cell>``, if
+Set ``ZEROEXP_FAULT=<rank>:<step>:<kind>[:<cell>]`` (kind: ``raise``, ``raise_tensor``, ``kill``, ``hang``; ``<cell>``, if
 given, a substring the cell name must contain) in the environment of the launching process. It exists so that the reliability tests can prove that a failed or hung rank ends its cell
 within the timeouts, leaves no process behind, and does not stop a sweep. It does nothing when unset.
 Kind ``perturb`` changes that rank's batch of that step instead, so the equivalence tests can prove that a
@@ -19,7 +19,8 @@ import lightning.pytorch as pl
 ENV = "ZEROEXP_FAULT"
 #: ``perturb``: the rank trains on a changed batch at that step (silent data corruption; the equivalence
 #: probe must then FAIL).
-KINDS = ("raise", "kill", "hang", "perturb")
+#: ``raise_tensor``: raises an error whose message holds a parameter's repr (as torch's C++ errors can).
+KINDS = ("raise", "raise_tensor", "kill", "hang", "perturb")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class FaultInjector(pl.Callback):
             return
         if self.fault.kind == "raise":
             raise RuntimeError(f"injected fault: rank {self.rank} raised at step {batch_idx}")
+        if self.fault.kind == "raise_tensor":
+            param = next(pl_module.parameters())
+            raise RuntimeError(f"injected fault: rank {self.rank} raised at step {batch_idx} on "
+                               f"Parameter containing:\n{param.data}\nand {param.data.flatten()[:4]}")
         if self.fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang: never reach the step's collectives

@@ -3,7 +3,9 @@
 Ranks are forked from a forkserver that has already imported torch and Lightning, so a cell pays the import
 once per sweep, not once per rank. Ranks are handed the resolved config and the launcher's environment as
 arguments and never read ``sys.argv`` (Lightning's own subprocess launcher replays argv, which under Hydra
-``--multirun`` re-runs the whole sweep in every rank). Each cell rendezvous on a free loopback port.
+``--multirun`` re-runs the whole sweep in every rank). Each cell rendezvous through a store this process serves on
+a socket bound to 127.0.0.1 (:func:`loopback_store`), and gloo and NCCL use the loopback interface: nothing of a local
+cell listens beyond loopback.
 
 Failure handling: when a rank fails (exception, signal) the others get ``timeout.grace_s`` to exit and are
 then killed. A rank that hangs makes its peers fail in a collective after ``timeout.collective_s``; the rank
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from zeroexp.errors import one_line
 from zeroexp.results import read_json
 
 __all__ = ["LaunchResult", "launch_local", "free_port"]
@@ -35,6 +38,24 @@ def _context() -> Any:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["zeroexp.worker"])  # by name: the ranks' module, imported once, not by this one
     return _CTX
+
+
+def loopback_store(timeout_s: float) -> tuple[Any, int]:
+    """The cell's rendezvous store, served by this (the launching) process on a socket bound to 127.0.0.1 only:
+    the ranks connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's ranks do to its agent's),
+    so nothing of a local cell listens beyond loopback. Returns the store (keep it until the ranks are done) and its
+    port."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                          master_listen_fd=sock.detach())  # the store owns (and closes) the listening socket
+    return store, port
 
 
 def free_port() -> int:
@@ -56,16 +77,18 @@ class LaunchResult:
 def _describe(rank: int, code: int | None, cell_dir: Path) -> dict[str, Any]:
     err_file = cell_dir / ".ranks" / f"rank{rank}.error.json"
     log = f"logs/rank{rank}.log"
-    if err_file.exists():
+    if err_file.exists():  # one line, tensor reprs removed (zeroexp.errors.one_line); the rest is in the log
         e = read_json(err_file)
-        return {"rank": rank, "cause": "exception", "message": f"{e['type']}: {e['message']}", "log": log}
+        return {"rank": rank, "cause": "exception", "log": log,
+                "message": f"rank {rank}: {e['type']}: {one_line(e['message'])} (log: {log})"}
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return {"rank": rank, "cause": "signal", "message": f"rank {rank} was killed by {name}", "log": log}
-    return {"rank": rank, "cause": "exit", "message": f"rank {rank} exited with code {code}", "log": log}
+        return {"rank": rank, "cause": "signal", "message": f"rank {rank} was killed by {name} (log: {log})",
+                "log": log}
+    return {"rank": rank, "cause": "exit", "message": f"rank {rank} exited with code {code} (log: {log})", "log": log}
 
 
 def _root_cause(failed: list[int], procs: list[Any], cell_dir: Path) -> dict[str, Any]:
@@ -95,7 +118,8 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
     """
     world_size = int(cfg["world_size"])
     timeouts = cfg["timeout"]
-    port = free_port()
+    # Rendezvous on loopback only: the store is served here, on 127.0.0.1 (a dry run has no process group to join).
+    store, port = (None, free_port()) if cfg.get("dry_run") else loopback_store(float(timeouts["collective_s"]))
     ctx = _context()
     environ = dict(os.environ)
     nprocs = 1 if cfg.get("dry_run") else world_size
@@ -140,6 +164,7 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
                 p.kill()
         for p in procs:
             p.join()
+        del store  # closes the listening socket
     codes = [p.exitcode for p in procs]
     rank_errors = [_describe(r, c, cell_dir) for r, c in enumerate(codes) if c != 0 and r not in killed_by_us]
     if error is None and rank_errors:

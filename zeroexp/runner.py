@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -57,8 +58,10 @@ def new_manifest(cfg: DictConfig, resolved: dict[str, Any], run_info: dict[str, 
 
 
 def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), sweep: str | None = None,
-             explicit_keys: Sequence[str] = ()) -> CellResult:
-    """Validate ``cfg`` (raises ``ConfigError`` before anything is written), then run the cell in ``cell_dir``."""
+             explicit_keys: Sequence[str] = (), progress: bool = False) -> CellResult:
+    """Validate ``cfg`` (raises ``ConfigError`` before anything is written), then run the cell in ``cell_dir``.
+
+    ``progress``: show rank 0's progress on stderr while the ranks train (``zeroexp.progress``; the CLI's runs)."""
     validate(cfg, tuple(explicit_keys))
     cfg = without_strategy_extras(cfg)  # keys a sweep set for other strategies: they do not apply to this cell
     if cfg.get("launcher") is not None and cfg.launcher.name != "local":
@@ -81,6 +84,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
     write_json(cell_dir / "manifest.json", manifest)
     t0 = time.monotonic()
     from zeroexp.launch import launch_local
+    from zeroexp.progress import watch_progress
     from zeroexp.worker import rank_entry
 
     try:
@@ -89,7 +93,9 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
             write_json(cell_dir / "manifest.json", manifest)
 
         for attempt in range(3):
-            launched = launch_local(resolved, cell_dir, run_info, rank_entry, on_started=started)
+            with watch_progress(cell_dir, run_info["cell_name"]) if progress and not cfg.get("dry_run") \
+                    else nullcontext():
+                launched = launch_local(resolved, cell_dir, run_info, rank_entry, on_started=started)
             # The free port can be taken by another process between probing and binding: retry that alone.
             if not (launched.error and "address already in use" in launched.error["message"].lower()):
                 break

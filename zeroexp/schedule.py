@@ -7,6 +7,10 @@ steps, ``probes.profile_steps``, then the memory probe's tracked steps, ``probes
 steps left over (the timing probe's timed steps). A probe may instead read at the first step after warm-up
 without owning it (the state probe, at the optimizer boundary, after that step's time has been taken).
 Nothing is timed on a step where another probe ran.
+
+A cell with too few ``steps`` for every window still runs (any ``steps >= 1``): the windows are placed in the same
+order while they fit; a window that does not fit is empty and named in ``Schedule.skipped`` with the reason, and its
+probe's section reads ``check: n/a`` (``zeroexp.worker.finalize``). Where every window fits, the steps are unchanged.
 """
 
 from __future__ import annotations
@@ -42,26 +46,58 @@ class Schedule:
             probes = registry()
         needs = tuple((p.steps, int(_select(cfg, p.steps.key)) if p.steps.key else 0)
                       for p in probes if getattr(p, "steps", None) is not None)
-        return cls(steps=int(cfg.steps), warmup=int(cfg.warmup_steps), needs=needs)
+        steps, warmup = int(cfg.steps), int(cfg.warmup_steps)
+        if cfg.get("dry_run"):  # a dry run plays warm-up and its probes' windows only: ``steps`` does not limit it
+            steps = max(steps, warmup + sum(n for s, n in needs if s.kind == "window")
+                        + max([s.at_least for s, _ in needs if s.kind == "rest"] or [0]))
+        return cls(steps=steps, warmup=warmup, needs=needs)
 
     @cached_property
     def windows(self) -> dict[str, Any]:
-        """Each declared window by name: a ``range`` of steps, or the step (``first``)."""
+        """Each declared window by name: a ``range`` of steps, or the step (``first``). A window that does not fit
+        in ``steps`` is empty (``range(0)``; ``None`` for ``first``) and named in :attr:`skipped`; the windows
+        that fit keep the steps they have when every window fits."""
+        return self._assemble()[0]
+
+    @cached_property
+    def skipped(self) -> dict[str, str]:
+        """``{window: reason}`` for each window that does not fit in ``steps`` (its probe's check reads n/a)."""
+        return self._assemble()[1]
+
+    def _assemble(self) -> tuple[dict[str, Any], dict[str, str]]:
         out: dict[str, Any] = {}
+        skipped: dict[str, str] = {}
+        keyed = [(need, n) for need, n in self.needs if need.kind == "window"]
+        rest = max([need.at_least for need, _ in self.needs if need.kind == "rest"] or [0])
+        every = self.warmup + sum(n for _, n in keyed) + rest  # the fewest steps in which every probe fits
+        have = f"steps={self.steps}, warmup_steps={self.warmup}; all probes fit in steps >= {every}"
         start = self.warmup
-        for need, n in self.needs:
-            if need.kind == "window":
+        for need, n in keyed:
+            if start + n <= self.steps:
                 out[need.window] = range(start, start + n)
                 start += n
+            else:
+                out[need.window] = range(0)
+                skipped[need.window] = f"too few steps: {need.key}={n} needs steps {start}-{start + n - 1} ({have})"
         for need, _ in self.needs:
             if need.kind == "rest":
-                out[need.window] = range(start, self.steps)
+                window = range(start, self.steps)
+                if len(window) >= need.at_least:
+                    out[need.window] = window
+                else:
+                    out[need.window] = range(0)
+                    skipped[need.window] = (f"too few steps: fewer than {need.at_least} {need.window} steps left "
+                                            f"after warm-up and the other probes' steps ({have})")
             elif need.kind == "first":
-                out[need.window] = self.warmup
-        return out
+                if self.warmup < self.steps:
+                    out[need.window] = self.warmup
+                else:
+                    out[need.window] = None
+                    skipped[need.window] = f"too few steps: it reads step {self.warmup}, after warm-up ({have})"
+        return out, skipped
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name in ("steps", "warmup", "needs"):
+        if name.startswith("_") or name in ("steps", "warmup", "needs", "windows", "skipped"):
             raise AttributeError(name)
         try:
             return self.windows[name]
@@ -69,16 +105,10 @@ class Schedule:
             raise AttributeError(f"no probe declares the steps {name!r}") from None
 
     def problems(self) -> list[str]:
-        """Why this schedule cannot run, as messages naming the keys (empty when fine)."""
+        """Why this schedule cannot run, as messages naming the keys (empty when fine): a window shorter than its
+        probe needs. Too few ``steps`` is no problem: the windows that do not fit are :attr:`skipped`."""
         keyed = [(need, n) for need, n in self.needs if need.kind == "window"]
         if any(n < need.at_least for need, n in keyed):
             least = max(need.at_least for need, _ in keyed)
             return [" and ".join(str(need.key) for need, _ in keyed) + f" must be >= {least}"]
-        windows = self.windows
-        for need, _ in self.needs:
-            if need.kind == "rest" and len(windows[need.window]) < need.at_least:
-                used = sum(n for _, n in keyed)
-                sizes = "".join(f", {need.key}={n}" for need, n in keyed)
-                return [f"steps={self.steps} leaves fewer than {need.at_least} {need.window} steps after "
-                        f"warmup_steps={self.warmup}{sizes}; use steps >= {self.warmup + used + need.at_least}"]
         return []

@@ -91,6 +91,9 @@ class SweepSummary(Callback):
         cfgs = [loader.load_configuration(config.hydra.job.config_name, job, run_mode=RunMode.MULTIRUN)
                 for job in jobs]
         check_strategy_keys(jobs, cfgs, Console(highlight=False))
+        from zeroexp.progress import SWEEP_CLOCK
+
+        SWEEP_CLOCK.start(len(jobs))  # jobs that run in this process print "cell i of n" and the sweep's ETA
         first: dict[str, int] = {}
         duplicates: dict[str, int] = {}
         for i, (job, cfg) in enumerate(zip(jobs, cfgs)):

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from zeroexp.devices import ranks_get_a_gpu
+from zeroexp.errors import one_line
 from zeroexp.expect import Expectation
 from zeroexp.models import build_model
 from zeroexp.module import CellModule, SyntheticBatches
@@ -56,9 +57,12 @@ def _run_local_rank(rank: int, world_size: int, port: int, cfg: dict[str, Any], 
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0",
     )
-    # One machine: keep gloo's and NCCL's own sockets on loopback too (the rendezvous is 127.0.0.1).
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    # The launcher serves the rendezvous store on 127.0.0.1 (zeroexp.launch.loopback_store): every rank is its client.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    # One machine: keep gloo's and NCCL's own sockets on loopback too.
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     try:
         if cfg.get("dry_run"):  # one process plays rank 0 of world_size under a fake process group
             from zeroexp.dryrun import run_dry
@@ -69,7 +73,7 @@ def _run_local_rank(rank: int, world_size: int, port: int, cfg: dict[str, Any], 
     except BaseException as e:  # noqa: BLE001 - every failure is recorded, then re-raised as exit code 1
         traceback.print_exc()
         write_json(cell / RANKS_DIR / f"rank{rank}.error.json",
-                   {"rank": rank, "cause": "exception", "type": type(e).__name__, "message": str(e)[:2000],
+                   {"rank": rank, "cause": "exception", "type": type(e).__name__, "message": one_line(str(e), 2000),
                     "time": time.time(),
                     "traceback": traceback.format_exc()[-8000:]})
         sys.stdout.flush(), sys.stderr.flush()
@@ -145,6 +149,8 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         from zeroexp.faults import Fault, FaultInjector
 
         callbacks.append(FaultInjector(Fault.parse(run_info["fault"]), rank, run_info["cell_name"]))
+    if rank == 0:  # rank 0's progress in .progress.json, shown live by the launching process (zeroexp.progress)
+        callbacks.append(_Progress(cell, int(cfg.steps)))
     logger = make_logger(cfg, cell, run_info)
     if logger and rank == 0 and cfg.logger.name == "wandb":
         _ = logger.experiment  # start the W&B run before training, not inside the first timed step
@@ -175,6 +181,25 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     dist.destroy_process_group()
 
 
+class _Progress(pl.Callback):
+    """After each step (after the probes' hooks, outside their windows): rank 0's step, loss and times."""
+
+    def __init__(self, cell: Path, steps: int) -> None:
+        from zeroexp.progress import StepRecorder
+
+        self.recorder = StepRecorder(cell, steps)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.recorder.t0 = self.recorder._last_step_end = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        try:
+            self.recorder.step(batch_idx + 1, float(loss.detach().float().item()) if loss is not None else None)
+        except OSError:  # progress is a courtesy: never fail a cell for it
+            pass
+
+
 def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
              live_groups: dict[str, Any] | None = None) -> dict[str, Any]:
     """Read every rank's results, write the probes' tables and ``summary.json``; return the summary.
@@ -185,7 +210,13 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
         "schema_version": SCHEMA_VERSION, "status": "ok", "cell": run_info["cell"], "cell_id": run_info["cell_id"],
         "world_size": world_size, "steps": int(cfg.steps), "final_loss": None,
     }
+    skipped = Schedule.from_cfg(cfg).skipped  # windows that did not fit in `steps`: those probes read n/a
     for cls in probe_classes:
+        window = cls.steps.window if cls.steps is not None else None
+        if window in skipped:
+            summary[cls.name] = {"check": "n/a", "reason": skipped[window], "reasons": [skipped[window]]}
+            summary.setdefault("skipped", {})[cls.name] = skipped[window]
+            continue
         report = cls.aggregate([r[cls.name] for r in ranks], cfg)
         for fname, frame in report.tables.items():
             write_csv(cell / fname, frame)

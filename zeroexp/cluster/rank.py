@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from zeroexp.cell import cell_axes, cell_id, cell_name
 from zeroexp.cluster.env import RankEnv, detect
 from zeroexp.config import ConfigError, validate, without_strategy_extras
+from zeroexp.errors import one_line
 from zeroexp.results import host, read_json, utc_now, write_json
 from zeroexp.runner import CellResult, device_and_backend, mark_partial, new_manifest
 
@@ -138,15 +139,16 @@ def _run(resolved: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], env
                 raise
     except BaseException as e:  # noqa: BLE001 - recorded, then reported as a failed cell (exit code 1)
         cause = "signal" if isinstance(e, Terminated) else "exception"
-        message = str(e) if isinstance(e, Terminated) else f"{type(e).__name__}: {e}"
-        error = {"rank": env.rank, "cause": cause, "message": message[:2000], "log": log}
+        text = one_line(str(e), 2000)  # one line, tensor reprs removed: no parameter's values; the rest: the log
+        message = text if isinstance(e, Terminated) else f"rank {env.rank}: {type(e).__name__}: {text} (log: {log})"
+        error = {"rank": env.rank, "cause": cause, "message": message, "log": log}
         write_json(cell_dir / RANKS_DIR / f"rank{env.rank}.error.json",
-                   {"rank": env.rank, "cause": cause, "type": type(e).__name__, "message": str(e)[:2000],
+                   {"rank": env.rank, "cause": cause, "type": type(e).__name__, "message": text,
                     "traceback": traceback.format_exc()[-8000:]})
         _record_failure(cell_dir, error)
         if dist.is_initialized():
             dist.destroy_process_group()
-        print(f"zeroexp rank {env.rank}: {message[:500]} (see {cell_dir / log})", file=sys.stderr)
+        print(f"zeroexp: {message[:500]} (see {cell_dir / log})", file=sys.stderr)
         return CellResult(cell_dir, "failed", error, None)
     finally:
         signal.signal(signal.SIGTERM, previous)

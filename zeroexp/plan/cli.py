@@ -36,6 +36,7 @@ class PlanConfig:
     format: str = "table"  # table | json
     wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
     bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
+    batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
 
 
 def register() -> None:
@@ -103,11 +104,41 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     strategies = cfg.strategies
     if strategies is not None:
         strategies = [str(s) for s in (strategies if isinstance(strategies, ListConfig) else [strategies])]
+    batch = cfg.get("batch_size")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ConfigError("batch_size", batch, "null or an integer >= 1 (samples per rank)")
     shape, model = _shape(cfg)
-    return plan(shape, _world_sizes(cfg.world_size), Precision(cfg.precision.name, cfg.precision.param_dtype),
-                cfg.offload.name, strategies,
-                PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
-                          loss_scaling=cfg.precision.get("loss_scale") is not None), memory, model)
+    records, notes = plan(shape, _world_sizes(cfg.world_size), Precision(cfg.precision.name, cfg.precision.param_dtype),
+                          cfg.offload.name, strategies,
+                          PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
+                                    loss_scaling=cfg.precision.get("loss_scale") is not None), memory, model)
+    activations = _activations(cfg, batch) if batch is not None else None
+    if batch is not None and activations is None:
+        notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
+                     "model=)")
+    for r in records:
+        r["batch_size"] = batch
+        r.update(activations or {"activation_bytes": None, "activation_unit_bytes": None, "korthikanti_bytes": None})
+    return records, notes
+
+
+def _activations(cfg: DictConfig, batch: int) -> dict[str, Any] | None:
+    """One forward of the model at ``batch`` samples per rank, traced under FakeTensorMode in the compute dtype
+    (``zeroexp.plan.activations``): the bytes autograd saves, per unit, plus the output and the loss; and for a
+    GPT-shaped config, Korthikanti et al.'s closed form beside it. None without a model."""
+    from zeroexp.models import import_class, torch_dtype, wrap_paths
+    from zeroexp.plan.activations import korthikanti_layer_bytes, trace_activations
+
+    if cfg.model is None:
+        return None
+    wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap}, "model": cfg.model}))]
+    trace = trace_activations(cfg.model, batch, wrap, dtype=torch_dtype(str(cfg.precision.param_dtype)))
+    m = cfg.model
+    gpt = all(k in m for k in ("n_layer", "n_embd", "n_head", "seq_len"))
+    itemsize = torch_dtype(str(cfg.precision.param_dtype)).itemsize
+    return {"activation_bytes": trace.total_bytes, "activation_unit_bytes": trace.unit_bytes,
+            "korthikanti_bytes": int(m.n_layer) * korthikanti_layer_bytes(int(m.seq_len), batch, int(m.n_embd),
+                                                                          int(m.n_head), itemsize) if gpt else None}
 
 
 def task(cfg: DictConfig) -> None:

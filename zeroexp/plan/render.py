@@ -37,8 +37,13 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         what = (f"{first['numel']:,} parameters" + ("" if first["shapes_known"] else " (a count: one flat group, "
                 "units unknown)") if first["model"] == "params" else f"model {first['model']}: {first['numel']:,} parameters")
         console.print(_memory_table(records, unit))
+        acts = first.get("activation_bytes")
+        traced = ("activations: one forward at the per-rank batch traced under FakeTensorMode (saved for backward, "
+                  "plus output and loss; not yet in fits)" + (f"; Korthikanti et al. 34sbh+5as^2b: "
+                  f"{fmt_size(first['korthikanti_bytes'], unit)} {unit}" if first.get("korthikanti_bytes") else "")
+                  if acts is not None else "not modelled: activations (give batch_size=)")
         console.print(f"{what} · precision {first['precision']} · offload {first['offload']} · Adam: fp32 moments "
-                      "8 B and fp32 master 4 B a parameter · not modelled: activations, temporaries, fragmentation "
+                      f"8 B and fp32 master 4 B a parameter · {traced} · not modelled: temporaries, fragmentation "
                       "(docs/planner.md)\n")
         console.print(_comm_table(records, unit))
         console.print("S: the payload, the full array (nccl-tests PERFORMANCE.md); bus = S x all_reduce 2(N-1)/N, "
@@ -55,14 +60,16 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
                         f"({_UNIT_NOTE[unit]})")
     cols = ["strategy", "stage", "N", "params", "grads", "moments", "master", "total"]
     cols += ["host", "device"] if offload else []
-    cols += ["gather floor"] + ([f"fits {fmt_size(first['device_memory_bytes'], unit)} {unit}"] if fits else [])
+    acts = any(r.get("activation_bytes") is not None for r in records)
+    cols += ["gather floor"] + ([f"activations (batch {first['batch_size']})"] if acts else [])
+    cols += [f"fits {fmt_size(first['device_memory_bytes'], unit)} {unit}"] if fits else []
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in records:
         row = [f"{r['strategy']} [dim]{r['label']}[/]", str(r["zero_stage"]), str(r["world_size"])]
         row += [fmt_size(r[k], unit) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "total_bytes")]
         row += [fmt_size(r["host_bytes"], unit), fmt_size(r["device_bytes"], unit)] if offload else []
-        row += [fmt_size(r["gather_floor_bytes"], unit)]
+        row += [fmt_size(r["gather_floor_bytes"], unit)] + ([fmt_size(r["activation_bytes"], unit)] if acts else [])
         row += (["yes" if r["fits"] else "[red]NO[/]"] if fits else [])
         table.add_row(*row)
     return table

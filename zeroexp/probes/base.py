@@ -77,6 +77,19 @@ class Probe(pl.Callback):
     #: Every cell runs it; False for a probe that :meth:`runs` only when its config asks for it.
     always: ClassVar[bool] = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("digest_line")
+        if isinstance(own, classmethod):  # a probe skipped for too few steps: its line says so, whatever the probe
+            line = own.__func__
+
+            def digest_line(klass: Any, section: dict[str, Any]) -> str | None:
+                if section.get("check") == "n/a" and str(section.get("reason", "")).startswith("too few steps"):
+                    return f"not measured: {section['reason']}"
+                return line(klass, section)
+
+            cls.digest_line = classmethod(digest_line)
+
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 import base64
 import html
 from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from zeroexp.report.format import NA
 
 if TYPE_CHECKING:
     from zeroexp.report.model import Report
@@ -74,12 +77,28 @@ def _td(text: str) -> str:
     return f'<td class="{cls}">{html.escape(text)}</td>' if cls else f"<td>{html.escape(text)}</td>"
 
 
+def _linked_row(columns: list[str], row: tuple) -> str:
+    """A row's cells; a cell's ``directory`` links to its ``manifest.json`` and its ``log`` to the log file
+    (relative to the sweep directory, where report.html lies)."""
+    values = dict(zip(columns, map(str, row)))
+    cell = values.get("directory", "")
+    out = []
+    for col, text in values.items():
+        target = {"directory": "manifest.json", "log": text}.get(col) if cell and cell != NA else None
+        if target and text and text != NA:
+            href = html.escape(quote(f"{cell}/{target}"))
+            out.append(f'<td><a href="{href}">{html.escape(text)}</a></td>')
+        else:
+            out.append(_td(text))
+    return "<tr>" + "".join(out) + "</tr>"
+
+
 def _html_table(table: ReportTable) -> str:
     shown = table.display()
     if shown.empty:
         return f'<p class="note"><em>{html.escape(table.empty_text)}</em></p>'
     head = "".join(f"<th>{html.escape(c)}</th>" for c in shown.columns)
-    rows = "".join("<tr>" + "".join(_td(str(v)) for v in row) + "</tr>" for row in shown.itertuples(index=False))
+    rows = "".join(_linked_row(list(shown.columns), row) for row in shown.itertuples(index=False))
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>'
 
 

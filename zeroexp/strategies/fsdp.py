@@ -68,6 +68,11 @@ class FSDPAdapter(StrategyAdapter):
             raise NotApplicableHere("offload", "full", "none (on this machine)",
                                     why="FSDP CPUOffload moves the shards to the host between computations, but this "
                                         "cell runs on the CPU (no GPU for each rank): there is nowhere to offload from")
+        own = getattr(cls, "sharding", None)  # FSDP1: the strategy fixes it (fsdp_full, fsdp_grad_op)
+        if own is not None and str(cfg.strategy.get("sharding")) != own.name:
+            raise ConfigError("strategy.sharding", cfg.strategy.get("sharding"), own.name,
+                              why=f"strategy={cfg.strategy.name} is {own.name}; the other sharding is the other "
+                                  "strategy (fsdp_full: FULL_SHARD, fsdp_grad_op: SHARD_GRAD_OP)")
         key = "strategy.wrap" if cfg.strategy.wrap is not None else "model.wrap"
         for i, path in enumerate(wrap_paths(cfg)):
             try:

@@ -1,0 +1,59 @@
+# Set-up in two commands:
+#   make run                                        # the default cell (ARGS="strategy=fsdp_full prefetch=post")
+#   make test                                       # the suite (PYTEST_ARGS="tests/test_report.py" narrows it)
+# Both make .venv first when it is missing or older than pyproject.toml, installing as the README's manual steps
+# do; a stamp file in .venv makes a second call install nothing (`make clean-venv` forgets it).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+# torch first: the CPU build of 2.13.0 lies on this machine's disk (pip's find-links); a bare `torch`
+# requirement, or the package's own `torch>=2.4` with no torch present, makes pip pull PyPI's CUDA build.
+# Elsewhere pick the build you want, e.g. TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip install -q
+STAMP := $(VENV)/.zeroexp-installed
+
+.PHONY: run test venv browser clean-venv
+
+run: $(STAMP)
+	$(VPY) -m zeroexp $(ARGS)
+
+test: $(STAMP) browser
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) -e ".[dev]"
+# The deepspeed extra: an sdist whose build imports torch, so no build isolation (an isolated build would pull a
+# CUDA torch) and no prebuilt ops (~15 s; the CPU comm op is JIT-compiled at first use). Without it the
+# DeepSpeed tests skip with the reason.
+	$(PIP) setuptools wheel
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation "deepspeed>=0.15" \
+	    || echo "deepspeed did not install: tests/test_deepspeed.py skips"
+# The hf extra (transformers), so the Hugging Face GPT-2 cell runs too; without it that test skips.
+	$(PIP) -e ".[hf]" || echo "transformers did not install: the Hugging Face test skips"
+	touch $@
+
+# The browser test of report.html (tests/test_report_browser.py) drives the system's Chromium headless. Installed
+# when missing, only as root with apt-get; never fails the build: without it the test skips with the reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ] \
+	    || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	         && echo "installing chromium (apt-get) for tests/test_report_browser.py" \
+	         && { apt-get install -y -q chromium >/dev/null 2>&1 \
+	              || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; } \
+	         && echo "installed chromium" ; } \
+	    || echo "chromium not installed: tests/test_report_browser.py skips"
+
+clean-venv:
+	rm -f $(STAMP)

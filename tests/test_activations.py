@@ -1,0 +1,61 @@
+"""Activations traced, not guessed (issue 17, part 2): one forward at the per-rank batch under FakeTensorMode, what
+autograd saves per FSDP unit, plus the output and the loss; the planner's ``batch_size`` column."""
+
+from __future__ import annotations
+
+import torch
+
+from zeroexp.models.gpt import Block
+from zeroexp.plan.activations import korthikanti_layer_bytes, trace_activations
+
+MLP = {"_target_": "zeroexp.models.LinearStack", "width": 64, "depth": 8, "input_shape": [64], "dtype": "float32",
+       "loss": "mean_square"}
+GPT = {"_target_": "zeroexp.models.gpt.GPT", "vocab_size": 256, "seq_len": 32, "n_layer": 2, "n_head": 4, "n_embd": 64,
+       "bias": True, "tie_weights": True, "input_shape": [32], "dtype": "long", "low": 0, "high": 256,
+       "loss": "next_token"}
+
+
+def test_a_linear_stack_saves_each_layers_input():
+    b = 8
+    trace = trace_activations(MLP, b, [torch.nn.Linear])
+    # each Linear saves its input (b x 64 fp32), not its weight; the loss's square saves the last output
+    assert trace.unit_bytes == {**{str(i): b * 64 * 4 for i in range(8)}, "root": b * 64 * 4}
+    assert trace.held_bytes == 4  # the loss (the output is saved already: counted once)
+    assert trace.total_bytes == 9 * b * 64 * 4 + 4
+
+
+def test_gpt_activations_are_linear_in_the_batch_and_per_block():
+    t4, t8, t12 = (trace_activations(GPT, b, [Block]) for b in (4, 8, 12))
+    assert t12.total_bytes - t8.total_bytes == t8.total_bytes - t4.total_bytes > 0
+    assert list(t8.unit_bytes) == ["h.0", "h.1", "root"] and t8.unit_bytes["h.0"] == t8.unit_bytes["h.1"]
+    assert t8.unit_bytes["h.0"] == 2 * t4.unit_bytes["h.0"]  # a block saves only batch-sized tensors
+    bf16 = trace_activations(GPT, 8, [Block], dtype=torch.bfloat16)
+    assert bf16.unit_bytes["h.0"] < t8.unit_bytes["h.0"]  # autocast: matmul inputs saved in 2 bytes
+
+
+def test_korthikanti_closed_form_beside_the_trace():
+    # 34 s b h + 5 a s^2 b at 2 bytes; the trace saves less here: no dropout masks, and SDPA's CPU kernel keeps a
+    # logsumexp (b a s floats) where the closed form counts the s^2 probabilities and their mask
+    s, b, h, a = 32, 8, 64, 4
+    assert korthikanti_layer_bytes(s, b, h, a) == 34 * s * b * h + 5 * a * s * s * b
+    traced = trace_activations(GPT, b, [Block]).unit_bytes["h.0"]
+    assert traced < korthikanti_layer_bytes(s, b, h, a, itemsize=4)
+
+
+def test_planner_reports_activations_at_the_batch(compose):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from zeroexp.cli import CONF_DIR
+    from zeroexp.plan.cli import register, run
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="plan", overrides=["model=gpt", "world_size=[8,64]", "batch_size=8",
+                                                           "strategies=[ddp,fsdp_full]"])
+        counted = hydra_compose(config_name="plan", overrides=["params=7.5e9", "batch_size=8"])
+    records, notes = run(cfg)
+    acts = {r["activation_bytes"] for r in records}
+    assert len(acts) == 1 and acts.pop() == trace_activations(cfg.model, 8, [Block]).total_bytes
+    assert all(r["korthikanti_bytes"] for r in records)
+    records, notes = run(counted)
+    assert all(r["activation_bytes"] is None for r in records) and any("unknown" in n for n in notes)

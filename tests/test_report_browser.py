@@ -1,0 +1,153 @@
+"""report.html in a real browser (issue 21, part 3): the system's Chromium, headless, at a 1280-pixel-wide window.
+
+What can fail and is asserted: every embedded plot decodes at the size its PNG declares; no table or image
+overflows the page; the verdicts and the tables' figures read back from the DOM equal those built from the cells'
+summaries; every link to a cell's files resolves; a failed cell is shown with its error. One small sweep (ddp ok,
+zro failing on purpose, N=2, 10 steps) serves every test; the screenshot is kept under pytest's tmp dir.
+Chromium: the Debian package ``chromium`` (``make test`` installs it when missing); without it the tests skip.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+
+from test_report import run_sweep
+from zeroexp.report import build_report
+from zeroexp.results import read_json
+
+WIDTH = 1280
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or (
+    "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `apt-get install chromium` (make test does "
+                                                         "it as root) to run the browser test of report.html")
+
+# Run in the page once it has loaded: what the browser laid out and decoded, written into the DOM for --dump-dom.
+MEASURE = """<script>
+window.addEventListener('load', () => {
+  const box = e => { const r = e.getBoundingClientRect(); return {left: r.left, right: r.right, width: r.width}; };
+  const text = e => e.textContent;
+  const out = {
+    viewport: document.documentElement.clientWidth, scrollWidth: document.documentElement.scrollWidth,
+    images: [...document.images].map(i => ({alt: i.alt, complete: i.complete, w: i.naturalWidth,
+                                             h: i.naturalHeight, box: box(i)})),
+    tables: [...document.querySelectorAll('table')].map(t => ({
+      key: (t.closest('div').previousElementSibling || {}).id, box: box(t),
+      head: [...t.querySelectorAll('thead th')].map(text),
+      rows: [...t.querySelectorAll('tbody tr')].map(r => [...r.cells].map(text))})),
+    verdicts: [...document.querySelectorAll('.verdicts > ul:not(.failures) > li')].map(text),
+    failures: [...document.querySelectorAll('.verdicts ul.failures li')].map(text),
+    links: [...document.querySelectorAll('a[href]')].map(a => a.href),
+  };
+  const pre = document.createElement('pre');
+  pre.id = 'zx-measure';
+  pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def _chromium(*args: str, user_data: Path) -> subprocess.CompletedProcess:
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+           f"--user-data-dir={user_data}", f"--window-size={WIDTH},2000", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> dict:
+    """The failing-cell sweep, its report opened in Chromium: the measurements, the HTML, the screenshot."""
+    root = tmp_path_factory.mktemp("browser")
+    sweep_dir = root / "sweep"
+    proc = run_sweep(sweep_dir, "strategy=ddp,zro", "logger=none", fault="0:4:raise:zro")
+    assert proc.returncode == 1 and (sweep_dir / "report.html").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    source = (sweep_dir / "report.html").read_text(encoding="utf-8")
+    probe = sweep_dir / "report.measure.html"  # beside report.html: the same relative links
+    probe.write_text(source.replace("</body>", MEASURE + "</body>"), encoding="utf-8")
+    dom = _chromium("--virtual-time-budget=10000", "--dump-dom", probe.as_uri(), user_data=root / "profile")
+    found = re.search(r'<pre id="zx-measure">(.*?)</pre>', dom.stdout, re.S)
+    assert found, f"no measurements in the dumped DOM (rc {dom.returncode}): {dom.stderr[-2000:]}"
+    shot = root / "report.png"
+    snap = _chromium(f"--screenshot={shot}", (sweep_dir / "report.html").as_uri(), user_data=root / "profile")
+    assert shot.exists() and shot.stat().st_size > 0, snap.stderr[-2000:]
+    print(f"screenshot of report.html at {WIDTH} px: {shot}")
+    return {"sweep": sweep_dir, "m": json.loads(html.unescape(found[1])), "html": source, "shot": shot}
+
+
+def test_screenshot_is_kept(page):
+    assert _png_size(page["shot"].read_bytes())[0] == WIDTH
+
+
+def test_every_plot_decodes_at_its_declared_size(page):
+    declared = [_png_size(base64.b64decode(b64)) for b64 in
+                re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page["html"])]
+    images = page["m"]["images"]
+    assert declared and len(images) == len(declared)
+    for img, (w, h) in zip(images, declared):
+        assert img["complete"] and (img["w"], img["h"]) == (w, h), img
+
+
+def test_nothing_overflows_a_1280_pixel_page(page):
+    m = page["m"]
+    assert m["viewport"] == WIDTH and m["scrollWidth"] <= WIDTH, (m["viewport"], m["scrollWidth"])
+    for kind in ("images", "tables"):
+        for item in m[kind]:
+            assert 0 <= item["box"]["left"] and item["box"]["right"] <= WIDTH, (kind, item.get("key"), item["box"])
+
+
+def test_verdicts_and_figures_equal_the_summaries(page):
+    m, sweep_dir = page["m"], page["sweep"]
+    report = build_report(sweep_dir)
+    assert m["verdicts"] == report.verdicts.lines and m["failures"] == report.verdicts.failures
+    ok = [read_json(p.with_name("summary.json")) for p in sweep_dir.glob("*/manifest.json")
+          if read_json(p)["status"] == "ok"]
+    assert len(ok) == 1
+    for section in ("state", "collectives", "equivalence"):
+        passed = sum(s[section]["check"] == "PASS" for s in ok)
+        assert any(v.startswith(f"{section}: {passed} of 1 finished cells PASS") for v in m["verdicts"]), m["verdicts"]
+    shown = {t["key"]: t for t in m["tables"]}
+    for table in report.tables:
+        frame = table.display()
+        if frame.empty:
+            continue
+        assert shown[table.key]["head"] == list(frame.columns), table.key
+        assert shown[table.key]["rows"] == [[str(v) for v in row] for row in frame.itertuples(index=False)], table.key
+    cells = dict(zip(shown["cells"]["head"], shown["cells"]["rows"][0]))
+    assert cells["final loss"] == f"{ok[0]['final_loss']:.6g}"
+
+
+def test_links_to_cell_files_resolve(page):
+    links = page["m"]["links"]
+    cells = {p.parent.name for p in page["sweep"].glob("*/manifest.json")}
+    assert len(links) >= len(cells) + 1  # each cell's directory, and the failed cell's log
+    linked = set()
+    for href in links:
+        url = urlparse(href)
+        path = Path(unquote(url.path))
+        assert url.scheme == "file" and path.is_file(), href
+        assert path.resolve().is_relative_to(page["sweep"].resolve()), href
+        linked.add(path.relative_to(page["sweep"]).parts[0])
+    assert linked == cells
+
+
+def test_the_failed_cell_is_shown(page):
+    m = page["m"]
+    assert any(f.startswith("zro: cell failed: rank 0 (exception)") and "injected fault" in f for f in m["failures"])
+    failures = {t["key"]: t for t in m["tables"]}["failures"]
+    row = dict(zip(failures["head"], failures["rows"][0]))
+    assert len(failures["rows"]) == 1 and row["cell"] == "zro" and row["status"] == "failed"
+    assert "injected fault" in row["error"]

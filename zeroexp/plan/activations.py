@@ -1,0 +1,107 @@
+"""Activations traced, not guessed: what one forward keeps for backward, per FSDP unit, for any ``nn.Module``.
+
+The model is built under ``FakeTensorMode`` on the cell's device (not the meta device: for attention the meta
+device takes the math path, which saves the s^2 probabilities, where the CPU and CUDA kernels save a logsumexp) and
+one forward and the loss run at the per-rank batch and the model's input shape. ``saved_tensors_hooks`` see every
+tensor autograd saves; a storage is counted once however often it is saved, parameters and their views are not
+activations. Attribution: to the innermost FSDP unit (a module of a ``wrap`` class) whose forward is running, else to
+the root. The forward's output and the loss are held too, whether saved or not (``held_bytes``). Nothing is allocated:
+a fake tensor has a shape, a dtype and a storage size, no data.
+
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198, section 4.1:
+a transformer layer saves 34 s b h + 5 a s^2 b bytes with 2-byte activations (s sequence, b batch, h hidden, a heads);
+:func:`korthikanti_layer_bytes` gives it beside the trace for GPT configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+
+__all__ = ["ActivationTrace", "trace_activations", "korthikanti_layer_bytes"]
+
+
+@dataclass
+class ActivationTrace:
+    """One forward's saved activations at a per-rank batch: per unit (``unit_bytes``, units in the order their
+    forward started, the root last) and in total; ``held_bytes``: the output and the loss; ``batch_size``."""
+
+    batch_size: int
+    unit_bytes: dict[str, int] = field(default_factory=dict)
+    held_bytes: int = 0
+    tensors: int = 0
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.unit_bytes.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """What one forward holds at its end: everything saved for backward, plus the output and the loss."""
+        return self.saved_bytes + self.held_bytes
+
+
+def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
+                      dtype: torch.dtype | None = None) -> ActivationTrace:
+    """Build the model config's module under ``FakeTensorMode`` on ``device``, run one forward and the loss at
+    ``batch_size`` samples of ``model.input_shape``, and count what autograd saves, per unit of a ``wrap`` class.
+    ``dtype``: the compute dtype (autocast on ``device``; None or fp32: the model's own)."""
+    from contextlib import nullcontext
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zeroexp.models import LOSSES, build_model, torch_dtype
+
+    classes = tuple(wrap)
+    trace = ActivationTrace(batch_size=int(batch_size))
+    stack: list[str] = ["root"]
+    seen: set[Any] = set()
+    with FakeTensorMode(), torch.device(device):
+        net = build_model(model_cfg)
+        names = {id(m): name or "root" for name, m in net.named_modules()}
+        params = {_key(p) for p in net.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _key(t)
+            if key not in seen and key not in params:
+                seen.add(key)
+                trace.unit_bytes[stack[-1]] = trace.unit_bytes.get(stack[-1], 0) + t.untyped_storage().nbytes()
+                trace.tensors += 1
+            return t
+
+        units = [m for m in net.modules() if classes and isinstance(m, classes)]
+        hooks = [m.register_forward_pre_hook(lambda m, a: stack.append(names[id(m)])) for m in units]
+        hooks += [m.register_forward_hook(lambda m, a, o: stack.pop() and None) for m in units]  # None: output kept
+        shape = (int(batch_size), *model_cfg["input_shape"])
+        name = str(model_cfg.get("dtype", "float32"))
+        batch = torch.zeros(shape, dtype=torch_dtype(name))
+        cast = torch.autocast(device, dtype=dtype) if dtype not in (None, torch.float32) else nullcontext()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+                out = net(batch)
+                loss = LOSSES[str(model_cfg.get("loss", "mean_square"))](out, batch)
+        finally:
+            for h in hooks:
+                h.remove()
+        for t in (getattr(out, "logits", out), loss):  # held by the step until backward, saved or not
+            if _key(t) not in seen:
+                seen.add(_key(t))
+                trace.held_bytes += t.untyped_storage().nbytes()
+    order = {n: i for i, n in enumerate(names.values())}
+    trace.unit_bytes = dict(sorted(trace.unit_bytes.items(), key=lambda kv: (kv[0] == "root", order.get(kv[0], 0))))
+    return trace
+
+
+def _key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (views share it)."""
+    return t.untyped_storage()._cdata
+
+
+def korthikanti_layer_bytes(seq_len: int, batch_size: int, n_embd: int, n_head: int, itemsize: int = 2) -> int:
+    """Activation bytes one transformer layer saves [Korthikanti et al., arXiv:2205.05198, eq. in section 4.1]:
+    s b h (34 + 5 a s / h) at 2-byte activations (dropout masks 1 byte each included), scaled by ``itemsize`` / 2
+    for the 2-byte terms."""
+    s, b, h, a = seq_len, batch_size, n_embd, n_head
+    return int(s * b * h * (34 + 5 * a * s / h) * itemsize / 2)
