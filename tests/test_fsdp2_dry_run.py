@@ -156,4 +156,6 @@ def test_deepspeed_dry_run_derives_the_real_run(cell, stage):
         assert dry.summary["state"][key] == real.summary["state"][key], key
     for key in ("counts", "payload_bytes"):
         assert dry.summary["collectives"][key] == real.summary["collectives"][key], key
-    assert dry.summary["plan"]["check"] == real.summary["plan"]["check"] == "PASS"
+    # the derived dry run's plan is the planner's own model: its check cannot fail, so it reads n/a (issue 16)
+    assert real.summary["plan"]["check"] == "PASS" and dry.summary["plan"]["check"] == "n/a"
+    assert dry.summary["plan"]["predicted_bytes"] == real.summary["plan"]["predicted_bytes"]

@@ -343,3 +343,124 @@ def test_cells_without_schema_version_report_the_same(sweep, tmp_path):
     (cell / "manifest.json").write_text(json.dumps(manifest))
     row = load_sweep(new).set_index("cell_name").loc[cell.name]
     assert row["status"] == "unreadable" and f"schema_version {SCHEMA_VERSION + 1}" in row["error.message"]
+
+
+# --- the sweep's W&B Report (wandb-workspaces), built offline -------------------------------------------------
+
+@pytest.fixture
+def no_wandb_api(monkeypatch):
+    """Any W&B API call while building fails the test: a report is built with no network."""
+    wr_interface = pytest.importorskip("wandb_workspaces.reports.v2.interface",
+                                       reason="wandb-workspaces not installed (pip install -e '.[wandb]')")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("W&B API called while building the report")
+
+    monkeypatch.setattr(wr_interface, "_get_api", refuse)
+    monkeypatch.setattr(wr_interface, "execute_graphql", refuse)
+    monkeypatch.setattr("wandb.Api", refuse)
+    return wr_interface
+
+
+def _sections(wandb_report) -> dict[str, list]:
+    """Section title (H2) -> the blocks under it."""
+    import wandb_workspaces.reports.v2 as wr
+
+    out: dict[str, list] = {}
+    current = None
+    for block in wandb_report.blocks:
+        if isinstance(block, wr.H2):
+            current = block.text
+            out[current] = []
+        elif current is not None:
+            out[current].append(block)
+    return out
+
+
+def test_wandb_report_sections_panels_and_run_set(sweep, no_wandb_api):
+    import wandb_workspaces.reports.v2 as wr
+
+    from zeroexp.report.wandb_report import LOSS_KEY, STEP_KEY, build_wandb_report
+
+    report = build_report(sweep)
+    built = build_wandb_report(report)
+    assert built.title == f"zeroexp sweep {sweep.name}" and built.project == "zeroexp" and built.entity == ""
+    sections = _sections(built)
+    assert list(sections) == ["Verdicts", *(t.title for t in report.tables if t.key != "failures")]  # none failed
+    verdicts = sections["Verdicts"][0].text
+    assert all(f"- {line}" in verdicts for line in report.verdicts.lines) and "**Failures:** none." in verdicts
+
+    runs = [read_run(run_file(c)) for c in cell_dirs(sweep)]
+    summary_keys = set().union(*(r["summary"] for r in runs))
+    history_keys = set().union(*(row for r in runs for row in r["history"]))
+    panels: dict[str, list] = {}
+    for title, blocks in sections.items():
+        grids = [b for b in blocks if isinstance(b, wr.PanelGrid)]
+        for grid in grids:
+            (runset,) = grid.runsets
+            assert runset.filters == f"Metric(\"Group\") == '{sweep.name}' and Metric(\"JobType\") == 'cell'"
+            assert runset.project == "zeroexp"
+            panels[title] = grid.panels
+        if title != "Verdicts":  # each section shows its table, the same strings as report.md
+            table = next(t for t in report.tables if t.title == title)
+            assert isinstance(blocks[0], wr.MarkdownBlock)
+            assert blocks[0].text.splitlines()[0].startswith("| cell |")
+            assert all(str(v) in blocks[0].text for v in table.display().iloc[:, 0])
+    # the panels read keys the cells really logged: the summary, or the loss per step in the history
+    for grid_panels in panels.values():
+        for p in grid_panels:
+            keys = p.metrics if isinstance(p, wr.BarPlot) else p.y
+            assert keys and set(keys) <= summary_keys, (p.title, set(keys) - summary_keys)
+    by_title = {title: {p.title: p for p in ps} for title, ps in panels.items()}
+    (loss,) = [p for p in panels["Cells"] if isinstance(p, wr.LinePlot)]
+    assert loss.y == [LOSS_KEY] and loss.x == STEP_KEY and {LOSS_KEY, STEP_KEY} <= history_keys
+    state = by_title["Model state per rank"]["State bytes per cell, largest rank"]
+    assert state.metrics[:3] == [f"state/max_rank_bytes/{k}" for k in ("param", "grad", "optim")]
+    phases = by_title["Steady and peak memory"]["Peak bytes per phase, largest rank"].metrics
+    assert phases == [f"memory/phase_peak_bytes_max/{p}" for p in ("forward", "backward", "optimizer")]
+    calls = by_title["Collectives per step"]["Calls per step, per op"].metrics
+    logged_ops = [op for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+                  if f"collectives.counts.{op}" in report.cells.columns]
+    assert calls == [f"collectives/counts/{op}" for op in logged_ops] and len(calls) >= 3  # in the ladder's order
+    assert "timing/median_ms" in by_title["Step time"]["Step time, ms (median, p95)"].metrics
+    # the spec W&B would receive serializes without a server (no entity: no project look-up)
+    assert built._to_model().spec.model_dump_json(by_alias=True, exclude_none=True)
+
+
+def test_wandb_report_of_a_failed_sweep_has_the_failures(failed_sweep, no_wandb_api):
+    from zeroexp.report.wandb_report import build_wandb_report, report_target
+
+    sweep_dir, _ = failed_sweep
+    report = build_report(sweep_dir)
+    sections = _sections(build_wandb_report(report))
+    assert "Failed or skipped cells" in sections and "injected fault" in sections["Failed or skipped cells"][0].text
+    assert "**Failures:**" in sections["Verdicts"][0].text and "zro: cell failed" in sections["Verdicts"][0].text
+    assert not report_target(report.cells)["logged"]  # logger=none: the CLI says its panels find no runs
+
+
+def test_wandb_report_cli_offline_describes_online_saves(sweep, tmp_path, monkeypatch, capsys, no_wandb_api):
+    import zeroexp.report.wandb_report as wandb_report
+
+    copy = tmp_path / sweep.name  # same group name: the report's run set is the sweep's
+    for cell in cell_dirs(sweep)[:2]:
+        shutil.copytree(cell, copy / cell.name, ignore=shutil.ignore_patterns("wandb"))
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # offline wins over a key: described, not saved
+    assert not wandb_report.logged_in()
+    assert report_main([str(copy), "--wandb", "none", "--wandb-report"]) == 0
+    out = capsys.readouterr().out
+    assert "the W&B Report is not saved" in out and f'W&B Report "zeroexp sweep {sweep.name}"' in out
+    for text in ("section: Model state per rank", 'bar plot "State bytes per cell, largest rank"',
+                 'line plot "Loss per step, rank 0, per cell": train/loss_rank0 per trainer/global_step',
+                 f"wandb sync {copy}/*/wandb/offline-run-* {copy}/wandb/offline-run-*",
+                 f"python -m zeroexp.report {copy} --wandb-report"):
+        assert text in out, text
+
+    monkeypatch.delenv("WANDB_MODE")  # logged in and online: saved (here a stand-in), its URL printed
+    assert wandb_report.logged_in()
+    saved = []
+    monkeypatch.setattr(wandb_report, "save_wandb_report",
+                        lambda r: saved.append(r) or "https://wandb.ai/me/zeroexp/reports/x--abc")
+    assert report_main([str(copy), "--wandb", "none", "--wandb-report"]) == 0
+    assert len(saved) == 1 and saved[0].title == f"zeroexp sweep {sweep.name}"
+    assert "W&B Report: https://wandb.ai/me/zeroexp/reports/x--abc" in capsys.readouterr().out

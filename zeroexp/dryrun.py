@@ -138,7 +138,8 @@ def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], di
     layout, itemsize, knobs = expect.layout, expect.itemsize, expect.knobs
     groups = cell_groups(cfg)
     p_bytes = 4 * groups.numel
-    how = f"zeroexp.formulas.step_collectives over the groups the row {expect.name} derives from the model's shapes"
+    how = (f"zeroexp.formulas.step_collectives over the groups the row {expect.name} ({layout.label}) derives from "
+           "the model's shapes")
     expected = step_collectives(layout, groups, itemsize, knobs)
     limits = layout.payload_limits(groups, knobs, expect.precision, offload) if layout.payload_limits else []
     if limits:  # the payload model is not exact for this cell: say so where the figures are shown
