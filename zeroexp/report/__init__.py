@@ -3,7 +3,8 @@ and a W&B run.
 
 ``python -m zeroexp.report SWEEP_DIR`` writes, in the sweep directory: ``report.md``, ``report.html``,
 ``report.csv`` and ``report.parquet`` (the joined rows of :func:`zeroexp.results.load_sweep`, ladder order),
-``report_*.png``, and, when the cells logged to W&B, the sweep's own run under ``wandb/``. Every ``--multirun``
+``report_*.png``, and, when the cells logged to W&B, the sweep's own run under ``wandb/``; ``--wandb-report``
+also builds the sweep's W&B Report (:mod:`zeroexp.report.wandb_report`). Every ``--multirun``
 ends with the same report (``zeroexp.sweep.SweepSummary``). The contract is in ``docs/results.md``.
 """
 

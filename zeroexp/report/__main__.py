@@ -1,7 +1,8 @@
-"""``python -m zeroexp.report SWEEP_DIR [--wandb MODE] [--wandb-report]``: (re)write a sweep's report; prints report.html last.
+"""``python -m zeroexp.report SWEEP_DIR [--wandb MODE] [--wandb-report]``: (re)write a sweep's report.
 
-``--wandb-report`` also builds the sweep's W&B Report (``zeroexp.report.wandb_report``): saved, its URL printed,
-when logged in and not offline; else what it would create and the commands that create it after ``wandb sync``.
+Prints the verdicts, then report.html. ``--wandb-report`` also builds the sweep's W&B Report
+(``zeroexp.report.wandb_report``): saved, its URL printed, when logged in and not offline; else what it would
+create and the commands that create it after ``wandb sync``.
 
 Exit codes: 0 the report was written (whatever the cells' verdicts; offline, the W&B Report only described);
 1 the report, its W&B run or saving the W&B Report failed; 2 no such sweep directory.

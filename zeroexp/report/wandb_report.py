@@ -93,7 +93,7 @@ def report_target(cells: pd.DataFrame) -> dict[str, Any]:
 
 def _runset(wr: Any, expr: Any, target: dict[str, Any], entity: str) -> Any:
     return wr.Runset(entity=entity, project=target["project"], name=f"cells of {target['group']}",
-                     filters=[expr.Metric("Group") == target["group"], expr.Metric("JobType") == "cell"])
+                     filters=expr.And(expr.Metric("Group") == target["group"], expr.Metric("JobType") == "cell"))
 
 
 def _layout(wr: Any, i: int) -> Any:
