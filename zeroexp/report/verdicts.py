@@ -14,7 +14,7 @@ __all__ = ["Verdicts", "verdicts"]
 #: The checked sections: summary.json key -> what the check asserts.
 CHECKS = {"state": "state factors match the ZeRO formula", "collectives": "collective fingerprint matches",
           "equivalence": "parameters match the unsharded reference",
-          "plan": "planned state bytes equal the measured ones",
+          "plan": "planned state bytes, collective calls and groups equal the measured ones",
           "checkpoint": "one step after save and restore is bit-identical"}
 #: Sections reported only when some cell has them (the planner's is newer than the probes; checkpoints are opt-in).
 OPTIONAL = ("plan", "checkpoint")
