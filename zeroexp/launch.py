@@ -36,7 +36,9 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["zeroexp.worker"])  # by name: the ranks' module, imported once, not by this one
+        # By name: the ranks' module, imported once, not by this one; first zeroexp.deathsig, which makes the
+        # forkserver die with this process (each rank dies with the forkserver: zeroexp.worker).
+        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker"])
     return _CTX
 
 
@@ -122,6 +124,7 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
     store, port = (None, free_port()) if cfg.get("dry_run") else loopback_store(float(timeouts["collective_s"]))
     ctx = _context()
     environ = dict(os.environ)
+    environ["ZEROEXP_LAUNCHER_PID"] = str(os.getpid())  # zeroexp.worker: a rank whose launcher is gone exits
     nprocs = 1 if cfg.get("dry_run") else world_size
     procs = [ctx.Process(target=rank_entry, args=(r, world_size, port, cfg, str(cell_dir), run_info, environ),
                          name=f"zeroexp-rank{r}") for r in range(nprocs)]
