@@ -40,6 +40,11 @@ BAD = [  # (override, key the message must name)
     ("strategy=fsdp_full strategy.use_orig_params=maybe", "strategy.use_orig_params"),
     ("precision.growth_interval=0", "precision.growth_interval"), ("seed=-1", "seed"),
     ("launcher.nodes=0", "launcher.nodes"),
+    # the model, built on the meta device with one forward and the loss at the cell's input shape
+    ("model=custom model._target_=torch.nn.Linear +model.in_features=16 +model.out_features=16 "
+     "model.input_shape=[8]", "model.input_shape"),
+    ("model=gpt model.n_head=3", "model.n_head"), ("model=transformer_layer model.nhead=5", "model._target_"),
+    ("model.loss=next_token", "model.loss"), ("model=gpt model.input_shape=[64]", "model.input_shape"),
 ]
 
 

@@ -446,15 +446,24 @@ def _validate_launcher_and_checkpoint(cfg: DictConfig, adapter: Any) -> None:
                               f"{', '.join(supported) or 'none'}")
 
 
+#: The batch of the model check: 2 samples (a batch dimension of 1 can hide a shape mistake).
+CHECK_BATCH = 2
+
+
 def _check_model_builds(cfg: DictConfig) -> None:
-    """Build the model on the meta device (no memory, any size) so bad factory arguments fail now."""
+    """Build the model on the meta device (no memory, any size) and run one forward and the loss on a batch of
+    the cell's input shape, so bad factory arguments (``model._target_`` or the argument's key), a sample shape the
+    model cannot take (``model.input_shape``) and a loss that cannot take its output (``model.loss``) fail now, in
+    one line, before any rank starts. An operator with no meta kernel (or a model that reads values, ``.item()``)
+    cannot be checked this way: the forward check is then skipped, not refused."""
     import torch
 
-    from zeroexp.models import build_model
+    from zeroexp.errors import one_line
+    from zeroexp.models import LOSSES, build_model, torch_dtype
 
     try:
         with torch.device("meta"):
-            build_model(cfg.model)
+            net = build_model(cfg.model)
     except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
         cause = e.__cause__ or e
         unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
@@ -463,7 +472,36 @@ def _check_model_builds(cfg: DictConfig) -> None:
             raise ConfigError(key, cfg.model[unexpected.group(1)], f"the arguments of {cfg.model._target_}",
                               why=f"{cfg.model._target_} does not take {unexpected.group(1)!r}") from e
         raise ConfigError("model._target_", cfg.model._target_, "a factory that builds an nn.Module from the "
-                          "model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
+                          "model config's other keys", why=f"{type(cause).__name__}: {one_line(str(cause), 300)}") \
+            from e
+    shape = (CHECK_BATCH, *(int(d) for d in cfg.model.input_shape))
+    batch = torch.empty(shape, dtype=torch_dtype(str(cfg.model.dtype)), device="meta")
+
+    def unchecked(e: BaseException) -> bool:  # the meta device cannot run it: no verdict
+        return isinstance(e, NotImplementedError) or "meta" in str(e).lower()
+
+    try:
+        with torch.no_grad():
+            out = net(batch)
+    except Exception as e:  # noqa: BLE001
+        if unchecked(e):
+            return
+        raise ConfigError("model.input_shape", list(cfg.model.input_shape),
+                          f"the shape of one sample that {cfg.model._target_} takes",
+                          why=f"one forward on a batch of shape {list(shape)} ({cfg.model.dtype}) fails: "
+                              f"{type(e).__name__}: {one_line(str(e), 300)}") from e
+    try:
+        loss = LOSSES[str(cfg.model.loss)](out, batch)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise ValueError(f"the loss is not one number (shape {list(getattr(loss, 'shape', []))})")
+    except Exception as e:  # noqa: BLE001
+        if unchecked(e):
+            return
+        got = getattr(out, "shape", None)
+        raise ConfigError("model.loss", cfg.model.loss, ", ".join(sorted(LOSSES)),
+                          why=f"it cannot take the model's output ({type(out).__name__}"
+                              f"{' of shape ' + str(list(got)) if got is not None else ''}): "
+                              f"{type(e).__name__}: {one_line(str(e), 300)}") from e
 
 
 #: Optional dependencies and the extra that installs them.
