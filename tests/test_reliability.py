@@ -97,6 +97,28 @@ def test_bad_overrides_are_refused_before_any_rank(tmp_path, capsys, monkeypatch
         assert not (tmp_path / f"cell{i}").exists(), override  # nothing that looks like a result
 
 
+def test_a_cell_that_cannot_fit_this_machine_is_refused(tmp_path, capsys, monkeypatch, compose):
+    """4096 local ranks: refused in one line naming world_size and the estimate (exit 2, no rank, no directory);
+    resources.check=false lets it through; too few open files is refused too."""
+    import zeroexp.launch as launch
+    import zeroexp.resources as resources
+    from zeroexp.config import ConfigError, validate
+
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    monkeypatch.chdir(tmp_path)
+    code, seconds, out = _refuse_in_process("world_size=4096", tmp_path / "cell", capsys)
+    assert code == 2 and seconds < 10, (code, seconds, out)
+    line = " ".join(out.split())
+    assert "world_size=4096" in line and "4096 ranks need an estimated" in line and "GiB" in line, line
+    assert "available" in line and "resources.check=false" in line and "Traceback" not in out, line
+    assert not (tmp_path / "cell").exists()
+    validate(compose("world_size=4096", "resources.check=false"))  # for those who mean it
+    validate(compose("world_size=4096", "dry_run=true"))  # one process: nothing to fit
+    monkeypatch.setattr(resources, "_soft", lambda limit: 100 if limit == resources.resource.RLIMIT_NOFILE else None)
+    with pytest.raises(ConfigError, match="world_size=64.*open files"):
+        validate(compose("world_size=64", "model.width=8"))
+
+
 # A rank that raises, is killed, hangs or runs out of memory, a full disk while writing results, Ctrl-C, SIGTERM,
 # SIGHUP and SIGKILL to the main process, a stale sweep directory resumed: tests/test_fault_matrix.py.
 
