@@ -10,7 +10,9 @@ cell listens beyond loopback.
 Failure handling: when a rank fails (exception, signal) the others get ``timeout.grace_s`` to exit and are
 then killed. A rank that hangs makes its peers fail in a collective after ``timeout.collective_s``; the rank
 still alive when its peers have failed is reported as the hung one. Past ``timeout.cell_s`` every rank is
-killed. Every rank process is joined before :func:`launch_local` returns, also on Ctrl-C.
+killed. Every rank process is joined before :func:`launch_local` returns, also on Ctrl-C, SIGTERM and SIGHUP
+(``zeroexp.runner.stop_on_signals``). If this process is killed outright, the forkserver and the ranks die with it
+(parent-death signals: ``zeroexp.deathsig``, ``zeroexp.worker``).
 """
 
 from __future__ import annotations
