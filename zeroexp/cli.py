@@ -81,6 +81,12 @@ def task(cfg: DictConfig) -> None:
         console.print(f"[yellow]skipped[/] {cell_dir.name}: {e}")
         print(cell_dir)
         return
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the cell is recorded failed; a sweep stops here
+        if multirun:
+            from zeroexp.sweep import end_sweep
+
+            end_sweep(Path(hc.sweep.dir), stopped_by=getattr(e, "signal_name", "SIGINT"))
+        raise
     except ConfigError as e:
         if not any(cell_dir.iterdir()) or {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
             shutil.rmtree(cell_dir, ignore_errors=True)
@@ -178,9 +184,23 @@ def _clear(cell_dir: Path) -> None:
 
 
 def main() -> None:
-    """Console entry point (``python -m zeroexp`` and ``zeroexp``)."""
+    """Console entry point (``python -m zeroexp`` and ``zeroexp``).
+
+    SIGTERM and SIGHUP end the run as Ctrl-C does (``zeroexp.runner.stop_on_signals``): the running cell's ranks are
+    reaped and it is recorded ``failed`` naming the signal; a sweep stops and reports the cells run so far. The
+    exit code is then 128 + the signal's number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), with one line, no traceback."""
+    from zeroexp.runner import stop_on_signals
+
     register()
-    run_hydra_app("config", task, lambda: _TASK_STARTED)
+    try:
+        with stop_on_signals():
+            run_hydra_app("config", task, lambda: _TASK_STARTED)
+    except KeyboardInterrupt as e:
+        import signal
+
+        name = getattr(e, "signal_name", "SIGINT")
+        print(f"stopped by {name}", file=sys.stderr)
+        sys.exit(128 + int(getattr(e, "signum", signal.SIGINT)))
 
 
 # Hydra launchers that run jobs in other processes (submitit) unpickle ``task`` by importing this module, then

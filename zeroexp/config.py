@@ -12,7 +12,6 @@ import) before any rank is started, and raises :class:`ConfigError` naming the k
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -20,7 +19,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from zeroexp.errors import ConfigError, NotApplicableHere
+from zeroexp.model_check import check_model
 from zeroexp.models import MODEL_RESERVED_KEYS
+from zeroexp.resources import ResourcesConfig, check_resources
 
 __all__ = ["ConfigError", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
            "strategy_extras", "without_strategy_extras"]
@@ -159,6 +160,7 @@ class ZeroexpConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     timeout: TimeoutConfig = field(default_factory=TimeoutConfig)
     probes: ProbesConfig = field(default_factory=ProbesConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # zeroexp.resources: the check before launch
     world_size: int = 4
     steps: int = 30
     batch_size: int = 8  # per rank; the global batch is batch_size * world_size
@@ -281,6 +283,7 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
 #: open (its other keys are the factory's arguments), the strategy open to other strategies' keys
 #: (_check_strategy_keys).
 _FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes": ProbesConfig,
+                 "resources": ResourcesConfig,
                  "prefetch": PrefetchConfig, "precision": PrecisionConfig, "offload": OffloadConfig,
                  "logger": LoggerConfig, "launcher": LauncherConfig, "checkpoint": CheckpointConfig}
 
@@ -390,8 +393,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
         raise ConfigError("model.input_shape", shape, "a non-empty list of positive integers")
     if model.loss not in LOSSES:
         raise ConfigError("model.loss", model.loss, ", ".join(sorted(LOSSES)))
-    _check_target(str(model._target_))
-    _check_model_builds(cfg)
+    check_model(cfg)  # zeroexp.model_check: importable, builds on the meta device, one forward and the loss
 
     adapter = get_adapter_class(name)
     if cfg.precision.name not in adapter.precisions:
@@ -420,6 +422,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
                               f"{adapter.min_warmup_steps} on")
     _validate_launcher_and_checkpoint(cfg, adapter)
     adapter.validate(cfg)
+    check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
 
 
 def _validate_launcher_and_checkpoint(cfg: DictConfig, adapter: Any) -> None:
@@ -444,42 +447,3 @@ def _validate_launcher_and_checkpoint(cfg: DictConfig, adapter: Any) -> None:
         raise ConfigError("checkpoint", kind, ", ".join(["none", *sorted(adapter.checkpoint_kinds)]),
                           why=f"strategy={cfg.strategy.name} does not implement it; strategies that do: "
                               f"{', '.join(supported) or 'none'}")
-
-
-def _check_model_builds(cfg: DictConfig) -> None:
-    """Build the model on the meta device (no memory, any size) so bad factory arguments fail now."""
-    import torch
-
-    from zeroexp.models import build_model
-
-    try:
-        with torch.device("meta"):
-            build_model(cfg.model)
-    except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
-        cause = e.__cause__ or e
-        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
-        if isinstance(cause, TypeError) and unexpected and unexpected.group(1) in cfg.model:
-            key = f"model.{unexpected.group(1)}"
-            raise ConfigError(key, cfg.model[unexpected.group(1)], f"the arguments of {cfg.model._target_}",
-                              why=f"{cfg.model._target_} does not take {unexpected.group(1)!r}") from e
-        raise ConfigError("model._target_", cfg.model._target_, "a factory that builds an nn.Module from the "
-                          "model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
-
-
-#: Optional dependencies and the extra that installs them.
-OPTIONAL_EXTRAS = {"transformers": "hf", "deepspeed": "deepspeed"}
-
-
-def _check_target(target: str) -> None:
-    from zeroexp.models import import_class
-
-    try:
-        obj = import_class(target, base=None)
-    except (ImportError, AttributeError, ValueError) as e:
-        why = str(e)
-        top = target.split(".")[0]
-        if isinstance(e, ImportError) and top in OPTIONAL_EXTRAS:
-            why = f"{top} is not installed; install it with: pip install -e '.[{OPTIONAL_EXTRAS[top]}]'"
-        raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why=why) from e
-    if not callable(obj):
-        raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why="not callable")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConfigError", "NotApplicableHere", "one_line"]
+__all__ = ["ConfigError", "Interrupted", "NotApplicableHere", "one_line"]
 
 
 class ConfigError(ValueError):
@@ -24,6 +24,20 @@ class NotApplicableHere(ConfigError):
     """A cell of valid axis values that cannot run, on this machine (FSDP CPU offload with no accelerator) or in
     this combination (DeepSpeed offload at stage 0): refused up front in a single run; in a ``--multirun`` sweep
     the cell is ``skipped`` with this message and the sweep goes on (a sweep is a product of axes)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The main process was asked to stop: Ctrl-C (SIGINT), or SIGTERM (``kill``, SLURM) or SIGHUP (the terminal
+    went away), raised by the handlers of ``zeroexp.runner.stop_on_signals``. A KeyboardInterrupt, so every path
+    that cleans up after Ctrl-C (the launcher reaping its ranks, the runner marking the cell failed) does the same
+    for the others."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = int(signum)
+        self.signal_name = signal.Signals(self.signum).name
+        super().__init__(self.signal_name)
 
 
 _TENSOR_STARTS = ("Parameter containing:", "tensor(")

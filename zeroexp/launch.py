@@ -10,7 +10,9 @@ cell listens beyond loopback.
 Failure handling: when a rank fails (exception, signal) the others get ``timeout.grace_s`` to exit and are
 then killed. A rank that hangs makes its peers fail in a collective after ``timeout.collective_s``; the rank
 still alive when its peers have failed is reported as the hung one. Past ``timeout.cell_s`` every rank is
-killed. Every rank process is joined before :func:`launch_local` returns, also on Ctrl-C.
+killed. Every rank process is joined before :func:`launch_local` returns, also on Ctrl-C, SIGTERM and SIGHUP
+(``zeroexp.runner.stop_on_signals``). If this process is killed outright, the forkserver and the ranks die with it
+(parent-death signals: ``zeroexp.deathsig``, ``zeroexp.worker``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["zeroexp.worker"])  # by name: the ranks' module, imported once, not by this one
+        # By name: the ranks' module, imported once, not by this one; first zeroexp.deathsig, which makes the
+        # forkserver die with this process (each rank dies with the forkserver: zeroexp.worker).
+        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker"])
     return _CTX
 
 
@@ -122,6 +126,7 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
     store, port = (None, free_port()) if cfg.get("dry_run") else loopback_store(float(timeouts["collective_s"]))
     ctx = _context()
     environ = dict(os.environ)
+    environ["ZEROEXP_LAUNCHER_PID"] = str(os.getpid())  # zeroexp.worker: a rank whose launcher is gone exits
     nprocs = 1 if cfg.get("dry_run") else world_size
     procs = [ctx.Process(target=rank_entry, args=(r, world_size, port, cfg, str(cell_dir), run_info, environ),
                          name=f"zeroexp-rank{r}") for r in range(nprocs)]

@@ -66,7 +66,7 @@ def write_text(path: Path | str, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with _open_tmp(fd, path) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -74,6 +74,12 @@ def write_text(path: Path | str, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _open_tmp(fd: int, path: Path) -> Any:
+    """The file object :func:`write_text` writes ``path``'s temporary file through (zeroexp.faults replaces it to
+    fill the disk in the middle of a result write)."""
+    return os.fdopen(fd, "w", encoding="utf-8")
 
 
 def _json_default(o: Any) -> Any:

@@ -10,19 +10,54 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cell import cell_axes, cell_id, cell_name
 from zeroexp.config import validate, without_strategy_extras
+from zeroexp.errors import Interrupted
 from zeroexp.results import SCHEMA_VERSION, git_commit, host, read_json, utc_now, versions, write_json
 
-__all__ = ["CellResult", "device_and_backend", "mark_partial", "new_manifest", "run_cell"]
+__all__ = ["CellResult", "device_and_backend", "mark_partial", "new_manifest", "run_cell", "stop_on_signals",
+           "STOP_SIGNALS"]
+
+#: Signals that end a cell as Ctrl-C does: SIGTERM (``kill``, SLURM's scancel / time limit) and SIGHUP (the
+#: terminal went away). SIGINT keeps Python's own KeyboardInterrupt.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While inside: SIGTERM and SIGHUP raise :class:`~zeroexp.errors.Interrupted` (a KeyboardInterrupt) in the main
+    thread, so the launcher reaps every rank and the runner records the cell ``failed`` naming the signal, as for
+    Ctrl-C. A repeat of either signal while that cleanup runs is ignored (it must finish: no rank may be left).
+    Nested uses and other threads than the main one do nothing; the previous handlers are restored on exit."""
+    if threading.current_thread() is not threading.main_thread() or \
+            getattr(signal.getsignal(signal.SIGTERM), "_zeroexp", False):
+        yield
+        return
+    raised = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if raised:  # already stopping
+            return
+        raised.append(signum)
+        raise Interrupted(signum)
+
+    handler._zeroexp = True  # type: ignore[attr-defined]
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 @dataclass
@@ -63,6 +98,12 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
 
     ``progress``: show rank 0's progress on stderr while the ranks train (``zeroexp.progress``; the CLI's runs)."""
     validate(cfg, tuple(explicit_keys))
+    with stop_on_signals():
+        return _run_valid_cell(cfg, cell_dir, overrides, sweep, progress)
+
+
+def _run_valid_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str], sweep: str | None,
+                    progress: bool) -> CellResult:
     cfg = without_strategy_extras(cfg)  # keys a sweep set for other strategies: they do not apply to this cell
     if cfg.get("launcher") is not None and cfg.launcher.name != "local":
         from zeroexp.config import ConfigError
@@ -106,8 +147,11 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
         summary_path = cell_dir / "summary.json"
         if error is None and not summary_path.exists():
             error = {"rank": 0, "cause": "missing", "message": "ranks exited cleanly but summary.json was not written"}
-    except KeyboardInterrupt:
-        error = {"rank": None, "cause": "interrupted", "message": "interrupted by the user (Ctrl-C)"}
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (stop_on_signals): every rank is reaped by now
+        name = e.signal_name if isinstance(e, Interrupted) else "SIGINT"
+        how = "by the user (Ctrl-C, SIGINT)" if name == "SIGINT" else f"by {name}"
+        error = {"rank": None, "cause": "interrupted", "signal": name, "log": None,
+                 "message": f"interrupted {how}: every rank was stopped"}
         _finish(manifest, cell_dir, "failed", error, t0)
         raise
     status = "ok" if error is None else "failed"

@@ -117,30 +117,37 @@ class SweepSummary(Callback):
             (Path(config.hydra.sweep.dir) / DUPLICATES).unlink(missing_ok=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
-        from zeroexp.results import read_json
-
-        sweep_dir = Path(config.hydra.sweep.dir)
-        table = Table(title=f"zeroexp sweep {sweep_dir}")
-        for col in ("cell", "status", "final_loss", "error"):
-            table.add_column(col)
-        failed = 0
-        for manifest_path in sorted(sweep_dir.glob("*/manifest.json")):
-            m = read_json(manifest_path)
-            summary_path = manifest_path.with_name("summary.json")
-            loss = read_json(summary_path).get("final_loss") if summary_path.exists() else None
-            err = m.get("error") if isinstance(m.get("error"), dict) else {}
-            failed += m["status"] == "failed"
-            table.add_row(manifest_path.parent.name, m["status"], "" if loss is None else f"{loss:.6g}",
-                          (err or {}).get("message", ""))
-        Console().print(table)
-        reported = True
-        if any(sweep_dir.glob("*/manifest.json")):
-            from zeroexp.report import report_after_sweep
-
-            reported = report_after_sweep(sweep_dir)  # never raises: a failed report keeps the cells' results
-        print(sweep_dir)
-        if failed or not reported:
+        if not end_sweep(Path(config.hydra.sweep.dir)):
             sys.exit(1)
+
+
+def end_sweep(sweep_dir: Path, stopped_by: str | None = None) -> bool:
+    """Print every cell's outcome and write the sweep report over the cells that have a manifest; True when every
+    cell is ok and the report was written. ``stopped_by``: the signal that stopped the sweep early (SIGTERM,
+    SIGHUP, SIGINT; zeroexp.cli), said above the table -- the cells not run yet are simply absent."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from zeroexp.results import read_json
+
+    title = f"zeroexp sweep {sweep_dir}" + (f" (stopped by {stopped_by}: the cells run so far)" if stopped_by else "")
+    table = Table(title=title)
+    for col in ("cell", "status", "final_loss", "error"):
+        table.add_column(col)
+    failed = 0
+    for manifest_path in sorted(sweep_dir.glob("*/manifest.json")):
+        m = read_json(manifest_path)
+        summary_path = manifest_path.with_name("summary.json")
+        loss = read_json(summary_path).get("final_loss") if summary_path.exists() else None
+        err = m.get("error") if isinstance(m.get("error"), dict) else {}
+        failed += m["status"] == "failed"
+        table.add_row(manifest_path.parent.name, m["status"], "" if loss is None else f"{loss:.6g}",
+                      (err or {}).get("message", ""))
+    Console().print(table)
+    reported = True
+    if any(sweep_dir.glob("*/manifest.json")):
+        from zeroexp.report import report_after_sweep
+
+        reported = report_after_sweep(sweep_dir)  # never raises: a failed report keeps the cells' results
+    print(sweep_dir)
+    return not failed and reported and stopped_by is None

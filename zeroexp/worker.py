@@ -24,6 +24,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from zeroexp.deathsig import die_with_parent
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import one_line
 from zeroexp.expect import Expectation
@@ -36,6 +37,8 @@ from zeroexp.strategies import get_adapter_class
 from zeroexp.wandb_log import log_summary, make_logger
 
 RANKS_DIR = ".ranks"
+#: In a local rank's ``environ``: the pid of the launching (main) process (zeroexp.launch), watched at start-up.
+LAUNCHER_PID_ENV = "ZEROEXP_LAUNCHER_PID"
 
 
 def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_dir: str, run_info: dict,
@@ -45,7 +48,7 @@ def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_
     ``environ`` is the launching process's environment: ranks are forked from a forkserver started earlier,
     whose environment may be older.
     """
-    _die_with_parent()
+    _die_with_parent(int(environ.get(LAUNCHER_PID_ENV, 0)) or None)
     os.environ.update(environ)
     cell = Path(cell_dir)
     with rank_log(cell / "logs" / f"rank{rank}.log"):
@@ -99,15 +102,33 @@ def rank_log(path: Path) -> Iterator[None]:
             os.close(f)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank if its parent dies, so no rank outlives its launcher."""
-    try:
-        import ctypes
-        import signal
+def _die_with_parent(launcher_pid: int | None = None) -> None:
+    """No rank outlives its launcher, even one killed outright (SIGKILL, the OOM killer).
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    A local rank's parent is the forkserver, not the launching process: this rank gets SIGKILL when the forkserver
+    dies (PR_SET_PDEATHSIG), and the forkserver gets SIGKILL when the launcher dies (zeroexp.deathsig, its first
+    preload). Its own way out stays open too: the forkserver exits when it reads EOF on its "alive" pipe, whose
+    write end the launcher holds, but every forked child inherits that write end
+    (``multiprocessing.forkserver._forkserver._forkserver_alive_fd``), so while any rank lived it never saw its
+    launcher go: closed here. If the launcher (``launcher_pid``) is already gone (it died while this rank was being
+    forked, before the death signal was armed), exit now."""
+    die_with_parent()  # zeroexp.deathsig: the forkserver, in turn, dies with the launcher
+    try:
+        from multiprocessing import forkserver
+
+        fd = forkserver._forkserver._forkserver_alive_fd
+        if fd is not None:
+            os.close(fd)
+            forkserver._forkserver._forkserver_alive_fd = None  # this rank starts no forkserver children
+    except (ImportError, AttributeError, OSError):
         pass
+    if launcher_pid is not None:
+        try:
+            os.kill(launcher_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:
+            pass
 
 
 def _quiet() -> None:
