@@ -23,7 +23,11 @@ One :meth:`ShardedAdamW.step` (one backward per step):
 2. with ``clip_grad_norm`` or loss scaling, one all_reduce of the sum of the shards' squared norms gives
    the global norm (clip coefficient as ``torch.nn.utils.clip_grad_norm_``; non-finite: skip the update);
 3. ``torch.optim.AdamW``, unchanged, updates the fp32 master shards;
-4. per bucket, the updated shard (cast to the compute dtype) is all-gathered into the bucket: the parameters.
+4. per bucket, the updated shard (cast to the compute dtype) is all-gathered into the bucket: the parameters;
+   asynchronously: a forward pre-hook of each module holding the bucket's parameters waits for it, so the
+   all_gather overlaps what runs before the next forward reaches the bucket (Megatron-LM's distributed optimizer,
+   ``overlap_param_gather``). Anything else reading the parameters between steps calls
+   :meth:`ShardedAdamW.wait_for_parameters` first.
 
 Stage 1 keeps the full gradient buffer (``p.grad`` are views into it, zeroed in place by ``zero_grad``).
 Stage 2 allocates a bucket's full gradient buffer when backward reaches the bucket (a gradient hook attaches
@@ -65,6 +69,8 @@ class Bucket:
     grad_shard: torch.Tensor | None = None  # stage 2: the averaged gradient of shard ``rank``, compute dtype
     ready: int = 0  # parameters whose gradient this backward has accumulated
     work: Any = None  # the bucket's gradient reduction in flight (async), until step waits for it
+    gather: Any = None  # the updated parameters' all_gather in flight (async), until the next forward needs them
+    gather_input: torch.Tensor | None = None  # its input (the master cast to the compute dtype), alive until then
 
     @property
     def shard_numel(self) -> int:
@@ -226,9 +232,31 @@ class ShardedAdamW(torch.optim.Optimizer):
             if s.stage == 2 and b.master.grad.data_ptr() != b.grad_shard.data_ptr():
                 b.grad_shard.copy_(b.master.grad)  # low-precision compute: keep the averaged, clipped shard
             b.master.grad = None
-            _all_gather(b.flat, b.master if b.flat.dtype == torch.float32 else b.master.to(b.flat.dtype),
-                        group=s.group)
+            # Async: the next forward waits for it in a pre-hook of the bucket's modules (wait_for_parameters), so
+            # the all_gather overlaps what comes between (as Megatron's overlap_param_gather).
+            b.gather_input = b.master if b.flat.dtype == torch.float32 else b.master.to(b.flat.dtype)
+            b.gather = _all_gather(b.flat, b.gather_input, group=s.group, async_op=True)
         return loss
+
+    def wait_for_parameters(self, buckets: Iterable[Bucket] | None = None) -> None:
+        """Wait for the parameters' all_gather of ``buckets`` (default: every bucket) issued by the last step."""
+        for b in self.buckets if buckets is None else buckets:
+            if b.gather is not None:
+                b.gather.wait()
+                b.gather, b.gather_input = None, None
+
+    def overlap_parameter_gather(self, module: nn.Module) -> list[Any]:
+        """Forward pre-hooks on every submodule of ``module`` that holds a bucketed parameter itself: before it
+        computes, wait for the all_gather of the buckets it reads (a module whose parameters never changed does not
+        wait). The handles, to remove them."""
+        owner = {id(p): b for b in self.buckets for p in b.params}
+        hooks = []
+        for sub in module.modules():
+            mine = list({id(owner[id(p)]): owner[id(p)] for p in sub.parameters(recurse=False)
+                         if id(p) in owner}.values())
+            if mine:
+                hooks.append(sub.register_forward_pre_hook(lambda m, args, mine=mine: self.wait_for_parameters(mine)))
+        return hooks
 
     def _reduce_when_full(self, b: Bucket) -> Callable[[nn.Parameter], None]:
         """A post-accumulate hook: once backward has accumulated every gradient of the bucket, start its

@@ -70,6 +70,8 @@ class ShardedZeroAdapter(StrategyAdapter):
         scale = cfg.precision.get("loss_scale")
         self.loss_scale = None if scale is None else DynamicLossScale(float(scale), int(cfg.precision.growth_interval))
         self.buckets: list[Bucket] = []
+        self.module: nn.Module | None = None
+        self.optimizer: ShardedAdamW | None = None
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -86,6 +88,7 @@ class ShardedZeroAdapter(StrategyAdapter):
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """Flatten the trainable parameters into buckets (views) in the compute dtype; no wrapper module."""
+        self.module = module
         cap = int(float(self.scfg.bucket_cap_mb) * 1024 * 1024)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.buckets = flatten_into_buckets(trainable, dist.get_world_size(), dist.get_rank(), cap, self.dtype)
@@ -101,9 +104,12 @@ class ShardedZeroAdapter(StrategyAdapter):
         bucketed = {id(p) for b in self.buckets for p in b.params}
         if any(p.requires_grad and id(p) not in bucketed for p in params):
             raise ValueError("make_optimizer got parameters that wrap() did not flatten")
-        return ShardedAdamW(self.buckets, stage=int(self.zero_stage), reduce=str(self.scfg.reduce),
-                            clip_grad_norm=self.scfg.clip_grad_norm, loss_scale=self.loss_scale,
-                            **self.optimizer_kwargs())
+        optimizer = ShardedAdamW(self.buckets, stage=int(self.zero_stage), reduce=str(self.scfg.reduce),
+                                 clip_grad_norm=self.scfg.clip_grad_norm, loss_scale=self.loss_scale,
+                                 **self.optimizer_kwargs())
+        self.optimizer = optimizer
+        optimizer.overlap_parameter_gather(self.module)  # the next forward waits for each bucket's all_gather
+        return optimizer
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
         """The padded buckets (param; stage 1 grad), the stage-2 gradient shards, the fp32 master shards
@@ -136,6 +142,8 @@ class ShardedZeroAdapter(StrategyAdapter):
         """The fp32 master shards all-gathered (what the optimizer trains; the compute parameters are their
         cast): a collective, enter it on every rank. Parameters outside the buckets are returned as they are."""
         with torch.no_grad():
+            if self.optimizer is not None:  # the last step's all_gather: in flight until now
+                self.optimizer.wait_for_parameters()
             full = gather_full_masters(self.buckets)
             yield {name: full.get(p, p.detach()) for name, p in model.named_parameters()}
 
