@@ -23,7 +23,7 @@ _NO_BUCKETS = {"fsdp_grad_op", "fsdp_full", "fsdp2_full"}  # strategies without 
 
 def _overrides(strategy: str, model: str) -> list[str]:
     keys = [o for o in MODELS[model] if not (strategy in _NO_BUCKETS and o.startswith("strategy.bucket_cap_mb"))]
-    return [f"strategy={strategy}", "world_size=3", *keys]
+    return [f"strategy={strategy}", "world_size=3", "steps=5", *keys]  # warm-up 3 + 2 profiled: memory, timing n/a
 
 
 @pytest.mark.parametrize("model", list(MODELS))
