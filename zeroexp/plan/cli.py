@@ -150,8 +150,11 @@ def task(cfg: DictConfig) -> None:
     global _STARTED
     _STARTED = True
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    try:
-        records, notes = run(cfg)
+    errors = Console(stderr=True, highlight=False)
+    try:  # a spinner with the elapsed time on a terminal (building a large model on the meta device, tracing)
+        with errors.status("planning: building the model on the meta device, deriving each strategy's groups"
+                           + (", tracing activations" if cfg.get("batch_size") else "")):
+            records, notes = run(cfg)
     except ConfigError as e:
         Console(stderr=True, highlight=False).print(f"[red]error:[/] {e}")
         sys.exit(2)
