@@ -78,11 +78,14 @@ def test_peak_is_the_largest_phase_peak(ladder, name):
 
 def test_backward_prefetch_moves_only_the_backward_peak(ladder):
     frames = {p: read_csv(ladder[f"fsdp_full-{p}"], "memory.csv") for p in ("pre", "post", "none")}
-    for phase in ("forward", "optimizer"):  # BACKWARD_PRE / POST change nothing outside backward, on any rank
-        values = {p: set(f[f"{phase}_peak_bytes"]) for p, f in frames.items()}
-        assert len(values["pre"] | values["post"] | values["none"]) == 1, (phase, values)
-    back = {p: f.backward_peak_bytes for p, f in frames.items()}
     unit = 64 * 64 * 4  # one FSDP unit's unsharded parameters (BASE: model.width=64)
+    for phase in ("forward", "optimizer"):  # BACKWARD_PRE / POST change nothing outside backward, on any rank
+        values = {p: f[f"{phase}_peak_bytes"] for p, f in frames.items()}
+        # the same floor in every mode; above it at most one tensor gloo freed late (seen once in CI: a 4 KiB
+        # gradient shard of the last reduce_scatter on one rank, freed after the phase cut)
+        assert len({int(v.min()) for v in values.values()}) == 1, (phase, values)
+        assert all(int(v.max()) - int(v.min()) <= unit // N for v in values.values()), (phase, values)
+    back = {p: f.backward_peak_bytes for p, f in frames.items()}
     # A peak is a floor, not an exact figure: gloo's worker thread may free a collective's tensor a few ms after
     # wait() returns, so a rank's peak can rise by up to a unit now and then, never fall. Compare the per-rank
     # minimums, and bound the maxima with a unit of slack.

@@ -236,6 +236,11 @@ class ShardedAdamW(torch.optim.Optimizer):
             # the all_gather overlaps what comes between (as Megatron's overlap_param_gather).
             b.gather_input = b.master if b.flat.dtype == torch.float32 else b.master.to(b.flat.dtype)
             b.gather = _all_gather(b.flat, b.gather_input, group=s.group, async_op=True)
+        if torch.autograd._profiler_enabled():
+            # Under a profiler, an async gloo op ends its profiler record on gloo's worker thread when it completes:
+            # left in flight past the profiler's stop, that raced the stop and crashed a rank (SIGSEGV, once in a
+            # CI run). Profiled steps therefore wait here; the bytes and calls they record are the same.
+            self.wait_for_parameters()
         return loss
 
     def wait_for_parameters(self, buckets: Iterable[Bucket] | None = None) -> None:
