@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -53,3 +54,39 @@ def read_csv(result: CellResult, name: str):
     import pandas as pd
 
     return pd.read_csv(Path(result.cell_dir) / name)
+
+
+#: What starts rank processes (or a whole `python -m zeroexp`): a test that does, itself or through a fixture, is
+#: ``slow``; ``pytest -m "not slow"`` is the edit-test loop's fast subset (README, Tests).
+_SPAWNS = re.compile(r"\brun_cell\(|(?<![\w.])cell\(|\bmp\.spawn\(|\bstart_processes\(|\bsubprocess\.|"
+                     r"\blaunch_local\(|\brun_dry\(|\bmain\(\)")
+
+
+def _starts_processes(func, depth: int = 3) -> bool:
+    """Whether ``func``'s body, or a function of its module it calls (``depth`` levels down), starts processes."""
+    import inspect
+
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    body = source.split(":", 1)[-1]  # not the signature: a fixture named `cell` in it is checked by itself
+    if _SPAWNS.search(body):
+        return True
+    helpers = [f for name, f in vars(inspect.getmodule(func) or object).items()  # the test module's own helpers
+               if inspect.isfunction(f) and f is not func and f.__module__ == func.__module__
+               and re.search(rf"(?<![\w.]){re.escape(name)}\(", body)]
+    return depth > 0 and any(_starts_processes(f, depth - 1) for f in helpers)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: starts rank processes (a cell, a sweep, the CLI); deselect with "
+                                       "-m 'not slow'")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
+        funcs = [getattr(item, "function", None), *(d.func for ds in defs.values() for d in ds)]
+        if any(f is not None and _starts_processes(f) for f in funcs):
+            item.add_marker(pytest.mark.slow)
