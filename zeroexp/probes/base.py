@@ -77,19 +77,6 @@ class Probe(pl.Callback):
     #: Every cell runs it; False for a probe that :meth:`runs` only when its config asks for it.
     always: ClassVar[bool] = True
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("digest_line")
-        if isinstance(own, classmethod):  # a probe skipped for too few steps: its line says so, whatever the probe
-            line = own.__func__
-
-            def digest_line(klass: Any, section: dict[str, Any]) -> str | None:
-                if section.get("check") == "n/a" and str(section.get("reason", "")).startswith("too few steps"):
-                    return f"not measured: {section['reason']}"
-                return line(klass, section)
-
-            cls.digest_line = classmethod(digest_line)
-
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
 
@@ -112,14 +99,15 @@ class Probe(pl.Callback):
         """Whether this cell runs the probe: every cell when :attr:`always`; override it for a condition."""
         return cls.always
 
-    @classmethod
-    def digest_line(cls, section: dict[str, Any]) -> str | None:
+    @staticmethod
+    def digest_line(section: dict[str, Any]) -> str | None:
         """What the probe found, in one line of the terminal digest, from its ``summary.json`` section; None: no
-        line."""
+        line. A probe sets it to its line function: ``digest_line = staticmethod(state_line)``."""
         return None
 
-    @classmethod
-    def report_table(cls, ok: Any) -> Any:
+    @staticmethod
+    def report_table(ok: Any) -> Any:
         """Its section of the sweep report (a ``zeroexp.report.section.ReportTable``) over the finished cells
-        (a DataFrame of ``zeroexp.results.load_sweep`` rows); None: no section."""
+        (a DataFrame of ``zeroexp.results.load_sweep`` rows); None: no section. A probe sets it to its table
+        function: ``report_table = staticmethod(state_table)``."""
         return None

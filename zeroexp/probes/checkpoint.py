@@ -139,6 +139,42 @@ def _measured(fn: Callable[[], Any], device: torch.device, model: torch.nn.Modul
                  "memory_source": tracker.source}
 
 
+def checkpoint_table(ok: pd.DataFrame) -> ReportTable | None:
+    """Save and restore of the cells run with ``checkpoint=full|sharded``: bytes, rank 0's and the largest save
+    peak above what the rank held, the save's collectives, times, the bit-identical continuation; else None."""
+    has = [not missing(v) for v in column(ok, "checkpoint.kind")]
+    if not any(has):
+        return None
+    ok = ok[has]
+    ops = sorted({k.split(".")[-1] for k in ok.columns if k.startswith("checkpoint.save.collectives.counts.")},
+                 key=lambda op: (list(OPS).index(op) if op in OPS else len(OPS), op))
+    keys = ["checkpoint.kind", "checkpoint.files", "checkpoint.save.bytes_written",
+            "checkpoint.save.rank0_peak_over_start_bytes", "checkpoint.save.max_peak_over_start_bytes",
+            "checkpoint.save.ms", "checkpoint.load.ms", "checkpoint.continuation_max_abs_diff", "checkpoint.check"]
+    raw = raw_rows(ok, keys + [f"checkpoint.save.collectives.counts.{op}" for op in ops])
+    raw["save collectives"] = [", ".join(f"{OPS.get(op, op)} {fmt_int(row[f'checkpoint.save.collectives.counts.{op}'])}"
+                                         for op in ops if not missing(row[f"checkpoint.save.collectives.counts.{op}"]))
+                               or "none" for _, row in raw.iterrows()]
+    unit = byte_unit(v for k in keys[2:5] for v in raw[k])
+    cols = [Column("cell", "label", str), Column("kind", keys[0]), Column("files", keys[1], fmt_int),
+            Column(f"written {unit}", keys[2], unit), Column(f"rank-0 save peak + {unit}", keys[3], unit),
+            Column(f"max save peak + {unit}", keys[4], unit), Column("save collectives", "save collectives", str),
+            Column("save ms", keys[5], fmt_ms), Column("load ms", keys[6], fmt_ms),
+            Column("continuation max abs diff", keys[7], fmt_err), Column("check", keys[8])]
+    note = (f"After training: bytes written by all ranks; save peak + is the highest allocation during the save "
+            f"above what the rank held when it started ({unit}; rank 0, and the largest rank); the save's collectives "
+            "(rank 0's calls, torch.profiler); times with the profiler and memory tracker running. PASS: restored into "
+            "a fresh model, one more step gives bit-identical parameters.")
+    return ReportTable("checkpoint", "Checkpoint: save and restore", raw, cols, note)
+
+
+def checkpoint_line(c: dict[str, Any]) -> str:
+    save, load = c.get("save", {}), c.get("load", {})
+    return (f"{c.get('kind')}: {c.get('files')} files saved in {fmt_ms(save.get('ms'))} ms, restored in "
+            f"{fmt_ms(load.get('ms'))} ms; restored and continued bit for bit: "
+            f"{c.get('restored_bit_identical')} / {c.get('continuation_bit_identical')}")
+
+
 class CheckpointProbe(Probe):
     """Saves after training, restores into a fresh model, checks that training continues bit-identically."""
 
@@ -151,13 +187,8 @@ class CheckpointProbe(Probe):
     def runs(cls, cfg: Any) -> bool:
         return cfg.get("checkpoint") is not None and cfg.checkpoint.name != "none"
 
-    @classmethod
-    def digest_line(cls, section: dict[str, Any]) -> str:
-        return checkpoint_line(section)
-
-    @classmethod
-    def report_table(cls, ok: pd.DataFrame) -> ReportTable | None:
-        return checkpoint_table(ok)
+    digest_line = staticmethod(checkpoint_line)
+    report_table = staticmethod(checkpoint_table)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -307,36 +338,3 @@ def _shown(path: Path, cell: Path) -> str:
 # The digest line and the report section (Probe.digest_line, Probe.report_table).
 
 
-def checkpoint_table(ok: pd.DataFrame) -> ReportTable | None:
-    """Save and restore of the cells run with ``checkpoint=full|sharded``: bytes, rank 0's and the largest save
-    peak above what the rank held, the save's collectives, times, the bit-identical continuation; else None."""
-    has = [not missing(v) for v in column(ok, "checkpoint.kind")]
-    if not any(has):
-        return None
-    ok = ok[has]
-    ops = sorted({k.split(".")[-1] for k in ok.columns if k.startswith("checkpoint.save.collectives.counts.")},
-                 key=lambda op: (list(OPS).index(op) if op in OPS else len(OPS), op))
-    keys = ["checkpoint.kind", "checkpoint.files", "checkpoint.save.bytes_written",
-            "checkpoint.save.rank0_peak_over_start_bytes", "checkpoint.save.max_peak_over_start_bytes",
-            "checkpoint.save.ms", "checkpoint.load.ms", "checkpoint.continuation_max_abs_diff", "checkpoint.check"]
-    raw = raw_rows(ok, keys + [f"checkpoint.save.collectives.counts.{op}" for op in ops])
-    raw["save collectives"] = [", ".join(f"{OPS.get(op, op)} {fmt_int(row[f'checkpoint.save.collectives.counts.{op}'])}"
-                                         for op in ops if not missing(row[f"checkpoint.save.collectives.counts.{op}"]))
-                               or "none" for _, row in raw.iterrows()]
-    unit = byte_unit(v for k in keys[2:5] for v in raw[k])
-    cols = [Column("cell", "label", str), Column("kind", keys[0]), Column("files", keys[1], fmt_int),
-            Column(f"written {unit}", keys[2], unit), Column(f"rank-0 save peak + {unit}", keys[3], unit),
-            Column(f"max save peak + {unit}", keys[4], unit), Column("save collectives", "save collectives", str),
-            Column("save ms", keys[5], fmt_ms), Column("load ms", keys[6], fmt_ms),
-            Column("continuation max abs diff", keys[7], fmt_err), Column("check", keys[8])]
-    note = (f"After training: bytes written by all ranks; save peak + is the highest allocation during the save "
-            f"above what the rank held when it started ({unit}; rank 0, and the largest rank); the save's collectives "
-            "(rank 0's calls, torch.profiler); times with the profiler and memory tracker running. PASS: restored into "
-            "a fresh model, one more step gives bit-identical parameters.")
-    return ReportTable("checkpoint", "Checkpoint: save and restore", raw, cols, note)
-
-def checkpoint_line(c: dict[str, Any]) -> str:
-    save, load = c.get("save", {}), c.get("load", {})
-    return (f"{c.get('kind')}: {c.get('files')} files saved in {fmt_ms(save.get('ms'))} ms, restored in "
-            f"{fmt_ms(load.get('ms'))} ms; restored and continued bit for bit: "
-            f"{c.get('restored_bit_identical')} / {c.get('continuation_bit_identical')}")

@@ -97,6 +97,41 @@ def extract(prof: profile, steps: list[int], world_size: int) -> list[dict[str, 
             for (ph, s, op, d), (c, b) in sorted(totals.items())]
 
 
+def collectives_table(ok: pd.DataFrame) -> ReportTable:
+    """Calls and payload per step by op (rank 0's), the expected fingerprint, and the check."""
+    ops = _ops(ok)
+    raw = raw_rows(ok, [f"collectives.{f}.{op}" for f in ("counts", "payload_bytes", "expected_counts",
+                                                     "expected_payload_bytes") for op in ops]
+               + ["collectives.payload_total_bytes", "collectives.param_bytes", "collectives.check"])
+    has = column(ok, "collectives.check").reset_index(drop=True).map(lambda v: not missing(v))
+    for f in ("counts", "payload_bytes"):  # an op a profiled cell never issued is 0, not unknown
+        for op in ops:
+            raw[f"collectives.{f}.{op}"] = [0 if h and missing(v) else v for h, v in zip(has, raw[f"collectives.{f}.{op}"])]
+    raw["payload / P"] = [None if missing(t) or missing(p) or not p else t / p
+                          for t, p in zip(raw["collectives.payload_total_bytes"], raw["collectives.param_bytes"])]
+    raw["expected"] = [_expected_text(row, ops) for _, row in raw.iterrows()]
+    unit = byte_unit(v for op in ops for v in raw[f"collectives.payload_bytes.{op}"])
+    cols = [Column("cell", "label", str)]
+    for op in ops:
+        name = OPS.get(op, op)
+        cols += [Column(f"{name} calls", f"collectives.counts.{op}", fmt_int, f"collectives.expected_counts.{op}"),
+                 Column(f"{name} {unit}", f"collectives.payload_bytes.{op}", unit,
+                        f"collectives.expected_payload_bytes.{op}")]
+    cols += [Column("payload / P", "payload / P", fmt_number), Column("expected calls", "expected", str),
+             Column("check", "collectives.check")]
+    legend = ", ".join(f"{short} = {op}" for op, short in OPS.items() if op in ops)
+    note = (f"Per step, rank 0 (ranks that differ make the check FAIL). {legend}. Payload is the nccl-tests S "
+            f"(the full array) in {unit}, input bytes, not link bytes; a measured value that differs from the "
+            "expected one shows it as (exp. X).")
+    return ReportTable("collectives", "Collectives per step", raw, cols, note)
+
+
+def collectives_line(c: dict[str, Any]) -> str:
+    counts, payload = c.get("counts", {}), c.get("payload_bytes", {})
+    ops = ", ".join(f"{n} {OPS.get(op, op)} ({_human_bytes(payload.get(op))})" for op, n in counts.items() if n)
+    return f"per step: {ops or 'none'} (payload S)"
+
+
 class CollectivesProbe(Probe):
     """Records every collective of the profiled steps on each rank; checks it against the adapter's model."""
 
@@ -104,13 +139,8 @@ class CollectivesProbe(Probe):
     order = 30
     steps = Steps("profiled", key="probes.profile_steps")
 
-    @classmethod
-    def digest_line(cls, section: dict[str, Any]) -> str:
-        return collectives_line(section)
-
-    @classmethod
-    def report_table(cls, ok: pd.DataFrame) -> ReportTable:
-        return collectives_table(ok)
+    digest_line = staticmethod(collectives_line)
+    report_table = staticmethod(collectives_table)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -252,35 +282,6 @@ def _ops(ok: pd.DataFrame) -> list[str]:
     return [op for op in OPS if op in found] + sorted(found - set(OPS))
 
 
-def collectives_table(ok: pd.DataFrame) -> ReportTable:
-    """Calls and payload per step by op (rank 0's), the expected fingerprint, and the check."""
-    ops = _ops(ok)
-    raw = raw_rows(ok, [f"collectives.{f}.{op}" for f in ("counts", "payload_bytes", "expected_counts",
-                                                     "expected_payload_bytes") for op in ops]
-               + ["collectives.payload_total_bytes", "collectives.param_bytes", "collectives.check"])
-    has = column(ok, "collectives.check").reset_index(drop=True).map(lambda v: not missing(v))
-    for f in ("counts", "payload_bytes"):  # an op a profiled cell never issued is 0, not unknown
-        for op in ops:
-            raw[f"collectives.{f}.{op}"] = [0 if h and missing(v) else v for h, v in zip(has, raw[f"collectives.{f}.{op}"])]
-    raw["payload / P"] = [None if missing(t) or missing(p) or not p else t / p
-                          for t, p in zip(raw["collectives.payload_total_bytes"], raw["collectives.param_bytes"])]
-    raw["expected"] = [_expected_text(row, ops) for _, row in raw.iterrows()]
-    unit = byte_unit(v for op in ops for v in raw[f"collectives.payload_bytes.{op}"])
-    cols = [Column("cell", "label", str)]
-    for op in ops:
-        name = OPS.get(op, op)
-        cols += [Column(f"{name} calls", f"collectives.counts.{op}", fmt_int, f"collectives.expected_counts.{op}"),
-                 Column(f"{name} {unit}", f"collectives.payload_bytes.{op}", unit,
-                        f"collectives.expected_payload_bytes.{op}")]
-    cols += [Column("payload / P", "payload / P", fmt_number), Column("expected calls", "expected", str),
-             Column("check", "collectives.check")]
-    legend = ", ".join(f"{short} = {op}" for op, short in OPS.items() if op in ops)
-    note = (f"Per step, rank 0 (ranks that differ make the check FAIL). {legend}. Payload is the nccl-tests S "
-            f"(the full array) in {unit}, input bytes, not link bytes; a measured value that differs from the "
-            "expected one shows it as (exp. X).")
-    return ReportTable("collectives", "Collectives per step", raw, cols, note)
-
-
 def _expected_text(row: pd.Series, ops: list[str]) -> str:
     parts = [f"{OPS.get(op, op)} {fmt_int(row[f'collectives.expected_counts.{op}'])}" for op in ops
              if not missing(row[f"collectives.expected_counts.{op}"]) and float(row[f"collectives.expected_counts.{op}"])]
@@ -298,7 +299,3 @@ def _human_bytes(nbytes: Any) -> str:
     return f"{value:.2f} GiB"
 
 
-def collectives_line(c: dict[str, Any]) -> str:
-    counts, payload = c.get("counts", {}), c.get("payload_bytes", {})
-    ops = ", ".join(f"{n} {OPS.get(op, op)} ({_human_bytes(payload.get(op))})" for op, n in counts.items() if n)
-    return f"per step: {ops or 'none'} (payload S)"

@@ -117,6 +117,29 @@ def compare(trained: Mapping[str, torch.Tensor], reference: Mapping[str, torch.T
     return {**out, "check": "PASS" if abs_err <= out["effective_threshold"] else "FAIL"}
 
 
+def equivalence_table(ok: pd.DataFrame) -> ReportTable:
+    """Final parameters against the unsharded reference."""
+    keys = ["equivalence.max_abs_err", "equivalence.max_rel_err", "equivalence.reduction_floor",
+            "equivalence.threshold", "equivalence.effective_threshold", "equivalence.check", "equivalence.steps",
+            "equivalence.compared_tensors"]
+    cols = [Column("cell", "label", str), Column("max abs err", keys[0], fmt_err), Column("max rel err", keys[1], fmt_err),
+            Column("reduction floor", keys[2], fmt_err), Column("threshold", keys[3], fmt_err),
+            Column("bound", keys[4], fmt_err), Column("check", keys[5]), Column("steps", keys[6], fmt_int),
+            Column("tensors", keys[7], fmt_int)]
+    note = ("Every parameter after the last step against an unsharded nn.Module + AdamW trained in one process on "
+            "the same global batches; the reduction floor is how far the same reference moves when only the "
+            "rounding of data parallelism's sums changes. PASS when max abs err <= bound: the precision's "
+            f"threshold, or {FLOOR_FACTOR:g}x the floor where larger.")
+    return ReportTable("equivalence", "Numerical equivalence", raw_rows(ok, keys), cols, note)
+
+
+def equivalence_line(e: dict[str, Any]) -> str:
+    bound = e.get("effective_threshold", e.get("threshold"))
+    basis = e.get("threshold_basis")
+    return (f"max abs err {fmt_err(e.get('max_abs_err'))} vs bound {fmt_err(bound)}"
+            + ("" if missing(basis) else f" ({basis})") + f" after {e.get('steps')} steps")
+
+
 class EquivalenceProbe(Probe):
     """Full parameters after training vs the unsharded reference (rank 0 reports)."""
 
@@ -124,13 +147,8 @@ class EquivalenceProbe(Probe):
     order = 60
     dry_run_absent = "no parameter values to compare with the reference"
 
-    @classmethod
-    def digest_line(cls, section: dict[str, Any]) -> str:
-        return equivalence_line(section)
-
-    @classmethod
-    def report_table(cls, ok: pd.DataFrame) -> ReportTable:
-        return equivalence_table(ok)
+    digest_line = staticmethod(equivalence_line)
+    report_table = staticmethod(equivalence_table)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -163,23 +181,3 @@ class EquivalenceProbe(Probe):
 # The digest line and the report section (Probe.digest_line, Probe.report_table).
 
 
-def equivalence_table(ok: pd.DataFrame) -> ReportTable:
-    """Final parameters against the unsharded reference."""
-    keys = ["equivalence.max_abs_err", "equivalence.max_rel_err", "equivalence.reduction_floor",
-            "equivalence.threshold", "equivalence.effective_threshold", "equivalence.check", "equivalence.steps",
-            "equivalence.compared_tensors"]
-    cols = [Column("cell", "label", str), Column("max abs err", keys[0], fmt_err), Column("max rel err", keys[1], fmt_err),
-            Column("reduction floor", keys[2], fmt_err), Column("threshold", keys[3], fmt_err),
-            Column("bound", keys[4], fmt_err), Column("check", keys[5]), Column("steps", keys[6], fmt_int),
-            Column("tensors", keys[7], fmt_int)]
-    note = ("Every parameter after the last step against an unsharded nn.Module + AdamW trained in one process on "
-            "the same global batches; the reduction floor is how far the same reference moves when only the "
-            "rounding of data parallelism's sums changes. PASS when max abs err <= bound: the precision's "
-            f"threshold, or {FLOOR_FACTOR:g}x the floor where larger.")
-    return ReportTable("equivalence", "Numerical equivalence", raw_rows(ok, keys), cols, note)
-
-def equivalence_line(e: dict[str, Any]) -> str:
-    bound = e.get("effective_threshold", e.get("threshold"))
-    basis = e.get("threshold_basis")
-    return (f"max abs err {fmt_err(e.get('max_abs_err'))} vs bound {fmt_err(bound)}"
-            + ("" if missing(basis) else f" ({basis})") + f" after {e.get('steps')} steps")

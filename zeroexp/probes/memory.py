@@ -258,6 +258,36 @@ def memory_source(device: torch.device) -> "_CudaAllocator | _TensorTracker":
     return _CudaAllocator(device) if device.type == "cuda" else _TensorTracker(device)
 
 
+def memory_table(ok: pd.DataFrame) -> ReportTable:
+    """Steady bytes at the optimizer boundary, the training peak, the difference, the peak of each phase of the
+    step and the phase the peak falls in (the largest rank's each)."""
+    phases = ("forward", "backward", "optimizer")
+    keys = ["memory.steady_bytes_max", "memory.peak_bytes_max", "memory.peak_minus_steady_max",
+            *(f"memory.phase_peak_bytes_max.{ph}" for ph in phases)]
+    raw = raw_rows(ok, keys + ["memory.peak_phase_of_max_rank", "memory.source"])
+    unit = byte_unit(v for k in keys for v in raw[k])
+    cols = [Column("cell", "label", str), Column(f"steady {unit}", keys[0], unit), Column(f"peak {unit}", keys[1], unit),
+            Column(f"peak - steady {unit}", keys[2], unit),
+            *(Column(f"{ph} peak {unit}", key, unit) for ph, key in zip(phases, keys[3:])),
+            Column("peak in", "memory.peak_phase_of_max_rank")]
+    sources = sorted({str(s).split(":")[0] for s in raw["memory.source"] if not missing(s)})
+    note = (f"Largest rank of each, in {unit}. Steady: what a rank holds at the optimizer boundary; peak: the highest "
+            "allocation during the memory-tracked steps (a training peak: building and wrapping the model are not "
+            "in it). Phase peaks: the highest allocation within forward (to on_before_backward), backward (with the "
+            "gradient collectives, to on_before_optimizer_step) and the optimizer step; 'peak in' names the phase "
+            "of the peak. A peak in the optimizer step is what the step allocates (AdamW's update temporaries; "
+            "zero1/zero2's and DeepSpeed's gradient reduction run there too): the activations are freed by then. "
+            f"Source: {'; '.join(sources) or NA}.")
+    return ReportTable("memory", "Steady and peak memory", raw, cols, note)
+
+
+def memory_line(m: dict[str, Any]) -> str:
+    unit = byte_unit([m.get("steady_bytes_max"), m.get("peak_bytes_max")])
+    phase = m.get("peak_phase_of_max_rank")
+    return (f"largest rank: steady {unit(m.get('steady_bytes_max'))} {unit}, peak {unit(m.get('peak_bytes_max'))} "
+            f"{unit}" + ("" if missing(phase) else f" (in {phase})"))
+
+
 class MemoryProbe(Probe):
     """Steady bytes at the optimizer boundary and the training peak of each memory-tracked step, per rank."""
 
@@ -267,13 +297,8 @@ class MemoryProbe(Probe):
     steps = Steps("memory_tracked", key="probes.memory_steps")
     dry_run_absent = "no real memory: no tensor is allocated, and the fake process group moves no bytes"
 
-    @classmethod
-    def digest_line(cls, section: dict[str, Any]) -> str:
-        return memory_line(section)
-
-    @classmethod
-    def report_table(cls, ok: pd.DataFrame) -> ReportTable:
-        return memory_table(ok)
+    digest_line = staticmethod(memory_line)
+    report_table = staticmethod(memory_table)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -346,30 +371,3 @@ class MemoryProbe(Probe):
 # The digest line and the report section (Probe.digest_line, Probe.report_table).
 
 
-def memory_table(ok: pd.DataFrame) -> ReportTable:
-    """Steady bytes at the optimizer boundary, the training peak, the difference, the peak of each phase of the
-    step and the phase the peak falls in (the largest rank's each)."""
-    phases = ("forward", "backward", "optimizer")
-    keys = ["memory.steady_bytes_max", "memory.peak_bytes_max", "memory.peak_minus_steady_max",
-            *(f"memory.phase_peak_bytes_max.{ph}" for ph in phases)]
-    raw = raw_rows(ok, keys + ["memory.peak_phase_of_max_rank", "memory.source"])
-    unit = byte_unit(v for k in keys for v in raw[k])
-    cols = [Column("cell", "label", str), Column(f"steady {unit}", keys[0], unit), Column(f"peak {unit}", keys[1], unit),
-            Column(f"peak - steady {unit}", keys[2], unit),
-            *(Column(f"{ph} peak {unit}", key, unit) for ph, key in zip(phases, keys[3:])),
-            Column("peak in", "memory.peak_phase_of_max_rank")]
-    sources = sorted({str(s).split(":")[0] for s in raw["memory.source"] if not missing(s)})
-    note = (f"Largest rank of each, in {unit}. Steady: what a rank holds at the optimizer boundary; peak: the highest "
-            "allocation during the memory-tracked steps (a training peak: building and wrapping the model are not "
-            "in it). Phase peaks: the highest allocation within forward (to on_before_backward), backward (with the "
-            "gradient collectives, to on_before_optimizer_step) and the optimizer step; 'peak in' names the phase "
-            "of the peak. A peak in the optimizer step is what the step allocates (AdamW's update temporaries; "
-            "zero1/zero2's and DeepSpeed's gradient reduction run there too): the activations are freed by then. "
-            f"Source: {'; '.join(sources) or NA}.")
-    return ReportTable("memory", "Steady and peak memory", raw, cols, note)
-
-def memory_line(m: dict[str, Any]) -> str:
-    unit = byte_unit([m.get("steady_bytes_max"), m.get("peak_bytes_max")])
-    phase = m.get("peak_phase_of_max_rank")
-    return (f"largest rank: steady {unit(m.get('steady_bytes_max'))} {unit}, peak {unit(m.get('peak_bytes_max'))} "
-            f"{unit}" + ("" if missing(phase) else f" (in {phase})"))

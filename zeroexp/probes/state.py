@@ -78,6 +78,52 @@ def check_factors(factors: dict[str, float], expected: dict[str, float], per_kin
     return reasons
 
 
+def state_table(ok: pd.DataFrame) -> ReportTable:
+    """State factors (logical bytes summed over ranks / P), expected, check, and the largest rank's bytes."""
+    expected = [k.removeprefix("state.expected.") for k in ok.columns if k.startswith("state.expected.")]
+    extra = [k for k in dict.fromkeys(expected) if k not in CORE_KINDS
+             and any(not missing(v) and float(v) != 0 for v in column(ok, f"state.expected.{k}"))]
+    kinds = [*CORE_KINDS, *extra]
+    raw = raw_rows(ok, [f"state.{f}.{k}" for f in ("factors", "expected", "max_rank_bytes") for k in kinds]
+               + ["state.check", "state.padding_bytes", "state.owner_imbalance", "state.logical_param_bytes"])
+    has = [not missing(v) for v in raw["state.check"]]
+    for key in [f"state.{f}.{k}" for f in ("factors", "max_rank_bytes") for k in kinds]:  # a kind not held is 0
+        raw[key] = [0 if h and missing(v) else v for h, v in zip(has, raw[key])]
+    raw["expected"] = [joined([raw.at[i, f"state.expected.{k}"] for k in kinds], fmt_factor) for i in raw.index]
+    raw["other kinds"] = [_other_kinds(row, kinds) for _, row in ok.iterrows()]
+    unit = byte_unit([*(v for k in kinds for v in raw[f"state.max_rank_bytes.{k}"]), *raw["state.padding_bytes"]])
+    raw["max-rank"] = [joined([raw.at[i, f"state.max_rank_bytes.{k}"] for k in kinds], unit) for i in raw.index]
+    short = "/".join(k[0].upper() if k in CORE_KINDS else k for k in kinds)
+    cols = [Column("cell", "label", str),
+            *(Column(f"{k} ×P", f"state.factors.{k}", fmt_factor) for k in kinds),
+            Column(f"expected {short}", "expected", str),
+            Column("other kinds ×P", "other kinds", str), Column("check", "state.check"),
+            Column(f"max-rank {short} {unit}", "max-rank", str),
+            Column(f"padding {unit}", "state.padding_bytes", unit),
+            Column("owner imbalance", "state.owner_imbalance", lambda v: NA if missing(v) else f"{float(v):.3f}")]
+    p_values = {fmt_factor(v) for v in raw["state.logical_param_bytes"] if not missing(v)}
+    p_text = (f"P = {unit(raw['state.logical_param_bytes'].dropna().iloc[0])} {unit} (logical fp32 parameter "
+              "bytes); " if len(p_values) == 1 else "")
+    note = (f"{p_text}a factor is a kind's logical bytes summed over all ranks / P, counted at the optimizer "
+            "boundary after warm-up (ZeRO, arXiv:1910.02054, section 5.1: stage 0 N/N/2N ... stage 3 1/1/2). "
+            f"Max-rank and padding columns are physical bytes in {unit} (2^{20 if unit.name == 'MiB' else 30} "
+            "bytes).")
+    semantics = {}
+    for label, text in zip(raw["label"], column(ok, "state.semantics")):
+        if not missing(text):
+            semantics.setdefault(str(text), []).append(str(label))
+    bullets = [f"{', '.join(labels)}: {text}" for text, labels in semantics.items()]
+    return ReportTable("state", "Model state per rank", raw, cols, note, bullets=bullets)
+
+
+def state_line(s: dict[str, Any]) -> str:
+    f = s.get("factors", {})
+    core = " / ".join(fmt_factor(f.get(k)) for k in ("param", "grad", "optim"))
+    unit = byte_unit(s.get("max_rank_bytes", {}).values())
+    per_rank = " / ".join(unit(s.get("max_rank_bytes", {}).get(k)) for k in ("param", "grad", "optim"))
+    return f"P/G/O x P (sum over ranks) {core}; largest rank {per_rank} {unit}"
+
+
 class StateProbe(Probe):
     """Counts the rank-local model state by kind at the optimizer boundary of ``schedule.state_step``."""
 
@@ -85,13 +131,8 @@ class StateProbe(Probe):
     order = 20
     steps = Steps("state_step", kind="first")  # reads at the first step after warm-up
 
-    @classmethod
-    def digest_line(cls, section: dict[str, Any]) -> str:
-        return state_line(section)
-
-    @classmethod
-    def report_table(cls, ok: pd.DataFrame) -> ReportTable:
-        return state_table(ok)
+    digest_line = staticmethod(state_line)
+    report_table = staticmethod(state_table)
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
@@ -182,44 +223,6 @@ class StateProbe(Probe):
 # The digest line and the report section (Probe.digest_line, Probe.report_table).
 
 
-def state_table(ok: pd.DataFrame) -> ReportTable:
-    """State factors (logical bytes summed over ranks / P), expected, check, and the largest rank's bytes."""
-    expected = [k.removeprefix("state.expected.") for k in ok.columns if k.startswith("state.expected.")]
-    extra = [k for k in dict.fromkeys(expected) if k not in CORE_KINDS
-             and any(not missing(v) and float(v) != 0 for v in column(ok, f"state.expected.{k}"))]
-    kinds = [*CORE_KINDS, *extra]
-    raw = raw_rows(ok, [f"state.{f}.{k}" for f in ("factors", "expected", "max_rank_bytes") for k in kinds]
-               + ["state.check", "state.padding_bytes", "state.owner_imbalance", "state.logical_param_bytes"])
-    has = [not missing(v) for v in raw["state.check"]]
-    for key in [f"state.{f}.{k}" for f in ("factors", "max_rank_bytes") for k in kinds]:  # a kind not held is 0
-        raw[key] = [0 if h and missing(v) else v for h, v in zip(has, raw[key])]
-    raw["expected"] = [joined([raw.at[i, f"state.expected.{k}"] for k in kinds], fmt_factor) for i in raw.index]
-    raw["other kinds"] = [_other_kinds(row, kinds) for _, row in ok.iterrows()]
-    unit = byte_unit([*(v for k in kinds for v in raw[f"state.max_rank_bytes.{k}"]), *raw["state.padding_bytes"]])
-    raw["max-rank"] = [joined([raw.at[i, f"state.max_rank_bytes.{k}"] for k in kinds], unit) for i in raw.index]
-    short = "/".join(k[0].upper() if k in CORE_KINDS else k for k in kinds)
-    cols = [Column("cell", "label", str),
-            *(Column(f"{k} ×P", f"state.factors.{k}", fmt_factor) for k in kinds),
-            Column(f"expected {short}", "expected", str),
-            Column("other kinds ×P", "other kinds", str), Column("check", "state.check"),
-            Column(f"max-rank {short} {unit}", "max-rank", str),
-            Column(f"padding {unit}", "state.padding_bytes", unit),
-            Column("owner imbalance", "state.owner_imbalance", lambda v: NA if missing(v) else f"{float(v):.3f}")]
-    p_values = {fmt_factor(v) for v in raw["state.logical_param_bytes"] if not missing(v)}
-    p_text = (f"P = {unit(raw['state.logical_param_bytes'].dropna().iloc[0])} {unit} (logical fp32 parameter "
-              "bytes); " if len(p_values) == 1 else "")
-    note = (f"{p_text}a factor is a kind's logical bytes summed over all ranks / P, counted at the optimizer "
-            "boundary after warm-up (ZeRO, arXiv:1910.02054, section 5.1: stage 0 N/N/2N ... stage 3 1/1/2). "
-            f"Max-rank and padding columns are physical bytes in {unit} (2^{20 if unit.name == 'MiB' else 30} "
-            "bytes).")
-    semantics = {}
-    for label, text in zip(raw["label"], column(ok, "state.semantics")):
-        if not missing(text):
-            semantics.setdefault(str(text), []).append(str(label))
-    bullets = [f"{', '.join(labels)}: {text}" for text, labels in semantics.items()]
-    return ReportTable("state", "Model state per rank", raw, cols, note, bullets=bullets)
-
-
 def _other_kinds(row: pd.Series, shown: list[str]) -> str:
     if missing(row.get("state.check")):
         return NA
@@ -230,9 +233,3 @@ def _other_kinds(row: pd.Series, shown: list[str]) -> str:
             parts.append(f"{kind} {fmt_factor(row[key])}")
     return ", ".join(parts) or "-"
 
-def state_line(s: dict[str, Any]) -> str:
-    f = s.get("factors", {})
-    core = " / ".join(fmt_factor(f.get(k)) for k in ("param", "grad", "optim"))
-    unit = byte_unit(s.get("max_rank_bytes", {}).values())
-    per_rank = " / ".join(unit(s.get("max_rank_bytes", {}).get(k)) for k in ("param", "grad", "optim"))
-    return f"P/G/O x P (sum over ranks) {core}; largest rank {per_rank} {unit}"

@@ -38,6 +38,30 @@ def step_statistics(step_ms: Sequence[float], cv_limit: float = CV_UNSTABLE) -> 
             "unstable": bool(cv > cv_limit), "timed_steps": int(a.size)}
 
 
+def timing_table(ok: pd.DataFrame) -> ReportTable:
+    """Median and P95 step time, CV, the stability flag, and the comparison with the first cell: a ratio when
+    both are stable, else a trend word (slower, faster, within noise)."""
+    keys = ["timing.median_ms", "timing.p95_ms", "timing.cv", "timing.unstable", "timing.timed_steps"]
+    raw = raw_rows(ok, keys)
+    timed = raw.dropna(subset=["timing.median_ms"])
+    base = timed.iloc[0] if len(timed) else None
+    raw["vs first"] = [_trend(row, base) for _, row in raw.iterrows()]
+    cols = [Column("cell", "label", str), Column("median ms", keys[0], fmt_ms), Column("P95 ms", keys[1], fmt_ms),
+            Column("CV", keys[2], fmt_pct),
+            Column("stability", keys[3], lambda v: NA if missing(v) else ("unstable" if bool(v) else "stable")),
+            Column("timed steps", keys[4], fmt_int),
+            Column(f"vs {base['label'] if base is not None else 'first'}", "vs first", str)]
+    note = ("Slowest rank per timed step (warm-up and probed steps excluded). A cell with CV > 5 % is unstable: "
+            "compare it by trend only; a ratio is given only when both cells are stable.")
+    return ReportTable("timing", "Step time", raw, cols, note)
+
+
+def timing_line(t: dict[str, Any]) -> str:
+    word = "unstable: a trend, not a figure" if t.get("unstable") else "stable"
+    return (f"median {fmt_ms(t.get('median_ms'))} ms, P95 {fmt_ms(t.get('p95_ms'))} ms, CV {fmt_pct(t.get('cv'))} "
+            f"over {t.get('timed_steps')} steps ({word})")
+
+
 class TimingProbe(Probe):
     """Wall time of each timed step on each rank, with a device synchronisation on CUDA at both ends."""
 
@@ -46,13 +70,8 @@ class TimingProbe(Probe):
     steps = Steps("timed", kind="rest", at_least=2)  # every step after the others' windows
     dry_run_absent = "no step time: a fake step computes nothing and communicates with no peer"
 
-    @classmethod
-    def digest_line(cls, section: dict[str, Any]) -> str:
-        return timing_line(section)
-
-    @classmethod
-    def report_table(cls, ok: pd.DataFrame) -> ReportTable:
-        return timing_table(ok)
+    digest_line = staticmethod(timing_line)
+    report_table = staticmethod(timing_table)
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -91,24 +110,6 @@ class TimingProbe(Probe):
 # The digest line and the report section (Probe.digest_line, Probe.report_table).
 
 
-def timing_table(ok: pd.DataFrame) -> ReportTable:
-    """Median and P95 step time, CV, the stability flag, and the comparison with the first cell: a ratio when
-    both are stable, else a trend word (slower, faster, within noise)."""
-    keys = ["timing.median_ms", "timing.p95_ms", "timing.cv", "timing.unstable", "timing.timed_steps"]
-    raw = raw_rows(ok, keys)
-    timed = raw.dropna(subset=["timing.median_ms"])
-    base = timed.iloc[0] if len(timed) else None
-    raw["vs first"] = [_trend(row, base) for _, row in raw.iterrows()]
-    cols = [Column("cell", "label", str), Column("median ms", keys[0], fmt_ms), Column("P95 ms", keys[1], fmt_ms),
-            Column("CV", keys[2], fmt_pct),
-            Column("stability", keys[3], lambda v: NA if missing(v) else ("unstable" if bool(v) else "stable")),
-            Column("timed steps", keys[4], fmt_int),
-            Column(f"vs {base['label'] if base is not None else 'first'}", "vs first", str)]
-    note = ("Slowest rank per timed step (warm-up and probed steps excluded). A cell with CV > 5 % is unstable: "
-            "compare it by trend only; a ratio is given only when both cells are stable.")
-    return ReportTable("timing", "Step time", raw, cols, note)
-
-
 def _trend(row: pd.Series, base: pd.Series | None) -> str:
     if base is None or missing(row["timing.median_ms"]):
         return NA
@@ -120,7 +121,3 @@ def _trend(row: pd.Series, base: pd.Series | None) -> str:
     noise = max(float(row["timing.cv"]), float(base["timing.cv"]))
     return "≈ (within noise)" if abs(ratio - 1) <= noise else ("slower (trend)" if ratio > 1 else "faster (trend)")
 
-def timing_line(t: dict[str, Any]) -> str:
-    word = "unstable: a trend, not a figure" if t.get("unstable") else "stable"
-    return (f"median {fmt_ms(t.get('median_ms'))} ms, P95 {fmt_ms(t.get('p95_ms'))} ms, CV {fmt_pct(t.get('cv'))} "
-            f"over {t.get('timed_steps')} steps ({word})")

@@ -27,6 +27,8 @@ def digest(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
         line = s.digest_line(section)
         if line is None:
             continue
+        if section.get("check") == "n/a" and str(section.get("reason", "")).startswith("too few steps"):
+            line = f"not measured: {section['reason']}"  # a probe skipped in a short run, whichever it is
         check = section.get("check")
         rows.append((s.name, line, "-" if missing(check) else str(check)))
     return rows
