@@ -94,6 +94,7 @@ def _grid_rank(rank: int, world_size: int, port: int, cases: dict, out: str) -> 
             "min_norm": min(norms) if norms else None,
         }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears gloo down while a peer is still in a collective (SIGABRT in CI once)
     dist.destroy_process_group()
 
 
@@ -264,6 +265,7 @@ def _overlap_rank(rank: int, world_size: int, init: str, out: str) -> None:
         events.append(f"step {step} done, pending {pending}")
     model(x)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"events": events, "left": [b.gather for b in buckets]}))
+    dist.barrier()
     dist.destroy_process_group()
 
 
