@@ -25,13 +25,13 @@ Sources (``memory.source`` names the one used):
 from __future__ import annotations
 
 import gc
-from enum import Enum
 from typing import Any
 
 import pandas as pd
 import torch
 from torch import nn
 
+from zeroexp.memtrack import step_mem_tracker as _step_mem_tracker, totals as _totals
 from zeroexp.probes.base import Probe, ProbeReport, Steps
 from zeroexp.report.format import NA, byte_unit, missing
 from zeroexp.report.section import Column, ReportTable, raw_rows
@@ -50,9 +50,6 @@ PEAK_MEANING = (
 #: ``engine.step``; ends at ``on_train_batch_end``). A phase whose hook never fires merges into the next.
 PHASES = ("forward", "backward", "optimizer")
 LAST_PHASE = PHASES[-1]
-#: MemTracker's reference types -> the category names in memory.csv and the summary.
-CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
-              "Temp": "temporaries", "Optstate": "optimizer_state", "Other": "other"}
 
 
 class _Collector:
@@ -125,7 +122,8 @@ def _peak_of_phases(phases: dict[str, tuple[int, dict[str, int]]]) -> dict[str, 
     phase's peak."""
     top = max(phases, key=lambda ph: phases[ph][0])  # dicts keep the phases' order; max keeps the first tie
     return {"peak": phases[top][0], "peak_categories": phases[top][1], "peak_phase": top,
-            "phase_peaks": {ph: total for ph, (total, _) in phases.items()}}
+            "phase_peaks": {ph: total for ph, (total, _) in phases.items()},
+            "phase_categories": {ph: cats for ph, (_, cats) in phases.items()}}
 
 
 def _live_tensors_and_optimizers() -> tuple[list[torch.Tensor], list[torch.optim.Optimizer]]:
@@ -144,51 +142,6 @@ def _trackable(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Opti
     """The optimizers MemTracker can walk: ZeroRedundancyOptimizer.load_state_dict leaves None in the wrapper's
     state for parameters other ranks own (its local optimizer, tracked too, holds the real state)."""
     return [o for o in optimizers if all(isinstance(s, dict) for s in o.state.values())]
-
-
-def _totals(snapshot: dict[torch.device, dict[Any, int]], device_type: str) -> tuple[int, dict[str, int]]:
-    """Total bytes and bytes per category of a MemTracker snapshot, summed over devices of ``device_type``."""
-    total, cats = 0, dict.fromkeys(CATEGORIES.values(), 0)
-    for dev, snap in snapshot.items():
-        if torch.device(dev).type != device_type:
-            continue
-        for key, nbytes in snap.items():
-            name = key.value if isinstance(key, Enum) else str(key)
-            if name == "Total":
-                total += int(nbytes)
-            elif name in CATEGORIES:
-                cats[CATEGORIES[name]] += int(nbytes)
-    return total, cats
-
-
-def _step_mem_tracker() -> Any:
-    """A MemTracker whose optimizer-state region is only the optimizer's update (see :class:`_TensorTracker`)."""
-    from copy import deepcopy
-
-    from torch.distributed._tools import MemTracker
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
-
-    class _StepMemTracker(MemTracker):
-        # Lightning runs forward and backward inside ``optimizer.step(closure)``: MemTracker's global step
-        # hooks would label every activation "optimizer state". The probe marks the update region instead.
-        def _register_global_optimizer_hook(self) -> None:
-            pass
-
-        def set_in_optimizer_update(self, flag: bool) -> None:
-            self._in_opt = flag
-
-        def reset_peak(self) -> None:
-            """Start a new peak from the bytes alive now (MemTracker only ever raises its peak)."""
-            self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()}
-            self._peak_mem_snap = deepcopy(self._curr_mem_snap)
-
-        # FSDP1 with use_orig_params=True exposes non-leaf parameter views in forward, on which MemTracker's
-        # gradient hooks cannot be registered; their gradients land in the FlatParameter's, counted anyway.
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> Any:
-            leaves = all(p.is_leaf for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and leaves)
-
-    return _StepMemTracker()
 
 
 class _TensorTracker:
@@ -365,6 +318,14 @@ class MemoryProbe(Probe):
         }
         if peak_cats[worst]:
             section["peak_categories_of_max_rank"] = {c: int(b) for c, b in peak_cats[worst].items()}
+        records = results[worst]["records"]
+        top = max(reversed(records), key=lambda rec: rec["peak"])
+        section["max_rank"] = worst
+        section["steady_categories_of_max_rank"] = {c: int(b) for c, b in records[-1]["steady_categories"].items()}
+        section["phases_of_max_rank"] = {
+            ph: {"peak_bytes": int(top["phase_peaks"][ph]),
+                 "by_category": {c: int(b) for c, b in top.get("phase_categories", {}).get(ph, {}).items()}}
+            for ph in PHASES if ph in top["phase_peaks"]}
         return ProbeReport(section=section, tables={"memory.csv": frame})
 
 
