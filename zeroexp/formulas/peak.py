@@ -36,7 +36,8 @@ class StepTrace:
 #: ``new``: autograd allocates each parameter's ``.grad`` after ``zero_grad(set_to_none=True)`` freed the last
 #: step's (DDP; ZeroRedundancyOptimizer on DDP). ``in_place``: the gradients stay allocated across steps and autograd
 #: accumulates into them (zeroexp's ZeRO-1: views of its flat buckets). ``bucket``: no gradient survives the step; a
-#: bucket's flat buffer is allocated when its first gradient is ready and freed once it is reduced (zeroexp's ZeRO-2).
+#: bucket's flat buffer is allocated when its first gradient is ready and released in the optimizer step, after its
+#: reduction and before the update (zeroexp's ZeRO-2, ``ShardedAdamW.step``).
 GRADIENT_FLOW = {"ddp": "new", "zro": "new", "zero1": "in_place", "zero2": "bucket"}
 PHASES = ("forward", "backward", "optimizer")
 
@@ -69,10 +70,10 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
     Backward: per traced segment, its peak, less what the flow does not allocate anew (``in_place`` and ``bucket``:
     the traced ``.grad`` tensors; ``new``: the steady gradients ``zero_grad`` freed), plus, for ``bucket``, every
-    bucket opened before the segment started and not yet reduced (``buckets``: each one's bytes in reduce order,
-    opened by its first ready gradient, freed once its last one is ready). Optimizer: AdamW's temporaries over the
-    tensors this rank steps (:func:`adamw_temporaries`). Each segment's figure is a lower bound of the real one; the
-    phase's peak is the largest."""
+    bucket opened before the segment started (``buckets``: each one's bytes in reduce order, opened by its first
+    ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps (:func:`adamw_temporaries`), or,
+    for ``bucket``, the buckets alive when the step begins if they are more (released before the update). Each
+    segment's figure is a lower bound of the real one; the phase's peak is the largest."""
     if flow not in ("new", "in_place", "bucket"):
         raise ValueError(f"unknown gradient flow {flow!r}")
     forward = [s for s in trace.segments if s.phase == "forward"]
@@ -89,7 +90,7 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
         else:
             cats = _add(cats, {"gradients": -grads})
             if flow == "bucket":
-                held = sum(b for b, lo, hi in zip(buckets, edges, edges[1:]) if lo < before and before < hi)
+                held = sum(b for b, lo in zip(buckets, edges) if lo < before)
                 cats = _add(cats, {"gradients": held})
         total = sum(cats.values())
         if best is None or total > best["bytes"]:
@@ -97,7 +98,9 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
         before = s.end_by_category.get("gradients", 0)
     out["backward"] = best
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
-    out["optimizer"] = {"bytes": temps, "by_category": {"optimizer_state": temps}}
+    held = sum(buckets) if flow == "bucket" else 0
+    out["optimizer"] = ({"bytes": temps, "by_category": {"optimizer_state": temps}} if temps >= held else
+                        {"bytes": held, "by_category": {"gradients": held}})
     for rec in out.values():
         rec["by_category"] = {c: int(b) for c, b in rec["by_category"].items() if b}
     return out
