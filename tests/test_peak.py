@@ -78,13 +78,13 @@ def t_segments(t: StepTrace):
 
 
 def test_the_check_is_a_lower_bound_within_two_percent_with_one_named_late_tensor():
-    assert _judge(1000, 1000, None)[0] == "PASS"
-    assert _judge(1000, 981, None)[0] == "PASS"
-    assert _judge(1000, 979, None)[0] == "FAIL"  # 2.1 % short
-    assert _judge(1000, 1001, None)[0] == "FAIL"  # never above the measurement
-    verdict, note, _ = _judge(1500, 1000, ("bucket 0 held", 1500))  # the prediction with the late tensor held
+    assert _judge(1000, 1000, [])[0] == "PASS"
+    assert _judge(1000, 981, [])[0] == "PASS"
+    assert _judge(1000, 979, [])[0] == "FAIL"  # 2.1 % short
+    assert _judge(1000, 1001, [])[0] == "FAIL"  # never above the measurement
+    verdict, note, _ = _judge(1500, 1000, [("bucket 0 held", 1500)])  # the prediction with the late tensor held
     assert verdict == "PASS" and note == "bucket 0 held"
-    assert _judge(2000, 1000, ("bucket 0 held", 1500))[0] == "FAIL"  # at most one such tensor
+    assert _judge(2000, 1000, [("bucket 0 held", 1500)])[0] == "FAIL"  # at most one such tensor
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zro", "zero1", "zero2"])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["Segment", "StepTrace"]
+__all__ = ["Segment", "StepTrace", "FsdpUnit", "GRADIENT_FLOW", "PHASES", "adamw_temporaries", "phase_peaks",
+           "fsdp_phase_peaks"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +106,81 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     for rec in out.values():
         rec["by_category"] = {c: int(b) for c, b in rec["by_category"].items() if b}
     return out
+
+
+class FsdpUnit(NamedTuple):
+    """One FSDP1 unit for the peak model: ``unsharded`` (its padded FlatParameter, bytes), ``shard`` (one rank's
+    share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them)."""
+
+    unsharded: int
+    shard: int
+    grads: int
+
+
+def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
+                     reshard_after_forward: bool, prefetch: str, gloo: bool,
+                     optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool) -> dict[str, dict]:
+    """FSDP1 (FlatParameter per unit; ``units`` in forward order, ``root``: the root unit's unsharded bytes, held
+    from its forward to the end of backward), per phase, the bytes above steady at the peak, by category.
+
+    Forward: while unit k computes, FULL_SHARD holds k unsharded, SHARD_GRAD_OP every unit up to k (freed after
+    backward). Backward, unit u after the units before it in backward order: two moments, read from FSDP1's
+    post-backward hook (torch/distributed/fsdp/_runtime_utils.py):
+      A -- the per-parameter gradients (``grads``) are concatenated into the FlatParameter's unsharded gradient
+           (a new ``unsharded`` buffer) while u is still unsharded;
+      B -- u is resharded, the reduce-scatter's output (``shard``) is allocated, and on gloo
+           ``_reduce_scatter_base`` copies its input (another ``unsharded``).
+    Both hold the bare backward's activations and their gradients at u's end (the trace, its parameter gradients
+    taken out), the sharded gradients of the units done (``zero_grad`` freed the steady ones), and the unsharded
+    units: FULL_SHARD u at A; BACKWARD_PRE the next unit at A and B, BACKWARD_POST at B only; SHARD_GRAD_OP every
+    unit not yet done (u at A only). Optimizer: AdamW's temporaries over the shards."""
+    k_of = {s.unit: i for i, s in enumerate(s for s in trace.segments if s.phase == "forward" and s.at == "end"
+                                            and s.unit != "loss")}
+    if len(k_of) != len(units):
+        raise ValueError(f"{len(k_of)} traced units, {len(units)} FSDP units")
+    full = [u.unsharded for u in units]
+    best = {ph: {"bytes": -(2**62), "by_category": {}} for ph in ("forward", "backward")}
+
+    def keep(phase: str, cats: dict) -> None:
+        cats = {c: int(b) for c, b in cats.items() if b}
+        if best[phase]["bytes"] < sum(cats.values()):
+            best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+
+    for s in (s for s in trace.segments if s.phase == "forward"):
+        act = {"activations": -trace.loss_bytes}
+        if s.unit == "loss":
+            held = root + (0 if reshard_after_forward else sum(full))
+            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": held}))
+            continue
+        k = k_of[s.unit]
+        done = sum(full[:k]) if not reshard_after_forward else 0
+        if s.at == "end":  # unit k computing
+            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + done + full[k]}))
+        else:  # before unit k's pre-hook: k gathered at its end
+            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + done}))
+            keep("forward", _add(_add(s.end_by_category, act), {"parameters": root + done + full[k]}))
+    segs = list(trace.segments)
+    order = sorted(k_of.items(), key=lambda kv: -kv[1])  # backward: the last unit first
+    shards_done = 0
+    for pos, (name, k) in enumerate(order):
+        i = next(j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", name, "end"))
+        after = segs[i + 1].end_by_category  # u's backward done, its output gradient freed
+        t_act = after.get("activations", 0) - trace.loss_bytes
+        t_temp = after.get("temporaries", 0)
+        nxt = full[order[pos + 1][1]] if pos + 1 < len(order) else 0
+        pending = sum(full[j] for _, j in order[pos + 1:])
+        u = units[k]
+        if reshard_after_forward:
+            held_a = u.unsharded + (nxt if prefetch == "pre" else 0)
+            held_b = nxt if prefetch in ("pre", "post") else 0
+        else:
+            held_a, held_b = u.unsharded + pending, pending
+        keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads + u.unsharded + shards_done,
+                          "parameters": root + held_a, "gradients": -steady_grad_bytes})
+        keep("backward", {"activations": t_act,
+                          "temporaries": t_temp + shards_done + u.shard + (u.unsharded if gloo else 0),
+                          "parameters": root + held_b, "gradients": u.unsharded - steady_grad_bytes})
+        shards_done += u.shard
+    temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
+    best["optimizer"] = {"bytes": temps, "by_category": {"optimizer_state": temps}}
+    return best

@@ -46,13 +46,13 @@ def plan_section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | No
         return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
 
 
-def _memory(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int) -> dict[str, Any]:
+def _memory(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int, shape: Any) -> dict[str, Any]:
     """``plan.memory`` (:mod:`zeroexp.plan.memory`); never raises: a failure becomes ``check: ERROR``."""
     from zeroexp.models import import_class
     from zeroexp.plan.memory import memory_section
 
     try:
-        return memory_section(cfg, summary, name, groups, itemsize, [import_class(p) for p in wrap_paths(cfg)])
+        return memory_section(cfg, summary, name, groups, itemsize, [import_class(p) for p in wrap_paths(cfg)], shape)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
         return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
 
@@ -155,7 +155,7 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
         "check": "FAIL" if reasons else "PASS",
         "reasons": reasons,
     }
-    section["memory"] = _memory(cfg, summary, name, groups, precision.itemsize)
+    section["memory"] = _memory(cfg, summary, name, groups, precision.itemsize, shape)
     if itself:  # the "measurement" is this model: comparing them cannot fail
         section.update(check="n/a", payload_check="n/a", reasons=[f"not checked: {itself}"])
         section["groups"].update(check="n/a", reasons=[f"not checked: {itself}"])
