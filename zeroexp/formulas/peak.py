@@ -175,6 +175,10 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
             held_b = nxt if prefetch in ("pre", "post") else 0
         else:
             held_a, held_b = u.unsharded + pending, pending
+        seg = segs[i]  # u computing: the trace's peak, its parameter gradients replaced by the shards done
+        keep("backward", _add(seg.peak_by_category, {"activations": -trace.loss_bytes, "parameters": root + held_a,
+                                                     "gradients": shards_done - steady_grad_bytes
+                                                     - seg.peak_by_category.get("gradients", 0)}))
         keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads + u.unsharded + shards_done,
                           "parameters": root + held_a, "gradients": -steady_grad_bytes})
         keep("backward", {"activations": t_act,
