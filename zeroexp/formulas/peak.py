@@ -161,30 +161,37 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
             keep("forward", _add(_add(s.end_by_category, act), {"parameters": root + done + full[k]}))
     segs = list(trace.segments)
     order = sorted(k_of.items(), key=lambda kv: -kv[1])  # backward: the last unit first
-    shards_done = 0
+    shards_done, grads_done = 0, 0  # the units done: their shards (kept), their traced full gradients (not kept)
     for pos, (name, k) in enumerate(order):
         i = next(j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", name, "end"))
+        u = units[k]
         after = segs[i + 1].end_by_category  # u's backward done, its output gradient freed
         t_act = after.get("activations", 0) - trace.loss_bytes
         t_temp = after.get("temporaries", 0)
+        # The root unit's gradients (a tied head, the final norm) stay unsharded until the root's own post-backward
+        # at the end: what the trace holds beyond the units' own.
+        t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
         nxt = full[order[pos + 1][1]] if pos + 1 < len(order) else 0
         pending = sum(full[j] for _, j in order[pos + 1:])
-        u = units[k]
         if reshard_after_forward:
             held_a = u.unsharded + (nxt if prefetch == "pre" else 0)
             held_b = nxt if prefetch in ("pre", "post") else 0
         else:
             held_a, held_b = u.unsharded + pending, pending
-        seg = segs[i]  # u computing: the trace's peak, its parameter gradients replaced by the shards done
-        keep("backward", _add(seg.peak_by_category, {"activations": -trace.loss_bytes, "parameters": root + held_a,
-                                                     "gradients": shards_done - steady_grad_bytes
-                                                     - seg.peak_by_category.get("gradients", 0)}))
+        # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (nothing of
+        # FSDP's happens there); their parameter gradients replaced by the shards done, the root's kept.
+        for seg, held in ((segs[i], held_a), *(((segs[i - 1], held_a - u.unsharded),) if pos == 0 else ())):
+            g = seg.peak_by_category.get("gradients", 0)
+            keep("backward", _add(seg.peak_by_category, {
+                "activations": -trace.loss_bytes, "parameters": root + held,
+                "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
         keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads + u.unsharded + shards_done,
-                          "parameters": root + held_a, "gradients": -steady_grad_bytes})
+                          "parameters": root + held_a, "gradients": t_root - steady_grad_bytes})
         keep("backward", {"activations": t_act,
                           "temporaries": t_temp + shards_done + u.shard + (u.unsharded if gloo else 0),
-                          "parameters": root + held_b, "gradients": u.unsharded - steady_grad_bytes})
+                          "parameters": root + held_b, "gradients": t_root + u.unsharded - steady_grad_bytes})
         shards_done += u.shard
+        grads_done += u.grads
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
     best["optimizer"] = {"bytes": temps, "by_category": {"optimizer_state": temps}}
     return best
