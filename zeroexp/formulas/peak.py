@@ -180,7 +180,8 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
             held_a, held_b = u.unsharded + pending, pending
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (nothing of
         # FSDP's happens there); their parameter gradients replaced by the shards done, the root's kept.
-        for seg, held in ((segs[i], held_a), *(((segs[i - 1], held_a - u.unsharded),) if pos == 0 else ())):
+        held_before = 0 if reshard_after_forward else held_a  # FULL_SHARD gathers (and prefetches) in u's pre-hook
+        for seg, held in ((segs[i], held_a), *(((segs[i - 1], held_before),) if pos == 0 else ())):
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {
                 "activations": -trace.loss_bytes, "parameters": root + held,
