@@ -118,7 +118,10 @@ class PlanSection:
         verdict = "equal the measured" if p.get("check") == "PASS" else "differ from the measured"
         what = "bytes per rank and kind" + (", calls per op" if p.get("collectives") else "") + \
             (" and groups" if (p.get("groups") or {}).get("check") == "PASS" else "")
-        return f"{p.get('layout')}: predicted {what} {verdict}"
+        memory = p.get("memory") or {}
+        peak = "" if memory.get("check") in (None, "n/a") else \
+            f"; peak model {memory['check']} (largest error {100 * float(memory.get('max_rel_err') or 0):.2f} %)"
+        return f"{p.get('layout')}: predicted {what} {verdict}{peak}"
 
     @staticmethod
     def report_table(ok: pd.DataFrame) -> ReportTable | None:
