@@ -119,7 +119,46 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     for r in records:
         r["batch_size"] = batch
         r.update(activations or {"activation_bytes": None, "activation_unit_bytes": None, "korthikanti_bytes": None})
+    _peaks(cfg, records, shape, batch, memory)
     return records, notes
+
+
+def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
+           memory: int | None) -> None:
+    """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers: ``peak_bytes`` (model
+    state + DDP's buckets + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``, and
+    ``fits`` judged on the peak there (``fits_on``: ``peak``, else ``state``: model state + gather floor, as before).
+    ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does)."""
+    from zeroexp.formulas import LAYOUTS, derive_groups
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.memory import predict_phases, steady_buffers_bytes, uncovered
+
+    trace = None
+    if batch is not None and cfg.model is not None and cfg.precision.name == "fp32":
+        from zeroexp.plan.steptrace import trace_step
+
+        wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
+                                                                      "model": cfg.model}))]
+        trace = trace_step(cfg.model, batch, wrap, device="cpu")
+    knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20))
+    for r in records:
+        r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, fits_on="state")
+        why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name))
+        if trace is None:
+            why = why or ["no traced step: give model= and batch_size= (fp32)"]
+        if why:
+            r["peak_note"] = "; ".join(why)
+            continue
+        name, n, c = r["strategy"], r["world_size"], 4
+        groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
+        ranks = range(n) if name == "zro" else (0,)  # only zro's ranks differ (their owned parameters)
+        phases = max((predict_phases(name, groups, shape, trace, c, rank, "pre") for rank in ranks),
+                     key=lambda ph: max(v["bytes"] for v in ph.values()))
+        top = max(phases, key=lambda ph: phases[ph]["bytes"])
+        r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
+                 peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))
+        if memory is not None:
+            r["fits"] = r["peak_bytes"] <= memory
 
 
 def _activations(cfg: DictConfig, batch: int) -> dict[str, Any] | None:
