@@ -64,15 +64,22 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                         bool(cfg.strategy.get("use_orig_params", False)))
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
-    if not measured.get("phases_of_max_rank"):
-        reasons.append("no per-phase memory measurement (the memory probe did not run, or ran before "
-                       "schema version 3)")
     if reasons:
         return {"check": "n/a", "reasons": reasons}
     from zeroexp.plan.steptrace import trace_step
 
-    rank = int(measured["max_rank"])
     trace = trace_step(cfg.model, int(cfg.batch_size), wrap, device="cpu")
+    if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
+        ranks = range(groups.world_size) if name == "zro" else (0,)
+        predicted = max((predict_phases(name, groups, shape, trace, itemsize, r, str(cfg.prefetch.name))
+                         for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
+        return {"model": f"peak model (zeroexp.formulas.peak), row {name}",
+                "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
+                "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
+                           for ph, v in predicted.items()},
+                "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
+                                            "not run): predicted only"]}
+    rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
     flow = GRADIENT_FLOW.get(name, "fsdp1")
     predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo)
