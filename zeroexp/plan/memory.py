@@ -16,24 +16,27 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas import Groups, ModelShape
-from zeroexp.formulas.peak import GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp_phase_peaks, phase_peaks
+from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks,
+                                   phase_peaks)
 
 __all__ = ["memory_section", "predict_phases", "uncovered", "steady_buffers_bytes", "TOLERANCE"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
 FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False}
+#: FSDP2 rows the peak model covers (``reshard_after_forward=True``).
+FSDP2_ROWS = ("fsdp2_full",)
 #: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
 TOLERANCE = 0.02
 
 
 def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False) -> list[str]:
     """Why the peak model does not cover a row in this precision and offload (empty: it does)."""
-    flow = GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else None)
+    flow = GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
     reasons = []
     if flow is None:
         reasons.append(f"no peak model yet for strategy.layout={name} (covered: "
-                       f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS])})")
+                       f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS])})")
     if flow == "fsdp1" and use_orig_params:
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
     if precision != "fp32" or offload != "none":
@@ -45,8 +48,8 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
                    prefetch: str = "none", gloo: bool = False) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``."""
-    if name in FSDP1_ROWS:
-        return _fsdp1(name, groups, shape, trace, itemsize, prefetch, gloo)
+    if name in FSDP1_ROWS or name in FSDP2_ROWS:
+        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo)
     return phase_peaks(GRADIENT_FLOW[name], trace, **_strategy_terms(name, groups, rank, groups.world_size, itemsize))
 
 
@@ -126,10 +129,10 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int)
             "foreach": False}
 
 
-def _fsdp1(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
-           gloo: bool) -> dict[str, Any]:
-    """FSDP1's phase peaks: the groups' units (padded FlatParameters, in post-order, the root last) beside the
-    shape's (their parameters' own gradients)."""
+def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
+          gloo: bool) -> dict[str, Any]:
+    """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
+    post-order, the root last) beside the shape's (their parameters' own gradients)."""
     n = groups.world_size
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
@@ -141,8 +144,12 @@ def _fsdp1(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, items
         else:
             units.append(FsdpUnit(unit.numel * itemsize, unit.numel // n * itemsize,
                                   sum(shape.numels[i] for i in members) * itemsize))
-    full_shard = FSDP1_ROWS[name]
     shards = [u.numel // n for u in groups.units]
+    if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
+        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize, gloo=gloo,
+                                 optimizer_numels=tuple(s.numel // n for s in groups.shards), optimizer_itemsize=4,
+                                 foreach=False)
+    full_shard = FSDP1_ROWS[name]
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), optimizer_itemsize=4,
