@@ -84,7 +84,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                                             "not run): predicted only"]}
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
-    flow = GRADIENT_FLOW.get(name, "fsdp1")
+    flow = GRADIENT_FLOW.get(name, "fsdp2" if name in FSDP2_ROWS else "fsdp1")
     predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
