@@ -89,8 +89,8 @@ def test_aggregate_reports_disagreeing_ranks_and_unsteady_steps(compose):
     assert ok["check"] == "PASS" and ok["counts"] == {"all_reduce": 2}
     bad = CollectivesProbe.aggregate([_rank(steady, expected), _rank([*steady, extra], expected)], cfg).section
     assert bad["check"] == "FAIL"
-    assert bad["rank_disagreements"] == [{"op": "broadcast", "dtype": "int32", "counts": [0, 1],
-                                          "payload_bytes": [0, 22]}]
+    assert bad["rank_disagreements"] == [{"op": "broadcast", "dtype": "int32", "mesh_dim": "world", "group_size": 2,
+                                          "counts": [0, 1], "payload_bytes": [0, 22]}]
     assert any(x.startswith("rank 1: step 4") for x in bad["reasons"])
     none = CollectivesProbe.aggregate([_rank(steady), _rank(steady)], cfg).section
     assert none["check"] == "n/a" and "not checked" in none["reasons"][-1]  # measured, nothing to hold it to

@@ -126,8 +126,10 @@ def test_every_registered_strategy_has_a_row():
     from zeroexp.strategies import registered
 
     table = strategy_table()
-    # each strategy's YAML names its row (strategy.layout); deepspeed's follows strategy.stage: deepspeed_stage<k>
-    assert set(registered()) - {"deepspeed"} <= set(table) and set(PAPER + DEEPSPEED) <= set(table)
+    # each strategy's YAML names its row (strategy.layout); deepspeed's follows strategy.stage: deepspeed_stage<k>;
+    # fsdp_hybrid's strategy.sharding: fsdp_<sharding>
+    assert set(registered()) - {"deepspeed", "fsdp_hybrid"} <= set(table) and set(PAPER + DEEPSPEED) <= set(table)
+    assert {"fsdp_HYBRID_SHARD", "fsdp__HYBRID_SHARD_ZERO2"} <= set(table)
     assert [layout.stage for layout in table.values()] == sorted(layout.stage for layout in table.values())
 
 
