@@ -37,7 +37,8 @@ def test_reference_fingerprint(cell, name):
     assert s["dtypes"] == {op: "float32" for op in want}
     assert s["param_bytes"] == P and s["payload_total_bytes"] == sum(k for _, k in want.values()) * P
     csv = read_csv(r, "collectives.csv")
-    assert list(csv.columns) == ["rank", "op", "count", "dtype", "payload_bytes", "bus_bytes"]
+    assert list(csv.columns) == ["rank", "op", "count", "dtype", "payload_bytes", "bus_bytes", "mesh_dim", "group_size"]
+    assert set(csv["mesh_dim"]) == {"world"} and set(csv["group_size"]) == {N}  # every call on the default group
     assert sorted(csv["rank"].unique()) == list(range(N)) and len(csv) == N * len(want)
     for row in csv.itertuples():
         assert (row.count, row.payload_bytes) == (want[row.op][0], want[row.op][1] * P)

@@ -105,9 +105,15 @@ def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, of
             notes.append(f"{name}: precision={precision.name} is not modelled (covers {', '.join(sorted(layout.precisions))})")
         elif offload not in layout.offloads:
             notes.append(f"{name}: offload={offload} is not modelled (covers {', '.join(sorted(layout.offloads))})")
+        elif layout.hybrid and not knobs.shard_size:
+            notes.append(f"{name}: hybrid sharding needs shard_size= (the ranks of one shard group: a node's GPUs)")
         else:
-            records += [plan_record(name, layout, shape, n, precision, offload, knobs, device_memory, model)
-                        for n in world_sizes]
+            for n in world_sizes:
+                if layout.hybrid and not (1 < knobs.shard_size < n and n % knobs.shard_size == 0):
+                    notes.append(f"{name} at world_size={n}: shard_size={knobs.shard_size} is no divisor of {n} "
+                                 "strictly between 1 and it")
+                else:
+                    records.append(plan_record(name, layout, shape, n, precision, offload, knobs, device_memory, model))
     return records, notes
 
 
