@@ -138,3 +138,15 @@ def test_dry_run_at_1024_as_128_nodes_of_8(cell, strategy):
     assert {op: {dim: g["size"] for dim, g in gs.items()} for op, gs in c["groups"].items()} == \
         {"all_gather": {"shard": 8}, "reduce_scatter": {"shard": 8}, "all_reduce": {"replicate": 128}}
     assert s["plan"]["groups"]["check"] == "PASS", s["plan"]["groups"]["reasons"]
+
+
+def test_deepspeed_hpz_is_refused_with_the_reason(compose):
+    """ZeRO++ hpZ runs here but is a no-op under zeroexp's stage-3 fetch settings: refused, naming the key and why."""
+    from zeroexp.strategies.deepspeed import deepspeed_available
+
+    if not deepspeed_available():
+        pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
+    with pytest.raises(ConfigError, match=r"strategy.hpz_size=2: DeepSpeed 0.19 runs ZeRO\+\+ hpZ here.*no parameter "
+                                          r"is released between forward and backward"):
+        validate(compose("strategy=deepspeed", "strategy.stage=3", f"world_size={N}", "strategy.hpz_size=2"))
+    validate(compose("strategy=deepspeed", "strategy.stage=3", f"world_size={N}", "strategy.hpz_size=1"))
