@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from zeroexp.cell import cell_name
 from zeroexp.config import ConfigError, validate
 from zeroexp.expect import Expectation
 from zeroexp.formulas import ModelShape, PlanKnobs, bus_bytes, padded_numel
@@ -65,6 +66,7 @@ def test_shard_size_is_required_and_divides_world_size(compose, strategy, overri
     except Exception as e:  # noqa: BLE001 - a value the schema's int refuses fails at composition, naming the key
         assert "shard_size" in str(e) and why is None
         return
+    assert cell_name(cfg).startswith(strategy)  # the cell is named (Hydra's output path) before validate refuses it
     with pytest.raises(ConfigError, match=f"strategy.shard_size.*{why or ''}.*accepted: a divisor of world_size=4"):
         validate(cfg)
 
@@ -150,3 +152,16 @@ def test_deepspeed_hpz_is_refused_with_the_reason(compose):
                                           r"is released between forward and backward"):
         validate(compose("strategy=deepspeed", "strategy.stage=3", f"world_size={N}", "strategy.hpz_size=2"))
     validate(compose("strategy=deepspeed", "strategy.stage=3", f"world_size={N}", "strategy.hpz_size=1"))
+
+
+@pytest.mark.parametrize("strategy, syncs", [("fsdp_hybrid", 1), ("fsdp2_hybrid", 2)])
+def test_fp16_found_inf_all_reduce_runs_over_the_world(cell, strategy, syncs):
+    """fp16: the loss scaler's found_inf all_reduces (4 bytes; FSDP2's DTensor shards add one) run over all N ranks,
+    beside the replicas' gradient all_reduces in half-precision bytes; every check PASS."""
+    r = cell(f"strategy={strategy}", f"world_size={N}", f"strategy.shard_size={S}", "precision=fp16")
+    assert r.status == "ok", r.error
+    s = r.summary
+    assert all(s[k]["check"] == "PASS" for k in ("state", "collectives", "equivalence", "plan")), s["collectives"]
+    assert s["collectives"]["groups"]["all_reduce"] == {
+        "replicate": {"size": N // S, "count": DEPTH, "payload_bytes": DEPTH * UNIT // S // 2},
+        "world": {"size": N, "count": syncs, "payload_bytes": 4 * syncs}}

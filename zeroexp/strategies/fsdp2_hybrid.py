@@ -30,6 +30,7 @@ class FSDP2HybridConfig(FSDP2Config):
 class FSDP2HybridAdapter(FSDP2Adapter):
     name = "fsdp2_hybrid"
     schema = FSDP2HybridConfig
+    axes = frozenset({"shard_size"})  # the cell's name: fsdp2_hybrid-shard_size2_...
     reshard_after_forward = True
     zero_stage = 3
     semantics = (

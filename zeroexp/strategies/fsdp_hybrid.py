@@ -38,7 +38,7 @@ class FSDPHybridConfig(FSDPConfig):
 class FSDPHybridAdapter(FSDPAdapter):
     name = "fsdp_hybrid"
     schema = FSDPHybridConfig
-    axes = frozenset({"prefetch"})
+    axes = frozenset({"prefetch", "sharding", "shard_size"})  # the cell's name: fsdp_hybrid-pre-shard_size2-...
     #: No checkpoint kinds: FSDP1's state dicts under a device mesh are not exercised here.
     checkpoint_kinds = frozenset()
     semantics = (
