@@ -379,7 +379,8 @@ def state_factors(layout: StateLayout, world_size: int, itemsize: int, offload: 
     """The aggregate factors (sum over ranks of a kind's logical bytes / P, P = 4 Psi) ``layout`` claims at the
     optimizer boundary, in closed form [ZeRO 5.1]: a replicated kind N x its bytes per element / 4, a sharded one
     1 x (N / ``shard_size`` x for a ``hybrid`` layout: one sharded copy per replica); two fp32 moments; a master as
-    its ``master`` rule says; FSDP leaves no unsharded buffer (``param_unsharded`` 0). :func:`rank_state_bytes` gives the same sums, per rank and with padding."""
+    its ``master`` rule says; FSDP leaves no unsharded buffer (``param_unsharded`` 0). :func:`rank_state_bytes`
+    gives the same sums, per rank and with padding."""
     n, s = float(world_size), layout.sharded
     r = n / shard_size if layout.hybrid and shard_size else 1.0  # hybrid: one sharded copy per replica
     c = 1.0 if layout.fp32_at_rest else itemsize / 4

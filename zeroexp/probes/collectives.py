@@ -17,8 +17,9 @@ tree then holds that mark under the op. The mesh dimension is the adapter's (``S
 
 Payload S follows nccl-tests (doc/PERFORMANCE.md): the full array, so for all_gather and reduce_scatter one
 rank's chunk x the size of the call's group (N for the default group; shard_size within a hybrid shard group).
-Bus bytes = S x ``zeroexp.formulas.bus_factor`` at that group's size. The adapter derives the expected collectives from the
-model's structure (``RunContext.expect``: the adapter's live groups in zeroexp.formulas) after the window; this probe issues no collective at all.
+Bus bytes = S x ``zeroexp.formulas.bus_factor`` at that group's size. The adapter derives the expected
+collectives from the model's structure (``RunContext.expect``: the adapter's live groups in zeroexp.formulas)
+after the window; this probe issues no collective at all.
 """
 
 from __future__ import annotations
@@ -311,7 +312,8 @@ class CollectivesProbe(Probe):
         }
         if unmodelled:  # ranks that disagree or an unsteady fingerprint still fail; the rest is not checked
             section.update(check="FAIL" if reasons else "n/a", expected_counts=None, expected_payload_bytes=None,
-                           expected_bus_bytes=None, expected_groups=None, reasons=[*reasons, f"not checked: {first['expected_error']}"])
+                           expected_bus_bytes=None, expected_groups=None,
+                           reasons=[*reasons, f"not checked: {first['expected_error']}"])
         return ProbeReport(section=section, tables={"collectives.csv": pd.DataFrame(rows, columns=COLUMNS)})
 
 
