@@ -165,3 +165,17 @@ def test_fp16_found_inf_all_reduce_runs_over_the_world(cell, strategy, syncs):
     assert s["collectives"]["groups"]["all_reduce"] == {
         "replicate": {"size": N // S, "count": DEPTH, "payload_bytes": DEPTH * UNIT // S // 2},
         "world": {"size": N, "count": syncs, "payload_bytes": 4 * syncs}}
+
+
+def test_report_names_the_groups_of_a_hybrid_cell():
+    import pandas as pd
+
+    from zeroexp.probes.collectives import collectives_table
+
+    ok = pd.DataFrame([{"label": "fsdp_hybrid", "cell_name": "a", "collectives.check": "PASS",
+                        "collectives.counts.all_reduce": 8, "collectives.groups.all_reduce.replicate.size": 2,
+                        "collectives.counts.all_gather": 16, "collectives.groups.all_gather.shard.size": 2},
+                       {"label": "fsdp_full", "cell_name": "b", "collectives.check": "PASS",
+                        "collectives.counts.all_gather": 16, "collectives.groups.all_gather.world.size": 4},
+                       {"label": "old", "cell_name": "c", "collectives.check": "PASS"}])
+    assert list(collectives_table(ok).raw["groups"]) == ["AR replicate x2, AG shard x2", "world", "n/a"]

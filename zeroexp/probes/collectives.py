@@ -166,6 +166,7 @@ def collectives_table(ok: pd.DataFrame) -> ReportTable:
     raw["payload / P"] = [None if missing(t) or missing(p) or not p else t / p
                           for t, p in zip(raw["collectives.payload_total_bytes"], raw["collectives.param_bytes"])]
     raw["expected"] = [_expected_text(row, ops) for _, row in raw.iterrows()]
+    raw["groups"] = _groups_text(ok, ops)
     unit = byte_unit(v for op in ops for v in raw[f"collectives.payload_bytes.{op}"])
     cols = [Column("cell", "label", str)]
     for op in ops:
@@ -174,11 +175,12 @@ def collectives_table(ok: pd.DataFrame) -> ReportTable:
                  Column(f"{name} {unit}", f"collectives.payload_bytes.{op}", unit,
                         f"collectives.expected_payload_bytes.{op}")]
     cols += [Column("payload / P", "payload / P", fmt_number), Column("expected calls", "expected", str),
-             Column("check", "collectives.check")]
+             Column("groups", "groups", str), Column("check", "collectives.check")]
     legend = ", ".join(f"{short} = {op}" for op, short in OPS.items() if op in ops)
     note = (f"Per step, rank 0 (ranks that differ make the check FAIL). {legend}. Payload is the nccl-tests S "
             f"(the full array) in {unit}, input bytes, not link bytes; a measured value that differs from the "
-            "expected one shows it as (exp. X).")
+            "expected one shows it as (exp. X). groups: the process groups (mesh dimension x ranks) of each op's calls "
+            "where not all N ranks (hybrid sharding); payloads are sized by them.")
     return ReportTable("collectives", "Collectives per step", raw, cols, note)
 
 
@@ -363,6 +365,20 @@ def _expected_text(row: pd.Series, ops: list[str]) -> str:
     parts = [f"{OPS.get(op, op)} {fmt_int(row[f'collectives.expected_counts.{op}'])}" for op in ops
              if not missing(row[f"collectives.expected_counts.{op}"]) and float(row[f"collectives.expected_counts.{op}"])]
     return ", ".join(parts) or (NA if all(missing(row[f"collectives.expected_counts.{op}"]) for op in ops) else "none")
+
+def _groups_text(ok: pd.DataFrame, ops: list[str]) -> list[str]:
+    """Per cell, each op's process groups other than the world (``AG shard x2, AR replicate x2``), else ``world``;
+    n/a for a cell without the measurement (a run before the groups were recorded)."""
+    sizes = [k for k in ok.columns if k.startswith("collectives.groups.") and k.endswith(".size")]
+    out = []
+    for i in range(len(ok)):
+        row = ok.iloc[i]
+        parts = [f"{OPS.get(op, op)} {dim} x{int(row[k])}" for op in ops for k in sizes
+                 if k.startswith(f"collectives.groups.{op}.") and not missing(row[k])
+                 for dim in [k.removeprefix(f"collectives.groups.{op}.").removesuffix(".size")] if dim != WORLD]
+        out.append(", ".join(parts) or ("world" if any(not missing(row[k]) for k in sizes) else NA))
+    return out
+
 
 def _human_bytes(nbytes: Any) -> str:
     """``nbytes`` in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB)."""
