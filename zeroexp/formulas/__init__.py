@@ -4,6 +4,7 @@ run share it; it imports nothing else of zeroexp.
 - :mod:`~zeroexp.formulas.paper`: the paper's closed forms, bus factors, padding rules, the dtype sizes;
 - :mod:`~zeroexp.formulas.layout`: groups -> per-rank bytes and per-step collectives (the layout arithmetic);
 - :mod:`~zeroexp.formulas.deepspeed`: DeepSpeed's runtime model;
+- :mod:`~zeroexp.formulas.hybrid`: hybrid sharding (HSDP): the shard and replicate groups of a 2-D mesh;
 - :mod:`~zeroexp.formulas.rows`: every strategy's row (``LAYOUTS``), named by ``strategy.layout``.
 
 Sources:
@@ -38,6 +39,7 @@ from zeroexp.formulas.layout import *  # noqa: F401,F403
 from zeroexp.formulas.layout import __all__ as _layout
 from zeroexp.formulas.paper import *  # noqa: F401,F403
 from zeroexp.formulas.paper import __all__ as _paper
+from zeroexp.formulas.hybrid import MESH_DIMS, WORLD, hybrid_units
 from zeroexp.formulas.rows import LAYOUTS, ddp_buckets
 
-__all__ = [*_paper, *_layout, *_deepspeed, "LAYOUTS", "ddp_buckets"]
+__all__ = [*_paper, *_layout, *_deepspeed, "LAYOUTS", "ddp_buckets", "MESH_DIMS", "WORLD", "hybrid_units"]

@@ -37,6 +37,7 @@ class PlanConfig:
     wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
     bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
     batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
+    shard_size: Optional[int] = None  # hybrid rows (fsdp_HYBRID_SHARD, fsdp2_hybrid...): ranks per shard group
 
 
 def register() -> None:
@@ -107,11 +108,15 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     batch = cfg.get("batch_size")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ConfigError("batch_size", batch, "null or an integer >= 1 (samples per rank)")
+    shard = cfg.get("shard_size")
+    if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 2):
+        raise ConfigError("shard_size", shard, "null or an integer >= 2 (ranks per shard group of the hybrid rows)")
     shape, model = _shape(cfg)
     records, notes = plan(shape, _world_sizes(cfg.world_size), Precision(cfg.precision.name, cfg.precision.param_dtype),
                           cfg.offload.name, strategies,
                           PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
-                                    loss_scaling=cfg.precision.get("loss_scale") is not None), memory, model)
+                                    loss_scaling=cfg.precision.get("loss_scale") is not None,
+                                    shard_size=shard or 0), memory, model)
     activations = _activations(cfg, batch) if batch is not None else None
     if batch is not None and activations is None:
         notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "

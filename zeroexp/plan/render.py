@@ -48,7 +48,9 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                       "allocator (docs/planner.md)\n")
         console.print(_comm_table(records, unit))
         console.print("S: the payload, the full array (nccl-tests PERFORMANCE.md); bus = S x all_reduce 2(N-1)/N, "
-                      "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1\n")
+                      "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1, N the size of the call's "
+                      "group (hybrid rows: shard_size for all_gather and reduce_scatter, N / shard_size for "
+                      "all_reduce)\n")
     for note in notes:
         console.print(f"[yellow]not planned[/] {note}")
 
