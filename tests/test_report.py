@@ -29,7 +29,8 @@ from zeroexp.wandb_offline import iter_records, read_run
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ("world_size=2", "model.width=64", "steps=10")
 LADDER_LABELS = ["ddp", "zro", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-post", "fsdp_full-none"]
-PLOTS = ["report_state_bytes.png", "report_memory.png", "report_step_times.png", "report_collectives.png"]
+PLOTS = ["report_state_bytes.png", "report_memory.png", "report_peak_model.png", "report_step_times.png",
+         "report_collectives.png"]
 
 
 def run_sweep(sweep_dir: Path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
