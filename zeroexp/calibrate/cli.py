@@ -159,7 +159,8 @@ def task(cfg: DictConfig) -> None:
 
     global _STARTED
     _STARTED = True
-    console, errors = Console(highlight=False), Console(stderr=True, highlight=False)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    errors = Console(stderr=True, highlight=False)
     try:
         with errors.status(f"calibrating: {cfg.world_size} ranks, collectives {cfg.calibrate.min_bytes} B .. "
                            f"{cfg.calibrate.max_bytes} B, then {cfg.model.name}'s forward, backward, AdamW"):

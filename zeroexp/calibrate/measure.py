@@ -22,6 +22,10 @@ from zeroexp.formulas import bus_factor
 
 __all__ = ["message_sizes", "rank_main"]
 
+# The calls zeroexp.sharding makes (torch >= 2.13 names, else the older ones)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
     """Powers of two from ``min_bytes`` to ``max_bytes`` (both included when powers of two), as nccl-tests' -f 2."""
@@ -50,8 +54,8 @@ def _call(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[]
     chunk = torch.ones(numel // world, dtype=torch.float32, device=device)
     return {"all_reduce": lambda: dist.all_reduce(full),
             "broadcast": lambda: dist.broadcast(full, src=0),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, chunk),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(chunk, full)}[op]
+            "all_gather": lambda: _all_gather(full, chunk),
+            "reduce_scatter": lambda: _reduce_scatter(chunk, full)}[op]
 
 
 def _time_loop(fn: Callable[[], None], iters: int, device: torch.device) -> float:
