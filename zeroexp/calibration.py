@@ -101,9 +101,10 @@ def load_calibration(path: str | Path) -> Calibration:
     return Calibration(str(p), data)
 
 
-def find_calibration(backend: str, world_size: int, directory: Path = DEFAULT_DIR,
+def find_calibration(backend: str, world_size: int | None, directory: Path = DEFAULT_DIR,
                      machine_id: str | None = None) -> Calibration | None:
-    """The newest calibration in ``directory`` of this machine (or ``machine_id``), ``backend`` and ``world_size``."""
+    """The newest calibration in ``directory`` of this machine (or ``machine_id``), ``backend`` and ``world_size``
+    (None: any)."""
     want = machine_id or machine()["id"]
     found = []
     for p in sorted(Path(directory).glob("*.json")) if Path(directory).is_dir() else []:
@@ -112,6 +113,6 @@ def find_calibration(backend: str, world_size: int, directory: Path = DEFAULT_DI
         except ValueError:
             continue
         d = cal.data
-        if d["machine"]["id"] == want and d["backend"] == backend and int(d["world_size"]) == int(world_size):
+        if d["machine"]["id"] == want and d["backend"] == backend and world_size in (None, int(d["world_size"])):
             found.append((d["created"], str(p), cal))
     return max(found)[2] if found else None

@@ -37,6 +37,7 @@ class PlanConfig:
     wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
     bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
     batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
+    network: Any = None  # network=<option of conf/network/>: adds step_ms, exposed_comm_ms, tokens_per_s (needs batch_size)
 
 
 def register() -> None:
@@ -108,10 +109,20 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ConfigError("batch_size", batch, "null or an integer >= 1 (samples per rank)")
     shape, model = _shape(cfg)
-    records, notes = plan(shape, _world_sizes(cfg.world_size), Precision(cfg.precision.name, cfg.precision.param_dtype),
-                          cfg.offload.name, strategies,
-                          PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
-                                    loss_scaling=cfg.precision.get("loss_scale") is not None), memory, model)
+    network = _network(cfg, batch)
+    if network is not None and memory is None and network.device_memory is not None:
+        memory = parse_bytes(network.device_memory)
+    knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
+                      loss_scaling=cfg.precision.get("loss_scale") is not None)
+    precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
+    records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
+                          model)
+    if network is not None:
+        from zeroexp.plan.network import add_step_times
+
+        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg))
+        if cfg.model is None:
+            notes.append("tokens_per_s: a parameter count has no input shape, one token a sample assumed")
     activations = _activations(cfg, batch) if batch is not None else None
     if batch is not None and activations is None:
         notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
@@ -120,6 +131,24 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         r["batch_size"] = batch
         r.update(activations or {"activation_bytes": None, "activation_unit_bytes": None, "korthikanti_bytes": None})
     return records, notes
+
+
+def _tokens(cfg: DictConfig) -> int:
+    from zeroexp.plan.network import tokens_per_sample
+
+    return 1 if cfg.model is None else tokens_per_sample(cfg.model)
+
+
+def _network(cfg: DictConfig, batch: int | None):
+    """The ``network`` option as a :class:`zeroexp.plan.network.Network`, or None."""
+    if cfg.get("network") is None:
+        return None
+    from zeroexp.plan.network import network_of
+
+    if batch is None:
+        raise ConfigError("batch_size", None, "an integer >= 1 (samples per rank)", why=f"network={cfg.network.name} "
+                          "times a step, which computes batch_size samples per rank")
+    return network_of(cfg.network, str(cfg.precision.name), _tokens(cfg))
 
 
 def _activations(cfg: DictConfig, batch: int) -> dict[str, Any] | None:
