@@ -40,7 +40,7 @@ def machine() -> dict[str, Any]:
         import torch
 
         if torch.cuda.is_available():
-            gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+            gpu = torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001 - a machine without a working CUDA has no GPU here
         gpu = None
     host, cores = socket.gethostname(), os.cpu_count() or 1

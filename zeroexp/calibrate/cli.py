@@ -83,11 +83,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("device", cfg.device, "auto, cpu, cuda")
     if cfg.device == "cuda":
-        import torch
+        from zeroexp.devices import ranks_get_a_gpu
 
-        if torch.cuda.device_count() < cfg.world_size:
-            raise ConfigError("device", "cuda", "cpu or auto", why=f"{torch.cuda.device_count()} GPU(s) for "
-                                                                   f"world_size={cfg.world_size} ranks")
+        if not ranks_get_a_gpu({"device": "auto", "world_size": cfg.world_size}, local=cfg.world_size):
+            raise ConfigError("device", "cuda", "cpu or auto", why=f"no GPU for each of world_size={cfg.world_size} "
+                                                                   "ranks (NCCL cannot put two ranks on one GPU)")
 
 
 def run(cfg: DictConfig) -> Path:
