@@ -214,3 +214,46 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     assert t["calibration"]["path"] == str(path) and t["predicted_step_ms"] > 0
     assert t["check"] in ("PASS", "FAIL", "n/a") and t["measured_median_ms"] > 0
     assert summary["collectives"]["exposed_comm_ms"] >= 0 and summary["collectives"]["in_flight_ms"] > 0
+
+
+def _plan(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from zeroexp.cli import CONF_DIR
+    from zeroexp.plan.cli import register, run
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return run(hydra_compose(config_name="plan", overrides=list(overrides)))
+
+
+def test_planner_step_time_on_network_presets():
+    common = ("model=mlp", "model.width=768", "world_size=[8,64]", "batch_size=8",
+              "strategies=[ddp,zro,zero2,fsdp_grad_op,fsdp_full]")
+    h100, _ = _plan(*common, "network=h100_ib")
+    a100, _ = _plan(*common, "network=a100_ib")
+    assert len(h100) == len(a100) == 10
+    for h, a in zip(h100, a100):
+        assert {"step_ms", "exposed_comm_ms", "tokens_per_s", "fastest"} <= set(h)
+        assert 0 <= h["exposed_comm_ms"] <= h["comm_ms"] + 1e-9
+        assert h["step_ms"] < a["step_ms"]  # every link and the peak are slower on a100_ib
+        assert h["tokens_per_s"] == pytest.approx(8 * h["world_size"] / (h["step_ms"] / 1e3))  # mlp: 1 token a sample
+        assert h["fits"] is True  # 80GB from the preset
+    for n in (8, 64):
+        rows = [r for r in h100 if r["world_size"] == n]
+        assert [r["fastest"] for r in rows].count(True) == 1
+        assert min(rows, key=lambda r: r["step_ms"])["fastest"]
+    slower, _ = _plan(*common, "network=h100_ib", "network.efficiency=0.2")
+    assert all(s["step_ms"] > h["step_ms"] for s, h in zip(slower, h100))
+
+
+def test_planner_network_refuses_bad_input():
+    from zeroexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="batch_size"):
+        _plan("model=mlp", "network=h100_ib")
+    with pytest.raises(ConfigError, match="network.efficiency"):
+        _plan("model=mlp", "batch_size=8", "network=h100_ib", "network.efficiency=2")
+    with pytest.raises(ConfigError, match="network.inter.busbw_Bps"):
+        _plan("model=mlp", "batch_size=8", "network=a100_ib", "network.inter.busbw_Bps=0")
