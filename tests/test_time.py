@@ -84,7 +84,7 @@ def _predict(strategy: str, cal: dict, prefetch: str = "pre", n: int = 2):
     from zeroexp.calibration import Calibration
 
     c = Calibration("given", cal)
-    return predict_step(layout, groups, coll, c.rate, 8, c.seconds_of, cal["overlap"]["possible"], prefetch), coll
+    return predict_step(layout, groups, coll, c.rate, 8, c.seconds_at(n), cal["overlap"]["possible"], prefetch), coll
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full"])

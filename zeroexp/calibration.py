@@ -14,7 +14,7 @@ import platform
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, collective_seconds
 
@@ -63,11 +63,14 @@ class Calibration:
         fit = self.data["collectives"][op]["fit"]
         return LinkFit(float(fit["alpha_s"]), float(fit["busbw_Bps"]))
 
-    def seconds_of(self, op: str, payload_bytes: float, calls: float) -> float:
-        """An op's time from its fit (:func:`~zeroexp.formulas.time.collective_seconds`) at this file's N; an op
-        never calibrated (reduce, all_to_all) as an all_reduce of its payload (an upper bound for those)."""
-        fitted = op if op in self.data["collectives"] else "all_reduce"
-        return collective_seconds(fitted, payload_bytes, self.world_size, self.link(fitted), calls)
+    def seconds_at(self, world_size: int) -> Callable[[str, float, float], float]:
+        """(op, S, calls) -> seconds at ``world_size`` ranks from the op's fit
+        (:func:`~zeroexp.formulas.time.collective_seconds`; busbw is N-independent in the ring model); an op never
+        calibrated (reduce, all_to_all) as an all_reduce of its payload (an upper bound for those)."""
+        def seconds(op: str, payload_bytes: float, calls: float) -> float:
+            fitted = op if op in self.data["collectives"] else "all_reduce"
+            return collective_seconds(fitted, payload_bytes, world_size, self.link(fitted), calls)
+        return seconds
 
     @property
     def rate(self) -> ComputeRate:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import (LAYOUTS, ComputeRate, LinkFit, ModelShape, PlanKnobs, collective_seconds,
-                              derive_groups, predict_step, step_collectives, two_level_seconds)
+from zeroexp.formulas import (LAYOUTS, ComputeRate, LinkFit, ModelShape, PlanKnobs, derive_groups, predict_step,
+                              step_collectives, two_level_seconds)
 
 __all__ = ["Network", "network_of", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT"]
 
@@ -82,14 +82,8 @@ def _calibrated(node: Any, tokens: int) -> Network:
         raise ConfigError("network.calibration", None, "a calibration of this machine (run python -m "
                           "zeroexp.calibrate world_size=2) or a path", why="none in outputs/calibration/")
 
-    def seconds_at(n: int) -> Callable[[str, float, float], float]:
-        def seconds(op: str, s: float, calls: float) -> float:
-            fitted = op if op in cal.data["collectives"] else "all_reduce"
-            return collective_seconds(fitted, s, n, cal.link(fitted), calls)
-        return seconds
-
     c = cal.data["compute"]
-    return Network("this_machine", seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,
+    return Network("this_machine", cal.seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,
                    f"calibration {cal.path} (N={cal.world_size}, {c['model']}, batch {c['batch_size']}; busbw held "
                    "at every N)")
 

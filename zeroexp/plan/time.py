@@ -91,19 +91,25 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"predicted_step_ms": None, "measured_median_ms": None, "median_ci95_ms": None,
                            "ratio": None, "exposed_comm_ms": None,
                            "measured_exposed_comm_ms": coll.get("exposed_comm_ms"), "predicted_by_phase": None,
+                           "throughput": None,
                            "calibration": None, "overlap_rule": None, "check": "n/a", "reasons": []}
     timing = summary.get("timing") or {}
     steps = timing.get("step_ms") or []
     if steps:
+        from zeroexp.plan.network import tokens_per_sample
+
         median, low, high = median_ci95(steps)
-        out.update(measured_median_ms=median, median_ci95_ms=[low, high])
+        samples = int(cfg.batch_size) * int(cfg.world_size) / (median / 1e3)
+        out.update(measured_median_ms=median, median_ci95_ms=[low, high], throughput={
+            "samples_per_s": samples, "tokens_per_s": samples * tokens_per_sample(cfg.model), "mfu": None,
+            "why": "measured median; MFU needs the device's peak FLOP/s, which zeroexp knows for no CPU"})
     cal, why = _calibration(cfg, cell_backend(cfg))
     if cal is None:
         out["reasons"].append(why)
         return out
     out["calibration"] = cal.summary()
     collectives = step_collectives(layout, groups, itemsize, knobs)
-    t = predict_step(layout, groups, collectives, cal.rate, int(cfg.batch_size), cal.seconds_of,
+    t = predict_step(layout, groups, collectives, cal.rate, int(cfg.batch_size), cal.seconds_at(int(cfg.world_size)),
                      bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name))
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
                predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule)
@@ -112,6 +118,9 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
         notes.append(f"the calibration times fp32 compute on the device; precision={cfg.precision.name} "
                      f"offload={cfg.offload.name} is not modelled")
     c = cal.data["compute"]
+    if int(cal.world_size) != int(cfg.world_size) or cal.data["backend"] != cell_backend(cfg):
+        out["reasons"].append(f"calibrated with {cal.data['backend']} at N={cal.world_size}, this cell "
+                              f"{cell_backend(cfg)} at N={cfg.world_size}: busbw carried over as the ring model says")
     if c["model"] != str(cfg.model.name) or int(c["numel"]) != groups.numel or int(c["batch_size"]) != int(cfg.batch_size):
         out["reasons"].append(f"compute calibrated on {c['model']} ({c['numel']} parameters, batch {c['batch_size']}), "
                               f"this cell {cfg.model.name} ({groups.numel}, batch {cfg.batch_size}): rates per "
