@@ -40,7 +40,7 @@ class SweepConfig:
     max_iters: int = 50
     target_s: float = 0.1
     repeats: int = 3
-    compute_steps: int = 10
+    compute_steps: int = 30
 
 
 @dataclass
