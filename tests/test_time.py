@@ -257,3 +257,14 @@ def test_planner_network_refuses_bad_input():
         _plan("model=mlp", "batch_size=8", "network=h100_ib", "network.efficiency=2")
     with pytest.raises(ConfigError, match="network.inter.busbw_Bps"):
         _plan("model=mlp", "batch_size=8", "network=a100_ib", "network.inter.busbw_Bps=0")
+
+
+def test_order_agreement_on_given_numbers():
+    from zeroexp.report.time import order_agreement
+
+    rows = [("ddp", 50.0, (48.0, 52.0), 40.0), ("zro", 60.0, (58.0, 62.0), 45.0),
+            ("fsdp", 51.0, (49.0, 53.0), 90.0), ("zero2", 70.0, (69.0, 71.0), 30.0)]
+    agree, disagree = order_agreement(rows)
+    # ddp / fsdp overlap (unknown order); ddp < zro agrees; the other four separable pairs are ordered otherwise
+    assert agree == ["ddp < zro"]
+    assert disagree == ["ddp < zero2", "fsdp < zro", "zro < zero2", "fsdp < zero2"]

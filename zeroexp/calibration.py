@@ -68,6 +68,8 @@ class Calibration:
         (:func:`~zeroexp.formulas.time.collective_seconds`; busbw is N-independent in the ring model); an op never
         calibrated (reduce, all_to_all) as an all_reduce of its payload (an upper bound for those)."""
         def seconds(op: str, payload_bytes: float, calls: float) -> float:
+            if world_size <= 1:
+                return 0.0  # one rank sends nothing (and an N=1 calibration has no collectives)
             fitted = op if op in self.data["collectives"] else "all_reduce"
             return collective_seconds(fitted, payload_bytes, world_size, self.link(fitted), calls)
         return seconds

@@ -12,7 +12,7 @@ from zeroexp.report.cells import column
 from zeroexp.report.format import NA, fmt_ms, missing
 from zeroexp.report.section import Column, ReportTable, raw_rows
 
-__all__ = ["TimeSection", "time_table", "planned_vs_measured"]
+__all__ = ["TimeSection", "time_table", "planned_vs_measured", "order_agreement"]
 
 _KEYS = ["plan.time.predicted_step_ms", "plan.time.measured_median_ms", "plan.time.median_ci95_ms", "plan.time.ratio",
          "plan.time.exposed_comm_ms", "plan.time.measured_exposed_comm_ms", "plan.time.check", "plan.time.reasons",
@@ -31,6 +31,29 @@ def _first_reason(v: Any) -> str:
     return v[0] if isinstance(v, list) and v else ""
 
 
+def order_agreement(rows: list[tuple[str, float, tuple[float, float], float]]) -> tuple[list[str], list[str]]:
+    """Over ``(label, measured median, (CI low, high), predicted)`` rows: each pair whose measured CIs do not overlap
+    (their order is known), as ``a < b``, split into those the prediction orders the same way and those it does
+    not."""
+    agree, disagree = [], []
+    for i, (a, ma, ca, pa) in enumerate(rows):
+        for b, mb, cb, pb in rows[i + 1:]:
+            if ca[1] < cb[0] or cb[1] < ca[0]:
+                fast, slow = (a, b) if ma < mb else (b, a)
+                (agree if (pa < pb) == (ma < mb) else disagree).append(f"{fast} < {slow}")
+    return agree, disagree
+
+
+def _order_note(raw: pd.DataFrame) -> str:
+    rows = [(str(r["label"]), float(r[_KEYS[1]]), tuple(r[_KEYS[2]]), float(r[_KEYS[0]])) for _, r in raw.iterrows()
+            if not missing(r[_KEYS[0]]) and not missing(r[_KEYS[1]]) and isinstance(r[_KEYS[2]], (list, tuple))]
+    agree, disagree = order_agreement(rows)
+    if not agree and not disagree:
+        return " Order: no two measured medians differ by more than their 95 % CIs."
+    return (f" Order: of {len(agree) + len(disagree)} pairs whose measured CIs do not overlap, the prediction orders "
+            f"{len(agree)} the same way" + (f"; not: {', '.join(disagree)}." if disagree else "."))
+
+
 def time_table(ok: pd.DataFrame) -> ReportTable | None:
     """Per cell: predicted and measured step time (median, its 95 % CI), the ratio, predicted and measured exposed
     communication, the check and its first reason; None when no cell has ``plan.time``."""
@@ -45,7 +68,8 @@ def time_table(ok: pd.DataFrame) -> ReportTable | None:
     note = ("Predicted (computed): zeroexp.formulas.predict_step over the cell's groups with this machine's calibration "
             "(python -m zeroexp.calibrate), nothing fitted to the cell. Measured: the median of the timed steps and its "
             "bootstrap 95 % CI; exposed communication on the profiled steps (a collective in flight, no compute op). "
-            "PASS within 1.25× either way; n/a when the CI is wider than ±10 % or no calibration exists.")
+            "PASS within 1.25× either way; n/a when the CI is wider than ±10 % or no calibration exists."
+            + _order_note(raw))
     return ReportTable("time", "Step time: planned vs measured", raw, cols, note)
 
 
