@@ -268,3 +268,14 @@ def test_order_agreement_on_given_numbers():
     # ddp / fsdp overlap (unknown order); ddp < zro agrees; the other four separable pairs are ordered otherwise
     assert agree == ["ddp < zro"]
     assert disagree == ["ddp < zero2", "fsdp < zro", "zro < zero2", "fsdp < zero2"]
+
+
+def test_plan_time_says_what_it_does_not_model(compose, tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibration_data(world_size=4, numel=8 * 64 * 64)))
+    bf16 = time_section(compose("strategy=zero2", "world_size=2", "precision=bf16", f"calibration={path}"),
+                        _summary([10.0] * 40))
+    assert bf16["check"] == "n/a" and bf16["predicted_step_ms"] > 0 and bf16["ratio"] is None
+    assert any("precision=bf16" in r for r in bf16["reasons"])
+    assert any("N=4" in r for r in bf16["reasons"])  # a calibration of another N is said, not hidden
+    assert bf16["throughput"]["samples_per_s"] == pytest.approx(8 * 2 / 0.010)
