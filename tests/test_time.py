@@ -279,3 +279,33 @@ def test_plan_time_says_what_it_does_not_model(compose, tmp_path):
     assert any("precision=bf16" in r for r in bf16["reasons"])
     assert any("N=4" in r for r in bf16["reasons"])  # a calibration of another N is said, not hidden
     assert bf16["throughput"]["samples_per_s"] == pytest.approx(8 * 2 / 0.010)
+
+
+def _calibrate_cfg(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from zeroexp.calibrate.cli import register
+    from zeroexp.cli import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="calibrate", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("calibrate.min_bytes=8192", "calibrate.max_bytes=4096"), "calibrate.max_bytes"),
+    (("world_size=0",), "world_size"),
+    (("calibrate.ops=[all_reduce,alltoall]",), "calibrate.ops"),
+    (("calibrate.target_s=0",), "calibrate.target_s"),
+    (("device=tpu",), "device"),
+])
+def test_calibrate_refuses_bad_input_naming_the_key(overrides, key):
+    from zeroexp.calibrate.cli import validate
+    from zeroexp.errors import ConfigError
+
+    cfg = _calibrate_cfg(*overrides)
+    assert cfg.calibrate.max_bytes >= 4096 and cfg.model.name == "mlp"  # the composed defaults
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == key
