@@ -300,7 +300,7 @@ def test_terminal_digest_shows_the_summary_numbers(sweep):
 
     summary = read_json(cell_dirs(sweep)[0] / "summary.json")
     rows = {probe: (found, check) for probe, found, check in digest(summary)}
-    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "plan"]
+    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "plan", "plan.time"]
     for probe in ("state", "collectives", "equivalence", "plan"):
         assert rows[probe][1] == summary[probe]["check"]
     assert rows["memory"][1] == rows["timing"][1] == "-"  # reported, not checked

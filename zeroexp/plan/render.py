@@ -51,6 +51,10 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                       "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1, N the size of the call's "
                       "group (hybrid rows: shard_size for all_gather and reduce_scatter, N / shard_size for "
                       "all_reduce)\n")
+        if "step_ms" in first:
+            console.print(_time_table(records))
+            console.print(f"computed on {first['network_source']} (zeroexp.formulas.overlap; docs/planner.md, Step "
+                          "time); * the fastest strategy that fits, per world size\n")
     for note in notes:
         console.print(f"[yellow]not planned[/] {note}")
 
@@ -80,6 +84,18 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
         row += ([("yes" if r["fits"] else "[red]NO[/]") + ("" if r.get("fits_on") == "peak" else " [dim](state)[/]")]
                 if fits else [])
         table.add_row(*row)
+    return table
+
+
+def _time_table(records: list[dict[str, Any]]) -> Table:
+    first = records[0]
+    table = Table(title=f"Step time on {first['network']} at batch {first['batch_size'] or '?'} per rank (computed)")
+    for i, c in enumerate(["strategy", "N", "step ms", "comm ms", "exposed comm ms", "tokens/s", "fits", "fastest"]):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in records:
+        table.add_row(r["strategy"], str(r["world_size"]), f"{r['step_ms']:.2f}", f"{r['comm_ms']:.2f}",
+                      f"{r['exposed_comm_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                      "?" if r["fits"] is None else "yes" if r["fits"] else "[red]NO[/]", "*" if r["fastest"] else "")
     return table
 
 

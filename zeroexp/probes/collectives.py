@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes
 from zeroexp.probes.base import Probe, ProbeReport, Steps
+from zeroexp.probes.exposed import exposed_comm
 from zeroexp.report.cells import column
 from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
@@ -209,6 +210,7 @@ class CollectivesProbe(Probe):
         self.expected: dict[str, dict[str, int]] | None = None
         self.expected_error: str | None = None
         self.param_bytes = 0
+        self.exposed: list[dict[str, Any]] = []
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         # P before the strategy wraps (and shards) the model: the model's logical parameter bytes.
@@ -235,6 +237,7 @@ class CollectivesProbe(Probe):
         self.marks.__exit__(None, None, None)
         self.prof.stop()
         self.records = extract(self.prof, self.steps, self.ctx.world_size, self.ctx.adapter.mesh_dims())
+        self.exposed = exposed_comm(self.prof.profiler.kineto_results.experimental_event_tree(), _MARK)
         self.prof = self.marks = None
         try:  # after the window: reads the wrapped model and the optimizer, issues no collective
             self.expected = self.ctx.expect.collectives(trainer.strategy.model, trainer.optimizers[0])
@@ -243,7 +246,7 @@ class CollectivesProbe(Probe):
 
     def rank_result(self) -> dict[str, Any]:
         return {"records": self.records, "steps": self.steps, "expected": self.expected,
-                "expected_error": self.expected_error, "param_bytes": self.param_bytes, "source": SOURCE}
+                "expected_error": self.expected_error, "param_bytes": self.param_bytes, "source": SOURCE, "exposed": self.exposed}
 
     @classmethod
     def aggregate(cls, results: list[dict[str, Any]], cfg) -> ProbeReport:
@@ -309,6 +312,7 @@ class CollectivesProbe(Probe):
             "expected_groups": want_groups,
             "rank_disagreements": disagreements,
             "between_steps": _between(first),
+            **_exposed(results),
             "check": "FAIL" if reasons else "PASS",
             "reasons": reasons,
         }
@@ -346,6 +350,23 @@ def _between(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
             e["payload_bytes"] += r["payload_bytes"] / gaps
     return {op: {**e, "count": _exact(e["count"]), "payload_bytes": _exact(e["payload_bytes"])}
             for op, e in out.items()}
+
+
+def _exposed(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exposed communication per profiled step (:mod:`zeroexp.probes.exposed`), mean over steps and ranks: measured
+    on the profiled steps, which the profiler slows; per rank beside it."""
+    per_rank = [res.get("exposed") or [] for res in results]
+    if not all(per_rank):
+        return {"exposed_comm_ms": None, "in_flight_ms": None, "exposed_comm_ms_by_rank": None}
+
+    def mean(key: str, rows: list[dict[str, Any]]) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    return {"exposed_comm_ms": mean("exposed_comm_ms", [r for rows in per_rank for r in rows]),
+            "in_flight_ms": mean("in_flight_ms", [r for rows in per_rank for r in rows]),
+            "profiled_compute_ms": mean("compute_ms", [r for rows in per_rank for r in rows]),
+            "profiled_step_ms": mean("step_ms", [r for rows in per_rank for r in rows]),
+            "exposed_comm_ms_by_rank": [mean("exposed_comm_ms", rows) for rows in per_rank]}
 
 
 def _exact(x: float) -> int | float:

@@ -16,6 +16,7 @@ from matplotlib.transforms import blended_transform_factory
 from zeroexp.report.cells import column
 from zeroexp.report.format import byte_unit, missing
 from zeroexp.report.section import OPS
+from zeroexp.report.time import planned_vs_measured
 
 __all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "planned_peaks", "step_times", "collective_payload"]
 
@@ -209,4 +210,5 @@ PLOTS: dict[str, tuple[Callable[[pd.DataFrame, Path], Path | None], str, str]] =
                                              "category", "memory"),
     "report_collectives.png": (collective_payload, "Collective payload by op", "collectives"),
     "report_step_times.png": (step_times, "Step-time distributions", "timing"),
+    "report_time_planned.png": (planned_vs_measured, "Step time planned vs measured", "time"),
 }

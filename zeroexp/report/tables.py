@@ -133,11 +133,12 @@ def sections(report: bool = False) -> list[Any]:
     (with ``report=True``: in ``report_order``, where a section has one). Each has ``name`` (its ``summary.json``
     key), ``digest_line(section)`` and ``report_table(ok)`` (either may give None: no line, no table)."""
     from zeroexp.probes import registry  # here, not at the top: the probes load torch and Lightning
+    from zeroexp.report.time import TimeSection
 
     def key(s: Any) -> int:
         return s.report_order if report and s.report_order is not None else s.order
 
-    return sorted([*registry(), PlanSection], key=key)
+    return sorted([*registry(), PlanSection, TimeSection], key=key)
 
 
 def build_tables(cells: pd.DataFrame) -> list[ReportTable]:
