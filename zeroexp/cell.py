@@ -52,14 +52,14 @@ def _axis_label(cfg: DictConfig, axis: str, value: Any) -> str:
 
 def _strategy_identity(cfg: DictConfig) -> dict[str, Any]:
     """The resolved strategy node without keys its schema lacks or marks derived (``layout``)."""
-    from zeroexp.strategies.base import identity_keys
+    from zeroexp.strategies.base import identity_keys, identity_when_set
 
     node = OmegaConf.to_container(cfg.strategy, resolve=True)
     adapter = _adapter(cfg)
     if adapter is None:  # unknown strategy: validate() refuses it; keep its name unique meanwhile
         return {k: v for k, v in node.items() if k != "layout"}
-    keep = set(identity_keys(adapter.schema))
-    return {k: v for k, v in node.items() if k in keep}
+    keep, when_set = set(identity_keys(adapter.schema)), identity_when_set(adapter.schema)
+    return {k: v for k, v in node.items() if k in keep and not (k in when_set and v is None)}
 
 
 def cell_axes(cfg: DictConfig) -> dict[str, Any]:

@@ -331,6 +331,8 @@ def _check_ranges(cfg: DictConfig) -> None:
         raise ConfigError("seed", seed, "an integer in [0, 2**32)")
     if "bucket_cap_mb" in cfg.strategy:  # ddp, zro, zero1/2, deepspeed: torch fails on a cap <= 0 in C++
         at_least("strategy.bucket_cap_mb", 0, "a positive number of MiB", strict=True)
+    if cfg.strategy.get("clip_grad_norm") is not None:  # every strategy's schema has it (StrategyConfig)
+        at_least("strategy.clip_grad_norm", 0, "null or a positive max norm", strict=True)
     if cfg.precision.get("loss_scale") is not None:
         at_least("precision.loss_scale", 0, "null or a positive initial loss scale", strict=True)
     _positive_int(cfg, "precision.growth_interval")

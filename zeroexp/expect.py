@@ -29,6 +29,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         use_orig_params=bool(s.get("use_orig_params", False)),
         loss_scaling=scaling,
         parameters_as_bucket_view=bool(s.get("parameters_as_bucket_view", False)),
+        clipping=s.get("clip_grad_norm") is not None,
     )
 
 

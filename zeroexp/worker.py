@@ -161,7 +161,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
 
     pl.seed_everything(cfg.seed, workers=False, verbose=False)  # identical initial weights on every rank
     net = build_model(cfg.model)
-    module = CellModule(net, cfg.model.loss, adapter.make_optimizer)
+    module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
     data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps), batch_size=None)
     probe_classes = probes_for(cfg)
     probes = [cls(ctx) for cls in probe_classes]

@@ -70,7 +70,7 @@ class PlanKnobs:
     """Strategy settings that change bytes: the bucket cap (``strategy.bucket_cap_mb``: DDP, zeroexp's ZeRO,
     DeepSpeed's reduce bucket of cap / 4 elements), zeroexp's ``reduce`` and its norm all_reduce (clipping or loss
     scaling), FSDP ``use_orig_params`` (16-byte aligned parameters, moments per unpadded view), ZeroRedundancyOptimizer
-    ``parameters_as_bucket_view``, fp16 loss scaling."""
+    ``parameters_as_bucket_view``, fp16 loss scaling, global-norm clipping (``strategy.clip_grad_norm``)."""
 
     bucket_cap_bytes: int = 25 * 2**20
     reduce: str = "reduce_scatter"
@@ -78,6 +78,7 @@ class PlanKnobs:
     use_orig_params: bool = False
     loss_scaling: bool = False
     parameters_as_bucket_view: bool = False
+    clipping: bool = False
 
 
 class Shard(NamedTuple):
@@ -410,11 +411,15 @@ def scatter_gather(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
 
 def gather_units(dtensor_grads: bool = False) -> Payload:
     """FSDP [ZeRO 7.2.2]: per unit of padded bytes b, its all_gathers S = b (two when resharded after forward) and one
-    reduce_scatter S = b; fp16 adds the loss scaler's found_inf all_reduces (:func:`fp16_inf_syncs`)."""
+    reduce_scatter S = b; fp16 adds the loss scaler's found_inf all_reduces (:func:`fp16_inf_syncs`); clipping one
+    fp32 all_reduce of the norms: FSDP1's ``clip_grad_norm_`` sums the squared norm of the rank's shards (4 bytes);
+    FSDP2's ``get_total_norm`` stacks one partial norm per gradient DTensor, made whole by one all_reduce (4 bytes
+    each)."""
     def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
         syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
+        norms = ([4 * len(g.numels)] if dtensor_grads else [4]) if knobs.clipping else []
         return collectives_of(all_gather=[u.numel * c for u in g.units for _ in range(u.gathers)],
-                              reduce_scatter=[u.numel * c for u in g.units], all_reduce=[4] * syncs)
+                              reduce_scatter=[u.numel * c for u in g.units], all_reduce=[4] * syncs + norms)
     return payload
 
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Iterator, NamedTuple
+from typing import Any, ClassVar, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig
@@ -28,12 +28,15 @@ class StrategyConfig:
     """What every strategy's config (``strategy.*``) holds; each adapter's ``schema`` extends it with its own keys.
 
     A field whose metadata says ``identity: False`` is derived from the others and not part of the cell's identity
-    (zeroexp.cell): adding such a field leaves every cell id as it was.
+    (zeroexp.cell): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
+    when not null (so a knob added to every strategy leaves the ids of the cells that do not set it as they were).
     """
 
     name: str = MISSING
     #: The expectation-model row the strategy follows (set in its conf/strategy/*.yaml; deepspeed's follows its stage).
     layout: str = field(default=MISSING, metadata={"identity": False})
+    #: Global-norm gradient clipping, the max norm (null: none): :meth:`StrategyAdapter.clip_gradients`.
+    clip_grad_norm: Optional[float] = field(default=None, metadata={"identity": "when_set"})
 
 
 def schema_keys(schema: type) -> tuple[str, ...]:
@@ -44,6 +47,11 @@ def schema_keys(schema: type) -> tuple[str, ...]:
 def identity_keys(schema: type) -> tuple[str, ...]:
     """The keys of a strategy schema that are part of a cell's identity (all but derived ones such as ``layout``)."""
     return tuple(f.name for f in fields(schema) if f.metadata.get("identity", True))
+
+
+def identity_when_set(schema: type) -> frozenset[str]:
+    """The keys of a strategy schema that enter a cell's identity only when not null (``clip_grad_norm``)."""
+    return frozenset(f.name for f in fields(schema) if f.metadata.get("identity", True) == "when_set")
 
 
 def post_order(module: nn.Module, keep: Any) -> list[nn.Module]:
@@ -147,6 +155,14 @@ class StrategyAdapter:
         value = self.scfg.get("clip_grad_norm")
         return None if value is None else float(value)
 
+    def clip_gradients(self, model: nn.Module) -> None:
+        """Clip the gradients of the wrapped ``model`` to the global norm ``strategy.clip_grad_norm`` (nothing when
+        null), after backward and any fp16 unscaling, before the optimizer step (Lightning's
+        ``configure_gradient_clipping``). Default: ``torch.nn.utils.clip_grad_norm_`` over gradients every rank holds
+        in full (DDP's, all-reduced already): no collective. Sharded strategies override it."""
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+
     def optimizer_kwargs(self) -> dict[str, Any]:
         o = self.cfg.optimizer
         return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
@@ -221,6 +237,7 @@ class StrategyAdapter:
         optimizer.zero_grad(set_to_none=True)
         with torch.enable_grad():
             loss_fn(model(batch), batch).backward()
+        self.clip_gradients(model)
         optimizer.step()
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:

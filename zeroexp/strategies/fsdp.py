@@ -83,6 +83,12 @@ class FSDPAdapter(StrategyAdapter):
     def backward_prefetch(self) -> BackwardPrefetch | None:
         return None
 
+    def clip_gradients(self, model: nn.Module) -> None:
+        """``FullyShardedDataParallel.clip_grad_norm_`` on the root: each rank's norm of its gradient shards, one fp32
+        all_reduce of their squares' sum (the total norm), each shard scaled by ``max_norm / (norm + 1e-6)``, at most 1."""
+        if self.clip_grad_norm is not None:
+            model.clip_grad_norm_(self.clip_grad_norm)
+
     checkpoint_kinds = frozenset({"full", "sharded"})
 
     def checkpoint_format(self, kind: str) -> str:

@@ -96,6 +96,18 @@ class FSDP2Adapter(StrategyAdapter):
 
         return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.cfg, backend)
 
+    def clip_gradients(self, model: nn.Module) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` as torchtitan runs it on FSDP2's DTensor gradients: each rank's norm of
+        its shards (a partial DTensor), ``full_tensor()`` (one fp32 all_reduce of the squared norms), then every shard
+        scaled by ``max_norm / (norm + 1e-6)``, at most 1 (``clip_grads_with_norm_``)."""
+        if self.clip_grad_norm is None:
+            return
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
+
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``fully_shard`` each module of a wrapped class, innermost first, then the root; returns ``module``.
 
