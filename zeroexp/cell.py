@@ -59,7 +59,7 @@ def _strategy_identity(cfg: DictConfig) -> dict[str, Any]:
     if adapter is None:  # unknown strategy: validate() refuses it; keep its name unique meanwhile
         return {k: v for k, v in node.items() if k != "layout"}
     keep, when_set = set(identity_keys(adapter.schema)), identity_when_set(adapter.schema)
-    return {k: v for k, v in node.items() if k in keep and not (k in when_set and v is None)}
+    return {k: v for k, v in node.items() if k in keep and not (k in when_set and v == when_set[k])}
 
 
 def cell_axes(cfg: DictConfig) -> dict[str, Any]:
@@ -70,7 +70,13 @@ def cell_axes(cfg: DictConfig) -> dict[str, Any]:
     axes.update(precision=cfg.precision.name, offload=cfg.offload.name, world_size=int(cfg.world_size))
     if _checkpoint(cfg) != "none":  # measured after training; absent for none, so those ids are unchanged
         axes["checkpoint"] = _checkpoint(cfg)
+    if _grad_accum(cfg) != 1:  # absent for 1 (every cell before the axis): those ids are unchanged
+        axes["grad_accum"] = _grad_accum(cfg)
     return axes
+
+
+def _grad_accum(cfg: DictConfig) -> int:
+    return int(cfg.get("grad_accum") or 1)
 
 
 def _checkpoint(cfg: DictConfig) -> str:
@@ -88,6 +94,8 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
         ident["dry_run"] = True
     if _checkpoint(cfg) != "none":
         ident["checkpoint"] = _checkpoint(cfg)
+    if _grad_accum(cfg) != 1:
+        ident["grad_accum"] = _grad_accum(cfg)
     return ident
 
 
@@ -106,5 +114,7 @@ def cell_name(cfg: DictConfig) -> str:
         parts.append(f"off-{ax['offload']}")
     if "checkpoint" in ax:
         parts.append(f"ckpt-{ax['checkpoint']}")
+    if "grad_accum" in ax:
+        parts.append(f"ga{ax['grad_accum']}")
     parts += [f"n{ax['world_size']}", *(["dry"] if cfg.get("dry_run") else []), cell_id(cfg)]
     return "_".join(parts)

@@ -163,7 +163,8 @@ class ZeroexpConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # zeroexp.resources: the check before launch
     world_size: int = 4
     steps: int = 30
-    batch_size: int = 8  # per rank; the global batch is batch_size * world_size
+    batch_size: int = 8  # per rank and micro-batch; the global batch is batch_size * grad_accum * world_size
+    grad_accum: int = 1  # micro-batches per optimizer step (zeroexp.microbatches); steps counts optimizer steps
     seed: int = 0
     warmup_steps: int = 3  # steps excluded from steady measurements
     device: str = "auto"  # auto | cpu | cuda
@@ -365,6 +366,10 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     _positive_int(cfg, "world_size")
     _positive_int(cfg, "steps")
     _positive_int(cfg, "batch_size")
+    _positive_int(cfg, "grad_accum")
+    if cfg.grad_accum > 1 and cfg.get("dry_run"):
+        raise ConfigError("grad_accum", cfg.grad_accum, "1 with dry_run=true",
+                          why="the dry run plays single micro-batch steps")
     _positive_int(cfg, "warmup_steps", minimum=0)
     from zeroexp.schedule import Schedule
 

@@ -44,7 +44,8 @@ class CellModule(pl.LightningModule):
 
 
 class SyntheticBatches(Dataset):
-    """``steps`` batches for one rank; item ``i`` is :func:`zeroexp.models.make_batch` at step ``i``."""
+    """``steps`` batches for one rank; item ``i`` is :func:`zeroexp.models.make_batch` at step ``i`` (with
+    ``grad_accum=K``: ``steps`` x K micro-batches, item ``s * K + k`` the k-th of optimizer step s)."""
 
     def __init__(self, model_cfg: Mapping[str, Any], batch_size: int, seed: int, rank: int, steps: int) -> None:
         self.model_cfg, self.batch_size, self.seed, self.rank, self.steps = model_cfg, batch_size, seed, rank, steps

@@ -29,7 +29,8 @@ class StrategyConfig:
 
     A field whose metadata says ``identity: False`` is derived from the others and not part of the cell's identity
     (zeroexp.cell): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
-    when not null (so a knob added to every strategy leaves the ids of the cells that do not set it as they were).
+    when not at its default (so a knob added to every strategy leaves the ids of the cells that do not set it as
+    they were).
     """
 
     name: str = MISSING
@@ -49,9 +50,10 @@ def identity_keys(schema: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(schema) if f.metadata.get("identity", True))
 
 
-def identity_when_set(schema: type) -> frozenset[str]:
-    """The keys of a strategy schema that enter a cell's identity only when not null (``clip_grad_norm``)."""
-    return frozenset(f.name for f in fields(schema) if f.metadata.get("identity", True) == "when_set")
+def identity_when_set(schema: type) -> dict[str, Any]:
+    """The keys of a strategy schema that enter a cell's identity only when set to other than their default
+    (``clip_grad_norm``, ``sync_each_microbatch``), with that default."""
+    return {f.name: f.default for f in fields(schema) if f.metadata.get("identity", True) == "when_set"}
 
 
 def post_order(module: nn.Module, keep: Any) -> list[nn.Module]:
@@ -154,6 +156,16 @@ class StrategyAdapter:
         else None; the equivalence reference clips the same way."""
         value = self.scfg.get("clip_grad_norm")
         return None if value is None else float(value)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """The context of the first K-1 micro-batches of ``grad_accum=K`` (forward and backward): gradients
+        accumulate locally and the K-th reduces them. Default: DDP's ``no_sync``; nothing for a model that is not
+        DDP (the strategy reduces once per optimizer step by itself, or overrides this)."""
+        from contextlib import nullcontext
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
 
     def clip_gradients(self, model: nn.Module) -> None:
         """Clip the gradients of the wrapped ``model`` to the global norm ``strategy.clip_grad_norm`` (nothing when

@@ -82,7 +82,8 @@ def ds_config(cfg: Any, device_type: str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if off == "full":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    conf: dict[str, Any] = {"train_micro_batch_size_per_gpu": int(cfg.batch_size), "gradient_accumulation_steps": 1,
+    conf: dict[str, Any] = {"train_micro_batch_size_per_gpu": int(cfg.batch_size),
+                            "gradient_accumulation_steps": int(cfg.get("grad_accum") or 1),
                             "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
                             "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
                             "gradient_clipping": float(s.get("clip_grad_norm") or 0.0)}  # 0: DeepSpeed's "none"
@@ -111,7 +112,14 @@ def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
 
     class EnginePrecision(Precision):
         def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-            adapter.engine.backward(tensor)
+            """``engine.backward``: the loss comes scaled by 1/grad_accum from Lightning already (not again:
+            ``scale_wrt_gas=False``). The engine owns the accumulation boundary (``gradient_accumulation_steps``):
+            before it, ``engine.step`` only counts the micro-batch (Lightning steps on the boundary's alone)."""
+            engine = adapter.engine
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.backward(tensor, scale_wrt_gas=False)
+            if not boundary:
+                engine.step()
 
         def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
             closure()

@@ -10,7 +10,7 @@ On CPU, FSDP runs with gloo when given ``device_id=torch.device("cpu")``.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
@@ -43,6 +43,9 @@ class FSDPConfig(StrategyConfig):
     use_orig_params: bool = False
     limit_all_gathers: bool = True
     forward_prefetch: bool = False
+    #: grad_accum > 1: reduce-scatter every micro-batch (sharded gradients accumulate) instead of ``no_sync``
+    #: (unsharded gradients held until the K-th); in the cell's identity only when true.
+    sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
 
 _PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
 
@@ -82,6 +85,13 @@ class FSDPAdapter(StrategyAdapter):
 
     def backward_prefetch(self) -> BackwardPrefetch | None:
         return None
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """``FullyShardedDataParallel.no_sync`` (unsharded gradients accumulate, no reduce_scatter) unless
+        ``strategy.sync_each_microbatch``."""
+        from contextlib import nullcontext
+
+        return nullcontext() if self.scfg.get("sync_each_microbatch") else model.no_sync()
 
     def clip_gradients(self, model: nn.Module) -> None:
         """``FullyShardedDataParallel.clip_grad_norm_`` on the root: each rank's norm of its gradient shards, one fp32

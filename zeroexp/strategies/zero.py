@@ -129,6 +129,11 @@ class ShardedZeroAdapter(StrategyAdapter):
     def current_loss_scale(self) -> float | None:
         return None if self.loss_scale is None else float(self.loss_scale.value)
 
+    def no_sync(self, model: nn.Module) -> Any:
+        """``ShardedAdamW.accumulating``: stage 1 reduces the accumulated buffer once, at the last micro-batch;
+        stage 2 reduce-scatters every micro-batch into its gradient shard."""
+        return self.optimizer.accumulating()
+
     def clip_gradients(self, model: nn.Module) -> None:
         """Nothing here: ``ShardedAdamW.step`` clips the averaged gradient shards by their global norm (one fp32
         all_reduce of the squared norm), after the reduce_scatter."""
