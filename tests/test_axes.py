@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroexp.cell import cell_id, cell_identity
+from zeroexp.cell import cell_id, cell_identity, cell_name
 from zeroexp.config import ConfigError, validate
 from zeroexp.expect import knobs_of, layout_of
 from zeroexp.formulas import Groups, Unit, step_collectives
@@ -13,18 +13,34 @@ from zeroexp.probes.equivalence import max_abs_diff, train_reference
 
 CLIP = 5e-5  # below every gradient norm of these cells: every step is clipped
 N2 = ("world_size=2",)
-#: case -> overrides; each runs once (the `cell` cache), every check must PASS.
-CLIPPED = {
+P = 64 * 64 * 8 * 4  # the mlp of conftest.BASE: 8 Linear(64, 64), fp32
+#: case -> overrides (N = 2); each runs once (the `cell` cache) and every check must PASS. The clipped cells are
+#: compared with the unclipped reference (clipping must have changed the training).
+CELLS = {
     "ddp": ("strategy=ddp",),
-    "fsdp_full-fp16": ("strategy=fsdp_full", "precision=fp16"),  # the ShardedGradScaler unscales, then FSDP clips
-    "fsdp2_full": ("strategy=fsdp2_full",),
-    "deepspeed": ("strategy=deepspeed",),
+    "ddp-ga4-clip": ("strategy=ddp", "grad_accum=4", f"strategy.clip_grad_norm={CLIP}"),
+    "fsdp_full-fp16-ga2-clip": ("strategy=fsdp_full", "precision=fp16", "grad_accum=2",
+                                f"strategy.clip_grad_norm={CLIP}"),  # the scaler unscales, FSDP clips, once a step
+    "fsdp2_full-clip": ("strategy=fsdp2_full", f"strategy.clip_grad_norm={CLIP}"),
+    "fsdp_grad_op-ga4": ("strategy=fsdp_grad_op", "grad_accum=4"),
+    "zero2-fp16-ga4-clip": ("strategy=zero2", "precision=fp16", "grad_accum=4", f"strategy.clip_grad_norm={CLIP}"),
+    "deepspeed-ga4-clip": ("strategy=deepspeed", "grad_accum=4", f"strategy.clip_grad_norm={CLIP}"),
 }
-#: The all_reduce bytes per step each clipped cell sends (mlp, width 64, depth 8, N = 2): ddp its one gradient bucket
-#: (clipping adds nothing: every rank holds the whole gradient); FSDP1 fp16 the ShardedGradScaler's found_inf flag and
-#: the one fp32 squared norm of the shards; FSDP2 one fp32 partial norm per gradient DTensor (8 Linear weights).
-P = 64 * 64 * 8 * 4
-ALL_REDUCE_BYTES = {"ddp": P, "fsdp_full-fp16": 4 + 4, "fsdp2_full": 4 * 8}
+#: Measured per optimizer step (calls, payload bytes), the facts the expectation model must (and does) predict:
+#: ddp under no_sync one bucket all_reduce per step as without accumulation; FSDP1 FULL_SHARD fp16 gathers each of
+#: its 8 units twice per micro-batch and reduce-scatters once (no_sync), its all_reduces the scaler's found_inf and
+#: the clip norm; FSDP2 clipping one all_reduce of 8 partial norms; SHARD_GRAD_OP under no_sync gathers once per
+#: step; zero2 reduce-scatters each micro-batch; DeepSpeed stage 2 all-reduces its bucket each micro-batch.
+COUNTS = {
+    "ddp": {"all_reduce": (1, P)},
+    "ddp-ga4-clip": {"all_reduce": (1, P)},
+    "fsdp_full-fp16-ga2-clip": {"all_gather": (8 * 2 * 2, P // 2 * 2 * 2), "reduce_scatter": (8, P // 2),
+                                "all_reduce": (2, 8)},
+    "fsdp2_full-clip": {"all_gather": (16, 2 * P), "reduce_scatter": (8, P), "all_reduce": (1, 4 * 8)},
+    "fsdp_grad_op-ga4": {"all_gather": (8, P), "reduce_scatter": (8, P)},
+    "zero2-fp16-ga4-clip": {"reduce_scatter": (4, 4 * P // 2), "all_gather": (1, P // 2), "all_reduce": (1, 4)},
+    "deepspeed-ga4-clip": {"all_reduce": (4 + 1, 4 * P + 4), "all_gather": (1, P)},
+}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zro", "fsdp_full", "fsdp_grad_op", "fsdp2_full", "fsdp2_grad_op",
@@ -60,16 +76,49 @@ def test_the_model_adds_the_clip_all_reduce_of_fsdp1_and_fsdp2(compose):
                                        "payload_bytes": was["payload_bytes"] + sum(added)}, strategy
 
 
-@pytest.mark.parametrize("case", sorted(CLIPPED))
-def test_clipped_cells_pass_every_check_against_the_clipped_reference(cell, compose, case):
-    overrides = (*CLIPPED[case], *N2, f"strategy.clip_grad_norm={CLIP}")
-    r = cell(*overrides)
+@pytest.mark.parametrize("case", sorted(CELLS))
+def test_cells_of_the_axes_pass_every_check_with_the_measured_collectives(cell, compose, case):
+    r = cell(*CELLS[case], *N2)
     assert r.status == "ok", r.error
     for probe in ("state", "collectives", "equivalence", "plan"):
         assert r.summary[probe]["check"] == "PASS", (probe, r.summary[probe].get("reasons"))
-    if case in ALL_REDUCE_BYTES:
-        assert r.summary["collectives"]["payload_bytes"]["all_reduce"] == ALL_REDUCE_BYTES[case]
-    cfg = compose(*overrides)
-    steps = r.summary["equivalence"]["steps"]
-    moved = max_abs_diff(train_reference(cfg, steps, clip_grad_norm=CLIP), train_reference(cfg, steps))
-    assert moved > 10 * r.summary["equivalence"]["max_abs_err"], (moved, r.summary["equivalence"])  # clipping mattered
+    c = r.summary["collectives"]
+    assert {op: (c["counts"][op], c["payload_bytes"][op]) for op in c["counts"]} == COUNTS[case]
+    if "clip" in case:
+        cfg = compose(*CELLS[case], *N2)
+        steps = r.summary["equivalence"]["steps"]
+        moved = max_abs_diff(train_reference(cfg, steps, clip_grad_norm=CLIP), train_reference(cfg, steps))
+        assert moved > 10 * r.summary["equivalence"]["max_abs_err"], (moved, r.summary["equivalence"])
+
+
+def test_grad_accum_keeps_ddps_all_reduces_per_step_and_counts_optimizer_steps(cell):
+    one, four = (cell(*CELLS[case], *N2) for case in ("ddp", "ddp-ga4-clip"))
+    assert one.summary["collectives"]["counts"] == four.summary["collectives"]["counts"] == {"all_reduce": 1}
+    assert four.summary["equivalence"]["steps"] == one.summary["equivalence"]["steps"] == 10  # optimizer steps
+    assert four.summary["memory"]["check"] == "n/a"  # MemTracker cannot span a step's 4 forwards (zeroexp.schedule)
+
+
+def test_grad_accum_names_the_cell_only_where_set_and_is_validated(compose):
+    plain, four = compose("strategy=fsdp_full"), compose("strategy=fsdp_full", "grad_accum=4")
+    assert "grad_accum" not in cell_identity(plain) and cell_identity(four)["grad_accum"] == 4
+    assert "_ga4_" in cell_name(four) and "_ga" not in cell_name(plain)
+    each = compose("strategy=fsdp_full", "grad_accum=4", "strategy.sync_each_microbatch=true")
+    assert cell_identity(each)["strategy"]["sync_each_microbatch"] is True
+    assert "sync_each_microbatch" not in cell_identity(four)["strategy"] and cell_id(each) != cell_id(four)
+    for bad in ("grad_accum=0", "grad_accum=-2"):
+        with pytest.raises(ConfigError) as e:
+            validate(compose("strategy=ddp", bad))
+        assert e.value.key == "grad_accum"
+
+
+@pytest.mark.parametrize("strategy, extra, gathers, scatters", [
+    ("fsdp_full", (), 2 * 4, 1), ("fsdp_full", ("strategy.sync_each_microbatch=true",), 2 * 4, 4),
+    ("fsdp_grad_op", (), 1, 1), ("fsdp_grad_op", ("strategy.sync_each_microbatch=true",), 4, 4),
+    ("fsdp2_grad_op", (), 4, 1)])
+def test_the_model_gathers_and_reduces_per_micro_batch_as_fsdp_does(compose, strategy, extra, gathers, scatters):
+    """Per unit and optimizer step at grad_accum=4 (measured by the cells above and in docs/results.md)."""
+    cfg = compose(f"strategy={strategy}", "grad_accum=4", *extra)
+    name, layout = layout_of(cfg)
+    one = Unit(64, 2 if strategy == "fsdp_full" else 1)
+    c = step_collectives(layout, Groups(name, 2, (64,), units=(one,)), 4, knobs_of(cfg))
+    assert c["all_gather"]["count"] == gathers and c["reduce_scatter"]["count"] == scatters

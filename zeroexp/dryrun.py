@@ -109,6 +109,7 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
             loss = loss_fn(model(batch), batch)  # as Lightning: forward, zero_grad, backward, step
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            adapter.clip_gradients(model)  # strategy.clip_grad_norm: FSDP's norm all_reduce is traced too
             optimizer.step()
             for probe in probes:
                 probe.on_train_batch_end(trainer, module, loss, batch, step)
