@@ -72,7 +72,14 @@ def cell_axes(cfg: DictConfig) -> dict[str, Any]:
         axes["checkpoint"] = _checkpoint(cfg)
     if _grad_accum(cfg) != 1:  # absent for 1 (every cell before the axis): those ids are unchanged
         axes["grad_accum"] = _grad_accum(cfg)
+    if _checkpointing(cfg) != "none":  # likewise absent for none
+        axes["activation_checkpointing"] = _checkpointing(cfg)
     return axes
+
+
+def _checkpointing(cfg: DictConfig) -> str:
+    node = cfg.get("activation_checkpointing")
+    return str(node.name) if node is not None else "none"
 
 
 def _grad_accum(cfg: DictConfig) -> int:
@@ -96,6 +103,8 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
         ident["checkpoint"] = _checkpoint(cfg)
     if _grad_accum(cfg) != 1:
         ident["grad_accum"] = _grad_accum(cfg)
+    if _checkpointing(cfg) != "none":
+        ident["activation_checkpointing"] = _checkpointing(cfg)
     return ident
 
 
@@ -116,5 +125,7 @@ def cell_name(cfg: DictConfig) -> str:
         parts.append(f"ckpt-{ax['checkpoint']}")
     if "grad_accum" in ax:
         parts.append(f"ga{ax['grad_accum']}")
+    if "activation_checkpointing" in ax:
+        parts.append(f"ac-{ax['activation_checkpointing']}")
     parts += [f"n{ax['world_size']}", *(["dry"] if cfg.get("dry_run") else []), cell_id(cfg)]
     return "_".join(parts)

@@ -97,6 +97,11 @@ class OffloadConfig:
 
 
 @dataclass
+class ActivationCheckpointingConfig:
+    name: str = MISSING  # none | full (each wrap unit checkpointed: StrategyAdapter.checkpoint_activations)
+
+
+@dataclass
 class LauncherConfig:
     """Who starts the ranks (docs/cluster.md): zeroexp itself, torchrun, or SLURM through Hydra's submitit launcher."""
 
@@ -154,6 +159,7 @@ class ZeroexpConfig:
     prefetch: Any = MISSING
     precision: Any = MISSING
     offload: Any = MISSING
+    activation_checkpointing: Any = MISSING
     logger: Any = MISSING
     launcher: Any = MISSING
     checkpoint: Any = MISSING
@@ -194,6 +200,8 @@ def register_schemas() -> None:
     cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
     cs.store(group="schema/precision", name="precision", node=PrecisionConfig)
     cs.store(group="schema/offload", name="offload", node=OffloadConfig)
+    cs.store(group="schema/activation_checkpointing", name="activation_checkpointing",
+             node=ActivationCheckpointingConfig)
     cs.store(group="schema/logger", name="logger", node=LoggerConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
     cs.store(group="schema/checkpoint", name="checkpoint", node=CheckpointConfig)
@@ -206,6 +214,7 @@ _ACCEPTED = {
     "precision.param_dtype": ("float32", "bfloat16", "float16"),
     "precision.master_dtype": ("float32",),
     "offload.name": ("none", "optimizer", "full"),
+    "activation_checkpointing.name": ("none", "full"),
     "logger.name": ("wandb", "csv", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
@@ -286,6 +295,7 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
 _FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes": ProbesConfig,
                  "resources": ResourcesConfig,
                  "prefetch": PrefetchConfig, "precision": PrecisionConfig, "offload": OffloadConfig,
+                 "activation_checkpointing": ActivationCheckpointingConfig,
                  "logger": LoggerConfig, "launcher": LauncherConfig, "checkpoint": CheckpointConfig}
 
 

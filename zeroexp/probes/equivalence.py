@@ -38,6 +38,8 @@ __all__ = ["EquivalenceProbe", "FLOOR_FACTOR", "THRESHOLDS", "train_reference", 
 REFERENCE = "unsharded nn.Module + torch.optim.AdamW, one process, same seed, identical global batches"
 #: CellModule keeps the user's model as ``net``: the prefix of every parameter name the adapter reports.
 _PREFIX = "net."
+#: torch's checkpoint_wrapper module attribute (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py).
+_CHECKPOINTED = "_checkpoint_wrapped_module."
 
 
 def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None,
@@ -161,8 +163,8 @@ class EquivalenceProbe(Probe):
     def on_train_end(self, trainer, pl_module) -> None:
         trained: dict[str, torch.Tensor] = {}
         with self.ctx.adapter.full_parameters(trainer.strategy.model) as full:  # a collective: every rank
-            if self.ctx.rank == 0:
-                trained = {name: t.to("cpu", copy=True) for name, t in full.items()}
+            if self.ctx.rank == 0:  # activation_checkpointing=full: the wrapper's prefix is no name of the model
+                trained = {name.replace(_CHECKPOINTED, ""): t.to("cpu", copy=True) for name, t in full.items()}
         if self.ctx.rank == 0:
             steps, clip = int(trainer.global_step), self.ctx.adapter.clip_grad_norm
             reference = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip)

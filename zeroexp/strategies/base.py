@@ -157,6 +157,30 @@ class StrategyAdapter:
         value = self.scfg.get("clip_grad_norm")
         return None if value is None else float(value)
 
+    #: ``activation_checkpointing=full``: checkpoint the units after :meth:`wrap` (FSDP1's
+    #: ``apply_activation_checkpointing`` on the wrapped model) instead of before it (every other strategy).
+    checkpoint_after_wrap: ClassVar[bool] = False
+
+    def checkpoint_activations(self, module: nn.Module) -> None:
+        """``activation_checkpointing=full``: replace each wrap unit of ``module`` (``strategy.wrap``, else
+        ``model.wrap``) by torch's ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant): forward keeps
+        only the unit's input, backward recomputes the unit. Nothing for ``none``."""
+        node = self.cfg.get("activation_checkpointing")
+        if node is None or node.name == "none":
+            return
+        from functools import partial
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                                 apply_activation_checkpointing,
+                                                                                 checkpoint_wrapper)
+
+        from zeroexp.models import import_class, wrap_paths
+
+        classes = tuple(import_class(p) for p in wrap_paths(self.cfg))
+        apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, classes),
+                                       checkpoint_wrapper_fn=partial(checkpoint_wrapper,
+                                                                     checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
     def no_sync(self, model: nn.Module) -> Any:
         """The context of the first K-1 micro-batches of ``grad_accum=K`` (forward and backward): gradients
         accumulate locally and the K-th reduces them. Default: DDP's ``no_sync``; nothing for a model that is not

@@ -83,6 +83,10 @@ class FSDPAdapter(StrategyAdapter):
             except (ImportError, AttributeError, ValueError, TypeError) as e:
                 raise ConfigError(f"{key}[{i}]", path, "import paths of nn.Module classes", why=str(e)) from e
 
+    #: FSDP's own recipe: ``apply_activation_checkpointing`` on the wrapped model (each unit's module inside its
+    #: FSDP wrapper is checkpointed, so recompute runs under the unit's gathered parameters).
+    checkpoint_after_wrap = True
+
     def backward_prefetch(self) -> BackwardPrefetch | None:
         return None
 
