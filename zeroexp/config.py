@@ -437,6 +437,13 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
         raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer >= {adapter.min_warmup_steps}",
                           why=f"strategy={name} issues its steady per-step collectives only from step "
                               f"{adapter.min_warmup_steps} on")
+    if cfg.activation_checkpointing.name != "none":
+        from zeroexp.models import wrap_paths
+
+        if not wrap_paths(cfg):
+            raise ConfigError("activation_checkpointing", cfg.activation_checkpointing.name, "none",
+                              why="it checkpoints each wrap unit (strategy.wrap, else model.wrap), and this cell has "
+                                  "none (set model.wrap or strategy.wrap to module classes)")
     _validate_launcher_and_checkpoint(cfg, adapter)
     adapter.validate(cfg)
     check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
