@@ -28,12 +28,7 @@ class CellStrategy(DDPStrategy):
         self.adapter = adapter
 
     def configure_ddp(self) -> None:
-        adapter = self.adapter
-        if not adapter.checkpoint_after_wrap:  # activation_checkpointing=full: the units, before or after wrapping
-            adapter.checkpoint_activations(self.model)
-        self.model = adapter.wrap(self.model, self.root_device)
-        if adapter.checkpoint_after_wrap:
-            adapter.checkpoint_activations(self.model)
+        self.model = self.adapter.wrap_cell(self.model, self.root_device)
         if isinstance(self.model, DistributedDataParallel):
             self._register_ddp_hooks()
 

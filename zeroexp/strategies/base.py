@@ -161,6 +161,15 @@ class StrategyAdapter:
     #: ``apply_activation_checkpointing`` on the wrapped model) instead of before it (every other strategy).
     checkpoint_after_wrap: ClassVar[bool] = False
 
+    def wrap_cell(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """:meth:`wrap`, with the units checkpointed (``activation_checkpointing``) before or after it."""
+        if not self.checkpoint_after_wrap:
+            self.checkpoint_activations(module)
+        model = self.wrap(module, device)
+        if self.checkpoint_after_wrap:
+            self.checkpoint_activations(model)
+        return model
+
     def checkpoint_activations(self, module: nn.Module) -> None:
         """``activation_checkpointing=full``: replace each wrap unit of ``module`` (``strategy.wrap``, else
         ``model.wrap``) by torch's ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant): forward keeps
