@@ -53,14 +53,14 @@ def _axis_label(cfg: DictConfig, axis: str, value: Any) -> str:
 
 def _strategy_identity(cfg: DictConfig) -> dict[str, Any]:
     """The resolved strategy node without keys its schema lacks or marks derived (``layout``)."""
-    from zeroexp.strategies.base import identity_keys
+    from zeroexp.strategies.base import identity_keys, identity_when_set
 
     node = OmegaConf.to_container(cfg.strategy, resolve=True)
     adapter = _adapter(cfg)
     if adapter is None:  # unknown strategy: validate() refuses it; keep its name unique meanwhile
         return {k: v for k, v in node.items() if k != "layout"}
-    keep = set(identity_keys(adapter.schema))
-    return {k: v for k, v in node.items() if k in keep}
+    keep, when_set = set(identity_keys(adapter.schema)), identity_when_set(adapter.schema)
+    return {k: v for k, v in node.items() if k in keep and not (k in when_set and v == when_set[k])}
 
 
 def cell_axes(cfg: DictConfig) -> dict[str, Any]:
@@ -71,7 +71,20 @@ def cell_axes(cfg: DictConfig) -> dict[str, Any]:
     axes.update(precision=cfg.precision.name, offload=cfg.offload.name, world_size=int(cfg.world_size))
     if _checkpoint(cfg) != "none":  # measured after training; absent for none, so those ids are unchanged
         axes["checkpoint"] = _checkpoint(cfg)
+    if _grad_accum(cfg) != 1:  # absent for 1 (every cell before the axis): those ids are unchanged
+        axes["grad_accum"] = _grad_accum(cfg)
+    if _checkpointing(cfg) != "none":  # likewise absent for none
+        axes["activation_checkpointing"] = _checkpointing(cfg)
     return axes
+
+
+def _checkpointing(cfg: DictConfig) -> str:
+    node = cfg.get("activation_checkpointing")
+    return str(node.name) if node is not None else "none"
+
+
+def _grad_accum(cfg: DictConfig) -> int:
+    return int(cfg.get("grad_accum") or 1)
 
 
 def _checkpoint(cfg: DictConfig) -> str:
@@ -89,6 +102,10 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
         ident["dry_run"] = True
     if _checkpoint(cfg) != "none":
         ident["checkpoint"] = _checkpoint(cfg)
+    if _grad_accum(cfg) != 1:
+        ident["grad_accum"] = _grad_accum(cfg)
+    if _checkpointing(cfg) != "none":
+        ident["activation_checkpointing"] = _checkpointing(cfg)
     return ident
 
 
@@ -107,5 +124,9 @@ def cell_name(cfg: DictConfig) -> str:
         parts.append(f"off-{ax['offload']}")
     if "checkpoint" in ax:
         parts.append(f"ckpt-{ax['checkpoint']}")
+    if "grad_accum" in ax:
+        parts.append(f"ga{ax['grad_accum']}")
+    if "activation_checkpointing" in ax:
+        parts.append(f"ac-{ax['activation_checkpointing']}")
     parts += [f"n{ax['world_size']}", *(["dry"] if cfg.get("dry_run") else []), cell_id(cfg)]
     return "_".join(parts)

@@ -97,6 +97,11 @@ class OffloadConfig:
 
 
 @dataclass
+class ActivationCheckpointingConfig:
+    name: str = MISSING  # none | full (each wrap unit checkpointed: StrategyAdapter.checkpoint_activations)
+
+
+@dataclass
 class LauncherConfig:
     """Who starts the ranks (docs/cluster.md): zeroexp itself, torchrun, or SLURM through Hydra's submitit launcher."""
 
@@ -154,6 +159,7 @@ class ZeroexpConfig:
     prefetch: Any = MISSING
     precision: Any = MISSING
     offload: Any = MISSING
+    activation_checkpointing: Any = MISSING
     logger: Any = MISSING
     launcher: Any = MISSING
     checkpoint: Any = MISSING
@@ -163,7 +169,8 @@ class ZeroexpConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # zeroexp.resources: the check before launch
     world_size: int = 4
     steps: int = 30
-    batch_size: int = 8  # per rank; the global batch is batch_size * world_size
+    batch_size: int = 8  # per rank and micro-batch; the global batch is batch_size * grad_accum * world_size
+    grad_accum: int = 1  # micro-batches per optimizer step (zeroexp.microbatches); steps counts optimizer steps
     seed: int = 0
     warmup_steps: int = 3  # steps excluded from steady measurements
     device: str = "auto"  # auto | cpu | cuda
@@ -195,6 +202,8 @@ def register_schemas() -> None:
     cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
     cs.store(group="schema/precision", name="precision", node=PrecisionConfig)
     cs.store(group="schema/offload", name="offload", node=OffloadConfig)
+    cs.store(group="schema/activation_checkpointing", name="activation_checkpointing",
+             node=ActivationCheckpointingConfig)
     cs.store(group="schema/logger", name="logger", node=LoggerConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
     cs.store(group="schema/checkpoint", name="checkpoint", node=CheckpointConfig)
@@ -207,6 +216,7 @@ _ACCEPTED = {
     "precision.param_dtype": ("float32", "bfloat16", "float16"),
     "precision.master_dtype": ("float32",),
     "offload.name": ("none", "optimizer", "full"),
+    "activation_checkpointing.name": ("none", "full"),
     "logger.name": ("wandb", "csv", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
@@ -287,6 +297,7 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
 _FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes": ProbesConfig,
                  "resources": ResourcesConfig,
                  "prefetch": PrefetchConfig, "precision": PrecisionConfig, "offload": OffloadConfig,
+                 "activation_checkpointing": ActivationCheckpointingConfig,
                  "logger": LoggerConfig, "launcher": LauncherConfig, "checkpoint": CheckpointConfig}
 
 
@@ -333,6 +344,8 @@ def _check_ranges(cfg: DictConfig) -> None:
         raise ConfigError("seed", seed, "an integer in [0, 2**32)")
     if "bucket_cap_mb" in cfg.strategy:  # ddp, zro, zero1/2, deepspeed: torch fails on a cap <= 0 in C++
         at_least("strategy.bucket_cap_mb", 0, "a positive number of MiB", strict=True)
+    if cfg.strategy.get("clip_grad_norm") is not None:  # every strategy's schema has it (StrategyConfig)
+        at_least("strategy.clip_grad_norm", 0, "null or a positive max norm", strict=True)
     if cfg.precision.get("loss_scale") is not None:
         at_least("precision.loss_scale", 0, "null or a positive initial loss scale", strict=True)
     _positive_int(cfg, "precision.growth_interval")
@@ -373,6 +386,10 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     _positive_int(cfg, "world_size")
     _positive_int(cfg, "steps")
     _positive_int(cfg, "batch_size")
+    _positive_int(cfg, "grad_accum")
+    if cfg.grad_accum > 1 and cfg.get("dry_run"):
+        raise ConfigError("grad_accum", cfg.grad_accum, "1 with dry_run=true",
+                          why="the dry run plays single micro-batch steps")
     _positive_int(cfg, "warmup_steps", minimum=0)
     from zeroexp.schedule import Schedule
 
@@ -430,6 +447,13 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
         raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer >= {adapter.min_warmup_steps}",
                           why=f"strategy={name} issues its steady per-step collectives only from step "
                               f"{adapter.min_warmup_steps} on")
+    if cfg.activation_checkpointing.name != "none":
+        from zeroexp.models import wrap_paths
+
+        if not wrap_paths(cfg):
+            raise ConfigError("activation_checkpointing", cfg.activation_checkpointing.name, "none",
+                              why="it checkpoints each wrap unit (strategy.wrap, else model.wrap), and this cell has "
+                                  "none (set model.wrap or strategy.wrap to module classes)")
     _validate_launcher_and_checkpoint(cfg, adapter)
     adapter.validate(cfg)
     check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)

@@ -91,7 +91,7 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
     with FakeTensorMode() as mode:
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
-        module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer)
+        module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
         trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read
         probes = [cls(ctx) for cls in classes]
         for probe in probes:
@@ -109,6 +109,7 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
             loss = loss_fn(model(batch), batch)  # as Lightning: forward, zero_grad, backward, step
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            adapter.clip_gradients(model)  # strategy.clip_grad_norm: FSDP's norm all_reduce is traced too
             optimizer.step()
             for probe in probes:
                 probe.on_train_batch_end(trainer, module, loss, batch, step)

@@ -30,6 +30,9 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         loss_scaling=scaling,
         parameters_as_bucket_view=bool(s.get("parameters_as_bucket_view", False)),
         shard_size=int(s.get("shard_size") or 0),
+        clipping=s.get("clip_grad_norm") is not None,
+        micro_batches=int(cfg.get("grad_accum") or 1),
+        sync_each_microbatch=bool(s.get("sync_each_microbatch", False)),
     )
 
 

@@ -13,13 +13,15 @@ from zeroexp.models import LOSSES, make_batch
 
 
 class CellModule(pl.LightningModule):
-    """``net`` + the model config's loss + the strategy adapter's optimizer."""
+    """``net`` + the model config's loss + the strategy adapter's optimizer and gradient clipping."""
 
-    def __init__(self, net: nn.Module, loss: str, optimizer_factory: Callable[[Iterable[nn.Parameter]], Any]) -> None:
+    def __init__(self, net: nn.Module, loss: str, optimizer_factory: Callable[[Iterable[nn.Parameter]], Any],
+                 clip_gradients: Callable[[nn.Module], None] | None = None) -> None:
         super().__init__()
         self.net = net
         self.loss_fn = LOSSES[loss]
         self.optimizer_factory = optimizer_factory
+        self.clip_gradients = clip_gradients
 
     def forward(self, batch: torch.Tensor) -> Any:
         return self.net(batch)
@@ -33,9 +35,17 @@ class CellModule(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         return self.optimizer_factory(self.parameters())
 
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        """Lightning's hook between backward (fp16: after unscaling) and the optimizer step: the adapter clips the
+        wrapped model's gradients (``StrategyAdapter.clip_gradients``); the Trainer's own clipping stays off."""
+        if self.clip_gradients is not None:
+            self.clip_gradients(self.trainer.strategy.model)
+
 
 class SyntheticBatches(Dataset):
-    """``steps`` batches for one rank; item ``i`` is :func:`zeroexp.models.make_batch` at step ``i``."""
+    """``steps`` batches for one rank; item ``i`` is :func:`zeroexp.models.make_batch` at step ``i`` (with
+    ``grad_accum=K``: ``steps`` x K micro-batches, item ``s * K + k`` the k-th of optimizer step s)."""
 
     def __init__(self, model_cfg: Mapping[str, Any], batch_size: int, seed: int, rank: int, steps: int) -> None:
         self.model_cfg, self.batch_size, self.seed, self.rank, self.steps = model_cfg, batch_size, seed, rank, steps

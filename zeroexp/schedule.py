@@ -21,6 +21,12 @@ from typing import Any, Iterable
 
 __all__ = ["Schedule"]
 
+#: Windows that cannot span the K micro-batches of ``grad_accum=K`` (one optimizer step), and why: their probe's
+#: check reads n/a in such a cell.
+SINGLE_MICRO_BATCH = {"memory_tracked": "grad_accum > 1: MemTracker refuses a module's second forward inside one "
+                                        "tracked step (torch.distributed._tools.mem_tracker), and an optimizer step "
+                                        "runs one forward per micro-batch"}
+
 
 def _select(cfg: Any, key: str) -> Any:
     for part in key.split("."):
@@ -36,6 +42,7 @@ class Schedule:
     steps: int
     warmup: int
     needs: tuple[tuple[Any, int], ...]  # (zeroexp.probes.base.Steps, its length)
+    grad_accum: int = 1  # micro-batches per step: a window in SINGLE_MICRO_BATCH is skipped when above 1
 
     @classmethod
     def from_cfg(cls, cfg: Any, probes: Iterable[Any] | None = None) -> "Schedule":
@@ -50,7 +57,7 @@ class Schedule:
         if cfg.get("dry_run"):  # a dry run plays warm-up and its probes' windows only: ``steps`` does not limit it
             steps = max(steps, warmup + sum(n for s, n in needs if s.kind == "window")
                         + max([s.at_least for s, _ in needs if s.kind == "rest"] or [0]))
-        return cls(steps=steps, warmup=warmup, needs=needs)
+        return cls(steps=steps, warmup=warmup, needs=needs, grad_accum=int(cfg.get("grad_accum") or 1))
 
     @cached_property
     def windows(self) -> dict[str, Any]:
@@ -73,7 +80,10 @@ class Schedule:
         have = f"steps={self.steps}, warmup_steps={self.warmup}; all probes fit in steps >= {every}"
         start = self.warmup
         for need, n in keyed:
-            if start + n <= self.steps:
+            if self.grad_accum > 1 and need.window in SINGLE_MICRO_BATCH:
+                out[need.window] = range(0)
+                skipped[need.window] = SINGLE_MICRO_BATCH[need.window]
+            elif start + n <= self.steps:
                 out[need.window] = range(start, start + n)
                 start += n
             else:
@@ -97,7 +107,7 @@ class Schedule:
         return out, skipped
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name in ("steps", "warmup", "needs", "windows", "skipped"):
+        if name.startswith("_") or name in ("steps", "warmup", "needs", "grad_accum", "windows", "skipped"):
             raise AttributeError(name)
         try:
             return self.windows[name]

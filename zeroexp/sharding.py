@@ -38,6 +38,7 @@ whenever ``zero_grad`` is called. Every collective here must be entered by every
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -174,6 +175,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         # this optimizer's __dict__ at wrap time.
         self.settings = _Settings(stage, reduce, clip_grad_norm, loss_scale, group,
                                   buckets[0].world_size if buckets else 1)
+        self.micro = {"accumulating": False}  # inside accumulating(): a micro-batch before a step's last
         for b in buckets:
             if stage == 1:  # the full gradient buffer lives as long as the optimizer
                 _attach_grad_buffer(b)
@@ -201,6 +203,27 @@ class ShardedAdamW(torch.optim.Optimizer):
                 b.grad_shard.zero_()
                 _release_grad_buffer(b)
 
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Around a micro-batch before the last of an optimizer step (``grad_accum``). Stage 1: nothing is reduced,
+        the full gradient buffer accumulates. Stage 2: the micro-batch's gradient is reduce-scattered as usual
+        and its shard added into the gradient shard, the full gradient released (DeepSpeed's ZeRO-2 does the same)."""
+        self.micro["accumulating"] = True
+        try:
+            yield
+        finally:
+            self.micro["accumulating"] = False
+        if self.settings.stage == 2:
+            with torch.no_grad():
+                for b in self.buckets:
+                    if b.work is None:  # backward did not fill it (unused parameters)
+                        self._start_reduce(b)
+                for b in self.buckets:
+                    b.work.wait()
+                    b.work, b.ready = None, 0
+                    b.grad_shard.add_(b.shard(b.grad))
+                    _release_grad_buffer(b)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (forward and backward), then reduce -> [global norm] -> local AdamW -> all_gather."""
@@ -217,8 +240,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             b.work.wait()
             b.work, b.ready = None, 0
             shard = b.shard(b.grad)  # the summed gradient of shard r, in the bucket's full gradient buffer
-            if s.stage == 2:  # keep the shard, release the full gradient
-                shard = b.grad_shard.copy_(shard)
+            if s.stage == 2:  # keep the shard (added to the micro-batches' before it), release the full gradient
+                shard = b.grad_shard.add_(shard)
                 _release_grad_buffer(b)
             b.master.grad = shard.float().div_(divisor)  # fp32 compute: in place, the shard becomes the average
         update = True
@@ -267,6 +290,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         """A post-accumulate hook: once backward has accumulated every gradient of the bucket, start its
         reduction, so that it overlaps the rest of backward (one backward per step)."""
         def hook(p: nn.Parameter) -> None:
+            if self.micro["accumulating"] and self.settings.stage == 1:
+                return  # the buffer accumulates; the step's last micro-batch reduces it
             if b.work is not None:
                 raise RuntimeError("a second backward before step: gradient accumulation is not supported")
             b.ready += 1

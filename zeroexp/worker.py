@@ -161,8 +161,10 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
 
     pl.seed_everything(cfg.seed, workers=False, verbose=False)  # identical initial weights on every rank
     net = build_model(cfg.model)
-    module = CellModule(net, cfg.model.loss, adapter.make_optimizer)
-    data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps), batch_size=None)
+    module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
+    accum = int(cfg.get("grad_accum", 1))  # micro-batches per optimizer step (zeroexp.microbatches)
+    data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps * accum),
+                      batch_size=None)
     probe_classes = probes_for(cfg)
     probes = [cls(ctx) for cls in probe_classes]
     callbacks: list[pl.Callback] = list(probes)
@@ -172,6 +174,10 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         callbacks.append(FaultInjector(Fault.parse(run_info["fault"]), rank, run_info["cell_name"]))
     if rank == 0:  # rank 0's progress in .progress.json, shown live by the launching process (zeroexp.progress)
         callbacks.append(_Progress(cell, int(cfg.steps)))
+    if accum > 1:  # the probes (and the rest) see optimizer steps, each spanning its micro-batches
+        from zeroexp.microbatches import OptimizerSteps
+
+        callbacks = [OptimizerSteps(callbacks, accum)]
     logger = make_logger(cfg, cell, run_info)
     if logger and rank == 0 and cfg.logger.name == "wandb":
         _ = logger.experiment  # start the W&B run before training, not inside the first timed step
@@ -181,7 +187,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         num_nodes=world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         strategy=adapter.lightning_strategy(cfg.timeout.collective_s, "nccl" if device.type == "cuda" else "gloo"),
-        precision="32-true", max_steps=cfg.steps, max_epochs=1, logger=logger, callbacks=callbacks,
+        precision="32-true", max_steps=cfg.steps, max_epochs=1, accumulate_grad_batches=accum, logger=logger, callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, use_distributed_sampler=False,
         default_root_dir=str(cell),

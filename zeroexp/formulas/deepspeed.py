@@ -88,17 +88,21 @@ def _payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     Stage 0: an all_reduce per chunk (P). Stages 1-2: an all_reduce per bucket (every rank's slice in one call; P),
     one fp32 all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one
     all_gather per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
-    fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P)."""
+    fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P).
+    ``gradient_accumulation_steps`` K (measured, 0.19.8): stages 2 and 3 reduce every micro-batch's buckets and stage
+    3 fetches every micro-batch's parameters (K x); stages 0 and 1 reduce once, at the boundary; the norm, overflow
+    and stage 1-2 parameter all_gather come once per optimizer step."""
     n = g.world_size
+    each = knobs.micro_batches if stage in (2, 3) else 1
     if stage == 0:
         return collectives_of(all_reduce=[sum(b) * c for b in g.buckets])
     if stage in (1, 2):
-        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + [4] * len(g.shards) + ([1] if c != 4 else []),
-                              all_gather=[sh.numel * c for sh in g.shards])
+        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] * each + [4] * len(g.shards)
+                              + ([1] if c != 4 else []), all_gather=[sh.numel * c for sh in g.shards])
     norms = deepspeed_sub_groups([sh.numel // n for sh in g.shards])
-    return collectives_of(reduce_scatter=[sum(padded_numel(k, n) for k in b) * c for b in g.buckets],
+    return collectives_of(reduce_scatter=[sum(padded_numel(k, n) for k in b) * c for b in g.buckets] * each,
                           all_reduce=[8] * norms + ([1] if knobs.loss_scaling else []),
-                          all_gather=[sum(padded_numel(k, n) for k in f) * c for f in g.gathers])
+                          all_gather=[sum(padded_numel(k, n) for k in f) * c for f in g.gathers] * each)
 
 
 def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, precision: str, offload: str) -> list[str]:

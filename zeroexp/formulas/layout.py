@@ -22,7 +22,7 @@ from zeroexp.formulas.paper import Collectives, collectives_of, fp16_inf_syncs, 
 __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "StateLayout", "cut_buckets",
            "pack", "owner_assignment", "derive_groups", "rank_state_bytes", "step_collectives", "state_factors",
            "unsharded_floor_bytes", "offloaded_kinds", "all_reduce_buckets",
-           "all_reduce_then_broadcast", "scatter_gather", "gather_units", "gather_shards_twice", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
+           "all_reduce_then_broadcast", "scatter_gather", "scatter_gather_each_micro_batch", "gather_units", "gather_shards_twice", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
 
 #: The model-state kinds the planner predicts, named as the state probe names them.
 STATE_KINDS = ("param", "grad", "optim", "master")
@@ -70,7 +70,8 @@ class PlanKnobs:
     """Strategy settings that change bytes: the bucket cap (``strategy.bucket_cap_mb``: DDP, zeroexp's ZeRO,
     DeepSpeed's reduce bucket of cap / 4 elements), zeroexp's ``reduce`` and its norm all_reduce (clipping or loss
     scaling), FSDP ``use_orig_params`` (16-byte aligned parameters, moments per unpadded view), ZeroRedundancyOptimizer
-    ``parameters_as_bucket_view``, fp16 loss scaling, hybrid sharding's ``shard_size`` (0: not hybrid)."""
+    ``parameters_as_bucket_view``, fp16 loss scaling, hybrid sharding's ``shard_size`` (0: not hybrid), global-norm
+    clipping (``strategy.clip_grad_norm``), gradient accumulation (``grad_accum``)."""
 
     bucket_cap_bytes: int = 25 * 2**20
     reduce: str = "reduce_scatter"
@@ -79,6 +80,9 @@ class PlanKnobs:
     loss_scaling: bool = False
     parameters_as_bucket_view: bool = False
     shard_size: int = 0
+    clipping: bool = False
+    micro_batches: int = 1  # grad_accum: micro-batches per optimizer step
+    sync_each_microbatch: bool = False  # FSDP / FSDP2 with grad_accum: reduce-scatter each micro-batch, no no_sync
 
 
 class Shard(NamedTuple):
@@ -414,23 +418,41 @@ def all_reduce_then_broadcast(g: Groups, c: int, knobs: PlanKnobs) -> Collective
     return collectives_of(all_reduce=[sum(b) * c for b in g.buckets], broadcast=[k * c for k in g.broadcasts])
 
 
-def scatter_gather(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+def _scatter_gather(reduce_each_micro_batch: bool) -> Payload:
     """ZeRO-1/2 [ZeRO 7.2.1]: per padded buffer b, one reduce_scatter S = b (``reduce="allreduce"``: an all_reduce)
     and one all_gather S = b: P + P, the bus bytes of an all_reduce; clipping or loss scaling add one fp32 scalar
-    all_reduce (the squared global norm)."""
-    sizes = [sh.numel * c for sh in g.shards]
-    reduces = sizes if knobs.reduce == "allreduce" else []
-    return collectives_of(reduce_scatter=[] if knobs.reduce == "allreduce" else sizes, all_gather=sizes,
-                          all_reduce=reduces + ([4] if knobs.norm_allreduce else []))
-
-
-def gather_units(dtensor_grads: bool = False) -> Payload:
-    """FSDP [ZeRO 7.2.2]: per unit of padded bytes b, its all_gathers S = b (two when resharded after forward) and one
-    reduce_scatter S = b; fp16 adds the loss scaler's found_inf all_reduces (:func:`fp16_inf_syncs`)."""
+    all_reduce (the squared global norm). With ``grad_accum=K`` ZeRO-1 reduces the accumulated gradient once, ZeRO-2
+    (``reduce_each_micro_batch``) every micro-batch, into its gradient shard (as DeepSpeed's ZeRO-2)."""
     def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+        sizes = [sh.numel * c for sh in g.shards]
+        reduced = sizes * (knobs.micro_batches if reduce_each_micro_batch else 1)
+        allreduce = knobs.reduce == "allreduce"
+        return collectives_of(reduce_scatter=[] if allreduce else reduced, all_gather=sizes,
+                              all_reduce=(reduced if allreduce else []) + ([4] if knobs.norm_allreduce else []))
+    payload.__doc__ = _scatter_gather.__doc__
+    return payload
+
+
+scatter_gather = _scatter_gather(False)
+scatter_gather_each_micro_batch = _scatter_gather(True)
+
+
+def gather_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) -> Payload:
+    """FSDP [ZeRO 7.2.2]: per unit of padded bytes b, its all_gathers S = b (two when resharded after forward) and one
+    reduce_scatter S = b; fp16 adds the loss scaler's found_inf all_reduces (:func:`fp16_inf_syncs`); clipping one
+    fp32 all_reduce of the norms: FSDP1's ``clip_grad_norm_`` sums the squared norm of the rank's shards (4 bytes);
+    FSDP2's ``get_total_norm`` stacks one partial norm per gradient DTensor, made whole by one all_reduce (4 bytes
+    each). ``grad_accum=K``: every micro-batch gathers its units again (FSDP1 SHARD_GRAD_OP under ``no_sync``,
+    ``kept_under_no_sync``, keeps them unsharded to the step's last instead: once per step); the gradients are
+    reduce-scattered once per step under ``no_sync``, every micro-batch with ``strategy.sync_each_microbatch``."""
+    def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+        k, each = knobs.micro_batches, knobs.sync_each_microbatch
         syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
-        return collectives_of(all_gather=[u.numel * c for u in g.units for _ in range(u.gathers)],
-                              reduce_scatter=[u.numel * c for u in g.units], all_reduce=[4] * syncs)
+        norms = ([4 * len(g.numels)] if dtensor_grads else [4]) if knobs.clipping else []
+        gathered = 1 if kept_under_no_sync and not each else k
+        return collectives_of(all_gather=[u.numel * c for u in g.units for _ in range(u.gathers * gathered)],
+                              reduce_scatter=[u.numel * c for u in g.units] * (k if each else 1),
+                              all_reduce=[4] * syncs + norms)
     return payload
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from zeroexp.formulas.deepspeed import DEEPSPEED_LAYOUTS
 from zeroexp.formulas.hybrid import hybrid_units
 from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_reduce_buckets, all_reduce_then_broadcast,
-                                     cut_buckets, gather_shards_twice, gather_units, owner_assignment, scatter_gather)
+                                     cut_buckets, gather_shards_twice, gather_units, owner_assignment, scatter_gather,
+                                     scatter_gather_each_micro_batch)
 
 __all__ = ["LAYOUTS", "ddp_buckets"]
 
@@ -76,9 +77,11 @@ LAYOUTS: dict[str, StateLayout] = {
                        source="zeroexp.strategies.zro"),
     "zero1": StateLayout("zeroexp ZeRO-1", 1, _OS, "always", "buckets", scatter_gather, precisions=_MIXED,
                          source="zeroexp.sharding"),
-    "zero2": StateLayout("zeroexp ZeRO-2", 2, _OS_G, "always", "buckets", scatter_gather, precisions=_MIXED,
+    "zero2": StateLayout("zeroexp ZeRO-2", 2, _OS_G, "always", "buckets", scatter_gather_each_micro_batch,
+                         precisions=_MIXED,
                          source="zeroexp.sharding"),
-    "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, _OS_G_P, "never", "units", gather_units(), "all",
+    "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, _OS_G_P, "never", "units",
+                                gather_units(kept_under_no_sync=True), "all",
                                 fp32_at_rest=True, precisions=_MIXED, source="zeroexp.strategies.fsdp; [FSDP]"),
     "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows",
                                  gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,

@@ -205,8 +205,8 @@ class CheckpointProbe(Probe):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.seed) + 1)
             net = build_model(OmegaConf.to_container(cfg.model, resolve=True))
-        module = CellModule(net, cfg.model.loss, adapter.make_optimizer).to(self.ctx.device)
-        model = adapter.wrap(module, self.ctx.device)
+        module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients).to(self.ctx.device)
+        model = adapter.wrap_cell(module, self.ctx.device)  # as the cell's model: checkpointed units too
         return model, module, module.configure_optimizers()
 
     def _compare(self, a: torch.nn.Module, b: torch.nn.Module) -> dict[str, Any]:

@@ -38,6 +38,8 @@ __all__ = ["EquivalenceProbe", "FLOOR_FACTOR", "THRESHOLDS", "train_reference", 
 REFERENCE = "unsharded nn.Module + torch.optim.AdamW, one process, same seed, identical global batches"
 #: CellModule keeps the user's model as ``net``: the prefix of every parameter name the adapter reports.
 _PREFIX = "net."
+#: torch's checkpoint_wrapper module attribute (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py).
+_CHECKPOINTED = "_checkpoint_wrapped_module."
 
 
 def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None,
@@ -55,23 +57,26 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     o = cfg.optimizer
     opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     loss_fn = LOSSES[cfg.model.loss]
-    n = int(cfg.world_size)
+    n, k = int(cfg.world_size), int(cfg.get("grad_accum") or 1)
     for step in range(steps):
-        # The global batch, fed rank by rank: each rank's loss is the loss of its own batch, as in training.
-        parts = [make_batch(model_cfg, int(cfg.batch_size), int(cfg.seed), step, r) for r in range(n)]
         opt.zero_grad(set_to_none=True)
-        if averaged_grads:
-            total: list[torch.Tensor | None] = [None] * len(params)
-            for b in reversed(parts):
-                for p in params:
-                    p.grad = None
-                loss_fn(net(b), b).backward()
-                total = [g if t is None else (t if g is None else t + g)
-                         for t, g in zip(total, (p.grad for p in params))]
-            for p, t in zip(params, total):
-                p.grad = None if t is None else t / n
-        else:
-            torch.stack([loss_fn(net(b), b) for b in parts]).mean().backward()
+        for micro in range(step * k, step * k + k):  # grad_accum=K: K micro-batches per step, each loss / K
+            # The global batch, fed rank by rank: each rank's loss is the loss of its own batch, as in training.
+            parts = [make_batch(model_cfg, int(cfg.batch_size), int(cfg.seed), micro, r) for r in range(n)]
+            if averaged_grads:
+                total: list[torch.Tensor | None] = [None] * len(params)
+                held = [p.grad for p in params]
+                for b in reversed(parts):
+                    for p in params:
+                        p.grad = None
+                    (loss_fn(net(b), b) / k if k > 1 else loss_fn(net(b), b)).backward()
+                    total = [g if t is None else (t if g is None else t + g)
+                             for t, g in zip(total, (p.grad for p in params))]
+                for p, t, h in zip(params, total, held):
+                    p.grad = None if t is None else (t / n if h is None else h + t / n)
+            else:
+                loss = torch.stack([loss_fn(net(b), b) for b in parts]).mean()
+                (loss / k if k > 1 else loss).backward()
         if clip_grad_norm is not None:  # the strategy clips by the global norm: so does the reference
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         opt.step()
@@ -158,8 +163,8 @@ class EquivalenceProbe(Probe):
     def on_train_end(self, trainer, pl_module) -> None:
         trained: dict[str, torch.Tensor] = {}
         with self.ctx.adapter.full_parameters(trainer.strategy.model) as full:  # a collective: every rank
-            if self.ctx.rank == 0:
-                trained = {name: t.to("cpu", copy=True) for name, t in full.items()}
+            if self.ctx.rank == 0:  # activation_checkpointing=full: the wrapper's prefix is no name of the model
+                trained = {name.replace(_CHECKPOINTED, ""): t.to("cpu", copy=True) for name, t in full.items()}
         if self.ctx.rank == 0:
             steps, clip = int(trainer.global_step), self.ctx.adapter.clip_grad_norm
             reference = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.strategies import DDPStrategy
@@ -27,9 +28,16 @@ class CellStrategy(DDPStrategy):
         self.adapter = adapter
 
     def configure_ddp(self) -> None:
-        self.model = self.adapter.wrap(self.model, self.root_device)
+        self.model = self.adapter.wrap_cell(self.model, self.root_device)
         if isinstance(self.model, DistributedDataParallel):
             self._register_ddp_hooks()
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning enters it around the first K-1 micro-batches of ``grad_accum=K`` (``no_sync`` for DDP only,
+        in its own ``DDPStrategy``): here the adapter's (``StrategyAdapter.no_sync``)."""
+        with self.adapter.no_sync(self.model):
+            yield
 
     def teardown(self) -> None:
         """Lightning's teardown moves the module to the CPU (``module.cpu()``), which for FSDP2's DTensor parameters

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Iterator, NamedTuple
+from typing import Any, ClassVar, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig
@@ -28,12 +28,16 @@ class StrategyConfig:
     """What every strategy's config (``strategy.*``) holds; each adapter's ``schema`` extends it with its own keys.
 
     A field whose metadata says ``identity: False`` is derived from the others and not part of the cell's identity
-    (zeroexp.cell): adding such a field leaves every cell id as it was.
+    (zeroexp.cell): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
+    when not at its default (so a knob added to every strategy leaves the ids of the cells that do not set it as
+    they were).
     """
 
     name: str = MISSING
     #: The expectation-model row the strategy follows (set in its conf/strategy/*.yaml; deepspeed's follows its stage).
     layout: str = field(default=MISSING, metadata={"identity": False})
+    #: Global-norm gradient clipping, the max norm (null: none): :meth:`StrategyAdapter.clip_gradients`.
+    clip_grad_norm: Optional[float] = field(default=None, metadata={"identity": "when_set"})
 
 
 def schema_keys(schema: type) -> tuple[str, ...]:
@@ -44,6 +48,12 @@ def schema_keys(schema: type) -> tuple[str, ...]:
 def identity_keys(schema: type) -> tuple[str, ...]:
     """The keys of a strategy schema that are part of a cell's identity (all but derived ones such as ``layout``)."""
     return tuple(f.name for f in fields(schema) if f.metadata.get("identity", True))
+
+
+def identity_when_set(schema: type) -> dict[str, Any]:
+    """The keys of a strategy schema that enter a cell's identity only when set to other than their default
+    (``clip_grad_norm``, ``sync_each_microbatch``), with that default."""
+    return {f.name: f.default for f in fields(schema) if f.metadata.get("identity", True) == "when_set"}
 
 
 def post_order(module: nn.Module, keep: Any) -> list[nn.Module]:
@@ -147,6 +157,57 @@ class StrategyAdapter:
         value = self.scfg.get("clip_grad_norm")
         return None if value is None else float(value)
 
+    #: ``activation_checkpointing=full``: checkpoint the units after :meth:`wrap` (FSDP1's
+    #: ``apply_activation_checkpointing`` on the wrapped model) instead of before it (every other strategy).
+    checkpoint_after_wrap: ClassVar[bool] = False
+
+    def wrap_cell(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """:meth:`wrap`, with the units checkpointed (``activation_checkpointing``) before or after it."""
+        if not self.checkpoint_after_wrap:
+            self.checkpoint_activations(module)
+        model = self.wrap(module, device)
+        if self.checkpoint_after_wrap:
+            self.checkpoint_activations(model)
+        return model
+
+    def checkpoint_activations(self, module: nn.Module) -> None:
+        """``activation_checkpointing=full``: replace each wrap unit of ``module`` (``strategy.wrap``, else
+        ``model.wrap``) by torch's ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant): forward keeps
+        only the unit's input, backward recomputes the unit. Nothing for ``none``."""
+        node = self.cfg.get("activation_checkpointing")
+        if node is None or node.name == "none":
+            return
+        from functools import partial
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                                 apply_activation_checkpointing,
+                                                                                 checkpoint_wrapper)
+
+        from zeroexp.models import import_class, wrap_paths
+
+        classes = tuple(import_class(p) for p in wrap_paths(self.cfg))
+        apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, classes),
+                                       checkpoint_wrapper_fn=partial(checkpoint_wrapper,
+                                                                     checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """The context of the first K-1 micro-batches of ``grad_accum=K`` (forward and backward): gradients
+        accumulate locally and the K-th reduces them. Default: DDP's ``no_sync``; nothing for a model that is not
+        DDP (the strategy reduces once per optimizer step by itself, or overrides this)."""
+        from contextlib import nullcontext
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
+
+    def clip_gradients(self, model: nn.Module) -> None:
+        """Clip the gradients of the wrapped ``model`` to the global norm ``strategy.clip_grad_norm`` (nothing when
+        null), after backward and any fp16 unscaling, before the optimizer step (Lightning's
+        ``configure_gradient_clipping``). Default: ``torch.nn.utils.clip_grad_norm_`` over gradients every rank holds
+        in full (DDP's, all-reduced already): no collective. Sharded strategies override it."""
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+
     def optimizer_kwargs(self) -> dict[str, Any]:
         o = self.cfg.optimizer
         return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
@@ -227,6 +288,7 @@ class StrategyAdapter:
         optimizer.zero_grad(set_to_none=True)
         with torch.enable_grad():
             loss_fn(model(batch), batch).backward()
+        self.clip_gradients(model)
         optimizer.step()
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:

@@ -95,9 +95,11 @@ def ds_config(cfg: Any, device_type: str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if off == "full":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    conf: dict[str, Any] = {"train_micro_batch_size_per_gpu": int(cfg.batch_size), "gradient_accumulation_steps": 1,
+    conf: dict[str, Any] = {"train_micro_batch_size_per_gpu": int(cfg.batch_size),
+                            "gradient_accumulation_steps": int(cfg.get("grad_accum") or 1),
                             "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
-                            "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False, "gradient_clipping": 0.0}
+                            "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
+                            "gradient_clipping": float(s.get("clip_grad_norm") or 0.0)}  # 0: DeepSpeed's "none"
     if p.name == "bf16":
         conf["bf16"] = {"enabled": True}
     elif p.name == "fp16":
@@ -123,7 +125,14 @@ def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
 
     class EnginePrecision(Precision):
         def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-            adapter.engine.backward(tensor)
+            """``engine.backward``: the loss comes scaled by 1/grad_accum from Lightning already (not again:
+            ``scale_wrt_gas=False``). The engine owns the accumulation boundary (``gradient_accumulation_steps``):
+            before it, ``engine.step`` only counts the micro-batch (Lightning steps on the boundary's alone)."""
+            engine = adapter.engine
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.backward(tensor, scale_wrt_gas=False)
+            if not boundary:
+                engine.step()
 
         def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
             closure()
@@ -261,6 +270,10 @@ class DeepSpeedAdapter(StrategyAdapter):
             yield StateTensor("master", m, m.numel())
         base = getattr(opt, "optimizer", opt)  # the client AdamW inside DeepSpeed's wrapper
         yield from optimizer_state_tensors(base)
+
+    def clip_gradients(self, model: nn.Module) -> None:
+        """Nothing here: the engine clips in ``engine.step`` (ds config ``gradient_clipping``), by the global norm its
+        ZeRO optimizer all-reduces at every step anyway (stages 1-3), as ``max_norm / (norm + 1e-6)``."""
 
     def current_loss_scale(self) -> float | None:
         """fp16: the FP16 / ZeRO optimizer's dynamic loss scale (``cur_scale``); None otherwise."""

@@ -10,7 +10,7 @@ On CPU, FSDP runs with gloo when given ``device_id=torch.device("cpu")``.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
@@ -43,6 +43,9 @@ class FSDPConfig(StrategyConfig):
     use_orig_params: bool = False
     limit_all_gathers: bool = True
     forward_prefetch: bool = False
+    #: grad_accum > 1: reduce-scatter every micro-batch (sharded gradients accumulate) instead of ``no_sync``
+    #: (unsharded gradients held until the K-th); in the cell's identity only when true.
+    sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
 
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
 
@@ -80,8 +83,25 @@ class FSDPAdapter(StrategyAdapter):
             except (ImportError, AttributeError, ValueError, TypeError) as e:
                 raise ConfigError(f"{key}[{i}]", path, "import paths of nn.Module classes", why=str(e)) from e
 
+    #: FSDP's own recipe: ``apply_activation_checkpointing`` on the wrapped model (each unit's module inside its
+    #: FSDP wrapper is checkpointed, so recompute runs under the unit's gathered parameters).
+    checkpoint_after_wrap = True
+
     def backward_prefetch(self) -> BackwardPrefetch | None:
         return None
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """``FullyShardedDataParallel.no_sync`` (unsharded gradients accumulate, no reduce_scatter) unless
+        ``strategy.sync_each_microbatch``."""
+        from contextlib import nullcontext
+
+        return nullcontext() if self.scfg.get("sync_each_microbatch") else model.no_sync()
+
+    def clip_gradients(self, model: nn.Module) -> None:
+        """``FullyShardedDataParallel.clip_grad_norm_`` on the root: each rank's norm of its gradient shards, one fp32
+        all_reduce of their squares' sum (the total norm), each shard scaled by ``max_norm / (norm + 1e-6)``, at most 1."""
+        if self.clip_grad_norm is not None:
+            model.clip_grad_norm_(self.clip_grad_norm)
 
     checkpoint_kinds = frozenset({"full", "sharded"})
 

@@ -16,7 +16,7 @@ The device mesh is made on the rank's device type (``init_device_mesh("cpu", (N,
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional
 
 import torch
@@ -55,6 +55,9 @@ class FSDP2Config(StrategyConfig):
 
     # Module classes given their own fully_shard unit (import paths), as for FSDP1; the root takes the rest.
     wrap: Optional[List[str]] = None
+    #: grad_accum > 1: reduce-scatter every micro-batch instead of ``set_requires_gradient_sync(False)``
+    #: (unsharded gradients held until the K-th); in the cell's identity only when true.
+    sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
 
 
 class FSDP2Adapter(StrategyAdapter):
@@ -95,6 +98,32 @@ class FSDP2Adapter(StrategyAdapter):
         from zeroexp.strategies._amp import with_sharded_scaler
 
         return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.cfg, backend)
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """``set_requires_gradient_sync(False)`` on the root ``fully_shard`` module (every unit: unsharded
+        gradients accumulate, no reduce_scatter) unless ``strategy.sync_each_microbatch``."""
+        root = getattr(model, "net", model)
+        if self.scfg.get("sync_each_microbatch"):
+            yield
+            return
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    def clip_gradients(self, model: nn.Module) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` as torchtitan runs it on FSDP2's DTensor gradients: each rank's norm of
+        its shards (a partial DTensor), ``full_tensor()`` (one fp32 all_reduce of the squared norms), then every shard
+        scaled by ``max_norm / (norm + 1e-6)``, at most 1 (``clip_grads_with_norm_``)."""
+        if self.clip_grad_norm is None:
+            return
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``fully_shard`` each module of a wrapped class, innermost first, then the root; returns ``module``.

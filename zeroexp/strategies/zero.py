@@ -32,7 +32,9 @@ class ZeroConfig(StrategyConfig):
     # Flat buckets, in compute-dtype bytes of parameters: one reduce_scatter and one all_gather each per step.
     bucket_cap_mb: float = 25.0
     reduce: str = "reduce_scatter"  # reduce_scatter | allreduce (the naive ZeRO: all_reduce, keep the shard)
-    clip_grad_norm: Optional[float] = None  # global-norm clipping: the max norm; null: no clipping
+    # Global-norm clipping inside ShardedAdamW.step; redeclared without ``when_set``: zero1/zero2 had the key in their
+    # identity before every strategy did, so their cell ids stay as they were.
+    clip_grad_norm: Optional[float] = None
 
 
 
@@ -80,8 +82,6 @@ class ShardedZeroAdapter(StrategyAdapter):
             raise ConfigError("strategy.reduce", s.reduce, "reduce_scatter, allreduce")
         if not s.bucket_cap_mb > 0:
             raise ConfigError("strategy.bucket_cap_mb", s.bucket_cap_mb, "a positive number of MiB")
-        if s.clip_grad_norm is not None and not s.clip_grad_norm > 0:
-            raise ConfigError("strategy.clip_grad_norm", s.clip_grad_norm, "null or a positive max norm")
         if p.get("loss_scale") is not None and not (p.loss_scale > 0 and p.growth_interval >= 1):
             raise ConfigError("precision.loss_scale", p.loss_scale, "null or a positive initial scale, with "
                               "precision.growth_interval >= 1")
@@ -128,6 +128,15 @@ class ShardedZeroAdapter(StrategyAdapter):
 
     def current_loss_scale(self) -> float | None:
         return None if self.loss_scale is None else float(self.loss_scale.value)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """``ShardedAdamW.accumulating``: stage 1 reduces the accumulated buffer once, at the last micro-batch;
+        stage 2 reduce-scatters every micro-batch into its gradient shard."""
+        return self.optimizer.accumulating()
+
+    def clip_gradients(self, model: nn.Module) -> None:
+        """Nothing here: ``ShardedAdamW.step`` clips the averaged gradient shards by their global norm (one fp32
+        all_reduce of the squared norm), after the reduce_scatter."""
 
     def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
         """Each flat bucket as it is laid out (its parameters' element ranges, its padded length): one reduce_scatter
