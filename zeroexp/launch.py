@@ -39,8 +39,9 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         # By name: the ranks' module, imported once, not by this one; first zeroexp.deathsig, which makes the
-        # forkserver die with this process (each rank dies with the forkserver: zeroexp.worker).
-        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker"])
+        # forkserver die with this process (each rank dies with the forkserver: zeroexp.worker); then every
+        # strategy adapter, which a rank would otherwise import afresh in each cell.
+        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker", "zeroexp.strategies._preload"])
     return _CTX
 
 
