@@ -69,7 +69,7 @@ def bare_child(a: dict, repeat: int) -> None:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "ZEROEXP"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH") or str(ROOT)  # the zeroexp this process imports
     return env
 
 
