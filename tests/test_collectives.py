@@ -37,7 +37,8 @@ def test_reference_fingerprint(cell, name):
     assert s["dtypes"] == {op: "float32" for op in want}
     assert s["param_bytes"] == P and s["payload_total_bytes"] == sum(k for _, k in want.values()) * P
     csv = read_csv(r, "collectives.csv")
-    assert list(csv.columns) == ["rank", "op", "count", "dtype", "payload_bytes", "bus_bytes"]
+    assert list(csv.columns) == ["rank", "op", "count", "dtype", "payload_bytes", "bus_bytes", "mesh_dim", "group_size"]
+    assert set(csv["mesh_dim"]) == {"world"} and set(csv["group_size"]) == {N}  # every call on the default group
     assert sorted(csv["rank"].unique()) == list(range(N)) and len(csv) == N * len(want)
     for row in csv.itertuples():
         assert (row.count, row.payload_bytes) == (want[row.op][0], want[row.op][1] * P)
@@ -89,8 +90,8 @@ def test_aggregate_reports_disagreeing_ranks_and_unsteady_steps(compose):
     assert ok["check"] == "PASS" and ok["counts"] == {"all_reduce": 2}
     bad = CollectivesProbe.aggregate([_rank(steady, expected), _rank([*steady, extra], expected)], cfg).section
     assert bad["check"] == "FAIL"
-    assert bad["rank_disagreements"] == [{"op": "broadcast", "dtype": "int32", "counts": [0, 1],
-                                          "payload_bytes": [0, 22]}]
+    assert bad["rank_disagreements"] == [{"op": "broadcast", "dtype": "int32", "mesh_dim": "world", "group_size": 2,
+                                          "counts": [0, 1], "payload_bytes": [0, 22]}]
     assert any(x.startswith("rank 1: step 4") for x in bad["reasons"])
     none = CollectivesProbe.aggregate([_rank(steady), _rank(steady)], cfg).section
     assert none["check"] == "n/a" and "not checked" in none["reasons"][-1]  # measured, nothing to hold it to

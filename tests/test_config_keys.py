@@ -173,7 +173,7 @@ def test_a_key_the_strategy_lacks_makes_no_new_cell(strategy, extra):
 def test_layout_is_set_for_every_strategy_and_is_not_identity():
     expected = {"ddp": "ddp", "zro": "zro", "zero1": "zero1", "zero2": "zero2", "fsdp_grad_op": "fsdp_grad_op",
                 "fsdp_full": "fsdp_full", "fsdp2_grad_op": "fsdp2_grad_op", "fsdp2_full": "fsdp2_full",
-                "deepspeed": "deepspeed_stage2"}
+                "deepspeed": "deepspeed_stage2", "fsdp_hybrid": "fsdp_HYBRID_SHARD", "fsdp2_hybrid": "fsdp2_hybrid"}
     assert set(expected) == set(registered())
     for name, layout in expected.items():
         cfg = _compose([f"strategy={name}"])
@@ -181,6 +181,8 @@ def test_layout_is_set_for_every_strategy_and_is_not_identity():
         assert "layout" not in cell_identity(cfg)["strategy"]
         assert cell_id(_compose([f"strategy={name}", "strategy.layout=other"])) == cell_id(cfg)
     assert _compose(["strategy=deepspeed", "strategy.stage=3"]).strategy.layout == "deepspeed_stage3"
+    zero2 = _compose(["strategy=fsdp_hybrid", "strategy.sharding=_HYBRID_SHARD_ZERO2"])
+    assert zero2.strategy.layout == "fsdp__HYBRID_SHARD_ZERO2"
 
 
 def test_schemas_live_beside_their_adapters():

@@ -39,6 +39,8 @@ def test_every_option_composes_and_validates(compose, group):
             overrides.append(f"strategy={min(n for n, a in registered().items() if option in a.precisions)}")
         if group == "offload":  # with DeepSpeed ZeRO-3, which implements every offload (StrategyAdapter.offloads)
             overrides += ["strategy=deepspeed", "strategy.stage=3"]
+        if group == "strategy" and option in ("fsdp_hybrid", "fsdp2_hybrid"):  # its required key
+            overrides.append("strategy.shard_size=2")
         if (group, option) == ("model", "custom"):  # its two required keys
             overrides += ["model._target_=torch.nn.Linear", "+model.in_features=4", "+model.out_features=4",
                           "model.input_shape=[4]"]

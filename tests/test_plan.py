@@ -126,8 +126,10 @@ def test_every_registered_strategy_has_a_row():
     from zeroexp.strategies import registered
 
     table = strategy_table()
-    # each strategy's YAML names its row (strategy.layout); deepspeed's follows strategy.stage: deepspeed_stage<k>
-    assert set(registered()) - {"deepspeed"} <= set(table) and set(PAPER + DEEPSPEED) <= set(table)
+    # each strategy's YAML names its row (strategy.layout); deepspeed's follows strategy.stage: deepspeed_stage<k>;
+    # fsdp_hybrid's strategy.sharding: fsdp_<sharding>
+    assert set(registered()) - {"deepspeed", "fsdp_hybrid"} <= set(table) and set(PAPER + DEEPSPEED) <= set(table)
+    assert {"fsdp_HYBRID_SHARD", "fsdp__HYBRID_SHARD_ZERO2"} <= set(table)
     assert [layout.stage for layout in table.values()] == sorted(layout.stage for layout in table.values())
 
 
@@ -197,13 +199,15 @@ def test_a_34b_model_plans_in_seconds_without_allocating():
 
     registered()  # import the strategy modules first (composing the config does): not the planner's work
     rss, peak, start = _rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, time.perf_counter()
-    records, _ = run(cfg)
+    records, notes = run(cfg)
     elapsed = time.perf_counter() - start
     grown = max(_rss() - rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak)
     numel = 8 * 65536 ** 2  # 34.4e9 parameters: 137 GB of fp32 weights alone
     assert elapsed < 10 and grown < 256 * 2**20, (elapsed, grown)
     full = {(r["strategy"], r["world_size"]): r for r in records}
-    assert all(r["numel"] == numel for r in records) and len(records) == 3 * len(strategy_table())
+    hybrid = [name for name, layout in strategy_table().items() if layout.hybrid]  # no shard_size=: a note each
+    assert all(r["numel"] == numel for r in records) and len(records) == 3 * (len(strategy_table()) - len(hybrid))
+    assert [n.split(":")[0] for n in notes] == hybrid
     assert full["ddp", 8]["total_bytes"] == 16 * numel and not full["ddp", 8]["fits"]
     fsdp = full["fsdp_full", 1024]
     assert fsdp["largest_unit_bytes"] == fsdp["gather_floor_bytes"] == 4 * 65536 ** 2  # one Linear, unsharded

@@ -29,7 +29,8 @@ from zeroexp.wandb_offline import iter_records, read_run
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ("world_size=2", "model.width=64", "steps=10")
 LADDER_LABELS = ["ddp", "zro", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-post", "fsdp_full-none"]
-PLOTS = ["report_state_bytes.png", "report_memory.png", "report_step_times.png", "report_collectives.png"]
+PLOTS = ["report_state_bytes.png", "report_memory.png", "report_peak_model.png", "report_step_times.png",
+         "report_collectives.png"]
 
 
 def run_sweep(sweep_dir: Path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -299,7 +300,7 @@ def test_terminal_digest_shows_the_summary_numbers(sweep):
 
     summary = read_json(cell_dirs(sweep)[0] / "summary.json")
     rows = {probe: (found, check) for probe, found, check in digest(summary)}
-    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "plan"]
+    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "plan", "plan.time"]
     for probe in ("state", "collectives", "equivalence", "plan"):
         assert rows[probe][1] == summary[probe]["check"]
     assert rows["memory"][1] == rows["timing"][1] == "-"  # reported, not checked

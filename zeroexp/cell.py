@@ -42,7 +42,8 @@ def _applicable(cfg: DictConfig) -> tuple[str, ...]:
 
 
 def _axis_value(cfg: DictConfig, axis: str) -> Any:
-    return cfg.strategy[axis] if axis in _own_keys(cfg) else cfg[axis].name
+    # a required key left unset (strategy.shard_size=???) reads None here: validate() refuses it, naming the key
+    return OmegaConf.select(cfg.strategy, axis) if axis in _own_keys(cfg) else cfg[axis].name
 
 
 def _axis_label(cfg: DictConfig, axis: str, value: Any) -> str:

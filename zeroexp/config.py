@@ -171,6 +171,8 @@ class ZeroexpConfig:
     # One process plays rank 0 of world_size ranks under a fake process group and FakeTensorMode: state table
     # and collectives without allocating the parameters (zeroexp.dryrun); no time, memory or equivalence.
     dry_run: bool = False
+    # plan.time's calibration file (python -m zeroexp.calibrate); null: the newest of this machine, backend and N
+    calibration: Optional[str] = None
 
 
 def register_schemas() -> None:
@@ -354,6 +356,14 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     name = cfg.strategy.name
     if name not in registered():
         raise ConfigError("strategy", name, ", ".join(sorted(registered())))
+    if cfg.get("calibration"):  # plan.time's calibration: readable before any rank starts
+        from zeroexp.calibration import load_calibration
+
+        try:
+            load_calibration(cfg.calibration)
+        except ValueError as e:
+            raise ConfigError("calibration", cfg.calibration, "null or a file python -m zeroexp.calibrate wrote",
+                              why=str(e)) from e
     _check_unread_keys(cfg)
     _check_strategy_keys(cfg, explicit_overrides)
     for key, accepted in _ACCEPTED.items():

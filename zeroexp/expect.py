@@ -29,6 +29,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         use_orig_params=bool(s.get("use_orig_params", False)),
         loss_scaling=scaling,
         parameters_as_bucket_view=bool(s.get("parameters_as_bucket_view", False)),
+        shard_size=int(s.get("shard_size") or 0),
     )
 
 
@@ -58,7 +59,7 @@ class Expectation:
 
     def state_factors(self) -> dict[str, float]:
         """Aggregate factors per kind at the optimizer boundary (sum over ranks / P) [ZeRO 5.1]."""
-        return state_factors(self.layout, self.world_size, self.itemsize, self.offload)
+        return state_factors(self.layout, self.world_size, self.itemsize, self.offload, self.knobs.shard_size)
 
     def collectives(self, model: Any, optimizer: Any) -> Collectives:
         """One rank's per-step collectives over the live groups; ``NotImplementedError`` naming why the payload model

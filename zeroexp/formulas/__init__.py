@@ -4,7 +4,11 @@ run share it; it imports nothing else of zeroexp.
 - :mod:`~zeroexp.formulas.paper`: the paper's closed forms, bus factors, padding rules, the dtype sizes;
 - :mod:`~zeroexp.formulas.layout`: groups -> per-rank bytes and per-step collectives (the layout arithmetic);
 - :mod:`~zeroexp.formulas.deepspeed`: DeepSpeed's runtime model;
-- :mod:`~zeroexp.formulas.rows`: every strategy's row (``LAYOUTS``), named by ``strategy.layout``.
+- :mod:`~zeroexp.formulas.hybrid`: hybrid sharding (HSDP): the shard and replicate groups of a 2-D mesh;
+- :mod:`~zeroexp.formulas.rows`: every strategy's row (``LAYOUTS``), named by ``strategy.layout``;
+- :mod:`~zeroexp.formulas.time`: a collective's time (latency + bus bytes / bus bandwidth, two-level ring), compute
+  rates, the device's overlap rule; :mod:`~zeroexp.formulas.overlap`: a step's time from its groups;
+- :mod:`~zeroexp.formulas.peak`: the peak model, each phase's bytes above steady.
 
 Sources:
 - [ZeRO] Rajbhandari, Rasley, Ruwase, He. "ZeRO: Memory Optimizations Toward Training Trillion Parameter
@@ -38,6 +42,12 @@ from zeroexp.formulas.layout import *  # noqa: F401,F403
 from zeroexp.formulas.layout import __all__ as _layout
 from zeroexp.formulas.paper import *  # noqa: F401,F403
 from zeroexp.formulas.paper import __all__ as _paper
+from zeroexp.formulas.hybrid import MESH_DIMS, WORLD, hybrid_units
+from zeroexp.formulas.overlap import *  # noqa: F401,F403
+from zeroexp.formulas.overlap import __all__ as _overlap
 from zeroexp.formulas.rows import LAYOUTS, ddp_buckets
+from zeroexp.formulas.time import *  # noqa: F401,F403
+from zeroexp.formulas.time import __all__ as _time
 
-__all__ = [*_paper, *_layout, *_deepspeed, "LAYOUTS", "ddp_buckets"]
+__all__ = [*_paper, *_layout, *_deepspeed, *_time, *_overlap, "LAYOUTS", "ddp_buckets", "MESH_DIMS", "WORLD",
+           "hybrid_units"]

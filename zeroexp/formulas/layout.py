@@ -70,7 +70,7 @@ class PlanKnobs:
     """Strategy settings that change bytes: the bucket cap (``strategy.bucket_cap_mb``: DDP, zeroexp's ZeRO,
     DeepSpeed's reduce bucket of cap / 4 elements), zeroexp's ``reduce`` and its norm all_reduce (clipping or loss
     scaling), FSDP ``use_orig_params`` (16-byte aligned parameters, moments per unpadded view), ZeroRedundancyOptimizer
-    ``parameters_as_bucket_view``, fp16 loss scaling."""
+    ``parameters_as_bucket_view``, fp16 loss scaling, hybrid sharding's ``shard_size`` (0: not hybrid)."""
 
     bucket_cap_bytes: int = 25 * 2**20
     reduce: str = "reduce_scatter"
@@ -78,6 +78,7 @@ class PlanKnobs:
     use_orig_params: bool = False
     loss_scaling: bool = False
     parameters_as_bucket_view: bool = False
+    shard_size: int = 0
 
 
 class Shard(NamedTuple):
@@ -103,6 +104,8 @@ class Groups:
     buckets, DeepSpeed's). ``owners``: each rank's parameters' numels (ZeroRedundancyOptimizer).
     ``broadcasts``: elements per broadcast after the step (ZeroRedundancyOptimizer). ``gathers``: DeepSpeed stage
     3's parameter fetches, each one all_gather's numels. ``exact``: False when derived from a parameter count.
+    ``shard_size``: the ranks one buffer is sharded over under hybrid sharding (the shard group; the buffers are
+    padded to it and replicated across the world_size / shard_size replicas); 0: over all world_size ranks.
     """
 
     layout: str
@@ -115,10 +118,16 @@ class Groups:
     broadcasts: tuple[int, ...] = ()
     gathers: tuple[tuple[int, ...], ...] = ()
     exact: bool = True
+    shard_size: int = 0
 
     @property
     def numel(self) -> int:
         return sum(self.numels)
+
+    @property
+    def shard_over(self) -> int:
+        """The ranks a sharded buffer is split over: the shard group under hybrid sharding, else the world."""
+        return self.shard_size or self.world_size
 
     def differences(self, other: Groups) -> list[str]:
         """What differs between two Groups, field by field (empty: equal)."""
@@ -147,6 +156,7 @@ class StateLayout:
     ``add`` the fp32 host gradient partition), ``flat_optimizer`` (one Adam ``step`` per flat partition; ``sub_groups``: how many partitions of the shards'
     partition lengths),
     ``payload_limits`` ((groups, knobs, precision, offload) -> why the payload model is not exact for a cell).
+    ``hybrid``: sharded within a shard group of ``PlanKnobs.shard_size`` ranks, replicated across the groups (HSDP).
     """
 
     label: str
@@ -171,6 +181,7 @@ class StateLayout:
     comm: Callable[[ModelShape, int, PlanKnobs], dict] | None = field(default=None, compare=False)
     gathers_per_unit: Callable[[bool], int] = field(default=lambda root: 1, compare=False)
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
+    hybrid: bool = False
 
 
 # --- cutting: the one bucket cutter, packing, owners ----------------------------------------------------------
@@ -224,7 +235,8 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
                   knobs: PlanKnobs = PlanKnobs()) -> Groups:
     """The groups ``layout`` makes of a model of ``shape`` at N = ``world_size``: what the adapter of the strategy
     would read off its live structure (equal, element for element, where the shapes are exact)."""
-    n, numels, kind = world_size, shape.numels, layout.groups
+    hybrid = layout.hybrid and 0 < knobs.shard_size < world_size
+    n, numels, kind = knobs.shard_size if hybrid else world_size, shape.numels, layout.groups  # n: ranks sharded over
     rest = 4 if layout.fp32_at_rest else itemsize
     shards: list[Shard] = []
     units: list[Unit] = []
@@ -263,8 +275,8 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
             if size:
                 units.append(Unit(size, layout.gathers_per_unit(root)))
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
-    return Groups(name, n, numels if shape.exact else (shape.numel,), tuple(shards), tuple(units),
-                  owners=tuple(owners), exact=shape.exact, **extra)
+    return Groups(name, world_size, numels if shape.exact else (shape.numel,), tuple(shards), tuple(units),
+                  owners=tuple(owners), exact=shape.exact, shard_size=n if hybrid else 0, **extra)
 
 
 # --- groups -> bytes per rank ---------------------------------------------------------------------------------
@@ -327,7 +339,8 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
         logical = physical = [sum(o) for o in owned]
         full, tensors = psi, [len(o) for o in owned]
     else:
-        logical, physical = _spread(groups.shards, n)
+        s_over = groups.shard_over  # hybrid: rank r holds shard r % shard_size (mesh (replicate, shard))
+        logical, physical = (x * (n // s_over) for x in _spread(groups.shards, s_over))
         full = psi if layout.groups in ("none", "owners") else sum(sh.numel for sh in groups.shards)
         tensors = [len(groups.shards)] * n if groups.exact and layout.groups in ("units", "buckets", "rows") else None
 
@@ -361,19 +374,22 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     return out
 
 
-def state_factors(layout: StateLayout, world_size: int, itemsize: int, offload: str = "none") -> dict[str, float]:
+def state_factors(layout: StateLayout, world_size: int, itemsize: int, offload: str = "none",
+                  shard_size: int = 0) -> dict[str, float]:
     """The aggregate factors (sum over ranks of a kind's logical bytes / P, P = 4 Psi) ``layout`` claims at the
     optimizer boundary, in closed form [ZeRO 5.1]: a replicated kind N x its bytes per element / 4, a sharded one
-    1 x; two fp32 moments; a master as its ``master`` rule says; FSDP leaves no unsharded buffer
-    (``param_unsharded`` 0). :func:`rank_state_bytes` gives the same sums, per rank and with padding."""
+    1 x (N / ``shard_size`` x for a ``hybrid`` layout: one sharded copy per replica); two fp32 moments; a master as
+    its ``master`` rule says; FSDP leaves no unsharded buffer (``param_unsharded`` 0). :func:`rank_state_bytes`
+    gives the same sums, per rank and with padding."""
     n, s = float(world_size), layout.sharded
+    r = n / shard_size if layout.hybrid and shard_size else 1.0  # hybrid: one sharded copy per replica
     c = 1.0 if layout.fp32_at_rest else itemsize / 4
-    out = {"param": c if "param" in s else n * c, "grad": c if "grad" in s else n * c,
-           "optim": 2.0 if "optim" in s else 2.0 * n}
+    out = {"param": r * c if "param" in s else n * c, "grad": r * c if "grad" in s else n * c,
+           "optim": 2.0 * r if "optim" in s else 2.0 * n}
     if offload != "none" and layout.offload_grad != "none":
         out["grad"] = 1.0 if layout.offload_grad == "replace" else out["grad"] + 1.0
     if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
-        out["master"] = 1.0 if "optim" in s else n
+        out["master"] = r if "optim" in s else n
     if layout.groups in ("units", "rows"):
         out["param_unsharded"] = 0.0
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["Collectives", "padded_numel", "fsdp2_padded_numel", "zero_state_factors", "sharded_zero_rank_bytes",
-           "bus_factor", "bus_bytes", "collectives_of", "add_collectives", "fp16_inf_syncs", "ITEMSIZE",
+           "bus_factor", "bus_bytes", "op_bus_bytes", "collectives_of", "add_collectives", "fp16_inf_syncs", "ITEMSIZE",
            "COMPUTE_ITEMSIZE"]
 
 #: Bytes per element of each dtype zeroexp names (``precision.param_dtype``, ``model.dtype``); the one dtype map:
@@ -71,13 +71,28 @@ def bus_bytes(op: str, payload_bytes: int, world_size: int) -> int | None:
     return None if factor is None else round(payload_bytes * factor)
 
 
-def add_collectives(model: Collectives, op: str, sizes: list[int]) -> Collectives:
-    """``model`` with ``len(sizes)`` more calls of ``op`` totalling ``sum(sizes)`` payload bytes (none: unchanged)."""
+def add_collectives(model: Collectives, op: str, sizes: list[int], group: tuple[str, int] | None = None) -> Collectives:
+    """``model`` with ``len(sizes)`` more calls of ``op`` totalling ``sum(sizes)`` payload bytes (none: unchanged).
+    ``group``: the (mesh dimension, size) of the process group the calls run over, recorded under the op's ``groups``
+    (a model that names one group names every call's: ``world`` for the default group)."""
     if sizes:
         entry = model.setdefault(op, {"count": 0, "payload_bytes": 0})
         entry["count"] += len(sizes)
         entry["payload_bytes"] += int(sum(sizes))
+        if group is not None:
+            g = entry.setdefault("groups", {}).setdefault(group[0], {"size": group[1], "count": 0, "payload_bytes": 0})
+            g["count"] += len(sizes)
+            g["payload_bytes"] += int(sum(sizes))
     return model
+
+
+def op_bus_bytes(op: str, entry: dict, world_size: int) -> int | None:
+    """Bus bytes of one op's entry of a collectives model: each group's payload x :func:`bus_factor` at that group's
+    size where the entry names groups (``groups``), else its payload at ``world_size``."""
+    if not entry.get("groups"):
+        return bus_bytes(op, entry["payload_bytes"], world_size)
+    parts = [bus_bytes(op, g["payload_bytes"], g["size"]) for g in entry["groups"].values()]
+    return None if None in parts else sum(parts)
 
 
 def collectives_of(**ops: list[int]) -> Collectives:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = ["Segment", "StepTrace", "FsdpUnit", "GRADIENT_FLOW", "PHASES", "adamw_temporaries", "phase_peaks",
-           "fsdp_phase_peaks"]
+           "fsdp_phase_peaks", "fsdp2_phase_peaks"]
 
 
 @dataclass(frozen=True)
@@ -161,30 +161,102 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
             keep("forward", _add(_add(s.end_by_category, act), {"parameters": root + done + full[k]}))
     segs = list(trace.segments)
     order = sorted(k_of.items(), key=lambda kv: -kv[1])  # backward: the last unit first
-    shards_done = 0
+    shards_done, grads_done = 0, 0  # the units done: their shards (kept), their traced full gradients (not kept)
     for pos, (name, k) in enumerate(order):
         i = next(j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", name, "end"))
+        u = units[k]
         after = segs[i + 1].end_by_category  # u's backward done, its output gradient freed
         t_act = after.get("activations", 0) - trace.loss_bytes
         t_temp = after.get("temporaries", 0)
+        # The root unit's gradients (a tied head, the final norm) stay unsharded until the root's own post-backward
+        # at the end: what the trace holds beyond the units' own.
+        t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
         nxt = full[order[pos + 1][1]] if pos + 1 < len(order) else 0
         pending = sum(full[j] for _, j in order[pos + 1:])
-        u = units[k]
         if reshard_after_forward:
             held_a = u.unsharded + (nxt if prefetch == "pre" else 0)
             held_b = nxt if prefetch in ("pre", "post") else 0
         else:
             held_a, held_b = u.unsharded + pending, pending
-        seg = segs[i]  # u computing: the trace's peak, its parameter gradients replaced by the shards done
-        keep("backward", _add(seg.peak_by_category, {"activations": -trace.loss_bytes, "parameters": root + held_a,
-                                                     "gradients": shards_done - steady_grad_bytes
-                                                     - seg.peak_by_category.get("gradients", 0)}))
+        # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (nothing of
+        # FSDP's happens there); their parameter gradients replaced by the shards done, the root's kept.
+        held_before = 0 if reshard_after_forward else held_a  # FULL_SHARD gathers (and prefetches) in u's pre-hook
+        for seg, held in ((segs[i], held_a), *(((segs[i - 1], held_before),) if pos == 0 else ())):
+            g = seg.peak_by_category.get("gradients", 0)
+            keep("backward", _add(seg.peak_by_category, {
+                "activations": -trace.loss_bytes, "parameters": root + held,
+                "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
         keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads + u.unsharded + shards_done,
-                          "parameters": root + held_a, "gradients": -steady_grad_bytes})
+                          "parameters": root + held_a, "gradients": t_root - steady_grad_bytes})
         keep("backward", {"activations": t_act,
                           "temporaries": t_temp + shards_done + u.shard + (u.unsharded if gloo else 0),
-                          "parameters": root + held_b, "gradients": u.unsharded - steady_grad_bytes})
+                          "parameters": root + held_b, "gradients": t_root + u.unsharded - steady_grad_bytes})
         shards_done += u.shard
+        grads_done += u.grads
+    temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
+    best["optimizer"] = {"bytes": temps, "by_category": {"optimizer_state": temps}}
+    return best
+
+
+def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
+                      optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool) -> dict[str, dict]:
+    """FSDP2 ``fully_shard`` with ``reshard_after_forward=True`` (``units`` in forward order; ``unsharded``: a unit's
+    padded rows, all-gathered into one buffer), per phase, the bytes above steady at the peak, by category.
+
+    FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, _fsdp_collectives.py) all-gathers a unit into
+    one output buffer and copies it out into the unsharded parameters (``split_with_sizes_copy``). Forward: two
+    unit-sizes while a unit computes, three at a unit's copy-out (the previous all-gather's output is kept until
+    then, ``AllGatherState``). Backward, as measured on torch 2.13 and modelled so: each unit's pre-backward issues
+    the next unit's all-gather (implicit prefetch); a unit computes with its parameters, the prefetched buffer and,
+    except the first, its own all-gather output; its post-backward hook reshards it and holds the parameters' own
+    gradients, their padded concatenation (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo,
+    the input's copy, beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
+    (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
+    temporaries over the local shards (one per parameter)."""
+    k_of = {s.unit: i for i, s in enumerate(s for s in trace.segments if s.phase == "forward" and s.at == "end"
+                                            and s.unit != "loss")}
+    if len(k_of) != len(units):
+        raise ValueError(f"{len(k_of)} traced units, {len(units)} FSDP units")
+    full = [u.unsharded for u in units]
+    best = {ph: {"bytes": -(2**62), "by_category": {}} for ph in ("forward", "backward")}
+
+    def keep(phase: str, cats: dict) -> None:
+        cats = {c: int(b) for c, b in cats.items() if b}
+        if best[phase]["bytes"] < sum(cats.values()):
+            best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+
+    act = {"activations": -trace.loss_bytes}
+    for s in (s for s in trace.segments if s.phase == "forward"):
+        if s.unit == "loss":  # the root resharded at the end of its forward
+            keep("forward", _add(s.peak_by_category, act))
+            continue
+        k = k_of[s.unit]
+        if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters
+            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + 2 * full[k]}))
+        else:  # unit k's copy-out, the previous all-gather output still kept
+            keep("forward", _add(_add(s.end_by_category, act),
+                                 {"parameters": root + 2 * full[k] + (full[k - 1] if k else 0)}))
+    segs = list(trace.segments)
+    order = sorted(k_of.items(), key=lambda kv: -kv[1])
+    shards_done, grads_done = 0, 0
+    for pos, (name, k) in enumerate(order):
+        i = next(j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", name, "end"))
+        u = units[k]
+        after = segs[i + 1].end_by_category
+        t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
+        prefetched = full[order[pos + 1][1]] if pos + 1 < len(order) else 0
+        seg = segs[i]
+        g = seg.peak_by_category.get("gradients", 0)
+        keep("backward", _add(seg.peak_by_category, {
+            "activations": -trace.loss_bytes,
+            "parameters": root + u.unsharded + prefetched + (u.unsharded if pos else 0),
+            "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
+        keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
+                          "temporaries": after.get("temporaries", 0) + u.grads + u.unsharded + u.shard
+                          + (u.unsharded if gloo else 0),
+                          "parameters": root + prefetched, "gradients": t_root + shards_done - steady_grad_bytes})
+        shards_done += u.shard
+        grads_done += u.grads
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
     best["optimizer"] = {"bytes": temps, "by_category": {"optimizer_state": temps}}
     return best

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from zeroexp.formulas.deepspeed import DEEPSPEED_LAYOUTS
+from zeroexp.formulas.hybrid import hybrid_units
 from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_reduce_buckets, all_reduce_then_broadcast,
                                      cut_buckets, gather_shards_twice, gather_units, owner_assignment, scatter_gather)
 
@@ -88,5 +89,17 @@ LAYOUTS: dict[str, StateLayout] = {
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                               precisions=_MIXED, gathers_per_unit=_twice, source="zeroexp.strategies.fsdp2; [FSDP2]"),
+    # hybrid sharding: FULL_SHARD (SHARD_GRAD_OP for _HYBRID_SHARD_ZERO2) within shard_size ranks, replicated across
+    "fsdp__HYBRID_SHARD_ZERO2": StateLayout("FSDP _HYBRID_SHARD_ZERO2", 2, _OS_G_P, "never", "units", hybrid_units(),
+                                            "all", fp32_at_rest=True, precisions=_MIXED, hybrid=True,
+                                            source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
+    "fsdp_HYBRID_SHARD": StateLayout("FSDP HYBRID_SHARD", 3, _OS_G_P, "never", "units", hybrid_units(), "largest",
+                                     fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
+                                     hybrid=True,
+                                     source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
+    "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
+                                hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
+                                precisions=_MIXED, gathers_per_unit=_twice, hybrid=True,
+                                source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid"),
     **DEEPSPEED_LAYOUTS,
 }

@@ -40,10 +40,14 @@ def plan_section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | No
     the check then reads n/a with that reason. ``live_groups``: the groups the strategy's adapter read off rank 0
     (``zeroexp.expect.groups_record``); the planner's must equal them, element for element (``groups``). Never
     raises: a failure becomes ``check: ERROR``."""
+    from zeroexp.plan.time import time_section
+
     try:
-        return _section(cfg, Path(cell), summary, itself, live_groups)
+        section = _section(cfg, Path(cell), summary, itself, live_groups)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
-        return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
+        section = {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
+    section["time"] = time_section(cfg, summary)  # predicted vs measured step time (zeroexp.plan.time)
+    return section
 
 
 def _memory(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int, shape: Any) -> dict[str, Any]:

@@ -37,6 +37,8 @@ class PlanConfig:
     wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
     bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
     batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
+    shard_size: Optional[int] = None  # hybrid rows (fsdp_HYBRID_SHARD, fsdp2_hybrid...): ranks per shard group
+    network: Any = None  # network=<option of conf/network/>: adds step_ms, exposed_comm_ms, tokens_per_s (needs batch_size)
 
 
 def register() -> None:
@@ -107,11 +109,18 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     batch = cfg.get("batch_size")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ConfigError("batch_size", batch, "null or an integer >= 1 (samples per rank)")
+    shard = cfg.get("shard_size")
+    if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 2):
+        raise ConfigError("shard_size", shard, "null or an integer >= 2 (ranks per shard group of the hybrid rows)")
     shape, model = _shape(cfg)
-    records, notes = plan(shape, _world_sizes(cfg.world_size), Precision(cfg.precision.name, cfg.precision.param_dtype),
-                          cfg.offload.name, strategies,
-                          PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
-                                    loss_scaling=cfg.precision.get("loss_scale") is not None), memory, model)
+    network = _network(cfg, batch)
+    if network is not None and memory is None and network.device_memory is not None:
+        memory = parse_bytes(network.device_memory)
+    knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
+                      loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0)
+    precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
+    records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
+                          model)
     activations = _activations(cfg, batch) if batch is not None else None
     if batch is not None and activations is None:
         notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
@@ -119,7 +128,69 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     for r in records:
         r["batch_size"] = batch
         r.update(activations or {"activation_bytes": None, "activation_unit_bytes": None, "korthikanti_bytes": None})
+    _peaks(cfg, records, shape, batch, memory, knobs)
+    if network is not None:  # after the peaks: "the fastest that fits" reads fits
+        from zeroexp.plan.network import add_step_times
+
+        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg))
+        if cfg.model is None:
+            notes.append("tokens_per_s: a parameter count has no input shape, one token a sample assumed")
     return records, notes
+
+
+def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
+           memory: int | None, knobs: PlanKnobs) -> None:
+    """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers: ``peak_bytes`` (model
+    state + DDP's buckets + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``, and
+    ``fits`` judged on the peak there (``fits_on``: ``peak``, else ``state``: model state + gather floor, as before).
+    ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does)."""
+    from zeroexp.formulas import LAYOUTS, derive_groups
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.memory import predict_phases, steady_buffers_bytes, uncovered
+
+    trace = None
+    if batch is not None and cfg.model is not None and cfg.precision.name == "fp32":
+        from zeroexp.plan.steptrace import trace_step
+
+        wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
+                                                                      "model": cfg.model}))]
+        trace = trace_step(cfg.model, batch, wrap, device="cpu")
+    for r in records:
+        r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, fits_on="state")
+        why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name))
+        if trace is None:
+            why = why or ["no traced step: give model= and batch_size= (fp32)"]
+        if why:
+            r["peak_note"] = "; ".join(why)
+            continue
+        name, n, c = r["strategy"], r["world_size"], 4
+        groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
+        ranks = range(n) if name == "zro" else (0,)  # only zro's ranks differ (their owned parameters)
+        phases = max((predict_phases(name, groups, shape, trace, c, rank, "pre") for rank in ranks),
+                     key=lambda ph: max(v["bytes"] for v in ph.values()))
+        top = max(phases, key=lambda ph: phases[ph]["bytes"])
+        r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
+                 peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))
+        if memory is not None:
+            r["fits"] = r["peak_bytes"] <= memory
+
+
+def _tokens(cfg: DictConfig) -> int:
+    from zeroexp.plan.network import tokens_per_sample
+
+    return 1 if cfg.model is None else tokens_per_sample(cfg.model)
+
+
+def _network(cfg: DictConfig, batch: int | None):
+    """The ``network`` option as a :class:`zeroexp.plan.network.Network`, or None."""
+    if cfg.get("network") is None:
+        return None
+    from zeroexp.plan.network import network_of
+
+    if batch is None:
+        raise ConfigError("batch_size", None, "an integer >= 1 (samples per rank)", why=f"network={cfg.network.name} "
+                          "times a step, which computes batch_size samples per rank")
+    return network_of(cfg.network, str(cfg.precision.name), _tokens(cfg))
 
 
 def _activations(cfg: DictConfig, batch: int) -> dict[str, Any] | None:

@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout, bus_bytes,
-                              derive_groups, offloaded_kinds, rank_state_bytes, step_collectives, unsharded_floor_bytes)
+                              derive_groups, offloaded_kinds, op_bus_bytes, rank_state_bytes, step_collectives,
+                              unsharded_floor_bytes)
 
 __all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
            "OFFLOADS", "UNITS"]
@@ -70,7 +71,7 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
     floor = unsharded_floor_bytes(layout, groups, c)
     collectives = step_collectives(layout, groups, c, knobs)
     payload = {op: v["payload_bytes"] for op, v in collectives.items()}
-    bus = {op: bus_bytes(op, b, n) for op, b in payload.items()}
+    bus = {op: op_bus_bytes(op, v, n) for op, v in collectives.items()}
     return {
         "strategy": name, "label": layout.label, "zero_stage": layout.stage, "world_size": n,
         "precision": precision.name, "offload": offload, "model": model, "numel": shape.numel,
@@ -104,9 +105,15 @@ def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, of
             notes.append(f"{name}: precision={precision.name} is not modelled (covers {', '.join(sorted(layout.precisions))})")
         elif offload not in layout.offloads:
             notes.append(f"{name}: offload={offload} is not modelled (covers {', '.join(sorted(layout.offloads))})")
+        elif layout.hybrid and not knobs.shard_size:
+            notes.append(f"{name}: hybrid sharding needs shard_size= (the ranks of one shard group: a node's GPUs)")
         else:
-            records += [plan_record(name, layout, shape, n, precision, offload, knobs, device_memory, model)
-                        for n in world_sizes]
+            for n in world_sizes:
+                if layout.hybrid and not (1 < knobs.shard_size < n and n % knobs.shard_size == 0):
+                    notes.append(f"{name} at world_size={n}: shard_size={knobs.shard_size} is no divisor of {n} "
+                                 "strictly between 1 and it")
+                else:
+                    records.append(plan_record(name, layout, shape, n, precision, offload, knobs, device_memory, model))
     return records, notes
 
 

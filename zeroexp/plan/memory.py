@@ -16,47 +16,76 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas import Groups, ModelShape
-from zeroexp.formulas.peak import GRADIENT_FLOW, PHASES, FsdpUnit, fsdp_phase_peaks, phase_peaks
+from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks,
+                                   phase_peaks)
 
-__all__ = ["memory_section", "TOLERANCE"]
+__all__ = ["memory_section", "predict_phases", "uncovered", "steady_buffers_bytes", "TOLERANCE"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
 FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False}
+#: FSDP2 rows the peak model covers (``reshard_after_forward=True``).
+FSDP2_ROWS = ("fsdp2_full",)
 #: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
 TOLERANCE = 0.02
+
+
+def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False) -> list[str]:
+    """Why the peak model does not cover a row in this precision and offload (empty: it does)."""
+    flow = GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
+    reasons = []
+    if flow is None:
+        reasons.append(f"no peak model yet for strategy.layout={name} (covered: "
+                       f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS])})")
+    if flow == "fsdp1" and use_orig_params:
+        reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
+    if precision != "fp32" or offload != "none":
+        reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, offload none)")
+    return reasons
+
+
+def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
+                   prefetch: str = "none", gloo: bool = False) -> dict[str, dict]:
+    """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
+    ``by_category``, for rank ``rank``."""
+    if name in FSDP1_ROWS or name in FSDP2_ROWS:
+        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo)
+    return phase_peaks(GRADIENT_FLOW[name], trace, **_strategy_terms(name, groups, rank, groups.world_size, itemsize))
+
+
+def steady_buffers_bytes(name: str, groups: Groups, itemsize: int) -> int:
+    """What a rank holds at the optimizer boundary beside its model state: DDP's gradient buckets (ddp, zro:
+    ``gradient_as_bucket_view=false``, a copy of every gradient)."""
+    return sum(sum(b) for b in groups.buckets) * itemsize if name in ("ddp", "zro") else 0
 
 
 def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
                    wrap: list[type], shape: ModelShape) -> dict[str, Any]:
     """The plan's memory section for a cell that ran (``name``: its row; ``groups``: derived from the shapes)."""
     measured = summary.get("memory") or {}
-    flow = GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else None)
-    reasons = []
-    if flow is None:
-        covered = ", ".join([*GRADIENT_FLOW, *FSDP1_ROWS])
-        reasons.append(f"no peak model yet for strategy.layout={name} (covered: {covered})")
-    if flow == "fsdp1" and cfg.strategy.get("use_orig_params"):
-        reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
-    if str(cfg.precision.name) != "fp32" or str(cfg.offload.name) != "none":
-        reasons.append(f"no peak model yet for precision={cfg.precision.name} offload={cfg.offload.name} "
-                       "(covered: fp32, offload none)")
+    reasons = uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
+                        bool(cfg.strategy.get("use_orig_params", False)))
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
-    if not measured.get("phases_of_max_rank"):
-        reasons.append("no per-phase memory measurement (the memory probe did not run, or ran before "
-                       "schema version 3)")
     if reasons:
         return {"check": "n/a", "reasons": reasons}
     from zeroexp.plan.steptrace import trace_step
 
-    rank, n = int(measured["max_rank"]), int(cfg.world_size)
     trace = trace_step(cfg.model, int(cfg.batch_size), wrap, device="cpu")
+    if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
+        ranks = range(groups.world_size) if name == "zro" else (0,)
+        predicted = max((predict_phases(name, groups, shape, trace, itemsize, r, str(cfg.prefetch.name))
+                         for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
+        return {"model": f"peak model (zeroexp.formulas.peak), row {name}",
+                "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
+                "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
+                           for ph, v in predicted.items()},
+                "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
+                                            "not run): predicted only"]}
+    rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
-    if flow == "fsdp1":
-        predicted = _fsdp1(cfg, name, groups, shape, trace, itemsize, gloo)
-    else:
-        predicted = phase_peaks(flow, trace, **_strategy_terms(name, groups, rank, n, itemsize))
+    flow = GRADIENT_FLOW.get(name, "fsdp2" if name in FSDP2_ROWS else "fsdp1")
+    predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
@@ -100,11 +129,11 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int)
             "foreach": False}
 
 
-def _fsdp1(cfg: Any, name: str, groups: Groups, shape: ModelShape, trace: Any, itemsize: int,
-           gloo: bool) -> dict[str, Any]:
-    """FSDP1's phase peaks: the groups' units (padded FlatParameters, in post-order, the root last) beside the
-    shape's (their parameters' own gradients)."""
-    n = int(cfg.world_size)
+def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
+          gloo: bool) -> dict[str, Any]:
+    """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
+    post-order, the root last) beside the shape's (their parameters' own gradients)."""
+    n = groups.world_size
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
@@ -115,10 +144,14 @@ def _fsdp1(cfg: Any, name: str, groups: Groups, shape: ModelShape, trace: Any, i
         else:
             units.append(FsdpUnit(unit.numel * itemsize, unit.numel // n * itemsize,
                                   sum(shape.numels[i] for i in members) * itemsize))
-    full_shard = FSDP1_ROWS[name]
     shards = [u.numel // n for u in groups.units]
+    if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
+        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize, gloo=gloo,
+                                 optimizer_numels=tuple(s.numel // n for s in groups.shards), optimizer_itemsize=4,
+                                 foreach=False)
+    full_shard = FSDP1_ROWS[name]
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize,
-                            reshard_after_forward=full_shard, prefetch=str(cfg.prefetch.name) if full_shard else "none",
+                            reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), optimizer_itemsize=4,
                             foreach=False)
 

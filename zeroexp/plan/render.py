@@ -39,15 +39,22 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         console.print(_memory_table(records, unit))
         acts = first.get("activation_bytes")
         traced = ("activations: one forward at the per-rank batch traced under FakeTensorMode (saved for backward, "
-                  "plus output and loss; not yet in fits)" + (f"; Korthikanti et al. 34sbh+5as^2b: "
+                  "plus output and loss); peak: model state + DDP's buckets + the peak model's largest phase "
+                  "(docs/planner.md; '-': no model for the row); fits on the peak where known, else on the state" + (f"; Korthikanti et al. 34sbh+5as^2b: "
                   f"{fmt_size(first['korthikanti_bytes'], unit)} {unit}" if first.get("korthikanti_bytes") else "")
                   if acts is not None else "not modelled: activations (give batch_size=)")
         console.print(f"{what} · precision {first['precision']} · offload {first['offload']} · Adam: fp32 moments "
-                      f"8 B and fp32 master 4 B a parameter · {traced} · not modelled: temporaries, fragmentation "
-                      "(docs/planner.md)\n")
+                      f"8 B and fp32 master 4 B a parameter · {traced} · not modelled: fragmentation, the CUDA "
+                      "allocator (docs/planner.md)\n")
         console.print(_comm_table(records, unit))
         console.print("S: the payload, the full array (nccl-tests PERFORMANCE.md); bus = S x all_reduce 2(N-1)/N, "
-                      "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1\n")
+                      "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1, N the size of the call's "
+                      "group (hybrid rows: shard_size for all_gather and reduce_scatter, N / shard_size for "
+                      "all_reduce)\n")
+        if "step_ms" in first:
+            console.print(_time_table(records))
+            console.print(f"computed on {first['network_source']} (zeroexp.formulas.overlap; docs/planner.md, Step "
+                          "time); * the fastest strategy that fits, per world size\n")
     for note in notes:
         console.print(f"[yellow]not planned[/] {note}")
 
@@ -62,6 +69,8 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     cols += ["host", "device"] if offload else []
     acts = any(r.get("activation_bytes") is not None for r in records)
     cols += ["gather floor"] + ([f"activations (batch {first['batch_size']})"] if acts else [])
+    peaks = any(r.get("peak_bytes") is not None for r in records)
+    cols += ["peak (phase)"] if peaks else []
     cols += [f"fits {fmt_size(first['device_memory_bytes'], unit)} {unit}"] if fits else []
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
@@ -70,8 +79,23 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
         row += [fmt_size(r[k], unit) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "total_bytes")]
         row += [fmt_size(r["host_bytes"], unit), fmt_size(r["device_bytes"], unit)] if offload else []
         row += [fmt_size(r["gather_floor_bytes"], unit)] + ([fmt_size(r["activation_bytes"], unit)] if acts else [])
-        row += (["yes" if r["fits"] else "[red]NO[/]"] if fits else [])
+        row += ([f"{fmt_size(r['peak_bytes'], unit)} ({r['peak_phase']})" if r.get("peak_bytes") is not None
+                 else "-"] if peaks else [])
+        row += ([("yes" if r["fits"] else "[red]NO[/]") + ("" if r.get("fits_on") == "peak" else " [dim](state)[/]")]
+                if fits else [])
         table.add_row(*row)
+    return table
+
+
+def _time_table(records: list[dict[str, Any]]) -> Table:
+    first = records[0]
+    table = Table(title=f"Step time on {first['network']} at batch {first['batch_size'] or '?'} per rank (computed)")
+    for i, c in enumerate(["strategy", "N", "step ms", "comm ms", "exposed comm ms", "tokens/s", "fits", "fastest"]):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in records:
+        table.add_row(r["strategy"], str(r["world_size"]), f"{r['step_ms']:.2f}", f"{r['comm_ms']:.2f}",
+                      f"{r['exposed_comm_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                      "?" if r["fits"] is None else "yes" if r["fits"] else "[red]NO[/]", "*" if r["fastest"] else "")
     return table
 
 

@@ -8,10 +8,18 @@ used: they run on worker threads, may finish after the window, and gloo emulates
 all_reduce. Shapes and dtypes come from the profiler's event tree (``kineto_results.experimental_event_tree``),
 which, unlike the chrome trace's ``Input type``, keeps the dtype of the tensors inside a ``Tensor[]`` argument.
 
+Each call's process group: the profiler records no group on gloo (its ``c10d::*`` events carry the tensors only;
+the ``record_param_comms`` events with "Process Group Ranks" and "Group size" come from NCCL, not gloo, torch
+2.13), so over the profiled steps a ``TorchDispatchMode`` (:class:`GroupMarks`), which sees every ``c10d::*`` op with
+its ProcessGroup argument, wraps each in a zero-work ``record_function`` naming the group and its size; the event
+tree then holds that mark under the op. The mesh dimension is the adapter's (``StrategyAdapter.mesh_dims``:
+``shard``, ``replicate``), ``world`` for a group of every rank.
+
 Payload S follows nccl-tests (doc/PERFORMANCE.md): the full array, so for all_gather and reduce_scatter one
-rank's chunk x N, N being the world size (every strategy here uses the default group; gloo records no group
-size). Bus bytes = S x ``zeroexp.formulas.bus_factor``. The adapter derives the expected collectives from the
-model's structure (``RunContext.expect``: the adapter's live groups in zeroexp.formulas) after the window; this probe issues no collective at all.
+rank's chunk x the size of the call's group (N for the default group; shard_size within a hybrid shard group).
+Bus bytes = S x ``zeroexp.formulas.bus_factor`` at that group's size. The adapter derives the expected
+collectives from the model's structure (``RunContext.expect``: the adapter's live groups in zeroexp.formulas)
+after the window; this probe issues no collective at all.
 """
 
 from __future__ import annotations
@@ -23,18 +31,49 @@ import pandas as pd
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from zeroexp.formulas import bus_bytes
+from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes
 from zeroexp.probes.base import Probe, ProbeReport, Steps
+from zeroexp.probes.exposed import exposed_comm
 from zeroexp.report.cells import column
 from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
 
-__all__ = ["CollectivesProbe", "SOURCE"]
+__all__ = ["CollectivesProbe", "GroupMarks", "SOURCE"]
 
-SOURCE = "torch.profiler: outermost c10d:: dispatcher ops (kineto event tree, record_shapes=True)"
-COLUMNS = ["rank", "op", "count", "dtype", "payload_bytes", "bus_bytes"]
+SOURCE = ("torch.profiler: outermost c10d:: dispatcher ops (kineto event tree, record_shapes=True), each op's "
+          "process group marked by a TorchDispatchMode")
+COLUMNS = ["rank", "op", "count", "dtype", "payload_bytes", "bus_bytes", "mesh_dim", "group_size"]
 _MARK = "zeroexp.collectives."  # + "start.<step>" / "end.<step>"
+_GROUP = "zeroexp.group."  # + "<group name>.<group size>", under each c10d op
+
+
+class GroupMarks(TorchDispatchMode):
+    """While active, runs each ``c10d::*`` op inside ``record_function("zeroexp.group.<name>.<size>")`` of the
+    ProcessGroup it was called with; every other op passes through untouched."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            group = _group_of(args)
+            if group is not None:
+                with record_function(f"{_GROUP}{group.group_name}.{group.size()}"):
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _group_of(args: tuple) -> Any:
+    """The ProcessGroup among a c10d op's arguments (a ScriptObject the dispatcher passes), or None."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a)
+            except RuntimeError:  # another ScriptObject (the ReduceOp)
+                continue
+    return None
 
 #: c10d op -> (op name, index of the argument holding the payload, whether that argument is one rank's chunk).
 #: An op not listed is reported under its own name with the bytes of all its tensor arguments.
@@ -58,7 +97,8 @@ def _tensors(arg: Any) -> list[Any]:
 
 
 def classify(name: str, inputs: list[Any], world_size: int) -> tuple[str, str, int]:
-    """``(op, dtype, payload S in bytes)`` of one ``c10d::<name>`` call from its recorded inputs."""
+    """``(op, dtype, payload S in bytes)`` of one ``c10d::<name>`` call from its recorded inputs; ``world_size``: the
+    size of the call's group."""
     op, index, chunk = _C10D.get(name, (name.strip("_"), -1, False))
     tensors = [] if index is None else _tensors(inputs if index == -1 else inputs[index] if index < len(inputs) else [])
     nbytes = sum(torch.Size(t.sizes).numel() * t.dtype.itemsize for t in tensors)
@@ -66,12 +106,26 @@ def classify(name: str, inputs: list[Any], world_size: int) -> tuple[str, str, i
     return op, dtype, nbytes * (world_size if chunk else 1)
 
 
-def extract(prof: profile, steps: list[int], world_size: int) -> list[dict[str, Any]]:
-    """Per step, op and dtype: ``count`` and ``payload_bytes`` of the outermost c10d ops in ``prof``.
+def _group_mark(event: Any) -> tuple[str, int] | None:
+    """``(group name, size)`` from the :class:`GroupMarks` mark under a c10d event, or None when unmarked."""
+    stack = list(event.children)
+    while stack:
+        child = stack.pop()
+        if child.name.startswith(_GROUP):
+            name, size = child.name.removeprefix(_GROUP).rsplit(".", 1)
+            return name, int(size)
+        stack.extend(child.children)
+    return None
+
+
+def extract(prof: profile, steps: list[int], world_size: int,
+            mesh_dims: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Per step, op, dtype and group: ``count`` and ``payload_bytes`` of the outermost c10d ops in ``prof``.
 
     A call between a step's start and end marks belongs to that step (``phase`` "step"); one between a
     step's end and the next step's start (the trainer's own traffic, e.g. Lightning's per-step SIGTERM flag
-    broadcast) to phase "between".
+    broadcast) to phase "between". Each call's group is its :class:`GroupMarks` mark: ``mesh_dim`` from
+    ``mesh_dims`` (group name -> dimension), ``world`` for a group of ``world_size`` ranks (an unmarked call too).
     """
     marks, calls = [], []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -83,18 +137,21 @@ def extract(prof: profile, steps: list[int], world_size: int) -> list[dict[str, 
             phase, step = event.name.removeprefix(_MARK).split(".")
             marks.append((event.start_time_ns, phase, int(step)))
         elif event.name.startswith("c10d::"):  # outermost: its children are the backend's own work
-            calls.append((event.start_time_ns, classify(event.name[6:], event.extra_fields.inputs, world_size)))
+            name, size = _group_mark(event) or ("", world_size)
+            dim = (mesh_dims or {}).get(name) or (WORLD if size == world_size else f"group {name}")
+            calls.append((event.start_time_ns,
+                          (*classify(event.name[6:], event.extra_fields.inputs, size), dim, size)))
         else:
             stack.extend(event.children)
     marks.sort()
-    totals: dict[tuple[str, int, str, str], list[int]] = defaultdict(lambda: [0, 0])
-    for t, (op, dtype, nbytes) in calls:  # a call belongs to the last mark before it
+    totals: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    for t, (op, dtype, nbytes, dim, size) in calls:  # a call belongs to the last mark before it
         _, mark, step = next((m for m in reversed(marks) if m[0] <= t), (0, "start", steps[0]))
-        key = ("step" if mark == "start" else "between", step, op, dtype)
+        key = ("step" if mark == "start" else "between", step, op, dtype, dim, size)
         totals[key][0] += 1
         totals[key][1] += nbytes
-    return [{"phase": ph, "step": s, "op": op, "dtype": d, "count": c, "payload_bytes": b}
-            for (ph, s, op, d), (c, b) in sorted(totals.items())]
+    return [{"phase": ph, "step": s, "op": op, "dtype": d, "count": c, "payload_bytes": b, "mesh_dim": dim,
+             "group_size": size} for (ph, s, op, d, dim, size), (c, b) in sorted(totals.items())]
 
 
 def collectives_table(ok: pd.DataFrame) -> ReportTable:
@@ -110,6 +167,7 @@ def collectives_table(ok: pd.DataFrame) -> ReportTable:
     raw["payload / P"] = [None if missing(t) or missing(p) or not p else t / p
                           for t, p in zip(raw["collectives.payload_total_bytes"], raw["collectives.param_bytes"])]
     raw["expected"] = [_expected_text(row, ops) for _, row in raw.iterrows()]
+    raw["groups"] = _groups_text(ok, ops)
     unit = byte_unit(v for op in ops for v in raw[f"collectives.payload_bytes.{op}"])
     cols = [Column("cell", "label", str)]
     for op in ops:
@@ -118,11 +176,12 @@ def collectives_table(ok: pd.DataFrame) -> ReportTable:
                  Column(f"{name} {unit}", f"collectives.payload_bytes.{op}", unit,
                         f"collectives.expected_payload_bytes.{op}")]
     cols += [Column("payload / P", "payload / P", fmt_number), Column("expected calls", "expected", str),
-             Column("check", "collectives.check")]
+             Column("groups", "groups", str), Column("check", "collectives.check")]
     legend = ", ".join(f"{short} = {op}" for op, short in OPS.items() if op in ops)
     note = (f"Per step, rank 0 (ranks that differ make the check FAIL). {legend}. Payload is the nccl-tests S "
             f"(the full array) in {unit}, input bytes, not link bytes; a measured value that differs from the "
-            "expected one shows it as (exp. X).")
+            "expected one shows it as (exp. X). groups: the process groups (mesh dimension x ranks) of each op's calls "
+            "where not all N ranks (hybrid sharding); payloads are sized by them.")
     return ReportTable("collectives", "Collectives per step", raw, cols, note)
 
 
@@ -146,10 +205,12 @@ class CollectivesProbe(Probe):
         super().__init__(ctx)
         self.steps = list(ctx.schedule.profiled)
         self.prof: profile | None = None
+        self.marks: GroupMarks | None = None
         self.records: list[dict[str, Any]] = []
         self.expected: dict[str, dict[str, int]] | None = None
         self.expected_error: str | None = None
         self.param_bytes = 0
+        self.exposed: list[dict[str, Any]] = []
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         # P before the strategy wraps (and shards) the model: the model's logical parameter bytes.
@@ -161,6 +222,8 @@ class CollectivesProbe(Probe):
         if batch_idx == self.steps[0]:
             self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             self.prof.start()
+            self.marks = GroupMarks()
+            self.marks.__enter__()
         with record_function(f"{_MARK}start.{batch_idx}"):  # zero-length marks bound each step
             pass
 
@@ -171,9 +234,11 @@ class CollectivesProbe(Probe):
             pass
         if batch_idx != self.steps[-1]:
             return
+        self.marks.__exit__(None, None, None)
         self.prof.stop()
-        self.records = extract(self.prof, self.steps, self.ctx.world_size)
-        self.prof = None
+        self.records = extract(self.prof, self.steps, self.ctx.world_size, self.ctx.adapter.mesh_dims())
+        self.exposed = exposed_comm(self.prof.profiler.kineto_results.experimental_event_tree(), _MARK)
+        self.prof = self.marks = None
         try:  # after the window: reads the wrapped model and the optimizer, issues no collective
             self.expected = self.ctx.expect.collectives(trainer.strategy.model, trainer.optimizers[0])
         except NotImplementedError as e:
@@ -181,7 +246,7 @@ class CollectivesProbe(Probe):
 
     def rank_result(self) -> dict[str, Any]:
         return {"records": self.records, "steps": self.steps, "expected": self.expected,
-                "expected_error": self.expected_error, "param_bytes": self.param_bytes, "source": SOURCE}
+                "expected_error": self.expected_error, "param_bytes": self.param_bytes, "source": SOURCE, "exposed": self.exposed}
 
     @classmethod
     def aggregate(cls, results: list[dict[str, Any]], cfg) -> ProbeReport:
@@ -189,27 +254,38 @@ class CollectivesProbe(Probe):
         n, first = int(cfg.world_size), results[0]
         per_rank, reasons = [], []
         for rank, res in enumerate(results):
-            mean, unsteady = _per_step_mean([r for r in res["records"] if r["phase"] == "step"], res["steps"])
+            mean, unsteady = _per_step_mean([r for r in res["records"] if r["phase"] == "step"], res["steps"], n)
             per_rank.append(mean)
             reasons += [f"rank {rank}: {u}" for u in unsteady]
-        rows = [{"rank": r, "op": op, "count": c, "dtype": d, "payload_bytes": b, "bus_bytes": bus_bytes(op, b, n)}
-                for r, mean in enumerate(per_rank) for (op, d), (c, b) in mean.items()]
-        disagreements = [{"op": op, "dtype": d, "counts": [m.get((op, d), (0, 0))[0] for m in per_rank],
-                          "payload_bytes": [m.get((op, d), (0, 0))[1] for m in per_rank]}
-                         for op, d in sorted(set().union(*per_rank)) if len({m.get((op, d)) for m in per_rank}) > 1]
-        reasons += [f"ranks disagree on {x['op']} ({x['dtype']}): counts {x['counts']}, payload bytes "
-                    f"{x['payload_bytes']}" for x in disagreements]
+        rows = [{"rank": r, "op": op, "count": c, "dtype": d, "payload_bytes": b, "bus_bytes": bus_bytes(op, b, size),
+                 "mesh_dim": dim, "group_size": size}
+                for r, mean in enumerate(per_rank) for (op, d, dim, size), (c, b) in mean.items()]
+        disagreements = [{"op": op, "dtype": d, "mesh_dim": dim, "group_size": size,
+                          "counts": [m.get(k, (0, 0))[0] for m in per_rank],
+                          "payload_bytes": [m.get(k, (0, 0))[1] for m in per_rank]}
+                         for k in sorted(set().union(*per_rank)) for op, d, dim, size in [k]
+                         if len({m.get(k) for m in per_rank}) > 1]
+        reasons += [f"ranks disagree on {x['op']} ({x['dtype']}, {x['mesh_dim']} group of {x['group_size']}): counts "
+                    f"{x['counts']}, payload bytes {x['payload_bytes']}" for x in disagreements]
         counts, payload, dtypes = defaultdict(int), defaultdict(int), defaultdict(set)
-        for (op, d), (c, b) in per_rank[0].items():  # rank 0 speaks for all; disagreements are listed
+        groups: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
+        for (op, d, dim, size), (c, b) in per_rank[0].items():  # rank 0 speaks for all; disagreements are listed
             counts[op] += c
             payload[op] += b
             dtypes[op].add(d)
+            g = groups[op].setdefault(dim, {"size": size, "count": 0, "payload_bytes": 0})
+            g["count"] += c
+            g["payload_bytes"] += b
         expected = first["expected"]
         unmodelled = expected is None  # measured and reported, but there is nothing to check them against
         if unmodelled:
             expected = {}
         want_counts = {op: e["count"] for op, e in expected.items()}
         want_payload = {op: e["payload_bytes"] for op, e in expected.items()}
+        want_groups = {op: e["groups"] for op, e in expected.items() if e.get("groups")}
+        for op, want in want_groups.items():  # where the model names each call's group (hybrid sharding)
+            if groups.get(op, {}) != want:
+                reasons.append(f"{op}: by group {dict(groups.get(op, {}))} per step measured, {want} expected")
         for op in () if unmodelled else sorted(set(counts) | set(expected)):  # unmodelled: nothing to compare
             if counts.get(op, 0) != want_counts.get(op, 0):
                 reasons.append(f"{op}: {counts.get(op, 0)} per step measured, {want_counts.get(op, 0)} expected")
@@ -224,29 +300,36 @@ class CollectivesProbe(Probe):
             "counts": dict(counts),
             "dtypes": {op: "+".join(sorted(d)) for op, d in dtypes.items()},
             "payload_bytes": dict(payload),
-            "bus_bytes": {op: bus_bytes(op, b, n) for op, b in payload.items()},
+            "bus_bytes": {op: op_bus_bytes(op, {"payload_bytes": b, "groups": groups[op]}, n)
+                          for op, b in payload.items()},
+            "groups": {op: dict(g) for op, g in groups.items()},
             "payload_total_bytes": sum(payload.values()),
             "param_bytes": p_bytes,
             "payload_over_param_bytes": {op: b / p_bytes for op, b in payload.items()} if p_bytes else {},
             "expected_counts": want_counts,
             "expected_payload_bytes": want_payload,
-            "expected_bus_bytes": {op: bus_bytes(op, b, n) for op, b in want_payload.items()},
+            "expected_bus_bytes": {op: op_bus_bytes(op, e, n) for op, e in expected.items()},
+            "expected_groups": want_groups,
             "rank_disagreements": disagreements,
             "between_steps": _between(first),
+            **_exposed(results),
             "check": "FAIL" if reasons else "PASS",
             "reasons": reasons,
         }
         if unmodelled:  # ranks that disagree or an unsteady fingerprint still fail; the rest is not checked
             section.update(check="FAIL" if reasons else "n/a", expected_counts=None, expected_payload_bytes=None,
-                           expected_bus_bytes=None, reasons=[*reasons, f"not checked: {first['expected_error']}"])
+                           expected_bus_bytes=None, expected_groups=None,
+                           reasons=[*reasons, f"not checked: {first['expected_error']}"])
         return ProbeReport(section=section, tables={"collectives.csv": pd.DataFrame(rows, columns=COLUMNS)})
 
 
-def _per_step_mean(records: list[dict[str, Any]], steps: list[int]) -> tuple[dict, list[str]]:
-    """``{(op, dtype): (count, payload bytes)}`` per step (mean over ``steps``), and how the steps differ."""
-    by_step: dict[int, dict[tuple[str, str], tuple[int, int]]] = {s: {} for s in steps}
+def _per_step_mean(records: list[dict[str, Any]], steps: list[int], world_size: int) -> tuple[dict, list[str]]:
+    """``{(op, dtype, mesh_dim, group_size): (count, payload bytes)}`` per step (mean over ``steps``), and how the
+    steps differ. A record without a group (a derived dry run's) is the world's."""
+    by_step: dict[int, dict[tuple, tuple[int, int]]] = {s: {} for s in steps}
     for r in records:
-        by_step[r["step"]][r["op"], r["dtype"]] = (r["count"], r["payload_bytes"])
+        key = (r["op"], r["dtype"], r.get("mesh_dim", WORLD), r.get("group_size", world_size))
+        by_step[r["step"]][key] = (r["count"], r["payload_bytes"])
     unsteady = [f"step {s} issued {by_step[s]}, step {steps[0]} {by_step[steps[0]]}"
                 for s in steps[1:] if by_step[s] != by_step[steps[0]]]
     keys = sorted(set().union(*by_step.values()))
@@ -269,6 +352,23 @@ def _between(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
             for op, e in out.items()}
 
 
+def _exposed(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exposed communication per profiled step (:mod:`zeroexp.probes.exposed`), mean over steps and ranks: measured
+    on the profiled steps, which the profiler slows; per rank beside it."""
+    per_rank = [res.get("exposed") or [] for res in results]
+    if not all(per_rank):
+        return {"exposed_comm_ms": None, "in_flight_ms": None, "exposed_comm_ms_by_rank": None}
+
+    def mean(key: str, rows: list[dict[str, Any]]) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    return {"exposed_comm_ms": mean("exposed_comm_ms", [r for rows in per_rank for r in rows]),
+            "in_flight_ms": mean("in_flight_ms", [r for rows in per_rank for r in rows]),
+            "profiled_compute_ms": mean("compute_ms", [r for rows in per_rank for r in rows]),
+            "profiled_step_ms": mean("step_ms", [r for rows in per_rank for r in rows]),
+            "exposed_comm_ms_by_rank": [mean("exposed_comm_ms", rows) for rows in per_rank]}
+
+
 def _exact(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
@@ -286,6 +386,20 @@ def _expected_text(row: pd.Series, ops: list[str]) -> str:
     parts = [f"{OPS.get(op, op)} {fmt_int(row[f'collectives.expected_counts.{op}'])}" for op in ops
              if not missing(row[f"collectives.expected_counts.{op}"]) and float(row[f"collectives.expected_counts.{op}"])]
     return ", ".join(parts) or (NA if all(missing(row[f"collectives.expected_counts.{op}"]) for op in ops) else "none")
+
+def _groups_text(ok: pd.DataFrame, ops: list[str]) -> list[str]:
+    """Per cell, each op's process groups other than the world (``AG shard x2, AR replicate x2``), else ``world``;
+    n/a for a cell without the measurement (a run before the groups were recorded)."""
+    sizes = [k for k in ok.columns if k.startswith("collectives.groups.") and k.endswith(".size")]
+    out = []
+    for i in range(len(ok)):
+        row = ok.iloc[i]
+        parts = [f"{OPS.get(op, op)} {dim} x{int(row[k])}" for op in ops for k in sizes
+                 if k.startswith(f"collectives.groups.{op}.") and not missing(row[k])
+                 for dim in [k.removeprefix(f"collectives.groups.{op}.").removesuffix(".size")] if dim != WORLD]
+        out.append(", ".join(parts) or ("world" if any(not missing(row[k]) for k in sizes) else NA))
+    return out
+
 
 def _human_bytes(nbytes: Any) -> str:
     """``nbytes`` in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB)."""

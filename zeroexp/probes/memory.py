@@ -240,6 +240,17 @@ def memory_table(ok: pd.DataFrame) -> ReportTable:
             Column(f"peak - steady {unit}", keys[2], unit),
             *(Column(f"{ph} peak {unit}", key, unit) for ph, key in zip(phases, keys[3:])),
             Column("peak in", "memory.peak_phase_of_max_rank")]
+    planned = [f"plan.memory.phases.{ph}.{f}" for ph in phases for f in ("predicted_bytes", "measured_bytes")]
+    extra = raw_rows(ok, [*planned, "plan.memory.check"])
+    if any(not missing(v) for k in planned for v in extra[k]):  # the peak model's prediction beside the measurement
+        punit = byte_unit(v for k in planned for v in extra[k])
+        for ph in phases:
+            raw[f"planned {ph}"] = [NA if missing(p) else f"{punit(p)} / {punit(m)}" for p, m in
+                                    zip(extra[f"plan.memory.phases.{ph}.predicted_bytes"],
+                                        extra[f"plan.memory.phases.{ph}.measured_bytes"])]
+        raw["plan.memory.check"] = extra["plan.memory.check"]
+        cols += [*(Column(f"{ph} above steady, planned / measured {punit}", f"planned {ph}", str) for ph in phases),
+                 Column("peak model", "plan.memory.check")]
     sources = sorted({str(s).split(":")[0] for s in raw["memory.source"] if not missing(s)})
     note = (f"Largest rank of each, in {unit}. Steady: what a rank holds at the optimizer boundary; peak: the highest "
             "allocation during the memory-tracked steps (a training peak: building and wrapping the model are not "
@@ -247,7 +258,10 @@ def memory_table(ok: pd.DataFrame) -> ReportTable:
             "gradient collectives, to on_before_optimizer_step) and the optimizer step; 'peak in' names the phase "
             "of the peak. A peak in the optimizer step is what the step allocates (AdamW's update temporaries; "
             "zero1/zero2's and DeepSpeed's gradient reduction run there too): the activations are freed by then. "
-            f"Source: {'; '.join(sources) or NA}.")
+            f"Source: {'; '.join(sources) or NA}. Planned / measured: each phase's bytes above steady, the peak "
+            "model's (computed, summary.json plan.memory) beside the measurement; the peak model checks that the "
+            "prediction is at most 2 % below the measurement and never above it, or that the excess is one named "
+            "tensor gloo freed late (n/a: no model for the cell).")
     return ReportTable("memory", "Steady and peak memory", raw, cols, note)
 
 

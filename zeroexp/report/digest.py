@@ -21,7 +21,9 @@ def digest(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     (memory and timing are reported, not checked)."""
     rows = []
     for s in sections():
-        section = summary.get(s.name)
+        section: Any = summary
+        for part in s.name.split("."):  # a nested section: plan.time
+            section = section.get(part) if isinstance(section, dict) else None
         if not isinstance(section, dict):
             continue
         line = s.digest_line(section)

@@ -16,8 +16,9 @@ from matplotlib.transforms import blended_transform_factory
 from zeroexp.report.cells import column
 from zeroexp.report.format import byte_unit, missing
 from zeroexp.report.section import OPS
+from zeroexp.report.time import planned_vs_measured
 
-__all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "step_times", "collective_payload"]
+__all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "planned_peaks", "step_times", "collective_payload"]
 
 #: Stacked kinds; every other kind (optimizer step scalars, an unfreed FSDP unsharded buffer, ...) is "other".
 KIND_COLOURS = {"param": "#4C72B0", "grad": "#DD8452", "optim": "#55A868", "master": "#8172B3", "other": "#8C8C8C"}
@@ -146,10 +147,68 @@ def collective_payload(cells: pd.DataFrame, path: Path) -> Path | None:
     return path
 
 
+#: Categories of the peak model and of MemTracker, stacked in this order (anything else: "other").
+PEAK_CATEGORIES = {"activations": "#4C72B0", "temporaries": "#DD8452", "parameters": "#55A868", "gradients": "#C44E52",
+                   "optimizer_state": "#8172B3", "other": "#8C8C8C"}
+
+
+def planned_peaks(cells: pd.DataFrame, path: Path) -> Path | None:
+    """For each cell, the phase with the largest measured bytes above steady: the peak model's prediction (left, P)
+    beside the measurement (right, M), stacked by category; negative categories (gradients ``zero_grad`` freed) are
+    drawn below zero."""
+    ok = cells[column(cells, "status") == "ok"]
+    bars: list[tuple[str, str, dict[str, float]]] = []
+    for _, row in ok.iterrows():
+        phases = {ph: row.get(f"plan.memory.phases.{ph}.measured_bytes") for ph in ("forward", "backward", "optimizer")}
+        phases = {ph: v for ph, v in phases.items() if not missing(v)}
+        if not phases or missing(row.get(f"plan.memory.phases.{next(iter(phases))}.predicted_bytes")):
+            continue
+        ph = max(phases, key=lambda k: phases[k])
+        for side in ("predicted", "measured"):
+            prefix = f"plan.memory.phases.{ph}.{side}_by_category."
+            cats: dict[str, float] = {}
+            for key in (k for k in ok.columns if k.startswith(prefix)):
+                v = row.get(key)
+                if not missing(v):
+                    name = key[len(prefix):]
+                    name = name if name in PEAK_CATEGORIES else "other"
+                    cats[name] = cats.get(name, 0.0) + float(v)
+            bars.append((f"{row['label']}\n{ph}", side, cats))
+    if not bars:
+        return None
+    unit = byte_unit(sum(v for v in cats.values() if v > 0) for _, _, cats in bars)
+    fig, ax = _figure(len(bars) // 2, f"Peak phase above steady, largest rank: planned (P) beside measured (M), {unit}")
+    labelled: set[str] = set()
+    for i, (label, side, cats) in enumerate(bars):
+        x = i // 2 * 2.6 + (0 if side == "predicted" else 1)
+        up = down = 0.0
+        for name, colour in PEAK_CATEGORIES.items():
+            h = unit.value(cats.get(name, 0.0))
+            base = up if h >= 0 else down
+            ax.bar(x, h, bottom=base, width=0.9, color=colour, label=name if h and name not in labelled else None)
+            labelled |= {name} if h else set()
+            up, down = (up + h, down) if h >= 0 else (up, down + h)
+    ax.set_xticks([i // 2 * 2.6 + (i % 2) for i in range(len(bars))], ["P" if i % 2 == 0 else "M" for i in range(len(bars))],
+                  fontsize=7)
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    for i in range(0, len(bars), 2):
+        ax.text(i // 2 * 2.6 + 0.5, -0.09, bars[i][0], transform=trans, ha="center", va="top", fontsize=7)
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_ylabel(unit.name)
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(fontsize=7)
+    fig.savefig(path)
+    return path
+
+
 #: File name -> (plot function, caption, key of the table it is shown under), in the order the report shows them.
 PLOTS: dict[str, tuple[Callable[[pd.DataFrame, Path], Path | None], str, str]] = {
     "report_state_bytes.png": (state_bytes, "Per-rank parameter, gradient and optimizer bytes", "state"),
     "report_memory.png": (steady_vs_peak, "Steady vs peak memory", "memory"),
+    "report_peak_model.png": (planned_peaks, "Peak phase above steady: the peak model beside the measurement, by "
+                                             "category", "memory"),
     "report_collectives.png": (collective_payload, "Collective payload by op", "collectives"),
     "report_step_times.png": (step_times, "Step-time distributions", "timing"),
+    "report_time_planned.png": (planned_vs_measured, "Step time planned vs measured", "time"),
 }

@@ -118,7 +118,10 @@ class PlanSection:
         verdict = "equal the measured" if p.get("check") == "PASS" else "differ from the measured"
         what = "bytes per rank and kind" + (", calls per op" if p.get("collectives") else "") + \
             (" and groups" if (p.get("groups") or {}).get("check") == "PASS" else "")
-        return f"{p.get('layout')}: predicted {what} {verdict}"
+        memory = p.get("memory") or {}
+        peak = "" if memory.get("check") in (None, "n/a") else \
+            f"; peak model {memory['check']} (largest error {100 * float(memory.get('max_rel_err') or 0):.2f} %)"
+        return f"{p.get('layout')}: predicted {what} {verdict}{peak}"
 
     @staticmethod
     def report_table(ok: pd.DataFrame) -> ReportTable | None:
@@ -130,11 +133,12 @@ def sections(report: bool = False) -> list[Any]:
     (with ``report=True``: in ``report_order``, where a section has one). Each has ``name`` (its ``summary.json``
     key), ``digest_line(section)`` and ``report_table(ok)`` (either may give None: no line, no table)."""
     from zeroexp.probes import registry  # here, not at the top: the probes load torch and Lightning
+    from zeroexp.report.time import TimeSection
 
     def key(s: Any) -> int:
         return s.report_order if report and s.report_order is not None else s.order
 
-    return sorted([*registry(), PlanSection], key=key)
+    return sorted([*registry(), PlanSection, TimeSection], key=key)
 
 
 def build_tables(cells: pd.DataFrame) -> list[ReportTable]:

@@ -180,6 +180,12 @@ class StrategyAdapter:
         when the strategy's structure is not modelled for this cell."""
         raise NotImplementedError(f"strategy {self.name!r} reports no groups")
 
+    def mesh_dims(self) -> dict[str, str]:
+        """The device-mesh dimension each of the strategy's own process groups stands for, by group name
+        (``ProcessGroup.group_name``), e.g. hybrid sharding's ``shard`` and ``replicate``; the collectives probe names
+        each op's group with it. Empty: the strategy uses the default group (``world``) only."""
+        return {}
+
     @property
     def layout(self) -> str:
         """The expectation model's row this strategy follows (``strategy.layout`` in its YAML)."""

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ class DeepSpeedConfig(StrategyConfig):
 
     stage: int = 2  # ZeRO stage 0 | 1 | 2 | 3 (a cell axis: DeepSpeedAdapter.axes)
     bucket_cap_mb: float = 25.0  # reduce_bucket_size and allgather_bucket_size, in MiB of fp32 elements
+    #: ZeRO++ hpZ (``zero_hpz_partition_size``): refused when above 1 (DeepSpeedAdapter.validate says why), so it
+    #: never changes a cell: not in its identity.
+    hpz_size: Optional[int] = field(default=None, metadata={"identity": False})
 
 
 #: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
@@ -56,6 +59,16 @@ _MASTER_TENSORS = {0: "FP16 optimizer fp32_groups (full fp32 copy on every rank)
                    1: "single_partition_of_fp32_groups (the rank's fp32 partition)",
                    2: "single_partition_of_fp32_groups (the rank's fp32 partition)",
                    3: "fp32_partitioned_groups_flat (the rank's fp32 partition)"}
+
+
+#: Why ``strategy.hpz_size`` is refused (measured with DeepSpeed 0.19 on CPU/gloo, N=4, hpz 2, 8 Linear(64, 64)).
+_HPZ_REFUSED = (
+    "DeepSpeed 0.19 runs ZeRO++ hpZ here (CPU, gloo), but under zeroexp's stage-3 settings no parameter is released "
+    "between forward and backward (stage3_max_live_parameters and stage3_max_reuse_distance exceed the model), so "
+    "hpZ's secondary partition is never made or read: the cell is plain stage 3 (measured: the same 1 all_gather, "
+    "1 reduce_scatter, 1 all_reduce). It acts only when parameters are released and re-fetched in backward "
+    "(measured with max_live_parameters=0: per Linear, a forward all_gather over all N ranks and a backward one over "
+    "the hpz group), which the stage-3 model of zeroexp.formulas.deepspeed does not cover")
 
 
 def deepspeed_available() -> bool:
@@ -152,6 +165,8 @@ class DeepSpeedAdapter(StrategyAdapter):
                               why="deepspeed is not installed; install it with: pip install -e '.[deepspeed]'")
         if s.stage not in (0, 1, 2, 3):
             raise ConfigError("strategy.stage", s.stage, "0, 1, 2, 3")
+        if s.get("hpz_size") not in (None, 1):
+            raise ConfigError("strategy.hpz_size", s.hpz_size, "null (or 1: no secondary partition)", why=_HPZ_REFUSED)
         if not s.bucket_cap_mb > 0:
             raise ConfigError("strategy.bucket_cap_mb", s.bucket_cap_mb, "a positive number of MiB")
         if off != "none" and s.stage == 0:

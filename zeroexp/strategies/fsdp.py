@@ -44,7 +44,7 @@ class FSDPConfig(StrategyConfig):
     limit_all_gathers: bool = True
     forward_prefetch: bool = False
 
-_PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
 
 
 class FSDPAdapter(StrategyAdapter):
@@ -150,6 +150,7 @@ class FSDPAdapter(StrategyAdapter):
         [FSDP], gathered twice when FULL_SHARD reshards it after forward, which FSDP skips for the root unit
         (``_post_forward_reshard``: ``not state._is_root``); the prefetch mode changes the order only."""
         shards, units = [], []
+        twice = self.sharding in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)  # resharded after forward
         for unit in post_order(model, lambda m: isinstance(m, FullyShardedDataParallel) and m._handle is not None):
             flat = unit._handle.flat_param
             spans, offset = [], 0
@@ -159,8 +160,10 @@ class FSDPAdapter(StrategyAdapter):
                 offset += numel
             padded = flat._padded_unsharded_size.numel()
             shards.append(Shard(tuple(spans), padded))
-            units.append(Unit(padded, 2 if self.sharding == ShardingStrategy.FULL_SHARD and not unit._is_root else 1))
-        return Groups(self.layout, dist.get_world_size(), self._numels, tuple(shards), tuple(units))
+            units.append(Unit(padded, 2 if twice and not unit._is_root else 1))
+        n, shard_over = dist.get_world_size(), dist.get_world_size(model.process_group)  # hybrid: the shard group
+        return Groups(self.layout, n, self._numels, tuple(shards), tuple(units),
+                      shard_size=shard_over if shard_over != n else 0)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
@@ -186,7 +189,12 @@ class FSDPAdapter(StrategyAdapter):
             device_id=device if device.type == "cpu" else device.index,
             mixed_precision=self.mixed_precision(),
             cpu_offload=CPUOffload(offload_params=True) if self.cfg.offload.name == "full" else None,
+            **self.process_groups(device),
         )
+
+    def process_groups(self, device: torch.device) -> dict[str, Any]:
+        """FSDP's process-group arguments: none (the default group); hybrid sharding passes its 2-D device mesh."""
+        return {}
 
     def mixed_precision(self) -> MixedPrecision | None:
         """``MixedPrecision`` with parameters, gradient reduction and buffers in the precision's dtype; None in fp32."""
@@ -228,4 +236,4 @@ class FSDPFullAdapter(FSDPAdapter):
     )
 
     def backward_prefetch(self) -> BackwardPrefetch | None:
-        return _PREFETCH[self.cfg.prefetch.name]
+        return PREFETCH[self.cfg.prefetch.name]

@@ -145,14 +145,16 @@ class FSDP2Adapter(StrategyAdapter):
         """Every parameter sharded on its own, dim 0 chunked and padded (``fsdp2_padded_numel``) [FSDP2]; each unit
         with parameters, children before parents: one all_gather of its padded parameters, twice when it is resharded
         after forward (``post_forward_mesh_info``), and one reduce_scatter."""
-        n, params = dist.get_world_size(), self.trainable(model.parameters())
+        world, params = dist.get_world_size(), self.trainable(model.parameters())
+        n = self._mesh.size(-1)  # the ranks each parameter is sharded over: the mesh's last (shard) dimension
         shards = tuple(Shard(((0, p.numel()),), fsdp2_padded_numel(tuple(p.shape), n)) for p in params if p.numel())
         units = []
         for module in post_order(model, lambda m: _param_group(m) is not None):
             group = _param_group(module)
             units.append(Unit(sum(fsdp2_padded_numel(tuple(q._orig_size), n) for q in group.fsdp_params),
                               2 if group.post_forward_mesh_info is not None else 1))
-        return Groups(self.layout, n, tuple(p.numel() for p in params), shards, tuple(units))
+        return Groups(self.layout, world, tuple(p.numel() for p in params), shards, tuple(units),
+                      shard_size=n if n != world else 0)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

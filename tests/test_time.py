@@ -1,0 +1,311 @@
+"""The step-time model (issue 18) through its structure: exact results on given calibrations, never timing asserts.
+
+zeroexp.formulas.time (fit, collective time, two-level ring), zeroexp.formulas.overlap (slots, the channel),
+zeroexp.plan.time (the check on given numbers, plan.time of a composed cell), zeroexp.probes.exposed (interval
+arithmetic), zeroexp.calibration (which file a cell uses), and one tiny real calibration at N=2 with a cell using it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from zeroexp.calibration import SCHEMA, find_calibration, load_calibration, machine
+from zeroexp.formulas import (LAYOUTS, ComputeRate, LinkFit, ModelShape, PlanKnobs, bus_factor, collective_seconds,
+                              derive_groups, fit_link, overlap_possible, predict_step, simulate_step, step_collectives,
+                              two_level_seconds)
+from zeroexp.plan.time import MEDIAN_CI_LIMIT, median_ci95, time_check, time_section
+from zeroexp.probes.exposed import measure, merge, subtract
+
+MLP = ModelShape(params=((768, 768),) * 8, units=tuple((i,) for i in range(8)), root=(False,) * 8)
+LINKS = {"all_reduce": (1e-4, 1e9), "reduce_scatter": (2e-4, 5e8), "all_gather": (3e-4, 4e8), "broadcast": (5e-5, 2e9)}
+RATE = {"forward_s_per_param_sample": 1e-10, "backward_s_per_param_sample": 2e-10, "adamw_s_per_element": 2e-9}
+
+
+def calibration_data(world_size: int = 2, overlap: bool = False, machine_id: str = "m", created: str = "2026-01-01",
+                     backend: str = "gloo", model: str = "mlp", numel: int = 8 * 768 * 768) -> dict:
+    return {"schema": SCHEMA, "created": created, "machine": {"id": machine_id}, "backend": backend,
+            "world_size": world_size, "overlap": {"possible": overlap, "why": "given"},
+            "collectives": {op: {"sizes": [], "fit": {"alpha_s": a, "busbw_Bps": bw}} for op, (a, bw) in LINKS.items()},
+            "compute": {"model": model, "numel": numel, "batch_size": 8, **RATE}}
+
+
+def test_fit_recovers_latency_and_bandwidth_exactly():
+    sizes = [2 ** k for k in range(12, 25)]
+    for op, n in (("all_reduce", 2), ("all_gather", 4), ("broadcast", 3)):
+        times = [3e-5 + s * bus_factor(op, n) / 2.5e9 for s in sizes]
+        fit = fit_link(op, n, sizes, times)
+        assert math.isclose(fit.alpha_s, 3e-5, rel_tol=1e-9) and math.isclose(fit.busbw_Bps, 2.5e9, rel_tol=1e-9)
+    # a negative intercept is held at 0: the line through the origin, each residual relative to its time
+    xs, ts = [1000, 2000], [0.5e-6, 1.5e-6]
+    fit = fit_link("all_reduce", 2, xs, ts)  # bus factor 1 at N=2
+    slope = sum(x * t / t ** 2 for x, t in zip(xs, ts)) / sum(x * x / t ** 2 for x, t in zip(xs, ts))
+    assert fit.alpha_s == 0.0 and math.isclose(fit.busbw_Bps, 1 / slope)
+    with pytest.raises(ValueError):
+        fit_link("all_reduce", 2, [1], [1.0])
+
+
+def test_collective_and_two_level_seconds():
+    link = LinkFit(1e-5, 1e9)
+    assert collective_seconds("all_reduce", 1e6, 4, link, calls=3) == pytest.approx(3e-5 + 1e6 * 1.5 / 1e9)
+    assert collective_seconds("all_reduce", 1e6, 1, link) == 0.0
+    intra, inter = LinkFit(1e-6, 4e11), LinkFit(1e-5, 5e10)
+    s = 8e8
+    assert two_level_seconds("all_gather", s, 8, 1, intra, inter) == collective_seconds("all_gather", s, 8, intra)
+    want = (collective_seconds("reduce_scatter", s, 8, intra) + collective_seconds("all_reduce", s / 8, 4, inter)
+            + collective_seconds("all_gather", s, 8, intra))
+    assert two_level_seconds("all_reduce", s, 8, 4, intra, inter) == pytest.approx(want)
+    assert two_level_seconds("all_gather", s, 8, 4, intra, inter) == pytest.approx(
+        collective_seconds("all_gather", s, 8, intra) + collective_seconds("all_gather", s / 8, 4, inter))
+
+
+def test_overlap_rule_of_the_device():
+    assert overlap_possible("cuda", 2, 8, 1)
+    assert not overlap_possible("cpu", 2, 2, 1)  # every core computes: gloo time-slices
+    assert overlap_possible("cpu", 16, 2, 4)
+
+
+def test_channel_simulation():
+    calls = [(2.0, 10.0, 0, 3.0)]
+    assert simulate_step(10.0, calls, overlap=True) == 10.0  # hidden behind compute
+    assert simulate_step(10.0, [(2.0, 10.0, 0, 9.0)], overlap=True) == 11.0  # 1 s exposed
+    assert simulate_step(10.0, [(2.0, 10.0, 0, 9.0)], overlap=False) == 19.0
+    # one channel: the second call queues behind the first; compute stalls at 4 until it ends at 1 + 2 + 2 = 5
+    assert simulate_step(10.0, [(1.0, 10.0, 0, 2.0), (1.0, 4.0, 1, 2.0)], overlap=True) == 11.0
+
+
+def _predict(strategy: str, cal: dict, prefetch: str = "pre", n: int = 2):
+    layout = LAYOUTS[strategy]
+    groups = derive_groups(strategy, layout, MLP, n, 4, PlanKnobs(bucket_cap_bytes=4 * 2 ** 20))
+    coll = step_collectives(layout, groups, 4, PlanKnobs(bucket_cap_bytes=4 * 2 ** 20))
+    from zeroexp.calibration import Calibration
+
+    c = Calibration("given", cal)
+    return predict_step(layout, groups, coll, c.rate, 8, c.seconds_at(n), cal["overlap"]["possible"], prefetch), coll
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full"])
+def test_without_overlap_every_collective_adds_to_the_step(strategy):
+    t, coll = _predict(strategy, calibration_data())
+    psi = 8 * 768 * 768
+    opt = psi // 2 if strategy != "ddp" else psi
+    compute = 1e-10 * psi * 8 + 2e-10 * psi * 8 + 2e-9 * opt
+    comm = sum(e["count"] * LINKS[op][0] + e["payload_bytes"] * bus_factor(op, 2) / LINKS[op][1]
+               for op, e in coll.items())
+    assert t.comm_s == pytest.approx(comm) and t.exposed_comm_s == pytest.approx(comm)
+    assert t.step_s == pytest.approx(compute + comm)
+    assert t.by_phase_ms()["optimizer"] == pytest.approx(2e-6 * opt)
+
+
+def test_overlap_rules_order_the_strategies():
+    cal = calibration_data(overlap=True)
+    ddp, _ = _predict("ddp", cal)
+    # DDP at a 4 MiB cap: one bucket per 2.25 MiB Linear pair; only the last bucket's all_reduce is exposed at most
+    assert ddp.exposed_comm_s < ddp.comm_s
+    full = {p: _predict("fsdp_full", cal, p)[0] for p in ("pre", "post", "none")}
+    assert full["pre"].comm_s == full["post"].comm_s == full["none"].comm_s  # same calls, different overlap
+    assert full["pre"].step_s <= full["post"].step_s <= full["none"].step_s
+    no = _predict("fsdp_full", calibration_data(overlap=False), "pre")[0]
+    assert no.step_s == pytest.approx(no.forward_s + no.backward_s + no.optimizer_s + no.comm_s)
+
+
+def test_time_check_on_given_numbers():
+    assert time_check(100.0, 100.0, (98.0, 103.0), 40) == ("PASS", [])
+    assert time_check(124.0, 100.0, (95.0, 105.0), 40)[0] == "PASS"
+    assert time_check(80.5, 100.0, (95.0, 105.0), 40)[0] == "PASS"  # 1/1.25 = 0.8
+    check, reasons = time_check(130.0, 100.0, (95.0, 105.0), 40)
+    assert check == "FAIL" and "1.30x" in reasons[0]
+    check, reasons = time_check(100.0, 100.0, (85.0, 104.0), 40)  # +-15 %: not known
+    assert check == "n/a" and f"about {math.ceil(40 * (0.15 / MEDIAN_CI_LIMIT) ** 2)} timed steps" in reasons[0]
+    median, low, high = median_ci95([5.0] * 30)
+    assert (median, low, high) == (5.0, 5.0, 5.0)
+    assert median_ci95([1.0, 2.0, 3.0, 4.0, 100.0]) == median_ci95([1.0, 2.0, 3.0, 4.0, 100.0])  # seeded
+
+
+def test_interval_arithmetic():
+    assert merge([(5, 7), (1, 3), (2, 4), (8, 8)]) == [(1, 4), (5, 7)]
+    assert subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
+    assert subtract([(0, 2), (4, 6)], [(1, 5)]) == [(0, 1), (5, 6)]
+    assert measure([(0, 2), (3, 5)], 1, 4) == 2
+
+
+def test_the_newest_calibration_of_this_machine_backend_and_n(tmp_path):
+    me = machine()["id"]
+    files = {"a": calibration_data(machine_id=me, created="2026-01-01T00:00:00"),
+             "b": calibration_data(machine_id=me, created="2026-02-01T00:00:00"),
+             "c": calibration_data(machine_id=me, created="2026-03-01T00:00:00", world_size=4),
+             "d": calibration_data(machine_id="elsewhere", created="2026-04-01T00:00:00"),
+             "e": calibration_data(machine_id=me, created="2026-05-01T00:00:00", backend="nccl")}
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    (tmp_path / "junk.json").write_text("{}")
+    assert Path(find_calibration("gloo", 2, tmp_path).path).name == "b.json"
+    assert Path(find_calibration("gloo", 4, tmp_path).path).name == "c.json"
+    assert find_calibration("gloo", 3, tmp_path) is None
+    with pytest.raises(ValueError, match="no zeroexp calibration"):
+        load_calibration(tmp_path / "junk.json")
+
+
+def _summary(step_ms: list[float]) -> dict:
+    return {"timing": {"step_ms": step_ms}, "collectives": {"exposed_comm_ms": 1.5}}
+
+
+def test_plan_time_of_a_composed_cell(compose, tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibration_data(numel=8 * 64 * 64)))
+    cfg = compose("strategy=fsdp_full", "world_size=2", "prefetch=none", f"calibration={path}")
+    t0, _ = _predict("fsdp_full", calibration_data(), "none")
+    section = time_section(cfg, _summary([10.0] * 40))
+    assert set(section) >= {"predicted_step_ms", "measured_median_ms", "median_ci95_ms", "ratio", "exposed_comm_ms",
+                            "measured_exposed_comm_ms", "predicted_by_phase", "calibration", "check", "reasons"}
+    assert section["measured_median_ms"] == 10.0 and section["median_ci95_ms"] == [10.0, 10.0]
+    assert section["measured_exposed_comm_ms"] == 1.5
+    assert section["ratio"] == pytest.approx(section["predicted_step_ms"] / 10.0)
+    assert section["check"] == ("PASS" if 0.8 <= section["ratio"] <= 1.25 else "FAIL")
+    assert section["calibration"]["path"] == str(path)
+    pred = section["predicted_step_ms"]
+    assert time_section(cfg, _summary([pred] * 40))["check"] == "PASS"
+    assert time_section(cfg, _summary([pred * 1.3] * 40))["check"] == "FAIL"
+    wide = time_section(cfg, _summary([pred * (0.5 + (i % 2)) for i in range(41)]))
+    assert wide["check"] == "n/a" and "median not known" in wide["reasons"][0]
+    none = time_section(compose("world_size=3"), _summary([10.0] * 40))  # no calibration at N=3 here
+    assert none["check"] == "n/a" and "no calibration" in none["reasons"][0] and none["predicted_step_ms"] is None
+    assert t0.step_s > 0
+
+
+def test_a_bad_calibration_path_is_refused_before_any_rank(compose, tmp_path):
+    from zeroexp.config import validate
+    from zeroexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="calibration"):
+        validate(compose(f"calibration={tmp_path / 'absent.json'}"))
+
+
+@pytest.mark.slow
+def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
+    """N=2, 4 KiB .. 16 KiB: the file's fields, the fit of every op, the PNG; then a cell's plan.time from it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from zeroexp.calibrate.cli import register, run
+    from zeroexp.cli import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="calibrate", overrides=[
+            "world_size=2", "model.width=64", "calibrate.max_bytes=16384", "calibrate.target_s=0.001",
+            "calibrate.repeats=1", "calibrate.compute_steps=2", f"output_dir={tmp_path}"])
+    path = run(cfg)
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA and data["world_size"] == 2 and data["backend"] == "gloo"
+    assert data["machine"]["id"] == machine()["id"] and data["versions"]["torch"]
+    assert set(data["collectives"]) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+    for e in data["collectives"].values():
+        assert [r["bytes"] for r in e["sizes"]] == [4096, 8192, 16384]
+        assert e["fit"]["busbw_Bps"] > 0 and e["fit"]["alpha_s"] >= 0
+    assert data["compute"]["numel"] == 8 * 64 * 64 and data["compute"]["batch_size"] == 8
+    assert find_calibration("gloo", 2, tmp_path).path == str(path)
+    result = cell("strategy=zero2", "world_size=2", f"calibration={path}")
+    summary = json.loads((Path(result.cell_dir) / "summary.json").read_text())
+    t = summary["plan"]["time"]
+    assert t["calibration"]["path"] == str(path) and t["predicted_step_ms"] > 0
+    assert t["check"] in ("PASS", "FAIL", "n/a") and t["measured_median_ms"] > 0
+    assert summary["collectives"]["exposed_comm_ms"] >= 0 and summary["collectives"]["in_flight_ms"] > 0
+
+
+def _plan(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from zeroexp.cli import CONF_DIR
+    from zeroexp.plan.cli import register, run
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return run(hydra_compose(config_name="plan", overrides=list(overrides)))
+
+
+def test_planner_step_time_on_network_presets():
+    common = ("model=mlp", "model.width=768", "world_size=[8,64]", "batch_size=8",
+              "strategies=[ddp,zro,zero2,fsdp_grad_op,fsdp_full]")
+    h100, _ = _plan(*common, "network=h100_ib")
+    a100, _ = _plan(*common, "network=a100_ib")
+    assert len(h100) == len(a100) == 10
+    for h, a in zip(h100, a100):
+        assert {"step_ms", "exposed_comm_ms", "tokens_per_s", "fastest"} <= set(h)
+        assert 0 <= h["exposed_comm_ms"] <= h["comm_ms"] + 1e-9
+        assert h["step_ms"] < a["step_ms"]  # every link and the peak are slower on a100_ib
+        assert h["tokens_per_s"] == pytest.approx(8 * h["world_size"] / (h["step_ms"] / 1e3))  # mlp: 1 token a sample
+        assert h["fits"] is True  # 80GB from the preset
+    for n in (8, 64):
+        rows = [r for r in h100 if r["world_size"] == n]
+        assert [r["fastest"] for r in rows].count(True) == 1
+        assert min(rows, key=lambda r: r["step_ms"])["fastest"]
+    slower, _ = _plan(*common, "network=h100_ib", "network.efficiency=0.2")
+    assert all(s["step_ms"] > h["step_ms"] for s, h in zip(slower, h100))
+
+
+def test_planner_network_refuses_bad_input():
+    from zeroexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="batch_size"):
+        _plan("model=mlp", "network=h100_ib")
+    with pytest.raises(ConfigError, match="network.efficiency"):
+        _plan("model=mlp", "batch_size=8", "network=h100_ib", "network.efficiency=2")
+    with pytest.raises(ConfigError, match="network.inter.busbw_Bps"):
+        _plan("model=mlp", "batch_size=8", "network=a100_ib", "network.inter.busbw_Bps=0")
+
+
+def test_order_agreement_on_given_numbers():
+    from zeroexp.report.time import order_agreement
+
+    rows = [("ddp", 50.0, (48.0, 52.0), 40.0), ("zro", 60.0, (58.0, 62.0), 45.0),
+            ("fsdp", 51.0, (49.0, 53.0), 90.0), ("zero2", 70.0, (69.0, 71.0), 30.0)]
+    agree, disagree = order_agreement(rows)
+    # ddp / fsdp overlap (unknown order); ddp < zro agrees; the other four separable pairs are ordered otherwise
+    assert agree == ["ddp < zro"]
+    assert disagree == ["ddp < zero2", "fsdp < zro", "zro < zero2", "fsdp < zero2"]
+
+
+def test_plan_time_says_what_it_does_not_model(compose, tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibration_data(world_size=4, numel=8 * 64 * 64)))
+    bf16 = time_section(compose("strategy=zero2", "world_size=2", "precision=bf16", f"calibration={path}"),
+                        _summary([10.0] * 40))
+    assert bf16["check"] == "n/a" and bf16["predicted_step_ms"] > 0 and bf16["ratio"] is None
+    assert any("precision=bf16" in r for r in bf16["reasons"])
+    assert any("N=4" in r for r in bf16["reasons"])  # a calibration of another N is said, not hidden
+    assert bf16["throughput"]["samples_per_s"] == pytest.approx(8 * 2 / 0.010)
+
+
+def _calibrate_cfg(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from zeroexp.calibrate.cli import register
+    from zeroexp.cli import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="calibrate", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("calibrate.min_bytes=8192", "calibrate.max_bytes=4096"), "calibrate.max_bytes"),
+    (("world_size=0",), "world_size"),
+    (("calibrate.ops=[all_reduce,alltoall]",), "calibrate.ops"),
+    (("calibrate.target_s=0",), "calibrate.target_s"),
+    (("device=tpu",), "device"),
+])
+def test_calibrate_refuses_bad_input_naming_the_key(overrides, key):
+    from zeroexp.calibrate.cli import validate
+    from zeroexp.errors import ConfigError
+
+    cfg = _calibrate_cfg(*overrides)
+    assert cfg.calibrate.max_bytes >= 4096 and cfg.model.name == "mlp"  # the composed defaults
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == key

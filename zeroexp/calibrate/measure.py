@@ -1,0 +1,148 @@
+"""What one rank of ``python -m zeroexp.calibrate`` measures: each collective over a range of message sizes
+(nccl-tests' convention) and the model's forward, backward and AdamW update, every rank at once, as a cell's ranks
+share the machine.
+
+[NCCL-TESTS] doc/PERFORMANCE.md: S is the full array (for all_gather the output, for reduce_scatter the input);
+algbw = S / t, busbw = algbw x bus factor; a size's time is the mean over a loop of calls, the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from zeroexp.formulas import bus_factor
+
+__all__ = ["message_sizes", "rank_main"]
+
+# The calls zeroexp.sharding makes (torch >= 2.13 names, else the older ones)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    """Powers of two from ``min_bytes`` to ``max_bytes`` (both included when powers of two), as nccl-tests' -f 2."""
+    sizes, s = [], int(min_bytes)
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 2
+    return sizes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _call(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[], None]:
+    """One call of ``op`` with payload S = ``nbytes`` (fp32, rounded down to a multiple of N elements)."""
+    numel = max(world, nbytes // 4 // world * world)
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    chunk = torch.ones(numel // world, dtype=torch.float32, device=device)
+    return {"all_reduce": lambda: dist.all_reduce(full),
+            "broadcast": lambda: dist.broadcast(full, src=0),
+            "all_gather": lambda: _all_gather(full, chunk),
+            "reduce_scatter": lambda: _reduce_scatter(chunk, full)}[op]
+
+
+def _time_loop(fn: Callable[[], None], iters: int, device: torch.device) -> float:
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return _slowest((time.perf_counter() - t0) / iters, device)
+
+
+def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, Any]:
+    """Per op, per size: S, the time per call (median of ``repeats`` loops, each the slowest rank's mean), algbw and
+    busbw in bytes/s."""
+    out: dict[str, Any] = {}
+    for op in c.ops:
+        rows = []
+        for nbytes in message_sizes(c.min_bytes, c.max_bytes):
+            fn = _call(op, nbytes, world, device)
+            first = _time_loop(fn, 1, device)  # warm-up, and the estimate every rank agrees on
+            iters = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
+            t = statistics.median(_time_loop(fn, iters, device) for _ in range(int(c.repeats)))
+            s = max(world, nbytes // 4 // world * world) * 4
+            rows.append({"bytes": s, "seconds": t, "iters": iters, "algbw_Bps": s / t,
+                         "busbw_Bps": s / t * bus_factor(op, world)})
+        out[op] = {"sizes": rows}
+    return out
+
+
+def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.device, lr: float = 1e-3
+                    ) -> dict[str, Any]:
+    """Forward (with the loss), backward and AdamW step + zero_grad of the whole model on this rank, the median over
+    ``steps`` after one warm-up; as seconds per parameter x sample and per updated element."""
+    from zeroexp.models import LOSSES, build_model, make_batch
+
+    torch.manual_seed(0)
+    net = build_model(model_cfg).to(device)
+    loss_fn = LOSSES[str(model_cfg.get("loss", "mean_square"))]
+    opt = torch.optim.AdamW(net.parameters(), lr=lr)
+    psi = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    for step in range(steps + 1):
+        batch = make_batch(model_cfg, batch_size, 0, step, dist.get_rank()).to(device)
+        marks = []
+        for phase in ("forward", "backward", "optimizer"):
+            _sync(device)
+            t0 = time.perf_counter()
+            if phase == "forward":
+                loss = loss_fn(net(batch), batch)
+            elif phase == "backward":
+                loss.backward()
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            _sync(device)
+            marks.append((phase, time.perf_counter() - t0))
+        if step:  # step 0 is warm-up (Adam creates its moments)
+            for phase, t in marks:
+                times[phase].append(t)
+    med = {k: _slowest(statistics.median(v), device) for k, v in times.items()}
+    return {"model": str(model_cfg.get("name")), "batch_size": batch_size, "numel": psi, "steps": steps,
+            "forward_s": med["forward"], "backward_s": med["backward"], "optimizer_s": med["optimizer"],
+            "forward_s_per_param_sample": med["forward"] / (psi * batch_size),
+            "backward_s_per_param_sample": med["backward"] / (psi * batch_size),
+            "adamw_s_per_element": med["optimizer"] / psi}
+
+
+def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, cfg: dict[str, Any],
+              out: str) -> None:
+    """One calibration rank: join the group, set this rank's threads as a cell does, measure, rank 0 writes ``out``."""
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.create(cfg)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cpu":  # as zeroexp.worker: the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = {"threads_per_rank": torch.get_num_threads(),
+                  "collectives": measure_collectives(c.calibrate, world, device) if world > 1 else {},
+                  "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device)}
+        dist.barrier()
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()

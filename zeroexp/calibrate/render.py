@@ -1,0 +1,76 @@
+"""The calibration's table (rich) and its plot: bus bandwidth against message size, one line per op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from zeroexp.calibration import Calibration
+
+__all__ = ["render_table", "write_plot"]
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.0f} GiB"
+
+
+def render_table(cal: Calibration, console: Any) -> None:
+    """Per op: the fitted latency and bus bandwidth, the measured busbw at the smallest and largest size; then the
+    compute rates."""
+    from rich.table import Table
+
+    d = cal.data
+    t = Table(title=f"collectives: {d['backend']} on {d['device']}, N={d['world_size']}, {d['machine']['hostname']} "
+                    f"(measured; fit t = alpha + S x bus factor / busbw)")
+    for col in ("op", "alpha (fit)", "busbw (fit)", "sizes", "busbw smallest", "busbw largest"):
+        t.add_column(col, justify="left" if col == "op" else "right")
+    for op, e in d["collectives"].items():
+        rows, fit = e["sizes"], e["fit"]
+        t.add_row(op, f"{fit['alpha_s'] * 1e6:.1f} us", f"{fit['busbw_Bps'] / 1e9:.3f} GB/s",
+                  f"{_size(rows[0]['bytes'])} .. {_size(rows[-1]['bytes'])} ({len(rows)})",
+                  f"{rows[0]['busbw_Bps'] / 1e9:.4f} GB/s", f"{rows[-1]['busbw_Bps'] / 1e9:.3f} GB/s")
+    console.print(t)
+    c = d["compute"]
+    u = Table(title=f"compute: {c['model']} ({c['numel']:,} parameters), batch {c['batch_size']} per rank, "
+                    f"{d['threads_per_rank']} thread(s) per rank (measured, median of {c['steps']} steps)")
+    for col in ("phase", "ms", "rate"):
+        u.add_column(col, justify="left" if col == "phase" else "right")
+    u.add_row("forward (+ loss)", f"{c['forward_s'] * 1e3:.3f}", f"{c['forward_s_per_param_sample'] * 1e12:.2f} ps "
+                                                                  "per parameter x sample")
+    u.add_row("backward", f"{c['backward_s'] * 1e3:.3f}", f"{c['backward_s_per_param_sample'] * 1e12:.2f} ps per "
+                                                          "parameter x sample")
+    u.add_row("AdamW step", f"{c['optimizer_s'] * 1e3:.3f}", f"{c['adamw_s_per_element'] * 1e9:.3f} ns per element")
+    console.print(u)
+    console.print(f"overlap: {'possible' if d['overlap']['possible'] else 'none'} ({d['overlap']['why']})")
+
+
+def write_plot(cal: Calibration, path: Path) -> None:
+    """busbw (GB/s) against S (log2 axis), measured points and the fit's curve, per op."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from zeroexp.formulas import collective_seconds
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    n = cal.world_size
+    for op, e in cal.data["collectives"].items():
+        xs = [r["bytes"] for r in e["sizes"]]
+        line, = ax.plot(xs, [r["busbw_Bps"] / 1e9 for r in e["sizes"]], "o", ms=3, label=f"{op} (measured)")
+        fit = [s * (r["busbw_Bps"] / (r["bytes"] / r["seconds"])) / collective_seconds(op, s, n, cal.link(op)) / 1e9
+               for s, r in zip(xs, e["sizes"])]
+        ax.plot(xs, fit, "-", color=line.get_color(), lw=1, alpha=0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size S (bytes, nccl-tests convention)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"{cal.data['backend']} {cal.data['device']} N={n}: busbw (points measured, lines the fit)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

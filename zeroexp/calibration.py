@@ -1,0 +1,123 @@
+"""A calibration file (written by ``python -m zeroexp.calibrate``): what it holds, where it lives, which one a cell
+uses. Schema in docs/results.md (Calibration files).
+
+A calibration knows nothing of the cells: the collectives' latency and bus bandwidth on this machine, backend and
+world size, and the compute rate of one model's forward, backward and AdamW update. A cell uses the newest file
+of its machine, backend and world size in :data:`DEFAULT_DIR` (or ``calibration=PATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, collective_seconds
+
+__all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "machine", "find_calibration", "load_calibration"]
+
+#: Where ``python -m zeroexp.calibrate`` writes and cells look (relative to the working directory, like outputs/runs).
+DEFAULT_DIR = Path("outputs") / "calibration"
+SCHEMA = 1
+
+
+def machine() -> dict[str, Any]:
+    """This machine: host name, CPU model, cores, GPU (if any); ``id`` is what calibrations are matched on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - a machine without a working CUDA has no GPU here
+        gpu = None
+    host, cores = socket.gethostname(), os.cpu_count() or 1
+    return {"id": f"{host}|{cpu}|{cores}|{gpu or 'cpu'}", "hostname": host, "cpu": cpu, "cores": cores, "gpu": gpu,
+            "platform": platform.platform()}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration file, read: per op its fit, the compute rate, and where it was measured."""
+
+    path: str
+    data: dict[str, Any]
+
+    @property
+    def world_size(self) -> int:
+        return int(self.data["world_size"])
+
+    def link(self, op: str) -> LinkFit:
+        fit = self.data["collectives"][op]["fit"]
+        return LinkFit(float(fit["alpha_s"]), float(fit["busbw_Bps"]))
+
+    def seconds_at(self, world_size: int) -> Callable[[str, float, float], float]:
+        """(op, S, calls) -> seconds at ``world_size`` ranks from the op's fit
+        (:func:`~zeroexp.formulas.time.collective_seconds`; busbw is N-independent in the ring model); an op never
+        calibrated (reduce, all_to_all) as an all_reduce of its payload (an upper bound for those)."""
+        def seconds(op: str, payload_bytes: float, calls: float) -> float:
+            if world_size <= 1:
+                return 0.0  # one rank sends nothing (and an N=1 calibration has no collectives)
+            fitted = op if op in self.data["collectives"] else "all_reduce"
+            return collective_seconds(fitted, payload_bytes, world_size, self.link(fitted), calls)
+        return seconds
+
+    @property
+    def rate(self) -> ComputeRate:
+        c = self.data["compute"]
+        return ComputeRate(c["forward_s_per_param_sample"], c["backward_s_per_param_sample"],
+                           c["adamw_s_per_element"])
+
+    def summary(self) -> dict[str, Any]:
+        """What ``plan.time.calibration`` shows of it."""
+        d = self.data
+        return {"path": self.path, "created": d["created"], "machine": d["machine"]["id"], "backend": d["backend"],
+                "world_size": d["world_size"], "model": d["compute"]["model"],
+                "batch_size": d["compute"]["batch_size"], "overlap": d["overlap"]}
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read and check a calibration file; ``ValueError`` naming what is wrong."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {p}: {e}") from e
+    missing = [k for k in ("schema", "created", "machine", "backend", "world_size", "collectives", "compute",
+                           "overlap") if k not in data]
+    if missing or data.get("schema") != SCHEMA:
+        raise ValueError(f"{p} is no zeroexp calibration (schema {SCHEMA}): missing {missing or 'nothing'}, schema "
+                         f"{data.get('schema')!r}")
+    absent = [op for op in CALIBRATED_OPS if op not in data["collectives"]]
+    if absent and int(data["world_size"]) > 1:
+        raise ValueError(f"{p} lacks the ops {absent}")
+    return Calibration(str(p), data)
+
+
+def find_calibration(backend: str, world_size: int | None, directory: Path = DEFAULT_DIR,
+                     machine_id: str | None = None) -> Calibration | None:
+    """The newest calibration in ``directory`` of this machine (or ``machine_id``), ``backend`` and ``world_size``
+    (None: any)."""
+    want = machine_id or machine()["id"]
+    found = []
+    for p in sorted(Path(directory).glob("*.json")) if Path(directory).is_dir() else []:
+        try:
+            cal = load_calibration(p)
+        except ValueError:
+            continue
+        d = cal.data
+        if d["machine"]["id"] == want and d["backend"] == backend and world_size in (None, int(d["world_size"])):
+            found.append((d["created"], str(p), cal))
+    return max(found)[2] if found else None

@@ -1,0 +1,38 @@
+"""Hybrid sharding (HSDP): shard within a group of ``shard_size`` ranks, replicate across the N / shard_size groups.
+
+The ranks form a 2-D device mesh (replicate, shard): rank r is shard r % shard_size of replica r // shard_size.
+Every buffer is padded to and sharded over the shard group (:class:`~zeroexp.formulas.layout.Groups`
+``shard_size``), so each replica holds one sharded copy of the state: the aggregate factors are N / shard_size
+times FULL_SHARD's (SHARD_GRAD_OP's for the ZeRO-2 variant). Per unit and step: its all_gathers and one
+reduce_scatter within the shard group, then one all_reduce of the reduced gradient shard across the replicas
+(torch/distributed/fsdp/_runtime_utils.py ``_reduce_grad``: ``dist.all_reduce(..., group=state._inter_node_pg)``;
+FSDP2 _fully_shard/_fsdp_collectives.py ``foreach_reduce``: ``all_reduce_group``).
+"""
+
+from __future__ import annotations
+
+from zeroexp.formulas.layout import Groups, Payload, PlanKnobs
+from zeroexp.formulas.paper import Collectives, add_collectives, fp16_inf_syncs
+
+__all__ = ["MESH_DIMS", "WORLD", "hybrid_units"]
+
+#: The 2-D device mesh's dimension names, outer first: ``init_device_mesh(type, (N / shard_size, shard_size),
+#: mesh_dim_names=MESH_DIMS)``; ``WORLD`` names the default group (every rank) in a collectives model.
+MESH_DIMS = ("replicate", "shard")
+WORLD = "world"
+
+
+def hybrid_units(dtensor_grads: bool = False) -> Payload:
+    """HSDP [FSDP, FSDP2]: per unit of b padded bytes (padded to shard_size), its all_gathers S = b and one
+    reduce_scatter S = b over the shard group, one all_reduce S = b / shard_size (the gradient shard) over the
+    replicate group; fp16 adds the loss scaler's found_inf all_reduces over the world (:func:`fp16_inf_syncs`)."""
+    def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+        s = g.shard_over
+        shard, replicate = (MESH_DIMS[1], s), (MESH_DIMS[0], g.world_size // s)
+        model: Collectives = {}
+        add_collectives(model, "all_gather", [u.numel * c for u in g.units for _ in range(u.gathers)], shard)
+        add_collectives(model, "reduce_scatter", [u.numel * c for u in g.units], shard)
+        add_collectives(model, "all_reduce", [u.numel // s * c for u in g.units], replicate)
+        syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
+        return add_collectives(model, "all_reduce", [4] * syncs, (WORLD, g.world_size))
+    return payload

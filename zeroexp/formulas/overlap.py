@@ -1,0 +1,173 @@
+"""A step's time from its groups: compute per phase, each collective placed where its strategy issues and waits for
+it, one communication channel, and the device's overlap rule (:func:`~zeroexp.formulas.time.overlap_possible`).
+
+The collectives are the one model's (:func:`~zeroexp.formulas.step_collectives`: calls and payload per op); the
+groups say where in the step each call is issued and by when it must be done. Compute is a timeline: forward F,
+backward B, the optimizer O, spread over the parameters by their numel (a Linear's time scales with its numel
+[KAPLAN]); the channel runs one collective at a time, in issue order. Where the device cannot overlap, every
+collective's time adds to the step. The overlap rules, by what a row's groups hold (``StateLayout.groups``):
+
+- ``none`` / ``owners`` (DDP, ZeroRedundancyOptimizer): a gradient bucket's all_reduce is issued when backward has
+  filled it (gradient-ready order) and waited for before the optimizer, so all but the last overlap backward
+  (torch/csrc/distributed/c10d/reducer.cpp); ZeroRedundancyOptimizer broadcasts each owner's parameters after its
+  step (``_sync_params``), nothing left to overlap with.
+- ``buckets`` (zeroexp's ZeRO-1/2, :mod:`zeroexp.sharding`): a bucket's reduce_scatter is issued by a gradient hook
+  when backward has filled it, waited for before the optimizer; its all_gather is issued after the step and waited
+  for in the forward pre-hook of the bucket's first module (the step's start here, in steady state).
+- ``units`` / ``rows`` (FSDP, FSDP2): a unit's all_gather is issued one unit ahead in forward (limit_all_gathers
+  lets two be in flight) and waited for in its pre-forward hook; in backward a resharded unit is gathered again:
+  ``pre`` issues the next unit's gather when the current unit's backward starts, ``post`` when it ends (before the
+  current unit's reduce_scatter), ``none`` in the next unit's own pre-backward hook (after that reduce_scatter)
+  (torch/distributed/fsdp/_runtime_utils.py, ``_prefetch_handle``); each unit's reduce_scatter is issued when its
+  gradients are ready and waited for before the optimizer. FSDP2 prefetches as ``pre``.
+- any other row (DeepSpeed's, the paper's): no rule, every collective is counted exposed (``overlap_comm`` off, as
+  zeroexp configures DeepSpeed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from zeroexp.formulas.layout import Groups, StateLayout
+from zeroexp.formulas.paper import Collectives
+from zeroexp.formulas.time import ComputeRate
+
+__all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "predict_step", "optimizer_elements"]
+
+#: (op, payload bytes S, calls) -> seconds: a calibration's fit, or a network preset's two-level ring.
+CollectiveTime = Callable[[str, float, float], float]
+
+
+class Slot(NamedTuple):
+    """One collective call in the step: issued when compute reaches ``issue_s``, must be done before compute passes
+    ``need_s`` (seconds of compute time); ``order`` breaks ties among calls issued at the same point."""
+
+    op: str
+    weight: float  # its share of the op's payload (elements)
+    issue_s: float
+    need_s: float
+    order: int = 0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step: its time, the communication not hidden behind compute, and each phase (seconds)."""
+
+    step_s: float
+    exposed_comm_s: float
+    comm_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    rule: str
+
+    def by_phase_ms(self) -> dict[str, float]:
+        return {k: 1e3 * getattr(self, f"{k}_s") for k in ("forward", "backward", "optimizer", "comm",
+                                                             "exposed_comm")}
+
+
+def optimizer_elements(layout: StateLayout, groups: Groups) -> int:
+    """Elements AdamW updates on the busiest rank: the rank's owned parameters (ZeroRedundancyOptimizer), a 1/N
+    shard of every sharded buffer where the optimizer state is sharded, else every parameter."""
+    if groups.owners:
+        return max(sum(o) for o in groups.owners)
+    if "optim" in layout.sharded and groups.shards:
+        return sum(sh.numel // groups.world_size for sh in groups.shards)
+    return groups.numel
+
+
+def _cum(sizes: list[int]) -> list[int]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: float, b: float,
+                     o: float) -> tuple[list[Slot], str]:
+    """Where each collective of the step is issued and waited for (the rules of the module docstring), on a compute
+    timeline of forward ``f``, backward ``b`` and optimizer ``o`` seconds; and the rule's name."""
+    end_b, end = f + b, f + b + o
+    kind = layout.groups
+    if kind in ("none", "owners"):
+        c = _cum([sum(k) for k in groups.buckets])
+        slots = [Slot("all_reduce", sum(k), f + b * c[i + 1] / c[-1], end_b) for i, k in enumerate(groups.buckets)]
+        slots += [Slot("broadcast", k, end, end) for k in groups.broadcasts]
+        return slots, "DDP buckets overlap backward except the last" + (
+            "; broadcasts after the step" if groups.broadcasts else "")
+    if kind == "buckets":
+        c, psi = _cum([sum(e - a for a, e in sh.spans) for sh in groups.shards]), max(groups.numel, 1)
+        slots = [Slot("all_gather", sh.numel, 0.0, f * c[i] / psi) for i, sh in enumerate(groups.shards)]
+        for op in ("reduce_scatter", "all_reduce"):
+            slots += [Slot(op, sh.numel, f + b * (psi - c[i]) / psi, end_b) for i, sh in enumerate(groups.shards)]
+        return slots, "reduce hooks overlap backward; all_gather waited in forward pre-hooks"
+    if kind in ("units", "rows") and groups.units:
+        units = groups.units
+        c = _cum([u.numel for u in units])
+        fs = [f * x / c[-1] for x in c]  # unit i's forward: [fs[i], fs[i + 1]]
+        bs = [f + b * (c[-1] - x) / c[-1] for x in c]  # unit i's backward: [bs[i + 1], bs[i]]
+        slots = [Slot("all_gather", u.numel, fs[max(i - 1, 0)], fs[i]) for i, u in enumerate(units)]
+        mode = "pre" if kind == "rows" else prefetch
+        for i, u in enumerate(units):
+            slots.append(Slot("reduce_scatter", u.numel, bs[i], end_b, order=1 if mode == "post" else 0))
+            if u.gathers < 2:
+                continue
+            later = i + 1 < len(units)  # the unit whose backward runs before this one's
+            issue = {"pre": bs[i + 2] if i + 2 <= len(units) and later else bs[i + 1],
+                     "post": bs[i + 1], "none": bs[i + 1]}[mode]
+            slots.append(Slot("all_gather", u.numel, issue, bs[i + 1], order=0 if mode == "post" else 1))
+        return slots, f"FSDP: forward all_gather one unit ahead; backward prefetch {mode}"
+    return [], "no overlap rule for this row: every collective exposed"
+
+
+def simulate_step(compute_s: float, calls: list[tuple[float, float, int, float]], overlap: bool) -> float:
+    """Wall time of a step of ``compute_s`` seconds of compute with ``calls`` (issue_s, need_s, order, seconds) on one
+    channel in issue order; compute stalls at a call's ``need_s`` until it is done. Without overlap every call's
+    time adds to the step."""
+    if not overlap:
+        return compute_s + sum(c[3] for c in calls)
+    order = sorted(range(len(calls)), key=lambda i: (calls[i][0], calls[i][2], i))
+    points = sorted({0.0, compute_s, *(c[0] for c in calls), *(c[1] for c in calls)})
+    done: dict[int, float] = {}
+    wall = pos = channel = 0.0
+    k = 0
+    for q in points:
+        wall += q - pos
+        pos = q
+        wall = max([wall] + [done[i] for i in done if calls[i][1] == q])
+        while k < len(order) and calls[order[k]][0] <= q:
+            i = order[k]
+            channel = max(wall, channel) + calls[i][3]
+            done[i] = channel
+            k += 1
+        wall = max([wall] + [done[i] for i in done if calls[i][1] <= q])
+    return max([wall, *done.values()])
+
+
+def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, rate: ComputeRate,
+                 samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre") -> StepTime:
+    """The step time of ``layout`` over ``groups`` at ``samples`` per rank: compute from ``rate`` (forward and backward
+    over every parameter, as data parallelism computes the whole model on each rank; AdamW over
+    :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
+    by their weights and timed by ``seconds_of``, placed by :func:`collective_slots`, run by :func:`simulate_step`.
+    An op the rule has no slot for is issued at the end of backward and waited for at once (exposed)."""
+    psi = groups.numel
+    f = rate.forward_s_per_param_sample * psi * samples
+    b = rate.backward_s_per_param_sample * psi * samples
+    o = rate.adamw_s_per_element * optimizer_elements(layout, groups)
+    slots, rule = collective_slots(layout, groups, prefetch, f, b, o)
+    calls: list[tuple[float, float, int, float]] = []
+    for op, entry in collectives.items():
+        mine = [s for s in slots if s.op == op]
+        if not mine:
+            mine = [Slot(op, 1.0, f + b, f + b)]
+        total = sum(s.weight for s in mine) or 1.0
+        for s in mine:
+            share = s.weight / total
+            calls.append((s.issue_s, s.need_s, s.order,
+                          seconds_of(op, entry["payload_bytes"] * share, entry["count"] * share)))
+    compute = f + b + o
+    step = simulate_step(compute, calls, overlap)
+    return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls), forward_s=f,
+                    backward_s=b, optimizer_s=o, rule=rule if overlap else "no overlap on this device: " + rule)

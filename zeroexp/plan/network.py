@@ -1,0 +1,114 @@
+"""``network=`` for the planner: step time, exposed communication and tokens per second of every planned row on a
+machine you have (``this_machine``: its calibration) or not (``h100_ib``, ``a100_ib``: presets whose numbers carry
+their source in ``conf/network/``).
+
+A preset's collectives cross nodes in two levels (:func:`zeroexp.formulas.two_level_seconds`: NVLink inside a node,
+a NIC per rank across); its compute is the device's peak FLOP/s x ``efficiency`` (2 FLOPs per parameter per token
+forward, 4 backward [KAPLAN]) and AdamW's update bound by memory bandwidth; collectives overlap compute (CUDA
+streams). The step is :func:`zeroexp.formulas.predict_step` over the row's groups, as in every cell's ``plan.time``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from zeroexp.errors import ConfigError
+from zeroexp.formulas import (LAYOUTS, ComputeRate, LinkFit, ModelShape, PlanKnobs, derive_groups, predict_step,
+                              step_collectives, two_level_seconds)
+
+__all__ = ["Network", "network_of", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT"]
+
+#: AdamW in fp32 reads the parameter, its gradient and two moments and writes the parameter and both moments: 7 x 4 B.
+ADAMW_BYTES_PER_ELEMENT = 28
+
+
+@dataclass(frozen=True)
+class Network:
+    """A machine for the planner: the time of a collective at N ranks, the compute rate, whether they overlap."""
+
+    name: str
+    seconds_at: Callable[[int], Callable[[str, float, float], float]]
+    rate: ComputeRate
+    overlap: bool
+    device_memory: Any
+    source: str
+
+
+def _number(node: Any, key: str, where: str) -> float:
+    value = node.get(key) if node is not None else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"network.{where}{key}", value, "a positive number")
+    return float(value)
+
+
+def network_of(node: Any, precision: str, tokens: int) -> Network:
+    """The ``network`` config node as a :class:`Network` for ``precision`` (fp32 | bf16 | fp16) at ``tokens`` per
+    sample; :class:`ConfigError` naming a missing or bad key."""
+    kind = node.get("kind")
+    if kind == "calibration":
+        return _calibrated(node, tokens)
+    if kind != "preset":
+        raise ConfigError("network.kind", kind, "preset | calibration")
+    g = node.get("ranks_per_node")
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ConfigError("network.ranks_per_node", g, "an integer >= 1")
+    intra = LinkFit(_number(node.intra, "alpha_s", "intra."), _number(node.intra, "busbw_Bps", "intra."))
+    inter = LinkFit(_number(node.inter, "alpha_s", "inter."), _number(node.inter, "busbw_Bps", "inter."))
+    peak = _number(node.get("peak_flops"), precision, "peak_flops.")
+    efficiency = _number(node, "efficiency", "")
+    if efficiency > 1:
+        raise ConfigError("network.efficiency", efficiency, "a fraction of the peak in (0, 1]")
+
+    def seconds_at(n: int) -> Callable[[str, float, float], float]:
+        per_node = min(n, g)
+        return lambda op, s, calls: two_level_seconds(op, s, per_node, math.ceil(n / per_node), intra, inter, calls)
+
+    rate = ComputeRate.from_peak(peak, efficiency, tokens, _number(node, "memory_Bps", ""), ADAMW_BYTES_PER_ELEMENT)
+    return Network(str(node.name), seconds_at, rate, True, node.get("device_memory"),
+                   f"preset conf/network/{node.name}.yaml: {g} ranks a node, peak {peak:.3g} FLOP/s x {efficiency}")
+
+
+def _calibrated(node: Any, tokens: int) -> Network:
+    from zeroexp.calibration import find_calibration, load_calibration
+
+    path = node.get("calibration")
+    try:
+        cal = load_calibration(path) if path else find_calibration("gloo", None)
+    except ValueError as e:
+        raise ConfigError("network.calibration", path, "a file python -m zeroexp.calibrate wrote", why=str(e)) from e
+    if cal is None:
+        raise ConfigError("network.calibration", None, "a calibration of this machine (run python -m "
+                          "zeroexp.calibrate world_size=2) or a path", why="none in outputs/calibration/")
+
+    c = cal.data["compute"]
+    return Network("this_machine", cal.seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,
+                   f"calibration {cal.path} (N={cal.world_size}, {c['model']}, batch {c['batch_size']}; busbw held "
+                   "at every N)")
+
+
+def tokens_per_sample(model: Any) -> int:
+    """Tokens in one sample: every element of a token-id input (``dtype: long``), else the input's leading dims (a
+    feature vector is one token)."""
+    shape = [int(d) for d in model.input_shape]
+    return math.prod(shape) if str(model.get("dtype")) == "long" else math.prod(shape[:-1])
+
+
+def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Network, itemsize: int,
+                   knobs: PlanKnobs, batch: int, tokens: int) -> None:
+    """Add ``step_ms``, ``exposed_comm_ms``, ``tokens_per_s`` (global) and ``fastest`` (per world size, among the rows
+    that fit, or all when fit is unknown) to each record, in place."""
+    for r in records:
+        name, n = r["strategy"], r["world_size"]
+        layout = LAYOUTS[name]
+        groups = derive_groups(name, layout, shape, n, itemsize, knobs)
+        t = predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
+                         network.seconds_at(n), network.overlap, "pre")
+        r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
+                 tokens_per_s=tokens * batch * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
+                 fastest=False)
+    for n in {r["world_size"] for r in records}:
+        rows = [r for r in records if r["world_size"] == n and r.get("fits") is not False]
+        if rows:
+            min(rows, key=lambda r: r["step_ms"])["fastest"] = True

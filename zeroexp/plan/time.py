@@ -1,0 +1,143 @@
+"""``summary.json["plan"]["time"]``: the predicted step time of a cell that ran, beside its measured median.
+
+The prediction is the one model's (:func:`zeroexp.formulas.predict_step`) over the groups the cell's row derives
+from its shapes, with a calibration of this machine, backend and world size (:mod:`zeroexp.calibration`: the newest
+in ``outputs/calibration/``, or ``calibration=PATH``); nothing is fitted to the cell. The measurement is the timing
+probe's timed steps (their median and a bootstrap 95 % CI of it) and the collectives probe's exposed communication.
+
+Check: ``n/a`` without a calibration, without timed steps, or when the median is not known (its CI wider than
++-:data:`MEDIAN_CI_LIMIT`, with the timed steps that would narrow it); ``PASS`` when predicted / measured is within
+:data:`RATIO_LIMIT` either way; ``FAIL`` otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from zeroexp.calibration import DEFAULT_DIR, Calibration, find_calibration, load_calibration
+from zeroexp.formulas import predict_step, step_collectives, steps_to_narrow
+
+__all__ = ["time_section", "median_ci95", "time_check", "cell_backend", "RATIO_LIMIT", "MEDIAN_CI_LIMIT", "BOOTSTRAP"]
+
+#: A prediction passes within this factor of the measured median, either way (issue 18).
+RATIO_LIMIT = 1.25
+#: The median is known when its bootstrap 95 % CI lies within +-10 % of it (issue 18).
+MEDIAN_CI_LIMIT = 0.10
+#: Bootstrap resamples and seed: the same steps give the same interval.
+BOOTSTRAP = (2000, 0)
+
+
+def median_ci95(step_ms: Sequence[float], resamples: int = BOOTSTRAP[0], seed: int = BOOTSTRAP[1]
+                ) -> tuple[float, float, float]:
+    """The median of ``step_ms`` and the percentile bootstrap 95 % CI of it (Efron & Tibshirani, "An Introduction to
+    the Bootstrap", 1993, ch. 13): ``resamples`` resamples with replacement, seeded."""
+    import numpy as np
+
+    a = np.asarray(step_ms, dtype=float)
+    if a.size == 0:
+        raise ValueError("no step times")
+    medians = np.median(np.random.default_rng(seed).choice(a, size=(resamples, a.size), replace=True), axis=1)
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return float(np.median(a)), float(low), float(high)
+
+
+def time_check(predicted_ms: float, median_ms: float, ci: tuple[float, float], timed_steps: int
+               ) -> tuple[str, list[str]]:
+    """``(check, reasons)`` for a prediction against a measured median with its 95 % CI (see the module)."""
+    half = max(median_ms - ci[0], ci[1] - median_ms) / median_ms
+    ratio = predicted_ms / median_ms
+    if half > MEDIAN_CI_LIMIT:
+        more = steps_to_narrow(timed_steps, half, MEDIAN_CI_LIMIT)
+        return "n/a", [f"median not known: its 95 % CI [{ci[0]:.3f}, {ci[1]:.3f}] ms is +-{100 * half:.1f} % of "
+                       f"{median_ms:.3f} ms (> +-{100 * MEDIAN_CI_LIMIT:.0f} %) over {timed_steps} timed steps; about "
+                       f"{more} timed steps would narrow it (a CI shrinks as 1/sqrt(steps))"]
+    if 1 / RATIO_LIMIT <= ratio <= RATIO_LIMIT:
+        return "PASS", []
+    return "FAIL", [f"predicted {predicted_ms:.3f} ms is {ratio:.2f}x the measured median {median_ms:.3f} ms "
+                    f"(outside 1/{RATIO_LIMIT} .. {RATIO_LIMIT})"]
+
+
+def _calibration(cfg: Any, backend: str) -> tuple[Calibration | None, str | None]:
+    path = cfg.get("calibration")
+    if path:
+        return load_calibration(path), None
+    found = find_calibration(backend, int(cfg.world_size))
+    if found is None:
+        return None, (f"no calibration of this machine, backend {backend} and world_size={cfg.world_size} in "
+                      f"{DEFAULT_DIR}/: run `python -m zeroexp.calibrate world_size={cfg.world_size}` (or give "
+                      "calibration=PATH)")
+    return found, None
+
+
+def time_section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
+    """``plan.time`` of a cell (fields: docs/results.md), over the groups the cell's row derives from its shapes.
+    Never raises: a failure becomes ``check: ERROR``."""
+    try:
+        return _section(cfg, summary)
+    except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
+        return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
+
+
+def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
+    from zeroexp.expect import itemsize_of, knobs_of, layout_of
+    from zeroexp.formulas import derive_groups
+    from zeroexp.models import wrap_paths
+    from zeroexp.plan.shape import model_shape
+
+    name, layout = layout_of(cfg)
+    itemsize, knobs = itemsize_of(cfg), knobs_of(cfg)
+    groups = derive_groups(name, layout, model_shape(cfg.model, wrap_paths(cfg)), int(cfg.world_size), itemsize, knobs)
+    coll = summary.get("collectives") or {}
+    out: dict[str, Any] = {"predicted_step_ms": None, "measured_median_ms": None, "median_ci95_ms": None,
+                           "ratio": None, "exposed_comm_ms": None,
+                           "measured_exposed_comm_ms": coll.get("exposed_comm_ms"), "predicted_by_phase": None,
+                           "throughput": None,
+                           "calibration": None, "overlap_rule": None, "check": "n/a", "reasons": []}
+    timing = summary.get("timing") or {}
+    steps = timing.get("step_ms") or []
+    if steps:
+        from zeroexp.plan.network import tokens_per_sample
+
+        median, low, high = median_ci95(steps)
+        samples = int(cfg.batch_size) * int(cfg.world_size) / (median / 1e3)
+        out.update(measured_median_ms=median, median_ci95_ms=[low, high], throughput={
+            "samples_per_s": samples, "tokens_per_s": samples * tokens_per_sample(cfg.model), "mfu": None,
+            "why": "measured median; MFU needs the device's peak FLOP/s, which zeroexp knows for no CPU"})
+    cal, why = _calibration(cfg, cell_backend(cfg))
+    if cal is None:
+        out["reasons"].append(why)
+        return out
+    out["calibration"] = cal.summary()
+    collectives = step_collectives(layout, groups, itemsize, knobs)
+    t = predict_step(layout, groups, collectives, cal.rate, int(cfg.batch_size), cal.seconds_at(int(cfg.world_size)),
+                     bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name))
+    out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
+               predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule)
+    notes = []
+    if str(cfg.precision.name) != "fp32" or str(cfg.offload.name) != "none":
+        notes.append(f"the calibration times fp32 compute on the device; precision={cfg.precision.name} "
+                     f"offload={cfg.offload.name} is not modelled")
+    c = cal.data["compute"]
+    if int(cal.world_size) != int(cfg.world_size) or cal.data["backend"] != cell_backend(cfg):
+        out["reasons"].append(f"calibrated with {cal.data['backend']} at N={cal.world_size}, this cell "
+                              f"{cell_backend(cfg)} at N={cfg.world_size}: busbw carried over as the ring model says")
+    if c["model"] != str(cfg.model.name) or int(c["numel"]) != groups.numel or int(c["batch_size"]) != int(cfg.batch_size):
+        out["reasons"].append(f"compute calibrated on {c['model']} ({c['numel']} parameters, batch {c['batch_size']}), "
+                              f"this cell {cfg.model.name} ({groups.numel}, batch {cfg.batch_size}): rates per "
+                              "parameter x sample carried over")
+    if notes or not steps:
+        out["reasons"] += notes or ["no timed steps: the timing probe did not run"]
+        return out
+    out["ratio"] = out["predicted_step_ms"] / out["measured_median_ms"]
+    check, reasons = time_check(out["predicted_step_ms"], out["measured_median_ms"], tuple(out["median_ci95_ms"]),
+                                len(steps))
+    out.update(check=check, reasons=reasons + out["reasons"])
+    return out
+
+
+def cell_backend(cfg: Any) -> str:
+    """The backend a cell's ranks use (the one device rule, :func:`zeroexp.devices.ranks_get_a_gpu`)."""
+    from zeroexp.devices import ranks_get_a_gpu
+
+    return "nccl" if ranks_get_a_gpu(cfg) else "gloo"
+

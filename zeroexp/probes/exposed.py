@@ -1,0 +1,89 @@
+"""Exposed communication, read off the profiler's event tree of the collectives probe's profiled steps.
+
+A collective is *in flight* from its ``c10d::`` dispatcher op's start to the end of its backend work (``gloo:*``
+events on gloo's worker threads, ``nccl:*`` on NCCL's); *compute* is every outermost ``aten::`` op on the rank's
+other threads (forward, autograd's backward, the optimizer, the copies a strategy makes). Per profiled step (between
+the probe's start and end marks): exposed = the time some collective is in flight and no compute op runs; in flight
+and compute are reported beside it. On CUDA the CPU events say when work was issued, not when the device ran it,
+so the figure is a CPU-side one there (the note says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+__all__ = ["exposed_comm", "merge", "measure", "subtract"]
+
+Interval = tuple[int, int]
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of ``intervals`` as sorted, disjoint intervals."""
+    out: list[list[int]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def subtract(base: list[Interval], cut: list[Interval]) -> list[Interval]:
+    """``base`` minus ``cut`` (both merged)."""
+    out, j = [], 0
+    for a, b in base:
+        while j < len(cut) and cut[j][1] <= a:
+            j += 1
+        k, start = j, a
+        while k < len(cut) and cut[k][0] < b:
+            if cut[k][0] > start:
+                out.append((start, cut[k][0]))
+            start = max(start, cut[k][1])
+            k += 1
+        if start < b:
+            out.append((start, b))
+    return out
+
+
+def measure(intervals: list[Interval], lo: int, hi: int) -> int:
+    """Total length of (merged) ``intervals`` inside [lo, hi)."""
+    return sum(max(0, min(b, hi) - max(a, lo)) for a, b in intervals)
+
+
+def _walk(tree: Iterable[Any], mark: str) -> tuple[list[Interval], list[Interval], list[tuple[int, str, int]]]:
+    from torch._C._profiler import _EventType
+
+    comm, compute, marks = [], [], []
+    stack = list(tree)
+    while stack:
+        e = stack.pop()
+        name = e.name
+        if e.tag != _EventType.TorchOp:
+            stack.extend(e.children)
+        elif name.startswith(mark):
+            phase, step = name.removeprefix(mark).split(".")
+            marks.append((e.start_time_ns, phase, int(step)))
+        elif name.startswith(("c10d::", "gloo:", "nccl:")):
+            comm.append((e.start_time_ns, e.end_time_ns))
+        elif name.startswith("aten::"):
+            compute.append((e.start_time_ns, e.end_time_ns))
+        else:
+            stack.extend(e.children)
+    return comm, compute, marks
+
+
+def exposed_comm(tree: Iterable[Any], mark: str) -> list[dict[str, Any]]:
+    """Per profiled step (bounded by ``<mark>start.<step>`` / ``<mark>end.<step>`` events): milliseconds of the step,
+    of collectives in flight, of compute, and of exposed communication (in flight, no compute)."""
+    comm, compute, marks = _walk(tree, mark)
+    comm, compute = merge(comm), merge(compute)
+    exposed = subtract(comm, compute)
+    starts = {s: t for t, ph, s in marks if ph == "start"}
+    rows = []
+    for t, ph, s in sorted(marks):
+        if ph != "end" or s not in starts:
+            continue
+        lo, hi = starts[s], t
+        rows.append({"step": s, "step_ms": (hi - lo) / 1e6, "in_flight_ms": measure(comm, lo, hi) / 1e6,
+                     "compute_ms": measure(compute, lo, hi) / 1e6, "exposed_comm_ms": measure(exposed, lo, hi) / 1e6})
+    return rows
