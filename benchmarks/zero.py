@@ -83,7 +83,9 @@ def _gather_rank(rank: int, world_size: int, init: str, sizes: list[int], iters:
             times.append((time.perf_counter() - t0) * 1e3)
     if rank == 0:
         Path(out).write_text(" ".join(map(str, times)))
+    dist.barrier()  # rank 0 has written the times: nobody tears down a peer still in a collective
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown, where a spawned gloo rank sometimes aborts (as benchmarks/overhead.py)
 
 
 def lone_all_gather_ms(a: dict, root: Path, iters: int = 20) -> list[float]:

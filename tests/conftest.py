@@ -11,12 +11,18 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig
 
 from zeroexp.cli import CONF_DIR, register
 from zeroexp.runner import CellResult, run_cell
+
+# One intra-op thread in the test process, as each rank of a cell on this 2-core machine has (zeroexp.worker): with
+# two, the in-process tests' small torch ops spin-waited for a descheduled peer thread whenever the cores were busy
+# (test_reference_arithmetics_differ_by_rounding_only: 179 s with two threads, 1.5 s with one, run one after the other on the same loaded host).
+torch.set_num_threads(1)
 
 #: Shrinks every test cell: no W&B unless a test asks for it, a small 8-layer Linear stack, few steps.
 BASE = ("logger=none", "model.width=64", "steps=10", "warmup_steps=3")

@@ -103,6 +103,7 @@ def _orig_params_rank(rank: int, port: int, cfg_dict: dict, out: str) -> None:
     """One rank of an FSDP use_orig_params run without Lightning or the other probes: step once, count."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=PAD_N)
+    torch.set_num_threads(1)
     cfg = OmegaConf.create(cfg_dict)
     adapter = get_adapter_class(cfg.strategy.name)(cfg)
     torch.manual_seed(0)
@@ -124,7 +125,10 @@ def test_use_orig_params_views_are_not_counted_twice(compose, tmp_path):
                   "strategy.use_orig_params=true")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict.pop("hydra", None)
-    mp.spawn(_orig_params_rank, args=(free_port(), cfg_dict, str(tmp_path)), nprocs=PAD_N)
+    # fork, as zeroexp's forkserver does: no fresh interpreter re-importing torch per rank, and a forked rank ends
+    # with os._exit, never in the interpreter teardown where a spawned gloo rank sometimes aborts
+    mp.start_processes(_orig_params_rank, args=(free_port(), cfg_dict, str(tmp_path)), nprocs=PAD_N,
+                       start_method="fork")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(PAD_N)]
     report = StateProbe.aggregate(results, cfg)
     _assert_padded(report.section, report.tables["rank_state.csv"], optim_padded=False)  # moments per view

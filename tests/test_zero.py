@@ -238,6 +238,7 @@ def _overlap_rank(rank: int, world_size: int, init: str, out: str) -> None:
     from zeroexp.sharding import ShardedAdamW, flatten_into_buckets
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LinearStack(16, 4)
     buckets = flatten_into_buckets(list(model.parameters()), world_size, rank, 2 * 16 * 16 * 4, torch.float32)
@@ -272,7 +273,8 @@ def _overlap_rank(rank: int, world_size: int, init: str, out: str) -> None:
 def test_parameter_all_gather_overlaps_the_next_forward(tmp_path):
     """The updated parameters' all_gather is in flight when the step returns and is waited on by the pre-hook of the
     first module that reads the bucket, right before it computes (issue 22; structure, never timing)."""
-    mp.spawn(_overlap_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path)), nprocs=2)
+    mp.start_processes(_overlap_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path)), nprocs=2,
+                       start_method="fork")  # as the grid above: no torch re-import, no interpreter teardown
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # the hooks registered by overlap_parameter_gather run before the spies' (registered later)

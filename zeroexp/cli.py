@@ -69,6 +69,10 @@ def task(cfg: DictConfig) -> None:
         return
     if manifest.exists():  # an earlier, unfinished or failed attempt (or resume=false): start clean
         _clear(cell_dir)
+    if not cfg.get("dry_run"):  # its imports overlap run_cell's validation (zeroexp.launch.start_forkserver)
+        from zeroexp.launch import start_forkserver
+
+        start_forkserver()
     started = time.monotonic()
     try:
         result = run_cell(cfg, cell_dir, overrides=overrides, sweep=sweep,

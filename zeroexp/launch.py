@@ -29,7 +29,7 @@ from typing import Any, Callable
 from zeroexp.errors import one_line
 from zeroexp.results import read_json
 
-__all__ = ["LaunchResult", "launch_local", "free_port"]
+__all__ = ["LaunchResult", "launch_local", "free_port", "start_forkserver"]
 
 _CTX: Any = None
 
@@ -39,9 +39,21 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         # By name: the ranks' module, imported once, not by this one; first zeroexp.deathsig, which makes the
-        # forkserver die with this process (each rank dies with the forkserver: zeroexp.worker).
-        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker"])
+        # forkserver die with this process (each rank dies with the forkserver: zeroexp.worker); then every
+        # strategy adapter, which a rank would otherwise import afresh in each cell.
+        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker", "zeroexp.strategies._preload"])
     return _CTX
+
+
+def start_forkserver() -> None:
+    """Start the ranks' forkserver now, without waiting for it: it imports torch, Lightning and the adapters (its
+    preloads) while this process validates the cell (which imports Lightning too); the first rank's fork waits only
+    for what is left. It starts no rank and writes nothing; a cell refused as bad input leaves it unused, and it
+    exits with this process."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
 
 
 def loopback_store(timeout_s: float) -> tuple[Any, int]:

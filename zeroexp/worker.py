@@ -31,6 +31,7 @@ from zeroexp.expect import Expectation
 from zeroexp.models import build_model
 from zeroexp.module import CellModule, SyntheticBatches
 from zeroexp.probes import RunContext, probes_for
+from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.schedule import Schedule
 from zeroexp.results import SCHEMA_VERSION, write_csv, write_json, write_text
 from zeroexp.strategies import get_adapter_class
@@ -149,6 +150,7 @@ def resolve_device(cfg: Any) -> torch.device:
 def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     """Train one rank of the cell and write its results; rank 0 also writes the cell's files."""
     _quiet()
+    freeze_startup_objects()  # the memory probe's cycle collections walk only what this rank creates from here
     cfg = OmegaConf.create(cfg_dict)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = resolve_device(cfg)

@@ -36,7 +36,7 @@ from zeroexp.probes.base import Probe, ProbeReport, Steps
 from zeroexp.report.format import NA, byte_unit, missing
 from zeroexp.report.section import Column, ReportTable, raw_rows
 
-__all__ = ["MemoryProbe", "PEAK_MEANING", "PHASES", "memory_source"]
+__all__ = ["MemoryProbe", "PEAK_MEANING", "PHASES", "freeze_startup_objects", "memory_source"]
 
 PEAK_MEANING = (
     "peak_bytes is a training peak: the highest allocation during the memory-tracked steps, reset after the "
@@ -126,10 +126,27 @@ def _peak_of_phases(phases: dict[str, tuple[int, dict[str, int]]]) -> dict[str, 
             "phase_categories": {ph: cats for ph, (_, cats) in phases.items()}}
 
 
+#: Weak references to the tensors alive when :func:`freeze_startup_objects` ran: the collector no longer lists them.
+_FROZEN_TENSORS: list[Any] = []
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (the imports: ~400k objects) to the collector's permanent generation, once, before
+    the rank builds anything: each of the tracked steps' collections then walks only what the rank created (about
+    0.2 s less each on a quiet 2-core host, a second under load), and the scan below only those objects. The tensors
+    alive now are still found (weakly referenced here): the tracked set is the same as without the freeze."""
+    import weakref
+
+    _FROZEN_TENSORS.extend(weakref.ref(o) for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    gc.freeze()
+
+
 def _live_tensors_and_optimizers() -> tuple[list[torch.Tensor], list[torch.optim.Optimizer]]:
-    """Every strided, non-meta tensor and every optimizer the garbage collector can see in this process."""
+    """Every strided, non-meta tensor and every optimizer the garbage collector can see in this process (and those
+    frozen by :func:`freeze_startup_objects` that are still alive)."""
     tensors, optimizers = [], []
-    for obj in gc.get_objects():
+    frozen = [t for t in (ref() for ref in _FROZEN_TENSORS) if t is not None]
+    for obj in [*gc.get_objects(), *frozen]:
         if isinstance(obj, torch.Tensor):
             if obj.layout == torch.strided and not obj.is_meta:
                 tensors.append(obj)
