@@ -30,8 +30,9 @@ FSDP2_ROWS = ("fsdp2_full",)
 TOLERANCE = 0.02
 
 
-def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False) -> list[str]:
-    """Why the peak model does not cover a row in this precision and offload (empty: it does)."""
+def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False,
+              activation_checkpointing: str = "none", micro_batches: int = 1) -> list[str]:
+    """Why the peak model does not cover a row in this precision, offload and axes (empty: it does)."""
     flow = GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
     reasons = []
     if flow is None:
@@ -41,6 +42,11 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
     if precision != "fp32" or offload != "none":
         reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, offload none)")
+    if activation_checkpointing != "none":
+        reasons.append(f"no peak model yet for activation_checkpointing={activation_checkpointing} (the traced step "
+                       "has no recompute)")
+    if micro_batches > 1:
+        reasons.append(f"no peak model yet for grad_accum={micro_batches}")
     return reasons
 
 
@@ -63,8 +69,10 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                    wrap: list[type], shape: ModelShape) -> dict[str, Any]:
     """The plan's memory section for a cell that ran (``name``: its row; ``groups``: derived from the shapes)."""
     measured = summary.get("memory") or {}
+    ac = cfg.get("activation_checkpointing")
     reasons = uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
-                        bool(cfg.strategy.get("use_orig_params", False)))
+                        bool(cfg.strategy.get("use_orig_params", False)),
+                        str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1))
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
     if reasons:
