@@ -242,15 +242,19 @@ def memory_table(ok: pd.DataFrame) -> ReportTable:
             Column("peak in", "memory.peak_phase_of_max_rank")]
     planned = [f"plan.memory.phases.{ph}.{f}" for ph in phases for f in ("predicted_bytes", "measured_bytes")]
     extra = raw_rows(ok, [*planned, "plan.memory.check"])
+    model_note = ""
     if any(not missing(v) for k in planned for v in extra[k]):  # the peak model's prediction beside the measurement
         punit = byte_unit(v for k in planned for v in extra[k])
-        for ph in phases:
-            raw[f"planned {ph}"] = [NA if missing(p) else f"{punit(p)} / {punit(m)}" for p, m in
-                                    zip(extra[f"plan.memory.phases.{ph}.predicted_bytes"],
-                                        extra[f"plan.memory.phases.{ph}.measured_bytes"])]
+        raw["planned peak"] = [  # the phase of the measured peak
+            NA if missing(ph) or missing(row.get(f"plan.memory.phases.{ph}.predicted_bytes")) else
+            f"{punit(row[f'plan.memory.phases.{ph}.predicted_bytes'])} / {punit(row[f'plan.memory.phases.{ph}.measured_bytes'])}"
+            for ph, (_, row) in zip(raw["memory.peak_phase_of_max_rank"], extra.iterrows())]
         raw["plan.memory.check"] = extra["plan.memory.check"]
-        cols += [*(Column(f"{ph} above steady, planned / measured {punit}", f"planned {ph}", str) for ph in phases),
-                 Column("peak model", "plan.memory.check")]
+        cols += [Column(f"model P / M {punit}", "planned peak", str), Column("model", "plan.memory.check")]
+        model_note = (f" Model P / M: the peak phase's bytes above steady in {punit}, the peak model's (computed, "
+                      "summary.json plan.memory, every phase there) beside the measurement; model: its check (the "
+                      "prediction at most 2 % below the measurement and never above it, or the excess one named "
+                      "tensor gloo freed late; n/a: no model for the cell).")
     sources = sorted({str(s).split(":")[0] for s in raw["memory.source"] if not missing(s)})
     note = (f"Largest rank of each, in {unit}. Steady: what a rank holds at the optimizer boundary; peak: the highest "
             "allocation during the memory-tracked steps (a training peak: building and wrapping the model are not "
@@ -258,10 +262,7 @@ def memory_table(ok: pd.DataFrame) -> ReportTable:
             "gradient collectives, to on_before_optimizer_step) and the optimizer step; 'peak in' names the phase "
             "of the peak. A peak in the optimizer step is what the step allocates (AdamW's update temporaries; "
             "zero1/zero2's and DeepSpeed's gradient reduction run there too): the activations are freed by then. "
-            f"Source: {'; '.join(sources) or NA}. Planned / measured: each phase's bytes above steady, the peak "
-            "model's (computed, summary.json plan.memory) beside the measurement; the peak model checks that the "
-            "prediction is at most 2 % below the measurement and never above it, or that the excess is one named "
-            "tensor gloo freed late (n/a: no model for the cell).")
+            f"Source: {'; '.join(sources) or NA}.{model_note}")
     return ReportTable("memory", "Steady and peak memory", raw, cols, note)
 
 
