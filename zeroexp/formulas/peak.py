@@ -199,9 +199,12 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
 
 
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
-                      optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool) -> dict[str, dict]:
-    """FSDP2 ``fully_shard`` with ``reshard_after_forward=True`` (``units`` in forward order; ``unsharded``: a unit's
-    padded rows, all-gathered into one buffer), per phase, the bytes above steady at the peak, by category.
+                      optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
+                      reshard_after_forward: bool = True) -> dict[str, dict]:
+    """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
+    buffer), per phase, the bytes above steady at the peak, by category. ``reshard_after_forward=False``
+    (SHARD_GRAD_OP's FSDP2 form): every unit stays unsharded from its forward to its backward, which gathers nothing
+    and prefetches nothing; what follows otherwise holds for both.
 
     FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, _fsdp_collectives.py) all-gathers a unit into
     one output buffer and copies it out into the unsharded parameters (``split_with_sizes_copy``). Forward: two
@@ -219,6 +222,7 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         raise ValueError(f"{len(k_of)} traced units, {len(units)} FSDP units")
     full = [u.unsharded for u in units]
     best = {ph: {"bytes": -(2**62), "by_category": {}} for ph in ("forward", "backward")}
+    kept = not reshard_after_forward
 
     def keep(phase: str, cats: dict) -> None:
         cats = {c: int(b) for c, b in cats.items() if b}
@@ -227,15 +231,16 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
 
     act = {"activations": -trace.loss_bytes}
     for s in (s for s in trace.segments if s.phase == "forward"):
-        if s.unit == "loss":  # the root resharded at the end of its forward
-            keep("forward", _add(s.peak_by_category, act))
+        if s.unit == "loss":  # the root resharded at the end of its forward; the units too, unless kept
+            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + sum(full) if kept else 0}))
             continue
         k = k_of[s.unit]
+        before = sum(full[:k]) if kept else 0  # the units kept unsharded since their forward
         if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters
-            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + 2 * full[k]}))
+            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + before + 2 * full[k]}))
         else:  # unit k's copy-out, the previous all-gather output still kept
             keep("forward", _add(_add(s.end_by_category, act),
-                                 {"parameters": root + 2 * full[k] + (full[k - 1] if k else 0)}))
+                                 {"parameters": root + before + 2 * full[k] + (full[k - 1] if k else 0)}))
     segs = list(trace.segments)
     order = sorted(k_of.items(), key=lambda kv: -kv[1])
     shards_done, grads_done = 0, 0
@@ -244,17 +249,22 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         u = units[k]
         after = segs[i + 1].end_by_category
         t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
-        prefetched = full[order[pos + 1][1]] if pos + 1 < len(order) else 0
-        seg = segs[i]
-        g = seg.peak_by_category.get("gradients", 0)
-        keep("backward", _add(seg.peak_by_category, {
-            "activations": -trace.loss_bytes,
-            "parameters": root + u.unsharded + prefetched + (u.unsharded if pos else 0),
-            "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
+        prefetched = full[order[pos + 1][1]] if pos + 1 < len(order) and not kept else 0
+        pending = sum(full[j] for _, j in order[pos + 1:]) if kept else 0  # still unsharded since forward
+        own_buffer = u.unsharded if pos and not kept else 0  # a prefetched unit's own all-gather output
+        # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only the
+        # units kept since forward are unsharded).
+        before = ((segs[i - 1], root + u.unsharded + pending if kept else 0),) if pos == 0 else ()
+        for seg, held in ((segs[i], root + u.unsharded + prefetched + own_buffer + pending), *before):
+            g = seg.peak_by_category.get("gradients", 0)
+            keep("backward", _add(seg.peak_by_category, {
+                "activations": -trace.loss_bytes, "parameters": held,
+                "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
                           "temporaries": after.get("temporaries", 0) + u.grads + u.unsharded + u.shard
                           + (u.unsharded if gloo else 0),
-                          "parameters": root + prefetched, "gradients": t_root + shards_done - steady_grad_bytes})
+                          "parameters": root + prefetched + pending,
+                          "gradients": t_root + shards_done - steady_grad_bytes})
         shards_done += u.shard
         grads_done += u.grads
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)

@@ -24,8 +24,8 @@ __all__ = ["memory_section", "predict_phases", "uncovered", "steady_buffers_byte
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
 FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False}
-#: FSDP2 rows the peak model covers (``reshard_after_forward=True``).
-FSDP2_ROWS = ("fsdp2_full",)
+#: FSDP2 rows the peak model covers: whether the row reshards after forward.
+FSDP2_ROWS = {"fsdp2_full": True, "fsdp2_grad_op": False}
 #: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
 TOLERANCE = 0.02
 
@@ -156,7 +156,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize, gloo=gloo,
                                  optimizer_numels=tuple(s.numel // n for s in groups.shards), optimizer_itemsize=4,
-                                 foreach=False)
+                                 foreach=False, reshard_after_forward=FSDP2_ROWS[name])
     full_shard = FSDP1_ROWS[name]
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
@@ -167,18 +167,22 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
 def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str, list[tuple[str, int]]]:
     """Per phase, the tensors of which gloo may free one late (CPU cells), each with its bytes. zeroexp's ZeRO-2
     releases a bucket's full gradient in the step before the update, while gloo's finished reduce work may still hold
-    it through AdamW's temporaries. FSDP1's backward: a unit's reduce-scatter input, gloo's copy of it or its output
-    (gloo frees them when the work object goes, which may be after a later moment of the phase)."""
+    it through AdamW's temporaries. FSDP1's and FSDP2's backward: a unit's reduce-scatter input, gloo's copy of it or
+    its output; FSDP2's forward: a unit's all-gather input or output (gloo frees them when the work object goes, which
+    may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
         return {}
     if name == "zero2" and groups.shards:
         return {"optimizer": [(f"bucket {k}'s full gradient buffer, the input of its async reduce", s.numel * itemsize)
                               for k, s in enumerate(groups.shards)]}
-    if name in FSDP1_ROWS and groups.units:
+    if (name in FSDP1_ROWS or name in FSDP2_ROWS) and groups.units:
         n = groups.world_size
         sizes = sorted({u.numel * itemsize for u in groups.units} | {u.numel // n * itemsize for u in groups.units})
-        return {"backward": [("one unit's reduce-scatter tensor (its unsharded gradient, gloo's copy of it, or its "
+        late = {"backward": [("one unit's reduce-scatter tensor (its unsharded gradient, gloo's copy of it, or its "
                               "sharded output)", b) for b in sizes]}
+        if name in FSDP2_ROWS:  # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
+            late["forward"] = [("one unit's all-gather input (a shard copied in) or output", b) for b in sizes]
+        return late
     return {}
 
 
