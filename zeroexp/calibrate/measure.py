@@ -90,11 +90,11 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
                     ) -> dict[str, Any]:
     """Forward (with the loss), backward and AdamW step + zero_grad of the whole model on this rank, the median over
     ``steps`` after one warm-up; as seconds per parameter x sample and per updated element."""
-    from zeroexp.models import LOSSES, build_model, make_batch
+    from zeroexp.models import build_model, loss_of, make_batch
 
     torch.manual_seed(0)
     net = build_model(model_cfg).to(device)
-    loss_fn = LOSSES[str(model_cfg.get("loss", "mean_square"))]
+    loss_fn = loss_of(model_cfg)
     opt = torch.optim.AdamW(net.parameters(), lr=lr)
     psi = sum(p.numel() for p in net.parameters() if p.requires_grad)
     times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}

@@ -41,6 +41,7 @@ class StepTrace:
 #: bucket's flat buffer is allocated when its first gradient is ready and released in the optimizer step, after its
 #: reduction and before the update (zeroexp's ZeRO-2, ``ShardedAdamW.step``).
 GRADIENT_FLOW = {"ddp": "new", "zro": "new", "zero1": "in_place", "zero2": "bucket"}
+#: The phases of a training step as the memory probe cuts it (zeroexp/probes/memory.py), in order.
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -108,6 +109,32 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     return out
 
 
+class _Highest:
+    """The highest of each phase's candidate moments, by category (zeros left out)."""
+
+    def __init__(self) -> None:
+        self.best: dict[str, dict] = {}
+
+    def keep(self, phase: str, cats: dict) -> None:
+        cats = {c: int(b) for c, b in cats.items() if b}
+        if phase not in self.best or self.best[phase]["bytes"] < sum(cats.values()):
+            self.best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+
+    def phases(self, optimizer_temporaries: int) -> dict[str, dict]:
+        """Forward and backward as kept; the optimizer phase: AdamW's temporaries."""
+        return {**self.best, "optimizer": {"bytes": optimizer_temporaries,
+                                           "by_category": {"optimizer_state": optimizer_temporaries}}}
+
+
+def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
+    """Each traced unit's position in forward order (the k-th traced unit is the k-th FSDP unit)."""
+    k_of = {s.unit: i for i, s in enumerate(s for s in trace.segments if s.phase == "forward" and s.at == "end"
+                                            and s.unit != "loss")}
+    if len(k_of) != len(units):
+        raise ValueError(f"{len(k_of)} traced units, {len(units)} FSDP units")
+    return k_of
+
+
 class FsdpUnit(NamedTuple):
     """One FSDP1 unit for the peak model: ``unsharded`` (its padded FlatParameter, bytes), ``shard`` (one rank's
     share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them)."""
@@ -134,17 +161,10 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
     taken out), the sharded gradients of the units done (``zero_grad`` freed the steady ones), and the unsharded
     units: FULL_SHARD u at A; BACKWARD_PRE the next unit at A and B, BACKWARD_POST at B only; SHARD_GRAD_OP every
     unit not yet done (u at A only). Optimizer: AdamW's temporaries over the shards."""
-    k_of = {s.unit: i for i, s in enumerate(s for s in trace.segments if s.phase == "forward" and s.at == "end"
-                                            and s.unit != "loss")}
-    if len(k_of) != len(units):
-        raise ValueError(f"{len(k_of)} traced units, {len(units)} FSDP units")
+    k_of = _unit_index(trace, units)
     full = [u.unsharded for u in units]
-    best = {ph: {"bytes": -(2**62), "by_category": {}} for ph in ("forward", "backward")}
-
-    def keep(phase: str, cats: dict) -> None:
-        cats = {c: int(b) for c, b in cats.items() if b}
-        if best[phase]["bytes"] < sum(cats.values()):
-            best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+    best = _Highest()
+    keep = best.keep
 
     for s in (s for s in trace.segments if s.phase == "forward"):
         act = {"activations": -trace.loss_bytes}
@@ -193,9 +213,7 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
                           "parameters": root + held_b, "gradients": t_root + u.unsharded - steady_grad_bytes})
         shards_done += u.shard
         grads_done += u.grads
-    temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
-    best["optimizer"] = {"bytes": temps, "by_category": {"optimizer_state": temps}}
-    return best
+    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
 
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
@@ -216,18 +234,11 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     the input's copy, beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
     (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
     temporaries over the local shards (one per parameter)."""
-    k_of = {s.unit: i for i, s in enumerate(s for s in trace.segments if s.phase == "forward" and s.at == "end"
-                                            and s.unit != "loss")}
-    if len(k_of) != len(units):
-        raise ValueError(f"{len(k_of)} traced units, {len(units)} FSDP units")
+    k_of = _unit_index(trace, units)
     full = [u.unsharded for u in units]
-    best = {ph: {"bytes": -(2**62), "by_category": {}} for ph in ("forward", "backward")}
+    best = _Highest()
+    keep = best.keep
     kept = not reshard_after_forward
-
-    def keep(phase: str, cats: dict) -> None:
-        cats = {c: int(b) for c, b in cats.items() if b}
-        if best[phase]["bytes"] < sum(cats.values()):
-            best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
 
     act = {"activations": -trace.loss_bytes}
     for s in (s for s in trace.segments if s.phase == "forward"):
@@ -267,6 +278,4 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                           "gradients": t_root + shards_done - steady_grad_bytes})
         shards_done += u.shard
         grads_done += u.grads
-    temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
-    best["optimizer"] = {"bytes": temps, "by_category": {"optimizer_state": temps}}
-    return best
+    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))

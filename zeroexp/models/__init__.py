@@ -14,7 +14,8 @@ from torch import nn
 
 from zeroexp.formulas import ITEMSIZE
 
-__all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "import_class", "wrap_paths", "torch_dtype"]
+__all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "zeros_batch", "loss_of",
+           "import_class", "wrap_paths", "torch_dtype"]
 
 #: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
 #: the ``_target_`` factory.
@@ -82,6 +83,18 @@ def make_batch(model_cfg: Mapping[str, Any], batch_size: int, seed: int, step: i
     if dtype == torch.long:
         return torch.randint(int(model_cfg.get("low", 0)), int(model_cfg.get("high", 2)), shape, generator=g)
     return torch.randn(shape, generator=g).to(dtype)
+
+
+def loss_of(model_cfg: Mapping[str, Any]) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The model config's loss (``model.loss``, default ``mean_square``), from :data:`LOSSES`."""
+    return LOSSES[str(model_cfg.get("loss", "mean_square"))]
+
+
+def zeros_batch(model_cfg: Mapping[str, Any], batch_size: int, device: Any = None) -> torch.Tensor:
+    """A batch of ``batch_size`` zero samples of ``model.input_shape`` in ``model.dtype``: the shape and dtype of
+    :func:`make_batch`'s, for tracing (the planner's meta and fake-tensor passes), not for training."""
+    return torch.zeros((int(batch_size), *model_cfg["input_shape"]),
+                       dtype=torch_dtype(str(model_cfg.get("dtype", "float32"))), device=device)
 
 
 def import_class(path: str, base: type | None = nn.Module) -> Any:

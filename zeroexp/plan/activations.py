@@ -52,7 +52,7 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zeroexp.models import LOSSES, build_model, torch_dtype
+    from zeroexp.models import build_model, loss_of, zeros_batch
 
     classes = tuple(wrap)
     trace = ActivationTrace(batch_size=int(batch_size))
@@ -74,14 +74,12 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
         units = [m for m in net.modules() if classes and isinstance(m, classes)]
         hooks = [m.register_forward_pre_hook(lambda m, a: stack.append(names[id(m)])) for m in units]
         hooks += [m.register_forward_hook(lambda m, a, o: stack.pop() and None) for m in units]  # None: output kept
-        shape = (int(batch_size), *model_cfg["input_shape"])
-        name = str(model_cfg.get("dtype", "float32"))
-        batch = torch.zeros(shape, dtype=torch_dtype(name))
+        batch = zeros_batch(model_cfg, batch_size)
         cast = torch.autocast(device, dtype=dtype) if dtype not in (None, torch.float32) else nullcontext()
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
                 out = net(batch)
-                loss = LOSSES[str(model_cfg.get("loss", "mean_square"))](out, batch)
+                loss = loss_of(model_cfg)(out, batch)
         finally:
             for h in hooks:
                 h.remove()

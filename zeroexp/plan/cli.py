@@ -146,7 +146,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does)."""
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.memory import predict_phases, steady_buffers_bytes, uncovered
+    from zeroexp.plan.memory import steady_buffers_bytes, uncovered, worst_rank_phases
 
     trace = None
     if batch is not None and cfg.model is not None and cfg.precision.name == "fp32":
@@ -165,9 +165,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
             continue
         name, n, c = r["strategy"], r["world_size"], 4
         groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-        ranks = range(n) if name == "zro" else (0,)  # only zro's ranks differ (their owned parameters)
-        phases = max((predict_phases(name, groups, shape, trace, c, rank, "pre") for rank in ranks),
-                     key=lambda ph: max(v["bytes"] for v in ph.values()))
+        phases = worst_rank_phases(name, groups, shape, trace, c, "pre")
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
                  peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))

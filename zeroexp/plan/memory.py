@@ -19,13 +19,16 @@ from zeroexp.formulas import Groups, ModelShape
 from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks,
                                    phase_peaks)
 
-__all__ = ["memory_section", "predict_phases", "uncovered", "steady_buffers_bytes", "TOLERANCE"]
+__all__ = ["memory_section", "predict_phases", "worst_rank_phases", "flow_of", "uncovered", "steady_buffers_bytes",
+           "TOLERANCE"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
 FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False}
 #: FSDP2 rows the peak model covers: whether the row reshards after forward.
 FSDP2_ROWS = {"fsdp2_full": True, "fsdp2_grad_op": False}
+#: The optimizer every covered row steps: torch's AdamW over fp32 state, single-tensor (torch's default on CPU).
+ADAMW = {"optimizer_itemsize": 4, "foreach": False}
 #: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
 TOLERANCE = 0.02
 
@@ -33,7 +36,7 @@ TOLERANCE = 0.02
 def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False,
               activation_checkpointing: str = "none", micro_batches: int = 1) -> list[str]:
     """Why the peak model does not cover a row in this precision, offload and axes (empty: it does)."""
-    flow = GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
+    flow = flow_of(name)
     reasons = []
     if flow is None:
         reasons.append(f"no peak model yet for strategy.layout={name} (covered: "
@@ -48,6 +51,20 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
     if micro_batches > 1:
         reasons.append(f"no peak model yet for grad_accum={micro_batches}")
     return reasons
+
+
+def flow_of(name: str) -> str | None:
+    """The row's gradient flow in the peak model (``zeroexp.formulas.peak``), None where there is no model."""
+    return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
+
+
+def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
+                      prefetch: str) -> dict[str, dict]:
+    """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
+    that is (only zro's ranks differ: their owned parameters)."""
+    ranks = range(groups.world_size) if name == "zro" else (0,)
+    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch) for r in ranks),
+               key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
@@ -81,9 +98,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
 
     trace = trace_step(cfg.model, int(cfg.batch_size), wrap, device="cpu")
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
-        ranks = range(groups.world_size) if name == "zro" else (0,)
-        predicted = max((predict_phases(name, groups, shape, trace, itemsize, r, str(cfg.prefetch.name))
-                         for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
+        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name))
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}",
                 "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
@@ -92,7 +107,6 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                                             "not run): predicted only"]}
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
-    flow = GRADIENT_FLOW.get(name, "fsdp2" if name in FSDP2_ROWS else "fsdp1")
     predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
@@ -118,7 +132,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
             out_reasons.append(f"{ph}: measured {above} B above steady, predicted {want['bytes']} B "
                                f"({_worst_category(want['by_category'], by_cat)})")
         phases[ph] = rec
-    return {"rank": rank, "model": f"peak model, gradient flow '{flow}' (zeroexp.formulas.peak)",
+    return {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' (zeroexp.formulas.peak)",
             "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
             "phases": phases, "max_rel_err": max(errs) if errs else None,
             "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
@@ -130,11 +144,10 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int)
     if name in ("ddp", "zro"):
         numels = groups.numels if name == "ddp" else groups.owners[rank]
         return {"steady_grad_bytes": groups.numel * itemsize, "buckets": (), "optimizer_numels": tuple(numels),
-                "optimizer_itemsize": 4, "foreach": False}
+                **ADAMW}
     # zeroexp's ZeRO: one flat bucket per shard; backward fills the last-defined bucket first.
     return {"steady_grad_bytes": 0, "buckets": tuple(s.numel * itemsize for s in reversed(groups.shards)),
-            "optimizer_numels": tuple(s.numel // n for s in groups.shards), "optimizer_itemsize": 4,
-            "foreach": False}
+            "optimizer_numels": tuple(s.numel // n for s in groups.shards), **ADAMW}
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
@@ -155,13 +168,12 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     shards = [u.numel // n for u in groups.units]
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize, gloo=gloo,
-                                 optimizer_numels=tuple(s.numel // n for s in groups.shards), optimizer_itemsize=4,
-                                 foreach=False, reshard_after_forward=FSDP2_ROWS[name])
+                                 optimizer_numels=tuple(s.numel // n for s in groups.shards), **ADAMW,
+                                 reshard_after_forward=FSDP2_ROWS[name])
     full_shard = FSDP1_ROWS[name]
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
-                            gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), optimizer_itemsize=4,
-                            foreach=False)
+                            gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **ADAMW)
 
 
 def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str, list[tuple[str, int]]]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from zeroexp.formulas import ModelShape
-from zeroexp.models import LOSSES, build_model, import_class
+from zeroexp.models import build_model, import_class, loss_of, zeros_batch
 
 __all__ = ["model_shape", "shape_of", "ready_order"]
 
@@ -67,9 +67,8 @@ def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...]
     hooks = [p.register_post_accumulate_grad_hook(lambda t: order.append(index[id(t)])) for p in params
              if p.requires_grad]
     try:
-        dtype = getattr(torch, str(model_cfg.get("dtype", "float32")))
-        batch = torch.zeros((1, *model_cfg["input_shape"]), dtype=dtype, device="meta")
-        LOSSES[str(model_cfg.get("loss", "mean_square"))](net(batch), batch).backward()
+        batch = zeros_batch(model_cfg, 1, device="meta")
+        loss_of(model_cfg)(net(batch), batch).backward()
     except Exception:  # noqa: BLE001 - a module whose forward needs real data: fall back, do not fail the plan
         return None
     finally:

@@ -34,15 +34,14 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zeroexp.models import LOSSES, build_model, torch_dtype
+    from zeroexp.models import build_model, loss_of, zeros_batch
 
     classes = tuple(wrap)
     segments: list[Segment] = []
     with FakeTensorMode(), torch.device(device):
         net = build_model(model_cfg)
         names = {id(m): name or "root" for name, m in net.named_modules()}
-        batch = torch.zeros((int(batch_size), *model_cfg["input_shape"]),
-                            dtype=torch_dtype(str(model_cfg.get("dtype", "float32"))))
+        batch = zeros_batch(model_cfg, batch_size)
         mt = step_mem_tracker()
         mt.track_external(net, batch)
         base: list[tuple[int, dict[str, int]]] = []  # the step's start: parameters and the batch
@@ -68,7 +67,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                 mt.reset_peak()
                 with cast:
                     out = net(batch)
-                    loss = LOSSES[str(model_cfg.get("loss", "mean_square"))](out, batch)
+                    loss = loss_of(model_cfg)(out, batch)
                 del out  # the step keeps only what autograd saved of the output
                 kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss
                 mark("forward", "loss", "end")

@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from zeroexp.formulas.peak import PHASES
 from zeroexp.memtrack import step_mem_tracker as _step_mem_tracker, totals as _totals
 from zeroexp.probes.base import Probe, ProbeReport, Steps
 from zeroexp.report.format import NA, byte_unit, missing
@@ -43,12 +44,11 @@ PEAK_MEANING = (
     "model was wrapped and the optimizer state existed; it does not include building and wrapping the model, "
     "so it does not prove that a model can be initialised in that memory."
 )
-#: The phases of a training step, in order, each ending at a Lightning hook: ``forward`` (the training step's
-#: forward and zero_grad; ends at ``on_before_backward``), ``backward`` (backward with the strategy's gradient
+#: ``PHASES`` (defined beside the peak model that predicts them): the phases of a training step, in order, each
+#: ending at a Lightning hook: ``forward`` (the training step's forward and zero_grad; ends at ``on_before_backward``), ``backward`` (backward with the strategy's gradient
 #: collectives, unscaling and clipping; ends at ``on_before_optimizer_step``), ``optimizer`` (the optimizer's step:
 #: the update, and what a strategy does inside it: zero1/zero2's reduce-scatter and all-gather, DeepSpeed's
 #: ``engine.step``; ends at ``on_train_batch_end``). A phase whose hook never fires merges into the next.
-PHASES = ("forward", "backward", "optimizer")
 LAST_PHASE = PHASES[-1]
 
 
@@ -231,7 +231,7 @@ def memory_source(device: torch.device) -> "_CudaAllocator | _TensorTracker":
 def memory_table(ok: pd.DataFrame) -> ReportTable:
     """Steady bytes at the optimizer boundary, the training peak, the difference, the peak of each phase of the
     step and the phase the peak falls in (the largest rank's each)."""
-    phases = ("forward", "backward", "optimizer")
+    phases = PHASES
     keys = ["memory.steady_bytes_max", "memory.peak_bytes_max", "memory.peak_minus_steady_max",
             *(f"memory.phase_peak_bytes_max.{ph}" for ph in phases)]
     raw = raw_rows(ok, keys + ["memory.peak_phase_of_max_rank", "memory.source"])
@@ -318,7 +318,7 @@ class MemoryProbe(Probe):
 
     @classmethod
     def aggregate(cls, results, cfg) -> ProbeReport:
-        rows, peak_cats = [], []
+        rows, picked = [], []  # per rank: (the last tracked step, the step of the highest peak)
         for rank, res in enumerate(results):
             records = res["records"]
             last = records[-1]  # steady: the boundary of the last tracked step
@@ -330,7 +330,7 @@ class MemoryProbe(Probe):
             row.update({f"steady_{c}_bytes": b for c, b in last["steady_categories"].items()})
             row.update({f"peak_{c}_bytes": b for c, b in top["peak_categories"].items()})
             rows.append(row)
-            peak_cats.append(top["peak_categories"])
+            picked.append((last, top))
         frame = pd.DataFrame(rows)
         worst = int(frame.peak_bytes.idxmax())
         section = {
@@ -348,12 +348,11 @@ class MemoryProbe(Probe):
             "peak_kind": "training",
             "peak_meaning": PEAK_MEANING,
         }
-        if peak_cats[worst]:
-            section["peak_categories_of_max_rank"] = {c: int(b) for c, b in peak_cats[worst].items()}
-        records = results[worst]["records"]
-        top = max(reversed(records), key=lambda rec: rec["peak"])
+        last, top = picked[worst]
+        if top["peak_categories"]:
+            section["peak_categories_of_max_rank"] = {c: int(b) for c, b in top["peak_categories"].items()}
         section["max_rank"] = worst
-        section["steady_categories_of_max_rank"] = {c: int(b) for c, b in records[-1]["steady_categories"].items()}
+        section["steady_categories_of_max_rank"] = {c: int(b) for c, b in last["steady_categories"].items()}
         section["phases_of_max_rank"] = {
             ph: {"peak_bytes": int(top["phase_peaks"][ph]),
                  "by_category": {c: int(b) for c, b in top.get("phase_categories", {}).get(ph, {}).items()}}
