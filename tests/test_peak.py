@@ -167,3 +167,30 @@ def test_planner_rows_judge_fits_on_the_peak():
     counted_rows = run(counted)[0]
     assert all(r["peak_bytes"] is None for r in counted_rows)
     assert all("give model=" in r["peak_note"] for r in counted_rows if r["strategy"] in ("ddp", "zero2"))
+
+
+def test_fsdp1_root_prefetches_the_first_unit_under_backward_pre():
+    from zeroexp.formulas.peak import FsdpUnit, fsdp_phase_peaks
+
+    def seg(phase, unit, at, peak, end=None):
+        end = peak if end is None else end
+        return Segment(phase, unit, at, peak, {"activations": peak}, end, {"activations": end})
+
+    # Two units; the loss's backward (before unit b's pre-backward hook) is the step's largest transient: 1000 B.
+    trace = StepTrace(1, (seg("forward", "a", "start", 0), seg("forward", "a", "end", 10),
+                          seg("forward", "b", "start", 10), seg("forward", "b", "end", 20),
+                          seg("forward", "loss", "end", 30, 28), seg("backward", "b", "start", 1000, 20),
+                          seg("backward", "b", "end", 20), seg("backward", "a", "start", 10),
+                          seg("backward", "a", "end", 10), seg("backward", "root", "end", 8)), loss_bytes=8)
+    units = [FsdpUnit(100, 50, 100)] * 2
+
+    def backward(prefetch: str, root: int) -> int:
+        return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=100, reshard_after_forward=True,
+                                prefetch=prefetch, gloo=False, optimizer_numels=(25, 25), optimizer_itemsize=4,
+                                foreach=False)["backward"]["bytes"]
+
+    # 992 B of the trace, the root's 10 B, zero_grad's -100 B; a root with parameters prefetches unit b in its own
+    # pre-backward hook under BACKWARD_PRE (+100 B); without a root unit, or under POST, nothing is held yet.
+    assert backward("pre", 10) == 992 + 10 + 100 - 100
+    assert backward("post", 10) == 992 + 10 - 100
+    assert backward("pre", 0) == 992 - 100

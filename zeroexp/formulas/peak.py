@@ -200,7 +200,10 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
             held_a, held_b = u.unsharded + pending, pending
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (nothing of
         # FSDP's happens there); their parameter gradients replaced by the shards done, the root's kept.
-        held_before = 0 if reshard_after_forward else held_a  # FULL_SHARD gathers (and prefetches) in u's pre-hook
+        # Before u's pre-backward hook FULL_SHARD holds nothing of u's, unless the root unit's own pre-backward hook
+        # (the root has parameters: a head, a final norm) prefetched u under BACKWARD_PRE.
+        held_before = held_a if not reshard_after_forward else (
+            u.unsharded if prefetch == "pre" and root else 0)
         for seg, held in ((segs[i], held_a), *(((segs[i - 1], held_before),) if pos == 0 else ())):
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {
