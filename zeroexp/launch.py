@@ -29,12 +29,15 @@ from typing import Any, Callable
 from zeroexp.errors import one_line
 from zeroexp.results import read_json
 
-__all__ = ["LaunchResult", "launch_local", "free_port", "start_forkserver"]
+__all__ = ["LaunchResult", "launch_local", "free_port", "start_forkserver", "rank_context"]
 
 _CTX: Any = None
 
 
-def _context() -> Any:
+def rank_context() -> Any:
+    """The multiprocessing context every rank process of zeroexp starts from (cells, calibration): a forkserver,
+    so a rank ends in ``os._exit``, never in the interpreter's teardown (where a spawned gloo rank sometimes aborts
+    with SIGABRT), and imports torch once for all ranks."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
@@ -52,7 +55,7 @@ def start_forkserver() -> None:
     exits with this process."""
     from multiprocessing import forkserver
 
-    _context()
+    rank_context()
     forkserver.ensure_running()
 
 
@@ -136,7 +139,7 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
     timeouts = cfg["timeout"]
     # Rendezvous on loopback only: the store is served here, on 127.0.0.1 (a dry run has no process group to join).
     store, port = (None, free_port()) if cfg.get("dry_run") else loopback_store(float(timeouts["collective_s"]))
-    ctx = _context()
+    ctx = rank_context()
     environ = dict(os.environ)
     environ["ZEROEXP_LAUNCHER_PID"] = str(os.getpid())  # zeroexp.worker: a rank whose launcher is gone exits
     nprocs = 1 if cfg.get("dry_run") else world_size

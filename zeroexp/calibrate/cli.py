@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import multiprocessing as mp
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -93,13 +92,13 @@ def validate(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> Path:
     """Validate, measure on ``world_size`` ranks, fit, write the calibration JSON; returns its path."""
     from zeroexp.devices import ranks_get_a_gpu
-    from zeroexp.launch import free_port
+    from zeroexp.launch import free_port, rank_context
 
     validate(cfg)
     n = int(cfg.world_size)
     on_gpu = ranks_get_a_gpu({"device": cfg.device, "world_size": n}, local=n)
     backend, device = ("nccl", "cuda") if on_gpu else ("gloo", "cpu")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # the cells' forkserver: ranks end in os._exit (a spawned gloo rank can abort at teardown)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.json")
         port = free_port()
