@@ -30,7 +30,9 @@ def calibration_data(world_size: int = 2, overlap: bool = False, machine_id: str
     return {"schema": SCHEMA, "created": created, "machine": {"id": machine_id}, "backend": backend,
             "world_size": world_size, "overlap": {"possible": overlap, "why": "given"},
             "collectives": {op: {"sizes": [], "fit": {"alpha_s": a, "busbw_Bps": bw}} for op, (a, bw) in LINKS.items()},
-            "compute": {"model": model, "numel": numel, "batch_size": 8, **RATE}}
+            "compute": {"model": model, "numel": numel, "batch_size": 8, **RATE},
+            "framework": {"loop_s": 0.0, "copy_s_per_byte": 0.0, "ddp_bucket_s": 0.0, "zro_broadcast_s": 0.0,
+                          "fsdp1_call_s": 0.0}}
 
 
 def test_fit_recovers_latency_and_bandwidth_exactly():

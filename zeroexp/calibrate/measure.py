@@ -3,7 +3,12 @@
 share the machine.
 
 [NCCL-TESTS] doc/PERFORMANCE.md: S is the full array (for all_gather the output, for reduce_scatter the input);
-algbw = S / t, busbw = algbw x bus factor; a size's time is the mean over a loop of calls, the slowest rank's.
+algbw = S / t, busbw = algbw x bus factor. Unlike nccl-tests, which times a loop of back-to-back calls, each call is
+timed alone from a synchronized start (a barrier, then one call), the slowest rank's time; a size's time is the
+median over its calls. Why: a training step issues a collective after compute, never right behind another of the
+same size, and on gloo back-to-back calls pipeline (the next call's sends start while the last call's receives
+finish): measured on the 2-core host at N=2, an 18.9 MB all_reduce took 11.3 ms per call in a loop and 13.6 ms
+alone (14.8 ms inside a bare step), so a loop's figure under-predicts every step.
 """
 
 from __future__ import annotations
@@ -58,29 +63,34 @@ def _call(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[]
             "reduce_scatter": lambda: _reduce_scatter(chunk, full)}[op]
 
 
-def _time_loop(fn: Callable[[], None], iters: int, device: torch.device) -> float:
-    dist.barrier()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
+def _time_calls(fn: Callable[[], None], calls: int, device: torch.device) -> list[float]:
+    """``calls`` calls of ``fn``, each timed alone from a barrier; per call the slowest rank's seconds."""
+    own = []
+    for _ in range(calls):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
         fn()
-    _sync(device)
-    return _slowest((time.perf_counter() - t0) / iters, device)
+        _sync(device)
+        own.append(time.perf_counter() - t0)
+    t = torch.tensor(own, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # after the timed calls: the slowest rank of each call
+    return [float(x) for x in t.tolist()]
 
 
 def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, Any]:
-    """Per op, per size: S, the time per call (median of ``repeats`` loops, each the slowest rank's mean), algbw and
-    busbw in bytes/s."""
+    """Per op, per size: S, the time of one call (the median over ``iters`` x ``repeats`` calls, each timed alone
+    from a barrier, the slowest rank's), algbw and busbw in bytes/s."""
     out: dict[str, Any] = {}
     for op in c.ops:
         rows = []
         for nbytes in message_sizes(c.min_bytes, c.max_bytes):
             fn = _call(op, nbytes, world, device)
-            first = _time_loop(fn, 1, device)  # warm-up, and the estimate every rank agrees on
+            first = _time_calls(fn, 1, device)[0]  # warm-up, and the estimate every rank agrees on
             iters = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
-            t = statistics.median(_time_loop(fn, iters, device) for _ in range(int(c.repeats)))
+            t = statistics.median(_time_calls(fn, iters * int(c.repeats), device))
             s = max(world, nbytes // 4 // world * world) * 4
-            rows.append({"bytes": s, "seconds": t, "iters": iters, "algbw_Bps": s / t,
+            rows.append({"bytes": s, "seconds": t, "iters": iters * int(c.repeats), "algbw_Bps": s / t,
                          "busbw_Bps": s / t * bus_factor(op, world)})
         out[op] = {"sizes": rows}
     return out
@@ -138,9 +148,12 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
+        from zeroexp.calibrate.framework import measure_framework
+
         result = {"threads_per_rank": torch.get_num_threads(),
                   "collectives": measure_collectives(c.calibrate, world, device) if world > 1 else {},
-                  "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device)}
+                  "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),
+                  "framework": measure_framework(world, int(c.calibrate.compute_steps), device)}
         dist.barrier()
         if rank == 0:
             Path(out).write_text(json.dumps(result))
