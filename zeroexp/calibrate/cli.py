@@ -30,7 +30,8 @@ _STARTED = False
 
 @dataclass
 class SweepConfig:
-    """The message sizes and loops (nccl-tests' -b / -e / -f 2 / -n)."""
+    """The message sizes (nccl-tests' -b / -e / -f 2) and the calls timed per size (``iters`` x ``repeats``, each
+    alone from a barrier)."""
 
     min_bytes: int = 4096
     max_bytes: int = 256 * 2**20

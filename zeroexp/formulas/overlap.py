@@ -165,6 +165,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     b = rate.backward_s_per_param_sample * psi * samples
     o = rate.adamw_s_per_element * optimizer_elements(layout, groups)
     fw = framework_time(layout, groups, itemsize, framework or FrameworkCost())
+    bare = (f, b, o)
     f, b, o = f + fw.forward_s, b + fw.backward_s, o + fw.optimizer_s
     slots, rule = collective_slots(layout, groups, prefetch, f, b, o)
     calls: list[tuple[float, float, int, float]] = []
@@ -180,6 +181,6 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     compute = f + b + o
     step = simulate_step(compute, calls, overlap)
     return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls),
-                    forward_s=f - fw.forward_s, backward_s=b - fw.backward_s, optimizer_s=o - fw.optimizer_s,
+                    forward_s=bare[0], backward_s=bare[1], optimizer_s=bare[2],
                     rule=rule if overlap else "no overlap on this device: " + rule, framework_s=fw.total_s,
                     framework_terms=tuple(fw.terms.items()), framework_notes=fw.notes)
