@@ -133,10 +133,10 @@ def test_plan_time_reports_the_framework_terms(compose, tmp_path):
 
 
 def test_one_call_timing_takes_the_slowest_rank_of_each_call(monkeypatch):
-    """measure._time_calls: a barrier before each call, per call the slowest rank (all_reduce MAX), in call order."""
+    """calls.time_calls: a barrier before each call, per call the slowest rank (all_reduce MAX), in call order."""
     import torch
 
-    from zeroexp.calibrate import measure
+    from zeroexp.calibrate import calls as measure
 
     calls, reduced = [], []
     monkeypatch.setattr(measure.dist, "barrier", lambda: calls.append("barrier"))
@@ -145,6 +145,6 @@ def test_one_call_timing_takes_the_slowest_rank_of_each_call(monkeypatch):
         reduced.append(op)
         t.mul_(2)  # another rank twice as slow
     monkeypatch.setattr(measure.dist, "all_reduce", all_reduce)
-    out = measure._time_calls(lambda: calls.append("call"), 3, torch.device("cpu"))
+    out = measure.time_calls(lambda: calls.append("call"), 3, torch.device("cpu"))
     assert calls == ["barrier", "call"] * 3 and reduced == [measure.dist.ReduceOp.MAX] and len(out) == 3
     assert all(x > 0 for x in out)

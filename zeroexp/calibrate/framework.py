@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls
+
 __all__ = ["measure_framework", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
 
 #: The tiny model the wrappers run on: its compute and bytes are negligible beside each call's own cost.
@@ -38,8 +40,7 @@ def _steps(step: Callable[[], None], steps: int, device: torch.device) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         if i >= 2:
             own.append(time.perf_counter() - t0)
     return _slowest_median(own, device)
@@ -61,10 +62,8 @@ def _train_step(net: nn.Module, opt: Any, device: torch.device) -> Callable[[], 
 
 
 def _one_call(fn: Callable[[], None], calls: int, device: torch.device) -> float:
-    from zeroexp.calibrate.measure import _time_calls
-
     fn()
-    return statistics.median(_time_calls(fn, calls, device))
+    return statistics.median(time_calls(fn, calls, device))
 
 
 def _wrappers(world: int, steps: int, device: torch.device) -> dict[str, Any]:
@@ -76,8 +75,6 @@ def _wrappers(world: int, steps: int, device: torch.device) -> dict[str, Any]:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from zeroexp.calibrate.measure import _all_gather, _reduce_scatter
 
     def adamw(params: Any) -> Any:
         return torch.optim.AdamW(params, lr=1e-3)
@@ -100,8 +97,8 @@ def _wrappers(world: int, steps: int, device: torch.device) -> dict[str, Any]:
     one, chunk = torch.ones(unit, device=device), torch.ones(unit // world, device=device)
     raw["all_reduce_model_s"] = _one_call(lambda: dist.all_reduce(full), steps, device)
     raw["broadcast_unit_s"] = _one_call(lambda: dist.broadcast(one, src=0), steps, device)
-    raw["all_gather_unit_s"] = _one_call(lambda: _all_gather(one, chunk), steps, device)
-    raw["reduce_scatter_unit_s"] = _one_call(lambda: _reduce_scatter(chunk, one), steps, device)
+    raw["all_gather_unit_s"] = _one_call(lambda: all_gather(one, chunk), steps, device)
+    raw["reduce_scatter_unit_s"] = _one_call(lambda: reduce_scatter(chunk, one), steps, device)
     broadcasts = TINY_UNITS  # one per parameter, from its owner (parameters_as_bucket_view off)
     fsdp_calls = 3 * TINY_UNITS  # FULL_SHARD, no root parameters: two all_gathers and one reduce_scatter a unit
     per_call = {
@@ -124,8 +121,7 @@ def _copy(device: torch.device, reps: int) -> dict[str, Any]:
         dist.barrier()
         t0 = time.perf_counter()
         dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         own.append(time.perf_counter() - t0)
     seconds = _slowest_median(own, device)
     return {"copy_s_per_byte": seconds / COPY_BYTES, "raw": {"copy_s": seconds, "copy_bytes": COPY_BYTES}}

@@ -23,14 +23,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls
 from zeroexp.formulas import bus_factor
 
 __all__ = ["message_sizes", "rank_main"]
-
-# The calls zeroexp.sharding makes (torch >= 2.13 names, else the older ones)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
     """Powers of two from ``min_bytes`` to ``max_bytes`` (both included when powers of two), as nccl-tests' -f 2."""
@@ -39,11 +35,6 @@ def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
         sizes.append(s)
         s *= 2
     return sizes
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -59,23 +50,8 @@ def _call(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[]
     chunk = torch.ones(numel // world, dtype=torch.float32, device=device)
     return {"all_reduce": lambda: dist.all_reduce(full),
             "broadcast": lambda: dist.broadcast(full, src=0),
-            "all_gather": lambda: _all_gather(full, chunk),
-            "reduce_scatter": lambda: _reduce_scatter(chunk, full)}[op]
-
-
-def _time_calls(fn: Callable[[], None], calls: int, device: torch.device) -> list[float]:
-    """``calls`` calls of ``fn``, each timed alone from a barrier; per call the slowest rank's seconds."""
-    own = []
-    for _ in range(calls):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        own.append(time.perf_counter() - t0)
-    t = torch.tensor(own, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # after the timed calls: the slowest rank of each call
-    return [float(x) for x in t.tolist()]
+            "all_gather": lambda: all_gather(full, chunk),
+            "reduce_scatter": lambda: reduce_scatter(chunk, full)}[op]
 
 
 def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, Any]:
@@ -86,9 +62,9 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
         rows = []
         for nbytes in message_sizes(c.min_bytes, c.max_bytes):
             fn = _call(op, nbytes, world, device)
-            first = _time_calls(fn, 1, device)[0]  # warm-up, and the estimate every rank agrees on
+            first = time_calls(fn, 1, device)[0]  # warm-up, and the estimate every rank agrees on
             iters = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
-            t = statistics.median(_time_calls(fn, iters * int(c.repeats), device))
+            t = statistics.median(time_calls(fn, iters * int(c.repeats), device))
             s = max(world, nbytes // 4 // world * world) * 4
             rows.append({"bytes": s, "seconds": t, "iters": iters * int(c.repeats), "algbw_Bps": s / t,
                          "busbw_Bps": s / t * bus_factor(op, world)})
@@ -112,7 +88,7 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
         batch = make_batch(model_cfg, batch_size, 0, step, dist.get_rank()).to(device)
         marks = []
         for phase in ("forward", "backward", "optimizer"):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             if phase == "forward":
                 loss = loss_fn(net(batch), batch)
@@ -121,7 +97,7 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
             else:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            _sync(device)
+            sync(device)
             marks.append((phase, time.perf_counter() - t0))
         if step:  # step 0 is warm-up (Adam creates its moments)
             for phase, t in marks:
