@@ -24,6 +24,8 @@ __all__ = ["measure_framework", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
 TINY_UNITS, TINY_WIDTH, TINY_BATCH = 8, 16, 8
 #: Bytes of the copy measurement: the size of a bucket (zeroexp's, 25 MiB cap) or a few FSDP units.
 COPY_BYTES = 16 * 2**20
+#: Steps of the loop's measurement at least: a step is about a millisecond, and a loaded host's stalls are long.
+LOOP_STEPS = 60
 
 
 def _slowest_median(own: list[float], device: torch.device) -> float:
@@ -171,8 +173,11 @@ def _loop(steps: int) -> dict[str, float]:
 def measure_framework(world: int, steps: int, device: torch.device) -> dict[str, Any]:
     """Every primitive of :class:`zeroexp.formulas.FrameworkCost`, with the measurements each is the difference of
     (``raw``)."""
-    times = _loop(steps)
-    lightning, plain = (_slowest_median(times[k], device) for k in ("lightning", "bare"))
+    times = _loop(max(steps, LOOP_STEPS))
+    medians = torch.tensor([statistics.median(times[k]) for k in ("lightning", "bare")], dtype=torch.float64,
+                           device=device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # each rank's loop runs on its own: the slowest rank's median
+    lightning, plain = medians.tolist()
     loop = {"loop_s": max(0.0, lightning - plain), "raw": {"lightning_step_s": lightning, "bare_loop_step_s": plain}}
     copy = _copy(device, max(5, steps // 2))
     wrappers = _wrappers(world, steps, device) if world > 1 else {"raw": {}}
