@@ -209,6 +209,9 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
         assert [r["bytes"] for r in e["sizes"]] == [4096, 8192, 16384]
         assert e["fit"]["busbw_Bps"] > 0 and e["fit"]["alpha_s"] >= 0
     assert data["compute"]["numel"] == 8 * 64 * 64 and data["compute"]["batch_size"] == 8
+    assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
+    assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
+    assert data["framework"]["copy_s_per_byte"] > 0 and "barrier" in data["method"]
     assert find_calibration("gloo", 2, tmp_path).path == str(path)
     result = cell("strategy=zero2", "world_size=2", f"calibration={path}")
     summary = json.loads((Path(result.cell_dir) / "summary.json").read_text())
