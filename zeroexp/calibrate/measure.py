@@ -28,6 +28,7 @@ from zeroexp.formulas import bus_factor
 
 __all__ = ["message_sizes", "rank_main"]
 
+
 def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
     """Powers of two from ``min_bytes`` to ``max_bytes`` (both included when powers of two), as nccl-tests' -f 2."""
     sizes, s = [], int(min_bytes)
