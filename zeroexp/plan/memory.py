@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas import Groups, ModelShape
-from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks,
-                                   phase_peaks)
+from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks
+from zeroexp.formulas.peak import GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "flow_of", "uncovered", "steady_buffers_bytes",
            "TOLERANCE"]
@@ -45,11 +45,12 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
     if precision != "fp32" or offload != "none":
         reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, offload none)")
-    if activation_checkpointing != "none":
-        reasons.append(f"no peak model yet for activation_checkpointing={activation_checkpointing} (the traced step "
-                       "has no recompute)")
-    if micro_batches > 1:
-        reasons.append(f"no peak model yet for grad_accum={micro_batches}")
+    if activation_checkpointing not in ("none", "full"):
+        reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
+    if micro_batches > 1 and flow is not None and GRADIENT_FLOW.get(name) not in ACCUMULATING_FLOWS:
+        reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name} (covered: "
+                       f"{', '.join(n for n, f in GRADIENT_FLOW.items() if f in ACCUMULATING_FLOWS)}; FSDP's no_sync "
+                       "holds unsharded gradients per unit, not modelled yet)")
     return reasons
 
 
@@ -59,21 +60,26 @@ def flow_of(name: str) -> str | None:
 
 
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
-                      prefetch: str) -> dict[str, dict]:
+                      prefetch: str, micro_batches: int = 1) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
     that is (only zro's ranks differ: their owned parameters)."""
     ranks = range(groups.world_size) if name == "zro" else (0,)
-    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch) for r in ranks),
-               key=lambda ph: max(v["bytes"] for v in ph.values()))
+    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, micro_batches=micro_batches)
+                for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
-                   prefetch: str = "none", gloo: bool = False) -> dict[str, dict]:
+                   prefetch: str = "none", gloo: bool = False, micro_batches: int = 1) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
-    ``by_category``, for rank ``rank``."""
+    ``by_category``, for rank ``rank``. ``trace``: the bare step (checkpointed when the cell is: its segments then
+    hold each unit's input in forward and its recompute in backward); ``micro_batches``: ``grad_accum``, each phase
+    the highest over them (:mod:`zeroexp.formulas.accumulation`)."""
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
+        if micro_batches > 1:
+            raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo)
-    return phase_peaks(GRADIENT_FLOW[name], trace, **_strategy_terms(name, groups, rank, groups.world_size, itemsize))
+    terms = _strategy_terms(name, groups, rank, groups.world_size, itemsize)
+    return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, **terms)
 
 
 def steady_buffers_bytes(name: str, groups: Groups, itemsize: int) -> int:
@@ -96,18 +102,22 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         return {"check": "n/a", "reasons": reasons}
     from zeroexp.plan.steptrace import trace_step
 
-    trace = trace_step(cfg.model, int(cfg.batch_size), wrap, device="cpu")
+    checkpointing = ac is not None and str(ac.name) == "full"
+    micro_batches = int(cfg.get("grad_accum") or 1)
+    trace = trace_step(cfg.model, int(cfg.batch_size), wrap, device="cpu", checkpointing=checkpointing)
+    traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
+              "checkpointing": checkpointing, "micro_batches": micro_batches}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
-        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name))
-        return {"model": f"peak model (zeroexp.formulas.peak), row {name}",
-                "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
+        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches)
+        return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
                                             "not run): predicted only"]}
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
-    predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo)
+    predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
+                               micro_batches)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
@@ -133,8 +143,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                                f"({_worst_category(want['by_category'], by_cat)})")
         phases[ph] = rec
     return {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' (zeroexp.formulas.peak)",
-            "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
-            "phases": phases, "max_rel_err": max(errs) if errs else None,
+            "trace": traced, "phases": phases, "max_rel_err": max(errs) if errs else None,
             "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
 
 

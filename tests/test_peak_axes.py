@@ -1,0 +1,163 @@
+"""The models' terms for activation checkpointing and gradient accumulation (issue 19, item 5): the peak model over
+the checkpointed step and over K micro-batches, the memory probe per micro-batch, recompute and micro-batches in the
+step time, and the planner's rows; exact figures on given traces and groups, and real cells checked by plan.memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroexp.formulas import (LAYOUTS, ComputeRate, Groups, ModelShape, PlanKnobs, Slot, accumulation_repeats,
+                              checkpointed_numel, derive_groups, micro_batch_slots, predict_step, recompute_seconds,
+                              step_collectives)
+from zeroexp.formulas.accumulation import accumulated_grad_bytes, accumulated_phase_peaks
+from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
+from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
+from zeroexp.plan.memory import uncovered
+
+#: A 3-block GPT, small (conf/model/gpt.yaml's width), at N=2: the cells of the Done-when checks.
+GPT = ("model=gpt", "model.n_layer=3", "world_size=2")
+GPT_BASE = ("logger=none", "steps=10", "warmup_steps=3")  # conftest.BASE without the mlp's width
+
+
+def _trace(*segments: dict) -> StepTrace:
+    segs = tuple(Segment(ph, f"u{i}", "end", sum(c.values()), c, sum(c.values()), c)
+                 for i, (ph, c) in enumerate(segments))
+    return StepTrace(batch_size=1, segments=segs, loss_bytes=8)
+
+
+GIVEN = _trace(("forward", {"activations": 1000}),
+               ("backward", {"activations": 500, "temporaries": 300, "gradients": 200}),
+               ("backward", {"activations": 100, "temporaries": 50, "gradients": 400}))
+TERMS = {"buckets": (400,), "optimizer_numels": (10, 10), "optimizer_itemsize": 4, "foreach": False}
+
+
+def test_accumulation_takes_each_phase_highest_over_the_micro_batches():
+    one = phase_peaks("new", GIVEN, steady_grad_bytes=400, **TERMS)
+    # K=1: the model without accumulation, unchanged.
+    assert accumulated_phase_peaks("new", GIVEN, 1, steady_grad_bytes=400, **TERMS) == one
+    two = accumulated_phase_peaks("new", GIVEN, 2, steady_grad_bytes=400, **TERMS)
+    # The second micro-batch starts with the first one's 400 B of gradients and adds into them in place: its
+    # backward holds the traced activations and temporaries, no new gradient (792 B), above the first's 592 B.
+    assert one["backward"]["bytes"] == 592
+    assert two["backward"] == {"bytes": 792, "by_category": {"activations": 492, "temporaries": 300}}
+    assert two["forward"] == one["forward"] and two["optimizer"] == one["optimizer"]
+    # ZeRO-1's buffers and ZeRO-2's buckets: every micro-batch as one step.
+    for flow in ("in_place", "bucket"):
+        assert accumulated_phase_peaks(flow, GIVEN, 4, steady_grad_bytes=0, **TERMS) == phase_peaks(
+            flow, GIVEN, steady_grad_bytes=0, **TERMS)
+    assert [accumulated_grad_bytes(f, 400) for f in ("new", "in_place", "bucket")] == [400, 0, 0]
+    with pytest.raises(ValueError, match="no accumulation model"):
+        accumulated_phase_peaks("fsdp1", GIVEN, 2, steady_grad_bytes=0, **TERMS)
+
+
+def test_checkpointing_from_the_per_unit_figures():
+    units = {"b0": 700, "b1": 900, "root": 300}
+    assert recompute_bytes(units) == 900  # the largest checkpointed unit; the root is not checkpointed
+    assert checkpointed_forward_bytes(2000, units, {"b0": 100, "b1": 100}) == 2000 - 1600 + 200
+    assert recompute_bytes({"root": 5}) == 0
+
+
+def test_what_the_peak_model_covers():
+    assert uncovered("ddp", "fp32", "none", activation_checkpointing="full", micro_batches=4) == []
+    assert uncovered("zero2", "fp32", "none", micro_batches=2) == []
+    assert uncovered("fsdp2_full", "fp32", "none", activation_checkpointing="full") == []
+    why = uncovered("fsdp_grad_op", "fp32", "none", micro_batches=2)
+    assert len(why) == 1 and "grad_accum=2 with strategy.layout=fsdp_grad_op" in why[0]
+
+
+def _gpt_cfg(n_layer: int = 3):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"name": "gpt", "_target_": "zeroexp.models.gpt.GPT", "vocab_size": 256, "seq_len": 32,
+                             "n_layer": n_layer, "n_head": 4, "n_embd": 64, "bias": True, "tie_weights": True,
+                             "input_shape": [32], "dtype": "long", "low": 0, "high": 256, "loss": "next_token"})
+
+
+def test_the_checkpointed_trace_keeps_what_the_per_unit_figures_say():
+    from zeroexp.models.gpt import Block
+    from zeroexp.plan.activations import trace_activations
+    from zeroexp.plan.steptrace import trace_step
+
+    cfg, batch = _gpt_cfg(), 8
+    bare, ckpt = (trace_step(cfg, batch, [Block], checkpointing=c) for c in (False, True))
+    per_unit = trace_activations(cfg, batch, [Block])
+    at_loss = [next(s for s in t.segments if s.unit == "loss").end_by_category["activations"] for t in (bare, ckpt)]
+    # Checkpointed, forward keeps what it keeps without, less each block's saved activations, plus each block's input
+    # (3 x 8 x 32 x 64 fp32): 585932 B where the bare forward keeps 3559628 B (traced).
+    assert per_unit.unit_input_bytes == {f"h.{k}": 8 * 32 * 64 * 4 for k in range(3)}
+    assert at_loss[1] == checkpointed_forward_bytes(at_loss[0], per_unit.unit_bytes, per_unit.unit_input_bytes)
+    assert at_loss == [3559628, 585932]
+    # The recompute holds one block's activations at a time: the step's peak well below the bare step's.
+    assert recompute_bytes(per_unit.unit_bytes) == per_unit.unit_bytes["h.0"]
+    assert max(s.peak_bytes for s in ckpt.segments) < max(s.peak_bytes for s in bare.segments) / 2
+    # The segments are those of the bare step: every block's forward and backward, once.
+    assert [(s.phase, s.at) for s in ckpt.segments] == [(s.phase, s.at) for s in bare.segments]
+
+
+def test_recompute_and_micro_batches_in_the_step_time():
+    shape = ModelShape(params=((64, 64),) * 4 + ((8,),), units=((0,), (1,), (2,), (3,), (4,)),
+                       root=(False,) * 4 + (True,))
+    assert checkpointed_numel(shape.units, shape.root, shape.numels) == 4 * 64 * 64
+    assert recompute_seconds(2.0, 3, 4) == 1.5 and recompute_seconds(2.0, 0, 0) == 0.0
+    slots = [Slot("all_gather", 1, 0.0, 1.0), Slot("reduce_scatter", 1, 2.0, 3.0), Slot("all_reduce", 1, 2.5, 3.0)]
+    laid = micro_batch_slots(slots, {"reduce_scatter": 3.0}, 3, 3.0)
+    # Sent each micro-batch: three copies 3 s apart; sent once: an all_gather in the first, the rest in the last.
+    assert [(s.op, s.issue_s, s.need_s) for s in laid] == [
+        ("all_gather", 0.0, 1.0), ("reduce_scatter", 2.0, 3.0), ("reduce_scatter", 5.0, 6.0),
+        ("reduce_scatter", 8.0, 9.0), ("all_reduce", 8.5, 9.0)]
+    rate = ComputeRate(1e-9, 2e-9, 1e-8)
+    mlp = ModelShape(params=((256, 256),) * 4, units=tuple((i,) for i in range(4)), root=(False,) * 4)
+    for name, want in (("ddp", {"all_reduce": 1.0}), ("zero2", {"reduce_scatter": 4.0, "all_gather": 1.0}),
+                       ("fsdp_full", {"all_gather": 4.0, "reduce_scatter": 1.0})):
+        knobs = PlanKnobs(bucket_cap_bytes=2**20, micro_batches=4)
+        groups = derive_groups(name, LAYOUTS[name], mlp, 2, 4, knobs)
+        assert accumulation_repeats(LAYOUTS[name], groups, 4, knobs) == want
+        t = predict_step(LAYOUTS[name], groups, step_collectives(LAYOUTS[name], groups, 4, knobs), rate, 8,
+                         lambda op, s, calls: 1e-3 * calls, False, checkpointed=mlp.numel, micro_batches=4,
+                         repeats=want)
+        f = 1e-9 * mlp.numel * 8
+        assert t.forward_s == pytest.approx(4 * f) and t.recompute_s == pytest.approx(4 * f)  # every unit again
+        assert t.backward_s == pytest.approx(4 * 2 * f) and t.micro_batches == 4
+        calls = sum(e["count"] for e in step_collectives(LAYOUTS[name], groups, 4, knobs).values())
+        assert t.step_s == pytest.approx(4 * f + 4 * f + 8 * f + t.optimizer_s + 1e-3 * calls)
+
+
+def _predicted_forward(cfg) -> int:
+    """The peak model's forward prediction for a composed cell, without running it (``plan.memory``'s dry form)."""
+    from zeroexp.expect import layout_of
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.cell import cell_groups
+    from zeroexp.plan.memory import memory_section
+    from zeroexp.plan.shape import model_shape
+
+    name, _ = layout_of(cfg)
+    section = memory_section(cfg, {}, name, cell_groups(cfg), 4, [import_class(p) for p in wrap_paths(cfg)],
+                             model_shape(cfg.model, wrap_paths(cfg)))
+    return section["phases"]["forward"]["predicted_bytes"]
+
+
+#: case -> overrides on the 3-block GPT at N=2; each runs once (the `cell` cache) and plan.memory must PASS.
+CELLS = {
+    **{f"{s}-ac": (f"strategy={s}", "activation_checkpointing=full") for s in ("ddp", "fsdp_full", "fsdp2_full", "zero2")},
+    **{f"{s}-ga2": (f"strategy={s}", "grad_accum=2") for s in ("ddp", "zero2")},
+}
+
+
+def test_checkpointed_and_accumulating_cells_read_plan_memory_pass(cell, compose):
+    """One grid of real cells (gpt, 3 blocks, N=2): under activation_checkpointing=full the forward peak is cut to
+    what the checkpointed blocks leave, as the peak model predicts (every phase PASS, within 2 % and never above the
+    measurement); under grad_accum=2 the memory probe measures every micro-batch and the model predicts it."""
+    for case, overrides in CELLS.items():
+        r = cell(*overrides, *GPT, base=GPT_BASE)
+        assert r.status == "ok", (case, r.error)
+        memory = r.summary["plan"]["memory"]
+        assert memory["check"] == "PASS", (case, memory.get("reasons"))
+        assert set(memory["phases"]) == {"steady", "forward", "backward", "optimizer"}, case
+        for probe in ("state", "collectives", "equivalence"):
+            assert r.summary[probe]["check"] == "PASS", (case, probe, r.summary[probe].get("reasons"))
+        if case.endswith("-ac"):
+            fwd = memory["phases"]["forward"]
+            bare = _predicted_forward(compose(*overrides[:1], *GPT, base=GPT_BASE))
+            assert fwd["predicted_bytes"] <= fwd["measured_bytes"] < bare, case
+        else:
+            assert memory["trace"]["micro_batches"] == 2
