@@ -29,9 +29,9 @@ ACCUMULATING_FLOWS = {
 
 def accumulated_phase_peaks(flow: str, trace: StepTrace, micro_batches: int, **terms) -> dict[str, dict]:
     """:func:`zeroexp.formulas.peak.phase_peaks` over the ``micro_batches`` micro-batches of one optimizer step: per
-    phase the highest of the micro-batches' peaks (``terms``: phase_peaks' keywords). For ``new`` the later
-    micro-batches are the ``in_place`` flow: the gradients are held from their start (as in the steady state) and
-    autograd's ``.grad`` tensors are no new memory."""
+    phase the highest of the micro-batches' peaks (``terms``: phase_peaks' keywords, ``in_place`` the step traced with
+    the gradients allocated). For ``new`` the later micro-batches are the ``in_place`` flow: the gradients are held
+    from their start (as in the steady state) and autograd adds into them."""
     if flow not in ACCUMULATING_FLOWS:
         raise ValueError(f"no accumulation model for gradient flow {flow!r}")
     first = phase_peaks(flow, trace, **terms)

@@ -158,16 +158,14 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.memory import flow_of, steady_buffers_bytes, uncovered, worst_rank_phases
+    from zeroexp.plan.memory import (flow_of, needs_in_place, steady_buffers_bytes, step_traces, uncovered,
+                                     worst_rank_phases)
 
-    trace = None
-    if batch is not None and cfg.model is not None and cfg.precision.name == "fp32":
-        from zeroexp.plan.steptrace import trace_step
-
-        wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
-                                                                      "model": cfg.model}))]
-        trace = trace_step(cfg.model, batch, wrap, device="cpu", checkpointing=checkpointing)
+    traced = batch is not None and cfg.model is not None and cfg.precision.name == "fp32"
+    wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
+                                                                  "model": cfg.model}))] if traced else []
     k = knobs.micro_batches
+    traces: dict[bool, Any] = {}  # by whether the row also needs the step with its gradients in place
     for r in records:
         r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, fits_on="state")
         flow = flow_of(r["strategy"])
@@ -175,14 +173,18 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
                                  ACCUMULATING_FLOWS else None)
         why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name),
                         activation_checkpointing="full" if checkpointing else "none", micro_batches=k)
-        if trace is None:
+        if not traced:
             why = why or ["no traced step: give model= and batch_size= (fp32)"]
         if why:
             r["peak_note"] = "; ".join(why)
             continue
         name, n, c = r["strategy"], r["world_size"], 4
+        need = needs_in_place(name, k)
+        if need not in traces:
+            traces[need] = step_traces(name, cfg.model, batch, wrap, checkpointing, k)
+        trace, in_place = traces[need]
         groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k)
+        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
                  peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))

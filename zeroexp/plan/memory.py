@@ -19,8 +19,8 @@ from zeroexp.formulas import Groups, ModelShape
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks
 from zeroexp.formulas.peak import GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks
 
-__all__ = ["memory_section", "predict_phases", "worst_rank_phases", "flow_of", "uncovered", "steady_buffers_bytes",
-           "TOLERANCE"]
+__all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of", "uncovered",
+           "steady_buffers_bytes", "TOLERANCE"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
@@ -59,27 +59,50 @@ def flow_of(name: str) -> str | None:
     return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
 
 
+def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: bool,
+                micro_batches: int) -> tuple[StepTrace, StepTrace | None]:
+    """The bare step traced for row ``name`` (:func:`zeroexp.plan.steptrace.trace_step`, checkpointed as the cell),
+    and, where the row's gradients live across a step (``in_place``, ``bucket``) or a later micro-batch adds into
+    them (``new`` with ``grad_accum`` > 1), the same step traced with its gradients allocated before it."""
+    from zeroexp.plan.steptrace import trace_step
+
+    trace = trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing)
+    if needs_in_place(name, micro_batches):
+        return trace, trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
+                                 grads_in_place=True)
+    return trace, None
+
+
+def needs_in_place(name: str, micro_batches: int) -> bool:
+    """Whether row ``name``'s peak model reads the step traced with its gradients allocated (:func:`step_traces`)."""
+    flow = GRADIENT_FLOW.get(name)
+    return flow in ("in_place", "bucket") or (flow == "new" and micro_batches > 1)
+
+
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
-                      prefetch: str, micro_batches: int = 1) -> dict[str, dict]:
+                      prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
     that is (only zro's ranks differ: their owned parameters)."""
     ranks = range(groups.world_size) if name == "zro" else (0,)
-    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, micro_batches=micro_batches)
+    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, micro_batches=micro_batches,
+                               in_place=in_place)
                 for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
-                   prefetch: str = "none", gloo: bool = False, micro_batches: int = 1) -> dict[str, dict]:
+                   prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
+                   in_place: StepTrace | None = None) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``trace``: the bare step (checkpointed when the cell is: its segments then
-    hold each unit's input in forward and its recompute in backward); ``micro_batches``: ``grad_accum``, each phase
-    the highest over them (:mod:`zeroexp.formulas.accumulation`)."""
+    hold each unit's input in forward and its recompute in backward); ``in_place``: the same with its gradients
+    allocated before it (:func:`step_traces`); ``micro_batches``: ``grad_accum``, each phase the highest over them
+    (:mod:`zeroexp.formulas.accumulation`)."""
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
         if micro_batches > 1:
             raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo)
     terms = _strategy_terms(name, groups, rank, groups.world_size, itemsize)
-    return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, **terms)
+    return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, in_place=in_place, **terms)
 
 
 def steady_buffers_bytes(name: str, groups: Groups, itemsize: int) -> int:
@@ -100,15 +123,14 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
     if reasons:
         return {"check": "n/a", "reasons": reasons}
-    from zeroexp.plan.steptrace import trace_step
-
     checkpointing = ac is not None and str(ac.name) == "full"
     micro_batches = int(cfg.get("grad_accum") or 1)
-    trace = trace_step(cfg.model, int(cfg.batch_size), wrap, device="cpu", checkpointing=checkpointing)
+    trace, in_place = step_traces(name, cfg.model, int(cfg.batch_size), wrap, checkpointing, micro_batches)
     traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
               "checkpointing": checkpointing, "micro_batches": micro_batches}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
-        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches)
+        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
+                                      in_place)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
@@ -117,7 +139,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
     predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                               micro_batches)
+                               micro_batches, in_place)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}

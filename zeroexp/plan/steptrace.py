@@ -26,13 +26,17 @@ __all__ = ["trace_step"]
 
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-               dtype: torch.dtype | None = None, checkpointing: bool = False) -> StepTrace:
+               dtype: torch.dtype | None = None, checkpointing: bool = False, grads_in_place: bool = False) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
     way). ``dtype``: the compute dtype (autocast; None or fp32: the model's own). ``checkpointing``: each unit in
     torch's non-reentrant ``checkpoint_wrapper`` (``activation_checkpointing=full``, as the strategies apply it):
     forward keeps each unit's input, and a unit's backward segment holds its recompute (the unit's forward hooks that
-    fire again inside backward end no segment)."""
+    fire again inside backward end no segment). ``grads_in_place``: every parameter's ``.grad`` exists before the step
+    (views of one zeroed flat buffer, part of the step's start), so autograd adds into it in place and backward
+    allocates no gradient: the step of a flow whose gradients live across the step (zeroexp's ZeRO-1/2 buckets, a later
+    micro-batch of ``grad_accum``). Without checkpointing its segments are the plain trace's less its gradients
+    (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak."""
     from contextlib import nullcontext
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -47,6 +51,11 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
             checkpoint_units(net, classes)
         names = {id(m): name or "root" for name, m in net.named_modules()}
         batch = zeros_batch(model_cfg, batch_size)
+        params = [p for p in net.parameters() if p.requires_grad]
+        if grads_in_place:
+            flat = torch.zeros(sum(p.numel() for p in params))
+            for p, view in zip(params, flat.split([p.numel() for p in params])):
+                p.grad = view.view_as(p)
         mt = step_mem_tracker()
         mt.track_external(net, batch)
         base: list[tuple[int, dict[str, int]]] = []  # the step's start: parameters and the batch
