@@ -61,8 +61,11 @@ def test_what_the_peak_model_covers():
     assert uncovered("ddp", "fp32", "none", activation_checkpointing="full", micro_batches=4) == []
     assert uncovered("zero2", "fp32", "none", micro_batches=2) == []
     assert uncovered("fsdp2_full", "fp32", "none", activation_checkpointing="full") == []
-    why = uncovered("fsdp_grad_op", "fp32", "none", micro_batches=2)
-    assert len(why) == 1 and "grad_accum=2 with strategy.layout=fsdp_grad_op" in why[0]
+    assert uncovered("fsdp_grad_op", "fp32", "none", micro_batches=2) == []  # SHARD_GRAD_OP under no_sync
+    why = uncovered("fsdp_full", "fp32", "none", micro_batches=2)
+    assert len(why) == 1 and "grad_accum=2 with strategy.layout=fsdp_full (covered:" in why[0]
+    why = uncovered("fsdp_grad_op", "fp32", "none", micro_batches=2, sync_each_microbatch=True)
+    assert "fsdp_grad_op strategy.sync_each_microbatch=true (covered" in why[0]
 
 
 def _gpt_cfg(n_layer: int = 3):
@@ -139,7 +142,7 @@ def _predicted_forward(cfg) -> int:
 #: case -> overrides on the 3-block GPT at N=2; each runs once (the `cell` cache) and plan.memory must PASS.
 CELLS = {
     **{f"{s}-ac": (f"strategy={s}", "activation_checkpointing=full") for s in ("ddp", "fsdp_full", "fsdp2_full", "zero2")},
-    **{f"{s}-ga2": (f"strategy={s}", "grad_accum=2") for s in ("ddp", "zero2")},
+    **{f"{s}-ga2": (f"strategy={s}", "grad_accum=2") for s in ("ddp", "fsdp_grad_op", "zero2")},
 }
 
 

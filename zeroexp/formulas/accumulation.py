@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from zeroexp.formulas.peak import StepTrace, phase_peaks
 
-__all__ = ["ACCUMULATING_FLOWS", "accumulated_phase_peaks", "accumulated_grad_bytes"]
+__all__ = ["ACCUMULATING_FLOWS", "accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp_no_sync_phase_peaks"]
 
 #: What each gradient flow of the peak model does with K micro-batches (the flows whose accumulation is modelled):
 #: ``new`` (DDP, ZeroRedundancyOptimizer on DDP, under ``no_sync``): the first micro-batch allocates the gradients
@@ -48,3 +48,54 @@ def accumulated_grad_bytes(flow: str, grad_bytes: int) -> int:
     if flow not in ACCUMULATING_FLOWS:
         raise ValueError(f"no accumulation model for gradient flow {flow!r}")
     return int(grad_bytes) if flow == "new" else 0
+
+
+def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list[int], *, root: int, root_grads: int,
+                             steady_grad_bytes: int, optimizer_temporaries: int) -> dict[str, dict]:
+    """FSDP1 SHARD_GRAD_OP under ``no_sync`` (``grad_accum=K``, ``sync_each_microbatch`` false), per phase, the bytes
+    above steady at the peak over the K micro-batches, by category; ``unsharded`` and ``grads``: each non-root unit's
+    padded FlatParameter and its parameters' own gradients (bytes, forward order); ``root``, ``root_grads``: the root
+    unit's.
+
+    torch/distributed/fsdp/_runtime_utils.py: under ``no_sync`` the post-backward hook neither reduce-scatters nor, for
+    SHARD_GRAD_OP (``_should_free_in_backward``), reshards: after the first micro-batch every unit stays unsharded
+    and keeps its unsharded gradient (the FlatParameter's ``.grad``, into which autograd adds in place) to the last
+    micro-batch's post-backward hooks. Lower bounds at every moment:
+      first micro-batch, backward: every unit unsharded, autograd's gradients new (``zero_grad`` freed the steady
+        shards);
+      later micro-batches, forward and backward until the first post-backward hook: every unit and every unsharded
+        gradient held, autograd's gradients added in place; after unit u's hook in the last micro-batch: the units
+        and gradients not yet reduced.
+    Its forward is never below the first micro-batch's (which holds no more). Optimizer: AdamW's temporaries."""
+    params, held = root + sum(unsharded), root_grads + sum(grads)
+    best: dict[str, dict] = {}
+
+    def keep(phase: str, cats: dict) -> None:
+        cats = {c: int(b) for c, b in cats.items() if b}
+        if phase not in best or best[phase]["bytes"] < sum(cats.values()):
+            best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+
+    loss = {"activations": -trace.loss_bytes}
+    for s in (s for s in trace.segments if s.phase == "forward"):
+        keep("forward", {**_plus(s.peak_by_category, loss), "parameters": params,
+                         "gradients": s.peak_by_category.get("gradients", 0) + held - steady_grad_bytes})
+    done = 0  # units whose last post-backward hook has run (their unit and gradient freed in the last micro-batch)
+    order = list(range(len(unsharded)))[::-1]
+    for s in (s for s in trace.segments if s.phase == "backward"):
+        traced = s.peak_by_category.get("gradients", 0)
+        keep("backward", {**_plus(s.peak_by_category, loss), "parameters": params,
+                          "gradients": traced - steady_grad_bytes})  # the first micro-batch
+        left = order[done:]
+        keep("backward", {**_plus(s.peak_by_category, loss), "parameters": root + sum(unsharded[i] for i in left),
+                          "gradients": root_grads + sum(grads[i] for i in left) - steady_grad_bytes})  # later ones
+        if s.at == "end" and s.unit not in ("root", "loss"):
+            done += 1
+    best["optimizer"] = {"bytes": optimizer_temporaries, "by_category": {"optimizer_state": optimizer_temporaries}}
+    return best
+
+
+def _plus(cats: dict, more: dict) -> dict:
+    out = {c: int(b) for c, b in cats.items() if c != "gradients"}
+    for c, b in more.items():
+        out[c] = out.get(c, 0) + int(b)
+    return out

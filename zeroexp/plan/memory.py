@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas import Groups, ModelShape
-from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks
-from zeroexp.formulas.peak import GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks
+from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
+from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
+                                   fsdp_phase_peaks)
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of", "uncovered",
            "steady_buffers_bytes", "TOLERANCE"]
@@ -27,6 +28,8 @@ __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces
 FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False}
 #: FSDP2 rows the peak model covers: whether the row reshards after forward.
 FSDP2_ROWS = {"fsdp2_full": True, "fsdp2_grad_op": False}
+#: FSDP1 rows whose accumulation under ``no_sync`` the peak model covers (SHARD_GRAD_OP keeps its units unsharded).
+NO_SYNC_ROWS = ("fsdp_grad_op",)
 #: The optimizer every covered row steps: torch's AdamW over fp32 state, single-tensor (torch's default on CPU).
 ADAMW = {"optimizer_itemsize": 4, "foreach": False}
 #: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
@@ -34,7 +37,8 @@ TOLERANCE = 0.02
 
 
 def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False,
-              activation_checkpointing: str = "none", micro_batches: int = 1) -> list[str]:
+              activation_checkpointing: str = "none", micro_batches: int = 1,
+              sync_each_microbatch: bool = False) -> list[str]:
     """Why the peak model does not cover a row in this precision, offload and axes (empty: it does)."""
     flow = flow_of(name)
     reasons = []
@@ -47,10 +51,17 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
         reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, offload none)")
     if activation_checkpointing not in ("none", "full"):
         reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
-    if micro_batches > 1 and flow is not None and GRADIENT_FLOW.get(name) not in ACCUMULATING_FLOWS:
-        reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name} (covered: "
-                       f"{', '.join(n for n, f in GRADIENT_FLOW.items() if f in ACCUMULATING_FLOWS)}; FSDP's no_sync "
-                       "holds unsharded gradients per unit, not modelled yet)")
+    modelled = name in NO_SYNC_ROWS and not sync_each_microbatch and activation_checkpointing == "none"
+    if micro_batches > 1 and flow is not None and GRADIENT_FLOW.get(name) not in ACCUMULATING_FLOWS and not modelled:
+        covered = [n for n, f in GRADIENT_FLOW.items() if f in ACCUMULATING_FLOWS] + [
+            f"{n} under no_sync without activation checkpointing" for n in NO_SYNC_ROWS]
+        how = "".join(f" {k}={v}" for k, v in (("strategy.sync_each_microbatch", "true" if sync_each_microbatch
+                                                                               else None),
+                                               ("activation_checkpointing", activation_checkpointing))
+                      if v not in (None, "none"))
+        reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name}{how} (covered: "
+                       f"{', '.join(covered)}; FULL_SHARD's and FSDP2's no_sync, which hold each unit's unsharded "
+                       "gradient, not yet)")
     return reasons
 
 
@@ -98,9 +109,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     allocated before it (:func:`step_traces`); ``micro_batches``: ``grad_accum``, each phase the highest over them
     (:mod:`zeroexp.formulas.accumulation`)."""
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
-        if micro_batches > 1:
-            raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
-        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo)
+        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, micro_batches)
     terms = _strategy_terms(name, groups, rank, groups.world_size, itemsize)
     return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, in_place=in_place, **terms)
 
@@ -118,7 +127,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     ac = cfg.get("activation_checkpointing")
     reasons = uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
                         bool(cfg.strategy.get("use_orig_params", False)),
-                        str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1))
+                        str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),
+                        bool(cfg.strategy.get("sync_each_microbatch", False)))
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
     if reasons:
@@ -182,21 +192,31 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int)
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
-          gloo: bool) -> dict[str, Any]:
+          gloo: bool, micro_batches: int = 1) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
-    post-order, the root last) beside the shape's (their parameters' own gradients)."""
+    post-order, the root last) beside the shape's (their parameters' own gradients). ``micro_batches`` > 1:
+    SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.fsdp_no_sync_phase_peaks`)."""
     n = groups.world_size
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
-    units, root = [], 0
+    units, root, root_grads = [], 0, 0
     for (members, is_root), unit in zip(sized, groups.units):
         if is_root:
             root += unit.numel * itemsize
+            root_grads += sum(shape.numels[i] for i in members) * itemsize
         else:
             units.append(FsdpUnit(unit.numel * itemsize, unit.numel // n * itemsize,
                                   sum(shape.numels[i] for i in members) * itemsize))
     shards = [u.numel // n for u in groups.units]
+    if micro_batches > 1:
+        if name not in NO_SYNC_ROWS:
+            raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
+        return fsdp_no_sync_phase_peaks(
+            trace, [u.unsharded for u in units], [u.grads for u in units], root=root, root_grads=root_grads,
+            steady_grad_bytes=sum(shards) * itemsize,
+            optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), ADAMW["optimizer_itemsize"],
+                                                    ADAMW["foreach"]))
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize, gloo=gloo,
                                  optimizer_numels=tuple(s.numel // n for s in groups.shards), **ADAMW,
