@@ -50,6 +50,30 @@ def test_accumulation_takes_each_phase_highest_over_the_micro_batches():
         accumulated_phase_peaks("fsdp1", GIVEN, 2, steady_grad_bytes=0, **TERMS)
 
 
+def test_shard_grad_op_under_no_sync_holds_every_unit_and_unsharded_gradient():
+    from zeroexp.formulas.accumulation import fsdp_no_sync_phase_peaks
+
+    def seg(phase, unit, at, cats):
+        return Segment(phase, unit, at, sum(cats.values()), cats, sum(cats.values()), cats)
+
+    trace = StepTrace(1, (seg("forward", "a", "end", {"activations": 100}), seg("forward", "b", "end", {"activations": 200}),
+                          seg("forward", "loss", "end", {"activations": 308}),
+                          seg("backward", "b", "start", {"activations": 300, "temporaries": 50}),
+                          seg("backward", "b", "end", {"activations": 150, "temporaries": 60, "gradients": 40}),
+                          seg("backward", "a", "end", {"activations": 20, "temporaries": 60, "gradients": 80}),
+                          seg("backward", "root", "end", {"gradients": 90})), loss_bytes=8)
+    got = fsdp_no_sync_phase_peaks(trace, [48, 48], [40, 40], root=16, root_grads=10, steady_grad_bytes=45,
+                                   optimizer_temporaries=7)
+    # Later micro-batches: both units and the root unsharded (112), every unsharded gradient (90) less the steady
+    # shards (45), beside the forward's 300 B at the loss.
+    assert got["forward"] == {"bytes": 300 + 112 + 45, "by_category": {"activations": 300, "parameters": 112,
+                                                                       "gradients": 45}}
+    # The loss's backward before any post-backward hook: every unit and gradient held, autograd adding in place.
+    assert got["backward"] == {"bytes": 292 + 50 + 112 + 45, "by_category": {
+        "activations": 292, "temporaries": 50, "parameters": 112, "gradients": 45}}
+    assert got["optimizer"] == {"bytes": 7, "by_category": {"optimizer_state": 7}}
+
+
 def test_checkpointing_from_the_per_unit_figures():
     units = {"b0": 700, "b1": 900, "root": 300}
     assert recompute_bytes(units) == 900  # the largest checkpointed unit; the root is not checkpointed
@@ -66,6 +90,67 @@ def test_what_the_peak_model_covers():
     assert len(why) == 1 and "grad_accum=2 with strategy.layout=fsdp_full (covered:" in why[0]
     why = uncovered("fsdp_grad_op", "fp32", "none", micro_batches=2, sync_each_microbatch=True)
     assert "fsdp_grad_op strategy.sync_each_microbatch=true (covered" in why[0]
+
+
+def test_the_memory_probe_keeps_each_phase_highest_over_micro_batches():
+    from zeroexp.microbatches import OptimizerSteps
+    from zeroexp.probes.memory import _keep_higher
+
+    phases: dict = {}
+    for got in ((10, {"activations": 10}), (30, {"activations": 30}), (20, {"activations": 20})):
+        _keep_higher(phases, "forward", got)
+    assert phases == {"forward": (30, {"activations": 30})}
+
+    class Seen:
+        def __init__(self):
+            self.calls = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, step):
+            self.calls.append(("start", step))
+
+        def on_micro_batch_start(self, trainer, pl_module, batch, step, micro):
+            self.calls.append(("micro", step, micro))
+
+    seen = Seen()
+    steps = OptimizerSteps([seen], 3)
+    for i in range(6):
+        steps.on_train_batch_start(None, None, None, i)
+    assert seen.calls == [("start", 0), ("micro", 0, 1), ("micro", 0, 2), ("start", 1), ("micro", 1, 1),
+                          ("micro", 1, 2)]
+
+
+def test_planner_rows_under_checkpointing_and_accumulation():
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from zeroexp.cli import CONF_DIR
+    from zeroexp.errors import ConfigError
+    from zeroexp.plan.cli import register, run
+
+    register()
+    base = ["model=gpt", "model.n_layer=3", "world_size=2", "batch_size=8", "strategies=[ddp,zero2,fsdp_full]",
+            "device_memory=5000000"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        plain, ac, ga = (hydra_compose(config_name="plan", overrides=[*base, *extra]) for extra in
+                         ((), ("activation_checkpointing=full",), ("grad_accum=4", "network=h100_ib")))
+        bad = hydra_compose(config_name="plan", overrides=[*base, "grad_accum=0"])
+    rows = {name: {r["strategy"]: r for r in run(cfg)[0]} for name, cfg in (("plain", plain), ("ac", ac), ("ga", ga))}
+    # Checkpointed: forward keeps each block's input (3 x 65536 B) instead of its activations (3 x 1056768 B).
+    assert rows["ac"]["ddp"]["activation_bytes"] == rows["plain"]["ddp"]["activation_bytes"] - 3 * (1056768 - 65536)
+    assert rows["ac"]["ddp"]["recompute_bytes"] == 1056768 and rows["plain"]["ddp"]["recompute_bytes"] is None
+    for name in ("ddp", "zero2", "fsdp_full"):
+        assert rows["ac"][name]["peak_bytes"] < rows["plain"][name]["peak_bytes"], name
+        assert rows["ac"][name]["fits"] and not rows["plain"][name]["fits"], name  # 5 MB: only checkpointed
+    # Accumulation: DDP's later micro-batches hold the whole gradient from their start; four micro-batches' reduce-
+    # scatters for zero2, one all_reduce for ddp; FULL_SHARD's no_sync is not modelled (the state decides fits).
+    assert rows["ga"]["ddp"]["accum_grad_bytes"] == rows["ga"]["ddp"]["grad_bytes"]
+    assert rows["ga"]["ddp"]["phase_bytes"]["backward"] > rows["plain"]["ddp"]["phase_bytes"]["backward"]
+    assert rows["ga"]["zero2"]["counts"]["reduce_scatter"] == 4 * rows["plain"]["zero2"]["counts"]["reduce_scatter"]
+    assert rows["ga"]["ddp"]["counts"] == rows["plain"]["ddp"]["counts"]
+    assert rows["ga"]["fsdp_full"]["peak_bytes"] is None and "grad_accum=4" in rows["ga"]["fsdp_full"]["peak_note"]
+    assert all(r["grad_accum"] == 4 and r["step_ms"] > 0 for r in rows["ga"].values())
+    with pytest.raises(ConfigError) as e:
+        run(bad)
+    assert e.value.key == "grad_accum"
 
 
 def _gpt_cfg(n_layer: int = 3):
