@@ -249,3 +249,25 @@ def test_checkpointed_and_accumulating_cells_read_plan_memory_pass(cell, compose
             assert fwd["predicted_bytes"] <= fwd["measured_bytes"] < bare, case
         else:
             assert memory["trace"]["micro_batches"] == 2
+
+
+def test_plan_time_of_a_cell_counts_its_recompute_and_micro_batches(compose, tmp_path):
+    import json
+
+    from test_time import calibration_data
+    from zeroexp.plan.time import time_section
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibration_data(numel=8 * 64 * 64)))
+    summary = {"timing": {"step_ms": [10.0] * 40}, "collectives": {"exposed_comm_ms": 1.5}}
+    plain, ac, ga = (time_section(compose("strategy=ddp", "world_size=2", f"calibration={path}", *extra), summary)
+                     for extra in ((), ("activation_checkpointing=full",), ("grad_accum=2",)))
+    one, ckpt, two = (t["predicted_by_phase"] for t in (plain, ac, ga))
+    # Every Linear of the mlp is a checkpointed unit (the root has no parameters): the whole forward again.
+    assert ckpt["recompute"] == pytest.approx(one["forward"]) and one["recompute"] == 0
+    assert ckpt["backward"] == pytest.approx(one["backward"]) and ckpt["comm"] == pytest.approx(one["comm"])
+    assert ac["predicted_step_ms"] == pytest.approx(plain["predicted_step_ms"] + one["forward"])  # no overlap here
+    # Two micro-batches: twice the forward and backward, one optimizer step, DDP's one all_reduce of the step.
+    assert two["forward"] == pytest.approx(2 * one["forward"]) and two["backward"] == pytest.approx(2 * one["backward"])
+    assert two["optimizer"] == pytest.approx(one["optimizer"]) and two["comm"] == pytest.approx(one["comm"])
+    assert ga["throughput"]["samples_per_s"] == pytest.approx(2 * plain["throughput"]["samples_per_s"])
