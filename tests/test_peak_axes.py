@@ -56,7 +56,8 @@ def test_shard_grad_op_under_no_sync_holds_every_unit_and_unsharded_gradient():
     def seg(phase, unit, at, cats):
         return Segment(phase, unit, at, sum(cats.values()), cats, sum(cats.values()), cats)
 
-    trace = StepTrace(1, (seg("forward", "a", "end", {"activations": 100}), seg("forward", "b", "end", {"activations": 200}),
+    trace = StepTrace(1, (seg("forward", "a", "end", {"activations": 100}),
+                          seg("forward", "b", "end", {"activations": 200}),
                           seg("forward", "loss", "end", {"activations": 308}),
                           seg("backward", "b", "start", {"activations": 300, "temporaries": 50}),
                           seg("backward", "b", "end", {"activations": 150, "temporaries": 60, "gradients": 40}),
@@ -226,7 +227,8 @@ def _predicted_forward(cfg) -> int:
 
 #: case -> overrides on the 3-block GPT at N=2; each runs once (the `cell` cache) and plan.memory must PASS.
 CELLS = {
-    **{f"{s}-ac": (f"strategy={s}", "activation_checkpointing=full") for s in ("ddp", "fsdp_full", "fsdp2_full", "zero2")},
+    **{f"{s}-ac": (f"strategy={s}", "activation_checkpointing=full")
+       for s in ("ddp", "fsdp_full", "fsdp2_full", "zero2")},
     **{f"{s}-ga2": (f"strategy={s}", "grad_accum=2") for s in ("ddp", "fsdp_grad_op", "zero2")},
 }
 

@@ -229,5 +229,5 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     compute = k * (f + b) + o
     step = simulate_step(compute, calls, overlap)
     return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls), forward_s=k * f,
-                    backward_s=k * (b - r), optimizer_s=o, rule=rule if overlap else "no overlap on this device: " + rule,
-                    recompute_s=k * r, micro_batches=k)
+                    backward_s=k * (b - r), optimizer_s=o, recompute_s=k * r, micro_batches=k,
+                    rule=rule if overlap else "no overlap on this device: " + rule)

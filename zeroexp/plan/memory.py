@@ -20,8 +20,8 @@ from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_
 from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
                                    fsdp_phase_peaks)
 
-__all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of", "uncovered",
-           "steady_buffers_bytes", "TOLERANCE"]
+__all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
+           "uncovered", "steady_buffers_bytes", "TOLERANCE"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.

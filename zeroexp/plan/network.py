@@ -107,7 +107,8 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
         groups = derive_groups(name, layout, shape, n, itemsize, knobs)
         t = predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
                          network.seconds_at(n), network.overlap, "pre", checkpointed=checkpointed,
-                         micro_batches=knobs.micro_batches, repeats=accumulation_repeats(layout, groups, itemsize, knobs))
+                         micro_batches=knobs.micro_batches,
+                         repeats=accumulation_repeats(layout, groups, itemsize, knobs))
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
                  fastest=False)

@@ -26,7 +26,8 @@ __all__ = ["trace_step"]
 
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-               dtype: torch.dtype | None = None, checkpointing: bool = False, grads_in_place: bool = False) -> StepTrace:
+               dtype: torch.dtype | None = None, checkpointing: bool = False,
+               grads_in_place: bool = False) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
     way). ``dtype``: the compute dtype (autocast; None or fp32: the model's own). ``checkpointing``: each unit in
