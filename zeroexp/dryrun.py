@@ -34,6 +34,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.expect import Expectation
+from zeroexp.fake_collectives import IssueFunctionalCollectives
 from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.module import CellModule
 from zeroexp.probes import CollectivesProbe, RunContext, StateProbe, absent_in_dry_run, probes_for
@@ -89,7 +90,8 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     classes = [cls for cls in probes_for(cfg) if not cls.dry_run_absent]  # the state and collectives probes
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
-    with FakeTensorMode() as mode:
+    # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group (zeroexp.fake_collectives)
+    with FakeTensorMode() as mode, IssueFunctionalCollectives():
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
         trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read

@@ -12,7 +12,7 @@ FSDP2 _fully_shard/_fsdp_collectives.py ``foreach_reduce``: ``all_reduce_group``
 from __future__ import annotations
 
 from zeroexp.formulas.layout import Groups, Payload, PlanKnobs
-from zeroexp.formulas.paper import Collectives, add_collectives, fp16_inf_syncs
+from zeroexp.formulas.paper import Collectives, add_collectives, clip_norm_all_reduces, fp16_inf_syncs
 
 __all__ = ["MESH_DIMS", "WORLD", "hybrid_units"]
 
@@ -34,5 +34,12 @@ def hybrid_units(dtensor_grads: bool = False) -> Payload:
         add_collectives(model, "reduce_scatter", [u.numel * c for u in g.units], shard)
         add_collectives(model, "all_reduce", [u.numel // s * c for u in g.units], replicate)
         syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
-        return add_collectives(model, "all_reduce", [4] * syncs, (WORLD, g.world_size))
+        # ShardedGradScaler's found_inf over the world; DTensor's own inf check (FSDP2) over the gradients' Partial
+        # dimension, the shard group (torch/distributed/tensor/_dispatch.py found_inf_reduce_handler)
+        add_collectives(model, "all_reduce", [4] * min(syncs, 1), (WORLD, g.world_size))
+        add_collectives(model, "all_reduce", [4] * (syncs - 1), shard)
+        # clipping: FSDP1's clip_grad_norm_ all-reduces its squared shard norm over its process group, the shard
+        # group; FSDP2's get_total_norm(...).full_tensor() the stacked partial norms, one per gradient, over the same
+        norms = clip_norm_all_reduces(len(g.numels), dtensor_grads) if knobs.clipping else []
+        return add_collectives(model, "all_reduce", norms, shard)
     return payload
