@@ -19,7 +19,7 @@ import pandas as pd
 
 from zeroexp.report.format import NA, fmt_number, missing
 
-__all__ = ["Axis", "AXES", "axis_values", "set_axes", "label_axes", "fmt_axis"]
+__all__ = ["Axis", "AXES", "axis_values", "set_axes", "label_axes", "fmt_axis", "varies"]
 
 
 def _first(row: pd.Series, *keys: str) -> Any:
@@ -69,7 +69,7 @@ class Axis:
     label: Callable[[Any], str] | None = None
 
 
-#: In the cells table's order, after the model.
+#: In the cells table's order, after N.
 AXES = (
     Axis("axis.mesh", "mesh (replicas x shard)", _mesh, lambda v: v is not None,
          "mesh: hybrid sharding's (replicate, shard) device mesh, world_size / strategy.shard_size replicas x "
@@ -108,7 +108,7 @@ def label_axes(frame: pd.DataFrame) -> list[list[str]]:
     out: list[list[str]] = [[] for _ in range(len(frame))]
     for axis in (a for a in AXES if a.label is not None):
         column = values[axis.key]
-        if column.astype(str).nunique() <= 1:  # the same for every cell: it tells none apart
+        if not varies(column):  # the same for every cell: it tells none apart
             continue
         for i, value in enumerate(column):
             if axis.is_set(value):
@@ -123,3 +123,9 @@ def fmt_axis(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     return fmt_number(value)
+
+
+def varies(values: Any) -> bool:
+    """Whether ``values`` (a column of the sweep's cells) hold more than one value, a missing one counting as one
+    (pandas' string columns leave missing values out of ``nunique``)."""
+    return len({"" if missing(v) else str(v) for v in values}) > 1

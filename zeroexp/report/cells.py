@@ -7,7 +7,7 @@ from typing import Any
 import pandas as pd
 
 from zeroexp.formulas import LAYOUTS
-from zeroexp.report.axes import label_axes
+from zeroexp.report.axes import label_axes, varies
 from zeroexp.report.format import missing
 
 __all__ = ["LADDER", "PREFETCH_ORDER", "column", "order_cells"]
@@ -85,7 +85,7 @@ def order_cells(frame: pd.DataFrame) -> pd.DataFrame:
     if frame.empty:
         return frame.assign(label=pd.Series(dtype=object))
     frame = frame.iloc[sorted(range(len(frame)), key=lambda i: _sort_key(frame.iloc[i]))].reset_index(drop=True)
-    varying = [k for k in frame.columns if k.startswith("cell.") and frame[k].astype(str).nunique() > 1]
+    varying = [k for k in frame.columns if k.startswith("cell.") and varies(frame[k])]
     extra = label_axes(frame)  # the axes no cell.* field names: strategy.clip_grad_norm, sync_each_microbatch
     labels = [_label(row, varying, more) for (_, row), more in zip(frame.iterrows(), extra)]
     dupes = {lab for lab in labels if labels.count(lab) > 1}

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from zeroexp.formulas import WORLD, bus_bytes
-from zeroexp.report.format import byte_unit, fmt_int, missing
+from zeroexp.report.format import NA, fmt_int, missing
 from zeroexp.report.section import OPS, Column, ReportTable
 
 __all__ = ["GroupsSection", "groups_of", "groups_table"]
@@ -62,18 +62,17 @@ def groups_table(ok: pd.DataFrame) -> ReportTable | None:
     if not rows:
         return None
     raw = pd.DataFrame(rows)
-    unit = byte_unit(v for k in ("payload_bytes", "expected_payload_bytes", "bus_bytes") for v in raw[k])
     cols = [Column("cell", "label", str), Column("op", "op", lambda op: f"{OPS.get(op, op)} ({op})"),
             Column("group", "mesh_dim", str), Column("ranks", "group_size", fmt_int),
             Column("calls", "count", fmt_int, "expected_count"),
-            Column(f"payload {unit}", "payload_bytes", unit, "expected_payload_bytes"),
-            Column(f"bus {unit}", "bus_bytes", unit), Column("check", "check")]
-    note = (f"Per step, rank 0, the hybrid cells (a call outside the default group): each op's calls by the process "
-            f"group they ran over, measured (the collectives probe marks each c10d op with its group) beside the "
-            f"model's (exp. X where they differ); payload S sized by the group (an all_gather's or reduce_scatter's "
-            f"chunk x the group's ranks), bus bytes at the group's size, {unit}. shard: within a shard group of "
-            f"strategy.shard_size ranks; replicate: across the world_size / shard_size replicas; world: all ranks. "
-            f"check: the cell's collectives check.")
+            Column("payload B", "payload_bytes", fmt_bytes, "expected_payload_bytes"),
+            Column("bus B", "bus_bytes", fmt_bytes), Column("check", "check")]
+    note = ("Per step, rank 0, the hybrid cells (a call outside the default group): each op's calls by the process "
+            "group they ran over, measured (the collectives probe marks each c10d op with its group) beside the "
+            "model's (exp. X where they differ); payload S sized by the group (an all_gather's or reduce_scatter's "
+            "chunk x the group's ranks) and bus bytes at the group's size, in bytes (a clipping norm's all_reduce "
+            "moves 4). shard: within a shard group of strategy.shard_size ranks; replicate: across the world_size / "
+            "shard_size replicas; world: all ranks. check: the cell's collectives check.")
     return ReportTable("collective_groups", "Collectives by process group", raw, cols, note)
 
 
@@ -92,3 +91,8 @@ class GroupsSection:
     @staticmethod
     def report_table(ok: pd.DataFrame) -> ReportTable | None:
         return groups_table(ok)
+
+
+def fmt_bytes(value: Any) -> str:
+    """Exact bytes with thousands separators (n/a when absent)."""
+    return NA if missing(value) else f"{int(value):,}"

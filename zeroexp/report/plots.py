@@ -11,6 +11,7 @@ from typing import Callable
 
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from zeroexp.formulas import WORLD
@@ -165,15 +166,15 @@ def collective_payload(cells: pd.DataFrame, path: Path) -> Path | None:
                    label=None if op in labelled else op)
             labelled.add(op)
             bottom = [b + h for b, h in zip(bottom, heights)]
-    for dim in dims:  # one legend entry per group: its hatch
-        ax.bar([0], [0], color="white", edgecolor="black", hatch=GROUP_HATCHES.get(dim, "xx"), label=f"{dim} group")
     expected = [sum(0.0 if missing(row.get(f"collectives.expected_payload_bytes.{op}")) else
                     unit.value(row.get(f"collectives.expected_payload_bytes.{op}")) for op in ops)
                 for _, row in ok.iterrows()]
     ax.scatter(range(len(ok)), expected, marker="_", s=600, color="black", zorder=3, label="expected total")
     ax.set_xticks(range(len(ok)), list(ok["label"]), fontsize=8, rotation=20, ha="right")
     ax.set_ylabel(unit.name)
-    ax.legend(fontsize=8)
+    handles = ax.get_legend_handles_labels()[0] + [  # one entry per group: its hatch
+        Patch(facecolor="white", edgecolor="black", hatch=GROUP_HATCHES.get(dim, "xx"), label=f"{dim} group") for dim in dims]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars
     fig.savefig(path)
     return path
 

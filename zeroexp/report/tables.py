@@ -32,9 +32,9 @@ def cells_table(frame: pd.DataFrame) -> ReportTable:
         raw["mode"] = [_mode(m, src) for m, src in zip(column(frame, "mode"), column(frame, "dry_run.source"))]
         cols.insert(2, Column("mode", "mode", str))
     axes, values = set_axes(frame), axis_values(frame).reset_index(drop=True)
-    for i, axis in enumerate(axes):  # the axes some cell sets, after the model (n/a where one does not apply)
+    for i, axis in enumerate(axes):  # the axes some cell sets, after N (n/a where one does not apply)
         raw[axis.key] = values[axis.key]
-        cols.insert(cols.index(next(c for c in cols if c.key == "cell.model")) + 1 + i,
+        cols.insert(cols.index(next(c for c in cols if c.key == "cell.world_size")) + 1 + i,
                     Column(axis.header, axis.key, fmt_axis))
     note = ("Axes beyond model, strategy, precision, offload and N, shown where a cell sets them (n/a where an axis "
             "does not apply to the cell's strategy): " + "; ".join(a.note for a in axes) + "."
