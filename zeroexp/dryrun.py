@@ -12,7 +12,8 @@ Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.d
 - ``traced`` (FSDP1, FSDP2): the adapter wraps the cell's model and the steps run (forward, backward, AdamW)
   with the real run's probes driven from a plain loop: the state probe counts rank 0's tensors at
   ``schedule.state_step``, the collectives probe's profiler records ``schedule.profiled``. The device mesh is
-  made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``).
+  made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``); the functional collectives DTensor issues (FSDP2
+  clipping's norm) run on the fake process group (:mod:`zeroexp.fake_collectives`), as a real run issues them.
 - ``derived`` (DDP, ZeroRedundancyOptimizer, any strategy not traced): DDP's C++ Reducer needs real storage, so
   the model is built on the meta device; the collectives are the adapter's ``expected_collectives`` of that
   groups its row derives from the shapes (DDP's buckets in gradient-ready order, the optimizer's owners:

@@ -41,7 +41,7 @@ from zeroexp.report.cells import column
 from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
 
-__all__ = ["CollectivesProbe", "GroupMarks", "group_mark", "SOURCE"]
+__all__ = ["CollectivesProbe", "GroupMarks", "SOURCE"]
 
 SOURCE = ("torch.profiler: outermost c10d:: dispatcher ops (kineto event tree, record_shapes=True), each op's "
           "process group marked by a TorchDispatchMode")
@@ -65,14 +65,14 @@ class GroupMarks(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional"):
             group = _group_of(args) if func.namespace == "c10d" else _named_group(func, args, kwargs)
             if group is not None:
-                with group_mark(group):
+                with _mark(group):
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
-def group_mark(group: Any) -> Any:
-    """The zero-work ``record_function`` that names ``group`` (a ProcessGroup) to :func:`extract` for the collectives
-    issued inside it (:class:`GroupMarks`; a dry run's functional collectives, zeroexp.dryrun)."""
+def _mark(group: Any) -> Any:
+    """The zero-work ``record_function`` that names ``group`` (a ProcessGroup) to :func:`extract` for the collective
+    issued inside it."""
     return record_function(f"{_GROUP}{group.group_name}.{group.size()}")
 
 
@@ -146,7 +146,7 @@ def _group_mark(event: Any) -> tuple[str, int] | None:
 
 
 def _parse_mark(name: str) -> tuple[str, int]:
-    """``(group name, size)`` of a :func:`group_mark` event's name."""
+    """``(group name, size)`` of a :func:`_mark` event's name."""
     group, size = name.removeprefix(_GROUP).rsplit(".", 1)
     return group, int(size)
 
