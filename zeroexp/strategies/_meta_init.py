@@ -113,9 +113,9 @@ def _join(prefix: str, name: str) -> str:
 
 def fill_dtensors(root: nn.Module, cfg: Any) -> None:
     """Write each DTensor parameter's local shard of ``root`` (after ``fully_shard`` and ``to_empty``): the rows
-    of the full value its placement gives this rank (FSDP2: dim 0 chunked, the last ranks' chunks short or empty)."""
+    of the full value its placement gives this rank (FSDP2: dim 0 chunked as ``torch.chunk``, ceil(rows / n) each,
+    the last ranks' chunks short or empty). The rows are sliced, not indexed: no index tensor is allocated."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     params = _params_by_name(root)
 
@@ -124,8 +124,14 @@ def fill_dtensors(root: nn.Module, cfg: Any) -> None:
         if not isinstance(p, DTensor):
             p.detach().copy_(value)
             return
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        p._local_tensor.copy_(value[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+        local, mesh, coords = p._local_tensor, p.device_mesh, p.device_mesh.get_coordinate()
+        index = [slice(None)] * value.dim()
+        for mesh_dim, placement in enumerate(p.placements):
+            if placement.is_shard():
+                d = placement.dim
+                start = coords[mesh_dim] * -(-value.shape[d] // mesh.size(mesh_dim))
+                index[d] = slice(start, start + local.shape[d])
+        local.copy_(value[tuple(index)])
 
     with torch.no_grad():
         _replay(cfg, sink)
