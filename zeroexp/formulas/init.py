@@ -14,11 +14,13 @@ s_k the elements of the rank's shard, c bytes per element:
   every shard.
 - FSDP2 [FSDP2-INIT] (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharded_param``): each parameter's
   padded chunk is copied into new storage (s_k per unit), then the unit's parameters are freed. ``meta``:
-  ``fully_shard`` on meta tensors allocates nothing, ``to_empty`` the shards, then the replay as for FSDP1.
+  ``fully_shard`` on meta tensors allocates nothing, ``to_empty`` the shards, then the replay as for FSDP1. Both
+  also hold the device mesh's rank map (``init_device_mesh``: ``torch.arange(N, dtype=torch.int)`` on the CPU,
+  4 N bytes), made as the adapter wraps.
 - replicas (``ddp``, ``zro``, ``zero1``, ``zero2``): the whole model, and with ``meta`` the replay's one module
   beside it. What a wrapper adds at wrapping (DDP's broadcast of the module states) is not in this model.
 
-Not modelled: the device mesh's small index tensor (FSDP2), the process group's own buffers, FSDP1
+Not modelled: the process group's own buffers, FSDP1
 ``use_orig_params`` alignment, hybrid sharding (shards over the shard group), DeepSpeed (``init=meta`` refused).
 """
 
@@ -63,10 +65,11 @@ def init_peak_bytes(shape: ModelShape, kind: str, init: str, world_size: int, it
     if kind == "replica":
         return c * total + (c * step if init == "meta" else 0)
     units = _units(shape, kind, n)
+    mesh = 4 * n if kind == "fsdp2" else 0  # FSDP2's device mesh: its rank map, int32
     if kind == "fsdp2" and init == "meta":  # fully_shard on meta allocates nothing; to_empty the shards, the replay
-        return c * sum(s for _, s in units) + c * step
+        return mesh + c * sum(s for _, s in units) + c * step
     flat = 1 if kind == "fsdp1" else 0  # FSDP1 also holds the padded FlatParameter (n s_k) while it shards
-    peak, held = 0, (c * total if init == "full" else 0)  # bytes held before unit k
+    peak, held = 0, mesh + (c * total if init == "full" else 0)  # bytes held before unit k
     for u, s in units:
         materialised = 0 if init == "full" else c * u  # FSDP1 meta: param_init_fn materialises the unit just before
         peak = max(peak, held + materialised + flat * c * n * s + c * s)
