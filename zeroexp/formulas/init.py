@@ -1,14 +1,14 @@
 """The initialisation peak of one rank: the most bytes it holds at once while the model is built and wrapped, with
 ``init=full`` (every rank builds the whole model, then wraps it) and ``init=meta`` (built on the meta device, each
-rank materialises its part: zeroexp/models/init.py, zeroexp/strategies/_meta_init.py). The largest rank: rank 0,
-whose shards are never short.
+rank materialises its part: zeroexp/models/init.py, zeroexp/strategies/_meta_init.py), for the largest rank.
 
 Read from the source, per FSDP unit k in wrap order (children first, the root last), u_k its parameters' elements,
 s_k the elements of the rank's shard, c bytes per element:
 
 - FSDP1 [FSDP-INIT] (torch/distributed/fsdp/_flat_param.py ``flatten_tensors``, ``FlatParamHandle.shard``): a
-  unit's parameters (u_k) are concatenated into the padded FlatParameter (N s_k) and the rank's chunk is cloned
-  (s_k) before the unit's parameters and the full FlatParameter are freed. ``full``: the whole model is there
+  unit's parameters (u_k) are concatenated into the FlatParameter (u_k) and the rank's chunk is cloned (s_k; a
+  short last chunk cloned, then padded to s_k) before the unit's parameters and the full FlatParameter are freed;
+  the largest rank is the one with the longest short chunk, rank 0 when every unit divides by N. ``full``: the whole model is there
   before, and each unit done leaves only its shard. ``meta``: ``param_init_fn`` materialises the unit just
   before; afterwards the replay holds one module's own parameters (the largest init step, ``step``) beside
   every shard.
@@ -66,15 +66,27 @@ def init_peak_bytes(shape: ModelShape, kind: str, init: str, world_size: int, it
         return c * total + (c * step if init == "meta" else 0)
     units = _units(shape, kind, n)
     mesh = 4 * n if kind == "fsdp2" else 0  # FSDP2's device mesh: its rank map, int32
-    if kind == "fsdp2" and init == "meta":  # fully_shard on meta allocates nothing; to_empty the shards, the replay
-        return mesh + c * sum(s for _, s in units) + c * step
-    flat = 1 if kind == "fsdp1" else 0  # FSDP1 also holds the padded FlatParameter (n s_k) while it shards
-    peak, held = 0, mesh + (c * total if init == "full" else 0)  # bytes held before unit k
-    for u, s in units:
-        materialised = 0 if init == "full" else c * u  # FSDP1 meta: param_init_fn materialises the unit just before
-        peak = max(peak, held + materialised + flat * c * n * s + c * s)
-        held += c * s - (c * u if init == "full" else 0)
-    if init == "meta":
-        peak = max(peak, held + c * step)
-    return peak
+    if kind == "fsdp2":
+        if init == "meta":  # fully_shard on meta allocates nothing; to_empty the shards, then the replay
+            return mesh + c * sum(s for _, s in units) + c * step
+        peak, held = 0, mesh + c * total  # bytes held before unit k
+        for u, s in units:  # each unit's padded shards copied, then its parameters freed
+            peak, held = max(peak, held + c * s), held + c * s - c * u
+        return peak
+    return max(_fsdp1_rank_peak(units, r, n, c, total, step, init) for r in range(n))
 
+
+def _fsdp1_rank_peak(units: list[tuple[int, int]], rank: int, n: int, c: int, total: int, step: int,
+                     init: str) -> int:
+    """FSDP1, rank ``rank``: at each unit, the unit's parameters (materialised just before with ``meta``), their
+    concatenation (the FlatParameter, unpadded), and the rank's chunk of it cloned (``FlatParamHandle._get_shard``:
+    ``torch.chunk`` into ceil(u / N) elements, so the last ranks' chunks are short or empty); a short chunk is then
+    padded to a full shard (``F.pad``: a second tensor while the clone lives)."""
+    peak, held = 0, (c * total if init == "full" else 0)  # bytes held before unit k
+    for u, s in units:
+        chunk = min(max(u - rank * s, 0), s)
+        short = chunk if chunk < s else 0  # the clone that F.pad copies into a full shard
+        materialised = 0 if init == "full" else c * u  # meta: param_init_fn materialises the unit just before
+        peak = max(peak, held + materialised + c * u + c * short + c * s)
+        held += c * s - (c * u if init == "full" else 0)
+    return max(peak, held + c * step) if init == "meta" else peak
