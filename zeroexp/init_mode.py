@@ -30,6 +30,7 @@ def check_init(cfg: Any, adapter: Any) -> None:
     if node is None or node.name == "full":
         return
     from zeroexp.models import import_class
+    from zeroexp.models.init import replayable
 
     name = str(cfg.strategy.name)
     if adapter.meta_init is None:
@@ -44,7 +45,7 @@ def check_init(cfg: Any, adapter: Any) -> None:
         cls = import_class(target, base=None)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError("model._target_", target, "an importable nn.Module class", why=str(e)) from e
-    if not getattr(cls, "replayable_init", False):
+    if not isinstance(cls, type) or not replayable(cls):
         raise ConfigError("init", node.name, "full", why=f"model._target_={target} does not declare replayable_init: "
                           "init=meta gives the full build's values only for a model whose constructor draws just its "
                           "modules' reset_parameters and its own init_steps (zeroexp.models.LinearStack and "

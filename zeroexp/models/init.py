@@ -15,12 +15,12 @@ its modules' ``reset_parameters`` in construction order and its own ``init_steps
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["InitStep", "init_of", "init_steps", "replayable", "replay_init", "step_numels"]
+__all__ = ["InitStep", "init_of", "init_steps", "replayable", "replay_init"]
 
 
 class InitStep(NamedTuple):
@@ -54,11 +54,6 @@ def init_steps(model: nn.Module) -> list[InitStep]:
     return steps + (list(own_steps()) if own_steps is not None else [])
 
 
-def step_numels(model: nn.Module) -> list[int]:
-    """Elements each step of :func:`init_steps` holds in full at once (its module's own parameters)."""
-    return [sum(s.module._parameters[n].numel() for n in _own(s.module)) for s in init_steps(model)]
-
-
 def _canonical_names(model: nn.Module) -> dict[tuple[int, str], str]:
     """``(id(module), own name) -> the parameter's name in model.named_parameters()`` (a tied one: its first)."""
     first: dict[int, str] = {}
@@ -89,11 +84,6 @@ def replay_init(model: nn.Module, seed: int, sink: Callable[[str, torch.Tensor],
             finally:
                 m._parameters.update(saved)  # the meta parameters again (ties kept)
     return most
-
-
-def meta_parameters(model: nn.Module) -> Iterator[torch.Tensor]:
-    """The parameters of ``model`` still on the meta device."""
-    return (p for p in model.parameters() if p.is_meta)
 
 
 def init_of(cfg: Any) -> str:
