@@ -28,6 +28,7 @@ class PlanConfig:
     model: Any = None  # model=<option of conf/model/>: planned from its shapes, built on the meta device
     precision: Any = MISSING
     offload: Any = MISSING  # none (conf/offload/), optimizer | full (planner-only options, see register)
+    init: Any = MISSING  # full | meta (conf/init/): init_peak_bytes, and fits with meta (zeroexp.formulas.init)
     params: Any = None  # or a parameter count: 7.5e9, 7.5B
     world_size: Any = 8  # one value or a list
     strategies: Any = None  # null: every strategy the planner knows; or a list
@@ -138,6 +139,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac)
         r.update(activations or {"activation_bytes": None, "activation_unit_bytes": None, "korthikanti_bytes": None})
     _peaks(cfg, records, shape, batch, memory, knobs, ac == "full")
+    _init_peaks(str(cfg.init.name), records, shape, memory)
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
 
@@ -190,6 +192,31 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
                  peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))
         if memory is not None:
             r["fits"] = r["peak_bytes"] <= memory
+
+
+def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None) -> None:
+    """``init_peak_bytes`` of every row (computed, zeroexp.formulas.init, fp32 as the model is built): ``init=full``
+    the whole model on every rank and FSDP's flattening of the first unit (``fits`` judges training only, as
+    before); ``init=meta`` the rank's shards and the
+    largest unit or module materialised at once, and ``fits`` also needs it to fit. ``init_note``: why a row has
+    none (a parameter count has no units; a row whose init=meta is not modelled)."""
+    from zeroexp.formulas.init import INIT_KIND_OF_ROW, init_peak_bytes
+
+    for r in records:
+        r["init"] = init
+        kind = INIT_KIND_OF_ROW.get(r["strategy"])
+        if init == "full":  # the whole model (4 bytes a parameter), and what wrapping adds where it is modelled
+            if kind is not None and shape.exact:
+                r["init_peak_bytes"] = init_peak_bytes(shape, kind, "full", r["world_size"])
+            continue
+        note = ("init=meta: not modelled for this row (DeepSpeed refuses it; paper and hybrid rows have no model)"
+                if kind is None else None if shape.exact else
+                "init=meta: a parameter count has no units or modules to materialise (give model=)")
+        r.update(init_peak_bytes=None if note else init_peak_bytes(shape, kind, "meta", r["world_size"]))
+        if note:
+            r["init_note"] = note
+        elif memory is not None and r.get("fits") is not None:
+            r["fits"] = r["fits"] and r["init_peak_bytes"] <= memory
 
 
 def _tokens(cfg: DictConfig) -> int:
