@@ -146,15 +146,20 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does)."""
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.memory import steady_buffers_bytes, uncovered, worst_rank_phases
+    from zeroexp.plan.memory import flow_of, steady_buffers_bytes, trace_for, uncovered, worst_rank_phases
 
+    traces: dict[bool, Any] = {}  # by "traced at every module holding parameters" (DeepSpeed's rows)
     trace = None
     if batch is not None and cfg.model is not None and cfg.precision.name == "fp32":
-        from zeroexp.plan.steptrace import trace_step
-
         wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
                                                                       "model": cfg.model}))]
-        trace = trace_step(cfg.model, batch, wrap, device="cpu")
+
+        def trace(name: str) -> Any:
+            """The row's traced step (:func:`trace_for`), traced once per segmentation."""
+            key = flow_of(name) == "deepspeed"
+            if key not in traces:
+                traces[key] = trace_for(name, cfg.model, batch, wrap)
+            return traces[key]
     for r in records:
         r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, fits_on="state")
         why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name))
@@ -165,10 +170,11 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
             continue
         name, n, c = r["strategy"], r["world_size"], 4
         groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-        phases = worst_rank_phases(name, groups, shape, trace, c, "pre")
+        phases = worst_rank_phases(name, groups, shape, trace(name), c, "pre", knobs.bucket_cap_bytes)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
+        buffers = steady_buffers_bytes(name, groups, c, knobs.bucket_cap_bytes)
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
-                 peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))
+                 peak_bytes=r["device_bytes"] + buffers + max(phases[top]["bytes"], 0))
         if memory is not None:
             r["fits"] = r["peak_bytes"] <= memory
 

@@ -18,8 +18,10 @@ from typing import Any
 from zeroexp.formulas import Groups, ModelShape
 from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks,
                                    phase_peaks)
+from zeroexp.plan.peak_deepspeed import DS_ROWS, ds_late_free, ds_phases, ds_steady_buffers_bytes
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "flow_of", "uncovered", "steady_buffers_bytes",
+           "trace_for",
            "TOLERANCE"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
@@ -40,7 +42,7 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
     reasons = []
     if flow is None:
         reasons.append(f"no peak model yet for strategy.layout={name} (covered: "
-                       f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS])})")
+                       f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS, *DS_ROWS])})")
     if flow == "fsdp1" and use_orig_params:
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
     if precision != "fp32" or offload != "none":
@@ -55,31 +57,45 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
 
 def flow_of(name: str) -> str | None:
     """The row's gradient flow in the peak model (``zeroexp.formulas.peak``), None where there is no model."""
-    return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
+    return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else
+                                       "deepspeed" if name in DS_ROWS else None)
 
 
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
-                      prefetch: str) -> dict[str, dict]:
+                      prefetch: str, bucket_cap_bytes: int = 25 * 2**20) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
-    that is (only zro's ranks differ: their owned parameters)."""
-    ranks = range(groups.world_size) if name == "zro" else (0,)
-    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch) for r in ranks),
-               key=lambda ph: max(v["bytes"] for v in ph.values()))
+    that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
+    ranks = range(groups.world_size) if name in ("zro", "deepspeed_stage1", "deepspeed_stage2") else (0,)
+    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, bucket_cap_bytes=bucket_cap_bytes)
+                for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
-                   prefetch: str = "none", gloo: bool = False) -> dict[str, dict]:
+                   prefetch: str = "none", gloo: bool = False, bucket_cap_bytes: int = 25 * 2**20) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
-    ``by_category``, for rank ``rank``."""
+    ``by_category``, for rank ``rank`` (``bucket_cap_bytes``: ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket;
+    DeepSpeed rows need the trace of :func:`trace_for`)."""
+    if name in DS_ROWS:
+        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo)
     return phase_peaks(GRADIENT_FLOW[name], trace, **_strategy_terms(name, groups, rank, groups.world_size, itemsize))
 
 
-def steady_buffers_bytes(name: str, groups: Groups, itemsize: int) -> int:
+def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_bytes: int = 25 * 2**20) -> int:
     """What a rank holds at the optimizer boundary beside its model state: DDP's gradient buckets (ddp, zro:
-    ``gradient_as_bucket_view=false``, a copy of every gradient)."""
+    ``gradient_as_bucket_view=false``, a copy of every gradient), DeepSpeed stage 3's ipg bucket."""
+    if name in DS_ROWS:
+        return ds_steady_buffers_bytes(name, itemsize, bucket_cap_bytes)
     return sum(sum(b) for b in groups.buckets) * itemsize if name in ("ddp", "zro") else 0
+
+
+def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type]) -> StepTrace:
+    """The bare step the row's peak model reads: segmented at the strategy's units, or, for DeepSpeed (which gathers
+    and releases stage-3 parameters module by module), at every module holding parameters."""
+    from zeroexp.plan.steptrace import trace_step
+
+    return trace_step(model_cfg, batch_size, wrap, device="cpu", own_params_units=name in DS_ROWS)
 
 
 def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
@@ -94,11 +110,10 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
     if reasons:
         return {"check": "n/a", "reasons": reasons}
-    from zeroexp.plan.steptrace import trace_step
-
-    trace = trace_step(cfg.model, int(cfg.batch_size), wrap, device="cpu")
+    trace = trace_for(name, cfg.model, int(cfg.batch_size), wrap)
+    cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
-        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name))
+        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), cap)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}",
                 "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
@@ -107,11 +122,12 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                                             "not run): predicted only"]}
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
-    predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo)
+    predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo, cap)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
-    phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": _nz(steady_cats)}}
+    phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": _nz(steady_cats),
+                                         "predicted_buffers_bytes": steady_buffers_bytes(name, groups, itemsize, cap)}}
     out_reasons, errs = [], []
     for ph in PHASES:
         got = measured["phases_of_max_rank"].get(ph)
@@ -132,7 +148,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
             out_reasons.append(f"{ph}: measured {above} B above steady, predicted {want['bytes']} B "
                                f"({_worst_category(want['by_category'], by_cat)})")
         phases[ph] = rec
-    return {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' (zeroexp.formulas.peak)",
+    source = "zeroexp.formulas.peak_deepspeed" if name in DS_ROWS else "zeroexp.formulas.peak"
+    return {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
             "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
             "phases": phases, "max_rel_err": max(errs) if errs else None,
             "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
@@ -184,6 +201,8 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str
     may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
         return {}
+    if name in DS_ROWS:
+        return ds_late_free(name, groups, itemsize)
     if name == "zero2" and groups.shards:
         return {"optimizer": [(f"bucket {k}'s full gradient buffer, the input of its async reduce", s.numel * itemsize)
                               for k, s in enumerate(groups.shards)]}

@@ -19,17 +19,19 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from zeroexp.formulas.peak import Segment, StepTrace
+from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
 from zeroexp.memtrack import step_mem_tracker, totals
 
 __all__ = ["trace_step"]
 
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-               dtype: torch.dtype | None = None) -> StepTrace:
+               dtype: torch.dtype | None = None, own_params_units: bool = False) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
-    way). ``dtype``: the compute dtype (autocast; None or fp32: the model's own)."""
+    way), or, with ``own_params_units``, every module that holds parameters of its own (DeepSpeed stage 3 gathers and
+    releases parameters module by module); then the trace also records each unit's parameters and whether its input
+    required grad (``StepTrace.units``). ``dtype``: the compute dtype (autocast; None or fp32: the model's own)."""
     from contextlib import nullcontext
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -52,11 +54,21 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
             segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b, _less(now_cats, b_cats)))
             mt.reset_peak()
 
-        units = [m for m in net.modules() if classes and isinstance(m, classes)]
+        index = {id(p): i for i, p in enumerate(net.parameters())}
+        units = [m for m in net.modules() if (any(True for _ in m.parameters(recurse=False)) if own_params_units
+                                              else classes and isinstance(m, classes))]
+        seen: dict[str, TracedUnit] = {}
+
+        def pre_forward(m: torch.nn.Module, args: tuple, u: str) -> None:
+            if own_params_units and u not in seen:  # its parameters and whether autograd reaches its input
+                seen[u] = TracedUnit(u, tuple(index[id(p)] for p in m.parameters(recurse=False)),
+                                     any(isinstance(t, torch.Tensor) and t.requires_grad for t in args))
+            mark("forward", u, "start")
+
         hooks = []
         for m in units:
             u = names[id(m)]
-            hooks += [m.register_forward_pre_hook(lambda m, a, u=u: mark("forward", u, "start")),
+            hooks += [m.register_forward_pre_hook(lambda m, a, u=u: pre_forward(m, a, u)),
                       m.register_forward_hook(lambda m, a, o, u=u: mark("forward", u, "end")),
                       m.register_full_backward_pre_hook(lambda m, g, u=u: mark("backward", u, "start")),
                       m.register_full_backward_hook(lambda m, gi, go, u=u: mark("backward", u, "end"))]
@@ -78,7 +90,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
             for h in hooks:
                 h.remove()
     return StepTrace(batch_size=int(batch_size), segments=tuple(segments),
-                     loss_bytes=2 * loss.untyped_storage().nbytes())
+                     loss_bytes=2 * loss.untyped_storage().nbytes(), units=tuple(seen.values()))
 
 
 def _less(cats: dict[str, int], base: dict[str, int]) -> dict[str, int]:
