@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "GRADIENT_FLOW", "PHASES", "adamw_temporaries", "phase_peaks",
-           "fsdp_phase_peaks", "fsdp2_phase_peaks"]
+__all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "GRADIENT_FLOW", "PHASES", "adamw_temporaries",
+           "phase_peaks", "fsdp_phase_peaks", "fsdp2_phase_peaks"]
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from typing import NamedTuple
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak import StepTrace, adamw_temporaries
 
-__all__ = ["DsPartition", "ds_partition", "ds_stage12_phase_peaks", "ds_stage3_phase_peaks", "FP64"]
+__all__ = ["DsPartition", "ds_partition", "ds_allreduce_copies", "ds_stage12_phase_peaks", "ds_stage3_phase_peaks",
+           "FP64"]
 
 #: ``get_norm_dtype``: DeepSpeed's gradient norms accumulate in float64 (8 bytes) on a device that has it.
 FP64 = 8
@@ -76,6 +77,29 @@ def ds_partition(numels: tuple[int, ...] | list[int], flat_numel: int, world_siz
     return DsPartition(size, overlapped, tuple(pieces), size - sum(pieces), tuple(params))
 
 
+def ds_allreduce_copies(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...], numels: tuple[int, ...],
+                        partition_numel: int) -> tuple[int, ...]:
+    """Stages 1-2, per bucket (reduce order; ``order``: its parameters' indices, ``numels`` in parameter order), the
+    elements ``allreduce_bucket`` copies: ``average_tensor`` cuts the bucket into one slice per parameter and
+    partition, merging a slice into the previous one of the same partition, and ``self.flatten`` copies the slices
+    into one new tensor, unless there is only one (torch's ``flatten_dense_tensors`` returns a view of it)."""
+    offset, start = 0, {}
+    for i, n in enumerate(numels):
+        start[i] = offset
+        offset += n
+    out, pos = [], 0
+    for b in buckets:
+        owners: list[int] = []
+        for p in order[pos:pos + len(b)]:
+            lo, hi = start[p], start[p] + numels[p]
+            for rank in range(lo // partition_numel, (hi - 1) // partition_numel + 1):
+                if not owners or owners[-1] != rank:
+                    owners.append(rank)
+        out.append(sum(b) if len(owners) > 1 else 0)
+        pos += len(b)
+    return tuple(out)
+
+
 class _Moments:
     """The highest moment of each phase, by category (zeros left out)."""
 
@@ -92,6 +116,17 @@ class _Moments:
             self.best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
 
 
+def _at_hook(segments: list, i: int) -> dict:
+    """The bare step at a gradient hook inside backward segment ``i``, at its end at the latest: what the segment's
+    end and the next mark both hold, category by category (the trace's own backward hooks keep a gradient alive at
+    their mark that a run without them has freed)."""
+    end = segments[i].end_by_category
+    if i + 1 == len(segments):
+        return dict(end)
+    nxt = segments[i + 1].end_by_category
+    return {c: min(b, nxt.get(c, 0)) for c, b in end.items()}
+
+
 def _closed(edges: list[int], traced: int) -> int:
     """How many buckets (``edges``: their cumulative bytes in reduce order) are reduced once ``traced`` gradient bytes
     exist: bucket k is reduced when a gradient beyond it arrives."""
@@ -99,33 +134,36 @@ def _closed(edges: list[int], traced: int) -> int:
 
 
 def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
-                           order: tuple[int, ...], part: DsPartition, bucket_numel: int,
+                           order: tuple[int, ...], numels: tuple[int, ...], part: DsPartition, bucket_numel: int,
                            itemsize: int) -> dict[str, dict]:
     """Stages 1 and 2 (``buckets``: the ipg buckets' gradient numels in reduce order, parameter order at stage 1,
-    backward order at stage 2; ``order``: the parameters' indices in that order; ``part``: the rank's partition;
+    backward order at stage 2; ``order``: the parameters' indices in that order, ``numels`` in parameter order;
+    ``part``: the rank's partition;
     ``bucket_numel``: ``reduce_bucket_size``), per phase,
     the bytes above steady at the peak, by category. Nothing of a gradient survives ``step``: steady holds none.
 
     Forward: the bare forward. Backward: the bare backward (stage 2 less the traced parameter gradients, copied into
     the bucket as they arrive), plus the whole bucket once the first gradient exists, plus ``grads_in_partition``
-    once a bucket holding a partition parameter was reduced; each reduction's flat copy beside them; the epilogue
-    (stage 1: every bucket; stage 2: the last) from the bare step's end. Optimizer: the kept gradient partition
+    once a bucket holding a partition parameter was reduced; each reduction's flat copy (:func:`ds_allreduce_copies`)
+    beside them, at stage 2 in the hook of the next bucket's first gradient, which is not yet in the bucket; the
+    epilogue (stage 1: every bucket; stage 2: the last) from the bare step's end. Optimizer: the kept gradient partition
     beside a float64 copy of its largest piece (the norm), then beside the flat partition, then the flat partition
     beside AdamW's temporaries."""
     c, out = itemsize, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
     gip, pad = part.overlapped * c, part.padding * c
-    sizes = [sum(b) * c for b in buckets]
-    edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    sizes = [k * c for k in ds_allreduce_copies(buckets, order, numels, part.numel)]
+    edges = [sum(b) * c for b in buckets]
+    edges = [sum(edges[:i]) for i in range(len(edges) + 1)]
     # The first bucket (reduce order) that holds a gradient of the partition: grads_in_partition is made when it is.
     bucket_of = [k for k, b in enumerate(buckets) for _ in b]
     first_gip = min((bucket_of[i] for i, p in enumerate(order) if p in part.params), default=None)
 
     for s in (s for s in trace.segments if s.phase == "forward"):
         keep("forward", s.peak_by_category, loss)
-    before = 0
-    for s in (s for s in trace.segments if s.phase == "backward"):
+    before, backward = 0, [s for s in trace.segments if s.phase == "backward"]
+    for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
         held = bucket if before else {}
         if stage == 2:  # each gradient moved into the bucket in its hook; buckets reduced in backward order
@@ -134,9 +172,12 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
             keep("backward", s.peak_by_category, loss, {"gradients": -grads}, held, kept)
             after = s.end_by_category.get("gradients", 0)
             for k in range(done, _closed(edges, after)):  # bucket k reduced in this stretch, at its end at the latest
+                # by the hook of bucket k+1's first gradient, before that gradient is copied into the bucket
+                base = (_at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c - after}, bucket)
                 made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
-                keep("backward", s.end_by_category, loss, {"gradients": -after}, bucket, made,
-                     {"temporaries": sizes[k]})
+                keep("backward", *base, made, {"temporaries": sizes[k]})
+                if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
+                    keep("backward", *base, {"temporaries": gip})
         else:
             keep("backward", s.peak_by_category, loss, held)
         before = s.end_by_category.get("gradients", 0)
@@ -146,7 +187,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     # yet copied still held), stage 2 the last one.
     first = 0 if stage == 1 else len(buckets) - 1
     for k in range(first, len(buckets)):
-        pending = sum(sizes[k + 1:]) if stage == 1 else 0
+        pending = sum(sum(b) for b in buckets[k + 1:]) * c if stage == 1 else 0
         made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
         keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, made, {"temporaries": sizes[k]})
         if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
@@ -211,14 +252,14 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
         cat = sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0
         sizes.append(cat + (cat - sum(b) * c if cat else 0) + (sum(padded_numel(x, n) for x in b) * c if gloo else 0))
     edges = [sum(sum(b) for b in buckets[:i]) * c for i in range(len(buckets) + 1)]
-    held, before = gathered, 0
-    for s in (s for s in trace.segments if s.phase == "backward"):
+    held, before, backward = gathered, 0, [s for s in trace.segments if s.phase == "backward"]
+    for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
         keep("backward", s.peak_by_category, loss, {"gradients": -grads, "parameters": held})
         after = s.end_by_category.get("gradients", 0)
-        for k in range(_closed(edges, before), _closed(edges, after)):
-            keep("backward", s.end_by_category, loss, {"gradients": -after, "parameters": held,
-                                                       "temporaries": sizes[k]})
+        for k in range(_closed(edges, before), _closed(edges, after)):  # in the hook of bucket k+1's first gradient
+            keep("backward", _at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c - after,
+                                                       "parameters": held, "temporaries": sizes[k]})
         if s.at == "end":
             held -= released_by.get(s.unit, 0)
         before = after

@@ -141,7 +141,8 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
            memory: int | None, knobs: PlanKnobs) -> None:
     """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers: ``peak_bytes`` (model
-    state + DDP's buckets + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``, and
+    state + DDP's buckets or DeepSpeed stage 3's bucket + the largest phase above steady, the largest rank),
+    ``peak_phase``, ``phase_bytes``, and
     ``fits`` judged on the peak there (``fits_on``: ``peak``, else ``state``: model state + gather floor, as before).
     ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does)."""
     from zeroexp.formulas import LAYOUTS, derive_groups

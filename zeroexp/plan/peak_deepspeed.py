@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from zeroexp.formulas import Groups, deepspeed_reduce_bucket_numel, padded_numel
 from zeroexp.formulas.peak import StepTrace
-from zeroexp.formulas.peak_deepspeed import ds_partition, ds_stage3_phase_peaks, ds_stage12_phase_peaks
+from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
+                                             ds_stage12_phase_peaks)
 
 __all__ = ["DS_ROWS", "ds_phases", "ds_late_free", "ds_steady_buffers_bytes"]
 
@@ -22,11 +23,17 @@ def ds_phases(name: str, groups: Groups, trace: StepTrace, itemsize: int, rank: 
     if stage == 3:
         return ds_stage3_phase_peaks(trace, numels=groups.numels, world_size=n, buckets=groups.buckets,
                                      itemsize=itemsize, gloo=gloo)
-    nonzero = [i for i, k in enumerate(groups.numels) if k]
-    order = tuple(nonzero if stage == 1 else nonzero[::-1])  # stage 1: parameter order; 2: backward (a stack's reverse)
-    return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=order,
-                                  part=ds_partition(groups.numels, groups.shards[0].numel, n, rank),
+    part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
+    return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
+                                  numels=groups.numels, part=part,
                                   bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize)
+
+
+def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
+    """The parameters' indices in the order the buckets hold them: parameter order at stage 1, backward order (a
+    stack's reverse, as ``deepspeed_buckets`` is given it) at stage 2."""
+    nonzero = [i for i, k in enumerate(groups.numels) if k]
+    return tuple(nonzero if stage == 1 else nonzero[::-1])
 
 
 def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tuple[str, int]]]:
@@ -34,8 +41,10 @@ def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tup
     1-2 a bucket's flattened all_reduce tensor; stage 3 the parameters' all_gather buffer (forward) and a bucket's
     reduce-scatter concatenation (backward)."""
     if DS_ROWS[name] < 3:
-        return {"backward": [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", sum(b) * itemsize)
-                             for k, b in enumerate(groups.buckets)]}
+        copies = ds_allreduce_copies(groups.buckets, _reduce_order(groups, DS_ROWS[name]), groups.numels,
+                                     groups.shards[0].numel // groups.world_size)
+        return {"backward": [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", e * itemsize)
+                             for k, e in enumerate(copies) if e]}
     n = groups.world_size
     flat = sum(padded_numel(k, n) for k in groups.numels) * itemsize
     return {"forward": [("the parameters' all_gather flat buffer (_all_gather_coalesced)", flat)],
