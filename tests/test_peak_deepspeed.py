@@ -133,3 +133,36 @@ def test_plan_memory_passes_in_real_cells(cell, stage):
     for ph in ("forward", "backward", "optimizer"):
         rec = memory["phases"][ph]
         assert 0 <= rec["measured_bytes"] - rec["predicted_bytes"] <= 0.02 * rec["measured_bytes"] or "late_free" in rec
+
+
+def test_planner_rows_of_deepspeed_peak_with_the_bucket_and_name_what_is_not_modelled():
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from zeroexp.cli import CONF_DIR
+    from zeroexp.formulas import Groups
+    from zeroexp.plan.cli import register, run
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="plan", overrides=[
+            "model=mlp", "model.width=64", "model.depth=8", "world_size=2", "batch_size=8", "bucket_cap_mb=1",
+            "strategies=[deepspeed_stage1,deepspeed_stage2,deepspeed_stage3]"])
+    rows = {r["strategy"]: r for r in run(cfg)[0]}
+    bucket = 2**20 // 4 * 4  # bucket_cap_mb=1: 262144 elements of 4 bytes
+    for name, row in rows.items():
+        phases = row["phase_bytes"]
+        assert row["fits_on"] == "peak" and row["peak_phase"] == max(phases, key=phases.get), (name, row)
+        # stage 3 keeps its bucket between steps (beside the state); stages 1-2 allocate it in backward
+        assert row["peak_bytes"] == row["device_bytes"] + (bucket if name.endswith("3") else 0) + max(
+            row["phase_bytes"].values())
+    stage2 = rows["deepspeed_stage2"]
+    assert stage2["peak_phase"] == "backward" and stage2["phase_bytes"]["backward"] >= bucket
+    # stage 3's forward: every parameter gathered (8 x 64^2 fp32) beside the all_gather's flat buffer
+    assert rows["deepspeed_stage3"]["phase_bytes"]["forward"] >= 2 * 8 * 64 * 64 * 4
+    # A parameter above the reduce bucket (reduced on its own) and a stage-3 model beyond one prefetch bucket: n/a.
+    g = Groups("deepspeed_stage3", 2, (10**8,))
+    assert [r.split(" (")[0] for r in ds_peak_limits("deepspeed_stage3", g, 2**20)] == [
+        "no peak model yet for a parameter of 100000000 elements above reduce_bucket_size=262144",
+        "no peak model yet for stage 3 beyond one prefetch bucket"]
+    assert ds_peak_limits("deepspeed_stage2", Groups("deepspeed_stage2", 2, (10, 10)), 2**20) == []

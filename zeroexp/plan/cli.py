@@ -148,6 +148,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.memory import flow_of, steady_buffers_bytes, trace_for, uncovered, worst_rank_phases
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits
 
     traces: dict[bool, Any] = {}  # by "traced at every module holding parameters" (DeepSpeed's rows)
     trace = None
@@ -171,6 +172,9 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
             continue
         name, n, c = r["strategy"], r["world_size"], 4
         groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
+        if why := ds_peak_limits(name, groups, knobs.bucket_cap_bytes):
+            r["peak_note"] = "; ".join(why)
+            continue
         phases = worst_rank_phases(name, groups, shape, trace(name), c, "pre", knobs.bucket_cap_bytes)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         buffers = steady_buffers_bytes(name, groups, c, knobs.bucket_cap_bytes)

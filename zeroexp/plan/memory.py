@@ -18,7 +18,7 @@ from typing import Any
 from zeroexp.formulas import Groups, ModelShape
 from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks,
                                    phase_peaks)
-from zeroexp.plan.peak_deepspeed import DS_ROWS, ds_late_free, ds_phases, ds_steady_buffers_bytes
+from zeroexp.plan.peak_deepspeed import DS_ROWS, ds_late_free, ds_peak_limits, ds_phases, ds_steady_buffers_bytes
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "flow_of", "uncovered", "steady_buffers_bytes",
            "trace_for",
@@ -108,10 +108,11 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                         str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1))
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
+    cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
+    reasons += ds_peak_limits(name, groups, cap)
     if reasons:
         return {"check": "n/a", "reasons": reasons}
     trace = trace_for(name, cfg.model, int(cfg.batch_size), wrap)
-    cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), cap)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}",
