@@ -8,7 +8,8 @@ run share it; it imports nothing else of zeroexp.
 - :mod:`~zeroexp.formulas.rows`: every strategy's row (``LAYOUTS``), named by ``strategy.layout``;
 - :mod:`~zeroexp.formulas.time`: a collective's time (latency + bus bytes / bus bandwidth, two-level ring), compute
   rates, the device's overlap rule; :mod:`~zeroexp.formulas.overlap`: a step's time from its groups;
-- :mod:`~zeroexp.formulas.peak`: the peak model, each phase's bytes above steady.
+- :mod:`~zeroexp.formulas.peak`: the peak model, each phase's bytes above steady; DeepSpeed's in
+  :mod:`~zeroexp.formulas.peak_deepspeed`.
 
 Sources:
 - [ZeRO] Rajbhandari, Rasley, Ruwase, He. "ZeRO: Memory Optimizations Toward Training Trillion Parameter

@@ -138,9 +138,8 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
                            itemsize: int) -> dict[str, dict]:
     """Stages 1 and 2 (``buckets``: the ipg buckets' gradient numels in reduce order, parameter order at stage 1,
     backward order at stage 2; ``order``: the parameters' indices in that order, ``numels`` in parameter order;
-    ``part``: the rank's partition;
-    ``bucket_numel``: ``reduce_bucket_size``), per phase,
-    the bytes above steady at the peak, by category. Nothing of a gradient survives ``step``: steady holds none.
+    ``part``: the rank's partition; ``bucket_numel``: ``reduce_bucket_size``), per phase, the bytes above steady at
+    the peak, by category. Nothing of a gradient survives ``step``: steady holds none.
 
     Forward: the bare forward. Backward: the bare backward (stage 2 less the traced parameter gradients, copied into
     the bucket as they arrive), plus the whole bucket once the first gradient exists, plus ``grads_in_partition``
