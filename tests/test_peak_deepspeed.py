@@ -114,20 +114,22 @@ needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_plan_memory_passes_in_real_cells(cell, stage):
-    # tests/test_deepspeed.py's cell (same overrides: run once per session): 5 Linear(64, 64) at N=2, a reduce bucket
-    # of 7864 elements, so each Linear's gradient is reduced on its own, in backward at stages 2 and 3.
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")])
+def test_plan_memory_passes_in_real_cells(cell, stage, precision):
+    # tests/test_deepspeed.py's cells in fp32 (same overrides: run once per session): 5 Linear(64, 64) at N=2, a reduce
+    # bucket of 7864 elements, so each Linear's gradient is reduced on its own, in backward at stages 2 and 3. bf16:
+    # the module converted by DeepSpeed, 2-byte bucket, gradients and collectives, the fp32 partition's step.
     res = cell("strategy=deepspeed", "world_size=2", f"strategy.stage={stage}", "model.depth=5",
-               "strategy.bucket_cap_mb=0.03")
+               "strategy.bucket_cap_mb=0.03", *(("precision=bf16",) if precision == "bf16" else ()))
     assert res.status == "ok", res.error
     memory = res.summary["plan"]["memory"]
     assert memory["check"] == "PASS", memory["reasons"]
-    bucket = 7864 * 4
+    c = 4 if precision == "fp32" else 2
+    bucket = 7864 * c
     assert memory["phases"]["steady"]["predicted_buffers_bytes"] == (bucket if stage == 3 else 0)
     backward = memory["phases"]["backward"]
     if stage == 2:  # the bucket, allocated in backward, and the Linear's gradient whose hook reduces the last bucket
-        assert backward["predicted_by_category"]["gradients"] == bucket + 64 * 64 * 4
+        assert backward["predicted_by_category"]["gradients"] == bucket + 64 * 64 * c
     if stage == 1:
         assert backward["predicted_by_category"]["temporaries"] >= bucket
     for ph in ("forward", "backward", "optimizer"):

@@ -196,7 +196,8 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     held = {"temporaries": gip + pad}
     piece = max(part.pieces, default=0)
     keep("optimizer", held, {"optimizer_state": piece * FP64})  # get_grad_norm_direct: float64 copy of a piece
-    keep("optimizer", held, {"optimizer_state": part.numel * c})  # the flat gradient partition
+    # the flat gradient partition, and in bf16 / fp16 its fp32 copy (``.to``) before the flat one is deleted
+    keep("optimizer", held, {"optimizer_state": part.numel * c + (part.numel * 4 if c != 4 else 0)})
     keep("optimizer", {"optimizer_state": part.numel * 4 + adamw_temporaries((part.numel,), 4, False)})
     return out.best
 

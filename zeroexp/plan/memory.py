@@ -45,8 +45,9 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
                        f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS, *DS_ROWS])})")
     if flow == "fsdp1" and use_orig_params:
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
-    if precision != "fp32" or offload != "none":
-        reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, offload none)")
+    if (precision != "fp32" and not (flow == "deepspeed" and precision == "bf16")) or offload != "none":
+        reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, DeepSpeed "
+                       "bf16, offload none)")
     if activation_checkpointing != "none":
         reasons.append(f"no peak model yet for activation_checkpointing={activation_checkpointing} (the traced step "
                        "has no recompute)")
@@ -90,12 +91,16 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
     return sum(sum(b) for b in groups.buckets) * itemsize if name in ("ddp", "zro") else 0
 
 
-def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type]) -> StepTrace:
+def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32") -> StepTrace:
     """The bare step the row's peak model reads: segmented at the strategy's units, or, for DeepSpeed (which gathers
-    and releases stage-3 parameters module by module), at every module holding parameters."""
+    and releases stage-3 parameters module by module), at every module holding parameters; DeepSpeed's bf16 runs the
+    module converted to bf16."""
+    from zeroexp.models import torch_dtype
     from zeroexp.plan.steptrace import trace_step
 
-    return trace_step(model_cfg, batch_size, wrap, device="cpu", own_params_units=name in DS_ROWS)
+    ds = name in DS_ROWS
+    return trace_step(model_cfg, batch_size, wrap, device="cpu", own_params_units=ds,
+                      module_dtype=torch_dtype(param_dtype) if ds and param_dtype != "float32" else None)
 
 
 def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
@@ -112,7 +117,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     reasons += ds_peak_limits(name, groups, cap)
     if reasons:
         return {"check": "n/a", "reasons": reasons}
-    trace = trace_for(name, cfg.model, int(cfg.batch_size), wrap)
+    trace = trace_for(name, cfg.model, int(cfg.batch_size), wrap, str(cfg.precision.param_dtype))
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), cap)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}",

@@ -26,12 +26,15 @@ __all__ = ["trace_step"]
 
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-               dtype: torch.dtype | None = None, own_params_units: bool = False) -> StepTrace:
+               dtype: torch.dtype | None = None, own_params_units: bool = False,
+               module_dtype: torch.dtype | None = None) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
     way), or, with ``own_params_units``, every module that holds parameters of its own (DeepSpeed stage 3 gathers and
     releases parameters module by module); then the trace also records each unit's parameters and whether its input
-    required grad (``StepTrace.units``). ``dtype``: the compute dtype (autocast; None or fp32: the model's own)."""
+    required grad (``StepTrace.units``). ``dtype``: the compute dtype (autocast; None or fp32: the model's own).
+    ``module_dtype``: the model converted to that dtype instead, its floating-point input cast in its forward
+    (DeepSpeed's bf16: the engine converts the module, zeroexp's adapter casts the input)."""
     from contextlib import nullcontext
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -41,7 +44,12 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     classes = tuple(wrap)
     segments: list[Segment] = []
     with FakeTensorMode(), torch.device(device):
-        net = build_model(model_cfg)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(module_dtype or default)  # the module built in that dtype (fake tensors cannot swap)
+        try:
+            net = build_model(model_cfg)
+        finally:
+            torch.set_default_dtype(default)
         names = {id(m): name or "root" for name, m in net.named_modules()}
         batch = zeros_batch(model_cfg, batch_size)
         mt = step_mem_tracker()
@@ -78,7 +86,8 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                 base.append(totals(mt.get_tracker_snapshot("current"), device))
                 mt.reset_peak()
                 with cast:
-                    out = net(batch)
+                    out = net(batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point()
+                              else batch)
                     loss = loss_of(model_cfg)(out, batch)
                 del out  # the step keeps only what autograd saved of the output
                 kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss
