@@ -152,7 +152,8 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
            memory: int | None, knobs: PlanKnobs, checkpointing: bool = False) -> None:
     """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers: ``peak_bytes`` (model
-    state + DDP's buckets + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``, and
+    state + DDP's buckets or DeepSpeed stage 3's bucket + the largest phase above steady, the largest rank),
+    ``peak_phase``, ``phase_bytes``, and
     ``fits`` judged on the peak there (``fits_on``: ``peak``, else ``state``: model state + gather floor, as before).
     ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does).
     ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
@@ -162,12 +163,13 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.memory import (flow_of, needs_in_place, steady_buffers_bytes, step_traces, uncovered,
                                      worst_rank_phases)
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits
 
     traced = batch is not None and cfg.model is not None and cfg.precision.name == "fp32"
     wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
                                                                   "model": cfg.model}))] if traced else []
     k = knobs.micro_batches
-    traces: dict[bool, Any] = {}  # by whether the row also needs the step with its gradients in place
+    traces: dict[tuple[bool, bool], Any] = {}  # by (DeepSpeed's segmentation, the step with its gradients in place)
     for r in records:
         r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, fits_on="state")
         flow = flow_of(r["strategy"])
@@ -181,15 +183,19 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
             r["peak_note"] = "; ".join(why)
             continue
         name, n, c = r["strategy"], r["world_size"], 4
-        need = needs_in_place(name, k)
-        if need not in traces:
-            traces[need] = step_traces(name, cfg.model, batch, wrap, checkpointing, k)
-        trace, in_place = traces[need]
+        key = (flow == "deepspeed", needs_in_place(name, k))
+        if key not in traces:
+            traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k)
+        trace, in_place = traces[key]
         groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place)
+        if why := ds_peak_limits(name, groups, knobs.bucket_cap_bytes):
+            r["peak_note"] = "; ".join(why)
+            continue
+        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place, knobs.bucket_cap_bytes)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
+        buffers = steady_buffers_bytes(name, groups, c, knobs.bucket_cap_bytes)
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
-                 peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))
+                 peak_bytes=r["device_bytes"] + buffers + max(phases[top]["bytes"], 0))
         if memory is not None:
             r["fits"] = r["peak_bytes"] <= memory
 
