@@ -67,7 +67,8 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
 
 
 def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
-                optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool) -> dict[str, dict]:
+                optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool, master_grads: int = 0,
+                gather_inputs: int = 0) -> dict[str, dict]:
     """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
@@ -76,7 +77,9 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     bucket opened before the segment started (``buckets``: each one's bytes in reduce order, opened by its first
     ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps (:func:`adamw_temporaries`), or,
     for ``bucket``, the buckets alive when the step begins if they are more (released before the update). Each
-    segment's figure is a lower bound of the real one; the phase's peak is the largest."""
+    segment's figure is a lower bound of the real one; the phase's peak is the largest. Below fp32
+    (:mod:`zeroexp.formulas.peak_precision`): ``master_grads``, the fp32 up-casts alive through the update;
+    ``gather_inputs``, steady's all-gather inputs, freed in forward before its peak (every phase's figure less them)."""
     if flow not in ("new", "in_place", "bucket"):
         raise ValueError(f"unknown gradient flow {flow!r}")
     forward = [s for s in trace.segments if s.phase == "forward"]
@@ -102,10 +105,14 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     out["backward"] = best
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
     held = sum(buckets) if flow == "bucket" else 0
-    out["optimizer"] = ({"bytes": temps, "by_category": {"optimizer_state": temps}} if temps >= held else
+    # What the update region allocates is labelled optimizer state by the memory probe: the up-casts too.
+    out["optimizer"] = ({"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}
+                        if temps + master_grads >= held else
                         {"bytes": held, "by_category": {"gradients": held}})
     for rec in out.values():
-        rec["by_category"] = {c: int(b) for c, b in rec["by_category"].items() if b}
+        rec["bytes"] -= gather_inputs  # labelled optimizer state: the update region allocated them
+        rec["by_category"] = {c: int(b) for c, b in _add(rec["by_category"], {"optimizer_state": -gather_inputs}).items()
+                              if b}
     return out
 
 

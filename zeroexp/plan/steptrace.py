@@ -26,10 +26,13 @@ __all__ = ["trace_step"]
 
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-               dtype: torch.dtype | None = None) -> StepTrace:
+               dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
-    way). ``dtype``: the compute dtype (autocast; None or fp32: the model's own)."""
+    way). ``dtype``: autocast's dtype (None or fp32: no autocast). ``param_dtype``: the module's floating parameters
+    and buffers cast to it before the step and the floating input cast to it inside the step, as a strategy that
+    computes in a low precision does (FSDP's ``MixedPrecision`` / ``MixedPrecisionPolicy``, zeroexp's ZeRO); None:
+    the model's own (:func:`zeroexp.formulas.peak_precision.trace_dtypes` says which for a cell)."""
     from contextlib import nullcontext
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -40,6 +43,10 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     segments: list[Segment] = []
     with FakeTensorMode(), torch.device(device):
         net = build_model(model_cfg)
+        if param_dtype not in (None, torch.float32):  # as zeroexp's ZeRO casts them (``.data``: fake tensors swap not)
+            for t in [*net.parameters(), *net.buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(param_dtype)
         names = {id(m): name or "root" for name, m in net.named_modules()}
         batch = zeros_batch(model_cfg, batch_size)
         mt = step_mem_tracker()
@@ -60,13 +67,18 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                       m.register_forward_hook(lambda m, a, o, u=u: mark("forward", u, "end")),
                       m.register_full_backward_pre_hook(lambda m, g, u=u: mark("backward", u, "start")),
                       m.register_full_backward_hook(lambda m, gi, go, u=u: mark("backward", u, "end"))]
-        cast = torch.autocast(device, dtype=dtype) if dtype not in (None, torch.float32) else nullcontext()
+        # Without autocast's weight-cast cache, as Lightning's MixedPrecision plugin runs it (plugins/precision/amp.py:
+        # cache_enabled=False): a cast the backward does not need (the first Linear's weight) is freed at once.
+        cast = (torch.autocast(device, dtype=dtype, cache_enabled=False) if dtype not in (None, torch.float32)
+                else nullcontext())
         try:
             with mt:
                 base.append(totals(mt.get_tracker_snapshot("current"), device))
                 mt.reset_peak()
                 with cast:
-                    out = net(batch)
+                    x = batch.to(param_dtype) if param_dtype is not None and batch.is_floating_point() else batch
+                    out = net(x)
+                    del x
                     loss = loss_of(model_cfg)(out, batch)
                 del out  # the step keeps only what autograd saved of the output
                 kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss
