@@ -144,11 +144,14 @@ def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
 
 class FsdpUnit(NamedTuple):
     """One FSDP1 unit for the peak model: ``unsharded`` (its padded FlatParameter, bytes), ``shard`` (one rank's
-    share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them)."""
+    share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them); ``upcast``: below
+    fp32, the fp32 copy of the reduced shard, allocated beside it and kept instead of it
+    (:func:`zeroexp.formulas.peak_precision.sharded_grad_upcast`; 0: the reduced shard itself is kept)."""
 
     unsharded: int
     shard: int
     grads: int
+    upcast: int = 0
 
 
 def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
@@ -219,9 +222,9 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
         keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads + u.unsharded + shards_done,
                           "parameters": root + held_a, "gradients": t_root - steady_grad_bytes})
         keep("backward", {"activations": t_act,
-                          "temporaries": t_temp + shards_done + u.shard + (u.unsharded if gloo else 0),
+                          "temporaries": t_temp + shards_done + u.shard + u.upcast + (u.unsharded if gloo else 0),
                           "parameters": root + held_b, "gradients": t_root + u.unsharded - steady_grad_bytes})
-        shards_done += u.shard
+        shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
@@ -282,10 +285,10 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                 "activations": -trace.loss_bytes, "parameters": held,
                 "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
-                          "temporaries": after.get("temporaries", 0) + u.grads + u.unsharded + u.shard
+                          "temporaries": after.get("temporaries", 0) + u.grads + u.unsharded + u.shard + u.upcast
                           + (u.unsharded if gloo else 0),
                           "parameters": root + prefetched + pending,
                           "gradients": t_root + shards_done - steady_grad_bytes})
-        shards_done += u.shard
+        shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PrecisionTerms", "precision_terms", "master_upcast_bytes", "gather_input_bytes"]
+__all__ = ["PrecisionTerms", "precision_terms", "master_upcast_bytes", "gather_input_bytes", "sharded_grad_upcast"]
 
 #: Bytes per element of an fp32 master, gradient shard or Adam moment.
 FP32 = 4
@@ -42,7 +42,8 @@ class PrecisionTerms:
 
 
 def precision_terms(flow: str, precision: str, param_dtype: str, compute_itemsize: int) -> PrecisionTerms:
-    """The terms of gradient flow ``flow`` (``new``: ddp, zro; ``in_place`` / ``bucket``: zero1 / zero2) in
+    """The terms of gradient flow ``flow`` (``new``: ddp, zro; ``in_place`` / ``bucket``: zero1 / zero2; ``fsdp1``,
+    ``fsdp2``) in
     ``precision`` (its ``param_dtype``; ``compute_itemsize``: that dtype's bytes). fp32: no cast anywhere."""
     if precision == "fp32":
         return PrecisionTerms(None, None, FP32, False)
@@ -50,7 +51,16 @@ def precision_terms(flow: str, precision: str, param_dtype: str, compute_itemsiz
         return PrecisionTerms(param_dtype, None, FP32, False)
     if flow in ("in_place", "bucket"):  # compute-dtype buckets, fp32 master shards
         return PrecisionTerms(None, param_dtype, compute_itemsize, True)
-    raise ValueError(f"no precision terms for gradient flow {flow!r} (covered: new, in_place, bucket)")
+    if flow in ("fsdp1", "fsdp2"):  # units gathered in the compute dtype; fp16 under Lightning's autocast too
+        return PrecisionTerms(param_dtype if precision == "fp16" else None, param_dtype, compute_itemsize, False)
+    raise ValueError(f"no precision terms for gradient flow {flow!r} (covered: new, in_place, bucket, fsdp1, fsdp2)")
+
+
+def sharded_grad_upcast(shard_numel: int, terms: PrecisionTerms) -> int:
+    """FSDP1 / FSDP2 below fp32: the fp32 sharded gradient cast from the reduce-scatter's compute-dtype output
+    (FSDP1 ``_cast_grad_to_param_dtype``, FSDP2 ``foreach_reduce``'s ``.to(orig_dtype)``), allocated while that
+    output is alive and kept as the unit's gradient shard (fp32: the output itself is kept, 0 here)."""
+    return shard_numel * FP32 if terms.grad_itemsize < FP32 else 0
 
 
 def master_upcast_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms) -> int:

@@ -19,7 +19,7 @@ from zeroexp.formulas import ITEMSIZE, Groups, ModelShape
 from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks,
                                    phase_peaks)
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
-                                             precision_terms)
+                                             precision_terms, sharded_grad_upcast)
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "flow_of", "uncovered", "steady_buffers_bytes",
            "TOLERANCE"]
@@ -78,16 +78,16 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's; ``terms``: how the row applies the
     precision (:func:`cell_precision_terms`; None: fp32)."""
+    terms = terms or precision_terms(flow_of(name), "fp32", "float32", itemsize)
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
-        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo)
-    terms = terms or precision_terms(GRADIENT_FLOW[name], "fp32", "float32", itemsize)
+        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms)
     return phase_peaks(GRADIENT_FLOW[name], trace,
                        **_strategy_terms(name, groups, rank, groups.world_size, itemsize, terms))
 
 
 def cell_precision_terms(name: str, cfg: Any) -> PrecisionTerms | None:
     """How the cell's row applies its precision (None: a row without precision terms, fp32 only)."""
-    flow = GRADIENT_FLOW.get(name)
+    flow = flow_of(name)
     if flow is None:
         return None
     p = cfg.precision
@@ -185,10 +185,11 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
-          gloo: bool) -> dict[str, Any]:
+          gloo: bool, terms: PrecisionTerms) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
-    post-order, the root last) beside the shape's (their parameters' own gradients)."""
-    n = groups.world_size
+    post-order, the root last) beside the shape's (their parameters' own gradients), gathered and reduced in the
+    compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``)."""
+    n, kept = groups.world_size, ADAMW["optimizer_itemsize"]  # the sharded gradients: the dtype AdamW steps
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
@@ -198,14 +199,15 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
             root += unit.numel * itemsize
         else:
             units.append(FsdpUnit(unit.numel * itemsize, unit.numel // n * itemsize,
-                                  sum(shape.numels[i] for i in members) * itemsize))
+                                  sum(shape.numels[i] for i in members) * itemsize,
+                                  sharded_grad_upcast(unit.numel // n, terms)))
     shards = [u.numel // n for u in groups.units]
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
-        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize, gloo=gloo,
+        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=tuple(s.numel // n for s in groups.shards), **ADAMW,
                                  reshard_after_forward=FSDP2_ROWS[name])
     full_shard = FSDP1_ROWS[name]
-    return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize,
+    return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **ADAMW)
 
