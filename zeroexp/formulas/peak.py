@@ -144,14 +144,16 @@ def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
 
 class FsdpUnit(NamedTuple):
     """One FSDP1 unit for the peak model: ``unsharded`` (its padded FlatParameter, bytes), ``shard`` (one rank's
-    share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them); ``upcast``: below
-    fp32, the fp32 copy of the reduced shard, allocated beside it and kept instead of it
-    (:func:`zeroexp.formulas.peak_precision.sharded_grad_upcast`; 0: the reduced shard itself is kept)."""
+    share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them). Below fp32
+    (:mod:`zeroexp.formulas.peak_precision`): ``upcast``, the fp32 copy of the reduced shard, allocated beside it
+    after the reduce-scatter returned (gloo's copy of its input freed) and kept instead of it; ``gather_copy``, FSDP1's
+    compute-dtype copy of the shard (``_mp_shard``) alive while the unit is all-gathered. 0: fp32."""
 
     unsharded: int
     shard: int
     grads: int
     upcast: int = 0
+    gather_copy: int = 0
 
 
 def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
@@ -186,9 +188,10 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
         done = sum(full[:k]) if not reshard_after_forward else 0
         if s.at == "end":  # unit k computing
             keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + done + full[k]}))
-        else:  # before unit k's pre-hook: k gathered at its end
+        else:  # before unit k's pre-hook: k gathered at its end (from its shard's compute-dtype copy, below fp32)
             keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + done}))
-            keep("forward", _add(_add(s.end_by_category, act), {"parameters": root + done + full[k]}))
+            keep("forward", _add(_add(s.end_by_category, act),
+                                 {"parameters": root + done + full[k] + units[k].gather_copy}))
     segs = list(trace.segments)
     order = sorted(k_of.items(), key=lambda kv: -kv[1])  # backward: the last unit first
     shards_done, grads_done = 0, 0  # the units done: their shards (kept), their traced full gradients (not kept)
@@ -222,7 +225,7 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
         keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads + u.unsharded + shards_done,
                           "parameters": root + held_a, "gradients": t_root - steady_grad_bytes})
         keep("backward", {"activations": t_act,
-                          "temporaries": t_temp + shards_done + u.shard + u.upcast + (u.unsharded if gloo else 0),
+                          "temporaries": t_temp + shards_done + u.shard + max(u.upcast, u.unsharded if gloo else 0),
                           "parameters": root + held_b, "gradients": t_root + u.unsharded - steady_grad_bytes})
         shards_done += u.upcast or u.shard
         grads_done += u.grads
@@ -285,8 +288,8 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                 "activations": -trace.loss_bytes, "parameters": held,
                 "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
-                          "temporaries": after.get("temporaries", 0) + u.grads + u.unsharded + u.shard + u.upcast
-                          + (u.unsharded if gloo else 0),
+                          "temporaries": after.get("temporaries", 0) + u.grads + u.unsharded + u.shard
+                          + max(u.upcast, u.unsharded if gloo else 0),
                           "parameters": root + prefetched + pending,
                           "gradients": t_root + shards_done - steady_grad_bytes})
         shards_done += u.upcast or u.shard

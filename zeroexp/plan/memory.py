@@ -45,9 +45,6 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
                        f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS])})")
     if flow == "fsdp1" and use_orig_params:
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
-    if precision != "fp32" and flow not in GRADIENT_FLOW.values():
-        reasons.append(f"no peak model yet for precision={precision} on strategy.layout={name} (covered: fp32; "
-                       f"bf16 and fp16 on {', '.join(GRADIENT_FLOW)})")
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
@@ -200,7 +197,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         else:
             units.append(FsdpUnit(unit.numel * itemsize, unit.numel // n * itemsize,
                                   sum(shape.numels[i] for i in members) * itemsize,
-                                  sharded_grad_upcast(unit.numel // n, terms)))
+                                  sharded_grad_upcast(unit.numel // n, terms),
+                                  unit.numel // n * itemsize if name in FSDP1_ROWS and terms.module_dtype else 0))
     shards = [u.numel // n for u in groups.units]
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
