@@ -91,6 +91,12 @@ def cell_precision_terms(name: str, cfg: Any) -> PrecisionTerms | None:
     return precision_terms(flow, str(p.name), str(p.param_dtype), ITEMSIZE[str(p.param_dtype)])
 
 
+def _trace_record(terms: PrecisionTerms | None) -> dict[str, Any]:
+    """The dtypes the step was traced in, for ``plan.memory.trace``: ``autocast`` and ``param_dtype`` (null: none,
+    the model's own fp32)."""
+    return {"autocast": terms and terms.autocast, "param_dtype": terms and terms.module_dtype}
+
+
 def _trace_dtypes(terms: PrecisionTerms | None) -> dict[str, Any]:
     """trace_step's ``dtype`` (autocast) and ``param_dtype`` for the terms: the step traced as the cell computes."""
     import torch
@@ -126,7 +132,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), terms)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}",
-                "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
+                "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
+                      **_trace_record(terms)},
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
@@ -159,7 +166,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                                f"({_worst_category(want['by_category'], by_cat)})")
         phases[ph] = rec
     return {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' (zeroexp.formulas.peak)",
-            "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
+            "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
+                      **_trace_record(terms)},
             "phases": phases, "max_rel_err": max(errs) if errs else None,
             "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
 
@@ -244,7 +252,7 @@ def _judge(measured: int, predicted: int, late: list[tuple[str, int]]) -> tuple[
     prediction exceeds the measurement. Also the relative error of the prediction."""
     band = TOLERANCE * abs(measured)  # below steady (zeroexp's ZeRO below fp32 frees steady's all-gather inputs)
     excess = measured - predicted
-    rel = abs(excess) / measured if measured else float(excess != 0)
+    rel = abs(excess) / abs(measured) if measured else float(excess != 0)
     if 0 <= excess <= band:
         return "PASS", None, rel
     if excess > 0:
