@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from zeroexp.formulas.framework import FrameworkCost, framework_time
 from zeroexp.formulas.layout import Groups, StateLayout
 from zeroexp.formulas.paper import Collectives
 from zeroexp.formulas.time import ComputeRate
@@ -52,7 +53,8 @@ class Slot(NamedTuple):
 
 @dataclass(frozen=True)
 class StepTime:
-    """A predicted step: its time, the communication not hidden behind compute, and each phase (seconds)."""
+    """A predicted step: its time, the communication not hidden behind compute, each phase's compute, the
+    framework's own work (:mod:`zeroexp.formulas.framework`, by term) (seconds)."""
 
     step_s: float
     exposed_comm_s: float
@@ -61,9 +63,12 @@ class StepTime:
     backward_s: float
     optimizer_s: float
     rule: str
+    framework_s: float = 0.0
+    framework_terms: tuple = ()  # (name, seconds)
+    framework_notes: tuple = ()
 
     def by_phase_ms(self) -> dict[str, float]:
-        return {k: 1e3 * getattr(self, f"{k}_s") for k in ("forward", "backward", "optimizer", "comm",
+        return {k: 1e3 * getattr(self, f"{k}_s") for k in ("forward", "backward", "optimizer", "framework", "comm",
                                                              "exposed_comm")}
 
 
@@ -146,16 +151,22 @@ def simulate_step(compute_s: float, calls: list[tuple[float, float, int, float]]
 
 
 def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, rate: ComputeRate,
-                 samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre") -> StepTime:
+                 samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre",
+                 framework: FrameworkCost | None = None, itemsize: int = 4) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank: compute from ``rate`` (forward and backward
     over every parameter, as data parallelism computes the whole model on each rank; AdamW over
     :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
     by their weights and timed by ``seconds_of``, placed by :func:`collective_slots`, run by :func:`simulate_step`.
-    An op the rule has no slot for is issued at the end of backward and waited for at once (exposed)."""
+    An op the rule has no slot for is issued at the end of backward and waited for at once (exposed).
+    ``framework``: the calibrated costs of :mod:`zeroexp.formulas.framework`, added to the phase each runs in (the
+    rank's own work, like compute); None: none (a device preset)."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples
     b = rate.backward_s_per_param_sample * psi * samples
     o = rate.adamw_s_per_element * optimizer_elements(layout, groups)
+    fw = framework_time(layout, groups, itemsize, framework or FrameworkCost())
+    bare = (f, b, o)
+    f, b, o = f + fw.forward_s, b + fw.backward_s, o + fw.optimizer_s
     slots, rule = collective_slots(layout, groups, prefetch, f, b, o)
     calls: list[tuple[float, float, int, float]] = []
     for op, entry in collectives.items():
@@ -169,5 +180,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                           seconds_of(op, entry["payload_bytes"] * share, entry["count"] * share)))
     compute = f + b + o
     step = simulate_step(compute, calls, overlap)
-    return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls), forward_s=f,
-                    backward_s=b, optimizer_s=o, rule=rule if overlap else "no overlap on this device: " + rule)
+    return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls),
+                    forward_s=bare[0], backward_s=bare[1], optimizer_s=bare[2],
+                    rule=rule if overlap else "no overlap on this device: " + rule, framework_s=fw.total_s,
+                    framework_terms=tuple(fw.terms.items()), framework_notes=fw.notes)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import (LAYOUTS, ComputeRate, LinkFit, ModelShape, PlanKnobs, derive_groups, predict_step,
-                              step_collectives, two_level_seconds)
+from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, ModelShape, PlanKnobs, derive_groups,
+                              predict_step, step_collectives, two_level_seconds)
 
 __all__ = ["Network", "network_of", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT"]
 
@@ -34,6 +34,7 @@ class Network:
     overlap: bool
     device_memory: Any
     source: str
+    framework: FrameworkCost | None = None  # a calibration's framework costs; presets: none (not known)
 
 
 def _number(node: Any, key: str, where: str) -> float:
@@ -85,7 +86,7 @@ def _calibrated(node: Any, tokens: int) -> Network:
     c = cal.data["compute"]
     return Network("this_machine", cal.seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,
                    f"calibration {cal.path} (N={cal.world_size}, {c['model']}, batch {c['batch_size']}; busbw held "
-                   "at every N)")
+                   "at every N)", cal.framework)
 
 
 def tokens_per_sample(model: Any) -> int:
@@ -104,7 +105,7 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
         layout = LAYOUTS[name]
         groups = derive_groups(name, layout, shape, n, itemsize, knobs)
         t = predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
-                         network.seconds_at(n), network.overlap, "pre")
+                         network.seconds_at(n), network.overlap, "pre", network.framework, itemsize)
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  tokens_per_s=tokens * batch * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
                  fastest=False)

@@ -91,7 +91,7 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"predicted_step_ms": None, "measured_median_ms": None, "median_ci95_ms": None,
                            "ratio": None, "exposed_comm_ms": None,
                            "measured_exposed_comm_ms": coll.get("exposed_comm_ms"), "predicted_by_phase": None,
-                           "throughput": None,
+                           "throughput": None, "framework": None,
                            "calibration": None, "overlap_rule": None, "check": "n/a", "reasons": []}
     timing = summary.get("timing") or {}
     steps = timing.get("step_ms") or []
@@ -110,9 +110,11 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     out["calibration"] = cal.summary()
     collectives = step_collectives(layout, groups, itemsize, knobs)
     t = predict_step(layout, groups, collectives, cal.rate, int(cfg.batch_size), cal.seconds_at(int(cfg.world_size)),
-                     bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name))
+                     bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name), cal.framework, itemsize)
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
-               predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule)
+               predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
+               framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},
+                          "not_modelled": list(t.framework_notes)})
     notes = []
     if str(cfg.precision.name) != "fp32" or str(cfg.offload.name) != "none":
         notes.append(f"the calibration times fp32 compute on the device; precision={cfg.precision.name} "
