@@ -79,8 +79,7 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     for ``bucket``, the buckets alive when the step begins if they are more (released before the update). Each
     segment's figure is a lower bound of the real one; the phase's peak is the largest. Below fp32
     (:mod:`zeroexp.formulas.peak_precision`): ``master_grads``, the fp32 up-casts alive through the update;
-    ``gather_inputs``, steady's all-gather inputs, held through forward and freed before backward (backward's and
-    the optimizer's figures less them)."""
+    ``gather_inputs``, steady's all-gather inputs, freed in forward before its peak (every phase's figure less them)."""
     if flow not in ("new", "in_place", "bucket"):
         raise ValueError(f"unknown gradient flow {flow!r}")
     forward = [s for s in trace.segments if s.phase == "forward"]
@@ -110,10 +109,10 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     out["optimizer"] = ({"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}
                         if temps + master_grads >= held else
                         {"bytes": held, "by_category": {"gradients": held}})
-    for ph, rec in out.items():
-        freed = gather_inputs if ph != "forward" else 0  # labelled optimizer state: the update region allocated them
-        rec["bytes"] -= freed
-        rec["by_category"] = {c: int(b) for c, b in _add(rec["by_category"], {"optimizer_state": -freed}).items() if b}
+    for rec in out.values():
+        rec["bytes"] -= gather_inputs  # labelled optimizer state: the update region allocated them
+        rec["by_category"] = {c: int(b) for c, b in _add(rec["by_category"], {"optimizer_state": -gather_inputs}).items()
+                              if b}
     return out
 
 

@@ -12,8 +12,7 @@ Sources, read alongside the adapters (zeroexp/strategies/):
   flat buckets in the compute dtype, inputs cast by a pre-hook, so gradients and buckets are in the compute dtype;
   in the step each bucket's reduced shard is up-cast to an fp32 master gradient (``shard.float()``, a copy below
   fp32), all alive through AdamW's update; after it each fp32 master shard is cast into the all-gather's input
-  (``master.to(compute dtype)``), in steady; the next forward drops zeroexp's references when it waits for the
-  bucket, yet every measured cell (1 and 3 buckets) held them to the end of forward: freed before backward.
+  (``master.to(compute dtype)``), held until the next forward waits for its bucket (in steady, freed in forward).
 - FSDP1 ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` and FSDP2 ``MixedPrecisionPolicy``: units
   gathered and computed in the compute dtype; fp16 adds Lightning's autocast plugin with a ``ShardedGradScaler``
   (zeroexp/strategies/_amp.py ``with_sharded_scaler``).
@@ -72,7 +71,6 @@ def master_upcast_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms) ->
 
 def gather_input_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms, compute_itemsize: int) -> int:
     """zeroexp's ZeRO below fp32: the all-gather inputs ``master.to(compute dtype)``, one per bucket, held in steady
-    and through the next forward (as measured: zeroexp drops its references when forward waits for each bucket, yet
-    they go only by the end of forward), freed before backward (fp32: the master itself is the input, nothing
-    allocated)."""
+    and freed when the next forward waits for each bucket (before its first module computes; fp32: the master
+    itself is the input, nothing allocated)."""
     return sum(shard_numels) * compute_itemsize if terms.master_below_compute else 0

@@ -234,14 +234,20 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
 def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str, list[tuple[str, int]]]:
     """Per phase, the tensors of which gloo may free one late (CPU cells), each with its bytes. zeroexp's ZeRO-2
     releases a bucket's full gradient in the step before the update, while gloo's finished reduce work may still hold
-    it through AdamW's temporaries. FSDP1's and FSDP2's backward: a unit's reduce-scatter input, gloo's copy of it or
+    it through AdamW's temporaries; below fp32 its forward (ZeRO-1's too) a bucket's all-gather input, which the
+    next forward drops when it waits for the bucket. FSDP1's and FSDP2's backward: a unit's reduce-scatter input, gloo's copy of it or
     its output; FSDP2's forward: a unit's all-gather input or output (gloo frees them when the work object goes, which
     may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
         return {}
-    if name == "zero2" and groups.shards:
-        return {"optimizer": [(f"bucket {k}'s full gradient buffer, the input of its async reduce", s.numel * itemsize)
-                              for k, s in enumerate(groups.shards)]}
+    if name in ("zero1", "zero2") and groups.shards:
+        late = {"forward": [(f"bucket {k}'s all-gather input (its fp32 master shard cast to the compute dtype)",
+                             s.numel // groups.world_size * itemsize) for k, s in enumerate(groups.shards)
+                            if itemsize < 4]}  # fp32: the master itself, no tensor of the all-gather's own
+        if name == "zero2":
+            late["optimizer"] = [(f"bucket {k}'s full gradient buffer, the input of its async reduce",
+                                  s.numel * itemsize) for k, s in enumerate(groups.shards)]
+        return {ph: v for ph, v in late.items() if v}
     if (name in FSDP1_ROWS or name in FSDP2_ROWS) and groups.units:
         n = groups.world_size
         sizes = sorted({u.numel * itemsize for u in groups.units} | {u.numel // n * itemsize for u in groups.units})
