@@ -130,3 +130,10 @@ def test_plan_memory_passes_below_fp32_with_exact_categories(cell):
                                                     "optimizer_state": -2 * shard}
             assert fwd["measured_bytes"] - fwd["predicted_bytes"] in (0, 2 * shard)
             assert opt["predicted_by_category"] == {"optimizer_state": 2 * shard * 4 + shard * 4 - 2 * shard}
+
+
+def test_zero_below_fp32_with_several_buckets_reads_na(cell):
+    # Four buckets (two Linears each): gloo may hold every all-gather input through forward, more than one late tensor.
+    overrides = ("strategy=zero2", "precision=bf16", "strategy.bucket_cap_mb=0.02", "world_size=2")
+    memory = cell(*overrides).summary["plan"]["memory"]
+    assert memory["check"] == "n/a" and "zero2 below fp32 with 4 buckets" in memory["reasons"][0]

@@ -111,8 +111,8 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
                         {"bytes": held, "by_category": {"gradients": held}})
     for rec in out.values():
         rec["bytes"] -= gather_inputs  # labelled optimizer state: the update region allocated them
-        rec["by_category"] = {c: int(b) for c, b in _add(rec["by_category"], {"optimizer_state": -gather_inputs}).items()
-                              if b}
+        cats = _add(rec["by_category"], {"optimizer_state": -gather_inputs})
+        rec["by_category"] = {c: int(b) for c, b in cats.items() if b}
     return out
 
 
