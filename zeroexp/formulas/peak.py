@@ -80,7 +80,7 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
 
 def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
                 optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
-                in_place: StepTrace | None = None) -> dict[str, dict]:
+                in_place: StepTrace | None = None, master_grads: int = 0, gather_inputs: int = 0) -> dict[str, dict]:
     """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
@@ -92,7 +92,9 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     segment's figure is a lower bound of the real one; the phase's peak is the largest. ``in_place``: the same step
     traced with the gradients allocated before it (``trace_step(grads_in_place=True)``), whose backward segments the
     ``in_place`` and ``bucket`` flows take instead of ``trace``'s less its gradients (they differ where activation
-    checkpointing recomputes; ``trace`` still says when each bucket opens)."""
+    checkpointing recomputes; ``trace`` still says when each bucket opens). Below fp32
+    (:mod:`zeroexp.formulas.peak_precision`): ``master_grads``, the fp32 up-casts alive through the update;
+    ``gather_inputs``, steady's all-gather inputs, freed in forward before its peak (every phase's figure less them)."""
     if flow not in ("new", "in_place", "bucket"):
         raise ValueError(f"unknown gradient flow {flow!r}")
     forward = [s for s in trace.segments if s.phase == "forward"]
@@ -124,10 +126,14 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     out["backward"] = best
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
     held = sum(buckets) if flow == "bucket" else 0
-    out["optimizer"] = ({"bytes": temps, "by_category": {"optimizer_state": temps}} if temps >= held else
+    # What the update region allocates is labelled optimizer state by the memory probe: the up-casts too.
+    out["optimizer"] = ({"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}
+                        if temps + master_grads >= held else
                         {"bytes": held, "by_category": {"gradients": held}})
     for rec in out.values():
-        rec["by_category"] = {c: int(b) for c, b in rec["by_category"].items() if b}
+        rec["bytes"] -= gather_inputs  # labelled optimizer state: the update region allocated them
+        cats = _add(rec["by_category"], {"optimizer_state": -gather_inputs})
+        rec["by_category"] = {c: int(b) for c, b in cats.items() if b}
     return out
 
 
@@ -159,11 +165,16 @@ def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
 
 class FsdpUnit(NamedTuple):
     """One FSDP1 unit for the peak model: ``unsharded`` (its padded FlatParameter, bytes), ``shard`` (one rank's
-    share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them)."""
+    share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them). Below fp32
+    (:mod:`zeroexp.formulas.peak_precision`): ``upcast``, the fp32 copy of the reduced shard, allocated beside it
+    after the reduce-scatter returned (gloo's copy of its input freed) and kept instead of it; ``gather_copy``, FSDP1's
+    compute-dtype copy of the shard (``_mp_shard``) alive while the unit is all-gathered. 0: fp32."""
 
     unsharded: int
     shard: int
     grads: int
+    upcast: int = 0
+    gather_copy: int = 0
 
 
 def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
@@ -198,9 +209,10 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
         done = sum(full[:k]) if not reshard_after_forward else 0
         if s.at == "end":  # unit k computing
             keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + done + full[k]}))
-        else:  # before unit k's pre-hook: k gathered at its end
+        else:  # before unit k's pre-hook: k gathered at its end (from its shard's compute-dtype copy, below fp32)
             keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + done}))
-            keep("forward", _add(_add(s.end_by_category, act), {"parameters": root + done + full[k]}))
+            keep("forward", _add(_add(s.end_by_category, act),
+                                 {"parameters": root + done + full[k] + units[k].gather_copy}))
     segs = list(trace.segments)
     order = sorted(k_of.items(), key=lambda kv: -kv[1])  # backward: the last unit first
     shards_done, grads_done = 0, 0  # the units done: their shards (kept), their traced full gradients (not kept)
@@ -234,9 +246,9 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
         keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads + u.unsharded + shards_done,
                           "parameters": root + held_a, "gradients": t_root - steady_grad_bytes})
         keep("backward", {"activations": t_act,
-                          "temporaries": t_temp + shards_done + u.shard + (u.unsharded if gloo else 0),
+                          "temporaries": t_temp + shards_done + u.shard + max(u.upcast, u.unsharded if gloo else 0),
                           "parameters": root + held_b, "gradients": t_root + u.unsharded - steady_grad_bytes})
-        shards_done += u.shard
+        shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
@@ -298,9 +310,9 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                 "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
                           "temporaries": after.get("temporaries", 0) + u.grads + u.unsharded + u.shard
-                          + (u.unsharded if gloo else 0),
+                          + max(u.upcast, u.unsharded if gloo else 0),
                           "parameters": root + prefetched + pending,
                           "gradients": t_root + shards_done - steady_grad_bytes})
-        shards_done += u.shard
+        shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))

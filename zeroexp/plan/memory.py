@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroexp.formulas import Groups, ModelShape
+from zeroexp.formulas import ITEMSIZE, Groups, ModelShape
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
                                    fsdp_phase_peaks)
+from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
+                                             precision_terms, sharded_grad_upcast)
 from zeroexp.plan.peak_deepspeed import DS_ROWS, ds_late_free, ds_peak_limits, ds_phases, ds_steady_buffers_bytes
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
@@ -48,9 +50,14 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
                        f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS, *DS_ROWS])})")
     if flow == "fsdp1" and use_orig_params:
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
-    if (precision != "fp32" and not (flow == "deepspeed" and precision == "bf16")) or offload != "none":
-        reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, DeepSpeed "
-                       "bf16, offload none)")
+    if offload != "none":
+        reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
+                       "FSDP's CPUOffload needs a GPU; covered: offload none)")
+    if flow == "deepspeed" and precision not in ("fp32", "bf16"):
+        reasons.append(f"no peak model yet for DeepSpeed with precision={precision} (covered: fp32, bf16)")
+    if precision != "fp32" and (activation_checkpointing != "none" or micro_batches > 1):
+        reasons.append(f"no peak model yet for precision={precision} with activation_checkpointing="
+                       f"{activation_checkpointing} grad_accum={micro_batches} (each is covered in fp32)")
     if activation_checkpointing not in ("none", "full"):
         reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
     elif flow == "deepspeed" and activation_checkpointing != "none":
@@ -76,13 +83,15 @@ def flow_of(name: str) -> str | None:
 
 
 def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: bool,
-                micro_batches: int, param_dtype: str = "float32") -> tuple[StepTrace, StepTrace | None]:
-    """The bare step traced for row ``name`` (:func:`trace_for`, checkpointed as the cell), and, where the row's
-    gradients live across a step (``in_place``, ``bucket``) or a later micro-batch adds into them (``new`` with
-    ``grad_accum`` > 1), the same step traced with its gradients allocated before it."""
-    trace = trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing)
+                micro_batches: int, param_dtype: str = "float32", terms: PrecisionTerms | None = None
+                ) -> tuple[StepTrace, StepTrace | None]:
+    """The bare step traced for row ``name`` (:func:`trace_for`, checkpointed as the cell, in its precision), and,
+    where the row's gradients live across a step (``in_place``, ``bucket``) or a later micro-batch adds into them
+    (``new`` with ``grad_accum`` > 1), the same step traced with its gradients allocated before it."""
+    trace = trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, terms=terms)
     if needs_in_place(name, micro_batches):
-        return trace, trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, grads_in_place=True)
+        return trace, trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, grads_in_place=True,
+                                terms=terms)
     return trace, None
 
 
@@ -94,30 +103,48 @@ def needs_in_place(name: str, micro_batches: int) -> bool:
 
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
                       prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None,
-                      bucket_cap_bytes: int = 25 * 2**20) -> dict[str, dict]:
+                      bucket_cap_bytes: int = 25 * 2**20, terms: PrecisionTerms | None = None) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
     that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
     ranks = range(groups.world_size) if name in ("zro", "deepspeed_stage1", "deepspeed_stage2") else (0,)
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, micro_batches=micro_batches,
-                               in_place=in_place, bucket_cap_bytes=bucket_cap_bytes)
+                               in_place=in_place, bucket_cap_bytes=bucket_cap_bytes, terms=terms)
                 for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
-                   in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20) -> dict[str, dict]:
+                   in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20,
+                   terms: PrecisionTerms | None = None) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
-    ``by_category``, for rank ``rank``. ``trace``: the bare step (checkpointed when the cell is: its segments then
-    hold each unit's input in forward and its recompute in backward; DeepSpeed rows: :func:`trace_for`'s); ``in_place``:
-    the same with its gradients allocated before it (:func:`step_traces`); ``micro_batches``: ``grad_accum``, each
-    phase the highest over them (:mod:`zeroexp.formulas.accumulation`); ``bucket_cap_bytes``:
-    ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket."""
+    ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's. ``trace``: the bare step (checkpointed
+    when the cell is: its segments then hold each unit's input in forward and its recompute in backward; DeepSpeed
+    rows: :func:`trace_for`'s); ``in_place``: the same with its gradients allocated before it (:func:`step_traces`);
+    ``micro_batches``: ``grad_accum``, each phase the highest over them (:mod:`zeroexp.formulas.accumulation`);
+    ``bucket_cap_bytes``: ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket; ``terms``: how the row applies the
+    precision (:func:`cell_precision_terms`; None: fp32)."""
     if name in DS_ROWS:
         return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
+    terms = terms or precision_terms(flow_of(name), "fp32", "float32", itemsize)
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
-        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, micro_batches)
-    terms = _strategy_terms(name, groups, rank, groups.world_size, itemsize)
-    return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, in_place=in_place, **terms)
+        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches)
+    st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms)
+    return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, in_place=in_place, **st)
+
+
+def cell_precision_terms(name: str, cfg: Any) -> PrecisionTerms | None:
+    """How the cell's row applies its precision (None: a row without precision terms: DeepSpeed's, or no model)."""
+    flow = flow_of(name)
+    if flow is None or flow == "deepspeed":
+        return None
+    p = cfg.precision
+    return precision_terms(flow, str(p.name), str(p.param_dtype), ITEMSIZE[str(p.param_dtype)])
+
+
+def _trace_record(terms: PrecisionTerms | None) -> dict[str, Any]:
+    """The dtypes the step was traced in, for ``plan.memory.trace``: ``autocast`` and ``param_dtype`` (null: none,
+    the model's own fp32)."""
+    return {"autocast": terms and terms.autocast, "param_dtype": terms and terms.module_dtype}
 
 
 def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_bytes: int = 25 * 2**20) -> int:
@@ -129,17 +156,27 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
 
 
 def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",
-              checkpointing: bool = False, grads_in_place: bool = False) -> StepTrace:
+              checkpointing: bool = False, grads_in_place: bool = False,
+              terms: PrecisionTerms | None = None) -> StepTrace:
     """The bare step the row's peak model reads (:func:`zeroexp.plan.steptrace.trace_step`): segmented at the
     strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module), at every
-    module holding parameters; DeepSpeed's bf16 runs the module converted to bf16."""
+    module holding parameters; in the dtypes the cell computes in: DeepSpeed's bf16 runs the module converted to bf16,
+    the other rows as their ``terms`` say (autocast, or the module cast: :mod:`zeroexp.formulas.peak_precision`)."""
+    import torch
+
     from zeroexp.models import torch_dtype
     from zeroexp.plan.steptrace import trace_step
 
     ds = name in DS_ROWS
+    if ds:
+        dtypes = {"module_dtype": torch_dtype(param_dtype) if param_dtype != "float32" else None}
+    elif terms is not None:
+        dtypes = {"dtype": None if terms.autocast is None else getattr(torch, terms.autocast),
+                  "module_dtype": None if terms.module_dtype is None else getattr(torch, terms.module_dtype)}
+    else:
+        dtypes = {}
     return trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
-                      grads_in_place=grads_in_place, own_params_units=ds,
-                      module_dtype=torch_dtype(param_dtype) if ds and param_dtype != "float32" else None)
+                      grads_in_place=grads_in_place, own_params_units=ds, **dtypes)
 
 
 def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
@@ -157,15 +194,22 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     reasons += ds_peak_limits(name, groups, cap)
     if reasons:
         return {"check": "n/a", "reasons": reasons}
+    terms = cell_precision_terms(name, cfg)
+    several = terms is not None and terms.master_below_compute and len(groups.shards) > 1
+    if several and measured.get("phases_of_max_rank"):
+        return {"check": "n/a", "reasons": [
+            f"no peak model yet for {name} below fp32 with {len(groups.shards)} buckets: gloo held every bucket's "
+            "all-gather input through forward in the cell measured, more than the one late tensor the check allows "
+            "(docs/planner.md, the peak model)"]}
     checkpointing = ac is not None and str(ac.name) == "full"
     micro_batches = int(cfg.get("grad_accum") or 1)
     trace, in_place = step_traces(name, cfg.model, int(cfg.batch_size), wrap, checkpointing, micro_batches,
-                                  str(cfg.precision.param_dtype))
+                                  str(cfg.precision.param_dtype), terms)
     traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
-              "checkpointing": checkpointing, "micro_batches": micro_batches}
+              "checkpointing": checkpointing, "micro_batches": micro_batches, **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
-                                      in_place, cap)
+                                      in_place, cap, terms)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
@@ -174,7 +218,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
     predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                               micro_batches, in_place, cap)
+                               micro_batches, in_place, cap, terms)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
@@ -219,24 +263,31 @@ def _as_simulated(section: dict[str, Any]) -> dict[str, Any]:
                         "fake storages (summary.json memory.source), beside the prediction, not a check of it", *why]}
 
 
-def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int) -> dict[str, Any]:
+def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
+                    terms: PrecisionTerms) -> dict[str, Any]:
     """What the peak model needs of the groups, for rank ``rank``: the gradient bytes ``zero_grad`` frees, the
-    buckets in reduce order, the tensors the rank's AdamW steps (fp32 state; single-tensor, torch's default on CPU)."""
+    buckets in reduce order, the tensors the rank's AdamW steps (fp32 state; single-tensor, torch's default on CPU),
+    and below fp32 zeroexp's ZeRO's up-casts and all-gather inputs (:mod:`zeroexp.formulas.peak_precision`)."""
+    g = terms.grad_itemsize
     if name in ("ddp", "zro"):
         numels = groups.numels if name == "ddp" else groups.owners[rank]
-        return {"steady_grad_bytes": groups.numel * itemsize, "buckets": (), "optimizer_numels": tuple(numels),
+        return {"steady_grad_bytes": groups.numel * g, "buckets": (), "optimizer_numels": tuple(numels),
                 **ADAMW}
     # zeroexp's ZeRO: one flat bucket per shard; backward fills the last-defined bucket first.
-    return {"steady_grad_bytes": 0, "buckets": tuple(s.numel * itemsize for s in reversed(groups.shards)),
-            "optimizer_numels": tuple(s.numel // n for s in groups.shards), **ADAMW}
+    shards = tuple(s.numel // n for s in groups.shards)
+    return {"steady_grad_bytes": 0, "buckets": tuple(s.numel * g for s in reversed(groups.shards)),
+            "optimizer_numels": shards, **ADAMW, "master_grads": master_upcast_bytes(shards, terms),
+            "gather_inputs": gather_input_bytes(shards, terms, itemsize)}
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
-          gloo: bool, micro_batches: int = 1) -> dict[str, Any]:
+          gloo: bool, terms: PrecisionTerms, micro_batches: int = 1) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
-    post-order, the root last) beside the shape's (their parameters' own gradients). ``micro_batches`` > 1:
-    SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.fsdp_no_sync_phase_peaks`)."""
-    n = groups.world_size
+    post-order, the root last) beside the shape's (their parameters' own gradients), gathered and reduced in the
+    compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``).
+    ``micro_batches`` > 1: SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.
+    fsdp_no_sync_phase_peaks`)."""
+    n, kept = groups.world_size, ADAMW["optimizer_itemsize"]  # the sharded gradients: the dtype AdamW steps
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
@@ -247,7 +298,9 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
             root_grads += sum(shape.numels[i] for i in members) * itemsize
         else:
             units.append(FsdpUnit(unit.numel * itemsize, unit.numel // n * itemsize,
-                                  sum(shape.numels[i] for i in members) * itemsize))
+                                  sum(shape.numels[i] for i in members) * itemsize,
+                                  sharded_grad_upcast(unit.numel // n, terms),
+                                  unit.numel // n * itemsize if name in FSDP1_ROWS and terms.module_dtype else 0))
     shards = [u.numel // n for u in groups.units]
     if micro_batches > 1:
         if name not in NO_SYNC_ROWS:
@@ -258,11 +311,11 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
             optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), ADAMW["optimizer_itemsize"],
                                                     ADAMW["foreach"]))
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
-        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize, gloo=gloo,
+        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=tuple(s.numel // n for s in groups.shards), **ADAMW,
                                  reshard_after_forward=FSDP2_ROWS[name])
     full_shard = FSDP1_ROWS[name]
-    return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize,
+    return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **ADAMW)
 
@@ -270,16 +323,22 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
 def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str, list[tuple[str, int]]]:
     """Per phase, the tensors of which gloo may free one late (CPU cells), each with its bytes. zeroexp's ZeRO-2
     releases a bucket's full gradient in the step before the update, while gloo's finished reduce work may still hold
-    it through AdamW's temporaries. FSDP1's and FSDP2's backward: a unit's reduce-scatter input, gloo's copy of it or
-    its output; FSDP2's forward: a unit's all-gather input or output (gloo frees them when the work object goes, which
-    may be after a later moment of the phase; docs/results.md measures how often)."""
+    it through AdamW's temporaries; below fp32 its forward (ZeRO-1's too) a bucket's all-gather input, which the
+    next forward drops when it waits for the bucket. FSDP1's and FSDP2's backward: a unit's reduce-scatter input,
+    gloo's copy of it or its output; FSDP2's forward: a unit's all-gather input or output (gloo frees them when the
+    work object goes, which may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
         return {}
     if name in DS_ROWS:
         return ds_late_free(name, groups, itemsize)
-    if name == "zero2" and groups.shards:
-        return {"optimizer": [(f"bucket {k}'s full gradient buffer, the input of its async reduce", s.numel * itemsize)
-                              for k, s in enumerate(groups.shards)]}
+    if name in ("zero1", "zero2") and groups.shards:
+        late = {"forward": [(f"bucket {k}'s all-gather input (its fp32 master shard cast to the compute dtype)",
+                             s.numel // groups.world_size * itemsize) for k, s in enumerate(groups.shards)
+                            if itemsize < 4]}  # fp32: the master itself, no tensor of the all-gather's own
+        if name == "zero2":
+            late["optimizer"] = [(f"bucket {k}'s full gradient buffer, the input of its async reduce",
+                                  s.numel * itemsize) for k, s in enumerate(groups.shards)]
+        return {ph: v for ph, v in late.items() if v}
     if (name in FSDP1_ROWS or name in FSDP2_ROWS) and groups.units:
         n = groups.world_size
         sizes = sorted({u.numel * itemsize for u in groups.units} | {u.numel // n * itemsize for u in groups.units})
@@ -292,12 +351,12 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str
 
 
 def _judge(measured: int, predicted: int, late: list[tuple[str, int]]) -> tuple[str, str | None, float]:
-    """PASS when 0 <= measured - predicted <= TOLERANCE * measured; or when the excess is at most one named tensor
+    """PASS when 0 <= measured - predicted <= TOLERANCE * |measured|; or when the excess is at most one named tensor
     that gloo may free late (``late``: each candidate's description and bytes), said in the note. Never PASS when the
     prediction exceeds the measurement. Also the relative error of the prediction."""
-    band = TOLERANCE * max(measured, 0)
+    band = TOLERANCE * abs(measured)  # below steady (zeroexp's ZeRO below fp32 frees steady's all-gather inputs)
     excess = measured - predicted
-    rel = abs(excess) / measured if measured else float(excess != 0)
+    rel = abs(excess) / abs(measured) if measured else float(excess != 0)
     if 0 <= excess <= band:
         return "PASS", None, rel
     if excess > 0:

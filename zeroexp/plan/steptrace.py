@@ -34,8 +34,10 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     way), or, with ``own_params_units``, every module that holds parameters of its own (DeepSpeed stage 3 gathers and
     releases parameters module by module); then the trace also records each unit's parameters and whether its input
     required grad (``StepTrace.units``). ``dtype``: the compute dtype (autocast; None or fp32: the model's own).
-    ``module_dtype``: the model converted to that dtype instead, its floating-point input cast in its forward
-    (DeepSpeed's bf16: the engine converts the module, zeroexp's adapter casts the input). ``checkpointing``: each
+    ``module_dtype``: the module's floating parameters and buffers cast to it before the step and the floating input
+    cast to it inside the step, as a strategy that computes in a low precision does (DeepSpeed's bf16 engine converts
+    the module; FSDP's ``MixedPrecision`` / ``MixedPrecisionPolicy``, zeroexp's ZeRO;
+    :func:`zeroexp.formulas.peak_precision.trace_dtypes` says which for a cell). ``checkpointing``: each
     unit in torch's non-reentrant ``checkpoint_wrapper`` (``activation_checkpointing=full``, as the strategies apply
     it): forward keeps each unit's input, and a unit's backward segment holds its recompute (the unit's forward hooks
     that fire again inside backward end no segment). ``grads_in_place``: every parameter's ``.grad`` exists before
@@ -52,19 +54,18 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     classes = tuple(wrap)
     segments: list[Segment] = []
     with FakeTensorMode(), torch.device(device):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(module_dtype or default)  # the module built in that dtype (fake tensors cannot swap)
-        try:
-            net = build_model(model_cfg)
-        finally:
-            torch.set_default_dtype(default)
+        net = build_model(model_cfg)
+        if module_dtype not in (None, torch.float32):  # as the strategy casts them (``.data``: fake tensors swap not)
+            for t in [*net.parameters(), *net.buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(module_dtype)
         if checkpointing and classes:
             checkpoint_units(net, classes)
         names = {id(m): name or "root" for name, m in net.named_modules()}
         batch = zeros_batch(model_cfg, batch_size)
         params = [p for p in net.parameters() if p.requires_grad]
         if grads_in_place:
-            flat = torch.zeros(sum(p.numel() for p in params))
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype if params else None)
             for p, view in zip(params, flat.split([p.numel() for p in params])):
                 p.grad = view.view_as(p)
         mt = step_mem_tracker()
@@ -99,14 +100,18 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                       m.register_forward_hook(lambda m, a, o, u=u: mark("forward", u, "end")),
                       m.register_full_backward_pre_hook(lambda m, g, u=u: mark("backward", u, "start")),
                       m.register_full_backward_hook(lambda m, gi, go, u=u: mark("backward", u, "end"))]
-        cast = torch.autocast(device, dtype=dtype) if dtype not in (None, torch.float32) else nullcontext()
+        # Without autocast's weight-cast cache, as Lightning's MixedPrecision plugin runs it (plugins/precision/amp.py:
+        # cache_enabled=False): a cast the backward does not need (the first Linear's weight) is freed at once.
+        cast = (torch.autocast(device, dtype=dtype, cache_enabled=False) if dtype not in (None, torch.float32)
+                else nullcontext())
         try:
             with mt:
                 base.append(totals(mt.get_tracker_snapshot("current"), device))
                 mt.reset_peak()
                 with cast:
-                    out = net(batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point()
-                              else batch)
+                    x = batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point() else batch
+                    out = net(x)
+                    del x
                     loss = loss_of(model_cfg)(out, batch)
                 del out  # the step keeps only what autograd saved of the output
                 kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss

@@ -1,0 +1,76 @@
+"""The peak model's precision terms: how each gradient flow of :mod:`zeroexp.formulas.peak` computes in bf16 / fp16,
+what it holds in which dtype, and the bytes mixed precision adds above steady.
+
+Sources, read alongside the adapters (zeroexp/strategies/):
+
+- DDP, ZeroRedundancyOptimizer (``ddp``, ``zro``): Lightning's ``MixedPrecision`` plugin runs the training step under
+  ``torch.autocast`` (lightning/pytorch/plugins/precision/amp.py); parameters, their ``.grad`` and AdamW stay fp32.
+  Autocast's casts of the weights and its low-precision outputs are what the forward saves: the step is traced
+  under autocast (:func:`trace_dtypes`). fp16's ``GradScaler`` holds two scalars; its scaled loss and found-inf
+  flags are a few bytes (left out: the model stays a lower bound).
+- zeroexp's ZeRO (``zero1``, ``zero2``; zeroexp/sharding.py ``ShardedAdamW.step``): the parameters are views of
+  flat buckets in the compute dtype, inputs cast by a pre-hook, so gradients and buckets are in the compute dtype;
+  in the step each bucket's reduced shard is up-cast to an fp32 master gradient (``shard.float()``, a copy below
+  fp32), all alive through AdamW's update; after it each fp32 master shard is cast into the all-gather's input
+  (``master.to(compute dtype)``), held until the next forward waits for its bucket (in steady, freed in forward).
+- FSDP1 ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` and FSDP2 ``MixedPrecisionPolicy``: units
+  gathered and computed in the compute dtype; fp16 adds Lightning's autocast plugin with a ``ShardedGradScaler``
+  (zeroexp/strategies/_amp.py ``with_sharded_scaler``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PrecisionTerms", "precision_terms", "master_upcast_bytes", "gather_input_bytes", "sharded_grad_upcast"]
+
+#: Bytes per element of an fp32 master, gradient shard or Adam moment.
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class PrecisionTerms:
+    """How a gradient flow computes in a precision: ``autocast`` (the dtype autocast runs the step in, or None),
+    ``module_dtype`` (the dtype the module's parameters and input are cast to for the compute, or None: fp32),
+    ``grad_itemsize`` (bytes per element of the gradients autograd accumulates into ``.grad`` and of the buckets),
+    ``master_below_compute`` (an fp32 master exists beside compute-dtype parameters: zeroexp's ZeRO's up-casts)."""
+
+    autocast: str | None
+    module_dtype: str | None
+    grad_itemsize: int
+    master_below_compute: bool
+
+
+def precision_terms(flow: str, precision: str, param_dtype: str, compute_itemsize: int) -> PrecisionTerms:
+    """The terms of gradient flow ``flow`` (``new``: ddp, zro; ``in_place`` / ``bucket``: zero1 / zero2; ``fsdp1``,
+    ``fsdp2``) in
+    ``precision`` (its ``param_dtype``; ``compute_itemsize``: that dtype's bytes). fp32: no cast anywhere."""
+    if precision == "fp32":
+        return PrecisionTerms(None, None, FP32, False)
+    if flow == "new":  # autocast: fp32 parameters and gradients
+        return PrecisionTerms(param_dtype, None, FP32, False)
+    if flow in ("in_place", "bucket"):  # compute-dtype buckets, fp32 master shards
+        return PrecisionTerms(None, param_dtype, compute_itemsize, True)
+    if flow in ("fsdp1", "fsdp2"):  # units gathered in the compute dtype; fp16 under Lightning's autocast too
+        return PrecisionTerms(param_dtype if precision == "fp16" else None, param_dtype, compute_itemsize, False)
+    raise ValueError(f"no precision terms for gradient flow {flow!r} (covered: new, in_place, bucket, fsdp1, fsdp2)")
+
+
+def sharded_grad_upcast(shard_numel: int, terms: PrecisionTerms) -> int:
+    """FSDP1 / FSDP2 below fp32: the fp32 sharded gradient cast from the reduce-scatter's compute-dtype output
+    (FSDP1 ``_cast_grad_to_param_dtype``, FSDP2 ``foreach_reduce``'s ``.to(orig_dtype)``), allocated while that
+    output is alive and kept as the unit's gradient shard (fp32: the output itself is kept, 0 here)."""
+    return shard_numel * FP32 if terms.grad_itemsize < FP32 else 0
+
+
+def master_upcast_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms) -> int:
+    """zeroexp's ZeRO below fp32: the fp32 master gradients ``shard.float()`` allocates, one per bucket, all alive
+    through AdamW's update (fp32: the shard itself becomes the master gradient, nothing allocated)."""
+    return sum(shard_numels) * FP32 if terms.master_below_compute else 0
+
+
+def gather_input_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms, compute_itemsize: int) -> int:
+    """zeroexp's ZeRO below fp32: the all-gather inputs ``master.to(compute dtype)``, one per bucket, held in steady
+    and freed when the next forward waits for each bucket (before its first module computes; fp32: the master
+    itself is the input, nothing allocated)."""
+    return sum(shard_numels) * compute_itemsize if terms.master_below_compute else 0
