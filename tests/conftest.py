@@ -69,21 +69,23 @@ REPO = Path(__file__).resolve().parent.parent
 #: The small sweep of the ZeRO ladder at N=2 that several modules assert on (reports, multirun de-duplication, W&B
 #: runs, progress lines): 12 jobs, 6 distinct cells (prefetch applies to fsdp_full only), run once per session.
 LADDER_SWEEP = ("strategy=ddp,zro,fsdp_grad_op,fsdp_full", "prefetch=pre,post,none", "logger=wandb")
-#: The shapes of every sweep run_sweep starts (as BASE shrinks the cells of ``cell``).
+#: The shapes of the shared sweeps (as BASE shrinks the cells of ``cell``).
 SWEEP_SMALL = ("world_size=2", "model.width=64", "steps=10")
 
 
-def run_sweep(sweep_dir: Path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    """``python -m zeroexp --multirun ...`` into ``sweep_dir``, in a fresh process, as a user runs it (no W&B
-    setting of this environment; ``fault``: zeroexp.faults' ZEROEXP_FAULT)."""
+def _sweep_env(fault: str | None = None) -> dict[str, str]:
+    """This environment without its W&B settings and injected faults; ``fault``: zeroexp.faults' ZEROEXP_FAULT."""
     from zeroexp.faults import ENV as FAULT_ENV
 
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV and not k.startswith("WANDB")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    if fault:
-        env[FAULT_ENV] = fault
+    return {**env, FAULT_ENV: fault} if fault else env
+
+
+def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``python -m zeroexp --multirun ...`` into ``sweep_dir``, in a fresh process, as a user runs it."""
     cmd = [sys.executable, "-m", "zeroexp", "--multirun", *overrides, *SWEEP_SMALL, f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=sweep_dir.parent, env=_sweep_env(), capture_output=True, text=True, timeout=900)
 
 
 def run_cli(*argv: str, app: str = "zeroexp.cli", cwd: Path | None = None,
@@ -137,10 +139,12 @@ def ladder_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 
 @pytest.fixture(scope="session")
 def failed_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """ddp ok and zro failing on purpose at step 4 (N=2, no W&B), once per session: its directory and process.
+    """ddp ok and zro failing on purpose at step 4 (N=2, no W&B), once per session, through the CLI's entry point
+    in this process (the ladder sweep runs in a process of its own): its directory and the exit code and output.
     Read it only; copy it to change it."""
     sweep_dir = tmp_path_factory.mktemp("failed_sweep") / "sweep"
-    return sweep_dir, run_sweep(sweep_dir, "strategy=ddp,zro", "logger=none", fault="0:4:raise:zro")
+    return sweep_dir, run_cli("--multirun", "strategy=ddp,zro", "logger=none", *SWEEP_SMALL,
+                              f"hydra.sweep.dir={sweep_dir}", cwd=sweep_dir.parent, env=_sweep_env("0:4:raise:zro"))
 
 
 def read_csv(result: CellResult, name: str):
