@@ -74,11 +74,13 @@ SWEEP_SMALL = ("world_size=2", "model.width=64", "steps=10")
 
 
 def _sweep_env(fault: str | None = None) -> dict[str, str]:
-    """This environment without its W&B settings and injected faults; ``fault``: zeroexp.faults' ZEROEXP_FAULT."""
+    """This environment without its W&B settings and injected faults, 200 columns wide; ``fault``: zeroexp.faults'
+    ZEROEXP_FAULT."""
     from zeroexp.faults import ENV as FAULT_ENV
 
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV and not k.startswith("WANDB")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["COLUMNS"] = "200"  # rich wraps at the terminal's width, 80 without one: each message on one line, as read
     return {**env, FAULT_ENV: fault} if fault else env
 
 

@@ -81,7 +81,8 @@ def test_cli_sweep_shows_cells_and_their_progress(ladder_sweep):
     assert len(heads) == 12 and re.fullmatch(r"cell 1 of 12: ddp_\S+", heads[0]), heads
     for i, head in enumerate(heads[1:], start=2):  # a duplicate job prints its head too, then its skip
         assert re.fullmatch(rf"cell {i} of 12: \S+  \(sweep ETA \d+:\d\d, [\d.]+ s per cell so far\)", head), heads
-    assert [h.split(": ")[1].split("_")[0] for h in heads if "zro_" in h or "ddp_" in h][:4] == ["ddp"] * 3 + ["zro"]
+    # Hydra's jobs: strategy by strategy, each with prefetch pre, post, none (a duplicate names its cell too)
+    assert [h.split(": ")[1].split("_")[0] for h in heads] == ["ddp"] * 3 + ["zro"] * 3 + ["fsdp"] * 6, heads
     finals = [m["name"] for line in proc.stderr.splitlines() if (m := LINE.match(line)) and m["k"] == m["n"] == "10"]
     assert [n.split("_")[0] for n in finals] == ["ddp", "zro", "fsdp", "fsdp", "fsdp", "fsdp"], proc.stderr[-3000:]
     cells = list(sweep_dir.glob("*/manifest.json"))
