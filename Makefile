@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(VPY) -m zeroexp $(ARGS)
 
 test: $(STAMP) browser
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 venv: $(STAMP)
 

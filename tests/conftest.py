@@ -1,12 +1,17 @@
 """Shared fixtures: compose real configs and shrink them; run each distinct cell once per test session.
 
 ``cell(*overrides)`` runs the cell that the overrides compose (on top of :data:`BASE`) and caches its
-:class:`~zeroexp.runner.CellResult`, so tests of different probes that look at the same cell share one run.
+:class:`~zeroexp.runner.CellResult` by the composed config, so tests of different probes that look at the same cell
+share one run. ``ladder_sweep`` and ``failed_sweep`` run two small CLI sweeps once per session for every module
+that asserts on a sweep's files or output.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -14,7 +19,7 @@ import pytest
 import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cli import CONF_DIR, register
 from zeroexp.runner import CellResult, run_cell
@@ -43,17 +48,105 @@ def compose() -> Callable[..., DictConfig]:
 @pytest.fixture(scope="session")
 def cell(compose, tmp_path_factory) -> Callable[..., CellResult]:
     """Run (once per session) the cell given by the overrides; returns its CellResult."""
-    cache: dict[tuple[str, ...], CellResult] = {}
+    composed: dict[tuple[str, ...], tuple[DictConfig, str]] = {}
+    cache: dict[str, CellResult] = {}
     root = tmp_path_factory.mktemp("cells")
 
     def _cell(*overrides: str, base: tuple[str, ...] = BASE) -> CellResult:
-        key = (*base, "|", *sorted(overrides))  # group choices apply before values: order is irrelevant
-        if key not in cache:
+        spelled = (*base, "|", *sorted(overrides))  # group choices apply before values: order is irrelevant
+        if spelled not in composed:
             cfg = compose(*overrides, base=base)
+            composed[spelled] = cfg, OmegaConf.to_yaml(cfg)
+        cfg, key = composed[spelled]  # the composed config, not its spelling: a default spelled out
+        if key not in cache:          # ("prefetch=pre", "world_size=4") is the same cell, run once
             cache[key] = run_cell(cfg, root / f"cell{len(cache):03d}")
         return cache[key]
 
     return _cell
+
+
+REPO = Path(__file__).resolve().parent.parent
+#: The small sweep of the ZeRO ladder at N=2 that several modules assert on (reports, multirun de-duplication, W&B
+#: runs, progress lines): 12 jobs, 6 distinct cells (prefetch applies to fsdp_full only), run once per session.
+LADDER_SWEEP = ("strategy=ddp,zro,fsdp_grad_op,fsdp_full", "prefetch=pre,post,none", "logger=wandb")
+#: The shapes of the shared sweeps (as BASE shrinks the cells of ``cell``).
+SWEEP_SMALL = ("world_size=2", "model.width=64", "steps=10")
+
+
+def _sweep_env(fault: str | None = None) -> dict[str, str]:
+    """This environment without its W&B settings and injected faults, 200 columns wide; ``fault``: zeroexp.faults'
+    ZEROEXP_FAULT."""
+    from zeroexp.faults import ENV as FAULT_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV and not k.startswith("WANDB")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["COLUMNS"] = "200"  # rich wraps at the terminal's width, 80 without one: each message on one line, as read
+    return {**env, FAULT_ENV: fault} if fault else env
+
+
+def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``python -m zeroexp --multirun ...`` into ``sweep_dir``, in a fresh process, as a user runs it."""
+    cmd = [sys.executable, "-m", "zeroexp", "--multirun", *overrides, *SWEEP_SMALL, f"hydra.sweep.dir={sweep_dir}"]
+    return subprocess.run(cmd, cwd=sweep_dir.parent, env=_sweep_env(), capture_output=True, text=True, timeout=900)
+
+
+def run_cli(*argv: str, app: str = "zeroexp.cli", cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m zeroexp <argv>`` (or ``python -m zeroexp.plan``: ``app="zeroexp.plan.cli"``) through the app's
+    real entry point, ``main()``, in this process, reported as :func:`subprocess.run` reports it (exit code, stdout,
+    stderr): the same code path without an interpreter start-up (seconds of imports) per case. A cell it runs
+    forks its ranks from this process's forkserver. ``env`` replaces the environment and ``cwd`` the working
+    directory for the call; both, and ``sys.argv``, are restored after it."""
+    import contextlib
+    import importlib
+    import io
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    module = importlib.import_module(app)
+    for flag in ("_TASK_STARTED", "_STARTED"):  # "a task ran": a composition error before it is bad input, exit 2
+        if hasattr(module, flag):
+            setattr(module, flag, False)
+    getattr(module, "_RAN_THIS_INVOCATION", set()).clear()  # a sweep's cells so far: a fresh process has none
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_env, saved_cwd = sys.argv, dict(os.environ), os.getcwd()
+    sys.argv = [app, *argv]
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    GlobalHydra.instance().clear()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        GlobalHydra.instance().clear()
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+    return subprocess.CompletedProcess([app, *argv], code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="session")
+def ladder_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """:data:`LADDER_SWEEP` through the CLI, once per session: its directory and the finished process."""
+    sweep_dir = tmp_path_factory.mktemp("ladder_sweep") / "sweep"
+    return sweep_dir, run_sweep(sweep_dir, *LADDER_SWEEP)
+
+
+@pytest.fixture(scope="session")
+def failed_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """ddp ok and zro failing on purpose at step 4 (N=2, no W&B), once per session, through the CLI's entry point
+    in this process (the ladder sweep runs in a process of its own): its directory and the exit code and output.
+    Read it only; copy it to change it."""
+    sweep_dir = tmp_path_factory.mktemp("failed_sweep") / "sweep"
+    return sweep_dir, run_cli("--multirun", "strategy=ddp,zro", "logger=none", *SWEEP_SMALL,
+                              f"hydra.sweep.dir={sweep_dir}", cwd=sweep_dir.parent, env=_sweep_env("0:4:raise:zro"))
 
 
 def read_csv(result: CellResult, name: str):
@@ -65,7 +158,7 @@ def read_csv(result: CellResult, name: str):
 #: What starts rank processes (or a whole `python -m zeroexp`): a test that does, itself or through a fixture, is
 #: ``slow``; ``pytest -m "not slow"`` is the edit-test loop's fast subset (README, Tests).
 _SPAWNS = re.compile(r"\brun_cell\(|(?<![\w.])cell\(|\bmp\.spawn\(|\bstart_processes\(|\bsubprocess\.|"
-                     r"\blaunch_local\(|\brun_dry\(|\bmain\(\)")
+                     r"\blaunch_local\(|\brun_dry\(|\bmain\(\)|\brun_cli\(")
 
 
 def _starts_processes(func, depth: int = 3) -> bool:

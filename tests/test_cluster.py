@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import BASE, read_csv
+from conftest import BASE, read_csv, run_cli
 from zeroexp.cluster.env import detect
 from zeroexp.config import ConfigError
 from zeroexp.launch import free_port
@@ -91,15 +91,16 @@ def test_a_failing_torchrun_rank_is_recorded(tmp_path):
 
 
 def test_torchrun_launcher_refuses_what_it_cannot_run(tmp_path):
-    """Outside torchrun, and with a world_size other than torchrun's: exit 2 before any rendezvous."""
-    base = [sys.executable, "-m", "zeroexp", "launcher=torchrun", *BASE]
-    out = subprocess.run(base, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    """Outside torchrun, and with a world_size other than torchrun's: exit 2 before any rendezvous (``python -m
+    zeroexp`` in this process, conftest.run_cli, with the environment each case needs)."""
+    base = ["launcher=torchrun", *BASE]
+    out = run_cli(*base, cwd=tmp_path, env=_env())
     text = " ".join(out.stdout.split())  # rich wraps the message at the terminal's width
     assert out.returncode == 2 and "RANK, WORLD_SIZE" in text and "not started by torchrun" in text, text
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
     one = _env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
-    out = subprocess.run([*base, "world_size=2"], cwd=tmp_path, env=one, capture_output=True, text=True, timeout=120)
+    out = run_cli(*base, "world_size=2", cwd=tmp_path, env=one)
     text = " ".join(out.stdout.split())
     assert out.returncode == 2 and "world_size=2" in text and "1, the number of ranks torchrun started" in text, text
 

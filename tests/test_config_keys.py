@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
+from conftest import run_cli
 from zeroexp.cell import cell_id, cell_identity, cell_name
 from zeroexp.cli import CONF_DIR, register
 from zeroexp.config import ConfigError, strategy_extras, validate, without_strategy_extras
@@ -256,9 +256,9 @@ def test_presets_set_strategy_keys_where_they_exist():
 
 
 def _zeroexp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m zeroexp <args>`` in this process (conftest.run_cli), without this environment's W&B settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
-    return subprocess.run([sys.executable, "-m", "zeroexp", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_cli(*args, cwd=cwd, env=env)
 
 
 @pytest.mark.parametrize("args, key", [

@@ -5,8 +5,9 @@ status, error) and that no process is left behind.
 Faults inside a rank come from ``zeroexp.faults`` (``ZEROEXP_FAULT``); faults of the main process are signals sent
 to a ``python -m zeroexp`` in its own session. Elsewhere, not repeated here: a sweep that survives a failed cell and
 resumes it, and a sweep stopped by SIGTERM (tests/test_reliability.py); a rank error as one line without tensor
-values (same file); a write killed mid-way (``test_a_killed_write_never_leaves_a_truncated_file``).
-"""
+values (same file); a write killed mid-way (``test_a_killed_write_never_leaves_a_truncated_file``). The rows that
+signal a running ``python -m zeroexp`` first check, while its cell trains, that every listening socket of its
+processes (main, forkserver, ranks) is on loopback."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
+from zeroexp.progress import read_progress
 from zeroexp.results import read_json
 
 SMALL = ("world_size=2", "timeout.collective_s=4", "timeout.grace_s=1")
@@ -78,8 +81,58 @@ def start_cli(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
         except (FileNotFoundError, json.JSONDecodeError):
             pass
     assert pids and all(_alive(p) for p in pids), "ranks never started"
-    time.sleep(2)  # training
+    while time.monotonic() < deadline and not (read_progress(cell) or {}).get("step"):
+        time.sleep(0.2)  # rank 0 has finished a step: every rank has joined its process group and trains
+    assert (read_progress(cell) or {}).get("step"), "no training step finished"
     return proc, cell
+
+
+def _tree(root: int) -> set[int]:
+    """``root`` and every process below it (from /proc/<pid>/stat)."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return tree
+
+
+def listening_addresses(pids: set[int]) -> set[str]:
+    """The local addresses of the listening TCP sockets (IPv4 and IPv6) that ``pids`` hold, from /proc/net/tcp*."""
+    import socket as so
+
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    link = os.readlink(fd)
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass
+    found = set()
+    for name, family in (("tcp", so.AF_INET), ("tcp6", so.AF_INET6)):
+        path = Path("/proc/net") / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr = bytes.fromhex(f[1].split(":")[0])
+            addr = b"".join(addr[i:i + 4][::-1] for i in range(0, len(addr), 4))  # each 32-bit word is host order
+            found.add(so.inet_ntop(family, addr))
+    return found
 
 
 # --- faults inside a rank: run_cell in this process ----------------------------------------------------------
@@ -132,9 +185,17 @@ def _main_process(sig: signal.Signals, tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the foreground group), SIGTERM or SIGHUP to the main process: the cell ends within
     ``timeout.grace_s`` of it, recorded ``failed`` naming the signal; exit 128 + the signal. SIGKILL: the manifest
     cannot be updated (it stays ``running``; a resumed sweep re-runs it), but no rank, forkserver or resource
-    tracker outlives the main process."""
+    tracker outlives the main process. Before the signal, while the cell trains: nothing of it listens beyond
+    loopback."""
     proc, cell = start_cli(tmp_path, "timeout.grace_s=5")
     pids = [r["pid"] for r in read_json(cell / "manifest.json")["ranks"]]
+    # While the cell trains, every listening socket of the main process, its forkserver and its ranks is on
+    # loopback: the rendezvous store the main process serves on 127.0.0.1, gloo's sockets (GLOO_SOCKET_IFNAME=lo).
+    seen = set()
+    for _ in range(4):
+        seen |= listening_addresses(_tree(proc.pid))
+        time.sleep(0.5)
+    assert seen and seen <= {"127.0.0.1", "::1"}, seen
     t0 = time.monotonic()
     if sig == signal.SIGINT:
         os.killpg(proc.pid, sig)  # what Ctrl-C in a terminal does: the whole foreground group
@@ -170,9 +231,8 @@ def _stale_sweep(compose, tmp_path: Path) -> None:
     (stale / "iterations.csv.partial").write_text("step,loss\n1,0.5\n")
     (stale / ".summary.json.abc.tmp").write_text('{"status": "o')
     (stale / ".ranks" / "rank0.json").write_text("{}")
-    proc = subprocess.run([sys.executable, "-m", "zeroexp", "--multirun", *args, f"hydra.sweep.dir={sweep}",
-                           "resume=true"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
-                          start_new_session=True)
+    proc = run_cli("--multirun", *args, f"hydra.sweep.dir={sweep}", "resume=true", cwd=tmp_path,
+                   env=_env())  # python -m zeroexp, in this process
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = read_json(stale / "manifest.json")
     assert m["status"] == "ok" and m["started_at"] != "stale"

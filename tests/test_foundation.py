@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import read_csv
+from conftest import read_csv, run_cli
 from zeroexp.cli import CONF_DIR
 from zeroexp.config import ConfigError, validate
 
@@ -73,9 +72,9 @@ def test_prefetch_on_a_strategy_without_it_is_refused_only_when_asked_for(compos
 
 
 def _zeroexp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m zeroexp <args>`` in this process (conftest.run_cli), without this environment's W&B settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
-    return subprocess.run([sys.executable, "-m", "zeroexp", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_cli(*args, cwd=cwd, env=env)
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -120,14 +119,14 @@ def test_manifest_and_summary_fields(cell):
     assert m["schema_version"] == s["schema_version"] == 2  # docs/results.md, Schema versions
 
 
-def test_multirun_runs_each_distinct_cell_once(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = _zeroexp("--multirun", "strategy=ddp,zro", "prefetch=pre,post", "logger=wandb", "world_size=2",
-                    "model.width=32", "steps=9", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+def test_multirun_runs_each_distinct_cell_once(ladder_sweep):
+    """The session's ladder sweep (conftest.LADDER_SWEEP): 4 strategies x 3 prefetch = 12 jobs, 6 distinct cells
+    (prefetch applies to fsdp_full only), logger=wandb."""
+    sweep, proc = ladder_sweep
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cells = sorted(p.parent for p in sweep.glob("*/manifest.json"))  # sweep/wandb is the report's run
-    assert len(cells) == 2, cells  # 4 jobs, 2 distinct cells: prefetch does not apply to ddp or zro
-    assert proc.stdout.count("already ran in this sweep") == 2
+    assert len(cells) == 6, cells  # 12 jobs, 6 distinct cells: prefetch does not apply to ddp, zro, fsdp_grad_op
+    assert proc.stdout.count("already ran in this sweep") == 12 - 6
     assert proc.stdout.strip().splitlines()[-1] == str(sweep)
     for c in cells:
         for name in ("manifest.json", "summary.json", "iterations.csv"):
@@ -140,8 +139,8 @@ def test_multirun_runs_each_distinct_cell_once(tmp_path):
         run = read_run(runs[0])
         assert run["run"]["name"] == c.name and run["run"]["group"] == sweep.name
         assert run["summary"]["status"] == "ok" and run["summary"]["world_size"] == 2
-        assert len([h for h in run["history"] if "train/loss_rank0" in h]) == 9
-    assert not list(tmp_path.glob("wandb")) and not list(tmp_path.glob("outputs"))
+        assert len([h for h in run["history"] if "train/loss_rank0" in h]) == 10  # conftest.SWEEP_SMALL: steps=10
+    assert not list(sweep.parent.glob("wandb")) and not list(sweep.parent.glob("outputs"))  # nothing in its cwd
 
 
 def test_any_module_through_target(cell, compose):
@@ -206,9 +205,8 @@ def test_schedule_is_assembled_from_the_probes():
 
 def test_a_short_run_runs_and_says_what_it_skipped(tmp_path):
     """steps=2: every probe that needs a step after warm-up reads n/a with the reason; the digest says so."""
-    proc = subprocess.run([sys.executable, "-m", "zeroexp", "steps=2", "logger=none", "world_size=2",
-                           "model.width=32", f"hydra.run.dir={tmp_path}/cell"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_cli("steps=2", "logger=none", "world_size=2", "model.width=32", f"hydra.run.dir={tmp_path}/cell",
+                   cwd=tmp_path)  # python -m zeroexp, in this process
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "cell" / "summary.json").read_text())
     assert sorted(summary["skipped"]) == ["collectives", "memory", "state", "timing"]

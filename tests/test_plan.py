@@ -7,13 +7,12 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import time
 
 import pytest
 from torch import nn
 
-from conftest import read_csv
+from conftest import read_csv, run_cli
 from zeroexp.formulas import (LAYOUTS, ModelShape, derive_groups, rank_state_bytes,
                               sharded_zero_rank_bytes, zero_state_factors)
 from zeroexp.plan import Precision, parse_bytes, plan, strategy_table
@@ -216,8 +215,8 @@ def test_a_34b_model_plans_in_seconds_without_allocating():
 
 # --- the command line ------------------------------------------------------------------------------------
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeroexp.plan", *args], capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    """``python -m zeroexp.plan <args>`` in this process (conftest.run_cli), from the repository's root."""
+    return run_cli(*args, app="zeroexp.plan.cli", cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 FIG1_ARGS = ("params=7.5e9", "world_size=64", "precision=fp16", f"strategies=[{','.join(PAPER)}]")

@@ -4,17 +4,13 @@ launching process shows from it, and a sweep's ``cell i of n`` with its ETA."""
 from __future__ import annotations
 
 import io
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 from zeroexp.progress import PROGRESS_FILE, SweepClock, StepRecorder, format_line, read_progress, watch_progress
 
-REPO = Path(__file__).resolve().parent.parent
 LINE = re.compile(r"^(?P<name>\S+): step (?P<k>\d+) of (?P<n>\d+), loss \S+, step [\d.]+ ms, "
                   r"elapsed \d+:\d\d, ETA (\d+:\d\d|\?)$")
 
@@ -73,21 +69,23 @@ def test_a_cell_records_its_progress(cell):
     assert abs(rec["loss"] - result.summary["final_loss"]) < 1.0  # rank 0's loss, not the ranks' mean
 
 
-def test_cli_sweep_shows_cells_and_their_progress(tmp_path):
-    """As a user runs it (stderr not a terminal: plain lines): each cell's progress ends at its last step, and the
-    sweep prints ``cell i of n`` with its ETA once a cell has finished."""
-    sweep_dir = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "zeroexp", "--multirun", "strategy=ddp,zro", "logger=none", "world_size=2",
-           "model.width=64", "steps=10", f"hydra.sweep.dir={sweep_dir}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+def test_cli_sweep_shows_cells_and_their_progress(ladder_sweep):
+    """As a user runs it (stderr not a terminal: plain lines; the session's ladder sweep, conftest.LADDER_SWEEP:
+    12 jobs, 6 distinct cells): each cell's progress ends at its last step, and the sweep prints ``cell i of n`` for
+    every job, with its ETA once a cell has finished."""
+    sweep_dir, proc = ladder_sweep
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout.splitlines()
     assert out[-1] == str(sweep_dir)
     heads = [line for line in out if line.startswith("cell ")]
-    assert re.fullmatch(r"cell 1 of 2: ddp_\S+", heads[0]), heads
-    assert re.fullmatch(r"cell 2 of 2: zro_\S+  \(sweep ETA \d+:\d\d, [\d.]+ s per cell so far\)", heads[1]), heads
+    assert len(heads) == 12 and re.fullmatch(r"cell 1 of 12: ddp_\S+", heads[0]), heads
+    for i, head in enumerate(heads[1:], start=2):  # a duplicate job prints its head too, then its skip
+        assert re.fullmatch(rf"cell {i} of 12: \S+  \(sweep ETA \d+:\d\d, [\d.]+ s per cell so far\)", head), heads
+    # Hydra's jobs: strategy by strategy, each with prefetch pre, post, none (a duplicate names its cell too)
+    assert [h.split(": ")[1].split("_")[0] for h in heads] == ["ddp"] * 3 + ["zro"] * 3 + ["fsdp"] * 6, heads
     finals = [m["name"] for line in proc.stderr.splitlines() if (m := LINE.match(line)) and m["k"] == m["n"] == "10"]
-    assert [n.split("_")[0] for n in finals] == ["ddp", "zro"], proc.stderr[-3000:]
-    for cell_dir in sweep_dir.glob("*/manifest.json"):
+    assert [n.split("_")[0] for n in finals] == ["ddp", "zro", "fsdp", "fsdp", "fsdp", "fsdp"], proc.stderr[-3000:]
+    cells = list(sweep_dir.glob("*/manifest.json"))
+    assert len(cells) == 6
+    for cell_dir in cells:
         assert read_progress(cell_dir.parent)["step"] == 10

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from zeroexp.results import read_json, write_json
 
 BAD = [  # (override, key the message must name)
@@ -54,33 +55,16 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _refuse_in_process(override: str, cell_dir: Path, capsys) -> tuple[int, float, str]:
-    """Run the real CLI entry point (``zeroexp.cli.main``) in this process: same code path as
+def _refuse_in_process(override: str, cell_dir: Path) -> tuple[int, float, str]:
+    """Run the real CLI entry point (``zeroexp.cli.main``) in this process (conftest.run_cli): same code path as
     ``python -m zeroexp``, without paying the interpreter start-up for each of the many cases."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    import zeroexp.cli as cli
-
     extra = [] if override.startswith("logger") else ["logger=none"]
-    argv = ["zeroexp", *override.split(), *extra, f"hydra.run.dir={cell_dir}"]
-    GlobalHydra.instance().clear()
-    cli._TASK_STARTED = False
     t0 = time.monotonic()
-    old = sys.argv
-    sys.argv = argv
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    finally:
-        sys.argv = old
-        GlobalHydra.instance().clear()
-    out = capsys.readouterr()
-    return code, time.monotonic() - t0, out.out + out.err
+    proc = run_cli(*override.split(), *extra, f"hydra.run.dir={cell_dir}")
+    return proc.returncode, time.monotonic() - t0, proc.stdout + proc.stderr
 
 
-def test_bad_overrides_are_refused_before_any_rank(tmp_path, capsys, monkeypatch):
+def test_bad_overrides_are_refused_before_any_rank(tmp_path, monkeypatch):
     import zeroexp.launch as launch
 
     def no_launch(*a, **k):
@@ -90,14 +74,14 @@ def test_bad_overrides_are_refused_before_any_rank(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert len(BAD) >= 25
     for i, (override, key) in enumerate(BAD):
-        code, seconds, out = _refuse_in_process(override, tmp_path / f"cell{i}", capsys)
+        code, seconds, out = _refuse_in_process(override, tmp_path / f"cell{i}")
         assert code == 2, (override, out)
         assert key in out, (override, key, out)
         assert seconds < 10, (override, seconds)
         assert not (tmp_path / f"cell{i}").exists(), override  # nothing that looks like a result
 
 
-def test_a_cell_that_cannot_fit_this_machine_is_refused(tmp_path, capsys, monkeypatch, compose):
+def test_a_cell_that_cannot_fit_this_machine_is_refused(tmp_path, monkeypatch, compose):
     """4096 local ranks: refused in one line naming world_size and the estimate (exit 2, no rank, no directory);
     resources.check=false lets it through; too few open files is refused too."""
     import zeroexp.launch as launch
@@ -106,7 +90,7 @@ def test_a_cell_that_cannot_fit_this_machine_is_refused(tmp_path, capsys, monkey
 
     monkeypatch.setattr(launch, "launch_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
     monkeypatch.chdir(tmp_path)
-    code, seconds, out = _refuse_in_process("world_size=4096", tmp_path / "cell", capsys)
+    code, seconds, out = _refuse_in_process("world_size=4096", tmp_path / "cell")
     assert code == 2 and seconds < 10, (code, seconds, out)
     line = " ".join(out.split())
     assert "world_size=4096" in line and "4096 ranks need an estimated" in line and "GiB" in line, line
@@ -127,10 +111,9 @@ def test_a_rank_error_reaches_the_user_as_one_line_without_tensor_values(tmp_pat
     """A rank's exception whose message holds a parameter's repr: the terminal and the manifest get one line with
     ``<tensor>`` in its place, naming the rank and its log file; the numbers stay in the rank's log only."""
     cell = tmp_path / "cell"
-    proc = subprocess.run([sys.executable, "-m", "zeroexp", "logger=none", "world_size=2", "model.width=32",
-                           "steps=9", "timeout.collective_s=4", "timeout.grace_s=1", f"hydra.run.dir={cell}"],
-                          cwd=tmp_path, env=_env(ZEROEXP_FAULT="1:4:raise_tensor"), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_cli("logger=none", "world_size=2", "model.width=32", "steps=9", "timeout.collective_s=4",
+                   "timeout.grace_s=1", f"hydra.run.dir={cell}", cwd=tmp_path,
+                   env=_env(ZEROEXP_FAULT="1:4:raise_tensor"))  # python -m zeroexp, in this process
     assert proc.returncode == 1, proc.stdout + proc.stderr
     error = read_json(cell / "manifest.json")["error"]
     message = error["message"]
@@ -145,10 +128,10 @@ def test_a_rank_error_reaches_the_user_as_one_line_without_tensor_values(tmp_pat
 
 
 def _sweep(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeroexp", "--multirun", "strategy=ddp,zro,fsdp_grad_op",
-                           "logger=none", "world_size=2", "model.width=32", "steps=9",
-                           "timeout.collective_s=4", "timeout.grace_s=1", f"hydra.sweep.dir={tmp_path}/sweep", *args],
-                          cwd=tmp_path, env=_env(**env), capture_output=True, text=True, timeout=600)
+    """``python -m zeroexp --multirun`` of three small cells, in this process (conftest.run_cli)."""
+    return run_cli("--multirun", "strategy=ddp,zro,fsdp_grad_op", "logger=none", "world_size=2", "model.width=32",
+                   "steps=9", "timeout.collective_s=4", "timeout.grace_s=1", f"hydra.sweep.dir={tmp_path}/sweep", *args,
+                   cwd=tmp_path, env=_env(**env))
 
 
 def test_a_sweep_survives_a_failed_cell_and_resumes_it(tmp_path):
@@ -202,82 +185,8 @@ def test_sigterm_stops_a_sweep_and_reports_its_finished_cells(tmp_path):
     assert "ddp" in report and "zro" in report
 
 
-def _tree(root: int) -> set[int]:
-    """``root`` and every process below it (from /proc/<pid>/stat)."""
-    parents = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    tree, grew = {root}, True
-    while grew:
-        new = {p for p, pp in parents.items() if pp in tree} - tree
-        tree |= new
-        grew = bool(new)
-    return tree
-
-
-def _listening_addresses(pids: set[int]) -> set[str]:
-    """The local addresses of the listening TCP sockets (IPv4 and IPv6) that ``pids`` hold, from /proc/net/tcp*."""
-    import socket as so
-
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                try:
-                    link = os.readlink(fd)
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            pass
-    found = set()
-    for name, family in (("tcp", so.AF_INET), ("tcp6", so.AF_INET6)):
-        path = Path("/proc/net") / name
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
-                continue
-            addr = bytes.fromhex(f[1].split(":")[0])
-            addr = b"".join(addr[i:i + 4][::-1] for i in range(0, len(addr), 4))  # each 32-bit word is host order
-            found.add(so.inet_ntop(family, addr))
-    return found
-
-
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp to read listening sockets")
-def test_a_local_cell_listens_on_loopback_only(tmp_path):
-    """The rendezvous store (served by the launching process on 127.0.0.1) and gloo's sockets (GLOO_SOCKET_IFNAME=lo):
-    while a local cell trains, every listening socket of the main process, the forkserver and the ranks is on
-    loopback."""
-    cell = tmp_path / "cell"
-    proc = subprocess.Popen([sys.executable, "-m", "zeroexp", "logger=none", "world_size=2", "model.width=32",
-                             "steps=100000", f"hydra.run.dir={cell}"], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline, seen = time.monotonic() + 90, set()
-        started = False
-        while time.monotonic() < deadline and not started:  # the ranks have started
-            time.sleep(0.2)
-            try:
-                started = bool(read_json(cell / "manifest.json").get("ranks"))
-            except (FileNotFoundError, json.JSONDecodeError):
-                pass
-        assert started, "ranks never started"
-        time.sleep(2)
-        for _ in range(10):  # over 5 s of training: every rank has joined its process group
-            seen |= _listening_addresses(_tree(proc.pid))
-            time.sleep(0.5)
-        assert seen, "no listening socket seen"
-        assert seen <= {"127.0.0.1", "::1"}, seen
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+# Every listening socket of a training local cell is on loopback: asserted in tests/test_fault_matrix.py, by the rows
+# that signal a running `python -m zeroexp`, before the signal (no process of its own for that check).
 
 
 _WRITER = """

@@ -1,61 +1,40 @@
 """Sweep reports: files, self-contained HTML, numbers equal to the cells' summaries, failures, W&B runs.
 
 One real sweep (ddp, zro, fsdp_grad_op, fsdp_full x pre/post/none at N=2, logger=wandb offline) runs once per
-module through the CLI, as a user runs it; a second, two-cell sweep has one cell failing on purpose. The
-robustness tests edit copies of finished cells, so they cost no run.
+session through the CLI, as a user runs it (conftest.ladder_sweep); a second, two-cell sweep has one cell failing
+on purpose (conftest.failed_sweep, shared with tests/test_report_browser.py). The robustness tests edit copies of
+finished cells, so they cost no run.
 """
 
 from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from zeroexp.faults import ENV as FAULT_ENV
 from zeroexp.report import build_report, write_report
 from zeroexp.report.__main__ import main as report_main
 from zeroexp.report.format import NA
 from zeroexp.results import load_sweep, read_json
 from zeroexp.wandb_offline import iter_records, read_run
 
-REPO = Path(__file__).resolve().parent.parent
-SMALL = ("world_size=2", "model.width=64", "steps=10")
 LADDER_LABELS = ["ddp", "zro", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-post", "fsdp_full-none"]
 PLOTS = ["report_state_bytes.png", "report_memory.png", "report_peak_model.png", "report_step_times.png",
          "report_collectives.png"]
 
 
-def run_sweep(sweep_dir: Path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    """``python -m zeroexp --multirun ...`` into ``sweep_dir``, in a fresh process, as a user runs it."""
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    if fault:
-        env[FAULT_ENV] = fault
-    cmd = [sys.executable, "-m", "zeroexp", "--multirun", *overrides, *SMALL, f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=900)
-
-
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory) -> Path:
-    sweep_dir = tmp_path_factory.mktemp("report") / "sweep"
-    proc = run_sweep(sweep_dir, "strategy=ddp,zro,fsdp_grad_op,fsdp_full", "prefetch=pre,post,none", "logger=wandb")
+def sweep(ladder_sweep) -> Path:
+    """The session's ladder sweep (conftest.LADDER_SWEEP), which other modules assert on too."""
+    sweep_dir, proc = ladder_sweep
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(sweep_dir)
     return sweep_dir
-
-
-@pytest.fixture(scope="module")
-def failed_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    sweep_dir = tmp_path_factory.mktemp("report_fail") / "sweep"
-    return sweep_dir, run_sweep(sweep_dir, "strategy=ddp,zro", "logger=none", fault="0:4:raise:zro")
 
 
 def cell_dirs(sweep: Path) -> list[Path]:

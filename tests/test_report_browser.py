@@ -3,7 +3,8 @@
 What can fail and is asserted: every embedded plot decodes at the size its PNG declares; no table or image
 overflows the page; the verdicts and the tables' figures read back from the DOM equal those built from the cells'
 summaries; every link to a cell's files resolves; a failed cell is shown with its error. One small sweep (ddp ok,
-zro failing on purpose, N=2, 10 steps) serves every test; the screenshot is kept under pytest's tmp dir.
+zro failing on purpose, N=2, 10 steps; conftest.failed_sweep, which tests/test_report.py
+reads too) serves every test; the screenshot is kept under pytest's tmp dir.
 Chromium: the Debian package ``chromium`` (``make test`` installs it when missing); without it the tests skip.
 """
 
@@ -21,7 +22,6 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from test_report import run_sweep
 from zeroexp.report import build_report
 from zeroexp.results import read_json
 
@@ -69,12 +69,14 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory) -> dict:
-    """The failing-cell sweep, its report opened in Chromium: the measurements, the HTML, the screenshot."""
+def page(failed_sweep, tmp_path_factory) -> dict:
+    """The failing-cell sweep (conftest.failed_sweep, a copy of it), its report opened in Chromium: the
+    measurements, the HTML, the screenshot."""
+    ran, proc = failed_sweep
+    assert proc.returncode == 1 and (ran / "report.html").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     root = tmp_path_factory.mktemp("browser")
     sweep_dir = root / "sweep"
-    proc = run_sweep(sweep_dir, "strategy=ddp,zro", "logger=none", fault="0:4:raise:zro")
-    assert proc.returncode == 1 and (sweep_dir / "report.html").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    shutil.copytree(ran, sweep_dir)  # the probe page is written beside report.html: not into the shared sweep
     source = (sweep_dir / "report.html").read_text(encoding="utf-8")
     probe = sweep_dir / "report.measure.html"  # beside report.html: the same relative links
     probe.write_text(source.replace("</body>", MEASURE + "</body>"), encoding="utf-8")
