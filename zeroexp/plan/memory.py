@@ -338,6 +338,9 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str
         if name == "zero2":
             late["optimizer"] = [(f"bucket {k}'s full gradient buffer, the input of its async reduce",
                                   s.numel * itemsize) for k, s in enumerate(groups.shards)]
+        else:  # zero1's buckets live across steps; gloo's reduce_scatter works on a copy of one (seen under load)
+            late["optimizer"] = [(f"bucket {k}'s copy gloo's reduce_scatter made of its full gradient",
+                                  s.numel * itemsize) for k, s in enumerate(groups.shards)]
         return {ph: v for ph, v in late.items() if v}
     if (name in FSDP1_ROWS or name in FSDP2_ROWS) and groups.units:
         n = groups.world_size
