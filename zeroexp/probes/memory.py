@@ -176,7 +176,6 @@ class _TensorTracker:
         self.device = device
         self._mt: Any = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._phases: dict[str, tuple[int, dict[str, int]]] = {}
         self._gc = _Collector()
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -187,17 +186,17 @@ class _TensorTracker:
         del tensors  # the tracker holds weak references only: freed storages must leave the count
         self._mt.track_external(model, *_trackable(self._optimizers))
         self._mt.__enter__()
-        self._phases = {}
 
     def before_optimizer_update(self) -> None:
         if self._mt is not None:
             self._mt.set_in_optimizer_update(True)
 
     def phase_end(self, phase: str) -> None:
-        """Record the peak of the phase that ends now (with its categories); the next phase's peak starts from
-        the bytes alive now. No-op when not tracking."""
+        """Close the phase that ends now (its peak's categories are read at the step's end: a storage alive at the
+        peak may be named ``unsharded`` or ``comm`` later in the step); the next phase's peak starts from the bytes
+        alive now. No-op when not tracking."""
         if self._mt is not None:
-            self._phases[phase] = _totals(self._mt.get_tracker_snapshot("peak"), self.device.type)
+            self._mt.close_phase(phase)
             self._gc.collect()  # the next phase starts without the cycles' garbage
             self._mt.reset_peak()
 
@@ -209,16 +208,17 @@ class _TensorTracker:
         mt = self._mt
         self.phase_end(LAST_PHASE)  # collects: storages only kept by reference cycles leave the count now
         mt.set_in_optimizer_update(False)
+        mt.settle()  # model state wins from here: a reduce-scatter's output kept as the sharded gradient
         mt.track_external(model, *_trackable(self._optimizers))  # label this step's new gradients and optimizer state
         steady, steady_cats = _totals(mt.get_tracker_snapshot("current"), self.device.type)
-        peaks = _peak_of_phases(self._phases)
+        peaks = _peak_of_phases({ph: _totals(snap, self.device.type) for ph, (snap, _) in mt.phases.items()})
         self.abort()
         return {"steady": steady, "steady_categories": steady_cats, **peaks}
 
     def abort(self) -> None:
         if self._mt is not None:
             self._mt.__exit__(None, None, None)
-        self._mt, self._optimizers, self._phases = None, [], {}
+        self._mt, self._optimizers = None, []
         self._gc.release()
 
 
