@@ -242,8 +242,8 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     the input's copy, beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
     (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
     temporaries over the local shards (one per parameter). Categories: the all-gather outputs and the unsharded
-    parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and gloo's copy of it ``comm``;
-    the output shards ``gradients``."""
+    parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and the previous unit's, kept,
+    ``comm``; the output shards ``gradients``."""
     k_of = _unit_index(trace, units)
     full = [u.unsharded for u in units]
     best = _Highest()
@@ -283,11 +283,11 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
             keep("backward", _add(seg.peak_by_category, {
                 "activations": -trace.loss_bytes, "unsharded": held, "comm": comm,
                 "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
-        # chunk_cat's output, the reduce-scatter's input, and gloo's copy of it are comm; the output shard is kept
-        # as the gradient.
+        # chunk_cat's output, the reduce-scatter's input, is comm (gloo's copy of it is no collective's argument:
+        # temporaries); the output shard is kept as the gradient.
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
-                          "temporaries": after.get("temporaries", 0) + u.grads,
-                          "comm": u.unsharded + (u.unsharded if gloo else 0), "unsharded": root + prefetched + pending,
+                          "temporaries": after.get("temporaries", 0) + u.grads + (u.unsharded if gloo else 0),
+                          "comm": u.unsharded, "unsharded": root + prefetched + pending,
                           "gradients": t_root + shards_done + u.shard - steady_grad_bytes})
         shards_done += u.shard
         grads_done += u.grads

@@ -17,7 +17,9 @@ Sources (``memory.source`` names the one used):
   ``torch.distributed._tools.MemTracker`` (a ``TorchDispatchMode``): at the start of a tracked step every live
   tensor (found by the garbage collector) is registered, then each op's outputs, resizes and frees are
   followed. Categories are MemTracker's (parameters, buffers, gradients, activations, temporaries, optimizer
-  state, other). Memory that never passes through a tensor op while tracked (gloo's internal buffers) is not
+  state, other) and zeroexp's ``unsharded`` (FSDP units gathered) and ``comm`` (collective buffers), named by the
+  collectives a storage meets (``zeroexp.memtrack``; each phase's peak categories are read at the step's end, when
+  every storage alive at that peak has its name). Memory that never passes through a tensor op while tracked (gloo's internal buffers) is not
   seen; DDP's C++ gradient buckets are seen once all-reduced in the step. With FSDP1 and
   ``use_orig_params=True`` MemTracker cannot hook the non-leaf parameter views, so hooks are skipped there.
 """
@@ -165,8 +167,10 @@ class _TensorTracker:
     """MemTracker around one step, with every live tensor registered first (CPU).
 
     New allocations are labelled by where they happen: forward -> activations, backward -> temporaries,
-    between ``on_before_optimizer_step`` and the step's end -> optimizer state. At the step's end the model
-    and the optimizers are registered again, so this step's gradients and state carry their own labels.
+    between ``on_before_optimizer_step`` and the step's end -> optimizer state; a collective's buffer -> unsharded or
+    comm, from its allocation. At the step's end the model and the optimizers are registered again, so this step's
+    gradients and state carry their own labels (``settle``: a reduce-scatter's output kept as the sharded gradient
+    is a gradient).
     """
 
     source = ("torch.distributed._tools.MemTracker: tensor storages followed through the dispatcher, every live "
