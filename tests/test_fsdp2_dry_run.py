@@ -97,10 +97,12 @@ def test_dry_run_directory_says_what_it_is_and_leaves_out_what_it_cannot_measure
     assert manifest["mode"] == "dry_run" and manifest["backend"] == "fake" and manifest["status"] == "ok"
     assert [x["rank"] for x in manifest["ranks"]] == [0] and manifest["world_size"] == 2
     assert r.summary["mode"] == "dry_run" and r.summary["dry_run"]["source"].startswith("traced")
-    assert set(r.summary["dry_run"]["absent"]) == set(ABSENT)
-    for section in (*ABSENT, "final_loss"):
+    simulated = {"memory"}  # a traced dry run's memory probe runs over fake storages: simulated, not absent
+    assert set(r.summary["dry_run"]["absent"]) == set(ABSENT) - simulated
+    for section in (*(set(ABSENT) - simulated), "final_loss"):
         assert section not in r.summary, section
-    assert not (r.cell_dir / "iterations.csv").exists() and not (r.cell_dir / "memory.csv").exists()
+    assert not (r.cell_dir / "iterations.csv").exists() and (r.cell_dir / "memory.csv").exists()
+    assert r.summary["memory"]["simulated"] is True and r.summary["memory"]["source"].startswith("simulated")
     assert r.summary["state"]["factors_basis"].startswith("rank 0 x world_size")
     real, dry = compose("strategy=fsdp2_full", "world_size=2"), compose("strategy=fsdp2_full", "world_size=2", DRY)
     assert cell_id(dry) != cell_id(real) and "_n2_dry_" in cell_name(dry) and "dry" not in cell_name(real)
@@ -126,7 +128,7 @@ def test_billions_of_parameters_at_1024_ranks_on_one_cpu(cell):
     width, depth, n = 8192, 64, 1024  # 4.3e9 parameters, 17 GB of fp32 parameters
     psi = width * width * depth
     r = cell("strategy=fsdp2_full", f"world_size={n}", f"model.width={width}", f"model.depth={depth}",
-             "warmup_steps=0", "probes.profile_steps=1", "batch_size=1", DRY)
+             "warmup_steps=0", "probes.profile_steps=1", "probes.memory_steps=1", "batch_size=1", DRY)
     assert r.status == "ok", r.error
     manifest = json.loads((r.cell_dir / "manifest.json").read_text())
     assert manifest["duration_s"] < 60  # the bound for this machine; typically ~20 s

@@ -1,4 +1,8 @@
+"""``python -m zeroexp``: see :mod:`zeroexp.cli`."""
+
 from zeroexp.cli import main
 
 if __name__ == "__main__":
-    main()
+    from zeroexp.quick_exit import run_then_exit
+
+    run_then_exit(main)  # no interpreter teardown once the work is done (zeroexp.quick_exit)

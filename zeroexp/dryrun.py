@@ -12,7 +12,10 @@ Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.d
 - ``traced`` (FSDP1, FSDP2): the adapter wraps the cell's model and the steps run (forward, backward, AdamW)
   with the real run's probes driven from a plain loop: the state probe counts rank 0's tensors at
   ``schedule.state_step``, the collectives probe's profiler records ``schedule.profiled``. The device mesh is
-  made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``).
+  made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``). The memory probe tracks its steps too:
+  its phase peaks are a *simulation* (MemTracker over fake storages: what the strategy's code allocates, without
+  the backend's own buffers, which the fake process group does not make), written as ``memory`` with
+  ``simulated: true`` and shown beside the peak model's prediction in ``plan.memory``, never as it.
 - ``derived`` (DDP, ZeroRedundancyOptimizer, any strategy not traced): DDP's C++ Reducer needs real storage, so
   the model is built on the meta device; the collectives are the adapter's ``expected_collectives`` of that
   groups its row derives from the shapes (DDP's buckets in gradient-ready order, the optimizer's owners:
@@ -36,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from zeroexp.expect import Expectation
 from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.module import CellModule
-from zeroexp.probes import CollectivesProbe, RunContext, StateProbe, absent_in_dry_run, probes_for
+from zeroexp.probes import CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, probes_for
 from zeroexp.probes.state import check_factors
 from zeroexp.results import SCHEMA_VERSION, write_csv, write_json, write_text
 from zeroexp.schedule import Schedule
@@ -72,15 +75,25 @@ def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any]) -> d
         ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg),
                          expect=Expectation(cfg, adapter.groups))
         source = "traced" if adapter.dry_run_traced else "derived"
-        state, collectives, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
-        write_text(Path(cell) / ".ranks" / "rank0.json", json.dumps({"state": state, "collectives": collectives}))
-        return _finalize(Path(cell), cfg, run_info, source, state, collectives, steps, ctx.expect.groups_record())
+        state, collectives, memory, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
+        write_text(Path(cell) / ".ranks" / "rank0.json",
+                   json.dumps({"state": state, "collectives": collectives, "memory": memory}))
+        return _finalize(Path(cell), cfg, run_info, source, state, collectives, steps, ctx.expect.groups_record(),
+                         memory)
     finally:
         dist.destroy_process_group()
 
 
-def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
-    """Rank 0's steps under FakeTensorMode with the real run's state and collectives probes."""
+#: What the memory probe's figures mean in a traced dry run.
+SIMULATED = ("simulated: rank 0's steps under FakeTensorMode and a fake process group, tracked by the memory probe's "
+             "MemTracker (fake storages, nothing allocated); the backend's own buffers (gloo's or NCCL's copies) are "
+             "not in it: the fake process group makes none")
+
+
+def _traced(cfg: DictConfig, ctx: RunContext
+            ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
+    """Rank 0's steps under FakeTensorMode with the real run's state and collectives probes, and the memory probe
+    (its figures simulated: see :data:`SIMULATED`) where the cell runs it."""
     import lightning.pytorch as pl
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
@@ -88,6 +101,7 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
     adapter.setup(CPU)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     classes = [cls for cls in probes_for(cfg) if not cls.dry_run_absent]  # the state and collectives probes
+    classes += [cls for cls in probes_for(cfg) if cls is MemoryProbe and _simulates_memory(cfg)]
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
     with FakeTensorMode() as mode:
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
@@ -108,13 +122,23 @@ def _traced(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dic
                 probe.on_train_batch_start(trainer, module, batch, step)
             loss = loss_fn(model(batch), batch)  # as Lightning: forward, zero_grad, backward, step
             optimizer.zero_grad(set_to_none=True)
+            for probe in probes:
+                probe.on_before_backward(trainer, module, loss)
             loss.backward()
+            for probe in probes:
+                probe.on_before_optimizer_step(trainer, module, optimizer)
             adapter.clip_gradients(model)  # strategy.clip_grad_norm: FSDP's norm all_reduce is traced too
             optimizer.step()
             for probe in probes:
                 probe.on_train_batch_end(trainer, module, loss, batch, step)
     results = {probe.name: probe.rank_result() for probe in probes}
-    return results["state"], results["collectives"], steps
+    return results["state"], results["collectives"], results.get("memory"), steps
+
+
+def _simulates_memory(cfg: DictConfig) -> bool:
+    """Whether a traced dry run of ``cfg`` runs the memory probe: one micro-batch a step (MemTracker refuses a
+    second forward in one tracked step, as in a real run)."""
+    return int(cfg.get("grad_accum") or 1) == 1
 
 
 def _steps_read(schedule: Any, classes: list[Any]) -> int:
@@ -127,7 +151,8 @@ def _steps_read(schedule: Any, classes: list[Any]) -> int:
     return max(ends)
 
 
-def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+def _derived(cfg: DictConfig, ctx: RunContext
+             ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
     """The model's structure on the meta device: the groups the cell's row derives from its shapes (what the
     adapter reads off its live structure in a real run), turned into collectives and a state table by the one
     expectation model (zeroexp.formulas)."""
@@ -158,7 +183,7 @@ def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[list[dict[str, Any]], di
                         "numel": v[r][0] // (itemsize if k in compute else 4)} for k, v in table.items()],
               "step": ctx.schedule.state_step, "logical_param_bytes": p_bytes,
               "expected": expect.state_factors(), "semantics": ctx.adapter.semantics} for r in range(n)]
-    return state, collectives, 0
+    return state, collectives, None, 0
 
 
 def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, Any], Any]:
@@ -184,8 +209,10 @@ def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, 
 
 
 def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, state: Any,
-              collectives: dict[str, Any], steps: int, live_groups: dict[str, Any] | None) -> dict[str, Any]:
-    """Write ``rank_state.csv``, ``collectives.csv`` and ``summary.json`` (with the planner's prediction)."""
+              collectives: dict[str, Any], steps: int, live_groups: dict[str, Any] | None,
+              memory: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``rank_state.csv``, ``collectives.csv``, ``memory.csv`` (simulated) and ``summary.json`` (with the
+    planner's prediction)."""
     n = int(cfg.world_size)
     state_section, state_frame = _state_section(state, cfg, source)
     coll = CollectivesProbe.aggregate([collectives], cfg)
@@ -196,15 +223,24 @@ def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str
     coll_section["ranks_in_table"] = "rank 0"
     write_csv(cell / "rank_state.csv", state_frame)
     write_csv(cell / "collectives.csv", coll.tables["collectives.csv"])
+    absent = absent_in_dry_run(cfg)
+    memory_section = None
+    if memory and memory.get("records"):
+        mem = MemoryProbe.aggregate([memory], cfg)
+        memory_section = {**mem.section, "source": SIMULATED, "simulated": True}
+        write_csv(cell / "memory.csv", mem.tables["memory.csv"])
+        absent.pop(MemoryProbe.name, None)
     summary: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "status": "ok", "mode": "dry_run", "cell": run_info["cell"],
         "cell_id": run_info["cell_id"],
         "world_size": n, "steps": steps,
         "dry_run": {"source": SOURCES[source], "played_rank": 0, "world_size": n, "backend": "fake",
-                    "steps_run": steps, "absent": absent_in_dry_run(cfg),
+                    "steps_run": steps, "absent": absent,
                     "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
         "state": state_section, "collectives": coll_section,
     }
+    if memory_section is not None:
+        summary["memory"] = memory_section
     try:
         from zeroexp.plan.cell import plan_section
     except ImportError:  # no planner in this checkout

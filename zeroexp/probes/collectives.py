@@ -89,6 +89,16 @@ _C10D = {
 }
 
 
+def op_of_event(name: str) -> str:
+    """The op of a profiler event: ``c10d::<name>`` through :data:`_C10D` (unlisted: its own name), ``gloo:<op>`` /
+    ``nccl:<op>`` as named."""
+    backend, _, rest = name.partition(":")
+    if backend == "c10d":
+        rest = rest.lstrip(":")
+        return _C10D.get(rest, (rest,))[0]
+    return rest
+
+
 def _tensors(arg: Any) -> list[Any]:
     """The tensor metadata in one recorded argument (a tensor, a ``Tensor[]`` or a ``Tensor[][]``)."""
     if isinstance(arg, (list, tuple)):
@@ -237,7 +247,7 @@ class CollectivesProbe(Probe):
         self.marks.__exit__(None, None, None)
         self.prof.stop()
         self.records = extract(self.prof, self.steps, self.ctx.world_size, self.ctx.adapter.mesh_dims())
-        self.exposed = exposed_comm(self.prof.profiler.kineto_results.experimental_event_tree(), _MARK)
+        self.exposed = exposed_comm(self.prof.profiler.kineto_results.experimental_event_tree(), _MARK, op_of_event)
         self.prof = self.marks = None
         try:  # after the window: reads the wrapped model and the optimizer, issues no collective
             self.expected = self.ctx.expect.collectives(trainer.strategy.model, trainer.optimizers[0])
@@ -357,7 +367,8 @@ def _exposed(results: list[dict[str, Any]]) -> dict[str, Any]:
     on the profiled steps, which the profiler slows; per rank beside it."""
     per_rank = [res.get("exposed") or [] for res in results]
     if not all(per_rank):
-        return {"exposed_comm_ms": None, "in_flight_ms": None, "exposed_comm_ms_by_rank": None}
+        return {"exposed_comm_ms": None, "in_flight_ms": None, "exposed_comm_ms_by_rank": None,
+                "exposed_comm_ms_by_op": None}
 
     def mean(key: str, rows: list[dict[str, Any]]) -> float:
         return sum(r[key] for r in rows) / len(rows)
@@ -366,7 +377,11 @@ def _exposed(results: list[dict[str, Any]]) -> dict[str, Any]:
             "in_flight_ms": mean("in_flight_ms", [r for rows in per_rank for r in rows]),
             "profiled_compute_ms": mean("compute_ms", [r for rows in per_rank for r in rows]),
             "profiled_step_ms": mean("step_ms", [r for rows in per_rank for r in rows]),
-            "exposed_comm_ms_by_rank": [mean("exposed_comm_ms", rows) for rows in per_rank]}
+            "exposed_comm_ms_by_rank": [mean("exposed_comm_ms", rows) for rows in per_rank],
+            "exposed_comm_ms_by_op": {op: sum((r.get("exposed_comm_ms_by_op") or {}).get(op, 0.0) for rows in per_rank
+                                              for r in rows) / sum(len(rows) for rows in per_rank)
+                                      for op in sorted({op for rows in per_rank for r in rows
+                                                        for op in r.get("exposed_comm_ms_by_op") or {}})}}
 
 
 def _exact(x: float) -> int | float:

@@ -6,11 +6,17 @@ other threads (forward, autograd's backward, the optimizer, the copies a strateg
 the probe's start and end marks): exposed = the time some collective is in flight and no compute op runs; in flight
 and compute are reported beside it. On CUDA the CPU events say when work was issued, not when the device ran it,
 so the figure is a CPU-side one there (the note says so).
+
+By op: each collective's intervals carry its op (the ``c10d::`` name through the collectives probe's table,
+``gloo:<op>`` / ``nccl:<op>`` as named); an op's exposed time is the time that op is in flight and no compute runs,
+so where two ops are in flight at once the interval counts for each (the ops' figures may sum above the total).
+A backend's worker events carry the algorithm it runs: gloo carries out a reduce_scatter as an all_reduce, so that
+time is named all_reduce (the ``c10d::`` call's own, reduce_scatter).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 __all__ = ["exposed_comm", "merge", "measure", "subtract"]
 
@@ -50,10 +56,12 @@ def measure(intervals: list[Interval], lo: int, hi: int) -> int:
     return sum(max(0, min(b, hi) - max(a, lo)) for a, b in intervals)
 
 
-def _walk(tree: Iterable[Any], mark: str) -> tuple[list[Interval], list[Interval], list[tuple[int, str, int]]]:
+def _walk(tree: Iterable[Any], mark: str, op_of: Callable[[str], str]
+          ) -> tuple[dict[str, list[Interval]], list[Interval], list[tuple[int, str, int]]]:
     from torch._C._profiler import _EventType
 
-    comm, compute, marks = [], [], []
+    comm: dict[str, list[Interval]] = {}
+    compute, marks = [], []
     stack = list(tree)
     while stack:
         e = stack.pop()
@@ -64,7 +72,7 @@ def _walk(tree: Iterable[Any], mark: str) -> tuple[list[Interval], list[Interval
             phase, step = name.removeprefix(mark).split(".")
             marks.append((e.start_time_ns, phase, int(step)))
         elif name.startswith(("c10d::", "gloo:", "nccl:")):
-            comm.append((e.start_time_ns, e.end_time_ns))
+            comm.setdefault(op_of(name), []).append((e.start_time_ns, e.end_time_ns))
         elif name.startswith("aten::"):
             compute.append((e.start_time_ns, e.end_time_ns))
         else:
@@ -72,12 +80,16 @@ def _walk(tree: Iterable[Any], mark: str) -> tuple[list[Interval], list[Interval
     return comm, compute, marks
 
 
-def exposed_comm(tree: Iterable[Any], mark: str) -> list[dict[str, Any]]:
+def exposed_comm(tree: Iterable[Any], mark: str, op_of: Callable[[str], str] = lambda name: name
+                 ) -> list[dict[str, Any]]:
     """Per profiled step (bounded by ``<mark>start.<step>`` / ``<mark>end.<step>`` events): milliseconds of the step,
-    of collectives in flight, of compute, and of exposed communication (in flight, no compute)."""
-    comm, compute, marks = _walk(tree, mark)
-    comm, compute = merge(comm), merge(compute)
+    of collectives in flight, of compute, and of exposed communication (in flight, no compute), in all and by op
+    (``op_of``: an event's name -> its op)."""
+    by_op, compute, marks = _walk(tree, mark, op_of)
+    compute = merge(compute)
+    comm = merge(i for intervals in by_op.values() for i in intervals)
     exposed = subtract(comm, compute)
+    exposed_by_op = {op: subtract(merge(intervals), compute) for op, intervals in sorted(by_op.items())}
     starts = {s: t for t, ph, s in marks if ph == "start"}
     rows = []
     for t, ph, s in sorted(marks):
@@ -85,5 +97,6 @@ def exposed_comm(tree: Iterable[Any], mark: str) -> list[dict[str, Any]]:
             continue
         lo, hi = starts[s], t
         rows.append({"step": s, "step_ms": (hi - lo) / 1e6, "in_flight_ms": measure(comm, lo, hi) / 1e6,
-                     "compute_ms": measure(compute, lo, hi) / 1e6, "exposed_comm_ms": measure(exposed, lo, hi) / 1e6})
+                     "compute_ms": measure(compute, lo, hi) / 1e6, "exposed_comm_ms": measure(exposed, lo, hi) / 1e6,
+                     "exposed_comm_ms_by_op": {op: measure(x, lo, hi) / 1e6 for op, x in exposed_by_op.items()}})
     return rows

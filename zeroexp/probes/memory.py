@@ -273,7 +273,8 @@ def memory_table(ok: pd.DataFrame) -> ReportTable:
 def memory_line(m: dict[str, Any]) -> str:
     unit = byte_unit([m.get("steady_bytes_max"), m.get("peak_bytes_max")])
     phase = m.get("peak_phase_of_max_rank")
-    return (f"largest rank: steady {unit(m.get('steady_bytes_max'))} {unit}, peak {unit(m.get('peak_bytes_max'))} "
+    return (("simulated (dry run), " if m.get("simulated") else "")
+            + f"largest rank: steady {unit(m.get('steady_bytes_max'))} {unit}, peak {unit(m.get('peak_bytes_max'))} "
             f"{unit}" + ("" if missing(phase) else f" (in {phase})"))
 
 

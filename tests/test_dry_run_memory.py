@@ -1,0 +1,37 @@
+"""A traced dry run simulates the memory probe's phases (FakeTensorMode + MemTracker over fake storages) and shows
+them beside the peak model's prediction (issue 17, point 1: ``simulated``, never the prediction)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroexp.formulas.peak import PHASES
+
+DRY = "dry_run=true"
+
+
+@pytest.mark.parametrize("overrides", [("strategy=fsdp_full", "prefetch=pre"), ("strategy=fsdp_full", "prefetch=none"),
+                                       ("strategy=fsdp_grad_op",), ("strategy=fsdp2_full",)],
+                         ids=lambda o: "-".join(x.split("=")[1] for x in o))
+def test_simulated_phases_beside_the_prediction_at_n8(cell, overrides):
+    r = cell(*overrides, "world_size=8", DRY)
+    assert r.status == "ok", r.error
+    mem, plan = r.summary["memory"], r.summary["plan"]["memory"]
+    assert mem["simulated"] is True and mem["source"].startswith("simulated")
+    assert plan["check"] == "n/a" and "simulated" in plan["reasons"][0]
+    # the fake process group makes no backend buffer: the model without gloo's copies is the simulation, exactly
+    assert plan["simulated_check"] == "PASS", plan["reasons"]
+    for ph in PHASES:
+        rec = plan["phases"][ph]
+        assert "measured_bytes" not in rec and "check" not in rec
+        # exact but for up to two 4-B scalars in forward (seen once: an 'other' and an activation scalar of 4 B)
+        assert 0 <= rec["simulated_bytes"] - rec["predicted_bytes"] <= (8 if ph == "forward" else 0), (ph, rec)
+        assert rec["simulated_check"] == "PASS"
+
+
+def test_a_derived_dry_run_simulates_nothing(cell):
+    r = cell("strategy=ddp", "world_size=8", DRY)
+    assert r.status == "ok", r.error
+    assert "memory" not in r.summary and "memory" in r.summary["dry_run"]["absent"]
+    plan = r.summary["plan"]["memory"]
+    assert plan["check"] == "n/a" and "simulated_check" not in plan and plan["phases"]["forward"]["predicted_bytes"]
