@@ -2,20 +2,24 @@
 trace (fake tensors) follow storages with the same tracker and name its categories the same way.
 
 Beside MemTracker's own categories the tracker names two of zeroexp's, by what a storage is used for in the step
-(the collectives it meets), not by where it was allocated:
+(the collectives it meets: ``c10d::*`` ops, which every process group dispatches), not by where it was allocated:
 
-- ``unsharded``: a storage the step allocates (or grows from zero bytes) that a parameter all-gather writes (FSDP1's
-  unsharded FlatParameter ``_full_param_padded``; FSDP2's all-gather buffer, made by ``fsdp::all_gather_copy_in``) or
-  that is copied out of one (FSDP2's unsharded parameters, ``fsdp::split_with_sizes_copy``'s outputs).
-- ``comm``: a storage the step allocates that any other collective reads or writes (reduce-scatter inputs and
-  outputs, all-reduce buffers: zeroexp's ZeRO-2 buckets, FSDP's unsharded gradient and its shard), or that FSDP2
-  packs for one (``fsdp::chunk_cat``'s output, the reduce-scatter input).
+- ``unsharded``: a storage the step allocates (or grows from zero bytes) that an all-gather writes as its output
+  (FSDP1's unsharded FlatParameter ``_full_param_padded``; FSDP2's all-gather buffer, made by
+  ``fsdp::all_gather_copy_in``) or that is copied out of one (FSDP2's unsharded parameters,
+  ``fsdp::split_with_sizes_copy``'s outputs).
+- ``comm``: a storage the step allocates that any other collective reads or writes, or an all-gather reads (reduce-
+  scatter inputs and outputs, all-reduce buffers: zeroexp's ZeRO-2 buckets, FSDP's unsharded gradient), or that FSDP2
+  packs for one (``fsdp::chunk_cat``'s output, the reduce-scatter input); and a storage alive since the step's start
+  that no module or optimizer claims (``Other``) when an all-reduce or reduce-scatter uses it: DDP's gradient
+  buckets, which live across steps (``comm`` in steady too).
 
-A storage alive with bytes at the tracked step's start keeps its label: model state that a collective moves in place
-(ZeroRedundancyOptimizer's parameter broadcasts, zeroexp's ZeRO-1 gradient buckets, ZeRO-2's all-gather into the
-parameters, an FSDP1 shard sent to its all-gather) and DDP's gradient buckets, which live across steps. Once named,
-a storage keeps its category for the rest of the step, and the phase's peak snapshot is corrected when the storage
-was already alive at the peak (a collective names its buffers when it is called, after they were allocated).
+Model state alive at the step's start keeps its label when a collective moves it in place (ZeroRedundancyOptimizer's
+parameter broadcasts, zeroexp's ZeRO-1 gradient buckets, ZeRO-1/2's all-gather into the parameters and its master
+shard as the input, an FSDP1 shard sent to its all-gather). A storage is counted in its category from its birth: a
+collective names its buffers when it is called, after they were allocated, so each closed phase's peak snapshot is
+corrected too (``close_phase``; a phase's total never changes). At the step's end (``settle``) a storage that is then
+model state (a reduce-scatter's output kept as FSDP's sharded gradient) is counted as that state from its birth.
 """
 
 from __future__ import annotations
