@@ -114,3 +114,19 @@ def test_ddp_buckets_are_comm_in_steady_and_no_phase_above_it(grid):
     # FSDP's sharded gradients are reduce-scatter outputs kept as model state: gradients, not comm, at steady
     assert "comm" not in grid["fsdp_full"]["plan"]["memory"]["phases"]["steady"]["measured_by_category"]
     assert grid["fsdp_full"]["memory"]["steady_categories_of_max_rank"]["gradients"] == P // 2
+
+
+@pytest.mark.parametrize("strategy, forward", [(("strategy=fsdp_full", "prefetch=pre"), UNIT),
+                                               (("strategy=fsdp2_full",), 3 * UNIT)], ids=["fsdp_full", "fsdp2_full"])
+def test_a_dry_runs_simulation_names_the_same_categories(cell, strategy, forward):
+    # the fake process group's collectives are c10d ops too: the simulation (tests/test_dry_run_memory.py's cells)
+    # names unsharded units and collective buffers as a real rank does, equal to the model's at N=8
+    plan = cell(*strategy, "world_size=8", "dry_run=true").summary["plan"]["memory"]
+    for phase in ("forward", "backward", "optimizer"):
+        rec = plan["phases"][phase]
+        for c in ROLE_CATEGORIES:
+            assert rec["simulated_by_category"].get(c, 0) == rec["predicted_by_category"].get(c, 0), (phase, c, rec)
+    assert plan["phases"]["forward"]["predicted_by_category"]["unsharded"] == forward
+    # a unit computing beside the next one (prefetched), and one unit's reduce-scatter input
+    assert plan["phases"]["backward"]["predicted_by_category"]["unsharded"] == 2 * UNIT
+    assert plan["phases"]["backward"]["predicted_by_category"]["comm"] == UNIT
