@@ -30,7 +30,9 @@ def calibration_data(world_size: int = 2, overlap: bool = False, machine_id: str
     return {"schema": SCHEMA, "created": created, "machine": {"id": machine_id}, "backend": backend,
             "world_size": world_size, "overlap": {"possible": overlap, "why": "given"},
             "collectives": {op: {"sizes": [], "fit": {"alpha_s": a, "busbw_Bps": bw}} for op, (a, bw) in LINKS.items()},
-            "compute": {"model": model, "numel": numel, "batch_size": 8, **RATE}}
+            "compute": {"model": model, "numel": numel, "batch_size": 8, **RATE},
+            "framework": {"loop_s": 0.0, "copy_s_per_byte": 0.0, "ddp_bucket_s": 0.0, "zro_broadcast_s": 0.0,
+                          "fsdp1_call_s": 0.0}}
 
 
 def test_fit_recovers_latency_and_bandwidth_exactly():
@@ -207,6 +209,9 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
         assert [r["bytes"] for r in e["sizes"]] == [4096, 8192, 16384]
         assert e["fit"]["busbw_Bps"] > 0 and e["fit"]["alpha_s"] >= 0
     assert data["compute"]["numel"] == 8 * 64 * 64 and data["compute"]["batch_size"] == 8
+    assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
+    assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
+    assert data["framework"]["copy_s_per_byte"] > 0 and "barrier" in data["method"]
     assert find_calibration("gloo", 2, tmp_path).path == str(path)
     result = cell("strategy=zero2", "world_size=2", f"calibration={path}")
     summary = json.loads((Path(result.cell_dir) / "summary.json").read_text())

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from zeroexp.formulas.framework import PER_CALL_PATHS, FrameworkCost
 from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, collective_seconds
 
 __all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "machine", "find_calibration", "load_calibration"]
 
 #: Where ``python -m zeroexp.calibrate`` writes and cells look (relative to the working directory, like outputs/runs).
 DEFAULT_DIR = Path("outputs") / "calibration"
-SCHEMA = 1
+#: 2: collectives timed one call at a time from a barrier (1 timed back-to-back loops), and ``framework``.
+SCHEMA = 2
 
 
 def machine() -> dict[str, Any]:
@@ -80,6 +82,13 @@ class Calibration:
         return ComputeRate(c["forward_s_per_param_sample"], c["backward_s_per_param_sample"],
                            c["adamw_s_per_element"])
 
+    @property
+    def framework(self) -> FrameworkCost:
+        """The framework's calibrated per-step primitives (:mod:`zeroexp.formulas.framework`)."""
+        f = self.data["framework"]
+        return FrameworkCost(loop_s=f["loop_s"], copy_s_per_byte=f["copy_s_per_byte"],
+                             **{f"{k}_s": f.get(f"{k}_s", 0.0) for k in PER_CALL_PATHS})
+
     def summary(self) -> dict[str, Any]:
         """What ``plan.time.calibration`` shows of it."""
         d = self.data
@@ -96,7 +105,7 @@ def load_calibration(path: str | Path) -> Calibration:
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {p}: {e}") from e
     missing = [k for k in ("schema", "created", "machine", "backend", "world_size", "collectives", "compute",
-                           "overlap") if k not in data]
+                           "framework", "overlap") if k not in data]
     if missing or data.get("schema") != SCHEMA:
         raise ValueError(f"{p} is no zeroexp calibration (schema {SCHEMA}): missing {missing or 'nothing'}, schema "
                          f"{data.get('schema')!r}")

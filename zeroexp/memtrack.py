@@ -114,8 +114,13 @@ def step_mem_tracker() -> Any:
 
         def close_phase(self, phase: str) -> None:
             """Keep the peak of the phase that ends now (:func:`totals` of ``phases[phase][0]`` reads it at the step's
-            end, once every storage alive at it has its role); call ``reset_peak`` to start the next."""
-            self.phases[phase] = (self._peak_mem_snap, self._peak_clock)
+            end, once every storage alive at it has its role), or the phase's earlier peak if that was as high (a
+            phase recurs per micro-batch under accumulation); call ``reset_peak`` to start the next."""
+            def total(snap: dict) -> int:
+                return sum(dev[_TOTAL_KEY] for dev in snap.values())
+
+            if phase not in self.phases or total(self._peak_mem_snap) > total(self.phases[phase][0]):
+                self.phases[phase] = (self._peak_mem_snap, self._peak_clock)
 
         # FSDP1 with use_orig_params=True exposes non-leaf parameter views in forward, on which MemTracker's
         # gradient hooks cannot be registered; their gradients land in the FlatParameter's, counted anyway.

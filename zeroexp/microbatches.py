@@ -7,7 +7,9 @@ steps the optimizer on the K-th, and wraps the first K-1 in the strategy's ``blo
 ``batch_idx``: :class:`OptimizerSteps` forwards the probes' hooks so that step ``s`` starts at the first micro-batch
 of the optimizer step (``on_train_batch_start(batch_idx=s)``) and ends after its last (``on_train_batch_end``), so a
 probe's window, profile, timing or state read spans every micro-batch's collectives and the step itself. Other hooks
-pass through as they come.
+pass through as they come. A callback that needs the micro-batches inside a step (the memory probe: its phases are
+per micro-batch) defines ``on_micro_batch_start(trainer, pl_module, batch, step, micro)``, called at the start of
+every micro-batch after the first (``micro`` = 1 .. K-1).
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class OptimizerSteps(pl.Callback):
         if batch_idx % self.k == 0:
             for c in self.callbacks:
                 c.on_train_batch_start(trainer, pl_module, batch, batch_idx // self.k)
+            return
+        for c in self.callbacks:
+            hook = getattr(c, "on_micro_batch_start", None)
+            if hook is not None:
+                hook(trainer, pl_module, batch, batch_idx // self.k, batch_idx % self.k)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """At the step's last micro-batch, with ``outputs["loss"]`` the step's loss: the mean of its micro-batches'

@@ -22,10 +22,9 @@ from typing import Any, Iterable
 __all__ = ["Schedule"]
 
 #: Windows that cannot span the K micro-batches of ``grad_accum=K`` (one optimizer step), and why: their probe's
-#: check reads n/a in such a cell.
-SINGLE_MICRO_BATCH = {"memory_tracked": "grad_accum > 1: MemTracker refuses a module's second forward inside one "
-                                        "tracked step (torch.distributed._tools.mem_tracker), and an optimizer step "
-                                        "runs one forward per micro-batch"}
+#: check reads n/a in such a cell. None today: the memory probe tracks every micro-batch of an optimizer step (it resets
+#: MemTracker's module state between micro-batches, zeroexp.probes.memory).
+SINGLE_MICRO_BATCH: dict[str, str] = {}
 
 
 def _select(cfg: Any, key: str) -> Any:

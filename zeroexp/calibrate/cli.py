@@ -30,7 +30,8 @@ _STARTED = False
 
 @dataclass
 class SweepConfig:
-    """The message sizes and loops (nccl-tests' -b / -e / -f 2 / -n)."""
+    """The message sizes (nccl-tests' -b / -e / -f 2) and the calls timed per size (``iters`` x ``repeats``, each
+    alone from a barrier)."""
 
     min_bytes: int = 4096
     max_bytes: int = 256 * 2**20
@@ -133,7 +134,10 @@ def run(cfg: DictConfig) -> Path:
                     "why": "CUDA: collectives run on their own stream" if device == "cuda" else
                     f"{host['cores']} cores, {n} ranks x {threads} compute threads: "
                     + ("a core left per rank for gloo" if overlap else "no core left: gloo time-slices with compute")},
-        "collectives": collectives, "compute": measured["compute"], "source": "measured: python -m zeroexp.calibrate",
+        "collectives": collectives, "compute": measured["compute"], "framework": measured["framework"],
+        "method": "each collective call timed alone from a barrier (the slowest rank's; median over calls): a step "
+                  "never issues calls back to back, and gloo pipelines those (zeroexp.calibrate.measure)",
+        "source": "measured: python -m zeroexp.calibrate",
         "settings": OmegaConf.to_container(cfg.calibrate, resolve=True),
     }
     directory = Path(cfg.output_dir)

@@ -3,7 +3,12 @@
 share the machine.
 
 [NCCL-TESTS] doc/PERFORMANCE.md: S is the full array (for all_gather the output, for reduce_scatter the input);
-algbw = S / t, busbw = algbw x bus factor; a size's time is the mean over a loop of calls, the slowest rank's.
+algbw = S / t, busbw = algbw x bus factor. Unlike nccl-tests, which times a loop of back-to-back calls, each call is
+timed alone from a synchronized start (a barrier, then one call), the slowest rank's time; a size's time is the
+median over its calls. Why: a training step issues a collective after compute, never right behind another of the
+same size, and on gloo back-to-back calls pipeline (the next call's sends start while the last call's receives
+finish): measured on the 2-core host at N=2, an 18.9 MB all_reduce took 11.3 ms per call in a loop and 13.6 ms
+alone (14.8 ms inside a bare step), so a loop's figure under-predicts every step.
 """
 
 from __future__ import annotations
@@ -18,13 +23,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls
 from zeroexp.formulas import bus_factor
 
 __all__ = ["message_sizes", "rank_main"]
-
-# The calls zeroexp.sharding makes (torch >= 2.13 names, else the older ones)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -34,11 +36,6 @@ def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
         sizes.append(s)
         s *= 2
     return sizes
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -54,33 +51,23 @@ def _call(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[]
     chunk = torch.ones(numel // world, dtype=torch.float32, device=device)
     return {"all_reduce": lambda: dist.all_reduce(full),
             "broadcast": lambda: dist.broadcast(full, src=0),
-            "all_gather": lambda: _all_gather(full, chunk),
-            "reduce_scatter": lambda: _reduce_scatter(chunk, full)}[op]
-
-
-def _time_loop(fn: Callable[[], None], iters: int, device: torch.device) -> float:
-    dist.barrier()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return _slowest((time.perf_counter() - t0) / iters, device)
+            "all_gather": lambda: all_gather(full, chunk),
+            "reduce_scatter": lambda: reduce_scatter(chunk, full)}[op]
 
 
 def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, Any]:
-    """Per op, per size: S, the time per call (median of ``repeats`` loops, each the slowest rank's mean), algbw and
-    busbw in bytes/s."""
+    """Per op, per size: S, the time of one call (the median over ``iters`` x ``repeats`` calls, each timed alone
+    from a barrier, the slowest rank's), algbw and busbw in bytes/s."""
     out: dict[str, Any] = {}
     for op in c.ops:
         rows = []
         for nbytes in message_sizes(c.min_bytes, c.max_bytes):
             fn = _call(op, nbytes, world, device)
-            first = _time_loop(fn, 1, device)  # warm-up, and the estimate every rank agrees on
+            first = time_calls(fn, 1, device)[0]  # warm-up, and the estimate every rank agrees on
             iters = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
-            t = statistics.median(_time_loop(fn, iters, device) for _ in range(int(c.repeats)))
+            t = statistics.median(time_calls(fn, iters * int(c.repeats), device))
             s = max(world, nbytes // 4 // world * world) * 4
-            rows.append({"bytes": s, "seconds": t, "iters": iters, "algbw_Bps": s / t,
+            rows.append({"bytes": s, "seconds": t, "iters": iters * int(c.repeats), "algbw_Bps": s / t,
                          "busbw_Bps": s / t * bus_factor(op, world)})
         out[op] = {"sizes": rows}
     return out
@@ -102,7 +89,7 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
         batch = make_batch(model_cfg, batch_size, 0, step, dist.get_rank()).to(device)
         marks = []
         for phase in ("forward", "backward", "optimizer"):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             if phase == "forward":
                 loss = loss_fn(net(batch), batch)
@@ -111,7 +98,7 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
             else:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            _sync(device)
+            sync(device)
             marks.append((phase, time.perf_counter() - t0))
         if step:  # step 0 is warm-up (Adam creates its moments)
             for phase, t in marks:
@@ -138,9 +125,12 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
+        from zeroexp.calibrate.framework import measure_framework
+
         result = {"threads_per_rank": torch.get_num_threads(),
                   "collectives": measure_collectives(c.calibrate, world, device) if world > 1 else {},
-                  "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device)}
+                  "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),
+                  "framework": measure_framework(world, int(c.calibrate.compute_steps), device)}
         dist.barrier()
         if rank == 0:
             Path(out).write_text(json.dumps(result))

@@ -45,6 +45,18 @@ def render_table(cal: Calibration, console: Any) -> None:
                                                           "parameter x sample")
     u.add_row("AdamW step", f"{c['optimizer_s'] * 1e3:.3f}", f"{c['adamw_s_per_element'] * 1e9:.3f} ns per element")
     console.print(u)
+    f = d["framework"]
+    v = Table(title="framework per step (measured differences, zeroexp.calibrate.framework)")
+    for col in ("primitive", "value"):
+        v.add_column(col, justify="left" if col == "primitive" else "right")
+    v.add_row("Lightning loop, per step", f"{f['loop_s'] * 1e3:.3f} ms")
+    for key, what in (("ddp_bucket_s", "DDP, per bucket"),
+                      ("zro_broadcast_s", "ZeroRedundancyOptimizer, per broadcast"),
+                      ("fsdp1_call_s", "FSDP1, per all_gather / reduce_scatter")):
+        if key in f:
+            v.add_row(what, f"{f[key] * 1e3:.3f} ms")
+    v.add_row("copy between warm buffers", f"{f['copy_s_per_byte'] * 1e12:.1f} ps per byte")
+    console.print(v)
     console.print(f"overlap: {'possible' if d['overlap']['possible'] else 'none'} ({d['overlap']['why']})")
 
 

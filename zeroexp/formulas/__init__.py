@@ -8,7 +8,10 @@ run share it; it imports nothing else of zeroexp.
 - :mod:`~zeroexp.formulas.rows`: every strategy's row (``LAYOUTS``), named by ``strategy.layout``;
 - :mod:`~zeroexp.formulas.time`: a collective's time (latency + bus bytes / bus bandwidth, two-level ring), compute
   rates, the device's overlap rule; :mod:`~zeroexp.formulas.overlap`: a step's time from its groups;
-- :mod:`~zeroexp.formulas.peak`: the peak model, each phase's bytes above steady.
+  :mod:`~zeroexp.formulas.framework`: the framework's own per-step work from calibrated primitives;
+- :mod:`~zeroexp.formulas.peak`: the peak model, each phase's bytes above steady;
+  :mod:`~zeroexp.formulas.accumulation`: over the micro-batches of ``grad_accum``;
+  :mod:`~zeroexp.formulas.checkpointing`: what a checkpointed forward keeps and a unit's recompute adds.
 
 Sources:
 - [ZeRO] Rajbhandari, Rasley, Ruwase, He. "ZeRO: Memory Optimizations Toward Training Trillion Parameter
@@ -37,6 +40,8 @@ kind's bytes divided by P) unless a name says per-rank.
 """
 
 from zeroexp.formulas.deepspeed import *  # noqa: F401,F403
+from zeroexp.formulas.framework import *  # noqa: F401,F403
+from zeroexp.formulas.framework import __all__ as _framework
 from zeroexp.formulas.deepspeed import __all__ as _deepspeed
 from zeroexp.formulas.layout import *  # noqa: F401,F403
 from zeroexp.formulas.layout import __all__ as _layout
@@ -49,5 +54,5 @@ from zeroexp.formulas.rows import LAYOUTS, ddp_buckets
 from zeroexp.formulas.time import *  # noqa: F401,F403
 from zeroexp.formulas.time import __all__ as _time
 
-__all__ = [*_paper, *_layout, *_deepspeed, *_time, *_overlap, "LAYOUTS", "ddp_buckets", "MESH_DIMS", "WORLD",
-           "hybrid_units"]
+__all__ = [*_paper, *_layout, *_deepspeed, *_time, *_overlap, *_framework, "LAYOUTS", "ddp_buckets", "MESH_DIMS",
+           "WORLD", "hybrid_units"]

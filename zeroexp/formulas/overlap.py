@@ -22,6 +22,16 @@ collective's time adds to the step. The overlap rules, by what a row's groups ho
   gradients are ready and waited for before the optimizer. FSDP2 prefetches as ``pre``.
 - any other row (DeepSpeed's, the paper's): no rule, every collective is counted exposed (``overlap_comm`` off, as
   zeroexp configures DeepSpeed).
+
+Activation checkpointing (``activation_checkpointing=full``) adds one more forward of each checkpointed unit inside
+its backward (torch.utils.checkpoint, non-reentrant: the unit's forward is rerun when backward first needs its saved
+tensors): :func:`recompute_seconds`. Gradient accumulation (``grad_accum=K``) runs K micro-batches of forward and
+backward before one optimizer step; each op's calls are spread over the micro-batches that issue it, read from the
+one model's counts at K and at 1 (``repeats``: an op the strategy sends every micro-batch is K x its count at K=1,
+one it sends once is not): a repeated op is placed in every micro-batch as in one step, one sent once in the last
+micro-batch (a gradient reduction at the boundary, a broadcast after the step) or, an all_gather, in the first
+(FSDP's SHARD_GRAD_OP keeps its units gathered to the end of the step; zeroexp's ZeRO gathers after the step, waited
+for in the next forward).
 """
 
 from __future__ import annotations
@@ -29,11 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.layout import Groups, StateLayout
+from zeroexp.formulas.framework import FrameworkCost, framework_time
+from zeroexp.formulas.layout import Groups, PlanKnobs, StateLayout, step_collectives
 from zeroexp.formulas.paper import Collectives
 from zeroexp.formulas.time import ComputeRate
 
-__all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "predict_step", "optimizer_elements"]
+__all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "predict_step", "optimizer_elements",
+           "recompute_seconds", "checkpointed_numel", "micro_batch_slots", "accumulation_repeats"]
 
 #: (op, payload bytes S, calls) -> seconds: a calibration's fit, or a network preset's two-level ring.
 CollectiveTime = Callable[[str, float, float], float]
@@ -52,7 +64,8 @@ class Slot(NamedTuple):
 
 @dataclass(frozen=True)
 class StepTime:
-    """A predicted step: its time, the communication not hidden behind compute, and each phase (seconds)."""
+    """A predicted step: its time, the communication not hidden behind compute, each phase's compute, the
+    framework's own work (:mod:`zeroexp.formulas.framework`, by term) (seconds)."""
 
     step_s: float
     exposed_comm_s: float
@@ -61,10 +74,54 @@ class StepTime:
     backward_s: float
     optimizer_s: float
     rule: str
+    recompute_s: float = 0.0  # activation checkpointing: the checkpointed units' forward again, inside backward
+    micro_batches: int = 1  # forward_s, backward_s, recompute_s and framework_s are over all of them
+    framework_s: float = 0.0
+    framework_terms: tuple = ()  # (name, seconds) for one micro-batch's forward and backward and the step's optimizer
+    framework_notes: tuple = ()
 
     def by_phase_ms(self) -> dict[str, float]:
-        return {k: 1e3 * getattr(self, f"{k}_s") for k in ("forward", "backward", "optimizer", "comm",
+        return {k: 1e3 * getattr(self, f"{k}_s") for k in ("forward", "backward", "recompute", "optimizer", "framework",
+                                                             "comm",
                                                              "exposed_comm")}
+
+
+def checkpointed_numel(units: tuple[tuple[int, ...], ...], root: tuple[bool, ...], numels: tuple[int, ...]) -> int:
+    """The parameters inside checkpointed units (every wrap unit; the root unit's own parameters are not
+    checkpointed): a ``ModelShape``'s ``units``, ``root`` and ``numels``."""
+    return sum(numels[i] for members, is_root in zip(units, root) if not is_root for i in members)
+
+
+def recompute_seconds(forward_s: float, checkpointed: int, numel: int) -> float:
+    """The recompute of activation checkpointing: the forward of the checkpointed units once more in backward, its
+    time the forward's share of their parameters (compute scales with numel [KAPLAN])."""
+    return forward_s * checkpointed / numel if numel else 0.0
+
+
+def accumulation_repeats(layout: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs) -> dict[str, float]:
+    """Per op, how many times more calls a step of ``knobs.micro_batches`` micro-batches sends than a step of one:
+    the one model's counts (:func:`~zeroexp.formulas.step_collectives`) at K over those at 1."""
+    from dataclasses import replace
+
+    at_k = step_collectives(layout, groups, itemsize, knobs)
+    at_1 = step_collectives(layout, groups, itemsize, replace(knobs, micro_batches=1))
+    return {op: e["count"] / at_1[op]["count"] for op, e in at_k.items() if at_1.get(op, {}).get("count")}
+
+
+def micro_batch_slots(slots: list[Slot], repeats: dict[str, float], micro_batches: int, micro_s: float) -> list[Slot]:
+    """One step's ``slots`` (on one micro-batch's timeline, the optimizer after it) laid over ``micro_batches``
+    micro-batches of ``micro_s`` seconds each, the optimizer after the last: an op with ``repeats[op]`` > 1 is
+    placed in every micro-batch, one sent once in the first (all_gather) or the last (every other op)."""
+    if micro_batches < 2:
+        return slots
+    out = []
+    for s in slots:
+        if repeats.get(s.op, 1.0) > 1:
+            at = range(micro_batches)
+        else:
+            at = (0,) if s.op == "all_gather" else (micro_batches - 1,)
+        out += [s._replace(issue_s=s.issue_s + j * micro_s, need_s=s.need_s + j * micro_s) for j in at]
+    return out
 
 
 def optimizer_elements(layout: StateLayout, groups: Groups) -> int:
@@ -146,28 +203,45 @@ def simulate_step(compute_s: float, calls: list[tuple[float, float, int, float]]
 
 
 def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, rate: ComputeRate,
-                 samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre") -> StepTime:
-    """The step time of ``layout`` over ``groups`` at ``samples`` per rank: compute from ``rate`` (forward and backward
-    over every parameter, as data parallelism computes the whole model on each rank; AdamW over
+                 samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre",
+                 framework: FrameworkCost | None = None, itemsize: int = 4, checkpointed: int = 0,
+                 micro_batches: int = 1, repeats: dict[str, float] | None = None) -> StepTime:
+    """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
+    (forward and backward over every parameter, as data parallelism computes the whole model on each rank; AdamW over
     :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
     by their weights and timed by ``seconds_of``, placed by :func:`collective_slots`, run by :func:`simulate_step`.
-    An op the rule has no slot for is issued at the end of backward and waited for at once (exposed)."""
+    An op the rule has no slot for is issued at the end of backward and waited for at once (exposed).
+    ``framework``: the calibrated costs of :mod:`zeroexp.formulas.framework`, added to the phase each runs in (the
+    rank's own work, like compute; forward and backward terms in every micro-batch); None: none (a device preset).
+    ``checkpointed``: the parameters in checkpointed units (:func:`recompute_seconds` adds their forward to each
+    backward); ``micro_batches``: ``grad_accum``, with ``repeats`` (op -> its count at K over its count at 1) placing
+    each op's calls (:func:`micro_batch_slots`)."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples
-    b = rate.backward_s_per_param_sample * psi * samples
+    r = recompute_seconds(f, checkpointed, psi)
+    b = rate.backward_s_per_param_sample * psi * samples + r
     o = rate.adamw_s_per_element * optimizer_elements(layout, groups)
+    fw = framework_time(layout, groups, itemsize, framework or FrameworkCost())
+    bare = (f, b - r, o)
+    f, b, o = f + fw.forward_s, b + fw.backward_s, o + fw.optimizer_s
+    k = max(int(micro_batches), 1)
     slots, rule = collective_slots(layout, groups, prefetch, f, b, o)
+    slots = micro_batch_slots(slots, repeats or {}, k, f + b)
+    last_b = (k - 1) * (f + b) + f + b  # the end of the last micro-batch's backward
     calls: list[tuple[float, float, int, float]] = []
     for op, entry in collectives.items():
         mine = [s for s in slots if s.op == op]
         if not mine:
-            mine = [Slot(op, 1.0, f + b, f + b)]
+            mine = [Slot(op, 1.0, last_b, last_b)]
         total = sum(s.weight for s in mine) or 1.0
         for s in mine:
             share = s.weight / total
             calls.append((s.issue_s, s.need_s, s.order,
                           seconds_of(op, entry["payload_bytes"] * share, entry["count"] * share)))
-    compute = f + b + o
+    compute = k * (f + b) + o
     step = simulate_step(compute, calls, overlap)
-    return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls), forward_s=f,
-                    backward_s=b, optimizer_s=o, rule=rule if overlap else "no overlap on this device: " + rule)
+    return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls),
+                    forward_s=k * bare[0], backward_s=k * bare[1], optimizer_s=bare[2], recompute_s=k * r,
+                    micro_batches=k, rule=rule if overlap else "no overlap on this device: " + rule,
+                    framework_s=k * (fw.forward_s + fw.backward_s) + fw.optimizer_s,
+                    framework_terms=tuple(fw.terms.items()), framework_notes=fw.notes)

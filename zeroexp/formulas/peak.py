@@ -68,7 +68,8 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
 
 
 def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
-                optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool) -> dict[str, dict]:
+                optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
+                in_place: StepTrace | None = None) -> dict[str, dict]:
     """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
@@ -77,7 +78,10 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     bucket opened before the segment started (``buckets``: each one's bytes in reduce order, opened by its first
     ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps (:func:`adamw_temporaries`), or,
     for ``bucket``, the buckets alive when the step begins if they are more (released before the update). Each
-    segment's figure is a lower bound of the real one; the phase's peak is the largest."""
+    segment's figure is a lower bound of the real one; the phase's peak is the largest. ``in_place``: the same step
+    traced with the gradients allocated before it (``trace_step(grads_in_place=True)``), whose backward segments the
+    ``in_place`` and ``bucket`` flows take instead of ``trace``'s less its gradients (they differ where activation
+    checkpointing recomputes; ``trace`` still says when each bucket opens)."""
     if flow not in ("new", "in_place", "bucket"):
         raise ValueError(f"unknown gradient flow {flow!r}")
     forward = [s for s in trace.segments if s.phase == "forward"]
@@ -86,9 +90,15 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
                        "by_category": _add(top.peak_by_category, {"activations": -trace.loss_bytes})}}
     best, before = None, 0  # before: traced gradient bytes at the segment's start
     edges = [sum(buckets[:i]) for i in range(len(buckets) + 1)]
-    for s in (s for s in trace.segments if s.phase == "backward"):
-        grads = s.peak_by_category.get("gradients", 0)
-        cats = _add(s.peak_by_category, {"activations": -trace.loss_bytes})
+    alike = in_place is not None and flow != "new"
+    if alike and [(s.phase, s.at) for s in in_place.segments] != [(s.phase, s.at) for s in trace.segments]:
+        raise ValueError("the in-place trace's segments are not the trace's")
+    for k, s in enumerate(trace.segments):
+        if s.phase != "backward":
+            continue
+        peak = in_place.segments[k].peak_by_category if alike else s.peak_by_category
+        grads = peak.get("gradients", 0)
+        cats = _add(peak, {"activations": -trace.loss_bytes})
         if flow == "new":
             cats = _add(cats, {"gradients": -steady_grad_bytes})
         else:

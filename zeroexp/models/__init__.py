@@ -15,7 +15,7 @@ from torch import nn
 from zeroexp.formulas import ITEMSIZE
 
 __all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "zeros_batch", "loss_of",
-           "import_class", "wrap_paths", "torch_dtype"]
+           "import_class", "wrap_paths", "torch_dtype", "checkpoint_units"]
 
 #: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
 #: the ``_target_`` factory.
@@ -115,3 +115,17 @@ def wrap_paths(cfg: Any) -> list[str]:
     strategy = cfg.strategy if cfg.get("strategy") is not None else {}
     paths = strategy.get("wrap") if strategy.get("wrap") is not None else cfg.model.get("wrap")
     return [str(p) for p in (paths or [])]
+
+
+def checkpoint_units(module: nn.Module, classes: tuple[type, ...]) -> None:
+    """Replace each module of ``classes`` inside ``module`` by torch's non-reentrant ``checkpoint_wrapper``: the one
+    way zeroexp checkpoints activations (``StrategyAdapter.checkpoint_activations`` and the traced step)."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, classes),
+                                   checkpoint_wrapper_fn=partial(checkpoint_wrapper,
+                                                                 checkpoint_impl=CheckpointImpl.NO_REENTRANT))

@@ -32,6 +32,8 @@ class ActivationTrace:
     unit_bytes: dict[str, int] = field(default_factory=dict)
     held_bytes: int = 0
     tensors: int = 0
+    #: Each unit's input (its tensor arguments' storages, the first time one is seen): what a checkpointed unit keeps.
+    unit_input_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> int:
@@ -71,8 +73,18 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
                 trace.tensors += 1
             return t
 
+        inputs: set[Any] = set()  # the units' inputs' storages
+
+        def enter(m: torch.nn.Module, args: Any) -> None:
+            name = names[id(m)]
+            stack.append(name)
+            for t in (a for a in args if isinstance(a, torch.Tensor)):
+                if _key(t) not in inputs:
+                    inputs.add(_key(t))
+                    trace.unit_input_bytes[name] = trace.unit_input_bytes.get(name, 0) + t.untyped_storage().nbytes()
+
         units = [m for m in net.modules() if classes and isinstance(m, classes)]
-        hooks = [m.register_forward_pre_hook(lambda m, a: stack.append(names[id(m)])) for m in units]
+        hooks = [m.register_forward_pre_hook(enter) for m in units]
         hooks += [m.register_forward_hook(lambda m, a, o: stack.pop() and None) for m in units]  # None: output kept
         batch = zeros_batch(model_cfg, batch_size)
         cast = torch.autocast(device, dtype=dtype) if dtype not in (None, torch.float32) else nullcontext()

@@ -39,6 +39,8 @@ class PlanConfig:
     batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
     shard_size: Optional[int] = None  # hybrid rows (fsdp_HYBRID_SHARD, fsdp2_hybrid...): ranks per shard group
     network: Any = None  # network=<option of conf/network/>: adds step_ms, exposed_comm_ms, tokens_per_s (needs batch_size)
+    activation_checkpointing: Any = MISSING  # none | full (the runner's group): every wrap unit recomputed in backward
+    grad_accum: Any = 1  # micro-batches of batch_size per optimizer step: their collectives, the gradients held, time
 
 
 def register() -> None:
@@ -112,60 +114,77 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     shard = cfg.get("shard_size")
     if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 2):
         raise ConfigError("shard_size", shard, "null or an integer >= 2 (ranks per shard group of the hybrid rows)")
+    accum = cfg.get("grad_accum", 1)
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        raise ConfigError("grad_accum", accum, "an integer >= 1 (micro-batches of batch_size per optimizer step)")
+    ac = str(cfg.activation_checkpointing.name) if cfg.get("activation_checkpointing") is not None else "none"
+    if ac not in ("none", "full"):
+        raise ConfigError("activation_checkpointing", ac, "none, full")
     shape, model = _shape(cfg)
     network = _network(cfg, batch)
     if network is not None and memory is None and network.device_memory is not None:
         memory = parse_bytes(network.device_memory)
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
-                      loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0)
+                      loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
+                      micro_batches=accum)
     precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
     records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
                           model)
-    activations = _activations(cfg, batch) if batch is not None else None
+    activations = _activations(cfg, batch, ac == "full") if batch is not None else None
     if batch is not None and activations is None:
         notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
                      "model=)")
     for r in records:
-        r["batch_size"] = batch
+        r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac)
         r.update(activations or {"activation_bytes": None, "activation_unit_bytes": None, "korthikanti_bytes": None})
-    _peaks(cfg, records, shape, batch, memory, knobs)
+    _peaks(cfg, records, shape, batch, memory, knobs, ac == "full")
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
 
-        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg))
+        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), ac == "full")
         if cfg.model is None:
             notes.append("tokens_per_s: a parameter count has no input shape, one token a sample assumed")
     return records, notes
 
 
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
-           memory: int | None, knobs: PlanKnobs) -> None:
+           memory: int | None, knobs: PlanKnobs, checkpointing: bool = False) -> None:
     """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers: ``peak_bytes`` (model
     state + DDP's buckets + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``, and
     ``fits`` judged on the peak there (``fits_on``: ``peak``, else ``state``: model state + gather floor, as before).
-    ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does)."""
+    ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does).
+    ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
+    over the micro-batches, and ``accum_grad_bytes``, the gradients held between them."""
     from zeroexp.formulas import LAYOUTS, derive_groups
+    from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.memory import steady_buffers_bytes, uncovered, worst_rank_phases
+    from zeroexp.plan.memory import (flow_of, needs_in_place, steady_buffers_bytes, step_traces, uncovered,
+                                     worst_rank_phases)
 
-    trace = None
-    if batch is not None and cfg.model is not None and cfg.precision.name == "fp32":
-        from zeroexp.plan.steptrace import trace_step
-
-        wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
-                                                                      "model": cfg.model}))]
-        trace = trace_step(cfg.model, batch, wrap, device="cpu")
+    traced = batch is not None and cfg.model is not None and cfg.precision.name == "fp32"
+    wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
+                                                                  "model": cfg.model}))] if traced else []
+    k = knobs.micro_batches
+    traces: dict[bool, Any] = {}  # by whether the row also needs the step with its gradients in place
     for r in records:
         r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, fits_on="state")
-        why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name))
-        if trace is None:
+        flow = flow_of(r["strategy"])
+        r["accum_grad_bytes"] = (accumulated_grad_bytes(flow, r["grad_bytes"]) if k > 1 and flow in
+                                 ACCUMULATING_FLOWS else None)
+        why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name),
+                        activation_checkpointing="full" if checkpointing else "none", micro_batches=k)
+        if not traced:
             why = why or ["no traced step: give model= and batch_size= (fp32)"]
         if why:
             r["peak_note"] = "; ".join(why)
             continue
         name, n, c = r["strategy"], r["world_size"], 4
+        need = needs_in_place(name, k)
+        if need not in traces:
+            traces[need] = step_traces(name, cfg.model, batch, wrap, checkpointing, k)
+        trace, in_place = traces[need]
         groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-        phases = worst_rank_phases(name, groups, shape, trace, c, "pre")
+        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
                  peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))
@@ -191,10 +210,14 @@ def _network(cfg: DictConfig, batch: int | None):
     return network_of(cfg.network, str(cfg.precision.name), _tokens(cfg))
 
 
-def _activations(cfg: DictConfig, batch: int) -> dict[str, Any] | None:
+def _activations(cfg: DictConfig, batch: int, checkpointing: bool = False) -> dict[str, Any] | None:
     """One forward of the model at ``batch`` samples per rank, traced under FakeTensorMode in the compute dtype
     (``zeroexp.plan.activations``): the bytes autograd saves, per unit, plus the output and the loss; and for a
-    GPT-shaped config, Korthikanti et al.'s closed form beside it. None without a model."""
+    GPT-shaped config, Korthikanti et al.'s closed form beside it. None without a model. ``checkpointing``:
+    ``activation_bytes`` is what the checkpointed forward keeps and ``recompute_bytes`` the largest unit's recompute
+    (``zeroexp.formulas.checkpointing``, from the same per-unit figures); ``activation_unit_bytes`` stays each unit's
+    own activations."""
+    from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
     from zeroexp.models import import_class, torch_dtype, wrap_paths
     from zeroexp.plan.activations import korthikanti_layer_bytes, trace_activations
 
@@ -205,7 +228,10 @@ def _activations(cfg: DictConfig, batch: int) -> dict[str, Any] | None:
     m = cfg.model
     gpt = all(k in m for k in ("n_layer", "n_embd", "n_head", "seq_len"))
     itemsize = torch_dtype(str(cfg.precision.param_dtype)).itemsize
-    return {"activation_bytes": trace.total_bytes, "activation_unit_bytes": trace.unit_bytes,
+    kept = (checkpointed_forward_bytes(trace.total_bytes, trace.unit_bytes, trace.unit_input_bytes)
+            if checkpointing else trace.total_bytes)
+    return {"activation_bytes": kept, "activation_unit_bytes": trace.unit_bytes,
+            "recompute_bytes": recompute_bytes(trace.unit_bytes) if checkpointing else None,
             "korthikanti_bytes": int(m.n_layer) * korthikanti_layer_bytes(int(m.seq_len), batch, int(m.n_embd),
                                                                           int(m.n_head), itemsize) if gpt else None}
 

@@ -17,17 +17,20 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas import Groups, ModelShape
-from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks,
-                                   phase_peaks)
+from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
+from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
+                                   fsdp_phase_peaks)
 
-__all__ = ["memory_section", "predict_phases", "worst_rank_phases", "flow_of", "uncovered", "steady_buffers_bytes",
-           "TOLERANCE"]
+__all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
+           "uncovered", "steady_buffers_bytes", "TOLERANCE"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
 FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False}
 #: FSDP2 rows the peak model covers: whether the row reshards after forward.
 FSDP2_ROWS = {"fsdp2_full": True, "fsdp2_grad_op": False}
+#: FSDP1 rows whose accumulation under ``no_sync`` the peak model covers (SHARD_GRAD_OP keeps its units unsharded).
+NO_SYNC_ROWS = ("fsdp_grad_op",)
 #: The optimizer every covered row steps: torch's AdamW over fp32 state, single-tensor (torch's default on CPU).
 ADAMW = {"optimizer_itemsize": 4, "foreach": False}
 #: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
@@ -35,7 +38,8 @@ TOLERANCE = 0.02
 
 
 def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False,
-              activation_checkpointing: str = "none", micro_batches: int = 1) -> list[str]:
+              activation_checkpointing: str = "none", micro_batches: int = 1,
+              sync_each_microbatch: bool = False) -> list[str]:
     """Why the peak model does not cover a row in this precision, offload and axes (empty: it does)."""
     flow = flow_of(name)
     reasons = []
@@ -46,11 +50,19 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
     if precision != "fp32" or offload != "none":
         reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, offload none)")
-    if activation_checkpointing != "none":
-        reasons.append(f"no peak model yet for activation_checkpointing={activation_checkpointing} (the traced step "
-                       "has no recompute)")
-    if micro_batches > 1:
-        reasons.append(f"no peak model yet for grad_accum={micro_batches}")
+    if activation_checkpointing not in ("none", "full"):
+        reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
+    modelled = name in NO_SYNC_ROWS and not sync_each_microbatch and activation_checkpointing == "none"
+    if micro_batches > 1 and flow is not None and GRADIENT_FLOW.get(name) not in ACCUMULATING_FLOWS and not modelled:
+        covered = [n for n, f in GRADIENT_FLOW.items() if f in ACCUMULATING_FLOWS] + [
+            f"{n} under no_sync without activation checkpointing" for n in NO_SYNC_ROWS]
+        how = "".join(f" {k}={v}" for k, v in (("strategy.sync_each_microbatch", "true" if sync_each_microbatch
+                                                                               else None),
+                                               ("activation_checkpointing", activation_checkpointing))
+                      if v not in (None, "none"))
+        reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name}{how} (covered: "
+                       f"{', '.join(covered)}; FULL_SHARD's and FSDP2's no_sync, which hold each unit's unsharded "
+                       "gradient, not yet)")
     return reasons
 
 
@@ -59,22 +71,48 @@ def flow_of(name: str) -> str | None:
     return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
 
 
+def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: bool,
+                micro_batches: int) -> tuple[StepTrace, StepTrace | None]:
+    """The bare step traced for row ``name`` (:func:`zeroexp.plan.steptrace.trace_step`, checkpointed as the cell),
+    and, where the row's gradients live across a step (``in_place``, ``bucket``) or a later micro-batch adds into
+    them (``new`` with ``grad_accum`` > 1), the same step traced with its gradients allocated before it."""
+    from zeroexp.plan.steptrace import trace_step
+
+    trace = trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing)
+    if needs_in_place(name, micro_batches):
+        return trace, trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
+                                 grads_in_place=True)
+    return trace, None
+
+
+def needs_in_place(name: str, micro_batches: int) -> bool:
+    """Whether row ``name``'s peak model reads the step traced with its gradients allocated (:func:`step_traces`)."""
+    flow = GRADIENT_FLOW.get(name)
+    return flow in ("in_place", "bucket") or (flow == "new" and micro_batches > 1)
+
+
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
-                      prefetch: str) -> dict[str, dict]:
+                      prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
     that is (only zro's ranks differ: their owned parameters)."""
     ranks = range(groups.world_size) if name == "zro" else (0,)
-    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch) for r in ranks),
-               key=lambda ph: max(v["bytes"] for v in ph.values()))
+    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, micro_batches=micro_batches,
+                               in_place=in_place)
+                for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
-                   prefetch: str = "none", gloo: bool = False) -> dict[str, dict]:
+                   prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
+                   in_place: StepTrace | None = None) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
-    ``by_category``, for rank ``rank``."""
+    ``by_category``, for rank ``rank``. ``trace``: the bare step (checkpointed when the cell is: its segments then
+    hold each unit's input in forward and its recompute in backward); ``in_place``: the same with its gradients
+    allocated before it (:func:`step_traces`); ``micro_batches``: ``grad_accum``, each phase the highest over them
+    (:mod:`zeroexp.formulas.accumulation`)."""
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
-        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo)
-    return phase_peaks(GRADIENT_FLOW[name], trace, **_strategy_terms(name, groups, rank, groups.world_size, itemsize))
+        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, micro_batches)
+    terms = _strategy_terms(name, groups, rank, groups.world_size, itemsize)
+    return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, in_place=in_place, **terms)
 
 
 def steady_buffers_bytes(name: str, groups: Groups, itemsize: int) -> int:
@@ -90,25 +128,29 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     ac = cfg.get("activation_checkpointing")
     reasons = uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
                         bool(cfg.strategy.get("use_orig_params", False)),
-                        str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1))
+                        str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),
+                        bool(cfg.strategy.get("sync_each_microbatch", False)))
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
     if reasons:
         return {"check": "n/a", "reasons": reasons}
-    from zeroexp.plan.steptrace import trace_step
-
-    trace = trace_step(cfg.model, int(cfg.batch_size), wrap, device="cpu")
+    checkpointing = ac is not None and str(ac.name) == "full"
+    micro_batches = int(cfg.get("grad_accum") or 1)
+    trace, in_place = step_traces(name, cfg.model, int(cfg.batch_size), wrap, checkpointing, micro_batches)
+    traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
+              "checkpointing": checkpointing, "micro_batches": micro_batches}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
-        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name))
-        return {"model": f"peak model (zeroexp.formulas.peak), row {name}",
-                "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
+        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
+                                      in_place)
+        return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
                                             "not run): predicted only"]}
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
-    predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo)
+    predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
+                               micro_batches, in_place)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
@@ -134,8 +176,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                                f"({_worst_category(want['by_category'], by_cat)})")
         phases[ph] = rec
     out = {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' (zeroexp.formulas.peak)",
-           "trace": {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes},
-           "phases": phases, "max_rel_err": max(errs) if errs else None,
+           "trace": traced, "phases": phases, "max_rel_err": max(errs) if errs else None,
            "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
     return _as_simulated(out) if measured.get("simulated") else out
 
@@ -165,21 +206,31 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int)
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
-          gloo: bool) -> dict[str, Any]:
+          gloo: bool, micro_batches: int = 1) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
-    post-order, the root last) beside the shape's (their parameters' own gradients)."""
+    post-order, the root last) beside the shape's (their parameters' own gradients). ``micro_batches`` > 1:
+    SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.fsdp_no_sync_phase_peaks`)."""
     n = groups.world_size
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
-    units, root = [], 0
+    units, root, root_grads = [], 0, 0
     for (members, is_root), unit in zip(sized, groups.units):
         if is_root:
             root += unit.numel * itemsize
+            root_grads += sum(shape.numels[i] for i in members) * itemsize
         else:
             units.append(FsdpUnit(unit.numel * itemsize, unit.numel // n * itemsize,
                                   sum(shape.numels[i] for i in members) * itemsize))
     shards = [u.numel // n for u in groups.units]
+    if micro_batches > 1:
+        if name not in NO_SYNC_ROWS:
+            raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
+        return fsdp_no_sync_phase_peaks(
+            trace, [u.unsharded for u in units], [u.grads for u in units], root=root, root_grads=root_grads,
+            steady_grad_bytes=sum(shards) * itemsize,
+            optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), ADAMW["optimizer_itemsize"],
+                                                    ADAMW["foreach"]))
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * itemsize, gloo=gloo,
                                  optimizer_numels=tuple(s.numel // n for s in groups.shards), **ADAMW,

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import (LAYOUTS, ComputeRate, LinkFit, ModelShape, PlanKnobs, derive_groups, predict_step,
-                              step_collectives, two_level_seconds)
+from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, ModelShape, PlanKnobs,
+                              accumulation_repeats, checkpointed_numel, derive_groups, predict_step, step_collectives,
+                              two_level_seconds)
 
 __all__ = ["Network", "network_of", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT"]
 
@@ -34,6 +35,7 @@ class Network:
     overlap: bool
     device_memory: Any
     source: str
+    framework: FrameworkCost | None = None  # a calibration's framework costs; presets: none (not known)
 
 
 def _number(node: Any, key: str, where: str) -> float:
@@ -85,7 +87,7 @@ def _calibrated(node: Any, tokens: int) -> Network:
     c = cal.data["compute"]
     return Network("this_machine", cal.seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,
                    f"calibration {cal.path} (N={cal.world_size}, {c['model']}, batch {c['batch_size']}; busbw held "
-                   "at every N)")
+                   "at every N)", cal.framework)
 
 
 def tokens_per_sample(model: Any) -> int:
@@ -96,17 +98,21 @@ def tokens_per_sample(model: Any) -> int:
 
 
 def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Network, itemsize: int,
-                   knobs: PlanKnobs, batch: int, tokens: int) -> None:
-    """Add ``step_ms``, ``exposed_comm_ms``, ``tokens_per_s`` (global) and ``fastest`` (per world size, among the rows
-    that fit, or all when fit is unknown) to each record, in place."""
+                   knobs: PlanKnobs, batch: int, tokens: int, checkpointing: bool = False) -> None:
+    """Add ``step_ms``, ``exposed_comm_ms``, ``recompute_ms``, ``tokens_per_s`` (global, every micro-batch of the
+    optimizer step) and ``fastest`` (per world size, among the rows that fit, or all when fit is unknown) to each
+    record, in place. ``checkpointing``: every wrap unit recomputed in backward; ``knobs.micro_batches``: grad_accum."""
+    checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels) if checkpointing else 0
     for r in records:
         name, n = r["strategy"], r["world_size"]
         layout = LAYOUTS[name]
         groups = derive_groups(name, layout, shape, n, itemsize, knobs)
         t = predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
-                         network.seconds_at(n), network.overlap, "pre")
+                         network.seconds_at(n), network.overlap, "pre", network.framework, itemsize,
+                         checkpointed=checkpointed, micro_batches=knobs.micro_batches,
+                         repeats=accumulation_repeats(layout, groups, itemsize, knobs))
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
-                 tokens_per_s=tokens * batch * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
+                 recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
                  fastest=False)
     for n in {r["world_size"] for r in records}:
         rows = [r for r in records if r["world_size"] == n and r.get("fits") is not False]

@@ -68,7 +68,9 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     cols = ["strategy", "stage", "N", "params", "grads", "moments", "master", "total"]
     cols += ["host", "device"] if offload else []
     acts = any(r.get("activation_bytes") is not None for r in records)
-    cols += ["gather floor"] + ([f"activations (batch {first['batch_size']})"] if acts else [])
+    ckpt = ", checkpointed" if first.get("activation_checkpointing") == "full" else ""
+    accum = f" x {first['grad_accum']} micro-batches" if (first.get("grad_accum") or 1) > 1 else ""
+    cols += ["gather floor"] + ([f"activations (batch {first['batch_size']}{accum}{ckpt})"] if acts else [])
     peaks = any(r.get("peak_bytes") is not None for r in records)
     cols += ["peak (phase)"] if peaks else []
     cols += [f"fits {fmt_size(first['device_memory_bytes'], unit)} {unit}"] if fits else []
@@ -89,11 +91,16 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
 
 def _time_table(records: list[dict[str, Any]]) -> Table:
     first = records[0]
-    table = Table(title=f"Step time on {first['network']} at batch {first['batch_size'] or '?'} per rank (computed)")
-    for i, c in enumerate(["strategy", "N", "step ms", "comm ms", "exposed comm ms", "tokens/s", "fits", "fastest"]):
+    accum = f" x {first['grad_accum']} micro-batches" if (first.get("grad_accum") or 1) > 1 else ""
+    recompute = any(r.get("recompute_ms") for r in records)
+    table = Table(title=f"Step time on {first['network']} at batch {first['batch_size'] or '?'}{accum} per rank "
+                        "(computed)")
+    for i, c in enumerate(["strategy", "N", "step ms", *(["recompute ms"] if recompute else []), "comm ms",
+                           "exposed comm ms", "tokens/s", "fits", "fastest"]):
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in records:
-        table.add_row(r["strategy"], str(r["world_size"]), f"{r['step_ms']:.2f}", f"{r['comm_ms']:.2f}",
+        table.add_row(r["strategy"], str(r["world_size"]), f"{r['step_ms']:.2f}",
+                      *([f"{r['recompute_ms']:.2f}"] if recompute else []), f"{r['comm_ms']:.2f}",
                       f"{r['exposed_comm_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
                       "?" if r["fits"] is None else "yes" if r["fits"] else "[red]NO[/]", "*" if r["fastest"] else "")
     return table

@@ -26,27 +26,46 @@ __all__ = ["trace_step"]
 
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-               dtype: torch.dtype | None = None) -> StepTrace:
+               dtype: torch.dtype | None = None, checkpointing: bool = False,
+               grads_in_place: bool = False) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
-    way). ``dtype``: the compute dtype (autocast; None or fp32: the model's own)."""
+    way). ``dtype``: the compute dtype (autocast; None or fp32: the model's own). ``checkpointing``: each unit in
+    torch's non-reentrant ``checkpoint_wrapper`` (``activation_checkpointing=full``, as the strategies apply it):
+    forward keeps each unit's input, and a unit's backward segment holds its recompute (the unit's forward hooks that
+    fire again inside backward end no segment). ``grads_in_place``: every parameter's ``.grad`` exists before the step
+    (views of one zeroed flat buffer, part of the step's start), so autograd adds into it in place and backward
+    allocates no gradient: the step of a flow whose gradients live across the step (zeroexp's ZeRO-1/2 buckets, a later
+    micro-batch of ``grad_accum``). Without checkpointing its segments are the plain trace's less its gradients
+    (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak."""
     from contextlib import nullcontext
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zeroexp.models import build_model, loss_of, zeros_batch
+    from zeroexp.models import build_model, checkpoint_units, loss_of, zeros_batch
 
     classes = tuple(wrap)
     segments: list[Segment] = []
     with FakeTensorMode(), torch.device(device):
         net = build_model(model_cfg)
+        if checkpointing and classes:
+            checkpoint_units(net, classes)
         names = {id(m): name or "root" for name, m in net.named_modules()}
         batch = zeros_batch(model_cfg, batch_size)
+        params = [p for p in net.parameters() if p.requires_grad]
+        if grads_in_place:
+            flat = torch.zeros(sum(p.numel() for p in params))
+            for p, view in zip(params, flat.split([p.numel() for p in params])):
+                p.grad = view.view_as(p)
         mt = step_mem_tracker()
         mt.track_external(net, batch)
         base: list[tuple[int, dict[str, int]]] = []  # the step's start: parameters and the batch
 
+        in_backward = [False]
+
         def mark(phase: str, unit: str, at: str) -> None:
+            if phase == "forward" and in_backward[0]:  # a checkpointed unit's recompute, inside its backward
+                return
             (b, b_cats), (peak, peak_cats) = base[0], totals(mt.get_tracker_snapshot("peak"), device)
             now, now_cats = totals(mt.get_tracker_snapshot("current"), device)
             segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b, _less(now_cats, b_cats)))
@@ -71,6 +90,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                 del out  # the step keeps only what autograd saved of the output
                 kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss
                 mark("forward", "loss", "end")
+                in_backward[0] = True
                 loss.backward()
                 mark("backward", "root", "end")
                 del kept

@@ -80,18 +80,22 @@ def time_section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
 
 def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     from zeroexp.expect import itemsize_of, knobs_of, layout_of
-    from zeroexp.formulas import derive_groups
+    from zeroexp.formulas import accumulation_repeats, checkpointed_numel, derive_groups
     from zeroexp.models import wrap_paths
     from zeroexp.plan.shape import model_shape
 
     name, layout = layout_of(cfg)
     itemsize, knobs = itemsize_of(cfg), knobs_of(cfg)
-    groups = derive_groups(name, layout, model_shape(cfg.model, wrap_paths(cfg)), int(cfg.world_size), itemsize, knobs)
+    shape = model_shape(cfg.model, wrap_paths(cfg))
+    groups = derive_groups(name, layout, shape, int(cfg.world_size), itemsize, knobs)
+    ac = cfg.get("activation_checkpointing")
+    checkpointed = (checkpointed_numel(shape.units, shape.root, shape.numels)
+                    if ac is not None and str(ac.name) == "full" else 0)
     coll = summary.get("collectives") or {}
     out: dict[str, Any] = {"predicted_step_ms": None, "measured_median_ms": None, "median_ci95_ms": None,
                            "ratio": None, "exposed_comm_ms": None,
                            "measured_exposed_comm_ms": coll.get("exposed_comm_ms"), "predicted_by_phase": None,
-                           "throughput": None,
+                           "throughput": None, "framework": None,
                            "calibration": None, "overlap_rule": None, "check": "n/a", "reasons": []}
     timing = summary.get("timing") or {}
     steps = timing.get("step_ms") or []
@@ -99,7 +103,7 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
         from zeroexp.plan.network import tokens_per_sample
 
         median, low, high = median_ci95(steps)
-        samples = int(cfg.batch_size) * int(cfg.world_size) / (median / 1e3)
+        samples = int(cfg.batch_size) * int(cfg.get("grad_accum") or 1) * int(cfg.world_size) / (median / 1e3)
         out.update(measured_median_ms=median, median_ci95_ms=[low, high], throughput={
             "samples_per_s": samples, "tokens_per_s": samples * tokens_per_sample(cfg.model), "mfu": None,
             "why": "measured median; MFU needs the device's peak FLOP/s, which zeroexp knows for no CPU"})
@@ -110,9 +114,13 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     out["calibration"] = cal.summary()
     collectives = step_collectives(layout, groups, itemsize, knobs)
     t = predict_step(layout, groups, collectives, cal.rate, int(cfg.batch_size), cal.seconds_at(int(cfg.world_size)),
-                     bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name))
+                     bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name), cal.framework, itemsize,
+                     checkpointed=checkpointed, micro_batches=knobs.micro_batches,
+                     repeats=accumulation_repeats(layout, groups, itemsize, knobs))
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
-               predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule)
+               predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
+               framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},
+                          "not_modelled": list(t.framework_notes)})
     notes = []
     if str(cfg.precision.name) != "fp32" or str(cfg.offload.name) != "none":
         notes.append(f"the calibration times fp32 compute on the device; precision={cfg.precision.name} "

@@ -7,7 +7,10 @@ after the profiled steps). The peak is reset at the start of each tracked step, 
 the construction of the full model on every rank and the wrapping are not in it. During a tracked step Python's
 cycle collector runs only at its start and at each phase's end (see :class:`_Collector`): garbage that only a
 reference cycle keeps alive is not state, and counting it made steady and the phase peaks depend on when the
-collector happened to run.
+collector happened to run. With ``grad_accum=K`` a tracked step spans its K micro-batches
+(``zeroexp.microbatches``): each micro-batch has a forward and a backward phase (the backward ending where the next
+micro-batch starts, so it holds what the strategy's ``no_sync`` exit does), a phase's peak is the highest over them,
+and MemTracker's per-module state is reset between them (it refuses a root module's second forward in one tracking).
 
 Sources (``memory.source`` names the one used):
 
@@ -100,9 +103,12 @@ class _CudaAllocator:
     def phase_end(self, phase: str) -> None:
         """Record the peak of the phase that ends now; the next phase's peak starts from the current bytes."""
         torch.cuda.synchronize(self.device)
-        self._phases[phase] = (int(torch.cuda.max_memory_allocated(self.device)), {})
+        _keep_higher(self._phases, phase, (int(torch.cuda.max_memory_allocated(self.device)), {}))
         self._gc.collect()
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def next_micro_batch(self) -> None:
+        """Nothing to reset: the allocator's statistics know no modules."""
 
     def current_bytes(self) -> int:
         """Bytes allocated now (between ``begin`` and ``end``)."""
@@ -117,6 +123,12 @@ class _CudaAllocator:
 
     def abort(self) -> None:
         self._gc.release()
+
+
+def _keep_higher(phases: dict[str, tuple[int, dict[str, int]]], phase: str, got: tuple[int, dict[str, int]]) -> None:
+    """Record a phase's peak; with ``grad_accum=K`` each phase recurs once per micro-batch and keeps its highest."""
+    if phase not in phases or got[0] > phases[phase][0]:
+        phases[phase] = got
 
 
 def _peak_of_phases(phases: dict[str, tuple[int, dict[str, int]]]) -> dict[str, Any]:
@@ -200,9 +212,15 @@ class _TensorTracker:
         peak may be named ``unsharded`` or ``comm`` later in the step); the next phase's peak starts from the bytes
         alive now. No-op when not tracking."""
         if self._mt is not None:
-            self._mt.close_phase(phase)
+            self._mt.close_phase(phase)  # with grad_accum=K a phase recurs per micro-batch: its highest is kept
             self._gc.collect()  # the next phase starts without the cycles' garbage
             self._mt.reset_peak()
+
+    def next_micro_batch(self) -> None:
+        """Between two micro-batches of one optimizer step: forget the modules' per-iteration state (MemTracker
+        refuses a root module's second forward otherwise); the storages, their labels and the peak are kept."""
+        if self._mt is not None:
+            self._mt.reset_mod_stats()
 
     def current_bytes(self) -> int:
         """Bytes of the tracked storages alive now (between ``begin`` and ``end``)."""
@@ -227,7 +245,7 @@ class _TensorTracker:
 
 
 def memory_source(device: torch.device) -> "_CudaAllocator | _TensorTracker":
-    """The tracker for ``device``: ``begin(model, optimizer)``, ``current_bytes()``, ``end(...)`` -> ``{"steady",
+    """The tracker for ``device``: ``begin(model, optimizer)``, ``phase_end(phase)``, ``next_micro_batch()``, ``current_bytes()``, ``end(...)`` -> ``{"steady",
     "peak", "steady_categories", "peak_categories"}``, ``abort()``; ``source`` names it."""
     return _CudaAllocator(device) if device.type == "cuda" else _TensorTracker(device)
 
@@ -304,6 +322,13 @@ class MemoryProbe(Probe):
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self._open:
             self.source.phase_end("forward")
+
+    def on_micro_batch_start(self, trainer, pl_module, batch, step, micro) -> None:
+        """``grad_accum=K``: micro-batch ``micro`` (1 .. K-1) of the step starts; the previous one's backward (with
+        what its ``no_sync`` exit did) ends here. Each phase's peak is the highest over the step's micro-batches."""
+        if self._open:
+            self.source.phase_end("backward")
+            self.source.next_micro_batch()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._open:

@@ -177,18 +177,9 @@ class StrategyAdapter:
         node = self.cfg.get("activation_checkpointing")
         if node is None or node.name == "none":
             return
-        from functools import partial
+        from zeroexp.models import checkpoint_units, import_class, wrap_paths
 
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                                 apply_activation_checkpointing,
-                                                                                 checkpoint_wrapper)
-
-        from zeroexp.models import import_class, wrap_paths
-
-        classes = tuple(import_class(p) for p in wrap_paths(self.cfg))
-        apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, classes),
-                                       checkpoint_wrapper_fn=partial(checkpoint_wrapper,
-                                                                     checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        checkpoint_units(module, tuple(import_class(p) for p in wrap_paths(self.cfg)))
 
     def no_sync(self, model: nn.Module) -> Any:
         """The context of the first K-1 micro-batches of ``grad_accum=K`` (forward and backward): gradients

@@ -1,0 +1,105 @@
+"""Issue 18's "Done when" for the step-time model, in one command: calibrate this machine, run the six cells, print
+predicted vs measured per cell and whether the prediction orders the strategies as the measurement does.
+
+    python benchmarks/time_check.py                      # calibrate + sweep (about 3 min on a quiet 2-core host)
+    python benchmarks/time_check.py --calibration F.json # reuse a calibration
+    python benchmarks/time_check.py --sweep DIR          # only print the table of a sweep that ran
+
+Run it on a quiet host (load < 1): the calibration and the cells must see the same machine. Every number printed is
+read from the cells' summary.json (plan.time): predicted (computed) and measured (the timed steps' median and its
+bootstrap 95 % CI), the ratio and the check (zeroexp.plan.time.time_check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CELLS = "strategy=ddp,zro,zero2,fsdp_grad_op,fsdp_full prefetch=pre,none".split()
+COMMON = ["world_size=2", "model.width=768"]
+ORDER = ["ddp", "zro", "zero2", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-none"]
+
+
+def _run(args: list[str]) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print("$", " ".join(args), file=sys.stderr, flush=True)
+    out = subprocess.run(args, cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return out
+
+
+def calibrate(out_dir: Path) -> Path:
+    """``python -m zeroexp.calibrate world_size=2 model.width=768``; the JSON's path (its last line ending .json)."""
+    out = _run([sys.executable, "-m", "zeroexp.calibrate", *COMMON, f"output_dir={out_dir}"])
+    return Path([line for line in out.splitlines() if line.endswith(".json")][-1])
+
+
+def sweep(calibration: Path, sweep_dir: Path, steps: int) -> Path:
+    _run([sys.executable, "-m", "zeroexp", "--multirun", *CELLS, *COMMON, f"steps={steps}", "logger=csv",
+          f"calibration={calibration}", f"hydra.sweep.dir={sweep_dir}"])
+    return sweep_dir
+
+
+def table(sweep_dir: Path) -> int:
+    """Print the cells' plan.time; return 0 when the issue's Done-when holds, 1 otherwise."""
+    sys.path.insert(0, str(ROOT))
+    from zeroexp.report.time import order_agreement
+
+    rows = []
+    for f in sorted(Path(sweep_dir).glob("*/summary.json")):
+        s = json.loads(f.read_text())
+        t = (s.get("plan") or {}).get("time") or {}
+        name = f.parent.name.split("_mlp_")[0]
+        rows.append((name, t))
+    rows.sort(key=lambda r: ORDER.index(r[0]) if r[0] in ORDER else len(ORDER))
+    print(f"{'cell':16} {'predicted ms':>12} {'measured median ms [95% CI]':>30} {'ratio':>6} "
+          f"{'exposed pred / meas':>20}  check")
+    known, passed, ordered = 0, 0, []
+    for name, t in rows:
+        p, m, ci = t.get("predicted_step_ms"), t.get("measured_median_ms"), t.get("median_ci95_ms")
+        e, em = t.get("exposed_comm_ms"), t.get("measured_exposed_comm_ms")
+        fm = (lambda v: "-" if v is None else f"{v:.1f}")
+        cis = "-" if not ci else f"{m:.1f} [{ci[0]:.1f}, {ci[1]:.1f}]"
+        ratio = "-" if t.get("ratio") is None else f"{t['ratio']:.2f}"
+        print(f"{name:16} {fm(p):>12} {cis:>30} {ratio:>6} {fm(e) + ' / ' + fm(em):>20}  {t.get('check')}")
+        if t.get("check") in ("PASS", "FAIL"):
+            known += 1
+            passed += t["check"] == "PASS"
+        if p is not None and m is not None and ci:
+            ordered.append((name, m, tuple(ci), p))
+        phases = t.get("predicted_by_phase") or {}
+        if phases:
+            print(" " * 18 + "predicted: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    agree, disagree = order_agreement(ordered)
+    print(f"\nknown medians: {known} of {len(rows)}; PASS {passed} of {known}")
+    print(f"order: {len(agree)} of {len(agree) + len(disagree)} separable pairs ordered as measured"
+          + (f"; not: {', '.join(disagree)}" if disagree else ""))
+    done = known >= len(rows) / 2 and passed == known and not disagree
+    print("done-when:", "met" if done else "not met")
+    return 0 if done else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calibration", type=Path, help="a calibration JSON to reuse (default: calibrate now)")
+    ap.add_argument("--sweep", type=Path, help="print the table of this sweep directory only")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "time_check")
+    a = ap.parse_args()
+    if a.sweep:
+        return table(a.sweep)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
+    load = os.getloadavg()[0]
+    print(f"load average {load:.2f} (run on a quiet host: < 1)", file=sys.stderr)
+    cal = a.calibration or calibrate(a.out / "calibration")
+    print(f"calibration: {cal}", file=sys.stderr)
+    return table(sweep(cal, a.out / f"sweep_{stamp}", a.steps))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

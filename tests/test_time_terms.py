@@ -1,0 +1,150 @@
+"""The step-time model's framework terms (zeroexp.formulas.framework) and the calibration's one-call method, through
+their structure: exact results on given calibrations, never timing asserts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeroexp.calibration import Calibration
+from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, ModelShape, PlanKnobs, derive_groups,
+                              framework_time, predict_step, step_collectives)
+
+MLP = ModelShape(params=((768, 768),) * 8, units=tuple((i,) for i in range(8)), root=(False,) * 8)
+PSI = 8 * 768 * 768
+COST = FrameworkCost(loop_s=1e-3, ddp_bucket_s=2e-4, zro_broadcast_s=3e-4, fsdp1_call_s=5e-4, copy_s_per_byte=1e-10)
+KNOBS = PlanKnobs()  # the default 25 MiB bucket cap: the 18 MiB mlp is one bucket
+
+
+def _groups(row: str, n: int = 2):
+    layout = LAYOUTS[row]
+    return layout, derive_groups(row, layout, MLP, n, 4, KNOBS)
+
+
+def test_every_row_pays_the_loop_after_the_optimizer():
+    for row in ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full", "fsdp2_full", "deepspeed_stage2"):
+        t = framework_time(*_groups(row), 4, COST)
+        assert t.terms["loop"] == 1e-3 and t.optimizer_s >= 1e-3
+        assert t.total_s == pytest.approx(sum(t.terms.values()))
+
+
+def test_ddp_and_zro_pay_per_bucket_and_per_broadcast():
+    ddp = framework_time(*_groups("ddp"), 4, COST)
+    assert ddp.terms == {"loop": 1e-3, "ddp_bucket_calls": 2e-4}  # one bucket: 18 MiB under the 25 MiB cap
+    assert (ddp.forward_s, ddp.backward_s, ddp.optimizer_s) == (0.0, 2e-4, 1e-3)
+    zro = framework_time(*_groups("zro"), 4, COST)
+    assert zro.terms["zro_broadcast_calls"] == pytest.approx(8 * 3e-4)  # one broadcast per parameter, from its owner
+    assert zro.optimizer_s == pytest.approx(1e-3 + 8 * 3e-4) and zro.backward_s == 2e-4
+
+
+@pytest.mark.parametrize("row, backward_gathers", [("fsdp_full", 8), ("fsdp_grad_op", 0)])
+def test_fsdp1_pays_per_call_and_copies_each_unit_gradient_twice(row, backward_gathers):
+    t = framework_time(*_groups(row), 4, COST)
+    unit_bytes = 768 * 768 * 4  # a Linear's FlatParameter, already a multiple of N = 2
+    assert t.terms["fsdp1_forward_calls"] == pytest.approx(8 * 5e-4)
+    assert t.terms["fsdp1_backward_calls"] == pytest.approx((backward_gathers + 8) * 5e-4)  # gathers + reduce_scatters
+    assert t.terms["fsdp1_gradient_copies"] == pytest.approx(2 * 8 * unit_bytes * 1e-10)
+    assert t.forward_s == pytest.approx(8 * 5e-4)
+    calls = 8 + backward_gathers + 8
+    assert t.total_s == pytest.approx(1e-3 + calls * 5e-4 + 16 * unit_bytes * 1e-10)
+
+
+def test_zero2_zeroes_and_accumulates_its_buckets_zero1_does_not():
+    layout, groups = _groups("zero2")
+    t = framework_time(layout, groups, 4, COST)
+    padded = sum(sh.numel for sh in groups.shards)
+    assert padded >= PSI and t.terms["bucket_copies"] == pytest.approx(2 * padded * 4 * 1e-10)
+    one = framework_time(*_groups("zero1"), 4, COST)
+    assert "bucket_copies" not in one.terms and one.total_s == 1e-3
+    assert any("no per-call cost" in n for n in t.notes + one.notes)
+
+
+def test_a_row_without_calibrated_paths_says_so():
+    t = framework_time(*_groups("fsdp2_full"), 4, COST)
+    assert t.terms == {"loop": 1e-3} and "only the loop" in t.notes[0]
+
+
+def test_the_terms_enter_the_step_in_their_phases():
+    rate = ComputeRate(1e-10, 2e-10, 2e-9)
+    for row in ("ddp", "zro", "zero2", "fsdp_full"):
+        layout, groups = _groups(row)
+        coll = step_collectives(layout, groups, 4, KNOBS)
+        seconds = lambda op, s, calls: calls * 1e-4 + s / 1e9  # noqa: E731 - a given link
+        bare = predict_step(layout, groups, coll, rate, 8, seconds, False, "pre")
+        with_fw = predict_step(layout, groups, coll, rate, 8, seconds, False, "pre", COST, 4)
+        fw = framework_time(layout, groups, 4, COST)
+        # without overlap every term adds; compute phases and communication are unchanged
+        assert with_fw.step_s == pytest.approx(bare.step_s + fw.total_s)
+        assert (with_fw.forward_s, with_fw.backward_s, with_fw.optimizer_s) == (bare.forward_s, bare.backward_s,
+                                                                               bare.optimizer_s)
+        assert with_fw.comm_s == pytest.approx(bare.comm_s) and with_fw.exposed_comm_s == pytest.approx(bare.comm_s)
+        assert with_fw.framework_s == pytest.approx(fw.total_s)
+        assert with_fw.by_phase_ms()["framework"] == pytest.approx(1e3 * fw.total_s)
+        assert dict(with_fw.framework_terms) == fw.terms
+    # with overlap the framework's backward work is compute that DDP's all_reduce can hide behind
+    layout, groups = _groups("ddp", 2)
+    coll = step_collectives(layout, groups, 4, KNOBS)
+    slow = lambda op, s, calls: 1.0  # noqa: E731 - one second a call: nothing hides it all
+    t = predict_step(layout, groups, coll, rate, 8, slow, True, "pre", COST, 4)
+    assert t.exposed_comm_s == pytest.approx(t.step_s - (t.forward_s + t.backward_s + t.optimizer_s + t.framework_s))
+
+
+def test_a_calibration_reads_its_framework_costs(tmp_path):
+    from tests.test_time import calibration_data
+
+    data = calibration_data()
+    data["framework"] = {"loop_s": 1e-3, "copy_s_per_byte": 1e-10, "ddp_bucket_s": 2e-4, "zro_broadcast_s": 3e-4,
+                         "fsdp1_call_s": 5e-4, "raw": {}}
+    assert Calibration("given", data).framework == COST
+    one_rank = dict(data, framework={"loop_s": 1e-3, "copy_s_per_byte": 1e-10, "raw": {}})  # N=1: no wrappers
+    assert Calibration("given", one_rank).framework == FrameworkCost(loop_s=1e-3, copy_s_per_byte=1e-10)
+
+
+def test_schema_1_calibrations_are_not_used(tmp_path):
+    """Schema 1 timed collectives in back-to-back loops and had no framework costs: a cell must not use one."""
+    from tests.test_time import calibration_data
+    from zeroexp.calibration import find_calibration, load_calibration, machine
+
+    old = calibration_data(machine_id=machine()["id"])
+    old["schema"] = 1
+    del old["framework"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert find_calibration("gloo", 2, tmp_path) is None
+    with pytest.raises(ValueError, match="schema 2"):
+        load_calibration(tmp_path / "old.json")
+
+
+def test_plan_time_reports_the_framework_terms(compose, tmp_path):
+    from tests.test_time import calibration_data
+    from zeroexp.plan.time import time_section
+
+    data = calibration_data(numel=8 * 64 * 64)
+    data["framework"] = {"loop_s": 1e-3, "copy_s_per_byte": 1e-10, "ddp_bucket_s": 2e-4, "zro_broadcast_s": 3e-4,
+                         "fsdp1_call_s": 5e-4}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    section = time_section(compose("strategy=fsdp_full", "world_size=2", f"calibration={path}"),
+                           {"timing": {"step_ms": [10.0] * 40}, "collectives": {}})
+    terms = section["framework"]["terms_ms"]
+    assert terms["loop"] == pytest.approx(1.0)
+    units = len([k for k in terms if k.startswith("fsdp1")])
+    assert units == 3 and section["predicted_by_phase"]["framework"] == pytest.approx(sum(terms.values()))
+
+
+def test_one_call_timing_takes_the_slowest_rank_of_each_call(monkeypatch):
+    """calls.time_calls: a barrier before each call, per call the slowest rank (all_reduce MAX), in call order."""
+    import torch
+
+    from zeroexp.calibrate import calls as measure
+
+    calls, reduced = [], []
+    monkeypatch.setattr(measure.dist, "barrier", lambda: calls.append("barrier"))
+
+    def all_reduce(t, op=None):
+        reduced.append(op)
+        t.mul_(2)  # another rank twice as slow
+    monkeypatch.setattr(measure.dist, "all_reduce", all_reduce)
+    out = measure.time_calls(lambda: calls.append("call"), 3, torch.device("cpu"))
+    assert calls == ["barrier", "call"] * 3 and reduced == [measure.dist.ReduceOp.MAX] and len(out) == 3
+    assert all(x > 0 for x in out)

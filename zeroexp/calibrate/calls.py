@@ -1,0 +1,37 @@
+"""Timing one collective call at a time, as :mod:`zeroexp.calibrate.measure` and
+:mod:`zeroexp.calibrate.framework` both do: a barrier, then the call, per call the slowest rank's seconds."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather", "reduce_scatter", "sync", "time_calls"]
+
+# The calls zeroexp.sharding makes (torch >= 2.13 names, else the older ones)
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], None], calls: int, device: torch.device) -> list[float]:
+    """``calls`` calls of ``fn``, each timed alone from a barrier; per call the slowest rank's seconds."""
+    own = []
+    for _ in range(calls):
+        dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        own.append(time.perf_counter() - t0)
+    t = torch.tensor(own, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # after the timed calls: the slowest rank of each call
+    return [float(x) for x in t.tolist()]

@@ -1,0 +1,186 @@
+"""What one calibration rank measures of the framework's own per-step costs (:mod:`zeroexp.formulas.framework`),
+every rank at once, apart from any cell: the training loop's cost on a trivial model, each wrapper's cost per
+collective call on a tiny model, and the rate of a copy between warm buffers.
+
+Each figure is a difference of two measurements taken side by side in this process, the slowest rank's median.
+A difference below zero (noise larger than the cost) is kept as measured in ``raw`` and used as 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls
+
+__all__ = ["measure_framework", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
+
+#: The tiny model the wrappers run on: its compute and bytes are negligible beside each call's own cost.
+TINY_UNITS, TINY_WIDTH, TINY_BATCH = 8, 16, 8
+#: Bytes of the copy measurement: the size of a bucket (zeroexp's, 25 MiB cap) or a few FSDP units.
+COPY_BYTES = 16 * 2**20
+#: Steps of the loop's measurement at least: a step is about a millisecond, and a loaded host's stalls are long.
+LOOP_STEPS = 60
+
+
+def _slowest_median(own: list[float], device: torch.device) -> float:
+    """Per step the slowest rank's seconds, then the median over steps."""
+    t = torch.tensor(own, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def _steps(step: Callable[[], None], steps: int, device: torch.device) -> float:
+    """``steps`` steps after two warm-up steps, each from a barrier; the slowest rank's median seconds."""
+    own = []
+    for i in range(steps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        if i >= 2:
+            own.append(time.perf_counter() - t0)
+    return _slowest_median(own, device)
+
+
+def _tiny(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(TINY_WIDTH, TINY_WIDTH, bias=False) for _ in range(TINY_UNITS))).to(device)
+
+
+def _train_step(net: nn.Module, opt: Any, device: torch.device) -> Callable[[], None]:
+    x = torch.randn(TINY_BATCH, TINY_WIDTH, device=device)
+
+    def step() -> None:
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _one_call(fn: Callable[[], None], calls: int, device: torch.device) -> float:
+    fn()
+    return statistics.median(time_calls(fn, calls, device))
+
+
+def _wrappers(world: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """Per call of DDP's bucket all_reduce, ZeroRedundancyOptimizer's broadcast and FSDP1's all_gather /
+    reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear): the wrapper's tiny step less the bare tiny step
+    (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same payload."""
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def adamw(params: Any) -> Any:
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    raw: dict[str, float] = {}
+    bare = _tiny(device)
+    raw["bare_step_s"] = _steps(_train_step(bare, adamw(bare.parameters()), device), steps, device)
+    ddp = DDP(_tiny(device))
+    raw["ddp_step_s"] = _steps(_train_step(ddp, adamw(ddp.parameters()), device), steps, device)
+    zro = DDP(_tiny(device))
+    zopt = ZeroRedundancyOptimizer(list(zro.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    raw["zro_step_s"] = _steps(_train_step(zro, zopt, device), steps, device)
+    fsdp = FSDP(_tiny(device), sharding_strategy=ShardingStrategy.FULL_SHARD,
+                backward_prefetch=BackwardPrefetch.BACKWARD_PRE, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                device_id=device)
+    raw["fsdp1_step_s"] = _steps(_train_step(fsdp, adamw(fsdp.parameters()), device), steps, device)
+
+    unit = TINY_WIDTH * TINY_WIDTH
+    full = torch.ones(unit * TINY_UNITS, device=device)
+    one, chunk = torch.ones(unit, device=device), torch.ones(unit // world, device=device)
+    raw["all_reduce_model_s"] = _one_call(lambda: dist.all_reduce(full), steps, device)
+    raw["broadcast_unit_s"] = _one_call(lambda: dist.broadcast(one, src=0), steps, device)
+    raw["all_gather_unit_s"] = _one_call(lambda: all_gather(one, chunk), steps, device)
+    raw["reduce_scatter_unit_s"] = _one_call(lambda: reduce_scatter(chunk, one), steps, device)
+    broadcasts = TINY_UNITS  # one per parameter, from its owner (parameters_as_bucket_view off)
+    fsdp_calls = 3 * TINY_UNITS  # FULL_SHARD, no root parameters: two all_gathers and one reduce_scatter a unit
+    per_call = {
+        "ddp_bucket_s": raw["ddp_step_s"] - raw["bare_step_s"] - raw["all_reduce_model_s"],  # one bucket
+        "zro_broadcast_s": (raw["zro_step_s"] - raw["ddp_step_s"] - broadcasts * raw["broadcast_unit_s"]) / broadcasts,
+        "fsdp1_call_s": (raw["fsdp1_step_s"] - raw["bare_step_s"] - 2 * TINY_UNITS * raw["all_gather_unit_s"]
+                         - TINY_UNITS * raw["reduce_scatter_unit_s"]) / fsdp_calls,
+    }
+    raw.update({f"{k}_measured": v for k, v in per_call.items()})
+    return {**{k: max(0.0, v) for k, v in per_call.items()}, "raw": raw}
+
+
+def _copy(device: torch.device, reps: int) -> dict[str, Any]:
+    """A copy between two warm :data:`COPY_BYTES` buffers, per byte: every rank at once, the median of ``reps``,
+    the slowest rank's."""
+    n = COPY_BYTES // 4
+    dst, src = torch.ones(n, device=device), torch.ones(n, device=device)
+    own = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        own.append(time.perf_counter() - t0)
+    seconds = _slowest_median(own, device)
+    return {"copy_s_per_byte": seconds / COPY_BYTES, "raw": {"copy_s": seconds, "copy_bytes": COPY_BYTES}}
+
+
+def _loop(steps: int) -> dict[str, float]:
+    """Lightning's per-step cost: the cell's ``CellModule`` on a one-parameter model under a ``Trainer`` set as the
+    worker sets it (timed from ``on_train_batch_start`` to ``on_train_batch_end``, as the timing probe), less the
+    same model's bare step. On this rank alone (no strategy, no collective)."""
+    import lightning.pytorch as pl
+
+    from zeroexp.models import LOSSES
+    from zeroexp.module import CellModule
+
+    class Window(pl.Callback):
+        def __init__(self) -> None:
+            self.t0, self.seconds = 0.0, []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.seconds.append(time.perf_counter() - self.t0)
+
+    torch.manual_seed(0)
+    batches = [torch.randn(TINY_BATCH, 1) for _ in range(steps + 2)]
+    window = Window()
+    module = CellModule(nn.Linear(1, 1, bias=False), "mean_square", lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps + 2, max_epochs=1, logger=False,
+                         callbacks=[window], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
+                         use_distributed_sampler=False)
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # as zeroexp.worker
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    net = nn.Linear(1, 1, bias=False)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    bare = []
+    for x in batches:
+        t0 = time.perf_counter()
+        LOSSES["mean_square"](net(x), x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bare.append(time.perf_counter() - t0)
+    return {"lightning": window.seconds[2:], "bare": bare[2:]}
+
+
+def measure_framework(world: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """Every primitive of :class:`zeroexp.formulas.FrameworkCost`, with the measurements each is the difference of
+    (``raw``)."""
+    times = _loop(max(steps, LOOP_STEPS))
+    medians = torch.tensor([statistics.median(times[k]) for k in ("lightning", "bare")], dtype=torch.float64,
+                           device=device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # each rank's loop runs on its own: the slowest rank's median
+    lightning, plain = medians.tolist()
+    loop = {"loop_s": max(0.0, lightning - plain), "raw": {"lightning_step_s": lightning, "bare_loop_step_s": plain}}
+    copy = _copy(device, max(5, steps // 2))
+    wrappers = _wrappers(world, steps, device) if world > 1 else {"raw": {}}
+    out = {k: v for part in (loop, copy, wrappers) for k, v in part.items() if k != "raw"}
+    out["raw"] = {**loop["raw"], **copy["raw"], **wrappers["raw"]}
+    return out

@@ -1,0 +1,101 @@
+"""Gradient accumulation (``grad_accum=K``) in the peak model: what the K micro-batches of one optimizer step hold.
+
+The memory probe measures each phase's peak as the highest over the step's micro-batches (zeroexp/probes/memory.py),
+so a phase's prediction is the highest over the micro-batches' own: the first starts from the steady state as a step
+without accumulation does, every later one starts with what the earlier ones left (the gradients accumulated so
+far). Sources: torch's ``AccumulateGrad`` (an existing ``.grad`` is added into in place), DDP's ``no_sync``
+(torch/nn/parallel/distributed.py: no bucket copy, no all_reduce), zeroexp's ``ShardedAdamW.accumulating``
+(zeroexp/sharding.py).
+"""
+
+from __future__ import annotations
+
+from zeroexp.formulas.peak import StepTrace, phase_peaks
+
+__all__ = ["ACCUMULATING_FLOWS", "accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp_no_sync_phase_peaks"]
+
+#: What each gradient flow of the peak model does with K micro-batches (the flows whose accumulation is modelled):
+#: ``new`` (DDP, ZeroRedundancyOptimizer on DDP, under ``no_sync``): the first micro-batch allocates the gradients
+#: after ``zero_grad`` freed them, as without accumulation; every later one adds into them in place, so it holds the
+#: whole gradient from its start. ``in_place`` (zeroexp's ZeRO-1): its flat buffers accumulate, every micro-batch as
+#: a step without accumulation. ``bucket`` (zeroexp's ZeRO-2): every micro-batch opens its buckets, reduce-scatters
+#: them, adds the shard into the gradient shard (steady) and releases them, as a step without accumulation.
+ACCUMULATING_FLOWS = {
+    "new": "the first micro-batch allocates the gradients, the later ones add into them in place",
+    "in_place": "the flat gradient buffers accumulate in place, every micro-batch as one step",
+    "bucket": "every micro-batch reduce-scatters its buckets into the gradient shard and releases them",
+}
+
+
+def accumulated_phase_peaks(flow: str, trace: StepTrace, micro_batches: int, **terms) -> dict[str, dict]:
+    """:func:`zeroexp.formulas.peak.phase_peaks` over the ``micro_batches`` micro-batches of one optimizer step: per
+    phase the highest of the micro-batches' peaks (``terms``: phase_peaks' keywords, ``in_place`` the step traced with
+    the gradients allocated). For ``new`` the later micro-batches are the ``in_place`` flow: the gradients are held
+    from their start (as in the steady state) and autograd adds into them."""
+    if flow not in ACCUMULATING_FLOWS:
+        raise ValueError(f"no accumulation model for gradient flow {flow!r}")
+    first = phase_peaks(flow, trace, **terms)
+    if micro_batches < 2 or flow != "new":
+        return first
+    later = phase_peaks("in_place", trace, **terms)
+    return {ph: max((first[ph], later[ph]), key=lambda rec: rec["bytes"]) for ph in first}
+
+
+def accumulated_grad_bytes(flow: str, grad_bytes: int) -> int:
+    """The gradient bytes the later micro-batches of a step hold from their start that a step without accumulation
+    does not (``grad_bytes``: the rank's gradients in the steady state): ``new`` holds the gradients ``zero_grad``
+    frees at K=1; ``in_place`` holds its buffers at K=1 too; ``bucket`` keeps only its gradient shard (steady)."""
+    if flow not in ACCUMULATING_FLOWS:
+        raise ValueError(f"no accumulation model for gradient flow {flow!r}")
+    return int(grad_bytes) if flow == "new" else 0
+
+
+def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list[int], *, root: int, root_grads: int,
+                             steady_grad_bytes: int, optimizer_temporaries: int) -> dict[str, dict]:
+    """FSDP1 SHARD_GRAD_OP under ``no_sync`` (``grad_accum=K``, ``sync_each_microbatch`` false), per phase, the bytes
+    above steady at the peak over the K micro-batches, by category; ``unsharded`` and ``grads``: each non-root unit's
+    padded FlatParameter and its parameters' own gradients (bytes, forward order); ``root``, ``root_grads``: the root
+    unit's.
+
+    torch/distributed/fsdp/_runtime_utils.py: under ``no_sync`` the post-backward hook neither reduce-scatters nor, for
+    SHARD_GRAD_OP (``_should_free_in_backward``), reshards: after the first micro-batch every unit stays unsharded
+    and keeps its unsharded gradient (the FlatParameter's ``.grad``, into which autograd adds in place) to the last
+    micro-batch's post-backward hooks. Lower bounds at every moment:
+      first micro-batch, backward: every unit unsharded, autograd's gradients new (``zero_grad`` freed the steady
+        shards);
+      later micro-batches, forward and backward until the first post-backward hook: every unit and every unsharded
+        gradient held, autograd's gradients added in place; after unit u's hook in the last micro-batch: the units
+        and gradients not yet reduced.
+    Its forward is never below the first micro-batch's (which holds no more). Optimizer: AdamW's temporaries."""
+    params, held = root + sum(unsharded), root_grads + sum(grads)
+    best: dict[str, dict] = {}
+
+    def keep(phase: str, cats: dict) -> None:
+        cats = {c: int(b) for c, b in cats.items() if b}
+        if phase not in best or best[phase]["bytes"] < sum(cats.values()):
+            best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+
+    loss = {"activations": -trace.loss_bytes}
+    for s in (s for s in trace.segments if s.phase == "forward"):
+        keep("forward", {**_plus(s.peak_by_category, loss), "unsharded": params,
+                         "gradients": s.peak_by_category.get("gradients", 0) + held - steady_grad_bytes})
+    done = 0  # units whose last post-backward hook has run (their unit and gradient freed in the last micro-batch)
+    order = list(range(len(unsharded)))[::-1]
+    for s in (s for s in trace.segments if s.phase == "backward"):
+        traced = s.peak_by_category.get("gradients", 0)
+        keep("backward", {**_plus(s.peak_by_category, loss), "unsharded": params,
+                          "gradients": traced - steady_grad_bytes})  # the first micro-batch
+        left = order[done:]
+        keep("backward", {**_plus(s.peak_by_category, loss), "unsharded": root + sum(unsharded[i] for i in left),
+                          "gradients": root_grads + sum(grads[i] for i in left) - steady_grad_bytes})  # later ones
+        if s.at == "end" and s.unit not in ("root", "loss"):
+            done += 1
+    best["optimizer"] = {"bytes": optimizer_temporaries, "by_category": {"optimizer_state": optimizer_temporaries}}
+    return best
+
+
+def _plus(cats: dict, more: dict) -> dict:
+    out = {c: int(b) for c, b in cats.items() if c != "gradients"}
+    for c, b in more.items():
+        out[c] = out.get(c, 0) + int(b)
+    return out
