@@ -154,17 +154,20 @@ def test_deepspeed_hpz_is_refused_with_the_reason(compose):
     validate(compose("strategy=deepspeed", "strategy.stage=3", f"world_size={N}", "strategy.hpz_size=1"))
 
 
-@pytest.mark.parametrize("strategy, syncs", [("fsdp_hybrid", 1), ("fsdp2_hybrid", 2)])
-def test_fp16_found_inf_all_reduce_runs_over_the_world(cell, strategy, syncs):
-    """fp16: the loss scaler's found_inf all_reduces (4 bytes; FSDP2's DTensor shards add one) run over all N ranks,
-    beside the replicas' gradient all_reduces in half-precision bytes; every check PASS."""
+@pytest.mark.parametrize("strategy, dtensor_check", [("fsdp_hybrid", False), ("fsdp2_hybrid", True)])
+def test_fp16_found_inf_all_reduce_runs_over_the_world(cell, strategy, dtensor_check):
+    """fp16: the loss scaler's found_inf all_reduce (4 bytes) runs over all N ranks; FSDP2's DTensor shards add DTensor's
+    own inf check, over the gradients' Partial dimension: the shard group (measured since the collectives probe marks
+    the collectives DTensor issues); beside the replicas' gradient all_reduces in half-precision bytes; every check
+    PASS."""
     r = cell(f"strategy={strategy}", f"world_size={N}", f"strategy.shard_size={S}", "precision=fp16")
     assert r.status == "ok", r.error
     s = r.summary
     assert all(s[k]["check"] == "PASS" for k in ("state", "collectives", "equivalence", "plan")), s["collectives"]
     assert s["collectives"]["groups"]["all_reduce"] == {
         "replicate": {"size": N // S, "count": DEPTH, "payload_bytes": DEPTH * UNIT // S // 2},
-        "world": {"size": N, "count": syncs, "payload_bytes": 4 * syncs}}
+        "world": {"size": N, "count": 1, "payload_bytes": 4},
+        **({"shard": {"size": S, "count": 1, "payload_bytes": 4}} if dtensor_check else {})}
 
 
 def test_report_names_the_groups_of_a_hybrid_cell():

@@ -148,7 +148,7 @@ def test_planner_rows_judge_fits_on_the_peak():
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         base = ["model=mlp", f"model.width={W}", f"model.depth={DEPTH}", "world_size=2", "device_memory=1000000",
-                "strategies=[ddp,zero2,fsdp_full,deepspeed_stage2]"]
+                "strategies=[ddp,zero2,fsdp_full,deepspeed_stage0]"]
         cfg = hydra_compose(config_name="plan", overrides=[*base, f"batch_size={B}"])
         twice = hydra_compose(config_name="plan", overrides=[*base, f"batch_size={2 * B}"])
         counted = hydra_compose(config_name="plan", overrides=["params=1e6", "batch_size=8"])
@@ -159,8 +159,8 @@ def test_planner_rows_judge_fits_on_the_peak():
     assert ddp["peak_bytes"] == ddp["device_bytes"] + P + 3 * W * W * 4
     assert ddp["fits_on"] == "peak" and ddp["fits"] == (ddp["peak_bytes"] <= 1_000_000)
     assert ddp["init_peak_bytes"] == P  # every rank builds the whole fp32 model first
-    assert rows["deepspeed_stage2"]["peak_bytes"] is None and "no peak model yet" in rows["deepspeed_stage2"]["peak_note"]
-    assert rows["deepspeed_stage2"]["fits_on"] == "state"
+    assert rows["deepspeed_stage0"]["peak_bytes"] is None and "no peak model yet" in rows["deepspeed_stage0"]["peak_note"]
+    assert rows["deepspeed_stage0"]["fits_on"] == "state"
     # Forward holds the activations: twice the batch, twice the traced forward (less the loss scalars).
     doubled = {r["strategy"]: r for r in run(twice)[0]}
     assert doubled["ddp"]["phase_bytes"]["forward"] + 8 == 2 * (ddp["phase_bytes"]["forward"] + 8) - 4

@@ -75,6 +75,10 @@ def cell_axes(cfg: DictConfig) -> dict[str, Any]:
         axes["grad_accum"] = _grad_accum(cfg)
     if _checkpointing(cfg) != "none":  # likewise absent for none
         axes["activation_checkpointing"] = _checkpointing(cfg)
+    from zeroexp.models.init import init_of
+
+    if init_of(cfg) != "full":  # likewise absent for full (every cell before the axis)
+        axes["init"] = init_of(cfg)
     return axes
 
 
@@ -106,6 +110,10 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
         ident["grad_accum"] = _grad_accum(cfg)
     if _checkpointing(cfg) != "none":
         ident["activation_checkpointing"] = _checkpointing(cfg)
+    from zeroexp.models.init import init_of
+
+    if init_of(cfg) != "full":
+        ident["init"] = init_of(cfg)
     return ident
 
 
@@ -128,5 +136,7 @@ def cell_name(cfg: DictConfig) -> str:
         parts.append(f"ga{ax['grad_accum']}")
     if "activation_checkpointing" in ax:
         parts.append(f"ac-{ax['activation_checkpointing']}")
+    if "init" in ax:
+        parts.append(f"init-{ax['init']}")
     parts += [f"n{ax['world_size']}", *(["dry"] if cfg.get("dry_run") else []), cell_id(cfg)]
     return "_".join(parts)

@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from zeroexp.errors import ConfigError, NotApplicableHere
+from zeroexp.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.model_check import check_model
 from zeroexp.models import MODEL_RESERVED_KEYS
 from zeroexp.resources import ResourcesConfig, check_resources
@@ -160,6 +161,7 @@ class ZeroexpConfig:
     precision: Any = MISSING
     offload: Any = MISSING
     activation_checkpointing: Any = MISSING
+    init: Any = MISSING  # full | meta (zeroexp.init_mode)
     logger: Any = MISSING
     launcher: Any = MISSING
     checkpoint: Any = MISSING
@@ -204,6 +206,7 @@ def register_schemas() -> None:
     cs.store(group="schema/offload", name="offload", node=OffloadConfig)
     cs.store(group="schema/activation_checkpointing", name="activation_checkpointing",
              node=ActivationCheckpointingConfig)
+    cs.store(group="schema/init", name="init", node=InitConfig)
     cs.store(group="schema/logger", name="logger", node=LoggerConfig)
     cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
     cs.store(group="schema/checkpoint", name="checkpoint", node=CheckpointConfig)
@@ -217,6 +220,7 @@ _ACCEPTED = {
     "precision.master_dtype": ("float32",),
     "offload.name": ("none", "optimizer", "full"),
     "activation_checkpointing.name": ("none", "full"),
+    "init.name": INIT_OPTIONS,
     "logger.name": ("wandb", "csv", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
@@ -298,6 +302,7 @@ _FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes
                  "resources": ResourcesConfig,
                  "prefetch": PrefetchConfig, "precision": PrecisionConfig, "offload": OffloadConfig,
                  "activation_checkpointing": ActivationCheckpointingConfig,
+                 "init": InitConfig,
                  "logger": LoggerConfig, "launcher": LauncherConfig, "checkpoint": CheckpointConfig}
 
 
@@ -455,6 +460,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
                               why="it checkpoints each wrap unit (strategy.wrap, else model.wrap), and this cell has "
                                   "none (set model.wrap or strategy.wrap to module classes)")
     _validate_launcher_and_checkpoint(cfg, adapter)
+    check_init(cfg, adapter)
     adapter.validate(cfg)
     check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
 

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,8 +29,10 @@ from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import one_line
 from zeroexp.expect import Expectation
 from zeroexp.models import build_model
+from zeroexp.models.init import init_of
 from zeroexp.module import CellModule, SyntheticBatches
 from zeroexp.probes import RunContext, probes_for
+from zeroexp.probes.init_peak import InitPeak, init_fields
 from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.schedule import Schedule
 from zeroexp.results import SCHEMA_VERSION, write_csv, write_json, write_text
@@ -38,6 +40,8 @@ from zeroexp.strategies import get_adapter_class
 from zeroexp.wandb_log import log_summary, make_logger
 
 RANKS_DIR = ".ranks"
+#: The key of a rank's init-peak record in its ``.ranks/rank<r>.json`` (zeroexp.probes.init_peak).
+INIT_RECORD = "init_peak"
 #: In a local rank's ``environ``: the pid of the launching (main) process (zeroexp.launch), watched at start-up.
 LAUNCHER_PID_ENV = "ZEROEXP_LAUNCHER_PID"
 
@@ -162,7 +166,10 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
                      adapter=adapter, schedule=Schedule.from_cfg(cfg), expect=Expectation(cfg, adapter.groups))
 
     pl.seed_everything(cfg.seed, workers=False, verbose=False)  # identical initial weights on every rank
-    net = build_model(cfg.model)
+    init_peak = InitPeak(ctx.device)  # measured from here to on_fit_start: the model built and wrapped
+    init_peak.begin()
+    with torch.device("meta") if init_of(cfg) == "meta" else nullcontext():  # init=meta: the adapter materialises it
+        net = build_model(cfg.model)
     module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
     accum = int(cfg.get("grad_accum", 1))  # micro-batches per optimizer step (zeroexp.microbatches)
     data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps * accum),
@@ -180,6 +187,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         from zeroexp.microbatches import OptimizerSteps
 
         callbacks = [OptimizerSteps(callbacks, accum)]
+    callbacks.append(init_peak)
     logger = make_logger(cfg, cell, run_info)
     if logger and rank == 0 and cfg.logger.name == "wandb":
         _ = logger.experiment  # start the W&B run before training, not inside the first timed step
@@ -200,6 +208,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     trainer.fit(module, train_dataloaders=data)
 
     results = {p.name: p.rank_result() for p in probes}
+    results[INIT_RECORD] = init_peak.record
     write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
     dist.barrier()  # outside every measured window: all rank files exist
     if rank == 0:
@@ -254,6 +263,10 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
             summary[cls.name] = report.section
     from zeroexp.plan.cell import plan_section  # the planner's prediction for this cell, beside the measurement
 
+    init = init_fields([r.get(INIT_RECORD) for r in ranks], init_of(cfg))  # measured: the build and wrap of the model
+    if init and isinstance(summary.get("memory"), dict):
+        summary["memory"].update(init)
     summary["plan"] = plan_section(cfg, cell, summary, live_groups=live_groups)
     write_json(cell / "summary.json", summary)
     return summary
+

@@ -9,9 +9,9 @@ run share it; it imports nothing else of zeroexp.
 - :mod:`~zeroexp.formulas.time`: a collective's time (latency + bus bytes / bus bandwidth, two-level ring), compute
   rates, the device's overlap rule; :mod:`~zeroexp.formulas.overlap`: a step's time from its groups;
   :mod:`~zeroexp.formulas.framework`: the framework's own per-step work from calibrated primitives;
-- :mod:`~zeroexp.formulas.peak`: the peak model, each phase's bytes above steady;
-  :mod:`~zeroexp.formulas.accumulation`: over the micro-batches of ``grad_accum``;
-  :mod:`~zeroexp.formulas.checkpointing`: what a checkpointed forward keeps and a unit's recompute adds.
+- :mod:`~zeroexp.formulas.peak`: the peak model, each phase's bytes above steady; DeepSpeed's in
+  :mod:`~zeroexp.formulas.peak_deepspeed`; :mod:`~zeroexp.formulas.accumulation`: over the micro-batches of
+  ``grad_accum``; :mod:`~zeroexp.formulas.checkpointing`: what a checkpointed forward keeps and a unit's recompute adds.
 
 Sources:
 - [ZeRO] Rajbhandari, Rasley, Ruwase, He. "ZeRO: Memory Optimizations Toward Training Trillion Parameter

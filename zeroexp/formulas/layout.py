@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.paper import Collectives, collectives_of, fp16_inf_syncs, fsdp2_padded_numel, padded_numel
+from zeroexp.formulas.paper import (Collectives, clip_norm_all_reduces, collectives_of, fp16_inf_syncs,
+                                     fsdp2_padded_numel, padded_numel)
 
 __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "StateLayout", "cut_buckets",
            "pack", "owner_assignment", "derive_groups", "rank_state_bytes", "step_collectives", "state_factors",
@@ -448,7 +449,7 @@ def gather_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) 
     def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
         k, each = knobs.micro_batches, knobs.sync_each_microbatch
         syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
-        norms = ([4 * len(g.numels)] if dtensor_grads else [4]) if knobs.clipping else []
+        norms = clip_norm_all_reduces(len(g.numels), dtensor_grads) if knobs.clipping else []
         gathered = 1 if kept_under_no_sync and not each else k
         return collectives_of(all_gather=[u.numel * c for u in g.units for _ in range(u.gathers * gathered)],
                               reduce_scatter=[u.numel * c for u in g.units] * (k if each else 1),

@@ -11,7 +11,7 @@ import math
 
 __all__ = ["Collectives", "padded_numel", "fsdp2_padded_numel", "zero_state_factors", "sharded_zero_rank_bytes",
            "bus_factor", "bus_bytes", "op_bus_bytes", "collectives_of", "add_collectives", "fp16_inf_syncs", "ITEMSIZE",
-           "COMPUTE_ITEMSIZE"]
+           "COMPUTE_ITEMSIZE", "clip_norm_all_reduces"]
 
 #: Bytes per element of each dtype zeroexp names (``precision.param_dtype``, ``model.dtype``); the one dtype map:
 #: the torch dtype of a name is ``getattr(torch, name)``.
@@ -109,3 +109,11 @@ def fp16_inf_syncs(dtensor_grads: bool) -> int:
     DTensor's dispatch of the inf check reduces its found_inf output once more (both seen with the torch profiler,
     torch 2.13, gloo)."""
     return 2 if dtensor_grads else 1
+
+
+def clip_norm_all_reduces(gradients: int, dtensor_grads: bool) -> list[int]:
+    """Payload bytes of the all_reduces per step of global-norm clipping over gradient shards, one call: FSDP1's
+    ``clip_grad_norm_`` sums the squared norm of the rank's shards (one fp32 element, 4 bytes); FSDP2's
+    ``get_total_norm`` stacks one partial norm per gradient DTensor, made whole by ``full_tensor()`` (4 bytes each;
+    both seen with the torch profiler, torch 2.13, gloo)."""
+    return [4 * gradients] if dtensor_grads else [4]

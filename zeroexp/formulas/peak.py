@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Segment", "StepTrace", "FsdpUnit", "GRADIENT_FLOW", "PHASES", "adamw_temporaries", "phase_peaks",
-           "fsdp_phase_peaks", "fsdp2_phase_peaks"]
+__all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "GRADIENT_FLOW", "PHASES", "adamw_temporaries",
+           "phase_peaks", "fsdp_phase_peaks", "fsdp2_phase_peaks"]
 
 
 @dataclass(frozen=True)
@@ -24,14 +24,26 @@ class Segment:
     end_by_category: dict
 
 
+class TracedUnit(NamedTuple):
+    """A traced unit as its forward ran: ``name``; ``params``: its own parameters (indices in the model's
+    ``parameters()`` order; a shared one under every module that uses it); ``grad_input``: whether any input of its
+    forward required grad (if none did, autograd never runs back through its input)."""
+
+    name: str
+    params: tuple[int, ...]
+    grad_input: bool
+
+
 @dataclass(frozen=True)
 class StepTrace:
     """The bare model's step (``zeroexp.plan.steptrace.trace_step``): segments in time order; ``loss_bytes``: the
-    loss and the training loop's copy of it, which the step keeps to its end."""
+    loss and the training loop's copy of it, which the step keeps to its end; ``units``: the units in the order of
+    their first forward (recorded when traced with ``own_params_units``)."""
 
     batch_size: int
     segments: tuple[Segment, ...]
     loss_bytes: int
+    units: tuple[TracedUnit, ...] = ()
 
 
 #: How each strategy row holds gradients in backward (the families the peak model covers; other rows: no model yet).

@@ -93,7 +93,8 @@ LAYOUTS: dict[str, StateLayout] = {
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                               precisions=_MIXED, gathers_per_unit=_twice, source="zeroexp.strategies.fsdp2; [FSDP2]"),
     # hybrid sharding: FULL_SHARD (SHARD_GRAD_OP for _HYBRID_SHARD_ZERO2) within shard_size ranks, replicated across
-    "fsdp__HYBRID_SHARD_ZERO2": StateLayout("FSDP _HYBRID_SHARD_ZERO2", 2, _OS_G_P, "never", "units", hybrid_units(),
+    "fsdp__HYBRID_SHARD_ZERO2": StateLayout("FSDP _HYBRID_SHARD_ZERO2", 2, _OS_G_P, "never", "units",
+                                            hybrid_units(kept_under_no_sync=True),
                                             "all", fp32_at_rest=True, precisions=_MIXED, hybrid=True,
                                             source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
     "fsdp_HYBRID_SHARD": StateLayout("FSDP HYBRID_SHARD", 3, _OS_G_P, "never", "units", hybrid_units(), "largest",

@@ -28,6 +28,9 @@ class LinearStack(nn.Sequential):
     No activations, so the model is exactly the stack of weight matrices whose bytes the probes count.
     """
 
+    #: ``init=meta`` (zeroexp.models.init): the constructor draws only each Linear's ``reset_parameters``, in order.
+    replayable_init = True
+
     def __init__(self, width: int, depth: int) -> None:
         super().__init__(*(nn.Linear(width, width, bias=False) for _ in range(depth)))
 

@@ -73,10 +73,30 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
             self.lm_head.weight = self.wte.weight  # one parameter, counted once by every probe
-        self.apply(self._init)
-        for name, p in self.named_parameters():  # GPT-2: scaled init of the residual projections
+        for step in self.init_steps():
+            step.fn(step.module)
+
+    #: ``init=meta`` (zeroexp.models.init): the constructor draws only its modules' ``reset_parameters`` (in
+    #: construction order) and :meth:`init_steps`.
+    replayable_init = True
+
+    def init_steps(self) -> list:
+        """GPT-2's initialisation after the modules are built, as steps of one module each (``InitStep``):
+        N(0, 0.02) for every Linear and Embedding weight and zero biases, in ``self.apply`` order (children first;
+        the tied head draws the embedding a second time), then the residual projections (``c_proj``) again at
+        std 0.02 / sqrt(2 n_layer) [GPT-2, nanoGPT]. The constructor runs them; ``init=meta`` replays them."""
+        from zeroexp.models.init import InitStep
+
+        order: list[nn.Module] = []
+        self.apply(order.append)  # the post-order GPT-2's init walks
+        steps = [InitStep(m, ("weight",) + (("bias",) if getattr(m, "bias", None) is not None else ()), self._init)
+                 for m in order if isinstance(m, (nn.Linear, nn.Embedding))]
+        std = 0.02 / math.sqrt(2 * len(self.h))
+        for name, _ in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+                steps.append(InitStep(self.get_submodule(name.rpartition(".")[0]), ("weight",),
+                                      lambda m: nn.init.normal_(m.weight, mean=0.0, std=std)))
+        return steps
 
     @staticmethod
     def _init(m: nn.Module) -> None:

@@ -28,6 +28,7 @@ class PlanConfig:
     model: Any = None  # model=<option of conf/model/>: planned from its shapes, built on the meta device
     precision: Any = MISSING
     offload: Any = MISSING  # none (conf/offload/), optimizer | full (planner-only options, see register)
+    init: Any = MISSING  # full | meta (conf/init/): init_peak_bytes, and fits with meta (zeroexp.formulas.init)
     params: Any = None  # or a parameter count: 7.5e9, 7.5B
     world_size: Any = 8  # one value or a list
     strategies: Any = None  # null: every strategy the planner knows; or a list
@@ -138,6 +139,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac)
         r.update(activations or {"activation_bytes": None, "activation_unit_bytes": None, "korthikanti_bytes": None})
     _peaks(cfg, records, shape, batch, memory, knobs, ac == "full")
+    _init_peaks(str(cfg.init.name), records, shape, memory)
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
 
@@ -150,7 +152,8 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
            memory: int | None, knobs: PlanKnobs, checkpointing: bool = False) -> None:
     """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers: ``peak_bytes`` (model
-    state + DDP's buckets + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``, and
+    state + DDP's buckets or DeepSpeed stage 3's bucket + the largest phase above steady, the largest rank),
+    ``peak_phase``, ``phase_bytes``, and
     ``fits`` judged on the peak there (``fits_on``: ``peak``, else ``state``: model state + gather floor, as before).
     ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does).
     ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
@@ -160,12 +163,13 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.memory import (flow_of, needs_in_place, steady_buffers_bytes, step_traces, uncovered,
                                      worst_rank_phases)
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits
 
     traced = batch is not None and cfg.model is not None and cfg.precision.name == "fp32"
     wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
                                                                   "model": cfg.model}))] if traced else []
     k = knobs.micro_batches
-    traces: dict[bool, Any] = {}  # by whether the row also needs the step with its gradients in place
+    traces: dict[tuple[bool, bool], Any] = {}  # by (DeepSpeed's segmentation, the step with its gradients in place)
     for r in records:
         r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, fits_on="state")
         flow = flow_of(r["strategy"])
@@ -179,17 +183,46 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
             r["peak_note"] = "; ".join(why)
             continue
         name, n, c = r["strategy"], r["world_size"], 4
-        need = needs_in_place(name, k)
-        if need not in traces:
-            traces[need] = step_traces(name, cfg.model, batch, wrap, checkpointing, k)
-        trace, in_place = traces[need]
+        key = (flow == "deepspeed", needs_in_place(name, k))
+        if key not in traces:
+            traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k)
+        trace, in_place = traces[key]
         groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place)
+        if why := ds_peak_limits(name, groups, knobs.bucket_cap_bytes):
+            r["peak_note"] = "; ".join(why)
+            continue
+        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place, knobs.bucket_cap_bytes)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
+        buffers = steady_buffers_bytes(name, groups, c, knobs.bucket_cap_bytes)
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
-                 peak_bytes=r["device_bytes"] + steady_buffers_bytes(name, groups, c) + max(phases[top]["bytes"], 0))
+                 peak_bytes=r["device_bytes"] + buffers + max(phases[top]["bytes"], 0))
         if memory is not None:
             r["fits"] = r["peak_bytes"] <= memory
+
+
+def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None) -> None:
+    """``init_peak_bytes`` of every row (computed, zeroexp.formulas.init, fp32 as the model is built): ``init=full``
+    the whole model on every rank and FSDP's flattening of the first unit (``fits`` judges training only, as
+    before); ``init=meta`` the rank's shards and the
+    largest unit or module materialised at once, and ``fits`` also needs it to fit. ``init_note``: why a row has
+    none (a parameter count has no units; a row whose init=meta is not modelled)."""
+    from zeroexp.formulas.init import INIT_KIND_OF_ROW, init_peak_bytes
+
+    for r in records:
+        r["init"] = init
+        kind = INIT_KIND_OF_ROW.get(r["strategy"])
+        if init == "full":  # the whole model (4 bytes a parameter), and what wrapping adds where it is modelled
+            if kind is not None and shape.exact:
+                r["init_peak_bytes"] = init_peak_bytes(shape, kind, "full", r["world_size"])
+            continue
+        note = ("init=meta: not modelled for this row (DeepSpeed refuses it; paper and hybrid rows have no model)"
+                if kind is None else None if shape.exact else
+                "init=meta: a parameter count has no units or modules to materialise (give model=)")
+        r.update(init_peak_bytes=None if note else init_peak_bytes(shape, kind, "meta", r["world_size"]))
+        if note:
+            r["init_note"] = note
+        elif memory is not None and r.get("fits") is not None:
+            r["fits"] = r["fits"] and r["init_peak_bytes"] <= memory
 
 
 def _tokens(cfg: DictConfig) -> int:

@@ -20,9 +20,10 @@ from zeroexp.formulas import Groups, ModelShape
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
                                    fsdp_phase_peaks)
+from zeroexp.plan.peak_deepspeed import DS_ROWS, ds_late_free, ds_peak_limits, ds_phases, ds_steady_buffers_bytes
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
-           "uncovered", "steady_buffers_bytes", "TOLERANCE"]
+           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
@@ -45,13 +46,16 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
     reasons = []
     if flow is None:
         reasons.append(f"no peak model yet for strategy.layout={name} (covered: "
-                       f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS])})")
+                       f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS, *DS_ROWS])})")
     if flow == "fsdp1" and use_orig_params:
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
-    if precision != "fp32" or offload != "none":
-        reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, offload none)")
+    if (precision != "fp32" and not (flow == "deepspeed" and precision == "bf16")) or offload != "none":
+        reasons.append(f"no peak model yet for precision={precision} offload={offload} (covered: fp32, DeepSpeed "
+                       "bf16, offload none)")
     if activation_checkpointing not in ("none", "full"):
         reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
+    elif flow == "deepspeed" and activation_checkpointing != "none":
+        reasons.append(f"no peak model yet for DeepSpeed with activation_checkpointing={activation_checkpointing}")
     modelled = name in NO_SYNC_ROWS and not sync_each_microbatch and activation_checkpointing == "none"
     if micro_batches > 1 and flow is not None and GRADIENT_FLOW.get(name) not in ACCUMULATING_FLOWS and not modelled:
         covered = [n for n, f in GRADIENT_FLOW.items() if f in ACCUMULATING_FLOWS] + [
@@ -62,26 +66,24 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
                       if v not in (None, "none"))
         reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name}{how} (covered: "
                        f"{', '.join(covered)}; FULL_SHARD's and FSDP2's no_sync, which hold each unit's unsharded "
-                       "gradient, not yet)")
+                       "gradient, and DeepSpeed's accumulation, not yet)")
     return reasons
 
 
 def flow_of(name: str) -> str | None:
     """The row's gradient flow in the peak model (``zeroexp.formulas.peak``), None where there is no model."""
-    return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else None)
+    return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else
+                                       "deepspeed" if name in DS_ROWS else None)
 
 
 def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: bool,
-                micro_batches: int) -> tuple[StepTrace, StepTrace | None]:
-    """The bare step traced for row ``name`` (:func:`zeroexp.plan.steptrace.trace_step`, checkpointed as the cell),
-    and, where the row's gradients live across a step (``in_place``, ``bucket``) or a later micro-batch adds into
-    them (``new`` with ``grad_accum`` > 1), the same step traced with its gradients allocated before it."""
-    from zeroexp.plan.steptrace import trace_step
-
-    trace = trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing)
+                micro_batches: int, param_dtype: str = "float32") -> tuple[StepTrace, StepTrace | None]:
+    """The bare step traced for row ``name`` (:func:`trace_for`, checkpointed as the cell), and, where the row's
+    gradients live across a step (``in_place``, ``bucket``) or a later micro-batch adds into them (``new`` with
+    ``grad_accum`` > 1), the same step traced with its gradients allocated before it."""
+    trace = trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing)
     if needs_in_place(name, micro_batches):
-        return trace, trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
-                                 grads_in_place=True)
+        return trace, trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, grads_in_place=True)
     return trace, None
 
 
@@ -92,33 +94,53 @@ def needs_in_place(name: str, micro_batches: int) -> bool:
 
 
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
-                      prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None) -> dict[str, dict]:
+                      prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None,
+                      bucket_cap_bytes: int = 25 * 2**20) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
-    that is (only zro's ranks differ: their owned parameters)."""
-    ranks = range(groups.world_size) if name == "zro" else (0,)
+    that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
+    ranks = range(groups.world_size) if name in ("zro", "deepspeed_stage1", "deepspeed_stage2") else (0,)
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, micro_batches=micro_batches,
-                               in_place=in_place)
+                               in_place=in_place, bucket_cap_bytes=bucket_cap_bytes)
                 for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
-                   in_place: StepTrace | None = None) -> dict[str, dict]:
+                   in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``trace``: the bare step (checkpointed when the cell is: its segments then
-    hold each unit's input in forward and its recompute in backward); ``in_place``: the same with its gradients
-    allocated before it (:func:`step_traces`); ``micro_batches``: ``grad_accum``, each phase the highest over them
-    (:mod:`zeroexp.formulas.accumulation`)."""
+    hold each unit's input in forward and its recompute in backward; DeepSpeed rows: :func:`trace_for`'s); ``in_place``:
+    the same with its gradients allocated before it (:func:`step_traces`); ``micro_batches``: ``grad_accum``, each
+    phase the highest over them (:mod:`zeroexp.formulas.accumulation`); ``bucket_cap_bytes``:
+    ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket."""
+    if name in DS_ROWS:
+        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, micro_batches)
     terms = _strategy_terms(name, groups, rank, groups.world_size, itemsize)
     return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, in_place=in_place, **terms)
 
 
-def steady_buffers_bytes(name: str, groups: Groups, itemsize: int) -> int:
+def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_bytes: int = 25 * 2**20) -> int:
     """What a rank holds at the optimizer boundary beside its model state: DDP's gradient buckets (ddp, zro:
-    ``gradient_as_bucket_view=false``, a copy of every gradient)."""
+    ``gradient_as_bucket_view=false``, a copy of every gradient), DeepSpeed stage 3's ipg bucket."""
+    if name in DS_ROWS:
+        return ds_steady_buffers_bytes(name, itemsize, bucket_cap_bytes)
     return sum(sum(b) for b in groups.buckets) * itemsize if name in ("ddp", "zro") else 0
+
+
+def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",
+              checkpointing: bool = False, grads_in_place: bool = False) -> StepTrace:
+    """The bare step the row's peak model reads (:func:`zeroexp.plan.steptrace.trace_step`): segmented at the
+    strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module), at every
+    module holding parameters; DeepSpeed's bf16 runs the module converted to bf16."""
+    from zeroexp.models import torch_dtype
+    from zeroexp.plan.steptrace import trace_step
+
+    ds = name in DS_ROWS
+    return trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
+                      grads_in_place=grads_in_place, own_params_units=ds,
+                      module_dtype=torch_dtype(param_dtype) if ds and param_dtype != "float32" else None)
 
 
 def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
@@ -132,16 +154,19 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                         bool(cfg.strategy.get("sync_each_microbatch", False)))
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
+    cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
+    reasons += ds_peak_limits(name, groups, cap)
     if reasons:
         return {"check": "n/a", "reasons": reasons}
     checkpointing = ac is not None and str(ac.name) == "full"
     micro_batches = int(cfg.get("grad_accum") or 1)
-    trace, in_place = step_traces(name, cfg.model, int(cfg.batch_size), wrap, checkpointing, micro_batches)
+    trace, in_place = step_traces(name, cfg.model, int(cfg.batch_size), wrap, checkpointing, micro_batches,
+                                  str(cfg.precision.param_dtype))
     traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
               "checkpointing": checkpointing, "micro_batches": micro_batches}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
-                                      in_place)
+                                      in_place, cap)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
@@ -150,11 +175,12 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
     predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                               micro_batches, in_place)
+                               micro_batches, in_place, cap)
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
-    phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": _nz(steady_cats)}}
+    phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": _nz(steady_cats),
+                                         "predicted_buffers_bytes": steady_buffers_bytes(name, groups, itemsize, cap)}}
     out_reasons, errs = [], []
     for ph in PHASES:
         got = measured["phases_of_max_rank"].get(ph)
@@ -175,7 +201,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
             out_reasons.append(f"{ph}: measured {above} B above steady, predicted {want['bytes']} B "
                                f"({_worst_category(want['by_category'], by_cat)})")
         phases[ph] = rec
-    out = {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' (zeroexp.formulas.peak)",
+    source = "zeroexp.formulas.peak_deepspeed" if name in DS_ROWS else "zeroexp.formulas.peak"
+    out = {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
            "trace": traced, "phases": phases, "max_rel_err": max(errs) if errs else None,
            "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
     return _as_simulated(out) if measured.get("simulated") else out
@@ -249,6 +276,8 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str
     may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
         return {}
+    if name in DS_ROWS:
+        return ds_late_free(name, groups, itemsize)
     if name == "zero2" and groups.shards:
         return {"optimizer": [(f"bucket {k}'s full gradient buffer, the input of its async reduce", s.numel * itemsize)
                               for k, s in enumerate(groups.shards)]}

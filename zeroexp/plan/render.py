@@ -40,7 +40,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         acts = first.get("activation_bytes")
         traced = ("activations: one forward at the per-rank batch traced under FakeTensorMode (saved for backward, "
                   "plus output and loss); peak: model state + DDP's buckets + the peak model's largest phase "
-                  "(docs/planner.md; '-': no model for the row); fits on the peak where known, else on the state" + (f"; Korthikanti et al. 34sbh+5as^2b: "
+                  "(docs/planner.md; '-': no model for the row); fits on the peak where known, else on the state; init peak: "
+                  "building and wrapping the model (init=meta: fits needs it too)" + (f"; Korthikanti et al. 34sbh+5as^2b: "
                   f"{fmt_size(first['korthikanti_bytes'], unit)} {unit}" if first.get("korthikanti_bytes") else "")
                   if acts is not None else "not modelled: activations (give batch_size=)")
         console.print(f"{what} · precision {first['precision']} · offload {first['offload']} · Adam: fp32 moments "
@@ -73,6 +74,7 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     cols += ["gather floor"] + ([f"activations (batch {first['batch_size']}{accum}{ckpt})"] if acts else [])
     peaks = any(r.get("peak_bytes") is not None for r in records)
     cols += ["peak (phase)"] if peaks else []
+    cols += [f"init peak ({first.get('init', 'full')})"]
     cols += [f"fits {fmt_size(first['device_memory_bytes'], unit)} {unit}"] if fits else []
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
@@ -83,6 +85,7 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
         row += [fmt_size(r["gather_floor_bytes"], unit)] + ([fmt_size(r["activation_bytes"], unit)] if acts else [])
         row += ([f"{fmt_size(r['peak_bytes'], unit)} ({r['peak_phase']})" if r.get("peak_bytes") is not None
                  else "-"] if peaks else [])
+        row += [fmt_size(r["init_peak_bytes"], unit) if r.get("init_peak_bytes") is not None else "-"]
         row += ([("yes" if r["fits"] else "[red]NO[/]") + ("" if r.get("fits_on") == "peak" else " [dim](state)[/]")]
                 if fits else [])
         table.add_row(*row)

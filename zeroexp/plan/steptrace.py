@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from zeroexp.formulas.peak import Segment, StepTrace
+from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
 from zeroexp.memtrack import step_mem_tracker, totals
 
 __all__ = ["trace_step"]
@@ -27,17 +27,22 @@ __all__ = ["trace_step"]
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
                dtype: torch.dtype | None = None, checkpointing: bool = False,
-               grads_in_place: bool = False) -> StepTrace:
+               grads_in_place: bool = False, own_params_units: bool = False,
+               module_dtype: torch.dtype | None = None) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
-    way). ``dtype``: the compute dtype (autocast; None or fp32: the model's own). ``checkpointing``: each unit in
-    torch's non-reentrant ``checkpoint_wrapper`` (``activation_checkpointing=full``, as the strategies apply it):
-    forward keeps each unit's input, and a unit's backward segment holds its recompute (the unit's forward hooks that
-    fire again inside backward end no segment). ``grads_in_place``: every parameter's ``.grad`` exists before the step
-    (views of one zeroed flat buffer, part of the step's start), so autograd adds into it in place and backward
-    allocates no gradient: the step of a flow whose gradients live across the step (zeroexp's ZeRO-1/2 buckets, a later
-    micro-batch of ``grad_accum``). Without checkpointing its segments are the plain trace's less its gradients
-    (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak."""
+    way), or, with ``own_params_units``, every module that holds parameters of its own (DeepSpeed stage 3 gathers and
+    releases parameters module by module); then the trace also records each unit's parameters and whether its input
+    required grad (``StepTrace.units``). ``dtype``: the compute dtype (autocast; None or fp32: the model's own).
+    ``module_dtype``: the model converted to that dtype instead, its floating-point input cast in its forward
+    (DeepSpeed's bf16: the engine converts the module, zeroexp's adapter casts the input). ``checkpointing``: each
+    unit in torch's non-reentrant ``checkpoint_wrapper`` (``activation_checkpointing=full``, as the strategies apply
+    it): forward keeps each unit's input, and a unit's backward segment holds its recompute (the unit's forward hooks
+    that fire again inside backward end no segment). ``grads_in_place``: every parameter's ``.grad`` exists before
+    the step (views of one zeroed flat buffer, part of the step's start), so autograd adds into it in place and
+    backward allocates no gradient: the step of a flow whose gradients live across the step (zeroexp's ZeRO-1/2
+    buckets, a later micro-batch of ``grad_accum``). Without checkpointing its segments are the plain trace's less its
+    gradients (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak."""
     from contextlib import nullcontext
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -47,7 +52,12 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     classes = tuple(wrap)
     segments: list[Segment] = []
     with FakeTensorMode(), torch.device(device):
-        net = build_model(model_cfg)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(module_dtype or default)  # the module built in that dtype (fake tensors cannot swap)
+        try:
+            net = build_model(model_cfg)
+        finally:
+            torch.set_default_dtype(default)
         if checkpointing and classes:
             checkpoint_units(net, classes)
         names = {id(m): name or "root" for name, m in net.named_modules()}
@@ -71,11 +81,21 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
             segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b, _less(now_cats, b_cats)))
             mt.reset_peak()
 
-        units = [m for m in net.modules() if classes and isinstance(m, classes)]
+        index = {id(p): i for i, p in enumerate(net.parameters())}
+        units = [m for m in net.modules() if (any(True for _ in m.parameters(recurse=False)) if own_params_units
+                                              else classes and isinstance(m, classes))]
+        seen: dict[str, TracedUnit] = {}
+
+        def pre_forward(m: torch.nn.Module, args: tuple, u: str) -> None:
+            if own_params_units and u not in seen:  # its parameters and whether autograd reaches its input
+                seen[u] = TracedUnit(u, tuple(index[id(p)] for p in m.parameters(recurse=False)),
+                                     any(isinstance(t, torch.Tensor) and t.requires_grad for t in args))
+            mark("forward", u, "start")
+
         hooks = []
         for m in units:
             u = names[id(m)]
-            hooks += [m.register_forward_pre_hook(lambda m, a, u=u: mark("forward", u, "start")),
+            hooks += [m.register_forward_pre_hook(lambda m, a, u=u: pre_forward(m, a, u)),
                       m.register_forward_hook(lambda m, a, o, u=u: mark("forward", u, "end")),
                       m.register_full_backward_pre_hook(lambda m, g, u=u: mark("backward", u, "start")),
                       m.register_full_backward_hook(lambda m, gi, go, u=u: mark("backward", u, "end"))]
@@ -85,7 +105,8 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                 base.append(totals(mt.get_tracker_snapshot("current"), device))
                 mt.reset_peak()
                 with cast:
-                    out = net(batch)
+                    out = net(batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point()
+                              else batch)
                     loss = loss_of(model_cfg)(out, batch)
                 del out  # the step keeps only what autograd saved of the output
                 kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss
@@ -98,7 +119,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
             for h in hooks:
                 h.remove()
     return StepTrace(batch_size=int(batch_size), segments=tuple(segments),
-                     loss_bytes=2 * loss.untyped_storage().nbytes())
+                     loss_bytes=2 * loss.untyped_storage().nbytes(), units=tuple(seen.values()))
 
 
 def _less(cats: dict[str, int], base: dict[str, int]) -> dict[str, int]:

@@ -37,7 +37,7 @@ from zeroexp.models import build_model, make_batch
 from zeroexp.module import CellModule
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.collectives import SOURCE as COLLECTIVES_SOURCE
-from zeroexp.probes.collectives import extract
+from zeroexp.probes.collectives import GroupMarks, extract
 from zeroexp.probes.memory import memory_source
 from zeroexp.results import write_json
 from zeroexp.report.cells import column
@@ -109,8 +109,10 @@ def verify_checkpoint(path: Path | str, *, kind: str | None = None, strategy: st
 
 
 def _measured(fn: Callable[[], Any], device: torch.device, model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer, world_size: int) -> tuple[Any, dict[str, Any]]:
-    """Run ``fn`` (a collective) with the profiler and the memory tracker; its result and its measurement."""
+              optimizer: torch.optim.Optimizer, world_size: int,
+              mesh_dims: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Run ``fn`` (a collective) with the profiler and the memory tracker; its result and its measurement. Each
+    collective's payload is sized by its process group (GroupMarks; ``mesh_dims``: the adapter's, hybrid sharding)."""
     tracker = memory_source(device)
     dist.barrier()  # every rank starts together: the time is the save's, not the wait for a slower rank
     tracker.begin(model, optimizer)
@@ -119,7 +121,8 @@ def _measured(fn: Callable[[], Any], device: torch.device, model: torch.nn.Modul
     prof.start()
     try:
         t0 = time.perf_counter()
-        out = fn()
+        with GroupMarks():
+            out = fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         ms = (time.perf_counter() - t0) * 1e3
@@ -131,7 +134,7 @@ def _measured(fn: Callable[[], Any], device: torch.device, model: torch.nn.Modul
     memory = tracker.end(model, optimizer)
     counts: dict[str, int] = {}
     payload: dict[str, int] = {}
-    for rec in extract(prof, [0], world_size):
+    for rec in extract(prof, [0], world_size, mesh_dims):
         counts[rec["op"]] = counts.get(rec["op"], 0) + rec["count"]
         payload[rec["op"]] = payload.get(rec["op"], 0) + rec["payload_bytes"]
     return out, {"ms": ms, "start_bytes": start, "peak_bytes": memory["peak"],
@@ -233,7 +236,7 @@ class CheckpointProbe(Probe):
             path.mkdir(parents=True)
         dist.barrier()
         files, save = _measured(lambda: adapter.save_checkpoint(self.kind, path, model, optimizer),
-                                device, model, optimizer, n)
+                                device, model, optimizer, n, adapter.mesh_dims())
         mine = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size, "sha256": _sha256(f), "rank": rank}
                 for f in files]
         written: list[Any] = [None] * n
@@ -255,7 +258,7 @@ class CheckpointProbe(Probe):
         if any(refusals):  # every rank refuses, with the first reason
             raise CheckpointError(next(r for r in refusals if r))
         _, load = _measured(lambda: adapter.load_checkpoint(self.kind, path, fresh, fresh_optimizer),
-                            device, fresh, fresh_optimizer, n)
+                            device, fresh, fresh_optimizer, n, adapter.mesh_dims())
         restored = self._compare(model, fresh)
         step = int(trainer.global_step)
         batch = make_batch(OmegaConf.to_container(cfg.model, resolve=True), int(cfg.batch_size), int(cfg.seed), step,

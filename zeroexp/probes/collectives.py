@@ -30,6 +30,7 @@ from typing import Any
 import pandas as pd
 import torch
 from torch._C._profiler import _EventType
+from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,16 +52,43 @@ _GROUP = "zeroexp.group."  # + "<group name>.<group size>", under each c10d op
 
 class GroupMarks(TorchDispatchMode):
     """While active, runs each ``c10d::*`` op inside ``record_function("zeroexp.group.<name>.<size>")`` of the
-    ProcessGroup it was called with; every other op passes through untouched."""
+    ProcessGroup it was called with, and each functional collective (``_c10d_functional::*``: DTensor's
+    ``full_tensor()`` / ``redistribute``, FSDP2's norm for clipping and the fp16 inf check) inside the mark of the group
+    its ``group_name`` names (the ``c10d::*`` op it issues runs under it); every other op passes through untouched.
+    An op on DTensors is left to DTensor (``NotImplemented``), so that the collectives DTensor issues for it (the
+    redistribution of a Partial norm) reach this mode; a mode that handled it would be inactive inside it."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "c10d":
-            group = _group_of(args)
+        if any(issubclass(t, DTensor) for t in types):  # to DTensor's dispatch, whose local ops (its collectives)
+            return NotImplemented                          # then come here, this mode still active
+        if func.namespace in ("c10d", "_c10d_functional"):
+            group = _group_of(args) if func.namespace == "c10d" else _named_group(func, args, kwargs)
             if group is not None:
-                with record_function(f"{_GROUP}{group.group_name}.{group.size()}"):
+                with _mark(group):
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _mark(group: Any) -> Any:
+    """The zero-work ``record_function`` that names ``group`` (a ProcessGroup) to :func:`extract` for the collective
+    issued inside it."""
+    return record_function(f"{_GROUP}{group.group_name}.{group.size()}")
+
+
+def _named_group(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The ProcessGroup a functional collective names by its ``group_name`` argument, or None."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names = [a.name for a in func._schema.arguments]
+    if "group_name" not in names:
+        return None
+    i = names.index("group_name")
+    name = args[i] if i < len(args) else kwargs.get("group_name")
+    try:
+        return _resolve_process_group(name) if isinstance(name, str) else None
+    except (RuntimeError, ValueError, KeyError):
+        return None
 
 
 def _group_of(args: tuple) -> Any:
@@ -122,10 +150,15 @@ def _group_mark(event: Any) -> tuple[str, int] | None:
     while stack:
         child = stack.pop()
         if child.name.startswith(_GROUP):
-            name, size = child.name.removeprefix(_GROUP).rsplit(".", 1)
-            return name, int(size)
+            return _parse_mark(child.name)
         stack.extend(child.children)
     return None
+
+
+def _parse_mark(name: str) -> tuple[str, int]:
+    """``(group name, size)`` of a :func:`_mark` event's name."""
+    group, size = name.removeprefix(_GROUP).rsplit(".", 1)
+    return group, int(size)
 
 
 def extract(prof: profile, steps: list[int], world_size: int,
@@ -135,24 +168,29 @@ def extract(prof: profile, steps: list[int], world_size: int,
     A call between a step's start and end marks belongs to that step (``phase`` "step"); one between a
     step's end and the next step's start (the trainer's own traffic, e.g. Lightning's per-step SIGTERM flag
     broadcast) to phase "between". Each call's group is its :class:`GroupMarks` mark: ``mesh_dim`` from
-    ``mesh_dims`` (group name -> dimension), ``world`` for a group of ``world_size`` ranks (an unmarked call too).
+    ``mesh_dims`` (group name -> dimension), ``world`` for a group of ``world_size`` ranks (an unmarked call too); the
+    c10d op a functional collective issues (DTensor's) takes the mark of that functional op.
     """
     marks, calls = [], []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    # (event, the group of the closest enclosing functional collective's mark): its c10d op inherits it
+    stack = [(e, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        event = stack.pop()
+        event, outer = stack.pop()
         if event.tag != _EventType.TorchOp:
-            stack.extend(event.children)
+            stack.extend((c, outer) for c in event.children)
         elif event.name.startswith(_MARK):
             phase, step = event.name.removeprefix(_MARK).split(".")
             marks.append((event.start_time_ns, phase, int(step)))
         elif event.name.startswith("c10d::"):  # outermost: its children are the backend's own work
-            name, size = _group_mark(event) or ("", world_size)
+            name, size = _group_mark(event) or outer or ("", world_size)
             dim = (mesh_dims or {}).get(name) or (WORLD if size == world_size else f"group {name}")
             calls.append((event.start_time_ns,
                           (*classify(event.name[6:], event.extra_fields.inputs, size), dim, size)))
         else:
-            stack.extend(event.children)
+            # a functional collective: GroupMarks marked it (the mark lies in its subtree, under the
+            # record_function op); the c10d op it issues below it belongs to that group
+            mark = _group_mark(event) if event.name.startswith("_c10d_functional::") else None
+            stack.extend((c, mark or outer) for c in event.children)
     marks.sort()
     totals: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     for t, (op, dtype, nbytes, dim, size) in calls:  # a call belongs to the last mark before it

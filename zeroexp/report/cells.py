@@ -7,6 +7,7 @@ from typing import Any
 import pandas as pd
 
 from zeroexp.formulas import LAYOUTS
+from zeroexp.report.axes import label_axes, varies
 from zeroexp.report.format import missing
 
 __all__ = ["LADDER", "PREFETCH_ORDER", "column", "order_cells"]
@@ -54,7 +55,7 @@ def _axis_key(value: Any) -> tuple[int, float, str]:
         return (1, 0.0, str(value))
 
 
-def _label(row: pd.Series, varying: list[str]) -> str:
+def _label(row: pd.Series, varying: list[str], extra: list[str]) -> str:
     label = str(row.get("cell.strategy")) if not missing(row.get("cell.strategy")) else str(row.get("cell_name"))
     keys = [k for k in row.index if k.startswith("cell.") and k not in ("cell.strategy",)]
     for key in sorted(keys, key=lambda k: k != "cell.prefetch"):  # the prefetch suffix belongs to the strategy
@@ -71,20 +72,22 @@ def _label(row: pd.Series, varying: list[str]) -> str:
             label += f" {value}"
         else:
             label += f" {axis}={value}"
-    return label
+    return " ".join([label, *extra])
 
 
 def order_cells(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` (from :func:`zeroexp.results.load_sweep`) in ladder order, with a ``label`` column.
 
     A label is the strategy, ``-<prefetch>`` where prefetch applies, and each other axis that varies across the
-    sweep (``N=4``, ``bf16``, ``stage=2``); labels that would still collide get the cell id.
+    sweep and the cell sets (``N=4``, ``bf16``, ``stage=2``, ``shard_size=2``, ``grad_accum=4``, ``clip=0.05``:
+    :func:`zeroexp.report.axes.label_axes`); labels that would still collide get the cell id.
     """
     if frame.empty:
         return frame.assign(label=pd.Series(dtype=object))
     frame = frame.iloc[sorted(range(len(frame)), key=lambda i: _sort_key(frame.iloc[i]))].reset_index(drop=True)
-    varying = [k for k in frame.columns if k.startswith("cell.") and frame[k].astype(str).nunique() > 1]
-    labels = [_label(row, varying) for _, row in frame.iterrows()]
+    varying = [k for k in frame.columns if k.startswith("cell.") and varies(frame[k])]
+    extra = label_axes(frame)  # the axes no cell.* field names: strategy.clip_grad_norm, sync_each_microbatch
+    labels = [_label(row, varying, more) for (_, row), more in zip(frame.iterrows(), extra)]
     dupes = {lab for lab in labels if labels.count(lab) > 1}
     frame["label"] = [f"{lab} #{cid}" if lab in dupes else lab for lab, cid in zip(labels, column(frame, "cell_id"))]
     return frame

@@ -11,10 +11,13 @@ from typing import Callable
 
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
+from zeroexp.formulas import WORLD
 from zeroexp.report.cells import column
 from zeroexp.report.format import byte_unit, missing
+from zeroexp.report.groups import groups_of
 from zeroexp.report.section import OPS
 from zeroexp.report.time import planned_vs_measured
 
@@ -122,27 +125,56 @@ def step_times(cells: pd.DataFrame, path: Path) -> Path | None:
     return path
 
 
+#: Hatches of the process groups in the collectives plot; the default group (``world``) is plain.
+GROUP_HATCHES = {WORLD: "", "shard": "..", "replicate": "//"}
+
+
+def _payload_by_group(row: pd.Series, ops: list[str]) -> dict[tuple[str, str], float]:
+    """``{(op, mesh_dim): payload bytes per step}`` of one cell: its ``collectives.groups`` where recorded, else
+    each op's payload as the default group's (a cell written before the groups were)."""
+    out: dict[tuple[str, str], float] = {}
+    for op in ops:
+        groups = {dim: g["payload_bytes"] for (o, dim), g in groups_of(row).items()
+                  if o == op and not missing(g.get("payload_bytes"))}
+        total = row.get(f"collectives.payload_bytes.{op}")
+        for dim, nbytes in (groups or ({WORLD: total} if not missing(total) else {})).items():
+            out[(op, dim)] = float(nbytes)
+    return out
+
+
 def collective_payload(cells: pd.DataFrame, path: Path) -> Path | None:
-    """Payload per step by op (stacked) for each cell, with the expected total as a black tick."""
+    """Payload per step by op (stacked) for each cell, each op split by the process groups of its calls (hatched:
+    hybrid sharding's shard and replicate groups), with the expected total as a black tick."""
     ok = cells[column(cells, "status") == "ok"]
     ops = [op for op in [*OPS, *sorted({k.split(".")[-1] for k in ok.columns if k.startswith("collectives.payload_bytes.")} - set(OPS))]
            if f"collectives.payload_bytes.{op}" in ok.columns]
     if not ops or all(missing(v) for v in column(ok, "collectives.payload_total_bytes")):
         return None
     unit = byte_unit(column(ok, "collectives.payload_total_bytes"))
-    fig, ax = _figure(len(ok), f"Collective payload per step by op, rank 0 ({unit}, nccl-tests S)")
-    bottom = [0.0] * len(ok)
-    for op in ops:
-        heights = [0.0 if missing(v) else unit.value(v) for v in ok[f"collectives.payload_bytes.{op}"]]
-        ax.bar(range(len(ok)), heights, bottom=bottom, width=0.6, label=op, color=OP_COLOURS.get(op))
-        bottom = [b + h for b, h in zip(bottom, heights)]
+    parts = [_payload_by_group(row, ops) for _, row in ok.iterrows()]
+    dims = sorted({dim for p in parts for _, dim in p} - {WORLD}, key=lambda d: (d not in GROUP_HATCHES, d))
+    title = f"Collective payload per step by op, rank 0 ({unit}, nccl-tests S)"
+    fig, ax = _figure(len(ok), title + ("; hatched: the op's calls within a process group" if dims else ""))
+    bottom, labelled = [0.0] * len(ok), set()
+    for op in ops:  # each op's segment, split by the process groups its calls ran over (hybrid sharding)
+        for dim in [WORLD, *dims]:
+            heights = [unit.value(p.get((op, dim), 0.0)) for p in parts]
+            if not any(heights):
+                continue
+            ax.bar(range(len(ok)), heights, bottom=bottom, width=0.6, color=OP_COLOURS.get(op),
+                   hatch=GROUP_HATCHES.get(dim, "xx"), edgecolor="white" if dim != WORLD else None,
+                   label=None if op in labelled else op)
+            labelled.add(op)
+            bottom = [b + h for b, h in zip(bottom, heights)]
     expected = [sum(0.0 if missing(row.get(f"collectives.expected_payload_bytes.{op}")) else
                     unit.value(row.get(f"collectives.expected_payload_bytes.{op}")) for op in ops)
                 for _, row in ok.iterrows()]
     ax.scatter(range(len(ok)), expected, marker="_", s=600, color="black", zorder=3, label="expected total")
     ax.set_xticks(range(len(ok)), list(ok["label"]), fontsize=8, rotation=20, ha="right")
     ax.set_ylabel(unit.name)
-    ax.legend(fontsize=8)
+    handles = ax.get_legend_handles_labels()[0] + [  # one entry per group: its hatch
+        Patch(facecolor="white", edgecolor="black", hatch=GROUP_HATCHES.get(dim, "xx"), label=f"{dim} group") for dim in dims]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars
     fig.savefig(path)
     return path
 
@@ -208,7 +240,7 @@ PLOTS: dict[str, tuple[Callable[[pd.DataFrame, Path], Path | None], str, str]] =
     "report_memory.png": (steady_vs_peak, "Steady vs peak memory", "memory"),
     "report_peak_model.png": (planned_peaks, "Peak phase above steady: the peak model beside the measurement, by "
                                              "category", "memory"),
-    "report_collectives.png": (collective_payload, "Collective payload by op", "collectives"),
+    "report_collectives.png": (collective_payload, "Collective payload by op and process group", "collectives"),
     "report_step_times.png": (step_times, "Step-time distributions", "timing"),
     "report_time_planned.png": (planned_vs_measured, "Step time planned vs measured", "time"),
 }

@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from zeroexp.report.axes import axis_values, fmt_axis, set_axes
 from zeroexp.report.cells import column, is_dry_run
 from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
@@ -30,7 +31,15 @@ def cells_table(frame: pd.DataFrame) -> ReportTable:
     if is_dry_run(frame).any():  # a sweep with dry runs says which cells trained
         raw["mode"] = [_mode(m, src) for m, src in zip(column(frame, "mode"), column(frame, "dry_run.source"))]
         cols.insert(2, Column("mode", "mode", str))
-    return ReportTable("cells", "Cells", raw, cols, empty_text="no cell")
+    axes, values = set_axes(frame), axis_values(frame).reset_index(drop=True)
+    for i, axis in enumerate(axes):  # the axes some cell sets, after N (n/a where one does not apply)
+        raw[axis.key] = values[axis.key]
+        cols.insert(cols.index(next(c for c in cols if c.key == "cell.world_size")) + 1 + i,
+                    Column(axis.header, axis.key, fmt_axis))
+    note = ("Axes beyond model, strategy, precision, offload and N, shown where a cell sets them (n/a where an axis "
+            "does not apply to the cell's strategy): " + "; ".join(a.note for a in axes) + "."
+            if axes else "")
+    return ReportTable("cells", "Cells", raw, cols, note, empty_text="no cell")
 
 
 def _mode(mode: Any, source: Any) -> str:
@@ -133,12 +142,13 @@ def sections(report: bool = False) -> list[Any]:
     (with ``report=True``: in ``report_order``, where a section has one). Each has ``name`` (its ``summary.json``
     key), ``digest_line(section)`` and ``report_table(ok)`` (either may give None: no line, no table)."""
     from zeroexp.probes import registry  # here, not at the top: the probes load torch and Lightning
+    from zeroexp.report.groups import GroupsSection
     from zeroexp.report.time import TimeSection
 
     def key(s: Any) -> int:
         return s.report_order if report and s.report_order is not None else s.order
 
-    return sorted([*registry(), PlanSection, TimeSection], key=key)
+    return sorted([*registry(), GroupsSection, PlanSection, TimeSection], key=key)
 
 
 def build_tables(cells: pd.DataFrame) -> list[ReportTable]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import netrc
 import os
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -36,7 +37,8 @@ __all__ = ["LOSS_KEY", "STEP_KEY", "BARS", "report_target", "build_wandb_report"
 #: What every cell logs per step (``zeroexp.module``, Lightning's step counter beside it).
 LOSS_KEY, STEP_KEY = "train/loss_rank0", "trainer/global_step"
 #: Bar plots per report section (table key): (title, summary fields). A field ending in ``.`` stands for every
-#: numeric field under it that some cell has, in :data:`_ORDER`, then by name.
+#: numeric field under it that some cell has, in :data:`_ORDER`, then by name; one with ``*`` for every numeric field
+#: it matches (``fnmatch``), by name.
 BARS: dict[str, list[tuple[str, list[str]]]] = {
     "cells": [("Final loss per cell", ["final_loss"])],
     "state": [("State bytes per cell, largest rank", ["state.max_rank_bytes."]),
@@ -45,6 +47,9 @@ BARS: dict[str, list[tuple[str, list[str]]]] = {
                ("Peak bytes per phase, largest rank", ["memory.phase_peak_bytes_max."])],
     "collectives": [("Calls per step, per op", ["collectives.counts."]),
                     ("Payload bytes per step, per op", ["collectives.payload_bytes."])],
+    "collective_groups": [("Calls per step, per op and process group", ["collectives.groups.*.*.count"]),
+                          ("Payload bytes per step, per op and process group",
+                           ["collectives.groups.*.*.payload_bytes"])],
     "timing": [("Step time, ms (median, p95)", ["timing.median_ms", "timing.p95_ms"])],
     "equivalence": [("Max abs error vs the unsharded reference, and its bound",
                      ["equivalence.max_abs_err", "equivalence.effective_threshold"])],
@@ -68,6 +73,8 @@ def _fields(cells: pd.DataFrame, spec: list[str]) -> list[str]:
             under = [c for c in cells.columns if c.startswith(key) and "." not in c[len(key):]]
             rank = {name: i for i, name in enumerate(_ORDER)}
             under.sort(key=lambda c: (rank.get(c[len(key):], len(rank)), c))
+        elif "*" in key:
+            under = sorted(c for c in cells.columns if fnmatchcase(c, key))
         else:
             under = [key] if key in cells.columns else []
         out += [c for c in under if c not in out and _numeric(cells[c])]

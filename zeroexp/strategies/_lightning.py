@@ -27,6 +27,12 @@ class CellStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.adapter = adapter
 
+    def model_to_device(self) -> None:
+        """Lightning moves the LightningModule to the device before wrapping; a model built on the meta device
+        (``init=meta``) has nothing to move: the adapter materialises it on the device (``wrap_meta``)."""
+        if not any(p.is_meta for p in self.model.parameters()):
+            super().model_to_device()
+
     def configure_ddp(self) -> None:
         self.model = self.adapter.wrap_cell(self.model, self.root_device)
         if isinstance(self.model, DistributedDataParallel):

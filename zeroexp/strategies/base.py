@@ -161,14 +161,31 @@ class StrategyAdapter:
     #: ``apply_activation_checkpointing`` on the wrapped model) instead of before it (every other strategy).
     checkpoint_after_wrap: ClassVar[bool] = False
 
+    #: ``init=meta`` (zeroexp.strategies._meta_init): what :meth:`wrap_meta` materialises on each rank of a model
+    #: built on the meta device: ``replica`` (every parameter: the strategy keeps a full replica anyway), ``shards``
+    #: (only the rank's shards), None (refused by config validation, zeroexp.init_mode).
+    meta_init: ClassVar[str | None] = "replica"
+
     def wrap_cell(self, module: nn.Module, device: torch.device) -> nn.Module:
-        """:meth:`wrap`, with the units checkpointed (``activation_checkpointing``) before or after it."""
+        """:meth:`wrap` (:meth:`wrap_meta` for a model built on the meta device, ``init=meta``), with the units
+        checkpointed (``activation_checkpointing``) before or after it."""
+        from zeroexp.strategies._meta_init import is_meta
+
+        meta = is_meta(module)
         if not self.checkpoint_after_wrap:
             self.checkpoint_activations(module)
-        model = self.wrap(module, device)
+        model = self.wrap_meta(module, device) if meta else self.wrap(module, device)
         if self.checkpoint_after_wrap:
             self.checkpoint_activations(model)
         return model
+
+    def wrap_meta(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """``init=meta``: wrap ``module``, built on the meta device, with the full build's values on this rank.
+        Default (``meta_init = "replica"``): every parameter materialised on the rank, then :meth:`wrap`."""
+        from zeroexp.strategies._meta_init import fill_replica
+
+        fill_replica(module, device, self.cfg)
+        return self.wrap(module, device)
 
     def checkpoint_activations(self, module: nn.Module) -> None:
         """``activation_checkpointing=full``: replace each wrap unit of ``module`` (``strategy.wrap``, else

@@ -195,7 +195,23 @@ class FSDPAdapter(StrategyAdapter):
         with FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=False), torch.no_grad():
             yield {name: p.detach() for name, p in model.named_parameters()}
 
+    #: init=meta: each unit materialised just before FSDP flattens and shards it (``param_init_fn``), then the rank's
+    #: shard filled with the full build's values (zeroexp.strategies._meta_init).
+    meta_init = "shards"
+
+    def wrap_meta(self, module: nn.Module, device: torch.device) -> nn.Module:
+        from zeroexp.strategies._meta_init import fill_flat_shards, fsdp1_param_init_fn
+
+        net = getattr(module, "net", module)
+        names = {id(m): name for name, m in net.named_modules()}  # before FSDP wraps the units
+        model = self._wrap(module, device, param_init_fn=fsdp1_param_init_fn(device))
+        fill_flat_shards(model, names, self.cfg)
+        return model
+
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        return self._wrap(module, device)
+
+    def _wrap(self, module: nn.Module, device: torch.device, **init: Any) -> nn.Module:
         self._numels = tuple(p.numel() for p in self.trainable(module.parameters()))  # before FSDP flattens them
         classes = {import_class(str(p)) for p in wrap_paths(self.cfg)}
         return FullyShardedDataParallel(
@@ -210,6 +226,7 @@ class FSDPAdapter(StrategyAdapter):
             mixed_precision=self.mixed_precision(),
             cpu_offload=CPUOffload(offload_params=True) if self.cfg.offload.name == "full" else None,
             **self.process_groups(device),
+            **init,
         )
 
     def process_groups(self, device: torch.device) -> dict[str, Any]:

@@ -145,6 +145,19 @@ class FSDP2Adapter(StrategyAdapter):
         fully_shard(root, **kwargs)
         return module
 
+    #: init=meta: ``fully_shard`` on the meta model, ``to_empty`` (each rank allocates only its shards), then every
+    #: shard filled with the full build's values (zeroexp.strategies._meta_init).
+    meta_init = "shards"
+
+    def wrap_meta(self, module: nn.Module, device: torch.device) -> nn.Module:
+        from zeroexp.strategies._meta_init import fill_dtensors
+
+        model = self.wrap(module, device)
+        root = getattr(model, "net", model)
+        root.to_empty(device=device)
+        fill_dtensors(root, self.cfg)
+        return model
+
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
         """Each parameter's local shard and its gradient's, the optimizer's tensors, any unsharded buffer left.
 

@@ -9,12 +9,15 @@ then one all_reduce of the gradient shards across the replicas (_fully_shard/_fs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import MISSING
+from torch import nn
 
 from zeroexp.strategies import register
+from zeroexp.strategies._checkpoint import load_full, load_sharded, save_full, save_sharded
 from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
 from zeroexp.strategies.fsdp2 import FSDP2Adapter, FSDP2Config
 
@@ -33,6 +36,7 @@ class FSDP2HybridAdapter(FSDP2Adapter):
     axes = frozenset({"shard_size"})  # the cell's name: fsdp2_hybrid-shard_size2_...
     reshard_after_forward = True
     zero_stage = 3
+    checkpoint_kinds = frozenset({"full", "sharded"})
     semantics = (
         "FSDP2 fully_shard on a 2-D mesh (replicate, shard), reshard_after_forward=True: FULL_SHARD's state within "
         "each shard group of strategy.shard_size ranks, replicated across the N / shard_size groups; per unit "
@@ -51,3 +55,18 @@ class FSDP2HybridAdapter(FSDP2Adapter):
 
     def mesh_dims(self) -> dict[str, str]:
         return {} if self._mesh is None else mesh_dims(self._mesh)
+
+    def checkpoint_format(self, kind: str) -> str:
+        if kind == "full":
+            return ("get_state_dict(full_state_dict, cpu_offload): every DTensor made whole (all-gathered over the "
+                    "shard group), rank 0 writes model and optimizer state to one file")
+        return ("torch.distributed.checkpoint of the DTensor state dict (get_state_dict): a shard the replicas hold alike "
+                "is written once, by one of them (DCP's deduplication), __<rank>_0.distcp; rank 0 the .metadata")
+
+    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
+        """full: zeroexp.strategies._checkpoint.save_full; sharded: save_sharded (DCP)."""
+        return (save_full if kind == "full" else save_sharded)(path, model, optimizer)
+
+    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """full: every rank reads the file and keeps its shards (set_state_dict, full_state_dict); sharded: DCP."""
+        (load_full if kind == "full" else load_sharded)(path, model, optimizer)

@@ -1,0 +1,170 @@
+"""The peak model of DeepSpeed ZeRO stages 1-3 (zeroexp/formulas/peak_deepspeed.py): a rank's partition, each stage's
+phase peaks with exact categories on given traces, the trace's units, and plan.memory PASS in real cells."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
+from zeroexp.formulas.peak_deepspeed import (DsPartition, ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
+                                             ds_stage12_phase_peaks)
+from zeroexp.plan.steptrace import trace_step
+from zeroexp.strategies import deepspeed as ds_adapter
+
+
+def _seg(phase: str, unit: str, at: str, peak: dict, end: dict | None = None) -> Segment:
+    end = peak if end is None else end
+    return Segment(phase, unit, at, sum(peak.values()), peak, sum(end.values()), end)
+
+
+def test_a_rank_partition_of_the_flat_group():
+    # 10 + 20 + 30 elements at N=3: partitions of 20; the middle one cuts both of its parameters.
+    assert ds_partition((10, 20, 30), 60, 3, 0) == DsPartition(20, 30, (10, 10), 0, (0, 1))
+    assert ds_partition((10, 20, 30), 60, 3, 1) == DsPartition(20, 50, (10, 10), 0, (1, 2))
+    assert ds_partition((10, 20, 30), 60, 3, 2) == DsPartition(20, 30, (20,), 0, (2,))
+    # 31 elements padded to 2N = 6 -> 36: the last rank's partition ends in 5 elements of padding (its zeros tensor).
+    assert ds_partition((10, 21), 36, 3, 2) == DsPartition(12, 21, (7,), 5, (1,))
+
+
+def test_an_all_reduce_copies_its_bucket_only_when_it_has_several_slices():
+    # 5 parameters of 4096 at N=2 (partitions of 10240), one per bucket in backward order: only the middle one is cut
+    # by a partition boundary, so only its bucket is two slices that allreduce_bucket flattens into a new tensor.
+    buckets = tuple((4096,) for _ in range(5))
+    assert ds_allreduce_copies(buckets, (4, 3, 2, 1, 0), (4096,) * 5, 10240) == (0, 0, 4096, 0, 0)
+    # One bucket of every parameter: slices of both ranks, copied whole.
+    assert ds_allreduce_copies(((4096,) * 5,), (0, 1, 2, 3, 4), (4096,) * 5, 10240) == (5 * 4096,)
+    assert ds_allreduce_copies(((4096,) * 2,), (0, 1), (4096,) * 2, 10240) == (0,)  # all in rank 0's partition
+
+
+# Two parameters of 50 elements at N=2 (fp32), one 1000-element bucket; rank 0's partition is parameter 0.
+BACKWARD = (_seg("backward", "u1", "end", {"activations": 500, "temporaries": 300},
+                 {"activations": 400, "gradients": 200}),
+            _seg("backward", "u0", "end", {"activations": 300, "temporaries": 100, "gradients": 200},
+                 {"activations": 100, "gradients": 400}),
+            _seg("backward", "root", "end", {"activations": 100, "gradients": 400},
+                 {"activations": 8, "gradients": 400}))
+TRACE12 = StepTrace(1, (_seg("forward", "u0", "end", {"activations": 1000}), *BACKWARD), loss_bytes=8)
+PART0 = ds_partition((50, 50), 100, 2, 0)
+
+
+def test_stage1_keeps_autograds_gradients_beside_the_bucket_and_reduces_in_the_epilogue():
+    peaks = ds_stage12_phase_peaks(TRACE12, stage=1, buckets=((50, 50),), order=(0, 1), numels=(50, 50),
+                                   part=PART0, bucket_numel=1000, itemsize=4)
+    assert peaks["forward"] == {"bytes": 992, "by_category": {"activations": 992}}
+    # The whole bucket (4000 B) from the first gradient hook on, beside autograd's gradients; the epilogue's flat
+    # all_reduce copy (400 B) comes after them: below the second stretch of backward.
+    assert peaks["backward"] == {"bytes": 4592, "by_category": {"activations": 292, "temporaries": 4100,
+                                                                "gradients": 200}}
+    # grads_in_partition (parameter 0, 200 B) beside the float64 copy of its piece for the norm (400 B).
+    assert peaks["optimizer"] == {"bytes": 600, "by_category": {"temporaries": 200, "optimizer_state": 400}}
+
+
+def test_stage2_moves_each_gradient_into_the_bucket():
+    peaks = ds_stage12_phase_peaks(TRACE12, stage=2, buckets=((50, 50),), order=(1, 0), numels=(50, 50),
+                                   part=PART0, bucket_numel=1000, itemsize=4)
+    # The epilogue: the bucket (gradients, as MemTracker labels it once .grad views it) and the flat all_reduce copy.
+    assert peaks["backward"] == {"bytes": 4400, "by_category": {"gradients": 4000, "temporaries": 400}}
+    assert peaks["optimizer"] == {"bytes": 600, "by_category": {"temporaries": 200, "optimizer_state": 400}}
+
+
+def test_stage3_holds_the_gathered_parameters_and_releases_them_after_backward():
+    # u0 (an embedding of the batch: its input needs no gradient) and u1, 6 elements each, at N=4: each padded to 8.
+    units = (TracedUnit("u0", (0,), False), TracedUnit("u1", (1,), True))
+    segs = (_seg("forward", "u0", "start", {}), _seg("forward", "u0", "end", {"activations": 100}),
+            _seg("forward", "u1", "start", {"activations": 100}), _seg("forward", "u1", "end", {"activations": 150}),
+            _seg("forward", "loss", "end", {"activations": 150}, {"activations": 108}),
+            _seg("backward", "u1", "start", {"activations": 208, "temporaries": 50}, {"activations": 208}),
+            _seg("backward", "u1", "end", {"activations": 208, "temporaries": 40, "gradients": 24},
+                 {"activations": 100, "gradients": 24}),
+            _seg("backward", "u0", "start", {"activations": 100, "gradients": 24}),
+            _seg("backward", "u0", "end", {"activations": 100, "gradients": 24}),
+            _seg("backward", "root", "end", {"activations": 100, "gradients": 48, "temporaries": 30},
+                 {"activations": 8, "gradients": 48}))
+    peaks = ds_stage3_phase_peaks(StepTrace(1, segs, 8, units), numels=(6, 6), world_size=4, buckets=((6, 6),),
+                                  itemsize=4, gloo=True)
+    # u0 computing: both parameters gathered (48 B) and the all_gather's flat buffer (2 x 8 x 4 = 64 B) still held
+    # until u1, the last module, is fetched.
+    assert peaks["forward"] == {"bytes": 204, "by_category": {"activations": 92, "parameters": 48,
+                                                              "temporaries": 64}}
+    assert peaks["backward"] == {"bytes": 298, "by_category": {"activations": 200, "temporaries": 50,
+                                                               "parameters": 48}}
+    # The fp32 gradient partition (2 x 2 elements) and AdamW's two temporaries over it.
+    assert peaks["optimizer"] == {"bytes": 48, "by_category": {"optimizer_state": 48}}
+    # Without the backward's own peak, the epilogue: u0's parameter (never released in backward), the reduce-scatter
+    # concatenation (64 B), its padding chunks (16 B) and gloo's copy of its input (64 B).
+    quiet = tuple(s for s in segs if s.phase == "forward") + tuple(
+        _seg(s.phase, s.unit, s.at, {"activations": 8}, s.end_by_category) for s in segs if s.phase == "backward")
+    peaks = ds_stage3_phase_peaks(StepTrace(1, quiet, 8, units), numels=(6, 6), world_size=4, buckets=((6, 6),),
+                                  itemsize=4, gloo=True)
+    assert peaks["backward"] == {"bytes": 168, "by_category": {"parameters": 24, "temporaries": 144}}
+
+
+def test_the_trace_records_each_modules_parameters_and_whether_autograd_reaches_its_input():
+    cfg = OmegaConf.create({"name": "mlp", "_target_": "zeroexp.models.LinearStack", "width": 8, "depth": 3,
+                            "input_shape": [8]})
+    trace = trace_step(cfg, 4, (), own_params_units=True)
+    assert [(u.params, u.grad_input) for u in trace.units] == [((0,), False), ((1,), True), ((2,), True)]
+    assert trace_step(cfg, 4, [torch.nn.Linear]).units == ()  # only when asked
+
+
+needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
+                                     reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")])
+def test_plan_memory_passes_in_real_cells(cell, stage, precision):
+    # tests/test_deepspeed.py's cells in fp32 (same overrides: run once per session): 5 Linear(64, 64) at N=2, a reduce
+    # bucket of 7864 elements, so each Linear's gradient is reduced on its own, in backward at stages 2 and 3. bf16:
+    # the module converted by DeepSpeed, 2-byte bucket, gradients and collectives, the fp32 partition's step.
+    res = cell("strategy=deepspeed", "world_size=2", f"strategy.stage={stage}", "model.depth=5",
+               "strategy.bucket_cap_mb=0.03", *(("precision=bf16",) if precision == "bf16" else ()))
+    assert res.status == "ok", res.error
+    memory = res.summary["plan"]["memory"]
+    assert memory["check"] == "PASS", memory["reasons"]
+    c = 4 if precision == "fp32" else 2
+    bucket = 7864 * c
+    assert memory["phases"]["steady"]["predicted_buffers_bytes"] == (bucket if stage == 3 else 0)
+    backward = memory["phases"]["backward"]
+    if stage == 2:  # the bucket, allocated in backward, and the Linear's gradient whose hook reduces the last bucket
+        assert backward["predicted_by_category"]["gradients"] == bucket + 64 * 64 * c
+    if stage == 1:
+        assert backward["predicted_by_category"]["temporaries"] >= bucket
+    for ph in ("forward", "backward", "optimizer"):
+        rec = memory["phases"][ph]
+        assert 0 <= rec["measured_bytes"] - rec["predicted_bytes"] <= 0.02 * rec["measured_bytes"] or "late_free" in rec
+
+
+def test_planner_rows_of_deepspeed_peak_with_the_bucket_and_name_what_is_not_modelled():
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from zeroexp.cli import CONF_DIR
+    from zeroexp.formulas import Groups
+    from zeroexp.plan.cli import register, run
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="plan", overrides=[
+            "model=mlp", "model.width=64", "model.depth=8", "world_size=2", "batch_size=8", "bucket_cap_mb=1",
+            "strategies=[deepspeed_stage1,deepspeed_stage2,deepspeed_stage3]"])
+    rows = {r["strategy"]: r for r in run(cfg)[0]}
+    bucket = 2**20 // 4 * 4  # bucket_cap_mb=1: 262144 elements of 4 bytes
+    for name, row in rows.items():
+        phases = row["phase_bytes"]
+        assert row["fits_on"] == "peak" and row["peak_phase"] == max(phases, key=phases.get), (name, row)
+        # stage 3 keeps its bucket between steps (beside the state); stages 1-2 allocate it in backward
+        assert row["peak_bytes"] == row["device_bytes"] + (bucket if name.endswith("3") else 0) + max(
+            row["phase_bytes"].values())
+    stage2 = rows["deepspeed_stage2"]
+    assert stage2["peak_phase"] == "backward" and stage2["phase_bytes"]["backward"] >= bucket
+    # stage 3's forward: every parameter gathered (8 x 64^2 fp32) beside the all_gather's flat buffer
+    assert rows["deepspeed_stage3"]["phase_bytes"]["forward"] >= 2 * 8 * 64 * 64 * 4
+    # A parameter above the reduce bucket (reduced on its own) and a stage-3 model beyond one prefetch bucket: n/a.
+    g = Groups("deepspeed_stage3", 2, (10**8,))
+    assert [r.split(" (")[0] for r in ds_peak_limits("deepspeed_stage3", g, 2**20)] == [
+        "no peak model yet for a parameter of 100000000 elements above reduce_bucket_size=262144",
+        "no peak model yet for stage 3 beyond one prefetch bucket"]
+    assert ds_peak_limits("deepspeed_stage2", Groups("deepspeed_stage2", 2, (10, 10)), 2**20) == []

@@ -1,0 +1,272 @@
+"""The peak model of DeepSpeed ZeRO stages 1-3: what a rank holds above its steady state in each phase, by category.
+
+DeepSpeed 0.19 as zeroexp configures it (zeroexp/strategies/deepspeed.py: ``overlap_comm`` off, ``contiguous_gradients``
+on, one parameter group, ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` at their defaults, every stage-3
+parameter partitioned), fp32, from its runtime's source [DS-PEAK]:
+
+- ``runtime/zero/stage_1_and_2.py``: ``setup_buckets`` allocates the whole ipg bucket (``reduce_bucket_size``
+  elements) at the first gradient hook of a backward; ``_release_ipg_buffers`` drops it in the epilogue
+  (``independent_gradient_partition_epilogue``). Stage 2 copies each gradient into the bucket in its hook
+  (``reduce_independent_p_g_buckets_and_remove_grads``: autograd's tensor is freed); stage 1 keeps autograd's
+  gradients until the epilogue (``reduce_gradients``, parameter order). A full bucket is reduced: ``average_tensor``
+  -> ``allreduce_and_scatter`` -> ``allreduce_bucket`` flattens its slices into a new tensor for the all_reduce
+  (``self.flatten``); then ``copy_grads_in_partition`` copies the gradients of the parameters the rank's partition
+  overlaps into ``grads_in_partition`` (allocated once: their whole numel). ``get_flat_partition`` adds a zeros
+  tensor for the partition's padding. ``step``: per gradient piece a float64 copy for the norm
+  (``get_grad_norm_direct``, ``get_norm_dtype``), the flat fp32 gradient partition (``self.flatten``), AdamW on the
+  fp32 partition, the gradients freed before the update.
+- ``runtime/zero/stage3.py``: the ipg bucket is allocated once at init (``_setup_for_real_optimizer``: steady, as
+  ``grad_partitions_flat_buffer``); each hook copies a gradient into it (``__add_grad_to_ipg_bucket``); a full
+  bucket is reduce-scattered by ``runtime/comm/coalesced_collectives.py`` ``reduce_scatter_coalesced``, which
+  concatenates every gradient's rank chunks padded to N into one new tensor (except one tensor already divisible by
+  N). ``step``: ``_prepare_fp32_grad_for_sub_group`` flattens the gradient partitions into an fp32 copy, AdamW steps
+  on the sub-group's fp32 partition.
+- ``runtime/zero/partition_parameters.py`` ``_all_gather_coalesced``: one flat buffer of every fetched parameter's
+  N padded chunks; ``AllGatherCoalescedHandle.wait`` concatenates each parameter's chunks into a new tensor of its
+  size (the flat buffer lives while any of its parameters is still in the coordinator's in-flight registry).
+  ``partitioned_param_coordinator.py``: the root module's pre-forward prefetches every parameter within one prefetch
+  bucket; within the reuse distance nothing is released in forward; ``parameter_offload.py``: a module's parameters
+  are released after its backward reaches its inputs (``PostBackwardFunctionModule``), never in backward for a module
+  whose inputs need no gradient (an embedding of token ids, the first Linear on the batch): those wait for
+  ``step``'s ``_partition_all_parameters``.
+
+Each moment is a lower bound of what the rank holds then (allocations between hooks that the trace cannot place,
+scalars, are left out), so the phase's prediction is never above the measurement.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from zeroexp.formulas.paper import padded_numel
+from zeroexp.formulas.peak import StepTrace, adamw_temporaries
+
+__all__ = ["DsPartition", "ds_partition", "ds_allreduce_copies", "ds_stage12_phase_peaks", "ds_stage3_phase_peaks",
+           "FP64"]
+
+#: ``get_norm_dtype``: DeepSpeed's gradient norms accumulate in float64 (8 bytes) on a device that has it.
+FP64 = 8
+
+
+class DsPartition(NamedTuple):
+    """Stages 1-2, one rank's share of the flat group: ``numel`` (the partition, ``partition_size``), ``overlapped``
+    (the whole numel of the parameters it overlaps: ``grads_in_partition``), ``pieces`` (each overlapped parameter's
+    elements inside it, the gradient views ``get_flat_partition`` returns), ``padding`` (its zeros tensor),
+    ``params`` (the overlapped parameters' indices)."""
+
+    numel: int
+    overlapped: int
+    pieces: tuple[int, ...]
+    padding: int
+    params: tuple[int, ...]
+
+
+def ds_partition(numels: tuple[int, ...] | list[int], flat_numel: int, world_size: int, rank: int) -> DsPartition:
+    """Rank ``rank``'s partition of a flat group of ``flat_numel`` elements (padded to 2N) holding ``numels`` in
+    parameter order (stage_1_and_2.py ``get_partition_info``, ``get_flat_partition``)."""
+    size = flat_numel // world_size
+    lo, hi = rank * size, (rank + 1) * size
+    overlapped, pieces, params, offset = 0, [], [], 0
+    for i, n in enumerate(numels):
+        inside = min(offset + n, hi) - max(offset, lo)
+        if n and inside > 0:
+            overlapped += n
+            pieces.append(inside)
+            params.append(i)
+        offset += n
+    return DsPartition(size, overlapped, tuple(pieces), size - sum(pieces), tuple(params))
+
+
+def ds_allreduce_copies(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...], numels: tuple[int, ...],
+                        partition_numel: int) -> tuple[int, ...]:
+    """Stages 1-2, per bucket (reduce order; ``order``: its parameters' indices, ``numels`` in parameter order), the
+    elements ``allreduce_bucket`` copies: ``average_tensor`` cuts the bucket into one slice per parameter and
+    partition, merging a slice into the previous one of the same partition, and ``self.flatten`` copies the slices
+    into one new tensor, unless there is only one (torch's ``flatten_dense_tensors`` returns a view of it)."""
+    offset, start = 0, {}
+    for i, n in enumerate(numels):
+        start[i] = offset
+        offset += n
+    out, pos = [], 0
+    for b in buckets:
+        owners: list[int] = []
+        for p in order[pos:pos + len(b)]:
+            lo, hi = start[p], start[p] + numels[p]
+            for rank in range(lo // partition_numel, (hi - 1) // partition_numel + 1):
+                if not owners or owners[-1] != rank:
+                    owners.append(rank)
+        out.append(sum(b) if len(owners) > 1 else 0)
+        pos += len(b)
+    return tuple(out)
+
+
+class _Moments:
+    """The highest moment of each phase, by category (zeros left out)."""
+
+    def __init__(self) -> None:
+        self.best: dict[str, dict] = {}
+
+    def keep(self, phase: str, *parts: dict) -> None:
+        cats: dict[str, int] = {}
+        for part in parts:
+            for c, b in part.items():
+                cats[c] = cats.get(c, 0) + int(b)
+        cats = {c: b for c, b in cats.items() if b}
+        if phase not in self.best or self.best[phase]["bytes"] < sum(cats.values()):
+            self.best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+
+
+def _at_hook(segments: list, i: int) -> dict:
+    """The bare step at a gradient hook inside backward segment ``i``, at its end at the latest: what the segment's
+    end and the next mark both hold, category by category (the trace's own backward hooks keep a gradient alive at
+    their mark that a run without them has freed)."""
+    end = segments[i].end_by_category
+    if i + 1 == len(segments):
+        return dict(end)
+    nxt = segments[i + 1].end_by_category
+    return {c: min(b, nxt.get(c, 0)) for c, b in end.items()}
+
+
+def _closed(edges: list[int], traced: int) -> int:
+    """How many buckets (``edges``: their cumulative bytes in reduce order) are reduced once ``traced`` gradient bytes
+    exist: bucket k is reduced when a gradient beyond it arrives."""
+    return sum(1 for e in edges[1:-1] if traced > e)
+
+
+def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
+                           order: tuple[int, ...], numels: tuple[int, ...], part: DsPartition, bucket_numel: int,
+                           itemsize: int) -> dict[str, dict]:
+    """Stages 1 and 2 (``buckets``: the ipg buckets' gradient numels in reduce order, parameter order at stage 1,
+    backward order at stage 2; ``order``: the parameters' indices in that order, ``numels`` in parameter order;
+    ``part``: the rank's partition; ``bucket_numel``: ``reduce_bucket_size``), per phase, the bytes above steady at
+    the peak, by category. Nothing of a gradient survives ``step``: steady holds none.
+
+    Forward: the bare forward. Backward: the bare backward (stage 2 less the traced parameter gradients, copied into
+    the bucket as they arrive), plus the whole bucket once the first gradient exists, plus ``grads_in_partition``
+    once a bucket holding a partition parameter was reduced; each reduction's flat copy (:func:`ds_allreduce_copies`)
+    beside them, at stage 2 in the hook of the next bucket's first gradient, which is not yet in the bucket; the
+    epilogue (stage 1: every bucket; stage 2: the last) from the bare step's end. Optimizer: the kept gradient partition
+    beside a float64 copy of its largest piece (the norm), then beside the flat partition, then the flat partition
+    beside AdamW's temporaries."""
+    c, out = itemsize, _Moments()
+    keep, loss = out.keep, {"activations": -trace.loss_bytes}
+    bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
+    gip, pad = part.overlapped * c, part.padding * c
+    sizes = [k * c for k in ds_allreduce_copies(buckets, order, numels, part.numel)]
+    edges = [sum(b) * c for b in buckets]
+    edges = [sum(edges[:i]) for i in range(len(edges) + 1)]
+    # The first bucket (reduce order) that holds a gradient of the partition: grads_in_partition is made when it is.
+    bucket_of = [k for k, b in enumerate(buckets) for _ in b]
+    first_gip = min((bucket_of[i] for i, p in enumerate(order) if p in part.params), default=None)
+
+    for s in (s for s in trace.segments if s.phase == "forward"):
+        keep("forward", s.peak_by_category, loss)
+    before, backward = 0, [s for s in trace.segments if s.phase == "backward"]
+    for i, s in enumerate(backward):
+        grads = s.peak_by_category.get("gradients", 0)
+        held = bucket if before else {}
+        if stage == 2:  # each gradient moved into the bucket in its hook; buckets reduced in backward order
+            done = _closed(edges, before)
+            kept = {"temporaries": gip} if first_gip is not None and done > first_gip else {}
+            keep("backward", s.peak_by_category, loss, {"gradients": -grads}, held, kept)
+            after = s.end_by_category.get("gradients", 0)
+            for k in range(done, _closed(edges, after)):  # bucket k reduced in this stretch, at its end at the latest
+                # by the hook of bucket k+1's first gradient, before that gradient is copied into the bucket
+                base = (_at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c - after}, bucket)
+                made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
+                keep("backward", *base, made, {"temporaries": sizes[k]})
+                if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
+                    keep("backward", *base, {"temporaries": gip})
+        else:
+            keep("backward", s.peak_by_category, loss, held)
+        before = s.end_by_category.get("gradients", 0)
+    end = trace.segments[-1].end_by_category
+    end_grads = end.get("gradients", 0)
+    # The epilogue, from the bare step's end: stage 1 reduces every bucket (autograd's gradients of the buckets not
+    # yet copied still held), stage 2 the last one.
+    first = 0 if stage == 1 else len(buckets) - 1
+    for k in range(first, len(buckets)):
+        pending = sum(sum(b) for b in buckets[k + 1:]) * c if stage == 1 else 0
+        made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
+        keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, made, {"temporaries": sizes[k]})
+        if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
+            keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, {"temporaries": gip})
+    keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + pad})
+
+    held = {"temporaries": gip + pad}
+    piece = max(part.pieces, default=0)
+    keep("optimizer", held, {"optimizer_state": piece * FP64})  # get_grad_norm_direct: float64 copy of a piece
+    # the flat gradient partition, and in bf16 / fp16 its fp32 copy (``.to``) before the flat one is deleted
+    keep("optimizer", held, {"optimizer_state": part.numel * c + (part.numel * 4 if c != 4 else 0)})
+    keep("optimizer", {"optimizer_state": part.numel * 4 + adamw_temporaries((part.numel,), 4, False)})
+    return out.best
+
+
+def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_size: int,
+                          buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool) -> dict[str, dict]:
+    """Stage 3 (``numels`` in parameter order, the indices ``trace.units`` use; ``buckets``: the reduce-scatters'
+    gradient numels in backward order), per phase, the bytes above steady at the peak, by category. Steady holds the
+    ipg bucket, the partitions and ``grad_partitions_flat_buffer``; the trace must carry its units
+    (``own_params_units``).
+
+    Forward: the root's prefetch gathers every parameter into one flat buffer (each padded to N), and the first
+    module's fetch concatenates each into its own tensor; the flat buffer lives until the last module whose parameters
+    came in it is fetched; nothing is released before backward. Backward: the bare backward less the traced parameter
+    gradients (copied into the steady bucket), beside the parameters not yet released (a module's after its backward,
+    unless an earlier one in forward order uses them too, or autograd never reaches its inputs: those until ``step``);
+    a reduce-scatter's concatenation and its padding chunks when a bucket is reduced (the last one in the epilogue,
+    after autograd), on gloo with ``_reduce_scatter_base``'s copy of its input.
+    Optimizer: the flat fp32 gradient copy beside AdamW's temporaries over the fp32 partition."""
+    c, n, out = itemsize, world_size, _Moments()
+    keep, loss = out.keep, {"activations": -trace.loss_bytes}
+    if not trace.units:
+        raise ValueError("stage 3 needs a trace with its units (trace_step(..., own_params_units=True))")
+    first_use: dict[int, int] = {}  # parameter -> the first unit (forward order) that uses it
+    for k, u in enumerate(trace.units):
+        for p in u.params:
+            first_use.setdefault(p, k)
+    gathered = sum(numels) * c  # every parameter's unsharded tensor
+    flat = sum(padded_numel(numels[p], n) for p in first_use) * c  # the all_gather's flat buffer
+    last_fetch = max(first_use.values())
+    k_of = {u.name: k for k, u in enumerate(trace.units)}
+
+    for s in (s for s in trace.segments if s.phase == "forward"):
+        k = k_of.get(s.unit, len(trace.units))  # the loss: after every unit
+        alive = flat if (k <= last_fetch if s.at == "start" else k < last_fetch) else 0
+        unsharded = gathered if k > 0 or s.at == "end" else 0
+        keep("forward", s.peak_by_category, loss, {"parameters": unsharded, "temporaries": alive})
+        if s.at == "start" and k <= last_fetch:  # unit k fetched: every parameter gathered, the buffer still held
+            keep("forward", s.end_by_category, loss, {"parameters": gathered, "temporaries": flat})
+
+    # Backward: a parameter is released after the backward of its first user in forward order, if autograd reaches
+    # that unit's input; the rest stay until step.
+    released_by: dict[str, int] = {}
+    for p, k in first_use.items():
+        u = trace.units[k]
+        if u.grad_input:
+            released_by[u.name] = released_by.get(u.name, 0) + numels[p] * c
+    # A bucket's reduce-scatter: the concatenation (none for one tensor divisible by N), the padding chunks it was
+    # made of, on gloo a copy of the input.
+    sizes = []
+    for b in buckets:
+        cat = sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0
+        sizes.append(cat + (cat - sum(b) * c if cat else 0) + (sum(padded_numel(x, n) for x in b) * c if gloo else 0))
+    edges = [sum(sum(b) for b in buckets[:i]) * c for i in range(len(buckets) + 1)]
+    held, before, backward = gathered, 0, [s for s in trace.segments if s.phase == "backward"]
+    for i, s in enumerate(backward):
+        grads = s.peak_by_category.get("gradients", 0)
+        keep("backward", s.peak_by_category, loss, {"gradients": -grads, "parameters": held})
+        after = s.end_by_category.get("gradients", 0)
+        for k in range(_closed(edges, before), _closed(edges, after)):  # in the hook of bucket k+1's first gradient
+            keep("backward", _at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c - after,
+                                                       "parameters": held, "temporaries": sizes[k]})
+        if s.at == "end":
+            held -= released_by.get(s.unit, 0)
+        before = after
+    end = trace.segments[-1].end_by_category
+    keep("backward", end, loss, {"gradients": -end.get("gradients", 0), "parameters": held,
+                                 "temporaries": sizes[-1] if sizes else 0})
+
+    part = sum(-(-x // n) for x in numels)  # the fp32 partition: every parameter's ceil(numel / N)
+    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, False)})
+    return out.best

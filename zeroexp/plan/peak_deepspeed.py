@@ -1,0 +1,71 @@
+"""DeepSpeed's rows in the peak model: the groups' terms for :mod:`zeroexp.formulas.peak_deepspeed`, the tensors gloo
+may free late, the buffers a rank keeps beside its state. :mod:`zeroexp.plan.memory` dispatches here."""
+
+from __future__ import annotations
+
+from zeroexp.formulas import DS_FETCH_LIMIT, Groups, deepspeed_reduce_bucket_numel, padded_numel
+from zeroexp.formulas.peak import StepTrace
+from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
+                                             ds_stage12_phase_peaks)
+
+__all__ = ["DS_ROWS", "ds_phases", "ds_peak_limits", "ds_late_free", "ds_steady_buffers_bytes"]
+
+#: The DeepSpeed rows the peak model covers, by ZeRO stage.
+DS_ROWS = {"deepspeed_stage1": 1, "deepspeed_stage2": 2, "deepspeed_stage3": 3}
+
+
+def ds_peak_limits(name: str, groups: Groups, bucket_cap_bytes: int) -> list[str]:
+    """Why the peak model does not cover a DeepSpeed cell of these groups (empty: it does): DeepSpeed's paths it has
+    not read into the model."""
+    reasons, bucket = [], deepspeed_reduce_bucket_numel(bucket_cap_bytes)
+    if name in DS_ROWS and max(groups.numels, default=0) > bucket:
+        reasons.append(f"no peak model yet for a parameter of {max(groups.numels)} elements above reduce_bucket_size="
+                       f"{bucket} (reduced on its own, extra_large_param_to_reduce)")
+    if DS_ROWS.get(name) == 3 and groups.numel > DS_FETCH_LIMIT:
+        reasons.append(f"no peak model yet for stage 3 beyond one prefetch bucket ({groups.numel} parameter elements > "
+                       f"{DS_FETCH_LIMIT}: DeepSpeed fetches and releases in several buckets)")
+    return reasons
+
+
+def ds_phases(name: str, groups: Groups, trace: StepTrace, itemsize: int, rank: int,
+              bucket_cap_bytes: int, gloo: bool) -> dict[str, dict]:
+    """The peak model of a DeepSpeed row for rank ``rank`` (``bucket_cap_bytes``: ``strategy.bucket_cap_mb`` in
+    bytes, whence ``reduce_bucket_size``; ``gloo``: the CPU backend's copies); stage 3 needs a trace with its units
+    (``own_params_units``)."""
+    stage, n = DS_ROWS[name], groups.world_size
+    if stage == 3:
+        return ds_stage3_phase_peaks(trace, numels=groups.numels, world_size=n, buckets=groups.buckets,
+                                     itemsize=itemsize, gloo=gloo)
+    part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
+    return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
+                                  numels=groups.numels, part=part,
+                                  bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize)
+
+
+def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
+    """The parameters' indices in the order the buckets hold them: parameter order at stage 1, backward order (a
+    stack's reverse, as ``deepspeed_buckets`` is given it) at stage 2."""
+    nonzero = [i for i, k in enumerate(groups.numels) if k]
+    return tuple(nonzero if stage == 1 else nonzero[::-1])
+
+
+def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tuple[str, int]]]:
+    """Per phase, the collective tensors of which gloo may free one late (after a later moment of the phase): stages
+    1-2 a bucket's flattened all_reduce tensor; stage 3 the parameters' all_gather buffer (forward) and a bucket's
+    reduce-scatter concatenation (backward)."""
+    if DS_ROWS[name] < 3:
+        copies = ds_allreduce_copies(groups.buckets, _reduce_order(groups, DS_ROWS[name]), groups.numels,
+                                     groups.shards[0].numel // groups.world_size)
+        return {"backward": [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", e * itemsize)
+                             for k, e in enumerate(copies) if e]}
+    n = groups.world_size
+    flat = sum(padded_numel(k, n) for k in groups.numels) * itemsize
+    return {"forward": [("the parameters' all_gather flat buffer (_all_gather_coalesced)", flat)],
+            "backward": [(f"bucket {k}'s reduce-scatter concatenation (reduce_scatter_coalesced)",
+                          sum(padded_numel(x, n) for x in b) * itemsize) for k, b in enumerate(groups.buckets)]}
+
+
+def ds_steady_buffers_bytes(name: str, itemsize: int, bucket_cap_bytes: int) -> int:
+    """What a rank keeps beside its model state at the optimizer boundary: stage 3's ipg bucket (allocated once,
+    ``reduce_bucket_size`` elements of the gradient dtype); stages 1-2 free theirs in every backward's epilogue."""
+    return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if DS_ROWS[name] == 3 else 0
