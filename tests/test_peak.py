@@ -66,9 +66,9 @@ def test_each_gradient_flow_on_a_given_trace():
     # ... and stays open after its last gradient, until the step releases it.
     t2 = _trace(*t_segments(t), ("backward", 0, {"activations": 50, "temporaries": 700, "gradients": 400}))
     assert phase_peaks("bucket", t2, steady_grad_bytes=0, **kw)["backward"]["by_category"] == {
-        "activations": 42, "temporaries": 700, "gradients": 400}
+        "activations": 42, "temporaries": 700, "comm": 400}
     # The step begins with the bucket alive (400 B > AdamW's 120 B); it is released before the update.
-    assert bucket["optimizer"] == {"bytes": 400, "by_category": {"gradients": 400}}
+    assert bucket["optimizer"] == {"bytes": 400, "by_category": {"comm": 400}}
     with pytest.raises(ValueError, match="unknown gradient flow"):
         phase_peaks("sideways", t, steady_grad_bytes=0, **kw)
 
@@ -102,7 +102,7 @@ def test_plan_memory_passes_with_exact_categories(cell, strategy):
     if strategy == "zero2":  # gloo's reduce work frees the bucket's full gradient late: one named tensor
         assert phases["optimizer"]["late_free"].endswith(f"bucket 0's full gradient buffer, the input of its async "
                                                          f"reduce ({P} B)")
-        assert phases["backward"]["predicted_by_category"]["gradients"] == P  # the bucket, open through backward
+        assert phases["backward"]["predicted_by_category"]["comm"] == P  # the bucket, open through backward
     elif strategy == "zero1":  # under load gloo may free its reduce_scatter's copy of the bucket late (one, named)
         assert phases["optimizer"].get("late_free", f"({P} B)").endswith(
             f"bucket 0's copy gloo's reduce_scatter made of its full gradient ({P} B)")
@@ -115,13 +115,13 @@ def test_fsdp1_units_are_held_as_the_strategy_says(cell):
     grad_op = cell("strategy=fsdp_grad_op", "world_size=2").summary["plan"]["memory"]
     assert grad_op["check"] == "PASS", grad_op["reasons"]
     fwd = DEPTH * ACT + ACT + 4 - 8
-    assert grad_op["phases"]["forward"]["predicted_by_category"] == {"activations": fwd, "parameters": P}
+    assert grad_op["phases"]["forward"]["predicted_by_category"] == {"activations": fwd, "unsharded": P}
     # FULL_SHARD at N=3 on width 10: each unit's 100 elements padded to 102 (408 B unsharded, 136 B a shard); the
     # forward peak is the last unit computing, one unit held.
     act, unit = B * 10 * 4, 102 * 4
     full = cell("strategy=fsdp_full", "prefetch=pre", "world_size=3", "model.width=10").summary["plan"]["memory"]
     assert all(p["measured_bytes"] >= p["predicted_bytes"] for ph, p in full["phases"].items() if ph != "steady")
-    assert full["phases"]["forward"]["predicted_by_category"] == {"activations": DEPTH * act - 8, "parameters": unit}
+    assert full["phases"]["forward"]["predicted_by_category"] == {"activations": DEPTH * act - 8, "unsharded": unit}
     # AdamW over eight 34-element shards: 3 x 34 x 4 B.
     assert full["phases"]["optimizer"]["predicted_by_category"] == {"optimizer_state": 3 * 34 * 4}
 
@@ -131,7 +131,7 @@ def test_fsdp2_keeps_an_all_gather_output_beside_the_unsharded_parameters(cell):
     # FSDP2 pads each weight's 10 rows to 12 (N=3): 480 B a unit. At the last unit's copy-out the previous
     # all-gather output, its own and its unsharded parameters: three unit-sizes beside the first seven activations.
     act, unit = B * 10 * 4, 12 * 10 * 4
-    assert memory["phases"]["forward"]["predicted_by_category"] == {"activations": 7 * act - 8, "parameters": 3 * unit}
+    assert memory["phases"]["forward"]["predicted_by_category"] == {"activations": 7 * act - 8, "unsharded": 3 * unit}
     # A lower bound in every phase (its PASS is not asserted here: on units this small one batch-sized tensor
     # freed late by the training loop or gloo, seen once in a run, is more than the 2 % band).
     assert all(p["measured_bytes"] >= p["predicted_bytes"] for ph, p in memory["phases"].items() if ph != "steady")

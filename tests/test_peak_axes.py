@@ -67,11 +67,11 @@ def test_shard_grad_op_under_no_sync_holds_every_unit_and_unsharded_gradient():
                                    optimizer_temporaries=7)
     # Later micro-batches: both units and the root unsharded (112), every unsharded gradient (90) less the steady
     # shards (45), beside the forward's 300 B at the loss.
-    assert got["forward"] == {"bytes": 300 + 112 + 45, "by_category": {"activations": 300, "parameters": 112,
-                                                                       "gradients": 45}}
+    assert got["forward"] == {"bytes": 300 + 112 + 45, "by_category": {"activations": 300, "unsharded": 112,
+                                                                       "comm": 90, "gradients": -45}}
     # The loss's backward before any post-backward hook: every unit and gradient held, autograd adding in place.
     assert got["backward"] == {"bytes": 292 + 50 + 112 + 45, "by_category": {
-        "activations": 292, "temporaries": 50, "parameters": 112, "gradients": 45}}
+        "activations": 292, "temporaries": 50, "unsharded": 112, "comm": 90, "gradients": -45}}
     assert got["optimizer"] == {"bytes": 7, "by_category": {"optimizer_state": 7}}
 
 

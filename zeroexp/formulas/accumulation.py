@@ -66,6 +66,8 @@ def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list
       later micro-batches, forward and backward until the first post-backward hook: every unit and every unsharded
         gradient held, autograd's gradients added in place; after unit u's hook in the last micro-batch: the units
         and gradients not yet reduced.
+    Categories as the memory probe names them: the units held are ``unsharded``, the unsharded gradients held
+    ``comm`` (each is its unit's reduce-scatter input in the last micro-batch), ``gradients`` the steady shards freed.
     Its forward is never below the first micro-batch's (which holds no more). Optimizer: AdamW's temporaries."""
     params, held = root + sum(unsharded), root_grads + sum(grads)
     best: dict[str, dict] = {}
@@ -77,17 +79,18 @@ def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list
 
     loss = {"activations": -trace.loss_bytes}
     for s in (s for s in trace.segments if s.phase == "forward"):
-        keep("forward", {**_plus(s.peak_by_category, loss), "parameters": params,
-                         "gradients": s.peak_by_category.get("gradients", 0) + held - steady_grad_bytes})
+        keep("forward", {**_plus(s.peak_by_category, loss), "unsharded": params, "gradients": -steady_grad_bytes,
+                         "comm": s.peak_by_category.get("gradients", 0) + held})
     done = 0  # units whose last post-backward hook has run (their unit and gradient freed in the last micro-batch)
     order = list(range(len(unsharded)))[::-1]
     for s in (s for s in trace.segments if s.phase == "backward"):
         traced = s.peak_by_category.get("gradients", 0)
-        keep("backward", {**_plus(s.peak_by_category, loss), "parameters": params,
-                          "gradients": traced - steady_grad_bytes})  # the first micro-batch
+        keep("backward", {**_plus(s.peak_by_category, loss), "unsharded": params, "comm": traced,
+                          "gradients": -steady_grad_bytes})  # the first micro-batch
         left = order[done:]
-        keep("backward", {**_plus(s.peak_by_category, loss), "parameters": root + sum(unsharded[i] for i in left),
-                          "gradients": root_grads + sum(grads[i] for i in left) - steady_grad_bytes})  # later ones
+        keep("backward", {**_plus(s.peak_by_category, loss), "unsharded": root + sum(unsharded[i] for i in left),
+                          "comm": root_grads + sum(grads[i] for i in left),
+                          "gradients": -steady_grad_bytes})  # later ones
         if s.at == "end" and s.unit not in ("root", "loss"):
             done += 1
     best["optimizer"] = {"bytes": optimizer_temporaries, "by_category": {"optimizer_state": optimizer_temporaries}}

@@ -51,7 +51,8 @@ class StepTrace:
 #: step's (DDP; ZeroRedundancyOptimizer on DDP). ``in_place``: the gradients stay allocated across steps and autograd
 #: accumulates into them (zeroexp's ZeRO-1: views of its flat buckets). ``bucket``: no gradient survives the step; a
 #: bucket's flat buffer is allocated when its first gradient is ready and released in the optimizer step, after its
-#: reduction and before the update (zeroexp's ZeRO-2, ``ShardedAdamW.step``).
+#: reduction and before the update (zeroexp's ZeRO-2, ``ShardedAdamW.step``): in category ``comm``, the
+#: reduce-scatter's buffer from its birth.
 GRADIENT_FLOW = {"ddp": "new", "zro": "new", "zero1": "in_place", "zero2": "bucket"}
 #: The phases of a training step as the memory probe cuts it (zeroexp/probes/memory.py), in order.
 PHASES = ("forward", "backward", "optimizer")
@@ -118,7 +119,7 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
             cats = _add(cats, {"gradients": -grads})
             if flow == "bucket":
                 held = sum(b for b, lo in zip(buckets, edges) if lo < before)
-                cats = _add(cats, {"gradients": held})
+                cats = _add(cats, {"comm": held})  # a bucket is its reduce-scatter's buffer from its birth
         total = sum(cats.values())
         if best is None or total > best["bytes"]:
             best = {"bytes": total, "by_category": cats}
@@ -129,7 +130,7 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     # What the update region allocates is labelled optimizer state by the memory probe: the up-casts too.
     out["optimizer"] = ({"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}
                         if temps + master_grads >= held else
-                        {"bytes": held, "by_category": {"gradients": held}})
+                        {"bytes": held, "by_category": {"comm": held}})
     for rec in out.values():
         rec["bytes"] -= gather_inputs  # labelled optimizer state: the update region allocated them
         cats = _add(rec["by_category"], {"optimizer_state": -gather_inputs})
@@ -193,7 +194,9 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
     Both hold the bare backward's activations and their gradients at u's end (the trace, its parameter gradients
     taken out), the sharded gradients of the units done (``zero_grad`` freed the steady ones), and the unsharded
     units: FULL_SHARD u at A; BACKWARD_PRE the next unit at A and B, BACKWARD_POST at B only; SHARD_GRAD_OP every
-    unit not yet done (u at A only). Optimizer: AdamW's temporaries over the shards."""
+    unit not yet done (u at A only). Optimizer: AdamW's temporaries over the shards. Categories as the memory probe
+    names them (zeroexp/memtrack.py): the units gathered are ``unsharded``, the unsharded gradient (the
+    reduce-scatter's input) ``comm``, the output shards ``gradients`` (FSDP keeps them as the sharded gradient)."""
     k_of = _unit_index(trace, units)
     full = [u.unsharded for u in units]
     best = _Highest()
@@ -203,16 +206,17 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
         act = {"activations": -trace.loss_bytes}
         if s.unit == "loss":
             held = root + (0 if reshard_after_forward else sum(full))
-            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": held}))
+            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": held}))
             continue
         k = k_of[s.unit]
         done = sum(full[:k]) if not reshard_after_forward else 0
         if s.at == "end":  # unit k computing
-            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + done + full[k]}))
+            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root + done + full[k]}))
         else:  # before unit k's pre-hook: k gathered at its end (from its shard's compute-dtype copy, below fp32)
-            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + done}))
+            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root + done}))
+            copy = units[k].gather_copy  # the all-gather's input: comm
             keep("forward", _add(_add(s.end_by_category, act),
-                                 {"parameters": root + done + full[k] + units[k].gather_copy}))
+                                 {"unsharded": root + done + full[k], **({"comm": copy} if copy else {})}))
     segs = list(trace.segments)
     order = sorted(k_of.items(), key=lambda kv: -kv[1])  # backward: the last unit first
     shards_done, grads_done = 0, 0  # the units done: their shards (kept), their traced full gradients (not kept)
@@ -241,13 +245,16 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
         for seg, held in ((segs[i], held_a), *(((segs[i - 1], held_before),) if pos == 0 else ())):
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {
-                "activations": -trace.loss_bytes, "parameters": root + held,
+                "activations": -trace.loss_bytes, "unsharded": root + held,
                 "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
-        keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads + u.unsharded + shards_done,
-                          "parameters": root + held_a, "gradients": t_root - steady_grad_bytes})
-        keep("backward", {"activations": t_act,
-                          "temporaries": t_temp + shards_done + u.shard + max(u.upcast, u.unsharded if gloo else 0),
-                          "parameters": root + held_b, "gradients": t_root + u.unsharded - steady_grad_bytes})
+        # The unsharded gradient is the reduce-scatter's input (comm); its output shard is kept as the gradient.
+        # Below fp32 the output shard is up-cast to fp32 (``u.upcast``), in a moment of its own beside gloo's copy of
+        # the input: the larger of the two.
+        keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads, "comm": u.unsharded,
+                          "unsharded": root + held_a, "gradients": t_root + shards_done - steady_grad_bytes})
+        keep("backward", {"activations": t_act, "temporaries": t_temp + max(u.upcast, u.unsharded if gloo else 0),
+                          "comm": u.unsharded, "unsharded": root + held_b,
+                          "gradients": t_root + shards_done + u.shard - steady_grad_bytes})
         shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
@@ -266,11 +273,14 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     unit-sizes while a unit computes, three at a unit's copy-out (the previous all-gather's output is kept until
     then, ``AllGatherState``). Backward, as measured on torch 2.13 and modelled so: each unit's pre-backward issues
     the next unit's all-gather (implicit prefetch); a unit computes with its parameters, the prefetched buffer and,
-    except the first, its own all-gather output; its post-backward hook reshards it and holds the parameters' own
+    except the first, the previous unit's reduce-scatter input (FSDP2 keeps one, ``reduce_scatter_states``, until the
+    next reduce; the memory probe's ``comm`` showed it); its post-backward hook reshards it and holds the parameters' own
     gradients, their padded concatenation (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo,
     the input's copy, beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
     (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
-    temporaries over the local shards (one per parameter)."""
+    temporaries over the local shards (one per parameter). Categories: the all-gather outputs and the unsharded
+    parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and the previous unit's, kept,
+    ``comm``; the output shards ``gradients``."""
     k_of = _unit_index(trace, units)
     full = [u.unsharded for u in units]
     best = _Highest()
@@ -280,15 +290,15 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     act = {"activations": -trace.loss_bytes}
     for s in (s for s in trace.segments if s.phase == "forward"):
         if s.unit == "loss":  # the root resharded at the end of its forward; the units too, unless kept
-            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + sum(full) if kept else 0}))
+            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root + sum(full) if kept else 0}))
             continue
         k = k_of[s.unit]
         before = sum(full[:k]) if kept else 0  # the units kept unsharded since their forward
         if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters
-            keep("forward", _add(_add(s.peak_by_category, act), {"parameters": root + before + 2 * full[k]}))
+            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root + before + 2 * full[k]}))
         else:  # unit k's copy-out, the previous all-gather output still kept
             keep("forward", _add(_add(s.end_by_category, act),
-                                 {"parameters": root + before + 2 * full[k] + (full[k - 1] if k else 0)}))
+                                 {"unsharded": root + before + 2 * full[k] + (full[k - 1] if k else 0)}))
     segs = list(trace.segments)
     order = sorted(k_of.items(), key=lambda kv: -kv[1])
     shards_done, grads_done = 0, 0
@@ -299,20 +309,24 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
         prefetched = full[order[pos + 1][1]] if pos + 1 < len(order) and not kept else 0
         pending = sum(full[j] for _, j in order[pos + 1:]) if kept else 0  # still unsharded since forward
-        own_buffer = u.unsharded if pos and not kept else 0  # a prefetched unit's own all-gather output
+        # The previous unit's reduce-scatter input, kept until this unit's reduce (FSDP2's reduce_scatter_states, one
+        # buffer): comm.
+        rs_kept = full[order[pos - 1][1]] if pos and not kept else 0
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only the
         # units kept since forward are unsharded).
-        before = ((segs[i - 1], root + u.unsharded + pending if kept else 0),) if pos == 0 else ()
-        for seg, held in ((segs[i], root + u.unsharded + prefetched + own_buffer + pending), *before):
+        before = ((segs[i - 1], root + u.unsharded + pending if kept else 0, 0),) if pos == 0 else ()
+        for seg, held, comm in ((segs[i], root + u.unsharded + prefetched + pending, rs_kept), *before):
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {
-                "activations": -trace.loss_bytes, "parameters": held,
+                "activations": -trace.loss_bytes, "unsharded": held, "comm": comm,
                 "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
+        # chunk_cat's output, the reduce-scatter's input, is comm (gloo's copy of it is no collective's argument:
+        # temporaries); the output shard is kept as the gradient.
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
-                          "temporaries": after.get("temporaries", 0) + u.grads + u.unsharded + u.shard
+                          "temporaries": after.get("temporaries", 0) + u.grads
                           + max(u.upcast, u.unsharded if gloo else 0),
-                          "parameters": root + prefetched + pending,
-                          "gradients": t_root + shards_done - steady_grad_bytes})
+                          "comm": u.unsharded, "unsharded": root + prefetched + pending,
+                          "gradients": t_root + shards_done + u.shard - steady_grad_bytes})
         shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))

@@ -3,7 +3,8 @@
 The prediction (:func:`zeroexp.formulas.peak.phase_peaks`) takes the bare model's step traced on fake tensors
 (:func:`zeroexp.plan.steptrace.trace_step`: the cell's model, per-rank batch and device) and the groups the cell's row
 derives from the shapes (the same groups ``plan.groups`` checks against the live ones). The measurement is the memory
-probe's: the largest rank's steady bytes and each phase's peak with MemTracker's categories.
+probe's: the largest rank's steady bytes and each phase's peak by category (MemTracker's, with the probe's own
+``unsharded`` and ``comm``: the model predicts in the same categories, so that a phase compares category by category).
 
 The check: for every phase, the measured bytes above steady minus the predicted lie in [0, 2 % of the measured]; the
 model is a lower bound, it may never exceed the measurement. One excess is allowed, and named: a tensor the model

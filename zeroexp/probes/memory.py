@@ -20,7 +20,9 @@ Sources (``memory.source`` names the one used):
   ``torch.distributed._tools.MemTracker`` (a ``TorchDispatchMode``): at the start of a tracked step every live
   tensor (found by the garbage collector) is registered, then each op's outputs, resizes and frees are
   followed. Categories are MemTracker's (parameters, buffers, gradients, activations, temporaries, optimizer
-  state, other). Memory that never passes through a tensor op while tracked (gloo's internal buffers) is not
+  state, other) and zeroexp's ``unsharded`` (FSDP units gathered) and ``comm`` (collective buffers), named by the
+  collectives a storage meets (``zeroexp.memtrack``; each phase's peak categories are read at the step's end, when
+  every storage alive at that peak has its name). Memory that never passes through a tensor op while tracked (gloo's internal buffers) is not
   seen; DDP's C++ gradient buckets are seen once all-reduced in the step. With FSDP1 and
   ``use_orig_params=True`` MemTracker cannot hook the non-leaf parameter views, so hooks are skipped there.
 """
@@ -177,8 +179,10 @@ class _TensorTracker:
     """MemTracker around one step, with every live tensor registered first (CPU).
 
     New allocations are labelled by where they happen: forward -> activations, backward -> temporaries,
-    between ``on_before_optimizer_step`` and the step's end -> optimizer state. At the step's end the model
-    and the optimizers are registered again, so this step's gradients and state carry their own labels.
+    between ``on_before_optimizer_step`` and the step's end -> optimizer state; a collective's buffer -> unsharded or
+    comm, from its allocation. At the step's end the model and the optimizers are registered again, so this step's
+    gradients and state carry their own labels (``settle``: a reduce-scatter's output kept as the sharded gradient
+    is a gradient).
     """
 
     source = ("torch.distributed._tools.MemTracker: tensor storages followed through the dispatcher, every live "
@@ -188,7 +192,6 @@ class _TensorTracker:
         self.device = device
         self._mt: Any = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._phases: dict[str, tuple[int, dict[str, int]]] = {}
         self._gc = _Collector()
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -199,17 +202,17 @@ class _TensorTracker:
         del tensors  # the tracker holds weak references only: freed storages must leave the count
         self._mt.track_external(model, *_trackable(self._optimizers))
         self._mt.__enter__()
-        self._phases = {}
 
     def before_optimizer_update(self) -> None:
         if self._mt is not None:
             self._mt.set_in_optimizer_update(True)
 
     def phase_end(self, phase: str) -> None:
-        """Record the peak of the phase that ends now (with its categories); the next phase's peak starts from
-        the bytes alive now. No-op when not tracking."""
+        """Close the phase that ends now (its peak's categories are read at the step's end: a storage alive at the
+        peak may be named ``unsharded`` or ``comm`` later in the step); the next phase's peak starts from the bytes
+        alive now. No-op when not tracking."""
         if self._mt is not None:
-            _keep_higher(self._phases, phase, _totals(self._mt.get_tracker_snapshot("peak"), self.device.type))
+            self._mt.close_phase(phase)  # with grad_accum=K a phase recurs per micro-batch: its highest is kept
             self._gc.collect()  # the next phase starts without the cycles' garbage
             self._mt.reset_peak()
 
@@ -227,16 +230,17 @@ class _TensorTracker:
         mt = self._mt
         self.phase_end(LAST_PHASE)  # collects: storages only kept by reference cycles leave the count now
         mt.set_in_optimizer_update(False)
+        mt.settle()  # model state wins from here: a reduce-scatter's output kept as the sharded gradient
         mt.track_external(model, *_trackable(self._optimizers))  # label this step's new gradients and optimizer state
         steady, steady_cats = _totals(mt.get_tracker_snapshot("current"), self.device.type)
-        peaks = _peak_of_phases(self._phases)
+        peaks = _peak_of_phases({ph: _totals(snap, self.device.type) for ph, (snap, _) in mt.phases.items()})
         self.abort()
         return {"steady": steady, "steady_categories": steady_cats, **peaks}
 
     def abort(self) -> None:
         if self._mt is not None:
             self._mt.__exit__(None, None, None)
-        self._mt, self._optimizers, self._phases = None, [], {}
+        self._mt, self._optimizers = None, []
         self._gc.release()
 
 

@@ -181,7 +181,7 @@ def collective_payload(cells: pd.DataFrame, path: Path) -> Path | None:
 
 #: Categories of the peak model and of MemTracker, stacked in this order (anything else: "other").
 PEAK_CATEGORIES = {"activations": "#4C72B0", "temporaries": "#DD8452", "parameters": "#55A868", "gradients": "#C44E52",
-                   "optimizer_state": "#8172B3", "other": "#8C8C8C"}
+                   "optimizer_state": "#8172B3", "unsharded": "#DA8BC3", "comm": "#CCB974", "other": "#8C8C8C"}
 
 
 def planned_peaks(cells: pd.DataFrame, path: Path) -> Path | None:
