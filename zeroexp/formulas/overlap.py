@@ -49,6 +49,9 @@ __all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "predict_ste
 
 #: (op, payload bytes S, calls) -> seconds: a calibration's fit, or a network preset's two-level ring.
 CollectiveTime = Callable[[str, float, float], float]
+#: (mesh dimension, group size) -> the :data:`CollectiveTime` of a call over that process group (hybrid sharding's
+#: shard and replicate groups: a node's ranks, or one rank a node across the nodes).
+GroupTime = Callable[[str, int], CollectiveTime]
 
 
 class Slot(NamedTuple):
@@ -202,10 +205,22 @@ def simulate_step(compute_s: float, calls: list[tuple[float, float, int, float]]
     return max([wall, *done.values()])
 
 
+def _op_seconds(op: str, entry: dict, share: float, seconds_of: CollectiveTime,
+                group_seconds: GroupTime | None) -> float:
+    """``share`` of one op's calls and payload, timed over all ranks, or group by group where the entry names its
+    process groups and ``group_seconds`` is given."""
+    parts = entry.get("groups") if group_seconds is not None else None
+    if not parts:
+        return seconds_of(op, entry["payload_bytes"] * share, entry["count"] * share)
+    return sum(group_seconds(dim, int(g["size"]))(op, g["payload_bytes"] * share, g["count"] * share)
+               for dim, g in parts.items())
+
+
 def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, rate: ComputeRate,
                  samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre",
                  framework: FrameworkCost | None = None, itemsize: int = 4, checkpointed: int = 0,
-                 micro_batches: int = 1, repeats: dict[str, float] | None = None) -> StepTime:
+                 micro_batches: int = 1, repeats: dict[str, float] | None = None,
+                 group_seconds: GroupTime | None = None) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
     (forward and backward over every parameter, as data parallelism computes the whole model on each rank; AdamW over
     :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
@@ -215,7 +230,9 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     rank's own work, like compute; forward and backward terms in every micro-batch); None: none (a device preset).
     ``checkpointed``: the parameters in checkpointed units (:func:`recompute_seconds` adds their forward to each
     backward); ``micro_batches``: ``grad_accum``, with ``repeats`` (op -> its count at K over its count at 1) placing
-    each op's calls (:func:`micro_batch_slots`)."""
+    each op's calls (:func:`micro_batch_slots`). ``group_seconds``: where an op's entry names the process groups its
+    calls run over (``groups``: hybrid sharding), each group's part is timed at its own size and place; None: every
+    call over all ranks (``seconds_of``)."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples
     r = recompute_seconds(f, checkpointed, psi)
@@ -236,8 +253,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
         total = sum(s.weight for s in mine) or 1.0
         for s in mine:
             share = s.weight / total
-            calls.append((s.issue_s, s.need_s, s.order,
-                          seconds_of(op, entry["payload_bytes"] * share, entry["count"] * share)))
+            calls.append((s.issue_s, s.need_s, s.order, _op_seconds(op, entry, share, seconds_of, group_seconds)))
     compute = k * (f + b) + o
     step = simulate_step(compute, calls, overlap)
     return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls),

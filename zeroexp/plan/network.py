@@ -36,6 +36,15 @@ class Network:
     device_memory: Any
     source: str
     framework: FrameworkCost | None = None  # a calibration's framework costs; presets: none (not known)
+    #: N -> (mesh dimension, group size) -> the time of a call over that group (hybrid sharding); None: the group's
+    #: size at ``seconds_at``
+    group_seconds_at: Callable[[int], Callable[[str, int], Callable[[str, float, float], float]]] | None = None
+
+    def groups_at(self, n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
+        """(mesh dimension, group size) -> the time of a call over that group of an N-rank job."""
+        if self.group_seconds_at is not None:
+            return self.group_seconds_at(n)
+        return lambda dim, size: self.seconds_at(size)
 
 
 def _number(node: Any, key: str, where: str) -> float:
@@ -67,9 +76,23 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
         per_node = min(n, g)
         return lambda op, s, calls: two_level_seconds(op, s, per_node, math.ceil(n / per_node), intra, inter, calls)
 
+    def group_seconds_at(n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
+        """Hybrid sharding's groups on the mesh (N / s, s), rank r in shard group r // s: a shard group of s ranks
+        spans ceil(s / g) nodes (within one when s <= g, a node's GPUs); a replicate group (one rank of each shard
+        group) holds g // s ranks a node when s < g, else one rank a node (every rank its own NIC)."""
+        def for_group(dim: str, size: int) -> Callable[[str, float, float], float]:
+            if dim == "replicate" and size < n:
+                per_node = max(1, min(size, g // max(n // size, 1)))
+            else:
+                per_node = min(size, g)
+            nodes = math.ceil(size / per_node)
+            return lambda op, s, calls: two_level_seconds(op, s, per_node, nodes, intra, inter, calls)
+        return for_group
+
     rate = ComputeRate.from_peak(peak, efficiency, tokens, _number(node, "memory_Bps", ""), ADAMW_BYTES_PER_ELEMENT)
     return Network(str(node.name), seconds_at, rate, True, node.get("device_memory"),
-                   f"preset conf/network/{node.name}.yaml: {g} ranks a node, peak {peak:.3g} FLOP/s x {efficiency}")
+                   f"preset conf/network/{node.name}.yaml: {g} ranks a node, peak {peak:.3g} FLOP/s x {efficiency}",
+                   group_seconds_at=group_seconds_at)
 
 
 def _calibrated(node: Any, tokens: int) -> Network:
@@ -110,7 +133,8 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
         t = predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
                          network.seconds_at(n), network.overlap, "pre", network.framework, itemsize,
                          checkpointed=checkpointed, micro_batches=knobs.micro_batches,
-                         repeats=accumulation_repeats(layout, groups, itemsize, knobs))
+                         repeats=accumulation_repeats(layout, groups, itemsize, knobs),
+                         group_seconds=network.groups_at(n))
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
                  fastest=False)

@@ -116,7 +116,8 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     t = predict_step(layout, groups, collectives, cal.rate, int(cfg.batch_size), cal.seconds_at(int(cfg.world_size)),
                      bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name), cal.framework, itemsize,
                      checkpointed=checkpointed, micro_batches=knobs.micro_batches,
-                     repeats=accumulation_repeats(layout, groups, itemsize, knobs))
+                     repeats=accumulation_repeats(layout, groups, itemsize, knobs),
+                     group_seconds=lambda dim, size: cal.seconds_at(size))  # hybrid: each group at its size
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
                predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
                framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},

@@ -1,0 +1,59 @@
+"""The step-time model times hybrid sharding's collectives over their own process groups (issue 19, point 5: two-level
+hybrid collectives in the step-time model): exact on given links, no timing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from zeroexp.formulas import LAYOUTS, PlanKnobs, derive_groups, step_collectives, two_level_seconds
+from zeroexp.formulas.overlap import _op_seconds
+from zeroexp.plan.network import network_of
+from zeroexp.plan.shape import model_shape
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def test_each_group_of_an_op_is_timed_at_its_own_size():
+    entry = {"count": 3, "payload_bytes": 700,
+             "groups": {"shard": {"size": 8, "count": 2, "payload_bytes": 600},
+                        "replicate": {"size": 16, "count": 1, "payload_bytes": 100}}}
+    seen = []
+
+    def group_seconds(dim, size):
+        seen.append((dim, size))
+        return lambda op, s, calls: size * 1000 + s + calls  # exact: which size, payload and calls it got
+
+    got = _op_seconds("all_reduce", entry, 0.5, lambda op, s, calls: -1.0, group_seconds)
+    assert seen == [("shard", 8), ("replicate", 16)]
+    assert got == (8000 + 300 + 1) + (16000 + 50 + 0.5)
+    # without groups, or without a group timer: the op over all ranks
+    assert _op_seconds("all_reduce", entry, 1.0, lambda op, s, calls: s + calls, None) == 703
+    assert _op_seconds("all_reduce", {"count": 1, "payload_bytes": 9}, 1.0, lambda op, s, c: s, group_seconds) == 9
+
+
+def test_a_preset_places_shard_groups_in_a_node_and_replicas_across_nodes():
+    net = network_of(OmegaConf.load(CONF / "network" / "h100_ib.yaml"), "bf16", 1024)
+    node = OmegaConf.load(CONF / "network" / "h100_ib.yaml")
+    from zeroexp.formulas import LinkFit
+
+    intra = LinkFit(node.intra.alpha_s, node.intra.busbw_Bps)
+    inter = LinkFit(node.inter.alpha_s, node.inter.busbw_Bps)
+    at = net.groups_at(512)  # 64 nodes of 8
+    s = 2**30
+    assert at("shard", 8)("reduce_scatter", s, 1) == two_level_seconds("reduce_scatter", s, 8, 1, intra, inter, 1)
+    # shard_size 8: the replicate group holds one rank a node, 64 nodes: the inter link alone
+    assert at("replicate", 64)("all_reduce", s, 1) == two_level_seconds("all_reduce", s, 1, 64, intra, inter, 1)
+    # shard_size 4 at N=512: 128 replicas, two of each replicate group a node
+    assert at("replicate", 128)("all_reduce", s, 1) == two_level_seconds("all_reduce", s, 2, 64, intra, inter, 1)
+    assert at("world", 512)("all_reduce", s, 1) == net.seconds_at(512)("all_reduce", s, 1)
+
+
+def test_the_hybrid_row_names_its_groups_for_the_time_model(compose):
+    cfg = compose("strategy=fsdp_hybrid", "strategy.shard_size=2", "world_size=4")
+    groups = derive_groups("fsdp_HYBRID_SHARD", LAYOUTS["fsdp_HYBRID_SHARD"], model_shape(cfg.model, []), 4, 4,
+                           PlanKnobs(shard_size=2))
+    model = step_collectives(LAYOUTS["fsdp_HYBRID_SHARD"], groups, 4, PlanKnobs(shard_size=2))
+    assert {dim: g["size"] for dim, g in model["all_gather"]["groups"].items()} == {"shard": 2}
+    assert {dim: g["size"] for dim, g in model["all_reduce"]["groups"].items()} == {"replicate": 2}
