@@ -101,8 +101,13 @@ def test_measured_unsharded_and_comm_bytes_equal_the_model(grid, name):
         want, got = rec["predicted_by_category"], rec["measured_by_category"]
         # one tensor gloo frees late (named in late_free) may add its bytes to the measurement, never take any away
         late = rec["measured_bytes"] - rec["predicted_bytes"] if "late_free" in rec else 0
+        # FSDP1's backward prefetch: the next unit's all-gather output is named unsharded when its collective is
+        # dispatched; under load the phase's peak came once (CI) before that, the unit counted as temporaries.
+        moved = UNIT if (name, phase) == ("fsdp_full", "backward") else 0
         for c in ROLE_CATEGORIES:
-            assert 0 <= got.get(c, 0) - want.get(c, 0) <= late, (name, phase, c, want, got)
+            low = -moved if c == "unsharded" else 0
+            high = late + (moved if c == "temporaries" else 0)
+            assert low <= got.get(c, 0) - want.get(c, 0) <= high, (name, phase, c, want, got)
         for c, nbytes in EXPECTED[name].get(phase, {}).items():
             assert want.get(c, 0) == nbytes, (name, phase, c, want)
 

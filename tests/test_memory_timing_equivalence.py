@@ -81,10 +81,11 @@ def test_backward_prefetch_moves_only_the_backward_peak(ladder):
     unit = 64 * 64 * 4  # one FSDP unit's unsharded parameters (BASE: model.width=64)
     for phase in ("forward", "optimizer"):  # BACKWARD_PRE / POST change nothing outside backward, on any rank
         values = {p: f[f"{phase}_peak_bytes"] for p, f in frames.items()}
-        # the same floor in every mode; above it at most one tensor gloo freed late (seen once in CI: a 4 KiB
-        # gradient shard of the last reduce_scatter on one rank, freed after the phase cut)
+        # the same floor in every mode; above it at most one tensor gloo freed late (seen in CI: a 4 KiB gradient
+        # shard of the last reduce_scatter on one rank, and once a unit-sized one, its input copy, in the optimizer
+        # phase of one rank: the peak model's late-free allowance names the same tensors)
         assert len({int(v.min()) for v in values.values()}) == 1, (phase, values)
-        assert all(int(v.max()) - int(v.min()) <= unit // N for v in values.values()), (phase, values)
+        assert all(int(v.max()) - int(v.min()) <= unit for v in values.values()), (phase, values)
     back = {p: f.backward_peak_bytes for p, f in frames.items()}
     # A peak is a floor, not an exact figure: gloo's worker thread may free a collective's tensor a few ms after
     # wait() returns, so a rank's peak can rise by up to a unit now and then, never fall. Compare the per-rank

@@ -104,8 +104,8 @@ def test_plan_memory_passes_with_exact_categories(cell, strategy):
                                                          f"reduce ({P} B)")
         assert phases["backward"]["predicted_by_category"]["comm"] == P  # the bucket, open through backward
     elif strategy == "zero1":  # under load gloo may free its reduce_scatter's copy of the bucket late (one, named)
-        assert phases["optimizer"].get("late_free", f"({P} B)").endswith(
-            f"bucket 0's copy gloo's reduce_scatter made of its full gradient ({P} B)")
+        late = phases["optimizer"].get("late_free")
+        assert late is None or late.endswith(f"bucket 0's copy gloo's reduce_scatter made of its full gradient ({P} B)")
     else:
         assert "late_free" not in phases["optimizer"]
 

@@ -117,7 +117,7 @@ def test_plan_memory_passes_below_fp32_with_exact_categories(cell):
         if strategy.startswith("fsdp"):
             if strategy == "fsdp_full":  # unit 7 gathered beside the first seven outputs: from its bf16 shard copy
                 assert memory["phases"]["forward"]["predicted_by_category"] == {
-                    "activations": DEPTH * BW2 - 8, "parameters": WW2 + WW2 // 2}
+                    "activations": DEPTH * BW2 - 8, "unsharded": WW2, "comm": WW2 // 2}
             continue
         fwd, opt = memory["phases"]["forward"], memory["phases"]["optimizer"]
         loss = 2 * BW4 + 4 - 8  # the loss's fp32 up-casts and mean, less the last step's loss and copy

@@ -271,7 +271,8 @@ def test_a_sweep_of_dry_runs_says_so(tmp_path, sweep):
     eq = next(line for line in lines if line.startswith("equivalence:"))
     assert eq.startswith("equivalence: 1 of 3 finished cells PASS") and "2 n/a (dry run: not measured)" in eq
     assert "no equivalence section" not in eq
-    assert any(line.startswith("memory: steady and peak measured in 1 of 3") and "2 dry runs" in line for line in lines)
+    assert any(line.startswith("memory: steady and peak measured in 1 of 3") and "2 dry runs" in line
+               and "1 simulated" in line for line in lines)  # the traced dry run's memory is a simulation
 
 
 def test_terminal_digest_shows_the_summary_numbers(sweep):

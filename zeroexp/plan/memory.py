@@ -29,9 +29,12 @@ __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
-FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False}
+FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False,
+              # hybrid sharding: the same within the shard group; the replicas' all_reduce of each reduced gradient
+              # shard runs in place (_runtime_utils.py _reduce_grad), so it adds no tensor
+              "fsdp_HYBRID_SHARD": True, "fsdp__HYBRID_SHARD_ZERO2": False}
 #: FSDP2 rows the peak model covers: whether the row reshards after forward.
-FSDP2_ROWS = {"fsdp2_full": True, "fsdp2_grad_op": False}
+FSDP2_ROWS = {"fsdp2_full": True, "fsdp2_grad_op": False, "fsdp2_hybrid": True}
 #: FSDP1 rows whose accumulation under ``no_sync`` the peak model covers (SHARD_GRAD_OP keeps its units unsharded).
 NO_SYNC_ROWS = ("fsdp_grad_op",)
 #: The optimizer every covered row steps: torch's AdamW over fp32 state, single-tensor (torch's default on CPU).
@@ -288,7 +291,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``).
     ``micro_batches`` > 1: SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.
     fsdp_no_sync_phase_peaks`)."""
-    n, kept = groups.world_size, ADAMW["optimizer_itemsize"]  # the sharded gradients: the dtype AdamW steps
+    # sharded over the shard group (hybrid sharding: shard_size ranks; else all); the gradient shards: AdamW's dtype
+    n, kept = groups.shard_over, ADAMW["optimizer_itemsize"]
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
@@ -344,7 +348,7 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str
                                   s.numel * itemsize) for k, s in enumerate(groups.shards)]
         return {ph: v for ph, v in late.items() if v}
     if (name in FSDP1_ROWS or name in FSDP2_ROWS) and groups.units:
-        n = groups.world_size
+        n = groups.shard_over
         sizes = sorted({u.numel * itemsize for u in groups.units} | {u.numel // n * itemsize for u in groups.units})
         late = {"backward": [("one unit's reduce-scatter tensor (its unsharded gradient, gloo's copy of it, or its "
                               "sharded output)", b) for b in sizes]}

@@ -109,10 +109,14 @@ def verdicts(cells: pd.DataFrame) -> Verdicts:
     ok = cells[column(cells, "status") == "ok"]
     lines = [_cells_line(cells), *(_check_line(ok, s, c) for s, c in CHECKS.items()
                                    if s not in OPTIONAL or f"{s}.check" in ok.columns)]
-    mem = sum(not missing(v) for v in column(ok, "memory.peak_bytes_max"))
-    dry = int(is_dry_run(ok).sum())
+    dry_mask = is_dry_run(ok)
+    have = [not missing(v) for v in column(ok, "memory.peak_bytes_max")]
+    mem = sum(h for h, d in zip(have, dry_mask) if not d)
+    simulated = sum(h for h, d in zip(have, dry_mask) if d)
+    dry = int(dry_mask.sum())
     lines.append(f"memory: steady and peak measured in {mem} of {len(ok)} finished cells (reported, not checked)"
-                 + (f"; {dry} dry runs allocate nothing to measure." if dry else "."))
+                 + (f"; {dry} dry runs allocate nothing to measure" + (f" ({simulated} simulated over fake storages, "
+                    "beside the peak model)" if simulated else "") + "." if dry else "."))
     lines += _timing_lines(ok)
     failures = _failures(cells)
     return Verdicts(lines=lines, failures=failures, ok=not failures)
