@@ -268,6 +268,11 @@ class CollectivesProbe(Probe):
         if batch_idx not in self.steps:
             return
         if batch_idx == self.steps[0]:
+            # Nothing in flight when the profiler starts: a rank once died of heap corruption ("malloc(): unsorted
+            # double linked list corrupted") right at profiler_start in a CI run, with gloo's worker possibly still
+            # finishing the last step's work. The barrier (outside the window, not recorded) drains the group.
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.barrier()
             self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             self.prof.start()
             self.marks = GroupMarks()
