@@ -227,7 +227,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
     phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": _nz(steady_cats),
-                                         "predicted_buffers_bytes": steady_buffers_bytes(name, groups, itemsize, cap)}}
+                                         "predicted_buffers_bytes": steady_buffers_bytes(  # DDP's: the grads' dtype
+                                             name, groups, itemsize if terms is None else terms.grad_itemsize, cap)}}
     out_reasons, errs = [], []
     for ph in PHASES:
         got = measured["phases_of_max_rank"].get(ph)
