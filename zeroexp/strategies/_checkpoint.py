@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = ["FULL_FILE", "save_full", "load_full", "write_full", "read_full", "save_sharded", "load_sharded",
-           "dcp_files"]
+           "save_state_dicts", "load_state_dicts", "dcp_files"]
 
 FULL_FILE = "full.pt"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -73,6 +73,17 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_state_dicts(kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
+    """A ``kind`` checkpoint through torch's state-dict API alone (an adapter with nothing of its own to add:
+    DDP, FSDP2's HSDP): ``full``, :func:`save_full`; ``sharded``, :func:`save_sharded`."""
+    return (save_full if kind == "full" else save_sharded)(path, model, optimizer)
+
+
+def load_state_dicts(kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore a :func:`save_state_dicts` checkpoint: :func:`load_full` or :func:`load_sharded`."""
+    (load_full if kind == "full" else load_sharded)(path, model, optimizer)
 
 
 def dcp_files(path: Path, rank: int) -> list[Path]:

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zeroexp.formulas import Groups
 from zeroexp.strategies import register
-from zeroexp.strategies._checkpoint import load_full, load_sharded, save_full, save_sharded
+from zeroexp.strategies._checkpoint import load_state_dicts, save_state_dicts
 from zeroexp.strategies.base import StrategyAdapter, StrategyConfig
 
 
@@ -69,10 +69,10 @@ class DDPAdapter(StrategyAdapter):
 
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
         """full: rank 0 writes the state it already holds (no gather needed); sharded: DCP (zeroexp.strategies._checkpoint)."""
-        return (save_full if kind == "full" else save_sharded)(path, model, optimizer)
+        return save_state_dicts(kind, path, model, optimizer)
 
     def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        (load_full if kind == "full" else load_sharded)(path, model, optimizer)
+        load_state_dicts(kind, path, model, optimizer)
 
     def full_parameters(self, model: nn.Module) -> ContextManager[dict[str, torch.Tensor]]:
         """Every rank holds the full parameters: those of the module DDP wraps, without DDP's ``module.``."""

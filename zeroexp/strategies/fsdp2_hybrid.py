@@ -17,7 +17,7 @@ from omegaconf import MISSING
 from torch import nn
 
 from zeroexp.strategies import register
-from zeroexp.strategies._checkpoint import load_full, load_sharded, save_full, save_sharded
+from zeroexp.strategies._checkpoint import load_state_dicts, save_state_dicts
 from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
 from zeroexp.strategies.fsdp2 import FSDP2Adapter, FSDP2Config
 
@@ -65,8 +65,8 @@ class FSDP2HybridAdapter(FSDP2Adapter):
 
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
         """full: zeroexp.strategies._checkpoint.save_full; sharded: save_sharded (DCP)."""
-        return (save_full if kind == "full" else save_sharded)(path, model, optimizer)
+        return save_state_dicts(kind, path, model, optimizer)
 
     def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """full: every rank reads the file and keeps its shards (set_state_dict, full_state_dict); sharded: DCP."""
-        (load_full if kind == "full" else load_sharded)(path, model, optimizer)
+        load_state_dicts(kind, path, model, optimizer)
