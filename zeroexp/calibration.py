@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from zeroexp.formulas.framework import PER_CALL_PATHS, FrameworkCost
-from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, collective_seconds
+from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, WakeCurve, measured_call_seconds
 
 __all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "machine", "find_calibration", "load_calibration"]
 
 #: Where ``python -m zeroexp.calibrate`` writes and cells look (relative to the working directory, like outputs/runs).
 DEFAULT_DIR = Path("outputs") / "calibration"
-#: 2: collectives timed one call at a time from a barrier (1 timed back-to-back loops), and ``framework``.
-SCHEMA = 2
+#: 2: collectives timed one call at a time from a barrier (1 timed back-to-back loops), and ``framework``;
+#: 3: each size's trimmed mean (``mean_s``, what the model uses) and the ``wake`` curve.
+SCHEMA = 3
+#: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term).
+READS = (2, 3)
 
 
 def machine() -> dict[str, Any]:
@@ -66,15 +69,28 @@ class Calibration:
         return LinkFit(float(fit["alpha_s"]), float(fit["busbw_Bps"]))
 
     def seconds_at(self, world_size: int) -> Callable[[str, float, float], float]:
-        """(op, S, calls) -> seconds at ``world_size`` ranks from the op's fit
-        (:func:`~zeroexp.formulas.time.collective_seconds`; busbw is N-independent in the ring model); an op never
-        calibrated (reduce, all_to_all) as an all_reduce of its payload (an upper bound for those)."""
+        """(op, S, calls) -> seconds at ``world_size`` ranks: ``calls`` calls of S / calls bytes each, every call
+        from the op's measured sizes (:func:`~zeroexp.formulas.time.measured_call_seconds`: the measured curve of
+        each size's mean (schema 2: median), the
+        fit beyond it; at another N scaled by the ring's bus factor); an op never calibrated (reduce, all_to_all)
+        as an all_reduce of its payload (an upper bound for those)."""
+        n_cal = int(self.data["world_size"])
+
         def seconds(op: str, payload_bytes: float, calls: float) -> float:
-            if world_size <= 1:
+            if world_size <= 1 or calls <= 0:
                 return 0.0  # one rank sends nothing (and an N=1 calibration has no collectives)
-            fitted = op if op in self.data["collectives"] else "all_reduce"
-            return collective_seconds(fitted, payload_bytes, world_size, self.link(fitted), calls)
+            measured = op if op in self.data["collectives"] else "all_reduce"
+            table = [(r["bytes"], r.get("mean_s", r["seconds"])) for r in self.data["collectives"][measured]["sizes"]]
+            return calls * measured_call_seconds(measured, payload_bytes / calls, world_size, table, n_cal,
+                                                 self.link(measured))
         return seconds
+
+    @property
+    def wake(self) -> WakeCurve | None:
+        """A call's extra cost after the rank computed since its last call; None where not measured (one rank,
+        schema 2)."""
+        w = self.data.get("wake")
+        return WakeCurve(tuple(w["gaps_s"]), tuple(w["extra_s"])) if w else None
 
     @property
     def rate(self) -> ComputeRate:
@@ -106,9 +122,9 @@ def load_calibration(path: str | Path) -> Calibration:
         raise ValueError(f"cannot read {p}: {e}") from e
     missing = [k for k in ("schema", "created", "machine", "backend", "world_size", "collectives", "compute",
                            "framework", "overlap") if k not in data]
-    if missing or data.get("schema") != SCHEMA:
-        raise ValueError(f"{p} is no zeroexp calibration (schema {SCHEMA}): missing {missing or 'nothing'}, schema "
-                         f"{data.get('schema')!r}")
+    if missing or data.get("schema") not in READS:
+        raise ValueError(f"{p} is no zeroexp calibration (schema {' or '.join(map(str, READS))}): missing "
+                         f"{missing or 'nothing'}, schema {data.get('schema')!r}")
     absent = [op for op in CALIBRATED_OPS if op not in data["collectives"]]
     if absent and int(data["world_size"]) > 1:
         raise ValueError(f"{p} lacks the ops {absent}")

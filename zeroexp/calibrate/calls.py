@@ -9,7 +9,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather", "reduce_scatter", "sync", "time_calls"]
+__all__ = ["all_gather", "reduce_scatter", "sync", "time_calls", "trimmed_mean", "TRIM"]
+
+#: The share of calls cut at each end of a trimmed mean: a step's time sums its calls, so the model uses
+#: their mean; a rare stall of the host (tens of ms) is not a property of the link.
+TRIM = 0.1
 
 # The calls zeroexp.sharding makes (torch >= 2.13 names, else the older ones)
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -35,3 +39,11 @@ def time_calls(fn: Callable[[], None], calls: int, device: torch.device) -> list
     t = torch.tensor(own, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # after the timed calls: the slowest rank of each call
     return [float(x) for x in t.tolist()]
+
+
+def trimmed_mean(seconds: list[float], cut: float = TRIM) -> float:
+    """The mean of ``seconds`` without the ``cut`` share of the smallest and of the largest."""
+    xs = sorted(seconds)
+    k = int(len(xs) * cut)
+    xs = xs[k:len(xs) - k] or xs
+    return sum(xs) / len(xs)

@@ -41,6 +41,9 @@ class SweepConfig:
     target_s: float = 0.1
     repeats: int = 3
     compute_steps: int = 30
+    wake_gaps_ms: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
+    wake_bytes: int = 65536
+    wake_calls: int = 60
 
 
 @dataclass
@@ -64,7 +67,8 @@ def validate(cfg: DictConfig) -> None:
     """Refuse bad input before any rank starts, naming the key."""
     c = cfg.calibrate
     for key in ("world_size", "batch_size", "calibrate.min_bytes", "calibrate.max_bytes", "calibrate.min_iters",
-                "calibrate.max_iters", "calibrate.repeats", "calibrate.compute_steps"):
+                "calibrate.max_iters", "calibrate.repeats", "calibrate.compute_steps", "calibrate.wake_bytes",
+                "calibrate.wake_calls"):
         v = OmegaConf.select(cfg, key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(key, v, "an integer >= 1")
@@ -78,6 +82,11 @@ def validate(cfg: DictConfig) -> None:
     bad = [op for op in c.ops if op not in CALIBRATED_OPS]
     if bad or not c.ops:
         raise ConfigError("calibrate.ops", list(c.ops), f"a non-empty list of {', '.join(CALIBRATED_OPS)}")
+    gaps = list(c.wake_gaps_ms)
+    if (not gaps or gaps[0] != 0 or any(isinstance(g, bool) or not isinstance(g, (int, float)) for g in gaps)
+            or any(b <= a for a, b in zip(gaps, gaps[1:]))):
+        raise ConfigError("calibrate.wake_gaps_ms", gaps, "increasing milliseconds of compute starting at 0 "
+                                                          "(the call from a synchronized start the others are less)")
     if not c.target_s > 0:
         raise ConfigError("calibrate.target_s", c.target_s, "seconds > 0")
     if cfg.device not in ("auto", "cpu", "cuda"):
@@ -134,9 +143,12 @@ def run(cfg: DictConfig) -> Path:
                     "why": "CUDA: collectives run on their own stream" if device == "cuda" else
                     f"{host['cores']} cores, {n} ranks x {threads} compute threads: "
                     + ("a core left per rank for gloo" if overlap else "no core left: gloo time-slices with compute")},
-        "collectives": collectives, "compute": measured["compute"], "framework": measured["framework"],
-        "method": "each collective call timed alone from a barrier (the slowest rank's; median over calls): a step "
-                  "never issues calls back to back, and gloo pipelines those (zeroexp.calibrate.measure)",
+        "collectives": collectives, "wake": measured["wake"], "compute": measured["compute"],
+        "framework": measured["framework"],
+        "method": "each collective call timed alone from a barrier (the slowest rank's; median and 10 % trimmed mean "
+                  "over calls, the model uses the mean: a step sums its calls): a step never issues calls back to "
+                  "back, and gloo pipelines those; the wake curve: the same call after a gap of compute "
+                  "(zeroexp.calibrate.measure)",
         "source": "measured: python -m zeroexp.calibrate",
         "settings": OmegaConf.to_container(cfg.calibrate, resolve=True),
     }

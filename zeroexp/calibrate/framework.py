@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls
+from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls, trimmed_mean
+from zeroexp.formulas.time import WakeCurve
 
-__all__ = ["measure_framework", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
+__all__ = ["measure_framework", "per_call", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
 
 #: The tiny model the wrappers run on: its compute and bytes are negligible beside each call's own cost.
 TINY_UNITS, TINY_WIDTH, TINY_BATCH = 8, 16, 8
@@ -64,14 +65,16 @@ def _train_step(net: nn.Module, opt: Any, device: torch.device) -> Callable[[], 
 
 
 def _one_call(fn: Callable[[], None], calls: int, device: torch.device) -> float:
+    """One call's trimmed mean over ``calls``, each from a barrier (as the collectives' sizes)."""
     fn()
-    return statistics.median(time_calls(fn, calls, device))
+    return trimmed_mean(time_calls(fn, calls, device))
 
 
-def _wrappers(world: int, steps: int, device: torch.device) -> dict[str, Any]:
+def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | None) -> dict[str, Any]:
     """Per call of DDP's bucket all_reduce, ZeroRedundancyOptimizer's broadcast and FSDP1's all_gather /
     reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear): the wrapper's tiny step less the bare tiny step
-    (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same payload."""
+    (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same payload, less each call's
+    waking after the compute before it (:func:`per_call`)."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -103,14 +106,31 @@ def _wrappers(world: int, steps: int, device: torch.device) -> dict[str, Any]:
     raw["reduce_scatter_unit_s"] = _one_call(lambda: reduce_scatter(chunk, one), steps, device)
     broadcasts = TINY_UNITS  # one per parameter, from its owner (parameters_as_bucket_view off)
     fsdp_calls = 3 * TINY_UNITS  # FULL_SHARD, no root parameters: two all_gathers and one reduce_scatter a unit
-    per_call = {
-        "ddp_bucket_s": raw["ddp_step_s"] - raw["bare_step_s"] - raw["all_reduce_model_s"],  # one bucket
-        "zro_broadcast_s": (raw["zro_step_s"] - raw["ddp_step_s"] - broadcasts * raw["broadcast_unit_s"]) / broadcasts,
+    extra = {  # (the wrapper's seconds beyond the bare step and its calls alone, its calls)
+        "ddp_bucket_s": (raw["ddp_step_s"] - raw["bare_step_s"] - raw["all_reduce_model_s"], 1),  # one bucket
+        "zro_broadcast_s": (raw["zro_step_s"] - raw["ddp_step_s"] - broadcasts * raw["broadcast_unit_s"], broadcasts),
         "fsdp1_call_s": (raw["fsdp1_step_s"] - raw["bare_step_s"] - 2 * TINY_UNITS * raw["all_gather_unit_s"]
-                         - TINY_UNITS * raw["reduce_scatter_unit_s"]) / fsdp_calls,
+                         - TINY_UNITS * raw["reduce_scatter_unit_s"], fsdp_calls),
     }
-    raw.update({f"{k}_measured": v for k, v in per_call.items()})
-    return {**{k: max(0.0, v) for k, v in per_call.items()}, "raw": raw}
+    raw.update({f"{k}_measured": e / n for k, (e, n) in extra.items()})  # before the calls' waking is taken out
+    return {**{k: per_call(e, n, raw["bare_step_s"], wake) for k, (e, n) in extra.items()}, "raw": raw}
+
+
+def per_call(extra_s: float, calls: int, compute_s: float, wake: WakeCurve | None) -> float:
+    """The wrapper's own seconds per call ``x``: its ``calls`` calls' share of ``extra_s`` once each call's waking
+    is taken out, ``calls x (x + wake(compute_s / calls + x)) = extra_s`` (the gap before a call: the step's compute
+    spread over its calls plus the wrapper's own work; :class:`~zeroexp.formulas.WakeCurve`), by bisection; 0 where
+    the waking alone accounts for it (or noise made ``extra_s`` negative)."""
+    def f(x: float) -> float:
+        return calls * (x + (wake(compute_s / calls + x) if wake else 0.0)) - extra_s
+
+    if f(0.0) >= 0:
+        return 0.0
+    low, high = 0.0, max(extra_s / calls, 0.0)
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if f(mid) < 0 else (low, mid)
+    return (low + high) / 2
 
 
 def _copy(device: torch.device, reps: int) -> dict[str, Any]:
@@ -170,9 +190,11 @@ def _loop(steps: int) -> dict[str, float]:
     return {"lightning": window.seconds[2:], "bare": bare[2:]}
 
 
-def measure_framework(world: int, steps: int, device: torch.device) -> dict[str, Any]:
+def measure_framework(world: int, steps: int, device: torch.device, wake: dict[str, Any] | None = None
+                      ) -> dict[str, Any]:
     """Every primitive of :class:`zeroexp.formulas.FrameworkCost`, with the measurements each is the difference of
-    (``raw``)."""
+    (``raw``); ``wake``: the calibration's wake curve (:func:`zeroexp.calibrate.measure.measure_wake`), taken out of
+    the per-call costs."""
     times = _loop(max(steps, LOOP_STEPS))
     medians = torch.tensor([statistics.median(times[k]) for k in ("lightning", "bare")], dtype=torch.float64,
                            device=device)
@@ -180,7 +202,8 @@ def measure_framework(world: int, steps: int, device: torch.device) -> dict[str,
     lightning, plain = medians.tolist()
     loop = {"loop_s": max(0.0, lightning - plain), "raw": {"lightning_step_s": lightning, "bare_loop_step_s": plain}}
     copy = _copy(device, max(5, steps // 2))
-    wrappers = _wrappers(world, steps, device) if world > 1 else {"raw": {}}
+    curve = WakeCurve(tuple(wake["gaps_s"]), tuple(wake["extra_s"])) if wake else None
+    wrappers = _wrappers(world, steps, device, curve) if world > 1 else {"raw": {}}
     out = {k: v for part in (loop, copy, wrappers) for k, v in part.items() if k != "raw"}
     out["raw"] = {**loop["raw"], **copy["raw"], **wrappers["raw"]}
     return out

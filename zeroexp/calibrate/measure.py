@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls
+from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls, trimmed_mean
 from zeroexp.formulas import bus_factor
 
 __all__ = ["message_sizes", "rank_main"]
@@ -65,12 +65,42 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
             fn = _call(op, nbytes, world, device)
             first = time_calls(fn, 1, device)[0]  # warm-up, and the estimate every rank agrees on
             iters = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
-            t = statistics.median(time_calls(fn, iters * int(c.repeats), device))
+            calls = time_calls(fn, iters * int(c.repeats), device)
+            t = statistics.median(calls)
             s = max(world, nbytes // 4 // world * world) * 4
-            rows.append({"bytes": s, "seconds": t, "iters": iters * int(c.repeats), "algbw_Bps": s / t,
-                         "busbw_Bps": s / t * bus_factor(op, world)})
+            rows.append({"bytes": s, "seconds": t, "mean_s": trimmed_mean(calls), "iters": iters * int(c.repeats),
+                         "algbw_Bps": s / t, "busbw_Bps": s / t * bus_factor(op, world)})
         out[op] = {"sizes": rows}
     return out
+
+
+def measure_wake(c: Any, device: torch.device) -> dict[str, Any]:
+    """A collective's cost after the rank computed for a while (:class:`~zeroexp.formulas.WakeCurve`): per gap of
+    ``wake_gaps_ms``, ``wake_calls`` calls of an all_reduce of ``wake_bytes``, each after a barrier and then that
+    long of compute (matmuls of a unit's shape, as a step computes between its collectives), the slowest rank's;
+    the trimmed mean per gap less the one at gap 0."""
+    a, w = torch.randn(8, 768, device=device), torch.randn(768, 768, device=device)
+    buf = torch.ones(max(1, int(c.wake_bytes) // 4), device=device)
+    means = []
+    for gap_ms in c.wake_gaps_ms:
+        own = []
+        for _ in range(int(c.wake_calls)):
+            dist.barrier()
+            sync(device)
+            t0 = time.perf_counter()
+            while (time.perf_counter() - t0) * 1e3 < float(gap_ms):
+                a @ w
+                sync(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            sync(device)
+            own.append(time.perf_counter() - t0)
+        t = torch.tensor(own, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        means.append(trimmed_mean(t.tolist()))
+    zero = means[0]
+    return {"op": "all_reduce", "bytes": buf.numel() * 4, "calls": int(c.wake_calls),
+            "gaps_s": [float(g) / 1e3 for g in c.wake_gaps_ms], "mean_s": means, "extra_s": [m - zero for m in means]}
 
 
 def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.device, lr: float = 1e-3
@@ -127,10 +157,12 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
     try:
         from zeroexp.calibrate.framework import measure_framework
 
+        wake = measure_wake(c.calibrate, device) if world > 1 else None
         result = {"threads_per_rank": torch.get_num_threads(),
                   "collectives": measure_collectives(c.calibrate, world, device) if world > 1 else {},
+                  "wake": wake,
                   "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),
-                  "framework": measure_framework(world, int(c.calibrate.compute_steps), device)}
+                  "framework": measure_framework(world, int(c.calibrate.compute_steps), device, wake)}
         dist.barrier()
         if rank == 0:
             Path(out).write_text(json.dumps(result))

@@ -44,7 +44,7 @@ from zeroexp.formulas.layout import Groups, PlanKnobs, StateLayout, step_collect
 from zeroexp.formulas.paper import Collectives
 from zeroexp.formulas.time import ComputeRate
 
-__all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "predict_step", "optimizer_elements",
+__all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step", "optimizer_elements",
            "recompute_seconds", "checkpointed_numel", "micro_batch_slots", "accumulation_repeats"]
 
 #: (op, payload bytes S, calls) -> seconds: a calibration's fit, or a network preset's two-level ring.
@@ -82,11 +82,11 @@ class StepTime:
     framework_s: float = 0.0
     framework_terms: tuple = ()  # (name, seconds) for one micro-batch's forward and backward and the step's optimizer
     framework_notes: tuple = ()
+    wake_s: float = 0.0  # the calls' waking after idle gaps (:class:`~zeroexp.formulas.time.WakeCurve`), in exposed_comm
 
     def by_phase_ms(self) -> dict[str, float]:
         return {k: 1e3 * getattr(self, f"{k}_s") for k in ("forward", "backward", "recompute", "optimizer", "framework",
-                                                             "comm",
-                                                             "exposed_comm")}
+                                                             "comm", "wake", "exposed_comm")}
 
 
 def checkpointed_numel(units: tuple[tuple[int, ...], ...], root: tuple[bool, ...], numels: tuple[int, ...]) -> int:
@@ -181,37 +181,64 @@ def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: floa
     return [], "no overlap rule for this row: every collective exposed"
 
 
-def simulate_step(compute_s: float, calls: list[tuple[float, float, int, float]], overlap: bool) -> float:
+def simulate_step(compute_s: float, calls: list[tuple[float, float, int, float]], overlap: bool,
+                  wake: Callable[[float], float] | None = None) -> float:
     """Wall time of a step of ``compute_s`` seconds of compute with ``calls`` (issue_s, need_s, order, seconds) on one
     channel in issue order; compute stalls at a call's ``need_s`` until it is done. Without overlap every call's
-    time adds to the step."""
-    if not overlap:
-        return compute_s + sum(c[3] for c in calls)
+    time adds to the step. ``wake``: a call's extra seconds after the channel sat idle (:class:`WakeCurve`)."""
+    return channel_step(compute_s, calls, overlap, wake)[0]
+
+
+def channel_step(compute_s: float, calls: list[tuple[float, float, int, float]], overlap: bool,
+                 wake: Callable[[float], float] | None = None) -> tuple[float, float]:
+    """:func:`simulate_step`'s wall time and the seconds of it the calls spent waking (``wake`` of each call's
+    idle gap). The gap before a call: without overlap the compute since the previous call was issued (compute
+    stops while a call runs); with overlap the wall time the channel sat idle. The step repeats, so the first
+    call's gap runs from the previous step's last call: its issue point (no overlap) or its end (overlap), less the
+    step, plus this call's start."""
     order = sorted(range(len(calls)), key=lambda i: (calls[i][0], calls[i][2], i))
+    cost = wake or (lambda gap: 0.0)
+    if not overlap:
+        issues = [calls[i][0] for i in order]
+        gaps = [issues[0] + compute_s - issues[-1]] + [b - a for a, b in zip(issues, issues[1:])] if issues else []
+        woken = sum(cost(g) for g in gaps)
+        return compute_s + sum(c[3] for c in calls) + woken, woken
     points = sorted({0.0, compute_s, *(c[0] for c in calls), *(c[1] for c in calls)})
-    done: dict[int, float] = {}
-    wall = pos = channel = 0.0
-    k = 0
-    for q in points:
-        wall += q - pos
-        pos = q
-        wall = max([wall] + [done[i] for i in done if calls[i][1] == q])
-        while k < len(order) and calls[order[k]][0] <= q:
-            i = order[k]
-            channel = max(wall, channel) + calls[i][3]
-            done[i] = channel
-            k += 1
-        wall = max([wall] + [done[i] for i in done if calls[i][1] <= q])
-    return max([wall, *done.values()])
+
+    def run(first_extra: float) -> tuple[float, float, float, float]:
+        """(step, woken, the first call's start, the last call's end) with the first call's extra given."""
+        done: dict[int, float] = {}
+        woken = wall = pos = channel = first_start = 0.0
+        k = 0
+        for q in points:
+            wall += q - pos
+            pos = q
+            wall = max([wall] + [done[i] for i in done if calls[i][1] == q])
+            while k < len(order) and calls[order[k]][0] <= q:
+                i = order[k]
+                begin = max(wall, channel)
+                extra = cost(begin - channel) if k else first_extra
+                first_start = begin if not k else first_start
+                woken += extra
+                channel = done[i] = begin + extra + calls[i][3]
+                k += 1
+            wall = max([wall] + [done[i] for i in done if calls[i][1] <= q])
+        return max([wall, *done.values()]), woken, first_start, channel
+
+    step, woken, first, last = run(0.0)
+    if order:  # the first call's idle gap wraps around: from the previous step's last call's end
+        step, woken, _, _ = run(cost(first + step - last))
+    return step, woken
 
 
 def _op_seconds(op: str, entry: dict, share: float, seconds_of: CollectiveTime,
-                group_seconds: GroupTime | None) -> float:
+                group_seconds: GroupTime | None, one_call: bool = False) -> float:
     """``share`` of one op's calls and payload, timed over all ranks, or group by group where the entry names its
-    process groups and ``group_seconds`` is given."""
+    process groups and ``group_seconds`` is given. ``one_call``: the share is one call of its own size (the op has
+    a slot per call: DDP's buckets, FSDP's units, zeroexp's buckets), else calls of the op's mean size."""
     parts = entry.get("groups") if group_seconds is not None else None
     if not parts:
-        return seconds_of(op, entry["payload_bytes"] * share, entry["count"] * share)
+        return seconds_of(op, entry["payload_bytes"] * share, 1 if one_call else entry["count"] * share)
     return sum(group_seconds(dim, int(g["size"]))(op, g["payload_bytes"] * share, g["count"] * share)
                for dim, g in parts.items())
 
@@ -220,7 +247,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                  samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre",
                  framework: FrameworkCost | None = None, itemsize: int = 4, checkpointed: int = 0,
                  micro_batches: int = 1, repeats: dict[str, float] | None = None,
-                 group_seconds: GroupTime | None = None) -> StepTime:
+                 group_seconds: GroupTime | None = None, wake: Callable[[float], float] | None = None) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
     (forward and backward over every parameter, as data parallelism computes the whole model on each rank; AdamW over
     :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
@@ -232,7 +259,8 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     backward); ``micro_batches``: ``grad_accum``, with ``repeats`` (op -> its count at K over its count at 1) placing
     each op's calls (:func:`micro_batch_slots`). ``group_seconds``: where an op's entry names the process groups its
     calls run over (``groups``: hybrid sharding), each group's part is timed at its own size and place; None: every
-    call over all ranks (``seconds_of``)."""
+    call over all ranks (``seconds_of``). ``wake``: each call's extra after its idle gap (a calibration's
+    :class:`~zeroexp.formulas.time.WakeCurve`; None: none, a device preset), in the exposed communication."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples
     r = recompute_seconds(f, checkpointed, psi)
@@ -251,12 +279,14 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
         if not mine:
             mine = [Slot(op, 1.0, last_b, last_b)]
         total = sum(s.weight for s in mine) or 1.0
+        one_call = len(mine) == entry["count"]  # a slot per call (per micro-batch where it repeats)
         for s in mine:
             share = s.weight / total
-            calls.append((s.issue_s, s.need_s, s.order, _op_seconds(op, entry, share, seconds_of, group_seconds)))
+            calls.append((s.issue_s, s.need_s, s.order,
+                          _op_seconds(op, entry, share, seconds_of, group_seconds, one_call)))
     compute = k * (f + b) + o
-    step = simulate_step(compute, calls, overlap)
-    return StepTime(step_s=step, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls),
+    step, woken = channel_step(compute, calls, overlap, wake)
+    return StepTime(step_s=step, wake_s=woken, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls),
                     forward_s=k * bare[0], backward_s=k * bare[1], optimizer_s=bare[2], recompute_s=k * r,
                     micro_batches=k, rule=rule if overlap else "no overlap on this device: " + rule,
                     framework_s=k * (fw.forward_s + fw.backward_s) + fw.optimizer_s,

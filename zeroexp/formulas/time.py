@@ -10,6 +10,8 @@ ring reduce_scatter / all_gather (N-1)/N x S per rank, all_reduce twice that.
 [HIER] Sergeev, Del Balso, "Horovod", arXiv:1802.05799, and NCCL's tree/ring over nodes: a collective across m nodes
 of g ranks is an intra-node reduce_scatter, the inter-node collective on S / g per rank (every rank on its own NIC),
 then an intra-node all_gather.
+[PAV] Barlow, Bartholomew, Bremner, Brunk, "Statistical Inference under Order Restrictions", Wiley 1972: pool
+adjacent violators, the least-squares monotone fit.
 [KAPLAN] Kaplan et al. "Scaling Laws for Neural Language Models", arXiv:2001.08361, 2.1: forward 2N FLOPs per token,
 backward twice that (6N in all).
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from zeroexp.formulas.paper import bus_factor
 
-__all__ = ["LinkFit", "fit_link", "collective_seconds", "two_level_seconds", "ComputeRate", "overlap_possible",
+__all__ = ["LinkFit", "fit_link", "collective_seconds", "measured_call_seconds", "isotonic", "WakeCurve", "two_level_seconds", "ComputeRate", "overlap_possible",
            "CALIBRATED_OPS", "steps_to_narrow"]
 
 #: The collectives zeroexp's strategies issue and the calibration measures.
@@ -59,6 +61,71 @@ def collective_seconds(op: str, payload_bytes: float, world_size: int, link: Lin
     if world_size <= 1 or calls == 0:
         return 0.0
     return calls * link.alpha_s + payload_bytes * bus_factor(op, world_size) / link.busbw_Bps
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators [PAV]): where a value is below
+    the one before it, the two are replaced by their mean, repeatedly."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+
+
+def measured_call_seconds(op: str, size_bytes: float, world_size: int, table: list[tuple[int, float]],
+                          table_world_size: int, link: LinkFit) -> float:
+    """One call of ``size_bytes`` (S) from a calibration's measured (S, seconds) pairs at ``table_world_size`` ranks:
+    linear between the two measured sizes around S (per segment a latency and a bandwidth [HOCKNEY]: the curve as
+    measured rather than one line through all of it), the first size's time below it, the fit's bandwidth beyond
+    the last; no pairs: the fit (:func:`collective_seconds`). The times are made non-decreasing in S first
+    (:func:`isotonic`: a larger message is not faster; a dip or spike of one size is noise, not the link). At
+    another N the bandwidth part scales with the ring's bus factor (busbw is N-independent [NCCL-TESTS]):
+    ``alpha + (t(S) - alpha) x bus_factor(N) / bus_factor(N_cal)``."""
+    if world_size <= 1:
+        return 0.0
+    if not table:
+        return collective_seconds(op, size_bytes, world_size, link)
+    pts = sorted(table)
+    xs = [float(x) for x, _ in pts]
+    ys = isotonic([float(y) for _, y in pts])
+    if size_bytes <= xs[0]:
+        t = ys[0]
+    elif size_bytes >= xs[-1]:
+        t = ys[-1] + (size_bytes - xs[-1]) * bus_factor(op, table_world_size) / link.busbw_Bps
+    else:
+        j = next(i for i in range(1, len(xs)) if xs[i] >= size_bytes)
+        t = ys[j - 1] + (ys[j] - ys[j - 1]) * (size_bytes - xs[j - 1]) / (xs[j] - xs[j - 1])
+    if world_size == table_world_size:
+        return t
+    alpha = min(link.alpha_s, t)
+    return alpha + (t - alpha) * bus_factor(op, world_size) / bus_factor(op, table_world_size)
+
+
+@dataclass(frozen=True)
+class WakeCurve:
+    """What a collective costs beyond its time from a synchronized start when the rank has computed for ``gap``
+    seconds since its previous collective (the backend's idle threads must be woken and scheduled again: on the
+    2-core host with gloo, a 64 KiB all_reduce after 16 ms of compute took ~2.5 ms more than one issued right
+    after a barrier, ~1 ms more after 1 ms of compute). Measured by the calibration at ``gaps_s`` (``extra_s``: the
+    call's mean less its mean at gap 0); between them linear, beyond the last its value, made non-decreasing
+    (:func:`isotonic`)."""
+
+    gaps_s: tuple[float, ...]
+    extra_s: tuple[float, ...]
+
+    def __call__(self, gap_s: float) -> float:
+        xs, ys = self.gaps_s, isotonic([max(0.0, y) for y in self.extra_s])
+        if not xs or gap_s <= 0:
+            return 0.0
+        if gap_s >= xs[-1]:
+            return ys[-1]
+        j = next(i for i in range(len(xs)) if xs[i] >= gap_s)
+        x0, y0 = (xs[j - 1], ys[j - 1]) if j else (0.0, 0.0)
+        return y0 + (ys[j] - y0) * (gap_s - x0) / (xs[j] - x0) if xs[j] > x0 else ys[j]
 
 
 def two_level_seconds(op: str, payload_bytes: float, ranks_per_node: int, nodes: int, intra: LinkFit,

@@ -117,7 +117,8 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
                      bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name), cal.framework, itemsize,
                      checkpointed=checkpointed, micro_batches=knobs.micro_batches,
                      repeats=accumulation_repeats(layout, groups, itemsize, knobs),
-                     group_seconds=lambda dim, size: cal.seconds_at(size))  # hybrid: each group at its size
+                     group_seconds=lambda dim, size: cal.seconds_at(size),  # hybrid: each group at its size
+                     wake=cal.wake)
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
                predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
                framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},

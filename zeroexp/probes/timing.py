@@ -76,20 +76,39 @@ class TimingProbe(Probe):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.step_ms: list[tuple[int, float]] = []
+        self.phases: list[tuple[int, float, float, float]] = []  # (step, forward, backward, rest) ms
         self._t0 = 0.0
+        self._marks: list[float] = []
+        self._timed = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx in self.ctx.schedule.timed:
+        self._timed = batch_idx in self.ctx.schedule.timed
+        if self._timed:
             self.sync_device()
             self._t0 = time.perf_counter()
+            self._marks = []
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._timed:
+            self.sync_device()
+            self._marks.append(time.perf_counter())
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self._timed:
+            self.sync_device()
+            self._marks.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx in self.ctx.schedule.timed:
+        if self._timed:
             self.sync_device()
-            self.step_ms.append((batch_idx, (time.perf_counter() - self._t0) * 1e3))
+            end = time.perf_counter()
+            self.step_ms.append((batch_idx, (end - self._t0) * 1e3))
+            if len(self._marks) == 2:  # one micro-batch: forward, backward, the rest (grad_accum > 1: step only)
+                a, b = self._marks
+                self.phases.append((batch_idx, (a - self._t0) * 1e3, (b - a) * 1e3, (end - b) * 1e3))
 
     def rank_result(self) -> dict[str, Any]:
-        return {"step_ms": self.step_ms}
+        return {"step_ms": self.step_ms, "phases": self.phases}
 
     @classmethod
     def aggregate(cls, results, cfg) -> ProbeReport:
@@ -101,10 +120,23 @@ class TimingProbe(Probe):
             steps=[int(s) for s in slowest.index],
             step_ms=[float(v) for v in slowest.values],
             rank_median_ms=[float(v) for v in frame.groupby("rank").step_ms.median()],
+            phase_ms=_phases(results),
             note=("unstable: CV > 5 %, compare strategies by trend only, not by a ratio of times"
                   if section["unstable"] else "stable: CV <= 5 %"),
         )
         return ProbeReport(section=section)
+
+
+def _phases(results: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Per phase of a timed step, the median over steps and ranks (ms): ``forward`` (batch start to
+    ``on_before_backward``: zero_grad, forward, the loss), ``backward`` (to ``on_after_backward``: every wait on
+    backward's collectives included), ``optimizer`` (to batch end: clipping, the step, what the strategy sends
+    after it, the loop's logging). None under gradient accumulation (its micro-batches' hooks repeat)."""
+    rows = [p for res in results for p in res.get("phases", [])]
+    if not rows:
+        return None
+    a = np.asarray([p[1:] for p in rows], dtype=float)
+    return {k: float(v) for k, v in zip(("forward", "backward", "optimizer"), np.median(a, axis=0))}
 
 
 # The digest line and the report section (Probe.digest_line, Probe.report_table).
