@@ -131,6 +131,9 @@ def test_timing_section_over_timed_steps_only(ladder):
     timing = ladder["ddp"].summary["timing"]
     assert timing["steps"] == [7, 8, 9]  # steps=10: warm-up 0-2, profiled 3-4, memory 5-6
     assert timing["timed_steps"] == 3 and isinstance(timing["unstable"], bool)
+    # each timed step split at on_before_backward and on_after_backward: three phases, each measured (> 0)
+    assert set(timing["phase_ms"]) == {"forward", "backward", "optimizer"}
+    assert all(v > 0 for v in timing["phase_ms"].values())
 
 
 def test_perturbed_rank_fails_equivalence(compose, tmp_path, monkeypatch):

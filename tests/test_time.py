@@ -199,7 +199,8 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="calibrate", overrides=[
             "world_size=2", "model.width=64", "calibrate.max_bytes=16384", "calibrate.target_s=0.001",
-            "calibrate.repeats=1", "calibrate.compute_steps=2", f"output_dir={tmp_path}"])
+            "calibrate.repeats=1", "calibrate.compute_steps=2", "calibrate.wake_gaps_ms=[0,1]",
+            "calibrate.wake_calls=3", f"output_dir={tmp_path}"])
     path = run(cfg)
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA and data["world_size"] == 2 and data["backend"] == "gloo"
@@ -207,7 +208,12 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     assert set(data["collectives"]) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
     for e in data["collectives"].values():
         assert [r["bytes"] for r in e["sizes"]] == [4096, 8192, 16384]
-        assert e["fit"]["busbw_Bps"] > 0 and e["fit"]["alpha_s"] >= 0
+        assert all(r["iters"] >= 2 and r["mean_s"] > 0 for r in e["sizes"])  # min_iters 2, one round
+        assert e["fit"]["busbw_Bps"] > 0 and e["fit"]["alpha_s"] >= 0 and e["cold_bytes"] >= 2 * 2**20
+    w = data["wake"]
+    assert w["gaps_s"] == [0.0, 0.001] and w["calls"] == 3 and w["extra_s"][0] == 0.0 and len(w["mean_s"]) == 2
+    from zeroexp.devices import HOST_ALLOCATOR
+    assert data["host_allocator"] in (HOST_ALLOCATOR, None)  # None only off glibc
     assert data["compute"]["numel"] == 8 * 64 * 64 and data["compute"]["batch_size"] == 8
     assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
     assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
@@ -303,6 +309,9 @@ def _calibrate_cfg(*overrides: str):
     (("world_size=0",), "world_size"),
     (("calibrate.ops=[all_reduce,alltoall]",), "calibrate.ops"),
     (("calibrate.target_s=0",), "calibrate.target_s"),
+    (("calibrate.wake_gaps_ms=[1,2]",), "calibrate.wake_gaps_ms"),
+    (("calibrate.wake_gaps_ms=[0,2,1]",), "calibrate.wake_gaps_ms"),
+    (("calibrate.wake_calls=0",), "calibrate.wake_calls"),
     (("device=tpu",), "device"),
 ])
 def test_calibrate_refuses_bad_input_naming_the_key(overrides, key):

@@ -1,11 +1,22 @@
-"""The one device rule: whether a cell's ranks each get a GPU (``device`` = auto | cpu | cuda)."""
+"""The one device rule: whether a cell's ranks each get a GPU (``device`` = auto | cpu | cuda); and how a rank
+sets up its host: compute threads (:func:`rank_threads`) and the C allocator (:func:`pin_host_allocator`), the same
+in a cell's ranks and a calibration's."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-__all__ = ["ranks_get_a_gpu", "local_world_size"]
+__all__ = ["ranks_get_a_gpu", "local_world_size", "rank_threads", "pin_host_allocator", "HOST_ALLOCATOR"]
+
+#: glibc mallopt(3) settings of every rank: allocations below 32 MiB (the largest threshold glibc allows on 64-bit)
+#: from the heap, and the heap's top never given back under 1 GiB. glibc's default moves the mmap threshold with
+#: what was freed last and trims the heap, so whether a step's tensors page-fault anew depends on the process's
+#: history: measured on the 2-core host (N=2, 8 x 768^2, batch 8), a bare rank's AdamW step took 11.2 ms by
+#: default, 8.6 ms pinned; a calibration's compute moved by up to 2x with the buffers it had allocated before.
+#: Pinned, a rank computes at the same rate whatever ran before it (a calibration, a cell's probes).
+HOST_ALLOCATOR = {"M_MMAP_THRESHOLD": 32 * 2**20, "M_TRIM_THRESHOLD": 2**30, "M_TOP_PAD": 16 * 2**20}
+_MALLOPT = {"M_TRIM_THRESHOLD": -1, "M_TOP_PAD": -2, "M_MMAP_THRESHOLD": -3}
 
 
 def local_world_size(cfg: Any) -> int:
@@ -23,3 +34,24 @@ def ranks_get_a_gpu(cfg: Any, local: int | None = None) -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.device_count() >= (local or local_world_size(cfg))
+
+
+def rank_threads(local_ranks: int) -> int:
+    """A CPU rank's compute threads: the cores shared out among this node's ranks, at least one."""
+    return max(1, (os.cpu_count() or 1) // max(1, int(local_ranks)))
+
+
+def pin_host_allocator() -> dict[str, int] | None:
+    """Set :data:`HOST_ALLOCATOR` in this process (glibc only); the settings, or None where the C library is not
+    glibc or refused one."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    ok = all(libc.mallopt(_MALLOPT[k], v) == 1 for k, v in HOST_ALLOCATOR.items())
+    return dict(HOST_ALLOCATOR) if ok else None

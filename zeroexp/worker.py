@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from zeroexp.deathsig import die_with_parent
-from zeroexp.devices import ranks_get_a_gpu
+from zeroexp.devices import pin_host_allocator, rank_threads, ranks_get_a_gpu
 from zeroexp.errors import one_line
 from zeroexp.expect import Expectation
 from zeroexp.models import build_model
@@ -158,8 +158,9 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     cfg = OmegaConf.create(cfg_dict)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = resolve_device(cfg)
+    pin_host_allocator()  # zeroexp.devices: the same C allocator settings as a calibration's ranks
     if device.type == "cpu":  # ranks share the cores: do not oversubscribe them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        torch.set_num_threads(rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     adapter = get_adapter_class(cfg.strategy.name)(cfg)
     ctx = RunContext(cfg=cfg, rank=rank, world_size=world_size,
                      device=torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device.type == "cuda" else device,

@@ -130,7 +130,7 @@ def run(cfg: DictConfig) -> Path:
     for op, entry in measured["collectives"].items():
         rows = entry["sizes"]
         fit = fit_link(op, n, [r["bytes"] for r in rows], [r["seconds"] for r in rows])
-        collectives[op] = {"sizes": rows, "fit": {"alpha_s": fit.alpha_s, "busbw_Bps": fit.busbw_Bps,
+        collectives[op] = {"sizes": rows, "cold_bytes": entry.get("cold_bytes"), "fit": {"alpha_s": fit.alpha_s, "busbw_Bps": fit.busbw_Bps,
                                                    "model": "t = alpha_s + S x bus_factor(op, N) / busbw_Bps"}}
     threads = int(measured["threads_per_rank"])
     overlap = overlap_possible(device, int(host["cores"]), n, threads)
@@ -139,6 +139,7 @@ def run(cfg: DictConfig) -> Path:
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None},
         "backend": backend, "device": device, "world_size": n, "threads_per_rank": threads,
+        "host_allocator": measured.get("host_allocator"),
         "overlap": {"possible": overlap,
                     "why": "CUDA: collectives run on their own stream" if device == "cuda" else
                     f"{host['cores']} cores, {n} ranks x {threads} compute threads: "

@@ -26,7 +26,10 @@ import torch.distributed as dist
 from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls, trimmed_mean
 from zeroexp.formulas import bus_factor
 
-__all__ = ["message_sizes", "rank_main"]
+__all__ = ["message_sizes", "rank_main", "cache_bytes", "MAX_BUFFERS"]
+
+#: Buffers a size's calls rotate over at most (4 KiB calls: 64 x 4 KiB, warm anyway in a step's small tensors).
+MAX_BUFFERS = 64
 
 
 def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -44,33 +47,69 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def _call(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[], None]:
-    """One call of ``op`` with payload S = ``nbytes`` (fp32, rounded down to a multiple of N elements)."""
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache a call's buffers must not fit in: the GPU's L2, or the CPU's largest cache
+    (``/sys/devices/system/cpu/cpu0/cache``); 32 MiB where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size)
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG") or 0) * unit)
+    return max(sizes, default=32 * 2**20) or 32 * 2**20
+
+
+def _call(op: str, nbytes: int, world: int, device: torch.device, cold_bytes: int = 0) -> Callable[[], None]:
+    """Calls of ``op`` with payload S = ``nbytes`` (fp32, rounded down to a multiple of N elements), each on the
+    next of enough buffers to span ``cold_bytes`` (at most :data:`MAX_BUFFERS`), so that a call finds its buffer out
+    of the cache as a step finds its parameters and gradients (measured on the 2-core host: a 2.25 MiB broadcast
+    0.47-0.57 ms on one warm buffer, 0.63-0.70 ms rotating over 64)."""
     numel = max(world, nbytes // 4 // world * world)
-    full = torch.ones(numel, dtype=torch.float32, device=device)
-    chunk = torch.ones(numel // world, dtype=torch.float32, device=device)
-    return {"all_reduce": lambda: dist.all_reduce(full),
-            "broadcast": lambda: dist.broadcast(full, src=0),
-            "all_gather": lambda: all_gather(full, chunk),
-            "reduce_scatter": lambda: reduce_scatter(chunk, full)}[op]
+    k = max(1, min(MAX_BUFFERS, -(-int(cold_bytes) // (numel * 4))))
+    fulls = [torch.ones(numel, dtype=torch.float32, device=device) for _ in range(k)]
+    chunks = [torch.ones(numel // world, dtype=torch.float32, device=device) for _ in range(k)]
+    turn = iter(range(2**62))
+
+    def call() -> None:
+        i = next(turn) % k
+        full, chunk = fulls[i], chunks[i]
+        if op == "all_reduce":
+            dist.all_reduce(full)
+        elif op == "broadcast":
+            dist.broadcast(full, src=0)
+        elif op == "all_gather":
+            all_gather(full, chunk)
+        else:
+            reduce_scatter(chunk, full)
+    return call
 
 
 def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, Any]:
-    """Per op, per size: S, the time of one call (the median over ``iters`` x ``repeats`` calls, each timed alone
-    from a barrier, the slowest rank's), algbw and busbw in bytes/s."""
+    """Per op, per size: S, the time of one call (median and trimmed mean over ``iters`` x ``repeats`` calls, each
+    timed alone from a barrier, the slowest rank's), algbw and busbw in bytes/s. The repeats are rounds over every
+    size (a size's calls come from ``repeats`` windows apart, not one: the host's scheduling settles into regimes
+    lasting seconds), each call on a buffer out of the cache (:func:`_call`, twice :func:`cache_bytes`)."""
+    cold = 2 * cache_bytes(device)
     out: dict[str, Any] = {}
+    sizes = message_sizes(c.min_bytes, c.max_bytes)
     for op in c.ops:
+        iters, calls = {}, {n: [] for n in sizes}
+        for nbytes in sizes:
+            first = time_calls(_call(op, nbytes, world, device), 1, device)[0]  # warm-up; every rank agrees on it
+            iters[nbytes] = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
+        for _ in range(int(c.repeats)):
+            for nbytes in sizes:
+                fn = _call(op, nbytes, world, device, cold)
+                fn()
+                calls[nbytes] += time_calls(fn, iters[nbytes], device)
         rows = []
-        for nbytes in message_sizes(c.min_bytes, c.max_bytes):
-            fn = _call(op, nbytes, world, device)
-            first = time_calls(fn, 1, device)[0]  # warm-up, and the estimate every rank agrees on
-            iters = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
-            calls = time_calls(fn, iters * int(c.repeats), device)
-            t = statistics.median(calls)
+        for nbytes in sizes:
+            t = statistics.median(calls[nbytes])
             s = max(world, nbytes // 4 // world * world) * 4
-            rows.append({"bytes": s, "seconds": t, "mean_s": trimmed_mean(calls), "iters": iters * int(c.repeats),
+            rows.append({"bytes": s, "seconds": t, "mean_s": trimmed_mean(calls[nbytes]), "iters": len(calls[nbytes]),
                          "algbw_Bps": s / t, "busbw_Bps": s / t * bus_factor(op, world)})
-        out[op] = {"sizes": rows}
+        out[op] = {"sizes": rows, "cold_bytes": cold}
     return out
 
 
@@ -148,9 +187,12 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
 
     c = OmegaConf.create(cfg)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    from zeroexp.devices import pin_host_allocator, rank_threads
+
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    allocator = pin_host_allocator()  # as zeroexp.worker: a rank's compute rate must not depend on what ran before
     if device.type == "cpu":  # as zeroexp.worker: the ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(rank_threads(world))
     else:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
@@ -158,7 +200,7 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
         from zeroexp.calibrate.framework import measure_framework
 
         wake = measure_wake(c.calibrate, device) if world > 1 else None
-        result = {"threads_per_rank": torch.get_num_threads(),
+        result = {"threads_per_rank": torch.get_num_threads(), "host_allocator": allocator,
                   "collectives": measure_collectives(c.calibrate, world, device) if world > 1 else {},
                   "wake": wake,
                   "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),

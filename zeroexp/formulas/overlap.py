@@ -226,8 +226,13 @@ def channel_step(compute_s: float, calls: list[tuple[float, float, int, float]],
         return max([wall, *done.values()]), woken, first_start, channel
 
     step, woken, first, last = run(0.0)
-    if order:  # the first call's idle gap wraps around: from the previous step's last call's end
-        step, woken, _, _ = run(cost(first + step - last))
+    extra = 0.0
+    for _ in range(8 if order else 0):  # the first call's idle gap wraps around, from the previous step's last
+        want = cost(first + step - last)  # call's end, which its own waking moves: iterate to the fixed point
+        if abs(want - extra) < 1e-12:
+            break
+        extra = want
+        step, woken, first, last = run(extra)
     return step, woken
 
 

@@ -1,0 +1,96 @@
+"""The step-time model's measured curves through their structure (issue 18): a collective from the calibration's
+measured sizes, the wake curve of a call after compute, the channel with waking, the framework's per-call cost with
+the waking taken out, the host allocator every rank pins. Exact results on given numbers, never timing asserts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from zeroexp.calibrate.framework import per_call
+from zeroexp.formulas import (LinkFit, WakeCurve, bus_factor, channel_step, collective_seconds, isotonic,
+                              measured_call_seconds, simulate_step)
+
+TABLE = [(1000, 1.0e-3), (2000, 3.0e-3), (4000, 2.0e-3), (8000, 6.0e-3)]  # 2000 and 4000 out of order
+LINK = LinkFit(2e-4, 1e6)
+
+
+def test_isotonic_is_the_least_squares_monotone_fit():
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert isotonic([1.0, 3.0, 2.0, 4.0, 0.5, 6.0]) == [1.0, 2.375, 2.375, 2.375, 2.375, 6.0]
+    assert isotonic([2.0, 1.0]) == [1.5, 1.5] and isotonic([]) == []
+
+
+def test_a_call_from_the_measured_curve():
+    # the table made monotone: 1.0, 2.5, 2.5, 6.0 ms
+    at = lambda s, n=2: measured_call_seconds("all_reduce", s, n, TABLE, 2, LINK)  # noqa: E731
+    assert at(1000) == pytest.approx(1.0e-3) and at(500) == pytest.approx(1.0e-3)  # below: the first size's
+    assert at(1500) == pytest.approx(1.75e-3)  # linear between 1000 (1.0) and 2000 (2.5)
+    assert at(3000) == pytest.approx(2.5e-3) and at(6000) == pytest.approx(4.25e-3)
+    assert at(10000) == pytest.approx(6.0e-3 + 2000 * bus_factor("all_reduce", 2) / 1e6)  # beyond: the fit's busbw
+    # at N=4 the bandwidth part scales with the ring's bus factor, the latency stays
+    assert at(8000, 4) == pytest.approx(2e-4 + (6.0e-3 - 2e-4) * bus_factor("all_reduce", 4) / bus_factor("all_reduce", 2))
+    assert at(8000, 1) == 0.0
+    # no measured sizes (a given calibration): the fit
+    assert measured_call_seconds("all_gather", 5000, 4, [], 2, LINK) == collective_seconds("all_gather", 5000, 4, LINK)
+
+
+def test_a_calibration_times_calls_of_their_own_size():
+    from zeroexp.calibration import Calibration
+    from tests.test_time import calibration_data
+
+    data = calibration_data()
+    data["collectives"]["all_gather"]["sizes"] = [{"bytes": b, "seconds": 1.0, "mean_s": t} for b, t in TABLE]
+    seconds = Calibration("given", data).seconds_at(2)
+    assert seconds("all_gather", 3000, 2) == pytest.approx(2 * 1.75e-3)  # two calls of 1500 B
+    assert seconds("all_gather", 3000, 1) == pytest.approx(2.5e-3)  # one call of 3000 B
+    assert seconds("all_gather", 3000, 0) == 0.0
+
+
+def test_the_wake_curve():
+    w = WakeCurve((0.0, 1e-3, 4e-3, 16e-3), (0.0, 1e-3, 3e-3, 2e-3))  # 4 and 16 ms pooled to 2.5 ms
+    assert w(0.0) == 0.0 and w(-1.0) == 0.0
+    assert w(0.5e-3) == pytest.approx(0.5e-3) and w(1e-3) == pytest.approx(1e-3)
+    assert w(2.5e-3) == pytest.approx(1.75e-3) and w(4e-3) == pytest.approx(2.5e-3) and w(1.0) == pytest.approx(2.5e-3)
+    assert WakeCurve((0.0, 1e-3), (0.0, -1e-4))(1e-3) == 0.0  # noise below zero is no waking
+    assert WakeCurve((), ())(1.0) == 0.0
+
+
+def test_the_channel_wakes_calls_after_their_gaps():
+    w = WakeCurve((0.0, 1.0, 10.0), (0.0, 0.1, 1.0))  # linear 0.1 per second of gap up to 10
+    # no overlap: gaps between issue points, the first one wrapping around the step (10 - 8 + 2 = 4)
+    calls = [(2.0, 2.0, 0, 1.0), (8.0, 8.0, 0, 1.0)]
+    step, woken = channel_step(10.0, calls, overlap=False, wake=w)
+    assert woken == pytest.approx(w(4.0) + w(6.0)) and step == pytest.approx(12.0 + woken)
+    assert simulate_step(10.0, calls, overlap=False) == 12.0  # no curve: no waking
+    # two calls issued together: the second one finds the channel busy (gap 0: no waking)
+    step, woken = channel_step(10.0, [(2.0, 10.0, 0, 1.0), (2.0, 10.0, 1, 1.0)], overlap=False, wake=w)
+    assert woken == pytest.approx(w(10.0))
+    # overlap: the channel's idle wall time, from the previous step's end of the call (3 + its waking) to 10 + 2:
+    # the fixed point e = w(9 - e) = 0.1 (9 - e), e = 9 / 11
+    step, woken = channel_step(10.0, [(2.0, 10.0, 0, 1.0)], overlap=True, wake=w)
+    assert step == 10.0 and woken == pytest.approx(9 / 11) and woken == pytest.approx(w(9.0 - woken))
+
+
+def test_the_framework_per_call_cost_without_the_waking():
+    flat = WakeCurve((0.0, 1e-6), (0.0, 2e-4))  # 0.2 ms for any gap over 1 us
+    assert per_call(1e-3, 2, 1e-3, None) == pytest.approx(5e-4)
+    assert per_call(1e-3, 2, 1e-3, flat) == pytest.approx(3e-4, abs=1e-12)
+    assert per_call(3e-4, 2, 1e-3, flat) == 0.0  # the waking alone accounts for more than the extra
+    assert per_call(-1e-3, 2, 1e-3, None) == 0.0
+    ramp = WakeCurve((0.0, 1e-3), (0.0, 1e-3))  # wake = gap up to 1 ms: 2 x (x + 0.25 ms + x) = 1.5 ms
+    x = per_call(1.5e-3, 2, 0.5e-3, ramp)
+    assert math.isclose(x, 0.25e-3, rel_tol=1e-9)
+
+
+def test_every_rank_pins_the_host_allocator():
+    import platform
+
+    from zeroexp.devices import HOST_ALLOCATOR, pin_host_allocator
+
+    got = pin_host_allocator()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert got == HOST_ALLOCATOR
+    else:
+        assert got is None
