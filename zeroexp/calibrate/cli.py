@@ -130,8 +130,9 @@ def run(cfg: DictConfig) -> Path:
     for op, entry in measured["collectives"].items():
         rows = entry["sizes"]
         fit = fit_link(op, n, [r["bytes"] for r in rows], [r["seconds"] for r in rows])
-        collectives[op] = {"sizes": rows, "cold_bytes": entry.get("cold_bytes"), "fit": {"alpha_s": fit.alpha_s, "busbw_Bps": fit.busbw_Bps,
-                                                   "model": "t = alpha_s + S x bus_factor(op, N) / busbw_Bps"}}
+        collectives[op] = {"sizes": rows, "cold_bytes": entry.get("cold_bytes"),
+                           "fit": {"alpha_s": fit.alpha_s, "busbw_Bps": fit.busbw_Bps,
+                                   "model": "t = alpha_s + S x bus_factor(op, N) / busbw_Bps"}}
     threads = int(measured["threads_per_rank"])
     overlap = overlap_possible(device, int(host["cores"]), n, threads)
     data = {

@@ -23,6 +23,9 @@ collective's time adds to the step. The overlap rules, by what a row's groups ho
 - any other row (DeepSpeed's, the paper's): no rule, every collective is counted exposed (``overlap_comm`` off, as
   zeroexp configures DeepSpeed).
 
+A call issued after the rank computed for a while pays the calibration's waking (:class:`~zeroexp.formulas.time.
+WakeCurve`: the backend's idle threads woken and scheduled again) on top of its own time: :func:`channel_step`.
+
 Activation checkpointing (``activation_checkpointing=full``) adds one more forward of each checkpointed unit inside
 its backward (torch.utils.checkpoint, non-reentrant: the unit's forward is rerun when backward first needs its saved
 tensors): :func:`recompute_seconds`. Gradient accumulation (``grad_accum=K``) runs K micro-batches of forward and
@@ -44,8 +47,8 @@ from zeroexp.formulas.layout import Groups, PlanKnobs, StateLayout, step_collect
 from zeroexp.formulas.paper import Collectives
 from zeroexp.formulas.time import ComputeRate
 
-__all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step", "optimizer_elements",
-           "recompute_seconds", "checkpointed_numel", "micro_batch_slots", "accumulation_repeats"]
+__all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step",
+           "optimizer_elements", "recompute_seconds", "checkpointed_numel", "micro_batch_slots", "accumulation_repeats"]
 
 #: (op, payload bytes S, calls) -> seconds: a calibration's fit, or a network preset's two-level ring.
 CollectiveTime = Callable[[str, float, float], float]
