@@ -120,6 +120,7 @@ def measure_wake(c: Any, device: torch.device) -> dict[str, Any]:
     the trimmed mean per gap less the one at gap 0."""
     a, w = torch.randn(8, 768, device=device), torch.randn(768, 768, device=device)
     buf = torch.ones(max(1, int(c.wake_bytes) // 4), device=device)
+    time_calls(lambda: dist.all_reduce(buf), 10, device)  # warm-up: the first calls of a size set up buffers
     means = []
     for gap_ms in c.wake_gaps_ms:
         own = []
@@ -199,10 +200,10 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
     try:
         from zeroexp.calibrate.framework import measure_framework
 
+        collectives = measure_collectives(c.calibrate, world, device) if world > 1 else {}
         wake = measure_wake(c.calibrate, device) if world > 1 else None
         result = {"threads_per_rank": torch.get_num_threads(), "host_allocator": allocator,
-                  "collectives": measure_collectives(c.calibrate, world, device) if world > 1 else {},
-                  "wake": wake,
+                  "collectives": collectives, "wake": wake,
                   "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),
                   "framework": measure_framework(world, int(c.calibrate.compute_steps), device, wake)}
         dist.barrier()

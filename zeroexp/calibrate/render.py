@@ -57,6 +57,15 @@ def render_table(cal: Calibration, console: Any) -> None:
             v.add_row(what, f"{f[key] * 1e3:.3f} ms")
     v.add_row("copy between warm buffers", f"{f['copy_s_per_byte'] * 1e12:.1f} ps per byte")
     console.print(v)
+    w = d.get("wake")
+    if w:
+        x = Table(title=f"waking: a {_size(w['bytes'])} {w['op']} after compute, less one from a barrier (measured, "
+                        f"trimmed mean of {w['calls']} calls a gap)")
+        for col in ("compute before the call", "call", "extra"):
+            x.add_column(col, justify="right")
+        for gap, mean, extra in zip(w["gaps_s"], w["mean_s"], w["extra_s"]):
+            x.add_row(f"{gap * 1e3:g} ms", f"{mean * 1e3:.3f} ms", f"{extra * 1e3:+.3f} ms")
+        console.print(x)
     console.print(f"overlap: {'possible' if d['overlap']['possible'] else 'none'} ({d['overlap']['why']})")
 
 
