@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = "strategy=ddp,zro,zero2,fsdp_grad_op,fsdp_full prefetch=pre,none".split()
 COMMON = ["world_size=2", "model.width=768"]
-ORDER = ["ddp", "zro", "zero2", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-none"]
+ORDER = ["ddp", "zro", "zero2", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-post", "fsdp_full-none"]
 
 
 def _run(args: list[str]) -> str:
@@ -54,7 +54,9 @@ def table(sweep_dir: Path) -> int:
     for f in sorted(Path(sweep_dir).glob("*/summary.json")):
         s = json.loads(f.read_text())
         t = (s.get("plan") or {}).get("time") or {}
-        name = f.parent.name.split("_mlp_")[0]
+        m = json.loads((f.parent / "manifest.json").read_text())["config"]
+        strategy, prefetch = m["strategy"]["name"], m["prefetch"]["name"]
+        name = f"{strategy}-{prefetch}" if strategy == "fsdp_full" else strategy
         rows.append((name, t))
     rows.sort(key=lambda r: ORDER.index(r[0]) if r[0] in ORDER else len(ORDER))
     print(f"{'cell':16} {'predicted ms':>12} {'measured median ms [95% CI]':>30} {'ratio':>6} "
