@@ -43,8 +43,10 @@ def rank_context() -> Any:
         _CTX = mp.get_context("forkserver")
         # By name: the ranks' module, imported once, not by this one; first zeroexp.deathsig, which makes the
         # forkserver die with this process (each rank dies with the forkserver: zeroexp.worker); then every
-        # strategy adapter, which a rank would otherwise import afresh in each cell.
-        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker", "zeroexp.strategies._preload"])
+        # strategy adapter, which a rank would otherwise import afresh in each cell; last what else a rank imports,
+        # with the objects of every import frozen once for all ranks (zeroexp.rank_preload).
+        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker", "zeroexp.strategies._preload",
+                                     "zeroexp.rank_preload"])
     return _CTX
 
 
