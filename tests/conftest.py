@@ -22,12 +22,20 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cli import CONF_DIR, register
+from zeroexp.launch import FORKSERVER_PRELOAD, rank_context
 from zeroexp.runner import CellResult, run_cell
 
 # One intra-op thread in the test process, as each rank of a cell on this 2-core machine has (zeroexp.worker): with
 # two, the in-process tests' small torch ops spin-waited for a descheduled peer thread whenever the cores were busy
 # (test_reference_arithmetics_differ_by_rounding_only: 179 s with two threads, 1.5 s with one, run one after the other on the same loaded host).
 torch.set_num_threads(1)
+
+# The suite runs about 30 DeepSpeed cells: its ranks' forkserver imports DeepSpeed once, before the freeze of
+# zeroexp.rank_preload (last), where each rank of each DeepSpeed cell imported it (its muon optimizer module compiles
+# with torch.compile's machinery: 1.0 s of a 2.9 s rank, quiet host). A user's forkserver does not: a single cell
+# would wait for it. DeepSpeed is an optional extra: without it, the forkserver skips the name.
+rank_context().set_forkserver_preload([*FORKSERVER_PRELOAD[:-1], "deepspeed.runtime.zero.muon.muon_optimizer",
+                                       FORKSERVER_PRELOAD[-1]])
 
 #: Shrinks every test cell: no W&B unless a test asks for it, a small 8-layer Linear stack, few steps.
 BASE = ("logger=none", "model.width=64", "steps=10", "warmup_steps=3")

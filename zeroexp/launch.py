@@ -29,9 +29,14 @@ from typing import Any, Callable
 from zeroexp.errors import one_line
 from zeroexp.results import read_json
 
-__all__ = ["LaunchResult", "launch_local", "free_port", "start_forkserver", "rank_context"]
+__all__ = ["FORKSERVER_PRELOAD", "LaunchResult", "launch_local", "free_port", "start_forkserver", "rank_context"]
 
 _CTX: Any = None
+#: What the ranks' forkserver imports before it forks a rank, in order: first zeroexp.deathsig, which makes the
+#: forkserver die with this process (each rank dies with the forkserver: zeroexp.worker); then the ranks' module and
+#: every strategy adapter, which a rank would otherwise import afresh in each cell; last what else a rank imports,
+#: with the objects of every import frozen once for all ranks (zeroexp.rank_preload).
+FORKSERVER_PRELOAD = ("zeroexp.deathsig", "zeroexp.worker", "zeroexp.strategies._preload", "zeroexp.rank_preload")
 
 
 def rank_context() -> Any:
@@ -41,10 +46,7 @@ def rank_context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # By name: the ranks' module, imported once, not by this one; first zeroexp.deathsig, which makes the
-        # forkserver die with this process (each rank dies with the forkserver: zeroexp.worker); then every
-        # strategy adapter, which a rank would otherwise import afresh in each cell.
-        _CTX.set_forkserver_preload(["zeroexp.deathsig", "zeroexp.worker", "zeroexp.strategies._preload"])
+        _CTX.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # by name: imported there, not by this process
     return _CTX
 
 
