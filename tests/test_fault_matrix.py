@@ -67,12 +67,21 @@ def wait_until_gone(sid: int, within_s: float) -> list[int]:
     return left
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: Ctrl-C's default disposition and no blocked signals, as a shell's foreground job
+    starts (the test process may hold SIGINT ignored or blocked from an earlier test's machinery; a CI run saw the
+    ctrl_c row's cell train on through the signal for 60 s, once)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
 def start_cli(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
     """``python -m zeroexp`` on a long 2-rank cell, in its own session; returns once its ranks exist."""
     cell = tmp_path / "cell"
     proc = subprocess.Popen([sys.executable, "-m", "zeroexp", "logger=none", "world_size=2", "model.width=32",
                              "steps=100000", f"hydra.run.dir={cell}", *args], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal)
     deadline, pids = time.monotonic() + 120, []
     while time.monotonic() < deadline and not pids:
         time.sleep(0.2)

@@ -53,9 +53,14 @@ def stop_on_signals() -> Iterator[None]:
 
     handler._zeroexp = True  # type: ignore[attr-defined]
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    # A signal mask is inherited through fork and exec: a parent that happened to block these (e.g. while it
+    # spawned a helper process) would leave the run, its forkserver and its ranks deaf to them. Unblocked here, for
+    # this thread and every process started from it; the caller's mask is restored on exit.
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *STOP_SIGNALS})
     try:
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for s, h in previous.items():
             signal.signal(s, h)
 
