@@ -43,7 +43,7 @@ class SweepConfig:
     compute_steps: int = 30
     wake_gaps_ms: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
     wake_bytes: int = 65536
-    wake_calls: int = 60
+    wake_calls: int = 120
 
 
 @dataclass

@@ -28,6 +28,8 @@ from zeroexp.formulas import bus_factor
 
 __all__ = ["message_sizes", "rank_main", "cache_bytes", "MAX_BUFFERS"]
 
+#: Rounds the wake curve's calls are spread over (each round visits every gap).
+WAKE_ROUNDS = 6
 #: Buffers a size's calls rotate over at most (4 KiB calls: 64 x 4 KiB, warm anyway in a step's small tensors).
 MAX_BUFFERS = 64
 
@@ -116,26 +118,31 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
 def measure_wake(c: Any, device: torch.device) -> dict[str, Any]:
     """A collective's cost after the rank computed for a while (:class:`~zeroexp.formulas.WakeCurve`): per gap of
     ``wake_gaps_ms``, ``wake_calls`` calls of an all_reduce of ``wake_bytes``, each after a barrier and then that
-    long of compute (matmuls of a unit's shape, as a step computes between its collectives), the slowest rank's;
+    long of compute (matmuls of a unit's shape, as a step computes between its collectives), the slowest rank's, in
+    :data:`WAKE_ROUNDS` rounds over every gap (gap 0, the baseline, measured in the same windows as the others);
     the trimmed mean per gap less the one at gap 0."""
     a, w = torch.randn(8, 768, device=device), torch.randn(768, 768, device=device)
     buf = torch.ones(max(1, int(c.wake_bytes) // 4), device=device)
     time_calls(lambda: dist.all_reduce(buf), 10, device)  # warm-up: the first calls of a size set up buffers
-    means = []
-    for gap_ms in c.wake_gaps_ms:
-        own = []
-        for _ in range(int(c.wake_calls)):
-            dist.barrier()
-            sync(device)
-            t0 = time.perf_counter()
-            while (time.perf_counter() - t0) * 1e3 < float(gap_ms):
-                a @ w
+    gaps = [float(g) for g in c.wake_gaps_ms]
+    own: dict[float, list[float]] = {g: [] for g in gaps}
+    rounds = min(WAKE_ROUNDS, int(c.wake_calls))
+    for r in range(rounds):  # rounds over every gap: a gap's calls come from windows apart, as the sizes'
+        for gap_ms in gaps:
+            for _ in range(int(c.wake_calls) // rounds + (r < int(c.wake_calls) % rounds)):
+                dist.barrier()
                 sync(device)
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            sync(device)
-            own.append(time.perf_counter() - t0)
-        t = torch.tensor(own, dtype=torch.float64, device=device)
+                t0 = time.perf_counter()
+                while (time.perf_counter() - t0) * 1e3 < gap_ms:
+                    a @ w
+                    sync(device)
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                sync(device)
+                own[gap_ms].append(time.perf_counter() - t0)
+    means = []
+    for gap_ms in gaps:
+        t = torch.tensor(own[gap_ms], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         means.append(trimmed_mean(t.tolist()))
     zero = means[0]
