@@ -72,6 +72,10 @@ def test_the_channel_wakes_calls_after_their_gaps():
     # the fixed point e = w(9 - e) = 0.1 (9 - e), e = 9 / 11
     step, woken = channel_step(10.0, [(2.0, 10.0, 0, 1.0)], overlap=True, wake=w)
     assert step == 10.0 and woken == pytest.approx(9 / 11) and woken == pytest.approx(w(9.0 - woken))
+    # a steep curve (slope 4 below 0.25 s), the channel busy most of the step: e = w(0.1 - e) = 4 (0.1 - e) = 0.08
+    steep = WakeCurve((0.0, 0.25, 16.0), (0.0, 1.0, 1.0))
+    step, woken = channel_step(1.0, [(0.0, 1.0, 0, 0.9)], overlap=True, wake=steep)
+    assert woken == pytest.approx(0.08) and step == pytest.approx(1.0)
 
 
 def test_the_framework_per_call_cost_without_the_waking():
@@ -83,6 +87,9 @@ def test_the_framework_per_call_cost_without_the_waking():
     ramp = WakeCurve((0.0, 1e-3), (0.0, 1e-3))  # wake = gap up to 1 ms: 2 x (x + 0.25 ms + x) = 1.5 ms
     x = per_call(1.5e-3, 2, 0.5e-3, ramp)
     assert math.isclose(x, 0.25e-3, rel_tol=1e-9)
+    # back to back (ZeroRedundancyOptimizer's broadcasts): only the first waits on the step's compute;
+    # 3 x + wake(1 ms + x) + 2 wake(x) = 3 x + 1 ms + 2 x = 2 ms: x = 0.2 ms
+    assert math.isclose(per_call(2e-3, 3, 1e-3, ramp, back_to_back=True), 0.2e-3, rel_tol=1e-9)
 
 
 def test_every_rank_pins_the_host_allocator():

@@ -37,7 +37,8 @@ def _slowest_median(own: list[float], device: torch.device) -> float:
 
 
 def _steps(step: Callable[[], None], steps: int, device: torch.device) -> float:
-    """``steps`` steps after two warm-up steps, each from a barrier; the slowest rank's median seconds."""
+    """``steps`` steps after two warm-up steps, each from a barrier; per step the slowest rank's seconds, their
+    trimmed mean (the statistic of the calls subtracted from it, :func:`_one_call`)."""
     own = []
     for i in range(steps + 2):
         dist.barrier()
@@ -46,7 +47,9 @@ def _steps(step: Callable[[], None], steps: int, device: torch.device) -> float:
         sync(device)
         if i >= 2:
             own.append(time.perf_counter() - t0)
-    return _slowest_median(own, device)
+    t = torch.tensor(own, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return trimmed_mean(t.tolist())
 
 
 def _tiny(device: torch.device) -> nn.Module:
@@ -113,16 +116,22 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
                          - TINY_UNITS * raw["reduce_scatter_unit_s"], fsdp_calls),
     }
     raw.update({f"{k}_measured": e / n for k, (e, n) in extra.items()})  # before the calls' waking is taken out
-    return {**{k: per_call(e, n, raw["bare_step_s"], wake) for k, (e, n) in extra.items()}, "raw": raw}
+    back_to_back = {"zro_broadcast_s"}  # issued one after another after the step: only the first waits on compute
+    return {**{k: per_call(e, n, raw["bare_step_s"], wake, k in back_to_back) for k, (e, n) in extra.items()},
+            "raw": raw}
 
 
-def per_call(extra_s: float, calls: int, compute_s: float, wake: WakeCurve | None) -> float:
+def per_call(extra_s: float, calls: int, compute_s: float, wake: WakeCurve | None,
+             back_to_back: bool = False) -> float:
     """The wrapper's own seconds per call ``x``: its ``calls`` calls' share of ``extra_s`` once each call's waking
-    is taken out, ``calls x (x + wake(compute_s / calls + x)) = extra_s`` (the gap before a call: the step's compute
-    spread over its calls plus the wrapper's own work; :class:`~zeroexp.formulas.WakeCurve`), by bisection; 0 where
-    the waking alone accounts for it (or noise made ``extra_s`` negative)."""
+    is taken out, ``calls x x + sum of wake(gap) = extra_s`` (:class:`~zeroexp.formulas.WakeCurve`), by bisection;
+    0 where the waking alone accounts for it (or noise made ``extra_s`` negative). The gaps as the step model has
+    them (:func:`~zeroexp.formulas.channel_step`): each call after ``compute_s / calls`` of the step's compute plus
+    the wrapper's own work ``x``; ``back_to_back`` (ZeroRedundancyOptimizer's broadcasts after the step): the first
+    after the step's compute, each other after the wrapper's work alone."""
     def f(x: float) -> float:
-        return calls * (x + (wake(compute_s / calls + x) if wake else 0.0)) - extra_s
+        gaps = ([compute_s + x] + [x] * (calls - 1)) if back_to_back else [compute_s / calls + x] * calls
+        return calls * x + (sum(wake(g) for g in gaps) if wake else 0.0) - extra_s
 
     if f(0.0) >= 0:
         return 0.0

@@ -228,14 +228,22 @@ def channel_step(compute_s: float, calls: list[tuple[float, float, int, float]],
             wall = max([wall] + [done[i] for i in done if calls[i][1] <= q])
         return max([wall, *done.values()]), woken, first_start, channel
 
-    step, woken, first, last = run(0.0)
-    extra = 0.0
-    for _ in range(8 if order else 0):  # the first call's idle gap wraps around, from the previous step's last
-        want = cost(first + step - last)  # call's end, which its own waking moves: iterate to the fixed point
-        if abs(want - extra) < 1e-12:
-            break
-        extra = want
-        step, woken, first, last = run(extra)
+    if not order:
+        return run(0.0)[:2]
+
+    def excess(extra: float) -> float:  # the first call's idle gap wraps around, from the previous step's last
+        step, _, first, last = run(extra)  # call's end, which its own waking moves
+        return cost(first + step - last) - extra
+
+    # The fixed point e = wake(gap(e)): gap(e) does not grow with e, so excess falls from >= 0 at 0 to <= 0 at the
+    # curve's largest value; bisection, as a steep curve makes plain iteration oscillate.
+    low, high = 0.0, max(cost(first) for first in (0.0, 1e9))
+    if excess(high) >= 0:
+        low = high
+    for _ in range(60 if low < high else 0):
+        mid = (low + high) / 2
+        low, high = (mid, high) if excess(mid) > 0 else (low, mid)
+    step, woken, _, _ = run(low)
     return step, woken
 
 
