@@ -255,7 +255,8 @@ def _op_seconds(op: str, entry: dict, share: float, seconds_of: CollectiveTime,
     parts = entry.get("groups") if group_seconds is not None else None
     if not parts:
         return seconds_of(op, entry["payload_bytes"] * share, 1 if one_call else entry["count"] * share)
-    return sum(group_seconds(dim, int(g["size"]))(op, g["payload_bytes"] * share, g["count"] * share)
+    return sum(group_seconds(dim, int(g["size"]))(op, g["payload_bytes"] * share,
+                                                  1 if one_call and g["count"] == entry["count"] else g["count"] * share)
                for dim, g in parts.items())
 
 
