@@ -222,6 +222,8 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
     assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
     assert data["framework"]["copy_s_per_byte"] > 0 and "barrier" in data["method"]
+    raw = data["framework"]["raw"]  # each wrapper's step, the step it is compared with and its calls, side by side
+    assert all(raw[f"{w}_{part}"] > 0 for w in ("ddp", "zro", "fsdp1") for part in ("step_s", "base_step_s", "calls_s"))
     assert find_calibration("gloo", 2, tmp_path).path == str(path)
     result = cell("strategy=zero2", "world_size=2", f"calibration={path}")
     summary = json.loads((Path(result.cell_dir) / "summary.json").read_text())

@@ -222,7 +222,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                     b.work.wait()
                     b.work, b.ready = None, 0
                     b.grad_shard.add_(b.shard(b.grad))
-                    _release_grad_buffer(b)
+                    _release_grad_buffer(b, reduced=True)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -242,7 +242,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             shard = b.shard(b.grad)  # the summed gradient of shard r, in the bucket's full gradient buffer
             if s.stage == 2:  # keep the shard (added to the micro-batches' before it), release the full gradient
                 shard = b.grad_shard.add_(shard)
-                _release_grad_buffer(b)
+                _release_grad_buffer(b, reduced=True)
             b.master.grad = shard.float().div_(divisor)  # fp32 compute: in place, the shard becomes the average
         update = True
         if s.clip_grad_norm is not None or s.loss_scale is not None:
@@ -343,8 +343,12 @@ def _attach_grad_buffer(b: Bucket) -> None:
         p.grad = view
 
 
-def _release_grad_buffer(b: Bucket) -> None:
-    """Drop the bucket's full gradient buffer and every ``.grad`` viewing it (stage 2)."""
+def _release_grad_buffer(b: Bucket, reduced: bool = False) -> None:
+    """Drop the bucket's full gradient buffer and every ``.grad`` viewing it (stage 2). ``reduced``: its reduction
+    was waited for, so its bytes are freed now (the storage resized to 0, as FSDP frees its unsharded buffers): the
+    finished work object still references the tensor, and gloo's worker thread drops it at a moment of its own."""
+    if reduced and b.grad is not None:
+        b.grad.untyped_storage().resize_(0)
     b.grad = None
     for p in b.params:
         p.grad = None

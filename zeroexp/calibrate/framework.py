@@ -73,11 +73,44 @@ def _one_call(fn: Callable[[], None], calls: int, device: torch.device) -> float
     return trimmed_mean(time_calls(fn, calls, device))
 
 
+def _paired(wrapped: Callable[[], None], base: Callable[[], None], calls: list[Callable[[], None]], steps: int,
+            device: torch.device) -> dict[str, float]:
+    """The wrapper's seconds beyond ``base`` and ``calls`` (each call timed alone from a barrier, summed), measured
+    side by side: per round the wrapped step, the base step and each call, each from a barrier, the slowest rank's
+    each; the trimmed mean over ``steps`` rounds (after two warm-up rounds) of the round's difference, and of each
+    part. Taken in the same round, the three see the same regime of this host (timed in separate windows, the
+    difference of FSDP1's 29 ms tiny step and its 24 calls moved 0.09-0.77 ms a call between calibrations)."""
+    parts: dict[str, list[float]] = {"wrapped": [], "base": [], "calls": []}
+    for i in range(steps + 2):
+        times = []
+        for fn in (wrapped, base):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        alone = 0.0
+        for call in calls:
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            sync(device)
+            alone += time.perf_counter() - t0
+        if i >= 2:
+            for k, v in zip(parts, (*times, alone)):
+                parts[k].append(v)
+    t = torch.tensor([parts[k] for k in parts], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per round and part, the slowest rank's
+    wrapped_s, base_s, calls_s = t.tolist()
+    return {"extra_s": trimmed_mean([w - b - c for w, b, c in zip(wrapped_s, base_s, calls_s)]),
+            "wrapped_s": trimmed_mean(wrapped_s), "base_s": trimmed_mean(base_s), "calls_s": trimmed_mean(calls_s)}
+
+
 def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | None) -> dict[str, Any]:
     """Per call of DDP's bucket all_reduce, ZeroRedundancyOptimizer's broadcast and FSDP1's all_gather /
     reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear): the wrapper's tiny step less the bare tiny step
-    (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same payload, less each call's
-    waking after the compute before it (:func:`per_call`)."""
+    (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same payload, side by side
+    (:func:`_paired`), less each call's waking after the compute before it (:func:`per_call`)."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -87,38 +120,40 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
     def adamw(params: Any) -> Any:
         return torch.optim.AdamW(params, lr=1e-3)
 
-    raw: dict[str, float] = {}
     bare = _tiny(device)
-    raw["bare_step_s"] = _steps(_train_step(bare, adamw(bare.parameters()), device), steps, device)
+    bare_step = _train_step(bare, adamw(bare.parameters()), device)
     ddp = DDP(_tiny(device))
-    raw["ddp_step_s"] = _steps(_train_step(ddp, adamw(ddp.parameters()), device), steps, device)
+    ddp_step = _train_step(ddp, adamw(ddp.parameters()), device)
     zro = DDP(_tiny(device))
     zopt = ZeroRedundancyOptimizer(list(zro.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
-    raw["zro_step_s"] = _steps(_train_step(zro, zopt, device), steps, device)
+    zro_step = _train_step(zro, zopt, device)
     fsdp = FSDP(_tiny(device), sharding_strategy=ShardingStrategy.FULL_SHARD,
                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
                 device_id=device)
-    raw["fsdp1_step_s"] = _steps(_train_step(fsdp, adamw(fsdp.parameters()), device), steps, device)
+    fsdp_step = _train_step(fsdp, adamw(fsdp.parameters()), device)
 
     unit = TINY_WIDTH * TINY_WIDTH
     full = torch.ones(unit * TINY_UNITS, device=device)
     one, chunk = torch.ones(unit, device=device), torch.ones(unit // world, device=device)
-    raw["all_reduce_model_s"] = _one_call(lambda: dist.all_reduce(full), steps, device)
-    raw["broadcast_unit_s"] = _one_call(lambda: dist.broadcast(one, src=0), steps, device)
-    raw["all_gather_unit_s"] = _one_call(lambda: all_gather(one, chunk), steps, device)
-    raw["reduce_scatter_unit_s"] = _one_call(lambda: reduce_scatter(chunk, one), steps, device)
-    broadcasts = TINY_UNITS  # one per parameter, from its owner (parameters_as_bucket_view off)
-    fsdp_calls = 3 * TINY_UNITS  # FULL_SHARD, no root parameters: two all_gathers and one reduce_scatter a unit
-    extra = {  # (the wrapper's seconds beyond the bare step and its calls alone, its calls)
-        "ddp_bucket_s": (raw["ddp_step_s"] - raw["bare_step_s"] - raw["all_reduce_model_s"], 1),  # one bucket
-        "zro_broadcast_s": (raw["zro_step_s"] - raw["ddp_step_s"] - broadcasts * raw["broadcast_unit_s"], broadcasts),
-        "fsdp1_call_s": (raw["fsdp1_step_s"] - raw["bare_step_s"] - 2 * TINY_UNITS * raw["all_gather_unit_s"]
-                         - TINY_UNITS * raw["reduce_scatter_unit_s"], fsdp_calls),
+    owners = [min(k * world // TINY_UNITS, world - 1) for k in range(TINY_UNITS)]  # each parameter from its owner
+    broadcasts = [lambda src=src: dist.broadcast(one, src=src) for src in owners]  # parameters_as_bucket_view off
+    fsdp_calls = ([lambda: all_gather(one, chunk)] * TINY_UNITS  # FULL_SHARD, no root parameters: per unit two
+                  + [lambda: all_gather(one, chunk), lambda: reduce_scatter(chunk, one)] * TINY_UNITS)  # gathers, one
+    runs = {  # (the wrapper's step, the step it is compared with, its calls): the wrapper's seconds beyond them
+        "ddp_bucket_s": (ddp_step, bare_step, [lambda: dist.all_reduce(full)]),  # one bucket
+        "zro_broadcast_s": (zro_step, ddp_step, broadcasts),
+        "fsdp1_call_s": (fsdp_step, bare_step, fsdp_calls),  # reduce_scatter
     }
-    raw.update({f"{k}_measured": e / n for k, (e, n) in extra.items()})  # before the calls' waking is taken out
+    raw: dict[str, float] = {}
+    for key, (wrapped, base, calls) in runs.items():
+        got = _paired(wrapped, base, calls, steps, device)
+        name = key.split("_")[0]
+        raw.update({f"{name}_step_s": got["wrapped_s"], f"{name}_base_step_s": got["base_s"],
+                    f"{name}_calls_s": got["calls_s"], f"{key}_measured": got["extra_s"] / len(calls)})
     back_to_back = {"zro_broadcast_s"}  # issued one after another after the step: only the first waits on compute
-    return {**{k: per_call(e, n, raw["bare_step_s"], wake, k in back_to_back) for k, (e, n) in extra.items()},
-            "raw": raw}
+    bare_s = raw["fsdp1_base_step_s"]  # the bare tiny step's compute, before each call's waking
+    return {**{k: per_call(raw[f"{k}_measured"] * len(calls), len(calls), bare_s, wake, k in back_to_back)
+               for k, (_, _, calls) in runs.items()}, "raw": raw}
 
 
 def per_call(extra_s: float, calls: int, compute_s: float, wake: WakeCurve | None,

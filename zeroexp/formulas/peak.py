@@ -81,7 +81,8 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
 
 def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
                 optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
-                in_place: StepTrace | None = None, master_grads: int = 0, gather_inputs: int = 0) -> dict[str, dict]:
+                in_place: StepTrace | None = None, master_grads: int = 0, gather_inputs: int = 0,
+                reduce_copies: bool = False) -> dict[str, dict]:
     """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
@@ -95,7 +96,11 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     ``in_place`` and ``bucket`` flows take instead of ``trace``'s less its gradients (they differ where activation
     checkpointing recomputes; ``trace`` still says when each bucket opens). Below fp32
     (:mod:`zeroexp.formulas.peak_precision`): ``master_grads``, the fp32 up-casts alive through the update;
-    ``gather_inputs``, steady's all-gather inputs, freed in forward before its peak (every phase's figure less them)."""
+    ``gather_inputs``, steady's all-gather inputs, freed in forward before its peak (every phase's figure less them).
+    ``reduce_copies`` (``in_place`` and ``bucket``; gloo's reduce_scatter): waiting for a bucket's reduce-scatter in the
+    step hands back gloo's reduced copy of the whole bucket (its ``split`` and ``copy_`` into the shard run on the
+    waiting thread, in the update region: optimizer state), alive beside the buckets not yet released; the step waits
+    for the buckets in definition order (the reverse of ``buckets``)."""
     if flow not in ("new", "in_place", "bucket"):
         raise ValueError(f"unknown gradient flow {flow!r}")
     forward = [s for s in trace.segments if s.phase == "forward"]
@@ -126,11 +131,14 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
         before = s.end_by_category.get("gradients", 0)
     out["backward"] = best
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
-    held = sum(buckets) if flow == "bucket" else 0
     # What the update region allocates is labelled optimizer state by the memory probe: the up-casts too.
-    out["optimizer"] = ({"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}
-                        if temps + master_grads >= held else
-                        {"bytes": held, "by_category": {"comm": held}})
+    candidates = [{"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}]
+    waits = buckets[::-1]  # the step's order
+    for j, size in enumerate(waits):  # at bucket j's wait: the buckets not released yet (bucket), gloo's copy of j
+        held = sum(waits[j:]) if flow == "bucket" else 0
+        copy = size if reduce_copies and flow != "new" else 0
+        candidates.append({"bytes": held + copy, "by_category": {"comm": held, "optimizer_state": copy}})
+    out["optimizer"] = max(candidates, key=lambda rec: rec["bytes"])  # ties: AdamW's
     for rec in out.values():
         rec["bytes"] -= gather_inputs  # labelled optimizer state: the update region allocated them
         cats = _add(rec["by_category"], {"optimizer_state": -gather_inputs})

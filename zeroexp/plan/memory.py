@@ -119,20 +119,23 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
                    in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20,
-                   terms: PrecisionTerms | None = None) -> dict[str, dict]:
+                   terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter") -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's. ``trace``: the bare step (checkpointed
     when the cell is: its segments then hold each unit's input in forward and its recompute in backward; DeepSpeed
     rows: :func:`trace_for`'s); ``in_place``: the same with its gradients allocated before it (:func:`step_traces`);
     ``micro_batches``: ``grad_accum``, each phase the highest over them (:mod:`zeroexp.formulas.accumulation`);
     ``bucket_cap_bytes``: ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket; ``terms``: how the row applies the
-    precision (:func:`cell_precision_terms`; None: fp32)."""
+    precision (:func:`cell_precision_terms`; None: fp32); ``reduce``: zeroexp's ZeRO's ``strategy.reduce`` (on gloo
+    a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`)."""
     if name in DS_ROWS:
         return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
     terms = terms or precision_terms(flow_of(name), "fp32", "float32", itemsize)
     if name in FSDP1_ROWS or name in FSDP2_ROWS:
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches)
     st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms)
+    if name in ("zero1", "zero2"):
+        st["reduce_copies"] = gloo and reduce == "reduce_scatter"
     return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, in_place=in_place, **st)
 
 
@@ -222,7 +225,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
     predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                               micro_batches, in_place, cap, terms)
+                               micro_batches, in_place, cap, terms, str(cfg.strategy.get("reduce", "reduce_scatter")))
     late = _late_free(name, groups, itemsize, gloo)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
@@ -327,11 +330,11 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
 
 
 def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str, list[tuple[str, int]]]:
-    """Per phase, the tensors of which gloo may free one late (CPU cells), each with its bytes. zeroexp's ZeRO-2
-    releases a bucket's full gradient in the step before the update, while gloo's finished reduce work may still hold
-    it through AdamW's temporaries; below fp32 its forward (ZeRO-1's too) a bucket's all-gather input, which the
-    next forward drops when it waits for the bucket. FSDP1's and FSDP2's backward: a unit's reduce-scatter input,
-    gloo's copy of it or its output; FSDP2's forward: a unit's all-gather input or output (gloo frees them when the
+    """Per phase, the tensors of which gloo may free one late (CPU cells), each with its bytes. zeroexp's ZeRO-1
+    and ZeRO-2 below fp32: in forward a bucket's all-gather input, which the
+    next forward drops when it waits for the bucket; their optimizer step: the reduced copy of a bucket gloo's
+    reduce_scatter hands back at its wait (the model counts it at the wait), held on by gloo's work. FSDP1's and FSDP2's backward and optimizer step: a unit's
+    reduce-scatter input, gloo's copy of it or its output; FSDP2's forward: a unit's all-gather input or output (gloo frees them when the
     work object goes, which may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
         return {}
@@ -341,18 +344,19 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str
         late = {"forward": [(f"bucket {k}'s all-gather input (its fp32 master shard cast to the compute dtype)",
                              s.numel // groups.world_size * itemsize) for k, s in enumerate(groups.shards)
                             if itemsize < 4]}  # fp32: the master itself, no tensor of the all-gather's own
-        if name == "zero2":
-            late["optimizer"] = [(f"bucket {k}'s full gradient buffer, the input of its async reduce",
-                                  s.numel * itemsize) for k, s in enumerate(groups.shards)]
-        else:  # zero1's buckets live across steps; gloo's reduce_scatter works on a copy of one (seen under load)
-            late["optimizer"] = [(f"bucket {k}'s copy gloo's reduce_scatter made of its full gradient",
-                                  s.numel * itemsize) for k, s in enumerate(groups.shards)]
+        # the reduced copy of a bucket gloo's reduce_scatter hands back at its wait (modelled at the wait) goes with
+        # gloo's work object, which gloo's worker thread may still hold through AdamW's update
+        late["optimizer"] = [(f"bucket {k}'s copy gloo's reduce_scatter made of its full gradient",
+                              s.numel * itemsize) for k, s in enumerate(groups.shards)]
         return {ph: v for ph, v in late.items() if v}
     if (name in FSDP1_ROWS or name in FSDP2_ROWS) and groups.units:
         n = groups.shard_over
         sizes = sorted({u.numel * itemsize for u in groups.units} | {u.numel // n * itemsize for u in groups.units})
-        late = {"backward": [("one unit's reduce-scatter tensor (its unsharded gradient, gloo's copy of it, or its "
-                              "sharded output)", b) for b in sizes]}
+        unit = [("one unit's reduce-scatter tensor (its unsharded gradient, gloo's copy of it, or its sharded "
+                 "output)", b) for b in sizes]
+        # the last units' reductions are waited for at backward's end: gloo's work may hold one into the update
+        # (measured once in the suite: fsdp_hybrid N=4, a unit's unsharded gradient through AdamW)
+        late = {"backward": unit, "optimizer": unit}
         if name in FSDP2_ROWS:  # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
             late["forward"] = [("one unit's all-gather input (a shard copied in) or output", b) for b in sizes]
         return late

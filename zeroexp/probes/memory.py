@@ -30,6 +30,7 @@ Sources (``memory.source`` names the one used):
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 import pandas as pd
@@ -55,6 +56,8 @@ PEAK_MEANING = (
 #: the update, and what a strategy does inside it: zero1/zero2's reduce-scatter and all-gather, DeepSpeed's
 #: ``engine.step``; ends at ``on_train_batch_end``). A phase whose hook never fires merges into the next.
 LAST_PHASE = PHASES[-1]
+#: The longest the memory probe waits at a tracked step's end for what gloo's worker threads still hold (``_settle``).
+SETTLE_S = 0.2
 
 
 class _Collector:
@@ -201,6 +204,7 @@ class _TensorTracker:
         self._mt.track_external(*tensors)  # as "other"; the model and optimizers below re-label theirs
         del tensors  # the tracker holds weak references only: freed storages must leave the count
         self._mt.track_external(model, *_trackable(self._optimizers))
+        self._start = self._held_bytes()  # the previous step's boundary, as registered
         self._mt.__enter__()
 
     def before_optimizer_update(self) -> None:
@@ -229,13 +233,31 @@ class _TensorTracker:
     def end(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         mt = self._mt
         self.phase_end(LAST_PHASE)  # collects: storages only kept by reference cycles leave the count now
+        settle_ms = self._settle()
         mt.set_in_optimizer_update(False)
         mt.settle()  # model state wins from here: a reduce-scatter's output kept as the sharded gradient
         mt.track_external(model, *_trackable(self._optimizers))  # label this step's new gradients and optimizer state
         steady, steady_cats = _totals(mt.get_tracker_snapshot("current"), self.device.type)
         peaks = _peak_of_phases({ph: _totals(snap, self.device.type) for ph, (snap, _) in mt.phases.items()})
         self.abort()
-        return {"steady": steady, "steady_categories": steady_cats, **peaks}
+        return {"steady": steady, "steady_categories": steady_cats, "settle_ms": settle_ms, **peaks}
+
+    def _settle(self) -> float:
+        """Wait (at most ``SETTLE_S``) while the rank holds more than at the step's start, activations aside (the
+        step's loss and the loop's copy of it, released after the step's end): a tensor only gloo's worker
+        thread still references (a finished work object's, e.g. the reduced copy a reduce_scatter hands back) is freed
+        when that thread drops the work, which under load came after the step's end (once in CI: steady 128 KiB high).
+        A step after warm-up ends holding what it started with; one that grows (zeroexp's ZeRO below fp32 after a
+        profiled step, which waited for its all-gather inputs) is read after the bound. The milliseconds waited."""
+        t0 = time.perf_counter()
+        while self._held_bytes() > self._start and time.perf_counter() - t0 < SETTLE_S:
+            time.sleep(0.001)  # releases the GIL: the worker thread's release runs the tracker's free callback
+        return round((time.perf_counter() - t0) * 1e3, 3)
+
+    def _held_bytes(self) -> int:
+        """Bytes of the tracked storages alive now, less those labelled activations."""
+        total, cats = _totals(self._mt.get_tracker_snapshot("current"), self.device.type)
+        return total - cats["activations"]
 
     def abort(self) -> None:
         if self._mt is not None:
@@ -355,7 +377,7 @@ class MemoryProbe(Probe):
             top = max(reversed(records), key=lambda rec: rec["peak"])  # ties: the latest, as for steady
             row = {"rank": rank, "steady_bytes": last["steady"], "peak_bytes": top["peak"],
                    "peak_minus_steady_bytes": top["peak"] - last["steady"], "peak_step": top["step"],
-                   "peak_phase": top["peak_phase"]}
+                   "peak_phase": top["peak_phase"], "settle_ms": max(rec.get("settle_ms", 0.0) for rec in records)}
             row.update({f"{ph}_peak_bytes": top["phase_peaks"].get(ph) for ph in PHASES})
             row.update({f"steady_{c}_bytes": b for c, b in last["steady_categories"].items()})
             row.update({f"peak_{c}_bytes": b for c, b in top["peak_categories"].items()})
