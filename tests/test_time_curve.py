@@ -55,6 +55,10 @@ def test_the_wake_curve():
     assert w(0.5e-3) == pytest.approx(0.5e-3) and w(1e-3) == pytest.approx(1e-3)
     assert w(2.5e-3) == pytest.approx(1.75e-3) and w(4e-3) == pytest.approx(2.5e-3) and w(1.0) == pytest.approx(2.5e-3)
     assert WakeCurve((0.0, 1e-3), (0.0, -1e-4))(1e-3) == 0.0  # noise below zero is no waking
+    # a gap-0 baseline measured high is pooled with the gaps beside it (-0.38, -0.45 ms: a calibration's): every
+    # waking is read from the pooled baseline, (0 - 0.38 - 0.45) / 3 ms, not from the one high point
+    high = WakeCurve((0.0, 0.25e-3, 0.5e-3, 1e-3), (0.0, -0.38e-3, -0.45e-3, 0.23e-3))
+    assert high(0.5e-3) == 0.0 and high(1e-3) == pytest.approx(0.23e-3 + 0.83e-3 / 3)
     assert WakeCurve((), ())(1.0) == 0.0
 
 
