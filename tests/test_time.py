@@ -209,10 +209,12 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     for e in data["collectives"].values():
         assert [r["bytes"] for r in e["sizes"]] == [4096, 8192, 16384]
         assert all(r["iters"] >= 2 and r["mean_s"] > 0 for r in e["sizes"])  # min_iters 2, one round
+        assert all(r["burst_iters"] >= 1 and r["burst_mean_s"] > 0 for r in e["sizes"])  # 8 async calls at once
         assert e["fit"]["busbw_Bps"] > 0 and e["fit"]["alpha_s"] >= 0 and e["cold_bytes"] >= 2 * 2**20
     w = data["wake"]
     assert w["gaps_s"] == [0.0, 0.001] and w["calls"] == 3 and len(w["mean_s"]) == 2
     assert w["extra_s"] == [m - w["mean_s"][0] for m in w["mean_s"]]
+    assert len(w["matmuls"]) == 2 and w["matmuls"][0] == 0  # a fixed count of matmuls per gap, the same on each rank
     import platform
 
     from zeroexp.devices import HOST_ALLOCATOR

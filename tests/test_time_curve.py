@@ -106,3 +106,37 @@ def test_every_rank_pins_the_host_allocator():
         assert got == HOST_ALLOCATOR
     else:
         assert got is None
+
+
+def test_an_async_burst_is_timed_by_the_bursts_per_call_cost():
+    """ZeroRedundancyOptimizer's parameter broadcasts (and zeroexp's ZeRO all_gathers of several buckets) are issued
+    together: their slots say so, and a calibration's ``burst_mean_s`` times them; every other call, and a schema 3
+    calibration's bursts, keep the lone call's time."""
+    from tests.test_time import calibration_data
+    from zeroexp.calibration import Calibration
+    from zeroexp.formulas import LAYOUTS, ModelShape, PlanKnobs, collective_slots, derive_groups, predict_step, \
+        step_collectives
+
+    shape = ModelShape(params=((768, 768),) * 8, units=tuple((i,) for i in range(8)), root=(False,) * 8)
+    size = 768 * 768 * 4
+    data = calibration_data()
+    for op in data["collectives"]:  # one measured size around a parameter's: a lone call 1 ms, in a burst 1.5 ms
+        data["collectives"][op]["sizes"] = [{"bytes": size, "seconds": 1e-3, "mean_s": 1e-3, "burst_mean_s": 1.5e-3}]
+    cal = Calibration("given", data)
+    assert cal.seconds_at(2, burst=True)("broadcast", size, 1) == pytest.approx(1.5e-3)
+    assert cal.seconds_at(2)("broadcast", size, 1) == pytest.approx(1e-3)
+    knobs = PlanKnobs(bucket_cap_bytes=100 * 2**20)  # one DDP bucket
+    times = {}
+    for row in ("ddp", "zro"):
+        layout = LAYOUTS[row]
+        groups = derive_groups(row, layout, shape, 2, 4, knobs)
+        coll = step_collectives(layout, groups, 4, knobs)
+        slots, _ = collective_slots(layout, groups, "pre", 1.0, 2.0, 1.0)
+        assert [s.burst for s in slots if s.op == "broadcast"] == [True] * (8 if row == "zro" else 0)
+        assert not any(s.burst for s in slots if s.op != "broadcast")
+        run = lambda **kw: predict_step(layout, groups, coll, cal.rate, 8, cal.seconds_at(2), False, **kw)  # noqa
+        times[row] = run().comm_s, run(burst_seconds=cal.seconds_at(2, burst=True)).comm_s
+    assert times["ddp"][0] == times["ddp"][1]  # no burst in DDP's step
+    assert times["zro"][1] - times["zro"][0] == pytest.approx(8 * 0.5e-3)  # each broadcast 0.5 ms more
+    del data["collectives"]["broadcast"]["sizes"][0]["burst_mean_s"]  # schema 3: no bursts measured
+    assert Calibration("given", data).seconds_at(2, burst=True)("broadcast", size, 1) == pytest.approx(1e-3)

@@ -24,10 +24,12 @@ __all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "machine", "find_calibration"
 #: Where ``python -m zeroexp.calibrate`` writes and cells look (relative to the working directory, like outputs/runs).
 DEFAULT_DIR = Path("outputs") / "calibration"
 #: 2: collectives timed one call at a time from a barrier (1 timed back-to-back loops), and ``framework``;
-#: 3: each size's trimmed mean (``mean_s``, what the model uses) and the ``wake`` curve.
-SCHEMA = 3
-#: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term).
-READS = (2, 3)
+#: 3: each size's trimmed mean (``mean_s``, what the model uses) and the ``wake`` curve; 4: each size's share of an
+#: async burst (``burst_mean_s``), the framework's wrappers measured side by side.
+SCHEMA = 4
+#: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
+#: 2's and 3's no bursts (a burst's call is timed as one alone).
+READS = (2, 3, 4)
 
 
 def machine() -> dict[str, Any]:
@@ -68,19 +70,23 @@ class Calibration:
         fit = self.data["collectives"][op]["fit"]
         return LinkFit(float(fit["alpha_s"]), float(fit["busbw_Bps"]))
 
-    def seconds_at(self, world_size: int) -> Callable[[str, float, float], float]:
+    def seconds_at(self, world_size: int, burst: bool = False) -> Callable[[str, float, float], float]:
         """(op, S, calls) -> seconds at ``world_size`` ranks: ``calls`` calls of S / calls bytes each, every call
         from the op's measured sizes (:func:`~zeroexp.formulas.time.measured_call_seconds`: the measured curve of
         each size's mean (schema 2: median), the
         fit beyond it; at another N scaled by the ring's bus factor); an op never calibrated (reduce, all_to_all)
-        as an all_reduce of its payload (an upper bound for those)."""
+        as an all_reduce of its payload (an upper bound for those). ``burst``: a call's share of an async burst
+        from the sizes measured in bursts (``burst_mean_s``; beyond the largest, the fit's bandwidth), else (schema
+        2 and 3) one call alone."""
         n_cal = int(self.data["world_size"])
 
         def seconds(op: str, payload_bytes: float, calls: float) -> float:
             if world_size <= 1 or calls <= 0:
                 return 0.0  # one rank sends nothing (and an N=1 calibration has no collectives)
             measured = op if op in self.data["collectives"] else "all_reduce"
-            table = [(r["bytes"], r.get("mean_s", r["seconds"])) for r in self.data["collectives"][measured]["sizes"]]
+            rows = self.data["collectives"][measured]["sizes"]
+            bursts = [(r["bytes"], r["burst_mean_s"]) for r in rows if "burst_mean_s" in r] if burst else []
+            table = bursts or [(r["bytes"], r.get("mean_s", r["seconds"])) for r in rows]
             return calls * measured_call_seconds(measured, payload_bytes / calls, world_size, table, n_cal,
                                                  self.link(measured))
         return seconds

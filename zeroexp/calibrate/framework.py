@@ -136,24 +136,28 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
     full = torch.ones(unit * TINY_UNITS, device=device)
     one, chunk = torch.ones(unit, device=device), torch.ones(unit // world, device=device)
     owners = [min(k * world // TINY_UNITS, world - 1) for k in range(TINY_UNITS)]  # each parameter from its owner
-    broadcasts = [lambda src=src: dist.broadcast(one, src=src) for src in owners]  # parameters_as_bucket_view off
+    params = [torch.ones(unit, device=device) for _ in owners]
+
+    def broadcasts() -> None:  # ZeroRedundancyOptimizer._sync_params: every parameter from its owner, async, then
+        for work in [dist.broadcast(p, src=src, async_op=True) for p, src in zip(params, owners)]:  # waited for
+            work.wait()  # (parameters_as_bucket_view off): timed as the burst the model times it as
     fsdp_calls = ([lambda: all_gather(one, chunk)] * TINY_UNITS  # FULL_SHARD, no root parameters: per unit two
                   + [lambda: all_gather(one, chunk), lambda: reduce_scatter(chunk, one)] * TINY_UNITS)  # gathers, one
-    runs = {  # (the wrapper's step, the step it is compared with, its calls): the wrapper's seconds beyond them
-        "ddp_bucket_s": (ddp_step, bare_step, [lambda: dist.all_reduce(full)]),  # one bucket
-        "zro_broadcast_s": (zro_step, ddp_step, broadcasts),
-        "fsdp1_call_s": (fsdp_step, bare_step, fsdp_calls),  # reduce_scatter
+    runs = {  # (the wrapper's step, the step it is compared with, its calls as timed, how many calls that is)
+        "ddp_bucket_s": (ddp_step, bare_step, [lambda: dist.all_reduce(full)], 1),  # one bucket
+        "zro_broadcast_s": (zro_step, ddp_step, [broadcasts], len(owners)),  # one burst
+        "fsdp1_call_s": (fsdp_step, bare_step, fsdp_calls, len(fsdp_calls)),  # reduce_scatter
     }
     raw: dict[str, float] = {}
-    for key, (wrapped, base, calls) in runs.items():
+    for key, (wrapped, base, calls, n) in runs.items():
         got = _paired(wrapped, base, calls, steps, device)
         name = key.split("_")[0]
         raw.update({f"{name}_step_s": got["wrapped_s"], f"{name}_base_step_s": got["base_s"],
-                    f"{name}_calls_s": got["calls_s"], f"{key}_measured": got["extra_s"] / len(calls)})
+                    f"{name}_calls_s": got["calls_s"], f"{key}_measured": got["extra_s"] / n})
     back_to_back = {"zro_broadcast_s"}  # issued one after another after the step: only the first waits on compute
     bare_s = raw["fsdp1_base_step_s"]  # the bare tiny step's compute, before each call's waking
-    return {**{k: per_call(raw[f"{k}_measured"] * len(calls), len(calls), bare_s, wake, k in back_to_back)
-               for k, (_, _, calls) in runs.items()}, "raw": raw}
+    return {**{k: per_call(raw[f"{k}_measured"] * n, n, bare_s, wake, k in back_to_back)
+               for k, (_, _, _, n) in runs.items()}, "raw": raw}
 
 
 def per_call(extra_s: float, calls: int, compute_s: float, wake: WakeCurve | None,

@@ -32,6 +32,12 @@ __all__ = ["message_sizes", "rank_main", "cache_bytes", "MAX_BUFFERS"]
 WAKE_ROUNDS = 6
 #: Buffers a size's calls rotate over at most (4 KiB calls: 64 x 4 KiB, warm anyway in a step's small tensors).
 MAX_BUFFERS = 64
+#: Calls of one async burst (:func:`measure_collectives`' ``burst_mean_s``): ZeroRedundancyOptimizer's 8 parameter
+#: broadcasts of the reference model, issued together after its step.
+BURST = 8
+#: The largest size timed in bursts: above it a call is bandwidth-bound, and a burst's share is taken as one call
+#: alone (the model's :meth:`~zeroexp.calibration.Calibration.seconds_at` reads the lone calls there).
+BURST_MAX_BYTES = 32 * 2**20
 
 
 def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -62,7 +68,8 @@ def cache_bytes(device: torch.device) -> int:
     return max(sizes, default=32 * 2**20) or 32 * 2**20
 
 
-def _call(op: str, nbytes: int, world: int, device: torch.device, cold_bytes: int = 0) -> Callable[[], None]:
+def _call(op: str, nbytes: int, world: int, device: torch.device, cold_bytes: int = 0,
+          async_op: bool = False) -> Callable[[], Any]:
     """Calls of ``op`` with payload S = ``nbytes`` (fp32, rounded down to a multiple of N elements), each on the
     next of enough buffers to span ``cold_bytes`` (at most :data:`MAX_BUFFERS`), so that a call finds its buffer out
     of the cache as a step finds its parameters and gradients (measured on the 2-core host: a 2.25 MiB broadcast
@@ -73,30 +80,44 @@ def _call(op: str, nbytes: int, world: int, device: torch.device, cold_bytes: in
     chunks = [torch.ones(numel // world, dtype=torch.float32, device=device) for _ in range(k)]
     turn = iter(range(2**62))
 
-    def call() -> None:
+    def call() -> Any:
         i = next(turn) % k
         full, chunk = fulls[i], chunks[i]
         if op == "all_reduce":
-            dist.all_reduce(full)
-        elif op == "broadcast":
-            dist.broadcast(full, src=0)
-        elif op == "all_gather":
-            all_gather(full, chunk)
-        else:
-            reduce_scatter(chunk, full)
+            return dist.all_reduce(full, async_op=async_op)
+        if op == "broadcast":
+            return dist.broadcast(full, src=0, async_op=async_op)
+        if op == "all_gather":
+            return all_gather(full, chunk, async_op=async_op)
+        return reduce_scatter(chunk, full, async_op=async_op)
     return call
+
+
+def _burst(op: str, nbytes: int, world: int, device: torch.device, cold_bytes: int) -> Callable[[], None]:
+    """:data:`BURST` async calls of ``op`` issued together, each on its own buffer, then waited for: how a strategy
+    issues calls that nothing separates (ZeroRedundancyOptimizer's parameter broadcasts after its step). On the
+    2-core host gloo's two worker threads then run two at once: 8 broadcasts of 2.25 MiB took 1.0-1.14 ms a call
+    where one alone took 0.75-0.83."""
+    one = _call(op, nbytes, world, device, max(int(cold_bytes), BURST * nbytes), async_op=True)
+
+    def burst() -> None:
+        for work in [one() for _ in range(BURST)]:
+            work.wait()
+    return burst
 
 
 def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, Any]:
     """Per op, per size: S, the time of one call (median and trimmed mean over ``iters`` x ``repeats`` calls, each
-    timed alone from a barrier, the slowest rank's), algbw and busbw in bytes/s. The repeats are rounds over every
+    timed alone from a barrier, the slowest rank's), algbw and busbw in bytes/s; ``burst_mean_s`` (up to :data:`BURST_MAX_BYTES`), a call's
+    share of :data:`BURST` async calls issued together (:func:`_burst`; ``iters / BURST`` bursts a round, at least
+    one). The repeats are rounds over every
     size (a size's calls come from ``repeats`` windows apart, not one: the host's scheduling settles into regimes
     lasting seconds), each call on a buffer out of the cache (:func:`_call`, twice :func:`cache_bytes`)."""
     cold = 2 * cache_bytes(device)
     out: dict[str, Any] = {}
     sizes = message_sizes(c.min_bytes, c.max_bytes)
     for op in c.ops:
-        iters, calls = {}, {n: [] for n in sizes}
+        iters, calls, bursts = {}, {n: [] for n in sizes}, {n: [] for n in sizes}
         for nbytes in sizes:
             first = time_calls(_call(op, nbytes, world, device), 1, device)[0]  # warm-up; every rank agrees on it
             iters[nbytes] = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
@@ -105,11 +126,17 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
                 fn = _call(op, nbytes, world, device, cold)
                 fn()
                 calls[nbytes] += time_calls(fn, iters[nbytes], device)
+                if nbytes <= BURST_MAX_BYTES:
+                    burst = _burst(op, nbytes, world, device, cold)
+                    burst()
+                    bursts[nbytes] += [t / BURST for t in time_calls(burst, max(1, iters[nbytes] // BURST), device)]
         rows = []
         for nbytes in sizes:
             t = statistics.median(calls[nbytes])
             s = max(world, nbytes // 4 // world * world) * 4
             rows.append({"bytes": s, "seconds": t, "mean_s": trimmed_mean(calls[nbytes]), "iters": len(calls[nbytes]),
+                         **({"burst_mean_s": trimmed_mean(bursts[nbytes]), "burst_iters": len(bursts[nbytes])}
+                            if bursts[nbytes] else {}),
                          "algbw_Bps": s / t, "busbw_Bps": s / t * bus_factor(op, world)})
         out[op] = {"sizes": rows, "cold_bytes": cold}
     return out
@@ -118,13 +145,24 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
 def measure_wake(c: Any, device: torch.device) -> dict[str, Any]:
     """A collective's cost after the rank computed for a while (:class:`~zeroexp.formulas.WakeCurve`): per gap of
     ``wake_gaps_ms``, ``wake_calls`` calls of an all_reduce of ``wake_bytes``, each after a barrier and then that
-    long of compute (matmuls of a unit's shape, as a step computes between its collectives), the slowest rank's, in
+    much compute (matmuls of a unit's shape, as a step computes between its collectives; a fixed count per gap, the
+    same on every rank, timed to the gap on the faster rank), the slowest rank's, in
     :data:`WAKE_ROUNDS` rounds over every gap (gap 0, the baseline, measured in the same windows as the others);
     the trimmed mean per gap less the one at gap 0."""
     a, w = torch.randn(8, 768, device=device), torch.randn(768, 768, device=device)
     buf = torch.ones(max(1, int(c.wake_bytes) // 4), device=device)
     time_calls(lambda: dist.all_reduce(buf), 10, device)  # warm-up: the first calls of a size set up buffers
     gaps = [float(g) for g in c.wake_gaps_ms]
+    # A fixed amount of work per gap, the same on every rank, as a step computes between its calls (not a fixed
+    # time): each rank's share of the host then differs as in a step, and the call pays the ranks' skew too.
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        a @ w
+    sync(device)
+    per = torch.tensor([(time.perf_counter() - t0) / 50], dtype=torch.float64, device=device)
+    dist.all_reduce(per, op=dist.ReduceOp.MIN)  # every rank the same count: the faster rank's matmul
+    matmuls = {g: int(round(g / 1e3 / float(per.item()))) for g in gaps}
     own: dict[float, list[float]] = {g: [] for g in gaps}
     rounds = min(WAKE_ROUNDS, int(c.wake_calls))
     for r in range(rounds):  # rounds over every gap: a gap's calls come from windows apart, as the sizes'
@@ -132,10 +170,9 @@ def measure_wake(c: Any, device: torch.device) -> dict[str, Any]:
             for _ in range(int(c.wake_calls) // rounds + (r < int(c.wake_calls) % rounds)):
                 dist.barrier()
                 sync(device)
-                t0 = time.perf_counter()
-                while (time.perf_counter() - t0) * 1e3 < gap_ms:
+                for _ in range(matmuls[gap_ms]):
                     a @ w
-                    sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 dist.all_reduce(buf)
                 sync(device)
@@ -147,6 +184,7 @@ def measure_wake(c: Any, device: torch.device) -> dict[str, Any]:
         means.append(trimmed_mean(t.tolist()))
     zero = means[0]
     return {"op": "all_reduce", "bytes": buf.numel() * 4, "calls": int(c.wake_calls),
+            "matmuls": [matmuls[g] for g in gaps],
             "gaps_s": [float(g) / 1e3 for g in c.wake_gaps_ms], "mean_s": means, "extra_s": [m - zero for m in means]}
 
 

@@ -66,6 +66,7 @@ class Slot(NamedTuple):
     issue_s: float
     need_s: float
     order: int = 0
+    burst: bool = False  # issued async together with the op's other burst slots (timed by the burst's per-call cost)
 
 
 @dataclass(frozen=True)
@@ -156,12 +157,14 @@ def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: floa
     if kind in ("none", "owners"):
         c = _cum([sum(k) for k in groups.buckets])
         slots = [Slot("all_reduce", sum(k), f + b * c[i + 1] / c[-1], end_b) for i, k in enumerate(groups.buckets)]
-        slots += [Slot("broadcast", k, end, end) for k in groups.broadcasts]
+        several = len(groups.broadcasts) > 1  # ZeroRedundancyOptimizer issues them all async, then waits
+        slots += [Slot("broadcast", k, end, end, burst=several) for k in groups.broadcasts]
         return slots, "DDP buckets overlap backward except the last" + (
             "; broadcasts after the step" if groups.broadcasts else "")
     if kind == "buckets":
         c, psi = _cum([sum(e - a for a, e in sh.spans) for sh in groups.shards]), max(groups.numel, 1)
-        slots = [Slot("all_gather", sh.numel, 0.0, f * c[i] / psi) for i, sh in enumerate(groups.shards)]
+        several = len(groups.shards) > 1  # every bucket's all_gather issued async after the step
+        slots = [Slot("all_gather", sh.numel, 0.0, f * c[i] / psi, burst=several) for i, sh in enumerate(groups.shards)]
         for op in ("reduce_scatter", "all_reduce"):
             slots += [Slot(op, sh.numel, f + b * (psi - c[i]) / psi, end_b) for i, sh in enumerate(groups.shards)]
         return slots, "reduce hooks overlap backward; all_gather waited in forward pre-hooks"
@@ -264,7 +267,8 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                  samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre",
                  framework: FrameworkCost | None = None, itemsize: int = 4, checkpointed: int = 0,
                  micro_batches: int = 1, repeats: dict[str, float] | None = None,
-                 group_seconds: GroupTime | None = None, wake: Callable[[float], float] | None = None) -> StepTime:
+                 group_seconds: GroupTime | None = None, wake: Callable[[float], float] | None = None,
+                 burst_seconds: CollectiveTime | None = None) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
     (forward and backward over every parameter, as data parallelism computes the whole model on each rank; AdamW over
     :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
@@ -277,7 +281,9 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     each op's calls (:func:`micro_batch_slots`). ``group_seconds``: where an op's entry names the process groups its
     calls run over (``groups``: hybrid sharding), each group's part is timed at its own size and place; None: every
     call over all ranks (``seconds_of``). ``wake``: each call's extra after its idle gap (a calibration's
-    :class:`~zeroexp.formulas.time.WakeCurve`; None: none, a device preset), in the exposed communication."""
+    :class:`~zeroexp.formulas.time.WakeCurve`; None: none, a device preset), in the exposed communication.
+    ``burst_seconds``: a call's time where its slot is one of an async burst (``Slot.burst``: calls issued together,
+    which the backend runs side by side; a calibration's ``burst_mean_s``); None: ``seconds_of``."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples
     r = recompute_seconds(f, checkpointed, psi)
@@ -299,8 +305,8 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
         one_call = len(mine) == entry["count"]  # a slot per call (per micro-batch where it repeats)
         for s in mine:
             share = s.weight / total
-            calls.append((s.issue_s, s.need_s, s.order,
-                          _op_seconds(op, entry, share, seconds_of, group_seconds, one_call)))
+            timed = burst_seconds if s.burst and burst_seconds is not None else seconds_of
+            calls.append((s.issue_s, s.need_s, s.order, _op_seconds(op, entry, share, timed, group_seconds, one_call)))
     compute = k * (f + b) + o
     step, woken = channel_step(compute, calls, overlap, wake)
     return StepTime(step_s=step, wake_s=woken, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls),

@@ -118,7 +118,7 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
                      checkpointed=checkpointed, micro_batches=knobs.micro_batches,
                      repeats=accumulation_repeats(layout, groups, itemsize, knobs),
                      group_seconds=lambda dim, size: cal.seconds_at(size),  # hybrid: each group at its size
-                     wake=cal.wake)
+                     wake=cal.wake, burst_seconds=cal.seconds_at(int(cfg.world_size), burst=True))
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
                predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
                framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},
