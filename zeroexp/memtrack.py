@@ -24,6 +24,7 @@ model state (a reduce-scatter's output kept as FSDP's sharded gradient) is count
 
 from __future__ import annotations
 
+import threading
 from enum import Enum
 from typing import Any
 
@@ -85,6 +86,10 @@ def step_mem_tracker() -> Any:
     class _StepMemTracker(MemTracker):
         def __init__(self) -> None:
             super().__init__()
+            # The snapshots are also updated from gloo's worker threads: a storage a finished work object held last
+            # is freed there, and MemTracker's weakref callback subtracts it. ``d[k] -= n`` is not atomic across
+            # threads, nor is a snapshot's deepcopy: every update and every read of the snapshots holds this lock.
+            self._snap_lock = threading.RLock()
             self._ref_class = (*_MemRefType, *_Role)  # every snapshot has a key for each category
             self._clock = 0  # counts allocations once entered: a storage's birth, and the peak's moment
             self._peak_clock: dict[torch.device, int] = {}
@@ -101,11 +106,16 @@ def step_mem_tracker() -> Any:
         def set_in_optimizer_update(self, flag: bool) -> None:
             self._in_opt = flag
 
+        def get_tracker_snapshot(self, type: str = "current") -> dict:  # noqa: A002 - MemTracker's name
+            with self._snap_lock:
+                return super().get_tracker_snapshot(type)
+
         def reset_peak(self) -> None:
             """Start a new peak from the bytes alive now (MemTracker only ever raises its peak)."""
-            self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()}
-            self._peak_mem_snap = deepcopy(self._curr_mem_snap)
-            self._peak_clock = dict.fromkeys(self._peak_mem, self._clock)
+            with self._snap_lock:
+                self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()}
+                self._peak_mem_snap = deepcopy(self._curr_mem_snap)
+                self._peak_clock = dict.fromkeys(self._peak_mem, self._clock)
 
         def __enter__(self) -> Any:
             super().__enter__()
@@ -119,8 +129,9 @@ def step_mem_tracker() -> Any:
             def total(snap: dict) -> int:
                 return sum(dev[_TOTAL_KEY] for dev in snap.values())
 
-            if phase not in self.phases or total(self._peak_mem_snap) > total(self.phases[phase][0]):
-                self.phases[phase] = (self._peak_mem_snap, self._peak_clock)
+            with self._snap_lock:
+                if phase not in self.phases or total(self._peak_mem_snap) > total(self.phases[phase][0]):
+                    self.phases[phase] = (self._peak_mem_snap, self._peak_clock)
 
         # FSDP1 with use_orig_params=True exposes non-leaf parameter views in forward, on which MemTracker's
         # gradient hooks cannot be registered; their gradients land in the FlatParameter's, counted anyway.
@@ -131,20 +142,22 @@ def step_mem_tracker() -> Any:
         # -- births: a storage allocated, or grown from zero bytes, after the tracker was entered; its labels since
         def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
                          old_reftype: Any = None) -> None:
-            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-            self._clock += 1
-            grown = u_type == _UpdateType.SIZE and not old_mem_consumed and winfo.mem_consumed
-            if self._depth and (u_type == _UpdateType.ADD or grown):
-                winfo.zx_born, winfo.zx_labels = self._clock, [(self._clock, winfo.reftype)]
-            elif u_type == _UpdateType.REF and hasattr(winfo, "zx_labels"):
-                winfo.zx_labels.append((self._clock, winfo.reftype))
+            with self._snap_lock:
+                super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+                self._clock += 1
+                grown = u_type == _UpdateType.SIZE and not old_mem_consumed and winfo.mem_consumed
+                if self._depth and (u_type == _UpdateType.ADD or grown):
+                    winfo.zx_born, winfo.zx_labels = self._clock, [(self._clock, winfo.reftype)]
+                elif u_type == _UpdateType.REF and hasattr(winfo, "zx_labels"):
+                    winfo.zx_labels.append((self._clock, winfo.reftype))
 
         def _update_peak_stats(self, peak_state: Any) -> None:
-            before = dict(self._peak_mem)
-            super()._update_peak_stats(peak_state)
-            for dev, nbytes in self._peak_mem.items():
-                if before.get(dev) != nbytes:
-                    self._peak_clock[dev] = self._clock
+            with self._snap_lock:
+                before = dict(self._peak_mem)
+                super()._update_peak_stats(peak_state)
+                for dev, nbytes in self._peak_mem.items():
+                    if before.get(dev) != nbytes:
+                        self._peak_clock[dev] = self._clock
 
         # -- roles: kept for the step (MemTracker re-labels a parameter's storage in each module's hooks), until
         # ``settle``: at the step's end a named storage that is then model state (a reduce-scatter's output kept as
