@@ -35,8 +35,8 @@ MAX_BUFFERS = 64
 #: Calls of one async burst (:func:`measure_collectives`' ``burst_mean_s``): ZeroRedundancyOptimizer's 8 parameter
 #: broadcasts of the reference model, issued together after its step.
 BURST = 8
-#: The largest size timed in bursts: above it a call is bandwidth-bound, and a burst's share is taken as one call
-#: alone (the model's :meth:`~zeroexp.calibration.Calibration.seconds_at` reads the lone calls there).
+#: The largest size timed in bursts (8 buffers of it a rank): above it the model's burst time is the largest burst
+#: size's plus the fit's bandwidth (:meth:`~zeroexp.calibration.Calibration.seconds_at`, ``burst=True``).
 BURST_MAX_BYTES = 32 * 2**20
 
 
@@ -130,6 +130,8 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
                     burst = _burst(op, nbytes, world, device, cold)
                     burst()
                     bursts[nbytes] += [t / BURST for t in time_calls(burst, max(1, iters[nbytes] // BURST), device)]
+                    del burst  # its buffers (up to 8 x 32 MiB) go before the next size's are made
+                del fn
         rows = []
         for nbytes in sizes:
             t = statistics.median(calls[nbytes])

@@ -226,7 +226,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
     predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
                                micro_batches, in_place, cap, terms, str(cfg.strategy.get("reduce", "reduce_scatter")))
-    late = _late_free(name, groups, itemsize, gloo)
+    late = _late_free(name, groups, itemsize, gloo, micro_batches)
     steady = int(measured["steady_bytes"][rank])
     steady_cats = measured.get("steady_categories_of_max_rank") or {}
     phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": _nz(steady_cats),
@@ -329,11 +329,13 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **ADAMW)
 
 
-def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str, list[tuple[str, int]]]:
+def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
+               micro_batches: int = 1) -> dict[str, list[tuple[str, int]]]:
     """Per phase, the tensors of which gloo may free one late (CPU cells), each with its bytes. zeroexp's ZeRO-1
     and ZeRO-2 below fp32: in forward a bucket's all-gather input, which the
     next forward drops when it waits for the bucket; their optimizer step: the reduced copy of a bucket gloo's
-    reduce_scatter hands back at its wait (the model counts it at the wait), held on by gloo's work. FSDP1's and FSDP2's backward and optimizer step: a unit's
+    reduce_scatter hands back at its wait (the model counts it at the wait), held on by gloo's work, and with
+    ``micro_batches`` > 1 zero2's in backward (a micro-batch's reduce waited at its end: not modelled). FSDP1's and FSDP2's backward and optimizer step: a unit's
     reduce-scatter input, gloo's copy of it or its output; FSDP2's forward: a unit's all-gather input or output (gloo frees them when the
     work object goes, which may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
@@ -348,6 +350,9 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool) -> dict[str
         # gloo's work object, which gloo's worker thread may still hold through AdamW's update
         late["optimizer"] = [(f"bucket {k}'s copy gloo's reduce_scatter made of its full gradient",
                               s.numel * itemsize) for k, s in enumerate(groups.shards)]
+        if name == "zero2" and micro_batches > 1:  # each micro-batch's reduce waited at its end (accumulating()):
+            late["backward"] = [(f"bucket {k}'s copy gloo's reduce_scatter hands back at a micro-batch's end",
+                                 s.numel * itemsize) for k, s in enumerate(groups.shards)]  # not modelled there
         return {ph: v for ph, v in late.items() if v}
     if (name in FSDP1_ROWS or name in FSDP2_ROWS) and groups.units:
         n = groups.shard_over

@@ -40,6 +40,8 @@ class Network:
     #: size at ``seconds_at``
     group_seconds_at: Callable[[int], Callable[[str, int], Callable[[str, float, float], float]]] | None = None
     wake: Callable[[float], float] | None = None  # a calibration's wake curve; presets: none (not known)
+    #: N -> a call's time in an async burst (a calibration's ``burst_mean_s``); None: as ``seconds_at`` (presets)
+    burst_seconds_at: Callable[[int], Callable[[str, float, float], float]] | None = None
 
     def groups_at(self, n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
         """(mesh dimension, group size) -> the time of a call over that group of an N-rank job."""
@@ -111,7 +113,8 @@ def _calibrated(node: Any, tokens: int) -> Network:
     c = cal.data["compute"]
     return Network("this_machine", cal.seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,
                    f"calibration {cal.path} (N={cal.world_size}, {c['model']}, batch {c['batch_size']}; busbw held "
-                   "at every N)", cal.framework, wake=cal.wake)
+                   "at every N)", cal.framework, wake=cal.wake,
+                   burst_seconds_at=lambda n: cal.seconds_at(n, burst=True))
 
 
 def tokens_per_sample(model: Any) -> int:
@@ -135,7 +138,8 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
                          network.seconds_at(n), network.overlap, "pre", network.framework, itemsize,
                          checkpointed=checkpointed, micro_batches=knobs.micro_batches,
                          repeats=accumulation_repeats(layout, groups, itemsize, knobs),
-                         group_seconds=network.groups_at(n), wake=network.wake)
+                         group_seconds=network.groups_at(n), wake=network.wake,
+                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None)
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
                  fastest=False)
