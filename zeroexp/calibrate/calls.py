@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather", "reduce_scatter", "sync", "time_calls", "trimmed_mean", "TRIM"]
+__all__ = ["all_gather", "reduce_scatter", "sync", "from_barrier", "time_calls", "trimmed_mean", "TRIM"]
 
 #: The share of calls cut at each end of a trimmed mean: a step's time sums its calls, so the model uses
 #: their mean; a rare stall of the host (tens of ms) is not a property of the link.
@@ -26,16 +26,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def from_barrier(fn: Callable[[], object], device: torch.device) -> float:
+    """This rank's seconds of one call of ``fn`` after a barrier (the device's queued work waited for)."""
+    dist.barrier()
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def time_calls(fn: Callable[[], None], calls: int, device: torch.device) -> list[float]:
     """``calls`` calls of ``fn``, each timed alone from a barrier; per call the slowest rank's seconds."""
-    own = []
-    for _ in range(calls):
-        dist.barrier()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        own.append(time.perf_counter() - t0)
+    own = [from_barrier(fn, device) for _ in range(calls)]
     t = torch.tensor(own, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # after the timed calls: the slowest rank of each call
     return [float(x) for x in t.tolist()]

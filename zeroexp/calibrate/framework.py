@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls, trimmed_mean
+from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, sync, trimmed_mean
 from zeroexp.formulas.time import WakeCurve
 
 __all__ = ["measure_framework", "per_call", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
@@ -36,22 +36,6 @@ def _slowest_median(own: list[float], device: torch.device) -> float:
     return statistics.median(t.tolist())
 
 
-def _steps(step: Callable[[], None], steps: int, device: torch.device) -> float:
-    """``steps`` steps after two warm-up steps, each from a barrier; per step the slowest rank's seconds, their
-    trimmed mean (the statistic of the calls subtracted from it, :func:`_one_call`)."""
-    own = []
-    for i in range(steps + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        if i >= 2:
-            own.append(time.perf_counter() - t0)
-    t = torch.tensor(own, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return trimmed_mean(t.tolist())
-
-
 def _tiny(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Linear(TINY_WIDTH, TINY_WIDTH, bias=False) for _ in range(TINY_UNITS))).to(device)
@@ -67,12 +51,6 @@ def _train_step(net: nn.Module, opt: Any, device: torch.device) -> Callable[[], 
     return step
 
 
-def _one_call(fn: Callable[[], None], calls: int, device: torch.device) -> float:
-    """One call's trimmed mean over ``calls``, each from a barrier (as the collectives' sizes)."""
-    fn()
-    return trimmed_mean(time_calls(fn, calls, device))
-
-
 def _paired(wrapped: Callable[[], None], base: Callable[[], None], calls: list[Callable[[], None]], steps: int,
             device: torch.device) -> dict[str, float]:
     """The wrapper's seconds beyond ``base`` and ``calls`` (each call timed alone from a barrier, summed), measured
@@ -82,22 +60,10 @@ def _paired(wrapped: Callable[[], None], base: Callable[[], None], calls: list[C
     difference of FSDP1's 29 ms tiny step and its 24 calls moved 0.09-0.77 ms a call between calibrations)."""
     parts: dict[str, list[float]] = {"wrapped": [], "base": [], "calls": []}
     for i in range(steps + 2):
-        times = []
-        for fn in (wrapped, base):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        alone = 0.0
-        for call in calls:
-            dist.barrier()
-            t0 = time.perf_counter()
-            call()
-            sync(device)
-            alone += time.perf_counter() - t0
-        if i >= 2:
-            for k, v in zip(parts, (*times, alone)):
+        round_ = (from_barrier(wrapped, device), from_barrier(base, device),
+                  sum(from_barrier(call, device) for call in calls))
+        if i >= 2:  # two warm-up rounds
+            for k, v in zip(parts, round_):
                 parts[k].append(v)
     t = torch.tensor([parts[k] for k in parts], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per round and part, the slowest rank's

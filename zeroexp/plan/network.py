@@ -19,7 +19,7 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, Mode
                               accumulation_repeats, checkpointed_numel, derive_groups, predict_step, step_collectives,
                               two_level_seconds)
 
-__all__ = ["Network", "network_of", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT"]
+__all__ = ["Network", "network_of", "calibrated_network", "predict_on", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT"]
 
 #: AdamW in fp32 reads the parameter, its gradient and two moments and writes the parameter and both moments: 7 x 4 B.
 ADAMW_BYTES_PER_ELEMENT = 28
@@ -110,11 +110,29 @@ def _calibrated(node: Any, tokens: int) -> Network:
         raise ConfigError("network.calibration", None, "a calibration of this machine (run python -m "
                           "zeroexp.calibrate world_size=2) or a path", why="none in outputs/calibration/")
 
+    return calibrated_network(cal)
+
+
+def calibrated_network(cal: Any) -> Network:
+    """A calibration (:class:`~zeroexp.calibration.Calibration`) as a :class:`Network`: what the planner's
+    ``network=this_machine`` and every cell's ``plan.time`` time a step on."""
     c = cal.data["compute"]
     return Network("this_machine", cal.seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,
                    f"calibration {cal.path} (N={cal.world_size}, {c['model']}, batch {c['batch_size']}; busbw held "
                    "at every N)", cal.framework, wake=cal.wake,
                    burst_seconds_at=lambda n: cal.seconds_at(n, burst=True))
+
+
+def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs: PlanKnobs, batch: int, n: int,
+               prefetch: str = "pre", checkpointed: int = 0) -> Any:
+    """:func:`~zeroexp.formulas.predict_step` of ``layout`` over ``groups`` at ``n`` ranks on ``network``: its
+    collectives' times (each group's, a burst's), compute rate, overlap, framework costs and waking."""
+    return predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
+                        network.seconds_at(n), network.overlap, prefetch, network.framework, itemsize,
+                        checkpointed=checkpointed, micro_batches=knobs.micro_batches,
+                        repeats=accumulation_repeats(layout, groups, itemsize, knobs),
+                        group_seconds=network.groups_at(n), wake=network.wake,
+                        burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None)
 
 
 def tokens_per_sample(model: Any) -> int:
@@ -134,12 +152,7 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
         name, n = r["strategy"], r["world_size"]
         layout = LAYOUTS[name]
         groups = derive_groups(name, layout, shape, n, itemsize, knobs)
-        t = predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
-                         network.seconds_at(n), network.overlap, "pre", network.framework, itemsize,
-                         checkpointed=checkpointed, micro_batches=knobs.micro_batches,
-                         repeats=accumulation_repeats(layout, groups, itemsize, knobs),
-                         group_seconds=network.groups_at(n), wake=network.wake,
-                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None)
+        t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed)
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
                  fastest=False)

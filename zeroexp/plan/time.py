@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from zeroexp.calibration import DEFAULT_DIR, Calibration, find_calibration, load_calibration
-from zeroexp.formulas import predict_step, step_collectives, steps_to_narrow
+from zeroexp.formulas import steps_to_narrow
 
 __all__ = ["time_section", "median_ci95", "time_check", "cell_backend", "RATIO_LIMIT", "MEDIAN_CI_LIMIT", "BOOTSTRAP"]
 
@@ -80,7 +80,7 @@ def time_section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
 
 def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     from zeroexp.expect import itemsize_of, knobs_of, layout_of
-    from zeroexp.formulas import accumulation_repeats, checkpointed_numel, derive_groups
+    from zeroexp.formulas import checkpointed_numel, derive_groups
     from zeroexp.models import wrap_paths
     from zeroexp.plan.shape import model_shape
 
@@ -112,13 +112,10 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
         out["reasons"].append(why)
         return out
     out["calibration"] = cal.summary()
-    collectives = step_collectives(layout, groups, itemsize, knobs)
-    t = predict_step(layout, groups, collectives, cal.rate, int(cfg.batch_size), cal.seconds_at(int(cfg.world_size)),
-                     bool(cal.data["overlap"]["possible"]), str(cfg.prefetch.name), cal.framework, itemsize,
-                     checkpointed=checkpointed, micro_batches=knobs.micro_batches,
-                     repeats=accumulation_repeats(layout, groups, itemsize, knobs),
-                     group_seconds=lambda dim, size: cal.seconds_at(size),  # hybrid: each group at its size
-                     wake=cal.wake, burst_seconds=cal.seconds_at(int(cfg.world_size), burst=True))
+    from zeroexp.plan.network import calibrated_network, predict_on
+
+    t = predict_on(calibrated_network(cal), layout, groups, itemsize, knobs, int(cfg.batch_size), int(cfg.world_size),
+                   str(cfg.prefetch.name), checkpointed)
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
                predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
                framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},
