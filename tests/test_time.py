@@ -210,6 +210,7 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
         assert [r["bytes"] for r in e["sizes"]] == [4096, 8192, 16384]
         assert all(r["iters"] >= 2 and r["mean_s"] > 0 for r in e["sizes"])  # min_iters 2, one round
         assert all(r["burst_iters"] >= 1 and r["burst_mean_s"] > 0 for r in e["sizes"])  # 8 async calls at once
+        assert all(r["stream_iters"] >= 1 and r["stream_mean_s"] > 0 for r in e["sizes"])  # 8 sync, one by one
         assert e["fit"]["busbw_Bps"] > 0 and e["fit"]["alpha_s"] >= 0 and e["cold_bytes"] >= 2 * 2**20
     w = data["wake"]
     assert w["gaps_s"] == [0.0, 0.001] and w["calls"] == 3 and len(w["mean_s"]) == 2
@@ -223,6 +224,10 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     assert data["compute"]["numel"] == 8 * 64 * 64 and data["compute"]["batch_size"] == 8
     assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
     assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
+    from zeroexp.calibrate.framework import stream_floor
+    raw = data["framework"]["raw"]  # the floors the per-call costs were taken net of, read off the streams measured
+    assert raw["zro_broadcast_s_floor"] == 0.0
+    assert raw["ddp_bucket_s_floor"] == stream_floor(data["collectives"], "all_reduce", 8 * 16 * 16 * 4, 2)
     assert data["framework"]["copy_s_per_byte"] > 0 and "barrier" in data["method"]
     raw = data["framework"]["raw"]  # each wrapper's step, the step it is compared with and its calls, side by side
     assert all(raw[f"{w}_{part}"] > 0 for w in ("ddp", "zro", "fsdp1") for part in ("step_s", "base_step_s", "calls_s"))

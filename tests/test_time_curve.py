@@ -144,3 +144,57 @@ def test_an_async_burst_is_timed_by_the_bursts_per_call_cost():
     assert times["zro"][1] - times["zro"][0] == pytest.approx(8 * 0.5e-3)  # each broadcast 0.5 ms more
     del data["collectives"]["broadcast"]["sizes"][0]["burst_mean_s"]  # schema 3: no bursts measured
     assert Calibration("given", data).seconds_at(2, burst=True)("broadcast", size, 1) == pytest.approx(1e-3)
+
+
+def test_a_call_behind_another_pays_at_least_its_stream_floor():
+    """A call's extra beyond its time alone is its waking or its floor (a stream's per-call time less the call's
+    alone at its size: the peer's trailing work of the call before, which a barrier hides), the larger; a burst's
+    calls and a calibration without streams (schema 4) have no floor."""
+    from tests.test_time import calibration_data
+    from zeroexp.calibrate.framework import stream_floor
+    from zeroexp.calibration import Calibration
+    from zeroexp.formulas import LAYOUTS, ModelShape, PlanKnobs, derive_groups, predict_step, step_collectives
+
+    w = WakeCurve((0.0, 1.0, 10.0), (0.0, 0.1, 1.0))  # 0.1 per second of gap up to 10
+    calls = [(2.0, 2.0, 0, 1.0, 0.5), (8.0, 8.0, 0, 1.0, 0.3)]  # gaps 4 (wraps around) and 6: wake 0.4 and 0.6
+    step, woken = channel_step(10.0, calls, overlap=False, wake=w)
+    assert woken == pytest.approx(0.5 + 0.6) and step == pytest.approx(12.0 + woken)  # floor 0.5 > 0.4; 0.3 < 0.6
+    assert channel_step(10.0, calls, overlap=False)[1] == pytest.approx(0.8)  # no curve: the floors alone
+    assert channel_step(10.0, [c[:4] for c in calls], overlap=False, wake=w)[1] == pytest.approx(1.0)  # no floors
+    # overlap: the first call's fixed point e = max(w(9 - e), 0.9) = 0.9 (w(8.1) = 0.81)
+    step, woken = channel_step(10.0, [(2.0, 10.0, 0, 1.0, 0.9)], overlap=True, wake=w)
+    assert woken == pytest.approx(0.9) and step == 10.0
+
+    size = 768 * 768 * 4
+    data = calibration_data()
+    for op in data["collectives"]:  # one size: alone 1 ms, in a stream 1.4 ms, in a burst 1.5 ms
+        data["collectives"][op]["sizes"] = [{"bytes": size, "seconds": 1e-3, "mean_s": 1e-3, "burst_mean_s": 1.5e-3,
+                                             "stream_mean_s": 1.4e-3}]
+    cal = Calibration("given", data)
+    assert cal.seconds_at(2, stream=True)("all_gather", size, 1) == pytest.approx(1.4e-3)
+    assert stream_floor(data["collectives"], "all_gather", size, 2) == pytest.approx(0.4e-3)
+    assert stream_floor(data["collectives"], "all_gather", size // 2, 2) == pytest.approx(0.4e-3)  # below: the first
+    assert stream_floor({}, "all_gather", size, 2) == 0.0
+    shape = ModelShape(params=((768, 768),) * 8, units=tuple((i,) for i in range(8)), root=(False,) * 8)
+    knobs = PlanKnobs(bucket_cap_bytes=100 * 2**20)
+    for row, floored in (("fsdp_full", 8 + 8 + 8), ("zro", 1)):  # FSDP: every call; zro: its all_reduce, not its
+        layout = LAYOUTS[row]  # burst of broadcasts
+        groups = derive_groups(row, layout, shape, 2, 4, knobs)
+        coll = step_collectives(layout, groups, 4, knobs)
+        run = lambda **kw: predict_step(layout, groups, coll, cal.rate, 8, cal.seconds_at(2), False,  # noqa: E731
+                                        burst_seconds=cal.seconds_at(2, burst=True), **kw)
+        plain, streamed = run(), run(stream_seconds=cal.seconds_at(2, stream=True))
+        assert plain.wake_s == 0.0 and plain.comm_s == streamed.comm_s  # no curve: the floors are all the extra
+        one = cal.seconds_at(2, stream=True)("all_reduce", coll["all_reduce"]["payload_bytes"], 1) - cal.seconds_at(2)(
+            "all_reduce", coll["all_reduce"]["payload_bytes"], 1) if row == "zro" else 0.4e-3
+        assert streamed.wake_s == pytest.approx(floored * one) and streamed.step_s == pytest.approx(
+            plain.step_s + floored * one)
+    del data["collectives"]["all_gather"]["sizes"][0]["stream_mean_s"]  # schema 4: no streams, no floor
+    assert Calibration("given", data).seconds_at(2, stream=True)("all_gather", size, 1) == pytest.approx(1e-3)
+
+
+def test_the_framework_per_call_cost_net_of_the_stream_floor():
+    flat = WakeCurve((0.0, 1e-6), (0.0, 2e-4))  # 0.2 ms for any gap over 1 us
+    assert per_call(1e-3, 2, 1e-3, flat, floor_s=3e-4) == pytest.approx(2e-4, abs=1e-12)  # 2 x + 2 x 0.3 ms = 1 ms
+    assert per_call(1e-3, 2, 1e-3, flat, floor_s=1e-4) == pytest.approx(3e-4, abs=1e-12)  # the waking is larger
+    assert per_call(1e-3, 2, 1e-3, None, floor_s=5e-4) == 0.0  # the floors account for all of it

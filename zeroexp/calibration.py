@@ -25,11 +25,13 @@ __all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "machine", "find_calibration"
 DEFAULT_DIR = Path("outputs") / "calibration"
 #: 2: collectives timed one call at a time from a barrier (1 timed back-to-back loops), and ``framework``;
 #: 3: each size's trimmed mean (``mean_s``, what the model uses) and the ``wake`` curve; 4: each size's share of an
-#: async burst (``burst_mean_s``), the framework's wrappers measured side by side.
-SCHEMA = 4
+#: async burst (``burst_mean_s``), the framework's wrappers measured side by side; 5: each size's share of a stream
+#: of sync calls (``stream_mean_s``), the floor of a call that follows another (the framework's figures net of it).
+SCHEMA = 5
 #: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
-#: 2's and 3's no bursts (a burst's call is timed as one alone).
-READS = (2, 3, 4)
+#: 2's and 3's no bursts (a burst's call is timed as one alone); 2-4 no streams (a call in a stream pays its waking
+#: only).
+READS = (2, 3, 4, 5)
 
 
 def machine() -> dict[str, Any]:
@@ -70,14 +72,16 @@ class Calibration:
         fit = self.data["collectives"][op]["fit"]
         return LinkFit(float(fit["alpha_s"]), float(fit["busbw_Bps"]))
 
-    def seconds_at(self, world_size: int, burst: bool = False) -> Callable[[str, float, float], float]:
+    def seconds_at(self, world_size: int, burst: bool = False, stream: bool = False
+                   ) -> Callable[[str, float, float], float]:
         """(op, S, calls) -> seconds at ``world_size`` ranks: ``calls`` calls of S / calls bytes each, every call
         from the op's measured sizes (:func:`~zeroexp.formulas.time.measured_call_seconds`: the measured curve of
         each size's mean (schema 2: median), the
         fit beyond it; at another N scaled by the ring's bus factor); an op never calibrated (reduce, all_to_all)
         as an all_reduce of its payload (an upper bound for those). ``burst``: a call's share of an async burst
         from the sizes measured in bursts (``burst_mean_s``; beyond the largest, the fit's bandwidth), else (schema
-        2 and 3) one call alone."""
+        2 and 3) one call alone; ``stream``: a call's share of a stream of sync calls (``stream_mean_s``, likewise;
+        schema 2-4: one call alone)."""
         n_cal = int(self.data["world_size"])
 
         def seconds(op: str, payload_bytes: float, calls: float) -> float:
@@ -85,8 +89,9 @@ class Calibration:
                 return 0.0  # one rank sends nothing (and an N=1 calibration has no collectives)
             measured = op if op in self.data["collectives"] else "all_reduce"
             rows = self.data["collectives"][measured]["sizes"]
-            bursts = [(r["bytes"], r["burst_mean_s"]) for r in rows if "burst_mean_s" in r] if burst else []
-            table = bursts or [(r["bytes"], r.get("mean_s", r["seconds"])) for r in rows]
+            key = "burst_mean_s" if burst else "stream_mean_s" if stream else None
+            special = [(r["bytes"], r[key]) for r in rows if key in r] if key else []
+            table = special or [(r["bytes"], r.get("mean_s", r["seconds"])) for r in rows]
             return calls * measured_call_seconds(measured, payload_bytes / calls, world_size, table, n_cal,
                                                  self.link(measured))
         return seconds

@@ -148,9 +148,9 @@ def run(cfg: DictConfig) -> Path:
         "collectives": collectives, "wake": measured["wake"], "compute": measured["compute"],
         "framework": measured["framework"],
         "method": "each collective call timed alone from a barrier (the slowest rank's; median and 10 % trimmed mean "
-                  "over calls, the model uses the mean: a step sums its calls): a step never issues calls back to "
-                  "back, and gloo pipelines those; the wake curve: the same call after a gap of compute "
-                  "(zeroexp.calibrate.measure)",
+                  "over calls, the model uses the mean: a step sums its calls); up to 32 MiB also in async bursts "
+                  "of 8 and in streams of 8 sync calls one after another (a call's floor behind another); the wake "
+                  "curve: the same call after a gap of compute (zeroexp.calibrate.measure)",
         "source": "measured: python -m zeroexp.calibrate",
         "settings": OmegaConf.to_container(cfg.calibrate, resolve=True),
     }

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, sync, trimmed_mean
-from zeroexp.formulas.time import WakeCurve
+from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
 
-__all__ = ["measure_framework", "per_call", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
+__all__ = ["measure_framework", "per_call", "stream_floor", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
 
 #: The tiny model the wrappers run on: its compute and bytes are negligible beside each call's own cost.
 TINY_UNITS, TINY_WIDTH, TINY_BATCH = 8, 16, 8
@@ -72,11 +72,27 @@ def _paired(wrapped: Callable[[], None], base: Callable[[], None], calls: list[C
             "wrapped_s": trimmed_mean(wrapped_s), "base_s": trimmed_mean(base_s), "calls_s": trimmed_mean(calls_s)}
 
 
-def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | None) -> dict[str, Any]:
+def stream_floor(collectives: dict[str, Any] | None, op: str, nbytes: int, world: int) -> float:
+    """What a call of ``op`` of ``nbytes`` in a stream of sync calls costs beyond one alone on this calibration's
+    measured sizes (``stream_mean_s`` less ``mean_s``, each read as the model reads it:
+    :func:`~zeroexp.formulas.time.measured_call_seconds`), at least 0; 0 where no stream was measured."""
+    rows = (collectives or {}).get(op, {}).get("sizes", [])
+    alone = [(r["bytes"], r["mean_s"]) for r in rows if "stream_mean_s" in r]
+    stream = [(r["bytes"], r["stream_mean_s"]) for r in rows if "stream_mean_s" in r]
+    if not stream:
+        return 0.0
+    link = LinkFit(0.0, float("inf"))  # read beyond the largest size only: no bandwidth term there
+    return max(0.0, measured_call_seconds(op, nbytes, world, stream, world, link)
+               - measured_call_seconds(op, nbytes, world, alone, world, link))
+
+
+def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | None,
+              collectives: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per call of DDP's bucket all_reduce, ZeroRedundancyOptimizer's broadcast and FSDP1's all_gather /
     reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear): the wrapper's tiny step less the bare tiny step
     (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same payload, side by side
-    (:func:`_paired`), less each call's waking after the compute before it (:func:`per_call`)."""
+    (:func:`_paired`), less each call's waking after the compute before it or its stream floor, the larger
+    (:func:`per_call`; the floors from ``collectives``' streams: :func:`stream_floor`)."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -114,6 +130,11 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
         "zro_broadcast_s": (zro_step, ddp_step, [broadcasts], len(owners)),  # one burst
         "fsdp1_call_s": (fsdp_step, bare_step, fsdp_calls, len(fsdp_calls)),  # reduce_scatter
     }
+    unit_bytes = unit * 4  # FSDP1's calls: two all_gathers per reduce_scatter, each of one unit
+    floors = {"ddp_bucket_s": stream_floor(collectives, "all_reduce", full.numel() * 4, world),
+              "zro_broadcast_s": 0.0,  # a burst: its calls are timed as one, no stream floor
+              "fsdp1_call_s": (2 * stream_floor(collectives, "all_gather", unit_bytes, world)
+                               + stream_floor(collectives, "reduce_scatter", unit_bytes, world)) / 3}
     raw: dict[str, float] = {}
     for key, (wrapped, base, calls, n) in runs.items():
         got = _paired(wrapped, base, calls, steps, device)
@@ -122,21 +143,22 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
                     f"{name}_calls_s": got["calls_s"], f"{key}_measured": got["extra_s"] / n})
     back_to_back = {"zro_broadcast_s"}  # issued one after another after the step: only the first waits on compute
     bare_s = raw["fsdp1_base_step_s"]  # the bare tiny step's compute, before each call's waking
-    return {**{k: per_call(raw[f"{k}_measured"] * n, n, bare_s, wake, k in back_to_back)
-               for k, (_, _, _, n) in runs.items()}, "raw": raw}
+    return {**{k: per_call(raw[f"{k}_measured"] * n, n, bare_s, wake, k in back_to_back, floors[k])
+               for k, (_, _, _, n) in runs.items()}, "raw": {**raw, **{f"{k}_floor": v for k, v in floors.items()}}}
 
 
 def per_call(extra_s: float, calls: int, compute_s: float, wake: WakeCurve | None,
-             back_to_back: bool = False) -> float:
+             back_to_back: bool = False, floor_s: float = 0.0) -> float:
     """The wrapper's own seconds per call ``x``: its ``calls`` calls' share of ``extra_s`` once each call's waking
     is taken out, ``calls x x + sum of wake(gap) = extra_s`` (:class:`~zeroexp.formulas.WakeCurve`), by bisection;
     0 where the waking alone accounts for it (or noise made ``extra_s`` negative). The gaps as the step model has
     them (:func:`~zeroexp.formulas.channel_step`): each call after ``compute_s / calls`` of the step's compute plus
     the wrapper's own work ``x``; ``back_to_back`` (ZeroRedundancyOptimizer's broadcasts after the step): the first
-    after the step's compute, each other after the wrapper's work alone."""
+    after the step's compute, each other after the wrapper's work alone. A call's extra is its waking or
+    ``floor_s`` (its stream floor), the larger, as :func:`~zeroexp.formulas.channel_step` has it."""
     def f(x: float) -> float:
         gaps = ([compute_s + x] + [x] * (calls - 1)) if back_to_back else [compute_s / calls + x] * calls
-        return calls * x + (sum(wake(g) for g in gaps) if wake else 0.0) - extra_s
+        return calls * x + sum(max(wake(g) if wake else 0.0, floor_s) for g in gaps) - extra_s
 
     if f(0.0) >= 0:
         return 0.0
@@ -204,11 +226,12 @@ def _loop(steps: int) -> dict[str, float]:
     return {"lightning": window.seconds[2:], "bare": bare[2:]}
 
 
-def measure_framework(world: int, steps: int, device: torch.device, wake: dict[str, Any] | None = None
-                      ) -> dict[str, Any]:
+def measure_framework(world: int, steps: int, device: torch.device, wake: dict[str, Any] | None = None,
+                      collectives: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every primitive of :class:`zeroexp.formulas.FrameworkCost`, with the measurements each is the difference of
     (``raw``); ``wake``: the calibration's wake curve (:func:`zeroexp.calibrate.measure.measure_wake`), taken out of
-    the per-call costs."""
+    the per-call costs with the stream floors of ``collectives`` (:func:`~zeroexp.calibrate.measure.
+    measure_collectives`' result)."""
     times = _loop(max(steps, LOOP_STEPS))
     medians = torch.tensor([statistics.median(times[k]) for k in ("lightning", "bare")], dtype=torch.float64,
                            device=device)
@@ -217,7 +240,7 @@ def measure_framework(world: int, steps: int, device: torch.device, wake: dict[s
     loop = {"loop_s": max(0.0, lightning - plain), "raw": {"lightning_step_s": lightning, "bare_loop_step_s": plain}}
     copy = _copy(device, max(5, steps // 2))
     curve = WakeCurve(tuple(wake["gaps_s"]), tuple(wake["extra_s"])) if wake else None
-    wrappers = _wrappers(world, steps, device, curve) if world > 1 else {"raw": {}}
+    wrappers = _wrappers(world, steps, device, curve, collectives) if world > 1 else {"raw": {}}
     out = {k: v for part in (loop, copy, wrappers) for k, v in part.items() if k != "raw"}
     out["raw"] = {**loop["raw"], **copy["raw"], **wrappers["raw"]}
     return out

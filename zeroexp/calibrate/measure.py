@@ -8,7 +8,10 @@ timed alone from a synchronized start (a barrier, then one call), the slowest ra
 median over its calls. Why: a training step issues a collective after compute, never right behind another of the
 same size, and on gloo back-to-back calls pipeline (the next call's sends start while the last call's receives
 finish): measured on the 2-core host at N=2, an 18.9 MB all_reduce took 11.3 ms per call in a loop and 13.6 ms
-alone (14.8 ms inside a bare step), so a loop's figure under-predicts every step.
+alone (14.8 ms inside a bare step), so a loop's figure under-predicts every step. Up to 32 MiB a size is also timed
+in an async burst (calls issued together) and in a stream of sync calls each issued as the one before returns
+(:func:`_stream`): below ~1 MiB a call behind another pays the peer's trailing work of that call, which the barrier
+hides; the model gives such a call that floor.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ BURST = 8
 #: The largest size timed in bursts (8 buffers of it a rank): above it the model's burst time is the largest burst
 #: size's plus the fit's bandwidth (:meth:`~zeroexp.calibration.Calibration.seconds_at`, ``burst=True``).
 BURST_MAX_BYTES = 32 * 2**20
+#: Calls of one stream (:func:`measure_collectives`' ``stream_mean_s``): sync calls one right after another, as FSDP
+#: issues its units' gathers and reduce-scatters with little compute between; timed up to :data:`BURST_MAX_BYTES`.
+STREAM = 8
 
 
 def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -106,11 +112,34 @@ def _burst(op: str, nbytes: int, world: int, device: torch.device, cold_bytes: i
     return burst
 
 
+def _stream(op: str, nbytes: int, world: int, device: torch.device, cold_bytes: int) -> Callable[[], float]:
+    """One call of ``op`` (untimed: it leaves the barrier's synchronized start behind), then :data:`STREAM` sync
+    calls each issued as the one before returns, each on its own buffer; this rank's seconds of those. How a step
+    issues calls with little compute between (FSDP's units): measured on the 2-core host at N=2, 2.25 MiB
+    all_gathers cost 2.1-2.5 ms a call in a stream where one alone from a barrier took 1.3-1.4; 256 KiB
+    all_reduces 2.2 vs 0.7; 16 MiB calls the same either way (the peer's trailing work of the call before,
+    hidden by a barrier, is paid by the next call of a stream)."""
+    one = _call(op, nbytes, world, device, max(int(cold_bytes), (STREAM + 1) * nbytes))
+
+    def stream() -> float:
+        dist.barrier()
+        sync(device)
+        one()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(STREAM):
+            one()
+        sync(device)
+        return time.perf_counter() - t0
+    return stream
+
+
 def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, Any]:
     """Per op, per size: S, the time of one call (median and trimmed mean over ``iters`` x ``repeats`` calls, each
-    timed alone from a barrier, the slowest rank's), algbw and busbw in bytes/s; ``burst_mean_s`` (up to :data:`BURST_MAX_BYTES`), a call's
-    share of :data:`BURST` async calls issued together (:func:`_burst`; ``iters / BURST`` bursts a round, at least
-    one). The repeats are rounds over every
+    timed alone from a barrier, the slowest rank's), algbw and busbw in bytes/s; up to :data:`BURST_MAX_BYTES`,
+    ``burst_mean_s``, a call's share of :data:`BURST` async calls issued together (:func:`_burst`; ``iters / BURST``
+    bursts a round, at least one), and ``stream_mean_s``, a call's share of :data:`STREAM` sync calls one after
+    another (:func:`_stream`, as many a round). The repeats are rounds over every
     size (a size's calls come from ``repeats`` windows apart, not one: the host's scheduling settles into regimes
     lasting seconds), each call on a buffer out of the cache (:func:`_call`, twice :func:`cache_bytes`)."""
     cold = 2 * cache_bytes(device)
@@ -118,6 +147,7 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
     sizes = message_sizes(c.min_bytes, c.max_bytes)
     for op in c.ops:
         iters, calls, bursts = {}, {n: [] for n in sizes}, {n: [] for n in sizes}
+        streams: dict[int, list[float]] = {n: [] for n in sizes}
         for nbytes in sizes:
             first = time_calls(_call(op, nbytes, world, device), 1, device)[0]  # warm-up; every rank agrees on it
             iters[nbytes] = max(int(c.min_iters), min(int(c.max_iters), int(c.target_s / max(first, 1e-9))))
@@ -131,6 +161,12 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
                     burst()
                     bursts[nbytes] += [t / BURST for t in time_calls(burst, max(1, iters[nbytes] // BURST), device)]
                     del burst  # its buffers (up to 8 x 32 MiB) go before the next size's are made
+                    stream = _stream(op, nbytes, world, device, cold)
+                    own = [stream() for _ in range(max(1, iters[nbytes] // STREAM))]
+                    t = torch.tensor(own, dtype=torch.float64, device=device)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per stream the slowest rank's
+                    streams[nbytes] += [x / STREAM for x in t.tolist()]
+                    del stream
                 del fn
         rows = []
         for nbytes in sizes:
@@ -139,6 +175,8 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
             rows.append({"bytes": s, "seconds": t, "mean_s": trimmed_mean(calls[nbytes]), "iters": len(calls[nbytes]),
                          **({"burst_mean_s": trimmed_mean(bursts[nbytes]), "burst_iters": len(bursts[nbytes])}
                             if bursts[nbytes] else {}),
+                         **({"stream_mean_s": trimmed_mean(streams[nbytes]), "stream_iters": len(streams[nbytes])}
+                            if streams[nbytes] else {}),
                          "algbw_Bps": s / t, "busbw_Bps": s / t * bus_factor(op, world)})
         out[op] = {"sizes": rows, "cold_bytes": cold}
     return out
@@ -252,7 +290,7 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
         result = {"threads_per_rank": torch.get_num_threads(), "host_allocator": allocator,
                   "collectives": collectives, "wake": wake,
                   "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),
-                  "framework": measure_framework(world, int(c.calibrate.compute_steps), device, wake)}
+                  "framework": measure_framework(world, int(c.calibrate.compute_steps), device, wake, collectives)}
         dist.barrier()
         if rank == 0:
             Path(out).write_text(json.dumps(result))

@@ -24,7 +24,9 @@ collective's time adds to the step. The overlap rules, by what a row's groups ho
   zeroexp configures DeepSpeed).
 
 A call issued after the rank computed for a while pays the calibration's waking (:class:`~zeroexp.formulas.time.
-WakeCurve`: the backend's idle threads woken and scheduled again) on top of its own time: :func:`channel_step`.
+WakeCurve`: the backend's idle threads woken and scheduled again) on top of its own time, and a call that follows
+another pays at least what a call of a stream of sync calls pays beyond one alone (its floor: the peer's trailing
+work of the call before, which a barrier hides; a calibration's ``stream_mean_s``): :func:`channel_step`.
 
 Activation checkpointing (``activation_checkpointing=full``) adds one more forward of each checkpointed unit inside
 its backward (torch.utils.checkpoint, non-reentrant: the unit's forward is rerun when backward first needs its saved
@@ -187,27 +189,35 @@ def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: floa
     return [], "no overlap rule for this row: every collective exposed"
 
 
-def simulate_step(compute_s: float, calls: list[tuple[float, float, int, float]], overlap: bool,
+def simulate_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool,
                   wake: Callable[[float], float] | None = None) -> float:
-    """Wall time of a step of ``compute_s`` seconds of compute with ``calls`` (issue_s, need_s, order, seconds) on one
-    channel in issue order; compute stalls at a call's ``need_s`` until it is done. Without overlap every call's
-    time adds to the step. ``wake``: a call's extra seconds after the channel sat idle (:class:`WakeCurve`)."""
+    """Wall time of a step of ``compute_s`` seconds of compute with ``calls`` (issue_s, need_s, order, seconds[,
+    floor_s]) on one channel in issue order; compute stalls at a call's ``need_s`` until it is done. Without overlap
+    every call's time adds to the step. ``wake``: a call's extra seconds after the channel sat idle
+    (:class:`WakeCurve`); ``floor_s``: the least extra of a call that follows another (a stream's figure less the
+    call's alone, :func:`predict_step`), 0 when absent."""
     return channel_step(compute_s, calls, overlap, wake)[0]
 
 
-def channel_step(compute_s: float, calls: list[tuple[float, float, int, float]], overlap: bool,
+def channel_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool,
                  wake: Callable[[float], float] | None = None) -> tuple[float, float]:
-    """:func:`simulate_step`'s wall time and the seconds of it the calls spent waking (``wake`` of each call's
-    idle gap). The gap before a call: without overlap the compute since the previous call was issued (compute
-    stops while a call runs); with overlap the wall time the channel sat idle. The step repeats, so the first
-    call's gap runs from the previous step's last call: its issue point (no overlap) or its end (overlap), less the
-    step, plus this call's start."""
+    """:func:`simulate_step`'s wall time and the seconds of it the calls spent waking (each call's extra beyond
+    its time alone: ``wake`` of its idle gap, at least its ``floor_s``). The gap before a call: without overlap the
+    compute since the previous call was issued (compute stops while a call runs); with overlap the wall time the
+    channel sat idle. The step repeats, so the first call's gap runs from the previous step's last call: its issue
+    point (no overlap) or its end (overlap), less the step, plus this call's start."""
     order = sorted(range(len(calls)), key=lambda i: (calls[i][0], calls[i][2], i))
-    cost = wake or (lambda gap: 0.0)
+    waking = wake or (lambda gap: 0.0)
+
+    def floor(i: int) -> float:
+        return float(calls[i][4]) if len(calls[i]) > 4 else 0.0
+
+    def extra_of(i: int, gap: float) -> float:  # a call's waking after its gap, or its stream floor if larger
+        return max(waking(gap), floor(i))
     if not overlap:
         issues = [calls[i][0] for i in order]
         gaps = [issues[0] + compute_s - issues[-1]] + [b - a for a, b in zip(issues, issues[1:])] if issues else []
-        woken = sum(cost(g) for g in gaps)
+        woken = sum(extra_of(i, g) for i, g in zip(order, gaps))
         return compute_s + sum(c[3] for c in calls) + woken, woken
     points = sorted({0.0, compute_s, *(c[0] for c in calls), *(c[1] for c in calls)})
 
@@ -223,7 +233,7 @@ def channel_step(compute_s: float, calls: list[tuple[float, float, int, float]],
             while k < len(order) and calls[order[k]][0] <= q:
                 i = order[k]
                 begin = max(wall, channel)
-                extra = cost(begin - channel) if k else first_extra
+                extra = extra_of(i, begin - channel) if k else first_extra
                 first_start = begin if not k else first_start
                 woken += extra
                 channel = done[i] = begin + extra + calls[i][3]
@@ -236,11 +246,11 @@ def channel_step(compute_s: float, calls: list[tuple[float, float, int, float]],
 
     def excess(extra: float) -> float:  # the first call's idle gap wraps around, from the previous step's last
         step, _, first, last = run(extra)  # call's end, which its own waking moves
-        return cost(first + step - last) - extra
+        return extra_of(order[0], first + step - last) - extra
 
     # The fixed point e = wake(gap(e)): gap(e) does not grow with e, so excess falls from >= 0 at 0 to <= 0 at the
     # curve's largest value; bisection, as a steep curve makes plain iteration oscillate.
-    low, high = 0.0, max(cost(first) for first in (0.0, 1e9))
+    low, high = 0.0, max(extra_of(order[0], first) for first in (0.0, 1e9))
     if excess(high) >= 0:
         low = high
     for _ in range(60 if low < high else 0):
@@ -268,7 +278,8 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                  framework: FrameworkCost | None = None, itemsize: int = 4, checkpointed: int = 0,
                  micro_batches: int = 1, repeats: dict[str, float] | None = None,
                  group_seconds: GroupTime | None = None, wake: Callable[[float], float] | None = None,
-                 burst_seconds: CollectiveTime | None = None) -> StepTime:
+                 burst_seconds: CollectiveTime | None = None, stream_seconds: CollectiveTime | None = None
+                 ) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
     (forward and backward over every parameter, as data parallelism computes the whole model on each rank; AdamW over
     :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
@@ -283,7 +294,10 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     call over all ranks (``seconds_of``). ``wake``: each call's extra after its idle gap (a calibration's
     :class:`~zeroexp.formulas.time.WakeCurve`; None: none, a device preset), in the exposed communication.
     ``burst_seconds``: a call's time where its slot is one of an async burst (``Slot.burst``: calls issued together,
-    which the backend runs side by side; a calibration's ``burst_mean_s``); None: ``seconds_of``."""
+    which the backend runs side by side; a calibration's ``burst_mean_s``); None: ``seconds_of``.
+    ``stream_seconds``: a call's time in a stream of sync calls (a calibration's ``stream_mean_s``): what it exceeds
+    the call's time alone by is the call's floor (its extra is its waking or that, the larger: :func:`channel_step`);
+    not for burst slots (their own figure) nor calls timed group by group; None: no floor."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples
     r = recompute_seconds(f, checkpointed, psi)
@@ -296,7 +310,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     slots, rule = collective_slots(layout, groups, prefetch, f, b, o)
     slots = micro_batch_slots(slots, repeats or {}, k, f + b)
     last_b = (k - 1) * (f + b) + f + b  # the end of the last micro-batch's backward
-    calls: list[tuple[float, float, int, float]] = []
+    calls: list[tuple[float, float, int, float, float]] = []
     for op, entry in collectives.items():
         mine = [s for s in slots if s.op == op]
         if not mine:
@@ -305,8 +319,12 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
         one_call = len(mine) == entry["count"]  # a slot per call (per micro-batch where it repeats)
         for s in mine:
             share = s.weight / total
-            timed = burst_seconds if s.burst and burst_seconds is not None else seconds_of
-            calls.append((s.issue_s, s.need_s, s.order, _op_seconds(op, entry, share, timed, group_seconds, one_call)))
+            burst = s.burst and burst_seconds is not None
+            seconds = _op_seconds(op, entry, share, burst_seconds if burst else seconds_of, group_seconds, one_call)
+            floor = 0.0
+            if stream_seconds is not None and not burst and not (group_seconds is not None and entry.get("groups")):
+                floor = max(0.0, _op_seconds(op, entry, share, stream_seconds, None, one_call) - seconds)
+            calls.append((s.issue_s, s.need_s, s.order, seconds, floor))
     compute = k * (f + b) + o
     step, woken = channel_step(compute, calls, overlap, wake)
     return StepTime(step_s=step, wake_s=woken, exposed_comm_s=step - compute, comm_s=sum(c[3] for c in calls),

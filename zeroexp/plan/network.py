@@ -42,6 +42,8 @@ class Network:
     wake: Callable[[float], float] | None = None  # a calibration's wake curve; presets: none (not known)
     #: N -> a call's time in an async burst (a calibration's ``burst_mean_s``); None: as ``seconds_at`` (presets)
     burst_seconds_at: Callable[[int], Callable[[str, float, float], float]] | None = None
+    #: N -> a call's time in a stream of sync calls (a calibration's ``stream_mean_s``); None: no floor (presets)
+    stream_seconds_at: Callable[[int], Callable[[str, float, float], float]] | None = None
 
     def groups_at(self, n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
         """(mesh dimension, group size) -> the time of a call over that group of an N-rank job."""
@@ -120,19 +122,21 @@ def calibrated_network(cal: Any) -> Network:
     return Network("this_machine", cal.seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,
                    f"calibration {cal.path} (N={cal.world_size}, {c['model']}, batch {c['batch_size']}; busbw held "
                    "at every N)", cal.framework, wake=cal.wake,
-                   burst_seconds_at=lambda n: cal.seconds_at(n, burst=True))
+                   burst_seconds_at=lambda n: cal.seconds_at(n, burst=True),
+                   stream_seconds_at=lambda n: cal.seconds_at(n, stream=True))
 
 
 def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs: PlanKnobs, batch: int, n: int,
                prefetch: str = "pre", checkpointed: int = 0) -> Any:
     """:func:`~zeroexp.formulas.predict_step` of ``layout`` over ``groups`` at ``n`` ranks on ``network``: its
-    collectives' times (each group's, a burst's), compute rate, overlap, framework costs and waking."""
+    collectives' times (each group's, a burst's, a stream's), compute rate, overlap, framework costs and waking."""
     return predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
                         network.seconds_at(n), network.overlap, prefetch, network.framework, itemsize,
                         checkpointed=checkpointed, micro_batches=knobs.micro_batches,
                         repeats=accumulation_repeats(layout, groups, itemsize, knobs),
                         group_seconds=network.groups_at(n), wake=network.wake,
-                        burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None)
+                        burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None,
+                        stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None)
 
 
 def tokens_per_sample(model: Any) -> int:
