@@ -19,7 +19,7 @@ from typing import Any, Callable
 from zeroexp.formulas.framework import PER_CALL_PATHS, FrameworkCost
 from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, WakeCurve, measured_call_seconds
 
-__all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "machine", "find_calibration", "load_calibration"]
+__all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "call_table", "machine", "find_calibration", "load_calibration"]
 
 #: Where ``python -m zeroexp.calibrate`` writes and cells look (relative to the working directory, like outputs/runs).
 DEFAULT_DIR = Path("outputs") / "calibration"
@@ -57,6 +57,13 @@ def machine() -> dict[str, Any]:
             "platform": platform.platform()}
 
 
+def call_table(rows: list[dict[str, Any]], key: str | None = None) -> list[tuple[int, float]]:
+    """A measured op's (S, seconds of one call) pairs: each size's ``key`` (``burst_mean_s``, ``stream_mean_s``)
+    where measured, else each size's mean alone (schema 2: its median)."""
+    special = [(r["bytes"], r[key]) for r in rows if key in r] if key else []
+    return special or [(r["bytes"], r.get("mean_s", r["seconds"])) for r in rows]
+
+
 @dataclass(frozen=True)
 class Calibration:
     """A calibration file, read: per op its fit, the compute rate, and where it was measured."""
@@ -89,9 +96,7 @@ class Calibration:
                 return 0.0  # one rank sends nothing (and an N=1 calibration has no collectives)
             measured = op if op in self.data["collectives"] else "all_reduce"
             rows = self.data["collectives"][measured]["sizes"]
-            key = "burst_mean_s" if burst else "stream_mean_s" if stream else None
-            special = [(r["bytes"], r[key]) for r in rows if key in r] if key else []
-            table = special or [(r["bytes"], r.get("mean_s", r["seconds"])) for r in rows]
+            table = call_table(rows, "burst_mean_s" if burst else "stream_mean_s" if stream else None)
             return calls * measured_call_seconds(measured, payload_bytes / calls, world_size, table, n_cal,
                                                  self.link(measured))
         return seconds

@@ -9,7 +9,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather", "reduce_scatter", "sync", "from_barrier", "time_calls", "trimmed_mean", "TRIM"]
+__all__ = ["all_gather", "reduce_scatter", "sync", "from_barrier", "slowest_each", "time_calls", "trimmed_mean",
+           "TRIM"]
 
 #: The share of calls cut at each end of a trimmed mean: a step's time sums its calls, so the model uses
 #: their mean; a rare stall of the host (tens of ms) is not a property of the link.
@@ -36,12 +37,17 @@ def from_barrier(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def slowest_each(own: list[float], device: torch.device) -> list[float]:
+    """Per measurement of ``own`` (this rank's, in the same order on every rank), the slowest rank's; one all_reduce
+    after the timed work, so it times nothing of its own."""
+    t = torch.tensor(own, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(x) for x in t.tolist()]
+
+
 def time_calls(fn: Callable[[], None], calls: int, device: torch.device) -> list[float]:
     """``calls`` calls of ``fn``, each timed alone from a barrier; per call the slowest rank's seconds."""
-    own = [from_barrier(fn, device) for _ in range(calls)]
-    t = torch.tensor(own, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # after the timed calls: the slowest rank of each call
-    return [float(x) for x in t.tolist()]
+    return slowest_each([from_barrier(fn, device) for _ in range(calls)], device)
 
 
 def trimmed_mean(seconds: list[float], cut: float = TRIM) -> float:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, sync, trimmed_mean
+from zeroexp.calibration import call_table
 from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
 
 __all__ = ["measure_framework", "per_call", "stream_floor", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
@@ -76,11 +77,10 @@ def stream_floor(collectives: dict[str, Any] | None, op: str, nbytes: int, world
     """What a call of ``op`` of ``nbytes`` in a stream of sync calls costs beyond one alone on this calibration's
     measured sizes (``stream_mean_s`` less ``mean_s``, each read as the model reads it:
     :func:`~zeroexp.formulas.time.measured_call_seconds`), at least 0; 0 where no stream was measured."""
-    rows = (collectives or {}).get(op, {}).get("sizes", [])
-    alone = [(r["bytes"], r["mean_s"]) for r in rows if "stream_mean_s" in r]
-    stream = [(r["bytes"], r["stream_mean_s"]) for r in rows if "stream_mean_s" in r]
-    if not stream:
+    rows = [r for r in (collectives or {}).get(op, {}).get("sizes", []) if "stream_mean_s" in r]
+    if not rows:
         return 0.0
+    alone, stream = call_table(rows), call_table(rows, "stream_mean_s")  # as the model reads them, at these sizes
     link = LinkFit(0.0, float("inf"))  # read beyond the largest size only: no bandwidth term there
     return max(0.0, measured_call_seconds(op, nbytes, world, stream, world, link)
                - measured_call_seconds(op, nbytes, world, alone, world, link))

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zeroexp.calibrate.calls import all_gather, reduce_scatter, sync, time_calls, trimmed_mean
+from zeroexp.calibrate.calls import all_gather, reduce_scatter, slowest_each, sync, time_calls, trimmed_mean
 from zeroexp.formulas import bus_factor
 
 __all__ = ["message_sizes", "rank_main", "cache_bytes", "MAX_BUFFERS"]
@@ -163,9 +163,7 @@ def measure_collectives(c: Any, world: int, device: torch.device) -> dict[str, A
                     del burst  # its buffers (up to 8 x 32 MiB) go before the next size's are made
                     stream = _stream(op, nbytes, world, device, cold)
                     own = [stream() for _ in range(max(1, iters[nbytes] // STREAM))]
-                    t = torch.tensor(own, dtype=torch.float64, device=device)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per stream the slowest rank's
-                    streams[nbytes] += [x / STREAM for x in t.tolist()]
+                    streams[nbytes] += [x / STREAM for x in slowest_each(own, device)]  # per stream
                     del stream
                 del fn
         rows = []
