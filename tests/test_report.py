@@ -445,3 +445,19 @@ def test_wandb_report_cli_offline_describes_online_saves(sweep, tmp_path, monkey
     assert report_main([str(copy), "--wandb", "none", "--wandb-report"]) == 0
     assert len(saved) == 1 and saved[0].title == f"zeroexp sweep {sweep.name}"
     assert "W&B Report: https://wandb.ai/me/zeroexp/reports/x--abc" in capsys.readouterr().out
+
+
+def test_the_plan_digest_names_a_phase_within_a_late_freed_tensor():
+    """The terminal's plan line: a peak check that passes only by the late-free allowance says so, naming the
+    phase, beside its largest error."""
+    from zeroexp.report.tables import PlanSection
+
+    memory = {"check": "PASS", "max_rel_err": 0.149, "phases": {
+        "forward": {"check": "PASS", "rel_err": 0.0},
+        "backward": {"check": "PASS", "rel_err": 0.149, "late_free": "139268 B above the prediction, ..."}}}
+    line = PlanSection.digest_line({"check": "PASS", "layout": "FSDP FULL_SHARD", "memory": memory})
+    assert line.endswith("peak model PASS (largest error 14.90 %; backward: within a late-freed tensor, plan.memory "
+                         "says which)")
+    del memory["phases"]["backward"]["late_free"]
+    assert PlanSection.digest_line({"check": "PASS", "layout": "x", "memory": memory}).endswith("(largest error "
+                                                                                                "14.90 %)")

@@ -129,7 +129,10 @@ class PlanSection:
             (" and groups" if (p.get("groups") or {}).get("check") == "PASS" else "")
         memory = p.get("memory") or {}
         peak = "" if memory.get("check") in (None, "n/a") else \
-            f"; peak model {memory['check']} (largest error {100 * float(memory.get('max_rel_err') or 0):.2f} %)"
+            f"; peak model {memory['check']} (largest error {100 * float(memory.get('max_rel_err') or 0):.2f} %"
+        late = [ph for ph, d in (memory.get("phases") or {}).items() if isinstance(d, dict) and d.get("late_free")]
+        if peak:  # a phase above its prediction by one tensor the backend freed late: say which, not only the error
+            peak += f"; {', '.join(late)}: within a late-freed tensor, plan.memory says which)" if late else ")"
         return f"{p.get('layout')}: predicted {what} {verdict}{peak}"
 
     @staticmethod
