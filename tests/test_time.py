@@ -221,6 +221,13 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     from zeroexp.devices import HOST_ALLOCATOR
     on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert data["host_allocator"] == (HOST_ALLOCATOR if on_glibc else None)
+    host = data["host_activity"]  # what else ran while the ranks measured: the host's busy CPU less the ranks'
+    if Path("/proc/stat").exists():
+        assert host["busy_cpu_s"] >= 0 and host["ranks_cpu_s"] > 0 and host["wall_s"] > 0
+        assert host["other_cpu_s"] == max(0.0, host["busy_cpu_s"] - host["ranks_cpu_s"])
+        assert host["other_cores"] == host["other_cpu_s"] / host["wall_s"]
+    else:
+        assert host is None
     assert data["compute"]["numel"] == 8 * 64 * 64 and data["compute"]["batch_size"] == 8
     assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
     assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
@@ -281,6 +288,21 @@ def test_planner_network_refuses_bad_input():
         _plan("model=mlp", "batch_size=8", "network=h100_ib", "network.efficiency=2")
     with pytest.raises(ConfigError, match="network.inter.busbw_Bps"):
         _plan("model=mlp", "batch_size=8", "network=a100_ib", "network.inter.busbw_Bps=0")
+
+
+def test_plan_time_says_its_calibration_ran_beside_other_work(compose, tmp_path):
+    from zeroexp.plan.time import BUSY_CALIBRATION_CORES
+
+    said = {}
+    for busy in (0.0, BUSY_CALIBRATION_CORES + 0.01, None):
+        data = calibration_data(numel=8 * 64 * 64)
+        data["host_activity"] = None if busy is None else {"other_cores": busy}
+        path = tmp_path / f"cal{busy}.json"
+        path.write_text(json.dumps(data))
+        t = time_section(compose("world_size=2", f"calibration={path}"), _summary([10.0] * 40))
+        said[busy] = [r for r in t["reasons"] if "beside other work" in r]
+        assert t["check"] == ("PASS" if 0.8 <= t["ratio"] <= 1.25 else "FAIL")  # a reason, not a verdict
+    assert said[0.0] == [] and said[None] == [] and "0.26 cores" in said[BUSY_CALIBRATION_CORES + 0.01][0]
 
 
 def test_order_agreement_on_given_numbers():

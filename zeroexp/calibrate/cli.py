@@ -140,7 +140,7 @@ def run(cfg: DictConfig) -> Path:
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None},
         "backend": backend, "device": device, "world_size": n, "threads_per_rank": threads,
-        "host_allocator": measured.get("host_allocator"),
+        "host_allocator": measured.get("host_allocator"), "host_activity": measured.get("host_activity"),
         "overlap": {"possible": overlap,
                     "why": "CUDA: collectives run on their own stream" if device == "cuda" else
                     f"{host['cores']} cores, {n} ranks x {threads} compute threads: "
