@@ -108,6 +108,18 @@ def ds_config(cfg: Any, device_type: str) -> dict[str, Any]:
     return conf
 
 
+#: DeepSpeed's shared-memory all_reduce op (``deepspeed_shm_comm``): built (JIT, C++) when its comm backend starts,
+#: used only by ``inference_all_reduce``; training's collectives go through torch.distributed, which the probes count.
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def _no_shm_comm(deepspeed: Any) -> None:
+    """Tell DeepSpeed the shared-memory comm op is not to be built, through the table of compatible ops it consults
+    (``deepspeed.comm.torch.build_shm_op``) before its backend starts: a zeroexp cell never calls it, and its JIT
+    build took ~40 s (and needs a C++ compiler) at the first DeepSpeed cell of each fresh install."""
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
 def _cast_inputs(dtype: torch.dtype) -> Any:
     """A forward pre-hook casting floating-point tensor arguments to the engine's compute dtype."""
     def cast(x: Any) -> Any:
@@ -197,6 +209,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         to the compute dtype; stage 3 partitions its parameters)."""
         import deepspeed
 
+        _no_shm_comm(deepspeed)
         client = torch.optim.AdamW(module.parameters(), **self.optimizer_kwargs())
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client,
                                                     config=ds_config(self.cfg, device.type), dist_init_required=False)
