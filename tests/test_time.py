@@ -236,6 +236,19 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     assert raw["zro_broadcast_s_floor"] == 0.0
     assert raw["ddp_bucket_s_floor"] == stream_floor(data["collectives"], "all_reduce", 8 * 16 * 16 * 4, 2)
     assert data["framework"]["copy_s_per_byte"] > 0 and "barrier" in data["method"]
+    from zeroexp.calibrate.framework import TINY_UNITS, TINY_WIDTH, WIDE_WIDTH
+    assert (raw["tiny_width"], raw["wide_width"]) == (TINY_WIDTH, WIDE_WIDTH)
+    for key, tiny_bytes, wide_bytes in (("ddp_bucket_s", 4 * TINY_UNITS * TINY_WIDTH ** 2,
+                                         4 * TINY_UNITS * WIDE_WIDTH ** 2),  # one bucket: the whole model
+                                        ("fsdp1_call_s", 4 * TINY_WIDTH ** 2, 4 * WIDE_WIDTH ** 2)):  # one unit
+        # the line through the per-call costs on the tiny and the wide model, as they were measured
+        slope = max(0.0, (raw[f"{key}_wide"] - raw[f"{key}_tiny"]) / (wide_bytes - tiny_bytes))
+        assert data["framework"][f"{key}_per_byte"] == pytest.approx(slope, rel=1e-12, abs=1e-30)
+        assert data["framework"][key] == pytest.approx(max(0.0, raw[f"{key}_tiny"] - slope * tiny_bytes), abs=1e-15)
+    assert all(raw[f"wide_{w}_{part}"] > 0 for w in ("ddp", "fsdp1") for part in ("step_s", "base_step_s"))
+    # ZeroRedundancyOptimizer is not measured wide (its broadcasts make no pass of their own over the bytes)
+    assert "zro_broadcast_s_per_byte" not in data["framework"] and "wide_zro_step_s" not in raw
+    assert data["framework"]["zro_broadcast_s"] == raw["zro_broadcast_s_tiny"]
     raw = data["framework"]["raw"]  # each wrapper's step, the step it is compared with and its calls, side by side
     assert all(raw[f"{w}_{part}"] > 0 for w in ("ddp", "zro", "fsdp1") for part in ("step_s", "base_step_s", "calls_s"))
     assert find_calibration("gloo", 2, tmp_path).path == str(path)

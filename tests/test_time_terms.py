@@ -60,6 +60,36 @@ def test_zero2_zeroes_and_accumulates_its_buckets_zero1_does_not():
     assert any("no per-call cost" in n for n in t.notes + one.notes)
 
 
+def test_a_wrappers_call_costs_per_byte_of_its_payload():
+    """``<path>_s + S x <path>_s_per_byte`` per call, S the call's payload: DDP's bucket, each broadcast, each unit."""
+    wide = FrameworkCost(ddp_bucket_s=2e-4, zro_broadcast_s=3e-4, fsdp1_call_s=5e-4, ddp_bucket_s_per_byte=6e-10,
+                         zro_broadcast_s_per_byte=1e-11, fsdp1_call_s_per_byte=2e-10)
+    bucket = PSI * 4  # one bucket: the whole 18 MiB mlp
+    assert framework_time(*_groups("ddp"), 4, wide).terms["ddp_bucket_calls"] == pytest.approx(2e-4 + bucket * 6e-10)
+    zro = framework_time(*_groups("zro"), 4, wide)
+    assert zro.terms["zro_broadcast_calls"] == pytest.approx(8 * (3e-4 + 768 * 768 * 4 * 1e-11))
+    unit = 768 * 768 * 4
+    full = framework_time(*_groups("fsdp_full"), 4, wide)
+    assert full.terms["fsdp1_forward_calls"] == pytest.approx(8 * (5e-4 + unit * 2e-10))
+    assert full.terms["fsdp1_backward_calls"] == pytest.approx(16 * (5e-4 + unit * 2e-10))  # a gather and a reduce
+    grad_op = framework_time(*_groups("fsdp_grad_op"), 4, wide)  # SHARD_GRAD_OP: no gather in backward
+    assert grad_op.terms["fsdp1_backward_calls"] == pytest.approx(8 * (5e-4 + unit * 2e-10))
+    half = framework_time(*_groups("fsdp_full"), 2, wide)  # bf16 payloads: half the bytes
+    assert half.terms["fsdp1_forward_calls"] == pytest.approx(8 * (5e-4 + unit / 2 * 2e-10))
+    assert wide.call_s("fsdp1_call", 1000) == pytest.approx(5e-4 + 2e-7)
+
+
+def test_the_per_byte_fit_is_the_line_through_the_tiny_and_the_wide_model():
+    from zeroexp.calibrate.framework import per_byte_fit
+
+    tiny = {"a_s": 1e-3, "b_s": 2e-3, "c_s": 1e-4, "bytes": {"a_s": 1000, "b_s": 1000, "c_s": 1000}}
+    wide = {"a_s": 2e-3, "b_s": 1e-3, "c_s": 1.1e-3, "bytes": {"a_s": 1001000, "b_s": 1001000, "c_s": 2000}}
+    fit = per_byte_fit(tiny, wide)
+    assert fit["a_s_per_byte"] == pytest.approx(1e-9) and fit["a_s"] == pytest.approx(1e-3 - 1e-6)
+    assert fit["b_s_per_byte"] == 0.0 and fit["b_s"] == 2e-3  # cheaper when wider: noise, no negative slope
+    assert fit["c_s_per_byte"] == pytest.approx(1e-6) and fit["c_s"] == 0.0  # the line's value at 0 bytes held at 0
+
+
 def test_a_row_without_calibrated_paths_says_so():
     t = framework_time(*_groups("fsdp2_full"), 4, COST)
     assert t.terms == {"loop": 1e-3} and "only the loop" in t.notes[0]
@@ -99,6 +129,10 @@ def test_a_calibration_reads_its_framework_costs(tmp_path):
     assert Calibration("given", data).framework == COST
     one_rank = dict(data, framework={"loop_s": 1e-3, "copy_s_per_byte": 1e-10, "raw": {}})  # N=1: no wrappers
     assert Calibration("given", one_rank).framework == FrameworkCost(loop_s=1e-3, copy_s_per_byte=1e-10)
+    wide = dict(data, framework={**data["framework"], "ddp_bucket_s_per_byte": 6e-10, "fsdp1_call_s_per_byte": 2e-10})
+    got = Calibration("given", wide).framework  # schema 6; before it, no per-byte figure: 0
+    assert (got.ddp_bucket_s_per_byte, got.fsdp1_call_s_per_byte, got.zro_broadcast_s_per_byte) == (6e-10, 2e-10, 0)
+    assert COST.ddp_bucket_s_per_byte == 0.0
 
 
 def test_schema_1_calibrations_are_not_used(tmp_path):

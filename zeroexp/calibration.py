@@ -26,12 +26,13 @@ DEFAULT_DIR = Path("outputs") / "calibration"
 #: 2: collectives timed one call at a time from a barrier (1 timed back-to-back loops), and ``framework``;
 #: 3: each size's trimmed mean (``mean_s``, what the model uses) and the ``wake`` curve; 4: each size's share of an
 #: async burst (``burst_mean_s``), the framework's wrappers measured side by side; 5: each size's share of a stream
-#: of sync calls (``stream_mean_s``), the floor of a call that follows another (the framework's figures net of it).
-SCHEMA = 5
+#: of sync calls (``stream_mean_s``), the floor of a call that follows another (the framework's figures net of it);
+#: 6: the wrappers measured on a wide model too, their cost per byte of a call's payload (``<path>_s_per_byte``).
+SCHEMA = 6
 #: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
 #: 2's and 3's no bursts (a burst's call is timed as one alone); 2-4 no streams (a call in a stream pays its waking
-#: only).
-READS = (2, 3, 4, 5)
+#: only); 2-5 no wrapper cost per byte (0).
+READS = (2, 3, 4, 5, 6)
 
 
 def machine() -> dict[str, Any]:
@@ -119,7 +120,8 @@ class Calibration:
         """The framework's calibrated per-step primitives (:mod:`zeroexp.formulas.framework`)."""
         f = self.data["framework"]
         return FrameworkCost(loop_s=f["loop_s"], copy_s_per_byte=f["copy_s_per_byte"],
-                             **{f"{k}_s": f.get(f"{k}_s", 0.0) for k in PER_CALL_PATHS})
+                             **{f"{k}_s{per}": f.get(f"{k}_s{per}", 0.0) for k in PER_CALL_PATHS
+                                for per in ("", "_per_byte")})
 
     def summary(self) -> dict[str, Any]:
         """What ``plan.time.calibration`` shows of it."""

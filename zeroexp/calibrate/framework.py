@@ -1,6 +1,7 @@
 """What one calibration rank measures of the framework's own per-step costs (:mod:`zeroexp.formulas.framework`),
 every rank at once, apart from any cell: the training loop's cost on a trivial model, each wrapper's cost per
-collective call on a tiny model, and the rate of a copy between warm buffers.
+collective call on a tiny model and per byte of the call's payload from a wide one, and the rate of a copy between
+warm buffers.
 
 Each figure is a difference of two measurements taken side by side in this process, the slowest rank's median.
 A difference below zero (noise larger than the cost) is kept as measured in ``raw`` and used as 0.
@@ -20,10 +21,18 @@ from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, sy
 from zeroexp.calibration import call_table
 from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
 
-__all__ = ["measure_framework", "per_call", "stream_floor", "TINY_UNITS", "TINY_WIDTH", "COPY_BYTES"]
+__all__ = ["measure_framework", "per_call", "per_byte_fit", "stream_floor", "TINY_UNITS", "TINY_WIDTH", "WIDE_WIDTH",
+           "COPY_BYTES"]
 
 #: The tiny model the wrappers run on: its compute and bytes are negligible beside each call's own cost.
 TINY_UNITS, TINY_WIDTH, TINY_BATCH = 8, 16, 8
+#: The wide model (the same 8 units, 512 x 512: 1 MiB a unit, an 8 MiB DDP bucket): with the tiny one, what a
+#: wrapper's call costs per byte of its payload. A fixed size of no cell's choosing, in the range of real units.
+WIDE_WIDTH = 512
+#: The paths measured wide: ZeroRedundancyOptimizer's broadcasts write into the parameters themselves (no pass of its
+#: own over their bytes), and its step, compared with DDP's, runs AdamW over 1/N of a wide model: not measured wide.
+PER_CALL_KEYS = ("ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s")
+WIDE_PATHS = ("ddp_bucket_s", "fsdp1_call_s")
 #: Bytes of the copy measurement: the size of a bucket (zeroexp's, 25 MiB cap) or a few FSDP units.
 COPY_BYTES = 16 * 2**20
 #: Steps of the loop's measurement at least: a step is about a millisecond, and a loaded host's stalls are long.
@@ -37,13 +46,13 @@ def _slowest_median(own: list[float], device: torch.device) -> float:
     return statistics.median(t.tolist())
 
 
-def _tiny(device: torch.device) -> nn.Module:
+def _stack(device: torch.device, width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Linear(TINY_WIDTH, TINY_WIDTH, bias=False) for _ in range(TINY_UNITS))).to(device)
+    return nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(TINY_UNITS))).to(device)
 
 
-def _train_step(net: nn.Module, opt: Any, device: torch.device) -> Callable[[], None]:
-    x = torch.randn(TINY_BATCH, TINY_WIDTH, device=device)
+def _train_step(net: nn.Module, opt: Any, device: torch.device, width: int) -> Callable[[], None]:
+    x = torch.randn(TINY_BATCH, width, device=device)
 
     def step() -> None:
         net(x).pow(2).mean().backward()
@@ -87,12 +96,15 @@ def stream_floor(collectives: dict[str, Any] | None, op: str, nbytes: int, world
 
 
 def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | None,
-              collectives: dict[str, Any] | None = None) -> dict[str, Any]:
+              collectives: dict[str, Any] | None = None, width: int = TINY_WIDTH,
+              copy_s_per_byte: float = 0.0, paths: tuple[str, ...] = PER_CALL_KEYS) -> dict[str, Any]:
     """Per call of DDP's bucket all_reduce, ZeroRedundancyOptimizer's broadcast and FSDP1's all_gather /
-    reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear): the wrapper's tiny step less the bare tiny step
-    (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same payload, side by side
-    (:func:`_paired`), less each call's waking after the compute before it or its stream floor, the larger
-    (:func:`per_call`; the floors from ``collectives``' streams: :func:`stream_floor`)."""
+    reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear), on 8 Linear units of ``width``: the wrapper's
+    step less the bare step (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same
+    payload, side by side (:func:`_paired`), less FSDP1's gradient copies (their own term, at ``copy_s_per_byte``),
+    less each call's waking after the compute before it or its stream floor, the larger (:func:`per_call`; the
+    floors from ``collectives``' streams: :func:`stream_floor`). Also each path's payload bytes per call
+    (``bytes``). ``paths``: which of them (all three by default)."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -102,19 +114,19 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
     def adamw(params: Any) -> Any:
         return torch.optim.AdamW(params, lr=1e-3)
 
-    bare = _tiny(device)
-    bare_step = _train_step(bare, adamw(bare.parameters()), device)
-    ddp = DDP(_tiny(device))
-    ddp_step = _train_step(ddp, adamw(ddp.parameters()), device)
-    zro = DDP(_tiny(device))
+    bare = _stack(device, width)
+    bare_step = _train_step(bare, adamw(bare.parameters()), device, width)
+    ddp = DDP(_stack(device, width))
+    ddp_step = _train_step(ddp, adamw(ddp.parameters()), device, width)
+    zro = DDP(_stack(device, width))
     zopt = ZeroRedundancyOptimizer(list(zro.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
-    zro_step = _train_step(zro, zopt, device)
-    fsdp = FSDP(_tiny(device), sharding_strategy=ShardingStrategy.FULL_SHARD,
+    zro_step = _train_step(zro, zopt, device, width)
+    fsdp = FSDP(_stack(device, width), sharding_strategy=ShardingStrategy.FULL_SHARD,
                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
                 device_id=device)
-    fsdp_step = _train_step(fsdp, adamw(fsdp.parameters()), device)
+    fsdp_step = _train_step(fsdp, adamw(fsdp.parameters()), device, width)
 
-    unit = TINY_WIDTH * TINY_WIDTH
+    unit = width * width
     full = torch.ones(unit * TINY_UNITS, device=device)
     one, chunk = torch.ones(unit, device=device), torch.ones(unit // world, device=device)
     owners = [min(k * world // TINY_UNITS, world - 1) for k in range(TINY_UNITS)]  # each parameter from its owner
@@ -130,11 +142,15 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
         "zro_broadcast_s": (zro_step, ddp_step, [broadcasts], len(owners)),  # one burst
         "fsdp1_call_s": (fsdp_step, bare_step, fsdp_calls, len(fsdp_calls)),  # reduce_scatter
     }
+    runs = {k: v for k, v in runs.items() if k in paths}
     unit_bytes = unit * 4  # FSDP1's calls: two all_gathers per reduce_scatter, each of one unit
-    floors = {"ddp_bucket_s": stream_floor(collectives, "all_reduce", full.numel() * 4, world),
+    nbytes = {k: v for k, v in (("ddp_bucket_s", full.numel() * 4), ("zro_broadcast_s", unit_bytes),
+                                ("fsdp1_call_s", unit_bytes)) if k in runs}
+    floors = {"ddp_bucket_s": stream_floor(collectives, "all_reduce", nbytes["ddp_bucket_s"], world),
               "zro_broadcast_s": 0.0,  # a burst: its calls are timed as one, no stream floor
               "fsdp1_call_s": (2 * stream_floor(collectives, "all_gather", unit_bytes, world)
                                + stream_floor(collectives, "reduce_scatter", unit_bytes, world)) / 3}
+    copies = {"fsdp1_call_s": 2 * TINY_UNITS * unit_bytes * copy_s_per_byte}  # formulas.framework's own term
     raw: dict[str, float] = {}
     for key, (wrapped, base, calls, n) in runs.items():
         got = _paired(wrapped, base, calls, steps, device)
@@ -142,9 +158,24 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
         raw.update({f"{name}_step_s": got["wrapped_s"], f"{name}_base_step_s": got["base_s"],
                     f"{name}_calls_s": got["calls_s"], f"{key}_measured": got["extra_s"] / n})
     back_to_back = {"zro_broadcast_s"}  # issued one after another after the step: only the first waits on compute
-    bare_s = raw["fsdp1_base_step_s"]  # the bare tiny step's compute, before each call's waking
-    return {**{k: per_call(raw[f"{k}_measured"] * n, n, bare_s, wake, k in back_to_back, floors[k])
-               for k, (_, _, _, n) in runs.items()}, "raw": {**raw, **{f"{k}_floor": v for k, v in floors.items()}}}
+    bare_s = raw["fsdp1_base_step_s"]  # the bare step's compute, before each call's waking
+    return {**{k: per_call(raw[f"{k}_measured"] * n - copies.get(k, 0.0), n, bare_s, wake, k in back_to_back,
+                           floors[k]) for k, (_, _, _, n) in runs.items()},
+            "bytes": nbytes, "raw": {**raw, **{f"{k}_floor": v for k, v in floors.items()}}}
+
+
+def per_byte_fit(tiny: dict[str, Any], wide: dict[str, Any]) -> dict[str, float]:
+    """Each path's cost per call and per byte of its payload from its per-call cost on the tiny and the wide model
+    (:func:`_wrappers`' results): the line through the two, its slope at least 0 (noise larger than the bytes'
+    cost), its cost at zero bytes at least 0: ``<path>_s`` and ``<path>_s_per_byte``; a path not measured wide,
+    its tiny cost and no per-byte figure."""
+    out: dict[str, float] = {key: tiny[key] for key in tiny["bytes"] if key not in wide["bytes"]}
+    for key, bytes_w in wide["bytes"].items():
+        bytes_t = tiny["bytes"][key]
+        slope = max(0.0, (wide[key] - tiny[key]) / (bytes_w - bytes_t))
+        out[key] = max(0.0, tiny[key] - slope * bytes_t)
+        out[f"{key}_per_byte"] = slope
+    return out
 
 
 def per_call(extra_s: float, calls: int, compute_s: float, wake: WakeCurve | None,
@@ -240,7 +271,15 @@ def measure_framework(world: int, steps: int, device: torch.device, wake: dict[s
     loop = {"loop_s": max(0.0, lightning - plain), "raw": {"lightning_step_s": lightning, "bare_loop_step_s": plain}}
     copy = _copy(device, max(5, steps // 2))
     curve = WakeCurve(tuple(wake["gaps_s"]), tuple(wake["extra_s"])) if wake else None
-    wrappers = _wrappers(world, steps, device, curve, collectives) if world > 1 else {"raw": {}}
+    wrappers: dict[str, Any] = {"raw": {}}
+    if world > 1:
+        tiny = _wrappers(world, steps, device, curve, collectives)
+        wide = _wrappers(world, steps, device, curve, collectives, WIDE_WIDTH, copy["copy_s_per_byte"], WIDE_PATHS)
+        wrappers = {**per_byte_fit(tiny, wide),
+                    "raw": {**tiny["raw"], **{f"{k}_tiny": tiny[k] for k in tiny["bytes"]},
+                            **{f"{k}_wide": wide[k] for k in wide["bytes"]},
+                            **{f"wide_{k}": v for k, v in wide["raw"].items()},
+                            "tiny_width": TINY_WIDTH, "wide_width": WIDE_WIDTH}}
     out = {k: v for part in (loop, copy, wrappers) for k, v in part.items() if k != "raw"}
     out["raw"] = {**loop["raw"], **copy["raw"], **wrappers["raw"]}
     return out

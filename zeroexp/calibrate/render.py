@@ -54,7 +54,9 @@ def render_table(cal: Calibration, console: Any) -> None:
                       ("zro_broadcast_s", "ZeroRedundancyOptimizer, per broadcast"),
                       ("fsdp1_call_s", "FSDP1, per all_gather / reduce_scatter")):
         if key in f:
-            v.add_row(what, f"{f[key] * 1e3:.3f} ms")
+            per_byte = f.get(f"{key}_per_byte")
+            v.add_row(what, f"{f[key] * 1e3:.3f} ms" + (f" + {per_byte * 1e12:.1f} ps per byte of the call"
+                                                          if per_byte is not None else ""))
     v.add_row("copy between warm buffers", f"{f['copy_s_per_byte'] * 1e12:.1f} ps per byte")
     console.print(v)
     w = d.get("wake")

@@ -7,19 +7,25 @@ peak model and the collectives check use. Nothing here is fitted to a cell or a 
 
 - **The loop** (every row): the training loop's own per-step work (Lightning's hooks, closure, ``self.log``),
   measured on a trivial model as the loop's step less the same model's bare step.
-- **Per collective call of a wrapper** (its hooks, bookkeeping and handoffs to the backend's thread): measured on a
-  tiny model (8 units of 16 x 16), where compute and bytes are negligible, as the wrapper's step less the bare step
-  less its calls timed alone, divided by its calls: DDP per bucket (``torch/nn/parallel/distributed.py``,
-  reducer.cpp), ZeroRedundancyOptimizer per broadcast (``torch/distributed/optim/zero_redundancy_optimizer.py``),
-  FSDP1 per all_gather or reduce_scatter (``torch/distributed/fsdp/_runtime_utils.py``).
+- **Per collective call of a wrapper** (its hooks, bookkeeping, handoffs to the backend's thread, and the passes
+  over the call's bytes it makes beyond the call itself): measured as the wrapper's step less the bare step less
+  its calls timed alone, divided by its calls, on two models of 8 square Linear units: a tiny one (16 x 16, where
+  compute and bytes are negligible: the per-call cost) and a wide one (512 x 512, 1 MiB a unit: with the tiny one,
+  the cost per byte of the call's payload). DDP per bucket (``torch/nn/parallel/distributed.py``, reducer.cpp: the
+  gradients copied into the bucket, divided, copied back), ZeroRedundancyOptimizer per broadcast
+  (``torch/distributed/optim/zero_redundancy_optimizer.py``), FSDP1 per all_gather or reduce_scatter
+  (``torch/distributed/fsdp/_runtime_utils.py``). A call of ``S`` bytes costs ``<path>_s + S x
+  <path>_s_per_byte``. Measured on the 2-core host (AMD EPYC, N=2, gloo, 2026-12-01): DDP's extra beyond the bare step and one
+  lone all_reduce was ~0 on the tiny model and 5.1 ms for an 8 MiB bucket, 11.3-12.2 ms for an 18 MiB one (0.6 ns
+  a byte at both); FSDP1's per call 0.7-0.8 ms tiny, 1.0-1.1 ms at 0.25-2.25 MiB units.
 - **Copies between warm buffers**, per byte: FSDP1 concatenates each unit's per-parameter gradients into its
   unsharded gradient in backward (the views' ``SplitWithSizesBackward``, a new tensor) and pre-divides it in place
   (``_div_if_needed``): two passes over the unit; zeroexp's ZeRO-2 zeroes each bucket's flat gradient
   (``torch.zeros_like`` at its first ready gradient) and autograd accumulates every gradient into it: two passes.
   Measured beside a warm copy (2-core host, N=2, 8 x 768^2, torch profiler): FSDP1's concatenation ran at
   0.1-0.2 ns a byte, a warm copy's rate, while a fresh 64 MiB mapping filled at 1.5-3 ns a byte: glibc reuses its
-  heap for these sizes, so no page-fault term. DDP's bucket copies are not a term: a bare DDP backward measured
-  the bare backward plus one lone all_reduce of the gradients (19.5 ms = 4.7 + 14.8).
+  heap for these sizes, so no page-fault term. The wide FSDP1 measurement is taken net of these copies (they are
+  this term, not its per-byte cost). DDP's bucket copies are in its per-byte cost, not here.
 
 The calibration's compute (bare forward, backward, AdamW with ``zero_grad(set_to_none=True)``) already contains
 autograd's fresh parameter gradients; its collectives write into warm output buffers.
@@ -39,14 +45,22 @@ PER_CALL_PATHS = ("ddp_bucket", "zro_broadcast", "fsdp1_call")
 
 @dataclass(frozen=True)
 class FrameworkCost:
-    """Calibrated primitives (seconds): ``loop_s`` per step; per call of each path of :data:`PER_CALL_PATHS`;
-    ``copy_s_per_byte`` between warm buffers."""
+    """Calibrated primitives (seconds): ``loop_s`` per step; per call of each path of :data:`PER_CALL_PATHS`, and
+    per byte of that call's payload (``<path>_s_per_byte``, 0 in calibrations before schema 6); ``copy_s_per_byte``
+    between warm buffers."""
 
     loop_s: float = 0.0
     ddp_bucket_s: float = 0.0
     zro_broadcast_s: float = 0.0
     fsdp1_call_s: float = 0.0
     copy_s_per_byte: float = 0.0
+    ddp_bucket_s_per_byte: float = 0.0
+    zro_broadcast_s_per_byte: float = 0.0
+    fsdp1_call_s_per_byte: float = 0.0
+
+    def call_s(self, path: str, nbytes: float) -> float:
+        """One call of ``path`` (:data:`PER_CALL_PATHS`) with a payload of ``nbytes``."""
+        return getattr(self, f"{path}_s") + nbytes * getattr(self, f"{path}_s_per_byte")
 
 
 @dataclass(frozen=True)
@@ -75,17 +89,17 @@ def framework_time(layout: StateLayout, groups: Groups, itemsize: int, cost: Fra
     notes: list[str] = []
     kind = layout.groups
     if kind in ("none", "owners") and groups.buckets:
-        terms["ddp_bucket_calls"] = cost.ddp_bucket_s * len(groups.buckets)
+        terms["ddp_bucket_calls"] = sum(cost.call_s("ddp_bucket", sum(k) * itemsize) for k in groups.buckets)
         b += terms["ddp_bucket_calls"]
         if groups.broadcasts:
-            terms["zro_broadcast_calls"] = cost.zro_broadcast_s * len(groups.broadcasts)
+            terms["zro_broadcast_calls"] = sum(cost.call_s("zro_broadcast", k * itemsize) for k in groups.broadcasts)
             o += terms["zro_broadcast_calls"]
     elif kind == "units" and groups.units:
         units = groups.units
-        backward_gathers = sum(1 for u in units if u.gathers >= 2)
-        terms["fsdp1_forward_calls"] = cost.fsdp1_call_s * len(units)
+        one = [cost.call_s("fsdp1_call", u.numel * itemsize) for u in units]  # a unit's gather or reduce_scatter
+        terms["fsdp1_forward_calls"] = sum(one)
         f += terms["fsdp1_forward_calls"]
-        terms["fsdp1_backward_calls"] = cost.fsdp1_call_s * (backward_gathers + len(units))
+        terms["fsdp1_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, units))
         terms["fsdp1_gradient_copies"] = 2 * sum(u.numel for u in units) * itemsize * cost.copy_s_per_byte
         b += terms["fsdp1_backward_calls"] + terms["fsdp1_gradient_copies"]
     elif kind == "buckets" and groups.shards:
