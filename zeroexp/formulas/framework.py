@@ -15,9 +15,10 @@ peak model and the collectives check use. Nothing here is fitted to a cell or a 
   gradients copied into the bucket, divided, copied back), ZeroRedundancyOptimizer per broadcast
   (``torch/distributed/optim/zero_redundancy_optimizer.py``), FSDP1 per all_gather or reduce_scatter
   (``torch/distributed/fsdp/_runtime_utils.py``). A call of ``S`` bytes costs ``<path>_s + S x
-  <path>_s_per_byte``. Measured on the 2-core host (AMD EPYC, N=2, gloo, 2026-12-01): DDP's extra beyond the bare step and one
-  lone all_reduce was ~0 on the tiny model and 5.1 ms for an 8 MiB bucket, 11.3-12.2 ms for an 18 MiB one (0.6 ns
-  a byte at both); FSDP1's per call 0.7-0.8 ms tiny, 1.0-1.1 ms at 0.25-2.25 MiB units.
+  <path>_s_per_byte``. Measured on the 2-core host (AMD EPYC, N=2, gloo, 2026-12-01): DDP's extra beyond the
+  bare step and one lone all_reduce was ~0 on the tiny model and 5.1 ms for an 8 MiB bucket, 11.3-12.2 ms for an
+  18 MiB one (0.6 ns a byte at both); FSDP1's per call 0.7-0.8 ms tiny, 1.0-1.1 ms at 0.25-2.25 MiB units (before
+  each call's waking and floor are taken out).
 - **Copies between warm buffers**, per byte: FSDP1 concatenates each unit's per-parameter gradients into its
   unsharded gradient in backward (the views' ``SplitWithSizesBackward``, a new tensor) and pre-divides it in place
   (``_div_if_needed``): two passes over the unit; zeroexp's ZeRO-2 zeroes each bucket's flat gradient
