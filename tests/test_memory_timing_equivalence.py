@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import read_csv
@@ -134,6 +136,17 @@ def test_timing_section_over_timed_steps_only(ladder):
     # each timed step split at on_before_backward and on_after_backward: three phases, each measured (> 0)
     assert set(timing["phase_ms"]) == {"forward", "backward", "optimizer"}
     assert all(v > 0 for v in timing["phase_ms"].values())
+    # what else ran on the host from the first timed step to the last: the host's busy CPU less the ranks' own
+    host = timing["host_activity"]
+    if Path("/proc/stat").exists():
+        from zeroexp.hostload import resolution_cores
+
+        assert host["ranks_cpu_s"] > 0 and host["busy_cpu_s"] >= 0 and 0 < host["wall_s"] < 60
+        assert host["other_cpu_s"] == max(0.0, host["busy_cpu_s"] - host["ranks_cpu_s"])
+        assert host["other_cores"] == host["other_cpu_s"] / host["wall_s"]
+        assert host["resolution_cores"] == resolution_cores(host["wall_s"])
+    else:
+        assert host is None
 
 
 def test_perturbed_rank_fails_equivalence(compose, tmp_path, monkeypatch):

@@ -304,10 +304,10 @@ def test_planner_network_refuses_bad_input():
 
 
 def test_plan_time_says_its_calibration_ran_beside_other_work(compose, tmp_path):
-    from zeroexp.plan.time import BUSY_CALIBRATION_CORES
+    from zeroexp.plan.time import BUSY_HOST_CORES
 
     said = {}
-    for busy in (0.0, BUSY_CALIBRATION_CORES + 0.01, None):
+    for busy in (0.0, BUSY_HOST_CORES + 0.01, None):
         data = calibration_data(numel=8 * 64 * 64)
         data["host_activity"] = None if busy is None else {"other_cores": busy}
         path = tmp_path / f"cal{busy}.json"
@@ -315,7 +315,41 @@ def test_plan_time_says_its_calibration_ran_beside_other_work(compose, tmp_path)
         t = time_section(compose("world_size=2", f"calibration={path}"), _summary([10.0] * 40))
         said[busy] = [r for r in t["reasons"] if "beside other work" in r]
         assert t["check"] == ("PASS" if 0.8 <= t["ratio"] <= 1.25 else "FAIL")  # a reason, not a verdict
-    assert said[0.0] == [] and said[None] == [] and "0.26 cores" in said[BUSY_CALIBRATION_CORES + 0.01][0]
+    assert said[0.0] == [] and said[None] == [] and "0.26 cores" in said[BUSY_HOST_CORES + 0.01][0]
+
+
+def test_plan_time_says_its_cell_ran_beside_other_work(compose, tmp_path):
+    """timing.host_activity above BUSY_HOST_CORES by more than its resolution: a reason, not a verdict."""
+    from zeroexp.plan.time import BUSY_HOST_CORES
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibration_data(numel=8 * 64 * 64)))
+    cfg = compose("world_size=2", f"calibration={path}")
+    over = BUSY_HOST_CORES + 0.05
+    for host, said in ((None, False), ({"other_cores": over, "resolution_cores": 0.01}, True),
+                       ({"other_cores": over, "resolution_cores": 0.06}, False),  # within the counters' resolution
+                       ({"other_cores": 0.0, "resolution_cores": 0.0}, False), ({"other_cores": over}, True)):
+        summary = _summary([10.0] * 40)
+        summary["timing"]["host_activity"] = host
+        t = time_section(cfg, summary)
+        reasons = [r for r in t["reasons"] if "timed steps ran beside other work" in r]
+        assert bool(reasons) == said, (host, t["reasons"])
+        assert not reasons or f"{over:.2f} cores" in reasons[0]
+        assert t["check"] == ("PASS" if 0.8 <= t["ratio"] <= 1.25 else "FAIL")
+
+
+def test_host_activity_is_the_hosts_busy_cpu_less_the_ranks_own():
+    import os
+
+    from zeroexp.hostload import activity, busy_beyond, resolution_cores
+
+    a = activity(10.0, 25.0, 19.0)
+    assert a == {"wall_s": 10.0, "busy_cpu_s": 25.0, "ranks_cpu_s": 19.0, "other_cpu_s": 6.0, "other_cores": 0.6,
+                 "resolution_cores": 2 * os.cpu_count() / os.sysconf("SC_CLK_TCK") / 10.0}
+    assert resolution_cores(1.0) == 10 * resolution_cores(10.0)
+    assert activity(10.0, 18.0, 19.0)["other_cpu_s"] == 0.0  # the counters' ticks: never below 0
+    assert activity(10.0, None, 19.0) is None and activity(0.0, 1.0, 1.0) is None
+    assert busy_beyond(a, 0.25) == 0.6 and busy_beyond(a, 0.6) is None and busy_beyond(None, 0.0) is None
 
 
 def test_order_agreement_on_given_numbers():

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from zeroexp.calibrate.calls import all_gather, reduce_scatter, slowest_each, sync, time_calls, trimmed_mean
 from zeroexp.formulas import bus_factor
+from zeroexp.hostload import activity, busy_cpu_s, own_cpu_s
 
 __all__ = ["message_sizes", "rank_main", "cache_bytes", "MAX_BUFFERS"]
 
@@ -264,42 +265,16 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
             "adamw_s_per_element": med["optimizer"] / psi}
 
 
-def _busy_cpu_s() -> float | None:
-    """The host's CPU seconds spent busy since boot, every core and process (``/proc/stat``'s first line: user, nice,
-    system, irq, softirq; not idle, iowait or steal); None where there is no ``/proc/stat``."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] != "cpu" or len(fields) < 8:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    """This process's CPU seconds, every thread (gloo's workers too)."""
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def host_activity(start: tuple[float, float | None, float], device: torch.device) -> dict[str, Any] | None:
-    """What else ran on the host while the ranks measured, from ``start`` (wall, the host's busy CPU seconds, this
-    rank's CPU seconds, each taken when measuring began): the host's busy CPU seconds less every rank's own, per
-    second of wall time (``other_cores``: 0 on a quiet host, 1 when another job kept a core busy throughout). None
-    where the host's counters cannot be read."""
+    """What else ran on the host while the ranks measured (:func:`zeroexp.hostload.activity`), from ``start`` (wall,
+    the host's busy CPU seconds, this rank's CPU seconds, each taken when measuring began): every rank's own CPU
+    seconds summed by an all_reduce (each rank's window is the same to a barrier)."""
     wall0, busy0, own0 = start
-    busy1 = _busy_cpu_s()
-    ranks = torch.tensor([_own_cpu_s() - own0], dtype=torch.float64, device=device)
-    dist.all_reduce(ranks)  # every rank's CPU seconds over the window (each rank's window is the same to a barrier)
-    wall = time.perf_counter() - wall0
-    if busy0 is None or busy1 is None or wall <= 0:
-        return None
-    other = max(0.0, (busy1 - busy0) - float(ranks.item()))
-    return {"wall_s": wall, "busy_cpu_s": busy1 - busy0, "ranks_cpu_s": float(ranks.item()),
-            "other_cpu_s": other, "other_cores": other / wall}
+    busy1 = busy_cpu_s()
+    ranks = torch.tensor([own_cpu_s() - own0], dtype=torch.float64, device=device)
+    dist.all_reduce(ranks)
+    busy = None if busy0 is None or busy1 is None else busy1 - busy0
+    return activity(time.perf_counter() - wall0, busy, float(ranks.item()))
 
 
 def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, cfg: dict[str, Any],
@@ -322,7 +297,7 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
         from zeroexp.calibrate.framework import measure_framework
 
         dist.barrier()
-        start = (time.perf_counter(), _busy_cpu_s(), _own_cpu_s())
+        start = (time.perf_counter(), busy_cpu_s(), own_cpu_s())
         collectives = measure_collectives(c.calibrate, world, device) if world > 1 else {}
         wake = measure_wake(c.calibrate, device) if world > 1 else None
         result = {"threads_per_rank": torch.get_num_threads(), "host_allocator": allocator,

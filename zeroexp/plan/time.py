@@ -57,10 +57,10 @@ def time_check(predicted_ms: float, median_ms: float, ci: tuple[float, float], t
                     f"(outside 1/{RATIO_LIMIT} .. {RATIO_LIMIT})"]
 
 
-#: Cores' worth of other processes' work during a calibration above which a cell says its calibration ran beside
-#: other work (measured: a quiet 2-core host 0.0-0.05; a short pytest beside a calibration moved fsdp_full's
-#: prediction from 40.4 to 33.4 ms, 0.87 -> 0.71 of the measured median).
-BUSY_CALIBRATION_CORES = 0.25
+#: Cores' worth of other processes' work during a calibration, or during a cell's timed steps, above which a cell says
+#: it ran beside other work (measured: a quiet 2-core host 0.0-0.05; a short pytest beside a calibration moved
+#: fsdp_full's prediction from 40.4 to 33.4 ms, 0.87 -> 0.71 of the measured median).
+BUSY_HOST_CORES = 0.25
 
 
 def _calibration(cfg: Any, backend: str) -> tuple[Calibration | None, str | None]:
@@ -134,10 +134,16 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     if int(cal.world_size) != int(cfg.world_size) or cal.data["backend"] != cell_backend(cfg):
         out["reasons"].append(f"calibrated with {cal.data['backend']} at N={cal.world_size}, this cell "
                               f"{cell_backend(cfg)} at N={cfg.world_size}: busbw carried over as the ring model says")
-    busy = (cal.data.get("host_activity") or {}).get("other_cores")
-    if busy is not None and busy > BUSY_CALIBRATION_CORES:
+    from zeroexp.hostload import busy_beyond
+
+    busy = busy_beyond(cal.data.get("host_activity"), BUSY_HOST_CORES)
+    if busy is not None:
         out["reasons"].append(f"the calibration ran beside other work ({busy:.2f} cores busy with other processes "
                               "on average): its times are not this host's quiet ones; recalibrate on a quiet host")
+    busy = busy_beyond(timing.get("host_activity"), BUSY_HOST_CORES)
+    if busy is not None:
+        out["reasons"].append(f"this cell's timed steps ran beside other work ({busy:.2f} cores busy with other "
+                              "processes on average, timing.host_activity): its median is not this host's quiet one")
     if c["model"] != str(cfg.model.name) or int(c["numel"]) != groups.numel or int(c["batch_size"]) != int(cfg.batch_size):
         out["reasons"].append(f"compute calibrated on {c['model']} ({c['numel']} parameters, batch {c['batch_size']}), "
                               f"this cell {cfg.model.name} ({groups.numel}, batch {cfg.batch_size}): rates per "

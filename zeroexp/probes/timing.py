@@ -4,6 +4,8 @@ Timed steps (``Schedule.timed``) exclude warm-up and every step on which another
 memory tracking), so their times are not polluted by measurement. A step's time is the slowest rank's (data
 parallelism waits for it); the statistics are taken over steps. When the coefficient of variation exceeds
 :data:`CV_UNSTABLE` the cell is flagged ``unstable``: compare such cells by trend only, never by a ratio.
+``host_activity``: what else ran on the host from the first timed step's start to the last one's end
+(:func:`zeroexp.hostload.activity`: the host's busy CPU less the ranks' own), read outside the timed windows.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
+from zeroexp.hostload import activity, busy_cpu_s, own_cpu_s
 from zeroexp.probes.base import Probe, ProbeReport, Steps
 from zeroexp.report.format import NA, fmt_int, fmt_ms, fmt_pct, missing
 from zeroexp.report.section import Column, ReportTable, raw_rows
@@ -80,10 +83,14 @@ class TimingProbe(Probe):
         self._t0 = 0.0
         self._marks: list[float] = []
         self._timed = False
+        self._host_first: tuple[float, float | None, float] | None = None  # (wall, host busy, own CPU) seconds
+        self._host_last: tuple[float, float | None, float] | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._timed = batch_idx in self.ctx.schedule.timed
         if self._timed:
+            if self._host_first is None:
+                self._host_first = (time.perf_counter(), busy_cpu_s(), own_cpu_s())
             self.sync_device()
             self._t0 = time.perf_counter()
             self._marks = []
@@ -103,12 +110,14 @@ class TimingProbe(Probe):
             self.sync_device()
             end = time.perf_counter()
             self.step_ms.append((batch_idx, (end - self._t0) * 1e3))
+            self._host_last = (time.perf_counter(), busy_cpu_s(), own_cpu_s())
             if len(self._marks) == 2:  # one micro-batch: forward, backward, the rest (grad_accum > 1: step only)
                 a, b = self._marks
                 self.phases.append((batch_idx, (a - self._t0) * 1e3, (b - a) * 1e3, (end - b) * 1e3))
 
     def rank_result(self) -> dict[str, Any]:
-        return {"step_ms": self.step_ms, "phases": self.phases}
+        return {"step_ms": self.step_ms, "phases": self.phases,
+                "host": [*self._host_first, *self._host_last] if self._host_first and self._host_last else None}
 
     @classmethod
     def aggregate(cls, results, cfg) -> ProbeReport:
@@ -121,10 +130,23 @@ class TimingProbe(Probe):
             step_ms=[float(v) for v in slowest.values],
             rank_median_ms=[float(v) for v in frame.groupby("rank").step_ms.median()],
             phase_ms=_phases(results),
+            host_activity=_host(results),
             note=("unstable: CV > 5 %, compare strategies by trend only, not by a ratio of times"
                   if section["unstable"] else "stable: CV <= 5 %"),
         )
         return ProbeReport(section=section)
+
+
+def _host(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What else ran on the host over the timed steps: rank 0's window (its wall and the host's busy CPU, one
+    counter for every rank) less every rank's own CPU over its window; None where a rank has no window or the host's
+    counters are unreadable."""
+    windows = [res.get("host") for res in results]
+    if not windows or any(w is None for w in windows):
+        return None
+    wall0, busy0, _, wall1, busy1, _ = windows[0]
+    busy = None if busy0 is None or busy1 is None else busy1 - busy0
+    return activity(wall1 - wall0, busy, sum(w[5] - w[2] for w in windows))
 
 
 def _phases(results: list[dict[str, Any]]) -> dict[str, float] | None:
