@@ -361,6 +361,10 @@ def test_order_agreement_on_given_numbers():
     # ddp / fsdp overlap (unknown order); ddp < zro agrees; the other four separable pairs are ordered otherwise
     assert agree == ["ddp < zro"]
     assert disagree == ["ddp < zero2", "fsdp < zro", "zro < zero2", "fsdp < zero2"]
+    # predicted equal (fsdp_full pre and none on a CPU that overlaps nothing): not ordered, whichever is listed first
+    for tie in ([("pre", 155.0, (150.0, 160.0), 138.0), ("none", 142.0, (138.0, 146.0), 138.0)],
+                [("none", 142.0, (138.0, 146.0), 138.0), ("pre", 155.0, (150.0, 160.0), 138.0)]):
+        assert order_agreement(tie) == ([], ["none < pre"])
 
 
 def test_plan_time_says_what_it_does_not_model(compose, tmp_path):

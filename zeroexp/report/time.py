@@ -34,13 +34,13 @@ def _first_reason(v: Any) -> str:
 def order_agreement(rows: list[tuple[str, float, tuple[float, float], float]]) -> tuple[list[str], list[str]]:
     """Over ``(label, measured median, (CI low, high), predicted)`` rows: each pair whose measured CIs do not overlap
     (their order is known), as ``a < b``, split into those the prediction orders the same way and those it does
-    not."""
+    not; a pair predicted equal is not ordered (a tie orders neither way)."""
     agree, disagree = [], []
     for i, (a, ma, ca, pa) in enumerate(rows):
         for b, mb, cb, pb in rows[i + 1:]:
             if ca[1] < cb[0] or cb[1] < ca[0]:
                 fast, slow = (a, b) if ma < mb else (b, a)
-                (agree if (pa < pb) == (ma < mb) else disagree).append(f"{fast} < {slow}")
+                (agree if pa != pb and (pa < pb) == (ma < mb) else disagree).append(f"{fast} < {slow}")
     return agree, disagree
 
 
