@@ -350,6 +350,13 @@ def test_host_activity_is_the_hosts_busy_cpu_less_the_ranks_own():
     assert activity(10.0, 18.0, 19.0)["other_cpu_s"] == 0.0  # the counters' ticks: never below 0
     assert activity(10.0, None, 19.0) is None and activity(0.0, 1.0, 1.0) is None
     assert busy_beyond(a, 0.25) == 0.6 and busy_beyond(a, 0.6) is None and busy_beyond(None, 0.0) is None
+    # a cell's: rank 0's window and host counter, less the own CPU of the ranks on rank 0's host (not node b's)
+    from zeroexp.probes.timing import _host
+    ranks = [{"hostname": "a", "host": [0.0, 100.0, 1.0, 10.0, 125.0, 11.0]},  # (wall, busy, own) first, last
+             {"hostname": "a", "host": [0.1, 100.0, 2.0, 10.1, 125.1, 11.0]},
+             {"hostname": "b", "host": [0.0, 50.0, 1.0, 10.0, 70.0, 11.0]}]
+    assert _host(ranks) == activity(10.0, 25.0, 19.0)
+    assert _host(ranks[:1] + [{"hostname": "a", "host": None}]) is None  # a rank without timed steps
 
 
 def test_order_agreement_on_given_numbers():

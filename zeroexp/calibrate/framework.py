@@ -118,9 +118,11 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
     bare_step = _train_step(bare, adamw(bare.parameters()), device, width)
     ddp = DDP(_stack(device, width))
     ddp_step = _train_step(ddp, adamw(ddp.parameters()), device, width)
-    zro = DDP(_stack(device, width))
-    zopt = ZeroRedundancyOptimizer(list(zro.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
-    zro_step = _train_step(zro, zopt, device, width)
+    zro_step = bare_step  # not measured unless asked for
+    if "zro_broadcast_s" in paths:
+        zro = DDP(_stack(device, width))
+        zopt = ZeroRedundancyOptimizer(list(zro.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        zro_step = _train_step(zro, zopt, device, width)
     fsdp = FSDP(_stack(device, width), sharding_strategy=ShardingStrategy.FULL_SHARD,
                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
                 device_id=device)
@@ -146,7 +148,7 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
     unit_bytes = unit * 4  # FSDP1's calls: two all_gathers per reduce_scatter, each of one unit
     nbytes = {k: v for k, v in (("ddp_bucket_s", full.numel() * 4), ("zro_broadcast_s", unit_bytes),
                                 ("fsdp1_call_s", unit_bytes)) if k in runs}
-    floors = {"ddp_bucket_s": stream_floor(collectives, "all_reduce", nbytes["ddp_bucket_s"], world),
+    floors = {"ddp_bucket_s": stream_floor(collectives, "all_reduce", full.numel() * 4, world),
               "zro_broadcast_s": 0.0,  # a burst: its calls are timed as one, no stream floor
               "fsdp1_call_s": (2 * stream_floor(collectives, "all_gather", unit_bytes, world)
                                + stream_floor(collectives, "reduce_scatter", unit_bytes, world)) / 3}

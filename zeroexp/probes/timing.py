@@ -116,7 +116,9 @@ class TimingProbe(Probe):
                 self.phases.append((batch_idx, (a - self._t0) * 1e3, (b - a) * 1e3, (end - b) * 1e3))
 
     def rank_result(self) -> dict[str, Any]:
-        return {"step_ms": self.step_ms, "phases": self.phases,
+        import socket
+
+        return {"step_ms": self.step_ms, "phases": self.phases, "hostname": socket.gethostname(),
                 "host": [*self._host_first, *self._host_last] if self._host_first and self._host_last else None}
 
     @classmethod
@@ -138,15 +140,15 @@ class TimingProbe(Probe):
 
 
 def _host(results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """What else ran on the host over the timed steps: rank 0's window (its wall and the host's busy CPU, one
-    counter for every rank) less every rank's own CPU over its window; None where a rank has no window or the host's
-    counters are unreadable."""
-    windows = [res.get("host") for res in results]
-    if not windows or any(w is None for w in windows):
+    """What else ran on rank 0's host over the timed steps: rank 0's window (its wall and its host's busy CPU) less
+    the own CPU over their windows of every rank on that host (by host name: other nodes' ranks run elsewhere); None
+    where such a rank has no window or the host's counters are unreadable."""
+    here = [res.get("host") for res in results if res.get("hostname") == results[0].get("hostname")]
+    if not here or any(w is None for w in here):
         return None
-    wall0, busy0, _, wall1, busy1, _ = windows[0]
+    wall0, busy0, _, wall1, busy1, _ = here[0]
     busy = None if busy0 is None or busy1 is None else busy1 - busy0
-    return activity(wall1 - wall0, busy, sum(w[5] - w[2] for w in windows))
+    return activity(wall1 - wall0, busy, sum(w[5] - w[2] for w in here))
 
 
 def _phases(results: list[dict[str, Any]]) -> dict[str, float] | None:
