@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, sync, trimmed_mean
+from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, slowest_each, sync, trimmed_mean
 from zeroexp.calibration import call_table
 from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
 
@@ -41,9 +41,7 @@ LOOP_STEPS = 60
 
 def _slowest_median(own: list[float], device: torch.device) -> float:
     """Per step the slowest rank's seconds, then the median over steps."""
-    t = torch.tensor(own, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return statistics.median(t.tolist())
+    return statistics.median(slowest_each(own, device))
 
 
 def _stack(device: torch.device, width: int) -> nn.Module:
@@ -75,9 +73,9 @@ def _paired(wrapped: Callable[[], None], base: Callable[[], None], calls: list[C
         if i >= 2:  # two warm-up rounds
             for k, v in zip(parts, round_):
                 parts[k].append(v)
-    t = torch.tensor([parts[k] for k in parts], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per round and part, the slowest rank's
-    wrapped_s, base_s, calls_s = t.tolist()
+    n = len(parts["wrapped"])
+    slowest = slowest_each([x for k in parts for x in parts[k]], device)  # per round and part, the slowest rank's
+    wrapped_s, base_s, calls_s = (slowest[i * n:(i + 1) * n] for i in range(3))
     return {"extra_s": trimmed_mean([w - b - c for w, b, c in zip(wrapped_s, base_s, calls_s)]),
             "wrapped_s": trimmed_mean(wrapped_s), "base_s": trimmed_mean(base_s), "calls_s": trimmed_mean(calls_s)}
 
@@ -118,11 +116,11 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
     bare_step = _train_step(bare, adamw(bare.parameters()), device, width)
     ddp = DDP(_stack(device, width))
     ddp_step = _train_step(ddp, adamw(ddp.parameters()), device, width)
-    zro_step = bare_step  # not measured unless asked for
-    if "zro_broadcast_s" in paths:
+
+    def zro_step() -> Callable[[], None]:  # built only where measured
         zro = DDP(_stack(device, width))
         zopt = ZeroRedundancyOptimizer(list(zro.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
-        zro_step = _train_step(zro, zopt, device, width)
+        return _train_step(zro, zopt, device, width)
     fsdp = FSDP(_stack(device, width), sharding_strategy=ShardingStrategy.FULL_SHARD,
                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
                 device_id=device)
@@ -139,12 +137,12 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
             work.wait()  # (parameters_as_bucket_view off): timed as the burst the model times it as
     fsdp_calls = ([lambda: all_gather(one, chunk)] * TINY_UNITS  # FULL_SHARD, no root parameters: per unit two
                   + [lambda: all_gather(one, chunk), lambda: reduce_scatter(chunk, one)] * TINY_UNITS)  # gathers, one
-    runs = {  # (the wrapper's step, the step it is compared with, its calls as timed, how many calls that is)
-        "ddp_bucket_s": (ddp_step, bare_step, [lambda: dist.all_reduce(full)], 1),  # one bucket
-        "zro_broadcast_s": (zro_step, ddp_step, [broadcasts], len(owners)),  # one burst
-        "fsdp1_call_s": (fsdp_step, bare_step, fsdp_calls, len(fsdp_calls)),  # reduce_scatter
+    made = {  # (the wrapper's step, the step it is compared with, its calls as timed, how many calls that is)
+        "ddp_bucket_s": lambda: (ddp_step, bare_step, [lambda: dist.all_reduce(full)], 1),  # one bucket
+        "zro_broadcast_s": lambda: (zro_step(), ddp_step, [broadcasts], len(owners)),  # one burst
+        "fsdp1_call_s": lambda: (fsdp_step, bare_step, fsdp_calls, len(fsdp_calls)),  # reduce_scatter
     }
-    runs = {k: v for k, v in runs.items() if k in paths}
+    runs = {k: make() for k, make in made.items() if k in paths}
     unit_bytes = unit * 4  # FSDP1's calls: two all_gathers per reduce_scatter, each of one unit
     nbytes = {k: v for k, v in (("ddp_bucket_s", full.numel() * 4), ("zro_broadcast_s", unit_bytes),
                                 ("fsdp1_call_s", unit_bytes)) if k in runs}

@@ -57,9 +57,7 @@ def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return slowest_each([seconds], device)[0]
 
 
 def cache_bytes(device: torch.device) -> int:
@@ -218,9 +216,7 @@ def measure_wake(c: Any, device: torch.device) -> dict[str, Any]:
                 own[gap_ms].append(time.perf_counter() - t0)
     means = []
     for gap_ms in gaps:
-        t = torch.tensor(own[gap_ms], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        means.append(trimmed_mean(t.tolist()))
+        means.append(trimmed_mean(slowest_each(own[gap_ms], device)))
     zero = means[0]
     return {"op": "all_reduce", "bytes": buf.numel() * 4, "calls": int(c.wake_calls),
             "matmuls": [matmuls[g] for g in gaps],
