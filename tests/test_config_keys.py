@@ -294,3 +294,36 @@ def test_strategies_and_models_import_no_config():
 
     assert config.ConfigError is errors.ConfigError and config.NotApplicableHere is errors.NotApplicableHere
     assert config.MODEL_RESERVED_KEYS is models.MODEL_RESERVED_KEYS
+
+
+def test_no_config_sets_hydra_mode():
+    """zeroexp.hydra_app skips Hydra's mode probe (a whole compose) on this ground: no YAML under conf/ sets
+    ``hydra.mode``, so the probe would answer None and Hydra take the mode from ``--multirun``."""
+    yamls = sorted(Path(CONF_DIR).rglob("*.yaml"))
+    assert len(yamls) > 20
+    for path in yamls:
+        node = OmegaConf.load(path)
+        hydra_node = node.get("hydra") if isinstance(node, dict) or OmegaConf.is_dict(node) else None
+        assert not (hydra_node and "mode" in hydra_node), f"{path} sets hydra.mode"
+
+
+def test_a_command_composes_its_config_once_unless_it_names_hydra_mode(monkeypatch, tmp_path):
+    """One compose per command (Hydra's mode probe skipped); ``hydra.mode=MULTIRUN`` on the command line still
+    makes a sweep (the probe runs for it), as ``--multirun`` does."""
+    from hydra._internal.hydra import Hydra
+
+    modes, original = [], Hydra.compose_config
+
+    def spy(self, *args, **kwargs):
+        modes.append(kwargs.get("run_mode"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Hydra, "compose_config", spy)
+    bad = ("model.width=-3", "logger=none")
+    for argv, composes, sweep in [(bad, 1, False), (("--multirun", *bad, f"hydra.sweep.dir={tmp_path / 'a'}"), 1, True),
+                                  (("hydra.mode=MULTIRUN", *bad, f"hydra.sweep.dir={tmp_path / 'b'}"), 2, True)]:
+        modes.clear()
+        proc = run_cli(*argv)
+        assert proc.returncode == 2 and "model.width=-3" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+        assert len(modes) == composes, (argv, modes)
+        assert ("sweep job #0" in proc.stdout + proc.stderr) == sweep, proc.stdout + proc.stderr
