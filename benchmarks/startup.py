@@ -179,6 +179,9 @@ def breakdown_child(cell_dir: str) -> None:
     """The launching process of the default cell, timed: imports, compose, validate, launch, wait, write."""
     t0 = time.monotonic()
     marks: dict[str, float] = {}
+    from zeroexp.launch import start_forkserver_for
+
+    start_forkserver_for([])  # first thing, as `python -m zeroexp` does (zeroexp/__main__.py)
     from hydra import compose, initialize_config_dir
 
     from zeroexp.cli import CONF_DIR, register
@@ -204,14 +207,14 @@ def breakdown_child(cell_dir: str) -> None:
     launch.launch_local = launch_local
     t = time.monotonic()
     seen["run_cell"] = time.time()
-    launch.start_forkserver()  # as the CLI does (zeroexp.cli.task)
+    launch.start_forkserver()  # as the CLI does (zeroexp.cli.task): a no-op, it runs already
     result = runner.run_cell(cfg, Path(cell_dir))
     marks["run_cell (validate, manifest, launch, wait, record)"] = time.monotonic() - t
     if result.status != "ok":
         raise SystemExit(f"cell failed: {result.error}")
     ranks = [json.loads(p.read_text()) for p in sorted(Path(cell_dir, ".startup").glob("rank*.json"))]
     marks["  run_cell start -> launch (validate, manifest)"] = seen["launch"] - seen["run_cell"]
-    marks["  launch -> first rank runs (forkserver start, its preloads, fork)"] = (
+    marks["  launch -> first rank runs (what is left of the forkserver's preloads, the fork)"] = (
         min(r["entered"] for r in ranks) - seen["launch"])
     marks["  launch -> every rank joined"] = seen["joined"] - seen["launch"]
     print(json.dumps({"main": marks, "main_total": time.monotonic() - t0, "launch": seen, "ranks": ranks}))

@@ -1,5 +1,12 @@
 """``python -m zeroexp``: see :mod:`zeroexp.cli`."""
 
+if __name__ == "__main__":
+    import sys
+
+    from zeroexp.launch import start_forkserver_for
+
+    start_forkserver_for(sys.argv[1:])  # before this process imports torch, Hydra and the CLI (zeroexp.launch)
+
 from zeroexp.cli import main
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def task(cfg: DictConfig) -> None:
         return
     if manifest.exists():  # an earlier, unfinished or failed attempt (or resume=false): start clean
         _clear(cell_dir)
-    if not cfg.get("dry_run"):  # its imports overlap run_cell's validation (zeroexp.launch.start_forkserver)
+    if not cfg.get("dry_run"):  # started at the command's start unless its argv hid a local launch (a no-op then)
         from zeroexp.launch import start_forkserver
 
         start_forkserver()
@@ -193,8 +193,10 @@ def main() -> None:
     SIGTERM and SIGHUP end the run as Ctrl-C does (``zeroexp.runner.stop_on_signals``): the running cell's ranks are
     reaped and it is recorded ``failed`` naming the signal; a sweep stops and reports the cells run so far. The
     exit code is then 128 + the signal's number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), with one line, no traceback."""
+    from zeroexp.launch import start_forkserver_for
     from zeroexp.runner import stop_on_signals
 
+    start_forkserver_for(sys.argv[1:])  # `python -m zeroexp` started it already, the `zeroexp` script starts it here
     register()
     try:
         with stop_on_signals():

@@ -29,7 +29,8 @@ from typing import Any, Callable
 from zeroexp.errors import one_line
 from zeroexp.results import read_json
 
-__all__ = ["FORKSERVER_PRELOAD", "LaunchResult", "launch_local", "free_port", "start_forkserver", "rank_context"]
+__all__ = ["FORKSERVER_PRELOAD", "LaunchResult", "launch_local", "free_port", "start_forkserver", "rank_context",
+           "runs_local_ranks"]
 
 _CTX: Any = None
 #: What the ranks' forkserver imports before it forks a rank, in order: first zeroexp.deathsig, which makes the
@@ -59,6 +60,35 @@ def start_forkserver() -> None:
 
     rank_context()
     forkserver.ensure_running()
+
+
+def start_forkserver_for(argv: list[str]) -> None:
+    """:func:`start_forkserver` first thing in ``python -m zeroexp`` when :func:`runs_local_ranks` says the command
+    will fork ranks: its preloads (torch, Lightning, the adapters) then overlap this process's own imports, Hydra's
+    compose and the validation of every job of a sweep, where the cell used to start it only once composed and
+    about to validate (measured on the default cell and a 6-cell sweep: docs/benchmarks.md, start-up)."""
+    if runs_local_ranks(argv):
+        start_forkserver()
+
+
+#: Hydra's command-line flags with which ``python -m zeroexp`` runs no cell: help, version, the composed config
+#: (``--cfg``), ``--info``, shell completion.
+NO_CELL_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-i", "--info", "-sc",
+                 "--shell-completion", "--experimental-rerun")
+
+
+def runs_local_ranks(argv: list[str]) -> bool:
+    """Whether the command line ``argv`` (``sys.argv[1:]`` of ``python -m zeroexp``), read before Hydra composes it,
+    runs cells whose ranks this process forks: no flag of :data:`NO_CELL_FLAGS`, and no ``launcher=`` other than
+    ``local`` (torchrun and SLURM start the ranks themselves). A config that sets a launcher by other means
+    (an ``experiment=``) is not seen here: the forkserver then starts and goes unused, which costs CPU, not results."""
+    for arg in argv:
+        if arg in NO_CELL_FLAGS or arg.split("=", 1)[0] in ("--cfg", "--info", "--shell-completion"):
+            return False
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "launcher" and value != "local":
+            return False
+    return True
 
 
 def loopback_store(timeout_s: float) -> tuple[Any, int]:

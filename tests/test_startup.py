@@ -1,0 +1,47 @@
+"""The start of ``python -m zeroexp``: the ranks' forkserver starts before this process imports torch, Hydra and
+the CLI, when the command line will fork local ranks (zeroexp.launch.runs_local_ranks); the benchmark of what it
+saves is benchmarks/startup.py (docs/benchmarks.md, start-up)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from zeroexp.launch import runs_local_ranks
+
+MAIN = Path(__file__).resolve().parent.parent / "zeroexp" / "__main__.py"
+
+
+@pytest.mark.parametrize("argv, forks", [
+    ([], True),
+    (["strategy=fsdp_full", "prefetch=post"], True),
+    (["--multirun", "strategy=ddp,zro"], True),
+    (["-m", "seed=0,1"], True),
+    (["launcher=local"], True),
+    (["experiment=dry_run_7b"], True),  # a dry run forks its one process from the forkserver too
+    (["launcher=torchrun"], False),     # this process is one of torchrun's ranks
+    (["launcher=slurm", "--multirun"], False),
+    (["+launcher=slurm"], False),
+    (["--help"], False), (["-h"], False), (["--hydra-help"], False), (["--version"], False),
+    (["--cfg", "job"], False), (["-c", "all"], False), (["--cfg=job"], False),
+    (["--info"], False), (["-i", "config"], False), (["--shell-completion", "query=a"], False),
+])
+def test_which_command_lines_start_the_forkserver_first(argv, forks):
+    assert runs_local_ranks(argv) is forks
+
+
+def test_python_m_zeroexp_starts_it_before_importing_the_cli():
+    """In ``zeroexp/__main__.py``, the first statement run as ``__main__`` starts the forkserver (for its argv), and
+    nothing before it imports more than the stdlib and zeroexp.launch."""
+    tree = ast.parse(MAIN.read_text())
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    first = body[0]
+    assert isinstance(first, ast.If) and ast.unparse(first.test) == "__name__ == '__main__'"
+    imports = [ast.unparse(n) for n in first.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert imports == ["import sys", "from zeroexp.launch import start_forkserver_for"]
+    calls = [ast.unparse(n.value) for n in first.body if isinstance(n, ast.Expr)]
+    assert calls == ["start_forkserver_for(sys.argv[1:])"]
+    later = [ast.unparse(n) for n in body[1:] if isinstance(n, ast.ImportFrom)]
+    assert later == ["from zeroexp.cli import main"]
