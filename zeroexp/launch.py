@@ -30,7 +30,7 @@ from zeroexp.errors import one_line
 from zeroexp.results import read_json
 
 __all__ = ["FORKSERVER_PRELOAD", "LaunchResult", "launch_local", "free_port", "start_forkserver", "rank_context",
-           "runs_local_ranks"]
+           "runs_local_ranks", "start_forkserver_for", "NO_CELL_FLAGS"]
 
 _CTX: Any = None
 #: What the ranks' forkserver imports before it forks a rank, in order: first zeroexp.deathsig, which makes the
