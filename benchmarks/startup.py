@@ -207,7 +207,6 @@ def breakdown_child(cell_dir: str) -> None:
     launch.launch_local = launch_local
     t = time.monotonic()
     seen["run_cell"] = time.time()
-    launch.start_forkserver()  # as the CLI does (zeroexp.cli.task): a no-op, it runs already
     result = runner.run_cell(cfg, Path(cell_dir))
     marks["run_cell (validate, manifest, launch, wait, record)"] = time.monotonic() - t
     if result.status != "ok":

@@ -69,10 +69,6 @@ def task(cfg: DictConfig) -> None:
         return
     if manifest.exists():  # an earlier, unfinished or failed attempt (or resume=false): start clean
         _clear(cell_dir)
-    if not cfg.get("dry_run"):  # started at the command's start unless its argv hid a local launch (a no-op then)
-        from zeroexp.launch import start_forkserver
-
-        start_forkserver()
     started = time.monotonic()
     try:
         result = run_cell(cfg, cell_dir, overrides=overrides, sweep=sweep,

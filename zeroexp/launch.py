@@ -83,7 +83,7 @@ def runs_local_ranks(argv: list[str]) -> bool:
     ``local`` (torchrun and SLURM start the ranks themselves). A config that sets a launcher by other means
     (an ``experiment=``) is not seen here: the forkserver then starts and goes unused, which costs CPU, not results."""
     for arg in argv:
-        if arg in NO_CELL_FLAGS or arg.split("=", 1)[0] in ("--cfg", "--info", "--shell-completion"):
+        if arg.split("=", 1)[0] in NO_CELL_FLAGS:  # --cfg job, --cfg=job
             return False
         key, _, value = arg.lstrip("+~").partition("=")
         if key == "launcher" and value != "local":
