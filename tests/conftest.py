@@ -189,11 +189,23 @@ def _starts_processes(func, depth: int = 3) -> bool:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts rank processes (a cell, a sweep, the CLI); deselect with "
                                        "-m 'not slow'")
+    config.addinivalue_line("markers", "serial: starts fresh interpreters (`python -m zeroexp`, torchrun) and waits "
+                                       "on them with timeouts or signals: `make test` runs these alone, after the "
+                                       "others")
+
+
+#: Session fixtures several modules read: on pytest-xdist (``--dist loadgroup``, as ``make test`` runs the suite) the
+#: modules that use one run on one worker, so each runs once.
+SHARED_SESSION_FIXTURES = ("ladder_sweep", "failed_sweep")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    sharing = {item.path for item in items if set(SHARED_SESSION_FIXTURES) & set(getattr(item, "fixturenames", ()))}
     for item in items:
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
         funcs = [getattr(item, "function", None), *(d.func for ds in defs.values() for d in ds)]
         if any(f is not None and _starts_processes(f) for f in funcs):
             item.add_marker(pytest.mark.slow)
+        # One xdist group per module (its tests share their cells through the session's `cell` cache, which is per
+        # worker), and one for the modules that share a session sweep.
+        item.add_marker(pytest.mark.xdist_group("shared-sweeps" if item.path in sharing else item.path.stem))

@@ -18,6 +18,8 @@ from zeroexp.cluster.env import detect
 from zeroexp.config import ConfigError
 from zeroexp.launch import free_port
 
+pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

@@ -25,6 +25,8 @@ from conftest import run_cli
 from zeroexp.progress import read_progress
 from zeroexp.results import read_json
 
+pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
+
 SMALL = ("world_size=2", "timeout.collective_s=4", "timeout.grace_s=1")
 #: collective timeout + grace + start-up (a cold forkserver: ~9 s, more on 2 shared cores)
 BOUND_S = 4 + 1 + 55

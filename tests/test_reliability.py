@@ -17,6 +17,8 @@ import pytest
 from conftest import run_cli
 from zeroexp.results import read_json, write_json
 
+pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
+
 BAD = [  # (override, key the message must name)
     ("strategy=foo", "strategy"), ("model=nosuchmodel", "model"), ("prefetch=sideways", "prefetch"),
     ("precision=fp64", "precision"), ("offload=nvme", "offload"), ("logger=tensorboard", "logger"),
