@@ -8,6 +8,7 @@ that asserts on a sweep's files or output.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -194,18 +195,42 @@ def pytest_configure(config) -> None:
                                        "others")
 
 
-#: Session fixtures several modules read: on pytest-xdist (``--dist loadgroup``, as ``make test`` runs the suite) the
-#: modules that use one run on one worker, so each runs once.
+#: Session fixtures several modules read: on pytest-xdist (``-n 2 --dist loadfile``, as ``make test`` runs the suite)
+#: the modules that use one run on one worker, as one unit, so that each runs once.
 SHARED_SESSION_FIXTURES = ("ladder_sweep", "failed_sweep")
 
 
+@functools.lru_cache(maxsize=None)
+def _reads_shared_fixtures(module: str) -> bool:
+    """Whether the test module (a path from the repository's root) names a fixture of SHARED_SESSION_FIXTURES."""
+    try:
+        text = (REPO / module).read_text()
+    except OSError:
+        return False
+    return any(re.search(rf"\b{name}\b", text) for name in SHARED_SESSION_FIXTURES)
+
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # without pytest-xdist the suite runs in one process
+    pass
+else:
+    class _ModulesSharingFixtures(LoadFileScheduling):
+        """``--dist loadfile`` with one exception: the modules that read a shared session sweep are one unit. (pytest-
+        xdist's ``loadgroup`` would do it by marker, but its 3.8 release sets a node id attribute pytest 9 no longer
+        reads: the groups are silently ignored.)"""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "modules reading the shared sweeps" if _reads_shared_fixtures(module) else module
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _ModulesSharingFixtures(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    sharing = {item.path for item in items if set(SHARED_SESSION_FIXTURES) & set(getattr(item, "fixturenames", ()))}
     for item in items:
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
         funcs = [getattr(item, "function", None), *(d.func for ds in defs.values() for d in ds)]
         if any(f is not None and _starts_processes(f) for f in funcs):
             item.add_marker(pytest.mark.slow)
-        # One xdist group per module (its tests share their cells through the session's `cell` cache, which is per
-        # worker), and one for the modules that share a session sweep.
-        item.add_marker(pytest.mark.xdist_group("shared-sweeps" if item.path in sharing else item.path.stem))

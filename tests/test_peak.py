@@ -127,6 +127,44 @@ def test_plan_memory_passes_with_exact_categories(cell, strategy):
         assert "late_free" not in phases["optimizer"]
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp_full"])
+def test_the_last_rank_traces_ahead_what_rank_0s_plan_reads(cell, compose, monkeypatch, tmp_path, strategy):
+    """The cell's last rank left the step traces in .ranks/ (zeroexp.worker, while rank 0 trained the equivalence
+    reference); they are what this process traces for the same cell, under the keys rank 0's plan looks up."""
+    import pickle
+    from pathlib import Path
+
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan import memory as pm
+    from zeroexp.worker import RANKS_DIR, TRACES_AHEAD
+
+    r = cell(f"strategy={strategy}", "world_size=2")
+    assert r.summary["plan"]["memory"]["check"] == "PASS", r.summary["plan"]["memory"]["reasons"]
+    ahead = pickle.loads((Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD).read_bytes())
+    cfg = compose(f"strategy={strategy}", "world_size=2")
+    monkeypatch.setattr(pm, "_AHEAD", {})
+    monkeypatch.setattr(pm, "_TRACED", {})  # record what tracing here computes, under its keys
+    wrap = [import_class(p) for p in wrap_paths(cfg)]
+    trace, in_place = pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))
+    assert (in_place is not None) == (strategy == "zero1")  # zero1's gradients live across steps: two traces
+    assert ahead == pm._TRACED and len(ahead) == 1 + (in_place is not None)
+    # read back, rank 0 traces nothing: a lookup returns the very trace the file held
+    monkeypatch.setattr(pm, "_TRACED", None)
+    assert pm.read_traces_ahead(Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD) == len(ahead)
+    key = next(iter(ahead))
+    def no_tracing(*args, **kwargs):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr("zeroexp.plan.steptrace.trace_step", no_tracing)
+    assert pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))[0] is pm._AHEAD[key]
+    # where the peak model does not cover the cell nothing is traced ahead; an unreadable file is no trace
+    uncovered = compose("strategy=fsdp_full", "world_size=2", "strategy.use_orig_params=true")
+    pm.write_traces_ahead(uncovered, tmp_path / "none.pkl")
+    assert not (tmp_path / "none.pkl").exists()
+    (tmp_path / "bad.pkl").write_bytes(b"not a pickle")
+    assert pm.read_traces_ahead(tmp_path / "bad.pkl") == 0
+
+
 def test_fsdp1_units_are_held_as_the_strategy_says(cell):
     # SHARD_GRAD_OP: every unit stays unsharded through forward, so the peak is at the loss with all 8 held.
     grad_op = cell("strategy=fsdp_grad_op", "world_size=2").summary["plan"]["memory"]

@@ -42,6 +42,8 @@ from zeroexp.wandb_log import log_summary, make_logger
 RANKS_DIR = ".ranks"
 #: The key of a rank's init-peak record in its ``.ranks/rank<r>.json`` (zeroexp.probes.init_peak).
 INIT_RECORD = "init_peak"
+#: The plan's step traces the cell's last rank writes for rank 0's finalize (zeroexp.plan.memory, traces ahead).
+TRACES_AHEAD = "plan_traces.pkl"
 #: In a local rank's ``environ``: the pid of the launching (main) process (zeroexp.launch), watched at start-up.
 LAUNCHER_PID_ENV = "ZEROEXP_LAUNCHER_PID"
 
@@ -210,6 +212,10 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
 
     results = {p.name: p.rank_result() for p in probes}
     results[INIT_RECORD] = init_peak.record
+    if rank == world_size - 1 > 0:  # while rank 0 trains the equivalence reference: its plan's step traces
+        from zeroexp.plan.memory import write_traces_ahead
+
+        write_traces_ahead(cfg, cell / RANKS_DIR / TRACES_AHEAD)
     write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
     dist.barrier()  # outside every measured window: all rank files exist
     if rank == 0:
@@ -263,6 +269,9 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
         if report.section:
             summary[cls.name] = report.section
     from zeroexp.plan.cell import plan_section  # the planner's prediction for this cell, beside the measurement
+    from zeroexp.plan.memory import read_traces_ahead
+
+    read_traces_ahead(cell / RANKS_DIR / TRACES_AHEAD)  # the step traces the last rank made, if it did
 
     init = init_fields([r.get(INIT_RECORD) for r in ranks], init_of(cfg))  # measured: the build and wrap of the model
     if init and isinstance(summary.get("memory"), dict):

@@ -14,6 +14,8 @@ then passes when the measured minus the prediction minus that tensor lies in the
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from zeroexp.formulas import ITEMSIZE, Groups, ModelShape
@@ -25,7 +27,7 @@ from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes,
 from zeroexp.plan.peak_deepspeed import DS_ROWS, ds_late_free, ds_peak_limits, ds_phases, ds_steady_buffers_bytes
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
-           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE"]
+           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead", "read_traces_ahead"]
 
 #: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
 #: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
@@ -174,6 +176,9 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     from zeroexp.models import torch_dtype
     from zeroexp.plan.steptrace import trace_step
 
+    key = _trace_key(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, grads_in_place, terms)
+    if key is not None and key in _AHEAD:
+        return _AHEAD[key]
     ds = name in DS_ROWS
     if ds:
         dtypes = {"module_dtype": torch_dtype(param_dtype) if param_dtype != "float32" else None}
@@ -182,19 +187,101 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
                   "module_dtype": None if terms.module_dtype is None else getattr(torch, terms.module_dtype)}
     else:
         dtypes = {}
-    return trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
-                      grads_in_place=grads_in_place, own_params_units=ds, **dtypes)
+    trace = trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
+                       grads_in_place=grads_in_place, own_params_units=ds, **dtypes)
+    if _TRACED is not None and key is not None:
+        _TRACED[key] = trace
+    return trace
+
+
+def _uncovered_cell(cfg: Any, name: str) -> list[str]:
+    """:func:`uncovered` for a composed cell of row ``name``."""
+    ac = cfg.get("activation_checkpointing")
+    return uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
+                     bool(cfg.strategy.get("use_orig_params", False)),
+                     str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),
+                     bool(cfg.strategy.get("sync_each_microbatch", False)))
+
+
+def _checkpointing(cfg: Any) -> bool:
+    ac = cfg.get("activation_checkpointing")
+    return ac is not None and str(ac.name) == "full"
+
+
+def _cell_step_traces(cfg: Any, name: str, wrap: list[type], terms: PrecisionTerms | None
+                      ) -> tuple[StepTrace, StepTrace | None]:
+    """:func:`step_traces` for a composed cell of row ``name``: what its ``plan.memory`` reads."""
+    return step_traces(name, cfg.model, int(cfg.batch_size), wrap, _checkpointing(cfg),
+                       int(cfg.get("grad_accum") or 1), str(cfg.precision.param_dtype), terms)
+
+
+# -- Traces ahead. A cell's rank 0 trains the equivalence reference after the last step while its other ranks wait;
+# the last rank traces the step for rank 0's plan meanwhile (zeroexp.worker) and leaves the traces in a file that
+# rank 0's finalize reads (``read_traces_ahead``) before :func:`memory_section`. A trace is a function of its
+# arguments alone (fake tensors, no measurement): rank 0 uses one only under the same arguments (its key), and traces
+# itself whatever the file lacks, so the plan never depends on the other rank having done it.
+_AHEAD: dict[str, StepTrace] = {}  # key -> trace: read by trace_for
+_TRACED: dict[str, StepTrace] | None = None  # while write_traces_ahead runs: what trace_for computed
+
+
+def _trace_key(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str, checkpointing: bool,
+               grads_in_place: bool, terms: PrecisionTerms | None) -> str | None:
+    """:func:`trace_for`'s arguments as text (None: not expressible; such a trace is never looked up)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        model = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else model_cfg
+        return repr((name, model, int(batch_size), [f"{c.__module__}.{c.__qualname__}" for c in wrap], param_dtype,
+                     bool(checkpointing), bool(grads_in_place), terms))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def write_traces_ahead(cfg: Any, path: Any) -> None:
+    """Trace the step a composed cell's ``plan.memory`` will read into ``path`` (nothing where the peak model does not
+    cover the cell). Never raises: rank 0 then traces it itself."""
+    import pickle
+
+    global _TRACED
+    from zeroexp.expect import layout_of
+    from zeroexp.models import import_class, wrap_paths
+
+    try:
+        name = layout_of(cfg)[0]
+        if _uncovered_cell(cfg, name):
+            return
+        _TRACED = {}
+        _cell_step_traces(cfg, name, [import_class(p) for p in wrap_paths(cfg)], cell_precision_terms(name, cfg))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # .ranks/: the first rank to write makes it
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(_TRACED, f)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - a courtesy to rank 0, never a cell's failure
+        pass
+    finally:
+        _TRACED = None
+
+
+def read_traces_ahead(path: Any) -> int:
+    """Make the traces another rank wrote (:func:`write_traces_ahead`) this process's; how many (0: none usable)."""
+    import pickle
+
+    try:
+        with open(path, "rb") as f:
+            traces = pickle.load(f)
+    except Exception:  # noqa: BLE001 - missing or unreadable: rank 0 traces the step itself
+        return 0
+    good = {k: t for k, t in traces.items() if isinstance(k, str) and isinstance(t, StepTrace)}
+    _AHEAD.update(good)
+    return len(good)
 
 
 def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
                    wrap: list[type], shape: ModelShape) -> dict[str, Any]:
     """The plan's memory section for a cell that ran (``name``: its row; ``groups``: derived from the shapes)."""
     measured = summary.get("memory") or {}
-    ac = cfg.get("activation_checkpointing")
-    reasons = uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
-                        bool(cfg.strategy.get("use_orig_params", False)),
-                        str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),
-                        bool(cfg.strategy.get("sync_each_microbatch", False)))
+    reasons = _uncovered_cell(cfg, name)
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
     cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
@@ -208,10 +295,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
             f"no peak model yet for {name} below fp32 with {len(groups.shards)} buckets: gloo held every bucket's "
             "all-gather input through forward in the cell measured, more than the one late tensor the check allows "
             "(docs/planner.md, the peak model)"]}
-    checkpointing = ac is not None and str(ac.name) == "full"
-    micro_batches = int(cfg.get("grad_accum") or 1)
-    trace, in_place = step_traces(name, cfg.model, int(cfg.batch_size), wrap, checkpointing, micro_batches,
-                                  str(cfg.precision.param_dtype), terms)
+    checkpointing, micro_batches = _checkpointing(cfg), int(cfg.get("grad_accum") or 1)
+    trace, in_place = _cell_step_traces(cfg, name, wrap, terms)
     traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
               "checkpointing": checkpointing, "micro_batches": micro_batches, **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst

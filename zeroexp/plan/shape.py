@@ -77,10 +77,30 @@ def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...]
     return tuple(order) if len(order) == len(hooks) else None
 
 
+#: model_shape's answers in this process, by its arguments (a finalize asks twice: the byte plan and the time plan).
+_SHAPES: dict[str, ModelShape] = {}
+
+
 def model_shape(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> ModelShape:
     """Build the model config's module on the meta device and read its shape, FSDP units cut by ``wrap`` (import
-    paths), gradient-ready order traced by one meta-device backward."""
+    paths), gradient-ready order traced by one meta-device backward. Built once per process for the same arguments
+    (a ModelShape is immutable)."""
+    wrap = tuple(wrap)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        key = repr((OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig)
+                    else model_cfg, wrap))
+    except Exception:  # noqa: BLE001 - not expressible as text: not remembered
+        key = None
+    if key is not None and key in _SHAPES:
+        return _SHAPES[key]
     classes = [import_class(p) for p in wrap]
     with torch.device("meta"):
         net = build_model(model_cfg)
-    return shape_of(net, classes, ready_order(net, model_cfg))
+    shape = shape_of(net, classes, ready_order(net, model_cfg))
+    if key is not None:
+        if len(_SHAPES) >= 64:  # a long-lived process (the planner over many models): the oldest goes
+            _SHAPES.pop(next(iter(_SHAPES)))
+        _SHAPES[key] = shape
+    return shape
