@@ -157,8 +157,10 @@ def test_the_last_rank_traces_ahead_what_rank_0s_plan_reads(cell, compose, monke
 
     monkeypatch.setattr("zeroexp.plan.steptrace.trace_step", no_tracing)
     assert pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))[0] is pm._AHEAD[key]
-    # where the peak model does not cover the cell nothing is traced ahead; an unreadable file is no trace
+    # where the peak model does not cover the cell nothing is traced ahead (and an earlier run's file is gone); an
+    # unreadable file is no trace
     uncovered = compose("strategy=fsdp_full", "world_size=2", "strategy.use_orig_params=true")
+    (tmp_path / "none.pkl").write_bytes((Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD).read_bytes())  # an earlier run's
     pm.write_traces_ahead(uncovered, tmp_path / "none.pkl")
     assert not (tmp_path / "none.pkl").exists()
     (tmp_path / "bad.pkl").write_bytes(b"not a pickle")

@@ -239,7 +239,7 @@ def _trace_key(name: str, model_cfg: Any, batch_size: int, wrap: list[type], par
 
 def write_traces_ahead(cfg: Any, path: Any) -> None:
     """Trace the step a composed cell's ``plan.memory`` will read into ``path`` (nothing where the peak model does not
-    cover the cell). Never raises: rank 0 then traces it itself."""
+    cover the cell; a file already at ``path`` is removed first). Never raises: rank 0 then traces it itself."""
     import pickle
 
     global _TRACED
@@ -247,6 +247,7 @@ def write_traces_ahead(cfg: Any, path: Any) -> None:
     from zeroexp.models import import_class, wrap_paths
 
     try:
+        Path(path).unlink(missing_ok=True)  # a file an earlier run left in this cell directory is no trace of this one
         name = layout_of(cfg)[0]
         if _uncovered_cell(cfg, name):
             return
