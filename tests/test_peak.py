@@ -142,21 +142,20 @@ def test_the_last_rank_traces_ahead_what_rank_0s_plan_reads(cell, compose, monke
     assert r.summary["plan"]["memory"]["check"] == "PASS", r.summary["plan"]["memory"]["reasons"]
     ahead = pickle.loads((Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD).read_bytes())
     cfg = compose(f"strategy={strategy}", "world_size=2")
-    monkeypatch.setattr(pm, "_AHEAD", {})
-    monkeypatch.setattr(pm, "_TRACED", {})  # record what tracing here computes, under its keys
+    monkeypatch.setattr(pm, "_TRACES", {})  # what tracing here computes, under its keys
     wrap = [import_class(p) for p in wrap_paths(cfg)]
     trace, in_place = pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))
     assert (in_place is not None) == (strategy == "zero1")  # zero1's gradients live across steps: two traces
-    assert ahead == pm._TRACED and len(ahead) == 1 + (in_place is not None)
+    assert ahead == pm._TRACES and len(ahead) == 1 + (in_place is not None)
     # read back, rank 0 traces nothing: a lookup returns the very trace the file held
-    monkeypatch.setattr(pm, "_TRACED", None)
+    monkeypatch.setattr(pm, "_TRACES", {})
     assert pm.read_traces_ahead(Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD) == len(ahead)
     key = next(iter(ahead))
     def no_tracing(*args, **kwargs):
         raise AssertionError("traced again")
 
     monkeypatch.setattr("zeroexp.plan.steptrace.trace_step", no_tracing)
-    assert pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))[0] is pm._AHEAD[key]
+    assert pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))[0] is pm._TRACES[key]
     # where the peak model does not cover the cell nothing is traced ahead (and an earlier run's file is gone); an
     # unreadable file is no trace
     uncovered = compose("strategy=fsdp_full", "world_size=2", "strategy.use_orig_params=true")

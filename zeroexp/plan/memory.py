@@ -174,11 +174,13 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     import torch
 
     from zeroexp.models import torch_dtype
+    from zeroexp.plan.shape import arguments_key, remember
     from zeroexp.plan.steptrace import trace_step
 
-    key = _trace_key(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, grads_in_place, terms)
-    if key is not None and key in _AHEAD:
-        return _AHEAD[key]
+    key = arguments_key(name, model_cfg, int(batch_size), wrap, param_dtype, bool(checkpointing),
+                        bool(grads_in_place), terms)
+    if key is not None and key in _TRACES:
+        return _TRACES[key]
     ds = name in DS_ROWS
     if ds:
         dtypes = {"module_dtype": torch_dtype(param_dtype) if param_dtype != "float32" else None}
@@ -187,11 +189,8 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
                   "module_dtype": None if terms.module_dtype is None else getattr(torch, terms.module_dtype)}
     else:
         dtypes = {}
-    trace = trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
-                       grads_in_place=grads_in_place, own_params_units=ds, **dtypes)
-    if _TRACED is not None and key is not None:
-        _TRACED[key] = trace
-    return trace
+    return remember(_TRACES, key, trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
+                                             grads_in_place=grads_in_place, own_params_units=ds, **dtypes))
 
 
 def _uncovered_cell(cfg: Any, name: str) -> list[str]:
@@ -218,23 +217,11 @@ def _cell_step_traces(cfg: Any, name: str, wrap: list[type], terms: PrecisionTer
 # -- Traces ahead. A cell's rank 0 trains the equivalence reference after the last step while its other ranks wait;
 # the last rank traces the step for rank 0's plan meanwhile (zeroexp.worker) and leaves the traces in a file that
 # rank 0's finalize reads (``read_traces_ahead``) before :func:`memory_section`. A trace is a function of its
-# arguments alone (fake tensors, no measurement): rank 0 uses one only under the same arguments (its key), and traces
-# itself whatever the file lacks, so the plan never depends on the other rank having done it.
-_AHEAD: dict[str, StepTrace] = {}  # key -> trace: read by trace_for
-_TRACED: dict[str, StepTrace] | None = None  # while write_traces_ahead runs: what trace_for computed
-
-
-def _trace_key(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str, checkpointing: bool,
-               grads_in_place: bool, terms: PrecisionTerms | None) -> str | None:
-    """:func:`trace_for`'s arguments as text (None: not expressible; such a trace is never looked up)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    try:
-        model = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else model_cfg
-        return repr((name, model, int(batch_size), [f"{c.__module__}.{c.__qualname__}" for c in wrap], param_dtype,
-                     bool(checkpointing), bool(grads_in_place), terms))
-    except Exception:  # noqa: BLE001
-        return None
+# arguments alone (fake tensors, no measurement): rank 0 uses one only under the same arguments (its key, as trace_for
+# remembers its own), and traces itself whatever the file lacks, so the plan never depends on the other rank.
+#: trace_for's answers in this process, by its arguments (a StepTrace is immutable); read_traces_ahead adds another
+#: rank's.
+_TRACES: dict[str, StepTrace] = {}
 
 
 def write_traces_ahead(cfg: Any, path: Any) -> None:
@@ -242,7 +229,6 @@ def write_traces_ahead(cfg: Any, path: Any) -> None:
     cover the cell; a file already at ``path`` is removed first). Never raises: rank 0 then traces it itself."""
     import pickle
 
-    global _TRACED
     from zeroexp.expect import layout_of
     from zeroexp.models import import_class, wrap_paths
 
@@ -251,17 +237,16 @@ def write_traces_ahead(cfg: Any, path: Any) -> None:
         name = layout_of(cfg)[0]
         if _uncovered_cell(cfg, name):
             return
-        _TRACED = {}
-        _cell_step_traces(cfg, name, [import_class(p) for p in wrap_paths(cfg)], cell_precision_terms(name, cfg))
+        traces = _cell_step_traces(cfg, name, [import_class(p) for p in wrap_paths(cfg)],
+                                   cell_precision_terms(name, cfg))
+        ours = {k: t for k, t in _TRACES.items() if any(t is mine for mine in traces)}  # this cell's, by their keys
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # .ranks/: the first rank to write makes it
         tmp = f"{path}.tmp"
         with open(tmp, "wb") as f:
-            pickle.dump(_TRACED, f)
+            pickle.dump(ours, f)
         os.replace(tmp, path)
     except Exception:  # noqa: BLE001 - a courtesy to rank 0, never a cell's failure
         pass
-    finally:
-        _TRACED = None
 
 
 def read_traces_ahead(path: Any) -> int:
@@ -274,7 +259,7 @@ def read_traces_ahead(path: Any) -> int:
     except Exception:  # noqa: BLE001 - missing or unreadable: rank 0 traces the step itself
         return 0
     good = {k: t for k, t in traces.items() if isinstance(k, str) and isinstance(t, StepTrace)}
-    _AHEAD.update(good)
+    _TRACES.update(good)
     return len(good)
 
 

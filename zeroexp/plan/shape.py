@@ -10,7 +10,7 @@ from torch import nn
 from zeroexp.formulas import ModelShape
 from zeroexp.models import build_model, import_class, loss_of, zeros_batch
 
-__all__ = ["model_shape", "shape_of", "ready_order"]
+__all__ = ["model_shape", "shape_of", "ready_order", "arguments_key", "remember"]
 
 
 def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[int, ...] | None = None) -> ModelShape:
@@ -77,6 +77,36 @@ def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...]
     return tuple(order) if len(order) == len(hooks) else None
 
 
+def arguments_key(*parts: Any) -> str | None:
+    """A pure function's arguments as text, to remember its answer by: a DictConfig as its resolved container, a
+    class as its import path (None where the arguments cannot be expressed: such an answer is not remembered)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, DictConfig):
+            return OmegaConf.to_container(x, resolve=True)
+        if isinstance(x, type):
+            return f"{x.__module__}.{x.__qualname__}"
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    try:
+        return repr([plain(x) for x in parts])
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def remember(answers: dict[str, Any], key: str | None, value: Any, most: int = 64) -> Any:
+    """Keep ``value`` under ``key`` in ``answers`` (a long-lived process, the planner over many models, keeps the
+    ``most`` newest); return it."""
+    if key is not None:
+        if len(answers) >= most:
+            answers.pop(next(iter(answers)))
+        answers[key] = value
+    return value
+
+
 #: model_shape's answers in this process, by its arguments (a finalize asks twice: the byte plan and the time plan).
 _SHAPES: dict[str, ModelShape] = {}
 
@@ -86,21 +116,10 @@ def model_shape(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> Model
     paths), gradient-ready order traced by one meta-device backward. Built once per process for the same arguments
     (a ModelShape is immutable)."""
     wrap = tuple(wrap)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        key = repr((OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig)
-                    else model_cfg, wrap))
-    except Exception:  # noqa: BLE001 - not expressible as text: not remembered
-        key = None
+    key = arguments_key(model_cfg, wrap)
     if key is not None and key in _SHAPES:
         return _SHAPES[key]
     classes = [import_class(p) for p in wrap]
     with torch.device("meta"):
         net = build_model(model_cfg)
-    shape = shape_of(net, classes, ready_order(net, model_cfg))
-    if key is not None:
-        if len(_SHAPES) >= 64:  # a long-lived process (the planner over many models): the oldest goes
-            _SHAPES.pop(next(iter(_SHAPES)))
-        _SHAPES[key] = shape
-    return shape
+    return remember(_SHAPES, key, shape_of(net, classes, ready_order(net, model_cfg)))
