@@ -114,14 +114,16 @@ def test_checkpoint_kind_the_strategy_lacks_is_refused(compose):
         validate(compose("strategy=zero1", "checkpoint=full"))
 
 
-def test_report_has_a_checkpoint_table(cell):
+def test_report_has_a_checkpoint_table(cell, tmp_path):
+    import shutil
+
     from zeroexp.report.cells import order_cells
     from zeroexp.report.tables import build_tables
     from zeroexp.results import load_sweep
 
-    result = _cell(cell, "fsdp_full", "full")
-    _cell(cell, "ddp", "full")  # both cells in the session's cell root, whatever ran before (cached runs)
-    tables = {t.key: t for t in build_tables(order_cells(load_sweep(Path(result.cell_dir).parent)))}
+    for result in (_cell(cell, "fsdp_full", "full"), _cell(cell, "ddp", "full")):  # the two cells as one sweep
+        shutil.copytree(result.cell_dir, tmp_path / Path(result.cell_dir).name)
+    tables = {t.key: t for t in build_tables(order_cells(load_sweep(tmp_path)))}
     shown = tables["checkpoint"].display()
     rows = {(cell_label.split(" ")[0], kind): row for (cell_label, kind), (_, row)
             in zip(zip(shown["cell"], shown["kind"]), shown.iterrows())}

@@ -13,7 +13,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import run_cli
+from conftest import compose_config, run_cli
 from zeroexp.cell import cell_id, cell_identity, cell_name
 from zeroexp.cli import CONF_DIR, register
 from zeroexp.config import ConfigError, strategy_extras, validate, without_strategy_extras
@@ -141,9 +141,43 @@ PINNED = [
 
 
 def _compose(overrides: list[str]):
+    return compose_config(overrides)  # Hydra's compose, each defaults list merged once (conftest)
+
+
+# Overrides of every kind the suite composes: group choices, presets, values of a group's keys, adds, deletes,
+# dicts, lists, a sweep, hydra's own keys; and bad ones of each (refused with Hydra's own error).
+COMPOSER_GRID = [
+    [], list(BASE), [*BASE, "strategy=zro", "world_size=2"], ["experiment=zero_ladder", "strategy=zero1"],
+    ["strategy=zero1", "experiment=zero_ladder", "strategy.bucket_cap_mb=3"], ["+extra=1", "strategy=deepspeed",
+    "strategy.stage=3"], ["model=gpt", "model.n_layer=2", "precision=bf16"], ["strategy=fsdp_full", "prefetch=post",
+    "offload=optimizer", "activation_checkpointing=full", "init=meta", "checkpoint=sharded", "grad_accum=2"],
+    ["model={width: 3}"], ["model.input_shape=[4,4]"], ["+experiment=zero_ladder"], ["~experiment"],
+    ["strategy=zro", "strategy=fsdp2_full", "world_size=3", "world_size=5"],
+    ["model.widht=3"], ["strategy=nope"], ["~model.depth"], ["strategy.stage=x"], ["steps=ten"],
+    ["world_size=2,4"], ["hydra.run.dir=/tmp/x"], ["hydra/launcher=basic"],
+]
+
+
+def test_the_suites_compose_is_hydras():
+    """conftest's ``compose_config`` merges each defaults list once and applies the other overrides with Hydra's own
+    function: the same config, or the same error, as Hydra's ``compose`` for overrides of every kind."""
+    def outcome(fn, overrides):
+        try:
+            cfg = fn(overrides)
+            return OmegaConf.to_yaml(cfg), OmegaConf.is_struct(cfg)
+        except Exception as e:  # noqa: BLE001 - the error is the outcome compared
+            return type(e).__name__, str(e)
+
+    def hydras(overrides):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=overrides)
+
     register()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+    for overrides in COMPOSER_GRID:
+        assert outcome(compose_config, overrides) == outcome(hydras, overrides), overrides
+    merged = compose_config([*BASE, "strategy=zro", "world_size=2"])
+    merged.world_size = 7  # a copy each time: a test that changes its config changes nobody else's
+    assert compose_config([*BASE, "strategy=zro", "world_size=2"]).world_size == 2
 
 
 def _overrides(spec: str) -> list[str]:
@@ -228,7 +262,7 @@ def _sweep(overrides: list[str]):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         main = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
         jobs = sweep_jobs(main)
-        return jobs, [hydra_compose(config_name="config", overrides=job) for job in jobs]
+    return jobs, [compose_config(job) for job in jobs]
 
 
 class _Console:
