@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroexp.formulas import (LAYOUTS, ComputeRate, Groups, ModelShape, PlanKnobs, Slot, accumulation_repeats,
+from zeroexp.formulas import (LAYOUTS, ComputeRate, ModelShape, PlanKnobs, Slot, accumulation_repeats,
                               checkpointed_numel, derive_groups, micro_batch_slots, predict_step, recompute_seconds,
                               step_collectives)
 from zeroexp.formulas.accumulation import accumulated_grad_bytes, accumulated_phase_peaks

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from zeroexp.calibration import SCHEMA, find_calibration, load_calibration, machine
-from zeroexp.formulas import (LAYOUTS, ComputeRate, LinkFit, ModelShape, PlanKnobs, bus_factor, collective_seconds,
+from zeroexp.formulas import (LAYOUTS, LinkFit, ModelShape, PlanKnobs, bus_factor, collective_seconds,
                               derive_groups, fit_link, overlap_possible, predict_step, simulate_step, step_collectives,
                               two_level_seconds)
 from zeroexp.plan.time import MEDIAN_CI_LIMIT, median_ci95, time_check, time_section
