@@ -118,3 +118,38 @@ def test_one_rule_one_place():
 def test_no_source_file_over_500_lines():
     long = {name: n for name, path in SOURCES.items() if (n := len(path.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_the_schedule_reads_each_registered_probes_own_steps():
+    """zeroexp.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process validates a
+    schedule without importing them): each registered probe that needs steps takes exactly its entry, in order."""
+    from zeroexp.probes import registry
+    from zeroexp.schedule import PROBE_STEPS
+
+    needing = [p for p in registry() if p.steps is not None]
+    assert [p.name for p in needing] == list(PROBE_STEPS)
+    assert all(p.steps is PROBE_STEPS[p.name] for p in needing)
+
+
+def test_the_launching_process_validates_a_cell_without_lightning():
+    """``python -m zeroexp`` composes and validates the cell (its schedule included) and launches its ranks (the
+    runner, the launcher, the rank entry by name, the fault switch) beside the forkserver that imports Lightning for
+    the ranks: this process does not import Lightning for that (its digest after the run does)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from hydra import compose, initialize_config_dir\n"
+            "from zeroexp.cli import CONF_DIR, register\n"
+            "from zeroexp.config import validate\n"
+            "from zeroexp.launch import launch_local, local_rank_entry\n"
+            "from zeroexp.runner import run_cell\n"
+            "from zeroexp.faults import ENV\n"
+            "register()\n"
+            "with initialize_config_dir(config_dir=CONF_DIR, version_base='1.3'):\n"
+            "    validate(compose(config_name='config', overrides=['logger=none', 'strategy=fsdp_full']))\n"
+            "print(sorted(m for m in ('lightning', 'lightning.pytorch', 'torchmetrics') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -158,6 +158,15 @@ def _root_cause(failed: list[int], procs: list[Any], cell_dir: Path) -> dict[str
     return _describe(first, procs[first].exitcode, cell_dir)
 
 
+def local_rank_entry(*args: Any) -> None:
+    """``zeroexp.worker.rank_entry``, by name: what the runner hands to :func:`launch_local`, so that the launching
+    process never imports zeroexp.worker (torch.distributed's stack, Lightning, the probes: 5 to 7 s of imports on
+    this 2-core host, beside the forkserver importing the same for the ranks); the rank's forkserver preloaded it."""
+    from zeroexp.worker import rank_entry
+
+    rank_entry(*args)
+
+
 def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], rank_entry: Callable[..., None],
                  on_started: Callable[[list[int | None]], None] | None = None) -> LaunchResult:
     """Run every rank of the cell on this machine: ``rank_entry(rank, world_size, port, cfg, cell_dir, run_info,

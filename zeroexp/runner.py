@@ -129,9 +129,8 @@ def _run_valid_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str], s
                             {"launcher": "local", "nodes": 1, "ranks_per_node": int(cfg.world_size), "job_id": None})
     write_json(cell_dir / "manifest.json", manifest)
     t0 = time.monotonic()
-    from zeroexp.launch import launch_local
+    from zeroexp.launch import launch_local, local_rank_entry
     from zeroexp.progress import watch_progress
-    from zeroexp.worker import rank_entry
 
     try:
         def started(pids: list[int | None]) -> None:
@@ -141,7 +140,7 @@ def _run_valid_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str], s
         for attempt in range(3):
             with watch_progress(cell_dir, run_info["cell_name"]) if progress and not cfg.get("dry_run") \
                     else nullcontext():
-                launched = launch_local(resolved, cell_dir, run_info, rank_entry, on_started=started)
+                launched = launch_local(resolved, cell_dir, run_info, local_rank_entry, on_started=started)
             # The free port can be taken by another process between probing and binding: retry that alone.
             if not (launched.error and "address already in use" in launched.error["message"].lower()):
                 break

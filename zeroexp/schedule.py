@@ -1,8 +1,8 @@
 """Which training steps each measurement owns, so that no measurement pollutes another.
 
 Steps ``[0, warmup)`` are warm-up (DDP rebuilds its buckets, FSDP lazily initialises, Adam creates its
-moments). The rest is assembled from what each registered probe declares (``Probe.steps``, a
-``zeroexp.probes.base.Steps``, in ``zeroexp.probes.registry`` order): first the windows of a configured length (the collectives probe's profiled
+moments). The rest is assembled from what each registered probe declares (``Probe.steps``, a :class:`Steps`, in
+``zeroexp.probes.registry`` order; :data:`PROBE_STEPS` below): first the windows of a configured length (the collectives probe's profiled
 steps, ``probes.profile_steps``, then the memory probe's tracked steps, ``probes.memory_steps``), then the
 steps left over (the timing probe's timed steps). A probe may instead read at the first step after warm-up
 without owning it (the state probe, at the optimizer boundary, after that step's time has been taken).
@@ -19,12 +19,41 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "Steps", "PROBE_STEPS"]
 
 #: Windows that cannot span the K micro-batches of ``grad_accum=K`` (one optimizer step), and why: their probe's
 #: check reads n/a in such a cell. None today: the memory probe tracks every micro-batch of an optimizer step (it resets
 #: MemTracker's module state between micro-batches, zeroexp.probes.memory).
 SINGLE_MICRO_BATCH: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The steps a probe needs, named ``window`` on the schedule (``schedule.<window>``).
+
+    ``kind``: ``window`` (``key`` names the config key that gives how many consecutive steps; placed after
+    warm-up and the windows of earlier probes), ``rest`` (every step after the windows, at least ``at_least``)
+    or ``first`` (the first step after warm-up, an int, shared: the probe only reads there).
+    """
+
+    window: str
+    kind: str = "window"
+    key: str | None = None
+    at_least: int = 1
+
+
+#: ``Probe.name`` -> its :class:`Steps`, for each registered probe that needs steps, in ``zeroexp.probes.REGISTRY``
+#: order. Declared here, and each probe class takes its own (``steps = PROBE_STEPS["<its name>"]``), so that the
+#: launching process validates a cell's schedule without importing the probes: they are Lightning callbacks, and
+#: Lightning's import (5 to 7 s on this 2-core host) was the launching process's longest step before its first rank,
+#: beside the forkserver importing it for the ranks. tests/test_architecture.py: every registered probe's ``steps``
+#: is its entry, in order. A probe outside the registry (a plug-in) declares its own :class:`Steps`.
+PROBE_STEPS: dict[str, Steps] = {
+    "state": Steps("state_step", kind="first"),  # reads at the first step after warm-up
+    "collectives": Steps("profiled", key="probes.profile_steps"),
+    "memory": Steps("memory_tracked", key="probes.memory_steps"),
+    "timing": Steps("timed", kind="rest", at_least=2),  # every step after the others' windows
+}
 
 
 def _select(cfg: Any, key: str) -> Any:
@@ -40,18 +69,18 @@ class Schedule:
 
     steps: int
     warmup: int
-    needs: tuple[tuple[Any, int], ...]  # (zeroexp.probes.base.Steps, its length)
+    needs: tuple[tuple[Steps, int], ...]  # (a probe's Steps, its length)
     grad_accum: int = 1  # micro-batches per step: a window in SINGLE_MICRO_BATCH is skipped when above 1
 
     @classmethod
     def from_cfg(cls, cfg: Any, probes: Iterable[Any] | None = None) -> "Schedule":
-        """The schedule of ``cfg`` assembled from ``probes`` (default: every registered probe)."""
+        """The schedule of ``cfg`` assembled from ``probes`` (default: every registered probe's, from
+        :data:`PROBE_STEPS`, without importing the probes)."""
         if probes is None:
-            from zeroexp.probes import registry
-
-            probes = registry()
-        needs = tuple((p.steps, int(_select(cfg, p.steps.key)) if p.steps.key else 0)
-                      for p in probes if getattr(p, "steps", None) is not None)
+            declared = list(PROBE_STEPS.values())
+        else:
+            declared = [p.steps for p in probes if getattr(p, "steps", None) is not None]
+        needs = tuple((s, int(_select(cfg, s.key)) if s.key else 0) for s in declared)
         steps, warmup = int(cfg.steps), int(cfg.warmup_steps)
         if cfg.get("dry_run"):  # a dry run plays warm-up and its probes' windows only: ``steps`` does not limit it
             steps = max(steps, warmup + sum(n for s, n in needs if s.kind == "window")

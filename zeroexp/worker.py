@@ -181,9 +181,9 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     probes = [cls(ctx) for cls in probe_classes]
     callbacks: list[pl.Callback] = list(probes)
     if run_info.get("fault"):
-        from zeroexp.faults import Fault, FaultInjector
+        from zeroexp.faults import Fault, fault_injector
 
-        callbacks.append(FaultInjector(Fault.parse(run_info["fault"]), rank, run_info["cell_name"]))
+        callbacks.append(fault_injector(Fault.parse(run_info["fault"]), rank, run_info["cell_name"]))
     if rank == 0:  # rank 0's progress in .progress.json, shown live by the launching process (zeroexp.progress)
         callbacks.append(_Progress(cell, int(cfg.steps)))
     if accum > 1:  # the probes (and the rest) see optimizer steps, each spanning its micro-batches

@@ -17,20 +17,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
-
-@dataclass(frozen=True)
-class Steps:
-    """The steps a probe needs, named ``window`` on the schedule (``schedule.<window>``).
-
-    ``kind``: ``window`` (``key`` names the config key that gives how many consecutive steps; placed after
-    warm-up and the windows of earlier probes), ``rest`` (every step after the windows, at least ``at_least``)
-    or ``first`` (the first step after warm-up, an int, shared: the probe only reads there).
-    """
-
-    window: str
-    kind: str = "window"
-    key: str | None = None
-    at_least: int = 1
+from zeroexp.schedule import Steps
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes
-from zeroexp.probes.base import Probe, ProbeReport, Steps
+from zeroexp.probes.base import Probe, ProbeReport
+from zeroexp.schedule import PROBE_STEPS
 from zeroexp.probes.exposed import exposed_comm
 from zeroexp.report.cells import column
 from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
@@ -244,7 +245,7 @@ class CollectivesProbe(Probe):
 
     name = "collectives"
     order = 30
-    steps = Steps("profiled", key="probes.profile_steps")
+    steps = PROBE_STEPS["collectives"]  # declared in zeroexp.schedule
 
     digest_line = staticmethod(collectives_line)
     report_table = staticmethod(collectives_table)

@@ -39,7 +39,8 @@ from torch import nn
 
 from zeroexp.formulas.peak import PHASES
 from zeroexp.memtrack import step_mem_tracker as _step_mem_tracker, totals as _totals
-from zeroexp.probes.base import Probe, ProbeReport, Steps
+from zeroexp.probes.base import Probe, ProbeReport
+from zeroexp.schedule import PROBE_STEPS
 from zeroexp.report.format import NA, byte_unit, missing
 from zeroexp.report.section import Column, ReportTable, raw_rows
 
@@ -324,7 +325,7 @@ class MemoryProbe(Probe):
     name = "memory"
     order = 40
     report_order = 25  # in the report, beside the state table
-    steps = Steps("memory_tracked", key="probes.memory_steps")
+    steps = PROBE_STEPS["memory"]  # declared in zeroexp.schedule
     dry_run_absent = "no real memory: no tensor is allocated, and the fake process group moves no bytes"
 
     digest_line = staticmethod(memory_line)

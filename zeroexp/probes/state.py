@@ -17,7 +17,8 @@ import lightning.pytorch as pl
 import pandas as pd
 from omegaconf import DictConfig
 
-from zeroexp.probes.base import Probe, ProbeReport, RunContext, Steps
+from zeroexp.probes.base import Probe, ProbeReport, RunContext
+from zeroexp.schedule import PROBE_STEPS
 from zeroexp.report.cells import column
 from zeroexp.report.format import NA, byte_unit, fmt_factor, missing
 from zeroexp.report.section import CORE_KINDS, Column, ReportTable, joined, raw_rows
@@ -129,7 +130,7 @@ class StateProbe(Probe):
 
     name = "state"
     order = 20
-    steps = Steps("state_step", kind="first")  # reads at the first step after warm-up
+    steps = PROBE_STEPS["state"]  # declared in zeroexp.schedule
 
     digest_line = staticmethod(state_line)
     report_table = staticmethod(state_table)

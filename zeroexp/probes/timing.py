@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from zeroexp.hostload import activity, busy_cpu_s, own_cpu_s
-from zeroexp.probes.base import Probe, ProbeReport, Steps
+from zeroexp.probes.base import Probe, ProbeReport
+from zeroexp.schedule import PROBE_STEPS
 from zeroexp.report.format import NA, fmt_int, fmt_ms, fmt_pct, missing
 from zeroexp.report.section import Column, ReportTable, raw_rows
 
@@ -70,7 +71,7 @@ class TimingProbe(Probe):
 
     name = "timing"
     order = 50
-    steps = Steps("timed", kind="rest", at_least=2)  # every step after the others' windows
+    steps = PROBE_STEPS["timing"]  # declared in zeroexp.schedule
     dry_run_absent = "no step time: a fake step computes nothing and communicates with no peer"
 
     digest_line = staticmethod(timing_line)
