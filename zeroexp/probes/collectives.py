@@ -36,11 +36,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes
 from zeroexp.probes.base import Probe, ProbeReport
-from zeroexp.schedule import PROBE_STEPS
 from zeroexp.probes.exposed import exposed_comm
 from zeroexp.report.cells import column
 from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
+from zeroexp.schedule import PROBE_STEPS
 
 __all__ = ["CollectivesProbe", "GroupMarks", "SOURCE"]
 

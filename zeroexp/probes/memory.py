@@ -40,9 +40,9 @@ from torch import nn
 from zeroexp.formulas.peak import PHASES
 from zeroexp.memtrack import step_mem_tracker as _step_mem_tracker, totals as _totals
 from zeroexp.probes.base import Probe, ProbeReport
-from zeroexp.schedule import PROBE_STEPS
 from zeroexp.report.format import NA, byte_unit, missing
 from zeroexp.report.section import Column, ReportTable, raw_rows
+from zeroexp.schedule import PROBE_STEPS
 
 __all__ = ["MemoryProbe", "PEAK_MEANING", "PHASES", "freeze_startup_objects", "memory_source"]
 

@@ -18,10 +18,10 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from zeroexp.probes.base import Probe, ProbeReport, RunContext
-from zeroexp.schedule import PROBE_STEPS
 from zeroexp.report.cells import column
 from zeroexp.report.format import NA, byte_unit, fmt_factor, missing
 from zeroexp.report.section import CORE_KINDS, Column, ReportTable, joined, raw_rows
+from zeroexp.schedule import PROBE_STEPS
 
 __all__ = ["StateProbe", "count_state", "check_factors", "FACTOR_TOL"]
 

@@ -18,9 +18,9 @@ import pandas as pd
 
 from zeroexp.hostload import activity, busy_cpu_s, own_cpu_s
 from zeroexp.probes.base import Probe, ProbeReport
-from zeroexp.schedule import PROBE_STEPS
 from zeroexp.report.format import NA, fmt_int, fmt_ms, fmt_pct, missing
 from zeroexp.report.section import Column, ReportTable, raw_rows
+from zeroexp.schedule import PROBE_STEPS
 
 __all__ = ["TimingProbe", "step_statistics", "CV_UNSTABLE"]
 
