@@ -110,6 +110,7 @@ def _run_once_across_workers(cfg: DictConfig, key: str, shared: Path) -> CellRes
     import fcntl
     import hashlib
     import pickle
+    import shutil
 
     shared.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
@@ -118,6 +119,7 @@ def _run_once_across_workers(cfg: DictConfig, key: str, shared: Path) -> CellRes
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this worker dies
         if done.exists():
             return pickle.loads(done.read_bytes())
+        shutil.rmtree(shared / digest, ignore_errors=True)  # what a worker that died while running it left
         result = run_cell(cfg, shared / digest)
         part = done.with_suffix(".part")
         part.write_bytes(pickle.dumps(result))
@@ -132,8 +134,10 @@ def cell(compose, tmp_path_factory) -> Callable[..., CellResult]:
     composed: dict[tuple[str, ...], tuple[DictConfig, str]] = {}
     cache: dict[str, CellResult] = {}
     root = tmp_path_factory.mktemp("cells")
-    # Under xdist each worker's base temp dir is popen-gw<i> in the session's own directory.
-    shared = tmp_path_factory.getbasetemp().parent / "cells" if os.environ.get("PYTEST_XDIST_WORKER") else None
+    # Under xdist: beside the workers' base temp dirs (popen-gw<i>), named by the session's run id, so that no other
+    # session's results are ever read.
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") if os.environ.get("PYTEST_XDIST_WORKER") else None
+    shared = tmp_path_factory.getbasetemp().parent / f"cells-{run}" if run else None
 
     def _cell(*overrides: str, base: tuple[str, ...] = BASE) -> CellResult:
         spelled = (*base, "|", *sorted(overrides))  # group choices apply before values: order is irrelevant
