@@ -2,10 +2,12 @@
 
 A probe is a plug-in: besides measuring (a Lightning callback, :meth:`Probe.rank_result`,
 :meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from which
-``zeroexp.schedule.Schedule`` is assembled), whether and when it runs (:meth:`Probe.runs`), why it is absent
+``zeroexp.schedule.Schedule`` is assembled; a registered probe's is its entry of ``zeroexp.schedule.PROBE_STEPS``,
+which the launching process reads without importing the probes), whether and when it runs (:meth:`Probe.runs`), why it is absent
 from a dry run (:attr:`Probe.dry_run_absent`), its line in the terminal digest (:meth:`Probe.digest_line`) and
 its section of the sweep report (:meth:`Probe.report_table`). The run, the dry run, the digest and the report
-loop over ``zeroexp.probes.registry()``: a new probe is one module plus its test, and one entry there.
+loop over ``zeroexp.probes.registry()``: a new probe is one module plus its test, and one entry there (and one
+in ``PROBE_STEPS`` if it needs steps).
 """
 
 from __future__ import annotations
