@@ -361,3 +361,25 @@ def test_a_command_composes_its_config_once_unless_it_names_hydra_mode(monkeypat
         assert proc.returncode == 2 and "model.width=-3" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
         assert len(modes) == composes, (argv, modes)
         assert ("sweep job #0" in proc.stdout + proc.stderr) == sweep, proc.stdout + proc.stderr
+
+
+def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
+    """zeroexp's check of every job, Hydra's ``validate_batch_is_legal`` and Hydra's launch each composed every job
+    of a ``--multirun`` (3 composes a job); now each job is composed once (zeroexp.hydra_app), and each use gets its
+    own copy: the sweep runs as before (4 jobs, 2 distinct dry-run cells, 2 skipped as repeats)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    calls, original = [], ConfigLoaderImpl.load_configuration
+
+    def spy(self, config_name, overrides, run_mode, *args, **kwargs):
+        calls.append(tuple(overrides))
+        return original(self, config_name, overrides, run_mode, *args, **kwargs)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", spy)
+    sweep = tmp_path / "sweep"
+    proc = _zeroexp("--multirun", "strategy=ddp,zro", "prefetch=pre,post", "dry_run=true", "world_size=2",
+                    "logger=none", "model.width=16", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("already ran in this sweep") == 2, proc.stdout
+    assert len(list(sweep.glob("*/summary.json"))) == 2
+    assert len(calls) == len(set(calls)) == 1 + 4, calls  # the sweep's own config, then each job once

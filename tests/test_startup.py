@@ -45,3 +45,31 @@ def test_python_m_zeroexp_starts_it_before_importing_the_cli():
     assert calls == ["start_forkserver_for(sys.argv[1:])"]
     later = [ast.unparse(n) for n in body[1:] if isinstance(n, ast.ImportFrom)]
     assert later == ["from zeroexp.cli import main"]
+
+
+def test_the_forkserver_preloads_what_a_wandb_run_start_imports_before_torch(tmp_path):
+    """``wandb.init`` imports W&B's launch inputs (1.4 to 2 s in a rank, after torch: docs/benchmarks.md); the ranks'
+    forkserver imports them once, before torch (zeroexp.wandb_preload). Checked in fresh interpreters: that module
+    imports no torch, and an offline ``wandb.init`` imports nothing of W&B beyond what it preloads under
+    ``wandb.sdk.launch``, so the preload goes stale loudly if W&B moves it."""
+    import subprocess
+    import sys
+
+    from zeroexp.launch import FORKSERVER_PRELOAD
+
+    assert FORKSERVER_PRELOAD.index("zeroexp.wandb_preload") < FORKSERVER_PRELOAD.index("zeroexp.worker")
+    code = """
+import sys
+import zeroexp.wandb_preload
+assert "torch" not in sys.modules, "the preload imports torch"
+before = {m for m in sys.modules if m.startswith("wandb.sdk.launch")}
+import wandb
+run = wandb.init(mode="offline", dir=sys.argv[1], project="zeroexp-preload-test")
+run.finish()
+print(sorted({m for m in sys.modules if m.startswith("wandb.sdk.launch")} - before))
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("WANDB")}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

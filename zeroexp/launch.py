@@ -34,10 +34,12 @@ __all__ = ["FORKSERVER_PRELOAD", "LaunchResult", "launch_local", "free_port", "s
 
 _CTX: Any = None
 #: What the ranks' forkserver imports before it forks a rank, in order: first zeroexp.deathsig, which makes the
-#: forkserver die with this process (each rank dies with the forkserver: zeroexp.worker); then the ranks' module and
-#: every strategy adapter, which a rank would otherwise import afresh in each cell; last what else a rank imports,
-#: with the objects of every import frozen once for all ranks (zeroexp.rank_preload).
-FORKSERVER_PRELOAD = ("zeroexp.deathsig", "zeroexp.worker", "zeroexp.strategies._preload", "zeroexp.rank_preload")
+#: forkserver die with this process (each rank dies with the forkserver: zeroexp.worker); then what W&B's run start
+#: imports, cheaper before torch (zeroexp.wandb_preload); then the ranks' module and every strategy adapter, which a
+#: rank would otherwise import afresh in each cell; last what else a rank imports, with the objects of every import
+#: frozen once for all ranks (zeroexp.rank_preload).
+FORKSERVER_PRELOAD = ("zeroexp.deathsig", "zeroexp.wandb_preload", "zeroexp.worker", "zeroexp.strategies._preload",
+                      "zeroexp.rank_preload")
 
 
 def rank_context() -> Any:

@@ -13,7 +13,6 @@ tensors as before and its cycle collections walk the same objects.
 import hydra.utils  # noqa: F401 - zeroexp.models.build_model: hydra.utils.instantiate
 import torch.distributed._tools.mem_tracker  # noqa: F401 - zeroexp.memtrack, zeroexp.probes.init_peak
 
-import wandb  # noqa: F401 - rank 0 of a logger=wandb cell (the default): 1.2 s of its start, the other ranks waiting
 import zeroexp.plan.cell  # noqa: F401 - rank 0's finalize: the planner's prediction beside the measurement
 import zeroexp.plan.memory  # noqa: F401
 import zeroexp.plan.time  # noqa: F401

@@ -79,7 +79,6 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
-        from hydra.types import RunMode
         from rich.console import Console
 
         from zeroexp.config import ConfigError, NotApplicableHere, validate
@@ -88,8 +87,8 @@ class SweepSummary(Callback):
 
         loader = GlobalHydra.instance().config_loader()
         jobs = sweep_jobs(config)
-        cfgs = [loader.load_configuration(config.hydra.job.config_name, job, run_mode=RunMode.MULTIRUN)
-                for job in jobs]
+        # As Hydra's sweeper and launcher compose each job (the same arguments): composed once (zeroexp.hydra_app)
+        cfgs = [loader.load_sweep_config(config, job) for job in jobs]
         check_strategy_keys(jobs, cfgs, Console(highlight=False))
         from zeroexp.progress import SWEEP_CLOCK
 
