@@ -134,7 +134,9 @@ def test_the_schedule_reads_each_registered_probes_own_steps():
 def test_the_launching_process_validates_a_cell_without_lightning():
     """``python -m zeroexp`` composes and validates the cell (its schedule included) and launches its ranks (the
     runner, the launcher, the rank entry by name, the fault switch) beside the forkserver that imports Lightning for
-    the ranks: this process does not import Lightning for that (its digest after the run does)."""
+    the ranks, and after the run prints the digest and writes a sweep's report from every probe's line and table:
+    this process imports Lightning for none of it (the probes are Lightning callbacks in the ranks only:
+    ``zeroexp.probes.as_callback``)."""
     import subprocess
     import sys
 
@@ -148,6 +150,11 @@ def test_the_launching_process_validates_a_cell_without_lightning():
             "register()\n"
             "with initialize_config_dir(config_dir=CONF_DIR, version_base='1.3'):\n"
             "    validate(compose(config_name='config', overrides=['logger=none', 'strategy=fsdp_full']))\n"
+            "from zeroexp.report import write_report\n"
+            "from zeroexp.report.digest import digest\n"
+            "from zeroexp.report.tables import sections\n"
+            "digest({})\n"
+            "assert len([(s.digest_line, s.report_table) for s in sections(report=True)]) > 7\n"
             "print(sorted(m for m in ('lightning', 'lightning.pytorch', 'torchmetrics') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                          capture_output=True, text=True, timeout=300)

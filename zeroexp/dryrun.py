@@ -41,7 +41,8 @@ from zeroexp.expect import Expectation
 from zeroexp.fake_collectives import IssueFunctionalCollectives
 from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.module import CellModule
-from zeroexp.probes import CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, probes_for
+from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
+                            probes_for)
 from zeroexp.probes.state import check_factors
 from zeroexp.results import SCHEMA_VERSION, write_csv, write_json, write_text
 from zeroexp.schedule import Schedule
@@ -110,7 +111,7 @@ def _traced(cfg: DictConfig, ctx: RunContext
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
         trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read
-        probes = [cls(ctx) for cls in classes]
+        probes = [as_callback(cls)(ctx) for cls in classes]  # the hooks a probe lacks: Lightning's no-ops
         for probe in probes:
             probe.setup(trainer, module, "fit")  # P, before the adapter shards the model
         model = trainer.strategy.model = adapter.wrap(module, CPU)

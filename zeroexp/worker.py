@@ -31,7 +31,7 @@ from zeroexp.expect import Expectation
 from zeroexp.models import build_model
 from zeroexp.models.init import init_of
 from zeroexp.module import CellModule, SyntheticBatches
-from zeroexp.probes import RunContext, probes_for
+from zeroexp.probes import RunContext, as_callback, probes_for
 from zeroexp.probes.init_peak import InitPeak, init_fields
 from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.schedule import Schedule
@@ -178,7 +178,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps * accum),
                       batch_size=None)
     probe_classes = probes_for(cfg)
-    probes = [cls(ctx) for cls in probe_classes]
+    probes = [as_callback(cls)(ctx) for cls in probe_classes]  # each a Lightning callback
     callbacks: list[pl.Callback] = list(probes)
     if run_info.get("fault"):
         from zeroexp.faults import Fault, fault_injector

@@ -9,7 +9,7 @@ Probes never import strategy adapters; the runner hands them what the adapter kn
 the dry run, the digest and the report loop over it (each probe class declares its part: ``zeroexp.probes.base``).
 """
 
-from zeroexp.probes.base import Probe, ProbeReport, RunContext, Steps
+from zeroexp.probes.base import Probe, ProbeReport, RunContext, Steps, as_callback
 from zeroexp.probes.iterations import IterationsProbe
 from zeroexp.probes.state import StateProbe
 from zeroexp.probes.collectives import CollectivesProbe
@@ -18,7 +18,7 @@ from zeroexp.probes.timing import TimingProbe
 from zeroexp.probes.equivalence import EquivalenceProbe
 from zeroexp.probes.checkpoint import CheckpointProbe
 
-__all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "REGISTRY", "registry", "IterationsProbe", "StateProbe",
+__all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "as_callback", "REGISTRY", "registry", "IterationsProbe", "StateProbe",
            "CollectivesProbe", "MemoryProbe", "TimingProbe", "EquivalenceProbe", "CheckpointProbe", "default_probes",
            "probes_for", "absent_in_dry_run"]
 

@@ -25,7 +25,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pandas as pd
 import torch
@@ -34,7 +34,6 @@ from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile
 
 from zeroexp.models import build_model, make_batch
-from zeroexp.module import CellModule
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.collectives import SOURCE as COLLECTIVES_SOURCE
 from zeroexp.probes.collectives import GroupMarks, extract
@@ -43,6 +42,9 @@ from zeroexp.results import write_json
 from zeroexp.report.cells import column
 from zeroexp.report.format import byte_unit, fmt_err, fmt_int, fmt_ms, missing
 from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
+
+if TYPE_CHECKING:
+    from zeroexp.module import CellModule
 
 __all__ = ["CheckpointProbe", "CheckpointError", "verify_checkpoint", "META", "FORMAT"]
 
@@ -208,6 +210,8 @@ class CheckpointProbe(Probe):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.seed) + 1)
             net = build_model(OmegaConf.to_container(cfg.model, resolve=True))
+        from zeroexp.module import CellModule  # a LightningModule: here, so the probe's module needs no Lightning
+
         module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients).to(self.ctx.device)
         model = adapter.wrap_cell(module, self.ctx.device)  # as the cell's model: checkpointed units too
         return model, module, module.configure_optimizers()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import lightning.pytorch as pl
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -51,6 +50,8 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     order, then divided by the world size (for the reduction-order floor).
     """
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    import lightning.pytorch as pl  # here: the probe's module is read without Lightning (zeroexp.probes.base)
+
     pl.seed_everything(int(cfg.seed), workers=False, verbose=False)  # exactly what each rank did before build
     net = build_model(model_cfg)
     params = list(net.parameters())

@@ -11,9 +11,8 @@ section 5.1); ``zeroexp.formulas.zero_state_factors`` gives what each stage expe
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import lightning.pytorch as pl
 import pandas as pd
 from omegaconf import DictConfig
 
@@ -22,6 +21,9 @@ from zeroexp.report.cells import column
 from zeroexp.report.format import NA, byte_unit, fmt_factor, missing
 from zeroexp.report.section import CORE_KINDS, Column, ReportTable, joined, raw_rows
 from zeroexp.schedule import PROBE_STEPS
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["StateProbe", "count_state", "check_factors", "FACTOR_TOL"]
 
