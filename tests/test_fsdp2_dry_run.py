@@ -161,3 +161,39 @@ def test_deepspeed_dry_run_derives_the_real_run(cell, stage):
     # the derived dry run's plan is the planner's own model: its check cannot fail, so it reads n/a (issue 16)
     assert real.summary["plan"]["check"] == "PASS" and dry.summary["plan"]["check"] == "n/a"
     assert dry.summary["plan"]["predicted_bytes"] == real.summary["plan"]["predicted_bytes"]
+
+
+def test_lazy_chunks_equal_torchs_shards():
+    """The dry run's FSDP2 shards (zeroexp.dryrun.LazyChunks, made only when asked) equal torch's
+    ``_chunk_with_empty``: the same number, and each the same view (shape, stride, storage offset, values), empty
+    past the last element; on real and fake tensors, uneven sizes, fewer elements than ranks, a nonzero dim; and
+    under ``lazy_fsdp2_chunks`` FSDP2's module reads the lazy form, its own afterwards."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from zeroexp.dryrun import LazyChunks, lazy_fsdp2_chunks
+
+    def same(a, b, real):
+        assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == (b.shape, b.stride(), b.storage_offset(), b.dtype)
+        if real and a.numel():
+            assert torch.equal(a, b) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    shapes = [((10,), 4, 0), ((3,), 8, 0), ((8,), 8, 0), ((9,), 1, 0), ((1,), 1024, 0), ((1000, 3), 7, 0),
+              ((4, 10), 4, 1), ((4, 6), 3, 1), ((5, 2), 1024, 0)]
+    for shape, n, dim in shapes:
+        real = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        for tensor, is_real in ((real, True), (FakeTensorMode().from_tensor(real), False)):
+            ours, torchs = LazyChunks(tensor, n, dim), _chunk_with_empty(tensor, n, dim)
+            assert len(ours) == len(torchs) == n, (shape, n)
+            for i in (*range(min(n, 12)), n - 1, -1):
+                same(ours[i], torchs[i], is_real)
+            assert [tuple(c.shape) for c in ours[: min(n, 12)]] == [tuple(c.shape) for c in torchs[: min(n, 12)]]
+    with pytest.raises(IndexError):
+        LazyChunks(torch.zeros(4), 2, 0)[2]
+    original = _fsdp_param._chunk_with_empty
+    with lazy_fsdp2_chunks():
+        assert isinstance(_fsdp_param._chunk_with_empty(torch.zeros(4), 2, 0), LazyChunks)
+        assert isinstance(_fsdp_param._chunk_with_empty(torch.zeros(0), 2, 0), list)  # empty: torch's own
+    assert _fsdp_param._chunk_with_empty is original

@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 import resource
 import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -48,7 +50,7 @@ from zeroexp.results import SCHEMA_VERSION, write_csv, write_json, write_text
 from zeroexp.schedule import Schedule
 from zeroexp.strategies import get_adapter_class
 
-__all__ = ["run_dry", "SOURCES", "ABSENT"]
+__all__ = ["run_dry", "SOURCES", "ABSENT", "LazyChunks", "lazy_fsdp2_chunks"]
 
 SOURCES = {
     "traced": "traced: the strategy's own code ran as rank 0 of world_size under a fake process group and "
@@ -93,6 +95,53 @@ SIMULATED = ("simulated: rank 0's steps under FakeTensorMode and a fake process 
              "not in it: the fake process group makes none")
 
 
+class LazyChunks(Sequence):
+    """torch FSDP2's ``_chunk_with_empty(tensor, num_chunks, dim)`` (the ``num_chunks`` shards of a parameter, each
+    rank's a view of ``tensor``; empty tensors for the ranks past the last element) as a sequence that makes shard
+    ``i`` only when asked. FSDP2 asks for two: the rank's own and shard 0 (the padded size). Under
+    ``FakeTensorMode`` each of torch's ``num_chunks`` views is a fake tensor made in Python: at N=1024 they were 56 %
+    of a 4.3e9-parameter dry run (two lists of 1024 per parameter; py-spy, docs/benchmarks.md). Shard ``i`` is
+    ``tensor.narrow(dim, i * s, ...)`` with torch.chunk's size ``s = ceil(size / num_chunks)``, as ATen's ``chunk``
+    (``split``) makes it; tests/test_fsdp2_dry_run.py holds it equal (shape, stride, offset, values) to torch's
+    function."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self._tensor, self._n, self._dim = tensor, int(num_chunks), int(dim)
+        self._size = int(tensor.size(dim))
+        self._step = -(-self._size // self._n)  # torch.chunk's chunk size
+        self._made = -(-self._size // self._step)  # the chunks torch.chunk returns; the rest are empty
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = range(self._n)[i]  # an IndexError past the end, negative indices as a list's
+        if i < self._made:
+            start = i * self._step
+            return self._tensor.narrow(self._dim, start, min(self._step, self._size - start))
+        return self[0].new_empty(0)
+
+
+@contextmanager
+def lazy_fsdp2_chunks() -> Iterator[None]:
+    """While a dry run traces FSDP2: its ``_chunk_with_empty`` gives :class:`LazyChunks` for a parameter with at least
+    one element along the sharded dim (torch's own function for an empty one). Restored after."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    original = _fsdp_param._chunk_with_empty
+
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+        return LazyChunks(tensor, num_chunks, dim) if tensor.size(dim) > 0 else original(tensor, num_chunks, dim)
+
+    _fsdp_param._chunk_with_empty = chunk_with_empty
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
+
+
 def _traced(cfg: DictConfig, ctx: RunContext
             ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
     """Rank 0's steps under FakeTensorMode with the real run's state and collectives probes, and the memory probe
@@ -107,7 +156,7 @@ def _traced(cfg: DictConfig, ctx: RunContext
     classes += [cls for cls in probes_for(cfg) if cls is MemoryProbe and _simulates_memory(cfg)]
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
     # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group (zeroexp.fake_collectives)
-    with FakeTensorMode() as mode, IssueFunctionalCollectives():
+    with FakeTensorMode() as mode, IssueFunctionalCollectives(), lazy_fsdp2_chunks():
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
         trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read
