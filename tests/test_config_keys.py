@@ -366,8 +366,13 @@ def test_a_command_composes_its_config_once_unless_it_names_hydra_mode(monkeypat
 def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
     """zeroexp's check of every job, Hydra's ``validate_batch_is_legal`` and Hydra's launch each composed every job
     of a ``--multirun`` (3 composes a job); now each job is composed once (zeroexp.hydra_app), and each use gets its
-    own copy: the sweep runs as before (4 jobs, 2 distinct dry-run cells, 2 skipped as repeats)."""
+    own copy: the cells launched get the config Hydra composes for their overrides (4 jobs, 2 distinct cells, 2
+    skipped as repeats; the cells themselves are not run here)."""
+    from types import SimpleNamespace
+
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    import zeroexp.runner
 
     calls, original = [], ConfigLoaderImpl.load_configuration
 
@@ -375,11 +380,19 @@ def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
         calls.append(tuple(overrides))
         return original(self, config_name, overrides, run_mode, *args, **kwargs)
 
+    launched = []
+
+    def run_cell(cfg, cell_dir, **kwargs):
+        launched.append(OmegaConf.to_yaml(cfg))
+        return SimpleNamespace(status="ok", cell_dir=Path(cell_dir), summary=None, error=None)
+
     monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", spy)
-    sweep = tmp_path / "sweep"
-    proc = _zeroexp("--multirun", "strategy=ddp,zro", "prefetch=pre,post", "dry_run=true", "world_size=2",
-                    "logger=none", "model.width=16", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    monkeypatch.setattr(zeroexp.runner, "run_cell", run_cell)
+    values = ("logger=none", "model.width=16", "world_size=2")
+    proc = _zeroexp("--multirun", "strategy=ddp,zro", "prefetch=pre,post", *values,
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("already ran in this sweep") == 2, proc.stdout
-    assert len(list(sweep.glob("*/summary.json"))) == 2
     assert len(calls) == len(set(calls)) == 1 + 4, calls  # the sweep's own config, then each job once
+    assert launched == [OmegaConf.to_yaml(compose_config([f"strategy={s}", "prefetch=pre", *values]))
+                        for s in ("ddp", "zro")]
