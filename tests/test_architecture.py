@@ -160,3 +160,28 @@ def test_the_launching_process_validates_a_cell_without_lightning():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_a_probe_is_a_lightning_callback_only_in_a_rank():
+    """``Probe`` imports no Lightning; ``as_callback(cls)`` (made once per class) is the Lightning callback a rank runs:
+    an instance of the probe class too, Lightning's no-op hooks where the probe defines none, its state key the
+    probe's, and it pickles and copies as itself."""
+    import copy
+    import pickle
+
+    import lightning.pytorch as pl
+
+    from zeroexp.probes import Probe, as_callback, registry
+
+    for cls in registry():
+        assert not issubclass(cls, pl.Callback) and issubclass(cls, Probe)
+        made = as_callback(cls)
+        assert made is as_callback(cls) and issubclass(made, (cls, pl.Callback)) and made.__qualname__ == cls.__qualname__
+        probe = made.__new__(made)
+        probe.__dict__.update(records=[1, 2])
+        assert probe.state_key == cls.__qualname__
+        for hook in ("setup", "on_train_batch_start", "on_before_backward", "on_before_optimizer_step",
+                     "on_train_batch_end", "on_train_end", "on_exception"):
+            assert callable(getattr(probe, hook))  # the probe's own or Lightning's no-op
+        for again in (pickle.loads(pickle.dumps(probe)), copy.deepcopy(probe)):
+            assert type(again) is made and again.records == [1, 2]

@@ -100,10 +100,10 @@ class LazyChunks(Sequence):
     rank's a view of ``tensor``; empty tensors for the ranks past the last element) as a sequence that makes shard
     ``i`` only when asked. FSDP2 asks for two: the rank's own and shard 0 (the padded size). Under
     ``FakeTensorMode`` each of torch's ``num_chunks`` views is a fake tensor made in Python: at N=1024 they were 56 %
-    of a 4.3e9-parameter dry run (two lists of 1024 per parameter; py-spy, docs/benchmarks.md). Shard ``i`` is
-    ``tensor.narrow(dim, i * s, ...)`` with torch.chunk's size ``s = ceil(size / num_chunks)``, as ATen's ``chunk``
-    (``split``) makes it; tests/test_fsdp2_dry_run.py holds it equal (shape, stride, offset, values) to torch's
-    function."""
+    of a 4.3e9-parameter dry run (two lists of 1024 per parameter; py-spy, docs/benchmarks.md, session 13). Shard
+    ``i`` is ``tensor.narrow(dim, i * s, ...)`` with torch.chunk's size ``s = ceil(size / num_chunks)``, as ATen's
+    ``chunk`` (``split``) makes it; tests/test_fsdp2_dry_run.py holds it equal (shape, stride, offset, values) to
+    torch's function. Indexing and ``len`` only, as FSDP2 uses it (not a list: no ``torch.cat`` of it)."""
 
     def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
         self._tensor, self._n, self._dim = tensor, int(num_chunks), int(dim)
@@ -127,8 +127,13 @@ class LazyChunks(Sequence):
 @contextmanager
 def lazy_fsdp2_chunks() -> Iterator[None]:
     """While a dry run traces FSDP2: its ``_chunk_with_empty`` gives :class:`LazyChunks` for a parameter with at least
-    one element along the sharded dim (torch's own function for an empty one). Restored after."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    one element along the sharded dim (torch's own function for an empty one). Restored after. A torch without the
+    module (before 2.6, or moved) is left as it is: the dry run runs torch's own path, only slower."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        yield
+        return
 
     original = _fsdp_param._chunk_with_empty
 

@@ -64,10 +64,13 @@ def _each_config_composed_once() -> Iterator[None]:
     each through ``ConfigLoader.load_sweep_config`` with the same arguments (measured: a 12-job sweep spent ~11 s of
     its main process composing, 0.2 to 0.6 s a compose here). For the duration of one app, a compose is remembered
     under its arguments and each later call gets a deep copy of the first result (the launcher writes the job's
-    number and id into its copy): the same config, composed once per job. A compose is a function of its arguments
-    and of the config files, which do not change while the app runs; interpolations (``${now:...}``, ``oc.env``)
-    stay unresolved in the composed config, and the launcher copies their cache from the master config as before. A
-    compose that raises is not remembered: a later call raises again."""
+    number and id into its copy): the same config, composed once per job. A compose is a function of its arguments,
+    the config files and the ConfigStore (neither changes while the app runs), and of a little process state that
+    zeroexp keeps fixed through a sweep: the working directory (``hydra.runtime.cwd``: ``hydra.job.chdir`` is false
+    and Hydra restores it after each job), ``hydra.job.env_copy`` (empty) and the job's name (set: ``zeroexp``).
+    Interpolations (``${now:...}``, ``oc.env``) stay unresolved in the composed config, and ``load_sweep_config`` copies
+    their cache from the master config on each call, outside the memo, as before. A compose that raises is not
+    remembered: a later call raises again."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     original = ConfigLoaderImpl.load_configuration

@@ -18,8 +18,8 @@ from zeroexp.probes.timing import TimingProbe
 from zeroexp.probes.equivalence import EquivalenceProbe
 from zeroexp.probes.checkpoint import CheckpointProbe
 
-__all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "as_callback", "REGISTRY", "registry", "IterationsProbe", "StateProbe",
-           "CollectivesProbe", "MemoryProbe", "TimingProbe", "EquivalenceProbe", "CheckpointProbe", "default_probes",
+__all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "as_callback", "REGISTRY", "registry", "IterationsProbe",
+           "StateProbe", "CollectivesProbe", "MemoryProbe", "TimingProbe", "EquivalenceProbe", "CheckpointProbe", "default_probes",
            "probes_for", "absent_in_dry_run"]
 
 

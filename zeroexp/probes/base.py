@@ -1,6 +1,7 @@
 """The probe interface and the one result schema every probe writes.
 
-A probe is a plug-in: besides measuring (a Lightning callback, :meth:`Probe.rank_result`,
+A probe is a plug-in: besides measuring (Lightning's callback hooks, run in a rank as :func:`as_callback`,
+:meth:`Probe.rank_result`,
 :meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from which
 ``zeroexp.schedule.Schedule`` is assembled; a registered probe's is its entry of ``zeroexp.schedule.PROBE_STEPS``,
 which the launching process reads without importing the probes), whether and when it runs (:meth:`Probe.runs`), why it is absent
@@ -110,8 +111,20 @@ class Probe:
 def as_callback(cls: type[Probe]) -> type:
     """The Lightning callback class of probe class ``cls``: ``cls`` first, then ``lightning.pytorch.Callback``
     (whose no-op hooks serve the hooks ``cls`` does not define). Made once per class, in the process that runs
-    cells (a rank, a dry run); an instance is an instance of ``cls`` too."""
+    cells (a rank, a dry run); an instance is an instance of ``cls`` too, and pickles as one of this class (rebuilt
+    through ``as_callback``: the class itself is found under ``cls``'s name, which names ``cls``)."""
     import lightning.pytorch as pl
 
+    def __reduce__(self: Any) -> tuple[Any, ...]:
+        return _rebuild_callback, (cls, self.__dict__)
+
     return type(cls.__name__, (cls, pl.Callback), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                   "__doc__": cls.__doc__})
+                                                   "__doc__": cls.__doc__, "__reduce__": __reduce__})
+
+
+def _rebuild_callback(cls: type[Probe], state: dict[str, Any]) -> Any:
+    """Unpickle an instance of ``as_callback(cls)``."""
+    made = as_callback(cls)
+    obj = made.__new__(made)
+    obj.__dict__.update(state)
+    return obj

@@ -144,7 +144,7 @@ def sections(report: bool = False) -> list[Any]:
     """The sections of a cell's results: every registered probe and :class:`PlanSection`, in digest ``order``
     (with ``report=True``: in ``report_order``, where a section has one). Each has ``name`` (its ``summary.json``
     key), ``digest_line(section)`` and ``report_table(ok)`` (either may give None: no line, no table)."""
-    from zeroexp.probes import registry  # here, not at the top: the probes load torch and Lightning
+    from zeroexp.probes import registry  # here, not at the top: the probes load torch (not Lightning: probes.base)
     from zeroexp.report.groups import GroupsSection
     from zeroexp.report.time import TimeSection
 
