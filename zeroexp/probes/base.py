@@ -1,8 +1,7 @@
 """The probe interface and the one result schema every probe writes.
 
-A probe is a plug-in: besides measuring (Lightning's callback hooks, run in a rank as :func:`as_callback`,
-:meth:`Probe.rank_result`,
-:meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from which
+A probe is a plug-in: besides measuring (Lightning's callback hooks, run in a rank as :func:`as_callback`;
+:meth:`Probe.rank_result`, :meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from which
 ``zeroexp.schedule.Schedule`` is assembled; a registered probe's is its entry of ``zeroexp.schedule.PROBE_STEPS``,
 which the launching process reads without importing the probes), whether and when it runs (:meth:`Probe.runs`), why it is absent
 from a dry run (:attr:`Probe.dry_run_absent`), its line in the terminal digest (:meth:`Probe.digest_line`) and
