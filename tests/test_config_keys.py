@@ -367,7 +367,7 @@ def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
     """zeroexp's check of every job, Hydra's ``validate_batch_is_legal`` and Hydra's launch each composed every job
     of a ``--multirun`` (3 composes a job); now each job is composed once (zeroexp.hydra_app), and each use gets its
     own copy: the cells launched get the config Hydra composes for their overrides (4 jobs, 2 distinct cells, 2
-    skipped as repeats; the cells themselves are not run here)."""
+    skipped as repeats; the cells themselves are not run here). A ``glob(...)`` sweep passes the check too."""
     from types import SimpleNamespace
 
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
@@ -396,3 +396,9 @@ def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
     assert len(calls) == len(set(calls)) == 1 + 4, calls  # the sweep's own config, then each job once
     assert launched == [OmegaConf.to_yaml(compose_config([f"strategy={s}", "prefetch=pre", *values]))
                         for s in ("ddp", "zro")]
+
+    launched.clear()  # a glob() sweep: the check lists the group's options with Hydra's loader, as the sweeper does
+    proc = _zeroexp("--multirun", "strategy=glob(zero*)", *values, f"hydra.sweep.dir={tmp_path / 'glob'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert launched == [OmegaConf.to_yaml(compose_config([f"strategy={s}", *values])) for s in ("zero1", "zero2")]
+    assert "cell 1 of 2:" in proc.stdout, proc.stdout  # the check ran (Hydra turns a callback's exception into a warning)

@@ -11,15 +11,16 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 
-def sweep_jobs(config: DictConfig) -> list[list[str]]:
-    """The override lists of every job the basic sweeper will run (the Cartesian product of the sweep)."""
+def sweep_jobs(config: DictConfig, loader: Any = None) -> list[list[str]]:
+    """The override lists of every job the basic sweeper will run (the Cartesian product of the sweep). ``loader``:
+    Hydra's config loader, which a ``glob(...)`` sweep needs to list a group's options (as the sweeper passes it)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     overrides = list(config.hydra.overrides.task)
     params = config.hydra.sweeper.get("params") or {}
     overrides = [f"{k}={v}" for k, v in params.items()] + overrides  # as BasicSweeper does
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
     batches = BasicSweeper.split_arguments(parsed, None)
     return [list(job) for batch in batches for job in batch]
 
@@ -86,7 +87,7 @@ class SweepSummary(Callback):
         from zeroexp.cell import cell_name
 
         loader = GlobalHydra.instance().config_loader()
-        jobs = sweep_jobs(config)
+        jobs = sweep_jobs(config, loader)
         # As Hydra's sweeper and launcher compose each job (the same arguments): composed once (zeroexp.hydra_app)
         cfgs = [loader.load_sweep_config(config, job) for job in jobs]
         check_strategy_keys(jobs, cfgs, Console(highlight=False))
