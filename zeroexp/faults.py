@@ -13,7 +13,6 @@ run that computed something else FAILs.
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import signal
 import time
@@ -51,47 +50,43 @@ class Fault:
 
 def fault_injector(fault: Fault, rank: int, cell_name: str) -> Any:
     """The Lightning callback that injects ``fault`` at the start of its step on its rank (armed where the cell's
-    name contains ``fault.cell``)."""
-    return _injector_class()(fault, rank, cell_name)
+    name contains ``fault.cell``). Made in the rank (zeroexp.callbacks): this module is imported by the launching
+    process too (for :data:`ENV`), which does not import Lightning."""
+    from zeroexp.callbacks import as_callback
+
+    return as_callback(FaultInjector)(fault, rank, cell_name)
 
 
-@functools.cache
-def _injector_class() -> type:
-    """Defined at a rank's first use: this module is imported by the launching process too (for :data:`ENV`), which
-    does not import Lightning (zeroexp.schedule)."""
-    import lightning.pytorch as pl
+class FaultInjector:
+    """Injects ``fault`` at the start of its step on its rank (Lightning's hooks: :func:`fault_injector`)."""
 
-    class FaultInjector(pl.Callback):
-        """Injects ``fault`` at the start of its step on its rank."""
+    def __init__(self, fault: Fault, rank: int, cell_name: str) -> None:
+        self.fault, self.rank = fault, rank
+        self.armed = fault.cell in cell_name
 
-        def __init__(self, fault: Fault, rank: int, cell_name: str) -> None:
-            self.fault, self.rank = fault, rank
-            self.armed = fault.cell in cell_name
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.armed and self.rank == self.fault.rank and self.fault.kind == "enospc":
+            fill_disk_at_result_write(self.fault.step)
 
-        def on_train_end(self, trainer, pl_module) -> None:
-            if self.armed and self.rank == self.fault.rank and self.fault.kind == "enospc":
-                fill_disk_at_result_write(self.fault.step)
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if not self.armed or self.rank != self.fault.rank or batch_idx != self.fault.step \
-                    or self.fault.kind == "enospc":
-                return
-            if self.fault.kind == "memory":
-                raise MemoryError(f"injected fault: rank {self.rank} ran out of memory at step {batch_idx}")
-            if self.fault.kind == "perturb":  # in place: training_step receives this very tensor
-                batch.copy_(batch.roll(1, dims=-1))  # other data, same dtype and value range (token ids too)
-                return
-            if self.fault.kind == "raise":
-                raise RuntimeError(f"injected fault: rank {self.rank} raised at step {batch_idx}")
-            if self.fault.kind == "raise_tensor":
-                param = next(pl_module.parameters())
-                raise RuntimeError(f"injected fault: rank {self.rank} raised at step {batch_idx} on "
-                                   f"Parameter containing:\n{param.data}\nand {param.data.flatten()[:4]}")
-            if self.fault.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            while True:  # hang: never reach the step's collectives
-                time.sleep(3600)
-    return FaultInjector
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.armed or self.rank != self.fault.rank or batch_idx != self.fault.step \
+                or self.fault.kind == "enospc":
+            return
+        if self.fault.kind == "memory":
+            raise MemoryError(f"injected fault: rank {self.rank} ran out of memory at step {batch_idx}")
+        if self.fault.kind == "perturb":  # in place: training_step receives this very tensor
+            batch.copy_(batch.roll(1, dims=-1))  # other data, same dtype and value range (token ids too)
+            return
+        if self.fault.kind == "raise":
+            raise RuntimeError(f"injected fault: rank {self.rank} raised at step {batch_idx}")
+        if self.fault.kind == "raise_tensor":
+            param = next(pl_module.parameters())
+            raise RuntimeError(f"injected fault: rank {self.rank} raised at step {batch_idx} on "
+                               f"Parameter containing:\n{param.data}\nand {param.data.flatten()[:4]}")
+        if self.fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang: never reach the step's collectives
+            time.sleep(3600)
 
 
 def fill_disk_at_result_write(n: int) -> None:

@@ -12,14 +12,16 @@ in ``PROBE_STEPS`` if it needs steps).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
 
+from zeroexp.callbacks import as_callback
 from zeroexp.schedule import Steps
+
+__all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "as_callback"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class ProbeReport:
 class Probe:
     """Base class: a measurement with Lightning's callback hooks (``setup``, ``on_train_batch_start``, ...), a
     rank-local result and an all-rank aggregation. A rank runs it as a Lightning callback
-    (:func:`as_callback`); the class itself does not import Lightning, so the launching process reads its digest
+    (:func:`zeroexp.callbacks.as_callback`); the class itself does not import Lightning, so the launching process reads its digest
     line and report section (the digest after a cell, the sweep report) without importing Lightning (4 to 5 s on
     this 2-core host, after the cell had finished)."""
 
@@ -105,25 +107,3 @@ class Probe:
         function: ``report_table = staticmethod(state_table)``."""
         return None
 
-
-@functools.cache
-def as_callback(cls: type[Probe]) -> type:
-    """The Lightning callback class of probe class ``cls``: ``cls`` first, then ``lightning.pytorch.Callback``
-    (whose no-op hooks serve the hooks ``cls`` does not define). Made once per class, in the process that runs
-    cells (a rank, a dry run); an instance is an instance of ``cls`` too, and pickles as one of this class (rebuilt
-    through ``as_callback``: the class itself is found under ``cls``'s name, which names ``cls``)."""
-    import lightning.pytorch as pl
-
-    def __reduce__(self: Any) -> tuple[Any, ...]:
-        return _rebuild_callback, (cls, self.__dict__)
-
-    return type(cls.__name__, (cls, pl.Callback), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                   "__doc__": cls.__doc__, "__reduce__": __reduce__})
-
-
-def _rebuild_callback(cls: type[Probe], state: dict[str, Any]) -> Any:
-    """Unpickle an instance of ``as_callback(cls)``."""
-    made = as_callback(cls)
-    obj = made.__new__(made)
-    obj.__dict__.update(state)
-    return obj
