@@ -186,9 +186,11 @@ def test_reference_arithmetics_differ_by_rounding_only(compose):
     averaged = train_reference(cfg, 3, averaged_grads=True)
     assert set(mean_loss) == set(averaged)
     # Rounding only, but not ulps: AdamW's first update is g / (|g| + eps) * lr, so on a component whose gradient
-    # is near zero the rounding of the division by 3 moves the weight by a fraction of lr (3.9e-5 here).
+    # is near zero the rounding of the division by 3 moves the weight by a fraction of lr. How large a fraction
+    # depends on the CPU's kernels (vector width, reduction order), so only its relations are asserted: positive,
+    # below one step's lr, and far below what one more step moves.
     floor = max_abs_diff(averaged, mean_loss)
-    assert 1e-5 < floor < 1e-4, floor
+    assert 0.0 < floor < cfg.optimizer.lr, floor
     assert max_abs_diff(mean_loss, train_reference(cfg, 3)) == 0.0  # each arithmetic is deterministic
     assert max_abs_diff(train_reference(cfg, 2), mean_loss) > 10 * floor  # one AdamW step more: about lr = 1e-3
 
