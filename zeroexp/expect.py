@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Callable
 
-from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Collectives, Groups, PlanKnobs, StateLayout, state_factors,
-                              step_collectives)
+from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Collectives, Groups, PlanKnobs, StateLayout, rank_state_bytes,
+                              state_factors, step_collectives)
 
 __all__ = ["Expectation", "knobs_of", "itemsize_of", "layout_of", "groups_record"]
 
@@ -60,9 +60,17 @@ class Expectation:
         self.groups_of = groups_of
         self.groups: Groups | None = None  # the live groups, once read
 
-    def state_factors(self) -> dict[str, float]:
-        """Aggregate factors per kind at the optimizer boundary (sum over ranks / P) [ZeRO 5.1]."""
-        return state_factors(self.layout, self.world_size, self.itemsize, self.offload, self.knobs.shard_size)
+    def state_factors(self, trained: float = 1.0) -> dict[str, float]:
+        """Aggregate factors per kind at the optimizer boundary (sum over ranks / P) [ZeRO 5.1]; ``trained``: the
+        fraction of the parameters that train."""
+        out = state_factors(self.layout, self.world_size, self.itemsize, self.offload, self.knobs.shard_size,
+                            trained)
+        g = self.groups
+        if g is not None and g.exact and any(u.kept for u in g.units):  # FSDP1 units never resharded (no backward)
+            kept = rank_state_bytes(self.layout, g, self.itemsize, self.knobs, self.offload).get("param_unsharded")
+            if kept:
+                out["param_unsharded"] = sum(lo for lo, _ in kept) / (4 * (g.numel + sum(g.frozen)))
+        return out
 
     def collectives(self, model: Any, optimizer: Any) -> Collectives:
         """One rank's per-step collectives over the live groups; ``NotImplementedError`` naming why the payload model

@@ -134,10 +134,11 @@ def step_mem_tracker() -> Any:
                 if phase not in self.phases or total(self._peak_mem_snap) > total(self.phases[phase][0]):
                     self.phases[phase] = (self._peak_mem_snap, self._peak_clock)
 
-        # FSDP1 with use_orig_params=True exposes non-leaf parameter views in forward, on which MemTracker's
-        # gradient hooks cannot be registered; their gradients land in the FlatParameter's, counted anyway.
+        # MemTracker's gradient hooks cannot be registered on a frozen parameter (requires_grad=False), nor on the
+        # non-leaf parameter views FSDP1 with use_orig_params=True exposes in forward; their modules are tracked
+        # without them (a trainable parameter's gradient there is labelled when the step's end registers it).
         def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> Any:
-            leaves = all(p.is_leaf for p in module.parameters())
+            leaves = all(p.is_leaf and p.requires_grad for p in module.parameters())
             return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and leaves)
 
         # -- births: a storage allocated, or grown from zero bytes, after the tracker was entered; its labels since

@@ -33,7 +33,7 @@ class CellModule(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return self.optimizer_factory(self.parameters())
+        return self.optimizer_factory([p for p in self.parameters() if p.requires_grad])  # as a user passes them
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
                                     gradient_clip_algorithm: Any = None) -> None:

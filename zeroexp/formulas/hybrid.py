@@ -38,8 +38,9 @@ def hybrid_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) 
         model: Collectives = {}
         add_collectives(model, "all_gather", [u.numel * c for u in g.units for _ in range(u.gathers * gathered)],
                         shard)
-        add_collectives(model, "reduce_scatter", [u.numel * c for u in g.units] * reduced, shard)
-        add_collectives(model, "all_reduce", [u.numel // s * c for u in g.units] * reduced, replicate)
+        add_collectives(model, "reduce_scatter", [u.scattered * c for u in g.units if u.scattered] * reduced, shard)
+        add_collectives(model, "all_reduce", [u.scattered // s * c for u in g.units if u.scattered] * reduced,
+                        replicate)
         syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
         # ShardedGradScaler's found_inf over the world; DTensor's own inf check (FSDP2) over the gradients' Partial
         # dimension, the shard group (torch/distributed/tensor/_dispatch.py found_inf_reduce_handler)

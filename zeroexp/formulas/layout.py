@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 from zeroexp.formulas.paper import (Collectives, clip_norm_all_reduces, collectives_of, fp16_inf_syncs,
                                      fsdp2_padded_numel, padded_numel)
 
-__all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "StateLayout", "cut_buckets",
+__all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit", "next_reached", "Groups", "StateLayout", "cut_buckets",
            "pack", "owner_assignment", "derive_groups", "rank_state_bytes", "step_collectives", "state_factors",
            "unsharded_floor_bytes", "offloaded_kinds", "all_reduce_buckets",
            "all_reduce_then_broadcast", "scatter_gather", "scatter_gather_each_micro_batch", "gather_units", "gather_shards_twice", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
@@ -44,6 +44,14 @@ class ModelShape:
     exact: bool = True
     ready: tuple[int, ...] | None = None
     modules: tuple[tuple[int, ...], ...] = ()
+    #: Per parameter: whether it trains (``requires_grad``); empty: every parameter does.
+    trains: tuple[bool, ...] = ()
+    #: Per unit, from a traced step: its forward calls (a module applied twice: 2) and whether backward reaches it
+    #: (its output requires grad); empty: one call each, backward through every unit.
+    unit_calls: tuple[int, ...] = ()
+    unit_backward: tuple[bool, ...] = ()
+    #: Per unit: whether the unit after it in forward order is reached by backward (FSDP2 prefetches it then).
+    unit_next_reached: tuple[bool, ...] = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -63,7 +71,44 @@ class ModelShape:
     @property
     def ready_order(self) -> tuple[int, ...]:
         """Parameter indices in gradient-ready order (reverse definition order when no backward was traced)."""
-        return self.ready if self.ready is not None else tuple(range(len(self.params)))[::-1]
+        return self.ready if self.ready is not None else tuple(i for i in range(len(self.params))[::-1]
+                                                               if self.train(i))
+
+    def train(self, i: int) -> bool:
+        """Whether parameter ``i`` trains (gets a gradient and optimizer state)."""
+        return not self.trains or self.trains[i]
+
+    @property
+    def frozen(self) -> tuple[int, ...]:
+        """The numels of the parameters that do not train, in definition order."""
+        return tuple(k for i, k in enumerate(self.numels) if not self.train(i))
+
+    def trainable(self) -> ModelShape:
+        """The shape of the trainable parameters alone (what an optimizer, DDP's buckets and ZeRO's partitions are
+        given): units and modules re-indexed, the frozen parameters dropped."""
+        if not self.trains or all(self.trains):
+            return self
+        keep = [i for i in range(len(self.params)) if self.trains[i]]
+        new = {old: k for k, old in enumerate(keep)}
+
+        def remap(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+            return tuple(tuple(new[i] for i in g if i in new) for g in groups)
+
+        return ModelShape(tuple(self.params[i] for i in keep), remap(self.units), self.root, self.exact,
+                          None if self.ready is None else tuple(new[i] for i in self.ready if i in new),
+                          remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached)
+
+    def calls(self, u: int) -> int:
+        """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""
+        return self.unit_calls[u] if self.unit_calls else 1
+
+    def backward(self, u: int) -> bool:
+        """Whether backward reaches unit ``u`` (True unless traced otherwise)."""
+        return self.unit_backward[u] if self.unit_backward else True
+
+    def next_reached(self, u: int) -> bool:
+        """Whether backward reaches the unit after ``u`` in forward order (True unless traced otherwise)."""
+        return self.unit_next_reached[u] if self.unit_next_reached else True
 
 
 @dataclass(frozen=True)
@@ -94,17 +139,32 @@ class Shard(NamedTuple):
 
 
 class Unit(NamedTuple):
-    """An FSDP unit: the padded elements it gathers and reduce-scatters, and its all_gathers per step."""
+    """An FSDP unit: the padded elements it gathers, its all_gathers per step, and the padded elements it
+    reduce-scatters (``reduced``; None: ``numel``; 0: none, a unit with no trainable parameter or none backward
+    reaches)."""
 
     numel: int
     gathers: int
+    reduced: int | None = None
+    #: Its parameters stay unsharded from one step to the next (FSDP1: a unit kept after forward that backward never
+    #: reaches is never resharded), so steady steps gather it no more.
+    kept: bool = False
+
+    @property
+    def scattered(self) -> int:
+        """The padded elements of its gradient reduce-scatter (0: none)."""
+        return self.numel if self.reduced is None else self.reduced
 
 
 @dataclass(frozen=True)
 class Groups:
     """What decides what a rank keeps and sends, as plain data (see the module docstring).
 
-    ``numels``: the trainable parameters (definition order; a shared one once). ``shards``: the sharded buffers.
+    ``numels``: the trainable parameters (definition order; a shared one once); ``frozen``: the numels of the others
+    (``requires_grad=False``: held, not trained). ``shards``: the sharded buffers (the parameters' storage: frozen
+    ones included where the strategy shards them with the rest, FSDP). ``grad_shards``: the buffers' ranges that
+    hold gradients and optimizer state when they are not every parameter of ``shards`` (each as its shard, spans of
+    the trainable parameters only; a buffer with none omitted); None: the same as ``shards``.
     ``units``: FSDP units. ``buckets``: gradient reductions, each its parameters' numels in reduce order (DDP's
     buckets, DeepSpeed's). ``owners``: each rank's parameters' numels (ZeroRedundancyOptimizer).
     ``broadcasts``: elements per broadcast after the step (ZeroRedundancyOptimizer). ``gathers``: DeepSpeed stage
@@ -124,10 +184,17 @@ class Groups:
     gathers: tuple[tuple[int, ...], ...] = ()
     exact: bool = True
     shard_size: int = 0
+    frozen: tuple[int, ...] = ()
+    grad_shards: tuple[Shard, ...] | None = None
 
     @property
     def numel(self) -> int:
         return sum(self.numels)
+
+    @property
+    def trained_shards(self) -> tuple[Shard, ...]:
+        """The shards' ranges that hold gradients and optimizer state."""
+        return self.shards if self.grad_shards is None else self.grad_shards
 
     @property
     def shard_over(self) -> int:
@@ -185,6 +252,10 @@ class StateLayout:
     payload_limits: Callable[..., list[str]] | None = None
     comm: Callable[[ModelShape, int, PlanKnobs], dict] | None = field(default=None, compare=False)
     gathers_per_unit: Callable[[bool], int] = field(default=lambda root: 1, compare=False)
+    #: What an FSDP unit backward never reaches does (:func:`fsdp_unit`): ``kept`` (FSDP1: not gathered for
+    #: backward; if kept after forward, never resharded) or ``prefetched`` (FSDP2: gathered for backward when the unit
+    #: after it in forward order is reached, its implicit backward prefetch; resharded at the end of backward).
+    unreached_units: str = "kept"
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
     hybrid: bool = False
 
@@ -239,11 +310,20 @@ def owner_assignment(numels: list[int] | tuple[int, ...], world_size: int) -> li
 def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
                   knobs: PlanKnobs = PlanKnobs()) -> Groups:
     """The groups ``layout`` makes of a model of ``shape`` at N = ``world_size``: what the adapter of the strategy
-    would read off its live structure (equal, element for element, where the shapes are exact)."""
+    would read off its live structure (equal, element for element, where the shapes are exact).
+
+    Frozen parameters (``shape.trains``): FSDP and FSDP2 (``units``, ``rows``) shard them with the rest, their
+    gradients and optimizer state only over the trainable ones (``grad_shards``), a unit reduce-scattering only
+    what trains and gathering again for backward only where backward reaches it; every other layout is given the
+    trainable parameters alone (as a user passes them to the optimizer) and holds the frozen ones as they are."""
     hybrid = layout.hybrid and 0 < knobs.shard_size < world_size
-    n, numels, kind = knobs.shard_size if hybrid else world_size, shape.numels, layout.groups  # n: ranks sharded over
+    n, kind = knobs.shard_size if hybrid else world_size, layout.groups  # n: ranks sharded over
+    full, shape = shape, shape if kind in ("units", "rows") else shape.trainable()
+    numels = shape.numels
     rest = 4 if layout.fp32_at_rest else itemsize
+    align = 16 // rest if knobs.use_orig_params and kind == "units" else 0
     shards: list[Shard] = []
+    grad_shards: list[Shard] = []
     units: list[Unit] = []
     owners: list[tuple[int, ...]] = []
     if not shape.exact:  # a count: one flat buffer, one unit
@@ -251,12 +331,16 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
         units = [Unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False))]
     elif kind == "rows":
         shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
+        grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
+                       enumerate(zip(shape.params, numels)) if k and shape.train(i)]
     elif kind == "units":
-        align = 16 // rest if knobs.use_orig_params else 0
         for unit in shape.units:
             spans, length = pack([numels[i] for i in unit], align)
             if length:
                 shards.append(Shard(spans, padded_numel(length, n)))
+                trained = tuple(sp for sp, i in zip(spans, unit) if shape.train(i) and sp[1] > sp[0])
+                if trained:
+                    grad_shards.append(Shard(trained, padded_numel(length, n)))
     elif kind == "buckets":
         for bucket in cut_buckets([k * itemsize for k in numels], knobs.bucket_cap_bytes):
             spans, length = pack([numels[i] for i in bucket])
@@ -271,17 +355,48 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     if shape.exact and kind == "params":  # each module's own parameters, each padded to N, fetched as one [DS]
         units = [Unit(sum(padded_numel(numels[i], n) for i in m), 1) for m in shape.modules if m]
     elif shape.exact and layout.gather != "none":  # FSDP units: each as it is gathered
-        for unit, root in zip(shape.units, shape.root):
+        for u, (unit, root) in enumerate(zip(shape.units, shape.root)):
             if kind == "rows":
                 size = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)
+                reduced = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit if shape.train(i))
             else:
-                align = 16 // rest if knobs.use_orig_params and kind == "units" else 0
                 size = padded_numel(pack([numels[i] for i in unit], align)[1], n)
+                reduced = size if any(shape.train(i) for i in unit) else 0
             if size:
-                units.append(Unit(size, layout.gathers_per_unit(root)))
+                units.append(fsdp_unit(size, layout.gathers_per_unit(root), shape.calls(u), shape.backward(u),
+                                       reduced, layout.unreached_units, shape.next_reached(u)))
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
-    return Groups(name, world_size, numels if shape.exact else (shape.numel,), tuple(shards), tuple(units),
-                  owners=tuple(owners), exact=shape.exact, shard_size=n if hybrid else 0, **extra)
+    trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))
+    frozen_shards = kind in ("units", "rows") and bool(full.frozen)
+    return Groups(name, world_size, trained if shape.exact else (shape.numel,), tuple(shards), tuple(units),
+                  owners=tuple(owners), exact=shape.exact, shard_size=n if hybrid else 0,
+                  frozen=full.frozen if shape.exact else (), grad_shards=tuple(grad_shards) if frozen_shards else None,
+                  **extra)
+
+
+def next_reached(order: list[int], reached: list[bool]) -> tuple[bool, ...]:
+    """Per unit: whether backward reaches the unit that finished its forward right after it (``order``: unit indices
+    in the order their forwards finished, a unit called twice at its first; False for the last, or one not called)."""
+    out = [False] * len(reached)
+    first = list(dict.fromkeys(order))
+    for a, b in zip(first, first[1:]):
+        out[a] = reached[b]
+    return tuple(out)
+
+
+def fsdp_unit(numel: int, gathers: int, calls: int = 1, reached: bool = True, reduced: int | None = None,
+              unreached: str = "kept", next_reached: bool = True) -> Unit:
+    """An FSDP unit as a traced step drives it [FSDP] [FSDP2]. ``gathers`` per step for one forward call that
+    backward reaches: 2 when the unit is resharded after forward and gathered again before backward, 1 when kept
+    unsharded into backward; each further forward call of a resharded unit gathers again; it reduce-scatters
+    ``reduced`` elements (None: ``numel``) only where backward reaches it. A unit backward never reaches (frozen and
+    fed by no trainable one, or never called) follows ``unreached`` (:attr:`StateLayout.unreached_units`)."""
+    resharded, reached = gathers >= 2, reached and calls > 0
+    kept = unreached == "kept" and not resharded and calls > 0 and not reached
+    again = resharded and (reached or (unreached == "prefetched" and calls > 0 and next_reached))
+    total = (calls if resharded else (0 if kept else min(calls, 1))) + (1 if again else 0)
+    scattered = (numel if reduced is None else reduced) if reached else 0
+    return Unit(numel, total, None if scattered == numel else scattered, kept)
 
 
 # --- groups -> bytes per rank ---------------------------------------------------------------------------------
@@ -339,24 +454,30 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     groups fix their number (a ``flat_optimizer`` layout: one per flat partition, ``layout.sub_groups``).
     """
     n, psi, s = groups.world_size, groups.numel, layout.sharded
+    frozen = sum(groups.frozen)
     if groups.owners or (not groups.shards and groups.exact):
         owned = groups.owners or (groups.numels,) * n
         logical = physical = [sum(o) for o in owned]
         full, tensors = psi, [len(o) for o in owned]
+        p_logical, p_physical = logical, physical
     else:
         s_over = groups.shard_over  # hybrid: rank r holds shard r % shard_size (mesh (replicate, shard))
-        logical, physical = (x * (n // s_over) for x in _spread(groups.shards, s_over))
+        trained = groups.trained_shards
+        p_logical, p_physical = (x * (n // s_over) for x in _spread(groups.shards, s_over))
+        logical, physical = (x * (n // s_over) for x in _spread(trained, s_over))
         full = psi if layout.groups in ("none", "owners") else sum(sh.numel for sh in groups.shards)
-        tensors = [len(groups.shards)] * n if groups.exact and layout.groups in ("units", "buckets", "rows") else None
+        tensors = [len(trained)] * n if groups.exact and layout.groups in ("units", "buckets", "rows") else None
 
-    def kind(sharded: bool, nbytes: int) -> list[tuple[int, int]]:
+    def kind(sharded: bool, nbytes: int, param: bool = False) -> list[tuple[int, int]]:
+        lo_, ph_ = (p_logical, p_physical) if param else (logical, physical)
         if sharded:
-            return [((ph if layout.partition_logical else lo) * nbytes, ph * nbytes)
-                    for lo, ph in zip(logical, physical)]
+            return [((ph if layout.partition_logical else lo) * nbytes, ph * nbytes) for lo, ph in zip(lo_, ph_)]
+        if param and layout.groups not in ("units", "rows"):  # frozen parameters held beside the trained ones
+            return [((psi + frozen) * nbytes, (full + frozen) * nbytes)] * n
         return [(psi * nbytes, full * nbytes)] * n
 
     rest = 4 if layout.fp32_at_rest else itemsize
-    out = {"param": kind("param" in s, rest), "grad": kind("grad" in s, rest),
+    out = {"param": kind("param" in s, rest, param=True), "grad": kind("grad" in s, rest),
            "optim": kind("optim" in s, MOMENT_BYTES)}
     offloaded = offload != "none" and layout.offload_grad != "none"
     if layout.grad_held == "params" and "grad" in s and groups.exact and layout.groups == "flat" and not offloaded:
@@ -372,20 +493,24 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     if not layout.padded_moments:
         out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
     if layout.flat_optimizer and groups.exact:  # one flat fp32 partition (per sub-group) per rank [DS]
-        parts = [sh.numel // n for sh in groups.shards]
+        parts = [sh.numel // n for sh in groups.trained_shards]
         tensors = [layout.sub_groups(parts)] * n
     if tensors is not None:
         out["optim_scalar"] = [(STEP_BYTES * t, STEP_BYTES * t) for t in tensors]
+    kept = [(sum(b - a for a, b in sh.spans), u.numel) for sh, u in zip(groups.shards, groups.units) if u.kept]
+    if kept and layout.groups == "units":  # FSDP1 units never resharded: their unsharded FlatParameter at rest
+        out["param_unsharded"] = [(sum(lo for lo, _ in kept) * rest, sum(ph for _, ph in kept) * rest)] * n
     return out
 
 
 def state_factors(layout: StateLayout, world_size: int, itemsize: int, offload: str = "none",
-                  shard_size: int = 0) -> dict[str, float]:
+                  shard_size: int = 0, trained: float = 1.0) -> dict[str, float]:
     """The aggregate factors (sum over ranks of a kind's logical bytes / P, P = 4 Psi) ``layout`` claims at the
     optimizer boundary, in closed form [ZeRO 5.1]: a replicated kind N x its bytes per element / 4, a sharded one
     1 x (N / ``shard_size`` x for a ``hybrid`` layout: one sharded copy per replica); two fp32 moments; a master as
     its ``master`` rule says; FSDP leaves no unsharded buffer (``param_unsharded`` 0). :func:`rank_state_bytes`
-    gives the same sums, per rank and with padding."""
+    gives the same sums, per rank and with padding. ``trained``: the fraction of the parameters that train
+    (``requires_grad``); gradients, moments and the master are kept for those alone."""
     n, s = float(world_size), layout.sharded
     r = n / shard_size if layout.hybrid and shard_size else 1.0  # hybrid: one sharded copy per replica
     c = 1.0 if layout.fp32_at_rest else itemsize / 4
@@ -395,6 +520,9 @@ def state_factors(layout: StateLayout, world_size: int, itemsize: int, offload: 
         out["grad"] = 1.0 if layout.offload_grad == "replace" else out["grad"] + 1.0
     if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
         out["master"] = r if "optim" in s else n
+    for k in ("grad", "optim", "master"):
+        if k in out:
+            out[k] *= trained
     if layout.groups in ("units", "rows"):
         out["param_unsharded"] = 0.0
     return out
@@ -452,7 +580,7 @@ def gather_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) 
         norms = clip_norm_all_reduces(len(g.numels), dtensor_grads) if knobs.clipping else []
         gathered = 1 if kept_under_no_sync and not each else k
         return collectives_of(all_gather=[u.numel * c for u in g.units for _ in range(u.gathers * gathered)],
-                              reduce_scatter=[u.numel * c for u in g.units] * (k if each else 1),
+                              reduce_scatter=[u.scattered * c for u in g.units if u.scattered] * (k if each else 1),
                               all_reduce=[4] * syncs + norms)
     return payload
 

@@ -15,7 +15,7 @@ from torch import nn
 from zeroexp.formulas import ITEMSIZE
 
 __all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "zeros_batch", "loss_of",
-           "import_class", "wrap_paths", "torch_dtype", "checkpoint_units"]
+           "import_class", "wrap_paths", "torch_dtype", "checkpoint_units", "requires_grad"]
 
 #: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
 #: the ``_target_`` factory.
@@ -132,3 +132,15 @@ def checkpoint_units(module: nn.Module, classes: tuple[type, ...]) -> None:
     apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, classes),
                                    checkpoint_wrapper_fn=partial(checkpoint_wrapper,
                                                                  checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
+def requires_grad(output: Any) -> bool:
+    """Whether any tensor in a module's output (nested in tuples, lists, dicts or a ModelOutput) requires grad: where
+    FSDP registers its pre-backward hooks, so whether backward reaches the module."""
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad
+    if isinstance(output, (list, tuple)):
+        return any(requires_grad(o) for o in output)
+    if isinstance(output, Mapping):
+        return any(requires_grad(o) for o in output.values())
+    return False

@@ -64,7 +64,7 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
     import torch
 
     from zeroexp.models import build_model, import_class, wrap_paths
-    from zeroexp.plan.shape import ready_order, shape_of
+    from zeroexp.plan.shape import shape_of
 
     if (cfg.model is None) == (cfg.params is None):
         raise ConfigError("params", cfg.params, "either a parameter count (params=7.5e9) or a model (model=mlp, "
@@ -87,7 +87,7 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
         cause = e.__cause__ or e
         raise ConfigError("model._target_", cfg.model.get("_target_"), "a factory that builds an nn.Module from "
                           "the model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
-    shape = shape_of(net, classes, ready_order(net, cfg.model))
+    shape = shape_of(net, classes, model_cfg=cfg.model)
     if not shape.numel:
         raise ConfigError("model", cfg.model.name, "a model with parameters", why="it has none")
     return shape, str(cfg.model.name)

@@ -82,6 +82,26 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
     return reasons
 
 
+def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
+    """Why the peak model does not cover this model's shape under row ``name`` (empty: it does)."""
+    flow, reasons = flow_of(name), []
+    if flow in ("fsdp1", "fsdp2") and shape.exact:
+        if shape.frozen:
+            reasons.append(f"no peak model yet for frozen parameters under {flow.upper()} ({len(shape.frozen)} "
+                           "frozen: a unit's reduce-scatter covers only its trainable parameters, and a unit backward "
+                           "does not reach is not traced); state, collectives and groups are checked")
+        elif any(shape.calls(u) != 1 or not shape.backward(u) for u in range(len(shape.units))):
+            reasons.append(f"no peak model yet for {flow.upper()} units called other than once per forward or "
+                           "that backward does not reach (traced step); state, collectives and groups are checked")
+        if all(shape.root) or not shape.units:
+            reasons.append(f"no peak model yet for a model that is one {flow.upper()} unit (wrap: null or "
+                           "strategy.wrap=[]: the root unit's own gather and reduce-scatter moments are not modelled); "
+                           "state, collectives and groups are checked")
+    if flow == "deepspeed" and shape.exact and shape.frozen:
+        reasons.append("no peak model yet for DeepSpeed with frozen parameters")
+    return reasons
+
+
 def flow_of(name: str) -> str | None:
     """The row's gradient flow in the peak model (``zeroexp.formulas.peak``), None where there is no model."""
     return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else
@@ -271,7 +291,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     if str(measured.get("source", "")).startswith("torch.cuda"):
         reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
     cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
-    reasons += ds_peak_limits(name, groups, cap)
+    reasons += ds_peak_limits(name, groups, cap) + shape_limits(name, shape, groups)
     if reasons:
         return {"check": "n/a", "reasons": reasons}
     terms = cell_precision_terms(name, cfg)

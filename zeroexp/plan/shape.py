@@ -7,25 +7,28 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from zeroexp.formulas import ModelShape
-from zeroexp.models import build_model, import_class, loss_of, zeros_batch
+from zeroexp.formulas import ModelShape, next_reached
+from zeroexp.models import build_model, import_class, loss_of, requires_grad, zeros_batch
 
-__all__ = ["model_shape", "shape_of", "ready_order", "arguments_key", "remember"]
+__all__ = ["model_shape", "shape_of", "trace_step", "ready_order", "arguments_key", "remember"]
 
 
-def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[int, ...] | None = None) -> ModelShape:
+def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[int, ...] | None = None,
+             model_cfg: Mapping[str, Any] | None = None) -> ModelShape:
     """The parameters and FSDP units of ``net`` as zeroexp's FSDP adapters wrap it (``ModuleWrapPolicy``).
 
     Units are formed bottom-up, children before parents (FSDP's ``_recursive_wrap``): each module of a ``wrap``
     class takes the parameters in its subtree that no unit below it took, in ``named_modules`` order (the
-    FlatParameter's); the root unit (the LightningModule around ``net``) takes the rest. ``ready``: the gradient-
-    ready order (:func:`ready_order`), when traced.
+    FlatParameter's); the root unit (the LightningModule around ``net``) takes the rest. Which parameters train
+    (``requires_grad``) is read off them. With ``model_cfg``, one step is traced (:func:`trace_step`): the
+    gradient-ready order, each unit's forward calls and whether backward reaches it; else ``ready`` is taken.
     """
     classes, params = tuple(wrap), list(net.parameters())
     index = {id(p): i for i, p in enumerate(params)}
     taken: set[int] = set()
     units: list[tuple[int, ...]] = []
     roots: list[bool] = []
+    unit_modules: list[nn.Module] = []
 
     def take(module: nn.Module) -> tuple[int, ...]:
         members = []
@@ -42,14 +45,23 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
         if classes and isinstance(module, classes) and (unit := take(module)):
             units.append(unit)
             roots.append(False)
+            unit_modules.append(module)
 
     visit(net)
     if rest := take(net):
         units.append(rest)
         roots.append(True)
+        unit_modules.append(net)
     own = [tuple(index[id(p)] for p in m.parameters(recurse=False)) for m in _post_order(net)]
+    trains = tuple(p.requires_grad for p in params)
+    calls: tuple[int, ...] = ()
+    backward: tuple[bool, ...] = ()
+    after: tuple[bool, ...] = ()
+    if model_cfg is not None:
+        ready, calls, backward, after = trace_step(net, model_cfg, unit_modules)
     return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready,
-                      modules=tuple(m for m in own if m))
+                      modules=tuple(m for m in own if m), trains=() if all(trains) else trains,
+                      unit_calls=calls, unit_backward=backward, unit_next_reached=after)
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:
@@ -57,24 +69,46 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return [m for child in module.children() for m in _post_order(child)] + [module]
 
 
-def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
-    """The order in which the parameters' gradients become ready in one backward of ``net`` (on the meta device: one
-    sample of ``model.input_shape``, the model's loss), as DDP's Reducer records it to rebuild its buckets: each
-    parameter's post-accumulate-grad hook fires once, after its last contribution (a tied weight too). None when the
-    module's forward does not run on the meta device (then reverse definition order is assumed)."""
+def trace_step(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Module] = ()
+               ) -> tuple[tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...], tuple[bool, ...]]:
+    """One step of ``net`` on the meta device (one sample of ``model.input_shape``, the model's loss): the order in
+    which the trainable parameters' gradients become ready (as DDP's Reducer records it to rebuild its buckets: each
+    parameter's post-accumulate-grad hook fires once, after its last contribution, a tied weight too; None when a
+    trainable parameter gets no gradient), and for each of ``units`` its forward calls, whether its output
+    requires grad (backward reaches it) and whether backward reaches the unit after it in forward order. All empty when the module's forward does not run on the meta device (then
+    reverse definition order, one call per unit and backward through each are assumed)."""
     params = list(net.parameters())
     index, order = {id(p): i for i, p in enumerate(params)}, []
+    calls, backward, finished = [0] * len(units), [False] * len(units), []
+
+    def seen(k: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            calls[k] += 1
+            backward[k] = backward[k] or requires_grad(output)
+            finished.append(k)
+        return hook
+
     hooks = [p.register_post_accumulate_grad_hook(lambda t: order.append(index[id(t)])) for p in params
              if p.requires_grad]
+    hooks += [m.register_forward_hook(seen(k)) for k, m in enumerate(units)]
+    trained = len([p for p in params if p.requires_grad])
     try:
         batch = zeros_batch(model_cfg, 1, device="meta")
-        loss_of(model_cfg)(net(batch), batch).backward()
+        loss = loss_of(model_cfg)(net(batch), batch)
+        if loss.requires_grad:
+            loss.backward()
     except Exception:  # noqa: BLE001 - a module whose forward needs real data: fall back, do not fail the plan
-        return None
+        return None, (), (), ()
     finally:
         for h in hooks:
             h.remove()
-    return tuple(order) if len(order) == len(hooks) else None
+    return ((tuple(order) if len(order) == trained else None), tuple(calls), tuple(backward),
+            next_reached(finished, backward))
+
+
+def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The gradient-ready order of one traced step (:func:`trace_step`)."""
+    return trace_step(net, model_cfg)[0]
 
 
 def arguments_key(*parts: Any) -> str | None:
@@ -122,4 +156,4 @@ def model_shape(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> Model
     classes = [import_class(p) for p in wrap]
     with torch.device("meta"):
         net = build_model(model_cfg)
-    return remember(_SHAPES, key, shape_of(net, classes, ready_order(net, model_cfg)))
+    return remember(_SHAPES, key, shape_of(net, classes, model_cfg=model_cfg))

@@ -140,12 +140,13 @@ class StateProbe(Probe):
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         self.rows: list[dict[str, Any]] = []
-        self.param_numel = 0
+        self.param_numel = self.trained_numel = 0
         self.loss_scale: float | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Before the strategy wraps the model: the original parameters, each once (tied weights too).
         self.param_numel = sum(p.numel() for p in pl_module.parameters())
+        self.trained_numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -161,7 +162,8 @@ class StateProbe(Probe):
             "rows": self.rows,
             "step": self.ctx.schedule.state_step,
             "logical_param_bytes": 4 * self.param_numel,  # P: numel x 4 (fp32), formulas.py convention
-            "expected": self.ctx.expect.state_factors(),
+            "trained_param_bytes": 4 * self.trained_numel,  # the parameters that train (requires_grad)
+            "expected": self.ctx.expect.state_factors(self.trained_numel / max(self.param_numel, 1)),
             "semantics": self.ctx.adapter.semantics,
             "beyond_canonical": self.ctx.adapter.beyond_canonical(),
             "offload": str(self.ctx.cfg.offload.name),
@@ -197,6 +199,7 @@ class StateProbe(Probe):
             "expected": expected,
             "max_rank_bytes": {k: int(per_rank[k].physical_bytes.max()) for k in kinds},
             "logical_param_bytes": p_bytes,
+            "trained_param_bytes": int(first.get("trained_param_bytes", p_bytes)),
             "physical_param_bytes": int(physical.get("param", 0)),
             "padding_bytes": int(physical.get("param", 0) - logical.get("param", 0)),
             "padding_bytes_by_kind": {k: int(physical[k] - logical[k]) for k in kinds},

@@ -90,4 +90,5 @@ class DDPAdapter(StrategyAdapter):
         """Replicated state; one all_reduce per live gradient bucket."""
         module = model.module if isinstance(model, DistributedDataParallel) else model
         numels = tuple(p.numel() for p in self.trainable(module.parameters()))
-        return Groups(self.layout, dist.get_world_size(), numels, buckets=self.gradient_buckets(model))
+        frozen = tuple(p.numel() for p in module.parameters() if not p.requires_grad)
+        return Groups(self.layout, dist.get_world_size(), numels, buckets=self.gradient_buckets(model), frozen=frozen)

@@ -22,12 +22,13 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimState
                                     FullyShardedDataParallel, MixedPrecision, ShardingStrategy, StateDictType)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from zeroexp.formulas import Groups, Shard, Unit
+from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp_unit
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.models import import_class, torch_dtype, wrap_paths
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_sharded, read_full, save_sharded, write_full
+from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors, post_order,
                                      parameter_state_tensors)
 
@@ -142,7 +143,8 @@ class FSDPAdapter(StrategyAdapter):
 
         A shard's physical size includes FSDP's padding; its logical numel is the elements of original
         parameters that fall in this rank's shard (``_shard_param_infos``), so neither world-size padding
-        nor ``use_orig_params`` alignment padding counts as logical. The unsharded padded buffer is reported
+        nor ``use_orig_params`` alignment padding counts as logical (nor, for the gradient, a frozen parameter's
+        range). The unsharded padded buffer is reported
         as ``param_unsharded`` only while its storage is allocated. The parameter walk that follows yields the
         ``use_orig_params`` views, which the probe skips as lying inside the shards already counted; Adam's
         moments of a FlatParameter are padded like it and take its logical numel.
@@ -154,10 +156,13 @@ class FSDPAdapter(StrategyAdapter):
                 continue
             flat = handle.flat_param
             logical = sum(info.numel_in_shard for info in flat._shard_param_infos if info.in_shard)
-            logical_of[id(flat)] = logical
+            trains = [p.requires_grad for p in flat._params] if getattr(flat, "_params", None) else \
+                [True] * len(flat._shard_param_infos)
+            trained = sum(info.numel_in_shard for info, t in zip(flat._shard_param_infos, trains) if info.in_shard and t)
+            logical_of[id(flat)] = trained
             yield StateTensor("param", flat.detach(), logical)
-            if flat.grad is not None:
-                yield StateTensor("grad", flat.grad, logical)
+            if flat.grad is not None:  # a frozen parameter's range of it is no gradient: physical, not logical
+                yield StateTensor("grad", flat.grad, trained)
             full = getattr(flat, "_full_param_padded", None)
             if full is not None and full.untyped_storage().nbytes() > 0:
                 yield StateTensor("param_unsharded", full, sum(flat._numels))
@@ -169,7 +174,7 @@ class FSDPAdapter(StrategyAdapter):
         (the original parameters' element ranges, ``use_orig_params`` alignment padding between them) and padded to N
         [FSDP], gathered twice when FULL_SHARD reshards it after forward, which FSDP skips for the root unit
         (``_post_forward_reshard``: ``not state._is_root``); the prefetch mode changes the order only."""
-        shards, units = [], []
+        shards, grad_shards, units = [], [], []
         twice = self.sharding in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)  # resharded after forward
         for unit in post_order(model, lambda m: isinstance(m, FullyShardedDataParallel) and m._handle is not None):
             flat = unit._handle.flat_param
@@ -178,12 +183,22 @@ class FSDPAdapter(StrategyAdapter):
                 if not padding:
                     spans.append((offset, offset + numel))
                 offset += numel
+            # which original parameters train: each one's own flag with use_orig_params, else the FlatParameter's
+            trains = [p.requires_grad for p in flat._params] if getattr(flat, "_params", None) else \
+                [flat.requires_grad] * len(spans)
             padded = flat._padded_unsharded_size.numel()
             shards.append(Shard(tuple(spans), padded))
-            units.append(Unit(padded, 2 if twice and not unit._is_root else 1))
+            trained = tuple(sp for sp, t in zip(spans, trains) if t and sp[1] > sp[0])
+            if trained:
+                grad_shards.append(Shard(trained, padded))
+            calls, reached, after = self._trace.of(unit) or (1, True, True)
+            units.append(fsdp_unit(padded, 2 if twice and not unit._is_root else 1, calls, reached,
+                                   padded if flat.requires_grad else 0, LAYOUTS[self.layout].unreached_units, after))
         n, shard_over = dist.get_world_size(), dist.get_world_size(model.process_group)  # hybrid: the shard group
+        frozen = bool(self._frozen)
         return Groups(self.layout, n, self._numels, tuple(shards), tuple(units),
-                      shard_size=shard_over if shard_over != n else 0)
+                      shard_size=shard_over if shard_over != n else 0, frozen=self._frozen,
+                      grad_shards=tuple(grad_shards) if frozen else None)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
@@ -213,8 +228,9 @@ class FSDPAdapter(StrategyAdapter):
 
     def _wrap(self, module: nn.Module, device: torch.device, **init: Any) -> nn.Module:
         self._numels = tuple(p.numel() for p in self.trainable(module.parameters()))  # before FSDP flattens them
+        self._frozen = tuple(p.numel() for p in module.parameters() if not p.requires_grad)
         classes = {import_class(str(p)) for p in wrap_paths(self.cfg)}
-        return FullyShardedDataParallel(
+        model = FullyShardedDataParallel(
             module,
             sharding_strategy=self.sharding,
             auto_wrap_policy=ModuleWrapPolicy(classes),
@@ -228,6 +244,8 @@ class FSDPAdapter(StrategyAdapter):
             **self.process_groups(device),
             **init,
         )
+        self._trace = UnitTrace(model, FullyShardedDataParallel.fsdp_modules(model))
+        return model
 
     def process_groups(self, device: torch.device) -> dict[str, Any]:
         """FSDP's process-group arguments: none (the default group); hybrid sharding passes its 2-D device mesh."""

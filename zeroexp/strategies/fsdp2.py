@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zeroexp.formulas import Groups, Shard, Unit, fsdp2_padded_numel
+from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_unit
 from zeroexp.strategies import register
+from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, StrategyConfig, post_order
 from zeroexp.models import import_class, torch_dtype, wrap_paths
 from zeroexp.strategies.fsdp import FSDPAdapter
@@ -143,6 +144,7 @@ class FSDP2Adapter(StrategyAdapter):
         for unit in reversed(units):  # reversed pre-order: every child before its parent
             fully_shard(unit, **kwargs)
         fully_shard(root, **kwargs)
+        self._trace = UnitTrace(root, [*units, root])
         return module
 
     #: init=meta: ``fully_shard`` on the meta model, ``to_empty`` (each rank allocates only its shards), then every
@@ -187,16 +189,26 @@ class FSDP2Adapter(StrategyAdapter):
         """Every parameter sharded on its own, dim 0 chunked and padded (``fsdp2_padded_numel``) [FSDP2]; each unit
         with parameters, children before parents: one all_gather of its padded parameters, twice when it is resharded
         after forward (``post_forward_mesh_info``), and one reduce_scatter."""
-        world, params = dist.get_world_size(), self.trainable(model.parameters())
+        world, params = dist.get_world_size(), list(model.parameters())
         n = self._mesh.size(-1)  # the ranks each parameter is sharded over: the mesh's last (shard) dimension
-        shards = tuple(Shard(((0, p.numel()),), fsdp2_padded_numel(tuple(p.shape), n)) for p in params if p.numel())
+
+        def shard(p: nn.Parameter) -> Shard:
+            return Shard(((0, p.numel()),), fsdp2_padded_numel(tuple(p.shape), n))
+
+        shards = tuple(shard(p) for p in params if p.numel())
+        frozen = tuple(p.numel() for p in params if not p.requires_grad)
         units = []
         for module in post_order(model, lambda m: _param_group(m) is not None):
             group = _param_group(module)
-            units.append(Unit(sum(fsdp2_padded_numel(tuple(q._orig_size), n) for q in group.fsdp_params),
-                              2 if group.post_forward_mesh_info is not None else 1))
-        return Groups(self.layout, world, tuple(p.numel() for p in params), shards, tuple(units),
-                      shard_size=n if n != world else 0)
+            sizes = [(fsdp2_padded_numel(tuple(q._orig_size), n), q.sharded_param.requires_grad)
+                     for q in group.fsdp_params]
+            calls, reached, after = self._trace.of(module) or (1, True, True)
+            units.append(fsdp_unit(sum(k for k, _ in sizes), 2 if group.post_forward_mesh_info is not None else 1,
+                                   calls, reached, sum(k for k, t in sizes if t), LAYOUTS[self.layout].unreached_units,
+                                   after))
+        return Groups(self.layout, world, tuple(p.numel() for p in params if p.requires_grad), shards, tuple(units),
+                      shard_size=n if n != world else 0, frozen=frozen,
+                      grad_shards=tuple(shard(p) for p in params if p.numel() and p.requires_grad) if frozen else None)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

@@ -144,7 +144,8 @@ class ShardedZeroAdapter(StrategyAdapter):
         shards = tuple(Shard(tuple((off, off + p.numel()) for p, off in zip(b.params, b.offsets)), b.flat.numel())
                        for b in self.buckets)
         numels = tuple(p.numel() for b in self.buckets for p in b.params)
-        return Groups(self.layout, dist.get_world_size(), numels, shards)
+        frozen = tuple(p.numel() for p in model.parameters() if not p.requires_grad)
+        return Groups(self.layout, dist.get_world_size(), numels, shards, frozen=frozen)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
