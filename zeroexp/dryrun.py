@@ -78,7 +78,7 @@ def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any]) -> d
     try:
         adapter = get_adapter_class(cfg.strategy.name)(cfg)
         ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg),
-                         expect=Expectation(cfg, adapter.groups))
+                         expect=Expectation(cfg, adapter.live_groups))
         source = "traced" if adapter.dry_run_traced else "derived"
         state, collectives, memory, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
         write_text(Path(cell) / ".ranks" / "rank0.json",

@@ -60,11 +60,14 @@ class Expectation:
         self.groups_of = groups_of
         self.groups: Groups | None = None  # the live groups, once read
 
-    def state_factors(self, trained: float = 1.0) -> dict[str, float]:
+    def state_factors(self, trained: float = 1.0, buffers: float = 0.0) -> dict[str, float]:
         """Aggregate factors per kind at the optimizer boundary (sum over ranks / P) [ZeRO 5.1]; ``trained``: the
-        fraction of the parameters that train."""
+        fraction of the parameters that train; ``buffers``: the module's buffer bytes / P, which every rank holds
+        whole (in fp32 cells: below it strategies differ in whether they cast them, unchecked)."""
         out = state_factors(self.layout, self.world_size, self.itemsize, self.offload, self.knobs.shard_size,
                             trained)
+        if buffers and self.itemsize == 4:
+            out["buffers"] = self.world_size * buffers
         g = self.groups
         if g is not None and g.exact and any(u.kept for u in g.units):  # FSDP1 units never resharded (no backward)
             kept = rank_state_bytes(self.layout, g, self.itemsize, self.knobs, self.offload).get("param_unsharded")

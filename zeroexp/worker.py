@@ -166,7 +166,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     adapter = get_adapter_class(cfg.strategy.name)(cfg)
     ctx = RunContext(cfg=cfg, rank=rank, world_size=world_size,
                      device=torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device.type == "cuda" else device,
-                     adapter=adapter, schedule=Schedule.from_cfg(cfg), expect=Expectation(cfg, adapter.groups))
+                     adapter=adapter, schedule=Schedule.from_cfg(cfg), expect=Expectation(cfg, adapter.live_groups))
 
     pl.seed_everything(cfg.seed, workers=False, verbose=False)  # identical initial weights on every rank
     init_peak = InitPeak(ctx.device)  # measured from here to on_fit_start: the model built and wrapped

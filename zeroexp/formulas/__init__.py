@@ -2,6 +2,7 @@
 run share it; it imports nothing else of zeroexp.
 
 - :mod:`~zeroexp.formulas.paper`: the paper's closed forms, bus factors, padding rules, the dtype sizes;
+- :mod:`~zeroexp.formulas.shapes`: the plain data: a model's shape, the byte-relevant knobs, a strategy's groups;
 - :mod:`~zeroexp.formulas.layout`: groups -> per-rank bytes and per-step collectives (the layout arithmetic);
 - :mod:`~zeroexp.formulas.deepspeed`: DeepSpeed's runtime model;
 - :mod:`~zeroexp.formulas.hybrid`: hybrid sharding (HSDP): the shard and replicate groups of a 2-D mesh;
@@ -50,9 +51,10 @@ from zeroexp.formulas.paper import __all__ as _paper
 from zeroexp.formulas.hybrid import MESH_DIMS, WORLD, hybrid_units
 from zeroexp.formulas.overlap import *  # noqa: F401,F403
 from zeroexp.formulas.overlap import __all__ as _overlap
-from zeroexp.formulas.rows import LAYOUTS, ddp_buckets
+from zeroexp.formulas.rows import LAYOUTS, buffer_broadcasts, ddp_buckets
 from zeroexp.formulas.time import *  # noqa: F401,F403
 from zeroexp.formulas.time import __all__ as _time
 
-__all__ = [*_paper, *_layout, *_deepspeed, *_time, *_overlap, *_framework, "LAYOUTS", "ddp_buckets", "MESH_DIMS",
+__all__ = [*_paper, *_layout, *_deepspeed, *_time, *_overlap, *_framework, "LAYOUTS", "ddp_buckets",
+           "buffer_broadcasts", "MESH_DIMS",
            "WORLD", "hybrid_units"]

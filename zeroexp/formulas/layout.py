@@ -13,198 +13,23 @@ model.
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from zeroexp.formulas.paper import (Collectives, clip_norm_all_reduces, collectives_of, fp16_inf_syncs,
                                      fsdp2_padded_numel, padded_numel)
+from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs, Shard, Unit, fsdp_unit, next_reached
 
-__all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit", "next_reached", "Groups", "StateLayout", "cut_buckets",
-           "pack", "owner_assignment", "derive_groups", "rank_state_bytes", "step_collectives", "state_factors",
-           "unsharded_floor_bytes", "offloaded_kinds", "all_reduce_buckets",
-           "all_reduce_then_broadcast", "scatter_gather", "scatter_gather_each_micro_batch", "gather_units", "gather_shards_twice", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
+__all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit", "next_reached", "Groups",
+           "StateLayout", "cut_buckets", "pack", "owner_assignment", "derive_groups", "rank_state_bytes",
+           "step_collectives", "state_factors", "unsharded_floor_bytes", "offloaded_kinds", "all_reduce_buckets",
+           "all_reduce_then_broadcast", "scatter_gather", "scatter_gather_each_micro_batch", "gather_units",
+           "gather_shards_twice", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
 
 #: The model-state kinds the planner predicts, named as the state probe names them.
 STATE_KINDS = ("param", "grad", "optim", "master")
 #: Bytes per element: Adam's fp32 exp_avg + exp_avg_sq; the fp32 master; Adam's ``step`` scalar per tensor.
 MOMENT_BYTES, MASTER_BYTES, STEP_BYTES = 8, 4, 4
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner knows of a model: each parameter's shape in definition order (a shared one once); the FSDP
-    units (indices of their parameters in FlatParameter order; ``root`` marks the root unit); ``ready``: the order
-    in which the parameters' gradients become ready in backward (a meta-device backward; None: reverse definition
-    order). Known only by its count (:meth:`from_count`), a model is one flat parameter (``exact`` False)."""
-
-    params: tuple[tuple[int, ...], ...]
-    units: tuple[tuple[int, ...], ...]
-    root: tuple[bool, ...]
-    exact: bool = True
-    ready: tuple[int, ...] | None = None
-    modules: tuple[tuple[int, ...], ...] = ()
-    #: Per parameter: whether it trains (``requires_grad``); empty: every parameter does.
-    trains: tuple[bool, ...] = ()
-    #: Per unit, from a traced step: its forward calls (a module applied twice: 2) and whether backward reaches it
-    #: (its output requires grad); empty: one call each, backward through every unit.
-    unit_calls: tuple[int, ...] = ()
-    unit_backward: tuple[bool, ...] = ()
-    #: Per unit: whether the unit after it in forward order is reached by backward (FSDP2 prefetches it then).
-    unit_next_reached: tuple[bool, ...] = ()
-
-    @classmethod
-    def from_count(cls, numel: int) -> ModelShape:
-        """A model known only by its number of parameters."""
-        return cls(((int(numel),),), ((0,),), (False,), exact=False)
-
-    @property
-    def numels(self) -> tuple[int, ...]:
-        """Each parameter's number of elements."""
-        return tuple(math.prod(s) for s in self.params)
-
-    @property
-    def numel(self) -> int:
-        """Psi: the number of parameters."""
-        return sum(self.numels)
-
-    @property
-    def ready_order(self) -> tuple[int, ...]:
-        """Parameter indices in gradient-ready order (reverse definition order when no backward was traced)."""
-        return self.ready if self.ready is not None else tuple(i for i in range(len(self.params))[::-1]
-                                                               if self.train(i))
-
-    def train(self, i: int) -> bool:
-        """Whether parameter ``i`` trains (gets a gradient and optimizer state)."""
-        return not self.trains or self.trains[i]
-
-    @property
-    def frozen(self) -> tuple[int, ...]:
-        """The numels of the parameters that do not train, in definition order."""
-        return tuple(k for i, k in enumerate(self.numels) if not self.train(i))
-
-    def trainable(self) -> ModelShape:
-        """The shape of the trainable parameters alone (what an optimizer, DDP's buckets and ZeRO's partitions are
-        given): units and modules re-indexed, the frozen parameters dropped."""
-        if not self.trains or all(self.trains):
-            return self
-        keep = [i for i in range(len(self.params)) if self.trains[i]]
-        new = {old: k for k, old in enumerate(keep)}
-
-        def remap(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-            return tuple(tuple(new[i] for i in g if i in new) for g in groups)
-
-        return ModelShape(tuple(self.params[i] for i in keep), remap(self.units), self.root, self.exact,
-                          None if self.ready is None else tuple(new[i] for i in self.ready if i in new),
-                          remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached)
-
-    def calls(self, u: int) -> int:
-        """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""
-        return self.unit_calls[u] if self.unit_calls else 1
-
-    def backward(self, u: int) -> bool:
-        """Whether backward reaches unit ``u`` (True unless traced otherwise)."""
-        return self.unit_backward[u] if self.unit_backward else True
-
-    def next_reached(self, u: int) -> bool:
-        """Whether backward reaches the unit after ``u`` in forward order (True unless traced otherwise)."""
-        return self.unit_next_reached[u] if self.unit_next_reached else True
-
-
-@dataclass(frozen=True)
-class PlanKnobs:
-    """Strategy settings that change bytes: the bucket cap (``strategy.bucket_cap_mb``: DDP, zeroexp's ZeRO,
-    DeepSpeed's reduce bucket of cap / 4 elements), zeroexp's ``reduce`` and its norm all_reduce (clipping or loss
-    scaling), FSDP ``use_orig_params`` (16-byte aligned parameters, moments per unpadded view), ZeroRedundancyOptimizer
-    ``parameters_as_bucket_view``, fp16 loss scaling, hybrid sharding's ``shard_size`` (0: not hybrid), global-norm
-    clipping (``strategy.clip_grad_norm``), gradient accumulation (``grad_accum``)."""
-
-    bucket_cap_bytes: int = 25 * 2**20
-    reduce: str = "reduce_scatter"
-    norm_allreduce: bool = False
-    use_orig_params: bool = False
-    loss_scaling: bool = False
-    parameters_as_bucket_view: bool = False
-    shard_size: int = 0
-    clipping: bool = False
-    micro_batches: int = 1  # grad_accum: micro-batches per optimizer step
-    sync_each_microbatch: bool = False  # FSDP / FSDP2 with grad_accum: reduce-scatter each micro-batch, no no_sync
-
-
-class Shard(NamedTuple):
-    """A buffer sharded over the ranks: its parameters' element ranges in it (padding excluded), its padded length."""
-
-    spans: tuple[tuple[int, int], ...]
-    numel: int
-
-
-class Unit(NamedTuple):
-    """An FSDP unit: the padded elements it gathers, its all_gathers per step, and the padded elements it
-    reduce-scatters (``reduced``; None: ``numel``; 0: none, a unit with no trainable parameter or none backward
-    reaches)."""
-
-    numel: int
-    gathers: int
-    reduced: int | None = None
-    #: Its parameters stay unsharded from one step to the next (FSDP1: a unit kept after forward that backward never
-    #: reaches is never resharded), so steady steps gather it no more.
-    kept: bool = False
-
-    @property
-    def scattered(self) -> int:
-        """The padded elements of its gradient reduce-scatter (0: none)."""
-        return self.numel if self.reduced is None else self.reduced
-
-
-@dataclass(frozen=True)
-class Groups:
-    """What decides what a rank keeps and sends, as plain data (see the module docstring).
-
-    ``numels``: the trainable parameters (definition order; a shared one once); ``frozen``: the numels of the others
-    (``requires_grad=False``: held, not trained). ``shards``: the sharded buffers (the parameters' storage: frozen
-    ones included where the strategy shards them with the rest, FSDP). ``grad_shards``: the buffers' ranges that
-    hold gradients and optimizer state when they are not every parameter of ``shards`` (each as its shard, spans of
-    the trainable parameters only; a buffer with none omitted); None: the same as ``shards``.
-    ``units``: FSDP units. ``buckets``: gradient reductions, each its parameters' numels in reduce order (DDP's
-    buckets, DeepSpeed's). ``owners``: each rank's parameters' numels (ZeroRedundancyOptimizer).
-    ``broadcasts``: elements per broadcast after the step (ZeroRedundancyOptimizer). ``gathers``: DeepSpeed stage
-    3's parameter fetches, each one all_gather's numels. ``exact``: False when derived from a parameter count.
-    ``shard_size``: the ranks one buffer is sharded over under hybrid sharding (the shard group; the buffers are
-    padded to it and replicated across the world_size / shard_size replicas); 0: over all world_size ranks.
-    """
-
-    layout: str
-    world_size: int
-    numels: tuple[int, ...]
-    shards: tuple[Shard, ...] = ()
-    units: tuple[Unit, ...] = ()
-    buckets: tuple[tuple[int, ...], ...] = ()
-    owners: tuple[tuple[int, ...], ...] = ()
-    broadcasts: tuple[int, ...] = ()
-    gathers: tuple[tuple[int, ...], ...] = ()
-    exact: bool = True
-    shard_size: int = 0
-    frozen: tuple[int, ...] = ()
-    grad_shards: tuple[Shard, ...] | None = None
-
-    @property
-    def numel(self) -> int:
-        return sum(self.numels)
-
-    @property
-    def trained_shards(self) -> tuple[Shard, ...]:
-        """The shards' ranges that hold gradients and optimizer state."""
-        return self.shards if self.grad_shards is None else self.grad_shards
-
-    @property
-    def shard_over(self) -> int:
-        """The ranks a sharded buffer is split over: the shard group under hybrid sharding, else the world."""
-        return self.shard_size or self.world_size
-
-    def differences(self, other: Groups) -> list[str]:
-        """What differs between two Groups, field by field (empty: equal)."""
-        return [f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}" for f in self.__dataclass_fields__
-                if getattr(self, f) != getattr(other, f)]
 
 
 Payload = Callable[[Groups, int, PlanKnobs], Collectives]
@@ -371,32 +196,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     return Groups(name, world_size, trained if shape.exact else (shape.numel,), tuple(shards), tuple(units),
                   owners=tuple(owners), exact=shape.exact, shard_size=n if hybrid else 0,
                   frozen=full.frozen if shape.exact else (), grad_shards=tuple(grad_shards) if frozen_shards else None,
-                  **extra)
-
-
-def next_reached(order: list[int], reached: list[bool]) -> tuple[bool, ...]:
-    """Per unit: whether backward reaches the unit that finished its forward right after it (``order``: unit indices
-    in the order their forwards finished, a unit called twice at its first; False for the last, or one not called)."""
-    out = [False] * len(reached)
-    first = list(dict.fromkeys(order))
-    for a, b in zip(first, first[1:]):
-        out[a] = reached[b]
-    return tuple(out)
-
-
-def fsdp_unit(numel: int, gathers: int, calls: int = 1, reached: bool = True, reduced: int | None = None,
-              unreached: str = "kept", next_reached: bool = True) -> Unit:
-    """An FSDP unit as a traced step drives it [FSDP] [FSDP2]. ``gathers`` per step for one forward call that
-    backward reaches: 2 when the unit is resharded after forward and gathered again before backward, 1 when kept
-    unsharded into backward; each further forward call of a resharded unit gathers again; it reduce-scatters
-    ``reduced`` elements (None: ``numel``) only where backward reaches it. A unit backward never reaches (frozen and
-    fed by no trainable one, or never called) follows ``unreached`` (:attr:`StateLayout.unreached_units`)."""
-    resharded, reached = gathers >= 2, reached and calls > 0
-    kept = unreached == "kept" and not resharded and calls > 0 and not reached
-    again = resharded and (reached or (unreached == "prefetched" and calls > 0 and next_reached))
-    total = (calls if resharded else (0 if kept else min(calls, 1))) + (1 if again else 0)
-    scattered = (numel if reduced is None else reduced) if reached else 0
-    return Unit(numel, total, None if scattered == numel else scattered, kept)
+                  buffers=full.buffers, **extra)
 
 
 # --- groups -> bytes per rank ---------------------------------------------------------------------------------
@@ -497,6 +297,8 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
         tensors = [layout.sub_groups(parts)] * n
     if tensors is not None:
         out["optim_scalar"] = [(STEP_BYTES * t, STEP_BYTES * t) for t in tensors]
+    if groups.buffers:  # every rank holds the module's buffers whole, in their own dtype
+        out["buffers"] = [(sum(b for _, b in groups.buffers),) * 2] * n
     kept = [(sum(b - a for a, b in sh.spans), u.numel) for sh, u in zip(groups.shards, groups.units) if u.kept]
     if kept and layout.groups == "units":  # FSDP1 units never resharded: their unsharded FlatParameter at rest
         out["param_unsharded"] = [(sum(lo for lo, _ in kept) * rest, sum(ph for _, ph in kept) * rest)] * n
@@ -537,14 +339,17 @@ def step_collectives(layout: StateLayout, groups: Groups, itemsize: int,
 
 
 def all_reduce_buckets(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
-    """ZeRO-0 [ZeRO 7.1]: one gradient all_reduce per bucket; S totals P."""
-    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets])
+    """ZeRO-0 [ZeRO 7.1]: one gradient all_reduce per bucket; S totals P. DDP broadcasts the module's buffers from
+    rank 0 before forward (``buffer_broadcasts``, bytes as they are)."""
+    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets], broadcast=list(g.buffer_broadcasts))
 
 
 def all_reduce_then_broadcast(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     """ZeRO-1 as ZeroRedundancyOptimizer does it: DDP's bucket all_reduces (P) [ZeRO 7.2.1], then each owner
-    broadcasts its updated parameters (``_sync_params``): one broadcast per parameter, or per owner bucket; S = P."""
-    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets], broadcast=[k * c for k in g.broadcasts])
+    broadcasts its updated parameters (``_sync_params``): one broadcast per parameter, or per owner bucket; S = P;
+    and DDP's broadcast of the buffers before forward."""
+    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets],
+                          broadcast=[k * c for k in g.broadcasts] + list(g.buffer_broadcasts))
 
 
 def _scatter_gather(reduce_each_micro_batch: bool) -> Payload:

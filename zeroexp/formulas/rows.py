@@ -9,7 +9,7 @@ from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_red
                                      cut_buckets, gather_shards_twice, gather_units, owner_assignment, scatter_gather,
                                      scatter_gather_each_micro_batch)
 
-__all__ = ["LAYOUTS", "ddp_buckets"]
+__all__ = ["LAYOUTS", "ddp_buckets", "buffer_broadcasts"]
 
 
 def ddp_buckets(shape: ModelShape, knobs: PlanKnobs) -> tuple[tuple[int, ...], ...]:
@@ -22,8 +22,23 @@ def ddp_buckets(shape: ModelShape, knobs: PlanKnobs) -> tuple[tuple[int, ...], .
     return tuple(tuple(numels[order[j]] for j in b) for b in buckets)
 
 
+#: DDP's ``broadcast_bucket_size``: the buffers' coalesced broadcasts are cut at 250 MiB (torch's DDP default).
+BUFFER_BROADCAST_CAP = 250 * 2**20
+
+
+def buffer_broadcasts(buffers: tuple[tuple[str, int], ...], cap: int = BUFFER_BROADCAST_CAP) -> tuple[int, ...]:
+    """Bytes of each broadcast DDP's ``broadcast_buffers`` issues per step (``_sync_module_buffers`` ->
+    ``dist._broadcast_coalesced``): the buffers grouped by dtype, in first-seen order, each group flattened into
+    broadcasts of at most ``cap`` bytes (a tensor above it alone). Once per step: DDP syncs before a forward that
+    follows a synchronised backward, so under ``no_sync`` accumulation too."""
+    by_dtype: dict[str, list[int]] = {}
+    for dtype, nbytes in buffers:
+        by_dtype.setdefault(dtype, []).append(nbytes)
+    return tuple(sum(sizes[i] for i in b) for sizes in by_dtype.values() for b in cut_buckets(sizes, cap))
+
+
 def _ddp_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
-    return {"buckets": ddp_buckets(shape, knobs)}
+    return {"buckets": ddp_buckets(shape, knobs), "buffer_broadcasts": buffer_broadcasts(shape.buffers)}
 
 
 def _zro_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
@@ -36,7 +51,8 @@ def _zro_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
         owned = [[numels[i] for i in o] for o in owner_assignment(numels, world_size)]
         broadcasts = tuple(sum(o) for o in owned) if knobs.parameters_as_bucket_view else \
             tuple(k for o in owned for k in o)
-    return {"buckets": ddp_buckets(shape, knobs), "broadcasts": broadcasts}
+    return {"buckets": ddp_buckets(shape, knobs), "broadcasts": broadcasts,
+            "buffer_broadcasts": buffer_broadcasts(shape.buffers)}
 
 
 def _one_bucket(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:

@@ -188,8 +188,8 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
               checkpointing: bool = False, grads_in_place: bool = False,
               terms: PrecisionTerms | None = None) -> StepTrace:
     """The bare step the row's peak model reads (:func:`zeroexp.plan.steptrace.trace_step`): segmented at the
-    strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module), at every
-    module holding parameters; in the dtypes the cell computes in: DeepSpeed's bf16 runs the module converted to bf16,
+    strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module) and for a
+    ``bucket`` flow without units, at every module holding parameters; in the dtypes the cell computes in: DeepSpeed's bf16 runs the module converted to bf16,
     the other rows as their ``terms`` say (autocast, or the module cast: :mod:`zeroexp.formulas.peak_precision`)."""
     import torch
 
@@ -209,8 +209,10 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
                   "module_dtype": None if terms.module_dtype is None else getattr(torch, terms.module_dtype)}
     else:
         dtypes = {}
+    # a bucket is born at its first gradient: without units to segment at, the modules holding parameters are
+    own = ds or (not wrap and GRADIENT_FLOW.get(name) == "bucket")
     return remember(_TRACES, key, trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
-                                             grads_in_place=grads_in_place, own_params_units=ds, **dtypes))
+                                             grads_in_place=grads_in_place, own_params_units=own, **dtypes))
 
 
 def _uncovered_cell(cfg: Any, name: str) -> list[str]:

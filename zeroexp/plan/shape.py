@@ -61,7 +61,9 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
         ready, calls, backward, after = trace_step(net, model_cfg, unit_modules)
     return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready,
                       modules=tuple(m for m in own if m), trains=() if all(trains) else trains,
-                      unit_calls=calls, unit_backward=backward, unit_next_reached=after)
+                      unit_calls=calls, unit_backward=backward, unit_next_reached=after,
+                      buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
+                                    for b in net.buffers()))
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

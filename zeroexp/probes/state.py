@@ -140,13 +140,14 @@ class StateProbe(Probe):
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         self.rows: list[dict[str, Any]] = []
-        self.param_numel = self.trained_numel = 0
+        self.param_numel = self.trained_numel = self.buffer_bytes = 0
         self.loss_scale: float | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Before the strategy wraps the model: the original parameters, each once (tied weights too).
         self.param_numel = sum(p.numel() for p in pl_module.parameters())
         self.trained_numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        self.buffer_bytes = sum(b.numel() * b.element_size() for b in pl_module.buffers())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -163,7 +164,8 @@ class StateProbe(Probe):
             "step": self.ctx.schedule.state_step,
             "logical_param_bytes": 4 * self.param_numel,  # P: numel x 4 (fp32), formulas.py convention
             "trained_param_bytes": 4 * self.trained_numel,  # the parameters that train (requires_grad)
-            "expected": self.ctx.expect.state_factors(self.trained_numel / max(self.param_numel, 1)),
+            "expected": self.ctx.expect.state_factors(self.trained_numel / max(self.param_numel, 1),
+                                                      self.buffer_bytes / max(4 * self.param_numel, 1)),
             "semantics": self.ctx.adapter.semantics,
             "beyond_canonical": self.ctx.adapter.beyond_canonical(),
             "offload": str(self.ctx.cfg.offload.name),

@@ -77,11 +77,24 @@ class StateTensor(NamedTuple):
 
 
 def parameter_state_tensors(model: nn.Module) -> Iterator[StateTensor]:
-    """Every parameter of ``model`` as ``param`` and its gradient, when it has one, as ``grad``."""
+    """Every parameter of ``model`` as ``param`` and its gradient, when it has one, as ``grad``; every buffer as
+    ``buffers``."""
     for p in model.parameters():
         yield StateTensor("param", p.detach(), p.numel())
         if p.grad is not None:
             yield StateTensor("grad", p.grad, p.numel())
+    yield from buffer_state_tensors(model)
+
+
+def buffer_state_tensors(model: nn.Module) -> Iterator[StateTensor]:
+    """Every buffer of ``model`` (BatchNorm statistics, masks) as ``buffers``: every strategy keeps them whole."""
+    for b in model.buffers():
+        yield StateTensor("buffers", b, b.numel())
+
+
+def buffer_record(model: nn.Module) -> tuple[tuple[str, int], ...]:
+    """The buffers of ``model`` as ``Groups.buffers`` holds them: (dtype name, bytes) each, in ``buffers()`` order."""
+    return tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size()) for b in model.buffers())
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer,
@@ -248,6 +261,14 @@ class StrategyAdapter:
         derives the same groups from shapes. Issues no collective; raise ``NotImplementedError`` with the reason
         when the strategy's structure is not modelled for this cell."""
         raise NotImplementedError(f"strategy {self.name!r} reports no groups")
+
+    def live_groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
+        """:meth:`groups`, with the module's buffers (which every strategy keeps whole on each rank) where the adapter
+        did not report them."""
+        from dataclasses import replace
+
+        g = self.groups(model, optimizer)
+        return g if g.buffers else replace(g, buffers=buffer_record(model))
 
     def mesh_dims(self) -> dict[str, str]:
         """The device-mesh dimension each of the strategy's own process groups stands for, by group name

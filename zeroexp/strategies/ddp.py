@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from zeroexp.formulas import Groups
+from zeroexp.formulas import Groups, buffer_broadcasts
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_state_dicts, save_state_dicts
-from zeroexp.strategies.base import StrategyAdapter, StrategyConfig
+from zeroexp.strategies.base import StrategyAdapter, StrategyConfig, buffer_record
 
 
 @dataclass
@@ -87,8 +87,13 @@ class DDPAdapter(StrategyAdapter):
                      for bucket in model.reducer._get_zeros_like_grad_buckets())
 
     def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
-        """Replicated state; one all_reduce per live gradient bucket."""
+        """Replicated state; one all_reduce per live gradient bucket; with ``broadcast_buffers`` (DDP's default) rank
+        0's buffers broadcast before each forward, coalesced by dtype."""
         module = model.module if isinstance(model, DistributedDataParallel) else model
         numels = tuple(p.numel() for p in self.trainable(module.parameters()))
         frozen = tuple(p.numel() for p in module.parameters() if not p.requires_grad)
-        return Groups(self.layout, dist.get_world_size(), numels, buckets=self.gradient_buckets(model), frozen=frozen)
+        buffers = buffer_record(module)
+        broadcasts = buffer_broadcasts(buffers, model.broadcast_bucket_size) \
+            if getattr(model, "broadcast_buffers", False) else ()
+        return Groups(self.layout, dist.get_world_size(), numels, buckets=self.gradient_buckets(model), frozen=frozen,
+                      buffers=buffers, buffer_broadcasts=broadcasts)

@@ -40,7 +40,8 @@ from zeroexp.formulas import Groups, Shard, Unit, deepspeed_buckets, deepspeed_g
 from zeroexp.models import torch_dtype
 from zeroexp.strategies import _deepspeed_checkpoint as _ckpt, register
 from zeroexp.strategies._deepspeed_checkpoint import DS_FULL_FILE, DS_TAG  # noqa: F401 - re-exported
-from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors, post_order)
+from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfig, buffer_state_tensors,
+                                    optimizer_state_tensors, post_order)
 
 
 @dataclass
@@ -288,6 +289,7 @@ class DeepSpeedAdapter(StrategyAdapter):
             yield StateTensor("master", m, m.numel())
         base = getattr(opt, "optimizer", opt)  # the client AdamW inside DeepSpeed's wrapper
         yield from optimizer_state_tensors(base)
+        yield from buffer_state_tensors(self.engine.module)
 
     def clip_gradients(self, model: nn.Module) -> None:
         """Nothing here: the engine clips in ``engine.step`` (ds config ``gradient_clipping``), by the global norm its

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_unit
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
-from zeroexp.strategies.base import StateTensor, StrategyAdapter, StrategyConfig, post_order
+from zeroexp.strategies.base import StateTensor, StrategyAdapter, StrategyConfig, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype, wrap_paths
 from zeroexp.strategies.fsdp import FSDPAdapter
 
@@ -184,6 +184,7 @@ class FSDP2Adapter(StrategyAdapter):
                 for out in fsdp_param.all_gather_outputs:
                     if out.untyped_storage().nbytes() > 0:
                         yield StateTensor("param_unsharded", out, fsdp_param._orig_size.numel())
+        yield from buffer_state_tensors(model)
 
     def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
         """Every parameter sharded on its own, dim 0 chunked and padded (``fsdp2_padded_numel``) [FSDP2]; each unit

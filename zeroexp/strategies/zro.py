@@ -64,7 +64,8 @@ class ZROAdapter(DDPAdapter):
             broadcasts = tuple(k for owned in owners for k in owned)
         ddp = super().groups(model, optimizer)
         return Groups(ddp.layout, ddp.world_size, ddp.numels, buckets=ddp.buckets, owners=owners,
-                      broadcasts=broadcasts, frozen=ddp.frozen)
+                      broadcasts=broadcasts, frozen=ddp.frozen, buffers=ddp.buffers,
+                      buffer_broadcasts=ddp.buffer_broadcasts)
 
     def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(
