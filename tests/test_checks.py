@@ -10,6 +10,8 @@ import copy
 import json
 from pathlib import Path
 
+import pytest
+
 from zeroexp.report.checks import cell_checks, failed_checks, plan_checks, worst
 
 ROWS = [{"op": "all_gather", "predicted_count": 2, "measured_count": 2, "predicted_bytes": 64, "measured_bytes": 64}]
@@ -150,3 +152,32 @@ def test_a_plan_that_raised_counts_in_each_of_its_parts_and_is_one_failure(tmp_p
     for part in ("plan.state", "plan.collectives", "plan.groups", "plan.memory"):
         assert next(line for line in v.lines if line.startswith(f"{part}:")).endswith("1 ERROR."), part
     assert v.failures == ["zro: plan ERROR: ValueError: no shape"]
+
+
+@pytest.mark.parametrize("cells, code", [
+    ({"ddp": SUMMARY}, 0), ({"ddp": SUMMARY, "fsdp2_full": MEMORY_ERROR}, 3),
+    ({"ddp": None, "fsdp2_full": MEMORY_ERROR}, 1)])
+def test_a_sweeps_exit_code_is_1_for_a_cell_that_failed_else_3_for_a_failed_check(cells, code, tmp_path, monkeypatch,
+                                                                                  capsys):
+    import zeroexp.report as report
+    from zeroexp.sweep import end_sweep
+
+    monkeypatch.setattr(report, "report_after_sweep", lambda sweep_dir: True)  # the report has its own tests
+    assert end_sweep(_write_sweep(tmp_path / "sweep", cells)) == code
+    out = capsys.readouterr().out
+    assert ("plan.memory ERROR" in out) == ("fsdp2_full" in cells)  # the end's table names the failed check
+
+
+def test_an_exception_at_the_end_of_a_sweep_stops_it_with_its_message(monkeypatch, capsys):
+    from omegaconf import OmegaConf
+
+    import zeroexp.sweep as sweep
+
+    def broken(sweep_dir):
+        raise KeyError("status")
+
+    monkeypatch.setattr(sweep, "end_sweep", broken)
+    with pytest.raises(SystemExit) as e:
+        sweep.SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": "nowhere"}}}))
+    assert e.value.code == 1 and isinstance(e.value, sweep.AppExit)
+    assert "error: zeroexp's end of the sweep raised KeyError: 'status'" in capsys.readouterr().err
