@@ -192,6 +192,23 @@ def _in_rank(row: str, compose, tmp_path: Path, monkeypatch) -> None:
             assert text.endswith("\n") and len(text.splitlines()) > 1, name  # whole (header and rows)
 
 
+@pytest.mark.parametrize("fault", [None, "1:4:perturb"])
+def test_the_exit_code_says_whether_every_check_passed(fault, tmp_path):
+    """``python -m zeroexp world_size=2`` exits 0: it ran and every check is PASS or n/a; with rank 1 training on
+    other data from step 4 the cell still runs, its equivalence FAILs, and it exits 3 (a failed run exits 1: the
+    rows above)."""
+    from zeroexp.report.checks import failed_checks
+
+    cell = tmp_path / "cell"
+    proc = run_cli("logger=none", "model.width=32", "steps=9", *SMALL, f"hydra.run.dir={cell}", cwd=tmp_path,
+                   env=_env(**({"ZEROEXP_FAULT": fault} if fault else {})))  # python -m zeroexp, in this process
+    assert read_json(cell / "manifest.json")["status"] == "ok"
+    failed = [c.name for c in failed_checks(read_json(cell / "summary.json"))]
+    assert proc.returncode == (3 if failed else 0) == (3 if fault else 0), (failed, proc.stdout + proc.stderr)
+    assert ("equivalence" in failed) == bool(fault), failed
+    assert proc.stdout.strip().splitlines()[-1] == str(cell)  # the directory is still the last line
+
+
 def _main_process(sig: signal.Signals, tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the foreground group), SIGTERM or SIGHUP to the main process: the cell ends within
     ``timeout.grace_s`` of it, recorded ``failed`` naming the signal; exit 128 + the signal. SIGKILL: the manifest

@@ -83,6 +83,25 @@ def test_bad_overrides_are_refused_before_any_rank(tmp_path, monkeypatch):
         assert not (tmp_path / f"cell{i}").exists(), override  # nothing that looks like a result
 
 
+def test_an_exception_in_the_check_of_a_sweeps_jobs_stops_it_before_its_first_cell(tmp_path, monkeypatch):
+    """Hydra turns a callback's exception into a warning and runs the sweep on (``Callbacks._notify``): zeroexp's
+    check of the jobs stops it instead, its message on stderr, exit 2, no cell run."""
+    import zeroexp.launch as launch
+    import zeroexp.sweep as sweep
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("ConfigLoader is not set")
+
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    monkeypatch.setattr(sweep, "sweep_jobs", broken)
+    proc = run_cli("--multirun", "strategy=ddp,zro", "logger=none", "world_size=2", f"hydra.sweep.dir={tmp_path}/sweep",
+                   cwd=tmp_path, env=_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: zeroexp's check of the sweep's jobs raised RuntimeError: ConfigLoader is not set\nnothing was run" \
+        in proc.stderr, proc.stderr
+    assert not list((tmp_path / "sweep").glob("*/manifest.json"))  # no cell ran
+
+
 def test_a_cell_that_cannot_fit_this_machine_is_refused(tmp_path, monkeypatch, compose):
     """4096 local ranks: refused in one line naming world_size and the estimate (exit 2, no rank, no directory);
     resources.check=false lets it through; too few open files is refused too."""

@@ -276,13 +276,18 @@ def test_a_sweep_of_dry_runs_says_so(tmp_path, sweep):
 
 
 def test_terminal_digest_shows_the_summary_numbers(sweep):
+    from zeroexp.report.checks import worst
     from zeroexp.report.digest import digest
 
     summary = read_json(cell_dirs(sweep)[0] / "summary.json")
     rows = {probe: (found, check) for probe, found, check in digest(summary)}
-    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "plan", "plan.time"]
-    for probe in ("state", "collectives", "equivalence", "plan"):
+    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "plan", "plan.state",
+                          "plan.collectives", "plan.groups", "plan.memory", "plan.time"]
+    for probe in ("state", "collectives", "equivalence"):
         assert rows[probe][1] == summary[probe]["check"]
+    for part in ("groups", "memory", "time"):
+        assert rows[f"plan.{part}"][1] == summary["plan"][part]["check"]
+    assert rows["plan"][1] == worst(check for probe, (_, check) in rows.items() if probe.startswith("plan."))
     assert rows["memory"][1] == rows["timing"][1] == "-"  # reported, not checked
     f = summary["state"]["factors"]
     assert rows["state"][0].startswith(f"P/G/O x P (sum over ranks) {f['param']:g} / {f['grad']:g} / {f['optim']:g}")
@@ -445,19 +450,3 @@ def test_wandb_report_cli_offline_describes_online_saves(sweep, tmp_path, monkey
     assert report_main([str(copy), "--wandb", "none", "--wandb-report"]) == 0
     assert len(saved) == 1 and saved[0].title == f"zeroexp sweep {sweep.name}"
     assert "W&B Report: https://wandb.ai/me/zeroexp/reports/x--abc" in capsys.readouterr().out
-
-
-def test_the_plan_digest_names_a_phase_within_a_late_freed_tensor():
-    """The terminal's plan line: a peak check that passes only by the late-free allowance says so, naming the
-    phase, beside its largest error."""
-    from zeroexp.report.tables import PlanSection
-
-    memory = {"check": "PASS", "max_rel_err": 0.149, "phases": {
-        "forward": {"check": "PASS", "rel_err": 0.0},
-        "backward": {"check": "PASS", "rel_err": 0.149, "late_free": "139268 B above the prediction, ..."}}}
-    line = PlanSection.digest_line({"check": "PASS", "layout": "FSDP FULL_SHARD", "memory": memory})
-    assert line.endswith("peak model PASS (largest error 14.90 %; backward: within a late-freed tensor, plan.memory "
-                         "says which)")
-    del memory["phases"]["backward"]["late_free"]
-    assert PlanSection.digest_line({"check": "PASS", "layout": "x", "memory": memory}).endswith("(largest error "
-                                                                                                "14.90 %)")

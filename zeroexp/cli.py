@@ -1,7 +1,10 @@
 """``python -m zeroexp``: compose a cell with Hydra, run it, print its directory last.
 
-Exit codes: 0 every cell ok; 1 a cell failed (a sweep runs its other cells first) or the sweep report could
-not be written; 2 bad input, refused before any rank started (for a sweep, before its first cell).
+Exit codes: 0 the cell ran and every check is PASS or n/a; 3 it ran and a check FAILed or ERRORed
+(``zeroexp.report.checks.failed_checks``: a section's check or a part of the plan); 1 a cell failed to run (a sweep
+runs its other cells first), the sweep report could not be written, or zeroexp's end of a sweep raised; 2 bad input,
+refused before any rank started (for a sweep, before its first cell, zeroexp's check of its jobs included). A sweep
+exits 1 when any cell failed to run, else 3 when any cell has a failed check, else 0; a signal, 128 + its number.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def task(cfg: DictConfig) -> None:
 
 
 def _print_result(result: Any, console: Any, multirun: bool) -> None:
-    """The cell's status line, then its directory (the last line); exit 1 for a failed single run."""
+    """The cell's status line, then its digest and its directory (the last line); a single run exits 1 when it
+    failed to run, 3 when a check failed."""
     cell_dir = result.cell_dir
     colour = "green" if result.status == "ok" else "red"
     line = f"[{colour}]{result.status}[/] {cell_dir.name}"
@@ -113,12 +117,19 @@ def _print_result(result: Any, console: Any, multirun: bool) -> None:
     if result.summary is not None and not multirun:  # a sweep's cells are in its report
         _print_digest(result.summary, console)
     print(cell_dir)
-    if result.status != "ok" and not multirun:
+    if multirun:  # a sweep's exit code is decided at its end (zeroexp.sweep.end_sweep)
+        return
+    if result.status != "ok":
         sys.exit(1)
+    if result.summary is not None:
+        from zeroexp.report.checks import failed_checks
+
+        if failed_checks(result.summary):
+            sys.exit(3)
 
 
 def _print_digest(summary: dict[str, Any], console: Any) -> None:
-    """One line per probe: what it found and its check (zeroexp.report.digest)."""
+    """One line per probe and per part of the plan: what it found and its check (zeroexp.report.digest)."""
     from rich.table import Table
 
     from zeroexp.report.digest import digest

@@ -11,20 +11,26 @@ from typing import Any, Callable, Iterator
 import hydra
 from omegaconf import DictConfig
 
-__all__ = ["CONF_DIR", "run_hydra_app", "sets_hydra_mode"]
+__all__ = ["CONF_DIR", "AppExit", "run_hydra_app", "sets_hydra_mode"]
 
 #: The config groups (``conf/``), beside the package.
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
+class AppExit(SystemExit):
+    """An exit whose code zeroexp chose where no task may have run yet (a Hydra callback of a sweep):
+    :func:`run_hydra_app` passes it on as it is."""
+
+
 def run_hydra_app(config_name: str, task_fn: Callable[[DictConfig], None], started: Callable[[], bool]) -> None:
     """Run a Hydra app on ``conf/<config_name>.yaml``. Hydra reports a composition error (unknown option,
-    mistyped value, unknown key) and exits 1 before any task ran: that is bad input, reported as exit code 2."""
+    mistyped value, unknown key) and exits 1 before any task ran: that is bad input, reported as exit code 2
+    (an :class:`AppExit` keeps its code)."""
     try:
         with _mode_from_the_command_line(), _each_config_composed_once():
             hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task_fn)()
     except SystemExit as e:
-        if e.code == 1 and not started():
+        if e.code == 1 and not started() and not isinstance(e, AppExit):
             sys.exit(2)
         raise
 

@@ -1,14 +1,20 @@
 """Hydra callbacks for ``--multirun``: validate every job before the first cell runs; a table and the sweep
-report (``zeroexp.report``) at the end."""
+report (``zeroexp.report``) at the end.
+
+Hydra (1.3, ``hydra._internal.callbacks.Callbacks._notify``) turns a callback's exception into a warning and runs
+the sweep on: here an exception stops the sweep with its message on stderr, exit 2 from the check of the jobs
+(nothing was run), 1 from the end of the sweep."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from zeroexp.hydra_app import AppExit
 
 
 def sweep_jobs(config: DictConfig, loader: Any = None) -> list[list[str]]:
@@ -79,70 +85,92 @@ class SweepSummary(Callback):
     report at the end."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydra.core.global_hydra import GlobalHydra
-        from rich.console import Console
-
-        from zeroexp.config import ConfigError, NotApplicableHere, validate
-
-        from zeroexp.cell import cell_name
-
-        loader = GlobalHydra.instance().config_loader()
-        jobs = sweep_jobs(config, loader)
-        # As Hydra's sweeper and launcher compose each job (the same arguments): composed once (zeroexp.hydra_app)
-        cfgs = [loader.load_sweep_config(config, job) for job in jobs]
-        check_strategy_keys(jobs, cfgs, Console(highlight=False))
-        from zeroexp.progress import SWEEP_CLOCK
-
-        SWEEP_CLOCK.start(len(jobs))  # jobs that run in this process print "cell i of n" and the sweep's ETA
-        first: dict[str, int] = {}
-        duplicates: dict[str, int] = {}
-        for i, (job, cfg) in enumerate(zip(jobs, cfgs)):
-            try:
-                validate(cfg)
-            except NotApplicableHere as e:  # valid, but not on this machine: the job records it as skipped
-                Console(highlight=False).print(f"[yellow]skip:[/] sweep job #{i} ({' '.join(job)}): {e}")
-            except ConfigError as e:
-                Console(highlight=False).print(f"[red]error:[/] sweep job #{i} ({' '.join(job)}): {e}\n"
-                                               "nothing was run")
-                sys.exit(2)
-            name = cell_name(cfg)
-            if name in first:
-                duplicates[str(i)] = first[name]
-            first.setdefault(name, i)
-        if duplicates:  # jobs that run in other processes (submitit) skip a repeated cell by this file
-            from zeroexp.results import write_json
-
-            write_json(Path(config.hydra.sweep.dir) / DUPLICATES, duplicates)
-        else:  # a resumed sweep: an earlier invocation's list does not apply
-            (Path(config.hydra.sweep.dir) / DUPLICATES).unlink(missing_ok=True)
+        _or_stop(check_jobs, config, code=2, what="zeroexp's check of the sweep's jobs", then="nothing was run")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not end_sweep(Path(config.hydra.sweep.dir)):
-            sys.exit(1)
+        code = _or_stop(end_sweep, Path(config.hydra.sweep.dir), code=1, what="zeroexp's end of the sweep")
+        if code:
+            raise AppExit(code)
 
 
-def end_sweep(sweep_dir: Path, stopped_by: str | None = None) -> bool:
-    """Print every cell's outcome and write the sweep report over the cells that have a manifest; True when every
-    cell is ok and the report was written. ``stopped_by``: the signal that stopped the sweep early (SIGTERM,
-    SIGHUP, SIGINT; zeroexp.cli), said above the table -- the cells not run yet are simply absent."""
+def _or_stop(step: Callable[..., Any], *args: Any, code: int, what: str, then: str = "") -> Any:
+    """``step(*args)``; an exception it raises stops the sweep: its message on stderr, exit ``code`` (a
+    ``SystemExit`` it raises, with its own code, passes)."""
+    try:
+        return step(*args)
+    except Exception as e:  # noqa: BLE001 - Hydra would make it a warning and run the sweep unchecked
+        print(f"error: {what} raised {type(e).__name__}: {e}" + (f"\n{then}" if then else ""), file=sys.stderr)
+        raise AppExit(code) from e
+
+
+def check_jobs(config: DictConfig) -> None:
+    """Refuse (exit 2, before the first cell) a sweep with an invalid job; print the jobs that are skipped here and
+    the strategy keys that do not apply; note the jobs that repeat a cell (:data:`DUPLICATES`)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from rich.console import Console
+
+    from zeroexp.cell import cell_name
+    from zeroexp.config import ConfigError, NotApplicableHere, validate
+
+    loader = GlobalHydra.instance().config_loader()
+    jobs = sweep_jobs(config, loader)
+    # As Hydra's sweeper and launcher compose each job (the same arguments): composed once (zeroexp.hydra_app)
+    cfgs = [loader.load_sweep_config(config, job) for job in jobs]
+    check_strategy_keys(jobs, cfgs, Console(highlight=False))
+    from zeroexp.progress import SWEEP_CLOCK
+
+    SWEEP_CLOCK.start(len(jobs))  # jobs that run in this process print "cell i of n" and the sweep's ETA
+    first: dict[str, int] = {}
+    duplicates: dict[str, int] = {}
+    for i, (job, cfg) in enumerate(zip(jobs, cfgs)):
+        try:
+            validate(cfg)
+        except NotApplicableHere as e:  # valid, but not on this machine: the job records it as skipped
+            Console(highlight=False).print(f"[yellow]skip:[/] sweep job #{i} ({' '.join(job)}): {e}")
+        except ConfigError as e:
+            Console(highlight=False).print(f"[red]error:[/] sweep job #{i} ({' '.join(job)}): {e}\n"
+                                           "nothing was run")
+            sys.exit(2)
+        name = cell_name(cfg)
+        if name in first:
+            duplicates[str(i)] = first[name]
+        first.setdefault(name, i)
+    if duplicates:  # jobs that run in other processes (submitit) skip a repeated cell by this file
+        from zeroexp.results import write_json
+
+        write_json(Path(config.hydra.sweep.dir) / DUPLICATES, duplicates)
+    else:  # a resumed sweep: an earlier invocation's list does not apply
+        (Path(config.hydra.sweep.dir) / DUPLICATES).unlink(missing_ok=True)
+
+
+def end_sweep(sweep_dir: Path, stopped_by: str | None = None) -> int:
+    """Print every cell's outcome and write the sweep report over the cells that have a manifest; the sweep's exit
+    code: 1 when a cell failed to run, the report was not written or a signal stopped the sweep, else 3 when a cell
+    has a check that FAILed or ERRORed (:func:`zeroexp.report.checks.failed_checks`), else 0. ``stopped_by``: the
+    signal that stopped the sweep early (SIGTERM, SIGHUP, SIGINT; zeroexp.cli), said above the table -- the cells
+    not run yet are simply absent."""
     from rich.console import Console
     from rich.table import Table
 
+    from zeroexp.report.checks import failed_checks
     from zeroexp.results import read_json
 
     title = f"zeroexp sweep {sweep_dir}" + (f" (stopped by {stopped_by}: the cells run so far)" if stopped_by else "")
     table = Table(title=title)
-    for col in ("cell", "status", "final_loss", "error"):
+    for col in ("cell", "status", "final_loss", "failed checks", "error"):
         table.add_column(col)
-    failed = 0
+    failed = checks_failed = 0
     for manifest_path in sorted(sweep_dir.glob("*/manifest.json")):
         m = read_json(manifest_path)
         summary_path = manifest_path.with_name("summary.json")
-        loss = read_json(summary_path).get("final_loss") if summary_path.exists() else None
+        summary = read_json(summary_path) if m["status"] == "ok" and summary_path.exists() else {}
+        loss = summary.get("final_loss")
         err = m.get("error") if isinstance(m.get("error"), dict) else {}
         failed += m["status"] == "failed"
+        checks = failed_checks(summary)
+        checks_failed += bool(checks)
         table.add_row(manifest_path.parent.name, m["status"], "" if loss is None else f"{loss:.6g}",
-                      (err or {}).get("message", ""))
+                      ", ".join(f"{c.name} {c.verdict}" for c in checks), (err or {}).get("message", ""))
     Console().print(table)
     reported = True
     if any(sweep_dir.glob("*/manifest.json")):
@@ -150,4 +178,4 @@ def end_sweep(sweep_dir: Path, stopped_by: str | None = None) -> bool:
 
         reported = report_after_sweep(sweep_dir)  # never raises: a failed report keeps the cells' results
     print(sweep_dir)
-    return not failed and reported and stopped_by is None
+    return 1 if failed or not reported or stopped_by is not None else 3 if checks_failed else 0

@@ -15,6 +15,7 @@ import pandas as pd
 
 from zeroexp.report.axes import axis_values, fmt_axis, set_axes
 from zeroexp.report.cells import column, is_dry_run
+from zeroexp.report.checks import Check, plan_checks
 from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
 
@@ -62,7 +63,7 @@ def plan_table(ok: pd.DataFrame) -> ReportTable | None:
         return _plain_plan_table(ok)
     kinds = [k for k in kinds if k != "total"] + (["total"] if "total" in kinds else [])
     raw = raw_rows(ok, [f"plan.{f}.{k}" for f in ("predicted_bytes", "measured_bytes", "difference_bytes") for k in kinds]
-               + ["plan.layout", "plan.payload_check", "plan.groups.check", "plan.check"])
+               + ["plan.layout", "plan.payload_check", "plan.groups.check", "plan.check", "plan.memory.check"])
     unit = byte_unit(v for f in ("predicted_bytes", "measured_bytes") for k in kinds for v in raw[f"plan.{f}.{k}"])
     for k in kinds:
         raw[f"plan {k}"] = [_planned_measured(p, m, d, unit) for p, m, d in
@@ -71,13 +72,13 @@ def plan_table(ok: pd.DataFrame) -> ReportTable | None:
     cols = [Column("cell", "label", str), Column("layout", "plan.layout"),
             *(Column(f"{k} planned / measured {unit}", f"plan {k}", str) for k in kinds),
             Column("payload check", "plan.payload_check"), Column("groups", "plan.groups.check"),
-            Column("check", "plan.check")]
+            Column("check", "plan.check"), Column("peak model", "plan.memory.check")]
     note = (f"Largest rank, physical bytes in {unit}: the planner's prediction for this very cell beside the state "
             "probe's measurement; a difference is shown exactly, Δ = measured - planned, in bytes. Explained "
             "residuals the planner leaves out (Adam's step scalars) are not in these columns. Payload check: the "
             "planned payload S per op against the collectives probe's. Groups: the buckets, units, owners and "
             "partitions the planner derived from the shapes against those the strategy reported live. Check: all of "
-            "it, and the calls per op.")
+            "it, and the calls per op. Peak model: plan.memory's check of each phase's peak (report_peak_model.png).")
     return ReportTable("plan", "Plan vs measured", raw, cols, note)
 
 
@@ -122,28 +123,53 @@ class PlanSection:
 
     @staticmethod
     def digest_line(p: dict[str, Any]) -> str:
-        if p.get("check") == "n/a":
-            return "; ".join(p.get("reasons", [])) or "no byte model"
-        verdict = "equal the measured" if p.get("check") == "PASS" else "differ from the measured"
-        what = "bytes per rank and kind" + (", calls per op" if p.get("collectives") else "") + \
-            (" and groups" if (p.get("groups") or {}).get("check") == "PASS" else "")
+        """The plan's summary line: its layout, how many of its parts PASS, and each other part's verdict (the check
+        of the line is the worst of them: :func:`zeroexp.report.digest.digest`)."""
+        parts = plan_checks(p)
+        said = [f"{sum(c.verdict == 'PASS' for c in parts)} of {len(parts)} parts PASS"]
+        said += [f"{c.name} {c.verdict}" + (f" ({_reasons(c)})" if c.name == "plan" else "")
+                 for c in parts if c.verdict != "PASS"]  # "plan": stopped before its parts, no line of its own
+        layout = p.get("layout") or p.get("row")
+        return (f"{layout}: " if layout else "") + ", ".join(said)
+
+    @staticmethod
+    def digest_parts(p: dict[str, Any]) -> list[tuple[str, str]]:
+        """A line per part of the plan with no section of its own in the digest (``plan.time`` has one)."""
         memory = p.get("memory") or {}
-        peak = "" if memory.get("check") in (None, "n/a") else \
-            f"; peak model {memory['check']} (largest error {100 * float(memory.get('max_rel_err') or 0):.2f} %"
         late = [ph for ph, d in (memory.get("phases") or {}).items() if isinstance(d, dict) and d.get("late_free")]
-        if peak:  # a phase above its prediction by one tensor the backend freed late: say which, not only the error
-            peak += f"; {', '.join(late)}: within a late-freed tensor, plan.memory says which)" if late else ")"
-        return f"{p.get('layout')}: predicted {what} {verdict}{peak}"
+        peak = (f"peak model: largest error {100 * float(memory.get('max_rel_err') or 0):.2f} %"
+                + (f" ({', '.join(late)}: within a late-freed tensor, plan.memory says which)" if late else ""))
+        passed = {"plan.state": "planned state bytes of every rank and kind equal the measured",
+                  "plan.collectives": "planned calls and payload of every op equal the measured",
+                  "plan.groups": "the planned buckets, units, owners and partitions equal the live ones",
+                  "plan.memory": peak}
+        lines = []
+        for c in plan_checks(p):
+            if c.name not in passed:
+                continue
+            if c.verdict == "PASS":
+                lines.append((c.name, passed[c.name]))
+            else:
+                lines.append((c.name, (f"{peak}; " if c.name == "plan.memory" and c.verdict == "FAIL" else "")
+                              + _reasons(c)))
+        return lines
 
     @staticmethod
     def report_table(ok: pd.DataFrame) -> ReportTable | None:
         return plan_table(ok)
 
 
+def _reasons(c: Check, shown: int = 2) -> str:
+    """A check's first reasons, and how many more ``summary.json`` holds."""
+    more = len(c.reasons) - shown
+    return "; ".join(c.reasons[:shown]) + (f" (and {more} more in summary.json)" if more > 0 else "")
+
+
 def sections(report: bool = False) -> list[Any]:
     """The sections of a cell's results: every registered probe and :class:`PlanSection`, in digest ``order``
     (with ``report=True``: in ``report_order``, where a section has one). Each has ``name`` (its ``summary.json``
-    key), ``digest_line(section)`` and ``report_table(ok)`` (either may give None: no line, no table)."""
+    key), ``digest_line(section)`` and ``report_table(ok)`` (either may give None: no line, no table); the plan also
+    ``digest_parts(section)``, a line per part."""
     from zeroexp.probes import registry  # here, not at the top: the probes load torch (not Lightning: probes.base)
     from zeroexp.report.groups import GroupsSection
     from zeroexp.report.time import TimeSection

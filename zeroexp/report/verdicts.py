@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
 from zeroexp.report.cells import column, is_dry_run
-from zeroexp.report.format import fmt_err, fmt_ms, missing
+from zeroexp.report.checks import FAILED, Check, cell_checks, failed_checks
+from zeroexp.report.format import fmt_ms, missing
 
 __all__ = ["Verdicts", "verdicts"]
 
-#: The checked sections: summary.json key -> what the check asserts.
+#: The checks of a cell (zeroexp.report.checks.cell_checks) -> what each asserts, in the verdicts' order.
 CHECKS = {"state": "state factors match the ZeRO formula", "collectives": "collective fingerprint matches",
           "equivalence": "parameters match the unsharded reference",
-          "plan": "planned state bytes, collective calls and groups equal the measured ones",
+          "plan.state": "planned state bytes of every rank and kind equal the measured",
+          "plan.collectives": "planned calls and payload of every op equal the measured",
+          "plan.groups": "planned groups equal the live ones",
+          "plan.memory": "the peak model matches each phase's measured peak within its tolerance",
+          "plan.time": "the predicted step time matches the measured median within its tolerance",
           "checkpoint": "one step after save and restore is bit-identical"}
-#: Sections reported only when some cell has them (the planner's is newer than the probes; checkpoints are opt-in).
-OPTIONAL = ("plan", "checkpoint")
+#: Checks every cell has; the others get a line when some finished cell has them (plans are newer than the probes,
+#: checkpoints opt-in).
+REQUIRED = ("state", "collectives", "equivalence")
 
 
 @dataclass
@@ -27,12 +34,6 @@ class Verdicts:
     lines: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     ok: bool = True
-
-
-def _as_list(value) -> list[str]:
-    if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    return [] if missing(value) else [str(value)]
 
 
 def _cells_line(cells: pd.DataFrame) -> str:
@@ -45,16 +46,52 @@ def _cells_line(cells: pd.DataFrame) -> str:
                "no memory, timing or equivalence)" if dry else "") + ".")
 
 
-def _check_line(ok: pd.DataFrame, section: str, claim: str) -> str:
-    checks, dry = list(column(ok, f"{section}.check")), list(is_dry_run(ok))
-    passed = checks.count("PASS")
-    na_dry = sum(missing(c) and d for c, d in zip(checks, dry))
-    na = sum(missing(c) for c in checks) - na_dry
-    others = pd.Series([c for c in checks if not missing(c) and c != "PASS"], dtype=object).value_counts()
-    line = f"{section}: {passed} of {len(ok)} finished cells PASS ({claim})"
-    line += "".join(f", {n} {value}" for value, n in others.items())
-    line += f", {na} n/a (no {section} section)" if na else ""
+def _nested(row: pd.Series) -> dict[str, Any]:
+    """A ``load_sweep`` row as the nested dicts it was flattened from (its missing values left out)."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if missing(value):
+            continue
+        node, *path, last = [out, *str(key).split(".")]
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            node[last] = value
+    return out
+
+
+def _verdict_of(checks: dict[str, Check], name: str) -> str | None:
+    """The cell's verdict of check ``name``; a part of a plan that stopped before its parts takes the plan's
+    (``ERROR``: none of them was checked)."""
+    if name in checks:
+        return checks[name].verdict
+    plan = checks.get("plan")
+    return plan.verdict if plan is not None and name.startswith("plan.") else None
+
+
+def _check_line(name: str, claim: str, verdicts: list[str | None], dry: list[bool]) -> str:
+    passed = verdicts.count("PASS")
+    na_dry = sum(v is None and d for v, d in zip(verdicts, dry))
+    na = sum(v is None for v in verdicts) - na_dry
+    others = [v for v in verdicts if v is not None and v != "PASS"]
+    order = sorted(set(others), key=lambda v: (v not in FAILED, FAILED.index(v) if v in FAILED else 0, v))
+    line = f"{name}: {passed} of {len(verdicts)} finished cells PASS ({claim})"
+    line += "".join(f", {others.count(v)} {v}" for v in order)
+    line += f", {na} n/a (no {name} section)" if na else ""
     return line + (f", {na_dry} n/a (dry run: not measured)" if na_dry else "") + "."
+
+
+def _check_lines(ok: pd.DataFrame) -> list[str]:
+    """One line per check of :data:`CHECKS` (the optional ones where some cell has it), then one per other check
+    some cell has (a probe's own), each counting every verdict, FAIL and ERROR first."""
+    per_cell = [{c.name: c for c in cell_checks(_nested(row))} for _, row in ok.iterrows()]
+    dry = list(is_dry_run(ok))
+    names = [n for n in CHECKS if n in REQUIRED or any(_verdict_of(c, n) is not None for c in per_cell)]
+    names += [n for n in dict.fromkeys(n for c in per_cell for n in c) if n not in CHECKS and n != "plan"
+              and any(c[n].verdict in (*FAILED, "PASS") for c in per_cell if n in c)]  # not a skipped probe's n/a
+    return [_check_line(n, CHECKS.get(n, "its check"), [_verdict_of(c, n) for c in per_cell], dry) for n in names]
 
 
 def _timing_lines(ok: pd.DataFrame) -> list[str]:
@@ -77,6 +114,8 @@ def _timing_lines(ok: pd.DataFrame) -> list[str]:
 
 
 def _failures(cells: pd.DataFrame) -> list[str]:
+    """A sentence per cell that did not finish, and one per failed check of a finished cell
+    (:func:`zeroexp.report.checks.failed_checks`), naming the check."""
     out = []
     for _, row in cells.iterrows():
         label = row["label"]
@@ -89,26 +128,14 @@ def _failures(cells: pd.DataFrame) -> list[str]:
                        f"{row.get('error.message') if not missing(row.get('error.message')) else 'no error recorded'}"
                        + ("" if missing(log) else f" (see {row['cell_name']}/{log})"))
             continue
-        for section in CHECKS:
-            check = row.get(f"{section}.check")
-            if check in ("FAIL", "ERROR"):
-                reasons = _as_list(row.get(f"{section}.reasons")) or _as_list(row.get(f"{section}.why"))
-                if section == "equivalence" and not reasons:
-                    bound = row.get("equivalence.effective_threshold")
-                    if missing(bound):  # summaries written before the reduction-order floor existed
-                        bound = row.get("equivalence.threshold")
-                    basis = row.get("equivalence.threshold_basis")
-                    reasons = [f"max abs err {fmt_err(row.get('equivalence.max_abs_err'))} > bound {fmt_err(bound)}"
-                               + ("" if missing(basis) else f" ({basis})")]
-                out.append(f"{label}: {section} {check}: " + "; ".join(reasons or ["no reason recorded"]))
+        out += [f"{label}: {c.name} {c.verdict}: " + "; ".join(c.reasons) for c in failed_checks(_nested(row))]
     return out
 
 
 def verdicts(cells: pd.DataFrame) -> Verdicts:
     """The verdicts of cells in ladder order (with ``label``), as sentences."""
     ok = cells[column(cells, "status") == "ok"]
-    lines = [_cells_line(cells), *(_check_line(ok, s, c) for s, c in CHECKS.items()
-                                   if s not in OPTIONAL or f"{s}.check" in ok.columns)]
+    lines = [_cells_line(cells), *_check_lines(ok)]
     dry_mask = is_dry_run(ok)
     have = [not missing(v) for v in column(ok, "memory.peak_bytes_max")]
     mem = sum(h for h, d in zip(have, dry_mask) if not d)

@@ -1,0 +1,183 @@
+"""No verdict hides a failure: every check of a cell, the plan's parts included, reaches the digest's line of its
+name, the line above its parts, the sweep's verdicts, its failures and the exit code (zeroexp.report.checks).
+
+Hand-made summaries, no run: a plan whose peak model raised, a plan whose groups differ, a plan that raised
+before its parts; sweeps of such cells written as files and read back as the report reads them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from zeroexp.report.checks import cell_checks, failed_checks, plan_checks, worst
+
+ROWS = [{"op": "all_gather", "predicted_count": 2, "measured_count": 2, "predicted_bytes": 64, "measured_bytes": 64}]
+#: A plan whose own parts pass: the shape zeroexp.plan.cell.plan_section writes.
+PLAN = {"layout": "FSDP2 reshard_after_forward=True", "row": "fsdp2_full", "ranks": [], "collectives": ROWS,
+        "groups": {"check": "PASS", "reasons": []}, "payload_check": "PASS", "payload_reasons": [],
+        "check": "PASS", "reasons": [],
+        "memory": {"check": "PASS", "max_rel_err": 0.01, "reasons": []},
+        "time": {"check": "n/a", "predicted_step_ms": None, "reasons": ["no calibration of this machine"]}}
+SUMMARY = {"status": "ok", "final_loss": 0.5, "state": {"check": "PASS", "reasons": []},
+           "collectives": {"check": "PASS", "reasons": []}, "memory": {"steady_bytes_max": 1},
+           "equivalence": {"check": "PASS", "max_abs_err": 0.0, "effective_threshold": 1e-5}, "plan": PLAN}
+
+
+def summary(**plan: object) -> dict:
+    """:data:`SUMMARY` with its plan's fields replaced by ``plan``."""
+    s = copy.deepcopy(SUMMARY)
+    s["plan"].update(copy.deepcopy(plan))
+    return s
+
+
+MEMORY_ERROR = summary(memory={"check": "ERROR", "reasons": ["KeyError: 'backward'"]})
+
+
+def test_worst_orders_error_fail_pass_then_the_rest():
+    assert worst(["PASS", "n/a", "FAIL", "ERROR"]) == "ERROR"
+    assert worst(["n/a", "FAIL", "PASS"]) == "FAIL"
+    assert worst(["n/a", "PASS"]) == "PASS"
+    assert worst(["n/a"]) == "n/a" and worst([]) == "n/a"
+
+
+def test_every_part_of_the_plan_is_a_check_and_n_a_carries_its_reason():
+    parts = {c.name: c for c in plan_checks(SUMMARY["plan"])}
+    assert list(parts) == ["plan.state", "plan.collectives", "plan.groups", "plan.memory", "plan.time"]
+    assert {n: c.verdict for n, c in parts.items() if n != "plan.time"} == dict.fromkeys(list(parts)[:4], "PASS")
+    assert parts["plan.time"].reasons == ("no calibration of this machine",)
+    assert failed_checks(SUMMARY) == []
+    bare = summary(time={"check": "n/a", "reasons": []})
+    assert next(c for c in cell_checks(bare) if c.name == "plan.time").reasons == ("no reason recorded",)
+
+
+def test_the_plans_own_fail_is_split_into_its_parts():
+    """``plan.check`` covers state bytes, calls and groups; its reasons list them in that order: each part gets its
+    own verdict and reasons."""
+    groups = summary(check="FAIL", reasons=["groups owners: live [0, 1], planned [1, 0]"],
+                     groups={"check": "FAIL", "reasons": ["owners: live [0, 1], planned [1, 0]"]})
+    assert [(c.name, c.verdict) for c in failed_checks(groups)] == [("plan.groups", "FAIL")]
+    calls = summary(check="FAIL", reasons=["rank 1 param: measured 8 B", "all_gather: measured 3 calls"],
+                    collectives=[{**ROWS[0], "measured_count": 3}])
+    assert [(c.name, c.verdict, c.reasons) for c in failed_checks(calls)] == [
+        ("plan.state", "FAIL", ("rank 1 param: measured 8 B",)),
+        ("plan.collectives", "FAIL", ("all_gather: measured 3 calls",))]
+    unmodelled = summary(collectives=None, payload_check="n/a", payload_reasons=["offload: not modelled"])
+    part = next(c for c in cell_checks(unmodelled) if c.name == "plan.collectives")
+    assert (part.verdict, part.reasons) == ("n/a", ("offload: not modelled",))
+
+
+def test_a_plan_that_raised_before_its_parts_is_one_error():
+    raised = copy.deepcopy(SUMMARY)
+    raised["plan"] = {"check": "ERROR", "reasons": ["ValueError: no shape"], "time": PLAN["time"]}
+    assert [(c.name, c.verdict) for c in cell_checks(raised) if c.name.startswith("plan")] == [
+        ("plan", "ERROR"), ("plan.time", "n/a")]
+    assert [c.name for c in failed_checks(raised)] == ["plan"]
+
+
+def test_every_section_check_counts_and_an_equivalence_fail_says_its_numbers():
+    s = copy.deepcopy(SUMMARY)
+    s["equivalence"].update(check="FAIL", max_abs_err=2.4e-3, threshold_basis="precision")
+    s["checkpoint"] = {"check": "FAIL", "reasons": ["continuation differs"]}
+    s["timing"] = {"check": "n/a", "reason": "too few steps: 2"}  # a probe not measured: not a failure
+    failed = {c.name: c for c in failed_checks(s)}
+    assert list(failed) == ["equivalence", "checkpoint"]
+    assert failed["equivalence"].reasons[0].startswith("max abs err 2.40e-03 > bound 1.00e-05 (precision)")
+    assert failed_checks({"status": "ok"}) == failed_checks(None) == []
+
+
+def test_the_digest_gives_each_plan_part_its_line_and_the_plan_line_the_worst():
+    from zeroexp.report.digest import digest
+
+    rows = {name: (found, check) for name, found, check in digest(MEMORY_ERROR)}
+    assert list(rows)[-6:] == ["plan", "plan.state", "plan.collectives", "plan.groups", "plan.memory", "plan.time"]
+    assert rows["plan.memory"] == ("KeyError: 'backward'", "ERROR")
+    assert rows["plan"][1] == "ERROR" and "plan.memory ERROR" in rows["plan"][0]
+    assert rows["plan.state"][1] == rows["plan.collectives"][1] == rows["plan.groups"][1] == "PASS"
+    assert rows["plan.time"][1] == "n/a" and "no calibration" in rows["plan.time"][0]
+    assert {n: c for n, _, c in digest(SUMMARY)}["plan"] == "PASS"  # its parts PASS, its time n/a
+    for name, _, check in digest(MEMORY_ERROR):  # each line's check: its own, or the worst of its parts
+        parts = [c.verdict for c in cell_checks(MEMORY_ERROR) if c.name == name or c.name.startswith(name + ".")]
+        assert check == (worst(parts) if parts else "-"), name
+
+
+def test_the_digest_names_a_phase_within_a_late_freed_tensor():
+    from zeroexp.report.digest import digest
+
+    memory = {"check": "PASS", "max_rel_err": 0.149, "phases": {
+        "forward": {"check": "PASS", "rel_err": 0.0},
+        "backward": {"check": "PASS", "rel_err": 0.149, "late_free": "139268 B above the prediction, ..."}}}
+    line = dict((n, f) for n, f, _ in digest(summary(memory=memory)))["plan.memory"]
+    assert line == "peak model: largest error 14.90 % (backward: within a late-freed tensor, plan.memory says which)"
+
+
+def _write_sweep(root: Path, cells: dict[str, dict | None]) -> Path:
+    """A sweep directory of finished cells (their summaries) and failed ones (None)."""
+    for i, (strategy, s) in enumerate(cells.items()):
+        cell = root / f"{strategy}_mlp_fp32_n2_{i:08x}"
+        cell.mkdir(parents=True)
+        manifest = {"schema_version": 2, "status": "ok" if s is not None else "failed", "cell_id": f"{i:08x}",
+                    "cell": {"strategy": strategy, "model": "mlp", "world_size": 2}, "cell_name": cell.name,
+                    "error": None if s is not None else {"rank": 1, "cause": "exception", "message": "boom"}}
+        (cell / "manifest.json").write_text(json.dumps(manifest))
+        if s is not None:
+            (cell / "summary.json").write_text(json.dumps({"schema_version": 2, **s}))
+    return root
+
+
+def _verdicts(root: Path):
+    from zeroexp.report.cells import order_cells
+    from zeroexp.report.verdicts import verdicts
+    from zeroexp.results import load_sweep
+
+    return verdicts(order_cells(load_sweep(root)))
+
+
+def test_the_sweep_verdicts_count_each_plan_part_and_failures_name_it(tmp_path):
+    v = _verdicts(_write_sweep(tmp_path, {"ddp": SUMMARY, "fsdp2_full": MEMORY_ERROR}))
+    lines = {line.split(":", 1)[0]: line for line in v.lines}
+    assert lines["plan.memory"].startswith("plan.memory: 1 of 2 finished cells PASS") and ", 1 ERROR" in lines[
+        "plan.memory"]
+    assert lines["plan.state"].startswith("plan.state: 2 of 2 finished cells PASS")
+    assert lines["plan.time"].startswith("plan.time: 0 of 2 finished cells PASS") and ", 2 n/a" in lines["plan.time"]
+    assert v.failures == ["fsdp2_full: plan.memory ERROR: KeyError: 'backward'"] and not v.ok
+
+
+def test_a_plan_that_raised_counts_in_each_of_its_parts_and_is_one_failure(tmp_path):
+    raised = copy.deepcopy(SUMMARY)
+    raised["plan"] = {"check": "ERROR", "reasons": ["ValueError: no shape"], "time": PLAN["time"]}
+    v = _verdicts(_write_sweep(tmp_path, {"ddp": SUMMARY, "zro": raised}))
+    for part in ("plan.state", "plan.collectives", "plan.groups", "plan.memory"):
+        assert next(line for line in v.lines if line.startswith(f"{part}:")).endswith("1 ERROR."), part
+    assert v.failures == ["zro: plan ERROR: ValueError: no shape"]
+
+
+@pytest.mark.parametrize("cells, code", [
+    ({"ddp": SUMMARY}, 0), ({"ddp": SUMMARY, "fsdp2_full": MEMORY_ERROR}, 3),
+    ({"ddp": None, "fsdp2_full": MEMORY_ERROR}, 1)])
+def test_a_sweeps_exit_code_is_1_for_a_cell_that_failed_else_3_for_a_failed_check(cells, code, tmp_path, monkeypatch,
+                                                                                  capsys):
+    import zeroexp.report as report
+    from zeroexp.sweep import end_sweep
+
+    monkeypatch.setattr(report, "report_after_sweep", lambda sweep_dir: True)  # the report has its own tests
+    assert end_sweep(_write_sweep(tmp_path / "sweep", cells)) == code
+    out = capsys.readouterr().out
+    assert ("plan.memory ERROR" in out) == ("fsdp2_full" in cells)  # the end's table names the failed check
+
+
+def test_an_exception_at_the_end_of_a_sweep_stops_it_with_its_message(monkeypatch, capsys):
+    from omegaconf import OmegaConf
+
+    import zeroexp.sweep as sweep
+
+    def broken(sweep_dir):
+        raise KeyError("status")
+
+    monkeypatch.setattr(sweep, "end_sweep", broken)
+    with pytest.raises(SystemExit) as e:
+        sweep.SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": "nowhere"}}}))
+    assert e.value.code == 1 and isinstance(e.value, sweep.AppExit)
+    assert "error: zeroexp's end of the sweep raised KeyError: 'status'" in capsys.readouterr().err
