@@ -88,8 +88,8 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
     Backward: per traced segment, its peak, less what the flow does not allocate anew (``in_place`` and ``bucket``:
     the traced ``.grad`` tensors; ``new``: the steady gradients ``zero_grad`` freed), plus, for ``bucket``, every
-    bucket opened before the segment's peak (``buckets``: each one's bytes in reduce order, opened by its first
-    ready gradient: the traced gradients at the segment's start or at its peak passed its start). Optimizer: AdamW's temporaries over the tensors this rank steps (:func:`adamw_temporaries`), or,
+    bucket opened before the segment started (``buckets``: each one's bytes in reduce order, opened by its first
+    ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps (:func:`adamw_temporaries`), or,
     for ``bucket``, the buckets alive when the step begins if they are more (released before the update). Each
     segment's figure is a lower bound of the real one; the phase's peak is the largest. ``in_place``: the same step
     traced with the gradients allocated before it (``trace_step(grads_in_place=True)``), whose backward segments the
@@ -122,8 +122,8 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
             cats = _add(cats, {"gradients": -steady_grad_bytes})
         else:
             cats = _add(cats, {"gradients": -grads})
-            if flow == "bucket":  # the buckets opened by the gradients traced before the segment or its peak
-                held = sum(b for b, lo in zip(buckets, edges) if lo < max(before, s.peak_by_category.get("gradients", 0)))
+            if flow == "bucket":
+                held = sum(b for b, lo in zip(buckets, edges) if lo < before)
                 cats = _add(cats, {"comm": held})  # a bucket is its reduce-scatter's buffer from its birth
         total = sum(cats.values())
         if best is None or total > best["bytes"]:

@@ -118,6 +118,7 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
 
     pred = {k: largest(predicted, [k]) for k in kinds} | {"total": record["total_bytes"]}
     meas = {k: largest(measured, [k]) if k in measured else 0 for k in kinds} | {"total": largest(measured, kinds)}
+    state_reasons = list(reasons)
     coll = summary.get("collectives", {})
     payload_reasons = [] if layout.payload_limits is None else \
         layout.payload_limits(groups, knobs, precision.name, offload)
@@ -126,9 +127,10 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
     rows = None if payload_reasons else collective_rows(
         {op: {"count": record["counts"][op], "payload_bytes": b} for op, b in record["payload_bytes"].items()},
         coll.get("counts") or {}, coll["payload_bytes"])
-    reasons += [f"{r['op']}: measured {r['measured_count']} calls / {r['measured_bytes']} B per step, planned "
-                f"{r['predicted_count']} / {r['predicted_bytes']}" for r in rows or ()
-                if (r["measured_count"], r["measured_bytes"]) != (r["predicted_count"], r["predicted_bytes"])]
+    coll_reasons = [f"{r['op']}: measured {r['measured_count']} calls / {r['measured_bytes']} B per step, planned "
+                    f"{r['predicted_count']} / {r['predicted_bytes']}" for r in rows or ()
+                    if (r["measured_count"], r["measured_bytes"]) != (r["predicted_count"], r["predicted_bytes"])]
+    reasons += coll_reasons
     planned = groups_record(groups)
     if live_groups is None:
         group_check = {"check": "n/a", "reasons": ["the adapter reported no live groups for this cell (see "
@@ -156,11 +158,15 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
         "payload_check": "n/a" if payload is None else
                          "PASS" if all(p["difference_bytes"] == 0 for p in payload) else "FAIL",
         "payload_reasons": payload_reasons,
+        "state": {"check": "FAIL" if state_reasons else "PASS", "reasons": state_reasons},
+        "calls": {"check": "n/a" if rows is None else "FAIL" if coll_reasons else "PASS",
+                  "reasons": payload_reasons if rows is None else coll_reasons},
         "check": "FAIL" if reasons else "PASS",
         "reasons": reasons,
     }
     section["memory"] = _memory(cfg, summary, name, groups, precision.itemsize, shape)
     if itself:  # the "measurement" is this model: comparing them cannot fail
         section.update(check="n/a", payload_check="n/a", reasons=[f"not checked: {itself}"])
-        section["groups"].update(check="n/a", reasons=[f"not checked: {itself}"])
+        for part in ("groups", "state", "calls"):
+            section[part].update(check="n/a", reasons=[f"not checked: {itself}"])
     return section

@@ -93,10 +93,11 @@ def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
         elif any(shape.calls(u) != 1 or not shape.backward(u) for u in range(len(shape.units))):
             reasons.append(f"no peak model yet for {flow.upper()} units called other than once per forward or "
                            "that backward does not reach (traced step); state, collectives and groups are checked")
-        if all(shape.root) or not shape.units:
-            reasons.append(f"no peak model yet for a model that is one {flow.upper()} unit (wrap: null or "
-                           "strategy.wrap=[]: the root unit's own gather and reduce-scatter moments are not modelled); "
+        if flow == "fsdp2" and shape.units and all(shape.root):
+            reasons.append("no peak model yet for a model that is one FSDP2 unit (wrap: null or strategy.wrap=[]: "
+                           "its post-backward runs in the root's final callback, after autograd, not modelled); "
                            "state, collectives and groups are checked")
+
     if flow == "deepspeed" and shape.exact and shape.frozen:
         reasons.append("no peak model yet for DeepSpeed with frozen parameters")
     return reasons
@@ -211,8 +212,10 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
         dtypes = {}
     # a bucket is born at its first gradient: without units to segment at, the modules holding parameters are
     own = ds or (not wrap and GRADIENT_FLOW.get(name) == "bucket")
+    fsdp = name in FSDP1_ROWS or name in FSDP2_ROWS  # a model with no unit of a wrap class is one unit
     return remember(_TRACES, key, trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
-                                             grads_in_place=grads_in_place, own_params_units=own, **dtypes))
+                                             grads_in_place=grads_in_place, own_params_units=own, root_unit=fsdp,
+                                             **dtypes))
 
 
 def _uncovered_cell(cfg: Any, name: str) -> list[str]:
@@ -394,8 +397,9 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
     units, root, root_grads = [], 0, 0
+    alone = all(is_root for _, is_root in sized)  # one unit: the model itself, traced as a unit, kept into backward
     for (members, is_root), unit in zip(sized, groups.units):
-        if is_root:
+        if is_root and not alone:
             root += unit.numel * itemsize
             root_grads += sum(shape.numels[i] for i in members) * itemsize
         else:
@@ -416,7 +420,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=tuple(s.numel // n for s in groups.shards), **ADAMW,
                                  reshard_after_forward=FSDP2_ROWS[name])
-    full_shard = FSDP1_ROWS[name]
+    full_shard = FSDP1_ROWS[name] and not alone  # FSDP1 keeps the root unit unsharded from forward into backward
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **ADAMW)

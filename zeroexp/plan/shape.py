@@ -10,7 +10,7 @@ from torch import nn
 from zeroexp.formulas import ModelShape, next_reached
 from zeroexp.models import build_model, import_class, loss_of, requires_grad, zeros_batch
 
-__all__ = ["model_shape", "shape_of", "trace_step", "ready_order", "arguments_key", "remember"]
+__all__ = ["model_shape", "shape_of", "trace_units", "ready_order", "arguments_key", "remember"]
 
 
 def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[int, ...] | None = None,
@@ -20,7 +20,7 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
     Units are formed bottom-up, children before parents (FSDP's ``_recursive_wrap``): each module of a ``wrap``
     class takes the parameters in its subtree that no unit below it took, in ``named_modules`` order (the
     FlatParameter's); the root unit (the LightningModule around ``net``) takes the rest. Which parameters train
-    (``requires_grad``) is read off them. With ``model_cfg``, one step is traced (:func:`trace_step`): the
+    (``requires_grad``) is read off them. With ``model_cfg``, one step is traced (:func:`trace_units`): the
     gradient-ready order, each unit's forward calls and whether backward reaches it; else ``ready`` is taken.
     """
     classes, params = tuple(wrap), list(net.parameters())
@@ -58,7 +58,7 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
     backward: tuple[bool, ...] = ()
     after: tuple[bool, ...] = ()
     if model_cfg is not None:
-        ready, calls, backward, after = trace_step(net, model_cfg, unit_modules)
+        ready, calls, backward, after = trace_units(net, model_cfg, unit_modules)
     return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready,
                       modules=tuple(m for m in own if m), trains=() if all(trains) else trains,
                       unit_calls=calls, unit_backward=backward, unit_next_reached=after,
@@ -71,7 +71,7 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return [m for child in module.children() for m in _post_order(child)] + [module]
 
 
-def trace_step(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Module] = ()
+def trace_units(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Module] = ()
                ) -> tuple[tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...], tuple[bool, ...]]:
     """One step of ``net`` on the meta device (one sample of ``model.input_shape``, the model's loss): the order in
     which the trainable parameters' gradients become ready (as DDP's Reducer records it to rebuild its buckets: each
@@ -109,8 +109,8 @@ def trace_step(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Modu
 
 
 def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
-    """The gradient-ready order of one traced step (:func:`trace_step`)."""
-    return trace_step(net, model_cfg)[0]
+    """The gradient-ready order of one traced step (:func:`trace_units`)."""
+    return trace_units(net, model_cfg)[0]
 
 
 def arguments_key(*parts: Any) -> str | None:

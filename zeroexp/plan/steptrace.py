@@ -28,12 +28,13 @@ __all__ = ["trace_step"]
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
                dtype: torch.dtype | None = None, checkpointing: bool = False,
                grads_in_place: bool = False, own_params_units: bool = False,
-               module_dtype: torch.dtype | None = None) -> StepTrace:
+               module_dtype: torch.dtype | None = None, root_unit: bool = False) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
     way), or, with ``own_params_units``, every module that holds parameters of its own (DeepSpeed stage 3 gathers and
     releases parameters module by module); then the trace also records each unit's parameters and whether its input
-    required grad (``StepTrace.units``). ``dtype``: the compute dtype (autocast; None or fp32: the model's own).
+    required grad (``StepTrace.units``). ``root_unit``: where no module of a ``wrap`` class is found, the model
+    itself is the one unit (named ``<model>``: FSDP wraps such a model as one unit). ``dtype``: the compute dtype (autocast; None or fp32: the model's own).
     ``module_dtype``: the module's floating parameters and buffers cast to it before the step and the floating input
     cast to it inside the step, as a strategy that computes in a low precision does (DeepSpeed's bf16 engine converts
     the module; FSDP's ``MixedPrecision`` / ``MixedPrecisionPolicy``, zeroexp's ZeRO;
@@ -85,6 +86,8 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
         index = {id(p): i for i, p in enumerate(net.parameters())}
         units = [m for m in net.modules() if (any(True for _ in m.parameters(recurse=False)) if own_params_units
                                               else classes and isinstance(m, classes))]
+        if root_unit and not units:
+            units, names[id(net)] = [net], "<model>"
         seen: dict[str, TracedUnit] = {}
 
         def pre_forward(m: torch.nn.Module, args: tuple, u: str) -> None:

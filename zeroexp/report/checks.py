@@ -22,8 +22,8 @@ __all__ = ["FAILED", "Check", "worst", "plan_checks", "cell_checks", "failed_che
 FAILED = ("ERROR", "FAIL")
 #: Worst first; any other verdict (``n/a``, ``SKIP``) ranks below ``PASS``.
 _ORDER = ("ERROR", "FAIL", "PASS")
-#: The plan's parts with a section of their own in ``summary.json["plan"]``.
-_PLAN_SECTIONS = ("groups", "memory", "time")
+#: The plan's parts with a section of their own in ``summary.json["plan"]``, by the check's name.
+_PLAN_SECTIONS = {"state": "state", "calls": "collectives", "groups": "groups", "memory": "memory", "time": "time"}
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,16 @@ def plan_checks(plan: Mapping[str, Any]) -> list[Check]:
     """The checks of ``summary.json["plan"]`` (``zeroexp.plan.cell.plan_section``), one per part.
 
     A plan that stopped before its parts (it raised: ``ERROR``; no byte model, no state measured: ``n/a``) is one
-    check, ``plan``, beside ``plan.time``. Otherwise the plan's own ``check`` covers the state bytes, the calls and
-    payload per op and the groups, its ``reasons`` listing the state's, then one per op that differs, then the
-    groups' (one per ``groups.reasons``): split here into ``plan.state`` and ``plan.collectives``, beside
-    ``plan.groups``, ``plan.memory`` and ``plan.time`` (each its own section's check)."""
+    check, ``plan``, beside ``plan.time``. Otherwise each part has its own section (``plan.state``, ``plan.calls``
+    read as ``plan.collectives``, ``plan.groups``, ``plan.memory``, ``plan.time``). A plan written without the
+    ``state`` and ``calls`` parts has its own ``check`` over the state bytes, the calls and the groups, its
+    ``reasons`` listing the state's, then one per op that differs, then the groups': split here by that order."""
     out = []
     own, reasons = plan.get("check"), _reasons(plan)
     if "ranks" not in plan:
         out.append(_check("plan", own, reasons))
+    elif isinstance(plan.get("state"), Mapping):
+        pass  # the parts below
     else:
         rows = plan.get("collectives")
         differ = [r for r in rows or () if (r.get("measured_count"), r.get("measured_bytes"))
@@ -106,8 +108,8 @@ def plan_checks(plan: Mapping[str, Any]) -> list[Check]:
         else:
             out.append(_check("plan.collectives", "FAIL" if differ else "PASS",
                               reasons[max(of_state, 0):max(of_state, 0) + len(differ)]))
-    for part in _PLAN_SECTIONS:
-        found = _of(f"plan.{part}", plan.get(part))
+    for part, name in _PLAN_SECTIONS.items():
+        found = _of(f"plan.{name}", plan.get(part))
         if found is not None:
             out.append(found)
     return out
