@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from zeroexp.formulas.peak import Segment, StepTrace, adamw_temporaries, phase_peaks
-from zeroexp.plan.memory import _judge
+from zeroexp.plan.judge import judge as _judge
 from zeroexp.plan.steptrace import trace_step
 
 W, DEPTH, B = 64, 8, 8  # tests/conftest.py's BASE model at its per-rank batch

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
                                              precision_terms, sharded_grad_upcast)
-from zeroexp.plan.memory import _judge, uncovered
+from zeroexp.plan.judge import judge as _judge
+from zeroexp.plan.memory import uncovered
 from zeroexp.plan.steptrace import trace_step
 
 W, DEPTH, B = 64, 8, 8  # tests/conftest.py's BASE model at its per-rank batch

@@ -147,20 +147,39 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
 
 
 class _Highest:
-    """The highest of each phase's candidate moments, by category (zeros left out)."""
+    """The highest of each phase's candidate moments, by category (zeros left out): the lower bound, and the upper
+    end of its range where a moment holds tensors only gloo's timing may keep (``timing``)."""
 
     def __init__(self) -> None:
         self.best: dict[str, dict] = {}
+        self.upper: dict[str, dict] = {}
 
-    def keep(self, phase: str, cats: dict) -> None:
+    @staticmethod
+    def _higher(into: dict[str, dict], phase: str, cats: dict) -> None:
         cats = {c: int(b) for c, b in cats.items() if b}
-        if phase not in self.best or self.best[phase]["bytes"] < sum(cats.values()):
-            self.best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+        if phase not in into or into[phase]["bytes"] < sum(cats.values()):
+            into[phase] = {"bytes": sum(cats.values()), "by_category": cats}
+
+    def keep(self, phase: str, cats: dict, timing: dict | None = None, note: str = "") -> None:
+        """A candidate moment; ``timing``: what it holds beyond ``cats`` only when gloo's worker still holds it then
+        (the upper end of the range, named by ``note``)."""
+        self._higher(self.best, phase, cats)
+        self._higher(self.upper, phase, _add(cats, timing or {}))
+        if timing and any(timing.values()) and self.upper[phase]["bytes"] == sum(_add(cats, timing).values()):
+            self.upper[phase]["note"] = note
 
     def phases(self, optimizer_temporaries: int) -> dict[str, dict]:
-        """Forward and backward as kept; the optimizer phase: AdamW's temporaries."""
-        return {**self.best, "optimizer": {"bytes": optimizer_temporaries,
-                                           "by_category": {"optimizer_state": optimizer_temporaries}}}
+        """Forward and backward as kept (with ``upper_bytes``, ``upper_by_category`` and ``upper_note`` where the
+        range's upper end is higher); the optimizer phase: AdamW's temporaries."""
+        out = {}
+        for ph, rec in self.best.items():
+            out[ph] = dict(rec)
+            up = self.upper.get(ph)
+            if up is not None and up["bytes"] > rec["bytes"]:
+                out[ph].update(upper_bytes=up["bytes"], upper_by_category=up["by_category"],
+                               upper_note=up.get("note", ""))
+        return {**out, "optimizer": {"bytes": optimizer_temporaries,
+                                     "by_category": {"optimizer_state": optimizer_temporaries}}}
 
 
 def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
@@ -328,13 +347,16 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
             keep("backward", _add(seg.peak_by_category, {
                 "activations": -trace.loss_bytes, "unsharded": held, "comm": comm,
                 "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
-        # chunk_cat's output, the reduce-scatter's input, is comm (gloo's copy of it is no collective's argument:
-        # temporaries); the output shard is kept as the gradient.
+        # chunk_cat's output, the reduce-scatter's input, is comm; the output shard is kept as the gradient. gloo's
+        # copy of the input (no collective's argument: temporaries) is alive at this moment only while gloo's worker
+        # still holds it: the upper end of the range.
+        copy = max(u.unsharded - u.upcast, 0) if gloo else 0
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
-                          "temporaries": after.get("temporaries", 0) + u.grads
-                          + max(u.upcast, u.unsharded if gloo else 0),
+                          "temporaries": after.get("temporaries", 0) + u.grads + u.upcast,
                           "comm": u.unsharded, "unsharded": root + prefetched + pending,
-                          "gradients": t_root + shards_done + u.shard - steady_grad_bytes})
+                          "gradients": t_root + shards_done + u.shard - steady_grad_bytes},
+             timing={"temporaries": copy}, note=f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive "
+                                                "at its post-backward only while gloo's worker holds it")
         shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))

@@ -20,11 +20,12 @@ from typing import Any
 
 from zeroexp.formulas import ITEMSIZE, Groups, ModelShape
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
-from zeroexp.formulas.peak import (GRADIENT_FLOW, PHASES, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
+from zeroexp.formulas.peak import (GRADIENT_FLOW, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
                                    fsdp_phase_peaks)
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
                                              precision_terms, sharded_grad_upcast)
 from zeroexp.plan.peak_deepspeed import DS_ROWS, ds_late_free, ds_peak_limits, ds_phases, ds_steady_buffers_bytes
+from zeroexp.plan.judge import TOLERANCE, judge_rank
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
            "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead", "read_traces_ahead"]
@@ -41,8 +42,6 @@ FSDP2_ROWS = {"fsdp2_full": True, "fsdp2_grad_op": False, "fsdp2_hybrid": True}
 NO_SYNC_ROWS = ("fsdp_grad_op",)
 #: The optimizer every covered row steps: torch's AdamW over fp32 state, single-tensor (torch's default on CPU).
 ADAMW = {"optimizer_itemsize": 4, "foreach": False}
-#: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
-TOLERANCE = 0.02
 
 
 def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False,
@@ -318,39 +317,36 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                            for ph, v in predicted.items()},
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
                                             "not run): predicted only"]}
-    rank = int(measured["max_rank"])
+    worst_rank = int(measured["max_rank"])
     gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
-    predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                               micro_batches, in_place, cap, terms, str(cfg.strategy.get("reduce", "reduce_scatter")))
     late = _late_free(name, groups, itemsize, gloo, micro_batches)
-    steady = int(measured["steady_bytes"][rank])
-    steady_cats = measured.get("steady_categories_of_max_rank") or {}
-    phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": _nz(steady_cats),
-                                         "predicted_buffers_bytes": steady_buffers_bytes(  # DDP's: the grads' dtype
-                                             name, groups, itemsize if terms is None else terms.grad_itemsize, cap)}}
-    out_reasons, errs = [], []
-    for ph in PHASES:
-        got = measured["phases_of_max_rank"].get(ph)
-        if got is None:
+    by_rank = measured.get("phases_by_rank") or [None] * len(measured["steady_bytes"])
+    steady_by_rank = measured.get("steady_categories_by_rank") or [None] * len(by_rank)
+    out_reasons, errs, ranks = [], [], []
+    phases: dict[str, Any] = {}
+    for rank in range(len(by_rank)):  # every rank judged against its own prediction
+        got_phases = measured["phases_of_max_rank"] if rank == worst_rank else by_rank[rank]
+        if got_phases is None:
             continue
-        want = predicted[ph]
-        above = int(got["peak_bytes"]) - steady
-        by_cat = _nz({c: int(b) - int(steady_cats.get(c, 0)) for c, b in got["by_category"].items()})
-        rec = {"predicted_bytes": want["bytes"], "measured_bytes": above,
-               "predicted_peak_bytes": steady + want["bytes"], "measured_peak_bytes": int(got["peak_bytes"]),
-               "predicted_by_category": want["by_category"], "measured_by_category": by_cat}
-        verdict, note, rel = _judge(above, want["bytes"], late.get(ph, []))
-        rec.update(check=verdict, rel_err=rel)
-        if note:
-            rec["late_free"] = note
-        errs.append(rel)
-        if verdict == "FAIL":
-            out_reasons.append(f"{ph}: measured {above} B above steady, predicted {want['bytes']} B "
-                               f"({_worst_category(want['by_category'], by_cat)})")
-        phases[ph] = rec
+        steady_cats = (measured.get("steady_categories_of_max_rank") if rank == worst_rank
+                       else steady_by_rank[rank]) or {}
+        predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
+                                   micro_batches, in_place, cap, terms,
+                                   str(cfg.strategy.get("reduce", "reduce_scatter")))
+        judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
+                                                 predicted, late)
+        out_reasons += [f"rank {rank} {r}" for r in reasons]
+        errs += rank_errs
+        ranks.append({"rank": rank, "check": "FAIL" if reasons else "PASS",
+                      **{ph: {k: rec[k] for k in ("measured_bytes", "predicted_bytes", "check")
+                              if k in rec} for ph, rec in judged.items() if ph != "steady"}})
+        if rank == worst_rank:
+            judged["steady"]["predicted_buffers_bytes"] = steady_buffers_bytes(  # DDP's: the grads' dtype
+                name, groups, itemsize if terms is None else terms.grad_itemsize, cap)
+            phases = judged
     source = "zeroexp.formulas.peak_deepspeed" if name in DS_ROWS else "zeroexp.formulas.peak"
-    out = {"rank": rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
-           "trace": traced, "phases": phases, "max_rel_err": max(errs) if errs else None,
+    out = {"rank": worst_rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
+           "trace": traced, "phases": phases, "ranks": ranks, "max_rel_err": max(errs) if errs else None,
            "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
     return _as_simulated(out) if measured.get("simulated") else out
 
@@ -463,29 +459,3 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
             late["forward"] = [("one unit's all-gather input (a shard copied in) or output", b) for b in sizes]
         return late
     return {}
-
-
-def _judge(measured: int, predicted: int, late: list[tuple[str, int]]) -> tuple[str, str | None, float]:
-    """PASS when 0 <= measured - predicted <= TOLERANCE * |measured|; or when the excess is at most one named tensor
-    that gloo may free late (``late``: each candidate's description and bytes), said in the note. Never PASS when the
-    prediction exceeds the measurement. Also the relative error of the prediction."""
-    band = TOLERANCE * abs(measured)  # below steady (zeroexp's ZeRO below fp32 frees steady's all-gather inputs)
-    excess = measured - predicted
-    rel = abs(excess) / abs(measured) if measured else float(excess != 0)
-    if 0 <= excess <= band:
-        return "PASS", None, rel
-    if excess > 0:
-        for note, size in sorted(late, key=lambda c: c[1]):
-            if excess <= size + band:
-                return "PASS", f"{excess} B above the prediction, within one late-freed tensor: {note} ({size} B)", rel
-    return "FAIL", None, rel
-
-
-def _worst_category(predicted: dict[str, int], measured: dict[str, int]) -> str:
-    diffs = {c: measured.get(c, 0) - predicted.get(c, 0) for c in {*predicted, *measured}}
-    c = max(diffs, key=lambda k: abs(diffs[k]))
-    return f"largest difference in {c}: measured {measured.get(c, 0)} B, predicted {predicted.get(c, 0)} B"
-
-
-def _nz(cats: dict[str, Any]) -> dict[str, int]:
-    return {c: int(b) for c, b in cats.items() if int(b)}

@@ -406,10 +406,15 @@ class MemoryProbe(Probe):
             section["peak_categories_of_max_rank"] = {c: int(b) for c, b in top["peak_categories"].items()}
         section["max_rank"] = worst
         section["steady_categories_of_max_rank"] = {c: int(b) for c, b in last["steady_categories"].items()}
-        section["phases_of_max_rank"] = {
-            ph: {"peak_bytes": int(top["phase_peaks"][ph]),
-                 "by_category": {c: int(b) for c, b in top.get("phase_categories", {}).get(ph, {}).items()}}
-            for ph in PHASES if ph in top["phase_peaks"]}
+        def phases_of(top: dict[str, Any]) -> dict[str, Any]:
+            return {ph: {"peak_bytes": int(top["phase_peaks"][ph]),
+                         "by_category": {c: int(b) for c, b in top.get("phase_categories", {}).get(ph, {}).items()}}
+                    for ph in PHASES if ph in top["phase_peaks"]}
+
+        section["phases_of_max_rank"] = phases_of(top)
+        section["phases_by_rank"] = [phases_of(t) for _, t in picked]  # every rank's, for the plan's per-rank check
+        section["steady_categories_by_rank"] = [{c: int(b) for c, b in lt["steady_categories"].items()}
+                                                for lt, _ in picked]
         return ProbeReport(section=section, tables={"memory.csv": frame})
 
 

@@ -1,0 +1,78 @@
+"""The peak check's rule: a rank's measured phases against its prediction, within the tolerance, the range a moment
+only gloo's timing creates spans, or one tensor gloo may free late (CPU cells; :func:`zeroexp.plan.memory`'s
+``_late_free`` names them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroexp.formulas.peak import PHASES
+
+__all__ = ["TOLERANCE", "judge_rank", "judge", "nz"]
+
+#: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
+TOLERANCE = 0.02
+
+
+def judge_rank(got_phases: dict[str, Any], steady: int, steady_cats: dict[str, Any], predicted: dict[str, dict],
+                late: dict[str, list[tuple[str, int]]]) -> tuple[dict[str, Any], list[str], list[float]]:
+    """One rank's phases: measured (above that rank's steady) beside predicted, each judged (:func:`judge`)."""
+    phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": nz(steady_cats)}}
+    reasons, errs = [], []
+    for ph in PHASES:
+        got = got_phases.get(ph)
+        if got is None:
+            continue
+        want = predicted[ph]
+        above = int(got["peak_bytes"]) - steady
+        by_cat = nz({c: int(b) - int(steady_cats.get(c, 0)) for c, b in got["by_category"].items()})
+        rec = {"predicted_bytes": want["bytes"], "measured_bytes": above,
+               "predicted_peak_bytes": steady + want["bytes"], "measured_peak_bytes": int(got["peak_bytes"]),
+               "predicted_by_category": want["by_category"], "measured_by_category": by_cat}
+        upper = want.get("upper_bytes")
+        if upper is not None:
+            rec.update(predicted_upper_bytes=upper, predicted_upper_by_category=want["upper_by_category"],
+                       upper_note=want.get("upper_note", ""))
+        verdict, note, rel = judge(above, want["bytes"], late.get(ph, []), upper, want.get("upper_note", ""))
+        rec.update(check=verdict, rel_err=rel)
+        if note:
+            rec["late_free"] = note
+        errs.append(rel)
+        if verdict == "FAIL":
+            span = f"{want['bytes']} B" if upper is None else f"{want['bytes']}-{upper} B"
+            reasons.append(f"{ph}: measured {above} B above steady, predicted {span} "
+                           f"({_worst_category(want['by_category'], by_cat)})")
+        phases[ph] = rec
+    return phases, reasons, errs
+
+
+def judge(measured: int, predicted: int, late: list[tuple[str, int]], upper: int | None = None,
+           upper_note: str = "") -> tuple[str, str | None, float]:
+    """PASS when 0 <= measured - predicted <= TOLERANCE * |measured|; or, where the prediction is a range (``upper``:
+    with a tensor only gloo's timing keeps, ``upper_note``), when predicted <= measured <= upper within the band; or
+    when the excess is at most one named tensor that gloo may free late (``late``: each candidate's description and
+    bytes), said in the note. Never PASS when the prediction exceeds the measurement. Also the relative error of the
+    prediction (against the nearer end of a range)."""
+    band = TOLERANCE * abs(measured)  # below steady (zeroexp's ZeRO below fp32 frees steady's all-gather inputs)
+    excess = measured - predicted
+    rel = abs(excess) / abs(measured) if measured else float(excess != 0)
+    if 0 <= excess <= band:
+        return "PASS", None, rel
+    if upper is not None and 0 <= excess and measured <= upper + band:
+        return "PASS", f"within the predicted range {predicted}-{upper} B: {upper_note}", \
+            min(rel, abs(measured - upper) / abs(measured) if measured else 0.0)
+    if excess > 0:
+        for note, size in sorted(late, key=lambda c: c[1]):
+            if excess <= size + band:
+                return "PASS", f"{excess} B above the prediction, within one late-freed tensor: {note} ({size} B)", rel
+    return "FAIL", None, rel
+
+
+def _worst_category(predicted: dict[str, int], measured: dict[str, int]) -> str:
+    diffs = {c: measured.get(c, 0) - predicted.get(c, 0) for c in {*predicted, *measured}}
+    c = max(diffs, key=lambda k: abs(diffs[k]))
+    return f"largest difference in {c}: measured {measured.get(c, 0)} B, predicted {predicted.get(c, 0)} B"
+
+
+def nz(cats: dict[str, Any]) -> dict[str, int]:
+    return {c: int(b) for c, b in cats.items() if int(b)}
