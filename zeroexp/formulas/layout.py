@@ -162,6 +162,8 @@ class StateLayout:
     partition lengths),
     ``payload_limits`` ((groups, knobs, precision, offload) -> why the payload model is not exact for a cell).
     ``hybrid``: sharded within a shard group of ``PlanKnobs.shard_size`` ranks, replicated across the groups (HSDP).
+    ``reference``: a closed form no strategy runs (the ZeRO paper's stages): planned beside the strategies for
+    comparison, never recommended.
     """
 
     label: str
@@ -187,6 +189,7 @@ class StateLayout:
     gathers_per_unit: Callable[[bool], int] = field(default=lambda root: 1, compare=False)
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
     hybrid: bool = False
+    reference: bool = False
 
 
 # --- cutting: the one bucket cutter, packing, owners ----------------------------------------------------------
