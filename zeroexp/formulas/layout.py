@@ -54,6 +54,8 @@ class StateLayout:
     partition lengths),
     ``payload_limits`` ((groups, knobs, precision, offload) -> why the payload model is not exact for a cell).
     ``hybrid``: sharded within a shard group of ``PlanKnobs.shard_size`` ranks, replicated across the groups (HSDP).
+    ``reference``: a closed form no strategy runs (the ZeRO paper's stages): planned beside the strategies for
+    comparison, never recommended.
     """
 
     label: str
@@ -83,6 +85,7 @@ class StateLayout:
     unreached_units: str = "kept"
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
     hybrid: bool = False
+    reference: bool = False
 
 
 # --- cutting: the one bucket cutter, packing, owners ----------------------------------------------------------

@@ -1,5 +1,6 @@
 """Every strategy's row: where it keeps each kind of state and what it sends (a strategy's YAML names its row,
-``strategy.layout``); the ZeRO paper's stages for comparison. A new strategy is one more row."""
+``strategy.layout``); the ZeRO paper's stages for comparison (``reference``: no strategy runs them, so the planner
+never recommends one). A new strategy is one more row."""
 
 from __future__ import annotations
 
@@ -77,14 +78,15 @@ def _twice(root: bool) -> int:
 #: (ZeRO-0; ZeRO-1, PyTorch's then zeroexp's; ZeRO-2; SHARD_GRAD_OP; FULL_SHARD, each FSDP1 then FSDP2), DeepSpeed's.
 LAYOUTS: dict[str, StateLayout] = {
     "zero_stage0": StateLayout("baseline (paper)", 0, frozenset(), "mixed", "none", all_reduce_buckets,
-                               comm=_one_bucket, precisions=_MIXED, source="[ZeRO] 5.1, 7.1, Figure 1"),
+                               comm=_one_bucket, precisions=_MIXED, source="[ZeRO] 5.1, 7.1, Figure 1",
+                               reference=True),
     "zero_stage1": StateLayout("P_os (paper)", 1, _OS, "mixed", "flat", scatter_gather, precisions=_MIXED,
-                               offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]"),
+                               offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]", reference=True),
     "zero_stage2": StateLayout("P_os+g (paper)", 2, _OS_G, "mixed", "flat", scatter_gather, precisions=_MIXED,
-                               offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]"),
+                               offloads=_OFF[1], source="[ZeRO] 5.1, 7.2.1, Figure 1; [OFFLOAD]", reference=True),
     "zero_stage3": StateLayout("P_os+g+p (paper)", 3, _OS_G_P, "mixed", "flat", gather_shards_twice, "largest",
                                precisions=_MIXED, offloads=_OFF[2], gathers_per_unit=_twice_unless_root,
-                               source="[ZeRO] 5.1, 7.2.2, Figure 1; [OFFLOAD]"),
+                               source="[ZeRO] 5.1, 7.2.2, Figure 1; [OFFLOAD]", reference=True),
     # ddp / zro under bf16 / fp16: autocast, so parameters, gradients and what is all-reduced stay fp32
     "ddp": StateLayout("DDP", 0, frozenset(), "never", "none", all_reduce_buckets, fp32_at_rest=True,
                        fp32_on_the_wire=True, precisions=_MIXED, comm=_ddp_comm, source="zeroexp.strategies.ddp"),

@@ -46,10 +46,12 @@ class ActivationTrace:
 
 
 def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-                      dtype: torch.dtype | None = None) -> ActivationTrace:
+                      dtype: torch.dtype | None = None, module_dtype: torch.dtype | None = None) -> ActivationTrace:
     """Build the model config's module under ``FakeTensorMode`` on ``device``, run one forward and the loss at
     ``batch_size`` samples of ``model.input_shape``, and count what autograd saves, per unit of a ``wrap`` class.
-    ``dtype``: the compute dtype (autocast on ``device``; None or fp32: the model's own)."""
+    ``dtype``: the compute dtype (autocast on ``device``; None or fp32: the model's own); ``module_dtype``: the
+    module's floating parameters, buffers and input cast to it instead (as zeroexp's ZeRO, FSDP and DeepSpeed
+    compute below fp32)."""
     from contextlib import nullcontext
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -62,6 +64,10 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
     seen: set[Any] = set()
     with FakeTensorMode(), torch.device(device):
         net = build_model(model_cfg)
+        if module_dtype not in (None, torch.float32):  # ``.data``: as trace_step casts them
+            for t in [*net.parameters(), *net.buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(module_dtype)
         names = {id(m): name or "root" for name, m in net.named_modules()}
         params = {_key(p) for p in net.parameters()}
 
@@ -90,7 +96,7 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
         cast = torch.autocast(device, dtype=dtype) if dtype not in (None, torch.float32) else nullcontext()
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-                out = net(batch)
+                out = net(batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point() else batch)
                 loss = loss_of(model_cfg)(out, batch)
         finally:
             for h in hooks:

@@ -137,8 +137,9 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
                      "model=)")
     for r in records:
         r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac)
-        r.update(activations or {"activation_bytes": None, "activation_unit_bytes": None, "korthikanti_bytes": None})
-    _peaks(cfg, records, shape, batch, memory, knobs, ac == "full")
+        r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None, "activation_unit_bytes": None,
+                                 "korthikanti_bytes": None})
+    _peaks(cfg, records, shape, batch, knobs, ac == "full")
     _init_peaks(str(cfg.init.name), records, shape, memory)
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
@@ -150,62 +151,63 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
-           memory: int | None, knobs: PlanKnobs, checkpointing: bool = False) -> None:
-    """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers: ``peak_bytes`` (model
-    state + DDP's buckets or DeepSpeed stage 3's bucket + the largest phase above steady, the largest rank),
-    ``peak_phase``, ``phase_bytes``, and
-    ``fits`` judged on the peak there (``fits_on``: ``peak``, else ``state``: model state + gather floor, as before).
+           knobs: PlanKnobs, checkpointing: bool = False) -> None:
+    """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers, in the precision the row
+    computes in (the step traced in its dtypes, ``cell_precision_terms``): ``peak_bytes`` (model state + its steady
+    buffers + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``; ``peak_note`` where
+    it does not cover the row. Then ``fits`` of every row (``core.judge_fits``: on the peak where there is one).
     ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does).
     ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
     over the micro-batches, and ``accum_grad_bytes``, the gradients held between them."""
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.memory import (flow_of, needs_in_place, steady_buffers_bytes, step_traces, uncovered,
-                                     worst_rank_phases)
+    from zeroexp.plan.core import judge_fits
+    from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
+                                     step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.peak_deepspeed import ds_peak_limits
 
-    traced = batch is not None and cfg.model is not None and cfg.precision.name == "fp32"
+    traced = batch is not None and cfg.model is not None
     wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
                                                                   "model": cfg.model}))] if traced else []
-    k = knobs.micro_batches
-    traces: dict[tuple[bool, bool], Any] = {}  # by (DeepSpeed's segmentation, the step with its gradients in place)
+    k, c, dtype = knobs.micro_batches, COMPUTE_ITEMSIZE[str(cfg.precision.param_dtype)], str(cfg.precision.param_dtype)
+    traces: dict[tuple, Any] = {}  # by (DeepSpeed's segmentation, the gradients in place, the precision terms)
     for r in records:
-        r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, fits_on="state")
+        r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None)
         flow = flow_of(r["strategy"])
         r["accum_grad_bytes"] = (accumulated_grad_bytes(flow, r["grad_bytes"]) if k > 1 and flow in
                                  ACCUMULATING_FLOWS else None)
         why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name),
                         activation_checkpointing="full" if checkpointing else "none", micro_batches=k)
         if not traced:
-            why = why or ["no traced step: give model= and batch_size= (fp32)"]
+            why = why or ["no traced step: give model= and batch_size="]
+        name, n = r["strategy"], r["world_size"]
+        groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
+        why = why or ds_peak_limits(name, groups, knobs.bucket_cap_bytes)
         if why:
             r["peak_note"] = "; ".join(why)
+            judge_fits(r)
             continue
-        name, n, c = r["strategy"], r["world_size"], 4
-        key = (flow == "deepspeed", needs_in_place(name, k))
+        terms = cell_precision_terms(name, cfg)
+        key = (flow == "deepspeed", needs_in_place(name, k), terms)
         if key not in traces:
-            traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k)
+            traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k, dtype, terms)
         trace, in_place = traces[key]
-        groups = derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-        if why := ds_peak_limits(name, groups, knobs.bucket_cap_bytes):
-            r["peak_note"] = "; ".join(why)
-            continue
-        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place, knobs.bucket_cap_bytes)
+        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place, knobs.bucket_cap_bytes, terms)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
-        buffers = steady_buffers_bytes(name, groups, c, knobs.bucket_cap_bytes)
-        r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, fits_on="peak",
+        buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize,
+                                       knobs.bucket_cap_bytes, terms)
+        r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top,
                  peak_bytes=r["device_bytes"] + buffers + max(phases[top]["bytes"], 0))
-        if memory is not None:
-            r["fits"] = r["peak_bytes"] <= memory
+        judge_fits(r)
 
 
 def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None) -> None:
     """``init_peak_bytes`` of every row (computed, zeroexp.formulas.init, fp32 as the model is built): ``init=full``
-    the whole model on every rank and FSDP's flattening of the first unit (``fits`` judges training only, as
-    before); ``init=meta`` the rank's shards and the
-    largest unit or module materialised at once, and ``fits`` also needs it to fit. ``init_note``: why a row has
-    none (a parameter count has no units; a row whose init=meta is not modelled)."""
+    the whole model on every rank and FSDP's flattening of the first unit (``fits`` judges training only);
+    ``init=meta`` the rank's shards and the largest unit or module materialised at once, and ``fits`` also needs it
+    to fit. ``init_note``: why a row has none (a parameter count has no units; a row whose init=meta is not
+    modelled)."""
     from zeroexp.formulas.init import INIT_KIND_OF_ROW, init_peak_bytes
 
     for r in records:
@@ -249,7 +251,8 @@ def _activations(cfg: DictConfig, batch: int, checkpointing: bool = False) -> di
     GPT-shaped config, Korthikanti et al.'s closed form beside it. None without a model. ``checkpointing``:
     ``activation_bytes`` is what the checkpointed forward keeps and ``recompute_bytes`` the largest unit's recompute
     (``zeroexp.formulas.checkpointing``, from the same per-unit figures); ``activation_unit_bytes`` stays each unit's
-    own activations."""
+    own activations. Below fp32, ``activation_cast_bytes``: the same forward with the module cast to the compute
+    dtype instead of autocast (None in fp32)."""
     from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
     from zeroexp.models import import_class, torch_dtype, wrap_paths
     from zeroexp.plan.activations import korthikanti_layer_bytes, trace_activations
@@ -257,16 +260,21 @@ def _activations(cfg: DictConfig, batch: int, checkpointing: bool = False) -> di
     if cfg.model is None:
         return None
     wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap}, "model": cfg.model}))]
-    trace = trace_activations(cfg.model, batch, wrap, dtype=torch_dtype(str(cfg.precision.param_dtype)))
+    dtype = torch_dtype(str(cfg.precision.param_dtype))
+    trace = trace_activations(cfg.model, batch, wrap, dtype=dtype)
+    cast = trace_activations(cfg.model, batch, wrap, module_dtype=dtype) if dtype.itemsize < 4 else None
     m = cfg.model
     gpt = all(k in m for k in ("n_layer", "n_embd", "n_head", "seq_len"))
-    itemsize = torch_dtype(str(cfg.precision.param_dtype)).itemsize
-    kept = (checkpointed_forward_bytes(trace.total_bytes, trace.unit_bytes, trace.unit_input_bytes)
-            if checkpointing else trace.total_bytes)
-    return {"activation_bytes": kept, "activation_unit_bytes": trace.unit_bytes,
+
+    def kept(t: Any) -> int:
+        return (checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes) if checkpointing
+                else t.total_bytes)
+
+    return {"activation_bytes": kept(trace), "activation_cast_bytes": kept(cast) if cast else None,
+            "activation_unit_bytes": trace.unit_bytes,
             "recompute_bytes": recompute_bytes(trace.unit_bytes) if checkpointing else None,
-            "korthikanti_bytes": int(m.n_layer) * korthikanti_layer_bytes(int(m.seq_len), batch, int(m.n_embd),
-                                                                          int(m.n_head), itemsize) if gpt else None}
+            "korthikanti_bytes": int(m.n_layer) * korthikanti_layer_bytes(
+                int(m.seq_len), batch, int(m.n_embd), int(m.n_head), dtype.itemsize) if gpt else None}
 
 
 def task(cfg: DictConfig) -> None:

@@ -16,7 +16,7 @@ from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape
                               unsharded_floor_bytes)
 
 __all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
-           "OFFLOADS", "UNITS"]
+           "judge_fits", "recommendable", "FITS_ON", "OFFLOADS", "UNITS"]
 
 OFFLOADS = ("none", "optimizer", "full")
 #: Table units: GB is 1e9 bytes (the ZeRO paper's, Figure 1), GiB is 2^30 bytes.
@@ -24,6 +24,14 @@ UNITS = {"GB": 10**9, "GiB": 2**30}
 _SIZE = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
          "GIB": 2**30, "TIB": 2**40}
 _COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+#: What ``fits`` was judged on (a record's ``fits_on``; ``fits_bytes`` the bytes held against ``device_memory``).
+FITS_ON = {
+    "peak": "the peak model: model state + its steady buffers + the largest phase above steady (activations, "
+            "gathered units, collective buffers, optimizer temporaries)",
+    "state+activations": "model state + gather floor + one forward's activations (below fp32 the fewer of autocast's "
+                         "and the module cast's), no peak model for the row: its buffers and transients left out",
+    "state": "model state + gather floor alone: no activations (give model= and batch_size=) and no peak model",
+}
 
 
 @dataclass(frozen=True)
@@ -69,21 +77,48 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
 
     device = largest(k for k in STATE_KINDS if k not in host)
     floor = unsharded_floor_bytes(layout, groups, c)
+    judged = device + (floor or 0)
     collectives = step_collectives(layout, groups, c, knobs)
     payload = {op: v["payload_bytes"] for op, v in collectives.items()}
     bus = {op: op_bus_bytes(op, v, n) for op, v in collectives.items()}
     return {
-        "strategy": name, "label": layout.label, "zero_stage": layout.stage, "world_size": n,
+        "strategy": name, "label": layout.label, "zero_stage": layout.stage, "reference": layout.reference,
+        "world_size": n,
         "precision": precision.name, "offload": offload, "model": model, "numel": shape.numel,
         "shapes_known": shape.exact,
         **{f"{k}_bytes": largest([k]) for k in STATE_KINDS},
         "total_bytes": largest(STATE_KINDS), "device_bytes": device, "host_bytes": largest(host),
         "largest_unit_bytes": largest_unit_bytes(shape, n, c), "gather_floor_bytes": floor,
-        "device_floor_bytes": device + (floor or 0), "device_memory_bytes": device_memory,
-        "fits": None if device_memory is None else device + (floor or 0) <= device_memory,
-        "counts": {op: v["count"] for op, v in collectives.items()}, "payload_bytes": payload, "bus_bytes": bus, "payload_total_bytes": sum(payload.values()),
+        "device_floor_bytes": judged, "device_memory_bytes": device_memory,
+        "fits": None if device_memory is None else judged <= device_memory, "fits_on": "state", "fits_bytes": judged,
+        "counts": {op: v["count"] for op, v in collectives.items()}, "payload_bytes": payload, "bus_bytes": bus,
+        "payload_total_bytes": sum(payload.values()),
         "bus_total_bytes": sum(b for b in bus.values() if b is not None), "source": layout.source,
     }
+
+
+def judge_fits(record: dict[str, Any]) -> None:
+    """Set ``fits_on``, ``fits_bytes`` and ``fits`` of a record from the best figure it has (:data:`FITS_ON`): its
+    ``peak_bytes`` where the peak model covers the row, else its model state and gather floor with the activations
+    where those were traced (below fp32 the fewer of autocast's, ``activation_bytes``, and the module cast's,
+    ``activation_cast_bytes``: a row without a peak model computes one way or the other), else the state and gather
+    floor alone."""
+    state = record["device_bytes"] + (record["gather_floor_bytes"] or 0)
+    acts = [a for a in (record.get("activation_bytes"), record.get("activation_cast_bytes")) if a is not None]
+    if record.get("peak_bytes") is not None:
+        on, judged = "peak", record["peak_bytes"]
+    elif acts:
+        on, judged = "state+activations", state + min(acts)
+    else:
+        on, judged = "state", state
+    memory = record["device_memory_bytes"]
+    record.update(fits_on=on, fits_bytes=judged, fits=None if memory is None else judged <= memory)
+
+
+def recommendable(record: dict[str, Any]) -> bool:
+    """Whether a record may be recommended (the fastest that fits): a row a strategy runs (not a ``reference``)
+    that is not known not to fit."""
+    return not record["reference"] and record["fits"] is not False
 
 
 def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, offload: str = "none",
@@ -102,7 +137,8 @@ def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, of
     for name in names:
         layout = table[name]
         if precision.name not in layout.precisions:
-            notes.append(f"{name}: precision={precision.name} is not modelled (covers {', '.join(sorted(layout.precisions))})")
+            notes.append(f"{name}: precision={precision.name} is not modelled "
+                         f"(covers {', '.join(sorted(layout.precisions))})")
         elif offload not in layout.offloads:
             notes.append(f"{name}: offload={offload} is not modelled (covers {', '.join(sorted(layout.offloads))})")
         elif layout.hybrid and not knobs.shard_size:

@@ -176,11 +176,15 @@ def _trace_record(terms: PrecisionTerms | None) -> dict[str, Any]:
     return {"autocast": terms and terms.autocast, "param_dtype": terms and terms.module_dtype}
 
 
-def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_bytes: int = 25 * 2**20) -> int:
+def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_bytes: int = 25 * 2**20,
+                         terms: PrecisionTerms | None = None) -> int:
     """What a rank holds at the optimizer boundary beside its model state: DDP's gradient buckets (ddp, zro:
-    ``gradient_as_bucket_view=false``, a copy of every gradient), DeepSpeed stage 3's ipg bucket."""
+    ``gradient_as_bucket_view=false``, a copy of every gradient), DeepSpeed stage 3's ipg bucket; given ``terms``,
+    zeroexp's ZeRO's all-gather inputs below fp32 (:func:`gather_input_bytes`, the phases' figures are less them)."""
     if name in DS_ROWS:
         return ds_steady_buffers_bytes(name, itemsize, bucket_cap_bytes)
+    if name in ("zero1", "zero2") and terms is not None:
+        return gather_input_bytes(tuple(s.numel // groups.world_size for s in groups.shards), terms, itemsize)
     return sum(sum(b) for b in groups.buckets) * itemsize if name in ("ddp", "zro") else 0
 
 

@@ -18,6 +18,7 @@ from zeroexp.errors import ConfigError
 from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, ModelShape, PlanKnobs,
                               accumulation_repeats, checkpointed_numel, derive_groups, predict_step, step_collectives,
                               two_level_seconds)
+from zeroexp.plan.core import recommendable
 
 __all__ = ["Network", "network_of", "calibrated_network", "predict_on", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT"]
 
@@ -149,8 +150,9 @@ def tokens_per_sample(model: Any) -> int:
 def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Network, itemsize: int,
                    knobs: PlanKnobs, batch: int, tokens: int, checkpointing: bool = False) -> None:
     """Add ``step_ms``, ``exposed_comm_ms``, ``recompute_ms``, ``tokens_per_s`` (global, every micro-batch of the
-    optimizer step) and ``fastest`` (per world size, among the rows that fit, or all when fit is unknown) to each
-    record, in place. ``checkpointing``: every wrap unit recomputed in backward; ``knobs.micro_batches``: grad_accum."""
+    optimizer step) and ``fastest`` (per world size, among the rows a strategy runs that fit, or all of them when fit
+    is unknown: :func:`zeroexp.plan.core.recommendable`; the paper's rows never) to each record, in place.
+    ``checkpointing``: every wrap unit recomputed in backward; ``knobs.micro_batches``: grad_accum."""
     checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels) if checkpointing else 0
     for r in records:
         name, n = r["strategy"], r["world_size"]
@@ -158,9 +160,9 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
         groups = derive_groups(name, layout, shape, n, itemsize, knobs)
         t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed)
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
-                 recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s, network=network.name, network_source=network.source, overlap_rule=t.rule,
-                 fastest=False)
+                 recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s,
+                 network=network.name, network_source=network.source, overlap_rule=t.rule, fastest=False)
     for n in {r["world_size"] for r in records}:
-        rows = [r for r in records if r["world_size"] == n and r.get("fits") is not False]
+        rows = [r for r in records if r["world_size"] == n and recommendable(r)]
         if rows:
             min(rows, key=lambda r: r["step_ms"])["fastest"] = True

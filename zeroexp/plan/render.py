@@ -8,11 +8,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from zeroexp.plan.core import UNITS
+from zeroexp.plan.core import FITS_ON, UNITS
 
-__all__ = ["render_json", "render_tables", "fmt_size"]
+__all__ = ["render_json", "render_tables", "fmt_size", "fastest_sentences"]
 
 _UNIT_NOTE = {"GB": "GB = 1e9 bytes", "GiB": "GiB = 2^30 bytes"}
+#: The mark beside ``fits`` of a row not judged on the peak model (``fits_on``).
+_BASIS = {"peak": "", "state+activations": " (state+act)", "state": " (state)"}
+_REFERENCE = " [dim](reference)[/]"
 
 
 def fmt_size(nbytes: int | None, unit: str) -> str:
@@ -39,14 +42,16 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         console.print(_memory_table(records, unit))
         acts = first.get("activation_bytes")
         traced = ("activations: one forward at the per-rank batch traced under FakeTensorMode (saved for backward, "
-                  "plus output and loss); peak: model state + DDP's buckets + the peak model's largest phase "
-                  "(docs/planner.md; '-': no model for the row); fits on the peak where known, else on the state; init peak: "
-                  "building and wrapping the model (init=meta: fits needs it too)" + (f"; Korthikanti et al. 34sbh+5as^2b: "
+                  "plus output and loss); peak: model state + its steady buffers + the peak model's largest phase "
+                  "(docs/planner.md; '-': no peak model for the row); init peak: building and wrapping the model "
+                  "(init=meta: fits needs it too)" + (f"; Korthikanti et al. 34sbh+5as^2b: "
                   f"{fmt_size(first['korthikanti_bytes'], unit)} {unit}" if first.get("korthikanti_bytes") else "")
-                  if acts is not None else "not modelled: activations (give batch_size=)")
+                  if acts is not None else "not modelled: activations (give model= and batch_size=)")
         console.print(f"{what} · precision {first['precision']} · offload {first['offload']} · Adam: fp32 moments "
                       f"8 B and fp32 master 4 B a parameter · {traced} · not modelled: fragmentation, the CUDA "
-                      "allocator (docs/planner.md)\n")
+                      "allocator (docs/planner.md)")
+        legend = _legend(records)
+        console.print(legend + "\n" if legend else "")
         console.print(_comm_table(records, unit))
         console.print("S: the payload, the full array (nccl-tests PERFORMANCE.md); bus = S x all_reduce 2(N-1)/N, "
                       "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1, N the size of the call's "
@@ -55,7 +60,10 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         if "step_ms" in first:
             console.print(_time_table(records))
             console.print(f"computed on {first['network_source']} (zeroexp.formulas.overlap; docs/planner.md, Step "
-                          "time); * the fastest strategy that fits, per world size\n")
+                          "time); * the fastest strategy that fits, per world size, among the rows a strategy runs")
+            for line in fastest_sentences(records, unit):
+                console.print(line)
+            console.print()
     for note in notes:
         console.print(f"[yellow]not planned[/] {note}")
 
@@ -79,17 +87,55 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in records:
-        row = [f"{r['strategy']} [dim]{r['label']}[/]", str(r["zero_stage"]), str(r["world_size"])]
+        row = [f"{r['strategy']} [dim]{r['label']}[/]" + (_REFERENCE if r["reference"] else ""), str(r["zero_stage"]),
+               str(r["world_size"])]
         row += [fmt_size(r[k], unit) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "total_bytes")]
         row += [fmt_size(r["host_bytes"], unit), fmt_size(r["device_bytes"], unit)] if offload else []
         row += [fmt_size(r["gather_floor_bytes"], unit)] + ([fmt_size(r["activation_bytes"], unit)] if acts else [])
         row += ([f"{fmt_size(r['peak_bytes'], unit)} ({r['peak_phase']})" if r.get("peak_bytes") is not None
                  else "-"] if peaks else [])
         row += [fmt_size(r["init_peak_bytes"], unit) if r.get("init_peak_bytes") is not None else "-"]
-        row += ([("yes" if r["fits"] else "[red]NO[/]") + ("" if r.get("fits_on") == "peak" else " [dim](state)[/]")]
-                if fits else [])
+        row += [_fits(r)] if fits else []
         table.add_row(*row)
     return table
+
+
+def _fits(r: dict[str, Any]) -> str:
+    """``fits`` with what it was judged on, where that is not the peak model."""
+    if r["fits"] is None:
+        return "?"
+    return ("yes" if r["fits"] else "[red]NO[/]") + (f"[dim]{_BASIS[r['fits_on']]}[/]" if _BASIS[r["fits_on"]] else "")
+
+
+def _legend(records: list[dict[str, Any]]) -> str:
+    """What fits was judged on in these tables, and the reference rows."""
+    bases = list(dict.fromkeys(r["fits_on"] for r in records))
+    out = ["fits judged on " + "; ".join(f"{_BASIS[b].strip() or 'unmarked'}: {FITS_ON[b]}" for b in bases)
+           ] if records[0]["device_memory_bytes"] is not None else []
+    if any(r["reference"] for r in records):
+        out.append("(reference): the ZeRO paper's closed form, which no strategy runs: shown for comparison, never "
+                   "recommended")
+    return " · ".join(out)
+
+
+def fastest_sentences(records: list[dict[str, Any]], unit: str) -> list[str]:
+    """Per world size, the fastest row a strategy runs that fits (the record's ``fastest``), and what its fits was
+    judged on; or that no such row fits."""
+    out = []
+    for n in dict.fromkeys(r["world_size"] for r in records):
+        rows = [r for r in records if r["world_size"] == n]
+        best = next((r for r in rows if r.get("fastest")), None)
+        memory = rows[0]["device_memory_bytes"]
+        room = f"{fmt_size(memory, unit)} {unit}" if memory is not None else None
+        if best is None:
+            out.append(f"N={n}: no row a strategy runs fits {room}" if room else f"N={n}: no row a strategy runs")
+        elif best["fits"] is None:
+            out.append(f"N={n}: fastest {best['strategy']}, {best['step_ms']:.2f} ms (fits not judged: give "
+                       "device_memory=)")
+        else:
+            out.append(f"N={n}: the fastest that fits {room}: {best['strategy']}, {best['step_ms']:.2f} ms; fits "
+                       f"judged on {FITS_ON[best['fits_on']]}: {fmt_size(best['fits_bytes'], unit)} {unit}")
+    return out
 
 
 def _time_table(records: list[dict[str, Any]]) -> Table:
@@ -102,10 +148,10 @@ def _time_table(records: list[dict[str, Any]]) -> Table:
                            "exposed comm ms", "tokens/s", "fits", "fastest"]):
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in records:
-        table.add_row(r["strategy"], str(r["world_size"]), f"{r['step_ms']:.2f}",
-                      *([f"{r['recompute_ms']:.2f}"] if recompute else []), f"{r['comm_ms']:.2f}",
-                      f"{r['exposed_comm_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
-                      "?" if r["fits"] is None else "yes" if r["fits"] else "[red]NO[/]", "*" if r["fastest"] else "")
+        table.add_row(r["strategy"] + (_REFERENCE if r["reference"] else ""), str(r["world_size"]),
+                      f"{r['step_ms']:.2f}", *([f"{r['recompute_ms']:.2f}"] if recompute else []),
+                      f"{r['comm_ms']:.2f}", f"{r['exposed_comm_ms']:.2f}", f"{r['tokens_per_s']:,.0f}", _fits(r),
+                      "*" if r["fastest"] else "")
     return table
 
 

@@ -1,0 +1,121 @@
+"""What the planner's ``fits`` is judged on, and which rows it may recommend: the peak model wherever it covers a
+row, in fp32, bf16 and fp16; model state with the traced activations, or model state alone, elsewhere, said beside
+every ``fits``; the ZeRO paper's rows (no strategy runs them) shown as references and never the fastest that fits."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import run_cli
+from zeroexp.formulas import LAYOUTS, PlanKnobs, derive_groups
+from zeroexp.plan.cli import register, run
+from zeroexp.plan.shape import model_shape
+
+PAPER = ["zero_stage0", "zero_stage1", "zero_stage2", "zero_stage3"]
+#: A 65B GPT (80 layers x 8192 wide, 64 heads, 4096 tokens a sample): at N=64 its model state is 16.2 GB per rank
+#: under stage 3 while one sample's activations are 173 GB.
+GPT_65B = ["model=gpt", "model.n_layer=80", "model.n_embd=8192", "model.n_head=64", "model.seq_len=4096",
+           "model.vocab_size=32000", "batch_size=1"]
+TINY_GPT = ["model=gpt", "model.n_layer=3", "batch_size=8"]
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from zeroexp.cli import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="plan", overrides=list(overrides))
+
+
+def _run(*overrides: str):
+    return run(_compose(*overrides))
+
+
+def test_every_paper_row_is_a_reference_and_no_strategy_runs_one():
+    from zeroexp.strategies import registered
+
+    assert sorted(name for name, layout in LAYOUTS.items() if layout.reference) == PAPER
+    # deepspeed's row follows strategy.stage (deepspeed_stage<k>), fsdp_hybrid's strategy.sharding (fsdp_<sharding>)
+    run_rows = (set(registered()) & set(LAYOUTS)) | {n for n in LAYOUTS if n.startswith(("deepspeed_", "fsdp_"))}
+    assert not any(LAYOUTS[name].reference for name in run_rows)
+
+
+def test_a_65b_gpt_fits_nowhere_at_64_ranks_on_the_peak_and_no_paper_row_is_fastest():
+    records, _ = _run(*GPT_65B, "world_size=64", "network=h100_ib")  # h100_ib: 80 GB a device
+    rows = {r["strategy"]: r for r in records}
+    memory = 80 * 10**9
+    acts = rows["fsdp_full"]["activation_bytes"]
+    assert acts > 170e9 and all(r["activation_bytes"] == acts for r in records)  # 173 GB: one sample's forward
+    stage3 = rows["zero_stage3"]
+    # on state alone (16.2 GB + a 3.2 GB unit gathered) it would fit
+    assert stage3["reference"] and stage3["device_bytes"] + stage3["gather_floor_bytes"] < 20e9
+    assert stage3["fits_on"] == "state+activations" and stage3["fits"] is False
+    assert stage3["fits_bytes"] == stage3["device_bytes"] + stage3["gather_floor_bytes"] + acts
+    for name in ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp2_grad_op", "fsdp_full", "fsdp2_full"):
+        r = rows[name]  # the peak model covers them: the largest phase above steady holds the activations
+        assert r["fits_on"] == "peak" and r["fits_bytes"] == r["peak_bytes"] >= r["device_bytes"] + acts, name
+        assert r["fits"] is False, name
+    for name in ("deepspeed_stage0", "deepspeed_stage1", "deepspeed_stage2", "deepspeed_stage3"):  # no peak model
+        assert rows[name]["fits_on"] == "state+activations" and rows[name]["fits"] is False, name
+    assert all(r["fits_bytes"] > memory for r in records)
+    assert not any(r["fastest"] for r in records)  # nothing fits: nothing is recommended
+    from zeroexp.plan.render import fastest_sentences
+
+    assert fastest_sentences(records, "GB") == ["N=64: no row a strategy runs fits 80.0 GB"]
+
+
+def test_a_paper_row_is_never_the_fastest_even_where_it_is_fastest():
+    records, _ = _run(*TINY_GPT, "world_size=64", "network=h100_ib", "strategies=[zero_stage3,deepspeed_stage3]")
+    paper, ds = records
+    assert paper["reference"] and paper["fits"] and paper["step_ms"] < ds["step_ms"]
+    assert not paper["fastest"] and ds["fastest"] and ds["fits_on"] == "peak"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_rows_are_judged_on_the_peak(precision):
+    names = ["ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full", "fsdp2_full", "deepspeed_stage1",
+             "deepspeed_stage2", "deepspeed_stage3"]
+    memory = 6_000_000
+    records, _ = _run(*TINY_GPT, "world_size=2", f"precision={precision}", f"device_memory={memory}",
+                      "bucket_cap_mb=1", f"strategies=[{','.join(names)}]")
+    fp32, _ = _run(*TINY_GPT, "world_size=2", f"device_memory={memory}", "bucket_cap_mb=1",
+                   f"strategies=[{','.join(names)}]")
+    rows, full = {r["strategy"]: r for r in records}, {r["strategy"]: r for r in fp32}
+    covered = [n for n in names if not (precision == "fp16" and n.startswith("deepspeed"))]
+    for name in covered:
+        r = rows[name]
+        assert r["fits_on"] == "peak" and r["fits"] == (r["peak_bytes"] <= memory), (name, r.get("peak_note"))
+        # traced in the compute dtype: the forward holds 2-byte activations where fp32's are 4
+        assert r["phase_bytes"]["forward"] < full[name]["phase_bytes"]["forward"], name
+    assert {rows[n]["fits"] for n in covered} == {True, False}  # the peak decides: some fit 6 MB, some do not
+    zero1 = rows["zero1"]  # its steady state holds each bucket's all-gather input (the master cast to 2 bytes)
+    model = _compose(*TINY_GPT).model
+    groups = derive_groups("zero1", LAYOUTS["zero1"], model_shape(model, model.wrap), 2, 2,
+                           PlanKnobs(bucket_cap_bytes=2**20))
+    inputs = sum(s.numel // 2 for s in groups.shards) * 2
+    assert zero1["peak_bytes"] == zero1["device_bytes"] + inputs + max(max(zero1["phase_bytes"].values()), 0)
+    if precision == "fp16":  # DeepSpeed fp16 has no peak model: the state and the activations, said
+        ds = rows["deepspeed_stage3"]
+        assert ds["fits_on"] == "state+activations" and "precision=fp16" in ds["peak_note"]
+        # the fewer of the forward under autocast and the forward of the module cast to fp16
+        assert ds["activation_cast_bytes"] < ds["activation_bytes"]
+        assert ds["fits_bytes"] == ds["device_bytes"] + ds["gather_floor_bytes"] + ds["activation_cast_bytes"]
+    assert all(r["activation_cast_bytes"] is None for r in fp32)
+
+
+def test_cli_says_a_row_is_judged_on_state_alone_and_marks_the_references():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = run_cli("params=7.5e9", "world_size=64", "precision=bf16", "batch_size=1", "network=h100_ib",
+                  app="zeroexp.plan.cli", cwd=root)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "NO (state)" in text and "yes (state)" in text  # a parameter count: no activations, no peak model
+    assert "(state): model state + gather floor alone" in text
+    assert "zero_stage3 (reference)" in text and "never recommended" in text
+    sentence = next(line for line in out.stdout.splitlines() if line.startswith("N=64:"))
+    assert "the fastest that fits 80.0 GB" in sentence and "judged on model state + gather floor alone" in sentence
+    assert not any(name in sentence for name in PAPER)
