@@ -453,12 +453,9 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     for axis in ("prefetch",):
         if axis in explicit_overrides and axis not in adapter.axes:
             value = OmegaConf.select(cfg, f"{axis}.name")
-            raise ConfigError(
-                axis,
-                value,
-                f"strategies that use it: {', '.join(sorted(n for n in registered() if axis in get_adapter_class(n).axes))}",
-                why=f"{axis} does not apply to strategy={name}",
-            )
+            users = ", ".join(sorted(n for n in registered() if axis in get_adapter_class(n).axes))
+            raise ConfigError(axis, value, f"strategies that use it: {users}",
+                              why=f"{axis} does not apply to strategy={name}")
     if cfg.warmup_steps < adapter.min_warmup_steps:  # the collectives probe records the first step after it
         raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer >= {adapter.min_warmup_steps}",
                           why=f"strategy={name} issues its steady per-step collectives only from step "
@@ -473,6 +470,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     _validate_launcher_and_checkpoint(cfg, adapter)
     check_init(cfg, adapter)
     adapter.validate(cfg)
+    adapter.validate_model(cfg)
     check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
 
 

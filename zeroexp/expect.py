@@ -33,6 +33,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         clipping=s.get("clip_grad_norm") is not None,
         micro_batches=int(cfg.get("grad_accum") or 1),
         sync_each_microbatch=bool(s.get("sync_each_microbatch", False)),
+        find_unused_parameters=s.get("find_unused_parameters"),
     )
 
 
@@ -64,11 +65,13 @@ class Expectation:
         """Aggregate factors per kind at the optimizer boundary (sum over ranks / P) [ZeRO 5.1]; ``trained``: the
         fraction of the parameters that train; ``buffers``: the module's buffer bytes / P, which every rank holds
         whole (in fp32 cells: below it strategies differ in whether they cast them, unchecked)."""
+        g = self.groups
+        if g is not None and g.exact and g.ungraded:  # parameters a step gives no gradient hold no state either
+            trained *= 1 - sum(g.numels[i] for i in g.ungraded) / max(g.numel, 1)
         out = state_factors(self.layout, self.world_size, self.itemsize, self.offload, self.knobs.shard_size,
                             trained)
         if buffers and self.itemsize == 4:
             out["buffers"] = self.world_size * buffers
-        g = self.groups
         if g is not None and g.exact and any(u.kept for u in g.units):  # FSDP1 units never resharded (no backward)
             kept = rank_state_bytes(self.layout, g, self.itemsize, self.knobs, self.offload).get("param_unsharded")
             if kept:

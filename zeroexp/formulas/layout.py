@@ -157,10 +157,10 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     if not shape.exact:  # a count: one flat buffer, one unit
         shards = [Shard(((0, shape.numel),), padded_numel(shape.numel, layout.pad * n))]
         units = [Unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False))]
-    elif kind == "rows":
+    elif kind == "rows":  # FSDP2: a parameter's gradient is its own, none for one a step does not use
         shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
         grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
-                       enumerate(zip(shape.params, numels)) if k and shape.train(i)]
+                       enumerate(zip(shape.params, numels)) if k and shape.train(i) and i not in shape.unused]
     elif kind == "units":
         for unit in shape.units:
             spans, length = pack([numels[i] for i in unit], align)
@@ -186,7 +186,8 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
         for u, (unit, root) in enumerate(zip(shape.units, shape.root)):
             if kind == "rows":
                 size = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)
-                reduced = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit if shape.train(i))
+                reduced = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit
+                              if shape.train(i) and i not in shape.unused)
             else:
                 size = padded_numel(pack([numels[i] for i in unit], align)[1], n)
                 reduced = size if any(shape.train(i) for i in unit) else 0
@@ -195,7 +196,11 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
                                        reduced, layout.unreached_units, shape.next_reached(u)))
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
     trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))
-    frozen_shards = kind in ("units", "rows") and bool(full.frozen)
+    rows_ungraded = kind == "rows" and bool(shape.unused)
+    frozen_shards = kind in ("units", "rows") and bool(full.frozen) or rows_ungraded
+    if rows_ungraded:  # indices among the trainable parameters
+        idx = [i for i in range(len(numels)) if shape.train(i)]
+        extra = {**extra, "ungraded": tuple(idx.index(i) for i in shape.unused)}
     return Groups(name, world_size, trained if shape.exact else (shape.numel,), tuple(shards), tuple(units),
                   owners=tuple(owners), exact=shape.exact, shard_size=n if hybrid else 0,
                   frozen=full.frozen if shape.exact else (), grad_shards=tuple(grad_shards) if frozen_shards else None,
@@ -260,14 +265,17 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     frozen = sum(groups.frozen)
     if groups.owners or (not groups.shards and groups.exact):
         owned = groups.owners or (groups.numels,) * n
-        logical = physical = [sum(o) for o in owned]
-        full, tensors = psi, [len(o) for o in owned]
-        p_logical, p_physical = logical, physical
+        idle = _ungraded_per_rank(groups, n)  # no gradient, no optimizer state
+        p_logical = p_physical = [sum(o) for o in owned]
+        logical = physical = [sum(o) - i for o, (i, _) in zip(owned, idle)]
+        full, tensors = psi, [len(o) - k for o, (_, k) in zip(owned, idle)]
+        unused = sum(groups.numels[i] for i in groups.ungraded)  # a replicated kind: every rank's
     else:
         s_over = groups.shard_over  # hybrid: rank r holds shard r % shard_size (mesh (replicate, shard))
         trained = groups.trained_shards
         p_logical, p_physical = (x * (n // s_over) for x in _spread(groups.shards, s_over))
         logical, physical = (x * (n // s_over) for x in _spread(trained, s_over))
+        unused = 0
         full = psi if layout.groups in ("none", "owners") else sum(sh.numel for sh in groups.shards)
         tensors = [len(trained)] * n if groups.exact and layout.groups in ("units", "buckets", "rows") else None
 
@@ -277,7 +285,8 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
             return [((ph if layout.partition_logical else lo) * nbytes, ph * nbytes) for lo, ph in zip(lo_, ph_)]
         if param and layout.groups not in ("units", "rows"):  # frozen parameters held beside the trained ones
             return [((psi + frozen) * nbytes, (full + frozen) * nbytes)] * n
-        return [(psi * nbytes, full * nbytes)] * n
+        held = 0 if param else unused  # a parameter without gradient has no gradient or moments to replicate
+        return [((psi - held) * nbytes, (full - held) * nbytes)] * n
 
     rest = 4 if layout.fp32_at_rest else itemsize
     out = {"param": kind("param" in s, rest, param=True), "grad": kind("grad" in s, rest),
@@ -306,6 +315,17 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     if kept and layout.groups == "units":  # FSDP1 units never resharded: their unsharded FlatParameter at rest
         out["param_unsharded"] = [(sum(lo for lo, _ in kept) * rest, sum(ph for _, ph in kept) * rest)] * n
     return out
+
+
+def _ungraded_per_rank(groups: Groups, n: int) -> list[tuple[int, int]]:
+    """Per rank: the elements and the count of its parameters that get no gradient (``groups.ungraded``): every
+    rank's for replicated state, each owner's own under ZeroRedundancyOptimizer (``owner_assignment``'s owners)."""
+    if not groups.ungraded:
+        return [(0, 0)] * n
+    k, idle = groups.numels, set(groups.ungraded)
+    if not groups.owners:
+        return [(sum(k[i] for i in idle), len(idle))] * n
+    return [(sum(k[i] for i in o if i in idle), sum(1 for i in o if i in idle)) for o in owner_assignment(k, n)]
 
 
 def state_factors(layout: StateLayout, world_size: int, itemsize: int, offload: str = "none",
@@ -343,15 +363,17 @@ def step_collectives(layout: StateLayout, groups: Groups, itemsize: int,
 
 def all_reduce_buckets(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     """ZeRO-0 [ZeRO 7.1]: one gradient all_reduce per bucket; S totals P. DDP broadcasts the module's buffers from
-    rank 0 before forward (``buffer_broadcasts``, bytes as they are)."""
-    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets], broadcast=list(g.buffer_broadcasts))
+    rank 0 before forward (``buffer_broadcasts``, bytes as they are) and, with ``find_unused_parameters``,
+    all-reduces its map of the parameters used (``used_map_bytes``)."""
+    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([g.used_map_bytes] if g.used_map_bytes else []),
+                          broadcast=list(g.buffer_broadcasts))
 
 
 def all_reduce_then_broadcast(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     """ZeRO-1 as ZeroRedundancyOptimizer does it: DDP's bucket all_reduces (P) [ZeRO 7.2.1], then each owner
     broadcasts its updated parameters (``_sync_params``): one broadcast per parameter, or per owner bucket; S = P;
     and DDP's broadcast of the buffers before forward."""
-    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets],
+    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([g.used_map_bytes] if g.used_map_bytes else []),
                           broadcast=[k * c for k in g.broadcasts] + list(g.buffer_broadcasts))
 
 

@@ -15,10 +15,12 @@ __all__ = ["LAYOUTS", "ddp_buckets", "buffer_broadcasts"]
 
 def ddp_buckets(shape: ModelShape, knobs: PlanKnobs) -> tuple[tuple[int, ...], ...]:
     """DDP's steady gradient buckets, each its parameters' numels: the parameters in gradient-ready order (the first
-    backward's, which ``Reducer::rebuild_buckets`` keeps), a bucket closed once it holds ``bucket_cap_mb`` or more
-    (``compute_bucket_assignment_by_size``; zeroexp passes the cap explicitly, so it holds for the first bucket too).
-    One dtype assumed (fp32 at rest, also under autocast)."""
-    numels, order = shape.numels, shape.ready_order
+    backward's, which ``Reducer::rebuild_buckets`` keeps; with ``find_unused_parameters`` the reducer rebuilds none,
+    ``should_rebuild_buckets``, so reverse definition order stays), a bucket closed once it holds ``bucket_cap_mb``
+    or more (``compute_bucket_assignment_by_size``; zeroexp passes the cap explicitly, so it holds for the first
+    bucket too). One dtype assumed (fp32 at rest, also under autocast)."""
+    numels = shape.numels
+    order = tuple(range(len(numels)))[::-1] if _finds_unused(shape, knobs) else shape.ready_order
     buckets = cut_buckets([numels[i] * 4 for i in order], knobs.bucket_cap_bytes, "reach")
     return tuple(tuple(numels[order[j]] for j in b) for b in buckets)
 
@@ -38,8 +40,22 @@ def buffer_broadcasts(buffers: tuple[tuple[str, int], ...], cap: int = BUFFER_BR
     return tuple(sum(sizes[i] for i in b) for sizes in by_dtype.values() for b in cut_buckets(sizes, cap))
 
 
+def _ddp_unused(shape: ModelShape, knobs: PlanKnobs) -> dict:
+    """DDP with parameters a step gives no gradient: they keep no gradient (``.grad`` stays None) and so no optimizer
+    state; ``find_unused_parameters`` (set when there are such parameters, unless given) adds one all_reduce of the
+    reducer's used-parameter map, an int32 per trainable parameter (``Reducer::all_reduce_local_used_map``)."""
+    find = _finds_unused(shape, knobs)
+    return {"ungraded": shape.unused, "used_map_bytes": 4 * len(shape.numels) if find and shape.exact else 0}
+
+
+def _finds_unused(shape: ModelShape, knobs: PlanKnobs) -> bool:
+    """DDP's ``find_unused_parameters``: as given, else whether a traced step leaves a parameter ungraded."""
+    return knobs.find_unused_parameters if knobs.find_unused_parameters is not None else bool(shape.unused)
+
+
 def _ddp_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
-    return {"buckets": ddp_buckets(shape, knobs), "buffer_broadcasts": buffer_broadcasts(shape.buffers)}
+    return {"buckets": ddp_buckets(shape, knobs), "buffer_broadcasts": buffer_broadcasts(shape.buffers),
+            **_ddp_unused(shape, knobs)}
 
 
 def _zro_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
@@ -53,7 +69,7 @@ def _zro_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
         broadcasts = tuple(sum(o) for o in owned) if knobs.parameters_as_bucket_view else \
             tuple(k for o in owned for k in o)
     return {"buckets": ddp_buckets(shape, knobs), "broadcasts": broadcasts,
-            "buffer_broadcasts": buffer_broadcasts(shape.buffers)}
+            "buffer_broadcasts": buffer_broadcasts(shape.buffers), **_ddp_unused(shape, knobs)}
 
 
 def _one_bucket(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:

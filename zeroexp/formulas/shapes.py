@@ -33,6 +33,8 @@ class ModelShape:
     unit_next_reached: tuple[bool, ...] = ()
     #: The module's buffers (BatchNorm statistics, masks), each as (dtype name, bytes), in ``buffers()`` order.
     buffers: tuple[tuple[str, int], ...] = ()
+    #: Indices of the trainable parameters a traced step gives no gradient (a branch forward never calls).
+    unused: tuple[int, ...] = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -78,7 +80,7 @@ class ModelShape:
         return ModelShape(tuple(self.params[i] for i in keep), remap(self.units), self.root, self.exact,
                           None if self.ready is None else tuple(new[i] for i in self.ready if i in new),
                           remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached,
-                          self.buffers)
+                          self.buffers, tuple(new[i] for i in self.unused if i in new))
 
     def calls(self, u: int) -> int:
         """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""
@@ -111,6 +113,7 @@ class PlanKnobs:
     clipping: bool = False
     micro_batches: int = 1  # grad_accum: micro-batches per optimizer step
     sync_each_microbatch: bool = False  # FSDP / FSDP2 with grad_accum: reduce-scatter each micro-batch, no no_sync
+    find_unused_parameters: bool | None = None  # DDP's; None: when a traced step leaves a parameter ungraded
 
 
 class Shard(NamedTuple):
@@ -146,7 +149,10 @@ class Groups:
     (``requires_grad=False``: held, not trained). ``shards``: the sharded buffers (the parameters' storage: frozen
     ones included where the strategy shards them with the rest, FSDP). ``grad_shards``: the buffers' ranges that
     hold gradients and optimizer state when they are not every parameter of ``shards`` (each as its shard, spans of
-    the trainable parameters only; a buffer with none omitted); None: the same as ``shards``. ``buffers``: the
+    the trainable parameters only; a buffer with none omitted); None: the same as ``shards``. ``ungraded``: indices
+    into ``numels`` of the parameters a step gives no gradient, for which the layout then keeps neither gradient
+    nor optimizer state (DDP, ZeroRedundancyOptimizer; a flat buffer holds a zero gradient for them instead);
+    ``used_map_bytes``: DDP's ``find_unused_parameters`` all-reduce of its used-parameter map. ``buffers``: the
     module's buffers, (dtype name, bytes) each, which every rank holds whole; ``buffer_broadcasts``: bytes of each
     broadcast of them per step (DDP's ``broadcast_buffers``).
     ``units``: FSDP units. ``buckets``: gradient reductions, each its parameters' numels in reduce order (DDP's
@@ -172,6 +178,8 @@ class Groups:
     grad_shards: tuple[Shard, ...] | None = None
     buffers: tuple[tuple[str, int], ...] = ()
     buffer_broadcasts: tuple[int, ...] = ()
+    ungraded: tuple[int, ...] = ()
+    used_map_bytes: int = 0
 
     @property
     def numel(self) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 from zeroexp.formulas import ITEMSIZE
 
 __all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "zeros_batch", "loss_of",
-           "import_class", "wrap_paths", "torch_dtype", "checkpoint_units", "requires_grad"]
+           "import_class", "wrap_paths", "torch_dtype", "checkpoint_units", "requires_grad", "unused_parameters"]
 
 #: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
 #: the ``_target_`` factory.
@@ -144,3 +144,19 @@ def requires_grad(output: Any) -> bool:
     if isinstance(output, Mapping):
         return any(requires_grad(o) for o in output.values())
     return False
+
+
+def unused_parameters(model_cfg: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The trainable parameters one step of the model config's module gives no gradient (a branch forward never
+    calls), by name: built on the meta device, one forward, the loss and backward on a zero batch of two samples.
+    None when the module's step does not run on the meta device (then nothing is known)."""
+    with torch.device("meta"):
+        net = build_model(model_cfg)
+    batch = zeros_batch(model_cfg, 2, device="meta")
+    try:
+        loss = loss_of(model_cfg)(net(batch), batch)
+        if loss.requires_grad:
+            loss.backward()
+    except Exception:  # noqa: BLE001 - a module that needs real data: not known
+        return None
+    return tuple(n for n, p in net.named_parameters() if p.requires_grad and p.grad is None)

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroexp.formulas import ITEMSIZE, Groups, ModelShape
+from zeroexp.formulas import ITEMSIZE, Groups, ModelShape, owner_assignment
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak import (GRADIENT_FLOW, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
                                    fsdp_phase_peaks)
@@ -373,10 +373,12 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
     buckets in reduce order, the tensors the rank's AdamW steps (fp32 state; single-tensor, torch's default on CPU),
     and below fp32 zeroexp's ZeRO's up-casts and all-gather inputs (:mod:`zeroexp.formulas.peak_precision`)."""
     g = terms.grad_itemsize
-    if name in ("ddp", "zro"):
-        numels = groups.numels if name == "ddp" else groups.owners[rank]
-        return {"steady_grad_bytes": groups.numel * g, "buckets": (), "optimizer_numels": tuple(numels),
-                **ADAMW}
+    if name in ("ddp", "zro"):  # a parameter a step gives no gradient has no gradient and no moments to step
+        idle = set(groups.ungraded)
+        mine = range(len(groups.numels)) if name == "ddp" else owner_assignment(groups.numels, n)[rank]
+        numels = [groups.numels[i] for i in mine if i not in idle]
+        graded = sum(k for i, k in enumerate(groups.numels) if i not in idle)
+        return {"steady_grad_bytes": graded * g, "buckets": (), "optimizer_numels": tuple(numels), **ADAMW}
     # zeroexp's ZeRO: one flat bucket per shard; backward fills the last-defined bucket first.
     shards = tuple(s.numel // n for s in groups.shards)
     return {"steady_grad_bytes": 0, "buckets": tuple(s.numel * g for s in reversed(groups.shards)),

@@ -57,13 +57,16 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
     calls: tuple[int, ...] = ()
     backward: tuple[bool, ...] = ()
     after: tuple[bool, ...] = ()
+    traced = False
     if model_cfg is not None:
         ready, calls, backward, after = trace_units(net, model_cfg, unit_modules)
+        traced = ready is not None
+    unused = tuple(i for i, p in enumerate(params) if p.requires_grad and i not in set(ready)) if traced else ()
     return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready,
                       modules=tuple(m for m in own if m), trains=() if all(trains) else trains,
                       unit_calls=calls, unit_backward=backward, unit_next_reached=after,
                       buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
-                                    for b in net.buffers()))
+                                    for b in net.buffers()), unused=unused)
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:
@@ -75,10 +78,11 @@ def trace_units(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Mod
                ) -> tuple[tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...], tuple[bool, ...]]:
     """One step of ``net`` on the meta device (one sample of ``model.input_shape``, the model's loss): the order in
     which the trainable parameters' gradients become ready (as DDP's Reducer records it to rebuild its buckets: each
-    parameter's post-accumulate-grad hook fires once, after its last contribution, a tied weight too; None when a
-    trainable parameter gets no gradient), and for each of ``units`` its forward calls, whether its output
-    requires grad (backward reaches it) and whether backward reaches the unit after it in forward order. All empty when the module's forward does not run on the meta device (then
-    reverse definition order, one call per unit and backward through each are assumed)."""
+    parameter's post-accumulate-grad hook fires once, after its last contribution, a tied weight too; one a step
+    gives no gradient is not in it), and for each of ``units`` its forward calls, whether its output requires grad
+    (backward reaches it) and whether backward reaches the unit after it in forward order. None and empty when the
+    module's step does not run on the meta device (then reverse definition order, one call per unit and backward
+    through each are assumed)."""
     params = list(net.parameters())
     index, order = {id(p): i for i, p in enumerate(params)}, []
     calls, backward, finished = [0] * len(units), [False] * len(units), []
@@ -93,7 +97,6 @@ def trace_units(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Mod
     hooks = [p.register_post_accumulate_grad_hook(lambda t: order.append(index[id(t)])) for p in params
              if p.requires_grad]
     hooks += [m.register_forward_hook(seen(k)) for k, m in enumerate(units)]
-    trained = len([p for p in params if p.requires_grad])
     try:
         batch = zeros_batch(model_cfg, 1, device="meta")
         loss = loss_of(model_cfg)(net(batch), batch)
@@ -104,8 +107,7 @@ def trace_units(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Mod
     finally:
         for h in hooks:
             h.remove()
-    return ((tuple(order) if len(order) == trained else None), tuple(calls), tuple(backward),
-            next_reached(finished, backward))
+    return tuple(order), tuple(calls), tuple(backward), next_reached(finished, backward)
 
 
 def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...] | None:

@@ -42,12 +42,14 @@ _CHECKPOINTED = "_checkpoint_wrapped_module."
 
 
 def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None,
-                    averaged_grads: bool = False) -> dict[str, torch.Tensor]:
+                    averaged_grads: bool = False, seen: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Train the unsharded reference for ``steps`` steps; return its parameters by name (on the CPU).
 
     ``clip_grad_norm``: clip by the global norm as the strategy does. ``averaged_grads``: data parallelism's
     arithmetic instead of the mean loss's: each rank's gradient of its own loss, summed in the reverse rank
-    order, then divided by the world size (for the reduction-order floor).
+    order, then divided by the world size (for the reduction-order floor). ``seen``, when given, is filled with
+    ``ungraded`` (the trainable parameters the first step gave no gradient, by name), ``buffers`` (the buffers
+    after the last step) and ``moved_buffers`` (the names of those training changed).
     """
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     import lightning.pytorch as pl  # here: the probe's module is read without Lightning (zeroexp.probes.base)
@@ -59,6 +61,7 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     loss_fn = LOSSES[cfg.model.loss]
     n, k = int(cfg.world_size), int(cfg.get("grad_accum") or 1)
+    initial = {name: b.detach().clone() for name, b in net.named_buffers()}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         for micro in range(step * k, step * k + k):  # grad_accum=K: K micro-batches per step, each loss / K
@@ -80,8 +83,43 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
                 (loss / k if k > 1 else loss).backward()
         if clip_grad_norm is not None:  # the strategy clips by the global norm: so does the reference
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        if seen is not None and step == 0:
+            seen["ungraded"] = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
         opt.step()
+    if seen is not None:
+        seen["buffers"] = {name: b.detach() for name, b in net.named_buffers()}
+        seen["moved_buffers"] = [name for name, b in net.named_buffers() if not torch.equal(b, initial[name])]
     return {name: p.detach() for name, p in net.named_parameters()}
+
+
+#: Why a parameter forward never uses may differ from the reference by design.
+UNGRADED = ("forward never uses it, so the reference gives it no gradient and AdamW leaves it; the strategy holds it "
+            "in a flat buffer whose gradient is zero there, so AdamW's weight decay moves it")
+#: Why a buffer a training step changes is not compared.
+PER_RANK_BUFFER = ("each rank's forward updates it from its own batch (BatchNorm statistics of data parallelism are "
+                   "per rank), the reference's from every rank's batch in turn")
+#: The wrappers' own names in a parameter's or buffer's path (FSDP1's, torch's checkpoint_wrapper).
+_WRAPPERS = ("_fsdp_wrapped_module.", _CHECKPOINTED)
+
+
+def compare_buffers(pl_module: Any, seen: Mapping[str, Any]) -> dict[str, Any]:
+    """The module's buffers on rank 0 against the reference's after the same steps: those training leaves as they
+    are (masks, tables) must be equal (``buffers_check``); those it changes are listed in ``buffers_not_compared``
+    with the reason. Empty for a model without buffers."""
+    reference = {_PREFIX + n: b for n, b in (seen.get("buffers") or {}).items()}
+    if not reference:
+        return {}
+    moved = {_PREFIX + n for n in seen.get("moved_buffers", [])}
+    mine = {}
+    for name, b in pl_module.named_buffers():
+        for w in _WRAPPERS:
+            name = name.replace(w, "")
+        mine[name] = b.detach().to("cpu")
+    differ = [n for n, ref in reference.items() if n not in moved
+              and (n not in mine or mine[n].shape != ref.shape or not torch.equal(mine[n].to(ref.dtype), ref))]
+    return {"buffers_compared": len(reference) - len(moved), "buffers_check": "FAIL" if differ else "PASS",
+            "buffers_differ": differ, "buffers_not_compared": [{"tensor": n, "why": PER_RANK_BUFFER}
+                                                               for n in sorted(moved)]}
 
 
 def max_abs_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
@@ -91,11 +129,15 @@ def max_abs_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -
 
 
 def compare(trained: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
-            threshold: float | None, floor: float | None = None) -> dict[str, Any]:
+            threshold: float | None, floor: float | None = None,
+            by_design: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``max_abs_err`` (max |a - b| over every element), ``max_rel_err`` (max over tensors of
     max|a - b| / max|b|) and ``check``: PASS when the names and shapes agree and max_abs_err <= the bound, the
     precision's ``threshold`` or ``FLOOR_FACTOR * floor`` where larger (``floor``: the reduction-order floor,
-    None when not measured); SKIP when there is no threshold (a precision without one in :data:`THRESHOLDS`)."""
+    None when not measured); SKIP when there is no threshold (a precision without one in :data:`THRESHOLDS`).
+    ``by_design``: tensors a strategy may compute otherwise by design, each with the reason: one beyond the bound
+    is left out of the errors and listed in ``not_compared`` with its error and that reason."""
+    by_design = by_design or {}
     out: dict[str, Any] = {"compared_tensors": len(reference), "threshold": threshold}
     if floor is not None:
         out["reduction_floor"] = floor
@@ -108,16 +150,22 @@ def compare(trained: Mapping[str, torch.Tensor], reference: Mapping[str, torch.T
         return {**out, "max_abs_err": None, "max_rel_err": None, "check": "FAIL",
                 "why": f"parameter names differ: {', '.join(diff[:5])}"}
     abs_err = rel_err = 0.0
+    bound = out.get("effective_threshold")
+    not_compared = []
     for name, ref in reference.items():
         got = trained[name].to(ref.dtype)
         if got.shape != ref.shape:
             return {**out, "max_abs_err": None, "max_rel_err": None, "check": "FAIL",
                     "why": f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"}
         err = float((got - ref).abs().max()) if ref.numel() else 0.0
+        if name in by_design and bound is not None and err > bound:
+            not_compared.append({"tensor": name, "max_abs_err": err, "why": by_design[name]})
+            continue
         scale = float(ref.abs().max()) if ref.numel() else 0.0
         abs_err = max(abs_err, err)
         rel_err = max(rel_err, err / scale if scale > 0 else (0.0 if err == 0 else float("inf")))
-    out.update(max_abs_err=abs_err, max_rel_err=rel_err)
+    out.update(max_abs_err=abs_err, max_rel_err=rel_err, not_compared=not_compared,
+               compared_tensors=len(reference) - len(not_compared))
     if threshold is None:
         return {**out, "check": "SKIP", "why": "no equivalence threshold for this precision"}
     return {**out, "check": "PASS" if abs_err <= out["effective_threshold"] else "FAIL"}
@@ -168,13 +216,20 @@ class EquivalenceProbe(Probe):
                 trained = {name.replace(_CHECKPOINTED, ""): t.to("cpu", copy=True) for name, t in full.items()}
         if self.ctx.rank == 0:
             steps, clip = int(trainer.global_step), self.ctx.adapter.clip_grad_norm
-            reference = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip)
+            seen: dict[str, Any] = {}
+            reference = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, seen=seen)
             floor = None
             if int(self.ctx.cfg.world_size) > 1:  # one rank: there is no other order
                 averaged = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, averaged_grads=True)
                 floor = max_abs_diff(averaged, reference)
+            by_design = {_PREFIX + n: UNGRADED for n in seen.get("ungraded", [])}
             self.result = {"reference": REFERENCE, "steps": steps,
-                           **compare(trained, {_PREFIX + n: t for n, t in reference.items()}, self.threshold, floor)}
+                           **compare(trained, {_PREFIX + n: t for n, t in reference.items()}, self.threshold, floor,
+                                     by_design),
+                           **compare_buffers(pl_module, seen)}
+            if self.result.get("buffers_check") == "FAIL" and self.result.get("check") == "PASS":
+                self.result.update(check="FAIL", why="buffers the reference keeps unchanged differ: "
+                                                     + ", ".join(self.result["buffers_differ"][:5]))
 
     def rank_result(self) -> dict[str, Any]:
         return self.result

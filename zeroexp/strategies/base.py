@@ -151,6 +151,11 @@ class StrategyAdapter:
     def validate(cls, cfg: DictConfig) -> None:
         """Refuse settings this strategy cannot run (raise ``zeroexp.errors.ConfigError``)."""
 
+    @classmethod
+    def validate_model(cls, cfg: DictConfig) -> None:
+        """Refuse a model this strategy cannot run as configured (``ConfigError`` naming the key), read on the meta
+        device before launch, once the model check passed. Default: nothing."""
+
     def setup(self, device: torch.device) -> None:
         """Once the process group exists and before any model is built (a dry run calls it before entering
         ``FakeTensorMode``): make what must hold real tensors, e.g. a device mesh. Default: nothing."""

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from zeroexp.errors import ConfigError
 from zeroexp.formulas import Groups, buffer_broadcasts
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_state_dicts, save_state_dicts
@@ -24,6 +25,9 @@ class DDPConfig(StrategyConfig):
     # Set explicitly, DDP also uses it as the first bucket's cap (otherwise 1 MiB), so buckets are even.
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
+    #: DDP's ``find_unused_parameters``; null: set when one meta-device step of the model leaves a trainable
+    #: parameter without a gradient (zeroexp.models.unused_parameters), as DDP requires then.
+    find_unused_parameters: Optional[bool] = field(default=None, metadata={"identity": "when_set"})
 
 
 @register
@@ -51,12 +55,38 @@ class DDPAdapter(StrategyAdapter):
             strategy.precision_plugin = plugin
         return strategy
 
+    @classmethod
+    def validate_model(cls, cfg: Any) -> None:
+        """Refuse ``strategy.find_unused_parameters=false`` for a model whose step leaves trainable parameters
+        without a gradient (found from the meta-device step before launch): DDP's reducer would wait for their
+        gradients and fail in the ranks."""
+        if cfg.strategy.get("find_unused_parameters") is not False:
+            return
+        from zeroexp.models import unused_parameters
+
+        unused = unused_parameters(cfg.model)
+        if unused:
+            raise ConfigError("strategy.find_unused_parameters", False, "true or null (found from the model)",
+                              why=f"{len(unused)} trainable parameter(s) get no gradient in a step "
+                                  f"({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''})")
+
+    def find_unused(self) -> bool:
+        """``strategy.find_unused_parameters``, or, when null, whether the model's meta-device step leaves a trainable
+        parameter without a gradient."""
+        value = self.scfg.get("find_unused_parameters")
+        if value is None:
+            from zeroexp.models import unused_parameters
+
+            value = bool(unused_parameters(self.cfg.model))
+        return bool(value)
+
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         return DistributedDataParallel(
             module,
             device_ids=None if device.type == "cpu" else [device.index],
             bucket_cap_mb=float(self.scfg.bucket_cap_mb),
             gradient_as_bucket_view=bool(self.scfg.gradient_as_bucket_view),
+            find_unused_parameters=self.find_unused(),
         )
 
     checkpoint_kinds = frozenset({"full", "sharded"})
@@ -95,5 +125,8 @@ class DDPAdapter(StrategyAdapter):
         buffers = buffer_record(module)
         broadcasts = buffer_broadcasts(buffers, model.broadcast_bucket_size) \
             if getattr(model, "broadcast_buffers", False) else ()
+        trained = self.trainable(module.parameters())
+        ungraded = tuple(i for i, p in enumerate(trained) if p.grad is None)  # read after a step's backward
+        used_map = 4 * len(trained) if getattr(model, "find_unused_parameters", False) else 0
         return Groups(self.layout, dist.get_world_size(), numels, buckets=self.gradient_buckets(model), frozen=frozen,
-                      buffers=buffers, buffer_broadcasts=broadcasts)
+                      buffers=buffers, buffer_broadcasts=broadcasts, ungraded=ungraded, used_map_bytes=used_map)

@@ -198,18 +198,23 @@ class FSDP2Adapter(StrategyAdapter):
 
         shards = tuple(shard(p) for p in params if p.numel())
         frozen = tuple(p.numel() for p in params if not p.requires_grad)
+        # read after a step's backward: a trainable parameter without a gradient got none (forward never used it)
+        graded = [p.requires_grad and p.grad is not None for p in params]
+        trained = [p for p in params if p.requires_grad]
+        ungraded = tuple(i for i, p in enumerate(trained) if p.grad is None)
         units = []
         for module in post_order(model, lambda m: _param_group(m) is not None):
             group = _param_group(module)
-            sizes = [(fsdp2_padded_numel(tuple(q._orig_size), n), q.sharded_param.requires_grad)
-                     for q in group.fsdp_params]
+            sizes = [(fsdp2_padded_numel(tuple(q._orig_size), n),
+                      q.sharded_param.requires_grad and q.sharded_param.grad is not None) for q in group.fsdp_params]
             calls, reached, after = self._trace.of(module) or (1, True, True)
             units.append(fsdp_unit(sum(k for k, _ in sizes), 2 if group.post_forward_mesh_info is not None else 1,
                                    calls, reached, sum(k for k, t in sizes if t), LAYOUTS[self.layout].unreached_units,
                                    after))
-        return Groups(self.layout, world, tuple(p.numel() for p in params if p.requires_grad), shards, tuple(units),
-                      shard_size=n if n != world else 0, frozen=frozen,
-                      grad_shards=tuple(shard(p) for p in params if p.numel() and p.requires_grad) if frozen else None)
+        return Groups(self.layout, world, tuple(p.numel() for p in trained), shards, tuple(units),
+                      shard_size=n if n != world else 0, frozen=frozen, ungraded=ungraded,
+                      grad_shards=tuple(shard(p) for p, g in zip(params, graded) if p.numel() and g)
+                      if frozen or ungraded else None)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:

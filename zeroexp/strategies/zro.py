@@ -65,7 +65,7 @@ class ZROAdapter(DDPAdapter):
         ddp = super().groups(model, optimizer)
         return Groups(ddp.layout, ddp.world_size, ddp.numels, buckets=ddp.buckets, owners=owners,
                       broadcasts=broadcasts, frozen=ddp.frozen, buffers=ddp.buffers,
-                      buffer_broadcasts=ddp.buffer_broadcasts)
+                      buffer_broadcasts=ddp.buffer_broadcasts, ungraded=ddp.ungraded, used_map_bytes=ddp.used_map_bytes)
 
     def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(
