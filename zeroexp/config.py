@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.model_check import check_model
+from zeroexp.model_schemas import GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
 from zeroexp.models import MODEL_RESERVED_KEYS
 from zeroexp.resources import ResourcesConfig, check_resources
 
@@ -28,47 +29,7 @@ __all__ = ["ConfigError", "NotApplicableHere", "register_schemas", "validate", "
            "strategy_extras", "without_strategy_extras"]
 
 
-# --- model -------------------------------------------------------------------------------------------
-
-@dataclass
-class ModelConfig:
-    """Any ``nn.Module`` factory plus the shape of one sample, so zeroexp can make synthetic batches."""
-
-    _target_: str = MISSING
-    name: str = MISSING
-    input_shape: List[int] = MISSING  # one sample, without the batch dimension
-    dtype: str = "float32"  # float32 | float16 | bfloat16 | long (token ids in [low, high))
-    low: int = 0
-    high: int = 2
-    loss: str = "mean_square"  # see zeroexp.models.LOSSES
-    # The model's natural FSDP unit (module classes by import path), used when strategy.wrap is null.
-    wrap: Optional[List[str]] = None
-
-
-@dataclass
-class MLPConfig(ModelConfig):
-    """The reference Linear stack: ``depth`` bias-free ``nn.Linear(width, width)`` layers."""
-
-    _target_: str = "zeroexp.models.LinearStack"
-    width: int = 256
-    depth: int = 8
-    wrap: Optional[List[str]] = field(default_factory=lambda: ["torch.nn.Linear"])
-
-
-@dataclass
-class GPTConfig(ModelConfig):
-    """zeroexp's decoder-only transformer (``zeroexp.models.gpt.GPT``) on random token ids."""
-
-    _target_: str = "zeroexp.models.gpt.GPT"
-    vocab_size: int = 256
-    seq_len: int = 32
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 64
-    bias: bool = True
-    tie_weights: bool = True
-    wrap: Optional[List[str]] = field(default_factory=lambda: ["zeroexp.models.gpt.Block"])
-
+# --- model: zeroexp.model_schemas --------------------------------------------------------------------
 
 # --- strategies --------------------------------------------------------------------------------------
 # Each strategy's schema lives beside its adapter (``StrategyAdapter.schema``, zeroexp/strategies/); the schemas
@@ -204,6 +165,7 @@ def register_schemas() -> None:
     cs.store(group="schema/model", name="model", node=OmegaConf.structured(ModelConfig, flags={"struct": False}))
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
     cs.store(group="schema/model", name="gpt", node=GPTConfig)
+    cs.store(group="schema/model", name="lora_gpt", node=LoRAGPTConfig)
     # Each strategy's own schema (``StrategyAdapter.schema``) as schema/strategy/<name>. Typed, and open to keys of
     # other strategies: in a sweep across strategies a key set for all (strategy.stage=2,3) stays in the jobs whose
     # strategy lacks it; it does not apply there (not in the cell's identity, removed before the cell runs), and
@@ -424,7 +386,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
             raise ConfigError(f"model.{key}", "???", "a class or factory by import path (model._target_=pkg.Module)"
                               if key == "_target_" else "a non-empty list of positive integers ('model.input_shape="
                               "[16]')", why=f"model={model.get('name')} needs it")
-    for key in ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
+    for key in ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "lora_rank"):
         if key in model:
             _positive_int(cfg, f"model.{key}")
     if "n_head" in model and model.n_embd % model.n_head:

@@ -79,10 +79,9 @@ class StateLayout:
     payload_limits: Callable[..., list[str]] | None = None
     comm: Callable[[ModelShape, int, PlanKnobs], dict] | None = field(default=None, compare=False)
     gathers_per_unit: Callable[[bool], int] = field(default=lambda root: 1, compare=False)
-    #: What an FSDP unit backward never reaches does (:func:`fsdp_unit`): ``kept`` (FSDP1: not gathered for
-    #: backward; if kept after forward, never resharded) or ``prefetched`` (FSDP2: gathered for backward when the unit
-    #: after it in forward order is reached, its implicit backward prefetch; resharded at the end of backward).
-    unreached_units: str = "kept"
+    #: How the strategy's hooks gather an FSDP unit called more than once or never reached by backward
+    #: (:func:`fsdp_unit`): ``fsdp1`` or ``fsdp2``.
+    unit_hooks: str = "fsdp1"
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
     hybrid: bool = False
     reference: bool = False
@@ -193,7 +192,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
                 reduced = size if any(shape.train(i) for i in unit) else 0
             if size:
                 units.append(fsdp_unit(size, layout.gathers_per_unit(root), shape.calls(u), shape.backward(u),
-                                       reduced, layout.unreached_units, shape.next_reached(u)))
+                                       reduced, layout.unit_hooks, shape.next_reached(u)))
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
     trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))
     rows_ungraded = kind == "rows" and bool(shape.unused)

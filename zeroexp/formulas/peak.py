@@ -196,13 +196,21 @@ class FsdpUnit(NamedTuple):
     share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them). Below fp32
     (:mod:`zeroexp.formulas.peak_precision`): ``upcast``, the fp32 copy of the reduced shard, allocated beside it
     after the reduce-scatter returned (gloo's copy of its input freed) and kept instead of it; ``gather_copy``, FSDP1's
-    compute-dtype copy of the shard (``_mp_shard``) alive while the unit is all-gathered. 0: fp32."""
+    compute-dtype copy of the shard (``_mp_shard``) alive while the unit is all-gathered. 0: fp32. ``reduced``: the
+    bytes of its reduce-scatter's input where they are not ``unsharded`` (FSDP2 with frozen parameters: the padded
+    trainable ones; 0: no reduce-scatter), ``shard`` then that input's share."""
 
     unsharded: int
     shard: int
     grads: int
     upcast: int = 0
     gather_copy: int = 0
+    reduced: int | None = None
+
+    @property
+    def scattered(self) -> int:
+        """The bytes of its reduce-scatter's input (0: none)."""
+        return self.unsharded if self.reduced is None else self.reduced
 
 
 def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
@@ -338,7 +346,7 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         pending = sum(full[j] for _, j in order[pos + 1:]) if kept else 0  # still unsharded since forward
         # The previous unit's reduce-scatter input, kept until this unit's reduce (FSDP2's reduce_scatter_states, one
         # buffer): comm.
-        rs_kept = full[order[pos - 1][1]] if pos and not kept else 0
+        rs_kept = units[order[pos - 1][1]].scattered if pos and not kept else 0
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only the
         # units kept since forward are unsharded).
         before = ((segs[i - 1], root + u.unsharded + pending if kept else 0, 0),) if pos == 0 else ()
@@ -350,10 +358,10 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         # chunk_cat's output, the reduce-scatter's input, is comm; the output shard is kept as the gradient. gloo's
         # copy of the input (no collective's argument: temporaries) is alive at this moment only while gloo's worker
         # still holds it: the upper end of the range.
-        copy = max(u.unsharded - u.upcast, 0) if gloo else 0
+        copy = max(u.scattered - u.upcast, 0) if gloo else 0
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
                           "temporaries": after.get("temporaries", 0) + u.grads + u.upcast,
-                          "comm": u.unsharded, "unsharded": root + prefetched + pending,
+                          "comm": u.scattered, "unsharded": root + prefetched + pending,
                           "gradients": t_root + shards_done + u.shard - steady_grad_bytes},
              timing={"temporaries": copy}, note=f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive "
                                                 "at its post-backward only while gloo's worker holds it")

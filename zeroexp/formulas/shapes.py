@@ -212,15 +212,26 @@ def next_reached(order: list[int], reached: list[bool]) -> tuple[bool, ...]:
 
 
 def fsdp_unit(numel: int, gathers: int, calls: int = 1, reached: bool = True, reduced: int | None = None,
-              unreached: str = "kept", next_reached: bool = True) -> Unit:
+              hooks: str = "fsdp1", next_reached: bool = True) -> Unit:
     """An FSDP unit as a traced step drives it [FSDP] [FSDP2]. ``gathers`` per step for one forward call that
     backward reaches: 2 when the unit is resharded after forward and gathered again before backward, 1 when kept
-    unsharded into backward; each further forward call of a resharded unit gathers again; it reduce-scatters
-    ``reduced`` elements (None: ``numel``) only where backward reaches it. A unit backward never reaches (frozen and
-    fed by no trainable one, or never called) follows ``unreached`` (:attr:`StateLayout.unreached_units`)."""
+    unsharded into backward; it reduce-scatters ``reduced`` elements (None: ``numel``) only where backward reaches
+    it. Each further forward call of a resharded unit gathers again. ``hooks`` (:attr:`StateLayout.unit_hooks`):
+
+    - ``fsdp1``: backward gathers a resharded unit once (its pre-backward hook runs once per backward), and a unit
+      backward never reaches not at all; one kept after forward is then never resharded (steady steps gather it
+      no more: ``kept``);
+    - ``fsdp2``: each forward call's part of backward gathers a resharded unit again (its post-backward reshards
+      after each part; a unit kept after forward: each part but the first); a unit backward never reaches is still gathered when the unit after it in forward order is
+      reached (``next_reached``: FSDP2's implicit backward prefetch), and resharded at the end of backward."""
     resharded, reached = gathers >= 2, reached and calls > 0
-    kept = unreached == "kept" and not resharded and calls > 0 and not reached
-    again = resharded and (reached or (unreached == "prefetched" and calls > 0 and next_reached))
-    total = (calls if resharded else (0 if kept else min(calls, 1))) + (1 if again else 0)
+    kept = hooks == "fsdp1" and not resharded and calls > 0 and not reached
+    if hooks == "fsdp2" and resharded:
+        again = calls if reached else min(calls, 1) if next_reached else 0
+    elif hooks == "fsdp2":  # kept after forward: gathered again for each earlier call's part, after a reshard
+        again = max(calls - 1, 0) if reached else 0
+    else:
+        again = 1 if resharded and reached else 0
+    total = (calls if resharded else (0 if kept else min(calls, 1))) + again
     scattered = (numel if reduced is None else reduced) if reached else 0
     return Unit(numel, total, None if scattered == numel else scattered, kept)

@@ -85,11 +85,14 @@ def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
     """Why the peak model does not cover this model's shape under row ``name`` (empty: it does)."""
     flow, reasons = flow_of(name), []
     if flow in ("fsdp1", "fsdp2") and shape.exact:
-        if shape.frozen:
-            reasons.append(f"no peak model yet for frozen parameters under {flow.upper()} ({len(shape.frozen)} "
-                           "frozen: a unit's reduce-scatter covers only its trainable parameters, and a unit backward "
-                           "does not reach is not traced); state, collectives and groups are checked")
-        elif any(shape.calls(u) != 1 or not shape.backward(u) for u in range(len(shape.units))):
+        if shape.frozen and flow == "fsdp1":
+            reasons.append(f"no peak model yet for frozen parameters under FSDP1 ({len(shape.frozen)} frozen); "
+                           "state, collectives and groups are checked")
+        if shape.frozen and any(shape.train(i) for u, root in zip(shape.units, shape.root) if root for i in u):
+            reasons.append(f"no peak model yet for {flow.upper()} with frozen parameters and a root unit that "
+                           "trains (its reduce-scatter at the end of backward); state, collectives and groups are "
+                           "checked")
+        if any(shape.calls(u) != 1 or not shape.backward(u) for u in range(len(shape.units))):
             reasons.append(f"no peak model yet for {flow.upper()} units called other than once per forward or "
                            "that backward does not reach (traced step); state, collectives and groups are checked")
         if flow == "fsdp2" and shape.units and all(shape.root):
@@ -404,12 +407,13 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         if is_root and not alone:
             root += unit.numel * itemsize
             root_grads += sum(shape.numels[i] for i in members) * itemsize
-        else:
-            units.append(FsdpUnit(unit.numel * itemsize, unit.numel // n * itemsize,
-                                  sum(shape.numels[i] for i in members) * itemsize,
-                                  sharded_grad_upcast(unit.numel // n, terms),
-                                  unit.numel // n * itemsize if name in FSDP1_ROWS and terms.module_dtype else 0))
-    shards = [u.numel // n for u in groups.units]
+        else:  # the gradients autograd computes: of the trainable parameters a step uses
+            graded = sum(shape.numels[i] for i in members if shape.train(i) and i not in shape.unused)
+            units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * itemsize, graded * itemsize,
+                                  sharded_grad_upcast(unit.scattered // n, terms),
+                                  unit.numel // n * itemsize if name in FSDP1_ROWS and terms.module_dtype else 0,
+                                  None if unit.reduced is None else unit.reduced * itemsize))
+    shards = [u.scattered // n for u in groups.units]
     if micro_batches > 1:
         if name not in NO_SYNC_ROWS:
             raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
@@ -420,7 +424,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                                                     ADAMW["foreach"]))
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
-                                 optimizer_numels=tuple(s.numel // n for s in groups.shards), **ADAMW,
+                                 optimizer_numels=tuple(s.numel // n for s in groups.trained_shards), **ADAMW,
                                  reshard_after_forward=FSDP2_ROWS[name])
     full_shard = FSDP1_ROWS[name] and not alone  # FSDP1 keeps the root unit unsharded from forward into backward
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,

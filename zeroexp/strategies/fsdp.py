@@ -84,6 +84,27 @@ class FSDPAdapter(StrategyAdapter):
             except (ImportError, AttributeError, ValueError, TypeError) as e:
                 raise ConfigError(f"{key}[{i}]", path, "import paths of nn.Module classes", why=str(e)) from e
 
+    @classmethod
+    def validate_model(cls, cfg) -> None:
+        """Refuse a unit that mixes frozen and trainable parameters without ``strategy.use_orig_params=true``: FSDP1
+        flattens a unit's parameters into one FlatParameter, which then needs one ``requires_grad`` ("Must flatten
+        tensors with uniform requires_grad" in every rank otherwise)."""
+        if cfg.strategy.get("use_orig_params"):
+            return
+        from zeroexp.plan.shape import model_shape
+
+        shape = model_shape(cfg.model, wrap_paths(cfg))
+        if not shape.trains:
+            return
+        for unit, root in zip(shape.units, shape.root):
+            if len({shape.trains[i] for i in unit}) > 1:
+                which = "the root unit (every parameter no wrap class takes)" if root else "a unit of a wrap class"
+                raise ConfigError("strategy.use_orig_params", False, "true, or a strategy.wrap whose units hold only "
+                                  "frozen or only trainable parameters",
+                                  why=f"{which} holds {sum(not shape.trains[i] for i in unit)} frozen and "
+                                      f"{sum(shape.trains[i] for i in unit)} trainable parameters, and FSDP1 flattens "
+                                      "a unit into one FlatParameter of one requires_grad")
+
     #: FSDP's own recipe: ``apply_activation_checkpointing`` on the wrapped model (each unit's module inside its
     #: FSDP wrapper is checkpointed, so recompute runs under the unit's gathered parameters).
     checkpoint_after_wrap = True
@@ -193,7 +214,7 @@ class FSDPAdapter(StrategyAdapter):
                 grad_shards.append(Shard(trained, padded))
             calls, reached, after = self._trace.of(unit) or (1, True, True)
             units.append(fsdp_unit(padded, 2 if twice and not unit._is_root else 1, calls, reached,
-                                   padded if flat.requires_grad else 0, LAYOUTS[self.layout].unreached_units, after))
+                                   padded if flat.requires_grad else 0, LAYOUTS[self.layout].unit_hooks, after))
         n, shard_over = dist.get_world_size(), dist.get_world_size(model.process_group)  # hybrid: the shard group
         frozen = bool(self._frozen)
         return Groups(self.layout, n, self._numels, tuple(shards), tuple(units),

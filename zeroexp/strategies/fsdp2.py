@@ -209,7 +209,7 @@ class FSDP2Adapter(StrategyAdapter):
                       q.sharded_param.requires_grad and q.sharded_param.grad is not None) for q in group.fsdp_params]
             calls, reached, after = self._trace.of(module) or (1, True, True)
             units.append(fsdp_unit(sum(k for k, _ in sizes), 2 if group.post_forward_mesh_info is not None else 1,
-                                   calls, reached, sum(k for k, t in sizes if t), LAYOUTS[self.layout].unreached_units,
+                                   calls, reached, sum(k for k, t in sizes if t), LAYOUTS[self.layout].unit_hooks,
                                    after))
         return Groups(self.layout, world, tuple(p.numel() for p in trained), shards, tuple(units),
                       shard_size=n if n != world else 0, frozen=frozen, ungraded=ungraded,
