@@ -66,7 +66,9 @@ class Expectation:
         fraction of the parameters that train; ``buffers``: the module's buffer bytes / P, which every rank holds
         whole (in fp32 cells: below it strategies differ in whether they cast them, unchecked)."""
         g = self.groups
-        if g is not None and g.exact and g.ungraded:  # parameters a step gives no gradient hold no state either
+        if g is not None and g.exact and g.grad_shards is not None:  # sharded: the ranges that hold gradients
+            trained = sum(b - a for sh in g.grad_shards for a, b in sh.spans) / max(g.numel + sum(g.frozen), 1)
+        elif g is not None and g.exact and g.ungraded:  # parameters a step gives no gradient hold no state either
             trained *= 1 - sum(g.numels[i] for i in g.ungraded) / max(g.numel, 1)
         out = state_factors(self.layout, self.world_size, self.itemsize, self.offload, self.knobs.shard_size,
                             trained)

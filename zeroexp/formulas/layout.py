@@ -24,7 +24,7 @@ __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit
            "StateLayout", "cut_buckets", "pack", "owner_assignment", "derive_groups", "rank_state_bytes",
            "step_collectives", "state_factors", "unsharded_floor_bytes", "offloaded_kinds", "all_reduce_buckets",
            "all_reduce_then_broadcast", "scatter_gather", "scatter_gather_each_micro_batch", "gather_units",
-           "gather_shards_twice", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
+           "gather_shards_twice", "local_numels", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
 
 #: The model-state kinds the planner predicts, named as the state probe names them.
 STATE_KINDS = ("param", "grad", "optim", "master")
@@ -160,13 +160,13 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
         shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
         grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
                        enumerate(zip(shape.params, numels)) if k and shape.train(i) and i not in shape.unused]
-    elif kind == "units":
-        for unit in shape.units:
+    elif kind == "units":  # a unit forward never calls gets no gradient at all
+        for u, unit in enumerate(shape.units):
             spans, length = pack([numels[i] for i in unit], align)
             if length:
                 shards.append(Shard(spans, padded_numel(length, n)))
                 trained = tuple(sp for sp, i in zip(spans, unit) if shape.train(i) and sp[1] > sp[0])
-                if trained:
+                if trained and shape.calls(u) and shape.backward(u):
                     grad_shards.append(Shard(trained, padded_numel(length, n)))
     elif kind == "buckets":
         for bucket in cut_buckets([k * itemsize for k in numels], knobs.bucket_cap_bytes):
@@ -196,7 +196,8 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
     trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))
     rows_ungraded = kind == "rows" and bool(shape.unused)
-    frozen_shards = kind in ("units", "rows") and bool(full.frozen) or rows_ungraded
+    frozen_shards = kind in ("units", "rows") and bool(full.frozen) or rows_ungraded or \
+        (kind == "units" and len(grad_shards) < len(shards))
     if rows_ungraded:  # indices among the trainable parameters
         idx = [i for i in range(len(numels)) if shape.train(i)]
         extra = {**extra, "ungraded": tuple(idx.index(i) for i in shape.unused)}
@@ -228,6 +229,12 @@ def _spread(shards: tuple[Shard, ...], world_size: int) -> tuple[list[int], list
         run += step[r]
         logical[r] += run
     return logical[:world_size], [physical] * world_size
+
+
+def local_numels(shards: tuple[Shard, ...], world_size: int, rank: int) -> tuple[int, ...]:
+    """The elements of real parameters in rank ``rank``'s chunk of each of ``shards`` (the last ranks of an uneven
+    FSDP2 parameter hold fewer rows, or none): the tensors that rank's optimizer steps."""
+    return tuple(_spread((sh,), world_size)[0][rank] for sh in shards)
 
 
 def _held_grads(shards: tuple[Shard, ...], world_size: int) -> list[int]:

@@ -64,8 +64,8 @@ def adamw_temporaries(numels: tuple[int, ...] | list[int], itemsize: int, foreac
     Single-tensor (torch's default on CPU): per parameter ``denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)`` holds
     the sqrt and the quotient at once, while the previous parameter's ``denom`` is still bound to the loop variable:
     max(2 n_0, n_{i-1} + 2 n_i) elements."""
-    n = [int(x) for x in numels if x]
-    if not n:
+    n = [int(x) for x in numels]  # an empty tensor (an uneven shard's last ranks) rebinds ``denom`` too
+    if not any(n):
         return 0
     if foreach:
         return sum(n) * itemsize
@@ -107,7 +107,7 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     top = max(forward, key=lambda s: s.peak_bytes)
     out = {"forward": {"bytes": top.peak_bytes - trace.loss_bytes,
                        "by_category": _add(top.peak_by_category, {"activations": -trace.loss_bytes})}}
-    best, before = None, 0  # before: traced gradient bytes at the segment's start
+    best, upper, before = None, None, 0  # before: traced gradient bytes at the segment's start
     edges = [sum(buckets[:i]) for i in range(len(buckets) + 1)]
     alike = in_place is not None and flow != "new"
     if alike and [(s.phase, s.at) for s in in_place.segments] != [(s.phase, s.at) for s in trace.segments]:
@@ -118,6 +118,7 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
         peak = in_place.segments[k].peak_by_category if alike else s.peak_by_category
         grads = peak.get("gradients", 0)
         cats = _add(peak, {"activations": -trace.loss_bytes})
+        late = {}
         if flow == "new":
             cats = _add(cats, {"gradients": -steady_grad_bytes})
         else:
@@ -125,11 +126,20 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
             if flow == "bucket":
                 held = sum(b for b, lo in zip(buckets, edges) if lo < before)
                 cats = _add(cats, {"comm": held})  # a bucket is its reduce-scatter's buffer from its birth
+                # a bucket this segment opens may be born before its peak or after: the upper end of the range
+                now = s.end_by_category.get("gradients", 0)
+                late = {"comm": sum(b for b, lo in zip(buckets, edges) if before <= lo < now)}
         total = sum(cats.values())
         if best is None or total > best["bytes"]:
             best = {"bytes": total, "by_category": cats}
+        if upper is None or total + sum(late.values()) > upper["bytes"]:
+            upper = {"bytes": total + sum(late.values()), "by_category": _add(cats, late)}
         before = s.end_by_category.get("gradients", 0)
     out["backward"] = best
+    if upper is not None and best is not None and upper["bytes"] > best["bytes"]:
+        out["backward"] = {**best, "upper_bytes": upper["bytes"], "upper_by_category": upper["by_category"],
+                           "upper_note": "a bucket opened within a traced segment, born before its peak (the trace "
+                                         "sees the segment's peak, not where in it the bucket's first gradient came)"}
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
     # What the update region allocates is labelled optimizer state by the memory probe: the up-casts too.
     candidates = [{"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}]
@@ -143,6 +153,10 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
         rec["bytes"] -= gather_inputs  # labelled optimizer state: the update region allocated them
         cats = _add(rec["by_category"], {"optimizer_state": -gather_inputs})
         rec["by_category"] = {c: int(b) for c, b in cats.items() if b}
+        if "upper_bytes" in rec:
+            rec["upper_bytes"] -= gather_inputs
+            up = _add(rec["upper_by_category"], {"optimizer_state": -gather_inputs})
+            rec["upper_by_category"] = {c: int(b) for c, b in up.items() if b}
     return out
 
 
@@ -285,11 +299,20 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
         # The unsharded gradient is the reduce-scatter's input (comm); its output shard is kept as the gradient.
         # Below fp32 the output shard is up-cast to fp32 (``u.upcast``), in a moment of its own beside gloo's copy of
         # the input: the larger of the two.
-        keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads, "comm": u.unsharded,
-                          "unsharded": root + held_a, "gradients": t_root + shards_done - steady_grad_bytes})
-        keep("backward", {"activations": t_act, "temporaries": t_temp + max(u.upcast, u.unsharded if gloo else 0),
-                          "comm": u.unsharded, "unsharded": root + held_b,
-                          "gradients": t_root + shards_done + u.shard - steady_grad_bytes})
+        # A unit whose FlatParameter is frozen has no post-backward reduction: neither moment.
+        if u.scattered:
+            keep("backward", {"activations": t_act, "temporaries": t_temp + u.grads, "comm": u.scattered,
+                              "unsharded": root + held_a, "gradients": t_root + shards_done - steady_grad_bytes})
+            # The parameters' own gradients are freed once concatenated; when backward ends at this unit (the model
+            # is one unit) they may still be alive beside gloo's copy: the upper end of the range.
+            last = pos + 1 == len(order) and not root
+            keep("backward", {"activations": t_act,
+                              "temporaries": t_temp + max(u.upcast, u.scattered if gloo else 0),
+                              "comm": u.scattered, "unsharded": root + held_b,
+                              "gradients": t_root + shards_done + u.shard - steady_grad_bytes},
+                 timing={"temporaries": u.grads if last and len(order) == 1 else 0},
+                 note=f"unit {k}'s own parameter gradients ({u.grads} B) still alive beside gloo's copy of its "
+                      "reduce-scatter input, the model being one unit")
         shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))

@@ -35,6 +35,8 @@ class ModelShape:
     buffers: tuple[tuple[str, int], ...] = ()
     #: Indices of the trainable parameters a traced step gives no gradient (a branch forward never calls).
     unused: tuple[int, ...] = ()
+    #: The module classes whose CPU kernels allocate workspace a fake-tensor trace does not see (convolutions).
+    opaque: tuple[str, ...] = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -80,7 +82,7 @@ class ModelShape:
         return ModelShape(tuple(self.params[i] for i in keep), remap(self.units), self.root, self.exact,
                           None if self.ready is None else tuple(new[i] for i in self.ready if i in new),
                           remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached,
-                          self.buffers, tuple(new[i] for i in self.unused if i in new))
+                          self.buffers, tuple(new[i] for i in self.unused if i in new), self.opaque)
 
     def calls(self, u: int) -> int:
         """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""

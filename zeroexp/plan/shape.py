@@ -66,7 +66,9 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
                       modules=tuple(m for m in own if m), trains=() if all(trains) else trains,
                       unit_calls=calls, unit_backward=backward, unit_next_reached=after,
                       buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
-                                    for b in net.buffers()), unused=unused)
+                                    for b in net.buffers()), unused=unused,
+                      opaque=tuple(sorted({type(m).__name__ for m in net.modules()
+                                           if isinstance(m, nn.modules.conv._ConvNd)})))
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

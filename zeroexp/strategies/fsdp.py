@@ -210,16 +210,16 @@ class FSDPAdapter(StrategyAdapter):
             padded = flat._padded_unsharded_size.numel()
             shards.append(Shard(tuple(spans), padded))
             trained = tuple(sp for sp, t in zip(spans, trains) if t and sp[1] > sp[0])
-            if trained:
+            if trained and flat.grad is not None:  # read after a step: a unit forward never called has none
                 grad_shards.append(Shard(trained, padded))
             calls, reached, after = self._trace.of(unit) or (1, True, True)
             units.append(fsdp_unit(padded, 2 if twice and not unit._is_root else 1, calls, reached,
                                    padded if flat.requires_grad else 0, LAYOUTS[self.layout].unit_hooks, after))
         n, shard_over = dist.get_world_size(), dist.get_world_size(model.process_group)  # hybrid: the shard group
-        frozen = bool(self._frozen)
+        apart = bool(self._frozen) or len(grad_shards) < len(shards)
         return Groups(self.layout, n, self._numels, tuple(shards), tuple(units),
                       shard_size=shard_over if shard_over != n else 0, frozen=self._frozen,
-                      grad_shards=tuple(grad_shards) if frozen else None)
+                      grad_shards=tuple(grad_shards) if apart else None)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
