@@ -98,3 +98,40 @@ def test_every_check_holds_on_a_foreign_model(cell, model, strategy, n):
     assert not bad, bad
     unexplained = [c.name for c in cell_checks(r.summary) if c.verdict != "PASS" and not c.reasons]
     assert not unexplained
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (_custom("corpus.unused_branch", "[8]", "strategy=ddp", "strategy.find_unused_parameters=false"),
+     "strategy.find_unused_parameters"),
+    (_custom("corpus.frozen_mlp", "[16]", "strategy=fsdp_full"), "strategy.use_orig_params"),
+    pytest.param(_custom("transformers.T5ForConditionalGeneration", "[8]",
+                         "+model.config._target_=transformers.T5Config", "+model.config.vocab_size=64",
+                         "+model.config.d_model=16", "+model.config.num_layers=1", "+model.config.num_heads=2",
+                         "+model.config.d_kv=8", "+model.config.d_ff=32", "model.dtype=long", "model.high=64",
+                         "model.loss=next_token"), "model._target_",
+                 marks=pytest.mark.skipif(not HF, reason="transformers is not installed")),
+], ids=["ddp_unused_without_find_unused", "fsdp1_unit_mixing_frozen", "t5_needs_decoder_inputs"])
+def test_a_model_a_strategy_cannot_run_is_refused_before_launch(compose, overrides, key):
+    from zeroexp.config import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose(*overrides, "world_size=2", base=BASE))
+    assert e.value.key == key
+
+
+def test_frozen_and_unused_parameters_counted_by_hand(cell):
+    """Expectations computed here, independently: frozen_mlp's first of four 16 x 16 weights frozen, N = 3.
+    DDP: every rank holds 4 x 256 parameters, 3 x 256 gradients and 2 x 3 x 256 moments (fp32); its one bucket is
+    the three trainable weights. FSDP2 FULL_SHARD, each Linear a unit: 16 rows chunked 6/6/4, padded to 18 rows:
+    288 elements gathered per unit; the frozen first unit is gathered in forward and, prefetched by the second unit,
+    in backward, but never reduce-scattered: 8 all_gathers, 3 reduce_scatters of 288 elements."""
+    base = (*_custom("corpus.frozen_mlp", "[16]", "model.wrap=[torch.nn.Linear]"), "world_size=3")
+    ddp = cell(*base, "strategy=ddp", base=BASE).summary
+    rows = {(r["rank"], r["kind"]): r for r in ddp["plan"]["ranks"]}
+    assert rows[0, "param"]["measured_logical_bytes"] == 4 * 256 * 4
+    assert rows[0, "grad"]["measured_logical_bytes"] == 3 * 256 * 4
+    assert rows[0, "optim"]["measured_logical_bytes"] == 2 * 3 * 256 * 4
+    assert ddp["collectives"]["counts"]["all_reduce"] == 1 and ddp["collectives"]["payload_bytes"]["all_reduce"] == 3072
+    fsdp2 = cell(*base, "strategy=fsdp2_full", base=BASE).summary["collectives"]
+    assert fsdp2["counts"] == {"all_gather": 8, "reduce_scatter": 3}
+    assert fsdp2["payload_bytes"] == {"all_gather": 8 * 288 * 4, "reduce_scatter": 3 * 288 * 4}

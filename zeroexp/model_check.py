@@ -60,6 +60,12 @@ def _check_model_builds(cfg: Any) -> None:
     except Exception as e:  # noqa: BLE001
         if unchecked(e):
             return
+        if _needs_more_inputs(e):  # T5: decoder inputs; any forward(a, b) without defaults
+            raise ConfigError("model._target_", cfg.model._target_, "a module whose forward takes one batch tensor of "
+                              "model.input_shape (zeroexp feeds one synthetic tensor; wrap the model so that it "
+                              "makes its other inputs, e.g. a decoder's, from it)",
+                              why=f"its forward needs more than one input: {type(e).__name__}: "
+                                  f"{one_line(str(e), 300)}") from e
         raise ConfigError("model.input_shape", list(cfg.model.input_shape),
                           f"the shape of one sample that {cfg.model._target_} takes",
                           why=f"one forward on a batch of shape {list(shape)} ({cfg.model.dtype}) fails: "
@@ -95,3 +101,11 @@ def _check_target(target: str) -> None:
         raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why=why) from e
     if not callable(obj):
         raise ConfigError("model._target_", target, "an importable nn.Module class or factory", why="not callable")
+
+
+def _needs_more_inputs(e: BaseException) -> bool:
+    """Whether a forward failed for an input it was not given (a missing argument, a decoder's inputs), not for the
+    shape of the one it was."""
+    text = str(e)
+    return (isinstance(e, TypeError) and "missing" in text and "argument" in text) or \
+        bool(re.search(r"(specify|provide|pass)\b.*\b(decoder_input|input_ids|inputs_embeds|labels)", text))
