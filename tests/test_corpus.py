@@ -135,3 +135,31 @@ def test_frozen_and_unused_parameters_counted_by_hand(cell):
     fsdp2 = cell(*base, "strategy=fsdp2_full", base=BASE).summary["collectives"]
     assert fsdp2["counts"] == {"all_gather": 8, "reduce_scatter": 3}
     assert fsdp2["payload_bytes"] == {"all_gather": 8 * 288 * 4, "reduce_scatter": 3 * 288 * 4}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero2_on_biased_layers_predicts_its_bucket(cell, n):
+    """zero2 on Linear 10 -> 7 -> 3 with biases: its one bucket (101 parameters, padded to N) opens inside the
+    backward of the last Linear; the peak model segments the step at each module holding parameters."""
+    r = cell(*_custom("corpus.biased", "[10]"), "strategy=zero2", f"world_size={n}", base=BASE)
+    memory = r.summary["plan"]["memory"]
+    assert memory["check"] == "PASS", memory["reasons"]
+    assert all(rank["check"] == "PASS" for rank in memory["ranks"]) and len(memory["ranks"]) == n
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("strategy", ["fsdp2_full", "fsdp2_grad_op"])
+def test_pytorchs_test_transformer_peak_on_every_rank(cell, strategy):
+    """The model of PyTorch's test_fully_shard_memory.py (3 layers, dim 768, 12 heads), N = 2: every rank's backward
+    within the predicted range, whether or not gloo still holds its copy of a reduce-scatter input."""
+    r = cell(*_custom(f"{DTENSOR}.Transformer", "[4]", f"+model.args._target_={DTENSOR}.ModelArgs",
+                      "+model.args.n_layers=3", "+model.args.vocab_size=32", "+model.args.max_seq_len=16",
+                      "+model.args.dim=768", "+model.args.n_heads=12", "+model.args.weight_tying=false",
+                      "+model.args.dropout_p=0.0", "model.dtype=long", "model.high=32", "model.loss=next_token",
+                      f"model.wrap=[{DTENSOR}.TransformerBlock]"),
+             f"strategy={strategy}", "world_size=2", "batch_size=1", "steps=7", "warmup_steps=3", base=("logger=none",))
+    memory = r.summary["plan"]["memory"]
+    assert memory["check"] == "PASS", memory["reasons"]
+    assert [rank["check"] for rank in memory["ranks"]] == ["PASS", "PASS"]
+    backward = memory["phases"]["backward"]  # gloo's copy of a block's reduce-scatter input: the range's upper end
+    assert backward["predicted_upper_bytes"] > backward["predicted_bytes"] and "gloo" in backward["upper_note"]
