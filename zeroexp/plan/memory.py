@@ -97,8 +97,6 @@ def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
             reasons.append(f"no peak model yet for a model that is one {flow.upper()} unit (wrap: null or "
                            "strategy.wrap=[]: the root unit's own gather and reduce-scatter moments are not modelled); "
                            "state, collectives and groups are checked")
-    if flow == "deepspeed" and shape.exact and shape.frozen:
-        reasons.append("no peak model yet for DeepSpeed with frozen parameters")
     return reasons
 
 
