@@ -1,10 +1,16 @@
 """DeepSpeed ZeRO stages 0-3 as runtime cells on 2 CPU ranks (gloo): they train, their state matches
-zeroexp.formulas.state_factors of the deepspeed_stage<k> rows, the fp32 master DeepSpeed keeps beyond the canonical formula is reported,
-ZeRO-3 parameters are gathered for the equivalence check, and an offload cell reports its state on the host."""
+zeroexp.formulas.state_factors of the deepspeed_stage<k> rows, the fp32 master DeepSpeed keeps beyond the canonical
+formula is reported, ZeRO-3 parameters are gathered for the equivalence check, and an offload cell reports its state
+on the host. Foreign models (tests/corpus.py: odd-sized biased layers, BatchNorm buffers, a frozen layer) at stages 2
+and 3 on 2 and 3 ranks hold every check, their partitions padded as DeepSpeed pads them."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+
+from conftest import read_csv
 
 from zeroexp.config import ConfigError, validate
 from zeroexp.strategies import deepspeed as ds_adapter
@@ -144,3 +150,95 @@ def test_refusals(compose, monkeypatch):
     monkeypatch.setattr(ds_adapter, "deepspeed_available", lambda: False)
     with pytest.raises(ConfigError, match=r"strategy.*pip install -e '\.\[deepspeed\]'"):
         validate(compose(*N2))
+
+
+# --- foreign models (tests/corpus.py; the tests' directory is on the ranks' path) --------------------------------
+#: Each corpus model and its sample's shape.
+CORPUS = {"biased": "[10]", "conv_bn": "[3,8,8]", "frozen_mlp": "[16]"}
+#: conftest.BASE without model.width (the default Linear stack's), which the corpus factories do not take.
+FOREIGN_BASE = ("logger=none", "steps=10", "warmup_steps=3")
+
+
+def _foreign(cell, model: str, stage: int, n: int, *extra: str):
+    return cell("strategy=deepspeed", f"world_size={n}", f"strategy.stage={stage}", "model=custom",
+                f"model._target_=corpus.{model}", f"model.input_shape={CORPUS[model]}", *extra, base=FOREIGN_BASE)
+
+
+def _checks(section, path: str = "summary"):
+    """Every (path, check, reasons) in a summary, sections and their parts."""
+    if isinstance(section, dict):
+        if "check" in section:
+            yield path, section["check"], section.get("reasons")
+        for key, value in section.items():
+            yield from _checks(value, f"{path}.{key}")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("model", list(CORPUS))
+def test_foreign_models_hold_every_check(cell, model, stage, n):
+    res = _foreign(cell, model, stage, n)
+    assert res.status == "ok", res.error
+    held = list(_checks(res.summary))
+    assert {"summary.state", "summary.collectives", "summary.plan.groups", "summary.plan.memory"} <= {
+        p for p, _, _ in held}
+    bad = [(p, c, r) for p, c, r in held if c != "PASS" and not (c == "n/a" and r)]
+    assert not bad, bad
+    assert res.summary["state"]["factors"]["master"] == pytest.approx(
+        res.summary["state"]["trained_param_bytes"] / res.summary["state"]["logical_param_bytes"], abs=1e-12)
+
+
+def _per_rank(res, kind: str) -> list[tuple[int, int]]:
+    rows = read_csv(res, "rank_state.csv")
+    rows = rows[rows.kind == kind].sort_values("rank")
+    return list(zip(rows.logical_bytes, rows.physical_bytes))
+
+
+def test_biased_partitions_at_n3_are_padded_as_deepspeed_pads_them(cell):
+    numels, n = (10 * 7, 7, 7 * 3, 3), 3  # Linear(10, 7) and Linear(7, 3), weights and biases: 101 elements
+    psi = sum(numels)
+    # Stage 2: one flat group padded to 2N (nccl_start_alignment_factor 2 x N): 102 elements, 34 per rank; the
+    # padding is the last rank's last element (groups_padding), physical, not logical.
+    res = _foreign(cell, "biased", 2, n)
+    flat = math.ceil(psi / (2 * n)) * 2 * n
+    shard = flat // n
+    assert (flat, shard) == (102, 34)
+    spans = [[a, a + k] for a, k in zip([0, 70, 77, 98], numels)]
+    assert res.summary["plan"]["groups"]["planned"]["shards"] == [[spans, flat]]
+    real = [min(shard, max(0, psi - r * shard)) for r in range(n)]
+    assert real == [34, 34, 33]
+    assert _per_rank(res, "master") == [(4 * k, 4 * shard) for k in real]
+    assert _per_rank(res, "optim") == [(8 * k, 8 * shard) for k in real]
+    assert res.summary["collectives"]["payload_bytes"]["all_gather"] == 4 * flat
+    # Stage 3: each parameter padded to N on its own (partition_parameters.py _padding_size): ceil(numel / 3) per
+    # rank, 24 + 3 + 7 + 1 = 35; the last rank holds 70 - 48 and 7 - 6 of the two parameters 3 does not divide.
+    res = _foreign(cell, "biased", 3, n)
+    part = [math.ceil(k / n) for k in numels]
+    assert part == [24, 3, 7, 1]
+    assert res.summary["plan"]["groups"]["planned"]["shards"] == [[[[0, k]], n * p] for k, p in zip(numels, part)]
+    real = [sum(min(p, max(0, k - r * p)) for k, p in zip(numels, part)) for r in range(n)]
+    assert real == [35, 35, 31]
+    for kind, nbytes in (("param", 4), ("grad", 4), ("master", 4), ("optim", 8)):
+        assert _per_rank(res, kind) == [(nbytes * k, nbytes * sum(part)) for k in real], kind
+    assert res.summary["collectives"]["payload_bytes"] == {"all_gather": 4 * n * sum(part), "all_reduce": 8,
+                                                           "reduce_scatter": 4 * n * sum(part)}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_frozen_layer_is_held_whole_at_stage2_and_partitioned_and_fetched_at_stage3(cell, n):
+    k, depth = 16 * 16, 4  # four bias-free Linear(16, 16), the first frozen
+    trained = (depth - 1) * k
+    res = _foreign(cell, "frozen_mlp", 2, n)
+    flat = math.ceil(trained / (2 * n)) * 2 * n
+    assert _per_rank(res, "param") == [(4 * (trained + k), 4 * (flat + k))] * n  # the flat group, the frozen weight
+    assert res.summary["collectives"]["payload_bytes"]["all_gather"] == 4 * flat
+    # Stage 3: every weight partitioned (ceil(k / N) per rank), the frozen one too, and all four fetched; the
+    # gradients, master and moments of the three that train.
+    res = _foreign(cell, "frozen_mlp", 3, n)
+    part = math.ceil(k / n)
+    real = [min(part, max(0, k - r * part)) for r in range(n)]
+    assert _per_rank(res, "param") == [(4 * depth * x, 4 * depth * part) for x in real]
+    assert _per_rank(res, "master") == [(4 * (depth - 1) * x, 4 * (depth - 1) * part) for x in real]
+    payload = res.summary["collectives"]["payload_bytes"]
+    assert payload["all_gather"] == 4 * depth * n * part and payload["reduce_scatter"] == 4 * (depth - 1) * n * part
+    assert res.summary["plan"]["groups"]["planned"]["frozen"] == [k]

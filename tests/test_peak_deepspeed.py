@@ -57,8 +57,10 @@ def test_stage1_keeps_autograds_gradients_beside_the_bucket_and_reduces_in_the_e
     # all_reduce copy (400 B) comes after them: below the second stretch of backward.
     assert peaks["backward"] == {"bytes": 4592, "by_category": {"activations": 292, "temporaries": 4100,
                                                                 "gradients": 200}}
-    # grads_in_partition (parameter 0, 200 B) beside the float64 copy of its piece for the norm (400 B).
-    assert peaks["optimizer"] == {"bytes": 600, "by_category": {"temporaries": 200, "optimizer_state": 400}}
+    # grads_in_partition (parameter 0, 200 B) beside the float64 copy of its piece (400 B) and its float64 norm (8 B);
+    # the update is as high (the fp32 gradient partition 200 B, AdamW's two temporaries 400 B, the combined and the
+    # new global norm 2 x 4 B): the first moment is kept.
+    assert peaks["optimizer"] == {"bytes": 608, "by_category": {"temporaries": 200, "optimizer_state": 400 + 8}}
 
 
 def test_stage2_moves_each_gradient_into_the_bucket():
@@ -66,7 +68,7 @@ def test_stage2_moves_each_gradient_into_the_bucket():
                                    part=PART0, bucket_numel=1000, itemsize=4)
     # The epilogue: the bucket (gradients, as MemTracker labels it once .grad views it) and the flat all_reduce copy.
     assert peaks["backward"] == {"bytes": 4400, "by_category": {"gradients": 4000, "temporaries": 400}}
-    assert peaks["optimizer"] == {"bytes": 600, "by_category": {"temporaries": 200, "optimizer_state": 400}}
+    assert peaks["optimizer"] == {"bytes": 608, "by_category": {"temporaries": 200, "optimizer_state": 400 + 8}}
 
 
 def test_stage3_holds_the_gathered_parameters_and_releases_them_after_backward():
@@ -90,8 +92,9 @@ def test_stage3_holds_the_gathered_parameters_and_releases_them_after_backward()
                                                               "temporaries": 64}}
     assert peaks["backward"] == {"bytes": 298, "by_category": {"activations": 200, "temporaries": 50,
                                                                "parameters": 48}}
-    # The fp32 gradient partition (2 x 2 elements) and AdamW's two temporaries over it.
-    assert peaks["optimizer"] == {"bytes": 48, "by_category": {"optimizer_state": 48}}
+    # The fp32 gradient partition (2 x 2 elements), AdamW's two temporaries over it and the step's three float64
+    # norms (the one sub-group's, their combination, the new _global_grad_norm).
+    assert peaks["optimizer"] == {"bytes": 72, "by_category": {"optimizer_state": 16 + 32 + 3 * 8}}
     # Without the backward's own peak, the epilogue: u0's parameter (never released in backward), the reduce-scatter
     # concatenation (64 B), its padding chunks (16 B) and gloo's copy of its input (64 B).
     quiet = tuple(s for s in segs if s.phase == "forward") + tuple(
@@ -99,6 +102,14 @@ def test_stage3_holds_the_gathered_parameters_and_releases_them_after_backward()
     peaks = ds_stage3_phase_peaks(StepTrace(1, quiet, 8, units), numels=(6, 6), world_size=4, buckets=((6, 6),),
                                   itemsize=4, gloo=True)
     assert peaks["backward"] == {"bytes": 168, "by_category": {"parameters": 24, "temporaries": 144}}
+    # u0 frozen and fed by the batch: backward never reaches it, so the coordinator releases its parameter after its
+    # forward (no later use in its trace): u0 still computes with both gathered, backward holds u1's alone.
+    frozen = (units[0]._replace(reached=False), units[1])
+    peaks = ds_stage3_phase_peaks(StepTrace(1, segs, 8, frozen), numels=(6, 6), world_size=4, buckets=((6,),),
+                                  itemsize=4, gloo=True, partitions=(2,))
+    assert peaks["forward"]["by_category"]["parameters"] == 48
+    assert peaks["backward"]["by_category"]["parameters"] == 24
+    assert peaks["optimizer"] == {"bytes": 8 + 16 + 3 * 8, "by_category": {"optimizer_state": 8 + 16 + 3 * 8}}
 
 
 def test_the_trace_records_each_modules_parameters_and_whether_autograd_reaches_its_input():
@@ -106,7 +117,13 @@ def test_the_trace_records_each_modules_parameters_and_whether_autograd_reaches_
                             "input_shape": [8]})
     trace = trace_step(cfg, 4, (), own_params_units=True)
     assert [(u.params, u.grad_input) for u in trace.units] == [((0,), False), ((1,), True), ((2,), True)]
+    assert all(u.reached for u in trace.units)
     assert trace_step(cfg, 4, [torch.nn.Linear]).units == ()  # only when asked
+    # A frozen first layer on the batch: backward never reaches it; a frozen second one it reaches (its input trains).
+    for frozen, reached in (((0,), [False, True, True]), ((1,), [True, True, True])):
+        cfg = OmegaConf.create({"name": "custom", "_target_": "corpus.frozen_mlp", "width": 8, "depth": 3,
+                                "frozen": list(frozen), "input_shape": [8]})
+        assert [u.reached for u in trace_step(cfg, 4, (), own_params_units=True).units] == reached
 
 
 needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),

@@ -15,7 +15,7 @@ from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, StateLayout, 
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_FETCH_LIMIT",
-           "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups", "deepspeed_gathers",
+           "DS_NORM_BYTES", "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups", "deepspeed_gathers",
            "deepspeed_payload_limits", "DEEPSPEED_LAYOUTS"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
@@ -29,6 +29,10 @@ DS_MAX_REUSE_DISTANCE = 1_000_000_000
 #: Parameter elements stage 3 fetches once per step and keeps for backward: within one prefetch bucket, and below
 #: the live-parameter and reuse-distance limits, nothing is released before backward.
 DS_FETCH_LIMIT = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)
+#: Bytes of one gradient-norm scalar (all-reduced once per flat group or sub-group, then kept through the step):
+#: stages 1-2 cast the squared norm to fp32 (stage_1_and_2.py ``get_grad_norm_direct``: ``.float()``), stage 3 keeps
+#: ``get_norm_dtype()``'s float64 (stage3.py ``get_grad_norm_direct``).
+DS_NORM_BYTES = {1: 4, 2: 4, 3: 8}
 
 
 def deepspeed_reduce_bucket_numel(bucket_cap_bytes: int) -> int:
@@ -74,12 +78,14 @@ def deepspeed_sub_groups(partition_numels: list[int] | tuple[int, ...], sub_grou
 
 
 def _comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
-    """The buckets (and stage 3's fetches) DeepSpeed makes of a model of ``shape``, as zeroexp configures it."""
-    numels = list(shape.numels)
+    """The buckets (and stage 3's fetches) DeepSpeed makes of a model of ``shape``, as zeroexp configures it: the
+    buckets hold the trainable parameters' gradients; stage 3 fetches every module parameter, frozen ones too
+    (``shape`` is the whole model's there, the trainable parameters' at stages 0-2)."""
+    numels = list(shape.trainable().numels)
     order = numels if stage in (0, 1) else numels[::-1]  # stages 2, 3: backward order, a stack's reverse
     out = {"buckets": deepspeed_buckets(stage, order, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))}
     if stage == 3:
-        out["gathers"] = deepspeed_gathers(numels)
+        out["gathers"] = deepspeed_gathers(list(shape.numels))
     return out
 
 
@@ -88,7 +94,8 @@ def _payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     Stage 0: an all_reduce per chunk (P). Stages 1-2: an all_reduce per bucket (every rank's slice in one call; P),
     one fp32 all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one
     all_gather per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
-    fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P).
+    fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P, frozen
+    parameters included: stage 3 partitions and fetches them with their modules).
     ``gradient_accumulation_steps`` K (measured, 0.19.8): stages 2 and 3 reduce every micro-batch's buckets and stage
     3 fetches every micro-batch's parameters (K x); stages 0 and 1 reduce once, at the boundary; the norm, overflow
     and stage 1-2 parameter all_gather come once per optimizer step."""
@@ -97,11 +104,12 @@ def _payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     if stage == 0:
         return collectives_of(all_reduce=[sum(b) * c for b in g.buckets])
     if stage in (1, 2):
-        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] * each + [4] * len(g.shards)
-                              + ([1] if c != 4 else []), all_gather=[sh.numel * c for sh in g.shards])
-    norms = deepspeed_sub_groups([sh.numel // n for sh in g.shards])
+        norms = [DS_NORM_BYTES[stage]] * len(g.shards)
+        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] * each + norms + ([1] if c != 4 else []),
+                              all_gather=[sh.numel * c for sh in g.shards])
+    norms = deepspeed_sub_groups([sh.numel // n for sh in g.trained_shards])
     return collectives_of(reduce_scatter=[sum(padded_numel(k, n) for k in b) * c for b in g.buckets] * each,
-                          all_reduce=[8] * norms + ([1] if knobs.loss_scaling else []),
+                          all_reduce=[DS_NORM_BYTES[stage]] * norms + ([1] if knobs.loss_scaling else []),
                           all_gather=[sum(padded_numel(k, n) for k in f) * c for f in g.gathers] * each)
 
 
@@ -120,8 +128,9 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
     if stage > 0 and max(groups.numels) > bucket:
         reasons.append(f"a parameter of {max(groups.numels)} elements exceeds reduce_bucket_size={bucket}: reduced on "
                        "its own (extra_large_param_to_reduce), not measured")
-    if stage == 3 and groups.numel > DS_FETCH_LIMIT:
-        reasons.append(f"stage 3: {groups.numel} parameter elements exceed one prefetch bucket ({DS_FETCH_LIMIT}): "
+    fetched = groups.numel + sum(groups.frozen)
+    if stage == 3 and fetched > DS_FETCH_LIMIT:
+        reasons.append(f"stage 3: {fetched} parameter elements exceed one prefetch bucket ({DS_FETCH_LIMIT}): "
                        "DeepSpeed's fetch and release schedule is not modelled")
     return reasons
 
@@ -138,16 +147,19 @@ def _row(stage: int, **kw) -> StateLayout:
                        precisions=_MIXED, **kw)
 
 
-#: DeepSpeed 0.19 as measured; stage 1 holds the same state as stage 2 (its gradients are partitioned too).
+#: DeepSpeed 0.19 as measured; stage 1 holds the same state as stage 2 (its gradients are partitioned too). Padding
+#: (stage_1_and_2.py, partition_parameters.py): stages 1-2 one flat group per parameter group, its end aligned to
+#: ``nccl_start_alignment_factor`` (2) x N, no padding between parameters (``parameter_alignment``, off by default);
+#: stage 3 each parameter padded to N on its own (``_padding_size``).
 DEEPSPEED_LAYOUTS: dict[str, StateLayout] = {
     "deepspeed_stage0": _row(0, sharded=frozenset(), master="mixed", groups="none",
                              source=_SOURCE + "; engine.py FP16_UnfusedOptimizer: an fp32 copy per parameter (mixed)"),
     **{f"deepspeed_stage{k}": _row(k, sharded=_OS_G, master="always", groups="flat", pad=2,
-                                   offloads=frozenset({"none", "optimizer"}), partition_logical=True, grad_held="params",
+                                   offloads=frozenset({"none", "optimizer"}), grad_held="params",
                                    offload_grad="replace", flat_optimizer=True, source=_SOURCE + "; stage_1_and_2.py")
        for k in (1, 2)},
     "deepspeed_stage3": _row(3, sharded=_OS_G_P, master="always", groups="params", gather="largest",
-                             offloads=frozenset({"none", "optimizer", "full"}), partition_logical=True,
-                             offload_grad="add", flat_optimizer=True, sub_groups=deepspeed_sub_groups,
+                             offloads=frozenset({"none", "optimizer", "full"}), offload_grad="add", flat_optimizer=True,
+                             sub_groups=deepspeed_sub_groups,
                              source=_SOURCE + "; stage3.py, partition_parameters.py"),
 }

@@ -48,10 +48,9 @@ class StateLayout:
     ``none``). ``fp32_at_rest``: parameters and gradients stay fp32 between steps (FSDP MixedPrecision).
     ``fp32_on_the_wire``: collectives move fp32 (autocast). ``padded_moments``: Adam's moments as long as the
     padded shard. ``comm``: extra groups the payload needs, derived from shapes (DDP's buckets, DeepSpeed's).
-    DeepSpeed's rows: ``partition_logical`` (a partition's padding counts as logical), ``grad_held`` (``params``:
-    ZeRO-1/2 hold the full gradient of every parameter their partition overlaps), ``offload_grad`` (``replace`` /
-    ``add`` the fp32 host gradient partition), ``flat_optimizer`` (one Adam ``step`` per flat partition; ``sub_groups``: how many partitions of the shards'
-    partition lengths),
+    DeepSpeed's rows: ``grad_held`` (``params``: ZeRO-1/2 hold the full gradient of every parameter their partition
+    overlaps), ``offload_grad`` (``replace`` / ``add`` the fp32 host gradient partition), ``flat_optimizer`` (one Adam
+    ``step`` per flat partition; ``sub_groups``: how many partitions of the shards' partition lengths),
     ``payload_limits`` ((groups, knobs, precision, offload) -> why the payload model is not exact for a cell).
     ``hybrid``: sharded within a shard group of ``PlanKnobs.shard_size`` ranks, replicated across the groups (HSDP).
     ``reference``: a closed form no strategy runs (the ZeRO paper's stages): planned beside the strategies for
@@ -72,7 +71,6 @@ class StateLayout:
     precisions: frozenset[str] = frozenset({"fp32"})
     offloads: frozenset[str] = frozenset({"none"})
     source: str = ""
-    partition_logical: bool = False
     grad_held: str = "shard"
     offload_grad: str = "none"
     flat_optimizer: bool = False
@@ -139,13 +137,15 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     """The groups ``layout`` makes of a model of ``shape`` at N = ``world_size``: what the adapter of the strategy
     would read off its live structure (equal, element for element, where the shapes are exact).
 
-    Frozen parameters (``shape.trains``): FSDP and FSDP2 (``units``, ``rows``) shard them with the rest, their
-    gradients and optimizer state only over the trainable ones (``grad_shards``), a unit reduce-scattering only
-    what trains and gathering again for backward only where backward reaches it; every other layout is given the
-    trainable parameters alone (as a user passes them to the optimizer) and holds the frozen ones as they are."""
+    Frozen parameters (``shape.trains``): FSDP and FSDP2 (``units``, ``rows``) and DeepSpeed stage 3 (``params``,
+    which partitions every module parameter) shard them with the rest, their gradients and optimizer state only over
+    the trainable ones (``grad_shards``), a unit reduce-scattering only what trains and gathering again for backward
+    only where backward reaches it; every other layout is given the trainable parameters alone (as a user passes
+    them to the optimizer) and holds the frozen ones as they are. ``layout.comm`` gets the shape the shards are cut
+    from."""
     hybrid = layout.hybrid and 0 < knobs.shard_size < world_size
     n, kind = knobs.shard_size if hybrid else world_size, layout.groups  # n: ranks sharded over
-    full, shape = shape, shape if kind in ("units", "rows") else shape.trainable()
+    full, shape = shape, shape if kind in ("units", "rows", "params") else shape.trainable()
     numels = shape.numels
     rest = 4 if layout.fp32_at_rest else itemsize
     align = 16 // rest if knobs.use_orig_params and kind == "units" else 0
@@ -174,6 +174,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
             shards.append(Shard(spans, padded_numel(length, n)))
     elif kind == "params":
         shards = [Shard(((0, k),), padded_numel(k, n)) for k in numels]
+        grad_shards = [sh for i, sh in enumerate(shards) if shape.train(i)]
     elif kind == "flat":
         spans, length = pack(list(numels))
         shards = [Shard(spans, padded_numel(length, layout.pad * n))]
@@ -196,7 +197,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
     trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))
     rows_ungraded = kind == "rows" and bool(shape.unused)
-    frozen_shards = kind in ("units", "rows") and bool(full.frozen) or rows_ungraded or \
+    frozen_shards = kind in ("units", "rows", "params") and bool(full.frozen) or rows_ungraded or \
         (kind == "units" and len(grad_shards) < len(shards))
     if rows_ungraded:  # indices among the trainable parameters
         idx = [i for i in range(len(numels)) if shape.train(i)]
@@ -288,7 +289,7 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     def kind(sharded: bool, nbytes: int, param: bool = False) -> list[tuple[int, int]]:
         lo_, ph_ = (p_logical, p_physical) if param else (logical, physical)
         if sharded:
-            return [((ph if layout.partition_logical else lo) * nbytes, ph * nbytes) for lo, ph in zip(lo_, ph_)]
+            return [(lo * nbytes, ph * nbytes) for lo, ph in zip(lo_, ph_)]
         if param and layout.groups not in ("units", "rows"):  # frozen parameters held beside the trained ones
             return [((psi + frozen) * nbytes, (full + frozen) * nbytes)] * n
         held = 0 if param else unused  # a parameter without gradient has no gradient or moments to replicate

@@ -27,11 +27,13 @@ class Segment:
 class TracedUnit(NamedTuple):
     """A traced unit as its forward ran: ``name``; ``params``: its own parameters (indices in the model's
     ``parameters()`` order; a shared one under every module that uses it); ``grad_input``: whether any input of its
-    forward required grad (if none did, autograd never runs back through its input)."""
+    forward required grad (if none did, autograd never runs back through its input); ``reached``: whether its output
+    required grad (if not, backward never reaches the unit: frozen, fed by nothing that trains)."""
 
     name: str
     params: tuple[int, ...]
     grad_input: bool
+    reached: bool = True
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,18 @@ parameter partitioned), fp32, from its runtime's source [DS-PEAK]:
   -> ``allreduce_and_scatter`` -> ``allreduce_bucket`` flattens its slices into a new tensor for the all_reduce
   (``self.flatten``); then ``copy_grads_in_partition`` copies the gradients of the parameters the rank's partition
   overlaps into ``grads_in_partition`` (allocated once: their whole numel). ``get_flat_partition`` adds a zeros
-  tensor for the partition's padding. ``step``: per gradient piece a float64 copy for the norm
+  tensor for the partition's padding. ``step``: per gradient piece a float64 copy for the norm and its float64 norm
   (``get_grad_norm_direct``, ``get_norm_dtype``), the flat fp32 gradient partition (``self.flatten``), AdamW on the
-  fp32 partition, the gradients freed before the update.
+  fp32 partition, the gradients freed before the update; through the update the combined norm
+  (``scaled_global_grad_norm``) and the new ``_global_grad_norm`` beside the one the engine still holds (engine.py
+  ``_take_model_step`` takes the new one after ``optimizer.step``), fp32 scalars (``DS_NORM_BYTES``).
 - ``runtime/zero/stage3.py``: the ipg bucket is allocated once at init (``_setup_for_real_optimizer``: steady, as
   ``grad_partitions_flat_buffer``); each hook copies a gradient into it (``__add_grad_to_ipg_bucket``); a full
   bucket is reduce-scattered by ``runtime/comm/coalesced_collectives.py`` ``reduce_scatter_coalesced``, which
   concatenates every gradient's rank chunks padded to N into one new tensor (except one tensor already divisible by
   N). ``step``: ``_prepare_fp32_grad_for_sub_group`` flattens the gradient partitions into an fp32 copy, AdamW steps
-  on the sub-group's fp32 partition.
+  on the sub-group's fp32 partition, beside the float64 norms the step keeps: one per sub-group (``norm_groups``),
+  their combination and the new ``_global_grad_norm`` (the engine holds the previous one until the step returns).
 - ``runtime/zero/partition_parameters.py`` ``_all_gather_coalesced``: one flat buffer of every fetched parameter's
   N padded chunks; ``AllGatherCoalescedHandle.wait`` concatenates each parameter's chunks into a new tensor of its
   size (the flat buffer lives while any of its parameters is still in the coordinator's in-flight registry).
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak import StepTrace, adamw_temporaries
 
@@ -146,8 +150,9 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     once a bucket holding a partition parameter was reduced; each reduction's flat copy (:func:`ds_allreduce_copies`)
     beside them, at stage 2 in the hook of the next bucket's first gradient, which is not yet in the bucket; the
     epilogue (stage 1: every bucket; stage 2: the last) from the bare step's end. Optimizer: the kept gradient partition
-    beside a float64 copy of its largest piece (the norm), then beside the flat partition, then the flat partition
-    beside AdamW's temporaries."""
+    beside each piece's float64 copy and norm (the norms of the pieces before it too), then beside the flat partition,
+    then the flat partition beside AdamW's temporaries, the last two beside the combined norm and the new
+    ``_global_grad_norm``."""
     c, out = itemsize, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
@@ -193,57 +198,72 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
             keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, {"temporaries": gip})
     keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + pad})
 
-    held = {"temporaries": gip + pad}
-    piece = max(part.pieces, default=0)
-    keep("optimizer", held, {"optimizer_state": piece * FP64})  # get_grad_norm_direct: float64 copy of a piece
+    held, norms = {"temporaries": gip + pad}, 2 * DS_NORM_BYTES[stage]  # the combined and the new global norm
+    # get_grad_norm_direct: each piece in turn copied to float64 and its norm taken, beside the pieces' norms before it
+    copy = max(((k + 1) + x) * FP64 for k, x in enumerate(part.pieces)) if part.pieces else 0
+    keep("optimizer", held, {"optimizer_state": copy})
     # the flat gradient partition, and in bf16 / fp16 its fp32 copy (``.to``) before the flat one is deleted
-    keep("optimizer", held, {"optimizer_state": part.numel * c + (part.numel * 4 if c != 4 else 0)})
-    keep("optimizer", {"optimizer_state": part.numel * 4 + adamw_temporaries((part.numel,), 4, False)})
+    keep("optimizer", held, {"optimizer_state": part.numel * c + (part.numel * 4 if c != 4 else 0) + norms})
+    keep("optimizer", {"optimizer_state": part.numel * 4 + adamw_temporaries((part.numel,), 4, False) + norms})
     return out.best
 
 
 def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_size: int,
-                          buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool) -> dict[str, dict]:
-    """Stage 3 (``numels`` in parameter order, the indices ``trace.units`` use; ``buckets``: the reduce-scatters'
-    gradient numels in backward order), per phase, the bytes above steady at the peak, by category. Steady holds the
-    ipg bucket, the partitions and ``grad_partitions_flat_buffer``; the trace must carry its units
-    (``own_params_units``).
+                          buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool,
+                          partitions: tuple[int, ...] | None = None) -> dict[str, dict]:
+    """Stage 3 (``numels``: every parameter, frozen ones too, in parameter order, the indices ``trace.units`` use;
+    ``partitions``: the trainable parameters' partitions, None: every parameter's ceil(numel / N); ``buckets``: the
+    reduce-scatters' gradient numels in backward order), per phase, the bytes above steady at the peak, by category.
+    Frozen parameters are gathered and released with their modules as the others; only the trainable ones have an
+    fp32 partition. Steady holds the ipg bucket, the partitions and ``grad_partitions_flat_buffer``; the trace must
+    carry its units (``own_params_units``).
 
     Forward: the root's prefetch gathers every parameter into one flat buffer (each padded to N), and the first
     module's fetch concatenates each into its own tensor; the flat buffer lives until the last module whose parameters
-    came in it is fetched; nothing is released before backward. Backward: the bare backward less the traced parameter
-    gradients (copied into the steady bucket), beside the parameters not yet released (a module's after its backward,
-    unless an earlier one in forward order uses them too, or autograd never reaches its inputs: those until ``step``);
-    a reduce-scatter's concatenation and its padding chunks when a bucket is reduced (the last one in the epilogue,
-    after autograd), on gloo with ``_reduce_scatter_base``'s copy of its input.
-    Optimizer: the flat fp32 gradient copy beside AdamW's temporaries over the fp32 partition."""
+    came in it is fetched; nothing is released before backward but the parameters no module that backward reaches
+    uses (a frozen module fed by nothing that trains): the coordinator's trace holds no later use of them
+    (``__params_to_release``), so they go after their last module's forward. Backward: the bare backward less the
+    traced parameter gradients (copied into the steady bucket), beside the parameters not yet released (a module's
+    after its backward, unless an earlier one in forward order uses them too, or autograd never reaches its inputs:
+    those until ``step``); a reduce-scatter's concatenation and its padding chunks when a bucket is reduced (the last
+    one in the epilogue, after autograd), on gloo with ``_reduce_scatter_base``'s copy of its input.
+    Optimizer: the flat fp32 gradient copy beside AdamW's temporaries over the fp32 partition and the step's float64
+    norms (one per sub-group, their combination, the new ``_global_grad_norm``)."""
     c, n, out = itemsize, world_size, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:
         raise ValueError("stage 3 needs a trace with its units (trace_step(..., own_params_units=True))")
-    first_use: dict[int, int] = {}  # parameter -> the first unit (forward order) that uses it
+    users: dict[int, list[int]] = {}  # parameter -> the units (forward order) that use it
     for k, u in enumerate(trace.units):
         for p in u.params:
-            first_use.setdefault(p, k)
+            users.setdefault(p, []).append(k)
+    first_use = {p: ks[0] for p, ks in users.items()}
+    unreached = {p for p, ks in users.items() if not any(trace.units[k].reached for k in ks)}
+    dropped: dict[int, int] = {}  # unit -> the bytes released after its forward (parameters backward never uses)
+    for p in unreached:
+        dropped[users[p][-1]] = dropped.get(users[p][-1], 0) + numels[p] * c
     gathered = sum(numels) * c  # every parameter's unsharded tensor
     flat = sum(padded_numel(numels[p], n) for p in first_use) * c  # the all_gather's flat buffer
     last_fetch = max(first_use.values())
     k_of = {u.name: k for k, u in enumerate(trace.units)}
 
+    gone = 0  # released in forward so far
     for s in (s for s in trace.segments if s.phase == "forward"):
         k = k_of.get(s.unit, len(trace.units))  # the loss: after every unit
         alive = flat if (k <= last_fetch if s.at == "start" else k < last_fetch) else 0
-        unsharded = gathered if k > 0 or s.at == "end" else 0
+        unsharded = gathered - gone if k > 0 or s.at == "end" else 0
         keep("forward", s.peak_by_category, loss, {"parameters": unsharded, "temporaries": alive})
         if s.at == "start" and k <= last_fetch:  # unit k fetched: every parameter gathered, the buffer still held
-            keep("forward", s.end_by_category, loss, {"parameters": gathered, "temporaries": flat})
+            keep("forward", s.end_by_category, loss, {"parameters": gathered - gone, "temporaries": flat})
+        if s.at == "end":
+            gone += dropped.get(k, 0)
 
     # Backward: a parameter is released after the backward of its first user in forward order, if autograd reaches
     # that unit's input; the rest stay until step.
     released_by: dict[str, int] = {}
     for p, k in first_use.items():
         u = trace.units[k]
-        if u.grad_input:
+        if u.grad_input and p not in unreached:
             released_by[u.name] = released_by.get(u.name, 0) + numels[p] * c
     # A bucket's reduce-scatter: the concatenation (none for one tensor divisible by N), the padding chunks it was
     # made of, on gloo a copy of the input.
@@ -252,7 +272,7 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
         cat = sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0
         sizes.append(cat + (cat - sum(b) * c if cat else 0) + (sum(padded_numel(x, n) for x in b) * c if gloo else 0))
     edges = [sum(sum(b) for b in buckets[:i]) * c for i in range(len(buckets) + 1)]
-    held, before, backward = gathered, 0, [s for s in trace.segments if s.phase == "backward"]
+    held, before, backward = gathered - sum(dropped.values()), 0, [s for s in trace.segments if s.phase == "backward"]
     for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
         keep("backward", s.peak_by_category, loss, {"gradients": -grads, "parameters": held})
@@ -267,6 +287,7 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     keep("backward", end, loss, {"gradients": -end.get("gradients", 0), "parameters": held,
                                  "temporaries": sizes[-1] if sizes else 0})
 
-    part = sum(-(-x // n) for x in numels)  # the fp32 partition: every parameter's ceil(numel / N)
-    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, False)})
+    parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
+    part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
+    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, False) + norms})
     return out.best

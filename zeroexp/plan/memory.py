@@ -109,8 +109,6 @@ def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
         reasons.append("no peak model yet for zeroexp's ZeRO-2 on a model whose parameters are one module's: its "
                        "bucket opens and fills within the one traced backward segment; state, collectives and groups "
                        "are checked")
-    if flow == "deepspeed" and shape.exact and shape.frozen:
-        reasons.append("no peak model yet for DeepSpeed with frozen parameters")
     return reasons
 
 

@@ -3,7 +3,7 @@ may free late, the buffers a rank keeps beside its state. :mod:`zeroexp.plan.mem
 
 from __future__ import annotations
 
-from zeroexp.formulas import DS_FETCH_LIMIT, Groups, deepspeed_reduce_bucket_numel, padded_numel
+from zeroexp.formulas import DS_FETCH_LIMIT, DS_NORM_BYTES, Groups, deepspeed_reduce_bucket_numel, padded_numel
 from zeroexp.formulas.peak import StepTrace
 from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
@@ -21,8 +21,9 @@ def ds_peak_limits(name: str, groups: Groups, bucket_cap_bytes: int) -> list[str
     if name in DS_ROWS and max(groups.numels, default=0) > bucket:
         reasons.append(f"no peak model yet for a parameter of {max(groups.numels)} elements above reduce_bucket_size="
                        f"{bucket} (reduced on its own, extra_large_param_to_reduce)")
-    if DS_ROWS.get(name) == 3 and groups.numel > DS_FETCH_LIMIT:
-        reasons.append(f"no peak model yet for stage 3 beyond one prefetch bucket ({groups.numel} parameter elements > "
+    fetched = groups.numel + sum(groups.frozen)
+    if DS_ROWS.get(name) == 3 and fetched > DS_FETCH_LIMIT:
+        reasons.append(f"no peak model yet for stage 3 beyond one prefetch bucket ({fetched} parameter elements > "
                        f"{DS_FETCH_LIMIT}: DeepSpeed fetches and releases in several buckets)")
     return reasons
 
@@ -33,9 +34,10 @@ def ds_phases(name: str, groups: Groups, trace: StepTrace, itemsize: int, rank: 
     bytes, whence ``reduce_bucket_size``; ``gloo``: the CPU backend's copies); stage 3 needs a trace with its units
     (``own_params_units``)."""
     stage, n = DS_ROWS[name], groups.world_size
-    if stage == 3:
-        return ds_stage3_phase_peaks(trace, numels=groups.numels, world_size=n, buckets=groups.buckets,
-                                     itemsize=itemsize, gloo=gloo)
+    if stage == 3:  # the shards: every parameter, frozen ones too, in parameter order
+        every = tuple(sh.spans[0][1] for sh in groups.shards)
+        return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
+                                     gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards))
     part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
     return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                                   numels=groups.numels, part=part,
@@ -52,17 +54,21 @@ def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
 def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tuple[str, int]]]:
     """Per phase, the collective tensors of which gloo may free one late (after a later moment of the phase): stages
     1-2 a bucket's flattened all_reduce tensor; stage 3 the parameters' all_gather buffer (forward) and a bucket's
-    reduce-scatter concatenation (backward)."""
-    if DS_ROWS[name] < 3:
-        copies = ds_allreduce_copies(groups.buckets, _reduce_order(groups, DS_ROWS[name]), groups.numels,
+    reduce-scatter concatenation (backward); in the step, the squared gradient norm's all_reduce tensor."""
+    stage = DS_ROWS[name]
+    norm = {"optimizer": [("the squared gradient norm's all_reduce tensor (get_grad_norm_direct)",
+                           DS_NORM_BYTES[stage])]}
+    if stage < 3:
+        copies = ds_allreduce_copies(groups.buckets, _reduce_order(groups, stage), groups.numels,
                                      groups.shards[0].numel // groups.world_size)
         return {"backward": [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", e * itemsize)
-                             for k, e in enumerate(copies) if e]}
+                             for k, e in enumerate(copies) if e], **norm}
     n = groups.world_size
-    flat = sum(padded_numel(k, n) for k in groups.numels) * itemsize
+    flat = sum(sh.numel for sh in groups.shards) * itemsize  # every parameter padded to N, frozen ones too
     return {"forward": [("the parameters' all_gather flat buffer (_all_gather_coalesced)", flat)],
             "backward": [(f"bucket {k}'s reduce-scatter concatenation (reduce_scatter_coalesced)",
-                          sum(padded_numel(x, n) for x in b) * itemsize) for k, b in enumerate(groups.buckets)]}
+                          sum(padded_numel(x, n) for x in b) * itemsize) for k, b in enumerate(groups.buckets)],
+            **norm}
 
 
 def ds_steady_buffers_bytes(name: str, itemsize: int, bucket_cap_bytes: int) -> int:

@@ -32,9 +32,10 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
     way), or, with ``own_params_units``, every module that holds parameters of its own (DeepSpeed stage 3 gathers and
-    releases parameters module by module); then the trace also records each unit's parameters and whether its input
-    required grad (``StepTrace.units``). ``root_unit``: where no module of a ``wrap`` class is found, the model
-    itself is the one unit (named ``<model>``: FSDP wraps such a model as one unit). ``dtype``: the compute dtype (autocast; None or fp32: the model's own).
+    releases parameters module by module); then the trace also records each unit's parameters, whether its input
+    required grad and whether its output did (``StepTrace.units``). ``root_unit``: where no module of a ``wrap`` class
+    is found, the model itself is the one unit (named ``<model>``: FSDP wraps such a model as one unit). ``dtype``:
+    the compute dtype (autocast; None or fp32: the model's own).
     ``module_dtype``: the module's floating parameters and buffers cast to it before the step and the floating input
     cast to it inside the step, as a strategy that computes in a low precision does (DeepSpeed's bf16 engine converts
     the module; FSDP's ``MixedPrecision`` / ``MixedPrecisionPolicy``, zeroexp's ZeRO;
@@ -50,7 +51,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zeroexp.models import build_model, checkpoint_units, loss_of, zeros_batch
+    from zeroexp.models import build_model, checkpoint_units, loss_of, requires_grad, zeros_batch
 
     classes = tuple(wrap)
     segments: list[Segment] = []
@@ -93,14 +94,19 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
         def pre_forward(m: torch.nn.Module, args: tuple, u: str) -> None:
             if own_params_units and u not in seen:  # its parameters and whether autograd reaches its input
                 seen[u] = TracedUnit(u, tuple(index[id(p)] for p in m.parameters(recurse=False)),
-                                     any(isinstance(t, torch.Tensor) and t.requires_grad for t in args))
+                                     any(isinstance(t, torch.Tensor) and t.requires_grad for t in args), False)
             mark("forward", u, "start")
+
+        def post_forward(output: Any, u: str) -> None:
+            if own_params_units and not in_backward[0] and requires_grad(output):  # backward reaches the unit
+                seen[u] = seen[u]._replace(reached=True)
+            mark("forward", u, "end")
 
         hooks = []
         for m in units:
             u = names[id(m)]
             hooks += [m.register_forward_pre_hook(lambda m, a, u=u: pre_forward(m, a, u)),
-                      m.register_forward_hook(lambda m, a, o, u=u: mark("forward", u, "end")),
+                      m.register_forward_hook(lambda m, a, o, u=u: post_forward(o, u)),
                       m.register_full_backward_pre_hook(lambda m, g, u=u: mark("backward", u, "start")),
                       m.register_full_backward_hook(lambda m, gi, go, u=u: mark("backward", u, "end"))]
         # Without autocast's weight-cast cache, as Lightning's MixedPrecision plugin runs it (plugins/precision/amp.py:

@@ -16,6 +16,8 @@ Where the state lives (DeepSpeed 0.19, runtime/zero/stage_1_and_2.py, stage3.py,
   gradients once they are reduced into the partition, so at the optimizer boundary its gradient factor is 1.
 - stage 3: each parameter's partition ``ds_tensor`` (views into ``fp16_partitioned_groups_flat``), the fp32
   partition ``fp32_partitioned_groups_flat`` (``master``), ``grad_partitions_flat_buffer``.
+Frozen parameters (``requires_grad=False``): DeepSpeed's optimizer never holds them (``is_optimized_parameter``);
+stages 0-2 leave them as plain module parameters on every rank, stage 3 partitions and fetches them with the rest.
 Gradients exist only between backward and ``engine.step`` (which frees them): at ``schedule.state_step`` the
 adapter takes references to them right before the step and hands them to the state probe once.
 
@@ -182,7 +184,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         self.engine: Any = None
         self._steps = 0
         self._capture_at = int(cfg.warmup_steps)  # schedule.state_step
-        self._grads: list[torch.Tensor] = []
+        self._grads: list[StateTensor] = []
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
@@ -211,7 +213,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         import deepspeed
 
         _no_shm_comm(deepspeed)
-        client = torch.optim.AdamW(module.parameters(), **self.optimizer_kwargs())
+        client = torch.optim.AdamW(self.trainable(module.parameters()), **self.optimizer_kwargs())
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client,
                                                     config=ds_config(self.cfg, device.type), dist_init_required=False)
         if self.dtype != torch.float32:
@@ -238,21 +240,35 @@ class DeepSpeedAdapter(StrategyAdapter):
             self._grads = list(self._gradient_tensors())
         self._steps += 1
 
-    def _gradient_tensors(self) -> Iterator[torch.Tensor]:
+    def _gradient_tensors(self) -> Iterator[StateTensor]:
+        """The gradients as DeepSpeed holds them before its step, each with its elements of real parameters."""
         opt = self.engine.optimizer
         if self.stage == 0:
-            yield from (p.grad for p in self.engine.module.parameters() if p.grad is not None)
+            yield from (StateTensor("grad", p.grad, p.numel()) for p in self.engine.module.parameters()
+                        if p.grad is not None)
             return
+        real = self._partition_real()
         if self.stage == 3:
             buf = getattr(opt, "grad_partitions_flat_buffer", None)
             if buf is not None:
-                yield buf
+                yield StateTensor("grad", buf, sum(real))
         else:
-            for group in getattr(opt, "averaged_gradients", {}).values():  # None with optimizer offload
-                yield from (g for g in group or () if g is not None)
-        for master in self._masters():  # optimizer offload: the fp32 gradient partition on the host
+            for i, group in getattr(opt, "averaged_gradients", {}).items():  # None with optimizer offload
+                left = real[i]  # the pieces: views of the gradients, then a zeros tensor for the padding
+                for g in (g for g in group or () if g is not None):
+                    yield StateTensor("grad", g, min(g.numel(), left))
+                    left -= min(g.numel(), left)
+        for master, k in zip(self._masters(), real):  # optimizer offload: the fp32 gradient partition on the host
             if master.grad is not None:
-                yield master.grad
+                yield StateTensor("grad", master.grad, k)
+
+    def _partition_real(self) -> list[int]:
+        """Per fp32 partition (stages 1-2: per flat group, less ``groups_padding``; stage 3: per sub-group, each
+        parameter's partition less its padding), the elements of real parameters it holds."""
+        opt = self.engine.optimizer
+        if self.stage == 3:
+            return [sum(_ds_real(p) for p in group) for group in opt.fp16_groups]
+        return [int(size) - int(pad) for size, pad in zip(opt.partition_size, opt.groups_padding)]
 
     def _masters(self) -> list[torch.Tensor]:
         opt = self.engine.optimizer
@@ -264,31 +280,38 @@ class DeepSpeedAdapter(StrategyAdapter):
         return []
 
     def state_tensors(self, model: nn.Module, optimizer: Any) -> Iterator[StateTensor]:
-        """Parameters (stage 3: the partitions), gradients kept at the boundary, fp32 master, Adam's state.
+        """Parameters (stage 3: the partitions, frozen ones too; stages 1-2: the flat groups and the frozen parameters
+        beside them), gradients kept at the boundary, fp32 master, Adam's state, the module's buffers.
 
-        Logical numel: for the replicated flat groups, the model's elements (padding excluded); for partitions,
-        their length (the padding of the last partition, at most 2N - 1 elements, counts as logical).
+        Logical numel: the model's elements a tensor holds, padding excluded: the replicated flat groups' parameters;
+        a partition's elements less its padding (stages 1-2: ``groups_padding``, at the end of the flat group; stage
+        3: each parameter's, on the ranks past its ``ds_numel``), which its master, moments and gradient pieces share.
         """
         opt = self.engine.optimizer
         params = list(self.engine.module.parameters())
         if self.stage == 3:
             for p in params:
-                yield StateTensor("param", p.ds_tensor, p.ds_tensor.numel())
+                yield StateTensor("param", p.ds_tensor, _ds_real(p))
                 if p.data.untyped_storage().nbytes() > 0 and p.data.numel() > 0:
                     yield StateTensor("param_unsharded", p.data, p.ds_numel)
         elif self.stage in (1, 2):
-            for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups):
-                yield StateTensor("param", flat, sum(p.numel() for p in group))
+            flat = {id(p) for group in opt.bit16_groups for p in group}
+            for buffer, group in zip(opt.bit16_groups_flat, opt.bit16_groups):
+                yield StateTensor("param", buffer, sum(p.numel() for p in group))
+            for p in params:  # frozen: plain module parameters, outside the flat groups
+                if id(p) not in flat:
+                    yield StateTensor("param", p.detach(), p.numel())
         else:
             for p in params:
                 yield StateTensor("param", p.detach(), p.numel())
-        for g in self._grads:
-            yield StateTensor("grad", g, g.numel())
+        yield from self._grads
         self._grads = []  # handed over once: the probe counts them, nothing keeps them alive after
-        for m in self._masters():
-            yield StateTensor("master", m, m.numel())
+        masters = self._masters()
+        real = dict(zip(map(id, masters), self._partition_real())) if self.stage else {}
+        for m in masters:
+            yield StateTensor("master", m, real.get(id(m), m.numel()))
         base = getattr(opt, "optimizer", opt)  # the client AdamW inside DeepSpeed's wrapper
-        yield from optimizer_state_tensors(base)
+        yield from optimizer_state_tensors(base, real)
         yield from buffer_state_tensors(self.engine.module)
 
     def clip_gradients(self, model: nn.Module) -> None:
@@ -310,16 +333,21 @@ class DeepSpeedAdapter(StrategyAdapter):
         cell's ds config): stage 0 its all_reduce chunks; stages 1-2 the flat groups (``bit16_groups_flat``, padded to
         2N) and the ``ipg`` buckets of the parameters in reduce order (stage 1 group order at the step, stage 2
         backward hooks: reverse registration order, true of a stack of layers); stage 3 every parameter's partition
-        (``ds_numel`` padded to N), the buckets in backward order and the fetches (the root module's own parameters,
-        then one prefetch of the rest). Not modelled (the check reads n/a with the reason): offload, DeepSpeed's
-        reduce (not all_reduce) gradient path."""
+        (``ds_numel`` padded to N, frozen ones too: ``grad_shards`` are the trainable ones'), the buckets in backward
+        order and the fetches (the root module's own parameters, then one prefetch of the rest, frozen ones too).
+        DeepSpeed's optimizer holds the trainable parameters alone (``is_optimized_parameter``); stages 0-2 leave the
+        frozen ones as plain module parameters (``frozen``). Not modelled (the check reads n/a with the reason):
+        offload, DeepSpeed's reduce (not all_reduce) gradient path."""
         off, eng, opt, n = str(self.cfg.offload.name), self.engine, self.engine.optimizer, dist.get_world_size()
         if off != "none":
             raise NotImplementedError(f"strategy 'deepspeed' has no collectives model for offload={off!r}")
-        params = self.trainable(eng.module.parameters())
+        every = list(eng.module.parameters())
+        params = self.trainable(every)
+        numel = (lambda p: p.ds_numel) if self.stage == 3 else (lambda p: p.numel())
+        frozen = tuple(numel(p) for p in every if not p.requires_grad)
         if self.stage == 0:
             numels = [p.numel() for p in params]
-            return Groups(self.layout, n, tuple(numels), buckets=deepspeed_buckets(0, numels, 0))
+            return Groups(self.layout, n, tuple(numels), buckets=deepspeed_buckets(0, numels, 0), frozen=frozen)
         bucket = int(opt.reduce_bucket_size)
         if self.stage in (1, 2):
             import deepspeed.comm as ds_comm
@@ -335,17 +363,21 @@ class DeepSpeedAdapter(StrategyAdapter):
                     spans.append((offset, offset + p.numel()))
                     offset += p.numel()
                 shards.append(Shard(tuple(spans), flat.numel()))
-            return Groups(self.layout, n, tuple(order), tuple(shards),
+            return Groups(self.layout, n, tuple(order), tuple(shards), frozen=frozen,
                           buckets=deepspeed_buckets(self.stage, order if self.stage == 1 else order[::-1], bucket))
         numels = [p.ds_numel for p in params]
         own = {id(p) for p in eng.module.parameters(recurse=False)}
-        first = sorted(params, key=lambda p: id(p) not in own)  # the root's own parameters are fetched with it
+        first = sorted(every, key=lambda p: id(p) not in own)  # the root's own parameters are fetched with it
         fetched = post_order(eng.module, lambda m: any(True for _ in m.parameters(recurse=False)))
-        units = tuple(Unit(sum(p.ds_tensor.numel() * n for p in m.parameters(recurse=False)), 1) for m in fetched)
-        return Groups(self.layout, n, tuple(numels),
-                      tuple(Shard(((0, p.ds_numel),), p.ds_tensor.numel() * n) for p in params), units,
+        units = tuple(Unit(sum(p.partition_numel() * n for p in m.parameters(recurse=False)), 1) for m in fetched)
+
+        def shard(p: nn.Parameter) -> Shard:
+            return Shard(((0, p.ds_numel),), p.partition_numel() * n)
+
+        return Groups(self.layout, n, tuple(numels), tuple(shard(p) for p in every), units,
                       buckets=deepspeed_buckets(3, numels[::-1], bucket),
-                      gathers=deepspeed_gathers([p.ds_numel for p in first], own=len(own)))
+                      gathers=deepspeed_gathers([p.ds_numel for p in first], own=len(own)), frozen=frozen,
+                      grad_shards=tuple(shard(p) for p in params) if frozen else None)
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
@@ -379,6 +411,14 @@ class DeepSpeedAdapter(StrategyAdapter):
 
     def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: Any) -> None:
         _ckpt.load(self.stage, kind, path, model)
+
+
+def _ds_real(p: nn.Parameter) -> int:
+    """The elements of ``p`` in this rank's stage-3 partition (``ds_tensor``): the partition less the padding that
+    takes ``ds_numel`` to N x ``partition_numel()``, which the last ranks hold (partition_parameters.py
+    ``_partition_param``)."""
+    size = p.partition_numel()
+    return max(0, min(size, p.ds_numel - dist.get_rank(group=p.ds_process_group) * size))
 
 
 _cuda_for = ranks_get_a_gpu  # one rule for every adapter (zeroexp.devices)
