@@ -16,5 +16,8 @@ def test_plan_memory_passes_on_the_hybrid_cells(cell, name):
     assert memory["check"] == "PASS", memory["reasons"]
     for phase in ("forward", "backward", "optimizer"):
         rec = memory["phases"][phase]
-        # a lower bound, exact but for the loss scalars (measured: 0 or 4 B), or one named late-freed tensor
-        assert 0 <= rec["measured_bytes"] - rec["predicted_bytes"] <= 8 or "late_free" in rec, (phase, rec)
+        # a lower bound, exact but for the loss scalars (measured: 0 or 4 B), or one named late-freed tensor, or at
+        # the upper end of the range a tensor only gloo's timing keeps spans (FSDP2: its copy of a reduce-scatter input)
+        exact = 0 <= rec["measured_bytes"] - rec["predicted_bytes"] <= 8
+        upper = "in_range" in rec and 0 <= rec["measured_bytes"] - rec["predicted_upper_bytes"] <= 8
+        assert exact or upper or "late_free" in rec, (phase, rec)

@@ -198,7 +198,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))
     rows_ungraded = kind == "rows" and bool(shape.unused)
     frozen_shards = kind in ("units", "rows", "params") and bool(full.frozen) or rows_ungraded or \
-        (kind == "units" and len(grad_shards) < len(shards))
+        (kind == "units" and shape.exact and len(grad_shards) < len(shards))
     if rows_ungraded:  # indices among the trainable parameters
         idx = [i for i in range(len(numels)) if shape.train(i)]
         extra = {**extra, "ungraded": tuple(idx.index(i) for i in shape.unused)}
@@ -234,7 +234,8 @@ def _spread(shards: tuple[Shard, ...], world_size: int) -> tuple[list[int], list
 
 def local_numels(shards: tuple[Shard, ...], world_size: int, rank: int) -> tuple[int, ...]:
     """The elements of real parameters in rank ``rank``'s chunk of each of ``shards`` (the last ranks of an uneven
-    FSDP2 parameter hold fewer rows, or none): the tensors that rank's optimizer steps."""
+    FSDP2 parameter hold fewer rows, or none): the tensors that rank's optimizer steps. Hybrid sharding: rank r holds
+    shard r % shard_size, so pass that."""
     return tuple(_spread((sh,), world_size)[0][rank] for sh in shards)
 
 

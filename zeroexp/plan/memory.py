@@ -431,7 +431,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                                                     ADAMW["foreach"]))
     if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
-                                 optimizer_numels=local_numels(groups.trained_shards, n, rank), **ADAMW,
+                                 optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **ADAMW,
                                  reshard_after_forward=FSDP2_ROWS[name])
     full_shard = FSDP1_ROWS[name] and not alone  # FSDP1 keeps the root unit unsharded from forward into backward
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
