@@ -35,7 +35,8 @@ class ModelShape:
     buffers: tuple[tuple[str, int], ...] = ()
     #: Indices of the trainable parameters a traced step gives no gradient (a branch forward never calls).
     unused: tuple[int, ...] = ()
-    #: The module classes whose CPU kernels allocate workspace a fake-tensor trace does not see (convolutions).
+    #: The module classes whose CPU kernels allocate or save what a fake-tensor trace does not see (convolutions,
+    #: recurrent layers).
     opaque: tuple[str, ...] = ()
 
     @classmethod

@@ -36,8 +36,9 @@ class LinearStack(nn.Sequential):
 
 
 def _mean_square(output: Any, batch: torch.Tensor) -> torch.Tensor:
-    """mean(output ** 2) over every element: a loss of the output alone, no targets needed."""
-    return output.float().pow(2).mean()
+    """mean(output ** 2) over every element: a loss of the output alone, no targets needed (a Hugging Face output:
+    of its ``logits``)."""
+    return getattr(output, "logits", output).float().pow(2).mean()
 
 
 def _next_token(output: Any, batch: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
                       buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
                                     for b in net.buffers()), unused=unused,
                       opaque=tuple(sorted({type(m).__name__ for m in net.modules()
-                                           if isinstance(m, nn.modules.conv._ConvNd)})))
+                                           if isinstance(m, (nn.modules.conv._ConvNd, nn.RNNBase))})))
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

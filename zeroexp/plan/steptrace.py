@@ -56,7 +56,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     classes = tuple(wrap)
     segments: list[Segment] = []
     with FakeTensorMode(), torch.device(device):
-        net = build_model(model_cfg)
+        net = _fake_module(model_cfg, device)
         if module_dtype not in (None, torch.float32):  # as the strategy casts them (``.data``: fake tensors swap not)
             for t in [*net.parameters(), *net.buffers()]:
                 if t.is_floating_point():
@@ -134,6 +134,39 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                 h.remove()
     return StepTrace(batch_size=int(batch_size), segments=tuple(segments),
                      loss_bytes=2 * loss.untyped_storage().nbytes(), units=tuple(seen.values()))
+
+
+def _fake_module(model_cfg: Mapping[str, Any], device: str) -> torch.nn.Module:
+    """The model config's module on fake tensors (inside ``FakeTensorMode``). A constructor that reads tensor values
+    (``nn.init.trunc_normal_``: ViT and most vision models) cannot run there: it is built on the meta device, where
+    initialisation is skipped, and each parameter and buffer then made a fake tensor of its shape (values do not matter
+    to a trace of bytes; a parameter two modules share stays one)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from zeroexp.models import build_model
+
+    try:
+        return build_model(model_cfg)
+    except Exception as e:  # noqa: BLE001 - Hydra's instantiate wraps the factory's exception
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, DataDependentOutputException):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        with torch.device("meta"):
+            net = build_model(model_cfg)
+        made: dict[int, torch.Tensor] = {}  # a parameter two modules share stays one (tied weights)
+        for m in net.modules():
+            for name, p in list(m._parameters.items()):
+                if p is not None:
+                    if id(p) not in made:
+                        made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                         requires_grad=p.requires_grad)
+                    m._parameters[name] = made[id(p)]
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+        return net
 
 
 def _less(cats: dict[str, int], base: dict[str, int]) -> dict[str, int]:
