@@ -51,7 +51,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zeroexp.models import build_model, checkpoint_units, loss_of, requires_grad, zeros_batch
+    from zeroexp.models import checkpoint_units, loss_of, requires_grad, zeros_batch
 
     classes = tuple(wrap)
     segments: list[Segment] = []
