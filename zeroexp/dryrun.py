@@ -220,8 +220,8 @@ def _derived(cfg: DictConfig, ctx: RunContext
 
     n, offload, expect = ctx.world_size, str(cfg.offload.name), ctx.expect
     layout, itemsize, knobs = expect.layout, expect.itemsize, expect.knobs
-    groups = cell_groups(cfg)
-    p_bytes = 4 * groups.numel
+    groups = expect.groups = cell_groups(cfg)
+    p_bytes = 4 * (groups.numel + sum(groups.frozen))  # P: every parameter, frozen ones included
     how = (f"zeroexp.formulas.step_collectives over the groups the row {expect.name} ({layout.label}) derives from "
            "the model's shapes")
     expected = step_collectives(layout, groups, itemsize, knobs)
@@ -240,7 +240,8 @@ def _derived(cfg: DictConfig, ctx: RunContext
                         "dtype": dtype if k in compute else "float32", "device": "",
                         "numel": v[r][0] // (itemsize if k in compute else 4)} for k, v in table.items()],
               "step": ctx.schedule.state_step, "logical_param_bytes": p_bytes,
-              "expected": expect.state_factors(), "semantics": ctx.adapter.semantics} for r in range(n)]
+              "expected": expect.state_factors(groups.numel / max(groups.numel + sum(groups.frozen), 1)),
+              "semantics": ctx.adapter.semantics} for r in range(n)]
     return state, collectives, None, 0
 
 

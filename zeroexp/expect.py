@@ -34,6 +34,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         micro_batches=int(cfg.get("grad_accum") or 1),
         sync_each_microbatch=bool(s.get("sync_each_microbatch", False)),
         find_unused_parameters=s.get("find_unused_parameters"),
+        compute_dtype=str(cfg.precision.param_dtype),
     )
 
 

@@ -142,7 +142,7 @@ _SOURCE = ("DeepSpeed 0.19, measured by zeroexp's state probe (CPU, gloo; fp32 a
 
 
 def _row(stage: int, **kw) -> StateLayout:
-    return StateLayout(f"DeepSpeed 0.19 stage {stage}", stage, payload=partial(_payload, stage),
+    return StateLayout(f"DeepSpeed 0.19 stage {stage}", stage, payload=partial(_payload, stage), casts_buffers=True,
                        comm=partial(_comm, stage), payload_limits=partial(deepspeed_payload_limits, stage),
                        precisions=_MIXED, **kw)
 

@@ -80,6 +80,8 @@ class StateLayout:
     #: How the strategy's hooks gather an FSDP unit called more than once or never reached by backward
     #: (:func:`fsdp_unit`): ``fsdp1`` or ``fsdp2``.
     unit_hooks: str = "fsdp1"
+    #: Whether the strategy casts the module's floating buffers to the compute dtype (below fp32).
+    casts_buffers: bool = False
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
     hybrid: bool = False
     reference: bool = False
@@ -205,7 +207,17 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     return Groups(name, world_size, trained if shape.exact else (shape.numel,), tuple(shards), tuple(units),
                   owners=tuple(owners), exact=shape.exact, shard_size=n if hybrid else 0,
                   frozen=full.frozen if shape.exact else (), grad_shards=tuple(grad_shards) if frozen_shards else None,
-                  buffers=full.buffers, **extra)
+                  buffers=_held_buffers(layout, full.buffers, knobs.compute_dtype), **extra)
+
+
+def _held_buffers(layout: StateLayout, buffers: tuple[tuple[str, int], ...], dtype: str
+                  ) -> tuple[tuple[str, int], ...]:
+    """The module's buffers as the row holds them: floating ones in the compute dtype where it casts them
+    (``casts_buffers``: zeroexp's ZeRO, FSDP1's MixedPrecision ``buffer_dtype``, DeepSpeed's low-precision engine)."""
+    if not layout.casts_buffers or dtype == "float32":
+        return buffers
+    size = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+    return tuple((dtype, b * size[dtype] // size[d]) if d in size else (d, b) for d, b in buffers)
 
 
 # --- groups -> bytes per rank ---------------------------------------------------------------------------------

@@ -16,11 +16,15 @@ __all__ = ["LAYOUTS", "ddp_buckets", "buffer_broadcasts"]
 def ddp_buckets(shape: ModelShape, knobs: PlanKnobs) -> tuple[tuple[int, ...], ...]:
     """DDP's steady gradient buckets, each its parameters' numels: the parameters in gradient-ready order (the first
     backward's, which ``Reducer::rebuild_buckets`` keeps; with ``find_unused_parameters`` the reducer rebuilds none,
-    ``should_rebuild_buckets``, so reverse definition order stays), a bucket closed once it holds ``bucket_cap_mb``
+    ``should_rebuild_buckets``, so DDP's first assignment stays: cut in definition order, the buckets reversed,
+    each in definition order), a bucket closed once it holds ``bucket_cap_mb``
     or more (``compute_bucket_assignment_by_size``; zeroexp passes the cap explicitly, so it holds for the first
     bucket too). One dtype assumed (fp32 at rest, also under autocast)."""
     numels = shape.numels
-    order = tuple(range(len(numels)))[::-1] if _finds_unused(shape, knobs) else shape.ready_order
+    if _finds_unused(shape, knobs):  # DDP's first assignment: cut in definition order, the list of buckets reversed
+        cut = cut_buckets([k * 4 for k in numels], knobs.bucket_cap_bytes, "reach")
+        return tuple(tuple(numels[i] for i in b) for b in reversed(cut))
+    order = shape.ready_order
     buckets = cut_buckets([numels[i] * 4 for i in order], knobs.bucket_cap_bytes, "reach")
     return tuple(tuple(numels[order[j]] for j in b) for b in buckets)
 
@@ -110,20 +114,21 @@ LAYOUTS: dict[str, StateLayout] = {
                        fp32_at_rest=True, fp32_on_the_wire=True, precisions=_MIXED, comm=_zro_comm,
                        source="zeroexp.strategies.zro"),
     "zero1": StateLayout("zeroexp ZeRO-1", 1, _OS, "always", "buckets", scatter_gather, precisions=_MIXED,
-                         source="zeroexp.sharding"),
+                         casts_buffers=True, source="zeroexp.sharding"),
     "zero2": StateLayout("zeroexp ZeRO-2", 2, _OS_G, "always", "buckets", scatter_gather_each_micro_batch,
                          precisions=_MIXED,
-                         source="zeroexp.sharding"),
+                         casts_buffers=True, source="zeroexp.sharding"),
     "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, _OS_G_P, "never", "units",
                                 gather_units(kept_under_no_sync=True), "all",
-                                fp32_at_rest=True, precisions=_MIXED, source="zeroexp.strategies.fsdp; [FSDP]"),
+                                fp32_at_rest=True, precisions=_MIXED, casts_buffers=True,
+                                source="zeroexp.strategies.fsdp; [FSDP]"),
     "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows",
                                  gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
                                  precisions=_MIXED, unit_hooks="fsdp2",
                                  source="zeroexp.strategies.fsdp2; [FSDP2]"),
     "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", gather_units(), "largest",
                              fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
-                             source="zeroexp.strategies.fsdp; [FSDP]"),
+                             casts_buffers=True, source="zeroexp.strategies.fsdp; [FSDP]"),
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                               precisions=_MIXED, gathers_per_unit=_twice, unit_hooks="fsdp2",
@@ -132,10 +137,12 @@ LAYOUTS: dict[str, StateLayout] = {
     "fsdp__HYBRID_SHARD_ZERO2": StateLayout("FSDP _HYBRID_SHARD_ZERO2", 2, _OS_G_P, "never", "units",
                                             hybrid_units(kept_under_no_sync=True),
                                             "all", fp32_at_rest=True, precisions=_MIXED, hybrid=True,
+                                            casts_buffers=True,
                                             source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
     "fsdp_HYBRID_SHARD": StateLayout("FSDP HYBRID_SHARD", 3, _OS_G_P, "never", "units", hybrid_units(), "largest",
                                      fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
                                      hybrid=True,
+                                     casts_buffers=True,
                                      source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
     "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                                 hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,

@@ -117,6 +117,7 @@ class PlanKnobs:
     micro_batches: int = 1  # grad_accum: micro-batches per optimizer step
     sync_each_microbatch: bool = False  # FSDP / FSDP2 with grad_accum: reduce-scatter each micro-batch, no no_sync
     find_unused_parameters: bool | None = None  # DDP's; None: when a traced step leaves a parameter ungraded
+    compute_dtype: str = "float32"  # precision.param_dtype: what a row that casts the module's buffers casts them to
 
 
 class Shard(NamedTuple):
@@ -225,8 +226,9 @@ def fsdp_unit(numel: int, gathers: int, calls: int = 1, reached: bool = True, re
       backward never reaches not at all; one kept after forward is then never resharded (steady steps gather it
       no more: ``kept``);
     - ``fsdp2``: each forward call's part of backward gathers a resharded unit again (its post-backward reshards
-      after each part; a unit kept after forward: each part but the first); a unit backward never reaches is still gathered when the unit after it in forward order is
-      reached (``next_reached``: FSDP2's implicit backward prefetch), and resharded at the end of backward."""
+      after each part; a unit kept after forward: each part but the first); a unit backward never reaches is still
+      gathered when the unit after it in forward order is reached (``next_reached``: FSDP2's implicit backward
+      prefetch), and resharded at the end of backward."""
     resharded, reached = gathers >= 2, reached and calls > 0
     kept = hooks == "fsdp1" and not resharded and calls > 0 and not reached
     if hooks == "fsdp2" and resharded:

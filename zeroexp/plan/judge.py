@@ -52,23 +52,23 @@ def judge_rank(got_phases: dict[str, Any], steady: int, steady_cats: dict[str, A
 
 def judge(measured: int, predicted: int, late: list[tuple[str, int]], upper: int | None = None,
            upper_note: str = "") -> tuple[str, str | None, float]:
-    """PASS when 0 <= measured - predicted <= max(TOLERANCE * |measured|, ABS_TOLERANCE); or, where the prediction is a range (``upper``:
-    with a tensor only gloo's timing keeps, ``upper_note``), when predicted <= measured <= upper within the band; or
-    when the excess is at most one named tensor that gloo may free late (``late``: each candidate's description and
-    bytes), said in the note. Never PASS when the prediction exceeds the measurement. Also the relative error of the
-    prediction (against the nearer end of a range)."""
-    band = max(TOLERANCE * abs(measured), ABS_TOLERANCE)  # below steady (zeroexp's ZeRO below fp32 frees steady's all-gather inputs)
+    """PASS when 0 <= measured - predicted <= max(TOLERANCE * |measured|, ABS_TOLERANCE); or when the excess is at
+    most one named tensor that gloo may free late (``late``: each candidate's description and bytes), said in the
+    note; or, where the prediction is a range (``upper``: a moment only timing decides, ``upper_note``), when
+    predicted <= measured <= upper within the band. Never PASS when the prediction exceeds the measurement. Also the
+    relative error of the prediction (against the nearer end of a range)."""
+    band = max(TOLERANCE * abs(measured), ABS_TOLERANCE)  # the magnitude: a phase may sit below steady
     excess = measured - predicted
     rel = abs(excess) / abs(measured) if measured else float(excess != 0)
     if 0 <= excess <= band:
         return "PASS", None, rel
-    if upper is not None and 0 <= excess and measured <= upper + band:
-        return "PASS", f"{RANGE_NOTE} {predicted}-{upper} B: {upper_note}", \
-            min(rel, abs(measured - upper) / abs(measured) if measured else 0.0)
     if excess > 0:
         for note, size in sorted(late, key=lambda c: c[1]):
             if excess <= size + band:
                 return "PASS", f"{excess} B above the prediction, within one late-freed tensor: {note} ({size} B)", rel
+    if upper is not None and 0 <= excess and measured <= upper + band:
+        return "PASS", f"{RANGE_NOTE} {predicted}-{upper} B: {upper_note}", \
+            min(rel, abs(measured - upper) / abs(measured) if measured else 0.0)
     return "FAIL", None, rel
 
 

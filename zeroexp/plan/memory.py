@@ -207,8 +207,9 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
               checkpointing: bool = False, grads_in_place: bool = False,
               terms: PrecisionTerms | None = None) -> StepTrace:
     """The bare step the row's peak model reads (:func:`zeroexp.plan.steptrace.trace_step`): segmented at the
-    strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module) and for a
-    ``bucket`` flow without units, at every module holding parameters; in the dtypes the cell computes in: DeepSpeed's bf16 runs the module converted to bf16,
+    strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module) and for the
+    ``bucket`` flow, at every module holding parameters; in the dtypes the cell computes in: DeepSpeed's bf16 runs
+    the module converted to bf16,
     the other rows as their ``terms`` say (autocast, or the module cast: :mod:`zeroexp.formulas.peak_precision`)."""
     import torch
 

@@ -100,7 +100,7 @@ def trace_units(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Mod
              if p.requires_grad]
     hooks += [m.register_forward_hook(seen(k)) for k, m in enumerate(units)]
     try:
-        batch = zeros_batch(model_cfg, 1, device="meta")
+        batch = zeros_batch(model_cfg, 2, device="meta")  # two samples: BatchNorm needs more than one
         loss = loss_of(model_cfg)(net(batch), batch)
         if loss.requires_grad:
             loss.backward()

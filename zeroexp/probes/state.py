@@ -153,6 +153,11 @@ class StateProbe(Probe):
                            batch_idx: int) -> None:
         """At ``schedule.state_step``, after its optimizer step: count what the adapter says this rank holds."""
         if batch_idx == self.ctx.schedule.state_step:
+            if self.ctx.expect.groups is None:  # the expectation reads the live groups (their frozen, ungraded)
+                try:
+                    self.ctx.expect.groups = self.ctx.adapter.live_groups(trainer.strategy.model, trainer.optimizers[0])
+                except NotImplementedError:
+                    pass
             items = self.ctx.adapter.state_tensors(trainer.strategy.model, trainer.optimizers[0])
             self.rows = count_state(items)
             self.loss_scale = self.ctx.adapter.current_loss_scale()
