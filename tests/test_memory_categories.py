@@ -99,11 +99,11 @@ def test_measured_unsharded_and_comm_bytes_equal_the_model(grid, name):
     for phase in ("forward", "backward", "optimizer"):
         rec = memory["phases"][phase]
         # measured at the range's upper end (a moment only gloo's timing creates): its categories are the upper's
-        upper = "in_range" in rec
+        upper = "predicted_upper_bytes" in rec and 0 <= rec["measured_bytes"] - rec["predicted_upper_bytes"] <= 8
         want = rec["predicted_upper_by_category" if upper else "predicted_by_category"]
         got = rec["measured_by_category"]
         # one tensor gloo frees late (named in late_free) may add its bytes to the measurement, never take any away
-        late = rec["measured_bytes"] - rec["predicted_bytes"] if "late_free" in rec else 0
+        late = rec["measured_bytes"] - rec["predicted_bytes"] if "late_free" in rec and not upper else 0
         # FSDP1's backward prefetch: the next unit's all-gather output is named unsharded when its collective is
         # dispatched; under load the phase's peak came once (CI) before that, the unit counted as temporaries.
         moved = UNIT if (name, phase) == ("fsdp_full", "backward") else 0

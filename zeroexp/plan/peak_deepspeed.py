@@ -53,7 +53,7 @@ def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
 
 def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tuple[str, int]]]:
     """Per phase, the collective tensors of which gloo may free one late (after a later moment of the phase): stages
-    1-2 a bucket's flattened all_reduce tensor; stage 3 the parameters' all_gather buffer (forward) and a bucket's
+    1-2 a bucket's flattened all_reduce tensor (in backward, or into the step); stage 3 the parameters' all_gather buffer (forward) and a bucket's
     reduce-scatter concatenation (backward); in the step, the squared gradient norm's all_reduce tensor."""
     stage = DS_ROWS[name]
     norm = {"optimizer": [("the squared gradient norm's all_reduce tensor (get_grad_norm_direct)",
@@ -61,8 +61,10 @@ def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tup
     if stage < 3:
         copies = ds_allreduce_copies(groups.buckets, _reduce_order(groups, stage), groups.numels,
                                      groups.shards[0].numel // groups.world_size)
-        return {"backward": [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", e * itemsize)
-                             for k, e in enumerate(copies) if e], **norm}
+        flat = [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", e * itemsize)
+                for k, e in enumerate(copies) if e]
+        # the last bucket's, reduced at backward's end, may outlive it into the step (seen on rank 1 of 3)
+        return {"backward": flat, "optimizer": norm["optimizer"] + flat}
     n = groups.world_size
     flat = sum(sh.numel for sh in groups.shards) * itemsize  # every parameter padded to N, frozen ones too
     return {"forward": [("the parameters' all_gather flat buffer (_all_gather_coalesced)", flat)],
