@@ -16,8 +16,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zeroexp.formulas.paper import (Collectives, clip_norm_all_reduces, collectives_of, fp16_inf_syncs,
-                                     fsdp2_padded_numel, padded_numel)
+from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, clip_norm_all_reduces, collectives_of,
+                                     fp16_inf_syncs, fsdp2_padded_numel, padded_numel)
 from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs, Shard, Unit, fsdp_unit, next_reached
 
 __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit", "next_reached", "Groups",
@@ -216,7 +216,7 @@ def _held_buffers(layout: StateLayout, buffers: tuple[tuple[str, int], ...], dty
     (``casts_buffers``: zeroexp's ZeRO, FSDP1's MixedPrecision ``buffer_dtype``, DeepSpeed's low-precision engine)."""
     if not layout.casts_buffers or dtype == "float32":
         return buffers
-    size = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+    size = {**COMPUTE_ITEMSIZE, "float64": 8}  # the floating dtypes a cast reaches
     return tuple((dtype, b * size[dtype] // size[d]) if d in size else (d, b) for d, b in buffers)
 
 
