@@ -177,8 +177,7 @@ class FSDPAdapter(StrategyAdapter):
                 continue
             flat = handle.flat_param
             logical = sum(info.numel_in_shard for info in flat._shard_param_infos if info.in_shard)
-            trains = [p.requires_grad for p in flat._params] if getattr(flat, "_params", None) else \
-                [True] * len(flat._shard_param_infos)
+            trains = _trains(flat)
             trained = sum(info.numel_in_shard for info, t in zip(flat._shard_param_infos, trains) if info.in_shard and t)
             logical_of[id(flat)] = trained
             yield StateTensor("param", flat.detach(), logical)
@@ -204,9 +203,7 @@ class FSDPAdapter(StrategyAdapter):
                 if not padding:
                     spans.append((offset, offset + numel))
                 offset += numel
-            # which original parameters train: each one's own flag with use_orig_params, else the FlatParameter's
-            trains = [p.requires_grad for p in flat._params] if getattr(flat, "_params", None) else \
-                [flat.requires_grad] * len(spans)
+            trains = _trains(flat)
             padded = flat._padded_unsharded_size.numel()
             shards.append(Shard(tuple(spans), padded))
             trained = tuple(sp for sp, t in zip(spans, trains) if t and sp[1] > sp[0])
@@ -313,3 +310,10 @@ class FSDPFullAdapter(FSDPAdapter):
 
     def backward_prefetch(self) -> BackwardPrefetch | None:
         return PREFETCH[self.cfg.prefetch.name]
+
+
+def _trains(flat: nn.Parameter) -> list[bool]:
+    """Per original parameter of a FlatParameter, whether it trains: each one's own flag with ``use_orig_params``
+    (FSDP keeps them in ``_params``), else the FlatParameter's (one ``requires_grad`` for all)."""
+    params = getattr(flat, "_params", None)
+    return [p.requires_grad for p in params] if params else [flat.requires_grad] * len(flat._shard_param_infos)

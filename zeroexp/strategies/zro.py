@@ -7,7 +7,7 @@ parameters after each update"); see Rajbhandari et al., ZeRO, arXiv:1910.02054, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -63,9 +63,7 @@ class ZROAdapter(DDPAdapter):
         else:
             broadcasts = tuple(k for owned in owners for k in owned)
         ddp = super().groups(model, optimizer)
-        return Groups(ddp.layout, ddp.world_size, ddp.numels, buckets=ddp.buckets, owners=owners,
-                      broadcasts=broadcasts, frozen=ddp.frozen, buffers=ddp.buffers,
-                      buffer_broadcasts=ddp.buffer_broadcasts, ungraded=ddp.ungraded, used_map_bytes=ddp.used_map_bytes)
+        return replace(ddp, owners=owners, broadcasts=broadcasts)  # DDP's groups, the optimizer's owners beside
 
     def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(
