@@ -1,4 +1,4 @@
-"""Strategy-owned configuration (issue 16): each strategy's schema beside its adapter, no top-level key of one
+"""Strategy-owned configuration: each strategy's schema beside its adapter, no top-level key of one
 strategy, cell ids unchanged, and a ``strategy.<key>`` of a sweep applying only to the strategies that have it."""
 
 from __future__ import annotations

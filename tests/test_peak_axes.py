@@ -1,4 +1,4 @@
-"""The models' terms for activation checkpointing and gradient accumulation (issue 19, item 5): the peak model over
+"""The models' terms for activation checkpointing and gradient accumulation: the peak model over
 the checkpointed step and over K micro-batches, the memory probe per micro-batch, recompute and micro-batches in the
 step time, and the planner's rows; exact figures on given traces and groups, and real cells checked by plan.memory."""
 
