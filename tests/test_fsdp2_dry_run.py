@@ -131,7 +131,7 @@ def test_billions_of_parameters_at_1024_ranks_on_one_cpu(cell):
              "warmup_steps=0", "probes.profile_steps=1", "probes.memory_steps=1", "batch_size=1", DRY)
     assert r.status == "ok", r.error
     manifest = json.loads((r.cell_dir / "manifest.json").read_text())
-    assert manifest["duration_s"] < 60  # the bound for this machine; typically ~20 s
+    assert manifest["duration_s"] < 60  # the bound for this machine; typically ~20 s
     assert r.summary["dry_run"]["max_rss_bytes"] < 4 * psi / 10  # never allocated: far under the model's size
     s, c = r.summary["state"], r.summary["collectives"]
     assert s["check"] == "PASS" and c["check"] == "PASS", (s["reasons"], c["reasons"])
