@@ -6,9 +6,9 @@ prints per strategy: the median step time (timing probe: slowest rank per timed 
 bus bytes per step (collectives probe, measured payload x nccl-tests bus factor) and the optimizer-side bytes of
 the largest rank (state probe: Adam moments, and the fp32 master shard where there is one). Not a test.
 
-Targets: zero1 and zero2 step time within 1.05 of ddp on a backend with a native reduce_scatter (issue 7); bus
+Targets: zero1 and zero2 step time within 1.05 of ddp on a backend with a native reduce_scatter; bus
 bytes equal to ddp's plus the all_gather on gloo, moments per rank 1/N of ddp's; their extra time over ddp at most
-0.5x a lone all_gather of the same buckets on the same backend (issue 22: the parameter all_gather overlaps the next
+0.5x a lone all_gather of the same buckets on the same backend (the parameter all_gather overlaps the next
 forward). Each round also times that lone all_gather (one process per rank, gloo, the buckets zero1 makes of the
 model), and the extra-time ratio is printed with a 95 % bootstrap interval over the timed steps.
 

@@ -1,4 +1,4 @@
-"""Activations traced, not guessed (issue 17, part 2): one forward at the per-rank batch under FakeTensorMode, what
+"""Activations traced, not guessed: one forward at the per-rank batch under FakeTensorMode, what
 autograd saves per FSDP unit, plus the output and the loss; the planner's ``batch_size`` column."""
 
 from __future__ import annotations

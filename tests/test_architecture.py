@@ -1,4 +1,4 @@
-"""The house's layers (issue 16, point 4), read from the source's imports, function-level ones included.
+"""The house's layers, read from the source's imports, function-level ones included.
 
 What may import what: docs/architecture.md. The rules: no import circle inside zeroexp; the formulas import nothing
 of zeroexp; strategies import neither probes nor config; probes import no strategy; the planner imports no strategy

@@ -1,4 +1,4 @@
-"""Axes of every strategy (issue 19): global-norm clipping (``strategy.clip_grad_norm``) on every strategy, its
+"""Axes of every strategy: global-norm clipping (``strategy.clip_grad_norm``) on every strategy, its
 collective in the one expectation model, the clipped reference; the axes in the cell's identity only where set."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sweep report shows the axes of issue 19 (zeroexp/report/axes.py, groups.py): hybrid sharding's mesh, activation
+"""The sweep report shows the optional axes (zeroexp/report/axes.py, groups.py): hybrid sharding's mesh, activation
 checkpointing, grad_accum, sync_each_microbatch and clip_grad_norm as columns of the cells table where a cell sets them
 (n/a where an axis does not apply), and a hybrid cell's collectives by process group (table, plot, W&B panels);
 Markdown, HTML, the sweep's W&B run and its W&B Report show the same strings.
@@ -143,7 +143,7 @@ def test_markdown_html_and_wandb_show_the_same_axis_columns(sweep, monkeypatch):
 
 
 def test_a_sweep_setting_no_axis_shows_no_axis_column():
-    """Cells that set none of the axes (every cell before issue 19): the cells table is as it was."""
+    """Cells that set none of the optional axes: the cells table has no column for any of them."""
     from zeroexp.report.tables import cells_table
 
     frame = pd.DataFrame({"cell_name": ["a", "b"], "label": ["ddp", "fsdp_full-pre"], "status": ["ok", "ok"],

@@ -1,4 +1,4 @@
-"""The collectives probe (issue 4): per-step collective fingerprints counted by torch.profiler vs the model."""
+"""The collectives probe: per-step collective fingerprints counted by torch.profiler vs the model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Strategy-owned configuration (issue 16): each strategy's schema beside its adapter, no top-level key of one
+"""Strategy-owned configuration: each strategy's schema beside its adapter, no top-level key of one
 strategy, cell ids unchanged, and a ``strategy.<key>`` of a sweep applying only to the strategies that have it."""
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from zeroexp.strategies import registered
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ("logger=none", "model.width=64", "steps=10", "warmup_steps=3")  # conftest's BASE
 
-#: Cell names (and so cell ids) computed by the code before the move (commit 124fb84, where the bucket cap was a
-#: top-level key shared by ddp, zro, zero1, zero2 and deepspeed, and ds_vs_fsdp swept a top-level stage key), for the
-#: same cells spelled with today's keys (the old spelling in place of strategy.bucket_cap_mb / strategy.stage):
-#: resume=true and reports over older sweeps depend on them. "BASE" stands for conftest's BASE overrides.
+#: Pinned cell names (and so cell ids), as commit 124fb84 computed them when the bucket cap and the DeepSpeed stage
+#: were top-level keys: moving a key into a strategy's schema must not change them, since resume=true and reports over
+#: existing sweeps depend on them. "BASE" stands for conftest's BASE overrides.
 PINNED = [
     ("strategy=ddp", "ddp_mlp_fp32_n4_1535041b"),
     ("BASE strategy=ddp world_size=2", "ddp_mlp_fp32_n2_1146f049"),
@@ -186,7 +185,7 @@ def _overrides(spec: str) -> list[str]:
 
 
 @pytest.mark.parametrize("spec, name", PINNED, ids=[s for s, _ in PINNED])
-def test_cell_names_and_ids_are_those_before_the_move(spec, name):
+def test_cell_names_and_ids_stay_pinned(spec, name):
     assert cell_name(_compose(_overrides(spec))) == name
 
 

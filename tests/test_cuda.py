@@ -1,4 +1,4 @@
-"""CUDA / NCCL cells (issue 22, part 4): skipped without a GPU, with the reason. On one GPU every strategy runs at
+"""CUDA / NCCL cells: skipped without a GPU, with the reason. On one GPU every strategy runs at
 world_size=1 (one GPU cannot hold two NCCL ranks); with two or more, NCCL cells at N=2, FSDP CPUOffload and DeepSpeed
 fp16 (which need a GPU) too. Run them with ``benchmarks/gpu_check.sh`` on a GPU machine."""
 

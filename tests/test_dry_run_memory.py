@@ -1,5 +1,5 @@
 """A traced dry run simulates the memory probe's phases (FakeTensorMode + MemTracker over fake storages) and shows
-them beside the peak model's prediction (issue 17, point 1: ``simulated``, never the prediction)."""
+them beside the peak model's prediction (``simulated``, never the prediction)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One expectation model (issue 16): the groups a strategy's adapter reads off its live structure equal, element for
+"""One expectation model: the groups a strategy's adapter reads off its live structure equal, element for
 element, the groups the planner derives from shapes on the meta device; the plan check compares calls as well as
 bytes, and a derived dry run's plan check reads n/a.
 

@@ -1,4 +1,4 @@
-"""FSDP2 cells and the dry run (issue 12): fully_shard on the ladder's probes; a dry run on a fake process group
+"""FSDP2 cells and the dry run: fully_shard on the ladder's probes; a dry run on a fake process group
 gives the real run's state and collectives, and a multi-billion-parameter model at N=1024 on one CPU process."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_billions_of_parameters_at_1024_ranks_on_one_cpu(cell):
              "warmup_steps=0", "probes.profile_steps=1", "probes.memory_steps=1", "batch_size=1", DRY)
     assert r.status == "ok", r.error
     manifest = json.loads((r.cell_dir / "manifest.json").read_text())
-    assert manifest["duration_s"] < 60  # the issue's bound for this machine; typically ~20 s
+    assert manifest["duration_s"] < 60  # the bound for this machine; typically ~20 s
     assert r.summary["dry_run"]["max_rss_bytes"] < 4 * psi / 10  # never allocated: far under the model's size
     s, c = r.summary["state"], r.summary["collectives"]
     assert s["check"] == "PASS" and c["check"] == "PASS", (s["reasons"], c["reasons"])
@@ -158,7 +158,7 @@ def test_deepspeed_dry_run_derives_the_real_run(cell, stage):
         assert dry.summary["state"][key] == real.summary["state"][key], key
     for key in ("counts", "payload_bytes"):
         assert dry.summary["collectives"][key] == real.summary["collectives"][key], key
-    # the derived dry run's plan is the planner's own model: its check cannot fail, so it reads n/a (issue 16)
+    # the derived dry run's plan is the planner's own model: its check cannot fail, so it reads n/a
     assert real.summary["plan"]["check"] == "PASS" and dry.summary["plan"]["check"] == "n/a"
     assert dry.summary["plan"]["predicted_bytes"] == real.summary["plan"]["predicted_bytes"]
 

@@ -1,4 +1,4 @@
-"""Hybrid sharding (issue 19, part 1): fsdp_hybrid (FSDP1 HYBRID_SHARD / _HYBRID_SHARD_ZERO2) and fsdp2_hybrid (FSDP2 on
+"""Hybrid sharding: fsdp_hybrid (FSDP1 HYBRID_SHARD / _HYBRID_SHARD_ZERO2) and fsdp2_hybrid (FSDP2 on
 a (replicate, shard) mesh) at N=4 with shard_size=2 on the 8 Linear units of the mlp: N / shard_size = 2 sharded copies
 of the state; per unit all_gather and reduce_scatter within the shard group (2 ranks) and one all_reduce across the
 replicas (2 ranks), each call's group learnt by the collectives probe and its payload sized by that group."""

@@ -1,4 +1,4 @@
-"""Gradient accumulation under hybrid sharding (issue 19, loose end of items 1 and 3): fsdp_hybrid (HYBRID_SHARD and
+"""Gradient accumulation under hybrid sharding: fsdp_hybrid (HYBRID_SHARD and
 _HYBRID_SHARD_ZERO2) and fsdp2_hybrid at N=4, shard_size=2, grad_accum=2 on the 8 Linear units of the mlp. Measured,
 per optimizer step: as FSDP's no_sync, every micro-batch gathers each unit again (twice under FULL_SHARD, and
 _HYBRID_SHARD_ZERO2 keeps its units gathered to the step's last micro-batch: once), while the gradients are

@@ -1,4 +1,4 @@
-"""Checkpoints of the hybrid cells (issue 19, item 3): fsdp_hybrid (FSDP1 HYBRID_SHARD on a device mesh) and
+"""Checkpoints of the hybrid cells: fsdp_hybrid (FSDP1 HYBRID_SHARD on a device mesh) and
 fsdp2_hybrid (FSDP2 on a (replicate, shard) mesh) save full and sharded checkpoints and continue bit-identically at
 N=4, shard_size=2, as tests/test_checkpoint.py's FSDP cells do. Measured: a full save gathers 3P (parameters and
 both Adam moments) within rank 0's shard group and only rank 0 writes; a sharded save (torch.distributed.checkpoint of

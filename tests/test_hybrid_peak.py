@@ -1,4 +1,4 @@
-"""The peak model covers hybrid sharding (issue 19, point 5): FULL_SHARD / SHARD_GRAD_OP / FSDP2 within the shard
+"""The peak model covers hybrid sharding: FULL_SHARD / SHARD_GRAD_OP / FSDP2 within the shard
 group, the replicas' all_reduce of each gradient shard in place. The cells are tests/test_hybrid.py's (shared)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""init=meta (issue 17, item 4): the model built on the meta device, each rank materialising its part with the full
+"""init=meta: the model built on the meta device, each rank materialising its part with the full
 build's values (zeroexp/models/init.py, zeroexp/strategies/_meta_init.py), its init peak measured and modelled
 (zeroexp/formulas/init.py)."""
 

@@ -1,4 +1,4 @@
-"""The memory probe's own categories (issue 17): ``unsharded`` for FSDP units gathered, ``comm`` for collective
+"""The memory probe's own categories: ``unsharded`` for FSDP units gathered, ``comm`` for collective
 buffers (zeroexp/memtrack.py), measured in real cells and predicted by the peak model category by category."""
 
 from __future__ import annotations

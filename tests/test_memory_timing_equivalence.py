@@ -1,4 +1,4 @@
-"""Memory, timing and equivalence probes (issue 5): the ZeRO ladder at N=4 on the small mlp of BASE."""
+"""Memory, timing and equivalence probes: the ZeRO ladder at N=4 on the small mlp of BASE."""
 
 from __future__ import annotations
 

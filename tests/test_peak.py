@@ -1,4 +1,4 @@
-"""The peak model (issue 17): the traced step, AdamW's temporaries, each gradient flow's phase peaks, and plan.memory
+"""The peak model: the traced step, AdamW's temporaries, each gradient flow's phase peaks, and plan.memory
 checked against the memory probe in real cells (exact predicted categories on small cases, not only the tolerance)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The models' terms for activation checkpointing and gradient accumulation (issue 19, item 5): the peak model over
+"""The models' terms for activation checkpointing and gradient accumulation: the peak model over
 the checkpointed step and over K micro-batches, the memory probe per micro-batch, recompute and micro-batches in the
 step time, and the planner's rows; exact figures on given traces and groups, and real cells checked by plan.memory."""
 
@@ -14,7 +14,7 @@ from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute
 from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
 from zeroexp.plan.memory import uncovered
 
-#: A 3-block GPT, small (conf/model/gpt.yaml's width), at N=2: the cells of the Done-when checks.
+#: A 3-block GPT, small (conf/model/gpt.yaml's width), at N=2: the cells this module checks against the models.
 GPT = ("model=gpt", "model.n_layer=3", "world_size=2")
 GPT_BASE = ("logger=none", "steps=10", "warmup_steps=3")  # conftest.BASE without the mlp's width
 

@@ -1,4 +1,4 @@
-"""The peak model below fp32 (issue 17): how each gradient flow applies bf16 / fp16 (zeroexp.formulas.peak_precision),
+"""The peak model below fp32: how each gradient flow applies bf16 / fp16 (zeroexp.formulas.peak_precision),
 the step traced in the precision the cell computes in, exact categories on given traces, and plan.memory checked
 against the memory probe in a grid of real mixed-precision cells."""
 

@@ -1,4 +1,4 @@
-"""The planner (issue 8): the ZeRO paper's Figure 1, stage ordering, N=1, planned == measured on real cells,
+"""The planner: the ZeRO paper's Figure 1, stage ordering, N=1, planned == measured on real cells,
 a 34B-parameter model planned on the meta device, and the ``python -m zeroexp.plan`` command line."""
 
 from __future__ import annotations

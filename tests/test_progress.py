@@ -1,4 +1,4 @@
-"""Progress you can see (issue 21, part 4): rank 0's ``.progress.json``, the plain lines and the rich bar the
+"""Progress you can see: rank 0's ``.progress.json``, the plain lines and the rich bar the
 launching process shows from it, and a sweep's ``cell i of n`` with its ETA."""
 
 from __future__ import annotations

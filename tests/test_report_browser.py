@@ -1,4 +1,4 @@
-"""report.html in a real browser (issue 21, part 3): the system's Chromium, headless, at a 1280-pixel-wide window.
+"""report.html in a real browser: the system's Chromium, headless, at a 1280-pixel-wide window.
 
 What can fail and is asserted: every embedded plot decodes at the size its PNG declares; no table or image
 overflows the page; the verdicts and the tables' figures read back from the DOM equal those built from the cells'

@@ -1,4 +1,4 @@
-"""The state probe (issue 3): rank-local parameter, gradient and optimizer bytes against the ZeRO table."""
+"""The state probe: rank-local parameter, gradient and optimizer bytes against the ZeRO table."""
 
 from __future__ import annotations
 

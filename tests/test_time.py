@@ -1,4 +1,4 @@
-"""The step-time model (issue 18) through its structure: exact results on given calibrations, never timing asserts.
+"""The step-time model through its structure: exact results on given calibrations, never timing asserts.
 
 zeroexp.formulas.time (fit, collective time, two-level ring), zeroexp.formulas.overlap (slots, the channel),
 zeroexp.plan.time (the check on given numbers, plan.time of a composed cell), zeroexp.probes.exposed (interval

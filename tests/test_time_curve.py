@@ -1,4 +1,4 @@
-"""The step-time model's measured curves through their structure (issue 18): a collective from the calibration's
+"""The step-time model's measured curves through their structure: a collective from the calibration's
 measured sizes, the wake curve of a call after compute, the channel with waking, the framework's per-call cost with
 the waking taken out, the host allocator every rank pins. Exact results on given numbers, never timing asserts."""
 

@@ -1,4 +1,4 @@
-"""The step-time model times hybrid sharding's collectives over their own process groups (issue 19, point 5: two-level
+"""The step-time model times hybrid sharding's collectives over their own process groups (two-level
 hybrid collectives in the step-time model): exact on given links, no timing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""zeroexp's own ZeRO-1 / ZeRO-2 (issue 7): DDP's numbers, the ZeRO table's bytes, one reduce_scatter and one
+"""zeroexp's own ZeRO-1 / ZeRO-2: DDP's numbers, the ZeRO table's bytes, one reduce_scatter and one
 all_gather per bucket per step."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _train(cfg, rank: int, sharded: bool) -> tuple[list[float], dict[str, torch.
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip))))
             opt.step()
         losses.append(float(loss))
-    if sharded:  # the last step's parameter all_gather is in flight until the next forward or this wait (issue 22)
+    if sharded:  # the last step's parameter all_gather is in flight until the next forward or this wait
         opt.wait_for_parameters()
     params = {n: p.detach().clone() for n, p in (net.named_parameters())}
     if sharded:
@@ -272,7 +272,7 @@ def _overlap_rank(rank: int, world_size: int, init: str, out: str) -> None:
 
 def test_parameter_all_gather_overlaps_the_next_forward(tmp_path):
     """The updated parameters' all_gather is in flight when the step returns and is waited on by the pre-hook of the
-    first module that reads the bucket, right before it computes (issue 22; structure, never timing)."""
+    first module that reads the bucket, right before it computes (structure, never timing)."""
     mp.start_processes(_overlap_rank, args=(2, f"file://{tmp_path}/store", str(tmp_path)), nprocs=2,
                        start_method="fork")  # as the grid above: no torch re-import, no interpreter teardown
     for rank in range(2):

@@ -99,8 +99,8 @@ class LazyChunks(Sequence):
     """torch FSDP2's ``_chunk_with_empty(tensor, num_chunks, dim)`` (the ``num_chunks`` shards of a parameter, each
     rank's a view of ``tensor``; empty tensors for the ranks past the last element) as a sequence that makes shard
     ``i`` only when asked. FSDP2 asks for two: the rank's own and shard 0 (the padded size). Under
-    ``FakeTensorMode`` each of torch's ``num_chunks`` views is a fake tensor made in Python: at N=1024 they were 56 %
-    of a 4.3e9-parameter dry run (two lists of 1024 per parameter; py-spy, docs/benchmarks.md, session 13). Shard
+    ``FakeTensorMode`` each of torch's ``num_chunks`` views is a fake tensor made in Python: at N=1024, made eagerly,
+    they cost 56 % of a 4.3e9-parameter dry run (two lists of 1024 per parameter; py-spy). Shard
     ``i`` is ``tensor.narrow(dim, i * s, ...)`` with torch.chunk's size ``s = ceil(size / num_chunks)``, as ATen's
     ``chunk`` (``split``) makes it; tests/test_fsdp2_dry_run.py holds it equal (shape, stride, offset, values) to
     torch's function. Indexing and ``len`` only, as FSDP2 uses it (not a list: no ``torch.cat`` of it)."""

@@ -67,8 +67,8 @@ def start_forkserver() -> None:
 def start_forkserver_for(argv: list[str]) -> None:
     """:func:`start_forkserver` first thing in ``python -m zeroexp`` when :func:`runs_local_ranks` says the command
     will fork ranks: its preloads (torch, Lightning, the adapters) then overlap this process's own imports, Hydra's
-    compose and the validation of every job of a sweep, where the cell used to start it only once composed and
-    about to validate (measured on the default cell and a 6-cell sweep: docs/benchmarks.md, start-up)."""
+    compose and the validation of every job of a sweep, rather than waiting for the cell to be composed and
+    validated (measured on the default cell and a 6-cell sweep: docs/benchmarks.md, start-up)."""
     if runs_local_ranks(argv):
         start_forkserver()
 

@@ -155,7 +155,7 @@ def step_mem_tracker() -> Any:
 
         # After every op: the device's peak, as MemTracker keeps it, and its moment. Not MemTracker's per-module
         # peaks, which nothing in zeroexp reads: its walk over every tracked module on every op was 12 % of a small
-        # FSDP cell's rank CPU (py-spy, session 11), more for models of many modules and in the planner's traces.
+        # FSDP cell's rank CPU (py-spy), more for models of many modules and in the planner's traces.
         def _update_peak_stats(self, peak_state: Any) -> None:
             with self._snap_lock:
                 for dev, snap in self._curr_mem_snap.items():

@@ -1,4 +1,4 @@
-"""The model checked before launch (issue 20, part 2): its ``_target_`` imports, it builds on the meta device from
+"""The model checked before launch: its ``_target_`` imports, it builds on the meta device from
 the model config's keys, and one forward and the loss run on a batch of the cell's input shape -- so a bad factory
 argument, a sample shape the model cannot take or a loss that cannot take its output is refused in one line
 (:class:`~zeroexp.errors.ConfigError`, exit 2), in well under a second, before any rank starts. Called by

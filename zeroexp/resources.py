@@ -1,5 +1,5 @@
 """Resources checked before launch: a local cell whose ranks cannot fit this machine is refused, naming world_size
-and the estimate, instead of spawning hundreds of processes (issue 20, part 3).
+and the estimate, instead of spawning hundreds of processes.
 
 Checked for a local cell that trains (``launcher=local``, not ``dry_run``), in ``config.validate``:
 

@@ -19,9 +19,9 @@ from zeroexp.formulas import steps_to_narrow
 
 __all__ = ["time_section", "median_ci95", "time_check", "cell_backend", "RATIO_LIMIT", "MEDIAN_CI_LIMIT", "BOOTSTRAP"]
 
-#: A prediction passes within this factor of the measured median, either way (issue 18).
+#: A prediction passes within this factor of the measured median, either way.
 RATIO_LIMIT = 1.25
-#: The median is known when its bootstrap 95 % CI lies within +-10 % of it (issue 18).
+#: The median is known when its bootstrap 95 % CI lies within +-10 % of it.
 MEDIAN_CI_LIMIT = 0.10
 #: Bootstrap resamples and seed: the same steps give the same interval.
 BOOTSTRAP = (2000, 0)
