@@ -187,12 +187,13 @@ def test_reference_arithmetics_differ_by_rounding_only(compose):
     assert set(mean_loss) == set(averaged)
     # Rounding only, but not ulps: AdamW's first update is g / (|g| + eps) * lr, so on a component whose gradient
     # is near zero the rounding of the division by 3 moves the weight by a fraction of lr. How large a fraction
-    # depends on the CPU's kernels (vector width, reduction order), so only its relations are asserted: positive,
-    # below one step's lr, and far below what one more step moves.
+    # depends on the CPU's kernels (vector width, reduction order: 3.9e-5 on one CPU, 1.2e-4 on an AVX-512 one), so
+    # only its relations are asserted: positive, below one step's lr, and below what one more step moves (AdamW moves
+    # a component with a steady gradient by about lr per step: more than half of it).
     floor = max_abs_diff(averaged, mean_loss)
     assert 0.0 < floor < cfg.optimizer.lr, floor
     assert max_abs_diff(mean_loss, train_reference(cfg, 3)) == 0.0  # each arithmetic is deterministic
-    assert max_abs_diff(train_reference(cfg, 2), mean_loss) > 10 * floor  # one AdamW step more: about lr = 1e-3
+    assert max_abs_diff(train_reference(cfg, 2), mean_loss) > max(floor, cfg.optimizer.lr / 2)
 
 
 def test_step_statistics_on_known_series():

@@ -135,11 +135,21 @@ def step_mem_tracker() -> Any:
                     self.phases[phase] = (self._peak_mem_snap, self._peak_clock)
 
         # MemTracker's gradient hooks cannot be registered on a frozen parameter (requires_grad=False), nor on the
-        # non-leaf parameter views FSDP1 with use_orig_params=True exposes in forward; their modules are tracked
-        # without them (a trainable parameter's gradient there is labelled when the step's end registers it).
+        # non-leaf parameter views FSDP1 with use_orig_params=True exposes in forward: MemTracker's two hooks (the
+        # gradient as autograd computes it, and once accumulated) go on the trainable leaves alone, so a model mixing
+        # frozen and trainable parameters (LoRA) still labels its gradients as backward makes them.
         def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> Any:
-            leaves = all(p.is_leaf and p.requires_grad for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and leaves)
+            out = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for p in module.parameters():
+                    if p.is_leaf and p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                        self._param_to_grad_hook_handles[p] = (p.register_hook(self._label_grad),
+                                                               p.register_post_accumulate_grad_hook(
+                                                                   lambda q: self._label_grad(q.grad)))
+            return out
+
+        def _label_grad(self, grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
         # -- births: a storage allocated, or grown from zero bytes, after the tracker was entered; its labels since
         def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
