@@ -6,6 +6,7 @@ that is one FSDP unit, Hugging Face BERT and Llama built from configs, PyTorch's
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -61,14 +62,16 @@ REFUSED = {("lora_gpt", "fsdp_grad_op"): "strategy.use_orig_params", ("lora_gpt"
 
 def _grid() -> list:
     """Each model under every strategy; N = 2 or 3 alternating over strategies and models, so every (strategy, N)
-    pair meets several models."""
+    pair meets several models. ``ZEROEXP_CORPUS_BOTH_N=1``: every model and strategy at both N (twice the suite's
+    grid, for a change to the expectation model)."""
+    both = os.environ.get("ZEROEXP_CORPUS_BOTH_N") == "1"
     out = []
     for m, (name, (_, needs)) in enumerate(MODELS.items()):
         for s, strategy in enumerate(STRATEGIES):
-            n = 2 + (m + s) % 2
-            marks = [pytest.mark.skipif(needs is False, reason=f"{name} needs an optional package (transformers or "
-                                                                   "expecttest)")]
-            out.append(pytest.param(name, strategy, n, id=f"{name}-{strategy}-n{n}", marks=marks))
+            for n in (2, 3) if both else (2 + (m + s) % 2,):
+                marks = [pytest.mark.skipif(needs is False, reason=f"{name} needs an optional package (transformers "
+                                                                       "or expecttest)")]
+                out.append(pytest.param(name, strategy, n, id=f"{name}-{strategy}-n{n}", marks=marks))
     return out
 
 
