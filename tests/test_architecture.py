@@ -93,10 +93,10 @@ def test_no_import_circle():
 
 @pytest.mark.parametrize("layer, forbidden", [
     ("zeroexp.formulas", "zeroexp"),  # nothing outside zeroexp.formulas itself
-    ("zeroexp.strategies", "zeroexp.probes"), ("zeroexp.strategies", "zeroexp.config"),
+    ("zeroexp.strategies", "zeroexp.probes"), ("zeroexp.strategies", "zeroexp.config.schemas"),
     ("zeroexp.probes", "zeroexp.strategies"),
-    ("zeroexp.plan", "zeroexp.strategies"), ("zeroexp.plan", "zeroexp.cli"),
-    ("zeroexp.errors", "zeroexp"), ("zeroexp.expect", "zeroexp.strategies"),
+    ("zeroexp.plan", "zeroexp.strategies"), ("zeroexp.plan", "zeroexp.cli.run"),
+    ("zeroexp.errors", "zeroexp"), ("zeroexp.plan.expect", "zeroexp.strategies"),
 ])
 def test_layer_does_not_import(layer, forbidden):
     bad = [(m, i) for m, i in _importers(forbidden, layer) if not _within(i, layer)]
@@ -121,10 +121,10 @@ def test_no_source_file_over_500_lines():
 
 
 def test_the_schedule_reads_each_registered_probes_own_steps():
-    """zeroexp.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process validates a
+    """zeroexp.config.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process validates a
     schedule without importing them): each registered probe that needs steps takes exactly its entry, in order."""
     from zeroexp.probes import registry
-    from zeroexp.schedule import PROBE_STEPS
+    from zeroexp.config.schedule import PROBE_STEPS
 
     needing = [p for p in registry() if p.steps is not None]
     assert [p.name for p in needing] == list(PROBE_STEPS)
@@ -142,11 +142,11 @@ def test_the_launching_process_validates_a_cell_without_lightning():
 
     code = ("import sys\n"
             "from hydra import compose, initialize_config_dir\n"
-            "from zeroexp.cli import CONF_DIR, register\n"
-            "from zeroexp.config import validate\n"
-            "from zeroexp.launch import launch_local, local_rank_entry\n"
-            "from zeroexp.runner import run_cell\n"
-            "from zeroexp.faults import ENV\n"
+            "from zeroexp.cli.run import CONF_DIR, register\n"
+            "from zeroexp.config.schemas import validate\n"
+            "from zeroexp.launch.local import launch_local, local_rank_entry\n"
+            "from zeroexp.launch.runner import run_cell\n"
+            "from zeroexp.rank.faults import ENV\n"
             "register()\n"
             "with initialize_config_dir(config_dir=CONF_DIR, version_base='1.3'):\n"
             "    validate(compose(config_name='config', overrides=['logger=none', 'strategy=fsdp_full']))\n"

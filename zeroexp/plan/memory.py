@@ -273,7 +273,7 @@ def write_traces_ahead(cfg: Any, path: Any) -> None:
     cover the cell; a file already at ``path`` is removed first). Never raises: rank 0 then traces it itself."""
     import pickle
 
-    from zeroexp.expect import layout_of
+    from zeroexp.plan.expect import layout_of
     from zeroexp.models import import_class, wrap_paths
 
     try:
