@@ -79,7 +79,7 @@ def run_bare(strategy: str, a: dict, timed: range) -> list[float]:
     """Per timed step, the slowest rank's time (ms) of the bare loop."""
     import torch.multiprocessing as mp
 
-    from zeroexp.launch import free_port
+    from zeroexp.launch.local import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "bare.json")
@@ -93,7 +93,7 @@ def compose_cell(strategy: str, a: dict) -> Any:
     """The zeroexp config of the cell (default probes steps: warm-up 3, profiled 2, memory 2)."""
     from hydra import compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR, register
+    from zeroexp.cli.run import CONF_DIR, register
 
     register()
     overrides = ["logger=none", "model=mlp", f"model.width={a['width']}", f"model.depth={a['depth']}",
@@ -105,7 +105,7 @@ def compose_cell(strategy: str, a: dict) -> Any:
 
 def run_zeroexp(cfg: Any, root: Path) -> list[float]:
     """Per timed step, the slowest rank's time (ms) of the zeroexp cell (its timing section)."""
-    from zeroexp.runner import run_cell
+    from zeroexp.launch.runner import run_cell
 
     result = run_cell(cfg, root / f"{cfg.strategy.name}_{time.monotonic_ns()}")
     if result.status != "ok":
@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    from zeroexp.schedule import Schedule
+    from zeroexp.config.schedule import Schedule
 
     a = {k: getattr(args, k) for k in ("width", "depth", "world_size", "batch_size", "steps", "seed")}
     times: dict[str, dict[str, list[float]]] = {s: {"zeroexp": [], "bare": []} for s in args.strategies}

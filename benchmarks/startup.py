@@ -122,12 +122,12 @@ def _timing(obj, attr: str, name: str) -> None:
 
 
 def timed_rank_entry(rank, world_size, port, cfg, cell_dir, run_info, environ) -> None:
-    """zeroexp.worker.rank_entry with its phases timed; writes ``.startup/rank<r>.json`` in the cell."""
+    """zeroexp.rank.worker.rank_entry with its phases timed; writes ``.startup/rank<r>.json`` in the cell."""
     entered = time.time()
     import lightning.pytorch as pl
 
     import zeroexp.probes as probes
-    import zeroexp.worker as worker
+    import zeroexp.rank.worker as worker
 
     t_start = time.monotonic()
     _timing(pl.Trainer, "__init__", "Lightning Trainer()")
@@ -179,16 +179,16 @@ def breakdown_child(cell_dir: str) -> None:
     """The launching process of the default cell, timed: imports, compose, validate, launch, wait, write."""
     t0 = time.monotonic()
     marks: dict[str, float] = {}
-    from zeroexp.launch import start_forkserver_for
+    from zeroexp.launch.local import start_forkserver_for
 
     start_forkserver_for([])  # first thing, as `python -m zeroexp` does (zeroexp/__main__.py)
     from hydra import compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR, register
-    import zeroexp.launch as launch
-    import zeroexp.runner as runner
+    from zeroexp.cli.run import CONF_DIR, register
+    import zeroexp.launch.local as launch
+    import zeroexp.launch.runner as runner
 
-    marks["imports (zeroexp.cli, runner, hydra)"] = time.monotonic() - t0
+    marks["imports (zeroexp.cli.run, runner, hydra)"] = time.monotonic() - t0
     t = time.monotonic()
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

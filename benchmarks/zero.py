@@ -39,7 +39,7 @@ def compose_cell(overrides: tuple[str, ...], a: dict):
     """The cell's config: the mlp of the arguments, no logger, CPU."""
     from hydra import compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR, register
+    from zeroexp.cli.run import CONF_DIR, register
 
     register()
     common = ["logger=none", "model=mlp", f"model.width={a['width']}", f"model.depth={a['depth']}",
@@ -51,7 +51,7 @@ def compose_cell(overrides: tuple[str, ...], a: dict):
 
 def run(label: str, a: dict, root: Path) -> dict:
     """One cell; its step times, bus bytes per step and the largest rank's optimizer-side bytes."""
-    from zeroexp.runner import run_cell
+    from zeroexp.launch.runner import run_cell
 
     result = run_cell(compose_cell(VARIANTS[label], a), root / f"{label}_{time.monotonic_ns()}")
     if result.status != "ok":

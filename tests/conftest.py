@@ -1,7 +1,7 @@
 """Shared fixtures: compose real configs and shrink them; run each distinct cell once per test session.
 
 ``cell(*overrides)`` runs the cell that the overrides compose (on top of :data:`BASE`) and caches its
-:class:`~zeroexp.runner.CellResult` by the composed config, so tests of different probes that look at the same cell
+:class:`~zeroexp.launch.runner.CellResult` by the composed config, so tests of different probes that look at the same cell
 share one run. ``ladder_sweep`` and ``failed_sweep`` run two small CLI sweeps once per session for every module
 that asserts on a sweep's files or output.
 """
@@ -22,17 +22,17 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from zeroexp.cli import CONF_DIR, register
-from zeroexp.launch import FORKSERVER_PRELOAD, rank_context
-from zeroexp.runner import CellResult, run_cell
+from zeroexp.cli.run import CONF_DIR, register
+from zeroexp.launch.local import FORKSERVER_PRELOAD, rank_context
+from zeroexp.launch.runner import CellResult, run_cell
 
-# One intra-op thread in the test process, as each rank of a cell on this 2-core machine has (zeroexp.worker): with
+# One intra-op thread in the test process, as each rank of a cell on this 2-core machine has (zeroexp.rank.worker): with
 # two, the in-process tests' small torch ops spin-waited for a descheduled peer thread whenever the cores were busy
 # (test_reference_arithmetics_differ_by_rounding_only: 179 s with two threads, 1.5 s with one, run one after the other on the same loaded host).
 torch.set_num_threads(1)
 
 # The suite runs about 30 DeepSpeed cells: its ranks' forkserver imports DeepSpeed once, before the freeze of
-# zeroexp.rank_preload (last), where each rank of each DeepSpeed cell imported it (its muon optimizer module compiles
+# zeroexp.launch.rank_preload (last), where each rank of each DeepSpeed cell imported it (its muon optimizer module compiles
 # with torch.compile's machinery: 1.0 s of a 2.9 s rank, quiet host). A user's forkserver does not: a single cell
 # would wait for it. DeepSpeed is an optional extra: without it, the forkserver skips the name.
 rank_context().set_forkserver_preload([*FORKSERVER_PRELOAD[:-1], "deepspeed.runtime.zero.muon.muon_optimizer",
@@ -162,9 +162,9 @@ SWEEP_SMALL = ("world_size=2", "model.width=64", "steps=10")
 
 
 def _sweep_env(fault: str | None = None) -> dict[str, str]:
-    """This environment without its W&B settings and injected faults, 200 columns wide; ``fault``: zeroexp.faults'
+    """This environment without its W&B settings and injected faults, 200 columns wide; ``fault``: zeroexp.rank.faults'
     ZEROEXP_FAULT."""
-    from zeroexp.faults import ENV as FAULT_ENV
+    from zeroexp.rank.faults import ENV as FAULT_ENV
 
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV and not k.startswith("WANDB")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -178,9 +178,9 @@ def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=sweep_dir.parent, env=_sweep_env(), capture_output=True, text=True, timeout=900)
 
 
-def run_cli(*argv: str, app: str = "zeroexp.cli", cwd: Path | None = None,
+def run_cli(*argv: str, app: str = "zeroexp.cli.run", cwd: Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m zeroexp <argv>`` (or ``python -m zeroexp.plan``: ``app="zeroexp.plan.cli"``) through the app's
+    """``python -m zeroexp <argv>`` (or ``python -m zeroexp.plan``: ``app="zeroexp.cli.plan"``) through the app's
     real entry point, ``main()``, in this process, reported as :func:`subprocess.run` reports it (exit code, stdout,
     stderr): the same code path without an interpreter start-up (seconds of imports) per case. A cell it runs
     forks its ranks from this process's forkserver. ``env`` replaces the environment and ``cwd`` the working

@@ -45,8 +45,8 @@ def test_korthikanti_closed_form_beside_the_trace():
 def test_planner_reports_activations_at_the_batch(compose):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR
-    from zeroexp.plan.cli import register, run
+    from zeroexp.cli.run import CONF_DIR
+    from zeroexp.cli.plan import register, run
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

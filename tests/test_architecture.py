@@ -1,9 +1,11 @@
-"""The house's layers, read from the source's imports, function-level ones included.
+"""The house's layers, as folders, read from the source's imports, function-level ones included.
 
-What may import what: docs/architecture.md. The rules: no import circle inside zeroexp; the formulas import nothing
-of zeroexp; strategies import neither probes nor config; probes import no strategy; the planner imports no strategy
-and no CLI; errors live in one leaf module; one device rule, one class importer, one bucket cutter, one dtype map;
-no source file over 500 lines.
+What may import what: docs/architecture.md. The rules: no import circle inside zeroexp; every package of zeroexp sits
+in one layer of :data:`LAYERS` and no import runs up a layer; the formulas import nothing of zeroexp; strategies import
+neither probes nor config; probes import no strategy and no report; the planner imports no strategy; the rank never
+imports launch; nothing imports cli but the entry points (``__main__`` modules) and cli itself; errors live in one
+leaf module; at most 6 modules at the root of zeroexp/; one device rule, one class importer, one bucket cutter, one
+dtype map; no source file over 500 lines. Each import rule is also run once on a planted violation, which it catches.
 """
 
 from __future__ import annotations
@@ -54,10 +56,6 @@ def _within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def _importers(target: str, among: str) -> list[tuple[str, str]]:
-    return sorted((m, i) for m in GRAPH if _within(m, among) for i in GRAPH[m] if _within(i, target))
-
-
 def test_no_import_circle():
     index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
 
@@ -91,16 +89,100 @@ def test_no_import_circle():
     assert circles == []
 
 
-@pytest.mark.parametrize("layer, forbidden", [
+#: The layers, lowest first: a module imports from its own layer or one below it, never above. A layer is the
+#: packages (or root modules) named in its tuple; ``__main__`` modules are entry points above every layer.
+LAYERS = [
+    ("formulas",),                                   # pure closed forms and the plain data of groups
+    ("errors", "tolerances", "devices", "hostload"),  # the root's leaf modules
+    ("_lib",),                                       # shims over torch's and Lightning's own machinery
+    ("results",),                                    # the files a cell and a sweep leave, table parts
+    ("models",),                                     # the models, their schemas, the LightningModule
+    ("plan",),                                       # the planner and a cell's expectation (plan.expect)
+    ("strategies",),                                 # the adapters and zeroexp's own ZeRO
+    ("config",),                                     # composition and checks before launch
+    ("probes",),                                     # one measurement each
+    ("report",),                                     # a sweep's report
+    ("rank",),                                       # one rank of a cell, a dry run
+    ("launch",),                                     # the launching process: runner, launchers, preloads
+    ("calibrate",),                                  # one calibration (its ranks, the file)
+    ("cli",),                                        # the command lines
+]
+ROOT_MODULES_AT_MOST = 6
+
+
+def _layer(name: str) -> int | None:
+    """The index in LAYERS of module ``name``; None for an entry point (``__main__``) or the package itself."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-1] == "__main__":
+        return None
+    return next((i for i, names in enumerate(LAYERS) if parts[1] in names), -1)
+
+
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import of ``graph`` that runs up a layer (or touches a module of no layer)."""
+    bad = []
+    for m, imports in graph.items():
+        for i in imports:
+            lm, li = _layer(m), _layer(i)
+            if lm == -1 or li == -1 or (lm is not None and li is not None and li > lm):
+                bad.append((m, i))
+    return sorted(bad)
+
+
+def test_no_import_runs_up_a_layer():
+    assert _upward(GRAPH) == []
+    planted = {**GRAPH, "zeroexp.formulas.paper": GRAPH["zeroexp.formulas.paper"] | {"zeroexp.rank.worker"}}
+    assert _upward(planted) == [("zeroexp.formulas.paper", "zeroexp.rank.worker")]
+    assert _upward({"zeroexp.unplaced": {"zeroexp.errors"}}) == [("zeroexp.unplaced", "zeroexp.errors")]
+
+
+def test_every_package_has_a_layer():
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    leaves = {p.stem for p in ROOT.glob("*.py")} - {"__init__", "__main__"}
+    placed = {n for names in LAYERS for n in names}
+    assert packages | leaves == placed
+
+
+def test_at_most_six_modules_at_the_root():
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_AT_MOST, root
+
+
+def _bad(graph: dict[str, set[str]], layer: str, forbidden: str) -> list[tuple[str, str]]:
+    return sorted((m, i) for m in graph if _within(m, layer) for i in graph[m]
+                  if _within(i, forbidden) and not _within(i, layer))
+
+
+RULES = [
     ("zeroexp.formulas", "zeroexp"),  # nothing outside zeroexp.formulas itself
     ("zeroexp.strategies", "zeroexp.probes"), ("zeroexp.strategies", "zeroexp.config"),
-    ("zeroexp.probes", "zeroexp.strategies"),
-    ("zeroexp.plan", "zeroexp.strategies"), ("zeroexp.plan", "zeroexp.cli"),
-    ("zeroexp.errors", "zeroexp"), ("zeroexp.expect", "zeroexp.strategies"),
-])
+    ("zeroexp.probes", "zeroexp.strategies"), ("zeroexp.probes", "zeroexp.report"),
+    ("zeroexp.plan", "zeroexp.strategies"),
+    ("zeroexp.rank", "zeroexp.launch"),
+    ("zeroexp.errors", "zeroexp"),
+]
+
+
+@pytest.mark.parametrize("layer, forbidden", RULES)
 def test_layer_does_not_import(layer, forbidden):
-    bad = [(m, i) for m, i in _importers(forbidden, layer) if not _within(i, layer)]
-    assert bad == []
+    assert _bad(GRAPH, layer, forbidden) == []
+    inside = next(m for m in sorted(GRAPH) if _within(m, layer))
+    target = next(m for m in sorted(GRAPH) if _within(m, forbidden) and not _within(m, layer))
+    assert _bad({**GRAPH, inside: GRAPH[inside] | {target}}, layer, forbidden) == [(inside, target)]  # a planted one
+
+
+def _cli_importers(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of zeroexp.cli from anywhere but cli itself and the entry points (``__main__`` modules)."""
+    return sorted((m, i) for m in graph for i in graph[m]
+                  if _within(i, "zeroexp.cli") and not _within(m, "zeroexp.cli") and not m.endswith("__main__"))
+
+
+def test_nothing_imports_cli_but_the_entry_points():
+    assert _cli_importers(GRAPH) == []
+    assert {m for m in GRAPH if m.endswith("__main__")} >= {"zeroexp.__main__", "zeroexp.plan.__main__",
+                                                             "zeroexp.calibrate.__main__"}
+    planted = {**GRAPH, "zeroexp.plan.core": GRAPH["zeroexp.plan.core"] | {"zeroexp.cli.plan"}}
+    assert _cli_importers(planted) == [("zeroexp.plan.core", "zeroexp.cli.plan")]
 
 
 def _calls(pattern: str) -> set[str]:
@@ -121,10 +203,10 @@ def test_no_source_file_over_500_lines():
 
 
 def test_the_schedule_reads_each_registered_probes_own_steps():
-    """zeroexp.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process validates a
+    """zeroexp.config.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process validates a
     schedule without importing them): each registered probe that needs steps takes exactly its entry, in order."""
     from zeroexp.probes import registry
-    from zeroexp.schedule import PROBE_STEPS
+    from zeroexp.config.schedule import PROBE_STEPS
 
     needing = [p for p in registry() if p.steps is not None]
     assert [p.name for p in needing] == list(PROBE_STEPS)
@@ -142,11 +224,11 @@ def test_the_launching_process_validates_a_cell_without_lightning():
 
     code = ("import sys\n"
             "from hydra import compose, initialize_config_dir\n"
-            "from zeroexp.cli import CONF_DIR, register\n"
-            "from zeroexp.config import validate\n"
-            "from zeroexp.launch import launch_local, local_rank_entry\n"
-            "from zeroexp.runner import run_cell\n"
-            "from zeroexp.faults import ENV\n"
+            "from zeroexp.cli.run import CONF_DIR, register\n"
+            "from zeroexp.config.schemas import validate\n"
+            "from zeroexp.launch.local import launch_local, local_rank_entry\n"
+            "from zeroexp.launch.runner import run_cell\n"
+            "from zeroexp.rank.faults import ENV\n"
             "register()\n"
             "with initialize_config_dir(config_dir=CONF_DIR, version_base='1.3'):\n"
             "    validate(compose(config_name='config', overrides=['logger=none', 'strategy=fsdp_full']))\n"

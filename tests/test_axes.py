@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import read_csv
-from zeroexp.cell import cell_id, cell_identity, cell_name
-from zeroexp.config import ConfigError, validate
-from zeroexp.expect import knobs_of, layout_of
+from zeroexp.config.cell import cell_id, cell_identity, cell_name
+from zeroexp.config.schemas import ConfigError, validate
+from zeroexp.plan.expect import knobs_of, layout_of
 from zeroexp.formulas import Groups, Unit, step_collectives
 from zeroexp.probes.equivalence import max_abs_diff, train_reference
 

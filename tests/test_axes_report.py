@@ -1,4 +1,4 @@
-"""The sweep report shows the optional axes (zeroexp/report/axes.py, groups.py): hybrid sharding's mesh, activation
+"""The sweep report shows the optional axes (zeroexp/results/axes.py, groups.py): hybrid sharding's mesh, activation
 checkpointing, grad_accum, sync_each_microbatch and clip_grad_norm as columns of the cells table where a cell sets them
 (n/a where an axis does not apply), and a hybrid cell's collectives by process group (table, plot, W&B panels);
 Markdown, HTML, the sweep's W&B run and its W&B Report show the same strings.
@@ -16,12 +16,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from zeroexp.cell import cell_name
+from zeroexp.config.cell import cell_name
 from zeroexp.report import build_report, write_report
-from zeroexp.report.axes import AXES, axis_values, set_axes, varies
-from zeroexp.report.format import NA
-from zeroexp.runner import run_cell
-from zeroexp.wandb_offline import read_run
+from zeroexp.results.axes import AXES, axis_values, set_axes, varies
+from zeroexp.results.format import NA
+from zeroexp.launch.runner import run_cell
+from zeroexp.results.wandb_offline import read_run
 
 P = 8 * 64 * 64 * 4  # conftest.BASE's mlp: 8 Linear(64, 64), fp32
 HYBRID = ("strategy=fsdp_hybrid", "world_size=4", "strategy.shard_size=2", "strategy.clip_grad_norm=0.05")

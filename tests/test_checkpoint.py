@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import read_csv
-from zeroexp.config import ConfigError, validate
+from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.probes.checkpoint import META, CheckpointError, verify_checkpoint
 
 P = 8 * 64 * 64 * 4  # logical parameter bytes of the test mlp
@@ -117,9 +117,9 @@ def test_checkpoint_kind_the_strategy_lacks_is_refused(compose):
 def test_report_has_a_checkpoint_table(cell, tmp_path):
     import shutil
 
-    from zeroexp.report.cells import order_cells
+    from zeroexp.results.cells import order_cells
     from zeroexp.report.tables import build_tables
-    from zeroexp.results import load_sweep
+    from zeroexp.results.files import load_sweep
 
     for result in (_cell(cell, "fsdp_full", "full"), _cell(cell, "ddp", "full")):  # the two cells as one sweep
         shutil.copytree(result.cell_dir, tmp_path / Path(result.cell_dir).name)

@@ -128,9 +128,9 @@ def _write_sweep(root: Path, cells: dict[str, dict | None]) -> Path:
 
 
 def _verdicts(root: Path):
-    from zeroexp.report.cells import order_cells
+    from zeroexp.results.cells import order_cells
     from zeroexp.report.verdicts import verdicts
-    from zeroexp.results import load_sweep
+    from zeroexp.results.files import load_sweep
 
     return verdicts(order_cells(load_sweep(root)))
 
@@ -160,7 +160,7 @@ def test_a_plan_that_raised_counts_in_each_of_its_parts_and_is_one_failure(tmp_p
 def test_a_sweeps_exit_code_is_1_for_a_cell_that_failed_else_3_for_a_failed_check(cells, code, tmp_path, monkeypatch,
                                                                                   capsys):
     import zeroexp.report as report
-    from zeroexp.sweep import end_sweep
+    from zeroexp.cli.sweep import end_sweep
 
     monkeypatch.setattr(report, "report_after_sweep", lambda sweep_dir: True)  # the report has its own tests
     assert end_sweep(_write_sweep(tmp_path / "sweep", cells)) == code
@@ -171,7 +171,7 @@ def test_a_sweeps_exit_code_is_1_for_a_cell_that_failed_else_3_for_a_failed_chec
 def test_an_exception_at_the_end_of_a_sweep_stops_it_with_its_message(monkeypatch, capsys):
     from omegaconf import OmegaConf
 
-    import zeroexp.sweep as sweep
+    import zeroexp.cli.sweep as sweep
 
     def broken(sweep_dir):
         raise KeyError("status")

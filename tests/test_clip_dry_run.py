@@ -1,6 +1,6 @@
 """Clipping in the dry run: FSDP2's ``clip_grad_norm`` all-reduces the stacked partial norms through a
 functional collective (DTensor's redistribution of a Partial norm), which ``FakeTensorMode`` would run as a fake kernel
-only; the dry run issues it on the fake process group (zeroexp/fake_collectives.py), so its collectives check PASSes
+only; the dry run issues it on the fake process group (zeroexp/_lib/fake_collectives.py), so its collectives check PASSes
 and equals the real run's, as FSDP1's (a plain c10d all_reduce) does. The collectives probe names the group of the
 collectives DTensor issues (the shard group under hybrid sharding), in a real run and a dry run alike.
 """

@@ -1,4 +1,4 @@
-"""launcher=torchrun and launcher=slurm (zeroexp/cluster/): one machine playing two nodes, and Hydra's submitit
+"""launcher=torchrun and launcher=slurm (zeroexp/launch/cluster/): one machine playing two nodes, and Hydra's submitit
 launcher running SLURM-style tasks locally; each must measure what the local launcher measures."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 
 from conftest import BASE, read_csv, run_cli
-from zeroexp.cluster.env import detect
-from zeroexp.config import ConfigError
-from zeroexp.launch import free_port
+from zeroexp.launch.cluster.env import detect
+from zeroexp.config.schemas import ConfigError
+from zeroexp.launch.local import free_port
 
 pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
 
@@ -143,7 +143,7 @@ def test_submitit_local_sweep_runs_each_task_as_a_rank(cell, tmp_path):
 
 def test_slurm_layout_must_add_up_to_world_size(compose):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    from zeroexp.config import validate
+    from zeroexp.config.schemas import validate
 
     with pytest.raises(ConfigError, match=r"launcher.nodes \* launcher.ranks_per_node = 2 \* 2 != world_size = 8"):
         validate(compose("launcher=slurm", "world_size=8", "launcher.nodes=2", "launcher.ranks_per_node=2"))
@@ -153,7 +153,7 @@ def test_slurm_layout_must_add_up_to_world_size(compose):
 def test_every_launcher_option_composes_and_validates(compose, launcher):
     if launcher == "slurm":
         pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    from zeroexp.config import validate
+    from zeroexp.config.schemas import validate
 
     cfg = compose(f"launcher={launcher}")
     validate(cfg)

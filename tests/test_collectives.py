@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import read_csv
-from zeroexp.config import ConfigError, validate
+from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.formulas import bus_bytes, bus_factor, padded_numel
 from zeroexp.probes.collectives import SOURCE, CollectivesProbe
 

@@ -14,9 +14,9 @@ from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import compose_config, run_cli
-from zeroexp.cell import cell_id, cell_identity, cell_name
-from zeroexp.cli import CONF_DIR, register
-from zeroexp.config import ConfigError, strategy_extras, validate, without_strategy_extras
+from zeroexp.config.cell import cell_id, cell_identity, cell_name
+from zeroexp.cli.run import CONF_DIR, register
+from zeroexp.config.schemas import ConfigError, strategy_extras, validate, without_strategy_extras
 from zeroexp.strategies import registered
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,8 +254,8 @@ def test_single_run_refuses_a_key_its_strategy_lacks_only_when_asked_for():
 
 
 def _sweep(overrides: list[str]):
-    """The jobs and their composed configs of ``--multirun <overrides>`` (zeroexp.sweep.sweep_jobs)."""
-    from zeroexp.sweep import sweep_jobs
+    """The jobs and their composed configs of ``--multirun <overrides>`` (zeroexp.cli.sweep.sweep_jobs)."""
+    from zeroexp.cli.sweep import sweep_jobs
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -273,7 +273,7 @@ class _Console:
 
 
 def test_presets_set_strategy_keys_where_they_exist():
-    from zeroexp.sweep import check_strategy_keys
+    from zeroexp.cli.sweep import check_strategy_keys
 
     jobs, cfgs = _sweep(["experiment=ds_vs_fsdp"])
     assert len(jobs) == 6 and len({cell_name(c) for c in cfgs}) == 4  # stage 2, 3 of deepspeed; each FSDP once
@@ -321,16 +321,17 @@ def test_strategies_and_models_import_no_config():
 
     pkg = ROOT / "zeroexp"
     for path in [*(pkg / "strategies").glob("*.py"), *(pkg / "models").glob("*.py")]:
-        assert "zeroexp.config" not in imported(path), path
+        assert not {m for m in imported(path) if m == "zeroexp.config" or m.startswith("zeroexp.config.")}, path
     assert not {m for m in imported(pkg / "errors.py") if m.startswith("zeroexp")}
-    from zeroexp import config, errors, models
+    from zeroexp import errors, models
+    from zeroexp.config import schemas as config
 
     assert config.ConfigError is errors.ConfigError and config.NotApplicableHere is errors.NotApplicableHere
     assert config.MODEL_RESERVED_KEYS is models.MODEL_RESERVED_KEYS
 
 
 def test_no_config_sets_hydra_mode():
-    """zeroexp.hydra_app skips Hydra's mode probe (a whole compose) on this ground: no YAML under conf/ sets
+    """zeroexp.cli.hydra_app skips Hydra's mode probe (a whole compose) on this ground: no YAML under conf/ sets
     ``hydra.mode``, so the probe would answer None and Hydra take the mode from ``--multirun``."""
     yamls = sorted(Path(CONF_DIR).rglob("*.yaml"))
     assert len(yamls) > 20
@@ -364,14 +365,14 @@ def test_a_command_composes_its_config_once_unless_it_names_hydra_mode(monkeypat
 
 def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
     """zeroexp's check of every job, Hydra's ``validate_batch_is_legal`` and Hydra's launch each composed every job
-    of a ``--multirun`` (3 composes a job); now each job is composed once (zeroexp.hydra_app), and each use gets its
+    of a ``--multirun`` (3 composes a job); now each job is composed once (zeroexp.cli.hydra_app), and each use gets its
     own copy: the cells launched get the config Hydra composes for their overrides (4 jobs, 2 distinct cells, 2
     skipped as repeats; the cells themselves are not run here). A ``glob(...)`` sweep passes the check too."""
     from types import SimpleNamespace
 
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-    import zeroexp.runner
+    import zeroexp.launch.runner
 
     calls, original = [], ConfigLoaderImpl.load_configuration
 
@@ -386,7 +387,7 @@ def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
         return SimpleNamespace(status="ok", cell_dir=Path(cell_dir), summary=None, error=None)
 
     monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", spy)
-    monkeypatch.setattr(zeroexp.runner, "run_cell", run_cell)
+    monkeypatch.setattr(zeroexp.launch.runner, "run_cell", run_cell)
     values = ("logger=none", "model.width=16", "world_size=2")
     proc = _zeroexp("--multirun", "strategy=ddp,zro", "prefetch=pre,post", *values,
                     f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)

@@ -102,7 +102,7 @@ def test_every_check_holds_on_a_foreign_model(cell, model, strategy, n):
                  marks=pytest.mark.skipif(not HF, reason="transformers is not installed")),
 ], ids=["ddp_unused_without_find_unused", "fsdp1_unit_mixing_frozen", "t5_needs_decoder_inputs"])
 def test_a_model_a_strategy_cannot_run_is_refused_before_launch(compose, overrides, key):
-    from zeroexp.config import validate
+    from zeroexp.config.schemas import validate
 
     with pytest.raises(ConfigError) as e:
         validate(compose(*overrides, "world_size=2", base=BASE))

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import read_csv
 
-from zeroexp.config import ConfigError, validate
+from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.strategies import deepspeed as ds_adapter
 
 pytestmark = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
@@ -116,7 +116,7 @@ def test_bf16_optimizer_offload_cell_keeps_optimizer_state_on_the_host(cell):
 
 
 def test_stage_names_the_cell(compose):
-    from zeroexp.cell import cell_name
+    from zeroexp.config.cell import cell_name
 
     assert cell_name(compose(*N2, "strategy.stage=3")).startswith("deepspeed-stage3_mlp_fp32_n2_")
 

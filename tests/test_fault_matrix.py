@@ -2,7 +2,7 @@
 Linear stack of ``conftest.BASE``, few steps). Every row asserts the cell's recorded state (``manifest.json``:
 status, error) and that no process is left behind.
 
-Faults inside a rank come from ``zeroexp.faults`` (``ZEROEXP_FAULT``); faults of the main process are signals sent
+Faults inside a rank come from ``zeroexp.rank.faults`` (``ZEROEXP_FAULT``); faults of the main process are signals sent
 to a ``python -m zeroexp`` in its own session. Elsewhere, not repeated here: a sweep that survives a failed cell and
 resumes it, and a sweep stopped by SIGTERM (tests/test_reliability.py); a rank error as one line without tensor
 values (same file); a write killed mid-way (``test_a_killed_write_never_leaves_a_truncated_file``). The rows that
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from zeroexp.progress import read_progress
-from zeroexp.results import read_json
+from zeroexp.launch.progress import read_progress
+from zeroexp.results.files import read_json
 
 pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
 
@@ -168,7 +168,7 @@ def test_fault_matrix(row, compose, tmp_path, monkeypatch):
 
 
 def _in_rank(row: str, compose, tmp_path: Path, monkeypatch) -> None:
-    from zeroexp.runner import run_cell
+    from zeroexp.launch.runner import run_cell
 
     fault, rank, cause, words = IN_RANK[row]
     monkeypatch.setenv("ZEROEXP_FAULT", fault)
@@ -249,7 +249,7 @@ def _main_process(sig: signal.Signals, tmp_path: Path) -> None:
 def _stale_sweep(compose, tmp_path: Path) -> None:
     """A sweep directory left by a killed run (a manifest still ``running``, a partial result, a temporary file,
     rank files): ``resume=true`` re-runs that cell from clean and it ends ok."""
-    from zeroexp.cell import cell_name
+    from zeroexp.config.cell import cell_name
 
     sweep = tmp_path / "sweep"
     args = ("logger=none", "model.width=32", "steps=9", *SMALL)

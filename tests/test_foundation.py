@@ -12,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import read_csv, run_cli
-from zeroexp.cli import CONF_DIR
-from zeroexp.config import ConfigError, validate
+from zeroexp.cli.run import CONF_DIR
+from zeroexp.config.schemas import ConfigError, validate
 
 LADDER = [("strategy=ddp",), ("strategy=zro",), ("strategy=fsdp_grad_op",),
           ("strategy=fsdp_full", "prefetch=pre"), ("strategy=fsdp_full", "prefetch=post"),
@@ -132,7 +132,7 @@ def test_multirun_runs_each_distinct_cell_once(ladder_sweep):
         for name in ("manifest.json", "summary.json", "iterations.csv"):
             assert (c / name).exists(), (c, name)
         # W&B: one offline run per cell, written by rank 0 only, grouped by the sweep
-        from zeroexp.wandb_offline import read_run
+        from zeroexp.results.wandb_offline import read_run
 
         runs = list((c / "wandb").glob("offline-run-*/run-*.wandb"))
         assert len(runs) == 1, runs
@@ -174,9 +174,9 @@ def test_model_custom_runs_a_module_from_the_command_line_alone(cell, compose):
 def test_schedule_is_assembled_from_the_probes():
     """Each probe declares its steps (``Probe.steps``); the schedule, its checks and a dry run's absent sections
     come from the probe registry, so a new probe with a window moves the timed steps by itself."""
-    from zeroexp.dryrun import ABSENT
+    from zeroexp.rank.dryrun import ABSENT
     from zeroexp.probes import Probe, Steps, registry
-    from zeroexp.schedule import Schedule
+    from zeroexp.config.schedule import Schedule
 
     cfg = OmegaConf.create({"steps": 12, "warmup_steps": 3, "probes": {"profile_steps": 2, "memory_steps": 1}})
     s = Schedule.from_cfg(cfg)

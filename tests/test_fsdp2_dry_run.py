@@ -8,8 +8,8 @@ import json
 import pytest
 
 from conftest import read_csv
-from zeroexp.cell import cell_id, cell_name
-from zeroexp.dryrun import ABSENT
+from zeroexp.config.cell import cell_id, cell_name
+from zeroexp.rank.dryrun import ABSENT
 
 WIDTH, DEPTH = 64, 8  # conftest BASE: model.width=64, the mlp's default depth
 P = WIDTH * WIDTH * DEPTH * 4  # 128 KiB of fp32 parameters: 8 Linear units of 16 KiB
@@ -164,7 +164,7 @@ def test_deepspeed_dry_run_derives_the_real_run(cell, stage):
 
 
 def test_lazy_chunks_equal_torchs_shards():
-    """The dry run's FSDP2 shards (zeroexp.dryrun.LazyChunks, made only when asked) equal torch's
+    """The dry run's FSDP2 shards (zeroexp.rank.dryrun.LazyChunks, made only when asked) equal torch's
     ``_chunk_with_empty``: the same number, and each the same view (shape, stride, storage offset, values), empty
     past the last element; on real and fake tensors, uneven sizes, fewer elements than ranks, a nonzero dim; and
     under ``lazy_fsdp2_chunks`` FSDP2's module reads the lazy form, its own afterwards."""
@@ -173,7 +173,7 @@ def test_lazy_chunks_equal_torchs_shards():
     from torch.distributed.fsdp._fully_shard import _fsdp_param
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
-    from zeroexp.dryrun import LazyChunks, lazy_fsdp2_chunks
+    from zeroexp.rank.dryrun import LazyChunks, lazy_fsdp2_chunks
 
     def same(a, b, real):
         assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == (b.shape, b.stride(), b.storage_offset(), b.dtype)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from zeroexp.cell import cell_name
-from zeroexp.config import ConfigError, validate
-from zeroexp.expect import Expectation
+from zeroexp.config.cell import cell_name
+from zeroexp.config.schemas import ConfigError, validate
+from zeroexp.plan.expect import Expectation
 from zeroexp.formulas import ModelShape, PlanKnobs, bus_bytes, padded_numel
 from zeroexp.plan.cell import cell_groups
 from zeroexp.plan.core import Precision, plan

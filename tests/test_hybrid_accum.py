@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from zeroexp.config import validate
-from zeroexp.expect import Expectation
+from zeroexp.config.schemas import validate
+from zeroexp.plan.expect import Expectation
 from zeroexp.plan.cell import cell_groups
 
 N, S, K, DEPTH = 4, 2, 2, 8

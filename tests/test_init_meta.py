@@ -53,7 +53,7 @@ def test_replay_gives_the_full_build_values_bit_for_bit(factory):
 
 
 def test_bad_init_is_refused_before_any_rank(compose):
-    from zeroexp.config import validate
+    from zeroexp.config.schemas import validate
 
     for overrides, why in ((("strategy=deepspeed", "strategy.stage=3"), "does not materialise"),
                            (("strategy=fsdp_full", "model=transformer_layer"), "replayable_init"),
@@ -67,7 +67,7 @@ def test_bad_init_is_refused_before_any_rank(compose):
 
 
 def test_cell_identity_gains_init_only_when_meta(compose):
-    from zeroexp.cell import cell_identity, cell_name
+    from zeroexp.config.cell import cell_identity, cell_name
 
     full, meta = compose("strategy=fsdp_full", "world_size=2"), compose("strategy=fsdp_full", "world_size=2", "init=meta")
     assert "init" not in cell_identity(full) and "init-" not in cell_name(full)  # ids of every earlier cell kept
@@ -85,8 +85,8 @@ def _shape(cfg):
 def test_planner_init_peak_and_fits_with_init_meta():
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR
-    from zeroexp.plan.cli import register, run
+    from zeroexp.cli.run import CONF_DIR
+    from zeroexp.cli.plan import register, run
 
     register()
     base = [*MLP, f"world_size={N}", "strategies=[ddp,fsdp_full,fsdp2_full,deepspeed_stage3]"]
@@ -118,8 +118,8 @@ def _init_rank(rank: int, port: int, cases: list, out: str, n: int) -> None:
     after wrapping (gathered) and each build-and-wrap's peak."""
     from torch.distributed._tools import MemTracker
 
-    from zeroexp.memtrack import totals
-    from zeroexp.module import CellModule
+    from zeroexp._lib.memtrack import totals
+    from zeroexp.models.module import CellModule
     from zeroexp.strategies import get_adapter_class
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -153,7 +153,7 @@ def _init_rank(rank: int, port: int, cases: list, out: str, n: int) -> None:
 
 @pytest.mark.parametrize("n", [N, 3])  # 3: a 64-wide Linear (4096 elements) does not divide: FSDP's padding
 def test_meta_init_equals_full_and_its_peak_is_the_models(compose, tmp_path, n):
-    from zeroexp.launch import free_port
+    from zeroexp.launch.local import free_port
 
     cases, cfgs = [], []
     for strategy in KIND:

@@ -1,5 +1,5 @@
 """The memory probe's own categories: ``unsharded`` for FSDP units gathered, ``comm`` for collective
-buffers (zeroexp/memtrack.py), measured in real cells and predicted by the peak model category by category."""
+buffers (zeroexp/_lib/memtrack.py), measured in real cells and predicted by the peak model category by category."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from zeroexp.memtrack import ROLE_CATEGORIES, step_mem_tracker, totals
+from zeroexp._lib.memtrack import ROLE_CATEGORIES, step_mem_tracker, totals
 
 W = 64  # tests/conftest.py's BASE width: 8 bias-free Linear(64, 64), fp32
 UNIT = W * W * 4  # one layer: one FSDP unit, unsharded

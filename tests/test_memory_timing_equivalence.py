@@ -9,8 +9,8 @@ import pytest
 from conftest import read_csv
 from zeroexp.probes.equivalence import compare
 from zeroexp.probes.timing import TimingProbe, step_statistics
-from zeroexp.runner import run_cell
-from zeroexp.expect import Expectation
+from zeroexp.launch.runner import run_cell
+from zeroexp.plan.expect import Expectation
 
 N = 4
 #: The six cells of the ladder, with exactly the overrides other test modules use (shared runs).

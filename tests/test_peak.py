@@ -133,14 +133,14 @@ def test_plan_memory_passes_with_exact_categories(cell, strategy):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp_full"])
 def test_the_last_rank_traces_ahead_what_rank_0s_plan_reads(cell, compose, monkeypatch, tmp_path, strategy):
-    """The cell's last rank left the step traces in .ranks/ (zeroexp.worker, while rank 0 trained the equivalence
+    """The cell's last rank left the step traces in .ranks/ (zeroexp.rank.worker, while rank 0 trained the equivalence
     reference); they are what this process traces for the same cell, under the keys rank 0's plan looks up."""
     import pickle
     from pathlib import Path
 
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan import memory as pm
-    from zeroexp.worker import RANKS_DIR, TRACES_AHEAD
+    from zeroexp.rank.worker import RANKS_DIR, TRACES_AHEAD
 
     r = cell(f"strategy={strategy}", "world_size=2")
     assert r.summary["plan"]["memory"]["check"] == "PASS", r.summary["plan"]["memory"]["reasons"]
@@ -205,8 +205,8 @@ def test_plan_memory_is_na_where_no_model_exists(cell):
 def test_planner_rows_judge_fits_on_the_peak():
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR
-    from zeroexp.plan.cli import register, run
+    from zeroexp.cli.run import CONF_DIR
+    from zeroexp.cli.plan import register, run
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

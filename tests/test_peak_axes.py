@@ -94,7 +94,7 @@ def test_what_the_peak_model_covers():
 
 
 def test_the_memory_probe_keeps_each_phase_highest_over_micro_batches():
-    from zeroexp.microbatches import OptimizerSteps
+    from zeroexp.rank.microbatches import OptimizerSteps
     from zeroexp.probes.memory import _keep_higher
 
     phases: dict = {}
@@ -123,9 +123,9 @@ def test_the_memory_probe_keeps_each_phase_highest_over_micro_batches():
 def test_planner_rows_under_checkpointing_and_accumulation():
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR
+    from zeroexp.cli.run import CONF_DIR
     from zeroexp.errors import ConfigError
-    from zeroexp.plan.cli import register, run
+    from zeroexp.cli.plan import register, run
 
     register()
     base = ["model=gpt", "model.n_layer=3", "world_size=2", "batch_size=8", "strategies=[ddp,zero2,fsdp_full]",
@@ -213,7 +213,7 @@ def test_recompute_and_micro_batches_in_the_step_time():
 
 def _predicted_forward(cfg) -> int:
     """The peak model's forward prediction for a composed cell, without running it (``plan.memory``'s dry form)."""
-    from zeroexp.expect import layout_of
+    from zeroexp.plan.expect import layout_of
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.cell import cell_groups
     from zeroexp.plan.memory import memory_section

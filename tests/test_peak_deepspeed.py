@@ -157,9 +157,9 @@ def test_plan_memory_passes_in_real_cells(cell, stage, precision):
 def test_planner_rows_of_deepspeed_peak_with_the_bucket_and_name_what_is_not_modelled():
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR
+    from zeroexp.cli.run import CONF_DIR
     from zeroexp.formulas import Groups
-    from zeroexp.plan.cli import register, run
+    from zeroexp.cli.plan import register, run
     from zeroexp.plan.peak_deepspeed import ds_peak_limits
 
     register()

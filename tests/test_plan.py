@@ -16,7 +16,7 @@ from conftest import read_csv, run_cli
 from zeroexp.formulas import (LAYOUTS, ModelShape, derive_groups, rank_state_bytes,
                               sharded_zero_rank_bytes, zero_state_factors)
 from zeroexp.plan import Precision, parse_bytes, plan, strategy_table
-from zeroexp.plan.cli import register, run
+from zeroexp.cli.plan import register, run
 from zeroexp.plan.shape import shape_of
 from zeroexp.models import LinearStack
 
@@ -188,7 +188,7 @@ def _rss() -> int:
 def test_a_34b_model_plans_in_seconds_without_allocating():
     from hydra import compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR
+    from zeroexp.cli.run import CONF_DIR
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -216,7 +216,7 @@ def test_a_34b_model_plans_in_seconds_without_allocating():
 # --- the command line ------------------------------------------------------------------------------------
 def _cli(*args: str) -> subprocess.CompletedProcess:
     """``python -m zeroexp.plan <args>`` in this process (conftest.run_cli), from the repository's root."""
-    return run_cli(*args, app="zeroexp.plan.cli", cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return run_cli(*args, app="zeroexp.cli.plan", cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 FIG1_ARGS = ("params=7.5e9", "world_size=64", "precision=fp16", f"strategies=[{','.join(PAPER)}]")

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_cli
 from zeroexp.formulas import LAYOUTS, PlanKnobs, derive_groups
-from zeroexp.plan.cli import register, run
+from zeroexp.cli.plan import register, run
 from zeroexp.plan.shape import model_shape
 
 PAPER = ["zero_stage0", "zero_stage1", "zero_stage2", "zero_stage3"]
@@ -24,7 +24,7 @@ TINY_GPT = ["model=gpt", "model.n_layer=3", "batch_size=8"]
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR
+    from zeroexp.cli.run import CONF_DIR
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -110,7 +110,7 @@ def test_mixed_precision_rows_are_judged_on_the_peak(precision):
 def test_cli_says_a_row_is_judged_on_state_alone_and_marks_the_references():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = run_cli("params=7.5e9", "world_size=64", "precision=bf16", "batch_size=1", "network=h100_ib",
-                  app="zeroexp.plan.cli", cwd=root)
+                  app="zeroexp.cli.plan", cwd=root)
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "NO (state)" in text and "yes (state)" in text  # a parameter count: no activations, no peak model

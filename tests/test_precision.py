@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroexp.config import ConfigError, NotApplicableHere, validate
+from zeroexp.config.schemas import ConfigError, NotApplicableHere, validate
 from zeroexp.probes.equivalence import THRESHOLDS
 
 N2 = ("world_size=2",)

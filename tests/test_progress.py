@@ -9,7 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-from zeroexp.progress import PROGRESS_FILE, SweepClock, StepRecorder, format_line, read_progress, watch_progress
+from zeroexp.launch.progress import SweepClock, format_line, read_progress, watch_progress
+from zeroexp.rank.progress import PROGRESS_FILE, StepRecorder
 
 LINE = re.compile(r"^(?P<name>\S+): step (?P<k>\d+) of (?P<n>\d+), loss \S+, step [\d.]+ ms, "
                   r"elapsed \d+:\d\d, ETA (\d+:\d\d|\?)$")

@@ -1,4 +1,4 @@
-"""Entry points end through zeroexp.quick_exit: the exit status, the atexit handlers and the flushed output are those
+"""Entry points end through zeroexp.cli.quick_exit: the exit status, the atexit handlers and the flushed output are those
 of a normal exit; only the interpreter's teardown is skipped."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
     """A script whose ``main`` prints without a newline (flushed only at exit), then runs ``body``."""
-    lines = ["import atexit, sys", "from pathlib import Path", "from zeroexp.quick_exit import run_then_exit",
+    lines = ["import atexit, sys", "from pathlib import Path", "from zeroexp.cli.quick_exit import run_then_exit",
              f"atexit.register(lambda: Path({str(tmp_path / 'atexit_ran')!r}).write_text('yes'))",
              "def main():", "    print('unflushed line', end='')", f"    {body or 'pass'}",
              "run_then_exit(main)", "raise AssertionError('run_then_exit returned')"]

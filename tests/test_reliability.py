@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from zeroexp.results import read_json, write_json
+from zeroexp.results.files import read_json, write_json
 
 pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
 
@@ -58,7 +58,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _refuse_in_process(override: str, cell_dir: Path) -> tuple[int, float, str]:
-    """Run the real CLI entry point (``zeroexp.cli.main``) in this process (conftest.run_cli): same code path as
+    """Run the real CLI entry point (``zeroexp.cli.run.main``) in this process (conftest.run_cli): same code path as
     ``python -m zeroexp``, without paying the interpreter start-up for each of the many cases."""
     extra = [] if override.startswith("logger") else ["logger=none"]
     t0 = time.monotonic()
@@ -67,7 +67,7 @@ def _refuse_in_process(override: str, cell_dir: Path) -> tuple[int, float, str]:
 
 
 def test_bad_overrides_are_refused_before_any_rank(tmp_path, monkeypatch):
-    import zeroexp.launch as launch
+    import zeroexp.launch.local as launch
 
     def no_launch(*a, **k):
         raise AssertionError("a rank was started")
@@ -86,8 +86,8 @@ def test_bad_overrides_are_refused_before_any_rank(tmp_path, monkeypatch):
 def test_an_exception_in_the_check_of_a_sweeps_jobs_stops_it_before_its_first_cell(tmp_path, monkeypatch):
     """Hydra turns a callback's exception into a warning and runs the sweep on (``Callbacks._notify``): zeroexp's
     check of the jobs stops it instead, its message on stderr, exit 2, no cell run."""
-    import zeroexp.launch as launch
-    import zeroexp.sweep as sweep
+    import zeroexp.launch.local as launch
+    import zeroexp.cli.sweep as sweep
 
     def broken(*args, **kwargs):
         raise RuntimeError("ConfigLoader is not set")
@@ -105,9 +105,9 @@ def test_an_exception_in_the_check_of_a_sweeps_jobs_stops_it_before_its_first_ce
 def test_a_cell_that_cannot_fit_this_machine_is_refused(tmp_path, monkeypatch, compose):
     """4096 local ranks: refused in one line naming world_size and the estimate (exit 2, no rank, no directory);
     resources.check=false lets it through; too few open files is refused too."""
-    import zeroexp.launch as launch
-    import zeroexp.resources as resources
-    from zeroexp.config import ConfigError, validate
+    import zeroexp.launch.local as launch
+    import zeroexp.config.resources as resources
+    from zeroexp.config.schemas import ConfigError, validate
 
     monkeypatch.setattr(launch, "launch_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
     monkeypatch.chdir(tmp_path)
@@ -212,7 +212,7 @@ def test_sigterm_stops_a_sweep_and_reports_its_finished_cells(tmp_path):
 
 _WRITER = """
 import sys
-from zeroexp.results import write_json
+from zeroexp.results.files import write_json
 payload = {"status": "ok", "rows": [{"i": i, "x": "y" * 50} for i in range(40000)]}
 while True:
     write_json(sys.argv[1], payload)
@@ -239,7 +239,7 @@ def test_a_killed_write_never_leaves_a_truncated_file(tmp_path):
 
 
 def test_secrets_never_reach_the_cell_directory(compose, tmp_path, monkeypatch):
-    from zeroexp.runner import run_cell
+    from zeroexp.launch.runner import run_cell
 
     secret = "s3cr3t-value-0123456789"
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")

@@ -19,9 +19,9 @@ import pytest
 
 from zeroexp.report import build_report, write_report
 from zeroexp.report.__main__ import main as report_main
-from zeroexp.report.format import NA
-from zeroexp.results import load_sweep, read_json
-from zeroexp.wandb_offline import iter_records, read_run
+from zeroexp.results.format import NA
+from zeroexp.results.files import load_sweep, read_json
+from zeroexp.results.wandb_offline import iter_records, read_run
 
 LADDER_LABELS = ["ddp", "zro", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-post", "fsdp_full-none"]
 PLOTS = ["report_state_bytes.png", "report_memory.png", "report_peak_model.png", "report_step_times.png",
@@ -238,7 +238,7 @@ def test_labels_name_an_integer_axis_as_an_integer():
     """A sweep mixing DeepSpeed stages with FSDP cells: pandas makes the stage column float (NaN for FSDP)."""
     import pandas as pd
 
-    from zeroexp.report.cells import order_cells
+    from zeroexp.results.cells import order_cells
 
     frame = pd.DataFrame({"cell.strategy": ["deepspeed", "fsdp_full", "deepspeed"], "cell.prefetch": [None, "pre", None],
                           "cell.stage": [3, None, 2], "cell_id": ["a", "b", "c"], "cell_name": ["x", "y", "z"]})
@@ -251,8 +251,8 @@ def test_a_sweep_of_dry_runs_says_so(tmp_path, sweep):
     from conftest import BASE
     from hydra import compose, initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR, register
-    from zeroexp.runner import run_cell
+    from zeroexp.cli.run import CONF_DIR, register
+    from zeroexp.launch.runner import run_cell
 
     mixed = tmp_path / "mixed"
     mixed.mkdir()
@@ -301,7 +301,7 @@ def test_cells_without_schema_version_report_the_same(sweep, tmp_path):
     ``summary.json`` or ``manifest.json``) give the same report as the current version 2; a newer version is
     refused by name, as an unreadable cell."""
     from zeroexp.report.render import to_markdown
-    from zeroexp.results import SCHEMA_VERSION
+    from zeroexp.results.files import SCHEMA_VERSION
 
     assert SCHEMA_VERSION == 2
     new, old = tmp_path / "v2", tmp_path / "v1"

@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 from zeroexp.report import build_report
-from zeroexp.results import read_json
+from zeroexp.results.files import read_json
 
 WIDTH = 1280
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or (

@@ -1,5 +1,5 @@
 """The start of ``python -m zeroexp``: the ranks' forkserver starts before this process imports torch, Hydra and
-the CLI, when the command line will fork local ranks (zeroexp.launch.runs_local_ranks); the benchmark of what it
+the CLI, when the command line will fork local ranks (zeroexp.launch.local.runs_local_ranks); the benchmark of what it
 saves is benchmarks/startup.py (docs/benchmarks.md, start-up)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroexp.launch import runs_local_ranks
+from zeroexp.launch.local import runs_local_ranks
 
 MAIN = Path(__file__).resolve().parent.parent / "zeroexp" / "__main__.py"
 
@@ -34,33 +34,33 @@ def test_which_command_lines_start_the_forkserver_first(argv, forks):
 
 def test_python_m_zeroexp_starts_it_before_importing_the_cli():
     """In ``zeroexp/__main__.py``, the first statement run as ``__main__`` starts the forkserver (for its argv), and
-    nothing before it imports more than the stdlib and zeroexp.launch."""
+    nothing before it imports more than the stdlib and zeroexp.launch.local."""
     tree = ast.parse(MAIN.read_text())
     body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
     first = body[0]
     assert isinstance(first, ast.If) and ast.unparse(first.test) == "__name__ == '__main__'"
     imports = [ast.unparse(n) for n in first.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert imports == ["import sys", "from zeroexp.launch import start_forkserver_for"]
+    assert imports == ["import sys", "from zeroexp.launch.local import start_forkserver_for"]
     calls = [ast.unparse(n.value) for n in first.body if isinstance(n, ast.Expr)]
     assert calls == ["start_forkserver_for(sys.argv[1:])"]
     later = [ast.unparse(n) for n in body[1:] if isinstance(n, ast.ImportFrom)]
-    assert later == ["from zeroexp.cli import main"]
+    assert later == ["from zeroexp.cli.run import main"]
 
 
 def test_the_forkserver_preloads_what_a_wandb_run_start_imports_before_torch(tmp_path):
     """``wandb.init`` imports W&B's launch inputs (1.4 to 2 s in a rank, after torch: docs/benchmarks.md); the ranks'
-    forkserver imports them once, before torch (zeroexp.wandb_preload). Checked in fresh interpreters: that module
+    forkserver imports them once, before torch (zeroexp.launch.wandb_preload). Checked in fresh interpreters: that module
     imports no torch, and an offline ``wandb.init`` imports nothing of W&B beyond what it preloads under
     ``wandb.sdk.launch``, so the preload goes stale loudly if W&B moves it."""
     import subprocess
     import sys
 
-    from zeroexp.launch import FORKSERVER_PRELOAD
+    from zeroexp.launch.local import FORKSERVER_PRELOAD
 
-    assert FORKSERVER_PRELOAD.index("zeroexp.wandb_preload") < FORKSERVER_PRELOAD.index("zeroexp.worker")
+    assert FORKSERVER_PRELOAD.index("zeroexp.launch.wandb_preload") < FORKSERVER_PRELOAD.index("zeroexp.rank.worker")
     code = """
 import sys
-import zeroexp.wandb_preload
+import zeroexp.launch.wandb_preload
 assert "torch" not in sys.modules, "the preload imports torch"
 before = {m for m in sys.modules if m.startswith("wandb.sdk.launch")}
 import wandb

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import read_csv
-from zeroexp.expect import Expectation
+from zeroexp.plan.expect import Expectation
 from zeroexp.formulas import padded_numel
-from zeroexp.launch import free_port
+from zeroexp.launch.local import free_port
 from zeroexp.models import LinearStack
 from zeroexp.probes.state import StateProbe, count_state
 from zeroexp.strategies import get_adapter_class

@@ -2,7 +2,7 @@
 
 zeroexp.formulas.time (fit, collective time, two-level ring), zeroexp.formulas.overlap (slots, the channel),
 zeroexp.plan.time (the check on given numbers, plan.time of a composed cell), zeroexp.probes.exposed (interval
-arithmetic), zeroexp.calibration (which file a cell uses), and one tiny real calibration at N=2 with a cell using it.
+arithmetic), zeroexp.results.calibration (which file a cell uses), and one tiny real calibration at N=2 with a cell using it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroexp.calibration import SCHEMA, find_calibration, load_calibration, machine
+from zeroexp.results.calibration import SCHEMA, find_calibration, load_calibration, machine
 from zeroexp.formulas import (LAYOUTS, LinkFit, ModelShape, PlanKnobs, bus_factor, collective_seconds,
                               derive_groups, fit_link, overlap_possible, predict_step, simulate_step, step_collectives,
                               two_level_seconds)
@@ -83,7 +83,7 @@ def _predict(strategy: str, cal: dict, prefetch: str = "pre", n: int = 2):
     layout = LAYOUTS[strategy]
     groups = derive_groups(strategy, layout, MLP, n, 4, PlanKnobs(bucket_cap_bytes=4 * 2 ** 20))
     coll = step_collectives(layout, groups, 4, PlanKnobs(bucket_cap_bytes=4 * 2 ** 20))
-    from zeroexp.calibration import Calibration
+    from zeroexp.results.calibration import Calibration
 
     c = Calibration("given", cal)
     return predict_step(layout, groups, coll, c.rate, 8, c.seconds_at(n), cal["overlap"]["possible"], prefetch), coll
@@ -179,7 +179,7 @@ def test_plan_time_of_a_composed_cell(compose, tmp_path):
 
 
 def test_a_bad_calibration_path_is_refused_before_any_rank(compose, tmp_path):
-    from zeroexp.config import validate
+    from zeroexp.config.schemas import validate
     from zeroexp.errors import ConfigError
 
     with pytest.raises(ConfigError, match="calibration"):
@@ -192,8 +192,8 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from zeroexp.calibrate.cli import register, run
-    from zeroexp.cli import CONF_DIR
+    from zeroexp.cli.calibrate import register, run
+    from zeroexp.cli.run import CONF_DIR
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -264,8 +264,8 @@ def _plan(*overrides: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from zeroexp.cli import CONF_DIR
-    from zeroexp.plan.cli import register, run
+    from zeroexp.cli.run import CONF_DIR
+    from zeroexp.cli.plan import register, run
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -389,8 +389,8 @@ def _calibrate_cfg(*overrides: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from zeroexp.calibrate.cli import register
-    from zeroexp.cli import CONF_DIR
+    from zeroexp.cli.calibrate import register
+    from zeroexp.cli.run import CONF_DIR
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -408,7 +408,7 @@ def _calibrate_cfg(*overrides: str):
     (("device=tpu",), "device"),
 ])
 def test_calibrate_refuses_bad_input_naming_the_key(overrides, key):
-    from zeroexp.calibrate.cli import validate
+    from zeroexp.cli.calibrate import validate
     from zeroexp.errors import ConfigError
 
     cfg = _calibrate_cfg(*overrides)

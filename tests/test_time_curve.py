@@ -38,7 +38,7 @@ def test_a_call_from_the_measured_curve():
 
 
 def test_a_calibration_times_calls_of_their_own_size():
-    from zeroexp.calibration import Calibration
+    from zeroexp.results.calibration import Calibration
     from tests.test_time import calibration_data
 
     data = calibration_data()
@@ -113,7 +113,7 @@ def test_an_async_burst_is_timed_by_the_bursts_per_call_cost():
     together: their slots say so, and a calibration's ``burst_mean_s`` times them; every other call, and a schema 3
     calibration's bursts, keep the lone call's time."""
     from tests.test_time import calibration_data
-    from zeroexp.calibration import Calibration
+    from zeroexp.results.calibration import Calibration
     from zeroexp.formulas import LAYOUTS, ModelShape, PlanKnobs, collective_slots, derive_groups, predict_step, \
         step_collectives
 
@@ -152,7 +152,7 @@ def test_a_call_behind_another_pays_at_least_its_stream_floor():
     calls and a calibration without streams (schema 4) have no floor."""
     from tests.test_time import calibration_data
     from zeroexp.calibrate.framework import stream_floor
-    from zeroexp.calibration import Calibration
+    from zeroexp.results.calibration import Calibration
     from zeroexp.formulas import LAYOUTS, ModelShape, PlanKnobs, derive_groups, predict_step, step_collectives
 
     w = WakeCurve((0.0, 1.0, 10.0), (0.0, 0.1, 1.0))  # 0.1 per second of gap up to 10

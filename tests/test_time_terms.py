@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from zeroexp.calibration import Calibration
+from zeroexp.results.calibration import Calibration
 from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, ModelShape, PlanKnobs, derive_groups,
                               framework_time, predict_step, step_collectives)
 
@@ -138,7 +138,7 @@ def test_a_calibration_reads_its_framework_costs(tmp_path):
 def test_schema_1_calibrations_are_not_used(tmp_path):
     """Schema 1 timed collectives in back-to-back loops and had no framework costs: a cell must not use one."""
     from tests.test_time import calibration_data
-    from zeroexp.calibration import find_calibration, load_calibration, machine
+    from zeroexp.results.calibration import find_calibration, load_calibration, machine
 
     old = calibration_data(machine_id=machine()["id"])
     old["schema"] = 1

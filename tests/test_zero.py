@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import read_csv
-from zeroexp.config import ConfigError, validate
+from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.formulas import bus_bytes, padded_numel, sharded_zero_rank_bytes
-from zeroexp.launch import free_port
+from zeroexp.launch.local import free_port
 from zeroexp.models import LinearStack, make_batch
 from zeroexp.strategies import get_adapter_class
 
@@ -235,7 +235,7 @@ def test_config_refusals_name_the_key(compose):
 def _overlap_rank(rank: int, world_size: int, init: str, out: str) -> None:
     """One rank: two steps of ShardedAdamW over two buckets; record when each bucket's parameter all_gather is waited
     on relative to the modules' forwards."""
-    from zeroexp.sharding import ShardedAdamW, flatten_into_buckets
+    from zeroexp.strategies.sharding import ShardedAdamW, flatten_into_buckets
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     torch.set_num_threads(1)

@@ -28,7 +28,7 @@ class NotApplicableHere(ConfigError):
 
 class Interrupted(KeyboardInterrupt):
     """The main process was asked to stop: Ctrl-C (SIGINT), or SIGTERM (``kill``, SLURM) or SIGHUP (the terminal
-    went away), raised by the handlers of ``zeroexp.runner.stop_on_signals``. A KeyboardInterrupt, so every path
+    went away), raised by the handlers of ``zeroexp.launch.runner.stop_on_signals``. A KeyboardInterrupt, so every path
     that cleans up after Ctrl-C (the launcher reaping its ranks, the runner marking the cell failed) does the same
     for the others."""
 

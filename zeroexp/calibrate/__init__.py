@@ -1,7 +1,3 @@
 """``python -m zeroexp.calibrate``: measure this machine's collectives and compute once, apart from any cell; every
 cell's ``plan.time`` and the planner's ``network=this_machine`` predict step times from the file it writes
-(:mod:`zeroexp.calibration`)."""
-
-from zeroexp.calibrate.cli import main, run
-
-__all__ = ["main", "run"]
+(:mod:`zeroexp.results.calibration`). Its command line: :mod:`zeroexp.cli.calibrate`."""

@@ -16,7 +16,7 @@ __all__ = ["all_gather", "reduce_scatter", "sync", "from_barrier", "slowest_each
 #: their mean; a rare stall of the host (tens of ms) is not a property of the link.
 TRIM = 0.1
 
-# The calls zeroexp.sharding makes (torch >= 2.13 names, else the older ones)
+# The calls zeroexp.strategies.sharding makes (torch >= 2.13 names, else the older ones)
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, slowest_each, sync, trimmed_mean
-from zeroexp.calibration import call_table
+from zeroexp.results.calibration import call_table
 from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
 
 __all__ = ["measure_framework", "per_call", "per_byte_fit", "stream_floor", "TINY_UNITS", "TINY_WIDTH", "WIDE_WIDTH",
@@ -223,7 +223,7 @@ def _loop(steps: int) -> dict[str, float]:
     import lightning.pytorch as pl
 
     from zeroexp.models import LOSSES
-    from zeroexp.module import CellModule
+    from zeroexp.models.module import CellModule
 
     class Window(pl.Callback):
         def __init__(self) -> None:
@@ -243,7 +243,7 @@ def _loop(steps: int) -> dict[str, float]:
                          callbacks=[window], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
                          use_distributed_sampler=False)
-    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # as zeroexp.worker
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # as zeroexp.rank.worker
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     net = nn.Linear(1, 1, bias=False)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

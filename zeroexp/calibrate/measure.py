@@ -40,7 +40,7 @@ MAX_BUFFERS = 64
 #: broadcasts of the reference model, issued together after its step.
 BURST = 8
 #: The largest size timed in bursts (8 buffers of it a rank): above it the model's burst time is the largest burst
-#: size's plus the fit's bandwidth (:meth:`~zeroexp.calibration.Calibration.seconds_at`, ``burst=True``).
+#: size's plus the fit's bandwidth (:meth:`~zeroexp.results.calibration.Calibration.seconds_at`, ``burst=True``).
 BURST_MAX_BYTES = 32 * 2**20
 #: Calls of one stream (:func:`measure_collectives`' ``stream_mean_s``): sync calls one right after another, as FSDP
 #: issues its units' gathers and reduce-scatters with little compute between; timed up to :data:`BURST_MAX_BYTES`.
@@ -283,8 +283,8 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
     from zeroexp.devices import pin_host_allocator, rank_threads
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    allocator = pin_host_allocator()  # as zeroexp.worker: a rank's compute rate must not depend on what ran before
-    if device.type == "cpu":  # as zeroexp.worker: the ranks share the cores
+    allocator = pin_host_allocator()  # as zeroexp.rank.worker: a rank's compute rate must not depend on what ran before
+    if device.type == "cpu":  # as zeroexp.rank.worker: the ranks share the cores
         torch.set_num_threads(rank_threads(world))
     else:
         torch.cuda.set_device(device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zeroexp.calibration import Calibration
+from zeroexp.results.calibration import Calibration
 
 __all__ = ["render_table", "write_plot"]
 

@@ -5,7 +5,7 @@ so a phase's prediction is the highest over the micro-batches' own: the first st
 without accumulation does, every later one starts with what the earlier ones left (the gradients accumulated so
 far). Sources: torch's ``AccumulateGrad`` (an existing ``.grad`` is added into in place), DDP's ``no_sync``
 (torch/nn/parallel/distributed.py: no bucket copy, no all_reduce), zeroexp's ``ShardedAdamW.accumulating``
-(zeroexp/sharding.py).
+(zeroexp/strategies/sharding.py).
 """
 
 from __future__ import annotations

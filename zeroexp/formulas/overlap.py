@@ -11,7 +11,7 @@ collective's time adds to the step. The overlap rules, by what a row's groups ho
   filled it (gradient-ready order) and waited for before the optimizer, so all but the last overlap backward
   (torch/csrc/distributed/c10d/reducer.cpp); ZeroRedundancyOptimizer broadcasts each owner's parameters after its
   step (``_sync_params``), nothing left to overlap with.
-- ``buckets`` (zeroexp's ZeRO-1/2, :mod:`zeroexp.sharding`): a bucket's reduce_scatter is issued by a gradient hook
+- ``buckets`` (zeroexp's ZeRO-1/2, :mod:`zeroexp.strategies.sharding`): a bucket's reduce_scatter is issued by a gradient hook
   when backward has filled it, waited for before the optimizer; its all_gather is issued after the step and waited
   for in the forward pre-hook of the bucket's first module (the step's start here, in steady state).
 - ``units`` / ``rows`` (FSDP, FSDP2): a unit's all_gather is issued one unit ahead in forward (limit_all_gathers

@@ -246,7 +246,7 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
     taken out), the sharded gradients of the units done (``zero_grad`` freed the steady ones), and the unsharded
     units: FULL_SHARD u at A; BACKWARD_PRE the next unit at A and B, BACKWARD_POST at B only; SHARD_GRAD_OP every
     unit not yet done (u at A only). Optimizer: AdamW's temporaries over the shards. Categories as the memory probe
-    names them (zeroexp/memtrack.py): the units gathered are ``unsharded``, the unsharded gradient (the
+    names them (zeroexp/_lib/memtrack.py): the units gathered are ``unsharded``, the unsharded gradient (the
     reduce-scatter's input) ``comm``, the output shards ``gradients`` (FSDP keeps them as the sharded gradient)."""
     k_of = _unit_index(trace, units)
     full = [u.unsharded for u in units]

@@ -10,7 +10,7 @@ bit for bit, while no more than one module's parameters are ever held in full.
 
 A model says it can be replayed so (``replayable_init = True`` on its class): its constructor draws nothing but
 its modules' ``reset_parameters`` in construction order and its own ``init_steps``. Others are refused
-(zeroexp.init_mode) rather than initialised with other values.
+(zeroexp.config.init_mode) rather than initialised with other values.
 """
 
 from __future__ import annotations
@@ -87,6 +87,6 @@ def replay_init(model: nn.Module, seed: int, sink: Callable[[str, torch.Tensor],
 
 
 def init_of(cfg: Any) -> str:
-    """The cell's ``init`` (conf/init/, zeroexp.init_mode): ``full`` or ``meta``; a config from before the axis: full."""
+    """The cell's ``init`` (conf/init/, zeroexp.config.init_mode): ``full`` or ``meta``; a config from before the axis: full."""
     node = cfg.get("init")
     return str(node.name) if node is not None else "full"

@@ -1,6 +1,6 @@
 """The planner: per-rank memory and per-step communication of any model at any scale, before running it.
 
-``python -m zeroexp.plan`` (:mod:`zeroexp.plan.cli`, ``conf/plan.yaml``) plans every strategy the planner knows
+``python -m zeroexp.plan`` (:mod:`zeroexp.cli.plan`, ``conf/plan.yaml``) plans every strategy the planner knows
 (``zeroexp.formulas.LAYOUTS`` and the registered strategies) for a parameter count or a model config built on
 the meta device; every run's ``summary.json["plan"]`` (:func:`plan_section`) compares the prediction for that
 cell with what its probes measured. The formulas are ``zeroexp.formulas``'s, shared with the probes; the

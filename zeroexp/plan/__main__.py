@@ -1,8 +1,8 @@
-"""``python -m zeroexp.plan``: see :mod:`zeroexp.plan.cli`."""
+"""``python -m zeroexp.plan``: see :mod:`zeroexp.cli.plan`."""
 
-from zeroexp.plan.cli import main
+from zeroexp.cli.plan import main
 
 if __name__ == "__main__":
-    from zeroexp.quick_exit import run_then_exit
+    from zeroexp.cli.quick_exit import run_then_exit
 
-    run_then_exit(main)  # no interpreter teardown once the work is done (zeroexp.quick_exit)
+    run_then_exit(main)  # no interpreter teardown once the work is done (zeroexp.cli.quick_exit)

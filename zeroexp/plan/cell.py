@@ -1,6 +1,6 @@
 """``summary.json["plan"]``: the planner's per-rank prediction for a cell that ran, beside what it measured.
 
-Rank 0 calls :func:`plan_section` in ``zeroexp.worker.finalize`` after the probes' sections are written: the
+Rank 0 calls :func:`plan_section` in ``zeroexp.rank.worker.finalize`` after the probes' sections are written: the
 prediction uses the cell's own model (built again on the meta device), N, precision, offload and strategy settings,
 through the groups its row derives from the shapes (:func:`cell_groups`); the measurement is the state probe's
 ``rank_state.csv`` and the collectives probe's counts and payloads.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zeroexp.expect import groups_record, itemsize_of, knobs_of, layout_of
+from zeroexp.plan.expect import groups_record, itemsize_of, knobs_of, layout_of
 from zeroexp.formulas import STATE_KINDS, Groups, derive_groups, rank_state_bytes
 from zeroexp.models import wrap_paths
 from zeroexp.plan.core import Precision, plan_record
@@ -38,7 +38,7 @@ def plan_section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | No
     only other measured kinds are explained residuals, and every collective's count and payload match (where the
     payload model covers the cell). ``itself``: why the measurement is the planner's own model (a derived dry run):
     the check then reads n/a with that reason. ``live_groups``: the groups the strategy's adapter read off rank 0
-    (``zeroexp.expect.groups_record``); the planner's must equal them, element for element (``groups``). Never
+    (``zeroexp.plan.expect.groups_record``); the planner's must equal them, element for element (``groups``). Never
     raises: a failure becomes ``check: ERROR``."""
     from zeroexp.plan.time import time_section
 

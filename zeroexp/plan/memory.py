@@ -259,7 +259,7 @@ def _cell_step_traces(cfg: Any, name: str, wrap: list[type], terms: PrecisionTer
 
 
 # -- Traces ahead. A cell's rank 0 trains the equivalence reference after the last step while its other ranks wait;
-# the last rank traces the step for rank 0's plan meanwhile (zeroexp.worker) and leaves the traces in a file that
+# the last rank traces the step for rank 0's plan meanwhile (zeroexp.rank.worker) and leaves the traces in a file that
 # rank 0's finalize reads (``read_traces_ahead``) before :func:`memory_section`. A trace is a function of its
 # arguments alone (fake tensors, no measurement): rank 0 uses one only under the same arguments (its key, as trace_for
 # remembers its own), and traces itself whatever the file lacks, so the plan never depends on the other rank.
@@ -273,7 +273,7 @@ def write_traces_ahead(cfg: Any, path: Any) -> None:
     cover the cell; a file already at ``path`` is removed first). Never raises: rank 0 then traces it itself."""
     import pickle
 
-    from zeroexp.expect import layout_of
+    from zeroexp.plan.expect import layout_of
     from zeroexp.models import import_class, wrap_paths
 
     try:
@@ -372,7 +372,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
 
 
 def _as_simulated(section: dict[str, Any]) -> dict[str, Any]:
-    """A traced dry run's memory is a simulation (``zeroexp.dryrun.SIMULATED``), not a measurement: its figures sit
+    """A traced dry run's memory is a simulation (``zeroexp.rank.dryrun.SIMULATED``), not a measurement: its figures sit
     beside the prediction as ``simulated_*``, the same rule's verdict as ``simulated_check``; ``check`` is n/a."""
     renamed = {"measured_bytes": "simulated_bytes", "measured_peak_bytes": "simulated_peak_bytes",
                "measured_by_category": "simulated_by_category", "check": "simulated_check"}

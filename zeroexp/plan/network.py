@@ -102,7 +102,7 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
 
 
 def _calibrated(node: Any, tokens: int) -> Network:
-    from zeroexp.calibration import find_calibration, load_calibration
+    from zeroexp.results.calibration import find_calibration, load_calibration
 
     path = node.get("calibration")
     try:
@@ -117,7 +117,7 @@ def _calibrated(node: Any, tokens: int) -> Network:
 
 
 def calibrated_network(cal: Any) -> Network:
-    """A calibration (:class:`~zeroexp.calibration.Calibration`) as a :class:`Network`: what the planner's
+    """A calibration (:class:`~zeroexp.results.calibration.Calibration`) as a :class:`Network`: what the planner's
     ``network=this_machine`` and every cell's ``plan.time`` time a step on."""
     c = cal.data["compute"]
     return Network("this_machine", cal.seconds_at, cal.rate, bool(cal.data["overlap"]["possible"]), None,

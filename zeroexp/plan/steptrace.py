@@ -7,7 +7,7 @@ autograd produces them. Nothing is allocated: the model is built and run on fake
 meta device: attention's math path there saves the s^2 probabilities where the CPU and CUDA kernels save a logsumexp),
 and ``torch.distributed._tools.MemTracker`` follows their storages exactly as the memory probe follows real ones.
 
-The step is the training step zeroexp runs (``zeroexp.module``): forward, the loss, Lightning's detached copy of the
+The step is the training step zeroexp runs (``zeroexp.models.module``): forward, the loss, Lightning's detached copy of the
 loss (``ClosureResult``), backward. Segments end at each unit's forward pre/post hook and backward pre/post hook, at
 the loss and at the end of backward; each records the peak inside it and the bytes live at its end, by category
 (MemTracker's: parameter gradients are ``gradients``, what backward allocates besides is ``temporaries``).
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
-from zeroexp.memtrack import step_mem_tracker, totals
+from zeroexp._lib.memtrack import step_mem_tracker, totals
 
 __all__ = ["trace_step"]
 

@@ -1,7 +1,7 @@
 """``summary.json["plan"]["time"]``: the predicted step time of a cell that ran, beside its measured median.
 
 The prediction is the one model's (:func:`zeroexp.formulas.predict_step`) over the groups the cell's row derives
-from its shapes, with a calibration of this machine, backend and world size (:mod:`zeroexp.calibration`: the newest
+from its shapes, with a calibration of this machine, backend and world size (:mod:`zeroexp.results.calibration`: the newest
 in ``outputs/calibration/``, or ``calibration=PATH``); nothing is fitted to the cell. The measurement is the timing
 probe's timed steps (their median and a bootstrap 95 % CI of it) and the collectives probe's exposed communication.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from zeroexp.calibration import DEFAULT_DIR, Calibration, find_calibration, load_calibration
+from zeroexp.results.calibration import DEFAULT_DIR, Calibration, find_calibration, load_calibration
 from zeroexp.formulas import steps_to_narrow
 
 __all__ = ["time_section", "median_ci95", "time_check", "cell_backend", "RATIO_LIMIT", "MEDIAN_CI_LIMIT", "BOOTSTRAP"]
@@ -85,7 +85,7 @@ def time_section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
-    from zeroexp.expect import itemsize_of, knobs_of, layout_of
+    from zeroexp.plan.expect import itemsize_of, knobs_of, layout_of
     from zeroexp.formulas import checkpointed_numel, derive_groups
     from zeroexp.models import wrap_paths
     from zeroexp.plan.shape import model_shape

@@ -2,7 +2,7 @@
 
 A probe is a plug-in: besides measuring (Lightning's callback hooks, run in a rank as :func:`as_callback`;
 :meth:`Probe.rank_result`, :meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from which
-``zeroexp.schedule.Schedule`` is assembled; a registered probe's is its entry of ``zeroexp.schedule.PROBE_STEPS``,
+``zeroexp.config.schedule.Schedule`` is assembled; a registered probe's is its entry of ``zeroexp.config.schedule.PROBE_STEPS``,
 which the launching process reads without importing the probes), whether and when it runs (:meth:`Probe.runs`), why it is absent
 from a dry run (:attr:`Probe.dry_run_absent`), its line in the terminal digest (:meth:`Probe.digest_line`) and
 its section of the sweep report (:meth:`Probe.report_table`). The run, the dry run, the digest and the report
@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig
 
-from zeroexp.callbacks import as_callback
-from zeroexp.schedule import Steps
+from zeroexp._lib.callbacks import as_callback
+from zeroexp.config.schedule import Steps
 
 __all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "as_callback"]
 
@@ -33,8 +33,8 @@ class RunContext:
     world_size: int
     device: torch.device
     adapter: Any  # zeroexp.strategies.StrategyAdapter; typed loosely so probes do not import adapters
-    schedule: Any  # zeroexp.schedule.Schedule (which imports the probe registry)
-    #: zeroexp.expect.Expectation: the one expectation model for this cell (state factors, collectives)
+    schedule: Any  # zeroexp.config.schedule.Schedule (which imports the probe registry)
+    #: zeroexp.plan.expect.Expectation: the one expectation model for this cell (state factors, collectives)
     expect: Any = None
 
 
@@ -55,7 +55,7 @@ class ProbeReport:
 class Probe:
     """Base class: a measurement with Lightning's callback hooks (``setup``, ``on_train_batch_start``, ...), a
     rank-local result and an all-rank aggregation. A rank runs it as a Lightning callback
-    (:func:`zeroexp.callbacks.as_callback`); the class itself does not import Lightning, so the launching process reads its digest
+    (:func:`zeroexp._lib.callbacks.as_callback`); the class itself does not import Lightning, so the launching process reads its digest
     line and report section (the digest after a cell, the sweep report) without importing Lightning (4 to 5 s on
     this 2-core host, after the cell had finished)."""
 
@@ -102,8 +102,8 @@ class Probe:
 
     @staticmethod
     def report_table(ok: Any) -> Any:
-        """Its section of the sweep report (a ``zeroexp.report.section.ReportTable``) over the finished cells
-        (a DataFrame of ``zeroexp.results.load_sweep`` rows); None: no section. A probe sets it to its table
+        """Its section of the sweep report (a ``zeroexp.results.section.ReportTable``) over the finished cells
+        (a DataFrame of ``zeroexp.results.files.load_sweep`` rows); None: no section. A probe sets it to its table
         function: ``report_table = staticmethod(state_table)``."""
         return None
 

@@ -38,13 +38,13 @@ from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.collectives import SOURCE as COLLECTIVES_SOURCE
 from zeroexp.probes.collectives import GroupMarks, extract
 from zeroexp.probes.memory import memory_source
-from zeroexp.results import write_json
-from zeroexp.report.cells import column
-from zeroexp.report.format import byte_unit, fmt_err, fmt_int, fmt_ms, missing
-from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
+from zeroexp.results.files import write_json
+from zeroexp.results.cells import column
+from zeroexp.results.format import byte_unit, fmt_err, fmt_int, fmt_ms, missing
+from zeroexp.results.section import OPS, Column, ReportTable, raw_rows
 
 if TYPE_CHECKING:
-    from zeroexp.module import CellModule
+    from zeroexp.models.module import CellModule
 
 __all__ = ["CheckpointProbe", "CheckpointError", "verify_checkpoint", "META", "FORMAT"]
 
@@ -210,7 +210,7 @@ class CheckpointProbe(Probe):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.seed) + 1)
             net = build_model(OmegaConf.to_container(cfg.model, resolve=True))
-        from zeroexp.module import CellModule  # a LightningModule: here, so the probe's module needs no Lightning
+        from zeroexp.models.module import CellModule  # a LightningModule: here, so the probe's module needs no Lightning
 
         module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients).to(self.ctx.device)
         model = adapter.wrap_cell(module, self.ctx.device)  # as the cell's model: checkpointed units too

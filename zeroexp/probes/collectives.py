@@ -37,10 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.exposed import exposed_comm
-from zeroexp.report.cells import column
-from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
-from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
-from zeroexp.schedule import PROBE_STEPS
+from zeroexp.results.cells import column
+from zeroexp.results.format import NA, byte_unit, fmt_int, fmt_number, missing
+from zeroexp.results.section import OPS, Column, ReportTable, raw_rows
+from zeroexp.config.schedule import PROBE_STEPS
 
 __all__ = ["CollectivesProbe", "GroupMarks", "SOURCE"]
 
@@ -245,7 +245,7 @@ class CollectivesProbe(Probe):
 
     name = "collectives"
     order = 30
-    steps = PROBE_STEPS["collectives"]  # declared in zeroexp.schedule
+    steps = PROBE_STEPS["collectives"]  # declared in zeroexp.config.schedule
 
     digest_line = staticmethod(collectives_line)
     report_table = staticmethod(collectives_table)

@@ -29,8 +29,8 @@ from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.probes.base import Probe, ProbeReport
 
 from zeroexp.tolerances import FLOOR_FACTOR, THRESHOLDS
-from zeroexp.report.format import fmt_err, fmt_int, missing
-from zeroexp.report.section import Column, ReportTable, raw_rows
+from zeroexp.results.format import fmt_err, fmt_int, missing
+from zeroexp.results.section import Column, ReportTable, raw_rows
 
 __all__ = ["EquivalenceProbe", "FLOOR_FACTOR", "THRESHOLDS", "train_reference", "compare", "max_abs_diff"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from zeroexp.memtrack import totals
+from zeroexp._lib.memtrack import totals
 
 __all__ = ["InitPeak", "init_fields"]
 

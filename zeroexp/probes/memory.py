@@ -8,7 +8,7 @@ the construction of the full model on every rank and the wrapping are not in it.
 cycle collector runs only at its start and at each phase's end (see :class:`_Collector`): garbage that only a
 reference cycle keeps alive is not state, and counting it made steady and the phase peaks depend on when the
 collector happened to run. With ``grad_accum=K`` a tracked step spans its K micro-batches
-(``zeroexp.microbatches``): each micro-batch has a forward and a backward phase (the backward ending where the next
+(``zeroexp.rank.microbatches``): each micro-batch has a forward and a backward phase (the backward ending where the next
 micro-batch starts, so it holds what the strategy's ``no_sync`` exit does), a phase's peak is the highest over them,
 and MemTracker's per-module state is reset between them (it refuses a root module's second forward in one tracking).
 
@@ -21,7 +21,7 @@ Sources (``memory.source`` names the one used):
   tensor (found by the garbage collector) is registered, then each op's outputs, resizes and frees are
   followed. Categories are MemTracker's (parameters, buffers, gradients, activations, temporaries, optimizer
   state, other) and zeroexp's ``unsharded`` (FSDP units gathered) and ``comm`` (collective buffers), named by the
-  collectives a storage meets (``zeroexp.memtrack``; each phase's peak categories are read at the step's end, when
+  collectives a storage meets (``zeroexp._lib.memtrack``; each phase's peak categories are read at the step's end, when
   every storage alive at that peak has its name). Memory that never passes through a tensor op while tracked (gloo's internal buffers) is not
   seen; DDP's C++ gradient buckets are seen once all-reduced in the step. With FSDP1 and
   ``use_orig_params=True`` MemTracker cannot hook the non-leaf parameter views, so hooks are skipped there.
@@ -38,11 +38,11 @@ import torch
 from torch import nn
 
 from zeroexp.formulas.peak import PHASES
-from zeroexp.memtrack import step_mem_tracker as _step_mem_tracker, totals as _totals
+from zeroexp._lib.memtrack import step_mem_tracker as _step_mem_tracker, totals as _totals
 from zeroexp.probes.base import Probe, ProbeReport
-from zeroexp.report.format import NA, byte_unit, missing
-from zeroexp.report.section import Column, ReportTable, raw_rows
-from zeroexp.schedule import PROBE_STEPS
+from zeroexp.results.format import NA, byte_unit, missing
+from zeroexp.results.section import Column, ReportTable, raw_rows
+from zeroexp.config.schedule import PROBE_STEPS
 
 __all__ = ["MemoryProbe", "PEAK_MEANING", "PHASES", "freeze_startup_objects", "memory_source"]
 
@@ -325,7 +325,7 @@ class MemoryProbe(Probe):
     name = "memory"
     order = 40
     report_order = 25  # in the report, beside the state table
-    steps = PROBE_STEPS["memory"]  # declared in zeroexp.schedule
+    steps = PROBE_STEPS["memory"]  # declared in zeroexp.config.schedule
     dry_run_absent = "no real memory: no tensor is allocated, and the fake process group moves no bytes"
 
     digest_line = staticmethod(memory_line)

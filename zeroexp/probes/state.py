@@ -17,10 +17,10 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from zeroexp.probes.base import Probe, ProbeReport, RunContext
-from zeroexp.report.cells import column
-from zeroexp.report.format import NA, byte_unit, fmt_factor, missing
-from zeroexp.report.section import CORE_KINDS, Column, ReportTable, joined, raw_rows
-from zeroexp.schedule import PROBE_STEPS
+from zeroexp.results.cells import column
+from zeroexp.results.format import NA, byte_unit, fmt_factor, missing
+from zeroexp.results.section import CORE_KINDS, Column, ReportTable, joined, raw_rows
+from zeroexp.config.schedule import PROBE_STEPS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -49,7 +49,7 @@ def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
         row = rows.setdefault(kind, {"kind": kind, "logical_bytes": 0, "physical_bytes": 0, "host_bytes": 0,
                                      "dtype": set(), "device": set(), "numel": 0})
         storage = tensor.untyped_storage()
-        # A FakeTensor's storage (zeroexp.dryrun) has no data: data_ptr() is 0 for all of them; its identity is.
+        # A FakeTensor's storage (zeroexp.rank.dryrun) has no data: data_ptr() is 0 for all of them; its identity is.
         key = (str(tensor.device), storage.data_ptr() or (storage._cdata if storage.nbytes() else 0))
         if key not in storages and storage.nbytes() > 0:
             storages.add(key)
@@ -132,7 +132,7 @@ class StateProbe(Probe):
 
     name = "state"
     order = 20
-    steps = PROBE_STEPS["state"]  # declared in zeroexp.schedule
+    steps = PROBE_STEPS["state"]  # declared in zeroexp.config.schedule
 
     digest_line = staticmethod(state_line)
     report_table = staticmethod(state_table)

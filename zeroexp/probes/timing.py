@@ -18,9 +18,9 @@ import pandas as pd
 
 from zeroexp.hostload import activity, busy_cpu_s, own_cpu_s
 from zeroexp.probes.base import Probe, ProbeReport
-from zeroexp.report.format import NA, fmt_int, fmt_ms, fmt_pct, missing
-from zeroexp.report.section import Column, ReportTable, raw_rows
-from zeroexp.schedule import PROBE_STEPS
+from zeroexp.results.format import NA, fmt_int, fmt_ms, fmt_pct, missing
+from zeroexp.results.section import Column, ReportTable, raw_rows
+from zeroexp.config.schedule import PROBE_STEPS
 
 __all__ = ["TimingProbe", "step_statistics", "CV_UNSTABLE"]
 
@@ -71,7 +71,7 @@ class TimingProbe(Probe):
 
     name = "timing"
     order = 50
-    steps = PROBE_STEPS["timing"]  # declared in zeroexp.schedule
+    steps = PROBE_STEPS["timing"]  # declared in zeroexp.config.schedule
     dry_run_absent = "no step time: a fake step computes nothing and communicates with no peer"
 
     digest_line = staticmethod(timing_line)

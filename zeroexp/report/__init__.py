@@ -2,10 +2,10 @@
 and a W&B run.
 
 ``python -m zeroexp.report SWEEP_DIR`` writes, in the sweep directory: ``report.md``, ``report.html``,
-``report.csv`` and ``report.parquet`` (the joined rows of :func:`zeroexp.results.load_sweep`, ladder order),
+``report.csv`` and ``report.parquet`` (the joined rows of :func:`zeroexp.results.files.load_sweep`, ladder order),
 ``report_*.png``, and, when the cells logged to W&B, the sweep's own run under ``wandb/``; ``--wandb-report``
 also builds the sweep's W&B Report (:mod:`zeroexp.report.wandb_report`). Every ``--multirun``
-ends with the same report (``zeroexp.sweep.SweepSummary``). The contract is in ``docs/results.md``.
+ends with the same report (``zeroexp.cli.sweep.SweepSummary``). The contract is in ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from zeroexp.report.cells import column, order_cells
-from zeroexp.report.format import missing
+from zeroexp.results.cells import column, order_cells
+from zeroexp.results.format import missing
 from zeroexp.report.model import Report
 from zeroexp.report.tables import build_tables
 from zeroexp.report.verdicts import verdicts
@@ -40,7 +40,7 @@ def _environment(cells: pd.DataFrame) -> str:
 
 def build_report(sweep_dir: Path | str) -> Report:
     """Read every cell of ``sweep_dir`` and build the tables and verdicts (nothing is written)."""
-    from zeroexp.results import load_sweep
+    from zeroexp.results.files import load_sweep
 
     sweep_dir = Path(sweep_dir).resolve()
     if not sweep_dir.is_dir():
@@ -70,7 +70,7 @@ def write_report(sweep_dir: Path | str, wandb_mode: str = "auto") -> Report:
     from zeroexp.report.plots import PLOTS
     from zeroexp.report.render import to_html, to_markdown
     from zeroexp.report.wandb_run import log_sweep_run, wandb_settings
-    from zeroexp.results import write_text
+    from zeroexp.results.files import write_text
 
     report = build_report(sweep_dir)
     d = report.sweep_dir

@@ -76,6 +76,6 @@ def _wandb_report(report) -> bool:
 
 
 if __name__ == "__main__":
-    from zeroexp.quick_exit import run_then_exit
+    from zeroexp.cli.quick_exit import run_then_exit
 
     run_then_exit(lambda: sys.exit(main()))  # no interpreter teardown once the work is done

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from zeroexp.report.format import fmt_err, missing
+from zeroexp.results.format import fmt_err, missing
 
 __all__ = ["FAILED", "Check", "worst", "plan_checks", "cell_checks", "failed_checks"]
 

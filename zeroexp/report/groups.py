@@ -15,8 +15,8 @@ from typing import Any
 import pandas as pd
 
 from zeroexp.formulas import WORLD, bus_bytes
-from zeroexp.report.format import NA, fmt_int, missing
-from zeroexp.report.section import OPS, Column, ReportTable
+from zeroexp.results.format import NA, fmt_int, missing
+from zeroexp.results.section import OPS, Column, ReportTable
 
 __all__ = ["GroupsSection", "groups_of", "groups_table"]
 

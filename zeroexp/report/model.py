@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from zeroexp.report.section import ReportTable
+from zeroexp.results.section import ReportTable
 from zeroexp.report.verdicts import Verdicts
 
 __all__ = ["Report"]

@@ -15,10 +15,10 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from zeroexp.formulas import WORLD
-from zeroexp.report.cells import column
-from zeroexp.report.format import byte_unit, missing
+from zeroexp.results.cells import column
+from zeroexp.results.format import byte_unit, missing
 from zeroexp.report.groups import groups_of
-from zeroexp.report.section import OPS
+from zeroexp.results.section import OPS
 from zeroexp.report.time import planned_vs_measured
 
 __all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "planned_peaks", "step_times", "collective_payload"]

@@ -10,11 +10,11 @@ import html
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from zeroexp.report.format import NA
+from zeroexp.results.format import NA
 
 if TYPE_CHECKING:
     from zeroexp.report.model import Report
-    from zeroexp.report.section import ReportTable
+    from zeroexp.results.section import ReportTable
 
 __all__ = ["to_markdown", "to_html"]
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import pandas as pd
 
-from zeroexp.report.axes import axis_values, fmt_axis, set_axes
-from zeroexp.report.cells import column, is_dry_run
+from zeroexp.results.axes import axis_values, fmt_axis, set_axes
+from zeroexp.results.cells import column, is_dry_run
 from zeroexp.report.checks import Check, plan_checks
-from zeroexp.report.format import NA, byte_unit, fmt_int, fmt_number, missing
-from zeroexp.report.section import OPS, Column, ReportTable, raw_rows
+from zeroexp.results.format import NA, byte_unit, fmt_int, fmt_number, missing
+from zeroexp.results.section import OPS, Column, ReportTable, raw_rows
 
 __all__ = ["Column", "ReportTable", "PlanSection", "build_tables", "sections", "OPS"]
 
@@ -44,7 +44,7 @@ def cells_table(frame: pd.DataFrame) -> ReportTable:
 
 
 def _mode(mode: Any, source: Any) -> str:
-    """``trained``, or ``dry run, traced`` / ``dry run, derived`` (zeroexp.dryrun: measured on a fake rank 0, or
+    """``trained``, or ``dry run, traced`` / ``dry run, derived`` (zeroexp.rank.dryrun: measured on a fake rank 0, or
     computed from the model's structure)."""
     if mode != "dry_run":
         return "trained"
@@ -181,7 +181,7 @@ def sections(report: bool = False) -> list[Any]:
 
 
 def build_tables(cells: pd.DataFrame) -> list[ReportTable]:
-    """Every table of the report, from cells already in ladder order (:func:`zeroexp.report.cells.order_cells`):
+    """Every table of the report, from cells already in ladder order (:func:`zeroexp.results.cells.order_cells`):
     the cells, each section's table (:func:`sections`), the failures."""
     ok = cells[cells.status == "ok"] if "status" in cells.columns else cells.iloc[0:0]
     tables = [cells_table(cells)]

@@ -8,9 +8,9 @@ from typing import Any
 
 import pandas as pd
 
-from zeroexp.report.cells import column
-from zeroexp.report.format import NA, fmt_ms, missing
-from zeroexp.report.section import Column, ReportTable, raw_rows
+from zeroexp.results.cells import column
+from zeroexp.results.format import NA, fmt_ms, missing
+from zeroexp.results.section import Column, ReportTable, raw_rows
 
 __all__ = ["TimeSection", "time_table", "planned_vs_measured", "order_agreement"]
 

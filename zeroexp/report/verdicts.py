@@ -7,9 +7,9 @@ from typing import Any
 
 import pandas as pd
 
-from zeroexp.report.cells import column, is_dry_run
+from zeroexp.results.cells import column, is_dry_run
 from zeroexp.report.checks import FAILED, Check, cell_checks, failed_checks
-from zeroexp.report.format import fmt_ms, missing
+from zeroexp.results.format import fmt_ms, missing
 
 __all__ = ["Verdicts", "verdicts"]
 

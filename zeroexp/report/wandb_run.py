@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import pandas as pd
 
-from zeroexp.report.cells import column
-from zeroexp.report.format import missing
+from zeroexp.results.cells import column
+from zeroexp.results.format import missing
 
 if TYPE_CHECKING:
     from zeroexp.report.model import Report

@@ -20,7 +20,7 @@ class CellStrategy(DDPStrategy):
     strategy_name = "zeroexp_cell"
 
     def __init__(self, adapter: Any, **kwargs: Any) -> None:
-        # Every launcher (zeroexp's own, torchrun, SLURM via zeroexp.cluster) exports RANK, WORLD_SIZE,
+        # Every launcher (zeroexp's own, torchrun, SLURM via zeroexp.launch.cluster) exports RANK, WORLD_SIZE,
         # LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT: read those, never guess from SLURM_*
         # (a local cell inside an sbatch script is not a SLURM job of world_size tasks).
         kwargs.setdefault("cluster_environment", TorchElasticEnvironment())

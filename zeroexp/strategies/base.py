@@ -28,7 +28,7 @@ class StrategyConfig:
     """What every strategy's config (``strategy.*``) holds; each adapter's ``schema`` extends it with its own keys.
 
     A field whose metadata says ``identity: False`` is derived from the others and not part of the cell's identity
-    (zeroexp.cell): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
+    (zeroexp.config.cell): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
     when not at its default (so a knob added to every strategy leaves the ids of the cells that do not set it as
     they were).
     """
@@ -123,7 +123,7 @@ class StrategyAdapter:
     """
 
     name: ClassVar[str]
-    #: The strategy's config schema (``strategy.*``), registered by zeroexp.config.register_schemas as
+    #: The strategy's config schema (``strategy.*``), registered by zeroexp.config.schemas.register_schemas as
     #: ``schema/strategy/<name>``; its conf/strategy/<name>.yaml extends it.
     schema: ClassVar[type[StrategyConfig]] = StrategyConfig
     axes: ClassVar[frozenset[str]] = frozenset()
@@ -138,7 +138,7 @@ class StrategyAdapter:
     #: The ``checkpoint`` kinds (conf/checkpoint/: full, sharded) the adapter saves and loads; config.validate
     #: refuses the others.
     checkpoint_kinds: ClassVar[frozenset[str]] = frozenset()
-    #: ``dry_run=true`` (zeroexp.dryrun): True when the strategy's own code runs under a fake process group and
+    #: ``dry_run=true`` (zeroexp.rank.dryrun): True when the strategy's own code runs under a fake process group and
     #: ``FakeTensorMode`` (its state and collectives are traced); False when it needs real storage (DDP's C++
     #: Reducer): the dry run then derives the collectives and the state table instead, and says so.
     dry_run_traced: ClassVar[bool] = False
@@ -181,7 +181,7 @@ class StrategyAdapter:
 
     #: ``init=meta`` (zeroexp.strategies._meta_init): what :meth:`wrap_meta` materialises on each rank of a model
     #: built on the meta device: ``replica`` (every parameter: the strategy keeps a full replica anyway), ``shards``
-    #: (only the rank's shards), None (refused by config validation, zeroexp.init_mode).
+    #: (only the rank's shards), None (refused by config validation, zeroexp.config.init_mode).
     meta_init: ClassVar[str | None] = "replica"
 
     def wrap_cell(self, module: nn.Module, device: torch.device) -> nn.Module:

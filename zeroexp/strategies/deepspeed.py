@@ -171,7 +171,7 @@ class DeepSpeedAdapter(StrategyAdapter):
                  "and gradients, fp32 master and moments; DeepSpeed keeps the fp32 master partition in fp32 "
                  "training too (reported as beyond the canonical formula).")
 
-    #: init=meta is refused (zeroexp.init_mode): DeepSpeed's sharded initialisation is ``deepspeed.zero.Init`` around
+    #: init=meta is refused (zeroexp.config.init_mode): DeepSpeed's sharded initialisation is ``deepspeed.zero.Init`` around
     #: the model's constructor (stage 3), which partitions each module as it is built; the GPT's GPT-2 init, run by
     #: its constructor after every module exists, would then draw into partitions, not the full build's tensors.
     meta_init = None

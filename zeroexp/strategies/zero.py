@@ -1,4 +1,4 @@
-"""zeroexp's own ZeRO-1 and ZeRO-2 (``zeroexp.sharding``): no DDP, no library optimizer wrapper.
+"""zeroexp's own ZeRO-1 and ZeRO-2 (``zeroexp.strategies.sharding``): no DDP, no library optimizer wrapper.
 
 ``wrap`` flattens the trainable parameters into padded buckets (and casts them to the precision's
 ``param_dtype``, keeping an fp32 master shard), ``make_optimizer`` returns :class:`ShardedAdamW`, whose
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroexp.formulas import Groups, Shard
-from zeroexp.sharding import Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets, gather_full_masters
+from zeroexp.strategies.sharding import Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets, gather_full_masters
 from zeroexp.errors import ConfigError
 from zeroexp.models import torch_dtype
 from zeroexp.strategies import register
@@ -27,7 +27,7 @@ from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfi
 
 @dataclass
 class ZeroConfig(StrategyConfig):
-    """``strategy=zero1`` / ``zero2``: zeroexp's own ZeRO-1 / ZeRO-2 (``zeroexp.sharding``)."""
+    """``strategy=zero1`` / ``zero2``: zeroexp's own ZeRO-1 / ZeRO-2 (``zeroexp.strategies.sharding``)."""
 
     # Flat buckets, in compute-dtype bytes of parameters: one reduce_scatter and one all_gather each per step.
     bucket_cap_mb: float = 25.0

@@ -1,0 +1,310 @@
+"""``python -m zeroexp.plan``: Hydra-configured like the runner (``conf/plan.yaml``), prints tables or JSON.
+
+Exit codes: 0 planned; 2 bad input (an unknown key, a bad value), with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from zeroexp.errors import ConfigError
+from zeroexp.formulas import COMPUTE_ITEMSIZE, ModelShape, PlanKnobs
+from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
+
+__all__ = ["PlanConfig", "main", "run"]
+
+_STARTED = False
+
+
+@dataclass
+class PlanConfig:
+    """The planner's keys; ``model``, ``precision`` and ``offload`` are the runner's config groups."""
+
+    model: Any = None  # model=<option of conf/model/>: planned from its shapes, built on the meta device
+    precision: Any = MISSING
+    offload: Any = MISSING  # none (conf/offload/), optimizer | full (planner-only options, see register)
+    init: Any = MISSING  # full | meta (conf/init/): init_peak_bytes, and fits with meta (zeroexp.formulas.init)
+    params: Any = None  # or a parameter count: 7.5e9, 7.5B
+    world_size: Any = 8  # one value or a list
+    strategies: Any = None  # null: every strategy the planner knows; or a list
+    device_memory: Any = None  # 32GB, 80GiB, or bytes: adds the fits column
+    units: str = "GB"  # GB (1e9) | GiB (2^30): tables only, JSON is in bytes
+    format: str = "table"  # table | json
+    wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
+    bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
+    batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
+    shard_size: Optional[int] = None  # hybrid rows (fsdp_HYBRID_SHARD, fsdp2_hybrid...): ranks per shard group
+    network: Any = None  # network=<option of conf/network/>: adds step_ms, exposed_comm_ms, tokens_per_s (needs batch_size)
+    activation_checkpointing: Any = MISSING  # none | full (the runner's group): every wrap unit recomputed in backward
+    grad_accum: Any = 1  # micro-batches of batch_size per optimizer step: their collectives, the gradients held, time
+
+
+def register() -> None:
+    """Register the runner's schemas (model, precision and offload options extend them) and the planner's."""
+    from zeroexp.config.schemas import register_schemas
+
+    register_schemas()
+    ConfigStore.instance().store(name="plan_schema", node=PlanConfig)
+
+
+def _world_sizes(value: Any) -> list[int]:
+    sizes = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ConfigError("world_size", OmegaConf.to_object(value) if isinstance(value, ListConfig) else value,
+                          "an integer >= 1 or a list of them, e.g. [8,64,1024]")
+    return sizes
+
+
+def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
+    import torch
+
+    from zeroexp.models import build_model, import_class, wrap_paths
+    from zeroexp.plan.shape import shape_of
+
+    if (cfg.model is None) == (cfg.params is None):
+        raise ConfigError("params", cfg.params, "either a parameter count (params=7.5e9) or a model (model=mlp, "
+                          "conf/model/), not both", why="both given" if cfg.model is not None else "neither given")
+    if cfg.model is None:
+        try:
+            return ModelShape.from_count(parse_count(cfg.params)), "params"
+        except ValueError as e:
+            raise ConfigError("params", cfg.params, "a positive count: 7.5e9, 7.5B, 350M, 1T", why=str(e)) from e
+    wrap = wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap}, "model": cfg.model}))
+    try:
+        classes = [import_class(p) for p in wrap]
+    except (ImportError, AttributeError, ValueError, TypeError) as e:
+        key = "wrap" if cfg.wrap is not None else "model.wrap"
+        raise ConfigError(key, wrap, "import paths of nn.Module classes", why=f"{type(e).__name__}: {e}") from e
+    try:
+        with torch.device("meta"):
+            net = build_model(cfg.model)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
+        cause = e.__cause__ or e
+        raise ConfigError("model._target_", cfg.model.get("_target_"), "a factory that builds an nn.Module from "
+                          "the model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
+    shape = shape_of(net, classes, model_cfg=cfg.model)
+    if not shape.numel:
+        raise ConfigError("model", cfg.model.name, "a model with parameters", why="it has none")
+    return shape, str(cfg.model.name)
+
+
+def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    """Validate a composed plan config and plan it; raises :class:`ConfigError` on bad input."""
+    for key, accepted in (("units", tuple(UNITS)), ("format", ("table", "json"))):
+        if cfg[key] not in accepted:
+            raise ConfigError(key, cfg[key], ", ".join(accepted))
+    if cfg.precision.param_dtype not in COMPUTE_ITEMSIZE:
+        raise ConfigError("precision.param_dtype", cfg.precision.param_dtype, ", ".join(COMPUTE_ITEMSIZE))
+    if not cfg.bucket_cap_mb > 0:
+        raise ConfigError("bucket_cap_mb", cfg.bucket_cap_mb, "a positive number of MiB")
+    try:
+        memory = None if cfg.device_memory is None else parse_bytes(cfg.device_memory)
+    except ValueError as e:
+        raise ConfigError("device_memory", cfg.device_memory, "a size: 32GB, 80GiB, or bytes", why=str(e)) from e
+    strategies = cfg.strategies
+    if strategies is not None:
+        strategies = [str(s) for s in (strategies if isinstance(strategies, ListConfig) else [strategies])]
+    batch = cfg.get("batch_size")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ConfigError("batch_size", batch, "null or an integer >= 1 (samples per rank)")
+    shard = cfg.get("shard_size")
+    if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 2):
+        raise ConfigError("shard_size", shard, "null or an integer >= 2 (ranks per shard group of the hybrid rows)")
+    accum = cfg.get("grad_accum", 1)
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        raise ConfigError("grad_accum", accum, "an integer >= 1 (micro-batches of batch_size per optimizer step)")
+    ac = str(cfg.activation_checkpointing.name) if cfg.get("activation_checkpointing") is not None else "none"
+    if ac not in ("none", "full"):
+        raise ConfigError("activation_checkpointing", ac, "none, full")
+    shape, model = _shape(cfg)
+    network = _network(cfg, batch)
+    if network is not None and memory is None and network.device_memory is not None:
+        memory = parse_bytes(network.device_memory)
+    knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
+                      loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
+                      micro_batches=accum)
+    precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
+    records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
+                          model)
+    activations = _activations(cfg, batch, ac == "full") if batch is not None else None
+    if batch is not None and activations is None:
+        notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
+                     "model=)")
+    for r in records:
+        r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac)
+        r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None, "activation_unit_bytes": None,
+                                 "korthikanti_bytes": None})
+    _peaks(cfg, records, shape, batch, knobs, ac == "full")
+    _init_peaks(str(cfg.init.name), records, shape, memory)
+    if network is not None:  # after the peaks: "the fastest that fits" reads fits
+        from zeroexp.plan.network import add_step_times
+
+        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), ac == "full")
+        if cfg.model is None:
+            notes.append("tokens_per_s: a parameter count has no input shape, one token a sample assumed")
+    return records, notes
+
+
+def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
+           knobs: PlanKnobs, checkpointing: bool = False) -> None:
+    """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers, in the precision the row
+    computes in (the step traced in its dtypes, ``cell_precision_terms``): ``peak_bytes`` (model state + its steady
+    buffers + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``; ``peak_note`` where
+    it does not cover the row. Then ``fits`` of every row (``core.judge_fits``: on the peak where there is one).
+    ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does).
+    ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
+    over the micro-batches, and ``accum_grad_bytes``, the gradients held between them."""
+    from zeroexp.formulas import LAYOUTS, derive_groups
+    from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.core import judge_fits
+    from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
+                                     step_traces, uncovered, worst_rank_phases)
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits
+
+    traced = batch is not None and cfg.model is not None
+    wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
+                                                                  "model": cfg.model}))] if traced else []
+    k, c, dtype = knobs.micro_batches, COMPUTE_ITEMSIZE[str(cfg.precision.param_dtype)], str(cfg.precision.param_dtype)
+    traces: dict[tuple, Any] = {}  # by (DeepSpeed's segmentation, the gradients in place, the precision terms)
+    for r in records:
+        r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None)
+        flow = flow_of(r["strategy"])
+        r["accum_grad_bytes"] = (accumulated_grad_bytes(flow, r["grad_bytes"]) if k > 1 and flow in
+                                 ACCUMULATING_FLOWS else None)
+        why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name),
+                        activation_checkpointing="full" if checkpointing else "none", micro_batches=k)
+        if not traced:
+            why = why or ["no traced step: give model= and batch_size="]
+        name, n = r["strategy"], r["world_size"]
+        groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
+        why = why or ds_peak_limits(name, groups, knobs.bucket_cap_bytes)
+        if why:
+            r["peak_note"] = "; ".join(why)
+            judge_fits(r)
+            continue
+        terms = cell_precision_terms(name, cfg)
+        key = (flow == "deepspeed", needs_in_place(name, k), terms)
+        if key not in traces:
+            traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k, dtype, terms)
+        trace, in_place = traces[key]
+        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place, knobs.bucket_cap_bytes, terms)
+        top = max(phases, key=lambda ph: phases[ph]["bytes"])
+        buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize,
+                                       knobs.bucket_cap_bytes, terms)
+        r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top,
+                 peak_bytes=r["device_bytes"] + buffers + max(phases[top]["bytes"], 0))
+        judge_fits(r)
+
+
+def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None) -> None:
+    """``init_peak_bytes`` of every row (computed, zeroexp.formulas.init, fp32 as the model is built): ``init=full``
+    the whole model on every rank and FSDP's flattening of the first unit (``fits`` judges training only);
+    ``init=meta`` the rank's shards and the largest unit or module materialised at once, and ``fits`` also needs it
+    to fit. ``init_note``: why a row has none (a parameter count has no units; a row whose init=meta is not
+    modelled)."""
+    from zeroexp.formulas.init import INIT_KIND_OF_ROW, init_peak_bytes
+
+    for r in records:
+        r["init"] = init
+        kind = INIT_KIND_OF_ROW.get(r["strategy"])
+        if init == "full":  # the whole model (4 bytes a parameter), and what wrapping adds where it is modelled
+            if kind is not None and shape.exact:
+                r["init_peak_bytes"] = init_peak_bytes(shape, kind, "full", r["world_size"])
+            continue
+        note = ("init=meta: not modelled for this row (DeepSpeed refuses it; paper and hybrid rows have no model)"
+                if kind is None else None if shape.exact else
+                "init=meta: a parameter count has no units or modules to materialise (give model=)")
+        r.update(init_peak_bytes=None if note else init_peak_bytes(shape, kind, "meta", r["world_size"]))
+        if note:
+            r["init_note"] = note
+        elif memory is not None and r.get("fits") is not None:
+            r["fits"] = r["fits"] and r["init_peak_bytes"] <= memory
+
+
+def _tokens(cfg: DictConfig) -> int:
+    from zeroexp.plan.network import tokens_per_sample
+
+    return 1 if cfg.model is None else tokens_per_sample(cfg.model)
+
+
+def _network(cfg: DictConfig, batch: int | None):
+    """The ``network`` option as a :class:`zeroexp.plan.network.Network`, or None."""
+    if cfg.get("network") is None:
+        return None
+    from zeroexp.plan.network import network_of
+
+    if batch is None:
+        raise ConfigError("batch_size", None, "an integer >= 1 (samples per rank)", why=f"network={cfg.network.name} "
+                          "times a step, which computes batch_size samples per rank")
+    return network_of(cfg.network, str(cfg.precision.name), _tokens(cfg))
+
+
+def _activations(cfg: DictConfig, batch: int, checkpointing: bool = False) -> dict[str, Any] | None:
+    """One forward of the model at ``batch`` samples per rank, traced under FakeTensorMode in the compute dtype
+    (``zeroexp.plan.activations``): the bytes autograd saves, per unit, plus the output and the loss; and for a
+    GPT-shaped config, Korthikanti et al.'s closed form beside it. None without a model. ``checkpointing``:
+    ``activation_bytes`` is what the checkpointed forward keeps and ``recompute_bytes`` the largest unit's recompute
+    (``zeroexp.formulas.checkpointing``, from the same per-unit figures); ``activation_unit_bytes`` stays each unit's
+    own activations. Below fp32, ``activation_cast_bytes``: the same forward with the module cast to the compute
+    dtype instead of autocast (None in fp32)."""
+    from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
+    from zeroexp.models import import_class, torch_dtype, wrap_paths
+    from zeroexp.plan.activations import korthikanti_layer_bytes, trace_activations
+
+    if cfg.model is None:
+        return None
+    wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap}, "model": cfg.model}))]
+    dtype = torch_dtype(str(cfg.precision.param_dtype))
+    trace = trace_activations(cfg.model, batch, wrap, dtype=dtype)
+    cast = trace_activations(cfg.model, batch, wrap, module_dtype=dtype) if dtype.itemsize < 4 else None
+    m = cfg.model
+    gpt = all(k in m for k in ("n_layer", "n_embd", "n_head", "seq_len"))
+
+    def kept(t: Any) -> int:
+        return (checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes) if checkpointing
+                else t.total_bytes)
+
+    return {"activation_bytes": kept(trace), "activation_cast_bytes": kept(cast) if cast else None,
+            "activation_unit_bytes": trace.unit_bytes,
+            "recompute_bytes": recompute_bytes(trace.unit_bytes) if checkpointing else None,
+            "korthikanti_bytes": int(m.n_layer) * korthikanti_layer_bytes(
+                int(m.seq_len), batch, int(m.n_embd), int(m.n_head), dtype.itemsize) if gpt else None}
+
+
+def task(cfg: DictConfig) -> None:
+    """Hydra's task: plan and print (tables on stdout; with JSON, the notes on stderr)."""
+    from rich.console import Console
+
+    from zeroexp.plan.render import render_json, render_tables
+
+    global _STARTED
+    _STARTED = True
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    errors = Console(stderr=True, highlight=False)
+    try:  # a spinner with the elapsed time on a terminal (building a large model on the meta device, tracing)
+        with errors.status("planning: building the model on the meta device, deriving each strategy's groups"
+                           + (", tracing activations" if cfg.get("batch_size") else "")):
+            records, notes = run(cfg)
+    except ConfigError as e:
+        Console(stderr=True, highlight=False).print(f"[red]error:[/] {e}")
+        sys.exit(2)
+    if cfg.format == "json":
+        print(render_json(records))
+        for note in notes:
+            print(f"not planned: {note}", file=sys.stderr)
+    else:
+        render_tables(records, notes, cfg.units, console)
+
+
+def main() -> None:
+    """``python -m zeroexp.plan``."""
+    from zeroexp.cli.hydra_app import run_hydra_app
+
+    register()
+    run_hydra_app("plan", task, lambda: _STARTED)

@@ -1,0 +1,221 @@
+"""``python -m zeroexp``: compose a cell with Hydra, run it, print its directory last.
+
+Exit codes: 0 the cell ran and every check is PASS or n/a; 3 it ran and a check FAILed or ERRORed
+(``zeroexp.report.checks.failed_checks``: a section's check or a part of the plan); 1 a cell failed to run (a sweep
+runs its other cells first), the sweep report could not be written, or zeroexp's end of a sweep raised; 2 bad input,
+refused before any rank started (for a sweep, before its first cell, zeroexp's check of its jobs included). A sweep
+exits 1 when any cell failed to run, else 3 when any cell has a failed check, else 0; a signal, 128 + its number.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from zeroexp.config.cell import cell_name
+from zeroexp.cli.hydra_app import CONF_DIR, run_hydra_app  # noqa: F401 - CONF_DIR: tests and callers read it here
+from zeroexp.config.schemas import ConfigError, NotApplicableHere, register_schemas
+
+
+_TASK_STARTED = False
+_RAN_THIS_INVOCATION: set[Path] = set()
+
+
+def register() -> None:
+    """Register zeroexp's schemas and the ``zx_cell_name`` resolver (used in Hydra's output paths)."""
+    register_schemas()
+    if not OmegaConf.has_resolver("zx_cell_name"):
+        OmegaConf.register_new_resolver("zx_cell_name", lambda *, _root_: cell_name(_root_))
+
+
+def explicit_keys(overrides: list[str]) -> tuple[str, ...]:
+    """The config keys named on the command line (``prefetch=post`` -> ``prefetch``)."""
+    return tuple(o.split("=", 1)[0].lstrip("+~") for o in overrides)
+
+
+def task(cfg: DictConfig) -> None:
+    """Hydra's task function: one cell per call (one call per job of a ``--multirun`` sweep)."""
+    from rich.console import Console
+
+    from zeroexp.results.files import read_json
+    from zeroexp.launch.runner import run_cell
+
+    global _TASK_STARTED
+    _TASK_STARTED = True
+    console = Console(highlight=False)
+    hc = HydraConfig.get()
+    cell_dir = Path(hc.runtime.output_dir).resolve()
+    overrides = list(hc.overrides.task)
+    multirun = hc.mode == RunMode.MULTIRUN
+    sweep = Path(hc.sweep.dir).name if multirun else None
+    if cfg.launcher.name != "local":  # torchrun or SLURM started this process as one rank (zeroexp.launch.cluster)
+        return _external_rank(cfg, cell_dir, overrides, sweep, multirun, console)
+    manifest = cell_dir / "manifest.json"
+    if multirun:  # cell i of n, and the sweep's ETA from the cells run so far (zeroexp.launch.progress)
+        from zeroexp.launch.progress import SWEEP_CLOCK
+
+        console.print(SWEEP_CLOCK.line(int(hc.job.num), cell_dir.name))
+    if multirun and cell_dir in _RAN_THIS_INVOCATION:
+        console.print(f"[yellow]skip[/] {cell_dir.name}: this cell already ran in this sweep "
+                      f"(overrides {' '.join(overrides)} give the same cell)")
+        return
+    _RAN_THIS_INVOCATION.add(cell_dir)
+    if multirun and cfg.resume and manifest.exists() and read_json(manifest).get("status") == "ok":
+        console.print(f"[yellow]skip[/] {cell_dir.name}: ok in an earlier run of this sweep (resume=true)")
+        return
+    if manifest.exists():  # an earlier, unfinished or failed attempt (or resume=false): start clean
+        _clear(cell_dir)
+    started = time.monotonic()
+    try:
+        result = run_cell(cfg, cell_dir, overrides=overrides, sweep=sweep,
+                          explicit_keys=() if multirun else explicit_keys(overrides), progress=True)
+    except NotApplicableHere as e:
+        if not multirun:
+            console.print(f"[red]error:[/] {e}")
+            sys.exit(2)
+        _skipped(cfg, cell_dir, overrides, sweep, str(e))
+        console.print(f"[yellow]skipped[/] {cell_dir.name}: {e}")
+        print(cell_dir)
+        return
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the cell is recorded failed; a sweep stops here
+        if multirun:
+            from zeroexp.cli.sweep import end_sweep
+
+            end_sweep(Path(hc.sweep.dir), stopped_by=getattr(e, "signal_name", "SIGINT"))
+        raise
+    except ConfigError as e:
+        if not any(cell_dir.iterdir()) or {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
+            shutil.rmtree(cell_dir, ignore_errors=True)
+        console.print(f"[red]error:[/] {e}")
+        sys.exit(2)
+    if multirun:
+        from zeroexp.launch.progress import SWEEP_CLOCK
+
+        SWEEP_CLOCK.finished(int(hc.job.num), time.monotonic() - started)
+    _print_result(result, console, multirun)
+
+
+def _print_result(result: Any, console: Any, multirun: bool) -> None:
+    """The cell's status line, then its digest and its directory (the last line); a single run exits 1 when it
+    failed to run, 3 when a check failed."""
+    cell_dir = result.cell_dir
+    colour = "green" if result.status == "ok" else "red"
+    line = f"[{colour}]{result.status}[/] {cell_dir.name}"
+    if result.summary is not None and result.summary.get("final_loss") is not None:  # a dry run has no loss
+        line += f"  final_loss={result.summary['final_loss']:.6g}"
+    if result.error:
+        log = result.error.get("log")
+        line += f"  error: {result.error['message']}" + (f" (see {log})" if log and log not in result.error["message"] else "")
+    console.print(line)
+    if result.summary is not None and not multirun:  # a sweep's cells are in its report
+        _print_digest(result.summary, console)
+    print(cell_dir)
+    if multirun:  # a sweep's exit code is decided at its end (zeroexp.cli.sweep.end_sweep)
+        return
+    if result.status != "ok":
+        sys.exit(1)
+    if result.summary is not None:
+        from zeroexp.report.checks import failed_checks
+
+        if failed_checks(result.summary):
+            sys.exit(3)
+
+
+def _print_digest(summary: dict[str, Any], console: Any) -> None:
+    """One line per probe and per part of the plan: what it found and its check (zeroexp.report.digest)."""
+    from rich.table import Table
+
+    from zeroexp.report.digest import digest
+
+    rows = digest(summary)
+    if not rows:
+        return
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for col in ("probe", "found", "check"):
+        table.add_column(col, overflow="fold")
+    colours = {"PASS": "green", "FAIL": "red", "ERROR": "red"}
+    for probe, found, check in rows:
+        table.add_row(probe, found, f"[{colours[check]}]{check}[/]" if check in colours else check)
+    console.print(table)
+
+
+def _skipped(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, why: str) -> None:
+    """The manifest of a sweep cell this machine cannot run (``status: skipped``, the reason in ``error``)."""
+    from zeroexp.config.cell import cell_axes, cell_id
+    from zeroexp.config.schemas import without_strategy_extras
+    from zeroexp.results.files import utc_now, write_json
+    from zeroexp.launch.runner import new_manifest
+
+    cfg = without_strategy_extras(cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved.pop("hydra", None)
+    run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep}
+    manifest = new_manifest(cfg, resolved, run_info, overrides, sweep, "n/a", "n/a",
+                            {"launcher": "local", "nodes": 1, "ranks_per_node": int(cfg.world_size), "job_id": None})
+    manifest.update(status="skipped", error={"rank": None, "cause": "not_applicable", "message": why},
+                    ended_at=utc_now(), duration_s=0.0)
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    write_json(cell_dir / "manifest.json", manifest)
+
+
+def _external_rank(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, multirun: bool,
+                   console: Any) -> None:
+    """One rank of a torchrun or SLURM job; rank 0 prints the cell's line (other ranks only a failure)."""
+    from zeroexp.launch.cluster.rank import run_external_rank
+    from zeroexp.cli.sweep import duplicate_of
+
+    hc = HydraConfig.get()
+    first = duplicate_of(Path(hc.sweep.dir), int(hc.job.num)) if multirun else None
+    if first is not None:  # jobs run in other processes: the sweep's start noted which repeat a cell
+        console.print(f"[yellow]skip[/] {cell_dir.name}: job #{first} of this sweep runs the same cell")
+        return
+    try:
+        result = run_external_rank(cfg, cell_dir, overrides=overrides, sweep=sweep, multirun=multirun,
+                                   explicit_keys=() if multirun else explicit_keys(overrides))
+    except ConfigError as e:
+        if cell_dir.is_dir() and {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
+            shutil.rmtree(cell_dir, ignore_errors=True)  # refused before anything ran (any rank may remove it)
+        console.print(f"[red]error:[/] {e}")
+        sys.exit(2)
+    if result is not None:
+        _print_result(result, console, multirun)
+
+
+def _clear(cell_dir: Path) -> None:
+    for p in cell_dir.iterdir():
+        if p.name != "zeroexp.log":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def main() -> None:
+    """Console entry point (``python -m zeroexp`` and ``zeroexp``).
+
+    SIGTERM and SIGHUP end the run as Ctrl-C does (``zeroexp.launch.runner.stop_on_signals``): the running cell's ranks are
+    reaped and it is recorded ``failed`` naming the signal; a sweep stops and reports the cells run so far. The
+    exit code is then 128 + the signal's number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), with one line, no traceback."""
+    from zeroexp.launch.local import start_forkserver_for
+    from zeroexp.launch.runner import stop_on_signals
+
+    start_forkserver_for(sys.argv[1:])  # `python -m zeroexp` started it already, the `zeroexp` script starts it here
+    register()
+    try:
+        with stop_on_signals():
+            run_hydra_app("config", task, lambda: _TASK_STARTED)
+    except KeyboardInterrupt as e:
+        import signal
+
+        name = getattr(e, "signal_name", "SIGINT")
+        print(f"stopped by {name}", file=sys.stderr)
+        sys.exit(128 + int(getattr(e, "signum", signal.SIGINT)))
+
+
+# Hydra launchers that run jobs in other processes (submitit) unpickle ``task`` by importing this module, then
+# resolve the output paths, which use zeroexp's resolvers: register them on import too.
+register()

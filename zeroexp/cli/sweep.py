@@ -1,0 +1,181 @@
+"""Hydra callbacks for ``--multirun``: validate every job before the first cell runs; a table and the sweep
+report (``zeroexp.report``) at the end.
+
+Hydra (1.3, ``hydra._internal.callbacks.Callbacks._notify``) turns a callback's exception into a warning and runs
+the sweep on: here an exception stops the sweep with its message on stderr, exit 2 from the check of the jobs
+(nothing was run), 1 from the end of the sweep."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from zeroexp.cli.hydra_app import AppExit
+
+
+def sweep_jobs(config: DictConfig, loader: Any = None) -> list[list[str]]:
+    """The override lists of every job the basic sweeper will run (the Cartesian product of the sweep). ``loader``:
+    Hydra's config loader, which a ``glob(...)`` sweep needs to list a group's options (as the sweeper passes it)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = list(config.hydra.overrides.task)
+    params = config.hydra.sweeper.get("params") or {}
+    overrides = [f"{k}={v}" for k, v in params.items()] + overrides  # as BasicSweeper does
+    parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: Any) -> None:
+    """A ``strategy.<key>`` of a sweep (on the command line, or set by an experiment preset) applies to every job
+    whose strategy has that key; to the others it does not apply and makes no new cell (zeroexp.config.cell). Print which
+    keys did not apply to which cells; refuse (exit 2, before the first cell) a key that the sweep names and that
+    no job's strategy has (a typo: ``strategy.reduse=x``)."""
+    from zeroexp.config.cell import cell_name
+    from zeroexp.config.schemas import ConfigError, owners_of, strategy_extras, strategy_key
+    from zeroexp.strategies import registered
+    from zeroexp.strategies.base import schema_keys
+
+    named = {k for job in jobs for o in job if (k := strategy_key(o.split("=", 1)[0].lstrip("+~"))) and k != "name"}
+    applied: set[str] = set()
+    not_applied: dict[str, dict[str, Any]] = {}  # key -> {cell name: the value it did not take}
+    strategies: set[str] = set()
+    for cfg in cfgs:
+        strategies.add(str(cfg.strategy.name))
+        extras = strategy_extras(cfg)
+        applied.update(k for k in cfg.strategy if k not in extras)
+        for key in extras:
+            not_applied.setdefault(key, {})[cell_name(cfg)] = cfg.strategy.get(key)
+    for key in sorted(named - applied):
+        own = sorted({k for s in strategies if s in registered() for k in schema_keys(registered()[s].schema)}
+                     - {"name"})
+        owners = owners_of(key)
+        value = next(iter(not_applied.get(key, {None: None}).values()))
+        e = ConfigError(f"strategy.{key}", value, f"the keys of the swept strategies: {', '.join(own)}",
+                        why=f"no strategy of this sweep ({', '.join(sorted(strategies))}) has it"
+                            + (f"; strategies that do: {', '.join(owners)}" if owners else ""))
+        console.print(f"[red]error:[/] {e}\nnothing was run")
+        sys.exit(2)
+    for key, cells in sorted(not_applied.items()):
+        console.print(f"[yellow]not applied:[/] strategy.{key} to {len(cells)} cell(s) whose strategy has no such key "
+                      f"(it makes no new cell): {', '.join(cells)}")
+
+
+#: In a sweep directory: {job number: the earlier job number of the same cell}, written before the first job.
+DUPLICATES = ".duplicate_jobs.json"
+
+
+def duplicate_of(sweep_dir: Path, job_num: int) -> int | None:
+    """The earlier job of this sweep that runs the same cell as job ``job_num``, or None."""
+    path = Path(sweep_dir) / DUPLICATES
+    if not path.exists():
+        return None
+    from zeroexp.results.files import read_json
+
+    return read_json(path).get(str(job_num))
+
+
+class SweepSummary(Callback):
+    """Refuses a sweep with any invalid job before it starts; prints every cell's outcome and writes the sweep
+    report at the end."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _or_stop(check_jobs, config, code=2, what="zeroexp's check of the sweep's jobs", then="nothing was run")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        code = _or_stop(end_sweep, Path(config.hydra.sweep.dir), code=1, what="zeroexp's end of the sweep")
+        if code:
+            raise AppExit(code)
+
+
+def _or_stop(step: Callable[..., Any], *args: Any, code: int, what: str, then: str = "") -> Any:
+    """``step(*args)``; an exception it raises stops the sweep: its message on stderr, exit ``code`` (a
+    ``SystemExit`` it raises, with its own code, passes)."""
+    try:
+        return step(*args)
+    except Exception as e:  # noqa: BLE001 - Hydra would make it a warning and run the sweep unchecked
+        print(f"error: {what} raised {type(e).__name__}: {e}" + (f"\n{then}" if then else ""), file=sys.stderr)
+        raise AppExit(code) from e
+
+
+def check_jobs(config: DictConfig) -> None:
+    """Refuse (exit 2, before the first cell) a sweep with an invalid job; print the jobs that are skipped here and
+    the strategy keys that do not apply; note the jobs that repeat a cell (:data:`DUPLICATES`)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from rich.console import Console
+
+    from zeroexp.config.cell import cell_name
+    from zeroexp.config.schemas import ConfigError, NotApplicableHere, validate
+
+    loader = GlobalHydra.instance().config_loader()
+    jobs = sweep_jobs(config, loader)
+    # As Hydra's sweeper and launcher compose each job (the same arguments): composed once (zeroexp.cli.hydra_app)
+    cfgs = [loader.load_sweep_config(config, job) for job in jobs]
+    check_strategy_keys(jobs, cfgs, Console(highlight=False))
+    from zeroexp.launch.progress import SWEEP_CLOCK
+
+    SWEEP_CLOCK.start(len(jobs))  # jobs that run in this process print "cell i of n" and the sweep's ETA
+    first: dict[str, int] = {}
+    duplicates: dict[str, int] = {}
+    for i, (job, cfg) in enumerate(zip(jobs, cfgs)):
+        try:
+            validate(cfg)
+        except NotApplicableHere as e:  # valid, but not on this machine: the job records it as skipped
+            Console(highlight=False).print(f"[yellow]skip:[/] sweep job #{i} ({' '.join(job)}): {e}")
+        except ConfigError as e:
+            Console(highlight=False).print(f"[red]error:[/] sweep job #{i} ({' '.join(job)}): {e}\n"
+                                           "nothing was run")
+            sys.exit(2)
+        name = cell_name(cfg)
+        if name in first:
+            duplicates[str(i)] = first[name]
+        first.setdefault(name, i)
+    if duplicates:  # jobs that run in other processes (submitit) skip a repeated cell by this file
+        from zeroexp.results.files import write_json
+
+        write_json(Path(config.hydra.sweep.dir) / DUPLICATES, duplicates)
+    else:  # a resumed sweep: an earlier invocation's list does not apply
+        (Path(config.hydra.sweep.dir) / DUPLICATES).unlink(missing_ok=True)
+
+
+def end_sweep(sweep_dir: Path, stopped_by: str | None = None) -> int:
+    """Print every cell's outcome and write the sweep report over the cells that have a manifest; the sweep's exit
+    code: 1 when a cell failed to run, the report was not written or a signal stopped the sweep, else 3 when a cell
+    has a check that FAILed or ERRORed (:func:`zeroexp.report.checks.failed_checks`), else 0. ``stopped_by``: the
+    signal that stopped the sweep early (SIGTERM, SIGHUP, SIGINT; zeroexp.cli.run), said above the table -- the cells
+    not run yet are simply absent."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from zeroexp.report.checks import failed_checks
+    from zeroexp.results.files import read_json
+
+    title = f"zeroexp sweep {sweep_dir}" + (f" (stopped by {stopped_by}: the cells run so far)" if stopped_by else "")
+    table = Table(title=title)
+    for col in ("cell", "status", "final_loss", "failed checks", "error"):
+        table.add_column(col)
+    failed = checks_failed = 0
+    for manifest_path in sorted(sweep_dir.glob("*/manifest.json")):
+        m = read_json(manifest_path)
+        summary_path = manifest_path.with_name("summary.json")
+        summary = read_json(summary_path) if m["status"] == "ok" and summary_path.exists() else {}
+        loss = summary.get("final_loss")
+        err = m.get("error") if isinstance(m.get("error"), dict) else {}
+        failed += m["status"] == "failed"
+        checks = failed_checks(summary)
+        checks_failed += bool(checks)
+        table.add_row(manifest_path.parent.name, m["status"], "" if loss is None else f"{loss:.6g}",
+                      ", ".join(f"{c.name} {c.verdict}" for c in checks), (err or {}).get("message", ""))
+    Console().print(table)
+    reported = True
+    if any(sweep_dir.glob("*/manifest.json")):
+        from zeroexp.report import report_after_sweep
+
+        reported = report_after_sweep(sweep_dir)  # never raises: a failed report keeps the cells' results
+    print(sweep_dir)
+    return 1 if failed or not reported or stopped_by is not None else 3 if checks_failed else 0

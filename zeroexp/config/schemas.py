@@ -1,0 +1,460 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore, and up-front validation.
+
+Every option YAML under ``conf/`` extends one of these schemas through its defaults list
+(``- /schema/<group>@_here_: <schema>``), so a mistyped value (``model.width=abc``) or an unknown top-level key
+fails at composition time with the full key in Hydra's message. Each strategy's schema lives beside its adapter
+(``StrategyAdapter.schema``) and is open to the keys of other strategies, so that one sweep can set a key for the
+strategies that have it (:func:`strategy_extras`). :func:`validate` then checks what types cannot express (a
+``strategy.<key>`` the strategy lacks, positive sizes, axes that do not apply to a strategy, targets that must
+import) before any rank is started, and raises :class:`ConfigError` naming the key, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
+
+from zeroexp.errors import ConfigError, NotApplicableHere
+from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
+from zeroexp.config.model_check import check_model
+from zeroexp.models.schemas import GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
+from zeroexp.models import MODEL_RESERVED_KEYS
+from zeroexp.config.resources import ResourcesConfig, check_resources
+
+__all__ = ["ConfigError", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
+           "strategy_extras", "without_strategy_extras"]
+
+
+# --- model: zeroexp.models.schemas --------------------------------------------------------------------
+
+# --- strategies --------------------------------------------------------------------------------------
+# Each strategy's schema lives beside its adapter (``StrategyAdapter.schema``, zeroexp/strategies/); the schemas
+# are registered from the strategy registry (register_schemas).
+
+
+# --- small axes --------------------------------------------------------------------------------------
+@dataclass
+class PrefetchConfig:
+    name: str = MISSING  # pre | post | none (FSDP BackwardPrefetch)
+
+
+@dataclass
+class PrecisionConfig:
+    """Dtypes of training; a strategy runs only the precisions its adapter lists (``StrategyAdapter.precisions``)."""
+
+    name: str = MISSING  # fp32 | bf16 | fp16
+    param_dtype: str = "float32"  # compute parameters, activations and gradients: float32 | bfloat16 | float16
+    master_dtype: str = "float32"  # the optimizer's copy of the parameters and its moments: float32
+    loss_scale: Optional[float] = None  # initial dynamic loss scale (fp16); null: no loss scaling
+    growth_interval: int = 2000  # finite steps after which the loss scale doubles
+
+
+@dataclass
+class OffloadConfig:
+    name: str = MISSING
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    name: str = MISSING  # none | full (each wrap unit checkpointed: StrategyAdapter.checkpoint_activations)
+
+
+@dataclass
+class LauncherConfig:
+    """Who starts the ranks (docs/cluster.md): zeroexp itself, torchrun, or SLURM through Hydra's submitit launcher."""
+
+    name: str = MISSING  # local | torchrun | slurm
+    nodes: Optional[int] = None  # slurm: nodes per cell (hydra.launcher.nodes); local: 1; torchrun: from its env
+    ranks_per_node: Optional[int] = None  # slurm: tasks per node (hydra.launcher.tasks_per_node); torchrun: env
+
+
+@dataclass
+class CheckpointConfig:
+    """After training: save, restore into a fresh model, continue one step (zeroexp.probes.checkpoint)."""
+
+    name: str = MISSING  # none | full | sharded
+    dir: Optional[str] = None  # where the checkpoint is written, seen by every rank; null: <cell>/checkpoint
+    keep: bool = False  # keep the files once checked (else they are removed: the summary keeps their sizes)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING  # wandb | csv | none
+    mode: str = "offline"  # wandb only: offline | online | disabled
+    project: str = "zeroexp"
+    entity: Optional[str] = None
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, the optimizer of the reference experiment (two fp32 moments per parameter)."""
+
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass
+class TimeoutConfig:
+    collective_s: float = 300.0  # process-group timeout: a rank stuck in a collective fails after this
+    cell_s: float = 3600.0  # whole cell, all ranks
+    grace_s: float = 5.0  # after one rank fails, how long the others get to exit before they are killed
+
+
+@dataclass
+class ProbesConfig:
+    """How many post-warm-up steps each measurement owns (see ``zeroexp.config.schedule``)."""
+
+    profile_steps: int = 2  # steps the collectives probe records with the torch profiler
+    memory_steps: int = 2  # steps the memory probe tracks for the training peak
+
+
+@dataclass
+class ZeroexpConfig:
+    model: Any = MISSING
+    strategy: Any = MISSING
+    prefetch: Any = MISSING
+    precision: Any = MISSING
+    offload: Any = MISSING
+    activation_checkpointing: Any = MISSING
+    init: Any = MISSING  # full | meta (zeroexp.config.init_mode)
+    logger: Any = MISSING
+    launcher: Any = MISSING
+    checkpoint: Any = MISSING
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    timeout: TimeoutConfig = field(default_factory=TimeoutConfig)
+    probes: ProbesConfig = field(default_factory=ProbesConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # zeroexp.config.resources: the check before launch
+    world_size: int = 4
+    steps: int = 30
+    batch_size: int = 8  # per rank and micro-batch; the global batch is batch_size * grad_accum * world_size
+    grad_accum: int = 1  # micro-batches per optimizer step (zeroexp.rank.microbatches); steps counts optimizer steps
+    seed: int = 0
+    warmup_steps: int = 3  # steps excluded from steady measurements
+    device: str = "auto"  # auto | cpu | cuda
+    resume: bool = False  # --multirun into an existing sweep dir: re-run only cells missing or not ok
+    # One process plays rank 0 of world_size ranks under a fake process group and FakeTensorMode: state table
+    # and collectives without allocating the parameters (zeroexp.rank.dryrun); no time, memory or equivalence.
+    dry_run: bool = False
+    # plan.time's calibration file (python -m zeroexp.calibrate); null: the newest of this machine, backend and N
+    calibration: Optional[str] = None
+
+
+#: The strategies (name, schema) whose schemas this process's ConfigStore holds (``register_schemas``).
+_REGISTERED: tuple = ()
+
+
+def register_schemas() -> None:
+    """Register the schemas under ``schema/<group>`` (options extend them) and the root schema; once per process
+    (each call re-made ~40 structured configs, 0.06 to 0.4 s, and the CLI, the planner and every compose of the
+    tests call it), again only if a strategy was registered since or Hydra's store was cleared."""
+    global _REGISTERED
+    from zeroexp.strategies import registered
+
+    cs = ConfigStore.instance()
+    adapters = tuple((name, adapter.schema) for name, adapter in registered().items())
+    if adapters == _REGISTERED and "zeroexp_schema.yaml" in cs.repo:
+        return
+    cs.store(name="zeroexp_schema", node=ZeroexpConfig)
+    # Open schema: the data-spec keys are typed, any other key is an argument of the `_target_` factory.
+    cs.store(group="schema/model", name="model", node=OmegaConf.structured(ModelConfig, flags={"struct": False}))
+    cs.store(group="schema/model", name="mlp", node=MLPConfig)
+    cs.store(group="schema/model", name="gpt", node=GPTConfig)
+    cs.store(group="schema/model", name="lora_gpt", node=LoRAGPTConfig)
+    # Each strategy's own schema (``StrategyAdapter.schema``) as schema/strategy/<name>. Typed, and open to keys of
+    # other strategies: in a sweep across strategies a key set for all (strategy.stage=2,3) stays in the jobs whose
+    # strategy lacks it; it does not apply there (not in the cell's identity, removed before the cell runs), and
+    # validate() refuses it where the user asked for it in a single run (strategy_extras).
+    for name, adapter in registered().items():
+        cs.store(group="schema/strategy", name=name,
+                 node=OmegaConf.structured(adapter.schema, flags={"struct": False}))
+    cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
+    cs.store(group="schema/precision", name="precision", node=PrecisionConfig)
+    cs.store(group="schema/offload", name="offload", node=OffloadConfig)
+    cs.store(group="schema/activation_checkpointing", name="activation_checkpointing",
+             node=ActivationCheckpointingConfig)
+    cs.store(group="schema/init", name="init", node=InitConfig)
+    cs.store(group="schema/logger", name="logger", node=LoggerConfig)
+    cs.store(group="schema/launcher", name="launcher", node=LauncherConfig)
+    cs.store(group="schema/checkpoint", name="checkpoint", node=CheckpointConfig)
+    _REGISTERED = adapters
+
+
+# --- validation --------------------------------------------------------------------------------------
+_ACCEPTED = {
+    "prefetch.name": ("pre", "post", "none"),
+    "precision.name": ("fp32", "bf16", "fp16"),
+    "precision.param_dtype": ("float32", "bfloat16", "float16"),
+    "precision.master_dtype": ("float32",),
+    "offload.name": ("none", "optimizer", "full"),
+    "activation_checkpointing.name": ("none", "full"),
+    "init.name": INIT_OPTIONS,
+    "logger.name": ("wandb", "csv", "none"),
+    "logger.mode": ("offline", "online", "disabled"),
+    "device": ("auto", "cpu", "cuda"),
+    "model.dtype": ("float32", "float16", "bfloat16", "long"),
+    "launcher.name": ("local", "torchrun", "slurm"),
+    "checkpoint.name": ("none", "full", "sharded"),
+}
+
+
+def strategy_extras(cfg: DictConfig) -> tuple[str, ...]:
+    """The keys of ``cfg.strategy`` that its strategy's schema lacks (``stage`` for ``fsdp_full`` in
+    ``--multirun strategy=deepspeed,fsdp_full strategy.stage=2,3``): they do not apply to this cell, are not part of
+    its identity and are removed before it runs (:func:`without_strategy_extras`)."""
+    from zeroexp.strategies import registered
+    from zeroexp.strategies.base import schema_keys
+
+    adapter = registered().get(str(cfg.strategy.name))
+    if adapter is None:
+        return ()
+    own = set(schema_keys(adapter.schema))
+    return tuple(str(k) for k in cfg.strategy if k not in own)
+
+
+def without_strategy_extras(cfg: DictConfig) -> DictConfig:
+    """``cfg`` without the :func:`strategy_extras` (a copy when there are any)."""
+    extras = strategy_extras(cfg)
+    if not extras:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    with read_write(cfg), open_dict(cfg):
+        for key in extras:
+            del cfg.strategy[key]
+    return cfg
+
+
+def strategy_key(override_key: str) -> str | None:
+    """``strategy.bucket_cap_mb`` -> ``bucket_cap_mb`` (also ``strategy.wrap[0]``, ``strategy.a.b``); else None."""
+    if not override_key.startswith("strategy."):
+        return None
+    return override_key[len("strategy."):].split(".", 1)[0].split("[", 1)[0]
+
+
+def owners_of(key: str) -> list[str]:
+    """The registered strategies whose schema has ``strategy.<key>``."""
+    from zeroexp.strategies import registered
+    from zeroexp.strategies.base import schema_keys
+
+    return sorted(n for n, a in registered().items() if key in schema_keys(a.schema))
+
+
+def _check_strategy_keys(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
+    """A ``strategy.<key>`` the strategy lacks: refused when the user set it (a single run) or when no strategy has
+    it (a typo, in a preset too); otherwise it was set for other strategies and does not apply here."""
+    from zeroexp.strategies import get_adapter_class
+    from zeroexp.strategies.base import schema_keys
+
+    name = str(cfg.strategy.name)
+    asked = {strategy_key(k) for k in explicit_overrides}
+    for key in strategy_extras(cfg):
+        owners = owners_of(key)
+        if key in asked or not owners:
+            own = [k for k in schema_keys(get_adapter_class(name).schema) if k != "name"]
+            raise ConfigError(f"strategy.{key}", OmegaConf.select(cfg, f"strategy.{key}"),
+                              f"the keys of strategy={name}: {', '.join(own)}",
+                              why=f"strategy={name} has no key {key!r}"
+                                  + (f" (strategies that have it: {', '.join(owners)})" if owners else ""))
+
+
+def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> None:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, value, f"an integer >= {minimum}")
+
+
+#: Groups with a fixed set of keys (their schema's fields): any other key in them is read by nothing. The model is
+#: open (its other keys are the factory's arguments), the strategy open to other strategies' keys
+#: (_check_strategy_keys).
+_FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes": ProbesConfig,
+                 "resources": ResourcesConfig,
+                 "prefetch": PrefetchConfig, "precision": PrecisionConfig, "offload": OffloadConfig,
+                 "activation_checkpointing": ActivationCheckpointingConfig,
+                 "init": InitConfig,
+                 "logger": LoggerConfig, "launcher": LauncherConfig, "checkpoint": CheckpointConfig}
+
+
+def _check_unread_keys(cfg: DictConfig) -> None:
+    """A key that nothing reads (``+stepz=10``, ``+optimizer.foo=1``) is refused, naming it."""
+    from dataclasses import fields
+
+    def refuse(key: str, own: list[str]) -> None:
+        raise ConfigError(key, OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
+                          ", ".join(own), why=f"nothing reads {key!r} (a misspelt key?)")
+
+    top = [f.name for f in fields(ZeroexpConfig)]
+    for key in cfg:
+        if key not in top and key != "hydra":
+            refuse(str(key), top)
+    for group, schema in _FIXED_GROUPS.items():
+        node = cfg.get(group)
+        own = [f.name for f in fields(schema)]
+        for key in node if isinstance(node, DictConfig) else ():
+            if key not in own:
+                refuse(f"{group}.{key}", [f"{group}.{k}" for k in own])
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    """Values that torch would refuse later (in a rank, with a C++ error): refused now, naming the key."""
+    def number(key: str) -> Any:
+        value = OmegaConf.select(cfg, key)
+        return None if isinstance(value, bool) or not isinstance(value, (int, float)) else value
+
+    def at_least(key: str, low: float, accepted: str, strict: bool = False) -> None:
+        v = number(key)
+        if v is None or (v <= low if strict else v < low):
+            raise ConfigError(key, OmegaConf.select(cfg, key), accepted)
+
+    at_least("optimizer.lr", 0, "a number >= 0")
+    at_least("optimizer.eps", 0, "a number > 0", strict=True)
+    at_least("optimizer.weight_decay", 0, "a number >= 0")
+    betas = list(cfg.optimizer.betas)
+    if len(betas) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1
+                              for b in betas):
+        raise ConfigError("optimizer.betas", betas, "two numbers in [0, 1)")
+    seed = OmegaConf.select(cfg, "seed")
+    if not 0 <= seed < 2**32:
+        raise ConfigError("seed", seed, "an integer in [0, 2**32)")
+    if "bucket_cap_mb" in cfg.strategy:  # ddp, zro, zero1/2, deepspeed: torch fails on a cap <= 0 in C++
+        at_least("strategy.bucket_cap_mb", 0, "a positive number of MiB", strict=True)
+    if cfg.strategy.get("clip_grad_norm") is not None:  # every strategy's schema has it (StrategyConfig)
+        at_least("strategy.clip_grad_norm", 0, "null or a positive max norm", strict=True)
+    if cfg.precision.get("loss_scale") is not None:
+        at_least("precision.loss_scale", 0, "null or a positive initial loss scale", strict=True)
+    _positive_int(cfg, "precision.growth_interval")
+    if cfg.launcher.name == "local":
+        for key, want in (("launcher.nodes", 1), ("launcher.ranks_per_node", cfg.world_size)):
+            if OmegaConf.select(cfg, key) not in (None, want):
+                raise ConfigError(key, OmegaConf.select(cfg, key), f"{want} (or null)",
+                                  why="a local cell runs its world_size ranks on this machine")
+
+
+def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
+    """Check a composed cell config; raise :class:`ConfigError` on the first problem.
+
+    ``explicit_overrides`` are the keys the user set on the command line (``prefetch``,
+    ``strategy.bucket_cap_mb``...): an axis or a ``strategy.<key>`` that does not apply to the strategy is an error
+    only when the user asked for it explicitly in a single run (sweeps de-duplicate such cells instead).
+    """
+    from zeroexp.models import LOSSES
+    from zeroexp.strategies import get_adapter_class, registered
+
+    name = cfg.strategy.name
+    if name not in registered():
+        raise ConfigError("strategy", name, ", ".join(sorted(registered())))
+    if cfg.get("calibration"):  # plan.time's calibration: readable before any rank starts
+        from zeroexp.results.calibration import load_calibration
+
+        try:
+            load_calibration(cfg.calibration)
+        except ValueError as e:
+            raise ConfigError("calibration", cfg.calibration, "null or a file python -m zeroexp.calibrate wrote",
+                              why=str(e)) from e
+    _check_unread_keys(cfg)
+    _check_strategy_keys(cfg, explicit_overrides)
+    for key, accepted in _ACCEPTED.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in accepted:
+            raise ConfigError(key, value, ", ".join(accepted))
+    _positive_int(cfg, "world_size")
+    _positive_int(cfg, "steps")
+    _positive_int(cfg, "batch_size")
+    _positive_int(cfg, "grad_accum")
+    if cfg.grad_accum > 1 and cfg.get("dry_run"):
+        raise ConfigError("grad_accum", cfg.grad_accum, "1 with dry_run=true",
+                          why="the dry run plays single micro-batch steps")
+    _positive_int(cfg, "warmup_steps", minimum=0)
+    from zeroexp.config.schedule import Schedule
+
+    for key in ("probes.profile_steps", "probes.memory_steps"):
+        _positive_int(cfg, key)
+    for problem in Schedule.from_cfg(cfg).problems():  # a window shorter than its probe needs; too few `steps`
+        raise ConfigError("probes", OmegaConf.select(cfg, "probes"), "windows of at least one step", why=problem)
+    for key in ("timeout.collective_s", "timeout.cell_s", "timeout.grace_s"):
+        if not OmegaConf.select(cfg, key) > 0:
+            raise ConfigError(key, OmegaConf.select(cfg, key), "a positive number of seconds")
+    _check_ranges(cfg)
+
+    model = cfg.model
+    for key in ("_target_", "input_shape"):  # model=custom leaves them to the user
+        if OmegaConf.is_missing(model, key):
+            raise ConfigError(f"model.{key}", "???", "a class or factory by import path (model._target_=pkg.Module)"
+                              if key == "_target_" else "a non-empty list of positive integers ('model.input_shape="
+                              "[16]')", why=f"model={model.get('name')} needs it")
+    for key in ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "lora_rank"):
+        if key in model:
+            _positive_int(cfg, f"model.{key}")
+    if "n_head" in model and model.n_embd % model.n_head:
+        raise ConfigError("model.n_head", model.n_head, f"a divisor of model.n_embd={model.n_embd}")
+    if model.dtype == "long" and not 0 <= model.low < model.high:
+        raise ConfigError("model.high", model.high, f"an integer above model.low={model.low} >= 0")
+    shape = list(model.input_shape)
+    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+        raise ConfigError("model.input_shape", shape, "a non-empty list of positive integers")
+    if model.loss not in LOSSES:
+        raise ConfigError("model.loss", model.loss, ", ".join(sorted(LOSSES)))
+    check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
+
+    adapter = get_adapter_class(name)
+    if cfg.precision.name not in adapter.precisions:
+        supported = sorted(n for n, a in registered().items() if cfg.precision.name in a.precisions)
+        raise ConfigError("precision", cfg.precision.name, ", ".join(sorted(adapter.precisions)),
+                          why=f"strategy={name} does not implement it; strategies that do: "
+                              f"{', '.join(supported) or 'none'}")
+    offloads = getattr(adapter, "offloads", frozenset({"none"}))
+    if cfg.offload.name not in offloads:
+        supported = sorted(n for n, a in registered().items() if cfg.offload.name in getattr(a, "offloads", ()))
+        raise ConfigError("offload", cfg.offload.name, ", ".join(sorted(offloads)),
+                          why=f"strategy={name} does not implement it; strategies that do: "
+                              f"{', '.join(supported) or 'none'}")
+    for axis in ("prefetch",):
+        if axis in explicit_overrides and axis not in adapter.axes:
+            value = OmegaConf.select(cfg, f"{axis}.name")
+            users = ", ".join(sorted(n for n in registered() if axis in get_adapter_class(n).axes))
+            raise ConfigError(axis, value, f"strategies that use it: {users}",
+                              why=f"{axis} does not apply to strategy={name}")
+    if cfg.warmup_steps < adapter.min_warmup_steps:  # the collectives probe records the first step after it
+        raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer >= {adapter.min_warmup_steps}",
+                          why=f"strategy={name} issues its steady per-step collectives only from step "
+                              f"{adapter.min_warmup_steps} on")
+    if cfg.activation_checkpointing.name != "none":
+        from zeroexp.models import wrap_paths
+
+        if not wrap_paths(cfg):
+            raise ConfigError("activation_checkpointing", cfg.activation_checkpointing.name, "none",
+                              why="it checkpoints each wrap unit (strategy.wrap, else model.wrap), and this cell has "
+                                  "none (set model.wrap or strategy.wrap to module classes)")
+    _validate_launcher_and_checkpoint(cfg, adapter)
+    check_init(cfg, adapter)
+    adapter.validate(cfg)
+    adapter.validate_model(cfg)
+    check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
+
+
+def _validate_launcher_and_checkpoint(cfg: DictConfig, adapter: Any) -> None:
+    """The launcher's node layout adds up to ``world_size``; the strategy implements the checkpoint kind."""
+    from zeroexp.strategies import registered
+
+    launcher, kind = cfg.launcher, cfg.checkpoint.name
+    if cfg.get("dry_run") and (launcher.name != "local" or kind != "none"):
+        key, value = ("launcher", launcher.name) if launcher.name != "local" else ("checkpoint", kind)
+        raise ConfigError(key, value, "local" if key == "launcher" else "none",
+                          why="a dry run is one process with fake tensors")
+    if launcher.name == "slurm":
+        _positive_int(cfg, "launcher.nodes")
+        _positive_int(cfg, "launcher.ranks_per_node")
+        if launcher.nodes * launcher.ranks_per_node != cfg.world_size:
+            raise ConfigError("launcher.ranks_per_node", launcher.ranks_per_node,
+                              f"world_size / launcher.nodes = {cfg.world_size} / {launcher.nodes}",
+                              why=f"launcher.nodes * launcher.ranks_per_node = {launcher.nodes} * "
+                                  f"{launcher.ranks_per_node} != world_size = {cfg.world_size}")
+    if kind != "none" and kind not in adapter.checkpoint_kinds:
+        supported = sorted(n for n, a in registered().items() if kind in a.checkpoint_kinds)
+        raise ConfigError("checkpoint", kind, ", ".join(["none", *sorted(adapter.checkpoint_kinds)]),
+                          why=f"strategy={cfg.strategy.name} does not implement it; strategies that do: "
+                              f"{', '.join(supported) or 'none'}")

@@ -1,0 +1,316 @@
+"""``dry_run=true``: the state table and collective fingerprint of a cell at any world size, on one CPU process.
+
+One process plays rank 0 of ``world_size`` ranks under a fake process group (``FakeStore`` +
+``init_process_group("fake")``: every collective returns at once, no peer exists) and ``FakeTensorMode`` (tensors
+carry shapes, dtypes and storage sizes but no data), so no parameter memory is allocated whatever the model's
+size. It writes the same cell directory as a real run, with ``manifest.json`` and ``summary.json`` saying
+``mode: dry_run``; what a dry run cannot measure (loss, step time, real memory, equivalence) is absent, and
+``summary.json["dry_run"]`` says why.
+
+Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.dry_run_traced``):
+
+- ``traced`` (FSDP1, FSDP2): the adapter wraps the cell's model and the steps run (forward, backward, AdamW)
+  with the real run's probes driven from a plain loop: the state probe counts rank 0's tensors at
+  ``schedule.state_step``, the collectives probe's profiler records ``schedule.profiled``. The device mesh is
+  made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``); the functional collectives DTensor issues
+  (FSDP2 clipping's norm) run on the fake process group (:mod:`zeroexp._lib.fake_collectives`), as a real run issues them.
+  The memory probe tracks its steps too: its phase peaks are a *simulation* (MemTracker over fake storages: what the
+  strategy's code allocates, without the backend's own buffers, which the fake process group does not make), written
+  as ``memory`` with ``simulated: true`` and shown beside the peak model's prediction in ``plan.memory``, never as it.
+- ``derived`` (DDP, ZeroRedundancyOptimizer, any strategy not traced): DDP's C++ Reducer needs real storage, so
+  the model is built on the meta device; the collectives are the adapter's ``expected_collectives`` of that
+  groups its row derives from the shapes (DDP's buckets in gradient-ready order, the optimizer's owners:
+  ``zeroexp.plan.cell.cell_groups``, equal to what the adapter reads in a real run), through
+  ``zeroexp.formulas``; the state table is ``rank_state_bytes``, every rank. The plan check then reads n/a.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from zeroexp.plan.expect import Expectation
+from zeroexp._lib.fake_collectives import IssueFunctionalCollectives
+from zeroexp.models import LOSSES, build_model, make_batch
+from zeroexp.models.module import CellModule
+from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
+                            probes_for)
+from zeroexp.probes.state import check_factors
+from zeroexp.results.files import SCHEMA_VERSION, write_csv, write_json, write_text
+from zeroexp.config.schedule import Schedule
+from zeroexp.strategies import get_adapter_class
+
+__all__ = ["run_dry", "SOURCES", "ABSENT", "LazyChunks", "lazy_fsdp2_chunks"]
+
+SOURCES = {
+    "traced": "traced: the strategy's own code ran as rank 0 of world_size under a fake process group and "
+              "FakeTensorMode; state counted by the state probe, collectives recorded by the collectives probe",
+    "derived": "derived: the strategy is not traced (StrategyAdapter.dry_run_traced; DDP's C++ Reducer needs real "
+               "storage), so nothing ran; collectives and state table from the groups the strategy's row derives "
+               "from the model's shapes (zeroexp.formulas: step_collectives, rank_state_bytes)",
+}
+#: The sections of a real run that a dry run leaves out, and why (each probe's ``Probe.dry_run_absent``).
+ABSENT = absent_in_dry_run()
+FACTORS_BASIS = ("rank 0 x world_size: a dry run measures rank 0 only. Exact when every rank holds as much as "
+                 "rank 0 (N divides every unit, or every parameter's dim 0 for FSDP2); otherwise above the sum "
+                 "over ranks by the padding the last ranks hold instead of parameters")
+CPU = torch.device("cpu")
+
+
+def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any]) -> dict[str, Any]:
+    """Play rank 0 of the cell under a fake process group; write the cell's files; return the summary."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+    cfg = OmegaConf.create(cfg_dict)
+    n = int(cfg.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        adapter = get_adapter_class(cfg.strategy.name)(cfg)
+        ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg),
+                         expect=Expectation(cfg, adapter.live_groups))
+        source = "traced" if adapter.dry_run_traced else "derived"
+        state, collectives, memory, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
+        write_text(Path(cell) / ".ranks" / "rank0.json",
+                   json.dumps({"state": state, "collectives": collectives, "memory": memory}))
+        return _finalize(Path(cell), cfg, run_info, source, state, collectives, steps, ctx.expect.groups_record(),
+                         memory)
+    finally:
+        dist.destroy_process_group()
+
+
+#: What the memory probe's figures mean in a traced dry run.
+SIMULATED = ("simulated: rank 0's steps under FakeTensorMode and a fake process group, tracked by the memory probe's "
+             "MemTracker (fake storages, nothing allocated); the backend's own buffers (gloo's or NCCL's copies) are "
+             "not in it: the fake process group makes none")
+
+
+class LazyChunks(Sequence):
+    """torch FSDP2's ``_chunk_with_empty(tensor, num_chunks, dim)`` (the ``num_chunks`` shards of a parameter, each
+    rank's a view of ``tensor``; empty tensors for the ranks past the last element) as a sequence that makes shard
+    ``i`` only when asked. FSDP2 asks for two: the rank's own and shard 0 (the padded size). Under
+    ``FakeTensorMode`` each of torch's ``num_chunks`` views is a fake tensor made in Python: at N=1024, made eagerly,
+    they cost 56 % of a 4.3e9-parameter dry run (two lists of 1024 per parameter; py-spy). Shard
+    ``i`` is ``tensor.narrow(dim, i * s, ...)`` with torch.chunk's size ``s = ceil(size / num_chunks)``, as ATen's
+    ``chunk`` (``split``) makes it; tests/test_fsdp2_dry_run.py holds it equal (shape, stride, offset, values) to
+    torch's function. Indexing and ``len`` only, as FSDP2 uses it (not a list: no ``torch.cat`` of it)."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self._tensor, self._n, self._dim = tensor, int(num_chunks), int(dim)
+        self._size = int(tensor.size(dim))
+        self._step = -(-self._size // self._n)  # torch.chunk's chunk size
+        self._made = -(-self._size // self._step)  # the chunks torch.chunk returns; the rest are empty
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = range(self._n)[i]  # an IndexError past the end, negative indices as a list's
+        if i < self._made:
+            start = i * self._step
+            return self._tensor.narrow(self._dim, start, min(self._step, self._size - start))
+        return self[0].new_empty(0)
+
+
+@contextmanager
+def lazy_fsdp2_chunks() -> Iterator[None]:
+    """While a dry run traces FSDP2: its ``_chunk_with_empty`` gives :class:`LazyChunks` for a parameter with at least
+    one element along the sharded dim (torch's own function for an empty one). Restored after. A torch without the
+    module (before 2.6, or moved) is left as it is: the dry run runs torch's own path, only slower."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        yield
+        return
+
+    original = _fsdp_param._chunk_with_empty
+
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+        return LazyChunks(tensor, num_chunks, dim) if tensor.size(dim) > 0 else original(tensor, num_chunks, dim)
+
+    _fsdp_param._chunk_with_empty = chunk_with_empty
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
+
+
+def _traced(cfg: DictConfig, ctx: RunContext
+            ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
+    """Rank 0's steps under FakeTensorMode with the real run's state and collectives probes, and the memory probe
+    (its figures simulated: see :data:`SIMULATED`) where the cell runs it."""
+    import lightning.pytorch as pl
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    adapter, schedule = ctx.adapter, ctx.schedule
+    adapter.setup(CPU)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    classes = [cls for cls in probes_for(cfg) if not cls.dry_run_absent]  # the state and collectives probes
+    classes += [cls for cls in probes_for(cfg) if cls is MemoryProbe and _simulates_memory(cfg)]
+    steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
+    # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group (zeroexp._lib.fake_collectives)
+    with FakeTensorMode() as mode, IssueFunctionalCollectives(), lazy_fsdp2_chunks():
+        pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
+        module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
+        trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read
+        probes = [as_callback(cls)(ctx) for cls in classes]  # the hooks a probe lacks: Lightning's no-ops
+        for probe in probes:
+            probe.setup(trainer, module, "fit")  # P, before the adapter shards the model
+        model = trainer.strategy.model = adapter.wrap(module, CPU)
+        optimizer = adapter.make_optimizer(model.parameters())
+        trainer.optimizers = [optimizer]
+        loss_fn = LOSSES[cfg.model.loss]
+        for step in range(steps):
+            with unset_fake_temporarily():  # the batch rank 0 of a real run trains on, then faked
+                batch = make_batch(model_cfg, int(cfg.batch_size), int(cfg.seed), step, 0)
+            batch = mode.from_tensor(batch)
+            for probe in probes:
+                probe.on_train_batch_start(trainer, module, batch, step)
+            loss = loss_fn(model(batch), batch)  # as Lightning: forward, zero_grad, backward, step
+            optimizer.zero_grad(set_to_none=True)
+            for probe in probes:
+                probe.on_before_backward(trainer, module, loss)
+            loss.backward()
+            for probe in probes:
+                probe.on_before_optimizer_step(trainer, module, optimizer)
+            adapter.clip_gradients(model)  # strategy.clip_grad_norm: FSDP's norm all_reduce is traced too
+            optimizer.step()
+            for probe in probes:
+                probe.on_train_batch_end(trainer, module, loss, batch, step)
+    results = {probe.name: probe.rank_result() for probe in probes}
+    return results["state"], results["collectives"], results.get("memory"), steps
+
+
+def _simulates_memory(cfg: DictConfig) -> bool:
+    """Whether a traced dry run of ``cfg`` runs the memory probe: one micro-batch a step (MemTracker refuses a
+    second forward in one tracked step, as in a real run)."""
+    return int(cfg.get("grad_accum") or 1) == 1
+
+
+def _steps_read(schedule: Any, classes: list[Any]) -> int:
+    """One past the last step that ``classes`` read (``Probe.steps`` on ``schedule``), at least warm-up."""
+    ends = [schedule.warmup]
+    for cls in classes:
+        if cls.steps is not None:
+            window = getattr(schedule, cls.steps.window)
+            ends.append(window.stop if isinstance(window, range) else window + 1)
+    return max(ends)
+
+
+def _derived(cfg: DictConfig, ctx: RunContext
+             ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
+    """The model's structure on the meta device: the groups the cell's row derives from its shapes (what the
+    adapter reads off its live structure in a real run), turned into collectives and a state table by the one
+    expectation model (zeroexp.formulas)."""
+    from zeroexp.formulas import rank_state_bytes, step_collectives
+    from zeroexp.plan.cell import cell_groups
+    from zeroexp.probes.collectives import SOURCE
+
+    n, offload, expect = ctx.world_size, str(cfg.offload.name), ctx.expect
+    layout, itemsize, knobs = expect.layout, expect.itemsize, expect.knobs
+    groups = expect.groups = cell_groups(cfg)
+    p_bytes = 4 * (groups.numel + sum(groups.frozen))  # P: every parameter, frozen ones included
+    how = (f"zeroexp.formulas.step_collectives over the groups the row {expect.name} ({layout.label}) derives from "
+           "the model's shapes")
+    expected = step_collectives(layout, groups, itemsize, knobs)
+    limits = layout.payload_limits(groups, knobs, expect.precision, offload) if layout.payload_limits else []
+    if limits:  # the payload model is not exact for this cell: say so where the figures are shown
+        how += "; not exact here: " + "; ".join(limits)
+    dtype = str(cfg.precision.param_dtype)
+    steps = list(ctx.schedule.profiled)
+    records = [{"phase": "step", "step": s, "op": op, "dtype": dtype, "count": e["count"],
+                "payload_bytes": e["payload_bytes"]} for s in steps for op, e in expected.items()]
+    collectives = {"records": records, "steps": steps, "expected": expected, "expected_error": None,
+                   "param_bytes": p_bytes, "source": f"derived, not traced: {how}", "derived_from": SOURCE}
+    table = rank_state_bytes(layout, groups, itemsize, knobs, offload)
+    compute = {"param", "grad"}  # in the compute dtype; masters, moments and step scalars in fp32
+    state = [{"rows": [{"kind": k, "logical_bytes": v[r][0], "physical_bytes": v[r][1],
+                        "dtype": dtype if k in compute else "float32", "device": "",
+                        "numel": v[r][0] // (itemsize if k in compute else 4)} for k, v in table.items()],
+              "step": ctx.schedule.state_step, "logical_param_bytes": p_bytes,
+              "expected": expect.state_factors(groups.numel / max(groups.numel + sum(groups.frozen), 1)),
+              "semantics": ctx.adapter.semantics} for r in range(n)]
+    return state, collectives, None, 0
+
+
+def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, Any], Any]:
+    """The state probe's section: over every rank (derived), or rank 0's bytes times N (traced)."""
+    if source == "derived":
+        report = StateProbe.aggregate(state, cfg)
+        return {**report.section, "ranks_in_table": "every rank (formulas)"}, report.tables["rank_state.csv"]
+    report = StateProbe.aggregate([state], cfg)
+    s, n, p = report.section, int(cfg.world_size), int(state["logical_param_bytes"])
+    frame = report.tables["rank_state.csv"]
+    logical = {k: n * int(frame[frame.kind == k].logical_bytes.sum()) for k in s["factors"]}
+    physical = {k: n * int(frame[frame.kind == k].physical_bytes.sum()) for k in s["factors"]}
+    reasons = [r.replace(f"summed over {n} ranks", f"= rank 0 x {n}") + " (with padding the last ranks hold less "
+               "than rank 0: see factors_basis)" for r in check_factors({k: v / p for k, v in logical.items()},
+                                                                         s["expected"], logical, p, n)]
+    s.update(factors={k: v / p for k, v in logical.items()}, physical_factors={k: v / p for k, v in physical.items()},
+             padding_bytes=physical.get("param", 0) - logical.get("param", 0),
+             padding_bytes_by_kind={k: physical[k] - logical[k] for k in logical},
+             physical_param_bytes=physical.get("param", 0), optim_scalar_bytes=physical.get("optim_scalar", 0),
+             owner_imbalance=None, check="FAIL" if reasons else "PASS", reasons=reasons,
+             factors_basis=FACTORS_BASIS, ranks_in_table="rank 0")
+    return s, frame
+
+
+def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, state: Any,
+              collectives: dict[str, Any], steps: int, live_groups: dict[str, Any] | None,
+              memory: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``rank_state.csv``, ``collectives.csv``, ``memory.csv`` (simulated) and ``summary.json`` (with the
+    planner's prediction)."""
+    n = int(cfg.world_size)
+    state_section, state_frame = _state_section(state, cfg, source)
+    coll = CollectivesProbe.aggregate([collectives], cfg)
+    coll_section = dict(coll.section)
+    if source == "derived":  # measured == expected by construction: there is nothing to check
+        coll_section.update(source=collectives["source"], check="n/a",
+                            reasons=["derived from the model's structure, not traced: nothing measured to check"])
+    coll_section["ranks_in_table"] = "rank 0"
+    write_csv(cell / "rank_state.csv", state_frame)
+    write_csv(cell / "collectives.csv", coll.tables["collectives.csv"])
+    absent = absent_in_dry_run(cfg)
+    memory_section = None
+    if memory and memory.get("records"):
+        mem = MemoryProbe.aggregate([memory], cfg)
+        memory_section = {**mem.section, "source": SIMULATED, "simulated": True}
+        write_csv(cell / "memory.csv", mem.tables["memory.csv"])
+        absent.pop(MemoryProbe.name, None)
+    summary: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "status": "ok", "mode": "dry_run", "cell": run_info["cell"],
+        "cell_id": run_info["cell_id"],
+        "world_size": n, "steps": steps,
+        "dry_run": {"source": SOURCES[source], "played_rank": 0, "world_size": n, "backend": "fake",
+                    "steps_run": steps, "absent": absent,
+                    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+        "state": state_section, "collectives": coll_section,
+    }
+    if memory_section is not None:
+        summary["memory"] = memory_section
+    try:
+        from zeroexp.plan.cell import plan_section
+    except ImportError:  # no planner in this checkout
+        pass
+    else:
+        itself = None if source == "traced" else ("a derived dry run's state and collectives are the planner's own "
+                                                  "model of this cell: comparing them with the plan cannot fail")
+        summary["plan"] = plan_section(cfg, cell, summary, itself=itself, live_groups=live_groups)
+    write_json(cell / "summary.json", summary)
+    if cfg.logger.name == "wandb":
+        from zeroexp.rank.wandb_log import log_summary, make_logger
+
+        log_summary(make_logger(cfg, cell, run_info), summary, cell)
+    return summary

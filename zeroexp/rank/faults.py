@@ -1,0 +1,126 @@
+"""Test-only fault injection: make one rank raise, die by SIGKILL, hang or run out of memory at a chosen step, or
+find the disk full while it writes the cell's results.
+
+Set ``ZEROEXP_FAULT=<rank>:<step>:<kind>[:<cell>]`` (kind: ``raise``, ``raise_tensor``, ``kill``, ``hang``, ``memory``,
+``enospc``; ``<cell>``, if given, a substring the cell name must contain) in the environment of the launching
+process. ``enospc`` counts result writes, not steps: after training, the rank's result file write number ``<step>``
+(0 first; a CSV table or ``summary.json`` in the cell directory) fails with ENOSPC half-way through its data. It exists so that the reliability tests can prove that a failed or hung rank ends its cell
+within the timeouts, leaves no process behind, and does not stop a sweep. It does nothing when unset.
+Kind ``perturb`` changes that rank's batch of that step instead, so the equivalence tests can prove that a
+run that computed something else FAILs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENV = "ZEROEXP_FAULT"
+#: ``perturb``: the rank trains on a changed batch at that step (silent data corruption; the equivalence
+#: probe must then FAIL).
+#: ``raise_tensor``: raises an error whose message holds a parameter's repr (as torch's C++ errors can).
+#: ``memory``: raises MemoryError (what an allocation beyond the machine's memory raises in Python).
+#: ``enospc``: a result write fails with ENOSPC (see the module's doc).
+KINDS = ("raise", "raise_tensor", "kill", "hang", "perturb", "memory", "enospc")
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    kind: str
+    cell: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        try:
+            rank, step, kind, *cell = spec.split(":")
+            fault = cls(int(rank), int(step), kind, cell[0] if cell else "")
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"{ENV}={spec!r}: expected <rank>:<step>:<kind>[:<cell>]") from e
+        if fault.kind not in KINDS:
+            raise ValueError(f"{ENV}={spec!r}: kind must be one of {', '.join(KINDS)}")
+        return fault
+
+
+def fault_injector(fault: Fault, rank: int, cell_name: str) -> Any:
+    """The Lightning callback that injects ``fault`` at the start of its step on its rank (armed where the cell's
+    name contains ``fault.cell``). Made in the rank (zeroexp._lib.callbacks): this module is imported by the launching
+    process too (for :data:`ENV`), which does not import Lightning."""
+    from zeroexp._lib.callbacks import as_callback
+
+    return as_callback(FaultInjector)(fault, rank, cell_name)
+
+
+class FaultInjector:
+    """Injects ``fault`` at the start of its step on its rank (Lightning's hooks: :func:`fault_injector`)."""
+
+    def __init__(self, fault: Fault, rank: int, cell_name: str) -> None:
+        self.fault, self.rank = fault, rank
+        self.armed = fault.cell in cell_name
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.armed and self.rank == self.fault.rank and self.fault.kind == "enospc":
+            fill_disk_at_result_write(self.fault.step)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.armed or self.rank != self.fault.rank or batch_idx != self.fault.step \
+                or self.fault.kind == "enospc":
+            return
+        if self.fault.kind == "memory":
+            raise MemoryError(f"injected fault: rank {self.rank} ran out of memory at step {batch_idx}")
+        if self.fault.kind == "perturb":  # in place: training_step receives this very tensor
+            batch.copy_(batch.roll(1, dims=-1))  # other data, same dtype and value range (token ids too)
+            return
+        if self.fault.kind == "raise":
+            raise RuntimeError(f"injected fault: rank {self.rank} raised at step {batch_idx}")
+        if self.fault.kind == "raise_tensor":
+            param = next(pl_module.parameters())
+            raise RuntimeError(f"injected fault: rank {self.rank} raised at step {batch_idx} on "
+                               f"Parameter containing:\n{param.data}\nand {param.data.flatten()[:4]}")
+        if self.fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang: never reach the step's collectives
+            time.sleep(3600)
+
+
+def fill_disk_at_result_write(n: int) -> None:
+    """From now on in this process, result write number ``n`` (0 first: a ``*.csv`` or ``summary.json`` through
+    ``zeroexp.results.files.write_text``) writes half its data to its temporary file, then fails with ENOSPC, as a disk
+    that fills up mid-write does. The atomic writer must leave nothing half-written under the real name."""
+    from zeroexp.results import files as results
+
+    real = results._open_tmp
+    count = [0]
+
+    class _Full:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+        def write(self, text: str) -> int:
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def open_tmp(fd: int, path: Path):
+        f = real(fd, path)
+        if not (Path(path).suffix == ".csv" or Path(path).name == "summary.json"):
+            return f
+        count[0] += 1
+        return _Full(f) if count[0] - 1 == n else f
+
+    results._open_tmp = open_tmp
