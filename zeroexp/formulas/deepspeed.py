@@ -144,7 +144,8 @@ _SOURCE = ("DeepSpeed 0.19, measured by zeroexp's state probe (CPU, gloo; fp32 a
 def _row(stage: int, **kw) -> StateLayout:
     return StateLayout(f"DeepSpeed 0.19 stage {stage}", stage, payload=partial(_payload, stage), casts_buffers=True,
                        comm=partial(_comm, stage), payload_limits=partial(deepspeed_payload_limits, stage),
-                       precisions=_MIXED, **kw)
+                       precisions=_MIXED, deepspeed_stage=stage, ranks_differ=stage in (1, 2),
+                       peak_flow="deepspeed" if stage else None, **kw)  # the peak model: stages 1-3
 
 
 #: DeepSpeed 0.19 as measured; stage 1 holds the same state as stage 2 (its gradients are partitioned too). Padding
