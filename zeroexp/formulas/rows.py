@@ -4,13 +4,13 @@ never recommends one). A new strategy is one more row."""
 
 from __future__ import annotations
 
-from zeroexp.formulas.deepspeed import DEEPSPEED_LAYOUTS
+from zeroexp.formulas.deepspeed import DEEPSPEED_ROWS
 from zeroexp.formulas.hybrid import hybrid_units
 from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_reduce_buckets, all_reduce_then_broadcast,
                                      cut_buckets, gather_shards_twice, gather_units, owner_assignment, scatter_gather,
                                      scatter_gather_each_micro_batch)
 
-__all__ = ["LAYOUTS", "ddp_buckets", "buffer_broadcasts"]
+__all__ = ["LAYOUTS", "row_of", "rows_where", "ddp_buckets", "buffer_broadcasts"]
 
 
 def ddp_buckets(shape: ModelShape, knobs: PlanKnobs) -> tuple[tuple[int, ...], ...]:
@@ -153,5 +153,19 @@ LAYOUTS: dict[str, StateLayout] = {
                                 precisions=_MIXED, gathers_per_unit=_twice, unit_hooks="fsdp2", hybrid=True,
                                 source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid",
                                 peak_flow="fsdp2", reshard_after_forward=True),
-    **DEEPSPEED_LAYOUTS,
+    **{f"deepspeed_stage{row.deepspeed_stage}": row for row in DEEPSPEED_ROWS},
 }
+
+#: What a name no row has resolves to: a row of no model (every field the peak model reads at its default).
+_NO_ROW = StateLayout("no such row", 0, frozenset(), "never", "none", all_reduce_buckets)
+
+
+def row_of(name: str) -> StateLayout:
+    """The row ``name`` names (``strategy.layout``): what the planner reads of a strategy, in place of its name; for
+    a name no row has, a row of no model (``peak_flow`` None)."""
+    return LAYOUTS.get(name, _NO_ROW)
+
+
+def rows_where(predicate) -> list[str]:
+    """The names of the rows for which ``predicate(row)`` holds, in ``LAYOUTS`` order."""
+    return [name for name, row in LAYOUTS.items() if predicate(row)]
