@@ -165,7 +165,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     from zeroexp.plan.core import judge_fits
     from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
-    from zeroexp.plan.peak_deepspeed import ds_peak_limits
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage
 
     traced = batch is not None and cfg.model is not None
     wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
@@ -189,7 +189,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
             judge_fits(r)
             continue
         terms = cell_precision_terms(name, cfg)
-        key = (flow == "deepspeed", needs_in_place(name, k), terms)
+        key = (ds_stage(name) is not None, needs_in_place(name, k), terms)
         if key not in traces:
             traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k, dtype, terms)
         trace, in_place = traces[key]
@@ -208,11 +208,13 @@ def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, mem
     ``init=meta`` the rank's shards and the largest unit or module materialised at once, and ``fits`` also needs it
     to fit. ``init_note``: why a row has none (a parameter count has no units; a row whose init=meta is not
     modelled)."""
-    from zeroexp.formulas.init import INIT_KIND_OF_ROW, init_peak_bytes
+    from zeroexp.formulas import LAYOUTS
+    from zeroexp.formulas.init import init_peak_bytes
 
     for r in records:
         r["init"] = init
-        kind = INIT_KIND_OF_ROW.get(r["strategy"])
+        row = LAYOUTS.get(r["strategy"])
+        kind = row.init_kind if row is not None else None
         if init == "full":  # the whole model (4 bytes a parameter), and what wrapping adds where it is modelled
             if kind is not None and shape.exact:
                 r["init_peak_bytes"] = init_peak_bytes(shape, kind, "full", r["world_size"])

@@ -16,7 +16,7 @@ from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_FETCH_LIMIT",
            "DS_NORM_BYTES", "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups", "deepspeed_gathers",
-           "deepspeed_payload_limits", "DEEPSPEED_LAYOUTS"]
+           "deepspeed_payload_limits", "DEEPSPEED_ROWS"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
 DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
@@ -144,22 +144,23 @@ _SOURCE = ("DeepSpeed 0.19, measured by zeroexp's state probe (CPU, gloo; fp32 a
 def _row(stage: int, **kw) -> StateLayout:
     return StateLayout(f"DeepSpeed 0.19 stage {stage}", stage, payload=partial(_payload, stage), casts_buffers=True,
                        comm=partial(_comm, stage), payload_limits=partial(deepspeed_payload_limits, stage),
-                       precisions=_MIXED, **kw)
+                       precisions=_MIXED, deepspeed_stage=stage, ranks_differ=stage in (1, 2),
+                       peak_flow="deepspeed" if stage else None, **kw)  # the peak model: stages 1-3
 
 
 #: DeepSpeed 0.19 as measured; stage 1 holds the same state as stage 2 (its gradients are partitioned too). Padding
 #: (stage_1_and_2.py, partition_parameters.py): stages 1-2 one flat group per parameter group, its end aligned to
 #: ``nccl_start_alignment_factor`` (2) x N, no padding between parameters (``parameter_alignment``, off by default);
-#: stage 3 each parameter padded to N on its own (``_padding_size``).
-DEEPSPEED_LAYOUTS: dict[str, StateLayout] = {
-    "deepspeed_stage0": _row(0, sharded=frozenset(), master="mixed", groups="none",
+#: stage 3 each parameter padded to N on its own (``_padding_size``). By stage; zeroexp.formulas.rows names them.
+DEEPSPEED_ROWS: tuple[StateLayout, ...] = (
+    _row(0, sharded=frozenset(), master="mixed", groups="none",
                              source=_SOURCE + "; engine.py FP16_UnfusedOptimizer: an fp32 copy per parameter (mixed)"),
-    **{f"deepspeed_stage{k}": _row(k, sharded=_OS_G, master="always", groups="flat", pad=2,
+    *(_row(k, sharded=_OS_G, master="always", groups="flat", pad=2,
                                    offloads=frozenset({"none", "optimizer"}), grad_held="params",
                                    offload_grad="replace", flat_optimizer=True, source=_SOURCE + "; stage_1_and_2.py")
-       for k in (1, 2)},
-    "deepspeed_stage3": _row(3, sharded=_OS_G_P, master="always", groups="params", gather="largest",
+      for k in (1, 2)),
+    _row(3, sharded=_OS_G_P, master="always", groups="params", gather="largest",
                              offloads=frozenset({"none", "optimizer", "full"}), offload_grad="add", flat_optimizer=True,
                              sub_groups=deepspeed_sub_groups,
                              source=_SOURCE + "; stage3.py, partition_parameters.py"),
-}
+)

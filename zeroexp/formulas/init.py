@@ -28,15 +28,16 @@ from __future__ import annotations
 
 from zeroexp.formulas.layout import ModelShape
 from zeroexp.formulas.paper import fsdp2_padded_numel, padded_numel
+from zeroexp.formulas.rows import LAYOUTS
 
 __all__ = ["INIT_KINDS", "INIT_KIND_OF_ROW", "init_peak_bytes", "largest_init_step"]
 
 #: How each kind of row shards its parameters at initialisation (``init_peak_bytes``'s ``kind``).
 INIT_KINDS = ("fsdp1", "fsdp2", "replica")
 #: The rows of ``LAYOUTS`` whose ``init=meta`` is modelled, by kind (their adapters' ``meta_init``: ``replica`` or
-#: ``shards``). Not here: the paper's rows (no runtime), DeepSpeed's (refused), hybrid sharding's (not modelled).
-INIT_KIND_OF_ROW = {"ddp": "replica", "zro": "replica", "zero1": "replica", "zero2": "replica",
-                    "fsdp_grad_op": "fsdp1", "fsdp_full": "fsdp1", "fsdp2_grad_op": "fsdp2", "fsdp2_full": "fsdp2"}
+#: ``shards``), read off each row's ``init_kind``. Not here: the paper's rows (no runtime), DeepSpeed's (refused),
+#: hybrid sharding's (not modelled).
+INIT_KIND_OF_ROW = {name: row.init_kind for name, row in LAYOUTS.items() if row.init_kind is not None}
 
 
 def largest_init_step(shape: ModelShape) -> int:

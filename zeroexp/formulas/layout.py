@@ -85,6 +85,32 @@ class StateLayout:
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
     hybrid: bool = False
     reference: bool = False
+    # --- the peak model's choices for the row (zeroexp.plan.memory reads these, never the row's name) ---
+    #: How the row holds gradients in backward, the peak model's family for it (None: no peak model yet).
+    #: ``new``: autograd allocates each parameter's ``.grad`` after ``zero_grad(set_to_none=True)`` freed the last
+    #: step's (DDP; ZeroRedundancyOptimizer on DDP). ``in_place``: the gradients stay allocated across steps and
+    #: autograd accumulates into them (zeroexp's ZeRO-1: views of its flat buckets). ``bucket``: no gradient survives
+    #: the step; a bucket's flat buffer is allocated when its first gradient is ready and released in the optimizer
+    #: step, after its reduction and before the update (zeroexp's ZeRO-2, ``ShardedAdamW.step``): in category
+    #: ``comm``, the reduce-scatter's buffer from its birth. ``fsdp1`` / ``fsdp2``: FSDP's units
+    #: (:func:`zeroexp.formulas.peak.fsdp_phase_peaks` / ``fsdp2_phase_peaks``). ``deepspeed``: DeepSpeed's
+    #: (:mod:`zeroexp.formulas.peak_deepspeed`, by ``deepspeed_stage``).
+    peak_flow: str | None = None
+    #: FSDP: whether the row reshards a unit after forward (FULL_SHARD, FSDP2 ``reshard_after_forward=True``) and,
+    #: for FSDP1, so follows ``prefetch``; SHARD_GRAD_OP keeps its units unsharded until their backward.
+    reshard_after_forward: bool = False
+    #: Whether the peak model covers the row's ``grad_accum`` under ``no_sync`` (FSDP1 SHARD_GRAD_OP, which keeps
+    #: its units unsharded across the micro-batches).
+    no_sync_accumulation: bool = False
+    #: DeepSpeed's ZeRO stage for a DeepSpeed row (None: not DeepSpeed).
+    deepspeed_stage: int | None = None
+    #: Whether the row's ranks hold different state or buffers, so that the worst rank must be searched for
+    #: (ZeroRedundancyOptimizer's owners, DeepSpeed stage 1-2's partitions).
+    ranks_differ: bool = False
+    #: How an ``init=meta`` run of the row shards its parameters at initialisation
+    #: (:func:`zeroexp.formulas.init.init_peak_bytes`'s ``kind``: ``fsdp1``, ``fsdp2``, ``replica``); None: not
+    #: modelled.
+    init_kind: str | None = None
 
 
 # --- cutting: the one bucket cutter, packing, owners ----------------------------------------------------------

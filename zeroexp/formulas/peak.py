@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "GRADIENT_FLOW", "PHASES", "adamw_temporaries",
+__all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES", "adamw_temporaries",
            "phase_peaks", "fsdp_phase_peaks", "fsdp2_phase_peaks"]
 
 
@@ -48,14 +48,8 @@ class StepTrace:
     units: tuple[TracedUnit, ...] = ()
 
 
-#: How each strategy row holds gradients in backward (the families the peak model covers; other rows: no model yet).
-#: ``new``: autograd allocates each parameter's ``.grad`` after ``zero_grad(set_to_none=True)`` freed the last
-#: step's (DDP; ZeroRedundancyOptimizer on DDP). ``in_place``: the gradients stay allocated across steps and autograd
-#: accumulates into them (zeroexp's ZeRO-1: views of its flat buckets). ``bucket``: no gradient survives the step; a
-#: bucket's flat buffer is allocated when its first gradient is ready and released in the optimizer step, after its
-#: reduction and before the update (zeroexp's ZeRO-2, ``ShardedAdamW.step``): in category ``comm``, the
-#: reduce-scatter's buffer from its birth.
-GRADIENT_FLOW = {"ddp": "new", "zro": "new", "zero1": "in_place", "zero2": "bucket"}
+#: How each strategy row holds gradients in backward is the row's ``StateLayout.peak_flow`` (``new``, ``in_place``,
+#: ``bucket``: :func:`phase_peaks`'s flows; ``fsdp1``, ``fsdp2``, ``deepspeed``), in zeroexp.formulas.rows.
 #: The phases of a training step as the memory probe cuts it (zeroexp/probes/memory.py), in order.
 PHASES = ("forward", "backward", "optimizer")
 

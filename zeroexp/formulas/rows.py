@@ -4,13 +4,13 @@ never recommends one). A new strategy is one more row."""
 
 from __future__ import annotations
 
-from zeroexp.formulas.deepspeed import DEEPSPEED_LAYOUTS
+from zeroexp.formulas.deepspeed import DEEPSPEED_ROWS
 from zeroexp.formulas.hybrid import hybrid_units
 from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_reduce_buckets, all_reduce_then_broadcast,
                                      cut_buckets, gather_shards_twice, gather_units, owner_assignment, scatter_gather,
                                      scatter_gather_each_micro_batch)
 
-__all__ = ["LAYOUTS", "ddp_buckets", "buffer_broadcasts"]
+__all__ = ["LAYOUTS", "row_of", "rows_where", "ddp_buckets", "buffer_broadcasts"]
 
 
 def ddp_buckets(shape: ModelShape, knobs: PlanKnobs) -> tuple[tuple[int, ...], ...]:
@@ -109,44 +109,63 @@ LAYOUTS: dict[str, StateLayout] = {
                                source="[ZeRO] 5.1, 7.2.2, Figure 1; [OFFLOAD]", reference=True),
     # ddp / zro under bf16 / fp16: autocast, so parameters, gradients and what is all-reduced stay fp32
     "ddp": StateLayout("DDP", 0, frozenset(), "never", "none", all_reduce_buckets, fp32_at_rest=True,
-                       fp32_on_the_wire=True, precisions=_MIXED, comm=_ddp_comm, source="zeroexp.strategies.ddp"),
+                       fp32_on_the_wire=True, precisions=_MIXED, comm=_ddp_comm, source="zeroexp.strategies.ddp",
+                       peak_flow="new", init_kind="replica"),
     "zro": StateLayout("DDP + ZeroRedundancyOptimizer", 1, _OS, "never", "owners", all_reduce_then_broadcast,
                        fp32_at_rest=True, fp32_on_the_wire=True, precisions=_MIXED, comm=_zro_comm,
-                       source="zeroexp.strategies.zro"),
+                       source="zeroexp.strategies.zro", peak_flow="new", ranks_differ=True, init_kind="replica"),
     "zero1": StateLayout("zeroexp ZeRO-1", 1, _OS, "always", "buckets", scatter_gather, precisions=_MIXED,
-                         casts_buffers=True, source="zeroexp.strategies.sharding"),
+                         casts_buffers=True, source="zeroexp.strategies.sharding", peak_flow="in_place", init_kind="replica"),
     "zero2": StateLayout("zeroexp ZeRO-2", 2, _OS_G, "always", "buckets", scatter_gather_each_micro_batch,
                          precisions=_MIXED,
-                         casts_buffers=True, source="zeroexp.strategies.sharding"),
+                         casts_buffers=True, source="zeroexp.strategies.sharding", peak_flow="bucket", init_kind="replica"),
     "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, _OS_G_P, "never", "units",
                                 gather_units(kept_under_no_sync=True), "all",
                                 fp32_at_rest=True, precisions=_MIXED, casts_buffers=True,
-                                source="zeroexp.strategies.fsdp; [FSDP]"),
+                                source="zeroexp.strategies.fsdp; [FSDP]", peak_flow="fsdp1",
+                                no_sync_accumulation=True, init_kind="fsdp1"),
     "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows",
                                  gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
                                  precisions=_MIXED, unit_hooks="fsdp2",
-                                 source="zeroexp.strategies.fsdp2; [FSDP2]"),
+                                 source="zeroexp.strategies.fsdp2; [FSDP2]", peak_flow="fsdp2", init_kind="fsdp2"),
     "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", gather_units(), "largest",
                              fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
-                             casts_buffers=True, source="zeroexp.strategies.fsdp; [FSDP]"),
+                             casts_buffers=True, source="zeroexp.strategies.fsdp; [FSDP]", peak_flow="fsdp1",
+                             reshard_after_forward=True, init_kind="fsdp1"),
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                               precisions=_MIXED, gathers_per_unit=_twice, unit_hooks="fsdp2",
-                              source="zeroexp.strategies.fsdp2; [FSDP2]"),
+                              source="zeroexp.strategies.fsdp2; [FSDP2]", peak_flow="fsdp2",
+                              reshard_after_forward=True, init_kind="fsdp2"),
     # hybrid sharding: FULL_SHARD (SHARD_GRAD_OP for _HYBRID_SHARD_ZERO2) within shard_size ranks, replicated across
     "fsdp__HYBRID_SHARD_ZERO2": StateLayout("FSDP _HYBRID_SHARD_ZERO2", 2, _OS_G_P, "never", "units",
                                             hybrid_units(kept_under_no_sync=True),
                                             "all", fp32_at_rest=True, precisions=_MIXED, hybrid=True,
-                                            casts_buffers=True,
+                                            casts_buffers=True, peak_flow="fsdp1",
                                             source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
     "fsdp_HYBRID_SHARD": StateLayout("FSDP HYBRID_SHARD", 3, _OS_G_P, "never", "units", hybrid_units(), "largest",
                                      fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
                                      hybrid=True,
-                                     casts_buffers=True,
+                                     casts_buffers=True, peak_flow="fsdp1", reshard_after_forward=True,
                                      source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
     "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                                 hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                                 precisions=_MIXED, gathers_per_unit=_twice, unit_hooks="fsdp2", hybrid=True,
-                                source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid"),
-    **DEEPSPEED_LAYOUTS,
+                                source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid",
+                                peak_flow="fsdp2", reshard_after_forward=True),
+    **{f"deepspeed_stage{row.deepspeed_stage}": row for row in DEEPSPEED_ROWS},
 }
+
+#: What a name no row has resolves to: a row of no model (every field the peak model reads at its default).
+_NO_ROW = StateLayout("no such row", 0, frozenset(), "never", "none", all_reduce_buckets)
+
+
+def row_of(name: str) -> StateLayout:
+    """The row ``name`` names (``strategy.layout``): what the planner reads of a strategy, in place of its name; for
+    a name no row has, a row of no model (``peak_flow`` None)."""
+    return LAYOUTS.get(name, _NO_ROW)
+
+
+def rows_where(predicate) -> list[str]:
+    """The names of the rows for which ``predicate(row)`` holds, in ``LAYOUTS`` order."""
+    return [name for name, row in LAYOUTS.items() if predicate(row)]

@@ -18,28 +18,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroexp.formulas import ITEMSIZE, Groups, ModelShape, local_numels, owner_assignment
+from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, local_numels, owner_assignment
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
-from zeroexp.formulas.peak import (GRADIENT_FLOW, FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
+from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
                                    fsdp_phase_peaks)
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
                                              precision_terms, sharded_grad_upcast)
-from zeroexp.plan.peak_deepspeed import DS_ROWS, ds_late_free, ds_peak_limits, ds_phases, ds_steady_buffers_bytes
+from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
+from zeroexp.plan.peak_deepspeed import ds_late_free, ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes
 from zeroexp.plan.judge import TOLERANCE, judge_rank
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
            "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead", "read_traces_ahead"]
 
-#: FSDP1 rows the peak model covers: whether the row reshards after forward (FULL_SHARD) and so follows
-#: ``prefetch`` (BACKWARD_PRE / POST / none); SHARD_GRAD_OP keeps units unsharded until their backward.
-FSDP1_ROWS = {"fsdp_full": True, "fsdp_grad_op": False,
-              # hybrid sharding: the same within the shard group; the replicas' all_reduce of each reduced gradient
-              # shard runs in place (_runtime_utils.py _reduce_grad), so it adds no tensor
-              "fsdp_HYBRID_SHARD": True, "fsdp__HYBRID_SHARD_ZERO2": False}
-#: FSDP2 rows the peak model covers: whether the row reshards after forward.
-FSDP2_ROWS = {"fsdp2_full": True, "fsdp2_grad_op": False, "fsdp2_hybrid": True}
-#: FSDP1 rows whose accumulation under ``no_sync`` the peak model covers (SHARD_GRAD_OP keeps its units unsharded).
-NO_SYNC_ROWS = ("fsdp_grad_op",)
+# The peak model reads a row's fields (StateLayout.peak_flow, reshard_after_forward, ...), never its name. FSDP1's
+# hybrid sharding is FSDP1's within the shard group: the replicas' all_reduce of each reduced gradient shard runs in
+# place (_runtime_utils.py _reduce_grad), so it adds no tensor.
 #: The optimizer every covered row steps: torch's AdamW over fp32 state, single-tensor (torch's default on CPU).
 ADAMW = {"optimizer_itemsize": 4, "foreach": False}
 
@@ -48,29 +42,34 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
               activation_checkpointing: str = "none", micro_batches: int = 1,
               sync_each_microbatch: bool = False) -> list[str]:
     """Why the peak model does not cover a row in this precision, offload and axes (empty: it does)."""
-    flow = flow_of(name)
+    row = _row(name)
+    flow = row.peak_flow
     reasons = []
     if flow is None:
-        reasons.append(f"no peak model yet for strategy.layout={name} (covered: "
-                       f"{', '.join([*GRADIENT_FLOW, *FSDP1_ROWS, *FSDP2_ROWS, *DS_ROWS])})")
+        fsdp = [sorted(_modelled(lambda r: r.peak_flow == f), key=lambda n: (LAYOUTS[n].hybrid,
+                                                                             not LAYOUTS[n].reshard_after_forward))
+                for f in ("fsdp1", "fsdp2")]  # each FSDP's: FULL_SHARD, SHARD_GRAD_OP, then hybrid sharding's
+        covered = [*_modelled(lambda r: r.peak_flow in ("new", "in_place", "bucket")), *fsdp[0], *fsdp[1],
+                   *_modelled(lambda r: r.peak_flow is not None and r.deepspeed_stage is not None)]
+        reasons.append(f"no peak model yet for strategy.layout={name} (covered: {', '.join(covered)})")
     if flow == "fsdp1" and use_orig_params:
         reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
-    if flow == "deepspeed" and precision not in ("fp32", "bf16"):
+    if ds_stage(name) is not None and precision not in ("fp32", "bf16"):
         reasons.append(f"no peak model yet for DeepSpeed with precision={precision} (covered: fp32, bf16)")
     if precision != "fp32" and (activation_checkpointing != "none" or micro_batches > 1):
         reasons.append(f"no peak model yet for precision={precision} with activation_checkpointing="
                        f"{activation_checkpointing} grad_accum={micro_batches} (each is covered in fp32)")
     if activation_checkpointing not in ("none", "full"):
         reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
-    elif flow == "deepspeed" and activation_checkpointing != "none":
+    elif ds_stage(name) is not None and activation_checkpointing != "none":
         reasons.append(f"no peak model yet for DeepSpeed with activation_checkpointing={activation_checkpointing}")
-    modelled = name in NO_SYNC_ROWS and not sync_each_microbatch and activation_checkpointing == "none"
-    if micro_batches > 1 and flow is not None and GRADIENT_FLOW.get(name) not in ACCUMULATING_FLOWS and not modelled:
-        covered = [n for n, f in GRADIENT_FLOW.items() if f in ACCUMULATING_FLOWS] + [
-            f"{n} under no_sync without activation checkpointing" for n in NO_SYNC_ROWS]
+    modelled = row.no_sync_accumulation and not sync_each_microbatch and activation_checkpointing == "none"
+    if micro_batches > 1 and flow is not None and flow not in ACCUMULATING_FLOWS and not modelled:
+        covered = _modelled(lambda r: r.peak_flow in ACCUMULATING_FLOWS) + [
+            f"{n} under no_sync without activation checkpointing" for n in _modelled(lambda r: r.no_sync_accumulation)]
         how = "".join(f" {k}={v}" for k, v in (("strategy.sync_each_microbatch", "true" if sync_each_microbatch
                                                                                else None),
                                                ("activation_checkpointing", activation_checkpointing))
@@ -110,7 +109,7 @@ def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
         reasons.append("no peak model yet for a module applied more than once in a forward: the run accumulates its "
                        "gradient in place where the fake-tensor trace allocates the sum (64 B less measured on an "
                        "8-wide model); state, collectives and groups are checked")
-    if GRADIENT_FLOW.get(name) == "bucket" and shape.exact and len(shape.modules) == 1:
+    if flow == "bucket" and shape.exact and len(shape.modules) == 1:
         reasons.append("no peak model yet for zeroexp's ZeRO-2 on a model whose parameters are one module's: its "
                        "bucket opens and fills within the one traced backward segment; state, collectives and groups "
                        "are checked")
@@ -119,8 +118,7 @@ def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
 
 def flow_of(name: str) -> str | None:
     """The row's gradient flow in the peak model (``zeroexp.formulas.peak``), None where there is no model."""
-    return GRADIENT_FLOW.get(name) or ("fsdp1" if name in FSDP1_ROWS else "fsdp2" if name in FSDP2_ROWS else
-                                       "deepspeed" if name in DS_ROWS else None)
+    return _row(name).peak_flow
 
 
 def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: bool,
@@ -138,7 +136,7 @@ def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], ch
 
 def needs_in_place(name: str, micro_batches: int) -> bool:
     """Whether row ``name``'s peak model reads the step traced with its gradients allocated (:func:`step_traces`)."""
-    flow = GRADIENT_FLOW.get(name)
+    flow = _row(name).peak_flow
     return flow in ("in_place", "bucket") or (flow == "new" and micro_batches > 1)
 
 
@@ -147,7 +145,7 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
                       bucket_cap_bytes: int = 25 * 2**20, terms: PrecisionTerms | None = None) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
     that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
-    ranks = range(groups.world_size) if name in ("zro", "deepspeed_stage1", "deepspeed_stage2") else (0,)
+    ranks = range(groups.world_size) if _row(name).ranks_differ else (0,)
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, micro_batches=micro_batches,
                                in_place=in_place, bucket_cap_bytes=bucket_cap_bytes, terms=terms)
                 for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
@@ -165,21 +163,25 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     ``bucket_cap_bytes``: ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket; ``terms``: how the row applies the
     precision (:func:`cell_precision_terms`; None: fp32); ``reduce``: zeroexp's ZeRO's ``strategy.reduce`` (on gloo
     a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`)."""
-    if name in DS_ROWS:
+    row = _row(name)
+    if ds_stage(name) is not None:
         return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
-    terms = terms or precision_terms(flow_of(name), "fp32", "float32", itemsize)
-    if name in FSDP1_ROWS or name in FSDP2_ROWS:
+    terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
+    if row.peak_flow in ("fsdp1", "fsdp2"):
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank)
     st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms)
-    if name in ("zero1", "zero2"):
+    if row.groups == "buckets":  # zeroexp's ZeRO
         st["reduce_copies"] = gloo and reduce == "reduce_scatter"
-    return accumulated_phase_peaks(GRADIENT_FLOW[name], trace, micro_batches, in_place=in_place, **st)
+    if row.peak_flow is None:
+        raise KeyError(name)  # no peak model: as the name tables' lookup did
+    return accumulated_phase_peaks(row.peak_flow, trace, micro_batches, in_place=in_place, **st)
 
 
 def cell_precision_terms(name: str, cfg: Any) -> PrecisionTerms | None:
     """How the cell's row applies its precision (None: a row without precision terms: DeepSpeed's, or no model)."""
-    flow = flow_of(name)
-    if flow is None or flow == "deepspeed":
+    row = _row(name)
+    flow = row.peak_flow
+    if flow is None or ds_stage(name) is not None:
         return None
     p = cfg.precision
     return precision_terms(flow, str(p.name), str(p.param_dtype), ITEMSIZE[str(p.param_dtype)])
@@ -196,11 +198,12 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
     """What a rank holds at the optimizer boundary beside its model state: DDP's gradient buckets (ddp, zro:
     ``gradient_as_bucket_view=false``, a copy of every gradient), DeepSpeed stage 3's ipg bucket; given ``terms``,
     zeroexp's ZeRO's all-gather inputs below fp32 (:func:`gather_input_bytes`, the phases' figures are less them)."""
-    if name in DS_ROWS:
+    row = _row(name)
+    if ds_stage(name) is not None:
         return ds_steady_buffers_bytes(name, itemsize, bucket_cap_bytes)
-    if name in ("zero1", "zero2") and terms is not None:
+    if row.groups == "buckets" and row.peak_flow is not None and terms is not None:  # zeroexp's ZeRO
         return gather_input_bytes(tuple(s.numel // groups.world_size for s in groups.shards), terms, itemsize)
-    return sum(sum(b) for b in groups.buckets) * itemsize if name in ("ddp", "zro") else 0
+    return sum(sum(b) for b in groups.buckets) * itemsize if row.peak_flow == "new" else 0
 
 
 def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",
@@ -221,7 +224,8 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
                         bool(grads_in_place), terms)
     if key is not None and key in _TRACES:
         return _TRACES[key]
-    ds = name in DS_ROWS
+    row = _row(name)
+    ds = ds_stage(name) is not None
     if ds:
         dtypes = {"module_dtype": torch_dtype(param_dtype) if param_dtype != "float32" else None}
     elif terms is not None:
@@ -230,8 +234,8 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     else:
         dtypes = {}
     # a bucket is born at its first gradient: segmented at every module holding parameters, a segment opens one
-    own = ds or GRADIENT_FLOW.get(name) == "bucket"
-    fsdp = name in FSDP1_ROWS or name in FSDP2_ROWS  # a model with no unit of a wrap class is one unit
+    own = ds or row.peak_flow == "bucket"
+    fsdp = row.peak_flow in ("fsdp1", "fsdp2")  # a model with no unit of a wrap class is one unit
     return remember(_TRACES, key, trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
                                              grads_in_place=grads_in_place, own_params_units=own, root_unit=fsdp,
                                              **dtypes))
@@ -364,7 +368,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
             judged["steady"]["predicted_buffers_bytes"] = steady_buffers_bytes(  # DDP's: the grads' dtype
                 name, groups, itemsize if terms is None else terms.grad_itemsize, cap)
             phases = judged
-    source = "zeroexp.formulas.peak_deepspeed" if name in DS_ROWS else "zeroexp.formulas.peak"
+    source = "zeroexp.formulas.peak_deepspeed" if ds_stage(name) is not None else "zeroexp.formulas.peak"
     out = {"rank": worst_rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
            "trace": traced, "phases": phases, "ranks": ranks, "max_rel_err": max(errs) if errs else None,
            "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
@@ -388,10 +392,10 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
     """What the peak model needs of the groups, for rank ``rank``: the gradient bytes ``zero_grad`` frees, the
     buckets in reduce order, the tensors the rank's AdamW steps (fp32 state; single-tensor, torch's default on CPU),
     and below fp32 zeroexp's ZeRO's up-casts and all-gather inputs (:mod:`zeroexp.formulas.peak_precision`)."""
-    g = terms.grad_itemsize
-    if name in ("ddp", "zro"):  # a parameter a step gives no gradient has no gradient and no moments to step
+    g, row = terms.grad_itemsize, _row(name)
+    if row.peak_flow == "new":  # a parameter a step gives no gradient has no gradient and no moments to step
         idle = set(groups.ungraded)
-        mine = range(len(groups.numels)) if name == "ddp" else owner_assignment(groups.numels, n)[rank]
+        mine = owner_assignment(groups.numels, n)[rank] if row.groups == "owners" else range(len(groups.numels))
         numels = [groups.numels[i] for i in mine if i not in idle]
         graded = sum(k for i, k in enumerate(groups.numels) if i not in idle)
         return {"steady_grad_bytes": graded * g, "buckets": (), "optimizer_numels": tuple(numels), **ADAMW}
@@ -410,7 +414,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     ``micro_batches`` > 1: SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.
     fsdp_no_sync_phase_peaks`)."""
     # sharded over the shard group (hybrid sharding: shard_size ranks; else all); the gradient shards: AdamW's dtype
-    n, kept = groups.shard_over, ADAMW["optimizer_itemsize"]
+    n, kept, row = groups.shard_over, ADAMW["optimizer_itemsize"], _row(name)
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
@@ -424,22 +428,22 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
             graded = sum(shape.numels[i] for i in members if shape.train(i) and i not in shape.unused)
             units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * itemsize, graded * itemsize,
                                   sharded_grad_upcast(unit.scattered // n, terms),
-                                  unit.numel // n * itemsize if name in FSDP1_ROWS and terms.module_dtype else 0,
+                                  unit.numel // n * itemsize if row.peak_flow == "fsdp1" and terms.module_dtype else 0,
                                   None if unit.reduced is None else unit.reduced * itemsize))
     shards = [u.scattered // n for u in groups.units]
     if micro_batches > 1:
-        if name not in NO_SYNC_ROWS:
+        if not row.no_sync_accumulation:
             raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
         return fsdp_no_sync_phase_peaks(
             trace, [u.unsharded for u in units], [u.grads for u in units], root=root, root_grads=root_grads,
             steady_grad_bytes=sum(shards) * itemsize,
             optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), ADAMW["optimizer_itemsize"],
                                                     ADAMW["foreach"]))
-    if name in FSDP2_ROWS:  # AdamW steps each parameter's local rows, in definition order
+    if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **ADAMW,
-                                 reshard_after_forward=FSDP2_ROWS[name])
-    full_shard = FSDP1_ROWS[name] and not alone  # FSDP1 keeps the root unit unsharded from forward into backward
+                                 reshard_after_forward=row.reshard_after_forward)
+    full_shard = row.reshard_after_forward and not alone  # FSDP1 keeps the root unit unsharded from forward into backward
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **ADAMW)
@@ -456,9 +460,10 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
     work object goes, which may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
         return {}
-    if name in DS_ROWS:
+    row = _row(name)
+    if ds_stage(name) is not None:
         return ds_late_free(name, groups, itemsize)
-    if name in ("zero1", "zero2") and groups.shards:
+    if row.groups == "buckets" and row.peak_flow is not None and groups.shards:  # zeroexp's ZeRO
         late = {"forward": [(f"bucket {k}'s all-gather input (its fp32 master shard cast to the compute dtype)",
                              s.numel // groups.world_size * itemsize) for k, s in enumerate(groups.shards)
                             if itemsize < 4]}  # fp32: the master itself, no tensor of the all-gather's own
@@ -466,11 +471,11 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
         # gloo's work object, which gloo's worker thread may still hold through AdamW's update
         late["optimizer"] = [(f"bucket {k}'s copy gloo's reduce_scatter made of its full gradient",
                               s.numel * itemsize) for k, s in enumerate(groups.shards)]
-        if name == "zero2" and micro_batches > 1:  # each micro-batch's reduce waited at its end (accumulating()):
+        if row.peak_flow == "bucket" and micro_batches > 1:  # each micro-batch's reduce waited at its end (accumulating()):
             late["backward"] = [(f"bucket {k}'s copy gloo's reduce_scatter hands back at a micro-batch's end",
                                  s.numel * itemsize) for k, s in enumerate(groups.shards)]  # not modelled there
         return {ph: v for ph, v in late.items() if v}
-    if (name in FSDP1_ROWS or name in FSDP2_ROWS) and groups.units:
+    if row.peak_flow in ("fsdp1", "fsdp2") and groups.units:
         n = groups.shard_over
         sizes = sorted({u.numel * itemsize for u in groups.units} | {u.numel // n * itemsize for u in groups.units})
         unit = [("one unit's reduce-scatter tensor (its unsharded gradient, gloo's copy of it, or its sharded "
@@ -483,7 +488,7 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
         # the last units' reductions are waited for at backward's end: gloo's work may hold one into the update
         # (measured once in the suite: fsdp_hybrid N=4, a unit's unsharded gradient through AdamW)
         late = {"backward": unit, "optimizer": unit}
-        if name in FSDP2_ROWS:  # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
+        if row.peak_flow == "fsdp2":  # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
             late["forward"] = [("one unit's all-gather input (a shard copied in) or output", b) for b in sizes]
         return late
     return {}

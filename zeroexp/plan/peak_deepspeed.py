@@ -3,26 +3,31 @@ may free late, the buffers a rank keeps beside its state. :mod:`zeroexp.plan.mem
 
 from __future__ import annotations
 
-from zeroexp.formulas import DS_FETCH_LIMIT, DS_NORM_BYTES, Groups, deepspeed_reduce_bucket_numel, padded_numel
+from zeroexp.formulas import DS_FETCH_LIMIT, DS_NORM_BYTES, LAYOUTS, Groups, deepspeed_reduce_bucket_numel, padded_numel
 from zeroexp.formulas.peak import StepTrace
 from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
 
-__all__ = ["DS_ROWS", "ds_phases", "ds_peak_limits", "ds_late_free", "ds_steady_buffers_bytes"]
+__all__ = ["ds_stage", "ds_phases", "ds_peak_limits", "ds_late_free", "ds_steady_buffers_bytes"]
 
-#: The DeepSpeed rows the peak model covers, by ZeRO stage.
-DS_ROWS = {"deepspeed_stage1": 1, "deepspeed_stage2": 2, "deepspeed_stage3": 3}
+
+def ds_stage(name: str) -> int | None:
+    """The ZeRO stage of row ``name`` where the peak model covers it as DeepSpeed's (the row's ``peak_flow`` and
+    ``deepspeed_stage``); None otherwise."""
+    row = LAYOUTS.get(name)
+    return row.deepspeed_stage if row is not None and row.peak_flow is not None else None
 
 
 def ds_peak_limits(name: str, groups: Groups, bucket_cap_bytes: int) -> list[str]:
     """Why the peak model does not cover a DeepSpeed cell of these groups (empty: it does): DeepSpeed's paths it has
     not read into the model."""
     reasons, bucket = [], deepspeed_reduce_bucket_numel(bucket_cap_bytes)
-    if name in DS_ROWS and max(groups.numels, default=0) > bucket:
+    stage = ds_stage(name)
+    if stage is not None and max(groups.numels, default=0) > bucket:
         reasons.append(f"no peak model yet for a parameter of {max(groups.numels)} elements above reduce_bucket_size="
                        f"{bucket} (reduced on its own, extra_large_param_to_reduce)")
     fetched = groups.numel + sum(groups.frozen)
-    if DS_ROWS.get(name) == 3 and fetched > DS_FETCH_LIMIT:
+    if stage == 3 and fetched > DS_FETCH_LIMIT:
         reasons.append(f"no peak model yet for stage 3 beyond one prefetch bucket ({fetched} parameter elements > "
                        f"{DS_FETCH_LIMIT}: DeepSpeed fetches and releases in several buckets)")
     return reasons
@@ -33,7 +38,7 @@ def ds_phases(name: str, groups: Groups, trace: StepTrace, itemsize: int, rank: 
     """The peak model of a DeepSpeed row for rank ``rank`` (``bucket_cap_bytes``: ``strategy.bucket_cap_mb`` in
     bytes, whence ``reduce_bucket_size``; ``gloo``: the CPU backend's copies); stage 3 needs a trace with its units
     (``own_params_units``)."""
-    stage, n = DS_ROWS[name], groups.world_size
+    stage, n = _covered(name), groups.world_size
     if stage == 3:  # the shards: every parameter, frozen ones too, in parameter order
         every = tuple(sh.spans[0][1] for sh in groups.shards)
         return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
@@ -42,6 +47,14 @@ def ds_phases(name: str, groups: Groups, trace: StepTrace, itemsize: int, rank: 
     return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                                   numels=groups.numels, part=part,
                                   bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize)
+
+
+def _covered(name: str) -> int:
+    """:func:`ds_stage` of a row the peak model covers as DeepSpeed's (KeyError otherwise)."""
+    stage = ds_stage(name)
+    if stage is None:
+        raise KeyError(name)
+    return stage
 
 
 def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
@@ -55,7 +68,7 @@ def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tup
     """Per phase, the collective tensors of which gloo may free one late (after a later moment of the phase): stages
     1-2 a bucket's flattened all_reduce tensor (in backward, or into the step); stage 3 the parameters' all_gather buffer (forward) and a bucket's
     reduce-scatter concatenation (backward); in the step, the squared gradient norm's all_reduce tensor."""
-    stage = DS_ROWS[name]
+    stage = _covered(name)
     norm = {"optimizer": [("the squared gradient norm's all_reduce tensor (get_grad_norm_direct)",
                            DS_NORM_BYTES[stage])]}
     if stage < 3:
@@ -76,4 +89,4 @@ def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tup
 def ds_steady_buffers_bytes(name: str, itemsize: int, bucket_cap_bytes: int) -> int:
     """What a rank keeps beside its model state at the optimizer boundary: stage 3's ipg bucket (allocated once,
     ``reduce_bucket_size`` elements of the gradient dtype); stages 1-2 free theirs in every backward's epilogue."""
-    return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if DS_ROWS[name] == 3 else 0
+    return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if _covered(name) == 3 else 0
