@@ -1,9 +1,9 @@
 """Start-up: a whole ``python -m zeroexp`` (the default cell) against a bare torch.multiprocessing DDP loop of the same
 model, per-rank batch, steps and ranks, both whole processes timed from outside, alternating; median of the pairs.
 
-    python benchmarks/startup.py                 # 5 pairs of the default cell (4 ranks, 8 x 256^2, 30 steps, W&B offline)
+    python benchmarks/startup.py               # 5 pairs of the default cell (4 ranks, 8 x 256^2, 30 steps, W&B offline)
     python benchmarks/startup.py --pairs 2 --sweep 0 --breakdown 0     # a quick run
-    python benchmarks/startup.py --sweep 6       # also a 6-cell sweep (seed=0..5) against 6 bare loops in one process
+    python benchmarks/startup.py --sweep 6     # also a 6-cell sweep (seed=0..5) against 6 bare loops in one process
 
 ``--breakdown 1`` (the default) also runs the default cell once with every rank timing its phases (process start
 to the rank's entry, the rendezvous inside the strategy's setup, Lightning's Trainer, W&B's offline init, each probe's
@@ -260,14 +260,16 @@ def main() -> None:
         tmp = Path(tmp)
         if args.pairs:
             zx, bare = pairs(args.pairs, tmp, 0)
-            print(f"single cell: zeroexp median {statistics.median(zx):.2f} s, bare median {statistics.median(bare):.2f}"
-                  f" s, ratio of medians {statistics.median(zx) / statistics.median(bare):.2f} (per pair: "
+            print(f"single cell: zeroexp median {statistics.median(zx):.2f} s, bare median "
+                  f"{statistics.median(bare):.2f} s, ratio of medians "
+                  f"{statistics.median(zx) / statistics.median(bare):.2f} (per pair: "
                   f"{', '.join(f'{z / b:.2f}' for z, b in zip(zx, bare))}; target <= 1.5)", flush=True)
         if args.sweep:
             zx, bare = pairs(max(1, args.pairs), tmp, args.sweep)
             n = args.sweep
-            print(f"{n}-cell sweep: zeroexp median {statistics.median(zx):.2f} s ({statistics.median(zx) / n:.2f} s per "
-                  f"cell), bare {statistics.median(bare):.2f} s ({statistics.median(bare) / n:.2f} s per loop), ratio "
+            print(f"{n}-cell sweep: zeroexp median {statistics.median(zx):.2f} s "
+                  f"({statistics.median(zx) / n:.2f} s per cell), bare {statistics.median(bare):.2f} s "
+                  f"({statistics.median(bare) / n:.2f} s per loop), ratio "
                   f"{statistics.median(zx) / statistics.median(bare):.2f}", flush=True)
         if args.breakdown:
             print_breakdown(tmp)

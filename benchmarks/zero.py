@@ -136,7 +136,8 @@ def main() -> None:
             for label in [*labels, "all_gather"][k:] + [*labels, "all_gather"][:k]:  # rotate: drift spreads evenly
                 if label == "all_gather":
                     gather += lone_all_gather_ms(a, Path(tmp))
-                    print(f"round {rnd} {'lone all_gather':>15}: median {statistics.median(gather):8.2f} ms", flush=True)
+                    print(f"round {rnd} {'lone all_gather':>15}: median {statistics.median(gather):8.2f} ms",
+                          flush=True)
                     continue
                 runs[label].append(run(label, a, Path(tmp)))
                 print(f"round {rnd} {label:>15}: median {statistics.median(runs[label][-1]['step_ms']):8.2f} ms",

@@ -1,8 +1,8 @@
 """Shared fixtures: compose real configs and shrink them; run each distinct cell once per test session.
 
 ``cell(*overrides)`` runs the cell that the overrides compose (on top of :data:`BASE`) and caches its
-:class:`~zeroexp.launch.runner.CellResult` by the composed config, so tests of different probes that look at the same cell
-share one run. ``ladder_sweep`` and ``failed_sweep`` run two small CLI sweeps once per session for every module
+:class:`~zeroexp.launch.runner.CellResult` by the composed config, so tests of different probes that look at the same
+cell share one run. ``ladder_sweep`` and ``failed_sweep`` run two small CLI sweeps once per session for every module
 that asserts on a sweep's files or output.
 """
 
@@ -28,13 +28,14 @@ from zeroexp.launch.runner import CellResult, run_cell
 
 # One intra-op thread in the test process, as each rank of a cell on this 2-core machine has (zeroexp.rank.worker): with
 # two, the in-process tests' small torch ops spin-waited for a descheduled peer thread whenever the cores were busy
-# (test_reference_arithmetics_differ_by_rounding_only: 179 s with two threads, 1.5 s with one, run one after the other on the same loaded host).
+# (test_reference_arithmetics_differ_by_rounding_only: 179 s with two threads, 1.5 s with one, run one after the other
+# on the same loaded host).
 torch.set_num_threads(1)
 
 # The suite runs about 30 DeepSpeed cells: its ranks' forkserver imports DeepSpeed once, before the freeze of
-# zeroexp.launch.rank_preload (last), where each rank of each DeepSpeed cell imported it (its muon optimizer module compiles
-# with torch.compile's machinery: 1.0 s of a 2.9 s rank, quiet host). A user's forkserver does not: a single cell
-# would wait for it. DeepSpeed is an optional extra: without it, the forkserver skips the name.
+# zeroexp.launch.rank_preload (last), where each rank of each DeepSpeed cell imported it (its muon optimizer module
+# compiles with torch.compile's machinery: 1.0 s of a 2.9 s rank, quiet host). A user's forkserver does not: a single
+# cell would wait for it. DeepSpeed is an optional extra: without it, the forkserver skips the name.
 rank_context().set_forkserver_preload([*FORKSERVER_PRELOAD[:-1], "deepspeed.runtime.zero.muon.muon_optimizer",
                                        FORKSERVER_PRELOAD[-1]])
 

@@ -61,8 +61,10 @@ def test_cells_table_has_a_column_per_axis_a_cell_sets(sweep):
     assert [accum[h] for h in AXIS_HEADERS] == [NA, "full", "2", "yes", "none"]
     # the values are the cells' own: manifest.json cell and config
     cells = report.cells.set_index("cell_name")
-    assert cells.loc[accum.name, "cell.grad_accum"] == 2 and cells.loc[accum.name, "cell.activation_checkpointing"] == "full"
-    assert cells.loc[hybrid.name, "cell.shard_size"] == 2 and cells.loc[hybrid.name, "config.strategy.clip_grad_norm"] == 0.05
+    assert (cells.loc[accum.name, "cell.grad_accum"] == 2
+            and cells.loc[accum.name, "cell.activation_checkpointing"] == "full")
+    assert (cells.loc[hybrid.name, "cell.shard_size"] == 2
+            and cells.loc[hybrid.name, "config.strategy.clip_grad_norm"] == 0.05)
     # labels name the axes that tell the cells apart, clipping and sync_each_microbatch included
     assert "clip=0.05" in hybrid["cell"] and "shard_size=2" in hybrid["cell"]
     assert all(s in accum["cell"] for s in ("grad_accum=2", "activation_checkpointing=full", "sync_each_microbatch"))

@@ -56,11 +56,13 @@ def test_what_each_save_sends_and_holds(cell):
     """Collectives and rank 0's peak above its starting bytes, per strategy (CPU, MemTracker)."""
     saves = {(s, k): _cell(cell, s, k).summary["checkpoint"]["save"] for s in STRATEGIES for k in ("full", "sharded")}
     # DDP: rank 0 already holds everything: the full save neither communicates nor allocates.
-    assert saves["ddp", "full"]["collectives"]["counts"] == {} and saves["ddp", "full"]["rank0_peak_over_start_bytes"] == 0
+    assert (saves["ddp", "full"]["collectives"]["counts"] == {}
+            and saves["ddp", "full"]["rank0_peak_over_start_bytes"] == 0)
     # ZeroRedundancyOptimizer: consolidating broadcasts the other owner's state (size, then bytes) to rank 0;
     # sharded: each owner writes its own, no collective, no allocation.
     assert saves["zro", "full"]["collectives"]["counts"] == {"broadcast": 2}
-    assert saves["zro", "sharded"]["collectives"]["counts"] == {} and saves["zro", "sharded"]["rank0_peak_over_start_bytes"] == 0
+    assert (saves["zro", "sharded"]["collectives"]["counts"] == {}
+            and saves["zro", "sharded"]["rank0_peak_over_start_bytes"] == 0)
     # FSDP FULL_STATE_DICT: every unit's parameters and Adam moments all-gathered (3P of payload).
     assert saves["fsdp_full", "full"]["collectives"]["payload_bytes"]["all_gather"] >= 3 * P
     for strategy in ("zro", "fsdp_full"):  # the full save's rank 0 peak is above the sharded save's
@@ -127,7 +129,8 @@ def test_report_has_a_checkpoint_table(cell, tmp_path):
     shown = tables["checkpoint"].display()
     rows = {(cell_label.split(" ")[0], kind): row for (cell_label, kind), (_, row)
             in zip(zip(shown["cell"], shown["kind"]), shown.iterrows())}
-    assert rows["fsdp_full-pre", "full"]["check"] == "PASS" and "AG" in rows["fsdp_full-pre", "full"]["save collectives"]
+    assert (rows["fsdp_full-pre", "full"]["check"] == "PASS"
+            and "AG" in rows["fsdp_full-pre", "full"]["save collectives"])
     assert rows["ddp", "full"]["save collectives"] == "none"
 
 

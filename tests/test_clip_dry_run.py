@@ -1,8 +1,8 @@
 """Clipping in the dry run: FSDP2's ``clip_grad_norm`` all-reduces the stacked partial norms through a
 functional collective (DTensor's redistribution of a Partial norm), which ``FakeTensorMode`` would run as a fake kernel
-only; the dry run issues it on the fake process group (zeroexp/_lib/fake_collectives.py), so its collectives check PASSes
-and equals the real run's, as FSDP1's (a plain c10d all_reduce) does. The collectives probe names the group of the
-collectives DTensor issues (the shard group under hybrid sharding), in a real run and a dry run alike.
+only; the dry run issues it on the fake process group (zeroexp/_lib/fake_collectives.py), so its collectives check
+PASSes and equals the real run's, as FSDP1's (a plain c10d all_reduce) does. The collectives probe names the group of
+the collectives DTensor issues (the shard group under hybrid sharding), in a real run and a dry run alike.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def test_dry_run_traces_the_clip_all_reduce_as_the_real_run_issues_it(cell, stra
     r, d = real.summary["collectives"], dry.summary["collectives"]
     assert d["check"] == r["check"] == "PASS", (d["reasons"], r["reasons"])
     assert dry.summary["dry_run"]["source"].startswith("traced")
-    assert {k: d[k] for k in ("counts", "payload_bytes", "groups")} == {k: r[k] for k in ("counts", "payload_bytes", "groups")}
+    assert ({k: d[k] for k in ("counts", "payload_bytes", "groups")}
+            == {k: r[k] for k in ("counts", "payload_bytes", "groups")})
     assert d["groups"]["all_reduce"] == {"world": {"size": 2, "count": 1, "payload_bytes": NORM[strategy]}}
     assert dry.summary["plan"]["check"] == "PASS", dry.summary["plan"]["reasons"]
 

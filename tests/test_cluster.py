@@ -24,8 +24,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
-                                                                     "GROUP_RANK", "SLURM_", "SUBMITIT_", "TORCHELASTIC"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_RANK", "SLURM_", "SUBMITIT_",
+                                "TORCHELASTIC"))}
     return {**env, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **extra}
 
 
@@ -111,7 +112,8 @@ def test_rank_environment_of_each_launcher():
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
                 "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job7"}
     env = detect("torchrun", torchrun)
-    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.nodes) == (3, 4, 1, 2, 1, 2)
+    assert ((env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.nodes)
+            == (3, 4, 1, 2, 1, 2))
     assert (env.master_addr, env.master_port, env.job_id) == ("10.1.2.3", 29500, "job7")
     with pytest.raises(ConfigError, match="not a multiple"):
         detect("torchrun", {**torchrun, "LOCAL_WORLD_SIZE": "3"})
@@ -132,7 +134,8 @@ def test_submitit_local_sweep_runs_each_task_as_a_rank(cell, tmp_path):
     (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
     (cell_dir,) = [d for d in sweep.iterdir() if d.is_dir() and not d.name.startswith(".")]
     manifest = json.loads((cell_dir / "manifest.json").read_text())
-    assert (manifest["status"], manifest["launcher"], manifest["nodes"], manifest["ranks_per_node"]) == ("ok", "slurm", 1, 2)
+    assert ((manifest["status"], manifest["launcher"], manifest["nodes"], manifest["ranks_per_node"])
+            == ("ok", "slurm", 1, 2))
     assert [r["rank"] for r in manifest["ranks"]] == [0, 1] and manifest["job_id"]
     assert json.loads((sweep / ".duplicate_jobs.json").read_text()) == {"1": 0}
     assert (sweep / "report.md").exists()

@@ -190,7 +190,8 @@ def test_cell_names_and_ids_stay_pinned(spec, name):
 
 
 @pytest.mark.parametrize("strategy, extra", [
-    ("fsdp_full", "strategy.stage=3"), ("fsdp_grad_op", "strategy.bucket_cap_mb=64"), ("ddp", "strategy.reduce=allreduce"),
+    ("fsdp_full", "strategy.stage=3"), ("fsdp_grad_op", "strategy.bucket_cap_mb=64"),
+    ("ddp", "strategy.reduce=allreduce"),
     ("fsdp2_full", "strategy.sharding=FULL_SHARD"), ("zero1", "strategy.parameters_as_bucket_view=true"),
 ])
 def test_a_key_the_strategy_lacks_makes_no_new_cell(strategy, extra):
@@ -401,4 +402,5 @@ def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
     proc = _zeroexp("--multirun", "strategy=glob(zero*)", *values, f"hydra.sweep.dir={tmp_path / 'glob'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert launched == [OmegaConf.to_yaml(compose_config([f"strategy={s}", *values])) for s in ("zero1", "zero2")]
-    assert "cell 1 of 2:" in proc.stdout, proc.stdout  # the check ran (Hydra turns a callback's exception into a warning)
+    # the check ran (Hydra turns a callback's exception into a warning)
+    assert "cell 1 of 2:" in proc.stdout, proc.stdout

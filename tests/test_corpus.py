@@ -57,7 +57,8 @@ MODELS = {
 }
 STRATEGIES = ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full", "fsdp2_full", "fsdp2_grad_op")
 #: Refused before launch, by design, naming the key: (model, strategy) -> the key.
-REFUSED = {("lora_gpt", "fsdp_grad_op"): "strategy.use_orig_params", ("lora_gpt", "fsdp_full"): "strategy.use_orig_params"}
+REFUSED = {("lora_gpt", "fsdp_grad_op"): "strategy.use_orig_params",
+           ("lora_gpt", "fsdp_full"): "strategy.use_orig_params"}
 
 
 def _grid() -> list:

@@ -84,7 +84,8 @@ def test_collectives_model_follows_buckets_and_depth():
     assert deepspeed_buckets(1, [3, 3, 3], 5) == ((3,), (3,), (3,))
     for depth in (4, 8):
         numels = (4096,) * depth
-        g = Groups("deepspeed_stage2", 2, numels, (Shard((), depth * 4096),), buckets=deepspeed_buckets(2, numels, 8192))
+        g = Groups("deepspeed_stage2", 2, numels, (Shard((), depth * 4096),),
+                   buckets=deepspeed_buckets(2, numels, 8192))
         assert step_collectives(LAYOUTS["deepspeed_stage2"], g, 4) == {
             "all_reduce": {"count": depth // 2 + 1, "payload_bytes": depth * 4096 * 4 + 4},
             "all_gather": {"count": 1, "payload_bytes": depth * 4096 * 4}}

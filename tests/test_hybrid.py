@@ -156,10 +156,10 @@ def test_deepspeed_hpz_is_refused_with_the_reason(compose):
 
 @pytest.mark.parametrize("strategy, dtensor_check", [("fsdp_hybrid", False), ("fsdp2_hybrid", True)])
 def test_fp16_found_inf_all_reduce_runs_over_the_world(cell, strategy, dtensor_check):
-    """fp16: the loss scaler's found_inf all_reduce (4 bytes) runs over all N ranks; FSDP2's DTensor shards add DTensor's
-    own inf check, over the gradients' Partial dimension: the shard group (measured since the collectives probe marks
-    the collectives DTensor issues); beside the replicas' gradient all_reduces in half-precision bytes; every check
-    PASS."""
+    """fp16: the loss scaler's found_inf all_reduce (4 bytes) runs over all N ranks; FSDP2's DTensor shards add
+    DTensor's own inf check, over the gradients' Partial dimension: the shard group (measured since the collectives
+    probe marks the collectives DTensor issues); beside the replicas' gradient all_reduces in half-precision bytes;
+    every check PASS."""
     r = cell(f"strategy={strategy}", f"world_size={N}", f"strategy.shard_size={S}", "precision=fp16")
     assert r.status == "ok", r.error
     s = r.summary

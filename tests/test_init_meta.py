@@ -69,7 +69,8 @@ def test_bad_init_is_refused_before_any_rank(compose):
 def test_cell_identity_gains_init_only_when_meta(compose):
     from zeroexp.config.cell import cell_identity, cell_name
 
-    full, meta = compose("strategy=fsdp_full", "world_size=2"), compose("strategy=fsdp_full", "world_size=2", "init=meta")
+    full, meta = (compose("strategy=fsdp_full", "world_size=2"),
+                  compose("strategy=fsdp_full", "world_size=2", "init=meta"))
     assert "init" not in cell_identity(full) and "init-" not in cell_name(full)  # ids of every earlier cell kept
     assert cell_identity(meta)["init"] == "meta" and "_init-meta_" in cell_name(meta)
 

@@ -222,7 +222,8 @@ def test_planner_rows_judge_fits_on_the_peak():
     assert ddp["peak_bytes"] == ddp["device_bytes"] + P + 3 * W * W * 4
     assert ddp["fits_on"] == "peak" and ddp["fits"] == (ddp["peak_bytes"] <= 1_000_000)
     assert ddp["init_peak_bytes"] == P  # every rank builds the whole fp32 model first
-    assert rows["deepspeed_stage0"]["peak_bytes"] is None and "no peak model yet" in rows["deepspeed_stage0"]["peak_note"]
+    assert (rows["deepspeed_stage0"]["peak_bytes"] is None
+            and "no peak model yet" in rows["deepspeed_stage0"]["peak_note"])
     ds0 = rows["deepspeed_stage0"]  # no peak model: its state and gather floor with the traced activations
     assert ds0["fits_on"] == "state+activations" and ds0["fits_bytes"] == ds0["device_bytes"] + ds0["activation_bytes"]
     # Forward holds the activations: twice the batch, twice the traced forward (less the loss scalars).

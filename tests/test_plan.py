@@ -58,7 +58,8 @@ def test_figure_1(precision):
 @pytest.mark.parametrize("shape", [ModelShape.from_count(7_500_000_000), MLP], ids=["count", "mlp"])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_each_stage_never_above_the_previous(shape, precision):
-    ladders = [PAPER, DEEPSPEED, ["zero1", "zero2"], ["ddp", "zro", "fsdp_grad_op", "fsdp_full"], ["fsdp2_grad_op", "fsdp2_full"]]
+    ladders = [PAPER, DEEPSPEED, ["zero1", "zero2"], ["ddp", "zro", "fsdp_grad_op", "fsdp_full"],
+               ["fsdp2_grad_op", "fsdp2_full"]]
     for n in (1, 2, 3, 8, 64, 1024):
         records = _totals(None, shape, n, PRECISIONS[precision])
         for ladder in ladders:
@@ -100,7 +101,8 @@ def test_fp32_paper_stages_are_zero_state_factors():
 
 
 def test_reference_experiment_table():
-    """The reference write-up's table (seed_ch31, N=4, fp32): max-rank P / G / O MiB 128/128/256, 128/128/64, 32/32/64."""
+    """The reference write-up's table (seed_ch31, N=4, fp32): max-rank P / G / O MiB 128/128/256, 128/128/64,
+    32/32/64."""
     shape = shape_of(LinearStack(2048, 8), [nn.Linear])
     mib = {s: tuple(r[f"{k}_bytes"] // 2**20 for k in ("param", "grad", "optim"))
            for s, r in _totals(["ddp", "zro", "fsdp_grad_op", "fsdp_full"], shape, 4, PRECISIONS["fp32"]).items()}
@@ -176,7 +178,8 @@ def test_planned_padding_equals_measured(cell):
     r = cell("strategy=fsdp_full", "prefetch=pre", "world_size=3", "model.width=10")  # as in tests/test_state.py
     section, frame, _, _ = _check_plan(r)
     params = frame[frame.kind == "param"].sort_values("rank")
-    assert list(params.logical_bytes) == [8 * 34 * 4, 8 * 34 * 4, 8 * 32 * 4] and set(params.physical_bytes) == {8 * 34 * 4}
+    assert (list(params.logical_bytes) == [8 * 34 * 4, 8 * 34 * 4, 8 * 32 * 4]
+            and set(params.physical_bytes) == {8 * 34 * 4})
 
 
 # --- a model far too big for this machine ------------------------------------------------------------------
@@ -245,7 +248,8 @@ def test_cli_table_says_its_unit():
     assert gib.returncode == 0 and "GiB = 2^30 bytes" in gib.stdout and "111.8" in gib.stdout  # 120e9 / 2^30
 
 
-@pytest.mark.parametrize("args, key", [(("params=1e9", "nosuchkey=1"), "nosuchkey"), (("params=1e9", "units=MB"), "units"),
+@pytest.mark.parametrize("args, key", [(("params=1e9", "nosuchkey=1"), "nosuchkey"),
+                                       (("params=1e9", "units=MB"), "units"),
                                        (("params=1e9", "device_memory=lots"), "device_memory"), ((), "params")])
 def test_cli_refuses_bad_input_with_exit_2(args, key):
     out = _cli(*args)

@@ -174,11 +174,13 @@ def test_rows_follow_deepspeeds_partitioning_for_a_large_model(n, precision, off
 def test_the_planner_plans_the_deepspeed_rows():
     # 7.3M parameters, each Linear under the 25 MiB reduce bucket, the model under one stage-3 prefetch bucket
     shape = _mlp(7, 1023)
-    records, notes = plan(shape, [8], Precision("bf16", "bfloat16"), strategies=[f"deepspeed_stage{s}" for s in range(4)])
+    records, notes = plan(shape, [8], Precision("bf16", "bfloat16"),
+                          strategies=[f"deepspeed_stage{s}" for s in range(4)])
     by = {r["strategy"]: r for r in records}
     assert not notes and all("DeepSpeed 0.19, measured" in r["source"] for r in records)
     assert by["deepspeed_stage1"]["total_bytes"] == by["deepspeed_stage2"]["total_bytes"]
-    assert by["deepspeed_stage3"]["total_bytes"] < by["deepspeed_stage2"]["total_bytes"] < by["deepspeed_stage0"]["total_bytes"]
+    assert (by["deepspeed_stage3"]["total_bytes"] < by["deepspeed_stage2"]["total_bytes"]
+            < by["deepspeed_stage0"]["total_bytes"])
     # the payload: stage 1/2 gradients all-reduced (P) plus the fp32 norm and the bf16 overflow flag, the padded
     # flat group all-gathered; stage 3 each parameter padded to N, reduce-scattered and gathered once, fp64 norm
     psi, padded = shape.numel, math.ceil(shape.numel / 16) * 16

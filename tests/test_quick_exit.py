@@ -1,5 +1,5 @@
-"""Entry points end through zeroexp.cli.quick_exit: the exit status, the atexit handlers and the flushed output are those
-of a normal exit; only the interpreter's teardown is skipped."""
+"""Entry points end through zeroexp.cli.quick_exit: the exit status, the atexit handlers and the flushed output are
+those of a normal exit; only the interpreter's teardown is skipped."""
 
 from __future__ import annotations
 
@@ -45,6 +45,6 @@ def test_an_exception_keeps_its_traceback(tmp_path):
 
 
 def test_the_planner_cli_reports_bad_input_with_status_2():
-    proc = subprocess.run([sys.executable, "-m", "zeroexp.plan", "model=mlp", "world_size=[0]"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "zeroexp.plan", "model=mlp", "world_size=[0]"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "world_size" in proc.stderr + proc.stdout

@@ -34,7 +34,8 @@ BAD = [  # (override, key the message must name)
     # keys that nothing reads, and values torch would refuse later, inside a rank
     ("+anything=1", "anything"), ("+stepz=10", "stepz"), ("+optimizer.foo=1", "optimizer.foo"),
     ("+timeout.x=1", "timeout.x"), ("+probes.x=1", "probes.x"), ("+model.foo=1", "model.foo"),
-    ("strategy.bucket_cap_mb=-1", "strategy.bucket_cap_mb"), ("strategy=zro strategy.bucket_cap_mb=0", "strategy.bucket_cap_mb"),
+    ("strategy.bucket_cap_mb=-1", "strategy.bucket_cap_mb"),
+    ("strategy=zro strategy.bucket_cap_mb=0", "strategy.bucket_cap_mb"),
     ("optimizer.lr=-1", "optimizer.lr"), ("optimizer.betas=[1.5,0.9]", "optimizer.betas"),
     ("optimizer.betas=[0.9]", "optimizer.betas"), ("optimizer.eps=0", "optimizer.eps"),
     ("optimizer.weight_decay=-1", "optimizer.weight_decay"), ("probes.profile_steps=0", "probes.profile_steps"),

@@ -91,7 +91,8 @@ def test_table_numbers_equal_the_cells_summaries(sweep):
         c = s["collectives"]
         for op in ops:
             assert tables["collectives"].at[cell.name, f"collectives.counts.{op}"] == c["counts"].get(op, 0)
-            assert tables["collectives"].at[cell.name, f"collectives.payload_bytes.{op}"] == c["payload_bytes"].get(op, 0)
+            assert (tables["collectives"].at[cell.name, f"collectives.payload_bytes.{op}"]
+                    == c["payload_bytes"].get(op, 0))
         for key in ("median_ms", "p95_ms", "cv", "unstable"):
             assert tables["timing"].at[cell.name, f"timing.{key}"] == s["timing"][key]
         assert tables["equivalence"].at[cell.name, "equivalence.max_abs_err"] == s["equivalence"]["max_abs_err"]
@@ -157,7 +158,8 @@ def test_sweep_run_holds_report_tables_plots_and_html_artifact(sweep):
         assert logged["data"] == shown.values.tolist()
     for name in PLOTS:
         assert run["summary"][f"plots/{name.removeprefix('report_').removesuffix('.png')}/_type"] == "image-file"
-    artifacts = {rec.artifact.type: rec.artifact for rec in iter_records(path) if rec.WhichOneof("record_type") == "artifact"}
+    artifacts = {rec.artifact.type: rec.artifact for rec in iter_records(path)
+                 if rec.WhichOneof("record_type") == "artifact"}
     contents = {c.path: c.local_path for c in artifacts["report"].manifest.contents}
     assert {"report.html", "report.md", "report.csv"} <= set(contents)
     # a sweep directory holds everything wandb sync needs: no staged file outside it
@@ -227,7 +229,8 @@ def test_empty_and_all_failed_sweeps_report(tmp_path, sweep):
     cell = cell_dirs(sweep)[0]
     shutil.copytree(cell, tmp_path / "s" / cell.name, ignore=shutil.ignore_patterns("wandb"))
     manifest = read_json(tmp_path / "s" / cell.name / "manifest.json")
-    manifest.update(status="failed", error={"rank": None, "cause": "timeout", "message": "cell ran past 1 s", "log": None})
+    manifest.update(status="failed",
+                    error={"rank": None, "cause": "timeout", "message": "cell ran past 1 s", "log": None})
     (tmp_path / "s" / cell.name / "manifest.json").write_text(json.dumps(manifest))
     report = write_report(tmp_path / "s", wandb_mode="none")
     assert report.plots == [] and "ddp: cell failed: (timeout) cell ran past 1 s" in report.verdicts.failures
@@ -240,7 +243,8 @@ def test_labels_name_an_integer_axis_as_an_integer():
 
     from zeroexp.results.cells import order_cells
 
-    frame = pd.DataFrame({"cell.strategy": ["deepspeed", "fsdp_full", "deepspeed"], "cell.prefetch": [None, "pre", None],
+    frame = pd.DataFrame({"cell.strategy": ["deepspeed", "fsdp_full", "deepspeed"],
+                          "cell.prefetch": [None, "pre", None],
                           "cell.stage": [3, None, 2], "cell_id": ["a", "b", "c"], "cell_name": ["x", "y", "z"]})
     assert list(order_cells(frame).label) == ["fsdp_full-pre", "deepspeed stage=2", "deepspeed stage=3"]
 
@@ -260,11 +264,13 @@ def test_a_sweep_of_dry_runs_says_so(tmp_path, sweep):
     register()
     for strategy in ("ddp", "fsdp2_full"):
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[*BASE, f"strategy={strategy}", "world_size=8", "dry_run=true"])
+            cfg = compose(config_name="config",
+                          overrides=[*BASE, f"strategy={strategy}", "world_size=8", "dry_run=true"])
         assert run_cell(cfg, mixed / f"{strategy}_dry").status == "ok"
     report = build_report(mixed)
     cells = report.table("cells").display().set_index("cell")
-    assert cells.loc["ddp N=8", "mode"] == "dry run, derived" and cells.loc["fsdp2_full N=8", "mode"] == "dry run, traced"
+    assert (cells.loc["ddp N=8", "mode"] == "dry run, derived"
+            and cells.loc["fsdp2_full N=8", "mode"] == "dry run, traced")
     assert cells.loc["ddp N=2", "mode"] == "trained"
     lines = report.verdicts.lines
     assert "2 of them dry runs" in lines[0]

@@ -49,8 +49,8 @@ def test_python_m_zeroexp_starts_it_before_importing_the_cli():
 
 def test_the_forkserver_preloads_what_a_wandb_run_start_imports_before_torch(tmp_path):
     """``wandb.init`` imports W&B's launch inputs (1.4 to 2 s in a rank, after torch: docs/benchmarks.md); the ranks'
-    forkserver imports them once, before torch (zeroexp.launch.wandb_preload). Checked in fresh interpreters: that module
-    imports no torch, and an offline ``wandb.init`` imports nothing of W&B beyond what it preloads under
+    forkserver imports them once, before torch (zeroexp.launch.wandb_preload). Checked in fresh interpreters: that
+    module imports no torch, and an offline ``wandb.init`` imports nothing of W&B beyond what it preloads under
     ``wandb.sdk.launch``, so the preload goes stale loudly if W&B moves it."""
     import subprocess
     import sys

@@ -2,7 +2,8 @@
 
 zeroexp.formulas.time (fit, collective time, two-level ring), zeroexp.formulas.overlap (slots, the channel),
 zeroexp.plan.time (the check on given numbers, plan.time of a composed cell), zeroexp.probes.exposed (interval
-arithmetic), zeroexp.results.calibration (which file a cell uses), and one tiny real calibration at N=2 with a cell using it.
+arithmetic), zeroexp.results.calibration (which file a cell uses), and one tiny real calibration at N=2 with a cell
+using it.
 """
 
 from __future__ import annotations

@@ -138,7 +138,8 @@ def test_an_async_burst_is_timed_by_the_bursts_per_call_cost():
         times[row] = run().comm_s, run(burst_seconds=cal.seconds_at(2, burst=True)).comm_s
     for cap, several in ((100 * 2**20, False), (4 * 2**20, True)):  # zeroexp's ZeRO: its buckets' all_gathers
         groups = derive_groups("zero2", LAYOUTS["zero2"], shape, 2, 4, PlanKnobs(bucket_cap_bytes=cap))
-        gathers = [s for s in collective_slots(LAYOUTS["zero2"], groups, "pre", 1.0, 2.0, 1.0)[0] if s.op == "all_gather"]
+        gathers = [s for s in collective_slots(LAYOUTS["zero2"], groups, "pre", 1.0, 2.0, 1.0)[0]
+                   if s.op == "all_gather"]
         assert len(gathers) == len(groups.shards) and all(s.burst == several for s in gathers)
     assert times["ddp"][0] == times["ddp"][1]  # no burst in DDP's step
     assert times["zro"][1] - times["zro"][0] == pytest.approx(8 * 0.5e-3)  # each broadcast 0.5 ms more

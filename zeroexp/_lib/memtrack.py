@@ -88,8 +88,8 @@ def step_mem_tracker() -> Any:
             super().__init__()
             # The snapshots are also updated from gloo's worker threads: a storage a finished work object held last
             # is freed there, and MemTracker's weakref callback subtracts it. ``d[k] -= n`` is not atomic across
-            # threads, nor is a snapshot's deepcopy: every update of the current snapshot and every copy of it holds this
-            # lock (the phases' snapshots are copies only this thread touches).
+            # threads, nor is a snapshot's deepcopy: every update of the current snapshot and every copy of it holds
+            # this lock (the phases' snapshots are copies only this thread touches).
             self._snap_lock = threading.RLock()
             self._ref_class = (*_MemRefType, *_Role)  # every snapshot has a key for each category
             self._clock = 0  # counts allocations once entered: a storage's birth, and the peak's moment

@@ -66,9 +66,9 @@ def _mode_from_the_command_line() -> Iterator[None]:
 @contextmanager
 def _each_config_composed_once() -> Iterator[None]:
     """A ``--multirun`` composed each job's config three times: zeroexp's check of every job before the first cell
-    (``zeroexp.cli.sweep.SweepSummary``), Hydra's ``BasicSweeper.validate_batch_is_legal``, and Hydra's launch of the job,
-    each through ``ConfigLoader.load_sweep_config`` with the same arguments (measured: a 12-job sweep spent ~11 s of
-    its main process composing, 0.2 to 0.6 s a compose here). For the duration of one app, a compose is remembered
+    (``zeroexp.cli.sweep.SweepSummary``), Hydra's ``BasicSweeper.validate_batch_is_legal``, and Hydra's launch of the
+    job, each through ``ConfigLoader.load_sweep_config`` with the same arguments (measured: a 12-job sweep spent ~11 s
+    of its main process composing, 0.2 to 0.6 s a compose here). For the duration of one app, a compose is remembered
     under its arguments and each later call gets a deep copy of the first result (the launcher writes the job's
     number and id into its copy): the same config, composed once per job. A compose is a function of its arguments,
     the config files and the ConfigStore (neither changes while the app runs), and of a little process state that

@@ -39,7 +39,8 @@ class PlanConfig:
     bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
     batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
     shard_size: Optional[int] = None  # hybrid rows (fsdp_HYBRID_SHARD, fsdp2_hybrid...): ranks per shard group
-    network: Any = None  # network=<option of conf/network/>: adds step_ms, exposed_comm_ms, tokens_per_s (needs batch_size)
+    # network=<option of conf/network/>: adds step_ms, exposed_comm_ms, tokens_per_s (needs batch_size)
+    network: Any = None
     activation_checkpointing: Any = MISSING  # none | full (the runner's group): every wrap unit recomputed in backward
     grad_accum: Any = 1  # micro-batches of batch_size per optimizer step: their collectives, the gradients held, time
 

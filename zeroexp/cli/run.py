@@ -112,7 +112,8 @@ def _print_result(result: Any, console: Any, multirun: bool) -> None:
         line += f"  final_loss={result.summary['final_loss']:.6g}"
     if result.error:
         log = result.error.get("log")
-        line += f"  error: {result.error['message']}" + (f" (see {log})" if log and log not in result.error["message"] else "")
+        line += f"  error: {result.error['message']}" + (
+            f" (see {log})" if log and log not in result.error["message"] else "")
     console.print(line)
     if result.summary is not None and not multirun:  # a sweep's cells are in its report
         _print_digest(result.summary, console)
@@ -197,8 +198,8 @@ def _clear(cell_dir: Path) -> None:
 def main() -> None:
     """Console entry point (``python -m zeroexp`` and ``zeroexp``).
 
-    SIGTERM and SIGHUP end the run as Ctrl-C does (``zeroexp.launch.runner.stop_on_signals``): the running cell's ranks are
-    reaped and it is recorded ``failed`` naming the signal; a sweep stops and reports the cells run so far. The
+    SIGTERM and SIGHUP end the run as Ctrl-C does (``zeroexp.launch.runner.stop_on_signals``): the running cell's ranks
+    are reaped and it is recorded ``failed`` naming the signal; a sweep stops and reports the cells run so far. The
     exit code is then 128 + the signal's number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), with one line, no traceback."""
     from zeroexp.launch.local import start_forkserver_for
     from zeroexp.launch.runner import stop_on_signals

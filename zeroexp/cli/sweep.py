@@ -33,8 +33,8 @@ def sweep_jobs(config: DictConfig, loader: Any = None) -> list[list[str]]:
 
 def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: Any) -> None:
     """A ``strategy.<key>`` of a sweep (on the command line, or set by an experiment preset) applies to every job
-    whose strategy has that key; to the others it does not apply and makes no new cell (zeroexp.config.cell). Print which
-    keys did not apply to which cells; refuse (exit 2, before the first cell) a key that the sweep names and that
+    whose strategy has that key; to the others it does not apply and makes no new cell (zeroexp.config.cell). Print
+    which keys did not apply to which cells; refuse (exit 2, before the first cell) a key that the sweep names and that
     no job's strategy has (a typo: ``strategy.reduse=x``)."""
     from zeroexp.config.cell import cell_name
     from zeroexp.config.schemas import ConfigError, owners_of, strategy_extras, strategy_key

@@ -2,15 +2,16 @@
 
 Steps ``[0, warmup)`` are warm-up (DDP rebuilds its buckets, FSDP lazily initialises, Adam creates its
 moments). The rest is assembled from what each registered probe declares (``Probe.steps``, a :class:`Steps`, in
-``zeroexp.probes.registry`` order; :data:`PROBE_STEPS` below): first the windows of a configured length (the collectives probe's profiled
-steps, ``probes.profile_steps``, then the memory probe's tracked steps, ``probes.memory_steps``), then the
-steps left over (the timing probe's timed steps). A probe may instead read at the first step after warm-up
+``zeroexp.probes.registry`` order; :data:`PROBE_STEPS` below): first the windows of a configured length (the collectives
+probe's profiled steps, ``probes.profile_steps``, then the memory probe's tracked steps, ``probes.memory_steps``), then
+the steps left over (the timing probe's timed steps). A probe may instead read at the first step after warm-up
 without owning it (the state probe, at the optimizer boundary, after that step's time has been taken).
 Nothing is timed on a step where another probe ran.
 
 A cell with too few ``steps`` for every window still runs (any ``steps >= 1``): the windows are placed in the same
 order while they fit; a window that does not fit is empty and named in ``Schedule.skipped`` with the reason, and its
-probe's section reads ``check: n/a`` (``zeroexp.rank.worker.finalize``). Where every window fits, the steps are unchanged.
+probe's section reads ``check: n/a`` (``zeroexp.rank.worker.finalize``). Where every window fits, the steps are
+unchanged.
 """
 
 from __future__ import annotations

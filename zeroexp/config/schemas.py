@@ -129,7 +129,8 @@ class ZeroexpConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     timeout: TimeoutConfig = field(default_factory=TimeoutConfig)
     probes: ProbesConfig = field(default_factory=ProbesConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # zeroexp.config.resources: the check before launch
+    # zeroexp.config.resources: the check before launch
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     world_size: int = 4
     steps: int = 30
     batch_size: int = 8  # per rank and micro-batch; the global batch is batch_size * grad_accum * world_size

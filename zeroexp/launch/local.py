@@ -11,8 +11,8 @@ Failure handling: when a rank fails (exception, signal) the others get ``timeout
 then killed. A rank that hangs makes its peers fail in a collective after ``timeout.collective_s``; the rank
 still alive when its peers have failed is reported as the hung one. Past ``timeout.cell_s`` every rank is
 killed. Every rank process is joined before :func:`launch_local` returns, also on Ctrl-C, SIGTERM and SIGHUP
-(``zeroexp.launch.runner.stop_on_signals``). If this process is killed outright, the forkserver and the ranks die with it
-(parent-death signals: ``zeroexp.rank.deathsig``, ``zeroexp.rank.worker``).
+(``zeroexp.launch.runner.stop_on_signals``). If this process is killed outright, the forkserver and the ranks die with
+it (parent-death signals: ``zeroexp.rank.deathsig``, ``zeroexp.rank.worker``).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ __all__ = ["FORKSERVER_PRELOAD", "LaunchResult", "launch_local", "free_port", "s
 _CTX: Any = None
 #: What the ranks' forkserver imports before it forks a rank, in order: first zeroexp.rank.deathsig, which makes the
 #: forkserver die with this process (each rank dies with the forkserver: zeroexp.rank.worker); then what W&B's run start
-#: imports, cheaper before torch (zeroexp.launch.wandb_preload); then the ranks' module and every strategy adapter, which a
-#: rank would otherwise import afresh in each cell; last what else a rank imports, with the objects of every import
-#: frozen once for all ranks (zeroexp.launch.rank_preload).
-FORKSERVER_PRELOAD = ("zeroexp.rank.deathsig", "zeroexp.launch.wandb_preload", "zeroexp.rank.worker", "zeroexp.strategies._preload",
-                      "zeroexp.launch.rank_preload")
+#: imports, cheaper before torch (zeroexp.launch.wandb_preload); then the ranks' module and every strategy adapter,
+#: which a rank would otherwise import afresh in each cell; last what else a rank imports, with the objects of every
+#: import frozen once for all ranks (zeroexp.launch.rank_preload).
+FORKSERVER_PRELOAD = ("zeroexp.rank.deathsig", "zeroexp.launch.wandb_preload", "zeroexp.rank.worker",
+                      "zeroexp.strategies._preload", "zeroexp.launch.rank_preload")
 
 
 def rank_context() -> Any:

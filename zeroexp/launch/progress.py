@@ -102,13 +102,14 @@ def watch_progress(cell_dir: Path | str, name: str | None = None, stream: TextIO
     """While the body runs (the ranks train), show rank 0's progress from ``cell_dir/.progress.json``.
 
     ``interactive`` (default: ``stream`` is a terminal): a rich bar; else plain lines (:func:`format_line`) at
-    most every ``line_every_s`` seconds (default :data:`LINE_EVERY_S`), and one at the last step. A background thread polls; it is stopped and
-    joined, and the file read a last time, before this returns."""
+    most every ``line_every_s`` seconds (default :data:`LINE_EVERY_S`), and one at the last step. A background thread
+    polls; it is stopped and joined, and the file read a last time, before this returns."""
     cell_dir, stream = Path(cell_dir), stream if stream is not None else sys.stderr
     name = name or cell_dir.name
     if interactive is None:
         interactive = hasattr(stream, "isatty") and stream.isatty()
-    view: Any = _Bar(name, stream) if interactive else _Plain(name, stream, LINE_EVERY_S if line_every_s is None else line_every_s)
+    view: Any = (_Bar(name, stream) if interactive
+                 else _Plain(name, stream, LINE_EVERY_S if line_every_s is None else line_every_s))
     stop = threading.Event()
 
     def poll() -> None:

@@ -101,7 +101,8 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
              explicit_keys: Sequence[str] = (), progress: bool = False) -> CellResult:
     """Validate ``cfg`` (raises ``ConfigError`` before anything is written), then run the cell in ``cell_dir``.
 
-    ``progress``: show rank 0's progress on stderr while the ranks train (``zeroexp.launch.progress``; the CLI's runs)."""
+    ``progress``: show rank 0's progress on stderr while the ranks train (``zeroexp.launch.progress``; the CLI's
+    runs)."""
     validate(cfg, tuple(explicit_keys))
     with stop_on_signals():
         return _run_valid_cell(cfg, cell_dir, overrides, sweep, progress)

@@ -87,6 +87,7 @@ def replay_init(model: nn.Module, seed: int, sink: Callable[[str, torch.Tensor],
 
 
 def init_of(cfg: Any) -> str:
-    """The cell's ``init`` (conf/init/, zeroexp.config.init_mode): ``full`` or ``meta``; a config from before the axis: full."""
+    """The cell's ``init`` (conf/init/, zeroexp.config.init_mode): ``full`` or ``meta``; a config from before the axis:
+    full."""
     node = cfg.get("init")
     return str(node.name) if node is not None else "full"

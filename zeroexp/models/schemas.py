@@ -1,5 +1,6 @@
 """The model config schemas (``model=``): what every model needs, and the built-in models' own keys; registered
-as ``schema/model/<name>`` by :func:`zeroexp.config.schemas.register_schemas`, each extended by its conf/model/*.yaml."""
+as ``schema/model/<name>`` by :func:`zeroexp.config.schemas.register_schemas`, each extended by its
+conf/model/*.yaml."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from zeroexp.probes.equivalence import EquivalenceProbe
 from zeroexp.probes.checkpoint import CheckpointProbe
 
 __all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "as_callback", "REGISTRY", "registry", "IterationsProbe",
-           "StateProbe", "CollectivesProbe", "MemoryProbe", "TimingProbe", "EquivalenceProbe", "CheckpointProbe", "default_probes",
-           "probes_for", "absent_in_dry_run"]
+           "StateProbe", "CollectivesProbe", "MemoryProbe", "TimingProbe", "EquivalenceProbe", "CheckpointProbe",
+           "default_probes", "probes_for", "absent_in_dry_run"]
 
 
 #: Every probe, in the order their sections appear in ``summary.json``; the checkpoint probe last (its

@@ -1,13 +1,13 @@
 """The probe interface and the one result schema every probe writes.
 
 A probe is a plug-in: besides measuring (Lightning's callback hooks, run in a rank as :func:`as_callback`;
-:meth:`Probe.rank_result`, :meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from which
-``zeroexp.config.schedule.Schedule`` is assembled; a registered probe's is its entry of ``zeroexp.config.schedule.PROBE_STEPS``,
-which the launching process reads without importing the probes), whether and when it runs (:meth:`Probe.runs`), why it is absent
-from a dry run (:attr:`Probe.dry_run_absent`), its line in the terminal digest (:meth:`Probe.digest_line`) and
-its section of the sweep report (:meth:`Probe.report_table`). The run, the dry run, the digest and the report
-loop over ``zeroexp.probes.registry()``: a new probe is one module plus its test, and one entry there (and one
-in ``PROBE_STEPS`` if it needs steps).
+:meth:`Probe.rank_result`, :meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from
+which ``zeroexp.config.schedule.Schedule`` is assembled; a registered probe's is its entry of
+``zeroexp.config.schedule.PROBE_STEPS``, which the launching process reads without importing the probes), whether and
+when it runs (:meth:`Probe.runs`), why it is absent from a dry run (:attr:`Probe.dry_run_absent`), its line in the
+terminal digest (:meth:`Probe.digest_line`) and its section of the sweep report (:meth:`Probe.report_table`). The run,
+the dry run, the digest and the report loop over ``zeroexp.probes.registry()``: a new probe is one module plus its test,
+and one entry there (and one in ``PROBE_STEPS`` if it needs steps).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ class ProbeReport:
 class Probe:
     """Base class: a measurement with Lightning's callback hooks (``setup``, ``on_train_batch_start``, ...), a
     rank-local result and an all-rank aggregation. A rank runs it as a Lightning callback
-    (:func:`zeroexp._lib.callbacks.as_callback`); the class itself does not import Lightning, so the launching process reads its digest
-    line and report section (the digest after a cell, the sweep report) without importing Lightning (4 to 5 s on
-    this 2-core host, after the cell had finished)."""
+    (:func:`zeroexp._lib.callbacks.as_callback`); the class itself does not import Lightning, so the launching process
+    reads its digest line and report section (the digest after a cell, the sweep report) without importing Lightning (4
+    to 5 s on this 2-core host, after the cell had finished)."""
 
     name: ClassVar[str]
     #: The steps this probe owns or reads (:class:`Steps`), or None: it needs no step of its own.

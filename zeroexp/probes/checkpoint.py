@@ -205,19 +205,22 @@ class CheckpointProbe(Probe):
         return Path(where) if where else Path(trainer.default_root_dir) / "checkpoint"
 
     def _fresh(self) -> tuple[torch.nn.Module, CellModule, torch.optim.Optimizer]:
-        """A new model with other initial weights, wrapped by the adapter, and its optimizer (as Lightning builds it)."""
+        """A new model with other initial weights, wrapped by the adapter, and its optimizer (as Lightning builds
+        it)."""
         cfg, adapter = self.ctx.cfg, self.ctx.adapter
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.seed) + 1)
             net = build_model(OmegaConf.to_container(cfg.model, resolve=True))
-        from zeroexp.models.module import CellModule  # a LightningModule: here, so the probe's module needs no Lightning
+        # a LightningModule: imported here, so the probe's module needs no Lightning
+        from zeroexp.models.module import CellModule
 
         module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients).to(self.ctx.device)
         model = adapter.wrap_cell(module, self.ctx.device)  # as the cell's model: checkpointed units too
         return model, module, module.configure_optimizers()
 
     def _compare(self, a: torch.nn.Module, b: torch.nn.Module) -> dict[str, Any]:
-        """Rank 0: whether every full parameter of ``a`` equals ``b``'s bit for bit (a collective for sharded models)."""
+        """Rank 0: whether every full parameter of ``a`` equals ``b``'s bit for bit (a collective for sharded
+        models)."""
         full: list[dict[str, torch.Tensor]] = []
         for model in (a, b):
             with self.ctx.adapter.full_parameters(model) as params:

@@ -212,7 +212,8 @@ def collectives_table(ok: pd.DataFrame) -> ReportTable:
     has = column(ok, "collectives.check").reset_index(drop=True).map(lambda v: not missing(v))
     for f in ("counts", "payload_bytes"):  # an op a profiled cell never issued is 0, not unknown
         for op in ops:
-            raw[f"collectives.{f}.{op}"] = [0 if h and missing(v) else v for h, v in zip(has, raw[f"collectives.{f}.{op}"])]
+            raw[f"collectives.{f}.{op}"] = [0 if h and missing(v) else v
+                                            for h, v in zip(has, raw[f"collectives.{f}.{op}"])]
     raw["payload / P"] = [None if missing(t) or missing(p) or not p else t / p
                           for t, p in zip(raw["collectives.payload_total_bytes"], raw["collectives.param_bytes"])]
     raw["expected"] = [_expected_text(row, ops) for _, row in raw.iterrows()]
@@ -300,7 +301,8 @@ class CollectivesProbe(Probe):
 
     def rank_result(self) -> dict[str, Any]:
         return {"records": self.records, "steps": self.steps, "expected": self.expected,
-                "expected_error": self.expected_error, "param_bytes": self.param_bytes, "source": SOURCE, "exposed": self.exposed}
+                "expected_error": self.expected_error, "param_bytes": self.param_bytes, "source": SOURCE,
+                "exposed": self.exposed}
 
     @classmethod
     def aggregate(cls, results: list[dict[str, Any]], cfg) -> ProbeReport:
@@ -443,7 +445,8 @@ def _ops(ok: pd.DataFrame) -> list[str]:
 
 def _expected_text(row: pd.Series, ops: list[str]) -> str:
     parts = [f"{OPS.get(op, op)} {fmt_int(row[f'collectives.expected_counts.{op}'])}" for op in ops
-             if not missing(row[f"collectives.expected_counts.{op}"]) and float(row[f"collectives.expected_counts.{op}"])]
+             if not missing(row[f"collectives.expected_counts.{op}"])
+             and float(row[f"collectives.expected_counts.{op}"])]
     return ", ".join(parts) or (NA if all(missing(row[f"collectives.expected_counts.{op}"]) for op in ops) else "none")
 
 def _groups_text(ok: pd.DataFrame, ops: list[str]) -> list[str]:

@@ -11,9 +11,9 @@ memory peak or step time.
 The same reference is trained a second time with data parallelism's arithmetic: each rank's gradient of its own
 loss, summed in the reverse rank order, then divided by the world size. The two differ only by where the
 rounding falls (the order of the sums, the division by N before or after them), which is all that separates
-data parallelism from one process. Their largest difference is the run's **reduction-order floor** (computed). AdamW normalises each
-update, so a few ulps of gradient on a near-zero component become a sizeable step, and the floor grows with
-the steps; a fixed absolute threshold would then call plain DDP wrong. The check's bound is the precision's
+data parallelism from one process. Their largest difference is the run's **reduction-order floor** (computed). AdamW
+normalises each update, so a few ulps of gradient on a near-zero component become a sizeable step, and the floor grows
+with the steps; a fixed absolute threshold would then call plain DDP wrong. The check's bound is the precision's
 threshold, or ``FLOOR_FACTOR`` times the floor where that is larger (``threshold_basis`` says which).
 """
 
@@ -176,10 +176,10 @@ def equivalence_table(ok: pd.DataFrame) -> ReportTable:
     keys = ["equivalence.max_abs_err", "equivalence.max_rel_err", "equivalence.reduction_floor",
             "equivalence.threshold", "equivalence.effective_threshold", "equivalence.check", "equivalence.steps",
             "equivalence.compared_tensors"]
-    cols = [Column("cell", "label", str), Column("max abs err", keys[0], fmt_err), Column("max rel err", keys[1], fmt_err),
-            Column("reduction floor", keys[2], fmt_err), Column("threshold", keys[3], fmt_err),
-            Column("bound", keys[4], fmt_err), Column("check", keys[5]), Column("steps", keys[6], fmt_int),
-            Column("tensors", keys[7], fmt_int)]
+    cols = [Column("cell", "label", str), Column("max abs err", keys[0], fmt_err),
+            Column("max rel err", keys[1], fmt_err), Column("reduction floor", keys[2], fmt_err),
+            Column("threshold", keys[3], fmt_err), Column("bound", keys[4], fmt_err), Column("check", keys[5]),
+            Column("steps", keys[6], fmt_int), Column("tensors", keys[7], fmt_int)]
     note = ("Every parameter after the last step against an unsharded nn.Module + AdamW trained in one process on "
             "the same global batches; the reduction floor is how far the same reference moves when only the "
             "rounding of data parallelism's sums changes. PASS when max abs err <= bound: the precision's "

@@ -22,8 +22,8 @@ Sources (``memory.source`` names the one used):
   followed. Categories are MemTracker's (parameters, buffers, gradients, activations, temporaries, optimizer
   state, other) and zeroexp's ``unsharded`` (FSDP units gathered) and ``comm`` (collective buffers), named by the
   collectives a storage meets (``zeroexp._lib.memtrack``; each phase's peak categories are read at the step's end, when
-  every storage alive at that peak has its name). Memory that never passes through a tensor op while tracked (gloo's internal buffers) is not
-  seen; DDP's C++ gradient buckets are seen once all-reduced in the step. With FSDP1 and
+  every storage alive at that peak has its name). Memory that never passes through a tensor op while tracked (gloo's
+  internal buffers) is not seen; DDP's C++ gradient buckets are seen once all-reduced in the step. With FSDP1 and
   ``use_orig_params=True`` MemTracker cannot hook the non-leaf parameter views, so hooks are skipped there.
 """
 
@@ -52,10 +52,11 @@ PEAK_MEANING = (
     "so it does not prove that a model can be initialised in that memory."
 )
 #: ``PHASES`` (defined beside the peak model that predicts them): the phases of a training step, in order, each
-#: ending at a Lightning hook: ``forward`` (the training step's forward and zero_grad; ends at ``on_before_backward``), ``backward`` (backward with the strategy's gradient
-#: collectives, unscaling and clipping; ends at ``on_before_optimizer_step``), ``optimizer`` (the optimizer's step:
-#: the update, and what a strategy does inside it: zero1/zero2's reduce-scatter and all-gather, DeepSpeed's
-#: ``engine.step``; ends at ``on_train_batch_end``). A phase whose hook never fires merges into the next.
+#: ending at a Lightning hook: ``forward`` (the training step's forward and zero_grad; ends at ``on_before_backward``),
+#: ``backward`` (backward with the strategy's gradient collectives, unscaling and clipping; ends at
+#: ``on_before_optimizer_step``), ``optimizer`` (the optimizer's step: the update, and what a strategy does inside it:
+#: zero1/zero2's reduce-scatter and all-gather, DeepSpeed's ``engine.step``; ends at ``on_train_batch_end``). A phase
+#: whose hook never fires merges into the next.
 LAST_PHASE = PHASES[-1]
 #: The longest the memory probe waits at a tracked step's end for what gloo's worker threads still hold (``_settle``).
 SETTLE_S = 0.2
@@ -268,8 +269,9 @@ class _TensorTracker:
 
 
 def memory_source(device: torch.device) -> "_CudaAllocator | _TensorTracker":
-    """The tracker for ``device``: ``begin(model, optimizer)``, ``phase_end(phase)``, ``next_micro_batch()``, ``current_bytes()``, ``end(...)`` -> ``{"steady",
-    "peak", "steady_categories", "peak_categories"}``, ``abort()``; ``source`` names it."""
+    """The tracker for ``device``: ``begin(model, optimizer)``, ``phase_end(phase)``, ``next_micro_batch()``,
+    ``current_bytes()``, ``end(...)`` -> ``{"steady", "peak", "steady_categories", "peak_categories"}``, ``abort()``;
+    ``source`` names it."""
     return _CudaAllocator(device) if device.type == "cuda" else _TensorTracker(device)
 
 
@@ -281,8 +283,8 @@ def memory_table(ok: pd.DataFrame) -> ReportTable:
             *(f"memory.phase_peak_bytes_max.{ph}" for ph in phases)]
     raw = raw_rows(ok, keys + ["memory.peak_phase_of_max_rank", "memory.source"])
     unit = byte_unit(v for k in keys for v in raw[k])
-    cols = [Column("cell", "label", str), Column(f"steady {unit}", keys[0], unit), Column(f"peak {unit}", keys[1], unit),
-            Column(f"peak - steady {unit}", keys[2], unit),
+    cols = [Column("cell", "label", str), Column(f"steady {unit}", keys[0], unit),
+            Column(f"peak {unit}", keys[1], unit), Column(f"peak - steady {unit}", keys[2], unit),
             *(Column(f"{ph} peak {unit}", key, unit) for ph, key in zip(phases, keys[3:])),
             Column("peak in", "memory.peak_phase_of_max_rank")]
     planned = [f"plan.memory.phases.{ph}.{f}" for ph in phases for f in ("predicted_bytes", "measured_bytes")]
@@ -292,7 +294,8 @@ def memory_table(ok: pd.DataFrame) -> ReportTable:
         punit = byte_unit(v for k in planned for v in extra[k])
         raw["planned peak"] = [  # the phase of the measured peak
             NA if missing(ph) or missing(row.get(f"plan.memory.phases.{ph}.predicted_bytes")) else
-            f"{punit(row[f'plan.memory.phases.{ph}.predicted_bytes'])} / {punit(row[f'plan.memory.phases.{ph}.measured_bytes'])}"
+            f"{punit(row[f'plan.memory.phases.{ph}.predicted_bytes'])} / "
+            f"{punit(row[f'plan.memory.phases.{ph}.measured_bytes'])}"
             for ph, (_, row) in zip(raw["memory.peak_phase_of_max_rank"], extra.iterrows())]
         raw["plan.memory.check"] = extra["plan.memory.check"]
         cols += [Column(f"model P / M {punit}", "planned peak", str), Column("model", "plan.memory.check")]

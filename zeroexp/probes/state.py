@@ -195,7 +195,8 @@ class StateProbe(Probe):
         per_rank = {k: frame[frame.kind == k].set_index("rank") for k in kinds}
         factors = {k: logical[k] / p_bytes for k in kinds}
         reasons = check_factors(factors, expected, logical, p_bytes, n)
-        reasons += [f"{k}: physical {physical[k]} B < logical {logical[k]} B" for k in kinds if physical[k] < logical[k]]
+        reasons += [f"{k}: physical {physical[k]} B < logical {logical[k]} B"
+                    for k in kinds if physical[k] < logical[k]]
         optim = per_rank.get("optim")
         mean_optim = float(optim.logical_bytes.mean()) if optim is not None else 0.0
         section = {

@@ -13,9 +13,9 @@ Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.d
   with the real run's probes driven from a plain loop: the state probe counts rank 0's tensors at
   ``schedule.state_step``, the collectives probe's profiler records ``schedule.profiled``. The device mesh is
   made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``); the functional collectives DTensor issues
-  (FSDP2 clipping's norm) run on the fake process group (:mod:`zeroexp._lib.fake_collectives`), as a real run issues them.
-  The memory probe tracks its steps too: its phase peaks are a *simulation* (MemTracker over fake storages: what the
-  strategy's code allocates, without the backend's own buffers, which the fake process group does not make), written
+  (FSDP2 clipping's norm) run on the fake process group (:mod:`zeroexp._lib.fake_collectives`), as a real run issues
+  them. The memory probe tracks its steps too: its phase peaks are a *simulation* (MemTracker over fake storages: what
+  the strategy's code allocates, without the backend's own buffers, which the fake process group does not make), written
   as ``memory`` with ``simulated: true`` and shown beside the peak model's prediction in ``plan.memory``, never as it.
 - ``derived`` (DDP, ZeroRedundancyOptimizer, any strategy not traced): DDP's C++ Reducer needs real storage, so
   the model is built on the meta device; the collectives are the adapter's ``expected_collectives`` of that
@@ -160,7 +160,8 @@ def _traced(cfg: DictConfig, ctx: RunContext
     classes = [cls for cls in probes_for(cfg) if not cls.dry_run_absent]  # the state and collectives probes
     classes += [cls for cls in probes_for(cfg) if cls is MemoryProbe and _simulates_memory(cfg)]
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
-    # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group (zeroexp._lib.fake_collectives)
+    # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group
+    # (zeroexp._lib.fake_collectives)
     with FakeTensorMode() as mode, IssueFunctionalCollectives(), lazy_fsdp2_chunks():
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)

@@ -4,10 +4,10 @@ find the disk full while it writes the cell's results.
 Set ``ZEROEXP_FAULT=<rank>:<step>:<kind>[:<cell>]`` (kind: ``raise``, ``raise_tensor``, ``kill``, ``hang``, ``memory``,
 ``enospc``; ``<cell>``, if given, a substring the cell name must contain) in the environment of the launching
 process. ``enospc`` counts result writes, not steps: after training, the rank's result file write number ``<step>``
-(0 first; a CSV table or ``summary.json`` in the cell directory) fails with ENOSPC half-way through its data. It exists so that the reliability tests can prove that a failed or hung rank ends its cell
-within the timeouts, leaves no process behind, and does not stop a sweep. It does nothing when unset.
-Kind ``perturb`` changes that rank's batch of that step instead, so the equivalence tests can prove that a
-run that computed something else FAILs.
+(0 first; a CSV table or ``summary.json`` in the cell directory) fails with ENOSPC half-way through its data. It exists
+so that the reliability tests can prove that a failed or hung rank ends its cell within the timeouts, leaves no process
+behind, and does not stop a sweep. It does nothing when unset. Kind ``perturb`` changes that rank's batch of that step
+instead, so the equivalence tests can prove that a run that computed something else FAILs.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def _run_local_rank(rank: int, world_size: int, port: int, cfg: dict[str, Any], 
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0",
     )
-    # The launcher serves the rendezvous store on 127.0.0.1 (zeroexp.launch.local.loopback_store): every rank is its client.
+    # The launcher serves the rendezvous store on 127.0.0.1 (zeroexp.launch.local.loopback_store): every rank is its
+    # client.
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     # One machine: keep gloo's and NCCL's own sockets on loopback too.
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -200,7 +201,8 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         num_nodes=world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         strategy=adapter.lightning_strategy(cfg.timeout.collective_s, "nccl" if device.type == "cuda" else "gloo"),
-        precision="32-true", max_steps=cfg.steps, max_epochs=1, accumulate_grad_batches=accum, logger=logger, callbacks=callbacks,
+        precision="32-true", max_steps=cfg.steps, max_epochs=1, accumulate_grad_batches=accum, logger=logger,
+        callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, use_distributed_sampler=False,
         default_root_dir=str(cell),

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroexp.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="a sweep directory (outputs/multirun/<time>)")
     parser.add_argument("--wandb", choices=MODES, default="auto",
-                        help="the sweep's W&B run: auto (as the cells logged; default), offline, online, disabled, none")
+                        help="the sweep's W&B run: auto (as the cells logged; default), offline, online, disabled, "
+                             "none")
     parser.add_argument("--wandb-report", action="store_true",
                         help="also build the sweep's W&B Report (panels over the cells' runs); saved when logged in "
                              "and not offline, else described with the commands that create it")

@@ -146,7 +146,8 @@ def collective_payload(cells: pd.DataFrame, path: Path) -> Path | None:
     """Payload per step by op (stacked) for each cell, each op split by the process groups of its calls (hatched:
     hybrid sharding's shard and replicate groups), with the expected total as a black tick."""
     ok = cells[column(cells, "status") == "ok"]
-    ops = [op for op in [*OPS, *sorted({k.split(".")[-1] for k in ok.columns if k.startswith("collectives.payload_bytes.")} - set(OPS))]
+    ops = [op for op in [*OPS, *sorted({k.split(".")[-1] for k in ok.columns
+                                        if k.startswith("collectives.payload_bytes.")} - set(OPS))]
            if f"collectives.payload_bytes.{op}" in ok.columns]
     if not ops or all(missing(v) for v in column(ok, "collectives.payload_total_bytes")):
         return None
@@ -173,7 +174,8 @@ def collective_payload(cells: pd.DataFrame, path: Path) -> Path | None:
     ax.set_xticks(range(len(ok)), list(ok["label"]), fontsize=8, rotation=20, ha="right")
     ax.set_ylabel(unit.name)
     handles = ax.get_legend_handles_labels()[0] + [  # one entry per group: its hatch
-        Patch(facecolor="white", edgecolor="black", hatch=GROUP_HATCHES.get(dim, "xx"), label=f"{dim} group") for dim in dims]
+        Patch(facecolor="white", edgecolor="black", hatch=GROUP_HATCHES.get(dim, "xx"), label=f"{dim} group")
+        for dim in dims]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars
     fig.savefig(path)
     return path
@@ -220,8 +222,8 @@ def planned_peaks(cells: pd.DataFrame, path: Path) -> Path | None:
             ax.bar(x, h, bottom=base, width=0.9, color=colour, label=name if h and name not in labelled else None)
             labelled |= {name} if h else set()
             up, down = (up + h, down) if h >= 0 else (up, down + h)
-    ax.set_xticks([i // 2 * 2.6 + (i % 2) for i in range(len(bars))], ["P" if i % 2 == 0 else "M" for i in range(len(bars))],
-                  fontsize=7)
+    ax.set_xticks([i // 2 * 2.6 + (i % 2) for i in range(len(bars))],
+                  ["P" if i % 2 == 0 else "M" for i in range(len(bars))], fontsize=7)
     trans = blended_transform_factory(ax.transData, ax.transAxes)
     for i in range(0, len(bars), 2):
         ax.text(i // 2 * 2.6 + 0.5, -0.09, bars[i][0], transform=trans, ha="center", va="top", fontsize=7)

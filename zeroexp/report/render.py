@@ -51,11 +51,14 @@ def to_markdown(report: Report) -> str:
 
 
 _CSS = """
-body{font:14px/1.45 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1f2328;max-width:1200px;margin:2em auto;padding:0 1.5em}
+body{font:14px/1.45 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1f2328;max-width:1200px;\
+margin:2em auto;padding:0 1.5em}
 h1{font-size:1.6em;border-bottom:1px solid #d0d7de;padding-bottom:.3em}h2{font-size:1.25em;margin-top:1.8em}
 .meta{color:#59636e;font-size:.9em}.note{color:#59636e;font-size:.88em;max-width:60em}
-.verdicts{border:1px solid #d0d7de;border-left:6px solid #1a7f37;border-radius:6px;padding:.6em 1.2em;background:#f6f8fa}
-.verdicts.bad{border-left-color:#cf222e}.verdicts h2{margin-top:.3em}.verdicts li{margin:.15em 0}.failures li{color:#cf222e}
+.verdicts{border:1px solid #d0d7de;border-left:6px solid #1a7f37;border-radius:6px;padding:.6em 1.2em;\
+background:#f6f8fa}
+.verdicts.bad{border-left-color:#cf222e}.verdicts h2{margin-top:.3em}.verdicts li{margin:.15em 0}\
+.failures li{color:#cf222e}
 .scroll{overflow-x:auto}table{border-collapse:collapse;font-size:.9em;margin:.4em 0}
 th,td{border:1px solid #d0d7de;padding:.3em .6em;white-space:nowrap}th{background:#f6f8fa;text-align:left}
 td.num{text-align:right;font-variant-numeric:tabular-nums}tr:nth-child(even) td{background:#fbfcfd}

@@ -25,7 +25,8 @@ __all__ = ["Column", "ReportTable", "PlanSection", "build_tables", "sections", "
 def cells_table(frame: pd.DataFrame) -> ReportTable:
     """Every cell of the sweep, finished or not."""
     cols = [Column("cell", "label", str), Column("status", "status"), Column("model", "cell.model"),
-            Column("N", "cell.world_size", fmt_int), Column("final loss", "final_loss", lambda v: NA if missing(v) else f"{float(v):.6g}"),
+            Column("N", "cell.world_size", fmt_int),
+            Column("final loss", "final_loss", lambda v: NA if missing(v) else f"{float(v):.6g}"),
             Column("wall s", "duration_s", lambda v: NA if missing(v) else f"{float(v):.1f}"),
             Column("directory", "cell_name", str)]
     raw = raw_rows(frame, [c.key for c in cols[1:-1]])
@@ -62,7 +63,8 @@ def plan_table(ok: pd.DataFrame) -> ReportTable | None:
     if not kinds:
         return _plain_plan_table(ok)
     kinds = [k for k in kinds if k != "total"] + (["total"] if "total" in kinds else [])
-    raw = raw_rows(ok, [f"plan.{f}.{k}" for f in ("predicted_bytes", "measured_bytes", "difference_bytes") for k in kinds]
+    raw = raw_rows(ok, [f"plan.{f}.{k}" for f in ("predicted_bytes", "measured_bytes", "difference_bytes")
+                        for k in kinds]
                + ["plan.layout", "plan.payload_check", "plan.groups.check", "plan.check", "plan.memory.check"])
     unit = byte_unit(v for f in ("predicted_bytes", "measured_bytes") for k in kinds for v in raw[f"plan.{f}.{k}"])
     for k in kinds:
@@ -109,7 +111,8 @@ def failures_table(frame: pd.DataFrame) -> ReportTable:
             Column("cause", keys[2]), Column("error", keys[3]), Column("log", keys[4]),
             Column("directory", "cell_name", str)]
     raw = raw_rows(frame[frame.status != "ok"], keys)
-    note = "Their partial files stay in their directories (renamed *.partial); no other table shows them." if len(raw) else ""
+    note = ("Their partial files stay in their directories (renamed *.partial); no other table shows them."
+            if len(raw) else "")
     return ReportTable("failures", "Failed or skipped cells", raw, cols, note, empty_text="none")
 
 

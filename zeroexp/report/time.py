@@ -65,10 +65,10 @@ def time_table(ok: pd.DataFrame) -> ReportTable | None:
             Column("ratio", _KEYS[3], _ratio), Column("exposed ms P", _KEYS[4], fmt_ms),
             Column("exposed ms M", _KEYS[5], fmt_ms), Column("check", _KEYS[6]),
             Column("why", _KEYS[7], _first_reason)]
-    note = ("Predicted (computed): zeroexp.formulas.predict_step over the cell's groups with this machine's calibration "
-            "(python -m zeroexp.calibrate), nothing fitted to the cell. Measured: the median of the timed steps and its "
-            "bootstrap 95 % CI; ratio: predicted / measured median; exposed communication predicted (P) and measured (M) "
-            "on the profiled steps (a collective in flight, no compute op). "
+    note = ("Predicted (computed): zeroexp.formulas.predict_step over the cell's groups with this machine's "
+            "calibration (python -m zeroexp.calibrate), nothing fitted to the cell. Measured: the median of the timed "
+            "steps and its bootstrap 95 % CI; ratio: predicted / measured median; exposed communication predicted (P) "
+            "and measured (M) on the profiled steps (a collective in flight, no compute op). "
             "PASS within 1.25× either way; n/a when the CI is wider than ±10 % or no calibration exists."
             + _order_note(raw))
     return ReportTable("time", "Step time: planned vs measured", raw, cols, note)

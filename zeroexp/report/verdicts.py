@@ -97,7 +97,8 @@ def _check_lines(ok: pd.DataFrame) -> list[str]:
 def _timing_lines(ok: pd.DataFrame) -> list[str]:
     timed = ok[[not missing(v) for v in column(ok, "timing.median_ms")]]
     if timed.empty:
-        return ["timing: n/a (dry runs: no step time)." if len(ok) and is_dry_run(ok).all() else "timing: n/a (no timing section)."]
+        return ["timing: n/a (dry runs: no step time)." if len(ok) and is_dry_run(ok).all()
+                else "timing: n/a (no timing section)."]
     unstable = [bool(v) for v in timed["timing.unstable"]]
     order = timed.sort_values("timing.median_ms")
     if any(unstable):

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["redact", "redact_obj", "write_text", "write_json", "write_csv", "read_json", "versions", "git_commit", "utc_now",
-           "load_sweep", "SCHEMA_VERSION", "schema_version"]
+__all__ = ["redact", "redact_obj", "write_text", "write_json", "write_csv", "read_json", "versions", "git_commit",
+           "utc_now", "load_sweep", "SCHEMA_VERSION", "schema_version"]
 
 #: The version of the cell files' layout, written as ``schema_version`` at the top of ``summary.json`` and
 #: ``manifest.json`` (docs/results.md). 1: files written before the field existed (they have none); 2: the
