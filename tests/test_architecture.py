@@ -203,7 +203,8 @@ def test_no_source_file_over_500_lines():
 
 
 def test_the_schedule_reads_each_registered_probes_own_steps():
-    """zeroexp.config.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process validates a
+    """zeroexp.config.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process
+    validates a
     schedule without importing them): each registered probe that needs steps takes exactly its entry, in order."""
     from zeroexp.probes import registry
     from zeroexp.config.schedule import PROBE_STEPS
@@ -258,7 +259,8 @@ def test_a_probe_is_a_lightning_callback_only_in_a_rank():
     for cls in registry():
         assert not issubclass(cls, pl.Callback) and issubclass(cls, Probe)
         made = as_callback(cls)
-        assert made is as_callback(cls) and issubclass(made, (cls, pl.Callback)) and made.__qualname__ == cls.__qualname__
+        assert made is as_callback(cls) and issubclass(made, (cls, pl.Callback))
+        assert made.__qualname__ == cls.__qualname__
         probe = made.__new__(made)
         probe.__dict__.update(records=[1, 2])
         assert probe.state_key == cls.__qualname__

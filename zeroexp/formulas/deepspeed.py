@@ -15,7 +15,8 @@ from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, StateLayout, 
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_FETCH_LIMIT",
-           "DS_NORM_BYTES", "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups", "deepspeed_gathers",
+           "DS_NORM_BYTES", "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups",
+           "deepspeed_gathers",
            "deepspeed_payload_limits", "DEEPSPEED_ROWS"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
@@ -120,7 +121,8 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
     if offload != "none":
         reasons.append(f"offload={offload}: DeepSpeed's offloaded gradient and norm collectives are not modelled")
     if precision == "fp16":
-        reasons.append("fp16: DeepSpeed's overflow and loss-scale collectives are read, not measured (fp16 needs a GPU)")
+        reasons.append("fp16: DeepSpeed's overflow and loss-scale collectives are read, not measured (fp16 needs a "
+                       "GPU)")
     if not groups.exact:
         reasons.append("a parameter count: DeepSpeed's buckets need the parameters' shapes")
         return reasons

@@ -8,7 +8,8 @@ s_k the elements of the rank's shard, c bytes per element:
 - FSDP1 [FSDP-INIT] (torch/distributed/fsdp/_flat_param.py ``flatten_tensors``, ``FlatParamHandle.shard``): a
   unit's parameters (u_k) are concatenated into the FlatParameter (u_k) and the rank's chunk is cloned (s_k; a
   short last chunk cloned, then padded to s_k) before the unit's parameters and the full FlatParameter are freed;
-  the largest rank is the one with the longest short chunk, rank 0 when every unit divides by N. ``full``: the whole model is there
+  the largest rank is the one with the longest short chunk, rank 0 when every unit divides by N. ``full``: the whole
+  model is there
   before, and each unit done leaves only its shard. ``meta``: ``param_init_fn`` materialises the unit just
   before; afterwards the replay holds one module's own parameters (the largest init step, ``step``) beside
   every shard.

@@ -118,7 +118,8 @@ def cut_buckets(sizes: list[int] | tuple[int, ...], cap: int, rule: str = "fit")
     """Indices of ``sizes`` cut, in order, into buckets of about ``cap`` (an item is never split).
 
     ``fit``: a new bucket before an item that would take the bucket past the cap (an item above the cap is a bucket
-    alone): zeroexp.strategies.sharding's buckets, DeepSpeed's ``ipg`` buckets. ``reach``: a bucket closes as soon as it holds
+    alone): zeroexp.strategies.sharding's buckets, DeepSpeed's ``ipg`` buckets. ``reach``: a bucket closes as soon as
+    it holds
     ``cap`` or more (DDP's ``compute_bucket_assignment_by_size``). ``exceed``: closes once it holds more than ``cap``
     (DeepSpeed's ``allreduce_no_retain``).
     """

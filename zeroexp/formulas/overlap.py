@@ -11,7 +11,8 @@ collective's time adds to the step. The overlap rules, by what a row's groups ho
   filled it (gradient-ready order) and waited for before the optimizer, so all but the last overlap backward
   (torch/csrc/distributed/c10d/reducer.cpp); ZeroRedundancyOptimizer broadcasts each owner's parameters after its
   step (``_sync_params``), nothing left to overlap with.
-- ``buckets`` (zeroexp's ZeRO-1/2, :mod:`zeroexp.strategies.sharding`): a bucket's reduce_scatter is issued by a gradient hook
+- ``buckets`` (zeroexp's ZeRO-1/2, :mod:`zeroexp.strategies.sharding`): a bucket's reduce_scatter is issued by a
+gradient hook
   when backward has filled it, waited for before the optimizer; its all_gather is issued after the step and waited
   for in the forward pre-hook of the bucket's first module (the step's start here, in steady state).
 - ``units`` / ``rows`` (FSDP, FSDP2): a unit's all_gather is issued one unit ahead in forward (limit_all_gathers
@@ -88,7 +89,8 @@ class StepTime:
     framework_s: float = 0.0
     framework_terms: tuple = ()  # (name, seconds) for one micro-batch's forward and backward and the step's optimizer
     framework_notes: tuple = ()
-    wake_s: float = 0.0  # the calls' waking after idle gaps (:class:`~zeroexp.formulas.time.WakeCurve`), in exposed_comm
+    # the calls' waking after idle gaps (:class:`~zeroexp.formulas.time.WakeCurve`), in exposed_comm
+    wake_s: float = 0.0
 
     def by_phase_ms(self) -> dict[str, float]:
         return {k: 1e3 * getattr(self, f"{k}_s") for k in ("forward", "backward", "recompute", "optimizer", "framework",
@@ -268,8 +270,8 @@ def _op_seconds(op: str, entry: dict, share: float, seconds_of: CollectiveTime,
     parts = entry.get("groups") if group_seconds is not None else None
     if not parts:
         return seconds_of(op, entry["payload_bytes"] * share, 1 if one_call else entry["count"] * share)
-    return sum(group_seconds(dim, int(g["size"]))(op, g["payload_bytes"] * share,
-                                                  1 if one_call and g["count"] == entry["count"] else g["count"] * share)
+    return sum(group_seconds(dim, int(g["size"]))(
+        op, g["payload_bytes"] * share, 1 if one_call and g["count"] == entry["count"] else g["count"] * share)
                for dim, g in parts.items())
 
 

@@ -8,7 +8,8 @@ Sources, read alongside the adapters (zeroexp/strategies/):
   Autocast's casts of the weights and its low-precision outputs are what the forward saves: the step is traced
   under autocast (:func:`trace_dtypes`). fp16's ``GradScaler`` holds two scalars; its scaled loss and found-inf
   flags are a few bytes (left out: the model stays a lower bound).
-- zeroexp's ZeRO (``zero1``, ``zero2``; zeroexp/strategies/sharding.py ``ShardedAdamW.step``): the parameters are views of
+- zeroexp's ZeRO (``zero1``, ``zero2``; zeroexp/strategies/sharding.py ``ShardedAdamW.step``): the parameters are
+views of
   flat buckets in the compute dtype, inputs cast by a pre-hook, so gradients and buckets are in the compute dtype;
   in the step each bucket's reduced shard is up-cast to an fp32 master gradient (``shard.float()``, a copy below
   fp32), all alive through AdamW's update; after it each fp32 master shard is cast into the all-gather's input

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from zeroexp.formulas.paper import bus_factor
 
-__all__ = ["LinkFit", "fit_link", "collective_seconds", "measured_call_seconds", "isotonic", "WakeCurve", "two_level_seconds", "ComputeRate", "overlap_possible",
-           "CALIBRATED_OPS", "steps_to_narrow"]
+__all__ = ["LinkFit", "fit_link", "collective_seconds", "measured_call_seconds", "isotonic", "WakeCurve",
+           "two_level_seconds", "ComputeRate", "overlap_possible", "CALIBRATED_OPS", "steps_to_narrow"]
 
 #: The collectives zeroexp's strategies issue and the calibration measures.
 CALIBRATED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -136,7 +136,8 @@ def two_level_seconds(op: str, payload_bytes: float, ranks_per_node: int, nodes:
     """One collective over ``nodes`` x ``ranks_per_node`` ranks in two levels [HIER]: inside a node on the intra link
     (NVLink), across nodes on S / ranks_per_node per rank over the inter link (each rank its own NIC). all_reduce:
     intra reduce_scatter + inter all_reduce on S / g + intra all_gather; all_gather / reduce_scatter: the inter step on
-    S / g (ranks of one local index) and the intra step on S; broadcast: inter pipeline then intra. One node: the intra ring alone."""
+    S / g (ranks of one local index) and the intra step on S; broadcast: inter pipeline then intra. One node: the
+    intra ring alone."""
     g, m = ranks_per_node, nodes
     if m <= 1:
         return collective_seconds(op, payload_bytes, g, intra, calls)

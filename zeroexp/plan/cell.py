@@ -88,8 +88,9 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
     precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
     name, layout = layout_of(cfg)
     if precision.name not in layout.precisions or offload not in layout.offloads:
-        return {"check": "n/a", "row": name, "reasons": [f"no byte model for strategy.layout={name} precision="
-                                                          f"{precision.name} offload={offload} (zeroexp.formulas.LAYOUTS)"]}
+        return {"check": "n/a", "row": name,
+                "reasons": [f"no byte model for strategy.layout={name} precision={precision.name} offload={offload} "
+                            "(zeroexp.formulas.LAYOUTS)"]}
     measured = _measured(cell)
     if measured is None:
         return {"check": "n/a", "row": name, "reasons": ["no rank_state.csv: the state probe did not run"]}

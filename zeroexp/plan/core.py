@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout, bus_bytes,
+from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout,
                               derive_groups, offloaded_kinds, op_bus_bytes, rank_state_bytes, step_collectives,
                               unsharded_floor_bytes)
 

@@ -443,7 +443,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **ADAMW,
                                  reshard_after_forward=row.reshard_after_forward)
-    full_shard = row.reshard_after_forward and not alone  # FSDP1 keeps the root unit unsharded from forward into backward
+    # FSDP1 keeps the root unit unsharded from forward into backward
+    full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **ADAMW)
@@ -455,8 +456,10 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
     and ZeRO-2 below fp32: in forward a bucket's all-gather input, which the
     next forward drops when it waits for the bucket; their optimizer step: the reduced copy of a bucket gloo's
     reduce_scatter hands back at its wait (the model counts it at the wait), held on by gloo's work, and with
-    ``micro_batches`` > 1 zero2's in backward (a micro-batch's reduce waited at its end: not modelled). FSDP1's and FSDP2's backward and optimizer step: a unit's
-    reduce-scatter input, gloo's copy of it or its output; FSDP2's forward: a unit's all-gather input or output (gloo frees them when the
+    ``micro_batches`` > 1 zero2's in backward (a micro-batch's reduce waited at its end: not modelled). FSDP1's and
+    FSDP2's backward and optimizer step: a unit's
+    reduce-scatter input, gloo's copy of it or its output; FSDP2's forward: a unit's all-gather input or output (gloo
+    frees them when the
     work object goes, which may be after a later moment of the phase; docs/results.md measures how often)."""
     if not gloo:
         return {}
@@ -471,7 +474,8 @@ def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
         # gloo's work object, which gloo's worker thread may still hold through AdamW's update
         late["optimizer"] = [(f"bucket {k}'s copy gloo's reduce_scatter made of its full gradient",
                               s.numel * itemsize) for k, s in enumerate(groups.shards)]
-        if row.peak_flow == "bucket" and micro_batches > 1:  # each micro-batch's reduce waited at its end (accumulating()):
+        # each micro-batch's reduce waited at its end (accumulating()):
+        if row.peak_flow == "bucket" and micro_batches > 1:
             late["backward"] = [(f"bucket {k}'s copy gloo's reduce_scatter hands back at a micro-batch's end",
                                  s.numel * itemsize) for k, s in enumerate(groups.shards)]  # not modelled there
         return {ph: v for ph, v in late.items() if v}

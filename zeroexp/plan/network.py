@@ -20,7 +20,8 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, Mode
                               two_level_seconds)
 from zeroexp.plan.core import recommendable
 
-__all__ = ["Network", "network_of", "calibrated_network", "predict_on", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT"]
+__all__ = ["Network", "network_of", "calibrated_network", "predict_on", "add_step_times", "tokens_per_sample",
+           "ADAMW_BYTES_PER_ELEMENT"]
 
 #: AdamW in fp32 reads the parameter, its gradient and two moments and writes the parameter and both moments: 7 x 4 B.
 ADAMW_BYTES_PER_ELEMENT = 28

@@ -66,7 +66,8 @@ def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
 
 def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tuple[str, int]]]:
     """Per phase, the collective tensors of which gloo may free one late (after a later moment of the phase): stages
-    1-2 a bucket's flattened all_reduce tensor (in backward, or into the step); stage 3 the parameters' all_gather buffer (forward) and a bucket's
+    1-2 a bucket's flattened all_reduce tensor (in backward, or into the step); stage 3 the parameters' all_gather
+    buffer (forward) and a bucket's
     reduce-scatter concatenation (backward); in the step, the squared gradient norm's all_reduce tensor."""
     stage = _covered(name)
     norm = {"optimizer": [("the squared gradient norm's all_reduce tensor (get_grad_norm_direct)",

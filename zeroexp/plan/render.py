@@ -38,7 +38,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
     else:
         first = records[0]
         what = (f"{first['numel']:,} parameters" + ("" if first["shapes_known"] else " (a count: one flat group, "
-                "units unknown)") if first["model"] == "params" else f"model {first['model']}: {first['numel']:,} parameters")
+                "units unknown)") if first["model"] == "params"
+                else f"model {first['model']}: {first['numel']:,} parameters")
         console.print(_memory_table(records, unit))
         acts = first.get("activation_bytes")
         traced = ("activations: one forward at the per-rank batch traced under FakeTensorMode (saved for backward, "
@@ -89,7 +90,8 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     for r in records:
         row = [f"{r['strategy']} [dim]{r['label']}[/]" + (_REFERENCE if r["reference"] else ""), str(r["zero_stage"]),
                str(r["world_size"])]
-        row += [fmt_size(r[k], unit) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "total_bytes")]
+        row += [fmt_size(r[k], unit)
+                for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "total_bytes")]
         row += [fmt_size(r["host_bytes"], unit), fmt_size(r["device_bytes"], unit)] if offload else []
         row += [fmt_size(r["gather_floor_bytes"], unit)] + ([fmt_size(r["activation_bytes"], unit)] if acts else [])
         row += ([f"{fmt_size(r['peak_bytes'], unit)} ({r['peak_phase']})" if r.get("peak_bytes") is not None

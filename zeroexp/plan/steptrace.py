@@ -7,7 +7,8 @@ autograd produces them. Nothing is allocated: the model is built and run on fake
 meta device: attention's math path there saves the s^2 probabilities where the CPU and CUDA kernels save a logsumexp),
 and ``torch.distributed._tools.MemTracker`` follows their storages exactly as the memory probe follows real ones.
 
-The step is the training step zeroexp runs (``zeroexp.models.module``): forward, the loss, Lightning's detached copy of the
+The step is the training step zeroexp runs (``zeroexp.models.module``): forward, the loss, Lightning's detached copy
+of the
 loss (``ClosureResult``), backward. Segments end at each unit's forward pre/post hook and backward pre/post hook, at
 the loss and at the end of backward; each records the peak inside it and the bytes live at its end, by category
 (MemTracker's: parameter gradients are ``gradients``, what backward allocates besides is ``temporaries``).
@@ -81,7 +82,8 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                 return
             (b, b_cats), (peak, peak_cats) = base[0], totals(mt.get_tracker_snapshot("peak"), device)
             now, now_cats = totals(mt.get_tracker_snapshot("current"), device)
-            segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b, _less(now_cats, b_cats)))
+            segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b,
+                                    _less(now_cats, b_cats)))
             mt.reset_peak()
 
         index = {id(p): i for i, p in enumerate(net.parameters())}

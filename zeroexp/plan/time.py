@@ -1,7 +1,8 @@
 """``summary.json["plan"]["time"]``: the predicted step time of a cell that ran, beside its measured median.
 
 The prediction is the one model's (:func:`zeroexp.formulas.predict_step`) over the groups the cell's row derives
-from its shapes, with a calibration of this machine, backend and world size (:mod:`zeroexp.results.calibration`: the newest
+from its shapes, with a calibration of this machine, backend and world size (:mod:`zeroexp.results.calibration`: the
+newest
 in ``outputs/calibration/``, or ``calibration=PATH``); nothing is fitted to the cell. The measurement is the timing
 probe's timed steps (their median and a bootstrap 95 % CI of it) and the collectives probe's exposed communication.
 
@@ -144,7 +145,8 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     if busy is not None:
         out["reasons"].append(f"this cell's timed steps ran beside other work ({busy:.2f} cores busy with other "
                               "processes on average, timing.host_activity): its median is not this host's quiet one")
-    if c["model"] != str(cfg.model.name) or int(c["numel"]) != groups.numel or int(c["batch_size"]) != int(cfg.batch_size):
+    if (c["model"] != str(cfg.model.name) or int(c["numel"]) != groups.numel
+            or int(c["batch_size"]) != int(cfg.batch_size)):
         out["reasons"].append(f"compute calibrated on {c['model']} ({c['numel']} parameters, batch {c['batch_size']}), "
                               f"this cell {cfg.model.name} ({groups.numel}, batch {cfg.batch_size}): rates per "
                               "parameter x sample carried over")

@@ -66,7 +66,8 @@ def checkpoint_format(stage: int, kind: str) -> str:
 
 
 def save(stage: int, kind: str, path: Path, model: Any) -> list[Path]:
-    """Write the engine ``model``'s state as a ``kind`` checkpoint into ``path``; the files this rank wrote. A collective."""
+    """Write the engine ``model``'s state as a ``kind`` checkpoint into ``path``; the files this rank wrote. A
+    collective."""
     rank = dist.get_rank()
     if kind == "sharded":
         model.save_checkpoint(str(path), tag=DS_TAG, save_latest=False)
@@ -200,7 +201,8 @@ def _stage0_masters(engine: Any) -> dict[int, torch.Tensor]:
 
 
 def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
-    """The client torch optimizer inside the engine's ZeRO optimizer (its state is keyed by the flat fp32 partitions)."""
+    """The client torch optimizer inside the engine's ZeRO optimizer (its state is keyed by the flat fp32
+    partitions)."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 

@@ -34,7 +34,8 @@ def _replay(cfg: Any, sink: Callable[[str, torch.Tensor], None]) -> int:
 
 
 def _net(module: nn.Module) -> nn.Module:
-    return getattr(module, "net", module)  # the user's model inside the LightningModule (zeroexp.models.module.CellModule)
+    # the user's model inside the LightningModule (zeroexp.models.module.CellModule)
+    return getattr(module, "net", module)
 
 
 def _params_by_name(root: nn.Module) -> dict[str, torch.Tensor]:

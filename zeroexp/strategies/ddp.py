@@ -98,7 +98,8 @@ class DDPAdapter(StrategyAdapter):
                 "and spreads the writes over the ranks (__<rank>_0.distcp, .metadata)")
 
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
-        """full: rank 0 writes the state it already holds (no gather needed); sharded: DCP (zeroexp.strategies._checkpoint)."""
+        """full: rank 0 writes the state it already holds (no gather needed); sharded: DCP
+        (zeroexp.strategies._checkpoint)."""
         return save_state_dicts(kind, path, model, optimizer)
 
     def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

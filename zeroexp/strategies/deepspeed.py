@@ -171,7 +171,8 @@ class DeepSpeedAdapter(StrategyAdapter):
                  "and gradients, fp32 master and moments; DeepSpeed keeps the fp32 master partition in fp32 "
                  "training too (reported as beyond the canonical formula).")
 
-    #: init=meta is refused (zeroexp.config.init_mode): DeepSpeed's sharded initialisation is ``deepspeed.zero.Init`` around
+    #: init=meta is refused (zeroexp.config.init_mode): DeepSpeed's sharded initialisation is ``deepspeed.zero.Init``
+    # around
     #: the model's constructor (stage 3), which partitions each module as it is built; the GPT's GPT-2 init, run by
     #: its constructor after every module exists, would then draw into partitions, not the full build's tensors.
     meta_init = None
@@ -352,7 +353,8 @@ class DeepSpeedAdapter(StrategyAdapter):
         if self.stage in (1, 2):
             import deepspeed.comm as ds_comm
 
-            if not (opt.reduce_scatter and opt.use_multi_rank_bucket_allreduce and ds_comm.has_all_gather_into_tensor()):
+            if not (opt.reduce_scatter and opt.use_multi_rank_bucket_allreduce
+                    and ds_comm.has_all_gather_into_tensor()):
                 raise NotImplementedError("strategy 'deepspeed': only the all_reduce bucket path and one "
                                           "all_gather_into_tensor per group are modelled")
             order = [p.numel() for group in opt.bit16_groups for p in group]  # stage 1: reduce_gradients, group order

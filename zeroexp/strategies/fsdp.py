@@ -121,7 +121,8 @@ class FSDPAdapter(StrategyAdapter):
 
     def clip_gradients(self, model: nn.Module) -> None:
         """``FullyShardedDataParallel.clip_grad_norm_`` on the root: each rank's norm of its gradient shards, one fp32
-        all_reduce of their squares' sum (the total norm), each shard scaled by ``max_norm / (norm + 1e-6)``, at most 1."""
+        all_reduce of their squares' sum (the total norm), each shard scaled by ``max_norm / (norm + 1e-6)``, at most
+        1."""
         if self.clip_grad_norm is not None:
             model.clip_grad_norm_(self.clip_grad_norm)
 
@@ -129,7 +130,8 @@ class FSDPAdapter(StrategyAdapter):
 
     def checkpoint_format(self, kind: str) -> str:
         if kind == "full":
-            return ("FULL_STATE_DICT with rank0_only and offload_to_cpu (get_state_dict(full_state_dict, cpu_offload)): "
+            return ("FULL_STATE_DICT with rank0_only and offload_to_cpu "
+                    "(get_state_dict(full_state_dict, cpu_offload)): "
                     "every unit all-gathered, rank 0 writes model and optimizer state to one file")
         return ("SHARDED_STATE_DICT through torch.distributed.checkpoint: each rank writes its own shards "
                 "(__<rank>_0.distcp), rank 0 the .metadata")
@@ -157,7 +159,8 @@ class FSDPAdapter(StrategyAdapter):
                 model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
                 FullOptimStateDictConfig(rank0_only=False)):
             model.load_state_dict(full["model"])
-            optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, full["optim"]))
+            optimizer.load_state_dict(
+                FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, full["optim"]))
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
         """Each unit's FlatParameter local shard and its gradient shard, then the optimizer's tensors.
@@ -178,7 +181,8 @@ class FSDPAdapter(StrategyAdapter):
             flat = handle.flat_param
             logical = sum(info.numel_in_shard for info in flat._shard_param_infos if info.in_shard)
             trains = _trains(flat)
-            trained = sum(info.numel_in_shard for info, t in zip(flat._shard_param_infos, trains) if info.in_shard and t)
+            trained = sum(info.numel_in_shard for info, t in zip(flat._shard_param_infos, trains)
+                          if info.in_shard and t)
             logical_of[id(flat)] = trained
             yield StateTensor("param", flat.detach(), logical)
             if flat.grad is not None:  # a frozen parameter's range of it is no gradient: physical, not logical

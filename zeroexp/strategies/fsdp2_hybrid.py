@@ -60,7 +60,8 @@ class FSDP2HybridAdapter(FSDP2Adapter):
         if kind == "full":
             return ("get_state_dict(full_state_dict, cpu_offload): every DTensor made whole (all-gathered over the "
                     "shard group), rank 0 writes model and optimizer state to one file")
-        return ("torch.distributed.checkpoint of the DTensor state dict (get_state_dict): a shard the replicas hold alike "
+        return ("torch.distributed.checkpoint of the DTensor state dict (get_state_dict): "
+                "a shard the replicas hold alike "
                 "is written once, by one of them (DCP's deduplication), __<rank>_0.distcp; rank 0 the .metadata")
 
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:

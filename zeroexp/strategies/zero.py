@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroexp.formulas import Groups, Shard
-from zeroexp.strategies.sharding import Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets, gather_full_masters
+from zeroexp.strategies.sharding import (Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets,
+                                         gather_full_masters)
 from zeroexp.errors import ConfigError
 from zeroexp.models import torch_dtype
 from zeroexp.strategies import register

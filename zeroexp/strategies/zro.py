@@ -77,7 +77,8 @@ class ZROAdapter(DDPAdapter):
         if kind == "full":
             return ("ZeroRedundancyOptimizer.consolidate_state_dict(to=0) (every owner broadcasts its state), rank 0 "
                     "writes model and optimizer state to one file")
-        return "rank 0 writes the replicated parameters (model.pt), each rank its owned optimizer state (optim_rank<r>.pt)"
+        return ("rank 0 writes the replicated parameters (model.pt), each rank its owned optimizer state "
+                "(optim_rank<r>.pt)")
 
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
         """full: consolidate to rank 0, one file; sharded: no collective, each rank writes the state it owns."""
