@@ -103,6 +103,93 @@ def test_an_exception_in_the_check_of_a_sweeps_jobs_stops_it_before_its_first_ce
     assert not list((tmp_path / "sweep").glob("*/manifest.json"))  # no cell ran
 
 
+@pytest.mark.parametrize("state", ["missing", "empty", "no sweep"])
+def test_resume_into_a_sweep_dir_with_nothing_to_resume_is_refused_naming_hydra_sweep_dir(state, tmp_path,
+                                                                                         monkeypatch):
+    """``resume=true`` into a mistyped path (missing), an empty directory or one no sweep wrote: exit 2 naming
+    ``hydra.sweep.dir`` and the path, before zeroexp's check of the jobs, no cell run and no directory made."""
+    import zeroexp.launch.local as launch
+    import zeroexp.cli.sweep as sweep
+
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    monkeypatch.setattr(sweep, "sweep_jobs", lambda *a, **k: (_ for _ in ()).throw(AssertionError("checked")))
+    target = tmp_path / "sweepp"
+    if state != "missing":
+        target.mkdir()
+    if state == "no sweep":
+        (target / "notes.txt").write_text("not a sweep")
+    proc = run_cli("--multirun", "strategy=ddp,zro", "logger=none", "world_size=2", f"hydra.sweep.dir={target}",
+                   "resume=true", cwd=tmp_path, env=_env())
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2, out
+    assert f"hydra.sweep.dir='{target}'" in out and "resume=true" in out, out
+    assert "nothing there can be resumed" in out and "nothing was run" in out and "Traceback" not in out, out
+    assert {"missing": "does not exist", "empty": "is empty", "no sweep": "holds no sweep"}[state] in out, out
+    assert (not target.exists()) if state == "missing" else {p.name for p in target.iterdir()} <= {"notes.txt"}
+
+
+def test_check_resume_accepts_a_directory_an_earlier_sweep_wrote(tmp_path):
+    """A sweep directory with Hydra's ``multirun.yaml`` (written before the first job) or a cell's manifest (a stale
+    sweep, tests/test_fault_matrix.py) resumes; ``resume=false`` is never refused; without ``hydra.sweep.dir`` the
+    refusal says that the default is a new directory."""
+    from omegaconf import OmegaConf
+
+    from zeroexp.cli.sweep import check_resume
+    from zeroexp.config.schemas import ConfigError
+
+    def cfg(sweep_dir: Path, resume: bool = True, given: bool = True) -> object:
+        hydra = {"sweep": {"dir": str(sweep_dir)}, "overrides": {"hydra": [f"hydra.sweep.dir={sweep_dir}"] * given}}
+        return OmegaConf.create({"resume": resume, "hydra": hydra})
+
+    check_resume(cfg(tmp_path / "missing", resume=False))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "multirun.yaml").write_text("{}")
+    check_resume(cfg(tmp_path / "a"))
+    (tmp_path / "b" / "ddp_cell").mkdir(parents=True)
+    (tmp_path / "b" / "ddp_cell" / "manifest.json").write_text('{"status": "running"}')
+    check_resume(cfg(tmp_path / "b"))
+    (tmp_path / "c" / "ddp_cell").mkdir(parents=True)  # a cell directory with no manifest: nothing to resume
+    with pytest.raises(ConfigError, match="hydra.sweep.dir=.*holds no sweep") as e:
+        check_resume(cfg(tmp_path / "c"))
+    assert e.value.key == "hydra.sweep.dir"
+    with pytest.raises(ConfigError, match="does not exist.*hydra.sweep.dir was not given"):
+        check_resume(cfg(tmp_path / "missing", given=False))
+
+
+def test_resume_in_a_single_run_is_refused_naming_resume(tmp_path, monkeypatch):
+    """A single run has no sweep to resume: ``resume=true`` there is refused (exit 2) rather than ignored."""
+    import zeroexp.launch.local as launch
+
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    monkeypatch.chdir(tmp_path)
+    code, _, out = _refuse_in_process("resume=true", tmp_path / "cell")
+    line = " ".join(out.split())
+    assert code == 2 and "resume=True" in line and "--multirun" in line, line
+    assert not (tmp_path / "cell").exists()
+
+
+def test_a_shuffled_sweep_runs_its_jobs_in_the_order_zeroexps_check_numbered_them(tmp_path, monkeypatch):
+    """``shuffle(...)`` is shuffled by each expansion of the sweep (Python's unseeded ``random``): zeroexp's check
+    (``sweep_jobs``: its job numbers, ``.duplicate_jobs.json``) and Hydra's sweeper see one expansion, so job ``i``
+    of the check is ``hydra.job.num`` ``i`` of the run, in batches too. No cell runs: the task only records."""
+    from hydra.core.hydra_config import HydraConfig
+
+    import zeroexp.cli.run as run
+    import zeroexp.cli.sweep as sweep
+
+    checked: list[list[list[str]]] = []
+    original = sweep.sweep_jobs
+    monkeypatch.setattr(sweep, "sweep_jobs", lambda *a, **k: checked.append(original(*a, **k)) or checked[-1])
+    ran: dict[int, list[str]] = {}
+    monkeypatch.setattr(run, "task", lambda cfg: ran.setdefault(int(HydraConfig.get().job.num),
+                                                                list(HydraConfig.get().overrides.task)))
+    proc = run_cli("--multirun", "seed=shuffle(range(0,7))", "logger=none", "world_size=2", "model.width=8",
+                   "hydra.sweeper.max_batch_size=3", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(checked) == 1 and len(checked[0]) == 7, checked
+    assert sorted(ran) == list(range(7)) and [ran[i] for i in range(7)] == checked[0], (ran, checked)
+
+
 def test_a_cell_that_cannot_fit_this_machine_is_refused(tmp_path, monkeypatch, compose):
     """4096 local ranks: refused in one line naming world_size and the estimate (exit 2, no rank, no directory);
     resources.check=false lets it through; too few open files is refused too."""

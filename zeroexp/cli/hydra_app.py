@@ -27,7 +27,7 @@ def run_hydra_app(config_name: str, task_fn: Callable[[DictConfig], None], start
     mistyped value, unknown key) and exits 1 before any task ran: that is bad input, reported as exit code 2
     (an :class:`AppExit` keeps its code)."""
     try:
-        with _mode_from_the_command_line(), _each_config_composed_once():
+        with _mode_from_the_command_line(), _each_config_composed_once(), _each_sweep_expanded_once():
             hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task_fn)()
     except SystemExit as e:
         if e.code == 1 and not started() and not isinstance(e, AppExit):
@@ -96,3 +96,35 @@ def _each_config_composed_once() -> Iterator[None]:
         yield
     finally:
         ConfigLoaderImpl.load_configuration = original
+
+
+@contextmanager
+def _each_sweep_expanded_once() -> Iterator[None]:
+    """A ``--multirun`` expanded its sweep into jobs twice: zeroexp's check of every job before the first cell
+    (``zeroexp.cli.sweep.sweep_jobs``), then Hydra's ``BasicSweeper.sweep``, each through
+    ``BasicSweeper.split_arguments``. A ``shuffle(...)`` sweep is shuffled anew by each expansion (Python's unseeded
+    ``random.shuffle``, in ``Override.sweep_iterator``), so the check numbered the jobs in one order and Hydra ran them
+    in another: the duplicate-cell map (``.duplicate_jobs.json``) and the check's ``sweep job #i`` named the wrong
+    jobs. For the duration of one app, the expansion of a list of overrides (the same input lines) is remembered and
+    each later call gets the same jobs in the same order, split into batches as it asks: one shuffle per sweep, the
+    numbering Hydra's launcher gives (job ``i`` of the expansion is ``hydra.job.num`` ``i``)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    original = BasicSweeper.__dict__["split_arguments"]
+    expanded: dict[tuple[Any, ...], list[list[str]]] = {}
+
+    def split_arguments(overrides: list[Any], max_batch_size: int | None) -> list[list[list[str]]]:
+        key = tuple(o.input_line for o in overrides)
+        if key not in expanded:
+            expanded[key] = [list(job) for batch in original.__func__(overrides, None) for job in batch]
+        jobs = [list(job) for job in expanded[key]]
+        assert max_batch_size is None or max_batch_size > 0
+        if max_batch_size is None:
+            return [jobs]
+        return list(BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size))
+
+    BasicSweeper.split_arguments = staticmethod(split_arguments)
+    try:
+        yield
+    finally:
+        BasicSweeper.split_arguments = original

@@ -55,6 +55,13 @@ def task(cfg: DictConfig) -> None:
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
     sweep = Path(hc.sweep.dir).name if multirun else None
+    if cfg.resume and not multirun:  # resume=true is a sweep's (zeroexp.cli.sweep.check_resume): not silently ignored
+        e = ConfigError("resume", True, "resume=true with --multirun and hydra.sweep.dir=<an earlier sweep>",
+                        why="a single run has no sweep to resume: it runs its cell from clean")
+        if cell_dir.is_dir() and {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
+            shutil.rmtree(cell_dir, ignore_errors=True)  # nothing ran: nothing that looks like a result
+        console.print(f"[red]error:[/] {e}")
+        sys.exit(2)
     if cfg.launcher.name != "local":  # torchrun or SLURM started this process as one rank (zeroexp.launch.cluster)
         return _external_rank(cfg, cell_dir, overrides, sweep, multirun, console)
     manifest = cell_dir / "manifest.json"

@@ -18,8 +18,10 @@ from zeroexp.cli.hydra_app import AppExit
 
 
 def sweep_jobs(config: DictConfig, loader: Any = None) -> list[list[str]]:
-    """The override lists of every job the basic sweeper will run (the Cartesian product of the sweep). ``loader``:
-    Hydra's config loader, which a ``glob(...)`` sweep needs to list a group's options (as the sweeper passes it)."""
+    """The override lists of every job the basic sweeper will run (the Cartesian product of the sweep), job ``i`` being
+    Hydra's job number ``i``. ``loader``: Hydra's config loader, which a ``glob(...)`` sweep needs to list a group's
+    options (as the sweeper passes it). A ``shuffle(...)`` sweep is shuffled once per app: within
+    ``zeroexp.cli.hydra_app.run_hydra_app`` the sweeper gets this expansion's order (``_each_sweep_expanded_once``)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -29,6 +31,34 @@ def sweep_jobs(config: DictConfig, loader: Any = None) -> list[list[str]]:
     parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
     batches = BasicSweeper.split_arguments(parsed, None)
     return [list(job) for batch in batches for job in batch]
+
+
+def check_resume(config: DictConfig) -> None:
+    """``resume=true`` re-runs the cells of the sweep in ``hydra.sweep.dir`` that are missing or not ok. A directory
+    that does not exist, or holds nothing an earlier sweep wrote (Hydra's ``multirun.yaml``, written before the first
+    job, or a cell's ``manifest.json``), has nothing to resume: a mistyped path, or no ``hydra.sweep.dir`` at all (the
+    default is a new, timestamped directory). Raises :class:`ConfigError` naming ``hydra.sweep.dir`` rather than
+    start hours of a fresh sweep; the caller refuses the sweep (exit 2, before the first cell)."""
+    from zeroexp.config.schemas import ConfigError
+
+    if not config.get("resume"):
+        return
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    if sweep_dir.is_dir() and ((sweep_dir / "multirun.yaml").is_file() or any(sweep_dir.glob("*/manifest.json"))):
+        return
+    if not sweep_dir.exists():
+        state = "does not exist"
+    elif not sweep_dir.is_dir():
+        state = "is not a directory"
+    elif not any(sweep_dir.iterdir()):
+        state = "is empty"
+    else:
+        state = "holds no sweep (no multirun.yaml, no cell's manifest.json)"
+    given = any(o.lstrip("+~").split("=", 1)[0] == "hydra.sweep.dir" for o in config.hydra.overrides.hydra)
+    raise ConfigError("hydra.sweep.dir", str(sweep_dir),
+                      "the directory of an earlier --multirun sweep (or resume=false to start a new sweep)",
+                      why=f"resume=true, but this directory {state}: nothing there can be resumed"
+                          + ("" if given else " (hydra.sweep.dir was not given: the default is a new directory)"))
 
 
 def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: Any) -> None:
@@ -104,14 +134,20 @@ def _or_stop(step: Callable[..., Any], *args: Any, code: int, what: str, then: s
 
 
 def check_jobs(config: DictConfig) -> None:
-    """Refuse (exit 2, before the first cell) a sweep with an invalid job; print the jobs that are skipped here and
-    the strategy keys that do not apply; note the jobs that repeat a cell (:data:`DUPLICATES`)."""
+    """Refuse (exit 2, before the first cell) ``resume=true`` with nothing to resume (:func:`check_resume`) and a
+    sweep with an invalid job; print the jobs that are skipped here and the strategy keys that do not apply; note the
+    jobs that repeat a cell (:data:`DUPLICATES`)."""
     from hydra.core.global_hydra import GlobalHydra
     from rich.console import Console
 
     from zeroexp.config.cell import cell_name
     from zeroexp.config.schemas import ConfigError, NotApplicableHere, validate
 
+    try:
+        check_resume(config)
+    except ConfigError as e:  # soft_wrap: the path stays whole on one line
+        Console(highlight=False, soft_wrap=True).print(f"[red]error:[/] {e}\nnothing was run")
+        sys.exit(2)
     loader = GlobalHydra.instance().config_loader()
     jobs = sweep_jobs(config, loader)
     # As Hydra's sweeper and launcher compose each job (the same arguments): composed once (zeroexp.cli.hydra_app)
