@@ -54,15 +54,14 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
     compute below fp32)."""
     from contextlib import nullcontext
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import build_model, loss_of, zeros_batch
 
     classes = tuple(wrap)
     trace = ActivationTrace(batch_size=int(batch_size))
     stack: list[str] = ["root"]
     seen: set[Any] = set()
-    with FakeTensorMode(), torch.device(device):
+    with fake_tensor_mode(), torch.device(device):
         net = build_model(model_cfg)
         if module_dtype not in (None, torch.float32):  # ``.data``: as trace_step casts them
             for t in [*net.parameters(), *net.buffers()]:

@@ -50,13 +50,12 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     gradients (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak."""
     from contextlib import nullcontext
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import checkpoint_units, loss_of, requires_grad, zeros_batch
 
     classes = tuple(wrap)
     segments: list[Segment] = []
-    with FakeTensorMode(), torch.device(device):
+    with fake_tensor_mode(), torch.device(device):
         net = _fake_module(model_cfg, device)
         if module_dtype not in (None, torch.float32):  # as the strategy casts them (``.data``: fake tensors swap not)
             for t in [*net.parameters(), *net.buffers()]:
@@ -184,15 +183,14 @@ def _fake_module(model_cfg: Mapping[str, Any], device: str) -> torch.nn.Module:
     (``nn.init.trunc_normal_``: ViT and most vision models) cannot run there: it is built on the meta device, where
     initialisation is skipped, and each parameter and buffer then made a fake tensor of its shape (values do not matter
     to a trace of bytes; a parameter two modules share stays one)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-
+    from zeroexp._lib.fake_tensors import is_data_dependent
     from zeroexp.models import build_model
 
     try:
         return build_model(model_cfg)
     except Exception as e:  # noqa: BLE001 - Hydra's instantiate wraps the factory's exception
         cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, DataDependentOutputException):
+        while cause is not None and not is_data_dependent(cause):
             cause = cause.__cause__ or cause.__context__
         if cause is None:
             raise

@@ -125,7 +125,7 @@ def fill_dtensors(root: nn.Module, cfg: Any) -> None:
         if not isinstance(p, DTensor):
             p.detach().copy_(value)
             return
-        local, mesh, coords = p._local_tensor, p.device_mesh, p.device_mesh.get_coordinate()
+        local, mesh, coords = p.to_local(), p.device_mesh, p.device_mesh.get_coordinate()
         index = [slice(None)] * value.dim()
         for mesh_dim, placement in enumerate(p.placements):
             if placement.is_shard():

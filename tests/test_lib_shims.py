@@ -1,0 +1,138 @@
+"""Each shim of ``zeroexp/_lib`` against the installed libraries: a test fails when the private API it wraps moved
+(issue 34, item 2; tests/test_private_names.py keeps the private names inside ``_lib``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+# -- zeroexp._lib.trainer ------------------------------------------------------------------------------------------
+
+def test_skip_sigterm_broadcast_replaces_lightnings_method():
+    """The private method exists on Lightning's training epoch loop (a rename would leave the shim setting an
+    attribute nothing reads), and the shim makes it a no-op on the trainer's loop."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from zeroexp._lib.trainer import skip_sigterm_broadcast
+
+    assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    loop = trainer.fit_loop.epoch_loop
+    assert isinstance(loop, _TrainingEpochLoop)
+    skip_sigterm_broadcast(trainer)
+    assert "_broadcast_sigterm_tensor" in vars(loop) and loop._broadcast_sigterm_tensor() is None
+
+
+# -- zeroexp._lib.fake_tensors -------------------------------------------------------------------------------------
+
+def test_fake_tensor_mode_makes_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
+
+    mode = fake_tensor_mode()
+    assert isinstance(mode, FakeTensorMode)
+    with mode:
+        t = torch.ones(3, 5)
+    assert isinstance(t, FakeTensor) and t.shape == (3, 5)
+    assert isinstance(mode.from_tensor(torch.zeros(2)), FakeTensor)
+
+
+def test_real_tensors_inside_a_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from zeroexp._lib.fake_tensors import fake_tensor_mode, real_tensors
+
+    with fake_tensor_mode():
+        with real_tensors():
+            t = torch.arange(4)
+        assert not isinstance(t, FakeTensor) and t.tolist() == [0, 1, 2, 3]
+        assert isinstance(torch.arange(4), FakeTensor)
+
+
+def test_is_data_dependent_names_fake_tensors_refusal():
+    from zeroexp._lib.fake_tensors import fake_tensor_mode, is_data_dependent
+
+    with fake_tensor_mode():
+        t = torch.ones(3)
+        with pytest.raises(Exception) as info:
+            t.tolist()  # reads the values a fake tensor has not
+    assert is_data_dependent(info.value)
+    assert not is_data_dependent(ValueError("x"))
+
+
+# -- public APIs that replaced private ones (what the code now relies on) ----------------------------------------
+
+@pytest.fixture
+def fake_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("fake", rank=0, world_size=4)  # the dry run's: no store, torch makes its own
+    try:
+        yield 4
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fake_group_without_a_store(fake_group):
+    import torch.distributed as dist
+
+    assert dist.get_backend() == "fake" and dist.get_world_size() == fake_group
+    t = torch.ones(2)
+    dist.all_reduce(t)  # returns at once, nothing reduced
+    assert t.tolist() == [1.0, 1.0]
+
+
+def test_fsdp2_public_reads_equal_the_private_ones(fake_group):
+    """zeroexp.strategies.fsdp2 reads a shard with ``to_local()`` under no_grad (the DTensor's own local tensor, as
+    ``_local_tensor`` was) and a parameter's size from ``sharded_param.shape`` (torch's ``FSDPParam._orig_size``)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from zeroexp.strategies.fsdp2 import _local
+
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    mesh = init_device_mesh("cpu", (fake_group,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for p in model.parameters():
+        d = p.detach()
+        assert isinstance(d, DTensor) and _local(d) is d._local_tensor
+        with torch.no_grad():
+            assert p.to_local().untyped_storage().data_ptr() == p._local_tensor.untyped_storage().data_ptr()
+    for layer in model:
+        for fsdp_param in layer._get_fsdp_state()._fsdp_param_group.fsdp_params:
+            assert fsdp_param.sharded_param.shape == fsdp_param._orig_size
+
+
+# -- zeroexp._lib.fsdp2 --------------------------------------------------------------------------------------------
+
+def test_fsdp2_chunking_replaces_and_restores_torchs_function(fake_group):
+    """FSDP2's parameter module has the private ``_chunk_with_empty`` it calls; inside the context it is the given
+    function (torch's own passed as ``original``), fully_shard shards through it, and torch's is back after."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from zeroexp._lib.fsdp2 import fsdp2_chunking
+
+    torchs = _fsdp_param._chunk_with_empty
+    calls = []
+
+    def chunk(tensor, num_chunks, dim, original):
+        calls.append((tuple(tensor.shape), num_chunks, dim))
+        assert original is torchs
+        return original(tensor, num_chunks, dim)
+
+    with fsdp2_chunking(chunk) as active:
+        assert active and _fsdp_param._chunk_with_empty is not torchs
+        fully_shard(nn.Linear(6, 5), mesh=init_device_mesh("cpu", (fake_group,)))
+    assert _fsdp_param._chunk_with_empty is torchs
+    assert ((5, 6), fake_group, 0) in calls and ((5,), fake_group, 0) in calls
