@@ -136,3 +136,72 @@ def test_fsdp2_chunking_replaces_and_restores_torchs_function(fake_group):
         fully_shard(nn.Linear(6, 5), mesh=init_device_mesh("cpu", (fake_group,)))
     assert _fsdp_param._chunk_with_empty is torchs
     assert ((5, 6), fake_group, 0) in calls and ((5,), fake_group, 0) in calls
+
+
+# -- zeroexp._lib.profiler -----------------------------------------------------------------------------------------
+
+def test_profiler_enabled_follows_the_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    from zeroexp._lib.profiler import profiler_enabled
+
+    assert profiler_enabled() is False
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert profiler_enabled() is True
+    assert profiler_enabled() is False
+
+
+def test_is_torch_op_finds_the_operators_in_the_event_tree():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from zeroexp._lib.profiler import is_torch_op
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("zx_mark"):
+            torch.ones(3).add(1)
+    ops, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if is_torch_op(e):
+            ops.append(e.name)
+    assert "aten::add" in ops and "zx_mark" in ops  # record_function's range is a TorchOp record too
+
+
+# -- zeroexp._lib.modules ------------------------------------------------------------------------------------------
+
+def test_conv_base_is_every_convolutions_base():
+    from torch import nn
+
+    from zeroexp._lib.modules import conv_base
+
+    base = conv_base()
+    for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                nn.LazyConv2d):
+        assert issubclass(cls, base)
+    assert not issubclass(nn.Linear, base) and not issubclass(nn.RNNBase, base)
+
+
+def test_hybrid_shard_zero2_is_fsdps_member():
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from zeroexp._lib.modules import hybrid_shard_zero2
+
+    member = hybrid_shard_zero2()
+    assert isinstance(member, ShardingStrategy) and member.name == "_HYBRID_SHARD_ZERO2"
+    assert member not in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+
+
+# -- zeroexp._lib.memtrack.mem_tracker -----------------------------------------------------------------------------
+
+def test_mem_tracker_follows_storages():
+    from torch.distributed._tools import MemTracker
+
+    from zeroexp._lib.memtrack import mem_tracker, totals
+
+    mt = mem_tracker()
+    assert isinstance(mt, MemTracker)
+    with mt:
+        t = torch.zeros(1024)  # 4 KiB
+        peak, _ = totals(mt.get_tracker_snapshot("peak"), "cpu")
+    assert peak >= t.numel() * t.element_size()

@@ -29,11 +29,11 @@ from typing import Any
 
 import pandas as pd
 import torch
-from torch._C._profiler import _EventType
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zeroexp._lib.profiler import is_torch_op
 from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.exposed import exposed_comm
@@ -177,7 +177,7 @@ def extract(prof: profile, steps: list[int], world_size: int,
     stack = [(e, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         event, outer = stack.pop()
-        if event.tag != _EventType.TorchOp:
+        if not is_torch_op(event):
             stack.extend((c, outer) for c in event.children)
         elif event.name.startswith(_MARK):
             phase, step = event.name.removeprefix(_MARK).split(".")
