@@ -205,3 +205,30 @@ def test_mem_tracker_follows_storages():
         t = torch.zeros(1024)  # 4 KiB
         peak, _ = totals(mt.get_tracker_snapshot("peak"), "cpu")
     assert peak >= t.numel() * t.element_size()
+
+
+def test_import_mem_tracker_imports_torchs_module():
+    import sys
+
+    from zeroexp._lib.memtrack import import_mem_tracker
+
+    import_mem_tracker()
+    assert hasattr(sys.modules["torch.distributed._tools.mem_tracker"], "MemTracker")
+
+
+# -- zeroexp._lib.checkpointing ------------------------------------------------------------------------------------
+
+def test_checkpoint_modules_wraps_the_classes_non_reentrant():
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+
+    from zeroexp._lib.checkpointing import checkpoint_modules, checkpoint_prefix
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    checkpoint_modules(model, (nn.Linear,))
+    wrapped = [m for m in model if isinstance(m, CheckpointWrapper)]
+    assert len(wrapped) == 2 and all(m.checkpoint_impl == CheckpointImpl.NO_REENTRANT for m in wrapped)
+    names = [name for name, _ in model.named_parameters()]
+    assert checkpoint_prefix() == "_checkpoint_wrapped_module." and all(checkpoint_prefix() in n for n in names)
+    assert sorted(n.replace(checkpoint_prefix(), "") for n in names) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    model(torch.ones(3, 4)).sum().backward()

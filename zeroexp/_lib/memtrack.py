@@ -56,6 +56,12 @@ def totals(snapshot: dict[torch.device, dict[Any, int]], device_type: str) -> tu
     return total, cats
 
 
+def import_mem_tracker() -> None:
+    """Import ``torch.distributed._tools.mem_tracker`` (private; torch 2.13), which :func:`mem_tracker` and
+    :func:`step_mem_tracker` use: the ranks' forkserver preload (zeroexp.launch.rank_preload)."""
+    import torch.distributed._tools.mem_tracker  # noqa: F401
+
+
 def mem_tracker() -> Any:
     """A new ``torch.distributed._tools.MemTracker()`` as torch makes it (private; torch 2.13): a dispatch mode that
     follows every tensor storage allocated while it is entered (the init peak probe's CPU source)."""

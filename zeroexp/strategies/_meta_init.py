@@ -41,9 +41,10 @@ def _net(module: nn.Module) -> nn.Module:
 def _params_by_name(root: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters of ``root`` by their names in the model as built (``activation_checkpointing``'s wrappers
     left out of the names)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    from zeroexp._lib.checkpointing import checkpoint_prefix
 
-    return {name.replace(_CHECKPOINT_PREFIX, ""): p for name, p in root.named_parameters()}
+    prefix = checkpoint_prefix()
+    return {name.replace(prefix, ""): p for name, p in root.named_parameters()}
 
 
 def to_empty_tied(module: nn.Module, device: torch.device, memo: dict[int, Any], recurse: bool = True) -> None:
