@@ -232,3 +232,43 @@ def test_checkpoint_modules_wraps_the_classes_non_reentrant():
     assert checkpoint_prefix() == "_checkpoint_wrapped_module." and all(checkpoint_prefix() in n for n in names)
     assert sorted(n.replace(checkpoint_prefix(), "") for n in names) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     model(torch.ones(3, 4)).sum().backward()
+
+
+def test_fsdp2_param_group_of_a_unit(fake_group):
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from zeroexp._lib.fsdp2 import fsdp2_param_group
+
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU())
+    fully_shard(model[0], mesh=init_device_mesh("cpu", (fake_group,)))
+    group = fsdp2_param_group(model[0])
+    assert [tuple(q.sharded_param.shape) for q in group.fsdp_params] == [(5, 6), (5,)]
+    assert fsdp2_param_group(model[1]) is None and fsdp2_param_group(model) is None
+
+
+# -- zeroexp._lib.storages -----------------------------------------------------------------------------------------
+
+def test_storage_address_is_one_per_storage():
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
+    from zeroexp._lib.storages import storage_address
+
+    t = torch.zeros(8)
+    assert storage_address(t[2:].untyped_storage()) == storage_address(t.view(2, 4).untyped_storage())
+    assert storage_address(t.untyped_storage()) != storage_address(torch.zeros(8).untyped_storage())
+    with fake_tensor_mode():  # a fake storage: the address still names it
+        f = torch.zeros(8)
+        assert storage_address(f[1:].untyped_storage()) == storage_address(f.untyped_storage()) != 0
+
+
+# -- zeroexp._lib.hydra_internals ----------------------------------------------------------------------------------
+
+def test_hydras_classes_have_the_methods_zeroexp_patches():
+    import inspect
+
+    from zeroexp._lib.hydra_internals import config_loader_class, hydra_class
+
+    assert list(inspect.signature(hydra_class().get_mode).parameters) == ["self", "config_name", "overrides"]
+    assert list(inspect.signature(config_loader_class().load_configuration).parameters) == [
+        "self", "config_name", "overrides", "run_mode", "from_shell", "validate_sweep_overrides"]

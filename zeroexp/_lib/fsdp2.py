@@ -33,3 +33,12 @@ def fsdp2_chunking(chunk: Callable[..., Any]) -> Iterator[bool]:
         yield True
     finally:
         _fsdp_param._chunk_with_empty = original
+
+
+def fsdp2_param_group(module: Any) -> Any:
+    """The FSDP2 parameter group (``FSDPParamGroup``: ``fsdp_params``, ``post_forward_mesh_info``) of a
+    ``fully_shard`` unit that holds parameters, None for any other module: ``module._get_fsdp_state()
+    ._fsdp_param_group`` (both private; torch 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None

@@ -20,6 +20,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from zeroexp._lib.storages import storage_address
+
 __all__ = ["ActivationTrace", "trace_activations", "korthikanti_layer_bytes"]
 
 
@@ -111,7 +113,7 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
 
 def _key(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage (views share it)."""
-    return t.untyped_storage()._cdata
+    return storage_address(t.untyped_storage())
 
 
 def korthikanti_layer_bytes(seq_len: int, batch_size: int, n_embd: int, n_head: int, itemsize: int = 2) -> int:

@@ -43,9 +43,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _param_group(module: nn.Module) -> Any:
     """The FSDP2 parameter group of a ``fully_shard`` unit that holds parameters; None for any other module."""
-    from torch.distributed.fsdp import FSDPModule
+    from zeroexp._lib.fsdp2 import fsdp2_param_group
 
-    return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+    return fsdp2_param_group(module)
 
 
 def _param_groups(model: nn.Module) -> Iterator[Any]:
