@@ -272,3 +272,39 @@ def test_hydras_classes_have_the_methods_zeroexp_patches():
     assert list(inspect.signature(hydra_class().get_mode).parameters) == ["self", "config_name", "overrides"]
     assert list(inspect.signature(config_loader_class().load_configuration).parameters) == [
         "self", "config_name", "overrides", "run_mode", "from_shell", "validate_sweep_overrides"]
+
+
+# -- zeroexp._lib.dispatch -----------------------------------------------------------------------------------------
+
+def test_dispatch_mode_base_sees_ops_and_their_argument_names():
+    from zeroexp._lib.dispatch import dispatch_mode_base, op_argument_names
+
+    seen = {}
+
+    class Names(dispatch_mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen[str(func)] = op_argument_names(func)
+            return func(*args, **(kwargs or {}))
+
+    with Names():
+        torch.ones(2).add(torch.ones(2), alpha=2)
+    assert seen["aten.add.Tensor"] == ["self", "other", "alpha"]
+    assert op_argument_names(torch.ops._c10d_functional.all_reduce.default) == ["input", "reduce_op", "group_name"]
+
+
+def test_process_group_named_resolves_a_groups_name(fake_group):
+    import torch.distributed as dist
+
+    from zeroexp._lib.dispatch import process_group_named
+
+    world = dist.group.WORLD
+    assert process_group_named(world.group_name) is world
+    with pytest.raises((RuntimeError, ValueError, KeyError)):
+        process_group_named("no such group")
+
+
+def test_tree_leaves_of_nested_containers():
+    from zeroexp._lib.dispatch import tree_leaves
+
+    a, b, c = torch.ones(1), torch.zeros(1), 3
+    assert [id(x) for x in tree_leaves(((a, [b]), {"k": c}))] == [id(a), id(b), id(c)]

@@ -45,9 +45,7 @@ LIBRARY_PRIVATE_ATTRS = frozenset({
 NOT_YET_FENCED: dict[str, set[str]] = {
     "zeroexp/cli/sweep.py": {"hydra._internal.core_plugins.basic_sweeper"},
     "zeroexp/models/init.py": {"._parameters"},
-    "zeroexp/plan/steptrace.py": {"torch.utils._pytree", "._parameters", "._buffers"},
-    "zeroexp/probes/collectives.py": {"torch.distributed.distributed_c10d._resolve_process_group",
-                                      "torch.utils._python_dispatch", "._schema"},
+    "zeroexp/plan/steptrace.py": {"._parameters", "._buffers"},
     "zeroexp/strategies/_deepspeed_checkpoint.py": {'"_lazy_init_hp_params_optimizer_state"', '"_hp_mapping"'},
     "zeroexp/strategies/_lightning.py": {"._register_ddp_hooks"},
     "zeroexp/strategies/_meta_init.py": {"._handle", "._param_infos", "._shared_param_infos",

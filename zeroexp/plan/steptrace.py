@@ -143,7 +143,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
 
 def _grad_tensors(tree: Any) -> list[torch.Tensor]:
     """The tensors of ``tree`` (a module's arguments or output, nested) that require grad."""
-    from torch.utils._pytree import tree_leaves
+    from zeroexp._lib.dispatch import tree_leaves
 
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
