@@ -308,3 +308,77 @@ def test_tree_leaves_of_nested_containers():
 
     a, b, c = torch.ones(1), torch.zeros(1), 3
     assert [id(x) for x in tree_leaves(((a, [b]), {"k": c}))] == [id(a), id(b), id(c)]
+
+
+# -- zeroexp._lib.parallel -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gloo_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_grad_buckets_hold_the_models_parameters(gloo_group):
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zeroexp._lib.parallel import ddp_grad_buckets
+
+    net = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model = DistributedDataParallel(net)
+    numels = sorted(p.numel() for bucket in ddp_grad_buckets(model) for p in bucket.parameters())
+    assert numels == sorted(p.numel() for p in net.parameters())
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_zero_partitions_and_buckets(gloo_group, bucket_view):
+    from torch import nn
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from zeroexp._lib.parallel import zero_buckets, zero_partitions
+
+    net = nn.Linear(4, 3)
+    opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
+                                  parameters_as_bucket_view=bucket_view)
+    owned = zero_partitions(opt)
+    assert len(owned) == 1 and sorted(p.numel() for g in owned[0] for p in g["params"]) == [3, 12]
+    buckets = zero_buckets(opt)
+    if bucket_view:
+        assert sum(b.numel() for device_buckets in buckets for b in device_buckets) == 15
+    else:
+        assert isinstance(buckets, list)
+
+
+def test_lightnings_private_hooks_exist():
+    """The two Lightning methods zeroexp's strategy and DeepSpeed precision plugin call, with the arguments they pass
+    (a rename or a new signature fails here, not in a rank)."""
+    import inspect
+
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert list(inspect.signature(DDPStrategy._register_ddp_hooks).parameters) == ["self"]
+    assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
+
+
+def test_after_closure_runs_lightnings_hook():
+    from zeroexp._lib.parallel import after_closure, register_ddp_hooks
+
+    calls = []
+
+    class Plugin:
+        def _after_closure(self, model, optimizer):
+            calls.append((model, optimizer))
+            return "ran"
+
+        def _register_ddp_hooks(self):
+            calls.append("hooks")
+
+    assert after_closure(Plugin(), "m", "o") == "ran"
+    register_ddp_hooks(Plugin())
+    assert calls == [("m", "o"), "hooks"]

@@ -47,14 +47,10 @@ NOT_YET_FENCED: dict[str, set[str]] = {
     "zeroexp/models/init.py": {"._parameters"},
     "zeroexp/plan/steptrace.py": {"._parameters", "._buffers"},
     "zeroexp/strategies/_deepspeed_checkpoint.py": {'"_lazy_init_hp_params_optimizer_state"', '"_hp_mapping"'},
-    "zeroexp/strategies/_lightning.py": {"._register_ddp_hooks"},
     "zeroexp/strategies/_meta_init.py": {"._handle", "._param_infos", "._shared_param_infos",
                                          "._shard_param_infos", "._parameters"},
-    "zeroexp/strategies/ddp.py": {"._get_zeros_like_grad_buckets"},
-    "zeroexp/strategies/deepspeed.py": {"._after_closure"},
     "zeroexp/strategies/fsdp.py": {"._handle", "._shard_param_infos", "._is_padding_mask", "._numels_with_padding",
                                    "._padded_unsharded_size", "._is_root", '"_params"', '"_full_param_padded"'},
-    "zeroexp/strategies/zro.py": {"._buckets", "._partition_parameters"},
 }
 
 
