@@ -382,3 +382,36 @@ def test_after_closure_runs_lightnings_hook():
     assert after_closure(Plugin(), "m", "o") == "ran"
     register_ddp_hooks(Plugin())
     assert calls == [("m", "o"), "hooks"]
+
+
+# -- zeroexp._lib.deepspeed_internals ------------------------------------------------------------------------------
+
+def test_deepspeeds_optimizers_have_the_link_and_set_the_mapping():
+    """The private method exists on the stage 1/2 and BF16 optimizers, and their source sets ``_hp_mapping`` (a
+    rename in DeepSpeed fails here, not in a checkpoint's restore)."""
+    import inspect
+
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for cls in (DeepSpeedZeroOptimizer, BF16_Optimizer):
+        assert callable(getattr(cls, "_lazy_init_hp_params_optimizer_state", None))
+        assert "._hp_mapping = None" in inspect.getsource(cls)
+
+
+def test_link_optimizer_state_and_linked_to_fp32_partition():
+    from zeroexp._lib.deepspeed_internals import link_optimizer_state, linked_to_fp32_partition
+
+    calls = []
+
+    class Stage2:
+        def _lazy_init_hp_params_optimizer_state(self):
+            calls.append("linked")
+
+    assert link_optimizer_state(Stage2()) is True and calls == ["linked"]
+    assert link_optimizer_state(object()) is False
+    p = torch.nn.Parameter(torch.ones(2))
+    assert not linked_to_fp32_partition(p)
+    p._hp_mapping = None  # what DeepSpeed sets where this rank holds none of the parameter
+    assert linked_to_fp32_partition(p)
