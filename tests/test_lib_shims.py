@@ -415,3 +415,19 @@ def test_link_optimizer_state_and_linked_to_fp32_partition():
     assert not linked_to_fp32_partition(p)
     p._hp_mapping = None  # what DeepSpeed sets where this rank holds none of the parameter
     assert linked_to_fp32_partition(p)
+
+
+def test_own_parameters_and_buffers_are_the_modules_live_dicts():
+    from torch import nn
+
+    from zeroexp._lib.modules import own_buffers, own_parameters
+
+    inner = nn.BatchNorm1d(3)
+    outer = nn.Sequential(inner)
+    assert list(own_parameters(inner)) == ["weight", "bias"] and own_parameters(outer) == {}
+    assert list(own_buffers(inner)) == ["running_mean", "running_var", "num_batches_tracked"]
+    new = nn.Parameter(torch.zeros(3))
+    own_parameters(inner)["weight"] = new
+    own_buffers(inner)["running_mean"] = torch.ones(3)
+    assert inner.weight is new and inner.running_mean.tolist() == [1.0, 1.0, 1.0]
+    assert own_parameters(inner) is own_parameters(inner)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["conv_base", "hybrid_shard_zero2"]
+__all__ = ["conv_base", "hybrid_shard_zero2", "own_parameters", "own_buffers"]
 
 
 def conv_base() -> type:
@@ -22,3 +22,16 @@ def hybrid_shard_zero2() -> Any:
     from torch.distributed.fsdp import ShardingStrategy
 
     return ShardingStrategy._HYBRID_SHARD_ZERO2
+
+
+def own_parameters(module: Any) -> dict[str, Any]:
+    """A module's own parameters by name (``None`` for one registered empty), the module's live dict: reading it reads
+    the module, assigning into it replaces a parameter without ``register_parameter``'s checks:
+    ``nn.Module._parameters`` (private; torch 2.13)."""
+    return module._parameters
+
+
+def own_buffers(module: Any) -> dict[str, Any]:
+    """A module's own buffers by name, the module's live dict (as :func:`own_parameters`): ``nn.Module._buffers``
+    (private; torch 2.13)."""
+    return module._buffers

@@ -22,6 +22,7 @@ import torch
 
 from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
 from zeroexp._lib.memtrack import step_mem_tracker, totals
+from zeroexp._lib.modules import own_buffers, own_parameters
 
 __all__ = ["trace_step"]
 
@@ -198,15 +199,15 @@ def _fake_module(model_cfg: Mapping[str, Any], device: str) -> torch.nn.Module:
             net = build_model(model_cfg)
         made: dict[int, torch.Tensor] = {}  # a parameter two modules share stays one (tied weights)
         for m in net.modules():
-            for name, p in list(m._parameters.items()):
+            for name, p in list(own_parameters(m).items()):
                 if p is not None:
                     if id(p) not in made:
                         made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                                          requires_grad=p.requires_grad)
-                    m._parameters[name] = made[id(p)]
-            for name, b in list(m._buffers.items()):
+                    own_parameters(m)[name] = made[id(p)]
+            for name, b in list(own_buffers(m).items()):
                 if b is not None:
-                    m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                    own_buffers(m)[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
         return net
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from zeroexp._lib.modules import own_parameters
 from zeroexp.models import build_model
 from zeroexp.models.init import replay_init
 
@@ -55,13 +56,13 @@ def to_empty_tied(module: nn.Module, device: torch.device, memo: dict[int, Any],
     import weakref
 
     for m in module.modules() if recurse else (module,):
-        for name, p in m._parameters.items():
+        for name, p in own_parameters(m).items():
             if p is not None and p.is_meta:
                 new = memo[id(p)]() if id(p) in memo else None
                 if new is None:
                     new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                     memo[id(p)] = weakref.ref(new)
-                m._parameters[name] = new
+                own_parameters(m)[name] = new
 
 
 def fill_replica(module: nn.Module, device: torch.device, cfg: Any) -> None:
