@@ -431,3 +431,33 @@ def test_own_parameters_and_buffers_are_the_modules_live_dicts():
     own_buffers(inner)["running_mean"] = torch.ones(3)
     assert inner.weight is new and inner.running_mean.tolist() == [1.0, 1.0, 1.0]
     assert own_parameters(inner) is own_parameters(inner)
+
+
+# -- zeroexp._lib.fsdp1 --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_flat_param_internals(fake_group, use_orig_params):
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from zeroexp._lib import fsdp1
+
+    cpu = torch.device("cpu")  # FSDP1 on CPU runs with gloo given device_id (as zeroexp.strategies.fsdp)
+    inner = nn.Linear(4, 3)
+    model = FSDP(nn.Sequential(FSDP(inner, use_orig_params=use_orig_params, device_id=cpu), nn.Linear(3, 2)),
+                 use_orig_params=use_orig_params, device_id=cpu)
+    units = FSDP.fsdp_modules(model)
+    assert not fsdp1.is_root(model)  # None until FSDP's lazy init, in the first forward
+    model(torch.ones(2, 4)).sum().backward()
+    assert fsdp1.is_root(model) and not fsdp1.is_root(units[1])
+    flat = fsdp1.flat_param(units[1])
+    assert flat is not None and [info.param_name for info in fsdp1.param_infos(flat)] == ["weight", "bias"]
+    assert list(fsdp1.shared_param_infos(flat)) == []
+    assert list(fsdp1.numels(flat)) == [12, 3]
+    pieces = [k for k, pad in zip(fsdp1.numels_with_padding(flat), fsdp1.is_padding_mask(flat)) if not pad]
+    assert pieces == [12, 3] and fsdp1.padded_unsharded_numel(flat) == 16  # 15 padded to 4 ranks
+    shard = fsdp1.shard_param_infos(flat)
+    assert [info.numel_in_shard for info in shard if info.in_shard] == [4]  # rank 0: the weight's first 4
+    assert hasattr(flat, "_full_param_padded") and fsdp1.full_param_padded(flat) is flat._full_param_padded
+    params = fsdp1.orig_params(flat)
+    assert (params is not None and len(params) == 2) if use_orig_params else not params

@@ -44,9 +44,6 @@ LIBRARY_PRIVATE_ATTRS = frozenset({
 #: What is found outside ``zeroexp/_lib`` today (module path -> names as :func:`private_uses` reports them).
 NOT_YET_FENCED: dict[str, set[str]] = {
     "zeroexp/cli/sweep.py": {"hydra._internal.core_plugins.basic_sweeper"},
-    "zeroexp/strategies/_meta_init.py": {"._handle", "._param_infos", "._shared_param_infos", "._shard_param_infos"},
-    "zeroexp/strategies/fsdp.py": {"._handle", "._shard_param_infos", "._is_padding_mask", "._numels_with_padding",
-                                   "._padded_unsharded_size", "._is_root", '"_params"', '"_full_param_padded"'},
 }
 
 

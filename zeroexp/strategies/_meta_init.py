@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from zeroexp._lib.fsdp1 import flat_param, param_infos, shard_param_infos, shared_param_infos
 from zeroexp._lib.modules import own_parameters
 from zeroexp.models import build_model
 from zeroexp.models.init import replay_init
@@ -90,18 +91,18 @@ def fill_flat_shards(model: nn.Module, names: dict[int, str], cfg: Any) -> None:
 
     where: dict[str, tuple[Any, int]] = {}
     for unit in FullyShardedDataParallel.fsdp_modules(model):
-        if unit._handle is None:
+        flat = flat_param(unit)
+        if flat is None:
             continue
-        flat = unit._handle.flat_param
-        for i, info in enumerate(flat._param_infos):
+        for i, info in enumerate(param_infos(flat)):
             where[_join(names[id(info.module)], info.param_name)] = (flat, i)
-        for shared in flat._shared_param_infos:  # a tied parameter's other names: its primary's place
+        for shared in shared_param_infos(flat):  # a tied parameter's other names: its primary's place
             where[_join(names[id(shared.module)], shared.param_name)] = \
                 where[_join(names[id(shared.prim_module)], shared.prim_param_name)]
 
     def sink(name: str, value: torch.Tensor) -> None:
         flat, i = where[name]
-        info = flat._shard_param_infos[i]
+        info = shard_param_infos(flat)[i]
         if info.in_shard:
             flat.data[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(
                 value.reshape(-1)[info.intra_param_start_idx:info.intra_param_end_idx + 1])
