@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CATEGORIES", "ROLE_CATEGORIES", "totals", "step_mem_tracker"]
+__all__ = ["CATEGORIES", "ROLE_CATEGORIES", "totals", "mem_tracker", "step_mem_tracker"]
 
 #: MemTracker's reference types and zeroexp's two roles -> the category names in memory.csv and the summary.
 CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
@@ -54,6 +54,20 @@ def totals(snapshot: dict[torch.device, dict[Any, int]], device_type: str) -> tu
             elif name in CATEGORIES:
                 cats[CATEGORIES[name]] += int(nbytes)
     return total, cats
+
+
+def import_mem_tracker() -> None:
+    """Import ``torch.distributed._tools.mem_tracker`` (private; torch 2.13), which :func:`mem_tracker` and
+    :func:`step_mem_tracker` use: the ranks' forkserver preload (zeroexp.launch.rank_preload)."""
+    import torch.distributed._tools.mem_tracker  # noqa: F401
+
+
+def mem_tracker() -> Any:
+    """A new ``torch.distributed._tools.MemTracker()`` as torch makes it (private; torch 2.13): a dispatch mode that
+    follows every tensor storage allocated while it is entered (the init peak probe's CPU source)."""
+    from torch.distributed._tools import MemTracker
+
+    return MemTracker()
 
 
 def _named_args(func: Any, args: tuple, kwargs: dict | None) -> list[tuple[str, Any]]:

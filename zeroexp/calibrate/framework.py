@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroexp._lib.trainer import skip_sigterm_broadcast
 from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, slowest_each, sync, trimmed_mean
 from zeroexp.results.calibration import call_table
 from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
@@ -243,7 +244,7 @@ def _loop(steps: int) -> dict[str, float]:
                          callbacks=[window], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
                          use_distributed_sampler=False)
-    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # as zeroexp.rank.worker
+    skip_sigterm_broadcast(trainer)  # as zeroexp.rank.worker
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     net = nn.Linear(1, 1, bias=False)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

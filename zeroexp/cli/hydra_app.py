@@ -49,8 +49,9 @@ def _mode_from_the_command_line() -> Iterator[None]:
     ``--multirun`` itself (``hydra._internal.utils._run_app``), and None is what it answers for every zeroexp
     config, which sets no ``hydra.mode`` (tests/test_config_keys.py holds every YAML under ``conf/`` to that). So the
     probe compose is skipped unless an override names ``hydra.mode``; then Hydra's own ``get_mode`` runs."""
-    from hydra._internal.hydra import Hydra
+    from zeroexp._lib.hydra_internals import hydra_class
 
+    Hydra = hydra_class()
     original = Hydra.get_mode
 
     def get_mode(self: Any, config_name: str | None, overrides: list[str]) -> Any:
@@ -77,8 +78,9 @@ def _each_config_composed_once() -> Iterator[None]:
     Interpolations (``${now:...}``, ``oc.env``) stay unresolved in the composed config, and ``load_sweep_config`` copies
     their cache from the master config on each call, outside the memo, as before. A compose that raises is not
     remembered: a later call raises again."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from zeroexp._lib.hydra_internals import config_loader_class
 
+    ConfigLoaderImpl = config_loader_class()
     original = ConfigLoaderImpl.load_configuration
     composed: dict[tuple[Any, ...], DictConfig] = {}
 

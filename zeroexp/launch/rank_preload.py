@@ -11,7 +11,9 @@ tensors as before and its cycle collections walk the same objects.
 """
 
 import hydra.utils  # noqa: F401 - zeroexp.models.build_model: hydra.utils.instantiate
-import torch.distributed._tools.mem_tracker  # noqa: F401 - zeroexp._lib.memtrack, zeroexp.probes.init_peak
+import zeroexp._lib.memtrack
+
+zeroexp._lib.memtrack.import_mem_tracker()  # MemTracker's module: zeroexp._lib.memtrack, zeroexp.probes.init_peak
 
 import zeroexp.plan.cell  # noqa: F401 - rank 0's finalize: the planner's prediction beside the measurement
 import zeroexp.plan.memory  # noqa: F401

@@ -124,15 +124,9 @@ def wrap_paths(cfg: Any) -> list[str]:
 def checkpoint_units(module: nn.Module, classes: tuple[type, ...]) -> None:
     """Replace each module of ``classes`` inside ``module`` by torch's non-reentrant ``checkpoint_wrapper``: the one
     way zeroexp checkpoints activations (``StrategyAdapter.checkpoint_activations`` and the traced step)."""
-    from functools import partial
+    from zeroexp._lib.checkpointing import checkpoint_modules
 
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                             apply_activation_checkpointing,
-                                                                             checkpoint_wrapper)
-
-    apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, classes),
-                                   checkpoint_wrapper_fn=partial(checkpoint_wrapper,
-                                                                 checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    checkpoint_modules(module, classes)
 
 
 def requires_grad(output: Any) -> bool:

@@ -20,6 +20,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
+from zeroexp._lib.modules import own_parameters
+
 __all__ = ["InitStep", "init_of", "init_steps", "replayable", "replay_init"]
 
 
@@ -33,7 +35,7 @@ class InitStep(NamedTuple):
 
 
 def _own(module: nn.Module) -> tuple[str, ...]:
-    return tuple(n for n, p in module._parameters.items() if p is not None)
+    return tuple(n for n, p in own_parameters(module).items() if p is not None)
 
 
 def replayable(model_or_class: nn.Module | type) -> bool:
@@ -59,7 +61,7 @@ def _canonical_names(model: nn.Module) -> dict[tuple[int, str], str]:
     first: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), name)
-    return {(id(m), n): first[id(p)] for m in model.modules() for n, p in m._parameters.items() if p is not None}
+    return {(id(m), n): first[id(p)] for m in model.modules() for n, p in own_parameters(m).items() if p is not None}
 
 
 def replay_init(model: nn.Module, seed: int, sink: Callable[[str, torch.Tensor], None]) -> int:
@@ -72,17 +74,18 @@ def replay_init(model: nn.Module, seed: int, sink: Callable[[str, torch.Tensor],
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(int(seed))
         for step in init_steps(model):
-            m, saved = step.module, dict(step.module._parameters)
+            m, saved = step.module, dict(own_parameters(step.module))
             try:
                 for n in _own(m):
                     p = saved[n]
-                    m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-                most = max(most, sum(m._parameters[n].numel() for n in _own(m)))
+                    own_parameters(m)[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                        requires_grad=p.requires_grad)
+                most = max(most, sum(own_parameters(m)[n].numel() for n in _own(m)))
                 step.fn(m)
                 for n in step.names:
-                    sink(names[(id(m), n)], m._parameters[n].detach())
+                    sink(names[(id(m), n)], own_parameters(m)[n].detach())
             finally:
-                m._parameters.update(saved)  # the meta parameters again (ties kept)
+                own_parameters(m).update(saved)  # the meta parameters again (ties kept)
     return most
 
 

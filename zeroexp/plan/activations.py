@@ -20,6 +20,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from zeroexp._lib.storages import storage_address
+
 __all__ = ["ActivationTrace", "trace_activations", "korthikanti_layer_bytes"]
 
 
@@ -54,15 +56,14 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
     compute below fp32)."""
     from contextlib import nullcontext
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import build_model, loss_of, zeros_batch
 
     classes = tuple(wrap)
     trace = ActivationTrace(batch_size=int(batch_size))
     stack: list[str] = ["root"]
     seen: set[Any] = set()
-    with FakeTensorMode(), torch.device(device):
+    with fake_tensor_mode(), torch.device(device):
         net = build_model(model_cfg)
         if module_dtype not in (None, torch.float32):  # ``.data``: as trace_step casts them
             for t in [*net.parameters(), *net.buffers()]:
@@ -112,7 +113,7 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
 
 def _key(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage (views share it)."""
-    return t.untyped_storage()._cdata
+    return storage_address(t.untyped_storage())
 
 
 def korthikanti_layer_bytes(seq_len: int, batch_size: int, n_embd: int, n_head: int, itemsize: int = 2) -> int:

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from zeroexp._lib.modules import conv_base
 from zeroexp.formulas import ModelShape, next_reached
 from zeroexp.models import build_model, import_class, loss_of, requires_grad, zeros_batch
 
@@ -68,7 +69,7 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
                       buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
                                     for b in net.buffers()), unused=unused,
                       opaque=tuple(sorted({type(m).__name__ for m in net.modules()
-                                           if isinstance(m, (nn.modules.conv._ConvNd, nn.RNNBase))})))
+                                           if isinstance(m, (conv_base(), nn.RNNBase))})))
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

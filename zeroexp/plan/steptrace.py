@@ -22,6 +22,7 @@ import torch
 
 from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
 from zeroexp._lib.memtrack import step_mem_tracker, totals
+from zeroexp._lib.modules import own_buffers, own_parameters
 
 __all__ = ["trace_step"]
 
@@ -50,13 +51,12 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     gradients (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak."""
     from contextlib import nullcontext
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import checkpoint_units, loss_of, requires_grad, zeros_batch
 
     classes = tuple(wrap)
     segments: list[Segment] = []
-    with FakeTensorMode(), torch.device(device):
+    with fake_tensor_mode(), torch.device(device):
         net = _fake_module(model_cfg, device)
         if module_dtype not in (None, torch.float32):  # as the strategy casts them (``.data``: fake tensors swap not)
             for t in [*net.parameters(), *net.buffers()]:
@@ -144,7 +144,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
 
 def _grad_tensors(tree: Any) -> list[torch.Tensor]:
     """The tensors of ``tree`` (a module's arguments or output, nested) that require grad."""
-    from torch.utils._pytree import tree_leaves
+    from zeroexp._lib.dispatch import tree_leaves
 
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -184,15 +184,14 @@ def _fake_module(model_cfg: Mapping[str, Any], device: str) -> torch.nn.Module:
     (``nn.init.trunc_normal_``: ViT and most vision models) cannot run there: it is built on the meta device, where
     initialisation is skipped, and each parameter and buffer then made a fake tensor of its shape (values do not matter
     to a trace of bytes; a parameter two modules share stays one)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-
+    from zeroexp._lib.fake_tensors import is_data_dependent
     from zeroexp.models import build_model
 
     try:
         return build_model(model_cfg)
     except Exception as e:  # noqa: BLE001 - Hydra's instantiate wraps the factory's exception
         cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, DataDependentOutputException):
+        while cause is not None and not is_data_dependent(cause):
             cause = cause.__cause__ or cause.__context__
         if cause is None:
             raise
@@ -200,15 +199,15 @@ def _fake_module(model_cfg: Mapping[str, Any], device: str) -> torch.nn.Module:
             net = build_model(model_cfg)
         made: dict[int, torch.Tensor] = {}  # a parameter two modules share stays one (tied weights)
         for m in net.modules():
-            for name, p in list(m._parameters.items()):
+            for name, p in list(own_parameters(m).items()):
                 if p is not None:
                     if id(p) not in made:
                         made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                                          requires_grad=p.requires_grad)
-                    m._parameters[name] = made[id(p)]
-            for name, b in list(m._buffers.items()):
+                    own_parameters(m)[name] = made[id(p)]
+            for name, b in list(own_buffers(m).items()):
                 if b is not None:
-                    m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                    own_buffers(m)[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
         return net
 
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import pandas as pd
 import torch
-from torch._C._profiler import _EventType
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from zeroexp._lib.dispatch import dispatch_mode_base, op_argument_names, process_group_named
+from zeroexp._lib.profiler import is_torch_op
 from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.exposed import exposed_comm
@@ -51,7 +51,7 @@ _MARK = "zeroexp.collectives."  # + "start.<step>" / "end.<step>"
 _GROUP = "zeroexp.group."  # + "<group name>.<group size>", under each c10d op
 
 
-class GroupMarks(TorchDispatchMode):
+class GroupMarks(dispatch_mode_base()):  # torch's TorchDispatchMode (zeroexp._lib.dispatch)
     """While active, runs each ``c10d::*`` op inside ``record_function("zeroexp.group.<name>.<size>")`` of the
     ProcessGroup it was called with, and each functional collective (``_c10d_functional::*``: DTensor's
     ``full_tensor()`` / ``redistribute``, FSDP2's norm for clipping and the fp16 inf check) inside the mark of the group
@@ -79,15 +79,13 @@ def _mark(group: Any) -> Any:
 
 def _named_group(func: Any, args: tuple, kwargs: dict) -> Any:
     """The ProcessGroup a functional collective names by its ``group_name`` argument, or None."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    names = [a.name for a in func._schema.arguments]
+    names = op_argument_names(func)
     if "group_name" not in names:
         return None
     i = names.index("group_name")
     name = args[i] if i < len(args) else kwargs.get("group_name")
     try:
-        return _resolve_process_group(name) if isinstance(name, str) else None
+        return process_group_named(name) if isinstance(name, str) else None
     except (RuntimeError, ValueError, KeyError):
         return None
 
@@ -177,7 +175,7 @@ def extract(prof: profile, steps: list[int], world_size: int,
     stack = [(e, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         event, outer = stack.pop()
-        if event.tag != _EventType.TorchOp:
+        if not is_torch_op(event):
             stack.extend((c, outer) for c in event.children)
         elif event.name.startswith(_MARK):
             phase, step = event.name.removeprefix(_MARK).split(".")

@@ -58,7 +58,7 @@ def measure(intervals: list[Interval], lo: int, hi: int) -> int:
 
 def _walk(tree: Iterable[Any], mark: str, op_of: Callable[[str], str]
           ) -> tuple[dict[str, list[Interval]], list[Interval], list[tuple[int, str, int]]]:
-    from torch._C._profiler import _EventType
+    from zeroexp._lib.profiler import is_torch_op
 
     comm: dict[str, list[Interval]] = {}
     compute, marks = [], []
@@ -66,7 +66,7 @@ def _walk(tree: Iterable[Any], mark: str, op_of: Callable[[str], str]
     while stack:
         e = stack.pop()
         name = e.name
-        if e.tag != _EventType.TorchOp:
+        if not is_torch_op(e):
             stack.extend(e.children)
         elif name.startswith(mark):
             phase, step = name.removeprefix(mark).split(".")

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from zeroexp._lib.memtrack import totals
+from zeroexp._lib.memtrack import mem_tracker, totals
 
 __all__ = ["InitPeak", "init_fields"]
 
@@ -35,9 +35,7 @@ class InitPeak(pl.Callback):
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = int(torch.cuda.memory_allocated(self.device))
             return
-        from torch.distributed._tools import MemTracker
-
-        self._mt = MemTracker()
+        self._mt = mem_tracker()
         self._mt.__enter__()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

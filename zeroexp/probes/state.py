@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import pandas as pd
 from omegaconf import DictConfig
 
+from zeroexp._lib.storages import storage_address
 from zeroexp.probes.base import Probe, ProbeReport, RunContext
 from zeroexp.results.cells import column
 from zeroexp.results.format import NA, byte_unit, fmt_factor, missing
@@ -50,7 +51,7 @@ def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
                                      "dtype": set(), "device": set(), "numel": 0})
         storage = tensor.untyped_storage()
         # A FakeTensor's storage (zeroexp.rank.dryrun) has no data: data_ptr() is 0 for all of them; its identity is.
-        key = (str(tensor.device), storage.data_ptr() or (storage._cdata if storage.nbytes() else 0))
+        key = (str(tensor.device), storage.data_ptr() or (storage_address(storage) if storage.nbytes() else 0))
         if key not in storages and storage.nbytes() > 0:
             storages.add(key)
             row["physical_bytes"] += storage.nbytes()

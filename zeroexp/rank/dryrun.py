@@ -1,6 +1,6 @@
 """``dry_run=true``: the state table and collective fingerprint of a cell at any world size, on one CPU process.
 
-One process plays rank 0 of ``world_size`` ranks under a fake process group (``FakeStore`` +
+One process plays rank 0 of ``world_size`` ranks under a fake process group (torch's
 ``init_process_group("fake")``: every collective returns at once, no peer exists) and ``FakeTensorMode`` (tensors
 carry shapes, dtypes and storage sizes but no data), so no parameter memory is allocated whatever the model's
 size. It writes the same cell directory as a real run, with ``manifest.json`` and ``summary.json`` saying
@@ -41,6 +41,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.plan.expect import Expectation
 from zeroexp._lib.fake_collectives import IssueFunctionalCollectives
+from zeroexp._lib.fake_tensors import fake_tensor_mode, real_tensors
+from zeroexp._lib.fsdp2 import fsdp2_chunking
 from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.models.module import CellModule
 from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
@@ -69,12 +71,10 @@ CPU = torch.device("cpu")
 
 def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any]) -> dict[str, Any]:
     """Play rank 0 of the cell under a fake process group; write the cell's files; return the summary."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
     cfg = OmegaConf.create(cfg_dict)
     n = int(cfg.world_size)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    dist.init_process_group("fake", rank=0, world_size=n)  # no store: torch makes the fake backend's own
     try:
         adapter = get_adapter_class(cfg.strategy.name)(cfg)
         ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg),
@@ -129,22 +129,11 @@ def lazy_fsdp2_chunks() -> Iterator[None]:
     """While a dry run traces FSDP2: its ``_chunk_with_empty`` gives :class:`LazyChunks` for a parameter with at least
     one element along the sharded dim (torch's own function for an empty one). Restored after. A torch without the
     module (before 2.6, or moved) is left as it is: the dry run runs torch's own path, only slower."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param
-    except ImportError:
-        yield
-        return
-
-    original = _fsdp_param._chunk_with_empty
-
-    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int, original: Any) -> Any:
         return LazyChunks(tensor, num_chunks, dim) if tensor.size(dim) > 0 else original(tensor, num_chunks, dim)
 
-    _fsdp_param._chunk_with_empty = chunk_with_empty
-    try:
+    with fsdp2_chunking(chunk_with_empty):  # zeroexp._lib.fsdp2
         yield
-    finally:
-        _fsdp_param._chunk_with_empty = original
 
 
 def _traced(cfg: DictConfig, ctx: RunContext
@@ -152,7 +141,6 @@ def _traced(cfg: DictConfig, ctx: RunContext
     """Rank 0's steps under FakeTensorMode with the real run's state and collectives probes, and the memory probe
     (its figures simulated: see :data:`SIMULATED`) where the cell runs it."""
     import lightning.pytorch as pl
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     adapter, schedule = ctx.adapter, ctx.schedule
     adapter.setup(CPU)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
@@ -162,7 +150,7 @@ def _traced(cfg: DictConfig, ctx: RunContext
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
     # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group
     # (zeroexp._lib.fake_collectives)
-    with FakeTensorMode() as mode, IssueFunctionalCollectives(), lazy_fsdp2_chunks():
+    with fake_tensor_mode() as mode, IssueFunctionalCollectives(), lazy_fsdp2_chunks():
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
         trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read
@@ -174,7 +162,7 @@ def _traced(cfg: DictConfig, ctx: RunContext
         trainer.optimizers = [optimizer]
         loss_fn = LOSSES[cfg.model.loss]
         for step in range(steps):
-            with unset_fake_temporarily():  # the batch rank 0 of a real run trains on, then faked
+            with real_tensors():  # the batch rank 0 of a real run trains on, then faked
                 batch = make_batch(model_cfg, int(cfg.batch_size), int(cfg.seed), step, 0)
             batch = mode.from_tensor(batch)
             for probe in probes:

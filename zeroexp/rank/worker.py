@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from zeroexp.rank.deathsig import die_with_parent
+from zeroexp._lib.trainer import skip_sigterm_broadcast
 from zeroexp.devices import pin_host_allocator, rank_threads, ranks_get_a_gpu
 from zeroexp.errors import one_line
 from zeroexp.plan.expect import Expectation
@@ -209,7 +210,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     )
     # Lightning >= 2.5 broadcasts a SIGTERM flag from rank 0 before every step (and reads it back with .item(),
     # a device sync on CUDA). It is not the strategy's traffic and zeroexp's launcher ends ranks itself: off.
-    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+    skip_sigterm_broadcast(trainer)
     trainer.fit(module, train_dataloaders=data)
 
     results = {p.name: p.rank_result() for p in probes}

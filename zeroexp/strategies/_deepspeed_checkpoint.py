@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroexp._lib.deepspeed_internals import link_optimizer_state, linked_to_fp32_partition
+
 __all__ = ["DS_FULL_FILE", "DS_TAG", "checkpoint_format", "save", "load"]
 
 #: The one file of a full DeepSpeed checkpoint (rank 0): fp32 master, Adam moments and step, by parameter name.
@@ -135,9 +137,7 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
             state[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
     # Stages 1, 2 (and the BF16 optimizer) link each parameter's fragment to the moment tensors only after the
     # first step (_lazy_init_hp_params_optimizer_state): link them to the state just made, as that step would.
-    link = getattr(model.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:
-        link()
+    link_optimizer_state(model.optimizer)  # zeroexp._lib.deepspeed_internals
     masters = _stage0_masters(model) if stage == 0 else {}
     for name, p in named.items():
         w, m = full["model"][name], full["optim"][name]
@@ -158,7 +158,7 @@ def _is_deepspeed_partitioned(p: torch.Tensor) -> bool:
     """Whether ``deepspeed.utils.safe_get_full_*`` knows the parameter: ZeRO-3 (``ds_id``) or linked to the fp32
     partition of the stage 1/2 or BF16 optimizer (``_hp_mapping``, set on every parameter, None where this rank
     holds none of it); stage 0 parameters have neither (the safe_get functions return None for them)."""
-    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+    return hasattr(p, "ds_id") or linked_to_fp32_partition(p)
 
 
 def _full_shape(p: torch.Tensor) -> torch.Size:

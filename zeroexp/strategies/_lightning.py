@@ -9,6 +9,8 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
+from zeroexp._lib.parallel import register_ddp_hooks
+
 
 class CellStrategy(DDPStrategy):
     """``DDPStrategy`` whose model wrapping is the adapter's (DDP, FSDP, ...).
@@ -36,7 +38,7 @@ class CellStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         self.model = self.adapter.wrap_cell(self.model, self.root_device)
         if isinstance(self.model, DistributedDataParallel):
-            self._register_ddp_hooks()
+            register_ddp_hooks(self)
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:

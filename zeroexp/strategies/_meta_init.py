@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from zeroexp._lib.fsdp1 import flat_param, param_infos, shard_param_infos, shared_param_infos
+from zeroexp._lib.modules import own_parameters
 from zeroexp.models import build_model
 from zeroexp.models.init import replay_init
 
@@ -41,9 +43,10 @@ def _net(module: nn.Module) -> nn.Module:
 def _params_by_name(root: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters of ``root`` by their names in the model as built (``activation_checkpointing``'s wrappers
     left out of the names)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    from zeroexp._lib.checkpointing import checkpoint_prefix
 
-    return {name.replace(_CHECKPOINT_PREFIX, ""): p for name, p in root.named_parameters()}
+    prefix = checkpoint_prefix()
+    return {name.replace(prefix, ""): p for name, p in root.named_parameters()}
 
 
 def to_empty_tied(module: nn.Module, device: torch.device, memo: dict[int, Any], recurse: bool = True) -> None:
@@ -54,13 +57,13 @@ def to_empty_tied(module: nn.Module, device: torch.device, memo: dict[int, Any],
     import weakref
 
     for m in module.modules() if recurse else (module,):
-        for name, p in m._parameters.items():
+        for name, p in own_parameters(m).items():
             if p is not None and p.is_meta:
                 new = memo[id(p)]() if id(p) in memo else None
                 if new is None:
                     new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                     memo[id(p)] = weakref.ref(new)
-                m._parameters[name] = new
+                own_parameters(m)[name] = new
 
 
 def fill_replica(module: nn.Module, device: torch.device, cfg: Any) -> None:
@@ -88,18 +91,18 @@ def fill_flat_shards(model: nn.Module, names: dict[int, str], cfg: Any) -> None:
 
     where: dict[str, tuple[Any, int]] = {}
     for unit in FullyShardedDataParallel.fsdp_modules(model):
-        if unit._handle is None:
+        flat = flat_param(unit)
+        if flat is None:
             continue
-        flat = unit._handle.flat_param
-        for i, info in enumerate(flat._param_infos):
+        for i, info in enumerate(param_infos(flat)):
             where[_join(names[id(info.module)], info.param_name)] = (flat, i)
-        for shared in flat._shared_param_infos:  # a tied parameter's other names: its primary's place
+        for shared in shared_param_infos(flat):  # a tied parameter's other names: its primary's place
             where[_join(names[id(shared.module)], shared.param_name)] = \
                 where[_join(names[id(shared.prim_module)], shared.prim_param_name)]
 
     def sink(name: str, value: torch.Tensor) -> None:
         flat, i = where[name]
-        info = flat._shard_param_infos[i]
+        info = shard_param_infos(flat)[i]
         if info.in_shard:
             flat.data[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(
                 value.reshape(-1)[info.intra_param_start_idx:info.intra_param_end_idx + 1])
@@ -125,7 +128,7 @@ def fill_dtensors(root: nn.Module, cfg: Any) -> None:
         if not isinstance(p, DTensor):
             p.detach().copy_(value)
             return
-        local, mesh, coords = p._local_tensor, p.device_mesh, p.device_mesh.get_coordinate()
+        local, mesh, coords = p.to_local(), p.device_mesh, p.device_mesh.get_coordinate()
         index = [slice(None)] * value.dim()
         for mesh_dim, placement in enumerate(p.placements):
             if placement.is_shard():

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from zeroexp._lib.parallel import ddp_grad_buckets
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import Groups, buffer_broadcasts
 from zeroexp.strategies import register
@@ -115,7 +116,7 @@ class DDPAdapter(StrategyAdapter):
         if not isinstance(model, DistributedDataParallel):
             raise NotImplementedError("the model is not wrapped in DistributedDataParallel: no buckets to read")
         return tuple(tuple(p.numel() for p in bucket.parameters())
-                     for bucket in model.reducer._get_zeros_like_grad_buckets())
+                     for bucket in ddp_grad_buckets(model))
 
     def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
         """Replicated state; one all_reduce per live gradient bucket; with ``broadcast_buffers`` (DDP's default) rank

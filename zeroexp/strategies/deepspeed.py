@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroexp._lib.parallel import after_closure
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.formulas import Groups, Shard, Unit, deepspeed_buckets, deepspeed_gathers, deepspeed_reduce_bucket_numel
@@ -151,7 +152,7 @@ def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
 
         def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
             closure()
-            self._after_closure(model, optimizer)  # on_before_optimizer_step (the memory probe's mark)
+            after_closure(self, model, optimizer)  # on_before_optimizer_step (the memory probe's mark)
             adapter.before_step()
             return adapter.engine.step()
 

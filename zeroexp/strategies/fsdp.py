@@ -22,6 +22,8 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimState
                                     FullyShardedDataParallel, MixedPrecision, ShardingStrategy, StateDictType)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from zeroexp._lib.fsdp1 import (flat_param, full_param_padded, is_padding_mask, is_root, numels,
+                              numels_with_padding, orig_params, padded_unsharded_numel, shard_param_infos)
 from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp_unit
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
@@ -175,21 +177,20 @@ class FSDPAdapter(StrategyAdapter):
         """
         logical_of: dict[int, int] = {}
         for unit in FullyShardedDataParallel.fsdp_modules(model):
-            handle = unit._handle
-            if handle is None:  # a unit without parameters of its own (e.g. the root of a Linear stack)
+            flat = flat_param(unit)
+            if flat is None:  # a unit without parameters of its own (e.g. the root of a Linear stack)
                 continue
-            flat = handle.flat_param
-            logical = sum(info.numel_in_shard for info in flat._shard_param_infos if info.in_shard)
+            logical = sum(info.numel_in_shard for info in shard_param_infos(flat) if info.in_shard)
             trains = _trains(flat)
-            trained = sum(info.numel_in_shard for info, t in zip(flat._shard_param_infos, trains)
+            trained = sum(info.numel_in_shard for info, t in zip(shard_param_infos(flat), trains)
                           if info.in_shard and t)
             logical_of[id(flat)] = trained
             yield StateTensor("param", flat.detach(), logical)
             if flat.grad is not None:  # a frozen parameter's range of it is no gradient: physical, not logical
                 yield StateTensor("grad", flat.grad, trained)
-            full = getattr(flat, "_full_param_padded", None)
+            full = full_param_padded(flat)
             if full is not None and full.untyped_storage().nbytes() > 0:
-                yield StateTensor("param_unsharded", full, sum(flat._numels))
+                yield StateTensor("param_unsharded", full, sum(numels(flat)))
         yield from parameter_state_tensors(model)
         yield from optimizer_state_tensors(optimizer, logical_of)
 
@@ -200,21 +201,21 @@ class FSDPAdapter(StrategyAdapter):
         (``_post_forward_reshard``: ``not state._is_root``); the prefetch mode changes the order only."""
         shards, grad_shards, units = [], [], []
         twice = self.sharding in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)  # resharded after forward
-        for unit in post_order(model, lambda m: isinstance(m, FullyShardedDataParallel) and m._handle is not None):
-            flat = unit._handle.flat_param
+        for unit in post_order(model, lambda m: isinstance(m, FullyShardedDataParallel) and flat_param(m) is not None):
+            flat = flat_param(unit)
             spans, offset = [], 0
-            for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+            for numel, padding in zip(numels_with_padding(flat), is_padding_mask(flat)):
                 if not padding:
                     spans.append((offset, offset + numel))
                 offset += numel
             trains = _trains(flat)
-            padded = flat._padded_unsharded_size.numel()
+            padded = padded_unsharded_numel(flat)
             shards.append(Shard(tuple(spans), padded))
             trained = tuple(sp for sp, t in zip(spans, trains) if t and sp[1] > sp[0])
             if trained and flat.grad is not None:  # read after a step: a unit forward never called has none
                 grad_shards.append(Shard(trained, padded))
             calls, reached, after = self._trace.of(unit) or (1, True, True)
-            units.append(fsdp_unit(padded, 2 if twice and not unit._is_root else 1, calls, reached,
+            units.append(fsdp_unit(padded, 2 if twice and not is_root(unit) else 1, calls, reached,
                                    padded if flat.requires_grad else 0, LAYOUTS[self.layout].unit_hooks, after))
         n, shard_over = dist.get_world_size(), dist.get_world_size(model.process_group)  # hybrid: the shard group
         apart = bool(self._frozen) or len(grad_shards) < len(shards)
@@ -319,5 +320,5 @@ class FSDPFullAdapter(FSDPAdapter):
 def _trains(flat: nn.Parameter) -> list[bool]:
     """Per original parameter of a FlatParameter, whether it trains: each one's own flag with ``use_orig_params``
     (FSDP keeps them in ``_params``), else the FlatParameter's (one ``requires_grad`` for all)."""
-    params = getattr(flat, "_params", None)
-    return [p.requires_grad for p in params] if params else [flat.requires_grad] * len(flat._shard_param_infos)
+    params = orig_params(flat)
+    return [p.requires_grad for p in params] if params else [flat.requires_grad] * len(shard_param_infos(flat))

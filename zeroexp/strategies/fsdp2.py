@@ -35,14 +35,17 @@ from zeroexp.strategies.fsdp import FSDPAdapter
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view of FSDP2's padded shard storage); any other tensor as it is."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():  # to_local() without autograd: the DTensor's own local tensor, not a view of it
+        return t.to_local()
 
 
 def _param_group(module: nn.Module) -> Any:
     """The FSDP2 parameter group of a ``fully_shard`` unit that holds parameters; None for any other module."""
-    from torch.distributed.fsdp import FSDPModule
+    from zeroexp._lib.fsdp2 import fsdp2_param_group
 
-    return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+    return fsdp2_param_group(module)
 
 
 def _param_groups(model: nn.Module) -> Iterator[Any]:
@@ -183,7 +186,7 @@ class FSDP2Adapter(StrategyAdapter):
             for fsdp_param in group.fsdp_params:
                 for out in fsdp_param.all_gather_outputs:
                     if out.untyped_storage().nbytes() > 0:
-                        yield StateTensor("param_unsharded", out, fsdp_param._orig_size.numel())
+                        yield StateTensor("param_unsharded", out, fsdp_param.sharded_param.shape.numel())
         yield from buffer_state_tensors(model)
 
     def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
@@ -205,7 +208,7 @@ class FSDP2Adapter(StrategyAdapter):
         units = []
         for module in post_order(model, lambda m: _param_group(m) is not None):
             group = _param_group(module)
-            sizes = [(fsdp2_padded_numel(tuple(q._orig_size), n),
+            sizes = [(fsdp2_padded_numel(tuple(q.sharded_param.shape), n),
                       q.sharded_param.requires_grad and q.sharded_param.grad is not None) for q in group.fsdp_params]
             calls, reached, after = self._trace.of(module) or (1, True, True)
             units.append(fsdp_unit(sum(k for k, _ in sizes), 2 if group.post_forward_mesh_info is not None else 1,

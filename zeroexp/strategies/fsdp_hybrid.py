@@ -17,6 +17,7 @@ import torch.distributed as dist
 from omegaconf import MISSING
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
+from zeroexp._lib.modules import hybrid_shard_zero2
 from zeroexp.errors import ConfigError
 from zeroexp.strategies import register
 from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
@@ -24,7 +25,7 @@ from zeroexp.strategies.fsdp import PREFETCH, FSDPAdapter, FSDPConfig
 
 #: ``strategy.sharding`` -> (FSDP's strategy, the ZeRO stage it follows within a shard group)
 _SHARDINGS = {"HYBRID_SHARD": (ShardingStrategy.HYBRID_SHARD, 3),
-              "_HYBRID_SHARD_ZERO2": (ShardingStrategy._HYBRID_SHARD_ZERO2, 2)}
+              "_HYBRID_SHARD_ZERO2": (hybrid_shard_zero2(), 2)}
 
 
 @dataclass

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroexp._lib.profiler import profiler_enabled
 from zeroexp.formulas import cut_buckets, padded_numel
 
 __all__ = ["Bucket", "DynamicLossScale", "ShardedAdamW", "flatten_into_buckets", "gather_full_masters"]
@@ -259,7 +260,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             # the all_gather overlaps what comes between (as Megatron's overlap_param_gather).
             b.gather_input = b.master if b.flat.dtype == torch.float32 else b.master.to(b.flat.dtype)
             b.gather = _all_gather(b.flat, b.gather_input, group=s.group, async_op=True)
-        if torch.autograd._profiler_enabled():
+        if profiler_enabled():
             # Under a profiler, an async gloo op ends its profiler record on gloo's worker thread when it completes:
             # left in flight past the profiler's stop, that raced the stop and crashed a rank (SIGSEGV, once in a
             # CI run). Profiled steps therefore wait here; the bytes and calls they record are the same.

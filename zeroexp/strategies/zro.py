@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from zeroexp._lib.parallel import zero_buckets, zero_partitions
 from zeroexp.formulas import Groups
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import read_full, write_full
@@ -57,9 +58,9 @@ class ZROAdapter(DDPAdapter):
         if not isinstance(optimizer, ZeroRedundancyOptimizer):
             raise NotImplementedError("the optimizer is not a ZeroRedundancyOptimizer: no owners to read")
         owners = tuple(tuple(p.numel() for group in owned for p in group["params"])
-                       for owned in optimizer._partition_parameters())
+                       for owned in zero_partitions(optimizer))
         if optimizer.parameters_as_bucket_view:
-            broadcasts = tuple(b.numel() for device_buckets in optimizer._buckets for b in device_buckets)
+            broadcasts = tuple(b.numel() for device_buckets in zero_buckets(optimizer) for b in device_buckets)
         else:
             broadcasts = tuple(k for owned in owners for k in owned)
         ddp = super().groups(model, optimizer)

@@ -1,0 +1,23 @@
+"""Hydra's internals (``hydra._internal``, private; Hydra 1.3) as zeroexp's command line patches them for the length
+of one app (zeroexp.cli.hydra_app). A leaf: it imports nothing of zeroexp; Hydra's modules are imported when a
+function is called."""
+
+from __future__ import annotations
+
+__all__ = ["hydra_class", "config_loader_class"]
+
+
+def hydra_class() -> type:
+    """``hydra._internal.hydra.Hydra`` (Hydra 1.3): its ``get_mode(self, config_name, overrides)`` composes a config
+    only to read ``hydra.mode``."""
+    from hydra._internal.hydra import Hydra
+
+    return Hydra
+
+
+def config_loader_class() -> type:
+    """``hydra._internal.config_loader_impl.ConfigLoaderImpl`` (Hydra 1.3): its ``load_configuration(self,
+    config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True)`` composes a config."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    return ConfigLoaderImpl

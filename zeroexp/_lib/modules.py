@@ -1,0 +1,37 @@
+"""torch.nn's and FSDP1's private names as zeroexp reads them. A leaf: it imports nothing of zeroexp; torch's modules
+are imported when a function is called."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["conv_base", "hybrid_shard_zero2", "own_parameters", "own_buffers"]
+
+
+def conv_base() -> type:
+    """The base class of torch's convolutions (``Conv1d`` to ``ConvTranspose3d`` and their lazy forms):
+    ``torch.nn.modules.conv._ConvNd`` (private; torch 2.13)."""
+    from torch import nn
+
+    return nn.modules.conv._ConvNd
+
+
+def hybrid_shard_zero2() -> Any:
+    """FSDP1's ``ShardingStrategy._HYBRID_SHARD_ZERO2`` (private; torch 2.13): SHARD_GRAD_OP within each shard group,
+    replicated across them."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return ShardingStrategy._HYBRID_SHARD_ZERO2
+
+
+def own_parameters(module: Any) -> dict[str, Any]:
+    """A module's own parameters by name (``None`` for one registered empty), the module's live dict: reading it reads
+    the module, assigning into it replaces a parameter without ``register_parameter``'s checks:
+    ``nn.Module._parameters`` (private; torch 2.13)."""
+    return module._parameters
+
+
+def own_buffers(module: Any) -> dict[str, Any]:
+    """A module's own buffers by name, the module's live dict (as :func:`own_parameters`): ``nn.Module._buffers``
+    (private; torch 2.13)."""
+    return module._buffers
