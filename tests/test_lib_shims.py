@@ -274,6 +274,17 @@ def test_hydras_classes_have_the_methods_zeroexp_patches():
         "self", "config_name", "overrides", "run_mode", "from_shell", "validate_sweep_overrides"]
 
 
+def test_hydras_basic_sweeper_splits_a_sweep_into_jobs():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from zeroexp._lib.hydra_internals import basic_sweeper_class
+
+    parsed = OverridesParser.create().parse_overrides(["a=1,2", "b=x,y,z"])
+    batches = basic_sweeper_class().split_arguments(parsed, None)
+    assert [list(job) for batch in batches for job in batch] == [
+        [f"a={a}", f"b={b}"] for a in (1, 2) for b in "xyz"]
+
+
 # -- zeroexp._lib.dispatch -----------------------------------------------------------------------------------------
 
 def test_dispatch_mode_base_sees_ops_and_their_argument_names():

@@ -4,7 +4,7 @@ function is called."""
 
 from __future__ import annotations
 
-__all__ = ["hydra_class", "config_loader_class"]
+__all__ = ["hydra_class", "config_loader_class", "basic_sweeper_class"]
 
 
 def hydra_class() -> type:
@@ -21,3 +21,11 @@ def config_loader_class() -> type:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     return ConfigLoaderImpl
+
+
+def basic_sweeper_class() -> type:
+    """``hydra._internal.core_plugins.basic_sweeper.BasicSweeper`` (Hydra 1.3): its static ``split_arguments(overrides,
+    max_batch_size)`` expands a sweep's parsed overrides into batches of jobs, in Hydra's job order."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    return BasicSweeper

@@ -110,9 +110,10 @@ def _each_sweep_expanded_once() -> Iterator[None]:
     jobs. For the duration of one app, the expansion of a list of overrides (the same input lines) is remembered and
     each later call gets the same jobs in the same order, split into batches as it asks: one shuffle per sweep, the
     numbering Hydra's launcher gives (job ``i`` of the expansion is ``hydra.job.num`` ``i``)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from zeroexp._lib.hydra_internals import basic_sweeper_class
 
-    original = BasicSweeper.__dict__["split_arguments"]
+    sweeper = basic_sweeper_class()
+    original = sweeper.__dict__["split_arguments"]
     expanded: dict[tuple[Any, ...], list[list[str]]] = {}
 
     def split_arguments(overrides: list[Any], max_batch_size: int | None) -> list[list[list[str]]]:
@@ -123,10 +124,10 @@ def _each_sweep_expanded_once() -> Iterator[None]:
         assert max_batch_size is None or max_batch_size > 0
         if max_batch_size is None:
             return [jobs]
-        return list(BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size))
+        return list(sweeper.split_overrides_to_chunks(jobs, max_batch_size))
 
-    BasicSweeper.split_arguments = staticmethod(split_arguments)
+    sweeper.split_arguments = staticmethod(split_arguments)
     try:
         yield
     finally:
-        BasicSweeper.split_arguments = original
+        sweeper.split_arguments = original

@@ -22,14 +22,14 @@ def sweep_jobs(config: DictConfig, loader: Any = None) -> list[list[str]]:
     Hydra's job number ``i``. ``loader``: Hydra's config loader, which a ``glob(...)`` sweep needs to list a group's
     options (as the sweeper passes it). A ``shuffle(...)`` sweep is shuffled once per app: within
     ``zeroexp.cli.hydra_app.run_hydra_app`` the sweeper gets this expansion's order (``_each_sweep_expanded_once``)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from zeroexp._lib.hydra_internals import basic_sweeper_class
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     overrides = list(config.hydra.overrides.task)
     params = config.hydra.sweeper.get("params") or {}
     overrides = [f"{k}={v}" for k, v in params.items()] + overrides  # as BasicSweeper does
     parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
-    batches = BasicSweeper.split_arguments(parsed, None)
+    batches = basic_sweeper_class().split_arguments(parsed, None)
     return [list(job) for batch in batches for job in batch]
 
 
