@@ -210,6 +210,24 @@ def test_step_statistics_on_known_series():
         step_statistics([])
 
 
+def test_timing_says_when_ranks_outnumber_the_cores():
+    from zeroexp.probes.timing import timing_line
+
+    def ranks(n, cores, host="h"):
+        return [{"step_ms": [(7, 10.0), (8, 11.0)], "hostname": host, "cores": cores} for _ in range(n)]
+
+    four_on_two = TimingProbe.aggregate(ranks(4, 2), cfg=None).section
+    assert four_on_two["cores"] == {"ranks": 4, "cores": 2, "time_sliced": True}
+    assert "4 ranks time-sliced on 2 cores" in four_on_two["note"]
+    assert "4 ranks on 2 cores: time-sliced" in timing_line(four_on_two)
+    two_on_two = TimingProbe.aggregate(ranks(2, 2), cfg=None).section
+    assert two_on_two["cores"]["time_sliced"] is False and "time-sliced" not in timing_line(two_on_two)
+    # ranks on another host do not share rank 0's cores
+    spread = ranks(2, 2) + ranks(2, 2, host="other")
+    assert TimingProbe.aggregate(spread, cfg=None).section["cores"] == {"ranks": 2, "cores": 2, "time_sliced": False}
+    assert TimingProbe.aggregate([{"step_ms": [(7, 10.0)]}], cfg=None).section["cores"] is None
+
+
 def test_timing_aggregate_takes_the_slowest_rank_per_step():
     results = [{"step_ms": [(7, 10.0), (8, 30.0)]}, {"step_ms": [(7, 20.0), (8, 10.0)]}]
     section = TimingProbe.aggregate(results, cfg=None).section

@@ -10,6 +10,7 @@ parallelism waits for it); the statistics are taken over steps. When the coeffic
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Sequence
 
@@ -62,8 +63,10 @@ def timing_table(ok: pd.DataFrame) -> ReportTable:
 
 def timing_line(t: dict[str, Any]) -> str:
     word = "unstable: a trend, not a figure" if t.get("unstable") else "stable"
+    cores = t.get("cores") or {}
+    sliced = f"; {cores['ranks']} ranks on {cores['cores']} cores: time-sliced" if cores.get("time_sliced") else ""
     return (f"median {fmt_ms(t.get('median_ms'))} ms, P95 {fmt_ms(t.get('p95_ms'))} ms, CV {fmt_pct(t.get('cv'))} "
-            f"over {t.get('timed_steps')} steps ({word})")
+            f"over {t.get('timed_steps')} steps ({word}{sliced})")
 
 
 class TimingProbe(Probe):
@@ -120,7 +123,8 @@ class TimingProbe(Probe):
         import socket
 
         return {"step_ms": self.step_ms, "phases": self.phases, "hostname": socket.gethostname(),
-                "host": [*self._host_first, *self._host_last] if self._host_first and self._host_last else None}
+                "host": [*self._host_first, *self._host_last] if self._host_first and self._host_last else None,
+                "cores": _usable_cores()}
 
     @classmethod
     def aggregate(cls, results, cfg) -> ProbeReport:
@@ -134,10 +138,34 @@ class TimingProbe(Probe):
             rank_median_ms=[float(v) for v in frame.groupby("rank").step_ms.median()],
             phase_ms=_phases(results),
             host_activity=_host(results),
+            cores=_cores(results),
             note=("unstable: CV > 5 %, compare strategies by trend only, not by a ratio of times"
                   if section["unstable"] else "stable: CV <= 5 %"),
         )
+        if section["cores"] and section["cores"]["time_sliced"]:
+            c = section["cores"]
+            section["note"] += (f"; {c['ranks']} ranks time-sliced on {c['cores']} cores of rank 0's host: the step "
+                                "times are a property of the slicing, not of the strategy alone")
         return ProbeReport(section=section)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cores(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Rank 0's host: its ranks (by host name) and the cores they may run on (rank 0's affinity); ``time_sliced`` when
+    the ranks outnumber the cores (a CPU cell: each rank computes on at least one thread). None where no rank said
+    (a summary of older ranks)."""
+    here = [res for res in results if res.get("hostname") == results[0].get("hostname")]
+    if not here or results[0].get("cores") is None:
+        return None
+    cores = int(results[0]["cores"])
+    return {"ranks": len(here), "cores": cores, "time_sliced": len(here) > cores}
 
 
 def _host(results: list[dict[str, Any]]) -> dict[str, Any] | None:
