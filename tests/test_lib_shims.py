@@ -314,13 +314,6 @@ def test_process_group_named_resolves_a_groups_name(fake_group):
         process_group_named("no such group")
 
 
-def test_tree_leaves_of_nested_containers():
-    from zeroexp._lib.dispatch import tree_leaves
-
-    a, b, c = torch.ones(1), torch.zeros(1), 3
-    assert [id(x) for x in tree_leaves(((a, [b]), {"k": c}))] == [id(a), id(b), id(c)]
-
-
 # -- zeroexp._lib.parallel -----------------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["ranks_get_a_gpu", "local_world_size", "rank_threads", "pin_host_allocator", "HOST_ALLOCATOR"]
+__all__ = ["ranks_get_a_gpu", "local_world_size", "rank_threads", "usable_cores", "pin_host_allocator",
+           "HOST_ALLOCATOR"]
 
 #: glibc mallopt(3) settings of every rank: allocations below 32 MiB (the largest threshold glibc allows on 64-bit)
 #: from the heap, and the heap's top never given back under 1 GiB. glibc's default moves the mmap threshold with
@@ -34,6 +35,14 @@ def ranks_get_a_gpu(cfg: Any, local: int | None = None) -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.device_count() >= (local or local_world_size(cfg))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def rank_threads(local_ranks: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["dispatch_mode_base", "op_argument_names", "process_group_named", "tree_leaves"]
+__all__ = ["dispatch_mode_base", "op_argument_names", "process_group_named"]
 
 
 def dispatch_mode_base() -> type:
@@ -31,10 +31,3 @@ def process_group_named(name: str) -> Any:
 
     return _resolve_process_group(name)
 
-
-def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of a pytree (nested tuples, lists and dicts): ``torch.utils._pytree.tree_leaves`` (private; torch
-    2.13)."""
-    from torch.utils._pytree import tree_leaves as leaves
-
-    return leaves(tree)

@@ -15,7 +15,8 @@ from torch import nn
 from zeroexp.formulas import ITEMSIZE
 
 __all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "zeros_batch", "loss_of",
-           "import_class", "wrap_paths", "torch_dtype", "checkpoint_units", "requires_grad", "unused_parameters"]
+           "import_class", "wrap_paths", "torch_dtype", "checkpoint_units", "grad_tensors", "requires_grad",
+           "unused_parameters"]
 
 #: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
 #: the ``_target_`` factory.
@@ -129,16 +130,22 @@ def checkpoint_units(module: nn.Module, classes: tuple[type, ...]) -> None:
     checkpoint_modules(module, classes)
 
 
+def grad_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a module's arguments or output (nested in tuples, lists, dicts or a ModelOutput) that require
+    grad, in order."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, (list, tuple)):
+        return [t for o in output for t in grad_tensors(o)]
+    if isinstance(output, Mapping):
+        return [t for o in output.values() for t in grad_tensors(o)]
+    return []
+
+
 def requires_grad(output: Any) -> bool:
     """Whether any tensor in a module's output (nested in tuples, lists, dicts or a ModelOutput) requires grad: where
     FSDP registers its pre-backward hooks, so whether backward reaches the module."""
-    if isinstance(output, torch.Tensor):
-        return output.requires_grad
-    if isinstance(output, (list, tuple)):
-        return any(requires_grad(o) for o in output)
-    if isinstance(output, Mapping):
-        return any(requires_grad(o) for o in output.values())
-    return False
+    return bool(grad_tensors(output))
 
 
 def unused_parameters(model_cfg: Mapping[str, Any]) -> tuple[str, ...] | None:

@@ -52,7 +52,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     from contextlib import nullcontext
 
     from zeroexp._lib.fake_tensors import fake_tensor_mode
-    from zeroexp.models import checkpoint_units, loss_of, requires_grad, zeros_batch
+    from zeroexp.models import checkpoint_units, grad_tensors, loss_of, requires_grad, zeros_batch
 
     classes = tuple(wrap)
     segments: list[Segment] = []
@@ -100,14 +100,14 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                 seen[u] = TracedUnit(u, tuple(index[id(p)] for p in m.parameters(recurse=False)),
                                      any(isinstance(t, torch.Tensor) and t.requires_grad for t in args), False)
             if not in_backward[0]:  # a recompute's inputs are not held: its forward gets no backward marks
-                inputs[u] = _grad_tensors((args, kwargs))
+                inputs[u] = grad_tensors((args, kwargs))
             mark("forward", u, "start")
 
         def post_forward(output: Any, u: str) -> None:
             if own_params_units and not in_backward[0] and requires_grad(output):  # backward reaches the unit
                 seen[u] = seen[u]._replace(reached=True)
             if not in_backward[0]:  # a checkpointed unit's recompute is never differentiated: no backward marks
-                _mark_backward(_grad_tensors(output), inputs.pop(u, []), u, mark)
+                _mark_backward(grad_tensors(output), inputs.pop(u, []), u, mark)
             mark("forward", u, "end")
 
         hooks = []
@@ -140,13 +140,6 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
                 h.remove()
     return StepTrace(batch_size=int(batch_size), segments=tuple(segments),
                      loss_bytes=2 * loss.untyped_storage().nbytes(), units=tuple(seen.values()))
-
-
-def _grad_tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors of ``tree`` (a module's arguments or output, nested) that require grad."""
-    from zeroexp._lib.dispatch import tree_leaves
-
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _mark_backward(outputs: list[torch.Tensor], inputs: list[torch.Tensor], u: str,

@@ -10,13 +10,13 @@ parallelism waits for it); the statistics are taken over steps. When the coeffic
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
 
+from zeroexp.devices import usable_cores
 from zeroexp.hostload import activity, busy_cpu_s, own_cpu_s
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.results.format import NA, fmt_int, fmt_ms, fmt_pct, missing
@@ -124,7 +124,7 @@ class TimingProbe(Probe):
 
         return {"step_ms": self.step_ms, "phases": self.phases, "hostname": socket.gethostname(),
                 "host": [*self._host_first, *self._host_last] if self._host_first and self._host_last else None,
-                "cores": _usable_cores()}
+                "cores": usable_cores()}
 
     @classmethod
     def aggregate(cls, results, cfg) -> ProbeReport:
@@ -147,14 +147,6 @@ class TimingProbe(Probe):
             section["note"] += (f"; {c['ranks']} ranks time-sliced on {c['cores']} cores of rank 0's host: the step "
                                 "times are a property of the slicing, not of the strategy alone")
         return ProbeReport(section=section)
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _cores(results: list[dict[str, Any]]) -> dict[str, Any] | None:
