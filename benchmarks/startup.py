@@ -3,6 +3,7 @@ model, per-rank batch, steps and ranks, both whole processes timed from outside,
 
     python benchmarks/startup.py               # 5 pairs of the default cell (4 ranks, 8 x 256^2, 30 steps, W&B offline)
     python benchmarks/startup.py --pairs 2 --sweep 0 --breakdown 0     # a quick run
+    python benchmarks/startup.py --pairs 0 --breakdown 0 --answers 5   # --help and a refused override alone
     python benchmarks/startup.py --sweep 6     # also a 6-cell sweep (seed=0..5) against 6 bare loops in one process
 
 ``--breakdown 1`` (the default) also runs the default cell once with every rank timing its phases (process start
@@ -73,11 +74,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def timed(cmd: list[str], cwd: Path) -> float:
+def timed(cmd: list[str], cwd: Path, rc: int = 0) -> float:
+    """Wall seconds of the whole process ``cmd``; it must exit ``rc``."""
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
     seconds = time.monotonic() - t0
-    if proc.returncode != 0:
+    if proc.returncode != rc:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return seconds
 
@@ -97,6 +99,26 @@ def pairs(n: int, tmp: Path, sweep: int) -> tuple[list[float], list[float]]:
             out.append(timed(cmd, tmp))
         print(f"pair {i}: zeroexp {zx[-1]:6.2f} s  bare {bare[-1]:6.2f} s  ratio {zx[-1] / bare[-1]:.2f}", flush=True)
     return zx, bare
+
+
+# --- answers: --help and a refused override, against `import hydra` ----------------------------------------
+#: What a mistake costs: each command (its exit code) against ``python -c "import hydra"``, alternating.
+ANSWERS = {"--help": (["--help"], 0), "+stepz=10 (refused)": (["+stepz=10"], 2)}
+ANSWER_TARGET_S = 1.5
+
+
+def answers(n: int, tmp: Path) -> None:
+    """``n`` alternating pairs of each :data:`ANSWERS` command and ``import hydra``; medians, and the target."""
+    floor_cmd = [sys.executable, "-c", "import hydra"]
+    for label, (argv, rc) in ANSWERS.items():
+        zx, floor = [], []
+        for i in range(n):
+            runs = [(zx, [sys.executable, "-m", "zeroexp", *argv], rc), (floor, floor_cmd, 0)]
+            for out, cmd, code in runs if i % 2 == 0 else runs[::-1]:
+                out.append(timed(cmd, tmp, code))
+        z = statistics.median(zx)
+        print(f"python -m zeroexp {label}: median {z:.2f} s, import hydra {statistics.median(floor):.2f} s "
+              f"(target < {ANSWER_TARGET_S} s: {'met' if z < ANSWER_TARGET_S else 'NOT met'})", flush=True)
 
 
 # --- the breakdown: the default cell once, its phases timed where they run --------------------------------
@@ -245,6 +267,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=5, help="alternating pairs of the default cell (median over them)")
     p.add_argument("--sweep", type=int, default=0, help="also time an N-cell sweep (seed=0..N-1) in --pairs pairs")
     p.add_argument("--breakdown", type=int, default=1, help="1: also time the phases of one default cell")
+    p.add_argument("--answers", type=int, default=5, help="alternating pairs of --help / a refused override "
+                   "against `import hydra` (0: none)")
     p.add_argument("--bare-child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--breakdown-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -258,6 +282,8 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f} at start", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        if args.answers:
+            answers(args.answers, tmp)
         if args.pairs:
             zx, bare = pairs(args.pairs, tmp, 0)
             print(f"single cell: zeroexp median {statistics.median(zx):.2f} s, bare median "

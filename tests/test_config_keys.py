@@ -219,12 +219,16 @@ def test_layout_is_set_for_every_strategy_and_is_not_identity():
     assert zero2.strategy.layout == "fsdp__HYBRID_SHARD_ZERO2"
 
 
-def test_schemas_live_beside_their_adapters():
-    from zeroexp.strategies.base import StrategyConfig, schema_keys
+def test_every_strategy_has_its_schema_in_the_torch_free_table():
+    import subprocess
+    import sys
 
+    from zeroexp.strategies.schemas import SCHEMAS, StrategyConfig, schema_keys
+
+    assert set(SCHEMAS) == set(registered()) == {p.stem for p in (Path(CONF_DIR) / "strategy").glob("*.yaml")}
     for name, adapter in registered().items():
+        assert adapter.schema is SCHEMAS[name], name
         assert adapter.schema is not StrategyConfig and issubclass(adapter.schema, StrategyConfig), name
-        assert adapter.schema.__module__ == adapter.__module__, name
         assert {"name", "layout"} <= set(schema_keys(adapter.schema))
         # every key of the strategy's YAML is one of its schema's
         assert set(_compose([f"strategy={name}"]).strategy) == set(schema_keys(adapter.schema)), name
@@ -233,6 +237,16 @@ def test_schemas_live_beside_their_adapters():
     for name in bucketed:
         assert _compose([f"strategy={name}"]).strategy.bucket_cap_mb == 25.0
         assert _compose([f"strategy={name}", "experiment=zero_ladder"]).strategy.bucket_cap_mb == 64.0
+    # composing and naming a cell needs no adapter: neither torch nor Lightning is imported
+    probe = ("import sys; from zeroexp.cli.run import register, CONF_DIR;"
+             "from hydra import compose, initialize_config_dir;"
+             "from zeroexp.config.cell import cell_name; register();"
+             "initialize_config_dir(config_dir=CONF_DIR, version_base='1.3').__enter__();"
+             "[cell_name(compose('config', [f'strategy={s}', 'strategy.shard_size=2'])) for s in "
+             f"{sorted(SCHEMAS)!r}];"
+             "print(sorted(m for m in ('torch', 'lightning', 'pandas', 'wandb') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_no_top_level_key_of_one_strategy():

@@ -272,6 +272,22 @@ def test_hydras_classes_have_the_methods_zeroexp_patches():
     assert list(inspect.signature(hydra_class().get_mode).parameters) == ["self", "config_name", "overrides"]
     assert list(inspect.signature(config_loader_class().load_configuration).parameters) == [
         "self", "config_name", "overrides", "run_mode", "from_shell", "validate_sweep_overrides"]
+    assert list(inspect.signature(config_loader_class().get_group_options).parameters) == [
+        "self", "group_name", "results_filter", "config_name", "overrides"]
+
+
+def test_hydras_config_loader_makes_the_repository_that_lists_groups():
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.object_type import ObjectType
+
+    from zeroexp._lib.hydra_internals import caching_repo
+    from zeroexp.cli.hydra_app import CONF_DIR
+
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(CONF_DIR))
+    repo = caching_repo(loader, "config", [])
+    assert "ddp" in repo.get_group_options("strategy", ObjectType.CONFIG)
+    assert repo.get_group_options("strategy", ObjectType.CONFIG) == loader.get_group_options("strategy")
 
 
 def test_hydras_basic_sweeper_splits_a_sweep_into_jobs():

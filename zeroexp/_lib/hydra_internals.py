@@ -4,7 +4,9 @@ function is called."""
 
 from __future__ import annotations
 
-__all__ = ["hydra_class", "config_loader_class", "basic_sweeper_class"]
+from typing import Any
+
+__all__ = ["hydra_class", "config_loader_class", "caching_repo", "basic_sweeper_class"]
 
 
 def hydra_class() -> type:
@@ -21,6 +23,14 @@ def config_loader_class() -> type:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     return ConfigLoaderImpl
+
+
+def caching_repo(loader: Any, config_name: str | None, overrides: list[str]) -> Any:
+    """The config repository a ``ConfigLoaderImpl`` (Hydra 1.3) makes for one ``get_group_options(group_name,
+    results_filter, config_name, overrides)`` call (its private ``_parse_overrides_and_create_caching_repo``): a deep
+    copy of the loader's sources, the search path set from ``overrides``; its ``get_group_options(group_name,
+    results_filter)`` answers the call."""
+    return loader._parse_overrides_and_create_caching_repo(config_name, overrides)[1]
 
 
 def basic_sweeper_class() -> type:

@@ -27,7 +27,8 @@ def run_hydra_app(config_name: str, task_fn: Callable[[DictConfig], None], start
     mistyped value, unknown key) and exits 1 before any task ran: that is bad input, reported as exit code 2
     (an :class:`AppExit` keeps its code)."""
     try:
-        with _mode_from_the_command_line(), _each_config_composed_once(), _each_sweep_expanded_once():
+        with (_mode_from_the_command_line(), _each_config_composed_once(), _each_sweep_expanded_once(),
+              _group_options_from_one_repo()):
             hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task_fn)()
     except SystemExit as e:
         if e.code == 1 and not started() and not isinstance(e, AppExit):
@@ -98,6 +99,36 @@ def _each_config_composed_once() -> Iterator[None]:
         yield
     finally:
         ConfigLoaderImpl.load_configuration = original
+
+
+@contextmanager
+def _group_options_from_one_repo() -> Iterator[None]:
+    """``--help`` lists the config groups and their options (Hydra's ``format_config_groups``) through one
+    ``ConfigLoader.get_group_options`` call per group, and each call deep-copies every config source, the ConfigStore's
+    structured schemas included, into a fresh repository (measured: 165 copies, 5 of the 6 s of ``python -m zeroexp
+    --help`` on this 2-core machine). For the duration of one app, the repository made for a ``(config_name,
+    overrides)`` is made once and answers every later call with the same arguments: the config files and the
+    ConfigStore do not change while the app runs, and the repository is only read."""
+    from hydra.core.object_type import ObjectType
+
+    from zeroexp._lib.hydra_internals import caching_repo, config_loader_class
+
+    ConfigLoaderImpl = config_loader_class()
+    original = ConfigLoaderImpl.get_group_options
+    repos: dict[tuple[Any, ...], Any] = {}
+
+    def get_group_options(self: Any, group_name: str, results_filter: Any = ObjectType.CONFIG,
+                          config_name: str | None = None, overrides: list[str] | None = None) -> list[str]:
+        key = (id(self), config_name, tuple(overrides or ()))
+        if key not in repos:
+            repos[key] = caching_repo(self, config_name, list(overrides or ()))
+        return repos[key].get_group_options(group_name, results_filter)
+
+    ConfigLoaderImpl.get_group_options = get_group_options
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl.get_group_options = original
 
 
 @contextmanager

@@ -62,11 +62,7 @@ def _world_sizes(value: Any) -> list[int]:
 
 
 def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
-    import torch
-
-    from zeroexp.models import build_model, import_class, wrap_paths
-    from zeroexp.plan.shape import shape_of
-
+    """The planned model's shape: a parameter count's (no torch), or the model config's built on the meta device."""
     if (cfg.model is None) == (cfg.params is None):
         raise ConfigError("params", cfg.params, "either a parameter count (params=7.5e9) or a model (model=mlp, "
                           "conf/model/), not both", why="both given" if cfg.model is not None else "neither given")
@@ -75,6 +71,11 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
             return ModelShape.from_count(parse_count(cfg.params)), "params"
         except ValueError as e:
             raise ConfigError("params", cfg.params, "a positive count: 7.5e9, 7.5B, 350M, 1T", why=str(e)) from e
+    import torch
+
+    from zeroexp.models import build_model, import_class, wrap_paths
+    from zeroexp.plan.shape import shape_of
+
     wrap = wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap}, "model": cfg.model}))
     try:
         classes = [import_class(p) for p in wrap]
@@ -162,15 +163,18 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     over the micro-batches, and ``accum_grad_bytes``, the gradients held between them."""
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
-    from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.core import judge_fits
     from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage
 
     traced = batch is not None and cfg.model is not None
-    wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
-                                                                  "model": cfg.model}))] if traced else []
+    wrap = []
+    if traced:  # a parameter count traces nothing: no torch
+        from zeroexp.models import import_class, wrap_paths
+
+        wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
+                                                                      "model": cfg.model}))]
     k, c, dtype = knobs.micro_batches, COMPUTE_ITEMSIZE[str(cfg.precision.param_dtype)], str(cfg.precision.param_dtype)
     traces: dict[tuple, Any] = {}  # by (DeepSpeed's segmentation, the gradients in place, the precision terms)
     for r in records:

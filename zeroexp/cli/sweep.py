@@ -68,8 +68,7 @@ def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: 
     no job's strategy has (a typo: ``strategy.reduse=x``)."""
     from zeroexp.config.cell import cell_name
     from zeroexp.config.schemas import ConfigError, owners_of, strategy_extras, strategy_key
-    from zeroexp.strategies import registered
-    from zeroexp.strategies.base import schema_keys
+    from zeroexp.strategies.schemas import SCHEMAS, schema_keys
 
     named = {k for job in jobs for o in job if (k := strategy_key(o.split("=", 1)[0].lstrip("+~"))) and k != "name"}
     applied: set[str] = set()
@@ -82,8 +81,7 @@ def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: 
         for key in extras:
             not_applied.setdefault(key, {})[cell_name(cfg)] = cfg.strategy.get(key)
     for key in sorted(named - applied):
-        own = sorted({k for s in strategies if s in registered() for k in schema_keys(registered()[s].schema)}
-                     - {"name"})
+        own = sorted({k for s in strategies if s in SCHEMAS for k in schema_keys(SCHEMAS[s])} - {"name"})
         owners = owners_of(key)
         value = next(iter(not_applied.get(key, {None: None}).values()))
         e = ConfigError(f"strategy.{key}", value, f"the keys of the swept strategies: {', '.join(own)}",

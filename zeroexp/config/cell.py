@@ -3,8 +3,8 @@
 Two configs with the same identity are the same cell: a sweep runs it once. Axes that do not apply to the
 strategy (``prefetch`` for ``ddp``) are not part of the identity, nor are logging and timeout knobs, nor the
 ``strategy.*`` keys its schema lacks (set in a sweep for other strategies) or marks as derived (``layout``).
-The optional axes are the strategy's (``StrategyAdapter.axes``): a top-level group (``prefetch``) or one of its
-own keys (deepspeed's ``strategy.stage``, named ``stage<N>``).
+The optional axes are the strategy's (its schema's ``axes``, zeroexp.strategies.schemas): a top-level group
+(``prefetch``) or one of its own keys (deepspeed's ``strategy.stage``, named ``stage<N>``).
 """
 
 from __future__ import annotations
@@ -15,29 +15,29 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from zeroexp.config.init_mode import init_of
+from zeroexp.strategies.schemas import SCHEMAS, identity_keys, identity_when_set, schema_keys
+
 __all__ = ["cell_axes", "cell_identity", "cell_id", "cell_name"]
 
 _IDENTITY_KEYS = ("model", "strategy", "precision", "offload", "optimizer", "world_size", "steps",
                   "batch_size", "seed", "warmup_steps", "device")
 
 
-def _adapter(cfg: DictConfig) -> Any:
-    from zeroexp.strategies import registered
-
-    return registered().get(cfg.strategy.name)
+def _schema(cfg: DictConfig) -> Any:
+    """The strategy's schema (zeroexp.strategies.schemas; torch-free: a cell is named before anything is built)."""
+    return SCHEMAS.get(cfg.strategy.name)
 
 
 def _own_keys(cfg: DictConfig) -> frozenset[str]:
-    from zeroexp.strategies.base import schema_keys
-
-    adapter = _adapter(cfg)
-    return frozenset(schema_keys(adapter.schema)) if adapter is not None else frozenset()
+    schema = _schema(cfg)
+    return frozenset(schema_keys(schema)) if schema is not None else frozenset()
 
 
 def _applicable(cfg: DictConfig) -> tuple[str, ...]:
     """The strategy's optional axes: top-level groups first, then its own keys (each group sorted)."""
-    adapter = _adapter(cfg)
-    axes, own = (adapter.axes if adapter is not None else frozenset()), _own_keys(cfg)
+    schema = _schema(cfg)
+    axes, own = (schema.axes if schema is not None else frozenset()), _own_keys(cfg)
     return (*sorted(a for a in axes if a not in own), *sorted(a for a in axes if a in own))
 
 
@@ -53,13 +53,11 @@ def _axis_label(cfg: DictConfig, axis: str, value: Any) -> str:
 
 def _strategy_identity(cfg: DictConfig) -> dict[str, Any]:
     """The resolved strategy node without keys its schema lacks or marks derived (``layout``)."""
-    from zeroexp.strategies.base import identity_keys, identity_when_set
-
     node = OmegaConf.to_container(cfg.strategy, resolve=True)
-    adapter = _adapter(cfg)
-    if adapter is None:  # unknown strategy: validate() refuses it; keep its name unique meanwhile
+    schema = _schema(cfg)
+    if schema is None:  # unknown strategy: validate() refuses it; keep its name unique meanwhile
         return {k: v for k, v in node.items() if k != "layout"}
-    keep, when_set = set(identity_keys(adapter.schema)), identity_when_set(adapter.schema)
+    keep, when_set = set(identity_keys(schema)), identity_when_set(schema)
     return {k: v for k, v in node.items() if k in keep and not (k in when_set and v == when_set[k])}
 
 
@@ -75,8 +73,6 @@ def cell_axes(cfg: DictConfig) -> dict[str, Any]:
         axes["grad_accum"] = _grad_accum(cfg)
     if _checkpointing(cfg) != "none":  # likewise absent for none
         axes["activation_checkpointing"] = _checkpointing(cfg)
-    from zeroexp.models.init import init_of
-
     if init_of(cfg) != "full":  # likewise absent for full (every cell before the axis)
         axes["init"] = init_of(cfg)
     return axes
@@ -110,8 +106,6 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
         ident["grad_accum"] = _grad_accum(cfg)
     if _checkpointing(cfg) != "none":
         ident["activation_checkpointing"] = _checkpointing(cfg)
-    from zeroexp.models.init import init_of
-
     if init_of(cfg) != "full":
         ident["init"] = init_of(cfg)
     return ident

@@ -2,11 +2,12 @@
 
 Every option YAML under ``conf/`` extends one of these schemas through its defaults list
 (``- /schema/<group>@_here_: <schema>``), so a mistyped value (``model.width=abc``) or an unknown top-level key
-fails at composition time with the full key in Hydra's message. Each strategy's schema lives beside its adapter
-(``StrategyAdapter.schema``) and is open to the keys of other strategies, so that one sweep can set a key for the
-strategies that have it (:func:`strategy_extras`). :func:`validate` then checks what types cannot express (a
-``strategy.<key>`` the strategy lacks, positive sizes, axes that do not apply to a strategy, targets that must
-import) before any rank is started, and raises :class:`ConfigError` naming the key, the value and what is accepted.
+fails at composition time with the full key in Hydra's message. Each strategy's schema is its entry in
+zeroexp.strategies.schemas (``StrategyAdapter.schema``; torch-free, so composing needs no adapter) and is open to
+the keys of other strategies, so that one sweep can set a key for the strategies that have it
+(:func:`strategy_extras`). :func:`validate` then checks what types cannot express (a ``strategy.<key>`` the strategy
+lacks, positive sizes, axes that do not apply to a strategy, targets that must import) before any rank is started,
+and raises :class:`ConfigError` naming the key, the value and what is accepted.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
-from zeroexp.models.schemas import GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
-from zeroexp.models import MODEL_RESERVED_KEYS
+from zeroexp.models.schemas import MODEL_RESERVED_KEYS, GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
+from zeroexp.strategies.schemas import SCHEMAS, schema_keys
 from zeroexp.config.resources import ResourcesConfig, check_resources
 
 __all__ = ["ConfigError", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
@@ -32,8 +33,7 @@ __all__ = ["ConfigError", "NotApplicableHere", "register_schemas", "validate", "
 # --- model: zeroexp.models.schemas --------------------------------------------------------------------
 
 # --- strategies --------------------------------------------------------------------------------------
-# Each strategy's schema lives beside its adapter (``StrategyAdapter.schema``, zeroexp/strategies/); the schemas
-# are registered from the strategy registry (register_schemas).
+# Each strategy's schema is its entry in zeroexp.strategies.schemas.SCHEMAS, registered here (register_schemas).
 
 
 # --- small axes --------------------------------------------------------------------------------------
@@ -153,12 +153,10 @@ _REGISTERED: tuple = ()
 def register_schemas() -> None:
     """Register the schemas under ``schema/<group>`` (options extend them) and the root schema; once per process
     (each call re-made ~40 structured configs, 0.06 to 0.4 s, and the CLI, the planner and every compose of the
-    tests call it), again only if a strategy was registered since or Hydra's store was cleared."""
+    tests call it), again only if a strategy's schema was added since or Hydra's store was cleared."""
     global _REGISTERED
-    from zeroexp.strategies import registered
-
     cs = ConfigStore.instance()
-    adapters = tuple((name, adapter.schema) for name, adapter in registered().items())
+    adapters = tuple(SCHEMAS.items())
     if adapters == _REGISTERED and "zeroexp_schema.yaml" in cs.repo:
         return
     cs.store(name="zeroexp_schema", node=ZeroexpConfig)
@@ -167,13 +165,12 @@ def register_schemas() -> None:
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
     cs.store(group="schema/model", name="gpt", node=GPTConfig)
     cs.store(group="schema/model", name="lora_gpt", node=LoRAGPTConfig)
-    # Each strategy's own schema (``StrategyAdapter.schema``) as schema/strategy/<name>. Typed, and open to keys of
+    # Each strategy's own schema (zeroexp.strategies.schemas) as schema/strategy/<name>. Typed, and open to keys of
     # other strategies: in a sweep across strategies a key set for all (strategy.stage=2,3) stays in the jobs whose
     # strategy lacks it; it does not apply there (not in the cell's identity, removed before the cell runs), and
     # validate() refuses it where the user asked for it in a single run (strategy_extras).
-    for name, adapter in registered().items():
-        cs.store(group="schema/strategy", name=name,
-                 node=OmegaConf.structured(adapter.schema, flags={"struct": False}))
+    for name, schema in SCHEMAS.items():
+        cs.store(group="schema/strategy", name=name, node=OmegaConf.structured(schema, flags={"struct": False}))
     cs.store(group="schema/prefetch", name="prefetch", node=PrefetchConfig)
     cs.store(group="schema/precision", name="precision", node=PrecisionConfig)
     cs.store(group="schema/offload", name="offload", node=OffloadConfig)
@@ -208,13 +205,10 @@ def strategy_extras(cfg: DictConfig) -> tuple[str, ...]:
     """The keys of ``cfg.strategy`` that its strategy's schema lacks (``stage`` for ``fsdp_full`` in
     ``--multirun strategy=deepspeed,fsdp_full strategy.stage=2,3``): they do not apply to this cell, are not part of
     its identity and are removed before it runs (:func:`without_strategy_extras`)."""
-    from zeroexp.strategies import registered
-    from zeroexp.strategies.base import schema_keys
-
-    adapter = registered().get(str(cfg.strategy.name))
-    if adapter is None:
+    schema = SCHEMAS.get(str(cfg.strategy.name))
+    if schema is None:
         return ()
-    own = set(schema_keys(adapter.schema))
+    own = set(schema_keys(schema))
     return tuple(str(k) for k in cfg.strategy if k not in own)
 
 
@@ -239,24 +233,18 @@ def strategy_key(override_key: str) -> str | None:
 
 def owners_of(key: str) -> list[str]:
     """The registered strategies whose schema has ``strategy.<key>``."""
-    from zeroexp.strategies import registered
-    from zeroexp.strategies.base import schema_keys
-
-    return sorted(n for n, a in registered().items() if key in schema_keys(a.schema))
+    return sorted(n for n, schema in SCHEMAS.items() if key in schema_keys(schema))
 
 
 def _check_strategy_keys(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
     """A ``strategy.<key>`` the strategy lacks: refused when the user set it (a single run) or when no strategy has
     it (a typo, in a preset too); otherwise it was set for other strategies and does not apply here."""
-    from zeroexp.strategies import get_adapter_class
-    from zeroexp.strategies.base import schema_keys
-
     name = str(cfg.strategy.name)
     asked = {strategy_key(k) for k in explicit_overrides}
     for key in strategy_extras(cfg):
         owners = owners_of(key)
         if key in asked or not owners:
-            own = [k for k in schema_keys(get_adapter_class(name).schema) if k != "name"]
+            own = [k for k in schema_keys(SCHEMAS[name]) if k != "name"]
             raise ConfigError(f"strategy.{key}", OmegaConf.select(cfg, f"strategy.{key}"),
                               f"the keys of strategy={name}: {', '.join(own)}",
                               why=f"strategy={name} has no key {key!r}"
@@ -342,12 +330,9 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     ``strategy.bucket_cap_mb``...): an axis or a ``strategy.<key>`` that does not apply to the strategy is an error
     only when the user asked for it explicitly in a single run (sweeps de-duplicate such cells instead).
     """
-    from zeroexp.models import LOSSES
-    from zeroexp.strategies import get_adapter_class, registered
-
     name = cfg.strategy.name
-    if name not in registered():
-        raise ConfigError("strategy", name, ", ".join(sorted(registered())))
+    if name not in SCHEMAS:  # up to the model check, nothing here imports torch: a bad key is refused at once
+        raise ConfigError("strategy", name, ", ".join(sorted(SCHEMAS)))
     if cfg.get("calibration"):  # plan.time's calibration: readable before any rank starts
         from zeroexp.results.calibration import load_calibration
 
@@ -397,6 +382,9 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     shape = list(model.input_shape)
     if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
         raise ConfigError("model.input_shape", shape, "a non-empty list of positive integers")
+    from zeroexp.models import LOSSES
+    from zeroexp.strategies import get_adapter_class, registered
+
     if model.loss not in LOSSES:
         raise ConfigError("model.loss", model.loss, ", ".join(sorted(LOSSES)))
     check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
@@ -414,9 +402,9 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
                           why=f"strategy={name} does not implement it; strategies that do: "
                               f"{', '.join(supported) or 'none'}")
     for axis in ("prefetch",):
-        if axis in explicit_overrides and axis not in adapter.axes:
+        if axis in explicit_overrides and axis not in SCHEMAS[name].axes:
             value = OmegaConf.select(cfg, f"{axis}.name")
-            users = ", ".join(sorted(n for n in registered() if axis in get_adapter_class(n).axes))
+            users = ", ".join(sorted(n for n, schema in SCHEMAS.items() if axis in schema.axes))
             raise ConfigError(axis, value, f"strategies that use it: {users}",
                               why=f"{axis} does not apply to strategy={name}")
     if cfg.warmup_steps < adapter.min_warmup_steps:  # the collectives probe records the first step after it

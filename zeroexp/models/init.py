@@ -15,14 +15,14 @@ its modules' ``reset_parameters`` in construction order and its own ``init_steps
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from zeroexp._lib.modules import own_parameters
 
-__all__ = ["InitStep", "init_of", "init_steps", "replayable", "replay_init"]
+__all__ = ["InitStep", "init_steps", "replayable", "replay_init"]
 
 
 class InitStep(NamedTuple):
@@ -88,9 +88,3 @@ def replay_init(model: nn.Module, seed: int, sink: Callable[[str, torch.Tensor],
                 own_parameters(m).update(saved)  # the meta parameters again (ties kept)
     return most
 
-
-def init_of(cfg: Any) -> str:
-    """The cell's ``init`` (conf/init/, zeroexp.config.init_mode): ``full`` or ``meta``; a config from before the axis:
-    full."""
-    node = cfg.get("init")
-    return str(node.name) if node is not None else "full"

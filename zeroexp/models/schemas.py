@@ -9,7 +9,11 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
-__all__ = ["ModelConfig", "MLPConfig", "GPTConfig", "LoRAGPTConfig"]
+__all__ = ["MODEL_RESERVED_KEYS", "ModelConfig", "MLPConfig", "GPTConfig", "LoRAGPTConfig"]
+
+#: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
+#: the ``_target_`` factory.
+MODEL_RESERVED_KEYS = ("name", "input_shape", "dtype", "low", "high", "loss", "wrap")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from zeroexp.devices import pin_host_allocator, rank_threads, ranks_get_a_gpu
 from zeroexp.errors import one_line
 from zeroexp.plan.expect import Expectation
 from zeroexp.models import build_model
-from zeroexp.models.init import init_of
+from zeroexp.config.init_mode import init_of
 from zeroexp.models.module import CellModule, SyntheticBatches
 from zeroexp.probes import RunContext, as_callback, probes_for
 from zeroexp.probes.init_peak import InitPeak, init_fields

@@ -9,51 +9,16 @@ follows the device: gloo on CPU, NCCL on CUDA (one GPU per rank).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Iterator, NamedTuple, Optional
+from typing import Any, ClassVar, Iterable, Iterator, NamedTuple
 
 import torch
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 from torch import nn
 
 from zeroexp.formulas import Groups
-
-#: ``precision.param_dtype`` (conf/precision/) -> the torch dtype.
-
-
-@dataclass
-class StrategyConfig:
-    """What every strategy's config (``strategy.*``) holds; each adapter's ``schema`` extends it with its own keys.
-
-    A field whose metadata says ``identity: False`` is derived from the others and not part of the cell's identity
-    (zeroexp.config.cell): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
-    when not at its default (so a knob added to every strategy leaves the ids of the cells that do not set it as
-    they were).
-    """
-
-    name: str = MISSING
-    #: The expectation-model row the strategy follows (set in its conf/strategy/*.yaml; deepspeed's follows its stage).
-    layout: str = field(default=MISSING, metadata={"identity": False})
-    #: Global-norm gradient clipping, the max norm (null: none): :meth:`StrategyAdapter.clip_gradients`.
-    clip_grad_norm: Optional[float] = field(default=None, metadata={"identity": "when_set"})
-
-
-def schema_keys(schema: type) -> tuple[str, ...]:
-    """The keys of a strategy schema (``strategy.<key>``), in definition order."""
-    return tuple(f.name for f in fields(schema))
-
-
-def identity_keys(schema: type) -> tuple[str, ...]:
-    """The keys of a strategy schema that are part of a cell's identity (all but derived ones such as ``layout``)."""
-    return tuple(f.name for f in fields(schema) if f.metadata.get("identity", True))
-
-
-def identity_when_set(schema: type) -> dict[str, Any]:
-    """The keys of a strategy schema that enter a cell's identity only when set to other than their default
-    (``clip_grad_norm``, ``sync_each_microbatch``), with that default."""
-    return {f.name: f.default for f in fields(schema) if f.metadata.get("identity", True) == "when_set"}
+from zeroexp.strategies.schemas import StrategyConfig
 
 
 def post_order(module: nn.Module, keep: Any) -> list[nn.Module]:
@@ -117,16 +82,14 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer,
 class StrategyAdapter:
     """One data-parallel strategy: how to wrap the model and build the optimizer, and what it claims.
 
-    Subclasses set ``name`` (the ``strategy=`` option), ``schema`` (the dataclass of its ``strategy.*`` keys) and
-    ``axes``: the optional cell axes that apply to it and name its cells, either a top-level config group
-    (``{"prefetch"}``: ``prefetch=post``) or one of its own schema keys (``{"stage"}``: ``strategy.stage``).
+    Subclasses set ``name`` (the ``strategy=`` option) and ``schema`` (the dataclass of its ``strategy.*`` keys, its
+    entry in zeroexp.strategies.schemas, which also names the cell axes that apply to it: ``schema.axes``).
     """
 
     name: ClassVar[str]
     #: The strategy's config schema (``strategy.*``), registered by zeroexp.config.schemas.register_schemas as
     #: ``schema/strategy/<name>``; its conf/strategy/<name>.yaml extends it.
     schema: ClassVar[type[StrategyConfig]] = StrategyConfig
-    axes: ClassVar[frozenset[str]] = frozenset()
     #: One sentence: which ZeRO semantics the strategy follows (reported beside the measurements).
     semantics: ClassVar[str] = ""
     #: Warm-up steps before the strategy issues its steady per-step collectives (checked by config.validate).

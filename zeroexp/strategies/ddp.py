@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -16,19 +15,8 @@ from zeroexp.errors import ConfigError
 from zeroexp.formulas import Groups, buffer_broadcasts
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_state_dicts, save_state_dicts
-from zeroexp.strategies.base import StrategyAdapter, StrategyConfig, buffer_record
-
-
-@dataclass
-class DDPConfig(StrategyConfig):
-    """``strategy=ddp`` (conf/strategy/ddp.yaml)."""
-
-    # Set explicitly, DDP also uses it as the first bucket's cap (otherwise 1 MiB), so buckets are even.
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    #: DDP's ``find_unused_parameters``; null: set when one meta-device step of the model leaves a trainable
-    #: parameter without a gradient (zeroexp.models.unused_parameters), as DDP requires then.
-    find_unused_parameters: Optional[bool] = field(default=None, metadata={"identity": "when_set"})
+from zeroexp.strategies.base import StrategyAdapter, buffer_record
+from zeroexp.strategies.schemas import DDPConfig
 
 
 @register

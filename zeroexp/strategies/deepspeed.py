@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,19 +42,9 @@ from zeroexp.formulas import Groups, Shard, Unit, deepspeed_buckets, deepspeed_g
 from zeroexp.models import torch_dtype
 from zeroexp.strategies import _deepspeed_checkpoint as _ckpt, register
 from zeroexp.strategies._deepspeed_checkpoint import DS_FULL_FILE, DS_TAG  # noqa: F401 - re-exported
-from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfig, buffer_state_tensors,
+from zeroexp.strategies.base import (StateTensor, StrategyAdapter, buffer_state_tensors,
                                     optimizer_state_tensors, post_order)
-
-
-@dataclass
-class DeepSpeedConfig(StrategyConfig):
-    """``strategy=deepspeed``: DeepSpeed ZeRO through ``deepspeed.initialize``; an optional extra."""
-
-    stage: int = 2  # ZeRO stage 0 | 1 | 2 | 3 (a cell axis: DeepSpeedAdapter.axes)
-    bucket_cap_mb: float = 25.0  # reduce_bucket_size and allgather_bucket_size, in MiB of fp32 elements
-    #: ZeRO++ hpZ (``zero_hpz_partition_size``): refused when above 1 (DeepSpeedAdapter.validate says why), so it
-    #: never changes a cell: not in its identity.
-    hpz_size: Optional[int] = field(default=None, metadata={"identity": False})
+from zeroexp.strategies.schemas import DeepSpeedConfig
 
 
 #: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
@@ -163,7 +152,6 @@ def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
 class DeepSpeedAdapter(StrategyAdapter):
     name = "deepspeed"
     schema = DeepSpeedConfig
-    axes = frozenset({"stage"})  # strategy.stage names the cell: deepspeed-stage2_...
     precisions = frozenset({"fp32", "bf16", "fp16"})
     offloads = frozenset({"none", "optimizer", "full"})
     checkpoint_kinds = frozenset({"full", "sharded"})  # every stage; files and collectives differ by stage

@@ -10,13 +10,11 @@ On CPU, FSDP runs with gloo when given ``device_id=torch.device("cpu")``.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from omegaconf import MISSING
 from torch import nn
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig,
                                     FullyShardedDataParallel, MixedPrecision, ShardingStrategy, StateDictType)
@@ -31,24 +29,10 @@ from zeroexp.models import import_class, torch_dtype, wrap_paths
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_sharded, read_full, save_sharded, write_full
 from zeroexp.strategies._unit_trace import UnitTrace
-from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors, post_order,
+from zeroexp.strategies.base import (StateTensor, StrategyAdapter, optimizer_state_tensors, post_order,
                                      parameter_state_tensors)
+from zeroexp.strategies.schemas import FSDPConfig, FSDPFullConfig
 
-
-@dataclass
-class FSDPConfig(StrategyConfig):
-    """``strategy=fsdp_grad_op`` / ``fsdp_full`` (FSDP1)."""
-
-    sharding: str = MISSING  # FULL_SHARD | SHARD_GRAD_OP
-    # Module classes wrapped as their own FSDP unit (import paths); the root unit holds the rest.
-    # null: the model's own unit (model.wrap: Linear for mlp, Block for gpt); [] wraps the model as one unit.
-    wrap: Optional[List[str]] = None
-    use_orig_params: bool = False
-    limit_all_gathers: bool = True
-    forward_prefetch: bool = False
-    #: grad_accum > 1: reduce-scatter every micro-batch (sharded gradients accumulate) instead of ``no_sync``
-    #: (unsharded gradients held until the K-th); in the cell's identity only when true.
-    sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
 
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
 
@@ -288,8 +272,6 @@ class FSDPAdapter(StrategyAdapter):
         return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.cfg, backend)
 
 
-
-
 @register
 class FSDPGradOpAdapter(FSDPAdapter):
     name = "fsdp_grad_op"
@@ -305,7 +287,7 @@ class FSDPGradOpAdapter(FSDPAdapter):
 @register
 class FSDPFullAdapter(FSDPAdapter):
     name = "fsdp_full"
-    axes = frozenset({"prefetch"})
+    schema = FSDPFullConfig
     sharding = ShardingStrategy.FULL_SHARD
     zero_stage = 3
     semantics = (

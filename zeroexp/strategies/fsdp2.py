@@ -16,8 +16,7 @@ The device mesh is made on the rank's device type (``init_device_mesh("cpu", (N,
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,10 +26,10 @@ from torch.distributed.tensor import DTensor
 from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_unit
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
-from zeroexp.strategies.base import StateTensor, StrategyAdapter, StrategyConfig, buffer_state_tensors, post_order
+from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype, wrap_paths
 from zeroexp.strategies.fsdp import FSDPAdapter
-
+from zeroexp.strategies.schemas import FSDP2Config
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -51,17 +50,6 @@ def _param_group(module: nn.Module) -> Any:
 def _param_groups(model: nn.Module) -> Iterator[Any]:
     """Every FSDP2 parameter group (one per ``fully_shard`` unit that holds parameters) under ``model``."""
     return (g for g in map(_param_group, model.modules()) if g is not None)
-
-
-@dataclass
-class FSDP2Config(StrategyConfig):
-    """``strategy=fsdp2_full`` / ``fsdp2_grad_op``; ``reshard_after_forward`` is fixed by the strategy."""
-
-    # Module classes given their own fully_shard unit (import paths), as for FSDP1; the root takes the rest.
-    wrap: Optional[List[str]] = None
-    #: grad_accum > 1: reduce-scatter every micro-batch instead of ``set_requires_gradient_sync(False)``
-    #: (unsharded gradients held until the K-th); in the cell's identity only when true.
-    sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
 
 
 class FSDP2Adapter(StrategyAdapter):

@@ -8,32 +8,23 @@ then one all_reduce of the gradient shards across the replicas (_fully_shard/_fs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import MISSING
 from torch import nn
 
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import load_state_dicts, save_state_dicts
 from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
-from zeroexp.strategies.fsdp2 import FSDP2Adapter, FSDP2Config
-
-
-@dataclass
-class FSDP2HybridConfig(FSDP2Config):
-    """``strategy=fsdp2_hybrid``: ``shard_size`` ranks per shard group (required, divides world_size)."""
-
-    shard_size: int = MISSING
+from zeroexp.strategies.fsdp2 import FSDP2Adapter
+from zeroexp.strategies.schemas import FSDP2HybridConfig
 
 
 @register
 class FSDP2HybridAdapter(FSDP2Adapter):
     name = "fsdp2_hybrid"
     schema = FSDP2HybridConfig
-    axes = frozenset({"shard_size"})  # the cell's name: fsdp2_hybrid-shard_size2_...
     reshard_after_forward = True
     zero_stage = 3
     checkpoint_kinds = frozenset({"full", "sharded"})

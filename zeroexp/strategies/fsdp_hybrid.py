@@ -9,37 +9,28 @@ After each unit's reduce_scatter in the shard group FSDP all-reduces the gradien
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import MISSING
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
 from zeroexp._lib.modules import hybrid_shard_zero2
 from zeroexp.errors import ConfigError
 from zeroexp.strategies import register
 from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
-from zeroexp.strategies.fsdp import PREFETCH, FSDPAdapter, FSDPConfig
+from zeroexp.strategies.fsdp import PREFETCH, FSDPAdapter
+from zeroexp.strategies.schemas import FSDPHybridConfig
 
 #: ``strategy.sharding`` -> (FSDP's strategy, the ZeRO stage it follows within a shard group)
 _SHARDINGS = {"HYBRID_SHARD": (ShardingStrategy.HYBRID_SHARD, 3),
               "_HYBRID_SHARD_ZERO2": (hybrid_shard_zero2(), 2)}
 
 
-@dataclass
-class FSDPHybridConfig(FSDPConfig):
-    """``strategy=fsdp_hybrid``: ``sharding`` HYBRID_SHARD or _HYBRID_SHARD_ZERO2, ``shard_size`` ranks per group."""
-
-    shard_size: int = MISSING
-
-
 @register
 class FSDPHybridAdapter(FSDPAdapter):
     name = "fsdp_hybrid"
     schema = FSDPHybridConfig
-    axes = frozenset({"prefetch", "sharding", "shard_size"})  # the cell's name: fsdp_hybrid-pre-shard_size2-...
     semantics = (
         "FSDP1 HYBRID_SHARD (_HYBRID_SHARD_ZERO2: SHARD_GRAD_OP) within each shard group of strategy.shard_size ranks, "
         "replicated across the N / shard_size groups: every kind of state N / shard_size times FULL_SHARD's "

@@ -9,8 +9,7 @@ shard -> all_gather. See Rajbhandari et al., ZeRO, arXiv:1910.02054, sections 5.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,21 +21,9 @@ from zeroexp.strategies.sharding import (Bucket, DynamicLossScale, ShardedAdamW,
 from zeroexp.errors import ConfigError
 from zeroexp.models import torch_dtype
 from zeroexp.strategies import register
-from zeroexp.strategies.base import (StateTensor, StrategyAdapter, StrategyConfig, optimizer_state_tensors,
+from zeroexp.strategies.base import (StateTensor, StrategyAdapter, optimizer_state_tensors,
                                      parameter_state_tensors)
-
-
-@dataclass
-class ZeroConfig(StrategyConfig):
-    """``strategy=zero1`` / ``zero2``: zeroexp's own ZeRO-1 / ZeRO-2 (``zeroexp.strategies.sharding``)."""
-
-    # Flat buckets, in compute-dtype bytes of parameters: one reduce_scatter and one all_gather each per step.
-    bucket_cap_mb: float = 25.0
-    reduce: str = "reduce_scatter"  # reduce_scatter | allreduce (the naive ZeRO: all_reduce, keep the shard)
-    # Global-norm clipping inside ShardedAdamW.step; redeclared without ``when_set``: zero1/zero2 had the key in their
-    # identity before every strategy did, so their cell ids stay as they were.
-    clip_grad_norm: Optional[float] = None
-
+from zeroexp.strategies.schemas import ZeroConfig
 
 
 def _cast_floating_inputs(dtype: torch.dtype) -> Callable[..., Any]:

@@ -7,7 +7,7 @@ parameters after each update"); see Rajbhandari et al., ZeRO, arXiv:1910.02054, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -22,15 +22,8 @@ from zeroexp.formulas import Groups
 from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import read_full, write_full
 from zeroexp.strategies.base import StateTensor
-from zeroexp.strategies.ddp import DDPAdapter, DDPConfig
-
-
-@dataclass
-class ZROConfig(DDPConfig):
-    """``strategy=zro`` (conf/strategy/zro.yaml): DDP's keys and ZeroRedundancyOptimizer's."""
-
-    # False: one broadcast per parameter after the step (the reference experiment's fingerprint).
-    parameters_as_bucket_view: bool = False
+from zeroexp.strategies.ddp import DDPAdapter
+from zeroexp.strategies.schemas import ZROConfig
 
 
 @register

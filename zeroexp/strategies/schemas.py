@@ -1,0 +1,158 @@
+"""Every strategy's config schema (``strategy.*``), by strategy name: :data:`SCHEMAS`.
+
+Torch-free on purpose: composing a cell (``python -m zeroexp --help``, a refused override) registers these with Hydra
+and needs none of the adapters (zeroexp.strategies.<family>), whose imports bring torch, Lightning and DeepSpeed.
+Each adapter names its schema (``StrategyAdapter.schema``, its entry here); its conf/strategy/<name>.yaml extends it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, List, Optional
+
+from omegaconf import MISSING
+
+__all__ = ["SCHEMAS", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set"]
+
+
+@dataclass
+class StrategyConfig:
+    """What every strategy's config (``strategy.*``) holds; each adapter's ``schema`` extends it with its own keys.
+
+    A field whose metadata says ``identity: False`` is derived from the others and not part of the cell's identity
+    (zeroexp.config.cell): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
+    when not at its default (so a knob added to every strategy leaves the ids of the cells that do not set it as
+    they were).
+    """
+
+    #: The optional cell axes that apply to the strategy and name its cells (not a key): a top-level config group
+    #: (``{"prefetch"}``: ``prefetch=post``) or one of the schema's own keys (``{"stage"}``: ``strategy.stage``).
+    axes: ClassVar[frozenset[str]] = frozenset()
+
+    name: str = MISSING
+    #: The expectation-model row the strategy follows (set in its conf/strategy/*.yaml; deepspeed's follows its stage).
+    layout: str = field(default=MISSING, metadata={"identity": False})
+    #: Global-norm gradient clipping, the max norm (null: none): :meth:`StrategyAdapter.clip_gradients`.
+    clip_grad_norm: Optional[float] = field(default=None, metadata={"identity": "when_set"})
+
+
+def schema_keys(schema: type) -> tuple[str, ...]:
+    """The keys of a strategy schema (``strategy.<key>``), in definition order."""
+    return tuple(f.name for f in fields(schema))
+
+
+def identity_keys(schema: type) -> tuple[str, ...]:
+    """The keys of a strategy schema that are part of a cell's identity (all but derived ones such as ``layout``)."""
+    return tuple(f.name for f in fields(schema) if f.metadata.get("identity", True))
+
+
+def identity_when_set(schema: type) -> dict[str, Any]:
+    """The keys of a strategy schema that enter a cell's identity only when set to other than their default
+    (``clip_grad_norm``, ``sync_each_microbatch``), with that default."""
+    return {f.name: f.default for f in fields(schema) if f.metadata.get("identity", True) == "when_set"}
+
+
+@dataclass
+class DDPConfig(StrategyConfig):
+    """``strategy=ddp`` (conf/strategy/ddp.yaml)."""
+
+    # Set explicitly, DDP also uses it as the first bucket's cap (otherwise 1 MiB), so buckets are even.
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    #: DDP's ``find_unused_parameters``; null: set when one meta-device step of the model leaves a trainable
+    #: parameter without a gradient (zeroexp.models.unused_parameters), as DDP requires then.
+    find_unused_parameters: Optional[bool] = field(default=None, metadata={"identity": "when_set"})
+
+
+@dataclass
+class ZROConfig(DDPConfig):
+    """``strategy=zro`` (conf/strategy/zro.yaml): DDP's keys and ZeroRedundancyOptimizer's."""
+
+    # False: one broadcast per parameter after the step (the reference experiment's fingerprint).
+    parameters_as_bucket_view: bool = False
+
+
+@dataclass
+class FSDPConfig(StrategyConfig):
+    """``strategy=fsdp_grad_op`` (FSDP1; also the keys of every FSDP1 strategy)."""
+
+    sharding: str = MISSING  # FULL_SHARD | SHARD_GRAD_OP
+    # Module classes wrapped as their own FSDP unit (import paths); the root unit holds the rest.
+    # null: the model's own unit (model.wrap: Linear for mlp, Block for gpt); [] wraps the model as one unit.
+    wrap: Optional[List[str]] = None
+    use_orig_params: bool = False
+    limit_all_gathers: bool = True
+    forward_prefetch: bool = False
+    #: grad_accum > 1: reduce-scatter every micro-batch (sharded gradients accumulate) instead of ``no_sync``
+    #: (unsharded gradients held until the K-th); in the cell's identity only when true.
+    sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
+
+
+@dataclass
+class FSDPFullConfig(FSDPConfig):
+    """``strategy=fsdp_full`` (FSDP1 FULL_SHARD): FSDP1's keys; ``prefetch`` (backward prefetch) names its cells."""
+
+    axes: ClassVar[frozenset[str]] = frozenset({"prefetch"})
+
+
+@dataclass
+class FSDPHybridConfig(FSDPConfig):
+    """``strategy=fsdp_hybrid``: ``sharding`` HYBRID_SHARD or _HYBRID_SHARD_ZERO2, ``shard_size`` ranks per group."""
+
+    axes: ClassVar[frozenset[str]] = frozenset({"prefetch", "sharding", "shard_size"})  # fsdp_hybrid-pre-shard_size2-..
+
+    shard_size: int = MISSING
+
+
+@dataclass
+class FSDP2Config(StrategyConfig):
+    """``strategy=fsdp2_full`` / ``fsdp2_grad_op``; ``reshard_after_forward`` is fixed by the strategy."""
+
+    # Module classes given their own fully_shard unit (import paths), as for FSDP1; the root takes the rest.
+    wrap: Optional[List[str]] = None
+    #: grad_accum > 1: reduce-scatter every micro-batch instead of ``set_requires_gradient_sync(False)``
+    #: (unsharded gradients held until the K-th); in the cell's identity only when true.
+    sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
+
+
+@dataclass
+class FSDP2HybridConfig(FSDP2Config):
+    """``strategy=fsdp2_hybrid``: ``shard_size`` ranks per shard group (required, divides world_size)."""
+
+    axes: ClassVar[frozenset[str]] = frozenset({"shard_size"})  # the cell's name: fsdp2_hybrid-shard_size2_...
+
+    shard_size: int = MISSING
+
+
+@dataclass
+class ZeroConfig(StrategyConfig):
+    """``strategy=zero1`` / ``zero2``: zeroexp's own ZeRO-1 / ZeRO-2 (``zeroexp.strategies.sharding``)."""
+
+    # Flat buckets, in compute-dtype bytes of parameters: one reduce_scatter and one all_gather each per step.
+    bucket_cap_mb: float = 25.0
+    reduce: str = "reduce_scatter"  # reduce_scatter | allreduce (the naive ZeRO: all_reduce, keep the shard)
+    # Global-norm clipping inside ShardedAdamW.step; redeclared without ``when_set``: zero1/zero2 had the key in their
+    # identity before every strategy did, so their cell ids stay as they were.
+    clip_grad_norm: Optional[float] = None
+
+
+@dataclass
+class DeepSpeedConfig(StrategyConfig):
+    """``strategy=deepspeed``: DeepSpeed ZeRO through ``deepspeed.initialize``; an optional extra."""
+
+    axes: ClassVar[frozenset[str]] = frozenset({"stage"})  # strategy.stage names the cell: deepspeed-stage2_...
+
+    stage: int = 2  # ZeRO stage 0 | 1 | 2 | 3 (a cell axis)
+    bucket_cap_mb: float = 25.0  # reduce_bucket_size and allgather_bucket_size, in MiB of fp32 elements
+    #: ZeRO++ hpZ (``zero_hpz_partition_size``): refused when above 1 (DeepSpeedAdapter.validate says why), so it
+    #: never changes a cell: not in its identity.
+    hpz_size: Optional[int] = field(default=None, metadata={"identity": False})
+
+
+#: The schema of every registered strategy (``strategy=<name>``): an adapter's ``schema`` is its entry here
+#: (tests/test_config_keys.py holds them together).
+SCHEMAS: dict[str, type[StrategyConfig]] = {
+    "ddp": DDPConfig, "zro": ZROConfig, "fsdp_grad_op": FSDPConfig, "fsdp_full": FSDPFullConfig,
+    "fsdp_hybrid": FSDPHybridConfig, "fsdp2_full": FSDP2Config, "fsdp2_grad_op": FSDP2Config,
+    "fsdp2_hybrid": FSDP2HybridConfig, "zero1": ZeroConfig, "zero2": ZeroConfig, "deepspeed": DeepSpeedConfig,
+}
