@@ -32,10 +32,11 @@ def test_every_option_composes_and_validates(compose, group):
         overrides = [f"{group}={option}"]
         if group == "prefetch":
             overrides.append("strategy=fsdp_full")
-        if group == "precision":  # with the first strategy that implements it (StrategyAdapter.precisions)
+        if group == "precision":  # with the first strategy whose row implements it (StateLayout.precisions)
+            from zeroexp.formulas.rows import row_of
             from zeroexp.strategies import registered
 
-            overrides.append(f"strategy={min(n for n, a in registered().items() if option in a.precisions)}")
+            overrides.append(f"strategy={min(n for n in registered() if option in row_of(n).precisions)}")
         if group == "offload":  # with DeepSpeed ZeRO-3, which implements every offload (StrategyAdapter.offloads)
             overrides += ["strategy=deepspeed", "strategy.stage=3"]
         if group == "strategy" and option in ("fsdp_hybrid", "fsdp2_hybrid"):  # its required key

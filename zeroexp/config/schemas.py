@@ -23,6 +23,7 @@ from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
 from zeroexp.models.schemas import MODEL_RESERVED_KEYS, GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
+from zeroexp.formulas.rows import row_of
 from zeroexp.strategies.schemas import SCHEMAS, schema_keys
 from zeroexp.config.resources import ResourcesConfig, check_resources
 
@@ -44,7 +45,7 @@ class PrefetchConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Dtypes of training; a strategy runs only the precisions its adapter lists (``StrategyAdapter.precisions``)."""
+    """Dtypes of training; a strategy runs only the precisions its row lists (``StateLayout.precisions``)."""
 
     name: str = MISSING  # fp32 | bf16 | fp16
     param_dtype: str = "float32"  # compute parameters, activations and gradients: float32 | bfloat16 | float16
@@ -390,11 +391,10 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
 
     adapter = get_adapter_class(name)
-    if cfg.precision.name not in adapter.precisions:
-        supported = sorted(n for n, a in registered().items() if cfg.precision.name in a.precisions)
-        raise ConfigError("precision", cfg.precision.name, ", ".join(sorted(adapter.precisions)),
-                          why=f"strategy={name} does not implement it; strategies that do: "
-                              f"{', '.join(supported) or 'none'}")
+    row = row_of(str(cfg.strategy.layout))  # what the strategy runs and the expectation model covers: one fact
+    if cfg.precision.name not in row.precisions:
+        raise ConfigError("precision", cfg.precision.name, ", ".join(sorted(row.precisions)),
+                          why=f"strategy={name} (row {cfg.strategy.layout}) does not implement it")
     offloads = getattr(adapter, "offloads", frozenset({"none"}))
     if cfg.offload.name not in offloads:
         supported = sorted(n for n, a in registered().items() if cfg.offload.name in getattr(a, "offloads", ()))

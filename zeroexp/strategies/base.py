@@ -94,8 +94,6 @@ class StrategyAdapter:
     semantics: ClassVar[str] = ""
     #: Warm-up steps before the strategy issues its steady per-step collectives (checked by config.validate).
     min_warmup_steps: ClassVar[int] = 0
-    #: The ``precision`` options (conf/precision/) the strategy implements; config.validate refuses others.
-    precisions: ClassVar[frozenset[str]] = frozenset({"fp32"})
     #: The ``offload`` options (conf/offload/: none, optimizer, full) the strategy implements; others are refused.
     offloads: ClassVar[frozenset[str]] = frozenset({"none"})
     #: The ``checkpoint`` kinds (conf/checkpoint/: full, sharded) the adapter saves and loads; config.validate

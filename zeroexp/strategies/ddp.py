@@ -24,7 +24,6 @@ class DDPAdapter(StrategyAdapter):
     name = "ddp"
     schema = DDPConfig
     semantics = "ZeRO-0 baseline: every rank holds the full parameters, gradients and Adam moments."
-    zero_stage = 0
     #: Step 0 all-reduces every gradient in one bucket; the forward of step 1 rebuilds the buckets in
     #: gradient-ready order and broadcasts the new assignment from rank 0 (Reducer::rebuild_buckets, see
     #: torch/nn/parallel/distributed.py): the fingerprint is steady from step 2 on.
@@ -32,7 +31,6 @@ class DDPAdapter(StrategyAdapter):
     #: bf16 / fp16 by autocast (zeroexp.strategies._amp): parameters, gradients and moments stay fp32 (the fp32
     #: parameters are the master), matmuls run in the low precision; fp16 with a dynamic GradScaler. So the
     #: 2 + 2 + 12 bytes formula does not apply: the state is fp32 and its factors those of fp32 (semantics_for).
-    precisions = frozenset({"fp32", "bf16", "fp16"})
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """CellStrategy, with Lightning's autocast plugin for bf16 / fp16 (and a GradScaler for fp16)."""

@@ -152,7 +152,6 @@ def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
 class DeepSpeedAdapter(StrategyAdapter):
     name = "deepspeed"
     schema = DeepSpeedConfig
-    precisions = frozenset({"fp32", "bf16", "fp16"})
     offloads = frozenset({"none", "optimizer", "full"})
     checkpoint_kinds = frozenset({"full", "sharded"})  # every stage; files and collectives differ by stage
     semantics = ("DeepSpeed ZeRO (runtime): stage 0 replicates everything; 1 partitions the fp32 master and Adam "
@@ -169,7 +168,6 @@ class DeepSpeedAdapter(StrategyAdapter):
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
         self.stage = int(self.scfg.stage)
-        self.zero_stage = self.stage
         self.dtype = torch_dtype(str(cfg.precision.param_dtype))
         self.engine: Any = None
         self._steps = 0

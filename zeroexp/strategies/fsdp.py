@@ -47,7 +47,6 @@ class FSDPAdapter(StrategyAdapter):
     #: its gradient shard and Adam's moments stay fp32 (the shard is the master); each unit is gathered, computed
     #: and reduce-scattered in the low precision, its gradient cast back to fp32 after the reduce_scatter. fp16
     #: adds a dynamic ``ShardedGradScaler`` (zeroexp.strategies._amp).
-    precisions = frozenset({"fp32", "bf16", "fp16"})
     #: offload=full: ``CPUOffload(offload_params=True)`` (parameters, gradients and optimizer state on the host);
     #: needs an accelerator to compute on.
     offloads = frozenset({"none", "full"})
@@ -276,7 +275,6 @@ class FSDPAdapter(StrategyAdapter):
 class FSDPGradOpAdapter(FSDPAdapter):
     name = "fsdp_grad_op"
     sharding = ShardingStrategy.SHARD_GRAD_OP
-    zero_stage = 2
     semantics = (
         "FSDP SHARD_GRAD_OP: gradients and optimizer state sharded; parameters sharded outside computation "
         "(resharded after backward), so at the optimizer boundary the parameter factor is 1, unlike canonical "
@@ -289,7 +287,6 @@ class FSDPFullAdapter(FSDPAdapter):
     name = "fsdp_full"
     schema = FSDPFullConfig
     sharding = ShardingStrategy.FULL_SHARD
-    zero_stage = 3
     semantics = (
         "FSDP FULL_SHARD (ZeRO-3 direction): parameters, gradients and optimizer state sharded; each unit is "
         "all-gathered before forward and again before backward."

@@ -60,7 +60,6 @@ class FSDP2Adapter(StrategyAdapter):
     #: bf16 / fp16 through ``MixedPrecisionPolicy`` (gathered, computed and reduced in the low precision, fp32
     #: shards); fp16 adds a dynamic ``ShardedGradScaler`` (zeroexp.strategies._amp), whose inf check runs on each
     #: rank's gradient shards (DTensors) and all-reduces found_inf, as with FSDP1.
-    precisions = frozenset({"fp32", "bf16", "fp16"})
     dry_run_traced = True
 
     def __init__(self, cfg) -> None:
@@ -219,7 +218,6 @@ class FSDP2Adapter(StrategyAdapter):
 class FSDP2FullAdapter(FSDP2Adapter):
     name = "fsdp2_full"
     reshard_after_forward = True
-    zero_stage = 3
     semantics = (
         "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3 direction): parameters, gradients and optimizer "
         "state sharded per parameter on dim 0; each unit, the root included, is all-gathered before forward and "
@@ -231,7 +229,6 @@ class FSDP2FullAdapter(FSDP2Adapter):
 class FSDP2GradOpAdapter(FSDP2Adapter):
     name = "fsdp2_grad_op"
     reshard_after_forward = False
-    zero_stage = 2
     semantics = (
         "FSDP2 fully_shard, reshard_after_forward=False: gradients and optimizer state sharded; parameters "
         "resharded after backward, so at the optimizer boundary the parameter factor is 1, unlike canonical "

@@ -26,7 +26,6 @@ class FSDP2HybridAdapter(FSDP2Adapter):
     name = "fsdp2_hybrid"
     schema = FSDP2HybridConfig
     reshard_after_forward = True
-    zero_stage = 3
     checkpoint_kinds = frozenset({"full", "sharded"})
     semantics = (
         "FSDP2 fully_shard on a 2-D mesh (replicate, shard), reshard_after_forward=True: FULL_SHARD's state within "

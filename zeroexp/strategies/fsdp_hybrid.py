@@ -22,9 +22,8 @@ from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
 from zeroexp.strategies.fsdp import PREFETCH, FSDPAdapter
 from zeroexp.strategies.schemas import FSDPHybridConfig
 
-#: ``strategy.sharding`` -> (FSDP's strategy, the ZeRO stage it follows within a shard group)
-_SHARDINGS = {"HYBRID_SHARD": (ShardingStrategy.HYBRID_SHARD, 3),
-              "_HYBRID_SHARD_ZERO2": (hybrid_shard_zero2(), 2)}
+#: ``strategy.sharding`` -> FSDP's strategy (its row ``fsdp_<sharding>`` holds the ZeRO stage within a shard group)
+_SHARDINGS = {"HYBRID_SHARD": ShardingStrategy.HYBRID_SHARD, "_HYBRID_SHARD_ZERO2": hybrid_shard_zero2()}
 
 
 @register
@@ -39,7 +38,7 @@ class FSDPHybridAdapter(FSDPAdapter):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.sharding, self.zero_stage = _SHARDINGS[str(self.scfg.sharding)]
+        self.sharding = _SHARDINGS[str(self.scfg.sharding)]
         self._mesh: Any = None
 
     @classmethod

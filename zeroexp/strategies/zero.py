@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroexp.formulas import Groups, Shard
+from zeroexp.formulas.rows import row_of
 from zeroexp.strategies.sharding import (Bucket, DynamicLossScale, ShardedAdamW, flatten_into_buckets,
                                          gather_full_masters)
 from zeroexp.errors import ConfigError
@@ -49,10 +50,9 @@ def _loss_scaling_precision(scale: DynamicLossScale) -> Any:
 
 
 class ShardedZeroAdapter(StrategyAdapter):
-    """Shared by ``zero1`` and ``zero2``; subclasses fix ``zero_stage``."""
+    """Shared by ``zero1`` and ``zero2``: the stage is their row's (``StateLayout.stage``)."""
 
     schema = ZeroConfig
-    precisions = frozenset({"fp32", "bf16", "fp16"})
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -92,7 +92,7 @@ class ShardedZeroAdapter(StrategyAdapter):
         bucketed = {id(p) for b in self.buckets for p in b.params}
         if any(p.requires_grad and id(p) not in bucketed for p in params):
             raise ValueError("make_optimizer got parameters that wrap() did not flatten")
-        optimizer = ShardedAdamW(self.buckets, stage=int(self.zero_stage), reduce=str(self.scfg.reduce),
+        optimizer = ShardedAdamW(self.buckets, stage=row_of(self.layout).stage, reduce=str(self.scfg.reduce),
                                  clip_grad_norm=self.scfg.clip_grad_norm, loss_scale=self.loss_scale,
                                  **self.optimizer_kwargs())
         self.optimizer = optimizer
@@ -155,7 +155,6 @@ class ShardedZeroAdapter(StrategyAdapter):
 @register
 class Zero1Adapter(ShardedZeroAdapter):
     name = "zero1"
-    zero_stage = 1
     semantics = (
         "ZeRO-1 (P_os) by hand: parameters and gradients replicated in the compute dtype, the fp32 master and "
         "Adam moments sharded 1/N; gradients reduce-scattered, updated shards all-gathered."
@@ -165,7 +164,6 @@ class Zero1Adapter(ShardedZeroAdapter):
 @register
 class Zero2Adapter(ShardedZeroAdapter):
     name = "zero2"
-    zero_stage = 2
     semantics = (
         "ZeRO-2 (P_os+g) by hand: parameters replicated; after the reduce_scatter each rank keeps only its "
         "gradient shard; the fp32 master and Adam moments sharded 1/N."
