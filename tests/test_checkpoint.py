@@ -1,8 +1,8 @@
-"""Full and sharded checkpoints (zeroexp/probes/checkpoint.py): round trips for ddp, zro, fsdp_full and DeepSpeed
-ZeRO stages 0-3 at N=2 continue bit-identically; a full save gathers to rank 0, a sharded one does not; a damaged
+"""Full and sharded checkpoints (zeroexp/probes/checkpoint.py): round trips for ddp, zro, fsdp_full, fsdp2_full and
+DeepSpeed ZeRO stages 0-3 at N=2 continue bit-identically; a full save gathers to rank 0, a sharded one does not; a damaged
 checkpoint is refused.
 
-Six cells at N=2 (the mlp of 8 x Linear(64, 64), P = 128 KiB), their checkpoints kept for the refusal tests, and
+Eight cells at N=2 (the mlp of 8 x Linear(64, 64), P = 128 KiB), their checkpoints kept for the refusal tests, and
 eight DeepSpeed cells (stage x kind, fp32) when DeepSpeed is installed.
 """
 
@@ -20,6 +20,8 @@ from zeroexp.probes.checkpoint import META, CheckpointError, verify_checkpoint
 
 P = 8 * 64 * 64 * 4  # logical parameter bytes of the test mlp
 STRATEGIES = ("ddp", "zro", "fsdp_full")
+#: Strategies whose checkpoints are the base adapter's default (torch's state-dict API) alone, besides DDP's.
+DEFAULT_TRIO = ("fsdp2_full",)
 
 
 def _cell(cell, strategy: str, kind: str):
@@ -29,7 +31,7 @@ def _cell(cell, strategy: str, kind: str):
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES + DEFAULT_TRIO)
 def test_round_trip_continues_bit_identically(cell, strategy, kind):
     result = _cell(cell, strategy, kind)
     ck = result.summary["checkpoint"]
@@ -73,6 +75,11 @@ def test_what_each_save_sends_and_holds(cell):
     # not. Slack of one unit (P / 8): a tensor counted at the start that gloo's thread frees late lowers peak - start.
     over = saves["fsdp_full", "full"]["peak_over_start_bytes"]
     assert over[0] >= 3 * P - P // 8 and over[1] < 3 * P - P // 8, over
+    # FSDP2 through get_state_dict(full_state_dict, cpu_offload): every DTensor (parameters, both moments) made whole
+    # by all_gather; rank 0 keeps the gathered state, rank 1 only a unit's transient.
+    fsdp2 = _cell(cell, "fsdp2_full", "full").summary["checkpoint"]["save"]
+    assert fsdp2["collectives"]["payload_bytes"]["all_gather"] >= 3 * P
+    assert fsdp2["peak_over_start_bytes"][0] >= 3 * P - P // 8 > fsdp2["peak_over_start_bytes"][1]
 
 
 def _copy(cell, tmp_path: Path, strategy: str, kind: str) -> Path:

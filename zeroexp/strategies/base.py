@@ -97,7 +97,8 @@ class StrategyAdapter:
     #: The ``offload`` options (conf/offload/: none, optimizer, full) the strategy implements; others are refused.
     offloads: ClassVar[frozenset[str]] = frozenset({"none"})
     #: The ``checkpoint`` kinds (conf/checkpoint/: full, sharded) the adapter saves and loads; config.validate
-    #: refuses the others.
+    #: refuses the others. The default save and load are torch's state-dict API (zeroexp.strategies._checkpoint),
+    #: which an adapter overrides only where its state needs its own.
     checkpoint_kinds: ClassVar[frozenset[str]] = frozenset()
     #: ``dry_run=true`` (zeroexp.rank.dryrun): True when the strategy's own code runs under a fake process group and
     #: ``FakeTensorMode`` (its state and collectives are traced); False when it needs real storage (DDP's C++
@@ -263,18 +264,29 @@ class StrategyAdapter:
             yield {name: p.detach() for name, p in model.named_parameters()}
 
     def checkpoint_format(self, kind: str) -> str:
-        """One sentence: how this strategy writes a ``kind`` checkpoint (reported in ``summary.json``)."""
-        raise NotImplementedError(f"strategy {self.name!r} does not implement checkpoints")
+        """One sentence: how this strategy writes a ``kind`` checkpoint (reported in ``summary.json``). Default: the
+        state-dict API's (:meth:`save_checkpoint`)."""
+        if kind == "full":
+            return ("get_state_dict(full_state_dict, cpu_offload): the model and optimizer state made whole on rank 0, "
+                    "which writes it to one file")
+        return ("torch.distributed.checkpoint of get_state_dict's state: each rank writes its items (a tensor the "
+                "ranks hold alike once, DCP's deduplication), __<rank>_0.distcp; rank 0 the .metadata")
 
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
         """Write the wrapped ``model``'s and ``optimizer``'s state as a ``kind`` checkpoint into the existing
-        directory ``path``; return the files this rank wrote. A collective: call it on every rank."""
-        raise NotImplementedError(f"strategy {self.name!r} does not implement checkpoints")
+        directory ``path``; return the files this rank wrote. A collective: call it on every rank. Default: torch's
+        state-dict API (``get_state_dict``; full: :func:`~zeroexp.strategies._checkpoint.save_full`, sharded: DCP)."""
+        from zeroexp.strategies._checkpoint import save_state_dicts
+
+        return save_state_dicts(kind, path, model, optimizer)
 
     def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Restore a :meth:`save_checkpoint` directory into a freshly wrapped ``model`` and its ``optimizer``
-        (same strategy, same world size). A collective: call it on every rank."""
-        raise NotImplementedError(f"strategy {self.name!r} does not implement checkpoints")
+        (same strategy, same world size). A collective: call it on every rank. Default: ``set_state_dict`` of
+        what :meth:`save_checkpoint` wrote (full: every rank reads the one file and keeps its part)."""
+        from zeroexp.strategies._checkpoint import load_state_dicts
+
+        load_state_dicts(kind, path, model, optimizer)
 
     def train_step(self, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
                    batch: torch.Tensor) -> None:

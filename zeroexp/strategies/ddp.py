@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
@@ -14,7 +13,6 @@ from zeroexp._lib.parallel import ddp_grad_buckets
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import Groups, buffer_broadcasts
 from zeroexp.strategies import register
-from zeroexp.strategies._checkpoint import load_state_dicts, save_state_dicts
 from zeroexp.strategies.base import StrategyAdapter, buffer_record
 from zeroexp.strategies.schemas import DDPConfig
 
@@ -83,14 +81,6 @@ class DDPAdapter(StrategyAdapter):
             return "get_state_dict(full_state_dict, cpu_offload): rank 0 writes its replicated state to one file"
         return ("torch.distributed.checkpoint of the replicated state: the planner deduplicates each tensor "
                 "and spreads the writes over the ranks (__<rank>_0.distcp, .metadata)")
-
-    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
-        """full: rank 0 writes the state it already holds (no gather needed); sharded: DCP
-        (zeroexp.strategies._checkpoint)."""
-        return save_state_dicts(kind, path, model, optimizer)
-
-    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        load_state_dicts(kind, path, model, optimizer)
 
     def full_parameters(self, model: nn.Module) -> ContextManager[dict[str, torch.Tensor]]:
         """Every rank holds the full parameters: those of the module DDP wraps, without DDP's ``module.``."""

@@ -61,6 +61,7 @@ class FSDP2Adapter(StrategyAdapter):
     #: shards); fp16 adds a dynamic ``ShardedGradScaler`` (zeroexp.strategies._amp), whose inf check runs on each
     #: rank's gradient shards (DTensors) and all-reduces found_inf, as with FSDP1.
     dry_run_traced = True
+    checkpoint_kinds = frozenset({"full", "sharded"})  # torch's state-dict API (DTensors): the default trio
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)

@@ -8,14 +8,11 @@ then one all_reduce of the gradient shards across the replicas (_fully_shard/_fs
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zeroexp.strategies import register
-from zeroexp.strategies._checkpoint import load_state_dicts, save_state_dicts
 from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
 from zeroexp.strategies.fsdp2 import FSDP2Adapter
 from zeroexp.strategies.schemas import FSDP2HybridConfig
@@ -53,11 +50,3 @@ class FSDP2HybridAdapter(FSDP2Adapter):
         return ("torch.distributed.checkpoint of the DTensor state dict (get_state_dict): "
                 "a shard the replicas hold alike "
                 "is written once, by one of them (DCP's deduplication), __<rank>_0.distcp; rank 0 the .metadata")
-
-    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
-        """full: zeroexp.strategies._checkpoint.save_full; sharded: save_sharded (DCP)."""
-        return save_state_dicts(kind, path, model, optimizer)
-
-    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """full: every rank reads the file and keeps its shards (set_state_dict, full_state_dict); sharded: DCP."""
-        load_state_dicts(kind, path, model, optimizer)
