@@ -71,14 +71,17 @@ def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def check_factors(factors: dict[str, float], expected: dict[str, float], per_kind_bytes: dict[str, int],
-                  param_bytes: int, world_size: int) -> list[str]:
-    """Why the measured factors do not match the expected ones (empty: PASS); each reason names the numbers."""
+                  param_bytes: int, world_size: int, basis: str | None = None, note: str = "") -> list[str]:
+    """Why the measured factors do not match the expected ones (empty: PASS); each reason names the numbers.
+    ``basis``: how the bytes were counted (default ``summed over N ranks``; a dry run's ``= rank 0 x N``); ``note``
+    ends each reason."""
+    basis = basis or f"summed over {world_size} ranks"
     reasons = []
     for kind, want in expected.items():
         got = factors.get(kind, 0.0)
         if abs(got - want) > FACTOR_TOL:
-            reasons.append(f"{kind}: measured factor {got:.6g} ({per_kind_bytes.get(kind, 0)} B summed over "
-                           f"{world_size} ranks / P = {param_bytes} B), expected {want:g}")
+            reasons.append(f"{kind}: measured factor {got:.6g} ({per_kind_bytes.get(kind, 0)} B {basis} / P = "
+                           f"{param_bytes} B), expected {want:g}{note}")
     return reasons
 
 

@@ -48,8 +48,9 @@ from zeroexp.models.module import CellModule
 from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
                             probes_for)
 from zeroexp.probes.state import check_factors
-from zeroexp.results.files import SCHEMA_VERSION, write_csv, write_json, write_text
+from zeroexp.results.files import write_text
 from zeroexp.config.schedule import Schedule
+from zeroexp.rank.summary import summary_head, write_summary
 from zeroexp.strategies import get_adapter_class
 
 __all__ = ["run_dry", "SOURCES", "ABSENT", "LazyChunks", "lazy_fsdp2_chunks"]
@@ -244,9 +245,9 @@ def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, 
     frame = report.tables["rank_state.csv"]
     logical = {k: n * int(frame[frame.kind == k].logical_bytes.sum()) for k in s["factors"]}
     physical = {k: n * int(frame[frame.kind == k].physical_bytes.sum()) for k in s["factors"]}
-    reasons = [r.replace(f"summed over {n} ranks", f"= rank 0 x {n}") + " (with padding the last ranks hold less "
-               "than rank 0: see factors_basis)" for r in check_factors({k: v / p for k, v in logical.items()},
-                                                                         s["expected"], logical, p, n)]
+    reasons = check_factors({k: v / p for k, v in logical.items()}, s["expected"], logical, p, n,
+                            basis=f"= rank 0 x {n}",
+                            note=" (with padding the last ranks hold less than rank 0: see factors_basis)")
     s.update(factors={k: v / p for k, v in logical.items()}, physical_factors={k: v / p for k, v in physical.items()},
              padding_bytes=physical.get("param", 0) - logical.get("param", 0),
              padding_bytes_by_kind={k: physical[k] - logical[k] for k in logical},
@@ -269,35 +270,24 @@ def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str
         coll_section.update(source=collectives["source"], check="n/a",
                             reasons=["derived from the model's structure, not traced: nothing measured to check"])
     coll_section["ranks_in_table"] = "rank 0"
-    write_csv(cell / "rank_state.csv", state_frame)
-    write_csv(cell / "collectives.csv", coll.tables["collectives.csv"])
+    tables = {"rank_state.csv": state_frame, "collectives.csv": coll.tables["collectives.csv"]}
     absent = absent_in_dry_run(cfg)
     memory_section = None
     if memory and memory.get("records"):
         mem = MemoryProbe.aggregate([memory], cfg)
         memory_section = {**mem.section, "source": SIMULATED, "simulated": True}
-        write_csv(cell / "memory.csv", mem.tables["memory.csv"])
+        tables["memory.csv"] = mem.tables["memory.csv"]
         absent.pop(MemoryProbe.name, None)
-    summary: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "status": "ok", "mode": "dry_run", "cell": run_info["cell"],
-        "cell_id": run_info["cell_id"],
-        "world_size": n, "steps": steps,
-        "dry_run": {"source": SOURCES[source], "played_rank": 0, "world_size": n, "backend": "fake",
-                    "steps_run": steps, "absent": absent,
-                    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
-        "state": state_section, "collectives": coll_section,
-    }
+    summary = summary_head(run_info, n, steps, before={"mode": "dry_run"},
+                           dry_run={"source": SOURCES[source], "played_rank": 0, "world_size": n, "backend": "fake",
+                                    "steps_run": steps, "absent": absent,
+                                    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+                           state=state_section, collectives=coll_section)
     if memory_section is not None:
         summary["memory"] = memory_section
-    try:
-        from zeroexp.plan.cell import plan_section
-    except ImportError:  # no planner in this checkout
-        pass
-    else:
-        itself = None if source == "traced" else ("a derived dry run's state and collectives are the planner's own "
-                                                  "model of this cell: comparing them with the plan cannot fail")
-        summary["plan"] = plan_section(cfg, cell, summary, itself=itself, live_groups=live_groups)
-    write_json(cell / "summary.json", summary)
+    itself = None if source == "traced" else ("a derived dry run's state and collectives are the planner's own "
+                                              "model of this cell: comparing them with the plan cannot fail")
+    write_summary(cell, cfg, summary, tables, live_groups=live_groups, itself=itself)
     if cfg.logger.name == "wandb":
         from zeroexp.rank.wandb_log import log_summary, make_logger
 

@@ -36,8 +36,9 @@ from zeroexp.probes import RunContext, as_callback, probes_for
 from zeroexp.probes.init_peak import InitPeak, init_fields
 from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.config.schedule import Schedule
-from zeroexp.results.files import SCHEMA_VERSION, write_csv, write_json, write_text
+from zeroexp.results.files import write_json, write_text
 from zeroexp.strategies import get_adapter_class
+from zeroexp.rank.summary import summary_head, write_summary
 from zeroexp.rank.wandb_log import log_summary, make_logger
 
 RANKS_DIR = ".ranks"
@@ -254,10 +255,8 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
     ``live_groups``: rank 0's groups as its adapter read them (compared with the planner's in ``plan``)."""
     world_size = int(cfg.world_size)
     ranks = [json.loads((cell / RANKS_DIR / f"rank{r}.json").read_text()) for r in range(world_size)]
-    summary: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "status": "ok", "cell": run_info["cell"], "cell_id": run_info["cell_id"],
-        "world_size": world_size, "steps": int(cfg.steps), "final_loss": None,
-    }
+    summary = summary_head(run_info, world_size, int(cfg.steps), final_loss=None)
+    tables: dict[str, Any] = {}
     skipped = Schedule.from_cfg(cfg).skipped  # windows that did not fit in `steps`: those probes read n/a
     for cls in probe_classes:
         window = cls.steps.window if cls.steps is not None else None
@@ -266,12 +265,10 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
             summary.setdefault("skipped", {})[cls.name] = skipped[window]
             continue
         report = cls.aggregate([r[cls.name] for r in ranks], cfg)
-        for fname, frame in report.tables.items():
-            write_csv(cell / fname, frame)
+        tables.update(report.tables)
         summary.update(report.top_level)
         if report.section:
             summary[cls.name] = report.section
-    from zeroexp.plan.cell import plan_section  # the planner's prediction for this cell, beside the measurement
     from zeroexp.plan.memory import read_traces_ahead
 
     read_traces_ahead(cell / RANKS_DIR / TRACES_AHEAD)  # the step traces the last rank made, if it did
@@ -279,7 +276,5 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
     init = init_fields([r.get(INIT_RECORD) for r in ranks], init_of(cfg))  # measured: the build and wrap of the model
     if init and isinstance(summary.get("memory"), dict):
         summary["memory"].update(init)
-    summary["plan"] = plan_section(cfg, cell, summary, live_groups=live_groups)
-    write_json(cell / "summary.json", summary)
-    return summary
+    return write_summary(cell, cfg, summary, tables, live_groups=live_groups)
 
