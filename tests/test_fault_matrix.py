@@ -77,10 +77,10 @@ def _as_from_a_terminal() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
-def start_cli(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+def start_cli(tmp_path: Path, *args: str, logger: str = "none") -> tuple[subprocess.Popen, Path]:
     """``python -m zeroexp`` on a long 2-rank cell, in its own session; returns once its ranks exist."""
     cell = tmp_path / "cell"
-    proc = subprocess.Popen([sys.executable, "-m", "zeroexp", "logger=none", "world_size=2", "model.width=32",
+    proc = subprocess.Popen([sys.executable, "-m", "zeroexp", f"logger={logger}", "world_size=2", "model.width=32",
                              "steps=100000", f"hydra.run.dir={cell}", *args], cwd=tmp_path, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=_as_from_a_terminal)
@@ -214,8 +214,9 @@ def _main_process(sig: signal.Signals, tmp_path: Path) -> None:
     ``timeout.grace_s`` of it, recorded ``failed`` naming the signal; exit 128 + the signal. SIGKILL: the manifest
     cannot be updated (it stays ``running``; a resumed sweep re-runs it), but no rank, forkserver or resource
     tracker outlives the main process. Before the signal, while the cell trains: nothing of it listens beyond
-    loopback."""
-    proc, cell = start_cli(tmp_path, "timeout.grace_s=5")
+    loopback. The handled signals run the cell with its W&B run (offline): no process of the run's tree (W&B's
+    service and monitor, each in a session of its own, included) outlives the main process by 1 s."""
+    proc, cell = start_cli(tmp_path, "timeout.grace_s=5", logger="none" if sig == signal.SIGKILL else "wandb")
     pids = [r["pid"] for r in read_json(cell / "manifest.json")["ranks"]]
     # While the cell trains, every listening socket of the main process, its forkserver and its ranks is on
     # loopback: the rendezvous store the main process serves on 127.0.0.1, gloo's sockets (GLOO_SOCKET_IFNAME=lo).
@@ -224,6 +225,7 @@ def _main_process(sig: signal.Signals, tmp_path: Path) -> None:
         seen |= listening_addresses(_tree(proc.pid))
         time.sleep(0.5)
     assert seen and seen <= {"127.0.0.1", "::1"}, seen
+    tree = _tree(proc.pid) - {proc.pid}  # every process below the main one, whatever its session
     t0 = time.monotonic()
     if sig == signal.SIGINT:
         os.killpg(proc.pid, sig)  # what Ctrl-C in a terminal does: the whole foreground group
@@ -234,6 +236,10 @@ def _main_process(sig: signal.Signals, tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 5 + 3, out  # within the grace (and Python's exit)
         assert proc.returncode == 128 + sig, out
         assert f"stopped by {sig.name}" in out and "Traceback" not in out, out
+        exited = time.monotonic()
+        while (left := [p for p in tree if _alive(p)]) and time.monotonic() < exited + 1:
+            time.sleep(0.05)
+        assert left == [], [(p, Path(f"/proc/{p}/cmdline").read_bytes()[:80]) for p in left if _alive(p)]
     assert wait_until_gone(proc.pid, 30) == []  # nothing of the run's session is left
     assert not any(_alive(p) for p in pids)
     m = read_json(cell / "manifest.json")

@@ -11,7 +11,8 @@ Failure handling: when a rank fails (exception, signal) the others get ``timeout
 then killed. A rank that hangs makes its peers fail in a collective after ``timeout.collective_s``; the rank
 still alive when its peers have failed is reported as the hung one. Past ``timeout.cell_s`` every rank is
 killed. Every rank process is joined before :func:`launch_local` returns, also on Ctrl-C, SIGTERM and SIGHUP
-(``zeroexp.launch.runner.stop_on_signals``). If this process is killed outright, the forkserver and the ranks die with
+(``zeroexp.launch.runner.stop_on_signals``), and what a rank that had to be stopped started (W&B's service and its
+monitor, in sessions of their own) is ended with it (:func:`end_processes`). If this process is killed outright, the forkserver and the ranks die with
 it (parent-death signals: ``zeroexp.rank.deathsig``, ``zeroexp.rank.worker``).
 """
 
@@ -33,6 +34,8 @@ __all__ = ["FORKSERVER_PRELOAD", "LaunchResult", "launch_local", "free_port", "s
            "runs_local_ranks", "start_forkserver_for", "NO_CELL_FLAGS"]
 
 _CTX: Any = None
+#: Seconds a stopped rank's leftover process (W&B's service) gets between SIGTERM and SIGKILL.
+LEFTOVER_GRACE_S = 0.5
 #: What the ranks' forkserver imports before it forks a rank, in order: first zeroexp.rank.deathsig, which makes the
 #: forkserver die with this process (each rank dies with the forkserver: zeroexp.rank.worker); then what W&B's run start
 #: imports, cheaper before torch (zeroexp.launch.wandb_preload); then the ranks' module and every strategy adapter,
@@ -160,6 +163,40 @@ def _root_cause(failed: list[int], procs: list[Any], cell_dir: Path) -> dict[str
     return _describe(first, procs[first].exitcode, cell_dir)
 
 
+def descendants(pids: list[int | None]) -> list[Any]:
+    """Every live process below ``pids`` (psutil processes): what ranks that are being stopped started, W&B's service
+    and its system monitor among them (each in a session of its own, watching its rank's pid: alone it lingers
+    seconds after the rank is gone)."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            found += psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            pass
+    return found
+
+
+def end_processes(procs: list[Any], within_s: float) -> None:
+    """SIGTERM each of ``procs`` (psutil processes: W&B's service flushes its run on it), SIGKILL what still runs
+    ``within_s`` later; return once every one is gone."""
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=within_s)
+
+
 def local_rank_entry(*args: Any) -> None:
     """``zeroexp.rank.worker.rank_entry``, by name: what the runner hands to :func:`launch_local`, so that the launching
     process never imports zeroexp.rank.worker (torch.distributed's stack, Lightning, the probes: 5 to 7 s of imports on
@@ -190,6 +227,7 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
                          name=f"zeroexp-rank{r}") for r in range(nprocs)]
     error: dict[str, Any] | None = None
     killed_by_us: set[int] = set()
+    leftovers: list[Any] = []  # what the ranks we stop started (descendants)
     try:
         for p in procs:
             p.start()
@@ -217,16 +255,19 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
                              "message": f"rank(s) {', '.join(map(str, alive))} stopped responding; rank "
                                         f"{error['rank']} timed out in a collective after "
                                         f"timeout.collective_s={timeouts['collective_s']}s"}
+                leftovers += descendants([procs[r].pid for r in alive])
                 for r in alive:
                     killed_by_us.add(r)
                     procs[r].kill()
                 kill_at = None
-    finally:  # also on KeyboardInterrupt: no rank outlives the cell
+    finally:  # also on KeyboardInterrupt: no rank outlives the cell, nor what a rank started
+        leftovers += descendants([p.pid for p in procs if p.is_alive()])
         for p in procs:
             if p.is_alive():
                 p.kill()
         for p in procs:
             p.join()
+        end_processes(leftovers, within_s=LEFTOVER_GRACE_S)
         del store  # closes the listening socket
     codes = [p.exitcode for p in procs]
     rank_errors = [_describe(r, c, cell_dir) for r, c in enumerate(codes) if c != 0 and r not in killed_by_us]
