@@ -1,6 +1,6 @@
 """Full and sharded checkpoints (zeroexp/probes/checkpoint.py): round trips for ddp, zro, fsdp_full, fsdp2_full and
-DeepSpeed ZeRO stages 0-3 at N=2 continue bit-identically; a full save gathers to rank 0, a sharded one does not; a damaged
-checkpoint is refused.
+DeepSpeed ZeRO stages 0-3 at N=2 continue bit-identically; a full save gathers to rank 0, a sharded one does not; a
+damaged checkpoint is refused.
 
 Eight cells at N=2 (the mlp of 8 x Linear(64, 64), P = 128 KiB), their checkpoints kept for the refusal tests, and
 eight DeepSpeed cells (stage x kind, fp32) when DeepSpeed is installed.

@@ -334,6 +334,15 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     name = cfg.strategy.name
     if name not in SCHEMAS:  # up to the model check, nothing here imports torch: a bad key is refused at once
         raise ConfigError("strategy", name, ", ".join(sorted(SCHEMAS)))
+    _check_knobs(cfg, explicit_overrides)
+    _check_model_keys(cfg)
+    check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
+    _check_what_the_strategy_runs(cfg, explicit_overrides)
+    check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
+
+
+def _check_knobs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
+    """The keys, options, sizes, windows and timeouts of the cell, from the config alone (no torch)."""
     if cfg.get("calibration"):  # plan.time's calibration: readable before any rank starts
         from zeroexp.results.calibration import load_calibration
 
@@ -367,6 +376,9 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
             raise ConfigError(key, OmegaConf.select(cfg, key), "a positive number of seconds")
     _check_ranges(cfg)
 
+
+def _check_model_keys(cfg: DictConfig) -> None:
+    """The model node's own keys: what ``model=custom`` leaves to the user, sizes, the input's shape, the loss."""
     model = cfg.model
     for key in ("_target_", "input_shape"):  # model=custom leaves them to the user
         if OmegaConf.is_missing(model, key):
@@ -384,12 +396,17 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
         raise ConfigError("model.input_shape", shape, "a non-empty list of positive integers")
     from zeroexp.models import LOSSES
-    from zeroexp.strategies import get_adapter_class, registered
 
     if model.loss not in LOSSES:
         raise ConfigError("model.loss", model.loss, ", ".join(sorted(LOSSES)))
-    check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
 
+
+def _check_what_the_strategy_runs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
+    """What the strategy implements (its row's precisions, its adapter's offloads, axes, warm-up, checkpoints,
+    init), then the adapter's own refusals."""
+    from zeroexp.strategies import get_adapter_class, registered
+
+    name = cfg.strategy.name
     adapter = get_adapter_class(name)
     row = row_of(str(cfg.strategy.layout))  # what the strategy runs and the expectation model covers: one fact
     if cfg.precision.name not in row.precisions:
@@ -422,7 +439,6 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     check_init(cfg, adapter)
     adapter.validate(cfg)
     adapter.validate_model(cfg)
-    check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
 
 
 def _validate_launcher_and_checkpoint(cfg: DictConfig, adapter: Any) -> None:

@@ -12,8 +12,8 @@ then killed. A rank that hangs makes its peers fail in a collective after ``time
 still alive when its peers have failed is reported as the hung one. Past ``timeout.cell_s`` every rank is
 killed. Every rank process is joined before :func:`launch_local` returns, also on Ctrl-C, SIGTERM and SIGHUP
 (``zeroexp.launch.runner.stop_on_signals``), and what a rank that had to be stopped started (W&B's service and its
-monitor, in sessions of their own) is ended with it (:func:`end_processes`). If this process is killed outright, the forkserver and the ranks die with
-it (parent-death signals: ``zeroexp.rank.deathsig``, ``zeroexp.rank.worker``).
+monitor, in sessions of their own) is ended with it (:func:`end_processes`). If this process is killed outright,
+the forkserver and the ranks die with it (parent-death signals: ``zeroexp.rank.deathsig``, ``zeroexp.rank.worker``).
 """
 
 from __future__ import annotations
