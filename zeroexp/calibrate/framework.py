@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroexp._lib.trainer import skip_sigterm_broadcast
 from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, slowest_each, sync, trimmed_mean
 from zeroexp.results.calibration import call_table
 from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
@@ -224,7 +223,7 @@ def _loop(steps: int) -> dict[str, float]:
     import lightning.pytorch as pl
 
     from zeroexp.models import LOSSES
-    from zeroexp.models.module import CellModule
+    from zeroexp.models.module import CellModule, cell_trainer
 
     class Window(pl.Callback):
         def __init__(self) -> None:
@@ -240,11 +239,7 @@ def _loop(steps: int) -> dict[str, float]:
     batches = [torch.randn(TINY_BATCH, 1) for _ in range(steps + 2)]
     window = Window()
     module = CellModule(nn.Linear(1, 1, bias=False), "mean_square", lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps + 2, max_epochs=1, logger=False,
-                         callbacks=[window], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
-                         use_distributed_sampler=False)
-    skip_sigterm_broadcast(trainer)  # as zeroexp.rank.worker
+    trainer = cell_trainer(accelerator="cpu", devices=1, max_steps=steps + 2, logger=False, callbacks=[window])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     net = nn.Linear(1, 1, bias=False)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

@@ -208,7 +208,8 @@ class FsdpUnit(NamedTuple):
     after the reduce-scatter returned (gloo's copy of its input freed) and kept instead of it; ``gather_copy``, FSDP1's
     compute-dtype copy of the shard (``_mp_shard``) alive while the unit is all-gathered. 0: fp32. ``reduced``: the
     bytes of its reduce-scatter's input where they are not ``unsharded`` (FSDP2 with frozen parameters: the padded
-    trainable ones; 0: no reduce-scatter), ``shard`` then that input's share."""
+    trainable ones; 0: no reduce-scatter), ``shard`` then that input's share. ``last_grad``: the gradient of its last
+    trainable parameter (definition order), which FSDP2's reduction keeps referenced while it reduces."""
 
     unsharded: int
     shard: int
@@ -216,6 +217,7 @@ class FsdpUnit(NamedTuple):
     upcast: int = 0
     gather_copy: int = 0
     reduced: int | None = None
+    last_grad: int = 0
 
     @property
     def scattered(self) -> int:
@@ -316,7 +318,7 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
 
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
-                      reshard_after_forward: bool = True) -> dict[str, dict]:
+                      reshard_after_forward: bool = True, one_unit: bool = False) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category. ``reshard_after_forward=False``
     (SHARD_GRAD_OP's FSDP2 form): every unit stays unsharded from its forward to its backward, which gathers nothing
@@ -335,7 +337,10 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
     temporaries over the local shards (one per parameter). Categories: the all-gather outputs and the unsharded
     parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and the previous unit's, kept,
-    ``comm``; the output shards ``gradients``."""
+    ``comm``; the output shards ``gradients``. ``one_unit``: the model is one unit (``wrap: null``,
+    ``strategy.wrap=[]``): no all-gather follows its forward's, whose output stays alive through backward beside the
+    unsharded parameters, and it reduces in the root's final callback, after autograd (measured on torch 2.13, a
+    10-7-3 biased stack at N=2 and 3, both reshard settings)."""
     k_of = _unit_index(trace, units)
     full = [u.unsharded for u in units]
     best = _Highest()
@@ -370,7 +375,10 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only the
         # units kept since forward are unsharded).
         before = ((segs[i - 1], root + u.unsharded + pending if kept else 0, 0),) if pos == 0 else ()
-        for seg, held, comm in ((segs[i], root + u.unsharded + prefetched + pending, rs_kept), *before):
+        # A model that is one unit all-gathers nothing after its forward: that all-gather's output (AllGatherState)
+        # is still alive through its backward, beside the unsharded parameters.
+        ag_kept = full[k] if one_unit and not kept else 0
+        for seg, held, comm in ((segs[i], root + u.unsharded + prefetched + pending + ag_kept, rs_kept), *before):
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {
                 "activations": -trace.loss_bytes, "unsharded": held, "comm": comm,
@@ -379,12 +387,18 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         # copy of the input (no collective's argument: temporaries) is alive at this moment only while gloo's worker
         # still holds it: the upper end of the range.
         copy = max(u.scattered - u.upcast, 0) if gloo else 0
+        # A model that is one unit reduces in the root's final callback, after autograd: by gloo's copy of the input
+        # the parameters' own gradients are freed but the last one (FSDP2's reduction still references it), and the
+        # copy is alive.
+        alone = one_unit and gloo
         keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
-                          "temporaries": after.get("temporaries", 0) + u.grads + u.upcast,
+                          "temporaries": after.get("temporaries", 0) + (copy if alone else u.grads) + u.upcast,
                           "comm": u.scattered, "unsharded": root + prefetched + pending,
-                          "gradients": t_root + shards_done + u.shard - steady_grad_bytes},
-             timing={"temporaries": copy}, note=f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive "
-                                                "at its post-backward only while gloo's worker holds it")
+                          "gradients": t_root + shards_done + u.shard - steady_grad_bytes
+                          + (u.last_grad if alone else 0)},
+             timing={"temporaries": 0 if alone else copy},
+             note=f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive at its post-backward only while "
+                  "gloo's worker holds it")
         shards_done += u.upcast or u.shard
         grads_done += u.grads
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))

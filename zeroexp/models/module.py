@@ -55,3 +55,18 @@ class SyntheticBatches(Dataset):
 
     def __getitem__(self, step: int) -> torch.Tensor:
         return make_batch(self.model_cfg, self.batch_size, self.seed, step, self.rank)
+
+
+def cell_trainer(**settings: Any) -> pl.Trainer:
+    """The one Lightning ``Trainer`` of zeroexp (a cell's ranks, the calibration's framework run): one epoch of
+    ``max_steps``, none of Lightning's own checkpoints, progress bar, model summary, sanity or validation steps, or
+    distributed sampler (the batches are zeroexp's own), a metric every step; and no SIGTERM flag broadcast before each
+    step (zeroexp._lib.trainer: not the strategy's traffic, and the launcher ends ranks itself). ``settings``: the
+    rest (accelerator, devices, strategy, callbacks, logger...)."""
+    from zeroexp._lib.trainer import skip_sigterm_broadcast
+
+    trainer = pl.Trainer(max_epochs=1, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
+                         use_distributed_sampler=False, **settings)
+    skip_sigterm_broadcast(trainer)
+    return trainer

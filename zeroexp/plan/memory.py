@@ -91,10 +91,6 @@ def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
         if any(shape.calls(u) != 1 or not shape.backward(u) for u in range(len(shape.units))):
             reasons.append(f"no peak model yet for {flow.upper()} units called other than once per forward or "
                            "that backward does not reach (traced step); state, collectives and groups are checked")
-        if flow == "fsdp2" and shape.units and all(shape.root):
-            reasons.append("no peak model yet for a model that is one FSDP2 unit (wrap: null or strategy.wrap=[]: "
-                           "its post-backward runs in the root's final callback, after autograd, not modelled); "
-                           "state, collectives and groups are checked")
 
     rnn = [c for c in shape.opaque if c in ("RNN", "LSTM", "GRU")]
     if rnn:
@@ -425,11 +421,13 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
             root += unit.numel * itemsize
             root_grads += sum(shape.numels[i] for i in members) * itemsize
         else:  # the gradients autograd computes: of the trainable parameters a step uses
-            graded = sum(shape.numels[i] for i in members if shape.train(i) and i not in shape.unused)
-            units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * itemsize, graded * itemsize,
+            trained = [i for i in members if shape.train(i) and i not in shape.unused]
+            units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * itemsize,
+                                  sum(shape.numels[i] for i in trained) * itemsize,
                                   sharded_grad_upcast(unit.scattered // n, terms),
                                   unit.numel // n * itemsize if row.peak_flow == "fsdp1" and terms.module_dtype else 0,
-                                  None if unit.reduced is None else unit.reduced * itemsize))
+                                  None if unit.reduced is None else unit.reduced * itemsize,
+                                  shape.numels[max(trained)] * itemsize if trained else 0))
     shards = [u.scattered // n for u in groups.units]
     if micro_batches > 1:
         if not row.no_sync_accumulation:
@@ -442,7 +440,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **ADAMW,
-                                 reshard_after_forward=row.reshard_after_forward)
+                                 reshard_after_forward=row.reshard_after_forward, one_unit=alone)
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,

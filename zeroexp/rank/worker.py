@@ -25,13 +25,12 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from zeroexp.rank.deathsig import die_with_parent
-from zeroexp._lib.trainer import skip_sigterm_broadcast
 from zeroexp.devices import pin_host_allocator, rank_threads, ranks_get_a_gpu
 from zeroexp.errors import one_line
 from zeroexp.plan.expect import Expectation
 from zeroexp.models import build_model
 from zeroexp.config.init_mode import init_of
-from zeroexp.models.module import CellModule, SyntheticBatches
+from zeroexp.models.module import CellModule, SyntheticBatches, cell_trainer
 from zeroexp.probes import RunContext, as_callback, probes_for
 from zeroexp.probes.init_peak import InitPeak, init_fields
 from zeroexp.probes.memory import freeze_startup_objects
@@ -198,20 +197,14 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     if logger and rank == 0 and cfg.logger.name == "wandb":
         _ = logger.experiment  # start the W&B run before training, not inside the first timed step
 
-    trainer = pl.Trainer(
+    trainer = cell_trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         num_nodes=world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         strategy=adapter.lightning_strategy(cfg.timeout.collective_s, "nccl" if device.type == "cuda" else "gloo"),
-        precision="32-true", max_steps=cfg.steps, max_epochs=1, accumulate_grad_batches=accum, logger=logger,
-        callbacks=callbacks,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, use_distributed_sampler=False,
+        precision="32-true", max_steps=cfg.steps, accumulate_grad_batches=accum, logger=logger, callbacks=callbacks,
         default_root_dir=str(cell),
     )
-    # Lightning >= 2.5 broadcasts a SIGTERM flag from rank 0 before every step (and reads it back with .item(),
-    # a device sync on CUDA). It is not the strategy's traffic and zeroexp's launcher ends ranks itself: off.
-    skip_sigterm_broadcast(trainer)
     trainer.fit(module, train_dataloaders=data)
 
     results = {p.name: p.rank_result() for p in probes}
