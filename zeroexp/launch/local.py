@@ -179,10 +179,11 @@ def descendants(pids: list[int | None]) -> list[Any]:
 
 
 def end_processes(procs: list[Any], within_s: float) -> None:
-    """SIGTERM each of ``procs`` (psutil processes: W&B's service flushes its run on it), SIGKILL what still runs
-    ``within_s`` later; return once every one is gone."""
+    """SIGTERM each of ``procs`` still running (psutil processes, which know a reused pid is another process: W&B's
+    service flushes its run on it), SIGKILL what still runs ``within_s`` later; return once every one is gone."""
     import psutil
 
+    procs = [proc for proc in procs if proc.is_running()]
     for proc in procs:
         try:
             proc.terminate()
@@ -227,7 +228,11 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
                          name=f"zeroexp-rank{r}") for r in range(nprocs)]
     error: dict[str, Any] | None = None
     killed_by_us: set[int] = set()
-    leftovers: list[Any] = []  # what the ranks we stop started (descendants)
+    # What the ranks started (W&B's service and monitor), looked up once a second while they run: a rank that exits
+    # on the signal itself (Ctrl-C reaches the whole group) leaves them reparented, out of reach of a later look.
+    started: dict[int, Any] = {}
+    looked_at = 0.0
+    stopped = True  # until the ranks ended by themselves: then what they started ends by itself too
     try:
         for p in procs:
             p.start()
@@ -237,6 +242,9 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
         kill_at: float | None = None
         while any(p.is_alive() for p in procs):
             time.sleep(0.05)
+            if time.monotonic() - looked_at >= 1.0:
+                started.update((q.pid, q) for q in descendants([p.pid for p in procs if p.is_alive()]))
+                looked_at = time.monotonic()
             if error is None:
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
@@ -255,19 +263,20 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
                              "message": f"rank(s) {', '.join(map(str, alive))} stopped responding; rank "
                                         f"{error['rank']} timed out in a collective after "
                                         f"timeout.collective_s={timeouts['collective_s']}s"}
-                leftovers += descendants([procs[r].pid for r in alive])
                 for r in alive:
                     killed_by_us.add(r)
                     procs[r].kill()
                 kill_at = None
-    finally:  # also on KeyboardInterrupt: no rank outlives the cell, nor what a rank started
-        leftovers += descendants([p.pid for p in procs if p.is_alive()])
+        stopped = error is not None
+    finally:  # also on KeyboardInterrupt: no rank outlives the cell, nor, when it was stopped, what a rank started
+        started.update((q.pid, q) for q in descendants([p.pid for p in procs if p.is_alive()]))
         for p in procs:
             if p.is_alive():
                 p.kill()
         for p in procs:
             p.join()
-        end_processes(leftovers, within_s=LEFTOVER_GRACE_S)
+        if stopped:
+            end_processes(list(started.values()), within_s=LEFTOVER_GRACE_S)
         del store  # closes the listening socket
     codes = [p.exitcode for p in procs]
     rank_errors = [_describe(r, c, cell_dir) for r, c in enumerate(codes) if c != 0 and r not in killed_by_us]
