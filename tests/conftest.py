@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from zeroexp.cli.run import CONF_DIR, register
 from zeroexp.launch.local import FORKSERVER_PRELOAD, rank_context
 from zeroexp.launch.runner import CellResult, run_cell
+from zeroexp.strategies import registered
 
 # One intra-op thread in the test process, as each rank of a cell on this 2-core machine has (zeroexp.rank.worker): with
 # two, the in-process tests' small torch ops spin-waited for a descheduled peer thread whenever the cores were busy
@@ -36,6 +37,10 @@ torch.set_num_threads(1)
 # zeroexp.launch.rank_preload (last), where each rank of each DeepSpeed cell imported it (its muon optimizer module
 # compiles with torch.compile's machinery: 1.0 s of a 2.9 s rank, quiet host). A user's forkserver does not: a single
 # cell would wait for it. DeepSpeed is an optional extra: without it, the forkserver skips the name.
+# Every strategy adapter imported once, here: the tests that fork ranks themselves (mp.start_processes, fork) hand them
+# to each rank imported, as the ranks' forkserver does for a cell (composing a config no longer imports them).
+registered()
+
 rank_context().set_forkserver_preload([*FORKSERVER_PRELOAD[:-1], "deepspeed.runtime.zero.muon.muon_optimizer",
                                        FORKSERVER_PRELOAD[-1]])
 
