@@ -319,3 +319,14 @@ def pytest_collection_modifyitems(config, items) -> None:
         funcs = [getattr(item, "function", None), *(d.func for ds in defs.values() for d in ds)]
         if any(f is not None and _starts_processes(f) for f in funcs):
             item.add_marker(pytest.mark.slow)
+
+
+def assert_threshold_rule(eq: dict) -> None:
+    """The equivalence probe's threshold rule, whatever the floor this CPU measured: ten floors when they exceed the
+    precision's threshold (basis ``reduction-order floor``), else the precision's."""
+    assert eq["reduction_floor"] >= 0, eq
+    if 10 * eq["reduction_floor"] > eq["threshold"]:
+        assert eq["threshold_basis"] == "reduction-order floor", eq
+        assert eq["effective_threshold"] == 10 * eq["reduction_floor"], eq
+    else:
+        assert (eq["threshold_basis"], eq["effective_threshold"]) == ("precision", eq["threshold"]), eq

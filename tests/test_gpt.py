@@ -49,12 +49,16 @@ def test_gpt_ladder_matches_ddp_and_the_formulas(cell, compose):
 
 def test_long_gpt_run_is_judged_against_its_reduction_order_floor(cell):
     # N=3: the division by 3 rounds differently in DDP's averaged gradients than in the reference's mean loss,
-    # and AdamW turns those ulps into lr-sized steps; after 30 steps plain DDP is ~5e-5 from the reference.
+    # and AdamW turns those ulps into lr-sized steps; after 30 steps plain DDP was ~5e-5 from the reference on the CPUs
+    # seen so far, above the precision's 1e-5. How far is this CPU's kernels': the test holds the probe's rule (the
+    # larger of the precision's threshold and ten floors measured at run time), not the value.
+    from conftest import assert_threshold_rule
+
     r = cell("model=gpt", "strategy=ddp", "world_size=3", "steps=30", base=BASE)
     assert r.status == "ok", r.error
     eq = r.summary["equivalence"]
-    assert eq["threshold"] == 1e-5 and eq["reduction_floor"] * 10 > eq["threshold"], eq
-    assert eq["threshold_basis"] == "reduction-order floor" and eq["effective_threshold"] == 10 * eq["reduction_floor"]
+    assert eq["threshold"] == 1e-5 and eq["reduction_floor"] > 0, eq  # N=3 rounds: some floor is measured
+    assert_threshold_rule(eq)
     assert eq["check"] == "PASS" and eq["max_abs_err"] <= eq["effective_threshold"], eq
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_csv
+from conftest import assert_threshold_rule, read_csv
 from zeroexp.probes.equivalence import compare
 from zeroexp.probes.timing import TimingProbe, step_statistics
 from zeroexp.launch.runner import run_cell
@@ -121,10 +121,10 @@ def test_grad_op_peaks_above_full_shard(ladder, prefetch):
 def test_equivalence_passes_on_the_ladder(ladder, name):
     eq = ladder[name].summary["equivalence"]
     assert eq["check"] == "PASS", eq
-    assert eq["max_abs_err"] <= eq["threshold"] == 1e-5
-    # 10 steps: the reduction-order floor is a few ulps, far below 1e-5, so the precision's threshold holds
-    assert 0 <= eq["reduction_floor"] < 1e-6 and eq["threshold_basis"] == "precision"
-    assert eq["effective_threshold"] == eq["threshold"]
+    assert eq["threshold"] == 1e-5 and eq["max_abs_err"] <= eq["effective_threshold"]
+    # The threshold is the larger of the precision's and ten reduction-order floors, the floor measured at run time
+    # (a few ulps after 10 steps on the CPUs seen so far; its value is this CPU's kernels', so it is not asserted).
+    assert_threshold_rule(eq)
     assert eq["compared_tensors"] == 8 and eq["steps"] == 10
     assert "unsharded" in eq["reference"]
 

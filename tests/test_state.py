@@ -134,10 +134,10 @@ def test_use_orig_params_views_are_not_counted_twice(compose, tmp_path):
     _assert_padded(report.section, report.tables["rank_state.csv"], optim_padded=False)  # moments per view
 
 
-def _rank_result(adapter, model, optimizer, world_size):
+def _rank_result(cfg, adapter, model, optimizer, world_size):
     return {"rows": count_state(adapter.state_tensors(model, optimizer)), "step": 3,
             "logical_param_bytes": 4 * sum(q.numel() for q in model.parameters()),
-            "expected": Expectation(adapter.cfg, adapter.groups).state_factors(), "semantics": adapter.semantics}
+            "expected": Expectation(cfg, adapter.groups).state_factors(), "semantics": adapter.semantics}
 
 
 def _stepped_adamw(params):
@@ -155,14 +155,14 @@ def test_check_fails_on_an_unsharded_optimizer_under_a_zero1_claim(compose):
     model = LinearStack(16, 4)
     p = 4 * sum(q.numel() for q in model.parameters())
     # Plain AdamW on both ranks: every rank holds every moment, while zro claims ZeRO-1 (optim factor 2).
-    full = _rank_result(adapter, model, _stepped_adamw(model.parameters()), 2)
+    full = _rank_result(cfg, adapter, model, _stepped_adamw(model.parameters()), 2)
     report = StateProbe.aggregate([full, full], cfg)
     s = report.section
     assert s["check"] == "FAIL" and s["factors"]["optim"] == 4.0
     assert s["reasons"] == [f"optim: measured factor 4 ({4 * p} B summed over 2 ranks / P = {p} B), expected 2"]
     # The same tensors owned half by each rank, as ZeroRedundancyOptimizer would: PASS.
     layers = list(model)
-    owned = [_rank_result(adapter, model, _stepped_adamw(q for m in part for q in m.parameters()), 2)
+    owned = [_rank_result(cfg, adapter, model, _stepped_adamw(q for m in part for q in m.parameters()), 2)
              for part in (layers[:2], layers[2:])]
     s = StateProbe.aggregate(owned, cfg).section
     assert s["check"] == "PASS" and s["factors"]["optim"] == 2.0 and s["owner_imbalance"] == 1.0

@@ -219,7 +219,7 @@ class EquivalenceProbe(Probe):
             seen: dict[str, Any] = {}
             reference = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, seen=seen)
             floor = None
-            if int(self.ctx.cfg.world_size) > 1:  # one rank: there is no other order
+            if self.ctx.world_size > 1:  # one rank: there is no other order
                 averaged = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, averaged_grads=True)
                 floor = max_abs_diff(averaged, reference)
             # only a flat gradient buffer (zeroexp's ZeRO, FSDP1, DeepSpeed's flat groups) gives an unused parameter a

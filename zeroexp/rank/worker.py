@@ -160,6 +160,9 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     _quiet()
     freeze_startup_objects()  # the memory probe's cycle collections walk only what this rank creates from here
     cfg = OmegaConf.create(cfg_dict)
+    # The rank's place: what its process group is made of (the launcher's, torchrun's or SLURM's environment), the one
+    # source in the rank (RunContext, the adapters through torch.distributed); zeroexp.launch.cluster.rank refuses a
+    # cell whose world_size is not it.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = resolve_device(cfg)
     pin_host_allocator()  # zeroexp.devices: the same C allocator settings as a calibration's ranks

@@ -13,10 +13,10 @@ from typing import Any
 _LIGHTNING = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
-def amp_precision(cfg: Any, backend: str, sharded: bool = False) -> Any | None:
-    """Lightning's ``MixedPrecision`` plugin for ``cfg.precision`` (None for fp32); ``sharded``: FSDP1's
+def amp_precision(precision: Any, backend: str, sharded: bool = False) -> Any | None:
+    """Lightning's ``MixedPrecision`` plugin for ``precision`` (a PrecisionPolicy; None for fp32); ``sharded``: FSDP1's
     ``ShardedGradScaler`` (gradients are shards: inf checks and unscaling per shard, found_inf all-reduced)."""
-    name = str(cfg.precision.name)
+    name = precision.name
     if name not in _LIGHTNING:
         return None
     import torch
@@ -25,7 +25,7 @@ def amp_precision(cfg: Any, backend: str, sharded: bool = False) -> Any | None:
     device = "cuda" if backend == "nccl" else "cpu"
     scaler = None
     if name == "fp16":
-        kwargs = {"init_scale": float(cfg.precision.loss_scale), "growth_interval": int(cfg.precision.growth_interval)}
+        kwargs = {"init_scale": float(precision.loss_scale), "growth_interval": int(precision.growth_interval)}
         if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -35,9 +35,9 @@ def amp_precision(cfg: Any, backend: str, sharded: bool = False) -> Any | None:
     return MixedPrecision(_LIGHTNING[name], device=device, scaler=scaler)
 
 
-def with_sharded_scaler(strategy: Any, cfg: Any, backend: str) -> Any:
+def with_sharded_scaler(strategy: Any, precision: Any, backend: str) -> Any:
     """``strategy`` with Lightning's mixed-precision plugin and a ``ShardedGradScaler`` for fp16, for strategies
     whose gradients are shards (FSDP, FSDP2: their own mixed-precision policy casts, so bf16 needs no plugin)."""
-    if cfg.precision.name == "fp16":
-        strategy.precision_plugin = amp_precision(cfg, backend, sharded=True)
+    if precision.name == "fp16":
+        strategy.precision_plugin = amp_precision(precision, backend, sharded=True)
     return strategy

@@ -28,11 +28,12 @@ def is_meta(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def _replay(cfg: Any, sink: Callable[[str, torch.Tensor], None]) -> int:
-    """Replay the cell's model initialisation from ``cfg.seed`` on a meta copy of the model into ``sink``."""
+def _replay(policy: Any, sink: Callable[[str, torch.Tensor], None]) -> int:
+    """Replay the cell's model initialisation from ``policy.seed`` (its CellPolicy) on a meta copy of the model into
+    ``sink``."""
     with torch.device("meta"):
-        source = build_model(cfg.model)
-    return replay_init(source, int(cfg.seed), sink)
+        source = build_model(policy.model)
+    return replay_init(source, policy.seed, sink)
 
 
 def _net(module: nn.Module) -> nn.Module:
@@ -66,12 +67,12 @@ def to_empty_tied(module: nn.Module, device: torch.device, memo: dict[int, Any],
                 own_parameters(m)[name] = new
 
 
-def fill_replica(module: nn.Module, device: torch.device, cfg: Any) -> None:
+def fill_replica(module: nn.Module, device: torch.device, policy: Any) -> None:
     """Materialise every parameter of ``module`` on ``device`` and give it the full build's value."""
     to_empty_tied(module, device, {})
     params = _params_by_name(_net(module))
     with torch.no_grad():
-        _replay(cfg, lambda name, value: params[name].copy_(value))
+        _replay(policy, lambda name, value: params[name].copy_(value))
 
 
 def fsdp1_param_init_fn(device: torch.device) -> Callable[[nn.Module], None]:
@@ -84,7 +85,7 @@ def fsdp1_param_init_fn(device: torch.device) -> Callable[[nn.Module], None]:
     return init
 
 
-def fill_flat_shards(model: nn.Module, names: dict[int, str], cfg: Any) -> None:
+def fill_flat_shards(model: nn.Module, names: dict[int, str], policy: Any) -> None:
     """Write each original parameter's part of this rank's FlatParameter shards (``_shard_param_infos``).
     ``names``: ``id(module) -> its name in the user's model``, taken before wrapping."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -108,14 +109,14 @@ def fill_flat_shards(model: nn.Module, names: dict[int, str], cfg: Any) -> None:
                 value.reshape(-1)[info.intra_param_start_idx:info.intra_param_end_idx + 1])
 
     with torch.no_grad():
-        _replay(cfg, sink)
+        _replay(policy, sink)
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def fill_dtensors(root: nn.Module, cfg: Any) -> None:
+def fill_dtensors(root: nn.Module, policy: Any) -> None:
     """Write each DTensor parameter's local shard of ``root`` (after ``fully_shard`` and ``to_empty``): the rows
     of the full value its placement gives this rank (FSDP2: dim 0 chunked as ``torch.chunk``, ceil(rows / n) each,
     the last ranks' chunks short or empty). The rows are sliced, not indexed: no index tensor is allocated."""
@@ -138,4 +139,4 @@ def fill_dtensors(root: nn.Module, cfg: Any) -> None:
         local.copy_(value[tuple(index)])
 
     with torch.no_grad():
-        _replay(cfg, sink)
+        _replay(policy, sink)

@@ -106,8 +106,11 @@ class StrategyAdapter:
     dry_run_traced: ClassVar[bool] = False
 
     def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
-        self.scfg = cfg.strategy
+        from zeroexp.strategies.policy import CellPolicy
+
+        #: The cell's settings the adapter acts on, resolved once (zeroexp.strategies.policy); ``config``: its own.
+        self.policy = CellPolicy.of(cfg)
+        self.config = self.policy.strategy
 
     @classmethod
     def validate(cls, cfg: DictConfig) -> None:
@@ -134,7 +137,7 @@ class StrategyAdapter:
     def clip_grad_norm(self) -> float | None:
         """The max norm when the strategy clips gradients by their global norm (``strategy.clip_grad_norm``),
         else None; the equivalence reference clips the same way."""
-        value = self.scfg.get("clip_grad_norm")
+        value = self.config.clip_grad_norm
         return None if value is None else float(value)
 
     #: ``activation_checkpointing=full``: checkpoint the units after :meth:`wrap` (FSDP1's
@@ -164,19 +167,18 @@ class StrategyAdapter:
         Default (``meta_init = "replica"``): every parameter materialised on the rank, then :meth:`wrap`."""
         from zeroexp.strategies._meta_init import fill_replica
 
-        fill_replica(module, device, self.cfg)
+        fill_replica(module, device, self.policy)
         return self.wrap(module, device)
 
     def checkpoint_activations(self, module: nn.Module) -> None:
         """``activation_checkpointing=full``: replace each wrap unit of ``module`` (``strategy.wrap``, else
         ``model.wrap``) by torch's ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant): forward keeps
         only the unit's input, backward recomputes the unit. Nothing for ``none``."""
-        node = self.cfg.get("activation_checkpointing")
-        if node is None or node.name == "none":
+        if not self.policy.activation_checkpointing:
             return
-        from zeroexp.models import checkpoint_units, import_class, wrap_paths
+        from zeroexp.models import checkpoint_units, import_class
 
-        checkpoint_units(module, tuple(import_class(p) for p in wrap_paths(self.cfg)))
+        checkpoint_units(module, tuple(import_class(p) for p in self.policy.wrap))
 
     def no_sync(self, model: nn.Module) -> Any:
         """The context of the first K-1 micro-batches of ``grad_accum=K`` (forward and backward): gradients
@@ -197,8 +199,7 @@ class StrategyAdapter:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
 
     def optimizer_kwargs(self) -> dict[str, Any]:
-        o = self.cfg.optimizer
-        return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+        return self.policy.optimizer.kwargs()
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
         """Where this rank keeps its model state now: parameters, their gradients, the optimizer's tensors.
@@ -246,7 +247,7 @@ class StrategyAdapter:
     @property
     def layout(self) -> str:
         """The expectation model's row this strategy follows (``strategy.layout`` in its YAML)."""
-        return str(self.scfg.get("layout") or self.name)
+        return str(self.config.layout or self.name)
 
     @staticmethod
     def trainable(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:

@@ -35,7 +35,7 @@ class DDPAdapter(StrategyAdapter):
         from zeroexp.strategies._amp import amp_precision
 
         strategy = super().lightning_strategy(timeout_s, backend)
-        plugin = amp_precision(self.cfg, backend)
+        plugin = amp_precision(self.policy.precision, backend)
         if plugin is not None:
             strategy.precision_plugin = plugin
         return strategy
@@ -58,19 +58,19 @@ class DDPAdapter(StrategyAdapter):
     def find_unused(self) -> bool:
         """``strategy.find_unused_parameters``, or, when null, whether the model's meta-device step leaves a trainable
         parameter without a gradient."""
-        value = self.scfg.get("find_unused_parameters")
+        value = self.config.find_unused_parameters
         if value is None:
             from zeroexp.models import unused_parameters
 
-            value = bool(unused_parameters(self.cfg.model))
+            value = bool(unused_parameters(self.policy.model))
         return bool(value)
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         return DistributedDataParallel(
             module,
             device_ids=None if device.type == "cpu" else [device.index],
-            bucket_cap_mb=float(self.scfg.bucket_cap_mb),
-            gradient_as_bucket_view=bool(self.scfg.gradient_as_bucket_view),
+            bucket_cap_mb=float(self.config.bucket_cap_mb),
+            gradient_as_bucket_view=bool(self.config.gradient_as_bucket_view),
             find_unused_parameters=self.find_unused(),
         )
 

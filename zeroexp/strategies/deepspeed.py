@@ -71,14 +71,15 @@ def deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-def ds_config(cfg: Any, device_type: str) -> dict[str, Any]:
-    """The DeepSpeed config of a cell: ZeRO stage, precision, offload; nothing DeepSpeed would add on its own.
+def ds_config(policy: Any, device_type: str) -> dict[str, Any]:
+    """The DeepSpeed config of a cell (its CellPolicy): ZeRO stage, precision, offload; nothing DeepSpeed would add on
+    its own.
 
     ``stage3_param_persistence_threshold: 0``: every parameter is partitioned (DeepSpeed keeps parameters under
     1e5 elements whole on every rank by default, which is not ZeRO-3). ``zero_force_ds_cpu_optimizer: false``:
     offload keeps torch's AdamW (the reference's), not DeepSpeedCPUAdam (a compiled op).
     """
-    s, p, off = cfg.strategy, cfg.precision, str(cfg.offload.name)
+    s, p, off = policy.strategy, policy.precision, policy.offload
     bucket = deepspeed_reduce_bucket_numel(int(float(s.bucket_cap_mb) * 2**20))  # the expectation model's too
     zero: dict[str, Any] = {"stage": int(s.stage), "stage3_param_persistence_threshold": 0,
                             "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
@@ -88,11 +89,11 @@ def ds_config(cfg: Any, device_type: str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if off == "full":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    conf: dict[str, Any] = {"train_micro_batch_size_per_gpu": int(cfg.batch_size),
-                            "gradient_accumulation_steps": int(cfg.get("grad_accum") or 1),
+    conf: dict[str, Any] = {"train_micro_batch_size_per_gpu": policy.batch_size,
+                            "gradient_accumulation_steps": policy.grad_accum,
                             "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
                             "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
-                            "gradient_clipping": float(s.get("clip_grad_norm") or 0.0)}  # 0: DeepSpeed's "none"
+                            "gradient_clipping": float(s.clip_grad_norm or 0.0)}  # 0: DeepSpeed's "none"
     if p.name == "bf16":
         conf["bf16"] = {"enabled": True}
     elif p.name == "fp16":
@@ -167,11 +168,11 @@ class DeepSpeedAdapter(StrategyAdapter):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
-        self.stage = int(self.scfg.stage)
-        self.dtype = torch_dtype(str(cfg.precision.param_dtype))
+        self.stage = int(self.config.stage)
+        self.dtype = torch_dtype(self.policy.precision.param_dtype)
         self.engine: Any = None
         self._steps = 0
-        self._capture_at = int(cfg.warmup_steps)  # schedule.state_step
+        self._capture_at = self.policy.warmup_steps  # schedule.state_step
         self._grads: list[StateTensor] = []
 
     @classmethod
@@ -202,8 +203,8 @@ class DeepSpeedAdapter(StrategyAdapter):
 
         _no_shm_comm(deepspeed)
         client = torch.optim.AdamW(self.trainable(module.parameters()), **self.optimizer_kwargs())
-        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client,
-                                                    config=ds_config(self.cfg, device.type), dist_init_required=False)
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, dist_init_required=False,
+                                                    config=ds_config(self.policy, device.type))
         if self.dtype != torch.float32:
             for child in module.children():  # the user's net: its inputs in the compute dtype
                 child.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True)
@@ -308,7 +309,7 @@ class DeepSpeedAdapter(StrategyAdapter):
 
     def current_loss_scale(self) -> float | None:
         """fp16: the FP16 / ZeRO optimizer's dynamic loss scale (``cur_scale``); None otherwise."""
-        return float(self.engine.optimizer.cur_scale) if self.cfg.precision.name == "fp16" else None
+        return float(self.engine.optimizer.cur_scale) if self.policy.precision.name == "fp16" else None
 
     def beyond_canonical(self) -> dict[str, str]:
         """The kinds DeepSpeed keeps beyond the canonical fp32 formula [ZeRO 5.1], and in which tensors."""
@@ -326,7 +327,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         DeepSpeed's optimizer holds the trainable parameters alone (``is_optimized_parameter``); stages 0-2 leave the
         frozen ones as plain module parameters (``frozen``). Not modelled (the check reads n/a with the reason):
         offload, DeepSpeed's reduce (not all_reduce) gradient path."""
-        off, eng, opt, n = str(self.cfg.offload.name), self.engine, self.engine.optimizer, dist.get_world_size()
+        off, eng, opt, n = self.policy.offload, self.engine, self.engine.optimizer, dist.get_world_size()
         if off != "none":
             raise NotImplementedError(f"strategy 'deepspeed' has no collectives model for offload={off!r}")
         every = list(eng.module.parameters())

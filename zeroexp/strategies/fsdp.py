@@ -102,7 +102,7 @@ class FSDPAdapter(StrategyAdapter):
         ``strategy.sync_each_microbatch``."""
         from contextlib import nullcontext
 
-        return nullcontext() if self.scfg.get("sync_each_microbatch") else model.no_sync()
+        return nullcontext() if self.config.sync_each_microbatch else model.no_sync()
 
     def clip_gradients(self, model: nn.Module) -> None:
         """``FullyShardedDataParallel.clip_grad_norm_`` on the root: each rank's norm of its gradient shards, one fp32
@@ -226,7 +226,7 @@ class FSDPAdapter(StrategyAdapter):
         net = getattr(module, "net", module)
         names = {id(m): name for name, m in net.named_modules()}  # before FSDP wraps the units
         model = self._wrap(module, device, param_init_fn=fsdp1_param_init_fn(device))
-        fill_flat_shards(model, names, self.cfg)
+        fill_flat_shards(model, names, self.policy)
         return model
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
@@ -235,18 +235,18 @@ class FSDPAdapter(StrategyAdapter):
     def _wrap(self, module: nn.Module, device: torch.device, **init: Any) -> nn.Module:
         self._numels = tuple(p.numel() for p in self.trainable(module.parameters()))  # before FSDP flattens them
         self._frozen = tuple(p.numel() for p in module.parameters() if not p.requires_grad)
-        classes = {import_class(str(p)) for p in wrap_paths(self.cfg)}
+        classes = {import_class(p) for p in self.policy.wrap}
         model = FullyShardedDataParallel(
             module,
             sharding_strategy=self.sharding,
             auto_wrap_policy=ModuleWrapPolicy(classes),
             backward_prefetch=self.backward_prefetch(),
-            forward_prefetch=bool(self.scfg.forward_prefetch),
-            limit_all_gathers=bool(self.scfg.limit_all_gathers),
-            use_orig_params=bool(self.scfg.use_orig_params),
+            forward_prefetch=bool(self.config.forward_prefetch),
+            limit_all_gathers=bool(self.config.limit_all_gathers),
+            use_orig_params=bool(self.config.use_orig_params),
             device_id=device if device.type == "cpu" else device.index,
             mixed_precision=self.mixed_precision(),
-            cpu_offload=CPUOffload(offload_params=True) if self.cfg.offload.name == "full" else None,
+            cpu_offload=CPUOffload(offload_params=True) if self.policy.offload == "full" else None,
             **self.process_groups(device),
             **init,
         )
@@ -259,7 +259,7 @@ class FSDPAdapter(StrategyAdapter):
 
     def mixed_precision(self) -> MixedPrecision | None:
         """``MixedPrecision`` with parameters, gradient reduction and buffers in the precision's dtype; None in fp32."""
-        dtype = torch_dtype(str(self.cfg.precision.param_dtype))
+        dtype = torch_dtype(self.policy.precision.param_dtype)
         if dtype == torch.float32:
             return None
         return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype, cast_forward_inputs=True)
@@ -268,7 +268,7 @@ class FSDPAdapter(StrategyAdapter):
         """CellStrategy; for fp16, Lightning's mixed-precision plugin with a ``ShardedGradScaler``."""
         from zeroexp.strategies._amp import with_sharded_scaler
 
-        return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.cfg, backend)
+        return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.policy.precision, backend)
 
 
 @register
@@ -293,7 +293,7 @@ class FSDPFullAdapter(FSDPAdapter):
     )
 
     def backward_prefetch(self) -> BackwardPrefetch | None:
-        return PREFETCH[self.cfg.prefetch.name]
+        return PREFETCH[self.policy.prefetch]
 
 
 def _trains(flat: nn.Parameter) -> list[bool]:

@@ -27,7 +27,7 @@ from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_un
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
-from zeroexp.models import import_class, torch_dtype, wrap_paths
+from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
 from zeroexp.strategies.schemas import FSDP2Config
 
@@ -82,21 +82,21 @@ class FSDP2Adapter(StrategyAdapter):
         """``MixedPrecisionPolicy``: compute (and reduce) in the precision's ``param_dtype``; fp32 shards."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        dtype = torch_dtype(str(self.cfg.precision.param_dtype))
+        dtype = torch_dtype(self.policy.precision.param_dtype)
         return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype)
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """CellStrategy; for fp16, Lightning's mixed-precision plugin with a ``ShardedGradScaler``."""
         from zeroexp.strategies._amp import with_sharded_scaler
 
-        return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.cfg, backend)
+        return with_sharded_scaler(super().lightning_strategy(timeout_s, backend), self.policy.precision, backend)
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """``set_requires_gradient_sync(False)`` on the root ``fully_shard`` module (every unit: unsharded
         gradients accumulate, no reduce_scatter) unless ``strategy.sync_each_microbatch``."""
         root = getattr(model, "net", model)
-        if self.scfg.get("sync_each_microbatch"):
+        if self.config.sync_each_microbatch:
             yield
             return
         root.set_requires_gradient_sync(False)
@@ -128,7 +128,7 @@ class FSDP2Adapter(StrategyAdapter):
 
         self.setup(device)
         root = getattr(module, "net", module)
-        classes = tuple(import_class(p) for p in wrap_paths(self.cfg))
+        classes = tuple(import_class(p) for p in self.policy.wrap)
         kwargs = {"mesh": self._mesh, "reshard_after_forward": self.reshard_after_forward,
                   "mp_policy": self.mp_policy()}
         units = [m for m in root.modules() if classes and isinstance(m, classes) and m is not root]
@@ -148,7 +148,7 @@ class FSDP2Adapter(StrategyAdapter):
         model = self.wrap(module, device)
         root = getattr(model, "net", model)
         root.to_empty(device=device)
-        fill_dtensors(root, self.cfg)
+        fill_dtensors(root, self.policy)
         return model
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:

@@ -38,7 +38,7 @@ class FSDP2HybridAdapter(FSDP2Adapter):
     def setup(self, device: torch.device) -> None:
         """The 2-D device mesh (replicate, shard) over the default group, on the rank's device type."""
         if self._mesh is None:
-            self._mesh = hybrid_mesh(device, dist.get_world_size(), int(self.scfg.shard_size))
+            self._mesh = hybrid_mesh(device, dist.get_world_size(), int(self.config.shard_size))
 
     def mesh_dims(self) -> dict[str, str]:
         return {} if self._mesh is None else mesh_dims(self._mesh)

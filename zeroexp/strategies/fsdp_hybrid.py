@@ -38,7 +38,7 @@ class FSDPHybridAdapter(FSDPAdapter):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.sharding = _SHARDINGS[str(self.scfg.sharding)]
+        self.sharding = _SHARDINGS[str(self.config.sharding)]
         self._mesh: Any = None
 
     @classmethod
@@ -52,7 +52,7 @@ class FSDPHybridAdapter(FSDPAdapter):
     def setup(self, device: torch.device) -> None:
         """The 2-D device mesh (replicate, shard), before any model exists (a dry run fakes tensors after it)."""
         if self._mesh is None:
-            self._mesh = hybrid_mesh(device, dist.get_world_size(), int(self.scfg.shard_size))
+            self._mesh = hybrid_mesh(device, dist.get_world_size(), int(self.config.shard_size))
 
     def process_groups(self, device: torch.device) -> dict[str, Any]:
         self.setup(device)
@@ -62,7 +62,7 @@ class FSDPHybridAdapter(FSDPAdapter):
         return {} if self._mesh is None else mesh_dims(self._mesh)
 
     def backward_prefetch(self) -> BackwardPrefetch | None:
-        return PREFETCH[self.cfg.prefetch.name]
+        return PREFETCH[self.policy.prefetch]
 
     def checkpoint_format(self, kind: str) -> str:
         """FSDPAdapter's save and load (bit-identical at N=4, shard_size=2, tests/test_hybrid_checkpoint.py); under a

@@ -56,9 +56,9 @@ class ShardedZeroAdapter(StrategyAdapter):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.dtype = torch_dtype(str(cfg.precision.param_dtype))
-        scale = cfg.precision.get("loss_scale")
-        self.loss_scale = None if scale is None else DynamicLossScale(float(scale), int(cfg.precision.growth_interval))
+        p = self.policy.precision
+        self.dtype = torch_dtype(p.param_dtype)
+        self.loss_scale = None if p.loss_scale is None else DynamicLossScale(p.loss_scale, p.growth_interval)
         self.buckets: list[Bucket] = []
         self.module: nn.Module | None = None
         self.optimizer: ShardedAdamW | None = None
@@ -77,7 +77,7 @@ class ShardedZeroAdapter(StrategyAdapter):
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """Flatten the trainable parameters into buckets (views) in the compute dtype; no wrapper module."""
         self.module = module
-        cap = int(float(self.scfg.bucket_cap_mb) * 1024 * 1024)
+        cap = int(float(self.config.bucket_cap_mb) * 1024 * 1024)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.buckets = flatten_into_buckets(trainable, dist.get_world_size(), dist.get_rank(), cap, self.dtype)
         if self.dtype != torch.float32:
@@ -92,8 +92,8 @@ class ShardedZeroAdapter(StrategyAdapter):
         bucketed = {id(p) for b in self.buckets for p in b.params}
         if any(p.requires_grad and id(p) not in bucketed for p in params):
             raise ValueError("make_optimizer got parameters that wrap() did not flatten")
-        optimizer = ShardedAdamW(self.buckets, stage=row_of(self.layout).stage, reduce=str(self.scfg.reduce),
-                                 clip_grad_norm=self.scfg.clip_grad_norm, loss_scale=self.loss_scale,
+        optimizer = ShardedAdamW(self.buckets, stage=row_of(self.layout).stage, reduce=str(self.config.reduce),
+                                 clip_grad_norm=self.config.clip_grad_norm, loss_scale=self.loss_scale,
                                  **self.optimizer_kwargs())
         self.optimizer = optimizer
         optimizer.overlap_parameter_gather(self.module)  # the next forward waits for each bucket's all_gather

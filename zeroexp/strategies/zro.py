@@ -62,7 +62,7 @@ class ZROAdapter(DDPAdapter):
         return ZeroRedundancyOptimizer(
             list(params),
             optimizer_class=torch.optim.AdamW,
-            parameters_as_bucket_view=bool(self.scfg.parameters_as_bucket_view),
+            parameters_as_bucket_view=bool(self.config.parameters_as_bucket_view),
             **self.optimizer_kwargs(),
         )
 
