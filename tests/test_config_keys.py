@@ -220,7 +220,6 @@ def test_layout_is_set_for_every_strategy_and_is_not_identity():
 
 
 def test_every_strategy_has_its_schema_in_the_torch_free_table():
-    import subprocess
     import sys
 
     from zeroexp.strategies.schemas import SCHEMAS, StrategyConfig, schema_keys

@@ -278,7 +278,7 @@ def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str
         memory_section = {**mem.section, "source": SIMULATED, "simulated": True}
         tables["memory.csv"] = mem.tables["memory.csv"]
         absent.pop(MemoryProbe.name, None)
-    summary = summary_head(run_info, n, steps, before={"mode": "dry_run"},
+    summary = summary_head(run_info, n, steps, mode="dry_run",
                            dry_run={"source": SOURCES[source], "played_rank": 0, "world_size": n, "backend": "fake",
                                     "steps_run": steps, "absent": absent,
                                     "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},

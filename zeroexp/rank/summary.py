@@ -15,10 +15,13 @@ from zeroexp.results.files import SCHEMA_VERSION, write_csv, write_json
 __all__ = ["summary_head", "write_summary"]
 
 
-def summary_head(run_info: dict[str, Any], world_size: int, steps: int, **fields: Any) -> dict[str, Any]:
-    """The fields every ``summary.json`` starts with (docs/results.md), then ``fields`` in order."""
-    return {"schema_version": SCHEMA_VERSION, "status": "ok", **fields.pop("before", {}), "cell": run_info["cell"],
-            "cell_id": run_info["cell_id"], "world_size": world_size, "steps": steps, **fields}
+def summary_head(run_info: dict[str, Any], world_size: int, steps: int, mode: str | None = None,
+                 **fields: Any) -> dict[str, Any]:
+    """The fields every ``summary.json`` starts with (docs/results.md; ``mode`` only where not a trained cell), then
+    ``fields`` in order."""
+    head = {"schema_version": SCHEMA_VERSION, "status": "ok", **({"mode": mode} if mode else {})}
+    return {**head, "cell": run_info["cell"], "cell_id": run_info["cell_id"], "world_size": world_size, "steps": steps,
+            **fields}
 
 
 def write_summary(cell: Path, cfg: Any, summary: dict[str, Any], tables: Mapping[str, Any],

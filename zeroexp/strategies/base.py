@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from zeroexp.formulas import Groups
+from zeroexp.strategies.policy import CellPolicy
 from zeroexp.strategies.schemas import StrategyConfig
 
 
@@ -106,8 +107,6 @@ class StrategyAdapter:
     dry_run_traced: ClassVar[bool] = False
 
     def __init__(self, cfg: DictConfig) -> None:
-        from zeroexp.strategies.policy import CellPolicy
-
         #: The cell's settings the adapter acts on, resolved once (zeroexp.strategies.policy); ``config``: its own.
         self.policy = CellPolicy.of(cfg)
         self.config = self.policy.strategy
