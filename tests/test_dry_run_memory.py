@@ -24,8 +24,9 @@ def test_simulated_phases_beside_the_prediction_at_n8(cell, overrides):
     for ph in PHASES:
         rec = plan["phases"][ph]
         assert "measured_bytes" not in rec and "check" not in rec
-        # exact but for up to two 4-B scalars in forward (seen once: an 'other' and an activation scalar of 4 B)
-        assert 0 <= rec["simulated_bytes"] - rec["predicted_bytes"] <= (8 if ph == "forward" else 0), (ph, rec)
+        # exact but for 4-B scalars: up to two in forward; one in backward and the step, which Lightning's loop
+        # keeps beyond the bare step the peak model traces (a real run's measured phases show the same 4 B)
+        assert 0 <= rec["simulated_bytes"] - rec["predicted_bytes"] <= (8 if ph == "forward" else 4), (ph, rec)
         assert rec["simulated_check"] == "PASS"
 
 

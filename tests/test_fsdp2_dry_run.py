@@ -19,6 +19,8 @@ FINGERPRINT = {"fsdp2_full": {"all_gather": (2 * DEPTH, 2 * P), "reduce_scatter"
                "fsdp2_grad_op": {"all_gather": (DEPTH, P), "reduce_scatter": (DEPTH, P)}}
 #: Cells whose dry run must equal the real run; the fsdp_full overrides are those of tests/test_state.py.
 PAIRS = [(("strategy=fsdp_full", "prefetch=pre"), n) for n in (2, 4)] + [(("strategy=fsdp2_full",), n) for n in (2, 4)]
+# accumulation: the dry run trains through the real run's loop, its micro-batches in no_sync as the real run's
+PAIRS += [(("strategy=fsdp_grad_op", "grad_accum=2"), 2), (("strategy=fsdp2_full", "grad_accum=2"), 2)]
 
 
 def _ids(v):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Iterable, Mapping
 
 import lightning.pytorch as pl
@@ -16,8 +17,9 @@ class CellModule(pl.LightningModule):
     """``net`` + the model config's loss + the strategy adapter's optimizer and gradient clipping."""
 
     def __init__(self, net: nn.Module, loss: str, optimizer_factory: Callable[[Iterable[nn.Parameter]], Any],
-                 clip_gradients: Callable[[nn.Module], None] | None = None) -> None:
+                 clip_gradients: Callable[[nn.Module], None] | None = None, log_loss: bool = True) -> None:
         super().__init__()
+        self.log_loss = log_loss  # False in a dry run: a fake loss has no value to log
         self.net = net
         self.loss_fn = LOSSES[loss]
         self.optimizer_factory = optimizer_factory
@@ -28,12 +30,20 @@ class CellModule(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss_fn(self.net(batch), batch)
-        # Rank-local loss, logged by rank 0 only; no sync_dist (it would add an all_reduce to every step).
-        self.log("train/loss_rank0", loss.detach(), on_step=True, prog_bar=False, logger=True)
+        if self.log_loss:  # rank-local, logged by rank 0 only; no sync_dist (an all_reduce every step)
+            self.log("train/loss_rank0", loss.detach(), on_step=True, prog_bar=False, logger=True)
         return loss
 
     def configure_optimizers(self) -> Any:
         return self.optimizer_factory([p for p in self.parameters() if p.requires_grad])  # as a user passes them
+
+    def cpu(self) -> "CellModule":
+        """Nothing to move when every parameter and buffer is on the CPU already (Lightning's teardown calls it):
+        torch would still swap each parameter with itself, which fails for a tensor something else references
+        weakly (fake tensors in a dry run, FSDP2's DTensors)."""
+        if all(t.device.type == "cpu" for t in itertools.chain(self.parameters(), self.buffers())):
+            return self
+        return super().cpu()
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
                                     gradient_clip_algorithm: Any = None) -> None:

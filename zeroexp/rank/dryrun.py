@@ -9,8 +9,9 @@ size. It writes the same cell directory as a real run, with ``manifest.json`` an
 
 Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.dry_run_traced``):
 
-- ``traced`` (FSDP1, FSDP2): the adapter wraps the cell's model and the steps run (forward, backward, AdamW)
-  with the real run's probes driven from a plain loop: the state probe counts rank 0's tensors at
+- ``traced`` (FSDP1, FSDP2): the steps run through the real run's loop (zeroexp.rank.fit: Lightning's Trainer,
+  the adapter's strategy wrapping the model, forward, backward, AdamW) with the real run's probes as its
+  callbacks, on rank 0's batches made real and then faked: the state probe counts rank 0's tensors at
   ``schedule.state_step``, the collectives probe's profiler records ``schedule.profiled``. The device mesh is
   made before ``FakeTensorMode`` is entered (``StrategyAdapter.setup``); the functional collectives DTensor issues
   (FSDP2 clipping's norm) run on the fake process group (:mod:`zeroexp._lib.fake_collectives`), as a real run issues
@@ -27,12 +28,12 @@ Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.d
 from __future__ import annotations
 
 import json
+import os
 import resource
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -43,8 +44,8 @@ from zeroexp.plan.expect import Expectation
 from zeroexp._lib.fake_collectives import IssueFunctionalCollectives
 from zeroexp._lib.fake_tensors import fake_tensor_mode, real_tensors
 from zeroexp._lib.fsdp2 import fsdp2_chunking
-from zeroexp.models import LOSSES, build_model, make_batch
-from zeroexp.models.module import CellModule
+from zeroexp.models import build_model
+from zeroexp.models.module import CellModule, SyntheticBatches
 from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
                             probes_for)
 from zeroexp.probes.state import check_factors
@@ -139,48 +140,68 @@ def lazy_fsdp2_chunks() -> Iterator[None]:
 
 def _traced(cfg: DictConfig, ctx: RunContext
             ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
-    """Rank 0's steps under FakeTensorMode with the real run's state and collectives probes, and the memory probe
-    (its figures simulated: see :data:`SIMULATED`) where the cell runs it."""
+    """Rank 0's steps under FakeTensorMode, trained by the real run's loop (zeroexp.rank.fit: Lightning's Trainer
+    and the adapter's strategy) with the real run's state and collectives probes, and the memory probe (its figures
+    simulated: see :data:`SIMULATED`) where the cell runs it."""
     import lightning.pytorch as pl
 
-    adapter, schedule = ctx.adapter, ctx.schedule
+    from zeroexp.rank.fit import fit_cell
+
+    adapter, schedule, n = ctx.adapter, ctx.schedule, ctx.world_size
     adapter.setup(CPU)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     classes = [cls for cls in probes_for(cfg) if not cls.dry_run_absent]  # the state and collectives probes
     classes += [cls for cls in probes_for(cfg) if cls is MemoryProbe and _simulates_memory(cfg)]
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
+    accum = int(cfg.get("grad_accum") or 1)
     # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group
     # (zeroexp._lib.fake_collectives)
-    with fake_tensor_mode() as mode, IssueFunctionalCollectives(), lazy_fsdp2_chunks():
+    with fake_tensor_mode() as mode, IssueFunctionalCollectives(), lazy_fsdp2_chunks(), _rank_of(n):
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
-        module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
-        trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), optimizers=[])  # what probes read
-        probes = [as_callback(cls)(ctx) for cls in classes]  # the hooks a probe lacks: Lightning's no-ops
-        for probe in probes:
-            probe.setup(trainer, module, "fit")  # P, before the adapter shards the model
-        model = trainer.strategy.model = adapter.wrap(module, CPU)
-        optimizer = adapter.make_optimizer(model.parameters())
-        trainer.optimizers = [optimizer]
-        loss_fn = LOSSES[cfg.model.loss]
-        for step in range(steps):
-            with real_tensors():  # the batch rank 0 of a real run trains on, then faked
-                batch = make_batch(model_cfg, int(cfg.batch_size), int(cfg.seed), step, 0)
-            batch = mode.from_tensor(batch)
-            for probe in probes:
-                probe.on_train_batch_start(trainer, module, batch, step)
-            loss = loss_fn(model(batch), batch)  # as Lightning: forward, zero_grad, backward, step
-            optimizer.zero_grad(set_to_none=True)
-            for probe in probes:
-                probe.on_before_backward(trainer, module, loss)
-            loss.backward()
-            for probe in probes:
-                probe.on_before_optimizer_step(trainer, module, optimizer)
-            adapter.clip_gradients(model)  # strategy.clip_grad_norm: FSDP's norm all_reduce is traced too
-            optimizer.step()
-            for probe in probes:
-                probe.on_train_batch_end(trainer, module, loss, batch, step)
+        module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients,
+                            log_loss=False)
+        probes = [as_callback(cls)(ctx) for cls in classes]
+        data = FakeBatches(SyntheticBatches(OmegaConf.to_container(cfg.model, resolve=True), int(cfg.batch_size),
+                                            int(cfg.seed), 0, steps * accum), mode)
+        fit_cell(ctx, module, data, probes, steps=steps, num_nodes=n)  # one process, playing one node of n
     results = {probe.name: probe.rank_result() for probe in probes}
     return results["state"], results["collectives"], results.get("memory"), steps
+
+
+class FakeBatches:
+    """The micro-batches rank 0 of a real run trains on (``batches``, a dataset), each made real, then faked in
+    ``mode``: an iterable, not a ``DataLoader`` (which seeds itself with a tensor read, impossible on fake tensors)."""
+
+    def __init__(self, batches: Any, mode: Any) -> None:
+        self.batches, self.mode = batches, mode
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(len(self.batches)):
+            with real_tensors():
+                batch = self.batches[i]
+            fake = self.mode.from_tensor(batch)
+            del batch  # not kept alive by this generator while the step runs
+            yield fake
+
+
+@contextmanager
+def _rank_of(world_size: int) -> Iterator[None]:
+    """The process's environment as rank 0 of ``world_size`` (what Lightning's cluster environment reads, as in a
+    real run), restored after."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                      NODE_RANK="0")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _simulates_memory(cfg: DictConfig) -> bool:

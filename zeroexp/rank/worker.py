@@ -30,13 +30,14 @@ from zeroexp.errors import one_line
 from zeroexp.plan.expect import Expectation
 from zeroexp.models import build_model
 from zeroexp.config.init_mode import init_of
-from zeroexp.models.module import CellModule, SyntheticBatches, cell_trainer
+from zeroexp.models.module import CellModule, SyntheticBatches
 from zeroexp.probes import RunContext, as_callback, probes_for
 from zeroexp.probes.init_peak import InitPeak, init_fields
 from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.config.schedule import Schedule
 from zeroexp.results.files import write_json, write_text
 from zeroexp.strategies import get_adapter_class
+from zeroexp.rank.fit import fit_cell
 from zeroexp.rank.summary import summary_head, write_summary
 from zeroexp.rank.wandb_log import log_summary, make_logger
 
@@ -191,24 +192,14 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         callbacks.append(fault_injector(Fault.parse(run_info["fault"]), rank, run_info["cell_name"]))
     if rank == 0:  # rank 0's progress in .progress.json, shown live by the launching process (zeroexp.launch.progress)
         callbacks.append(_Progress(cell, int(cfg.steps)))
-    if accum > 1:  # the probes (and the rest) see optimizer steps, each spanning its micro-batches
-        from zeroexp.rank.microbatches import OptimizerSteps
-
-        callbacks = [OptimizerSteps(callbacks, accum)]
-    callbacks.append(init_peak)
     logger = make_logger(cfg, cell, run_info)
     if logger and rank == 0 and cfg.logger.name == "wandb":
         _ = logger.experiment  # start the W&B run before training, not inside the first timed step
 
-    trainer = cell_trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-        num_nodes=world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-        strategy=adapter.lightning_strategy(cfg.timeout.collective_s, "nccl" if device.type == "cuda" else "gloo"),
-        precision="32-true", max_steps=cfg.steps, accumulate_grad_batches=accum, logger=logger, callbacks=callbacks,
-        default_root_dir=str(cell),
-    )
-    trainer.fit(module, train_dataloaders=data)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    fit_cell(ctx, module, data, callbacks, per_batch=[init_peak], steps=int(cfg.steps), logger=logger,
+             root=str(cell), devices=local, num_nodes=world_size // local,
+             backend="nccl" if device.type == "cuda" else "gloo")
 
     results = {p.name: p.rank_result() for p in probes}
     results[INIT_RECORD] = init_peak.record

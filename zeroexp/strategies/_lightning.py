@@ -31,8 +31,10 @@ class CellStrategy(DDPStrategy):
 
     def model_to_device(self) -> None:
         """Lightning moves the LightningModule to the device before wrapping; a model built on the meta device
-        (``init=meta``) has nothing to move: the adapter materialises it on the device (``wrap_meta``)."""
-        if not any(p.is_meta for p in self.model.parameters()):
+        (``init=meta``) has nothing to move: the adapter materialises it on the device (``wrap_meta``). Nor has one
+        already there (torch would swap each parameter with itself, which fails for a dry run's fake tensors)."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        if not any(t.is_meta for t in tensors) and any(t.device != self.root_device for t in tensors):
             super().model_to_device()
 
     def configure_ddp(self) -> None:
