@@ -192,6 +192,18 @@ def test_hybrid_shard_zero2_is_fsdps_member():
     assert member not in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 
 
+def test_wrapper_prefixes_are_what_the_wrappers_put_in_a_path():
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from zeroexp._lib.modules import wrapper_prefixes
+
+    prefixes = wrapper_prefixes()
+    names = [n for n, _ in nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2))).named_parameters()]
+    assert names == ["0." + prefixes["checkpoint"] + "weight", "0." + prefixes["checkpoint"] + "bias"]
+    assert prefixes["fsdp"] == "_fsdp_wrapped_module."  # FSDP1 needs a process group to wrap: its name, read
+
+
 # -- zeroexp._lib.memtrack.mem_tracker -----------------------------------------------------------------------------
 
 def test_mem_tracker_follows_storages():

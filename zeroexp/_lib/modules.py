@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["conv_base", "hybrid_shard_zero2", "own_parameters", "own_buffers"]
+__all__ = ["conv_base", "hybrid_shard_zero2", "own_parameters", "own_buffers", "wrapper_prefixes"]
 
 
 def conv_base() -> type:
@@ -35,3 +35,14 @@ def own_buffers(module: Any) -> dict[str, Any]:
     """A module's own buffers by name, the module's live dict (as :func:`own_parameters`): ``nn.Module._buffers``
     (private; torch 2.13)."""
     return module._buffers
+
+
+def wrapper_prefixes() -> dict[str, str]:
+    """The attribute names torch's wrappers put into every wrapped parameter's and buffer's path, each with its dot:
+    ``fsdp``: FSDP1's ``FSDP_WRAPPED_MODULE`` (``torch.distributed.fsdp._common_utils``, private); ``checkpoint``:
+    checkpoint_wrapper's ``_CHECKPOINT_WRAPPED_MODULE`` (``torch.distributed.algorithms._checkpoint``, private;
+    torch 2.13)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE
+    from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
+
+    return {"fsdp": FSDP_WRAPPED_MODULE + ".", "checkpoint": _CHECKPOINT_WRAPPED_MODULE + "."}

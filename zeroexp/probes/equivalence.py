@@ -25,6 +25,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from zeroexp._lib.modules import wrapper_prefixes
 from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.probes.base import Probe, ProbeReport
 
@@ -37,8 +38,6 @@ __all__ = ["EquivalenceProbe", "FLOOR_FACTOR", "THRESHOLDS", "train_reference", 
 REFERENCE = "unsharded nn.Module + torch.optim.AdamW, one process, same seed, identical global batches"
 #: CellModule keeps the user's model as ``net``: the prefix of every parameter name the adapter reports.
 _PREFIX = "net."
-#: torch's checkpoint_wrapper module attribute (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py).
-_CHECKPOINTED = "_checkpoint_wrapped_module."
 
 
 def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None,
@@ -98,8 +97,6 @@ UNGRADED = ("forward never uses it, so the reference gives it no gradient and Ad
 #: Why a buffer a training step changes is not compared.
 PER_RANK_BUFFER = ("each rank's forward updates it from its own batch (BatchNorm statistics of data parallelism are "
                    "per rank), the reference's from every rank's batch in turn")
-#: The wrappers' own names in a parameter's or buffer's path (FSDP1's, torch's checkpoint_wrapper).
-_WRAPPERS = ("_fsdp_wrapped_module.", _CHECKPOINTED)
 
 
 def compare_buffers(pl_module: Any, seen: Mapping[str, Any]) -> dict[str, Any]:
@@ -112,7 +109,7 @@ def compare_buffers(pl_module: Any, seen: Mapping[str, Any]) -> dict[str, Any]:
     moved = {_PREFIX + n for n in seen.get("moved_buffers", [])}
     mine = {}
     for name, b in pl_module.named_buffers():
-        for w in _WRAPPERS:
+        for w in wrapper_prefixes().values():  # FSDP1's and checkpoint_wrapper's names in the path
             name = name.replace(w, "")
         mine[name] = b.detach().to("cpu")
     differ = [n for n, ref in reference.items() if n not in moved  # in the dtype the strategy holds it in
@@ -213,7 +210,8 @@ class EquivalenceProbe(Probe):
         trained: dict[str, torch.Tensor] = {}
         with self.ctx.adapter.full_parameters(trainer.strategy.model) as full:  # a collective: every rank
             if self.ctx.rank == 0:  # activation_checkpointing=full: the wrapper's prefix is no name of the model
-                trained = {name.replace(_CHECKPOINTED, ""): t.to("cpu", copy=True) for name, t in full.items()}
+                ckpt = wrapper_prefixes()["checkpoint"]
+                trained = {name.replace(ckpt, ""): t.to("cpu", copy=True) for name, t in full.items()}
         if self.ctx.rank == 0:
             steps, clip = int(trainer.global_step), self.ctx.adapter.clip_grad_norm
             seen: dict[str, Any] = {}
