@@ -169,3 +169,14 @@ def test_pytorchs_test_transformer_peak_on_every_rank(cell, strategy):
     assert [rank["check"] for rank in memory["ranks"]] == ["PASS", "PASS"]
     backward = memory["phases"]["backward"]  # gloo's copy of a block's reduce-scatter input: the range's upper end
     assert backward["predicted_upper_bytes"] > backward["predicted_bytes"] and "gloo" in backward["upper_note"]
+
+
+@pytest.mark.parametrize("strategy, n", [("fsdp2_full", 3), ("zero2", 2)])
+def test_the_sum_loss_pytorchs_fsdp_tests_train_holds_every_check(cell, strategy, n):
+    """``model.loss=sum`` (``model(x).sum().backward()``, as torch's FSDP tests): every check of the cell holds, and
+    it is another loss than the default (another final loss from the same start)."""
+    overrides = (*MODELS["biased"][0], f"strategy={strategy}", f"world_size={n}")
+    summed, default = cell(*overrides, "model.loss=sum", base=BASE), cell(*overrides, base=BASE)
+    assert summed.status == "ok", summed.error
+    assert [(c.name, c.verdict) for c in cell_checks(summed.summary) if c.verdict not in ("PASS", "n/a")] == []
+    assert summed.summary["final_loss"] != default.summary["final_loss"]

@@ -48,9 +48,16 @@ def _next_token(output: Any, batch: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _sum(output: Any, batch: torch.Tensor) -> torch.Tensor:
+    """sum(output) over every element, as PyTorch's own FSDP tests train (``model(x).sum().backward()``); of a Hugging
+    Face output's ``logits``."""
+    return getattr(output, "logits", output).float().sum()
+
+
 LOSSES: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "mean_square": _mean_square,
     "next_token": _next_token,
+    "sum": _sum,
 }
 
 
