@@ -180,3 +180,29 @@ def test_the_sum_loss_pytorchs_fsdp_tests_train_holds_every_check(cell, strategy
     assert summed.status == "ok", summed.error
     assert [(c.name, c.verdict) for c in cell_checks(summed.summary) if c.verdict not in ("PASS", "n/a")] == []
     assert summed.summary["final_loss"] != default.summary["final_loss"]
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("reshard, n", [("true", 2), ("null", 3), ("null", 2)])
+def test_fsdp2_reshard_after_forward_counts_as_pytorchs_own_test(cell, reshard, n):
+    """PyTorch's test_fully_shard_comm.py (``_test_communication_count``) on its own Transformer, each block a unit,
+    the sum loss: forward all-gathers num_blocks + 1; backward num_blocks + 1 with reshard_after_forward=True and
+    num_blocks with None (FSDP2's default: the root kept); num_blocks + 1 reduce-scatters. The cell holds every check,
+    the peak model's root kept after forward included, on every rank."""
+    blocks = 2  # MODELS["torch_transformer"]: n_layers=2
+    r = cell(*MODELS["torch_transformer"][0], "model.loss=sum", "strategy=fsdp2_full",
+             f"strategy.reshard_after_forward={reshard}", f"world_size={n}", base=BASE)
+    assert r.status == "ok", r.error
+    backward = blocks + 1 if reshard == "true" else blocks
+    assert r.summary["collectives"]["counts"] == {"all_gather": blocks + 1 + backward, "reduce_scatter": blocks + 1}
+    assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
+    assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
+
+
+@pytest.mark.parametrize("value, why", [("false", "fsdp2_grad_op"), ("2", "hpZ")])
+def test_fsdp2_reshard_after_forward_false_or_an_int_is_refused_with_the_reason(compose, value, why):
+    from zeroexp.config.schemas import validate
+
+    with pytest.raises(ConfigError, match=why) as e:
+        validate(compose("strategy=fsdp2_full", f"strategy.reshard_after_forward={value}", "world_size=2", base=BASE))
+    assert e.value.key == "strategy.reshard_after_forward"

@@ -76,7 +76,7 @@ class StateLayout:
     flat_optimizer: bool = False
     payload_limits: Callable[..., list[str]] | None = None
     comm: Callable[[ModelShape, int, PlanKnobs], dict] | None = field(default=None, compare=False)
-    gathers_per_unit: Callable[[bool], int] = field(default=lambda root: 1, compare=False)
+    gathers_per_unit: Callable[[bool, PlanKnobs], int] = field(default=lambda root, knobs: 1, compare=False)
     #: How the strategy's hooks gather an FSDP unit called more than once or never reached by backward
     #: (:func:`fsdp_unit`): ``fsdp1`` or ``fsdp2``.
     unit_hooks: str = "fsdp1"
@@ -184,7 +184,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     owners: list[tuple[int, ...]] = []
     if not shape.exact:  # a count: one flat buffer, one unit
         shards = [Shard(((0, shape.numel),), padded_numel(shape.numel, layout.pad * n))]
-        units = [Unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False))]
+        units = [Unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False, knobs))]
     elif kind == "rows":  # FSDP2: a parameter's gradient is its own, none for one a step does not use
         shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
         grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
@@ -221,7 +221,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
                 size = padded_numel(pack([numels[i] for i in unit], align)[1], n)
                 reduced = size if any(shape.train(i) for i in unit) else 0
             if size:
-                units.append(fsdp_unit(size, layout.gathers_per_unit(root), shape.calls(u), shape.backward(u),
+                units.append(fsdp_unit(size, layout.gathers_per_unit(root, knobs), shape.calls(u), shape.backward(u),
                                        reduced, layout.unit_hooks, shape.next_reached(u)))
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
     trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))

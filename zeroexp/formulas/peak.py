@@ -318,7 +318,8 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
 
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
-                      reshard_after_forward: bool = True, one_unit: bool = False) -> dict[str, dict]:
+                      reshard_after_forward: bool = True, one_unit: bool = False,
+                      root_kept: bool = False) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category. ``reshard_after_forward=False``
     (SHARD_GRAD_OP's FSDP2 form): every unit stays unsharded from its forward to its backward, which gathers nothing
@@ -340,7 +341,9 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     ``comm``; the output shards ``gradients``. ``one_unit``: the model is one unit (``wrap: null``,
     ``strategy.wrap=[]``): no all-gather follows its forward's, whose output stays alive through backward beside the
     unsharded parameters, and it reduces in the root's final callback, after autograd (measured on torch 2.13, a
-    10-7-3 biased stack at N=2 and 3, both reshard settings)."""
+    10-7-3 biased stack at N=2 and 3, both reshard settings). ``root_kept`` (``reshard_after_forward=None``, FSDP2's
+    default): the root's own parameters stay unsharded from its forward into its backward, so the loss and its
+    backward run beside them (gathered again otherwise only when autograd reaches the root)."""
     k_of = _unit_index(trace, units)
     full = [u.unsharded for u in units]
     best = _Highest()
@@ -350,7 +353,8 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     act = {"activations": -trace.loss_bytes}
     for s in (s for s in trace.segments if s.phase == "forward"):
         if s.unit == "loss":  # the root resharded at the end of its forward; the units too, unless kept
-            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root + sum(full) if kept else 0}))
+            keep("forward", _add(_add(s.peak_by_category, act),
+                                 {"unsharded": root + sum(full) if kept else root if root_kept else 0}))
             continue
         k = k_of[s.unit]
         before = sum(full[:k]) if kept else 0  # the units kept unsharded since their forward
@@ -374,7 +378,8 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         rs_kept = units[order[pos - 1][1]].scattered if pos and not kept else 0
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only the
         # units kept since forward are unsharded).
-        before = ((segs[i - 1], root + u.unsharded + pending if kept else 0, 0),) if pos == 0 else ()
+        before = ((segs[i - 1], root + u.unsharded + pending if kept else root if root_kept else 0, 0),) \
+            if pos == 0 else ()
         # A model that is one unit all-gathers nothing after its forward: that all-gather's output (AllGatherState)
         # is still alive through its backward, beside the unsharded parameters.
         ag_kept = full[k] if one_unit and not kept else 0

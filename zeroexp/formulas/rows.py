@@ -85,12 +85,13 @@ _OS, _OS_G, _OS_G_P = frozenset({"optim"}), frozenset({"optim", "grad"}), frozen
 _OFF = [frozenset({"none"}), frozenset({"none", "optimizer"}), frozenset({"none", "optimizer", "full"})]
 
 
-def _twice_unless_root(root: bool) -> int:
+def _twice_unless_root(root: bool, knobs: PlanKnobs) -> int:
     return 1 if root else 2  # FSDP1 FULL_SHARD keeps the root unit after forward (_post_forward_reshard)
 
 
-def _twice(root: bool) -> int:
-    return 2  # FSDP2 reshard_after_forward=True passed explicitly: the root too
+def _twice(root: bool, knobs: PlanKnobs) -> int:
+    # FSDP2 reshard_after_forward=True passed explicitly: the root too; None (its default) keeps the root
+    return 1 if root and knobs.root_kept_after_forward else 2
 
 
 #: Every row the planner knows, by name; ``strategy.layout`` of each registered strategy names one. The order is the

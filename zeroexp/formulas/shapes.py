@@ -104,7 +104,7 @@ class PlanKnobs:
     DeepSpeed's reduce bucket of cap / 4 elements), zeroexp's ``reduce`` and its norm all_reduce (clipping or loss
     scaling), FSDP ``use_orig_params`` (16-byte aligned parameters, moments per unpadded view), ZeroRedundancyOptimizer
     ``parameters_as_bucket_view``, fp16 loss scaling, hybrid sharding's ``shard_size`` (0: not hybrid), global-norm
-    clipping (``strategy.clip_grad_norm``), gradient accumulation (``grad_accum``)."""
+    clipping (``strategy.clip_grad_norm``), gradient accumulation (``grad_accum``), FSDP2's root kept after forward."""
 
     bucket_cap_bytes: int = 25 * 2**20
     reduce: str = "reduce_scatter"
@@ -118,6 +118,9 @@ class PlanKnobs:
     sync_each_microbatch: bool = False  # FSDP / FSDP2 with grad_accum: reduce-scatter each micro-batch, no no_sync
     find_unused_parameters: bool | None = None  # DDP's; None: when a traced step leaves a parameter ungraded
     compute_dtype: str = "float32"  # precision.param_dtype: what a row that casts the module's buffers casts them to
+    #: FSDP2's reshard_after_forward=None (its default; ``strategy.reshard_after_forward=null``): the root unit kept
+    #: unsharded from its forward to its backward, gathered once a step
+    root_kept_after_forward: bool = False
 
 
 class Shard(NamedTuple):

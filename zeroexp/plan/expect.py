@@ -35,6 +35,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         sync_each_microbatch=bool(s.get("sync_each_microbatch", False)),
         find_unused_parameters=s.get("find_unused_parameters"),
         compute_dtype=str(cfg.precision.param_dtype),
+        root_kept_after_forward="reshard_after_forward" in s and s.get("reshard_after_forward") is None,
     )
 
 

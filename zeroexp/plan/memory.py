@@ -7,10 +7,9 @@ probe's: the largest rank's steady bytes and each phase's peak by category (MemT
 ``unsharded`` and ``comm``: the model predicts in the same categories, so that a phase compares category by category).
 
 The check: for every phase, the measured bytes above steady minus the predicted lie in [0, 2 % of the measured]; the
-model is a lower bound, it may never exceed the measurement. One excess is allowed, and named: a tensor the model
-knows gloo may free late (an async collective's input released only when gloo's work object goes away); the phase
-then passes when the measured minus the prediction minus that tensor lies in the same band.
-"""
+model is a lower bound, it may never exceed the measurement. One excess is allowed, and named: a tensor the model knows
+gloo may free late (an async collective's input released only when gloo's work object goes away); the phase then
+passes when the measured minus the prediction minus that tensor lies in the same band."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes,
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
 from zeroexp.plan.peak_deepspeed import ds_late_free, ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes
 from zeroexp.plan.judge import TOLERANCE, judge_rank
+from zeroexp.plan.expect import knobs_of
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
            "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead", "read_traces_ahead"]
@@ -150,7 +150,8 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
                    in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20,
-                   terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter") -> dict[str, dict]:
+                   terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter", root_kept: bool = False
+                   ) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's. ``trace``: the bare step (checkpointed
     when the cell is: its segments then hold each unit's input in forward and its recompute in backward; DeepSpeed
@@ -158,13 +159,14 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     ``micro_batches``: ``grad_accum``, each phase the highest over them (:mod:`zeroexp.formulas.accumulation`);
     ``bucket_cap_bytes``: ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket; ``terms``: how the row applies the
     precision (:func:`cell_precision_terms`; None: fp32); ``reduce``: zeroexp's ZeRO's ``strategy.reduce`` (on gloo
-    a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`)."""
+    a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`);
+    ``root_kept``: FSDP2's root kept unsharded from forward to backward (``PlanKnobs.root_kept_after_forward``)."""
     row = _row(name)
     if ds_stage(name) is not None:
         return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
     terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
     if row.peak_flow in ("fsdp1", "fsdp2"):
-        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank)
+        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept)
     st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms)
     if row.groups == "buckets":  # zeroexp's ZeRO
         st["reduce_copies"] = gloo and reduce == "reduce_scatter"
@@ -344,6 +346,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     steady_by_rank = measured.get("steady_categories_by_rank") or [None] * len(by_rank)
     out_reasons, errs, ranks = [], [], []
     phases: dict[str, Any] = {}
+    reduce = str(cfg.strategy.get("reduce", "reduce_scatter"))
     for rank in range(len(by_rank)):  # every rank judged against its own prediction
         got_phases = measured["phases_of_max_rank"] if rank == worst_rank else by_rank[rank]
         if got_phases is None:
@@ -351,8 +354,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         steady_cats = (measured.get("steady_categories_of_max_rank") if rank == worst_rank
                        else steady_by_rank[rank]) or {}
         predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                                   micro_batches, in_place, cap, terms,
-                                   str(cfg.strategy.get("reduce", "reduce_scatter")))
+                                   micro_batches, in_place, cap, terms, reduce, knobs_of(cfg).root_kept_after_forward)
         judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
                                                  predicted, late)
         out_reasons += [f"rank {rank} {r}" for r in reasons]
@@ -403,7 +405,8 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
-          gloo: bool, terms: PrecisionTerms, micro_batches: int = 1, rank: int = 0) -> dict[str, Any]:
+          gloo: bool, terms: PrecisionTerms, micro_batches: int = 1, rank: int = 0, root_kept: bool = False
+          ) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
     post-order, the root last) beside the shape's (their parameters' own gradients), gathered and reduced in the
     compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``).
@@ -440,7 +443,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **ADAMW,
-                                 reshard_after_forward=row.reshard_after_forward, one_unit=alone)
+                                 reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
+                                 one_unit=alone, root_kept=root_kept and not alone)
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,

@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zeroexp.errors import ConfigError
 from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_unit
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
-from zeroexp.strategies.schemas import FSDP2Config
+from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -218,12 +219,28 @@ class FSDP2Adapter(StrategyAdapter):
 @register
 class FSDP2FullAdapter(FSDP2Adapter):
     name = "fsdp2_full"
-    reshard_after_forward = True
+    schema = FSDP2FullConfig
     semantics = (
         "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3 direction): parameters, gradients and optimizer "
         "state sharded per parameter on dim 0; each unit, the root included, is all-gathered before forward and "
-        "again before backward."
+        "again before backward (with strategy.reshard_after_forward=null, FSDP2's default, the root is kept "
+        "unsharded from its forward to its backward: gathered once)."
     )
+
+    @property
+    def reshard_after_forward(self) -> bool | None:  # type: ignore[override]
+        return self.config.reshard_after_forward
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        value = cfg.strategy.get("reshard_after_forward", True)
+        if value is not True and value is not None:
+            why = ("False keeps every unit unsharded from forward to backward: that is strategy=fsdp2_grad_op"
+                   if value is False else "resharding to a smaller group after forward (an int: ZeRO++'s hpZ in "
+                   "FSDP2) has no model in zeroexp's expectation (state, collectives, peak) yet")
+            raise ConfigError("strategy.reshard_after_forward", value, "true, null (FSDP2's default: the root kept)",
+                              why=why)
+        super().validate(cfg)
 
 
 @register

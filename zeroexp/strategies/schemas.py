@@ -116,6 +116,16 @@ class FSDP2Config(StrategyConfig):
 
 
 @dataclass
+class FSDP2FullConfig(FSDP2Config):
+    """``strategy=fsdp2_full``: ``reshard_after_forward`` true (every unit, the root included, resharded after its
+    forward: all-gathered again in backward) or null (FSDP2's own default: the root kept unsharded from its forward
+    to its backward, the other units resharded). False is ``strategy=fsdp2_grad_op``; an int (resharding to a
+    smaller group, ZeRO++'s hpZ) is refused before launch."""
+
+    reshard_after_forward: Any = field(default=True, metadata={"identity": "when_set"})
+
+
+@dataclass
 class FSDP2HybridConfig(FSDP2Config):
     """``strategy=fsdp2_hybrid``: ``shard_size`` ranks per shard group (required, divides world_size)."""
 
@@ -153,6 +163,6 @@ class DeepSpeedConfig(StrategyConfig):
 #: (tests/test_config_keys.py holds them together).
 SCHEMAS: dict[str, type[StrategyConfig]] = {
     "ddp": DDPConfig, "zro": ZROConfig, "fsdp_grad_op": FSDPConfig, "fsdp_full": FSDPFullConfig,
-    "fsdp_hybrid": FSDPHybridConfig, "fsdp2_full": FSDP2Config, "fsdp2_grad_op": FSDP2Config,
+    "fsdp_hybrid": FSDPHybridConfig, "fsdp2_full": FSDP2FullConfig, "fsdp2_grad_op": FSDP2Config,
     "fsdp2_hybrid": FSDP2HybridConfig, "zero1": ZeroConfig, "zero2": ZeroConfig, "deepspeed": DeepSpeedConfig,
 }
