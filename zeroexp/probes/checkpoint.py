@@ -270,6 +270,7 @@ class CheckpointProbe(Probe):
         step = int(trainer.global_step)
         batch = make_batch(OmegaConf.to_container(cfg.model, resolve=True), int(cfg.batch_size), int(cfg.seed), step,
                            rank).to(device)
+        adapter.settle_restored(fresh, fresh_module.loss_fn, batch)  # e.g. DDP's bucket layout after a first step
         adapter.train_step(model, pl_module.loss_fn, optimizer, batch)  # the adapter's step (DeepSpeed: the engine's)
         adapter.train_step(fresh, fresh_module.loss_fn, fresh_optimizer, batch)
         continued = self._compare(model, fresh)

@@ -298,6 +298,11 @@ class StrategyAdapter:
         self.clip_gradients(model)
         optimizer.step()
 
+    def settle_restored(self, model: nn.Module, loss_fn: Any, batch: torch.Tensor) -> None:
+        """Before a restored ``model``'s first step is compared with the trained model's (the checkpoint probe's
+        continuation): redo what the trained model's first step changed in the wrapper itself, which no checkpoint
+        holds. Default: nothing. A collective where it runs one: call it on every rank."""
+
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """The Lightning strategy that runs this adapter."""
         from zeroexp.strategies._lightning import CellStrategy

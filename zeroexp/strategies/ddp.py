@@ -76,6 +76,23 @@ class DDPAdapter(StrategyAdapter):
 
     checkpoint_kinds = frozenset({"full", "sharded"})
 
+    def settle_restored(self, model: nn.Module, loss_fn: Any, batch: torch.Tensor) -> None:
+        """DDP's Reducer buckets the gradients in reverse parameter order until its first backward, then rebuilds
+        its buckets in the order the gradients became ready (at the next forward), so a freshly wrapped model's first
+        step reduces in another bucket layout than the trained model's; at N >= 3 gloo's ring then sums some elements
+        in another rank order, and the two steps differ by rounding. One forward and backward with every module in
+        eval mode (no BatchNorm statistic moves), its gradients dropped and no optimizer step, gives the restored
+        model the trained one's layout; its parameters and optimizer state are untouched."""
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            with torch.enable_grad():
+                loss_fn(model(batch), batch).backward()
+        finally:
+            for m, training in modes:
+                m.train(training)
+        model.zero_grad(set_to_none=True)
+
     def checkpoint_format(self, kind: str) -> str:
         if kind == "full":
             return "get_state_dict(full_state_dict, cpu_offload): rank 0 writes its replicated state to one file"
