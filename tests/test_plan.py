@@ -209,7 +209,7 @@ def test_a_34b_model_plans_in_seconds_without_allocating():
     full = {(r["strategy"], r["world_size"]): r for r in records}
     hybrid = [name for name, layout in strategy_table().items() if layout.hybrid]  # no shard_size=: a note each
     assert all(r["numel"] == numel for r in records) and len(records) == 3 * (len(strategy_table()) - len(hybrid))
-    assert [n.split(":")[0] for n in notes] == hybrid
+    assert [n.split(":")[0] for n in notes] == [*hybrid, "device=cuda"]  # a device memory plans a GPU's semantics
     assert full["ddp", 8]["total_bytes"] == 16 * numel and not full["ddp", 8]["fits"]
     fsdp = full["fsdp_full", 1024]
     assert fsdp["largest_unit_bytes"] == fsdp["gather_floor_bytes"] == 4 * 65536 ** 2  # one Linear, unsharded

@@ -43,6 +43,10 @@ class PlanConfig:
     network: Any = None
     activation_checkpointing: Any = MISSING  # none | full (the runner's group): every wrap unit recomputed in backward
     grad_accum: Any = 1  # micro-batches of batch_size per optimizer step: their collectives, the gradients held, time
+    device: Any = None  # cpu | cuda: the device semantics of the peak model (null: cuda with device_memory or a network
+    # preset of GPUs, else cpu; zeroexp.formulas.device)
+    compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
+    prefetch: Any = MISSING  # pre | post | none (the runner's group): fsdp_full's backward prefetch, as in a cell
 
 
 def register() -> None:
@@ -141,7 +145,10 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac)
         r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None, "activation_unit_bytes": None,
                                  "korthikanti_bytes": None})
-    _peaks(cfg, records, shape, batch, knobs, ac == "full")
+    device = _device(cfg, memory)
+    notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}; reserved_peak_bytes null"] \
+        if device.name == "cuda" else []
+    _peaks(cfg, records, shape, batch, knobs, ac == "full", device)
     _init_peaks(str(cfg.init.name), records, shape, memory)
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
@@ -152,15 +159,34 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     return records, notes
 
 
+def _device(cfg: DictConfig, memory: int | None) -> Any:
+    """The peak model's device semantics (zeroexp.formulas.device): ``device=``, else cuda where a device memory or
+    a GPU network preset is given, else cpu; on cuda the GPU's ``compute_capability`` (else the network preset's)."""
+    from zeroexp.formulas.device import CPU, cuda
+
+    network = cfg.get("network") or {}
+    name = cfg.get("device") or ("cuda" if memory is not None or network.get("device") == "cuda" else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ConfigError("device", name, "cpu, cuda (null: cuda with device_memory or a GPU network, else cpu)")
+    capability = cfg.get("compute_capability")
+    if capability is None:
+        capability = network.get("compute_capability")
+    if capability is not None and (isinstance(capability, bool) or not isinstance(capability, (int, float))):
+        raise ConfigError("compute_capability", capability, "a number: 7.0 (V100), 8.0 (A100), 9.0 (H100)")
+    return cuda(None if capability is None else float(capability)) if name == "cuda" else CPU
+
+
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
-           knobs: PlanKnobs, checkpointing: bool = False) -> None:
+           knobs: PlanKnobs, checkpointing: bool = False, device: Any = None) -> None:
     """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers, in the precision the row
     computes in (the step traced in its dtypes, ``cell_precision_terms``): ``peak_bytes`` (model state + its steady
     buffers + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``; ``peak_note`` where
     it does not cover the row. Then ``fits`` of every row (``core.judge_fits``: on the peak where there is one).
     ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does).
     ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
-    over the micro-batches, and ``accum_grad_bytes``, the gradients held between them."""
+    over the micro-batches, and ``accum_grad_bytes``, the gradients held between them. ``device``: the semantics
+    (zeroexp.formulas.device: AdamW's update, the backend's copies, the cuBLAS workspaces in ``steady_bytes``);
+    ``reserved_peak_bytes`` stays null (the caching allocator's segments are not modelled)."""
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
     from zeroexp.plan.core import judge_fits
@@ -177,8 +203,12 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
                                                                       "model": cfg.model}))]
     k, c, dtype = knobs.micro_batches, COMPUTE_ITEMSIZE[str(cfg.precision.param_dtype)], str(cfg.precision.param_dtype)
     traces: dict[tuple, Any] = {}  # by (DeepSpeed's segmentation, the gradients in place, the precision terms)
+    from zeroexp.formulas.device import CPU
+
+    device = device or CPU
     for r in records:
-        r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None)
+        r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, steady_bytes=None,
+                 reserved_peak_bytes=None, device_semantics=device.name, workspace_bytes=device.workspace_bytes)
         flow = flow_of(r["strategy"])
         r["accum_grad_bytes"] = (accumulated_grad_bytes(flow, r["grad_bytes"]) if k > 1 and flow in
                                  ACCUMULATING_FLOWS else None)
@@ -198,12 +228,14 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         if key not in traces:
             traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k, dtype, terms)
         trace, in_place = traces[key]
-        phases = worst_rank_phases(name, groups, shape, trace, c, "pre", k, in_place, knobs.bucket_cap_bytes, terms)
+        phases = worst_rank_phases(name, groups, shape, trace, c, str(cfg.prefetch.name), k, in_place,
+                                   knobs.bucket_cap_bytes, terms, device)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize,
                                        knobs.bucket_cap_bytes, terms)
-        r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top,
-                 peak_bytes=r["device_bytes"] + buffers + max(phases[top]["bytes"], 0))
+        steady = r["device_bytes"] + buffers + device.workspace_bytes
+        r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
+                 peak_bytes=steady + max(phases[top]["bytes"], 0))
         judge_fits(r)
 
 

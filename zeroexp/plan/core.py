@@ -102,8 +102,8 @@ def judge_fits(record: dict[str, Any]) -> None:
     ``peak_bytes`` where the peak model covers the row, else its model state and gather floor with the activations
     where those were traced (below fp32 the fewer of autocast's, ``activation_bytes``, and the module cast's,
     ``activation_cast_bytes``: a row without a peak model computes one way or the other), else the state and gather
-    floor alone."""
-    state = record["device_bytes"] + (record["gather_floor_bytes"] or 0)
+    floor alone; each with the device's ``workspace_bytes`` (cuBLAS's, on CUDA)."""
+    state = record["device_bytes"] + (record["gather_floor_bytes"] or 0) + (record.get("workspace_bytes") or 0)
     acts = [a for a in (record.get("activation_bytes"), record.get("activation_cast_bytes")) if a is not None]
     if record.get("peak_bytes") is not None:
         on, judged = "peak", record["peak_bytes"]

@@ -1,6 +1,6 @@
 """The peak check's rule: a rank's measured phases against its prediction, within the tolerance, the range a moment
 only gloo's timing creates spans, or one tensor gloo may free late (CPU cells; :func:`zeroexp.plan.memory`'s
-``_late_free`` names them)."""
+``zeroexp.plan.gloo.late_free`` names them)."""
 
 from __future__ import annotations
 

@@ -18,15 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, local_numels, owner_assignment
+from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, cuda
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
                                    fsdp_phase_peaks)
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
                                              precision_terms, sharded_grad_upcast)
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
-from zeroexp.plan.peak_deepspeed import ds_late_free, ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes
+from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes
 from zeroexp.plan.judge import TOLERANCE, judge_rank
 from zeroexp.plan.expect import knobs_of
+from zeroexp.plan.gloo import late_free
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
            "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead", "read_traces_ahead"]
@@ -35,7 +37,7 @@ __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces
 # hybrid sharding is FSDP1's within the shard group: the replicas' all_reduce of each reduced gradient shard runs in
 # place (_runtime_utils.py _reduce_grad), so it adds no tensor.
 #: The optimizer every covered row steps: torch's AdamW over fp32 state, single-tensor (torch's default on CPU).
-ADAMW = {"optimizer_itemsize": 4, "foreach": False}
+ADAMW = {"optimizer_itemsize": 4, "foreach": False}  # a CPU rank's; a CUDA rank's: foreach (zeroexp.formulas.device)
 
 
 def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False,
@@ -138,20 +140,21 @@ def needs_in_place(name: str, micro_batches: int) -> bool:
 
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
                       prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None,
-                      bucket_cap_bytes: int = 25 * 2**20, terms: PrecisionTerms | None = None) -> dict[str, dict]:
+                      bucket_cap_bytes: int = 25 * 2**20, terms: PrecisionTerms | None = None,
+                      device: DeviceSemantics = CPU) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
     that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
     ranks = range(groups.world_size) if _row(name).ranks_differ else (0,)
-    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, micro_batches=micro_batches,
-                               in_place=in_place, bucket_cap_bytes=bucket_cap_bytes, terms=terms)
+    return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, device.gloo, micro_batches, in_place,
+                               bucket_cap_bytes, terms, foreach=device.foreach)
                 for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
                    in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20,
-                   terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter", root_kept: bool = False
-                   ) -> dict[str, dict]:
+                   terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter", root_kept: bool = False,
+                   foreach: bool = False) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's. ``trace``: the bare step (checkpointed
     when the cell is: its segments then hold each unit's input in forward and its recompute in backward; DeepSpeed
@@ -160,14 +163,16 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     ``bucket_cap_bytes``: ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket; ``terms``: how the row applies the
     precision (:func:`cell_precision_terms`; None: fp32); ``reduce``: zeroexp's ZeRO's ``strategy.reduce`` (on gloo
     a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`);
-    ``root_kept``: FSDP2's root kept unsharded from forward to backward (``PlanKnobs.root_kept_after_forward``)."""
+    ``root_kept``: FSDP2's root kept unsharded from forward to backward (``PlanKnobs.root_kept_after_forward``);
+    ``gloo`` and ``foreach``: the device's backend copies and AdamW update (:mod:`zeroexp.formulas.device`)."""
     row = _row(name)
     if ds_stage(name) is not None:
         return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
     terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
     if row.peak_flow in ("fsdp1", "fsdp2"):
-        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept)
-    st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms)
+        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept,
+                     foreach)
+    st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms, foreach)
     if row.groups == "buckets":  # zeroexp's ZeRO
         st["reduce_copies"] = gloo and reduce == "reduce_scatter"
     if row.peak_flow is None:
@@ -333,15 +338,16 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
               "checkpointing": checkpointing, "micro_batches": micro_batches, **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
-                                      in_place, cap, terms)
+                                      in_place, cap, terms, FAKE_GROUP)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
                                             "not run): predicted only"]}
     worst_rank = int(measured["max_rank"])
-    gloo = str(measured.get("source", "")).startswith("torch.distributed._tools.MemTracker")  # CPU cells: gloo
-    late = _late_free(name, groups, itemsize, gloo, micro_batches)
+    device = _measured_on(str(measured.get("source", "")))
+    gloo = device.gloo
+    late = late_free(name, groups, itemsize, gloo, micro_batches)
     by_rank = measured.get("phases_by_rank") or [None] * len(measured["steady_bytes"])
     steady_by_rank = measured.get("steady_categories_by_rank") or [None] * len(by_rank)
     out_reasons, errs, ranks = [], [], []
@@ -354,7 +360,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         steady_cats = (measured.get("steady_categories_of_max_rank") if rank == worst_rank
                        else steady_by_rank[rank]) or {}
         predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                                   micro_batches, in_place, cap, terms, reduce, knobs_of(cfg).root_kept_after_forward)
+                                   micro_batches, in_place, cap, terms, reduce, knobs_of(cfg).root_kept_after_forward,
+                                   foreach=device.foreach)
         judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
                                                  predicted, late)
         out_reasons += [f"rank {rank} {r}" for r in reasons]
@@ -373,6 +380,15 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     return _as_simulated(out) if measured.get("simulated") else out
 
 
+def _measured_on(source: str) -> DeviceSemantics:
+    """The device semantics of the memory probe's ``source``: a CPU cell's MemTracker (gloo), the CUDA caching
+    allocator's (NCCL, AdamW's foreach; the GPU's cuBLAS workspaces are in the measured steady state), a dry run's
+    simulation (the fake process group)."""
+    if source.startswith("torch.distributed._tools.MemTracker"):
+        return CPU
+    return cuda() if source.startswith("torch.cuda") else FAKE_GROUP
+
+
 def _as_simulated(section: dict[str, Any]) -> dict[str, Any]:
     """A traced dry run's memory is a simulation (``zeroexp.rank.dryrun.SIMULATED``), not a measurement: its figures sit
     beside the prediction as ``simulated_*``, the same rule's verdict as ``simulated_check``; ``check`` is n/a."""
@@ -386,34 +402,34 @@ def _as_simulated(section: dict[str, Any]) -> dict[str, Any]:
 
 
 def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
-                    terms: PrecisionTerms) -> dict[str, Any]:
+                    terms: PrecisionTerms, foreach: bool = False) -> dict[str, Any]:
     """What the peak model needs of the groups, for rank ``rank``: the gradient bytes ``zero_grad`` frees, the
     buckets in reduce order, the tensors the rank's AdamW steps (fp32 state; single-tensor, torch's default on CPU),
     and below fp32 zeroexp's ZeRO's up-casts and all-gather inputs (:mod:`zeroexp.formulas.peak_precision`)."""
-    g, row = terms.grad_itemsize, _row(name)
+    g, row, adamw = terms.grad_itemsize, _row(name), {**ADAMW, "foreach": foreach}
     if row.peak_flow == "new":  # a parameter a step gives no gradient has no gradient and no moments to step
         idle = set(groups.ungraded)
         mine = owner_assignment(groups.numels, n)[rank] if row.groups == "owners" else range(len(groups.numels))
         numels = [groups.numels[i] for i in mine if i not in idle]
         graded = sum(k for i, k in enumerate(groups.numels) if i not in idle)
-        return {"steady_grad_bytes": graded * g, "buckets": (), "optimizer_numels": tuple(numels), **ADAMW}
+        return {"steady_grad_bytes": graded * g, "buckets": (), "optimizer_numels": tuple(numels), **adamw}
     # zeroexp's ZeRO: one flat bucket per shard; backward fills the last-defined bucket first.
     shards = tuple(s.numel // n for s in groups.shards)
     return {"steady_grad_bytes": 0, "buckets": tuple(s.numel * g for s in reversed(groups.shards)),
-            "optimizer_numels": shards, **ADAMW, "master_grads": master_upcast_bytes(shards, terms),
+            "optimizer_numels": shards, **adamw, "master_grads": master_upcast_bytes(shards, terms),
             "gather_inputs": gather_input_bytes(shards, terms, itemsize)}
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
-          gloo: bool, terms: PrecisionTerms, micro_batches: int = 1, rank: int = 0, root_kept: bool = False
-          ) -> dict[str, Any]:
+          gloo: bool, terms: PrecisionTerms, micro_batches: int = 1, rank: int = 0, root_kept: bool = False,
+          foreach: bool = False) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
     post-order, the root last) beside the shape's (their parameters' own gradients), gathered and reduced in the
     compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``).
     ``micro_batches`` > 1: SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.
     fsdp_no_sync_phase_peaks`)."""
     # sharded over the shard group (hybrid sharding: shard_size ranks; else all); the gradient shards: AdamW's dtype
-    n, kept, row = groups.shard_over, ADAMW["optimizer_itemsize"], _row(name)
+    n, kept, row, adamw = groups.shard_over, ADAMW["optimizer_itemsize"], _row(name), {**ADAMW, "foreach": foreach}
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
@@ -438,63 +454,14 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         return fsdp_no_sync_phase_peaks(
             trace, [u.unsharded for u in units], [u.grads for u in units], root=root, root_grads=root_grads,
             steady_grad_bytes=sum(shards) * itemsize,
-            optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), ADAMW["optimizer_itemsize"],
-                                                    ADAMW["foreach"]))
+            optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), kept, foreach))
     if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
-                                 optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **ADAMW,
+                                 optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                                  one_unit=alone, root_kept=root_kept and not alone)
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
-                            gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **ADAMW)
-
-
-def _late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
-               micro_batches: int = 1) -> dict[str, list[tuple[str, int]]]:
-    """Per phase, the tensors of which gloo may free one late (CPU cells), each with its bytes. zeroexp's ZeRO-1
-    and ZeRO-2 below fp32: in forward a bucket's all-gather input, which the
-    next forward drops when it waits for the bucket; their optimizer step: the reduced copy of a bucket gloo's
-    reduce_scatter hands back at its wait (the model counts it at the wait), held on by gloo's work, and with
-    ``micro_batches`` > 1 zero2's in backward (a micro-batch's reduce waited at its end: not modelled). FSDP1's and
-    FSDP2's backward and optimizer step: a unit's
-    reduce-scatter input, gloo's copy of it or its output; FSDP2's forward: a unit's all-gather input or output (gloo
-    frees them when the
-    work object goes, which may be after a later moment of the phase; docs/results.md measures how often)."""
-    if not gloo:
-        return {}
-    row = _row(name)
-    if ds_stage(name) is not None:
-        return ds_late_free(name, groups, itemsize)
-    if row.groups == "buckets" and row.peak_flow is not None and groups.shards:  # zeroexp's ZeRO
-        late = {"forward": [(f"bucket {k}'s all-gather input (its fp32 master shard cast to the compute dtype)",
-                             s.numel // groups.world_size * itemsize) for k, s in enumerate(groups.shards)
-                            if itemsize < 4]}  # fp32: the master itself, no tensor of the all-gather's own
-        # the reduced copy of a bucket gloo's reduce_scatter hands back at its wait (modelled at the wait) goes with
-        # gloo's work object, which gloo's worker thread may still hold through AdamW's update
-        late["optimizer"] = [(f"bucket {k}'s copy gloo's reduce_scatter made of its full gradient",
-                              s.numel * itemsize) for k, s in enumerate(groups.shards)]
-        # each micro-batch's reduce waited at its end (accumulating()):
-        if row.peak_flow == "bucket" and micro_batches > 1:
-            late["backward"] = [(f"bucket {k}'s copy gloo's reduce_scatter hands back at a micro-batch's end",
-                                 s.numel * itemsize) for k, s in enumerate(groups.shards)]  # not modelled there
-        return {ph: v for ph, v in late.items() if v}
-    if row.peak_flow in ("fsdp1", "fsdp2") and groups.units:
-        n = groups.shard_over
-        sizes = sorted({u.numel * itemsize for u in groups.units} | {u.numel // n * itemsize for u in groups.units})
-        unit = [("one unit's reduce-scatter tensor (its unsharded gradient, gloo's copy of it, or its sharded "
-                 "output)", b) for b in sizes]
-        # gloo's work object holds its input copy and its output together: one reduce-scatter's pair, freed as one
-        # (measured: fsdp_grad_op fp16 N=2, 12,296 B above the prediction on one rank under load, a unit's 8,192 B
-        # input and its 4,096 B output)
-        unit += [("one unit's reduce-scatter work, its input copy and its output held together by gloo", b)
-                 for b in sorted({u.numel * itemsize + u.numel // n * itemsize for u in groups.units})]
-        # the last units' reductions are waited for at backward's end: gloo's work may hold one into the update
-        # (measured once in the suite: fsdp_hybrid N=4, a unit's unsharded gradient through AdamW)
-        late = {"backward": unit, "optimizer": unit}
-        if row.peak_flow == "fsdp2":  # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
-            late["forward"] = [("one unit's all-gather input (a shard copied in) or output", b) for b in sizes]
-        return late
-    return {}
+                            gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **adamw)

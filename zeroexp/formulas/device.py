@@ -1,0 +1,65 @@
+"""What the device a rank runs on changes in its memory, beside the strategy: the peak model's device semantics.
+
+A CPU cell (gloo) and a CUDA cell (NCCL) run the same strategy code with other defaults and other backends:
+
+- torch's AdamW steps CUDA tensors with its ``foreach`` implementation (torch/optim/optimizer.py
+  ``_default_to_fused_or_foreach``: foreach when every tensor is on a CUDA device), whose ``_foreach_sqrt`` list of
+  every parameter's size is alive at once; on the CPU it steps one tensor at a time (``adamw_temporaries``).
+- gloo copies a collective's input and hands a reduce-scatter's result back in a copy; NCCL works on the tensors
+  in place (the peak model's ``gloo`` terms, and the late frees it names on the CPU only).
+- torch gives each thread that runs a cuBLAS matmul one workspace from the caching allocator, held from its first
+  matmul on (aten/src/ATen/cuda/CublasHandlePool.cpp ``parseChosenWorkspaceSize``): 4096 KiB x 2 + 16 KiB x 8 =
+  8,519,680 bytes, or 32 MiB on compute capability 9.x, 10.x and 12.x (Hopper, Blackwell), unless
+  ``CUBLAS_WORKSPACE_CONFIG`` says otherwise; a training step runs matmuls on two threads, the forward's and
+  autograd's backward thread, so its steady state holds two.
+
+Not modelled on CUDA (named where the figures are shown): the caching allocator's segments (reserved memory above
+allocated, fragmentation), NCCL's own buffers (outside the allocator), the CUDA context, the side streams' delayed
+frees (a buffer freed on a collective's stream is reusable after its event), and DeepSpeed's fused optimizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DeviceSemantics", "CPU", "FAKE_GROUP", "cuda", "cublas_workspace_bytes", "CUDA_NOT_MODELLED"]
+
+#: torch's default cuBLAS workspace per handle before Hopper: ``:4096:2:16:8`` (KiB x count pairs).
+PRE_HOPPER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+#: ... and on compute capability 9.x, 10.x, 12.x.
+HOPPER_WORKSPACE = 4096 * 8 * 1024
+#: The threads of a training step that run matmuls, each with its own cuBLAS handle and workspace.
+TRAINING_HANDLES = 2
+CUDA_NOT_MODELLED = ("reserved memory (the caching allocator's segments and fragmentation)", "NCCL's own buffers",
+                     "the CUDA context", "frees a side stream delays to its event", "DeepSpeed's fused optimizers")
+
+
+def cublas_workspace_bytes(capability: float | None) -> int:
+    """torch's default cuBLAS workspace for one handle on a GPU of compute ``capability`` (e.g. 7.0, 9.0; None: a
+    GPU before Hopper)."""
+    return HOPPER_WORKSPACE if capability is not None and int(capability) in (9, 10, 12) else PRE_HOPPER_WORKSPACE
+
+
+@dataclass(frozen=True)
+class DeviceSemantics:
+    """``name``: cpu | cuda; ``foreach``: AdamW's foreach update (else single-tensor); ``gloo``: the backend copies
+    collectives' inputs and outputs (gloo) or works in place (NCCL); ``workspace_bytes``: what the steady state holds
+    beside the model's state (cuBLAS workspaces); ``not_modelled``: what the peak model leaves out on it."""
+
+    name: str
+    foreach: bool
+    gloo: bool
+    workspace_bytes: int = 0
+    not_modelled: tuple[str, ...] = ()
+
+
+CPU = DeviceSemantics("cpu", foreach=False, gloo=True)
+#: A dry run's one CPU process under the fake process group, which makes no backend buffer.
+FAKE_GROUP = DeviceSemantics("cpu", foreach=False, gloo=False, not_modelled=("the backend's own buffers",))
+
+
+def cuda(capability: float | None = None) -> DeviceSemantics:
+    """A CUDA rank of compute ``capability`` (None: before Hopper) with NCCL."""
+    return DeviceSemantics("cuda", foreach=True, gloo=False,
+                           workspace_bytes=TRAINING_HANDLES * cublas_workspace_bytes(capability),
+                           not_modelled=CUDA_NOT_MODELLED)
