@@ -226,6 +226,24 @@ def test_import_mem_tracker_imports_torchs_module():
 
     import_mem_tracker()
     assert hasattr(sys.modules["torch.distributed._tools.mem_tracker"], "MemTracker")
+    assert "zeroexp._lib.step_memtrack" in sys.modules
+
+
+# -- zeroexp._lib.step_memtrack ------------------------------------------------------------------------------------
+
+def test_step_mem_tracker_overrides_methods_mem_tracker_has():
+    """The private MemTracker methods the step's tracker overrides exist on torch's class (a rename would leave the
+    override uncalled)."""
+    from torch.distributed._tools import MemTracker
+
+    from zeroexp._lib.memtrack import step_mem_tracker
+    from zeroexp._lib.step_memtrack import StepMemTracker
+
+    assert isinstance(step_mem_tracker(), StepMemTracker)
+    for method in ("_register_global_optimizer_hook", "_track_module_params_and_buffers", "_update_snap",
+                   "_update_peak_stats", "_update_and_maybe_create_winfos", "_track", "get_tracker_snapshot",
+                   "__torch_dispatch__"):
+        assert callable(getattr(MemTracker, method, None)), method
 
 
 # -- zeroexp._lib.checkpointing ------------------------------------------------------------------------------------

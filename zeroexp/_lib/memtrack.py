@@ -24,12 +24,10 @@ model state (a reduce-scatter's output kept as FSDP's sharded gradient) is count
 
 from __future__ import annotations
 
-import threading
 from enum import Enum
 from typing import Any
 
 import torch
-from torch import nn
 
 __all__ = ["CATEGORIES", "ROLE_CATEGORIES", "totals", "mem_tracker", "step_mem_tracker"]
 
@@ -58,8 +56,11 @@ def totals(snapshot: dict[torch.device, dict[Any, int]], device_type: str) -> tu
 
 def import_mem_tracker() -> None:
     """Import ``torch.distributed._tools.mem_tracker`` (private; torch 2.13), which :func:`mem_tracker` and
-    :func:`step_mem_tracker` use: the ranks' forkserver preload (zeroexp.launch.rank_preload)."""
+    :func:`step_mem_tracker` use, and :mod:`zeroexp._lib.step_memtrack`, which subclasses it: the ranks' forkserver
+    preload (zeroexp.launch.rank_preload)."""
     import torch.distributed._tools.mem_tracker  # noqa: F401
+
+    import zeroexp._lib.step_memtrack  # noqa: F401
 
 
 def mem_tracker() -> Any:
@@ -70,197 +71,9 @@ def mem_tracker() -> Any:
     return MemTracker()
 
 
-def _named_args(func: Any, args: tuple, kwargs: dict | None) -> list[tuple[str, Any]]:
-    """An op's arguments with their schema names (``output_tensor``, ``input_tensor``, ``tensors``, ``out``)."""
-    names = [a.name for a in func._schema.arguments]
-    return [*zip(names, args), *(kwargs or {}).items()]
-
-
-def _is_all_gather(name: str) -> bool:
-    return "allgather" in name or "all_gather" in name
-
-
 def step_mem_tracker() -> Any:
     """A MemTracker whose optimizer-state region is only the optimizer's update (see the memory probe), and which names
-    the ``unsharded`` and ``comm`` storages (module docstring)."""
-    from copy import deepcopy
+    the ``unsharded`` and ``comm`` storages (module docstring): a new ``zeroexp._lib.step_memtrack.StepMemTracker``."""
+    from zeroexp._lib.step_memtrack import StepMemTracker
 
-    from torch.distributed._tools.common_utils import get_untyped_storages
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _RefType, _UpdateType
-    from torch.utils._pytree import tree_flatten
-
-    class _Role(_RefType):
-        UNSHARDED = "Unsharded"
-        COMM = "Comm"
-
-    # Ops whose outputs are born with a role (the outputs are new storages), and ops whose arguments receive one.
-    born = {"fsdp::all_gather_copy_in": _Role.UNSHARDED}
-    marks = {"fsdp::split_with_sizes_copy": _Role.UNSHARDED, "fsdp::chunk_cat": _Role.COMM}  # their ``out``
-
-    class _StepMemTracker(MemTracker):
-        def __init__(self) -> None:
-            super().__init__()
-            # The snapshots are also updated from gloo's worker threads: a storage a finished work object held last
-            # is freed there, and MemTracker's weakref callback subtracts it. ``d[k] -= n`` is not atomic across
-            # threads, nor is a snapshot's deepcopy: every update of the current snapshot and every copy of it holds
-            # this lock (the phases' snapshots are copies only this thread touches).
-            self._snap_lock = threading.RLock()
-            self._ref_class = (*_MemRefType, *_Role)  # every snapshot has a key for each category
-            self._clock = 0  # counts allocations once entered: a storage's birth, and the peak's moment
-            self._peak_clock: dict[torch.device, int] = {}
-            self._born_role: Any = None  # the role of the outputs of the op being dispatched (``born``)
-            self._settled = False  # see ``settle``
-            #: each closed phase's peak snapshot and its moment (``close_phase``), corrected as storages get roles
-            self.phases: dict[str, tuple[dict, dict]] = {}
-
-        # Lightning runs forward and backward inside ``optimizer.step(closure)``: MemTracker's global step
-        # hooks would label every activation "optimizer state". The probe marks the update region instead.
-        def _register_global_optimizer_hook(self) -> None:
-            pass
-
-        def set_in_optimizer_update(self, flag: bool) -> None:
-            self._in_opt = flag
-
-        def get_tracker_snapshot(self, type: str = "current") -> dict:  # noqa: A002 - MemTracker's name
-            with self._snap_lock:
-                return super().get_tracker_snapshot(type)
-
-        def reset_peak(self) -> None:
-            """Start a new peak from the bytes alive now (MemTracker only ever raises its peak)."""
-            with self._snap_lock:
-                self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()}
-                self._peak_mem_snap = deepcopy(self._curr_mem_snap)
-                self._peak_clock = dict.fromkeys(self._peak_mem, self._clock)
-
-        def __enter__(self) -> Any:
-            super().__enter__()
-            self._peak_clock = dict.fromkeys(self._peak_mem, self._clock)  # the first peak: the bytes at entry
-            return self
-
-        def close_phase(self, phase: str) -> None:
-            """Keep the peak of the phase that ends now (:func:`totals` of ``phases[phase][0]`` reads it at the step's
-            end, once every storage alive at it has its role), or the phase's earlier peak if that was as high (a
-            phase recurs per micro-batch under accumulation); call ``reset_peak`` to start the next."""
-            def total(snap: dict) -> int:
-                return sum(dev[_TOTAL_KEY] for dev in snap.values())
-
-            with self._snap_lock:
-                if phase not in self.phases or total(self._peak_mem_snap) > total(self.phases[phase][0]):
-                    self.phases[phase] = (self._peak_mem_snap, self._peak_clock)
-
-        # MemTracker's gradient hooks cannot be registered on a frozen parameter (requires_grad=False), nor on the
-        # non-leaf parameter views FSDP1 with use_orig_params=True exposes in forward: MemTracker's two hooks (the
-        # gradient as autograd computes it, and once accumulated) go on the trainable leaves alone, so a model mixing
-        # frozen and trainable parameters (LoRA) still labels its gradients as backward makes them.
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> Any:
-            out = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-            if install_grad_hooks:
-                for p in module.parameters():
-                    if p.is_leaf and p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
-                        self._param_to_grad_hook_handles[p] = (p.register_hook(self._label_grad),
-                                                               p.register_post_accumulate_grad_hook(
-                                                                   lambda q: self._label_grad(q.grad)))
-            return out
-
-        def _label_grad(self, grad: torch.Tensor) -> None:
-            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-        # -- births: a storage allocated, or grown from zero bytes, after the tracker was entered; its labels since
-        def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
-                         old_reftype: Any = None) -> None:
-            with self._snap_lock:
-                super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-                self._clock += 1
-                grown = u_type == _UpdateType.SIZE and not old_mem_consumed and winfo.mem_consumed
-                if self._depth and (u_type == _UpdateType.ADD or grown):
-                    winfo.zx_born, winfo.zx_labels = self._clock, [(self._clock, winfo.reftype)]
-                elif u_type == _UpdateType.REF and hasattr(winfo, "zx_labels"):
-                    winfo.zx_labels.append((self._clock, winfo.reftype))
-
-        # After every op: the device's peak, as MemTracker keeps it, and its moment. Not MemTracker's per-module
-        # peaks, which nothing in zeroexp reads: its walk over every tracked module on every op was 12 % of a small
-        # FSDP cell's rank CPU (py-spy), more for models of many modules and in the planner's traces.
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            with self._snap_lock:
-                for dev, snap in self._curr_mem_snap.items():
-                    if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                        self._peak_mem[dev] = snap[_TOTAL_KEY]
-                        self._peak_mem_snap[dev] = deepcopy(snap)
-                        self._peak_clock[dev] = self._clock
-
-        # -- roles: kept for the step (MemTracker re-labels a parameter's storage in each module's hooks), until
-        # ``settle``: at the step's end a named storage that is then model state (a reduce-scatter's output kept as
-        # the sharded gradient) is counted as that state, from its birth.
-        def settle(self) -> None:
-            self._settled = True
-
-        def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: Any, update_existing: bool = False) -> Any:
-            roles = {id(w): (w, getattr(w, "zx_role", None)) for st in get_untyped_storages(t)
-                     for w in (self._WINFO.get(st, (None, None))[0],) if w is not None}
-            winfos = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-            for w, role in roles.values():
-                if role is None or w.reftype == role:
-                    continue
-                state, w.reftype = w.reftype, role  # undo MemTracker's re-label, then decide
-                self._update_snap(_UpdateType.REF, w, old_reftype=state)
-                if self._settled:
-                    self._name(w, state)
-            return winfos
-
-        def _assign(self, t: torch.Tensor, role: Any, resident: bool = False) -> None:
-            """Name the storages of ``t`` ``role``, unless already named: those born in this step, and, with
-            ``resident`` (a collective other than an all-gather), those alive since its start that no module or
-            optimizer claims (``Other``: DDP's gradient buckets; not zeroexp's ZeRO master shard, an all-gather's
-            input), from the start."""
-            for st in get_untyped_storages(t):
-                w = self._WINFO.get(st, (None, None))[0]
-                if w is None or getattr(w, "zx_role", None) is not None:
-                    continue
-                if resident and getattr(w, "zx_born", None) is None and w.reftype == _MemRefType.OTH:
-                    w.zx_born, w.zx_labels = 0, [(0, w.reftype)]
-                if getattr(w, "zx_born", None) is not None:
-                    self._name(w, role)
-
-        def _name(self, w: Any, role: Any) -> None:
-            """Count ``w`` as ``role`` since its birth: in the current snapshot, and in each phase's peak snapshot it
-            was alive at (moved from its label at that moment)."""
-            w.zx_role = role
-            for snap, clock in (*self.phases.values(), (self._peak_mem_snap, self._peak_clock)):
-                at, peak = clock.get(w.device, -1), snap.get(w.device)
-                if peak is None or w.zx_born > at:
-                    continue
-                then = [label for moment, label in w.zx_labels if moment <= at][-1]
-                if then != role:
-                    peak[then] -= w.mem_consumed
-                    peak[role] = peak.get(role, 0) + w.mem_consumed
-            if w.reftype != role:
-                old, w.reftype = w.reftype, role
-                self._update_snap(_UpdateType.REF, w, old_reftype=old)
-
-        def _track(self, reftype: Any, t: torch.Tensor) -> None:
-            super()._track(self._born_role or reftype, t)
-            if self._born_role is not None:
-                self._assign(t, self._born_role)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            ns = getattr(func, "namespace", "")
-            name = f"{ns}::{getattr(func, '_opname', '')}"
-            if ns in ("c10d", "_c10d_functional") or name in marks:
-                for arg, value in _named_args(func, args, kwargs):
-                    # an all-gather's output is a unit gathered; its input and every other collective's tensors: comm
-                    if name in marks:
-                        role = marks[name] if arg == "out" else None
-                    else:
-                        role = _Role.UNSHARDED if _is_all_gather(name) and arg.startswith("output") else _Role.COMM
-                    for t in tree_flatten(value)[0] if role is not None else ():
-                        if isinstance(t, torch.Tensor):
-                            self._assign(t, role, resident=ns == "c10d" and not _is_all_gather(name))
-            self._born_role = born.get(name) or (
-                (_Role.UNSHARDED if _is_all_gather(name) else _Role.COMM)
-                if ns == "_c10d_functional" else None)
-            try:
-                return super().__torch_dispatch__(func, types, args, kwargs)
-            finally:
-                self._born_role = None
-
-    return _StepMemTracker()
+    return StepMemTracker()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES", "adamw_temporaries",
            "phase_peaks", "fsdp_phase_peaks", "fsdp2_phase_peaks"]
@@ -245,10 +245,28 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
     names them (zeroexp/_lib/memtrack.py): the units gathered are ``unsharded``, the unsharded gradient (the
     reduce-scatter's input) ``comm``, the output shards ``gradients`` (FSDP keeps them as the sharded gradient)."""
     k_of = _unit_index(trace, units)
-    full = [u.unsharded for u in units]
     best = _Highest()
-    keep = best.keep
+    _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward)
+    _fsdp_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes,
+                   reshard_after_forward=reshard_after_forward, prefetch=prefetch, gloo=gloo)
+    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
+
+def _backward_order(k_of: dict[str, int]) -> list[tuple[str, int]]:
+    """The traced units in backward order (the last unit first): each one's name and forward position."""
+    return sorted(k_of.items(), key=lambda kv: -kv[1])
+
+
+def _backward_end(segs: list[Segment], name: str) -> int:
+    """The position in ``segs`` of the segment ending unit ``name``'s backward."""
+    return next(j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", name, "end"))
+
+
+def _fsdp_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
+                  root: int, reshard_after_forward: bool) -> None:
+    """:func:`fsdp_phase_peaks`' forward moments, each to ``keep``: unit k computing, and before its pre-hook and
+    gathered at its end; the loss."""
+    full = [u.unsharded for u in units]
     for s in (s for s in trace.segments if s.phase == "forward"):
         act = {"activations": -trace.loss_bytes}
         if s.unit == "loss":
@@ -264,11 +282,18 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
             copy = units[k].gather_copy  # the all-gather's input: comm
             keep("forward", _add(_add(s.end_by_category, act),
                                  {"unsharded": root + done + full[k], **({"comm": copy} if copy else {})}))
+
+
+def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
+                   root: int, steady_grad_bytes: int, reshard_after_forward: bool, prefetch: str, gloo: bool) -> None:
+    """:func:`fsdp_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own peaks
+    (u computing; for the first unit, the loss's backward before it) and, where it reduces, moments A and B."""
+    full = [u.unsharded for u in units]
     segs = list(trace.segments)
-    order = sorted(k_of.items(), key=lambda kv: -kv[1])  # backward: the last unit first
+    order = _backward_order(k_of)
     shards_done, grads_done = 0, 0  # the units done: their shards (kept), their traced full gradients (not kept)
     for pos, (name, k) in enumerate(order):
-        i = next(j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", name, "end"))
+        i = _backward_end(segs, name)
         u = units[k]
         after = segs[i + 1].end_by_category  # u's backward done, its output gradient freed
         t_act = after.get("activations", 0) - trace.loss_bytes
@@ -313,7 +338,6 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
                       "reduce-scatter input, the model being one unit")
         shards_done += u.upcast or u.shard
         grads_done += u.grads
-    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
 
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
@@ -345,11 +369,19 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     default): the root's own parameters stay unsharded from its forward into its backward, so the loss and its
     backward run beside them (gathered again otherwise only when autograd reaches the root)."""
     k_of = _unit_index(trace, units)
-    full = [u.unsharded for u in units]
     best = _Highest()
-    keep = best.keep
     kept = not reshard_after_forward
+    _fsdp2_forward(best.keep, trace, units, k_of, root=root, kept=kept, root_kept=root_kept)
+    _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
+                    kept=kept, one_unit=one_unit, root_kept=root_kept)
+    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
+
+def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
+                   root: int, kept: bool, root_kept: bool = False) -> None:
+    """:func:`fsdp2_phase_peaks`' forward moments, each to ``keep``: unit k computing, its copy-out, the loss
+    (``kept``: every unit stays unsharded from its forward to its backward; ``root_kept``: the root alone)."""
+    full = [u.unsharded for u in units]
     act = {"activations": -trace.loss_bytes}
     for s in (s for s in trace.segments if s.phase == "forward"):
         if s.unit == "loss":  # the root resharded at the end of its forward; the units too, unless kept
@@ -363,11 +395,19 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
         else:  # unit k's copy-out, the previous all-gather output still kept
             keep("forward", _add(_add(s.end_by_category, act),
                                  {"unsharded": root + before + 2 * full[k] + (full[k - 1] if k else 0)}))
+
+
+def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
+                    root: int, steady_grad_bytes: int, gloo: bool, kept: bool, one_unit: bool,
+                    root_kept: bool = False) -> None:
+    """:func:`fsdp2_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own
+    peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction."""
+    full = [u.unsharded for u in units]
     segs = list(trace.segments)
-    order = sorted(k_of.items(), key=lambda kv: -kv[1])
+    order = _backward_order(k_of)
     shards_done, grads_done = 0, 0
     for pos, (name, k) in enumerate(order):
-        i = next(j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", name, "end"))
+        i = _backward_end(segs, name)
         u = units[k]
         after = segs[i + 1].end_by_category
         t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
@@ -406,4 +446,3 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                   "gloo's worker holds it")
         shards_done += u.upcast or u.shard
         grads_done += u.grads
-    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))

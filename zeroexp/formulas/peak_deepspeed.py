@@ -39,7 +39,7 @@ scalars, are left out), so the phase's prediction is never above the measurement
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups
 from zeroexp.formulas.paper import padded_numel
@@ -233,6 +233,29 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:
         raise ValueError("stage 3 needs a trace with its units (trace_step(..., own_params_units=True))")
+    uses = _stage3_uses(trace, numels, c)
+    gathered = sum(numels) * c  # every parameter's unsharded tensor
+    _stage3_forward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered)
+    _stage3_backward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered,
+                     buckets=buckets, gloo=gloo)
+    parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
+    part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
+    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, False) + norms})
+    return out.best
+
+
+class _Stage3Uses(NamedTuple):
+    """Which units use each parameter (indices of ``ds_stage3_phase_peaks``' ``numels``): ``first_use``, the first
+    unit (forward order) that uses it; ``unreached``, those whose every user backward never reaches; ``dropped``, per
+    unit, the bytes released after its forward (the unreached parameters it uses last)."""
+
+    first_use: dict[int, int]
+    unreached: set[int]
+    dropped: dict[int, int]
+
+
+def _stage3_uses(trace: StepTrace, numels: tuple[int, ...], c: int) -> _Stage3Uses:
+    """The parameters' uses by ``trace``'s units (``c``: bytes per element)."""
     users: dict[int, list[int]] = {}  # parameter -> the units (forward order) that use it
     for k, u in enumerate(trace.units):
         for p in u.params:
@@ -242,7 +265,15 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     dropped: dict[int, int] = {}  # unit -> the bytes released after its forward (parameters backward never uses)
     for p in unreached:
         dropped[users[p][-1]] = dropped.get(users[p][-1], 0) + numels[p] * c
-    gathered = sum(numels) * c  # every parameter's unsharded tensor
+    return _Stage3Uses(first_use, unreached, dropped)
+
+
+def _stage3_forward(keep: Callable[..., None], loss: dict, trace: StepTrace, uses: _Stage3Uses, *,
+                    numels: tuple[int, ...], world_size: int, itemsize: int, gathered: int) -> None:
+    """:func:`ds_stage3_phase_peaks`' forward moments, each to ``keep``: each segment's peak beside the parameters
+    gathered and the flat buffer while alive, and each fetch (every parameter gathered, the buffer still held)."""
+    c, n = itemsize, world_size
+    first_use, dropped = uses.first_use, uses.dropped
     flat = sum(padded_numel(numels[p], n) for p in first_use) * c  # the all_gather's flat buffer
     last_fetch = max(first_use.values())
     k_of = {u.name: k for k, u in enumerate(trace.units)}
@@ -258,6 +289,14 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
         if s.at == "end":
             gone += dropped.get(k, 0)
 
+
+def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, uses: _Stage3Uses, *,
+                     numels: tuple[int, ...], world_size: int, itemsize: int, gathered: int,
+                     buckets: tuple[tuple[int, ...], ...], gloo: bool) -> None:
+    """:func:`ds_stage3_phase_peaks`' backward moments, each to ``keep``: each segment's peak less its parameter
+    gradients beside the parameters not yet released, and each bucket's reduce-scatter (the last in the epilogue)."""
+    c, n = itemsize, world_size
+    first_use, unreached, dropped = uses
     # Backward: a parameter is released after the backward of its first user in forward order, if autograd reaches
     # that unit's input; the rest stay until step.
     released_by: dict[str, int] = {}
@@ -286,8 +325,3 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     end = trace.segments[-1].end_by_category
     keep("backward", end, loss, {"gradients": -end.get("gradients", 0), "parameters": held,
                                  "temporaries": sizes[-1] if sizes else 0})
-
-    parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
-    part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
-    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, False) + norms})
-    return out.best

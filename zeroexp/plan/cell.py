@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroexp.plan.expect import groups_record, itemsize_of, knobs_of, layout_of
-from zeroexp.formulas import STATE_KINDS, Groups, derive_groups, rank_state_bytes
+from zeroexp.formulas import STATE_KINDS, Groups, PlanKnobs, StateLayout, derive_groups, rank_state_bytes
 from zeroexp.models import wrap_paths
 from zeroexp.plan.core import Precision, plan_record
 from zeroexp.plan.shape import model_shape
@@ -84,6 +84,7 @@ def collective_rows(predicted: dict[str, dict[str, int]], measured_counts: dict[
 
 def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
              live_groups: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`plan_section`'s section but ``time``; raises where the planner fails."""
     n, offload = int(cfg.world_size), str(cfg.offload.name)
     precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
     name, layout = layout_of(cfg)
@@ -99,49 +100,16 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
     record = plan_record(name, layout, shape, n, precision, offload, knobs, model=str(cfg.model.name))
     predicted = rank_state_bytes(layout, groups, precision.itemsize, knobs, offload)
     kinds = [k for k in STATE_KINDS if k in predicted]
-    reasons, ranks = [], []
-    for kind in dict.fromkeys([*predicted, *measured]):
-        want, got = predicted.get(kind), measured.get(kind)
-        if want is None:
-            if kind not in RESIDUALS and any(ph for _, ph in got):
-                reasons.append(f"{kind}: {max(ph for _, ph in got)} B measured on the largest rank, not planned")
-            continue
-        got = got or [(0, 0)] * n
-        ranks += [{"rank": r, "kind": kind, "predicted_logical_bytes": w[0], "predicted_physical_bytes": w[1],
-                   "measured_logical_bytes": int(g[0]), "measured_physical_bytes": int(g[1])}
-                  for r, (w, g) in enumerate(zip(want, got))]
-        reasons += [f"rank {r} {kind}: measured {g[0]} B logical / {g[1]} B physical, planned {w[0]} / {w[1]}"
-                    for r, (w, g) in enumerate(zip(want, got)) if tuple(map(int, g)) != tuple(w)]
-
-    def largest(table: dict[str, list[tuple[int, int]]], ks: list[str]) -> int:
-        ranks_held = min([n, *(len(table[k]) for k in ks if k in table)])  # a dry run measures rank 0 only
-        return max(sum(int(table[k][r][1]) for k in ks if k in table) for r in range(ranks_held))
-
-    pred = {k: largest(predicted, [k]) for k in kinds} | {"total": record["total_bytes"]}
-    meas = {k: largest(measured, [k]) if k in measured else 0 for k in kinds} | {"total": largest(measured, kinds)}
+    ranks, reasons = _state_ranks(predicted, measured, n)
+    pred = {k: _largest(predicted, [k], n) for k in kinds} | {"total": record["total_bytes"]}
+    meas = ({k: _largest(measured, [k], n) if k in measured else 0 for k in kinds}
+            | {"total": _largest(measured, kinds, n)})
     state_reasons = list(reasons)
-    coll = summary.get("collectives", {})
-    payload_reasons = [] if layout.payload_limits is None else \
-        layout.payload_limits(groups, knobs, precision.name, offload)
-    if coll.get("payload_bytes") is None:
-        payload_reasons.append("no collectives section: the collectives probe did not run")
-    rows = None if payload_reasons else collective_rows(
-        {op: {"count": record["counts"][op], "payload_bytes": b} for op, b in record["payload_bytes"].items()},
-        coll.get("counts") or {}, coll["payload_bytes"])
-    coll_reasons = [f"{r['op']}: measured {r['measured_count']} calls / {r['measured_bytes']} B per step, planned "
-                    f"{r['predicted_count']} / {r['predicted_bytes']}" for r in rows or ()
-                    if (r["measured_count"], r["measured_bytes"]) != (r["predicted_count"], r["predicted_bytes"])]
+    rows, payload_reasons, coll_reasons = _collectives(layout, groups, knobs, precision.name, offload, record,
+                                                       summary.get("collectives", {}))
     reasons += coll_reasons
-    planned = groups_record(groups)
-    if live_groups is None:
-        group_check = {"check": "n/a", "reasons": ["the adapter reported no live groups for this cell (see "
-                                                  "collectives.reasons)" if itself is None else itself]}
-    else:
-        differ = [f"{k}: live {live_groups.get(k)!r}, planned {v!r}" for k, v in planned.items()
-                  if live_groups.get(k) != v]
-        group_check = {"check": "FAIL" if differ else "PASS", "reasons": differ}
-        reasons += [f"groups {d}" for d in differ]
-    group_check["planned"] = planned
+    group_check, differ = _group_check(groups, live_groups, itself)
+    reasons += [f"groups {d}" for d in differ]
     payload = None if rows is None else [
         {"op": r["op"], "predicted_bytes": r["predicted_bytes"], "measured_bytes": r["measured_bytes"],
          "difference_bytes": r["measured_bytes"] - r["predicted_bytes"]} for r in rows]
@@ -151,7 +119,7 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
         "predicted_bytes": pred,
         "measured_bytes": meas,
         "difference_bytes": {k: meas[k] - pred[k] for k in pred},
-        "residual_bytes": {k: largest(measured, [k]) for k in RESIDUALS if k in measured},
+        "residual_bytes": {k: _largest(measured, [k], n) for k in RESIDUALS if k in measured},
         "ranks": ranks,
         "collectives": rows,
         "groups": group_check,
@@ -171,3 +139,68 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
         for part in ("groups", "state", "calls"):
             section[part].update(check="n/a", reasons=[f"not checked: {itself}"])
     return section
+
+
+def _largest(table: dict[str, list[tuple[int, int]]], ks: list[str], n: int) -> int:
+    """The largest rank's physical bytes of the kinds ``ks`` in ``table`` (per kind, per rank: logical and physical
+    bytes), over the ranks every kind has (a dry run measures rank 0 only; at most ``n``)."""
+    ranks_held = min([n, *(len(table[k]) for k in ks if k in table)])  # a dry run measures rank 0 only
+    return max(sum(int(table[k][r][1]) for k in ks if k in table) for r in range(ranks_held))
+
+
+def _state_ranks(predicted: dict[str, list[tuple[int, int]]], measured: dict[str, list[tuple[int, int]]],
+                 n: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per rank and planned kind, the predicted and measured logical and physical bytes, and the reasons the state
+    check fails: a rank's bytes of a kind differ from the plan, or a measured kind the plan leaves out is held and is
+    not an explained residual (:data:`RESIDUALS`)."""
+    reasons: list[str] = []
+    ranks: list[dict[str, Any]] = []
+    for kind in dict.fromkeys([*predicted, *measured]):
+        want, got = predicted.get(kind), measured.get(kind)
+        if want is None:
+            if kind not in RESIDUALS and any(ph for _, ph in got):
+                reasons.append(f"{kind}: {max(ph for _, ph in got)} B measured on the largest rank, not planned")
+            continue
+        got = got or [(0, 0)] * n
+        ranks += [{"rank": r, "kind": kind, "predicted_logical_bytes": w[0], "predicted_physical_bytes": w[1],
+                   "measured_logical_bytes": int(g[0]), "measured_physical_bytes": int(g[1])}
+                  for r, (w, g) in enumerate(zip(want, got))]
+        reasons += [f"rank {r} {kind}: measured {g[0]} B logical / {g[1]} B physical, planned {w[0]} / {w[1]}"
+                    for r, (w, g) in enumerate(zip(want, got)) if tuple(map(int, g)) != tuple(w)]
+    return ranks, reasons
+
+
+def _collectives(layout: StateLayout, groups: Groups, knobs: PlanKnobs, precision: str, offload: str,
+                 record: dict[str, Any],
+                 coll: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[str], list[str]]:
+    """The planned against the measured collectives (``coll``: the collectives probe's section): the rows
+    (:func:`collective_rows`; None where the payload model does not cover the cell or the probe did not run), why
+    they are not compared, and the ops whose calls or payload differ."""
+    payload_reasons = [] if layout.payload_limits is None else \
+        layout.payload_limits(groups, knobs, precision, offload)
+    if coll.get("payload_bytes") is None:
+        payload_reasons.append("no collectives section: the collectives probe did not run")
+    rows = None if payload_reasons else collective_rows(
+        {op: {"count": record["counts"][op], "payload_bytes": b} for op, b in record["payload_bytes"].items()},
+        coll.get("counts") or {}, coll["payload_bytes"])
+    coll_reasons = [f"{r['op']}: measured {r['measured_count']} calls / {r['measured_bytes']} B per step, planned "
+                    f"{r['predicted_count']} / {r['predicted_bytes']}" for r in rows or ()
+                    if (r["measured_count"], r["measured_bytes"]) != (r["predicted_count"], r["predicted_bytes"])]
+    return rows, payload_reasons, coll_reasons
+
+
+def _group_check(groups: Groups, live_groups: dict[str, Any] | None,
+                 itself: str | None) -> tuple[dict[str, Any], list[str]]:
+    """``plan.groups``: the planned groups (:func:`~zeroexp.plan.expect.groups_record`) against the live ones the
+    adapter reported, and the elements that differ."""
+    planned = groups_record(groups)
+    differ: list[str] = []
+    if live_groups is None:
+        group_check = {"check": "n/a", "reasons": ["the adapter reported no live groups for this cell (see "
+                                                  "collectives.reasons)" if itself is None else itself]}
+    else:
+        differ = [f"{k}: live {live_groups.get(k)!r}, planned {v!r}" for k, v in planned.items()
+                  if live_groups.get(k) != v]
+        group_check = {"check": "FAIL" if differ else "PASS", "reasons": differ}
+    group_check["planned"] = planned
+    return group_check, differ

@@ -12,8 +12,8 @@ from typing import Any, Iterable
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout,
-                              derive_groups, offloaded_kinds, op_bus_bytes, rank_state_bytes, step_collectives,
-                              unsharded_floor_bytes)
+                              derive_groups, offloaded_kinds, op_bus_bytes, pack, padded_numel, rank_state_bytes,
+                              step_collectives, unsharded_floor_bytes)
 
 __all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
            "judge_fits", "recommendable", "FITS_ON", "OFFLOADS", "UNITS"]
@@ -54,10 +54,13 @@ def strategy_table() -> dict[str, StateLayout]:
 
 
 def largest_unit_bytes(shape: ModelShape, world_size: int, itemsize: int) -> int | None:
-    """The largest FSDP unit, unsharded and padded to N, in the compute dtype: what FULL_SHARD gathers at once;
-    None without the model's units."""
-    layout = LAYOUTS["fsdp_full"]
-    return unsharded_floor_bytes(layout, derive_groups("fsdp_full", layout, shape, world_size, itemsize), itemsize)
+    """The largest FSDP unit, unsharded and padded to N, in the compute dtype: what FULL_SHARD gathers at once (a
+    unit's parameters packed into one flat buffer, ``zeroexp.formulas.pack``, its length padded to a multiple of N;
+    units without parameters left out); None without the model's units."""
+    if not shape.exact:
+        return None
+    sizes = [padded_numel(pack([shape.numels[i] for i in unit])[1], world_size) for unit in shape.units]
+    return max(size for size in sizes if size) * itemsize
 
 
 def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: int, precision: Precision,

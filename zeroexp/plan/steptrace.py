@@ -49,97 +49,150 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     backward allocates no gradient: the step of a flow whose gradients live across the step (zeroexp's ZeRO-1/2
     buckets, a later micro-batch of ``grad_accum``). Without checkpointing its segments are the plain trace's less its
     gradients (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak."""
-    from contextlib import nullcontext
-
     from zeroexp._lib.fake_tensors import fake_tensor_mode
-    from zeroexp.models import checkpoint_units, grad_tensors, loss_of, requires_grad, zeros_batch
+    from zeroexp.models import zeros_batch
 
     classes = tuple(wrap)
-    segments: list[Segment] = []
     with fake_tensor_mode(), torch.device(device):
-        net = _fake_module(model_cfg, device)
-        if module_dtype not in (None, torch.float32):  # as the strategy casts them (``.data``: fake tensors swap not)
-            for t in [*net.parameters(), *net.buffers()]:
-                if t.is_floating_point():
-                    t.data = t.data.to(module_dtype)
-        if checkpointing and classes:
-            checkpoint_units(net, classes)
+        net = _step_module(model_cfg, device, classes, module_dtype, checkpointing)
         names = {id(m): name or "root" for name, m in net.named_modules()}
         batch = zeros_batch(model_cfg, batch_size)
-        params = [p for p in net.parameters() if p.requires_grad]
         if grads_in_place:
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype if params else None)
-            for p, view in zip(params, flat.split([p.numel() for p in params])):
-                p.grad = view.view_as(p)
+            _give_flat_grads([p for p in net.parameters() if p.requires_grad])
         mt = step_mem_tracker()
         mt.track_external(net, batch)
-        base: list[tuple[int, dict[str, int]]] = []  # the step's start: parameters and the batch
-
-        in_backward = [False]
-
-        def mark(phase: str, unit: str, at: str) -> None:
-            if phase == "forward" and in_backward[0]:  # a checkpointed unit's recompute, inside its backward
-                return
-            (b, b_cats), (peak, peak_cats) = base[0], totals(mt.get_tracker_snapshot("peak"), device)
-            now, now_cats = totals(mt.get_tracker_snapshot("current"), device)
-            segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b,
-                                    _less(now_cats, b_cats)))
-            mt.reset_peak()
-
-        index = {id(p): i for i, p in enumerate(net.parameters())}
-        units = [m for m in net.modules() if (any(True for _ in m.parameters(recurse=False)) if own_params_units
-                                              else classes and isinstance(m, classes))]
-        if root_unit and not units:
-            units, names[id(net)] = [net], "<model>"
-        seen: dict[str, TracedUnit] = {}
-
-        inputs: dict[str, list[torch.Tensor]] = {}  # each call's inputs that require grad, till its forward ends
-
-        def pre_forward(m: torch.nn.Module, args: tuple, kwargs: dict, u: str) -> None:
-            if own_params_units and u not in seen:  # its parameters and whether autograd reaches its input
-                seen[u] = TracedUnit(u, tuple(index[id(p)] for p in m.parameters(recurse=False)),
-                                     any(isinstance(t, torch.Tensor) and t.requires_grad for t in args), False)
-            if not in_backward[0]:  # a recompute's inputs are not held: its forward gets no backward marks
-                inputs[u] = grad_tensors((args, kwargs))
-            mark("forward", u, "start")
-
-        def post_forward(output: Any, u: str) -> None:
-            if own_params_units and not in_backward[0] and requires_grad(output):  # backward reaches the unit
-                seen[u] = seen[u]._replace(reached=True)
-            if not in_backward[0]:  # a checkpointed unit's recompute is never differentiated: no backward marks
-                _mark_backward(grad_tensors(output), inputs.pop(u, []), u, mark)
-            mark("forward", u, "end")
-
-        hooks = []
-        for m in units:
-            u = names[id(m)]
-            hooks += [m.register_forward_pre_hook(lambda m, a, k, u=u: pre_forward(m, a, k, u), with_kwargs=True),
-                      m.register_forward_hook(lambda m, a, o, u=u: post_forward(o, u))]
-        # Without autocast's weight-cast cache, as Lightning's MixedPrecision plugin runs it (plugins/precision/amp.py:
-        # cache_enabled=False): a cast the backward does not need (the first Linear's weight) is freed at once.
-        cast = (torch.autocast(device, dtype=dtype, cache_enabled=False) if dtype not in (None, torch.float32)
-                else nullcontext())
+        marks = _Marks(mt, device, {id(p): i for i, p in enumerate(net.parameters())}, own_params_units)
+        units = _units(net, names, classes, own_params_units, root_unit)
+        hooks = marks.hook(units, names)
         try:
-            with mt:
-                base.append(totals(mt.get_tracker_snapshot("current"), device))
-                mt.reset_peak()
-                with cast:
-                    x = batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point() else batch
-                    out = net(x)
-                    del x
-                    loss = loss_of(model_cfg)(out, batch)
-                del out  # the step keeps only what autograd saved of the output
-                kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss
-                mark("forward", "loss", "end")
-                in_backward[0] = True
-                loss.backward()
-                mark("backward", "root", "end")
-                del kept
+            loss = _run_step(net, batch, model_cfg, marks, device, dtype, module_dtype)
         finally:
             for h in hooks:
                 h.remove()
-    return StepTrace(batch_size=int(batch_size), segments=tuple(segments),
-                     loss_bytes=2 * loss.untyped_storage().nbytes(), units=tuple(seen.values()))
+    return StepTrace(batch_size=int(batch_size), segments=tuple(marks.segments),
+                     loss_bytes=2 * loss.untyped_storage().nbytes(), units=tuple(marks.seen.values()))
+
+
+def _step_module(model_cfg: Mapping[str, Any], device: str, classes: tuple[type, ...],
+                 module_dtype: torch.dtype | None, checkpointing: bool) -> torch.nn.Module:
+    """The model config's module on fake tensors, its floating parameters and buffers cast to ``module_dtype``, and
+    with ``checkpointing`` each module of a ``classes`` class checkpointed (:func:`trace_step`)."""
+    from zeroexp.models import checkpoint_units
+
+    net = _fake_module(model_cfg, device)
+    if module_dtype not in (None, torch.float32):  # as the strategy casts them (``.data``: fake tensors swap not)
+        for t in [*net.parameters(), *net.buffers()]:
+            if t.is_floating_point():
+                t.data = t.data.to(module_dtype)
+    if checkpointing and classes:
+        checkpoint_units(net, classes)
+    return net
+
+
+def _give_flat_grads(params: list[torch.nn.Parameter]) -> None:
+    """Give every parameter of ``params`` a ``.grad``: views of one zeroed flat buffer (``grads_in_place``)."""
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype if params else None)
+    for p, view in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = view.view_as(p)
+
+
+def _units(net: torch.nn.Module, names: dict[int, str], classes: tuple[type, ...], own_params_units: bool,
+           root_unit: bool) -> list[torch.nn.Module]:
+    """The traced units of ``net`` (:func:`trace_step`): the modules of a ``classes`` class, or with
+    ``own_params_units`` every module holding parameters of its own; with ``root_unit`` and none found, ``net``
+    itself, named ``<model>`` in ``names``."""
+    units = [m for m in net.modules() if (any(True for _ in m.parameters(recurse=False)) if own_params_units
+                                          else classes and isinstance(m, classes))]
+    if root_unit and not units:
+        units, names[id(net)] = [net], "<model>"
+    return units
+
+
+class _Marks:
+    """The segments of one traced step: a mark ends one (its peak and the bytes live at its end, above the step's
+    start, by category) and starts the next; the units' forward hooks mark their forward and arm their backward
+    marks (:func:`_mark_backward`), and with ``own_params_units`` record each unit (``seen``)."""
+
+    def __init__(self, mt: Any, device: str, index: dict[int, int], own_params_units: bool) -> None:
+        self.mt, self.device, self.index, self.own_params_units = mt, device, index, own_params_units
+        self.segments: list[Segment] = []
+        self.base: tuple[int, dict[str, int]] | None = None  # the step's start: parameters and the batch
+        self.in_backward = False
+        self.seen: dict[str, TracedUnit] = {}
+        self.inputs: dict[str, list[torch.Tensor]] = {}  # each call's inputs that require grad, till its forward ends
+
+    def start(self) -> None:
+        """The step's start (inside the entered tracker): the bytes every segment is counted above."""
+        self.base = totals(self.mt.get_tracker_snapshot("current"), self.device)
+        self.mt.reset_peak()
+
+    def mark(self, phase: str, unit: str, at: str) -> None:
+        if phase == "forward" and self.in_backward:  # a checkpointed unit's recompute, inside its backward
+            return
+        (b, b_cats), (peak, peak_cats) = self.base, totals(self.mt.get_tracker_snapshot("peak"), self.device)
+        now, now_cats = totals(self.mt.get_tracker_snapshot("current"), self.device)
+        self.segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b,
+                                     _less(now_cats, b_cats)))
+        self.mt.reset_peak()
+
+    def pre_forward(self, m: torch.nn.Module, args: tuple, kwargs: dict, u: str) -> None:
+        from zeroexp.models import grad_tensors
+
+        if self.own_params_units and u not in self.seen:  # its parameters and whether autograd reaches its input
+            self.seen[u] = TracedUnit(u, tuple(self.index[id(p)] for p in m.parameters(recurse=False)),
+                                      any(isinstance(t, torch.Tensor) and t.requires_grad for t in args), False)
+        if not self.in_backward:  # a recompute's inputs are not held: its forward gets no backward marks
+            self.inputs[u] = grad_tensors((args, kwargs))
+        self.mark("forward", u, "start")
+
+    def post_forward(self, output: Any, u: str) -> None:
+        from zeroexp.models import grad_tensors, requires_grad
+
+        if self.own_params_units and not self.in_backward and requires_grad(output):  # backward reaches the unit
+            self.seen[u] = self.seen[u]._replace(reached=True)
+        if not self.in_backward:  # a checkpointed unit's recompute is never differentiated: no backward marks
+            _mark_backward(grad_tensors(output), self.inputs.pop(u, []), u, self.mark)
+        self.mark("forward", u, "end")
+
+    def hook(self, units: list[torch.nn.Module], names: dict[int, str]) -> list[Any]:
+        """Register each unit's forward pre and post hooks; their handles."""
+        hooks = []
+        for m in units:
+            u = names[id(m)]
+            hooks += [m.register_forward_pre_hook(lambda m, a, k, u=u: self.pre_forward(m, a, k, u),
+                                                  with_kwargs=True),
+                      m.register_forward_hook(lambda m, a, o, u=u: self.post_forward(o, u))]
+        return hooks
+
+
+def _run_step(net: torch.nn.Module, batch: torch.Tensor, model_cfg: Mapping[str, Any], marks: _Marks, device: str,
+              dtype: torch.dtype | None, module_dtype: torch.dtype | None) -> torch.Tensor:
+    """Run the step inside the tracker: forward (under autocast for a low ``dtype``; the floating input cast to
+    ``module_dtype``), the loss, Lightning's detached copy of it, backward, marking the loss and backward's end; the
+    loss."""
+    from contextlib import nullcontext
+
+    from zeroexp.models import loss_of
+
+    # Without autocast's weight-cast cache, as Lightning's MixedPrecision plugin runs it (plugins/precision/amp.py:
+    # cache_enabled=False): a cast the backward does not need (the first Linear's weight) is freed at once.
+    cast = (torch.autocast(device, dtype=dtype, cache_enabled=False) if dtype not in (None, torch.float32)
+            else nullcontext())
+    with marks.mt:
+        marks.start()
+        with cast:
+            x = batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point() else batch
+            out = net(x)
+            del x
+            loss = loss_of(model_cfg)(out, batch)
+        del out  # the step keeps only what autograd saved of the output
+        kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss
+        marks.mark("forward", "loss", "end")
+        marks.in_backward = True
+        loss.backward()
+        marks.mark("backward", "root", "end")
+        del kept
+    return loss
 
 
 def _mark_backward(outputs: list[torch.Tensor], inputs: list[torch.Tensor], u: str,
