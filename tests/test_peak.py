@@ -211,7 +211,7 @@ def test_planner_rows_judge_fits_on_the_peak():
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         base = ["model=mlp", f"model.width={W}", f"model.depth={DEPTH}", "world_size=2", "device_memory=1000000",
-                "strategies=[ddp,zero2,fsdp_full,deepspeed_stage0]"]
+                "device=cpu", "strategies=[ddp,zero2,fsdp_full,deepspeed_stage0]"]  # a CPU cell's semantics
         cfg = hydra_compose(config_name="plan", overrides=[*base, f"batch_size={B}"])
         twice = hydra_compose(config_name="plan", overrides=[*base, f"batch_size={2 * B}"])
         counted = hydra_compose(config_name="plan", overrides=["params=1e6", "batch_size=8"])
