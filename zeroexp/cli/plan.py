@@ -336,7 +336,7 @@ def task(cfg: DictConfig) -> None:
     if cfg.format == "json":
         print(render_json(records))
         for note in notes:
-            print(f"not planned: {note}", file=sys.stderr)
+            print(f"note: {note}", file=sys.stderr)
     else:
         render_tables(records, notes, cfg.units, console)
 

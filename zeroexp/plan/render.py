@@ -66,7 +66,7 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                 console.print(line)
             console.print()
     for note in notes:
-        console.print(f"[yellow]not planned[/] {note}")
+        console.print(f"[yellow]note:[/] {note}")
 
 
 def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
