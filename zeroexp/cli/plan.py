@@ -30,6 +30,7 @@ class PlanConfig:
     offload: Any = MISSING  # none (conf/offload/), optimizer | full (planner-only options, see register)
     init: Any = MISSING  # full | meta (conf/init/): init_peak_bytes, and fits with meta (zeroexp.formulas.init)
     params: Any = None  # or a parameter count: 7.5e9, 7.5B
+    largest_layer: Any = None  # with params=: the largest module's own parameters (DeepSpeed's largest_layer_params)
     world_size: Any = 8  # one value or a list
     strategies: Any = None  # null: every strategy the planner knows; or a list
     device_memory: Any = None  # 32GB, 80GiB, or bytes: adds the fits column
@@ -149,6 +150,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}; reserved_peak_bytes null"] \
         if device.name == "cuda" else []
     _peaks(cfg, records, shape, batch, knobs, ac == "full", device)
+    _ds_terms(records, shape, _largest_layer(cfg, shape), precision.itemsize, str(cfg.offload.name), knobs, device)
     _init_peaks(str(cfg.init.name), records, shape, memory)
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
@@ -237,6 +239,34 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
                  peak_bytes=steady + max(phases[top]["bytes"], 0))
         judge_fits(r)
+
+
+def _largest_layer(cfg: DictConfig, shape: ModelShape) -> int | None:
+    """``largest_layer=``: a parameter count no larger than ``params=`` (a model's shapes give their own)."""
+    value = cfg.get("largest_layer")
+    if value is None:
+        return None
+    accepted = "with params=, a parameter count up to params (the largest module's own parameters: 32.9M)"
+    if cfg.model is not None:
+        raise ConfigError("largest_layer", value, accepted, why="model= given: its modules give the largest layer")
+    try:
+        count = parse_count(value)
+    except ValueError as e:
+        raise ConfigError("largest_layer", value, accepted, why=str(e)) from e
+    if count > shape.numel:
+        raise ConfigError("largest_layer", value, accepted, why=f"{count:,} > params={shape.numel:,}")
+    return count
+
+
+def _ds_terms(records: list[dict[str, Any]], shape: ModelShape, largest: int | None, itemsize: int, offload: str,
+              knobs: PlanKnobs, device: Any) -> None:
+    """``ds_peak`` of every DeepSpeed row (``zeroexp.plan.peak_deepspeed.ds_term_record``: the model-state peak term
+    by term beside DeepSpeed's estimator; null for the other rows)."""
+    from zeroexp.plan.peak_deepspeed import ds_term_record
+
+    for r in records:
+        r["ds_peak"] = ds_term_record(r["strategy"], shape, r["world_size"], itemsize, offload, knobs.bucket_cap_bytes,
+                                      largest, device.foreach)
 
 
 def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None) -> None:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from zeroexp.formulas import DS_FETCH_LIMIT, DS_NORM_BYTES, LAYOUTS, Groups, deepspeed_reduce_bucket_numel, padded_numel
 from zeroexp.formulas.peak import StepTrace
+from zeroexp.formulas.peak_deepspeed_terms import (TERMS, ds_estimator_bytes, ds_estimator_name, ds_term_peak,
+                                                   largest_layer_numel)
+from zeroexp.formulas import ModelShape
 from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
 
-__all__ = ["ds_stage", "ds_phases", "ds_peak_limits", "ds_late_free", "ds_steady_buffers_bytes"]
+__all__ = ["ds_stage", "ds_phases", "ds_peak_limits", "ds_late_free", "ds_steady_buffers_bytes", "ds_term_record",
+           "ds_term_legend"]
 
 
 def ds_stage(name: str) -> int | None:
@@ -91,3 +95,38 @@ def ds_steady_buffers_bytes(name: str, itemsize: int, bucket_cap_bytes: int) -> 
     """What a rank keeps beside its model state at the optimizer boundary: stage 3's ipg bucket (allocated once,
     ``reduce_bucket_size`` elements of the gradient dtype); stages 1-2 free theirs in every backward's epilogue."""
     return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if _covered(name) == 3 else 0
+
+
+def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int, offload: str, bucket_cap_bytes: int,
+                   largest_layer: int | None, foreach: bool) -> dict | None:
+    """The planner's ``ds_peak`` of a DeepSpeed row (None for any other row): the model-state peak term by term
+    (:func:`zeroexp.formulas.peak_deepspeed_terms.ds_term_peak`, computed, a lower bound: activations and scalars left
+    out) beside DeepSpeed's own estimator, which terms both count and which differ. ``largest_layer``: the largest
+    module's own parameters (None: from the shape's modules where it has them, else unknown)."""
+    stage = ds_stage(name)
+    if stage is None:
+        return None
+    if offload != "none":
+        return {"note": f"no term model yet for offload={offload} (covered: offload none)"}
+    if largest_layer is None and shape.exact:
+        largest_layer = largest_layer_numel(shape.numels, shape.modules)
+    trained = shape.trainable().numel
+    peak = ds_term_peak(stage, trained, world_size, itemsize, deepspeed_reduce_bucket_numel(bucket_cap_bytes),
+                        largest_layer, foreach, frozen=shape.numel - trained)
+    unknown = stage == 3 and largest_layer is None
+    # the estimator assumes 2-byte parameters and gradients: compared in bf16 / fp16, with the largest layer at stage 3
+    estimate = None if itemsize != 2 or unknown else ds_estimator_bytes(stage, shape.numel, world_size,
+                                                                        largest_layer or 0)
+    return {"phase": peak.phase, "bytes": peak.bytes, "terms": peak.terms, "moments": peak.moments,
+            "largest_layer": largest_layer, "basis": "computed (zeroexp.formulas.peak_deepspeed_terms): a lower bound, "
+            "activations and scalars left out" + ("; the largest layer unknown (largest_layer=): its terms left out"
+                                                  if unknown else ""),
+            "estimator": {"source": ds_estimator_name(stage), "bytes": estimate, "counted_bytes": peak.counted_bytes,
+                          "shared": list(peak.shared), "elsewhere": list(peak.elsewhere), "extra": list(peak.extra),
+                          "note": None if estimate is not None else "DeepSpeed's estimator assumes 2-byte parameters "
+                          "(bf16 / fp16)" + (" and needs the largest layer" if unknown else "")}}
+
+
+def ds_term_legend() -> list[str]:
+    """What each term of ``ds_peak`` is (:data:`TERMS`), one line each."""
+    return [f"{t}: {what}" for t, what in TERMS.items()]
