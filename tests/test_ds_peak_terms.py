@@ -36,9 +36,8 @@ def _deepspeed_estimate(stage: int, total: int, largest: int, n: int, offload: s
     if stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-        return estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=n,
-                                                     cpu_offload=offload != "none", cpu_offload_params=offload == "full",
-                                                     zero_init=True)[1]
+        return estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=n, cpu_offload=offload != "none",
+                                                     cpu_offload_params=offload == "full", zero_init=True)[1]
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     return estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=n, cpu_offload=offload != "none")[1]
