@@ -49,26 +49,26 @@ def test_t5_3b_fp16_rows_name_each_term_and_meet_deepspeeds_estimators():
     for name, r in rows.items():
         d, stage = r["ds_peak"], r["zero_stage"]
         assert set(d["terms"]) <= set(TERMS) and d["bytes"] == sum(d["terms"].values()), name
-        assert d["terms"] == d["moments"][d["phase"]] and d["largest_layer"] == T5_LAYER
+        assert d["terms"] == d["moments"][d["moment"]] and d["largest_layer"] == T5_LAYER
         est = d["estimator"]
         deepspeed = _deepspeed_estimate(stage, T5_3B, T5_LAYER, 8)
         assert est["bytes"] == deepspeed
         assert abs(est["counted_bytes"] - deepspeed) <= 0.02 * deepspeed, name  # the same terms, within 2 %
     # ZeRO-2: DeepSpeed's 2P + 18P/N at the step, plus the flat fp16 partition its .to(fp32) copies
     two = rows["deepspeed_stage2"]["ds_peak"]
-    assert two["phase"] == "optimizer" and two["estimator"]["extra"] == ["flat_grads"]
+    assert two["moment"] == "fp32_copy" and two["estimator"]["extra"] == ["flat_grads"]
     assert two["estimator"]["elsewhere"] == [] and two["bytes"] == 2 * T5_3B + (4 + 8 + 2 + 2 + 4) * part
     # ZeRO-3: the step holds 18P/N of the estimator's, the persistent gradient buffer, the bucket and foreach AdamW's
     # temporaries; the largest layer gathered with its gradients (the estimator's 4L) is backward's, not the step's
     three = rows["deepspeed_stage3"]["ds_peak"]
-    assert three["phase"] == "optimizer" and three["estimator"]["elsewhere"] == ["layer", "layer_grads"]
+    assert three["moment"] == "update" and three["estimator"]["elsewhere"] == ["layer", "layer_grads"]
     assert set(three["estimator"]["extra"]) == {"grads", "bucket", "adamw_tmp"}
     assert three["bytes"] == (2 + 2 + 4 + 8 + 4 + 4) * part + bucket
     assert three["moments"]["backward"]["layer"] == three["moments"]["backward"]["layer_grads"] == 2 * T5_LAYER
     # ZeRO-1: autograd's gradients of the whole model wait for backward's epilogue
     one = rows["deepspeed_stage1"]["ds_peak"]
-    assert one["phase"] == "backward" and one["terms"]["full_grads"] == 2 * T5_3B
-    assert "full_grads" in one["estimator"]["extra"] and one["estimator"]["elsewhere"] == ["fp32_grads"]
+    assert one["moment"] == "backward" and one["terms"]["full_grads"] == 2 * T5_3B
+    assert "full_grads" in one["estimator"]["extra"] and one["estimator"]["elsewhere"] == ["grads", "fp32_grads"]
     # the figures DeepSpeed prints for this set-up, GiB: 11.28 (ZeRO-2), 6.10 (ZeRO-3)
     assert [round(rows[f"deepspeed_stage{s}"]["ds_peak"]["estimator"]["bytes"] / 2**30, 2) for s in (2, 3)] == [
         11.28, 6.10]
@@ -84,6 +84,7 @@ def test_the_table_names_the_terms_and_what_differs():
     render_tables(list(rows.values()), [], "GiB", console)
     text = console.export_text()
     assert "DeepSpeed's peak by term" in text and "11.3 / 11.3" in text and "@backward: layer layer_grads" in text
+    assert "11.9 (fp32_copy)" in text and "8.0 (update)" in text
     assert all(t in text for t in ("fp32_grads", "flat_grads", "adamw_tmp", "full_grads"))
 
 
@@ -95,7 +96,7 @@ def test_without_the_largest_layer_stage_3_names_what_it_leaves_out():
     assert "largest_layer=" in three["basis"]
     assert rows["deepspeed_stage2"]["ds_peak"]["estimator"]["bytes"] is not None  # ZeRO-2's needs no layer
     fp32 = _plan(f"params={T5_3B}", "world_size=8")["deepspeed_stage2"]["ds_peak"]
-    assert fp32["estimator"]["bytes"] is None and "flat_grads" not in fp32["moments"]["optimizer"]  # .to: no copy
+    assert fp32["estimator"]["bytes"] is None and "flat_grads" not in fp32["moments"]["fp32_copy"]  # .to: no copy
     offload = _plan(f"params={T5_3B}", "world_size=8", "offload=optimizer", "precision=fp16")
     assert offload["deepspeed_stage3"]["ds_peak"] == {"note": "no term model yet for offload=optimizer (covered: "
                                                               "offload none)"}
@@ -127,11 +128,12 @@ def test_the_terms_are_each_a_closed_form():
     part = p // n
     assert two.moments["backward"] == {"params": c * p, "master": 4 * part, "moments": 8 * part, "grads": c * part,
                                        "bucket": c * b, "bucket_copy": c * (b - big)}
-    assert one.moments["backward"] == {**two.moments["backward"], "full_grads": c * p}
+    assert one.moments["backward"] == {"params": c * p, "master": 4 * part, "moments": 8 * part, "bucket": c * b,
+                                       "full_grads": c * p}
     # single-tensor AdamW: 2 partitions of temporaries beside the fp32 gradient, above the flat copy's moment
-    assert two.moments["optimizer"] == {"params": c * p, "master": 4 * part, "moments": 8 * part,
+    assert two.moments["update"] == {"params": c * p, "master": 4 * part, "moments": 8 * part,
                                         "fp32_grads": 4 * part, "adamw_tmp": 8 * part}
-    assert three.moments["backward"]["layer"] == c * big and three.moments["optimizer"]["params"] == c * part
+    assert three.moments["backward"]["layer"] == c * big and three.moments["update"]["params"] == c * part
     # one rank: the bucket's flatten is a view; a model within one bucket: the whole gradient is copied once
     assert "bucket_copy" not in ds_term_peak(2, p, 1, c, b, big, foreach=True).moments["backward"]
     assert ds_term_peak(2, 1000, 2, c, b, 10, foreach=True).moments["backward"]["bucket_copy"] == c * 1000
@@ -174,3 +176,31 @@ def test_a_models_largest_layer_and_estimate_are_deepspeeds(which, n):
             0.02 * deepspeed + 4 * n)  # our partitions round each rank's share up: a few bytes a rank
         assert r["peak_bytes"] is not None and "peak_note" not in r, (name, r.get("peak_note"))
         assert r["peak_bytes"] == bf16[name]["peak_bytes"]  # fp16 runs bf16's path: the loss scaler's scalars aside
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_terms_are_the_traced_models_step(n, device):
+    """The traced peak model's step (a model's shapes, rank by rank) is the term model's step above the state, plus
+    what a count cannot know: the norms' scalars and the partition's padding (stages 1-2: the flat group padded to
+    2N; stage 3: each parameter padded to N), each an fp32 gradient and AdamW's temporaries. On a CPU rank AdamW's
+    update is the step's highest moment; on a CUDA rank (foreach) the fp32 copy can be, beside the whole of the
+    parameters the partition cuts (``grads_in_partition``), which a count takes as the partition: a lower bound."""
+    from zeroexp.formulas import DS_NORM_BYTES
+
+    width, depth = 64, 8  # mlp: 8 bias-free 64 x 64 Linear layers
+    for precision in ("fp32", "bf16", "fp16"):
+        rows = _plan("model=mlp", f"model.width={width}", f"model.depth={depth}", f"world_size={n}", "batch_size=8",
+                     "bucket_cap_mb=1", f"precision={precision}", f"device={device}")
+        for name, r in rows.items():
+            stage, moments = r["zero_stage"], r["ds_peak"]["moments"]
+            state = {k: moments["update"][k] for k in ("params", "master", "moments", "grads", "bucket")
+                     if k in moments["update"]}
+            above = {k: sum(moments[k].values()) - sum(state.values()) for k in ("fp32_copy", "update")}
+            part = -(-depth * width * width // n)
+            padded = (-(-depth * width * width // (2 * n)) * 2 if stage < 3 else depth * -(-width * width // n))
+            norms = (2 if stage < 3 else 3) * DS_NORM_BYTES[stage]  # stage 3: one sub-group's norm too
+            traced = r["phase_bytes"]["optimizer"]
+            if device == "cpu":  # the fp32 gradient and two partitions of single-tensor AdamW's temporaries
+                assert traced == above["update"] + (padded - part) * 12 + norms, (name, precision)
+            assert traced >= max(above.values()), (name, precision)

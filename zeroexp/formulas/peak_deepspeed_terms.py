@@ -14,7 +14,8 @@ optimizer, ``contiguous_gradients`` on, ``overlap_comm`` off, offload none), rea
   flattened for its all_reduce (``allreduce_bucket``: ``bucket_copy``, more than c (B - L): a bucket is reduced when
   the next gradient would not fit; a model within one bucket, c P in backward's epilogue) and copied into
   ``grads_in_partition`` (``grads``, at least c P/N); stage 1 reduces in backward's epilogue
-  (``reduce_gradients``), autograd's gradients kept until then (``full_grads``, c P).
+  (``reduce_gradients``), autograd's gradients kept until then beside the bucket (``full_grads``, c P: backward's
+  end, the moment before the epilogue's first reduction).
   ``step``: fp16 checks overflow first (``has_overflow_partitioned_grads_serial`` -> runtime/utils.py
   ``has_inf_or_nan``: two scalar reductions per gradient, nothing proportional to it), then per group
   ``self.flatten(self.averaged_gradients[i])`` (``flat_grads``, c P/N) and ``.to(fp32)`` (``fp32_grads``, 4 P/N; in
@@ -46,8 +47,8 @@ from typing import NamedTuple
 from zeroexp.formulas.deepspeed import DS_SUB_GROUP_SIZE
 from zeroexp.formulas.peak import adamw_temporaries
 
-__all__ = ["TERMS", "ESTIMATOR_TERMS", "DsTermPeak", "ds_term_peak", "ds_estimator_bytes", "ds_estimator_name",
-           "largest_layer_numel"]
+__all__ = ["TERMS", "ESTIMATOR_TERMS", "PHASE_OF", "DsTermPeak", "ds_term_peak", "ds_estimator_bytes",
+           "ds_estimator_name", "largest_layer_numel"]
 
 #: Every term's name and what it is, in the order the tables show them.
 TERMS: dict[str, str] = {
@@ -73,14 +74,21 @@ ESTIMATOR_TERMS: dict[int, tuple[str, ...]] = {
 }
 
 
+#: The moments of a step the term model holds, and the phase of each: backward's highest (stages 1-2: a bucket
+#: reduced; stage 1: backward's end; stage 3: the largest layer's backward), the step's fp32 gradient copy beside the
+#: flat compute-dtype partition it is cast from, and AdamW's update beside the fp32 gradient.
+PHASE_OF = {"backward": "backward", "fp32_copy": "optimizer", "update": "optimizer"}
+
+
 class DsTermPeak(NamedTuple):
-    """The moments of one rank's step (``moments``: phase -> its highest moment's terms, bytes each), the highest
-    (``phase``, ``bytes``, ``terms``), and which terms DeepSpeed's estimator counts that this moment holds
-    (``shared``) or does not (``elsewhere``: held at another moment, or not at all), and those it leaves out
-    (``extra``); ``counted_bytes``: the estimator's terms, each at the moment that holds most of it (what the
+    """The moments of one rank's step (``moments``: :data:`PHASE_OF`'s names -> the terms held, bytes each), the
+    highest (``moment``, its ``phase``, ``bytes``, ``terms``), and which terms DeepSpeed's estimator counts that this
+    moment holds (``shared``) or does not (``elsewhere``: held at another moment, or not at all), and those it leaves
+    out (``extra``); ``counted_bytes``: the estimator's terms, each at the moment that holds most of it (what the
     estimator sums)."""
 
     moments: dict[str, dict[str, int]]
+    moment: str
     phase: str
     bytes: int
     terms: dict[str, int]
@@ -120,20 +128,22 @@ def ds_term_peak(stage: int, numel: int, world_size: int, itemsize: int, bucket_
     else:
         filled = numel if numel <= bucket_numel else max(bucket_numel - big, 0)  # a reduced bucket's gradients
         backward = {**steady, "grads": part * c, "bucket": bucket_numel * c,
-                    "bucket_copy": filled * c if n > 1 else 0,  # one owner: flatten returns a view, no copy
-                    "full_grads": numel * c if stage == 1 else 0}
+                    "bucket_copy": filled * c if n > 1 else 0}  # one owner: flatten returns a view, no copy
+        if stage == 1:  # backward's end: every gradient beside the bucket, before the epilogue reduces the first
+            backward = {**steady, "bucket": bucket_numel * c, "full_grads": numel * c}
         step_part = part
     flat = {**steady, "flat_grads": step_part * c if c != 4 else 0, "fp32_grads": step_part * 4}
     if stage < 3:  # the gradient partition is freed after the fp32 copy is made
         flat["grads"] = part * c
     update = {**steady, "fp32_grads": step_part * 4, "adamw_tmp": adamw_temporaries((step_part,), 4, foreach)}
-    moments = {"backward": backward, "optimizer": max((flat, update), key=lambda m: sum(m.values()))}
-    moments = {ph: {t: b for t, b in m.items() if b} for ph, m in moments.items()}
-    phase = max(moments, key=lambda ph: sum(moments[ph].values()))
-    terms = moments[phase]
+    moments = {"backward": backward, "fp32_copy": flat, "update": update}
+    moments = {k: {t: b for t, b in m.items() if b} for k, m in moments.items()}
+    moment = max(moments, key=lambda k: sum(moments[k].values()))
+    terms = moments[moment]
     counted = ESTIMATOR_TERMS[stage] if largest_layer is not None else \
         tuple(t for t in ESTIMATOR_TERMS[stage] if not t.startswith("layer"))
-    return DsTermPeak(moments, phase, sum(terms.values()), terms, tuple(t for t in counted if t in terms),
+    return DsTermPeak(moments, moment, PHASE_OF[moment], sum(terms.values()), terms,
+                      tuple(t for t in counted if t in terms),
                       tuple(t for t in counted if t not in terms), tuple(t for t in terms if t not in counted),
                       sum(max(m.get(t, 0) for m in moments.values()) for t in counted))
 

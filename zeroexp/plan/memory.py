@@ -165,7 +165,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     ``gloo`` and ``foreach``: the device's backend copies and AdamW update (:mod:`zeroexp.formulas.device`)."""
     row = _row(name)
     if ds_stage(name) is not None:
-        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
+        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo, foreach)
     terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
     if row.peak_flow in ("fsdp1", "fsdp2"):
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept,

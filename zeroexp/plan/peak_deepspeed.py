@@ -38,19 +38,21 @@ def ds_peak_limits(name: str, groups: Groups, bucket_cap_bytes: int) -> list[str
 
 
 def ds_phases(name: str, groups: Groups, trace: StepTrace, itemsize: int, rank: int,
-              bucket_cap_bytes: int, gloo: bool) -> dict[str, dict]:
+              bucket_cap_bytes: int, gloo: bool, foreach: bool = False) -> dict[str, dict]:
     """The peak model of a DeepSpeed row for rank ``rank`` (``bucket_cap_bytes``: ``strategy.bucket_cap_mb`` in
-    bytes, whence ``reduce_bucket_size``; ``gloo``: the CPU backend's copies); stage 3 needs a trace with its units
-    (``own_params_units``)."""
+    bytes, whence ``reduce_bucket_size``; ``gloo``: the CPU backend's copies; ``foreach``: the client AdamW's update,
+    foreach on a CUDA rank); stage 3 needs a trace with its units (``own_params_units``)."""
     stage, n = _covered(name), groups.world_size
     if stage == 3:  # the shards: every parameter, frozen ones too, in parameter order
         every = tuple(sh.spans[0][1] for sh in groups.shards)
         return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
-                                     gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards))
+                                     gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
+                                     foreach=foreach)
     part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
     return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                                   numels=groups.numels, part=part,
-                                  bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize)
+                                  bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
+                                  foreach=foreach)
 
 
 def _covered(name: str) -> int:
@@ -117,7 +119,8 @@ def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int,
     # the estimator assumes 2-byte parameters and gradients: compared in bf16 / fp16, with the largest layer at stage 3
     estimate = None if itemsize != 2 or unknown else ds_estimator_bytes(stage, shape.numel, world_size,
                                                                         largest_layer or 0)
-    return {"phase": peak.phase, "bytes": peak.bytes, "terms": peak.terms, "moments": peak.moments,
+    return {"moment": peak.moment, "phase": peak.phase, "bytes": peak.bytes, "terms": peak.terms,
+            "moments": peak.moments,
             "largest_layer": largest_layer, "basis": "computed (zeroexp.formulas.peak_deepspeed_terms): a lower bound, "
             "activations and scalars left out" + ("; the largest layer unknown (largest_layer=): its terms left out"
                                                   if unknown else ""),

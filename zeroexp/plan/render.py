@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from zeroexp.formulas.peak_deepspeed_terms import TERMS
 from zeroexp.plan.core import FITS_ON, UNITS
 
 __all__ = ["render_json", "render_tables", "fmt_size", "fastest_sentences"]
@@ -111,9 +112,10 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
 
 def _ds_terms_table(records: list[dict[str, Any]], unit: str) -> Table:
     """DeepSpeed's rows' ``ds_peak``: the peak moment's terms, the estimator's figure beside its terms in ours."""
-    terms = list(dict.fromkeys(t for r in records for t in r["ds_peak"]["terms"]))
+    held = {t for r in records for t in r["ds_peak"]["terms"]}
+    terms = [t for t in TERMS if t in held]
     table = Table(title=f"DeepSpeed's peak by term, per rank, in {unit}")
-    for i, c in enumerate(["strategy", "N", *terms, "peak (phase)", "estimator / same terms", "differs"]):
+    for i, c in enumerate(["strategy", "N", *terms, "peak (moment)", "estimator / same terms", "differs"]):
         table.add_column(c, justify="left" if i == 0 or c == "differs" else "right")
     for r in records:
         d, est = r["ds_peak"], r["ds_peak"]["estimator"]
@@ -123,7 +125,7 @@ def _ds_terms_table(records: list[dict[str, Any]], unit: str) -> Table:
         differs = [f"+{t}" for t in est["extra"]] + [f"@{ph}: {' '.join(ts)}" for ph, ts in where.items()]
         table.add_row(r["strategy"], str(r["world_size"]),
                       *(fmt_size(d["terms"][t], unit) if t in d["terms"] else "-" for t in terms),
-                      f"{fmt_size(d['bytes'], unit)} ({d['phase']})",
+                      f"{fmt_size(d['bytes'], unit)} ({d['moment']})",
                       f"{fmt_size(est['bytes'], unit)} / {fmt_size(est['counted_bytes'], unit)}"
                       if est["bytes"] is not None else "-", " ".join(differs))
     return table
