@@ -2,7 +2,9 @@
 
 DeepSpeed 0.19 as zeroexp configures it (zeroexp/strategies/deepspeed.py: ``overlap_comm`` off, ``contiguous_gradients``
 on, one parameter group, ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` at their defaults, every stage-3
-parameter partitioned), fp32, from its runtime's source [DS-PEAK]:
+parameter partitioned; a parameter count's closed form, term by term: :mod:`zeroexp.formulas.peak_deepspeed_terms`),
+in fp32, and in bf16 / fp16 as the same path in 2-byte tensors (fp16's loss scale and overflow checks are scalars:
+runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
 
 - ``runtime/zero/stage_1_and_2.py``: ``setup_buckets`` allocates the whole ipg bucket (``reduce_bucket_size``
   elements) at the first gradient hook of a backward; ``_release_ipg_buffers`` drops it in the epilogue
