@@ -15,6 +15,7 @@ from zeroexp.formulas.peak_deepspeed_terms import TERMS, ds_estimator_bytes, ds_
 
 DS = importlib.util.find_spec("deepspeed") is not None
 HF = importlib.util.find_spec("transformers") is not None
+TT = importlib.util.find_spec("expecttest") is not None  # PyTorch's test Transformer imports it
 T5_3B, T5_LAYER = 2_851_000_000, 32128 * 1024
 ROWS = "strategies=[deepspeed_stage1,deepspeed_stage2,deepspeed_stage3]"
 
@@ -164,6 +165,8 @@ def test_a_models_largest_layer_and_estimate_are_deepspeeds(which, n):
     tied embedding counted once in the total); the fp16 traced peak model covers DeepSpeed's rows as bf16's."""
     from deepspeed.runtime.zero.stage3 import model_to_params
 
+    if which == "torch_transformer" and not TT:
+        pytest.skip("PyTorch's test Transformer needs expecttest")
     overrides, build = _corpus_model(which)
     total, largest = model_to_params(build())
     half = _plan(*overrides, f"world_size={n}", "precision=fp16", "batch_size=2")
