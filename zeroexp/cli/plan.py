@@ -194,7 +194,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     from zeroexp.plan.core import judge_fits
     from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
-    from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage, ds_step_frees_grads
 
     traced = batch is not None and cfg.model is not None
     wrap = []
@@ -235,7 +235,8 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize,
                                        knobs.bucket_cap_bytes, terms)
-        steady = r["device_bytes"] + buffers + device.workspace_bytes
+        freed = r["grad_bytes"] if ds_stage(name) is not None and ds_step_frees_grads(name) else 0  # none between steps
+        steady = r["device_bytes"] - freed + buffers + device.workspace_bytes
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
                  peak_bytes=steady + max(phases[top]["bytes"], 0))
         judge_fits(r)

@@ -12,7 +12,7 @@ from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, 
                                              ds_stage12_phase_peaks)
 
 __all__ = ["ds_stage", "ds_phases", "ds_peak_limits", "ds_late_free", "ds_steady_buffers_bytes", "ds_term_record",
-           "ds_term_legend"]
+           "ds_term_legend", "ds_step_frees_grads"]
 
 
 def ds_stage(name: str) -> int | None:
@@ -91,6 +91,14 @@ def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tup
             "backward": [(f"bucket {k}'s reduce-scatter concatenation (reduce_scatter_coalesced)",
                           sum(padded_numel(x, n) for x in b) * itemsize) for k, b in enumerate(groups.buckets)],
             **norm}
+
+
+def ds_step_frees_grads(name: str) -> bool:
+    """Whether the row's step frees the gradients its state at the optimizer boundary holds (the planner's
+    ``grad_bytes``), so that its steady state between steps, the peak model's base, holds none: stages 1-2
+    (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``); stage 3 keeps its
+    gradient buffer (stage3.py ``grad_partitions_flat_buffer``, allocated once)."""
+    return _covered(name) < 3
 
 
 def ds_steady_buffers_bytes(name: str, itemsize: int, bucket_cap_bytes: int) -> int:
