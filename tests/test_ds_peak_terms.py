@@ -66,6 +66,8 @@ def test_t5_3b_fp16_rows_name_each_term_and_meet_deepspeeds_estimators():
     assert set(three["estimator"]["extra"]) == {"grads", "bucket", "adamw_tmp"}
     assert three["bytes"] == (2 + 2 + 4 + 8 + 4 + 4) * part + bucket
     assert three["moments"]["backward"]["layer"] == three["moments"]["backward"]["layer_grads"] == 2 * T5_LAYER
+    # fp16's overflow check: a bool mask of the gradient buffer beside the state, below the step's other moments
+    assert three["moments"]["overflow_check"]["overflow_mask"] == part
     # ZeRO-1: autograd's gradients of the whole model wait for backward's epilogue
     one = rows["deepspeed_stage1"]["ds_peak"]
     assert one["moment"] == "backward" and one["terms"]["full_grads"] == 2 * T5_3B
@@ -135,6 +137,9 @@ def test_the_terms_are_each_a_closed_form():
     assert two.moments["update"] == {"params": c * p, "master": 4 * part, "moments": 8 * part,
                                         "fp32_grads": 4 * part, "adamw_tmp": 8 * part}
     assert three.moments["backward"]["layer"] == c * big and three.moments["update"]["params"] == c * part
+    assert "overflow_check" not in three.moments  # bf16: no overflow check
+    assert ds_term_peak(3, p, n, c, b, big, foreach=False, fp16=True).moments["overflow_check"]["overflow_mask"] == part
+    assert "overflow_check" not in ds_term_peak(2, p, n, c, b, big, foreach=False, fp16=True).moments  # two scalars
     # one rank: the bucket's flatten is a view; a model within one bucket: the whole gradient is copied once
     assert "bucket_copy" not in ds_term_peak(2, p, 1, c, b, big, foreach=True).moments["backward"]
     assert ds_term_peak(2, 1000, 2, c, b, 10, foreach=True).moments["backward"]["bucket_copy"] == c * 1000

@@ -150,7 +150,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}; reserved_peak_bytes null"] \
         if device.name == "cuda" else []
     _peaks(cfg, records, shape, batch, knobs, ac == "full", device)
-    _ds_terms(records, shape, _largest_layer(cfg, shape), precision.itemsize, str(cfg.offload.name), knobs, device)
+    _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
     _init_peaks(str(cfg.init.name), records, shape, memory)
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
@@ -259,15 +259,15 @@ def _largest_layer(cfg: DictConfig, shape: ModelShape) -> int | None:
     return count
 
 
-def _ds_terms(records: list[dict[str, Any]], shape: ModelShape, largest: int | None, itemsize: int, offload: str,
-              knobs: PlanKnobs, device: Any) -> None:
+def _ds_terms(records: list[dict[str, Any]], shape: ModelShape, largest: int | None, precision: Precision,
+              offload: str, knobs: PlanKnobs, device: Any) -> None:
     """``ds_peak`` of every DeepSpeed row (``zeroexp.plan.peak_deepspeed.ds_term_record``: the model-state peak term
     by term beside DeepSpeed's estimator; null for the other rows)."""
     from zeroexp.plan.peak_deepspeed import ds_term_record
 
     for r in records:
-        r["ds_peak"] = ds_term_record(r["strategy"], shape, r["world_size"], itemsize, offload, knobs.bucket_cap_bytes,
-                                      largest, device.foreach)
+        r["ds_peak"] = ds_term_record(r["strategy"], shape, r["world_size"], precision.itemsize, offload,
+                                      knobs.bucket_cap_bytes, largest, device.foreach, precision.name == "fp16")
 
 
 def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None) -> None:

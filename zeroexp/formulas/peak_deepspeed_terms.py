@@ -27,8 +27,11 @@ optimizer, ``contiguous_gradients`` on, ``overlap_comm`` off, offload none), rea
   (``_setup_for_real_optimizer``: ``grads``, c P/N; ``bucket``, c B), master and moments as above. Backward: the
   module being differentiated is gathered (``partition_parameters.py`` ``_all_gather_coalesced``: ``layer``, c L)
   and autograd's gradients of its parameters exist before ``__add_grad_to_ipg_bucket`` copies them (``layer_grads``,
-  c L). ``step`` -> ``_prepare_fp32_grad_for_sub_group``: ``self.flatten(...).to(fp32)`` per sub-group
-  (``flat_grads`` and ``fp32_grads`` of one sub-group, at most ``sub_group_size``), then AdamW on it.
+  c L). ``step``: fp16 first checks the gradient buffer for overflow (``_overflow_check_and_loss_scale_update`` ->
+  ``has_overflow``: ``torch.isinf(self.grad_partitions_flat_buffer).any()``, then ``isnan``: a bool mask of the
+  buffer before each ``any``, ``overflow_mask``, P/N bytes); then ``_prepare_fp32_grad_for_sub_group``:
+  ``self.flatten(...).to(fp32)`` per sub-group (``flat_grads`` and ``fp32_grads`` of one sub-group, at most
+  ``sub_group_size``), then AdamW on it.
 
 DeepSpeed's estimators [DS-EST] (``estimate_zero2_model_states_mem_needs`` in stage_1_and_2.py,
 ``estimate_zero3_model_states_mem_needs`` in stage3.py, offload none) assume 2-byte parameters and sum their terms
@@ -62,6 +65,7 @@ TERMS: dict[str, str] = {
     "bucket": "the ipg reduce bucket (reduce_bucket_size elements)",
     "bucket_copy": "a bucket's flattened all_reduce copy (stages 1-2: at least B - L elements, or P within one bucket)",
     "full_grads": "stage 1: autograd's gradient of every parameter, kept until backward's epilogue reduces it",
+    "overflow_mask": "fp16, stage 3: isinf / isnan of the gradient buffer, a bool a gradient element (has_overflow)",
     "layer": "stage 3: the largest layer gathered",
     "layer_grads": "stage 3: autograd's gradients of the largest layer before they enter the bucket",
 }
@@ -75,9 +79,10 @@ ESTIMATOR_TERMS: dict[int, tuple[str, ...]] = {
 
 
 #: The moments of a step the term model holds, and the phase of each: backward's highest (stages 1-2: a bucket
-#: reduced; stage 1: backward's end; stage 3: the largest layer's backward), the step's fp32 gradient copy beside the
-#: flat compute-dtype partition it is cast from, and AdamW's update beside the fp32 gradient.
-PHASE_OF = {"backward": "backward", "fp32_copy": "optimizer", "update": "optimizer"}
+#: reduced; stage 1: backward's end; stage 3: the largest layer's backward), stage 3's fp16 overflow check, the step's
+#: fp32 gradient copy beside the flat compute-dtype partition it is cast from, and AdamW's update beside the fp32
+#: gradient.
+PHASE_OF = {"backward": "backward", "overflow_check": "optimizer", "fp32_copy": "optimizer", "update": "optimizer"}
 
 
 class DsTermPeak(NamedTuple):
@@ -107,12 +112,13 @@ def largest_layer_numel(numels: tuple[int, ...], modules: tuple[tuple[int, ...],
 
 def ds_term_peak(stage: int, numel: int, world_size: int, itemsize: int, bucket_numel: int,
                  largest_layer: int | None, foreach: bool, sub_group_size: int = DS_SUB_GROUP_SIZE,
-                 frozen: int = 0) -> DsTermPeak:
+                 frozen: int = 0, fp16: bool = False) -> DsTermPeak:
     """DeepSpeed ZeRO ``stage`` (1-3, offload none) holding ``numel`` trainable parameters (and ``frozen`` ones, in
     ``params`` alone: no gradient, no optimizer state) on ``world_size`` ranks in a compute dtype of ``itemsize``
     bytes, ``reduce_bucket_size`` = ``bucket_numel``, the largest layer's
     ``largest_layer`` parameters (None: unknown, its terms left out; stages 1-2 then take the bucket copy as the full
-    bucket), AdamW ``foreach`` or single-tensor: the backward and step moments, term by term (module docstring)."""
+    bucket), AdamW ``foreach`` or single-tensor, ``fp16`` (its overflow check): the backward and step moments, term by
+    term (module docstring)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"no term model for DeepSpeed stage {stage} (covered: 1, 2, 3)")
     c, n = itemsize, world_size
@@ -136,8 +142,10 @@ def ds_term_peak(stage: int, numel: int, world_size: int, itemsize: int, bucket_
     if stage < 3:  # the gradient partition is freed after the fp32 copy is made
         flat["grads"] = part * c
     update = {**steady, "fp32_grads": step_part * 4, "adamw_tmp": adamw_temporaries((step_part,), 4, foreach)}
-    moments = {"backward": backward, "fp32_copy": flat, "update": update}
-    moments = {k: {t: b for t, b in m.items() if b} for k, m in moments.items()}
+    check = {**steady, "overflow_mask": part if fp16 and stage == 3 else 0}  # torch.bool: one byte an element
+    moments = {"backward": backward, "overflow_check": check if check["overflow_mask"] else {}, "fp32_copy": flat,
+               "update": update}
+    moments = {k: {t: b for t, b in m.items() if b} for k, m in moments.items() if m}
     moment = max(moments, key=lambda k: sum(moments[k].values()))
     terms = moments[moment]
     counted = ESTIMATOR_TERMS[stage] if largest_layer is not None else \
