@@ -57,11 +57,11 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         ds = [r for r in records if (r.get("ds_peak") or {}).get("terms")]
         if ds:
             console.print(_ds_terms_table(ds, unit))
-            console.print("the highest moment of DeepSpeed's step (backward, the step's fp32 copy, AdamW's update), "
-                          "term by term (computed, a lower bound: activations and scalars left out; docs/planner.md, "
-                          "DeepSpeed's peak by term); estimator: DeepSpeed's own (2-byte parameters; stage 3 with "
-                          "largest_layer=), and the same terms as ours; differs: + the terms it does not count, "
-                          "@moment: those it counts that another moment holds\n")
+            console.print("the highest moment of DeepSpeed's step (backward, stage 3's fp16 overflow check, the fp32 "
+                          "copy, AdamW's update), term by term (computed, a lower bound: activations and scalars left "
+                          "out; docs/planner.md, DeepSpeed's peak by term); estimator: DeepSpeed's own (2-byte "
+                          "parameters; stage 3 with largest_layer=), and the same terms as ours; differs: + the terms "
+                          "it does not count, @moment: those it counts that another moment holds\n")
         console.print(_comm_table(records, unit))
         console.print("S: the payload, the full array (nccl-tests PERFORMANCE.md); bus = S x all_reduce 2(N-1)/N, "
                       "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1, N the size of the call's "
