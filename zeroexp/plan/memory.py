@@ -59,8 +59,6 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
-    if ds_stage(name) is not None and precision not in ("fp32", "bf16"):
-        reasons.append(f"no peak model yet for DeepSpeed with precision={precision} (covered: fp32, bf16)")
     if precision != "fp32" and (activation_checkpointing != "none" or micro_batches > 1):
         reasons.append(f"no peak model yet for precision={precision} with activation_checkpointing="
                        f"{activation_checkpointing} grad_accum={micro_batches} (each is covered in fp32)")
@@ -167,7 +165,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     ``gloo`` and ``foreach``: the device's backend copies and AdamW update (:mod:`zeroexp.formulas.device`)."""
     row = _row(name)
     if ds_stage(name) is not None:
-        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
+        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo, foreach)
     terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
     if row.peak_flow in ("fsdp1", "fsdp2"):
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept,
