@@ -219,7 +219,7 @@ def test_missing_sections_unknown_strategy_and_plan(sweep, tmp_path):
     assert state.loc["zero9", "check"] == NA and state.loc["zero9", "param ×P"] == NA
     assert report.table("collectives").display().set_index("cell").loc["zero9", "check"] == NA
     plan = report.table("plan").display().set_index("cell")
-    assert plan.loc["zero9", "param planned / measured MiB"] == "0.1250 / 0.1250 (Δ +16 B)"
+    assert plan.loc["zero9", "param P / M MiB"] == "0.1250 / 0.1250 (Δ +16 B)"
     md = (fake / "report.md").read_text(encoding="utf-8")
     assert "n/a (no state section)" in md and "zero9: plan FAIL: rank 0 param: 16 B more" in md
     assert not (fake / "wandb").exists()
@@ -378,7 +378,7 @@ def test_wandb_report_sections_panels_and_run_set(sweep, no_wandb_api):
     built = build_wandb_report(report)
     assert built.title == f"zeroexp sweep {sweep.name}" and built.project == "zeroexp" and built.entity == ""
     sections = _sections(built)
-    assert list(sections) == ["Verdicts", *(t.title for t in report.tables if t.key != "failures")]  # none failed
+    assert list(sections) == ["Verdicts", "What won", *(t.title for t in report.tables if t.key != "failures")]
     verdicts = sections["Verdicts"][0].text
     assert all(f"- {line}" in verdicts for line in report.verdicts.lines) and "**Failures:** none." in verdicts
 
@@ -393,7 +393,7 @@ def test_wandb_report_sections_panels_and_run_set(sweep, no_wandb_api):
             assert runset.filters == f"Metric(\"Group\") == '{sweep.name}' and Metric(\"JobType\") == 'cell'"
             assert runset.project == "zeroexp"
             panels[title] = grid.panels
-        if title != "Verdicts":  # each section shows its table, the same strings as report.md
+        if title not in ("Verdicts", "What won"):  # each section shows its table, the same strings as report.md
             table = next(t for t in report.tables if t.title == title)
             assert isinstance(blocks[0], wr.MarkdownBlock)
             assert blocks[0].text.splitlines()[0].startswith("| cell |")

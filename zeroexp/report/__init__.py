@@ -23,6 +23,7 @@ from zeroexp.results.format import missing
 from zeroexp.report.model import Report
 from zeroexp.report.tables import build_tables
 from zeroexp.report.verdicts import verdicts
+from zeroexp.report.winners import winners
 
 __all__ = ["Report", "build_report", "write_report", "report_after_sweep"]
 
@@ -39,7 +40,7 @@ def _environment(cells: pd.DataFrame) -> str:
 
 
 def build_report(sweep_dir: Path | str) -> Report:
-    """Read every cell of ``sweep_dir`` and build the tables and verdicts (nothing is written)."""
+    """Read every cell of ``sweep_dir`` and build the tables, verdicts and what won (nothing is written)."""
     from zeroexp.results.files import load_sweep
 
     sweep_dir = Path(sweep_dir).resolve()
@@ -48,7 +49,7 @@ def build_report(sweep_dir: Path | str) -> Report:
     cells = order_cells(load_sweep(sweep_dir))
     return Report(sweep_dir=sweep_dir, cells=cells, tables=build_tables(cells), verdicts=verdicts(cells),
                   generated_at=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  environment=_environment(cells))
+                  environment=_environment(cells), winners=winners(cells))
 
 
 def _flat_rows(cells: pd.DataFrame) -> pd.DataFrame:

@@ -13,13 +13,14 @@ import pandas as pd
 
 from zeroexp.results.section import ReportTable
 from zeroexp.report.verdicts import Verdicts
+from zeroexp.report.winners import Winners
 
 __all__ = ["Report"]
 
 
 @dataclass
 class Report:
-    """A sweep's report: its cells (ladder order), tables, verdicts, plots and the files written."""
+    """A sweep's report: its cells (ladder order), tables, verdicts, what won, plots and the files written."""
 
     sweep_dir: Path
     cells: pd.DataFrame
@@ -27,6 +28,7 @@ class Report:
     verdicts: Verdicts
     generated_at: str
     environment: str
+    winners: Winners = field(default_factory=Winners)
     plots: list[tuple[str, str, str]] = field(default_factory=list)  # (file name in sweep_dir, caption, table key)
     files: list[Path] = field(default_factory=list)
     wandb_run_dir: Path | None = None

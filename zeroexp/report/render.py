@@ -33,13 +33,20 @@ def _md_table(table: ReportTable) -> list[str]:
     return lines
 
 
+def winners_markdown(report: Report) -> list[str]:
+    """The what-won lines as Markdown bullets, then their note (``report.md`` and the W&B Report)."""
+    w = report.winners
+    return [f"- {line}" for line in w.lines] + (["", w.note] if w.note else [])
+
+
 def to_markdown(report: Report) -> str:
-    """``report.md``: verdicts, then each table with its note and its plot (the PNG files beside it)."""
+    """``report.md``: verdicts, what won, then each table with its note and its plot (the PNG files beside it)."""
     out = [f"# zeroexp sweep report: {report.sweep_dir.name}", "",
            f"{report.sweep_dir} · generated {report.generated_at} · {report.environment}", "", "## Verdicts", ""]
     out += [f"- {line}" for line in report.verdicts.lines]
     failures = report.verdicts.failures
     out += ["", "**Failures:**", "", *(f"- {f}" for f in failures)] if failures else ["", "**Failures:** none."]
+    out += ["", "## What won", "", *winners_markdown(report)]
     for table in report.tables:
         out += ["", f"## {table.title}", "", *_md_table(table)]
         if table.note:
@@ -50,21 +57,25 @@ def to_markdown(report: Report) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+#: Tables fit the page's 1200 px column (tests/test_report_browser.py measures it at a 1400 px window): headers
+#: wrap at their spaces and long or spaced texts wrap; numbers, verdicts and labels stay on one line.
 _CSS = """
 body{font:14px/1.45 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1f2328;max-width:1200px;\
 margin:2em auto;padding:0 1.5em}
 h1{font-size:1.6em;border-bottom:1px solid #d0d7de;padding-bottom:.3em}h2{font-size:1.25em;margin-top:1.8em}
 .meta{color:#59636e;font-size:.9em}.note{color:#59636e;font-size:.88em;max-width:60em}
-.verdicts{border:1px solid #d0d7de;border-left:6px solid #1a7f37;border-radius:6px;padding:.6em 1.2em;\
-background:#f6f8fa}
-.verdicts.bad{border-left-color:#cf222e}.verdicts h2{margin-top:.3em}.verdicts li{margin:.15em 0}\
+.verdicts,.winners{border:1px solid #d0d7de;border-left:6px solid #1a7f37;border-radius:6px;padding:.6em 1.2em;\
+background:#f6f8fa}.winners{border-left-color:#0969da;margin-top:1em}
+.verdicts.bad{border-left-color:#cf222e}.verdicts h2,.winners h2{margin-top:.3em}
+.verdicts li,.winners li{margin:.15em 0}
 .failures li{color:#cf222e}
 .scroll{overflow-x:auto}table{border-collapse:collapse;font-size:.9em;margin:.4em 0}
-th,td{border:1px solid #d0d7de;padding:.3em .6em;white-space:nowrap}th{background:#f6f8fa;text-align:left}
+th,td{border:1px solid #d0d7de;padding:.3em .6em;white-space:nowrap}th{background:#f6f8fa;text-align:left;\
+white-space:normal;vertical-align:bottom}
 td.num{text-align:right;font-variant-numeric:tabular-nums}tr:nth-child(even) td{background:#fbfcfd}
 td.pass{color:#1a7f37;font-weight:600}td.fail{color:#cf222e;font-weight:600}td.warn{color:#9a6700}
-td.wrap{white-space:normal;min-width:24em}figure{margin:1.2em 0}img{max-width:100%;border:1px solid #d0d7de}
-figcaption{color:#59636e;font-size:.9em}
+td.soft{white-space:normal}td.wrap{white-space:normal;min-width:16em}figure{margin:1.2em 0}
+img{max-width:100%;border:1px solid #d0d7de}figcaption{color:#59636e;font-size:.9em}
 """
 
 
@@ -76,7 +87,7 @@ def _td(text: str) -> str:
         float(stripped)
         cls = cls or "num"
     except ValueError:
-        cls = cls or ("wrap" if len(text) > 60 else "")
+        cls = cls or ("wrap" if len(text) > 60 else "soft" if " " in text and len(text) > 12 else "")
     return f'<td class="{cls}">{html.escape(text)}</td>' if cls else f"<td>{html.escape(text)}</td>"
 
 
@@ -116,7 +127,10 @@ def to_html(report: Report) -> str:
              + "".join(f"<li>{esc(line)}</li>" for line in v.lines) + "</ul>"
              + ('<p><strong>Failures:</strong></p><ul class="failures">'
                 + "".join(f"<li>{esc(f)}</li>" for f in v.failures) + "</ul>" if v.failures
-                else "<p><strong>Failures:</strong> none.</p>") + "</div>"]
+                else "<p><strong>Failures:</strong> none.</p>") + "</div>",
+             '<div class="winners" id="winners"><h2>What won</h2><ul>'
+             + "".join(f"<li>{esc(line)}</li>" for line in report.winners.lines) + "</ul>"
+             + (f'<p class="note">{esc(report.winners.note)}</p>' if report.winners.note else "") + "</div>"]
     for table in report.tables:
         parts += [f'<h2 id="{table.key}">{esc(table.title)}</h2>', _html_table(table)]
         if table.note:

@@ -57,7 +57,8 @@ def plan_table(ok: pd.DataFrame) -> ReportTable | None:
     """The planner's prediction beside the measurement, where cells have a ``plan`` section; else None.
 
     With the planner's per-kind fields (``plan.predicted_bytes.<kind>``, ``plan.measured_bytes.<kind>``) one
-    ``planned / measured`` column per kind; any other plan section shows its scalar fields as they are.
+    ``planned / measured`` column per kind (``<kind> P / M <unit>``); any other plan section shows its scalar fields
+    as they are.
     """
     kinds = [k.removeprefix("plan.predicted_bytes.") for k in ok.columns if k.startswith("plan.predicted_bytes.")]
     if not kinds:
@@ -72,11 +73,11 @@ def plan_table(ok: pd.DataFrame) -> ReportTable | None:
                             zip(raw[f"plan.predicted_bytes.{k}"], raw[f"plan.measured_bytes.{k}"],
                                 raw[f"plan.difference_bytes.{k}"])]
     cols = [Column("cell", "label", str), Column("layout", "plan.layout"),
-            *(Column(f"{k} planned / measured {unit}", f"plan {k}", str) for k in kinds),
+            *(Column(f"{k} P / M {unit}", f"plan {k}", str) for k in kinds),
             Column("payload check", "plan.payload_check"), Column("groups", "plan.groups.check"),
             Column("check", "plan.check"), Column("peak model", "plan.memory.check")]
-    note = (f"Largest rank, physical bytes in {unit}: the planner's prediction for this very cell beside the state "
-            "probe's measurement; a difference is shown exactly, Δ = measured - planned, in bytes. Explained "
+    note = (f"Largest rank, physical bytes in {unit}: the planner's prediction for this very cell (P) beside the "
+            "state probe's measurement (M); a difference is shown exactly, Δ = measured - planned, in bytes. Explained "
             "residuals the planner leaves out (Adam's step scalars) are not in these columns. Payload check: the "
             "planned payload S per op against the collectives probe's. Groups: the buckets, units, owners and "
             "partitions the planner derived from the shapes against those the strategy reported live. Check: all of "

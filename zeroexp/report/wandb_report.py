@@ -6,9 +6,9 @@ call) and then, when logged in (an API key in ``WANDB_API_KEY`` or ``~/.netrc``)
 (``WANDB_MODE``), saves it and prints its URL (:func:`save_wandb_report`); offline it prints what it would create
 (:func:`describe`) and the commands that create it once the runs are synced.
 
-The report: the verdicts as text, then one section per report table (the cells, each probe's, the planner's, the
-failures when any), each with its table as Markdown and a panel grid over the sweep's cell runs (a run set filtered
-to the sweep's group and ``job_type=cell``). The panels read the keys the cells really log
+The report: the verdicts and what won as text, then one section per report table (the cells, each probe's, the
+planner's, the failures when any), each with its table as Markdown and a panel grid over the sweep's cell runs (a run
+set filtered to the sweep's group and ``job_type=cell``). The panels read the keys the cells really log
 (``zeroexp.rank.wandb_log``): ``train/loss_rank0`` per ``trainer/global_step``, and their ``summary.json`` flattened
 with ``/`` (``state/max_rank_bytes/param``, ``collectives/counts/all_gather``, ``timing/median_ms``, ...).
 """
@@ -143,7 +143,7 @@ def build_wandb_report(report: Report, project: str | None = None, entity: str |
     import wandb_workspaces.reports.v2 as wr
     from wandb_workspaces import expr
 
-    from zeroexp.report.render import _md_table
+    from zeroexp.report.render import _md_table, winners_markdown
 
     target = report_target(report.cells)
     target["group"] = target["group"] or report.sweep_dir.name
@@ -157,6 +157,8 @@ def build_wandb_report(report: Report, project: str | None = None, entity: str |
         wr.TableOfContents(),
         wr.H2("Verdicts"),
         wr.MarkdownBlock(_verdicts_markdown(report)),
+        wr.H2("What won"),
+        wr.MarkdownBlock("\n".join(winners_markdown(report))),
     ]
     for table in report.tables:
         if table.key == "failures" and not len(table.raw):

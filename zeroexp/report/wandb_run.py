@@ -95,6 +95,7 @@ def log_sweep_run(report: Report, settings: dict[str, Any]) -> Path:
         run.log(data)
         run.summary.update({"verdicts": "\n".join(report.verdicts.lines),
                             "failures": "\n".join(report.verdicts.failures) or "none",
+                            "winners": "\n".join(report.winners.lines),
                             "all_passed": report.verdicts.ok})
         artifact = wandb.Artifact(re.sub(r"[^A-Za-z0-9._-]", "_", f"report-{sweep}"), type="report",
                                   description=f"zeroexp sweep report of {sweep}")
