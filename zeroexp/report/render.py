@@ -58,7 +58,7 @@ def to_markdown(report: Report) -> str:
 
 
 #: Tables fit the page's 1200 px column (tests/test_report_browser.py measures it at a 1400 px window): headers
-#: wrap at their spaces and long or spaced texts wrap; numbers, verdicts and labels stay on one line.
+#: wrap at their spaces, long or spaced texts wrap and a cell's directory anywhere; numbers and verdicts stay whole.
 _CSS = """
 body{font:14px/1.45 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1f2328;max-width:1200px;\
 margin:2em auto;padding:0 1.5em}
@@ -74,7 +74,8 @@ th,td{border:1px solid #d0d7de;padding:.3em .6em;white-space:nowrap}th{backgroun
 white-space:normal;vertical-align:bottom}
 td.num{text-align:right;font-variant-numeric:tabular-nums}tr:nth-child(even) td{background:#fbfcfd}
 td.pass{color:#1a7f37;font-weight:600}td.fail{color:#cf222e;font-weight:600}td.warn{color:#9a6700}
-td.soft{white-space:normal}td.wrap{white-space:normal;min-width:16em}figure{margin:1.2em 0}
+td.soft{white-space:normal}td.path{white-space:normal;overflow-wrap:anywhere;min-width:8em}\
+td.wrap{white-space:normal;min-width:16em}figure{margin:1.2em 0}
 img{max-width:100%;border:1px solid #d0d7de}figcaption{color:#59636e;font-size:.9em}
 """
 
@@ -101,7 +102,7 @@ def _linked_row(columns: list[str], row: tuple) -> str:
         target = {"directory": "manifest.json", "log": text}.get(col) if cell and cell != NA else None
         if target and text and text != NA:
             href = html.escape(quote(f"{cell}/{target}"))
-            out.append(f'<td><a href="{href}">{html.escape(text)}</a></td>')
+            out.append(f'<td class="path"><a href="{href}">{html.escape(text)}</a></td>')
         else:
             out.append(_td(text))
     return "<tr>" + "".join(out) + "</tr>"
