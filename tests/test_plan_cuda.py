@@ -57,3 +57,95 @@ def test_a_device_memory_plans_cuda_and_cpu_can_be_asked_for():
     gpu, _ = _run("model=seed_ch31", "world_size=4", "batch_size=8", "device=cuda", "strategies=[ddp]")
     # AdamW's foreach list (128 MiB at once) against single-tensor temporaries of one 16 MiB layer, plus the workspaces
     assert gpu[0]["peak_bytes"] - cpu[0]["peak_bytes"] == 128 * MiB - 48 * MiB + 2 * 8_519_680
+
+
+# -- PyTorch's own FSDP2 memory budgets (test/distributed/_composable/fsdp/test_fully_shard_memory.py): its
+# Transformer (ModelArgs(vocab_size=32, n_layers=3, dim=768, n_heads=12, weight_tying=False)), N=2, each
+# TransformerBlock and the root fully_shard-ed, Adam with foreach=False, one (1, 4) input, loss = out.sum(). It asserts
+# the first step's torch.cuda active bytes above a base taken after the cuBLAS workspaces exist, in MB (1e6), under a
+# closed-form budget per phase; the CUDA-semantics prediction of the same step (its workspaces left out, as the base
+# leaves them out) must meet each.
+DTENSOR = "torch.testing._internal.distributed._tensor.common_dtensor"
+TORCH_TRANSFORMER = ("model=custom", f"model._target_={DTENSOR}.Transformer", "model.input_shape=[4]",
+                     f"+model.args._target_={DTENSOR}.ModelArgs", "+model.args.n_layers=3",
+                     "+model.args.vocab_size=32", "+model.args.dim=768", "+model.args.n_heads=12",
+                     "+model.args.weight_tying=false", "+model.args.dropout_p=0.0", "model.dtype=long", "model.high=32",
+                     "model.loss=sum", f"model.wrap=[{DTENSOR}.TransformerBlock]")
+TT = __import__("importlib.util").util.find_spec("expecttest") is not None
+
+
+def _pytorch_budgets(reshard_after_forward: bool, cpu_offload: bool = False) -> dict[str, float]:
+    """test_fully_shard_memory.py's budgets (MB above its base) for the first step, as it computes them."""
+    import torch
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(vocab_size=32, n_layers=3, dim=768, n_heads=12, weight_tying=False))
+    unsharded = sum(p.numel() for p in model.parameters())
+    sharded = (unsharded + 1) // 2
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    non_block = sum(p.numel() for m in (model.tok_embeddings, model.pos_embeddings, model.norm, model.output)
+                    for p in m.parameters())
+    buffer = 16
+    if reshard_after_forward:
+        forward = (3 * block + non_block) * 4 / 1e6 + buffer + (0 if cpu_offload else sharded * 4 / 1e6)
+        backward = (3 * block + non_block) * 4 / 1e6 + buffer + (0 if cpu_offload else 2 * sharded * 4 / 1e6)
+    else:
+        forward = (sharded + unsharded + block) * 4 / 1e6 + buffer
+        backward = (sharded + unsharded + 1.5 * block) * 4 / 1e6 + buffer
+    optimizer = buffer + (0 if cpu_offload else 4 * sharded * 4 / 1e6)
+    return {"forward": forward, "backward": backward, "optimizer": optimizer}
+
+
+def _first_step_mb(r: dict) -> dict[str, float]:
+    """The prediction of the first step in PyTorch's terms: above its base, before it no gradient and no optimizer
+    state exist (zeroexp's phases are above the steady state of a later step, which holds both)."""
+    params, grads = r["param_bytes"], r["grad_bytes"]
+    ph = r["phase_bytes"]
+    return {"forward": (params + ph["forward"]) / 1e6,
+            # backward's figure already counts the steady gradients zero_grad freed (-grads) and the new shards
+            "backward": (params + grads + ph["backward"]) / 1e6,
+            # the step: the state Adam creates (2 moments) beside the parameters and the gradients, its temporaries
+            "optimizer": (r["device_bytes"] + ph["optimizer"]) / 1e6}
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("reshard", [True, False])
+def test_pytorchs_fsdp2_memory_budgets_hold_the_cuda_prediction(reshard):
+    strategy = "fsdp2_full" if reshard else "fsdp2_grad_op"
+    records, _ = _run(*TORCH_TRANSFORMER, "world_size=2", "batch_size=1", "device=cuda", "foreach=false",
+                      f"strategies=[{strategy}]")
+    r = records[0]
+    assert r["device_semantics"] == "cuda" and r["peak_note"] is None if "peak_note" in r else True
+    predicted, budget = _first_step_mb(r), _pytorch_budgets(reshard)
+    for phase in ("forward", "backward", "optimizer"):
+        if not reshard and phase == "forward":
+            continue  # test_fsdp2_grad_op_forward_exceeds_pytorchs_budget
+        assert predicted[phase] <= budget[phase], (phase, predicted[phase], budget[phase])
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+def test_fsdp2_grad_op_forward_exceeds_pytorchs_budget():
+    """A finding: with reshard_after_forward=False the peak model keeps the previous unit's all-gather output beside
+    the last unit's copy-out (as measured on CPU), five block sizes with the two kept blocks; PyTorch's budget counts
+    four (every block unsharded and one copy-out), and its 16 MB buffer does not cover the fifth (28.3 MB): the
+    prediction is above the budget by that block less the buffer, and the one input's activations (under 1 MB)."""
+    records, _ = _run(*TORCH_TRANSFORMER, "world_size=2", "batch_size=1", "device=cuda", "foreach=false",
+                      "strategies=[fsdp2_grad_op]")
+    excess = _first_step_mb(records[0])["forward"] - _pytorch_budgets(False)["forward"]
+    block_mb = 4 * (4 * 768 * 768 + 2 * 768 * 3072 + 2 * 768) / 1e6  # wq, wk, wv, wo, w1, w2 and two norms' weights
+    assert block_mb - 16 < excess < block_mb - 16 + 1, (excess, block_mb)
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+def test_pytorchs_budgets_name_what_the_prediction_leaves_out():
+    """AdamW's foreach update (torch's CUDA default) exceeds the optimizer budget by its list of the whole shard, as
+    PyTorch's test says ("Do not use foreach since intermediates increase peak memory"); the CPU-offload case has no
+    prediction: the peak model names offload as not covered."""
+    foreach, _ = _run(*TORCH_TRANSFORMER, "world_size=2", "batch_size=1", "device=cuda", "strategies=[fsdp2_full]")
+    r = foreach[0]
+    assert r["phase_bytes"]["optimizer"] == r["param_bytes"]  # the _foreach_sqrt list: every local shard at once
+    assert _first_step_mb(r)["optimizer"] > _pytorch_budgets(True)["optimizer"]
+    offload, notes = _run(*TORCH_TRANSFORMER, "world_size=2", "batch_size=1", "device=cuda", "offload=full",
+                          "strategies=[fsdp2_full]")
+    assert offload == [] and "fsdp2_full: offload=full is not modelled (covers none)" in notes

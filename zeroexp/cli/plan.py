@@ -6,7 +6,7 @@ Exit codes: 0 planned; 2 bad input (an unknown key, a bad value), with a message
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -47,6 +47,7 @@ class PlanConfig:
     # preset of GPUs, else cpu; zeroexp.formulas.device)
     compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
     prefetch: Any = MISSING  # pre | post | none (the runner's group): fsdp_full's backward prefetch, as in a cell
+    foreach: Any = None  # cuda: AdamW's foreach update (null, true: torch's CUDA default; false: single-tensor)
 
 
 def register() -> None:
@@ -173,7 +174,14 @@ def _device(cfg: DictConfig, memory: int | None) -> Any:
         capability = network.get("compute_capability")
     if capability is not None and (isinstance(capability, bool) or not isinstance(capability, (int, float))):
         raise ConfigError("compute_capability", capability, "a number: 7.0 (V100), 8.0 (A100), 9.0 (H100)")
-    return cuda(None if capability is None else float(capability)) if name == "cuda" else CPU
+    foreach = cfg.get("foreach")
+    if foreach is not None and (not isinstance(foreach, bool) or name != "cuda"):
+        raise ConfigError("foreach", foreach, "null, true or false with device=cuda (AdamW's foreach update; the CPU "
+                          "steps single-tensor)")
+    if name == "cpu":
+        return CPU
+    semantics = cuda(None if capability is None else float(capability))
+    return semantics if foreach is None else replace(semantics, foreach=foreach)
 
 
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
