@@ -147,8 +147,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None, "activation_unit_bytes": None,
                                  "korthikanti_bytes": None})
     device = _device(cfg, memory)
-    notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}; reserved_peak_bytes null"] \
-        if device.name == "cuda" else []
+    notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}"] if device.name == "cuda" else []
     _peaks(cfg, records, shape, batch, knobs, ac == "full", device)
     _init_peaks(str(cfg.init.name), records, shape, memory)
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
@@ -194,12 +193,14 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
     over the micro-batches, and ``accum_grad_bytes``, the gradients held between them. ``device``: the semantics
     (zeroexp.formulas.device: AdamW's update, the backend's copies, the cuBLAS workspaces in ``steady_bytes``);
-    ``reserved_peak_bytes`` stays null (the caching allocator's segments are not modelled)."""
+    on cuda ``reserved_peak_bytes``, the caching allocator's segments for the same live bytes
+    (zeroexp.formulas.allocator), on which ``fits`` is then judged."""
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
+    from zeroexp.formulas.allocator import reserved_peak
     from zeroexp.plan.core import judge_fits
-    from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
-                                     step_traces, uncovered, worst_rank_phases)
+    from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_blocks,
+                                     steady_buffers_bytes, step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage
 
     traced = batch is not None and cfg.model is not None
@@ -244,6 +245,9 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         steady = r["device_bytes"] + buffers + device.workspace_bytes
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
                  peak_bytes=steady + max(phases[top]["bytes"], 0))
+        if device.name == "cuda":  # the caching allocator's segments for the same live bytes
+            r["reserved_peak_bytes"] = reserved_peak(steady_blocks(r, buffers, device.workspace_bytes),
+                                                     [v["by_category"] for v in phases.values()])[0]
         judge_fits(r)
 
 

@@ -31,7 +31,8 @@ from zeroexp.plan.expect import knobs_of
 from zeroexp.plan.gloo import late_free
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
-           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead", "read_traces_ahead"]
+           "uncovered", "steady_buffers_bytes", "steady_blocks", "trace_for", "TOLERANCE", "write_traces_ahead",
+           "read_traces_ahead"]
 
 # The peak model reads a row's fields (StateLayout.peak_flow, reshard_after_forward, ...), never its name. FSDP1's
 # hybrid sharding is FSDP1's within the shard group: the replicas' all_reduce of each reduced gradient shard runs in
@@ -207,6 +208,17 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
     if row.groups == "buckets" and row.peak_flow is not None and terms is not None:  # zeroexp's ZeRO
         return gather_input_bytes(tuple(s.numel // groups.world_size for s in groups.shards), terms, itemsize)
     return sum(sum(b) for b in groups.buckets) * itemsize if row.peak_flow == "new" else 0
+
+
+def steady_blocks(record: dict[str, Any], buffers: int, workspace_bytes: int) -> dict[str, int]:
+    """A planner record's steady state as the caching allocator's blocks (:func:`zeroexp.formulas.allocator.
+    reserved_peak`), by the peak model's categories: the parameters, the gradients and the optimizer state (masters
+    with it) each one block, the steady buffers one, and each training thread's cuBLAS workspace one."""
+    from zeroexp.formulas.device import TRAINING_HANDLES
+
+    blocks = {"parameters": record["param_bytes"], "gradients": record["grad_bytes"],
+              "optimizer_state": record["optim_bytes"] + (record.get("master_bytes") or 0), "buffers": buffers}
+    return {**blocks, **{f"workspace{i}": workspace_bytes // TRAINING_HANDLES for i in range(TRAINING_HANDLES)}}
 
 
 def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",

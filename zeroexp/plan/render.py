@@ -14,7 +14,7 @@ __all__ = ["render_json", "render_tables", "fmt_size", "fastest_sentences"]
 
 _UNIT_NOTE = {"GB": "GB = 1e9 bytes", "GiB": "GiB = 2^30 bytes"}
 #: The mark beside ``fits`` of a row not judged on the peak model (``fits_on``).
-_BASIS = {"peak": "", "state+activations": " (state+act)", "state": " (state)"}
+_BASIS = {"reserved": "", "peak": "", "state+activations": " (state+act)", "state": " (state)"}
 _REFERENCE = " [dim](reference)[/]"
 
 
