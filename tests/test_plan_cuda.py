@@ -207,3 +207,44 @@ def test_planner_rows_on_cuda_carry_reserved_and_fit_on_it(prefetch):
         assert r["fits_on"] == "reserved" and r["fits"] == (r["reserved_peak_bytes"] <= 2**30)
     cpu, _ = _run("model=seed_ch31", "world_size=4", "batch_size=8", "device=cpu", "strategies=[ddp]")
     assert cpu[0]["reserved_peak_bytes"] is None and cpu[0]["fits_on"] != "reserved"
+
+
+def _cuda_measurement(section: dict | None, n: int, steady: int, reserved: int) -> dict:
+    """A CUDA cell's memory section as the probe writes it (``source`` torch.cuda, every rank alike): each phase at the
+    allocated peak ``section`` predicted (or 1 GB above steady without one), ``reserved`` bytes reserved."""
+    phases = {ph: {"peak_bytes": steady + (section["phases"][ph]["predicted_bytes"] if section else 10**9),
+                   "by_category": {}} for ph in ("forward", "backward", "optimizer")}
+    res = {"steady_bytes": reserved, "phases": {ph: reserved for ph in phases}}
+    return {"memory": {"source": "torch.cuda caching allocator: ...", "max_rank": 0, "steady_bytes": [steady] * n,
+                       "phases_of_max_rank": phases, "phases_by_rank": [phases] * n,
+                       "steady_categories_of_max_rank": {}, "steady_categories_by_rank": [{}] * n,
+                       "reserved_of_max_rank": res, "reserved_by_rank": [res] * n, "compute_capability": 9.0}}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2_full", "ddp"])
+def test_a_cuda_cells_allocated_and_reserved_phases_are_judged_on_cuda_semantics(compose, strategy):
+    """The check a GPU cell's plan.memory runs, fed the probe's torch.cuda section: allocated per phase with the CUDA
+    semantics (AdamW's foreach list in the optimizer phase), reserved per phase at least the allocator's model."""
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.cell import cell_groups
+    from zeroexp.plan.expect import layout_of
+    from zeroexp.plan.memory import memory_section
+    from zeroexp.plan.shape import model_shape
+
+    cfg = compose(f"strategy={strategy}", "world_size=2", "model=mlp", "batch_size=4")
+    name = layout_of(cfg)[0]
+    args = (name, cell_groups(cfg), 4, [import_class(p) for p in wrap_paths(cfg)], model_shape(cfg.model,
+                                                                                                wrap_paths(cfg)))
+    first = memory_section(cfg, _cuda_measurement(None, 2, 10**8, 10**10), *args)
+    exact = memory_section(cfg, _cuda_measurement(first, 2, 10**8, 10**10), *args)
+    assert exact["check"] == "PASS", exact["reasons"]
+    phases = exact["phases"]
+    want = phases["forward"]["predicted_reserved_bytes"]
+    assert all(phases[ph]["predicted_reserved_bytes"] == want and phases[ph]["reserved_check"] == "PASS"
+               for ph in ("forward", "backward", "optimizer"))
+    if strategy == "ddp":  # the optimizer phase holds foreach's list: as many bytes as the parameters
+        assert phases["optimizer"]["predicted_bytes"] == sum(cell_groups(cfg).numels) * 4
+    # below the allocator's model of the same live bytes: a FAIL naming reserved
+    low = memory_section(cfg, _cuda_measurement(first, 2, 10**8, want - 512), *args)
+    assert low["check"] == "FAIL" and all("reserved" in r for r in low["reasons"])
+    assert phases["steady"]["measured_reserved_bytes"] == 10**10

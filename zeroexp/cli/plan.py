@@ -199,8 +199,9 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
     from zeroexp.formulas.allocator import reserved_peak
     from zeroexp.plan.core import judge_fits
-    from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_blocks,
-                                     steady_buffers_bytes, step_traces, uncovered, worst_rank_phases)
+    from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
+                                     step_traces, uncovered, worst_rank_phases)
+    from zeroexp.plan.reserved import steady_blocks
     from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage
 
     traced = batch is not None and cfg.model is not None
@@ -246,8 +247,9 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
                  peak_bytes=steady + max(phases[top]["bytes"], 0))
         if device.name == "cuda":  # the caching allocator's segments for the same live bytes
-            r["reserved_peak_bytes"] = reserved_peak(steady_blocks(r, buffers, device.workspace_bytes),
-                                                     [v["by_category"] for v in phases.values()])[0]
+            blocks = steady_blocks(r["param_bytes"], r["grad_bytes"], r["optim_bytes"] + (r["master_bytes"] or 0),
+                                   buffers, device.workspace_bytes)
+            r["reserved_peak_bytes"] = reserved_peak(blocks, [v["by_category"] for v in phases.values()])[0]
         judge_fits(r)
 
 
