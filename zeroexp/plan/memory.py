@@ -345,7 +345,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
                                             "not run): predicted only"]}
     worst_rank = int(measured["max_rank"])
-    device = _measured_on(str(measured.get("source", "")), measured.get("compute_capability"))
+    device = _measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
+                          measured.get("backend") == "fake")
     gloo = device.gloo
     late = late_free(name, groups, itemsize, gloo, micro_batches)
     by_rank = measured.get("phases_by_rank") or [None] * len(measured["steady_bytes"])
@@ -386,12 +387,13 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     return _as_simulated(out) if measured.get("simulated") else out
 
 
-def _measured_on(source: str, capability: float | None = None) -> DeviceSemantics:
-    """The device semantics of the memory probe's ``source``: a CPU cell's MemTracker (gloo), the CUDA caching
-    allocator's (NCCL, AdamW's foreach; the GPU's cuBLAS workspaces, of its compute ``capability``, are in the
-    measured steady state), a dry run's simulation (the fake process group)."""
+def _measured_on(source: str, capability: float | None = None, fake_group: bool = False) -> DeviceSemantics:
+    """The device semantics of the memory probe's ``source``: a CPU cell's MemTracker (gloo; ``fake_group``: a rank
+    played with real tensors under the fake process group, no backend copies), the CUDA caching allocator's (NCCL or
+    the fake group alike: no copies; AdamW's foreach; the GPU's cuBLAS workspaces, of its compute ``capability``, are
+    in the measured steady state), a dry run's simulation (the fake process group)."""
     if source.startswith("torch.distributed._tools.MemTracker"):
-        return CPU
+        return FAKE_GROUP if fake_group else CPU
     return cuda(capability) if source.startswith("torch.cuda") else FAKE_GROUP
 
 
