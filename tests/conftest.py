@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 # compiles with torch.compile's machinery: 1.0 s of a 2.9 s rank, quiet host). A user's forkserver does not: a single
 # cell would wait for it. DeepSpeed is an optional extra: without it, the forkserver skips the name.
 # Every strategy adapter imported once, here: the tests that fork ranks themselves (mp.start_processes, fork) hand them
-# to each rank imported, as the ranks' forkserver does for a cell (composing a config no longer imports them).
+# to each rank imported, as the ranks' forkserver does for a cell (composing a config imports none).
 registered()
 
 rank_context().set_forkserver_preload([*FORKSERVER_PRELOAD[:-1], "deepspeed.runtime.zero.muon.muon_optimizer",

@@ -1,5 +1,5 @@
 """Each shim of ``zeroexp/_lib`` against the installed libraries: a test fails when the private API it wraps moved
-(issue 34, item 2; tests/test_private_names.py keeps the private names inside ``_lib``)."""
+(tests/test_private_names.py keeps the private names inside ``_lib``)."""
 
 from __future__ import annotations
 

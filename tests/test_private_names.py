@@ -1,4 +1,4 @@
-"""Library internals fenced (issue 34, item 2): a private name of torch, Lightning, Hydra/OmegaConf, DeepSpeed or W&B
+"""Library internals fenced: a private name of torch, Lightning, Hydra/OmegaConf, DeepSpeed or W&B
 is used in ``zeroexp/_lib/`` alone, behind a named shim (each with its own test: tests/test_lib_shims.py).
 
 What counts as a use (:func:`private_uses`, over each module's AST):

@@ -1,4 +1,4 @@
-"""Strategy knowledge lives with the strategy (issue 34, item 3): the planner and the formulas read a strategy's row
+"""Strategy knowledge lives with the strategy: the planner and the formulas read a strategy's row
 (``zeroexp.formulas.rows``' ``StateLayout`` fields), never test its name. A test reads the source: no registered
 strategy name, nor any row's name, is compared as a string in ``zeroexp/plan`` or ``zeroexp/formulas`` outside the
 rows module, which defines each row by name."""

@@ -1,5 +1,5 @@
 """The library versions zeroexp supports: pyproject.toml's torch requirement is what ``import zeroexp`` checks, and
-an older torch is refused with its name and the supported range (issue 34)."""
+an older torch is refused with its name and the supported range."""
 
 from __future__ import annotations
 

@@ -225,10 +225,6 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     from zeroexp.plan.shape import arguments_key, remember
     from zeroexp.plan.steptrace import trace_step
 
-    key = arguments_key(name, model_cfg, int(batch_size), wrap, param_dtype, bool(checkpointing),
-                        bool(grads_in_place), terms)
-    if key is not None and key in _TRACES:
-        return _TRACES[key]
     row = _row(name)
     ds = ds_stage(name) is not None
     if ds:
@@ -241,9 +237,13 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     # a bucket is born at its first gradient: segmented at every module holding parameters, a segment opens one
     own = ds or row.peak_flow == "bucket"
     fsdp = row.peak_flow in ("fsdp1", "fsdp2")  # a model with no unit of a wrap class is one unit
-    return remember(_TRACES, key, trace_step(model_cfg, batch_size, wrap, device="cpu", checkpointing=checkpointing,
-                                             grads_in_place=grads_in_place, own_params_units=own, root_unit=fsdp,
-                                             **dtypes))
+    # remembered by what is traced, not by the row: rows that trace the same step share it
+    kwargs = dict(device="cpu", checkpointing=bool(checkpointing), grads_in_place=bool(grads_in_place),
+                  own_params_units=own, root_unit=fsdp, **{k: v for k, v in dtypes.items() if v is not None})
+    key = arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kwargs.items()))
+    if key is not None and key in _TRACES:
+        return _TRACES[key]
+    return remember(_TRACES, key, trace_step(model_cfg, batch_size, wrap, **kwargs))
 
 
 def _uncovered_cell(cfg: Any, name: str) -> list[str]:
