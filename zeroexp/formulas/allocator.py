@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 __all__ = ["MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size",
-           "segment_size", "CachingAllocator", "reserved_peak", "ALLOCATOR_NOT_MODELLED"]
+           "segment_size", "CachingAllocator", "reserved_peak"]
 
 MIN_BLOCK = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" allocation is 1 MiB
@@ -37,9 +37,6 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer: "small" allocations are packed in 2 MiB 
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: "large" allocations may be packed in 20 MiB blocks
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
 ROUND_LARGE = 2 << 20  # kRoundLarge: round up large allocations to 2 MiB
-ALLOCATOR_NOT_MODELLED = ("the order of a phase's requests and the fragmentation it leaves",
-                          "frees a side stream delays to its event", "expandable_segments", "NCCL's own buffers",
-                          "the CUDA context")
 
 
 def round_size(nbytes: int) -> int:
