@@ -119,23 +119,27 @@ def measured_apart(model: str, strategy: str, prefetch: str, n: int, batch: int,
 
 
 def run(model: str, world_sizes: list[int], batch: int, device: str, cells: list[tuple[str, str]],
-        extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every cell at every world size, planned beside measured, as one JSON-able record."""
+        extra: tuple[str, ...] = (), out: Path | None = None) -> dict[str, Any]:
+    """Every cell at every world size, planned beside measured, as one JSON-able record; written to ``out`` after
+    each cell (a check stopped by its time limit leaves the cells it finished)."""
     import torch
 
-    rows = []
+    gpu = torch.cuda.get_device_name() if device == "cuda" else None
+    rows: list[dict[str, Any]] = []
+    result = {"device": device, "gpu": gpu, "torch": torch.__version__, "model": model, "overrides": list(extra),
+              "batch_size": batch, "backend": "fake (torch's fake process group: collectives faked, tensors real)",
+              "cells": rows}
     for n in world_sizes:
         for strategy, prefetch in cells:
             row = {"strategy": strategy, "prefetch": prefetch, "world_size": n,
                    "planned": planned(model, strategy, prefetch, n, batch, device, extra)}
             row["measured"] = measured_apart(model, strategy, prefetch, n, batch, device, extra)
             rows.append(row)
+            if out is not None:
+                out.write_text(json.dumps(result, indent=1))
             print(json.dumps({k: row[k] for k in ("strategy", "prefetch", "world_size")}
                              | {"check": row["measured"].get("check", row["measured"].get("error"))}), flush=True)
-    gpu = torch.cuda.get_device_name() if device == "cuda" else None
-    return {"device": device, "gpu": gpu, "torch": torch.__version__, "model": model, "overrides": list(extra),
-            "batch_size": batch,
-            "backend": "fake (torch's fake process group: collectives faked, tensors real)", "cells": rows}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = CELLS if args.strategies is None else [
         (s.split(":")[0], s.split(":")[1] if ":" in s else "pre") for s in args.strategies.split(",")]
     result = run(args.model, [int(n) for n in args.world_sizes.split(",")], args.batch_size, args.device, cells,
-                 tuple(args.set))
+                 tuple(args.set), Path(args.out))
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0
