@@ -1,4 +1,5 @@
-"""The peak model's CUDA semantics (zeroexp.formulas.device) against published CUDA figures: seed 000's six V100 cells
+"""The peak model's CUDA semantics (zeroexp.formulas.device) against published CUDA figures (seed 000's six V100 cells;
+PyTorch's own FSDP2 memory-test budgets, below), and reserved memory (zeroexp.formulas.allocator). Seed 000's cells
 (8 x Linear(2048, 2048) without bias, P = 128 MiB, N=4, 64 MiB DDP buckets, AdamW, 8 samples a rank), measured with
 torch.cuda's allocated bytes. What the seed does not state is assumed once, alike for all six: torch's defaults on a
 V100 (AdamW's foreach update, NCCL, two cuBLAS workspaces of 8,519,680 bytes: the forward's and autograd's thread)."""
