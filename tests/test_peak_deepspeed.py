@@ -172,9 +172,10 @@ def test_planner_rows_of_deepspeed_peak_with_the_bucket_and_name_what_is_not_mod
     for name, row in rows.items():
         phases = row["phase_bytes"]
         assert row["fits_on"] == "peak" and row["peak_phase"] == max(phases, key=phases.get), (name, row)
-        # stage 3 keeps its bucket between steps (beside the state); stages 1-2 allocate it in backward
-        assert row["peak_bytes"] == row["device_bytes"] + (bucket if name.endswith("3") else 0) + max(
-            row["phase_bytes"].values())
+        # stage 3 keeps its bucket between steps (beside the state); stages 1-2 allocate it in backward, and their
+        # step frees the gradient partition the state at the boundary holds (the phases count it where it is held)
+        steady = row["device_bytes"] + (bucket if name.endswith("3") else -row["grad_bytes"])
+        assert row["steady_bytes"] == steady and row["peak_bytes"] == steady + max(row["phase_bytes"].values())
     stage2 = rows["deepspeed_stage2"]
     assert stage2["peak_phase"] == "backward" and stage2["phase_bytes"]["backward"] >= bucket
     # stage 3's forward: every parameter gathered (8 x 64^2 fp32) beside the all_gather's flat buffer

@@ -30,6 +30,7 @@ class PlanConfig:
     offload: Any = MISSING  # none (conf/offload/), optimizer | full (planner-only options, see register)
     init: Any = MISSING  # full | meta (conf/init/): init_peak_bytes, and fits with meta (zeroexp.formulas.init)
     params: Any = None  # or a parameter count: 7.5e9, 7.5B
+    largest_layer: Any = None  # with params=: the largest module's own parameters (DeepSpeed's largest_layer_params)
     world_size: Any = 8  # one value or a list
     strategies: Any = None  # null: every strategy the planner knows; or a list
     device_memory: Any = None  # 32GB, 80GiB, or bytes: adds the fits column
@@ -149,6 +150,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     device = _device(cfg, memory)
     notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}"] if device.name == "cuda" else []
     _peaks(cfg, records, shape, batch, knobs, ac == "full", device)
+    _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
     _init_peaks(str(cfg.init.name), records, shape, memory)
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
@@ -201,8 +203,8 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     from zeroexp.plan.core import judge_fits
     from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage, ds_step_frees_grads
     from zeroexp.plan.reserved import steady_blocks
-    from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage
 
     traced = batch is not None and cfg.model is not None
     wrap = []
@@ -243,14 +245,43 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize,
                                        knobs.bucket_cap_bytes, terms)
-        steady = r["device_bytes"] + buffers + device.workspace_bytes
+        freed = r["grad_bytes"] if ds_stage(name) is not None and ds_step_frees_grads(name) else 0  # none between steps
+        steady = r["device_bytes"] - freed + buffers + device.workspace_bytes
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
                  peak_bytes=steady + max(phases[top]["bytes"], 0))
         if device.name == "cuda":  # the caching allocator's segments for the same live bytes
-            blocks = steady_blocks(r["param_bytes"], r["grad_bytes"], r["optim_bytes"] + (r["master_bytes"] or 0),
-                                   buffers, device.workspace_bytes)
+            blocks = steady_blocks(r["param_bytes"], r["grad_bytes"] - freed,
+                                   r["optim_bytes"] + (r["master_bytes"] or 0), buffers, device.workspace_bytes)
             r["reserved_peak_bytes"] = reserved_peak(blocks, [v["by_category"] for v in phases.values()])[0]
         judge_fits(r)
+
+
+def _largest_layer(cfg: DictConfig, shape: ModelShape) -> int | None:
+    """``largest_layer=``: a parameter count no larger than ``params=`` (a model's shapes give their own)."""
+    value = cfg.get("largest_layer")
+    if value is None:
+        return None
+    accepted = "with params=, a parameter count up to params (the largest module's own parameters: 32.9M)"
+    if cfg.model is not None:
+        raise ConfigError("largest_layer", value, accepted, why="model= given: its modules give the largest layer")
+    try:
+        count = parse_count(value)
+    except ValueError as e:
+        raise ConfigError("largest_layer", value, accepted, why=str(e)) from e
+    if count > shape.numel:
+        raise ConfigError("largest_layer", value, accepted, why=f"{count:,} > params={shape.numel:,}")
+    return count
+
+
+def _ds_terms(records: list[dict[str, Any]], shape: ModelShape, largest: int | None, precision: Precision,
+              offload: str, knobs: PlanKnobs, device: Any) -> None:
+    """``ds_peak`` of every DeepSpeed row (``zeroexp.plan.peak_deepspeed.ds_term_record``: the model-state peak term
+    by term beside DeepSpeed's estimator; null for the other rows)."""
+    from zeroexp.plan.peak_deepspeed import ds_term_record
+
+    for r in records:
+        r["ds_peak"] = ds_term_record(r["strategy"], shape, r["world_size"], precision.itemsize, offload,
+                                      knobs.bucket_cap_bytes, largest, device.foreach, precision.name == "fp16")
 
 
 def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None) -> None:

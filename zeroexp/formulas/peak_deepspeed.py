@@ -2,7 +2,9 @@
 
 DeepSpeed 0.19 as zeroexp configures it (zeroexp/strategies/deepspeed.py: ``overlap_comm`` off, ``contiguous_gradients``
 on, one parameter group, ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` at their defaults, every stage-3
-parameter partitioned), fp32, from its runtime's source [DS-PEAK]:
+parameter partitioned; a parameter count's closed form, term by term: :mod:`zeroexp.formulas.peak_deepspeed_terms`),
+in fp32, and in bf16 / fp16 as the same path in 2-byte tensors (fp16's loss scale and overflow checks are scalars:
+runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
 
 - ``runtime/zero/stage_1_and_2.py``: ``setup_buckets`` allocates the whole ipg bucket (``reduce_bucket_size``
   elements) at the first gradient hook of a backward; ``_release_ipg_buffers`` drops it in the epilogue
@@ -139,7 +141,7 @@ def _closed(edges: list[int], traced: int) -> int:
 
 def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
                            order: tuple[int, ...], numels: tuple[int, ...], part: DsPartition, bucket_numel: int,
-                           itemsize: int) -> dict[str, dict]:
+                           itemsize: int, foreach: bool = False) -> dict[str, dict]:
     """Stages 1 and 2 (``buckets``: the ipg buckets' gradient numels in reduce order, parameter order at stage 1,
     backward order at stage 2; ``order``: the parameters' indices in that order, ``numels`` in parameter order;
     ``part``: the rank's partition; ``bucket_numel``: ``reduce_bucket_size``), per phase, the bytes above steady at
@@ -204,13 +206,13 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     keep("optimizer", held, {"optimizer_state": copy})
     # the flat gradient partition, and in bf16 / fp16 its fp32 copy (``.to``) before the flat one is deleted
     keep("optimizer", held, {"optimizer_state": part.numel * c + (part.numel * 4 if c != 4 else 0) + norms})
-    keep("optimizer", {"optimizer_state": part.numel * 4 + adamw_temporaries((part.numel,), 4, False) + norms})
+    keep("optimizer", {"optimizer_state": part.numel * 4 + adamw_temporaries((part.numel,), 4, foreach) + norms})
     return out.best
 
 
 def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_size: int,
                           buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool,
-                          partitions: tuple[int, ...] | None = None) -> dict[str, dict]:
+                          partitions: tuple[int, ...] | None = None, foreach: bool = False) -> dict[str, dict]:
     """Stage 3 (``numels``: every parameter, frozen ones too, in parameter order, the indices ``trace.units`` use;
     ``partitions``: the trainable parameters' partitions, None: every parameter's ceil(numel / N); ``buckets``: the
     reduce-scatters' gradient numels in backward order), per phase, the bytes above steady at the peak, by category.
@@ -240,7 +242,7 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
                      buckets=buckets, gloo=gloo)
     parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
     part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
-    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, False) + norms})
+    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, foreach) + norms})
     return out.best
 
 

@@ -25,7 +25,8 @@ from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
                                              precision_terms, sharded_grad_upcast)
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
-from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes
+from zeroexp.plan.peak_deepspeed import (ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes,
+                                         ds_step_frees_grads)
 from zeroexp.plan.judge import TOLERANCE, judge_rank
 from zeroexp.plan.expect import knobs_of
 from zeroexp.plan.gloo import late_free
@@ -61,8 +62,6 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
-    if ds_stage(name) is not None and precision not in ("fp32", "bf16"):
-        reasons.append(f"no peak model yet for DeepSpeed with precision={precision} (covered: fp32, bf16)")
     if precision != "fp32" and (activation_checkpointing != "none" or micro_batches > 1):
         reasons.append(f"no peak model yet for precision={precision} with activation_checkpointing="
                        f"{activation_checkpointing} grad_accum={micro_batches} (each is covered in fp32)")
@@ -169,7 +168,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     ``gloo`` and ``foreach``: the device's backend copies and AdamW update (:mod:`zeroexp.formulas.device`)."""
     row = _row(name)
     if ds_stage(name) is not None:
-        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo)
+        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo, foreach)
     terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
     if row.peak_flow in ("fsdp1", "fsdp2"):
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept,
@@ -369,7 +368,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         if reserved is not None:  # a CUDA cell: the caching allocator's segments beside allocated
             buffers = steady_buffers_bytes(name, groups, itemsize if terms is None else terms.grad_itemsize, cap, terms)
             blocks = cell_steady_blocks(LAYOUTS[name], groups, itemsize, knobs_of(cfg), str(cfg.offload.name), rank,
-                                        buffers, device.workspace_bytes)
+                                        buffers, device.workspace_bytes,
+                                        ds_stage(name) is not None and ds_step_frees_grads(name))
             reasons += judge_reserved(judged, reserved, blocks, predicted)
         out_reasons += [f"rank {rank} {r}" for r in reasons]
         errs += rank_errs

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from zeroexp.formulas import DS_FETCH_LIMIT, DS_NORM_BYTES, LAYOUTS, Groups, deepspeed_reduce_bucket_numel, padded_numel
 from zeroexp.formulas.peak import StepTrace
+from zeroexp.formulas.peak_deepspeed_terms import (TERMS, ds_estimator_bytes, ds_estimator_name, ds_term_peak,
+                                                   largest_layer_numel)
+from zeroexp.formulas import ModelShape
 from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
 
-__all__ = ["ds_stage", "ds_phases", "ds_peak_limits", "ds_late_free", "ds_steady_buffers_bytes"]
+__all__ = ["ds_stage", "ds_phases", "ds_peak_limits", "ds_late_free", "ds_steady_buffers_bytes", "ds_term_record",
+           "ds_term_legend", "ds_step_frees_grads"]
 
 
 def ds_stage(name: str) -> int | None:
@@ -34,19 +38,21 @@ def ds_peak_limits(name: str, groups: Groups, bucket_cap_bytes: int) -> list[str
 
 
 def ds_phases(name: str, groups: Groups, trace: StepTrace, itemsize: int, rank: int,
-              bucket_cap_bytes: int, gloo: bool) -> dict[str, dict]:
+              bucket_cap_bytes: int, gloo: bool, foreach: bool = False) -> dict[str, dict]:
     """The peak model of a DeepSpeed row for rank ``rank`` (``bucket_cap_bytes``: ``strategy.bucket_cap_mb`` in
-    bytes, whence ``reduce_bucket_size``; ``gloo``: the CPU backend's copies); stage 3 needs a trace with its units
-    (``own_params_units``)."""
+    bytes, whence ``reduce_bucket_size``; ``gloo``: the CPU backend's copies; ``foreach``: the client AdamW's update,
+    foreach on a CUDA rank); stage 3 needs a trace with its units (``own_params_units``)."""
     stage, n = _covered(name), groups.world_size
     if stage == 3:  # the shards: every parameter, frozen ones too, in parameter order
         every = tuple(sh.spans[0][1] for sh in groups.shards)
         return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
-                                     gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards))
+                                     gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
+                                     foreach=foreach)
     part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
     return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                                   numels=groups.numels, part=part,
-                                  bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize)
+                                  bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
+                                  foreach=foreach)
 
 
 def _covered(name: str) -> int:
@@ -87,7 +93,52 @@ def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tup
             **norm}
 
 
+def ds_step_frees_grads(name: str) -> bool:
+    """Whether the row's step frees the gradients its state at the optimizer boundary holds (the planner's
+    ``grad_bytes``), so that its steady state between steps, the peak model's base, holds none: stages 1-2
+    (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``); stage 3 keeps its
+    gradient buffer (stage3.py ``grad_partitions_flat_buffer``, allocated once)."""
+    return _covered(name) < 3
+
+
 def ds_steady_buffers_bytes(name: str, itemsize: int, bucket_cap_bytes: int) -> int:
     """What a rank keeps beside its model state at the optimizer boundary: stage 3's ipg bucket (allocated once,
     ``reduce_bucket_size`` elements of the gradient dtype); stages 1-2 free theirs in every backward's epilogue."""
     return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if _covered(name) == 3 else 0
+
+
+def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int, offload: str, bucket_cap_bytes: int,
+                   largest_layer: int | None, foreach: bool, fp16: bool = False) -> dict | None:
+    """The planner's ``ds_peak`` of a DeepSpeed row (None for any other row): the model-state peak term by term
+    (:func:`zeroexp.formulas.peak_deepspeed_terms.ds_term_peak`, computed, a lower bound: activations and scalars left
+    out) beside DeepSpeed's own estimator, which terms both count and which differ. ``largest_layer``: the largest
+    module's own parameters (None: from the shape's modules where it has them, else unknown); ``fp16``: the precision
+    is fp16 (its overflow check)."""
+    stage = ds_stage(name)
+    if stage is None:
+        return None
+    if offload != "none":
+        return {"note": f"no term model yet for offload={offload} (covered: offload none)"}
+    if largest_layer is None and shape.exact:
+        largest_layer = largest_layer_numel(shape.numels, shape.modules)
+    trained = shape.trainable().numel
+    peak = ds_term_peak(stage, trained, world_size, itemsize, deepspeed_reduce_bucket_numel(bucket_cap_bytes),
+                        largest_layer, foreach, frozen=shape.numel - trained, fp16=fp16)
+    unknown = stage == 3 and largest_layer is None
+    # the estimator assumes 2-byte parameters and gradients: compared in bf16 / fp16, with the largest layer at stage 3
+    estimate = None if itemsize != 2 or unknown else ds_estimator_bytes(stage, shape.numel, world_size,
+                                                                        largest_layer or 0)
+    return {"moment": peak.moment, "phase": peak.phase, "bytes": peak.bytes, "terms": peak.terms,
+            "moments": peak.moments,
+            "largest_layer": largest_layer, "basis": "computed (zeroexp.formulas.peak_deepspeed_terms): a lower bound, "
+            "activations and scalars left out" + ("; the largest layer unknown (largest_layer=): its terms left out"
+                                                  if unknown else ""),
+            "estimator": {"source": ds_estimator_name(stage), "bytes": estimate, "counted_bytes": peak.counted_bytes,
+                          "shared": list(peak.shared), "elsewhere": list(peak.elsewhere), "extra": list(peak.extra),
+                          "note": None if estimate is not None else "DeepSpeed's estimator assumes 2-byte parameters "
+                          "(bf16 / fp16)" + (" and needs the largest layer" if unknown else "")}}
+
+
+def ds_term_legend() -> list[str]:
+    """What each term of ``ds_peak`` is (:data:`TERMS`), one line each."""
+    return [f"{t}: {what}" for t, what in TERMS.items()]

@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from zeroexp.formulas.peak_deepspeed_terms import TERMS
 from zeroexp.plan.core import FITS_ON, UNITS
 
 __all__ = ["render_json", "render_tables", "fmt_size", "fastest_sentences"]
@@ -56,6 +57,14 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                          f"device semantics {first.get('device_semantics', 'cpu')}: no allocator modelled"))
         legend = _legend(records)
         console.print(legend + "\n" if legend else "")
+        ds = [r for r in records if (r.get("ds_peak") or {}).get("terms")]
+        if ds:
+            console.print(_ds_terms_table(ds, unit))
+            console.print("the highest moment of DeepSpeed's step (backward, stage 3's fp16 overflow check, the fp32 "
+                          "copy, AdamW's update), term by term (computed, a lower bound: activations and scalars left "
+                          "out; docs/planner.md, DeepSpeed's peak by term); estimator: DeepSpeed's own (2-byte "
+                          "parameters; stage 3 with largest_layer=), and the same terms as ours; differs: + the terms "
+                          "it does not count, @moment: those it counts that another moment holds\n")
         console.print(_comm_table(records, unit))
         console.print("S: the payload, the full array (nccl-tests PERFORMANCE.md); bus = S x all_reduce 2(N-1)/N, "
                       "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1, N the size of the call's "
@@ -106,6 +115,27 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
         row += [fmt_size(r["init_peak_bytes"], unit) if r.get("init_peak_bytes") is not None else "-"]
         row += [_fits(r)] if fits else []
         table.add_row(*row)
+    return table
+
+
+def _ds_terms_table(records: list[dict[str, Any]], unit: str) -> Table:
+    """DeepSpeed's rows' ``ds_peak``: the peak moment's terms, the estimator's figure beside its terms in ours."""
+    held = {t for r in records for t in r["ds_peak"]["terms"]}
+    terms = [t for t in TERMS if t in held]
+    table = Table(title=f"DeepSpeed's peak by term, per rank, in {unit}")
+    for i, c in enumerate(["strategy", "N", *terms, "peak (moment)", "estimator / same terms", "differs"]):
+        table.add_column(c, justify="left" if i == 0 or c == "differs" else "right")
+    for r in records:
+        d, est = r["ds_peak"], r["ds_peak"]["estimator"]
+        where: dict[str, list[str]] = {}  # phase -> the estimator's terms held there, not at the peak
+        for t in est["elsewhere"]:
+            where.setdefault(next((ph for ph, m in d["moments"].items() if t in m), "none"), []).append(t)
+        differs = [f"+{t}" for t in est["extra"]] + [f"@{ph}: {' '.join(ts)}" for ph, ts in where.items()]
+        table.add_row(r["strategy"], str(r["world_size"]),
+                      *(fmt_size(d["terms"][t], unit) if t in d["terms"] else "-" for t in terms),
+                      f"{fmt_size(d['bytes'], unit)} ({d['moment']})",
+                      f"{fmt_size(est['bytes'], unit)} / {fmt_size(est['counted_bytes'], unit)}"
+                      if est["bytes"] is not None else "-", " ".join(differs))
     return table
 
 

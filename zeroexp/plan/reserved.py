@@ -21,12 +21,14 @@ def steady_blocks(param: int, grad: int, optim: int, buffers: int, workspace_byt
 
 
 def cell_steady_blocks(layout: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs, offload: str,
-                       rank: int, buffers: int, workspace_bytes: int) -> dict[str, int]:
-    """:func:`steady_blocks` of rank ``rank`` of a cell: its model state (``rank_state_bytes``, physical), its steady
-    ``buffers`` and the device's workspaces."""
+                       rank: int, buffers: int, workspace_bytes: int, frees_grads: bool = False) -> dict[str, int]:
+    """:func:`steady_blocks` of rank ``rank`` of a cell: its model state (``rank_state_bytes``, physical; without
+    gradients where the step frees them, ``frees_grads``: DeepSpeed stages 1-2), its steady ``buffers`` and the
+    device's workspaces."""
     state = rank_state_bytes(layout, groups, itemsize, knobs, offload)
     held = {k: state[k][rank][1] if k in state else 0 for k in ("param", "grad", "optim", "master")}
-    return steady_blocks(held["param"], held["grad"], held["optim"] + held["master"], buffers, workspace_bytes)
+    return steady_blocks(held["param"], 0 if frees_grads else held["grad"], held["optim"] + held["master"], buffers,
+                         workspace_bytes)
 
 
 def judge_reserved(judged: dict[str, Any], reserved: dict[str, Any], blocks: dict[str, int],
