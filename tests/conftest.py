@@ -278,6 +278,8 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "serial: starts fresh interpreters (`python -m zeroexp`, torchrun) and waits "
                                        "on them with timeouts or signals: `make test` runs these alone, after the "
                                        "others")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/test_cuda.py; benchmarks/gpu_check.sh "
+                                       "runs these)")
 
 
 #: Session fixtures several modules read: on pytest-xdist (``-n 2 --dist loadfile``, as ``make test`` runs the suite)

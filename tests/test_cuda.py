@@ -1,6 +1,8 @@
-"""CUDA / NCCL cells: skipped without a GPU, with the reason. On one GPU every strategy runs at
+"""CUDA / NCCL cells (marked ``gpu``): skipped without a GPU, with the reason. On one GPU every strategy runs at
 world_size=1 (one GPU cannot hold two NCCL ranks); with two or more, NCCL cells at N=2, FSDP CPUOffload and DeepSpeed
-fp16 (which need a GPU) too. Run them with ``benchmarks/gpu_check.sh`` on a GPU machine."""
+fp16 (which need a GPU) too. Run them with ``benchmarks/gpu_check.sh`` on a GPU machine, which also plays one rank of
+N=4 and N=8 on one GPU (benchmarks/gpu_check.py). What of that check runs without a GPU runs here on any machine: its
+driver (a rank of N played with real tensors under the fake process group) on CPU tensors, its JSON, its skip."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: CUDA/NCCL cells need one GPU per rank")
+gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: CUDA/NCCL cells need one GPU per rank")
 
 STRATEGIES = [("strategy=ddp",), ("strategy=zro",), ("strategy=zero1",), ("strategy=zero2",),
               ("strategy=fsdp_grad_op",), ("strategy=fsdp_full", "prefetch=post"), ("strategy=fsdp2_full",),
@@ -35,11 +37,15 @@ def _checks_pass(r, memory_source: str = "torch.cuda") -> None:
     assert s["memory"]["source"].startswith(memory_source)
 
 
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("overrides", STRATEGIES, ids=lambda o: o[0].split("=")[1])
 def test_every_strategy_runs_on_one_gpu(cell, overrides):
     _checks_pass(cell(*overrides, "world_size=1", "device=cuda"))
 
 
+@pytest.mark.gpu
+@gpu
 @pytest.mark.skipif(GPUS < 2, reason="NCCL cells at N=2 need two GPUs")
 @pytest.mark.parametrize("overrides", STRATEGIES, ids=lambda o: o[0].split("=")[1])
 def test_nccl_cells_at_two_ranks(cell, overrides):
@@ -49,6 +55,8 @@ def test_nccl_cells_at_two_ranks(cell, overrides):
     assert r.summary["plan"]["check"] == "PASS", r.summary["plan"]["reasons"]
 
 
+@pytest.mark.gpu
+@gpu
 @pytest.mark.skipif(GPUS < 2, reason="FSDP CPUOffload at N=2 needs two GPUs")
 def test_fsdp_cpu_offload(cell):
     r = cell("strategy=fsdp_full", "world_size=2", "device=cuda", "offload=full")
@@ -56,8 +64,73 @@ def test_fsdp_cpu_offload(cell):
     assert r.summary["state"]["placement"]["param"]["host_bytes"] > 0
 
 
+@pytest.mark.gpu
+@gpu
 @pytest.mark.skipif(GPUS < 2, reason="DeepSpeed fp16 at N=2 needs two GPUs")
 def test_deepspeed_fp16(cell):
     if not _deepspeed():
         pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
     _checks_pass(cell("strategy=deepspeed", "strategy.stage=2", "world_size=2", "device=cuda", "precision=fp16"))
+
+
+# -- The one-GPU check's side that runs anywhere (benchmarks/gpu_check.py, benchmarks/gpu_check.sh).
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+DTENSOR = "torch.testing._internal.distributed._tensor.common_dtensor"
+TORCH_TRANSFORMER = ("model._target_=" + DTENSOR + ".Transformer", "model.input_shape=[8]",
+                     f"+model.args._target_={DTENSOR}.ModelArgs", "+model.args.n_layers=2",
+                     "+model.args.vocab_size=32", "+model.args.max_seq_len=8", "+model.args.dim=32",
+                     "+model.args.n_heads=4", "+model.args.weight_tying=false", "+model.args.dropout_p=0.0",
+                     "model.dtype=long", "model.high=32", "model.loss=next_token",
+                     f"model.wrap=[{DTENSOR}.TransformerBlock]")
+TT = __import__("importlib.util").util.find_spec("expecttest") is not None
+
+
+def _gpu_check(tmp_path, *args: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+                           "--out", str(out), *args], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+def test_one_rank_of_n_with_real_tensors_meets_the_peak_model_on_cpu(tmp_path):
+    """The check's driver on the CPU: rank 0 of N=2 and N=3 of PyTorch's test Transformer, played with real tensors
+    under the fake process group (zeroexp.rank.dryrun.play_rank0), each cell in a process of its own; the JSON has
+    the planner's row beside the memory probe's measurement, and the cell's own check of every phase PASSes."""
+    result = _gpu_check(tmp_path, "--model", "custom", *(f"--set={o}" for o in TORCH_TRANSFORMER),
+                        "--world-sizes", "2,3", "--batch-size", "2", "--strategies", "fsdp2_full,fsdp_full:post")
+    assert result["device"] == "cpu" and result["gpu"] is None and "fake" in result["backend"]
+    assert [(c["strategy"], c["world_size"]) for c in result["cells"]] == [
+        ("fsdp2_full", 2), ("fsdp_full", 2), ("fsdp2_full", 3), ("fsdp_full", 3)]
+    for c in result["cells"]:
+        m, p = c["measured"], c["planned"]
+        assert "error" not in m, m
+        assert m["check"] == "PASS", (c["strategy"], c["world_size"], m["reasons"])
+        assert m["memory"]["source"].startswith("torch.distributed._tools.MemTracker")
+        # the planner's row and the cell's check predict the same phases (CPU semantics less gloo: the fake group)
+        for ph in ("forward", "backward", "optimizer"):
+            assert m["phases"][ph]["predicted_bytes"] <= m["phases"][ph]["measured_bytes"]
+        assert p["device_semantics"] == "cpu" and p["peak_bytes"] >= p["steady_bytes"] > 0
+
+
+def test_the_gpu_check_skips_without_a_gpu_and_says_why():
+    import subprocess
+
+    if GPUS:
+        pytest.skip("a GPU is here: benchmarks/gpu_check.sh runs the check instead of skipping")
+    import sys
+
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=120, env={"PATH": __import__("os").environ["PATH"], "PYTHON": sys.executable})
+    assert done.returncode == 0 and done.stdout.startswith("SKIP: no CUDA device here"), (done.stdout, done.stderr)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", "/nonexistent/x"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("SKIP: no CUDA device here")

@@ -6,7 +6,7 @@ Exit codes: 0 planned; 2 bad input (an unknown key, a bad value), with a message
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -48,6 +48,7 @@ class PlanConfig:
     # preset of GPUs, else cpu; zeroexp.formulas.device)
     compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
     prefetch: Any = MISSING  # pre | post | none (the runner's group): fsdp_full's backward prefetch, as in a cell
+    foreach: Any = None  # cuda: AdamW's foreach update (null, true: torch's CUDA default; false: single-tensor)
 
 
 def register() -> None:
@@ -147,8 +148,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None, "activation_unit_bytes": None,
                                  "korthikanti_bytes": None})
     device = _device(cfg, memory)
-    notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}; reserved_peak_bytes null"] \
-        if device.name == "cuda" else []
+    notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}"] if device.name == "cuda" else []
     _peaks(cfg, records, shape, batch, knobs, ac == "full", device)
     _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
     _init_peaks(str(cfg.init.name), records, shape, memory)
@@ -175,7 +175,14 @@ def _device(cfg: DictConfig, memory: int | None) -> Any:
         capability = network.get("compute_capability")
     if capability is not None and (isinstance(capability, bool) or not isinstance(capability, (int, float))):
         raise ConfigError("compute_capability", capability, "a number: 7.0 (V100), 8.0 (A100), 9.0 (H100)")
-    return cuda(None if capability is None else float(capability)) if name == "cuda" else CPU
+    foreach = cfg.get("foreach")
+    if foreach is not None and (not isinstance(foreach, bool) or name != "cuda"):
+        raise ConfigError("foreach", foreach, "null, true or false with device=cuda (AdamW's foreach update; the CPU "
+                          "steps single-tensor)")
+    if name == "cpu":
+        return CPU
+    semantics = cuda(None if capability is None else float(capability))
+    return semantics if foreach is None else replace(semantics, foreach=foreach)
 
 
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
@@ -188,13 +195,16 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
     over the micro-batches, and ``accum_grad_bytes``, the gradients held between them. ``device``: the semantics
     (zeroexp.formulas.device: AdamW's update, the backend's copies, the cuBLAS workspaces in ``steady_bytes``);
-    ``reserved_peak_bytes`` stays null (the caching allocator's segments are not modelled)."""
+    on cuda ``reserved_peak_bytes``, the caching allocator's segments for the same live bytes
+    (zeroexp.formulas.allocator), on which ``fits`` is then judged."""
     from zeroexp.formulas import LAYOUTS, derive_groups
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
+    from zeroexp.formulas.allocator import reserved_peak
     from zeroexp.plan.core import judge_fits
     from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage, ds_step_frees_grads
+    from zeroexp.plan.reserved import steady_blocks
 
     traced = batch is not None and cfg.model is not None
     wrap = []
@@ -239,6 +249,10 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         steady = r["device_bytes"] - freed + buffers + device.workspace_bytes
         r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
                  peak_bytes=steady + max(phases[top]["bytes"], 0))
+        if device.name == "cuda":  # the caching allocator's segments for the same live bytes
+            blocks = steady_blocks(r["param_bytes"], r["grad_bytes"] - freed,
+                                   r["optim_bytes"] + (r["master_bytes"] or 0), buffers, device.workspace_bytes)
+            r["reserved_peak_bytes"] = reserved_peak(blocks, [v["by_category"] for v in phases.values()])[0]
         judge_fits(r)
 
 

@@ -13,9 +13,19 @@ A CPU cell (gloo) and a CUDA cell (NCCL) run the same strategy code with other d
   ``CUBLAS_WORKSPACE_CONFIG`` says otherwise; a training step runs matmuls on two threads, the forward's and
   autograd's backward thread, so its steady state holds two.
 
-Not modelled on CUDA (named where the figures are shown): the caching allocator's segments (reserved memory above
-allocated, fragmentation), NCCL's own buffers (outside the allocator), the CUDA context, the side streams' delayed
-frees (a buffer freed on a collective's stream is reusable after its event), and DeepSpeed's fused optimizers.
+Reserved memory (``max_memory_reserved``, what decides an out-of-memory error) is the caching allocator's
+(zeroexp.formulas.allocator): its rounding, pools and segments over the peak model's live bytes.
+
+Not modelled on CUDA (named where the figures are shown): the allocator's fragmentation beyond its rounding and
+segments (the order of a phase's requests), NCCL's own buffers (outside the allocator), the CUDA context,
+``expandable_segments``, DeepSpeed's fused optimizers, and the side streams. A block freed on a collective's stream
+returns to that stream's free blocks (the allocator keys its free blocks by stream): FSDP1 allocates each
+all-gather's output on its all-gather stream, frees it after the unit's compute and rate-limits the gathers in flight
+to two (``limit_all_gathers``: the CPU waits on the oldest free event); FSDP2 allocates its all-gather outputs on its
+all-gather stream and its reduce-scatter inputs on its reduce-scatter stream and keeps the previous all-gather's
+output until the copy-out's event (``AllGatherState``). Allocated bytes, the peak model's, count each buffer while a
+reference holds it, as on the CPU; what the streams add to reserved (free blocks one stream cannot hand another, a
+free delayed to an event while the CPU runs ahead) is not modelled: the model takes one stream.
 """
 
 from __future__ import annotations
@@ -30,8 +40,9 @@ PRE_HOPPER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 HOPPER_WORKSPACE = 4096 * 8 * 1024
 #: The threads of a training step that run matmuls, each with its own cuBLAS handle and workspace.
 TRAINING_HANDLES = 2
-CUDA_NOT_MODELLED = ("reserved memory (the caching allocator's segments and fragmentation)", "NCCL's own buffers",
-                     "the CUDA context", "frees a side stream delays to its event", "DeepSpeed's fused optimizers")
+CUDA_NOT_MODELLED = ("the caching allocator's fragmentation beyond its rounding and segments", "NCCL's own buffers",
+                     "the CUDA context", "the side streams' own free blocks and the frees they delay to an event",
+                     "expandable_segments", "DeepSpeed's fused optimizers")
 
 
 def cublas_workspace_bytes(capability: float | None) -> int:

@@ -26,6 +26,8 @@ _SIZE = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KI
 _COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 #: What ``fits`` was judged on (a record's ``fits_on``; ``fits_bytes`` the bytes held against ``device_memory``).
 FITS_ON = {
+    "reserved": "the CUDA caching allocator's segments for the peak model's live bytes, phase after phase "
+                "(reserved_peak_bytes: zeroexp.formulas.allocator)",
     "peak": "the peak model: model state + its steady buffers + the largest phase above steady (activations, "
             "gathered units, collective buffers, optimizer temporaries)",
     "state+activations": "model state + gather floor + one forward's activations (below fp32 the fewer of autocast's "
@@ -101,14 +103,17 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
 
 
 def judge_fits(record: dict[str, Any]) -> None:
-    """Set ``fits_on``, ``fits_bytes`` and ``fits`` of a record from the best figure it has (:data:`FITS_ON`): its
-    ``peak_bytes`` where the peak model covers the row, else its model state and gather floor with the activations
+    """Set ``fits_on``, ``fits_bytes`` and ``fits`` of a record from the best figure it has (:data:`FITS_ON`): on a
+    GPU its ``reserved_peak_bytes`` (what decides an out-of-memory error), else its ``peak_bytes`` where the peak
+    model covers the row, else its model state and gather floor with the activations
     where those were traced (below fp32 the fewer of autocast's, ``activation_bytes``, and the module cast's,
     ``activation_cast_bytes``: a row without a peak model computes one way or the other), else the state and gather
     floor alone; each with the device's ``workspace_bytes`` (cuBLAS's, on CUDA)."""
     state = record["device_bytes"] + (record["gather_floor_bytes"] or 0) + (record.get("workspace_bytes") or 0)
     acts = [a for a in (record.get("activation_bytes"), record.get("activation_cast_bytes")) if a is not None]
-    if record.get("peak_bytes") is not None:
+    if record.get("reserved_peak_bytes") is not None:
+        on, judged = "reserved", record["reserved_peak_bytes"]
+    elif record.get("peak_bytes") is not None:
         on, judged = "peak", record["peak_bytes"]
     elif acts:
         on, judged = "state+activations", state + min(acts)

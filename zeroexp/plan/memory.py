@@ -25,13 +25,16 @@ from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
                                              precision_terms, sharded_grad_upcast)
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
-from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes
+from zeroexp.plan.peak_deepspeed import (ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes,
+                                         ds_step_frees_grads)
 from zeroexp.plan.judge import TOLERANCE, judge_rank
 from zeroexp.plan.expect import knobs_of
 from zeroexp.plan.gloo import late_free
+from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
-           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead", "read_traces_ahead"]
+           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead",
+           "read_traces_ahead"]
 
 # The peak model reads a row's fields (StateLayout.peak_flow, reshard_after_forward, ...), never its name. FSDP1's
 # hybrid sharding is FSDP1's within the shard group: the replicas' all_reduce of each reduced gradient shard runs in
@@ -317,8 +320,6 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     """The plan's memory section for a cell that ran (``name``: its row; ``groups``: derived from the shapes)."""
     measured = summary.get("memory") or {}
     reasons = _uncovered_cell(cfg, name)
-    if str(measured.get("source", "")).startswith("torch.cuda"):
-        reasons.append("no peak model yet for the CUDA caching allocator (its rounding, cache and fixed costs)")
     cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
     reasons += ds_peak_limits(name, groups, cap) + shape_limits(name, shape, groups)
     if reasons:
@@ -343,7 +344,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
                                             "not run): predicted only"]}
     worst_rank = int(measured["max_rank"])
-    device = _measured_on(str(measured.get("source", "")))
+    device = _measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
+                          measured.get("backend") == "fake")
     gloo = device.gloo
     late = late_free(name, groups, itemsize, gloo, micro_batches)
     by_rank = measured.get("phases_by_rank") or [None] * len(measured["steady_bytes"])
@@ -362,6 +364,13 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                                    foreach=device.foreach)
         judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
                                                  predicted, late)
+        reserved = (measured.get("reserved_by_rank") or [None] * len(by_rank))[rank]
+        if reserved is not None:  # a CUDA cell: the caching allocator's segments beside allocated
+            buffers = steady_buffers_bytes(name, groups, itemsize if terms is None else terms.grad_itemsize, cap, terms)
+            blocks = cell_steady_blocks(LAYOUTS[name], groups, itemsize, knobs_of(cfg), str(cfg.offload.name), rank,
+                                        buffers, device.workspace_bytes,
+                                        ds_stage(name) is not None and ds_step_frees_grads(name))
+            reasons += judge_reserved(judged, reserved, blocks, predicted)
         out_reasons += [f"rank {rank} {r}" for r in reasons]
         errs += rank_errs
         ranks.append({"rank": rank, "check": "FAIL" if reasons else "PASS",
@@ -378,13 +387,14 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     return _as_simulated(out) if measured.get("simulated") else out
 
 
-def _measured_on(source: str) -> DeviceSemantics:
-    """The device semantics of the memory probe's ``source``: a CPU cell's MemTracker (gloo), the CUDA caching
-    allocator's (NCCL, AdamW's foreach; the GPU's cuBLAS workspaces are in the measured steady state), a dry run's
-    simulation (the fake process group)."""
+def _measured_on(source: str, capability: float | None = None, fake_group: bool = False) -> DeviceSemantics:
+    """The device semantics of the memory probe's ``source``: a CPU cell's MemTracker (gloo; ``fake_group``: a rank
+    played with real tensors under the fake process group, no backend copies), the CUDA caching allocator's (NCCL or
+    the fake group alike: no copies; AdamW's foreach; the GPU's cuBLAS workspaces, of its compute ``capability``, are
+    in the measured steady state), a dry run's simulation (the fake process group)."""
     if source.startswith("torch.distributed._tools.MemTracker"):
-        return CPU
-    return cuda() if source.startswith("torch.cuda") else FAKE_GROUP
+        return FAKE_GROUP if fake_group else CPU
+    return cuda(capability) if source.startswith("torch.cuda") else FAKE_GROUP
 
 
 def _as_simulated(section: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ __all__ = ["render_json", "render_tables", "fmt_size", "fastest_sentences"]
 
 _UNIT_NOTE = {"GB": "GB = 1e9 bytes", "GiB": "GiB = 2^30 bytes"}
 #: The mark beside ``fits`` of a row not judged on the peak model (``fits_on``).
-_BASIS = {"peak": "", "state+activations": " (state+act)", "state": " (state)"}
+_BASIS = {"reserved": "", "peak": "", "state+activations": " (state+act)", "state": " (state)"}
 _REFERENCE = " [dim](reference)[/]"
 
 
@@ -49,9 +49,12 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                   "(init=meta: fits needs it too)" + (f"; Korthikanti et al. 34sbh+5as^2b: "
                   f"{fmt_size(first['korthikanti_bytes'], unit)} {unit}" if first.get("korthikanti_bytes") else "")
                   if acts is not None else "not modelled: activations (give model= and batch_size=)")
+        cuda = first.get("device_semantics") == "cuda"
         console.print(f"{what} · precision {first['precision']} · offload {first['offload']} · Adam: fp32 moments "
-                      f"8 B and fp32 master 4 B a parameter · {traced} · not modelled: fragmentation, the CUDA "
-                      "allocator (docs/planner.md)")
+                      f"8 B and fp32 master 4 B a parameter · {traced} · "
+                      + ("reserved: the CUDA caching allocator's segments for the peak's live bytes; not modelled: "
+                         "fragmentation beyond its rounding (docs/planner.md)" if cuda else
+                         f"device semantics {first.get('device_semantics', 'cpu')}: no allocator modelled"))
         legend = _legend(records)
         console.print(legend + "\n" if legend else "")
         ds = [r for r in records if (r.get("ds_peak") or {}).get("terms")]
@@ -92,6 +95,8 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     cols += ["gather floor"] + ([f"activations (batch {first['batch_size']}{accum}{ckpt})"] if acts else [])
     peaks = any(r.get("peak_bytes") is not None for r in records)
     cols += ["peak (phase)"] if peaks else []
+    reserved = any(r.get("reserved_peak_bytes") is not None for r in records)
+    cols += ["reserved"] if reserved else []
     cols += [f"init peak ({first.get('init', 'full')})"]
     cols += [f"fits {fmt_size(first['device_memory_bytes'], unit)} {unit}"] if fits else []
     for i, c in enumerate(cols):
@@ -105,6 +110,8 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
         row += [fmt_size(r["gather_floor_bytes"], unit)] + ([fmt_size(r["activation_bytes"], unit)] if acts else [])
         row += ([f"{fmt_size(r['peak_bytes'], unit)} ({r['peak_phase']})" if r.get("peak_bytes") is not None
                  else "-"] if peaks else [])
+        row += ([fmt_size(r["reserved_peak_bytes"], unit) if r.get("reserved_peak_bytes") is not None else "-"]
+                if reserved else [])
         row += [fmt_size(r["init_peak_bytes"], unit) if r.get("init_peak_bytes") is not None else "-"]
         row += [_fits(r)] if fits else []
         table.add_row(*row)

@@ -89,18 +89,20 @@ class _Collector:
 class _CudaAllocator:
     """CUDA caching allocator statistics, the peak reset at each tracked step's start and at each phase's end."""
 
-    source = "torch.cuda caching allocator: memory_allocated (steady), max_memory_allocated (peak)"
+    source = ("torch.cuda caching allocator: memory_allocated (steady), max_memory_allocated (peak); "
+              "memory_reserved, max_memory_reserved (reserved)")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._phases: dict[str, tuple[int, dict[str, int]]] = {}
+        self._reserved: dict[str, int] = {}
         self._gc = _Collector()
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._gc.hold()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._phases = {}
+        self._phases, self._reserved = {}, {}
 
     def before_optimizer_update(self) -> None:
         pass
@@ -109,6 +111,8 @@ class _CudaAllocator:
         """Record the peak of the phase that ends now; the next phase's peak starts from the current bytes."""
         torch.cuda.synchronize(self.device)
         _keep_higher(self._phases, phase, (int(torch.cuda.max_memory_allocated(self.device)), {}))
+        # segments are cached: the reserved peak of a phase is what the allocator held at most by its end
+        self._reserved[phase] = max(self._reserved.get(phase, 0), int(torch.cuda.max_memory_reserved(self.device)))
         self._gc.collect()
         torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -124,7 +128,9 @@ class _CudaAllocator:
         torch.cuda.synchronize(self.device)
         steady = int(torch.cuda.memory_allocated(self.device))
         self._gc.release()
-        return {"steady": steady, "steady_categories": {}, **_peak_of_phases(self._phases)}
+        return {"steady": steady, "steady_categories": {}, **_peak_of_phases(self._phases),
+                "steady_reserved": int(torch.cuda.memory_reserved(self.device)), "phase_reserved": dict(self._reserved),
+                "compute_capability": float("{}.{}".format(*torch.cuda.get_device_capability(self.device)))}
 
     def abort(self) -> None:
         self._gc.release()
@@ -414,6 +420,13 @@ class MemoryProbe(Probe):
                          "by_category": {c: int(b) for c, b in top.get("phase_categories", {}).get(ph, {}).items()}}
                     for ph in PHASES if ph in top["phase_peaks"]}
 
+        if "phase_reserved" in top:  # the CUDA allocator's reserved bytes, beside allocated
+            section["reserved_of_max_rank"] = {"steady_bytes": int(last["steady_reserved"]),
+                                               "phases": {ph: int(b) for ph, b in top["phase_reserved"].items()}}
+            section["reserved_by_rank"] = [{"steady_bytes": int(lt["steady_reserved"]),
+                                            "phases": {ph: int(b) for ph, b in t["phase_reserved"].items()}}
+                                           for lt, t in picked]
+            section["compute_capability"] = top["compute_capability"]
         section["phases_of_max_rank"] = phases_of(top)
         section["phases_by_rank"] = [phases_of(t) for _, t in picked]  # every rank's, for the plan's per-rank check
         section["steady_categories_by_rank"] = [{c: int(b) for c, b in lt["steady_categories"].items()}

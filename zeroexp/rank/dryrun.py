@@ -32,13 +32,14 @@ import os
 import resource
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
 
 from zeroexp.plan.expect import Expectation
 from zeroexp._lib.fake_collectives import IssueFunctionalCollectives
@@ -54,7 +55,7 @@ from zeroexp.config.schedule import Schedule
 from zeroexp.rank.summary import summary_head, write_summary
 from zeroexp.strategies import get_adapter_class
 
-__all__ = ["run_dry", "SOURCES", "ABSENT", "LazyChunks", "lazy_fsdp2_chunks"]
+__all__ = ["run_dry", "play_rank0", "SOURCES", "ABSENT", "LazyChunks", "lazy_fsdp2_chunks"]
 
 SOURCES = {
     "traced": "traced: the strategy's own code ran as rank 0 of world_size under a fake process group and "
@@ -138,30 +139,57 @@ def lazy_fsdp2_chunks() -> Iterator[None]:
         yield
 
 
-def _traced(cfg: DictConfig, ctx: RunContext
+def play_rank0(cfg_dict: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Rank 0 of the cell's ``world_size`` played on ``device`` with **real** tensors under the fake process group:
+    the traced dry run's steps (:func:`_traced`) without FakeTensorMode, so the rank's shards, unsharded units,
+    gradients, buffers and optimizer state are really allocated while every collective returns at once (no peer, no
+    backend buffer). On a GPU the memory probe measures one rank of N with the CUDA caching allocator; on the CPU
+    with MemTracker. Returns the probes' rank-0 results (``state``, ``collectives``, ``memory``), the memory probe's
+    aggregated section as ``memory_section`` (``backend: fake``), and ``steps``."""
+    cfg = OmegaConf.create(cfg_dict)
+    n = int(cfg.world_size)
+    dist.init_process_group("fake", rank=0, world_size=n)
+    try:
+        adapter = get_adapter_class(cfg.strategy.name)(cfg)
+        if not adapter.dry_run_traced:
+            raise ValueError(f"strategy={cfg.strategy.name} is not traced under the fake process group "
+                             "(StrategyAdapter.dry_run_traced)")
+        ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=device, adapter=adapter,
+                         schedule=Schedule.from_cfg(cfg), expect=Expectation(cfg, adapter.live_groups))
+        state, collectives, memory, steps = _traced(cfg, ctx, fake=False)
+    finally:
+        dist.destroy_process_group()
+    section = {**MemoryProbe.aggregate([memory], cfg).section, "backend": "fake"} if memory else None
+    return {"state": state, "collectives": collectives, "memory": memory, "memory_section": section, "steps": steps}
+
+
+def _traced(cfg: DictConfig, ctx: RunContext, fake: bool = True
             ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
-    """Rank 0's steps under FakeTensorMode, trained by the real run's loop (zeroexp.rank.fit: Lightning's Trainer
-    and the adapter's strategy) with the real run's state and collectives probes, and the memory probe (its figures
-    simulated: see :data:`SIMULATED`) where the cell runs it."""
+    """Rank 0's steps under FakeTensorMode (``fake``; else real tensors on ``ctx.device``: :func:`play_rank0`),
+    trained by the real run's loop (zeroexp.rank.fit: Lightning's Trainer and the adapter's strategy) with the real
+    run's state and collectives probes, and the memory probe (its figures simulated under FakeTensorMode: see
+    :data:`SIMULATED`) where the cell runs it."""
     import lightning.pytorch as pl
 
     from zeroexp.rank.fit import fit_cell
 
     adapter, schedule, n = ctx.adapter, ctx.schedule, ctx.world_size
-    adapter.setup(CPU)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
+    adapter.setup(ctx.device)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
     classes = [cls for cls in probes_for(cfg) if not cls.dry_run_absent]  # the state and collectives probes
     classes += [cls for cls in probes_for(cfg) if cls is MemoryProbe and _simulates_memory(cfg)]
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
     accum = int(cfg.get("grad_accum") or 1)
     # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group
     # (zeroexp._lib.fake_collectives)
-    with fake_tensor_mode() as mode, IssueFunctionalCollectives(), lazy_fsdp2_chunks(), _rank_of(n):
+    with (fake_tensor_mode() if fake else nullcontext()) as mode, IssueFunctionalCollectives(), \
+            (lazy_fsdp2_chunks() if fake else nullcontext()), _rank_of(n):
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients,
                             log_loss=False)
         probes = [as_callback(cls)(ctx) for cls in classes]
-        data = FakeBatches(SyntheticBatches(OmegaConf.to_container(cfg.model, resolve=True), int(cfg.batch_size),
-                                            int(cfg.seed), 0, steps * accum), mode)
+        data = SyntheticBatches(OmegaConf.to_container(cfg.model, resolve=True), int(cfg.batch_size), int(cfg.seed),
+                                0, steps * accum)
+        data = FakeBatches(data, mode) if fake else DataLoader(data, batch_size=None)  # as a real rank's
         fit_cell(ctx, module, data, probes, steps=steps, num_nodes=n)  # one process, playing one node of n
     results = {probe.name: probe.rank_result() for probe in probes}
     return results["state"], results["collectives"], results.get("memory"), steps

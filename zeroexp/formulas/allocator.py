@@ -1,0 +1,131 @@
+"""torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp), for reserved memory beside allocated.
+
+What ``torch.cuda.max_memory_reserved`` counts is the segments the allocator took from the driver (``cudaMalloc``),
+which it keeps cached: a training step's reserved peak is the segments its live tensors needed, phase after phase,
+never fewer than its allocated peak. The rules, as the allocator's source states them (default settings: no
+``expandable_segments``, no ``max_split_size_mb``, one stream):
+
+- ``round_size``: every request is rounded up to a multiple of ``kMinBlockSize`` = 512 B;
+- a request of up to ``kSmallSize`` = 1 MiB comes from the small pool, whose segments are ``kSmallBuffer`` = 2 MiB;
+  a larger one from the large pool, whose new segment (``get_allocation_size``) is ``kLargeBuffer`` = 20 MiB for a
+  request under ``kMinLargeAlloc`` = 10 MiB, else the request rounded up to ``kRoundLarge`` = 2 MiB;
+- ``get_free_block`` takes the pool's smallest cached free block that fits (ties: the lowest address);
+  ``should_split`` cuts the rest off as a free block of its own when it is at least 512 B (small pool) or more than
+  1 MiB (large pool), else the request keeps the whole block;
+- a freed block merges with its free neighbours in its segment (``free_block``); segments are never returned
+  (``empty_cache`` and the garbage collector's release under memory pressure are not modelled).
+
+:class:`CachingAllocator` follows these rules over a sequence of requests and frees; :func:`reserved_peak` runs it
+over the live blocks of the phases of a step, each phase's blocks freed before the next one's are taken.
+
+Not modelled: what a request's order inside a phase does (a phase's blocks are taken at once, largest first), the
+fragmentation that follows from it, a tensor freed on a side stream reused only after its event (FSDP1's
+``limit_all_gathers``, FSDP2's all-gather and reduce-scatter streams: one stream here), ``expandable_segments``,
+NCCL's own buffers (outside the allocator), the CUDA context.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+__all__ = ["MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size",
+           "segment_size", "CachingAllocator", "reserved_peak"]
+
+MIN_BLOCK = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
+SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" allocation is 1 MiB
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: "small" allocations are packed in 2 MiB blocks
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: "large" allocations may be packed in 20 MiB blocks
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
+ROUND_LARGE = 2 << 20  # kRoundLarge: round up large allocations to 2 MiB
+
+
+def round_size(nbytes: int) -> int:
+    """A request's block size: at least 512 B, a multiple of 512 B (``round_size``)."""
+    return MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(nbytes: int) -> int:
+    """The segment a request of ``nbytes`` takes from the driver when no cached block fits (``get_allocation_size``
+    of its rounded size)."""
+    size = round_size(nbytes)
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+class CachingAllocator:
+    """The caching allocator's blocks on one stream: ``malloc`` returns a block id, ``free`` takes it back;
+    ``allocated`` and ``reserved`` now, ``peak_allocated`` and ``peak_reserved`` since the start."""
+
+    def __init__(self) -> None:
+        # a block: [segment, offset, size, free]; a segment: whether it is the small pool's
+        self._blocks: dict[int, list] = {}
+        self._small: list[bool] = []
+        self._next = 0
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+
+    def malloc(self, nbytes: int) -> int:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        fits = [(b[2], b[0], b[1], i) for i, b in self._blocks.items()
+                if b[3] and b[2] >= size and self._small[b[0]] == small]
+        if fits:
+            _, seg, off, i = min(fits)
+            block = self._blocks[i]
+        else:
+            seg, off = len(self._small), 0
+            self._small.append(small)
+            self.reserved += segment_size(size)
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            i = self._new(seg, 0, segment_size(size))
+            block = self._blocks[i]
+        rest = block[2] - size
+        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+            block[2] = size
+            self._new(seg, off + size, rest)
+        block[3] = False
+        self.allocated += block[2]
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return i
+
+    def free(self, i: int) -> None:
+        block = self._blocks[i]
+        block[3] = True
+        self.allocated -= block[2]
+        for j, other in list(self._blocks.items()):  # merge with the free neighbours in its segment
+            if j != i and other[3] and other[0] == block[0] and other[1] + other[2] == block[1]:
+                block[1], block[2] = other[1], block[2] + other[2]
+                del self._blocks[j]
+        for j, other in list(self._blocks.items()):
+            if j != i and other[3] and other[0] == block[0] and block[1] + block[2] == other[1]:
+                block[2] += other[2]
+                del self._blocks[j]
+
+    def _new(self, seg: int, off: int, size: int) -> int:
+        self._blocks[self._next] = [seg, off, size, True]
+        self._next += 1
+        return self._next - 1
+
+
+def reserved_peak(steady: Mapping[str, int], phases: Iterable[Mapping[str, int]], steps: int = 2) -> tuple[int, int]:
+    """The caching allocator's peak (reserved, allocated) bytes over ``steps`` steps. ``steady``: the blocks a rank
+    holds between steps (bytes by name, one block each), taken first. ``phases``: each phase's bytes above steady by
+    category, in phase order; a positive one is one block, taken with the phase's others at once, largest first; a
+    negative one is a steady block of that name shrunk within the phase (``zero_grad`` freed the steady gradients:
+    the block freed, what is left of it taken again with the phase's). At a phase's end its blocks are freed and the
+    steady blocks it shrank taken back. A second step reuses the segments the first left cached."""
+    alloc = CachingAllocator()
+    held = {name: alloc.malloc(int(b)) for name, b in steady.items() if b > 0}
+    for _ in range(steps):
+        for phase in phases:
+            shrunk = [c for c, b in phase.items() if b < 0 and c in held]
+            for c in shrunk:
+                alloc.free(held.pop(c))
+            sizes = [b for c, b in phase.items() if b > 0] + [steady[c] + phase[c] for c in shrunk]
+            blocks = [alloc.malloc(int(b)) for b in sorted(sizes, reverse=True) if b > 0]
+            for i in blocks:
+                alloc.free(i)
+            held.update({c: alloc.malloc(int(steady[c])) for c in shrunk})
+    return alloc.peak_reserved, alloc.peak_allocated

@@ -1,0 +1,53 @@
+"""Reserved memory on CUDA: a rank's live bytes as the caching allocator's blocks, and a CUDA cell's reserved bytes
+per phase (``torch.cuda.max_memory_reserved``) beside the model of them (:mod:`zeroexp.formulas.allocator`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroexp.formulas import Groups, PlanKnobs, StateLayout, rank_state_bytes
+from zeroexp.formulas.allocator import reserved_peak
+from zeroexp.formulas.device import TRAINING_HANDLES
+
+__all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved"]
+
+
+def steady_blocks(param: int, grad: int, optim: int, buffers: int, workspace_bytes: int) -> dict[str, int]:
+    """A rank's steady state as the caching allocator's blocks (:func:`zeroexp.formulas.allocator.reserved_peak`), by
+    the peak model's categories: its parameters, gradients and optimizer state (masters with it) each one block, the
+    steady buffers one, and each training thread's cuBLAS workspace one (``workspace_bytes``: all of them)."""
+    blocks = {"parameters": param, "gradients": grad, "optimizer_state": optim, "buffers": buffers}
+    return {**blocks, **{f"workspace{i}": workspace_bytes // TRAINING_HANDLES for i in range(TRAINING_HANDLES)}}
+
+
+def cell_steady_blocks(layout: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs, offload: str,
+                       rank: int, buffers: int, workspace_bytes: int, frees_grads: bool = False) -> dict[str, int]:
+    """:func:`steady_blocks` of rank ``rank`` of a cell: its model state (``rank_state_bytes``, physical; without
+    gradients where the step frees them, ``frees_grads``: DeepSpeed stages 1-2), its steady ``buffers`` and the
+    device's workspaces."""
+    state = rank_state_bytes(layout, groups, itemsize, knobs, offload)
+    held = {k: state[k][rank][1] if k in state else 0 for k in ("param", "grad", "optim", "master")}
+    return steady_blocks(held["param"], 0 if frees_grads else held["grad"], held["optim"] + held["master"], buffers,
+                         workspace_bytes)
+
+
+def judge_reserved(judged: dict[str, Any], reserved: dict[str, Any], blocks: dict[str, int],
+                    predicted: dict[str, dict]) -> list[str]:
+    """A CUDA cell's reserved bytes per phase (``max_memory_reserved``, the probe's ``reserved_by_rank``) beside the
+    caching allocator's model of the same step (:func:`zeroexp.formulas.allocator.reserved_peak`; segments are
+    cached, so every phase of a step after the first reads the step's whole reserved figure). A lower bound: PASS
+    when the prediction does not exceed the measurement (fragmentation, the side streams' own free blocks, NCCL's
+    use of the allocator are not modelled); why not, otherwise."""
+    want = reserved_peak(blocks, [predicted[ph]["by_category"] for ph in predicted])[0]
+    reasons = []
+    for ph, got in reserved["phases"].items():
+        if ph not in judged:
+            continue
+        ok = want <= int(got)
+        judged[ph].update(predicted_reserved_bytes=want, measured_reserved_bytes=int(got),
+                          reserved_check="PASS" if ok else "FAIL")
+        if not ok:
+            reasons.append(f"{ph}: measured {int(got)} B reserved, predicted at least {want} B (the caching "
+                           "allocator's segments for the modelled live bytes)")
+    judged["steady"]["measured_reserved_bytes"] = int(reserved["steady_bytes"])
+    return reasons
