@@ -199,10 +199,58 @@ def test_fsdp2_reshard_after_forward_counts_as_pytorchs_own_test(cell, reshard, 
     assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
 
 
-@pytest.mark.parametrize("value, why", [("false", "fsdp2_grad_op"), ("2", "hpZ")])
+@pytest.mark.parametrize("value, why", [("false", "fsdp2_grad_op"), ("1", "fsdp2_grad_op")])
 def test_fsdp2_reshard_after_forward_false_or_an_int_is_refused_with_the_reason(compose, value, why):
     from zeroexp.config.schemas import validate
 
     with pytest.raises(ConfigError, match=why) as e:
         validate(compose("strategy=fsdp2_full", f"strategy.reshard_after_forward={value}", "world_size=2", base=BASE))
     assert e.value.key == "strategy.reshard_after_forward"
+
+
+#: PyTorch's test_fully_shard_comm.py on its Transformer (each block a unit, the root last, the sum loss): forward
+#: all-gathers every unit once; backward again every unit resharded after forward (an int reshard_after_forward as
+#: True: ``elif reshard_after_forward``; None keeps the root), and reduce-scatters every unit once. Explicit prefetch
+#: (TestFullyShardPrefetch's set_modules_to_forward_prefetch / set_modules_to_backward_prefetch) moves the unshards
+#: earlier and leaves each unit's one unshard per pass, so the counts stay.
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("knobs, n", [
+    (("strategy.reshard_after_forward=2",), 2),
+    (("strategy.reshard_after_forward=3",), 3),
+    (("strategy.forward_prefetch=1",), 2),
+    (("strategy.forward_prefetch=2", "strategy.backward_prefetch=2"), 3),
+    (("strategy.backward_prefetch=1", "strategy.reshard_after_forward=null"), 2),
+])
+def test_fsdp2_int_reshard_and_explicit_prefetch_count_as_pytorchs_own_test(cell, knobs, n):
+    blocks = 2  # MODELS["torch_transformer"]: n_layers=2
+    r = cell(*MODELS["torch_transformer"][0], "model.loss=sum", "strategy=fsdp2_full", *knobs, f"world_size={n}",
+             base=BASE)
+    assert r.status == "ok", r.error
+    root_kept = "strategy.reshard_after_forward=null" in knobs
+    backward = blocks if root_kept else blocks + 1
+    assert r.summary["collectives"]["counts"] == {"all_gather": blocks + 1 + backward, "reduce_scatter": blocks + 1}
+    assert r.summary["collectives"]["check"] == "PASS"
+    assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
+
+
+@pytest.mark.parametrize("key, value, n, why", [
+    ("reshard_after_forward", "1", 2, "takes the int 1 as False"),
+    ("reshard_after_forward", "3", 2, "a divisor of world_size=2"),
+    ("reshard_after_forward", "2", 4, "no model"),
+    ("forward_prefetch", "-1", 2, "an integer >= 0"),
+    ("backward_prefetch", "0", 2, "implicit prefetch on"),
+])
+def test_fsdp2_knobs_out_of_range_are_refused_naming_the_key(compose, key, value, n, why):
+    from zeroexp.config.schemas import validate
+
+    with pytest.raises(ConfigError, match=why) as e:
+        validate(compose("strategy=fsdp2_full", f"strategy.{key}={value}", f"world_size={n}", base=BASE))
+    assert e.value.key == f"strategy.{key}"
+
+
+def test_fsdp2_grad_op_refuses_backward_prefetch_with_the_reason(compose):
+    from zeroexp.config.schemas import validate
+
+    with pytest.raises(ConfigError, match="gathers nothing") as e:
+        validate(compose("strategy=fsdp2_grad_op", "strategy.backward_prefetch=1", "world_size=2", base=BASE))
+    assert e.value.key == "strategy.backward_prefetch"

@@ -71,6 +71,19 @@ class FSDP2Adapter(StrategyAdapter):
     @classmethod
     def validate(cls, cfg) -> None:
         FSDPAdapter.validate(cfg)  # the wrap classes must import, as for FSDP1
+        ahead = cfg.strategy.get("forward_prefetch", 0)
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ConfigError("strategy.forward_prefetch", ahead, "an integer >= 0: the wrapped units each unit's "
+                              "pre-forward all-gathers ahead (0: none, FSDP2's default)")
+        back = cfg.strategy.get("backward_prefetch")
+        if back is not None and (isinstance(back, bool) or not isinstance(back, int) or back < 1):
+            raise ConfigError("strategy.backward_prefetch", back, "null (FSDP2's implicit prefetch of one unit) or an "
+                              "integer >= 1: the wrapped units each unit's pre-backward all-gathers ahead",
+                              why="an empty list leaves FSDP2's implicit prefetch on" if back == 0 else "")
+        if back is not None and cls.reshard_after_forward is False:
+            raise ConfigError("strategy.backward_prefetch", back, "null",
+                              why=f"strategy={cls.name} keeps every unit unsharded from forward to backward: backward "
+                                  "gathers nothing to prefetch")
 
     def setup(self, device: torch.device) -> None:
         """The 1-D device mesh over the default group, on the rank's device type (``cpu`` with gloo)."""
@@ -136,8 +149,20 @@ class FSDP2Adapter(StrategyAdapter):
         for unit in reversed(units):  # reversed pre-order: every child before its parent
             fully_shard(unit, **kwargs)
         fully_shard(root, **kwargs)
+        self._explicit_prefetch(units)
         self._trace = UnitTrace(root, [*units, root])
         return module
+
+    def _explicit_prefetch(self, units: list[nn.Module]) -> None:
+        """``strategy.forward_prefetch`` / ``backward_prefetch``: each wrapped unit (in definition order, a stack's
+        forward order) prefetches the next / previous that many, as PyTorch's test_fully_shard_comm.py sets them on
+        its Transformer's blocks (``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``)."""
+        ahead, back = int(self.config.forward_prefetch), self.config.backward_prefetch
+        for i, unit in enumerate(units):
+            if ahead and i + 1 < len(units):
+                unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + ahead])
+            if back and i:
+                unit.set_modules_to_backward_prefetch(units[max(i - back, 0):i][::-1])
 
     #: init=meta: ``fully_shard`` on the meta model, ``to_empty`` (each rank allocates only its shards), then every
     #: shard filled with the full build's values (zeroexp.strategies._meta_init).
@@ -228,18 +253,25 @@ class FSDP2FullAdapter(FSDP2Adapter):
     )
 
     @property
-    def reshard_after_forward(self) -> bool | None:  # type: ignore[override]
+    def reshard_after_forward(self) -> bool | int | None:  # type: ignore[override]
         return self.config.reshard_after_forward
 
     @classmethod
     def validate(cls, cfg) -> None:
-        value = cfg.strategy.get("reshard_after_forward", True)
-        if value is not True and value is not None:
-            why = ("False keeps every unit unsharded from forward to backward: that is strategy=fsdp2_grad_op"
-                   if value is False else "resharding to a smaller group after forward (an int: ZeRO++'s hpZ in "
-                   "FSDP2) has no model in zeroexp's expectation (state, collectives, peak) yet")
-            raise ConfigError("strategy.reshard_after_forward", value, "true, null (FSDP2's default: the root kept)",
-                              why=why)
+        value, n = cfg.strategy.get("reshard_after_forward", True), int(cfg.world_size)
+        accepted = f"true, null (FSDP2's default: the root kept), {n} (world_size: FSDP2 takes it as true)"
+        an_int = isinstance(value, int) and not isinstance(value, bool)
+        if not (value is None or value is True or an_int and value == n != 1):
+            if value is False or an_int and value == 1:
+                why = ("False keeps every unit unsharded from forward to backward: that is strategy=fsdp2_grad_op"
+                       + ("" if value is False else "; FSDP2 takes the int 1 as False (_get_post_forward_mesh_info)"))
+            elif not an_int or value < 1 or n % value:
+                why = f"an int is the ranks a unit is resharded to after forward: a divisor of world_size={n}"
+            else:
+                why = (f"resharding to a group of {value} of the {n} ranks after forward (ZeRO++'s hpZ in FSDP2: "
+                       f"backward all-gathers from that group, each rank holds 1/{value} of every unit between its "
+                       "forward and backward) has no model in zeroexp's expectation (collectives by group, peak) yet")
+            raise ConfigError("strategy.reshard_after_forward", value, accepted, why=why)
         super().validate(cfg)
 
 

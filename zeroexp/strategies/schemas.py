@@ -113,14 +113,22 @@ class FSDP2Config(StrategyConfig):
     #: grad_accum > 1: reduce-scatter every micro-batch instead of ``set_requires_gradient_sync(False)``
     #: (unsharded gradients held until the K-th); in the cell's identity only when true.
     sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
+    #: Explicit forward prefetch: each wrapped unit's pre-forward issues the all-gathers of the next this many units
+    #: (``set_modules_to_forward_prefetch``); 0: none, FSDP2's default. In the cell's identity only when set.
+    forward_prefetch: int = field(default=0, metadata={"identity": "when_set"})
+    #: Explicit backward prefetch: each wrapped unit's pre-backward issues the all-gathers of the previous this many
+    #: units (``set_modules_to_backward_prefetch``); null: FSDP2's implicit one unit. In the identity only when set.
+    backward_prefetch: Optional[int] = field(default=None, metadata={"identity": "when_set"})
 
 
 @dataclass
 class FSDP2FullConfig(FSDP2Config):
     """``strategy=fsdp2_full``: ``reshard_after_forward`` true (every unit, the root included, resharded after its
-    forward: all-gathered again in backward) or null (FSDP2's own default: the root kept unsharded from its forward
-    to its backward, the other units resharded). False is ``strategy=fsdp2_grad_op``; an int (resharding to a
-    smaller group, ZeRO++'s hpZ) is refused before launch."""
+    forward: all-gathered again in backward), null (FSDP2's own default: the root kept unsharded from its forward
+    to its backward, the other units resharded) or an int, the ranks a unit is resharded to after forward (ZeRO++'s
+    hpZ in FSDP2): world_size itself, which FSDP2 takes as true. False (and 1, which FSDP2 takes as false) is
+    ``strategy=fsdp2_grad_op``; an int that does not divide world_size, or a smaller group than world_size, is
+    refused before launch (FSDP2Adapter.validate says why)."""
 
     reshard_after_forward: Any = field(default=True, metadata={"identity": "when_set"})
 
