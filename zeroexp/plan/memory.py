@@ -141,12 +141,13 @@ def needs_in_place(name: str, micro_batches: int) -> bool:
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
                       prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None,
                       bucket_cap_bytes: int = 25 * 2**20, terms: PrecisionTerms | None = None,
-                      device: DeviceSemantics = CPU) -> dict[str, dict]:
+                      device: DeviceSemantics = CPU, root_kept: bool = False,
+                      ahead: tuple[int, int] = (0, 0)) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
     that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
     ranks = range(groups.world_size) if _row(name).ranks_differ else (0,)
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, device.gloo, micro_batches, in_place,
-                               bucket_cap_bytes, terms, foreach=device.foreach)
+                               bucket_cap_bytes, terms, root_kept=root_kept, foreach=device.foreach, ahead=ahead)
                 for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
@@ -154,7 +155,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
                    in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20,
                    terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter", root_kept: bool = False,
-                   foreach: bool = False) -> dict[str, dict]:
+                   foreach: bool = False, ahead: tuple[int, int] = (0, 0)) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's. ``trace``: the bare step (checkpointed
     when the cell is: its segments then hold each unit's input in forward and its recompute in backward; DeepSpeed
@@ -164,6 +165,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     precision (:func:`cell_precision_terms`; None: fp32); ``reduce``: zeroexp's ZeRO's ``strategy.reduce`` (on gloo
     a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`);
     ``root_kept``: FSDP2's root kept unsharded from forward to backward (``PlanKnobs.root_kept_after_forward``);
+    ``ahead``: FSDP2's explicit (forward, backward) prefetch (``PlanKnobs.forward_prefetch``, ``backward_prefetch``);
     ``gloo`` and ``foreach``: the device's backend copies and AdamW update (:mod:`zeroexp.formulas.device`)."""
     row = _row(name)
     if ds_stage(name) is not None:
@@ -171,7 +173,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
     if row.peak_flow in ("fsdp1", "fsdp2"):
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept,
-                     foreach)
+                     foreach, ahead)
     st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms, foreach)
     if row.groups == "buckets":  # zeroexp's ZeRO
         st["reduce_copies"] = gloo and reduce == "reduce_scatter"
@@ -337,8 +339,10 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
               "checkpointing": checkpointing, "micro_batches": micro_batches, **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
+        knobs = knobs_of(cfg)
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
-                                      in_place, cap, terms, FAKE_GROUP)
+                                      in_place, cap, terms, FAKE_GROUP, knobs.root_kept_after_forward,
+                                      (knobs.forward_prefetch, knobs.backward_prefetch))
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
@@ -352,7 +356,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     steady_by_rank = measured.get("steady_categories_by_rank") or [None] * len(by_rank)
     out_reasons, errs, ranks = [], [], []
     phases: dict[str, Any] = {}
-    reduce = str(cfg.strategy.get("reduce", "reduce_scatter"))
+    reduce, knobs = str(cfg.strategy.get("reduce", "reduce_scatter")), knobs_of(cfg)
     for rank in range(len(by_rank)):  # every rank judged against its own prediction
         got_phases = measured["phases_of_max_rank"] if rank == worst_rank else by_rank[rank]
         if got_phases is None:
@@ -360,8 +364,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         steady_cats = (measured.get("steady_categories_of_max_rank") if rank == worst_rank
                        else steady_by_rank[rank]) or {}
         predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                                   micro_batches, in_place, cap, terms, reduce, knobs_of(cfg).root_kept_after_forward,
-                                   foreach=device.foreach)
+                                   micro_batches, in_place, cap, terms, reduce, knobs.root_kept_after_forward,
+                                   foreach=device.foreach, ahead=(knobs.forward_prefetch, knobs.backward_prefetch))
         judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
                                                  predicted, late)
         out_reasons += [f"rank {rank} {r}" for r in reasons]
@@ -422,7 +426,7 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
           gloo: bool, terms: PrecisionTerms, micro_batches: int = 1, rank: int = 0, root_kept: bool = False,
-          foreach: bool = False) -> dict[str, Any]:
+          foreach: bool = False, ahead: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
     post-order, the root last) beside the shape's (their parameters' own gradients), gathered and reduced in the
     compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``).
@@ -459,7 +463,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
-                                 one_unit=alone, root_kept=root_kept and not alone)
+                                 one_unit=alone, root_kept=root_kept and not alone, ahead=ahead)
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
