@@ -211,26 +211,52 @@ def test_fsdp2_reshard_after_forward_false_or_an_int_is_refused_with_the_reason(
 #: PyTorch's test_fully_shard_comm.py on its Transformer (each block a unit, the root last, the sum loss): forward
 #: all-gathers every unit once; backward again every unit resharded after forward (an int reshard_after_forward as
 #: True: ``elif reshard_after_forward``; None keeps the root), and reduce-scatters every unit once. Explicit prefetch
-#: (TestFullyShardPrefetch's set_modules_to_forward_prefetch / set_modules_to_backward_prefetch) moves the unshards
-#: earlier and leaves each unit's one unshard per pass, so the counts stay.
-@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
-@pytest.mark.parametrize("knobs, n", [
-    (("strategy.reshard_after_forward=2",), 2),
-    (("strategy.reshard_after_forward=3",), 3),
-    (("strategy.forward_prefetch=1",), 2),
-    (("strategy.forward_prefetch=2", "strategy.backward_prefetch=2"), 3),
-    (("strategy.backward_prefetch=1", "strategy.reshard_after_forward=null"), 2),
-])
-def test_fsdp2_int_reshard_and_explicit_prefetch_count_as_pytorchs_own_test(cell, knobs, n):
-    blocks = 2  # MODELS["torch_transformer"]: n_layers=2
-    r = cell(*MODELS["torch_transformer"][0], "model.loss=sum", "strategy=fsdp2_full", *knobs, f"world_size={n}",
-             base=BASE)
+#: (TestFullyShardPrefetch's set_modules_to_forward_prefetch / set_modules_to_backward_prefetch, on 4 blocks) moves
+#: the unshards earlier and leaves each unit's one unshard per pass, so the counts stay.
+DEEP = ("model.args.n_layers=4", "model.args.dim=128")  # 4 blocks, as TestFullyShardPrefetch; units above activations
+
+
+def _pytorchs_counts(r, blocks: int, root_kept: bool) -> None:
     assert r.status == "ok", r.error
-    root_kept = "strategy.reshard_after_forward=null" in knobs
     backward = blocks if root_kept else blocks + 1
     assert r.summary["collectives"]["counts"] == {"all_gather": blocks + 1 + backward, "reduce_scatter": blocks + 1}
     assert r.summary["collectives"]["check"] == "PASS"
     assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("n", [2, 3])
+def test_fsdp2_int_reshard_after_forward_counts_as_pytorchs_own_test(cell, n):
+    """An int equal to world_size: FSDP2 reshards to the whole shard group (_get_post_forward_mesh_info), the root
+    too; the counts of PyTorch's ``reshard_after_forward=2`` subtest, the same bytes and peak as ``true``."""
+    model = (*MODELS["torch_transformer"][0], "model.loss=sum", "strategy=fsdp2_full", f"world_size={n}")
+    r = cell(*model, f"strategy.reshard_after_forward={n}", base=BASE)
+    _pytorchs_counts(r, 2, root_kept=False)  # MODELS["torch_transformer"]: n_layers=2
+    true = cell(*model, base=BASE)
+    assert r.summary["collectives"]["payload_bytes"] == true.summary["collectives"]["payload_bytes"]
+    assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("knobs, n", [
+    (("strategy.forward_prefetch=2", "strategy.backward_prefetch=2"), 3),
+    (("strategy.forward_prefetch=3",), 2),
+    (("strategy.backward_prefetch=2", "strategy.reshard_after_forward=null"), 2),
+])
+def test_fsdp2_explicit_prefetch_counts_as_pytorchs_own_test_and_raises_the_peak(cell, knobs, n):
+    """The counts and bytes of the default cell; every rank's peak PASS against the peak model, whose forward
+    (backward) phase holds the prefetched units' all-gather outputs: above the default cell's prediction."""
+    model = (*MODELS["torch_transformer"][0], *DEEP, "model.loss=sum", "strategy=fsdp2_full", f"world_size={n}")
+    root_kept = "strategy.reshard_after_forward=null" in knobs
+    r = cell(*model, *knobs, base=BASE)
+    _pytorchs_counts(r, 4, root_kept)
+    default = cell(*model, *(k for k in knobs if "prefetch" not in k), base=BASE)
+    assert r.summary["collectives"]["payload_bytes"] == default.summary["collectives"]["payload_bytes"]
+    assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
+    for phase, key in (("forward", "strategy.forward_prefetch"), ("backward", "strategy.backward_prefetch")):
+        ahead = next((int(k.split("=")[1]) for k in knobs if k.startswith(key)), None)
+        got, base = (c.summary["plan"]["memory"]["phases"][phase]["predicted_bytes"] for c in (r, default))
+        assert got > base if ahead and ahead > 1 else got == base, phase
 
 
 @pytest.mark.parametrize("key, value, n, why", [
