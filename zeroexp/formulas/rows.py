@@ -94,6 +94,10 @@ def _twice(root: bool, knobs: PlanKnobs) -> int:
     return 1 if root and knobs.root_kept_after_forward else 2
 
 
+def _twice_always(root: bool, knobs: PlanKnobs) -> int:
+    return 2  # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob
+
+
 #: Every row the planner knows, by name; ``strategy.layout`` of each registered strategy names one. The order is the
 #: ZeRO ladder the report lists cells in: the paper's stages, then replicated first and what each stage shards
 #: (ZeRO-0; ZeRO-1, PyTorch's then zeroexp's; ZeRO-2; SHARD_GRAD_OP; FULL_SHARD, each FSDP1 then FSDP2), DeepSpeed's.
@@ -153,7 +157,7 @@ LAYOUTS: dict[str, StateLayout] = {
                                      source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
     "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                                 hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
-                                precisions=_MIXED, gathers_per_unit=_twice, unit_hooks="fsdp2", hybrid=True,
+                                precisions=_MIXED, gathers_per_unit=_twice_always, unit_hooks="fsdp2", hybrid=True,
                                 source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid",
                                 peak_flow="fsdp2", reshard_after_forward=True),
     **{f"deepspeed_stage{row.deepspeed_stage}": row for row in DEEPSPEED_ROWS},

@@ -30,7 +30,7 @@ from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
-from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig
+from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig, check_fsdp2_prefetch
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -71,15 +71,8 @@ class FSDP2Adapter(StrategyAdapter):
     @classmethod
     def validate(cls, cfg) -> None:
         FSDPAdapter.validate(cfg)  # the wrap classes must import, as for FSDP1
-        ahead = cfg.strategy.get("forward_prefetch", 0)
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise ConfigError("strategy.forward_prefetch", ahead, "an integer >= 0: the wrapped units each unit's "
-                              "pre-forward all-gathers ahead (0: none, FSDP2's default)")
         back = cfg.strategy.get("backward_prefetch")
-        if back is not None and (isinstance(back, bool) or not isinstance(back, int) or back < 1):
-            raise ConfigError("strategy.backward_prefetch", back, "null (FSDP2's implicit prefetch of one unit) or an "
-                              "integer >= 1: the wrapped units each unit's pre-backward all-gathers ahead",
-                              why="an empty list leaves FSDP2's implicit prefetch on" if back == 0 else "")
+        check_fsdp2_prefetch(cfg.strategy.get("forward_prefetch", 0), back)
         if back is not None and cls.reshard_after_forward is False:
             raise ConfigError("strategy.backward_prefetch", back, "null",
                               why=f"strategy={cls.name} keeps every unit unsharded from forward to backward: backward "

@@ -12,7 +12,9 @@ from typing import Any, ClassVar, List, Optional
 
 from omegaconf import MISSING
 
-__all__ = ["SCHEMAS", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set"]
+from zeroexp.errors import ConfigError
+
+__all__ = ["SCHEMAS", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set", "check_fsdp2_prefetch"]
 
 
 @dataclass
@@ -119,6 +121,18 @@ class FSDP2Config(StrategyConfig):
     #: Explicit backward prefetch: each wrapped unit's pre-backward issues the all-gathers of the previous this many
     #: units (``set_modules_to_backward_prefetch``); null: FSDP2's implicit one unit. In the identity only when set.
     backward_prefetch: Optional[int] = field(default=None, metadata={"identity": "when_set"})
+
+
+def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.") -> None:
+    """Refuse FSDP2's explicit prefetch out of range (a cell's ``strategy.forward_prefetch`` / ``backward_prefetch``,
+    the planner's keys of the same names, ``prefix`` ""): forward an integer >= 0, backward null or one >= 1."""
+    if isinstance(forward, bool) or not isinstance(forward, int) or forward < 0:
+        raise ConfigError(f"{prefix}forward_prefetch", forward, "an integer >= 0: the wrapped units each unit's "
+                          "pre-forward all-gathers ahead (0: none, FSDP2's default)")
+    if backward is not None and (isinstance(backward, bool) or not isinstance(backward, int) or backward < 1):
+        raise ConfigError(f"{prefix}backward_prefetch", backward, "null (FSDP2's implicit prefetch of one unit) or "
+                          "an integer >= 1: the wrapped units each unit's pre-backward all-gathers ahead",
+                          why="an empty list leaves FSDP2's implicit prefetch on" if backward == 0 else "")
 
 
 @dataclass
