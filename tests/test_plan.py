@@ -280,3 +280,15 @@ def test_cli_fsdp2_knobs_as_in_a_cell():
                      ("backward_prefetch=0", "backward_prefetch")):
         out = _cli(*args, bad)
         assert out.returncode == 2 and key in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_fsdp2_cpu_offload_policy_is_planned_on_the_host():
+    """offload=full on the FSDP2 rows (CPUOffloadPolicy): the sharded parameters, gradients and optimizer state on
+    the host, none on the device, the same bytes as without; no optimizer-only offload in FSDP2."""
+    for name in ("fsdp2_full", "fsdp2_grad_op"):
+        off, on = (plan(ModelShape.from_count(7_500_000_000), [64], Precision("fp32", "float32"), offload,
+                        [name])[0][0] for offload in ("full", "none"))
+        assert off["device_bytes"] == 0 and off["host_bytes"] == on["device_bytes"] == on["total_bytes"]
+        records, notes = plan(ModelShape.from_count(7_500_000_000), [64], Precision("fp32", "float32"), "optimizer",
+                              [name])
+        assert records == [] and any(name in n and "offload=optimizer" in n for n in notes)

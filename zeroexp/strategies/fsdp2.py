@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zeroexp.errors import ConfigError
+from zeroexp.devices import ranks_get_a_gpu
+from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_unit
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
@@ -68,8 +69,17 @@ class FSDP2Adapter(StrategyAdapter):
         super().__init__(cfg)
         self._mesh: Any = None
 
+    #: offload=full: ``CPUOffloadPolicy()`` (the sharded parameters, their gradients and the optimizer state on the
+    #: host, each unit copied to the device to be all-gathered); needs an accelerator to compute on.
+    offloads = frozenset({"none", "full"})
+
     @classmethod
     def validate(cls, cfg) -> None:
+        if cfg.offload.name == "full" and not ranks_get_a_gpu(cfg):
+            raise NotApplicableHere("offload", "full", "none (on this machine)", why=(
+                "FSDP2's CPUOffloadPolicy keeps the shards in pinned host memory and copies each unit to the device "
+                "to compute; this cell runs on the CPU (no GPU for each rank): pinning raises 'Cannot access "
+                "accelerator device when none is available' (torch 2.13), and without pinning nothing would move"))
         FSDPAdapter.validate(cfg)  # the wrap classes must import, as for FSDP1
         back = cfg.strategy.get("backward_prefetch")
         check_fsdp2_prefetch(cfg.strategy.get("forward_prefetch", 0), back)
@@ -91,6 +101,12 @@ class FSDP2Adapter(StrategyAdapter):
 
         dtype = torch_dtype(self.policy.precision.param_dtype)
         return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype)
+
+    def offload_policy(self) -> Any:
+        """``CPUOffloadPolicy()`` (pinned host shards) for ``offload=full``, else FSDP2's ``OffloadPolicy()``."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        return CPUOffloadPolicy() if self.policy.offload == "full" else OffloadPolicy()
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """CellStrategy; for fp16, Lightning's mixed-precision plugin with a ``ShardedGradScaler``."""
@@ -137,7 +153,7 @@ class FSDP2Adapter(StrategyAdapter):
         root = getattr(module, "net", module)
         classes = tuple(import_class(p) for p in self.policy.wrap)
         kwargs = {"mesh": self._mesh, "reshard_after_forward": self.reshard_after_forward,
-                  "mp_policy": self.mp_policy()}
+                  "mp_policy": self.mp_policy(), "offload_policy": self.offload_policy()}
         units = [m for m in root.modules() if classes and isinstance(m, classes) and m is not root]
         for unit in reversed(units):  # reversed pre-order: every child before its parent
             fully_shard(unit, **kwargs)
