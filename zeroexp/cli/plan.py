@@ -248,8 +248,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         trace, in_place = traces[key]
         phases = worst_rank_phases(name, groups, shape, trace, c, str(cfg.prefetch.name), k, in_place,
                                    knobs.bucket_cap_bytes, terms, device, knobs.root_kept_after_forward and
-                                   LAYOUTS[name].gathers_per_unit(True, knobs) == 1,
-                                   (knobs.forward_prefetch, knobs.backward_prefetch))
+                                   LAYOUTS[name].gathers_per_unit(True, knobs) == 1, knobs)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize,
                                        knobs.bucket_cap_bytes, terms)

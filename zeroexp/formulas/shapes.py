@@ -127,6 +127,15 @@ class PlanKnobs:
     #: Neither changes what is sent, only when (the step-time model's slots) and what is unsharded at once.
     forward_prefetch: int = 0
     backward_prefetch: int = 0
+    #: FSDP2's ``MixedPrecisionPolicy(reduce_dtype=)`` (``strategy.reduce_dtype``): the dtype its gradients are
+    #: reduce-scattered (and, hybrid, all-reduced) in; "": the compute dtype, FSDP2's default
+    reduce_dtype: str = ""
+
+    def reduce_itemsize(self, itemsize: int) -> int:
+        """Bytes per element of the gradients' reduction: ``reduce_dtype``'s, else the compute dtype's ``itemsize``."""
+        from zeroexp.formulas.paper import COMPUTE_ITEMSIZE
+
+        return COMPUTE_ITEMSIZE[self.reduce_dtype] if self.reduce_dtype else itemsize
 
 
 class Shard(NamedTuple):

@@ -38,6 +38,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         root_kept_after_forward="reshard_after_forward" in s and s.get("reshard_after_forward") is None,
         forward_prefetch=int(s.get("forward_prefetch") or 0),
         backward_prefetch=int(s.get("backward_prefetch") or 0),
+        reduce_dtype=str(s.get("reduce_dtype") or ""),
     )
 
 

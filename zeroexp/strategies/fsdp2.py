@@ -31,7 +31,7 @@ from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
-from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig, check_fsdp2_prefetch
+from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -83,6 +83,13 @@ class FSDP2Adapter(StrategyAdapter):
         FSDPAdapter.validate(cfg)  # the wrap classes must import, as for FSDP1
         back = cfg.strategy.get("backward_prefetch")
         check_fsdp2_prefetch(cfg.strategy.get("forward_prefetch", 0), back)
+        for key in ("reduce_dtype", "output_dtype"):
+            check_fsdp2_dtype(f"strategy.{key}", cfg.strategy.get(key))
+        reduce, compute = cfg.strategy.get("reduce_dtype"), str(cfg.precision.param_dtype)
+        if reduce not in (None, "float32", compute):
+            raise ConfigError("strategy.reduce_dtype", reduce, f"null, float32, {compute} (precision.param_dtype)",
+                              why="a reduction below the compute dtype has no model in zeroexp's expectation (the "
+                                  "gradients' cast before the reduce-scatter, the peak) yet")
         if back is not None and cls.reshard_after_forward is False:
             raise ConfigError("strategy.backward_prefetch", back, "null",
                               why=f"strategy={cls.name} keeps every unit unsharded from forward to backward: backward "
@@ -96,11 +103,15 @@ class FSDP2Adapter(StrategyAdapter):
             self._mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
     def mp_policy(self) -> Any:
-        """``MixedPrecisionPolicy``: compute (and reduce) in the precision's ``param_dtype``; fp32 shards."""
+        """``MixedPrecisionPolicy``: compute in the precision's ``param_dtype``; fp32 shards; reduce in
+        ``strategy.reduce_dtype`` (null: the compute dtype), outputs cast to ``strategy.output_dtype`` (null: none)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         dtype = torch_dtype(self.policy.precision.param_dtype)
-        return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype)
+        reduce, output = self.config.reduce_dtype, self.config.output_dtype
+        return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype,
+                                    reduce_dtype=None if reduce is None else torch_dtype(reduce),
+                                    output_dtype=None if output is None else torch_dtype(output))
 
     def offload_policy(self) -> Any:
         """``CPUOffloadPolicy()`` (pinned host shards) for ``offload=full``, else FSDP2's ``OffloadPolicy()``."""

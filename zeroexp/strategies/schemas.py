@@ -14,7 +14,8 @@ from omegaconf import MISSING
 
 from zeroexp.errors import ConfigError
 
-__all__ = ["SCHEMAS", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set", "check_fsdp2_prefetch"]
+__all__ = ["SCHEMAS", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set", "check_fsdp2_prefetch",
+           "check_fsdp2_dtype"]
 
 
 @dataclass
@@ -121,6 +122,11 @@ class FSDP2Config(StrategyConfig):
     #: Explicit backward prefetch: each wrapped unit's pre-backward issues the all-gathers of the previous this many
     #: units (``set_modules_to_backward_prefetch``); null: FSDP2's implicit one unit. In the identity only when set.
     backward_prefetch: Optional[int] = field(default=None, metadata={"identity": "when_set"})
+    #: ``MixedPrecisionPolicy(reduce_dtype=)``: the dtype gradients are reduce-scattered in (float32, bfloat16,
+    #: float16); null: the compute dtype (precision.param_dtype), FSDP2's default. In the identity only when set.
+    reduce_dtype: Optional[str] = field(default=None, metadata={"identity": "when_set"})
+    #: ``MixedPrecisionPolicy(output_dtype=)``: the dtype each unit's forward outputs are cast to; null: none.
+    output_dtype: Optional[str] = field(default=None, metadata={"identity": "when_set"})
 
 
 def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.") -> None:
@@ -133,6 +139,16 @@ def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.")
         raise ConfigError(f"{prefix}backward_prefetch", backward, "null (FSDP2's implicit prefetch of one unit) or "
                           "an integer >= 1: the wrapped units each unit's pre-backward all-gathers ahead",
                           why="an empty list leaves FSDP2's implicit prefetch on" if backward == 0 else "")
+
+
+#: The dtypes FSDP2's MixedPrecisionPolicy may reduce in or cast outputs to (gloo reduces each).
+FSDP2_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_fsdp2_dtype(key: str, value: Any) -> None:
+    """Refuse a ``reduce_dtype`` / ``output_dtype`` (``key``, its full name) that is no float dtype FSDP2 casts to."""
+    if value is not None and value not in FSDP2_DTYPES:
+        raise ConfigError(key, value, f"null, {', '.join(FSDP2_DTYPES)}")
 
 
 @dataclass
