@@ -265,6 +265,9 @@ def test_fsdp2_explicit_prefetch_counts_as_pytorchs_own_test_and_raises_the_peak
     ("reshard_after_forward", "2", 4, "no model"),
     ("forward_prefetch", "-1", 2, "an integer >= 0"),
     ("backward_prefetch", "0", 2, "implicit prefetch on"),
+    ("reduce_dtype", "float64", 2, "bfloat16"),
+    ("reduce_dtype", "bfloat16", 2, "below the compute dtype"),
+    ("output_dtype", "int8", 2, "float16"),
 ])
 def test_fsdp2_knobs_out_of_range_are_refused_naming_the_key(compose, key, value, n, why):
     from zeroexp.config.schemas import validate
@@ -280,3 +283,30 @@ def test_fsdp2_grad_op_refuses_backward_prefetch_with_the_reason(compose):
     with pytest.raises(ConfigError, match="gathers nothing") as e:
         validate(compose("strategy=fsdp2_grad_op", "strategy.backward_prefetch=1", "world_size=2", base=BASE))
     assert e.value.key == "strategy.backward_prefetch"
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("n", [2, 3])
+def test_fsdp2_reduce_dtype_reduces_in_fp32_under_bf16(cell, n):
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (strategy.reduce_dtype=float32): gloo
+    reduce-scatters fp32, twice the bf16 default's bytes, the all-gathers unchanged; every check and every rank's
+    peak PASS."""
+    model = (*MODELS["torch_transformer"][0], *DEEP, "strategy=fsdp2_full", "precision=bf16", f"world_size={n}")
+    r, default = cell(*model, "strategy.reduce_dtype=float32", base=BASE), cell(*model, base=BASE)
+    assert r.status == "ok", r.error
+    co, bf16 = r.summary["collectives"], default.summary["collectives"]
+    assert co["dtypes"]["reduce_scatter"] == "float32" and co["dtypes"]["all_gather"] == "bfloat16"
+    assert co["payload_bytes"]["reduce_scatter"] == 2 * bf16["payload_bytes"]["reduce_scatter"]
+    assert co["payload_bytes"]["all_gather"] == bf16["payload_bytes"]["all_gather"]
+    assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
+    assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+def test_fsdp2_output_dtype_runs_and_says_the_peak_is_not_modelled(cell):
+    r = cell(*MODELS["torch_transformer"][0], "strategy=fsdp2_full", "precision=bf16", "strategy.output_dtype=float32",
+             "world_size=2", base=BASE)
+    assert r.status == "ok", r.error
+    assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
+    memory = r.summary["plan"]["memory"]
+    assert memory["check"] == "n/a" and "strategy.output_dtype=float32" in memory["reasons"][0]

@@ -250,8 +250,8 @@ def _uncovered_cell(cfg: Any, name: str) -> list[str]:
     """:func:`uncovered` for a composed cell of row ``name``."""
     ac = cfg.get("activation_checkpointing")
     cast = cfg.strategy.get("output_dtype")
-    why = [] if cast is None else [f"no peak model yet for strategy.output_dtype={cast}: FSDP2 casts each unit's "
-                                   "forward outputs, the traced step does not"]
+    why = [] if cast is None else [f"no peak model yet for strategy.output_dtype={cast}: FSDP2 casts the model's "
+                                   "outputs, the traced step does not"]
     return why + uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
                            bool(cfg.strategy.get("use_orig_params", False)),
                            str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),

@@ -102,13 +102,15 @@ class FSDP2Adapter(StrategyAdapter):
 
             self._mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
-    def mp_policy(self) -> Any:
+    def mp_policy(self, root: bool = False) -> Any:
         """``MixedPrecisionPolicy``: compute in the precision's ``param_dtype``; fp32 shards; reduce in
-        ``strategy.reduce_dtype`` (null: the compute dtype), outputs cast to ``strategy.output_dtype`` (null: none)."""
+        ``strategy.reduce_dtype`` (null: the compute dtype); the ``root``'s outputs cast to ``strategy.output_dtype``
+        (null: none). Only the root's: a unit's cast outputs would reach the root's own modules (a final norm) in a
+        dtype other than their parameters' (torch: "mixed dtype (CPU)"), as torchtitan sets it on the root alone."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         dtype = torch_dtype(self.policy.precision.param_dtype)
-        reduce, output = self.config.reduce_dtype, self.config.output_dtype
+        reduce, output = self.config.reduce_dtype, self.config.output_dtype if root else None
         return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype,
                                     reduce_dtype=None if reduce is None else torch_dtype(reduce),
                                     output_dtype=None if output is None else torch_dtype(output))
@@ -168,7 +170,7 @@ class FSDP2Adapter(StrategyAdapter):
         units = [m for m in root.modules() if classes and isinstance(m, classes) and m is not root]
         for unit in reversed(units):  # reversed pre-order: every child before its parent
             fully_shard(unit, **kwargs)
-        fully_shard(root, **kwargs)
+        fully_shard(root, **{**kwargs, "mp_policy": self.mp_policy(root=True)})
         self._explicit_prefetch(units)
         self._trace = UnitTrace(root, [*units, root])
         return module

@@ -125,7 +125,8 @@ class FSDP2Config(StrategyConfig):
     #: ``MixedPrecisionPolicy(reduce_dtype=)``: the dtype gradients are reduce-scattered in (float32, bfloat16,
     #: float16); null: the compute dtype (precision.param_dtype), FSDP2's default. In the identity only when set.
     reduce_dtype: Optional[str] = field(default=None, metadata={"identity": "when_set"})
-    #: ``MixedPrecisionPolicy(output_dtype=)``: the dtype each unit's forward outputs are cast to; null: none.
+    #: ``MixedPrecisionPolicy(output_dtype=)`` of the root: the dtype the model's forward outputs are cast to (the
+    #: loss computed in it); null: none. In the identity only when set.
     output_dtype: Optional[str] = field(default=None, metadata={"identity": "when_set"})
 
 
