@@ -258,9 +258,10 @@ def test_cli_refuses_bad_input_with_exit_2(args, key):
 
 
 def test_cli_fsdp2_knobs_as_in_a_cell():
-    """The planner's ``reshard_after_forward``, ``forward_prefetch`` and ``backward_prefetch`` are a cell's
-    ``strategy.*`` keys of the FSDP2 rows: null gathers fsdp2_full's root once (fsdp2_hybrid passes true: unchanged);
-    prefetch sends the same and raises the planned peak of the phase it prefetches in; bad values exit 2."""
+    """The planner's ``reshard_after_forward``, ``forward_prefetch``, ``backward_prefetch`` and ``reduce_dtype`` are
+    a cell's ``strategy.*`` keys of the FSDP2 rows: null gathers fsdp2_full's root once (fsdp2_hybrid passes true:
+    unchanged); prefetch sends the same and raises the planned peak of the phase it prefetches in; reduce_dtype=float32
+    under bf16 doubles what is reduced; bad values exit 2."""
     args = ("model=gpt", "model.n_embd=128", "world_size=4", "batch_size=2", "shard_size=2", "format=json",
             "strategies=[fsdp2_full,fsdp2_hybrid]")
 
@@ -275,9 +276,15 @@ def test_cli_fsdp2_knobs_as_in_a_cell():
     for name in ("fsdp2_full", "fsdp2_hybrid"):
         assert ahead[name]["payload_bytes"] == default[name]["payload_bytes"]
         assert all(ahead[name]["phase_bytes"][ph] > default[name]["phase_bytes"][ph] for ph in ("forward", "backward"))
+    bf16, fp32 = rows("precision=bf16"), rows("precision=bf16", "reduce_dtype=float32")  # reduced in fp32
+    for name in ("fsdp2_full", "fsdp2_hybrid"):
+        assert {op: 2 * b for op, b in bf16[name]["payload_bytes"].items() if op != "all_gather"} == \
+            {op: b for op, b in fp32[name]["payload_bytes"].items() if op != "all_gather"}
+        assert fp32[name]["payload_bytes"]["all_gather"] == bf16[name]["payload_bytes"]["all_gather"]
+        assert fp32[name]["phase_bytes"]["backward"] > bf16[name]["phase_bytes"]["backward"]
     for bad, key in (("reshard_after_forward=false", "reshard_after_forward"), ("forward_prefetch=-1",
                                                                                   "forward_prefetch"),
-                     ("backward_prefetch=0", "backward_prefetch")):
+                     ("backward_prefetch=0", "backward_prefetch"), ("reduce_dtype=bfloat16", "reduce_dtype")):
         out = _cli(*args, bad)
         assert out.returncode == 2 and key in out.stderr and "Traceback" not in out.stderr, out.stderr
 

@@ -51,6 +51,7 @@ class PlanConfig:
     reshard_after_forward: Any = True
     forward_prefetch: Any = 0  # units each unit's pre-forward all-gathers ahead (0: FSDP2's default, none)
     backward_prefetch: Any = None  # units each unit's pre-backward all-gathers ahead (null: FSDP2's implicit one)
+    reduce_dtype: Any = None  # FSDP2 rows: MixedPrecisionPolicy's reduce dtype (null: precision.param_dtype)
 
 
 def register() -> None:
@@ -105,7 +106,7 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
 
 def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true or null (an int equal
-    to world_size is true, as FSDP2 takes it), ``forward_prefetch``, ``backward_prefetch``."""
+    to world_size is true, as FSDP2 takes it), ``forward_prefetch``, ``backward_prefetch``, ``reduce_dtype``."""
     from zeroexp.strategies.schemas import check_fsdp2_prefetch
 
     if cfg.reshard_after_forward not in (True, None):
@@ -113,8 +114,12 @@ def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
                           "fsdp2_full root kept unsharded from forward to backward)",
                           why="an int equal to world_size is true; false is the fsdp2_grad_op row")
     check_fsdp2_prefetch(cfg.forward_prefetch, cfg.backward_prefetch, prefix="")
+    if cfg.reduce_dtype not in (None, "float32", cfg.precision.param_dtype):
+        raise ConfigError("reduce_dtype", cfg.reduce_dtype, "null, float32 or precision.param_dtype",
+                          why="as a cell's strategy.reduce_dtype: no reduction below the compute dtype")
     return {"root_kept_after_forward": cfg.reshard_after_forward is None,
-            "forward_prefetch": int(cfg.forward_prefetch), "backward_prefetch": int(cfg.backward_prefetch or 0)}
+            "forward_prefetch": int(cfg.forward_prefetch), "backward_prefetch": int(cfg.backward_prefetch or 0),
+            "reduce_dtype": str(cfg.reduce_dtype or "")}
 
 
 def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:

@@ -33,7 +33,8 @@ def hybrid_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) 
     reduce-scattered and all-reduced once per step under ``no_sync``, every micro-batch with
     ``strategy.sync_each_microbatch``."""
     def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
-        s, k, each, r = g.shard_over, knobs.micro_batches, knobs.sync_each_microbatch, knobs.reduce_itemsize(c)
+        s, k, each = g.shard_over, knobs.micro_batches, knobs.sync_each_microbatch
+        r = knobs.reduce_itemsize(c) if dtensor_grads else c  # FSDP2's reduce_dtype; FSDP1 reduces in c
         shard, replicate = (MESH_DIMS[1], s), (MESH_DIMS[0], g.world_size // s)
         gathered, reduced = (1 if kept_under_no_sync and not each else k), (k if each else 1)
         model: Collectives = {}

@@ -436,7 +436,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     fsdp_no_sync_phase_peaks`)."""
     # sharded over the shard group (hybrid sharding: shard_size ranks; else all); the gradient shards: AdamW's dtype
     n, kept, row, adamw = groups.shard_over, ADAMW["optimizer_itemsize"], _row(name), {**ADAMW, "foreach": foreach}
-    r = knobs.reduce_itemsize(itemsize)  # FSDP2's reduce_dtype: its reduce-scatter's input and output shard
+    # FSDP2's reduce_dtype: its reduce-scatter's input and output shard (FSDP1 reduces in the compute dtype)
+    r = knobs.reduce_itemsize(itemsize) if row.peak_flow == "fsdp2" else itemsize
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
