@@ -199,10 +199,114 @@ def test_fsdp2_reshard_after_forward_counts_as_pytorchs_own_test(cell, reshard, 
     assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
 
 
-@pytest.mark.parametrize("value, why", [("false", "fsdp2_grad_op"), ("2", "hpZ")])
+@pytest.mark.parametrize("value, why", [("false", "fsdp2_grad_op"), ("1", "fsdp2_grad_op")])
 def test_fsdp2_reshard_after_forward_false_or_an_int_is_refused_with_the_reason(compose, value, why):
     from zeroexp.config.schemas import validate
 
     with pytest.raises(ConfigError, match=why) as e:
         validate(compose("strategy=fsdp2_full", f"strategy.reshard_after_forward={value}", "world_size=2", base=BASE))
     assert e.value.key == "strategy.reshard_after_forward"
+
+
+#: PyTorch's test_fully_shard_comm.py on its Transformer (each block a unit, the root last, the sum loss): forward
+#: all-gathers every unit once; backward again every unit resharded after forward (an int reshard_after_forward as
+#: True: ``elif reshard_after_forward``; None keeps the root), and reduce-scatters every unit once. Explicit prefetch
+#: (TestFullyShardPrefetch's set_modules_to_forward_prefetch / set_modules_to_backward_prefetch, on 4 blocks) moves
+#: the unshards earlier and leaves each unit's one unshard per pass, so the counts stay.
+DEEP = ("model.args.n_layers=4", "model.args.dim=128")  # 4 blocks, as TestFullyShardPrefetch; units above activations
+
+
+def _pytorchs_counts(r, blocks: int, root_kept: bool) -> None:
+    assert r.status == "ok", r.error
+    backward = blocks if root_kept else blocks + 1
+    assert r.summary["collectives"]["counts"] == {"all_gather": blocks + 1 + backward, "reduce_scatter": blocks + 1}
+    assert r.summary["collectives"]["check"] == "PASS"
+    assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("n", [2, 3])
+def test_fsdp2_int_reshard_after_forward_counts_as_pytorchs_own_test(cell, n):
+    """An int equal to world_size: FSDP2 reshards to the whole shard group (_get_post_forward_mesh_info), the root
+    too; the counts of PyTorch's ``reshard_after_forward=2`` subtest, the same bytes and peak as ``true``."""
+    model = (*MODELS["torch_transformer"][0], "model.loss=sum", "strategy=fsdp2_full", f"world_size={n}")
+    r = cell(*model, f"strategy.reshard_after_forward={n}", base=BASE)
+    _pytorchs_counts(r, 2, root_kept=False)  # MODELS["torch_transformer"]: n_layers=2
+    true = cell(*model, base=BASE)
+    assert r.summary["collectives"]["payload_bytes"] == true.summary["collectives"]["payload_bytes"]
+    assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("knobs, n", [
+    (("strategy.forward_prefetch=2", "strategy.backward_prefetch=2"), 3),
+    (("strategy.forward_prefetch=3",), 2),
+    (("strategy.backward_prefetch=2", "strategy.reshard_after_forward=null"), 2),
+])
+def test_fsdp2_explicit_prefetch_counts_as_pytorchs_own_test_and_raises_the_peak(cell, knobs, n):
+    """The counts and bytes of the default cell; every rank's peak PASS against the peak model, whose forward
+    (backward) phase holds the prefetched units' all-gather outputs: above the default cell's prediction."""
+    model = (*MODELS["torch_transformer"][0], *DEEP, "model.loss=sum", "strategy=fsdp2_full", f"world_size={n}")
+    root_kept = "strategy.reshard_after_forward=null" in knobs
+    r = cell(*model, *knobs, base=BASE)
+    _pytorchs_counts(r, 4, root_kept)
+    default = cell(*model, *(k for k in knobs if "prefetch" not in k), base=BASE)
+    assert r.summary["collectives"]["payload_bytes"] == default.summary["collectives"]["payload_bytes"]
+    assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
+    for phase, key in (("forward", "strategy.forward_prefetch"), ("backward", "strategy.backward_prefetch")):
+        ahead = next((int(k.split("=")[1]) for k in knobs if k.startswith(key)), None)
+        got, base = (c.summary["plan"]["memory"]["phases"][phase]["predicted_bytes"] for c in (r, default))
+        assert got > base if ahead and ahead > 1 else got == base, phase
+
+
+@pytest.mark.parametrize("key, value, n, why", [
+    ("reshard_after_forward", "1", 2, "takes the int 1 as False"),
+    ("reshard_after_forward", "3", 2, "a divisor of world_size=2"),
+    ("reshard_after_forward", "2", 4, "no model"),
+    ("forward_prefetch", "-1", 2, "an integer >= 0"),
+    ("backward_prefetch", "0", 2, "implicit prefetch on"),
+    ("reduce_dtype", "float64", 2, "bfloat16"),
+    ("reduce_dtype", "bfloat16", 2, "below the compute dtype"),
+    ("output_dtype", "int8", 2, "float16"),
+])
+def test_fsdp2_knobs_out_of_range_are_refused_naming_the_key(compose, key, value, n, why):
+    from zeroexp.config.schemas import validate
+
+    with pytest.raises(ConfigError, match=why) as e:
+        validate(compose("strategy=fsdp2_full", f"strategy.{key}={value}", f"world_size={n}", base=BASE))
+    assert e.value.key == f"strategy.{key}"
+
+
+def test_fsdp2_grad_op_refuses_backward_prefetch_with_the_reason(compose):
+    from zeroexp.config.schemas import validate
+
+    with pytest.raises(ConfigError, match="gathers nothing") as e:
+        validate(compose("strategy=fsdp2_grad_op", "strategy.backward_prefetch=1", "world_size=2", base=BASE))
+    assert e.value.key == "strategy.backward_prefetch"
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+@pytest.mark.parametrize("n", [2, 3])
+def test_fsdp2_reduce_dtype_reduces_in_fp32_under_bf16(cell, n):
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (strategy.reduce_dtype=float32): gloo
+    reduce-scatters fp32, twice the bf16 default's bytes, the all-gathers unchanged; every check and every rank's
+    peak PASS."""
+    model = (*MODELS["torch_transformer"][0], *DEEP, "strategy=fsdp2_full", "precision=bf16", f"world_size={n}")
+    r, default = cell(*model, "strategy.reduce_dtype=float32", base=BASE), cell(*model, base=BASE)
+    assert r.status == "ok", r.error
+    co, bf16 = r.summary["collectives"], default.summary["collectives"]
+    assert co["dtypes"]["reduce_scatter"] == "float32" and co["dtypes"]["all_gather"] == "bfloat16"
+    assert co["payload_bytes"]["reduce_scatter"] == 2 * bf16["payload_bytes"]["reduce_scatter"]
+    assert co["payload_bytes"]["all_gather"] == bf16["payload_bytes"]["all_gather"]
+    assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
+    assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+def test_fsdp2_output_dtype_runs_and_says_the_peak_is_not_modelled(cell):
+    r = cell(*MODELS["torch_transformer"][0], "strategy=fsdp2_full", "precision=bf16", "strategy.output_dtype=float32",
+             "world_size=2", base=BASE)
+    assert r.status == "ok", r.error
+    assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
+    memory = r.summary["plan"]["memory"]
+    assert memory["check"] == "n/a" and "strategy.output_dtype=float32" in memory["reasons"][0]

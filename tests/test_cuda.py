@@ -66,6 +66,15 @@ def test_fsdp_cpu_offload(cell):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.skipif(GPUS < 2, reason="FSDP2 CPUOffloadPolicy at N=2 needs two GPUs")
+def test_fsdp2_cpu_offload_policy(cell):
+    r = cell("strategy=fsdp2_full", "world_size=2", "device=cuda", "offload=full")
+    _checks_pass(r)
+    assert r.summary["state"]["placement"]["param"]["host_bytes"] > 0
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.skipif(GPUS < 2, reason="DeepSpeed fp16 at N=2 needs two GPUs")
 def test_deepspeed_fp16(cell):
     if not _deepspeed():

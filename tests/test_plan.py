@@ -255,3 +255,47 @@ def test_cli_refuses_bad_input_with_exit_2(args, key):
     out = _cli(*args)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert key in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_fsdp2_knobs_as_in_a_cell():
+    """The planner's ``reshard_after_forward``, ``forward_prefetch``, ``backward_prefetch`` and ``reduce_dtype`` are
+    a cell's ``strategy.*`` keys of the FSDP2 rows: null gathers fsdp2_full's root once (fsdp2_hybrid passes true:
+    unchanged); prefetch sends the same and raises the planned peak of the phase it prefetches in; reduce_dtype=float32
+    under bf16 doubles what is reduced; bad values exit 2."""
+    args = ("model=gpt", "model.n_embd=128", "world_size=4", "batch_size=2", "shard_size=2", "format=json",
+            "strategies=[fsdp2_full,fsdp2_hybrid]")
+
+    def rows(*more: str) -> dict[str, dict]:
+        out = _cli(*args, *more)
+        assert out.returncode == 0, out.stderr
+        return {r["strategy"]: r for r in json.loads(out.stdout)}
+
+    default, kept, ahead = rows(), rows("reshard_after_forward=null"), rows("forward_prefetch=3", "backward_prefetch=3")
+    assert kept["fsdp2_full"]["counts"]["all_gather"] == default["fsdp2_full"]["counts"]["all_gather"] - 1
+    assert kept["fsdp2_hybrid"]["counts"] == default["fsdp2_hybrid"]["counts"]
+    for name in ("fsdp2_full", "fsdp2_hybrid"):
+        assert ahead[name]["payload_bytes"] == default[name]["payload_bytes"]
+        assert all(ahead[name]["phase_bytes"][ph] > default[name]["phase_bytes"][ph] for ph in ("forward", "backward"))
+    bf16, fp32 = rows("precision=bf16"), rows("precision=bf16", "reduce_dtype=float32")  # reduced in fp32
+    for name in ("fsdp2_full", "fsdp2_hybrid"):
+        assert {op: 2 * b for op, b in bf16[name]["payload_bytes"].items() if op != "all_gather"} == \
+            {op: b for op, b in fp32[name]["payload_bytes"].items() if op != "all_gather"}
+        assert fp32[name]["payload_bytes"]["all_gather"] == bf16[name]["payload_bytes"]["all_gather"]
+        assert fp32[name]["phase_bytes"]["backward"] > bf16[name]["phase_bytes"]["backward"]
+    for bad, key in (("reshard_after_forward=false", "reshard_after_forward"), ("forward_prefetch=-1",
+                                                                                  "forward_prefetch"),
+                     ("backward_prefetch=0", "backward_prefetch"), ("reduce_dtype=bfloat16", "reduce_dtype")):
+        out = _cli(*args, bad)
+        assert out.returncode == 2 and key in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_fsdp2_cpu_offload_policy_is_planned_on_the_host():
+    """offload=full on the FSDP2 rows (CPUOffloadPolicy): the sharded parameters, gradients and optimizer state on
+    the host, none on the device, the same bytes as without; no optimizer-only offload in FSDP2."""
+    for name in ("fsdp2_full", "fsdp2_grad_op"):
+        off, on = (plan(ModelShape.from_count(7_500_000_000), [64], Precision("fp32", "float32"), offload,
+                        [name])[0][0] for offload in ("full", "none"))
+        assert off["device_bytes"] == 0 and off["host_bytes"] == on["device_bytes"] == on["total_bytes"]
+        records, notes = plan(ModelShape.from_count(7_500_000_000), [64], Precision("fp32", "float32"), "optimizer",
+                              [name])
+        assert records == [] and any(name in n and "offload=optimizer" in n for n in notes)

@@ -59,3 +59,9 @@ def test_fsdp_offload_is_refused_on_a_cpu_only_machine(compose):
         validate(compose(*N2, "strategy=fsdp_full", "offload=optimizer"))
     with pytest.raises(ConfigError, match="offload"):
         validate(compose(*N2, "strategy=ddp", "offload=full"))
+    for strategy in ("fsdp2_full", "fsdp2_grad_op"):  # CPUOffloadPolicy pins host memory: no accelerator here
+        with pytest.raises(NotApplicableHere, match="Cannot access accelerator device") as e:
+            validate(compose(*N2, f"strategy={strategy}", "offload=full"))
+        assert e.value.key == "offload"
+    with pytest.raises(ConfigError, match="strategy=fsdp2_full does not implement it"):
+        validate(compose(*N2, "strategy=fsdp2_full", "offload=optimizer"))

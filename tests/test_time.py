@@ -115,6 +115,27 @@ def test_overlap_rules_order_the_strategies():
     assert no.step_s == pytest.approx(no.forward_s + no.backward_s + no.optimizer_s + no.comm_s)
 
 
+def test_fsdp2_explicit_prefetch_issues_all_gathers_earlier_and_sends_the_same():
+    """FSDP2's explicit prefetch (k units ahead) moves each all_gather's issue k units earlier in forward and
+    backward, never its need or its bytes; 1 ahead is the default rule; with overlap the step is no longer."""
+    from zeroexp.formulas import collective_slots
+    from zeroexp.results.calibration import Calibration
+
+    layout = LAYOUTS["fsdp2_full"]
+    groups = derive_groups("fsdp2_full", layout, MLP, 2, 4, PlanKnobs())
+    slots = {a: collective_slots(layout, groups, "pre", 1.0, 2.0, 1.0, a)[0] for a in ((0, 0), (1, 1), (3, 2))}
+    assert slots[(0, 0)] == slots[(1, 1)]
+    same = [(s.op, s.weight, s.need_s) for s in slots[(0, 0)]]
+    assert [(s.op, s.weight, s.need_s) for s in slots[(3, 2)]] == same
+    issues = [(a.issue_s, b.issue_s) for a, b in zip(slots[(0, 0)], slots[(3, 2)]) if a.op == "all_gather"]
+    assert all(b <= a for a, b in issues) and any(b < a for a, b in issues[1:8])  # forward: 3 units ahead
+    assert any(b < a for a, b in issues[8:])  # backward: 2 units ahead
+    cal = Calibration("given", calibration_data(overlap=True))
+    coll = step_collectives(layout, groups, 4, PlanKnobs())
+    t = {a: predict_step(layout, groups, coll, cal.rate, 8, cal.seconds_at(2), True, ahead=a) for a in ((0, 0), (3, 2))}
+    assert t[(3, 2)].comm_s == t[(0, 0)].comm_s and t[(3, 2)].step_s <= t[(0, 0)].step_s
+
+
 def test_time_check_on_given_numbers():
     assert time_check(100.0, 100.0, (98.0, 103.0), 40) == ("PASS", [])
     assert time_check(124.0, 100.0, (95.0, 105.0), 40)[0] == "PASS"

@@ -49,6 +49,11 @@ class PlanConfig:
     compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
     prefetch: Any = MISSING  # pre | post | none (the runner's group): fsdp_full's backward prefetch, as in a cell
     foreach: Any = None  # cuda: AdamW's foreach update (null, true: torch's CUDA default; false: single-tensor)
+    # FSDP2 rows, as a cell's strategy.* keys: true | null (fsdp2_full: the root kept unsharded forward to backward)
+    reshard_after_forward: Any = True
+    forward_prefetch: Any = 0  # units each unit's pre-forward all-gathers ahead (0: FSDP2's default, none)
+    backward_prefetch: Any = None  # units each unit's pre-backward all-gathers ahead (null: FSDP2's implicit one)
+    reduce_dtype: Any = None  # FSDP2 rows: MixedPrecisionPolicy's reduce dtype (null: precision.param_dtype)
 
 
 def register() -> None:
@@ -101,6 +106,24 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
     return shape, str(cfg.model.name)
 
 
+def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
+    """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true or null (an int equal
+    to world_size is true, as FSDP2 takes it), ``forward_prefetch``, ``backward_prefetch``, ``reduce_dtype``."""
+    from zeroexp.strategies.schemas import check_fsdp2_prefetch
+
+    if cfg.reshard_after_forward not in (True, None):
+        raise ConfigError("reshard_after_forward", cfg.reshard_after_forward, "true, null (FSDP2's default: the "
+                          "fsdp2_full root kept unsharded from forward to backward)",
+                          why="an int equal to world_size is true; false is the fsdp2_grad_op row")
+    check_fsdp2_prefetch(cfg.forward_prefetch, cfg.backward_prefetch, prefix="")
+    if cfg.reduce_dtype not in (None, "float32", cfg.precision.param_dtype):
+        raise ConfigError("reduce_dtype", cfg.reduce_dtype, "null, float32 or precision.param_dtype",
+                          why="as a cell's strategy.reduce_dtype: no reduction below the compute dtype")
+    return {"root_kept_after_forward": cfg.reshard_after_forward is None,
+            "forward_prefetch": int(cfg.forward_prefetch), "backward_prefetch": int(cfg.backward_prefetch or 0),
+            "reduce_dtype": str(cfg.reduce_dtype or "")}
+
+
 def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     """Validate a composed plan config and plan it; raises :class:`ConfigError` on bad input."""
     for key, accepted in (("units", tuple(UNITS)), ("format", ("table", "json"))):
@@ -135,7 +158,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         memory = parse_bytes(network.device_memory)
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
-                      micro_batches=accum)
+                      micro_batches=accum, **_fsdp2_knobs(cfg))
     precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
     records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
                           model)
@@ -241,7 +264,8 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
             traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k, dtype, terms)
         trace, in_place = traces[key]
         phases = worst_rank_phases(name, groups, shape, trace, c, str(cfg.prefetch.name), k, in_place,
-                                   knobs.bucket_cap_bytes, terms, device)
+                                   knobs.bucket_cap_bytes, terms, device, knobs.root_kept_after_forward and
+                                   LAYOUTS[name].gathers_per_unit(True, knobs) == 1, knobs)
         top = max(phases, key=lambda ph: phases[ph]["bytes"])
         buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize,
                                        knobs.bucket_cap_bytes, terms)

@@ -25,21 +25,23 @@ WORLD = "world"
 def hybrid_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) -> Payload:
     """HSDP [FSDP, FSDP2]: per unit of b padded bytes (padded to shard_size), its all_gathers S = b and one
     reduce_scatter S = b over the shard group, one all_reduce S = b / shard_size (the gradient shard) over the
-    replicate group; fp16 adds the loss scaler's found_inf all_reduce over the world and, with DTensor gradients
-    (FSDP2), DTensor's own over the shard group (:func:`fp16_inf_syncs`); clipping one norm all_reduce over the shard
-    group (:func:`clip_norm_all_reduces`). ``grad_accum=K``: as FSDP's (:func:`~zeroexp.formulas.layout.gather_units`),
-    every micro-batch gathers its units again (``kept_under_no_sync``, _HYBRID_SHARD_ZERO2 under ``no_sync``: once
-    per step); the gradients are reduce-scattered and all-reduced once per step under ``no_sync``, every micro-batch
-    with ``strategy.sync_each_microbatch``."""
+    replicate group (both in FSDP2's ``reduce_dtype`` where set); fp16 adds the loss scaler's found_inf all_reduce
+    over the world and, with DTensor gradients (FSDP2), DTensor's own over the shard group (:func:`fp16_inf_syncs`);
+    clipping one norm all_reduce over the shard group (:func:`clip_norm_all_reduces`). ``grad_accum=K``: as FSDP's
+    (:func:`~zeroexp.formulas.layout.gather_units`), every micro-batch gathers its units again
+    (``kept_under_no_sync``, _HYBRID_SHARD_ZERO2 under ``no_sync``: once per step); the gradients are
+    reduce-scattered and all-reduced once per step under ``no_sync``, every micro-batch with
+    ``strategy.sync_each_microbatch``."""
     def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
         s, k, each = g.shard_over, knobs.micro_batches, knobs.sync_each_microbatch
+        r = knobs.reduce_itemsize(c) if dtensor_grads else c  # FSDP2's reduce_dtype; FSDP1 reduces in c
         shard, replicate = (MESH_DIMS[1], s), (MESH_DIMS[0], g.world_size // s)
         gathered, reduced = (1 if kept_under_no_sync and not each else k), (k if each else 1)
         model: Collectives = {}
         add_collectives(model, "all_gather", [u.numel * c for u in g.units for _ in range(u.gathers * gathered)],
                         shard)
-        add_collectives(model, "reduce_scatter", [u.scattered * c for u in g.units if u.scattered] * reduced, shard)
-        add_collectives(model, "all_reduce", [u.scattered // s * c for u in g.units if u.scattered] * reduced,
+        add_collectives(model, "reduce_scatter", [u.scattered * r for u in g.units if u.scattered] * reduced, shard)
+        add_collectives(model, "all_reduce", [u.scattered // s * r for u in g.units if u.scattered] * reduced,
                         replicate)
         syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
         # ShardedGradScaler's found_inf over the world; DTensor's own inf check (FSDP2) over the gradients' Partial

@@ -450,14 +450,16 @@ def gather_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) 
     FSDP2's ``get_total_norm`` stacks one partial norm per gradient DTensor, made whole by one all_reduce (4 bytes
     each). ``grad_accum=K``: every micro-batch gathers its units again (FSDP1 SHARD_GRAD_OP under ``no_sync``,
     ``kept_under_no_sync``, keeps them unsharded to the step's last instead: once per step); the gradients are
-    reduce-scattered once per step under ``no_sync``, every micro-batch with ``strategy.sync_each_microbatch``."""
+    reduce-scattered once per step under ``no_sync``, every micro-batch with ``strategy.sync_each_microbatch``;
+    FSDP2's (``dtensor_grads``) in its ``reduce_dtype`` where set (:meth:`PlanKnobs.reduce_itemsize`)."""
     def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
         k, each = knobs.micro_batches, knobs.sync_each_microbatch
+        r = knobs.reduce_itemsize(c) if dtensor_grads else c  # FSDP2's reduce_dtype; FSDP1 reduces in c
         syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
         norms = clip_norm_all_reduces(len(g.numels), dtensor_grads) if knobs.clipping else []
         gathered = 1 if kept_under_no_sync and not each else k
         return collectives_of(all_gather=[u.numel * c for u in g.units for _ in range(u.gathers * gathered)],
-                              reduce_scatter=[u.scattered * c for u in g.units if u.scattered] * (k if each else 1),
+                              reduce_scatter=[u.scattered * r for u in g.units if u.scattered] * (k if each else 1),
                               all_reduce=[4] * syncs + norms)
     return payload
 

@@ -20,7 +20,10 @@ gradient hook
   ``pre`` issues the next unit's gather when the current unit's backward starts, ``post`` when it ends (before the
   current unit's reduce_scatter), ``none`` in the next unit's own pre-backward hook (after that reduce_scatter)
   (torch/distributed/fsdp/_runtime_utils.py, ``_prefetch_handle``); each unit's reduce_scatter is issued when its
-  gradients are ready and waited for before the optimizer. FSDP2 prefetches as ``pre``.
+  gradients are ready and waited for before the optimizer. FSDP2 prefetches as ``pre``; its explicit prefetch
+  (``PlanKnobs.forward_prefetch`` / ``backward_prefetch``, k units) issues unit i's forward all_gather k units ahead
+  and its backward one k units ahead of its own pre-backward hook (``_fsdp_state.py`` ``_pre_forward``,
+  ``_pre_backward``: each unit's hook issues its targets' unshards).
 - any other row (DeepSpeed's, the paper's): no rule, every collective is counted exposed (``overlap_comm`` off, as
   zeroexp configures DeepSpeed).
 
@@ -153,9 +156,10 @@ def _cum(sizes: list[int]) -> list[int]:
 
 
 def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: float, b: float,
-                     o: float) -> tuple[list[Slot], str]:
+                     o: float, ahead: tuple[int, int] = (0, 0)) -> tuple[list[Slot], str]:
     """Where each collective of the step is issued and waited for (the rules of the module docstring), on a compute
-    timeline of forward ``f``, backward ``b`` and optimizer ``o`` seconds; and the rule's name."""
+    timeline of forward ``f``, backward ``b`` and optimizer ``o`` seconds; and the rule's name. ``ahead``: FSDP2's
+    explicit forward and backward prefetch (units ahead; 0: its default)."""
     end_b, end = f + b, f + b + o
     kind = layout.groups
     if kind in ("none", "owners"):
@@ -177,17 +181,20 @@ def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: floa
         c = _cum([u.numel for u in units])
         fs = [f * x / c[-1] for x in c]  # unit i's forward: [fs[i], fs[i + 1]]
         bs = [f + b * (c[-1] - x) / c[-1] for x in c]  # unit i's backward: [bs[i + 1], bs[i]]
-        slots = [Slot("all_gather", u.numel, fs[max(i - 1, 0)], fs[i]) for i, u in enumerate(units)]
+        fwd, bwd = (max(k, 1) for k in ahead) if kind == "rows" else (1, 1)
+        slots = [Slot("all_gather", u.numel, fs[max(i - fwd, 0)], fs[i]) for i, u in enumerate(units)]
         mode = "pre" if kind == "rows" else prefetch
         for i, u in enumerate(units):
             slots.append(Slot("reduce_scatter", u.numel, bs[i], end_b, order=1 if mode == "post" else 0))
             if u.gathers < 2:
                 continue
             later = i + 1 < len(units)  # the unit whose backward runs before this one's
-            issue = {"pre": bs[i + 2] if i + 2 <= len(units) and later else bs[i + 1],
+            issue = {"pre": bs[min(i + 1 + bwd, len(units))] if later else bs[i + 1],
                      "post": bs[i + 1], "none": bs[i + 1]}[mode]
             slots.append(Slot("all_gather", u.numel, issue, bs[i + 1], order=0 if mode == "post" else 1))
-        return slots, f"FSDP: forward all_gather one unit ahead; backward prefetch {mode}"
+        ahead_s = f"{fwd} unit{'s' * (fwd > 1)}"
+        return slots, f"FSDP: forward all_gather {ahead_s} ahead; backward prefetch {mode}" + (
+            f" ({bwd} units ahead)" if bwd > 1 else "")
     return [], "no overlap rule for this row: every collective exposed"
 
 
@@ -280,8 +287,8 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                  framework: FrameworkCost | None = None, itemsize: int = 4, checkpointed: int = 0,
                  micro_batches: int = 1, repeats: dict[str, float] | None = None,
                  group_seconds: GroupTime | None = None, wake: Callable[[float], float] | None = None,
-                 burst_seconds: CollectiveTime | None = None, stream_seconds: CollectiveTime | None = None
-                 ) -> StepTime:
+                 burst_seconds: CollectiveTime | None = None, stream_seconds: CollectiveTime | None = None,
+                 ahead: tuple[int, int] = (0, 0)) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
     (forward and backward over every parameter, as data parallelism computes the whole model on each rank; AdamW over
     :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
@@ -299,7 +306,8 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     which the backend runs side by side; a calibration's ``burst_mean_s``); None: ``seconds_of``.
     ``stream_seconds``: a call's time in a stream of sync calls (a calibration's ``stream_mean_s``): what it exceeds
     the call's time alone by is the call's floor (its extra is its waking or that, the larger: :func:`channel_step`);
-    not for burst slots (their own figure) nor calls timed group by group; None: no floor."""
+    not for burst slots (their own figure) nor calls timed group by group; None: no floor. ``ahead``: FSDP2's explicit
+    forward and backward prefetch (:func:`collective_slots`)."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples
     r = recompute_seconds(f, checkpointed, psi)
@@ -309,7 +317,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     bare = (f, b - r, o)
     f, b, o = f + fw.forward_s, b + fw.backward_s, o + fw.optimizer_s
     k = max(int(micro_batches), 1)
-    slots, rule = collective_slots(layout, groups, prefetch, f, b, o)
+    slots, rule = collective_slots(layout, groups, prefetch, f, b, o, ahead)
     slots = micro_batch_slots(slots, repeats or {}, k, f + b)
     last_b = (k - 1) * (f + b) + f + b  # the end of the last micro-batch's backward
     calls: list[tuple[float, float, int, float, float]] = []

@@ -343,7 +343,7 @@ def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                       reshard_after_forward: bool = True, one_unit: bool = False,
-                      root_kept: bool = False) -> dict[str, dict]:
+                      root_kept: bool = False, ahead: tuple[int, int] = (0, 0)) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category. ``reshard_after_forward=False``
     (SHARD_GRAD_OP's FSDP2 form): every unit stays unsharded from its forward to its backward, which gathers nothing
@@ -367,20 +367,27 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     unsharded parameters, and it reduces in the root's final callback, after autograd (measured on torch 2.13, a
     10-7-3 biased stack at N=2 and 3, both reshard settings). ``root_kept`` (``reshard_after_forward=None``, FSDP2's
     default): the root's own parameters stay unsharded from its forward into its backward, so the loss and its
-    backward run beside them (gathered again otherwise only when autograd reaches the root)."""
+    backward run beside them (gathered again otherwise only when autograd reaches the root). ``ahead``: explicit
+    prefetch, (forward, backward) units ahead (0: FSDP2's default, none in forward, its implicit one in backward;
+    _fsdp_state.py ``_pre_forward``, ``_pre_backward``): a unit's pre-forward, after its own copy-out, all-gathers the
+    next units not yet gathered, whose outputs stay alive (``_all_gather_result``) until each one's own copy-out: unit
+    k computes beside the next ``ahead[0]`` outputs, and copies out beside the ``ahead[0] - 1`` after it that unit
+    k - 1 issued; in backward a unit computes and reduces beside the next ``ahead[1]`` units' outputs (the
+    backward-order units before it in forward)."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     kept = not reshard_after_forward
-    _fsdp2_forward(best.keep, trace, units, k_of, root=root, kept=kept, root_kept=root_kept)
+    _fsdp2_forward(best.keep, trace, units, k_of, root=root, kept=kept, root_kept=root_kept, ahead=ahead[0])
     _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
-                    kept=kept, one_unit=one_unit, root_kept=root_kept)
+                    kept=kept, one_unit=one_unit, root_kept=root_kept, ahead=max(ahead[1], 1))
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
 
 def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
-                   root: int, kept: bool, root_kept: bool = False) -> None:
+                   root: int, kept: bool, root_kept: bool = False, ahead: int = 0) -> None:
     """:func:`fsdp2_phase_peaks`' forward moments, each to ``keep``: unit k computing, its copy-out, the loss
-    (``kept``: every unit stays unsharded from its forward to its backward; ``root_kept``: the root alone)."""
+    (``kept``: every unit stays unsharded from its forward to its backward; ``root_kept``: the root alone; ``ahead``:
+    the units each unit's pre-forward prefetches)."""
     full = [u.unsharded for u in units]
     act = {"activations": -trace.loss_bytes}
     for s in (s for s in trace.segments if s.phase == "forward"):
@@ -390,16 +397,18 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
             continue
         k = k_of[s.unit]
         before = sum(full[:k]) if kept else 0  # the units kept unsharded since their forward
-        if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters
-            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root + before + 2 * full[k]}))
-        else:  # unit k's copy-out, the previous all-gather output still kept
+        if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters, the prefetched
+            keep("forward", _add(_add(s.peak_by_category, act),
+                                 {"unsharded": root + before + 2 * full[k] + sum(full[k + 1:k + 1 + ahead])}))
+        else:  # unit k's copy-out, the previous all-gather output still kept, and those unit k - 1 prefetched
+            early = sum(full[k + 1:k + ahead]) if k else 0
             keep("forward", _add(_add(s.end_by_category, act),
-                                 {"unsharded": root + before + 2 * full[k] + (full[k - 1] if k else 0)}))
+                                 {"unsharded": root + before + 2 * full[k] + (full[k - 1] if k else 0) + early}))
 
 
 def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
                     root: int, steady_grad_bytes: int, gloo: bool, kept: bool, one_unit: bool,
-                    root_kept: bool = False) -> None:
+                    root_kept: bool = False, ahead: int = 1) -> None:
     """:func:`fsdp2_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own
     peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction."""
     full = [u.unsharded for u in units]
@@ -411,7 +420,7 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         u = units[k]
         after = segs[i + 1].end_by_category
         t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
-        prefetched = full[order[pos + 1][1]] if pos + 1 < len(order) and not kept else 0
+        prefetched = sum(full[j] for _, j in order[pos + 1:pos + 1 + ahead]) if not kept else 0
         pending = sum(full[j] for _, j in order[pos + 1:]) if kept else 0  # still unsharded since forward
         # The previous unit's reduce-scatter input, kept until this unit's reduce (FSDP2's reduce_scatter_states, one
         # buffer): comm.

@@ -83,6 +83,9 @@ def _one_bucket(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
 _MIXED = frozenset({"fp32", "bf16", "fp16"})
 _OS, _OS_G, _OS_G_P = frozenset({"optim"}), frozenset({"optim", "grad"}), frozenset({"optim", "grad", "param"})
 _OFF = [frozenset({"none"}), frozenset({"none", "optimizer"}), frozenset({"none", "optimizer", "full"})]
+#: FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer state on the host (no
+#: optimizer-only offload in FSDP2)
+_OFF_FSDP2 = frozenset({"none", "full"})
 
 
 def _twice_unless_root(root: bool, knobs: PlanKnobs) -> int:
@@ -92,6 +95,10 @@ def _twice_unless_root(root: bool, knobs: PlanKnobs) -> int:
 def _twice(root: bool, knobs: PlanKnobs) -> int:
     # FSDP2 reshard_after_forward=True passed explicitly: the root too; None (its default) keeps the root
     return 1 if root and knobs.root_kept_after_forward else 2
+
+
+def _twice_always(root: bool, knobs: PlanKnobs) -> int:
+    return 2  # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob
 
 
 #: Every row the planner knows, by name; ``strategy.layout`` of each registered strategy names one. The order is the
@@ -129,7 +136,7 @@ LAYOUTS: dict[str, StateLayout] = {
                                 no_sync_accumulation=True, init_kind="fsdp1"),
     "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, _OS_G_P, "never", "rows",
                                  gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
-                                 precisions=_MIXED, unit_hooks="fsdp2",
+                                 precisions=_MIXED, offloads=_OFF_FSDP2, unit_hooks="fsdp2",
                                  source="zeroexp.strategies.fsdp2; [FSDP2]", peak_flow="fsdp2", init_kind="fsdp2"),
     "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, _OS_G_P, "never", "units", gather_units(), "largest",
                              fp32_at_rest=True, precisions=_MIXED, gathers_per_unit=_twice_unless_root,
@@ -137,7 +144,7 @@ LAYOUTS: dict[str, StateLayout] = {
                              reshard_after_forward=True, init_kind="fsdp1"),
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
-                              precisions=_MIXED, gathers_per_unit=_twice, unit_hooks="fsdp2",
+                              precisions=_MIXED, offloads=_OFF_FSDP2, gathers_per_unit=_twice, unit_hooks="fsdp2",
                               source="zeroexp.strategies.fsdp2; [FSDP2]", peak_flow="fsdp2",
                               reshard_after_forward=True, init_kind="fsdp2"),
     # hybrid sharding: FULL_SHARD (SHARD_GRAD_OP for _HYBRID_SHARD_ZERO2) within shard_size ranks, replicated across
@@ -153,7 +160,8 @@ LAYOUTS: dict[str, StateLayout] = {
                                      source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid"),
     "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                                 hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
-                                precisions=_MIXED, gathers_per_unit=_twice, unit_hooks="fsdp2", hybrid=True,
+                                precisions=_MIXED, offloads=_OFF_FSDP2, gathers_per_unit=_twice_always,
+                                unit_hooks="fsdp2", hybrid=True,
                                 source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid",
                                 peak_flow="fsdp2", reshard_after_forward=True),
     **{f"deepspeed_stage{row.deepspeed_stage}": row for row in DEEPSPEED_ROWS},

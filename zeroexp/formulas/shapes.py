@@ -105,7 +105,8 @@ class PlanKnobs:
     DeepSpeed's reduce bucket of cap / 4 elements), zeroexp's ``reduce`` and its norm all_reduce (clipping or loss
     scaling), FSDP ``use_orig_params`` (16-byte aligned parameters, moments per unpadded view), ZeroRedundancyOptimizer
     ``parameters_as_bucket_view``, fp16 loss scaling, hybrid sharding's ``shard_size`` (0: not hybrid), global-norm
-    clipping (``strategy.clip_grad_norm``), gradient accumulation (``grad_accum``), FSDP2's root kept after forward."""
+    clipping (``strategy.clip_grad_norm``), gradient accumulation (``grad_accum``), FSDP2's root kept after forward and
+    its explicit prefetch."""
 
     bucket_cap_bytes: int = 25 * 2**20
     reduce: str = "reduce_scatter"
@@ -122,6 +123,20 @@ class PlanKnobs:
     #: FSDP2's reshard_after_forward=None (its default; ``strategy.reshard_after_forward=null``): the root unit kept
     #: unsharded from its forward to its backward, gathered once a step
     root_kept_after_forward: bool = False
+    #: FSDP2's explicit prefetch (``strategy.forward_prefetch`` / ``backward_prefetch``): the units each unit's
+    #: pre-forward / pre-backward all-gathers ahead; 0: FSDP2's default (forward: none; backward: its implicit one).
+    #: Neither changes what is sent, only when (the step-time model's slots) and what is unsharded at once.
+    forward_prefetch: int = 0
+    backward_prefetch: int = 0
+    #: FSDP2's ``MixedPrecisionPolicy(reduce_dtype=)`` (``strategy.reduce_dtype``): the dtype its gradients are
+    #: reduce-scattered (and, hybrid, all-reduced) in; "": the compute dtype, FSDP2's default
+    reduce_dtype: str = ""
+
+    def reduce_itemsize(self, itemsize: int) -> int:
+        """Bytes per element of the gradients' reduction: ``reduce_dtype``'s, else the compute dtype's ``itemsize``."""
+        from zeroexp.formulas.paper import COMPUTE_ITEMSIZE
+
+        return COMPUTE_ITEMSIZE[self.reduce_dtype] if self.reduce_dtype else itemsize
 
 
 class Shard(NamedTuple):

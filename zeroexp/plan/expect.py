@@ -36,6 +36,9 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         find_unused_parameters=s.get("find_unused_parameters"),
         compute_dtype=str(cfg.precision.param_dtype),
         root_kept_after_forward="reshard_after_forward" in s and s.get("reshard_after_forward") is None,
+        forward_prefetch=int(s.get("forward_prefetch") or 0),
+        backward_prefetch=int(s.get("backward_prefetch") or 0),
+        reduce_dtype=str(s.get("reduce_dtype") or ""),
     )
 
 

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, local_numels, owner_assignment
+from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, local_numels, owner_assignment
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, cuda
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
@@ -142,12 +142,13 @@ def needs_in_place(name: str, micro_batches: int) -> bool:
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
                       prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None,
                       bucket_cap_bytes: int = 25 * 2**20, terms: PrecisionTerms | None = None,
-                      device: DeviceSemantics = CPU) -> dict[str, dict]:
+                      device: DeviceSemantics = CPU, root_kept: bool = False,
+                      knobs: PlanKnobs = PlanKnobs()) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
     that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
     ranks = range(groups.world_size) if _row(name).ranks_differ else (0,)
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, device.gloo, micro_batches, in_place,
-                               bucket_cap_bytes, terms, foreach=device.foreach)
+                               bucket_cap_bytes, terms, root_kept=root_kept, foreach=device.foreach, knobs=knobs)
                 for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
@@ -155,7 +156,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
                    in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20,
                    terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter", root_kept: bool = False,
-                   foreach: bool = False) -> dict[str, dict]:
+                   foreach: bool = False, knobs: PlanKnobs = PlanKnobs()) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's. ``trace``: the bare step (checkpointed
     when the cell is: its segments then hold each unit's input in forward and its recompute in backward; DeepSpeed
@@ -165,6 +166,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     precision (:func:`cell_precision_terms`; None: fp32); ``reduce``: zeroexp's ZeRO's ``strategy.reduce`` (on gloo
     a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`);
     ``root_kept``: FSDP2's root kept unsharded from forward to backward (``PlanKnobs.root_kept_after_forward``);
+    ``knobs``: FSDP2's explicit prefetch (``PlanKnobs.forward_prefetch``, ``backward_prefetch``) and ``reduce_dtype``;
     ``gloo`` and ``foreach``: the device's backend copies and AdamW update (:mod:`zeroexp.formulas.device`)."""
     row = _row(name)
     if ds_stage(name) is not None:
@@ -172,7 +174,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
     if row.peak_flow in ("fsdp1", "fsdp2"):
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept,
-                     foreach)
+                     foreach, knobs)
     st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms, foreach)
     if row.groups == "buckets":  # zeroexp's ZeRO
         st["reduce_copies"] = gloo and reduce == "reduce_scatter"
@@ -248,10 +250,13 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
 def _uncovered_cell(cfg: Any, name: str) -> list[str]:
     """:func:`uncovered` for a composed cell of row ``name``."""
     ac = cfg.get("activation_checkpointing")
-    return uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
-                     bool(cfg.strategy.get("use_orig_params", False)),
-                     str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),
-                     bool(cfg.strategy.get("sync_each_microbatch", False)))
+    cast = cfg.strategy.get("output_dtype")
+    why = [] if cast is None else [f"no peak model yet for strategy.output_dtype={cast}: FSDP2 casts the model's "
+                                   "outputs, the traced step does not"]
+    return why + uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
+                           bool(cfg.strategy.get("use_orig_params", False)),
+                           str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),
+                           bool(cfg.strategy.get("sync_each_microbatch", False)))
 
 
 def _checkpointing(cfg: Any) -> bool:
@@ -336,8 +341,9 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
               "checkpointing": checkpointing, "micro_batches": micro_batches, **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
+        knobs = knobs_of(cfg)
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
-                                      in_place, cap, terms, FAKE_GROUP)
+                                      in_place, cap, terms, FAKE_GROUP, knobs.root_kept_after_forward, knobs)
         return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
@@ -352,7 +358,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     steady_by_rank = measured.get("steady_categories_by_rank") or [None] * len(by_rank)
     out_reasons, errs, ranks = [], [], []
     phases: dict[str, Any] = {}
-    reduce = str(cfg.strategy.get("reduce", "reduce_scatter"))
+    reduce, knobs = str(cfg.strategy.get("reduce", "reduce_scatter")), knobs_of(cfg)
     for rank in range(len(by_rank)):  # every rank judged against its own prediction
         got_phases = measured["phases_of_max_rank"] if rank == worst_rank else by_rank[rank]
         if got_phases is None:
@@ -360,8 +366,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         steady_cats = (measured.get("steady_categories_of_max_rank") if rank == worst_rank
                        else steady_by_rank[rank]) or {}
         predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
-                                   micro_batches, in_place, cap, terms, reduce, knobs_of(cfg).root_kept_after_forward,
-                                   foreach=device.foreach)
+                                   micro_batches, in_place, cap, terms, reduce, knobs.root_kept_after_forward,
+                                   foreach=device.foreach, knobs=knobs)
         judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
                                                  predicted, late)
         reserved = (measured.get("reserved_by_rank") or [None] * len(by_rank))[rank]
@@ -430,7 +436,7 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
           gloo: bool, terms: PrecisionTerms, micro_batches: int = 1, rank: int = 0, root_kept: bool = False,
-          foreach: bool = False) -> dict[str, Any]:
+          foreach: bool = False, knobs: PlanKnobs = PlanKnobs()) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
     post-order, the root last) beside the shape's (their parameters' own gradients), gathered and reduced in the
     compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``).
@@ -438,6 +444,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     fsdp_no_sync_phase_peaks`)."""
     # sharded over the shard group (hybrid sharding: shard_size ranks; else all); the gradient shards: AdamW's dtype
     n, kept, row, adamw = groups.shard_over, ADAMW["optimizer_itemsize"], _row(name), {**ADAMW, "foreach": foreach}
+    # FSDP2's reduce_dtype: its reduce-scatter's input and output shard (FSDP1 reduces in the compute dtype)
+    r = knobs.reduce_itemsize(itemsize) if row.peak_flow == "fsdp2" else itemsize
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
@@ -449,11 +457,11 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
             root_grads += sum(shape.numels[i] for i in members) * itemsize
         else:  # the gradients autograd computes: of the trainable parameters a step uses
             trained = [i for i in members if shape.train(i) and i not in shape.unused]
-            units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * itemsize,
+            units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * r,
                                   sum(shape.numels[i] for i in trained) * itemsize,
-                                  sharded_grad_upcast(unit.scattered // n, terms),
+                                  sharded_grad_upcast(unit.scattered // n, terms) if r < kept else 0,
                                   unit.numel // n * itemsize if row.peak_flow == "fsdp1" and terms.module_dtype else 0,
-                                  None if unit.reduced is None else unit.reduced * itemsize,
+                                  None if unit.reduced is None and r == itemsize else unit.scattered * r,
                                   shape.numels[max(trained)] * itemsize if trained else 0))
     shards = [u.scattered // n for u in groups.units]
     if micro_batches > 1:
@@ -467,7 +475,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
-                                 one_unit=alone, root_kept=root_kept and not alone)
+                                 one_unit=alone, root_kept=root_kept and not alone,
+                                 ahead=(knobs.forward_prefetch, knobs.backward_prefetch))
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,

@@ -138,7 +138,8 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
                         repeats=accumulation_repeats(layout, groups, itemsize, knobs),
                         group_seconds=network.groups_at(n), wake=network.wake,
                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None,
-                        stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None)
+                        stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None,
+                        ahead=(knobs.forward_prefetch, knobs.backward_prefetch))
 
 
 def tokens_per_sample(model: Any) -> int:

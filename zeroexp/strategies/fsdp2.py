@@ -23,14 +23,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zeroexp.errors import ConfigError
+from zeroexp.devices import ranks_get_a_gpu
+from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_unit
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
-from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig
+from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -68,9 +69,31 @@ class FSDP2Adapter(StrategyAdapter):
         super().__init__(cfg)
         self._mesh: Any = None
 
+    #: offload=full: ``CPUOffloadPolicy()`` (the sharded parameters, their gradients and the optimizer state on the
+    #: host, each unit copied to the device to be all-gathered); needs an accelerator to compute on.
+    offloads = frozenset({"none", "full"})
+
     @classmethod
     def validate(cls, cfg) -> None:
+        if cfg.offload.name == "full" and not ranks_get_a_gpu(cfg):
+            raise NotApplicableHere("offload", "full", "none (on this machine)", why=(
+                "FSDP2's CPUOffloadPolicy keeps the shards in pinned host memory and copies each unit to the device "
+                "to compute; this cell runs on the CPU (no GPU for each rank): pinning raises 'Cannot access "
+                "accelerator device when none is available' (torch 2.13), and without pinning nothing would move"))
         FSDPAdapter.validate(cfg)  # the wrap classes must import, as for FSDP1
+        back = cfg.strategy.get("backward_prefetch")
+        check_fsdp2_prefetch(cfg.strategy.get("forward_prefetch", 0), back)
+        for key in ("reduce_dtype", "output_dtype"):
+            check_fsdp2_dtype(f"strategy.{key}", cfg.strategy.get(key))
+        reduce, compute = cfg.strategy.get("reduce_dtype"), str(cfg.precision.param_dtype)
+        if reduce not in (None, "float32", compute):
+            raise ConfigError("strategy.reduce_dtype", reduce, f"null, float32, {compute} (precision.param_dtype)",
+                              why="a reduction below the compute dtype has no model in zeroexp's expectation (the "
+                                  "gradients' cast before the reduce-scatter, the peak) yet")
+        if back is not None and cls.reshard_after_forward is False:
+            raise ConfigError("strategy.backward_prefetch", back, "null",
+                              why=f"strategy={cls.name} keeps every unit unsharded from forward to backward: backward "
+                                  "gathers nothing to prefetch")
 
     def setup(self, device: torch.device) -> None:
         """The 1-D device mesh over the default group, on the rank's device type (``cpu`` with gloo)."""
@@ -79,12 +102,24 @@ class FSDP2Adapter(StrategyAdapter):
 
             self._mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
-    def mp_policy(self) -> Any:
-        """``MixedPrecisionPolicy``: compute (and reduce) in the precision's ``param_dtype``; fp32 shards."""
+    def mp_policy(self, root: bool = False) -> Any:
+        """``MixedPrecisionPolicy``: compute in the precision's ``param_dtype``; fp32 shards; reduce in
+        ``strategy.reduce_dtype`` (null: the compute dtype); the ``root``'s outputs cast to ``strategy.output_dtype``
+        (null: none). Only the root's: a unit's cast outputs would reach the root's own modules (a final norm) in a
+        dtype other than their parameters' (torch: "mixed dtype (CPU)"), as torchtitan sets it on the root alone."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         dtype = torch_dtype(self.policy.precision.param_dtype)
-        return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype)
+        reduce, output = self.config.reduce_dtype, self.config.output_dtype if root else None
+        return MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype,
+                                    reduce_dtype=None if reduce is None else torch_dtype(reduce),
+                                    output_dtype=None if output is None else torch_dtype(output))
+
+    def offload_policy(self) -> Any:
+        """``CPUOffloadPolicy()`` (pinned host shards) for ``offload=full``, else FSDP2's ``OffloadPolicy()``."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        return CPUOffloadPolicy() if self.policy.offload == "full" else OffloadPolicy()
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         """CellStrategy; for fp16, Lightning's mixed-precision plugin with a ``ShardedGradScaler``."""
@@ -131,13 +166,25 @@ class FSDP2Adapter(StrategyAdapter):
         root = getattr(module, "net", module)
         classes = tuple(import_class(p) for p in self.policy.wrap)
         kwargs = {"mesh": self._mesh, "reshard_after_forward": self.reshard_after_forward,
-                  "mp_policy": self.mp_policy()}
+                  "mp_policy": self.mp_policy(), "offload_policy": self.offload_policy()}
         units = [m for m in root.modules() if classes and isinstance(m, classes) and m is not root]
         for unit in reversed(units):  # reversed pre-order: every child before its parent
             fully_shard(unit, **kwargs)
-        fully_shard(root, **kwargs)
+        fully_shard(root, **{**kwargs, "mp_policy": self.mp_policy(root=True)})
+        self._explicit_prefetch(units)
         self._trace = UnitTrace(root, [*units, root])
         return module
+
+    def _explicit_prefetch(self, units: list[nn.Module]) -> None:
+        """``strategy.forward_prefetch`` / ``backward_prefetch``: each wrapped unit (in definition order, a stack's
+        forward order) prefetches the next / previous that many, as PyTorch's test_fully_shard_comm.py sets them on
+        its Transformer's blocks (``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``)."""
+        ahead, back = int(self.config.forward_prefetch), self.config.backward_prefetch
+        for i, unit in enumerate(units):
+            if ahead and i + 1 < len(units):
+                unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + ahead])
+            if back and i:
+                unit.set_modules_to_backward_prefetch(units[max(i - back, 0):i][::-1])
 
     #: init=meta: ``fully_shard`` on the meta model, ``to_empty`` (each rank allocates only its shards), then every
     #: shard filled with the full build's values (zeroexp.strategies._meta_init).
@@ -228,18 +275,25 @@ class FSDP2FullAdapter(FSDP2Adapter):
     )
 
     @property
-    def reshard_after_forward(self) -> bool | None:  # type: ignore[override]
+    def reshard_after_forward(self) -> bool | int | None:  # type: ignore[override]
         return self.config.reshard_after_forward
 
     @classmethod
     def validate(cls, cfg) -> None:
-        value = cfg.strategy.get("reshard_after_forward", True)
-        if value is not True and value is not None:
-            why = ("False keeps every unit unsharded from forward to backward: that is strategy=fsdp2_grad_op"
-                   if value is False else "resharding to a smaller group after forward (an int: ZeRO++'s hpZ in "
-                   "FSDP2) has no model in zeroexp's expectation (state, collectives, peak) yet")
-            raise ConfigError("strategy.reshard_after_forward", value, "true, null (FSDP2's default: the root kept)",
-                              why=why)
+        value, n = cfg.strategy.get("reshard_after_forward", True), int(cfg.world_size)
+        accepted = f"true, null (FSDP2's default: the root kept), {n} (world_size: FSDP2 takes it as true)"
+        an_int = isinstance(value, int) and not isinstance(value, bool)
+        if not (value is None or value is True or an_int and value == n != 1):
+            if value is False or an_int and value == 1:
+                why = ("False keeps every unit unsharded from forward to backward: that is strategy=fsdp2_grad_op"
+                       + ("" if value is False else "; FSDP2 takes the int 1 as False (_get_post_forward_mesh_info)"))
+            elif not an_int or value < 1 or n % value:
+                why = f"an int is the ranks a unit is resharded to after forward: a divisor of world_size={n}"
+            else:
+                why = (f"resharding to a group of {value} of the {n} ranks after forward (ZeRO++'s hpZ in FSDP2: "
+                       f"backward all-gathers from that group, each rank holds 1/{value} of every unit between its "
+                       "forward and backward) has no model in zeroexp's expectation (collectives by group, peak) yet")
+            raise ConfigError("strategy.reshard_after_forward", value, accepted, why=why)
         super().validate(cfg)
 
 

@@ -12,7 +12,10 @@ from typing import Any, ClassVar, List, Optional
 
 from omegaconf import MISSING
 
-__all__ = ["SCHEMAS", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set"]
+from zeroexp.errors import ConfigError
+
+__all__ = ["SCHEMAS", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set", "check_fsdp2_prefetch",
+           "check_fsdp2_dtype"]
 
 
 @dataclass
@@ -113,14 +116,50 @@ class FSDP2Config(StrategyConfig):
     #: grad_accum > 1: reduce-scatter every micro-batch instead of ``set_requires_gradient_sync(False)``
     #: (unsharded gradients held until the K-th); in the cell's identity only when true.
     sync_each_microbatch: bool = field(default=False, metadata={"identity": "when_set"})
+    #: Explicit forward prefetch: each wrapped unit's pre-forward issues the all-gathers of the next this many units
+    #: (``set_modules_to_forward_prefetch``); 0: none, FSDP2's default. In the cell's identity only when set.
+    forward_prefetch: int = field(default=0, metadata={"identity": "when_set"})
+    #: Explicit backward prefetch: each wrapped unit's pre-backward issues the all-gathers of the previous this many
+    #: units (``set_modules_to_backward_prefetch``); null: FSDP2's implicit one unit. In the identity only when set.
+    backward_prefetch: Optional[int] = field(default=None, metadata={"identity": "when_set"})
+    #: ``MixedPrecisionPolicy(reduce_dtype=)``: the dtype gradients are reduce-scattered in (float32, bfloat16,
+    #: float16); null: the compute dtype (precision.param_dtype), FSDP2's default. In the identity only when set.
+    reduce_dtype: Optional[str] = field(default=None, metadata={"identity": "when_set"})
+    #: ``MixedPrecisionPolicy(output_dtype=)`` of the root: the dtype the model's forward outputs are cast to (the
+    #: loss computed in it); null: none. In the identity only when set.
+    output_dtype: Optional[str] = field(default=None, metadata={"identity": "when_set"})
+
+
+def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.") -> None:
+    """Refuse FSDP2's explicit prefetch out of range (a cell's ``strategy.forward_prefetch`` / ``backward_prefetch``,
+    the planner's keys of the same names, ``prefix`` ""): forward an integer >= 0, backward null or one >= 1."""
+    if isinstance(forward, bool) or not isinstance(forward, int) or forward < 0:
+        raise ConfigError(f"{prefix}forward_prefetch", forward, "an integer >= 0: the wrapped units each unit's "
+                          "pre-forward all-gathers ahead (0: none, FSDP2's default)")
+    if backward is not None and (isinstance(backward, bool) or not isinstance(backward, int) or backward < 1):
+        raise ConfigError(f"{prefix}backward_prefetch", backward, "null (FSDP2's implicit prefetch of one unit) or "
+                          "an integer >= 1: the wrapped units each unit's pre-backward all-gathers ahead",
+                          why="an empty list leaves FSDP2's implicit prefetch on" if backward == 0 else "")
+
+
+#: The dtypes FSDP2's MixedPrecisionPolicy may reduce in or cast outputs to (gloo reduces each).
+FSDP2_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_fsdp2_dtype(key: str, value: Any) -> None:
+    """Refuse a ``reduce_dtype`` / ``output_dtype`` (``key``, its full name) that is no float dtype FSDP2 casts to."""
+    if value is not None and value not in FSDP2_DTYPES:
+        raise ConfigError(key, value, f"null, {', '.join(FSDP2_DTYPES)}")
 
 
 @dataclass
 class FSDP2FullConfig(FSDP2Config):
     """``strategy=fsdp2_full``: ``reshard_after_forward`` true (every unit, the root included, resharded after its
-    forward: all-gathered again in backward) or null (FSDP2's own default: the root kept unsharded from its forward
-    to its backward, the other units resharded). False is ``strategy=fsdp2_grad_op``; an int (resharding to a
-    smaller group, ZeRO++'s hpZ) is refused before launch."""
+    forward: all-gathered again in backward), null (FSDP2's own default: the root kept unsharded from its forward
+    to its backward, the other units resharded) or an int, the ranks a unit is resharded to after forward (ZeRO++'s
+    hpZ in FSDP2): world_size itself, which FSDP2 takes as true. False (and 1, which FSDP2 takes as false) is
+    ``strategy=fsdp2_grad_op``; an int that does not divide world_size, or a smaller group than world_size, is
+    refused before launch (FSDP2Adapter.validate says why)."""
 
     reshard_after_forward: Any = field(default=True, metadata={"identity": "when_set"})
 
