@@ -129,10 +129,13 @@ def calibrated_network(cal: Any) -> Network:
 
 
 def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs: PlanKnobs, batch: int, n: int,
-               prefetch: str = "pre", checkpointed: int = 0) -> Any:
+               prefetch: str = "pre", checkpointed: int = 0, without: str | None = None) -> Any:
     """:func:`~zeroexp.formulas.predict_step` of ``layout`` over ``groups`` at ``n`` ranks on ``network``: its
-    collectives' times (each group's, a burst's, a stream's), compute rate, overlap, framework costs and waking."""
-    return predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
+    collectives' times (each group's, a burst's, a stream's), compute rate, overlap, framework costs and waking.
+    ``without``: the same step with that op's calls left out (what the op costs the step)."""
+    collectives = step_collectives(layout, groups, itemsize, knobs)
+    collectives = {op: v for op, v in collectives.items() if op != without}
+    return predict_step(layout, groups, collectives, network.rate, batch,
                         network.seconds_at(n), network.overlap, prefetch, network.framework, itemsize,
                         checkpointed=checkpointed, micro_batches=knobs.micro_batches,
                         repeats=accumulation_repeats(layout, groups, itemsize, knobs),

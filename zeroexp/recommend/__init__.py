@@ -1,0 +1,26 @@
+"""``python -m zeroexp.recommend``: which configuration to run, for a model on a cluster.
+
+Every configuration of strategy x prefetch x precision x offload x activation checkpointing x micro-batch / grad_accum
+x bucket size x hybrid shard size (:mod:`~zeroexp.recommend.space`) is timed by the planner's step-time model and the
+fastest are judged by its peak model against the device less a headroom (:mod:`~zeroexp.recommend.search`); the
+answer lists the ``top_k`` that fit, ties, what binds each and the command that runs it, or the nearest changes when
+nothing fits (:mod:`~zeroexp.recommend.core`, :mod:`~zeroexp.recommend.answer`). The figures are the planner's
+(``zeroexp.plan``, ``zeroexp.formulas``): nothing here models memory or time of its own. Importing the package
+imports no torch.
+"""
+
+from __future__ import annotations
+
+from zeroexp.recommend.core import recommend
+from zeroexp.recommend.search import Evaluator, Problem, search
+from zeroexp.recommend.space import Axes, Config, configurations
+
+__all__ = ["recommend", "search", "Problem", "Evaluator", "Axes", "Config", "configurations",
+           "MEASURED_TIME_ERROR"]
+
+#: The step-time model's own error, as measured on this machine (predicted / measured step time of real cells
+#: against this machine's calibration: docs/benchmarks.md, benchmarks/time_check.py, 2026-12-01, commit fd50a75:
+#: ratios 0.92 to 1.02 over six cells, the largest miss 8 %). Two configurations closer than it are a tie.
+MEASURED_TIME_ERROR = (0.08, "the step-time model's largest miss measured on this machine (benchmarks/time_check.py, "
+                             "docs/benchmarks.md: predicted / measured 0.92-1.02 over six cells, calibrated); on a "
+                             "GPU preset never measured: carried over")
