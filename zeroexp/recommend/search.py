@@ -8,8 +8,9 @@ row). What makes 10,000 configurations cheap: the shape is read once; a row's st
 precision, offload, bucket size, shard size) and its groups once per (row, precision, bucket size, shard size,
 grad_accum); a step once per configuration less its offload (the step-time model has no offload term); and a peak
 only for the configurations walked, its step traces once per (model, micro-batch, dtypes, checkpointing,
-segmentation). A configuration whose model state alone (with the device's workspace, a lower bound of its peak)
-exceeds the budget is known not to fit without a trace.
+segmentation). A configuration whose floor (its model state with the device's workspace, and the activations one
+forward keeps, :meth:`Evaluator.floor_bytes`: a lower bound of its peak) exceeds the budget is known not to fit
+without a trace of its own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs, c
 from zeroexp.formulas.device import DeviceSemantics
 from zeroexp.recommend.space import Axes, Config, configurations
 
-__all__ = ["Problem", "Scored", "Result", "Evaluator", "search"]
+__all__ = ["Problem", "Scored", "Result", "Evaluator", "search", "FLOOR_SLACK"]
+
+#: The activation floor's margin below its extrapolation (a floor prunes; it must never exceed a peak).
+FLOOR_SLACK = 0.95
 
 
 @dataclass
@@ -131,6 +135,20 @@ class Evaluator:
         """A lower bound of the peak: the device's model state and the workspace it keeps."""
         return self.record(c)["device_bytes"] + self.p.device.workspace_bytes
 
+    def floor_bytes(self, c: Config) -> int:
+        """A lower bound of the peak: the model state and workspace, and (with a model) the activations one forward
+        keeps at the micro-batch, from two traces per precision and checkpointing (:data:`FLOOR_SLACK` below the
+        affine extrapolation A(1) + (m - 1) x (A(2) - A(1)), as every tensor of a forward is either proportional to
+        the batch or free of it; tests/test_recommend.py holds every judged peak above it)."""
+        from zeroexp.plan.row_peak import activation_bytes
+
+        state = self.state_bytes(c)
+        if self.p.model_cfg is None or state > self.p.budget:
+            return state
+        dtype = self.p.param_dtypes[c.precision]
+        one, two = (activation_bytes(self.p.model_cfg, m, self.p.wrap, dtype, c.checkpointing) for m in (1, 2))
+        return state + int(FLOOR_SLACK * (one + (c.micro_batch - 1) * max(two - one, 0)))
+
     def judge(self, s: Scored) -> dict[str, Any]:
         """The peak of ``s`` (``zeroexp.plan.row_peak.row_peak``) against the budget; a parameter count (no model to
         trace) is judged on its model state and gather floor alone (``judge_fits``)."""
@@ -153,17 +171,32 @@ class Evaluator:
 def search(problem: Problem, axes: Axes, top_k: int, evaluator: Evaluator | None = None) -> Result:
     """The ``top_k`` fastest configurations of ``axes`` that fit (see the module): ranked by predicted step time;
     at equal time a configuration without offload first (the step-time model has no offload term), then the
-    configurations' own order (deterministic)."""
+    configurations' own order (deterministic); a bucket size that changes nothing is searched once."""
     ev = evaluator or Evaluator(problem)
     scored = [Scored(c, ev.step(c), ev.state_bytes(c)) for c in configurations(axes, problem.world_size)]
     scored.sort(key=lambda s: (s.step.step_s, s.config.offload != "none", s.config))
+    timed = len(scored)
+    scored = _distinct(scored)
     fitting, judged = [], 0
     for s in scored:
         if len(fitting) >= top_k:
             break
-        if s.state_bytes > problem.budget:
+        if s.state_bytes > problem.budget or ev.floor_bytes(s.config) > problem.budget:
             continue
         judged += 1
         if ev.judge(s)["fits"]:
             fitting.append(s)
-    return Result(fitting, len(scored), judged, scored[0] if scored else None, problem.world_size)
+    return Result(fitting, timed, judged, scored[0] if scored else None, problem.world_size)
+
+
+def _distinct(scored: list[Scored]) -> list[Scored]:
+    """Less the configurations a bucket size changes nothing of (the same step and state as the same configuration
+    at a smaller bucket size: a model smaller than both caps), so that a tie is never one configuration twice."""
+    seen: set[tuple] = set()
+    out = []
+    for s in scored:
+        key = (replace(s.config, bucket_cap_mb=None), s.step.step_s, s.state_bytes)
+        if s.config.bucket_cap_mb is None or key not in seen:
+            out.append(s)
+        seen.add(key)
+    return out
