@@ -45,7 +45,8 @@ def recommend(problem: Problem, axes: Axes, top_k: int, tie: float, model_overri
 def nearest_changes(problem: Problem, axes: Axes, fastest_ms: float, model_overrides: list[str],
                     ranks_per_node: int | None, problem_at: Callable[[int], Problem] | None) -> list[dict[str, Any]]:
     """The changes that make a configuration fit, one at a time, then all of the axes' together, then more GPUs
-    (each with the axes opened): each the fastest configuration it makes fit."""
+    with the axes as given (2, 4, 8 x N, the global batch kept, until one fits): each the fastest configuration it
+    makes fit."""
     opened = {}
     if True not in axes.checkpointing:
         opened["activation_checkpointing=full"] = {"checkpointing": axes.checkpointing + (True,)}
@@ -67,8 +68,7 @@ def nearest_changes(problem: Problem, axes: Axes, fastest_ms: float, model_overr
             global_batch = axes.samples * problem.world_size
             if global_batch % n:
                 break
-            found = _fits(f"more GPUs: world_size={n}", problem_at(n), axes.relaxed(samples=global_batch // n,
-                                                                                       **every),
+            found = _fits(f"more GPUs: world_size={n}", problem_at(n), axes.relaxed(samples=global_batch // n),
                           fastest_ms, model_overrides, ranks_per_node)
             changes += found
             if found[0]["fits"]:
