@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 __all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "fsdp_unit", "next_reached"]
@@ -44,12 +45,12 @@ class ModelShape:
         """A model known only by its number of parameters."""
         return cls(((int(numel),),), ((0,),), (False,), exact=False)
 
-    @property
+    @cached_property  # read per row and per rank by every figure: computed once per shape (the shape is frozen)
     def numels(self) -> tuple[int, ...]:
         """Each parameter's number of elements."""
         return tuple(math.prod(s) for s in self.params)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         """Psi: the number of parameters."""
         return sum(self.numels)
@@ -188,7 +189,7 @@ class Groups:
     ungraded: tuple[int, ...] = ()
     used_map_bytes: int = 0
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(self.numels)
 
