@@ -1,9 +1,9 @@
 """How fast ``python -m zeroexp.recommend`` answers (docs/benchmarks.md, Recommend).
 
-1. The search alone, in process: GPT-2 small at N=64 on h100_ib, every axis opened wide enough for at least 10,000
-   configurations (3 precisions x 3 offloads x 2 checkpointing x 6 micro-batches x 4 bucket sizes x 3 prefetches x 5
-   shard sizes, where each row has the knob): each configuration's model state and predicted step, then the peaks of
-   the fastest until 5 fit. Printed: configurations, seconds to time them all, seconds to the answer (its traces
+1. The search alone, in process: GPT-2 small at N=64 on h100_ib, every axis opened wide enough for 10,000
+   configurations (3 precisions x 3 offloads x 2 checkpointing x 10 micro-batches of 48 samples a rank x 6 bucket
+   sizes x 3 prefetches x 5 shard sizes, where each row has the knob): each configuration's model state and
+   predicted step, then the peaks of the fastest until 5 fit. Printed: configurations, seconds to time them all, seconds to the answer (its traces
    included), configurations judged.
 2. The command line, whole processes timed from outside: GPT-2 small at N=64, a 7B GPT at N=64 and a 70B-like GPT
    at N=8 (nothing fits: the nearest changes), each ``device_memory=80GB network=h100_ib``.
@@ -30,9 +30,9 @@ MODELS = {
     "70B-like GPT N=8": ["model=gpt", "model.n_layer=80", "model.n_embd=8192", "model.n_head=64",
                          "model.seq_len=4096", "model.vocab_size=32000", "world_size=8"],
 }
-WIDE = ["model=gpt2_small", "world_size=64", "device_memory=80GB", "network=h100_ib", "global_batch=2048",
+WIDE = ["model=gpt2_small", "world_size=64", "device_memory=80GB", "network=h100_ib", "global_batch=3072",
         "precisions=[fp32,bf16,fp16]", "recommend.offload=[none,optimizer,full]",
-        "recommend.bucket_cap_mb=[25,50,100,200]"]
+        "recommend.bucket_cap_mb=[10,25,50,100,200,400]"]
 
 
 def search_alone() -> None:
@@ -59,14 +59,15 @@ def search_alone() -> None:
     whole = time.perf_counter() - t0
     core.search = original
     problem, axes, top_k = seen["args"]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ev = Evaluator(problem)
     timed = [Scored(c, ev.step(c), ev.state_bytes(c)) for c in configurations(axes, problem.world_size)]
-    arithmetic = time.perf_counter() - t0
+    arithmetic, cpu = time.perf_counter() - t0, time.process_time() - c0
     t0 = time.perf_counter()
     result = search(problem, axes, top_k)  # the traces are remembered from the run above
     warm = time.perf_counter() - t0
-    print(f"search: {len(timed):,} configurations; state + step of each in {arithmetic:.2f} s (a fresh evaluator); "
+    print(f"search: {len(timed):,} configurations; state + step of each in {arithmetic:.2f} s ({cpu:.2f} s CPU; a "
+          "fresh evaluator); "
           f"the whole run (shape, FLOPs, every step, the traces of the {result.judged} judged) {whole:.2f} s; "
           f"the search again with its traces remembered {warm:.2f} s")
 

@@ -234,3 +234,4 @@ def test_cli_refuses_without_a_network_and_help_needs_no_torch():
     out = subprocess.run([sys.executable, "-m", "zeroexp.recommend", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "recommend" in out.stdout
+

@@ -11,7 +11,7 @@ from zeroexp.results.cells import column, is_dry_run
 from zeroexp.report.checks import FAILED, Check, cell_checks, failed_checks
 from zeroexp.results.format import fmt_ms, missing
 
-__all__ = ["Verdicts", "verdicts"]
+__all__ = ["Verdicts", "verdicts", "winners_line"]
 
 #: The checks of a cell (zeroexp.report.checks.cell_checks) -> what each asserts, in the verdicts' order.
 CHECKS = {"state": "state factors match the ZeRO formula", "collectives": "collective fingerprint matches",
@@ -114,6 +114,40 @@ def _timing_lines(ok: pd.DataFrame) -> list[str]:
             f"Median step time relative to {base['label']} ({fmt_ms(base['timing.median_ms'])} ms): {ratios or '-'}."]
 
 
+#: What wins on each axis (the lowest of the column) and how it is told.
+WINNERS = (("timing.median_ms", "fastest", lambda v: f"{v:.1f} ms median step"),
+           ("memory.peak_bytes_max", "lowest peak", lambda v: f"{v / 1e6:.1f} MB"),
+           ("collectives.payload_total_bytes", "least communication", lambda v: f"{v / 1e6:.2f} MB sent a step"))
+
+
+def winners_line(ok: pd.DataFrame) -> list[str]:
+    """One line: the cell that won each axis (fastest median step, lowest measured peak, least payload a step) and
+    the trade-off between them (what the fastest holds against the lowest peak, and how much slower the lowest peak
+    steps); nothing without two finished cells measured."""
+    best: dict[str, tuple[float, str]] = {}
+    for col, what, _ in WINNERS:
+        values = [(float(v), str(lab)) for v, lab in zip(column(ok, col), ok["label"]) if not missing(v)]
+        if len(values) >= 2:
+            best[what] = min(values)
+    if not best:
+        return []
+    told = {what: tell for _, what, tell in WINNERS}
+    line = "Winners: " + "; ".join(f"{what} {lab} ({told[what](v)})" for what, (v, lab) in best.items())
+    if len({lab for _, lab in best.values()}) == 1:
+        return [line + ": one cell wins every axis."]
+    fast, low = best.get("fastest"), best.get("lowest peak")
+    trade = []
+    if fast and low and fast[1] != low[1]:
+        by = dict(zip(ok["label"].astype(str),
+                      zip(column(ok, "memory.peak_bytes_max"), column(ok, "timing.median_ms"))))
+        peak_of_fast, step_of_low = by[fast[1]][0], by[low[1]][1]
+        if not missing(peak_of_fast):
+            trade.append(f"the fastest holds {float(peak_of_fast) / low[0]:.2f}x the lowest peak")
+        if not missing(step_of_low):
+            trade.append(f"the lowest peak steps {float(step_of_low) / fast[0]:.2f}x the fastest's time")
+    return [line + (". Trade-off: " + ", ".join(trade) + "." if trade else ": no cell wins every axis.")]
+
+
 def _failures(cells: pd.DataFrame) -> list[str]:
     """A sentence per cell that did not finish, and one per failed check of a finished cell
     (:func:`zeroexp.report.checks.failed_checks`), naming the check."""
@@ -146,5 +180,6 @@ def verdicts(cells: pd.DataFrame) -> Verdicts:
                  + (f"; {dry} dry runs allocate nothing to measure" + (f" ({simulated} simulated over fake storages, "
                     "beside the peak model)" if simulated else "") + "." if dry else "."))
     lines += _timing_lines(ok)
+    lines += winners_line(ok)
     failures = _failures(cells)
     return Verdicts(lines=lines, failures=failures, ok=not failures)
