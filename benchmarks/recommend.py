@@ -1,7 +1,7 @@
 """How fast ``python -m zeroexp.recommend`` answers (docs/benchmarks.md, Recommend).
 
 1. The search alone, in process: GPT-2 small at N=64 on h100_ib, every axis opened wide enough for 10,000
-   configurations (3 precisions x 3 offloads x 2 checkpointing x 10 micro-batches of 48 samples a rank x 6 bucket
+   configurations (3 precisions x 3 offloads x 2 checkpointing x 16 micro-batches of 120 samples a rank x 7 bucket
    sizes x 3 prefetches x 5 shard sizes, where each row has the knob): each configuration's model state and
    predicted step, then the peaks of the fastest until 5 fit. Printed: configurations, seconds to time them all, seconds to the answer (its traces
    included), configurations judged.
@@ -30,9 +30,9 @@ MODELS = {
     "70B-like GPT N=8": ["model=gpt", "model.n_layer=80", "model.n_embd=8192", "model.n_head=64",
                          "model.seq_len=4096", "model.vocab_size=32000", "world_size=8"],
 }
-WIDE = ["model=gpt2_small", "world_size=64", "device_memory=80GB", "network=h100_ib", "global_batch=3072",
+WIDE = ["model=gpt2_small", "world_size=64", "device_memory=80GB", "network=h100_ib", "global_batch=7680",
         "precisions=[fp32,bf16,fp16]", "recommend.offload=[none,optimizer,full]",
-        "recommend.bucket_cap_mb=[10,25,50,100,200,400]"]
+        "recommend.bucket_cap_mb=[10,25,50,100,200,400,800]"]
 
 
 def search_alone() -> None:

@@ -335,13 +335,19 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
             mine = [Slot(op, 1.0, last_b, last_b)]
         total = sum(s.weight for s in mine) or 1.0
         one_call = len(mine) == entry["count"]  # a slot per call (per micro-batch where it repeats)
+        timed: dict[tuple[float, bool], tuple[float, float]] = {}  # a slot's time is a function of these alone
         for s in mine:
             share = s.weight / total
             burst = s.burst and burst_seconds is not None
-            seconds = _op_seconds(op, entry, share, burst_seconds if burst else seconds_of, group_seconds, one_call)
-            floor = 0.0
-            if stream_seconds is not None and not burst and not (group_seconds is not None and entry.get("groups")):
-                floor = max(0.0, _op_seconds(op, entry, share, stream_seconds, None, one_call) - seconds)
+            if (share, burst) not in timed:
+                seconds = _op_seconds(op, entry, share, burst_seconds if burst else seconds_of, group_seconds,
+                                      one_call)
+                floor = 0.0
+                if stream_seconds is not None and not burst and not (group_seconds is not None
+                                                                     and entry.get("groups")):
+                    floor = max(0.0, _op_seconds(op, entry, share, stream_seconds, None, one_call) - seconds)
+                timed[share, burst] = (seconds, floor)
+            seconds, floor = timed[share, burst]
             calls.append((s.issue_s, s.need_s, s.order, seconds, floor))
     compute = k * (f + b) + o
     step, woken = channel_step(compute, calls, overlap, wake)
