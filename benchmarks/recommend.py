@@ -3,8 +3,8 @@
 1. The search alone, in process: GPT-2 small at N=64 on h100_ib, every axis opened wide enough for 10,000
    configurations (3 precisions x 3 offloads x 2 checkpointing x 16 micro-batches of 120 samples a rank x 7 bucket
    sizes x 3 prefetches x 5 shard sizes, where each row has the knob): each configuration's model state and
-   predicted step, then the peaks of the fastest until 5 fit. Printed: configurations, seconds to time them all, seconds to the answer (its traces
-   included), configurations judged.
+   predicted step, then the peaks of the fastest until 5 fit. Printed: configurations, seconds (wall and CPU) to
+   time them all, seconds to the answer (its traces included), configurations judged.
 2. The command line, whole processes timed from outside: GPT-2 small at N=64, a 7B GPT at N=64 and a 70B-like GPT
    at N=8 (nothing fits: the nearest changes), each ``device_memory=80GB network=h100_ib``.
 
