@@ -9,7 +9,7 @@ from typing import Any
 from zeroexp.recommend.search import Evaluator, Problem, Scored
 from zeroexp.recommend.space import Config, run_overrides
 
-__all__ = ["recommendation", "mark_ties", "command", "label", "render"]
+__all__ = ["recommendation", "mark_ties", "command", "label", "render", "notes_of"]
 
 
 def label(c: Config) -> str:
@@ -86,13 +86,19 @@ def recommendation(ev: Evaluator, s: Scored, model_overrides: list[str], ranks_p
     return rec
 
 
-def _notes(c: Config, t: Any, flops: float | None, peak_flops: float | None) -> list[str]:
+def notes_of(c: Config, t: Any) -> list[str]:
+    """What a configuration's step leaves out: offload's transfers, any overlap (every collective exposed)."""
     notes = []
     if c.offload != "none":
         notes.append(f"offload={c.offload}: the host transfers and the host's optimizer step are not in the step "
                      "time (a lower bound)")
-    if t.comm_s > 0 and t.exposed_comm_s >= t.comm_s * (1 - 1e-9):
+    if t.comm_s > 0 and "no overlap" in t.rule:  # the rule's own words (DeepSpeed's rows; a device without overlap)
         notes.append(f"no overlap modelled: every collective exposed ({t.rule})")
+    return notes
+
+
+def _notes(c: Config, t: Any, flops: float | None, peak_flops: float | None) -> list[str]:
+    notes = notes_of(c, t)
     if flops is None:
         notes.append("mfu: FLOPs not counted for this model (a parameter count has no operations to count)")
     elif peak_flops is None:
@@ -153,6 +159,8 @@ def render(answer: dict[str, Any], console: Any) -> None:
                       + ("" if ch["fits_on"] == "peak" else "*")
                       + f", {ch['step_ms']:.2f} ms ({ch['cost_ms']:+.2f} ms against the fastest)", overflow="fold")
         console.print(f"   {ch['command']}", overflow="fold")
+        for note in ch["notes"]:
+            console.print(f"   note: {note}", overflow="fold")
     if answer.get("nearest_changes") == []:
         console.print("No single change searched makes a configuration fit.")
     for note in answer["notes"]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from zeroexp.recommend.answer import command, label, mark_ties, recommendation
+from zeroexp.recommend.answer import command, label, mark_ties, notes_of, recommendation
 from zeroexp.recommend.search import Evaluator, Problem, search
 from zeroexp.recommend.space import Axes, run_overrides
 
@@ -88,7 +88,9 @@ def _fits(what: str, problem: Problem, axes: Axes, fastest_ms: float, model_over
     return [{"change": what, "fits": True, "config": label(s.config), "overrides": overrides,
              "peak_bytes": s.peak.get("peak_bytes"), "fits_bytes": s.peak.get("fits_bytes"),
              "fits_on": s.peak.get("fits_on"), "step_ms": s.step_ms, "cost_ms": s.step_ms - fastest_ms,
-             "command": command(overrides, problem.world_size, ranks_per_node), "searched": result.searched}]
+             "command": command(overrides, problem.world_size, ranks_per_node),
+             "notes": notes_of(s.config, s.step) + ([s.peak["peak_note"]] if s.peak.get("peak_note") else []),
+             "searched": result.searched}]
 
 
 def with_world_size(problem: Problem, n: int) -> Problem:
