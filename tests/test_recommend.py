@@ -235,3 +235,18 @@ def test_cli_refuses_without_a_network_and_help_needs_no_torch():
                          text=True, timeout=120)
     assert out.returncode == 0 and "recommend" in out.stdout
 
+
+
+def test_the_planners_table_marks_the_rows_tied_with_its_fastest():
+    from zeroexp.cli.plan import run as plan_run
+    from zeroexp.plan.network import MODEL_TIME_ERROR
+
+    records, _ = plan_run(_compose("plan", *TINY, "world_size=16", "network=a100_ib", "batch_size=4",
+                                   "device_memory=1GB"))
+    (best,) = [r for r in records if r["fastest"]]
+    runs = [r for r in records if not r["reference"] and r["fits"]]
+    tied = {r["strategy"] for r in runs if r["tie_fastest"]}
+    assert tied == {r["strategy"] for r in runs if r is not best
+                    and r["step_ms"] <= best["step_ms"] * (1 + MODEL_TIME_ERROR[0])}
+    assert tied == {"deepspeed_stage0"}  # DDP's all_reduce and DeepSpeed stage 0's take the same time here
+    assert not best["tie_fastest"] and not any(r["tie_fastest"] for r in records if r["reference"])

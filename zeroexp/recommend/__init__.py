@@ -11,6 +11,7 @@ imports no torch.
 
 from __future__ import annotations
 
+from zeroexp.plan.network import MODEL_TIME_ERROR
 from zeroexp.recommend.core import recommend
 from zeroexp.recommend.search import Evaluator, Problem, search
 from zeroexp.recommend.space import Axes, Config, configurations
@@ -18,9 +19,5 @@ from zeroexp.recommend.space import Axes, Config, configurations
 __all__ = ["recommend", "search", "Problem", "Evaluator", "Axes", "Config", "configurations",
            "MEASURED_TIME_ERROR"]
 
-#: The step-time model's own error, as measured on this machine (predicted / measured step time of real cells
-#: against this machine's calibration: docs/benchmarks.md, benchmarks/time_check.py, 2026-12-01, commit fd50a75:
-#: ratios 0.92 to 1.02 over six cells, the largest miss 8 %). Two configurations closer than it are a tie.
-MEASURED_TIME_ERROR = (0.08, "the step-time model's largest miss measured on this machine (benchmarks/time_check.py, "
-                             "docs/benchmarks.md: predicted / measured 0.92-1.02 over six cells, calibrated); on a "
-                             "GPU preset never measured: carried over")
+#: The step-time model's own error, as measured on this machine: the planner's (ties closer than it).
+MEASURED_TIME_ERROR = MODEL_TIME_ERROR
