@@ -115,12 +115,13 @@ def mark_ties(records: list[dict[str, Any]], tolerance: float) -> None:
 
 
 def _gb(x: float | None) -> str:
-    return "-" if x is None else f"{x / 1e9:.1f}"
+    """Bytes in GB (1e9), or MB below 1 GB."""
+    return "-" if x is None else f"{x / 1e9:.1f} GB" if x >= 1e9 else f"{x / 1e6:.1f} MB"
 
 
 def _binds(b: dict[str, Any]) -> str:
     mem, coll = b["memory"], b["collective"]
-    parts = [f"{mem['category']} {_gb(mem['bytes'])} GB at the peak" if mem else None,
+    parts = [f"{mem['category']} {_gb(mem['bytes'])} at the peak" if mem else None,
              f"{coll['op']} costs the step {coll['costs_ms']:.2f} ms" if coll else "no collective costs the step"]
     return "; ".join(p for p in parts if p)
 
@@ -133,9 +134,9 @@ def render(answer: dict[str, Any], console: Any) -> None:
     recs = answer["recommendations"]
     mem = answer["device_memory_bytes"]
     table = Table(title=f"The {len(recs)} fastest of {answer['searched']:,} configurations that fit "
-                        f"{_gb(mem)} GB less {100 * answer['headroom']:.0f} % (N={answer['world_size']})",
+                        f"{_gb(mem)} less {100 * answer['headroom']:.0f} % (N={answer['world_size']})",
                   width=100, pad_edge=False)
-    for name in ("#", "configuration", "peak GB", "free", "step ms", "tokens/s", "MFU", "exposed ms"):
+    for name in ("#", "configuration", "peak", "free", "step ms", "tokens/s", "MFU", "exposed ms"):
         table.add_column(name, justify="left" if name == "configuration" else "right", overflow="fold")
     for i, r in enumerate(recs, 1):
         tie = f" ={','.join(map(str, r['tie_with']))}" if r["tie_with"] else ""
@@ -150,12 +151,12 @@ def render(answer: dict[str, Any], console: Any) -> None:
             for note in r["notes"] + ([r["peak_note"]] if r["peak_note"] else []):
                 console.print(f"   note: {note}", overflow="fold")
     else:
-        console.print(f"Nothing of {answer['searched']:,} configurations fits {_gb(mem)} GB less "
+        console.print(f"Nothing of {answer['searched']:,} configurations fits {_gb(mem)} less "
                       f"{100 * answer['headroom']:.0f} % at N={answer['world_size']}; the fastest would be "
                       f"{answer['fastest']['config']} ({answer['fastest']['step_ms']:.2f} ms). The nearest changes:",
                       overflow="fold")
     for ch in answer.get("nearest_changes") or []:
-        console.print(f"change: {ch['change']}: {ch['config']}, peak {_gb(ch['fits_bytes'])} GB"
+        console.print(f"change: {ch['change']}: {ch['config']}, peak {_gb(ch['fits_bytes'])}"
                       + ("" if ch["fits_on"] == "peak" else "*")
                       + f", {ch['step_ms']:.2f} ms ({ch['cost_ms']:+.2f} ms against the fastest)", overflow="fold")
         console.print(f"   {ch['command']}", overflow="fold")
