@@ -19,3 +19,14 @@ def test_the_reports_winners_line_names_each_axis_and_the_trade_off():
                        "collectives.payload_total_bytes": [1e6, 12e6, 6e6]})
     assert winners_line(one)[0].endswith(": one cell wins every axis.")
     assert winners_line(ok.iloc[:1]) == []  # one cell wins nothing
+
+
+def test_dry_runs_win_nothing():
+    import pandas as pd
+
+    from zeroexp.report.verdicts import winners_line
+
+    ok = pd.DataFrame({"label": ["ddp", "fsdp_full", "zero2"], "timing.median_ms": [10.0, 12.5, None],
+                       "memory.peak_bytes_max": [40e6, 20e6, 1e6], "collectives.payload_total_bytes": [8e6, 12e6, 1e6],
+                       "mode": ["train", "train", "dry_run"]})
+    assert "zero2" not in winners_line(ok)[0]

@@ -123,7 +123,9 @@ WINNERS = (("timing.median_ms", "fastest", lambda v: f"{v:.1f} ms median step"),
 def winners_line(ok: pd.DataFrame) -> list[str]:
     """One line: the cell that won each axis (fastest median step, lowest measured peak, least payload a step) and
     the trade-off between them (what the fastest holds against the lowest peak, and how much slower the lowest peak
-    steps); nothing without two finished cells measured."""
+    steps); nothing without two finished cells measured. Dry runs are left out: they measure no step and no memory
+    (a traced one's memory is simulated)."""
+    ok = ok[~is_dry_run(ok)]
     best: dict[str, tuple[float, str]] = {}
     for col, what, _ in WINNERS:
         values = [(float(v), str(lab)) for v, lab in zip(column(ok, col), ok["label"]) if not missing(v)]
