@@ -105,6 +105,7 @@ LAYERS = [
     ("rank",),                                       # one rank of a cell, a dry run
     ("launch",),                                     # the launching process: runner, launchers, preloads
     ("calibrate",),                                  # one calibration (its ranks, the file)
+    ("recommend",),                                  # which configuration to run: a search over the planner
     ("cli",),                                        # the command lines
 ]
 ROOT_MODULES_AT_MOST = 6

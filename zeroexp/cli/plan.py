@@ -220,64 +220,20 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     (zeroexp.formulas.device: AdamW's update, the backend's copies, the cuBLAS workspaces in ``steady_bytes``);
     on cuda ``reserved_peak_bytes``, the caching allocator's segments for the same live bytes
     (zeroexp.formulas.allocator), on which ``fits`` is then judged."""
-    from zeroexp.formulas import LAYOUTS, derive_groups
-    from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
-    from zeroexp.formulas.allocator import reserved_peak
-    from zeroexp.plan.core import judge_fits
-    from zeroexp.plan.memory import (cell_precision_terms, flow_of, needs_in_place, steady_buffers_bytes,
-                                     step_traces, uncovered, worst_rank_phases)
-    from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage, ds_step_frees_grads
-    from zeroexp.plan.reserved import steady_blocks
+    from zeroexp.formulas.device import CPU
+    from zeroexp.plan.row_peak import row_peak
 
-    traced = batch is not None and cfg.model is not None
     wrap = []
-    if traced:  # a parameter count traces nothing: no torch
+    if batch is not None and cfg.model is not None:  # a parameter count traces nothing: no torch
         from zeroexp.models import import_class, wrap_paths
 
         wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
                                                                       "model": cfg.model}))]
-    k, c, dtype = knobs.micro_batches, COMPUTE_ITEMSIZE[str(cfg.precision.param_dtype)], str(cfg.precision.param_dtype)
-    traces: dict[tuple, Any] = {}  # by (DeepSpeed's segmentation, the gradients in place, the precision terms)
-    from zeroexp.formulas.device import CPU
-
-    device = device or CPU
     for r in records:
-        r.update(init_peak_bytes=4 * r["numel"], peak_bytes=None, peak_phase=None, phase_bytes=None, steady_bytes=None,
-                 reserved_peak_bytes=None, device_semantics=device.name, workspace_bytes=device.workspace_bytes)
-        flow = flow_of(r["strategy"])
-        r["accum_grad_bytes"] = (accumulated_grad_bytes(flow, r["grad_bytes"]) if k > 1 and flow in
-                                 ACCUMULATING_FLOWS else None)
-        why = uncovered(r["strategy"], str(cfg.precision.name), str(cfg.offload.name),
-                        activation_checkpointing="full" if checkpointing else "none", micro_batches=k)
-        if not traced:
-            why = why or ["no traced step: give model= and batch_size="]
-        name, n = r["strategy"], r["world_size"]
-        groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-        why = why or ds_peak_limits(name, groups, knobs.bucket_cap_bytes)
-        if why:
-            r["peak_note"] = "; ".join(why)
-            judge_fits(r)
-            continue
-        terms = cell_precision_terms(name, cfg)
-        key = (ds_stage(name) is not None, needs_in_place(name, k), terms)
-        if key not in traces:
-            traces[key] = step_traces(name, cfg.model, batch, wrap, checkpointing, k, dtype, terms)
-        trace, in_place = traces[key]
-        phases = worst_rank_phases(name, groups, shape, trace, c, str(cfg.prefetch.name), k, in_place,
-                                   knobs.bucket_cap_bytes, terms, device, knobs.root_kept_after_forward and
-                                   LAYOUTS[name].gathers_per_unit(True, knobs) == 1, knobs)
-        top = max(phases, key=lambda ph: phases[ph]["bytes"])
-        buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize,
-                                       knobs.bucket_cap_bytes, terms)
-        freed = r["grad_bytes"] if ds_stage(name) is not None and ds_step_frees_grads(name) else 0  # none between steps
-        steady = r["device_bytes"] - freed + buffers + device.workspace_bytes
-        r.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
-                 peak_bytes=steady + max(phases[top]["bytes"], 0))
-        if device.name == "cuda":  # the caching allocator's segments for the same live bytes
-            blocks = steady_blocks(r["param_bytes"], r["grad_bytes"] - freed,
-                                   r["optim_bytes"] + (r["master_bytes"] or 0), buffers, device.workspace_bytes)
-            r["reserved_peak_bytes"] = reserved_peak(blocks, [v["by_category"] for v in phases.values()])[0]
-        judge_fits(r)
+        peak = row_peak(r, shape, cfg.precision, knobs, cfg.model, batch, wrap, checkpointing,
+                        str(cfg.prefetch.name), device or CPU, r["device_memory_bytes"])
+        del peak["by_category"]
+        r.update(peak, init_peak_bytes=4 * r["numel"])
 
 
 def _largest_layer(cfg: DictConfig, shape: ModelShape) -> int | None:

@@ -45,6 +45,7 @@ for in the next forward).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -233,12 +234,20 @@ def channel_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool
     def run(first_extra: float) -> tuple[float, float, float, float]:
         """(step, woken, the first call's start, the last call's end) with the first call's extra given."""
         done: dict[int, float] = {}
+        waiting: list[tuple[float, int]] = []  # issued calls not yet waited for, by the point that needs them
         woken = wall = pos = channel = first_start = 0.0
         k = 0
+
+        def wait(q: float, wall: float) -> float:
+            """The wall clock after waiting for every issued call needed by ``q`` (``wall`` only grows, so a call
+            waited for once never moves it again: each is folded in once, not rescanned at every point)."""
+            while waiting and waiting[0][0] <= q:
+                wall = max(wall, done[heapq.heappop(waiting)[1]])
+            return wall
         for q in points:
             wall += q - pos
             pos = q
-            wall = max([wall] + [done[i] for i in done if calls[i][1] == q])
+            wall = wait(q, wall)
             while k < len(order) and calls[order[k]][0] <= q:
                 i = order[k]
                 begin = max(wall, channel)
@@ -246,15 +255,22 @@ def channel_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool
                 first_start = begin if not k else first_start
                 woken += extra
                 channel = done[i] = begin + extra + calls[i][3]
+                heapq.heappush(waiting, (calls[i][1], i))
                 k += 1
-            wall = max([wall] + [done[i] for i in done if calls[i][1] <= q])
+            wall = wait(q, wall)
         return max([wall, *done.values()]), woken, first_start, channel
 
     if not order:
         return run(0.0)[:2]
+    runs: dict[float, tuple[float, float, float, float]] = {}  # run is a function of the first call's extra
+
+    def run_once(extra: float) -> tuple[float, float, float, float]:
+        if extra not in runs:
+            runs[extra] = run(extra)
+        return runs[extra]
 
     def excess(extra: float) -> float:  # the first call's idle gap wraps around, from the previous step's last
-        step, _, first, last = run(extra)  # call's end, which its own waking moves
+        step, _, first, last = run_once(extra)  # call's end, which its own waking moves
         return extra_of(order[0], first + step - last) - extra
 
     # The fixed point e = wake(gap(e)): gap(e) does not grow with e, so excess falls from >= 0 at 0 to <= 0 at the
@@ -265,7 +281,7 @@ def channel_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool
     for _ in range(60 if low < high else 0):
         mid = (low + high) / 2
         low, high = (mid, high) if excess(mid) > 0 else (low, mid)
-    step, woken, _, _ = run(low)
+    step, woken, _, _ = run_once(low)
     return step, woken
 
 
@@ -327,13 +343,19 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
             mine = [Slot(op, 1.0, last_b, last_b)]
         total = sum(s.weight for s in mine) or 1.0
         one_call = len(mine) == entry["count"]  # a slot per call (per micro-batch where it repeats)
+        timed: dict[tuple[float, bool], tuple[float, float]] = {}  # a slot's time is a function of these alone
         for s in mine:
             share = s.weight / total
             burst = s.burst and burst_seconds is not None
-            seconds = _op_seconds(op, entry, share, burst_seconds if burst else seconds_of, group_seconds, one_call)
-            floor = 0.0
-            if stream_seconds is not None and not burst and not (group_seconds is not None and entry.get("groups")):
-                floor = max(0.0, _op_seconds(op, entry, share, stream_seconds, None, one_call) - seconds)
+            if (share, burst) not in timed:
+                seconds = _op_seconds(op, entry, share, burst_seconds if burst else seconds_of, group_seconds,
+                                      one_call)
+                floor = 0.0
+                if stream_seconds is not None and not burst and not (group_seconds is not None
+                                                                     and entry.get("groups")):
+                    floor = max(0.0, _op_seconds(op, entry, share, stream_seconds, None, one_call) - seconds)
+                timed[share, burst] = (seconds, floor)
+            seconds, floor = timed[share, burst]
             calls.append((s.issue_s, s.need_s, s.order, seconds, floor))
     compute = k * (f + b) + o
     step, woken = channel_step(compute, calls, overlap, wake)

@@ -21,8 +21,14 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, Mode
 from zeroexp.plan.core import recommendable
 
 __all__ = ["Network", "network_of", "calibrated_network", "predict_on", "add_step_times", "tokens_per_sample",
-           "ADAMW_BYTES_PER_ELEMENT"]
+           "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
 
+#: The step-time model's own error, as measured on this machine (predicted / measured step time of real cells
+#: against this machine's calibration: docs/benchmarks.md, benchmarks/time_check.py, 2026-12-01, commit fd50a75:
+#: ratios 0.92 to 1.02 over six cells, the largest miss 8 %): two steps closer than it are a tie.
+MODEL_TIME_ERROR = (0.08, "the step-time model's largest miss measured on this machine (benchmarks/time_check.py, "
+                          "docs/benchmarks.md: predicted / measured 0.92-1.02 over six cells, calibrated); on a GPU "
+                          "preset never measured: carried over")
 #: AdamW in fp32 reads the parameter, its gradient and two moments and writes the parameter and both moments: 7 x 4 B.
 ADAMW_BYTES_PER_ELEMENT = 28
 
@@ -129,10 +135,13 @@ def calibrated_network(cal: Any) -> Network:
 
 
 def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs: PlanKnobs, batch: int, n: int,
-               prefetch: str = "pre", checkpointed: int = 0) -> Any:
+               prefetch: str = "pre", checkpointed: int = 0, without: str | None = None) -> Any:
     """:func:`~zeroexp.formulas.predict_step` of ``layout`` over ``groups`` at ``n`` ranks on ``network``: its
-    collectives' times (each group's, a burst's, a stream's), compute rate, overlap, framework costs and waking."""
-    return predict_step(layout, groups, step_collectives(layout, groups, itemsize, knobs), network.rate, batch,
+    collectives' times (each group's, a burst's, a stream's), compute rate, overlap, framework costs and waking.
+    ``without``: the same step with that op's calls left out (what the op costs the step)."""
+    collectives = step_collectives(layout, groups, itemsize, knobs)
+    collectives = {op: v for op, v in collectives.items() if op != without}
+    return predict_step(layout, groups, collectives, network.rate, batch,
                         network.seconds_at(n), network.overlap, prefetch, network.framework, itemsize,
                         checkpointed=checkpointed, micro_batches=knobs.micro_batches,
                         repeats=accumulation_repeats(layout, groups, itemsize, knobs),
@@ -153,7 +162,8 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
                    knobs: PlanKnobs, batch: int, tokens: int, checkpointing: bool = False) -> None:
     """Add ``step_ms``, ``exposed_comm_ms``, ``recompute_ms``, ``tokens_per_s`` (global, every micro-batch of the
     optimizer step) and ``fastest`` (per world size, among the rows a strategy runs that fit, or all of them when fit
-    is unknown: :func:`zeroexp.plan.core.recommendable`; the paper's rows never) to each record, in place.
+    is unknown: :func:`zeroexp.plan.core.recommendable`; the paper's rows never) to each record, in place; and
+    ``tie_fastest`` on those rows whose step is within :data:`MODEL_TIME_ERROR` of the fastest's.
     ``checkpointing``: every wrap unit recomputed in backward; ``knobs.micro_batches``: grad_accum."""
     checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels) if checkpointing else 0
     for r in records:
@@ -163,8 +173,12 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
         t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed)
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s,
-                 network=network.name, network_source=network.source, overlap_rule=t.rule, fastest=False)
+                 network=network.name, network_source=network.source, overlap_rule=t.rule, fastest=False,
+                 tie_fastest=False)
     for n in {r["world_size"] for r in records}:
         rows = [r for r in records if r["world_size"] == n and recommendable(r)]
         if rows:
-            min(rows, key=lambda r: r["step_ms"])["fastest"] = True
+            best = min(rows, key=lambda r: r["step_ms"])
+            best["fastest"] = True
+            for r in rows:  # the rows the model cannot tell from the fastest
+                r["tie_fastest"] = r is not best and r["step_ms"] <= best["step_ms"] * (1 + MODEL_TIME_ERROR[0])

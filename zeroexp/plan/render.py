@@ -73,7 +73,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         if "step_ms" in first:
             console.print(_time_table(records))
             console.print(f"computed on {first['network_source']} (zeroexp.formulas.overlap; docs/planner.md, Step "
-                          "time); * the fastest strategy that fits, per world size, among the rows a strategy runs")
+                          "time); * the fastest strategy that fits, per world size, among the rows a strategy runs; "
+                          "= a row the model cannot tell from it (within its measured error)")
             for line in fastest_sentences(records, unit):
                 console.print(line)
             console.print()
@@ -174,6 +175,12 @@ def fastest_sentences(records: list[dict[str, Any]], unit: str) -> list[str]:
         else:
             out.append(f"N={n}: the fastest that fits {room}: {best['strategy']}, {best['step_ms']:.2f} ms; fits "
                        f"judged on {FITS_ON[best['fits_on']]}: {fmt_size(best['fits_bytes'], unit)} {unit}")
+        ties = [r["strategy"] for r in rows if r.get("tie_fastest")]
+        if best is not None and ties:
+            from zeroexp.plan.network import MODEL_TIME_ERROR
+
+            out.append(f"N={n}: tied with it (=, within {100 * MODEL_TIME_ERROR[0]:.0f} %, {MODEL_TIME_ERROR[1]}): "
+                       + ", ".join(ties))
     return out
 
 
@@ -190,7 +197,7 @@ def _time_table(records: list[dict[str, Any]]) -> Table:
         table.add_row(r["strategy"] + (_REFERENCE if r["reference"] else ""), str(r["world_size"]),
                       f"{r['step_ms']:.2f}", *([f"{r['recompute_ms']:.2f}"] if recompute else []),
                       f"{r['comm_ms']:.2f}", f"{r['exposed_comm_ms']:.2f}", f"{r['tokens_per_s']:,.0f}", _fits(r),
-                      "*" if r["fastest"] else "")
+                      "*" if r["fastest"] else "=" if r.get("tie_fastest") else "")
     return table
 
 

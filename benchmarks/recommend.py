@@ -1,0 +1,105 @@
+"""How fast ``python -m zeroexp.recommend`` answers (docs/benchmarks.md, Recommend).
+
+1. The search alone, in process: GPT-2 small at N=64 on h100_ib, every axis opened wide enough for 10,000
+   configurations (3 precisions x 3 offloads x 2 checkpointing x 16 micro-batches of 120 samples a rank x 7 bucket
+   sizes x 3 prefetches x 5 shard sizes, where each row has the knob): each configuration's model state and
+   predicted step, then the peaks of the fastest until 5 fit. Printed: configurations, seconds (wall and CPU) to
+   time them all, seconds to the answer (its traces included), configurations judged.
+2. The command line, whole processes timed from outside: GPT-2 small at N=64, a 7B GPT at N=64 and a 70B-like GPT
+   at N=8 (nothing fits: the nearest changes), each ``device_memory=80GB network=h100_ib``.
+
+    python benchmarks/recommend.py              # both
+    python benchmarks/recommend.py --cli 0      # the search alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODELS = {
+    "gpt2_small N=64": ["model=gpt2_small", "world_size=64"],
+    "7B GPT N=64": ["model=gpt", "model.n_layer=32", "model.n_embd=4096", "model.n_head=32", "model.seq_len=4096",
+                    "model.vocab_size=32000", "world_size=64"],
+    "70B-like GPT N=8": ["model=gpt", "model.n_layer=80", "model.n_embd=8192", "model.n_head=64",
+                         "model.seq_len=4096", "model.vocab_size=32000", "world_size=8"],
+}
+WIDE = ["model=gpt2_small", "world_size=64", "device_memory=80GB", "network=h100_ib", "global_batch=7680",
+        "precisions=[fp32,bf16,fp16]", "recommend.offload=[none,optimizer,full]",
+        "recommend.bucket_cap_mb=[10,25,50,100,200,400,800]"]
+
+
+def search_alone() -> None:
+    from hydra import compose, initialize_config_dir
+
+    import zeroexp.recommend.core as core
+    from zeroexp.cli.hydra_app import CONF_DIR
+    from zeroexp.cli.recommend import register, run
+    from zeroexp.recommend.search import Evaluator, Scored, search
+    from zeroexp.recommend.space import configurations
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="recommend", overrides=WIDE)
+    seen = {}
+    original = core.search
+
+    def first(problem, axes, top_k, evaluator=None):  # the Problem and Axes the command line builds
+        seen.setdefault("args", (problem, axes, top_k))
+        return original(problem, axes, top_k, evaluator)
+    core.search = first
+    t0 = time.perf_counter()
+    run(cfg)
+    whole = time.perf_counter() - t0
+    core.search = original
+    problem, axes, top_k = seen["args"]
+    t0, c0 = time.perf_counter(), time.process_time()
+    ev = Evaluator(problem)
+    timed = [Scored(c, ev.step(c), ev.state_bytes(c)) for c in configurations(axes, problem.world_size)]
+    arithmetic, cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0 = time.perf_counter()
+    result = search(problem, axes, top_k)  # the traces are remembered from the run above
+    warm = time.perf_counter() - t0
+    print(f"search: {len(timed):,} configurations; state + step of each in {arithmetic:.2f} s ({cpu:.2f} s CPU; a "
+          "fresh evaluator); "
+          f"the whole run (shape, FLOPs, every step, the traces of the {result.judged} judged) {whole:.2f} s; "
+          f"the search again with its traces remembered {warm:.2f} s")
+
+
+def cli() -> None:
+    for name, overrides in MODELS.items():
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "zeroexp.recommend", *overrides, "device_memory=80GB",
+                              "network=h100_ib", "format=json"], cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if out.returncode:
+            print(f"{name}: exit {out.returncode}: {out.stderr[-500:]}")
+            continue
+        import json
+
+        answer = json.loads(out.stdout)
+        top = answer["recommendations"][0]["config"] if answer["recommendations"] else "nothing fits"
+        changes = len(answer["nearest_changes"] or [])
+        print(f"{name}: {wall:.1f} s, {answer['searched']:,} searched, {answer['judged']} judged; first: {top}"
+              + (f"; {changes} nearest changes" if not answer["recommendations"] else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--search", type=int, default=1, help="1: time the search in process")
+    parser.add_argument("--cli", type=int, default=1, help="1: time the command line on the three models")
+    args = parser.parse_args()
+    if args.search:
+        search_alone()
+    if args.cli:
+        cli()
+
+
+if __name__ == "__main__":
+    main()

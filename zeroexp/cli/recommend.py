@@ -1,0 +1,269 @@
+"""``python -m zeroexp.recommend``: which configuration to run (``conf/recommend.yaml``), as a table or JSON.
+
+Exit codes: 0 answered (also when nothing fits: the answer then lists the nearest changes); 2 bad input, with a
+message naming the key.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from zeroexp.errors import ConfigError
+
+__all__ = ["RecommendConfig", "main", "run"]
+
+_STARTED = False
+_OFFLOADS, _AC, _PREFETCH = ("none", "optimizer", "full"), ("none", "full"), ("pre", "post", "none")
+
+
+@dataclass
+class SearchConfig:
+    """``recommend.*``: the search's axes and the answer's size."""
+
+    top_k: int = 5
+    headroom: float = 0.1
+    tie: Optional[float] = None
+    strategies: Any = None
+    offload: Any = field(default_factory=lambda: ["none"])
+    activation_checkpointing: Any = field(default_factory=lambda: ["none", "full"])
+    micro_batches: Any = None
+    bucket_cap_mb: Any = field(default_factory=lambda: [25, 100])
+    prefetch: Any = field(default_factory=lambda: list(_PREFETCH))
+    shard_size: Any = None
+
+
+@dataclass
+class RecommendConfig:
+    """The recommender's keys (conf/recommend.yaml); ``model`` and ``network`` are the planner's config groups."""
+
+    model: Any = None
+    network: Any = None
+    params: Any = None
+    world_size: Any = None
+    nodes: Any = None
+    gpus_per_node: Any = None
+    device_memory: Any = None
+    global_batch: Any = None
+    global_tokens: Any = None
+    precisions: Any = field(default_factory=lambda: ["bf16"])
+    wrap: Optional[List[str]] = None
+    device: Any = None
+    compute_capability: Any = None
+    format: str = "table"
+    recommend: SearchConfig = field(default_factory=SearchConfig)
+
+
+def register() -> None:
+    """The runner's schemas (the model and network options extend them) and the recommender's."""
+    from zeroexp.config.schemas import register_schemas
+
+    register_schemas()
+    ConfigStore.instance().store(name="recommend_schema", node=RecommendConfig)
+
+
+def _ints(value: Any, key: str, low: int = 1) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+        raise ConfigError(key, value, f"null or a list of integers >= {low}")
+    return tuple(values)
+
+
+def _names(value: Any, key: str, accepted: tuple[str, ...]) -> tuple[str, ...]:
+    values = [str(v) for v in (value if isinstance(value, (list, tuple, ListConfig)) else [value])]
+    bad = [v for v in values if v not in accepted]
+    if not values or bad:
+        raise ConfigError(key, bad or value, ", ".join(accepted))
+    return tuple(dict.fromkeys(values))
+
+
+def _positive(value: Any, key: str, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, what)
+    return value
+
+
+def _world(cfg: DictConfig) -> tuple[int, int | None]:
+    """(world size, ranks per node): ``world_size``, or ``nodes`` x ``gpus_per_node`` (else the network's)."""
+    net = cfg.network or {}
+    per_node = _positive(cfg.gpus_per_node, "gpus_per_node", "null or an integer >= 1") or net.get("ranks_per_node")
+    nodes = _positive(cfg.nodes, "nodes", "null or an integer >= 1")
+    n = _positive(cfg.world_size, "world_size", "an integer >= 1 (or nodes= and gpus_per_node=)")
+    if n is not None and nodes is not None:
+        raise ConfigError("nodes", nodes, "either world_size= or nodes= x gpus_per_node=, not both")
+    if n is None and nodes is None:
+        raise ConfigError("world_size", None, "an integer >= 1, or nodes= (x gpus_per_node=)", why="neither given")
+    if n is None:
+        if per_node is None:
+            raise ConfigError("gpus_per_node", None, "an integer >= 1", why="nodes= given, the network has no "
+                              "ranks_per_node")
+        n = nodes * per_node
+    return n, per_node
+
+
+def _precision(name: str) -> tuple[str, bool]:
+    """(param_dtype, loss scaling) of a precision option, from its YAML (conf/precision/<name>.yaml)."""
+    from zeroexp.recommend.space import CONF_DIR
+
+    node = OmegaConf.load(CONF_DIR / "precision" / f"{name}.yaml")
+    return str(node.param_dtype), node.get("loss_scale") is not None
+
+
+def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, Any]:
+    """Validate a composed recommend config and answer it; :class:`ConfigError` on bad input, before any work."""
+    from zeroexp.cli.plan import _device, _shape
+    from zeroexp.plan.core import parse_bytes
+    from zeroexp.recommend import MEASURED_TIME_ERROR, Axes, Problem, recommend
+    from zeroexp.recommend.core import with_world_size
+    from zeroexp.recommend.space import CONF_DIR
+
+    if cfg.format not in ("table", "json"):
+        raise ConfigError("format", cfg.format, "table, json")
+    if cfg.network is None:
+        raise ConfigError("network", None, "h100_ib, a100_ib (presets) or this_machine (its calibration): the step "
+                          "time ranks the configurations")
+    r = cfg.recommend
+    n, per_node = _world(cfg)
+    top_k = _positive(r.top_k, "recommend.top_k", "an integer >= 1")
+    if isinstance(r.headroom, bool) or not isinstance(r.headroom, (int, float)) or not 0 <= r.headroom < 1:
+        raise ConfigError("recommend.headroom", r.headroom, "a fraction in [0, 1): 0.1 keeps 10 % free")
+    if r.tie is not None and (isinstance(r.tie, bool) or not isinstance(r.tie, (int, float)) or r.tie < 0):
+        raise ConfigError("recommend.tie", r.tie, "null or a fraction >= 0")
+    options = tuple(sorted(p.stem for p in (CONF_DIR / "precision").glob("*.yaml")))
+    precisions = _names(cfg.precisions, "precisions", options)
+    from zeroexp.formulas import LAYOUTS
+
+    rows = _names(r.strategies, "recommend.strategies", tuple(n for n, row in LAYOUTS.items() if not row.reference)) \
+        if r.strategies is not None else tuple(LAYOUTS)
+    offloads = _names(r.offload, "recommend.offload", _OFFLOADS)
+    ac = _names(r.activation_checkpointing, "recommend.activation_checkpointing", _AC)
+    prefetch = _names(r.prefetch, "recommend.prefetch", _PREFETCH)
+    caps = list(r.bucket_cap_mb) if isinstance(r.bucket_cap_mb, ListConfig) else [r.bucket_cap_mb]
+    if not caps or any(isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0 for c in caps):
+        raise ConfigError("recommend.bucket_cap_mb", r.bucket_cap_mb, "a list of positive MiB: [25, 100]")
+    micro = _ints(r.micro_batches, "recommend.micro_batches")
+    shards = _ints(r.shard_size, "recommend.shard_size", 2)
+    try:
+        memory = parse_bytes(cfg.device_memory if cfg.device_memory is not None else cfg.network.get("device_memory"))
+    except ValueError as e:
+        raise ConfigError("device_memory", cfg.device_memory, "a size: 80GB, 80GiB (the network gives none)",
+                          why=str(e)) from e
+    from zeroexp.plan.network import network_of, tokens_per_sample
+
+    tokens = 1 if cfg.model is None else tokens_per_sample(cfg.model)
+    samples = _samples(cfg, n, tokens)
+    shape, model = _shape(cfg)
+    device = _device(cfg, memory)
+    networks = {p: network_of(cfg.network, p, tokens) for p in precisions}
+    dtypes = {p: _precision(p) for p in precisions}
+    wrap, flops = [], None
+    if cfg.model is not None:
+        from zeroexp.models import import_class, wrap_paths
+
+        wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
+                                                                      "model": cfg.model}))]
+        flops = _flops_of(cfg.model, tuple(wrap))
+    peaks = cfg.network.get("peak_flops") or {}
+    problem = Problem(shape, n, networks, device, memory, float(r.headroom), {p: d for p, (d, _) in dtypes.items()},
+                      {p: s for p, (_, s) in dtypes.items()}, tokens, cfg.model, wrap, flops,
+                      {p: peaks.get(p) for p in precisions})
+    axes = Axes(rows, precisions, offloads, tuple(a == "full" for a in ac), samples, micro,
+                tuple(float(c) for c in caps), prefetch, shards)
+    tie = float(r.tie) if r.tie is not None else MEASURED_TIME_ERROR[0]
+    overrides = model_overrides if model_overrides is not None else (
+        [f"model={model}"] if cfg.model is not None else [])
+    answer = recommend(problem, axes, top_k, tie, overrides, per_node, lambda m: with_world_size(problem, m))
+    answer.update(model=model, numel=shape.numel, network=cfg.network.name, samples_per_rank=samples,
+                  global_batch=samples * n, tokens_per_sample=tokens, precisions=list(precisions),
+                  device_semantics=device.name)
+    answer["notes"] += _notes(cfg, r.tie, networks, device, tie)
+    return answer
+
+
+def _samples(cfg: DictConfig, n: int, tokens: int) -> int:
+    """Samples a rank computes per optimizer step: ``global_batch`` (or ``global_tokens``) over the ranks."""
+    batch, toks = cfg.global_batch, cfg.global_tokens
+    if batch is not None and toks is not None:
+        raise ConfigError("global_tokens", toks, "either global_batch= or global_tokens=, not both")
+    if toks is not None:
+        _positive(toks, "global_tokens", "an integer >= 1")
+        if toks % tokens:
+            raise ConfigError("global_tokens", toks, f"a multiple of the model's {tokens} tokens a sample")
+        batch = toks // tokens
+    if batch is None:
+        return 8
+    _positive(batch, "global_batch", "an integer >= 1 (samples per optimizer step)")
+    if batch % n:
+        raise ConfigError("global_batch", batch, f"a multiple of world_size={n} (each rank computes as many samples)")
+    return batch // n
+
+
+def _flops_of(model_cfg: Any, wrap: tuple[type, ...]) -> Any:
+    """(micro-batch, checkpointing) -> the step's counted FLOPs (``zeroexp.plan.flops.step_flops``): counted at 1
+    and 2 samples, the rest F(1) + (m - 1) x (F(2) - F(1)) (every counted op's FLOPs are linear in its batch dim,
+    the batch-free ones constant; tests/test_recommend.py holds F(4) to it)."""
+    from zeroexp.plan.flops import step_flops
+
+    def flops(m: int, checkpointing: bool) -> float:
+        one = step_flops(model_cfg, 1, wrap, checkpointing)
+        return one + (m - 1) * (step_flops(model_cfg, 2, wrap, checkpointing) - one) if m > 1 else one
+    return flops
+
+
+def _notes(cfg: DictConfig, tie_given: Any, networks: dict[str, Any], device: Any, tie: float) -> list[str]:
+    from zeroexp.recommend import MEASURED_TIME_ERROR
+
+    net = next(iter(networks.values()))
+    notes = [f"step time computed on {net.source} (zeroexp.formulas.overlap; docs/planner.md, Step time); peaks by "
+             "the peak model (docs/planner.md); * judged on state + activations, no peak model for the row"]
+    notes.append(f"ties (=k): steps within {100 * tie:.0f} % of each other, "
+                 + ("recommend.tie as given" if tie_given is not None else MEASURED_TIME_ERROR[1]))
+    if device.name == "cuda":
+        notes.append(f"device=cuda: fits judged on reserved memory; not modelled: {', '.join(device.not_modelled)}")
+    if cfg.network.get("kind") == "calibration":
+        notes.append("a calibration times fp32 compute on this machine: other precisions' compute not modelled")
+    if cfg.model is None:
+        notes.append("a parameter count: no traced step, judged on model state alone; one token a sample; no FLOPs")
+    return notes
+
+
+def task(cfg: DictConfig) -> None:
+    """Hydra's task: answer and print (a table on stdout; with JSON, the answer alone)."""
+    import json
+
+    from hydra.core.hydra_config import HydraConfig
+    from rich.console import Console
+
+    from zeroexp.recommend.answer import render
+
+    global _STARTED
+    _STARTED = True
+    overrides = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].split(".")[0] in ("model", "wrap")]
+    console = Console(highlight=False, width=100)
+    errors = Console(stderr=True, highlight=False)
+    try:
+        with errors.status("searching: the model's shapes, every configuration's step, the fastest ones' peaks"):
+            answer = run(cfg, overrides or None)
+    except ConfigError as e:
+        errors.print(f"[red]error:[/] {e}")
+        sys.exit(2)
+    if cfg.format == "json":
+        print(json.dumps(answer, indent=1, default=str))
+    else:
+        render(answer, console)
+
+
+def main() -> None:
+    """``python -m zeroexp.recommend``."""
+    from zeroexp.cli.hydra_app import run_hydra_app
+
+    register()
+    run_hydra_app("recommend", task, lambda: _STARTED)

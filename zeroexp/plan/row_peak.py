@@ -1,0 +1,119 @@
+"""One configuration's predicted peak on a device, read through the planner's own functions: what the planner's
+table computes per row (``zeroexp.cli.plan``'s peaks and ``zeroexp.plan.core.judge_fits``), for one row, one
+micro-batch and one set of axes at a time, so that a search (``zeroexp.recommend``) asks for the peaks it needs and
+no more. Every figure is the peak model's (:mod:`zeroexp.plan.memory`, docs/planner.md); the step traces are
+remembered by their arguments (``zeroexp.plan.memory.trace_for``), and the activations of one forward here, so that
+configurations that share a model, micro-batch, precision and checkpointing trace once.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, derive_groups,
+                              offloaded_kinds)
+from zeroexp.formulas.device import DeviceSemantics
+
+__all__ = ["row_peak", "activation_bytes", "precision_of"]
+
+#: activation_bytes's answers in this process, by their arguments (model config, batch, dtype, checkpointing).
+_ACTIVATIONS: dict[tuple, int] = {}
+
+
+def activation_bytes(model_cfg: Any, batch: int, wrap: list[type], param_dtype: str, checkpointing: bool) -> int:
+    """What one forward keeps for backward at ``batch`` samples (``zeroexp.plan.activations.trace_activations``, on
+    fake tensors): below fp32 the fewer of autocast's and the module cast's (a row without a peak model computes one
+    way or the other, as ``judge_fits`` reads them); checkpointed: ``checkpointed_forward_bytes`` of the same."""
+    from omegaconf import OmegaConf
+
+    from zeroexp.formulas.checkpointing import checkpointed_forward_bytes
+    from zeroexp.models import torch_dtype
+    from zeroexp.plan.activations import trace_activations
+
+    key = (repr(OmegaConf.to_container(model_cfg, resolve=True)) if OmegaConf.is_config(model_cfg) else
+           repr(model_cfg), int(batch), tuple(c.__qualname__ for c in wrap), param_dtype, bool(checkpointing))
+    if key not in _ACTIVATIONS:
+        dtype = torch_dtype(param_dtype)
+        traces = [trace_activations(model_cfg, batch, wrap, dtype=dtype)]
+        if dtype.itemsize < 4:
+            traces.append(trace_activations(model_cfg, batch, wrap, module_dtype=dtype))
+        _ACTIVATIONS[key] = min(checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes)
+                                if checkpointing else t.total_bytes for t in traces)
+    return _ACTIVATIONS[key]
+
+
+def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: PlanKnobs, model_cfg: Any,
+             batch: int | None, wrap: list[type], checkpointing: bool, prefetch: str, device: DeviceSemantics,
+             budget: int | None) -> dict[str, Any]:
+    """The peak of ``record`` (a ``zeroexp.plan.core.plan_record`` of one row at one world size, precision and
+    offload, ``knobs.micro_batches`` the grad_accum) at ``batch`` samples a micro-batch (None, or no ``model_cfg``:
+    a parameter count, nothing traced), judged against ``budget`` bytes (``judge_fits``: on the peak where the peak
+    model covers the row, on cuda its reserved memory, else the model state + gather floor + one forward's
+    activations). The planner's table (``zeroexp.cli.plan``) and the search (``zeroexp.recommend``) both read it.
+    Returns the record with the fields the planner sets (``peak_bytes``, ``peak_phase``, ``phase_bytes``,
+    ``steady_bytes``, ``reserved_peak_bytes``, ``peak_note``, ``activation_bytes`` (the record's where it has one),
+    ``workspace_bytes``, ``device_semantics``, ``fits_on``, ``fits_bytes``, ``fits``) and ``by_category``: the bytes
+    held at the peak by category (the record's device state kinds, the steady buffers and workspace, the peak
+    phase's categories above steady)."""
+    from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
+    from zeroexp.formulas.allocator import reserved_peak
+    from zeroexp.plan.core import judge_fits
+    from zeroexp.plan.memory import (cell_precision_terms, flow_of, steady_buffers_bytes,
+                                     step_traces, uncovered, worst_rank_phases)
+    from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage, ds_step_frees_grads
+    from zeroexp.plan.reserved import steady_blocks
+
+    name, n, k = record["strategy"], record["world_size"], knobs.micro_batches
+    c, dtype = COMPUTE_ITEMSIZE[str(precision.param_dtype)], str(precision.param_dtype)
+    traced = batch is not None and model_cfg is not None
+    out: dict[str, Any] = {**record, "peak_bytes": None, "peak_phase": None, "phase_bytes": None,
+                           "steady_bytes": None, "reserved_peak_bytes": None, "device_semantics": device.name,
+                           "workspace_bytes": device.workspace_bytes, "device_memory_bytes": budget}
+    out.setdefault("activation_bytes", None)
+    out.setdefault("activation_cast_bytes", None)
+    flow = flow_of(name)
+    out["accum_grad_bytes"] = (accumulated_grad_bytes(flow, record["grad_bytes"]) if k > 1 and flow in
+                               ACCUMULATING_FLOWS else None)
+    why = uncovered(name, str(precision.name), record["offload"], activation_checkpointing="full" if checkpointing
+                    else "none", micro_batches=k)
+    if not traced:
+        why = why or ["no traced step: give model= and batch_size="]
+    groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
+    why = why or ds_peak_limits(name, groups, knobs.bucket_cap_bytes)
+    host = offloaded_kinds(LAYOUTS[name], record["offload"])
+    state = {kind: record[f"{kind}_bytes"] for kind in STATE_KINDS if kind not in host}
+    if why:
+        out["peak_note"] = "; ".join(why)
+        if out["activation_bytes"] is None and traced:
+            out["activation_bytes"] = activation_bytes(model_cfg, batch, wrap, dtype, checkpointing)
+        judge_fits(out)
+        out["by_category"] = {**state, "gather_floor": record["gather_floor_bytes"] or 0,
+                              "activations": out["activation_bytes"] or 0, "workspace": device.workspace_bytes}
+        return out
+    terms = cell_precision_terms(name, SimpleNamespace(precision=precision))
+    trace, in_place = step_traces(name, model_cfg, batch, wrap, checkpointing, k, dtype, terms)
+    root_kept = knobs.root_kept_after_forward and LAYOUTS[name].gathers_per_unit(True, knobs) == 1
+    phases = worst_rank_phases(name, groups, shape, trace, c, prefetch, k, in_place, knobs.bucket_cap_bytes, terms,
+                               device, root_kept, knobs)
+    top = max(phases, key=lambda ph: phases[ph]["bytes"])
+    buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize, knobs.bucket_cap_bytes,
+                                   terms)
+    freed = record["grad_bytes"] if ds_stage(name) is not None and ds_step_frees_grads(name) else 0  # none between
+    steady = record["device_bytes"] - freed + buffers + device.workspace_bytes                          # steps
+    out.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
+               peak_bytes=steady + max(phases[top]["bytes"], 0))
+    if device.name == "cuda":  # the caching allocator's segments for the same live bytes
+        blocks = steady_blocks(record["param_bytes"], record["grad_bytes"] - freed,
+                               record["optim_bytes"] + (record["master_bytes"] or 0), buffers, device.workspace_bytes)
+        out["reserved_peak_bytes"] = reserved_peak(blocks, [v["by_category"] for v in phases.values()])[0]
+    judge_fits(out)
+    above = phases[top]["by_category"] if phases[top]["bytes"] > 0 else {}
+    out["by_category"] = {**state, "steady_buffers": buffers, "workspace": device.workspace_bytes,
+                          **{f"{cat} ({top})": v for cat, v in above.items() if v}}
+    return out
+
+
+def precision_of(name: str, param_dtype: str) -> Any:
+    """A precision option as the planner's functions read it (``.name``, ``.param_dtype``)."""
+    return SimpleNamespace(name=name, param_dtype=param_dtype)
