@@ -64,7 +64,7 @@ def planned(model: str, strategy: str, prefetch: str, n: int, batch: int, device
 
 
 def measured(model: str, strategy: str, prefetch: str, n: int, batch: int, device: str,
-             extra: tuple[str, ...] = ()) -> dict[str, Any]:
+             extra: tuple[str, ...] = (), steps: int | None = None) -> dict[str, Any]:
     """Rank 0 of ``n`` played on ``device`` with real tensors: the memory probe's section and the cell's own check
     of it against the peak model (its phases, check and reasons)."""
     import torch
@@ -79,7 +79,7 @@ def measured(model: str, strategy: str, prefetch: str, n: int, batch: int, devic
     from zeroexp.rank.dryrun import play_rank0
 
     overrides = [f"model={model}", f"strategy={strategy}", f"world_size={n}", f"batch_size={batch}",
-                 f"device={device}", "logger=none", *extra]
+                 f"device={device}", "logger=none", *extra, *([f"steps={steps}"] if steps else [])]
     overrides += [f"prefetch={prefetch}"] if strategy == "fsdp_full" else []  # an axis of FULL_SHARD's alone
     cfg = _compose("config", overrides)
     validate(cfg)
@@ -98,7 +98,7 @@ def measured(model: str, strategy: str, prefetch: str, n: int, batch: int, devic
 
 
 def measured_apart(model: str, strategy: str, prefetch: str, n: int, batch: int, device: str,
-                   extra: tuple[str, ...] = ()) -> dict[str, Any]:
+                   extra: tuple[str, ...] = (), steps: int | None = None) -> dict[str, Any]:
     """:func:`measured` in a process of its own, as a real rank is: nothing an earlier cell or the planner left alive
     in this process (the memory probe registers every live tensor at a tracked step's start) is in its figures, and
     the device's memory is the cell's alone."""
@@ -110,7 +110,7 @@ def measured_apart(model: str, strategy: str, prefetch: str, n: int, batch: int,
         out = Path(tmp) / "measured.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-one", f"{strategy}:{prefetch}:{n}",
                "--model", model, "--batch-size", str(batch), "--device", device, "--out", str(out),
-               *(f"--set={o}" for o in extra)]
+               *(f"--set={o}" for o in extra), *(["--steps", str(steps)] if steps else [])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if not out.exists():
@@ -119,7 +119,7 @@ def measured_apart(model: str, strategy: str, prefetch: str, n: int, batch: int,
 
 
 def run(model: str, world_sizes: list[int], batch: int, device: str, cells: list[tuple[str, str]],
-        extra: tuple[str, ...] = (), out: Path | None = None) -> dict[str, Any]:
+        extra: tuple[str, ...] = (), out: Path | None = None, steps: int | None = None) -> dict[str, Any]:
     """Every cell at every world size, planned beside measured, as one JSON-able record; written to ``out`` after
     each cell (a check stopped by its time limit leaves the cells it finished)."""
     import torch
@@ -133,7 +133,7 @@ def run(model: str, world_sizes: list[int], batch: int, device: str, cells: list
         for strategy, prefetch in cells:
             row = {"strategy": strategy, "prefetch": prefetch, "world_size": n,
                    "planned": planned(model, strategy, prefetch, n, batch, device, extra)}
-            row["measured"] = measured_apart(model, strategy, prefetch, n, batch, device, extra)
+            row["measured"] = measured_apart(model, strategy, prefetch, n, batch, device, extra, steps)
             rows.append(row)
             if out is not None:
                 out.write_text(json.dumps(result, indent=1))
@@ -152,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--set", action="append", default=[], help="a model override for both sides (repeatable)")
     p.add_argument("--measure-one", default=None, help="strategy:prefetch:world_size: one cell's measured side")
+    p.add_argument("--steps", type=int, default=None, help="the cells' steps (default: the config's)")
     args = p.parse_args(argv)
     if args.measure_one:
         strategy, prefetch, n = args.measure_one.split(":")
         try:
-            got = measured(args.model, strategy, prefetch, int(n), args.batch_size, args.device, tuple(args.set))
+            got = measured(args.model, strategy, prefetch, int(n), args.batch_size, args.device, tuple(args.set),
+                           args.steps)
         except Exception as e:  # noqa: BLE001 - one cell's failure is a row, not the end of the check
             got = {"error": f"{type(e).__name__}: {e}"}
         Path(args.out).write_text(json.dumps(got))
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = CELLS if args.strategies is None else [
         (s.split(":")[0], s.split(":")[1] if ":" in s else "pre") for s in args.strategies.split(",")]
     result = run(args.model, [int(n) for n in args.world_sizes.split(",")], args.batch_size, args.device, cells,
-                 tuple(args.set), Path(args.out))
+                 tuple(args.set), Path(args.out), args.steps)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -100,6 +100,7 @@ def _gpu_check(tmp_path, *args: str) -> dict:
     import subprocess
     import sys
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
@@ -111,15 +112,18 @@ def _gpu_check(tmp_path, *args: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
 def test_one_rank_of_n_with_real_tensors_meets_the_peak_model_on_cpu(tmp_path):
-    """The check's driver on the CPU: rank 0 of N=2 and N=3 of PyTorch's test Transformer, played with real tensors
-    under the fake process group (zeroexp.rank.dryrun.play_rank0), each cell in a process of its own; the JSON has
-    the planner's row beside the memory probe's measurement, and the cell's own check of every phase PASSes."""
-    result = _gpu_check(tmp_path, "--model", "custom", *(f"--set={o}" for o in TORCH_TRANSFORMER),
-                        "--world-sizes", "2,3", "--batch-size", "2", "--strategies", "fsdp2_full,fsdp_full:post")
-    assert result["device"] == "cpu" and result["gpu"] is None and "fake" in result["backend"]
-    assert [(c["strategy"], c["world_size"]) for c in result["cells"]] == [
-        ("fsdp2_full", 2), ("fsdp_full", 2), ("fsdp2_full", 3), ("fsdp_full", 3)]
-    for c in result["cells"]:
+    """The check's driver on the CPU: rank 0 of N of PyTorch's test Transformer (FSDP2 at N=2, FSDP1 at N=3),
+    played with real tensors under the fake process group (zeroexp.rank.dryrun.play_rank0), each cell in a process of
+    its own; the JSON has the planner's row beside the memory probe's measurement, and the cell's own check of every
+    phase PASSes."""
+    model = ["--model", "custom", *(f"--set={o}" for o in TORCH_TRANSFORMER), "--batch-size", "2", "--steps", "8"]
+    results = [_gpu_check(tmp_path / f"n{n}", *model, "--world-sizes", str(n), "--strategies", strategy)
+               for n, strategy in ((2, "fsdp2_full"), (3, "fsdp_full:post"))]
+    for result in results:
+        assert result["device"] == "cpu" and result["gpu"] is None and "fake" in result["backend"]
+    cells = [c for result in results for c in result["cells"]]
+    assert [(c["strategy"], c["world_size"]) for c in cells] == [("fsdp2_full", 2), ("fsdp_full", 3)]
+    for c in cells:
         m, p = c["measured"], c["planned"]
         assert "error" not in m, m
         assert m["check"] == "PASS", (c["strategy"], c["world_size"], m["reasons"])
