@@ -67,7 +67,7 @@ def settings(cfg: DictConfig) -> Settings | None:
         bad = [m for m in items if not (m.startswith("model=") or m.startswith("model."))]
         if bad or len(heads) != 1 or heads[0].split("=", 1)[1] not in options:
             raise ConfigError("recommend.verify_model", model, f"null (the recommended model), a model option "
-                              f"({', '.join(options)}), or a list of model overrides: [model=gpt,model.n_layer=2]")
+                              f"({', '.join(options)}), or a list of model overrides: ['model=gpt','model.n_layer=2']")
         model = items
     steps = _int(r.verify_steps, "recommend.verify_steps", 9, "an integer >= 9: the optimizer steps of each cell "
                  "(3 warm-up and 4 probe steps are not timed; 20 gives 13 timed steps)")
@@ -216,5 +216,6 @@ def render(v: dict[str, Any], console: Any) -> None:
                   f"{len(sep) - len(flip)} ordered as predicted; Kendall's tau over them {tau}"
                   + (f"; flipped: {', '.join(flip)}" if flip else ""), overflow="fold")
     console.print("rec. ms: the recommendation's step (its network); pred.: computed for the cell on this "
-                  f"machine's calibration ({v['calibration']}); measured: the cell's timed steps and peak", overflow="fold")
+                  f"machine's calibration ({v['calibration']}); measured: the cell's timed steps and peak",
+                  overflow="fold")
     console.print(f"report: {v['report']}", overflow="fold")
