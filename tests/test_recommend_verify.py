@@ -53,6 +53,10 @@ def test_a_recommendation_mapped_to_this_machine_and_its_baseline():
     for n in (2, 8, 12):
         with pytest.raises(MappingRefused, match="shard_size=8"):
             map_overrides(hybrid, n)
+    zero2 = ["strategy=zero2", "world_size=2", "strategy.bucket_cap_mb=100", "strategy.reduce=allreduce"]
+    assert baseline(zero2) == ["strategy=ddp", "world_size=2", "strategy.bucket_cap_mb=100"]  # a key DDP has: kept
+    ds = ["strategy=deepspeed", "strategy.stage=0", "world_size=2", "strategy.bucket_cap_mb=25"]
+    assert baseline(ds) == ["strategy=ddp", "world_size=2", "strategy.bucket_cap_mb=25"]
     assert baseline(REC) == ["strategy=ddp", "model=gpt", "model.n_layer=32", "world_size=64", "precision=bf16",
                              "offload=none", "activation_checkpointing=full", "batch_size=4", "grad_accum=2"]
 
@@ -66,6 +70,8 @@ def test_the_cells_planned_a_refused_one_kept_with_why_and_a_baseline_once(tmp_p
     cells = plan_cells(recs, s)
     assert [c["label"] for c in cells] == ["#1 fsdp", "#2 hsdp", "#3 ddp"]  # #3 is the baseline: not run twice
     assert cells[1]["overrides"] is None and "shard_size=4" in cells[1]["why"]
+    ddp = ["strategy=ddp", "world_size=64", "batch_size=4", "strategy.bucket_cap_mb=25"]
+    assert [c["label"] for c in plan_cells([{"config": "ddp", "overrides": ddp}], s)] == ["#1 ddp"]
     cells = plan_cells(recs[:1], s)
     assert [c["label"] for c in cells] == ["#1 fsdp", "baseline ddp"]
     assert cells[1]["overrides"] == map_overrides(baseline(REC), 2)

@@ -93,17 +93,17 @@ def calibration_for(cfg: DictConfig, s: Settings, say: Any) -> str:
         path = net.get("calibration")
         cal = load_calibration(path) if path else find_calibration("gloo", s.world_size)
         if cal is not None and cal.world_size == s.world_size:
-            return cal.path
+            return str(Path(cal.path).resolve())
     found = find_calibration("gloo", s.world_size)
     if found is not None:
-        return found.path
+        return str(Path(found.path).resolve())
     out = s.out_dir / "calibration"
     args = [sys.executable, "-m", "zeroexp.calibrate", f"world_size={s.world_size}", f"output_dir={out}"]
     say(f"no calibration of this machine at N={s.world_size}: making one first ({' '.join(args[1:])})")
     done = subprocess.run(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"python -m zeroexp.calibrate failed ({done.returncode}): {done.stdout[-2000:]}")
-    return [line for line in done.stdout.splitlines() if line.endswith(".json")][-1]
+    return str(Path([line for line in done.stdout.splitlines() if line.endswith(".json")][-1]).resolve())
 
 
 def plan_cells(recs: list[dict[str, Any]], s: Settings) -> list[dict[str, Any]]:
@@ -120,7 +120,7 @@ def plan_cells(recs: list[dict[str, Any]], s: Settings) -> list[dict[str, Any]]:
         cells.append({"label": f"#{i} {r['config']}", "rec": r, "overrides": o, "why": why})
     if recs:
         base = map_overrides(baseline(recs[0]["overrides"]), s.world_size, s.model, s.batch_size)
-        if not any(c["overrides"] == base for c in cells):
+        if not any(c["overrides"] is not None and sorted(c["overrides"]) == sorted(base) for c in cells):
             cells.append({"label": "baseline ddp", "rec": None, "overrides": base, "why": None})
     return cells
 

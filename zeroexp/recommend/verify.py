@@ -54,13 +54,14 @@ def map_overrides(overrides: list[str], world_size: int, model: list[str] | None
 
 def baseline(overrides: list[str]) -> list[str]:
     """The DDP baseline beside a configuration: its overrides with DDP's strategy in place of its own (every
-    ``strategy``/``prefetch`` key dropped, ``offload=none``), its model, world size, precision, checkpointing,
-    micro-batch and grad_accum kept."""
-    option, selects, _ = strategy_of("ddp")
+    ``strategy``/``prefetch`` key dropped but those DDP has too, ``strategy.bucket_cap_mb``; ``offload=none``), its
+    model, world size, precision, checkpointing, micro-batch and grad_accum kept."""
+    option, selects, keys = strategy_of("ddp")
     out = [f"strategy={option}", *(f"strategy.{k}={v}" for k, v in selects.items())]
     for o in overrides:
         key = _key(o)
-        if key == "strategy" or key.startswith("strategy.") or key == "prefetch":
+        if key == "strategy" or key == "prefetch" or (key.startswith("strategy.") and (
+                key.split(".", 1)[1] not in keys or key.split(".", 1)[1] in selects)):
             continue
         out.append("offload=none" if key == "offload" else o)
     return out
