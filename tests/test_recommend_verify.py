@@ -33,11 +33,17 @@ def test_the_order_over_separable_pairs_exactly():
     got = pair_order(cells)
     assert got["pairs_compared"] == 10
     assert got["pairs_separable"] == sorted(["a < c", "a < d", "a < e", "b < d", "b < e", "c < d", "c < e", "d < e"])
-    assert got["pairs_flipped"] == ["c < d", "c < e", "d < e"]
+    assert got["pairs_flipped"] == ["c < d", "c < e"] and got["pairs_tied"] == ["d < e"]
     # 5 concordant, 2 discordant (c < d, c < e), 1 predicted tie (d < e) over 8 separable pairs
     assert got["kendall_tau"] == (5 - 2) / 8
-    assert pair_order(cells[:2]) == {"pairs_compared": 1, "pairs_separable": [], "pairs_flipped": [],
-                                     "kendall_tau": None}
+    # within 25 %: g (11) ties a (10) and b (12), d ties e; g is measured slower than a, b, c, d and faster than e
+    loose = pair_order(cells + [_cell("g", 11.0, 30.0, [29.0, 31.0])], tie=0.25)
+    assert len(loose["pairs_separable"]) == 13
+    assert loose["pairs_tied"] == ["a < g", "b < g", "d < e"]
+    assert loose["pairs_flipped"] == ["c < d", "c < e", "c < g", "d < g"]
+    assert loose["kendall_tau"] == (6 - 4) / 13  # concordant: a < c, a < d, a < e, b < d, b < e, g < e
+    assert pair_order(cells[:2]) == {"pairs_compared": 1, "pairs_separable": [], "pairs_tied": [],
+                                     "pairs_flipped": [], "tie_tolerance": 0.0, "kendall_tau": None}
     agree = pair_order([_cell("x", 1.0, 1.0, [0.9, 1.1]), _cell("y", 2.0, 3.0, [2.9, 3.1])])
     assert agree["pairs_separable"] == ["x < y"] and agree["pairs_flipped"] == [] and agree["kendall_tau"] == 1.0
 
@@ -92,12 +98,13 @@ def test_a_cell_record_reads_the_summary_and_the_table_shows_planned_beside_meas
     assert off["predicted_step_ms"] is None and off["why"] == "no mesh"
     other = dict(rec, cell="#3 z", predicted_step_ms=10.0, measured_median_ms=40.0, median_ci95_ms=[39, 41])
     v = {"world_size": 2, "calibration": "cal.json", "cells": [rec, off, other], "report": "r/report.md",
-         "why": None, **pair_order([rec, other])}
+         "why": None, **pair_order([rec, other], 0.08)}
     out = io.StringIO()
     render(v, Console(file=out, width=100, highlight=False))
     text = " ".join(out.getvalue().split())  # the lines as read, wrapped at 100 columns
     assert "20.0 [19.0, 22.0]" in text and "21.0" in text and "not run: no mesh" in text
-    assert "1 of 1 pairs separable" in text and "flipped: #1 x < #3 z" in text and "tau over them -1.00" in text
+    assert "1 of 1 pairs separable" in text and "0 ordered as predicted, 0 predicted to tie (within 8 %), 1 flipped" \
+        in text and "flipped: #1 x < #3 z" in text and "tau over them -1.00" in text
 
 
 @pytest.mark.parametrize("override, key", [

@@ -154,7 +154,8 @@ def verify(cfg: DictConfig, answer: dict[str, Any], s: Settings, say: Any) -> di
     cells = plan_cells(answer["recommendations"][:s.k], s)
     if not cells:
         return {"world_size": s.world_size, "cells": [], "pairs_compared": 0, "pairs_separable": [],
-                "pairs_flipped": [], "kendall_tau": None, "report": None, "calibration": None,
+                "pairs_tied": [], "pairs_flipped": [], "tie_tolerance": answer["tie_tolerance"], "kendall_tau": None,
+                "report": None, "calibration": None,
                 "why": "no configuration fits: nothing to run"}
     s.out_dir.mkdir(parents=True, exist_ok=True)
     calibration = calibration_for(cfg, s, say)
@@ -179,7 +180,8 @@ def verify(cfg: DictConfig, answer: dict[str, Any], s: Settings, say: Any) -> di
         write_report(s.out_dir, wandb_mode="none")
         report = str(s.out_dir / "report.md")
     return {"world_size": s.world_size, "calibration": calibration, "cells": records,
-            **pair_order([r for r in records if r["status"] == "ok"]), "report": report, "why": None}
+            **pair_order([r for r in records if r["status"] == "ok"], answer["tie_tolerance"]), "report": report,
+            "why": None}
 
 
 def _mb(x: float | None) -> str:
@@ -210,10 +212,11 @@ def render(v: dict[str, Any], console: Any) -> None:
                       _mb(c["predicted_peak_bytes"]), _mb(c["measured_peak_bytes"]),
                       c["status"] + (f": {c['why']}" if c["why"] else ""))
     console.print(table)
-    sep, flip = v["pairs_separable"], v["pairs_flipped"]
+    sep, flip, tied = v["pairs_separable"], v["pairs_flipped"], v["pairs_tied"]
     tau = "n/a (no pair separable)" if v["kendall_tau"] is None else f"{v['kendall_tau']:.2f}"
     console.print(f"order: {len(sep)} of {v['pairs_compared']} pairs separable (measured 95 % CIs apart); "
-                  f"{len(sep) - len(flip)} ordered as predicted; Kendall's tau over them {tau}"
+                  f"{len(sep) - len(flip) - len(tied)} ordered as predicted, {len(tied)} predicted to tie (within "
+                  f"{100 * v['tie_tolerance']:.0f} %), {len(flip)} flipped; Kendall's tau over them {tau}"
                   + (f"; flipped: {', '.join(flip)}" if flip else ""), overflow="fold")
     console.print("rec. ms: the recommendation's step (its network); pred.: computed for the cell on this "
                   f"machine's calibration ({v['calibration']}); measured: the cell's timed steps and peak",

@@ -96,20 +96,28 @@ def cell_record(label: str, recommended: dict[str, Any] | None, overrides: list[
     }
 
 
-def pair_order(cells: list[dict[str, Any]]) -> dict[str, Any]:
+def pair_order(cells: list[dict[str, Any]], tie: float = 0.0) -> dict[str, Any]:
     """Over the cells with a predicted step, a measured median and its CI: the pairs whose measured CIs do not
-    overlap (``pairs_separable``, as ``fast < slow``), those the prediction orders the other way or not at all
-    (``pairs_flipped``: a predicted tie orders neither way), and Kendall's tau over the separable pairs: (concordant -
-    discordant) / separable, a predicted tie counting 0; None when no pair is separable."""
+    overlap (``pairs_separable``, as ``fast < slow``, ``zeroexp.report.time.order_agreement``); of those, the pairs
+    whose predicted steps are within ``tie`` of each other (a fraction of the faster: the recommender's ties, closer
+    than the model's own error; equal at 0) order neither way (``pairs_tied``), and the rest the prediction orders
+    the other way (``pairs_flipped``); Kendall's tau over the separable pairs: (concordant - flipped) / separable, a
+    tied pair counting 0; None when no pair is separable."""
     from zeroexp.report.time import order_agreement
 
     rows = [(c["cell"], c["measured_median_ms"], tuple(c["median_ci95_ms"]), c["predicted_step_ms"]) for c in cells
             if c.get("predicted_step_ms") is not None and c.get("measured_median_ms") is not None
             and c.get("median_ci95_ms")]
-    agree, flipped = order_agreement(rows)
+    agree, disagree = order_agreement(rows)
     predicted = {r[0]: r[3] for r in rows}
-    tied = sum(predicted[p.split(" < ")[0]] == predicted[p.split(" < ")[1]] for p in flipped)
-    separable = agree + flipped
-    tau = None if not separable else (len(agree) - (len(flipped) - tied)) / len(separable)
+
+    def tied(pair: str) -> bool:
+        a, b = (predicted[x] for x in pair.split(" < "))
+        return abs(a - b) <= tie * min(a, b)
+    separable = agree + disagree
+    ties = [p for p in separable if tied(p)]
+    flipped = [p for p in disagree if p not in ties]
+    concordant = len(agree) - len([p for p in agree if p in ties])
+    tau = None if not separable else (concordant - len(flipped)) / len(separable)
     return {"pairs_compared": len(rows) * (len(rows) - 1) // 2, "pairs_separable": sorted(separable),
-            "pairs_flipped": sorted(flipped), "kendall_tau": tau}
+            "pairs_tied": sorted(ties), "pairs_flipped": sorted(flipped), "tie_tolerance": tie, "kendall_tau": tau}
