@@ -35,6 +35,12 @@ class SearchConfig:
     bucket_cap_mb: Any = field(default_factory=lambda: [25, 100])
     prefetch: Any = field(default_factory=lambda: list(_PREFETCH))
     shard_size: Any = None
+    verify: Any = None
+    verify_model: Any = None
+    verify_world_size: Any = None
+    verify_steps: Any = 20
+    verify_batch_size: Any = None
+    verify_dir: Any = None
 
 
 @dataclass
@@ -250,15 +256,30 @@ def task(cfg: DictConfig) -> None:
     console = Console(highlight=False, width=100)
     errors = Console(stderr=True, highlight=False)
     try:
+        from zeroexp.cli.verify import settings
+
+        checks = settings(cfg)
+        if checks is not None and checks.k > cfg.recommend.top_k:
+            cfg.recommend.top_k = checks.k
         with errors.status("searching: the model's shapes, every configuration's step, the fastest ones' peaks"):
             answer = run(cfg, overrides or None)
     except ConfigError as e:
         errors.print(f"[red]error:[/] {e}")
         sys.exit(2)
+    if checks is not None:
+        from zeroexp.cli.verify import verify
+
+        if cfg.format == "table":
+            render(answer, console)
+        answer["verify"] = verify(cfg, answer, checks, lambda line: print(line, file=sys.stderr, flush=True))
     if cfg.format == "json":
         print(json.dumps(answer, indent=1, default=str))
-    else:
+    elif checks is None:
         render(answer, console)
+    else:
+        from zeroexp.cli.verify import render as render_verify
+
+        render_verify(answer["verify"], console)
 
 
 def main() -> None:

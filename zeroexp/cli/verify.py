@@ -1,0 +1,224 @@
+"""``recommend.verify=K``: run the top K recommendations and a DDP baseline as cells of this machine, one sweep
+directory and its report, and say whether the measured order agrees with the predicted one
+(``zeroexp.recommend.verify``; docs/planner.md, Recommend).
+
+Each cell is ``python -m zeroexp <overrides>`` in a fresh interpreter, its directory ``<verify_dir>/NN``; a cell
+whose ``manifest.json`` says ok is not run again (the same ``recommend.verify_dir`` resumes). The cells use one
+calibration of this machine at the verify's world size: the recommender's own (``network=this_machine``) when it
+is of that size, else the newest of this machine (``outputs/calibration/``), else one made first
+(``python -m zeroexp.calibrate world_size=N``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig
+
+from zeroexp.errors import ConfigError
+
+__all__ = ["Settings", "settings", "verify", "render"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Settings:
+    k: int
+    world_size: int
+    model: list[str] | None  # the model's overrides of the cells; None: the recommended model
+    steps: int
+    batch_size: int | None
+    out_dir: Path
+
+
+def _int(value: Any, key: str, low: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(key, value, what)
+    return value
+
+
+def settings(cfg: DictConfig) -> Settings | None:
+    """The verify's keys, checked before any work (:class:`ConfigError` naming the key); None: no verify."""
+    r = cfg.recommend
+    if r.verify is None or r.verify == 0:
+        return None
+    k = _int(r.verify, "recommend.verify", 1, "null (no verify) or an integer >= 1: the top K recommendations run")
+    n = r.verify_world_size
+    if n is None:
+        n = 2
+    n = _int(n, "recommend.verify_world_size", 2, "null (2) or an integer >= 2: the ranks of the cells here")
+    if n > (os.cpu_count() or 1) * 4:
+        raise ConfigError("recommend.verify_world_size", n, f"at most {4 * (os.cpu_count() or 1)} (4 ranks a core "
+                          "here)")
+    model = r.verify_model
+    if model is not None:
+        items = [str(m) for m in model] if isinstance(model, (list, tuple, ListConfig)) else [f"model={model}"]
+        from zeroexp.recommend.space import CONF_DIR
+
+        options = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        heads = [m for m in items if m.startswith("model=")]
+        bad = [m for m in items if not (m.startswith("model=") or m.startswith("model."))]
+        if bad or len(heads) != 1 or heads[0].split("=", 1)[1] not in options:
+            raise ConfigError("recommend.verify_model", model, f"null (the recommended model), a model option "
+                              f"({', '.join(options)}), or a list of model overrides: ['model=gpt','model.n_layer=2']")
+        model = items
+    steps = _int(r.verify_steps, "recommend.verify_steps", 9, "an integer >= 9: the optimizer steps of each cell "
+                 "(3 warm-up and 4 probe steps are not timed; 20 gives 13 timed steps)")
+    batch = None if r.verify_batch_size is None else _int(
+        r.verify_batch_size, "recommend.verify_batch_size", 1, "null (the recommended micro-batch) or an integer >= 1")
+    out = Path(str(r.verify_dir)) if r.verify_dir is not None else \
+        Path("outputs/recommend") / time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
+    if out.exists() and not out.is_dir():
+        raise ConfigError("recommend.verify_dir", str(out), "null (a new directory) or a directory")
+    return Settings(k, n, model, steps, batch, out.resolve())
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def calibration_for(cfg: DictConfig, s: Settings, say: Any) -> str:
+    """The calibration the cells use (see the module's docstring); made when this machine has none of that size."""
+    from zeroexp.results.calibration import find_calibration, load_calibration
+
+    net = cfg.network
+    if net.get("kind") == "calibration":
+        path = net.get("calibration")
+        cal = load_calibration(path) if path else find_calibration("gloo", s.world_size)
+        if cal is not None and cal.world_size == s.world_size:
+            return str(Path(cal.path).resolve())
+    found = find_calibration("gloo", s.world_size)
+    if found is not None:
+        return str(Path(found.path).resolve())
+    out = s.out_dir / "calibration"
+    args = [sys.executable, "-m", "zeroexp.calibrate", f"world_size={s.world_size}", f"output_dir={out}"]
+    say(f"no calibration of this machine at N={s.world_size}: making one first ({' '.join(args[1:])})")
+    done = subprocess.run(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"python -m zeroexp.calibrate failed ({done.returncode}): {done.stdout[-2000:]}")
+    return str(Path([line for line in done.stdout.splitlines() if line.endswith(".json")][-1]).resolve())
+
+
+def plan_cells(recs: list[dict[str, Any]], s: Settings) -> list[dict[str, Any]]:
+    """The cells: each of the top K recommendations mapped to this machine, then the DDP baseline (unless a mapped
+    recommendation is it already); a recommendation with no cell here carries ``why``."""
+    from zeroexp.recommend.verify import MappingRefused, baseline, map_overrides
+
+    cells = []
+    for i, r in enumerate(recs, 1):
+        try:
+            o, why = map_overrides(r["overrides"], s.world_size, s.model, s.batch_size), None
+        except MappingRefused as e:
+            o, why = None, str(e)
+        cells.append({"label": f"#{i} {r['config']}", "rec": r, "overrides": o, "why": why})
+    if recs:
+        base = map_overrides(baseline(recs[0]["overrides"]), s.world_size, s.model, s.batch_size)
+        if not any(c["overrides"] is not None and sorted(c["overrides"]) == sorted(base) for c in cells):
+            cells.append({"label": "baseline ddp", "rec": None, "overrides": base, "why": None})
+    return cells
+
+
+def _run_cell(j: int, cell: dict[str, Any], common: list[str], s: Settings, say: Any) -> tuple[Path, str, str | None]:
+    """Run one cell (not again when its manifest says ok); (its directory, status, why)."""
+    import json
+
+    d = s.out_dir / f"{j:02d}"
+    manifest = d / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("status") == "ok":
+        say(f"cell {cell['label']}: ok in {d} already (not run again)")
+        return d, "ok", None
+    args = [sys.executable, "-m", "zeroexp", *cell["overrides"], *common, f"hydra.run.dir={d}"]
+    log = s.out_dir / "logs" / f"{j:02d}.txt"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(args, env=_env(), stdout=f, stderr=subprocess.STDOUT).returncode
+    status = json.loads(manifest.read_text()).get("status", "failed") if manifest.is_file() else "failed"
+    say(f"cell {cell['label']}: {status} (exit {rc}, {time.perf_counter() - t0:.0f} s; log {log})")
+    return d, status, None if status == "ok" else f"exit {rc}; its log: {log}"
+
+
+def verify(cfg: DictConfig, answer: dict[str, Any], s: Settings, say: Any) -> dict[str, Any]:
+    """Run the cells and the report; the JSON's ``verify`` (docs/results.md)."""
+    import json
+
+    from zeroexp.recommend.verify import cell_record, pair_order
+
+    cells = plan_cells(answer["recommendations"][:s.k], s)
+    if not cells:
+        return {"world_size": s.world_size, "cells": [], "pairs_compared": 0, "pairs_separable": [],
+                "pairs_tied": [], "pairs_flipped": [], "tie_tolerance": answer["tie_tolerance"], "kendall_tau": None,
+                "report": None, "calibration": None,
+                "why": "no configuration fits: nothing to run"}
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    calibration = calibration_for(cfg, s, say)
+    common = [f"steps={s.steps}", "logger=csv", f"calibration={calibration}"]
+    say(f"verify: {sum(c['overrides'] is not None for c in cells)} cells at N={s.world_size} on this machine, "
+        f"calibration {calibration}, into {s.out_dir}:")
+    for c in cells:
+        say(f"  {c['label']}: " + (f"python -m zeroexp {' '.join(c['overrides'] + common)}" if c["overrides"]
+                                   else f"not run: {c['why']}"))
+    records = []
+    for j, c in enumerate(cells):
+        if c["overrides"] is None:
+            records.append(cell_record(c["label"], c["rec"], [], None, None, "not run", c["why"]))
+            continue
+        d, status, why = _run_cell(j, c, common, s, say)
+        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
+        records.append(cell_record(c["label"], c["rec"], c["overrides"] + common, d, summary, status, why))
+    report = None
+    if any(s.out_dir.glob("*/manifest.json")):
+        from zeroexp.report import write_report
+
+        write_report(s.out_dir, wandb_mode="none")
+        report = str(s.out_dir / "report.md")
+    return {"world_size": s.world_size, "calibration": calibration, "cells": records,
+            **pair_order([r for r in records if r["status"] == "ok"], answer["tie_tolerance"]), "report": report,
+            "why": None}
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2 ** 20:.1f}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def render(v: dict[str, Any], console: Any) -> None:
+    """The verify as a table of 100 columns: per cell the recommendation's step, the step predicted on this machine
+    beside the measured median and its CI, the peak predicted beside measured; then the order."""
+    from rich.table import Table
+
+    if v.get("why"):
+        console.print(f"verify: {v['why']}")
+        return
+    table = Table(title=f"Verify: planned vs measured, N={v['world_size']} on this machine", width=100,
+                  pad_edge=False)
+    for name in ("cell", "rec. ms", "pred. ms", "measured ms [95 % CI]", "pred. MiB", "meas. MiB", "status"):
+        table.add_column(name, justify="left" if name in ("cell", "status") else "right", overflow="fold")
+    for c in v["cells"]:
+        ci = c["median_ci95_ms"]
+        meas = "-" if c["measured_median_ms"] is None else (
+            f"{c['measured_median_ms']:.1f}" + (f" [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else ""))
+        table.add_row(c["cell"], _ms(c["recommended_step_ms"]), _ms(c["predicted_step_ms"]), meas,
+                      _mb(c["predicted_peak_bytes"]), _mb(c["measured_peak_bytes"]),
+                      c["status"] + (f": {c['why']}" if c["why"] else ""))
+    console.print(table)
+    sep, flip, tied = v["pairs_separable"], v["pairs_flipped"], v["pairs_tied"]
+    tau = "n/a (no pair separable)" if v["kendall_tau"] is None else f"{v['kendall_tau']:.2f}"
+    console.print(f"order: {len(sep)} of {v['pairs_compared']} pairs separable (measured 95 % CIs apart); "
+                  f"{len(sep) - len(flip) - len(tied)} ordered as predicted, {len(tied)} predicted to tie (within "
+                  f"{100 * v['tie_tolerance']:.0f} %), {len(flip)} flipped; Kendall's tau over them {tau}"
+                  + (f"; flipped: {', '.join(flip)}" if flip else ""), overflow="fold")
+    console.print("rec. ms: the recommendation's step (its network); pred.: computed for the cell on this "
+                  f"machine's calibration ({v['calibration']}); measured: the cell's timed steps and peak",
+                  overflow="fold")
+    console.print(f"report: {v['report']}", overflow="fold")
