@@ -106,6 +106,15 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
     return shape, str(cfg.model.name)
 
 
+def wrap_classes(cfg: DictConfig) -> list[type]:
+    """The FSDP unit classes of a plan or recommend config: ``wrap=``, else the model's own ``model.wrap`` (their
+    import paths checked by :func:`_shape` first)."""
+    from zeroexp.models import import_class, wrap_paths
+
+    return [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
+                                                                   "model": cfg.model}))]
+
+
 def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true or null (an int equal
     to world_size is true, as FSDP2 takes it), ``forward_prefetch``, ``backward_prefetch``, ``reduce_dtype``."""
@@ -225,10 +234,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
 
     wrap = []
     if batch is not None and cfg.model is not None:  # a parameter count traces nothing: no torch
-        from zeroexp.models import import_class, wrap_paths
-
-        wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
-                                                                      "model": cfg.model}))]
+        wrap = wrap_classes(cfg)
     for r in records:
         peak = row_peak(r, shape, cfg.precision, knobs, cfg.model, batch, wrap, checkpointing,
                         str(cfg.prefetch.name), device or CPU, r["device_memory_bytes"])
@@ -318,12 +324,12 @@ def _activations(cfg: DictConfig, batch: int, checkpointing: bool = False) -> di
     own activations. Below fp32, ``activation_cast_bytes``: the same forward with the module cast to the compute
     dtype instead of autocast (None in fp32)."""
     from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
-    from zeroexp.models import import_class, torch_dtype, wrap_paths
+    from zeroexp.models import torch_dtype
     from zeroexp.plan.activations import korthikanti_layer_bytes, trace_activations
 
     if cfg.model is None:
         return None
-    wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap}, "model": cfg.model}))]
+    wrap = wrap_classes(cfg)
     dtype = torch_dtype(str(cfg.precision.param_dtype))
     trace = trace_activations(cfg.model, batch, wrap, dtype=dtype)
     cast = trace_activations(cfg.model, batch, wrap, module_dtype=dtype) if dtype.itemsize < 4 else None

@@ -125,7 +125,7 @@ def _precision(name: str) -> tuple[str, bool]:
 
 def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, Any]:
     """Validate a composed recommend config and answer it; :class:`ConfigError` on bad input, before any work."""
-    from zeroexp.cli.plan import _device, _shape
+    from zeroexp.cli.plan import _device, _shape, wrap_classes
     from zeroexp.plan.core import parse_bytes
     from zeroexp.recommend import MEASURED_TIME_ERROR, Axes, Problem, recommend
     from zeroexp.recommend.core import with_world_size
@@ -172,10 +172,7 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     dtypes = {p: _precision(p) for p in precisions}
     wrap, flops = [], None
     if cfg.model is not None:
-        from zeroexp.models import import_class, wrap_paths
-
-        wrap = [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
-                                                                      "model": cfg.model}))]
+        wrap = wrap_classes(cfg)
         flops = _flops_of(cfg.model, tuple(wrap))
     peaks = cfg.network.get("peak_flops") or {}
     problem = Problem(shape, n, networks, device, memory, float(r.headroom), {p: d for p, (d, _) in dtypes.items()},
