@@ -415,6 +415,7 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
     segs = list(trace.segments)
     order = _backward_order(k_of)
     shards_done, grads_done = 0, 0
+    reduced: dict[str, int] = {}  # the previous unit's post-backward, its reduction done
     for pos, (name, k) in enumerate(order):
         i = _backward_end(segs, name)
         u = units[k]
@@ -425,6 +426,12 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         # The previous unit's reduce-scatter input, kept until this unit's reduce (FSDP2's reduce_scatter_states, one
         # buffer): comm.
         rs_kept = units[order[pos - 1][1]].scattered if pos and not kept else 0
+        if pos and not kept and not one_unit:
+            # u's copy-out in its pre-backward (wait_for_unshard), before it prefetches the next unit: its all-gather
+            # output (prefetched by the previous unit) beside its unsharded parameters and the units prefetched before
+            # it, the previous unit's reduction done (as forward's copy-out)
+            early = sum(full[j] for _, j in order[pos + 1:pos + ahead])
+            keep("backward", {**reduced, "comm": rs_kept, "unsharded": root + 2 * full[k] + early})
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only the
         # units kept since forward are unsharded).
         before = ((segs[i - 1], root + u.unsharded + pending if kept else root if root_kept else 0, 0),) \
@@ -445,13 +452,20 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         # the parameters' own gradients are freed but the last one (FSDP2's reduction still references it), and the
         # copy is alive.
         alone = one_unit and gloo
-        keep("backward", {"activations": after.get("activations", 0) - trace.loss_bytes,
-                          "temporaries": after.get("temporaries", 0) + (copy if alone else u.grads) + u.upcast,
-                          "comm": u.scattered, "unsharded": root + prefetched + pending,
-                          "gradients": t_root + shards_done + u.shard - steady_grad_bytes
-                          + (u.last_grad if alone else 0)},
-             timing={"temporaries": 0 if alone else copy},
-             note=f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive at its post-backward only while "
-                  "gloo's worker holds it")
+        post = {"activations": after.get("activations", 0) - trace.loss_bytes, "comm": u.scattered,
+                "unsharded": root + prefetched + pending,
+                "gradients": t_root + shards_done + u.shard - steady_grad_bytes + (u.last_grad if alone else 0)}
+        note = (f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive at its post-backward only while "
+                "gloo's worker holds it")
+        keep("backward", {**post, "temporaries": after.get("temporaries", 0) + (copy if alone else u.grads)},
+             timing={"temporaries": 0 if alone else copy}, note=note)
+        if u.upcast:  # below fp32: the reduced shard's up-cast (foreach_reduce's _to_dtype_if_needed) comes after
+            # unsharded_grads.clear() (_fsdp_collectives.py): of the unit's own gradients only the last is still
+            # referenced then
+            keep("backward", {**post, "temporaries": after.get("temporaries", 0) + u.upcast
+                              + (0 if alone else u.last_grad)},
+                 timing={"temporaries": 0 if alone else copy}, note=note)
         shards_done += u.upcast or u.shard
         grads_done += u.grads
+        reduced = {"activations": after.get("activations", 0) - trace.loss_bytes,
+                   "temporaries": after.get("temporaries", 0), "gradients": t_root + shards_done - steady_grad_bytes}
