@@ -358,9 +358,9 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     and modelled so: each unit's pre-backward issues the next unit's all-gather (implicit prefetch); a unit computes
     with its parameters, the prefetched buffer and, except the first, the previous unit's reduce-scatter input (FSDP2
     keeps one, ``reduce_scatter_states``, until the next reduce; the memory probe's ``comm`` showed it); its
-    post-backward hook reshards it and holds the parameters' own
-    gradients, their padded concatenation (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo,
-    the input's copy, beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
+    post-backward hook reshards it and holds the parameters' own gradients, their padded concatenation
+    (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo, the input's copy,
+    beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
     (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
     temporaries over the local shards (one per parameter). Categories: the all-gather outputs and the unsharded
     parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and the previous unit's, kept,
