@@ -22,8 +22,9 @@ segments (the order of a phase's requests), NCCL's own buffers (outside the allo
 returns to that stream's free blocks (the allocator keys its free blocks by stream): FSDP1 allocates each
 all-gather's output on its all-gather stream, frees it after the unit's compute and rate-limits the gathers in flight
 to two (``limit_all_gathers``: the CPU waits on the oldest free event); FSDP2 allocates its all-gather outputs on its
-all-gather stream and its reduce-scatter inputs on its reduce-scatter stream and keeps the previous all-gather's
-output until the copy-out's event (``AllGatherState``). Allocated bytes, the peak model's, count each buffer while a
+copy-in stream and its reduce-scatter inputs on the compute stream, and guards them with events, not
+``record_stream`` (``AllGatherState``: the previous all-gather's output, held by reference through the next unit's
+copy-out; ``reduce_scatter_states``). Allocated and active bytes, the peak model's, count each buffer while a
 reference holds it, as on the CPU; what the streams add to reserved (free blocks one stream cannot hand another, a
 free delayed to an event while the CPU runs ahead) is not modelled: the model takes one stream.
 """

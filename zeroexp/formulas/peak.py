@@ -351,14 +351,16 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
 
     FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, _fsdp_collectives.py) all-gathers a unit into
     one output buffer and copies it out into the unsharded parameters (``split_with_sizes_copy``). Forward: two
-    unit-sizes while a unit computes, three at a unit's copy-out (the previous all-gather's output is kept until
-    then, ``AllGatherState``). Backward, as measured on torch 2.13 and modelled so: each unit's pre-backward issues
-    the next unit's all-gather (implicit prefetch); a unit computes with its parameters, the prefetched buffer and,
-    except the first, the previous unit's reduce-scatter input (FSDP2 keeps one, ``reduce_scatter_states``, until the
-    next reduce; the memory probe's ``comm`` showed it); its post-backward hook reshards it and holds the parameters'
-    own
-    gradients, their padded concatenation (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo,
-    the input's copy, beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
+    unit-sizes while a unit computes, three at a unit's copy-out: the previous unit's all-gather output, kept as the
+    ``AllGatherState``, is freed when the unit's ``wait_for_unshard`` returns, after its copy-out (the method's local
+    ``prev_all_gather_state`` holds it past ``comm_ctx.all_gather_state = None``; Python references, alike on every
+    device: on CUDA FSDP2 guards the buffer with events, not ``record_stream``). Backward, as measured on torch 2.13
+    and modelled so: each unit's pre-backward issues the next unit's all-gather (implicit prefetch); a unit computes
+    with its parameters, the prefetched buffer and, except the first, the previous unit's reduce-scatter input (FSDP2
+    keeps one, ``reduce_scatter_states``, until the next reduce; the memory probe's ``comm`` showed it); its
+    post-backward hook reshards it and holds the parameters' own gradients, their padded concatenation
+    (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo, the input's copy,
+    beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
     (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
     temporaries over the local shards (one per parameter). Categories: the all-gather outputs and the unsharded
     parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and the previous unit's, kept,
