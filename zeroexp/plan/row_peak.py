@@ -22,6 +22,8 @@ __all__ = ["row_peak", "activation_bytes", "forward_trace", "precision_of"]
 _ACTIVATIONS: dict[tuple, int] = {}
 #: forward_trace's answers in this process, by what is traced (model config, batch, units, dtypes).
 _FORWARDS: dict[tuple, Any] = {}
+#: The fake modules they run, by model config and module dtype: one build serves every batch and autocast dtype.
+_BUILDS: dict[tuple, Any] = {}
 
 
 def _model_key(model_cfg: Any, wrap: list[type]) -> tuple:
@@ -34,12 +36,20 @@ def _model_key(model_cfg: Any, wrap: list[type]) -> tuple:
 def forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any = None, module_dtype: Any = None) -> Any:
     """``zeroexp.plan.activations.trace_activations`` remembered by its arguments in this process (an
     ``ActivationTrace`` is read, never changed): the activations with and without checkpointing, the planner's table
-    and its peaks read one forward."""
-    from zeroexp.plan.activations import trace_activations
+    and its peaks read one forward; the module is built once per model config and module dtype
+    (``fake_build``) and run at every batch and autocast dtype asked."""
+    import torch
 
-    key = (*_model_key(model_cfg, wrap), int(batch), dtype, module_dtype)
+    from zeroexp.plan.activations import fake_build, trace_activations
+
+    model = _model_key(model_cfg, wrap)
+    key = (*model, int(batch), dtype, module_dtype)
     if key not in _FORWARDS:
-        _FORWARDS[key] = trace_activations(model_cfg, batch, wrap, dtype=dtype, module_dtype=module_dtype)
+        cast = module_dtype if module_dtype not in (None, torch.float32) else None
+        if (model[0], cast) not in _BUILDS:
+            _BUILDS[(model[0], cast)] = fake_build(model_cfg, module_dtype=cast)
+        _FORWARDS[key] = trace_activations(model_cfg, batch, wrap, dtype=dtype, module_dtype=module_dtype,
+                                           build=_BUILDS[(model[0], cast)])
     return _FORWARDS[key]
 
 
