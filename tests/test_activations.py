@@ -3,6 +3,7 @@ autograd saves per FSDP unit, plus the output and the loss; the planner's ``batc
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zeroexp.models.gpt import Block
@@ -59,3 +60,49 @@ def test_planner_reports_activations_at_the_batch(compose):
     assert all(r["korthikanti_bytes"] for r in records)
     records, notes = run(counted)
     assert all(r["activation_bytes"] is None for r in records) and any("unknown" in n for n in notes)
+
+
+def _corpus_models() -> list:
+    from tests.test_corpus import MODELS
+
+    return [pytest.param(name, overrides, marks=pytest.mark.skipif(needs is False, reason=f"{name}: not installed"))
+            for name, (overrides, needs) in MODELS.items()]
+
+
+@pytest.mark.parametrize("name,overrides", _corpus_models())
+def test_one_fake_build_traced_at_several_batches_counts_what_fresh_builds_do(compose, name, overrides):
+    """The planner's and the recommender's forwards (``zeroexp.plan.row_peak.forward_trace``) run one fake build of a
+    model at every batch and autocast dtype: each trace equals the trace of a fresh build, field by field, whatever
+    ran on the build before it (the batches out of order, the autocast trace between), on the corpus of foreign
+    models (Hugging Face's, PyTorch's test Transformer, frozen and unused parameters, BatchNorm's buffers)."""
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.activations import fake_build
+
+    from tests.test_corpus import BASE
+
+    cfg = compose(*overrides, "world_size=2", base=BASE)
+    wrap = [import_class(p) for p in wrap_paths(cfg)]
+    for cast in (None, torch.bfloat16):
+        build = fake_build(cfg.model, module_dtype=cast)
+        ways = [{"module_dtype": cast}] if cast else [{}, {"dtype": torch.bfloat16}]
+        for batch, way in [(3, w) for w in ways] + [(1, w) for w in ways] + [(2, w) for w in ways]:
+            shared = trace_activations(cfg.model, batch, wrap, build=build, **way)
+            assert shared == trace_activations(cfg.model, batch, wrap, **way), (name, batch, way)
+            assert shared.total_bytes > 0
+
+
+def test_the_activations_with_and_without_checkpointing_read_one_forward():
+    """``activation_bytes`` with and without checkpointing: the same figures as from fresh traces, from one forward
+    per batch and dtype (two below fp32: autocast's and the module cast's)."""
+    from zeroexp.formulas.checkpointing import checkpointed_forward_bytes
+    from zeroexp.plan import row_peak
+
+    cfg = {**GPT, "n_layer": 3}  # a model no other test traces here
+    before = len(row_peak._FORWARDS)
+    got = {ckpt: row_peak.activation_bytes(cfg, 4, [Block], "bfloat16", ckpt) for ckpt in (False, True)}
+    assert len(row_peak._FORWARDS) - before == 2
+    fresh = [trace_activations(cfg, 4, [Block], dtype=torch.bfloat16),
+             trace_activations(cfg, 4, [Block], module_dtype=torch.bfloat16)]
+    assert got[False] == min(t.total_bytes for t in fresh)
+    assert got[True] == min(checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes)
+                            for t in fresh) < got[False]

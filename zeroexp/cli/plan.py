@@ -325,14 +325,15 @@ def _activations(cfg: DictConfig, batch: int, checkpointing: bool = False) -> di
     dtype instead of autocast (None in fp32)."""
     from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
     from zeroexp.models import torch_dtype
-    from zeroexp.plan.activations import korthikanti_layer_bytes, trace_activations
+    from zeroexp.plan.activations import korthikanti_layer_bytes
+    from zeroexp.plan.row_peak import forward_trace
 
     if cfg.model is None:
         return None
     wrap = wrap_classes(cfg)
     dtype = torch_dtype(str(cfg.precision.param_dtype))
-    trace = trace_activations(cfg.model, batch, wrap, dtype=dtype)
-    cast = trace_activations(cfg.model, batch, wrap, module_dtype=dtype) if dtype.itemsize < 4 else None
+    trace = forward_trace(cfg.model, batch, wrap, dtype=dtype)
+    cast = forward_trace(cfg.model, batch, wrap, module_dtype=dtype) if dtype.itemsize < 4 else None
     m = cfg.model
     gpt = all(k in m for k in ("n_layer", "n_embd", "n_head", "seq_len"))
 

@@ -22,7 +22,7 @@ import torch
 
 from zeroexp._lib.storages import storage_address
 
-__all__ = ["ActivationTrace", "trace_activations", "korthikanti_layer_bytes"]
+__all__ = ["ActivationTrace", "FakeBuild", "fake_build", "trace_activations", "korthikanti_layer_bytes"]
 
 
 @dataclass
@@ -47,28 +47,59 @@ class ActivationTrace:
         return self.saved_bytes + self.held_bytes
 
 
+@dataclass(frozen=True)
+class FakeBuild:
+    """A model config's module built on fake tensors of ``device`` in its own ``FakeTensorMode`` (``mode``), its
+    floating parameters and buffers cast to ``module_dtype`` (None: as built): what :func:`trace_activations` runs."""
+
+    mode: Any
+    net: torch.nn.Module
+    device: str
+    module_dtype: torch.dtype | None
+
+
+def fake_build(model_cfg: Mapping[str, Any], device: str = "cpu",
+               module_dtype: torch.dtype | None = None) -> FakeBuild:
+    """Build the model config's module under a new ``FakeTensorMode`` on ``device`` (nothing allocated), cast to
+    ``module_dtype`` below fp32 (``.data``: as ``trace_step`` casts them)."""
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
+    from zeroexp.models import build_model
+
+    mode = fake_tensor_mode()
+    with mode, torch.device(device):
+        net = build_model(model_cfg)
+        if module_dtype not in (None, torch.float32):
+            for t in [*net.parameters(), *net.buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(module_dtype)
+    return FakeBuild(mode, net, device, module_dtype if module_dtype not in (None, torch.float32) else None)
+
+
 def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-                      dtype: torch.dtype | None = None, module_dtype: torch.dtype | None = None) -> ActivationTrace:
+                      dtype: torch.dtype | None = None, module_dtype: torch.dtype | None = None,
+                      build: FakeBuild | None = None) -> ActivationTrace:
     """Build the model config's module under ``FakeTensorMode`` on ``device``, run one forward and the loss at
     ``batch_size`` samples of ``model.input_shape``, and count what autograd saves, per unit of a ``wrap`` class.
     ``dtype``: the compute dtype (autocast on ``device``; None or fp32: the model's own); ``module_dtype``: the
     module's floating parameters, buffers and input cast to it instead (as zeroexp's ZeRO, FSDP and DeepSpeed
-    compute below fp32)."""
+    compute below fp32). ``build``: the module already built (:func:`fake_build` of the same config, device and
+    ``module_dtype``) to run instead of building one: what is counted is what the forward saves and holds, never
+    the module's own tensors, so several batches traced on one build count what fresh builds do
+    (tests/test_activations.py, on the corpus of foreign models)."""
     from contextlib import nullcontext
 
-    from zeroexp._lib.fake_tensors import fake_tensor_mode
-    from zeroexp.models import build_model, loss_of, zeros_batch
+    from zeroexp.models import loss_of, zeros_batch
 
+    cast_to = module_dtype if module_dtype not in (None, torch.float32) else None
+    build = build or fake_build(model_cfg, device, module_dtype)
+    if (build.device, build.module_dtype) != (device, cast_to):
+        raise ValueError(f"a build on {build.device} in {build.module_dtype} traced as {device} in {cast_to}")
     classes = tuple(wrap)
     trace = ActivationTrace(batch_size=int(batch_size))
     stack: list[str] = ["root"]
     seen: set[Any] = set()
-    with fake_tensor_mode(), torch.device(device):
-        net = build_model(model_cfg)
-        if module_dtype not in (None, torch.float32):  # ``.data``: as trace_step casts them
-            for t in [*net.parameters(), *net.buffers()]:
-                if t.is_floating_point():
-                    t.data = t.data.to(module_dtype)
+    with build.mode, torch.device(device):
+        net = build.net
         names = {id(m): name or "root" for name, m in net.named_modules()}
         params = {_key(p) for p in net.parameters()}
 

@@ -2,8 +2,9 @@
 table computes per row (``zeroexp.cli.plan``'s peaks and ``zeroexp.plan.core.judge_fits``), for one row, one
 micro-batch and one set of axes at a time, so that a search (``zeroexp.recommend``) asks for the peaks it needs and
 no more. Every figure is the peak model's (:mod:`zeroexp.plan.memory`, docs/planner.md); the step traces are
-remembered by their arguments (``zeroexp.plan.memory.trace_for``), and the activations of one forward here, so that
-configurations that share a model, micro-batch, precision and checkpointing trace once.
+remembered by their arguments (``zeroexp.plan.memory.trace_for``), and the forwards traced for the activations here
+(:func:`forward_trace`), so that configurations that share a model, micro-batch and dtypes trace once, with or
+without checkpointing.
 """
 
 from __future__ import annotations
@@ -15,29 +16,56 @@ from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape
                               offloaded_kinds)
 from zeroexp.formulas.device import DeviceSemantics
 
-__all__ = ["row_peak", "activation_bytes", "precision_of"]
+__all__ = ["row_peak", "activation_bytes", "forward_trace", "precision_of"]
 
 #: activation_bytes's answers in this process, by their arguments (model config, batch, dtype, checkpointing).
 _ACTIVATIONS: dict[tuple, int] = {}
+#: forward_trace's answers in this process, by what is traced (model config, batch, units, dtypes).
+_FORWARDS: dict[tuple, Any] = {}
+#: The fake modules they run, by model config and module dtype: one build serves every batch and autocast dtype.
+_BUILDS: dict[tuple, Any] = {}
+
+
+def _model_key(model_cfg: Any, wrap: list[type]) -> tuple:
+    from omegaconf import OmegaConf
+
+    return (repr(OmegaConf.to_container(model_cfg, resolve=True)) if OmegaConf.is_config(model_cfg) else
+            repr(model_cfg), tuple(c.__qualname__ for c in wrap))
+
+
+def forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any = None, module_dtype: Any = None) -> Any:
+    """``zeroexp.plan.activations.trace_activations`` remembered by its arguments in this process (an
+    ``ActivationTrace`` is read, never changed): the activations with and without checkpointing, the planner's table
+    and its peaks read one forward; the module is built once per model config and module dtype
+    (``fake_build``) and run at every batch and autocast dtype asked."""
+    import torch
+
+    from zeroexp.plan.activations import fake_build, trace_activations
+
+    model = _model_key(model_cfg, wrap)
+    key = (*model, int(batch), dtype, module_dtype)
+    if key not in _FORWARDS:
+        cast = module_dtype if module_dtype not in (None, torch.float32) else None
+        if (model[0], cast) not in _BUILDS:
+            _BUILDS[(model[0], cast)] = fake_build(model_cfg, module_dtype=cast)
+        _FORWARDS[key] = trace_activations(model_cfg, batch, wrap, dtype=dtype, module_dtype=module_dtype,
+                                           build=_BUILDS[(model[0], cast)])
+    return _FORWARDS[key]
 
 
 def activation_bytes(model_cfg: Any, batch: int, wrap: list[type], param_dtype: str, checkpointing: bool) -> int:
     """What one forward keeps for backward at ``batch`` samples (``zeroexp.plan.activations.trace_activations``, on
     fake tensors): below fp32 the fewer of autocast's and the module cast's (a row without a peak model computes one
     way or the other, as ``judge_fits`` reads them); checkpointed: ``checkpointed_forward_bytes`` of the same."""
-    from omegaconf import OmegaConf
-
     from zeroexp.formulas.checkpointing import checkpointed_forward_bytes
     from zeroexp.models import torch_dtype
-    from zeroexp.plan.activations import trace_activations
 
-    key = (repr(OmegaConf.to_container(model_cfg, resolve=True)) if OmegaConf.is_config(model_cfg) else
-           repr(model_cfg), int(batch), tuple(c.__qualname__ for c in wrap), param_dtype, bool(checkpointing))
+    key = (*_model_key(model_cfg, wrap), int(batch), param_dtype, bool(checkpointing))
     if key not in _ACTIVATIONS:
         dtype = torch_dtype(param_dtype)
-        traces = [trace_activations(model_cfg, batch, wrap, dtype=dtype)]
+        traces = [forward_trace(model_cfg, batch, wrap, dtype=dtype)]
         if dtype.itemsize < 4:
-            traces.append(trace_activations(model_cfg, batch, wrap, module_dtype=dtype))
+            traces.append(forward_trace(model_cfg, batch, wrap, module_dtype=dtype))
         _ACTIVATIONS[key] = min(checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes)
                                 if checkpointing else t.total_bytes for t in traces)
     return _ACTIVATIONS[key]

@@ -36,17 +36,20 @@ def recommend(problem: Problem, axes: Axes, top_k: int, tie: float, model_overri
         "nearest_changes": None, "notes": [],
     }
     if not records and fastest is not None:
-        changes = nearest_changes(problem, axes, fastest.step_ms, model_overrides, ranks_per_node, problem_at)
+        changes = nearest_changes(problem, axes, fastest.step_ms, model_overrides, ranks_per_node, problem_at, ev)
         answer["searched"] += sum(ch.pop("searched") for ch in changes)
         answer["nearest_changes"] = [ch for ch in changes if ch.pop("fits")]
     return answer
 
 
 def nearest_changes(problem: Problem, axes: Axes, fastest_ms: float, model_overrides: list[str],
-                    ranks_per_node: int | None, problem_at: Callable[[int], Problem] | None) -> list[dict[str, Any]]:
+                    ranks_per_node: int | None, problem_at: Callable[[int], Problem] | None,
+                    evaluator: Evaluator | None = None) -> list[dict[str, Any]]:
     """The changes that make a configuration fit, one at a time, then all of the axes' together, then more GPUs
     with the axes as given (2, 4, 8 x N, the global batch kept, until one fits): each the fastest configuration it
-    makes fit."""
+    makes fit. ``evaluator``: ``problem``'s (its figures computed once for every change at this world size; the
+    search's, when given)."""
+    ev = evaluator or Evaluator(problem)
     opened = {}
     if True not in axes.checkpointing:
         opened["activation_checkpointing=full"] = {"checkpointing": axes.checkpointing + (True,)}
@@ -57,11 +60,11 @@ def nearest_changes(problem: Problem, axes: Axes, fastest_ms: float, model_overr
         opened["a smaller micro-batch (batch_size=1 ...)"] = {"micro_batches": None}
     changes = []
     for what, change in opened.items():
-        changes += _fits(what, problem, axes.relaxed(**change), fastest_ms, model_overrides, ranks_per_node)
+        changes += _fits(what, problem, axes.relaxed(**change), fastest_ms, model_overrides, ranks_per_node, ev)
     every = {k: v for change in opened.values() for k, v in change.items()}
     if len(opened) > 1 and not any(ch["fits"] for ch in changes):
         changes += _fits(" and ".join(opened), problem, axes.relaxed(**every), fastest_ms, model_overrides,
-                         ranks_per_node)
+                         ranks_per_node, ev)
     if problem_at is not None:
         for times in MORE_GPUS:
             n = problem.world_size * times
@@ -77,10 +80,11 @@ def nearest_changes(problem: Problem, axes: Axes, fastest_ms: float, model_overr
 
 
 def _fits(what: str, problem: Problem, axes: Axes, fastest_ms: float, model_overrides: list[str],
-          ranks_per_node: int | None) -> list[dict[str, Any]]:
+          ranks_per_node: int | None, evaluator: Evaluator | None = None) -> list[dict[str, Any]]:
     """The fastest configuration of ``axes`` that fits, as a change with ``fits`` true; a change that makes nothing
-    fit as ``fits`` false (left out of the answer, its configurations still counted as searched)."""
-    result = search(problem, axes, 1)
+    fit as ``fits`` false (left out of the answer, its configurations still counted as searched). ``evaluator``:
+    ``problem``'s, shared across changes (None: a fresh one)."""
+    result = search(problem, axes, 1, evaluator)
     if not result.fitting:
         return [{"change": what, "fits": False, "searched": result.searched}]
     s = result.fitting[0]
