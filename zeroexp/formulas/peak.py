@@ -360,7 +360,10 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     keeps one, ``reduce_scatter_states``, until the next reduce; the memory probe's ``comm`` showed it); its
     post-backward hook reshards it and holds the parameters' own gradients, their padded concatenation
     (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo, the input's copy,
-    beside the prefetched buffer; the sharded gradients of the units done are kept. The root unit
+    beside the prefetched buffer; below fp32 the shard's up-cast follows ``unsharded_grads.clear()``, when of the
+    unit's own gradients only the last is still referenced; the sharded gradients of the units done are kept. Each
+    unit after the first in backward copies its prefetched output out in its pre-backward (``wait_for_unshard``):
+    two of its sizes beside the previous unit's kept reduce-scatter input. The root unit
     (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
     temporaries over the local shards (one per parameter). Categories: the all-gather outputs and the unsharded
     parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and the previous unit's, kept,
