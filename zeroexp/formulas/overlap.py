@@ -135,7 +135,7 @@ def micro_batch_slots(slots: list[Slot], repeats: dict[str, float], micro_batche
             at = range(micro_batches)
         else:
             at = (0,) if s.op == "all_gather" else (micro_batches - 1,)
-        out += [s._replace(issue_s=s.issue_s + j * micro_s, need_s=s.need_s + j * micro_s) for j in at]
+        out += [Slot(s.op, s.weight, s.issue_s + j * micro_s, s.need_s + j * micro_s, s.order, s.burst) for j in at]
     return out
 
 
@@ -216,14 +216,11 @@ def channel_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool
     compute since the previous call was issued (compute stops while a call runs); with overlap the wall time the
     channel sat idle. The step repeats, so the first call's gap runs from the previous step's last call: its issue
     point (no overlap) or its end (overlap), less the step, plus this call's start."""
-    order = sorted(range(len(calls)), key=lambda i: (calls[i][0], calls[i][2], i))
-    waking = wake or (lambda gap: 0.0)
-
-    def floor(i: int) -> float:
-        return float(calls[i][4]) if len(calls[i]) > 4 else 0.0
+    order = [i for _, _, i in sorted((c[0], c[2], i) for i, c in enumerate(calls))]
+    floors = [float(c[4]) if len(c) > 4 else 0.0 for c in calls]
 
     def extra_of(i: int, gap: float) -> float:  # a call's waking after its gap, or its stream floor if larger
-        return max(waking(gap), floor(i))
+        return max(wake(gap), floors[i]) if wake is not None else max(0.0, floors[i])
     if not overlap:
         issues = [calls[i][0] for i in order]
         gaps = [issues[0] + compute_s - issues[-1]] + [b - a for a, b in zip(issues, issues[1:])] if issues else []
@@ -247,7 +244,8 @@ def channel_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool
         for q in points:
             wall += q - pos
             pos = q
-            wall = wait(q, wall)
+            if waiting and waiting[0][0] <= q:
+                wall = wait(q, wall)
             while k < len(order) and calls[order[k]][0] <= q:
                 i = order[k]
                 begin = max(wall, channel)
@@ -257,7 +255,8 @@ def channel_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool
                 channel = done[i] = begin + extra + calls[i][3]
                 heapq.heappush(waiting, (calls[i][1], i))
                 k += 1
-            wall = wait(q, wall)
+            if waiting and waiting[0][0] <= q:
+                wall = wait(q, wall)
         return max([wall, *done.values()]), woken, first_start, channel
 
     if not order:
