@@ -97,6 +97,9 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
     classes = tuple(wrap)
     trace = ActivationTrace(batch_size=int(batch_size))
     stack: list[str] = ["root"]
+    # storages are told apart by address: every tensor counted is held here until the trace ends, so that no
+    # address is reused by a later tensor within it (a unit's input that autograd does not save dies at once)
+    held: list[torch.Tensor] = []
     seen: set[Any] = set()
     with build.mode, torch.device(device):
         net = build.net
@@ -107,6 +110,7 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
             key = _key(t)
             if key not in seen and key not in params:
                 seen.add(key)
+                held.append(t)
                 trace.unit_bytes[stack[-1]] = trace.unit_bytes.get(stack[-1], 0) + t.untyped_storage().nbytes()
                 trace.tensors += 1
             return t
@@ -119,6 +123,7 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
             for t in (a for a in args if isinstance(a, torch.Tensor)):
                 if _key(t) not in inputs:
                     inputs.add(_key(t))
+                    held.append(t)
                     trace.unit_input_bytes[name] = trace.unit_input_bytes.get(name, 0) + t.untyped_storage().nbytes()
 
         units = [m for m in net.modules() if classes and isinstance(m, classes)]
