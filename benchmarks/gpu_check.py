@@ -156,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.measure_one:
         strategy, prefetch, n = args.measure_one.split(":")
+        if args.device == "cpu":  # the threads a rank of n gets on this host (zeroexp.rank.worker), set before torch's
+            import os             # import: the OpenMP pool is sized then, and a larger one spins beside a busy core
+
+            from zeroexp.devices import rank_threads
+
+            os.environ["OMP_NUM_THREADS"] = str(rank_threads(int(n)))
         try:
             got = measured(args.model, strategy, prefetch, int(n), args.batch_size, args.device, tuple(args.set),
                            args.steps)

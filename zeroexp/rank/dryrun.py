@@ -49,6 +49,7 @@ from zeroexp.models import build_model
 from zeroexp.models.module import CellModule, SyntheticBatches
 from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
                             probes_for)
+from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.probes.state import check_factors
 from zeroexp.results.files import write_text
 from zeroexp.config.schedule import Schedule
@@ -146,6 +147,7 @@ def play_rank0(cfg_dict: dict[str, Any], device: torch.device) -> dict[str, Any]
     backend buffer). On a GPU the memory probe measures one rank of N with the CUDA caching allocator; on the CPU
     with MemTracker. Returns the probes' rank-0 results (``state``, ``collectives``, ``memory``), the memory probe's
     aggregated section as ``memory_section`` (``backend: fake``), and ``steps``."""
+    freeze_startup_objects()  # as a rank does: the memory probe's cycle collections walk only what the cell creates
     cfg = OmegaConf.create(cfg_dict)
     n = int(cfg.world_size)
     dist.init_process_group("fake", rank=0, world_size=n)
