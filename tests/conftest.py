@@ -16,6 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+# One OpenMP thread in the test processes and in every process they start (a CLI test's fresh interpreter, the ranks'
+# forkserver: a rank then sets its own, zeroexp.rank.worker), set before torch's import sizes the pool: a second
+# thread spins beside the other worker's busy core (one rank of N played on the CPU: 1.5 s with one, 5-7 s with
+# torch.set_num_threads(1) called after the import, on the same loaded host).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 from hydra import compose as hydra_compose
@@ -35,14 +41,19 @@ torch.set_num_threads(1)
 
 # The suite runs about 30 DeepSpeed cells: its ranks' forkserver imports DeepSpeed once, before the freeze of
 # zeroexp.launch.rank_preload (last), where each rank of each DeepSpeed cell imported it (its muon optimizer module
-# compiles with torch.compile's machinery: 1.0 s of a 2.9 s rank, quiet host). A user's forkserver does not: a single
-# cell would wait for it. DeepSpeed is an optional extra: without it, the forkserver skips the name.
+# compiles with torch.compile's machinery: 1.0 s of a 2.9 s rank, quiet host). Likewise the corpus's foreign models'
+# modules (tests/test_corpus.py, about 50 cells): PyTorch's test Transformer (common_dtensor pulls torch's test
+# utilities, 2.2 s of imports) and Hugging Face's BERT and Llama (2.0 s), which each rank of each such cell imported
+# when it built its model (about 1 s a cell less with them preloaded, 2 ranks, loaded host). A user's forkserver does
+# not: a single cell would wait for them. Each is optional: a name that does not import, the forkserver skips.
 # Every strategy adapter imported once, here: the tests that fork ranks themselves (mp.start_processes, fork) hand them
 # to each rank imported, as the ranks' forkserver does for a cell (composing a config imports none).
 registered()
 
 rank_context().set_forkserver_preload([*FORKSERVER_PRELOAD[:-1], "deepspeed.runtime.zero.muon.muon_optimizer",
-                                       FORKSERVER_PRELOAD[-1]])
+                                       "torch.testing._internal.distributed._tensor.common_dtensor",
+                                       "transformers.models.bert.modeling_bert",
+                                       "transformers.models.llama.modeling_llama", FORKSERVER_PRELOAD[-1]])
 
 #: Shrinks every test cell: no W&B unless a test asks for it, a small 8-layer Linear stack, few steps.
 BASE = ("logger=none", "model.width=64", "steps=10", "warmup_steps=3")
