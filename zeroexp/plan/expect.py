@@ -39,7 +39,13 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         forward_prefetch=int(s.get("forward_prefetch") or 0),
         backward_prefetch=int(s.get("backward_prefetch") or 0),
         reduce_dtype=str(s.get("reduce_dtype") or ""),
+        post_forward_ranks=_an_int(s.get("reshard_after_forward")),
     )
+
+
+def _an_int(value: Any) -> int:
+    """FSDP2's ``reshard_after_forward`` as :attr:`PlanKnobs.post_forward_ranks`: the int, 0 for a bool or null."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def itemsize_of(cfg: Any) -> int:

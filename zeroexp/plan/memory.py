@@ -476,7 +476,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                                  one_unit=alone, root_kept=root_kept and not alone,
-                                 ahead=(knobs.forward_prefetch, knobs.backward_prefetch))
+                                 ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
+                                 post_forward=groups.post_forward_size)
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,

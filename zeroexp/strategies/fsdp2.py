@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
-from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_unit
+from zeroexp.formulas import LAYOUTS, POST_FORWARD, Groups, Shard, fsdp2_padded_numel, fsdp_unit
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
@@ -49,6 +49,13 @@ def _param_group(module: nn.Module) -> Any:
     return fsdp2_param_group(module)
 
 
+def _post_forward_size(group: Any) -> int:
+    """The ranks an FSDP2 parameter group is resharded to after forward when that is a group of its own
+    (``reshard_after_forward=k``: ``post_forward_mesh_info`` is not its ``mesh_info``), else 0."""
+    post = group.post_forward_mesh_info
+    return 0 if post is None or post is group.mesh_info else int(post.shard_mesh_size)
+
+
 def _param_groups(model: nn.Module) -> Iterator[Any]:
     """Every FSDP2 parameter group (one per ``fully_shard`` unit that holds parameters) under ``model``."""
     return (g for g in map(_param_group, model.modules()) if g is not None)
@@ -68,6 +75,7 @@ class FSDP2Adapter(StrategyAdapter):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self._mesh: Any = None
+        self._root: nn.Module | None = None  # the wrapped model (mesh_dims reads its units' groups)
 
     #: offload=full: ``CPUOffloadPolicy()`` (the sharded parameters, their gradients and the optimizer state on the
     #: host, each unit copied to the device to be all-gathered); needs an accelerator to compute on.
@@ -94,6 +102,13 @@ class FSDP2Adapter(StrategyAdapter):
             raise ConfigError("strategy.backward_prefetch", back, "null",
                               why=f"strategy={cls.name} keeps every unit unsharded from forward to backward: backward "
                                   "gathers nothing to prefetch")
+
+    def mesh_dims(self) -> dict[str, str]:
+        """``post_forward`` for each unit's post-forward process group (``reshard_after_forward=k``: FSDP2 makes a
+        ``DeviceMesh`` of k-rank rows for each ``fully_shard`` call, so one group per unit); none otherwise."""
+        root = getattr(self._root, "net", self._root)
+        return {g.post_forward_mesh_info.shard_process_group.group_name: POST_FORWARD
+                for g in (_param_groups(root) if root is not None else ()) if _post_forward_size(g)}
 
     def setup(self, device: torch.device) -> None:
         """The 1-D device mesh over the default group, on the rank's device type (``cpu`` with gloo)."""
@@ -173,6 +188,7 @@ class FSDP2Adapter(StrategyAdapter):
         fully_shard(root, **{**kwargs, "mp_policy": self.mp_policy(root=True)})
         self._explicit_prefetch(units)
         self._trace = UnitTrace(root, [*units, root])
+        self._root = root
         return module
 
     def _explicit_prefetch(self, units: list[nn.Module]) -> None:
@@ -241,17 +257,19 @@ class FSDP2Adapter(StrategyAdapter):
         graded = [p.requires_grad and p.grad is not None for p in params]
         trained = [p for p in params if p.requires_grad]
         ungraded = tuple(i for i, p in enumerate(trained) if p.grad is None)
-        units = []
+        units, narrow = [], 0
         for module in post_order(model, lambda m: _param_group(m) is not None):
             group = _param_group(module)
             sizes = [(fsdp2_padded_numel(tuple(q.sharded_param.shape), n),
                       q.sharded_param.requires_grad and q.sharded_param.grad is not None) for q in group.fsdp_params]
             calls, reached, after = self._trace.of(module) or (1, True, True)
+            post = _post_forward_size(group)
+            narrow = post or narrow
             units.append(fsdp_unit(sum(k for k, _ in sizes), 2 if group.post_forward_mesh_info is not None else 1,
                                    calls, reached, sum(k for k, t in sizes if t), LAYOUTS[self.layout].unit_hooks,
-                                   after))
+                                   after, narrow=bool(post)))
         return Groups(self.layout, world, tuple(p.numel() for p in trained), shards, tuple(units),
-                      shard_size=n if n != world else 0, frozen=frozen, ungraded=ungraded,
+                      shard_size=n if n != world else 0, frozen=frozen, ungraded=ungraded, post_forward_size=narrow,
                       grad_shards=tuple(shard(p) for p, g in zip(params, graded) if p.numel() and g)
                       if frozen or ungraded else None)
 
@@ -283,7 +301,7 @@ class FSDP2FullAdapter(FSDP2Adapter):
         value, n = cfg.strategy.get("reshard_after_forward", True), int(cfg.world_size)
         accepted = f"true, null (FSDP2's default: the root kept), {n} (world_size: FSDP2 takes it as true)"
         an_int = isinstance(value, int) and not isinstance(value, bool)
-        if not (value is None or value is True or an_int and value == n != 1):
+        if not (value is None or value is True or an_int and 1 < value <= n and n % value == 0):
             if value is False or an_int and value == 1:
                 why = ("False keeps every unit unsharded from forward to backward: that is strategy=fsdp2_grad_op"
                        + ("" if value is False else "; FSDP2 takes the int 1 as False (_get_post_forward_mesh_info)"))
