@@ -209,7 +209,9 @@ class FsdpUnit(NamedTuple):
     compute-dtype copy of the shard (``_mp_shard``) alive while the unit is all-gathered. 0: fp32. ``reduced``: the
     bytes of its reduce-scatter's input where they are not ``unsharded`` (FSDP2 with frozen parameters: the padded
     trainable ones; 0: no reduce-scatter), ``shard`` then that input's share. ``last_grad``: the gradient of its last
-    trainable parameter (definition order), which FSDP2's reduction keeps referenced while it reduces."""
+    trainable parameter (definition order), which FSDP2's reduction keeps referenced while it reduces. ``params``:
+    FSDP2, each parameter's padded unsharded bytes in the unit's order (``reshard_after_forward=k`` reshards them one
+    by one: :func:`post_forward_bump`)."""
 
     unsharded: int
     shard: int
@@ -218,6 +220,7 @@ class FsdpUnit(NamedTuple):
     gather_copy: int = 0
     reduced: int | None = None
     last_grad: int = 0
+    params: tuple[int, ...] = ()
 
     @property
     def scattered(self) -> int:
@@ -340,6 +343,15 @@ def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
         grads_done += u.grads
 
 
+def post_forward_bump(params: tuple[int, ...], k: int) -> int:
+    """The most bytes above a unit's unsharded parameters while FSDP2 reshards it to ``k`` ranks after forward, one
+    parameter after another: its 1/k cloned (``to_sharded_post_forward``), then its unsharded storage freed."""
+    best = run = 0
+    for b in params:
+        best, run = max(best, run + b // k), run + b // k - b
+    return best
+
+
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                       reshard_after_forward: bool = True, one_unit: bool = False,
@@ -380,26 +392,29 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     k computes beside the next ``ahead[0]`` outputs, and copies out beside the ``ahead[0] - 1`` after it that unit
     k - 1 issued; in backward a unit computes and reduces beside the next ``ahead[1]`` units' outputs (the
     backward-order units before it in forward). ``post_forward`` (``reshard_after_forward=k``, ZeRO++'s hpZ): each
-    unit, the root too, keeps 1/k of its unsharded bytes from the end of its forward (``to_sharded_post_forward``
-    clones them while the unit is still unsharded: a moment of its own) until its backward's copy-out frees them."""
+    unit, the root too, keeps 1/k of its unsharded bytes from the end of its forward (cloned parameter by parameter
+    while the unit is still unsharded, :func:`post_forward_bump`: a moment of its own) until its backward's copy-out
+    frees them."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     kept = not reshard_after_forward
     # what each unit holds from its forward to its backward, and the root at the loss
     held = [u.unsharded if kept else u.unsharded // post_forward if post_forward else 0 for u in units]
     root_after = root if kept or root_kept else root // post_forward if post_forward else 0
-    _fsdp2_forward(best.keep, trace, units, k_of, root=root, held=held, root_after=root_after, ahead=ahead[0])
+    bump = [post_forward_bump(u.params, post_forward) if post_forward and not kept else 0 for u in units]
+    _fsdp2_forward(best.keep, trace, units, k_of, root=root, held=held, root_after=root_after, ahead=ahead[0],
+                   bump=bump)
     _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
                     kept=kept, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1))
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
 
 def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
-                   root: int, held: list[int], root_after: int, ahead: int = 0) -> None:
+                   root: int, held: list[int], root_after: int, ahead: int = 0, bump: list[int] | None = None) -> None:
     """:func:`fsdp2_phase_peaks`' forward moments, each to ``keep``: unit k computing, its post-forward reshard, its
     copy-out, the loss (``held``: what each unit keeps from its forward to its backward, all of it when kept, 1/k
     under ``reshard_after_forward=k``; ``root_after``: the root's, at the loss; ``ahead``: the units each unit's
-    pre-forward prefetches)."""
+    pre-forward prefetches; ``bump``: each unit's most bytes above its parameters while it reshards to k ranks)."""
     full = [u.unsharded for u in units]
     act = {"activations": -trace.loss_bytes}
     for s in (s for s in trace.segments if s.phase == "forward"):
@@ -411,9 +426,9 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
         if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters, the prefetched
             keep("forward", _add(_add(s.peak_by_category, act),
                                  {"unsharded": root + before + 2 * full[k] + sum(full[k + 1:k + 1 + ahead])}))
-            if 0 < held[k] < full[k]:  # its post-forward shard cloned out of it, before it is freed
+            if bump and bump[k]:  # its post-forward shard cloned out of it, parameter by parameter
                 keep("forward", _add(_add(s.end_by_category, act), {
-                    "unsharded": root + before + 2 * full[k] + held[k] + sum(full[k + 1:k + 1 + ahead])}))
+                    "unsharded": root + before + 2 * full[k] + bump[k] + sum(full[k + 1:k + 1 + ahead])}))
         else:  # unit k's copy-out, the previous all-gather output still kept, and those unit k - 1 prefetched
             early = sum(full[k + 1:k + ahead]) if k else 0
             keep("forward", _add(_add(s.end_by_category, act),

@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, local_numels, owner_assignment
+from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, fsdp2_padded_numel, local_numels,
+                              owner_assignment)
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, cuda
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
@@ -462,7 +463,9 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                                   sharded_grad_upcast(unit.scattered // n, terms) if r < kept else 0,
                                   unit.numel // n * itemsize if row.peak_flow == "fsdp1" and terms.module_dtype else 0,
                                   None if unit.reduced is None and r == itemsize else unit.scattered * r,
-                                  shape.numels[max(trained)] * itemsize if trained else 0))
+                                  shape.numels[max(trained)] * itemsize if trained else 0,
+                                  tuple(fsdp2_padded_numel(shape.params[i], n) * itemsize for i in members)
+                                  if row.peak_flow == "fsdp2" else ()))
     shards = [u.scattered // n for u in groups.units]
     if micro_batches > 1:
         if not row.no_sync_accumulation:
