@@ -31,7 +31,8 @@ from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
-from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch
+from zeroexp.strategies.schemas import (FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch,
+                                       check_fsdp2_reshard)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -289,7 +290,8 @@ class FSDP2FullAdapter(FSDP2Adapter):
         "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3 direction): parameters, gradients and optimizer "
         "state sharded per parameter on dim 0; each unit, the root included, is all-gathered before forward and "
         "again before backward (with strategy.reshard_after_forward=null, FSDP2's default, the root is kept "
-        "unsharded from its forward to its backward: gathered once)."
+        "unsharded from its forward to its backward: gathered once; with an int k, ZeRO++'s hpZ, each unit keeps "
+        "1/k of itself after forward and backward all-gathers it from a group of k ranks)."
     )
 
     @property
@@ -298,20 +300,7 @@ class FSDP2FullAdapter(FSDP2Adapter):
 
     @classmethod
     def validate(cls, cfg) -> None:
-        value, n = cfg.strategy.get("reshard_after_forward", True), int(cfg.world_size)
-        accepted = f"true, null (FSDP2's default: the root kept), {n} (world_size: FSDP2 takes it as true)"
-        an_int = isinstance(value, int) and not isinstance(value, bool)
-        if not (value is None or value is True or an_int and 1 < value <= n and n % value == 0):
-            if value is False or an_int and value == 1:
-                why = ("False keeps every unit unsharded from forward to backward: that is strategy=fsdp2_grad_op"
-                       + ("" if value is False else "; FSDP2 takes the int 1 as False (_get_post_forward_mesh_info)"))
-            elif not an_int or value < 1 or n % value:
-                why = f"an int is the ranks a unit is resharded to after forward: a divisor of world_size={n}"
-            else:
-                why = (f"resharding to a group of {value} of the {n} ranks after forward (ZeRO++'s hpZ in FSDP2: "
-                       f"backward all-gathers from that group, each rank holds 1/{value} of every unit between its "
-                       "forward and backward) has no model in zeroexp's expectation (collectives by group, peak) yet")
-            raise ConfigError("strategy.reshard_after_forward", value, accepted, why=why)
+        check_fsdp2_reshard(cfg.strategy.get("reshard_after_forward", True), [int(cfg.world_size)])
         super().validate(cfg)
 
 
