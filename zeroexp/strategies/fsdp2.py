@@ -54,7 +54,8 @@ def _post_forward_size(group: Any) -> int:
     """The ranks an FSDP2 parameter group is resharded to after forward when that is a group of its own
     (``reshard_after_forward=k``: ``post_forward_mesh_info`` is not its ``mesh_info``), else 0."""
     post = group.post_forward_mesh_info
-    return 0 if post is None or post is group.mesh_info else int(post.shard_mesh_size)
+    k = 0 if post is None or post is group.mesh_info else int(post.shard_mesh_size)
+    return k if k < group.mesh_info.shard_mesh_size else 0
 
 
 def _param_groups(model: nn.Module) -> Iterator[Any]:

@@ -156,7 +156,7 @@ def check_fsdp2_reshard(value: Any, world_sizes: list[int], key: str = "strategy
         why = ("False keeps every unit unsharded from forward to backward: that is fsdp2_grad_op"
                + ("" if value is False else "; FSDP2 takes the int 1 as False (_get_post_forward_mesh_info)"))
     else:
-        why = "an int is the ranks a unit is resharded to after forward: a divisor of world_size (FSDP2 refuses others)"
+        why = f"an int is the ranks a unit is resharded to after forward: a divisor of world_size={sizes}"
     raise ConfigError(key, value, accepted, why=why)
 
 
