@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from zeroexp.formulas.units import post_forward_bump
+
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES", "adamw_temporaries",
            "phase_peaks", "fsdp_phase_peaks", "fsdp2_phase_peaks"]
 
@@ -343,20 +345,11 @@ def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
         grads_done += u.grads
 
 
-def post_forward_bump(params: tuple[int, ...], k: int) -> int:
-    """The most bytes above a unit's unsharded parameters while FSDP2 reshards it to ``k`` ranks after forward, one
-    parameter after another: its 1/k cloned (``to_sharded_post_forward``), then its unsharded storage freed."""
-    best = run = 0
-    for b in params:
-        best, run = max(best, run + b // k), run + b // k - b
-    return best
-
-
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                       reshard_after_forward: bool = True, one_unit: bool = False,
                       root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
-                      post_forward: int = 0) -> dict[str, dict]:
+                      post_forward: int = 0, root_params: tuple[int, ...] = ()) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category. ``reshard_after_forward=False``
     (SHARD_GRAD_OP's FSDP2 form): every unit stays unsharded from its forward to its backward, which gathers nothing
@@ -401,7 +394,8 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     # what each unit holds from its forward to its backward, and the root at the loss
     held = [u.unsharded if kept else u.unsharded // post_forward if post_forward else 0 for u in units]
     root_after = root if kept or root_kept else root // post_forward if post_forward else 0
-    bump = [post_forward_bump(u.params, post_forward) if post_forward and not kept else 0 for u in units]
+    bump = [post_forward_bump(p, post_forward) if post_forward and not kept else 0
+            for p in [u.params for u in units] + [root_params]]  # the units', then the root's
     _fsdp2_forward(best.keep, trace, units, k_of, root=root, held=held, root_after=root_after, ahead=ahead[0],
                    bump=bump)
     _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
@@ -417,10 +411,15 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
     pre-forward prefetches; ``bump``: each unit's most bytes above its parameters while it reshards to k ranks)."""
     full = [u.unsharded for u in units]
     act = {"activations": -trace.loss_bytes}
+    last = None  # the last unit's end: what is alive when the root reshards (its all-gather output too)
     for s in (s for s in trace.segments if s.phase == "forward"):
         if s.unit == "loss":  # the root resharded at the end of its forward, and the units, but what they hold
+            if bump and bump[-1] and last is not None:  # the root's post-forward shard cloned out of it
+                keep("forward", _add(_add(last.end_by_category, act),
+                                     {"unsharded": root + bump[-1] + sum(held) + full[k_of[last.unit]]}))
             keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root_after + sum(held)}))
             continue
+        last = s if s.at == "end" else last
         k = k_of[s.unit]
         before = sum(held[:k])  # what the units before it hold since their forward
         if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters, the prefetched

@@ -1,5 +1,6 @@
-"""FSDP's payload over its units (FULL_SHARD, SHARD_GRAD_OP, FSDP2): what each unit gathers and reduces per step
-[FSDP] [FSDP2] [ZeRO 7.2.2]; hybrid sharding's is :mod:`zeroexp.formulas.hybrid`."""
+"""FSDP's units: the payload over them (FULL_SHARD, SHARD_GRAD_OP, FSDP2), what each unit gathers and reduces per
+step [FSDP] [FSDP2] [ZeRO 7.2.2] (hybrid sharding's is :mod:`zeroexp.formulas.hybrid`), and what FSDP2's reshard to
+a smaller group after forward holds at once (:func:`post_forward_bump`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Callable
 from zeroexp.formulas.paper import Collectives, add_collectives, clip_norm_all_reduces, collectives_of, fp16_inf_syncs
 from zeroexp.formulas.shapes import POST_FORWARD, WORLD, Groups, PlanKnobs
 
-__all__ = ["Payload", "gather_units"]
+__all__ = ["Payload", "gather_units", "post_forward_bump"]
 
 #: A row's payload model: (groups, the wire's bytes per element, knobs) -> one rank's collectives per step.
 Payload = Callable[[Groups, int, PlanKnobs], Collectives]
@@ -39,3 +40,12 @@ def gather_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) 
                             group)  # FSDP2 reshard_after_forward=k: a unit's gathers by group (Unit.post_forward)
         return model
     return payload
+
+
+def post_forward_bump(params: tuple[int, ...], k: int) -> int:
+    """The most bytes above a unit's unsharded parameters while FSDP2 reshards it to ``k`` ranks after forward, one
+    parameter after another: its 1/k cloned (``to_sharded_post_forward``), then its unsharded storage freed."""
+    best = run = 0
+    for b in params:
+        best, run = max(best, run + b // k), run + b // k - b
+    return best

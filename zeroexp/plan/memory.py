@@ -450,12 +450,13 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
-    units, root, root_grads = [], 0, 0
+    units, root, root_grads, root_params = [], 0, 0, ()
     alone = all(is_root for _, is_root in sized)  # one unit: the model itself, traced as a unit, kept into backward
     for (members, is_root), unit in zip(sized, groups.units):
         if is_root and not alone:
             root += unit.numel * itemsize
             root_grads += sum(shape.numels[i] for i in members) * itemsize
+            root_params = tuple(fsdp2_padded_numel(shape.params[i], n) * itemsize for i in members)
         else:  # the gradients autograd computes: of the trainable parameters a step uses
             trained = [i for i in members if shape.train(i) and i not in shape.unused]
             units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * r,
@@ -480,7 +481,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                                  one_unit=alone, root_kept=root_kept and not alone,
                                  ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
-                                 post_forward=groups.post_forward_size)
+                                 post_forward=groups.post_forward_size, root_params=root_params)
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
