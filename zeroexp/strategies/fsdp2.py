@@ -8,7 +8,10 @@ chunk is padded to the first's size (torch/distributed/fsdp/_fully_shard/_fsdp_p
 parameter, ``ceil(dim0 / N) * N`` rows. ``reshard_after_forward=True`` (``fsdp2_full``, ZeRO-3 direction)
 frees each unit after forward and gathers it again in backward, the root included: passed explicitly, FSDP2
 does not exempt the root (``FSDPState._lazy_init`` clears ``post_forward_mesh_info`` only when the flag was
-left unset). ``False`` (``fsdp2_grad_op``) keeps the unsharded parameters until the end of backward.
+left unset). ``False`` (``fsdp2_grad_op``) keeps the unsharded parameters until the end of backward. An int k
+(``fsdp2_full``, ZeRO++'s hpZ) keeps each unit's 1/k after forward, the root too, and backward all-gathers it from k
+ranks: each ``fully_shard`` call makes its own ``DeviceMesh`` of k-rank rows (``_get_post_forward_mesh_info``), so
+every unit has a post-forward process group of its own (:meth:`FSDP2Adapter.mesh_dims` names them ``post_forward``).
 The device mesh is made on the rank's device type (``init_device_mesh("cpu", (N,))`` with gloo) in
 :meth:`FSDP2Adapter.setup`, before any model exists (a dry run enters ``FakeTensorMode`` after it).
 """
