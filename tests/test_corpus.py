@@ -238,6 +238,33 @@ def test_fsdp2_int_reshard_after_forward_counts_as_pytorchs_own_test(cell, n):
 
 
 @pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
+def test_fsdp2_reshard_to_a_smaller_group_counts_as_pytorchs_own_test_over_two_groups(cell):
+    """``reshard_after_forward=2`` at N=4 (ZeRO++'s hpZ in FSDP2): the counts of PyTorch's subtest of that value
+    (test_fully_shard_comm.py ``_test_communication_count``: backward gathers num_blocks + 1, the root too); each unit
+    all-gathered once over the world in forward and once over its post-forward group of 2 ranks in backward, S the
+    padded unit each time (FSDP2 pads dim 0 to N: ceil(dim0 / 4) x 4 rows); bus bytes S (N-1)/N and S (k-1)/k; every
+    check PASS, every rank's peak (each unit's 1/k held from its forward to its backward) PASS."""
+    import math
+
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    r = cell(*MODELS["torch_transformer"][0], "model.loss=sum", "strategy=fsdp2_full",
+             "strategy.reshard_after_forward=2", "world_size=4", base=BASE)
+    _pytorchs_counts(r, 2, root_kept=False)  # MODELS["torch_transformer"]: n_layers=2
+    net = Transformer(ModelArgs(n_layers=2, vocab_size=32, max_seq_len=8, dim=32, n_heads=4, weight_tying=False,
+                                dropout_p=0.0))
+    padded = sum(math.ceil(p.shape[0] / 4) * 4 * math.prod(p.shape[1:]) * 4 for p in net.parameters())
+    co = r.summary["collectives"]
+    assert co["groups"] == {
+        "all_gather": {"world": {"size": 4, "count": 3, "payload_bytes": padded},
+                       "post_forward": {"size": 2, "count": 3, "payload_bytes": padded}},
+        "reduce_scatter": {"world": {"size": 4, "count": 3, "payload_bytes": padded}}}
+    assert co["expected_groups"]["all_gather"] == co["groups"]["all_gather"]
+    assert co["bus_bytes"]["all_gather"] == padded * 3 // 4 + padded // 2
+    assert [rk["check"] for rk in r.summary["plan"]["memory"]["ranks"]] == ["PASS"] * 4
+
+
+@pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
 @pytest.mark.parametrize("knobs, n", [
     (("strategy.forward_prefetch=2", "strategy.backward_prefetch=2"), 3),
     (("strategy.forward_prefetch=3",), 2),
@@ -262,7 +289,7 @@ def test_fsdp2_explicit_prefetch_counts_as_pytorchs_own_test_and_raises_the_peak
 @pytest.mark.parametrize("key, value, n, why", [
     ("reshard_after_forward", "1", 2, "takes the int 1 as False"),
     ("reshard_after_forward", "3", 2, "a divisor of world_size=2"),
-    ("reshard_after_forward", "2", 4, "no model"),
+    ("reshard_after_forward", "6", 4, "a divisor of world_size=4"),
     ("forward_prefetch", "-1", 2, "an integer >= 0"),
     ("backward_prefetch", "0", 2, "implicit prefetch on"),
     ("reduce_dtype", "float64", 2, "bfloat16"),

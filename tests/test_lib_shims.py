@@ -138,6 +138,28 @@ def test_fsdp2_chunking_replaces_and_restores_torchs_function(fake_group):
     assert ((5, 6), fake_group, 0) in calls and ((5,), fake_group, 0) in calls
 
 
+def test_fsdp2_post_forward_mesh_in_builds_the_mesh_in_the_context_and_restores(fake_group):
+    """Under FakeTensorMode, fully_shard with an int reshard_after_forward fails in torch's
+    ``_get_post_forward_mesh_info`` (it reads ``DeviceMesh.mesh``); inside the context it is built with real tensors:
+    each unit's post-forward group has 2 of the 4 ranks. Torch's function is back after."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    from zeroexp._lib.fake_tensors import fake_tensor_mode, real_tensors
+    from zeroexp._lib.fsdp2 import fsdp2_param_group, fsdp2_post_forward_mesh_in
+
+    torchs, mesh = _fsdp_init._get_post_forward_mesh_info, init_device_mesh("cpu", (fake_group,))
+    with fake_tensor_mode():
+        with pytest.raises(AssertionError, match="FakeTensor"):
+            fully_shard(nn.Linear(8, 8), mesh=mesh, reshard_after_forward=2)
+        with fsdp2_post_forward_mesh_in(real_tensors) as active:
+            unit = fully_shard(nn.Linear(8, 8), mesh=mesh, reshard_after_forward=2)
+    assert active and _fsdp_init._get_post_forward_mesh_info is torchs
+    assert fsdp2_param_group(unit).post_forward_mesh_info.shard_mesh_size == 2
+
+
 # -- zeroexp._lib.profiler -----------------------------------------------------------------------------------------
 
 def test_profiler_enabled_follows_the_profiler():

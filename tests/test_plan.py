@@ -289,6 +289,33 @@ def test_cli_fsdp2_knobs_as_in_a_cell():
         assert out.returncode == 2 and key in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_cli_fsdp2_reshard_to_a_smaller_group():
+    """``reshard_after_forward=2`` (ZeRO++'s hpZ in FSDP2) on mlp (8 units of 256 x 256 fp32, P = 2 MiB a pass): the
+    same calls and payload as true, backward's all_gathers over 2 ranks: bus bytes P (N-1)/N + P / 2; forward holds
+    each unit's half after its forward (planned above true's); fsdp2_hybrid (which passes true) unchanged; an int
+    equal to a world size is true there; one that does not divide every world size exits 2 naming the key."""
+    args = ("model=mlp", "world_size=[4,8]", "batch_size=2", "shard_size=2", "format=json",
+            "strategies=[fsdp2_full,fsdp2_hybrid]")
+
+    def rows(*more: str) -> dict[tuple[str, int], dict]:
+        out = _cli(*args, *more)
+        assert out.returncode == 0, out.stderr
+        return {(r["strategy"], r["world_size"]): r for r in json.loads(out.stdout)}
+
+    default, hpz, p = rows(), rows("reshard_after_forward=2"), 8 * 256 * 256 * 4
+    for n in (4, 8):
+        full, base = hpz["fsdp2_full", n], default["fsdp2_full", n]
+        assert (full["counts"], full["payload_bytes"]) == (base["counts"], base["payload_bytes"])
+        assert full["bus_bytes"]["all_gather"] == p * (n - 1) // n + p // 2 < base["bus_bytes"]["all_gather"]
+        assert full["phase_bytes"]["forward"] > base["phase_bytes"]["forward"]
+        assert hpz["fsdp2_hybrid", n]["bus_bytes"] == default["fsdp2_hybrid", n]["bus_bytes"]
+    four = rows("reshard_after_forward=4")  # true at N=4 (FSDP2 takes world_size as true), 4 ranks at N=8
+    assert four["fsdp2_full", 4]["bus_bytes"] == default["fsdp2_full", 4]["bus_bytes"]
+    assert four["fsdp2_full", 8]["bus_bytes"]["all_gather"] == p * 7 // 8 + p * 3 // 4
+    out = _cli(*args, "reshard_after_forward=3")
+    assert out.returncode == 2 and "reshard_after_forward" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_fsdp2_cpu_offload_policy_is_planned_on_the_host():
     """offload=full on the FSDP2 rows (CPUOffloadPolicy): the sharded parameters, gradients and optimizer state on
     the host, none on the device, the same bytes as without; no optimizer-only offload in FSDP2."""

@@ -57,3 +57,26 @@ def test_the_hybrid_row_names_its_groups_for_the_time_model(compose):
     model = step_collectives(LAYOUTS["fsdp_HYBRID_SHARD"], groups, 4, PlanKnobs(shard_size=2))
     assert {dim: g["size"] for dim, g in model["all_gather"]["groups"].items()} == {"shard": 2}
     assert {dim: g["size"] for dim, g in model["all_reduce"]["groups"].items()} == {"replicate": 2}
+
+
+def test_fsdp2_reshard_to_k_times_each_backward_all_gather_over_its_k_ranks():
+    """``reshard_after_forward=2`` at N=8 (4 units of 64 x 64 fp32, S = 16 KiB each): every forward all_gather is
+    timed over the world (8 ranks), every backward one over its post-forward group (2 ranks), one call of S each;
+    the reduce_scatters over all ranks as before."""
+    from zeroexp.formulas import ComputeRate, ModelShape, predict_step
+
+    layout, knobs = LAYOUTS["fsdp2_full"], PlanKnobs(post_forward_ranks=2)
+    g = derive_groups("fsdp2_full", layout, ModelShape(((64, 64),) * 4, tuple((i,) for i in range(4)), (False,) * 4),
+                      8, 4, knobs)
+    seen, cost = set(), {"world": 1.0, "post_forward": 0.25, "all": 2.0}  # each group's call its own time
+
+    def group_seconds(dim, size):
+        return lambda op, s, calls: seen.add((op, dim, size, s, calls)) or cost[dim]
+
+    t = predict_step(layout, g, step_collectives(layout, g, 4, knobs), ComputeRate(1e-9, 2e-9, 1e-9), 1,
+                     lambda op, s, calls: seen.add((op, "all", 8, s, calls)) or cost["all"], False,
+                     group_seconds=group_seconds)
+    s = 64 * 64 * 4
+    assert seen == {("all_gather", "world", 8, s, 1), ("all_gather", "post_forward", 2, s, 1),
+                    ("reduce_scatter", "all", 8, s, 1)}
+    assert t.comm_s == 4 * 1.0 + 4 * 0.25 + 4 * 2.0

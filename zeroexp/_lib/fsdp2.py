@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["fsdp2_chunking"]
+__all__ = ["fsdp2_chunking", "fsdp2_post_forward_mesh_in", "fsdp2_param_group"]
 
 
 @contextmanager
@@ -33,6 +33,35 @@ def fsdp2_chunking(chunk: Callable[..., Any]) -> Iterator[bool]:
         yield True
     finally:
         _fsdp_param._chunk_with_empty = original
+
+
+@contextmanager
+def fsdp2_post_forward_mesh_in(context: Callable[[], Any]) -> Iterator[bool]:
+    """While active, FSDP2 builds an int ``reshard_after_forward``'s post-forward mesh inside ``context()`` (a dry run:
+    real tensors, since ``_get_post_forward_mesh_info`` reads ``DeviceMesh.mesh``, a tensor FakeTensorMode refuses):
+    ``torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info`` (private; torch 2.13), under its
+    name in ``_fsdp_init`` and in ``_fully_shard``, which imports it; restored after. Yields True, or False (changing
+    nothing) on a torch without those modules."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+    except ImportError:
+        yield False
+        return
+
+    modules = [m for m in (_fsdp_init, _fully_shard) if hasattr(m, "_get_post_forward_mesh_info")]
+    original = _fsdp_init._get_post_forward_mesh_info
+
+    def post_forward_mesh_info(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return original(*args, **kwargs)
+
+    for m in modules:
+        m._get_post_forward_mesh_info = post_forward_mesh_info
+    try:
+        yield True
+    finally:
+        for m in modules:
+            m._get_post_forward_mesh_info = original
 
 
 def fsdp2_param_group(module: Any) -> Any:

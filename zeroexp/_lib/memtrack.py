@@ -7,7 +7,8 @@ Beside MemTracker's own categories the tracker names two of zeroexp's, by what a
 - ``unsharded``: a storage the step allocates (or grows from zero bytes) that an all-gather writes as its output
   (FSDP1's unsharded FlatParameter ``_full_param_padded``; FSDP2's all-gather buffer, made by
   ``fsdp::all_gather_copy_in``) or that is copied out of one (FSDP2's unsharded parameters,
-  ``fsdp::split_with_sizes_copy``'s outputs).
+  ``fsdp::split_with_sizes_copy``'s outputs), or a clone of a part of such a storage (FSDP2's post-forward shard,
+  ``reshard_after_forward=k``).
 - ``comm``: a storage the step allocates that any other collective reads or writes, or an all-gather reads (reduce-
   scatter inputs and outputs, all-reduce buffers: zeroexp's ZeRO-2 buckets, FSDP's unsharded gradient), or that FSDP2
   packs for one (``fsdp::chunk_cat``'s output, the reduce-scatter input); and a storage alive since the step's start

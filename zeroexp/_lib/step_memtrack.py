@@ -213,12 +213,21 @@ class StepMemTracker(MemTracker):
                 if isinstance(t, torch.Tensor):
                     self._assign(t, role, resident=ns == "c10d" and not _is_all_gather(name))
 
+    def _copies_unsharded(self, name: str, args: tuple) -> bool:
+        """Whether op ``name`` clones a part of an ``unsharded`` storage: FSDP2's post-forward shard
+        (``reshard_after_forward=k``: ``FSDPParam.to_sharded_post_forward`` keeps its 1/k of the gathered unit as
+        ``all_gather_outputs[0].narrow(...).clone()``), unsharded too, held from the unit's forward to its backward."""
+        if name != "aten::clone" or not args or not isinstance(args[0], torch.Tensor):
+            return False
+        return any(getattr(self._WINFO.get(st, (None, None))[0], "zx_role", None) == _Role.UNSHARDED
+                   for st in get_untyped_storages(args[0]))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         ns = getattr(func, "namespace", "")
         name = f"{ns}::{getattr(func, '_opname', '')}"
         if ns in ("c10d", "_c10d_functional") or name in _MARKS:
             self._assign_arguments(func, ns, name, args, kwargs)
-        self._born_role = _born_role(ns, name)
+        self._born_role = _Role.UNSHARDED if self._copies_unsharded(name, args) else _born_role(ns, name)
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         finally:

@@ -50,6 +50,7 @@ class PlanConfig:
     prefetch: Any = MISSING  # pre | post | none (the runner's group): fsdp_full's backward prefetch, as in a cell
     foreach: Any = None  # cuda: AdamW's foreach update (null, true: torch's CUDA default; false: single-tensor)
     # FSDP2 rows, as a cell's strategy.* keys: true | null (fsdp2_full: the root kept unsharded forward to backward)
+    # | an int k dividing each world_size (fsdp2_full: each unit resharded to k ranks after forward, ZeRO++'s hpZ)
     reshard_after_forward: Any = True
     forward_prefetch: Any = 0  # units each unit's pre-forward all-gathers ahead (0: FSDP2's default, none)
     backward_prefetch: Any = None  # units each unit's pre-backward all-gathers ahead (null: FSDP2's implicit one)
@@ -116,19 +117,19 @@ def wrap_classes(cfg: DictConfig) -> list[type]:
 
 
 def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
-    """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true or null (an int equal
-    to world_size is true, as FSDP2 takes it), ``forward_prefetch``, ``backward_prefetch``, ``reduce_dtype``."""
-    from zeroexp.strategies.schemas import check_fsdp2_prefetch
+    """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true, null or an int k
+    dividing every world size (an int equal to world_size is true, as FSDP2 takes it), ``forward_prefetch``,
+    ``backward_prefetch``, ``reduce_dtype``."""
+    from zeroexp.plan.expect import post_forward_ranks
+    from zeroexp.strategies.schemas import check_fsdp2_prefetch, check_fsdp2_reshard
 
-    if cfg.reshard_after_forward not in (True, None):
-        raise ConfigError("reshard_after_forward", cfg.reshard_after_forward, "true, null (FSDP2's default: the "
-                          "fsdp2_full root kept unsharded from forward to backward)",
-                          why="an int equal to world_size is true; false is the fsdp2_grad_op row")
+    check_fsdp2_reshard(cfg.reshard_after_forward, _world_sizes(cfg.world_size), key="reshard_after_forward")
     check_fsdp2_prefetch(cfg.forward_prefetch, cfg.backward_prefetch, prefix="")
     if cfg.reduce_dtype not in (None, "float32", cfg.precision.param_dtype):
         raise ConfigError("reduce_dtype", cfg.reduce_dtype, "null, float32 or precision.param_dtype",
                           why="as a cell's strategy.reduce_dtype: no reduction below the compute dtype")
     return {"root_kept_after_forward": cfg.reshard_after_forward is None,
+            "post_forward_ranks": post_forward_ranks(cfg.reshard_after_forward),
             "forward_prefetch": int(cfg.forward_prefetch), "backward_prefetch": int(cfg.backward_prefetch or 0),
             "reduce_dtype": str(cfg.reduce_dtype or "")}
 

@@ -48,7 +48,8 @@ from zeroexp.formulas.layout import *  # noqa: F401,F403
 from zeroexp.formulas.layout import __all__ as _layout
 from zeroexp.formulas.paper import *  # noqa: F401,F403
 from zeroexp.formulas.paper import __all__ as _paper
-from zeroexp.formulas.hybrid import MESH_DIMS, WORLD, hybrid_units
+from zeroexp.formulas.hybrid import MESH_DIMS, hybrid_units
+from zeroexp.formulas.shapes import POST_FORWARD, WORLD
 from zeroexp.formulas.overlap import *  # noqa: F401,F403
 from zeroexp.formulas.overlap import __all__ as _overlap
 from zeroexp.formulas.rows import LAYOUTS, buffer_broadcasts, ddp_buckets
@@ -57,4 +58,4 @@ from zeroexp.formulas.time import __all__ as _time
 
 __all__ = [*_paper, *_layout, *_deepspeed, *_time, *_overlap, *_framework, "LAYOUTS", "ddp_buckets",
            "buffer_broadcasts", "MESH_DIMS",
-           "WORLD", "hybrid_units"]
+           "WORLD", "POST_FORWARD", "hybrid_units"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from zeroexp.formulas.layout import Groups, Payload, PlanKnobs
 from zeroexp.formulas.paper import Collectives, add_collectives, clip_norm_all_reduces, fp16_inf_syncs
+from zeroexp.formulas.shapes import WORLD
 
 __all__ = ["MESH_DIMS", "WORLD", "hybrid_units"]
 
 #: The 2-D device mesh's dimension names, outer first: ``init_device_mesh(type, (N / shard_size, shard_size),
-#: mesh_dim_names=MESH_DIMS)``; ``WORLD`` names the default group (every rank) in a collectives model.
+#: mesh_dim_names=MESH_DIMS)``; ``WORLD`` (:mod:`zeroexp.formulas.shapes`) names the default group.
 MESH_DIMS = ("replicate", "shard")
-WORLD = "world"
 
 
 def hybrid_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) -> Payload:

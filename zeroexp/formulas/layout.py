@@ -16,9 +16,10 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, clip_norm_all_reduces, collectives_of,
-                                     fp16_inf_syncs, fsdp2_padded_numel, padded_numel)
+from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, collectives_of, fp16_inf_syncs,
+                                     fsdp2_padded_numel, padded_numel)
 from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs, Shard, Unit, fsdp_unit, next_reached
+from zeroexp.formulas.units import Payload, gather_units
 
 __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit", "next_reached", "Groups",
            "StateLayout", "cut_buckets", "pack", "owner_assignment", "derive_groups", "rank_state_bytes",
@@ -30,9 +31,6 @@ __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit
 STATE_KINDS = ("param", "grad", "optim", "master")
 #: Bytes per element: Adam's fp32 exp_avg + exp_avg_sq; the fp32 master; Adam's ``step`` scalar per tensor.
 MOMENT_BYTES, MASTER_BYTES, STEP_BYTES = 8, 4, 4
-
-
-Payload = Callable[[Groups, int, PlanKnobs], Collectives]
 
 
 @dataclass(frozen=True)
@@ -80,6 +78,9 @@ class StateLayout:
     #: How the strategy's hooks gather an FSDP unit called more than once or never reached by backward
     #: (:func:`fsdp_unit`): ``fsdp1`` or ``fsdp2``.
     unit_hooks: str = "fsdp1"
+    #: Whether the strategy passes ``PlanKnobs.post_forward_ranks`` (FSDP2's ``reshard_after_forward=k``) to every
+    #: unit: resharded after forward to a group of k ranks (:attr:`Groups.post_forward_size`, ``Unit.post_forward``).
+    post_forward_group: bool = False
     #: Whether the strategy casts the module's floating buffers to the compute dtype (below fp32).
     casts_buffers: bool = False
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
@@ -174,6 +175,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     from."""
     hybrid = layout.hybrid and 0 < knobs.shard_size < world_size
     n, kind = knobs.shard_size if hybrid else world_size, layout.groups  # n: ranks sharded over
+    narrow = knobs.post_forward_over(n) if layout.post_forward_group else 0  # FSDP2's reshard_after_forward=k
     full, shape = shape, shape if kind in ("units", "rows", "params") else shape.trainable()
     numels = shape.numels
     rest = 4 if layout.fp32_at_rest else itemsize
@@ -184,7 +186,8 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     owners: list[tuple[int, ...]] = []
     if not shape.exact:  # a count: one flat buffer, one unit
         shards = [Shard(((0, shape.numel),), padded_numel(shape.numel, layout.pad * n))]
-        units = [Unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False, knobs))]
+        units = [fsdp_unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False, knobs), hooks=layout.unit_hooks,
+                           narrow=bool(narrow))]
     elif kind == "rows":  # FSDP2: a parameter's gradient is its own, none for one a step does not use
         shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
         grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
@@ -222,7 +225,7 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
                 reduced = size if any(shape.train(i) for i in unit) else 0
             if size:
                 units.append(fsdp_unit(size, layout.gathers_per_unit(root, knobs), shape.calls(u), shape.backward(u),
-                                       reduced, layout.unit_hooks, shape.next_reached(u)))
+                                       reduced, layout.unit_hooks, shape.next_reached(u), narrow=bool(narrow)))
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
     trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))
     rows_ungraded = kind == "rows" and bool(shape.unused)
@@ -234,8 +237,8 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     return Groups(name, world_size, trained if shape.exact else (shape.numel,), tuple(shards), tuple(units),
                   owners=tuple(owners), exact=shape.exact, shard_size=n if hybrid else 0,
                   frozen=full.frozen if shape.exact else (), grad_shards=tuple(grad_shards) if frozen_shards else None,
-                  buffers=_held_buffers(layout, full.buffers, knobs.compute_dtype), **extra)
-
+                  buffers=_held_buffers(layout, full.buffers, knobs.compute_dtype), post_forward_size=narrow,
+                  **extra)
 
 def _held_buffers(layout: StateLayout, buffers: tuple[tuple[str, int], ...], dtype: str
                   ) -> tuple[tuple[str, int], ...]:
@@ -441,27 +444,6 @@ def _scatter_gather(reduce_each_micro_batch: bool) -> Payload:
 
 scatter_gather = _scatter_gather(False)
 scatter_gather_each_micro_batch = _scatter_gather(True)
-
-
-def gather_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) -> Payload:
-    """FSDP [ZeRO 7.2.2]: per unit of padded bytes b, its all_gathers S = b (two when resharded after forward) and one
-    reduce_scatter S = b; fp16 adds the loss scaler's found_inf all_reduces (:func:`fp16_inf_syncs`); clipping one
-    fp32 all_reduce of the norms: FSDP1's ``clip_grad_norm_`` sums the squared norm of the rank's shards (4 bytes);
-    FSDP2's ``get_total_norm`` stacks one partial norm per gradient DTensor, made whole by one all_reduce (4 bytes
-    each). ``grad_accum=K``: every micro-batch gathers its units again (FSDP1 SHARD_GRAD_OP under ``no_sync``,
-    ``kept_under_no_sync``, keeps them unsharded to the step's last instead: once per step); the gradients are
-    reduce-scattered once per step under ``no_sync``, every micro-batch with ``strategy.sync_each_microbatch``;
-    FSDP2's (``dtensor_grads``) in its ``reduce_dtype`` where set (:meth:`PlanKnobs.reduce_itemsize`)."""
-    def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
-        k, each = knobs.micro_batches, knobs.sync_each_microbatch
-        r = knobs.reduce_itemsize(c) if dtensor_grads else c  # FSDP2's reduce_dtype; FSDP1 reduces in c
-        syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
-        norms = clip_norm_all_reduces(len(g.numels), dtensor_grads) if knobs.clipping else []
-        gathered = 1 if kept_under_no_sync and not each else k
-        return collectives_of(all_gather=[u.numel * c for u in g.units for _ in range(u.gathers * gathered)],
-                              reduce_scatter=[u.scattered * r for u in g.units if u.scattered] * (k if each else 1),
-                              all_reduce=[4] * syncs + norms)
-    return payload
 
 
 def gather_shards_twice(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:

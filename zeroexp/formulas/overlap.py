@@ -52,6 +52,7 @@ from typing import Callable, NamedTuple
 from zeroexp.formulas.framework import FrameworkCost, framework_time
 from zeroexp.formulas.layout import Groups, PlanKnobs, StateLayout, step_collectives
 from zeroexp.formulas.paper import Collectives
+from zeroexp.formulas.shapes import POST_FORWARD, WORLD
 from zeroexp.formulas.time import ComputeRate
 
 __all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step",
@@ -74,6 +75,7 @@ class Slot(NamedTuple):
     need_s: float
     order: int = 0
     burst: bool = False  # issued async together with the op's other burst slots (timed by the burst's per-call cost)
+    group: str = ""  # the process group it runs over where the op's calls differ by group (FSDP2's post_forward)
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ def micro_batch_slots(slots: list[Slot], repeats: dict[str, float], micro_batche
             at = range(micro_batches)
         else:
             at = (0,) if s.op == "all_gather" else (micro_batches - 1,)
-        out += [Slot(s.op, s.weight, s.issue_s + j * micro_s, s.need_s + j * micro_s, s.order, s.burst) for j in at]
+        out += [s._replace(issue_s=s.issue_s + j * micro_s, need_s=s.need_s + j * micro_s) for j in at]
     return out
 
 
@@ -183,7 +185,10 @@ def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: floa
         fs = [f * x / c[-1] for x in c]  # unit i's forward: [fs[i], fs[i + 1]]
         bs = [f + b * (c[-1] - x) / c[-1] for x in c]  # unit i's backward: [bs[i + 1], bs[i]]
         fwd, bwd = (max(k, 1) for k in ahead) if kind == "rows" else (1, 1)
-        slots = [Slot("all_gather", u.numel, fs[max(i - fwd, 0)], fs[i]) for i, u in enumerate(units)]
+        # FSDP2 reshard_after_forward=k: a unit's forward gather runs over the world, its backward one over k ranks
+        narrow = groups.post_forward_size > 0
+        slots = [Slot("all_gather", u.numel, fs[max(i - fwd, 0)], fs[i], group=WORLD if narrow else "")
+                 for i, u in enumerate(units)]
         mode = "pre" if kind == "rows" else prefetch
         for i, u in enumerate(units):
             slots.append(Slot("reduce_scatter", u.numel, bs[i], end_b, order=1 if mode == "post" else 0))
@@ -192,7 +197,8 @@ def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: floa
             later = i + 1 < len(units)  # the unit whose backward runs before this one's
             issue = {"pre": bs[min(i + 1 + bwd, len(units))] if later else bs[i + 1],
                      "post": bs[i + 1], "none": bs[i + 1]}[mode]
-            slots.append(Slot("all_gather", u.numel, issue, bs[i + 1], order=0 if mode == "post" else 1))
+            slots.append(Slot("all_gather", u.numel, issue, bs[i + 1], order=0 if mode == "post" else 1,
+                              group=(POST_FORWARD if u.post_forward else WORLD) if narrow else ""))
         ahead_s = f"{fwd} unit{'s' * (fwd > 1)}"
         return slots, f"FSDP: forward all_gather {ahead_s} ahead; backward prefetch {mode}" + (
             f" ({bwd} units ahead)" if bwd > 1 else "")
@@ -342,19 +348,28 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
             mine = [Slot(op, 1.0, last_b, last_b)]
         total = sum(s.weight for s in mine) or 1.0
         one_call = len(mine) == entry["count"]  # a slot per call (per micro-batch where it repeats)
-        timed: dict[tuple[float, bool], tuple[float, float]] = {}  # a slot's time is a function of these alone
+        # where each slot names the group it runs over (FSDP2's post_forward), it is timed as a share of that group's
+        parts = entry.get("groups") if group_seconds is not None else None
+        by_group = bool(parts) and {s.group for s in mine} == set(parts)
+        timed: dict[tuple[float, bool, str], tuple[float, float]] = {}  # a slot's time is a function of these alone
         for s in mine:
             share = s.weight / total
             burst = s.burst and burst_seconds is not None
-            if (share, burst) not in timed:
-                seconds = _op_seconds(op, entry, share, burst_seconds if burst else seconds_of, group_seconds,
-                                      one_call)
+            if (share, burst, s.group) not in timed:
+                if by_group:
+                    same, g = [x for x in mine if x.group == s.group], parts[s.group]
+                    share = s.weight / (sum(x.weight for x in same) or 1.0)
+                    seconds = _op_seconds(op, {**g, "groups": {s.group: g}}, share, seconds_of, group_seconds,
+                                          len(same) == g["count"])
+                else:
+                    seconds = _op_seconds(op, entry, share, burst_seconds if burst else seconds_of, group_seconds,
+                                          one_call)
                 floor = 0.0
                 if stream_seconds is not None and not burst and not (group_seconds is not None
                                                                      and entry.get("groups")):
                     floor = max(0.0, _op_seconds(op, entry, share, stream_seconds, None, one_call) - seconds)
-                timed[share, burst] = (seconds, floor)
-            seconds, floor = timed[share, burst]
+                timed[s.weight / total, burst, s.group] = (seconds, floor)
+            seconds, floor = timed[s.weight / total, burst, s.group]
             calls.append((s.issue_s, s.need_s, s.order, seconds, floor))
     compute = k * (f + b) + o
     step, woken = channel_step(compute, calls, overlap, wake)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from zeroexp.formulas.units import post_forward_bump
+
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES", "adamw_temporaries",
            "phase_peaks", "fsdp_phase_peaks", "fsdp2_phase_peaks"]
 
@@ -209,7 +211,9 @@ class FsdpUnit(NamedTuple):
     compute-dtype copy of the shard (``_mp_shard``) alive while the unit is all-gathered. 0: fp32. ``reduced``: the
     bytes of its reduce-scatter's input where they are not ``unsharded`` (FSDP2 with frozen parameters: the padded
     trainable ones; 0: no reduce-scatter), ``shard`` then that input's share. ``last_grad``: the gradient of its last
-    trainable parameter (definition order), which FSDP2's reduction keeps referenced while it reduces."""
+    trainable parameter (definition order), which FSDP2's reduction keeps referenced while it reduces. ``params``:
+    FSDP2, each parameter's padded unsharded bytes in the unit's order (``reshard_after_forward=k`` reshards them one
+    by one: :func:`post_forward_bump`)."""
 
     unsharded: int
     shard: int
@@ -218,6 +222,7 @@ class FsdpUnit(NamedTuple):
     gather_copy: int = 0
     reduced: int | None = None
     last_grad: int = 0
+    params: tuple[int, ...] = ()
 
     @property
     def scattered(self) -> int:
@@ -343,7 +348,8 @@ def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                       reshard_after_forward: bool = True, one_unit: bool = False,
-                      root_kept: bool = False, ahead: tuple[int, int] = (0, 0)) -> dict[str, dict]:
+                      root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
+                      post_forward: int = 0, root_params: tuple[int, ...] = ()) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category. ``reshard_after_forward=False``
     (SHARD_GRAD_OP's FSDP2 form): every unit stays unsharded from its forward to its backward, which gathers nothing
@@ -378,33 +384,50 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     next units not yet gathered, whose outputs stay alive (``_all_gather_result``) until each one's own copy-out: unit
     k computes beside the next ``ahead[0]`` outputs, and copies out beside the ``ahead[0] - 1`` after it that unit
     k - 1 issued; in backward a unit computes and reduces beside the next ``ahead[1]`` units' outputs (the
-    backward-order units before it in forward)."""
+    backward-order units before it in forward). ``post_forward`` (``reshard_after_forward=k``, ZeRO++'s hpZ): each
+    unit, the root too, keeps 1/k of its unsharded bytes from the end of its forward (cloned parameter by parameter
+    while the unit is still unsharded, :func:`post_forward_bump`: a moment of its own) until its backward's copy-out
+    frees them."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     kept = not reshard_after_forward
-    _fsdp2_forward(best.keep, trace, units, k_of, root=root, kept=kept, root_kept=root_kept, ahead=ahead[0])
+    # what each unit holds from its forward to its backward, and the root at the loss
+    held = [u.unsharded if kept else u.unsharded // post_forward if post_forward else 0 for u in units]
+    root_after = root if kept or root_kept else root // post_forward if post_forward else 0
+    bump = [post_forward_bump(p, post_forward) if post_forward and not kept else 0
+            for p in [u.params for u in units] + [root_params]]  # the units', then the root's
+    _fsdp2_forward(best.keep, trace, units, k_of, root=root, held=held, root_after=root_after, ahead=ahead[0],
+                   bump=bump)
     _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
-                    kept=kept, one_unit=one_unit, root_kept=root_kept, ahead=max(ahead[1], 1))
+                    kept=kept, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1))
     return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
 
 
 def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
-                   root: int, kept: bool, root_kept: bool = False, ahead: int = 0) -> None:
-    """:func:`fsdp2_phase_peaks`' forward moments, each to ``keep``: unit k computing, its copy-out, the loss
-    (``kept``: every unit stays unsharded from its forward to its backward; ``root_kept``: the root alone; ``ahead``:
-    the units each unit's pre-forward prefetches)."""
+                   root: int, held: list[int], root_after: int, ahead: int = 0, bump: list[int] | None = None) -> None:
+    """:func:`fsdp2_phase_peaks`' forward moments, each to ``keep``: unit k computing, its post-forward reshard, its
+    copy-out, the loss (``held``: what each unit keeps from its forward to its backward, all of it when kept, 1/k
+    under ``reshard_after_forward=k``; ``root_after``: the root's, at the loss; ``ahead``: the units each unit's
+    pre-forward prefetches; ``bump``: each unit's most bytes above its parameters while it reshards to k ranks)."""
     full = [u.unsharded for u in units]
     act = {"activations": -trace.loss_bytes}
+    last = None  # the last unit's end: what is alive when the root reshards (its all-gather output too)
     for s in (s for s in trace.segments if s.phase == "forward"):
-        if s.unit == "loss":  # the root resharded at the end of its forward; the units too, unless kept
-            keep("forward", _add(_add(s.peak_by_category, act),
-                                 {"unsharded": root + sum(full) if kept else root if root_kept else 0}))
+        if s.unit == "loss":  # the root resharded at the end of its forward, and the units, but what they hold
+            if bump and bump[-1] and last is not None:  # the root's post-forward shard cloned out of it
+                keep("forward", _add(_add(last.end_by_category, act),
+                                     {"unsharded": root + bump[-1] + sum(held) + full[k_of[last.unit]]}))
+            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root_after + sum(held)}))
             continue
+        last = s if s.at == "end" else last
         k = k_of[s.unit]
-        before = sum(full[:k]) if kept else 0  # the units kept unsharded since their forward
+        before = sum(held[:k])  # what the units before it hold since their forward
         if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters, the prefetched
             keep("forward", _add(_add(s.peak_by_category, act),
                                  {"unsharded": root + before + 2 * full[k] + sum(full[k + 1:k + 1 + ahead])}))
+            if bump and bump[k]:  # its post-forward shard cloned out of it, parameter by parameter
+                keep("forward", _add(_add(s.end_by_category, act), {
+                    "unsharded": root + before + 2 * full[k] + bump[k] + sum(full[k + 1:k + 1 + ahead])}))
         else:  # unit k's copy-out, the previous all-gather output still kept, and those unit k - 1 prefetched
             early = sum(full[k + 1:k + ahead]) if k else 0
             keep("forward", _add(_add(s.end_by_category, act),
@@ -413,7 +436,7 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
 
 def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
                     root: int, steady_grad_bytes: int, gloo: bool, kept: bool, one_unit: bool,
-                    root_kept: bool = False, ahead: int = 1) -> None:
+                    held: list[int], root_after: int, ahead: int = 1) -> None:
     """:func:`fsdp2_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own
     peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction."""
     full = [u.unsharded for u in units]
@@ -427,7 +450,7 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         after = segs[i + 1].end_by_category
         t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
         prefetched = sum(full[j] for _, j in order[pos + 1:pos + 1 + ahead]) if not kept else 0
-        pending = sum(full[j] for _, j in order[pos + 1:]) if kept else 0  # still unsharded since forward
+        pending = sum(held[j] for _, j in order[pos + 1:])  # what the units after it hold since their forward
         # The previous unit's reduce-scatter input, kept until this unit's reduce (FSDP2's reduce_scatter_states, one
         # buffer): comm.
         rs_kept = units[order[pos - 1][1]].scattered if pos and not kept else 0
@@ -436,18 +459,18 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
             # output (prefetched by the previous unit) beside its unsharded parameters and the units prefetched before
             # it, the previous unit's reduction done (as forward's copy-out)
             early = sum(full[j] for _, j in order[pos + 1:pos + ahead])
-            keep("backward", {**reduced, "comm": rs_kept, "unsharded": root + 2 * full[k] + early})
-        # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only the
-        # units kept since forward are unsharded).
-        before = ((segs[i - 1], root + u.unsharded + pending if kept else root if root_kept else 0, 0),) \
-            if pos == 0 else ()
+            keep("backward", {**reduced, "comm": rs_kept,
+                              "unsharded": root + 2 * full[k] + early + pending + held[k]})
+        # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only what
+        # the units and the root hold since forward is unsharded).
+        before = ((segs[i - 1], root_after + held[k] + pending, 0),) if pos == 0 else ()
         # A model that is one unit all-gathers nothing after its forward: that all-gather's output (AllGatherState)
         # is still alive through its backward, beside the unsharded parameters.
         ag_kept = full[k] if one_unit and not kept else 0
-        for seg, held, comm in ((segs[i], root + u.unsharded + prefetched + pending + ag_kept, rs_kept), *before):
+        for seg, unsharded, comm in ((segs[i], root + u.unsharded + prefetched + pending + ag_kept, rs_kept), *before):
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {
-                "activations": -trace.loss_bytes, "unsharded": held, "comm": comm,
+                "activations": -trace.loss_bytes, "unsharded": unsharded, "comm": comm,
                 "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
         # chunk_cat's output, the reduce-scatter's input, is comm; the output shard is kept as the gradient. gloo's
         # copy of the input (no collective's argument: temporaries) is alive at this moment only while gloo's worker

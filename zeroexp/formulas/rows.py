@@ -145,7 +145,7 @@ LAYOUTS: dict[str, StateLayout] = {
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, _OS_G_P, "never", "rows",
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                               precisions=_MIXED, offloads=_OFF_FSDP2, gathers_per_unit=_twice, unit_hooks="fsdp2",
-                              source="zeroexp.strategies.fsdp2; [FSDP2]", peak_flow="fsdp2",
+                              post_forward_group=True, source="zeroexp.strategies.fsdp2; [FSDP2]", peak_flow="fsdp2",
                               reshard_after_forward=True, init_kind="fsdp2"),
     # hybrid sharding: FULL_SHARD (SHARD_GRAD_OP for _HYBRID_SHARD_ZERO2) within shard_size ranks, replicated across
     "fsdp__HYBRID_SHARD_ZERO2": StateLayout("FSDP _HYBRID_SHARD_ZERO2", 2, _OS_G_P, "never", "units",

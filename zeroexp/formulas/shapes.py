@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-__all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "fsdp_unit", "next_reached"]
+__all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "fsdp_unit", "next_reached", "WORLD", "POST_FORWARD"]
+
+#: The process groups a collectives model names besides a device mesh's dimensions: ``world``, the default group
+#: (every rank); ``post_forward``, FSDP2's post-forward group (``reshard_after_forward=k``: k consecutive ranks, the
+#: rows of the mesh ``view(-1, k)``, _fsdp_init.py ``_get_post_forward_mesh_info``).
+WORLD, POST_FORWARD = "world", "post_forward"
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -131,6 +136,17 @@ class PlanKnobs:
     #: FSDP2's ``MixedPrecisionPolicy(reduce_dtype=)`` (``strategy.reduce_dtype``): the dtype its gradients are
     #: reduce-scattered (and, hybrid, all-reduced) in; "": the compute dtype, FSDP2's default
     reduce_dtype: str = ""
+    #: FSDP2's ``reshard_after_forward=k`` (an int, 1 < k < N, ZeRO++'s hpZ): after its forward each unit keeps 1/k of
+    #: its gathered parameters (``to_sharded_post_forward``), gathered again in backward from a group of k ranks;
+    #: 0: not an int (resharded over the whole shard group, or kept)
+    post_forward_ranks: int = 0
+
+    def post_forward_over(self, shard_over: int) -> int:
+        """The ranks FSDP2 reshards each unit to after forward over a shard group of ``shard_over`` ranks
+        (:attr:`post_forward_ranks`), 0 where none: FSDP2 takes the int 1 as False, ``shard_over`` as True
+        (_fsdp_init.py ``_get_post_forward_mesh_info``)."""
+        k = self.post_forward_ranks
+        return k if 1 < k < shard_over and shard_over % k == 0 else 0
 
     def reduce_itemsize(self, itemsize: int) -> int:
         """Bytes per element of the gradients' reduction: ``reduce_dtype``'s, else the compute dtype's ``itemsize``."""
@@ -157,6 +173,9 @@ class Unit(NamedTuple):
     #: Its parameters stay unsharded from one step to the next (FSDP1: a unit kept after forward that backward never
     #: reaches is never resharded), so steady steps gather it no more.
     kept: bool = False
+    #: Of its ``gathers``, those that run over FSDP2's post-forward group (``Groups.post_forward_size`` ranks): the
+    #: gathers of a unit resharded to it after a forward call (``reshard_after_forward=k``).
+    post_forward: int = 0
 
     @property
     def scattered(self) -> int:
@@ -184,6 +203,8 @@ class Groups:
     3's parameter fetches, each one all_gather's numels. ``exact``: False when derived from a parameter count.
     ``shard_size``: the ranks one buffer is sharded over under hybrid sharding (the shard group; the buffers are
     padded to it and replicated across the world_size / shard_size replicas); 0: over all world_size ranks.
+    ``post_forward_size``: the ranks FSDP2 reshards each unit to after forward (``reshard_after_forward=k``: each
+    rank holds 1/k of the unit until backward gathers it from those k ranks, ``Unit.post_forward``); 0: none.
     """
 
     layout: str
@@ -203,6 +224,7 @@ class Groups:
     buffer_broadcasts: tuple[int, ...] = ()
     ungraded: tuple[int, ...] = ()
     used_map_bytes: int = 0
+    post_forward_size: int = 0
 
     @property
     def numel(self) -> int:
@@ -235,7 +257,7 @@ def next_reached(order: list[int], reached: list[bool]) -> tuple[bool, ...]:
 
 
 def fsdp_unit(numel: int, gathers: int, calls: int = 1, reached: bool = True, reduced: int | None = None,
-              hooks: str = "fsdp1", next_reached: bool = True) -> Unit:
+              hooks: str = "fsdp1", next_reached: bool = True, narrow: bool = False) -> Unit:
     """An FSDP unit as a traced step drives it [FSDP] [FSDP2]. ``gathers`` per step for one forward call that
     backward reaches: 2 when the unit is resharded after forward and gathered again before backward, 1 when kept
     unsharded into backward; it reduce-scatters ``reduced`` elements (None: ``numel``) only where backward reaches
@@ -247,7 +269,13 @@ def fsdp_unit(numel: int, gathers: int, calls: int = 1, reached: bool = True, re
     - ``fsdp2``: each forward call's part of backward gathers a resharded unit again (its post-backward reshards
       after each part; a unit kept after forward: each part but the first); a unit backward never reaches is still
       gathered when the unit after it in forward order is reached (``next_reached``: FSDP2's implicit backward
-      prefetch), and resharded at the end of backward."""
+      prefetch), and resharded at the end of backward.
+
+    ``narrow`` (FSDP2 ``reshard_after_forward=k``): a resharded unit keeps its post-forward shard after each forward
+    call, so each further forward call and the first gather of its backward (its own or the implicit prefetch) run
+    over the post-forward group (``Unit.post_forward``); its first forward call's gather, from the full shard, and
+    those after a post-backward reshard (``_to_sharded``: the whole shard group again) run over the shard group
+    (_fsdp_param_group.py ``_all_gather_process_group``)."""
     resharded, reached = gathers >= 2, reached and calls > 0
     kept = hooks == "fsdp1" and not resharded and calls > 0 and not reached
     if hooks == "fsdp2" and resharded:
@@ -258,4 +286,5 @@ def fsdp_unit(numel: int, gathers: int, calls: int = 1, reached: bool = True, re
         again = 1 if resharded and reached else 0
     total = (calls if resharded else (0 if kept else min(calls, 1))) + again
     scattered = (numel if reduced is None else reduced) if reached else 0
-    return Unit(numel, total, None if scattered == numel else scattered, kept)
+    narrowed = max(calls - 1, 0) + min(again, 1) if narrow and resharded and hooks == "fsdp2" else 0
+    return Unit(numel, total, None if scattered == numel else scattered, kept, narrowed)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Collectives, Groups, PlanKnobs, StateLayout, rank_state_bytes,
                               state_factors, step_collectives)
 
-__all__ = ["Expectation", "knobs_of", "itemsize_of", "layout_of", "groups_record"]
+__all__ = ["Expectation", "knobs_of", "itemsize_of", "layout_of", "groups_record", "post_forward_ranks"]
 
 
 def knobs_of(cfg: Any) -> PlanKnobs:
@@ -39,7 +39,13 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         forward_prefetch=int(s.get("forward_prefetch") or 0),
         backward_prefetch=int(s.get("backward_prefetch") or 0),
         reduce_dtype=str(s.get("reduce_dtype") or ""),
+        post_forward_ranks=post_forward_ranks(s.get("reshard_after_forward")),
     )
+
+
+def post_forward_ranks(value: Any) -> int:
+    """FSDP2's ``reshard_after_forward`` as :attr:`PlanKnobs.post_forward_ranks`: the int, 0 for a bool or null."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def itemsize_of(cfg: Any) -> int:

@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, local_numels, owner_assignment
+from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, fsdp2_padded_numel, local_numels,
+                              owner_assignment)
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, cuda
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
@@ -449,12 +450,13 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
-    units, root, root_grads = [], 0, 0
+    units, root, root_grads, root_params = [], 0, 0, ()
     alone = all(is_root for _, is_root in sized)  # one unit: the model itself, traced as a unit, kept into backward
     for (members, is_root), unit in zip(sized, groups.units):
         if is_root and not alone:
             root += unit.numel * itemsize
             root_grads += sum(shape.numels[i] for i in members) * itemsize
+            root_params = tuple(fsdp2_padded_numel(shape.params[i], n) * itemsize for i in members)
         else:  # the gradients autograd computes: of the trainable parameters a step uses
             trained = [i for i in members if shape.train(i) and i not in shape.unused]
             units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * r,
@@ -462,7 +464,9 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                                   sharded_grad_upcast(unit.scattered // n, terms) if r < kept else 0,
                                   unit.numel // n * itemsize if row.peak_flow == "fsdp1" and terms.module_dtype else 0,
                                   None if unit.reduced is None and r == itemsize else unit.scattered * r,
-                                  shape.numels[max(trained)] * itemsize if trained else 0))
+                                  shape.numels[max(trained)] * itemsize if trained else 0,
+                                  tuple(fsdp2_padded_numel(shape.params[i], n) * itemsize for i in members)
+                                  if row.peak_flow == "fsdp2" else ()))
     shards = [u.scattered // n for u in groups.units]
     if micro_batches > 1:
         if not row.no_sync_accumulation:
@@ -476,7 +480,8 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                                  one_unit=alone, root_kept=root_kept and not alone,
-                                 ahead=(knobs.forward_prefetch, knobs.backward_prefetch))
+                                 ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
+                                 post_forward=groups.post_forward_size, root_params=root_params)
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,

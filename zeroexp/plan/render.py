@@ -69,7 +69,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         console.print("S: the payload, the full array (nccl-tests PERFORMANCE.md); bus = S x all_reduce 2(N-1)/N, "
                       "all_gather and reduce_scatter (N-1)/N, broadcast and reduce 1, N the size of the call's "
                       "group (hybrid rows: shard_size for all_gather and reduce_scatter, N / shard_size for "
-                      "all_reduce)\n")
+                      "all_reduce; fsdp2_full with reshard_after_forward=k: k for the all_gathers from a unit's "
+                      "post-forward shard)\n")
         if "step_ms" in first:
             console.print(_time_table(records))
             console.print(f"computed on {first['network_source']} (zeroexp.formulas.overlap; docs/planner.md, Step "

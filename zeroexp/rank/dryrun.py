@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 from zeroexp.plan.expect import Expectation
 from zeroexp._lib.fake_collectives import IssueFunctionalCollectives
 from zeroexp._lib.fake_tensors import fake_tensor_mode, real_tensors
-from zeroexp._lib.fsdp2 import fsdp2_chunking
+from zeroexp._lib.fsdp2 import fsdp2_chunking, fsdp2_post_forward_mesh_in
 from zeroexp.models import build_model
 from zeroexp.models.module import CellModule, SyntheticBatches
 from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
@@ -131,12 +131,14 @@ class LazyChunks(Sequence):
 @contextmanager
 def lazy_fsdp2_chunks() -> Iterator[None]:
     """While a dry run traces FSDP2: its ``_chunk_with_empty`` gives :class:`LazyChunks` for a parameter with at least
-    one element along the sharded dim (torch's own function for an empty one). Restored after. A torch without the
-    module (before 2.6, or moved) is left as it is: the dry run runs torch's own path, only slower."""
+    one element along the sharded dim (torch's own function for an empty one), and it builds an int
+    ``reshard_after_forward``'s post-forward mesh with real tensors. Restored after. A torch without the module
+    (before 2.6, or moved) is left as it is: the dry run runs torch's own path, only slower."""
     def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int, original: Any) -> Any:
         return LazyChunks(tensor, num_chunks, dim) if tensor.size(dim) > 0 else original(tensor, num_chunks, dim)
 
-    with fsdp2_chunking(chunk_with_empty):  # zeroexp._lib.fsdp2
+    # an int reshard_after_forward's post-forward mesh is made of the mesh's real rank tensor (zeroexp._lib.fsdp2)
+    with fsdp2_chunking(chunk_with_empty), fsdp2_post_forward_mesh_in(real_tensors):
         yield
 
 

@@ -8,7 +8,10 @@ chunk is padded to the first's size (torch/distributed/fsdp/_fully_shard/_fsdp_p
 parameter, ``ceil(dim0 / N) * N`` rows. ``reshard_after_forward=True`` (``fsdp2_full``, ZeRO-3 direction)
 frees each unit after forward and gathers it again in backward, the root included: passed explicitly, FSDP2
 does not exempt the root (``FSDPState._lazy_init`` clears ``post_forward_mesh_info`` only when the flag was
-left unset). ``False`` (``fsdp2_grad_op``) keeps the unsharded parameters until the end of backward.
+left unset). ``False`` (``fsdp2_grad_op``) keeps the unsharded parameters until the end of backward. An int k
+(``fsdp2_full``, ZeRO++'s hpZ) keeps each unit's 1/k after forward, the root too, and backward all-gathers it from k
+ranks: each ``fully_shard`` call makes its own ``DeviceMesh`` of k-rank rows (``_get_post_forward_mesh_info``), so
+every unit has a post-forward process group of its own (:meth:`FSDP2Adapter.mesh_dims` names them ``post_forward``).
 The device mesh is made on the rank's device type (``init_device_mesh("cpu", (N,))`` with gloo) in
 :meth:`FSDP2Adapter.setup`, before any model exists (a dry run enters ``FakeTensorMode`` after it).
 """
@@ -25,13 +28,14 @@ from torch.distributed.tensor import DTensor
 
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
-from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp2_padded_numel, fsdp_unit
+from zeroexp.formulas import LAYOUTS, POST_FORWARD, Groups, Shard, fsdp2_padded_numel, fsdp_unit
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
-from zeroexp.strategies.schemas import FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch
+from zeroexp.strategies.schemas import (FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch,
+                                       check_fsdp2_reshard)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -47,6 +51,14 @@ def _param_group(module: nn.Module) -> Any:
     from zeroexp._lib.fsdp2 import fsdp2_param_group
 
     return fsdp2_param_group(module)
+
+
+def _post_forward_size(group: Any) -> int:
+    """The ranks an FSDP2 parameter group is resharded to after forward when that is a group of its own
+    (``reshard_after_forward=k``: ``post_forward_mesh_info`` is not its ``mesh_info``), else 0."""
+    post = group.post_forward_mesh_info
+    k = 0 if post is None or post is group.mesh_info else int(post.shard_mesh_size)
+    return k if k < group.mesh_info.shard_mesh_size else 0
 
 
 def _param_groups(model: nn.Module) -> Iterator[Any]:
@@ -68,6 +80,7 @@ class FSDP2Adapter(StrategyAdapter):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self._mesh: Any = None
+        self._root: nn.Module | None = None  # the wrapped model (mesh_dims reads its units' groups)
 
     #: offload=full: ``CPUOffloadPolicy()`` (the sharded parameters, their gradients and the optimizer state on the
     #: host, each unit copied to the device to be all-gathered); needs an accelerator to compute on.
@@ -94,6 +107,13 @@ class FSDP2Adapter(StrategyAdapter):
             raise ConfigError("strategy.backward_prefetch", back, "null",
                               why=f"strategy={cls.name} keeps every unit unsharded from forward to backward: backward "
                                   "gathers nothing to prefetch")
+
+    def mesh_dims(self) -> dict[str, str]:
+        """``post_forward`` for each unit's post-forward process group (``reshard_after_forward=k``: FSDP2 makes a
+        ``DeviceMesh`` of k-rank rows for each ``fully_shard`` call, so one group per unit); none otherwise."""
+        root = getattr(self._root, "net", self._root)
+        return {g.post_forward_mesh_info.shard_process_group.group_name: POST_FORWARD
+                for g in (_param_groups(root) if root is not None else ()) if _post_forward_size(g)}
 
     def setup(self, device: torch.device) -> None:
         """The 1-D device mesh over the default group, on the rank's device type (``cpu`` with gloo)."""
@@ -173,6 +193,7 @@ class FSDP2Adapter(StrategyAdapter):
         fully_shard(root, **{**kwargs, "mp_policy": self.mp_policy(root=True)})
         self._explicit_prefetch(units)
         self._trace = UnitTrace(root, [*units, root])
+        self._root = root
         return module
 
     def _explicit_prefetch(self, units: list[nn.Module]) -> None:
@@ -241,17 +262,19 @@ class FSDP2Adapter(StrategyAdapter):
         graded = [p.requires_grad and p.grad is not None for p in params]
         trained = [p for p in params if p.requires_grad]
         ungraded = tuple(i for i, p in enumerate(trained) if p.grad is None)
-        units = []
+        units, narrow = [], 0
         for module in post_order(model, lambda m: _param_group(m) is not None):
             group = _param_group(module)
             sizes = [(fsdp2_padded_numel(tuple(q.sharded_param.shape), n),
                       q.sharded_param.requires_grad and q.sharded_param.grad is not None) for q in group.fsdp_params]
             calls, reached, after = self._trace.of(module) or (1, True, True)
+            post = _post_forward_size(group)
+            narrow = post or narrow
             units.append(fsdp_unit(sum(k for k, _ in sizes), 2 if group.post_forward_mesh_info is not None else 1,
                                    calls, reached, sum(k for k, t in sizes if t), LAYOUTS[self.layout].unit_hooks,
-                                   after))
+                                   after, narrow=bool(post)))
         return Groups(self.layout, world, tuple(p.numel() for p in trained), shards, tuple(units),
-                      shard_size=n if n != world else 0, frozen=frozen, ungraded=ungraded,
+                      shard_size=n if n != world else 0, frozen=frozen, ungraded=ungraded, post_forward_size=narrow,
                       grad_shards=tuple(shard(p) for p, g in zip(params, graded) if p.numel() and g)
                       if frozen or ungraded else None)
 
@@ -271,7 +294,8 @@ class FSDP2FullAdapter(FSDP2Adapter):
         "FSDP2 fully_shard, reshard_after_forward=True (ZeRO-3 direction): parameters, gradients and optimizer "
         "state sharded per parameter on dim 0; each unit, the root included, is all-gathered before forward and "
         "again before backward (with strategy.reshard_after_forward=null, FSDP2's default, the root is kept "
-        "unsharded from its forward to its backward: gathered once)."
+        "unsharded from its forward to its backward: gathered once; with an int k, ZeRO++'s hpZ, each unit keeps "
+        "1/k of itself after forward and backward all-gathers it from a group of k ranks)."
     )
 
     @property
@@ -280,20 +304,7 @@ class FSDP2FullAdapter(FSDP2Adapter):
 
     @classmethod
     def validate(cls, cfg) -> None:
-        value, n = cfg.strategy.get("reshard_after_forward", True), int(cfg.world_size)
-        accepted = f"true, null (FSDP2's default: the root kept), {n} (world_size: FSDP2 takes it as true)"
-        an_int = isinstance(value, int) and not isinstance(value, bool)
-        if not (value is None or value is True or an_int and value == n != 1):
-            if value is False or an_int and value == 1:
-                why = ("False keeps every unit unsharded from forward to backward: that is strategy=fsdp2_grad_op"
-                       + ("" if value is False else "; FSDP2 takes the int 1 as False (_get_post_forward_mesh_info)"))
-            elif not an_int or value < 1 or n % value:
-                why = f"an int is the ranks a unit is resharded to after forward: a divisor of world_size={n}"
-            else:
-                why = (f"resharding to a group of {value} of the {n} ranks after forward (ZeRO++'s hpZ in FSDP2: "
-                       f"backward all-gathers from that group, each rank holds 1/{value} of every unit between its "
-                       "forward and backward) has no model in zeroexp's expectation (collectives by group, peak) yet")
-            raise ConfigError("strategy.reshard_after_forward", value, accepted, why=why)
+        check_fsdp2_reshard(cfg.strategy.get("reshard_after_forward", True), [int(cfg.world_size)])
         super().validate(cfg)
 
 

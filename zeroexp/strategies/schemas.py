@@ -142,6 +142,24 @@ def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.")
                           why="an empty list leaves FSDP2's implicit prefetch on" if backward == 0 else "")
 
 
+def check_fsdp2_reshard(value: Any, world_sizes: list[int], key: str = "strategy.reshard_after_forward") -> None:
+    """Refuse an ``fsdp2_full`` ``reshard_after_forward`` (a cell's ``key``, the planner's ``reshard_after_forward``
+    over its world sizes) that is none of true, null or an int k dividing each world size with 1 < k: the ranks each
+    unit is resharded to after forward (k = world_size: FSDP2 takes it as true)."""
+    an_int = isinstance(value, int) and not isinstance(value, bool)
+    if value is None or value is True or an_int and all(1 < value <= n and n % value == 0 for n in world_sizes):
+        return
+    sizes = ", ".join(map(str, world_sizes))
+    accepted = (f"true, null (FSDP2's default: the root kept unsharded from forward to backward), an int k > 1 "
+                f"dividing world_size={sizes} (each unit resharded to k ranks after forward; world_size: true)")
+    if value is False or an_int and value == 1:
+        why = ("False keeps every unit unsharded from forward to backward: that is fsdp2_grad_op"
+               + ("" if value is False else "; FSDP2 takes the int 1 as False (_get_post_forward_mesh_info)"))
+    else:
+        why = f"an int is the ranks a unit is resharded to after forward: a divisor of world_size={sizes}"
+    raise ConfigError(key, value, accepted, why=why)
+
+
 #: The dtypes FSDP2's MixedPrecisionPolicy may reduce in or cast outputs to (gloo reduces each).
 FSDP2_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -156,10 +174,10 @@ def check_fsdp2_dtype(key: str, value: Any) -> None:
 class FSDP2FullConfig(FSDP2Config):
     """``strategy=fsdp2_full``: ``reshard_after_forward`` true (every unit, the root included, resharded after its
     forward: all-gathered again in backward), null (FSDP2's own default: the root kept unsharded from its forward
-    to its backward, the other units resharded) or an int, the ranks a unit is resharded to after forward (ZeRO++'s
-    hpZ in FSDP2): world_size itself, which FSDP2 takes as true. False (and 1, which FSDP2 takes as false) is
-    ``strategy=fsdp2_grad_op``; an int that does not divide world_size, or a smaller group than world_size, is
-    refused before launch (FSDP2Adapter.validate says why)."""
+    to its backward, the other units resharded) or an int k dividing world_size, the ranks a unit is resharded to
+    after forward (ZeRO++'s hpZ in FSDP2: each rank keeps 1/k of the unit until backward all-gathers it from those k
+    ranks; world_size itself FSDP2 takes as true). False (and 1, which FSDP2 takes as false) is
+    ``strategy=fsdp2_grad_op``; any other value is refused before launch (:func:`check_fsdp2_reshard`)."""
 
     reshard_after_forward: Any = field(default=True, metadata={"identity": "when_set"})
 
