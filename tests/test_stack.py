@@ -130,3 +130,37 @@ def test_only_a_declared_stack_given_its_depth_is_derived():
     # no unit under the stack: nothing to repeat, traced whole
     two, three, four = (trace_activations(at_depth(GPT, "n_layer", d), 1, []) for d in (2, 3, 4))
     assert derived_trace(two, three, four, 5, "h") is None
+
+
+def _meta(cfg: dict) -> nn.Module:
+    from zeroexp.models import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_derived_shape_is_the_whole_models_shape(name):
+    """The planner's shape (``zeroexp.plan.shape.shape_of``): the gradient-ready order, each unit's forward calls,
+    backward reach and next unit's reach derived from the steps at three and four blocks equal the whole step's."""
+    from zeroexp.plan.shape import _units, derived_units, shape_of
+
+    cfg, wrap = CASES[name]
+    wrap = tuple(import_class(w) if isinstance(w, str) else w for w in wrap)
+    argument = stack_of(cfg)[0]
+    for depth in (5, 8):
+        deep = {**cfg, argument: depth}
+        net = _meta(deep)
+        assert derived_units(net, deep, wrap, _units(net, wrap)[2]) is not None, name  # derived, not traced
+        derived, whole = shape_of(net, wrap, model_cfg=deep), shape_of(net, wrap, model_cfg=deep, derive=False)
+        assert derived == whole and whole.ready, (name, depth)
+
+
+def test_a_declared_stack_whose_steps_differ_is_traced_whole():
+    from zeroexp.plan.shape import _units, derived_units, shape_of
+
+    cfg = {"_target_": f"{__name__}.FrozenThird", "width": 8, "depth": 6, "input_shape": [8], "dtype": "float32",
+           "loss": "mean_square"}
+    net = _meta(cfg)
+    assert derived_units(net, cfg, (nn.Linear,), _units(net, (nn.Linear,))[2]) is None
+    assert shape_of(net, [nn.Linear], model_cfg=cfg) == shape_of(net, [nn.Linear], model_cfg=cfg, derive=False)

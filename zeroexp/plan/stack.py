@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-__all__ = ["stack_of", "at_depth", "deepen", "derived_trace"]
+__all__ = ["stack_of", "at_depth", "deepen", "derived_trace", "grow_runs"]
 
 
 def stack_of(model_cfg: Mapping[str, Any]) -> tuple[str, str, int] | None:
@@ -112,3 +112,32 @@ def derived_trace(two: Any, three: Any, four: Any, depth: int, container: str) -
     if once is None or not _same(once, four):
         return None
     return deepen(two, three, depth, container)
+
+
+def grow_runs(three: list[tuple[str, Any]], depth: int, container: str) -> list[tuple[str, Any]] | None:
+    """Records of a three-block model in the order a step made them, ``(name, value)`` (a unit's or a parameter's
+    name), at ``depth`` (>= 3) blocks: the records outside the blocks and block 0's kept, block 2's (the last) renamed
+    ``<container>.<depth - 1>``, and block 1's (one between the first and the last) repeated as blocks 2 ... depth - 2
+    between block 1's and the last's, on the side block 2's lie (after them in forward order, before them in
+    backward's). None unless blocks 1's and 2's records are each one run, side by side."""
+    prefix = f"{container}." if container else ""
+    index = [(_block(name, prefix) or (None,))[0] for name, _ in three]
+    if any(i is not None and i > 2 for i in index):
+        return None
+    runs = {}
+    for b in (1, 2):
+        where = [k for k, i in enumerate(index) if i == b]
+        if not where or where != list(range(where[0], where[-1] + 1)):
+            return None
+        runs[b] = where
+
+    def named(k: int, b: int) -> tuple[str, Any]:
+        return f"{prefix}{b}{_block(three[k][0], prefix)[1]}", three[k][1]
+
+    one, two = runs[1], runs[2]
+    last = [named(k, depth - 1) for k in two]
+    if two[0] == one[-1] + 1:
+        return three[:two[0]] + [named(k, b) for b in range(2, depth - 1) for k in one] + last + three[two[-1] + 1:]
+    if one[0] == two[-1] + 1:
+        return three[:two[0]] + last + [named(k, b) for b in range(depth - 2, 1, -1) for k in one] + three[one[0]:]
+    return None
