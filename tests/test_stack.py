@@ -164,3 +164,20 @@ def test_a_declared_stack_whose_steps_differ_is_traced_whole():
     net = _meta(cfg)
     assert derived_units(net, cfg, (nn.Linear,), _units(net, (nn.Linear,))[2]) is None
     assert shape_of(net, [nn.Linear], model_cfg=cfg) == shape_of(net, [nn.Linear], model_cfg=cfg, derive=False)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_derived_flops_are_the_whole_steps(name):
+    """A step's counted FLOPs (``zeroexp.plan.flops.step_flops``), with and without checkpointing: F(2) + (L - 2) x
+    (F(3) - F(2)) from the shallow steps equals the whole step's count."""
+    from zeroexp.plan.flops import step_flops
+
+    cfg, wrap = CASES[name]
+    wrap = tuple(import_class(w) if isinstance(w, str) else w for w in wrap)
+    argument = stack_of(cfg)[0]
+    deep = {**cfg, argument: 7}
+    for checkpointing, batch in ((False, 1), (True, 3)):
+        two, three = (step_flops(at_depth(cfg, argument, d), batch, wrap, checkpointing) for d in (2, 3))
+        derived = step_flops(deep, batch, wrap, checkpointing)
+        assert derived == two + 5 * (three - two) > 0  # affine in the depth
+        assert derived == step_flops(deep, batch, wrap, checkpointing, derive=False), (name, checkpointing)
