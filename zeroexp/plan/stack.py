@@ -32,7 +32,7 @@ def stack_of(model_cfg: Mapping[str, Any]) -> tuple[str, str, int] | None:
 
     try:
         declared = getattr(import_class(str(model_cfg["_target_"]), base=None), "repeated_blocks", None)
-    except (ImportError, AttributeError, ValueError, KeyError):
+    except Exception:  # noqa: BLE001 - no factory to read (missing, not importable): no declaration
         return None
     if declared is None:
         return None
