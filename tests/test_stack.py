@@ -16,13 +16,15 @@ from zeroexp.models import import_class
 from zeroexp.models.gpt import Block
 from zeroexp.plan import row_peak
 from zeroexp.plan.activations import trace_activations
-from zeroexp.plan.stack import at_depth, deepen, derived_trace, stack_of
+from zeroexp.plan.stack import DERIVED_ABOVE, at_depth, deepen, derived_trace, stack_of
 
-GPT = {"_target_": "zeroexp.models.gpt.GPT", "vocab_size": 64, "seq_len": 16, "n_layer": 5, "n_head": 2, "n_embd": 32,
-       "bias": True, "tie_weights": True, "input_shape": [16], "dtype": "long", "low": 0, "high": 64,
+DEEP = DERIVED_ABOVE + 1  # the shallowest stack derived
+
+GPT = {"_target_": "zeroexp.models.gpt.GPT", "vocab_size": 64, "seq_len": 16, "n_layer": DEEP, "n_head": 2,
+       "n_embd": 32, "bias": True, "tie_weights": True, "input_shape": [16], "dtype": "long", "low": 0, "high": 64,
        "loss": "next_token"}
-LORA = {**GPT, "_target_": "zeroexp.models.lora.lora_gpt", "n_layer": 5, "lora_rank": 2, "lora_alpha": 4.0}
-MLP = {"_target_": "zeroexp.models.LinearStack", "width": 16, "depth": 6, "input_shape": [16], "dtype": "float32",
+LORA = {**GPT, "_target_": "zeroexp.models.lora.lora_gpt", "n_layer": DEEP, "lora_rank": 2, "lora_alpha": 4.0}
+MLP = {"_target_": "zeroexp.models.LinearStack", "width": 16, "depth": DEEP, "input_shape": [16], "dtype": "float32",
        "loss": "mean_square"}
 DTENSOR = "torch.testing._internal.distributed._tensor.common_dtensor"
 TT = importlib.util.find_spec("expecttest") is not None
@@ -51,7 +53,7 @@ class FrozenThird(nn.Sequential):
 
 
 def _stacked(block: str, shape: list[int], **kwargs: object) -> dict:
-    return {"_target_": f"{__name__}.Stacked", "block": block, "depth": 5, "input_shape": shape, "dtype": "float32",
+    return {"_target_": f"{__name__}.Stacked", "block": block, "depth": DEEP, "input_shape": shape, "dtype": "float32",
             "loss": "mean_square", **kwargs}
 
 
@@ -67,8 +69,8 @@ CASES = {
     "encoder_linear_units": (ENCODER, [nn.Linear]),
     "applied_twice": (_stacked("corpus.applied_twice", [8], width=8), [nn.Linear]),
     "unused_branch": (_stacked("corpus.unused_branch", [8], width=8), ["corpus.UnusedBranch"]),
-    "frozen_first": (_stacked("corpus.frozen_mlp", [8], width=8, depth=2), [nn.Linear]),
-    "frozen_first_blocks": (_stacked("corpus.frozen_mlp", [8], width=8, depth=2), [nn.Sequential]),
+    "frozen_first": (_stacked("corpus.frozen_mlp", [8], width=8), [nn.Linear]),
+    "frozen_first_blocks": (_stacked("corpus.frozen_mlp", [8], width=8), [nn.Sequential]),
 }
 if TT:
     CASES["test_transformer_block"] = (
@@ -112,20 +114,21 @@ def test_the_grown_records_are_the_second_blocks_renamed():
 
 
 def test_a_declared_stack_whose_blocks_differ_is_traced_whole():
-    cfg = {"_target_": f"{__name__}.FrozenThird", "width": 8, "depth": 6, "input_shape": [8], "dtype": "float32",
+    cfg = {"_target_": f"{__name__}.FrozenThird", "width": 8, "depth": DEEP, "input_shape": [8], "dtype": "float32",
            "loss": "mean_square"}
-    two, three, four, whole = (trace_activations({**cfg, "depth": d}, 2, [nn.Linear]) for d in (2, 3, 4, 6))
-    assert derived_trace(two, three, four, 6, "") is None
-    assert not _same(deepen(two, three, 6, ""), whole)  # repeating the second block would have been wrong
+    two, three, four, whole = (trace_activations({**cfg, "depth": d}, 2, [nn.Linear]) for d in (2, 3, 4, DEEP))
+    assert derived_trace(two, three, four, DEEP, "") is None
+    assert not _same(deepen(two, three, DEEP, ""), whole)  # repeating the second block would have been wrong
     assert _same(row_peak.forward_trace(cfg, 2, [nn.Linear]), whole)
 
 
 def test_only_a_declared_stack_given_its_depth_is_derived():
-    assert stack_of(GPT) == ("n_layer", "h", 5) and stack_of(LORA) == ("n_layer", "h", 5)
-    assert stack_of(MLP) == ("depth", "", 6)
-    assert stack_of({**GPT, "n_layer": "5"}) is None
+    assert stack_of(GPT) == ("n_layer", "h", DEEP) and stack_of(LORA) == ("n_layer", "h", DEEP)
+    assert stack_of(MLP) == ("depth", "", DEEP)
+    assert stack_of({**GPT, "n_layer": DERIVED_ABOVE}) is None  # shallow enough: traced whole, cheaper
+    assert stack_of({**GPT, "n_layer": str(DEEP)}) is None
     assert stack_of({k: v for k, v in GPT.items() if k != "n_layer"}) is None
-    assert stack_of({"_target_": "corpus.frozen_mlp", "depth": 6}) is None  # no declaration: traced whole
+    assert stack_of({"_target_": "corpus.frozen_mlp", "depth": DEEP}) is None  # no declaration: traced whole
     assert stack_of({"_target_": "torch.nn.TransformerEncoderLayer", "d_model": 8}) is None
     # no unit under the stack: nothing to repeat, traced whole
     two, three, four = (trace_activations(at_depth(GPT, "n_layer", d), 1, []) for d in (2, 3, 4))
@@ -148,18 +151,17 @@ def test_a_derived_shape_is_the_whole_models_shape(name):
     cfg, wrap = CASES[name]
     wrap = tuple(import_class(w) if isinstance(w, str) else w for w in wrap)
     argument = stack_of(cfg)[0]
-    for depth in (5, 8):
-        deep = {**cfg, argument: depth}
-        net = _meta(deep)
-        assert derived_units(net, deep, wrap, _units(net, wrap)[2]) is not None, name  # derived, not traced
-        derived, whole = shape_of(net, wrap, model_cfg=deep), shape_of(net, wrap, model_cfg=deep, derive=False)
-        assert derived == whole and whole.ready, (name, depth)
+    deep = {**cfg, argument: DEEP + 2}
+    net = _meta(deep)
+    assert derived_units(net, deep, wrap, _units(net, wrap)[2]) is not None, name  # derived, not traced
+    derived, whole = shape_of(net, wrap, model_cfg=deep), shape_of(net, wrap, model_cfg=deep, derive=False)
+    assert derived == whole and whole.ready, name
 
 
 def test_a_declared_stack_whose_steps_differ_is_traced_whole():
     from zeroexp.plan.shape import _units, derived_units, shape_of
 
-    cfg = {"_target_": f"{__name__}.FrozenThird", "width": 8, "depth": 6, "input_shape": [8], "dtype": "float32",
+    cfg = {"_target_": f"{__name__}.FrozenThird", "width": 8, "depth": DEEP, "input_shape": [8], "dtype": "float32",
            "loss": "mean_square"}
     net = _meta(cfg)
     assert derived_units(net, cfg, (nn.Linear,), _units(net, (nn.Linear,))[2]) is None
@@ -175,9 +177,9 @@ def test_derived_flops_are_the_whole_steps(name):
     cfg, wrap = CASES[name]
     wrap = tuple(import_class(w) if isinstance(w, str) else w for w in wrap)
     argument = stack_of(cfg)[0]
-    deep = {**cfg, argument: 7}
+    deep = {**cfg, argument: DEEP + 2}
     for checkpointing, batch in ((False, 1), (True, 3)):
         two, three = (step_flops(at_depth(cfg, argument, d), batch, wrap, checkpointing) for d in (2, 3))
         derived = step_flops(deep, batch, wrap, checkpointing)
-        assert derived == two + 5 * (three - two) > 0  # affine in the depth
+        assert derived == two + DEEP * (three - two) > 0  # affine in the depth
         assert derived == step_flops(deep, batch, wrap, checkpointing, derive=False), (name, checkpointing)

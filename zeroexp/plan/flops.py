@@ -22,10 +22,10 @@ def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, 
     """The FLOPs one rank computes in one micro-batch of ``batch_size`` samples (forward, loss, backward; the
     recompute where checkpointed), counted by ``FlopCounterMode`` on the meta device (shapes alone: a FLOP count
     needs no values, and meta tensors skip the initialisation and the fake-tensor dispatch). A model that declares
-    a stack of identical blocks deeper than four (``zeroexp.plan.stack``) is counted at two, three and four blocks:
-    every block computes the same operations on the same shapes, the rest of the step none that depends on the
-    depth, so F(L) = F(2) + (L - 2) x (F(3) - F(2)), exact in integers, where F(4) checks it (``derive=False``, or
-    a failed check: counted whole)."""
+    a stack of identical blocks deeper than ``DERIVED_ABOVE`` (``zeroexp.plan.stack``) is counted at two, three and
+    four blocks: every block computes the same operations on the same shapes, the rest of the step none that
+    depends on the depth, so F(L) = F(2) + (L - 2) x (F(3) - F(2)), exact in integers, where F(4) checks it
+    (``derive=False``, or a failed check: counted whole)."""
     import torch
     from omegaconf import OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
@@ -39,7 +39,7 @@ def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, 
     if key in _FLOPS:
         return _FLOPS[key]
     stack = stack_of(model_cfg) if derive else None
-    if stack is not None and stack[2] > 4:
+    if stack is not None:
         argument, _, depth = stack
         two, three, four = (step_flops(at_depth(model_cfg, argument, d), batch_size, wrap, checkpointing)
                             for d in (2, 3, 4))

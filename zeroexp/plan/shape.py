@@ -23,8 +23,8 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
     FlatParameter's); the root unit (the LightningModule around ``net``) takes the rest. Which parameters train
     (``requires_grad``) is read off them. With ``model_cfg``, one step is traced (:func:`trace_units`): the
     gradient-ready order, each unit's forward calls and whether backward reaches it; else ``ready`` is taken. A
-    model that declares a stack of identical blocks deeper than four has that step derived from its steps at three
-    and four blocks (:func:`derived_units`; ``derive=False``: traced whole).
+    model that declares a stack of identical blocks deeper than ``DERIVED_ABOVE`` has that step derived from its
+    steps at three and four blocks (:func:`derived_units`; ``derive=False``: traced whole).
     """
     classes, params = tuple(wrap), list(net.parameters())
     index = {id(p): i for i, p in enumerate(params)}
@@ -86,14 +86,15 @@ def _units(net: nn.Module, classes: tuple[type, ...]) -> tuple[list[tuple[int, .
 def derived_units(net: nn.Module, model_cfg: Mapping[str, Any], classes: tuple[type, ...], units: list[nn.Module]
                   ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...], tuple[bool, ...]] | None:
     """:func:`trace_units` of ``net`` (the model config's module) from the same step traced at three and four blocks,
-    for a model that declares a stack of identical blocks deeper than four (``zeroexp.plan.stack``): the gradient-ready
-    order by parameter name and each unit's calls, backward reach and next unit's reach by unit name, grown by
-    ``zeroexp.plan.stack.grow_runs``; the three blocks' grown to four must be the four blocks' exactly. None where
-    the model declares none, a shallow step does not trace, or the check fails: then the step is traced whole."""
+    for a model that declares a stack of identical blocks deeper than ``DERIVED_ABOVE`` (``zeroexp.plan.stack``):
+    the gradient-ready order by parameter name and each unit's calls, backward reach and next unit's reach by unit
+    name, grown by ``zeroexp.plan.stack.grow_runs``; the three blocks' grown to four must be the four blocks'
+    exactly. None where the model declares none, a shallow step does not trace, or the check fails: then the step
+    is traced whole."""
     from zeroexp.plan.stack import at_depth, grow_runs, stack_of
 
     stack = stack_of(model_cfg)
-    if stack is None or stack[2] <= 4:
+    if stack is None:
         return None
     argument, container, depth = stack
     steps = {}

@@ -1,4 +1,4 @@
-"""A stack of identical blocks traced at two, three and four blocks instead of at its own depth.
+"""A deep stack of identical blocks traced at two, three and four blocks instead of at its own depth.
 
 A model factory (class or function) may declare ``repeated_blocks = (argument, container)``: its ``argument`` is the
 number of blocks the submodule ``container`` holds (``""``: the model itself, an ``nn.Sequential``), run one after
@@ -11,10 +11,13 @@ on an output alike, whatever L; a saved tensor is counted for the innermost unit
 (i >= 1), block 1's record renamed; for any other unit, and for the held bytes, its record at two blocks plus
 (L - 2) times its growth from two blocks to three (the blocks' saves outside their own units land in the unit around
 the stack, the same for each block). The traces at two and three give the records; the trace at four checks them,
-every field and the order of every unit, else the model is traced at its own depth (tests/test_stack.py holds
+every field and the order of every unit, else the model is traced at its own depth; a stack of at most
+:data:`DERIVED_ABOVE` blocks is traced whole, which costs no more (tests/test_stack.py holds
 derived traces equal to whole ones on zeroexp's models and stacks of foreign blocks). What it saves: a forward's
 fake-tensor trace costs about the same per block whatever the block's width (an 80-block GPT ~0.5 s a batch and dtype
-on this host; two to four blocks a few hundredths each).
+on this host; two to four blocks a few hundredths each). The same declaration derives the planner's step on the meta
+device (``zeroexp.plan.shape.derived_units``, by :func:`grow_runs`) and a step's counted FLOPs
+(``zeroexp.plan.flops.step_flops``).
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-__all__ = ["stack_of", "at_depth", "deepen", "derived_trace", "grow_runs"]
+__all__ = ["stack_of", "at_depth", "deepen", "derived_trace", "grow_runs", "DERIVED_ABOVE"]
+
+#: A stack is derived only deeper than this: the three shallow traces (nine blocks, three builds) cost about what a
+#: whole trace of 20 blocks does (a GPT-2 small of 12 is traced whole).
+DERIVED_ABOVE = 20
 
 
 def stack_of(model_cfg: Mapping[str, Any]) -> tuple[str, str, int] | None:
     """(argument, container, depth) of a model config whose factory declares ``repeated_blocks`` (see the module)
-    and gives its depth as an integer; None otherwise."""
+    and gives its depth as an integer above :data:`DERIVED_ABOVE`; None otherwise (traced whole)."""
     from zeroexp.models import import_class
 
     try:
@@ -38,7 +45,7 @@ def stack_of(model_cfg: Mapping[str, Any]) -> tuple[str, str, int] | None:
         return None
     argument, container = declared
     depth = model_cfg.get(argument)
-    if isinstance(depth, bool) or not isinstance(depth, int):
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth <= DERIVED_ABOVE:
         return None
     return argument, container, depth
 
