@@ -80,7 +80,7 @@ class GPT(nn.Module):
     #: construction order) and :meth:`init_steps`.
     replayable_init = True
     #: ``n_layer`` blocks in ``self.h``, built alike, each run on the previous one's output and none reading its
-    #: index or the depth: a forward's saved activations are derived from two and three blocks (zeroexp.plan.stack).
+    #: index or the depth: the planner derives a deep GPT's traces from 2, 3 and 4 blocks (zeroexp.plan.stack).
     repeated_blocks = ("n_layer", "h")
 
     def init_steps(self) -> list:
