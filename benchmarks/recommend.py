@@ -5,8 +5,9 @@
    sizes x 3 prefetches x 5 shard sizes, where each row has the knob): each configuration's model state and
    predicted step, then the peaks of the fastest until 5 fit. Printed: configurations, seconds (wall and CPU) to
    time them all, seconds to the answer (its traces included), configurations judged.
-2. The command line, whole processes timed from outside: GPT-2 small at N=64, a 7B GPT at N=64 and a 70B-like GPT
-   at N=8 (nothing fits: the nearest changes), each ``device_memory=80GB network=h100_ib``.
+2. The command line, whole processes timed from outside (wall, and the process's user + sys CPU seconds: on a shared
+   host the CPU seconds compare, the wall does not): GPT-2 small at N=64, a 7B GPT at N=64 and a 70B-like GPT at N=8
+   (nothing fits: the nearest changes), each ``device_memory=80GB network=h100_ib``.
 
     python benchmarks/recommend.py              # both
     python benchmarks/recommend.py --cli 0      # the search alone
@@ -73,11 +74,14 @@ def search_alone() -> None:
 
 
 def cli() -> None:
+    import resource
+
     for name, overrides in MODELS.items():
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run([sys.executable, "-m", "zeroexp.recommend", *overrides, "device_memory=80GB",
                               "network=h100_ib", "format=json"], cwd=ROOT, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
+        wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime  # the command's user + sys
         if out.returncode:
             print(f"{name}: exit {out.returncode}: {out.stderr[-500:]}")
             continue
@@ -86,7 +90,8 @@ def cli() -> None:
         answer = json.loads(out.stdout)
         top = answer["recommendations"][0]["config"] if answer["recommendations"] else "nothing fits"
         changes = len(answer["nearest_changes"] or [])
-        print(f"{name}: {wall:.1f} s, {answer['searched']:,} searched, {answer['judged']} judged; first: {top}"
+        print(f"{name}: {wall:.1f} s ({cpu:.1f} s CPU), {answer['searched']:,} searched, {answer['judged']} judged; "
+              f"first: {top}"
               + (f"; {changes} nearest changes" if not answer["recommendations"] else ""))
 
 

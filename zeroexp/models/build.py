@@ -29,6 +29,9 @@ class LinearStack(nn.Sequential):
 
     #: ``init=meta`` (zeroexp.models.init): the constructor draws only each Linear's ``reset_parameters``, in order.
     replayable_init = True
+    #: ``depth`` alike Linear layers run in a row: the planner derives a deep stack's traces from 2, 3 and 4
+    #: (zeroexp.plan.stack).
+    repeated_blocks = ("depth", "")
 
     def __init__(self, width: int, depth: int) -> None:
         super().__init__(*(nn.Linear(width, width, bias=False) for _ in range(depth)))

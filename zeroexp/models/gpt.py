@@ -79,6 +79,9 @@ class GPT(nn.Module):
     #: ``init=meta`` (zeroexp.models.init): the constructor draws only its modules' ``reset_parameters`` (in
     #: construction order) and :meth:`init_steps`.
     replayable_init = True
+    #: ``n_layer`` blocks in ``self.h``, built alike, each run on the previous one's output and none reading its
+    #: index or the depth: the planner derives a deep GPT's traces from 2, 3 and 4 blocks (zeroexp.plan.stack).
+    repeated_blocks = ("n_layer", "h")
 
     def init_steps(self) -> list:
         """GPT-2's initialisation after the modules are built, as steps of one module each (``InitStep``):

@@ -47,3 +47,7 @@ def lora_gpt(lora_rank: int = 4, lora_alpha: float = 8.0, **gpt: object) -> nn.M
             owner = block.get_submodule(parent)
             setattr(owner, name, LoRALinear(getattr(owner, name), int(lora_rank), float(lora_alpha)))
     return model
+
+
+#: The GPT's blocks (``GPT.repeated_blocks``), each given the same adapters (zeroexp.plan.stack).
+lora_gpt.repeated_blocks = GPT.repeated_blocks  # type: ignore[attr-defined]

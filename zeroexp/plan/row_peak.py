@@ -37,14 +37,22 @@ def forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any = Non
     """``zeroexp.plan.activations.trace_activations`` remembered by its arguments in this process (an
     ``ActivationTrace`` is read, never changed): the activations with and without checkpointing, the planner's table
     and its peaks read one forward; the module is built once per model config and module dtype
-    (``fake_build``) and run at every batch and autocast dtype asked."""
+    (``fake_build``) and run at every batch and autocast dtype asked. A model that declares a stack of identical
+    blocks deeper than ``DERIVED_ABOVE`` is traced at two, three and four blocks and its trace derived
+    (``zeroexp.plan.stack.derived_trace``), or traced whole where the three do not check."""
     import torch
 
     from zeroexp.plan.activations import fake_build, trace_activations
+    from zeroexp.plan.stack import at_depth, derived_trace, stack_of
 
     model = _model_key(model_cfg, wrap)
     key = (*model, int(batch), dtype, module_dtype)
-    if key not in _FORWARDS:
+    stack = stack_of(model_cfg) if key not in _FORWARDS else None
+    if stack is not None:  # a deep stack of identical blocks: from 2, 3 and 4 blocks (zeroexp.plan.stack)
+        argument, container, depth = stack
+        shallow = [forward_trace(at_depth(model_cfg, argument, d), batch, wrap, dtype, module_dtype) for d in (2, 3, 4)]
+        _FORWARDS[key] = derived_trace(*shallow, depth, container)
+    if _FORWARDS.get(key) is None:
         cast = module_dtype if module_dtype not in (None, torch.float32) else None
         if (model[0], cast) not in _BUILDS:
             _BUILDS[(model[0], cast)] = fake_build(model_cfg, module_dtype=cast)

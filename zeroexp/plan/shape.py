@@ -15,16 +15,43 @@ __all__ = ["model_shape", "shape_of", "trace_units", "ready_order", "arguments_k
 
 
 def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[int, ...] | None = None,
-             model_cfg: Mapping[str, Any] | None = None) -> ModelShape:
+             model_cfg: Mapping[str, Any] | None = None, derive: bool = True) -> ModelShape:
     """The parameters and FSDP units of ``net`` as zeroexp's FSDP adapters wrap it (``ModuleWrapPolicy``).
 
     Units are formed bottom-up, children before parents (FSDP's ``_recursive_wrap``): each module of a ``wrap``
     class takes the parameters in its subtree that no unit below it took, in ``named_modules`` order (the
     FlatParameter's); the root unit (the LightningModule around ``net``) takes the rest. Which parameters train
     (``requires_grad``) is read off them. With ``model_cfg``, one step is traced (:func:`trace_units`): the
-    gradient-ready order, each unit's forward calls and whether backward reaches it; else ``ready`` is taken.
+    gradient-ready order, each unit's forward calls and whether backward reaches it; else ``ready`` is taken. A
+    model that declares a stack of identical blocks deeper than ``DERIVED_ABOVE`` has that step derived from its
+    steps at three and four blocks (:func:`derived_units`; ``derive=False``: traced whole).
     """
     classes, params = tuple(wrap), list(net.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    units, roots, unit_modules = _units(net, classes)
+    own = [tuple(index[id(p)] for p in m.parameters(recurse=False)) for m in _post_order(net)]
+    trains = tuple(p.requires_grad for p in params)
+    calls: tuple[int, ...] = ()
+    backward: tuple[bool, ...] = ()
+    after: tuple[bool, ...] = ()
+    traced = False
+    if model_cfg is not None:
+        step = derived_units(net, model_cfg, classes, unit_modules) if derive else None
+        ready, calls, backward, after = step or trace_units(net, model_cfg, unit_modules)
+        traced = ready is not None
+    unused = tuple(i for i, p in enumerate(params) if p.requires_grad and i not in set(ready)) if traced else ()
+    return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready,
+                      modules=tuple(m for m in own if m), trains=() if all(trains) else trains,
+                      unit_calls=calls, unit_backward=backward, unit_next_reached=after,
+                      buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
+                                    for b in net.buffers()), unused=unused,
+                      opaque=tuple(sorted({type(m).__name__ for m in net.modules()
+                                           if isinstance(m, (conv_base(), nn.RNNBase))})))
+
+
+def _units(net: nn.Module, classes: tuple[type, ...]) -> tuple[list[tuple[int, ...]], list[bool], list[nn.Module]]:
+    """(each unit's parameter indices, whether it is the root, its module), as :func:`shape_of` cuts them."""
+    params = list(net.parameters())
     index = {id(p): i for i, p in enumerate(params)}
     taken: set[int] = set()
     units: list[tuple[int, ...]] = []
@@ -53,23 +80,56 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
         units.append(rest)
         roots.append(True)
         unit_modules.append(net)
-    own = [tuple(index[id(p)] for p in m.parameters(recurse=False)) for m in _post_order(net)]
-    trains = tuple(p.requires_grad for p in params)
-    calls: tuple[int, ...] = ()
-    backward: tuple[bool, ...] = ()
-    after: tuple[bool, ...] = ()
-    traced = False
-    if model_cfg is not None:
-        ready, calls, backward, after = trace_units(net, model_cfg, unit_modules)
-        traced = ready is not None
-    unused = tuple(i for i, p in enumerate(params) if p.requires_grad and i not in set(ready)) if traced else ()
-    return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready,
-                      modules=tuple(m for m in own if m), trains=() if all(trains) else trains,
-                      unit_calls=calls, unit_backward=backward, unit_next_reached=after,
-                      buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
-                                    for b in net.buffers()), unused=unused,
-                      opaque=tuple(sorted({type(m).__name__ for m in net.modules()
-                                           if isinstance(m, (conv_base(), nn.RNNBase))})))
+    return units, roots, unit_modules
+
+
+def derived_units(net: nn.Module, model_cfg: Mapping[str, Any], classes: tuple[type, ...], units: list[nn.Module]
+                  ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...], tuple[bool, ...]] | None:
+    """:func:`trace_units` of ``net`` (the model config's module) from the same step traced at three and four blocks,
+    for a model that declares a stack of identical blocks deeper than ``DERIVED_ABOVE`` (``zeroexp.plan.stack``):
+    the gradient-ready order by parameter name and each unit's calls, backward reach and next unit's reach by unit
+    name, grown by ``zeroexp.plan.stack.grow_runs``; the three blocks' grown to four must be the four blocks'
+    exactly. None where the model declares none, a shallow step does not trace, or the check fails: then the step
+    is traced whole."""
+    from zeroexp.plan.stack import at_depth, grow_runs, stack_of
+
+    stack = stack_of(model_cfg)
+    if stack is None:
+        return None
+    argument, container, depth = stack
+    steps = {}
+    for d in (3, 4):
+        cfg = at_depth(model_cfg, argument, d)
+        with torch.device("meta"):
+            small = build_model(cfg)
+        small_units = _units(small, classes)[2]
+        step = _named_step(small, trace_units(small, cfg, small_units), small_units)
+        if step is None:
+            return None
+        steps[d] = step
+    grown = [grow_runs(records, 4, container) for records in steps[3]]
+    if grown != list(steps[4]):
+        return None
+    ready, per_unit = (grow_runs(records, depth, container) for records in steps[3])
+    index = {name: i for i, (name, _) in enumerate(net.named_parameters())}
+    names = {id(m): name for name, m in net.named_modules()}
+    if ready is None or per_unit is None or [n for n, _ in per_unit] != [names[id(m)] for m in units] \
+            or any(n not in index for n, _ in ready):
+        return None
+    return (tuple(index[n] for n, _ in ready), tuple(c for _, (c, _, _) in per_unit),
+            tuple(b for _, (_, b, _) in per_unit), tuple(a for _, (_, _, a) in per_unit))
+
+
+def _named_step(net: nn.Module, step: tuple, units: list[nn.Module]) -> tuple[list, list] | None:
+    """A :func:`trace_units` answer by name: (the gradient-ready order as (parameter name, None), each unit's (name,
+    (calls, backward reached, next reached))); None where the step did not trace."""
+    ready, calls, backward, after = step
+    if ready is None:
+        return None
+    params = [name for name, _ in net.named_parameters()]
+    names = {id(m): name for name, m in net.named_modules()}
+    return ([(params[i], None) for i in ready],
+            [(names[id(m)], (c, b, a)) for m, c, b, a in zip(units, calls, backward, after, strict=True)])
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

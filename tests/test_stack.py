@@ -1,0 +1,185 @@
+"""A stack of identical blocks traced at two, three and four blocks (``zeroexp.plan.stack``): the derived trace
+equals the trace of the whole model, field by field and in the order of its units, on zeroexp's GPT (every wrap,
+autocast and the module cast), its LoRA fine-tune, the Linear stack, and stacks of foreign blocks (PyTorch's own
+TransformerEncoderLayer and test Transformer's block, the corpus's shared, unused and frozen layers); a declared stack
+whose blocks differ is traced whole."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from zeroexp.models import import_class
+from zeroexp.models.gpt import Block
+from zeroexp.plan import row_peak
+from zeroexp.plan.activations import trace_activations
+from zeroexp.plan.stack import DERIVED_ABOVE, at_depth, deepen, derived_trace, stack_of
+
+DEEP = DERIVED_ABOVE + 1  # the shallowest stack derived
+
+GPT = {"_target_": "zeroexp.models.gpt.GPT", "vocab_size": 64, "seq_len": 16, "n_layer": DEEP, "n_head": 2,
+       "n_embd": 32, "bias": True, "tie_weights": True, "input_shape": [16], "dtype": "long", "low": 0, "high": 64,
+       "loss": "next_token"}
+LORA = {**GPT, "_target_": "zeroexp.models.lora.lora_gpt", "n_layer": DEEP, "lora_rank": 2, "lora_alpha": 4.0}
+MLP = {"_target_": "zeroexp.models.LinearStack", "width": 16, "depth": DEEP, "input_shape": [16], "dtype": "float32",
+       "loss": "mean_square"}
+DTENSOR = "torch.testing._internal.distributed._tensor.common_dtensor"
+TT = importlib.util.find_spec("expecttest") is not None
+
+
+class Stacked(nn.Sequential):
+    """``depth`` blocks of ``block`` (an import path), each built alike from ``kwargs``: a declared stack of
+    modules nobody here wrote."""
+
+    repeated_blocks = ("depth", "")
+
+    def __init__(self, block: str, depth: int, **kwargs: object) -> None:
+        factory = import_class(block, base=None)
+        super().__init__(*(factory(**kwargs) for _ in range(depth)))
+
+
+class FrozenThird(nn.Sequential):
+    """Declared a stack, but its third Linear is frozen: what that block saves differs from the second's."""
+
+    repeated_blocks = ("depth", "")
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__(*(nn.Linear(width, width) for _ in range(depth)))
+        if depth > 2:
+            self[2].requires_grad_(False)
+
+
+def _stacked(block: str, shape: list[int], **kwargs: object) -> dict:
+    return {"_target_": f"{__name__}.Stacked", "block": block, "depth": DEEP, "input_shape": shape, "dtype": "float32",
+            "loss": "mean_square", **kwargs}
+
+
+ENCODER = _stacked("torch.nn.TransformerEncoderLayer", [6, 16], d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
+                   batch_first=True)
+CASES = {
+    "gpt": (GPT, [Block]),
+    "gpt_linear_units": (GPT, [nn.Linear]),
+    "lora_gpt": (LORA, [Block]),
+    "lora_gpt_lora_units": (LORA, ["zeroexp.models.lora.LoRALinear"]),
+    "linear_stack": (MLP, [nn.Linear]),
+    "encoder_layers": (ENCODER, [nn.TransformerEncoderLayer]),
+    "encoder_linear_units": (ENCODER, [nn.Linear]),
+    "applied_twice": (_stacked("corpus.applied_twice", [8], width=8), [nn.Linear]),
+    "unused_branch": (_stacked("corpus.unused_branch", [8], width=8), ["corpus.UnusedBranch"]),
+    "frozen_first": (_stacked("corpus.frozen_mlp", [8], width=8), [nn.Linear]),
+    "frozen_first_blocks": (_stacked("corpus.frozen_mlp", [8], width=8), [nn.Sequential]),
+}
+if TT:
+    CASES["test_transformer_block"] = (
+        _stacked(f"{DTENSOR}.TransformerBlock", [8, 16], args={"_target_": f"{DTENSOR}.ModelArgs", "dim": 16,
+                                                                "n_heads": 2, "dropout_p": 0.0, "max_seq_len": 8}),
+        [f"{DTENSOR}.TransformerBlock"])
+WAYS = {"fp32": {}, "autocast": {"dtype": torch.bfloat16}, "cast": {"module_dtype": torch.bfloat16}}
+
+
+def _same(a, b) -> bool:
+    return (a == b and list(a.unit_bytes.items()) == list(b.unit_bytes.items())
+            and list(a.unit_input_bytes.items()) == list(b.unit_input_bytes.items()))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_derived_trace_is_the_whole_models_trace(name):
+    cfg, wrap = CASES[name]
+    wrap = [import_class(w) if isinstance(w, str) else w for w in wrap]
+    argument, container, depth = stack_of(cfg)
+    for way, batch in (("fp32", 3), ("autocast", 1), ("cast", 2)):
+        derived = row_peak.forward_trace(cfg, batch, wrap, **WAYS[way])
+        whole = trace_activations(cfg, batch, wrap, **WAYS[way])
+        assert _same(derived, whole), (name, way)
+        # derived, not traced: the shallow traces are remembered, and they check
+        shallow = [row_peak.forward_trace(at_depth(cfg, argument, d), batch, wrap, **WAYS[way]) for d in (2, 3, 4)]
+        assert derived_trace(*shallow, depth, container) is not None
+    deeper = {**cfg, argument: depth + 3}
+    assert _same(row_peak.forward_trace(deeper, 2, wrap), trace_activations(deeper, 2, wrap)), name
+
+
+def test_the_grown_records_are_the_second_blocks_renamed():
+    two, three, four = (trace_activations(at_depth(GPT, "n_layer", d), 2, [nn.Linear]) for d in (2, 3, 4))
+    grown = derived_trace(two, three, four, 6, "h")
+    assert [u for u in grown.unit_bytes if u.startswith("h.5.")] == [u.replace("h.1.", "h.5.", 1)
+                                                                      for u in two.unit_bytes if u.startswith("h.1.")]
+    assert list(grown.unit_bytes)[-2:] == ["lm_head", "root"]  # what follows the stack stays after it
+    # each further block: its Linear units' records, and what it saves outside them (norms, attention) in the root
+    per_block = sum(v for u, v in two.unit_bytes.items() if u.startswith("h.1."))
+    assert three.unit_bytes["root"] > two.unit_bytes["root"]
+    assert grown.total_bytes - two.total_bytes == 4 * (per_block + three.unit_bytes["root"] - two.unit_bytes["root"])
+
+
+def test_a_declared_stack_whose_blocks_differ_is_traced_whole():
+    cfg = {"_target_": f"{__name__}.FrozenThird", "width": 8, "depth": DEEP, "input_shape": [8], "dtype": "float32",
+           "loss": "mean_square"}
+    two, three, four, whole = (trace_activations({**cfg, "depth": d}, 2, [nn.Linear]) for d in (2, 3, 4, DEEP))
+    assert derived_trace(two, three, four, DEEP, "") is None
+    assert not _same(deepen(two, three, DEEP, ""), whole)  # repeating the second block would have been wrong
+    assert _same(row_peak.forward_trace(cfg, 2, [nn.Linear]), whole)
+
+
+def test_only_a_declared_stack_given_its_depth_is_derived():
+    assert stack_of(GPT) == ("n_layer", "h", DEEP) and stack_of(LORA) == ("n_layer", "h", DEEP)
+    assert stack_of(MLP) == ("depth", "", DEEP)
+    assert stack_of({**GPT, "n_layer": DERIVED_ABOVE}) is None  # shallow enough: traced whole, cheaper
+    assert stack_of({**GPT, "n_layer": str(DEEP)}) is None
+    assert stack_of({k: v for k, v in GPT.items() if k != "n_layer"}) is None
+    assert stack_of({"_target_": "corpus.frozen_mlp", "depth": DEEP}) is None  # no declaration: traced whole
+    assert stack_of({"_target_": "torch.nn.TransformerEncoderLayer", "d_model": 8}) is None
+    # no unit under the stack: nothing to repeat, traced whole
+    two, three, four = (trace_activations(at_depth(GPT, "n_layer", d), 1, []) for d in (2, 3, 4))
+    assert derived_trace(two, three, four, 5, "h") is None
+
+
+def _meta(cfg: dict) -> nn.Module:
+    from zeroexp.models import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_derived_shape_is_the_whole_models_shape(name):
+    """The planner's shape (``zeroexp.plan.shape.shape_of``): the gradient-ready order, each unit's forward calls,
+    backward reach and next unit's reach derived from the steps at three and four blocks equal the whole step's."""
+    from zeroexp.plan.shape import _units, derived_units, shape_of
+
+    cfg, wrap = CASES[name]
+    wrap = tuple(import_class(w) if isinstance(w, str) else w for w in wrap)
+    argument = stack_of(cfg)[0]
+    deep = {**cfg, argument: DEEP + 2}
+    net = _meta(deep)
+    assert derived_units(net, deep, wrap, _units(net, wrap)[2]) is not None, name  # derived, not traced
+    derived, whole = shape_of(net, wrap, model_cfg=deep), shape_of(net, wrap, model_cfg=deep, derive=False)
+    assert derived == whole and whole.ready, name
+
+
+def test_a_declared_stack_whose_steps_differ_is_traced_whole():
+    from zeroexp.plan.shape import _units, derived_units, shape_of
+
+    cfg = {"_target_": f"{__name__}.FrozenThird", "width": 8, "depth": DEEP, "input_shape": [8], "dtype": "float32",
+           "loss": "mean_square"}
+    net = _meta(cfg)
+    assert derived_units(net, cfg, (nn.Linear,), _units(net, (nn.Linear,))[2]) is None
+    assert shape_of(net, [nn.Linear], model_cfg=cfg) == shape_of(net, [nn.Linear], model_cfg=cfg, derive=False)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_derived_flops_are_the_whole_steps(name):
+    """A step's counted FLOPs (``zeroexp.plan.flops.step_flops``), with and without checkpointing: F(2) + (L - 2) x
+    (F(3) - F(2)) from the shallow steps equals the whole step's count."""
+    from zeroexp.plan.flops import step_flops
+
+    cfg, wrap = CASES[name]
+    wrap = tuple(import_class(w) if isinstance(w, str) else w for w in wrap)
+    argument = stack_of(cfg)[0]
+    deep = {**cfg, argument: DEEP + 2}
+    for checkpointing, batch in ((False, 1), (True, 3)):
+        two, three = (step_flops(at_depth(cfg, argument, d), batch, wrap, checkpointing) for d in (2, 3))
+        derived = step_flops(deep, batch, wrap, checkpointing)
+        assert derived == two + DEEP * (three - two) > 0  # affine in the depth
+        assert derived == step_flops(deep, batch, wrap, checkpointing, derive=False), (name, checkpointing)
