@@ -183,3 +183,39 @@ def test_derived_flops_are_the_whole_steps(name):
         derived = step_flops(deep, batch, wrap, checkpointing)
         assert derived == two + DEEP * (three - two) > 0  # affine in the depth
         assert derived == step_flops(deep, batch, wrap, checkpointing, derive=False), (name, checkpointing)
+
+
+#: The step's variants (``zeroexp.plan.steptrace.trace_step``'s keywords), one per case in turn: every strategy row's
+#: way of tracing meets several models.
+STEPS = [{"root_unit": True, "checkpointing": True}, {"own_params_units": True, "grads_in_place": True},
+         {"dtype": torch.bfloat16, "root_unit": True}, {"module_dtype": torch.bfloat16, "own_params_units": True},
+         {"grads_in_place": True}, {}]
+
+
+@pytest.mark.parametrize("k, name", list(enumerate(CASES)))
+def test_a_derived_step_is_the_whole_models_step(k, name):
+    """The planner's traced step (``zeroexp.plan.steptrace.trace_step_of``): derived from the steps at five, six and
+    seven blocks, every segment (its peak and end bytes by category) and unit (its parameters' indices) equals the
+    whole step's, at the shallowest depth derived."""
+    from zeroexp.plan.stack import STEP_DEPTHS, derived_step
+    from zeroexp.plan.steptrace import trace_step, trace_step_of
+
+    cfg, wrap = CASES[name]
+    wrap = [import_class(w) if isinstance(w, str) else w for w in wrap]
+    argument, container, depth = stack_of(cfg)
+    kwargs = STEPS[k % len(STEPS)]
+    shallow = [trace_step(at_depth(cfg, argument, d), 2, wrap, **kwargs) for d in STEP_DEPTHS]
+    assert derived_step(*shallow, depth, container) is not None, (name, kwargs)  # derived, not traced whole
+    assert trace_step_of(cfg, 2, wrap, **kwargs) == trace_step(cfg, 2, wrap, **kwargs), (name, kwargs)
+
+
+def test_a_declared_stack_whose_steps_differ_is_stepped_whole():
+    from zeroexp.plan.stack import STEP_DEPTHS, deepen_step, derived_step
+    from zeroexp.plan.steptrace import trace_step, trace_step_of
+
+    cfg = {"_target_": f"{__name__}.FrozenThird", "width": 8, "depth": DEEP, "input_shape": [8], "dtype": "float32",
+           "loss": "mean_square"}
+    shallow, deeper, check, whole = (trace_step({**cfg, "depth": d}, 2, [nn.Linear]) for d in (*STEP_DEPTHS, DEEP))
+    assert derived_step(shallow, deeper, check, DEEP, "") is None
+    assert deepen_step(shallow, deeper, DEEP, "") != whole  # growing the blocks between the edges would be wrong
+    assert trace_step_of(cfg, 2, [nn.Linear]) == whole

@@ -225,7 +225,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
 
     from zeroexp.models import torch_dtype
     from zeroexp.plan.shape import arguments_key, remember
-    from zeroexp.plan.steptrace import trace_step
+    from zeroexp.plan.steptrace import trace_step_of
 
     row = _row(name)
     ds = ds_stage(name) is not None
@@ -245,7 +245,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     key = arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kwargs.items()))
     if key is not None and key in _TRACES:
         return _TRACES[key]
-    return remember(_TRACES, key, trace_step(model_cfg, batch_size, wrap, **kwargs))
+    return remember(_TRACES, key, trace_step_of(model_cfg, batch_size, wrap, **kwargs))
 
 
 def _uncovered_cell(cfg: Any, name: str) -> list[str]:

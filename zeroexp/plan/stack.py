@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-__all__ = ["stack_of", "at_depth", "deepen", "derived_trace", "grow_runs", "DERIVED_ABOVE"]
+__all__ = ["stack_of", "at_depth", "deepen", "derived_trace", "grow_runs", "deepen_step", "derived_step",
+           "DERIVED_ABOVE", "STEP_DEPTHS"]
 
 #: A stack is derived only deeper than this: the three shallow traces (nine blocks, three builds) cost about what a
 #: whole trace of 20 blocks does (a GPT-2 small of 12 is traced whole).
@@ -148,3 +149,135 @@ def grow_runs(three: list[tuple[str, Any]], depth: int, container: str) -> list[
     if one[0] == two[-1] + 1:
         return three[:two[0]] + last + [named(k, b) for b in range(depth - 2, 1, -1) for k in one] + three[one[0]:]
     return None
+
+
+# -- The planner's traced step (``zeroexp.plan.steptrace.StepTrace``). Its segments are cumulative (the bytes live at
+# each hook, by category, above the step's start), so a block's records depend on where it lies, and the blocks next
+# to either end of the stack differ from those between (PyTorch's autocast under a LoRA GPT: the second block's forward
+# starts beside a cast the third's does not). At L blocks, a record of one of the :data:`EDGE` blocks at either end,
+# or outside the blocks, is its record in the step at :data:`STEP_DEPTHS`' second depth plus its growth from the first
+# depth to the second per further block; a record of block i between them is the first such block's (index EDGE) at
+# the second depth, plus (i - EDGE) times the next block's less its, plus its growth from the first depth to the
+# second per further block. The units of a step traced with its units (their parameters' indices) grow alike. The
+# step at the third depth checks every field.
+
+#: Blocks at each end of a stack whose step records are their own; the steps derived from (first two) and checked at.
+EDGE = 2
+STEP_DEPTHS = (2 * EDGE + 1, 2 * EDGE + 2, 2 * EDGE + 3)
+
+
+def _role(name: str, prefix: str, depth: int) -> tuple[str, str, int | None]:
+    """(``head<i>`` | ``tail<j>`` | ``mid`` | ``out``, the name less its block, the block's index) of a unit: the i-th
+    block from the start or the j-th from the end (i, j < EDGE), one between, none."""
+    b = _block(name, prefix)
+    if b is None:
+        return "out", name, None
+    i, rest = b
+    pos = f"head{i}" if i < EDGE else f"tail{depth - 1 - i}" if i >= depth - EDGE else "mid"
+    return pos, rest, i
+
+
+def _pos(key: tuple) -> str:
+    """A record key's role (:func:`_step_records`)."""
+    return key[3] if key[0] == "segment" else key[1]
+
+
+def _step_records(trace: Any, prefix: str, depth: int) -> tuple[list[tuple[tuple, int | None]], dict]:
+    """The trace's segments and units as ``(role key, block)`` in their order (a block between the edges keeps its
+    index; any other record, None), and each one's values by that pair (a list: a key recurs for a unit called more
+    than once)."""
+    keys, values = [], {}
+    for s in trace.segments:
+        pos, rest, i = _role(s.unit, prefix, depth)
+        key = ("segment", s.phase, s.at, pos, rest)
+        keys.append((key, i if pos == "mid" else None))
+        values.setdefault(keys[-1], []).append(
+            {"peak_bytes": s.peak_bytes, "end_bytes": s.end_bytes,
+             **{("peak", c): v for c, v in s.peak_by_category.items()},
+             **{("end", c): v for c, v in s.end_by_category.items()}})
+    for u in trace.units:
+        pos, rest, i = _role(u.name, prefix, depth)
+        key = ("unit", pos, rest, len(u.params), u.grad_input, u.reached)
+        keys.append((key, i if pos == "mid" else None))
+        values.setdefault(keys[-1], []).append({("param", k): p for k, p in enumerate(u.params)})
+    return keys, values
+
+
+def _expand(deeper: list[tuple[tuple, int | None]], depth: int) -> list[tuple[tuple, int | None]] | None:
+    """The order of the step at the second of :data:`STEP_DEPTHS` (two blocks between the edges) at ``depth``
+    blocks: each run of those two blocks' records (side by side, in forward's or backward's order) becomes blocks
+    EDGE ... depth - EDGE - 1's. None where the blocks between the edges are not such runs."""
+    out, k = [], 0
+    while k < len(deeper):
+        if _pos(deeper[k][0]) != "mid":
+            out.append(deeper[k])
+            k += 1
+            continue
+        end = k
+        while end < len(deeper) and _pos(deeper[end][0]) == "mid":
+            end += 1
+        run = deeper[k:end]
+        half = len(run) // 2
+        first, second = run[:half], run[half:]
+        if len(run) % 2 or [key for key, _ in first] != [key for key, _ in second] or \
+                {i for _, i in first} | {i for _, i in second} != {EDGE, EDGE + 1} or len({i for _, i in first}) != 1:
+            return None
+        blocks = range(EDGE, depth - EDGE) if first[0][1] == EDGE else range(depth - EDGE - 1, EDGE - 1, -1)
+        out += [(key, b) for b in blocks for key, _ in first]
+        k = end
+    return out
+
+
+def deepen_step(shallow: Any, deeper: Any, depth: int, container: str) -> Any:
+    """The ``StepTrace`` at ``depth`` (>= the second of :data:`STEP_DEPTHS`) blocks of ``container`` from the steps
+    traced at the first two of :data:`STEP_DEPTHS` (see above); None where their records do not line up or a derived
+    byte count is negative."""
+    from zeroexp.formulas.peak import Segment, TracedUnit
+
+    prefix = f"{container}." if container else ""
+    d1, d2 = STEP_DEPTHS[:2]
+    k1, v1 = _step_records(shallow, prefix, d1)
+    k2, v2 = _step_records(deeper, prefix, d2)
+    order = _expand(k2, depth)
+    if order is None or shallow.loss_bytes != deeper.loss_bytes or shallow.batch_size != deeper.batch_size:
+        return None
+    seen: dict = {}
+    records = []
+    for key, i in order:
+        mid = i is not None
+        n = seen[(key, i)] = seen.get((key, i), -1) + 1
+        try:
+            a1, a2 = v1[(key, EDGE if mid else None)][n], v2[(key, EDGE if mid else None)][n]
+            b2 = v2[(key, EDGE + 1)][n] if mid else a2
+        except (KeyError, IndexError):
+            return None
+        if not (set(a1) == set(a2) == set(b2)):
+            return None
+        grown = {f: a2[f] + (depth - d2) * (a2[f] - a1[f]) + ((i - EDGE) * (b2[f] - a2[f]) if mid else 0) for f in a2}
+        if key[0] == "segment" and any(v < 0 for v in grown.values()):
+            return None
+        pos = _pos(key)
+        block = i if mid else int(pos[4:]) if pos.startswith("head") else depth - 1 - int(pos[4:]) \
+            if pos.startswith("tail") else None
+        records.append((key, block, grown))
+    segments, units = [], []
+    for key, block, v in records:
+        rest = key[4] if key[0] == "segment" else key[2]
+        name = rest if block is None else f"{prefix}{block}{rest}"
+        if key[0] == "segment":
+            by = {kind: {c: x for (k, c), x in ((f, x) for f, x in v.items() if isinstance(f, tuple)) if k == kind}
+                  for kind in ("peak", "end")}
+            segments.append(Segment(key[1], name, key[2], v["peak_bytes"], by["peak"], v["end_bytes"], by["end"]))
+        else:
+            units.append(TracedUnit(name, tuple(v[("param", k)] for k in range(key[3])), key[4], key[5]))
+    return replace(deeper, segments=tuple(segments), units=tuple(units))
+
+
+def derived_step(shallow: Any, deeper: Any, check: Any, depth: int, container: str) -> Any:
+    """The ``StepTrace`` at ``depth`` blocks from the steps at the first two of :data:`STEP_DEPTHS`
+    (:func:`deepen_step`); None unless they give the step at the third, ``check``, exactly (every segment, category
+    and unit, in order)."""
+    once = deepen_step(shallow, deeper, STEP_DEPTHS[2], container)
+    if once is None or once != check:
+        return None
+    return deepen_step(shallow, deeper, depth, container)
