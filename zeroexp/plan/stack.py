@@ -16,8 +16,8 @@ every field and the order of every unit, else the model is traced at its own dep
 derived traces equal to whole ones on zeroexp's models and stacks of foreign blocks). What it saves: a forward's
 fake-tensor trace costs about the same per block whatever the block's width (an 80-block GPT ~0.5 s a batch and dtype
 on this host; two to four blocks a few hundredths each). The same declaration derives the planner's step on the meta
-device (``zeroexp.plan.shape.derived_units``, by :func:`grow_runs`) and a step's counted FLOPs
-(``zeroexp.plan.flops.step_flops``).
+device (``zeroexp.plan.shape.derived_units``, by :func:`grow_runs`), a step's counted FLOPs
+(``zeroexp.plan.flops.step_flops``) and the training step the peak model reads (:func:`derived_step`, below).
 """
 
 from __future__ import annotations
