@@ -357,10 +357,11 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
 
     FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, _fsdp_collectives.py) all-gathers a unit into
     one output buffer and copies it out into the unsharded parameters (``split_with_sizes_copy``). Forward: two
-    unit-sizes while a unit computes, three at a unit's copy-out: the previous unit's all-gather output, kept as the
-    ``AllGatherState``, is freed when the unit's ``wait_for_unshard`` returns, after its copy-out (the method's local
-    ``prev_all_gather_state`` holds it past ``comm_ctx.all_gather_state = None``; Python references, alike on every
-    device: on CUDA FSDP2 guards the buffer with events, not ``record_stream``). Backward, as measured on torch 2.13
+    unit-sizes while a unit computes, three at a unit's copy-out: the previous unit's all-gather output (the first
+    unit's: the root's, gathered before any unit), kept as the ``AllGatherState``, is freed when the unit's
+    ``wait_for_unshard`` returns, after its copy-out (its local ``prev_all_gather_state`` holds it past
+    ``comm_ctx.all_gather_state = None``; Python references, alike on every device: on CUDA FSDP2 guards the buffer
+    with events, not ``record_stream``). Backward, as measured on torch 2.13
     and modelled so: each unit's pre-backward issues the next unit's all-gather (implicit prefetch); a unit computes
     with its parameters, the prefetched buffer and, except the first, the previous unit's reduce-scatter input (FSDP2
     keeps one, ``reduce_scatter_states``, until the next reduce; the memory probe's ``comm`` showed it); its
@@ -428,10 +429,10 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
             if bump and bump[k]:  # its post-forward shard cloned out of it, parameter by parameter
                 keep("forward", _add(_add(s.end_by_category, act), {
                     "unsharded": root + before + 2 * full[k] + bump[k] + sum(full[k + 1:k + 1 + ahead])}))
-        else:  # unit k's copy-out, the previous all-gather output still kept, and those unit k - 1 prefetched
+        else:  # unit k's copy-out: the previous all-gather output kept (unit 0: the root's), unit k-1's prefetched
             early = sum(full[k + 1:k + ahead]) if k else 0
             keep("forward", _add(_add(s.end_by_category, act),
-                                 {"unsharded": root + before + 2 * full[k] + (full[k - 1] if k else 0) + early}))
+                                 {"unsharded": root + before + 2 * full[k] + (full[k - 1] if k else root) + early}))
 
 
 def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
