@@ -95,13 +95,19 @@ def test_every_check_holds_on_a_foreign_model(cell, model, strategy, n):
     (_custom("corpus.unused_branch", "[8]", "strategy=ddp", "strategy.find_unused_parameters=false"),
      "strategy.find_unused_parameters"),
     (_custom("corpus.frozen_mlp", "[16]", "strategy=fsdp_full"), "strategy.use_orig_params"),
+    # the GPT's head tied to its embedding, the head a unit of its own: FSDP1 flattens the weight in both units
+    (("model=gpt", "model.n_layer=2", "model.n_embd=32", "model.seq_len=16", "model.vocab_size=64",
+      "model.wrap=[torch.nn.Linear]", "strategy=fsdp_full"), "model.wrap"),
+    (("model=gpt", "model.n_layer=2", "model.n_embd=32", "model.seq_len=16", "model.vocab_size=64",
+      "strategy=fsdp_grad_op", "strategy.use_orig_params=true", "strategy.wrap=[torch.nn.Linear]"), "strategy.wrap"),
     pytest.param(_custom("transformers.T5ForConditionalGeneration", "[8]",
                          "+model.config._target_=transformers.T5Config", "+model.config.vocab_size=64",
                          "+model.config.d_model=16", "+model.config.num_layers=1", "+model.config.num_heads=2",
                          "+model.config.d_kv=8", "+model.config.d_ff=32", "model.dtype=long", "model.high=64",
                          "model.loss=next_token"), "model._target_",
                  marks=pytest.mark.skipif(not HF, reason="transformers is not installed")),
-], ids=["ddp_unused_without_find_unused", "fsdp1_unit_mixing_frozen", "t5_needs_decoder_inputs"])
+], ids=["ddp_unused_without_find_unused", "fsdp1_unit_mixing_frozen", "fsdp1_tied_weight_in_two_units",
+        "fsdp1_orig_params_tied_weight_in_two_units", "t5_needs_decoder_inputs"])
 def test_a_model_a_strategy_cannot_run_is_refused_before_launch(compose, overrides, key):
     from zeroexp.config.schemas import validate
 

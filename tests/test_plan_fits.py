@@ -121,3 +121,19 @@ def test_cli_says_a_row_is_judged_on_state_alone_and_marks_the_references():
     sentence = next(line for line in out.stdout.splitlines() if line.startswith("N=64:"))
     assert "the fastest that fits 80.0 GB" in sentence and "judged on model state + gather floor alone" in sentence
     assert not any(name in sentence for name in PAPER)
+
+
+def test_a_model_the_peak_model_does_not_cover_is_judged_on_state_with_the_cells_reason():
+    """LoRA's GPT wrapped at Linear: each frozen base projection is an FSDP unit, and backward never reaches the first
+    one (neither its weight nor its input needs a gradient), while the root unit (the adapters) trains. The planner
+    gives the FSDP rows no peak, with the reason a cell's memory check gives (``plan.memory.shape_limits``), and still
+    the rows the peak model covers their peak."""
+    records, _ = _run("model=lora_gpt", "model.n_layer=2", "model.n_embd=32", "model.seq_len=16",
+                      "model.vocab_size=64", "wrap=[torch.nn.Linear]", "world_size=2", "batch_size=2",
+                      "precision=fp16", "device_memory=1GB", "strategies=[ddp,fsdp_full,fsdp_grad_op,fsdp2_full]")
+    rows = {r["strategy"]: r for r in records}
+    for name in ("fsdp_full", "fsdp_grad_op", "fsdp2_full"):
+        assert rows[name]["peak_bytes"] is None and rows[name]["phase_bytes"] is None, name
+        assert "that backward does not reach" in rows[name]["peak_note"], name
+        assert "a root unit that trains" in rows[name]["peak_note"], name
+    assert rows["ddp"]["peak_bytes"] > rows["ddp"]["total_bytes"] and not rows["ddp"].get("peak_note")

@@ -95,7 +95,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
     from zeroexp.formulas.allocator import reserved_peak
     from zeroexp.plan.core import judge_fits
-    from zeroexp.plan.memory import (cell_precision_terms, flow_of, steady_buffers_bytes,
+    from zeroexp.plan.memory import (cell_precision_terms, flow_of, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage, ds_step_frees_grads
     from zeroexp.plan.reserved import steady_blocks
@@ -116,7 +116,8 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     if not traced:
         why = why or ["no traced step: give model= and batch_size="]
     groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
-    why = why or ds_peak_limits(name, groups, knobs.bucket_cap_bytes)
+    # what the model brings that the peak model does not cover: the same limits as a cell's check (memory_section)
+    why = why or ds_peak_limits(name, groups, knobs.bucket_cap_bytes) + shape_limits(name, shape, groups)
     host = offloaded_kinds(LAYOUTS[name], record["offload"])
     state = {kind: record[f"{kind}_bytes"] for kind in STATE_KINDS if kind not in host}
     if why:

@@ -11,7 +11,7 @@ from zeroexp._lib.modules import conv_base
 from zeroexp.formulas import ModelShape, next_reached
 from zeroexp.models import build_model, import_class, loss_of, requires_grad, zeros_batch
 
-__all__ = ["model_shape", "shape_of", "trace_units", "ready_order", "arguments_key", "remember"]
+__all__ = ["model_shape", "shared_across_units", "shape_of", "trace_units", "ready_order", "arguments_key", "remember"]
 
 
 def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[int, ...] | None = None,
@@ -224,3 +224,24 @@ def model_shape(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> Model
     with torch.device("meta"):
         net = build_model(model_cfg)
     return remember(_SHAPES, key, shape_of(net, classes, model_cfg=model_cfg))
+
+
+def shared_across_units(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> list[tuple[str, ...]]:
+    """The parameters of the model config's module (built on the meta device) that modules of more than one FSDP
+    unit hold, ``wrap`` (import paths) cutting the units as :func:`shape_of` does (a module's unit: the nearest wrap
+    class around it, itself included, else the root): each one's names, one for each module that holds it (a GPT's
+    ``lm_head.weight`` tied to ``transformer.wte.weight``, the head a unit of ``nn.Linear``). Empty: none."""
+    classes = tuple(import_class(p) for p in wrap)
+    with torch.device("meta"):
+        net = build_model(model_cfg)
+    holders: dict[int, dict[str, int]] = {}  # a parameter's id: each holding module's name of it, and its unit's id
+
+    def visit(module: nn.Module, prefix: str, unit: int) -> None:
+        unit = id(module) if classes and isinstance(module, classes) else unit
+        for name, p in module.named_parameters(prefix=prefix.rstrip("."), recurse=False):
+            holders.setdefault(id(p), {})[name] = unit
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.", unit)
+
+    visit(net, "", id(net))
+    return [tuple(names) for names in holders.values() if len(set(names.values())) > 1]

@@ -73,10 +73,21 @@ class FSDPAdapter(StrategyAdapter):
     def validate_model(cls, cfg) -> None:
         """Refuse a unit that mixes frozen and trainable parameters without ``strategy.use_orig_params=true``: FSDP1
         flattens a unit's parameters into one FlatParameter, which then needs one ``requires_grad`` ("Must flatten
-        tensors with uniform requires_grad" in every rank otherwise)."""
+        tensors with uniform requires_grad" in every rank otherwise). Refuse a parameter that modules of two units
+        hold (tied weights split by the wrap): each unit flattens it, so FSDP1 unties it (the model trained is no
+        longer the model asked for, its state and collectives twice the tied parameter's), and with
+        ``use_orig_params=true`` the head's forward fails ("'weight' must be 2-D")."""
+        from zeroexp.plan.shape import model_shape, shared_across_units
+
+        shared = shared_across_units(cfg.model, wrap_paths(cfg))
+        if shared:
+            key = "strategy.wrap" if cfg.strategy.wrap is not None else "model.wrap"
+            raise ConfigError(key, list(wrap_paths(cfg)), "module classes whose units leave each shared parameter's "
+                              "modules in one unit (e.g. the model's blocks), or a model without tied weights",
+                              why=f"{', '.join(' = '.join(names) for names in shared)}: one parameter held by "
+                                  "modules of two FSDP units, which FSDP1 flattens in each (the tie broken)")
         if cfg.strategy.get("use_orig_params"):
             return
-        from zeroexp.plan.shape import model_shape
 
         shape = model_shape(cfg.model, wrap_paths(cfg))
         if not shape.trains:
