@@ -110,6 +110,20 @@ def test_dry_run_directory_says_what_it_is_and_leaves_out_what_it_cannot_measure
     assert cell_id(dry) != cell_id(real) and "_n2_dry_" in cell_name(dry) and "dry" not in cell_name(real)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp_full", "fsdp2_full"])
+def test_a_dry_run_with_padding_checks_rank_0_against_the_formulas(cell, strategy):
+    """N=3 does not divide the GPT's units (FSDP1) nor its parameters' dim 0 (FSDP2): rank 0 holds more than the last
+    ranks, so rank 0 x N is above the strategy's factors by the padding, and the state check compares it with rank 0's
+    bytes by the formulas x N, exactly, as plan.state compares rank 0 itself."""
+    r = cell("model=gpt", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.seq_len=8",
+             "model.vocab_size=50", f"strategy={strategy}", "world_size=3", DRY,
+             base=("logger=none", "steps=6", "warmup_steps=0"))
+    state = r.summary["state"]
+    assert state["check"] == "PASS" and r.summary["plan"]["state"]["check"] == "PASS", state["reasons"]
+    for kind in ("param", "grad", "optim"):  # above the closed form: the last ranks' padding
+        assert state["factors"][kind] > state["expected"][kind] > 0, kind
+
+
 @pytest.mark.parametrize("strategy, want", [("ddp", {"all_reduce": (2, P)}),
                                             ("zro", {"all_reduce": (2, P), "broadcast": (DEPTH, P)})])
 def test_dry_run_derives_ddp_and_zro_and_says_so(cell, strategy, want):

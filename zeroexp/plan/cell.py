@@ -31,6 +31,12 @@ def cell_groups(cfg: Any) -> Groups:
                          knobs_of(cfg))
 
 
+def rank_state_of(cfg: Any) -> dict[str, list[tuple[int, int]]]:
+    """The cell's state table by the formulas: per kind, each rank's (logical, physical) bytes
+    (``zeroexp.formulas.rank_state_bytes`` over :func:`cell_groups`)."""
+    return rank_state_bytes(layout_of(cfg)[1], cell_groups(cfg), itemsize_of(cfg), knobs_of(cfg), str(cfg.offload.name))
+
+
 def plan_section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None = None,
                  live_groups: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predicted vs measured bytes per state kind (largest rank, physical) and per rank (logical and physical), and

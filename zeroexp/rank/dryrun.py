@@ -69,7 +69,8 @@ SOURCES = {
 ABSENT = absent_in_dry_run()
 FACTORS_BASIS = ("rank 0 x world_size: a dry run measures rank 0 only. Exact when every rank holds as much as "
                  "rank 0 (N divides every unit, or every parameter's dim 0 for FSDP2); otherwise above the sum "
-                 "over ranks by the padding the last ranks hold instead of parameters")
+                 "over ranks by the padding the last ranks hold instead of parameters. Checked against rank 0's "
+                 "bytes by the formulas x world_size (zeroexp.formulas.rank_state_bytes), padding included")
 CPU = torch.device("cpu")
 
 
@@ -298,9 +299,9 @@ def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, 
     frame = report.tables["rank_state.csv"]
     logical = {k: n * int(frame[frame.kind == k].logical_bytes.sum()) for k in s["factors"]}
     physical = {k: n * int(frame[frame.kind == k].physical_bytes.sum()) for k in s["factors"]}
-    reasons = check_factors({k: v / p for k, v in logical.items()}, s["expected"], logical, p, n,
-                            basis=f"= rank 0 x {n}",
-                            note=" (with padding the last ranks hold less than rank 0: see factors_basis)")
+    reasons = check_factors({k: v / p for k, v in logical.items()}, _rank0_factors(cfg, s["expected"], n, p),
+                            logical, p, n, basis=f"= rank 0 x {n}",
+                            note=" (rank 0's bytes by the formulas x N: see factors_basis)")
     s.update(factors={k: v / p for k, v in logical.items()}, physical_factors={k: v / p for k, v in physical.items()},
              padding_bytes=physical.get("param", 0) - logical.get("param", 0),
              padding_bytes_by_kind={k: physical[k] - logical[k] for k in logical},
@@ -308,6 +309,20 @@ def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, 
              owner_imbalance=None, check="FAIL" if reasons else "PASS", reasons=reasons,
              factors_basis=FACTORS_BASIS, ranks_in_table="rank 0")
     return s, frame
+
+
+def _rank0_factors(cfg: DictConfig, expected: dict[str, float], n: int, p: int) -> dict[str, float]:
+    """The factors rank 0's bytes x N give by the formulas (``zeroexp.plan.cell.rank_state_of``): the strategy's
+    ``expected`` where every rank holds as much as rank 0, above them by the padding the last ranks hold instead of
+    parameters otherwise; ``expected`` itself for a kind, precision or offload the formulas do not model."""
+    from zeroexp.plan.cell import rank_state_of
+    from zeroexp.plan.expect import layout_of
+
+    layout = layout_of(cfg)[1]
+    if str(cfg.precision.name) not in layout.precisions or str(cfg.offload.name) not in layout.offloads:
+        return expected
+    table = rank_state_of(cfg)
+    return {k: n * table[k][0][0] / p if k in table else v for k, v in expected.items()}
 
 
 def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, state: Any,
