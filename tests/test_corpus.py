@@ -359,10 +359,13 @@ def test_fsdp2_below_fp32_predicts_every_ranks_backward_on_pytorchs_transformer(
              f"world_size={n}", base=BASE)
     memory = r.summary["plan"]["memory"]
     assert [rk["check"] for rk in memory["ranks"]] == ["PASS"] * n, memory["reasons"]
-    for rank in memory["ranks"]:  # above the tolerance only by what gloo's worker may free late (a named allowance)
-        predicted, measured = rank["backward"]["predicted_bytes"], rank["backward"]["measured_bytes"]
-        assert predicted <= measured, rank
-        assert measured <= predicted * (1 + memory["tolerance"]) or "late_free" in memory["phases"]["backward"], rank
+    for rank in memory["ranks"]:  # every rank's backward predicted, never above its measurement
+        assert rank["backward"]["predicted_bytes"] <= rank["backward"]["measured_bytes"], rank
+    # the worst rank's phases carry the detail: above the tolerance only by what gloo's worker may free late (a named
+    # allowance; a rank's gloo thread may hold a reduce-scatter's buffer past its hook on a busy host)
+    backward = memory["phases"]["backward"]
+    assert (backward["measured_bytes"] <= backward["predicted_bytes"] * (1 + memory["tolerance"])
+            or "late_free" in backward), backward
 
 
 @pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
