@@ -31,9 +31,22 @@ def cell_groups(cfg: Any) -> Groups:
                          knobs_of(cfg))
 
 
-def rank_state_of(cfg: Any) -> dict[str, list[tuple[int, int]]]:
+def no_byte_model(cfg: Any) -> str | None:
+    """Why the formulas have no byte model for the cell's row in its precision and offload; None where they have."""
+    name, layout = layout_of(cfg)
+    precision, offload = str(cfg.precision.name), str(cfg.offload.name)
+    if precision in layout.precisions and offload in layout.offloads:
+        return None
+    return (f"no byte model for strategy.layout={name} precision={precision} offload={offload} "
+            "(zeroexp.formulas.LAYOUTS)")
+
+
+def rank_state_of(cfg: Any) -> dict[str, list[tuple[int, int]]] | None:
     """The cell's state table by the formulas: per kind, each rank's (logical, physical) bytes
-    (``zeroexp.formulas.rank_state_bytes`` over :func:`cell_groups`)."""
+    (``zeroexp.formulas.rank_state_bytes`` over :func:`cell_groups`); None where there is no byte model
+    (:func:`no_byte_model`)."""
+    if no_byte_model(cfg):
+        return None
     return rank_state_bytes(layout_of(cfg)[1], cell_groups(cfg), itemsize_of(cfg), knobs_of(cfg), str(cfg.offload.name))
 
 
@@ -94,10 +107,8 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
     n, offload = int(cfg.world_size), str(cfg.offload.name)
     precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
     name, layout = layout_of(cfg)
-    if precision.name not in layout.precisions or offload not in layout.offloads:
-        return {"check": "n/a", "row": name,
-                "reasons": [f"no byte model for strategy.layout={name} precision={precision.name} offload={offload} "
-                            "(zeroexp.formulas.LAYOUTS)"]}
+    if why := no_byte_model(cfg):
+        return {"check": "n/a", "row": name, "reasons": [why]}
     measured = _measured(cell)
     if measured is None:
         return {"check": "n/a", "row": name, "reasons": ["no rank_state.csv: the state probe did not run"]}

@@ -242,7 +242,7 @@ def deepen_step(shallow: Any, deeper: Any, depth: int, container: str) -> Any:
     if order is None or shallow.loss_bytes != deeper.loss_bytes or shallow.batch_size != deeper.batch_size:
         return None
     seen: dict = {}
-    records = []
+    segments, units = [], []
     for key, i in order:
         mid = i is not None
         n = seen[(key, i)] = seen.get((key, i), -1) + 1
@@ -253,23 +253,19 @@ def deepen_step(shallow: Any, deeper: Any, depth: int, container: str) -> Any:
             return None
         if not (set(a1) == set(a2) == set(b2)):
             return None
-        grown = {f: a2[f] + (depth - d2) * (a2[f] - a1[f]) + ((i - EDGE) * (b2[f] - a2[f]) if mid else 0) for f in a2}
-        if key[0] == "segment" and any(v < 0 for v in grown.values()):
-            return None
-        pos = _pos(key)
-        block = i if mid else int(pos[4:]) if pos.startswith("head") else depth - 1 - int(pos[4:]) \
-            if pos.startswith("tail") else None
-        records.append((key, block, grown))
-    segments, units = [], []
-    for key, block, v in records:
+        v = {f: a2[f] + (depth - d2) * (a2[f] - a1[f]) + ((i - EDGE) * (b2[f] - a2[f]) if mid else 0) for f in a2}
+        side, j = _pos(key)[:4], _pos(key)[4:]  # head<j>, tail<j>: the j-th block from the start, from the end
+        block = i if mid else int(j) if side == "head" else depth - 1 - int(j) if side == "tail" else None
         rest = key[4] if key[0] == "segment" else key[2]
         name = rest if block is None else f"{prefix}{block}{rest}"
-        if key[0] == "segment":
-            by = {kind: {c: x for (k, c), x in ((f, x) for f, x in v.items() if isinstance(f, tuple)) if k == kind}
-                  for kind in ("peak", "end")}
-            segments.append(Segment(key[1], name, key[2], v["peak_bytes"], by["peak"], v["end_bytes"], by["end"]))
-        else:
+        if key[0] == "unit":
             units.append(TracedUnit(name, tuple(v[("param", k)] for k in range(key[3])), key[4], key[5]))
+            continue
+        if any(x < 0 for x in v.values()):
+            return None
+        peak, end = ({f[1]: x for f, x in v.items() if isinstance(f, tuple) and f[0] == kind}
+                     for kind in ("peak", "end"))
+        segments.append(Segment(key[1], name, key[2], v["peak_bytes"], peak, v["end_bytes"], end))
     return replace(deeper, segments=tuple(segments), units=tuple(units))
 
 

@@ -316,12 +316,10 @@ def _rank0_factors(cfg: DictConfig, expected: dict[str, float], n: int, p: int) 
     ``expected`` where every rank holds as much as rank 0, above them by the padding the last ranks hold instead of
     parameters otherwise; ``expected`` itself for a kind, precision or offload the formulas do not model."""
     from zeroexp.plan.cell import rank_state_of
-    from zeroexp.plan.expect import layout_of
 
-    layout = layout_of(cfg)[1]
-    if str(cfg.precision.name) not in layout.precisions or str(cfg.offload.name) not in layout.offloads:
-        return expected
     table = rank_state_of(cfg)
+    if table is None:
+        return expected
     return {k: n * table[k][0][0] / p if k in table else v for k, v in expected.items()}
 
 
