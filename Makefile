@@ -25,8 +25,8 @@ run: $(STAMP)
 	$(VPY) -m zeroexp $(ARGS)
 
 # The whole suite (PYTEST_ARGS empty; CI): on two pytest-xdist workers, each module on one (its cells are shared there;
-# the modules reading a shared session sweep are one unit: tests/conftest.py), then the `serial` modules alone (fresh
-# interpreters waited on with timeouts and signals). With PYTEST_ARGS: one pytest run of what they name.
+# the modules reading a shared session sweep are one unit: tests/conftest.py), then the `serial` modules alone (a fresh
+# `python -m zeroexp` signalled or timed in seconds). With PYTEST_ARGS: one pytest run of what they name.
 test: $(STAMP) browser
 ifeq ($(strip $(PYTEST_ARGS)),)
 	$(VPY) -m pytest -q --durations=15 -n 2 --dist loadfile -m "not serial"

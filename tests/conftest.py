@@ -55,8 +55,12 @@ rank_context().set_forkserver_preload([*FORKSERVER_PRELOAD[:-1], "deepspeed.runt
                                        "transformers.models.bert.modeling_bert",
                                        "transformers.models.llama.modeling_llama", FORKSERVER_PRELOAD[-1]])
 
-#: Shrinks every test cell: no W&B unless a test asks for it, a small 8-layer Linear stack, few steps.
-BASE = ("logger=none", "model.width=64", "steps=10", "warmup_steps=3")
+#: The suite's cells' measurement windows (zeroexp.config.schedule): warm-up 3, one profiled step and one
+#: memory-tracked step (the product's default is two of each; every check reads one), then the steps left are timed.
+WINDOWS = ("warmup_steps=3", "probes.profile_steps=1", "probes.memory_steps=1")
+#: Shrinks every test cell: no W&B unless a test asks for it, a small 8-layer Linear stack, 8 steps (3 of them timed).
+STEPS = 8
+BASE = ("logger=none", "model.width=64", f"steps={STEPS}", *WINDOWS)
 
 
 class _Composer:
@@ -175,7 +179,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: runs, progress lines): 12 jobs, 6 distinct cells (prefetch applies to fsdp_full only), run once per session.
 LADDER_SWEEP = ("strategy=ddp,zro,fsdp_grad_op,fsdp_full", "prefetch=pre,post,none", "logger=wandb")
 #: The shapes of the shared sweeps (as BASE shrinks the cells of ``cell``).
-SWEEP_SMALL = ("world_size=2", "model.width=64", "steps=10")
+SWEEP_SMALL = ("world_size=2", "model.width=64", f"steps={STEPS}", *WINDOWS)
 
 
 def _sweep_env(fault: str | None = None) -> dict[str, str]:
@@ -286,9 +290,9 @@ def _starts_processes(func, depth: int = 3) -> bool:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts rank processes (a cell, a sweep, the CLI); deselect with "
                                        "-m 'not slow'")
-    config.addinivalue_line("markers", "serial: starts fresh interpreters (`python -m zeroexp`, torchrun) and waits "
-                                       "on them with timeouts or signals: `make test` runs these alone, after the "
-                                       "others")
+    config.addinivalue_line("markers", "serial: signals a fresh `python -m zeroexp` or bounds its time in seconds "
+                                       "(the fault matrix, the reliability rows): `make test` runs these alone, after "
+                                       "the others")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/test_cuda.py; benchmarks/gpu_check.sh "
                                        "runs these)")
 

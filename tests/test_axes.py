@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import read_csv
+from conftest import STEPS, WINDOWS, read_csv
 from zeroexp.config.cell import cell_id, cell_identity, cell_name
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.plan.expect import knobs_of, layout_of
@@ -95,7 +95,7 @@ def test_cells_of_the_axes_pass_every_check_with_the_measured_collectives(cell, 
 def test_grad_accum_keeps_ddps_all_reduces_per_step_and_counts_optimizer_steps(cell):
     one, four = (cell(*CELLS[case], *N2) for case in ("ddp", "ddp-ga4-clip"))
     assert one.summary["collectives"]["counts"] == four.summary["collectives"]["counts"] == {"all_reduce": 1}
-    assert four.summary["equivalence"]["steps"] == one.summary["equivalence"]["steps"] == 10  # optimizer steps
+    assert four.summary["equivalence"]["steps"] == one.summary["equivalence"]["steps"] == STEPS  # optimizer steps
     # The memory probe tracks each of a step's 4 micro-batches (MemTracker's module state reset between them).
     assert four.summary["memory"]["tracked_steps"] == one.summary["memory"]["tracked_steps"]
 
@@ -139,7 +139,7 @@ def test_activation_checkpointing_is_a_group_in_the_identity_only_when_full(comp
 
 
 GPT = ("model=gpt", "model.n_layer=2", "world_size=2")
-GPT_BASE = ("logger=none", "steps=10", "warmup_steps=3")  # conftest.BASE without the mlp's width
+GPT_BASE = ("logger=none", "steps=8", *WINDOWS)  # conftest.BASE without the mlp's width
 
 
 def test_checkpointing_recomputes_without_new_collectives_and_cuts_the_forward_peak(cell):

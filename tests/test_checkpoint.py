@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_csv
+from conftest import STEPS, read_csv
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.probes.checkpoint import META, CheckpointError, verify_checkpoint
 
@@ -89,7 +89,7 @@ def _copy(cell, tmp_path: Path, strategy: str, kind: str) -> Path:
 
 def test_damaged_or_mismatched_checkpoints_are_refused(cell, tmp_path):
     sharded = _copy(cell, tmp_path, "fsdp_full", "sharded")
-    assert verify_checkpoint(sharded, kind="sharded", strategy="fsdp_full", world_size=2)["step"] == 10
+    assert verify_checkpoint(sharded, kind="sharded", strategy="fsdp_full", world_size=2)["step"] == STEPS
     with pytest.raises(CheckpointError, match="written by 2 ranks.*not world_size=4"):
         verify_checkpoint(sharded, kind="sharded", strategy="fsdp_full", world_size=4)
     with pytest.raises(CheckpointError, match="a sharded checkpoint; a full one"):

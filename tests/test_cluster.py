@@ -18,8 +18,6 @@ from zeroexp.launch.cluster.env import detect
 from zeroexp.config.schemas import ConfigError
 from zeroexp.launch.local import free_port
 
-pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
-
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

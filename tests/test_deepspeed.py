@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from conftest import read_csv
+from conftest import WINDOWS, read_csv
 
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.strategies import deepspeed as ds_adapter
@@ -157,7 +157,7 @@ def test_refusals(compose, monkeypatch):
 #: Each corpus model and its sample's shape.
 CORPUS = {"biased": "[10]", "conv_bn": "[3,8,8]", "frozen_mlp": "[16]"}
 #: conftest.BASE without model.width (the default Linear stack's), which the corpus factories do not take.
-FOREIGN_BASE = ("logger=none", "steps=10", "warmup_steps=3")
+FOREIGN_BASE = ("logger=none", "steps=8", *WINDOWS)
 
 
 def _foreign(cell, model: str, stage: int, n: int, *extra: str):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import read_csv, run_cli
+from conftest import STEPS, WINDOWS, read_csv, run_cli
 from zeroexp.cli.run import CONF_DIR
 from zeroexp.config.schemas import ConfigError, validate
 
@@ -96,7 +96,7 @@ def test_every_strategy_trains_the_same_losses_as_ddp(cell, world_size):
         for name in ("manifest.json", "summary.json", "iterations.csv"):
             assert (r.cell_dir / name).exists(), (o, name)
     ref = read_csv(results[LADDER[0]], "iterations.csv").sort_values(["rank", "step"]).reset_index(drop=True)
-    assert len(ref) == world_size * 10 and ref.loss.gt(0).all()
+    assert len(ref) == world_size * STEPS and ref.loss.gt(0).all()
     assert ref.groupby("rank").loss.apply(lambda s: s.iloc[-1] < s.iloc[0]).all()  # it trains
     for o, r in results.items():
         it = read_csv(r, "iterations.csv").sort_values(["rank", "step"]).reset_index(drop=True)
@@ -116,7 +116,7 @@ def test_manifest_and_summary_fields(cell):
     assert m["config"]["strategy"]["bucket_cap_mb"] == 25.0  # resolved
     assert m["started_at"] <= m["ended_at"]
     s = r.summary
-    assert s["status"] == "ok" and s["cell"] == m["cell"] and s["world_size"] == 2 and s["steps"] == 10
+    assert s["status"] == "ok" and s["cell"] == m["cell"] and s["world_size"] == 2 and s["steps"] == STEPS
     assert m["schema_version"] == s["schema_version"] == 2  # docs/results.md, Schema versions
 
 
@@ -140,13 +140,13 @@ def test_multirun_runs_each_distinct_cell_once(ladder_sweep):
         run = read_run(runs[0])
         assert run["run"]["name"] == c.name and run["run"]["group"] == sweep.name
         assert run["summary"]["status"] == "ok" and run["summary"]["world_size"] == 2
-        assert len([h for h in run["history"] if "train/loss_rank0" in h]) == 10  # conftest.SWEEP_SMALL: steps=10
+        assert len([h for h in run["history"] if "train/loss_rank0" in h]) == STEPS  # conftest.SWEEP_SMALL
     assert not list(sweep.parent.glob("wandb")) and not list(sweep.parent.glob("outputs"))  # nothing in its cwd
 
 
 def test_any_module_through_target(cell, compose):
     """torch's own TransformerEncoderLayer, built from the model config's _target_ and its arguments."""
-    base = ("logger=none", "steps=10")
+    base = ("logger=none", "steps=8", *WINDOWS)
     with pytest.raises(ConfigError, match="width"):
         validate(compose("model=transformer_layer", "+model.width=64", base=()))
     ddp = cell("model=transformer_layer", "strategy=ddp", "world_size=2", base=base)
@@ -160,7 +160,7 @@ def test_any_module_through_target(cell, compose):
 def test_model_custom_runs_a_module_from_the_command_line_alone(cell, compose):
     """model=custom holds only what every model needs: _target_ and input_shape are required, the factory's
     arguments come with +model.<arg>=..."""
-    base = ("logger=none", "steps=10")
+    base = ("logger=none", "steps=8", *WINDOWS)
     for overrides, key in ((("model=custom",), "model._target_"),
                            (("model=custom", "model._target_=torch.nn.Linear"), "model.input_shape")):
         with pytest.raises(ConfigError) as e:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_threshold_rule, read_csv
+from conftest import STEPS, assert_threshold_rule, read_csv
 from zeroexp.probes.equivalence import compare
 from zeroexp.probes.timing import TimingProbe, step_statistics
 from zeroexp.launch.runner import run_cell
@@ -125,13 +125,13 @@ def test_equivalence_passes_on_the_ladder(ladder, name):
     # The threshold is the larger of the precision's and ten reduction-order floors, the floor measured at run time
     # (a few ulps after 10 steps on the CPUs seen so far; its value is this CPU's kernels', so it is not asserted).
     assert_threshold_rule(eq)
-    assert eq["compared_tensors"] == 8 and eq["steps"] == 10
+    assert eq["compared_tensors"] == 8 and eq["steps"] == STEPS
     assert "unsharded" in eq["reference"]
 
 
 def test_timing_section_over_timed_steps_only(ladder):
     timing = ladder["ddp"].summary["timing"]
-    assert timing["steps"] == [7, 8, 9]  # steps=10: warm-up 0-2, profiled 3-4, memory 5-6
+    assert timing["steps"] == [5, 6, 7]  # steps=8: warm-up 0-2, profiled 3, memory 4
     assert timing["timed_steps"] == 3 and isinstance(timing["unstable"], bool)
     # each timed step split at on_before_backward and on_after_backward: three phases, each measured (> 0)
     assert set(timing["phase_ms"]) == {"forward", "backward", "optimizer"}

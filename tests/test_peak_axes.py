@@ -13,10 +13,11 @@ from zeroexp.formulas.accumulation import accumulated_grad_bytes, accumulated_ph
 from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
 from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
 from zeroexp.plan.memory import uncovered
+from conftest import WINDOWS
 
 #: A 3-block GPT, small (conf/model/gpt.yaml's width), at N=2: the cells this module checks against the models.
 GPT = ("model=gpt", "model.n_layer=3", "world_size=2")
-GPT_BASE = ("logger=none", "steps=10", "warmup_steps=3")  # conftest.BASE without the mlp's width
+GPT_BASE = ("logger=none", "steps=8", *WINDOWS)  # conftest.BASE without the mlp's width
 
 
 def _trace(*segments: dict) -> StepTrace:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from zeroexp.launch.progress import SweepClock, format_line, read_progress, watch_progress
 from zeroexp.rank.progress import PROGRESS_FILE, StepRecorder
+from conftest import STEPS
 
 LINE = re.compile(r"^(?P<name>\S+): step (?P<k>\d+) of (?P<n>\d+), loss \S+, step [\d.]+ ms, "
                   r"elapsed \d+:\d\d, ETA (\d+:\d\d|\?)$")
@@ -84,9 +85,10 @@ def test_cli_sweep_shows_cells_and_their_progress(ladder_sweep):
         assert re.fullmatch(rf"cell {i} of 12: \S+  \(sweep ETA \d+:\d\d, [\d.]+ s per cell so far\)", head), heads
     # Hydra's jobs: strategy by strategy, each with prefetch pre, post, none (a duplicate names its cell too)
     assert [h.split(": ")[1].split("_")[0] for h in heads] == ["ddp"] * 3 + ["zro"] * 3 + ["fsdp"] * 6, heads
-    finals = [m["name"] for line in proc.stderr.splitlines() if (m := LINE.match(line)) and m["k"] == m["n"] == "10"]
+    finals = [m["name"] for line in proc.stderr.splitlines()
+              if (m := LINE.match(line)) and m["k"] == m["n"] == str(STEPS)]
     assert [n.split("_")[0] for n in finals] == ["ddp", "zro", "fsdp", "fsdp", "fsdp", "fsdp"], proc.stderr[-3000:]
     cells = list(sweep_dir.glob("*/manifest.json"))
     assert len(cells) == 6
     for cell_dir in cells:
-        assert read_progress(cell_dir.parent)["step"] == 10
+        assert read_progress(cell_dir.parent)["step"] == STEPS

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
-
 ROOT = Path(__file__).resolve().parent.parent
 
 

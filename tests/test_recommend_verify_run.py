@@ -13,8 +13,6 @@ import pytest
 from test_time import calibration_data
 from zeroexp.results.calibration import machine
 
-pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -16,9 +16,19 @@ from zeroexp.models import import_class
 from zeroexp.models.gpt import Block
 from zeroexp.plan import row_peak
 from zeroexp.plan.activations import trace_activations
+import zeroexp.plan.stack as stack
 from zeroexp.plan.stack import DERIVED_ABOVE, at_depth, deepen, derived_trace, stack_of
 
-DEEP = DERIVED_ABOVE + 1  # the shallowest stack derived
+#: The derivation's threshold in this module's tests: the rule is the same at any depth above the shallow steps'
+#: (STEP_DEPTHS, then two blocks more), and a whole trace of 9 blocks costs less than one of DERIVED_ABOVE + 1.
+TESTED_ABOVE = 8
+DEEP = TESTED_ABOVE + 1  # the shallowest stack derived here
+
+
+@pytest.fixture(autouse=True)
+def _derive_above_eight(monkeypatch):
+    """Stacks deeper than TESTED_ABOVE derived (the product's threshold, DERIVED_ABOVE, only saves time)."""
+    monkeypatch.setattr(stack, "DERIVED_ABOVE", TESTED_ABOVE)
 
 GPT = {"_target_": "zeroexp.models.gpt.GPT", "vocab_size": 64, "seq_len": 16, "n_layer": DEEP, "n_head": 2,
        "n_embd": 32, "bias": True, "tie_weights": True, "input_shape": [16], "dtype": "long", "low": 0, "high": 64,
@@ -122,10 +132,15 @@ def test_a_declared_stack_whose_blocks_differ_is_traced_whole():
     assert _same(row_peak.forward_trace(cfg, 2, [nn.Linear]), whole)
 
 
-def test_only_a_declared_stack_given_its_depth_is_derived():
+def test_only_a_declared_stack_given_its_depth_is_derived(monkeypatch):
+    assert max(stack.STEP_DEPTHS) < TESTED_ABOVE < DERIVED_ABOVE
+    with monkeypatch.context() as product:
+        product.setattr(stack, "DERIVED_ABOVE", DERIVED_ABOVE)  # the product's threshold
+        assert stack_of({**GPT, "n_layer": DERIVED_ABOVE}) is None
+        assert stack_of({**GPT, "n_layer": DERIVED_ABOVE + 1}) == ("n_layer", "h", DERIVED_ABOVE + 1)
     assert stack_of(GPT) == ("n_layer", "h", DEEP) and stack_of(LORA) == ("n_layer", "h", DEEP)
     assert stack_of(MLP) == ("depth", "", DEEP)
-    assert stack_of({**GPT, "n_layer": DERIVED_ABOVE}) is None  # shallow enough: traced whole, cheaper
+    assert stack_of({**GPT, "n_layer": TESTED_ABOVE}) is None  # shallow enough: traced whole, cheaper
     assert stack_of({**GPT, "n_layer": str(DEEP)}) is None
     assert stack_of({k: v for k, v in GPT.items() if k != "n_layer"}) is None
     assert stack_of({"_target_": "corpus.frozen_mlp", "depth": DEEP}) is None  # no declaration: traced whole
