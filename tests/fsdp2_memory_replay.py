@@ -19,8 +19,8 @@ from zeroexp._lib.dispatch import dispatch_mode_base
 from zeroexp._lib.storages import storage_address
 
 #: PyTorch's subtests in its order (``run_subtests`` over reshard_after_forward [True, False], use_cpu_offload
-#: [True, False], run_optim_in_backward [True, False]), less those it skips and those with CPU offload, which keeps the
-#: state on the host: on a CPU host nothing would be offloaded (PyTorch's order runs it first).
+#: [True, False], run_optim_in_backward [True, False]), less those it skips and the CPU-offload one (run first there):
+#: it keeps its state on the host, which a CPU replay cannot tell from the device, and leaves the device nearly empty.
 ORDER = ((True, True), (True, False), (False, False))  # (reshard_after_forward, run_optim_in_backward)
 
 
