@@ -186,3 +186,63 @@ def test_planner_rows_of_deepspeed_peak_with_the_bucket_and_name_what_is_not_mod
         "no peak model yet for a parameter of 100000000 elements above reduce_bucket_size=262144",
         "no peak model yet for stage 3 beyond one prefetch bucket"]
     assert ds_peak_limits("deepspeed_stage2", Groups("deepspeed_stage2", 2, (10, 10)), 2**20) == []
+
+
+@needs_deepspeed
+def test_gloos_copy_of_a_reduce_scatter_input_held_into_the_step_is_one_named_late_tensor(compose):
+    """gloo's ``_reduce_scatter_base`` clones its input and its work object holds the clone; gloo's worker thread may
+    drop the work after the step began (CI: the biased 10-7-3 stack at stage 3, N=3, 420 B labelled activations in the
+    optimizer phase). Built here deterministically: the copy measured in a one-rank gloo group with the work held, then
+    the cell's check fed that copy above its prediction in the step."""
+    from test_memory_categories import _group
+    from zeroexp._lib.memtrack import step_mem_tracker, totals
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.cell import cell_groups
+    from zeroexp.plan.expect import layout_of
+    from zeroexp.plan.memory import memory_section
+    from zeroexp.plan.shape import model_shape
+
+    n, numels = 3, (10 * 7, 7, 7 * 3, 3)
+    concat = sum(-(-k // n) * n for k in numels) * 4  # every gradient's rank chunks padded to N: 105 fp32 elements
+    assert concat == 420
+    pg, mt = _group(), step_mem_tracker()
+    with mt:
+        flat = torch.ones(concat // 4)  # DeepSpeed's concatenation (reduce_scatter_coalesced)
+        before = totals(mt.get_tracker_snapshot("current"), "cpu")[0]
+        work = pg._reduce_scatter_base(flat[:], flat)  # the rank's chunk, a view of the input as DeepSpeed's (N=1)
+        work.wait()
+        held, cats = totals(mt.get_tracker_snapshot("current"), "cpu")
+        del work
+        gone = totals(mt.get_tracker_snapshot("current"), "cpu")[0]
+    # gloo's copy, alive while its work is, labelled activations (the input itself is comm once the collective ran)
+    assert held - before == concat and (cats["activations"], cats["comm"]) == (concat, concat)
+    assert gone == before
+
+    cfg = compose("strategy=deepspeed", f"world_size={n}", "strategy.stage=3", "model=custom",
+                  "model._target_=corpus.biased", "model.input_shape=[10]",
+                  base=("logger=none", "steps=10", "warmup_steps=3"))
+    name = layout_of(cfg)[0]
+    args = (name, cell_groups(cfg), 4, [import_class(p) for p in wrap_paths(cfg)],
+            model_shape(cfg.model, wrap_paths(cfg)))
+
+    def check(predicted: list[dict] | None, extra: int = 0) -> dict:
+        """The check fed a CPU cell's memory section: each rank at its predicted phases (None: 1 GB above steady),
+        ``extra`` bytes more in the step."""
+        steady = 10**5
+        by_rank = [{ph: {"peak_bytes": steady + (p[ph]["predicted_bytes"] if predicted else 10**9) + (
+            extra if ph == "optimizer" else 0), "by_category": {}} for ph in ("forward", "backward", "optimizer")}
+            for p in (predicted or [None] * n)]
+        return memory_section(cfg, {"memory": {
+            "source": "torch.distributed._tools.MemTracker: ...", "max_rank": 0, "steady_bytes": [steady] * n,
+            "phases_of_max_rank": by_rank[0], "phases_by_rank": by_rank, "steady_categories_of_max_rank": {},
+            "steady_categories_by_rank": [{}] * n}}, *args)
+
+    predicted = check(None)["ranks"]  # each rank's prediction on gloo
+    exact = check(predicted)
+    assert exact["check"] == "PASS", exact["reasons"]
+    late = check(predicted, concat)  # gloo's copy still held by its work in the step, on every rank
+    assert late["check"] == "PASS", late["reasons"]
+    assert late["phases"]["optimizer"]["late_free"] == (
+        f"{concat} B above the prediction, within one late-freed tensor: bucket 0's reduce-scatter input as gloo "
+        f"copied it (_reduce_scatter_base), held by gloo's work ({concat} B)")
+    assert check(predicted, 2 * concat)["check"] == "FAIL"  # one such tensor, never two
