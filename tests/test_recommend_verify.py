@@ -162,3 +162,7 @@ def test_the_cells_calibration_is_one_of_their_model_or_made_on_it(tmp_path, mon
     (tmp_path / "outputs" / "calibration" / "gpt.json").write_text(json.dumps(gpt))
     assert v.calibration_for(cfg, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "gpt.json")
     assert len(ran) == 1
+    named = _compose("recommend", "model=gpt", "world_size=2", "network=this_machine",
+                     f"network.calibration={tmp_path / 'outputs' / 'calibration' / 'mlp.json'}")
+    assert v.calibration_for(named, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "mlp.json")
+    assert len(ran) == 1  # a calibration named is the user's choice, of whatever model

@@ -5,8 +5,9 @@ directory and its report, and say whether the measured order agrees with the pre
 Each cell is ``python -m zeroexp <overrides>`` in a fresh interpreter, its directory ``<verify_dir>/NN``; a cell
 whose ``manifest.json`` says ok is not run again (the same ``recommend.verify_dir`` resumes). The cells use one
 calibration of this machine at the verify's world size whose compute was timed on the cells' model (its
-``compute.model_config``): the recommender's own (``network=this_machine``) when it is, else the newest such of this
-machine (``outputs/calibration/``), else one made first on that model and micro-batch
+``compute.model_config``): the recommender's own (``network=this_machine``) when it is or was named
+(``network.calibration=PATH``: the user's choice, each cell's ``plan.time`` then names the model it was timed on),
+else the newest such of this machine (``outputs/calibration/``), else one made first on that model and micro-batch
 (``python -m zeroexp.calibrate world_size=N model=... model.*=... batch_size=...``): a compute rate carried over
 from another model is not this model's (an MLP's made a GPT's cells predicted 3.6-7.9x low).
 """
@@ -113,8 +114,8 @@ def _same_model(cal: Any, config: dict[str, Any] | None) -> bool:
 
 
 def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say: Any) -> str:
-    """The calibration the cells use (see the module's docstring): one of that size timed on the cells' model, else
-    one made first on it."""
+    """The calibration the cells use (see the module's docstring): one of that size named or timed on the cells'
+    model, else one made first on it."""
     from zeroexp.results.calibration import find_calibration, load_calibration
 
     items, config = _model_of(cell_overrides)
@@ -122,8 +123,8 @@ def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say
     if net.get("kind") == "calibration":
         path = net.get("calibration")
         cal = load_calibration(path) if path else find_calibration("gloo", s.world_size)
-        if cal is not None and cal.world_size == s.world_size and _same_model(cal, config):
-            return str(Path(cal.path).resolve())
+        if cal is not None and cal.world_size == s.world_size and (path or _same_model(cal, config)):
+            return str(Path(cal.path).resolve())  # one named (network.calibration=PATH) is the user's choice
     found = find_calibration("gloo", s.world_size, model=lambda c: _same_model(c, config))
     if found is not None:
         return str(Path(found.path).resolve())
