@@ -1,7 +1,7 @@
 """What one calibration rank measures of the framework's own per-step costs (:mod:`zeroexp.formulas.framework`),
 every rank at once, apart from any cell: the training loop's cost on a trivial model, each wrapper's cost per
-collective call on a tiny model and per byte of the call's payload from a wide one, and the rate of a copy between
-warm buffers.
+collective call on a tiny model and per byte of the call's payload from a wide one, AdamW's cost per DTensor
+parameter (FSDP2's), and the rate of a copy between warm buffers.
 
 Each figure is a difference of two measurements taken side by side in this process, the slowest rank's median.
 A difference below zero (noise larger than the cost) is kept as measured in ``raw`` and used as 0.
