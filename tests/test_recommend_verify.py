@@ -125,3 +125,44 @@ def test_verify_settings(tmp_path):
     s = settings(_compose("recommend", "model=gpt", "world_size=2", "network=a100_ib", "recommend.verify=3",
                           "recommend.verify_model=['model=gpt','model.n_layer=2']", f"recommend.verify_dir={tmp_path}"))
     assert (s.k, s.world_size, s.model, s.steps, s.out_dir) == (3, 2, ["model=gpt", "model.n_layer=2"], 20, tmp_path)
+
+
+def test_the_cells_calibration_is_one_of_their_model_or_made_on_it(tmp_path, monkeypatch):
+    """Reused only when its compute was timed on the cells' model (``compute.model_config``); else made on that
+    model and micro-batch."""
+    import json
+    import subprocess
+    from types import SimpleNamespace
+
+    from test_time import calibration_data
+    from zeroexp.cli import verify as v
+    from zeroexp.results.calibration import machine
+
+    cell = ["strategy=ddp", "model=gpt", "model.n_embd=128", "model.seq_len=64", "world_size=2", "batch_size=4"]
+    items, config = v._model_of(cell)
+    assert items == ["model=gpt", "model.n_embd=128", "model.seq_len=64", "batch_size=4"]
+    assert (config["name"], config["n_embd"], config["seq_len"], config["input_shape"]) == ("gpt", 128, 64, [64])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "calibration").mkdir(parents=True)
+    mlp = calibration_data(machine_id=machine()["id"], created="2026-01-02")
+    mlp["compute"]["model_config"] = {"name": "mlp", "width": 768}
+    (tmp_path / "outputs" / "calibration" / "mlp.json").write_text(json.dumps(mlp))
+    ran = []
+
+    def fake_run(args, **kw):
+        ran.append(args)
+        return SimpleNamespace(returncode=0, stdout=f"...\n{tmp_path / 'made.json'}\n")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    s = v.Settings(2, 2, None, 20, None, tmp_path / "verify")
+    cfg = _compose("recommend", "model=gpt", "world_size=2", "network=a100_ib")
+    assert v.calibration_for(cfg, s, cell, lambda _: None) == str(tmp_path / "made.json")  # the MLP's: not reused
+    assert ran[0][1:] == ["-m", "zeroexp.calibrate", "world_size=2", *items, f"output_dir={s.out_dir / 'calibration'}"]
+    gpt = calibration_data(machine_id=machine()["id"], created="2026-01-01", model="gpt")
+    gpt["compute"]["model_config"] = {**config, "n_layer": 4}  # every key of the cells' model equal, and more
+    (tmp_path / "outputs" / "calibration" / "gpt.json").write_text(json.dumps(gpt))
+    assert v.calibration_for(cfg, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "gpt.json")
+    assert len(ran) == 1
+    named = _compose("recommend", "model=gpt", "world_size=2", "network=this_machine",
+                     f"network.calibration={tmp_path / 'outputs' / 'calibration' / 'mlp.json'}")
+    assert v.calibration_for(named, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "mlp.json")
+    assert len(ran) == 1  # a calibration named is the user's choice, of whatever model

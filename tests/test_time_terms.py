@@ -91,8 +91,56 @@ def test_the_per_byte_fit_is_the_line_through_the_tiny_and_the_wide_model():
 
 
 def test_a_row_without_calibrated_paths_says_so():
-    t = framework_time(*_groups("fsdp2_full"), 4, COST)
+    t = framework_time(*_groups("deepspeed_stage3"), 4, COST)
     assert t.terms == {"loop": 1e-3} and "only the loop" in t.notes[0]
+
+
+FSDP2_COST = FrameworkCost(loop_s=1e-3, fsdp2_call_s=4e-4, fsdp2_call_s_per_byte=1e-10, dtensor_param_step_s=5e-5)
+
+
+@pytest.mark.parametrize("row, backward_gathers", [("fsdp2_full", 8), ("fsdp2_grad_op", 0)])
+def test_fsdp2_pays_per_call_per_byte_and_per_dtensor_parameter(row, backward_gathers):
+    t = framework_time(*_groups(row), 4, FSDP2_COST)
+    one = 4e-4 + 768 * 768 * 4 * 1e-10  # a Linear's unit, dim 0 already a multiple of N = 2
+    assert t.terms["fsdp2_forward_calls"] == pytest.approx(8 * one) == t.forward_s
+    assert t.terms["fsdp2_backward_calls"] == pytest.approx((backward_gathers + 8) * one) == t.backward_s
+    assert t.terms["dtensor_optimizer_step"] == pytest.approx(8 * 5e-5)  # one DTensor per trained parameter
+    assert t.optimizer_s == pytest.approx(1e-3 + 8 * 5e-5) and not t.notes
+    assert framework_time(*_groups(row), 4, COST).total_s == 1e-3  # FSDP1's terms are not FSDP2's
+
+
+def test_a_calibration_before_schema_7_reads_fsdp2_terms_as_0_and_says_so():
+    from tests.test_time import calibration_data
+
+    data = calibration_data()
+    data["framework"] = {"loop_s": 1e-3, "copy_s_per_byte": 1e-10, "fsdp1_call_s": 5e-4}
+    old = Calibration("given", dict(data, schema=6))
+    assert (old.framework.fsdp2_call_s, old.framework.dtensor_param_step_s) == (0.0, 0.0)
+    assert "fsdp2_call_s, fsdp2_call_s_per_byte, dtensor_param_step_s" in old.missing_terms()
+    data["framework"].update(fsdp2_call_s=4e-4, fsdp2_call_s_per_byte=1e-10, dtensor_param_step_s=5e-5)
+    new = Calibration("given", dict(data, schema=7))
+    assert new.framework == FrameworkCost(loop_s=1e-3, copy_s_per_byte=1e-10, fsdp1_call_s=5e-4, fsdp2_call_s=4e-4,
+                                          fsdp2_call_s_per_byte=1e-10, dtensor_param_step_s=5e-5)
+    assert new.missing_terms() is None
+
+
+def test_plan_time_of_fsdp2_names_the_terms_an_old_calibration_lacks(compose, tmp_path):
+    from tests.test_time import calibration_data
+    from zeroexp.plan.time import time_section
+
+    data = calibration_data(numel=8 * 64 * 64)
+    data["framework"] = {"loop_s": 1e-3, "copy_s_per_byte": 1e-10, "fsdp1_call_s": 5e-4}
+    for schema, extra in ((6, {}), (7, {"fsdp2_call_s": 4e-4, "fsdp2_call_s_per_byte": 0.0,
+                                        "dtensor_param_step_s": 5e-5})):
+        path = tmp_path / f"cal{schema}.json"
+        path.write_text(json.dumps({**data, "schema": schema, "framework": {**data["framework"], **extra}}))
+        section = time_section(compose("strategy=fsdp2_full", "world_size=2", f"calibration={path}"),
+                               {"timing": {"step_ms": [10.0] * 40}, "collectives": {}})
+        lacks = [r for r in section["reasons"] if "lacks fsdp2_call_s" in r]
+        terms = section["framework"]["terms_ms"]
+        assert len(lacks) == (1 if schema == 6 else 0) and "dtensor_optimizer_step" in terms
+        if schema == 7:
+            assert terms["fsdp2_forward_calls"] > 0.0 and terms["dtensor_optimizer_step"] > 0.0
 
 
 def test_the_terms_enter_the_step_in_their_phases():

@@ -1,7 +1,7 @@
 """What one calibration rank measures of the framework's own per-step costs (:mod:`zeroexp.formulas.framework`),
 every rank at once, apart from any cell: the training loop's cost on a trivial model, each wrapper's cost per
-collective call on a tiny model and per byte of the call's payload from a wide one, and the rate of a copy between
-warm buffers.
+collective call on a tiny model and per byte of the call's payload from a wide one, AdamW's cost per DTensor
+parameter (FSDP2's), and the rate of a copy between warm buffers.
 
 Each figure is a difference of two measurements taken side by side in this process, the slowest rank's median.
 A difference below zero (noise larger than the cost) is kept as measured in ``raw`` and used as 0.
@@ -21,8 +21,8 @@ from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, sl
 from zeroexp.results.calibration import call_table
 from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
 
-__all__ = ["measure_framework", "per_call", "per_byte_fit", "stream_floor", "TINY_UNITS", "TINY_WIDTH", "WIDE_WIDTH",
-           "COPY_BYTES"]
+__all__ = ["measure_framework", "per_call", "per_byte_fit", "stream_floor", "dtensor_step", "TINY_UNITS", "TINY_WIDTH",
+           "WIDE_WIDTH", "COPY_BYTES"]
 
 #: The tiny model the wrappers run on: its compute and bytes are negligible beside each call's own cost.
 TINY_UNITS, TINY_WIDTH, TINY_BATCH = 8, 16, 8
@@ -31,8 +31,11 @@ TINY_UNITS, TINY_WIDTH, TINY_BATCH = 8, 16, 8
 WIDE_WIDTH = 512
 #: The paths measured wide: ZeroRedundancyOptimizer's broadcasts write into the parameters themselves (no pass of its
 #: own over their bytes), and its step, compared with DDP's, runs AdamW over 1/N of a wide model: not measured wide.
-PER_CALL_KEYS = ("ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s")
-WIDE_PATHS = ("ddp_bucket_s", "fsdp1_call_s")
+PER_CALL_KEYS = ("ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s", "fsdp2_call_s")
+WIDE_PATHS = ("ddp_bucket_s", "fsdp1_call_s", "fsdp2_call_s")
+#: Parameters of the DTensor optimizer measurement (:func:`dtensor_step`): small (their elements' cost negligible
+#: beside the dispatch), many (the per-parameter cost summed over them, well above the thread clock's grain).
+DTENSOR_PARAMS, DTENSOR_WIDTH = 64, 16
 #: Bytes of the copy measurement: the size of a bucket (zeroexp's, 25 MiB cap) or a few FSDP units.
 COPY_BYTES = 16 * 2**20
 #: Steps of the loop's measurement at least: a step is about a millisecond, and a loaded host's stalls are long.
@@ -93,11 +96,51 @@ def stream_floor(collectives: dict[str, Any] | None, op: str, nbytes: int, world
                - measured_call_seconds(op, nbytes, world, alone, world, link))
 
 
+def dtensor_step(steps: int, device: torch.device) -> dict[str, Any]:
+    """AdamW's step (``zero_grad(set_to_none=True)`` after it, as a cell's) over :data:`DTENSOR_PARAMS` DTensor
+    parameters sharded on dim 0 over every rank (FSDP2's), less the same step over plain parameters of their local
+    shapes, per parameter: each rank's thread CPU time of the two side by side (a loaded host's waits are not the
+    step's), the median over ``steps`` rounds after two warm-up rounds of the per-round difference, the slowest
+    rank's; below zero (noise) kept in ``raw``, used as 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    torch.manual_seed(0)
+    full = [torch.randn(DTENSOR_WIDTH, DTENSOR_WIDTH, device=device) for _ in range(DTENSOR_PARAMS)]
+    dparams = [nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
+    plain = [nn.Parameter(p.to_local().detach().clone()) for p in dparams]
+    sets = [(dparams, torch.optim.AdamW(dparams, lr=1e-3)), (plain, torch.optim.AdamW(plain, lr=1e-3))]
+
+    def step(params: list[nn.Parameter], opt: Any) -> float:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        t0 = time.thread_time()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.thread_time() - t0
+
+    diffs, both = [], []
+    for i in range(steps + 2):
+        d_s, p_s = (step(*pair) for pair in sets)
+        if i >= 2:
+            diffs.append(d_s - p_s)
+            both.append((d_s, p_s))
+    per = _slowest_median([d / DTENSOR_PARAMS for d in diffs], device)
+    return {"dtensor_param_step_s": max(0.0, per),
+            "raw": {"dtensor_param_step_measured": per, "dtensor_params": DTENSOR_PARAMS,
+                    "dtensor_step_s": statistics.median(d for d, _ in both),
+                    "plain_step_s": statistics.median(p for _, p in both)}}
+
+
 def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | None,
               collectives: dict[str, Any] | None = None, width: int = TINY_WIDTH,
-              copy_s_per_byte: float = 0.0, paths: tuple[str, ...] = PER_CALL_KEYS) -> dict[str, Any]:
-    """Per call of DDP's bucket all_reduce, ZeroRedundancyOptimizer's broadcast and FSDP1's all_gather /
-    reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear), on 8 Linear units of ``width``: the wrapper's
+              copy_s_per_byte: float = 0.0, paths: tuple[str, ...] = PER_CALL_KEYS,
+              dtensor_s: float = 0.0) -> dict[str, Any]:
+    """Per call of DDP's bucket all_reduce, ZeroRedundancyOptimizer's broadcast, FSDP1's all_gather /
+    reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear) and FSDP2's (``fully_shard`` per Linear and the
+    root, resharded after forward; net of its optimizer's DTensor cost, ``dtensor_s`` a parameter:
+    :func:`dtensor_step`), on 8 Linear units of ``width``: the wrapper's
     step less the bare step (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same
     payload, side by side (:func:`_paired`), less FSDP1's gradient copies (their own term, at ``copy_s_per_byte``),
     less each call's waking after the compute before it or its stream floor, the larger (:func:`per_call`; the
@@ -126,6 +169,17 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
                 device_id=device)
     fsdp_step = _train_step(fsdp, adamw(fsdp.parameters()), device, width)
 
+    def fsdp2_step() -> Callable[[], None]:  # built only where measured
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        net = _stack(device, width)
+        for unit in net:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        return _train_step(net, adamw(net.parameters()), device, width)
+
     unit = width * width
     full = torch.ones(unit * TINY_UNITS, device=device)
     one, chunk = torch.ones(unit, device=device), torch.ones(unit // world, device=device)
@@ -141,16 +195,19 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
         "ddp_bucket_s": lambda: (ddp_step, bare_step, [lambda: dist.all_reduce(full)], 1),  # one bucket
         "zro_broadcast_s": lambda: (zro_step(), ddp_step, [broadcasts], len(owners)),  # one burst
         "fsdp1_call_s": lambda: (fsdp_step, bare_step, fsdp_calls, len(fsdp_calls)),  # reduce_scatter
+        "fsdp2_call_s": lambda: (fsdp2_step(), bare_step, fsdp_calls, len(fsdp_calls)),  # as FSDP1's
     }
     runs = {k: make() for k, make in made.items() if k in paths}
     unit_bytes = unit * 4  # FSDP1's calls: two all_gathers per reduce_scatter, each of one unit
     nbytes = {k: v for k, v in (("ddp_bucket_s", full.numel() * 4), ("zro_broadcast_s", unit_bytes),
-                                ("fsdp1_call_s", unit_bytes)) if k in runs}
+                                ("fsdp1_call_s", unit_bytes), ("fsdp2_call_s", unit_bytes)) if k in runs}
     floors = {"ddp_bucket_s": stream_floor(collectives, "all_reduce", full.numel() * 4, world),
               "zro_broadcast_s": 0.0,  # a burst: its calls are timed as one, no stream floor
               "fsdp1_call_s": (2 * stream_floor(collectives, "all_gather", unit_bytes, world)
                                + stream_floor(collectives, "reduce_scatter", unit_bytes, world)) / 3}
-    copies = {"fsdp1_call_s": 2 * TINY_UNITS * unit_bytes * copy_s_per_byte}  # formulas.framework's own term
+    floors["fsdp2_call_s"] = floors["fsdp1_call_s"]  # the same calls
+    copies = {"fsdp1_call_s": 2 * TINY_UNITS * unit_bytes * copy_s_per_byte,  # formulas.framework's own term
+              "fsdp2_call_s": TINY_UNITS * dtensor_s}  # its optimizer's DTensor parameters: their own term
     raw: dict[str, float] = {}
     for key, (wrapped, base, calls, n) in runs.items():
         got = _paired(wrapped, base, calls, steps, device)
@@ -269,10 +326,13 @@ def measure_framework(world: int, steps: int, device: torch.device, wake: dict[s
     curve = WakeCurve(tuple(wake["gaps_s"]), tuple(wake["extra_s"])) if wake else None
     wrappers: dict[str, Any] = {"raw": {}}
     if world > 1:
-        tiny = _wrappers(world, steps, device, curve, collectives)
-        wide = _wrappers(world, steps, device, curve, collectives, WIDE_WIDTH, copy["copy_s_per_byte"], WIDE_PATHS)
-        wrappers = {**per_byte_fit(tiny, wide),
-                    "raw": {**tiny["raw"], **{f"{k}_tiny": tiny[k] for k in tiny["bytes"]},
+        dt = dtensor_step(steps, device)
+        dtensor_s = dt["dtensor_param_step_s"]
+        tiny = _wrappers(world, steps, device, curve, collectives, dtensor_s=dtensor_s)
+        wide = _wrappers(world, steps, device, curve, collectives, WIDE_WIDTH, copy["copy_s_per_byte"], WIDE_PATHS,
+                         dtensor_s)
+        wrappers = {**per_byte_fit(tiny, wide), "dtensor_param_step_s": dtensor_s,
+                    "raw": {**tiny["raw"], **dt["raw"], **{f"{k}_tiny": tiny[k] for k in tiny["bytes"]},
                             **{f"{k}_wide": wide[k] for k in wide["bytes"]},
                             **{f"wide_{k}": v for k, v in wide["raw"].items()},
                             "tiny_width": TINY_WIDTH, "wide_width": WIDE_WIDTH}}

@@ -254,7 +254,11 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
             for phase, t in marks:
                 times[phase].append(t)
     med = {k: _slowest(statistics.median(v), device) for k, v in times.items()}
-    return {"model": str(model_cfg.get("name")), "batch_size": batch_size, "numel": psi, "steps": steps,
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+    return {"model": str(model_cfg.get("name")), "model_config": config, "batch_size": batch_size, "numel": psi,
+            "steps": steps,
             "forward_s": med["forward"], "backward_s": med["backward"], "optimizer_s": med["optimizer"],
             "forward_s_per_param_sample": med["forward"] / (psi * batch_size),
             "backward_s_per_param_sample": med["backward"] / (psi * batch_size),

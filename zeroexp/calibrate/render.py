@@ -52,11 +52,14 @@ def render_table(cal: Calibration, console: Any) -> None:
     v.add_row("Lightning loop, per step", f"{f['loop_s'] * 1e3:.3f} ms")
     for key, what in (("ddp_bucket_s", "DDP, per bucket"),
                       ("zro_broadcast_s", "ZeroRedundancyOptimizer, per broadcast"),
-                      ("fsdp1_call_s", "FSDP1, per all_gather / reduce_scatter")):
+                      ("fsdp1_call_s", "FSDP1, per all_gather / reduce_scatter"),
+                      ("fsdp2_call_s", "FSDP2, per all_gather / reduce_scatter")):
         if key in f:
             per_byte = f.get(f"{key}_per_byte")
             v.add_row(what, f"{f[key] * 1e3:.3f} ms" + (f" + {per_byte * 1e12:.1f} ps per byte of the call"
                                                           if per_byte is not None else ""))
+    if "dtensor_param_step_s" in f:
+        v.add_row("AdamW step, per DTensor parameter (thread CPU)", f"{f['dtensor_param_step_s'] * 1e6:.1f} us")
     v.add_row("copy between warm buffers", f"{f['copy_s_per_byte'] * 1e12:.1f} ps per byte")
     console.print(v)
     w = d.get("wake")

@@ -4,9 +4,12 @@ directory and its report, and say whether the measured order agrees with the pre
 
 Each cell is ``python -m zeroexp <overrides>`` in a fresh interpreter, its directory ``<verify_dir>/NN``; a cell
 whose ``manifest.json`` says ok is not run again (the same ``recommend.verify_dir`` resumes). The cells use one
-calibration of this machine at the verify's world size: the recommender's own (``network=this_machine``) when it
-is of that size, else the newest of this machine (``outputs/calibration/``), else one made first
-(``python -m zeroexp.calibrate world_size=N``).
+calibration of this machine at the verify's world size whose compute was timed on the cells' model (its
+``compute.model_config``): the recommender's own (``network=this_machine``) when it is or was named
+(``network.calibration=PATH``: the user's choice, each cell's ``plan.time`` then names the model it was timed on),
+else the newest such of this machine (``outputs/calibration/``), else one made first on that model and micro-batch
+(``python -m zeroexp.calibrate world_size=N model=... model.*=... batch_size=...``): a compute rate carried over
+from another model is not this model's (an MLP's made a GPT's cells predicted 3.6-7.9x low).
 """
 
 from __future__ import annotations
@@ -84,22 +87,51 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def calibration_for(cfg: DictConfig, s: Settings, say: Any) -> str:
-    """The calibration the cells use (see the module's docstring); made when this machine has none of that size."""
+def _model_of(overrides: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+    """The cells' model: its overrides (``model=...``, ``model.*``, and ``batch_size``, the micro-batch the compute is
+    timed at) and its config as its option's file and those overrides give it (the schema's defaults left out: they
+    are the same in a calibration's), resolved; None when no ``model=`` option is named."""
+    from omegaconf import OmegaConf
+
+    from zeroexp.recommend.space import CONF_DIR
+
+    items = [o for o in overrides if o.split("=", 1)[0] == "model" or o.startswith("model.") or
+             o.startswith("batch_size=")]
+    head = [o.split("=", 1)[1] for o in items if o.split("=", 1)[0] == "model"]
+    if len(head) != 1 or not (CONF_DIR / "model" / f"{head[0]}.yaml").is_file():
+        return items, None
+    model = OmegaConf.load(CONF_DIR / "model" / f"{head[0]}.yaml")
+    model.pop("defaults", None)
+    tree = OmegaConf.merge({"model": model}, OmegaConf.from_dotlist([o for o in items if o.startswith("model.")]))
+    return items, OmegaConf.to_container(tree, resolve=True)["model"]
+
+
+def _same_model(cal: Any, config: dict[str, Any] | None) -> bool:
+    """Whether ``cal``'s compute was timed on the model ``config`` (every key of it equal in the calibration's
+    ``compute.model_config``; a calibration that does not record it: no)."""
+    got = cal.data["compute"].get("model_config")
+    return config is not None and got is not None and all(got.get(k) == v for k, v in config.items())
+
+
+def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say: Any) -> str:
+    """The calibration the cells use (see the module's docstring): one of that size named or timed on the cells'
+    model, else one made first on it."""
     from zeroexp.results.calibration import find_calibration, load_calibration
 
+    items, config = _model_of(cell_overrides)
     net = cfg.network
     if net.get("kind") == "calibration":
         path = net.get("calibration")
         cal = load_calibration(path) if path else find_calibration("gloo", s.world_size)
-        if cal is not None and cal.world_size == s.world_size:
-            return str(Path(cal.path).resolve())
-    found = find_calibration("gloo", s.world_size)
+        if cal is not None and cal.world_size == s.world_size and (path or _same_model(cal, config)):
+            return str(Path(cal.path).resolve())  # one named (network.calibration=PATH) is the user's choice
+    found = find_calibration("gloo", s.world_size, model=lambda c: _same_model(c, config))
     if found is not None:
         return str(Path(found.path).resolve())
     out = s.out_dir / "calibration"
-    args = [sys.executable, "-m", "zeroexp.calibrate", f"world_size={s.world_size}", f"output_dir={out}"]
-    say(f"no calibration of this machine at N={s.world_size}: making one first ({' '.join(args[1:])})")
+    args = [sys.executable, "-m", "zeroexp.calibrate", f"world_size={s.world_size}", *items, f"output_dir={out}"]
+    say(f"no calibration of this machine at N={s.world_size} on the cells' model: making one first "
+        f"({' '.join(args[1:])})")
     done = subprocess.run(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"python -m zeroexp.calibrate failed ({done.returncode}): {done.stdout[-2000:]}")
@@ -158,7 +190,7 @@ def verify(cfg: DictConfig, answer: dict[str, Any], s: Settings, say: Any) -> di
                 "report": None, "calibration": None,
                 "why": "no configuration fits: nothing to run"}
     s.out_dir.mkdir(parents=True, exist_ok=True)
-    calibration = calibration_for(cfg, s, say)
+    calibration = calibration_for(cfg, s, next(c["overrides"] for c in cells if c["overrides"] is not None), say)
     common = [f"steps={s.steps}", "logger=csv", f"calibration={calibration}"]
     say(f"verify: {sum(c['overrides'] is not None for c in cells)} cells at N={s.world_size} on this machine, "
         f"calibration {calibration}, into {s.out_dir}:")

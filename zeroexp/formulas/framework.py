@@ -19,6 +19,14 @@ peak model and the collectives check use. Nothing here is fitted to a cell or a 
   bare step and one lone all_reduce was ~0 on the tiny model and 5.1 ms for an 8 MiB bucket, 11.3-12.2 ms for an
   18 MiB one (0.6 ns a byte at both); FSDP1's per call 0.7-0.8 ms tiny, 1.0-1.1 ms at 0.25-2.25 MiB units (before
   each call's waking and floor are taken out).
+- **FSDP2** (``torch/distributed/fsdp/_fully_shard/``): per all_gather or reduce_scatter of a unit, its pre- and
+  post-forward and -backward hooks and the copy-in / copy-out of the unit's parameters and gradients into and out of
+  the collective's flat buffer (``_fsdp_collectives.py``: ``foreach_all_gather``, ``foreach_all_gather_copy_out``,
+  ``foreach_reduce``), ``fsdp2_call_s`` per call + ``fsdp2_call_s_per_byte`` per byte of its payload, measured as
+  FSDP1's on the same two models (net of the optimizer's DTensor cost below); and AdamW's step over DTensor
+  parameters, ``dtensor_param_step_s`` per parameter beyond the same step over plain tensors of the same shapes (each
+  of the step's per-parameter ops goes through DTensor's dispatch: sharding propagation, then the local op), measured
+  as the rank's thread CPU time of the two steps side by side on 64 small parameters.
 - **Copies between warm buffers**, per byte: FSDP1 concatenates each unit's per-parameter gradients into its
   unsharded gradient in backward (the views' ``SplitWithSizesBackward``, a new tensor) and pre-divides it in place
   (``_div_if_needed``): two passes over the unit; zeroexp's ZeRO-2 zeroes each bucket's flat gradient
@@ -38,17 +46,20 @@ from dataclasses import dataclass, field
 
 from zeroexp.formulas.layout import Groups, StateLayout
 
-__all__ = ["FrameworkCost", "FrameworkTime", "framework_time", "PER_CALL_PATHS"]
+__all__ = ["FrameworkCost", "FrameworkTime", "framework_time", "PER_CALL_PATHS", "SCHEMA_7_TERMS"]
 
 #: The wrappers whose per-call cost the calibration measures, by the groups that say how many calls a step makes.
-PER_CALL_PATHS = ("ddp_bucket", "zro_broadcast", "fsdp1_call")
+PER_CALL_PATHS = ("ddp_bucket", "zro_broadcast", "fsdp1_call", "fsdp2_call")
+#: The calibrated terms a calibration before schema 7 lacks (read as 0: FSDP2's own costs).
+SCHEMA_7_TERMS = ("fsdp2_call_s", "fsdp2_call_s_per_byte", "dtensor_param_step_s")
 
 
 @dataclass(frozen=True)
 class FrameworkCost:
     """Calibrated primitives (seconds): ``loop_s`` per step; per call of each path of :data:`PER_CALL_PATHS`, and
     per byte of that call's payload (``<path>_s_per_byte``, 0 in calibrations before schema 6); ``copy_s_per_byte``
-    between warm buffers."""
+    between warm buffers; ``dtensor_param_step_s`` per DTensor parameter of AdamW's step (FSDP2's terms: 0 in
+    calibrations before schema 7)."""
 
     loop_s: float = 0.0
     ddp_bucket_s: float = 0.0
@@ -58,6 +69,9 @@ class FrameworkCost:
     ddp_bucket_s_per_byte: float = 0.0
     zro_broadcast_s_per_byte: float = 0.0
     fsdp1_call_s_per_byte: float = 0.0
+    fsdp2_call_s: float = 0.0
+    fsdp2_call_s_per_byte: float = 0.0
+    dtensor_param_step_s: float = 0.0
 
     def call_s(self, path: str, nbytes: float) -> float:
         """One call of ``path`` (:data:`PER_CALL_PATHS`) with a payload of ``nbytes``."""
@@ -83,7 +97,8 @@ def framework_time(layout: StateLayout, groups: Groups, itemsize: int, cost: Fra
     """The framework's seconds of one step of ``layout`` over ``groups`` (the module's terms), placed in the phase
     where they run: the loop after the optimizer; DDP's bucket calls in backward; ZeroRedundancyOptimizer's
     broadcasts after the step; FSDP1's forward gathers in forward, its backward gathers, reduce_scatters and gradient
-    copies in backward; ZeRO-2's bucket copies in backward."""
+    copies in backward; FSDP2's calls likewise (its copy-in / copy-out in its per-byte cost) and its DTensor
+    parameters' optimizer step after backward; ZeRO-2's bucket copies in backward."""
     terms: dict[str, float] = {"loop": cost.loop_s}
     f = b = 0.0
     o = cost.loop_s
@@ -103,6 +118,14 @@ def framework_time(layout: StateLayout, groups: Groups, itemsize: int, cost: Fra
         terms["fsdp1_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, units))
         terms["fsdp1_gradient_copies"] = 2 * sum(u.numel for u in units) * itemsize * cost.copy_s_per_byte
         b += terms["fsdp1_backward_calls"] + terms["fsdp1_gradient_copies"]
+    elif kind == "rows" and groups.units:
+        one = [cost.call_s("fsdp2_call", u.numel * itemsize) for u in groups.units]
+        terms["fsdp2_forward_calls"] = sum(one)
+        f += terms["fsdp2_forward_calls"]
+        terms["fsdp2_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, groups.units))
+        b += terms["fsdp2_backward_calls"]
+        terms["dtensor_optimizer_step"] = len(groups.trained_shards) * cost.dtensor_param_step_s
+        o += terms["dtensor_optimizer_step"]
     elif kind == "buckets" and groups.shards:
         if "grad" in layout.sharded:  # ZeRO-2: the bucket's flat gradient is zeroed anew and accumulated into
             terms["bucket_copies"] = 2 * sum(sh.numel for sh in groups.shards) * itemsize * cost.copy_s_per_byte

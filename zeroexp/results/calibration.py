@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from zeroexp.formulas.framework import PER_CALL_PATHS, FrameworkCost
+from zeroexp.formulas.framework import PER_CALL_PATHS, SCHEMA_7_TERMS, FrameworkCost
 from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, WakeCurve, measured_call_seconds
 
 __all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "call_table", "machine", "find_calibration", "load_calibration"]
@@ -27,12 +27,15 @@ DEFAULT_DIR = Path("outputs") / "calibration"
 #: 3: each size's trimmed mean (``mean_s``, what the model uses) and the ``wake`` curve; 4: each size's share of an
 #: async burst (``burst_mean_s``), the framework's wrappers measured side by side; 5: each size's share of a stream
 #: of sync calls (``stream_mean_s``), the floor of a call that follows another (the framework's figures net of it);
-#: 6: the wrappers measured on a wide model too, their cost per byte of a call's payload (``<path>_s_per_byte``).
-SCHEMA = 6
+#: 6: the wrappers measured on a wide model too, their cost per byte of a call's payload (``<path>_s_per_byte``);
+#: 7: FSDP2's per-call costs and AdamW's per-DTensor-parameter step (:data:`~zeroexp.formulas.framework.
+#: SCHEMA_7_TERMS`), and the compute model's resolved config (``compute.model_config``).
+SCHEMA = 7
 #: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
 #: 2's and 3's no bursts (a burst's call is timed as one alone); 2-4 no streams (a call in a stream pays its waking
-#: only); 2-5 no wrapper cost per byte (0).
-READS = (2, 3, 4, 5, 6)
+#: only); 2-5 no wrapper cost per byte (0); 2-6 no FSDP2 terms (0, and a cell of FSDP2 says so:
+#: :meth:`Calibration.missing_terms`).
+READS = (2, 3, 4, 5, 6, 7)
 
 
 def machine() -> dict[str, Any]:
@@ -120,8 +123,17 @@ class Calibration:
         """The framework's calibrated per-step primitives (:mod:`zeroexp.formulas.framework`)."""
         f = self.data["framework"]
         return FrameworkCost(loop_s=f["loop_s"], copy_s_per_byte=f["copy_s_per_byte"],
+                             dtensor_param_step_s=f.get("dtensor_param_step_s", 0.0),
                              **{f"{k}_s{per}": f.get(f"{k}_s{per}", 0.0) for k in PER_CALL_PATHS
                                 for per in ("", "_per_byte")})
+
+    def missing_terms(self) -> str | None:
+        """A note naming the framework terms this calibration lacks (read as 0), None when it has them all."""
+        absent = [k for k in SCHEMA_7_TERMS if k not in self.data["framework"]]
+        if not absent or int(self.data["world_size"]) <= 1:
+            return None
+        return (f"calibration schema {self.data['schema']} lacks {', '.join(absent)} (read as 0: FSDP2's own costs "
+                f"not in this prediction); recalibrate (python -m zeroexp.calibrate) for them")
 
     def summary(self) -> dict[str, Any]:
         """What ``plan.time.calibration`` shows of it."""
@@ -150,9 +162,10 @@ def load_calibration(path: str | Path) -> Calibration:
 
 
 def find_calibration(backend: str, world_size: int | None, directory: Path = DEFAULT_DIR,
-                     machine_id: str | None = None) -> Calibration | None:
+                     machine_id: str | None = None, model: Callable[[Calibration], bool] | None = None
+                     ) -> Calibration | None:
     """The newest calibration in ``directory`` of this machine (or ``machine_id``), ``backend`` and ``world_size``
-    (None: any)."""
+    (None: any), and, given ``model``, one it accepts."""
     want = machine_id or machine()["id"]
     found = []
     for p in sorted(Path(directory).glob("*.json")) if Path(directory).is_dir() else []:
@@ -161,6 +174,7 @@ def find_calibration(backend: str, world_size: int | None, directory: Path = DEF
         except ValueError:
             continue
         d = cal.data
-        if d["machine"]["id"] == want and d["backend"] == backend and world_size in (None, int(d["world_size"])):
+        if (d["machine"]["id"] == want and d["backend"] == backend and world_size in (None, int(d["world_size"]))
+                and (model is None or model(cal))):
             found.append((d["created"], str(p), cal))
     return max(found)[2] if found else None
