@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU check, ends inside 10 minutes: (1) tests/test_cuda.py's GPU cells (every strategy at N=1; NCCL at N=2, FSDP
+# One GPU check, ends inside 10 minutes: (1) tests/test_cuda.py's GPU cells (DDP and ZeRO at N=1; NCCL at N=2, FSDP
 # CPUOffload and DeepSpeed fp16 with two or more GPUs); (2) one rank of N=4 and N=8 played on one GPU under torch's
 # fake process group with real CUDA tensors (benchmarks/gpu_check.py), planned beside measured in one JSON
 # (${OUT:-.}/gpu_check.json). Without a GPU it skips with the reason and exits 0; the CPU side of both runs in

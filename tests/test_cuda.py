@@ -1,6 +1,6 @@
-"""CUDA / NCCL cells (marked ``gpu``): skipped without a GPU, with the reason. On one GPU every strategy runs at
-world_size=1 (one GPU cannot hold two NCCL ranks); with two or more, NCCL cells at N=2, FSDP CPUOffload and DeepSpeed
-fp16 (which need a GPU) too. Run them with ``benchmarks/gpu_check.sh`` on a GPU machine, which also plays one rank of
+"""CUDA / NCCL cells (marked ``gpu``): skipped without a GPU, with the reason. On one GPU every strategy that does
+not shard runs at world_size=1 (one GPU cannot hold two NCCL ranks; FSDP at one rank is refused); with two or
+more, NCCL cells at N=2, FSDP CPUOffload and DeepSpeed fp16 (which need a GPU) too. Run them with ``benchmarks/gpu_check.sh`` on a GPU machine, which also plays one rank of
 N=4 and N=8 on one GPU (benchmarks/gpu_check.py). What of that check runs without a GPU runs here on any machine: its
 driver (a rank of N played with real tensors under the fake process group) on CPU tensors, its JSON, its skip."""
 
@@ -37,11 +37,27 @@ def _checks_pass(r, memory_source: str = "torch.cuda") -> None:
     assert s["memory"]["source"].startswith(memory_source)
 
 
+#: What runs at one rank: FSDP1 and FSDP2 at world_size=1 shard nothing (refused, below); one GPU measures them as one
+#: rank of N under the fake process group (benchmarks/gpu_check.py).
+ONE_RANK = [o for o in STRATEGIES if not o[0].startswith("strategy=fsdp")]
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("overrides", STRATEGIES, ids=lambda o: o[0].split("=")[1])
-def test_every_strategy_runs_on_one_gpu(cell, overrides):
+@pytest.mark.parametrize("overrides", ONE_RANK, ids=lambda o: o[0].split("=")[1])
+def test_every_unsharded_strategy_runs_on_one_gpu(cell, overrides):
     _checks_pass(cell(*overrides, "world_size=1", "device=cuda"))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_grad_op", "fsdp_full", "fsdp2_full", "fsdp2_grad_op"])
+def test_a_sharded_strategy_at_one_rank_is_refused_naming_world_size(compose, strategy):
+    """torch runs FSDP1 as NO_SHARD at one rank and FSDP2 skips its collectives there (an H200 run of the cells
+    above found both: FSDP1 crashed on NO_SHARD's flat parameter, FSDP2 measured no all-gather against 16 expected)."""
+    from zeroexp.config.schemas import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="NO_SHARD") as e:
+        validate(compose(f"strategy={strategy}", "world_size=1"))
+    assert e.value.key == "world_size"
 
 
 @pytest.mark.gpu

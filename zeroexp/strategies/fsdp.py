@@ -53,6 +53,12 @@ class FSDPAdapter(StrategyAdapter):
 
     @classmethod
     def validate(cls, cfg) -> None:
+        if int(cfg.world_size) == 1:  # FSDP2's validate calls this too
+            raise ConfigError("world_size", 1, "an integer >= 2 (a sharded strategy shards over its ranks)",
+                              why=f"at one rank torch shards nothing: FSDP1 runs NO_SHARD (torch.distributed.fsdp."
+                                  f"_init_utils) and FSDP2 skips its all-gathers and reduce-scatters (_fully_shard."
+                                  f"_fsdp_param_group, world_size == 1), so strategy={cfg.strategy.name} would measure "
+                                  "neither; strategy=ddp runs one rank")
         if cfg.offload.name == "full" and not ranks_get_a_gpu(cfg):
             raise NotApplicableHere("offload", "full", "none (on this machine)",
                                     why="FSDP CPUOffload moves the shards to the host between computations, but this "
