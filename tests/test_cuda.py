@@ -1,8 +1,9 @@
-"""CUDA / NCCL cells (marked ``gpu``): skipped without a GPU, with the reason. On one GPU every strategy that does
-not shard runs at world_size=1 (one GPU cannot hold two NCCL ranks; FSDP at one rank is refused); with two or
-more, NCCL cells at N=2, FSDP CPUOffload and DeepSpeed fp16 (which need a GPU) too. Run them with ``benchmarks/gpu_check.sh`` on a GPU machine, which also plays one rank of
-N=4 and N=8 on one GPU (benchmarks/gpu_check.py). What of that check runs without a GPU runs here on any machine: its
-driver (a rank of N played with real tensors under the fake process group) on CPU tensors, its JSON, its skip."""
+"""CUDA / NCCL cells (marked ``gpu``): skipped without a GPU, with the reason. On one GPU every strategy that does not
+shard runs at world_size=1 (one GPU cannot hold two NCCL ranks; FSDP at one rank is refused); with two or more, NCCL
+cells at N=2, FSDP CPUOffload and DeepSpeed fp16 (which need a GPU) too. Run them with ``benchmarks/gpu_check.sh``
+on a GPU machine, which also plays one rank of N=4 and N=8 on one GPU (benchmarks/gpu_check.py). What of that check
+runs without a GPU runs here on any machine: its driver (a rank of N played with real tensors under the fake process
+group) on CPU tensors, its JSON, its skip."""
 
 from __future__ import annotations
 
