@@ -31,8 +31,11 @@ WIDTH = 1400
 TABLE_FONT_PX = 12.6
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or (
     "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `apt-get install chromium` (make test does "
-                                                         "it as root) to run the browser test of report.html")
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `apt-get install chromium` (make test does "
+                                                          "it as root) to run the browser test of report.html"),
+              # slow by hand: its pages come through request.getfixturevalue (any_page), which conftest's reading of
+              # the tests' fixtures cannot follow to the session sweeps and Chromium they start
+              pytest.mark.slow]
 
 # Run in the page once it has loaded: what the browser laid out and decoded, written into the DOM for --dump-dom.
 MEASURE = """<script>
