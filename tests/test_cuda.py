@@ -164,3 +164,21 @@ def test_the_gpu_check_skips_without_a_gpu_and_says_why():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", "/nonexistent/x"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("SKIP: no CUDA device here")
+
+
+def test_no_fsdp_row_is_planned_or_searched_at_one_rank():
+    """The rows' own minimum (StateLayout.min_world_size): the planner notes why, the recommender never offers a
+    command the strategy refuses."""
+    from zeroexp.formulas.rows import LAYOUTS
+    from zeroexp.recommend.space import Axes, configurations
+
+    from test_plan_fits import _run
+
+    fsdp = {name for name, row in LAYOUTS.items() if row.peak_flow in ("fsdp1", "fsdp2")}
+    assert {name for name, row in LAYOUTS.items() if row.min_world_size == 2} == fsdp
+    records, notes = _run("model=mlp", "world_size=1")
+    assert records and not {r["strategy"] for r in records} & fsdp
+    assert any("fsdp_full at world_size=1: runs at 2 ranks or more" in n for n in notes), notes
+    axes = Axes(tuple(LAYOUTS), ("fp32",), ("none",), (False,), 4, None, (25.0,), ("pre",), None)
+    one, two = ({c.row for c in configurations(axes, n)} for n in (1, 2))
+    assert not one & fsdp and fsdp - {n for n in fsdp if LAYOUTS[n].hybrid} <= two

@@ -86,6 +86,9 @@ class StateLayout:
     sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
     hybrid: bool = False
     reference: bool = False
+    #: The fewest ranks the row runs at: FSDP at one rank shards nothing (torch runs FSDP1 as NO_SHARD and FSDP2
+    #: skips its all-gathers and reduce-scatters), so its rows start at 2; the strategies refuse fewer.
+    min_world_size: int = 1
     # --- the peak model's choices for the row (zeroexp.plan.memory reads these, never the row's name) ---
     #: How the row holds gradients in backward, the peak model's family for it (None: no peak model yet).
     #: ``new``: autograd allocates each parameter's ``.grad`` after ``zero_grad(set_to_none=True)`` freed the last

@@ -153,7 +153,10 @@ def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, of
             notes.append(f"{name}: hybrid sharding needs shard_size= (the ranks of one shard group: a node's GPUs)")
         else:
             for n in world_sizes:
-                if layout.hybrid and not (1 < knobs.shard_size < n and n % knobs.shard_size == 0):
+                if n < layout.min_world_size:
+                    notes.append(f"{name} at world_size={n}: runs at {layout.min_world_size} ranks or more (at one "
+                                 "rank torch's FSDP shards nothing)")
+                elif layout.hybrid and not (1 < knobs.shard_size < n and n % knobs.shard_size == 0):
                     notes.append(f"{name} at world_size={n}: shard_size={knobs.shard_size} is no divisor of {n} "
                                  "strictly between 1 and it")
                 else:

@@ -76,7 +76,7 @@ def configurations(axes: Axes, world_size: int) -> Iterator[Config]:
     for row in axes.rows:
         layout = LAYOUTS[row]
         strategy = strategy_of(row)
-        if layout.reference or strategy is None:
+        if layout.reference or strategy is None or world_size < layout.min_world_size:
             continue
         buckets = axes.bucket_caps_mb if "bucket_cap_mb" in strategy[2] else (None,)
         prefetches = axes.prefetches if reads_prefetch(row) else (None,)

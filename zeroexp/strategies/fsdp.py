@@ -23,6 +23,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from zeroexp._lib.fsdp1 import (flat_param, full_param_padded, is_padding_mask, is_root, numels,
                               numels_with_padding, orig_params, padded_unsharded_numel, shard_param_infos)
 from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp_unit
+from zeroexp.formulas.rows import row_of
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.models import import_class, torch_dtype, wrap_paths
@@ -53,8 +54,9 @@ class FSDPAdapter(StrategyAdapter):
 
     @classmethod
     def validate(cls, cfg) -> None:
-        if int(cfg.world_size) == 1:  # FSDP2's validate calls this too
-            raise ConfigError("world_size", 1, "an integer >= 2 (a sharded strategy shards over its ranks)",
+        least = row_of(str(cfg.strategy.layout)).min_world_size  # FSDP2's validate calls this too
+        if int(cfg.world_size) < least:
+            raise ConfigError("world_size", int(cfg.world_size), f"an integer >= {least} (FSDP shards over its ranks)",
                               why=f"at one rank torch shards nothing: FSDP1 runs NO_SHARD (torch.distributed.fsdp."
                                   f"_init_utils) and FSDP2 skips its all-gathers and reduce-scatters (_fully_shard."
                                   f"_fsdp_param_group, world_size == 1), so strategy={cfg.strategy.name} would measure "
