@@ -166,3 +166,8 @@ def test_the_cells_calibration_is_one_of_their_model_or_made_on_it(tmp_path, mon
                      f"network.calibration={tmp_path / 'outputs' / 'calibration' / 'mlp.json'}")
     assert v.calibration_for(named, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "mlp.json")
     assert len(ran) == 1  # a calibration named is the user's choice, of whatever model
+    (tmp_path / "outputs" / "calibration" / "gpt.json").unlink()
+    (s.out_dir / "calibration").mkdir(parents=True)  # the verify resumed: the one it made is reused, not made again
+    (s.out_dir / "calibration" / "made.json").write_text(json.dumps(gpt))
+    assert v.calibration_for(cfg, s, cell, lambda _: None) == str(s.out_dir / "calibration" / "made.json")
+    assert len(ran) == 1

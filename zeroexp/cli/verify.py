@@ -7,8 +7,9 @@ whose ``manifest.json`` says ok is not run again (the same ``recommend.verify_di
 calibration of this machine at the verify's world size whose compute was timed on the cells' model (its
 ``compute.model_config``): the recommender's own (``network=this_machine``) when it is or was named
 (``network.calibration=PATH``: the user's choice, each cell's ``plan.time`` then names the model it was timed on),
-else the newest such of this machine (``outputs/calibration/``), else one made first on that model and micro-batch
-(``python -m zeroexp.calibrate world_size=N model=... model.*=... batch_size=...``): a compute rate carried over
+else the newest such of this machine (``outputs/calibration/``), else the one this verify made (resumed), else one
+made first on that model and micro-batch (``python -m zeroexp.calibrate world_size=N model=... model.*=...
+batch_size=...``, into ``<verify_dir>/calibration``): a compute rate carried over
 from another model is not this model's (an MLP's made a GPT's cells predicted 3.6-7.9x low).
 """
 
@@ -129,6 +130,13 @@ def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say
     if found is not None:
         return str(Path(found.path).resolve())
     out = s.out_dir / "calibration"
+    for path in sorted(out.glob("*.json"), reverse=True):  # made by an earlier run of this verify: resumed, reused
+        try:
+            cal = load_calibration(path)
+        except ValueError:
+            continue
+        if cal.world_size == s.world_size and _same_model(cal, config):
+            return str(path.resolve())
     args = [sys.executable, "-m", "zeroexp.calibrate", f"world_size={s.world_size}", *items, f"output_dir={out}"]
     say(f"no calibration of this machine at N={s.world_size} on the cells' model: making one first "
         f"({' '.join(args[1:])})")
