@@ -159,15 +159,19 @@ def test_the_cells_calibration_is_one_of_their_model_or_made_on_it(tmp_path, mon
     assert ran[0][1:] == ["-m", "zeroexp.calibrate", "world_size=2", *items, f"output_dir={s.out_dir / 'calibration'}"]
     gpt = calibration_data(machine_id=machine()["id"], created="2026-01-01", model="gpt")
     gpt["compute"]["model_config"] = {**config, "n_layer": 4}  # every key of the cells' model equal, and more
+    (tmp_path / "outputs" / "calibration" / "gpt.json").write_text(json.dumps(gpt))  # timed at batch 8
+    assert v.calibration_for(cfg, s, cell, lambda _: None) == str(tmp_path / "made.json")  # the cells' is 4
+    assert len(ran) == 2
+    gpt["compute"]["batch_size"] = 4
     (tmp_path / "outputs" / "calibration" / "gpt.json").write_text(json.dumps(gpt))
     assert v.calibration_for(cfg, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "gpt.json")
-    assert len(ran) == 1
+    assert len(ran) == 2
     named = _compose("recommend", "model=gpt", "world_size=2", "network=this_machine",
                      f"network.calibration={tmp_path / 'outputs' / 'calibration' / 'mlp.json'}")
     assert v.calibration_for(named, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "mlp.json")
-    assert len(ran) == 1  # a calibration named is the user's choice, of whatever model
+    assert len(ran) == 2  # a calibration named is the user's choice, of whatever model
     (tmp_path / "outputs" / "calibration" / "gpt.json").unlink()
     (s.out_dir / "calibration").mkdir(parents=True)  # the verify resumed: the one it made is reused, not made again
     (s.out_dir / "calibration" / "made.json").write_text(json.dumps(gpt))
     assert v.calibration_for(cfg, s, cell, lambda _: None) == str(s.out_dir / "calibration" / "made.json")
-    assert len(ran) == 1
+    assert len(ran) == 2

@@ -107,11 +107,14 @@ def _model_of(overrides: list[str]) -> tuple[list[str], dict[str, Any] | None]:
     return items, OmegaConf.to_container(tree, resolve=True)["model"]
 
 
-def _same_model(cal: Any, config: dict[str, Any] | None) -> bool:
+def _same_model(cal: Any, config: dict[str, Any] | None, batch: int | None = None) -> bool:
     """Whether ``cal``'s compute was timed on the model ``config`` (every key of it equal in the calibration's
-    ``compute.model_config``; a calibration that does not record it: no)."""
-    got = cal.data["compute"].get("model_config")
-    return config is not None and got is not None and all(got.get(k) == v for k, v in config.items())
+    ``compute.model_config``; a calibration that does not record it: no) at the micro-batch ``batch`` (None: the
+    cells set none)."""
+    compute = cal.data["compute"]
+    got = compute.get("model_config")
+    return (config is not None and got is not None and all(got.get(k) == v for k, v in config.items())
+            and (batch is None or compute.get("batch_size") == batch))
 
 
 def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say: Any) -> str:
@@ -120,13 +123,14 @@ def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say
     from zeroexp.results.calibration import find_calibration, load_calibration
 
     items, config = _model_of(cell_overrides)
+    batch = next((int(o.split("=", 1)[1]) for o in items if o.startswith("batch_size=")), None)
     net = cfg.network
     if net.get("kind") == "calibration":
         path = net.get("calibration")
         cal = load_calibration(path) if path else find_calibration("gloo", s.world_size)
-        if cal is not None and cal.world_size == s.world_size and (path or _same_model(cal, config)):
+        if cal is not None and cal.world_size == s.world_size and (path or _same_model(cal, config, batch)):
             return str(Path(cal.path).resolve())  # one named (network.calibration=PATH) is the user's choice
-    found = find_calibration("gloo", s.world_size, model=lambda c: _same_model(c, config))
+    found = find_calibration("gloo", s.world_size, model=lambda c: _same_model(c, config, batch))
     if found is not None:
         return str(Path(found.path).resolve())
     out = s.out_dir / "calibration"
@@ -135,7 +139,7 @@ def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say
             cal = load_calibration(path)
         except ValueError:
             continue
-        if cal.world_size == s.world_size and _same_model(cal, config):
+        if cal.world_size == s.world_size and _same_model(cal, config, batch):
             return str(path.resolve())
     args = [sys.executable, "-m", "zeroexp.calibrate", f"world_size={s.world_size}", *items, f"output_dir={out}"]
     say(f"no calibration of this machine at N={s.world_size} on the cells' model: making one first "
