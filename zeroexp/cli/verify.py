@@ -120,7 +120,7 @@ def _same_model(cal: Any, config: dict[str, Any] | None, batch: int | None = Non
 def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say: Any) -> str:
     """The calibration the cells use (see the module's docstring): one of that size named or timed on the cells'
     model, else one made first on it."""
-    from zeroexp.results.calibration import find_calibration, load_calibration
+    from zeroexp.results.calibration import DEFAULT_DIR, find_calibration, load_calibration
 
     items, config = _model_of(cell_overrides)
     batch = next((int(o.split("=", 1)[1]) for o in items if o.startswith("batch_size=")), None)
@@ -130,17 +130,11 @@ def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say
         cal = load_calibration(path) if path else find_calibration("gloo", s.world_size)
         if cal is not None and cal.world_size == s.world_size and (path or _same_model(cal, config, batch)):
             return str(Path(cal.path).resolve())  # one named (network.calibration=PATH) is the user's choice
-    found = find_calibration("gloo", s.world_size, model=lambda c: _same_model(c, config, batch))
-    if found is not None:
-        return str(Path(found.path).resolve())
-    out = s.out_dir / "calibration"
-    for path in sorted(out.glob("*.json"), reverse=True):  # made by an earlier run of this verify: resumed, reused
-        try:
-            cal = load_calibration(path)
-        except ValueError:
-            continue
-        if cal.world_size == s.world_size and _same_model(cal, config, batch):
-            return str(path.resolve())
+    out = s.out_dir / "calibration"  # where this verify makes one: an earlier run of it made it (resumed)
+    for directory in (DEFAULT_DIR, out):
+        found = find_calibration("gloo", s.world_size, directory, model=lambda c: _same_model(c, config, batch))
+        if found is not None:
+            return str(Path(found.path).resolve())
     args = [sys.executable, "-m", "zeroexp.calibrate", f"world_size={s.world_size}", *items, f"output_dir={out}"]
     say(f"no calibration of this machine at N={s.world_size} on the cells' model: making one first "
         f"({' '.join(args[1:])})")

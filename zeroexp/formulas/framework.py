@@ -110,22 +110,19 @@ def framework_time(layout: StateLayout, groups: Groups, itemsize: int, cost: Fra
         if groups.broadcasts:
             terms["zro_broadcast_calls"] = sum(cost.call_s("zro_broadcast", k * itemsize) for k in groups.broadcasts)
             o += terms["zro_broadcast_calls"]
-    elif kind == "units" and groups.units:
-        units = groups.units
-        one = [cost.call_s("fsdp1_call", u.numel * itemsize) for u in units]  # a unit's gather or reduce_scatter
-        terms["fsdp1_forward_calls"] = sum(one)
-        f += terms["fsdp1_forward_calls"]
-        terms["fsdp1_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, units))
-        terms["fsdp1_gradient_copies"] = 2 * sum(u.numel for u in units) * itemsize * cost.copy_s_per_byte
-        b += terms["fsdp1_backward_calls"] + terms["fsdp1_gradient_copies"]
-    elif kind == "rows" and groups.units:
-        one = [cost.call_s("fsdp2_call", u.numel * itemsize) for u in groups.units]
-        terms["fsdp2_forward_calls"] = sum(one)
-        f += terms["fsdp2_forward_calls"]
-        terms["fsdp2_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, groups.units))
-        b += terms["fsdp2_backward_calls"]
-        terms["dtensor_optimizer_step"] = len(groups.trained_shards) * cost.dtensor_param_step_s
-        o += terms["dtensor_optimizer_step"]
+    elif kind in ("units", "rows") and groups.units:  # FSDP1's flat units, FSDP2's per-parameter rows
+        fsdp = "fsdp1" if kind == "units" else "fsdp2"
+        one = [cost.call_s(f"{fsdp}_call", u.numel * itemsize) for u in groups.units]  # a gather or reduce_scatter
+        terms[f"{fsdp}_forward_calls"] = sum(one)
+        f += terms[f"{fsdp}_forward_calls"]
+        terms[f"{fsdp}_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, groups.units))
+        if kind == "units":
+            terms["fsdp1_gradient_copies"] = 2 * sum(u.numel for u in groups.units) * itemsize * cost.copy_s_per_byte
+            b += terms["fsdp1_backward_calls"] + terms["fsdp1_gradient_copies"]
+        else:
+            b += terms["fsdp2_backward_calls"]
+            terms["dtensor_optimizer_step"] = len(groups.trained_shards) * cost.dtensor_param_step_s
+            o += terms["dtensor_optimizer_step"]
     elif kind == "buckets" and groups.shards:
         if "grad" in layout.sharded:  # ZeRO-2: the bucket's flat gradient is zeroed anew and accumulated into
             terms["bucket_copies"] = 2 * sum(sh.numel for sh in groups.shards) * itemsize * cost.copy_s_per_byte
