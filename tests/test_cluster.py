@@ -4,6 +4,7 @@ launcher running SLURM-style tasks locally; each must measure what the local lau
 from __future__ import annotations
 
 import json
+import logging
 import re
 import os
 import subprocess
@@ -104,6 +105,12 @@ def test_torchrun_launcher_refuses_what_it_cannot_run(tmp_path):
     out = run_cli(*base, "world_size=2", cwd=tmp_path, env=one)
     text = " ".join(out.stdout.split())
     assert out.returncode == 2 and "world_size=2" in text and "1, the number of ranks torchrun started" in text, text
+    # the refused cell's directory is gone and no logging handler still writes into it (the next record any library
+    # logs in this process would raise FileNotFoundError)
+    handlers = [h for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+                for h in getattr(lg, "handlers", []) if isinstance(h, logging.FileHandler)]
+    assert not [h.baseFilename for h in handlers if Path(h.baseFilename).is_relative_to(tmp_path)]
+    logging.getLogger("transformers").warning("a record after the refusal")
 
 
 def test_rank_environment_of_each_launcher():

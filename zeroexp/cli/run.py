@@ -9,6 +9,7 @@ exits 1 when any cell failed to run, else 3 when any cell has a failed check, el
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
@@ -58,8 +59,7 @@ def task(cfg: DictConfig) -> None:
     if cfg.resume and not multirun:  # resume=true is a sweep's (zeroexp.cli.sweep.check_resume): not silently ignored
         e = ConfigError("resume", True, "resume=true with --multirun and hydra.sweep.dir=<an earlier sweep>",
                         why="a single run has no sweep to resume: it runs its cell from clean")
-        if cell_dir.is_dir() and {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
-            shutil.rmtree(cell_dir, ignore_errors=True)  # nothing ran: nothing that looks like a result
+        _discard_if_empty(cell_dir)  # nothing ran: nothing that looks like a result
         console.print(f"[red]error:[/] {e}")
         sys.exit(2)
     if cfg.launcher.name != "local":  # torchrun or SLURM started this process as one rank (zeroexp.launch.cluster)
@@ -98,8 +98,7 @@ def task(cfg: DictConfig) -> None:
             end_sweep(Path(hc.sweep.dir), stopped_by=getattr(e, "signal_name", "SIGINT"))
         raise
     except ConfigError as e:
-        if not any(cell_dir.iterdir()) or {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
-            shutil.rmtree(cell_dir, ignore_errors=True)
+        _discard_if_empty(cell_dir)
         console.print(f"[red]error:[/] {e}")
         sys.exit(2)
     if multirun:
@@ -188,12 +187,26 @@ def _external_rank(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep:
         result = run_external_rank(cfg, cell_dir, overrides=overrides, sweep=sweep, multirun=multirun,
                                    explicit_keys=() if multirun else explicit_keys(overrides))
     except ConfigError as e:
-        if cell_dir.is_dir() and {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
-            shutil.rmtree(cell_dir, ignore_errors=True)  # refused before anything ran (any rank may remove it)
+        _discard_if_empty(cell_dir)  # refused before anything ran (any rank may remove it)
         console.print(f"[red]error:[/] {e}")
         sys.exit(2)
     if result is not None:
         _print_result(result, console, multirun)
+
+
+def _discard_if_empty(cell_dir: Path) -> None:
+    """Remove a refused cell's directory when it holds nothing but Hydra's job log, and detach the logging handlers
+    that write into it first: a handler left on a removed file raises FileNotFoundError at the next record any library
+    logs in this process (a sweep's next job, an in-process caller)."""
+    if not cell_dir.is_dir() or not {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
+        return
+    for logger in [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                         if isinstance(v, logging.Logger))]:
+        for h in list(logger.handlers):
+            if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().is_relative_to(cell_dir):
+                logger.removeHandler(h)
+                h.close()
+    shutil.rmtree(cell_dir, ignore_errors=True)
 
 
 def _clear(cell_dir: Path) -> None:
