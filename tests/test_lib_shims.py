@@ -268,6 +268,25 @@ def test_step_mem_tracker_overrides_methods_mem_tracker_has():
         assert callable(getattr(MemTracker, method, None)), method
 
 
+def test_step_mem_tracker_counts_each_storage_in_blocks():
+    """``StepMemTracker(block)`` counts every storage in blocks (CUDA's 512 B, torch's MemTracker's own rule for CUDA
+    storages) whatever its device: a 4-byte scalar, a storage grown from 0 bytes by ``resize_``; an empty one 0."""
+    from zeroexp._lib.memtrack import step_mem_tracker, totals
+
+    for block, scalar, grown in ((1, 4, 12), (512, 512, 512)):
+        mt = step_mem_tracker(block)
+        with mt:
+            before, _ = totals(mt.get_tracker_snapshot("current"), "cpu")
+            s = torch.zeros(())  # 4 B
+            e = torch.empty(0)
+            after_s, _ = totals(mt.get_tracker_snapshot("current"), "cpu")
+            e.untyped_storage().resize_(12)  # FSDP's storage-resize alloc: 0 B, then grown
+            after_e, _ = totals(mt.get_tracker_snapshot("current"), "cpu")
+            del s
+            freed, _ = totals(mt.get_tracker_snapshot("current"), "cpu")
+        assert (after_s - before, after_e - after_s, after_e - freed) == (scalar, grown, scalar), block
+
+
 # -- zeroexp._lib.checkpointing ------------------------------------------------------------------------------------
 
 def test_checkpoint_modules_wraps_the_classes_non_reentrant():

@@ -72,9 +72,10 @@ def mem_tracker() -> Any:
     return MemTracker()
 
 
-def step_mem_tracker() -> Any:
+def step_mem_tracker(block: int = 1) -> Any:
     """A MemTracker whose optimizer-state region is only the optimizer's update (see the memory probe), and which names
-    the ``unsharded`` and ``comm`` storages (module docstring): a new ``zeroexp._lib.step_memtrack.StepMemTracker``."""
+    the ``unsharded`` and ``comm`` storages (module docstring): a new ``zeroexp._lib.step_memtrack.StepMemTracker``;
+    ``block`` > 1: each storage counted in blocks of that many bytes (CUDA's allocated bytes)."""
     from zeroexp._lib.step_memtrack import StepMemTracker
 
-    return StepMemTracker()
+    return StepMemTracker(block)

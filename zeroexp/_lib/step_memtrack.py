@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _RefType, _UpdateType
+from torch.distributed._tools.mem_tracker import (_TOTAL_KEY, MemTracker, _MemRefType, _RefType, _UpdateType,
+                                                  _WeakRefInfo)
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["StepMemTracker"]
@@ -56,12 +57,26 @@ def _born_role(ns: str, name: str) -> Any:
         if ns == "_c10d_functional" else None)
 
 
+class _Blocked(_WeakRefInfo):
+    """A storage counted in ``block``-byte blocks whatever its device (MemTracker rounds CUDA storages only, to 512 B;
+    the planner traces CPU fakes of a step it predicts for CUDA)."""
+
+    block = 1
+
+    def _calculate_mem_consumed(self) -> int:
+        from zeroexp.formulas.allocator import counted
+
+        return counted(self.size * self.element_size, self.block)
+
+
 class StepMemTracker(MemTracker):
     """A MemTracker whose optimizer-state region is only the optimizer's update (see the memory probe), and which
-    names the ``unsharded`` and ``comm`` storages (``zeroexp._lib.memtrack``'s docstring)."""
+    names the ``unsharded`` and ``comm`` storages (``zeroexp._lib.memtrack``'s docstring). ``block`` > 1: every
+    storage is counted in blocks of that many bytes (CUDA's 512: ``zeroexp.formulas.allocator.counted``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: int = 1) -> None:
         super().__init__()
+        self._blocked = type("_Blocked", (_Blocked,), {"block": int(block)}) if block > 1 else None
         # The snapshots are also updated from gloo's worker threads: a storage a finished work object held last
         # is freed there, and MemTracker's weakref callback subtracts it. ``d[k] -= n`` is not atomic across
         # threads, nor is a snapshot's deepcopy: every update of the current snapshot and every copy of it holds
@@ -130,6 +145,10 @@ class StepMemTracker(MemTracker):
     # -- births: a storage allocated, or grown from zero bytes, after the tracker was entered; its labels since
     def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
                      old_reftype: Any = None) -> None:
+        if self._blocked is not None and u_type in (_UpdateType.ADD, _UpdateType.SIZE) \
+                and not isinstance(winfo, _Blocked):  # counted in blocks from its first bytes on (0 B stays 0)
+            winfo.__class__ = self._blocked
+            winfo.mem_consumed = winfo._calculate_mem_consumed()
         with self._snap_lock:
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
             self._clock += 1

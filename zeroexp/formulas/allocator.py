@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 __all__ = ["MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size",
-           "segment_size", "CachingAllocator", "reserved_peak"]
+           "counted", "counted_sum", "segment_size", "CachingAllocator", "reserved_peak"]
 
 MIN_BLOCK = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" allocation is 1 MiB
@@ -42,6 +42,18 @@ ROUND_LARGE = 2 << 20  # kRoundLarge: round up large allocations to 2 MiB
 def round_size(nbytes: int) -> int:
     """A request's block size: at least 512 B, a multiple of 512 B (``round_size``)."""
     return MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+def counted(nbytes: int, block: int = 1) -> int:
+    """What one allocation of ``nbytes`` adds to allocated bytes where each is counted in ``block``-byte blocks:
+    ``block`` = :data:`MIN_BLOCK` on CUDA (``torch.cuda.memory_allocated`` counts the rounded block, as
+    torch's MemTracker does for CUDA storages), 1 on the CPU. An empty tensor allocates nothing."""
+    return -(-int(nbytes) // block) * block if nbytes > 0 else 0
+
+
+def counted_sum(sizes: Iterable[int], block: int = 1) -> int:
+    """:func:`counted` over allocations of ``sizes`` bytes each."""
+    return sum(counted(b, block) for b in sizes)
 
 
 def segment_size(nbytes: int) -> int:

@@ -16,9 +16,11 @@ A CPU cell (gloo) and a CUDA cell (NCCL) run the same strategy code with other d
 Reserved memory (``max_memory_reserved``, what decides an out-of-memory error) is the caching allocator's
 (zeroexp.formulas.allocator): its rounding, pools and segments over the peak model's live bytes.
 
-Not modelled on CUDA (named where the figures are shown): each allocation's rounding to 512 B in allocated bytes
-(``torch.cuda.memory_allocated`` counts blocks, the model tensor bytes: an H200 run measured each phase within
-1,024 B of the prediction, a freed 4- or 8-byte scalar 512 B below it), the allocator's fragmentation beyond its
+Allocated bytes on CUDA count each allocation in 512-byte blocks (``torch.cuda.memory_allocated`` counts the
+caching allocator's rounded blocks: a 4-byte loss is 512 B): ``block`` is the unit every storage of the traced step is
+counted in (the step tracer rounds each one, as torch's MemTracker does for CUDA storages) and every tensor the
+closed-form terms of FSDP, DDP and zeroexp's ZeRO add. Not modelled on CUDA (named where the figures are shown):
+the rounding of DeepSpeed's closed-form terms (its flat partitions), the allocator's fragmentation beyond its
 rounding and segments (the order of a phase's requests), NCCL's own buffers (outside the allocator), the CUDA context,
 ``expandable_segments``, DeepSpeed's fused optimizers, and the side streams. A block freed on a collective's stream
 returns to that stream's free blocks (the allocator keys its free blocks by stream): FSDP1 allocates each
@@ -35,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zeroexp.formulas.allocator import MIN_BLOCK
+
 __all__ = ["DeviceSemantics", "CPU", "FAKE_GROUP", "cuda", "cublas_workspace_bytes", "CUDA_NOT_MODELLED"]
 
 #: torch's default cuBLAS workspace per handle before Hopper: ``:4096:2:16:8`` (KiB x count pairs).
@@ -43,8 +47,7 @@ PRE_HOPPER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 HOPPER_WORKSPACE = 4096 * 8 * 1024
 #: The threads of a training step that run matmuls, each with its own cuBLAS handle and workspace.
 TRAINING_HANDLES = 2
-CUDA_NOT_MODELLED = ("each allocation's rounding to 512 B in allocated bytes (a 4-byte loss counts 4 B, "
-                     "torch.cuda.memory_allocated 512 B)",
+CUDA_NOT_MODELLED = ("the 512-B rounding of DeepSpeed's closed-form terms (its flat partitions)",
                      "the caching allocator's fragmentation beyond its rounding and segments", "NCCL's own buffers",
                      "the CUDA context", "the side streams' own free blocks and the frees they delay to an event",
                      "expandable_segments", "DeepSpeed's fused optimizers")
@@ -60,13 +63,15 @@ def cublas_workspace_bytes(capability: float | None) -> int:
 class DeviceSemantics:
     """``name``: cpu | cuda; ``foreach``: AdamW's foreach update (else single-tensor); ``gloo``: the backend copies
     collectives' inputs and outputs (gloo) or works in place (NCCL); ``workspace_bytes``: what the steady state holds
-    beside the model's state (cuBLAS workspaces); ``not_modelled``: what the peak model leaves out on it."""
+    beside the model's state (cuBLAS workspaces); ``not_modelled``: what the peak model leaves out on it; ``block``: the bytes each
+    allocation is counted in (:func:`zeroexp.formulas.allocator.counted`)."""
 
     name: str
     foreach: bool
     gloo: bool
     workspace_bytes: int = 0
     not_modelled: tuple[str, ...] = ()
+    block: int = 1
 
 
 CPU = DeviceSemantics("cpu", foreach=False, gloo=True)
@@ -78,4 +83,4 @@ def cuda(capability: float | None = None) -> DeviceSemantics:
     """A CUDA rank of compute ``capability`` (None: before Hopper) with NCCL."""
     return DeviceSemantics("cuda", foreach=True, gloo=False,
                            workspace_bytes=TRAINING_HANDLES * cublas_workspace_bytes(capability),
-                           not_modelled=CUDA_NOT_MODELLED)
+                           not_modelled=CUDA_NOT_MODELLED, block=MIN_BLOCK)

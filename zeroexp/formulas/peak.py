@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from zeroexp.formulas.allocator import counted_sum
 from zeroexp.formulas.units import post_forward_bump
 
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES", "adamw_temporaries",
@@ -56,9 +57,10 @@ class StepTrace:
 PHASES = ("forward", "backward", "optimizer")
 
 
-def adamw_temporaries(numels: tuple[int, ...] | list[int], itemsize: int, foreach: bool) -> int:
+def adamw_temporaries(numels: tuple[int, ...] | list[int], itemsize: int, foreach: bool, block: int = 1) -> int:
     """Bytes torch's AdamW allocates above its state during one step (no amsgrad, no capturable, decoupled weight
-    decay; torch/optim/adam.py). ``foreach``: one ``_foreach_sqrt`` list of every tensor's size alive at once.
+    decay; torch/optim/adam.py). ``foreach``: one ``_foreach_sqrt`` list of every tensor's size alive at once, each
+    counted in ``block``-byte blocks (CUDA's 512: :func:`zeroexp.formulas.allocator.counted`).
     Single-tensor (torch's default on CPU): per parameter ``denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)`` holds
     the sqrt and the quotient at once, while the previous parameter's ``denom`` is still bound to the loop variable:
     max(2 n_0, n_{i-1} + 2 n_i) elements."""
@@ -66,7 +68,7 @@ def adamw_temporaries(numels: tuple[int, ...] | list[int], itemsize: int, foreac
     if not any(n):
         return 0
     if foreach:
-        return sum(n) * itemsize
+        return counted_sum((k * itemsize for k in n), block)
     return max([2 * n[0], *(a + 2 * b for a, b in zip(n, n[1:]))]) * itemsize
 
 
@@ -80,14 +82,15 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
 def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
                 optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                 in_place: StepTrace | None = None, master_grads: int = 0, gather_inputs: int = 0,
-                reduce_copies: bool = False) -> dict[str, dict]:
+                reduce_copies: bool = False, block: int = 1) -> dict[str, dict]:
     """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
     Backward: per traced segment, its peak, less what the flow does not allocate anew (``in_place`` and ``bucket``:
     the traced ``.grad`` tensors; ``new``: the steady gradients ``zero_grad`` freed), plus, for ``bucket``, every
     bucket opened before the segment started (``buckets``: each one's bytes in reduce order, opened by its first
-    ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps (:func:`adamw_temporaries`), or,
+    ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps (:func:`adamw_temporaries`,
+    in ``block``-byte blocks), or,
     for ``bucket``, the buckets alive when the step begins if they are more (released before the update). Each
     segment's figure is a lower bound of the real one; the phase's peak is the largest. ``in_place``: the same step
     traced with the gradients allocated before it (``trace_step(grads_in_place=True)``), whose backward segments the
@@ -138,7 +141,7 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
         out["backward"] = {**best, "upper_bytes": upper["bytes"], "upper_by_category": upper["by_category"],
                            "upper_note": "a bucket opened within a traced segment, born before its peak (the trace "
                                          "sees the segment's peak, not where in it the bucket's first gradient came)"}
-    temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach)
+    temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach, block)
     # What the update region allocates is labelled optimizer state by the memory probe: the up-casts too.
     candidates = [{"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}]
     waits = buckets[::-1]  # the step's order
@@ -232,7 +235,8 @@ class FsdpUnit(NamedTuple):
 
 def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
                      reshard_after_forward: bool, prefetch: str, gloo: bool,
-                     optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool) -> dict[str, dict]:
+                     optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
+                     block: int = 1) -> dict[str, dict]:
     """FSDP1 (FlatParameter per unit; ``units`` in forward order, ``root``: the root unit's unsharded bytes, held
     from its forward to the end of backward), per phase, the bytes above steady at the peak, by category.
 
@@ -254,7 +258,7 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
     _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward)
     _fsdp_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes,
                    reshard_after_forward=reshard_after_forward, prefetch=prefetch, gloo=gloo)
-    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
+    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach, block))
 
 
 def _backward_order(k_of: dict[str, int]) -> list[tuple[str, int]]:
@@ -347,7 +351,7 @@ def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
 
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
-                      reshard_after_forward: bool = True, one_unit: bool = False,
+                      block: int = 1, reshard_after_forward: bool = True, one_unit: bool = False,
                       root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
                       post_forward: int = 0, root_params: tuple[int, ...] = ()) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
@@ -401,7 +405,7 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                    bump=bump)
     _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
                     kept=kept, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1))
-    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach))
+    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach, block))
 
 
 def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,

@@ -19,6 +19,7 @@ from typing import Any
 
 from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, fsdp2_padded_numel, local_numels,
                               owner_assignment)
+from zeroexp.formulas.allocator import counted, counted_sum
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, cuda
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
@@ -122,15 +123,16 @@ def flow_of(name: str) -> str | None:
 
 
 def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: bool,
-                micro_batches: int, param_dtype: str = "float32", terms: PrecisionTerms | None = None
-                ) -> tuple[StepTrace, StepTrace | None]:
-    """The bare step traced for row ``name`` (:func:`trace_for`, checkpointed as the cell, in its precision), and,
-    where the row's gradients live across a step (``in_place``, ``bucket``) or a later micro-batch adds into them
-    (``new`` with ``grad_accum`` > 1), the same step traced with its gradients allocated before it."""
-    trace = trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, terms=terms)
+                micro_batches: int, param_dtype: str = "float32", terms: PrecisionTerms | None = None,
+                block: int = 1) -> tuple[StepTrace, StepTrace | None]:
+    """The bare step traced for row ``name`` (:func:`trace_for`, checkpointed as the cell, in its precision, each
+    storage counted in ``block``-byte blocks: ``DeviceSemantics.block``), and, where the row's gradients live across
+    a step (``in_place``, ``bucket``) or a later micro-batch adds into them (``new`` with ``grad_accum`` > 1), the
+    same step traced with its gradients allocated before it."""
+    trace = trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, terms=terms, block=block)
     if needs_in_place(name, micro_batches):
         return trace, trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, grads_in_place=True,
-                                terms=terms)
+                                terms=terms, block=block)
     return trace, None
 
 
@@ -149,7 +151,8 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
     that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
     ranks = range(groups.world_size) if _row(name).ranks_differ else (0,)
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, device.gloo, micro_batches, in_place,
-                               bucket_cap_bytes, terms, root_kept=root_kept, foreach=device.foreach, knobs=knobs)
+                               bucket_cap_bytes, terms, root_kept=root_kept, foreach=device.foreach, knobs=knobs,
+                               block=device.block)
                 for r in ranks), key=lambda ph: max(v["bytes"] for v in ph.values()))
 
 
@@ -157,7 +160,7 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
                    in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20,
                    terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter", root_kept: bool = False,
-                   foreach: bool = False, knobs: PlanKnobs = PlanKnobs()) -> dict[str, dict]:
+                   foreach: bool = False, knobs: PlanKnobs = PlanKnobs(), block: int = 1) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
     ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's. ``trace``: the bare step (checkpointed
     when the cell is: its segments then hold each unit's input in forward and its recompute in backward; DeepSpeed
@@ -168,15 +171,17 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`);
     ``root_kept``: FSDP2's root kept unsharded from forward to backward (``PlanKnobs.root_kept_after_forward``);
     ``knobs``: FSDP2's explicit prefetch (``PlanKnobs.forward_prefetch``, ``backward_prefetch``) and ``reduce_dtype``;
-    ``gloo`` and ``foreach``: the device's backend copies and AdamW update (:mod:`zeroexp.formulas.device`)."""
+    ``gloo``, ``foreach`` and ``block``: the device's backend copies, AdamW update and allocation block
+    (:mod:`zeroexp.formulas.device`; each tensor of the closed-form terms counted in blocks, the trace's too:
+    :func:`step_traces`; DeepSpeed's terms unrounded)."""
     row = _row(name)
     if ds_stage(name) is not None:
         return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo, foreach)
     terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
     if row.peak_flow in ("fsdp1", "fsdp2"):
         return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept,
-                     foreach, knobs)
-    st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms, foreach)
+                     foreach, knobs, block)
+    st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms, foreach, block)
     if row.groups == "buckets":  # zeroexp's ZeRO
         st["reduce_copies"] = gloo and reduce == "reduce_scatter"
     if row.peak_flow is None:
@@ -215,12 +220,13 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
 
 def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",
               checkpointing: bool = False, grads_in_place: bool = False,
-              terms: PrecisionTerms | None = None) -> StepTrace:
+              terms: PrecisionTerms | None = None, block: int = 1) -> StepTrace:
     """The bare step the row's peak model reads (:func:`zeroexp.plan.steptrace.trace_step`): segmented at the
     strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module) and for the
     ``bucket`` flow, at every module holding parameters; in the dtypes the cell computes in: DeepSpeed's bf16 runs
     the module converted to bf16,
-    the other rows as their ``terms`` say (autocast, or the module cast: :mod:`zeroexp.formulas.peak_precision`)."""
+    the other rows as their ``terms`` say (autocast, or the module cast: :mod:`zeroexp.formulas.peak_precision`);
+    each storage counted in ``block``-byte blocks (CUDA's 512)."""
     import torch
 
     from zeroexp.models import torch_dtype
@@ -241,7 +247,8 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     fsdp = row.peak_flow in ("fsdp1", "fsdp2")  # a model with no unit of a wrap class is one unit
     # remembered by what is traced, not by the row: rows that trace the same step share it
     kwargs = dict(device="cpu", checkpointing=bool(checkpointing), grads_in_place=bool(grads_in_place),
-                  own_params_units=own, root_unit=fsdp, **{k: v for k, v in dtypes.items() if v is not None})
+                  own_params_units=own, root_unit=fsdp, **{k: v for k, v in dtypes.items() if v is not None},
+                  **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
     key = arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kwargs.items()))
     if key is not None and key in _TRACES:
         return _TRACES[key]
@@ -265,11 +272,12 @@ def _checkpointing(cfg: Any) -> bool:
     return ac is not None and str(ac.name) == "full"
 
 
-def _cell_step_traces(cfg: Any, name: str, wrap: list[type], terms: PrecisionTerms | None
+def _cell_step_traces(cfg: Any, name: str, wrap: list[type], terms: PrecisionTerms | None, block: int = 1
                       ) -> tuple[StepTrace, StepTrace | None]:
-    """:func:`step_traces` for a composed cell of row ``name``: what its ``plan.memory`` reads."""
+    """:func:`step_traces` for a composed cell of row ``name``: what its ``plan.memory`` reads (``block``: its
+    device's, ``DeviceSemantics.block``)."""
     return step_traces(name, cfg.model, int(cfg.batch_size), wrap, _checkpointing(cfg),
-                       int(cfg.get("grad_accum") or 1), str(cfg.precision.param_dtype), terms)
+                       int(cfg.get("grad_accum") or 1), str(cfg.precision.param_dtype), terms, block)
 
 
 # -- Traces ahead. A cell's rank 0 trains the equivalence reference after the last step while its other ranks wait;
@@ -282,9 +290,10 @@ def _cell_step_traces(cfg: Any, name: str, wrap: list[type], terms: PrecisionTer
 _TRACES: dict[str, StepTrace] = {}
 
 
-def write_traces_ahead(cfg: Any, path: Any) -> None:
+def write_traces_ahead(cfg: Any, path: Any, block: int = 1) -> None:
     """Trace the step a composed cell's ``plan.memory`` will read into ``path`` (nothing where the peak model does not
-    cover the cell; a file already at ``path`` is removed first). Never raises: rank 0 then traces it itself."""
+    cover the cell; a file already at ``path`` is removed first; ``block``: the ranks' device's,
+    ``DeviceSemantics.block``). Never raises: rank 0 then traces it itself."""
     import pickle
 
     from zeroexp.plan.expect import layout_of
@@ -296,7 +305,7 @@ def write_traces_ahead(cfg: Any, path: Any) -> None:
         if _uncovered_cell(cfg, name):
             return
         traces = _cell_step_traces(cfg, name, [import_class(p) for p in wrap_paths(cfg)],
-                                   cell_precision_terms(name, cfg))
+                                   cell_precision_terms(name, cfg), block)
         ours = {k: t for k, t in _TRACES.items() if any(t is mine for mine in traces)}  # this cell's, by their keys
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # .ranks/: the first rank to write makes it
         tmp = f"{path}.tmp"
@@ -338,9 +347,12 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
             "all-gather input through forward in the cell measured, more than the one late tensor the check allows "
             "(docs/planner.md, the peak model)"]}
     checkpointing, micro_batches = _checkpointing(cfg), int(cfg.get("grad_accum") or 1)
-    trace, in_place = _cell_step_traces(cfg, name, wrap, terms)
-    traced = {"batch_size": trace.batch_size, "device": "cpu", "loss_bytes": trace.loss_bytes,
-              "checkpointing": checkpointing, "micro_batches": micro_batches, **_trace_record(terms)}
+    device = (_measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
+                           measured.get("backend") == "fake") if measured.get("phases_of_max_rank") else FAKE_GROUP)
+    trace, in_place = _cell_step_traces(cfg, name, wrap, terms, device.block)
+    traced = {"batch_size": trace.batch_size, "device": "cpu", "block_bytes": device.block,
+              "loss_bytes": trace.loss_bytes, "checkpointing": checkpointing, "micro_batches": micro_batches,
+              **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         knobs = knobs_of(cfg)
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
@@ -351,8 +363,6 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
                                             "not run): predicted only"]}
     worst_rank = int(measured["max_rank"])
-    device = _measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
-                          measured.get("backend") == "fake")
     gloo = device.gloo
     late = late_free(name, groups, itemsize, gloo, micro_batches)
     by_rank = measured.get("phases_by_rank") or [None] * len(measured["steady_bytes"])
@@ -368,7 +378,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
                        else steady_by_rank[rank]) or {}
         predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
                                    micro_batches, in_place, cap, terms, reduce, knobs.root_kept_after_forward,
-                                   foreach=device.foreach, knobs=knobs)
+                                   foreach=device.foreach, knobs=knobs, block=device.block)
         judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
                                                  predicted, late)
         reserved = (measured.get("reserved_by_rank") or [None] * len(by_rank))[rank]
@@ -417,34 +427,40 @@ def _as_simulated(section: dict[str, Any]) -> dict[str, Any]:
 
 
 def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
-                    terms: PrecisionTerms, foreach: bool = False) -> dict[str, Any]:
+                    terms: PrecisionTerms, foreach: bool = False, block: int = 1) -> dict[str, Any]:
     """What the peak model needs of the groups, for rank ``rank``: the gradient bytes ``zero_grad`` frees, the
     buckets in reduce order, the tensors the rank's AdamW steps (fp32 state; single-tensor, torch's default on CPU),
-    and below fp32 zeroexp's ZeRO's up-casts and all-gather inputs (:mod:`zeroexp.formulas.peak_precision`)."""
-    g, row, adamw = terms.grad_itemsize, _row(name), {**ADAMW, "foreach": foreach}
+    and below fp32 zeroexp's ZeRO's up-casts and all-gather inputs (:mod:`zeroexp.formulas.peak_precision`); each
+    gradient and bucket counted in ``block``-byte blocks."""
+    g, row, adamw = terms.grad_itemsize, _row(name), {**ADAMW, "foreach": foreach, "block": block}
     if row.peak_flow == "new":  # a parameter a step gives no gradient has no gradient and no moments to step
         idle = set(groups.ungraded)
         mine = owner_assignment(groups.numels, n)[rank] if row.groups == "owners" else range(len(groups.numels))
         numels = [groups.numels[i] for i in mine if i not in idle]
-        graded = sum(k for i, k in enumerate(groups.numels) if i not in idle)
-        return {"steady_grad_bytes": graded * g, "buckets": (), "optimizer_numels": tuple(numels), **adamw}
+        graded = counted_sum((k * g for i, k in enumerate(groups.numels) if i not in idle), block)
+        return {"steady_grad_bytes": graded, "buckets": (), "optimizer_numels": tuple(numels), **adamw}
     # zeroexp's ZeRO: one flat bucket per shard; backward fills the last-defined bucket first.
     shards = tuple(s.numel // n for s in groups.shards)
-    return {"steady_grad_bytes": 0, "buckets": tuple(s.numel * g for s in reversed(groups.shards)),
+    return {"steady_grad_bytes": 0, "buckets": tuple(counted(s.numel * g, block) for s in reversed(groups.shards)),
             "optimizer_numels": shards, **adamw, "master_grads": master_upcast_bytes(shards, terms),
             "gather_inputs": gather_input_bytes(shards, terms, itemsize)}
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
           gloo: bool, terms: PrecisionTerms, micro_batches: int = 1, rank: int = 0, root_kept: bool = False,
-          foreach: bool = False, knobs: PlanKnobs = PlanKnobs()) -> dict[str, Any]:
+          foreach: bool = False, knobs: PlanKnobs = PlanKnobs(), block: int = 1) -> dict[str, Any]:
     """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
     post-order, the root last) beside the shape's (their parameters' own gradients), gathered and reduced in the
     compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``).
     ``micro_batches`` > 1: SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.
-    fsdp_no_sync_phase_peaks`)."""
+    fsdp_no_sync_phase_peaks`). Each tensor counted in ``block``-byte blocks (CUDA's 512): a unit's flat parameter or
+    all-gather output, each parameter's gradient and unsharded rows, a shard."""
     # sharded over the shard group (hybrid sharding: shard_size ranks; else all); the gradient shards: AdamW's dtype
-    n, kept, row, adamw = groups.shard_over, ADAMW["optimizer_itemsize"], _row(name), {**ADAMW, "foreach": foreach}
+    n, kept, row = groups.shard_over, ADAMW["optimizer_itemsize"], _row(name)
+    adamw = {**ADAMW, "foreach": foreach, "block": block}
+
+    def b(nbytes: int) -> int:
+        return counted(nbytes, block)
     # FSDP2's reduce_dtype: its reduce-scatter's input and output shard (FSDP1 reduces in the compute dtype)
     r = knobs.reduce_itemsize(itemsize) if row.peak_flow == "fsdp2" else itemsize
     sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
@@ -454,29 +470,33 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     alone = all(is_root for _, is_root in sized)  # one unit: the model itself, traced as a unit, kept into backward
     for (members, is_root), unit in zip(sized, groups.units):
         if is_root and not alone:
-            root += unit.numel * itemsize
-            root_grads += sum(shape.numels[i] for i in members) * itemsize
-            root_params = tuple(fsdp2_padded_numel(shape.params[i], n) * itemsize for i in members)
+            root += b(unit.numel * itemsize)
+            root_grads += counted_sum((shape.numels[i] * itemsize for i in members), block)
+            root_params = tuple(b(fsdp2_padded_numel(shape.params[i], n) * itemsize) for i in members)
         else:  # the gradients autograd computes: of the trainable parameters a step uses
             trained = [i for i in members if shape.train(i) and i not in shape.unused]
-            units.append(FsdpUnit(unit.numel * itemsize, unit.scattered // n * r,
-                                  sum(shape.numels[i] for i in trained) * itemsize,
-                                  sharded_grad_upcast(unit.scattered // n, terms) if r < kept else 0,
-                                  unit.numel // n * itemsize if row.peak_flow == "fsdp1" and terms.module_dtype else 0,
-                                  None if unit.reduced is None and r == itemsize else unit.scattered * r,
-                                  shape.numels[max(trained)] * itemsize if trained else 0,
-                                  tuple(fsdp2_padded_numel(shape.params[i], n) * itemsize for i in members)
+            units.append(FsdpUnit(b(unit.numel * itemsize), b(unit.scattered // n * r),
+                                  counted_sum((shape.numels[i] * itemsize for i in trained), block),
+                                  b(sharded_grad_upcast(unit.scattered // n, terms)) if r < kept else 0,
+                                  b(unit.numel // n * itemsize) if row.peak_flow == "fsdp1" and terms.module_dtype
+                                  else 0,
+                                  None if unit.reduced is None and r == itemsize else b(unit.scattered * r),
+                                  b(shape.numels[max(trained)] * itemsize) if trained else 0,
+                                  tuple(b(fsdp2_padded_numel(shape.params[i], n) * itemsize) for i in members)
                                   if row.peak_flow == "fsdp2" else ()))
     shards = [u.scattered // n for u in groups.units]
+    # what zero_grad frees between steps: each unit's gradient shard, one storage (FSDP1's flat gradient; FSDP2's
+    # reduce-scatter output, of which each parameter's sharded gradient is a view)
+    steady_grads = counted_sum((k * kept for k in shards), block)
     if micro_batches > 1:
         if not row.no_sync_accumulation:
             raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
         return fsdp_no_sync_phase_peaks(
             trace, [u.unsharded for u in units], [u.grads for u in units], root=root, root_grads=root_grads,
-            steady_grad_bytes=sum(shards) * itemsize,
-            optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), kept, foreach))
+            steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
+            optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), kept, foreach, block))
     if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
-        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept, gloo=gloo,
+        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                                  one_unit=alone, root_kept=root_kept and not alone,
@@ -484,6 +504,6 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
                                  post_forward=groups.post_forward_size, root_params=root_params)
     # FSDP1 keeps the root unit unsharded from forward into backward
     full_shard = row.reshard_after_forward and not alone
-    return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=sum(shards) * kept,
+    return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **adamw)

@@ -129,7 +129,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
                               "activations": out["activation_bytes"] or 0, "workspace": device.workspace_bytes}
         return out
     terms = cell_precision_terms(name, SimpleNamespace(precision=precision))
-    trace, in_place = step_traces(name, model_cfg, batch, wrap, checkpointing, k, dtype, terms)
+    trace, in_place = step_traces(name, model_cfg, batch, wrap, checkpointing, k, dtype, terms, device.block)
     root_kept = knobs.root_kept_after_forward and LAYOUTS[name].gathers_per_unit(True, knobs) == 1
     phases = worst_rank_phases(name, groups, shape, trace, c, prefetch, k, in_place, knobs.bucket_cap_bytes, terms,
                                device, root_kept, knobs)

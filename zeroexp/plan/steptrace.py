@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from zeroexp.formulas.allocator import counted
 from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
 from zeroexp._lib.memtrack import step_mem_tracker, totals
 from zeroexp._lib.modules import own_buffers, own_parameters
@@ -30,7 +31,7 @@ __all__ = ["trace_step", "trace_step_of"]
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
                dtype: torch.dtype | None = None, checkpointing: bool = False,
                grads_in_place: bool = False, own_params_units: bool = False,
-               module_dtype: torch.dtype | None = None, root_unit: bool = False) -> StepTrace:
+               module_dtype: torch.dtype | None = None, root_unit: bool = False, block: int = 1) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
     of ``device``; units are the modules of a ``wrap`` class (FSDP's units; every strategy is segmented the same
     way), or, with ``own_params_units``, every module that holds parameters of its own (DeepSpeed stage 3 gathers and
@@ -48,7 +49,9 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     the step (views of one zeroed flat buffer, part of the step's start), so autograd adds into it in place and
     backward allocates no gradient: the step of a flow whose gradients live across the step (zeroexp's ZeRO-1/2
     buckets, a later micro-batch of ``grad_accum``). Without checkpointing its segments are the plain trace's less its
-    gradients (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak."""
+    gradients (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak.
+    ``block``: each storage counted in blocks of that many bytes (512: CUDA's allocated bytes,
+    :func:`zeroexp.formulas.allocator.counted`; 1: the CPU's), the loss too."""
     from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import zeros_batch
 
@@ -59,7 +62,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
         batch = zeros_batch(model_cfg, batch_size)
         if grads_in_place:
             _give_flat_grads([p for p in net.parameters() if p.requires_grad])
-        mt = step_mem_tracker()
+        mt = step_mem_tracker(block)
         mt.track_external(net, batch)
         marks = _Marks(mt, device, {id(p): i for i, p in enumerate(net.parameters())}, own_params_units)
         units = _units(net, names, classes, own_params_units, root_unit)
@@ -70,7 +73,8 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
             for h in hooks:
                 h.remove()
     return StepTrace(batch_size=int(batch_size), segments=tuple(marks.segments),
-                     loss_bytes=2 * loss.untyped_storage().nbytes(), units=tuple(marks.seen.values()))
+                     loss_bytes=2 * counted(loss.untyped_storage().nbytes(), block),
+                     units=tuple(marks.seen.values()))
 
 
 def trace_step_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), **kwargs: Any

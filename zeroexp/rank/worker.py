@@ -204,9 +204,10 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     results = {p.name: p.rank_result() for p in probes}
     results[INIT_RECORD] = init_peak.record
     if rank == world_size - 1 > 0:  # while rank 0 trains the equivalence reference: its plan's step traces
+        from zeroexp.formulas.device import CPU, cuda
         from zeroexp.plan.memory import write_traces_ahead
 
-        write_traces_ahead(cfg, cell / RANKS_DIR / TRACES_AHEAD)
+        write_traces_ahead(cfg, cell / RANKS_DIR / TRACES_AHEAD, (cuda() if device.type == "cuda" else CPU).block)
     write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
     dist.barrier()  # outside every measured window: all rank files exist
     if rank == 0:
