@@ -26,7 +26,7 @@ NCCL's own buffers (outside the allocator), the CUDA context.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 __all__ = ["MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size",
            "counted", "counted_sum", "segment_size", "CachingAllocator", "reserved_peak"]
@@ -121,10 +121,12 @@ class CachingAllocator:
         return self._next - 1
 
 
-def reserved_peak(steady: Mapping[str, int], phases: Iterable[Mapping[str, int]], steps: int = 2) -> tuple[int, int]:
+def reserved_peak(steady: Mapping[str, int], phases: Iterable[Mapping[str, int | Sequence[int]]],
+                  steps: int = 2) -> tuple[int, int]:
     """The caching allocator's peak (reserved, allocated) bytes over ``steps`` steps. ``steady``: the blocks a rank
     holds between steps (bytes by name, one block each), taken first. ``phases``: each phase's bytes above steady by
-    category, in phase order; a positive one is one block, taken with the phase's others at once, largest first; a
+    category, in phase order (``zeroexp.formulas.peak.allocations``); a positive one is one block, a sequence that many
+    blocks (tensors the model knows one by one), taken with the phase's others at once, largest first; a
     negative one is a steady block of that name shrunk within the phase (``zero_grad`` freed the steady gradients:
     the block freed, what is left of it taken again with the phase's). At a phase's end its blocks are freed and the
     steady blocks it shrank taken back. A second step reuses the segments the first left cached."""
@@ -132,10 +134,11 @@ def reserved_peak(steady: Mapping[str, int], phases: Iterable[Mapping[str, int]]
     held = {name: alloc.malloc(int(b)) for name, b in steady.items() if b > 0}
     for _ in range(steps):
         for phase in phases:
-            shrunk = [c for c, b in phase.items() if b < 0 and c in held]
+            shrunk = [c for c, b in phase.items() if isinstance(b, int) and b < 0 and c in held]
             for c in shrunk:
                 alloc.free(held.pop(c))
-            sizes = [b for c, b in phase.items() if b > 0] + [steady[c] + phase[c] for c in shrunk]
+            sizes = [x for b in phase.values() for x in ((b,) if isinstance(b, int) else b) if x > 0]
+            sizes += [steady[c] + phase[c] for c in shrunk]
             blocks = [alloc.malloc(int(b)) for b in sorted(sizes, reverse=True) if b > 0]
             for i in blocks:
                 alloc.free(i)

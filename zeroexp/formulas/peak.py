@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.allocator import counted_sum
+from zeroexp.formulas.allocator import counted, counted_sum
 from zeroexp.formulas.units import post_forward_bump
 
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES", "adamw_temporaries",
@@ -70,6 +70,23 @@ def adamw_temporaries(numels: tuple[int, ...] | list[int], itemsize: int, foreac
     if foreach:
         return counted_sum((k * itemsize for k in n), block)
     return max([2 * n[0], *(a + 2 * b for a, b in zip(n, n[1:]))]) * itemsize
+
+
+def adamw_temporary_blocks(numels: tuple[int, ...] | list[int], itemsize: int, foreach: bool,
+                           block: int = 1) -> tuple[int, ...]:
+    """:func:`adamw_temporaries` as the allocations they are (what the caching allocator places one by one): foreach's
+    list, one tensor per parameter; the single-tensor update's moment, one figure (the CPU's: no allocator)."""
+    if foreach:
+        return tuple(counted(k * itemsize, block) for k in numels if k)
+    total = adamw_temporaries(numels, itemsize, foreach, block)
+    return (total,) if total else ()
+
+
+def allocations(phase: dict) -> dict[str, int | tuple[int, ...]]:
+    """A predicted phase's bytes above steady by category (``by_category``), where the model knows a category's
+    tensors one by one (``blocks``: AdamW's foreach list) those sizes instead: what
+    :func:`zeroexp.formulas.allocator.reserved_peak` places."""
+    return {**phase["by_category"], **phase.get("blocks", {})}
 
 
 def _add(into: dict, cats: dict, sign: int = 1) -> dict:
@@ -144,6 +161,9 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach, block)
     # What the update region allocates is labelled optimizer state by the memory probe: the up-casts too.
     candidates = [{"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}]
+    one_by_one = adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block)
+    if len(one_by_one) > 1 and not master_grads and not gather_inputs:  # foreach's list, tensor by tensor
+        candidates[0]["blocks"] = {"optimizer_state": one_by_one}
     waits = buckets[::-1]  # the step's order
     for j, size in enumerate(waits):  # at bucket j's wait: the buckets not released yet (bucket), gloo's copy of j
         held = sum(waits[j:]) if flow == "bucket" else 0
@@ -183,9 +203,10 @@ class _Highest:
         if timing and any(timing.values()) and self.upper[phase]["bytes"] == sum(_add(cats, timing).values()):
             self.upper[phase]["note"] = note
 
-    def phases(self, optimizer_temporaries: int) -> dict[str, dict]:
+    def phases(self, optimizer_temporaries: tuple[int, ...]) -> dict[str, dict]:
         """Forward and backward as kept (with ``upper_bytes``, ``upper_by_category`` and ``upper_note`` where the
-        range's upper end is higher); the optimizer phase: AdamW's temporaries."""
+        range's upper end is higher); the optimizer phase: AdamW's temporaries (:func:`adamw_temporary_blocks`; more
+        than one: its ``blocks``, :func:`allocations`)."""
         out = {}
         for ph, rec in self.best.items():
             out[ph] = dict(rec)
@@ -193,8 +214,9 @@ class _Highest:
             if up is not None and up["bytes"] > rec["bytes"]:
                 out[ph].update(upper_bytes=up["bytes"], upper_by_category=up["by_category"],
                                upper_note=up.get("note", ""))
-        return {**out, "optimizer": {"bytes": optimizer_temporaries,
-                                     "by_category": {"optimizer_state": optimizer_temporaries}}}
+        total = sum(optimizer_temporaries)
+        blocks = {"blocks": {"optimizer_state": tuple(optimizer_temporaries)}} if len(optimizer_temporaries) > 1 else {}
+        return {**out, "optimizer": {"bytes": total, "by_category": {"optimizer_state": total}, **blocks}}
 
 
 def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
@@ -258,7 +280,7 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
     _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward)
     _fsdp_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes,
                    reshard_after_forward=reshard_after_forward, prefetch=prefetch, gloo=gloo)
-    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach, block))
+    return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
 
 
 def _backward_order(k_of: dict[str, int]) -> list[tuple[str, int]]:
@@ -405,7 +427,7 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                    bump=bump)
     _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
                     kept=kept, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1))
-    return best.phases(adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach, block))
+    return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
 
 
 def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,

@@ -7,6 +7,7 @@ from typing import Any
 
 from zeroexp.formulas import Groups, PlanKnobs, StateLayout, rank_state_bytes
 from zeroexp.formulas.allocator import reserved_peak
+from zeroexp.formulas.peak import allocations
 from zeroexp.formulas.device import TRAINING_HANDLES
 
 __all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved"]
@@ -38,7 +39,7 @@ def judge_reserved(judged: dict[str, Any], reserved: dict[str, Any], blocks: dic
     cached, so every phase of a step after the first reads the step's whole reserved figure). A lower bound: PASS
     when the prediction does not exceed the measurement (fragmentation, the side streams' own free blocks, NCCL's
     use of the allocator are not modelled); why not, otherwise."""
-    want = reserved_peak(blocks, [predicted[ph]["by_category"] for ph in predicted])[0]
+    want = reserved_peak(blocks, [allocations(predicted[ph]) for ph in predicted])[0]
     reasons = []
     for ph, got in reserved["phases"].items():
         if ph not in judged:

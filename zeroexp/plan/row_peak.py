@@ -94,6 +94,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     phase's categories above steady)."""
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
     from zeroexp.formulas.allocator import reserved_peak
+    from zeroexp.formulas.peak import allocations
     from zeroexp.plan.core import judge_fits
     from zeroexp.plan.memory import (cell_precision_terms, flow_of, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
@@ -143,7 +144,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     if device.name == "cuda":  # the caching allocator's segments for the same live bytes
         blocks = steady_blocks(record["param_bytes"], record["grad_bytes"] - freed,
                                record["optim_bytes"] + (record["master_bytes"] or 0), buffers, device.workspace_bytes)
-        out["reserved_peak_bytes"] = reserved_peak(blocks, [v["by_category"] for v in phases.values()])[0]
+        out["reserved_peak_bytes"] = reserved_peak(blocks, [allocations(v) for v in phases.values()])[0]
     judge_fits(out)
     above = phases[top]["by_category"] if phases[top]["bytes"] > 0 else {}
     out["by_category"] = {**state, "steady_buffers": buffers, "workspace": device.workspace_bytes,
