@@ -7,7 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from zeroexp.formulas.peak import Segment, StepTrace, adamw_temporaries, phase_peaks
+from zeroexp.formulas.adamw import adamw_temporaries
+from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
 from zeroexp.plan.judge import judge as _judge
 from zeroexp.plan.steptrace import trace_step
 

@@ -78,8 +78,8 @@ def test_the_h200_measurement_of_one_rank_of_n_is_met_by_the_cuda_prediction():
 def test_foreachs_list_is_placed_tensor_by_tensor_in_the_blocks_backward_freed():
     """AdamW's foreach temporaries are one tensor per parameter: the allocator places each in the blocks backward
     freed, where their sum as one block would need a segment of its own."""
-    from zeroexp.formulas.allocator import reserved_peak
-    from zeroexp.formulas.peak import adamw_temporary_blocks, allocations
+    from zeroexp.formulas.adamw import adamw_temporary_blocks
+    from zeroexp.formulas.allocator import allocations, reserved_peak
 
     backward = {"comm": 12 * MiB, "temporaries": 12 * MiB}
     lumped = {"bytes": 16 * MiB, "by_category": {"optimizer_state": 16 * MiB}}

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 __all__ = ["MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size",
-           "counted", "counted_sum", "segment_size", "CachingAllocator", "reserved_peak"]
+           "counted", "counted_sum", "allocations", "segment_size", "CachingAllocator", "reserved_peak"]
 
 MIN_BLOCK = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" allocation is 1 MiB
@@ -121,11 +121,18 @@ class CachingAllocator:
         return self._next - 1
 
 
+def allocations(phase: dict) -> dict[str, int | tuple[int, ...]]:
+    """A predicted phase's bytes above steady by category (``by_category``), where the model knows a category's
+    tensors one by one (``blocks``: AdamW's foreach list) those sizes instead: what
+    :func:`reserved_peak` places."""
+    return {**phase["by_category"], **phase.get("blocks", {})}
+
+
 def reserved_peak(steady: Mapping[str, int], phases: Iterable[Mapping[str, int | Sequence[int]]],
                   steps: int = 2) -> tuple[int, int]:
     """The caching allocator's peak (reserved, allocated) bytes over ``steps`` steps. ``steady``: the blocks a rank
     holds between steps (bytes by name, one block each), taken first. ``phases``: each phase's bytes above steady by
-    category, in phase order (``zeroexp.formulas.peak.allocations``); a positive one is one block, a sequence that many
+    category, in phase order (:func:`allocations`); a positive one is one block, a sequence that many
     blocks (tensors the model knows one by one), taken with the phase's others at once, largest first; a
     negative one is a steady block of that name shrunk within the phase (``zero_grad`` freed the steady gradients:
     the block freed, what is left of it taken again with the phase's). At a phase's end its blocks are freed and the

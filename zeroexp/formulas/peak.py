@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.allocator import counted, counted_sum
+from zeroexp.formulas.adamw import adamw_temporaries, adamw_temporary_blocks
 from zeroexp.formulas.units import post_forward_bump
 
-__all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES", "adamw_temporaries",
+__all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES",
            "phase_peaks", "fsdp_phase_peaks", "fsdp2_phase_peaks"]
 
 
@@ -55,38 +55,6 @@ class StepTrace:
 #: ``bucket``: :func:`phase_peaks`'s flows; ``fsdp1``, ``fsdp2``, ``deepspeed``), in zeroexp.formulas.rows.
 #: The phases of a training step as the memory probe cuts it (zeroexp/probes/memory.py), in order.
 PHASES = ("forward", "backward", "optimizer")
-
-
-def adamw_temporaries(numels: tuple[int, ...] | list[int], itemsize: int, foreach: bool, block: int = 1) -> int:
-    """Bytes torch's AdamW allocates above its state during one step (no amsgrad, no capturable, decoupled weight
-    decay; torch/optim/adam.py). ``foreach``: one ``_foreach_sqrt`` list of every tensor's size alive at once, each
-    counted in ``block``-byte blocks (CUDA's 512: :func:`zeroexp.formulas.allocator.counted`).
-    Single-tensor (torch's default on CPU): per parameter ``denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)`` holds
-    the sqrt and the quotient at once, while the previous parameter's ``denom`` is still bound to the loop variable:
-    max(2 n_0, n_{i-1} + 2 n_i) elements."""
-    n = [int(x) for x in numels]  # an empty tensor (an uneven shard's last ranks) rebinds ``denom`` too
-    if not any(n):
-        return 0
-    if foreach:
-        return counted_sum((k * itemsize for k in n), block)
-    return max([2 * n[0], *(a + 2 * b for a, b in zip(n, n[1:]))]) * itemsize
-
-
-def adamw_temporary_blocks(numels: tuple[int, ...] | list[int], itemsize: int, foreach: bool,
-                           block: int = 1) -> tuple[int, ...]:
-    """:func:`adamw_temporaries` as the allocations they are (what the caching allocator places one by one): foreach's
-    list, one tensor per parameter; the single-tensor update's moment, one figure (the CPU's: no allocator)."""
-    if foreach:
-        return tuple(counted(k * itemsize, block) for k in numels if k)
-    total = adamw_temporaries(numels, itemsize, foreach, block)
-    return (total,) if total else ()
-
-
-def allocations(phase: dict) -> dict[str, int | tuple[int, ...]]:
-    """A predicted phase's bytes above steady by category (``by_category``), where the model knows a category's
-    tensors one by one (``blocks``: AdamW's foreach list) those sizes instead: what
-    :func:`zeroexp.formulas.allocator.reserved_peak` places."""
-    return {**phase["by_category"], **phase.get("blocks", {})}
 
 
 def _add(into: dict, cats: dict, sign: int = 1) -> dict:

@@ -45,7 +45,8 @@ from typing import Callable, NamedTuple
 
 from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups
 from zeroexp.formulas.paper import padded_numel
-from zeroexp.formulas.peak import StepTrace, adamw_temporaries
+from zeroexp.formulas.adamw import adamw_temporaries
+from zeroexp.formulas.peak import StepTrace
 
 __all__ = ["DsPartition", "ds_partition", "ds_allreduce_copies", "ds_stage12_phase_peaks", "ds_stage3_phase_peaks",
            "FP64"]

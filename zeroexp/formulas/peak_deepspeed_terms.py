@@ -21,7 +21,7 @@ optimizer, ``contiguous_gradients`` on, ``overlap_comm`` off, offload none), rea
   ``self.flatten(self.averaged_gradients[i])`` (``flat_grads``, c P/N) and ``.to(fp32)`` (``fp32_grads``, 4 P/N; in
   fp32 ``.to`` returns the flat tensor itself) before ``del flat_grad_partition``; the gradients are freed and
   ``unscale_and_clip_grads`` multiplies in place, then AdamW steps the fp32 partition (``adamw_tmp``:
-  :func:`zeroexp.formulas.peak.adamw_temporaries`, single-tensor on a CPU rank, foreach on a CUDA one).
+  :func:`zeroexp.formulas.adamw.adamw_temporaries`, single-tensor on a CPU rank, foreach on a CUDA one).
 - ``runtime/zero/stage3.py``: the parameter partitions ``fp16_partitioned_groups_flat`` (``params``, c P/N), the
   gradient partitions ``grad_partitions_flat_buffer`` and the ipg bucket, both allocated once
   (``_setup_for_real_optimizer``: ``grads``, c P/N; ``bucket``, c B), master and moments as above. Backward: the
@@ -48,7 +48,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from zeroexp.formulas.deepspeed import DS_SUB_GROUP_SIZE
-from zeroexp.formulas.peak import adamw_temporaries
+from zeroexp.formulas.adamw import adamw_temporaries
 
 __all__ = ["TERMS", "ESTIMATOR_TERMS", "PHASE_OF", "DsTermPeak", "ds_term_peak", "ds_estimator_bytes",
            "ds_estimator_name", "largest_layer_numel"]

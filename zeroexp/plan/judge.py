@@ -1,6 +1,7 @@
 """The peak check's rule: a rank's measured phases against its prediction, within the tolerance, the range a moment
 only gloo's timing creates spans, or one tensor gloo may free late (CPU cells; :func:`zeroexp.plan.memory`'s
-``zeroexp.plan.gloo.late_free`` names them)."""
+``zeroexp.plan.gloo.late_free`` names them); a dry run's section shown as the simulation it is
+(:func:`as_simulated`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from zeroexp.formulas.peak import PHASES
 
-__all__ = ["TOLERANCE", "ABS_TOLERANCE", "judge_rank", "judge", "nz"]
+__all__ = ["TOLERANCE", "ABS_TOLERANCE", "judge_rank", "judge", "nz", "as_simulated"]
 
 #: The largest shortfall of the prediction, as a fraction of the measured bytes above steady, that still PASSes.
 TOLERANCE = 0.02
@@ -80,3 +81,15 @@ def _worst_category(predicted: dict[str, int], measured: dict[str, int]) -> str:
 
 def nz(cats: dict[str, Any]) -> dict[str, int]:
     return {c: int(b) for c, b in cats.items() if int(b)}
+
+
+def as_simulated(section: dict[str, Any]) -> dict[str, Any]:
+    """A traced dry run's memory is a simulation (``zeroexp.rank.dryrun.SIMULATED``), not a measurement: its figures sit
+    beside the prediction as ``simulated_*``, the same rule's verdict as ``simulated_check``; ``check`` is n/a."""
+    renamed = {"measured_bytes": "simulated_bytes", "measured_peak_bytes": "simulated_peak_bytes",
+               "measured_by_category": "simulated_by_category", "check": "simulated_check"}
+    phases = {ph: {renamed.get(k, k): v for k, v in rec.items()} for ph, rec in section["phases"].items()}
+    why = [f"simulated {r}" for r in section["reasons"]]
+    return {**section, "phases": phases, "simulated_check": section["check"], "check": "n/a",
+            "reasons": ["a dry run measures no memory: the phases' simulated_* figures are the memory probe's over "
+                        "fake storages (summary.json memory.source), beside the prediction, not a check of it", *why]}

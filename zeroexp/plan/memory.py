@@ -22,14 +22,14 @@ from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, 
 from zeroexp.formulas.allocator import counted, counted_sum
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, cuda
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
-from zeroexp.formulas.peak import (FsdpUnit, StepTrace, adamw_temporaries, fsdp2_phase_peaks,
-                                   fsdp_phase_peaks)
+from zeroexp.formulas.adamw import adamw_temporaries
+from zeroexp.formulas.peak import FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
                                              precision_terms, sharded_grad_upcast)
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
 from zeroexp.plan.peak_deepspeed import (ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes,
                                          ds_step_frees_grads)
-from zeroexp.plan.judge import TOLERANCE, judge_rank
+from zeroexp.plan.judge import TOLERANCE, as_simulated, judge_rank
 from zeroexp.plan.expect import knobs_of
 from zeroexp.plan.gloo import late_free
 from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
@@ -401,7 +401,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     out = {"rank": worst_rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
            "trace": traced, "phases": phases, "ranks": ranks, "max_rel_err": max(errs) if errs else None,
            "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
-    return _as_simulated(out) if measured.get("simulated") else out
+    return as_simulated(out) if measured.get("simulated") else out
 
 
 def _measured_on(source: str, capability: float | None = None, fake_group: bool = False) -> DeviceSemantics:
@@ -412,18 +412,6 @@ def _measured_on(source: str, capability: float | None = None, fake_group: bool 
     if source.startswith("torch.distributed._tools.MemTracker"):
         return FAKE_GROUP if fake_group else CPU
     return cuda(capability) if source.startswith("torch.cuda") else FAKE_GROUP
-
-
-def _as_simulated(section: dict[str, Any]) -> dict[str, Any]:
-    """A traced dry run's memory is a simulation (``zeroexp.rank.dryrun.SIMULATED``), not a measurement: its figures sit
-    beside the prediction as ``simulated_*``, the same rule's verdict as ``simulated_check``; ``check`` is n/a."""
-    renamed = {"measured_bytes": "simulated_bytes", "measured_peak_bytes": "simulated_peak_bytes",
-               "measured_by_category": "simulated_by_category", "check": "simulated_check"}
-    phases = {ph: {renamed.get(k, k): v for k, v in rec.items()} for ph, rec in section["phases"].items()}
-    why = [f"simulated {r}" for r in section["reasons"]]
-    return {**section, "phases": phases, "simulated_check": section["check"], "check": "n/a",
-            "reasons": ["a dry run measures no memory: the phases' simulated_* figures are the memory probe's over "
-                        "fake storages (summary.json memory.source), beside the prediction, not a check of it", *why]}
 
 
 def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,

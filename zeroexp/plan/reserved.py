@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas import Groups, PlanKnobs, StateLayout, rank_state_bytes
-from zeroexp.formulas.allocator import reserved_peak
-from zeroexp.formulas.peak import allocations
+from zeroexp.formulas.allocator import allocations, reserved_peak
 from zeroexp.formulas.device import TRAINING_HANDLES
 
 __all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved"]

@@ -93,8 +93,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     held at the peak by category (the record's device state kinds, the steady buffers and workspace, the peak
     phase's categories above steady)."""
     from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
-    from zeroexp.formulas.allocator import reserved_peak
-    from zeroexp.formulas.peak import allocations
+    from zeroexp.formulas.allocator import allocations, reserved_peak
     from zeroexp.plan.core import judge_fits
     from zeroexp.plan.memory import (cell_precision_terms, flow_of, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
