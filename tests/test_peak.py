@@ -106,6 +106,15 @@ def test_the_check_is_a_lower_bound_within_two_percent_with_one_named_late_tenso
     assert verdict == "PASS" and note == "500 B above the prediction, within one late-freed tensor: bucket 0 (500 B)"
     assert _judge(2000, 1000, [("bucket 0", 500), ("bucket 1", 800)])[0] == "FAIL"  # at most one such tensor
     assert _judge(1000, 1500, [("bucket 0", 500)])[0] == "FAIL"  # never above
+    # a range (a moment only gloo's timing decides) and one earlier late tensor at once: FSDP2's frozen_middle at N=3
+    # measured 5,384 B in backward against 3,332-4,228, one unit's 1,152-B reduce-scatter input more than the range
+    late = [("one unit's reduce-scatter tensor", 384), ("one unit's reduce-scatter tensor", 1152)]
+    verdict, note, _ = _judge(5384, 3332, late, upper=4228, upper_note="gloo's copy")
+    assert verdict == "PASS" and note.startswith("1156 B above the predicted range's upper end 4228 B (gloo's copy)")
+    assert note.endswith("(1152 B)")  # the smallest that covers it
+    assert _judge(5384, 3332, late[:1], upper=4228)[0] == "FAIL"  # not covered by the 384-B one
+    assert _judge(4228 + 2 * 1152, 3332, late, upper=4228)[0] == "FAIL"  # at most one beside the range
+    assert _judge(3000, 3332, late, upper=4228)[0] == "FAIL"  # never above
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zro", "zero1", "zero2"])
