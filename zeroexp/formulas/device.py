@@ -63,8 +63,8 @@ def cublas_workspace_bytes(capability: float | None) -> int:
 class DeviceSemantics:
     """``name``: cpu | cuda; ``foreach``: AdamW's foreach update (else single-tensor); ``gloo``: the backend copies
     collectives' inputs and outputs (gloo) or works in place (NCCL); ``workspace_bytes``: what the steady state holds
-    beside the model's state (cuBLAS workspaces); ``not_modelled``: what the peak model leaves out on it; ``block``: the bytes each
-    allocation is counted in (:func:`zeroexp.formulas.allocator.counted`)."""
+    beside the model's state (cuBLAS workspaces); ``not_modelled``: what the peak model leaves out on it; ``block``:
+    the bytes each allocation is counted in (:func:`zeroexp.formulas.allocator.counted`)."""
 
     name: str
     foreach: bool
