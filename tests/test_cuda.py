@@ -54,11 +54,23 @@ def test_every_unsharded_strategy_runs_on_one_gpu(cell, overrides):
 def test_a_sharded_strategy_at_one_rank_is_refused_naming_world_size(compose, strategy):
     """torch runs FSDP1 as NO_SHARD at one rank and FSDP2 skips its collectives there (an H200 run of the cells
     above found both: FSDP1 crashed on NO_SHARD's flat parameter, FSDP2 measured no all-gather against 16 expected)."""
-    from zeroexp.config.schemas import ConfigError, validate
+    from zeroexp.config.schemas import ConfigError, NotApplicableHere, validate
 
-    with pytest.raises(ConfigError, match="NO_SHARD") as e:
+    with pytest.raises(NotApplicableHere, match="NO_SHARD") as e:  # a ConfigError: a single run exits 2
         validate(compose(f"strategy={strategy}", "world_size=1"))
-    assert e.value.key == "world_size"
+    assert e.value.key == "world_size" and isinstance(e.value, ConfigError)
+
+
+def test_a_sweep_over_world_sizes_skips_fsdp_at_one_rank_and_runs_the_rest(tmp_path):
+    """``strategy=fsdp_full world_size=1,2``: a product of axes; the job FSDP cannot run is skipped with the reason,
+    not the whole sweep refused (the other a dry run: no rank starts)."""
+    from conftest import run_cli
+
+    out = run_cli("--multirun", "strategy=fsdp_full", "world_size=1,2", "dry_run=true", "logger=none",
+                  "model.width=16", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0, text[-2000:]
+    assert text.count("skip: sweep job") == 1 and "strategy=fsdp_full world_size=1" in text and "NO_SHARD" in text
 
 
 @pytest.mark.gpu

@@ -56,11 +56,13 @@ class FSDPAdapter(StrategyAdapter):
     def validate(cls, cfg) -> None:
         least = row_of(str(cfg.strategy.layout)).min_world_size  # FSDP2's validate calls this too
         if int(cfg.world_size) < least:
-            raise ConfigError("world_size", int(cfg.world_size), f"an integer >= {least} (FSDP shards over its ranks)",
-                              why=f"at one rank torch shards nothing: FSDP1 runs NO_SHARD (torch.distributed.fsdp."
-                                  f"_init_utils) and FSDP2 skips its all-gathers and reduce-scatters (_fully_shard."
-                                  f"_fsdp_param_group, world_size == 1), so strategy={cfg.strategy.name} would measure "
-                                  "neither; strategy=ddp runs one rank")
+            raise NotApplicableHere("world_size", int(cfg.world_size),
+                                    f"an integer >= {least} (FSDP shards over its ranks)",
+                                    why=f"at one rank torch shards nothing: FSDP1 runs NO_SHARD (torch.distributed."
+                                        f"fsdp._init_utils) and FSDP2 skips its all-gathers and reduce-scatters "
+                                        f"(_fully_shard._fsdp_param_group, world_size == 1), so strategy="
+                                        f"{cfg.strategy.name} would measure neither; strategy=ddp runs one rank "
+                                        "(a sweep skips this job)")
         if cfg.offload.name == "full" and not ranks_get_a_gpu(cfg):
             raise NotApplicableHere("offload", "full", "none (on this machine)",
                                     why="FSDP CPUOffload moves the shards to the host between computations, but this "
