@@ -207,7 +207,7 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
                                + stream_floor(collectives, "reduce_scatter", unit_bytes, world)) / 3}
     floors["fsdp2_call_s"] = floors["fsdp1_call_s"]  # the same calls
     copies = {"fsdp1_call_s": 2 * TINY_UNITS * unit_bytes * copy_s_per_byte,  # formulas.framework's own term
-              "fsdp2_call_s": TINY_UNITS * dtensor_s}  # its optimizer's DTensor parameters: their own term
+              "fsdp2_call_s": sum(1 for _ in bare.parameters()) * dtensor_s}  # each parameter a DTensor: its own
     raw: dict[str, float] = {}
     for key, (wrapped, base, calls, n) in runs.items():
         got = _paired(wrapped, base, calls, steps, device)
