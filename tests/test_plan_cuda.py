@@ -93,6 +93,43 @@ def test_the_h200_measurements_of_one_rank_of_n_are_met_by_the_cuda_prediction()
         assert short == SHORT_ON_CUDA  # a gap modelled: update SHORT_ON_CUDA and CUDA_NOT_MODELLED
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_cuda_phase_counts_whole_blocks_on_an_odd_sized_model(precision):
+    """Each tensor in 512-B blocks, the trace's and the closed-form terms' alike (zeroexp's ZeRO's up-casts and
+    all-gather inputs below fp32, FSDP1's flat gradient under no_sync too): every phase of every row but DeepSpeed's
+    (tensor bytes, said in the notes) is a whole number of blocks, on 8 x Linear(100, 100) at N=3."""
+    rows = "[ddp,zro,zero1,zero2,fsdp_grad_op,fsdp_full,fsdp2_full,fsdp2_grad_op]"
+    for accum in (1, 2) if precision == "fp32" else (1,):  # accumulation's peak model is fp32's
+        records, notes = _run("model=mlp", "model.width=100", "world_size=3", "batch_size=4", "device=cuda",
+                              f"precision={precision}", f"grad_accum={accum}", f"strategies={rows}")
+        covered = [r for r in records if r["phase_bytes"] is not None]
+        assert len(covered) >= 4, [(r["strategy"], r["peak_note"]) for r in records]
+        for r in covered:
+            assert all(v % 512 == 0 for v in r["phase_bytes"].values()), (r["strategy"], accum, r["phase_bytes"])
+    assert any("DeepSpeed's rows" in n for n in notes)
+
+
+def test_a_bucket_opens_at_its_first_gradient_counted_as_the_trace_counts_it():
+    """zeroexp's ZeRO-2 on CUDA: a bucket is one allocation (its flat size in blocks), its parameters' gradients in
+    the trace one each (in blocks): where the next bucket opens is the gradients of the buckets before it as the
+    trace counts them (``bucket_edges``), not their flat sizes. Two buckets of two 4-byte gradients each: 1,024 B of
+    traced gradients close the first bucket, whose flat size is 512 B."""
+    from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
+
+    def seg(phase, unit, peak, end):
+        return Segment(phase, unit, "end", sum(peak.values()), peak, sum(end.values()), end)
+
+    trace = StepTrace(1, (seg("forward", "a", {"activations": 512}, {"activations": 512}),
+                          seg("backward", "b", {"gradients": 1024}, {"gradients": 1024}),
+                          seg("backward", "a", {"gradients": 2048}, {"gradients": 2048})), 1024)
+    terms = dict(steady_grad_bytes=0, buckets=(512, 512), optimizer_numels=(2, 2), optimizer_itemsize=4,
+                 foreach=True, block=512)
+    flat = phase_peaks("bucket", trace, **terms)["backward"]
+    traced = phase_peaks("bucket", trace, **terms, bucket_edges=(0, 1024, 2048))["backward"]
+    assert flat["by_category"]["comm"] == 1024  # the second bucket counted before its first gradient
+    assert traced["by_category"]["comm"] == 512 and traced["bytes"] == flat["bytes"] - 512
+
+
 def test_foreachs_list_is_placed_tensor_by_tensor_in_the_blocks_backward_freed():
     """AdamW's foreach temporaries are one tensor per parameter: the allocator places each in the blocks backward
     freed, where their sum as one block would need a segment of its own."""

@@ -198,6 +198,7 @@ def _discard_if_empty(cell_dir: Path) -> None:
     """Remove a refused cell's directory when it holds nothing but Hydra's job log, and detach the logging handlers
     that write into it first: a handler left on a removed file raises FileNotFoundError at the next record any library
     logs in this process (a sweep's next job, an in-process caller)."""
+    cell_dir = cell_dir.resolve()
     if not cell_dir.is_dir() or not {p.name for p in cell_dir.iterdir()} <= {"zeroexp.log"}:
         return
     for logger in [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()

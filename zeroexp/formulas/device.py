@@ -20,9 +20,10 @@ Allocated bytes on CUDA count each allocation in 512-byte blocks (``torch.cuda.m
 caching allocator's rounded blocks: a 4-byte loss is 512 B): ``block`` is the unit every storage of the traced step is
 counted in (the step tracer rounds each one, as torch's MemTracker does for CUDA storages) and every tensor the
 closed-form terms of FSDP, DDP and zeroexp's ZeRO add. Not modelled on CUDA (named where the figures are shown):
-the rounding of DeepSpeed's closed-form terms (its flat partitions), what CUDA's kernels allocate beyond the CPU
-kernels the step is traced with (PyTorch's test Transformer at dim 32, 4 heads of 8: backward 91,648-131,584 B above
-the prediction on an H200, where at dim 256 it is within 512 B), the allocator's fragmentation beyond its
+the blocks on DeepSpeed's rows (their trace and closed-form terms count tensor bytes), what CUDA's kernels
+allocate beyond the CPU kernels the step is traced with (PyTorch's test Transformer at dim 32, 4 heads of 8:
+backward 91,648-131,584 B above the prediction on an H200, where at dim 256 it is within 512 B), the allocator's
+fragmentation beyond its
 rounding and segments (the order of a phase's requests), NCCL's own buffers (outside the allocator), the CUDA context,
 ``expandable_segments``, DeepSpeed's fused optimizers, and the side streams. A block freed on a collective's stream
 returns to that stream's free blocks (the allocator keys its free blocks by stream): FSDP1 allocates each
@@ -49,7 +50,7 @@ PRE_HOPPER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 HOPPER_WORKSPACE = 4096 * 8 * 1024
 #: The threads of a training step that run matmuls, each with its own cuBLAS handle and workspace.
 TRAINING_HANDLES = 2
-CUDA_NOT_MODELLED = ("the 512-B rounding of DeepSpeed's closed-form terms (its flat partitions)",
+CUDA_NOT_MODELLED = ("the 512-B blocks on DeepSpeed's rows (their trace and closed-form terms count tensor bytes)",
                      "what CUDA kernels allocate beyond the CPU trace (PyTorch's test Transformer at dim 32: backward "
                      "91,648-131,584 B above the prediction on an H200; at dim 256 within 512 B)",
                      "the caching allocator's fragmentation beyond its rounding and segments", "NCCL's own buffers",

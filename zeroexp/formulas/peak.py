@@ -67,7 +67,8 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
 def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
                 optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                 in_place: StepTrace | None = None, master_grads: int = 0, gather_inputs: int = 0,
-                reduce_copies: bool = False, block: int = 1) -> dict[str, dict]:
+                reduce_copies: bool = False, block: int = 1,
+                bucket_edges: tuple[int, ...] | None = None) -> dict[str, dict]:
     """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
@@ -86,7 +87,9 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     ``reduce_copies`` (``in_place`` and ``bucket``; gloo's reduce_scatter): waiting for a bucket's reduce-scatter in the
     step hands back gloo's reduced copy of the whole bucket (its ``split`` and ``copy_`` into the shard run on the
     waiting thread, in the update region: optimizer state), alive beside the buckets not yet released; the step waits
-    for the buckets in definition order (the reverse of ``buckets``)."""
+    for the buckets in definition order (the reverse of ``buckets``). ``bucket_edges``: the traced gradient bytes at
+    which each bucket opens, where they are not the sums of the buckets before it (the trace counting each
+    parameter's gradient in ``block``-byte blocks, a bucket one block run)."""
     if flow not in ("new", "in_place", "bucket"):
         raise ValueError(f"unknown gradient flow {flow!r}")
     forward = [s for s in trace.segments if s.phase == "forward"]
@@ -94,7 +97,7 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     out = {"forward": {"bytes": top.peak_bytes - trace.loss_bytes,
                        "by_category": _add(top.peak_by_category, {"activations": -trace.loss_bytes})}}
     best, upper, before = None, None, 0  # before: traced gradient bytes at the segment's start
-    edges = [sum(buckets[:i]) for i in range(len(buckets) + 1)]
+    edges = list(bucket_edges) if bucket_edges is not None else [sum(buckets[:i]) for i in range(len(buckets) + 1)]
     alike = in_place is not None and flow != "new"
     if alike and [(s.phase, s.at) for s in in_place.segments] != [(s.phase, s.at) for s in trace.segments]:
         raise ValueError("the in-place trace's segments are not the trace's")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zeroexp.formulas.allocator import counted_sum
+
 __all__ = ["PrecisionTerms", "precision_terms", "master_upcast_bytes", "gather_input_bytes", "sharded_grad_upcast"]
 
 #: Bytes per element of an fp32 master, gradient shard or Adam moment.
@@ -64,14 +66,16 @@ def sharded_grad_upcast(shard_numel: int, terms: PrecisionTerms) -> int:
     return shard_numel * FP32 if terms.grad_itemsize < FP32 else 0
 
 
-def master_upcast_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms) -> int:
+def master_upcast_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms, block: int = 1) -> int:
     """zeroexp's ZeRO below fp32: the fp32 master gradients ``shard.float()`` allocates, one per bucket, all alive
-    through AdamW's update (fp32: the shard itself becomes the master gradient, nothing allocated)."""
-    return sum(shard_numels) * FP32 if terms.master_below_compute else 0
+    through AdamW's update (fp32: the shard itself becomes the master gradient, nothing allocated); each counted in
+    ``block``-byte blocks (:func:`zeroexp.formulas.allocator.counted`)."""
+    return counted_sum((k * FP32 for k in shard_numels), block) if terms.master_below_compute else 0
 
 
-def gather_input_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms, compute_itemsize: int) -> int:
+def gather_input_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms, compute_itemsize: int,
+                       block: int = 1) -> int:
     """zeroexp's ZeRO below fp32: the all-gather inputs ``master.to(compute dtype)``, one per bucket, held in steady
     and freed when the next forward waits for each bucket (before its first module computes; fp32: the master
-    itself is the input, nothing allocated)."""
-    return sum(shard_numels) * compute_itemsize if terms.master_below_compute else 0
+    itself is the input, nothing allocated); each counted in ``block``-byte blocks."""
+    return counted_sum((k * compute_itemsize for k in shard_numels), block) if terms.master_below_compute else 0

@@ -226,7 +226,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     ``bucket`` flow, at every module holding parameters; in the dtypes the cell computes in: DeepSpeed's bf16 runs
     the module converted to bf16,
     the other rows as their ``terms`` say (autocast, or the module cast: :mod:`zeroexp.formulas.peak_precision`);
-    each storage counted in ``block``-byte blocks (CUDA's 512)."""
+    each storage counted in ``block``-byte blocks (CUDA's 512; DeepSpeed's rows: 1, as their closed-form terms)."""
     import torch
 
     from zeroexp.models import torch_dtype
@@ -246,6 +246,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     own = ds or row.peak_flow == "bucket"
     fsdp = row.peak_flow in ("fsdp1", "fsdp2")  # a model with no unit of a wrap class is one unit
     # remembered by what is traced, not by the row: rows that trace the same step share it
+    block = 1 if ds else block  # DeepSpeed's closed-form terms are tensor bytes: its trace too
     kwargs = dict(device="cpu", checkpointing=bool(checkpointing), grads_in_place=bool(grads_in_place),
                   own_params_units=own, root_unit=fsdp, **{k: v for k, v in dtypes.items() if v is not None},
                   **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
@@ -429,9 +430,15 @@ def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
         return {"steady_grad_bytes": graded, "buckets": (), "optimizer_numels": tuple(numels), **adamw}
     # zeroexp's ZeRO: one flat bucket per shard; backward fills the last-defined bucket first.
     shards = tuple(s.numel // n for s in groups.shards)
-    return {"steady_grad_bytes": 0, "buckets": tuple(counted(s.numel * g, block) for s in reversed(groups.shards)),
-            "optimizer_numels": shards, **adamw, "master_grads": master_upcast_bytes(shards, terms),
-            "gather_inputs": gather_input_bytes(shards, terms, itemsize)}
+    order = tuple(reversed(groups.shards))
+    # where each bucket opens, in the trace's bytes (each parameter's gradient its own allocation): in blocks,
+    # the gradients of the buckets before it; tensor bytes (the CPU's), the buckets before it
+    grads = [counted_sum(((b - a) * g for a, b in s.spans), block) for s in order]
+    edges = tuple(sum(grads[:i]) for i in range(len(order) + 1)) if block > 1 else None
+    return {"steady_grad_bytes": 0, "buckets": tuple(counted(s.numel * g, block) for s in order),
+            "bucket_edges": edges, "optimizer_numels": shards, **adamw,
+            "master_grads": master_upcast_bytes(shards, terms, block),
+            "gather_inputs": gather_input_bytes(shards, terms, itemsize, block)}
 
 
 def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
@@ -455,14 +462,17 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     if len(sized) != len(groups.units):
         raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
     units, root, root_grads, root_params = [], 0, 0, ()
+    flat_grads, root_flat = [], 0  # under no_sync: each unit's gradient one storage (FSDP1's FlatParameter's .grad)
     alone = all(is_root for _, is_root in sized)  # one unit: the model itself, traced as a unit, kept into backward
     for (members, is_root), unit in zip(sized, groups.units):
         if is_root and not alone:
             root += b(unit.numel * itemsize)
             root_grads += counted_sum((shape.numels[i] * itemsize for i in members), block)
+            root_flat += b(sum(shape.numels[i] for i in members) * itemsize)
             root_params = tuple(b(fsdp2_padded_numel(shape.params[i], n) * itemsize) for i in members)
         else:  # the gradients autograd computes: of the trainable parameters a step uses
             trained = [i for i in members if shape.train(i) and i not in shape.unused]
+            flat_grads.append(b(sum(shape.numels[i] for i in trained) * itemsize))
             units.append(FsdpUnit(b(unit.numel * itemsize), b(unit.scattered // n * r),
                                   counted_sum((shape.numels[i] * itemsize for i in trained), block),
                                   b(sharded_grad_upcast(unit.scattered // n, terms)) if r < kept else 0,
@@ -480,7 +490,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         if not row.no_sync_accumulation:
             raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
         return fsdp_no_sync_phase_peaks(
-            trace, [u.unsharded for u in units], [u.grads for u in units], root=root, root_grads=root_grads,
+            trace, [u.unsharded for u in units], flat_grads, root=root, root_grads=root_flat,
             steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
             optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), kept, foreach, block))
     if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
