@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from zeroexp.formulas.allocator import MIN_BLOCK
 
-__all__ = ["DeviceSemantics", "CPU", "FAKE_GROUP", "cuda", "cublas_workspace_bytes", "CUDA_NOT_MODELLED"]
+__all__ = ["DeviceSemantics", "CPU", "FAKE_GROUP", "cuda", "cublas_workspace_bytes", "CUDA_NOT_MODELLED", "measured_on"]
 
 #: torch's default cuBLAS workspace per handle before Hopper: ``:4096:2:16:8`` (KiB x count pairs).
 PRE_HOPPER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
@@ -89,3 +89,13 @@ def cuda(capability: float | None = None) -> DeviceSemantics:
     return DeviceSemantics("cuda", foreach=True, gloo=False,
                            workspace_bytes=TRAINING_HANDLES * cublas_workspace_bytes(capability),
                            not_modelled=CUDA_NOT_MODELLED, block=MIN_BLOCK)
+
+
+def measured_on(source: str, capability: float | None = None, fake_group: bool = False) -> DeviceSemantics:
+    """The device semantics of the memory probe's ``source``: a CPU cell's MemTracker (gloo; ``fake_group``: a rank
+    played with real tensors under the fake process group, no backend copies), the CUDA caching allocator's (NCCL or
+    the fake group alike: no copies; AdamW's foreach; the GPU's cuBLAS workspaces, of its compute ``capability``, are
+    in the measured steady state), a dry run's simulation (the fake process group)."""
+    if source.startswith("torch.distributed._tools.MemTracker"):
+        return FAKE_GROUP if fake_group else CPU
+    return cuda(capability) if source.startswith("torch.cuda") else FAKE_GROUP

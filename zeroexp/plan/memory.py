@@ -20,7 +20,7 @@ from typing import Any
 from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, fsdp2_padded_numel, local_numels,
                               owner_assignment)
 from zeroexp.formulas.allocator import counted, counted_sum
-from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, cuda
+from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.adamw import adamw_temporaries
 from zeroexp.formulas.peak import FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks
@@ -348,7 +348,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
             "all-gather input through forward in the cell measured, more than the one late tensor the check allows "
             "(docs/planner.md, the peak model)"]}
     checkpointing, micro_batches = _checkpointing(cfg), int(cfg.get("grad_accum") or 1)
-    device = (_measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
+    device = (measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
                            measured.get("backend") == "fake") if measured.get("phases_of_max_rank") else FAKE_GROUP)
     trace, in_place = _cell_step_traces(cfg, name, wrap, terms, device.block)
     traced = {"batch_size": trace.batch_size, "device": "cpu", "block_bytes": device.block,
@@ -403,16 +403,6 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
            "trace": traced, "phases": phases, "ranks": ranks, "max_rel_err": max(errs) if errs else None,
            "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
     return as_simulated(out) if measured.get("simulated") else out
-
-
-def _measured_on(source: str, capability: float | None = None, fake_group: bool = False) -> DeviceSemantics:
-    """The device semantics of the memory probe's ``source``: a CPU cell's MemTracker (gloo; ``fake_group``: a rank
-    played with real tensors under the fake process group, no backend copies), the CUDA caching allocator's (NCCL or
-    the fake group alike: no copies; AdamW's foreach; the GPU's cuBLAS workspaces, of its compute ``capability``, are
-    in the measured steady state), a dry run's simulation (the fake process group)."""
-    if source.startswith("torch.distributed._tools.MemTracker"):
-        return FAKE_GROUP if fake_group else CPU
-    return cuda(capability) if source.startswith("torch.cuda") else FAKE_GROUP
 
 
 def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
