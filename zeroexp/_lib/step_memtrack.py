@@ -58,10 +58,10 @@ def _born_role(ns: str, name: str) -> Any:
 
 
 class _Blocked(_WeakRefInfo):
-    """A storage counted in ``block``-byte blocks whatever its device (MemTracker rounds CUDA storages only, to 512 B;
-    the planner traces CPU fakes of a step it predicts for CUDA)."""
+    """A storage counted in ``block``-byte blocks (an attribute set with the class) whatever its device (MemTracker
+    rounds CUDA storages only, to 512 B; the planner traces CPU fakes of a step it predicts for CUDA)."""
 
-    block = 1
+    block: int
 
     def _calculate_mem_consumed(self) -> int:
         from zeroexp.formulas.allocator import counted
@@ -76,7 +76,7 @@ class StepMemTracker(MemTracker):
 
     def __init__(self, block: int = 1) -> None:
         super().__init__()
-        self._blocked = type("_Blocked", (_Blocked,), {"block": int(block)}) if block > 1 else None
+        self._block = int(block)
         # The snapshots are also updated from gloo's worker threads: a storage a finished work object held last
         # is freed there, and MemTracker's weakref callback subtracts it. ``d[k] -= n`` is not atomic across
         # threads, nor is a snapshot's deepcopy: every update of the current snapshot and every copy of it holds
@@ -145,9 +145,9 @@ class StepMemTracker(MemTracker):
     # -- births: a storage allocated, or grown from zero bytes, after the tracker was entered; its labels since
     def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
                      old_reftype: Any = None) -> None:
-        if self._blocked is not None and u_type in (_UpdateType.ADD, _UpdateType.SIZE) \
+        if self._block > 1 and u_type in (_UpdateType.ADD, _UpdateType.SIZE) \
                 and not isinstance(winfo, _Blocked):  # counted in blocks from its first bytes on (0 B stays 0)
-            winfo.__class__ = self._blocked
+            winfo.__class__, winfo.block = _Blocked, self._block
             winfo.mem_consumed = winfo._calculate_mem_consumed()
         with self._snap_lock:
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.adamw import adamw_temporaries, adamw_temporary_blocks
+from zeroexp.formulas.adamw import adamw_temporary_blocks, update_phase
 from zeroexp.formulas.units import post_forward_bump
 
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES",
@@ -75,9 +75,9 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     Backward: per traced segment, its peak, less what the flow does not allocate anew (``in_place`` and ``bucket``:
     the traced ``.grad`` tensors; ``new``: the steady gradients ``zero_grad`` freed), plus, for ``bucket``, every
     bucket opened before the segment started (``buckets``: each one's bytes in reduce order, opened by its first
-    ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps (:func:`adamw_temporaries`,
-    in ``block``-byte blocks), or,
-    for ``bucket``, the buckets alive when the step begins if they are more (released before the update). Each
+    ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps
+    (:func:`zeroexp.formulas.adamw.adamw_temporary_blocks`, in ``block``-byte blocks), or, for ``bucket``,
+    the buckets alive when the step begins if they are more (released before the update). Each
     segment's figure is a lower bound of the real one; the phase's peak is the largest. ``in_place``: the same step
     traced with the gradients allocated before it (``trace_step(grads_in_place=True)``), whose backward segments the
     ``in_place`` and ``bucket`` flows take instead of ``trace``'s less its gradients (they differ where activation
@@ -129,12 +129,9 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
         out["backward"] = {**best, "upper_bytes": upper["bytes"], "upper_by_category": upper["by_category"],
                            "upper_note": "a bucket opened within a traced segment, born before its peak (the trace "
                                          "sees the segment's peak, not where in it the bucket's first gradient came)"}
-    temps = adamw_temporaries(optimizer_numels, optimizer_itemsize, foreach, block)
     # What the update region allocates is labelled optimizer state by the memory probe: the up-casts too.
-    candidates = [{"bytes": temps + master_grads, "by_category": {"optimizer_state": temps + master_grads}}]
-    one_by_one = adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block)
-    if len(one_by_one) > 1 and not master_grads and not gather_inputs:  # foreach's list, tensor by tensor
-        candidates[0]["blocks"] = {"optimizer_state": one_by_one}
+    temps = adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block)
+    candidates = [update_phase(temps, master_grads, one_by_one=not gather_inputs)]
     waits = buckets[::-1]  # the step's order
     for j, size in enumerate(waits):  # at bucket j's wait: the buckets not released yet (bucket), gloo's copy of j
         held = sum(waits[j:]) if flow == "bucket" else 0
@@ -185,9 +182,8 @@ class _Highest:
             if up is not None and up["bytes"] > rec["bytes"]:
                 out[ph].update(upper_bytes=up["bytes"], upper_by_category=up["by_category"],
                                upper_note=up.get("note", ""))
-        total = sum(optimizer_temporaries)
-        blocks = {"blocks": {"optimizer_state": tuple(optimizer_temporaries)}} if len(optimizer_temporaries) > 1 else {}
-        return {**out, "optimizer": {"bytes": total, "by_category": {"optimizer_state": total}, **blocks}}
+        return {**out, "optimizer": update_phase(optimizer_temporaries)}
+
 
 
 def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
