@@ -25,12 +25,14 @@ run: $(STAMP)
 	$(VPY) -m zeroexp $(ARGS)
 
 # The whole suite (PYTEST_ARGS empty; CI): on two pytest-xdist workers, each module on one (its cells are shared there;
-# the modules reading a shared session sweep are one unit: tests/conftest.py), then the `serial` modules alone (a fresh
-# `python -m zeroexp` signalled or timed in seconds), collected by their module marker (not the whole suite again). With PYTEST_ARGS: one pytest run of what they name.
+# the modules reading a shared session sweep are one unit: tests/conftest.py), then the `serial` modules (a fresh
+# `python -m zeroexp` signalled or timed in seconds) apart from that load, collected by their module marker (not the
+# whole suite again), two of their tests at a time (each starts its own processes; none shares a cell or a sweep).
+# With PYTEST_ARGS: one pytest run of what they name.
 test: $(STAMP) browser
 ifeq ($(strip $(PYTEST_ARGS)),)
 	$(VPY) -m pytest -q --durations=15 -n 2 --dist loadfile -m "not serial"
-	$(VPY) -m pytest -q --durations=10 -m serial $$(grep -l '^pytestmark = pytest.mark.serial' tests/test_*.py)
+	$(VPY) -m pytest -q --durations=10 -n 2 --dist load -m serial $$(grep -l '^pytestmark = pytest.mark.serial' tests/test_*.py)
 else
 	$(VPY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 endif

@@ -172,6 +172,29 @@ def test_model_custom_runs_a_module_from_the_command_line_alone(cell, compose):
     assert r.summary["cell"]["model"] == "custom" and r.summary["state"]["check"] == "PASS"
 
 
+def test_a_model_found_good_is_not_built_again_and_a_bad_one_is_refused_every_time(compose, monkeypatch):
+    """The model check (a meta build, one forward and the loss) runs once per model config in a process: a sweep's
+    jobs over strategies share it; another model, or any refusal, is checked afresh."""
+    from zeroexp.config import model_check
+
+    base = ("logger=none",)
+    built = []
+    real = model_check._check_model_builds
+    monkeypatch.setattr(model_check, "_check_model_builds", lambda cfg: built.append(cfg.model._target_) or real(cfg))
+    monkeypatch.setattr(model_check, "_PASSED", set())
+    linear = ("model=custom", "model._target_=torch.nn.Linear", "+model.in_features=16", "+model.out_features=16")
+    for strategy in ("ddp", "zero2", "fsdp_full"):
+        validate(compose(*linear, "model.input_shape=[16]", f"strategy={strategy}", "world_size=2", base=base))
+    assert built == ["torch.nn.Linear"]
+    validate(compose(*linear[:3], "+model.out_features=8", "model.input_shape=[16]", "world_size=2", base=base))
+    assert len(built) == 2  # another model: built
+    for _ in range(2):
+        with pytest.raises(ConfigError) as e:
+            validate(compose(*linear, "model.input_shape=[12]", "world_size=2", base=base))
+        assert e.value.key == "model.input_shape"
+    assert len(built) == 4
+
+
 def test_schedule_is_assembled_from_the_probes():
     """Each probe declares its steps (``Probe.steps``); the schedule, its checks and a dry run's absent sections
     come from the probe registry, so a new probe with a window moves the timed steps by itself."""
