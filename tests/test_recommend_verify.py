@@ -155,23 +155,35 @@ def test_the_cells_calibration_is_one_of_their_model_or_made_on_it(tmp_path, mon
     monkeypatch.setattr(subprocess, "run", fake_run)
     s = v.Settings(2, 2, None, 20, None, tmp_path / "verify")
     cfg = _compose("recommend", "model=gpt", "world_size=2", "network=a100_ib")
-    assert v.calibration_for(cfg, s, cell, lambda _: None) == str(tmp_path / "made.json")  # the MLP's: not reused
+    assert v.calibration_for(cfg, s, [cell], lambda _: None) == str(tmp_path / "made.json")  # the MLP's: not reused
     assert ran[0][1:] == ["-m", "zeroexp.calibrate", "world_size=2", *items, f"output_dir={s.out_dir / 'calibration'}"]
     gpt = calibration_data(machine_id=machine()["id"], created="2026-01-01", model="gpt")
     gpt["compute"]["model_config"] = {**config, "n_layer": 4}  # every key of the cells' model equal, and more
     (tmp_path / "outputs" / "calibration" / "gpt.json").write_text(json.dumps(gpt))  # timed at batch 8
-    assert v.calibration_for(cfg, s, cell, lambda _: None) == str(tmp_path / "made.json")  # the cells' is 4
+    assert v.calibration_for(cfg, s, [cell], lambda _: None) == str(tmp_path / "made.json")  # the cells' is 4
     assert len(ran) == 2
     gpt["compute"]["batch_size"] = 4
     (tmp_path / "outputs" / "calibration" / "gpt.json").write_text(json.dumps(gpt))
-    assert v.calibration_for(cfg, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "gpt.json")
+    assert v.calibration_for(cfg, s, [cell], lambda _: None) == str(tmp_path / "outputs" / "calibration" / "gpt.json")
     assert len(ran) == 2
+    two = [cell, [*cell[:-1], "batch_size=8"]]  # cells at micro-batches 4 and 8: timed at one size, it times neither
+    assert v.calibration_for(cfg, s, two, lambda _: None) == str(tmp_path / "made.json")
+    assert ran[-1][-2] == "batch_size=8" and len(ran) == 3  # made at the largest, fitted down to a quarter of it
+    gpt["compute"]["fit"] = {p: "a call's cost + per sample, over micro-batches 1 and 4" for p in ("forward",
+                                                                                                  "backward")}
+    (tmp_path / "outputs" / "calibration" / "gpt.json").write_text(json.dumps(gpt))  # fitted: any micro-batch
+    assert v.calibration_for(cfg, s, two, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "gpt.json")
+    gpt["compute"]["fit"]["backward"] = "no call cost (micro-batches 1 and 4 fit none: timing noise above it)"
+    (tmp_path / "outputs" / "calibration" / "gpt.json").write_text(json.dumps(gpt))
+    assert v.calibration_for(cfg, s, two, lambda _: None) == str(tmp_path / "made.json")
+    del gpt["compute"]["fit"]
+    ran[2:] = []
     named = _compose("recommend", "model=gpt", "world_size=2", "network=this_machine",
                      f"network.calibration={tmp_path / 'outputs' / 'calibration' / 'mlp.json'}")
-    assert v.calibration_for(named, s, cell, lambda _: None) == str(tmp_path / "outputs" / "calibration" / "mlp.json")
+    assert v.calibration_for(named, s, [cell], lambda _: None) == str(tmp_path / "outputs" / "calibration" / "mlp.json")
     assert len(ran) == 2  # a calibration named is the user's choice, of whatever model
     (tmp_path / "outputs" / "calibration" / "gpt.json").unlink()
     (s.out_dir / "calibration").mkdir(parents=True)  # the verify resumed: the one it made is reused, not made again
     (s.out_dir / "calibration" / "made.json").write_text(json.dumps(gpt))
-    assert v.calibration_for(cfg, s, cell, lambda _: None) == str(s.out_dir / "calibration" / "made.json")
+    assert v.calibration_for(cfg, s, [cell], lambda _: None) == str(s.out_dir / "calibration" / "made.json")
     assert len(ran) == 2

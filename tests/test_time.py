@@ -251,6 +251,15 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     else:
         assert host is None
     assert data["compute"]["numel"] == 8 * 64 * 64 and data["compute"]["batch_size"] == 8
+    c = data["compute"]  # timed at micro-batches 2 and 8: each call's cost + per sample, through both points exactly
+    assert [p["batch_size"] for p in c["points"]] == [2, 8] and c["points"][1]["forward_s"] == c["forward_s"]
+    for phase in ("forward", "backward"):
+        call, rate = c[f"{phase}_call_s"], c[f"{phase}_s_per_param_sample"] * c["numel"]
+        fitted = not c["fit"][phase].startswith("no call cost")
+        assert call >= 0 and rate > 0 and (call > 0 or not fitted or c["points"][0][f"{phase}_s"] * 4 ==
+                                           pytest.approx(c["points"][1][f"{phase}_s"]))
+        for p in c["points"] if fitted else c["points"][1:]:
+            assert call + rate * p["batch_size"] == pytest.approx(p[f"{phase}_s"], rel=1e-9), (phase, c["fit"])
     assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
     assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
     from zeroexp.calibrate.framework import stream_floor

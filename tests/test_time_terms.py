@@ -230,3 +230,57 @@ def test_one_call_timing_takes_the_slowest_rank_of_each_call(monkeypatch):
     out = measure.time_calls(lambda: calls.append("call"), 3, torch.device("cpu"))
     assert calls == ["barrier", "call"] * 3 and reduced == [measure.dist.ReduceOp.MAX] and len(out) == 3
     assert all(x > 0 for x in out)
+
+
+def test_a_forward_and_a_backward_call_cost_once_per_micro_batch():
+    """A calibration's call costs (``compute.forward_call_s``, ``backward_call_s``) enter each micro-batch once,
+    whatever its samples: at K micro-batches a step is K x (both calls) above the same step without them (no
+    overlap: every term adds), and a checkpointed model recomputes its forward's call share too."""
+    from zeroexp.formulas import accumulation_repeats
+
+    bare, calls = ComputeRate(1e-10, 2e-10, 2e-9), ComputeRate(1e-10, 2e-10, 2e-9, 1e-3, 2e-3)
+    seconds = lambda op, s, n: n * 1e-4 + s / 1e9  # noqa: E731 - a given link
+    for row in ("ddp", "zero2", "fsdp_full", "fsdp2_full"):
+        layout, groups = _groups(row)
+        for k in (1, 4):
+            knobs = PlanKnobs(micro_batches=k)
+            coll, reps = step_collectives(layout, groups, 4, knobs), accumulation_repeats(layout, groups, 4, knobs)
+            a, b = (predict_step(layout, groups, coll, rate, 8 // k, seconds, False, "pre", micro_batches=k,
+                                 repeats=reps) for rate in (bare, calls))
+            assert b.step_s - a.step_s == pytest.approx(k * 3e-3), (row, k)
+            assert b.forward_s - a.forward_s == pytest.approx(k * 1e-3)
+            assert b.backward_s - a.backward_s == pytest.approx(k * 2e-3)
+    layout, groups = _groups("ddp")
+    coll = step_collectives(layout, groups, 4, KNOBS)
+    a, b = (predict_step(layout, groups, coll, rate, 8, seconds, False, "pre", checkpointed=PSI // 2)
+            for rate in (bare, calls))
+    assert b.recompute_s - a.recompute_s == pytest.approx(1e-3 / 2)  # half the parameters checkpointed
+
+
+def test_the_call_cost_is_fitted_over_two_micro_batch_sizes_or_left_out():
+    from zeroexp.calibrate.measure import fit_sizes
+    from zeroexp.formulas import fit_calls
+
+    assert [fit_sizes(b) for b in (1, 2, 3, 4, 8, 16)] == [(1, 2), (1, 2), (1, 3), (1, 4), (2, 8), (4, 16)]
+    call, slope = fit_calls([(1, 3e-3), (4, 9e-3)])  # 1 ms + 2 ms a sample, exactly
+    assert call == pytest.approx(1e-3) and slope == pytest.approx(2e-3)
+    assert fit_calls([(2, 4e-3), (8, 16e-3)]) == pytest.approx((0.0, 2e-3), abs=1e-15)  # no call cost
+    assert fit_calls([(1, 3e-3), (4, 2e-3)]) is None  # slower at 1 than at 4: no cost, noise
+    assert fit_calls([(1, 1e-3), (4, 16e-3)]) is None  # a negative call: noise above it
+    assert fit_calls([(4, 9e-3), (4, 9.5e-3)]) is None  # one size
+
+
+def test_a_calibration_before_schema_8_has_no_call_cost(tmp_path):
+    from test_time import calibration_data
+
+    data = calibration_data()
+    for schema, extra, want in ((7, {}, (0.0, 0.0)), (8, {"forward_call_s": 1e-3, "backward_call_s": 2e-3},
+                                                        (1e-3, 2e-3))):
+        data = {**data, "schema": schema, "compute": {**data["compute"], **extra}}
+        path = tmp_path / f"cal{schema}.json"
+        path.write_text(json.dumps(data))
+        from zeroexp.results.calibration import load_calibration
+
+        rate = load_calibration(path).rate
+        assert (rate.forward_call_s, rate.backward_call_s) == want
+        assert rate.forward_s_per_param_sample == data["compute"]["forward_s_per_param_sample"]

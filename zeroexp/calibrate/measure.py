@@ -223,10 +223,21 @@ def measure_wake(c: Any, device: torch.device) -> dict[str, Any]:
             "gaps_s": [float(g) / 1e3 for g in c.wake_gaps_ms], "mean_s": means, "extra_s": [m - zero for m in means]}
 
 
+def fit_sizes(batch_size: int) -> tuple[int, int]:
+    """The two micro-batch sizes compute is timed at: a quarter of ``batch_size`` (at least 1) and ``batch_size``
+    itself (1 and 2 where it is 1): the spread that separates a call's own cost from its per-sample cost."""
+    b = int(batch_size)
+    return (1, 2) if b == 1 else (max(1, b // 4), b)
+
+
 def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.device, lr: float = 1e-3
                     ) -> dict[str, Any]:
     """Forward (with the loss), backward and AdamW step + zero_grad of the whole model on this rank, the median over
-    ``steps`` after one warm-up; as seconds per parameter x sample and per updated element."""
+    ``steps`` after one warm-up, at the two micro-batch sizes of :func:`fit_sizes`; forward and backward fitted as a
+    call's own cost plus seconds per parameter x sample (:func:`~zeroexp.formulas.time.fit_calls`; where the fit
+    is not a cost, timing noise above the call, no call cost and ``batch_size``'s own rate, said in ``fit``), AdamW
+    per updated element."""
+    from zeroexp.formulas.time import fit_calls
     from zeroexp.models import build_model, loss_of, make_batch
 
     torch.manual_seed(0)
@@ -234,34 +245,47 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
     loss_fn = loss_of(model_cfg)
     opt = torch.optim.AdamW(net.parameters(), lr=lr)
     psi = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+
+    sizes = fit_sizes(batch_size)
+    times = {size: {"forward": [], "backward": [], "optimizer": []} for size in sizes}
     for step in range(steps + 1):
-        batch = make_batch(model_cfg, batch_size, 0, step, dist.get_rank()).to(device)
-        marks = []
-        for phase in ("forward", "backward", "optimizer"):
-            sync(device)
-            t0 = time.perf_counter()
-            if phase == "forward":
-                loss = loss_fn(net(batch), batch)
-            elif phase == "backward":
-                loss.backward()
-            else:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            sync(device)
-            marks.append((phase, time.perf_counter() - t0))
-        if step:  # step 0 is warm-up (Adam creates its moments)
-            for phase, t in marks:
-                times[phase].append(t)
-    med = {k: _slowest(statistics.median(v), device) for k, v in times.items()}
+        for size in sizes:  # the sizes step by step in turn: a drift of the host's speed reaches both alike
+            batch = make_batch(model_cfg, size, 0, step, dist.get_rank()).to(device)
+            marks = []
+            for phase in ("forward", "backward", "optimizer"):
+                sync(device)
+                t0 = time.perf_counter()
+                if phase == "forward":
+                    loss = loss_fn(net(batch), batch)
+                elif phase == "backward":
+                    loss.backward()
+                else:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                sync(device)
+                marks.append((phase, time.perf_counter() - t0))
+            if step:  # step 0 is warm-up (Adam creates its moments; each batch shape's first run)
+                for phase, t in marks:
+                    times[size][phase].append(t)
+    at = {size: {k: _slowest(statistics.median(v), device) for k, v in ts.items()} for size, ts in times.items()}
+    med = at[int(batch_size)]
+    out: dict[str, Any] = {}
+    fit: dict[str, str] = {}
+    for phase in ("forward", "backward"):
+        calls = fit_calls([(size, at[size][phase]) for size in sizes])
+        call, slope = calls if calls is not None else (0.0, med[phase] / batch_size)
+        out[f"{phase}_call_s"], out[f"{phase}_s_per_param_sample"] = call, slope / psi
+        fit[phase] = (f"a call's cost + per sample, over micro-batches {sizes[0]} and {sizes[1]}" if calls is not None
+                      else f"no call cost (micro-batches {sizes[0]} and {sizes[1]} fit none: timing noise above it): "
+                           f"the rate at {batch_size}")
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
     return {"model": str(model_cfg.get("name")), "model_config": config, "batch_size": batch_size, "numel": psi,
             "steps": steps,
             "forward_s": med["forward"], "backward_s": med["backward"], "optimizer_s": med["optimizer"],
-            "forward_s_per_param_sample": med["forward"] / (psi * batch_size),
-            "backward_s_per_param_sample": med["backward"] / (psi * batch_size),
+            "points": [{"batch_size": size, **{f"{k}_s": v for k, v in at[size].items()}} for size in sizes],
+            "fit": fit, **out,
             "adamw_s_per_element": med["optimizer"] / psi}
 
 

@@ -39,12 +39,16 @@ def render_table(cal: Calibration, console: Any) -> None:
                     f"{d['threads_per_rank']} thread(s) per rank (measured, median of {c['steps']} steps)")
     for col in ("phase", "ms", "rate"):
         u.add_column(col, justify="left" if col == "phase" else "right")
-    u.add_row("forward (+ loss)", f"{c['forward_s'] * 1e3:.3f}", f"{c['forward_s_per_param_sample'] * 1e12:.2f} ps "
-                                                                  "per parameter x sample")
-    u.add_row("backward", f"{c['backward_s'] * 1e3:.3f}", f"{c['backward_s_per_param_sample'] * 1e12:.2f} ps per "
+    for label, phase in (("forward (+ loss)", "forward"), ("backward", "backward")):
+        call = c.get(f"{phase}_call_s", 0.0)
+        u.add_row(label, f"{c[f'{phase}_s'] * 1e3:.3f}", f"{call * 1e3:.3f} ms a call + "
+                                                          f"{c[f'{phase}_s_per_param_sample'] * 1e12:.2f} ps per "
                                                           "parameter x sample")
     u.add_row("AdamW step", f"{c['optimizer_s'] * 1e3:.3f}", f"{c['adamw_s_per_element'] * 1e9:.3f} ns per element")
     console.print(u)
+    for phase, how in (c.get("fit") or {}).items():
+        console.print(f"compute fit, {phase}: {how} (" + ", ".join(
+            f"{p[f'{phase}_s'] * 1e3:.3f} ms at {p['batch_size']}" for p in c.get("points", [])) + ")")
     f = d["framework"]
     v = Table(title="framework per step (measured differences, zeroexp.calibrate.framework)")
     for col in ("primitive", "value"):

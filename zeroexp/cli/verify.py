@@ -107,32 +107,44 @@ def _model_of(overrides: list[str]) -> tuple[list[str], dict[str, Any] | None]:
     return items, OmegaConf.to_container(tree, resolve=True)["model"]
 
 
-def _same_model(cal: Any, config: dict[str, Any] | None, batch: int | None = None) -> bool:
+def fitted(compute: dict[str, Any]) -> bool:
+    """Whether a calibration's compute was fitted over two micro-batch sizes, a call's cost beside the per-sample
+    rate, for both forward and backward (schema 8, ``compute.fit``): then it times any micro-batch of its model."""
+    fit = compute.get("fit")
+    return isinstance(fit, dict) and all(isinstance(fit.get(p), str) and not fit[p].startswith("no call cost")
+                                         for p in ("forward", "backward"))
+
+
+def _same_model(cal: Any, config: dict[str, Any] | None, batches: set[int] = frozenset()) -> bool:
     """Whether ``cal``'s compute was timed on the model ``config`` (every key of it equal in the calibration's
-    ``compute.model_config``; a calibration that does not record it: no) at the micro-batch ``batch`` (None: the
-    cells set none)."""
+    ``compute.model_config``; a calibration that does not record it: no) in a way that times the micro-batches
+    ``batches`` (the cells' ``batch_size`` values; empty: they set none): fitted over two sizes (:func:`fitted`),
+    or timed at the one size they all have."""
     compute = cal.data["compute"]
     got = compute.get("model_config")
     return (config is not None and got is not None and all(got.get(k) == v for k, v in config.items())
-            and (batch is None or compute.get("batch_size") == batch))
+            and (not batches or fitted(compute) or batches == {compute.get("batch_size")}))
 
 
-def calibration_for(cfg: DictConfig, s: Settings, cell_overrides: list[str], say: Any) -> str:
-    """The calibration the cells use (see the module's docstring): one of that size named or timed on the cells'
-    model, else one made first on it."""
+def calibration_for(cfg: DictConfig, s: Settings, cells: list[list[str]], say: Any) -> str:
+    """The calibration the cells (their overrides) use (see the module's docstring): one of that size named or timed
+    on the cells' model, else one made first on it at their largest micro-batch."""
     from zeroexp.results.calibration import DEFAULT_DIR, find_calibration, load_calibration
 
-    items, config = _model_of(cell_overrides)
-    batch = next((int(o.split("=", 1)[1]) for o in items if o.startswith("batch_size=")), None)
+    items, config = _model_of(cells[0])
+    items = [o for o in items if not o.startswith("batch_size=")]
+    batches = {int(o.split("=", 1)[1]) for c in cells for o in c if o.startswith("batch_size=")}
+    if batches:
+        items.append(f"batch_size={max(batches)}")
     net = cfg.network
     if net.get("kind") == "calibration":
         path = net.get("calibration")
         cal = load_calibration(path) if path else find_calibration("gloo", s.world_size)
-        if cal is not None and cal.world_size == s.world_size and (path or _same_model(cal, config, batch)):
+        if cal is not None and cal.world_size == s.world_size and (path or _same_model(cal, config, batches)):
             return str(Path(cal.path).resolve())  # one named (network.calibration=PATH) is the user's choice
     out = s.out_dir / "calibration"  # where this verify makes one: an earlier run of it made it (resumed)
     for directory in (DEFAULT_DIR, out):
-        found = find_calibration("gloo", s.world_size, directory, model=lambda c: _same_model(c, config, batch))
+        found = find_calibration("gloo", s.world_size, directory, model=lambda c: _same_model(c, config, batches))
         if found is not None:
             return str(Path(found.path).resolve())
     args = [sys.executable, "-m", "zeroexp.calibrate", f"world_size={s.world_size}", *items, f"output_dir={out}"]
@@ -196,7 +208,7 @@ def verify(cfg: DictConfig, answer: dict[str, Any], s: Settings, say: Any) -> di
                 "report": None, "calibration": None,
                 "why": "no configuration fits: nothing to run"}
     s.out_dir.mkdir(parents=True, exist_ok=True)
-    calibration = calibration_for(cfg, s, next(c["overrides"] for c in cells if c["overrides"] is not None), say)
+    calibration = calibration_for(cfg, s, [c["overrides"] for c in cells if c["overrides"] is not None], say)
     common = [f"steps={s.steps}", "logger=csv", f"calibration={calibration}"]
     say(f"verify: {sum(c['overrides'] is not None for c in cells)} cells at N={s.world_size} on this machine, "
         f"calibration {calibration}, into {s.out_dir}:")

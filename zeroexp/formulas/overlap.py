@@ -311,9 +311,10 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                  burst_seconds: CollectiveTime | None = None, stream_seconds: CollectiveTime | None = None,
                  ahead: tuple[int, int] = (0, 0)) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
-    (forward and backward over every parameter, as data parallelism computes the whole model on each rank; AdamW over
-    :func:`optimizer_elements`), each op of ``collectives`` (the one model's calls and payload) split over its slots
-    by their weights and timed by ``seconds_of``, placed by :func:`collective_slots`, run by :func:`simulate_step`.
+    (forward and backward over every parameter, as data parallelism computes the whole model on each rank, each call
+    with its own cost once per micro-batch; AdamW over :func:`optimizer_elements`), each op of ``collectives`` (the
+    one model's calls and payload) split over its slots by their weights and timed by ``seconds_of``, placed by
+    :func:`collective_slots`, run by :func:`simulate_step`.
     An op the rule has no slot for is issued at the end of backward and waited for at once (exposed).
     ``framework``: the calibrated costs of :mod:`zeroexp.formulas.framework`, added to the phase each runs in (the
     rank's own work, like compute; forward and backward terms in every micro-batch); None: none (a device preset).
@@ -330,9 +331,9 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     not for burst slots (their own figure) nor calls timed group by group; None: no floor. ``ahead``: FSDP2's explicit
     forward and backward prefetch (:func:`collective_slots`)."""
     psi = groups.numel
-    f = rate.forward_s_per_param_sample * psi * samples
+    f = rate.forward_s_per_param_sample * psi * samples + rate.forward_call_s
     r = recompute_seconds(f, checkpointed, psi)
-    b = rate.backward_s_per_param_sample * psi * samples + r
+    b = rate.backward_s_per_param_sample * psi * samples + rate.backward_call_s + r
     o = rate.adamw_s_per_element * optimizer_elements(layout, groups)
     fw = framework_time(layout, groups, itemsize, framework or FrameworkCost())
     bare = (f, b - r, o)

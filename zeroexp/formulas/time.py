@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from zeroexp.formulas.paper import bus_factor
 
 __all__ = ["LinkFit", "fit_link", "collective_seconds", "measured_call_seconds", "isotonic", "WakeCurve",
-           "two_level_seconds", "ComputeRate", "overlap_possible", "CALIBRATED_OPS", "steps_to_narrow"]
+           "two_level_seconds", "ComputeRate", "fit_calls", "overlap_possible", "CALIBRATED_OPS", "steps_to_narrow"]
 
 #: The collectives zeroexp's strategies issue and the calibration measures.
 CALIBRATED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -158,11 +158,16 @@ def two_level_seconds(op: str, payload_bytes: float, ranks_per_node: int, nodes:
 class ComputeRate:
     """Seconds of compute per unit of work on one rank: forward and backward per parameter x sample (a Linear's
     2 FLOPs per parameter per token forward, 4 backward [KAPLAN], so time scales with numel x samples), AdamW per
-    parameter element it updates."""
+    parameter element it updates; and each forward and backward call's own cost whatever its micro-batch
+    (``forward_call_s``, ``backward_call_s``: the operators' dispatch and launch, paid once per micro-batch; a
+    calibration fits them with the per-sample rates over two micro-batch sizes, :func:`fit_calls`; 0 for a device
+    preset and for a calibration timed at one size)."""
 
     forward_s_per_param_sample: float
     backward_s_per_param_sample: float
     adamw_s_per_element: float
+    forward_call_s: float = 0.0
+    backward_call_s: float = 0.0
 
     @classmethod
     def from_peak(cls, peak_flops: float, efficiency: float, tokens_per_sample: int, adamw_bytes_per_s: float,
@@ -173,6 +178,20 @@ class ComputeRate:
         flops = peak_flops * efficiency
         return cls(2 * tokens_per_sample / flops, 4 * tokens_per_sample / flops,
                    adamw_bytes_per_element / adamw_bytes_per_s)
+
+
+def fit_calls(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """A call's seconds at micro-batches of ``points`` (size, seconds; two sizes or more) as ``call + slope x size``
+    by least squares: (call, slope); None where the fit is not a cost (fewer than two sizes, a slope that is not
+    positive or a call below zero: timing noise larger than the call), the caller then keeps one point's rate."""
+    sizes = sorted({b for b, _ in points})
+    if len(sizes) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(b for b, _ in points) / n, sum(t for _, t in points) / n
+    slope = sum((b - mx) * (t - my) for b, t in points) / sum((b - mx) ** 2 for b, _ in points)
+    call = my - slope * mx
+    return (call, slope) if slope > 0 and call >= 0 else None
 
 
 def overlap_possible(device: str, cores: int, ranks_per_node: int, threads_per_rank: int) -> bool:

@@ -29,13 +29,16 @@ DEFAULT_DIR = Path("outputs") / "calibration"
 #: of sync calls (``stream_mean_s``), the floor of a call that follows another (the framework's figures net of it);
 #: 6: the wrappers measured on a wide model too, their cost per byte of a call's payload (``<path>_s_per_byte``);
 #: 7: FSDP2's per-call costs and AdamW's per-DTensor-parameter step (:data:`~zeroexp.formulas.framework.
-#: SCHEMA_7_TERMS`), and the compute model's resolved config (``compute.model_config``).
-SCHEMA = 7
+#: SCHEMA_7_TERMS`), and the compute model's resolved config (``compute.model_config``); 8: compute timed at two
+#: micro-batch sizes, a forward's and a backward's own cost per call beside the per-sample rates
+#: (``compute.forward_call_s``, ``backward_call_s``, ``points``, ``fit``).
+SCHEMA = 8
 #: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
 #: 2's and 3's no bursts (a burst's call is timed as one alone); 2-4 no streams (a call in a stream pays its waking
 #: only); 2-5 no wrapper cost per byte (0); 2-6 no FSDP2 terms (0, and a cell of FSDP2 says so:
-#: :meth:`Calibration.missing_terms`).
-READS = (2, 3, 4, 5, 6, 7)
+#: :meth:`Calibration.missing_terms`); 2-7 no call cost (0: their rate, timed at one micro-batch size, holds the
+#: call's cost spread over that size's samples).
+READS = (2, 3, 4, 5, 6, 7, 8)
 
 
 def machine() -> dict[str, Any]:
@@ -116,7 +119,7 @@ class Calibration:
     def rate(self) -> ComputeRate:
         c = self.data["compute"]
         return ComputeRate(c["forward_s_per_param_sample"], c["backward_s_per_param_sample"],
-                           c["adamw_s_per_element"])
+                           c["adamw_s_per_element"], c.get("forward_call_s", 0.0), c.get("backward_call_s", 0.0))
 
     @property
     def framework(self) -> FrameworkCost:
