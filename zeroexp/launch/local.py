@@ -24,6 +24,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
 
@@ -241,7 +242,7 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
         deadline = time.monotonic() + float(timeouts["cell_s"])
         kill_at: float | None = None
         while any(p.is_alive() for p in procs):
-            time.sleep(0.05)
+            wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.05)  # back at once when a rank ends
             if time.monotonic() - looked_at >= 1.0:
                 started.update((q.pid, q) for q in descendants([p.pid for p in procs if p.is_alive()]))
                 looked_at = time.monotonic()
