@@ -187,3 +187,75 @@ def test_the_cells_calibration_is_one_of_their_model_or_made_on_it(tmp_path, mon
     (s.out_dir / "calibration" / "made.json").write_text(json.dumps(gpt))
     assert v.calibration_for(cfg, s, [cell], lambda _: None) == str(s.out_dir / "calibration" / "made.json")
     assert len(ran) == 2
+
+
+def test_a_cells_rounds_are_one_record_judged_on_the_hull_of_their_cis(tmp_path):
+    """Run twice, a cell is measured at the median of its runs' medians and separated from another only where the
+    hulls of their runs' 95 % CIs are apart: on this host a second run of a cell lands outside the first's CI (DDP
+    48.9 [46.8, 50.6] ms, then 38.5 [37.3, 40.0] minutes later)."""
+    from zeroexp.recommend.verify import combine_rounds
+
+    def run(name, pred, median, ci, status="ok"):
+        summary = {"plan": {"time": {"predicted_step_ms": pred, "measured_median_ms": median, "median_ci95_ms": ci}}}
+        return cell_record(name, None, ["a=b"], tmp_path / name, summary, status, None if status == "ok" else "x")
+
+    ddp = combine_rounds([run("ddp", 31.5, 48.9, [46.8, 50.6]), run("ddp", 31.5, 38.5, [37.3, 40.0])])
+    assert ddp["measured_median_ms"] == pytest.approx((48.9 + 38.5) / 2) and ddp["median_ci95_ms"] == [37.3, 50.6]
+    assert [r["measured_median_ms"] for r in ddp["rounds"]] == [48.9, 38.5] and ddp["dir"] == str(tmp_path / "ddp")
+    ds = combine_rounds([run("ds", 32.8, 51.1, [42.0, 54.8]), run("ds", 32.8, 41.0, [40.1, 42.0])])
+    slow = combine_rounds([run("slow", 60.0, 70.0, [68.0, 72.0]), run("slow", 60.0, 66.0, [64.0, 69.0])])
+    order = pair_order([ddp, ds, slow], tie=0.08)
+    assert order["pairs_separable"] == ["ddp < slow", "ds < slow"]  # ddp and ds overlap once their runs are joined
+    assert order["pairs_flipped"] == [] and order["kendall_tau"] == 1.0
+    one = combine_rounds([run("one", 10.0, 20.0, [19.0, 21.0])])  # one round: its own record
+    assert (one["measured_median_ms"], one["median_ci95_ms"], len(one["rounds"])) == (20.0, [19.0, 21.0], 1)
+    failed = combine_rounds([run("f", 10.0, 20.0, [19.0, 21.0]), run("f", 10.0, None, None, "failed")])
+    assert failed["status"] == "failed" and failed["why"] == "x"
+    assert pair_order([failed, slow])["pairs_compared"] == 1  # a failed round: the cell is out of the order
+
+
+def test_verify_rounds_is_an_integer_of_at_least_one(tmp_path):
+    base = ("recommend", "model=gpt", "world_size=2", "network=a100_ib", "recommend.verify=2",
+            f"recommend.verify_dir={tmp_path}")
+    assert settings(_compose(*base)).rounds == 2
+    assert settings(_compose(*base, "recommend.verify_rounds=1")).rounds == 1
+    for bad in ("0", "1.5", "two"):
+        with pytest.raises(ConfigError) as e:
+            settings(_compose(*base, f"recommend.verify_rounds={bad}"))
+        assert e.value.key == "recommend.verify_rounds"
+
+
+def test_verify_runs_every_cell_once_a_round_into_its_own_directory_and_resumes(tmp_path, monkeypatch):
+    import json
+    import subprocess
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import zeroexp.report
+    from zeroexp.cli import verify as v
+
+    ran = []
+
+    def fake_run(args, **kw):  # python -m zeroexp ... hydra.run.dir=D: the cell's files, its median the run's count
+        d = Path(next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")))
+        d.mkdir(parents=True)
+        ran.append(d)
+        (d / "manifest.json").write_text(json.dumps({"status": "ok"}))
+        n = float(len(ran))
+        (d / "summary.json").write_text(json.dumps({"plan": {"time": {
+            "predicted_step_ms": 1.0, "measured_median_ms": n, "median_ci95_ms": [n - 0.1, n + 0.1]}}}))
+        return SimpleNamespace(returncode=0)
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(v, "calibration_for", lambda *a: "cal.json")
+    monkeypatch.setattr(zeroexp.report, "write_report", lambda *a, **k: None)
+    s = v.Settings(1, 2, None, 20, None, tmp_path, rounds=2)
+    answer = {"recommendations": [{"config": "ddp", "overrides": ["strategy=ddp", "world_size=64", "batch_size=4"],
+                                   "step_ms": 1.0, "peak_bytes": 1}], "tie_tolerance": 0.08}
+    out = v.verify(None, answer, s, lambda _: None)
+    assert ran == [tmp_path / "00", tmp_path / "rounds" / "2" / "00"]  # the baseline is #1 itself: one cell
+    assert (tmp_path / "logs" / "00.txt").is_file() and (tmp_path / "logs" / "00.r2.txt").is_file()
+    (cell,) = out["cells"]
+    assert out["rounds"] == 2 and [r["dir"] for r in cell["rounds"]] == [str(d) for d in ran]
+    assert cell["measured_median_ms"] == 1.5 and cell["median_ci95_ms"] == [0.9, 2.1]
+    again = v.verify(None, answer, s, lambda _: None)  # resumed: every round's cell is ok already
+    assert len(ran) == 2 and again["cells"][0]["measured_median_ms"] == 1.5

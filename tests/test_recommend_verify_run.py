@@ -24,7 +24,7 @@ def test_verify_runs_the_top_two_and_a_ddp_baseline_and_orders_them(tmp_path):
             "network=this_machine", f"network.calibration={cal}", "device=cpu", "device_memory=8GB",
             "precisions=[fp32]", "global_batch=4", "recommend.strategies=[zero2,fsdp_full]",
             "recommend.activation_checkpointing=[none]", "recommend.micro_batches=[2]", "recommend.verify=2",
-            "recommend.verify_steps=10", f"recommend.verify_dir={out}", "format=json"]
+            "recommend.verify_steps=10", "recommend.verify_rounds=1", f"recommend.verify_dir={out}", "format=json"]
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -33,6 +33,7 @@ def test_verify_runs_the_top_two_and_a_ddp_baseline_and_orders_them(tmp_path):
     assert f"into {out}" in done.stderr and "python -m zeroexp strategy=" in done.stderr  # said before it ran
     assert [c["cell"] for c in v["cells"]] == [f"#1 {recs[0]['config']}", f"#2 {recs[1]['config']}", "baseline ddp"]
     assert v["calibration"] == str(cal) and v["world_size"] == 2 and v["report"] == str(out / "report.md")
+    assert v["rounds"] == 1 and all(len(c["rounds"]) == 1 for c in v["cells"])  # rounds: tests/test_recommend_verify
     assert (out / "report.md").is_file() and len(list(out.glob("*/manifest.json"))) == 3
     for c, rec in zip(v["cells"], recs[:2] + [None]):
         assert c["status"] == "ok" and "world_size=2" in c["overrides"] and f"calibration={cal}" in c["overrides"]

@@ -39,6 +39,7 @@ class SearchConfig:
     verify_model: Any = None
     verify_world_size: Any = None
     verify_steps: Any = 20
+    verify_rounds: Any = 2
     verify_batch_size: Any = None
     verify_dir: Any = None
 

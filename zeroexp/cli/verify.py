@@ -40,6 +40,7 @@ class Settings:
     steps: int
     batch_size: int | None
     out_dir: Path
+    rounds: int = 1
 
 
 def _int(value: Any, key: str, low: int, what: str) -> int:
@@ -81,7 +82,9 @@ def settings(cfg: DictConfig) -> Settings | None:
         Path("outputs/recommend") / time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
     if out.exists() and not out.is_dir():
         raise ConfigError("recommend.verify_dir", str(out), "null (a new directory) or a directory")
-    return Settings(k, n, model, steps, batch, out.resolve())
+    rounds = _int(r.verify_rounds, "recommend.verify_rounds", 1, "an integer >= 1: how many times each cell runs, "
+                  "one round of every cell after another")
+    return Settings(k, n, model, steps, batch, out.resolve(), rounds)
 
 
 def _env() -> dict[str, str]:
@@ -175,23 +178,27 @@ def plan_cells(recs: list[dict[str, Any]], s: Settings) -> list[dict[str, Any]]:
     return cells
 
 
-def _run_cell(j: int, cell: dict[str, Any], common: list[str], s: Settings, say: Any) -> tuple[Path, str, str | None]:
-    """Run one cell (not again when its manifest says ok); (its directory, status, why)."""
+def _run_cell(j: int, cell: dict[str, Any], common: list[str], s: Settings, say: Any, rnd: int = 1
+              ) -> tuple[Path, str, str | None]:
+    """Run one cell in round ``rnd`` (not again when its manifest says ok); (its directory, status, why). Round 1's
+    cells are the verify directory's own (its sweep report's), round r's in ``rounds/<r>/``."""
     import json
 
-    d = s.out_dir / f"{j:02d}"
+    base = s.out_dir if rnd == 1 else s.out_dir / "rounds" / str(rnd)
+    d = base / f"{j:02d}"
+    of = f" (round {rnd} of {s.rounds})" if s.rounds > 1 else ""
     manifest = d / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("status") == "ok":
-        say(f"cell {cell['label']}: ok in {d} already (not run again)")
+        say(f"cell {cell['label']}{of}: ok in {d} already (not run again)")
         return d, "ok", None
     args = [sys.executable, "-m", "zeroexp", *cell["overrides"], *common, f"hydra.run.dir={d}"]
-    log = s.out_dir / "logs" / f"{j:02d}.txt"
+    log = s.out_dir / "logs" / (f"{j:02d}.txt" if rnd == 1 else f"{j:02d}.r{rnd}.txt")
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         rc = subprocess.run(args, env=_env(), stdout=f, stderr=subprocess.STDOUT).returncode
     status = json.loads(manifest.read_text()).get("status", "failed") if manifest.is_file() else "failed"
-    say(f"cell {cell['label']}: {status} (exit {rc}, {time.perf_counter() - t0:.0f} s; log {log})")
+    say(f"cell {cell['label']}{of}: {status} (exit {rc}, {time.perf_counter() - t0:.0f} s; log {log})")
     return d, status, None if status == "ok" else f"exit {rc}; its log: {log}"
 
 
@@ -199,11 +206,11 @@ def verify(cfg: DictConfig, answer: dict[str, Any], s: Settings, say: Any) -> di
     """Run the cells and the report; the JSON's ``verify`` (docs/results.md)."""
     import json
 
-    from zeroexp.recommend.verify import cell_record, pair_order
+    from zeroexp.recommend.verify import cell_record, combine_rounds, pair_order
 
     cells = plan_cells(answer["recommendations"][:s.k], s)
     if not cells:
-        return {"world_size": s.world_size, "cells": [], "pairs_compared": 0, "pairs_separable": [],
+        return {"world_size": s.world_size, "rounds": s.rounds, "cells": [], "pairs_compared": 0, "pairs_separable": [],
                 "pairs_tied": [], "pairs_flipped": [], "tie_tolerance": answer["tie_tolerance"], "kendall_tau": None,
                 "report": None, "calibration": None,
                 "why": "no configuration fits: nothing to run"}
@@ -215,21 +222,27 @@ def verify(cfg: DictConfig, answer: dict[str, Any], s: Settings, say: Any) -> di
     for c in cells:
         say(f"  {c['label']}: " + (f"python -m zeroexp {' '.join(c['overrides'] + common)}" if c["overrides"]
                                    else f"not run: {c['why']}"))
+    runs: dict[int, list[tuple[Path, str, str | None, dict[str, Any] | None]]] = {}
+    for rnd in range(1, s.rounds + 1):  # every cell once, then again: a drift of the host reaches each cell alike
+        for j, c in enumerate(cells):
+            if c["overrides"] is not None:
+                d, status, why = _run_cell(j, c, common, s, say, rnd)
+                summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
+                runs.setdefault(j, []).append((d, status, why, summary))
     records = []
     for j, c in enumerate(cells):
         if c["overrides"] is None:
             records.append(cell_record(c["label"], c["rec"], [], None, None, "not run", c["why"]))
             continue
-        d, status, why = _run_cell(j, c, common, s, say)
-        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
-        records.append(cell_record(c["label"], c["rec"], c["overrides"] + common, d, summary, status, why))
+        records.append(combine_rounds([cell_record(c["label"], c["rec"], c["overrides"] + common, d, summary,
+                                                   status, why) for d, status, why, summary in runs[j]]))
     report = None
     if any(s.out_dir.glob("*/manifest.json")):
         from zeroexp.report import write_report
 
         write_report(s.out_dir, wandb_mode="none")
         report = str(s.out_dir / "report.md")
-    return {"world_size": s.world_size, "calibration": calibration, "cells": records,
+    return {"world_size": s.world_size, "rounds": s.rounds, "calibration": calibration, "cells": records,
             **pair_order([r for r in records if r["status"] == "ok"], answer["tie_tolerance"]), "report": report,
             "why": None}
 
@@ -252,7 +265,9 @@ def render(v: dict[str, Any], console: Any) -> None:
         return
     table = Table(title=f"Verify: planned vs measured, N={v['world_size']} on this machine", width=100,
                   pad_edge=False)
-    for name in ("cell", "rec. ms", "pred. ms", "measured ms [95 % CI]", "pred. MiB", "meas. MiB", "status"):
+    rounds = v.get("rounds", 1)
+    interval = "95 % CI" if rounds == 1 else f"{rounds} runs' CIs"
+    for name in ("cell", "rec. ms", "pred. ms", f"measured ms [{interval}]", "pred. MiB", "meas. MiB", "status"):
         table.add_column(name, justify="left" if name in ("cell", "status") else "right", overflow="fold")
     for c in v["cells"]:
         ci = c["median_ci95_ms"]
@@ -264,11 +279,13 @@ def render(v: dict[str, Any], console: Any) -> None:
     console.print(table)
     sep, flip, tied = v["pairs_separable"], v["pairs_flipped"], v["pairs_tied"]
     tau = "n/a (no pair separable)" if v["kendall_tau"] is None else f"{v['kendall_tau']:.2f}"
-    console.print(f"order: {len(sep)} of {v['pairs_compared']} pairs separable (measured 95 % CIs apart); "
+    apart = "measured 95 % CIs apart" if rounds == 1 else f"the hulls of their {rounds} runs' 95 % CIs apart"
+    console.print(f"order: {len(sep)} of {v['pairs_compared']} pairs separable ({apart}); "
                   f"{len(sep) - len(flip) - len(tied)} ordered as predicted, {len(tied)} predicted to tie (within "
                   f"{100 * v['tie_tolerance']:.0f} %), {len(flip)} flipped; Kendall's tau over them {tau}"
                   + (f"; flipped: {', '.join(flip)}" if flip else ""), overflow="fold")
     console.print("rec. ms: the recommendation's step (its network); pred.: computed for the cell on this "
-                  f"machine's calibration ({v['calibration']}); measured: the cell's timed steps and peak",
-                  overflow="fold")
+                  f"machine's calibration ({v['calibration']}); measured: the cell's timed steps and peak"
+                  + ("" if rounds == 1 else f" (the median of its {rounds} runs' medians; each run in the JSON's "
+                                            "cells[].rounds)"), overflow="fold")
     console.print(f"report: {v['report']}", overflow="fold")

@@ -14,7 +14,7 @@ from typing import Any
 
 from zeroexp.recommend.space import strategy_of
 
-__all__ = ["map_overrides", "baseline", "cell_record", "pair_order", "MappingRefused"]
+__all__ = ["map_overrides", "baseline", "cell_record", "combine_rounds", "pair_order", "MappingRefused"]
 
 
 class MappingRefused(ValueError):
@@ -94,6 +94,29 @@ def cell_record(label: str, recommended: dict[str, Any] | None, overrides: list[
         "predicted_peak_bytes": _phase_peak(m, "predicted"), "measured_peak_bytes": memory.get("peak_bytes_max"),
         "peak_check": m.get("check"),
     }
+
+
+def combine_rounds(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's records of its rounds (:func:`cell_record`, one per run of the same overrides) as one: the first
+    round's record (its directory, the predictions, the peaks), ok only when every round is ok (else the first round
+    that is not, with its why), the measured median the median of the rounds' medians and ``median_ci95_ms`` the
+    hull of their 95 % CIs: what :func:`pair_order` separates on, as a run of a cell on a shared host can land
+    outside another run's CI. Each round's directory, status, median and CI in ``rounds``."""
+    import statistics
+
+    out = {**records[0], "rounds": [{k: r[k] for k in ("dir", "status", "measured_median_ms", "median_ci95_ms")}
+                                    for r in records]}
+    bad = next((r for r in records if r["status"] != "ok"), None)
+    if bad is not None:
+        out["status"], out["why"] = bad["status"], bad["why"]
+        return out
+    medians, cis = [r["measured_median_ms"] for r in records], [r["median_ci95_ms"] for r in records]
+    if any(m is None for m in medians) or not all(cis):
+        out["measured_median_ms"], out["median_ci95_ms"] = None, None
+        return out
+    out["measured_median_ms"] = statistics.median(medians)
+    out["median_ci95_ms"] = [min(c[0] for c in cis), max(c[1] for c in cis)]
+    return out
 
 
 def pair_order(cells: list[dict[str, Any]], tie: float = 0.0) -> dict[str, Any]:
