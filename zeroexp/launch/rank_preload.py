@@ -22,15 +22,13 @@ import zeroexp.plan.time  # noqa: F401
 # What every rank of a cell still imported by itself, after the imports above (sys.modules at run_rank's end less
 # the forkserver's, an FSDP2 cell's two ranks): the rank's entry (its module, unpickled by name), the Lightning
 # strategy and its imports (Lightning's DDPStrategy.setup: DDP's comm hooks; autocast; the meta build's replay), rank
-# 0's progress file, the profiler's first start, the last rank's step traces ahead (the planner's fake-tensor step)
+# 0's progress file, the last rank's step traces ahead (the planner's fake-tensor step)
 # and rank 0's tables (pandas' CSV writer, its Arrow strings). About 25 ms a rank, quiet 2-core host.
-import omegaconf._impl  # noqa: F401
 import pandas.io.formats.csvs  # noqa: F401
 import pyarrow.pandas_compat  # noqa: F401
 import pyarrow.vendored.version  # noqa: F401
 import torch.distributed.algorithms.ddp_comm_hooks  # noqa: F401
 import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook  # noqa: F401
-import torch.profiler._cupti_monitor  # noqa: F401
 import zeroexp._lib.fake_tensors  # noqa: F401
 import zeroexp._lib.fsdp2  # noqa: F401
 import zeroexp._lib.trainer  # noqa: F401
