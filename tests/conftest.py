@@ -9,6 +9,7 @@ that asserts on a sweep's files or output.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -327,7 +328,18 @@ else:
             return "modules reading the shared sweeps" if _reads_shared_fixtures(module) else module
 
     def pytest_xdist_make_scheduler(config, log):
-        return _ModulesSharingFixtures(config, log) if config.getvalue("dist") == "loadfile" else None
+        if config.getvalue("dist") != "loadfile":
+            return None
+        config.option.loadscopereorder = False  # the units in collection order: the costliest modules first (below)
+        return _ModulesSharingFixtures(config, log)
+
+
+#: Each test module's seconds in the last whole run measured (``ZEROEXP_SUITE_DURATIONS=tests/durations.json make
+#: test`` writes it): the modules are collected costliest first, so that the workers of ``--dist loadfile`` take the
+#: long ones early and end together (by test count, xdist's default order, a 30-s module of one test came last: a
+#: 26-s tail with one worker idle). A hint only: a module it lacks comes after those it has, in its own order.
+DURATIONS = REPO / "tests" / "durations.json"
+_COST = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -336,6 +348,27 @@ def pytest_collection_modifyitems(config, items) -> None:
         funcs = [getattr(item, "function", None), *(d.func for ds in defs.values() for d in ds)]
         if any(f is not None and _starts_processes(f) for f in funcs):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: -_COST.get(item.nodeid.split("::", 1)[0], 0.0))  # stable: a module's own order kept
+
+
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if os.environ.get("ZEROEXP_SUITE_DURATIONS"):
+        module = report.nodeid.split("::", 1)[0]
+        _SPENT[module] = _SPENT.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    """With ``ZEROEXP_SUITE_DURATIONS=<path>``: each module's seconds (setup, call and teardown of its tests, as the
+    workers reported them) into ``path``, over what it holds of other modules (``make test``'s two phases), costliest
+    first, for :data:`DURATIONS`."""
+    path = os.environ.get("ZEROEXP_SUITE_DURATIONS")
+    if path and _SPENT and not hasattr(session.config, "workerinput"):
+        held = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+        ranked = sorted({**held, **_SPENT}.items(), key=lambda kv: -kv[1])
+        Path(path).write_text(json.dumps({m: round(s, 1) for m, s in ranked}, indent=0) + "\n")
 
 
 def assert_threshold_rule(eq: dict) -> None:
