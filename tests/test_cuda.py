@@ -59,6 +59,9 @@ def test_a_sharded_strategy_at_one_rank_is_refused_naming_world_size(compose, st
     with pytest.raises(NotApplicableHere, match="NO_SHARD") as e:  # a ConfigError: a single run exits 2
         validate(compose(f"strategy={strategy}", "world_size=1"))
     assert e.value.key == "world_size" and isinstance(e.value, ConfigError)
+    assert str(e.value).startswith("not applicable here: world_size=1: ")  # valid, not runnable: not "invalid"
+    with pytest.raises(ConfigError, match="^invalid config: world_size=0: "):
+        validate(compose(f"strategy={strategy}", "world_size=0"))
 
 
 def test_a_sweep_over_world_sizes_skips_fsdp_at_one_rank_and_runs_the_rest(tmp_path):
@@ -71,6 +74,7 @@ def test_a_sweep_over_world_sizes_skips_fsdp_at_one_rank_and_runs_the_rest(tmp_p
     text = " ".join(out.stdout.split())
     assert out.returncode == 0, text[-2000:]
     assert text.count("skip: sweep job") == 1 and "strategy=fsdp_full world_size=1" in text and "NO_SHARD" in text
+    assert "not applicable here: world_size=1" in text and "invalid config" not in text
 
 
 @pytest.mark.gpu

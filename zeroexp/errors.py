@@ -14,16 +14,22 @@ class ConfigError(ValueError):
     The message always names the offending key, the given value and what is accepted.
     """
 
+    #: The message's first words: what kind of refusal it is.
+    kind = "invalid config"
+
     def __init__(self, key: str, value: Any, accepted: str, why: str = "") -> None:
         self.key, self.value, self.accepted = key, value, accepted
-        msg = f"invalid config: {key}={value!r}: {why + '; ' if why else ''}accepted: {accepted}"
+        msg = f"{self.kind}: {key}={value!r}: {why + '; ' if why else ''}accepted: {accepted}"
         super().__init__(msg)
 
 
 class NotApplicableHere(ConfigError):
     """A cell of valid axis values that cannot run, on this machine (FSDP CPU offload with no accelerator) or in
     this combination (DeepSpeed offload at stage 0): refused up front in a single run; in a ``--multirun`` sweep
-    the cell is ``skipped`` with this message and the sweep goes on (a sweep is a product of axes)."""
+    the cell is ``skipped`` with this message and the sweep goes on (a sweep is a product of axes). Its message says
+    so ("not applicable here: ..."): nothing in it is invalid."""
+
+    kind = "not applicable here"
 
 
 class Interrupted(KeyboardInterrupt):
