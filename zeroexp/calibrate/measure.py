@@ -239,6 +239,7 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
     per updated element."""
     from zeroexp.formulas.time import fit_calls
     from zeroexp.models import build_model, loss_of, make_batch
+    from zeroexp.results.calibration import NO_CALL_COST
 
     torch.manual_seed(0)
     net = build_model(model_cfg).to(device)
@@ -276,7 +277,7 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
         call, slope = calls if calls is not None else (0.0, med[phase] / batch_size)
         out[f"{phase}_call_s"], out[f"{phase}_s_per_param_sample"] = call, slope / psi
         fit[phase] = (f"a call's cost + per sample, over micro-batches {sizes[0]} and {sizes[1]}" if calls is not None
-                      else f"no call cost (micro-batches {sizes[0]} and {sizes[1]} fit none: timing noise above it): "
+                      else f"{NO_CALL_COST} (micro-batches {sizes[0]} and {sizes[1]} fit none: timing noise above it): "
                            f"the rate at {batch_size}")
     from omegaconf import OmegaConf
 

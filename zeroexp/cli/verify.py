@@ -110,23 +110,17 @@ def _model_of(overrides: list[str]) -> tuple[list[str], dict[str, Any] | None]:
     return items, OmegaConf.to_container(tree, resolve=True)["model"]
 
 
-def fitted(compute: dict[str, Any]) -> bool:
-    """Whether a calibration's compute was fitted over two micro-batch sizes, a call's cost beside the per-sample
-    rate, for both forward and backward (schema 8, ``compute.fit``): then it times any micro-batch of its model."""
-    fit = compute.get("fit")
-    return isinstance(fit, dict) and all(isinstance(fit.get(p), str) and not fit[p].startswith("no call cost")
-                                         for p in ("forward", "backward"))
-
-
 def _same_model(cal: Any, config: dict[str, Any] | None, batches: set[int] = frozenset()) -> bool:
     """Whether ``cal``'s compute was timed on the model ``config`` (every key of it equal in the calibration's
     ``compute.model_config``; a calibration that does not record it: no) in a way that times the micro-batches
-    ``batches`` (the cells' ``batch_size`` values; empty: they set none): fitted over two sizes (:func:`fitted`),
-    or timed at the one size they all have."""
+    ``batches`` (the cells' ``batch_size`` values; empty: they set none): fitted over two sizes
+    (:func:`~zeroexp.results.calibration.call_cost_fitted`), or timed at the one size they all have."""
+    from zeroexp.results.calibration import call_cost_fitted
+
     compute = cal.data["compute"]
     got = compute.get("model_config")
     return (config is not None and got is not None and all(got.get(k) == v for k, v in config.items())
-            and (not batches or fitted(compute) or batches == {compute.get("batch_size")}))
+            and (not batches or call_cost_fitted(compute) or batches == {compute.get("batch_size")}))
 
 
 def calibration_for(cfg: DictConfig, s: Settings, cells: list[list[str]], say: Any) -> str:

@@ -16,24 +16,23 @@ A CPU cell (gloo) and a CUDA cell (NCCL) run the same strategy code with other d
 Reserved memory (``max_memory_reserved``, what decides an out-of-memory error) is the caching allocator's
 (zeroexp.formulas.allocator): its rounding, pools and segments over the peak model's live bytes.
 
-Allocated bytes on CUDA count each allocation in 512-byte blocks (``torch.cuda.memory_allocated`` counts the
-caching allocator's rounded blocks: a 4-byte loss is 512 B): ``block`` is the unit every storage of the traced step is
-counted in (the step tracer rounds each one, as torch's MemTracker does for CUDA storages) and every tensor the
-closed-form terms of FSDP, DDP and zeroexp's ZeRO add. Not modelled on CUDA (named where the figures are shown):
-the blocks on DeepSpeed's rows (their trace and closed-form terms count tensor bytes), what CUDA's kernels
-allocate beyond the CPU kernels the step is traced with (PyTorch's test Transformer at dim 32, 4 heads of 8:
-backward 91,648-131,584 B above the prediction on an H200, where at dim 256 it is within 512 B), the allocator's
-fragmentation beyond its
-rounding and segments (the order of a phase's requests), NCCL's own buffers (outside the allocator), the CUDA context,
+Allocated bytes on CUDA count each allocation in 512-byte blocks (``torch.cuda.memory_allocated`` counts the caching
+allocator's rounded blocks: a 4-byte loss is 512 B): ``block`` is the unit every storage of the traced step is counted
+in (the step tracer rounds each one, as torch's MemTracker does for CUDA storages) and every tensor the closed-form
+terms of FSDP, DDP and zeroexp's ZeRO add. Not modelled on CUDA (named where the figures are shown): the blocks on
+DeepSpeed's rows (their trace and closed-form terms count tensor bytes), what CUDA's kernels allocate beyond the CPU
+kernels the step is traced with (PyTorch's test Transformer at dim 32, 4 heads of 8: backward 91,648-131,584 B above
+the prediction on an H200, where at dim 256 it is within 512 B), the allocator's fragmentation beyond its rounding and
+segments (the order of a phase's requests), NCCL's own buffers (outside the allocator), the CUDA context,
 ``expandable_segments``, DeepSpeed's fused optimizers, and the side streams. A block freed on a collective's stream
-returns to that stream's free blocks (the allocator keys its free blocks by stream): FSDP1 allocates each
-all-gather's output on its all-gather stream, frees it after the unit's compute and rate-limits the gathers in flight
-to two (``limit_all_gathers``: the CPU waits on the oldest free event); FSDP2 allocates its all-gather outputs on its
-copy-in stream and its reduce-scatter inputs on the compute stream, and guards them with events, not
-``record_stream`` (``AllGatherState``: the previous all-gather's output, held by reference through the next unit's
-copy-out; ``reduce_scatter_states``). Allocated and active bytes, the peak model's, count each buffer while a
-reference holds it, as on the CPU; what the streams add to reserved (free blocks one stream cannot hand another, a
-free delayed to an event while the CPU runs ahead) is not modelled: the model takes one stream.
+returns to that stream's free blocks (the allocator keys its free blocks by stream): FSDP1 allocates each all-gather's
+output on its all-gather stream, frees it after the unit's compute and rate-limits the gathers in flight to two
+(``limit_all_gathers``: the CPU waits on the oldest free event); FSDP2 allocates its all-gather outputs on its copy-in
+stream and its reduce-scatter inputs on the compute stream, and guards them with events, not ``record_stream``
+(``AllGatherState``: the previous all-gather's output, held by reference through the next unit's copy-out;
+``reduce_scatter_states``). Allocated and active bytes, the peak model's, count each buffer while a reference holds
+it, as on the CPU; what the streams add to reserved (free blocks one stream cannot hand another, a free delayed to an
+event while the CPU runs ahead) is not modelled: the model takes one stream.
 """
 
 from __future__ import annotations

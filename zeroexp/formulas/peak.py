@@ -185,7 +185,6 @@ class _Highest:
         return {**out, "optimizer": update_phase(optimizer_temporaries)}
 
 
-
 def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
     """Each traced unit's position in forward order (the k-th traced unit is the k-th FSDP unit)."""
     k_of = {s.unit: i for i, s in enumerate(s for s in trace.segments if s.phase == "forward" and s.at == "end"

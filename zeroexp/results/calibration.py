@@ -19,7 +19,8 @@ from typing import Any, Callable
 from zeroexp.formulas.framework import PER_CALL_PATHS, SCHEMA_7_TERMS, FrameworkCost
 from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, WakeCurve, measured_call_seconds
 
-__all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "call_table", "machine", "find_calibration", "load_calibration"]
+__all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "call_table", "machine", "find_calibration", "load_calibration",
+           "NO_CALL_COST", "call_cost_fitted"]
 
 #: Where ``python -m zeroexp.calibrate`` writes and cells look (relative to the working directory, like outputs/runs).
 DEFAULT_DIR = Path("outputs") / "calibration"
@@ -39,6 +40,16 @@ SCHEMA = 8
 #: :meth:`Calibration.missing_terms`); 2-7 no call cost (0: their rate, timed at one micro-batch size, holds the
 #: call's cost spread over that size's samples).
 READS = (2, 3, 4, 5, 6, 7, 8)
+#: How ``compute.fit`` begins for a phase whose two micro-batch sizes fit no call cost (schema 8).
+NO_CALL_COST = "no call cost"
+
+
+def call_cost_fitted(compute: dict[str, Any]) -> bool:
+    """Whether a calibration's ``compute`` was fitted over two micro-batch sizes, a call's cost beside the per-sample
+    rate, for both forward and backward (schema 8, ``compute.fit``): then it times any micro-batch of its model."""
+    fit = compute.get("fit")
+    return isinstance(fit, dict) and all(isinstance(fit.get(p), str) and not fit[p].startswith(NO_CALL_COST)
+                                         for p in ("forward", "backward"))
 
 
 def machine() -> dict[str, Any]:
