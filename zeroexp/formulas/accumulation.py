@@ -51,7 +51,8 @@ def accumulated_grad_bytes(flow: str, grad_bytes: int) -> int:
 
 
 def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list[int], *, root: int, root_grads: int,
-                             steady_grad_bytes: int, optimizer_temporaries: int) -> dict[str, dict]:
+                             steady_grad_bytes: int, optimizer_temporaries: int,
+                             grads_held_into_backward: bool = False) -> dict[str, dict]:
     """FSDP1 SHARD_GRAD_OP under ``no_sync`` (``grad_accum=K``, ``sync_each_microbatch`` false), per phase, the bytes
     above steady at the peak over the K micro-batches, by category; ``unsharded`` and ``grads``: each non-root unit's
     padded FlatParameter and its parameters' own gradients (bytes, forward order); ``root``, ``root_grads``: the root
@@ -68,7 +69,10 @@ def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list
         and gradients not yet reduced.
     Categories as the memory probe names them: the units held are ``unsharded``, the unsharded gradients held
     ``comm`` (each is its unit's reduce-scatter input in the last micro-batch), ``gradients`` the steady shards freed.
-    Its forward is never below the first micro-batch's (which holds no more). Optimizer: AdamW's temporaries."""
+    Its forward is never below the first micro-batch's (which holds no more). Optimizer: AdamW's temporaries.
+    ``grads_held_into_backward`` (``use_orig_params``): the first micro-batch's backward starts holding the steady
+    shards, freed by the root's pre-backward hook (:func:`zeroexp.formulas.peak.fsdp_phase_peaks`): its forward's
+    end, every unit unsharded, and the loss's gradient seed."""
     params, held = root + sum(unsharded), root_grads + sum(grads)
     best: dict[str, dict] = {}
 
@@ -81,6 +85,10 @@ def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list
     for s in (s for s in trace.segments if s.phase == "forward"):
         keep("forward", {**_plus(s.peak_by_category, loss), "unsharded": params, "gradients": -steady_grad_bytes,
                          "comm": s.peak_by_category.get("gradients", 0) + held})
+    if grads_held_into_backward:
+        end = next(s for s in trace.segments if (s.phase, s.unit) == ("forward", "loss"))
+        keep("backward", {**_plus(end.end_by_category, {**loss, "temporaries": trace.loss_bytes // 2}),
+                          "unsharded": params, "comm": end.end_by_category.get("gradients", 0)})
     done = 0  # units whose last post-backward hook has run (their unit and gradient freed in the last micro-batch)
     order = list(range(len(unsharded)))[::-1]
     for s in (s for s in trace.segments if s.phase == "backward"):

@@ -224,7 +224,7 @@ class FsdpUnit(NamedTuple):
 def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
                      reshard_after_forward: bool, prefetch: str, gloo: bool,
                      optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
-                     block: int = 1) -> dict[str, dict]:
+                     block: int = 1, grads_held_into_backward: bool = False) -> dict[str, dict]:
     """FSDP1 (FlatParameter per unit; ``units`` in forward order, ``root``: the root unit's unsharded bytes, held
     from its forward to the end of backward), per phase, the bytes above steady at the peak, by category.
 
@@ -240,10 +240,18 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
     units: FULL_SHARD u at A; BACKWARD_PRE the next unit at A and B, BACKWARD_POST at B only; SHARD_GRAD_OP every
     unit not yet done (u at A only). Optimizer: AdamW's temporaries over the shards. Categories as the memory probe
     names them (zeroexp/_lib/memtrack.py): the units gathered are ``unsharded``, the unsharded gradient (the
-    reduce-scatter's input) ``comm``, the output shards ``gradients`` (FSDP keeps them as the sharded gradient)."""
+    reduce-scatter's input) ``comm``, the output shards ``gradients`` (FSDP keeps them as the sharded gradient).
+    ``grads_held_into_backward`` (``use_orig_params``: ``zeroexp.plan.memory.grads_held_into_backward``): backward's
+    first moment, before the root's pre-backward hook frees the steady shards: the forward's end and the loss's
+    gradient seed (autograd's ``ones_like(loss)``, ``temporaries``)."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward)
+    if grads_held_into_backward:
+        end = next(s for s in trace.segments if (s.phase, s.unit) == ("forward", "loss"))
+        held = root + (0 if reshard_after_forward else sum(u.unsharded for u in units))
+        best.keep("backward", _add(end.end_by_category, {"activations": -trace.loss_bytes, "unsharded": held,
+                                                         "temporaries": trace.loss_bytes // 2}))
     _fsdp_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes,
                    reshard_after_forward=reshard_after_forward, prefetch=prefetch, gloo=gloo)
     return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))

@@ -26,7 +26,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         bucket_cap_bytes=default.bucket_cap_bytes if cap is None else int(float(cap) * 2**20),
         reduce=str(s.get("reduce") or default.reduce),
         norm_allreduce=s.get("clip_grad_norm") is not None or scaling,
-        use_orig_params=bool(s.get("use_orig_params", False)),
+        use_orig_params=bool(s.get("use_orig_params", default.use_orig_params)),
         loss_scaling=scaling,
         parameters_as_bucket_view=bool(s.get("parameters_as_bucket_view", False)),
         shard_size=int(s.get("shard_size") or 0),

@@ -45,7 +45,7 @@ __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces
 ADAMW = {"optimizer_itemsize": 4, "foreach": False}  # a CPU rank's; a CUDA rank's: foreach (zeroexp.formulas.device)
 
 
-def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = False,
+def uncovered(name: str, precision: str, offload: str,
               activation_checkpointing: str = "none", micro_batches: int = 1,
               sync_each_microbatch: bool = False) -> list[str]:
     """Why the peak model does not cover a row in this precision, offload and axes (empty: it does)."""
@@ -59,8 +59,6 @@ def uncovered(name: str, precision: str, offload: str, use_orig_params: bool = F
         covered = [*_modelled(lambda r: r.peak_flow in ("new", "in_place", "bucket")), *fsdp[0], *fsdp[1],
                    *_modelled(lambda r: r.peak_flow is not None and r.deepspeed_stage is not None)]
         reasons.append(f"no peak model yet for strategy.layout={name} (covered: {', '.join(covered)})")
-    if flow == "fsdp1" and use_orig_params:
-        reasons.append("no peak model yet for FSDP1 with strategy.use_orig_params=true")
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
@@ -134,6 +132,17 @@ def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], ch
         return trace, trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, grads_in_place=True,
                                 terms=terms, block=block)
     return trace, None
+
+
+def grads_held_into_backward(name: str, knobs: PlanKnobs) -> bool:
+    """Whether row ``name`` still holds the previous step's gradients when backward starts: FSDP1 with
+    ``use_orig_params``. Lightning's closure calls ``zero_grad`` after the forward, before ``backward``
+    (lightning/pytorch/loops/optimization/automatic.py), which sets the original parameters' ``.grad`` (views into
+    each FlatParameter's sharded gradient) to None; the FlatParameter's gradient itself is freed by the root's
+    pre-backward hook once all are None (torch/distributed/fsdp/_flat_param.py
+    ``_reset_flat_param_grad_info_if_needed``), a hook on the root's output: the loss, the root being the wrapped
+    LightningModule (zeroexp.strategies._lightning). Without ``use_orig_params`` ``zero_grad`` frees it."""
+    return _row(name).peak_flow == "fsdp1" and knobs.use_orig_params
 
 
 def needs_in_place(name: str, micro_batches: int) -> bool:
@@ -263,7 +272,6 @@ def _uncovered_cell(cfg: Any, name: str) -> list[str]:
     why = [] if cast is None else [f"no peak model yet for strategy.output_dtype={cast}: FSDP2 casts the model's "
                                    "outputs, the traced step does not"]
     return why + uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
-                           bool(cfg.strategy.get("use_orig_params", False)),
                            str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),
                            bool(cfg.strategy.get("sync_each_microbatch", False)))
 
@@ -476,13 +484,17 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     # what zero_grad frees between steps: each unit's gradient shard, one storage (FSDP1's flat gradient; FSDP2's
     # reduce-scatter output, of which each parameter's sharded gradient is a view)
     steady_grads = counted_sum((k * kept for k in shards), block)
+    held_in = grads_held_into_backward(name, knobs)
+    # AdamW's tensors in the optimizer's order: each FlatParameter, the root's first; with use_orig_params each
+    # original parameter's view of this rank's shard, in the model's order
+    stepped = _orig_param_views(groups, shape, sized, rank % n) if held_in else tuple(shards[-1:] + shards[:-1])
     if micro_batches > 1:
         if not row.no_sync_accumulation:
             raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
         return fsdp_no_sync_phase_peaks(
             trace, [u.unsharded for u in units], flat_grads, root=root, root_grads=root_flat,
             steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
-            optimizer_temporaries=adamw_temporaries(tuple(shards[-1:] + shards[:-1]), kept, foreach, block))
+            optimizer_temporaries=adamw_temporaries(stepped, kept, foreach, block), grads_held_into_backward=held_in)
     if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
@@ -494,4 +506,19 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
-                            gloo=gloo, optimizer_numels=tuple(shards[-1:] + shards[:-1]), **adamw)
+                            gloo=gloo, optimizer_numels=stepped, grads_held_into_backward=held_in, **adamw)
+
+
+def _orig_param_views(groups: Groups, shape: ModelShape, sized: list[tuple[list[int], bool]], shard: int
+                      ) -> tuple[int, ...]:
+    """The elements of each trainable original parameter in shard ``shard`` of its unit's FlatParameter, in the
+    model's parameter order, those with none left out: the tensors AdamW steps under FSDP1's ``use_orig_params``
+    (``_use_sharded_grad_views``: a parameter outside the rank's shard, or frozen, has no ``.grad``)."""
+    local: dict[int, int] = {}
+    for (members, _), unit in zip(sized, groups.shards):
+        size = unit.numel // groups.shard_over
+        lo, hi = shard * size, (shard + 1) * size
+        for i, (a, b) in zip(members, unit.spans):
+            if shape.train(i):
+                local[i] = max(0, min(b, hi) - max(a, lo))
+    return tuple(local[i] for i in sorted(local) if local[i])

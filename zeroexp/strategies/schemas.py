@@ -83,7 +83,9 @@ class FSDPConfig(StrategyConfig):
     # Module classes wrapped as their own FSDP unit (import paths); the root unit holds the rest.
     # null: the model's own unit (model.wrap: Linear for mlp, Block for gpt); [] wraps the model as one unit.
     wrap: Optional[List[str]] = None
-    use_orig_params: bool = False
+    # True as the seed's runs and Lightning's FSDPStrategy (lightning/fabric/strategies/fsdp.py) set it: the optimizer
+    # steps the original parameters' views; frozen and trainable parameters may share a unit; torch.compile needs it
+    use_orig_params: bool = True
     limit_all_gathers: bool = True
     forward_prefetch: bool = False
     #: grad_accum > 1: reduce-scatter every micro-batch (sharded gradients accumulate) instead of ``no_sync``
