@@ -172,7 +172,7 @@ def test_the_last_rank_traces_ahead_what_rank_0s_plan_reads(cell, compose, monke
     assert pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))[0] is pm._TRACES[key]
     # where the peak model does not cover the cell nothing is traced ahead (and an earlier run's file is gone); an
     # unreadable file is no trace
-    uncovered = compose("strategy=fsdp_full", "world_size=2", "strategy.use_orig_params=true")
+    uncovered = compose("strategy=fsdp_full", "world_size=2", "precision=bf16", "activation_checkpointing=full")
     (tmp_path / "none.pkl").write_bytes((Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD).read_bytes())  # an earlier run's
     pm.write_traces_ahead(uncovered, tmp_path / "none.pkl")
     assert not (tmp_path / "none.pkl").exists()
@@ -186,6 +186,14 @@ def test_fsdp1_units_are_held_as_the_strategy_says(cell):
     assert grad_op["check"] == "PASS", grad_op["reasons"]
     fwd = DEPTH * ACT + ACT + 4 - 8
     assert grad_op["phases"]["forward"]["predicted_by_category"] == {"activations": fwd, "unsharded": P}
+    # use_orig_params (the default): backward starts holding the steady gradient shards (zero_grad dropped only the
+    # original parameters' views; the root's pre-backward hook frees them), the forward's end and the loss's 4-B
+    # seed; without it zero_grad freed them before backward, whose peak is later.
+    back = grad_op["phases"]["backward"]
+    assert back["predicted_by_category"] == {"activations": DEPTH * ACT, "unsharded": P, "temporaries": 4}
+    flat = cell("strategy=fsdp_grad_op", "world_size=2", "strategy.use_orig_params=false").summary["plan"]["memory"]
+    assert flat["check"] == "PASS", flat["reasons"]
+    assert flat["phases"]["backward"]["predicted_by_category"]["gradients"] < 0
     # FULL_SHARD at N=3 on width 10: each unit's 100 elements padded to 102 (408 B unsharded, 136 B a shard); the
     # forward peak is the last unit computing, one unit held.
     act, unit = B * 10 * 4, 102 * 4
@@ -208,8 +216,9 @@ def test_fsdp2_keeps_an_all_gather_output_beside_the_unsharded_parameters(cell):
 
 
 def test_plan_memory_is_na_where_no_model_exists(cell):
-    memory = cell("strategy=fsdp_full", "world_size=2", "strategy.use_orig_params=true").summary["plan"]["memory"]
-    assert memory["check"] == "n/a" and "use_orig_params=true" in memory["reasons"][0]
+    memory = cell("strategy=fsdp_full", "world_size=2", "precision=bf16",
+                  "activation_checkpointing=full").summary["plan"]["memory"]
+    assert memory["check"] == "n/a" and "activation_checkpointing=full" in memory["reasons"][0]
 
 
 def test_planner_rows_judge_fits_on_the_peak():
