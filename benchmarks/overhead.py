@@ -52,7 +52,7 @@ def _bare_rank(rank: int, world_size: int, port: int, strategy: str, a: dict, ou
             net, sharding_strategy=ShardingStrategy.FULL_SHARD if full else ShardingStrategy.SHARD_GRAD_OP,
             auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE if full else None,  # zeroexp: prefetch=pre
-            forward_prefetch=False, limit_all_gathers=True, use_orig_params=False, device_id=torch.device("cpu"))
+            forward_prefetch=False, limit_all_gathers=True, use_orig_params=True, device_id=torch.device("cpu"))
         opt = torch.optim.AdamW(net.parameters(), **adamw)
     step_ms = []
     for step in range(a["steps"]):

@@ -96,11 +96,12 @@ def _assert_padded(s: dict, frame, optim_padded: bool) -> None:
 def test_padding_when_numel_does_not_divide_by_world_size(cell):
     r = cell("strategy=fsdp_full", "prefetch=pre", f"world_size={PAD_N}", f"model.width={PAD_WIDTH}")
     assert r.status == "ok", r.error
-    _assert_padded(r.summary["state"], read_csv(r, "rank_state.csv"), optim_padded=True)  # moments padded too
+    # use_orig_params (the default): AdamW steps each parameter's view of the shard, its moments unpadded
+    _assert_padded(r.summary["state"], read_csv(r, "rank_state.csv"), optim_padded=False)
 
 
 def _orig_params_rank(rank: int, port: int, cfg_dict: dict, out: str) -> None:
-    """One rank of an FSDP use_orig_params run without Lightning or the other probes: step once, count."""
+    """One rank of an FSDP1 run without Lightning or the other probes: step once, count."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=PAD_N)
     torch.set_num_threads(1)
@@ -119,10 +120,11 @@ def _orig_params_rank(rank: int, port: int, cfg_dict: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_use_orig_params_views_are_not_counted_twice(compose, tmp_path):
-    # Run directly (not as a cell): the CPU memory probe cannot track use_orig_params views (probes/memory.py).
+def test_flat_parameters_pad_the_moments_too(compose, tmp_path):
+    # Run directly (not as a cell: one step, no probe but the state's): use_orig_params=false, AdamW steps each
+    # padded FlatParameter shard, so the moments carry the padding too.
     cfg = compose("strategy=fsdp_grad_op", f"world_size={PAD_N}", f"model.width={PAD_WIDTH}",
-                  "strategy.use_orig_params=true")
+                  "strategy.use_orig_params=false")
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict.pop("hydra", None)
     # fork, as zeroexp's forkserver does: no fresh interpreter re-importing torch per rank, and a forked rank ends
@@ -131,7 +133,7 @@ def test_use_orig_params_views_are_not_counted_twice(compose, tmp_path):
                        start_method="fork")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(PAD_N)]
     report = StateProbe.aggregate(results, cfg)
-    _assert_padded(report.section, report.tables["rank_state.csv"], optim_padded=False)  # moments per view
+    _assert_padded(report.section, report.tables["rank_state.csv"], optim_padded=True)  # moments padded too
 
 
 def _rank_result(cfg, adapter, model, optimizer, world_size):
