@@ -111,6 +111,27 @@ def test_fsdp2_public_reads_equal_the_private_ones(fake_group):
             assert fsdp_param.sharded_param.shape == fsdp_param._orig_size
 
 
+def test_fsdp1_allocated_by_size_reads_a_fake_storage_by_its_size():
+    """A fake tensor's storage has no data pointer, so torch's ``_flat_param._data_ptr_allocated`` calls it freed;
+    inside the context a storage is allocated while it has bytes (FSDP's ``_free_storage`` resizes it to 0); torch's
+    function is back after."""
+    import torch
+    from torch.distributed.fsdp import _flat_param
+
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
+    from zeroexp._lib.fsdp1 import allocated_by_size
+
+    torchs = _flat_param._data_ptr_allocated
+    with fake_tensor_mode():
+        fake = torch.empty(8)
+        assert not torchs(fake)  # the assert FSDP1's SHARD_GRAD_OP with use_orig_params trips in a dry run
+        with allocated_by_size() as active:
+            assert active and _flat_param._data_ptr_allocated(fake)
+            fake.untyped_storage().resize_(0)
+            assert not _flat_param._data_ptr_allocated(fake)
+    assert _flat_param._data_ptr_allocated is torchs
+
+
 # -- zeroexp._lib.fsdp2 --------------------------------------------------------------------------------------------
 
 def test_fsdp2_chunking_replaces_and_restores_torchs_function(fake_group):

@@ -8,10 +8,36 @@ shard covers parts of them (``_shard_param_infos``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 __all__ = ["flat_param", "is_root", "param_infos", "shared_param_infos", "shard_param_infos", "numels",
-           "numels_with_padding", "is_padding_mask", "padded_unsharded_numel", "full_param_padded", "orig_params"]
+           "numels_with_padding", "is_padding_mask", "padded_unsharded_numel", "full_param_padded", "orig_params",
+           "allocated_by_size"]
+
+
+@contextmanager
+def allocated_by_size() -> Iterator[bool]:
+    """While active, FSDP1 asks whether a FlatParameter's storage is allocated by its size, not its data pointer:
+    ``torch.distributed.fsdp._flat_param._data_ptr_allocated`` (private; torch 2.13: ``data_ptr() > 0``), which
+    ``_writeback_orig_params`` asserts of the unsharded FlatParameter where forward skipped the sharded views
+    (``use_orig_params`` with a unit kept unsharded: SHARD_GRAD_OP). A fake tensor's storage (a dry run's
+    FakeTensorMode) has no data pointer (0) but its size, which FSDP's ``_free_storage`` sets to 0. Restored after.
+    Yields True, or False (changing nothing) on a torch without that name."""
+    try:
+        from torch.distributed.fsdp import _flat_param
+    except ImportError:
+        yield False
+        return
+    original = getattr(_flat_param, "_data_ptr_allocated", None)
+    if original is None:
+        yield False
+        return
+    _flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
+    try:
+        yield True
+    finally:
+        _flat_param._data_ptr_allocated = original
 
 
 def flat_param(unit: Any) -> Any:

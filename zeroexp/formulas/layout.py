@@ -20,6 +20,7 @@ from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, collectives_o
                                      fsdp2_padded_numel, padded_numel)
 from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs, Shard, Unit, fsdp_unit, next_reached
 from zeroexp.formulas.units import Payload, gather_units
+from zeroexp.formulas.orig_params import views_per_rank
 
 __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit", "next_reached", "Groups",
            "StateLayout", "cut_buckets", "pack", "owner_assignment", "derive_groups", "rank_state_bytes",
@@ -354,7 +355,8 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
         out["master"] = kind("optim" in s, MASTER_BYTES)
     if knobs.use_orig_params and layout.groups == "units":  # moments and steps per unpadded view [FSDP]
-        out["optim"], tensors = [(lo, lo) for lo, _ in out["optim"]], None
+        out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
+        tensors = views_per_rank(groups) if groups.exact else None
     if not layout.padded_moments:
         out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
     if layout.flat_optimizer and groups.exact:  # one flat fp32 partition (per sub-group) per rank [DS]

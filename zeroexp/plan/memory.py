@@ -20,6 +20,7 @@ from typing import Any
 from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, fsdp2_padded_numel, local_numels,
                               owner_assignment)
 from zeroexp.formulas.allocator import counted, counted_sum
+from zeroexp.formulas.orig_params import grads_held_into_backward, orig_param_views
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.adamw import adamw_temporaries
@@ -132,17 +133,6 @@ def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], ch
         return trace, trace_for(name, model_cfg, batch_size, wrap, param_dtype, checkpointing, grads_in_place=True,
                                 terms=terms, block=block)
     return trace, None
-
-
-def grads_held_into_backward(name: str, knobs: PlanKnobs) -> bool:
-    """Whether row ``name`` still holds the previous step's gradients when backward starts: FSDP1 with
-    ``use_orig_params``. Lightning's closure calls ``zero_grad`` after the forward, before ``backward``
-    (lightning/pytorch/loops/optimization/automatic.py), which sets the original parameters' ``.grad`` (views into
-    each FlatParameter's sharded gradient) to None; the FlatParameter's gradient itself is freed by the root's
-    pre-backward hook once all are None (torch/distributed/fsdp/_flat_param.py
-    ``_reset_flat_param_grad_info_if_needed``), a hook on the root's output: the loss, the root being the wrapped
-    LightningModule (zeroexp.strategies._lightning). Without ``use_orig_params`` ``zero_grad`` frees it."""
-    return _row(name).peak_flow == "fsdp1" and knobs.use_orig_params
 
 
 def needs_in_place(name: str, micro_batches: int) -> bool:
@@ -484,10 +474,11 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     # what zero_grad frees between steps: each unit's gradient shard, one storage (FSDP1's flat gradient; FSDP2's
     # reduce-scatter output, of which each parameter's sharded gradient is a view)
     steady_grads = counted_sum((k * kept for k in shards), block)
-    held_in = grads_held_into_backward(name, knobs)
+    held_in = row.peak_flow == "fsdp1" and grads_held_into_backward(knobs)
     # AdamW's tensors in the optimizer's order: each FlatParameter, the root's first; with use_orig_params each
     # original parameter's view of this rank's shard, in the model's order
-    stepped = _orig_param_views(groups, shape, sized, rank % n) if held_in else tuple(shards[-1:] + shards[:-1])
+    stepped = (orig_param_views(groups, shape, [m for m, _ in sized], rank % n) if held_in
+               else tuple(shards[-1:] + shards[:-1]))
     if micro_batches > 1:
         if not row.no_sync_accumulation:
             raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
@@ -507,18 +498,3 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                             gloo=gloo, optimizer_numels=stepped, grads_held_into_backward=held_in, **adamw)
-
-
-def _orig_param_views(groups: Groups, shape: ModelShape, sized: list[tuple[list[int], bool]], shard: int
-                      ) -> tuple[int, ...]:
-    """The elements of each trainable original parameter in shard ``shard`` of its unit's FlatParameter, in the
-    model's parameter order, those with none left out: the tensors AdamW steps under FSDP1's ``use_orig_params``
-    (``_use_sharded_grad_views``: a parameter outside the rank's shard, or frozen, has no ``.grad``)."""
-    local: dict[int, int] = {}
-    for (members, _), unit in zip(sized, groups.shards):
-        size = unit.numel // groups.shard_over
-        lo, hi = shard * size, (shard + 1) * size
-        for i, (a, b) in zip(members, unit.spans):
-            if shape.train(i):
-                local[i] = max(0, min(b, hi) - max(a, lo))
-    return tuple(local[i] for i in sorted(local) if local[i])

@@ -45,6 +45,7 @@ from zeroexp.plan.expect import Expectation
 from zeroexp._lib.fake_collectives import IssueFunctionalCollectives
 from zeroexp._lib.fake_tensors import fake_tensor_mode, real_tensors
 from zeroexp._lib.fsdp2 import fsdp2_chunking, fsdp2_post_forward_mesh_in
+from zeroexp._lib.fsdp1 import allocated_by_size
 from zeroexp.models import build_model
 from zeroexp.models.module import CellModule, SyntheticBatches
 from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
@@ -187,7 +188,8 @@ def _traced(cfg: DictConfig, ctx: RunContext, fake: bool = True
     # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group
     # (zeroexp._lib.fake_collectives)
     with (fake_tensor_mode() if fake else nullcontext()) as mode, IssueFunctionalCollectives(), \
-            (lazy_fsdp2_chunks() if fake else nullcontext()), _rank_of(n):
+            (lazy_fsdp2_chunks() if fake else nullcontext()), (allocated_by_size() if fake else nullcontext()), \
+            _rank_of(n):
         pl.seed_everything(int(cfg.seed), workers=False, verbose=False)
         module = CellModule(build_model(cfg.model), cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients,
                             log_loss=False)
