@@ -126,7 +126,9 @@ def run(model: str, world_sizes: list[int], batch: int, device: str, cells: list
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     rows: list[dict[str, Any]] = []
+    fsdp1 = bool(_compose("config", ["strategy=fsdp_full"]).strategy.use_orig_params)  # the cells' FSDP1 default
     result = {"device": device, "gpu": gpu, "torch": torch.__version__, "model": model, "overrides": list(extra),
+              "use_orig_params": fsdp1,
               "batch_size": batch, "backend": "fake (torch's fake process group: collectives faked, tensors real)",
               "cells": rows}
     for n in world_sizes:

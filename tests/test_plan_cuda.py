@@ -73,9 +73,10 @@ def test_the_h200_measurements_of_one_rank_of_n_are_met_by_the_cuda_prediction()
         if "torch_transformer" in path.name and importlib.util.find_spec("expecttest") is None:
             continue  # PyTorch's test Transformer imports it
         models.add(got["model"])
+        orig = got.get("use_orig_params", False)  # recorded before 2026-12-05: FSDP1's default then, false
         for cell in got["cells"]:
             n, name, prefetch = cell["world_size"], cell["strategy"], cell["prefetch"]
-            (r,), _ = _run(f"model={got['model']}", *got["overrides"], f"world_size={n}",
+            (r,), _ = _run(f"model={got['model']}", *got["overrides"], f"world_size={n}", f"use_orig_params={orig}",
                            f"batch_size={got['batch_size']}", "device=cuda", "compute_capability=9.0",
                            f"prefetch={prefetch}", f"strategies=[{name}]")
             where = (path.name, name, prefetch, n)

@@ -40,6 +40,7 @@ class PlanConfig:
     bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
     batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
     shard_size: Optional[int] = None  # hybrid rows (fsdp_HYBRID_SHARD, fsdp2_hybrid...): ranks per shard group
+    use_orig_params: bool = True  # the FSDP1 rows' strategy.use_orig_params (a cell's default: true)
     # network=<option of conf/network/>: adds step_ms, exposed_comm_ms, tokens_per_s (needs batch_size)
     network: Any = None
     activation_checkpointing: Any = MISSING  # none | full (the runner's group): every wrap unit recomputed in backward
@@ -168,7 +169,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         memory = parse_bytes(network.device_memory)
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
-                      micro_batches=accum, **_fsdp2_knobs(cfg))
+                      micro_batches=accum, use_orig_params=bool(cfg.use_orig_params), **_fsdp2_knobs(cfg))
     precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
     records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
                           model)
@@ -184,7 +185,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}"] if device.name == "cuda" else []
     _peaks(cfg, records, shape, batch, knobs, ac == "full", device)
     _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
-    _init_peaks(str(cfg.init.name), records, shape, memory)
+    _init_peaks(str(cfg.init.name), records, shape, memory, bool(cfg.use_orig_params))
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times
 
@@ -271,7 +272,8 @@ def _ds_terms(records: list[dict[str, Any]], shape: ModelShape, largest: int | N
                                       knobs.bucket_cap_bytes, largest, device.foreach, precision.name == "fp16")
 
 
-def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None) -> None:
+def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None,
+                use_orig_params: bool = True) -> None:
     """``init_peak_bytes`` of every row (computed, zeroexp.formulas.init, fp32 as the model is built): ``init=full``
     the whole model on every rank and FSDP's flattening of the first unit (``fits`` judges training only);
     ``init=meta`` the rank's shards and the largest unit or module materialised at once, and ``fits`` also needs it
@@ -286,12 +288,13 @@ def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, mem
         kind = row.init_kind if row is not None else None
         if init == "full":  # the whole model (4 bytes a parameter), and what wrapping adds where it is modelled
             if kind is not None and shape.exact:
-                r["init_peak_bytes"] = init_peak_bytes(shape, kind, "full", r["world_size"])
+                r["init_peak_bytes"] = init_peak_bytes(shape, kind, "full", r["world_size"], 4, use_orig_params)
             continue
         note = ("init=meta: not modelled for this row (DeepSpeed refuses it; paper and hybrid rows have no model)"
                 if kind is None else None if shape.exact else
                 "init=meta: a parameter count has no units or modules to materialise (give model=)")
-        r.update(init_peak_bytes=None if note else init_peak_bytes(shape, kind, "meta", r["world_size"]))
+        r.update(init_peak_bytes=None if note else init_peak_bytes(shape, kind, "meta", r["world_size"], 4,
+                                                                       use_orig_params))
         if note:
             r["init_note"] = note
         elif memory is not None and r.get("fits") is not None:
