@@ -113,16 +113,25 @@ def test_the_digest_names_a_phase_within_a_late_freed_tensor():
     assert line == "peak model: largest error 14.90 % (backward: within a late-freed tensor, plan.memory says which)"
 
 
-def _write_sweep(root: Path, cells: dict[str, dict | None]) -> Path:
-    """A sweep directory of finished cells (their summaries) and failed ones (None)."""
+#: The manifest ``error`` of a cell that did not finish, by its status (docs/results.md).
+NOT_FINISHED = {"failed": {"rank": 1, "cause": "exception", "message": "boom"},
+                "refused": {"rank": None, "cause": "invalid_config", "key": "strategy.use_orig_params", "value": False,
+                            "accepted": "true", "message": "invalid config: ..."},
+                "skipped": {"rank": None, "cause": "not_applicable", "key": "offload", "value": "full",
+                            "accepted": "none (on this machine)", "message": "not applicable here: ..."}}
+
+
+def _write_sweep(root: Path, cells: dict[str, dict | str | None]) -> Path:
+    """A sweep directory of finished cells (their summaries), failed ones (None) and others by their status."""
     for i, (strategy, s) in enumerate(cells.items()):
         cell = root / f"{strategy}_mlp_fp32_n2_{i:08x}"
         cell.mkdir(parents=True)
-        manifest = {"schema_version": 2, "status": "ok" if s is not None else "failed", "cell_id": f"{i:08x}",
+        status = "ok" if isinstance(s, dict) else s or "failed"
+        manifest = {"schema_version": 2, "status": status, "cell_id": f"{i:08x}",
                     "cell": {"strategy": strategy, "model": "mlp", "world_size": 2}, "cell_name": cell.name,
-                    "error": None if s is not None else {"rank": 1, "cause": "exception", "message": "boom"}}
+                    "error": NOT_FINISHED.get(status)}
         (cell / "manifest.json").write_text(json.dumps(manifest))
-        if s is not None:
+        if isinstance(s, dict):
             (cell / "summary.json").write_text(json.dumps({"schema_version": 2, **s}))
     return root
 
@@ -156,16 +165,46 @@ def test_a_plan_that_raised_counts_in_each_of_its_parts_and_is_one_failure(tmp_p
 
 @pytest.mark.parametrize("cells, code", [
     ({"ddp": SUMMARY}, 0), ({"ddp": SUMMARY, "fsdp2_full": MEMORY_ERROR}, 3),
-    ({"ddp": None, "fsdp2_full": MEMORY_ERROR}, 1)])
-def test_a_sweeps_exit_code_is_1_for_a_cell_that_failed_else_3_for_a_failed_check(cells, code, tmp_path, monkeypatch,
-                                                                                  capsys):
+    ({"ddp": None, "fsdp2_full": MEMORY_ERROR}, 1),
+    ({"ddp": SUMMARY, "fsdp_full": "refused"}, 2), ({"ddp": SUMMARY, "fsdp_full": "skipped"}, 0),
+    ({"zro": "skipped", "fsdp_full": "refused"}, 2), ({"fsdp2_full": MEMORY_ERROR, "fsdp_full": "refused"}, 3),
+    ({"ddp": None, "fsdp_full": "refused"}, 1)])
+def test_a_sweeps_exit_code_is_1_for_a_cell_that_failed_else_3_for_a_failed_check_else_2_for_a_refused_job(
+        cells, code, tmp_path, monkeypatch, capsys):
     import zeroexp.report as report
     from zeroexp.cli.sweep import end_sweep
 
     monkeypatch.setattr(report, "report_after_sweep", lambda sweep_dir: True)  # the report has its own tests
+    monkeypatch.setenv("COLUMNS", "200")  # rich's table: no cell wrapped
     assert end_sweep(_write_sweep(tmp_path / "sweep", cells)) == code
     out = capsys.readouterr().out
     assert ("plan.memory ERROR" in out) == ("fsdp2_full" in cells)  # the end's table names the failed check
+    statuses = [s if isinstance(s, str) else "ok" if s else "failed" for s in cells.values()]
+    assert all(f"{statuses.count(s)} {s}" in out for s in statuses)  # its caption counts the cells by status
+
+
+def test_the_sweep_exit_code_rule():
+    from zeroexp.cli.sweep import sweep_exit_code
+
+    assert sweep_exit_code(["ok", "skipped"], checks_failed=False) == 0  # not applicable here: no error
+    assert sweep_exit_code(["ok", "refused", "skipped"], checks_failed=False) == 2
+    assert sweep_exit_code(["ok", "refused"], checks_failed=True) == 3
+    assert sweep_exit_code(["failed", "refused"], checks_failed=True) == 1
+    assert sweep_exit_code(["ok"], checks_failed=False, reported=False) == 1
+    assert sweep_exit_code(["refused"], checks_failed=False, stopped=True) == 1
+
+
+def test_the_report_lists_a_refused_cell_with_its_key_and_counts_it(tmp_path):
+    from zeroexp.report import build_report
+
+    report = build_report(_write_sweep(tmp_path, {"ddp": SUMMARY, "fsdp_full": "refused", "zro": "skipped"}))
+    assert report.verdicts.lines[0] == "Cells: 3, 1 finished, 0 failed, 1 refused, 1 skipped."
+    (failures,) = [t for t in report.tables if t.key == "failures"]
+    rows = failures.raw.set_index("status")
+    assert rows.loc["refused", "error.cause"] == "invalid_config"
+    assert rows.loc["refused", "error.key"] == "strategy.use_orig_params"
+    assert rows.loc["skipped", "error.cause"] == "not_applicable" and "refused cell" in failures.note
+    assert "fsdp_full: cell refused: (invalid_config) invalid config: ..." in report.verdicts.failures
 
 
 def test_an_exception_at_the_end_of_a_sweep_stops_it_with_its_message(monkeypatch, capsys):

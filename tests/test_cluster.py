@@ -129,19 +129,25 @@ def test_rank_environment_of_each_launcher():
 
 
 def test_submitit_local_sweep_runs_each_task_as_a_rank(cell, tmp_path):
-    """launcher=slurm with hydra/launcher=submitit_local: two jobs of one cell (prefetch does not apply to ddp):
-    the second is skipped, the first runs as 2 submitit tasks = 2 ranks."""
+    """launcher=slurm with hydra/launcher=submitit_local: jobs 0 and 1 are one cell: the second is skipped, the first
+    runs as 2 submitit tasks = 2 ranks. Job 2 (offload=optimizer, which ddp does not implement) is refused by the job
+    itself, before its rendezvous: its rank 0 records the cell ``refused`` with the key; the sweep exits 2."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     cmd = [sys.executable, "-m", "zeroexp", "--multirun", "launcher=slurm", "hydra/launcher=submitit_local",
-           "world_size=2", "prefetch=pre,post", *BASE]
+           "world_size=2", "offload=none,none,optimizer", *BASE]
     out = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
-    (cell_dir,) = [d for d in sweep.iterdir() if d.is_dir() and not d.name.startswith(".")]
-    manifest = json.loads((cell_dir / "manifest.json").read_text())
+    manifests = {d: json.loads((d / "manifest.json").read_text()) for d in sweep.iterdir()
+                 if d.is_dir() and not d.name.startswith(".")}
+    (cell_dir,) = [d for d, m in manifests.items() if m["status"] != "refused"]
+    (refused,) = [m for m in manifests.values() if m["status"] == "refused"]
+    manifest = manifests[cell_dir]
     assert ((manifest["status"], manifest["launcher"], manifest["nodes"], manifest["ranks_per_node"])
             == ("ok", "slurm", 1, 2))
     assert [r["rank"] for r in manifest["ranks"]] == [0, 1] and manifest["job_id"]
+    assert ((refused["launcher"], refused["error"]["cause"], refused["error"]["key"], refused["error"]["value"])
+            == ("slurm", "invalid_config", "offload", "optimizer")) and refused["job_id"]
     assert json.loads((sweep / ".duplicate_jobs.json").read_text()) == {"1": 0}
     assert (sweep / "report.md").exists()
     local = cell("world_size=2")

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from conftest import run_cli
@@ -260,6 +261,68 @@ def test_a_sweep_survives_a_failed_cell_and_resumes_it(tmp_path):
     assert all(m["status"] == "ok" for m in after.values())
     assert after["ddp"]["started_at"] == ddp_started  # not re-run
     assert (zro_dir / "summary.json").exists() and not list(zro_dir.glob("*.partial"))
+
+
+#: A tiny LoRA GPT (frozen and trainable parameters in each Block), two ranks, five steps.
+LORA = ("model=lora_gpt", "model.n_layer=2", "model.n_embd=32", "model.seq_len=16", "model.vocab_size=64", "steps=5",
+        "world_size=2", "logger=none")
+
+
+def _manifests(sweep: Path) -> dict[str, dict]:
+    """The cells' manifests by strategy."""
+    return {(m := read_json(p))["cell"]["strategy"]: m for p in sweep.glob("*/manifest.json")}
+
+
+def test_a_sweep_runs_what_can_run_and_records_a_job_refused_for_its_cell(tmp_path):
+    """FSDP1 with use_orig_params=false cannot flatten a unit that mixes frozen and trainable parameters (LoRA's):
+    that job alone is refused, recorded with its key and value, listed in the end table and the report; the other
+    runs; exit 2. resume=true does not retry the refused job while its configuration is unchanged; with another
+    configuration in the same cell directory it is checked again (and refused again)."""
+    sweep = tmp_path / "sweep"
+    args = ("--multirun", "strategy=ddp,fsdp_full", "strategy.use_orig_params=false", *LORA, f"hydra.sweep.dir={sweep}")
+    proc = run_cli(*args, cwd=tmp_path, env=_env(COLUMNS="200"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    manifests = _manifests(sweep)
+    assert {k: m["status"] for k, m in manifests.items()} == {"ddp": "ok", "fsdp_full": "refused"}
+    refused = manifests["fsdp_full"]
+    assert ({k: refused["error"][k] for k in ("rank", "cause", "key", "value")}
+            == {"rank": None, "cause": "invalid_config", "key": "strategy.use_orig_params", "value": False})
+    assert refused["config"]["strategy"]["use_orig_params"] is False and refused["ranks"] is None
+    assert sorted(p.name for p in (sweep / refused["cell_name"]).iterdir()) == ["manifest.json", "zeroexp.log"]
+    assert "refused: sweep job #1" in proc.stdout and "2 cells: 1 ok, 1 refused" in proc.stdout
+    report = pd.read_csv(sweep / "report.csv").set_index("cell_name")
+    assert report.loc[refused["cell_name"], "error.key"] == "strategy.use_orig_params"
+    assert "cell refused: (invalid_config)" in (sweep / "report.md").read_text()
+
+    proc = run_cli(*args, "resume=true", cwd=tmp_path, env=_env(COLUMNS="200"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "ok in an earlier run of this sweep" in proc.stdout
+    assert "refused in an earlier run of this sweep, its configuration unchanged" in proc.stdout
+    assert read_json(sweep / refused["cell_name"] / "manifest.json") == refused  # not retried: untouched
+
+    # another configuration of the same cell (timeouts are not part of its identity): checked again
+    proc = run_cli(*args, "resume=true", "timeout.grace_s=2", cwd=tmp_path, env=_env(COLUMNS="200"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    again = read_json(sweep / refused["cell_name"] / "manifest.json")
+    assert again["status"] == "refused" and again["config"]["timeout"]["grace_s"] == 2
+    assert read_json(sweep / manifests["ddp"]["cell_name"] / "manifest.json") == manifests["ddp"]  # ok: not re-run
+
+
+@pytest.mark.parametrize("args, first_line", [
+    (("strategy=ddp,zro", "offload=optimizer"), "every job of this sweep is refused (2)"),  # each strategy's own
+    (("strategy=ddp,zro", "seed=0,-1"), "sweep job #1 (strategy=ddp seed=-1"),  # a bad value: job #0 is valid
+    (("model=mlp,custom",), "sweep job #1 (model=custom"),  # a model with nothing to import: job #0 is valid
+])
+def test_a_sweep_that_would_run_nothing_or_has_an_invalid_config_stops_before_its_first_cell(args, first_line,
+                                                                                           tmp_path, monkeypatch):
+    import zeroexp.launch.local as launch
+
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    proc = run_cli("--multirun", *args, "logger=none", "world_size=2", f"hydra.sweep.dir={tmp_path}/sweep",
+                   cwd=tmp_path, env=_env(COLUMNS="200"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert first_line in proc.stdout and "nothing was run" in proc.stdout, proc.stdout
+    assert not list((tmp_path / "sweep").glob("*/manifest.json"))
 
 
 def test_sigterm_stops_a_sweep_and_reports_its_finished_cells(tmp_path):

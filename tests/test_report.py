@@ -425,7 +425,8 @@ def test_wandb_report_of_a_failed_sweep_has_the_failures(failed_sweep, no_wandb_
     sweep_dir, _ = failed_sweep
     report = build_report(sweep_dir)
     sections = _sections(build_wandb_report(report))
-    assert "Failed or skipped cells" in sections and "injected fault" in sections["Failed or skipped cells"][0].text
+    assert "Failed, refused or skipped cells" in sections and "injected fault" in sections[
+        "Failed, refused or skipped cells"][0].text
     assert "**Failures:**" in sections["Verdicts"][0].text and "zro: cell failed" in sections["Verdicts"][0].text
     assert not report_target(report.cells)["logged"]  # logger=none: the CLI says its panels find no runs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConfigError", "Interrupted", "NotApplicableHere", "one_line"]
+__all__ = ["ConfigError", "Interrupted", "InvalidCell", "NotApplicableHere", "one_line"]
 
 
 class ConfigError(ValueError):
@@ -18,9 +18,22 @@ class ConfigError(ValueError):
     kind = "invalid config"
 
     def __init__(self, key: str, value: Any, accepted: str, why: str = "") -> None:
-        self.key, self.value, self.accepted = key, value, accepted
+        self.key, self.value, self.accepted, self.why = key, value, accepted, why
         msg = f"{self.kind}: {key}={value!r}: {why + '; ' if why else ''}accepted: {accepted}"
         super().__init__(msg)
+
+
+class InvalidCell(ConfigError):
+    """A configuration whose keys and values are each valid, refused for this cell's combination: its strategy does
+    not implement this model, precision, offload, init or checkpoint (FSDP1 and a unit that mixes frozen and trainable
+    parameters), or the cell does not fit this machine (the cell stage of ``zeroexp.config.schemas.validate``). A
+    single run exits 2; in a ``--multirun`` sweep the job is recorded ``refused`` with this message and the sweep runs
+    its other jobs (docs/results.md). Its message is the refusal's, unchanged."""
+
+    @classmethod
+    def of(cls, e: ConfigError) -> "InvalidCell":
+        """``e`` as an :class:`InvalidCell`: the same key, value, accepted values and reason."""
+        return cls(e.key, e.value, e.accepted, why=e.why)
 
 
 class NotApplicableHere(ConfigError):

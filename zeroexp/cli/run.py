@@ -4,7 +4,9 @@ Exit codes: 0 the cell ran and every check is PASS or n/a; 3 it ran and a check 
 (``zeroexp.report.checks.failed_checks``: a section's check or a part of the plan); 1 a cell failed to run (a sweep
 runs its other cells first), the sweep report could not be written, or zeroexp's end of a sweep raised; 2 bad input,
 refused before any rank started (for a sweep, before its first cell, zeroexp's check of its jobs included). A sweep
-exits 1 when any cell failed to run, else 3 when any cell has a failed check, else 0; a signal, 128 + its number.
+exits 1 when any cell failed to run, else 3 when any cell has a failed check, else 2 when a job was refused as invalid
+for its cell (``InvalidCell``: recorded ``refused``, the sweep's other jobs run), else 0
+(``zeroexp.cli.sweep.sweep_exit_code``); a signal, 128 + its number.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from zeroexp.config.cell import cell_name
 from zeroexp.cli.hydra_app import CONF_DIR, run_hydra_app  # noqa: F401 - CONF_DIR: tests and callers read it here
-from zeroexp.config.schemas import ConfigError, NotApplicableHere, register_schemas
+from zeroexp.config.schemas import ConfigError, InvalidCell, NotApplicableHere, register_schemas
 
 
 _TASK_STARTED = False
@@ -77,18 +79,21 @@ def task(cfg: DictConfig) -> None:
     if multirun and cfg.resume and manifest.exists() and read_json(manifest).get("status") == "ok":
         console.print(f"[yellow]skip[/] {cell_dir.name}: ok in an earlier run of this sweep (resume=true)")
         return
+    if multirun and cfg.resume and _refused_before(cfg, manifest):
+        console.print(f"[yellow]skip[/] {cell_dir.name}: {REFUSED_BEFORE}")
+        return
     if manifest.exists():  # an earlier, unfinished or failed attempt (or resume=false): start clean
         _clear(cell_dir)
     started = time.monotonic()
     try:
         result = run_cell(cfg, cell_dir, overrides=overrides, sweep=sweep,
                           explicit_keys=() if multirun else explicit_keys(overrides), progress=True)
-    except NotApplicableHere as e:
+    except (NotApplicableHere, InvalidCell) as e:  # a sweep records the job, and runs its others
         if not multirun:
+            _discard_if_empty(cell_dir)
             console.print(f"[red]error:[/] {e}")
             sys.exit(2)
-        _skipped(cfg, cell_dir, overrides, sweep, str(e))
-        console.print(f"[yellow]skipped[/] {cell_dir.name}: {e}")
+        _not_run(cfg, cell_dir, overrides, sweep, e, console=console)
         print(cell_dir)
         return
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the cell is recorded failed; a sweep stops here
@@ -153,23 +158,79 @@ def _print_digest(summary: dict[str, Any], console: Any) -> None:
     console.print(table)
 
 
-def _skipped(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, why: str) -> None:
-    """The manifest of a sweep cell this machine cannot run (``status: skipped``, the reason in ``error``)."""
+#: A job of a sweep that does not run: its ``manifest.json`` ``status`` and ``error.cause`` (docs/results.md).
+NOT_RUN = {NotApplicableHere: ("skipped", "not_applicable"), InvalidCell: ("refused", "invalid_config")}
+#: What ``resume=true`` says of a job it does not retry (:func:`_refused_before`).
+REFUSED_BEFORE = "refused in an earlier run of this sweep, its configuration unchanged (resume=true does not retry it)"
+
+
+def _not_run(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, e: ConfigError,
+             launch: dict[str, Any] | None = None, console: Any = None) -> None:
+    """The manifest of a sweep job that does not run, and its line: ``skipped`` (``NotApplicableHere``: not on this
+    machine) or ``refused`` (``InvalidCell``: invalid for this cell), the refusal's key, value, accepted values and
+    message in ``error``. ``launch``: how it would have been launched (default: locally)."""
     from zeroexp.config.cell import cell_axes, cell_id
-    from zeroexp.config.schemas import without_strategy_extras
     from zeroexp.results.files import utc_now, write_json
     from zeroexp.launch.runner import new_manifest
 
-    cfg = without_strategy_extras(cfg)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    resolved.pop("hydra", None)
+    status, cause = NOT_RUN[NotApplicableHere if isinstance(e, NotApplicableHere) else InvalidCell]
+    resolved = _resolved(cfg)
     run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep}
-    manifest = new_manifest(cfg, resolved, run_info, overrides, sweep, "n/a", "n/a",
+    manifest = new_manifest(cfg, resolved, run_info, overrides, sweep, "n/a", "n/a", launch or
                             {"launcher": "local", "nodes": 1, "ranks_per_node": int(cfg.world_size), "job_id": None})
-    manifest.update(status="skipped", error={"rank": None, "cause": "not_applicable", "message": why},
-                    ended_at=utc_now(), duration_s=0.0)
+    manifest.update(status=status, error={"rank": None, "cause": cause, "key": e.key, "value": _plain(e.value),
+                                          "accepted": e.accepted, "message": str(e)},
+                    ended_at=utc_now(), duration_s=None)  # nothing ran: no wall time (the report reads n/a)
     cell_dir.mkdir(parents=True, exist_ok=True)
+    if (cell_dir / "manifest.json").exists():  # an earlier attempt of this cell: its files are not this outcome's
+        _clear(cell_dir)
     write_json(cell_dir / "manifest.json", manifest)
+    if console is not None:
+        console.print(f"[{'yellow' if status == 'skipped' else 'red'}]{status}[/] {cell_dir.name}: {e}")
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The config a cell's manifest records (``config``): resolved, without Hydra's node or the keys a sweep set for
+    other strategies."""
+    from zeroexp.config.schemas import without_strategy_extras
+
+    resolved = OmegaConf.to_container(without_strategy_extras(cfg), resolve=True)
+    assert isinstance(resolved, dict)
+    resolved.pop("hydra", None)
+    return resolved
+
+
+def _plain(value: Any) -> Any:
+    """A refused value as JSON holds it: an OmegaConf node as plain lists and dicts, anything else not JSON as text."""
+    import json
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _refused_before(cfg: DictConfig, manifest: Path) -> bool:
+    """Whether ``manifest`` records this cell ``refused`` with the same configuration (``resume`` aside): then
+    ``resume=true`` does not retry it. Another configuration in the same cell directory (a key outside the cell's
+    identity, ``resources.check``) is checked again."""
+    import json
+
+    from zeroexp.results.files import read_json
+
+    if not manifest.exists():
+        return False
+    try:
+        m = read_json(manifest)
+    except (OSError, ValueError):
+        return False
+    if m.get("status") != "refused" or not isinstance(m.get("config"), dict):
+        return False
+    now = json.loads(json.dumps(_resolved(cfg), default=str))  # as the manifest's JSON reads it back
+    return {k: v for k, v in m["config"].items() if k != "resume"} == {k: v for k, v in now.items() if k != "resume"}
 
 
 def _external_rank(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, multirun: bool,
@@ -183,15 +244,44 @@ def _external_rank(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep:
     if first is not None:  # jobs run in other processes: the sweep's start noted which repeat a cell
         console.print(f"[yellow]skip[/] {cell_dir.name}: job #{first} of this sweep runs the same cell")
         return
+    if multirun and cfg.resume and _refused_before(cfg, cell_dir / "manifest.json"):  # every rank reads it
+        console.print(f"[yellow]skip[/] {cell_dir.name}: {REFUSED_BEFORE}")
+        return
     try:
         result = run_external_rank(cfg, cell_dir, overrides=overrides, sweep=sweep, multirun=multirun,
                                    explicit_keys=() if multirun else explicit_keys(overrides))
+    except (NotApplicableHere, InvalidCell) as e:
+        if multirun:  # every rank refuses it alike, before the rendezvous; the first rank records it
+            _external_not_run(cfg, cell_dir, overrides, sweep, e, console)
+            return
+        _discard_if_empty(cell_dir)
+        console.print(f"[red]error:[/] {e}")
+        sys.exit(2)
     except ConfigError as e:
         _discard_if_empty(cell_dir)  # refused before anything ran (any rank may remove it)
         console.print(f"[red]error:[/] {e}")
         sys.exit(2)
     if result is not None:
         _print_result(result, console, multirun)
+
+
+def _external_not_run(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, e: ConfigError,
+                      console: Any) -> None:
+    """A SLURM job of a sweep refused for its cell (or not applicable): rank 0 writes its manifest (:func:`_not_run`);
+    a rank that cannot tell its place (not a SLURM task after all) writes it too: it is then alone."""
+    from zeroexp.launch.cluster.env import detect
+
+    try:
+        env = detect(str(cfg.launcher.name))
+    except ConfigError:
+        env = None
+    if env is not None and env.rank != 0:
+        return
+    launch = {"launcher": str(cfg.launcher.name), "nodes": env.nodes if env else cfg.launcher.nodes,
+              "ranks_per_node": env.local_world_size if env else cfg.launcher.ranks_per_node,
+              "job_id": env.job_id if env else None}
+    _not_run(cfg, cell_dir, overrides, sweep, e, launch, console)
+    print(cell_dir)
 
 
 def _discard_if_empty(cell_dir: Path) -> None:

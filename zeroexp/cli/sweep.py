@@ -3,7 +3,10 @@ report (``zeroexp.report``) at the end.
 
 Hydra (1.3, ``hydra._internal.callbacks.Callbacks._notify``) turns a callback's exception into a warning and runs
 the sweep on: here an exception stops the sweep with its message on stderr, exit 2 from the check of the jobs
-(nothing was run), 1 from the end of the sweep."""
+(nothing was run), 1 from the end of the sweep.
+
+Which refusals stop a sweep and which stop one job: ``zeroexp.config.schemas.validate`` (its two stages) and
+:func:`check_jobs`; the exit code of a sweep: :func:`sweep_exit_code`."""
 
 from __future__ import annotations
 
@@ -109,8 +112,8 @@ def duplicate_of(sweep_dir: Path, job_num: int) -> int | None:
 
 
 class SweepSummary(Callback):
-    """Refuses a sweep with any invalid job before it starts; prints every cell's outcome and writes the sweep
-    report at the end."""
+    """Refuses a sweep with an invalid config (or no job that can run) before it starts; prints every cell's outcome
+    and writes the sweep report at the end."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _or_stop(check_jobs, config, code=2, what="zeroexp's check of the sweep's jobs", then="nothing was run")
@@ -132,14 +135,17 @@ def _or_stop(step: Callable[..., Any], *args: Any, code: int, what: str, then: s
 
 
 def check_jobs(config: DictConfig) -> None:
-    """Refuse (exit 2, before the first cell) ``resume=true`` with nothing to resume (:func:`check_resume`) and a
-    sweep with an invalid job; print the jobs that are skipped here and the strategy keys that do not apply; note the
-    jobs that repeat a cell (:data:`DUPLICATES`)."""
+    """Refuse (exit 2, before the first cell) ``resume=true`` with nothing to resume (:func:`check_resume`), a sweep
+    with a job whose config is invalid on its own (a plain ``ConfigError`` of ``zeroexp.config.schemas.validate``: a
+    typo, a bad value, a model that does not build), and a sweep none of whose jobs would run because one or more is
+    refused; print the jobs refused for their own cell (``InvalidCell``: recorded ``refused`` by the job) or skipped
+    here (``NotApplicableHere``), and the strategy keys that do not apply; note the jobs that repeat a cell
+    (:data:`DUPLICATES`)."""
     from hydra.core.global_hydra import GlobalHydra
     from rich.console import Console
 
     from zeroexp.config.cell import cell_name
-    from zeroexp.config.schemas import ConfigError, NotApplicableHere, validate
+    from zeroexp.config.schemas import ConfigError, InvalidCell, NotApplicableHere, validate
 
     try:
         check_resume(config)
@@ -150,25 +156,35 @@ def check_jobs(config: DictConfig) -> None:
     jobs = sweep_jobs(config, loader)
     # As Hydra's sweeper and launcher compose each job (the same arguments): composed once (zeroexp.cli.hydra_app)
     cfgs = [loader.load_sweep_config(config, job) for job in jobs]
-    check_strategy_keys(jobs, cfgs, Console(highlight=False))
+    console = Console(highlight=False)
+    check_strategy_keys(jobs, cfgs, console)
     from zeroexp.launch.progress import SWEEP_CLOCK
 
-    SWEEP_CLOCK.start(len(jobs))  # jobs that run in this process print "cell i of n" and the sweep's ETA
     first: dict[str, int] = {}
     duplicates: dict[str, int] = {}
+    refused = runnable = 0
     for i, (job, cfg) in enumerate(zip(jobs, cfgs)):
         try:
             validate(cfg)
+            runnable += 1
         except NotApplicableHere as e:  # valid, but not on this machine: the job records it as skipped
-            Console(highlight=False).print(f"[yellow]skip:[/] sweep job #{i} ({' '.join(job)}): {e}")
-        except ConfigError as e:
-            Console(highlight=False).print(f"[red]error:[/] sweep job #{i} ({' '.join(job)}): {e}\n"
-                                           "nothing was run")
+            console.print(f"[yellow]skip:[/] sweep job #{i} ({' '.join(job)}): {e}")
+        except InvalidCell as e:  # invalid for this cell only: the job records it as refused, the others run
+            refused += 1
+            console.print(f"[red]refused:[/] sweep job #{i} ({' '.join(job)}): {e}")
+        except ConfigError as e:  # the config itself (a typo, a bad value, a model that does not build): bad input
+            console.print(f"[red]error:[/] sweep job #{i} ({' '.join(job)}): {e}\nnothing was run")
             sys.exit(2)
         name = cell_name(cfg)
         if name in first:
             duplicates[str(i)] = first[name]
         first.setdefault(name, i)
+    if refused and not runnable:
+        console.print(f"[red]error:[/] no job of this sweep can run ({refused} of {len(jobs)} refused, the others "
+                      "not applicable here)\nnothing was run" if refused < len(jobs) else
+                      f"[red]error:[/] every job of this sweep is refused ({refused})\nnothing was run")
+        sys.exit(2)
+    SWEEP_CLOCK.start(len(jobs))  # jobs that run in this process print "cell i of n" and the sweep's ETA
     if duplicates:  # jobs that run in other processes (submitit) skip a repeated cell by this file
         from zeroexp.results.files import write_json
 
@@ -177,12 +193,21 @@ def check_jobs(config: DictConfig) -> None:
         (Path(config.hydra.sweep.dir) / DUPLICATES).unlink(missing_ok=True)
 
 
+def sweep_exit_code(statuses: list[str], checks_failed: bool, reported: bool = True, stopped: bool = False) -> int:
+    """A sweep's exit code from its cells' ``manifest.json`` statuses: 1 when a cell ``failed`` to run, the report
+    was not written or a signal stopped the sweep, else 3 when a cell has a check that FAILed or ERRORed, else 2 when
+    a job was ``refused`` as invalid for its cell, else 0 (``skipped``, not applicable on this machine, keeps 0)."""
+    if "failed" in statuses or not reported or stopped:
+        return 1
+    return 3 if checks_failed else 2 if "refused" in statuses else 0
+
+
 def end_sweep(sweep_dir: Path, stopped_by: str | None = None) -> int:
     """Print every cell's outcome and write the sweep report over the cells that have a manifest; the sweep's exit
-    code: 1 when a cell failed to run, the report was not written or a signal stopped the sweep, else 3 when a cell
-    has a check that FAILed or ERRORed (:func:`zeroexp.report.checks.failed_checks`), else 0. ``stopped_by``: the
-    signal that stopped the sweep early (SIGTERM, SIGHUP, SIGINT; zeroexp.cli.run), said above the table -- the cells
-    not run yet are simply absent."""
+    code (:func:`sweep_exit_code`). ``stopped_by``: the signal that stopped the sweep early (SIGTERM, SIGHUP, SIGINT;
+    zeroexp.cli.run), said above the table -- the cells not run yet are simply absent."""
+    from collections import Counter
+
     from rich.console import Console
     from rich.table import Table
 
@@ -193,23 +218,27 @@ def end_sweep(sweep_dir: Path, stopped_by: str | None = None) -> int:
     table = Table(title=title)
     for col in ("cell", "status", "final_loss", "failed checks", "error"):
         table.add_column(col)
-    failed = checks_failed = 0
+    statuses: list[str] = []
+    checks_failed = 0
     for manifest_path in sorted(sweep_dir.glob("*/manifest.json")):
         m = read_json(manifest_path)
         summary_path = manifest_path.with_name("summary.json")
         summary = read_json(summary_path) if m["status"] == "ok" and summary_path.exists() else {}
         loss = summary.get("final_loss")
         err = m.get("error") if isinstance(m.get("error"), dict) else {}
-        failed += m["status"] == "failed"
+        statuses.append(str(m["status"]))
         checks = failed_checks(summary)
         checks_failed += bool(checks)
         table.add_row(manifest_path.parent.name, m["status"], "" if loss is None else f"{loss:.6g}",
                       ", ".join(f"{c.name} {c.verdict}" for c in checks), (err or {}).get("message", ""))
+    counts = Counter(statuses)
+    table.caption = (f"{len(statuses)} cells: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                     + (f"; {checks_failed} with a failed check" if checks_failed else "")) if statuses else "no cell"
     Console().print(table)
     reported = True
-    if any(sweep_dir.glob("*/manifest.json")):
+    if statuses:
         from zeroexp.report import report_after_sweep
 
         reported = report_after_sweep(sweep_dir)  # never raises: a failed report keeps the cells' results
     print(sweep_dir)
-    return 1 if failed or not reported or stopped_by is not None else 3 if checks_failed else 0
+    return sweep_exit_code(statuses, bool(checks_failed), reported, stopped_by is not None)

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
-from zeroexp.errors import ConfigError, NotApplicableHere
+from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
 from zeroexp.models.schemas import MODEL_RESERVED_KEYS, GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
@@ -27,7 +27,7 @@ from zeroexp.formulas.rows import row_of
 from zeroexp.strategies.schemas import SCHEMAS, schema_keys
 from zeroexp.config.resources import ResourcesConfig, check_resources
 
-__all__ = ["ConfigError", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
+__all__ = ["ConfigError", "InvalidCell", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
            "strategy_extras", "without_strategy_extras"]
 
 
@@ -330,6 +330,14 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     ``explicit_overrides`` are the keys the user set on the command line (``prefetch``,
     ``strategy.bucket_cap_mb``...): an axis or a ``strategy.<key>`` that does not apply to the strategy is an error
     only when the user asked for it explicitly in a single run (sweeps de-duplicate such cells instead).
+
+    Two stages, which a ``--multirun`` sweep treats apart (``zeroexp.cli.sweep.check_jobs``). The config's own: the
+    strategy's name, every key, option, size and range (:func:`_check_knobs`), the model's keys and the model itself
+    (it imports, builds and runs a forward): a refusal here is a plain :class:`ConfigError` and stops a whole sweep
+    before its first cell (a typo, a model that does not build, a bad value). Then the cell's: what the strategy
+    implements for this model, precision, offload, axes, init, checkpoint and launcher, and whether the cell fits this
+    machine: a refusal here is an :class:`InvalidCell` (a :class:`NotApplicableHere` stays one), and a sweep records
+    that job ``refused`` and runs its others.
     """
     name = cfg.strategy.name
     if name not in SCHEMAS:  # up to the model check, nothing here imports torch: a bad key is refused at once
@@ -337,8 +345,13 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     _check_knobs(cfg, explicit_overrides)
     _check_model_keys(cfg)
     check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
-    _check_what_the_strategy_runs(cfg, explicit_overrides)
-    check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
+    try:
+        _check_what_the_strategy_runs(cfg, explicit_overrides)
+        check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
+    except (InvalidCell, NotApplicableHere):
+        raise
+    except ConfigError as e:  # the strategy's and the adapters' refusals are plain ConfigErrors: this cell's own
+        raise InvalidCell.of(e) from e
 
 
 def _check_knobs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:

@@ -106,15 +106,22 @@ def _plain_plan_table(ok: pd.DataFrame) -> ReportTable | None:
 
 
 def failures_table(frame: pd.DataFrame) -> ReportTable:
-    """Cells that did not finish, with their first error."""
-    keys = ["status", "error.rank", "error.cause", "error.message", "error.log"]
+    """Cells that did not finish, with their first error: failed, refused (invalid for the cell: ``error.key`` names
+    the key), skipped (not applicable on this machine)."""
+    keys = ["status", "error.rank", "error.cause", "error.key", "error.message", "error.log"]
     cols = [Column("cell", "label", str), Column("status", keys[0]), Column("rank", keys[1], fmt_int),
-            Column("cause", keys[2]), Column("error", keys[3]), Column("log", keys[4]),
+            Column("cause", keys[2]), Column("key", keys[3]), Column("error", keys[4]), Column("log", keys[5]),
             Column("directory", "cell_name", str)]
     raw = raw_rows(frame[frame.status != "ok"], keys)
-    note = ("Their partial files stay in their directories (renamed *.partial); no other table shows them."
-            if len(raw) else "")
-    return ReportTable("failures", "Failed or skipped cells", raw, cols, note, empty_text="none")
+    notes = []
+    if (raw["status"] == "failed").any():
+        notes.append("A failed cell's partial files stay in its directory (renamed *.partial); no other table shows "
+                     "them.")
+    if raw["status"].isin(["refused", "skipped"]).any():
+        notes.append("A refused cell is invalid for its combination (its strategy cannot take this model, precision, "
+                     "offload...; the key names the setting) and a skipped one cannot run on this machine: neither "
+                     "started a rank, and the sweep ran its other cells.")
+    return ReportTable("failures", "Failed, refused or skipped cells", raw, cols, " ".join(notes), empty_text="none")
 
 
 class PlanSection:

@@ -38,7 +38,9 @@ class Verdicts:
 
 def _cells_line(cells: pd.DataFrame) -> str:
     status = column(cells, "status").fillna("unknown").value_counts()
-    others = ", ".join(f"{n} {s}" for s, n in status.items() if s not in ("ok", "failed"))
+    order = {"refused": 0, "skipped": 1}  # then running, unreadable...: by name
+    others = ", ".join(f"{status[s]} {s}" for s in sorted(status.index, key=lambda s: (order.get(s, 2), s))
+                       if s not in ("ok", "failed"))
     dry = int(is_dry_run(cells).sum())
     return (f"Cells: {len(cells)}, {status.get('ok', 0)} finished, {status.get('failed', 0)} failed"
             + (f", {others}" if others else "")

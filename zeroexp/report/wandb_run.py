@@ -82,7 +82,7 @@ def log_sweep_run(report: Report, settings: dict[str, Any]) -> Path:
     run = wandb.init(dir=str(report.sweep_dir), mode=settings["mode"], project=settings["project"],
                      entity=settings["entity"], group=sweep, job_type="report", name=f"report-{sweep}",
                      config={"sweep": sweep, "sweep_dir": str(report.sweep_dir), "cells": len(report.cells),
-                             "cells_ok": int(counts.get("ok", 0)), "cells_failed": int(counts.get("failed", 0))},
+                             **{f"cells_{s}": int(counts.get(s, 0)) for s in ("ok", "failed", "refused", "skipped")}},
                      settings=wandb.Settings(console="off", silent=True))
     run_dir = Path(run.dir).parent
     with staging_dir(run_dir / "staging"):

@@ -188,7 +188,7 @@ def load_sweep(sweep_dir: Path | str) -> Any:
     whose status is ``ok``, its ``summary.json``, flattened with dots: ``status``, ``error.message``,
     ``cell.strategy``, ``config.model.width``, ``versions.torch``, ``final_loss``, ``state.factors.param``,
     ``collectives.counts.all_reduce``, ``timing.median_ms``, ... (``docs/results.md`` defines each), plus
-    ``cell_dir`` (absolute path). Lists stay Python lists (``timing.step_ms``, ``memory.peak_bytes``). Failed,
+    ``cell_dir`` (absolute path). Lists stay Python lists (``timing.step_ms``, ``memory.peak_bytes``). Failed, refused,
     skipped or running cells are rows too, with their ``status`` and ``error.*``; their partial results are not
     read. A field a cell lacks (a probe section its strategy does not have) is missing (NaN/None).
     ``schema_version`` is the manifest's (1 for files written before the field existed); a cell written by a
