@@ -243,3 +243,45 @@ def test_a_frozen_layer_is_held_whole_at_stage2_and_partitioned_and_fetched_at_s
     payload = res.summary["collectives"]["payload_bytes"]
     assert payload["all_gather"] == 4 * depth * n * part and payload["reduce_scatter"] == 4 * (depth - 1) * n * part
     assert res.summary["plan"]["groups"]["planned"]["frozen"] == [k]
+
+
+# --- a trainable parameter forward never uses (tests/corpus.py unused_branch: Linear a, unused, b; 64 elements each) -
+#: tests/test_corpus.py's cell of unused_branch (its base and overrides): a cell both modules run is run once.
+UNUSED = ("strategy=deepspeed", "model=custom", "model._target_=corpus.unused_branch", "model.input_shape=[8]",
+          "model.wrap=[torch.nn.Linear]")
+CORPUS_BASE = ("logger=none", "steps=5", *WINDOWS, "batch_size=2")
+
+
+@pytest.mark.parametrize("stage, n, decay", [(1, 3, False), (3, 2, False), (2, 2, True), (3, 3, True)])
+def test_a_parameter_forward_never_uses_holds_every_check_and_weight_decay_is_named(cell, stage, n, decay):
+    """DeepSpeed fills the unused parameter's gradient with zeros and steps it: stages 1-3 reduce only a's and b's
+    gradients (the bucket's payload) and stage 3 gathers only theirs; state, collectives, groups and every rank's peak
+    as planned. With weight decay (the default, 0.01) the decay moves the unused weight, which the reference's torch
+    AdamW leaves (its gradient is None): equivalence FAILs with the cause named, every other check holds."""
+    res = cell(*UNUSED, f"strategy.stage={stage}", f"world_size={n}", *(() if decay else ("optimizer.weight_decay=0",)),
+               base=CORPUS_BASE)
+    assert res.status == "ok", res.error
+    held = list(_checks(res.summary))
+    eq = res.summary["equivalence"]
+    bad = [(p, c, r) for p, c, r in held if c != "PASS" and not (c == "n/a" and r) and p != "summary.equivalence"]
+    assert not bad, bad
+    assert [rank["check"] for rank in res.summary["plan"]["memory"]["ranks"]] == ["PASS"] * n
+    assert res.summary["plan"]["groups"]["planned"]["ungraded"] == [1]
+    k = 64
+    payload = res.summary["collectives"]["payload_bytes"]
+    if stage == 3:
+        padded = 4 * 2 * math.ceil(k / n) * n  # a and b, each padded to N
+        assert payload == {"all_gather": padded, "reduce_scatter": padded, "all_reduce": 8}
+    else:
+        assert payload == {"all_reduce": 4 * 2 * k + 4, "all_gather": 4 * 3 * k}
+    if decay:
+        assert eq["check"] == "FAIL" and eq["cause"] == ds_adapter.DECAYS_UNGRADED and "unused.weight" in eq["why"]
+    else:
+        assert eq["check"] == "PASS" and "cause" not in eq
+
+
+def test_the_cause_is_named_only_with_weight_decay_and_a_parameter_without_gradient(compose):
+    adapter = ds_adapter.DeepSpeedAdapter(compose(*N2))
+    assert adapter.known_divergence(["unused.weight"])[0] == ds_adapter.DECAYS_UNGRADED
+    assert adapter.known_divergence([]) is None
+    assert ds_adapter.DeepSpeedAdapter(compose(*N2, "optimizer.weight_decay=0")).known_divergence(["w"]) is None

@@ -246,3 +246,23 @@ def test_gloos_copy_of_a_reduce_scatter_input_held_into_the_step_is_one_named_la
         f"{concat} B above the prediction, within one late-freed tensor: bucket 0's reduce-scatter input as gloo "
         f"copied it (_reduce_scatter_base), held by gloo's work ({concat} B)")
     assert check(predicted, 2 * concat)["check"] == "FAIL"  # one such tensor, never two
+
+
+def test_stage12_holds_a_zeros_gradient_for_a_parameter_without_one():
+    # 10 + 20 + 30 elements at N=3 (partitions of 20), rank 1's partition cutting parameters 1 and 2; parameter 2 got
+    # no gradient: out of the buckets; the epilogue gives it a zeros tensor of its size (30), kept beside
+    # grads_in_partition (parameters 1 and 2 whole, 50: made when parameter 1's bucket is reduced) into the step,
+    # where each piece's float64 copy is taken beside the norms before it (2 x 8 + 10 x 8 = 96 B at most).
+    part = ds_partition((10, 20, 30), 60, 3, 1)
+    peaks = ds_stage12_phase_peaks(TRACE12, stage=2, buckets=((20, 10),), order=(1, 0), numels=(10, 20, 30),
+                                   part=part, bucket_numel=1000, itemsize=4, ungraded=(2,))
+    assert peaks["optimizer"] == {"bytes": 4 * (50 + 30) + 96, "by_category": {"temporaries": 320,
+                                                                               "optimizer_state": 96}}
+    graded = ds_stage12_phase_peaks(TRACE12, stage=2, buckets=((30, 20, 10),), order=(2, 1, 0), numels=(10, 20, 30),
+                                    part=part, bucket_numel=1000, itemsize=4)
+    assert graded["optimizer"]["by_category"]["temporaries"] == 4 * 50
+    # Rank 2's partition is parameter 2 alone: no gradient of it is reduced, so no grads_in_partition, its zeros only.
+    alone = ds_stage12_phase_peaks(TRACE12, stage=2, buckets=((20, 10),), order=(1, 0), numels=(10, 20, 30),
+                                   part=ds_partition((10, 20, 30), 60, 3, 2), bucket_numel=1000, itemsize=4,
+                                   ungraded=(2,))
+    assert alone["optimizer"]["by_category"]["temporaries"] == 4 * 30

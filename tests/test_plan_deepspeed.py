@@ -193,3 +193,40 @@ def test_the_planner_plans_the_deepspeed_rows():
     assert count["grad"] == [(2 * 7_500_000_000 // 64,) * 2] * 64
     groups = derive_groups("deepspeed_stage0", LAYOUTS["deepspeed_stage0"], shape, 8, 2, PlanKnobs())
     assert step_collectives(LAYOUTS["deepspeed_stage0"], groups, 2)["all_reduce"]["payload_bytes"] == 2 * psi
+
+
+def test_a_parameter_forward_never_uses_is_planned_as_deepspeed_holds_it(compose):
+    """tests/corpus.py ``unused_branch`` (bias-free Linear a, unused, b; 8 x 8 = 64 elements each), read by hand
+    from DeepSpeed 0.19's source: stage 0 all-reduces a zero gradient for ``unused`` (engine.py
+    ``_get_gradients_for_reduction``); stages 1-3 reduce only a's and b's (no hook fires for it) and stage 3 fetches
+    only theirs (``unused``'s module is never called). Stages 1-2 give it a zeros tensor of its size where it
+    overlaps a rank's partition (``get_all_grad_tensors``), beside ``grads_in_partition`` (every overlapped
+    parameter), made only where a parameter with a gradient is reduced."""
+    from omegaconf import OmegaConf
+
+    from zeroexp.plan.shape import model_shape
+
+    cfg = compose("model=custom", "model._target_=corpus.unused_branch", "model.input_shape=[8]", base=())
+    shape = model_shape(OmegaConf.to_container(cfg.model, resolve=True))
+    assert (shape.unused, shape.uncalled) == ((1,), (1,))
+    k = 64
+    for n, held in ((2, [3 * k, 3 * k]), (3, [k, k, k])):  # N=2: a + unused | unused + b, each grads_in_partition
+        # of both and unused's zeros; N=3: a | unused (its zeros alone: no grads_in_partition) | b
+        for stage in range(4):
+            name = f"deepspeed_stage{stage}"
+            g = derive_groups(name, LAYOUTS[name], shape, n, 4)
+            assert g.buckets == (((k,) * 3,) if stage == 0 else ((k, k),))
+            assert g.ungraded == (() if stage == 0 else (1,))
+            assert g.gathers == (((k, k),) if stage == 3 else ())
+            grad = rank_state_bytes(LAYOUTS[name], g, 4)["grad"]
+            if stage in (1, 2):
+                assert grad == [(4 * 3 * k // n, 4 * h) for h in held]
+            payload = step_collectives(LAYOUTS[name], g, 4)
+            if stage in (1, 2):  # the bucket of a's and b's gradients and the fp32 norm; the whole flat group gathered
+                assert payload == {"all_reduce": {"count": 2, "payload_bytes": 4 * 2 * k + 4},
+                                   "all_gather": {"count": 1, "payload_bytes": 4 * 3 * k}}
+            if stage == 3:  # each of a and b padded to N, reduce-scattered and gathered once; the fp64 norm
+                padded = 4 * 2 * math.ceil(k / n) * n
+                assert payload == {"reduce_scatter": {"count": 1, "payload_bytes": padded},
+                                   "all_reduce": {"count": 1, "payload_bytes": 8},
+                                   "all_gather": {"count": 1, "payload_bytes": padded}}

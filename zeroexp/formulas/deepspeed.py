@@ -80,13 +80,25 @@ def deepspeed_sub_groups(partition_numels: list[int] | tuple[int, ...], sub_grou
 
 def _comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
     """The buckets (and stage 3's fetches) DeepSpeed makes of a model of ``shape``, as zeroexp configures it: the
-    buckets hold the trainable parameters' gradients; stage 3 fetches every module parameter, frozen ones too
-    (``shape`` is the whole model's there, the trainable parameters' at stages 0-2)."""
-    numels = list(shape.trainable().numels)
+    buckets hold the trainable parameters' gradients; stage 3 fetches every parameter of a module forward calls,
+    frozen ones too (``shape`` is the whole model's there, the trainable parameters' at stages 0-2).
+
+    A trainable parameter a step gives no gradient (``shape.unused``): stage 0's engine fills a zero gradient before
+    its all_reduce (engine.py ``_get_gradients_for_reduction``), so nothing differs; stages 1-3 reduce none for it (no
+    gradient hook fires: stage_1_and_2.py ``reduce_gradients`` skips a None gradient, stage 2's and 3's hooks never
+    run) and fill its gradient partition with zeros at the boundary (stage_1_and_2.py ``get_all_grad_tensors``:
+    ``torch.zeros_like``; stage3.py: ``grad_partitions_flat_buffer``, zeroed once at init, is never written there):
+    ``ungraded`` (indices among the trainable parameters). Stage 3 fetches a module's parameters in its pre-forward
+    hook: those of a module forward never calls (``shape.uncalled``) are never gathered."""
+    trained = shape.trainable()
+    idle = set(trained.unused) if stage else set()
+    numels = [k for i, k in enumerate(trained.numels) if i not in idle]
     order = numels if stage in (0, 1) else numels[::-1]  # stages 2, 3: backward order, a stack's reverse
     out = {"buckets": deepspeed_buckets(stage, order, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))}
+    if idle:
+        out["ungraded"] = tuple(sorted(idle))
     if stage == 3:
-        out["gathers"] = deepspeed_gathers(list(shape.numels))
+        out["gathers"] = deepspeed_gathers([k for i, k in enumerate(shape.numels) if i not in set(shape.uncalled)])
     return out
 
 

@@ -285,11 +285,15 @@ def local_numels(shards: tuple[Shard, ...], world_size: int, rank: int) -> tuple
     return tuple(_spread((sh,), world_size)[0][rank] for sh in shards)
 
 
-def _held_grads(shards: tuple[Shard, ...], world_size: int) -> list[int]:
+def _held_grads(shards: tuple[Shard, ...], world_size: int, ungraded: tuple[int, ...] = ()) -> list[int]:
     """Per rank, the elements of DeepSpeed ZeRO-1/2's gradient partition as stored [DS]: the full gradient of every
-    parameter the rank's partition overlaps (``params_in_partition``), plus the partition's padding as zeros."""
+    parameter the rank's partition overlaps (``params_in_partition``: ``grads_in_partition``, made when the first of
+    them with a gradient is reduced, none without one), plus the partition's padding as zeros; a parameter the step
+    gave no gradient (``ungraded``: indices of the shards' spans in order) held again as a zeros tensor of its size
+    (stage_1_and_2.py ``get_all_grad_tensors``)."""
     held = [0] * (world_size + 1)  # a difference array over ranks
-    pads = [0] * world_size
+    pads, zeros, graded = [0] * world_size, [0] * world_size, [False] * world_size
+    idle, i = set(ungraded), 0
     for spans, padded in shards:
         shard = padded // world_size
         end = max((b for _, b in spans), default=0)
@@ -297,12 +301,18 @@ def _held_grads(shards: tuple[Shard, ...], world_size: int) -> list[int]:
             if b > a:
                 held[a // shard] += b - a
                 held[(b - 1) // shard + 1] -= b - a
+                for r in range(a // shard, (b - 1) // shard + 1):
+                    if i in idle:
+                        zeros[r] += b - a
+                    else:
+                        graded[r] = True
+            i += 1
         for r in range(end // shard, world_size):
             pads[r] += min((r + 1) * shard, padded) - max(r * shard, end)
     out, run = [], 0
     for r in range(world_size):
         run += held[r]
-        out.append(run + pads[r])
+        out.append((run if graded[r] else 0) + zeros[r] + pads[r])
     return out
 
 
@@ -347,7 +357,8 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
            "optim": kind("optim" in s, MOMENT_BYTES)}
     offloaded = offload != "none" and layout.offload_grad != "none"
     if layout.grad_held == "params" and "grad" in s and groups.exact and layout.groups == "flat" and not offloaded:
-        out["grad"] = [(lo, g * rest) for (lo, _), g in zip(out["grad"], _held_grads(groups.shards, n))]
+        out["grad"] = [(lo, g * rest) for (lo, _), g in zip(out["grad"],
+                                                             _held_grads(groups.shards, n, groups.ungraded))]
     if offloaded:  # the fp32 gradient partition on the host [DS]
         fp32 = kind("grad" in s, MASTER_BYTES)
         out["grad"] = fp32 if layout.offload_grad == "replace" else \

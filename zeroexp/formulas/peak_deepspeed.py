@@ -142,7 +142,7 @@ def _closed(edges: list[int], traced: int) -> int:
 
 def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
                            order: tuple[int, ...], numels: tuple[int, ...], part: DsPartition, bucket_numel: int,
-                           itemsize: int, foreach: bool = False) -> dict[str, dict]:
+                           itemsize: int, foreach: bool = False, ungraded: tuple[int, ...] = ()) -> dict[str, dict]:
     """Stages 1 and 2 (``buckets``: the ipg buckets' gradient numels in reduce order, parameter order at stage 1,
     backward order at stage 2; ``order``: the parameters' indices in that order, ``numels`` in parameter order;
     ``part``: the rank's partition; ``bucket_numel``: ``reduce_bucket_size``), per phase, the bytes above steady at
@@ -155,17 +155,21 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     epilogue (stage 1: every bucket; stage 2: the last) from the bare step's end. Optimizer: the kept gradient partition
     beside each piece's float64 copy and norm (the norms of the pieces before it too), then beside the flat partition,
     then the flat partition beside AdamW's temporaries, the last two beside the combined norm and the new
-    ``_global_grad_norm``."""
+    ``_global_grad_norm``. A parameter the step gives no gradient (``ungraded``, out of ``order`` and the buckets):
+    its gradient is a zeros tensor of its size made in the epilogue (``get_all_grad_tensors``), held with the
+    partition until the step; ``grads_in_partition`` is made only where a parameter with a gradient is reduced."""
     c, out = itemsize, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
-    gip, pad = part.overlapped * c, part.padding * c
+    pad = part.padding * c
+    zeros = sum(numels[i] for i in part.params if i in set(ungraded)) * c  # the epilogue's zero gradients
     sizes = [k * c for k in ds_allreduce_copies(buckets, order, numels, part.numel)]
     edges = [sum(b) * c for b in buckets]
     edges = [sum(edges[:i]) for i in range(len(edges) + 1)]
     # The first bucket (reduce order) that holds a gradient of the partition: grads_in_partition is made when it is.
     bucket_of = [k for k, b in enumerate(buckets) for _ in b]
     first_gip = min((bucket_of[i] for i, p in enumerate(order) if p in part.params), default=None)
+    gip = part.overlapped * c if first_gip is not None else 0  # never made where no gradient of it is reduced
 
     for s in (s for s in trace.segments if s.phase == "forward"):
         keep("forward", s.peak_by_category, loss)
@@ -199,9 +203,9 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
         keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, made, {"temporaries": sizes[k]})
         if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
             keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, {"temporaries": gip})
-    keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + pad})
+    keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + zeros + pad})
 
-    held, norms = {"temporaries": gip + pad}, 2 * DS_NORM_BYTES[stage]  # the combined and the new global norm
+    held, norms = {"temporaries": gip + zeros + pad}, 2 * DS_NORM_BYTES[stage]  # the combined and new global norm
     # get_grad_norm_direct: each piece in turn copied to float64 and its norm taken, beside the pieces' norms before it
     copy = max(((k + 1) + x) * FP64 for k, x in enumerate(part.pieces)) if part.pieces else 0
     keep("optimizer", held, {"optimizer_state": copy})
@@ -221,15 +225,16 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     fp32 partition. Steady holds the ipg bucket, the partitions and ``grad_partitions_flat_buffer``; the trace must
     carry its units (``own_params_units``).
 
-    Forward: the root's prefetch gathers every parameter into one flat buffer (each padded to N), and the first
-    module's fetch concatenates each into its own tensor; the flat buffer lives until the last module whose parameters
-    came in it is fetched; nothing is released before backward but the parameters no module that backward reaches
-    uses (a frozen module fed by nothing that trains): the coordinator's trace holds no later use of them
-    (``__params_to_release``), so they go after their last module's forward. Backward: the bare backward less the
-    traced parameter gradients (copied into the steady bucket), beside the parameters not yet released (a module's
-    after its backward, unless an earlier one in forward order uses them too, or autograd never reaches its inputs:
-    those until ``step``); a reduce-scatter's concatenation and its padding chunks when a bucket is reduced (the last
-    one in the epilogue, after autograd), on gloo with ``_reduce_scatter_base``'s copy of its input.
+    Forward: the root's prefetch gathers every parameter of a module forward calls (the trace's units; none of a
+    module it never calls) into one flat buffer (each padded to N), and the first module's fetch concatenates each
+    into its own tensor; the flat buffer lives until the last module whose parameters came in it is fetched; nothing
+    is released before backward but the parameters no module that backward reaches uses (a frozen module fed by
+    nothing that trains): the coordinator's trace holds no later use of them (``__params_to_release``), so they go
+    after their last module's forward. Backward: the bare backward less the traced parameter gradients (copied into
+    the steady bucket), beside the parameters not yet released (a module's after its backward, unless an earlier one
+    in forward order uses them too, or autograd never reaches its inputs: those until ``step``); a reduce-scatter's
+    concatenation and its padding chunks when a bucket is reduced (the last one in the epilogue, after autograd), on
+    gloo with ``_reduce_scatter_base``'s copy of its input.
     Optimizer: the flat fp32 gradient copy beside AdamW's temporaries over the fp32 partition and the step's float64
     norms (one per sub-group, their combination, the new ``_global_grad_norm``)."""
     c, n, out = itemsize, world_size, _Moments()
@@ -237,7 +242,8 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     if not trace.units:
         raise ValueError("stage 3 needs a trace with its units (trace_step(..., own_params_units=True))")
     uses = _stage3_uses(trace, numels, c)
-    gathered = sum(numels) * c  # every parameter's unsharded tensor
+    gathered = sum(numels[p] for p in uses.first_use) * c  # every fetched parameter's unsharded tensor: a module's
+    # parameters are fetched in its pre-forward hook, never those of a module forward does not call
     _stage3_forward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered)
     _stage3_backward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered,
                      buckets=buckets, gloo=gloo)

@@ -44,6 +44,9 @@ class ModelShape:
     #: The module classes whose CPU kernels allocate or save what a fake-tensor trace does not see (convolutions,
     #: recurrent layers).
     opaque: tuple[str, ...] = ()
+    #: Indices of the parameters, frozen ones too, that no module holding them (as its own) is called for in a traced
+    #: forward: DeepSpeed stage 3 fetches a module's parameters in its pre-forward hook, so never these.
+    uncalled: tuple[int, ...] = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -89,7 +92,8 @@ class ModelShape:
         return ModelShape(tuple(self.params[i] for i in keep), remap(self.units), self.root, self.exact,
                           None if self.ready is None else tuple(new[i] for i in self.ready if i in new),
                           remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached,
-                          self.buffers, tuple(new[i] for i in self.unused if i in new), self.opaque)
+                          self.buffers, tuple(new[i] for i in self.unused if i in new), self.opaque,
+                          tuple(new[i] for i in self.uncalled if i in new))
 
     def calls(self, u: int) -> int:
         """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""
@@ -193,7 +197,8 @@ class Groups:
     hold gradients and optimizer state when they are not every parameter of ``shards`` (each as its shard, spans of
     the trainable parameters only; a buffer with none omitted); None: the same as ``shards``. ``ungraded``: indices
     into ``numels`` of the parameters a step gives no gradient, for which the layout then keeps neither gradient
-    nor optimizer state (DDP, ZeroRedundancyOptimizer; a flat buffer holds a zero gradient for them instead);
+    nor optimizer state (DDP, ZeroRedundancyOptimizer; a flat buffer holds a zero gradient for them instead, and
+    DeepSpeed stages 1-3 reduce none for them, holding zeros in their gradient partition);
     ``used_map_bytes``: DDP's ``find_unused_parameters`` all-reduce of its used-parameter map. ``buffers``: the
     module's buffers, (dtype name, bytes) each, which every rank holds whole; ``buffer_broadcasts``: bytes of each
     broadcast of them per step (DDP's ``broadcast_buffers``).

@@ -79,7 +79,9 @@ class Expectation:
         g = self.groups
         if g is not None and g.exact and g.grad_shards is not None:  # sharded: the ranges that hold gradients
             trained = sum(b - a for sh in g.grad_shards for a, b in sh.spans) / max(g.numel + sum(g.frozen), 1)
-        elif g is not None and g.exact and g.ungraded:  # parameters a step gives no gradient hold no state either
+        elif g is not None and g.exact and g.ungraded and not g.shards:
+            # replicated or owned (DDP, ZeroRedundancyOptimizer): a parameter a step gives no gradient holds no state
+            # either; a sharded buffer holds a zero gradient and optimizer state for it (DeepSpeed's partitions)
             trained *= 1 - sum(g.numels[i] for i in g.ungraded) / max(g.numel, 1)
         out = state_factors(self.layout, self.world_size, self.itemsize, self.offload, self.knobs.shard_size,
                             trained)

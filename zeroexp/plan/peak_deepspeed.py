@@ -52,7 +52,7 @@ def ds_phases(name: str, groups: Groups, trace: StepTrace, itemsize: int, rank: 
     return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                                   numels=groups.numels, part=part,
                                   bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
-                                  foreach=foreach)
+                                  foreach=foreach, ungraded=groups.ungraded)
 
 
 def _covered(name: str) -> int:
@@ -65,8 +65,8 @@ def _covered(name: str) -> int:
 
 def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
     """The parameters' indices in the order the buckets hold them: parameter order at stage 1, backward order (a
-    stack's reverse, as ``deepspeed_buckets`` is given it) at stage 2."""
-    nonzero = [i for i, k in enumerate(groups.numels) if k]
+    stack's reverse, as ``deepspeed_buckets`` is given it) at stage 2; none a step gives no gradient."""
+    nonzero = [i for i, k in enumerate(groups.numels) if k and i not in set(groups.ungraded)]
     return tuple(nonzero if stage == 1 else nonzero[::-1])
 
 
@@ -87,7 +87,7 @@ def ds_late_free(name: str, groups: Groups, itemsize: int) -> dict[str, list[tup
         # the last bucket's, reduced at backward's end, may outlive it into the step (seen on rank 1 of 3)
         return {"backward": flat, "optimizer": norm["optimizer"] + flat}
     n = groups.world_size
-    flat = sum(sh.numel for sh in groups.shards) * itemsize  # every parameter padded to N, frozen ones too
+    flat = sum(padded_numel(k, n) for g in groups.gathers for k in g) * itemsize  # every fetched parameter, padded
     scattered = [sum(padded_numel(x, n) for x in b) * itemsize for b in groups.buckets]
     concat = [(f"bucket {k}'s reduce-scatter concatenation (reduce_scatter_coalesced)", b)
               for k, b in enumerate(scattered)]

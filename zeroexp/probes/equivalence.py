@@ -188,7 +188,8 @@ def equivalence_line(e: dict[str, Any]) -> str:
     bound = e.get("effective_threshold", e.get("threshold"))
     basis = e.get("threshold_basis")
     return (f"max abs err {fmt_err(e.get('max_abs_err'))} vs bound {fmt_err(bound)}"
-            + ("" if missing(basis) else f" ({basis})") + f" after {e.get('steps')} steps")
+            + ("" if missing(basis) else f" ({basis})") + f" after {e.get('steps')} steps"
+            + ("" if missing(e.get("cause")) else f"; cause: {e['cause']}"))
 
 
 class EquivalenceProbe(Probe):
@@ -220,10 +221,11 @@ class EquivalenceProbe(Probe):
             if self.ctx.world_size > 1:  # one rank: there is no other order
                 averaged = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, averaged_grads=True)
                 floor = max_abs_diff(averaged, reference)
-            # only a flat gradient buffer (zeroexp's ZeRO, FSDP1, DeepSpeed's flat groups) gives an unused parameter a
-            # gradient; elsewhere it must stay where the reference leaves it
-            flat = self.ctx.expect.layout.groups in ("buckets", "units", "flat")
+            # only a flat gradient buffer (zeroexp's ZeRO, FSDP1) gives an unused parameter a gradient by design;
+            # elsewhere it must stay where the reference leaves it, or the adapter names why not (``cause``)
+            flat = self.ctx.expect.layout.groups in ("buckets", "units")
             by_design = {_PREFIX + n: UNGRADED for n in seen.get("ungraded", [])} if flat else {}
+            known = self.ctx.adapter.known_divergence(seen.get("ungraded", []))
             self.result = {"reference": REFERENCE, "steps": steps,
                            **compare(trained, {_PREFIX + n: t for n, t in reference.items()}, self.threshold, floor,
                                      by_design),
@@ -231,6 +233,12 @@ class EquivalenceProbe(Probe):
             if self.result.get("buffers_check") == "FAIL" and self.result.get("check") in ("PASS", "SKIP"):
                 self.result.update(check="FAIL", why="buffers the reference keeps unchanged differ: "
                                                      + ", ".join(self.result["buffers_differ"][:5]))
+            if known is not None:  # the configuration implies the divergence: named, whatever the verdict
+                self.result["cause"] = known[0]
+                r = self.result
+                if r.get("check") == "FAIL" and "why" not in r:
+                    r["why"] = (f"max abs err {fmt_err(r.get('max_abs_err'))} > bound "
+                                f"{fmt_err(r.get('effective_threshold'))}: {known[1]}")
 
     def rank_result(self) -> dict[str, Any]:
         return self.result

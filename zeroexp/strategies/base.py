@@ -216,6 +216,12 @@ class StrategyAdapter:
         scaler = getattr(plugin, "scaler", None)
         return float(scaler.get_scale()) if scaler is not None else None
 
+    def known_divergence(self, ungraded: list[str]) -> tuple[str, str] | None:
+        """Why this cell's training is known to leave the unsharded reference's, as ``(code, sentence)`` (the
+        equivalence section's ``cause`` and ``why``), given the trainable parameters the reference's step gives no
+        gradient (``ungraded``, by name); None: none known (the default)."""
+        return None
+
     def beyond_canonical(self) -> dict[str, str]:
         """State kinds the strategy keeps beyond the canonical fp32 formula (param, grad, two moments [ZeRO 5.1])
         and in which tensors, e.g. ``{"master": "fp32 partition ..."}``; the state probe reports their bytes."""

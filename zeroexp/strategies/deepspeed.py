@@ -16,8 +16,13 @@ Where the state lives (DeepSpeed 0.19, runtime/zero/stage_1_and_2.py, stage3.py,
   gradients once they are reduced into the partition, so at the optimizer boundary its gradient factor is 1.
 - stage 3: each parameter's partition ``ds_tensor`` (views into ``fp16_partitioned_groups_flat``), the fp32
   partition ``fp32_partitioned_groups_flat`` (``master``), ``grad_partitions_flat_buffer``.
-Frozen parameters (``requires_grad=False``): DeepSpeed's optimizer never holds them (``is_optimized_parameter``);
-stages 0-2 leave them as plain module parameters on every rank, stage 3 partitions and fetches them with the rest.
+Frozen parameters (``requires_grad=False``): zeroexp hands DeepSpeed an AdamW over the trainable ones alone, and its
+optimizer would drop any other (``is_optimized_parameter``); stages 0-2 leave them as plain module parameters on every
+rank, stage 3 partitions them and fetches them with their modules.
+A trainable parameter a step gives no gradient (a branch forward never calls): DeepSpeed fills its gradient with zeros
+(stage 0 before the all_reduce; stages 1-3 in the gradient partition, reducing none for it) and its optimizer steps it,
+so AdamW's weight decay moves it where torch's AdamW, which skips a parameter whose gradient is None, leaves it
+(:meth:`DeepSpeedAdapter.known_divergence`); stage 3 never fetches the parameters of a module forward never calls.
 Gradients exist only between backward and ``engine.step`` (which frees them): at ``schedule.state_step`` the
 adapter takes references to them right before the step and hands them to the state probe once.
 
@@ -174,6 +179,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         self._steps = 0
         self._capture_at = self.policy.warmup_steps  # schedule.state_step
         self._grads: list[StateTensor] = []
+        self._use: _StepUse | None = None
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
@@ -202,6 +208,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         import deepspeed
 
         _no_shm_comm(deepspeed)
+        self._use = _StepUse(module)
         client = torch.optim.AdamW(self.trainable(module.parameters()), **self.optimizer_kwargs())
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, dist_init_required=False,
                                                     config=ds_config(self.policy, device.type))
@@ -224,9 +231,12 @@ class DeepSpeedAdapter(StrategyAdapter):
 
     # --- state -------------------------------------------------------------------------------------------
     def before_step(self) -> None:
-        """Called between backward and ``engine.step``: at ``schedule.state_step``, keep the gradients."""
+        """Called between backward and ``engine.step``: at ``schedule.state_step``, keep the gradients; close the
+        step's record of the parameters it used."""
         if self._steps == self._capture_at:
             self._grads = list(self._gradient_tensors())
+        if self._use is not None:
+            self._use.close()
         self._steps += 1
 
     def _gradient_tensors(self) -> Iterator[StateTensor]:
@@ -325,8 +335,10 @@ class DeepSpeedAdapter(StrategyAdapter):
         (``ds_numel`` padded to N, frozen ones too: ``grad_shards`` are the trainable ones'), the buckets in backward
         order and the fetches (the root module's own parameters, then one prefetch of the rest, frozen ones too).
         DeepSpeed's optimizer holds the trainable parameters alone (``is_optimized_parameter``); stages 0-2 leave the
-        frozen ones as plain module parameters (``frozen``). Not modelled (the check reads n/a with the reason):
-        offload, DeepSpeed's reduce (not all_reduce) gradient path."""
+        frozen ones as plain module parameters (``frozen``). A trainable parameter the last step gave no gradient
+        (:class:`_StepUse`): stage 0 all-reduces a zero gradient for it; stages 1-3 reduce none (``ungraded``, out of
+        the buckets); stage 3 fetches no parameter of a module forward did not call. Not modelled (the check reads
+        n/a with the reason): offload, DeepSpeed's reduce (not all_reduce) gradient path."""
         off, eng, opt, n = self.policy.offload, self.engine, self.engine.optimizer, dist.get_world_size()
         if off != "none":
             raise NotImplementedError(f"strategy 'deepspeed' has no collectives model for offload={off!r}")
@@ -337,7 +349,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         if self.stage == 0:
             numels = [p.numel() for p in params]
             return Groups(self.layout, n, tuple(numels), buckets=deepspeed_buckets(0, numels, 0), frozen=frozen)
-        bucket = int(opt.reduce_bucket_size)
+        bucket, use = int(opt.reduce_bucket_size), self._use or _StepUse(eng.module)
         if self.stage in (1, 2):
             import deepspeed.comm as ds_comm
 
@@ -345,19 +357,24 @@ class DeepSpeedAdapter(StrategyAdapter):
                     and ds_comm.has_all_gather_into_tensor()):
                 raise NotImplementedError("strategy 'deepspeed': only the all_reduce bucket path and one "
                                           "all_gather_into_tensor per group are modelled")
-            order = [p.numel() for group in opt.bit16_groups for p in group]  # stage 1: reduce_gradients, group order
+            flat = [p for group in opt.bit16_groups for p in group]  # stage 1: reduce_gradients, group order
+            ungraded = use.ungraded(flat)
+            order = [p.numel() for i, p in enumerate(flat) if i not in ungraded]
             shards = []
-            for flat, group in zip(opt.bit16_groups_flat, opt.bit16_groups):
+            for buffer, group in zip(opt.bit16_groups_flat, opt.bit16_groups):
                 spans, offset = [], 0
                 for p in group:
                     spans.append((offset, offset + p.numel()))
                     offset += p.numel()
-                shards.append(Shard(tuple(spans), flat.numel()))
-            return Groups(self.layout, n, tuple(order), tuple(shards), frozen=frozen,
-                          buckets=deepspeed_buckets(self.stage, order if self.stage == 1 else order[::-1], bucket))
+                shards.append(Shard(tuple(spans), buffer.numel()))
+            return Groups(self.layout, n, tuple(p.numel() for p in flat), tuple(shards), frozen=frozen,
+                          buckets=deepspeed_buckets(self.stage, order if self.stage == 1 else order[::-1], bucket),
+                          ungraded=ungraded)
+        ungraded = use.ungraded(params)
         numels = [p.ds_numel for p in params]
         own = {id(p) for p in eng.module.parameters(recurse=False)}
-        first = sorted(every, key=lambda p: id(p) not in own)  # the root's own parameters are fetched with it
+        # the root's own parameters are fetched with it, then those of the modules forward called
+        first = sorted((p for p in every if id(p) in own or use.called(p)), key=lambda p: id(p) not in own)
         fetched = post_order(eng.module, lambda m: any(True for _ in m.parameters(recurse=False)))
         units = tuple(Unit(sum(p.partition_numel() * n for p in m.parameters(recurse=False)), 1) for m in fetched)
 
@@ -365,9 +382,23 @@ class DeepSpeedAdapter(StrategyAdapter):
             return Shard(((0, p.ds_numel),), p.partition_numel() * n)
 
         return Groups(self.layout, n, tuple(numels), tuple(shard(p) for p in every), units,
-                      buckets=deepspeed_buckets(3, numels[::-1], bucket),
+                      buckets=deepspeed_buckets(3, [k for i, k in enumerate(numels) if i not in ungraded][::-1],
+                                                bucket),
                       gathers=deepspeed_gathers([p.ds_numel for p in first], own=len(own)), frozen=frozen,
-                      grad_shards=tuple(shard(p) for p in params) if frozen else None)
+                      grad_shards=tuple(shard(p) for p in params) if frozen else None, ungraded=ungraded)
+
+    def known_divergence(self, ungraded: list[str]) -> tuple[str, str] | None:
+        """With weight decay, the trainable parameters the reference gives no gradient (``ungraded``, by name):
+        DeepSpeed fills their gradient with zeros and its optimizer steps them, AdamW's decay moving them, where
+        torch's AdamW skips a parameter whose gradient is None (torch/optim/adamw.py ``_init_group``: ``if p.grad is
+        None: continue``)."""
+        if not ungraded or not float(self.policy.optimizer.weight_decay) > 0:
+            return None
+        return DECAYS_UNGRADED, (
+            f"DeepSpeed fills the missing gradient of {', '.join(ungraded)} (no gradient in the step: forward never "
+            f"uses it) with zeros and its optimizer steps it, so weight_decay={self.policy.optimizer.weight_decay:g} "
+            "moves it; the reference's torch.optim.AdamW skips a parameter whose gradient is None and leaves it "
+            "(optimizer.weight_decay=0 removes the difference)")
 
     @contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
@@ -401,6 +432,43 @@ class DeepSpeedAdapter(StrategyAdapter):
 
     def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: Any) -> None:
         _ckpt.load(self.stage, kind, path, model)
+
+
+#: The equivalence section's ``cause`` when weight decay moves the parameters a step gives no gradient
+#: (:meth:`DeepSpeedAdapter.known_divergence`).
+DECAYS_UNGRADED = "weight_decay_on_ungraded"
+
+
+class _StepUse:
+    """Which parameters of ``module`` a training step used, observed live: those autograd gave a gradient (their
+    post-accumulate-grad hooks, the hooks DeepSpeed's own reductions hang on) and those held by a module forward
+    called (DeepSpeed stage 3 fetches a module's parameters in its pre-forward hook). Registered before
+    ``deepspeed.initialize``; :meth:`close` (at each optimizer step) ends a step's record, the micro-batches' together.
+    Before the first record every parameter counts as used."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._graded: set[int] = set()
+        self._called: set[int] = set()
+        self._last: tuple[frozenset[int], frozenset[int]] | None = None
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda t: self._graded.add(id(t)))
+        for m in module.modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                m.register_forward_pre_hook(lambda m, args: self._called.update(map(id, m.parameters(recurse=False))))
+
+    def close(self) -> None:
+        """End the step's record (the last one :meth:`ungraded` and :meth:`called` answer for)."""
+        self._last = frozenset(self._graded), frozenset(self._called)
+        self._graded, self._called = set(), set()
+
+    def ungraded(self, params: list[nn.Parameter]) -> tuple[int, ...]:
+        """Indices into ``params`` of those the last step gave no gradient."""
+        return () if self._last is None else tuple(i for i, p in enumerate(params) if id(p) not in self._last[0])
+
+    def called(self, p: nn.Parameter) -> bool:
+        """Whether a module holding ``p`` as its own was called in the last step's forward."""
+        return self._last is None or id(p) in self._last[1]
 
 
 def _ds_real(p: nn.Parameter) -> int:
