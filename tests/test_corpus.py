@@ -58,8 +58,7 @@ MODELS = {
 }
 STRATEGIES = ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full", "fsdp2_full", "fsdp2_grad_op")
 #: Refused before launch, by design, naming the key: (model, strategy) -> the key.
-REFUSED = {("lora_gpt", "fsdp_grad_op"): "strategy.use_orig_params",
-           ("lora_gpt", "fsdp_full"): "strategy.use_orig_params"}
+REFUSED: dict[tuple[str, str], str] = {}  # FSDP1 takes LoRA's mixed units under its default use_orig_params=true
 
 
 def _grid() -> list:
@@ -95,7 +94,8 @@ def test_every_check_holds_on_a_foreign_model(cell, model, strategy, n):
 @pytest.mark.parametrize("overrides, key", [
     (_custom("corpus.unused_branch", "[8]", "strategy=ddp", "strategy.find_unused_parameters=false"),
      "strategy.find_unused_parameters"),
-    (_custom("corpus.frozen_mlp", "[16]", "strategy=fsdp_full"), "strategy.use_orig_params"),
+    (_custom("corpus.frozen_mlp", "[16]", "strategy=fsdp_full", "strategy.use_orig_params=false"),
+     "strategy.use_orig_params"),
     # the GPT's head tied to its embedding, the head a unit of its own: FSDP1 flattens the weight in both units
     (("model=gpt", "model.n_layer=2", "model.n_embd=32", "model.seq_len=16", "model.vocab_size=64",
       "model.wrap=[torch.nn.Linear]", "strategy=fsdp_full"), "model.wrap"),
