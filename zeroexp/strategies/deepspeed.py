@@ -349,7 +349,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         if self.stage == 0:
             numels = [p.numel() for p in params]
             return Groups(self.layout, n, tuple(numels), buckets=deepspeed_buckets(0, numels, 0), frozen=frozen)
-        bucket, use = int(opt.reduce_bucket_size), self._use or _StepUse(eng.module)
+        bucket, use = int(opt.reduce_bucket_size), self._use or _StepUse()  # none recorded: every one used
         if self.stage in (1, 2):
             import deepspeed.comm as ds_comm
 
@@ -444,12 +444,14 @@ class _StepUse:
     post-accumulate-grad hooks, the hooks DeepSpeed's own reductions hang on) and those held by a module forward
     called (DeepSpeed stage 3 fetches a module's parameters in its pre-forward hook). Registered before
     ``deepspeed.initialize``; :meth:`close` (at each optimizer step) ends a step's record, the micro-batches' together.
-    Before the first record every parameter counts as used."""
+    Before the first record (or without a module) every parameter counts as used."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module | None = None) -> None:
         self._graded: set[int] = set()
         self._called: set[int] = set()
         self._last: tuple[frozenset[int], frozenset[int]] | None = None
+        if module is None:
+            return
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda t: self._graded.add(id(t)))
