@@ -171,10 +171,10 @@ def _not_run(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str |
     message in ``error``. ``launch``: how it would have been launched (default: locally)."""
     from zeroexp.config.cell import cell_axes, cell_id
     from zeroexp.results.files import utc_now, write_json
-    from zeroexp.launch.runner import new_manifest
+    from zeroexp.launch.runner import manifest_config, new_manifest
 
     status, cause = NOT_RUN[NotApplicableHere if isinstance(e, NotApplicableHere) else InvalidCell]
-    resolved = _resolved(cfg)
+    resolved = manifest_config(cfg)
     run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep}
     manifest = new_manifest(cfg, resolved, run_info, overrides, sweep, "n/a", "n/a", launch or
                             {"launcher": "local", "nodes": 1, "ranks_per_node": int(cfg.world_size), "job_id": None})
@@ -187,17 +187,6 @@ def _not_run(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str |
     write_json(cell_dir / "manifest.json", manifest)
     if console is not None:
         console.print(f"[{'yellow' if status == 'skipped' else 'red'}]{status}[/] {cell_dir.name}: {e}")
-
-
-def _resolved(cfg: DictConfig) -> dict[str, Any]:
-    """The config a cell's manifest records (``config``): resolved, without Hydra's node or the keys a sweep set for
-    other strategies."""
-    from zeroexp.config.schemas import without_strategy_extras
-
-    resolved = OmegaConf.to_container(without_strategy_extras(cfg), resolve=True)
-    assert isinstance(resolved, dict)
-    resolved.pop("hydra", None)
-    return resolved
 
 
 def _plain(value: Any) -> Any:
@@ -219,6 +208,7 @@ def _refused_before(cfg: DictConfig, manifest: Path) -> bool:
     identity, ``resources.check``) is checked again."""
     import json
 
+    from zeroexp.launch.runner import manifest_config
     from zeroexp.results.files import read_json
 
     if not manifest.exists():
@@ -229,7 +219,7 @@ def _refused_before(cfg: DictConfig, manifest: Path) -> bool:
         return False
     if m.get("status") != "refused" or not isinstance(m.get("config"), dict):
         return False
-    now = json.loads(json.dumps(_resolved(cfg), default=str))  # as the manifest's JSON reads it back
+    now = json.loads(json.dumps(manifest_config(cfg), default=str))  # as the manifest's JSON reads it back
     return {k: v for k, v in m["config"].items() if k != "resume"} == {k: v for k, v in now.items() if k != "resume"}
 
 

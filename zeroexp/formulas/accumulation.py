@@ -71,8 +71,8 @@ def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list
     ``comm`` (each is its unit's reduce-scatter input in the last micro-batch), ``gradients`` the steady shards freed.
     Its forward is never below the first micro-batch's (which holds no more). Optimizer: AdamW's temporaries.
     ``grads_held_into_backward`` (``use_orig_params``): the first micro-batch's backward starts holding the steady
-    shards, freed by the root's pre-backward hook (:func:`zeroexp.formulas.peak.fsdp_phase_peaks`): its forward's
-    end, every unit unsharded, and the loss's gradient seed."""
+    shards, freed by the root's pre-backward hook (``StepTrace.backward_start``), every unit
+    unsharded."""
     params, held = root + sum(unsharded), root_grads + sum(grads)
     best: dict[str, dict] = {}
 
@@ -85,10 +85,9 @@ def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list
     for s in (s for s in trace.segments if s.phase == "forward"):
         keep("forward", {**_plus(s.peak_by_category, loss), "unsharded": params, "gradients": -steady_grad_bytes,
                          "comm": s.peak_by_category.get("gradients", 0) + held})
-    if grads_held_into_backward:
-        end = next(s for s in trace.segments if (s.phase, s.unit) == ("forward", "loss"))
-        keep("backward", {**_plus(end.end_by_category, {**loss, "temporaries": trace.loss_bytes // 2}),
-                          "unsharded": params, "comm": end.end_by_category.get("gradients", 0)})
+    if grads_held_into_backward:  # every unit held; the traced gradients at the forward's end are unsharded ones
+        start = trace.backward_start()
+        keep("backward", {**_plus(start, {}), "unsharded": params, "comm": start.get("gradients", 0)})
     done = 0  # units whose last post-backward hook has run (their unit and gradient freed in the last micro-batch)
     order = list(range(len(unsharded)))[::-1]
     for s in (s for s in trace.segments if s.phase == "backward"):

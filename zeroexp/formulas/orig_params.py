@@ -3,13 +3,21 @@ the optimizer steps and when the previous step's gradients go [FSDP: torch/distr
 
 Each unit is still one FlatParameter, its original parameters 16-byte aligned in it (``zeroexp.formulas.layout``);
 after backward each original parameter's ``.grad`` is a view of the rank's sharded gradient
-(``_use_sharded_grad_views``), so AdamW steps one tensor per original parameter with elements in the rank's shard."""
+(``_use_sharded_grad_views``), so AdamW steps one tensor per original parameter with elements in the rank's shard.
+
+The previous step's gradients are still held when backward starts (the peak model's ``grads_held_into_backward``):
+Lightning's closure calls ``zero_grad`` after the forward, before ``backward``
+(lightning/pytorch/loops/optimization/automatic.py), and it sets only the original parameters' ``.grad`` (the views)
+to None; the FlatParameter's gradient is freed by the root's pre-backward hook once all are None
+(``_reset_flat_param_grad_info_if_needed``), a hook on the root's output: the loss, the root being the wrapped
+LightningModule (zeroexp.strategies._lightning). Without ``use_orig_params`` ``zero_grad`` frees the
+FlatParameter's gradient itself."""
 
 from __future__ import annotations
 
-from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs, Shard
+from zeroexp.formulas.shapes import Groups, ModelShape, Shard
 
-__all__ = ["view_numels", "views_per_rank", "orig_param_views", "grads_held_into_backward"]
+__all__ = ["view_numels", "views_per_rank", "orig_param_views"]
 
 
 def view_numels(shard: Shard, parts: int, index: int) -> list[int]:
@@ -41,13 +49,3 @@ def orig_param_views(groups: Groups, shape: ModelShape, members: list[list[int]]
                 local[i] = k
     return tuple(local[i] for i in sorted(local) if local[i])
 
-
-def grads_held_into_backward(knobs: PlanKnobs) -> bool:
-    """Whether FSDP1 still holds the previous step's sharded gradients when backward starts: with
-    ``use_orig_params``. Lightning's closure calls ``zero_grad`` after the forward, before ``backward``
-    (lightning/pytorch/loops/optimization/automatic.py), which sets the original parameters' ``.grad`` (views into
-    each FlatParameter's sharded gradient) to None; the FlatParameter's gradient itself is freed by the root's
-    pre-backward hook once all are None (``_reset_flat_param_grad_info_if_needed``), a hook on the root's output:
-    the loss, the root being the wrapped LightningModule (zeroexp.strategies._lightning). Without
-    ``use_orig_params`` ``zero_grad`` frees the FlatParameter's gradient itself."""
-    return knobs.use_orig_params

@@ -50,9 +50,12 @@ class StepTrace:
     loss_bytes: int
     units: tuple[TracedUnit, ...] = ()
 
+    def backward_start(self) -> dict[str, int]:
+        """Backward's start above steady: the forward's end less steady's loss scalars, plus autograd's seed."""
+        end = next(s for s in self.segments if (s.phase, s.unit) == ("forward", "loss"))
+        return _add(end.end_by_category, {"activations": -self.loss_bytes, "temporaries": self.loss_bytes // 2})
 
-#: How each strategy row holds gradients in backward is the row's ``StateLayout.peak_flow`` (``new``, ``in_place``,
-#: ``bucket``: :func:`phase_peaks`'s flows; ``fsdp1``, ``fsdp2``, ``deepspeed``), in zeroexp.formulas.rows.
+
 #: The phases of a training step as the memory probe cuts it (zeroexp/probes/memory.py), in order.
 PHASES = ("forward", "backward", "optimizer")
 
@@ -241,17 +244,11 @@ def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, stea
     unit not yet done (u at A only). Optimizer: AdamW's temporaries over the shards. Categories as the memory probe
     names them (zeroexp/_lib/memtrack.py): the units gathered are ``unsharded``, the unsharded gradient (the
     reduce-scatter's input) ``comm``, the output shards ``gradients`` (FSDP keeps them as the sharded gradient).
-    ``grads_held_into_backward`` (``use_orig_params``: ``zeroexp.plan.memory.grads_held_into_backward``): backward's
-    first moment, before the root's pre-backward hook frees the steady shards: the forward's end and the loss's
-    gradient seed (autograd's ``ones_like(loss)``, ``temporaries``)."""
+    ``grads_held_into_backward`` (zeroexp.formulas.orig_params): backward starts holding the steady shards."""
     k_of = _unit_index(trace, units)
     best = _Highest()
-    _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward)
-    if grads_held_into_backward:
-        end = next(s for s in trace.segments if (s.phase, s.unit) == ("forward", "loss"))
-        held = root + (0 if reshard_after_forward else sum(u.unsharded for u in units))
-        best.keep("backward", _add(end.end_by_category, {"activations": -trace.loss_bytes, "unsharded": held,
-                                                         "temporaries": trace.loss_bytes // 2}))
+    _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward,
+                  grads_held_into_backward=grads_held_into_backward)
     _fsdp_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes,
                    reshard_after_forward=reshard_after_forward, prefetch=prefetch, gloo=gloo)
     return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
@@ -268,15 +265,17 @@ def _backward_end(segs: list[Segment], name: str) -> int:
 
 
 def _fsdp_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
-                  root: int, reshard_after_forward: bool) -> None:
+                  root: int, reshard_after_forward: bool, grads_held_into_backward: bool = False) -> None:
     """:func:`fsdp_phase_peaks`' forward moments, each to ``keep``: unit k computing, and before its pre-hook and
-    gathered at its end; the loss."""
+    gathered at its end; the loss (and with ``grads_held_into_backward``, backward's start, the units held alike)."""
     full = [u.unsharded for u in units]
     for s in (s for s in trace.segments if s.phase == "forward"):
         act = {"activations": -trace.loss_bytes}
         if s.unit == "loss":
             held = root + (0 if reshard_after_forward else sum(full))
             keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": held}))
+            if grads_held_into_backward:
+                keep("backward", _add(trace.backward_start(), {"unsharded": held}))
             continue
         k = k_of[s.unit]
         done = sum(full[:k]) if not reshard_after_forward else 0

@@ -82,6 +82,15 @@ def device_and_backend(cfg: DictConfig, local_world_size: int | None = None) -> 
     return ("cuda", "nccl") if ranks_get_a_gpu(cfg, local_world_size or int(cfg.world_size)) else ("cpu", "gloo")
 
 
+def manifest_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config a cell's manifest records (``config``): resolved, without Hydra's node or the keys a sweep set for
+    other strategies."""
+    resolved = OmegaConf.to_container(without_strategy_extras(cfg), resolve=True)
+    assert isinstance(resolved, dict)
+    resolved.pop("hydra", None)
+    return resolved
+
+
 def new_manifest(cfg: DictConfig, resolved: dict[str, Any], run_info: dict[str, Any], overrides: Sequence[str],
                  sweep: str | None, device: str, backend: str, launch: dict[str, Any]) -> dict[str, Any]:
     """The manifest of a cell starting now (``running``); ``launch``: ``launcher``, ``nodes``, ``ranks_per_node``,
@@ -118,9 +127,7 @@ def _run_valid_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str], s
                           "or SLURM rank runs through python -m zeroexp (zeroexp.launch.cluster)")
     cell_dir = Path(cell_dir).resolve()
     cell_dir.mkdir(parents=True, exist_ok=True)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(resolved, dict)
-    resolved.pop("hydra", None)
+    resolved = manifest_config(cfg)
     device, backend = device_and_backend(cfg)
     from zeroexp.rank.faults import ENV as FAULT_ENV
 

@@ -20,7 +20,7 @@ from typing import Any
 from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, fsdp2_padded_numel, local_numels,
                               owner_assignment)
 from zeroexp.formulas.allocator import counted, counted_sum
-from zeroexp.formulas.orig_params import grads_held_into_backward, orig_param_views
+from zeroexp.formulas.orig_params import orig_param_views
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
 from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
 from zeroexp.formulas.adamw import adamw_temporaries
@@ -474,10 +474,10 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     # what zero_grad frees between steps: each unit's gradient shard, one storage (FSDP1's flat gradient; FSDP2's
     # reduce-scatter output, of which each parameter's sharded gradient is a view)
     steady_grads = counted_sum((k * kept for k in shards), block)
-    held_in = row.peak_flow == "fsdp1" and grads_held_into_backward(knobs)
+    orig = row.peak_flow == "fsdp1" and knobs.use_orig_params  # zeroexp.formulas.orig_params
     # AdamW's tensors in the optimizer's order: each FlatParameter, the root's first; with use_orig_params each
     # original parameter's view of this rank's shard, in the model's order
-    stepped = (orig_param_views(groups, shape, [m for m, _ in sized], rank % n) if held_in
+    stepped = (orig_param_views(groups, shape, [m for m, _ in sized], rank % n) if orig
                else tuple(shards[-1:] + shards[:-1]))
     if micro_batches > 1:
         if not row.no_sync_accumulation:
@@ -485,7 +485,7 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
         return fsdp_no_sync_phase_peaks(
             trace, [u.unsharded for u in units], flat_grads, root=root, root_grads=root_flat,
             steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
-            optimizer_temporaries=adamw_temporaries(stepped, kept, foreach, block), grads_held_into_backward=held_in)
+            optimizer_temporaries=adamw_temporaries(stepped, kept, foreach, block), grads_held_into_backward=orig)
     if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
         return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
@@ -497,4 +497,4 @@ def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsi
     full_shard = row.reshard_after_forward and not alone
     return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads,
                             reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
-                            gloo=gloo, optimizer_numels=stepped, grads_held_into_backward=held_in, **adamw)
+                            gloo=gloo, optimizer_numels=stepped, grads_held_into_backward=orig, **adamw)

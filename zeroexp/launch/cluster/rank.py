@@ -31,14 +31,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from zeroexp.config.cell import cell_axes, cell_id, cell_name
 from zeroexp.launch.cluster.env import RankEnv, detect
 from zeroexp.config.schemas import ConfigError, validate, without_strategy_extras
 from zeroexp.errors import one_line
 from zeroexp.results.files import host, read_json, utc_now, write_json
-from zeroexp.launch.runner import CellResult, device_and_backend, mark_partial, new_manifest
+from zeroexp.launch.runner import CellResult, device_and_backend, manifest_config, mark_partial, new_manifest
 
 __all__ = ["run_external_rank"]
 
@@ -84,9 +84,7 @@ def run_external_rank(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] 
           "local_rank": env.local_rank}
     ranks: list[Any] = [None] * env.world_size
     dist.all_gather_object(ranks, me)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(resolved, dict)
-    resolved.pop("hydra", None)
+    resolved = manifest_config(cfg)
     from zeroexp.rank.faults import ENV as FAULT_ENV
 
     run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep,
