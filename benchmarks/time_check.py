@@ -1,7 +1,9 @@
-"""The step-time model checked in one command: calibrate this machine, run the six cells, print
-predicted vs measured per cell and whether the prediction orders the strategies as the measurement does.
+"""The step-time model checked in one command: calibrate this machine on the default mlp (width 256), run the
+cells on it and on two models it was not timed on (width 768: 9x its parameters; width 90: 1/8), print predicted vs
+measured per cell and whether the prediction orders the strategies as the measurement does, model by model.
 
-    python benchmarks/time_check.py                      # calibrate + sweep (about 3 min on a quiet 2-core host)
+    python benchmarks/time_check.py                      # calibrate + three sweeps (about 12 min, quiet 2-core host)
+    python benchmarks/time_check.py --widths 768         # one model only
     python benchmarks/time_check.py --calibration F.json # reuse a calibration
     python benchmarks/time_check.py --sweep DIR          # only print the table of a sweep that ran
 
@@ -22,26 +24,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = "strategy=ddp,zro,zero2,fsdp_grad_op,fsdp_full prefetch=pre,none".split()
-COMMON = ["world_size=2", "model.width=768"]
+COMMON = ["world_size=2"]
+#: The calibration's model (conf/model/mlp.yaml: 8 x 256^2 parameters) and the cells' widths: its own, 9x its
+#: parameters (8 x 768^2) and about 1/8 (8 x 90^2): a calibration's compute carries to another model's size.
+CAL_WIDTH, WIDTHS = 256, (256, 768, 90)
 ORDER = ["ddp", "zro", "zero2", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-post", "fsdp_full-none"]
 
 
-def _run(args: list[str]) -> str:
+def _run(args: list[str], ok: tuple[int, ...] = (0,)) -> str:
+    """Run ``args``; its stdout. An exit code outside ``ok`` raises (a sweep's 3, a check failed, is a result)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print("$", " ".join(args), file=sys.stderr, flush=True)
-    out = subprocess.run(args, cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-    return out
+    done = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    if done.returncode not in ok:
+        raise subprocess.CalledProcessError(done.returncode, args, done.stdout)
+    return done.stdout
 
 
 def calibrate(out_dir: Path) -> Path:
-    """``python -m zeroexp.calibrate world_size=2 model.width=768``; the JSON's path (its last line ending .json)."""
-    out = _run([sys.executable, "-m", "zeroexp.calibrate", *COMMON, f"output_dir={out_dir}"])
+    """``python -m zeroexp.calibrate world_size=2 model.width=256``; the JSON's path (its last line ending .json)."""
+    out = _run([sys.executable, "-m", "zeroexp.calibrate", *COMMON, f"model.width={CAL_WIDTH}",
+                f"output_dir={out_dir}"])
     return Path([line for line in out.splitlines() if line.endswith(".json")][-1])
 
 
-def sweep(calibration: Path, sweep_dir: Path, steps: int) -> Path:
-    _run([sys.executable, "-m", "zeroexp", "--multirun", *CELLS, *COMMON, f"steps={steps}", "logger=csv",
-          f"calibration={calibration}", f"hydra.sweep.dir={sweep_dir}"])
+def sweep(calibration: Path, sweep_dir: Path, steps: int, width: int) -> Path:
+    _run([sys.executable, "-m", "zeroexp", "--multirun", *CELLS, *COMMON, f"model.width={width}", f"steps={steps}",
+          "logger=csv", f"calibration={calibration}", f"hydra.sweep.dir={sweep_dir}"], ok=(0, 3))
     return sweep_dir
 
 
@@ -60,6 +69,7 @@ def table(sweep_dir: Path) -> int:
         name = f"{strategy}-{prefetch}" if strategy == "fsdp_full" else strategy
         rows.append((name, t))
     rows.sort(key=lambda r: ORDER.index(r[0]) if r[0] in ORDER else len(ORDER))
+    print(f"\n{sweep_dir}")
     print(f"{'cell':16} {'predicted ms':>12} {'measured median ms [95% CI]':>30} {'ratio':>6} "
           f"{'exposed pred / meas':>20}  check")
     known, passed, ordered = 0, 0, []
@@ -92,6 +102,8 @@ def main() -> int:
     ap.add_argument("--calibration", type=Path, help="a calibration JSON to reuse (default: calibrate now)")
     ap.add_argument("--sweep", type=Path, help="print the table of this sweep directory only")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)),
+                    help=f"the cells' model widths, comma-separated (default {','.join(map(str, WIDTHS))})")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "time_check")
     a = ap.parse_args()
     if a.sweep:
@@ -101,7 +113,9 @@ def main() -> int:
     print(f"load average {load:.2f} (run on a quiet host: < 1)", file=sys.stderr)
     cal = a.calibration or calibrate(a.out / "calibration")
     print(f"calibration: {cal}", file=sys.stderr)
-    return table(sweep(cal, a.out / f"sweep_{stamp}", a.steps))
+    widths = [int(w) for w in a.widths.split(",")]
+    sweeps = [sweep(cal, a.out / f"sweep_{stamp}_w{w}", a.steps, w) for w in widths]
+    return max(table(d) for d in sweeps)
 
 
 if __name__ == "__main__":

@@ -260,6 +260,29 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
                                            pytest.approx(c["points"][1][f"{phase}_s"]))
         for p in c["points"] if fitted else c["points"][1:]:
             assert call + rate * p["batch_size"] == pytest.approx(p[f"{phase}_s"], rel=1e-9), (phase, c["fit"])
+        # the call split (schema 9): fixed + per operator (the stacks at 16 and 64 layers, counted) + per parameter
+        stacks = {s["depth"]: s for s in c["ops_stacks"]}
+        assert sorted(stacks) == [16, 64] and c["ops"] == {"forward": 18, "backward": 60}  # 8 x (t, mm) + loss
+        assert {d: (s["ops"]["forward"], s["ops"]["backward"]) for d, s in stacks.items()} == {16: (34, 116),
+                                                                                             64: (130, 452)}
+        per_op, fixed, per_param = (c[f"{phase}{k}"] for k in ("_s_per_op", "_call_fixed_s", "_call_s_per_param"))
+        assert min(per_op, fixed, per_param) >= 0
+        if fitted:
+            deep, shallow = stacks[64][f"{phase}_s"], stacks[16][f"{phase}_s"]
+            assert per_op == pytest.approx(max(0.0, deep - shallow) / (452 - 116 if phase == "backward" else 130 - 34))
+            assert fixed == pytest.approx(max(0.0, shallow - per_op * stacks[16]["ops"][phase]))
+            if per_param > 0:  # the model's fitted call, whole again
+                assert fixed + per_op * c["ops"][phase] + per_param * c["numel"] == pytest.approx(call, rel=1e-9)
+    # AdamW: fixed + per tensor (the stacks' 16 and 64) + per element, in the cache and beyond it, the model's step
+    # whole again
+    assert c["tensors"] == 8 and c["adamw_beyond"]["tensors"] == 8 and c["adamw_beyond"]["elements"] > 0
+    assert min(c[k] for k in ("adamw_step_s", "adamw_s_per_tensor", "adamw_s_per_element",
+                              "adamw_s_per_element_beyond")) >= 0
+    from zeroexp.results.calibration import load_calibration
+
+    rate = load_calibration(path).rate
+    assert rate.optimizer_seconds(8, c["numel"]) == pytest.approx(c["optimizer_s"], rel=1e-9) or \
+        c["fit"]["optimizer"].startswith("per element alone")
     assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
     assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
     from zeroexp.calibrate.framework import stream_floor

@@ -271,11 +271,17 @@ def test_the_call_cost_is_fitted_over_two_micro_batch_sizes_or_left_out():
 
 
 def test_a_calibration_before_schema_8_has_no_call_cost(tmp_path):
+    """Schema 7: no call cost; 8: its model's call cost, fixed (it carries to no other model); 9: the call's fixed
+    part, its cost per operator and per parameter (its model's call, ``*_call_s``, is their sum there)."""
     from test_time import calibration_data
 
     data = calibration_data()
-    for schema, extra, want in ((7, {}, (0.0, 0.0)), (8, {"forward_call_s": 1e-3, "backward_call_s": 2e-3},
-                                                        (1e-3, 2e-3))):
+    split = {"forward_call_s": 1e-3, "backward_call_s": 2e-3, "forward_call_fixed_s": 2e-4,
+             "backward_call_fixed_s": 3e-4, "forward_s_per_op": 1e-5, "backward_s_per_op": 5e-6,
+             "forward_call_s_per_param": 1e-9, "backward_call_s_per_param": 2e-9}
+    for schema, extra, want, ops in ((7, {}, (0.0, 0.0), (0.0, 0.0)),
+                                     (8, {"forward_call_s": 1e-3, "backward_call_s": 2e-3}, (1e-3, 2e-3), (0.0, 0.0)),
+                                     (9, split, (2e-4, 3e-4), (1e-5, 5e-6))):
         data = {**data, "schema": schema, "compute": {**data["compute"], **extra}}
         path = tmp_path / f"cal{schema}.json"
         path.write_text(json.dumps(data))
@@ -283,4 +289,100 @@ def test_a_calibration_before_schema_8_has_no_call_cost(tmp_path):
 
         rate = load_calibration(path).rate
         assert (rate.forward_call_s, rate.backward_call_s) == want
+        assert (rate.forward_s_per_op, rate.backward_s_per_op) == ops and rate.counts_ops == (schema == 9)
         assert rate.forward_s_per_param_sample == data["compute"]["forward_s_per_param_sample"]
+        # a model of 18 forward operators over a million parameters: fixed + operators + parameters
+        assert rate.call_seconds("forward", 18, 10**6) == pytest.approx(
+            want[0] + 18 * ops[0] + (1e-9 * 10**6 if schema == 9 else 0))
+
+
+def test_a_call_cost_carries_to_a_model_of_other_size_and_operators():
+    """The call's parts scale each with its own count: a model 9x the parameters pays 9x the per-parameter part and
+    the same per-operator part; twice the operators, twice that; the fixed part once. A call split from a fit whose
+    fixed and per-operator parts reach it has no per-parameter part, and says so."""
+    from zeroexp.formulas import split_cost
+
+    rate = ComputeRate(1e-10, 2e-10, 2e-9, 2.7e-4, 2.7e-4, 1.15e-5, 5.4e-6, 1e-9, 2e-9)
+    one, nine = rate.call_seconds("backward", 60, 524288), rate.call_seconds("backward", 60, 9 * 524288)
+    assert nine - one == pytest.approx(8 * 524288 * 2e-9)
+    assert rate.call_seconds("backward", 120, 524288) - one == pytest.approx(60 * 5.4e-6)
+    assert rate.call_seconds("forward", 0, 0) == 2.7e-4
+    per_param, why = split_cost(1e-3, 18, 524288, 2e-4, 1e-5)  # 1 ms = 0.2 + 18 x 0.01 + 524288 x per_param
+    assert why is None and per_param == pytest.approx((1e-3 - 2e-4 - 18e-5) / 524288)
+    per_param, why = split_cost(3e-4, 18, 524288, 2e-4, 1e-5)  # fixed and operators 0.38 ms > the fitted 0.3
+    assert per_param == 0.0 and why
+    layout, groups = _groups("ddp")  # in a step: each micro-batch pays its call's parts
+    coll = step_collectives(layout, groups, 4, KNOBS)
+    seconds = lambda op, s, n: n * 1e-4 + s / 1e9  # noqa: E731 - a given link
+    a, b = (predict_step(layout, groups, coll, rate, 8, seconds, False, "pre", ops=ops) for ops in ((0, 0), (18, 60)))
+    assert b.forward_s - a.forward_s == pytest.approx(18 * 1.15e-5)
+    assert b.backward_s - a.backward_s == pytest.approx(60 * 5.4e-6)
+
+
+def test_adamw_pays_per_step_per_tensor_and_per_element_in_and_beyond_the_cache():
+    """AdamW's step: a fixed cost, one per tensor, and one per element: those in the rank's share of the cache at
+    its rate, those beyond at memory's; two steps (the model's and one beyond the cache) solve for both rates."""
+    from zeroexp.formulas import split_cache
+
+    rate = ComputeRate(1e-10, 2e-10, 1.5e-9, adamw_step_s=3e-4, adamw_s_per_tensor=1e-4, adamw_cache_elements=1000,
+                       adamw_s_per_element_beyond=8e-9)
+    assert rate.optimizer_seconds(8, 600) == pytest.approx(3e-4 + 8e-4 + 600 * 1.5e-9)  # all in the cache
+    assert rate.optimizer_seconds(8, 5000) == pytest.approx(3e-4 + 8e-4 + 1000 * 1.5e-9 + 4000 * 8e-9)
+    assert ComputeRate(1e-10, 2e-10, 2e-9).optimizer_seconds(8, 5000) == pytest.approx(1e-5)  # one rate for all
+    # the model (2,000 elements: 1,000 in, 1,000 beyond) and 16,000 (1,000 in, 15,000 beyond), exact
+    t = lambda e: min(e, 1000) * 1.5e-9 + max(0, e - 1000) * 8e-9  # noqa: E731
+    assert split_cache((2000, t(2000)), (16000, t(16000)), 1000) == pytest.approx((1.5e-9, 8e-9))
+    assert split_cache((500, t(500)), (16000, t(16000)), 1000) == pytest.approx((1.5e-9, 8e-9))  # model in cache
+    assert split_cache((2000, 1e-5), (16000, 1e-6), 1000) is None  # the larger step faster: noise, no rates
+
+
+def test_the_optimizer_steps_the_tensors_each_strategy_gives_a_rank():
+    """``optimizer_tensors``: the busiest rank's step scalars where the groups fix them (DDP: every trained
+    parameter; FSDP1 flat: one FlatParameter a unit, with use_orig_params each view; ZeroRedundancyOptimizer: the
+    busiest owner's), else the trained parameters."""
+    from zeroexp.formulas import optimizer_tensors
+
+    for row, want in (("ddp", 8), ("fsdp_full", 8), ("fsdp2_full", 8), ("zro", 4)):
+        layout, groups = _groups(row)
+        assert optimizer_tensors(layout, groups, KNOBS) == want, row
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt", "lora_gpt", "hf_llama", "conv_bn"])
+def test_a_steps_operators_are_counted_as_the_cpu_dispatches_them(compose, model):
+    """``step_ops`` on fake CPU tensors counts the operators a real CPU step dispatches, forward and backward apart
+    (the GPT's attention through the CPU's fused kernel, not the meta device's math path): zeroexp's models and
+    foreign ones (tests/test_corpus.py's)."""
+    from test_corpus import HF, MODELS
+    import torch
+
+    from zeroexp._lib.dispatch import dispatch_mode_base
+    from zeroexp.models import build_model, loss_of, make_batch
+    from zeroexp.plan.flops import step_ops
+
+    if model == "hf_llama" and not HF:
+        pytest.skip("transformers is not installed")
+    overrides = MODELS[model][0] if model in MODELS else (f"model={model}",)
+    model = compose(*overrides, base=("logger=none",)).model
+
+    class Count(dispatch_mode_base()):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func.namespace != "prim"  # prim.device: a tensor's device asked, no operator
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    net, batch = build_model(model), make_batch(model, 2, 0, 0, 0)
+    with Count() as forward:
+        loss = loss_of(model)(net(batch), batch)
+    with Count() as backward:
+        loss.backward()
+    assert step_ops(model, "cpu", 2) == (forward.calls, backward.calls) and forward.calls > 0
+
+
+def test_a_deep_stacks_operators_are_derived_from_shallow_ones(compose):
+    """A GPT deeper than DERIVED_ABOVE: its counts from two, three and four blocks equal the whole count."""
+    from zeroexp.plan.flops import step_ops
+
+    model = compose("model=gpt", "model.n_layer=22", "model.n_embd=32", "model.n_head=2", base=("logger=none",)).model
+    assert step_ops(model, "cpu") == step_ops(model, "cpu", derive=False)

@@ -230,15 +230,95 @@ def fit_sizes(batch_size: int) -> tuple[int, int]:
     return (1, 2) if b == 1 else (max(1, b // 4), b)
 
 
+#: The stacks a call's fixed cost and its cost per operator are timed on (:func:`ops_stack`): zeroexp's mlp of
+#: Linear(8, 8) at 16 and at 64 layers, one sample: at 64, 130 forward and 452 backward operators over 4,096
+#: parameters, whose parameters' and sample's cost is negligible beside the operators' own (on the 2-core host
+#: 1.7 ms forward, of which 8 x 4,096 x 1e-10 s). Their difference over their operators' is a call's cost per
+#: operator; what the shallow one costs beyond its operators, the call's fixed cost (measured on the 2-core host,
+#: one thread: 11.5 us an operator forward, 5.4 backward, and 0.27 ms a call each). AdamW's step over their 16 and
+#: 64 tensors likewise: a cost per tensor and a fixed one (torch.optim.AdamW on 8 tensors of the 2-core host: 2.6 ms
+#: for 64,800 elements, 6.1 for 524,288, 40.6 for 4,718,592: 8.2 ns an element beside ~1.8 ms a step).
+OPS_WIDTH, OPS_DEPTHS = 8, (16, 64)
+
+
+def ops_stack(depth: int) -> Any:
+    """The model config of an operator stack of ``depth`` layers (:data:`OPS_WIDTH`, :data:`OPS_DEPTHS`)."""
+    from omegaconf import OmegaConf
+
+    from zeroexp.models.schemas import MLPConfig
+
+    return OmegaConf.structured(MLPConfig(name="ops_stack", width=OPS_WIDTH, depth=depth, input_shape=[OPS_WIDTH]))
+
+
+#: The working set AdamW is also timed on, in times the rank's share of the last-level cache (:func:`adamw_beyond`):
+#: its elements mostly beyond the cache, so that with the model's step it gives a rate in the cache and one beyond.
+BEYOND_CACHE = 8
+
+
+def cache_share(device: torch.device, world: int) -> int:
+    """The last-level cache one rank has (:func:`cache_bytes`): a GPU's L2 its own, a CPU's shared by the host's
+    ``world`` ranks."""
+    return cache_bytes(device) // (1 if device.type == "cuda" else max(1, int(world)))
+
+
+def adamw_beyond(share: int, device: torch.device, lr: float = 1e-3) -> tuple[int, Callable[[], float]]:
+    """(elements, step): AdamW over 8 tensors whose working set (:data:`~zeroexp.formulas.time.ADAMW_STATE_BYTES` an
+    element) is :data:`BEYOND_CACHE` times ``share``; ``step()`` gives each its gradient, then times the step and
+    ``zero_grad`` as the model's are timed."""
+    from zeroexp.formulas.time import ADAMW_STATE_BYTES
+
+    per = max(1, BEYOND_CACHE * share // ADAMW_STATE_BYTES // 8)
+    params = [torch.nn.Parameter(torch.zeros(per, device=device)) for _ in range(8)]
+    grads = [torch.full_like(p, 1e-3) for p in params]
+    opt = torch.optim.AdamW(params, lr=lr)
+
+    def step() -> float:
+        for p, g in zip(params, grads):
+            p.grad = g
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        return time.perf_counter() - t0
+    return 8 * per, step
+
+
+def _phases(net: torch.nn.Module, loss_fn: Any, opt: Any, batch: torch.Tensor, device: torch.device
+            ) -> list[tuple[str, float]]:
+    """Forward (with the loss), backward, and the AdamW step with zero_grad, each timed from a sync."""
+    marks = []
+    for phase in ("forward", "backward", "optimizer"):
+        sync(device)
+        t0 = time.perf_counter()
+        if phase == "forward":
+            loss = loss_fn(net(batch), batch)
+        elif phase == "backward":
+            loss.backward()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync(device)
+        marks.append((phase, time.perf_counter() - t0))
+    return marks
+
+
 def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.device, lr: float = 1e-3
                     ) -> dict[str, Any]:
     """Forward (with the loss), backward and AdamW step + zero_grad of the whole model on this rank, the median over
     ``steps`` after one warm-up, at the two micro-batch sizes of :func:`fit_sizes`; forward and backward fitted as a
     call's own cost plus seconds per parameter x sample (:func:`~zeroexp.formulas.time.fit_calls`; where the fit
     is not a cost, timing noise above the call, no call cost and ``batch_size``'s own rate, said in ``fit``), AdamW
-    per updated element."""
-    from zeroexp.formulas.time import fit_calls
+    per updated element. In the same steps the operator stacks (:func:`ops_stack`) at one sample: their difference
+    over their operators' (counted, ``zeroexp.plan.flops.step_ops``) is a call's cost per operator, what the shallow
+    one costs beyond its operators a call's fixed cost, and the model's call cost beyond both is per parameter
+    (:func:`~zeroexp.formulas.time.split_cost`); likewise AdamW's step: the stacks' difference over their tensors'
+    is its cost per tensor, the shallow one's beyond its tensors its fixed cost, the model's beyond both per
+    element, in the rank's share of the cache and beyond it with a step of :data:`BEYOND_CACHE` times that share
+    (:func:`adamw_beyond`, :func:`~zeroexp.formulas.time.split_cache`)."""
+    from zeroexp.formulas.time import ADAMW_STATE_BYTES, fit_calls, split_cache, split_cost
     from zeroexp.models import build_model, loss_of, make_batch
+    from zeroexp.plan.flops import step_ops
     from zeroexp.results.calibration import NO_CALL_COST
 
     torch.manual_seed(0)
@@ -246,39 +326,78 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
     loss_fn = loss_of(model_cfg)
     opt = torch.optim.AdamW(net.parameters(), lr=lr)
     psi = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    stacks = {}
+    for depth in OPS_DEPTHS:
+        stack_cfg = ops_stack(depth)
+        stack = build_model(stack_cfg).to(device)
+        stacks[f"stack{depth}"] = (stack_cfg, stack, torch.optim.AdamW(stack.parameters(), lr=lr))
 
+    share = cache_share(device, dist.get_world_size())
+    beyond_elements, beyond_step = adamw_beyond(share, device, lr)
+    beyond: list[float] = []
     sizes = fit_sizes(batch_size)
-    times = {size: {"forward": [], "backward": [], "optimizer": []} for size in sizes}
+    times = {size: {"forward": [], "backward": [], "optimizer": []} for size in (*sizes, *stacks)}
     for step in range(steps + 1):
-        for size in sizes:  # the sizes step by step in turn: a drift of the host's speed reaches both alike
-            batch = make_batch(model_cfg, size, 0, step, dist.get_rank()).to(device)
-            marks = []
-            for phase in ("forward", "backward", "optimizer"):
-                sync(device)
-                t0 = time.perf_counter()
-                if phase == "forward":
-                    loss = loss_fn(net(batch), batch)
-                elif phase == "backward":
-                    loss.backward()
-                else:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                sync(device)
-                marks.append((phase, time.perf_counter() - t0))
+        # the sizes and the stacks step by step in turn: a drift of the host's speed reaches each alike
+        for size in (*sizes, *stacks):
+            if size in stacks:
+                stack_cfg, stack, stack_opt = stacks[size]
+                marks = _phases(stack, loss_of(stack_cfg), stack_opt,
+                                make_batch(stack_cfg, 1, 0, step, dist.get_rank()).to(device), device)
+            else:
+                marks = _phases(net, loss_fn, opt, make_batch(model_cfg, size, 0, step, dist.get_rank()).to(device),
+                                device)
             if step:  # step 0 is warm-up (Adam creates its moments; each batch shape's first run)
                 for phase, t in marks:
                     times[size][phase].append(t)
+        t = beyond_step()
+        beyond += [t] if step else []
     at = {size: {k: _slowest(statistics.median(v), device) for k, v in ts.items()} for size, ts in times.items()}
     med = at[int(batch_size)]
+    phases = ("forward", "backward")
+    ops = dict(zip(phases, step_ops(model_cfg, device.type, int(batch_size))))
+    stack_ops = {name: dict(zip(phases, step_ops(cfg, device.type))) for name, (cfg, _, _) in stacks.items()}
+    shallow, deep = (f"stack{d}" for d in OPS_DEPTHS)
     out: dict[str, Any] = {}
     fit: dict[str, str] = {}
-    for phase in ("forward", "backward"):
+    for phase in phases:
         calls = fit_calls([(size, at[size][phase]) for size in sizes])
         call, slope = calls if calls is not None else (0.0, med[phase] / batch_size)
-        out[f"{phase}_call_s"], out[f"{phase}_s_per_param_sample"] = call, slope / psi
-        fit[phase] = (f"a call's cost + per sample, over micro-batches {sizes[0]} and {sizes[1]}" if calls is not None
-                      else f"{NO_CALL_COST} (micro-batches {sizes[0]} and {sizes[1]} fit none: timing noise above it): "
-                           f"the rate at {batch_size}")
+        per_op = max(0.0, (at[deep][phase] - at[shallow][phase])
+                     / (stack_ops[deep][phase] - stack_ops[shallow][phase]))
+        fixed = max(0.0, at[shallow][phase] - per_op * stack_ops[shallow][phase])
+        per_param, why = split_cost(call, ops[phase], psi, fixed, per_op) if calls is not None else (0.0, None)
+        out.update({f"{phase}_call_s": call, f"{phase}_s_per_param_sample": slope / psi,
+                    f"{phase}_call_fixed_s": fixed if calls is not None else 0.0,
+                    f"{phase}_s_per_op": per_op if calls is not None else 0.0,
+                    f"{phase}_call_s_per_param": per_param})
+        split = "fixed + per operator alone: " + why if why else "fixed + per operator + per parameter"
+        fit[phase] = ((f"a call's cost + per sample, over micro-batches {sizes[0]} and {sizes[1]}; the call's "
+                       f"cost {split}")
+                      if calls is not None else
+                      f"{NO_CALL_COST} (micro-batches {sizes[0]} and {sizes[1]} fit none: timing noise above it): "
+                      f"the rate at {batch_size}")
+    tensors = sum(1 for p in net.parameters() if p.requires_grad)
+    per_tensor = max(0.0, (at[deep]["optimizer"] - at[shallow]["optimizer"]) / (OPS_DEPTHS[1] - OPS_DEPTHS[0]))
+    step = max(0.0, at[shallow]["optimizer"] - per_tensor * OPS_DEPTHS[0])
+    per_element, why = split_cost(med["optimizer"], tensors, psi, step, per_tensor, "tensors")
+    if why:  # the stacks alone reach the model's step: its rate per element as measured, nothing apart
+        step, per_tensor, per_element = 0.0, 0.0, med["optimizer"] / psi
+    t_beyond = _slowest(statistics.median(beyond), device)
+    cache_elements = share // ADAMW_STATE_BYTES
+    rates = None if why else split_cache((psi, per_element * psi),
+                                         (beyond_elements, t_beyond - step - 8 * per_tensor), cache_elements)
+    in_cache, per_beyond = rates if rates is not None else (per_element, per_element)
+    out.update(adamw_step_s=step, adamw_s_per_tensor=per_tensor, adamw_s_per_element=in_cache,
+               adamw_cache_elements=cache_elements if rates is not None else 0,
+               adamw_s_per_element_beyond=per_beyond,
+               adamw_beyond={"elements": beyond_elements, "tensors": 8, "optimizer_s": t_beyond,
+                             "cache_share_bytes": share})
+    fit["optimizer"] = (f"per element alone: {why}" if why else
+                        f"fixed + per tensor (the stacks) + per element ({tensors} tensors, {psi} elements), "
+                        + (f"in the rank's {share} B of cache and beyond it (with {beyond_elements} elements)"
+                           if rates is not None else "one rate in and beyond the cache (the two steps solve to "
+                                                     "none: noise above the difference)"))
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
@@ -286,8 +405,10 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
             "steps": steps,
             "forward_s": med["forward"], "backward_s": med["backward"], "optimizer_s": med["optimizer"],
             "points": [{"batch_size": size, **{f"{k}_s": v for k, v in at[size].items()}} for size in sizes],
-            "fit": fit, **out,
-            "adamw_s_per_element": med["optimizer"] / psi}
+            "ops": ops, "ops_stacks": [{"width": OPS_WIDTH, "depth": int(name[5:]), "batch_size": 1,
+                                        "ops": stack_ops[name], **{f"{k}_s": v for k, v in at[name].items()}}
+                                       for name in stacks],
+            "tensors": tensors, "fit": fit, **out}
 
 
 def host_activity(start: tuple[float, float | None, float], device: torch.device) -> dict[str, Any] | None:

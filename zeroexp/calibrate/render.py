@@ -41,10 +41,17 @@ def render_table(cal: Calibration, console: Any) -> None:
         u.add_column(col, justify="left" if col == "phase" else "right")
     for label, phase in (("forward (+ loss)", "forward"), ("backward", "backward")):
         call = c.get(f"{phase}_call_s", 0.0)
-        u.add_row(label, f"{c[f'{phase}_s'] * 1e3:.3f}", f"{call * 1e3:.3f} ms a call + "
+        split = (f" ({c[f'{phase}_call_fixed_s'] * 1e3:.3f} ms + {c['ops'][phase]} operators x "
+                 f"{c[f'{phase}_s_per_op'] * 1e6:.2f} us + {c[f'{phase}_call_s_per_param'] * 1e12:.1f} ps per "
+                 "parameter)" if f"{phase}_s_per_op" in c else "")
+        u.add_row(label, f"{c[f'{phase}_s'] * 1e3:.3f}", f"{call * 1e3:.3f} ms a call{split} + "
                                                           f"{c[f'{phase}_s_per_param_sample'] * 1e12:.2f} ps per "
                                                           "parameter x sample")
-    u.add_row("AdamW step", f"{c['optimizer_s'] * 1e3:.3f}", f"{c['adamw_s_per_element'] * 1e9:.3f} ns per element")
+    u.add_row("AdamW step", f"{c['optimizer_s'] * 1e3:.3f}",
+              (f"{c['adamw_step_s'] * 1e3:.3f} ms + {c['tensors']} tensors x {c['adamw_s_per_tensor'] * 1e6:.1f} us + "
+               if "adamw_step_s" in c else "") + f"{c['adamw_s_per_element'] * 1e9:.3f} ns per element"
+              + (f" ({c['adamw_cache_elements']:,} in the cache), {c['adamw_s_per_element_beyond'] * 1e9:.3f} beyond"
+                 if c.get("adamw_cache_elements") else ""))
     console.print(u)
     for phase, how in (c.get("fit") or {}).items():
         console.print(f"compute fit, {phase}: {how} (" + ", ".join(

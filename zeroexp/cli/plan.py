@@ -187,9 +187,13 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
     _init_peaks(str(cfg.init.name), records, shape, memory, bool(cfg.use_orig_params))
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
-        from zeroexp.plan.network import add_step_times
+        from zeroexp.plan.network import add_step_times, model_ops
 
-        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), ac == "full")
+        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), ac == "full",
+                       model_ops(network, cfg.model, batch))
+        if cfg.model is None and network.rate.counts_ops:
+            notes.append("step_ms: a parameter count has no operators to count: each forward's and backward's cost "
+                         "per operator left out (give model= for it)")
         if cfg.model is None:
             notes.append("tokens_per_s: a parameter count has no input shape, one token a sample assumed")
     return records, notes

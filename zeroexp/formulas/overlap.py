@@ -50,13 +50,15 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from zeroexp.formulas.framework import FrameworkCost, framework_time
-from zeroexp.formulas.layout import Groups, PlanKnobs, StateLayout, step_collectives
+from zeroexp.formulas.layout import (STEP_BYTES, Groups, PlanKnobs, StateLayout, rank_state_bytes,
+                                     step_collectives)
 from zeroexp.formulas.paper import Collectives
 from zeroexp.formulas.shapes import POST_FORWARD, WORLD
 from zeroexp.formulas.time import ComputeRate
 
 __all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step",
-           "optimizer_elements", "recompute_seconds", "checkpointed_numel", "micro_batch_slots", "accumulation_repeats"]
+           "optimizer_elements", "optimizer_tensors", "recompute_seconds", "checkpointed_numel", "micro_batch_slots",
+           "accumulation_repeats"]
 
 #: (op, payload bytes S, calls) -> seconds: a calibration's fit, or a network preset's two-level ring.
 CollectiveTime = Callable[[str, float, float], float]
@@ -149,6 +151,16 @@ def optimizer_elements(layout: StateLayout, groups: Groups) -> int:
     if "optim" in layout.sharded and groups.shards:
         return sum(sh.numel // groups.world_size for sh in groups.shards)
     return groups.numel
+
+
+def optimizer_tensors(layout: StateLayout, groups: Groups, knobs: PlanKnobs = PlanKnobs()) -> int:
+    """The parameter tensors AdamW steps on the busiest rank: where the groups fix their number, its step scalars
+    (:func:`~zeroexp.formulas.layout.rank_state_bytes`' ``optim_scalar``: owned parameters, a unit's flat shard or
+    its original parameters' views, a row's, a flat partition per sub-group); else every trained parameter."""
+    scalars = rank_state_bytes(layout, groups, 4, knobs).get("optim_scalar")
+    if scalars:
+        return max(lo for lo, _ in scalars) // STEP_BYTES
+    return len(groups.numels) - len(groups.ungraded)
 
 
 def _cum(sizes: list[int]) -> list[int]:
@@ -309,7 +321,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                  micro_batches: int = 1, repeats: dict[str, float] | None = None,
                  group_seconds: GroupTime | None = None, wake: Callable[[float], float] | None = None,
                  burst_seconds: CollectiveTime | None = None, stream_seconds: CollectiveTime | None = None,
-                 ahead: tuple[int, int] = (0, 0)) -> StepTime:
+                 ahead: tuple[int, int] = (0, 0), ops: tuple[int, int] = (0, 0), tensors: int = 0) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
     (forward and backward over every parameter, as data parallelism computes the whole model on each rank, each call
     with its own cost once per micro-batch; AdamW over :func:`optimizer_elements`), each op of ``collectives`` (the
@@ -329,12 +341,16 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     ``stream_seconds``: a call's time in a stream of sync calls (a calibration's ``stream_mean_s``): what it exceeds
     the call's time alone by is the call's floor (its extra is its waking or that, the larger: :func:`channel_step`);
     not for burst slots (their own figure) nor calls timed group by group; None: no floor. ``ahead``: FSDP2's explicit
-    forward and backward prefetch (:func:`collective_slots`)."""
+    forward and backward prefetch (:func:`collective_slots`). ``ops``: the operators the model's forward and its
+    backward dispatch (``zeroexp.plan.flops.step_ops``), what each call's own cost is paid on
+    (:meth:`~zeroexp.formulas.time.ComputeRate.call_seconds`); ``tensors``: the parameter tensors AdamW steps on the
+    busiest rank (:func:`optimizer_tensors`), each at its own cost
+    (:meth:`~zeroexp.formulas.time.ComputeRate.optimizer_seconds`)."""
     psi = groups.numel
-    f = rate.forward_s_per_param_sample * psi * samples + rate.forward_call_s
+    f = rate.forward_s_per_param_sample * psi * samples + rate.call_seconds("forward", ops[0], psi)
     r = recompute_seconds(f, checkpointed, psi)
-    b = rate.backward_s_per_param_sample * psi * samples + rate.backward_call_s + r
-    o = rate.adamw_s_per_element * optimizer_elements(layout, groups)
+    b = rate.backward_s_per_param_sample * psi * samples + rate.call_seconds("backward", ops[1], psi) + r
+    o = rate.optimizer_seconds(tensors, optimizer_elements(layout, groups))
     fw = framework_time(layout, groups, itemsize, framework or FrameworkCost())
     bare = (f, b - r, o)
     f, b, o = f + fw.forward_s, b + fw.backward_s, o + fw.optimizer_s

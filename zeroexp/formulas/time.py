@@ -12,6 +12,9 @@ of g ranks is an intra-node reduce_scatter, the inter-node collective on S / g p
 then an intra-node all_gather.
 [PAV] Barlow, Bartholomew, Bremner, Brunk, "Statistical Inference under Order Restrictions", Wiley 1972: pool
 adjacent violators, the least-squares monotone fit.
+[ROOFLINE] Williams, Waterman, Patterson, "Roofline: an insightful visual performance model for multicore
+architectures", CACM 52(4), 2009: a kernel of low arithmetic intensity runs at the bandwidth of the level its working
+set lives in (the cache while it fits, memory beyond).
 [KAPLAN] Kaplan et al. "Scaling Laws for Neural Language Models", arXiv:2001.08361, 2.1: forward 2N FLOPs per token,
 backward twice that (6N in all).
 """
@@ -24,7 +27,9 @@ from dataclasses import dataclass
 from zeroexp.formulas.paper import bus_factor
 
 __all__ = ["LinkFit", "fit_link", "collective_seconds", "measured_call_seconds", "isotonic", "WakeCurve",
-           "two_level_seconds", "ComputeRate", "fit_calls", "overlap_possible", "CALIBRATED_OPS", "steps_to_narrow"]
+           "two_level_seconds", "ComputeRate", "fit_calls", "split_cost", "split_cache",
+           "ADAMW_STATE_BYTES", "overlap_possible", "CALIBRATED_OPS",
+           "steps_to_narrow"]
 
 #: The collectives zeroexp's strategies issue and the calibration measures.
 CALIBRATED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -158,16 +163,50 @@ def two_level_seconds(op: str, payload_bytes: float, ranks_per_node: int, nodes:
 class ComputeRate:
     """Seconds of compute per unit of work on one rank: forward and backward per parameter x sample (a Linear's
     2 FLOPs per parameter per token forward, 4 backward [KAPLAN], so time scales with numel x samples), AdamW per
-    parameter element it updates; and each forward and backward call's own cost whatever its micro-batch
-    (``forward_call_s``, ``backward_call_s``: the operators' dispatch and launch, paid once per micro-batch; a
-    calibration fits them with the per-sample rates over two micro-batch sizes, :func:`fit_calls`; 0 for a device
-    preset and for a calibration timed at one size)."""
+    parameter element it updates (beside a fixed cost per step and per tensor: :meth:`optimizer_seconds`); and each
+    forward and backward call's own cost whatever its micro-batch, paid once
+    per micro-batch (:meth:`call_seconds`): per operator it dispatches (``*_s_per_op``: the dispatch, the kernel's
+    launch, the autograd node) and per parameter it runs over (``*_call_s_per_param``: each weight read, each
+    gradient written, whatever the samples), so a call's cost carries to a model of other operators and size; plus
+    a fixed part (``*_call_s``: the autograd engine's start, the loss; a schema-8 calibration's whole call cost of
+    its own model, which carries to no other). A calibration fits them (:func:`fit_calls`, :func:`split_cost`); 0
+    for a device preset."""
 
     forward_s_per_param_sample: float
     backward_s_per_param_sample: float
     adamw_s_per_element: float
     forward_call_s: float = 0.0
     backward_call_s: float = 0.0
+    forward_s_per_op: float = 0.0
+    backward_s_per_op: float = 0.0
+    forward_call_s_per_param: float = 0.0
+    backward_call_s_per_param: float = 0.0
+    adamw_step_s: float = 0.0
+    adamw_s_per_tensor: float = 0.0
+    #: AdamW's elements that fit in the rank's share of the last-level cache (:data:`ADAMW_STATE_BYTES` each), at
+    #: ``adamw_s_per_element``; those beyond it at ``adamw_s_per_element_beyond`` (from memory); 0: one rate for all
+    adamw_cache_elements: int = 0
+    adamw_s_per_element_beyond: float = 0.0
+
+    def call_seconds(self, phase: str, ops: int, numel: int) -> float:
+        """One ``phase`` call's own cost (``forward`` with the loss, or ``backward``) of a model whose call
+        dispatches ``ops`` operators over ``numel`` parameters."""
+        return (getattr(self, f"{phase}_call_s") + getattr(self, f"{phase}_s_per_op") * ops
+                + getattr(self, f"{phase}_call_s_per_param") * numel)
+
+    def optimizer_seconds(self, tensors: int, elements: int) -> float:
+        """AdamW's step (with ``zero_grad``) over ``tensors`` parameter tensors of ``elements`` elements in all: a
+        fixed cost (``adamw_step_s``), one per tensor (``adamw_s_per_tensor``: its ops, as ``torch.optim.AdamW``
+        updates each tensor with its own calls where it does not fuse them) and one per element, at the cache's rate
+        for those that fit in the rank's share of it and at memory's beyond (a memory-bound update [ROOFLINE])."""
+        inside = min(elements, self.adamw_cache_elements) if self.adamw_cache_elements else elements
+        return (self.adamw_step_s + self.adamw_s_per_tensor * tensors + self.adamw_s_per_element * inside
+                + self.adamw_s_per_element_beyond * (elements - inside))
+
+    @property
+    def counts_ops(self) -> bool:
+        """Whether a call's cost depends on its operators (then a prediction needs the model's counts)."""
+        return bool(self.forward_s_per_op or self.backward_s_per_op)
 
     @classmethod
     def from_peak(cls, peak_flops: float, efficiency: float, tokens_per_sample: int, adamw_bytes_per_s: float,
@@ -178,6 +217,26 @@ class ComputeRate:
         flops = peak_flops * efficiency
         return cls(2 * tokens_per_sample / flops, 4 * tokens_per_sample / flops,
                    adamw_bytes_per_element / adamw_bytes_per_s)
+
+
+#: Bytes of AdamW's working set per element in fp32: the parameter, its gradient and the two moments [ZeRO 5.1].
+ADAMW_STATE_BYTES = 16
+
+
+def split_cache(inside: tuple[int, float], beyond: tuple[int, float], cache_elements: int
+                ) -> tuple[float, float] | None:
+    """AdamW's seconds per element in the cache and beyond it, from two steps' per-element parts (each: its
+    elements, its seconds less its fixed and per-tensor parts), the first the model's, the second a working set
+    several times the cache: ``t = min(E, C) x in + max(0, E - C) x beyond`` [ROOFLINE] for both, solved; None where
+    they solve to no rates (timing noise above the difference: the caller keeps one rate)."""
+    (e1, t1), (e2, t2) = inside, beyond
+    a1, b1 = min(e1, cache_elements), max(0, e1 - cache_elements)
+    a2, b2 = min(e2, cache_elements), max(0, e2 - cache_elements)
+    det = a1 * b2 - a2 * b1
+    if det == 0:
+        return None
+    rate_in, rate_beyond = (t1 * b2 - t2 * b1) / det, (a1 * t2 - a2 * t1) / det
+    return (rate_in, rate_beyond) if rate_in > 0 and rate_beyond > 0 else None
 
 
 def fit_calls(points: list[tuple[int, float]]) -> tuple[float, float] | None:
@@ -192,6 +251,21 @@ def fit_calls(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     slope = sum((b - mx) * (t - my) for b, t in points) / sum((b - mx) ** 2 for b, _ in points)
     call = my - slope * mx
     return (call, slope) if slope > 0 and call >= 0 else None
+
+
+def split_cost(total_s: float, units: int, numel: int, fixed_s: float, per_unit_s: float, unit: str = "operators"
+               ) -> tuple[float, str | None]:
+    """The per-element part of a model's measured cost ``total_s`` (a forward's or backward's fitted call over its
+    ``units`` operators, or AdamW's step over its ``units`` tensors; ``numel`` parameters), its fixed cost
+    ``fixed_s`` and its cost per unit ``per_unit_s`` timed apart (stacks whose elements and samples cost nothing
+    beside their units): ``total = fixed + units x per_unit + numel x per_element``. Where the fixed and per-unit
+    parts alone reach the total (timing noise above the elements' part), none (0.0) and the second value says so;
+    else it is None."""
+    rest = total_s - fixed_s - per_unit_s * units
+    if rest <= 0 or numel <= 0:
+        return 0.0, (f"the fixed {fixed_s * 1e3:.3f} ms and {units} {unit} at {per_unit_s * 1e6:.2f} us reach the "
+                     f"measured {total_s * 1e3:.3f} ms: no per-element part (noise above it)")
+    return rest / numel, None
 
 
 def overlap_possible(device: str, cores: int, ranks_per_node: int, threads_per_rank: int) -> bool:

@@ -1,51 +1,72 @@
-"""FLOPs of one training step, counted on the operations the step runs, not assumed (6 x parameters x tokens).
+"""What one training step runs, counted on the operations it runs, not assumed: its FLOPs (not 6 x parameters x
+tokens) and the ATen operators its forward and its backward dispatch.
 
-The step (forward, the loss, backward: the model config's module and loss) runs on the meta device under torch's
-``FlopCounterMode`` (``torch.utils.flop_counter``: matmuls, convolutions and scaled-dot-product attention
+The step (forward, the loss, backward: the model config's module and loss) runs on the meta device. FLOPs: under
+torch's ``FlopCounterMode`` (``torch.utils.flop_counter``: matmuls, convolutions and scaled-dot-product attention
 counted by their shapes; elementwise ops count 0, as in every MFU convention since PaLM's appendix B). Attention's
 FLOPs are in it; with ``checkpointing`` each wrap unit is checkpointed, so its forward runs again inside backward and
-its recompute is counted too. Nothing is allocated.
+its recompute is counted too. Operators: every call that reaches the dispatcher below autograd (a Python dispatch
+mode sees each, views and in-place ops included: what a CPU or a GPU pays a call's fixed cost for), forward (with
+the loss) apart from backward, on fake tensors of the step's device (its kernels' choice is the device's). Nothing
+is allocated.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-__all__ = ["step_flops"]
+__all__ = ["step_flops", "step_ops"]
 
-#: step_flops's answers in this process, by their arguments.
-_FLOPS: dict[tuple, int] = {}
+#: The counts of this process, by their arguments.
+_COUNTS: dict[tuple, Any] = {}
+
+
+def _key(model_cfg: Mapping[str, Any], *rest: Any) -> tuple:
+    from omegaconf import OmegaConf
+
+    return (repr(OmegaConf.to_container(model_cfg, resolve=True)) if OmegaConf.is_config(model_cfg)
+            else repr(model_cfg), *rest)
+
+
+def _derived(model_cfg: Mapping[str, Any], derive: bool, count: Callable[[Mapping[str, Any]], Any]) -> Any:
+    """``count`` of a model that declares a stack of identical blocks deeper than ``DERIVED_ABOVE``
+    (``zeroexp.plan.stack``) from its counts at two, three and four blocks: every block runs the same operations on
+    the same shapes, the rest of the step none that depends on the depth, so C(L) = C(2) + (L - 2) x (C(3) - C(2)),
+    exact in integers, where C(4) checks it (a tuple: each of its counts); None where not derived (``derive=False``,
+    no such stack, or a failed check)."""
+    from zeroexp.plan.stack import at_depth, stack_of
+
+    stack = stack_of(model_cfg) if derive else None
+    if stack is None:
+        return None
+    argument, _, depth = stack
+    two, three, four = (count(at_depth(model_cfg, argument, d)) for d in (2, 3, 4))
+    one = not isinstance(two, tuple)
+    two, three, four = ((x,) if one else x for x in (two, three, four))
+    if any(d - c != c - b for b, c, d in zip(two, three, four)):
+        return None
+    grown = tuple(b + (depth - 2) * (c - b) for b, c in zip(two, three))
+    return grown[0] if one else grown
 
 
 def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, ...] = (),
                checkpointing: bool = False, derive: bool = True) -> int:
     """The FLOPs one rank computes in one micro-batch of ``batch_size`` samples (forward, loss, backward; the
     recompute where checkpointed), counted by ``FlopCounterMode`` on the meta device (shapes alone: a FLOP count
-    needs no values, and meta tensors skip the initialisation and the fake-tensor dispatch). A model that declares
-    a stack of identical blocks deeper than ``DERIVED_ABOVE`` (``zeroexp.plan.stack``) is counted at two, three and
-    four blocks: every block computes the same operations on the same shapes, the rest of the step none that
-    depends on the depth, so F(L) = F(2) + (L - 2) x (F(3) - F(2)), exact in integers, where F(4) checks it
-    (``derive=False``, or a failed check: counted whole)."""
+    needs no values, and meta tensors skip the initialisation and the fake-tensor dispatch); a deep stack of
+    identical blocks from two, three and four blocks (:func:`_derived`; ``derive=False``: counted whole)."""
     import torch
-    from omegaconf import OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
 
     from zeroexp.models import build_model, checkpoint_units, loss_of, zeros_batch
-    from zeroexp.plan.stack import at_depth, stack_of
 
-    key = (repr(OmegaConf.to_container(model_cfg, resolve=True)) if OmegaConf.is_config(model_cfg) else
-           repr(model_cfg), int(batch_size), tuple(c.__qualname__ for c in wrap), bool(checkpointing)) \
-        + (() if derive else ("whole",))
-    if key in _FLOPS:
-        return _FLOPS[key]
-    stack = stack_of(model_cfg) if derive else None
-    if stack is not None:
-        argument, _, depth = stack
-        two, three, four = (step_flops(at_depth(model_cfg, argument, d), batch_size, wrap, checkpointing)
-                            for d in (2, 3, 4))
-        if four - three == three - two:
-            _FLOPS[key] = two + (depth - 2) * (three - two)
-            return _FLOPS[key]
+    key = _key(model_cfg, "flops", int(batch_size), tuple(c.__qualname__ for c in wrap), bool(checkpointing), derive)
+    if key in _COUNTS:
+        return _COUNTS[key]
+    grown = _derived(model_cfg, derive, lambda cfg: step_flops(cfg, batch_size, wrap, checkpointing))
+    if grown is not None:
+        _COUNTS[key] = grown
+        return grown
     with torch.device("meta"):
         net = build_model(model_cfg)
         if checkpointing and wrap:
@@ -54,5 +75,45 @@ def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, 
         with FlopCounterMode(display=False) as counter:
             loss = loss_of(model_cfg)(net(batch), batch)
             loss.backward()
-    _FLOPS[key] = int(counter.get_total_flops())
-    return _FLOPS[key]
+    _COUNTS[key] = int(counter.get_total_flops())
+    return _COUNTS[key]
+
+
+def step_ops(model_cfg: Mapping[str, Any], device: str = "cpu", batch_size: int = 1, derive: bool = True
+             ) -> tuple[int, int]:
+    """(forward, backward): the ATen operator calls one micro-batch dispatches in its forward (with the loss) and in
+    its backward on ``device`` at micro-batch ``batch_size`` (a few depend on it: a batch of one skips some
+    reshapes), on fake tensors of it (not the meta device: which kernels an op picks depends on the
+    device, as scaled-dot-product attention's fused CPU kernel, one call, against the meta device's math path, eight);
+    a deep stack derived as :func:`step_flops`'s. What a step's fixed cost
+    per call is paid on (:meth:`~zeroexp.formulas.time.ComputeRate.call_seconds`)."""
+    import torch
+
+    from zeroexp._lib.dispatch import dispatch_mode_base
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
+    from zeroexp.models import build_model, loss_of, zeros_batch
+
+    key = _key(model_cfg, "ops", str(device), int(batch_size), derive)
+    if key in _COUNTS:
+        return _COUNTS[key]
+    grown = _derived(model_cfg, derive, lambda cfg: step_ops(cfg, device, batch_size))
+    if grown is not None:
+        _COUNTS[key] = grown
+        return grown
+
+    class Count(dispatch_mode_base()):
+        calls = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.calls += func.namespace != "prim"  # prim.device: a fake tensor's device asked, no operator
+            return func(*args, **(kwargs or {}))
+
+    with fake_tensor_mode(), torch.device(device):
+        net = build_model(model_cfg)
+        batch = zeros_batch(model_cfg, batch_size)
+        with Count() as forward:
+            loss = loss_of(model_cfg)(net(batch), batch)
+        with Count() as backward:
+            loss.backward()
+    _COUNTS[key] = (forward.calls, backward.calls)
+    return _COUNTS[key]

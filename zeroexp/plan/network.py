@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, ModelShape, PlanKnobs,
-                              accumulation_repeats, checkpointed_numel, derive_groups, predict_step, step_collectives,
-                              two_level_seconds)
+                              accumulation_repeats, checkpointed_numel, derive_groups, optimizer_tensors, predict_step,
+                              step_collectives, two_level_seconds)
 from zeroexp.plan.core import recommendable
 
-__all__ = ["Network", "network_of", "calibrated_network", "predict_on", "add_step_times", "tokens_per_sample",
-           "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
+__all__ = ["Network", "network_of", "calibrated_network", "predict_on", "model_ops", "add_step_times",
+           "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
 
 #: The step-time model's own error, as measured on this machine (predicted / measured step time of real cells
 #: against this machine's calibration: docs/benchmarks.md, benchmarks/time_check.py, 2026-12-01, commit fd50a75:
@@ -52,6 +52,8 @@ class Network:
     burst_seconds_at: Callable[[int], Callable[[str, float, float], float]] | None = None
     #: N -> a call's time in a stream of sync calls (a calibration's ``stream_mean_s``); None: no floor (presets)
     stream_seconds_at: Callable[[int], Callable[[str, float, float], float]] | None = None
+    #: the device its compute was timed on, whose operators a model's call is counted in (:func:`model_ops`)
+    device: str = "cpu"
 
     def groups_at(self, n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
         """(mesh dimension, group size) -> the time of a call over that group of an N-rank job."""
@@ -131,14 +133,17 @@ def calibrated_network(cal: Any) -> Network:
                    f"calibration {cal.path} (N={cal.world_size}, {c['model']}, batch {c['batch_size']}; busbw held "
                    "at every N)", cal.framework, wake=cal.wake,
                    burst_seconds_at=lambda n: cal.seconds_at(n, burst=True),
-                   stream_seconds_at=lambda n: cal.seconds_at(n, stream=True))
+                   stream_seconds_at=lambda n: cal.seconds_at(n, stream=True),
+                   device=str(cal.data.get("device", "cpu")))
 
 
 def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs: PlanKnobs, batch: int, n: int,
-               prefetch: str = "pre", checkpointed: int = 0, without: str | None = None) -> Any:
+               prefetch: str = "pre", checkpointed: int = 0, without: str | None = None,
+               ops: tuple[int, int] = (0, 0)) -> Any:
     """:func:`~zeroexp.formulas.predict_step` of ``layout`` over ``groups`` at ``n`` ranks on ``network``: its
     collectives' times (each group's, a burst's, a stream's), compute rate, overlap, framework costs and waking.
-    ``without``: the same step with that op's calls left out (what the op costs the step)."""
+    ``without``: the same step with that op's calls left out (what the op costs the step); ``ops``: the model's
+    operators per forward and backward (:func:`model_ops`)."""
     collectives = step_collectives(layout, groups, itemsize, knobs)
     collectives = {op: v for op, v in collectives.items() if op != without}
     return predict_step(layout, groups, collectives, network.rate, batch,
@@ -148,7 +153,19 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
                         group_seconds=network.groups_at(n), wake=network.wake,
                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None,
                         stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None,
-                        ahead=(knobs.forward_prefetch, knobs.backward_prefetch))
+                        ahead=(knobs.forward_prefetch, knobs.backward_prefetch), ops=ops,
+                        tensors=optimizer_tensors(layout, groups, knobs))
+
+
+def model_ops(network: Network, model_cfg: Any, batch: int) -> tuple[int, int]:
+    """The operators one forward and one backward of ``model_cfg`` at micro-batch ``batch`` dispatch on the device
+    ``network`` timed compute on (:func:`zeroexp.plan.flops.step_ops`), where its compute rate prices them (a
+    calibration of schema 9); (0, 0) elsewhere (a preset, or no model: nothing counted)."""
+    if not network.rate.counts_ops or model_cfg is None:
+        return 0, 0
+    from zeroexp.plan.flops import step_ops
+
+    return step_ops(model_cfg, network.device, batch)
 
 
 def tokens_per_sample(model: Any) -> int:
@@ -159,18 +176,20 @@ def tokens_per_sample(model: Any) -> int:
 
 
 def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Network, itemsize: int,
-                   knobs: PlanKnobs, batch: int, tokens: int, checkpointing: bool = False) -> None:
+                   knobs: PlanKnobs, batch: int, tokens: int, checkpointing: bool = False,
+                   ops: tuple[int, int] = (0, 0)) -> None:
     """Add ``step_ms``, ``exposed_comm_ms``, ``recompute_ms``, ``tokens_per_s`` (global, every micro-batch of the
     optimizer step) and ``fastest`` (per world size, among the rows a strategy runs that fit, or all of them when fit
     is unknown: :func:`zeroexp.plan.core.recommendable`; the paper's rows never) to each record, in place; and
     ``tie_fastest`` on those rows whose step is within :data:`MODEL_TIME_ERROR` of the fastest's.
-    ``checkpointing``: every wrap unit recomputed in backward; ``knobs.micro_batches``: grad_accum."""
+    ``checkpointing``: every wrap unit recomputed in backward; ``knobs.micro_batches``: grad_accum; ``ops``: the
+    model's operators (:func:`model_ops`)."""
     checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels) if checkpointing else 0
     for r in records:
         name, n = r["strategy"], r["world_size"]
         layout = LAYOUTS[name]
         groups = derive_groups(name, layout, shape, n, itemsize, knobs)
-        t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed)
+        t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed, ops=ops)
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s,
                  network=network.name, network_source=network.source, overlap_rule=t.rule, fastest=False,

@@ -119,10 +119,12 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
         out["reasons"].append(why)
         return out
     out["calibration"] = cal.summary()
-    from zeroexp.plan.network import calibrated_network, predict_on
+    from zeroexp.plan.network import calibrated_network, model_ops, predict_on
 
-    t = predict_on(calibrated_network(cal), layout, groups, itemsize, knobs, int(cfg.batch_size), int(cfg.world_size),
-                   str(cfg.prefetch.name), checkpointed)
+    network = calibrated_network(cal)
+    ops = model_ops(network, cfg.model, int(cfg.batch_size))
+    t = predict_on(network, layout, groups, itemsize, knobs, int(cfg.batch_size), int(cfg.world_size),
+                   str(cfg.prefetch.name), checkpointed, ops=ops)
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
                predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
                framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},
@@ -152,7 +154,11 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
             or int(c["batch_size"]) != int(cfg.batch_size)):
         out["reasons"].append(f"compute calibrated on {c['model']} ({c['numel']} parameters, batch {c['batch_size']}), "
                               f"this cell {cfg.model.name} ({groups.numel}, batch {cfg.batch_size}): rates per "
-                              "parameter x sample carried over")
+                              "parameter x sample carried over" + (
+                                  f", each call's cost per operator ({ops[0]} forward, {ops[1]} backward) and per "
+                                  "parameter" if network.rate.counts_ops else
+                                  ", each call's own cost as the calibration's model's (schema 8: not carried)"
+                                  if cal.rate.forward_call_s or cal.rate.backward_call_s else ""))
     if notes or not steps:
         out["reasons"] += notes or ["no timed steps: the timing probe did not run"]
         return out

@@ -122,13 +122,15 @@ class Evaluator:
 
     def step(self, c: Config, without: str | None = None) -> Any:
         """The predicted step (``zeroexp.plan.network.predict_on``); ``without``: with that op left out."""
-        from zeroexp.plan.network import predict_on
+        from zeroexp.plan.network import model_ops, predict_on
 
         key = (replace(c, offload="none"), without)
         if key not in self._steps:
-            self._steps[key] = predict_on(self.p.networks[c.precision], LAYOUTS[c.row], self.groups(c),
+            network = self.p.networks[c.precision]
+            self._steps[key] = predict_on(network, LAYOUTS[c.row], self.groups(c),
                                           self.itemsize(c), self.knobs(c), c.micro_batch, self.p.world_size,
-                                          c.prefetch or "pre", self._checkpointed if c.checkpointing else 0, without)
+                                          c.prefetch or "pre", self._checkpointed if c.checkpointing else 0, without,
+                                          model_ops(network, self.p.model_cfg, c.micro_batch))
         return self._steps[key]
 
     def state_bytes(self, c: Config) -> int:

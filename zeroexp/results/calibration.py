@@ -32,14 +32,19 @@ DEFAULT_DIR = Path("outputs") / "calibration"
 #: 7: FSDP2's per-call costs and AdamW's per-DTensor-parameter step (:data:`~zeroexp.formulas.framework.
 #: SCHEMA_7_TERMS`), and the compute model's resolved config (``compute.model_config``); 8: compute timed at two
 #: micro-batch sizes, a forward's and a backward's own cost per call beside the per-sample rates
-#: (``compute.forward_call_s``, ``backward_call_s``, ``points``, ``fit``).
-SCHEMA = 8
+#: (``compute.forward_call_s``, ``backward_call_s``, ``points``, ``fit``); 9: that call cost split into a fixed
+#: part, a part per operator and a part per parameter (``compute.ops``, ``ops_stacks``, ``forward_call_fixed_s``,
+#: ``forward_s_per_op``, ``forward_call_s_per_param``, backward's too), and AdamW's step into a fixed part, a part
+#: per tensor and one per element, in the rank's share of the cache and beyond it (``adamw_step_s``,
+#: ``adamw_s_per_tensor``, ``compute.tensors``, ``adamw_cache_elements``, ``adamw_s_per_element_beyond``,
+#: ``adamw_beyond``), so that both carry to a model of other operators, tensors and size.
+SCHEMA = 9
 #: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
 #: 2's and 3's no bursts (a burst's call is timed as one alone); 2-4 no streams (a call in a stream pays its waking
 #: only); 2-5 no wrapper cost per byte (0); 2-6 no FSDP2 terms (0, and a cell of FSDP2 says so:
 #: :meth:`Calibration.missing_terms`); 2-7 no call cost (0: their rate, timed at one micro-batch size, holds the
-#: call's cost spread over that size's samples).
-READS = (2, 3, 4, 5, 6, 7, 8)
+#: call's cost spread over that size's samples); 8 a call cost of its own model, fixed (carried to no other model).
+READS = (2, 3, 4, 5, 6, 7, 8, 9)
 #: How ``compute.fit`` begins for a phase whose two micro-batch sizes fit no call cost (schema 8).
 NO_CALL_COST = "no call cost"
 
@@ -128,9 +133,19 @@ class Calibration:
 
     @property
     def rate(self) -> ComputeRate:
+        """The compute rate: schema 9 a call's fixed cost, its cost per operator and per parameter (its model's
+        fitted call cost, ``*_call_s``, is what they sum to there); schema 8 that call cost itself, fixed; before
+        it none."""
         c = self.data["compute"]
+        split, phases = "forward_s_per_op" in c, ("forward", "backward")
         return ComputeRate(c["forward_s_per_param_sample"], c["backward_s_per_param_sample"],
-                           c["adamw_s_per_element"], c.get("forward_call_s", 0.0), c.get("backward_call_s", 0.0))
+                           c["adamw_s_per_element"],
+                           *(c.get(f"{p}_call_fixed_s" if split else f"{p}_call_s", 0.0) for p in phases),
+                           **({f"{p}{k}": float(c[f"{p}{k}"]) for p in ("forward", "backward")
+                               for k in ("_s_per_op", "_call_s_per_param")} if split else {}),
+                           **{k: float(c[k]) for k in ("adamw_step_s", "adamw_s_per_tensor",
+                                                       "adamw_s_per_element_beyond") if k in c},
+                           adamw_cache_elements=int(c.get("adamw_cache_elements", 0)))
 
     @property
     def framework(self) -> FrameworkCost:
