@@ -1,6 +1,8 @@
 """Models nobody on the team wrote the expectations for, under every strategy at N = 2 and 3: frozen parameters
 (LoRA), buffers (BatchNorm), a branch forward never uses, a module applied twice, biased odd-sized layers, a model
-that is one FSDP unit, Hugging Face BERT and Llama built from configs, PyTorch's own test Transformer. Every cell runs
+that is one FSDP unit, Hugging Face BERT and Llama built from configs, PyTorch's own test Transformer; and the four
+classes (a parameter without a gradient, one used twice, a buffer, frozen parameters inside units) under DeepSpeed's
+stages and the hybrids too, and at N=5 (uneven shards). Every cell runs
 (or is refused before launch naming the key) and every check is PASS, or n/a / SKIP with its reason."""
 
 from __future__ import annotations
@@ -89,6 +91,53 @@ def test_every_check_holds_on_a_foreign_model(cell, model, strategy, n):
     assert not bad, bad
     unexplained = [c.name for c in cell_checks(r.summary) if c.verdict != "PASS" and not c.reasons]
     assert not unexplained
+
+
+#: The four classes of a parameter a strategy may handle apart (issue 49): one without a gradient (a branch forward
+#: never calls), one used twice in a forward, a buffer (BatchNorm's), frozen parameters inside units.
+CLASSES = ("unused_branch", "applied_twice", "conv_bn", "frozen_middle")
+#: Strategies beyond the grid's, each with what it needs: DeepSpeed's three stages (weight decay 0: with it DeepSpeed
+#: decays the unused branch the reference leaves, a FAIL with its cause, tests/test_deepspeed.py), and the hybrids on
+#: a 2 x 2 mesh (the smallest with both a shard and a replicate group).
+BEYOND_GRID = {"deepspeed-s1": ("strategy=deepspeed", "strategy.stage=1", "optimizer.weight_decay=0"),
+               "deepspeed-s2": ("strategy=deepspeed", "strategy.stage=2", "optimizer.weight_decay=0"),
+               "deepspeed-s3": ("strategy=deepspeed", "strategy.stage=3", "optimizer.weight_decay=0"),
+               "fsdp_hybrid": ("strategy=fsdp_hybrid", "strategy.shard_size=2"),
+               "fsdp2_hybrid": ("strategy=fsdp2_hybrid", "strategy.shard_size=2")}
+
+
+def _classes() -> list:
+    """Each class under each strategy beyond the grid (DeepSpeed at N = 2, 3 and 5 in turn, the hybrids at N=4), and
+    under each of the grid's strategies at N=5 (uneven shards: an 8-wide layer's rows 2, 2, 2, 2, 0), a class each in
+    turn."""
+    from zeroexp.strategies import deepspeed as ds_adapter
+
+    no_ds = pytest.mark.skipif(not ds_adapter.deepspeed_available(), reason="DeepSpeed is not installed")
+    out = []
+    for c, model in enumerate(CLASSES):
+        for s, (name, overrides) in enumerate(BEYOND_GRID.items()):
+            n = (2, 3, 5)[(c + s) % 3] if name.startswith("deepspeed") else 4
+            out.append(pytest.param(model, overrides, n, id=f"{model}-{name}-n{n}",
+                                    marks=[no_ds] if name.startswith("deepspeed") else []))
+    for s, strategy in enumerate(STRATEGIES):
+        model = CLASSES[s % len(CLASSES)]
+        out.append(pytest.param(model, (f"strategy={strategy}",), 5, id=f"{model}-{strategy}-n5"))
+    return out
+
+
+@pytest.mark.parametrize("model, strategy, n", _classes())
+def test_each_class_holds_every_check_under_every_strategy(cell, model, strategy, n):
+    """Every check PASS, or n/a with its reason, every rank judged where a check judges ranks."""
+    r = cell(*MODELS[model][0], *strategy, f"world_size={n}", base=BASE)
+    assert r.status == "ok", r.error
+    checks = cell_checks(r.summary)
+    bad = [(c.name, c.verdict, c.reasons) for c in checks if c.verdict not in ("PASS", "n/a", "SKIP")]
+    assert not bad, bad
+    assert not [c.name for c in checks if c.verdict != "PASS" and not c.reasons]
+    assert {"state", "collectives", "equivalence", "plan.state", "plan.collectives", "plan.groups"} <= {
+        c.name for c in checks if c.verdict == "PASS"}
+    ranks = (r.summary["plan"]["memory"] or {}).get("ranks") or []
+    assert not ranks or len(ranks) == n
 
 
 @pytest.mark.parametrize("overrides, key", [
