@@ -284,7 +284,8 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     assert rate.optimizer_seconds(8, c["numel"]) == pytest.approx(c["optimizer_s"], rel=1e-9) or \
         c["fit"]["optimizer"].startswith("per element alone")
     assert {"loop_s", "copy_s_per_byte", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"} <= set(data["framework"])
-    assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s"))
+    assert all(data["framework"][k] >= 0 for k in ("loop_s", "ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s",
+                                                   "fsdp1_orig_call_s"))
     from zeroexp.calibrate.framework import stream_floor
     raw = data["framework"]["raw"]  # the floors the per-call costs were taken net of, read off the streams measured
     assert raw["zro_broadcast_s_floor"] == 0.0
@@ -294,7 +295,8 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     assert (raw["tiny_width"], raw["wide_width"]) == (TINY_WIDTH, WIDE_WIDTH)
     for key, tiny_bytes, wide_bytes in (("ddp_bucket_s", 4 * TINY_UNITS * TINY_WIDTH ** 2,
                                          4 * TINY_UNITS * WIDE_WIDTH ** 2),  # one bucket: the whole model
-                                        ("fsdp1_call_s", 4 * TINY_WIDTH ** 2, 4 * WIDE_WIDTH ** 2)):  # one unit
+                                        ("fsdp1_call_s", 4 * TINY_WIDTH ** 2, 4 * WIDE_WIDTH ** 2),  # one unit
+                                        ("fsdp1_orig_call_s", 4 * TINY_WIDTH ** 2, 4 * WIDE_WIDTH ** 2)):
         # the line through the per-call costs on the tiny and the wide model, as they were measured
         slope = max(0.0, (raw[f"{key}_wide"] - raw[f"{key}_tiny"]) / (wide_bytes - tiny_bytes))
         assert data["framework"][f"{key}_per_byte"] == pytest.approx(slope, rel=1e-12, abs=1e-30)

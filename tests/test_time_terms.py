@@ -50,6 +50,22 @@ def test_fsdp1_pays_per_call_and_copies_each_unit_gradient_twice(row, backward_g
     assert t.total_s == pytest.approx(1e-3 + calls * 5e-4 + 16 * unit_bytes * 1e-10)
 
 
+def test_fsdp1_with_its_original_parameters_pays_that_paths_cost_or_says_it_was_not_calibrated():
+    """``use_orig_params=True``: FSDP1's calls at ``fsdp1_orig_call_s`` where calibrated; a calibration without it
+    times them at the flat parameters' cost and a note says so. Flat FSDP1 and FSDP2 never read it."""
+    from dataclasses import replace
+
+    layout, groups = _groups("fsdp_full")
+    orig = replace(COST, fsdp1_orig_call_s=9e-4, fsdp1_orig_call_s_per_byte=0.0)
+    flat, kept = framework_time(layout, groups, 4, orig), framework_time(layout, groups, 4, orig, orig_params=True)
+    assert flat.terms["fsdp1_forward_calls"] == pytest.approx(8 * 5e-4) and not flat.notes
+    assert kept.terms["fsdp1_forward_calls"] == pytest.approx(8 * 9e-4) and not kept.notes
+    old = framework_time(layout, groups, 4, COST, orig_params=True)  # not calibrated: the flat cost, said
+    assert old.terms["fsdp1_forward_calls"] == pytest.approx(8 * 5e-4) and "fsdp1_orig_call_s" in old.notes[0]
+    assert framework_time(*_groups("fsdp2_full"), 4, orig, orig_params=True).terms == \
+        framework_time(*_groups("fsdp2_full"), 4, orig).terms
+
+
 def test_zero2_zeroes_and_accumulates_its_buckets_zero1_does_not():
     layout, groups = _groups("zero2")
     t = framework_time(layout, groups, 4, COST)

@@ -31,8 +31,8 @@ TINY_UNITS, TINY_WIDTH, TINY_BATCH = 8, 16, 8
 WIDE_WIDTH = 512
 #: The paths measured wide: ZeroRedundancyOptimizer's broadcasts write into the parameters themselves (no pass of its
 #: own over their bytes), and its step, compared with DDP's, runs AdamW over 1/N of a wide model: not measured wide.
-PER_CALL_KEYS = ("ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s", "fsdp2_call_s")
-WIDE_PATHS = ("ddp_bucket_s", "fsdp1_call_s", "fsdp2_call_s")
+PER_CALL_KEYS = ("ddp_bucket_s", "zro_broadcast_s", "fsdp1_call_s", "fsdp1_orig_call_s", "fsdp2_call_s")
+WIDE_PATHS = ("ddp_bucket_s", "fsdp1_call_s", "fsdp1_orig_call_s", "fsdp2_call_s")
 #: Parameters of the DTensor optimizer measurement (:func:`dtensor_step`): small (their elements' cost negligible
 #: beside the dispatch), many (the per-parameter cost summed over them, well above the thread clock's grain).
 DTENSOR_PARAMS, DTENSOR_WIDTH = 64, 16
@@ -138,7 +138,8 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
               copy_s_per_byte: float = 0.0, paths: tuple[str, ...] = PER_CALL_KEYS,
               dtensor_s: float = 0.0) -> dict[str, Any]:
     """Per call of DDP's bucket all_reduce, ZeroRedundancyOptimizer's broadcast, FSDP1's all_gather /
-    reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear) and FSDP2's (``fully_shard`` per Linear and the
+    reduce_scatter (FULL_SHARD, BACKWARD_PRE, one unit per Linear; with the flat parameters and, apart, with the
+    original ones kept: ``use_orig_params``) and FSDP2's (``fully_shard`` per Linear and the
     root, resharded after forward; net of its optimizer's DTensor cost, ``dtensor_s`` a parameter:
     :func:`dtensor_step`), on 8 Linear units of ``width``: the wrapper's
     step less the bare step (less DDP's, for ZeroRedundancyOptimizer) less its calls, each timed alone at the same
@@ -164,10 +165,11 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
         zro = DDP(_stack(device, width))
         zopt = ZeroRedundancyOptimizer(list(zro.parameters()), optimizer_class=torch.optim.AdamW, lr=1e-3)
         return _train_step(zro, zopt, device, width)
-    fsdp = FSDP(_stack(device, width), sharding_strategy=ShardingStrategy.FULL_SHARD,
-                backward_prefetch=BackwardPrefetch.BACKWARD_PRE, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                device_id=device)
-    fsdp_step = _train_step(fsdp, adamw(fsdp.parameters()), device, width)
+    def fsdp1_step(orig: bool) -> Callable[[], None]:  # built only where measured
+        fsdp = FSDP(_stack(device, width), sharding_strategy=ShardingStrategy.FULL_SHARD,
+                    backward_prefetch=BackwardPrefetch.BACKWARD_PRE, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                    device_id=device, use_orig_params=orig)
+        return _train_step(fsdp, adamw(fsdp.parameters()), device, width)
 
     def fsdp2_step() -> Callable[[], None]:  # built only where measured
         from torch.distributed.device_mesh import init_device_mesh
@@ -194,24 +196,27 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
     made = {  # (the wrapper's step, the step it is compared with, its calls as timed, how many calls that is)
         "ddp_bucket_s": lambda: (ddp_step, bare_step, [lambda: dist.all_reduce(full)], 1),  # one bucket
         "zro_broadcast_s": lambda: (zro_step(), ddp_step, [broadcasts], len(owners)),  # one burst
-        "fsdp1_call_s": lambda: (fsdp_step, bare_step, fsdp_calls, len(fsdp_calls)),  # reduce_scatter
+        "fsdp1_call_s": lambda: (fsdp1_step(False), bare_step, fsdp_calls, len(fsdp_calls)),  # reduce_scatter
+        "fsdp1_orig_call_s": lambda: (fsdp1_step(True), bare_step, fsdp_calls, len(fsdp_calls)),  # the same calls
         "fsdp2_call_s": lambda: (fsdp2_step(), bare_step, fsdp_calls, len(fsdp_calls)),  # as FSDP1's
     }
     runs = {k: make() for k, make in made.items() if k in paths}
     unit_bytes = unit * 4  # FSDP1's calls: two all_gathers per reduce_scatter, each of one unit
     nbytes = {k: v for k, v in (("ddp_bucket_s", full.numel() * 4), ("zro_broadcast_s", unit_bytes),
-                                ("fsdp1_call_s", unit_bytes), ("fsdp2_call_s", unit_bytes)) if k in runs}
+                                ("fsdp1_call_s", unit_bytes), ("fsdp1_orig_call_s", unit_bytes),
+                                ("fsdp2_call_s", unit_bytes)) if k in runs}
     floors = {"ddp_bucket_s": stream_floor(collectives, "all_reduce", full.numel() * 4, world),
               "zro_broadcast_s": 0.0,  # a burst: its calls are timed as one, no stream floor
               "fsdp1_call_s": (2 * stream_floor(collectives, "all_gather", unit_bytes, world)
                                + stream_floor(collectives, "reduce_scatter", unit_bytes, world)) / 3}
-    floors["fsdp2_call_s"] = floors["fsdp1_call_s"]  # the same calls
+    floors["fsdp2_call_s"] = floors["fsdp1_orig_call_s"] = floors["fsdp1_call_s"]  # the same calls
     copies = {"fsdp1_call_s": 2 * TINY_UNITS * unit_bytes * copy_s_per_byte,  # formulas.framework's own term
+              "fsdp1_orig_call_s": 2 * TINY_UNITS * unit_bytes * copy_s_per_byte,
               "fsdp2_call_s": sum(1 for _ in bare.parameters()) * dtensor_s}  # each parameter a DTensor: its own
     raw: dict[str, float] = {}
     for key, (wrapped, base, calls, n) in runs.items():
         got = _paired(wrapped, base, calls, steps, device)
-        name = key.split("_")[0]
+        name = key[:-len("_call_s")] if key.endswith("_call_s") else key.split("_")[0]  # fsdp1, fsdp1_orig, ddp
         raw.update({f"{name}_step_s": got["wrapped_s"], f"{name}_base_step_s": got["base_s"],
                     f"{name}_calls_s": got["calls_s"], f"{key}_measured": got["extra_s"] / n})
     back_to_back = {"zro_broadcast_s"}  # issued one after another after the step: only the first waits on compute

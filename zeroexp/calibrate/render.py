@@ -64,6 +64,7 @@ def render_table(cal: Calibration, console: Any) -> None:
     for key, what in (("ddp_bucket_s", "DDP, per bucket"),
                       ("zro_broadcast_s", "ZeroRedundancyOptimizer, per broadcast"),
                       ("fsdp1_call_s", "FSDP1, per all_gather / reduce_scatter"),
+                      ("fsdp1_orig_call_s", "FSDP1 with use_orig_params, per all_gather / reduce_scatter"),
                       ("fsdp2_call_s", "FSDP2, per all_gather / reduce_scatter")):
         if key in f:
             per_byte = f.get(f"{key}_per_byte")

@@ -14,7 +14,8 @@ peak model and the collectives check use. Nothing here is fitted to a cell or a 
   the cost per byte of the call's payload). DDP per bucket (``torch/nn/parallel/distributed.py``, reducer.cpp: the
   gradients copied into the bucket, divided, copied back), ZeroRedundancyOptimizer per broadcast
   (``torch/distributed/optim/zero_redundancy_optimizer.py``), FSDP1 per all_gather or reduce_scatter
-  (``torch/distributed/fsdp/_runtime_utils.py``). A call of ``S`` bytes costs ``<path>_s + S x
+  (``torch/distributed/fsdp/_runtime_utils.py``), apart with ``use_orig_params=True`` (``fsdp1_orig_call``: each
+  gather and reshard also sets every original parameter's view). A call of ``S`` bytes costs ``<path>_s + S x
   <path>_s_per_byte``. Measured on the 2-core host (AMD EPYC, N=2, gloo, 2026-12-01): DDP's extra beyond the
   bare step and one lone all_reduce was ~0 on the tiny model and 5.1 ms for an 8 MiB bucket, 11.3-12.2 ms for an
   18 MiB one (0.6 ns a byte at both); FSDP1's per call 0.7-0.8 ms tiny, 1.0-1.1 ms at 0.25-2.25 MiB units (before
@@ -49,7 +50,7 @@ from zeroexp.formulas.layout import Groups, StateLayout
 __all__ = ["FrameworkCost", "FrameworkTime", "framework_time", "PER_CALL_PATHS", "SCHEMA_7_TERMS"]
 
 #: The wrappers whose per-call cost the calibration measures, by the groups that say how many calls a step makes.
-PER_CALL_PATHS = ("ddp_bucket", "zro_broadcast", "fsdp1_call", "fsdp2_call")
+PER_CALL_PATHS = ("ddp_bucket", "zro_broadcast", "fsdp1_call", "fsdp1_orig_call", "fsdp2_call")
 #: The calibrated terms a calibration before schema 7 lacks (read as 0: FSDP2's own costs).
 SCHEMA_7_TERMS = ("fsdp2_call_s", "fsdp2_call_s_per_byte", "dtensor_param_step_s")
 
@@ -72,10 +73,15 @@ class FrameworkCost:
     fsdp2_call_s: float = 0.0
     fsdp2_call_s_per_byte: float = 0.0
     dtensor_param_step_s: float = 0.0
+    #: FSDP1 keeping its original parameters (``use_orig_params=True``: each gather and reshard also points every
+    #: original parameter at its view, ``_flat_param.py``'s ``_use_unsharded_views`` / ``_use_sharded_views``);
+    #: None: not calibrated (a calibration before it: such a cell is timed with the flat parameters' cost and says so)
+    fsdp1_orig_call_s: float | None = None
+    fsdp1_orig_call_s_per_byte: float | None = None
 
     def call_s(self, path: str, nbytes: float) -> float:
         """One call of ``path`` (:data:`PER_CALL_PATHS`) with a payload of ``nbytes``."""
-        return getattr(self, f"{path}_s") + nbytes * getattr(self, f"{path}_s_per_byte")
+        return (getattr(self, f"{path}_s") or 0.0) + nbytes * (getattr(self, f"{path}_s_per_byte") or 0.0)
 
 
 @dataclass(frozen=True)
@@ -93,12 +99,14 @@ class FrameworkTime:
         return self.forward_s + self.backward_s + self.optimizer_s
 
 
-def framework_time(layout: StateLayout, groups: Groups, itemsize: int, cost: FrameworkCost) -> FrameworkTime:
+def framework_time(layout: StateLayout, groups: Groups, itemsize: int, cost: FrameworkCost,
+                   orig_params: bool = False) -> FrameworkTime:
     """The framework's seconds of one step of ``layout`` over ``groups`` (the module's terms), placed in the phase
     where they run: the loop after the optimizer; DDP's bucket calls in backward; ZeroRedundancyOptimizer's
     broadcasts after the step; FSDP1's forward gathers in forward, its backward gathers, reduce_scatters and gradient
     copies in backward; FSDP2's calls likewise (its copy-in / copy-out in its per-byte cost) and its DTensor
-    parameters' optimizer step after backward; ZeRO-2's bucket copies in backward."""
+    parameters' optimizer step after backward; ZeRO-2's bucket copies in backward. ``orig_params``: FSDP1 keeps its
+    original parameters (``use_orig_params=True``), its calls at that path's cost."""
     terms: dict[str, float] = {"loop": cost.loop_s}
     f = b = 0.0
     o = cost.loop_s
@@ -112,7 +120,14 @@ def framework_time(layout: StateLayout, groups: Groups, itemsize: int, cost: Fra
             o += terms["zro_broadcast_calls"]
     elif kind in ("units", "rows") and groups.units:  # FSDP1's flat units, FSDP2's per-parameter rows
         fsdp = "fsdp1" if kind == "units" else "fsdp2"
-        one = [cost.call_s(f"{fsdp}_call", u.numel * itemsize) for u in groups.units]  # a gather or reduce_scatter
+        path = f"{fsdp}_call"
+        if kind == "units" and orig_params:
+            if cost.fsdp1_orig_call_s is None:
+                notes.append("the calibration has no fsdp1_orig_call_s: FSDP1's calls with use_orig_params=true "
+                             "timed at the flat parameters' cost; recalibrate (python -m zeroexp.calibrate) for it")
+            else:
+                path = "fsdp1_orig_call"
+        one = [cost.call_s(path, u.numel * itemsize) for u in groups.units]  # a gather or reduce_scatter
         terms[f"{fsdp}_forward_calls"] = sum(one)
         f += terms[f"{fsdp}_forward_calls"]
         terms[f"{fsdp}_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, groups.units))

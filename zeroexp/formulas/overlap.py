@@ -321,7 +321,8 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                  micro_batches: int = 1, repeats: dict[str, float] | None = None,
                  group_seconds: GroupTime | None = None, wake: Callable[[float], float] | None = None,
                  burst_seconds: CollectiveTime | None = None, stream_seconds: CollectiveTime | None = None,
-                 ahead: tuple[int, int] = (0, 0), ops: tuple[int, int] = (0, 0), tensors: int = 0) -> StepTime:
+                 ahead: tuple[int, int] = (0, 0), ops: tuple[int, int] = (0, 0), tensors: int = 0,
+                 orig_params: bool = False) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
     (forward and backward over every parameter, as data parallelism computes the whole model on each rank, each call
     with its own cost once per micro-batch; AdamW over :func:`optimizer_elements`), each op of ``collectives`` (the
@@ -345,13 +346,14 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     backward dispatch (``zeroexp.plan.flops.step_ops``), what each call's own cost is paid on
     (:meth:`~zeroexp.formulas.time.ComputeRate.call_seconds`); ``tensors``: the parameter tensors AdamW steps on the
     busiest rank (:func:`optimizer_tensors`), each at its own cost
-    (:meth:`~zeroexp.formulas.time.ComputeRate.optimizer_seconds`)."""
+    (:meth:`~zeroexp.formulas.time.ComputeRate.optimizer_seconds`); ``orig_params``: FSDP1 keeps its original
+    parameters (:func:`~zeroexp.formulas.framework.framework_time`)."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples + rate.call_seconds("forward", ops[0], psi)
     r = recompute_seconds(f, checkpointed, psi)
     b = rate.backward_s_per_param_sample * psi * samples + rate.call_seconds("backward", ops[1], psi) + r
     o = rate.optimizer_seconds(tensors, optimizer_elements(layout, groups))
-    fw = framework_time(layout, groups, itemsize, framework or FrameworkCost())
+    fw = framework_time(layout, groups, itemsize, framework or FrameworkCost(), orig_params)
     bare = (f, b - r, o)
     f, b, o = f + fw.forward_s, b + fw.backward_s, o + fw.optimizer_s
     k = max(int(micro_batches), 1)

@@ -154,7 +154,7 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None,
                         stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None,
                         ahead=(knobs.forward_prefetch, knobs.backward_prefetch), ops=ops,
-                        tensors=optimizer_tensors(layout, groups, knobs))
+                        tensors=optimizer_tensors(layout, groups, knobs), orig_params=knobs.use_orig_params)
 
 
 def model_ops(network: Network, model_cfg: Any, batch: int) -> tuple[int, int]:

@@ -37,7 +37,9 @@ DEFAULT_DIR = Path("outputs") / "calibration"
 #: ``forward_s_per_op``, ``forward_call_s_per_param``, backward's too), and AdamW's step into a fixed part, a part
 #: per tensor and one per element, in the rank's share of the cache and beyond it (``adamw_step_s``,
 #: ``adamw_s_per_tensor``, ``compute.tensors``, ``adamw_cache_elements``, ``adamw_s_per_element_beyond``,
-#: ``adamw_beyond``), so that both carry to a model of other operators, tensors and size.
+#: ``adamw_beyond``), so that both carry to a model of other operators, tensors and size; and FSDP1's per-call
+#: cost with its original parameters kept (``framework.fsdp1_orig_call_s``, ``_per_byte``; before it: a cell of
+#: ``use_orig_params=true`` timed at the flat parameters' cost, and says so).
 SCHEMA = 9
 #: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
 #: 2's and 3's no bursts (a burst's call is timed as one alone); 2-4 no streams (a call in a stream pays its waking
@@ -153,8 +155,8 @@ class Calibration:
         f = self.data["framework"]
         return FrameworkCost(loop_s=f["loop_s"], copy_s_per_byte=f["copy_s_per_byte"],
                              dtensor_param_step_s=f.get("dtensor_param_step_s", 0.0),
-                             **{f"{k}_s{per}": f.get(f"{k}_s{per}", 0.0) for k in PER_CALL_PATHS
-                                for per in ("", "_per_byte")})
+                             **{f"{k}_s{per}": f.get(f"{k}_s{per}", None if k == "fsdp1_orig_call" else 0.0)
+                                for k in PER_CALL_PATHS for per in ("", "_per_byte")})
 
     def missing_terms(self) -> str | None:
         """A note naming the framework terms this calibration lacks (read as 0), None when it has them all."""
