@@ -350,6 +350,7 @@ def test_adamw_pays_per_step_per_tensor_and_per_element_in_and_beyond_the_cache(
     assert split_cache((2000, t(2000)), (16000, t(16000)), 1000) == pytest.approx((1.5e-9, 8e-9))
     assert split_cache((500, t(500)), (16000, t(16000)), 1000) == pytest.approx((1.5e-9, 8e-9))  # model in cache
     assert split_cache((2000, 1e-5), (16000, 1e-6), 1000) is None  # the larger step faster: noise, no rates
+    assert split_cache((2000, 2000 * 8e-9), (16000, 16000 * 7e-9), 1000) is None  # the cache slower than memory
 
 
 def test_the_optimizer_steps_the_tensors_each_strategy_gives_a_rank():

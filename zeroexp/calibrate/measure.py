@@ -397,7 +397,8 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
                         f"fixed + per tensor (the stacks) + per element ({tensors} tensors, {psi} elements), "
                         + (f"in the rank's {share} B of cache and beyond it (with {beyond_elements} elements)"
                            if rates is not None else "one rate in and beyond the cache (the two steps solve to "
-                                                     "none: noise above the difference)"))
+                                                     "none, or to a cache slower than memory: noise above the "
+                                                     "difference)"))
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)

@@ -228,7 +228,8 @@ def split_cache(inside: tuple[int, float], beyond: tuple[int, float], cache_elem
     """AdamW's seconds per element in the cache and beyond it, from two steps' per-element parts (each: its
     elements, its seconds less its fixed and per-tensor parts), the first the model's, the second a working set
     several times the cache: ``t = min(E, C) x in + max(0, E - C) x beyond`` [ROOFLINE] for both, solved; None where
-    they solve to no rates (timing noise above the difference: the caller keeps one rate)."""
+    they solve to no rates, or to a cache slower than memory (timing noise above the difference: the caller keeps
+    one rate)."""
     (e1, t1), (e2, t2) = inside, beyond
     a1, b1 = min(e1, cache_elements), max(0, e1 - cache_elements)
     a2, b2 = min(e2, cache_elements), max(0, e2 - cache_elements)
@@ -236,7 +237,7 @@ def split_cache(inside: tuple[int, float], beyond: tuple[int, float], cache_elem
     if det == 0:
         return None
     rate_in, rate_beyond = (t1 * b2 - t2 * b1) / det, (a1 * t2 - a2 * t1) / det
-    return (rate_in, rate_beyond) if rate_in > 0 and rate_beyond > 0 else None
+    return (rate_in, rate_beyond) if 0 < rate_in <= rate_beyond else None
 
 
 def fit_calls(points: list[tuple[int, float]]) -> tuple[float, float] | None:
