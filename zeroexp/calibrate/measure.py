@@ -284,6 +284,13 @@ def adamw_beyond(share: int, device: torch.device, lr: float = 1e-3) -> tuple[in
     return 8 * per, step
 
 
+def _stack_line(shallow: tuple[int, float], deep: tuple[int, float]) -> tuple[float, float]:
+    """(fixed, per unit) seconds of the operator stacks, each (its units: operators or tensors, its seconds): the
+    line through the two, each part held at >= 0 (noise larger than it)."""
+    per_unit = max(0.0, (deep[1] - shallow[1]) / (deep[0] - shallow[0]))
+    return max(0.0, shallow[1] - per_unit * shallow[0]), per_unit
+
+
 def _phases(net: torch.nn.Module, loss_fn: Any, opt: Any, batch: torch.Tensor, device: torch.device
             ) -> list[tuple[str, float]]:
     """Forward (with the loss), backward, and the AdamW step with zero_grad, each timed from a sync."""
@@ -363,9 +370,8 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
     for phase in phases:
         calls = fit_calls([(size, at[size][phase]) for size in sizes])
         call, slope = calls if calls is not None else (0.0, med[phase] / batch_size)
-        per_op = max(0.0, (at[deep][phase] - at[shallow][phase])
-                     / (stack_ops[deep][phase] - stack_ops[shallow][phase]))
-        fixed = max(0.0, at[shallow][phase] - per_op * stack_ops[shallow][phase])
+        fixed, per_op = _stack_line((stack_ops[shallow][phase], at[shallow][phase]),
+                                    (stack_ops[deep][phase], at[deep][phase]))
         per_param, why = split_cost(call, ops[phase], psi, fixed, per_op) if calls is not None else (0.0, None)
         out.update({f"{phase}_call_s": call, f"{phase}_s_per_param_sample": slope / psi,
                     f"{phase}_call_fixed_s": fixed if calls is not None else 0.0,
@@ -378,8 +384,7 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
                       f"{NO_CALL_COST} (micro-batches {sizes[0]} and {sizes[1]} fit none: timing noise above it): "
                       f"the rate at {batch_size}")
     tensors = sum(1 for p in net.parameters() if p.requires_grad)
-    per_tensor = max(0.0, (at[deep]["optimizer"] - at[shallow]["optimizer"]) / (OPS_DEPTHS[1] - OPS_DEPTHS[0]))
-    step = max(0.0, at[shallow]["optimizer"] - per_tensor * OPS_DEPTHS[0])
+    step, per_tensor = _stack_line((OPS_DEPTHS[0], at[shallow]["optimizer"]), (OPS_DEPTHS[1], at[deep]["optimizer"]))
     per_element, why = split_cost(med["optimizer"], tensors, psi, step, per_tensor, "tensors")
     if why:  # the stacks alone reach the model's step: its rate per element as measured, nothing apart
         step, per_tensor, per_element = 0.0, 0.0, med["optimizer"] / psi
