@@ -289,15 +289,15 @@ def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, mem
     for r in records:
         r["init"] = init
         row = LAYOUTS.get(r["strategy"])
-        kind = row.init_kind if row is not None else None
+        modelled = row is not None and row.init_modelled
         if init == "full":  # the whole model (4 bytes a parameter), and what wrapping adds where it is modelled
-            if kind is not None and shape.exact:
-                r["init_peak_bytes"] = init_peak_bytes(shape, kind, "full", r["world_size"], 4, use_orig_params)
+            if modelled and shape.exact:
+                r["init_peak_bytes"] = init_peak_bytes(shape, row, "full", r["world_size"], 4, use_orig_params)
             continue
         note = ("init=meta: not modelled for this row (DeepSpeed refuses it; paper and hybrid rows have no model)"
-                if kind is None else None if shape.exact else
+                if not modelled else None if shape.exact else
                 "init=meta: a parameter count has no units or modules to materialise (give model=)")
-        r.update(init_peak_bytes=None if note else init_peak_bytes(shape, kind, "meta", r["world_size"], 4,
+        r.update(init_peak_bytes=None if note else init_peak_bytes(shape, row, "meta", r["world_size"], 4,
                                                                        use_orig_params))
         if note:
             r["init_note"] = note

@@ -6,7 +6,8 @@ run share it; it imports nothing else of zeroexp.
 - :mod:`~zeroexp.formulas.layout`: groups -> per-rank bytes and per-step collectives (the layout arithmetic);
 - :mod:`~zeroexp.formulas.deepspeed`: DeepSpeed's runtime model;
 - :mod:`~zeroexp.formulas.hybrid`: hybrid sharding (HSDP): the shard and replicate groups of a 2-D mesh;
-- :mod:`~zeroexp.formulas.rows`: every strategy's row (``LAYOUTS``), named by ``strategy.layout``;
+- :mod:`~zeroexp.formulas.families`: one module per strategy family, each owning what its strategies do and its
+  rows; :mod:`~zeroexp.formulas.rows`: every row (``LAYOUTS``), named by ``strategy.layout``;
 - :mod:`~zeroexp.formulas.time`: a collective's time (latency + bus bytes / bus bandwidth, two-level ring), compute
   rates, the device's overlap rule; :mod:`~zeroexp.formulas.overlap`: a step's time from its groups;
   :mod:`~zeroexp.formulas.framework`: the framework's own per-step work from calibrated primitives;
@@ -52,7 +53,8 @@ from zeroexp.formulas.hybrid import MESH_DIMS, hybrid_units
 from zeroexp.formulas.shapes import POST_FORWARD, WORLD
 from zeroexp.formulas.overlap import *  # noqa: F401,F403
 from zeroexp.formulas.overlap import __all__ as _overlap
-from zeroexp.formulas.rows import LAYOUTS, buffer_broadcasts, ddp_buckets
+from zeroexp.formulas.rows import LAYOUTS
+from zeroexp.formulas.families.ddp import buffer_broadcasts, ddp_buckets
 from zeroexp.formulas.time import *  # noqa: F401,F403
 from zeroexp.formulas.time import __all__ as _time
 

@@ -12,42 +12,31 @@ from __future__ import annotations
 
 from zeroexp.formulas.peak import StepTrace, phase_peaks
 
-__all__ = ["ACCUMULATING_FLOWS", "accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp_no_sync_phase_peaks"]
-
-#: What each gradient flow of the peak model does with K micro-batches (the flows whose accumulation is modelled):
-#: ``new`` (DDP, ZeroRedundancyOptimizer on DDP, under ``no_sync``): the first micro-batch allocates the gradients
-#: after ``zero_grad`` freed them, as without accumulation; every later one adds into them in place, so it holds the
-#: whole gradient from its start. ``in_place`` (zeroexp's ZeRO-1): its flat buffers accumulate, every micro-batch as
-#: a step without accumulation. ``bucket`` (zeroexp's ZeRO-2): every micro-batch opens its buckets, reduce-scatters
-#: them, adds the shard into the gradient shard (steady) and releases them, as a step without accumulation.
-ACCUMULATING_FLOWS = {
-    "new": "the first micro-batch allocates the gradients, the later ones add into them in place",
-    "in_place": "the flat gradient buffers accumulate in place, every micro-batch as one step",
-    "bucket": "every micro-batch reduce-scatters its buckets into the gradient shard and releases them",
-}
+__all__ = ["accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp_no_sync_phase_peaks"]
 
 
-def accumulated_phase_peaks(flow: str, trace: StepTrace, micro_batches: int, **terms) -> dict[str, dict]:
+def accumulated_phase_peaks(trace: StepTrace, micro_batches: int, *, live_grads: bool = False,
+                            open_buckets: bool = False, **terms) -> dict[str, dict]:
     """:func:`zeroexp.formulas.peak.phase_peaks` over the ``micro_batches`` micro-batches of one optimizer step: per
     phase the highest of the micro-batches' peaks (``terms``: phase_peaks' keywords, ``in_place`` the step traced with
-    the gradients allocated). For ``new`` the later micro-batches are the ``in_place`` flow: the gradients are held
-    from their start (as in the steady state) and autograd adds into them."""
-    if flow not in ACCUMULATING_FLOWS:
-        raise ValueError(f"no accumulation model for gradient flow {flow!r}")
-    first = phase_peaks(flow, trace, **terms)
-    if micro_batches < 2 or flow != "new":
+    the gradients allocated). A flow whose gradients are new each step (DDP, ZeroRedundancyOptimizer on DDP, under
+    ``no_sync``): the first micro-batch allocates them after ``zero_grad`` freed them, as without accumulation; every
+    later one adds into them in place, so it holds the whole gradient from its start (the ``in_place`` flow). One
+    whose gradients live across the step (``live_grads``: zeroexp's ZeRO-1's flat buffers accumulate; ZeRO-2's
+    ``open_buckets`` reduce-scatter into the gradient shard and are released every micro-batch): every micro-batch
+    as one step."""
+    first = phase_peaks(trace, live_grads=live_grads, open_buckets=open_buckets, **terms)
+    if micro_batches < 2 or live_grads:
         return first
-    later = phase_peaks("in_place", trace, **terms)
+    later = phase_peaks(trace, live_grads=True, **terms)
     return {ph: max((first[ph], later[ph]), key=lambda rec: rec["bytes"]) for ph in first}
 
 
-def accumulated_grad_bytes(flow: str, grad_bytes: int) -> int:
+def accumulated_grad_bytes(grad_bytes: int, live_grads: bool) -> int:
     """The gradient bytes the later micro-batches of a step hold from their start that a step without accumulation
-    does not (``grad_bytes``: the rank's gradients in the steady state): ``new`` holds the gradients ``zero_grad``
-    frees at K=1; ``in_place`` holds its buffers at K=1 too; ``bucket`` keeps only its gradient shard (steady)."""
-    if flow not in ACCUMULATING_FLOWS:
-        raise ValueError(f"no accumulation model for gradient flow {flow!r}")
-    return int(grad_bytes) if flow == "new" else 0
+    does not (``grad_bytes``: the rank's gradients in the steady state): new gradients are held whole (``zero_grad``
+    frees them at K=1); live ones (``live_grads``) are held at K=1 too, or only as the steady gradient shard."""
+    return 0 if live_grads else int(grad_bytes)
 
 
 def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list[int], *, root: int, root_grads: int,

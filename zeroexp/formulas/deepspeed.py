@@ -1,4 +1,5 @@
-"""DeepSpeed's runtime model [DS], [DS-COMM]: its buckets, fetches and partitions as groups, its payload, its rows.
+"""DeepSpeed's runtime model [DS], [DS-COMM]: its buckets, fetches and partitions as groups, its payload (its rows:
+:mod:`zeroexp.formulas.families.deepspeed`).
 
 [DS-COMM] DeepSpeed 0.19.8: runtime/engine.py (allreduce_gradients -> buffered_allreduce_fallback ->
 allreduce_no_retain, MEMORY_OPT_ALLREDUCE_SIZE); runtime/zero/stage_1_and_2.py (reduce_independent_p_g_buckets_and_
@@ -9,15 +10,13 @@ remove_grads, average_tensor, get_grad_norm_direct, has_overflow, step -> all_ga
 
 from __future__ import annotations
 
-from functools import partial
-
-from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, StateLayout, cut_buckets
+from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, cut_buckets
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_FETCH_LIMIT",
            "DS_NORM_BYTES", "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups",
            "deepspeed_gathers",
-           "deepspeed_payload_limits", "DEEPSPEED_ROWS"]
+           "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
 DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
@@ -78,7 +77,7 @@ def deepspeed_sub_groups(partition_numels: list[int] | tuple[int, ...], sub_grou
     return groups
 
 
-def _comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
+def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
     """The buckets (and stage 3's fetches) DeepSpeed makes of a model of ``shape``, as zeroexp configures it: the
     buckets hold the trainable parameters' gradients; stage 3 fetches every parameter of a module forward calls,
     frozen ones too (``shape`` is the whole model's there, the trainable parameters' at stages 0-2).
@@ -102,7 +101,7 @@ def _comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKnobs) -> d
     return out
 
 
-def _payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     """Per-step collectives of one rank of DeepSpeed ZeRO ``stage`` (no offload) [DS-COMM], S per [NCCL-TESTS].
     Stage 0: an all_reduce per chunk (P). Stages 1-2: an all_reduce per bucket (every rank's slice in one call; P),
     one fp32 all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one
@@ -147,34 +146,3 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
         reasons.append(f"stage 3: {fetched} parameter elements exceed one prefetch bucket ({DS_FETCH_LIMIT}): "
                        "DeepSpeed's fetch and release schedule is not modelled")
     return reasons
-
-
-_MIXED = frozenset({"fp32", "bf16", "fp16"})
-_OS_G, _OS_G_P = frozenset({"optim", "grad"}), frozenset({"optim", "grad", "param"})
-_SOURCE = ("DeepSpeed 0.19, measured by zeroexp's state probe (CPU, gloo; fp32 and bf16, offload none and optimizer, "
-           "stage 3 full; fp16 read, not run: it needs a GPU); [DS] source")
-
-
-def _row(stage: int, **kw) -> StateLayout:
-    return StateLayout(f"DeepSpeed 0.19 stage {stage}", stage, payload=partial(_payload, stage), casts_buffers=True,
-                       comm=partial(_comm, stage), payload_limits=partial(deepspeed_payload_limits, stage),
-                       precisions=_MIXED, deepspeed_stage=stage, ranks_differ=stage in (1, 2),
-                       peak_flow="deepspeed" if stage else None, **kw)  # the peak model: stages 1-3
-
-
-#: DeepSpeed 0.19 as measured; stage 1 holds the same state as stage 2 (its gradients are partitioned too). Padding
-#: (stage_1_and_2.py, partition_parameters.py): stages 1-2 one flat group per parameter group, its end aligned to
-#: ``nccl_start_alignment_factor`` (2) x N, no padding between parameters (``parameter_alignment``, off by default);
-#: stage 3 each parameter padded to N on its own (``_padding_size``). By stage; zeroexp.formulas.rows names them.
-DEEPSPEED_ROWS: tuple[StateLayout, ...] = (
-    _row(0, sharded=frozenset(), master="mixed", groups="none",
-                             source=_SOURCE + "; engine.py FP16_UnfusedOptimizer: an fp32 copy per parameter (mixed)"),
-    *(_row(k, sharded=_OS_G, master="always", groups="flat", pad=2,
-                                   offloads=frozenset({"none", "optimizer"}), grad_held="params",
-                                   offload_grad="replace", flat_optimizer=True, source=_SOURCE + "; stage_1_and_2.py")
-      for k in (1, 2)),
-    _row(3, sharded=_OS_G_P, master="always", groups="params", gather="largest",
-                             offloads=frozenset({"none", "optimizer", "full"}), offload_grad="add", flat_optimizer=True,
-                             sub_groups=deepspeed_sub_groups,
-                             source=_SOURCE + "; stage3.py, partition_parameters.py"),
-)

@@ -111,38 +111,6 @@ def framework_time(layout: StateLayout, groups: Groups, itemsize: int, cost: Fra
     f = b = 0.0
     o = cost.loop_s
     notes: list[str] = []
-    kind = layout.groups
-    if kind in ("none", "owners") and groups.buckets:
-        terms["ddp_bucket_calls"] = sum(cost.call_s("ddp_bucket", sum(k) * itemsize) for k in groups.buckets)
-        b += terms["ddp_bucket_calls"]
-        if groups.broadcasts:
-            terms["zro_broadcast_calls"] = sum(cost.call_s("zro_broadcast", k * itemsize) for k in groups.broadcasts)
-            o += terms["zro_broadcast_calls"]
-    elif kind in ("units", "rows") and groups.units:  # FSDP1's flat units, FSDP2's per-parameter rows
-        fsdp = "fsdp1" if kind == "units" else "fsdp2"
-        path = f"{fsdp}_call"
-        if kind == "units" and orig_params:
-            if cost.fsdp1_orig_call_s is None:
-                notes.append("the calibration has no fsdp1_orig_call_s: FSDP1's calls with use_orig_params=true "
-                             "timed at the flat parameters' cost; recalibrate (python -m zeroexp.calibrate) for it")
-            else:
-                path = "fsdp1_orig_call"
-        one = [cost.call_s(path, u.numel * itemsize) for u in groups.units]  # a gather or reduce_scatter
-        terms[f"{fsdp}_forward_calls"] = sum(one)
-        f += terms[f"{fsdp}_forward_calls"]
-        terms[f"{fsdp}_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, groups.units))
-        if kind == "units":
-            terms["fsdp1_gradient_copies"] = 2 * sum(u.numel for u in groups.units) * itemsize * cost.copy_s_per_byte
-            b += terms["fsdp1_backward_calls"] + terms["fsdp1_gradient_copies"]
-        else:
-            b += terms["fsdp2_backward_calls"]
-            terms["dtensor_optimizer_step"] = len(groups.trained_shards) * cost.dtensor_param_step_s
-            o += terms["dtensor_optimizer_step"]
-    elif kind == "buckets" and groups.shards:
-        if "grad" in layout.sharded:  # ZeRO-2: the bucket's flat gradient is zeroed anew and accumulated into
-            terms["bucket_copies"] = 2 * sum(sh.numel for sh in groups.shards) * itemsize * cost.copy_s_per_byte
-            b += terms["bucket_copies"]
-        notes.append("zeroexp's ZeRO-1/2 hooks per bucket: no per-call cost calibrated")
-    else:
-        notes.append(f"groups {kind!r}: only the loop's cost is calibrated for this row")
+    df, db, do = layout.family.framework_terms(layout, groups, itemsize, cost, orig_params, terms, notes)
+    f, b, o = f + df, b + db, o + do
     return FrameworkTime(f, b, o, terms, tuple(notes))

@@ -30,18 +30,25 @@ Not modelled: the process group's own buffers, hybrid sharding (shards over the 
 
 from __future__ import annotations
 
-from zeroexp.formulas.layout import ModelShape, pack
+from zeroexp.formulas.layout import pack
 from zeroexp.formulas.paper import fsdp2_padded_numel, padded_numel
-from zeroexp.formulas.rows import LAYOUTS
+from zeroexp.formulas.shapes import ModelShape
 
-__all__ = ["INIT_KINDS", "INIT_KIND_OF_ROW", "init_peak_bytes", "largest_init_step"]
+__all__ = ["init_peak_bytes", "largest_init_step", "replica_init_peak_bytes", "fsdp1_init_peak_bytes",
+           "fsdp2_init_peak_bytes"]
 
-#: How each kind of row shards its parameters at initialisation (``init_peak_bytes``'s ``kind``).
-INIT_KINDS = ("fsdp1", "fsdp2", "replica")
-#: The rows of ``LAYOUTS`` whose ``init=meta`` is modelled, by kind (their adapters' ``meta_init``: ``replica`` or
-#: ``shards``), read off each row's ``init_kind``. Not here: the paper's rows (no runtime), DeepSpeed's (refused),
-#: hybrid sharding's (not modelled).
-INIT_KIND_OF_ROW = {name: row.init_kind for name, row in LAYOUTS.items() if row.init_kind is not None}
+
+def init_peak_bytes(shape: ModelShape, row, init: str, world_size: int, itemsize: int = 4,
+                    use_orig_params: bool = True) -> int | None:
+    """The init peak of the largest rank in bytes (computed) under ``row`` (a
+    :class:`~zeroexp.formulas.layout.StateLayout`) and ``init`` (``full`` | ``meta``): its family's
+    (:meth:`zeroexp.formulas.families.Family.init_peak_bytes`); None where the row's init is not modelled
+    (``StateLayout.init_modelled``); ``use_orig_params``: FSDP1's."""
+    if init not in ("full", "meta"):
+        raise ValueError(f"init_peak_bytes: init {init!r} (accepted: full, meta)")
+    if not row.init_modelled:
+        return None
+    return row.family.init_peak_bytes(shape, init, world_size, itemsize, use_orig_params)
 
 
 def largest_init_step(shape: ModelShape) -> int:
@@ -50,39 +57,38 @@ def largest_init_step(shape: ModelShape) -> int:
     return max((sum(numels[i] for i in m) for m in shape.modules), default=0)
 
 
-def _units(shape: ModelShape, kind: str, n: int, align: int = 0) -> list[tuple[int, int, int]]:
-    """(u_k, f_k, s_k) per unit in wrap order: its elements, its FlatParameter's (FSDP1: ``u_k``, or with ``align``,
-    ``use_orig_params``'s aligned layout padded to N) and the rank's shard (rank 0: a full chunk)."""
-    out = []
+def replica_init_peak_bytes(shape: ModelShape, init: str, itemsize: int) -> int:
+    """A replica's: the whole model, and with ``meta`` the replay's one module beside it."""
+    c = itemsize
+    return c * shape.numel + (c * largest_init_step(shape) if init == "meta" else 0)
+
+
+def fsdp1_init_peak_bytes(shape: ModelShape, init: str, world_size: int, itemsize: int,
+                          use_orig_params: bool) -> int:
+    """FSDP1's, the largest rank's (``use_orig_params``: the 16-byte aligned layout padded to N)."""
+    c, n = itemsize, world_size
+    align = 16 // c if use_orig_params else 0
+    units = []  # (u_k, f_k, s_k): its elements, its FlatParameter's, the rank's shard (rank 0: a full chunk)
     for unit in shape.units:
         u = sum(shape.numels[i] for i in unit)
         flat = padded_numel(pack([shape.numels[i] for i in unit], align)[1], n) if align and u else u
-        s = (padded_numel(flat, n) if kind == "fsdp1" else
-             sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)) // n
-        out.append((u, flat, s))
-    return out
-
-
-def init_peak_bytes(shape: ModelShape, kind: str, init: str, world_size: int, itemsize: int = 4,
-                    use_orig_params: bool = True) -> int:
-    """The init peak of the largest rank in bytes (computed): see the module docstring for each ``kind``
-    (:data:`INIT_KINDS`) and ``init`` (``full`` | ``meta``); ``use_orig_params``: FSDP1's."""
-    if kind not in INIT_KINDS or init not in ("full", "meta"):
-        raise ValueError(f"init_peak_bytes: kind {kind!r} (accepted {INIT_KINDS}), init {init!r} (full, meta)")
-    c, n, total = itemsize, world_size, shape.numel
+        units.append((u, flat, padded_numel(flat, n) // n))
     step = largest_init_step(shape)
-    if kind == "replica":
-        return c * total + (c * step if init == "meta" else 0)
-    units = _units(shape, kind, n, 16 // c if kind == "fsdp1" and use_orig_params else 0)
-    mesh = 4 * n if kind == "fsdp2" else 0  # FSDP2's device mesh: its rank map, int32
-    if kind == "fsdp2":
-        if init == "meta":  # fully_shard on meta allocates nothing; to_empty the shards, then the replay
-            return mesh + c * sum(s for _, _, s in units) + c * step
-        peak, held = 0, mesh + c * total  # bytes held before unit k
-        for u, _, s in units:  # each unit's padded shards copied, then its parameters freed
-            peak, held = max(peak, held + c * s), held + c * s - c * u
-        return peak
-    return max(_fsdp1_rank_peak(units, r, n, c, total, step, init) for r in range(n))
+    return max(_fsdp1_rank_peak(units, r, n, c, shape.numel, step, init) for r in range(n))
+
+
+def fsdp2_init_peak_bytes(shape: ModelShape, init: str, world_size: int, itemsize: int) -> int:
+    """FSDP2's: its device mesh's rank map, then each unit's padded shards copied before its parameters are freed."""
+    c, n = itemsize, world_size
+    shards = [sum(fsdp2_padded_numel(shape.params[i], n) for i in unit) // n for unit in shape.units]
+    mesh = 4 * n  # FSDP2's device mesh: its rank map, int32
+    if init == "meta":  # fully_shard on meta allocates nothing; to_empty the shards, then the replay
+        return mesh + c * sum(shards) + c * largest_init_step(shape)
+    peak, held = 0, mesh + c * shape.numel  # bytes held before unit k
+    for unit, s in zip(shape.units, shards):  # each unit's padded shards copied, then its parameters freed
+        u = sum(shape.numels[i] for i in unit)
+        peak, held = max(peak, held + c * s), held + c * s - c * u
+    return peak
 
 
 def _fsdp1_rank_peak(units: list[tuple[int, int, int]], rank: int, n: int, c: int, total: int, step: int,

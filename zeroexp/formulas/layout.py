@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, collectives_of, fp16_inf_syncs,
-                                     fsdp2_padded_numel, padded_numel)
-from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs, Shard, Unit, fsdp_unit, next_reached
+                                     padded_numel)
+from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs, Shard, Unit, next_reached
 from zeroexp.formulas.units import Payload, gather_units
 from zeroexp.formulas.orig_params import views_per_rank
 
-__all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "fsdp_unit", "next_reached", "Groups",
+if TYPE_CHECKING:  # the families import this module; a row holds one
+    from zeroexp.formulas.families.base import Family
+
+__all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "next_reached", "Groups", "Cut",
            "StateLayout", "cut_buckets", "pack", "owner_assignment", "derive_groups", "rank_state_bytes",
            "step_collectives", "state_factors", "unsharded_floor_bytes", "offloaded_kinds", "all_reduce_buckets",
            "all_reduce_then_broadcast", "scatter_gather", "scatter_gather_each_micro_batch", "gather_units",
@@ -40,9 +43,11 @@ class StateLayout:
 
     ``sharded``: the kinds each rank holds 1/N of (a master follows ``optim``). ``master``: an fp32 copy of the
     parameters ``always``, only with a low-precision compute dtype (``mixed``, K = 12 [ZeRO 5.1]) or ``never``.
-    ``groups``: how :func:`derive_groups` cuts the shards: ``flat`` (one buffer padded to ``pad`` x N), ``params``
-    (each parameter padded to N), ``units`` (FSDP FlatParameters), ``rows`` (FSDP2: dim 0 chunked), ``buckets``
-    (zeroexp's), ``owners`` (ZeroRedundancyOptimizer) or ``none``. ``payload``: (groups, itemsize, knobs) -> the
+    ``family``: the strategy family (:mod:`zeroexp.formulas.families`) that answers every question of the row's
+    kind: how :func:`derive_groups` cuts the shards (``Family.groups_kind``: ``flat``, one buffer padded to ``pad`` x
+    N; ``params``, each parameter padded to N; ``units``, FSDP FlatParameters; ``rows``, FSDP2's dim-0 chunks;
+    ``buckets``, zeroexp's; ``owners``, ZeroRedundancyOptimizer's; ``none``), the peak model, the overlap rule, the
+    framework's cost, the init peak. ``payload``: (groups, itemsize, knobs) -> the
     per-step collectives [ZeRO 7]. ``gather``: unsharded parameters held while computing (``largest`` unit, ``all``,
     ``none``). ``fp32_at_rest``: parameters and gradients stay fp32 between steps (FSDP MixedPrecision).
     ``fp32_on_the_wire``: collectives move fp32 (autocast). ``padded_moments``: Adam's moments as long as the
@@ -60,7 +65,7 @@ class StateLayout:
     stage: int
     sharded: frozenset[str]
     master: str
-    groups: str
+    family: Family
     payload: Payload
     gather: str = "none"
     pad: int = 1
@@ -76,9 +81,6 @@ class StateLayout:
     payload_limits: Callable[..., list[str]] | None = None
     comm: Callable[[ModelShape, int, PlanKnobs], dict] | None = field(default=None, compare=False)
     gathers_per_unit: Callable[[bool, PlanKnobs], int] = field(default=lambda root, knobs: 1, compare=False)
-    #: How the strategy's hooks gather an FSDP unit called more than once or never reached by backward
-    #: (:func:`fsdp_unit`): ``fsdp1`` or ``fsdp2``.
-    unit_hooks: str = "fsdp1"
     #: Whether the strategy passes ``PlanKnobs.post_forward_ranks`` (FSDP2's ``reshard_after_forward=k``) to every
     #: unit: resharded after forward to a group of k ranks (:attr:`Groups.post_forward_size`, ``Unit.post_forward``).
     post_forward_group: bool = False
@@ -90,17 +92,7 @@ class StateLayout:
     #: The fewest ranks the row runs at: FSDP at one rank shards nothing (torch runs FSDP1 as NO_SHARD and FSDP2
     #: skips its all-gathers and reduce-scatters), so its rows start at 2; the strategies refuse fewer.
     min_world_size: int = 1
-    # --- the peak model's choices for the row (zeroexp.plan.memory reads these, never the row's name) ---
-    #: How the row holds gradients in backward, the peak model's family for it (None: no peak model yet).
-    #: ``new``: autograd allocates each parameter's ``.grad`` after ``zero_grad(set_to_none=True)`` freed the last
-    #: step's (DDP; ZeroRedundancyOptimizer on DDP). ``in_place``: the gradients stay allocated across steps and
-    #: autograd accumulates into them (zeroexp's ZeRO-1: views of its flat buckets). ``bucket``: no gradient survives
-    #: the step; a bucket's flat buffer is allocated when its first gradient is ready and released in the optimizer
-    #: step, after its reduction and before the update (zeroexp's ZeRO-2, ``ShardedAdamW.step``): in category
-    #: ``comm``, the reduce-scatter's buffer from its birth. ``fsdp1`` / ``fsdp2``: FSDP's units
-    #: (:func:`zeroexp.formulas.peak.fsdp_phase_peaks` / ``fsdp2_phase_peaks``). ``deepspeed``: DeepSpeed's
-    #: (:mod:`zeroexp.formulas.peak_deepspeed`, by ``deepspeed_stage``).
-    peak_flow: str | None = None
+    # --- the family's flags (zeroexp.formulas.families reads these, never the row's name) ---
     #: FSDP: whether the row reshards a unit after forward (FULL_SHARD, FSDP2 ``reshard_after_forward=True``) and,
     #: for FSDP1, so follows ``prefetch``; SHARD_GRAD_OP keeps its units unsharded until their backward.
     reshard_after_forward: bool = False
@@ -112,10 +104,20 @@ class StateLayout:
     #: Whether the row's ranks hold different state or buffers, so that the worst rank must be searched for
     #: (ZeroRedundancyOptimizer's owners, DeepSpeed stage 1-2's partitions).
     ranks_differ: bool = False
-    #: How an ``init=meta`` run of the row shards its parameters at initialisation
-    #: (:func:`zeroexp.formulas.init.init_peak_bytes`'s ``kind``: ``fsdp1``, ``fsdp2``, ``replica``); None: not
-    #: modelled.
-    init_kind: str | None = None
+    #: Whether the row's ``init=meta`` is modelled (its family's :meth:`~zeroexp.formulas.families.Family.
+    #: init_peak_bytes`; not: the paper's rows, no runtime; DeepSpeed's, refused; hybrid sharding's).
+    init_modelled: bool = False
+
+
+@dataclass
+class Cut:
+    """What a family cuts an exact model into (:meth:`zeroexp.formulas.families.Family.cut`): the sharded buffers,
+    the gradient-holding ones where they differ, the gathered units, ZeroRedundancyOptimizer's owners."""
+
+    shards: list[Shard] = field(default_factory=list)
+    grad_shards: list[Shard] = field(default_factory=list)
+    units: list[Unit] = field(default_factory=list)
+    owners: list[tuple[int, ...]] = field(default_factory=list)
 
 
 # --- cutting: the one bucket cutter, packing, owners ----------------------------------------------------------
@@ -178,71 +180,25 @@ def derive_groups(name: str, layout: StateLayout, shape: ModelShape, world_size:
     them to the optimizer) and holds the frozen ones as they are. ``layout.comm`` gets the shape the shards are cut
     from."""
     hybrid = layout.hybrid and 0 < knobs.shard_size < world_size
-    n, kind = knobs.shard_size if hybrid else world_size, layout.groups  # n: ranks sharded over
+    n, family = knobs.shard_size if hybrid else world_size, layout.family  # n: ranks sharded over
     narrow = knobs.post_forward_over(n) if layout.post_forward_group else 0  # FSDP2's reshard_after_forward=k
-    full, shape = shape, shape if kind in ("units", "rows", "params") else shape.trainable()
+    full, shape = shape, shape if family.cuts_frozen(layout) else shape.trainable()
     numels = shape.numels
-    rest = 4 if layout.fp32_at_rest else itemsize
-    align = 16 // rest if knobs.use_orig_params and kind == "units" else 0
-    shards: list[Shard] = []
-    grad_shards: list[Shard] = []
-    units: list[Unit] = []
-    owners: list[tuple[int, ...]] = []
     if not shape.exact:  # a count: one flat buffer, one unit
-        shards = [Shard(((0, shape.numel),), padded_numel(shape.numel, layout.pad * n))]
-        units = [fsdp_unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False, knobs), hooks=layout.unit_hooks,
-                           narrow=bool(narrow))]
-    elif kind == "rows":  # FSDP2: a parameter's gradient is its own, none for one a step does not use
-        shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
-        grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
-                       enumerate(zip(shape.params, numels)) if k and shape.train(i) and i not in shape.unused]
-    elif kind == "units":  # a unit forward never calls gets no gradient at all
-        for u, unit in enumerate(shape.units):
-            spans, length = pack([numels[i] for i in unit], align)
-            if length:
-                shards.append(Shard(spans, padded_numel(length, n)))
-                trained = tuple(sp for sp, i in zip(spans, unit) if shape.train(i) and sp[1] > sp[0])
-                if trained and shape.calls(u) and shape.backward(u):
-                    grad_shards.append(Shard(trained, padded_numel(length, n)))
-    elif kind == "buckets":
-        for bucket in cut_buckets([k * itemsize for k in numels], knobs.bucket_cap_bytes):
-            spans, length = pack([numels[i] for i in bucket])
-            shards.append(Shard(spans, padded_numel(length, n)))
-    elif kind == "params":
-        shards = [Shard(((0, k),), padded_numel(k, n)) for k in numels]
-        grad_shards = [sh for i, sh in enumerate(shards) if shape.train(i)]
-    elif kind == "flat":
-        spans, length = pack(list(numels))
-        shards = [Shard(spans, padded_numel(length, layout.pad * n))]
-    elif kind == "owners":
-        owners = [tuple(numels[i] for i in o) for o in owner_assignment(numels, n)]
-    if shape.exact and kind == "params":  # each module's own parameters, each padded to N, fetched as one [DS]
-        units = [Unit(sum(padded_numel(numels[i], n) for i in m), 1) for m in shape.modules if m]
-    elif shape.exact and layout.gather != "none":  # FSDP units: each as it is gathered
-        for u, (unit, root) in enumerate(zip(shape.units, shape.root)):
-            if kind == "rows":
-                size = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)
-                reduced = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit
-                              if shape.train(i) and i not in shape.unused)
-            else:
-                size = padded_numel(pack([numels[i] for i in unit], align)[1], n)
-                reduced = size if any(shape.train(i) for i in unit) else 0
-            if size:
-                units.append(fsdp_unit(size, layout.gathers_per_unit(root, knobs), shape.calls(u), shape.backward(u),
-                                       reduced, layout.unit_hooks, shape.next_reached(u), narrow=bool(narrow)))
+        cut = Cut([Shard(((0, shape.numel),), padded_numel(shape.numel, layout.pad * n))],
+                  units=[family.unit(padded_numel(shape.numel, n), layout.gathers_per_unit(False, knobs),
+                                     narrow=bool(narrow))])
+    else:
+        cut = family.cut(layout, shape, n, knobs, itemsize, narrow)
     extra = layout.comm(shape, n, knobs) if layout.comm is not None else {}
     trained = tuple(numels[i] for i in range(len(numels)) if shape.train(i))
-    rows_ungraded = kind == "rows" and bool(shape.unused)
-    frozen_shards = kind in ("units", "rows", "params") and bool(full.frozen) or rows_ungraded or \
-        (kind == "units" and shape.exact and len(grad_shards) < len(shards))
-    if rows_ungraded:  # indices among the trainable parameters
-        idx = [i for i in range(len(numels)) if shape.train(i)]
-        extra = {**extra, "ungraded": tuple(idx.index(i) for i in shape.unused)}
-    return Groups(name, world_size, trained if shape.exact else (shape.numel,), tuple(shards), tuple(units),
-                  owners=tuple(owners), exact=shape.exact, shard_size=n if hybrid else 0,
-                  frozen=full.frozen if shape.exact else (), grad_shards=tuple(grad_shards) if frozen_shards else None,
+    extra = {**extra, **family.extra_groups(layout, shape, full, cut)}
+    return Groups(name, world_size, trained if shape.exact else (shape.numel,), tuple(cut.shards), tuple(cut.units),
+                  owners=tuple(cut.owners), exact=shape.exact, shard_size=n if hybrid else 0,
+                  frozen=full.frozen if shape.exact else (),
                   buffers=_held_buffers(layout, full.buffers, knobs.compute_dtype), post_forward_size=narrow,
                   **extra)
+
 
 def _held_buffers(layout: StateLayout, buffers: tuple[tuple[str, int], ...], dtype: str
                   ) -> tuple[tuple[str, int], ...]:
@@ -340,14 +296,14 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
         p_logical, p_physical = (x * (n // s_over) for x in _spread(groups.shards, s_over))
         logical, physical = (x * (n // s_over) for x in _spread(trained, s_over))
         unused = 0
-        full = psi if layout.groups in ("none", "owners") else sum(sh.numel for sh in groups.shards)
-        tensors = [len(trained)] * n if groups.exact and layout.groups in ("units", "buckets", "rows") else None
+        full = sum(sh.numel for sh in groups.shards) if layout.family.pads_count(layout) else psi
+        tensors = [len(trained)] * n if groups.exact and layout.family.steps_per_shard else None
 
     def kind(sharded: bool, nbytes: int, param: bool = False) -> list[tuple[int, int]]:
         lo_, ph_ = (p_logical, p_physical) if param else (logical, physical)
         if sharded:
             return [(lo * nbytes, ph * nbytes) for lo, ph in zip(lo_, ph_)]
-        if param and layout.groups not in ("units", "rows"):  # frozen parameters held beside the trained ones
+        if param:  # frozen parameters held beside the trained ones (a row that shards them shards "param")
             return [((psi + frozen) * nbytes, (full + frozen) * nbytes)] * n
         held = 0 if param else unused  # a parameter without gradient has no gradient or moments to replicate
         return [((psi - held) * nbytes, (full - held) * nbytes)] * n
@@ -356,7 +312,7 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     out = {"param": kind("param" in s, rest, param=True), "grad": kind("grad" in s, rest),
            "optim": kind("optim" in s, MOMENT_BYTES)}
     offloaded = offload != "none" and layout.offload_grad != "none"
-    if layout.grad_held == "params" and "grad" in s and groups.exact and layout.groups == "flat" and not offloaded:
+    if layout.grad_held == "params" and "grad" in s and groups.exact and not offloaded:
         out["grad"] = [(lo, g * rest) for (lo, _), g in zip(out["grad"],
                                                              _held_grads(groups.shards, n, groups.ungraded))]
     if offloaded:  # the fp32 gradient partition on the host [DS]
@@ -365,7 +321,7 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
             [(a + c, b + d) for (a, b), (c, d) in zip(out["grad"], fp32)]
     if layout.master == "always" or (layout.master == "mixed" and itemsize != 4):
         out["master"] = kind("optim" in s, MASTER_BYTES)
-    if knobs.use_orig_params and layout.groups == "units":  # moments and steps per unpadded view [FSDP]
+    if knobs.use_orig_params and layout.family.views_with_orig_params:  # moments and steps per unpadded view [FSDP]
         out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
         tensors = views_per_rank(groups) if groups.exact else None
     if not layout.padded_moments:
@@ -378,7 +334,7 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     if groups.buffers:  # every rank holds the module's buffers whole, in their own dtype
         out["buffers"] = [(sum(b for _, b in groups.buffers),) * 2] * n
     kept = [(sum(b - a for a, b in sh.spans), u.numel) for sh, u in zip(groups.shards, groups.units) if u.kept]
-    if kept and layout.groups == "units":  # FSDP1 units never resharded: their unsharded FlatParameter at rest
+    if kept and layout.family.holds_kept_units:  # FSDP1 units never resharded: their unsharded FlatParameter at rest
         out["param_unsharded"] = [(sum(lo for lo, _ in kept) * rest, sum(ph for _, ph in kept) * rest)] * n
     return out
 
@@ -414,7 +370,7 @@ def state_factors(layout: StateLayout, world_size: int, itemsize: int, offload: 
     for k in ("grad", "optim", "master"):
         if k in out:
             out[k] *= trained
-    if layout.groups in ("units", "rows"):
+    if layout.family.gathers_units:
         out["param_unsharded"] = 0.0
     return out
 

@@ -53,7 +53,6 @@ from zeroexp.formulas.framework import FrameworkCost, framework_time
 from zeroexp.formulas.layout import (STEP_BYTES, Groups, PlanKnobs, StateLayout, rank_state_bytes,
                                      step_collectives)
 from zeroexp.formulas.paper import Collectives
-from zeroexp.formulas.shapes import POST_FORWARD, WORLD
 from zeroexp.formulas.time import ComputeRate
 
 __all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step",
@@ -163,7 +162,8 @@ def optimizer_tensors(layout: StateLayout, groups: Groups, knobs: PlanKnobs = Pl
     return len(groups.numels) - len(groups.ungraded)
 
 
-def _cum(sizes: list[int]) -> list[int]:
+def cumulative(sizes: list[int]) -> list[int]:
+    """The running sums of ``sizes``, from 0."""
     out = [0]
     for s in sizes:
         out.append(out[-1] + s)
@@ -175,46 +175,7 @@ def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: floa
     """Where each collective of the step is issued and waited for (the rules of the module docstring), on a compute
     timeline of forward ``f``, backward ``b`` and optimizer ``o`` seconds; and the rule's name. ``ahead``: FSDP2's
     explicit forward and backward prefetch (units ahead; 0: its default)."""
-    end_b, end = f + b, f + b + o
-    kind = layout.groups
-    if kind in ("none", "owners"):
-        c = _cum([sum(k) for k in groups.buckets])
-        slots = [Slot("all_reduce", sum(k), f + b * c[i + 1] / c[-1], end_b) for i, k in enumerate(groups.buckets)]
-        several = len(groups.broadcasts) > 1  # ZeroRedundancyOptimizer issues them all async, then waits
-        slots += [Slot("broadcast", k, end, end, burst=several) for k in groups.broadcasts]
-        return slots, "DDP buckets overlap backward except the last" + (
-            "; broadcasts after the step" if groups.broadcasts else "")
-    if kind == "buckets":
-        c, psi = _cum([sum(e - a for a, e in sh.spans) for sh in groups.shards]), max(groups.numel, 1)
-        several = len(groups.shards) > 1  # every bucket's all_gather issued async after the step
-        slots = [Slot("all_gather", sh.numel, 0.0, f * c[i] / psi, burst=several) for i, sh in enumerate(groups.shards)]
-        for op in ("reduce_scatter", "all_reduce"):
-            slots += [Slot(op, sh.numel, f + b * (psi - c[i]) / psi, end_b) for i, sh in enumerate(groups.shards)]
-        return slots, "reduce hooks overlap backward; all_gather waited in forward pre-hooks"
-    if kind in ("units", "rows") and groups.units:
-        units = groups.units
-        c = _cum([u.numel for u in units])
-        fs = [f * x / c[-1] for x in c]  # unit i's forward: [fs[i], fs[i + 1]]
-        bs = [f + b * (c[-1] - x) / c[-1] for x in c]  # unit i's backward: [bs[i + 1], bs[i]]
-        fwd, bwd = (max(k, 1) for k in ahead) if kind == "rows" else (1, 1)
-        # FSDP2 reshard_after_forward=k: a unit's forward gather runs over the world, its backward one over k ranks
-        narrow = groups.post_forward_size > 0
-        slots = [Slot("all_gather", u.numel, fs[max(i - fwd, 0)], fs[i], group=WORLD if narrow else "")
-                 for i, u in enumerate(units)]
-        mode = "pre" if kind == "rows" else prefetch
-        for i, u in enumerate(units):
-            slots.append(Slot("reduce_scatter", u.numel, bs[i], end_b, order=1 if mode == "post" else 0))
-            if u.gathers < 2:
-                continue
-            later = i + 1 < len(units)  # the unit whose backward runs before this one's
-            issue = {"pre": bs[min(i + 1 + bwd, len(units))] if later else bs[i + 1],
-                     "post": bs[i + 1], "none": bs[i + 1]}[mode]
-            slots.append(Slot("all_gather", u.numel, issue, bs[i + 1], order=0 if mode == "post" else 1,
-                              group=(POST_FORWARD if u.post_forward else WORLD) if narrow else ""))
-        ahead_s = f"{fwd} unit{'s' * (fwd > 1)}"
-        return slots, f"FSDP: forward all_gather {ahead_s} ahead; backward prefetch {mode}" + (
-            f" ({bwd} units ahead)" if bwd > 1 else "")
-    return [], "no overlap rule for this row: every collective exposed"
+    return layout.family.collective_slots(layout, groups, prefetch, f, b, o, ahead)
 
 
 def simulate_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool,

@@ -67,12 +67,18 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
     return out
 
 
-def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
+def phase_peaks(trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
                 optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                 in_place: StepTrace | None = None, master_grads: int = 0, gather_inputs: int = 0,
                 reduce_copies: bool = False, block: int = 1,
-                bucket_edges: tuple[int, ...] | None = None) -> dict[str, dict]:
+                bucket_edges: tuple[int, ...] | None = None, live_grads: bool = False,
+                open_buckets: bool = False) -> dict[str, dict]:
     """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
+
+    The gradient flow (a family's, :meth:`zeroexp.formulas.families.Family.flow`): ``new`` (neither flag: autograd
+    allocates each ``.grad`` after ``zero_grad`` freed the last step's), ``in_place`` (``live_grads``: the gradients
+    stay allocated across steps), ``bucket`` (``live_grads`` and ``open_buckets``: a bucket's flat buffer is born at
+    its first ready gradient and released in the step).
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
     Backward: per traced segment, its peak, less what the flow does not allocate anew (``in_place`` and ``bucket``:
@@ -93,15 +99,15 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     for the buckets in definition order (the reverse of ``buckets``). ``bucket_edges``: the traced gradient bytes at
     which each bucket opens, where they are not the sums of the buckets before it (the trace counting each
     parameter's gradient in ``block``-byte blocks, a bucket one block run)."""
-    if flow not in ("new", "in_place", "bucket"):
-        raise ValueError(f"unknown gradient flow {flow!r}")
+    if open_buckets and not live_grads:
+        raise ValueError("open_buckets needs live_grads: a bucket's gradients live in it across the step")
     forward = [s for s in trace.segments if s.phase == "forward"]
     top = max(forward, key=lambda s: s.peak_bytes)
     out = {"forward": {"bytes": top.peak_bytes - trace.loss_bytes,
                        "by_category": _add(top.peak_by_category, {"activations": -trace.loss_bytes})}}
     best, upper, before = None, None, 0  # before: traced gradient bytes at the segment's start
     edges = list(bucket_edges) if bucket_edges is not None else [sum(buckets[:i]) for i in range(len(buckets) + 1)]
-    alike = in_place is not None and flow != "new"
+    alike = in_place is not None and live_grads
     if alike and [(s.phase, s.at) for s in in_place.segments] != [(s.phase, s.at) for s in trace.segments]:
         raise ValueError("the in-place trace's segments are not the trace's")
     for k, s in enumerate(trace.segments):
@@ -111,11 +117,11 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
         grads = peak.get("gradients", 0)
         cats = _add(peak, {"activations": -trace.loss_bytes})
         late = {}
-        if flow == "new":
+        if not live_grads:
             cats = _add(cats, {"gradients": -steady_grad_bytes})
         else:
             cats = _add(cats, {"gradients": -grads})
-            if flow == "bucket":
+            if open_buckets:
                 held = sum(b for b, lo in zip(buckets, edges) if lo < before)
                 cats = _add(cats, {"comm": held})  # a bucket is its reduce-scatter's buffer from its birth
                 # a bucket this segment opens may be born before its peak or after: the upper end of the range
@@ -137,8 +143,8 @@ def phase_peaks(flow: str, trace: StepTrace, *, steady_grad_bytes: int, buckets:
     candidates = [update_phase(temps, master_grads, one_by_one=not gather_inputs)]
     waits = buckets[::-1]  # the step's order
     for j, size in enumerate(waits):  # at bucket j's wait: the buckets not released yet (bucket), gloo's copy of j
-        held = sum(waits[j:]) if flow == "bucket" else 0
-        copy = size if reduce_copies and flow != "new" else 0
+        held = sum(waits[j:]) if open_buckets else 0
+        copy = size if reduce_copies and live_grads else 0
         candidates.append({"bytes": held + copy, "by_category": {"comm": held, "optimizer_state": copy}})
     out["optimizer"] = max(candidates, key=lambda rec: rec["bytes"])  # ties: AdamW's
     for rec in out.values():

@@ -1,5 +1,5 @@
-"""The peak model's precision terms: how each gradient flow of :mod:`zeroexp.formulas.peak` computes in bf16 / fp16,
-what it holds in which dtype, and the bytes mixed precision adds above steady.
+"""The peak model's precision terms: what each family (:meth:`zeroexp.formulas.families.Family.precision_terms`)
+holds in which dtype in bf16 / fp16, and the bytes mixed precision adds above steady.
 
 Sources, read alongside the adapters (zeroexp/strategies/):
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from zeroexp.formulas.allocator import counted_sum
 
-__all__ = ["PrecisionTerms", "precision_terms", "master_upcast_bytes", "gather_input_bytes", "sharded_grad_upcast"]
+__all__ = ["PrecisionTerms", "FP32_TERMS", "master_upcast_bytes", "gather_input_bytes", "sharded_grad_upcast"]
 
 #: Bytes per element of an fp32 master, gradient shard or Adam moment.
 FP32 = 4
@@ -44,19 +44,8 @@ class PrecisionTerms:
     master_below_compute: bool
 
 
-def precision_terms(flow: str, precision: str, param_dtype: str, compute_itemsize: int) -> PrecisionTerms:
-    """The terms of gradient flow ``flow`` (``new``: ddp, zro; ``in_place`` / ``bucket``: zero1 / zero2; ``fsdp1``,
-    ``fsdp2``) in
-    ``precision`` (its ``param_dtype``; ``compute_itemsize``: that dtype's bytes). fp32: no cast anywhere."""
-    if precision == "fp32":
-        return PrecisionTerms(None, None, FP32, False)
-    if flow == "new":  # autocast: fp32 parameters and gradients
-        return PrecisionTerms(param_dtype, None, FP32, False)
-    if flow in ("in_place", "bucket"):  # compute-dtype buckets, fp32 master shards
-        return PrecisionTerms(None, param_dtype, compute_itemsize, True)
-    if flow in ("fsdp1", "fsdp2"):  # units gathered in the compute dtype; fp16 under Lightning's autocast too
-        return PrecisionTerms(param_dtype if precision == "fp16" else None, param_dtype, compute_itemsize, False)
-    raise ValueError(f"no precision terms for gradient flow {flow!r} (covered: new, in_place, bucket, fsdp1, fsdp2)")
+#: fp32: no cast anywhere, whatever the family (:meth:`zeroexp.formulas.families.Family.precision_terms`).
+FP32_TERMS = PrecisionTerms(None, None, FP32, False)
 
 
 def sharded_grad_upcast(shard_numel: int, terms: PrecisionTerms) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-__all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "fsdp_unit", "next_reached", "WORLD", "POST_FORWARD"]
+__all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "next_reached", "WORLD", "POST_FORWARD"]
 
 #: The process groups a collectives model names besides a device mesh's dimensions: ``world``, the default group
 #: (every rank); ``post_forward``, FSDP2's post-forward group (``reshard_after_forward=k``: k consecutive ranks, the
@@ -261,35 +261,3 @@ def next_reached(order: list[int], reached: list[bool]) -> tuple[bool, ...]:
     return tuple(out)
 
 
-def fsdp_unit(numel: int, gathers: int, calls: int = 1, reached: bool = True, reduced: int | None = None,
-              hooks: str = "fsdp1", next_reached: bool = True, narrow: bool = False) -> Unit:
-    """An FSDP unit as a traced step drives it [FSDP] [FSDP2]. ``gathers`` per step for one forward call that
-    backward reaches: 2 when the unit is resharded after forward and gathered again before backward, 1 when kept
-    unsharded into backward; it reduce-scatters ``reduced`` elements (None: ``numel``) only where backward reaches
-    it. Each further forward call of a resharded unit gathers again. ``hooks`` (:attr:`StateLayout.unit_hooks`):
-
-    - ``fsdp1``: backward gathers a resharded unit once (its pre-backward hook runs once per backward), and a unit
-      backward never reaches not at all; one kept after forward is then never resharded (steady steps gather it
-      no more: ``kept``);
-    - ``fsdp2``: each forward call's part of backward gathers a resharded unit again (its post-backward reshards
-      after each part; a unit kept after forward: each part but the first); a unit backward never reaches is still
-      gathered when the unit after it in forward order is reached (``next_reached``: FSDP2's implicit backward
-      prefetch), and resharded at the end of backward.
-
-    ``narrow`` (FSDP2 ``reshard_after_forward=k``): a resharded unit keeps its post-forward shard after each forward
-    call, so each further forward call and the first gather of its backward (its own or the implicit prefetch) run
-    over the post-forward group (``Unit.post_forward``); its first forward call's gather, from the full shard, and
-    those after a post-backward reshard (``_to_sharded``: the whole shard group again) run over the shard group
-    (_fsdp_param_group.py ``_all_gather_process_group``)."""
-    resharded, reached = gathers >= 2, reached and calls > 0
-    kept = hooks == "fsdp1" and not resharded and calls > 0 and not reached
-    if hooks == "fsdp2" and resharded:
-        again = calls if reached else min(calls, 1) if next_reached else 0
-    elif hooks == "fsdp2":  # kept after forward: gathered again for each earlier call's part, after a reshard
-        again = max(calls - 1, 0) if reached else 0
-    else:
-        again = 1 if resharded and reached else 0
-    total = (calls if resharded else (0 if kept else min(calls, 1))) + again
-    scattered = (numel if reduced is None else reduced) if reached else 0
-    narrowed = max(calls - 1, 0) + min(again, 1) if narrow and resharded and hooks == "fsdp2" else 0
-    return Unit(numel, total, None if scattered == numel else scattered, kept, narrowed)

@@ -17,19 +17,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs, fsdp2_padded_numel, local_numels,
-                              owner_assignment)
-from zeroexp.formulas.allocator import counted, counted_sum
-from zeroexp.formulas.orig_params import orig_param_views
+from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
-from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_phase_peaks, fsdp_no_sync_phase_peaks
-from zeroexp.formulas.adamw import adamw_temporaries
-from zeroexp.formulas.peak import FsdpUnit, StepTrace, fsdp2_phase_peaks, fsdp_phase_peaks
-from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
-                                             precision_terms, sharded_grad_upcast)
+from zeroexp.formulas.peak import StepTrace
+from zeroexp.formulas.peak_precision import PrecisionTerms
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
-from zeroexp.plan.peak_deepspeed import (ds_peak_limits, ds_phases, ds_stage, ds_steady_buffers_bytes,
-                                         ds_step_frees_grads)
 from zeroexp.plan.judge import TOLERANCE, as_simulated, judge_rank
 from zeroexp.plan.expect import knobs_of
 from zeroexp.plan.gloo import late_free
@@ -39,11 +31,7 @@ __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces
            "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead",
            "read_traces_ahead"]
 
-# The peak model reads a row's fields (StateLayout.peak_flow, reshard_after_forward, ...), never its name. FSDP1's
-# hybrid sharding is FSDP1's within the shard group: the replicas' all_reduce of each reduced gradient shard runs in
-# place (_runtime_utils.py _reduce_grad), so it adds no tensor.
-#: The optimizer every covered row steps: torch's AdamW over fp32 state, single-tensor (torch's default on CPU).
-ADAMW = {"optimizer_itemsize": 4, "foreach": False}  # a CPU rank's; a CUDA rank's: foreach (zeroexp.formulas.device)
+# The peak model asks a row's family (StateLayout.family: zeroexp.formulas.families), never its name.
 
 
 def uncovered(name: str, precision: str, offload: str,
@@ -51,14 +39,11 @@ def uncovered(name: str, precision: str, offload: str,
               sync_each_microbatch: bool = False) -> list[str]:
     """Why the peak model does not cover a row in this precision, offload and axes (empty: it does)."""
     row = _row(name)
-    flow = row.peak_flow
+    flow = row.family.flow(row)
     reasons = []
-    if flow is None:
-        fsdp = [sorted(_modelled(lambda r: r.peak_flow == f), key=lambda n: (LAYOUTS[n].hybrid,
-                                                                             not LAYOUTS[n].reshard_after_forward))
-                for f in ("fsdp1", "fsdp2")]  # each FSDP's: FULL_SHARD, SHARD_GRAD_OP, then hybrid sharding's
-        covered = [*_modelled(lambda r: r.peak_flow in ("new", "in_place", "bucket")), *fsdp[0], *fsdp[1],
-                   *_modelled(lambda r: r.peak_flow is not None and r.deepspeed_stage is not None)]
+    if flow is None:  # by family, FSDP's rows FULL_SHARD, SHARD_GRAD_OP, then hybrid sharding's
+        covered = sorted(_modelled(lambda r: r.family.flow(r) is not None),
+                         key=lambda n: (LAYOUTS[n].family.covered_rank, LAYOUTS[n].family.covered_key(LAYOUTS[n])))
         reasons.append(f"no peak model yet for strategy.layout={name} (covered: {', '.join(covered)})")
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
@@ -68,11 +53,11 @@ def uncovered(name: str, precision: str, offload: str,
                        f"{activation_checkpointing} grad_accum={micro_batches} (each is covered in fp32)")
     if activation_checkpointing not in ("none", "full"):
         reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
-    elif ds_stage(name) is not None and activation_checkpointing != "none":
+    elif flow is not None and not row.family.models_checkpointing and activation_checkpointing != "none":
         reasons.append(f"no peak model yet for DeepSpeed with activation_checkpointing={activation_checkpointing}")
     modelled = row.no_sync_accumulation and not sync_each_microbatch and activation_checkpointing == "none"
-    if micro_batches > 1 and flow is not None and flow not in ACCUMULATING_FLOWS and not modelled:
-        covered = _modelled(lambda r: r.peak_flow in ACCUMULATING_FLOWS) + [
+    if micro_batches > 1 and flow is not None and not row.family.accumulates(row) and not modelled:
+        covered = _modelled(lambda r: r.family.accumulates(r)) + [
             f"{n} under no_sync without activation checkpointing" for n in _modelled(lambda r: r.no_sync_accumulation)]
         how = "".join(f" {k}={v}" for k, v in (("strategy.sync_each_microbatch", "true" if sync_each_microbatch
                                                                                else None),
@@ -86,39 +71,26 @@ def uncovered(name: str, precision: str, offload: str,
 
 def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
     """Why the peak model does not cover this model's shape under row ``name`` (empty: it does)."""
-    flow, reasons = flow_of(name), []
-    if flow in ("fsdp1", "fsdp2") and shape.exact:
-        if shape.frozen and any(shape.train(i) for u, root in zip(shape.units, shape.root) if root for i in u):
-            reasons.append(f"no peak model yet for {flow.upper()} with frozen parameters and a root unit that "
-                           "trains (its reduce-scatter at the end of backward); state, collectives and groups are "
-                           "checked")
-        if any(shape.calls(u) != 1 or not shape.backward(u) for u in range(len(shape.units))):
-            reasons.append(f"no peak model yet for {flow.upper()} units called other than once per forward or "
-                           "that backward does not reach (traced step); state, collectives and groups are checked")
-
+    row = _row(name)
+    first, later, last = row.family.shape_limits(row, shape)
+    reasons = list(first)
     rnn = [c for c in shape.opaque if c in ("RNN", "LSTM", "GRU")]
     if rnn:
         reasons.append(f"no peak model yet for {', '.join(rnn)}: the CPU kernel (mkldnn_rnn_layer) saves for "
                        "backward what its fake-tensor kernel does not (77,440 B against 20,096 on a 2-layer LSTM of "
                        "16); state, collectives and groups are checked")
-    if shape.opaque and flow in ("fsdp1", "fsdp2") and len(rnn) < len(shape.opaque):
-        reasons.append(f"no peak model yet for {', '.join(shape.opaque)} under {flow.upper()}: their CPU backward "
-                       "kernels allocate workspace the fake-tensor trace does not see (2,276 B beyond it measured on a "
-                       "4-channel convnet, the model one unit); state, collectives and groups are checked")
+    reasons += later
     if shape.exact and any(shape.calls(u) > 1 for u in range(len(shape.units))):
         reasons.append("no peak model yet for a module applied more than once in a forward: the run accumulates its "
                        "gradient in place where the fake-tensor trace allocates the sum (64 B less measured on an "
                        "8-wide model); state, collectives and groups are checked")
-    if flow == "bucket" and shape.exact and len(shape.modules) == 1:
-        reasons.append("no peak model yet for zeroexp's ZeRO-2 on a model whose parameters are one module's: its "
-                       "bucket opens and fills within the one traced backward segment; state, collectives and groups "
-                       "are checked")
-    return reasons
+    return reasons + last
 
 
 def flow_of(name: str) -> str | None:
     """The row's gradient flow in the peak model (``zeroexp.formulas.peak``), None where there is no model."""
-    return _row(name).peak_flow
+    row = _row(name)
+    return row.family.flow(row)
 
 
 def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: bool,
@@ -137,8 +109,8 @@ def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], ch
 
 def needs_in_place(name: str, micro_batches: int) -> bool:
     """Whether row ``name``'s peak model reads the step traced with its gradients allocated (:func:`step_traces`)."""
-    flow = _row(name).peak_flow
-    return flow in ("in_place", "bucket") or (flow == "new" and micro_batches > 1)
+    row = _row(name)
+    return row.family.needs_in_place(row, micro_batches)
 
 
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
@@ -174,28 +146,16 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     (:mod:`zeroexp.formulas.device`; each tensor of the closed-form terms counted in blocks, the trace's too:
     :func:`step_traces`; DeepSpeed's terms unrounded)."""
     row = _row(name)
-    if ds_stage(name) is not None:
-        return ds_phases(name, groups, trace, itemsize, rank, bucket_cap_bytes, gloo, foreach)
-    terms = terms or precision_terms(row.peak_flow, "fp32", "float32", itemsize)
-    if row.peak_flow in ("fsdp1", "fsdp2"):
-        return _fsdp(name, groups, shape, trace, itemsize, prefetch, gloo, terms, micro_batches, rank, root_kept,
-                     foreach, knobs, block)
-    st = _strategy_terms(name, groups, rank, groups.world_size, itemsize, terms, foreach, block)
-    if row.groups == "buckets":  # zeroexp's ZeRO
-        st["reduce_copies"] = gloo and reduce == "reduce_scatter"
-    if row.peak_flow is None:
-        raise KeyError(name)  # no peak model: as the name tables' lookup did
-    return accumulated_phase_peaks(row.peak_flow, trace, micro_batches, in_place=in_place, **st)
+    return row.family.phase_peaks(row, groups, shape, trace, itemsize, rank=rank, prefetch=prefetch, gloo=gloo,
+                                  micro_batches=micro_batches, in_place=in_place, bucket_cap_bytes=bucket_cap_bytes,
+                                  terms=terms, reduce=reduce, root_kept=root_kept, foreach=foreach, knobs=knobs,
+                                  block=block)
 
 
 def cell_precision_terms(name: str, cfg: Any) -> PrecisionTerms | None:
     """How the cell's row applies its precision (None: a row without precision terms: DeepSpeed's, or no model)."""
-    row = _row(name)
-    flow = row.peak_flow
-    if flow is None or ds_stage(name) is not None:
-        return None
-    p = cfg.precision
-    return precision_terms(flow, str(p.name), str(p.param_dtype), ITEMSIZE[str(p.param_dtype)])
+    row, p = _row(name), cfg.precision
+    return row.family.precision_terms(row, str(p.name), str(p.param_dtype), ITEMSIZE[str(p.param_dtype)])
 
 
 def _trace_record(terms: PrecisionTerms | None) -> dict[str, Any]:
@@ -210,11 +170,7 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
     ``gradient_as_bucket_view=false``, a copy of every gradient), DeepSpeed stage 3's ipg bucket; given ``terms``,
     zeroexp's ZeRO's all-gather inputs below fp32 (:func:`gather_input_bytes`, the phases' figures are less them)."""
     row = _row(name)
-    if ds_stage(name) is not None:
-        return ds_steady_buffers_bytes(name, itemsize, bucket_cap_bytes)
-    if row.groups == "buckets" and row.peak_flow is not None and terms is not None:  # zeroexp's ZeRO
-        return gather_input_bytes(tuple(s.numel // groups.world_size for s in groups.shards), terms, itemsize)
-    return sum(sum(b) for b in groups.buckets) * itemsize if row.peak_flow == "new" else 0
+    return row.family.steady_buffers(row, groups, itemsize, bucket_cap_bytes, terms)
 
 
 def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",
@@ -233,21 +189,19 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     from zeroexp.plan.steptrace import trace_step_of
 
     row = _row(name)
-    ds = ds_stage(name) is not None
-    if ds:
+    options = row.family.trace_options(row)
+    if options["converts_module"]:
         dtypes = {"module_dtype": torch_dtype(param_dtype) if param_dtype != "float32" else None}
     elif terms is not None:
         dtypes = {"dtype": None if terms.autocast is None else getattr(torch, terms.autocast),
                   "module_dtype": None if terms.module_dtype is None else getattr(torch, terms.module_dtype)}
     else:
         dtypes = {}
-    # a bucket is born at its first gradient: segmented at every module holding parameters, a segment opens one
-    own = ds or row.peak_flow == "bucket"
-    fsdp = row.peak_flow in ("fsdp1", "fsdp2")  # a model with no unit of a wrap class is one unit
     # remembered by what is traced, not by the row: rows that trace the same step share it
-    block = 1 if ds else block  # DeepSpeed's closed-form terms are tensor bytes: its trace too
+    block = 1 if options["tensor_bytes"] else block  # DeepSpeed's closed-form terms are tensor bytes: its trace too
     kwargs = dict(device="cpu", checkpointing=bool(checkpointing), grads_in_place=bool(grads_in_place),
-                  own_params_units=own, root_unit=fsdp, **{k: v for k, v in dtypes.items() if v is not None},
+                  own_params_units=options["own_params_units"], root_unit=options["root_unit"],
+                  **{k: v for k, v in dtypes.items() if v is not None},
                   **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
     key = arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kwargs.items()))
     if key is not None and key in _TRACES:
@@ -335,7 +289,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     measured = summary.get("memory") or {}
     reasons = _uncovered_cell(cfg, name)
     cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
-    reasons += ds_peak_limits(name, groups, cap) + shape_limits(name, shape, groups)
+    row = _row(name)
+    reasons += row.family.peak_limits(row, groups, cap) + shape_limits(name, shape, groups)
     if reasons:
         return {"check": "n/a", "reasons": reasons}
     terms = cell_precision_terms(name, cfg)
@@ -383,9 +338,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         reserved = (measured.get("reserved_by_rank") or [None] * len(by_rank))[rank]
         if reserved is not None:  # a CUDA cell: the caching allocator's segments beside allocated
             buffers = steady_buffers_bytes(name, groups, itemsize if terms is None else terms.grad_itemsize, cap, terms)
-            blocks = cell_steady_blocks(LAYOUTS[name], groups, itemsize, knobs_of(cfg), str(cfg.offload.name), rank,
-                                        buffers, device.workspace_bytes,
-                                        ds_stage(name) is not None and ds_step_frees_grads(name))
+            blocks = cell_steady_blocks(row, groups, itemsize, knobs_of(cfg), str(cfg.offload.name), rank,
+                                        buffers, device.workspace_bytes, row.family.step_frees_grads(row))
             reasons += judge_reserved(judged, reserved, blocks, predicted)
         out_reasons += [f"rank {rank} {r}" for r in reasons]
         errs += rank_errs
@@ -396,105 +350,8 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
             judged["steady"]["predicted_buffers_bytes"] = steady_buffers_bytes(  # DDP's: the grads' dtype
                 name, groups, itemsize if terms is None else terms.grad_itemsize, cap)
             phases = judged
-    source = "zeroexp.formulas.peak_deepspeed" if ds_stage(name) is not None else "zeroexp.formulas.peak"
+    source = row.family.peak_source
     out = {"rank": worst_rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
            "trace": traced, "phases": phases, "ranks": ranks, "max_rel_err": max(errs) if errs else None,
            "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
     return as_simulated(out) if measured.get("simulated") else out
-
-
-def _strategy_terms(name: str, groups: Groups, rank: int, n: int, itemsize: int,
-                    terms: PrecisionTerms, foreach: bool = False, block: int = 1) -> dict[str, Any]:
-    """What the peak model needs of the groups, for rank ``rank``: the gradient bytes ``zero_grad`` frees, the
-    buckets in reduce order, the tensors the rank's AdamW steps (fp32 state; single-tensor, torch's default on CPU),
-    and below fp32 zeroexp's ZeRO's up-casts and all-gather inputs (:mod:`zeroexp.formulas.peak_precision`); each
-    gradient and bucket counted in ``block``-byte blocks."""
-    g, row, adamw = terms.grad_itemsize, _row(name), {**ADAMW, "foreach": foreach, "block": block}
-    if row.peak_flow == "new":  # a parameter a step gives no gradient has no gradient and no moments to step
-        idle = set(groups.ungraded)
-        mine = owner_assignment(groups.numels, n)[rank] if row.groups == "owners" else range(len(groups.numels))
-        numels = [groups.numels[i] for i in mine if i not in idle]
-        graded = counted_sum((k * g for i, k in enumerate(groups.numels) if i not in idle), block)
-        return {"steady_grad_bytes": graded, "buckets": (), "optimizer_numels": tuple(numels), **adamw}
-    # zeroexp's ZeRO: one flat bucket per shard; backward fills the last-defined bucket first.
-    shards = tuple(s.numel // n for s in groups.shards)
-    order = tuple(reversed(groups.shards))
-    # where each bucket opens, in the trace's bytes (each parameter's gradient its own allocation): in blocks,
-    # the gradients of the buckets before it; tensor bytes (the CPU's), the buckets before it
-    grads = [counted_sum(((b - a) * g for a, b in s.spans), block) for s in order]
-    edges = tuple(sum(grads[:i]) for i in range(len(order) + 1)) if block > 1 else None
-    return {"steady_grad_bytes": 0, "buckets": tuple(counted(s.numel * g, block) for s in order),
-            "bucket_edges": edges, "optimizer_numels": shards, **adamw,
-            "master_grads": master_upcast_bytes(shards, terms, block),
-            "gather_inputs": gather_input_bytes(shards, terms, itemsize, block)}
-
-
-def _fsdp(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, prefetch: str,
-          gloo: bool, terms: PrecisionTerms, micro_batches: int = 1, rank: int = 0, root_kept: bool = False,
-          foreach: bool = False, knobs: PlanKnobs = PlanKnobs(), block: int = 1) -> dict[str, Any]:
-    """FSDP1's or FSDP2's phase peaks: the groups' units (padded FlatParameters or FSDP2's padded rows, in
-    post-order, the root last) beside the shape's (their parameters' own gradients), gathered and reduced in the
-    compute dtype (``itemsize``), their gradient shards kept in fp32 (below fp32: up-cast, ``terms``).
-    ``micro_batches`` > 1: SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.
-    fsdp_no_sync_phase_peaks`). Each tensor counted in ``block``-byte blocks (CUDA's 512): a unit's flat parameter or
-    all-gather output, each parameter's gradient and unsharded rows, a shard."""
-    # sharded over the shard group (hybrid sharding: shard_size ranks; else all); the gradient shards: AdamW's dtype
-    n, kept, row = groups.shard_over, ADAMW["optimizer_itemsize"], _row(name)
-    adamw = {**ADAMW, "foreach": foreach, "block": block}
-
-    def b(nbytes: int) -> int:
-        return counted(nbytes, block)
-    # FSDP2's reduce_dtype: its reduce-scatter's input and output shard (FSDP1 reduces in the compute dtype)
-    r = knobs.reduce_itemsize(itemsize) if row.peak_flow == "fsdp2" else itemsize
-    sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
-    if len(sized) != len(groups.units):
-        raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
-    units, root, root_grads, root_params = [], 0, 0, ()
-    flat_grads, root_flat = [], 0  # under no_sync: each unit's gradient one storage (FSDP1's FlatParameter's .grad)
-    alone = all(is_root for _, is_root in sized)  # one unit: the model itself, traced as a unit, kept into backward
-    for (members, is_root), unit in zip(sized, groups.units):
-        if is_root and not alone:
-            root += b(unit.numel * itemsize)
-            root_grads += counted_sum((shape.numels[i] * itemsize for i in members), block)
-            root_flat += b(sum(shape.numels[i] for i in members) * itemsize)
-            root_params = tuple(b(fsdp2_padded_numel(shape.params[i], n) * itemsize) for i in members)
-        else:  # the gradients autograd computes: of the trainable parameters a step uses
-            trained = [i for i in members if shape.train(i) and i not in shape.unused]
-            flat_grads.append(b(sum(shape.numels[i] for i in trained) * itemsize))
-            units.append(FsdpUnit(b(unit.numel * itemsize), b(unit.scattered // n * r),
-                                  counted_sum((shape.numels[i] * itemsize for i in trained), block),
-                                  b(sharded_grad_upcast(unit.scattered // n, terms)) if r < kept else 0,
-                                  b(unit.numel // n * itemsize) if row.peak_flow == "fsdp1" and terms.module_dtype
-                                  else 0,
-                                  None if unit.reduced is None and r == itemsize else b(unit.scattered * r),
-                                  b(shape.numels[max(trained)] * itemsize) if trained else 0,
-                                  tuple(b(fsdp2_padded_numel(shape.params[i], n) * itemsize) for i in members)
-                                  if row.peak_flow == "fsdp2" else ()))
-    shards = [u.scattered // n for u in groups.units]
-    # what zero_grad frees between steps: each unit's gradient shard, one storage (FSDP1's flat gradient; FSDP2's
-    # reduce-scatter output, of which each parameter's sharded gradient is a view)
-    steady_grads = counted_sum((k * kept for k in shards), block)
-    orig = row.peak_flow == "fsdp1" and knobs.use_orig_params  # zeroexp.formulas.orig_params
-    # AdamW's tensors in the optimizer's order: each FlatParameter, the root's first; with use_orig_params each
-    # original parameter's view of this rank's shard, in the model's order
-    stepped = (orig_param_views(groups, shape, [m for m, _ in sized], rank % n) if orig
-               else tuple(shards[-1:] + shards[:-1]))
-    if micro_batches > 1:
-        if not row.no_sync_accumulation:
-            raise ValueError(f"no accumulation model for {name} (plan.memory.uncovered names it)")
-        return fsdp_no_sync_phase_peaks(
-            trace, [u.unsharded for u in units], flat_grads, root=root, root_grads=root_flat,
-            steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
-            optimizer_temporaries=adamw_temporaries(stepped, kept, foreach, block), grads_held_into_backward=orig)
-    if row.peak_flow == "fsdp2":  # AdamW steps each parameter's local rows, in definition order
-        return fsdp2_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads, gloo=gloo,
-                                 optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **adamw,
-                                 reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
-                                 one_unit=alone, root_kept=root_kept and not alone,
-                                 ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
-                                 post_forward=groups.post_forward_size, root_params=root_params)
-    # FSDP1 keeps the root unit unsharded from forward into backward
-    full_shard = row.reshard_after_forward and not alone
-    return fsdp_phase_peaks(trace, units, root=root, steady_grad_bytes=steady_grads,
-                            reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
-                            gloo=gloo, optimizer_numels=stepped, grads_held_into_backward=orig, **adamw)

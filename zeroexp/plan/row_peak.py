@@ -92,12 +92,10 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     ``workspace_bytes``, ``device_semantics``, ``fits_on``, ``fits_bytes``, ``fits``) and ``by_category``: the bytes
     held at the peak by category (the record's device state kinds, the steady buffers and workspace, the peak
     phase's categories above steady)."""
-    from zeroexp.formulas.accumulation import ACCUMULATING_FLOWS, accumulated_grad_bytes
     from zeroexp.formulas.allocator import allocations, reserved_peak
     from zeroexp.plan.core import judge_fits
-    from zeroexp.plan.memory import (cell_precision_terms, flow_of, shape_limits, steady_buffers_bytes,
+    from zeroexp.plan.memory import (cell_precision_terms, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
-    from zeroexp.plan.peak_deepspeed import ds_peak_limits, ds_stage, ds_step_frees_grads
     from zeroexp.plan.reserved import steady_blocks
 
     name, n, k = record["strategy"], record["world_size"], knobs.micro_batches
@@ -108,16 +106,15 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
                            "workspace_bytes": device.workspace_bytes, "device_memory_bytes": budget}
     out.setdefault("activation_bytes", None)
     out.setdefault("activation_cast_bytes", None)
-    flow = flow_of(name)
-    out["accum_grad_bytes"] = (accumulated_grad_bytes(flow, record["grad_bytes"]) if k > 1 and flow in
-                               ACCUMULATING_FLOWS else None)
+    row = LAYOUTS[name]
+    out["accum_grad_bytes"] = row.family.accumulated_grad_bytes(row, record["grad_bytes"]) if k > 1 else None
     why = uncovered(name, str(precision.name), record["offload"], activation_checkpointing="full" if checkpointing
                     else "none", micro_batches=k)
     if not traced:
         why = why or ["no traced step: give model= and batch_size="]
     groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
     # what the model brings that the peak model does not cover: the same limits as a cell's check (memory_section)
-    why = why or ds_peak_limits(name, groups, knobs.bucket_cap_bytes) + shape_limits(name, shape, groups)
+    why = why or row.family.peak_limits(row, groups, knobs.bucket_cap_bytes) + shape_limits(name, shape, groups)
     host = offloaded_kinds(LAYOUTS[name], record["offload"])
     state = {kind: record[f"{kind}_bytes"] for kind in STATE_KINDS if kind not in host}
     if why:
@@ -136,7 +133,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     top = max(phases, key=lambda ph: phases[ph]["bytes"])
     buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize, knobs.bucket_cap_bytes,
                                    terms)
-    freed = record["grad_bytes"] if ds_stage(name) is not None and ds_step_frees_grads(name) else 0  # none between
+    freed = record["grad_bytes"] if row.family.step_frees_grads(row) else 0  # none between
     steady = record["device_bytes"] - freed + buffers + device.workspace_bytes                          # steps
     out.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
                peak_bytes=steady + max(phases[top]["bytes"], 0))

@@ -137,7 +137,7 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     if int(cal.world_size) != int(cfg.world_size) or cal.data["backend"] != cell_backend(cfg):
         out["reasons"].append(f"calibrated with {cal.data['backend']} at N={cal.world_size}, this cell "
                               f"{cell_backend(cfg)} at N={cfg.world_size}: busbw carried over as the ring model says")
-    missing = cal.missing_terms() if layout.groups == "rows" else None
+    missing = cal.missing_terms() if layout.family.dtensor_params else None
     if missing:
         out["reasons"].append(missing)
     from zeroexp.hostload import busy_beyond

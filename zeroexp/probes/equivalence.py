@@ -223,7 +223,7 @@ class EquivalenceProbe(Probe):
                 floor = max_abs_diff(averaged, reference)
             # only a flat gradient buffer (zeroexp's ZeRO, FSDP1) gives an unused parameter a gradient by design;
             # elsewhere it must stay where the reference leaves it, or the adapter names why not (``cause``)
-            flat = self.ctx.expect.layout.groups in ("buckets", "units")
+            flat = self.ctx.expect.layout.family.flat_buffers
             by_design = {_PREFIX + n: UNGRADED for n in seen.get("ungraded", [])} if flat else {}
             known = self.ctx.adapter.known_divergence(seen.get("ungraded", []))
             self.result = {"reference": REFERENCE, "steps": steps,

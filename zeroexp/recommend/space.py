@@ -65,7 +65,7 @@ def reads_prefetch(row: str) -> bool:
     """Whether the row's backward prefetch is a knob: FSDP1 resharding after forward (the peak model and the step's
     slots read ``prefetch`` there; ``zeroexp.plan.memory``: ``prefetch if full_shard else "none"``)."""
     layout = LAYOUTS[row]
-    return layout.peak_flow == "fsdp1" and layout.reshard_after_forward
+    return layout.family.follows_prefetch(layout)
 
 
 def configurations(axes: Axes, world_size: int) -> Iterator[Config]:

@@ -22,7 +22,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from zeroexp._lib.fsdp1 import (flat_param, full_param_padded, is_padding_mask, is_root, numels,
                               numels_with_padding, orig_params, padded_unsharded_numel, shard_param_infos)
-from zeroexp.formulas import LAYOUTS, Groups, Shard, fsdp_unit
+from zeroexp.formulas import LAYOUTS, Groups, Shard
 from zeroexp.formulas.rows import row_of
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
@@ -219,8 +219,8 @@ class FSDPAdapter(StrategyAdapter):
             if trained and flat.grad is not None:  # read after a step: a unit forward never called has none
                 grad_shards.append(Shard(trained, padded))
             calls, reached, after = self._trace.of(unit) or (1, True, True)
-            units.append(fsdp_unit(padded, 2 if twice and not is_root(unit) else 1, calls, reached,
-                                   padded if flat.requires_grad else 0, LAYOUTS[self.layout].unit_hooks, after))
+            units.append(LAYOUTS[self.layout].family.unit(padded, 2 if twice and not is_root(unit) else 1, calls,
+                                                          reached, padded if flat.requires_grad else 0, after))
         n, shard_over = dist.get_world_size(), dist.get_world_size(model.process_group)  # hybrid: the shard group
         apart = bool(self._frozen) or len(grad_shards) < len(shards)
         return Groups(self.layout, n, self._numels, tuple(shards), tuple(units),

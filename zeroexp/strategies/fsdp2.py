@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, NotApplicableHere
-from zeroexp.formulas import LAYOUTS, POST_FORWARD, Groups, Shard, fsdp2_padded_numel, fsdp_unit
+from zeroexp.formulas import LAYOUTS, POST_FORWARD, Groups, Shard, fsdp2_padded_numel
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
@@ -270,9 +270,9 @@ class FSDP2Adapter(StrategyAdapter):
             calls, reached, after = self._trace.of(module) or (1, True, True)
             post = _post_forward_size(group)
             narrow = post or narrow
-            units.append(fsdp_unit(sum(k for k, _ in sizes), 2 if group.post_forward_mesh_info is not None else 1,
-                                   calls, reached, sum(k for k, t in sizes if t), LAYOUTS[self.layout].unit_hooks,
-                                   after, narrow=bool(post)))
+            units.append(LAYOUTS[self.layout].family.unit(
+                sum(k for k, _ in sizes), 2 if group.post_forward_mesh_info is not None else 1, calls, reached,
+                sum(k for k, t in sizes if t), after, narrow=bool(post)))
         return Groups(self.layout, world, tuple(p.numel() for p in trained), shards, tuple(units),
                       shard_size=n if n != world else 0, frozen=frozen, ungraded=ungraded, post_forward_size=narrow,
                       grad_shards=tuple(shard(p) for p, g in zip(params, graded) if p.numel() and g)

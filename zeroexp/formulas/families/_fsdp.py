@@ -1,0 +1,198 @@
+"""What FSDP1's flat units and FSDP2's per-parameter rows share: units gathered before their forward and backward,
+reduce-scattered after their backward [FSDP] [FSDP2]; the timeline of those calls, the framework's cost per call,
+the peak model over units (:func:`zeroexp.formulas.peak.fsdp_phase_peaks`, ``fsdp2_phase_peaks``), the tensors
+gloo may free late. Each family (:mod:`~zeroexp.formulas.families.fsdp1`, :mod:`~zeroexp.formulas.families.fsdp2`)
+says where they differ."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroexp.formulas.allocator import counted, counted_sum
+from zeroexp.formulas.families.base import Family
+from zeroexp.formulas.families.ddp import ADAMW
+from zeroexp.formulas.overlap import Slot, cumulative
+from zeroexp.formulas.shapes import POST_FORWARD, WORLD
+from zeroexp.formulas.paper import fsdp2_padded_numel
+from zeroexp.formulas.peak import FsdpUnit
+from zeroexp.formulas.peak_precision import FP32_TERMS, PrecisionTerms, sharded_grad_upcast
+
+__all__ = ["FsdpFamily", "fsdp_unit_slots"]
+
+
+def fsdp_unit_slots(groups: Any, mode: str, f: float, b: float, o: float, fwd: int, bwd: int) -> tuple[list, str]:
+    """FSDP's units on the step's timeline: each unit's forward all_gather issued ``fwd`` units ahead; its
+    reduce_scatter after its backward; a resharded unit's backward all_gather by the backward prefetch ``mode``
+    (``pre``, ``post``, ``none``; ``bwd`` units ahead)."""
+    end_b = f + b
+    units = groups.units
+    c = cumulative([u.numel for u in units])
+    fs = [f * x / c[-1] for x in c]  # unit i's forward: [fs[i], fs[i + 1]]
+    bs = [f + b * (c[-1] - x) / c[-1] for x in c]  # unit i's backward: [bs[i + 1], bs[i]]
+    # FSDP2 reshard_after_forward=k: a unit's forward gather runs over the world, its backward one over k ranks
+    narrow = groups.post_forward_size > 0
+    slots = [Slot("all_gather", u.numel, fs[max(i - fwd, 0)], fs[i], group=WORLD if narrow else "")
+             for i, u in enumerate(units)]
+    for i, u in enumerate(units):
+        slots.append(Slot("reduce_scatter", u.numel, bs[i], end_b, order=1 if mode == "post" else 0))
+        if u.gathers < 2:
+            continue
+        later = i + 1 < len(units)  # the unit whose backward runs before this one's
+        issue = {"pre": bs[min(i + 1 + bwd, len(units))] if later else bs[i + 1],
+                 "post": bs[i + 1], "none": bs[i + 1]}[mode]
+        slots.append(Slot("all_gather", u.numel, issue, bs[i + 1], order=0 if mode == "post" else 1,
+                          group=(POST_FORWARD if u.post_forward else WORLD) if narrow else ""))
+    ahead_s = f"{fwd} unit{'s' * (fwd > 1)}"
+    return slots, f"FSDP: forward all_gather {ahead_s} ahead; backward prefetch {mode}" + (
+        f" ({bwd} units ahead)" if bwd > 1 else "")
+
+
+class FsdpFamily(Family):
+    """A family of gathered units (its subclasses: FSDP1, FSDP2)."""
+
+    shards_frozen = True
+    steps_per_shard = True
+    gathers_units = True
+    covered_rank = 1
+
+    def covered_key(self, row):
+        return (row.hybrid, not row.reshard_after_forward)  # FULL_SHARD, SHARD_GRAD_OP, then hybrid sharding's
+
+    # --- time ---------------------------------------------------------------------------------------------------
+    def slot_rule(self, row, prefetch: str, ahead: tuple[int, int]) -> tuple[str, int, int]:
+        """The backward prefetch mode and the units the forward and backward gathers run ahead."""
+        return prefetch, 1, 1
+
+    def collective_slots(self, row, groups, prefetch, f, b, o, ahead):
+        if not groups.units:
+            return super().collective_slots(row, groups, prefetch, f, b, o, ahead)
+        mode, fwd, bwd = self.slot_rule(row, prefetch, ahead)
+        return fsdp_unit_slots(groups, mode, f, b, o, fwd, bwd)
+
+    def call_path(self, cost: Any, orig_params: bool, notes: list[str]) -> str:
+        """The calibration's per-call path of this family's gathers and reduce-scatters."""
+        return f"{self.name}_call"
+
+    def framework_terms(self, row, groups, itemsize, cost, orig_params, terms, notes):
+        if not groups.units:
+            return super().framework_terms(row, groups, itemsize, cost, orig_params, terms, notes)
+        path = self.call_path(cost, orig_params, notes)
+        one = [cost.call_s(path, u.numel * itemsize) for u in groups.units]  # a gather or reduce_scatter
+        terms[f"{self.name}_forward_calls"] = sum(one)
+        terms[f"{self.name}_backward_calls"] = sum(c * (2 if u.gathers >= 2 else 1) for c, u in zip(one, groups.units))
+        b, o = self.backward_and_step_terms(groups, itemsize, cost, terms)
+        return terms[f"{self.name}_forward_calls"], b, o
+
+    def backward_and_step_terms(self, groups, itemsize: int, cost: Any, terms: dict) -> tuple[float, float]:
+        raise NotImplementedError
+
+    # --- the peak model -----------------------------------------------------------------------------------------
+    def flow(self, row):
+        return self.name
+
+    def precision_terms(self, row, precision, param_dtype, compute_itemsize):
+        """Units gathered in the compute dtype (FSDP1 ``MixedPrecision``, FSDP2 ``MixedPrecisionPolicy``); fp16 under
+        Lightning's autocast too (zeroexp/strategies/_amp.py ``with_sharded_scaler``)."""
+        if precision == "fp32":
+            return FP32_TERMS
+        return PrecisionTerms(param_dtype if precision == "fp16" else None, param_dtype, compute_itemsize, False)
+
+    def trace_options(self, row):
+        # a model with no unit of a wrap class is one unit
+        return {"own_params_units": False, "root_unit": True, "converts_module": False, "tensor_bytes": False}
+
+    def shape_limits(self, row, shape):
+        """Units called other than once, a root that trains beside frozen parameters (before the shared limits);
+        opaque kernels (after the RNN one)."""
+        first, later, label = [], [], self.name.upper()
+        if shape.exact:
+            if shape.frozen and any(shape.train(i) for u, root in zip(shape.units, shape.root) if root for i in u):
+                first.append(f"no peak model yet for {label} with frozen parameters and a root unit that "
+                             "trains (its reduce-scatter at the end of backward); state, collectives and groups are "
+                             "checked")
+            if any(shape.calls(u) != 1 or not shape.backward(u) for u in range(len(shape.units))):
+                first.append(f"no peak model yet for {label} units called other than once per forward or "
+                             "that backward does not reach (traced step); state, collectives and groups are checked")
+        rnn = [c for c in shape.opaque if c in ("RNN", "LSTM", "GRU")]
+        if shape.opaque and len(rnn) < len(shape.opaque):
+            later.append(f"no peak model yet for {', '.join(shape.opaque)} under {label}: their CPU backward "
+                         "kernels allocate workspace the fake-tensor trace does not see (2,276 B beyond it measured "
+                         "on a 4-channel convnet, the model one unit); state, collectives and groups are checked")
+        return first, later, []
+
+    def reduce_itemsize(self, knobs, itemsize: int) -> int:
+        """The bytes per element of a unit's reduce-scatter input and output shard."""
+        return itemsize
+
+    def unit_terms(self, row, unit, members, shape, n: int, itemsize: int, terms: PrecisionTerms, block: int):
+        """What the family adds to a unit's :class:`FsdpUnit`: its sharded compute-dtype copy (FSDP1 below fp32) and
+        its parameters' padded rows (FSDP2)."""
+        return 0, ()
+
+    def phase_peaks(self, row, groups, shape, trace, itemsize, *, rank, prefetch, gloo, micro_batches, in_place,
+                    bucket_cap_bytes, terms, reduce, root_kept, foreach, knobs, block):
+        """The groups' units (padded FlatParameters or FSDP2's padded rows, in post-order, the root last) beside the
+        shape's (their parameters' own gradients), gathered and reduced in the compute dtype (``itemsize``), their
+        gradient shards kept in fp32 (below fp32: up-cast, ``terms``). Each tensor counted in ``block``-byte blocks
+        (CUDA's 512): a unit's flat parameter or all-gather output, each parameter's gradient and unsharded rows, a
+        shard."""
+        terms = terms or FP32_TERMS
+        # sharded over the shard group (hybrid sharding: shard_size ranks; else all); the gradient shards: AdamW's
+        n, kept = groups.shard_over, ADAMW["optimizer_itemsize"]
+        adamw = {**ADAMW, "foreach": foreach, "block": block}
+
+        def b(nbytes: int) -> int:
+            return counted(nbytes, block)
+        r = self.reduce_itemsize(knobs, itemsize)
+        sized = [(unit, root) for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
+        if len(sized) != len(groups.units):
+            raise ValueError(f"{len(sized)} units with parameters in the shape, {len(groups.units)} in the groups")
+        units, root, root_grads, root_params = [], 0, 0, ()
+        flat_grads, root_flat = [], 0  # under no_sync: each unit's gradient one storage (FSDP1's .grad)
+        alone = all(is_root for _, is_root in sized)  # one unit: the model itself, traced as a unit, kept
+        for (members, is_root), unit in zip(sized, groups.units):
+            if is_root and not alone:
+                root += b(unit.numel * itemsize)
+                root_grads += counted_sum((shape.numels[i] * itemsize for i in members), block)
+                root_flat += b(sum(shape.numels[i] for i in members) * itemsize)
+                root_params = tuple(b(fsdp2_padded_numel(shape.params[i], n) * itemsize) for i in members)
+            else:  # the gradients autograd computes: of the trainable parameters a step uses
+                trained = [i for i in members if shape.train(i) and i not in shape.unused]
+                flat_grads.append(b(sum(shape.numels[i] for i in trained) * itemsize))
+                module_shard, params = self.unit_terms(row, unit, members, shape, n, itemsize, terms, block)
+                units.append(FsdpUnit(b(unit.numel * itemsize), b(unit.scattered // n * r),
+                                      counted_sum((shape.numels[i] * itemsize for i in trained), block),
+                                      b(sharded_grad_upcast(unit.scattered // n, terms)) if r < kept else 0,
+                                      module_shard,
+                                      None if unit.reduced is None and r == itemsize else b(unit.scattered * r),
+                                      b(shape.numels[max(trained)] * itemsize) if trained else 0, params))
+        held = dict(units=units, root=root, root_grads=root_grads, root_flat=root_flat, root_params=root_params,
+                    flat_grads=flat_grads, alone=alone, sized=sized, adamw=adamw)
+        return self.unit_phase_peaks(row, groups, shape, trace, itemsize, held, rank=rank, prefetch=prefetch,
+                                     gloo=gloo, micro_batches=micro_batches, root_kept=root_kept, knobs=knobs,
+                                     block=block, foreach=foreach)
+
+    def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held: dict, **kw) -> dict[str, dict]:
+        raise NotImplementedError
+
+    def late_free(self, row, groups, itemsize, micro_batches):
+        """In backward and the optimizer step a unit's reduce-scatter input, gloo's copy of it or its output (gloo
+        frees them when the work object goes, which may be after a later moment of the phase; docs/results.md
+        measures how often)."""
+        if not groups.units:
+            return {}
+        n = groups.shard_over
+        sizes = sorted({u.numel * itemsize for u in groups.units} | {u.numel // n * itemsize for u in groups.units})
+        unit = [("one unit's reduce-scatter tensor (its unsharded gradient, gloo's copy of it, or its sharded "
+                 "output)", b) for b in sizes]
+        # gloo's work object holds its input copy and its output together: one reduce-scatter's pair, freed as one
+        # (measured: fsdp_grad_op fp16 N=2, 12,296 B above the prediction on one rank under load, a unit's 8,192 B
+        # input and its 4,096 B output)
+        unit += [("one unit's reduce-scatter work, its input copy and its output held together by gloo", b)
+                 for b in sorted({u.numel * itemsize + u.numel // n * itemsize for u in groups.units})]
+        # the last units' reductions are waited for at backward's end: gloo's work may hold one into the update
+        # (measured once in the suite: fsdp_hybrid N=4, a unit's unsharded gradient through AdamW)
+        return {"backward": unit, "optimizer": unit, **self.forward_late_free(sizes)}
+
+    def forward_late_free(self, sizes: list[int]) -> dict[str, list[tuple[str, int]]]:
+        return {}

@@ -1,0 +1,183 @@
+"""What a strategy family is: the questions every consumer asks of a row, each answered by the row's family.
+
+A row (:class:`zeroexp.formulas.layout.StateLayout`) is a label, a stage, a family and the family's flags; the family
+knows how its strategies cut a model into groups, what they keep, how their collectives overlap the step, what the
+framework costs per step, what each phase of the step holds (the peak model), what gloo may free late and what
+``init=meta`` holds. This base answers for a row of no model (no peak model, no overlap rule); a family overrides
+what it models. Families import nothing outside ``zeroexp.formulas`` (a calibration reaches them as data).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from zeroexp.formulas.layout import Cut
+from zeroexp.formulas.shapes import Unit
+
+if TYPE_CHECKING:  # the row type is the layout module's; families are imported by it only through the rows
+    from zeroexp.formulas.layout import StateLayout
+    from zeroexp.formulas.peak import StepTrace
+    from zeroexp.formulas.peak_precision import PrecisionTerms
+    from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs
+
+__all__ = ["Family", "Cut", "NO_FAMILY"]
+
+
+class Family:
+    """A family of no model: every answer is the planner's count alone. Subclasses are the strategy families
+    (:mod:`zeroexp.formulas.families`); each is a singleton its rows name."""
+
+    #: The family's name, as docs and notes name it.
+    name = "none"
+    #: Frozen parameters sharded with the trained ones (FSDP's units, FSDP2's rows, DeepSpeed stage 3's parameters);
+    #: otherwise the groups are cut from the trainable parameters alone.
+    shards_frozen = False
+    #: One Adam ``step`` scalar per trained shard where the groups are exact (FSDP's units and rows, zeroexp's
+    #: buckets).
+    steps_per_shard = False
+    #: FSDP gathers units: no unsharded parameter is left at the optimizer boundary (``param_unsharded`` factor 0).
+    gathers_units = False
+    #: The strategy's parameters are views of flat buffers the optimizer steps whole (zeroexp's ZeRO, FSDP1).
+    flat_buffers = False
+    #: The parameters are DTensors (FSDP2): the step time needs the calibration's DTensor terms.
+    dtensor_params = False
+    #: With ``use_orig_params`` Adam's moments and steps are per unpadded view of a shard (FSDP1) [FSDP].
+    views_with_orig_params = False
+    #: A unit kept unsharded from step to step (``Unit.kept``) holds its unsharded parameters at rest (FSDP1).
+    holds_kept_units = False
+
+    def cuts_frozen(self, row: StateLayout) -> bool:
+        """Whether the row's groups are cut from every parameter, frozen ones too (:attr:`shards_frozen`)."""
+        return self.shards_frozen
+
+    def pads_count(self, row: StateLayout) -> bool:
+        """Whether a parameter count's state is padded as one flat buffer (False: replicated or owned, never
+        padded: DDP, ZeroRedundancyOptimizer)."""
+        return True
+
+    def groups_kind(self, row: StateLayout) -> str:
+        """How the row's groups are cut, by name (notes and docs): ``none``, ``flat``, ``params``, ``units``,
+        ``rows``, ``buckets``, ``owners``."""
+        return "none"
+
+    def cut(self, row: StateLayout, shape: ModelShape, n: int, knobs: PlanKnobs, itemsize: int, narrow: int) -> Cut:
+        """The groups of an exact ``shape`` (the trainable parameters', or the whole model's where
+        :attr:`shards_frozen`) sharded over ``n`` ranks; ``narrow``: FSDP2's post-forward group size (0: none)."""
+        return Cut()
+
+    def unit(self, numel: int, gathers: int, calls: int = 1, reached: bool = True, reduced: int | None = None,
+             next_reached: bool = True, narrow: bool = False) -> Unit:
+        """A gathered unit as a traced step drives it [FSDP]. ``gathers`` per step for one forward call that
+        backward reaches: 2 when the unit is resharded after forward and gathered again before backward, 1 when kept
+        unsharded into backward; it reduce-scatters ``reduced`` elements (None: ``numel``) only where backward
+        reaches it. Each further forward call of a resharded unit gathers again. Here FSDP1's hooks (a parameter
+        count's one unit too): backward gathers a resharded unit once (its pre-backward hook runs once per
+        backward), and a unit backward never reaches not at all; one kept after forward is then never resharded
+        (steady steps gather it no more: ``kept``). FSDP2's hooks: :meth:`zeroexp.formulas.families.fsdp2.
+        Fsdp2Rows.unit`. ``next_reached`` and ``narrow``: FSDP2's."""
+        resharded, reached = gathers >= 2, reached and calls > 0
+        kept = not resharded and calls > 0 and not reached
+        again = 1 if resharded and reached else 0
+        total = (calls if resharded else (0 if kept else min(calls, 1))) + again
+        scattered = (numel if reduced is None else reduced) if reached else 0
+        return Unit(numel, total, None if scattered == numel else scattered, kept, 0)
+
+    def extra_groups(self, row: StateLayout, shape: ModelShape, full: ModelShape, cut: Cut) -> dict[str, Any]:
+        """Fields of :class:`Groups` beyond the cut: ``grad_shards`` where they are not every shard, ``ungraded``
+        where the family finds them itself."""
+        return {"grad_shards": tuple(cut.grad_shards) if self.cuts_frozen(row) and full.frozen else None}
+
+    # --- time ---------------------------------------------------------------------------------------------------
+    def collective_slots(self, row: StateLayout, groups: Groups, prefetch: str, f: float, b: float, o: float,
+                         ahead: tuple[int, int]) -> tuple[list, str]:
+        """Where each collective of a step is issued and waited for (:func:`zeroexp.formulas.overlap.
+        collective_slots`), and the rule's name."""
+        return [], "no overlap rule for this row: every collective exposed"
+
+    def follows_prefetch(self, row: StateLayout) -> bool:
+        """Whether the row's backward prefetch (``prefetch``) is a knob of its step: FSDP1 resharding after forward."""
+        return False
+
+    def framework_terms(self, row: StateLayout, groups: Groups, itemsize: int, cost: Any, orig_params: bool,
+                        terms: dict[str, float], notes: list[str]) -> tuple[float, float, float]:
+        """The framework's seconds of one step in forward, backward and the optimizer beyond the loop's
+        (:func:`zeroexp.formulas.framework.framework_time`), each term added to ``terms``, each gap to ``notes``."""
+        notes.append(f"groups {self.groups_kind(row)!r}: only the loop's cost is calibrated for this row")
+        return 0.0, 0.0, 0.0
+
+    # --- the peak model -----------------------------------------------------------------------------------------
+    def flow(self, row: StateLayout) -> str | None:
+        """The row's gradient flow in the peak model, by name (None: no peak model)."""
+        return None
+
+    #: Where the family's rows are listed among the covered ones (messages), and the order within it.
+    covered_rank = 9
+    #: Where the peak model of the family is written.
+    peak_source = "zeroexp.formulas.peak"
+    #: Whether the peak model covers activation checkpointing for the family's rows.
+    models_checkpointing = True
+
+    def covered_key(self, row: StateLayout) -> tuple:
+        return ()
+
+    def accumulates(self, row: StateLayout) -> bool:
+        """Whether the peak model covers ``grad_accum`` > 1 for the row whatever its ``no_sync`` knobs."""
+        return False
+
+    def accumulated_grad_bytes(self, row: StateLayout, grad_bytes: int) -> int | None:
+        """The gradient bytes the later micro-batches hold from their start that a step without accumulation does
+        not (None: no accumulation model)."""
+        return None
+
+    def precision_terms(self, row: StateLayout, precision: str, param_dtype: str,
+                        compute_itemsize: int) -> PrecisionTerms | None:
+        """How the row computes in ``precision`` (None: no precision terms)."""
+        return None
+
+    def needs_in_place(self, row: StateLayout, micro_batches: int) -> bool:
+        """Whether the peak model reads the step traced with its gradients allocated before it."""
+        return False
+
+    def trace_options(self, row: StateLayout) -> dict[str, bool]:
+        """How the step is traced for the row: segmented at every module holding parameters (``own_params_units``),
+        a model of no unit as one unit (``root_unit``)."""
+        return {"own_params_units": False, "root_unit": False, "converts_module": False, "tensor_bytes": False}
+
+    def shape_limits(self, row: StateLayout, shape: ModelShape) -> tuple[list[str], list[str], list[str]]:
+        """Why the peak model does not cover this model's shape under the row, placed among the limits every family
+        shares (:func:`zeroexp.plan.memory.shape_limits`): before them, after the RNN one, last."""
+        return [], [], []
+
+    def peak_limits(self, row: StateLayout, groups: Groups, bucket_cap_bytes: int) -> list[str]:
+        """Why the peak model does not cover these groups (empty: it does)."""
+        return []
+
+    def phase_peaks(self, row: StateLayout, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, *,
+                    rank: int, prefetch: str, gloo: bool, micro_batches: int, in_place: StepTrace | None,
+                    bucket_cap_bytes: int, terms: PrecisionTerms | None, reduce: str, root_kept: bool, foreach: bool,
+                    knobs: PlanKnobs, block: int) -> dict[str, dict]:
+        """Per phase, the bytes rank ``rank`` holds above steady at the phase's peak, by category."""
+        raise KeyError(row.label)  # no peak model
+
+    def steady_buffers(self, row: StateLayout, groups: Groups, itemsize: int, bucket_cap_bytes: int,
+                       terms: PrecisionTerms | None) -> int:
+        """What a rank holds at the optimizer boundary beside its model state."""
+        return 0
+
+    def step_frees_grads(self, row: StateLayout) -> bool:
+        """Whether the step frees the gradients the state at the optimizer boundary holds (none between steps)."""
+        return False
+
+    def late_free(self, row: StateLayout, groups: Groups, itemsize: int,
+                  micro_batches: int) -> dict[str, list[tuple[str, int]]]:
+        """Per phase, the tensors of which gloo may free one late (a CPU cell), each with its bytes."""
+        return {}
+
+    # --- init=meta ----------------------------------------------------------------------------------------------
+    def init_peak_bytes(self, shape: ModelShape, init: str, world_size: int, itemsize: int,
+                        use_orig_params: bool) -> int | None:
+        """The largest rank's init peak in bytes (:mod:`zeroexp.formulas.init`); None: not modelled."""
+        return None
+
+
+NO_FAMILY = Family()

@@ -1,0 +1,187 @@
+"""DeepSpeed's family [DS]: ZeRO stage 0 (DDP-like all_reduce chunks), stages 1-2 (one flat group per parameter
+group, partitioned; its runtime model :mod:`zeroexp.formulas.deepspeed`), stage 3 (every parameter partitioned on its
+own, fetched module by module); the peak model of stages 1-3 (:mod:`zeroexp.formulas.peak_deepspeed`); rows
+``deepspeed_stage0`` .. ``deepspeed_stage3``, DeepSpeed 0.19 as zeroexp's state probe measures it."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from zeroexp.formulas.deepspeed import (DS_FETCH_LIMIT, DS_NORM_BYTES, deepspeed_comm, deepspeed_payload,
+                                        deepspeed_payload_limits, deepspeed_reduce_bucket_numel,
+                                        deepspeed_sub_groups)
+from zeroexp.formulas.families.base import Cut, Family
+from zeroexp.formulas.families.ddp import MIXED, ddp_bucket_slots, ddp_bucket_terms
+from zeroexp.formulas.layout import StateLayout, pack
+from zeroexp.formulas.paper import padded_numel
+from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
+                                             ds_stage12_phase_peaks)
+from zeroexp.formulas.shapes import Groups, Shard, Unit
+
+__all__ = ["DeepSpeedPartitions", "DEEPSPEED", "ROWS", "DEEPSPEED_ROWS"]
+
+#: How each stage's groups are cut: stage 0 replicated, stages 1-2 one flat group, stage 3 each parameter.
+_KIND = {0: "none", 1: "flat", 2: "flat", 3: "params"}
+
+
+class DeepSpeedPartitions(Family):
+    """DeepSpeed's ZeRO stages, each row's ``deepspeed_stage``."""
+
+    name = "deepspeed"
+    covered_rank = 3
+
+    def groups_kind(self, row):
+        return _KIND[row.deepspeed_stage]
+
+    def cuts_frozen(self, row):
+        return row.deepspeed_stage == 3  # stage 3 partitions every module parameter, frozen ones too
+
+    def pads_count(self, row):
+        return row.deepspeed_stage > 0
+
+    def cut(self, row, shape, n, knobs, itemsize, narrow):
+        numels, stage = shape.numels, row.deepspeed_stage
+        if stage == 3:  # each module's own parameters, each padded to N, fetched as one [DS]
+            shards = [Shard(((0, k),), padded_numel(k, n)) for k in numels]
+            return Cut(shards=shards, grad_shards=[sh for i, sh in enumerate(shards) if shape.train(i)],
+                       units=[Unit(sum(padded_numel(numels[i], n) for i in m), 1) for m in shape.modules if m])
+        if stage:
+            spans, length = pack(list(numels))
+            return Cut(shards=[Shard(spans, padded_numel(length, row.pad * n))])
+        return Cut()
+
+    def collective_slots(self, row, groups, prefetch, f, b, o, ahead):
+        if row.deepspeed_stage == 0:
+            return ddp_bucket_slots(groups, f, b, o)
+        return super().collective_slots(row, groups, prefetch, f, b, o, ahead)
+
+    def framework_terms(self, row, groups, itemsize, cost, orig_params, terms, notes):
+        if row.deepspeed_stage == 0 and groups.buckets:
+            b, o = ddp_bucket_terms(groups, itemsize, cost, terms)
+            return 0.0, b, o
+        return super().framework_terms(row, groups, itemsize, cost, orig_params, terms, notes)
+
+    # --- the peak model: stages 1-3 ------------------------------------------------------------------------------
+    #: Where the peak model of the family is written.
+    peak_source = "zeroexp.formulas.peak_deepspeed"
+    models_checkpointing = False
+
+    def flow(self, row):
+        return "deepspeed" if row.deepspeed_stage else None
+
+    def trace_options(self, row):
+        """Segmented at every module holding parameters (stage 3 gathers and releases module by module); bf16 runs
+        the module converted (``converts_module``); traced in tensor bytes, as the closed-form terms count them."""
+        return {"own_params_units": True, "root_unit": False, "converts_module": True, "tensor_bytes": True}
+
+    def peak_limits(self, row, groups, bucket_cap_bytes):
+        """DeepSpeed's paths the peak model has not read."""
+        reasons, bucket, stage = [], deepspeed_reduce_bucket_numel(bucket_cap_bytes), row.deepspeed_stage
+        if self.flow(row) is None:
+            return reasons
+        if max(groups.numels, default=0) > bucket:
+            reasons.append(f"no peak model yet for a parameter of {max(groups.numels)} elements above "
+                           f"reduce_bucket_size={bucket} (reduced on its own, extra_large_param_to_reduce)")
+        fetched = groups.numel + sum(groups.frozen)
+        if stage == 3 and fetched > DS_FETCH_LIMIT:
+            reasons.append(f"no peak model yet for stage 3 beyond one prefetch bucket ({fetched} parameter elements "
+                           f"> {DS_FETCH_LIMIT}: DeepSpeed fetches and releases in several buckets)")
+        return reasons
+
+    def _covered(self, row) -> int:
+        if self.flow(row) is None:
+            raise KeyError(row.label)
+        return row.deepspeed_stage
+
+    def phase_peaks(self, row, groups, shape, trace, itemsize, *, rank, prefetch, gloo, micro_batches, in_place,
+                    bucket_cap_bytes, terms, reduce, root_kept, foreach, knobs, block):
+        """For rank ``rank`` (``bucket_cap_bytes``: ``strategy.bucket_cap_mb`` in bytes, whence
+        ``reduce_bucket_size``; ``gloo``: the CPU backend's copies; ``foreach``: the client AdamW's update, foreach on
+        a CUDA rank); stage 3 needs a trace with its units (``own_params_units``)."""
+        stage, n = self._covered(row), groups.world_size
+        if stage == 3:  # the shards: every parameter, frozen ones too, in parameter order
+            every = tuple(sh.spans[0][1] for sh in groups.shards)
+            return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
+                                         gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
+                                         foreach=foreach)
+        part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
+        return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
+                                      numels=groups.numels, part=part,
+                                      bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
+                                      foreach=foreach, ungraded=groups.ungraded)
+
+    def step_frees_grads(self, row):
+        """Stages 1-2 (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``);
+        stage 3 keeps its gradient buffer (stage3.py ``grad_partitions_flat_buffer``, allocated once)."""
+        return self._covered(row) < 3
+
+    def steady_buffers(self, row, groups, itemsize, bucket_cap_bytes, terms):
+        """Stage 3's ipg bucket (allocated once, ``reduce_bucket_size`` elements of the gradient dtype); stages 1-2
+        free theirs in every backward's epilogue."""
+        return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if self._covered(row) == 3 else 0
+
+    def late_free(self, row, groups, itemsize, micro_batches):
+        """Stages 1-2 a bucket's flattened all_reduce tensor (in backward, or into the step); stage 3 the
+        parameters' all_gather buffer (forward), a bucket's reduce-scatter concatenation (backward) and gloo's copy
+        of it (backward, or into the step: the work object gloo's worker thread still holds); in the step, the
+        squared gradient norm's all_reduce tensor."""
+        stage = self._covered(row)
+        norm = {"optimizer": [("the squared gradient norm's all_reduce tensor (get_grad_norm_direct)",
+                               DS_NORM_BYTES[stage])]}
+        if stage < 3:
+            copies = ds_allreduce_copies(groups.buckets, _reduce_order(groups, stage), groups.numels,
+                                         groups.shards[0].numel // groups.world_size)
+            flat = [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", e * itemsize)
+                    for k, e in enumerate(copies) if e]
+            # the last bucket's, reduced at backward's end, may outlive it into the step (seen on rank 1 of 3)
+            return {"backward": flat, "optimizer": norm["optimizer"] + flat}
+        n = groups.world_size
+        flat = sum(padded_numel(k, n) for g in groups.gathers for k in g) * itemsize  # every fetched parameter
+        scattered = [sum(padded_numel(x, n) for x in b) * itemsize for b in groups.buckets]
+        concat = [(f"bucket {k}'s reduce-scatter concatenation (reduce_scatter_coalesced)", b)
+                  for k, b in enumerate(scattered)]
+        # gloo's _reduce_scatter_base clones its input; the work object holding the clone may outlive the wait on
+        # gloo's worker thread, into the step (seen: the biased 10-7-3 stack at N=3, 420 B labelled activations)
+        copy = [(f"bucket {k}'s reduce-scatter input as gloo copied it (_reduce_scatter_base), held by gloo's work",
+                 b) for k, b in enumerate(scattered)]
+        return {"forward": [("the parameters' all_gather flat buffer (_all_gather_coalesced)", flat)],
+                "backward": concat + copy, "optimizer": norm["optimizer"] + copy}
+
+
+def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
+    """The trainable parameters in the order their gradients are reduced: parameter order at stage 1, backward (a
+    stack's reverse, as ``deepspeed_buckets`` is given it) at stage 2; none a step gives no gradient."""
+    nonzero = [i for i, k in enumerate(groups.numels) if k and i not in set(groups.ungraded)]
+    return tuple(nonzero if stage == 1 else nonzero[::-1])
+
+
+DEEPSPEED = DeepSpeedPartitions()
+
+_OS_G, _OS_G_P = frozenset({"optim", "grad"}), frozenset({"optim", "grad", "param"})
+_SOURCE = ("DeepSpeed 0.19, measured by zeroexp's state probe (CPU, gloo; fp32 and bf16, offload none and optimizer, "
+           "stage 3 full; fp16 read, not run: it needs a GPU); [DS] source")
+
+
+def _row(stage: int, **kw) -> StateLayout:
+    return StateLayout(f"DeepSpeed 0.19 stage {stage}", stage, family=DEEPSPEED,
+                       payload=partial(deepspeed_payload, stage), casts_buffers=True,
+                       comm=partial(deepspeed_comm, stage),
+                       payload_limits=partial(deepspeed_payload_limits, stage), precisions=MIXED,
+                       deepspeed_stage=stage, ranks_differ=stage in (1, 2), **kw)
+
+
+#: DeepSpeed 0.19 as measured; stage 1 holds the same state as stage 2 (its gradients are partitioned too). Padding
+#: (stage_1_and_2.py, partition_parameters.py): stages 1-2 one flat group per parameter group, its end aligned to
+#: ``nccl_start_alignment_factor`` (2) x N, no padding between parameters (``parameter_alignment``, off by default);
+#: stage 3 each parameter padded to N on its own (``_padding_size``). By stage.
+DEEPSPEED_ROWS: tuple[StateLayout, ...] = (
+    _row(0, sharded=frozenset(), master="mixed",
+         source=_SOURCE + "; engine.py FP16_UnfusedOptimizer: an fp32 copy per parameter (mixed)"),
+    *(_row(k, sharded=_OS_G, master="always", pad=2, offloads=frozenset({"none", "optimizer"}), grad_held="params",
+           offload_grad="replace", flat_optimizer=True, source=_SOURCE + "; stage_1_and_2.py")
+      for k in (1, 2)),
+    _row(3, sharded=_OS_G_P, master="always", gather="largest", offloads=frozenset({"none", "optimizer", "full"}),
+         offload_grad="add", flat_optimizer=True, sub_groups=deepspeed_sub_groups,
+         source=_SOURCE + "; stage3.py, partition_parameters.py"),
+)
+ROWS = {f"deepspeed_stage{row.deepspeed_stage}": row for row in DEEPSPEED_ROWS}

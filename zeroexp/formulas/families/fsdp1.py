@@ -1,0 +1,148 @@
+"""FSDP1's family: each wrap unit's parameters one FlatParameter, padded to N and sharded
+(torch/distributed/fsdp/_flat_param.py); gathered before forward and backward, reduce-scattered after backward;
+rows ``fsdp_grad_op`` (SHARD_GRAD_OP), ``fsdp_full`` (FULL_SHARD) and hybrid sharding's (``fsdp_HYBRID_SHARD``,
+``fsdp__HYBRID_SHARD_ZERO2``: the same within a shard group, :mod:`zeroexp.formulas.hybrid`; the replicas'
+all_reduce of each reduced gradient shard runs in place, ``_runtime_utils.py _reduce_grad``, so it adds no tensor)."""
+
+from __future__ import annotations
+
+from zeroexp.formulas.accumulation import fsdp_no_sync_phase_peaks
+from zeroexp.formulas.adamw import adamw_temporaries
+from zeroexp.formulas.allocator import counted, counted_sum
+from zeroexp.formulas.families._fsdp import FsdpFamily
+from zeroexp.formulas.families.base import Cut
+from zeroexp.formulas.families.ddp import MIXED
+from zeroexp.formulas.hybrid import hybrid_units
+from zeroexp.formulas.init import fsdp1_init_peak_bytes
+from zeroexp.formulas.layout import StateLayout, pack
+from zeroexp.formulas.orig_params import orig_param_views
+from zeroexp.formulas.paper import padded_numel
+from zeroexp.formulas.peak import fsdp_phase_peaks
+from zeroexp.formulas.shapes import Shard
+from zeroexp.formulas.units import gather_units
+
+__all__ = ["Fsdp1Units", "FSDP1", "ROWS", "OS_G_P", "twice_unless_root", "packed_units"]
+
+OS_G_P = frozenset({"optim", "grad", "param"})
+
+
+def twice_unless_root(root: bool, knobs) -> int:
+    return 1 if root else 2  # FSDP1 FULL_SHARD keeps the root unit after forward (_post_forward_reshard)
+
+
+def packed_units(family, row, shape, n: int, knobs, align: int, narrow: int) -> list:
+    """Each wrap unit of an exact ``shape`` as it is gathered: its parameters packed (each at a multiple of
+    ``align``), padded to ``n`` (FSDP1's FlatParameter; the paper's stage 3 with ``align`` 0)."""
+    numels, units = shape.numels, []
+    for u, (unit, root) in enumerate(zip(shape.units, shape.root)):
+        size = padded_numel(pack([numels[i] for i in unit], align)[1], n)
+        reduced = size if any(shape.train(i) for i in unit) else 0
+        if size:
+            units.append(family.unit(size, row.gathers_per_unit(root, knobs), shape.calls(u), shape.backward(u),
+                                     reduced, shape.next_reached(u), narrow=bool(narrow)))
+    return units
+
+
+class Fsdp1Units(FsdpFamily):
+    """FSDP1: flat units; with ``use_orig_params`` (zeroexp's default) each parameter 16-byte aligned in its
+    FlatParameter and AdamW stepping each original parameter's view (:mod:`zeroexp.formulas.orig_params`)."""
+
+    name = "fsdp1"
+    flat_buffers = True
+    views_with_orig_params = True
+    holds_kept_units = True
+
+    def groups_kind(self, row):
+        return "units"
+
+    def cut(self, row, shape, n, knobs, itemsize, narrow):
+        numels, out = shape.numels, Cut()
+        rest = 4 if row.fp32_at_rest else itemsize
+        align = 16 // rest if knobs.use_orig_params else 0
+        for u, unit in enumerate(shape.units):  # a unit forward never calls gets no gradient at all
+            spans, length = pack([numels[i] for i in unit], align)
+            if length:
+                out.shards.append(Shard(spans, padded_numel(length, n)))
+                trained = tuple(sp for sp, i in zip(spans, unit) if shape.train(i) and sp[1] > sp[0])
+                if trained and shape.calls(u) and shape.backward(u):
+                    out.grad_shards.append(Shard(trained, padded_numel(length, n)))
+        out.units = packed_units(self, row, shape, n, knobs, align, narrow)
+        return out
+
+    def extra_groups(self, row, shape, full, cut):
+        frozen = bool(full.frozen) or (shape.exact and len(cut.grad_shards) < len(cut.shards))
+        return {"grad_shards": tuple(cut.grad_shards) if frozen else None}
+
+    # --- time ---------------------------------------------------------------------------------------------------
+    def follows_prefetch(self, row):
+        return row.reshard_after_forward  # SHARD_GRAD_OP keeps its units into backward: nothing to prefetch
+
+    def call_path(self, cost, orig_params, notes):
+        if not orig_params:
+            return "fsdp1_call"
+        if cost.fsdp1_orig_call_s is None:
+            notes.append("the calibration has no fsdp1_orig_call_s: FSDP1's calls with use_orig_params=true "
+                         "timed at the flat parameters' cost; recalibrate (python -m zeroexp.calibrate) for it")
+            return "fsdp1_call"
+        return "fsdp1_orig_call"
+
+    def backward_and_step_terms(self, groups, itemsize, cost, terms):
+        terms["fsdp1_gradient_copies"] = 2 * sum(u.numel for u in groups.units) * itemsize * cost.copy_s_per_byte
+        return terms["fsdp1_backward_calls"] + terms["fsdp1_gradient_copies"], 0.0
+
+    # --- the peak model -----------------------------------------------------------------------------------------
+    def unit_terms(self, row, unit, members, shape, n, itemsize, terms, block):
+        return (counted(unit.numel // n * itemsize, block) if terms.module_dtype else 0), ()
+
+    def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held, *, rank, prefetch, gloo, micro_batches,
+                         root_kept, knobs, block, foreach):
+        """SHARD_GRAD_OP and FULL_SHARD, the root unit kept unsharded from forward into backward; ``grad_accum`` > 1
+        SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.fsdp_no_sync_phase_peaks`)."""
+        n, kept, adamw = groups.shard_over, held["adamw"]["optimizer_itemsize"], held["adamw"]
+        shards = [u.scattered // n for u in groups.units]
+        # what zero_grad frees between steps: each unit's gradient shard, one storage (the flat gradient)
+        steady_grads = counted_sum((k * kept for k in shards), block)
+        orig = knobs.use_orig_params  # zeroexp.formulas.orig_params
+        # AdamW's tensors in the optimizer's order: each FlatParameter, the root's first; with use_orig_params each
+        # original parameter's view of this rank's shard, in the model's order
+        stepped = (orig_param_views(groups, shape, [m for m, _ in held["sized"]], rank % n) if orig
+                   else tuple(shards[-1:] + shards[:-1]))
+        if micro_batches > 1:
+            if not row.no_sync_accumulation:
+                raise ValueError(f"no accumulation model for {row.label} (plan.memory.uncovered names it)")
+            return fsdp_no_sync_phase_peaks(
+                trace, [u.unsharded for u in held["units"]], held["flat_grads"], root=held["root"],
+                root_grads=held["root_flat"], steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
+                optimizer_temporaries=adamw_temporaries(stepped, kept, foreach, block), grads_held_into_backward=orig)
+        full_shard = row.reshard_after_forward and not held["alone"]
+        return fsdp_phase_peaks(trace, held["units"], root=held["root"], steady_grad_bytes=steady_grads,
+                                reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
+                                gloo=gloo, optimizer_numels=stepped, grads_held_into_backward=orig, **adamw)
+
+    def init_peak_bytes(self, shape, init, world_size, itemsize, use_orig_params):
+        return fsdp1_init_peak_bytes(shape, init, world_size, itemsize, use_orig_params)
+
+
+FSDP1 = Fsdp1Units()
+
+ROWS = {
+    "fsdp_grad_op": StateLayout("FSDP SHARD_GRAD_OP", 2, OS_G_P, "never", FSDP1, gather_units(kept_under_no_sync=True),
+                                "all", fp32_at_rest=True, precisions=MIXED, casts_buffers=True,
+                                source="zeroexp.strategies.fsdp; [FSDP]", no_sync_accumulation=True,
+                                init_modelled=True, min_world_size=2),
+    "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, OS_G_P, "never", FSDP1, gather_units(), "largest",
+                             fp32_at_rest=True, precisions=MIXED, gathers_per_unit=twice_unless_root,
+                             casts_buffers=True, source="zeroexp.strategies.fsdp; [FSDP]", reshard_after_forward=True,
+                             init_modelled=True, min_world_size=2),
+    # hybrid sharding: FULL_SHARD (SHARD_GRAD_OP for _HYBRID_SHARD_ZERO2) within shard_size ranks, replicated across
+    "fsdp__HYBRID_SHARD_ZERO2": StateLayout("FSDP _HYBRID_SHARD_ZERO2", 2, OS_G_P, "never", FSDP1,
+                                            hybrid_units(kept_under_no_sync=True), "all", fp32_at_rest=True,
+                                            precisions=MIXED, hybrid=True, casts_buffers=True,
+                                            source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid",
+                                            min_world_size=2),
+    "fsdp_HYBRID_SHARD": StateLayout("FSDP HYBRID_SHARD", 3, OS_G_P, "never", FSDP1, hybrid_units(), "largest",
+                                     fp32_at_rest=True, precisions=MIXED, gathers_per_unit=twice_unless_root,
+                                     hybrid=True, casts_buffers=True, reshard_after_forward=True,
+                                     source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid",
+                                     min_world_size=2),
+}

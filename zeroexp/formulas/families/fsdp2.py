@@ -1,0 +1,147 @@
+"""FSDP2's family: each parameter a DTensor chunked on dim 0 over the mesh, its chunks padded to the first's
+(torch/distributed/fsdp/_fully_shard/_fsdp_param.py); a unit's parameters gathered and reduce-scattered together
+(_fsdp_collectives.py); rows ``fsdp2_grad_op``, ``fsdp2_full`` and ``fsdp2_hybrid`` (HSDP)."""
+
+from __future__ import annotations
+
+from zeroexp.formulas.allocator import counted, counted_sum
+from zeroexp.formulas.families._fsdp import FsdpFamily
+from zeroexp.formulas.families.base import Cut
+from zeroexp.formulas.families.ddp import MIXED
+from zeroexp.formulas.families.fsdp1 import OS_G_P
+from zeroexp.formulas.hybrid import hybrid_units
+from zeroexp.formulas.init import fsdp2_init_peak_bytes
+from zeroexp.formulas.layout import StateLayout, local_numels
+from zeroexp.formulas.paper import fsdp2_padded_numel
+from zeroexp.formulas.peak import fsdp2_phase_peaks
+from zeroexp.formulas.shapes import Shard, Unit
+from zeroexp.formulas.units import gather_units
+
+__all__ = ["Fsdp2Rows", "FSDP2", "ROWS"]
+
+#: FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer state on the host (no
+#: optimizer-only offload in FSDP2)
+OFFLOADS = frozenset({"none", "full"})
+
+
+def _twice(root: bool, knobs) -> int:
+    # FSDP2 reshard_after_forward=True passed explicitly: the root too; None (its default) keeps the root
+    return 1 if root and knobs.root_kept_after_forward else 2
+
+
+def _twice_always(root: bool, knobs) -> int:
+    return 2  # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob
+
+
+class Fsdp2Rows(FsdpFamily):
+    """FSDP2: per-parameter rows; a parameter's gradient is its own, none for one a step does not use; the
+    optimizer steps each DTensor's local rows."""
+
+    name = "fsdp2"
+    dtensor_params = True
+    covered_rank = 2
+
+    def groups_kind(self, row):
+        return "rows"
+
+    def cut(self, row, shape, n, knobs, itemsize, narrow):
+        numels, out = shape.numels, Cut()
+        out.shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
+        out.grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
+                           enumerate(zip(shape.params, numels)) if k and shape.train(i) and i not in shape.unused]
+        for u, (unit, root) in enumerate(zip(shape.units, shape.root)):  # each unit as it is gathered
+            size = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)
+            reduced = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit
+                          if shape.train(i) and i not in shape.unused)
+            if size:
+                out.units.append(self.unit(size, row.gathers_per_unit(root, knobs), shape.calls(u), shape.backward(u),
+                                           reduced, shape.next_reached(u), narrow=bool(narrow)))
+        return out
+
+    def extra_groups(self, row, shape, full, cut):
+        ungraded = bool(shape.unused)
+        out = {"grad_shards": tuple(cut.grad_shards) if bool(full.frozen) or ungraded else None}
+        if ungraded:  # indices among the trainable parameters
+            idx = [i for i in range(len(shape.numels)) if shape.train(i)]
+            out["ungraded"] = tuple(idx.index(i) for i in shape.unused)
+        return out
+
+    def unit(self, numel, gathers, calls=1, reached=True, reduced=None, next_reached=True, narrow=False):
+        """FSDP2's hooks: each forward call's part of backward gathers a resharded unit again (its post-backward
+        reshards after each part; a unit kept after forward: each part but the first); a unit backward never reaches
+        is still gathered when the unit after it in forward order is reached (``next_reached``: FSDP2's implicit
+        backward prefetch), and resharded at the end of backward. ``narrow`` (``reshard_after_forward=k``): a
+        resharded unit keeps its post-forward shard after each forward call, so each further forward call and the
+        first gather of its backward (its own or the implicit prefetch) run over the post-forward group
+        (``Unit.post_forward``); its first forward call's gather, from the full shard, and those after a
+        post-backward reshard (``_to_sharded``: the whole shard group again) run over the shard group
+        (_fsdp_param_group.py ``_all_gather_process_group``)."""
+        resharded, reached = gathers >= 2, reached and calls > 0
+        if resharded:
+            again = calls if reached else min(calls, 1) if next_reached else 0
+        else:  # kept after forward: gathered again for each earlier call's part, after a reshard
+            again = max(calls - 1, 0) if reached else 0
+        total = (calls if resharded else min(calls, 1)) + again
+        scattered = (numel if reduced is None else reduced) if reached else 0
+        narrowed = max(calls - 1, 0) + min(again, 1) if narrow and resharded else 0
+        return Unit(numel, total, None if scattered == numel else scattered, False, narrowed)
+
+    # --- time ---------------------------------------------------------------------------------------------------
+    def slot_rule(self, row, prefetch, ahead):
+        fwd, bwd = (max(k, 1) for k in ahead)  # FSDP2's explicit prefetch; its own default is one unit
+        return "pre", fwd, bwd
+
+    def backward_and_step_terms(self, groups, itemsize, cost, terms):
+        terms["dtensor_optimizer_step"] = len(groups.trained_shards) * cost.dtensor_param_step_s
+        return terms["fsdp2_backward_calls"], terms["dtensor_optimizer_step"]
+
+    # --- the peak model -----------------------------------------------------------------------------------------
+    def reduce_itemsize(self, knobs, itemsize):
+        return knobs.reduce_itemsize(itemsize)  # FSDP2's reduce_dtype (FSDP1 reduces in the compute dtype)
+
+    def unit_terms(self, row, unit, members, shape, n, itemsize, terms, block):
+        return 0, tuple(counted(fsdp2_padded_numel(shape.params[i], n) * itemsize, block) for i in members)
+
+    def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held, *, rank, prefetch, gloo, micro_batches,
+                         root_kept, knobs, block, foreach):
+        """AdamW steps each parameter's local rows, in definition order; the root kept unsharded from forward to
+        backward where ``root_kept`` (``PlanKnobs.root_kept_after_forward``)."""
+        n, kept, alone = groups.shard_over, held["adamw"]["optimizer_itemsize"], held["alone"]
+        if micro_batches > 1:
+            raise ValueError(f"no accumulation model for {row.label} (plan.memory.uncovered names it)")
+        # what zero_grad frees between steps: each unit's reduce-scatter output, of which each parameter's sharded
+        # gradient is a view
+        steady_grads = counted_sum((u.scattered // n * kept for u in groups.units), block)
+        return fsdp2_phase_peaks(trace, held["units"], root=held["root"], steady_grad_bytes=steady_grads, gloo=gloo,
+                                 optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **held["adamw"],
+                                 reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
+                                 one_unit=alone, root_kept=root_kept and not alone,
+                                 ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
+                                 post_forward=groups.post_forward_size, root_params=held["root_params"])
+
+    def forward_late_free(self, sizes):
+        # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
+        return {"forward": [("one unit's all-gather input (a shard copied in) or output", b) for b in sizes]}
+
+    def init_peak_bytes(self, shape, init, world_size, itemsize, use_orig_params):
+        return fsdp2_init_peak_bytes(shape, init, world_size, itemsize)
+
+
+FSDP2 = Fsdp2Rows()
+
+ROWS = {
+    "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, OS_G_P, "never", FSDP2,
+                                 gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
+                                 precisions=MIXED, offloads=OFFLOADS, source="zeroexp.strategies.fsdp2; [FSDP2]",
+                                 init_modelled=True, min_world_size=2),
+    "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, OS_G_P, "never", FSDP2,
+                              gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
+                              precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice, post_forward_group=True,
+                              source="zeroexp.strategies.fsdp2; [FSDP2]", reshard_after_forward=True,
+                              init_modelled=True, min_world_size=2),
+    "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, OS_G_P, "never", FSDP2,
+                                hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
+                                precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice_always, hybrid=True,
+                                source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid",
+                                reshard_after_forward=True, min_world_size=2),
+}

@@ -1,0 +1,51 @@
+"""ZeroRedundancyOptimizer on DDP: DDP's buckets, each parameter's optimizer state with one owner
+(torch/distributed/optim/zero_redundancy_optimizer.py), who broadcasts it after the step; its row ``zro``."""
+
+from __future__ import annotations
+
+from zeroexp.formulas.families.base import Cut
+from zeroexp.formulas.families.ddp import MIXED, DdpBuckets, buffer_broadcasts, ddp_buckets, ddp_unused
+from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_reduce_then_broadcast,
+                                     owner_assignment)
+from zeroexp.formulas.shapes import Groups
+
+__all__ = ["ZroOwners", "ZRO", "ROWS"]
+
+
+def _zro_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
+    """DDP's buckets, then ZeroRedundancyOptimizer's broadcasts: one per owned parameter, rank by rank, or with
+    ``parameters_as_bucket_view`` one per rank's bucket (an empty one included)."""
+    numels = shape.numels
+    if not shape.exact:
+        broadcasts = (shape.numel,)
+    else:
+        owned = [[numels[i] for i in o] for o in owner_assignment(numels, world_size)]
+        broadcasts = tuple(sum(o) for o in owned) if knobs.parameters_as_bucket_view else \
+            tuple(k for o in owned for k in o)
+    return {"buckets": ddp_buckets(shape, knobs), "broadcasts": broadcasts,
+            "buffer_broadcasts": buffer_broadcasts(shape.buffers), **ddp_unused(shape, knobs)}
+
+
+class ZroOwners(DdpBuckets):
+    """DDP's family, the optimizer state of each parameter on its owner alone."""
+
+    name = "zro"
+
+    def groups_kind(self, row):
+        return "owners"
+
+    def cut(self, row, shape, n, knobs, itemsize, narrow):
+        return Cut(owners=[tuple(shape.numels[i] for i in o) for o in owner_assignment(shape.numels, n)])
+
+    def stepped(self, groups: Groups, rank: int) -> list[int]:
+        """The parameters rank ``rank`` owns."""
+        return owner_assignment(groups.numels, groups.world_size)[rank]
+
+
+ZRO = ZroOwners()
+
+ROWS = {
+    "zro": StateLayout("DDP + ZeroRedundancyOptimizer", 1, frozenset({"optim"}), "never", ZRO,
+                       all_reduce_then_broadcast, fp32_at_rest=True, fp32_on_the_wire=True, precisions=MIXED,
+                       comm=_zro_comm, source="zeroexp.strategies.zro", ranks_differ=True, init_modelled=True),
+}
