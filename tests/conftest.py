@@ -380,3 +380,6 @@ def assert_threshold_rule(eq: dict) -> None:
         assert eq["effective_threshold"] == 10 * eq["reduction_floor"], eq
     else:
         assert (eq["threshold_basis"], eq["effective_threshold"]) == ("precision", eq["threshold"]), eq
+
+#: The peak model's gradient flows as phase_peaks' flags (a family's ``flow``).
+FLOW = {"new": {}, "in_place": {"live_grads": True}, "bucket": {"live_grads": True, "open_buckets": True}}

@@ -188,7 +188,7 @@ def test_no_fsdp_row_is_planned_or_searched_at_one_rank():
 
     from test_plan_fits import _run
 
-    fsdp = {name for name, row in LAYOUTS.items() if row.peak_flow in ("fsdp1", "fsdp2")}
+    fsdp = {name for name, row in LAYOUTS.items() if row.family.gathers_units}
     assert {name for name, row in LAYOUTS.items() if row.min_world_size == 2} == fsdp
     records, notes = _run("model=mlp", "world_size=1")
     assert records and not {r["strategy"] for r in records} & fsdp

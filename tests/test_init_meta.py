@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from zeroexp.errors import ConfigError
+from zeroexp.formulas import LAYOUTS
 from zeroexp.formulas.init import init_peak_bytes
 from zeroexp.models import LinearStack, build_model, import_class, wrap_paths
 from zeroexp.models.gpt import GPT
@@ -26,7 +27,7 @@ W, DEPTH, N = 64, 4, 2
 MLP = ("model=mlp", f"model.width={W}", f"model.depth={DEPTH}")
 GPT_ = ("model=gpt",)  # 4 blocks of 64, a tied 256-token head
 BASE = ("logger=none", "steps=8", *WINDOWS)
-KIND = {"fsdp_full": "fsdp1", "fsdp2_full": "fsdp2", "ddp": "replica"}
+KIND = {"fsdp_full": "fsdp1", "fsdp2_full": "fsdp2", "ddp": "replica"}  # each a family's init model
 
 
 def _replayed(factory, seed: int) -> dict[str, torch.Tensor]:
@@ -171,7 +172,7 @@ def test_meta_init_equals_full_and_its_peak_is_the_models(compose, tmp_path, n):
     for i, cfg in enumerate(cfgs):
         label = f"{cfg.strategy.name} {cfg.model.name} N={n}"
         kind, shape = KIND[cfg.strategy.name], _shape(cfg)
-        predicted = {init: init_peak_bytes(shape, kind, init, n) for init in ("full", "meta")}
+        predicted = {init: init_peak_bytes(shape, LAYOUTS[cfg.strategy.layout], init, n) for init in ("full", "meta")}
         rows = [r[i] for r in ranks]
         assert all(row["equal"] and row["params"] == len(list(build_model(cfg.model).parameters())) for row in rows)
         measured = {init: max(row["peaks"][init] for row in rows) for init in ("full", "meta")}  # the largest rank
@@ -194,8 +195,7 @@ def test_meta_cells_pass_every_check(cell, compose, overrides):
     for section in ("state", "collectives", "equivalence", "plan"):
         assert s[section]["check"] == "PASS", (section, s[section].get("reasons"))
     cfg = compose(*overrides, f"world_size={N}", "init=meta", base=BASE)
-    kind = "fsdp1" if "fsdp_full" in overrides[0] else "fsdp2"
-    predicted = init_peak_bytes(_shape(cfg), kind, "meta", N)
+    predicted = init_peak_bytes(_shape(cfg), LAYOUTS[cfg.strategy.layout], "meta", N)
     mem = s["memory"]
     assert mem["init"] == "meta" and mem["init_peak_bytes_max"] == max(mem["init_peak_bytes"])
     assert mem["init_peak_bytes_max"] == predicted  # measured in the cell: the build, Lightning's setup, the wrap

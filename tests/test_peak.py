@@ -11,6 +11,7 @@ from zeroexp.formulas.adamw import adamw_temporaries
 from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
 from zeroexp.plan.judge import judge as _judge
 from zeroexp.plan.steptrace import trace_step
+from conftest import FLOW
 
 W, DEPTH, B = 64, 8, 8  # tests/conftest.py's BASE model at its per-rank batch
 ACT = B * W * 4  # one Linear's output, fp32
@@ -54,28 +55,28 @@ def test_each_gradient_flow_on_a_given_trace():
                ("backward", 0, {"activations": 500, "temporaries": 300, "gradients": 200}),
                ("backward", 0, {"activations": 100, "temporaries": 50, "gradients": 400}))
     kw = {"buckets": (400,), "optimizer_numels": (10, 10), "optimizer_itemsize": 4, "foreach": False}
-    new = phase_peaks("new", t, steady_grad_bytes=400, **kw)
+    new = phase_peaks(t, **FLOW["new"], steady_grad_bytes=400, **kw)
     assert new["forward"] == {"bytes": 992, "by_category": {"activations": 992}}
     # zero_grad freed the 400 B of steady gradients; autograd allocates them again.
     assert new["backward"] == {"bytes": 592, "by_category": {"activations": 492, "temporaries": 300, "gradients": -200}}
     assert new["optimizer"] == {"bytes": 120, "by_category": {"optimizer_state": 120}}
-    in_place = phase_peaks("in_place", t, steady_grad_bytes=0, **kw)
+    in_place = phase_peaks(t, **FLOW["in_place"], steady_grad_bytes=0, **kw)
     assert in_place["backward"] == {"bytes": 792, "by_category": {"activations": 492, "temporaries": 300}}
     # The bucket opens with the first ready gradient (after segment 1): held in segment 2 only; segment 1 may have
     # opened it before its peak: the upper end of the range.
-    bucket = phase_peaks("bucket", t, steady_grad_bytes=0, **kw)
+    bucket = phase_peaks(t, **FLOW["bucket"], steady_grad_bytes=0, **kw)
     lower = {k: v for k, v in bucket["backward"].items() if not k.startswith("upper")}
     assert lower == {"bytes": 792, "by_category": {"activations": 492, "temporaries": 300}}
     assert bucket["backward"]["upper_bytes"] == 792 + 400
     assert bucket["backward"]["upper_by_category"] == {"activations": 492, "temporaries": 300, "comm": 400}
     # ... and stays open after its last gradient, until the step releases it.
     t2 = _trace(*t_segments(t), ("backward", 0, {"activations": 50, "temporaries": 700, "gradients": 400}))
-    assert phase_peaks("bucket", t2, steady_grad_bytes=0, **kw)["backward"]["by_category"] == {
+    assert phase_peaks(t2, **FLOW["bucket"], steady_grad_bytes=0, **kw)["backward"]["by_category"] == {
         "activations": 42, "temporaries": 700, "comm": 400}
     # The step begins with the bucket alive (400 B > AdamW's 120 B); it is released before the update.
     assert bucket["optimizer"] == {"bytes": 400, "by_category": {"comm": 400}}
-    with pytest.raises(ValueError, match="unknown gradient flow"):
-        phase_peaks("sideways", t, steady_grad_bytes=0, **kw)
+    with pytest.raises(ValueError, match="open_buckets needs live_grads"):
+        phase_peaks(t, steady_grad_bytes=0, open_buckets=True, **kw)
 
 
 def test_gloos_reduced_copy_at_each_buckets_wait():
@@ -84,13 +85,14 @@ def test_gloos_reduced_copy_at_each_buckets_wait():
     the peak; waited in the other order it would be 700."""
     t = _trace(("forward", 0, {"activations": 10}), ("backward", 0, {"activations": 5, "gradients": 400}))
     kw = {"buckets": (300, 100), "optimizer_numels": (10,), "optimizer_itemsize": 4, "foreach": False}
-    zero2 = phase_peaks("bucket", t, steady_grad_bytes=0, reduce_copies=True, **kw)
+    zero2 = phase_peaks(t, **FLOW["bucket"], steady_grad_bytes=0, reduce_copies=True, **kw)
     assert zero2["optimizer"] == {"bytes": 600, "by_category": {"comm": 300, "optimizer_state": 300}}
-    zero1 = phase_peaks("in_place", t, steady_grad_bytes=0, reduce_copies=True, **kw)  # buckets are steady
+    zero1 = phase_peaks(t, **FLOW["in_place"], steady_grad_bytes=0, reduce_copies=True, **kw)  # buckets are steady
     assert zero1["optimizer"] == {"bytes": 300, "by_category": {"optimizer_state": 300}}
-    nccl = phase_peaks("bucket", t, steady_grad_bytes=0, **kw)  # no copy: the buckets alone
+    nccl = phase_peaks(t, **FLOW["bucket"], steady_grad_bytes=0, **kw)  # no copy: the buckets alone
     assert nccl["optimizer"] == {"bytes": 400, "by_category": {"comm": 400}}
-    assert phase_peaks("new", t, steady_grad_bytes=0, reduce_copies=True, **kw)["optimizer"]["bytes"] == 80  # AdamW
+    new = phase_peaks(t, **FLOW["new"], steady_grad_bytes=0, reduce_copies=True, **kw)
+    assert new["optimizer"]["bytes"] == 80  # AdamW
 
 
 def t_segments(t: StepTrace):

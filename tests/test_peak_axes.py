@@ -13,7 +13,7 @@ from zeroexp.formulas.accumulation import accumulated_grad_bytes, accumulated_ph
 from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
 from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
 from zeroexp.plan.memory import uncovered
-from conftest import WINDOWS
+from conftest import FLOW, WINDOWS
 
 #: A 3-block GPT, small (conf/model/gpt.yaml's width), at N=2: the cells this module checks against the models.
 GPT = ("model=gpt", "model.n_layer=3", "world_size=2")
@@ -33,10 +33,10 @@ TERMS = {"buckets": (400,), "optimizer_numels": (10, 10), "optimizer_itemsize": 
 
 
 def test_accumulation_takes_each_phase_highest_over_the_micro_batches():
-    one = phase_peaks("new", GIVEN, steady_grad_bytes=400, **TERMS)
+    one = phase_peaks(GIVEN, **FLOW["new"], steady_grad_bytes=400, **TERMS)
     # K=1: the model without accumulation, unchanged.
-    assert accumulated_phase_peaks("new", GIVEN, 1, steady_grad_bytes=400, **TERMS) == one
-    two = accumulated_phase_peaks("new", GIVEN, 2, steady_grad_bytes=400, **TERMS)
+    assert accumulated_phase_peaks(GIVEN, 1, steady_grad_bytes=400, **TERMS) == one
+    two = accumulated_phase_peaks(GIVEN, 2, steady_grad_bytes=400, **TERMS)
     # The second micro-batch starts with the first one's 400 B of gradients and adds into them in place: its
     # backward holds the traced activations and temporaries, no new gradient (792 B), above the first's 592 B.
     assert one["backward"]["bytes"] == 592
@@ -44,11 +44,13 @@ def test_accumulation_takes_each_phase_highest_over_the_micro_batches():
     assert two["forward"] == one["forward"] and two["optimizer"] == one["optimizer"]
     # ZeRO-1's buffers and ZeRO-2's buckets: every micro-batch as one step.
     for flow in ("in_place", "bucket"):
-        assert accumulated_phase_peaks(flow, GIVEN, 4, steady_grad_bytes=0, **TERMS) == phase_peaks(
-            flow, GIVEN, steady_grad_bytes=0, **TERMS)
-    assert [accumulated_grad_bytes(f, 400) for f in ("new", "in_place", "bucket")] == [400, 0, 0]
-    with pytest.raises(ValueError, match="no accumulation model"):
-        accumulated_phase_peaks("fsdp1", GIVEN, 2, steady_grad_bytes=0, **TERMS)
+        assert accumulated_phase_peaks(GIVEN, 4, steady_grad_bytes=0, **FLOW[flow], **TERMS) == phase_peaks(
+            GIVEN, steady_grad_bytes=0, **FLOW[flow], **TERMS)
+    assert [accumulated_grad_bytes(400, live) for live in (False, True)] == [400, 0]
+    # each family's: DDP's and ZRO's gradients new, zeroexp's ZeRO's live; FSDP's no_sync is its own model
+    rows = {name: LAYOUTS[name] for name in ("ddp", "zro", "zero1", "zero2", "fsdp_full", "deepspeed_stage2")}
+    assert {n: r.family.accumulated_grad_bytes(r, 400) for n, r in rows.items()} == {
+        "ddp": 400, "zro": 400, "zero1": 0, "zero2": 0, "fsdp_full": None, "deepspeed_stage2": None}
 
 
 def test_shard_grad_op_under_no_sync_holds_every_unit_and_unsharded_gradient():

@@ -160,7 +160,10 @@ def test_planner_rows_of_deepspeed_peak_with_the_bucket_and_name_what_is_not_mod
     from zeroexp.cli.run import CONF_DIR
     from zeroexp.formulas import Groups
     from zeroexp.cli.plan import register, run
-    from zeroexp.plan.peak_deepspeed import ds_peak_limits
+    from zeroexp.formulas import LAYOUTS
+
+    def ds_peak_limits(name, groups, cap):
+        return LAYOUTS[name].family.peak_limits(LAYOUTS[name], groups, cap)
 
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

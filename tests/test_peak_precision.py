@@ -4,16 +4,17 @@ against the memory probe in a grid of real mixed-precision cells."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from omegaconf import OmegaConf
 
+from zeroexp.formulas import LAYOUTS
 from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
 from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
-                                             precision_terms, sharded_grad_upcast)
+                                             sharded_grad_upcast)
 from zeroexp.plan.judge import judge as _judge
 from zeroexp.plan.memory import uncovered
 from zeroexp.plan.steptrace import trace_step
+from conftest import FLOW
 
 W, DEPTH, B = 64, 8, 8  # tests/conftest.py's BASE model at its per-rank batch
 BW2, WW2, BW4 = B * W * 2, W * W * 2, B * W * 4  # a bf16 activation, a bf16 weight, an fp32 activation
@@ -24,26 +25,33 @@ def _mlp():
                              "input_shape": [W]})
 
 
-def test_each_flow_applies_the_precision_as_its_adapter_does():
-    assert precision_terms("new", "fp32", "float32", 4) == PrecisionTerms(None, None, 4, False)
+def _terms(row: str, precision: str, dtype: str, itemsize: int):
+    layout = LAYOUTS[row]
+    return layout.family.precision_terms(layout, precision, dtype, itemsize)
+
+
+def test_each_family_applies_the_precision_as_its_adapter_does():
+    assert _terms("ddp", "fp32", "float32", 4) == PrecisionTerms(None, None, 4, False)
     # DDP / zro: autocast, fp32 parameters and gradients.
-    assert precision_terms("new", "bf16", "bfloat16", 2) == PrecisionTerms("bfloat16", None, 4, False)
+    for row in ("ddp", "zro"):
+        assert _terms(row, "bf16", "bfloat16", 2) == PrecisionTerms("bfloat16", None, 4, False)
     # zeroexp's ZeRO: compute-dtype buckets and an fp32 master.
-    for flow in ("in_place", "bucket"):
-        assert precision_terms(flow, "fp16", "float16", 2) == PrecisionTerms(None, "float16", 2, True)
+    for row in ("zero1", "zero2"):
+        assert _terms(row, "fp16", "float16", 2) == PrecisionTerms(None, "float16", 2, True)
     # FSDP: units in the compute dtype; fp16 adds Lightning's autocast plugin (ShardedGradScaler).
-    assert precision_terms("fsdp1", "bf16", "bfloat16", 2) == PrecisionTerms(None, "bfloat16", 2, False)
-    assert precision_terms("fsdp2", "fp16", "float16", 2) == PrecisionTerms("float16", "float16", 2, False)
-    with pytest.raises(ValueError, match="no precision terms"):
-        precision_terms("sideways", "bf16", "bfloat16", 2)
+    assert _terms("fsdp_full", "bf16", "bfloat16", 2) == PrecisionTerms(None, "bfloat16", 2, False)
+    assert _terms("fsdp2_full", "fp16", "float16", 2) == PrecisionTerms("float16", "float16", 2, False)
+    # DeepSpeed's rows and the paper's have none (DeepSpeed's bf16 converts the module: its trace options)
+    assert _terms("deepspeed_stage2", "bf16", "bfloat16", 2) is None and _terms("zero_stage1", "bf16", "bfloat16",
+                                                                                2) is None
 
 
 def test_the_up_casts_and_all_gather_inputs_exist_only_below_fp32():
-    low, fp32 = precision_terms("bucket", "bf16", "bfloat16", 2), precision_terms("bucket", "fp32", "float32", 4)
+    low, fp32 = _terms("zero2", "bf16", "bfloat16", 2), _terms("zero2", "fp32", "float32", 4)
     assert master_upcast_bytes((100, 30), low) == 130 * 4 and master_upcast_bytes((100, 30), fp32) == 0
     assert gather_input_bytes((100, 30), low, 2) == 130 * 2 and gather_input_bytes((100, 30), fp32, 4) == 0
-    assert sharded_grad_upcast(50, precision_terms("fsdp1", "bf16", "bfloat16", 2)) == 200
-    assert sharded_grad_upcast(50, precision_terms("fsdp1", "fp32", "float32", 4)) == 0
+    assert sharded_grad_upcast(50, _terms("fsdp_full", "bf16", "bfloat16", 2)) == 200
+    assert sharded_grad_upcast(50, _terms("fsdp_full", "fp32", "float32", 4)) == 0
 
 
 def _forward_ends(trace: StepTrace) -> list[int]:
@@ -72,7 +80,7 @@ def test_zeros_master_up_casts_and_gather_inputs_on_a_given_trace():
     kw = {"steady_grad_bytes": 0, "optimizer_numels": (50,), "optimizer_itemsize": 4, "foreach": False}
     # Below fp32: 50 fp32 master gradients (200 B) beside AdamW's 400 B; steady's 100 B all-gather input freed in
     # forward, so every phase is 100 B lower.
-    low = phase_peaks("bucket", t, buckets=(200,), master_grads=200, gather_inputs=100, **kw)
+    low = phase_peaks(t, **FLOW["bucket"], buckets=(200,), master_grads=200, gather_inputs=100, **kw)
     assert low["forward"] == {"bytes": 892, "by_category": {"activations": 992, "optimizer_state": -100}}
     assert {k: v for k, v in low["backward"].items() if not k.startswith("upper")} == \
         {"bytes": 192, "by_category": {"activations": 292, "optimizer_state": -100}}
@@ -80,9 +88,9 @@ def test_zeros_master_up_casts_and_gather_inputs_on_a_given_trace():
     assert low["backward"]["upper_by_category"] == {"activations": 292, "comm": 200, "optimizer_state": -100}
     assert low["optimizer"] == {"bytes": 500, "by_category": {"optimizer_state": 500}}
     # The bucket (700 B, a collective buffer: comm) alive at the step's start: more than the temporaries and up-casts.
-    big = phase_peaks("bucket", t, buckets=(700,), master_grads=200, gather_inputs=100, **kw)
+    big = phase_peaks(t, **FLOW["bucket"], buckets=(700,), master_grads=200, gather_inputs=100, **kw)
     assert big["optimizer"] == {"bytes": 600, "by_category": {"comm": 700, "optimizer_state": -100}}
-    assert phase_peaks("in_place", t, buckets=(), **kw)["optimizer"] == {"bytes": 400,
+    assert phase_peaks(t, **FLOW["in_place"], buckets=(), **kw)["optimizer"] == {"bytes": 400,
                                                                         "by_category": {"optimizer_state": 400}}
 
 

@@ -12,6 +12,7 @@ from zeroexp.formulas.allocator import counted_sum
 from zeroexp.formulas.device import CPU, cublas_workspace_bytes, cuda
 
 from test_plan_fits import _run
+from conftest import FLOW
 
 MiB = 2**20
 #: (steady allocated, peak allocated) MiB per cell, the seed's table.
@@ -125,8 +126,8 @@ def test_a_bucket_opens_at_its_first_gradient_counted_as_the_trace_counts_it():
                           seg("backward", "a", {"gradients": 2048}, {"gradients": 2048})), 1024)
     terms = dict(steady_grad_bytes=0, buckets=(512, 512), optimizer_numels=(2, 2), optimizer_itemsize=4,
                  foreach=True, block=512)
-    flat = phase_peaks("bucket", trace, **terms)["backward"]
-    traced = phase_peaks("bucket", trace, **terms, bucket_edges=(0, 1024, 2048))["backward"]
+    flat = phase_peaks(trace, **FLOW["bucket"], **terms)["backward"]
+    traced = phase_peaks(trace, **FLOW["bucket"], **terms, bucket_edges=(0, 1024, 2048))["backward"]
     assert flat["by_category"]["comm"] == 1024  # the second bucket counted before its first gradient
     assert traced["by_category"]["comm"] == 512 and traced["bytes"] == flat["bytes"] - 512
 

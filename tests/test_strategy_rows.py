@@ -13,8 +13,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = REPO / "zeroexp"
-#: Where names legitimately live: the rows module names each row.
-EXEMPT = {ROOT / "formulas" / "rows.py"}
+#: Where names legitimately live: the rows module orders the rows, each family's module names its own.
+EXEMPT = {ROOT / "formulas" / "rows.py", *(ROOT / "formulas" / "families").glob("*.py")}
 
 
 def _strategy_names() -> set[str]:
@@ -87,5 +87,56 @@ def test_the_check_finds_a_name_test(snippet):
 
 
 def test_the_check_passes_a_field_test():
-    assert name_tests('x = row.peak_flow in ("fsdp1", "fsdp2") and row.groups == "buckets"',
+    assert name_tests('x = row.family.gathers_units and row.family.groups_kind(row) == "buckets"',
                       _strategy_names()) == []
+
+
+#: What tells one family from another: its name, how it cuts groups, its peak model's gradient flow
+#: (``Family.name``, ``Family.groups_kind``, ``Family.flow``).
+def _discriminators() -> set[str]:
+    from zeroexp.formulas import LAYOUTS
+
+    out = set()
+    for row in LAYOUTS.values():
+        out |= {row.family.name, row.family.groups_kind(row), row.family.flow(row)}
+    # "none" names no family; "params" (DeepSpeed stage 3's groups) also names a parameter-count plan's model
+    return (out - {None, "none", "params"}) | {"replica"}
+
+
+def _family_sources() -> list[Path]:
+    families = ROOT / "formulas" / "families"
+    return sorted(p for p in ROOT.rglob("*.py") if families not in p.parents)
+
+
+def discriminator_tests(source: str, values: set[str]) -> list[tuple[int, str]]:
+    """(line, value) of each family discriminator ``source`` compares against (``==``, ``!=``, ``in``, ``not in``,
+    either side, a literal collection's members included)."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            hits += [(c.lineno, c.value) for side in (node.left, *node.comparators) for c in _constants(side)
+                     if c.value in values]
+    return sorted(set(hits))
+
+
+def test_the_families_discriminators_are_known():
+    assert {"ddp", "zro", "zero", "fsdp1", "fsdp2", "deepspeed", "paper", "units", "rows", "buckets", "owners",
+            "flat", "new", "in_place", "bucket"} <= _discriminators()
+
+
+@pytest.mark.parametrize("path", _family_sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_family_discriminator_is_compared_outside_the_families(path):
+    hits = discriminator_tests(path.read_text(), _discriminators())
+    assert not hits, (f"{path.relative_to(REPO)} compares family discriminators {hits}: ask the row's family "
+                      "instead (row.family, zeroexp.formulas.families)")
+
+
+@pytest.mark.parametrize("snippet", [
+    'x = row.peak_flow in ("fsdp1", "fsdp2")',
+    'x = layout.groups == "buckets"',
+    'x = "units" != kind',
+    'x = flow not in ["new", "bucket"]',
+])
+def test_the_check_finds_a_discriminator_test(snippet):
+    assert discriminator_tests(snippet, _discriminators()), snippet

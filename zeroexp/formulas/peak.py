@@ -75,10 +75,7 @@ def phase_peaks(trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int,
                 open_buckets: bool = False) -> dict[str, dict]:
     """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
 
-    The gradient flow (a family's, :meth:`zeroexp.formulas.families.Family.flow`): ``new`` (neither flag: autograd
-    allocates each ``.grad`` after ``zero_grad`` freed the last step's), ``in_place`` (``live_grads``: the gradients
-    stay allocated across steps), ``bucket`` (``live_grads`` and ``open_buckets``: a bucket's flat buffer is born at
-    its first ready gradient and released in the step).
+    The family's gradient flow: ``new`` (no flag), ``in_place`` (``live_grads``), ``bucket`` (and ``open_buckets``).
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
     Backward: per traced segment, its peak, less what the flow does not allocate anew (``in_place`` and ``bucket``:
@@ -99,8 +96,8 @@ def phase_peaks(trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int,
     for the buckets in definition order (the reverse of ``buckets``). ``bucket_edges``: the traced gradient bytes at
     which each bucket opens, where they are not the sums of the buckets before it (the trace counting each
     parameter's gradient in ``block``-byte blocks, a bucket one block run)."""
-    if open_buckets and not live_grads:
-        raise ValueError("open_buckets needs live_grads: a bucket's gradients live in it across the step")
+    if open_buckets and not live_grads:  # a bucket's gradients live in it across the step
+        raise ValueError("open_buckets needs live_grads")
     forward = [s for s in trace.segments if s.phase == "forward"]
     top = max(forward, key=lambda s: s.peak_bytes)
     out = {"forward": {"bytes": top.peak_bytes - trace.loss_bytes,

@@ -5,11 +5,11 @@ which :mod:`zeroexp.formulas.layout` turns into bytes and collectives."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-__all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "next_reached", "WORLD", "POST_FORWARD"]
+__all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "Cut", "next_reached", "WORLD", "POST_FORWARD"]
 
 #: The process groups a collectives model names besides a device mesh's dimensions: ``world``, the default group
 #: (every rank); ``post_forward``, FSDP2's post-forward group (``reshard_after_forward=k``: k consecutive ranks, the
@@ -261,3 +261,12 @@ def next_reached(order: list[int], reached: list[bool]) -> tuple[bool, ...]:
     return tuple(out)
 
 
+@dataclass
+class Cut:
+    """What a family cuts an exact model into (:meth:`zeroexp.formulas.families.Family.cut`): the sharded buffers,
+    the gradient-holding ones where they differ, the gathered units, ZeroRedundancyOptimizer's owners."""
+
+    shards: list[Shard] = field(default_factory=list)
+    grad_shards: list[Shard] = field(default_factory=list)
+    units: list[Unit] = field(default_factory=list)
+    owners: list[tuple[int, ...]] = field(default_factory=list)

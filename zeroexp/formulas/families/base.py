@@ -9,18 +9,18 @@ what it models. Families import nothing outside ``zeroexp.formulas`` (a calibrat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
-from zeroexp.formulas.layout import Cut
-from zeroexp.formulas.shapes import Unit
+from zeroexp.formulas.shapes import Cut, ModelShape, PlanKnobs, Unit
+from zeroexp.formulas.units import Payload
 
-if TYPE_CHECKING:  # the row type is the layout module's; families are imported by it only through the rows
-    from zeroexp.formulas.layout import StateLayout
+if TYPE_CHECKING:  # the peak model's types, for the hints alone
     from zeroexp.formulas.peak import StepTrace
     from zeroexp.formulas.peak_precision import PrecisionTerms
-    from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs
+    from zeroexp.formulas.shapes import Groups
 
-__all__ = ["Family", "Cut", "NO_FAMILY"]
+__all__ = ["Family", "NO_FAMILY", "StateLayout"]
 
 
 class Family:
@@ -181,3 +181,75 @@ class Family:
 
 
 NO_FAMILY = Family()
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where one strategy keeps each kind of model state at the optimizer boundary, and what it sends per step.
+
+    ``sharded``: the kinds each rank holds 1/N of (a master follows ``optim``). ``master``: an fp32 copy of the
+    parameters ``always``, only with a low-precision compute dtype (``mixed``, K = 12 [ZeRO 5.1]) or ``never``.
+    ``family``: the strategy family (:mod:`zeroexp.formulas.families`) that answers every question of the row's
+    kind: how :func:`derive_groups` cuts the shards (``Family.groups_kind``: ``flat``, one buffer padded to ``pad`` x
+    N; ``params``, each parameter padded to N; ``units``, FSDP FlatParameters; ``rows``, FSDP2's dim-0 chunks;
+    ``buckets``, zeroexp's; ``owners``, ZeroRedundancyOptimizer's; ``none``), the peak model, the overlap rule, the
+    framework's cost, the init peak. ``payload``: (groups, itemsize, knobs) -> the
+    per-step collectives [ZeRO 7]. ``gather``: unsharded parameters held while computing (``largest`` unit, ``all``,
+    ``none``). ``fp32_at_rest``: parameters and gradients stay fp32 between steps (FSDP MixedPrecision).
+    ``fp32_on_the_wire``: collectives move fp32 (autocast). ``padded_moments``: Adam's moments as long as the
+    padded shard. ``comm``: extra groups the payload needs, derived from shapes (DDP's buckets, DeepSpeed's).
+    DeepSpeed's rows: ``whole_grads`` (ZeRO-1/2 hold the full gradient of every parameter their partition
+    overlaps), ``offload_grad`` (``replace`` / ``add`` the fp32 host gradient partition), ``flat_optimizer`` (one Adam
+    ``step`` per flat partition; ``sub_groups``: how many partitions of the shards' partition lengths),
+    ``payload_limits`` ((groups, knobs, precision, offload) -> why the payload model is not exact for a cell).
+    ``hybrid``: sharded within a shard group of ``PlanKnobs.shard_size`` ranks, replicated across the groups (HSDP).
+    ``reference``: a closed form no strategy runs (the ZeRO paper's stages): planned beside the strategies for
+    comparison, never recommended.
+    """
+
+    label: str
+    stage: int
+    sharded: frozenset[str]
+    master: str
+    family: Family
+    payload: Payload
+    gather: str = "none"
+    pad: int = 1
+    fp32_at_rest: bool = False
+    fp32_on_the_wire: bool = False
+    padded_moments: bool = True
+    precisions: frozenset[str] = frozenset({"fp32"})
+    offloads: frozenset[str] = frozenset({"none"})
+    source: str = ""
+    whole_grads: bool = False
+    offload_grad: str = "none"
+    flat_optimizer: bool = False
+    payload_limits: Callable[..., list[str]] | None = None
+    comm: Callable[[ModelShape, int, PlanKnobs], dict] | None = field(default=None, compare=False)
+    gathers_per_unit: Callable[[bool, PlanKnobs], int] = field(default=lambda root, knobs: 1, compare=False)
+    #: Whether the strategy passes ``PlanKnobs.post_forward_ranks`` (FSDP2's ``reshard_after_forward=k``) to every
+    #: unit: resharded after forward to a group of k ranks (:attr:`Groups.post_forward_size`, ``Unit.post_forward``).
+    post_forward_group: bool = False
+    #: Whether the strategy casts the module's floating buffers to the compute dtype (below fp32).
+    casts_buffers: bool = False
+    sub_groups: Callable[[list[int]], int] = field(default=len, compare=False)
+    hybrid: bool = False
+    reference: bool = False
+    #: The fewest ranks the row runs at: FSDP at one rank shards nothing (torch runs FSDP1 as NO_SHARD and FSDP2
+    #: skips its all-gathers and reduce-scatters), so its rows start at 2; the strategies refuse fewer.
+    min_world_size: int = 1
+    # --- the family's flags (zeroexp.formulas.families reads these, never the row's name) ---
+    #: FSDP: whether the row reshards a unit after forward (FULL_SHARD, FSDP2 ``reshard_after_forward=True``) and,
+    #: for FSDP1, so follows ``prefetch``; SHARD_GRAD_OP keeps its units unsharded until their backward.
+    reshard_after_forward: bool = False
+    #: Whether the peak model covers the row's ``grad_accum`` under ``no_sync`` (FSDP1 SHARD_GRAD_OP, which keeps
+    #: its units unsharded across the micro-batches).
+    no_sync_accumulation: bool = False
+    #: DeepSpeed's ZeRO stage for a DeepSpeed row (None: not DeepSpeed).
+    deepspeed_stage: int | None = None
+    #: Whether the row's ranks hold different state or buffers, so that the worst rank must be searched for
+    #: (ZeroRedundancyOptimizer's owners, DeepSpeed stage 1-2's partitions).
+    ranks_differ: bool = False
+    #: Whether the row's ``init=meta`` is modelled (its family's :meth:`~zeroexp.formulas.families.Family.
+    #: init_peak_bytes`; not: the paper's rows, no runtime; DeepSpeed's, refused; hybrid sharding's).
+    init_modelled: bool = False

@@ -177,7 +177,7 @@ def _row(stage: int, **kw) -> StateLayout:
 DEEPSPEED_ROWS: tuple[StateLayout, ...] = (
     _row(0, sharded=frozenset(), master="mixed",
          source=_SOURCE + "; engine.py FP16_UnfusedOptimizer: an fp32 copy per parameter (mixed)"),
-    *(_row(k, sharded=_OS_G, master="always", pad=2, offloads=frozenset({"none", "optimizer"}), grad_held="params",
+    *(_row(k, sharded=_OS_G, master="always", pad=2, offloads=frozenset({"none", "optimizer"}), whole_grads=True,
            offload_grad="replace", flat_optimizer=True, source=_SOURCE + "; stage_1_and_2.py")
       for k in (1, 2)),
     _row(3, sharded=_OS_G_P, master="always", gather="largest", offloads=frozenset({"none", "optimizer", "full"}),
