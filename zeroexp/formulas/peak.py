@@ -70,12 +70,10 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
 def phase_peaks(trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
                 optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                 in_place: StepTrace | None = None, master_grads: int = 0, gather_inputs: int = 0,
-                reduce_copies: bool = False, block: int = 1,
-                bucket_edges: tuple[int, ...] | None = None, live_grads: bool = False,
-                open_buckets: bool = False) -> dict[str, dict]:
-    """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category.
-
-    The family's gradient flow: ``new`` (no flag), ``in_place`` (``live_grads``), ``bucket`` (and ``open_buckets``).
+                reduce_copies: bool = False, block: int = 1, bucket_edges: tuple[int, ...] | None = None,
+                live_grads: bool = False, open_buckets: bool = False) -> dict[str, dict]:
+    """Per phase, the bytes a rank holds above its steady state at the phase's peak, by category; the family's
+    gradient flow ``new`` (no flag), ``in_place`` (``live_grads``), ``bucket`` (and ``open_buckets``).
 
     Forward: the traced forward's peak (the previous step's loss and its copy freed first, ``trace.loss_bytes``).
     Backward: per traced segment, its peak, less what the flow does not allocate anew (``in_place`` and ``bucket``:
