@@ -113,19 +113,21 @@ class DeepSpeedPartitions(Family):
     def step_frees_grads(self, row):
         """Stages 1-2 (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``);
         stage 3 keeps its gradient buffer (stage3.py ``grad_partitions_flat_buffer``, allocated once)."""
-        return self._covered(row) < 3
+        return self.flow(row) is not None and row.deepspeed_stage < 3
 
     def steady_buffers(self, row, groups, itemsize, bucket_cap_bytes, terms):
         """Stage 3's ipg bucket (allocated once, ``reduce_bucket_size`` elements of the gradient dtype); stages 1-2
         free theirs in every backward's epilogue."""
-        return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if self._covered(row) == 3 else 0
+        return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if row.deepspeed_stage == 3 else 0
 
     def late_free(self, row, groups, itemsize, micro_batches):
         """Stages 1-2 a bucket's flattened all_reduce tensor (in backward, or into the step); stage 3 the
         parameters' all_gather buffer (forward), a bucket's reduce-scatter concatenation (backward) and gloo's copy
         of it (backward, or into the step: the work object gloo's worker thread still holds); in the step, the
         squared gradient norm's all_reduce tensor."""
-        stage = self._covered(row)
+        stage = row.deepspeed_stage
+        if self.flow(row) is None:
+            return {}
         norm = {"optimizer": [("the squared gradient norm's all_reduce tensor (get_grad_norm_direct)",
                                DS_NORM_BYTES[stage])]}
         if stage < 3:
