@@ -5,7 +5,7 @@ Each cell is played as rank 0 of ``world_size`` under torch's fake process group
 really allocated, every collective returns at once. The memory probe measures the rank (on a GPU the caching
 allocator's allocated and reserved bytes; on the CPU MemTracker), the planner predicts the same rank
 (``python -m zeroexp.plan ... device=cuda|cpu format=json``), and the cell's own check
-(``summary.json["plan"]["memory"]``'s rule, ``zeroexp.plan.memory.memory_section``) judges each phase. One JSON.
+(``summary.json["plan"]["memory"]``'s rule, ``zeroexp.plan.check.memory.memory_section``) judges each phase. One JSON.
 
     python benchmarks/gpu_check.py --out gpu_check.json                 # on a GPU: seed_ch31, N=4 and 8
     python benchmarks/gpu_check.py --device cpu --model mlp --world-sizes 4 --out x.json   # the same on the CPU
@@ -72,9 +72,9 @@ def measured(model: str, strategy: str, prefetch: str, n: int, batch: int, devic
 
     from zeroexp.config.schemas import validate
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.cell import cell_groups
-    from zeroexp.plan.expect import itemsize_of, layout_of
-    from zeroexp.plan.memory import memory_section
+    from zeroexp.plan.check.cell import cell_groups
+    from zeroexp.plan.check.expect import itemsize_of, layout_of
+    from zeroexp.plan.check.memory import memory_section
     from zeroexp.plan.shape import model_shape
     from zeroexp.rank.dryrun import play_rank0
 

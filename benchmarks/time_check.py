@@ -9,7 +9,7 @@ measured per cell and whether the prediction orders the strategies as the measur
 
 Run it on a quiet host (load < 1): the calibration and the cells must see the same machine. Every number printed is
 read from the cells' summary.json (plan.time): predicted (computed) and measured (the timed steps' median and its
-bootstrap 95 % CI), the ratio and the check (zeroexp.plan.time.time_check).
+bootstrap 95 % CI), the ratio and the check (zeroexp.plan.check.step_time.time_check).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def table(sweep_dir: Path) -> int:
     """Print the cells' plan.time; return 0 when the check holds (at least half the medians known,
     every known one PASS, every separable pair ordered as measured), 1 otherwise."""
     sys.path.insert(0, str(ROOT))
-    from zeroexp.report.time import order_agreement
+    from zeroexp.report.step_time import order_agreement
 
     rows = []
     for f in sorted(Path(sweep_dir).glob("*/summary.json")):

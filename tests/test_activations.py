@@ -94,7 +94,7 @@ def test_one_fake_build_traced_at_several_batches_counts_what_fresh_builds_do(co
 def test_the_activations_with_and_without_checkpointing_read_one_forward():
     """``activation_bytes`` with and without checkpointing: the same figures as from fresh traces, from one forward
     per batch and dtype (two below fp32: autocast's and the module cast's)."""
-    from zeroexp.formulas.checkpointing import checkpointed_forward_bytes
+    from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes
     from zeroexp.plan import row_peak
 
     cfg = {**GPT, "n_layer": 3}  # a model no other test traces here

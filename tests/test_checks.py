@@ -15,7 +15,7 @@ import pytest
 from zeroexp.report.checks import cell_checks, failed_checks, plan_checks, worst
 
 ROWS = [{"op": "all_gather", "predicted_count": 2, "measured_count": 2, "predicted_bytes": 64, "measured_bytes": 64}]
-#: A plan whose own parts pass: the shape zeroexp.plan.cell.plan_section writes.
+#: A plan whose own parts pass: the shape zeroexp.plan.check.cell.plan_section writes.
 PLAN = {"layout": "FSDP2 reshard_after_forward=True", "row": "fsdp2_full", "ranks": [], "collectives": ROWS,
         "groups": {"check": "PASS", "reasons": []}, "payload_check": "PASS", "payload_reasons": [],
         "check": "PASS", "reasons": [],

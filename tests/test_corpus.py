@@ -302,7 +302,7 @@ def test_fsdp2_first_blocks_copy_out_holds_the_roots_all_gather_output(cell):
     probe's tolerance (no tensor gloo may free late needed to PASS). N=2: no dim 0 is padded."""
     from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
-    from zeroexp.plan.judge import judge
+    from zeroexp.plan.check.judge import judge
 
     small = ("+model.args.vocab_size", "model.high")
     overrides = [o for o in MODELS["torch_transformer"][0] if not o.startswith(small)]

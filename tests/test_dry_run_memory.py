@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroexp.formulas.peak import PHASES
+from zeroexp.formulas.peak.phases import PHASES
 
 DRY = "dry_run=true"
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's model-state peak term by term (zeroexp.formulas.peak_deepspeed_terms) in the planner's rows, beside
+"""DeepSpeed's model-state peak term by term (zeroexp.formulas.peak.deepspeed_terms) in the planner's rows, beside
 DeepSpeed's own estimators: t5-3b (2,851M parameters, its largest layer the 32128 x 1024 shared embedding) at N=8
 in fp16, and models nobody here wrote at N=2 and N=3."""
 
@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from zeroexp.errors import ConfigError
-from zeroexp.formulas.peak_deepspeed_terms import TERMS, ds_estimator_bytes, ds_term_peak
+from zeroexp.formulas.peak.deepspeed_terms import TERMS, ds_estimator_bytes, ds_term_peak
 
 DS = importlib.util.find_spec("deepspeed") is not None
 HF = importlib.util.find_spec("transformers") is not None
@@ -80,7 +80,7 @@ def test_t5_3b_fp16_rows_name_each_term_and_meet_deepspeeds_estimators():
 def test_the_table_names_the_terms_and_what_differs():
     from rich.console import Console
 
-    from zeroexp.plan.render import render_tables
+    from zeroexp.plan.output import render_tables
 
     rows = _plan(f"params={T5_3B}", f"largest_layer={T5_LAYER}", "world_size=8", "precision=fp16", "device=cuda")
     console = Console(file=io.StringIO(), width=250, record=True)

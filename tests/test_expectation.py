@@ -52,7 +52,7 @@ def test_ddp_buckets_follow_gradient_readiness(compose):
     """The planner's DDP buckets follow the gradient-ready order of a meta-device backward (DDP's Reducer rebuilds
     its buckets in that order), not reverse definition order, which a tied embedding breaks."""
     from zeroexp.models import wrap_paths
-    from zeroexp.plan.cell import cell_groups
+    from zeroexp.plan.check.cell import cell_groups
     from zeroexp.plan.shape import model_shape
 
     cfg = compose("model=gpt", "model.n_layer=2", "world_size=3", "strategy.bucket_cap_mb=0.05", base=GPT_BASE)

@@ -9,9 +9,9 @@ import pytest
 
 from zeroexp.config.cell import cell_name
 from zeroexp.config.schemas import ConfigError, validate
-from zeroexp.plan.expect import Expectation
+from zeroexp.plan.check.expect import Expectation
 from zeroexp.formulas import ModelShape, PlanKnobs, bus_bytes, padded_numel
-from zeroexp.plan.cell import cell_groups
+from zeroexp.plan.check.cell import cell_groups
 from zeroexp.plan.core import Precision, plan
 
 N, S, WIDTH, DEPTH = 4, 2, 64, 8  # conftest BASE: model.width=64, the mlp's default depth of 8 Linear units

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from zeroexp.config.schemas import validate
-from zeroexp.plan.expect import Expectation
-from zeroexp.plan.cell import cell_groups
+from zeroexp.plan.check.expect import Expectation
+from zeroexp.plan.check.cell import cell_groups
 
 N, S, K, DEPTH = 4, 2, 2, 8
 UNIT = 64 * 64 * 4  # one Linear(64, 64) unit's fp32 bytes (64 rows divide over 2 ranks: no padding)

@@ -10,7 +10,7 @@ from conftest import STEPS, assert_threshold_rule, read_csv
 from zeroexp.probes.equivalence import compare
 from zeroexp.probes.timing import TimingProbe, step_statistics
 from zeroexp.launch.runner import run_cell
-from zeroexp.plan.expect import Expectation
+from zeroexp.plan.check.expect import Expectation
 
 N = 4
 #: The six cells of the ladder, with exactly the overrides other test modules use (shared runs).

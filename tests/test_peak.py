@@ -7,9 +7,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from zeroexp.formulas.adamw import adamw_temporaries
-from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
-from zeroexp.plan.judge import judge as _judge
+from zeroexp.formulas.peak.adamw import adamw_temporaries
+from zeroexp.formulas.peak.phases import Segment, StepTrace, phase_peaks
+from zeroexp.plan.check.judge import judge as _judge
 from zeroexp.plan.steptrace import trace_step
 from conftest import FLOW
 
@@ -151,7 +151,7 @@ def test_the_last_rank_traces_ahead_what_rank_0s_plan_reads(cell, compose, monke
     from pathlib import Path
 
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan import memory as pm
+    from zeroexp.plan.check import memory as pm
     from zeroexp.rank.worker import RANKS_DIR, TRACES_AHEAD
 
     r = cell(f"strategy={strategy}", "world_size=2")
@@ -257,7 +257,7 @@ def test_planner_rows_judge_fits_on_the_peak():
 
 
 def test_fsdp1_root_prefetches_the_first_unit_under_backward_pre():
-    from zeroexp.formulas.peak import FsdpUnit, fsdp_phase_peaks
+    from zeroexp.formulas.peak.phases import FsdpUnit, fsdp_phase_peaks
 
     def seg(phase, unit, at, peak, end=None):
         end = peak if end is None else end

@@ -9,10 +9,10 @@ import pytest
 from zeroexp.formulas import (LAYOUTS, ComputeRate, ModelShape, PlanKnobs, Slot, accumulation_repeats,
                               checkpointed_numel, derive_groups, micro_batch_slots, predict_step, recompute_seconds,
                               step_collectives)
-from zeroexp.formulas.accumulation import accumulated_grad_bytes, accumulated_phase_peaks
-from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
-from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
-from zeroexp.plan.memory import uncovered
+from zeroexp.formulas.peak.accumulation import accumulated_grad_bytes, accumulated_phase_peaks
+from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes, recompute_bytes
+from zeroexp.formulas.peak.phases import Segment, StepTrace, phase_peaks
+from zeroexp.plan.check.memory import uncovered
 from conftest import FLOW, WINDOWS
 
 #: A 3-block GPT, small (conf/model/gpt.yaml's width), at N=2: the cells this module checks against the models.
@@ -54,7 +54,7 @@ def test_accumulation_takes_each_phase_highest_over_the_micro_batches():
 
 
 def test_shard_grad_op_under_no_sync_holds_every_unit_and_unsharded_gradient():
-    from zeroexp.formulas.accumulation import fsdp_no_sync_phase_peaks
+    from zeroexp.formulas.peak.accumulation import fsdp_no_sync_phase_peaks
 
     def seg(phase, unit, at, cats):
         return Segment(phase, unit, at, sum(cats.values()), cats, sum(cats.values()), cats)
@@ -216,10 +216,10 @@ def test_recompute_and_micro_batches_in_the_step_time():
 
 def _predicted_forward(cfg) -> int:
     """The peak model's forward prediction for a composed cell, without running it (``plan.memory``'s dry form)."""
-    from zeroexp.plan.expect import layout_of
+    from zeroexp.plan.check.expect import layout_of
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.cell import cell_groups
-    from zeroexp.plan.memory import memory_section
+    from zeroexp.plan.check.cell import cell_groups
+    from zeroexp.plan.check.memory import memory_section
     from zeroexp.plan.shape import model_shape
 
     name, _ = layout_of(cfg)
@@ -260,7 +260,7 @@ def test_plan_time_of_a_cell_counts_its_recompute_and_micro_batches(compose, tmp
     import json
 
     from test_time import calibration_data
-    from zeroexp.plan.time import time_section
+    from zeroexp.plan.check.step_time import time_section
 
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(calibration_data(numel=8 * 64 * 64)))

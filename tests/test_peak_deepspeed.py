@@ -1,4 +1,4 @@
-"""The peak model of DeepSpeed ZeRO stages 1-3 (zeroexp/formulas/peak_deepspeed.py): a rank's partition, each stage's
+"""The peak model of DeepSpeed ZeRO stages 1-3 (zeroexp/formulas/peak/deepspeed.py): a rank's partition, each stage's
 phase peaks with exact categories on given traces, the trace's units, and plan.memory PASS in real cells."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
-from zeroexp.formulas.peak_deepspeed import (DsPartition, ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
+from zeroexp.formulas.peak.phases import Segment, StepTrace, TracedUnit
+from zeroexp.formulas.peak.deepspeed import (DsPartition, ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
 from zeroexp.plan.steptrace import trace_step
 from zeroexp.strategies import deepspeed as ds_adapter
@@ -200,9 +200,9 @@ def test_gloos_copy_of_a_reduce_scatter_input_held_into_the_step_is_one_named_la
     from test_memory_categories import _group
     from zeroexp._lib.memtrack import step_mem_tracker, totals
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.cell import cell_groups
-    from zeroexp.plan.expect import layout_of
-    from zeroexp.plan.memory import memory_section
+    from zeroexp.plan.check.cell import cell_groups
+    from zeroexp.plan.check.expect import layout_of
+    from zeroexp.plan.check.memory import memory_section
     from zeroexp.plan.shape import model_shape
 
     n, numels = 3, (10 * 7, 7, 7 * 3, 3)

@@ -1,4 +1,4 @@
-"""The peak model below fp32: how each gradient flow applies bf16 / fp16 (zeroexp.formulas.peak_precision),
+"""The peak model below fp32: how each gradient flow applies bf16 / fp16 (zeroexp.formulas.peak.precision),
 the step traced in the precision the cell computes in, exact categories on given traces, and plan.memory checked
 against the memory probe in a grid of real mixed-precision cells."""
 
@@ -8,11 +8,11 @@ import torch
 from omegaconf import OmegaConf
 
 from zeroexp.formulas import LAYOUTS
-from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
-from zeroexp.formulas.peak_precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
+from zeroexp.formulas.peak.phases import Segment, StepTrace, phase_peaks
+from zeroexp.formulas.peak.precision import (PrecisionTerms, gather_input_bytes, master_upcast_bytes,
                                              sharded_grad_upcast)
-from zeroexp.plan.judge import judge as _judge
-from zeroexp.plan.memory import uncovered
+from zeroexp.plan.check.judge import judge as _judge
+from zeroexp.plan.check.memory import uncovered
 from zeroexp.plan.steptrace import trace_step
 from conftest import FLOW
 

@@ -1,5 +1,5 @@
 """The peak model's CUDA semantics (zeroexp.formulas.device) against published CUDA figures (seed 000's six V100 cells;
-PyTorch's own FSDP2 memory-test budgets, below), and reserved memory (zeroexp.formulas.allocator). Seed 000's cells
+PyTorch's own FSDP2 memory-test budgets, below), and reserved memory (zeroexp.formulas.peak.allocator). Seed 000's cells
 (8 x Linear(2048, 2048) without bias, P = 128 MiB, N=4, 64 MiB DDP buckets, AdamW, 8 samples a rank), measured with
 torch.cuda's allocated bytes. What the seed does not state is assumed once, alike for all six: torch's defaults on a
 V100 (AdamW's foreach update, NCCL, two cuBLAS workspaces of 8,519,680 bytes: the forward's and autograd's thread)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroexp.formulas.allocator import counted_sum
+from zeroexp.formulas.peak.allocator import counted_sum
 from zeroexp.formulas.device import CPU, cublas_workspace_bytes, cuda
 
 from test_plan_fits import _run
@@ -58,14 +58,14 @@ def test_the_h200_measurements_of_one_rank_of_n_are_met_by_the_cuda_prediction()
     group with real CUDA tensors, torch.cuda's allocated bytes per phase above steady; the seed's model at N=4 and 8,
     an odd-sized mlp at N=3, PyTorch's test Transformer at N=4): the planner's CUDA prediction of every phase, each
     allocation counted in 512-B blocks, is a lower bound of every measurement and what the cell's check wants
-    (``zeroexp.plan.judge.judge``: within the tolerance) but where SHORT_ON_CUDA says; reserved a lower bound too.
+    (``zeroexp.plan.check.judge.judge``: within the tolerance) but where SHORT_ON_CUDA says; reserved a lower bound too.
     Counted in tensor bytes, FULL_SHARD's forward was 504 B above the measurement: the previous step's 4-byte loss,
     freed in forward, is a 512-B block."""
     import importlib.util
     import json
     from pathlib import Path
 
-    from zeroexp.plan.judge import judge
+    from zeroexp.plan.check.judge import judge
 
     paths = sorted((Path(__file__).resolve().parent.parent / "docs" / "measured").glob("gpu_check_h200_*.json"))
     models, short = set(), set()
@@ -116,7 +116,7 @@ def test_a_bucket_opens_at_its_first_gradient_counted_as_the_trace_counts_it():
     the trace one each (in blocks): where the next bucket opens is the gradients of the buckets before it as the
     trace counts them (``bucket_edges``), not their flat sizes. Two buckets of two 4-byte gradients each: 1,024 B of
     traced gradients close the first bucket, whose flat size is 512 B."""
-    from zeroexp.formulas.peak import Segment, StepTrace, phase_peaks
+    from zeroexp.formulas.peak.phases import Segment, StepTrace, phase_peaks
 
     def seg(phase, unit, peak, end):
         return Segment(phase, unit, "end", sum(peak.values()), peak, sum(end.values()), end)
@@ -135,8 +135,8 @@ def test_a_bucket_opens_at_its_first_gradient_counted_as_the_trace_counts_it():
 def test_foreachs_list_is_placed_tensor_by_tensor_in_the_blocks_backward_freed():
     """AdamW's foreach temporaries are one tensor per parameter: the allocator places each in the blocks backward
     freed, where their sum as one block would need a segment of its own."""
-    from zeroexp.formulas.adamw import adamw_temporary_blocks
-    from zeroexp.formulas.allocator import allocations, reserved_peak
+    from zeroexp.formulas.peak.adamw import adamw_temporary_blocks
+    from zeroexp.formulas.peak.allocator import allocations, reserved_peak
 
     backward = {"comm": 12 * MiB, "temporaries": 12 * MiB}
     lumped = {"bytes": 16 * MiB, "by_category": {"optimizer_state": 16 * MiB}}
@@ -329,7 +329,7 @@ def test_pytorchs_budgets_name_what_the_prediction_leaves_out():
 
 # -- The caching allocator (c10/cuda/CUDACachingAllocator.cpp): reserved memory beside allocated.
 def test_the_allocators_rounding_and_segments_are_its_sources():
-    from zeroexp.formulas.allocator import round_size, segment_size
+    from zeroexp.formulas.peak.allocator import round_size, segment_size
 
     assert [round_size(n) for n in (1, 512, 513, 1000)] == [512, 512, 1024, 1024]
     assert segment_size(1) == segment_size(MiB) == 2 * MiB  # the small pool's 2 MiB segments
@@ -338,7 +338,7 @@ def test_the_allocators_rounding_and_segments_are_its_sources():
 
 
 def test_the_allocator_splits_caches_and_merges_blocks():
-    from zeroexp.formulas.allocator import CachingAllocator
+    from zeroexp.formulas.peak.allocator import CachingAllocator
 
     a = CachingAllocator()
     small = [a.malloc(MiB // 2) for _ in range(5)]  # 0.5 MiB blocks: four fill a 2 MiB segment, the fifth opens one
@@ -359,7 +359,7 @@ def test_the_allocator_splits_caches_and_merges_blocks():
 
 
 def test_reserved_peak_reuses_segments_across_phases():
-    from zeroexp.formulas.allocator import reserved_peak
+    from zeroexp.formulas.peak.allocator import reserved_peak
 
     steady = {"parameters": 100 * MiB, "gradients": 100 * MiB}
     # backward frees the steady gradients (zero_grad) and holds 30 MiB of comm: both fit the freed 100 and 50 MiB
@@ -402,9 +402,9 @@ def test_a_cuda_cells_allocated_and_reserved_phases_are_judged_on_cuda_semantics
     """The check a GPU cell's plan.memory runs, fed the probe's torch.cuda section: allocated per phase with the CUDA
     semantics (AdamW's foreach list in the optimizer phase), reserved per phase at least the allocator's model."""
     from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.cell import cell_groups
-    from zeroexp.plan.expect import layout_of
-    from zeroexp.plan.memory import memory_section
+    from zeroexp.plan.check.cell import cell_groups
+    from zeroexp.plan.check.expect import layout_of
+    from zeroexp.plan.check.memory import memory_section
     from zeroexp.plan.shape import model_shape
 
     cfg = compose(f"strategy={strategy}", "world_size=2", "model=mlp", "batch_size=4")

@@ -66,7 +66,7 @@ def test_a_65b_gpt_fits_nowhere_at_64_ranks_on_the_peak_and_no_paper_row_is_fast
         assert rows[name]["fits_on"] == "state+activations" and rows[name]["fits"] is False, name
     assert all(r["fits_bytes"] > memory for r in records)
     assert not any(r["fastest"] for r in records)  # nothing fits: nothing is recommended
-    from zeroexp.plan.render import fastest_sentences
+    from zeroexp.plan.output import fastest_sentences
 
     assert fastest_sentences(records, "GB") == ["N=64: no row a strategy runs fits 80.0 GB"]
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not TT, reason="expecttest is not installed (PyT
 PHASES = ("forward", "backward", "optimizer", "zero_grad")
 #: The cuBLAS pre-run's input (a (2, 768) fp32 tensor): in the base, freed when the test rebinds ``inp``.
 PRE_RUN_INPUT = 2 * 768 * 4
-#: zeroexp.plan.judge.TOLERANCE: the prediction is a lower bound of the measurement within 2 %.
+#: zeroexp.plan.check.judge.TOLERANCE: the prediction is a lower bound of the measurement within 2 %.
 TOLERANCE = 0.02
 
 
@@ -60,7 +60,7 @@ def _mb(subtest: dict, phase: str) -> int:
 
 
 def _within(measured: float, predicted: float) -> bool:
-    """The peak check's rule (zeroexp.plan.judge): a lower bound within 2 % of the measurement."""
+    """The peak check's rule (zeroexp.plan.check.judge): a lower bound within 2 % of the measurement."""
     return 0 <= measured - predicted <= TOLERANCE * measured
 
 

@@ -79,7 +79,8 @@ def tiny_answer():
 
 def test_the_ranking_on_a_given_network_is_exact(tiny_answer):
     """DDP is the fastest row here (a100_ib at N=16: its one all_reduce per step beats ZeRO's and FSDP's calls), but on
-    a GPU preset ``fits`` is judged on reserved memory (the caching allocator's segments, zeroexp.formulas.allocator):
+    a GPU preset ``fits`` is judged on reserved memory (the caching allocator's segments,
+    zeroexp.formulas.peak.allocator):
     DDP's allocated peak is within the 28.8 MB (32 MB less the headroom), its reserved peak is not. What fits is
     checkpointed: zero1's reserved peak fits with it and not without; FSDP's no_sync rows under checkpointing are
     judged on state + activations (no peak model), and tie with each other (within the model's 8 %)."""

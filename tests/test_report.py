@@ -306,7 +306,7 @@ def test_cells_without_schema_version_report_the_same(sweep, tmp_path):
     """Results stay readable: cells written before ``schema_version`` existed (version 1: no field in
     ``summary.json`` or ``manifest.json``) give the same report as the current version 2; a newer version is
     refused by name, as an unreadable cell."""
-    from zeroexp.report.render import to_markdown
+    from zeroexp.report.pages import to_markdown
     from zeroexp.results.files import SCHEMA_VERSION
 
     assert SCHEMA_VERSION == 2

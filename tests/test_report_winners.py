@@ -36,7 +36,7 @@ def _bus(summary: dict) -> int:
 def test_what_won_on_each_axis_is_the_summaries_best(ladder_sweep):
     """Each axis names the competing cell with the lowest figure of its summary.json, then every cell tied with it
     (timing: 95 % CIs overlap; bytes: equal), in report.md, report.html and the W&B Report alike."""
-    from zeroexp.report.render import winners_markdown
+    from zeroexp.report.pages import winners_markdown
     from zeroexp.report.wandb_report import build_wandb_report
 
     sweep, proc = ladder_sweep

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import read_csv
-from zeroexp.plan.expect import Expectation
+from zeroexp.plan.check.expect import Expectation
 from zeroexp.formulas import padded_numel
 from zeroexp.launch.local import free_port
 from zeroexp.models import LinearStack

@@ -1,7 +1,8 @@
 """The step-time model through its structure: exact results on given calibrations, never timing asserts.
 
-zeroexp.formulas.time (fit, collective time, two-level ring), zeroexp.formulas.overlap (slots, the channel),
-zeroexp.plan.time (the check on given numbers, plan.time of a composed cell), zeroexp.probes.exposed (interval
+zeroexp.formulas.time.rates (fit, collective time, two-level ring), zeroexp.formulas.time.overlap (slots, the channel),
+zeroexp.plan.check.step_time (the check on given numbers, plan.time of a composed cell), zeroexp.probes.exposed
+(interval
 arithmetic), zeroexp.results.calibration (which file a cell uses), and one tiny real calibration at N=2 with a cell
 using it.
 """
@@ -18,7 +19,7 @@ from zeroexp.results.calibration import SCHEMA, find_calibration, load_calibrati
 from zeroexp.formulas import (LAYOUTS, LinkFit, ModelShape, PlanKnobs, bus_factor, collective_seconds,
                               derive_groups, fit_link, overlap_possible, predict_step, simulate_step, step_collectives,
                               two_level_seconds)
-from zeroexp.plan.time import MEDIAN_CI_LIMIT, median_ci95, time_check, time_section
+from zeroexp.plan.check.step_time import MEDIAN_CI_LIMIT, median_ci95, time_check, time_section
 from zeroexp.probes.exposed import measure, merge, subtract
 
 MLP = ModelShape(params=((768, 768),) * 8, units=tuple((i,) for i in range(8)), root=(False,) * 8)
@@ -360,7 +361,7 @@ def test_planner_network_refuses_bad_input():
 
 
 def test_plan_time_says_its_calibration_ran_beside_other_work(compose, tmp_path):
-    from zeroexp.plan.time import BUSY_HOST_CORES
+    from zeroexp.plan.check.step_time import BUSY_HOST_CORES
 
     said = {}
     for busy in (0.0, BUSY_HOST_CORES + 0.01, None):
@@ -376,7 +377,7 @@ def test_plan_time_says_its_calibration_ran_beside_other_work(compose, tmp_path)
 
 def test_plan_time_says_its_cell_ran_beside_other_work(compose, tmp_path):
     """timing.host_activity above BUSY_HOST_CORES by more than its resolution: a reason, not a verdict."""
-    from zeroexp.plan.time import BUSY_HOST_CORES
+    from zeroexp.plan.check.step_time import BUSY_HOST_CORES
 
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(calibration_data(numel=8 * 64 * 64)))
@@ -416,7 +417,7 @@ def test_host_activity_is_the_hosts_busy_cpu_less_the_ranks_own():
 
 
 def test_order_agreement_on_given_numbers():
-    from zeroexp.report.time import order_agreement
+    from zeroexp.report.step_time import order_agreement
 
     rows = [("ddp", 50.0, (48.0, 52.0), 40.0), ("zro", 60.0, (58.0, 62.0), 45.0),
             ("fsdp", 51.0, (49.0, 53.0), 90.0), ("zero2", 70.0, (69.0, 71.0), 30.0)]

@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from zeroexp.formulas import LAYOUTS, PlanKnobs, derive_groups, step_collectives, two_level_seconds
-from zeroexp.formulas.overlap import _op_seconds
+from zeroexp.formulas.time.overlap import _op_seconds
 from zeroexp.plan.network import network_of
 from zeroexp.plan.shape import model_shape
 

@@ -1,4 +1,5 @@
-"""The step-time model's framework terms (zeroexp.formulas.framework) and the calibration's one-call method, through
+"""The step-time model's framework terms (zeroexp.formulas.time.framework) and the calibration's one-call method,
+through
 their structure: exact results on given calibrations, never timing asserts."""
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def test_a_calibration_before_schema_7_reads_fsdp2_terms_as_0_and_says_so():
 
 def test_plan_time_of_fsdp2_names_the_terms_an_old_calibration_lacks(compose, tmp_path):
     from tests.test_time import calibration_data
-    from zeroexp.plan.time import time_section
+    from zeroexp.plan.check.step_time import time_section
 
     data = calibration_data(numel=8 * 64 * 64)
     data["framework"] = {"loop_s": 1e-3, "copy_s_per_byte": 1e-10, "fsdp1_call_s": 5e-4}
@@ -215,7 +216,7 @@ def test_schema_1_calibrations_are_not_used(tmp_path):
 
 def test_plan_time_reports_the_framework_terms(compose, tmp_path):
     from tests.test_time import calibration_data
-    from zeroexp.plan.time import time_section
+    from zeroexp.plan.check.step_time import time_section
 
     data = calibration_data(numel=8 * 64 * 64)
     data["framework"] = {"loop_s": 1e-3, "copy_s_per_byte": 1e-10, "ddp_bucket_s": 2e-4, "zro_broadcast_s": 3e-4,

@@ -64,7 +64,7 @@ class _Blocked(_WeakRefInfo):
     block: int
 
     def _calculate_mem_consumed(self) -> int:
-        from zeroexp.formulas.allocator import counted
+        from zeroexp.formulas.peak.allocator import counted
 
         return counted(self.size * self.element_size, self.block)
 
@@ -72,7 +72,7 @@ class _Blocked(_WeakRefInfo):
 class StepMemTracker(MemTracker):
     """A MemTracker whose optimizer-state region is only the optimizer's update (see the memory probe), and which
     names the ``unsharded`` and ``comm`` storages (``zeroexp._lib.memtrack``'s docstring). ``block`` > 1: every
-    storage is counted in blocks of that many bytes (CUDA's 512: ``zeroexp.formulas.allocator.counted``)."""
+    storage is counted in blocks of that many bytes (CUDA's 512: ``zeroexp.formulas.peak.allocator.counted``)."""
 
     def __init__(self, block: int = 1) -> None:
         super().__init__()

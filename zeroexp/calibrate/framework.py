@@ -1,4 +1,4 @@
-"""What one calibration rank measures of the framework's own per-step costs (:mod:`zeroexp.formulas.framework`),
+"""What one calibration rank measures of the framework's own per-step costs (:mod:`zeroexp.formulas.time.framework`),
 every rank at once, apart from any cell: the training loop's cost on a trivial model, each wrapper's cost per
 collective call on a tiny model and per byte of the call's payload from a wide one, AdamW's cost per DTensor
 parameter (FSDP2's), and the rate of a copy between warm buffers.
@@ -19,7 +19,7 @@ from torch import nn
 
 from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, slowest_each, sync, trimmed_mean
 from zeroexp.results.calibration import call_table
-from zeroexp.formulas.time import LinkFit, WakeCurve, measured_call_seconds
+from zeroexp.formulas.time.rates import LinkFit, WakeCurve, measured_call_seconds
 
 __all__ = ["measure_framework", "per_call", "per_byte_fit", "stream_floor", "dtensor_step", "TINY_UNITS", "TINY_WIDTH",
            "WIDE_WIDTH", "COPY_BYTES"]
@@ -86,7 +86,7 @@ def _paired(wrapped: Callable[[], None], base: Callable[[], None], calls: list[C
 def stream_floor(collectives: dict[str, Any] | None, op: str, nbytes: int, world: int) -> float:
     """What a call of ``op`` of ``nbytes`` in a stream of sync calls costs beyond one alone on this calibration's
     measured sizes (``stream_mean_s`` less ``mean_s``, each read as the model reads it:
-    :func:`~zeroexp.formulas.time.measured_call_seconds`), at least 0; 0 where no stream was measured."""
+    :func:`~zeroexp.formulas.time.rates.measured_call_seconds`), at least 0; 0 where no stream was measured."""
     rows = [r for r in (collectives or {}).get(op, {}).get("sizes", []) if "stream_mean_s" in r]
     if not rows:
         return 0.0

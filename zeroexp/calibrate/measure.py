@@ -262,10 +262,11 @@ def cache_share(device: torch.device, world: int) -> int:
 
 
 def adamw_beyond(share: int, device: torch.device, lr: float = 1e-3) -> tuple[int, Callable[[], float]]:
-    """(elements, step): AdamW over 8 tensors whose working set (:data:`~zeroexp.formulas.time.ADAMW_STATE_BYTES` an
+    """(elements, step): AdamW over 8 tensors whose working set (:data:`~zeroexp.formulas.time.rates.ADAMW_STATE_BYTES`
+    an
     element) is :data:`BEYOND_CACHE` times ``share``; ``step()`` gives each its gradient, then times the step and
     ``zero_grad`` as the model's are timed."""
-    from zeroexp.formulas.time import ADAMW_STATE_BYTES
+    from zeroexp.formulas.time.rates import ADAMW_STATE_BYTES
 
     per = max(1, BEYOND_CACHE * share // ADAMW_STATE_BYTES // 8)
     params = [torch.nn.Parameter(torch.zeros(per, device=device)) for _ in range(8)]
@@ -314,16 +315,16 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
                     ) -> dict[str, Any]:
     """Forward (with the loss), backward and AdamW step + zero_grad of the whole model on this rank, the median over
     ``steps`` after one warm-up, at the two micro-batch sizes of :func:`fit_sizes`; forward and backward fitted as a
-    call's own cost plus seconds per parameter x sample (:func:`~zeroexp.formulas.time.fit_calls`; where the fit
+    call's own cost plus seconds per parameter x sample (:func:`~zeroexp.formulas.time.rates.fit_calls`; where the fit
     is not a cost, timing noise above the call, no call cost and ``batch_size``'s own rate, said in ``fit``), AdamW
     per updated element. In the same steps the operator stacks (:func:`ops_stack`) at one sample: their difference
     over their operators' (counted, ``zeroexp.plan.flops.step_ops``) is a call's cost per operator, what the shallow
     one costs beyond its operators a call's fixed cost, and the model's call cost beyond both is per parameter
-    (:func:`~zeroexp.formulas.time.split_cost`); likewise AdamW's step: the stacks' difference over their tensors'
+    (:func:`~zeroexp.formulas.time.rates.split_cost`); likewise AdamW's step: the stacks' difference over their tensors'
     is its cost per tensor, the shallow one's beyond its tensors its fixed cost, the model's beyond both per
     element, in the rank's share of the cache and beyond it with a step of :data:`BEYOND_CACHE` times that share
-    (:func:`adamw_beyond`, :func:`~zeroexp.formulas.time.split_cache`)."""
-    from zeroexp.formulas.time import ADAMW_STATE_BYTES, fit_calls, split_cache, split_cost
+    (:func:`adamw_beyond`, :func:`~zeroexp.formulas.time.rates.split_cache`)."""
+    from zeroexp.formulas.time.rates import ADAMW_STATE_BYTES, fit_calls, split_cache, split_cost
     from zeroexp.models import build_model, loss_of, make_batch
     from zeroexp.plan.flops import step_ops
     from zeroexp.results.calibration import NO_CALL_COST

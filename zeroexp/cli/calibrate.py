@@ -172,7 +172,7 @@ def task(cfg: DictConfig) -> None:
     """Hydra's task: calibrate, print the table, write the plot, print the file's path last."""
     from rich.console import Console
 
-    from zeroexp.calibrate.render import render_table, write_plot
+    from zeroexp.calibrate.display import render_table, write_plot
 
     global _STARTED
     _STARTED = True

@@ -121,7 +121,7 @@ def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true, null or an int k
     dividing every world size (an int equal to world_size is true, as FSDP2 takes it), ``forward_prefetch``,
     ``backward_prefetch``, ``reduce_dtype``."""
-    from zeroexp.plan.expect import post_forward_ranks
+    from zeroexp.plan.check.expect import post_forward_ranks
     from zeroexp.strategies.schemas import check_fsdp2_prefetch, check_fsdp2_reshard
 
     check_fsdp2_reshard(cfg.reshard_after_forward, _world_sizes(cfg.world_size), key="reshard_after_forward")
@@ -225,7 +225,7 @@ def _device(cfg: DictConfig, memory: int | None) -> Any:
 
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
            knobs: PlanKnobs, checkpointing: bool = False, device: Any = None) -> None:
-    """The peak model (``zeroexp.plan.memory``, docs/planner.md) on every row it covers, in the precision the row
+    """The peak model (``zeroexp.plan.check.memory``, docs/planner.md) on every row it covers, in the precision the row
     computes in (the step traced in its dtypes, ``cell_precision_terms``): ``peak_bytes`` (model state + its steady
     buffers + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``; ``peak_note`` where
     it does not cover the row. Then ``fits`` of every row (``core.judge_fits``: on the peak where there is one).
@@ -234,7 +234,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     over the micro-batches, and ``accum_grad_bytes``, the gradients held between them. ``device``: the semantics
     (zeroexp.formulas.device: AdamW's update, the backend's copies, the cuBLAS workspaces in ``steady_bytes``);
     on cuda ``reserved_peak_bytes``, the caching allocator's segments for the same live bytes
-    (zeroexp.formulas.allocator), on which ``fits`` is then judged."""
+    (zeroexp.formulas.peak.allocator), on which ``fits`` is then judged."""
     from zeroexp.formulas.device import CPU
     from zeroexp.plan.row_peak import row_peak
 
@@ -267,9 +267,9 @@ def _largest_layer(cfg: DictConfig, shape: ModelShape) -> int | None:
 
 def _ds_terms(records: list[dict[str, Any]], shape: ModelShape, largest: int | None, precision: Precision,
               offload: str, knobs: PlanKnobs, device: Any) -> None:
-    """``ds_peak`` of every DeepSpeed row (``zeroexp.plan.peak_deepspeed.ds_term_record``: the model-state peak term
+    """``ds_peak`` of every DeepSpeed row (``zeroexp.plan.deepspeed_terms.ds_term_record``: the model-state peak term
     by term beside DeepSpeed's estimator; null for the other rows)."""
-    from zeroexp.plan.peak_deepspeed import ds_term_record
+    from zeroexp.plan.deepspeed_terms import ds_term_record
 
     for r in records:
         r["ds_peak"] = ds_term_record(r["strategy"], shape, r["world_size"], precision.itemsize, offload,
@@ -328,10 +328,11 @@ def _activations(cfg: DictConfig, batch: int, checkpointing: bool = False) -> di
     (``zeroexp.plan.activations``): the bytes autograd saves, per unit, plus the output and the loss; and for a
     GPT-shaped config, Korthikanti et al.'s closed form beside it. None without a model. ``checkpointing``:
     ``activation_bytes`` is what the checkpointed forward keeps and ``recompute_bytes`` the largest unit's recompute
-    (``zeroexp.formulas.checkpointing``, from the same per-unit figures); ``activation_unit_bytes`` stays each unit's
+    (``zeroexp.formulas.peak.checkpointing``, from the same per-unit figures); ``activation_unit_bytes`` stays each
+    unit's
     own activations. Below fp32, ``activation_cast_bytes``: the same forward with the module cast to the compute
     dtype instead of autocast (None in fp32)."""
-    from zeroexp.formulas.checkpointing import checkpointed_forward_bytes, recompute_bytes
+    from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes, recompute_bytes
     from zeroexp.models import torch_dtype
     from zeroexp.plan.activations import korthikanti_layer_bytes
     from zeroexp.plan.row_peak import forward_trace
@@ -360,7 +361,7 @@ def task(cfg: DictConfig) -> None:
     """Hydra's task: plan and print (tables on stdout; with JSON, the notes on stderr)."""
     from rich.console import Console
 
-    from zeroexp.plan.render import render_json, render_tables
+    from zeroexp.plan.output import render_json, render_tables
 
     global _STARTED
     _STARTED = True

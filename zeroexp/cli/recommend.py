@@ -226,8 +226,8 @@ def _notes(cfg: DictConfig, tie_given: Any, networks: dict[str, Any], device: An
     from zeroexp.recommend import MEASURED_TIME_ERROR
 
     net = next(iter(networks.values()))
-    notes = [f"step time computed on {net.source} (zeroexp.formulas.overlap; docs/planner.md, Step time); peaks by "
-             "the peak model (docs/planner.md); * judged on state + activations, no peak model for the row"]
+    notes = [f"step time computed on {net.source} (zeroexp.formulas.time.overlap; docs/planner.md, Step time); peaks "
+             "by the peak model (docs/planner.md); * judged on state + activations, no peak model for the row"]
     notes.append(f"ties (=k): steps within {100 * tie:.0f} % of each other, "
                  + ("recommend.tie as given" if tie_given is not None else MEASURED_TIME_ERROR[1]))
     if device.name == "cuda":

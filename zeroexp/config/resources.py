@@ -76,7 +76,7 @@ def mem_available() -> int | None:
 
 def _state_bytes(cfg: Any, on_gpu: bool) -> tuple[int, str]:
     """The largest rank's model state in host memory, from the planner's row of the cell."""
-    from zeroexp.plan.expect import knobs_of, layout_of
+    from zeroexp.plan.check.expect import knobs_of, layout_of
     from zeroexp.models import wrap_paths
     from zeroexp.plan.core import Precision, plan_record
     from zeroexp.plan.shape import model_shape

@@ -8,12 +8,14 @@ run share it; it imports nothing else of zeroexp.
 - :mod:`~zeroexp.formulas.hybrid`: hybrid sharding (HSDP): the shard and replicate groups of a 2-D mesh;
 - :mod:`~zeroexp.formulas.families`: one module per strategy family, each owning what its strategies do and its
   rows; :mod:`~zeroexp.formulas.rows`: every row (``LAYOUTS``), named by ``strategy.layout``;
-- :mod:`~zeroexp.formulas.time`: a collective's time (latency + bus bytes / bus bandwidth, two-level ring), compute
-  rates, the device's overlap rule; :mod:`~zeroexp.formulas.overlap`: a step's time from its groups;
-  :mod:`~zeroexp.formulas.framework`: the framework's own per-step work from calibrated primitives;
-- :mod:`~zeroexp.formulas.peak`: the peak model, each phase's bytes above steady; DeepSpeed's in
-  :mod:`~zeroexp.formulas.peak_deepspeed`; :mod:`~zeroexp.formulas.accumulation`: over the micro-batches of
-  ``grad_accum``; :mod:`~zeroexp.formulas.checkpointing`: what a checkpointed forward keeps and a unit's recompute adds.
+- :mod:`~zeroexp.formulas.time.rates`: a collective's time (latency + bus bytes / bus bandwidth, two-level ring),
+compute
+  rates, the device's overlap rule; :mod:`~zeroexp.formulas.time.overlap`: a step's time from its groups;
+  :mod:`~zeroexp.formulas.time.framework`: the framework's own per-step work from calibrated primitives;
+- :mod:`~zeroexp.formulas.peak.phases`: the peak model, each phase's bytes above steady; DeepSpeed's in
+  :mod:`~zeroexp.formulas.peak.deepspeed`; :mod:`~zeroexp.formulas.peak.accumulation`: over the micro-batches of
+  ``grad_accum``; :mod:`~zeroexp.formulas.peak.checkpointing`: what a checkpointed forward keeps and a unit's recompute
+  adds.
 
 Sources:
 - [ZeRO] Rajbhandari, Rasley, Ruwase, He. "ZeRO: Memory Optimizations Toward Training Trillion Parameter
@@ -42,8 +44,8 @@ kind's bytes divided by P) unless a name says per-rank.
 """
 
 from zeroexp.formulas.deepspeed import *  # noqa: F401,F403
-from zeroexp.formulas.framework import *  # noqa: F401,F403
-from zeroexp.formulas.framework import __all__ as _framework
+from zeroexp.formulas.time.framework import *  # noqa: F401,F403
+from zeroexp.formulas.time.framework import __all__ as _framework
 from zeroexp.formulas.deepspeed import __all__ as _deepspeed
 from zeroexp.formulas.layout import *  # noqa: F401,F403
 from zeroexp.formulas.layout import __all__ as _layout
@@ -51,12 +53,12 @@ from zeroexp.formulas.paper import *  # noqa: F401,F403
 from zeroexp.formulas.paper import __all__ as _paper
 from zeroexp.formulas.hybrid import MESH_DIMS, hybrid_units
 from zeroexp.formulas.shapes import POST_FORWARD, WORLD
-from zeroexp.formulas.overlap import *  # noqa: F401,F403
-from zeroexp.formulas.overlap import __all__ as _overlap
+from zeroexp.formulas.time.overlap import *  # noqa: F401,F403
+from zeroexp.formulas.time.overlap import __all__ as _overlap
 from zeroexp.formulas.rows import LAYOUTS
 from zeroexp.formulas.families.ddp import buffer_broadcasts, ddp_buckets
-from zeroexp.formulas.time import *  # noqa: F401,F403
-from zeroexp.formulas.time import __all__ as _time
+from zeroexp.formulas.time.rates import *  # noqa: F401,F403
+from zeroexp.formulas.time.rates import __all__ as _time
 
 __all__ = [*_paper, *_layout, *_deepspeed, *_time, *_overlap, *_framework, "LAYOUTS", "ddp_buckets",
            "buffer_broadcasts", "MESH_DIMS",

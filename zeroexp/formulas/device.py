@@ -14,7 +14,7 @@ A CPU cell (gloo) and a CUDA cell (NCCL) run the same strategy code with other d
   autograd's backward thread, so its steady state holds two.
 
 Reserved memory (``max_memory_reserved``, what decides an out-of-memory error) is the caching allocator's
-(zeroexp.formulas.allocator): its rounding, pools and segments over the peak model's live bytes.
+(zeroexp.formulas.peak.allocator): its rounding, pools and segments over the peak model's live bytes.
 
 Allocated bytes on CUDA count each allocation in 512-byte blocks (``torch.cuda.memory_allocated`` counts the caching
 allocator's rounded blocks: a 4-byte loss is 512 B): ``block`` is the unit every storage of the traced step is counted
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroexp.formulas.allocator import MIN_BLOCK
+from zeroexp.formulas.peak.allocator import MIN_BLOCK
 
 __all__ = ["DeviceSemantics", "CPU", "FAKE_GROUP", "cuda", "cublas_workspace_bytes", "CUDA_NOT_MODELLED", "measured_on"]
 
@@ -68,7 +68,7 @@ class DeviceSemantics:
     """``name``: cpu | cuda; ``foreach``: AdamW's foreach update (else single-tensor); ``gloo``: the backend copies
     collectives' inputs and outputs (gloo) or works in place (NCCL); ``workspace_bytes``: what the steady state holds
     beside the model's state (cuBLAS workspaces); ``not_modelled``: what the peak model leaves out on it; ``block``:
-    the bytes each allocation is counted in (:func:`zeroexp.formulas.allocator.counted`)."""
+    the bytes each allocation is counted in (:func:`zeroexp.formulas.peak.allocator.counted`)."""
 
     name: str
     foreach: bool

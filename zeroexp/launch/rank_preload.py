@@ -15,9 +15,9 @@ import zeroexp._lib.memtrack
 
 zeroexp._lib.memtrack.import_mem_tracker()  # MemTracker's module: zeroexp._lib.memtrack, zeroexp.probes.init_peak
 
-import zeroexp.plan.cell  # noqa: F401 - rank 0's finalize: the planner's prediction beside the measurement
-import zeroexp.plan.memory  # noqa: F401
-import zeroexp.plan.time  # noqa: F401
+import zeroexp.plan.check.cell  # noqa: F401 - rank 0's finalize: the planner's prediction beside the measurement
+import zeroexp.plan.check.memory  # noqa: F401
+import zeroexp.plan.check.step_time  # noqa: F401
 
 # What every rank of a cell still imported by itself, after the imports above (sys.modules at run_rank's end less
 # the forkserver's, an FSDP2 cell's two ranks): the rank's entry (its module, unpickled by name), the Lightning

@@ -7,7 +7,7 @@ cell with what its probes measured. The formulas are ``zeroexp.formulas``'s, sha
 conventions and limits are in docs/planner.md.
 
 Importing the package imports no torch (a paper row, ``params=``, needs no model): each name is read from its module
-on first use, and only :mod:`~zeroexp.plan.shape` and :mod:`~zeroexp.plan.cell` build models.
+on first use, and only :mod:`~zeroexp.plan.shape` and :mod:`~zeroexp.plan.check.cell` build models.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ _COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 #: What ``fits`` was judged on (a record's ``fits_on``; ``fits_bytes`` the bytes held against ``device_memory``).
 FITS_ON = {
     "reserved": "the CUDA caching allocator's segments for the peak model's live bytes, phase after phase "
-                "(reserved_peak_bytes: zeroexp.formulas.allocator)",
+                "(reserved_peak_bytes: zeroexp.formulas.peak.allocator)",
     "peak": "the peak model: model state + its steady buffers + the largest phase above steady (activations, "
             "gathered units, collective buffers, optimizer temporaries)",
     "state+activations": "model state + gather floor + one forward's activations (below fp32 the fewer of autocast's "

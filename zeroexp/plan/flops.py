@@ -86,7 +86,7 @@ def step_ops(model_cfg: Mapping[str, Any], device: str = "cpu", batch_size: int 
     reshapes), on fake tensors of it (not the meta device: which kernels an op picks depends on the
     device, as scaled-dot-product attention's fused CPU kernel, one call, against the meta device's math path, eight);
     a deep stack derived as :func:`step_flops`'s. What a step's fixed cost
-    per call is paid on (:meth:`~zeroexp.formulas.time.ComputeRate.call_seconds`)."""
+    per call is paid on (:meth:`~zeroexp.formulas.time.rates.ComputeRate.call_seconds`)."""
     import torch
 
     from zeroexp._lib.dispatch import dispatch_mode_base

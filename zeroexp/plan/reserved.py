@@ -1,19 +1,20 @@
 """Reserved memory on CUDA: a rank's live bytes as the caching allocator's blocks, and a CUDA cell's reserved bytes
-per phase (``torch.cuda.max_memory_reserved``) beside the model of them (:mod:`zeroexp.formulas.allocator`)."""
+per phase (``torch.cuda.max_memory_reserved``) beside the model of them (:mod:`zeroexp.formulas.peak.allocator`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from zeroexp.formulas import Groups, PlanKnobs, StateLayout, rank_state_bytes
-from zeroexp.formulas.allocator import allocations, reserved_peak
+from zeroexp.formulas.peak.allocator import allocations, reserved_peak
 from zeroexp.formulas.device import TRAINING_HANDLES
 
 __all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved"]
 
 
 def steady_blocks(param: int, grad: int, optim: int, buffers: int, workspace_bytes: int) -> dict[str, int]:
-    """A rank's steady state as the caching allocator's blocks (:func:`zeroexp.formulas.allocator.reserved_peak`), by
+    """A rank's steady state as the caching allocator's blocks (:func:`zeroexp.formulas.peak.allocator.reserved_peak`),
+    by
     the peak model's categories: its parameters, gradients and optimizer state (masters with it) each one block, the
     steady buffers one, and each training thread's cuBLAS workspace one (``workspace_bytes``: all of them)."""
     blocks = {"parameters": param, "gradients": grad, "optimizer_state": optim, "buffers": buffers}
@@ -34,7 +35,7 @@ def cell_steady_blocks(layout: StateLayout, groups: Groups, itemsize: int, knobs
 def judge_reserved(judged: dict[str, Any], reserved: dict[str, Any], blocks: dict[str, int],
                     predicted: dict[str, dict]) -> list[str]:
     """A CUDA cell's reserved bytes per phase (``max_memory_reserved``, the probe's ``reserved_by_rank``) beside the
-    caching allocator's model of the same step (:func:`zeroexp.formulas.allocator.reserved_peak`; segments are
+    caching allocator's model of the same step (:func:`zeroexp.formulas.peak.allocator.reserved_peak`; segments are
     cached, so every phase of a step after the first reads the step's whole reserved figure). A lower bound: PASS
     when the prediction does not exceed the measurement (fragmentation, the side streams' own free blocks, NCCL's
     use of the allocator are not modelled); why not, otherwise."""

@@ -1,8 +1,9 @@
 """One configuration's predicted peak on a device, read through the planner's own functions: what the planner's
 table computes per row (``zeroexp.cli.plan``'s peaks and ``zeroexp.plan.core.judge_fits``), for one row, one
 micro-batch and one set of axes at a time, so that a search (``zeroexp.recommend``) asks for the peaks it needs and
-no more. Every figure is the peak model's (:mod:`zeroexp.plan.memory`, docs/planner.md); the step traces are
-remembered by their arguments (``zeroexp.plan.memory.trace_for``), and the forwards traced for the activations here
+no more. Every figure is the peak model's (:mod:`zeroexp.plan.check.memory`, docs/planner.md); the step traces are
+remembered by their arguments (``zeroexp.plan.check.memory.trace_for``), and the forwards traced for the activations
+here
 (:func:`forward_trace`), so that configurations that share a model, micro-batch and dtypes trace once, with or
 without checkpointing.
 """
@@ -65,7 +66,7 @@ def activation_bytes(model_cfg: Any, batch: int, wrap: list[type], param_dtype: 
     """What one forward keeps for backward at ``batch`` samples (``zeroexp.plan.activations.trace_activations``, on
     fake tensors): below fp32 the fewer of autocast's and the module cast's (a row without a peak model computes one
     way or the other, as ``judge_fits`` reads them); checkpointed: ``checkpointed_forward_bytes`` of the same."""
-    from zeroexp.formulas.checkpointing import checkpointed_forward_bytes
+    from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes
     from zeroexp.models import torch_dtype
 
     key = (*_model_key(model_cfg, wrap), int(batch), param_dtype, bool(checkpointing))
@@ -92,9 +93,9 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     ``workspace_bytes``, ``device_semantics``, ``fits_on``, ``fits_bytes``, ``fits``) and ``by_category``: the bytes
     held at the peak by category (the record's device state kinds, the steady buffers and workspace, the peak
     phase's categories above steady)."""
-    from zeroexp.formulas.allocator import allocations, reserved_peak
+    from zeroexp.formulas.peak.allocator import allocations, reserved_peak
     from zeroexp.plan.core import judge_fits
-    from zeroexp.plan.memory import (cell_precision_terms, shape_limits, steady_buffers_bytes,
+    from zeroexp.plan.check.memory import (cell_precision_terms, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.reserved import steady_blocks
 

@@ -232,7 +232,7 @@ def deepen_step(shallow: Any, deeper: Any, depth: int, container: str) -> Any:
     """The ``StepTrace`` at ``depth`` (>= the second of :data:`STEP_DEPTHS`) blocks of ``container`` from the steps
     traced at the first two of :data:`STEP_DEPTHS` (see above); None where their records do not line up or a derived
     byte count is negative."""
-    from zeroexp.formulas.peak import Segment, TracedUnit
+    from zeroexp.formulas.peak.phases import Segment, TracedUnit
 
     prefix = f"{container}." if container else ""
     d1, d2 = STEP_DEPTHS[:2]

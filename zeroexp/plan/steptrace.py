@@ -1,6 +1,7 @@
 """One training step of the bare model traced under ``FakeTensorMode``: the live bytes at every unit boundary.
 
-The peak model (:mod:`zeroexp.formulas.peak`) adds to this what a strategy holds (unsharded units, gradient shards,
+The peak model (:mod:`zeroexp.formulas.peak.phases`) adds to this what a strategy holds (unsharded units, gradient
+shards,
 buckets, the optimizer's temporaries). What the trace gives is what every strategy shares: the activations the forward
 saves and the transients of its ops, the loss, and in backward the gradients of activations and of the parameters as
 autograd produces them. Nothing is allocated: the model is built and run on fake tensors of the cell's device (not the
@@ -20,8 +21,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from zeroexp.formulas.allocator import counted
-from zeroexp.formulas.peak import Segment, StepTrace, TracedUnit
+from zeroexp.formulas.peak.allocator import counted
+from zeroexp.formulas.peak.phases import Segment, StepTrace, TracedUnit
 from zeroexp._lib.memtrack import step_mem_tracker, totals
 from zeroexp._lib.modules import own_buffers, own_parameters
 
@@ -42,7 +43,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     ``module_dtype``: the module's floating parameters and buffers cast to it before the step and the floating input
     cast to it inside the step, as a strategy that computes in a low precision does (DeepSpeed's bf16 engine converts
     the module; FSDP's ``MixedPrecision`` / ``MixedPrecisionPolicy``, zeroexp's ZeRO;
-    :func:`zeroexp.formulas.peak_precision.trace_dtypes` says which for a cell). ``checkpointing``: each
+    :func:`zeroexp.formulas.peak.precision.trace_dtypes` says which for a cell). ``checkpointing``: each
     unit in torch's non-reentrant ``checkpoint_wrapper`` (``activation_checkpointing=full``, as the strategies apply
     it): forward keeps each unit's input, and a unit's backward segment holds its recompute (the unit's forward hooks
     that fire again inside backward end no segment). ``grads_in_place``: every parameter's ``.grad`` exists before
@@ -51,7 +52,7 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     buckets, a later micro-batch of ``grad_accum``). Without checkpointing its segments are the plain trace's less its
     gradients (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak.
     ``block``: each storage counted in blocks of that many bytes (512: CUDA's allocated bytes,
-    :func:`zeroexp.formulas.allocator.counted`; 1: the CPU's), the loss too."""
+    :func:`zeroexp.formulas.peak.allocator.counted`; 1: the CPU's), the loss too."""
     from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import zeros_batch
 

@@ -34,7 +34,7 @@ class RunContext:
     device: torch.device
     adapter: Any  # zeroexp.strategies.StrategyAdapter; typed loosely so probes do not import adapters
     schedule: Any  # zeroexp.config.schedule.Schedule (which imports the probe registry)
-    #: zeroexp.plan.expect.Expectation: the one expectation model for this cell (state factors, collectives)
+    #: zeroexp.plan.check.expect.Expectation: the one expectation model for this cell (state factors, collectives)
     expect: Any = None
 
 

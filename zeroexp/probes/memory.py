@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from zeroexp.formulas.peak import PHASES
+from zeroexp.formulas.peak.phases import PHASES
 from zeroexp._lib.memtrack import step_mem_tracker as _step_mem_tracker, totals as _totals
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.results.format import NA, byte_unit, missing

@@ -21,7 +21,7 @@ Two sources, named in ``summary.json["dry_run"]["source"]`` (``StrategyAdapter.d
 - ``derived`` (DDP, ZeroRedundancyOptimizer, any strategy not traced): DDP's C++ Reducer needs real storage, so
   the model is built on the meta device; the collectives are the adapter's ``expected_collectives`` of that
   groups its row derives from the shapes (DDP's buckets in gradient-ready order, the optimizer's owners:
-  ``zeroexp.plan.cell.cell_groups``, equal to what the adapter reads in a real run), through
+  ``zeroexp.plan.check.cell.cell_groups``, equal to what the adapter reads in a real run), through
   ``zeroexp.formulas``; the state table is ``rank_state_bytes``, every rank. The plan check then reads n/a.
 """
 
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
-from zeroexp.plan.expect import Expectation
+from zeroexp.plan.check.expect import Expectation
 from zeroexp._lib.fake_collectives import IssueFunctionalCollectives
 from zeroexp._lib.fake_tensors import fake_tensor_mode, real_tensors
 from zeroexp._lib.fsdp2 import fsdp2_chunking, fsdp2_post_forward_mesh_in
@@ -261,7 +261,7 @@ def _derived(cfg: DictConfig, ctx: RunContext
     adapter reads off its live structure in a real run), turned into collectives and a state table by the one
     expectation model (zeroexp.formulas)."""
     from zeroexp.formulas import rank_state_bytes, step_collectives
-    from zeroexp.plan.cell import cell_groups
+    from zeroexp.plan.check.cell import cell_groups
     from zeroexp.probes.collectives import SOURCE
 
     n, offload, expect = ctx.world_size, str(cfg.offload.name), ctx.expect
@@ -314,10 +314,10 @@ def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, 
 
 
 def _rank0_factors(cfg: DictConfig, expected: dict[str, float], n: int, p: int) -> dict[str, float]:
-    """The factors rank 0's bytes x N give by the formulas (``zeroexp.plan.cell.rank_state_of``): the strategy's
+    """The factors rank 0's bytes x N give by the formulas (``zeroexp.plan.check.cell.rank_state_of``): the strategy's
     ``expected`` where every rank holds as much as rank 0, above them by the padding the last ranks hold instead of
     parameters otherwise; ``expected`` itself for a kind, precision or offload the formulas do not model."""
-    from zeroexp.plan.cell import rank_state_of
+    from zeroexp.plan.check.cell import rank_state_of
 
     table = rank_state_of(cfg)
     if table is None:

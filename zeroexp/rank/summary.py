@@ -27,9 +27,9 @@ def summary_head(run_info: dict[str, Any], world_size: int, steps: int, mode: st
 def write_summary(cell: Path, cfg: Any, summary: dict[str, Any], tables: Mapping[str, Any],
                   live_groups: dict[str, Any] | None = None, itself: str | None = None) -> dict[str, Any]:
     """Write each table (``name.csv`` -> a DataFrame) and ``summary.json`` with its ``plan`` section (the planner's
-    prediction for this cell against the measured sections, zeroexp.plan.cell.plan_section; ``itself``: why the
+    prediction for this cell against the measured sections, zeroexp.plan.check.cell.plan_section; ``itself``: why the
     measurement is the planner's own model, a derived dry run); return the summary."""
-    from zeroexp.plan.cell import plan_section
+    from zeroexp.plan.check.cell import plan_section
 
     for name, frame in tables.items():
         write_csv(cell / name, frame)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from zeroexp.rank.deathsig import die_with_parent
 from zeroexp.devices import pin_host_allocator, rank_threads, ranks_get_a_gpu
 from zeroexp.errors import one_line
-from zeroexp.plan.expect import Expectation
+from zeroexp.plan.check.expect import Expectation
 from zeroexp.models import build_model
 from zeroexp.config.init_mode import init_of
 from zeroexp.models.module import CellModule, SyntheticBatches
@@ -44,7 +44,7 @@ from zeroexp.rank.wandb_log import log_summary, make_logger
 RANKS_DIR = ".ranks"
 #: The key of a rank's init-peak record in its ``.ranks/rank<r>.json`` (zeroexp.probes.init_peak).
 INIT_RECORD = "init_peak"
-#: The plan's step traces the cell's last rank writes for rank 0's finalize (zeroexp.plan.memory, traces ahead).
+#: The plan's step traces the cell's last rank writes for rank 0's finalize (zeroexp.plan.check.memory, traces ahead).
 TRACES_AHEAD = "plan_traces.pkl"
 #: In a local rank's ``environ``: the pid of the launching (main) process (zeroexp.launch.local), watched at start-up.
 LAUNCHER_PID_ENV = "ZEROEXP_LAUNCHER_PID"
@@ -205,7 +205,7 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     results[INIT_RECORD] = init_peak.record
     if rank == world_size - 1 > 0:  # while rank 0 trains the equivalence reference: its plan's step traces
         from zeroexp.formulas.device import CPU, cuda
-        from zeroexp.plan.memory import write_traces_ahead
+        from zeroexp.plan.check.memory import write_traces_ahead
 
         write_traces_ahead(cfg, cell / RANKS_DIR / TRACES_AHEAD, (cuda() if device.type == "cuda" else CPU).block)
     write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
@@ -257,7 +257,7 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
         summary.update(report.top_level)
         if report.section:
             summary[cls.name] = report.section
-    from zeroexp.plan.memory import read_traces_ahead
+    from zeroexp.plan.check.memory import read_traces_ahead
 
     read_traces_ahead(cell / RANKS_DIR / TRACES_AHEAD)  # the step traces the last rank made, if it did
 

@@ -63,7 +63,7 @@ def divisors(n: int) -> list[int]:
 
 def reads_prefetch(row: str) -> bool:
     """Whether the row's backward prefetch is a knob: FSDP1 resharding after forward (the peak model and the step's
-    slots read ``prefetch`` there; ``zeroexp.plan.memory``: ``prefetch if full_shard else "none"``)."""
+    slots read ``prefetch`` there; ``zeroexp.plan.check.memory``: ``prefetch if full_shard else "none"``)."""
     layout = LAYOUTS[row]
     return layout.family.follows_prefetch(layout)
 

@@ -4,7 +4,7 @@ says of the ranking (docs/planner.md, Recommend; the JSON's ``verify``, docs/res
 Nothing here runs a cell (``zeroexp.cli.verify`` does): the mapping of a recommendation's overrides to this
 machine's world size, the DDP baseline beside them, each cell's predicted and measured step time and peak read from
 its ``summary.json``, and the pairs whose measured medians are separated beyond their 95 % CIs, the prediction's
-order on them (``zeroexp.report.time.order_agreement``) and Kendall's tau over them.
+order on them (``zeroexp.report.step_time.order_agreement``) and Kendall's tau over them.
 """
 
 from __future__ import annotations
@@ -121,12 +121,12 @@ def combine_rounds(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def pair_order(cells: list[dict[str, Any]], tie: float = 0.0) -> dict[str, Any]:
     """Over the cells with a predicted step, a measured median and its CI: the pairs whose measured CIs do not
-    overlap (``pairs_separable``, as ``fast < slow``, ``zeroexp.report.time.order_agreement``); of those, the pairs
+    overlap (``pairs_separable``, as ``fast < slow``, ``zeroexp.report.step_time.order_agreement``); of those, the pairs
     whose predicted steps are within ``tie`` of each other (a fraction of the faster: the recommender's ties, closer
     than the model's own error; equal at 0) order neither way (``pairs_tied``), and the rest the prediction orders
     the other way (``pairs_flipped``); Kendall's tau over the separable pairs: (concordant - flipped) / separable, a
     tied pair counting 0; None when no pair is separable."""
-    from zeroexp.report.time import order_agreement
+    from zeroexp.report.step_time import order_agreement
 
     rows = [(c["cell"], c["measured_median_ms"], tuple(c["median_ci95_ms"]), c["predicted_step_ms"]) for c in cells
             if c.get("predicted_step_ms") is not None and c.get("measured_median_ms") is not None

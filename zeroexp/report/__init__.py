@@ -69,7 +69,7 @@ def write_report(sweep_dir: Path | str, wandb_mode: str = "auto") -> Report:
     :func:`zeroexp.report.wandb_run.wandb_settings` for ``wandb_mode``). A W&B failure is kept in
     ``Report.wandb_error``: the files are written first and stay."""
     from zeroexp.report.plots import PLOTS
-    from zeroexp.report.render import to_html, to_markdown
+    from zeroexp.report.pages import to_html, to_markdown
     from zeroexp.report.wandb_run import log_sweep_run, wandb_settings
     from zeroexp.results.files import write_text
 

@@ -75,7 +75,7 @@ def _of(name: str, section: Any) -> Check | None:
 
 
 def plan_checks(plan: Mapping[str, Any]) -> list[Check]:
-    """The checks of ``summary.json["plan"]`` (``zeroexp.plan.cell.plan_section``), one per part.
+    """The checks of ``summary.json["plan"]`` (``zeroexp.plan.check.cell.plan_section``), one per part.
 
     A plan that stopped before its parts (it raised: ``ERROR``; no byte model, no state measured: ``n/a``) is one
     check, ``plan``, beside ``plan.time``. Otherwise each part has its own section (``plan.state``, ``plan.calls``

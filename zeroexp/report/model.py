@@ -1,6 +1,6 @@
 """The :class:`Report` of a sweep, the one object every renderer reads (Markdown, HTML, W&B).
 
-A leaf of the report package: ``zeroexp.report`` builds it, ``zeroexp.report.render`` and
+A leaf of the report package: ``zeroexp.report`` builds it, ``zeroexp.report.pages`` and
 ``zeroexp.report.wandb_run`` read it, and none of them imports the package's ``__init__``.
 """
 

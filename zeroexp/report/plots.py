@@ -19,7 +19,7 @@ from zeroexp.results.cells import column
 from zeroexp.results.format import byte_unit, missing
 from zeroexp.report.groups import groups_of
 from zeroexp.results.section import OPS
-from zeroexp.report.time import planned_vs_measured
+from zeroexp.report.step_time import planned_vs_measured
 
 __all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "planned_peaks", "step_times", "collective_payload"]
 

@@ -125,7 +125,7 @@ def failures_table(frame: pd.DataFrame) -> ReportTable:
 
 
 class PlanSection:
-    """The planner's section (``summary.json["plan"]``, ``zeroexp.plan.cell``): not a probe, but shown like one,
+    """The planner's section (``summary.json["plan"]``, ``zeroexp.plan.check.cell``): not a probe, but shown like one,
     between the probes' sections by its ``order``."""
 
     name = "plan"
@@ -183,7 +183,7 @@ def sections(report: bool = False) -> list[Any]:
     ``digest_parts(section)``, a line per part."""
     from zeroexp.probes import registry  # here, not at the top: the probes load torch (not Lightning: probes.base)
     from zeroexp.report.groups import GroupsSection
-    from zeroexp.report.time import TimeSection
+    from zeroexp.report.step_time import TimeSection
 
     def key(s: Any) -> int:
         return s.report_order if report and s.report_order is not None else s.order

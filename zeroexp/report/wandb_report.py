@@ -143,7 +143,7 @@ def build_wandb_report(report: Report, project: str | None = None, entity: str |
     import wandb_workspaces.reports.v2 as wr
     from wandb_workspaces import expr
 
-    from zeroexp.report.render import _md_table, winners_markdown
+    from zeroexp.report.pages import _md_table, winners_markdown
 
     target = report_target(report.cells)
     target["group"] = target["group"] or report.sweep_dir.name

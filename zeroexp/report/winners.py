@@ -6,7 +6,8 @@ a cell that failed or errored, or failed a check, or a dry run (nothing measured
 dropped in silence. The figures are measured, each cell's own:
 
 - step time: ``timing.median_ms``, the median of the timed steps (slowest rank per step), with the bootstrap 95 % CI
-  of that median (``plan.time.median_ci95_ms``; computed by the same :func:`zeroexp.plan.time.median_ci95` from
+  of that median (``plan.time.median_ci95_ms``; computed by the same :func:`zeroexp.plan.check.step_time.median_ci95`
+  from
   ``timing.step_ms`` where a cell has no plan). Two cells tie when their CIs overlap;
 - peak: ``memory.peak_bytes_max``, the worst rank's training peak. Exact: a tie is equality;
 - communication: the bus bytes per step of rank 0's collectives (``collectives.bus_bytes`` summed over ops: what the
@@ -91,7 +92,7 @@ def _time_figure(row: pd.Series) -> Figure | None:
         steps = row.get("timing.step_ms")
         if not isinstance(steps, (list, tuple)) or not steps:
             return Figure(str(row["label"]), float(median), float(median), float(median))
-        from zeroexp.plan.time import median_ci95
+        from zeroexp.plan.check.step_time import median_ci95
 
         _, *ci = median_ci95(steps)
     return Figure(str(row["label"]), float(median), float(ci[0]), float(ci[1]))

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from zeroexp.formulas.framework import PER_CALL_PATHS, SCHEMA_7_TERMS, FrameworkCost
-from zeroexp.formulas.time import CALIBRATED_OPS, ComputeRate, LinkFit, WakeCurve, measured_call_seconds
+from zeroexp.formulas.time.framework import PER_CALL_PATHS, SCHEMA_7_TERMS, FrameworkCost
+from zeroexp.formulas.time.rates import CALIBRATED_OPS, ComputeRate, LinkFit, WakeCurve, measured_call_seconds
 
 __all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "call_table", "machine", "find_calibration", "load_calibration",
            "NO_CALL_COST", "call_cost_fitted"]
@@ -29,7 +29,7 @@ DEFAULT_DIR = Path("outputs") / "calibration"
 #: async burst (``burst_mean_s``), the framework's wrappers measured side by side; 5: each size's share of a stream
 #: of sync calls (``stream_mean_s``), the floor of a call that follows another (the framework's figures net of it);
 #: 6: the wrappers measured on a wide model too, their cost per byte of a call's payload (``<path>_s_per_byte``);
-#: 7: FSDP2's per-call costs and AdamW's per-DTensor-parameter step (:data:`~zeroexp.formulas.framework.
+#: 7: FSDP2's per-call costs and AdamW's per-DTensor-parameter step (:data:`~zeroexp.formulas.time.framework.
 #: SCHEMA_7_TERMS`), and the compute model's resolved config (``compute.model_config``); 8: compute timed at two
 #: micro-batch sizes, a forward's and a backward's own cost per call beside the per-sample rates
 #: (``compute.forward_call_s``, ``backward_call_s``, ``points``, ``fit``); 9: that call cost split into a fixed
@@ -107,7 +107,7 @@ class Calibration:
     def seconds_at(self, world_size: int, burst: bool = False, stream: bool = False
                    ) -> Callable[[str, float, float], float]:
         """(op, S, calls) -> seconds at ``world_size`` ranks: ``calls`` calls of S / calls bytes each, every call
-        from the op's measured sizes (:func:`~zeroexp.formulas.time.measured_call_seconds`: the measured curve of
+        from the op's measured sizes (:func:`~zeroexp.formulas.time.rates.measured_call_seconds`: the measured curve of
         each size's mean (schema 2: median), the
         fit beyond it; at another N scaled by the ring's bus factor); an op never calibrated (reduce, all_to_all)
         as an all_reduce of its payload (an upper bound for those). ``burst``: a call's share of an async burst
@@ -151,7 +151,7 @@ class Calibration:
 
     @property
     def framework(self) -> FrameworkCost:
-        """The framework's calibrated per-step primitives (:mod:`zeroexp.formulas.framework`)."""
+        """The framework's calibrated per-step primitives (:mod:`zeroexp.formulas.time.framework`)."""
         f = self.data["framework"]
         return FrameworkCost(loop_s=f["loop_s"], copy_s_per_byte=f["copy_s_per_byte"],
                              dtensor_param_step_s=f.get("dtensor_param_step_s", 0.0),

@@ -1,6 +1,6 @@
 """What FSDP1's flat units and FSDP2's per-parameter rows share: units gathered before their forward and backward,
 reduce-scattered after their backward [FSDP] [FSDP2]; the timeline of those calls, the framework's cost per call,
-the peak model over units (:func:`zeroexp.formulas.peak.fsdp_phase_peaks`, ``fsdp2_phase_peaks``), the tensors
+the peak model over units (:func:`zeroexp.formulas.peak.phases.fsdp_phase_peaks`, ``fsdp2_phase_peaks``), the tensors
 gloo may free late. Each family (:mod:`~zeroexp.formulas.families.fsdp1`, :mod:`~zeroexp.formulas.families.fsdp2`)
 says where they differ."""
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroexp.formulas.allocator import counted, counted_sum
+from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families.base import Family
 from zeroexp.formulas.families.ddp import ADAMW
-from zeroexp.formulas.overlap import Slot, cumulative
+from zeroexp.formulas.time.overlap import Slot, cumulative
 from zeroexp.formulas.shapes import POST_FORWARD, WORLD
 from zeroexp.formulas.paper import fsdp2_padded_numel
-from zeroexp.formulas.peak import FsdpUnit
-from zeroexp.formulas.peak_precision import FP32_TERMS, PrecisionTerms, sharded_grad_upcast
+from zeroexp.formulas.peak.phases import FsdpUnit
+from zeroexp.formulas.peak.precision import FP32_TERMS, PrecisionTerms, sharded_grad_upcast
 
 __all__ = ["FsdpFamily", "fsdp_unit_slots"]
 

@@ -16,8 +16,8 @@ from zeroexp.formulas.shapes import Cut, ModelShape, PlanKnobs, Unit
 from zeroexp.formulas.units import Payload
 
 if TYPE_CHECKING:  # the peak model's types, for the hints alone
-    from zeroexp.formulas.peak import StepTrace
-    from zeroexp.formulas.peak_precision import PrecisionTerms
+    from zeroexp.formulas.peak.phases import StepTrace
+    from zeroexp.formulas.peak.precision import PrecisionTerms
     from zeroexp.formulas.shapes import Groups
 
 __all__ = ["Family", "NO_FAMILY", "StateLayout"]
@@ -90,7 +90,7 @@ class Family:
     # --- time ---------------------------------------------------------------------------------------------------
     def collective_slots(self, row: StateLayout, groups: Groups, prefetch: str, f: float, b: float, o: float,
                          ahead: tuple[int, int]) -> tuple[list, str]:
-        """Where each collective of a step is issued and waited for (:func:`zeroexp.formulas.overlap.
+        """Where each collective of a step is issued and waited for (:func:`zeroexp.formulas.time.overlap.
         collective_slots`), and the rule's name."""
         return [], "no overlap rule for this row: every collective exposed"
 
@@ -101,7 +101,8 @@ class Family:
     def framework_terms(self, row: StateLayout, groups: Groups, itemsize: int, cost: Any, orig_params: bool,
                         terms: dict[str, float], notes: list[str]) -> tuple[float, float, float]:
         """The framework's seconds of one step in forward, backward and the optimizer beyond the loop's
-        (:func:`zeroexp.formulas.framework.framework_time`), each term added to ``terms``, each gap to ``notes``."""
+        (:func:`zeroexp.formulas.time.framework.framework_time`), each term added to ``terms``, each gap to
+        ``notes``."""
         notes.append(f"groups {self.groups_kind(row)!r}: only the loop's cost is calibrated for this row")
         return 0.0, 0.0, 0.0
 
@@ -113,7 +114,7 @@ class Family:
     #: Where the family's rows are listed among the covered ones (messages), and the order within it.
     covered_rank = 9
     #: Where the peak model of the family is written.
-    peak_source = "zeroexp.formulas.peak"
+    peak_source = "zeroexp.formulas.peak.phases"
     #: Whether the peak model covers activation checkpointing for the family's rows.
     models_checkpointing = True
 
@@ -145,7 +146,7 @@ class Family:
 
     def shape_limits(self, row: StateLayout, shape: ModelShape) -> tuple[list[str], list[str], list[str]]:
         """Why the peak model does not cover this model's shape under the row, placed among the limits every family
-        shares (:func:`zeroexp.plan.memory.shape_limits`): before them, after the RNN one, last."""
+        shares (:func:`zeroexp.plan.check.memory.shape_limits`): before them, after the RNN one, last."""
         return [], [], []
 
     def peak_limits(self, row: StateLayout, groups: Groups, bucket_cap_bytes: int) -> list[str]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroexp.formulas.accumulation import accumulated_grad_bytes, accumulated_phase_peaks
-from zeroexp.formulas.allocator import counted_sum
+from zeroexp.formulas.peak.accumulation import accumulated_grad_bytes, accumulated_phase_peaks
+from zeroexp.formulas.peak.allocator import counted_sum
 from zeroexp.formulas.families.base import Family
 from zeroexp.formulas.init import replica_init_peak_bytes
 from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, all_reduce_buckets, cut_buckets
-from zeroexp.formulas.overlap import Slot, cumulative
-from zeroexp.formulas.peak_precision import FP32_TERMS, PrecisionTerms
+from zeroexp.formulas.time.overlap import Slot, cumulative
+from zeroexp.formulas.peak.precision import FP32_TERMS, PrecisionTerms
 from zeroexp.formulas.shapes import Groups
 
 __all__ = ["DdpBuckets", "DDP", "ROWS", "MIXED", "ddp_buckets", "buffer_broadcasts", "ddp_unused",

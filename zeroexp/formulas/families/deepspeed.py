@@ -1,6 +1,6 @@
 """DeepSpeed's family [DS]: ZeRO stage 0 (DDP-like all_reduce chunks), stages 1-2 (one flat group per parameter
 group, partitioned; its runtime model :mod:`zeroexp.formulas.deepspeed`), stage 3 (every parameter partitioned on its
-own, fetched module by module); the peak model of stages 1-3 (:mod:`zeroexp.formulas.peak_deepspeed`); rows
+own, fetched module by module); the peak model of stages 1-3 (:mod:`zeroexp.formulas.peak.deepspeed`); rows
 ``deepspeed_stage0`` .. ``deepspeed_stage3``, DeepSpeed 0.19 as zeroexp's state probe measures it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import MIXED, ddp_bucket_slots, ddp_bucket_terms
 from zeroexp.formulas.layout import StateLayout, pack
 from zeroexp.formulas.paper import padded_numel
-from zeroexp.formulas.peak_deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
+from zeroexp.formulas.peak.deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
 from zeroexp.formulas.shapes import Groups, Shard, Unit
 
@@ -63,7 +63,7 @@ class DeepSpeedPartitions(Family):
 
     # --- the peak model: stages 1-3 ------------------------------------------------------------------------------
     #: Where the peak model of the family is written.
-    peak_source = "zeroexp.formulas.peak_deepspeed"
+    peak_source = "zeroexp.formulas.peak.deepspeed"
     models_checkpointing = False
 
     def flow(self, row):

@@ -6,9 +6,9 @@ all_reduce of each reduced gradient shard runs in place, ``_runtime_utils.py _re
 
 from __future__ import annotations
 
-from zeroexp.formulas.accumulation import fsdp_no_sync_phase_peaks
-from zeroexp.formulas.adamw import adamw_temporaries
-from zeroexp.formulas.allocator import counted, counted_sum
+from zeroexp.formulas.peak.accumulation import fsdp_no_sync_phase_peaks
+from zeroexp.formulas.peak.adamw import adamw_temporaries
+from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families._fsdp import FsdpFamily
 from zeroexp.formulas.families.base import Cut
 from zeroexp.formulas.families.ddp import MIXED
@@ -17,7 +17,7 @@ from zeroexp.formulas.init import fsdp1_init_peak_bytes
 from zeroexp.formulas.layout import StateLayout, pack
 from zeroexp.formulas.orig_params import orig_param_views
 from zeroexp.formulas.paper import padded_numel
-from zeroexp.formulas.peak import fsdp_phase_peaks
+from zeroexp.formulas.peak.phases import fsdp_phase_peaks
 from zeroexp.formulas.shapes import Shard
 from zeroexp.formulas.units import gather_units
 
@@ -97,7 +97,7 @@ class Fsdp1Units(FsdpFamily):
     def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held, *, rank, prefetch, gloo, micro_batches,
                          root_kept, knobs, block, foreach):
         """SHARD_GRAD_OP and FULL_SHARD, the root unit kept unsharded from forward into backward; ``grad_accum`` > 1
-        SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.accumulation.fsdp_no_sync_phase_peaks`)."""
+        SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.peak.accumulation.fsdp_no_sync_phase_peaks`)."""
         n, kept, adamw = groups.shard_over, held["adamw"]["optimizer_itemsize"], held["adamw"]
         shards = [u.scattered // n for u in groups.units]
         # what zero_grad frees between steps: each unit's gradient shard, one storage (the flat gradient)

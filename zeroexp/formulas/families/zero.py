@@ -4,16 +4,16 @@ sharded, the updated shards all-gathered in the next forward's pre-hooks; rows `
 
 from __future__ import annotations
 
-from zeroexp.formulas.accumulation import accumulated_phase_peaks
-from zeroexp.formulas.allocator import counted, counted_sum
+from zeroexp.formulas.peak.accumulation import accumulated_phase_peaks
+from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import ADAMW, MIXED
 from zeroexp.formulas.init import replica_init_peak_bytes
 from zeroexp.formulas.layout import (StateLayout, cut_buckets, pack, scatter_gather,
                                      scatter_gather_each_micro_batch)
-from zeroexp.formulas.overlap import Slot, cumulative
+from zeroexp.formulas.time.overlap import Slot, cumulative
 from zeroexp.formulas.paper import padded_numel
-from zeroexp.formulas.peak_precision import (FP32_TERMS, PrecisionTerms, gather_input_bytes,
+from zeroexp.formulas.peak.precision import (FP32_TERMS, PrecisionTerms, gather_input_bytes,
                                              master_upcast_bytes)
 from zeroexp.formulas.shapes import Shard
 
@@ -98,7 +98,7 @@ class ZeroBuckets(Family):
     def phase_peaks(self, row, groups, shape, trace, itemsize, *, rank, prefetch, gloo, micro_batches, in_place,
                     bucket_cap_bytes, terms, reduce, root_kept, foreach, knobs, block):
         """One flat bucket per shard; backward fills the last-defined bucket first; below fp32 the up-casts and
-        all-gather inputs (:mod:`zeroexp.formulas.peak_precision`); on gloo a reduce_scatter's wait hands back a
+        all-gather inputs (:mod:`zeroexp.formulas.peak.precision`); on gloo a reduce_scatter's wait hands back a
         reduced copy of the bucket (``reduce``: ``strategy.reduce``)."""
         terms = terms or FP32_TERMS
         g, n = terms.grad_itemsize, groups.world_size

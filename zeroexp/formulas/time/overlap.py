@@ -1,5 +1,5 @@
 """A step's time from its groups: compute per phase, each collective placed where its strategy issues and waits for
-it, one communication channel, and the device's overlap rule (:func:`~zeroexp.formulas.time.overlap_possible`).
+it, one communication channel, and the device's overlap rule (:func:`~zeroexp.formulas.time.rates.overlap_possible`).
 
 The collectives are the one model's (:func:`~zeroexp.formulas.step_collectives`: calls and payload per op); the
 groups say where in the step each call is issued and by when it must be done. Compute is a timeline: forward F,
@@ -27,7 +27,7 @@ gradient hook
 - any other row (DeepSpeed's, the paper's): no rule, every collective is counted exposed (``overlap_comm`` off, as
   zeroexp configures DeepSpeed).
 
-A call issued after the rank computed for a while pays the calibration's waking (:class:`~zeroexp.formulas.time.
+A call issued after the rank computed for a while pays the calibration's waking (:class:`~zeroexp.formulas.time.rates.
 WakeCurve`: the backend's idle threads woken and scheduled again) on top of its own time, and a call that follows
 another pays at least what a call of a stream of sync calls pays beyond one alone (its floor: the peer's trailing
 work of the call before, which a barrier hides; a calibration's ``stream_mean_s``): :func:`channel_step`.
@@ -49,11 +49,11 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.framework import FrameworkCost, framework_time
+from zeroexp.formulas.time.framework import FrameworkCost, framework_time
 from zeroexp.formulas.layout import (STEP_BYTES, Groups, PlanKnobs, StateLayout, rank_state_bytes,
                                      step_collectives)
 from zeroexp.formulas.paper import Collectives
-from zeroexp.formulas.time import ComputeRate
+from zeroexp.formulas.time.rates import ComputeRate
 
 __all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step",
            "optimizer_elements", "optimizer_tensors", "recompute_seconds", "checkpointed_numel", "micro_batch_slots",
@@ -82,7 +82,7 @@ class Slot(NamedTuple):
 @dataclass(frozen=True)
 class StepTime:
     """A predicted step: its time, the communication not hidden behind compute, each phase's compute, the
-    framework's own work (:mod:`zeroexp.formulas.framework`, by term) (seconds)."""
+    framework's own work (:mod:`zeroexp.formulas.time.framework`, by term) (seconds)."""
 
     step_s: float
     exposed_comm_s: float
@@ -96,7 +96,7 @@ class StepTime:
     framework_s: float = 0.0
     framework_terms: tuple = ()  # (name, seconds) for one micro-batch's forward and backward and the step's optimizer
     framework_notes: tuple = ()
-    # the calls' waking after idle gaps (:class:`~zeroexp.formulas.time.WakeCurve`), in exposed_comm
+    # the calls' waking after idle gaps (:class:`~zeroexp.formulas.time.rates.WakeCurve`), in exposed_comm
     wake_s: float = 0.0
 
     def by_phase_ms(self) -> dict[str, float]:
@@ -290,14 +290,14 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     one model's calls and payload) split over its slots by their weights and timed by ``seconds_of``, placed by
     :func:`collective_slots`, run by :func:`simulate_step`.
     An op the rule has no slot for is issued at the end of backward and waited for at once (exposed).
-    ``framework``: the calibrated costs of :mod:`zeroexp.formulas.framework`, added to the phase each runs in (the
+    ``framework``: the calibrated costs of :mod:`zeroexp.formulas.time.framework`, added to the phase each runs in (the
     rank's own work, like compute; forward and backward terms in every micro-batch); None: none (a device preset).
     ``checkpointed``: the parameters in checkpointed units (:func:`recompute_seconds` adds their forward to each
     backward); ``micro_batches``: ``grad_accum``, with ``repeats`` (op -> its count at K over its count at 1) placing
     each op's calls (:func:`micro_batch_slots`). ``group_seconds``: where an op's entry names the process groups its
     calls run over (``groups``: hybrid sharding), each group's part is timed at its own size and place; None: every
     call over all ranks (``seconds_of``). ``wake``: each call's extra after its idle gap (a calibration's
-    :class:`~zeroexp.formulas.time.WakeCurve`; None: none, a device preset), in the exposed communication.
+    :class:`~zeroexp.formulas.time.rates.WakeCurve`; None: none, a device preset), in the exposed communication.
     ``burst_seconds``: a call's time where its slot is one of an async burst (``Slot.burst``: calls issued together,
     which the backend runs side by side; a calibration's ``burst_mean_s``); None: ``seconds_of``.
     ``stream_seconds``: a call's time in a stream of sync calls (a calibration's ``stream_mean_s``): what it exceeds
@@ -305,10 +305,11 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     not for burst slots (their own figure) nor calls timed group by group; None: no floor. ``ahead``: FSDP2's explicit
     forward and backward prefetch (:func:`collective_slots`). ``ops``: the operators the model's forward and its
     backward dispatch (``zeroexp.plan.flops.step_ops``), what each call's own cost is paid on
-    (:meth:`~zeroexp.formulas.time.ComputeRate.call_seconds`); ``tensors``: the parameter tensors AdamW steps on the
+    (:meth:`~zeroexp.formulas.time.rates.ComputeRate.call_seconds`); ``tensors``: the parameter tensors AdamW steps on
+    the
     busiest rank (:func:`optimizer_tensors`), each at its own cost
-    (:meth:`~zeroexp.formulas.time.ComputeRate.optimizer_seconds`); ``orig_params``: FSDP1 keeps its original
-    parameters (:func:`~zeroexp.formulas.framework.framework_time`)."""
+    (:meth:`~zeroexp.formulas.time.rates.ComputeRate.optimizer_seconds`); ``orig_params``: FSDP1 keeps its original
+    parameters (:func:`~zeroexp.formulas.time.framework.framework_time`)."""
     psi = groups.numel
     f = rate.forward_s_per_param_sample * psi * samples + rate.call_seconds("forward", ops[0], psi)
     r = recompute_seconds(f, checkpointed, psi)

@@ -1,4 +1,5 @@
-"""Step time planned vs measured (``summary.json["plan"]["time"]``, :mod:`zeroexp.plan.time`): the digest line, the
+"""Step time planned vs measured (``summary.json["plan"]["time"]``, :mod:`zeroexp.plan.check.step_time`): the digest
+line, the
 report's table and its plot."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """AdamW's temporaries: what torch's AdamW allocates above its state during one step, as bytes and as the allocations
-they are (the peak model's optimizer phase, :mod:`zeroexp.formulas.peak`; DeepSpeed's, :mod:`zeroexp.formulas.
+they are (the peak model's optimizer phase, :mod:`zeroexp.formulas.peak.phases`; DeepSpeed's, :mod:`zeroexp.formulas.
 peak_deepspeed`)."""
 
 from __future__ import annotations
 
-from zeroexp.formulas.allocator import counted
+from zeroexp.formulas.peak.allocator import counted
 
 __all__ = ["adamw_temporaries", "adamw_temporary_blocks", "update_phase"]
 
@@ -14,7 +14,8 @@ def adamw_temporary_blocks(numels: tuple[int, ...] | list[int], itemsize: int, f
     """What torch's AdamW allocates above its state during one step (no amsgrad, no capturable, decoupled weight
     decay; torch/optim/adam.py), as the allocations the caching allocator places one by one. ``foreach``: one
     ``_foreach_sqrt`` list of every tensor's size alive at once, one allocation per tensor, each counted in
-    ``block``-byte blocks (CUDA's 512: :func:`zeroexp.formulas.allocator.counted`). Single-tensor (torch's default on
+    ``block``-byte blocks (CUDA's 512: :func:`zeroexp.formulas.peak.allocator.counted`). Single-tensor (torch's default
+    on
     CPU): per parameter ``denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)`` holds the sqrt and the quotient at once,
     while the previous parameter's ``denom`` is still bound to the loop variable: max(2 n_0, n_{i-1} + 2 n_i)
     elements, one figure (the CPU's: no allocator)."""
@@ -34,7 +35,7 @@ def adamw_temporaries(numels: tuple[int, ...] | list[int], itemsize: int, foreac
 def update_phase(temporaries: tuple[int, ...], master_grads: int = 0, one_by_one: bool = True) -> dict:
     """The optimizer phase: AdamW's temporaries (:func:`adamw_temporary_blocks`) and ``master_grads``, optimizer
     state; where it is AdamW's list alone (``one_by_one``: no other term is subtracted from it later), its tensors
-    one by one as ``blocks`` (:func:`zeroexp.formulas.allocator.allocations`)."""
+    one by one as ``blocks`` (:func:`zeroexp.formulas.peak.allocator.allocations`)."""
     total = sum(temporaries) + master_grads
     rec = {"bytes": total, "by_category": {"optimizer_state": total}}
     if one_by_one and len(temporaries) > 1 and not master_grads:

@@ -10,14 +10,15 @@ far). Sources: torch's ``AccumulateGrad`` (an existing ``.grad`` is added into i
 
 from __future__ import annotations
 
-from zeroexp.formulas.peak import StepTrace, phase_peaks
+from zeroexp.formulas.peak.phases import StepTrace, phase_peaks
 
 __all__ = ["accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp_no_sync_phase_peaks"]
 
 
 def accumulated_phase_peaks(trace: StepTrace, micro_batches: int, *, live_grads: bool = False,
                             open_buckets: bool = False, **terms) -> dict[str, dict]:
-    """:func:`zeroexp.formulas.peak.phase_peaks` over the ``micro_batches`` micro-batches of one optimizer step: per
+    """:func:`zeroexp.formulas.peak.phases.phase_peaks` over the ``micro_batches`` micro-batches of one optimizer step:
+    per
     phase the highest of the micro-batches' peaks (``terms``: phase_peaks' keywords, ``in_place`` the step traced with
     the gradients allocated). A flow whose gradients are new each step (DDP, ZeroRedundancyOptimizer on DDP, under
     ``no_sync``): the first micro-batch allocates them after ``zero_grad`` freed them, as without accumulation; every

@@ -1,6 +1,6 @@
 """``summary.json["plan"]["memory"]``: each phase's bytes above steady, predicted by the peak model beside measured.
 
-The prediction (:func:`zeroexp.formulas.peak.phase_peaks`) takes the bare model's step traced on fake tensors
+The prediction (:func:`zeroexp.formulas.peak.phases.phase_peaks`) takes the bare model's step traced on fake tensors
 (:func:`zeroexp.plan.steptrace.trace_step`: the cell's model, per-rank batch and device) and the groups the cell's row
 derives from the shapes (the same groups ``plan.groups`` checks against the live ones). The measurement is the memory
 probe's: the largest rank's steady bytes and each phase's peak by category (MemTracker's, with the probe's own
@@ -19,12 +19,12 @@ from typing import Any
 
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
-from zeroexp.formulas.peak import StepTrace
-from zeroexp.formulas.peak_precision import PrecisionTerms
+from zeroexp.formulas.peak.phases import StepTrace
+from zeroexp.formulas.peak.precision import PrecisionTerms
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
-from zeroexp.plan.judge import TOLERANCE, as_simulated, judge_rank
-from zeroexp.plan.expect import knobs_of
-from zeroexp.plan.gloo import late_free
+from zeroexp.plan.check.judge import TOLERANCE, as_simulated, judge_rank
+from zeroexp.plan.check.expect import knobs_of
+from zeroexp.plan.check.gloo import late_free
 from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
@@ -88,7 +88,7 @@ def shape_limits(name: str, shape: ModelShape, groups: Groups) -> list[str]:
 
 
 def flow_of(name: str) -> str | None:
-    """The row's gradient flow in the peak model (``zeroexp.formulas.peak``), None where there is no model."""
+    """The row's gradient flow in the peak model (``zeroexp.formulas.peak.phases``), None where there is no model."""
     row = _row(name)
     return row.family.flow(row)
 
@@ -136,10 +136,10 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
     ``by_category``, for rank ``rank``. ``itemsize``: the compute dtype's. ``trace``: the bare step (checkpointed
     when the cell is: its segments then hold each unit's input in forward and its recompute in backward; DeepSpeed
     rows: :func:`trace_for`'s); ``in_place``: the same with its gradients allocated before it (:func:`step_traces`);
-    ``micro_batches``: ``grad_accum``, each phase the highest over them (:mod:`zeroexp.formulas.accumulation`);
+    ``micro_batches``: ``grad_accum``, each phase the highest over them (:mod:`zeroexp.formulas.peak.accumulation`);
     ``bucket_cap_bytes``: ``strategy.bucket_cap_mb``, DeepSpeed's reduce bucket; ``terms``: how the row applies the
     precision (:func:`cell_precision_terms`; None: fp32); ``reduce``: zeroexp's ZeRO's ``strategy.reduce`` (on gloo
-    a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phase_peaks`);
+    a reduce_scatter's wait hands back a reduced copy of the bucket: :func:`zeroexp.formulas.peak.phases.phase_peaks`);
     ``root_kept``: FSDP2's root kept unsharded from forward to backward (``PlanKnobs.root_kept_after_forward``);
     ``knobs``: FSDP2's explicit prefetch (``PlanKnobs.forward_prefetch``, ``backward_prefetch``) and ``reduce_dtype``;
     ``gloo``, ``foreach`` and ``block``: the device's backend copies, AdamW update and allocation block
@@ -180,7 +180,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module) and for the
     ``bucket`` flow, at every module holding parameters; in the dtypes the cell computes in: DeepSpeed's bf16 runs
     the module converted to bf16,
-    the other rows as their ``terms`` say (autocast, or the module cast: :mod:`zeroexp.formulas.peak_precision`);
+    the other rows as their ``terms`` say (autocast, or the module cast: :mod:`zeroexp.formulas.peak.precision`);
     each storage counted in ``block``-byte blocks (CUDA's 512; DeepSpeed's rows: 1, as their closed-form terms)."""
     import torch
 
@@ -249,7 +249,7 @@ def write_traces_ahead(cfg: Any, path: Any, block: int = 1) -> None:
     ``DeviceSemantics.block``). Never raises: rank 0 then traces it itself."""
     import pickle
 
-    from zeroexp.plan.expect import layout_of
+    from zeroexp.plan.check.expect import layout_of
     from zeroexp.models import import_class, wrap_paths
 
     try:
@@ -311,7 +311,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         knobs = knobs_of(cfg)
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
                                       in_place, cap, terms, FAKE_GROUP, knobs.root_kept_after_forward, knobs)
-        return {"model": f"peak model (zeroexp.formulas.peak), row {name}", "trace": traced,
+        return {"model": f"peak model (zeroexp.formulas.peak.phases), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
                 "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO's model-state peak as named terms, for a model known by its parameter count (and its largest layer),
 beside DeepSpeed's own estimators.
 
-The traced peak model (:mod:`zeroexp.formulas.peak_deepspeed`) needs the model's shapes and a batch; this one needs
+The traced peak model (:mod:`zeroexp.formulas.peak.deepspeed`) needs the model's shapes and a batch; this one needs
 the count P, the ranks N, the compute dtype's bytes c, the largest layer's parameters L (the most parameters one module
 holds itself: DeepSpeed's ``largest_layer_params``) and ``reduce_bucket_size`` B. Each moment is what a rank holds then,
 term by term; activations and scalars (the loss scale, the norms, fp16's overflow flags) are left out, so each moment is
@@ -21,7 +21,7 @@ optimizer, ``contiguous_gradients`` on, ``overlap_comm`` off, offload none), rea
   ``self.flatten(self.averaged_gradients[i])`` (``flat_grads``, c P/N) and ``.to(fp32)`` (``fp32_grads``, 4 P/N; in
   fp32 ``.to`` returns the flat tensor itself) before ``del flat_grad_partition``; the gradients are freed and
   ``unscale_and_clip_grads`` multiplies in place, then AdamW steps the fp32 partition (``adamw_tmp``:
-  :func:`zeroexp.formulas.adamw.adamw_temporaries`, single-tensor on a CPU rank, foreach on a CUDA one).
+  :func:`zeroexp.formulas.peak.adamw.adamw_temporaries`, single-tensor on a CPU rank, foreach on a CUDA one).
 - ``runtime/zero/stage3.py``: the parameter partitions ``fp16_partitioned_groups_flat`` (``params``, c P/N), the
   gradient partitions ``grad_partitions_flat_buffer`` and the ipg bucket, both allocated once
   (``_setup_for_real_optimizer``: ``grads``, c P/N; ``bucket``, c B), master and moments as above. Backward: the
@@ -48,7 +48,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from zeroexp.formulas.deepspeed import DS_SUB_GROUP_SIZE
-from zeroexp.formulas.adamw import adamw_temporaries
+from zeroexp.formulas.peak.adamw import adamw_temporaries
 
 __all__ = ["TERMS", "ESTIMATOR_TERMS", "PHASE_OF", "DsTermPeak", "ds_term_peak", "ds_estimator_bytes",
            "ds_estimator_name", "largest_layer_numel"]

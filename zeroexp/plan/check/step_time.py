@@ -86,7 +86,7 @@ def time_section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
-    from zeroexp.plan.expect import itemsize_of, knobs_of, layout_of
+    from zeroexp.plan.check.expect import itemsize_of, knobs_of, layout_of
     from zeroexp.formulas import checkpointed_numel, derive_groups
     from zeroexp.models import wrap_paths
     from zeroexp.plan.shape import model_shape

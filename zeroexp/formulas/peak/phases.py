@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.adamw import adamw_temporary_blocks, update_phase
+from zeroexp.formulas.peak.adamw import adamw_temporary_blocks, update_phase
 from zeroexp.formulas.units import post_forward_bump
 
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES",
@@ -80,13 +80,13 @@ def phase_peaks(trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int,
     the traced ``.grad`` tensors; ``new``: the steady gradients ``zero_grad`` freed), plus, for ``bucket``, every
     bucket opened before the segment started (``buckets``: each one's bytes in reduce order, opened by its first
     ready gradient). Optimizer: AdamW's temporaries over the tensors this rank steps
-    (:func:`zeroexp.formulas.adamw.adamw_temporary_blocks`, in ``block``-byte blocks), or, for ``bucket``,
+    (:func:`zeroexp.formulas.peak.adamw.adamw_temporary_blocks`, in ``block``-byte blocks), or, for ``bucket``,
     the buckets alive when the step begins if they are more (released before the update). Each
     segment's figure is a lower bound of the real one; the phase's peak is the largest. ``in_place``: the same step
     traced with the gradients allocated before it (``trace_step(grads_in_place=True)``), whose backward segments the
     ``in_place`` and ``bucket`` flows take instead of ``trace``'s less its gradients (they differ where activation
     checkpointing recomputes; ``trace`` still says when each bucket opens). Below fp32
-    (:mod:`zeroexp.formulas.peak_precision`): ``master_grads``, the fp32 up-casts alive through the update;
+    (:mod:`zeroexp.formulas.peak.precision`): ``master_grads``, the fp32 up-casts alive through the update;
     ``gather_inputs``, steady's all-gather inputs, freed in forward before its peak (every phase's figure less them).
     ``reduce_copies`` (``in_place`` and ``bucket``; gloo's reduce_scatter): waiting for a bucket's reduce-scatter in the
     step hands back gloo's reduced copy of the whole bucket (its ``split`` and ``copy_`` into the shard run on the
@@ -201,7 +201,7 @@ def _unit_index(trace: StepTrace, units: list) -> dict[str, int]:
 class FsdpUnit(NamedTuple):
     """One FSDP1 unit for the peak model: ``unsharded`` (its padded FlatParameter, bytes), ``shard`` (one rank's
     share of it), ``grads`` (its parameters' own gradients, unpadded, as autograd computes them). Below fp32
-    (:mod:`zeroexp.formulas.peak_precision`): ``upcast``, the fp32 copy of the reduced shard, allocated beside it
+    (:mod:`zeroexp.formulas.peak.precision`): ``upcast``, the fp32 copy of the reduced shard, allocated beside it
     after the reduce-scatter returned (gloo's copy of its input freed) and kept instead of it; ``gather_copy``, FSDP1's
     compute-dtype copy of the shard (``_mp_shard``) alive while the unit is all-gathered. 0: fp32. ``reduced``: the
     bytes of its reduce-scatter's input where they are not ``unsharded`` (FSDP2 with frozen parameters: the padded

@@ -1,13 +1,13 @@
 """The peak check's rule: a rank's measured phases against its prediction, within the tolerance, the range a moment
-only gloo's timing creates spans, or one tensor gloo may free late (CPU cells; :func:`zeroexp.plan.memory`'s
-``zeroexp.plan.gloo.late_free`` names them); a dry run's section shown as the simulation it is
+only gloo's timing creates spans, or one tensor gloo may free late (CPU cells; :func:`zeroexp.plan.check.memory`'s
+``zeroexp.plan.check.gloo.late_free`` names them); a dry run's section shown as the simulation it is
 (:func:`as_simulated`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from zeroexp.formulas.peak import PHASES
+from zeroexp.formulas.peak.phases import PHASES
 
 __all__ = ["TOLERANCE", "ABS_TOLERANCE", "judge_rank", "judge", "nz", "as_simulated"]
 

@@ -2,7 +2,7 @@
 
 DeepSpeed 0.19 as zeroexp configures it (zeroexp/strategies/deepspeed.py: ``overlap_comm`` off, ``contiguous_gradients``
 on, one parameter group, ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` at their defaults, every stage-3
-parameter partitioned; a parameter count's closed form, term by term: :mod:`zeroexp.formulas.peak_deepspeed_terms`),
+parameter partitioned; a parameter count's closed form, term by term: :mod:`zeroexp.formulas.peak.deepspeed_terms`),
 in fp32, and in bf16 / fp16 as the same path in 2-byte tensors (fp16's loss scale and overflow checks are scalars:
 runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
 
@@ -45,8 +45,8 @@ from typing import Callable, NamedTuple
 
 from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups
 from zeroexp.formulas.paper import padded_numel
-from zeroexp.formulas.adamw import adamw_temporaries
-from zeroexp.formulas.peak import StepTrace
+from zeroexp.formulas.peak.adamw import adamw_temporaries
+from zeroexp.formulas.peak.phases import StepTrace
 
 __all__ = ["DsPartition", "ds_partition", "ds_allreduce_copies", "ds_stage12_phase_peaks", "ds_stage3_phase_peaks",
            "FP64"]

@@ -4,7 +4,7 @@ model of DeepSpeed's rows is its family's: :mod:`zeroexp.formulas.families.deeps
 from __future__ import annotations
 
 from zeroexp.formulas import LAYOUTS, deepspeed_reduce_bucket_numel
-from zeroexp.formulas.peak_deepspeed_terms import (TERMS, ds_estimator_bytes, ds_estimator_name, ds_term_peak,
+from zeroexp.formulas.peak.deepspeed_terms import (TERMS, ds_estimator_bytes, ds_estimator_name, ds_term_peak,
                                                    largest_layer_numel)
 from zeroexp.formulas import ModelShape
 
@@ -21,7 +21,7 @@ def ds_stage(name: str) -> int | None:
 def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int, offload: str, bucket_cap_bytes: int,
                    largest_layer: int | None, foreach: bool, fp16: bool = False) -> dict | None:
     """The planner's ``ds_peak`` of a DeepSpeed row (None for any other row): the model-state peak term by term
-    (:func:`zeroexp.formulas.peak_deepspeed_terms.ds_term_peak`, computed, a lower bound: activations and scalars left
+    (:func:`zeroexp.formulas.peak.deepspeed_terms.ds_term_peak`, computed, a lower bound: activations and scalars left
     out) beside DeepSpeed's own estimator, which terms both count and which differ. ``largest_layer``: the largest
     module's own parameters (None: from the shape's modules where it has them, else unknown); ``fp16``: the precision
     is fp16 (its overflow check)."""
@@ -41,7 +41,7 @@ def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int,
                                                                         largest_layer or 0)
     return {"moment": peak.moment, "phase": peak.phase, "bytes": peak.bytes, "terms": peak.terms,
             "moments": peak.moments,
-            "largest_layer": largest_layer, "basis": "computed (zeroexp.formulas.peak_deepspeed_terms): a lower bound, "
+            "largest_layer": largest_layer, "basis": "computed (zeroexp.formulas.peak.deepspeed_terms): a lower bound, "
             "activations and scalars left out" + ("; the largest layer unknown (largest_layer=): its terms left out"
                                                   if unknown else ""),
             "estimator": {"source": ds_estimator_name(stage), "bytes": estimate, "counted_bytes": peak.counted_bytes,

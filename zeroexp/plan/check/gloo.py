@@ -1,5 +1,5 @@
 """The tensors gloo may free late on a CPU cell (an async collective's input or output released only when gloo's work
-object goes away): the memory check allows one of them, named, above its prediction (zeroexp.plan.judge)."""
+object goes away): the memory check allows one of them, named, above its prediction (zeroexp.plan.check.judge)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from zeroexp.formulas.peak_deepspeed_terms import TERMS
+from zeroexp.formulas.peak.deepspeed_terms import TERMS
 from zeroexp.plan.core import FITS_ON, UNITS
 
 __all__ = ["render_json", "render_tables", "fmt_size", "fastest_sentences"]
@@ -73,9 +73,9 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                       "post-forward shard)\n")
         if "step_ms" in first:
             console.print(_time_table(records))
-            console.print(f"computed on {first['network_source']} (zeroexp.formulas.overlap; docs/planner.md, Step "
-                          "time); * the fastest strategy that fits, per world size, among the rows a strategy runs; "
-                          "= a row the model cannot tell from it (within its measured error)")
+            console.print(f"computed on {first['network_source']} (zeroexp.formulas.time.overlap; docs/planner.md, "
+                          "Step time); * the fastest strategy that fits, per world size, among the rows a strategy "
+                          "runs; = a row the model cannot tell from it (within its measured error)")
             for line in fastest_sentences(records, unit):
                 console.print(line)
             console.print()

@@ -2,7 +2,7 @@
 (``strategy.layout``), its precision, offload and byte-relevant settings, and the strategy's live groups.
 
 The runner hands an :class:`Expectation` to the probes (``RunContext.expect``); the planner
-(:mod:`zeroexp.plan.cell`) uses :func:`knobs_of` and :func:`itemsize_of` with groups derived from shapes.
+(:mod:`zeroexp.plan.check.cell`) uses :func:`knobs_of` and :func:`itemsize_of` with groups derived from shapes.
 Both sides call the same functions of :mod:`zeroexp.formulas.layout`.
 """
 

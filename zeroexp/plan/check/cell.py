@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zeroexp.plan.expect import groups_record, itemsize_of, knobs_of, layout_of
+from zeroexp.plan.check.expect import groups_record, itemsize_of, knobs_of, layout_of
 from zeroexp.formulas import STATE_KINDS, Groups, PlanKnobs, StateLayout, derive_groups, rank_state_bytes
 from zeroexp.models import wrap_paths
 from zeroexp.plan.core import Precision, plan_record
@@ -57,22 +57,23 @@ def plan_section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | No
     only other measured kinds are explained residuals, and every collective's count and payload match (where the
     payload model covers the cell). ``itself``: why the measurement is the planner's own model (a derived dry run):
     the check then reads n/a with that reason. ``live_groups``: the groups the strategy's adapter read off rank 0
-    (``zeroexp.plan.expect.groups_record``); the planner's must equal them, element for element (``groups``). Never
+    (``zeroexp.plan.check.expect.groups_record``); the planner's must equal them, element for element (``groups``).
+    Never
     raises: a failure becomes ``check: ERROR``."""
-    from zeroexp.plan.time import time_section
+    from zeroexp.plan.check.step_time import time_section
 
     try:
         section = _section(cfg, Path(cell), summary, itself, live_groups)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
         section = {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
-    section["time"] = time_section(cfg, summary)  # predicted vs measured step time (zeroexp.plan.time)
+    section["time"] = time_section(cfg, summary)  # predicted vs measured step time (zeroexp.plan.check.step_time)
     return section
 
 
 def _memory(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int, shape: Any) -> dict[str, Any]:
-    """``plan.memory`` (:mod:`zeroexp.plan.memory`); never raises: a failure becomes ``check: ERROR``."""
+    """``plan.memory`` (:mod:`zeroexp.plan.check.memory`); never raises: a failure becomes ``check: ERROR``."""
     from zeroexp.models import import_class
-    from zeroexp.plan.memory import memory_section
+    from zeroexp.plan.check.memory import memory_section
 
     try:
         return memory_section(cfg, summary, name, groups, itemsize, [import_class(p) for p in wrap_paths(cfg)], shape)
@@ -208,7 +209,7 @@ def _collectives(layout: StateLayout, groups: Groups, knobs: PlanKnobs, precisio
 
 def _group_check(groups: Groups, live_groups: dict[str, Any] | None,
                  itself: str | None) -> tuple[dict[str, Any], list[str]]:
-    """``plan.groups``: the planned groups (:func:`~zeroexp.plan.expect.groups_record`) against the live ones the
+    """``plan.groups``: the planned groups (:func:`~zeroexp.plan.check.expect.groups_record`) against the live ones the
     adapter reported, and the elements that differ."""
     planned = groups_record(groups)
     differ: list[str] = []

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroexp.formulas.allocator import counted_sum
+from zeroexp.formulas.peak.allocator import counted_sum
 
 __all__ = ["PrecisionTerms", "FP32_TERMS", "master_upcast_bytes", "gather_input_bytes", "sharded_grad_upcast"]
 
@@ -58,7 +58,7 @@ def sharded_grad_upcast(shard_numel: int, terms: PrecisionTerms) -> int:
 def master_upcast_bytes(shard_numels: tuple[int, ...], terms: PrecisionTerms, block: int = 1) -> int:
     """zeroexp's ZeRO below fp32: the fp32 master gradients ``shard.float()`` allocates, one per bucket, all alive
     through AdamW's update (fp32: the shard itself becomes the master gradient, nothing allocated); each counted in
-    ``block``-byte blocks (:func:`zeroexp.formulas.allocator.counted`)."""
+    ``block``-byte blocks (:func:`zeroexp.formulas.peak.allocator.counted`)."""
     return counted_sum((k * FP32 for k in shard_numels), block) if terms.master_below_compute else 0
 
 
