@@ -9,8 +9,8 @@ from zeroexp.formulas import LAYOUTS, ModelShape, PlanKnobs, derive_groups, rank
 from zeroexp.formulas.families import Family
 from zeroexp.formulas.families import ddp, deepspeed, fsdp1, fsdp2, paper, zero, zro
 from zeroexp.formulas.families.ddp import MIXED
-from zeroexp.formulas.families.zero import ZERO
-from zeroexp.formulas.layout import StateLayout, scatter_gather
+from zeroexp.formulas.families.zero import ZERO, scatter_gather
+from zeroexp.formulas.layout import StateLayout
 
 from test_plan_fits import _run
 

@@ -51,7 +51,7 @@ from zeroexp.formulas.layout import *  # noqa: F401,F403
 from zeroexp.formulas.layout import __all__ as _layout
 from zeroexp.formulas.paper import *  # noqa: F401,F403
 from zeroexp.formulas.paper import __all__ as _paper
-from zeroexp.formulas.hybrid import MESH_DIMS, hybrid_units
+from zeroexp.formulas.hybrid import MESH_DIMS
 from zeroexp.formulas.shapes import POST_FORWARD, WORLD
 from zeroexp.formulas.time.overlap import *  # noqa: F401,F403
 from zeroexp.formulas.time.overlap import __all__ as _overlap
@@ -62,4 +62,4 @@ from zeroexp.formulas.time.rates import __all__ as _time
 
 __all__ = [*_paper, *_layout, *_deepspeed, *_time, *_overlap, *_framework, "LAYOUTS", "ddp_buckets",
            "buffer_broadcasts", "MESH_DIMS",
-           "WORLD", "POST_FORWARD", "hybrid_units"]
+           "WORLD", "POST_FORWARD"]

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import heapq
 
-from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, collectives_of, fp16_inf_syncs,
-                                     padded_numel)
+from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, padded_numel)
 from zeroexp.formulas.shapes import Cut, Groups, ModelShape, PlanKnobs, Shard, Unit, next_reached
-from zeroexp.formulas.units import Payload, gather_units
 from zeroexp.formulas.orig_params import views_per_rank
 
 from zeroexp.formulas.families.base import StateLayout
 
 __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "next_reached", "Groups", "Cut",
            "StateLayout", "cut_buckets", "pack", "owner_assignment", "derive_groups", "rank_state_bytes",
-           "step_collectives", "state_factors", "unsharded_floor_bytes", "offloaded_kinds", "all_reduce_buckets",
-           "all_reduce_then_broadcast", "scatter_gather", "scatter_gather_each_micro_batch", "gather_units",
-           "gather_shards_twice", "local_numels", "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
+           "step_collectives", "state_factors", "unsharded_floor_bytes", "offloaded_kinds", "local_numels",
+           "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
 
 #: The model-state kinds the planner predicts, named as the state probe names them.
 STATE_KINDS = ("param", "grad", "optim", "master")
@@ -295,49 +292,6 @@ def step_collectives(layout: StateLayout, groups: Groups, itemsize: int,
     """One rank's per-step collectives under ``layout`` over ``groups``, in the compute dtype [ZeRO 7] (fp32 for a
     layout ``fp32_on_the_wire``): count and payload S per op."""
     return layout.payload(groups, 4 if layout.fp32_on_the_wire else itemsize, knobs)
-
-
-def all_reduce_buckets(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
-    """ZeRO-0 [ZeRO 7.1]: one gradient all_reduce per bucket; S totals P. DDP broadcasts the module's buffers from
-    rank 0 before forward (``buffer_broadcasts``, bytes as they are) and, with ``find_unused_parameters``,
-    all-reduces its map of the parameters used (``used_map_bytes``)."""
-    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([g.used_map_bytes] if g.used_map_bytes else []),
-                          broadcast=list(g.buffer_broadcasts))
-
-
-def all_reduce_then_broadcast(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
-    """ZeRO-1 as ZeroRedundancyOptimizer does it: DDP's bucket all_reduces (P) [ZeRO 7.2.1], then each owner
-    broadcasts its updated parameters (``_sync_params``): one broadcast per parameter, or per owner bucket; S = P;
-    and DDP's broadcast of the buffers before forward."""
-    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([g.used_map_bytes] if g.used_map_bytes else []),
-                          broadcast=[k * c for k in g.broadcasts] + list(g.buffer_broadcasts))
-
-
-def _scatter_gather(reduce_each_micro_batch: bool) -> Payload:
-    """ZeRO-1/2 [ZeRO 7.2.1]: per padded buffer b, one reduce_scatter S = b (``reduce="allreduce"``: an all_reduce)
-    and one all_gather S = b: P + P, the bus bytes of an all_reduce; clipping or loss scaling add one fp32 scalar
-    all_reduce (the squared global norm). With ``grad_accum=K`` ZeRO-1 reduces the accumulated gradient once, ZeRO-2
-    (``reduce_each_micro_batch``) every micro-batch, into its gradient shard (as DeepSpeed's ZeRO-2)."""
-    def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
-        sizes = [sh.numel * c for sh in g.shards]
-        reduced = sizes * (knobs.micro_batches if reduce_each_micro_batch else 1)
-        allreduce = knobs.reduce == "allreduce"
-        return collectives_of(reduce_scatter=[] if allreduce else reduced, all_gather=sizes,
-                              all_reduce=(reduced if allreduce else []) + ([4] if knobs.norm_allreduce else []))
-    payload.__doc__ = _scatter_gather.__doc__
-    return payload
-
-
-scatter_gather = _scatter_gather(False)
-scatter_gather_each_micro_batch = _scatter_gather(True)
-
-
-def gather_shards_twice(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
-    """P_os+g+p as the paper counts it [ZeRO 7.2.2]: every padded buffer all-gathered before forward and again before
-    backward, its gradient reduce-scattered once: 2P + P; fp16 adds the loss scaler's found_inf all_reduce."""
-    sizes = [sh.numel * c for sh in g.shards]
-    syncs = fp16_inf_syncs(dtensor_grads=False) if knobs.loss_scaling else 0
-    return collectives_of(all_gather=sizes + sizes, reduce_scatter=sizes, all_reduce=[4] * syncs)
 
 
 def unsharded_floor_bytes(layout: StateLayout, groups: Groups, itemsize: int) -> int | None:

@@ -6,8 +6,9 @@ an existing family is one more row there."""
 from __future__ import annotations
 
 from zeroexp.formulas.families import ddp, deepspeed, fsdp1, fsdp2, paper, zero, zro
+from zeroexp.formulas.families.ddp import all_reduce_buckets
 from zeroexp.formulas.families.paper import PAPER
-from zeroexp.formulas.layout import StateLayout, all_reduce_buckets
+from zeroexp.formulas.layout import StateLayout
 
 __all__ = ["LAYOUTS", "row_of", "rows_where", "LADDER"]
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
-__all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "Cut", "next_reached", "WORLD", "POST_FORWARD"]
+if TYPE_CHECKING:
+    from zeroexp.formulas.paper import Collectives
+
+__all__ = ["ModelShape", "PlanKnobs", "Shard", "Unit", "Groups", "Cut", "Payload", "next_reached", "WORLD",
+           "POST_FORWARD"]
 
 #: The process groups a collectives model names besides a device mesh's dimensions: ``world``, the default group
 #: (every rank); ``post_forward``, FSDP2's post-forward group (``reshard_after_forward=k``: k consecutive ranks, the
@@ -270,3 +274,7 @@ class Cut:
     grad_shards: list[Shard] = field(default_factory=list)
     units: list[Unit] = field(default_factory=list)
     owners: list[tuple[int, ...]] = field(default_factory=list)
+
+
+#: A row's payload model: (groups, the wire's bytes per element, knobs) -> one rank's collectives per step.
+Payload = Callable[[Groups, int, PlanKnobs], "Collectives"]

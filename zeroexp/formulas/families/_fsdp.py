@@ -12,12 +12,14 @@ from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families.base import Family
 from zeroexp.formulas.families.ddp import ADAMW
 from zeroexp.formulas.time.overlap import Slot, cumulative
-from zeroexp.formulas.shapes import POST_FORWARD, WORLD
-from zeroexp.formulas.paper import fsdp2_padded_numel
+from zeroexp.formulas.shapes import POST_FORWARD, WORLD, Groups, Payload, PlanKnobs
+from zeroexp.formulas.hybrid import MESH_DIMS
+from zeroexp.formulas.paper import (Collectives, add_collectives, clip_norm_all_reduces, collectives_of,
+                                    fp16_inf_syncs, fsdp2_padded_numel)
 from zeroexp.formulas.peak.phases import FsdpUnit
 from zeroexp.formulas.peak.precision import FP32_TERMS, PrecisionTerms, sharded_grad_upcast
 
-__all__ = ["FsdpFamily", "fsdp_unit_slots"]
+__all__ = ["FsdpFamily", "fsdp_unit_slots", "gather_units", "hybrid_units"]
 
 
 def fsdp_unit_slots(groups: Any, mode: str, f: float, b: float, o: float, fwd: int, bwd: int) -> tuple[list, str]:
@@ -45,6 +47,67 @@ def fsdp_unit_slots(groups: Any, mode: str, f: float, b: float, o: float, fwd: i
     ahead_s = f"{fwd} unit{'s' * (fwd > 1)}"
     return slots, f"FSDP: forward all_gather {ahead_s} ahead; backward prefetch {mode}" + (
         f" ({bwd} units ahead)" if bwd > 1 else "")
+
+
+def gather_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) -> Payload:
+    """FSDP [ZeRO 7.2.2]: per unit of padded bytes b, its all_gathers S = b (two when resharded after forward) and one
+    reduce_scatter S = b; fp16 adds the loss scaler's found_inf all_reduces (:func:`fp16_inf_syncs`); clipping one
+    fp32 all_reduce of the norms: FSDP1's ``clip_grad_norm_`` sums the squared norm of the rank's shards (4 bytes);
+    FSDP2's ``get_total_norm`` stacks one partial norm per gradient DTensor, made whole by one all_reduce (4 bytes
+    each). ``grad_accum=K``: every micro-batch gathers its units again (FSDP1 SHARD_GRAD_OP under ``no_sync``,
+    ``kept_under_no_sync``, keeps them unsharded to the step's last instead: once per step); the gradients are
+    reduce-scattered once per step under ``no_sync``, every micro-batch with ``strategy.sync_each_microbatch``;
+    FSDP2's (``dtensor_grads``) in its ``reduce_dtype`` where set (:meth:`PlanKnobs.reduce_itemsize`); with
+    ``Groups.post_forward_size`` its all_gathers by group: the world's, and the post-forward group's."""
+    def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+        k, each = knobs.micro_batches, knobs.sync_each_microbatch
+        r = knobs.reduce_itemsize(c) if dtensor_grads else c  # FSDP2's reduce_dtype; FSDP1 reduces in c
+        syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
+        norms = clip_norm_all_reduces(len(g.numels), dtensor_grads) if knobs.clipping else []
+        gathered, narrow = (1 if kept_under_no_sync and not each else k), g.post_forward_size
+        model = collectives_of(all_gather=[] if narrow else [u.numel * c for u in g.units
+                                                            for _ in range(u.gathers * gathered)],
+                               reduce_scatter=[u.scattered * r for u in g.units if u.scattered] * (k if each else 1),
+                               all_reduce=[4] * syncs + norms)
+        for group, gathers in (((WORLD, g.world_size), lambda u: u.gathers - u.post_forward),
+                               ((POST_FORWARD, narrow), lambda u: u.post_forward)) if narrow else ():
+            add_collectives(model, "all_gather", [u.numel * c for u in g.units for _ in range(gathers(u) * gathered)],
+                            group)  # FSDP2 reshard_after_forward=k: a unit's gathers by group (Unit.post_forward)
+        return model
+    return payload
+
+
+def hybrid_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) -> Payload:
+    """HSDP [FSDP, FSDP2]: per unit of b padded bytes (padded to shard_size), its all_gathers S = b and one
+    reduce_scatter S = b over the shard group, one all_reduce S = b / shard_size (the gradient shard) over the
+    replicate group (both in FSDP2's ``reduce_dtype`` where set); fp16 adds the loss scaler's found_inf all_reduce
+    over the world and, with DTensor gradients (FSDP2), DTensor's own over the shard group (:func:`fp16_inf_syncs`);
+    clipping one norm all_reduce over the shard group (:func:`clip_norm_all_reduces`). ``grad_accum=K``: as FSDP's
+    (:func:`gather_units`), every micro-batch gathers its units again
+    (``kept_under_no_sync``, _HYBRID_SHARD_ZERO2 under ``no_sync``: once per step); the gradients are
+    reduce-scattered and all-reduced once per step under ``no_sync``, every micro-batch with
+    ``strategy.sync_each_microbatch``."""
+    def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+        s, k, each = g.shard_over, knobs.micro_batches, knobs.sync_each_microbatch
+        r = knobs.reduce_itemsize(c) if dtensor_grads else c  # FSDP2's reduce_dtype; FSDP1 reduces in c
+        shard, replicate = (MESH_DIMS[1], s), (MESH_DIMS[0], g.world_size // s)
+        gathered, reduced = (1 if kept_under_no_sync and not each else k), (k if each else 1)
+        model: Collectives = {}
+        add_collectives(model, "all_gather", [u.numel * c for u in g.units for _ in range(u.gathers * gathered)],
+                        shard)
+        add_collectives(model, "reduce_scatter", [u.scattered * r for u in g.units if u.scattered] * reduced, shard)
+        add_collectives(model, "all_reduce", [u.scattered // s * r for u in g.units if u.scattered] * reduced,
+                        replicate)
+        syncs = fp16_inf_syncs(dtensor_grads) if knobs.loss_scaling else 0
+        # ShardedGradScaler's found_inf over the world; DTensor's own inf check (FSDP2) over the gradients' Partial
+        # dimension, the shard group (torch/distributed/tensor/_dispatch.py found_inf_reduce_handler)
+        add_collectives(model, "all_reduce", [4] * min(syncs, 1), (WORLD, g.world_size))
+        add_collectives(model, "all_reduce", [4] * (syncs - 1), shard)
+        # clipping: FSDP1's clip_grad_norm_ all-reduces its squared shard norm over its process group, the shard
+        # group; FSDP2's get_total_norm(...).full_tensor() the stacked partial norms, one per gradient, over the same
+        norms = clip_norm_all_reduces(len(g.numels), dtensor_grads) if knobs.clipping else []
+        return add_collectives(model, "all_reduce", norms, shard)
+    return payload
 
 
 class FsdpFamily(Family):

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from zeroexp.formulas.shapes import Cut, ModelShape, PlanKnobs, Unit
-from zeroexp.formulas.units import Payload
+from zeroexp.formulas.shapes import Cut, ModelShape, Payload, PlanKnobs, Unit
 
 if TYPE_CHECKING:  # the peak model's types, for the hints alone
     from zeroexp.formulas.peak.phases import StepTrace

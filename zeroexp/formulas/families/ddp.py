@@ -10,13 +10,14 @@ from zeroexp.formulas.peak.accumulation import accumulated_grad_bytes, accumulat
 from zeroexp.formulas.peak.allocator import counted_sum
 from zeroexp.formulas.families.base import Family
 from zeroexp.formulas.init import replica_init_peak_bytes
-from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, all_reduce_buckets, cut_buckets
+from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, cut_buckets
+from zeroexp.formulas.paper import Collectives, collectives_of
 from zeroexp.formulas.time.overlap import Slot, cumulative
 from zeroexp.formulas.peak.precision import FP32_TERMS, PrecisionTerms
 from zeroexp.formulas.shapes import Groups
 
 __all__ = ["DdpBuckets", "DDP", "ROWS", "MIXED", "ddp_buckets", "buffer_broadcasts", "ddp_unused",
-           "ddp_bucket_slots", "ddp_bucket_terms", "BUFFER_BROADCAST_CAP"]
+           "ddp_bucket_slots", "ddp_bucket_terms", "BUFFER_BROADCAST_CAP", "all_reduce_buckets"]
 
 #: The precisions every runtime row trains in.
 MIXED = frozenset({"fp32", "bf16", "fp16"})
@@ -96,6 +97,14 @@ def ddp_bucket_terms(groups: Groups, itemsize: int, cost: Any, terms: dict[str, 
         terms["zro_broadcast_calls"] = sum(cost.call_s("zro_broadcast", k * itemsize) for k in groups.broadcasts)
         o += terms["zro_broadcast_calls"]
     return b, o
+
+
+def all_reduce_buckets(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+    """ZeRO-0 [ZeRO 7.1]: one gradient all_reduce per bucket; S totals P. DDP broadcasts the module's buffers from
+    rank 0 before forward (``buffer_broadcasts``, bytes as they are) and, with ``find_unused_parameters``,
+    all-reduces its map of the parameters used (``used_map_bytes``)."""
+    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([g.used_map_bytes] if g.used_map_bytes else []),
+                          broadcast=list(g.buffer_broadcasts))
 
 
 class DdpBuckets(Family):

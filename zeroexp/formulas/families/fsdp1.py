@@ -9,17 +9,15 @@ from __future__ import annotations
 from zeroexp.formulas.peak.accumulation import fsdp_no_sync_phase_peaks
 from zeroexp.formulas.peak.adamw import adamw_temporaries
 from zeroexp.formulas.peak.allocator import counted, counted_sum
-from zeroexp.formulas.families._fsdp import FsdpFamily
+from zeroexp.formulas.families._fsdp import FsdpFamily, gather_units, hybrid_units
 from zeroexp.formulas.families.base import Cut
 from zeroexp.formulas.families.ddp import MIXED
-from zeroexp.formulas.hybrid import hybrid_units
 from zeroexp.formulas.init import fsdp1_init_peak_bytes
 from zeroexp.formulas.layout import StateLayout, pack
 from zeroexp.formulas.orig_params import orig_param_views
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.phases import fsdp_phase_peaks
 from zeroexp.formulas.shapes import Shard
-from zeroexp.formulas.units import gather_units
 
 __all__ = ["Fsdp1Units", "FSDP1", "ROWS", "OS_G_P", "twice_unless_root", "packed_units"]
 

@@ -5,17 +5,15 @@
 from __future__ import annotations
 
 from zeroexp.formulas.peak.allocator import counted, counted_sum
-from zeroexp.formulas.families._fsdp import FsdpFamily
+from zeroexp.formulas.families._fsdp import FsdpFamily, gather_units, hybrid_units
 from zeroexp.formulas.families.base import Cut
 from zeroexp.formulas.families.ddp import MIXED
 from zeroexp.formulas.families.fsdp1 import OS_G_P
-from zeroexp.formulas.hybrid import hybrid_units
 from zeroexp.formulas.init import fsdp2_init_peak_bytes
 from zeroexp.formulas.layout import StateLayout, local_numels
 from zeroexp.formulas.paper import fsdp2_padded_numel
 from zeroexp.formulas.peak.phases import fsdp2_phase_peaks
 from zeroexp.formulas.shapes import Shard, Unit
-from zeroexp.formulas.units import gather_units
 
 __all__ = ["Fsdp2Rows", "FSDP2", "ROWS"]
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import ddp_bucket_slots, ddp_bucket_terms
 from zeroexp.formulas.families.fsdp1 import OS_G_P, packed_units, twice_unless_root
-from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_reduce_buckets, gather_shards_twice,
-                                     pack, scatter_gather)
+from zeroexp.formulas.families.ddp import all_reduce_buckets
+from zeroexp.formulas.families.zero import scatter_gather
+from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, pack
+from zeroexp.formulas.paper import Collectives, collectives_of, fp16_inf_syncs
 from zeroexp.formulas.paper import padded_numel
-from zeroexp.formulas.shapes import Shard
+from zeroexp.formulas.shapes import Groups, Shard
 
-__all__ = ["PaperStages", "PAPER", "ROWS"]
+__all__ = ["PaperStages", "PAPER", "ROWS", "gather_shards_twice"]
 
 _MIXED = frozenset({"fp32", "bf16", "fp16"})
 _OS, _OS_G = frozenset({"optim"}), frozenset({"optim", "grad"})
@@ -21,6 +23,14 @@ _OFF = [frozenset({"none"}), frozenset({"none", "optimizer"}), frozenset({"none"
 
 def _one_bucket(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
     return {"buckets": (shape.numels if shape.exact else (shape.numel,),)}
+
+
+def gather_shards_twice(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+    """P_os+g+p as the paper counts it [ZeRO 7.2.2]: every padded buffer all-gathered before forward and again before
+    backward, its gradient reduce-scattered once: 2P + P; fp16 adds the loss scaler's found_inf all_reduce."""
+    sizes = [sh.numel * c for sh in g.shards]
+    syncs = fp16_inf_syncs(dtensor_grads=False) if knobs.loss_scaling else 0
+    return collectives_of(all_gather=sizes + sizes, reduce_scatter=sizes, all_reduce=[4] * syncs)
 
 
 class PaperStages(Family):

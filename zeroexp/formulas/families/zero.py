@@ -9,15 +9,33 @@ from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import ADAMW, MIXED
 from zeroexp.formulas.init import replica_init_peak_bytes
-from zeroexp.formulas.layout import (StateLayout, cut_buckets, pack, scatter_gather,
-                                     scatter_gather_each_micro_batch)
+from zeroexp.formulas.layout import StateLayout, cut_buckets, pack
 from zeroexp.formulas.time.overlap import Slot, cumulative
-from zeroexp.formulas.paper import padded_numel
+from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 from zeroexp.formulas.peak.precision import (FP32_TERMS, PrecisionTerms, gather_input_bytes,
                                              master_upcast_bytes)
-from zeroexp.formulas.shapes import Shard
+from zeroexp.formulas.shapes import Groups, Payload, PlanKnobs, Shard
 
-__all__ = ["ZeroBuckets", "ZERO", "ROWS"]
+__all__ = ["ZeroBuckets", "ZERO", "ROWS", "scatter_gather", "scatter_gather_each_micro_batch"]
+
+
+def _scatter_gather(reduce_each_micro_batch: bool) -> Payload:
+    """ZeRO-1/2 [ZeRO 7.2.1]: per padded buffer b, one reduce_scatter S = b (``reduce="allreduce"``: an all_reduce)
+    and one all_gather S = b: P + P, the bus bytes of an all_reduce; clipping or loss scaling add one fp32 scalar
+    all_reduce (the squared global norm). With ``grad_accum=K`` ZeRO-1 reduces the accumulated gradient once, ZeRO-2
+    (``reduce_each_micro_batch``) every micro-batch, into its gradient shard (as DeepSpeed's ZeRO-2)."""
+    def payload(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+        sizes = [sh.numel * c for sh in g.shards]
+        reduced = sizes * (knobs.micro_batches if reduce_each_micro_batch else 1)
+        allreduce = knobs.reduce == "allreduce"
+        return collectives_of(reduce_scatter=[] if allreduce else reduced, all_gather=sizes,
+                              all_reduce=(reduced if allreduce else []) + ([4] if knobs.norm_allreduce else []))
+    payload.__doc__ = _scatter_gather.__doc__
+    return payload
+
+
+scatter_gather = _scatter_gather(False)
+scatter_gather_each_micro_batch = _scatter_gather(True)
 
 
 class ZeroBuckets(Family):

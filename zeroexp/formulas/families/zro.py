@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from zeroexp.formulas.families.base import Cut
 from zeroexp.formulas.families.ddp import MIXED, DdpBuckets, buffer_broadcasts, ddp_buckets, ddp_unused
-from zeroexp.formulas.layout import (ModelShape, PlanKnobs, StateLayout, all_reduce_then_broadcast,
-                                     owner_assignment)
+from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, owner_assignment
+from zeroexp.formulas.paper import Collectives, collectives_of
 from zeroexp.formulas.shapes import Groups
 
-__all__ = ["ZroOwners", "ZRO", "ROWS"]
+__all__ = ["ZroOwners", "ZRO", "ROWS", "all_reduce_then_broadcast"]
 
 
 def _zro_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
@@ -24,6 +24,14 @@ def _zro_comm(shape: ModelShape, world_size: int, knobs: PlanKnobs) -> dict:
             tuple(k for o in owned for k in o)
     return {"buckets": ddp_buckets(shape, knobs), "broadcasts": broadcasts,
             "buffer_broadcasts": buffer_broadcasts(shape.buffers), **ddp_unused(shape, knobs)}
+
+
+def all_reduce_then_broadcast(g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
+    """ZeRO-1 as ZeroRedundancyOptimizer does it: DDP's bucket all_reduces (P) [ZeRO 7.2.1], then each owner
+    broadcasts its updated parameters (``_sync_params``): one broadcast per parameter, or per owner bucket; S = P;
+    and DDP's broadcast of the buffers before forward."""
+    return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([g.used_map_bytes] if g.used_map_bytes else []),
+                          broadcast=[k * c for k in g.broadcasts] + list(g.buffer_broadcasts))
 
 
 class ZroOwners(DdpBuckets):

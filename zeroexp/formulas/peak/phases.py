@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from zeroexp.formulas.peak.adamw import adamw_temporary_blocks, update_phase
-from zeroexp.formulas.units import post_forward_bump
 
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES",
            "phase_peaks", "fsdp_phase_peaks", "fsdp2_phase_peaks"]
@@ -498,3 +497,12 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         grads_done += u.grads
         reduced = {"activations": after.get("activations", 0) - trace.loss_bytes,
                    "temporaries": after.get("temporaries", 0), "gradients": t_root + shards_done - steady_grad_bytes}
+
+
+def post_forward_bump(params: tuple[int, ...], k: int) -> int:
+    """The most bytes above a unit's unsharded parameters while FSDP2 reshards it to ``k`` ranks after forward, one
+    parameter after another: its 1/k cloned (``to_sharded_post_forward``), then its unsharded storage freed."""
+    best = run = 0
+    for b in params:
+        best, run = max(best, run + b // k), run + b // k - b
+    return best
