@@ -6,6 +6,7 @@ says where they differ."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from zeroexp.formulas.peak.allocator import counted, counted_sum
@@ -19,7 +20,7 @@ from zeroexp.formulas.paper import (Collectives, add_collectives, clip_norm_all_
 from zeroexp.formulas.peak.phases import FsdpUnit
 from zeroexp.formulas.peak.precision import FP32_TERMS, PrecisionTerms, sharded_grad_upcast
 
-__all__ = ["FsdpFamily", "fsdp_unit_slots", "gather_units", "hybrid_units"]
+__all__ = ["FsdpFamily", "UnitTerms", "fsdp_unit_slots", "gather_units", "hybrid_units"]
 
 
 def fsdp_unit_slots(groups: Any, mode: str, f: float, b: float, o: float, fwd: int, bwd: int) -> tuple[list, str]:
@@ -108,6 +109,24 @@ def hybrid_units(dtensor_grads: bool = False, kept_under_no_sync: bool = False) 
         norms = clip_norm_all_reduces(len(g.numels), dtensor_grads) if knobs.clipping else []
         return add_collectives(model, "all_reduce", norms, shard)
     return payload
+
+
+@dataclass(frozen=True)
+class UnitTerms:
+    """The peak model's terms of a rank's units, in ``block``-byte blocks (:meth:`FsdpFamily.phase_peaks`): each
+    non-root unit's (``units``), the root unit's unsharded parameters, its parameters' own gradients and its flat
+    gradient, its parameters' padded rows (FSDP2); each non-root unit's flat gradient (under ``no_sync``); whether the
+    model is one unit (``alone``); each unit's parameter indices (``members``); AdamW's keywords."""
+
+    units: list[FsdpUnit]
+    root: int
+    root_grads: int
+    root_flat: int
+    root_params: tuple[int, ...]
+    flat_grads: list[int]
+    alone: bool
+    members: list[tuple[int, ...]]
+    adamw: dict[str, Any]
 
 
 class FsdpFamily(Family):
@@ -229,13 +248,13 @@ class FsdpFamily(Family):
                                       module_shard,
                                       None if unit.reduced is None and r == itemsize else b(unit.scattered * r),
                                       b(shape.numels[max(trained)] * itemsize) if trained else 0, params))
-        held = dict(units=units, root=root, root_grads=root_grads, root_flat=root_flat, root_params=root_params,
-                    flat_grads=flat_grads, alone=alone, sized=sized, adamw=adamw)
+        held = UnitTerms(units, root, root_grads, root_flat, root_params, flat_grads, alone, [m for m, _ in sized],
+                         adamw)
         return self.unit_phase_peaks(row, groups, shape, trace, itemsize, held, rank=rank, prefetch=prefetch,
                                      gloo=gloo, micro_batches=micro_batches, root_kept=root_kept, knobs=knobs,
                                      block=block, foreach=foreach)
 
-    def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held: dict, **kw) -> dict[str, dict]:
+    def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held: UnitTerms, **kw) -> dict[str, dict]:
         raise NotImplementedError
 
     def late_free(self, row, groups, itemsize, micro_batches):

@@ -96,24 +96,24 @@ class Fsdp1Units(FsdpFamily):
                          root_kept, knobs, block, foreach):
         """SHARD_GRAD_OP and FULL_SHARD, the root unit kept unsharded from forward into backward; ``grad_accum`` > 1
         SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.peak.accumulation.fsdp_no_sync_phase_peaks`)."""
-        n, kept, adamw = groups.shard_over, held["adamw"]["optimizer_itemsize"], held["adamw"]
+        n, kept, adamw = groups.shard_over, held.adamw["optimizer_itemsize"], held.adamw
         shards = [u.scattered // n for u in groups.units]
         # what zero_grad frees between steps: each unit's gradient shard, one storage (the flat gradient)
         steady_grads = counted_sum((k * kept for k in shards), block)
         orig = knobs.use_orig_params  # zeroexp.formulas.orig_params
         # AdamW's tensors in the optimizer's order: each FlatParameter, the root's first; with use_orig_params each
         # original parameter's view of this rank's shard, in the model's order
-        stepped = (orig_param_views(groups, shape, [m for m, _ in held["sized"]], rank % n) if orig
+        stepped = (orig_param_views(groups, shape, held.members, rank % n) if orig
                    else tuple(shards[-1:] + shards[:-1]))
         if micro_batches > 1:
             if not row.no_sync_accumulation:
                 raise ValueError(f"no accumulation model for {row.label} (plan.memory.uncovered names it)")
             return fsdp_no_sync_phase_peaks(
-                trace, [u.unsharded for u in held["units"]], held["flat_grads"], root=held["root"],
-                root_grads=held["root_flat"], steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
+                trace, [u.unsharded for u in held.units], held.flat_grads, root=held.root,
+                root_grads=held.root_flat, steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
                 optimizer_temporaries=adamw_temporaries(stepped, kept, foreach, block), grads_held_into_backward=orig)
-        full_shard = row.reshard_after_forward and not held["alone"]
-        return fsdp_phase_peaks(trace, held["units"], root=held["root"], steady_grad_bytes=steady_grads,
+        full_shard = row.reshard_after_forward and not held.alone
+        return fsdp_phase_peaks(trace, held.units, root=held.root, steady_grad_bytes=steady_grads,
                                 reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
                                 gloo=gloo, optimizer_numels=stepped, grads_held_into_backward=orig, **adamw)
 

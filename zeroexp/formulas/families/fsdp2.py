@@ -104,18 +104,18 @@ class Fsdp2Rows(FsdpFamily):
                          root_kept, knobs, block, foreach):
         """AdamW steps each parameter's local rows, in definition order; the root kept unsharded from forward to
         backward where ``root_kept`` (``PlanKnobs.root_kept_after_forward``)."""
-        n, kept, alone = groups.shard_over, held["adamw"]["optimizer_itemsize"], held["alone"]
+        n, kept, alone = groups.shard_over, held.adamw["optimizer_itemsize"], held.alone
         if micro_batches > 1:
             raise ValueError(f"no accumulation model for {row.label} (plan.memory.uncovered names it)")
         # what zero_grad frees between steps: each unit's reduce-scatter output, of which each parameter's sharded
         # gradient is a view
         steady_grads = counted_sum((u.scattered // n * kept for u in groups.units), block)
-        return fsdp2_phase_peaks(trace, held["units"], root=held["root"], steady_grad_bytes=steady_grads, gloo=gloo,
-                                 optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **held["adamw"],
+        return fsdp2_phase_peaks(trace, held.units, root=held.root, steady_grad_bytes=steady_grads, gloo=gloo,
+                                 optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **held.adamw,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                                  one_unit=alone, root_kept=root_kept and not alone,
                                  ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
-                                 post_forward=groups.post_forward_size, root_params=held["root_params"])
+                                 post_forward=groups.post_forward_size, root_params=held.root_params)
 
     def forward_late_free(self, sizes):
         # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
