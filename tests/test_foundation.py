@@ -195,6 +195,37 @@ def test_a_model_found_good_is_not_built_again_and_a_bad_one_is_refused_every_ti
     assert len(built) == 4
 
 
+def test_every_registered_probe_has_its_dry_run_section_or_says_why_not(tmp_path, monkeypatch):
+    """A dry run goes through one loop over the registered probes (zeroexp.rank.dryrun._finalize): each gives its
+    section (``Probe.dry_report``) or its reason (``Probe.dry_run_absent``); a probe with neither stops the dry run
+    rather than dropping its result."""
+    from zeroexp.probes import Probe, ProbeReport, registry
+    import zeroexp.rank.dryrun as dryrun
+
+    for cls in registry():
+        assert cls.dry_report.__func__ is not Probe.dry_report.__func__ or cls.dry_run_absent, cls.name
+
+    class Silent(Probe):
+        name = "silent"
+
+    class Said(Probe):
+        name = "said"
+
+        @classmethod
+        def dry_report(cls, results, cfg, source):
+            return ProbeReport({"check": "n/a", "seen": results})
+
+    cfg = OmegaConf.create({"world_size": 2, "logger": {"name": "none"}})
+    monkeypatch.setattr(dryrun, "write_summary", lambda cell, cfg, summary, tables, **kw: summary)
+    info = {"cell": "c", "cell_id": "i"}
+    monkeypatch.setattr(dryrun, "probes_for", lambda cfg: [Said])
+    summary = dryrun._finalize(tmp_path, cfg, info, "derived", {"said": [{"x": 1}]}, 0, None)
+    assert summary["said"] == {"check": "n/a", "seen": [{"x": 1}]} and summary["dry_run"]["absent"] == {}
+    monkeypatch.setattr(dryrun, "probes_for", lambda cfg: [Said, Silent])
+    with pytest.raises(RuntimeError, match="'silent' gave no dry-run section and no reason"):
+        dryrun._finalize(tmp_path, cfg, info, "derived", {"said": [{"x": 1}]}, 0, None)
+
+
 def test_schedule_is_assembled_from_the_probes():
     """Each probe declares its steps (``Probe.steps``); the schedule, its checks and a dry run's absent sections
     come from the probe registry, so a new probe with a window moves the timed steps by itself."""

@@ -94,6 +94,23 @@ class Probe:
         """Whether this cell runs the probe: every cell when :attr:`always`; override it for a condition."""
         return cls.always
 
+    @classmethod
+    def in_dry_run(cls, cfg: DictConfig) -> bool:
+        """Whether a traced dry run runs the probe on its played rank 0: every probe not absent from it."""
+        return not cls.dry_run_absent
+
+    @classmethod
+    def derived(cls, ctx: RunContext, groups: Any) -> list[dict[str, Any]] | None:
+        """Every rank's result as the one expectation model derives it from ``groups`` (a derived dry run: the
+        strategy is not traced); None: the probe has no derived record (its section is absent)."""
+        return None
+
+    @classmethod
+    def dry_report(cls, results: list[dict[str, Any]], cfg: DictConfig, source: str) -> ProbeReport | None:
+        """The probe's report in a dry run (``source``: ``traced``, ``results`` the played rank 0's; ``derived``,
+        every rank's from :meth:`derived`); None: absent, for the reason :attr:`dry_run_absent` gives."""
+        return None
+
     @staticmethod
     def digest_line(section: dict[str, Any]) -> str | None:
         """What the probe found, in one line of the terminal digest, from its ``summary.json`` section; None: no

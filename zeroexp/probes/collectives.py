@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from zeroexp._lib.dispatch import dispatch_mode_base, op_argument_names, process_group_named
 from zeroexp._lib.profiler import is_torch_op
-from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes
+from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes, step_collectives
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.exposed import exposed_comm
 from zeroexp.results.cells import column
@@ -375,6 +375,30 @@ class CollectivesProbe(Probe):
                            expected_bus_bytes=None, expected_groups=None,
                            reasons=[*reasons, f"not checked: {first['expected_error']}"])
         return ProbeReport(section=section, tables={"collectives.csv": pd.DataFrame(rows, columns=COLUMNS)})
+
+
+    @classmethod
+    def derived(cls, ctx, groups) -> list[dict[str, Any]]:
+        """Rank 0's collectives of each profiled step, :func:`zeroexp.formulas.step_collectives` over ``groups``."""
+        e, row, cfg = ctx.expect, ctx.expect.layout, ctx.cfg
+        steps, dtype = list(ctx.schedule.profiled), str(cfg.precision.param_dtype)
+        limits = row.payload_limits(groups, e.knobs, e.precision, str(cfg.offload.name)) if row.payload_limits else []
+        how = (f"zeroexp.formulas.step_collectives over the groups the row {e.name} ({row.label}) derives from the "
+               "model's shapes" + ("; not exact here: " + "; ".join(limits) if limits else ""))
+        expected = step_collectives(row, groups, e.itemsize, e.knobs)
+        records = [{"phase": "step", "step": s, "op": op, "dtype": dtype, "count": c["count"],
+                    "payload_bytes": c["payload_bytes"]} for s in steps for op, c in expected.items()]
+        return [{"records": records, "steps": steps, "expected": expected, "expected_error": None,
+                 "param_bytes": 4 * (groups.numel + sum(groups.frozen)), "source": f"derived, not traced: {how}",
+                 "derived_from": SOURCE}]
+
+    @classmethod
+    def dry_report(cls, results: list[dict[str, Any]], cfg, source: str) -> ProbeReport:
+        """Rank 0's table; derived: nothing measured to check (measured equals expected by construction)."""
+        report = cls.aggregate(results, cfg)
+        why = {"source": results[0]["source"], "check": "n/a", "reasons": [
+            "derived from the model's structure, not traced: nothing measured to check"]} if source == "derived" else {}
+        return ProbeReport({**report.section, **why, "ranks_in_table": "rank 0"}, report.tables)
 
 
 def _per_step_mean(records: list[dict[str, Any]], steps: list[int], world_size: int) -> tuple[dict, list[str]]:

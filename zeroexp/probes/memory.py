@@ -328,6 +328,12 @@ def memory_line(m: dict[str, Any]) -> str:
             f"{unit}" + ("" if missing(phase) else f" (in {phase})"))
 
 
+#: What the memory probe's figures mean in a traced dry run.
+SIMULATED = ("simulated: rank 0's steps under FakeTensorMode and a fake process group, tracked by the memory probe's "
+             "MemTracker (fake storages, nothing allocated); the backend's own buffers (gloo's or NCCL's copies) are "
+             "not in it: the fake process group makes none")
+
+
 class MemoryProbe(Probe):
     """Steady bytes at the optimizer boundary and the training peak of each memory-tracked step, per rank."""
 
@@ -339,6 +345,21 @@ class MemoryProbe(Probe):
 
     digest_line = staticmethod(memory_line)
     report_table = staticmethod(memory_table)
+
+    @classmethod
+    def in_dry_run(cls, cfg) -> bool:
+        """A traced dry run tracks one micro-batch a step (MemTracker refuses a second forward in one tracked step,
+        as in a real run): its phase peaks are a simulation (:data:`SIMULATED`)."""
+        return int(cfg.grad_accum) == 1
+
+    @classmethod
+    def dry_report(cls, results: list[dict[str, Any]], cfg, source: str) -> ProbeReport | None:
+        """A traced dry run's phase peaks, marked simulated; absent otherwise (:attr:`dry_run_absent`)."""
+        if source != "traced" or not results or not (results[0] or {}).get("records"):
+            return None
+        report = cls.aggregate(results, cfg)
+        return ProbeReport({**report.section, "source": SIMULATED, "simulated": True},
+                           {"memory.csv": report.tables["memory.csv"]})
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)

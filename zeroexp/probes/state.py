@@ -237,6 +237,66 @@ class StateProbe(Probe):
         }
         return ProbeReport(section=section, tables={"rank_state.csv": frame})
 
+    @classmethod
+    def derived(cls, ctx: RunContext, groups: Any) -> list[dict[str, Any]]:
+        """Every rank's state table from ``groups`` (:func:`zeroexp.formulas.rank_state_bytes`), as its records."""
+        from zeroexp.formulas import rank_state_bytes
+
+        cfg, expect = ctx.cfg, ctx.expect
+        itemsize, dtype = expect.itemsize, str(cfg.precision.param_dtype)
+        p_bytes = 4 * (groups.numel + sum(groups.frozen))  # P: every parameter, frozen ones included
+        table = rank_state_bytes(expect.layout, groups, itemsize, expect.knobs, str(cfg.offload.name))
+        compute = {"param", "grad"}  # in the compute dtype; masters, moments and step scalars in fp32
+        return [{"rows": [{"kind": k, "logical_bytes": v[r][0], "physical_bytes": v[r][1],
+                           "dtype": dtype if k in compute else "float32", "device": "",
+                           "numel": v[r][0] // (itemsize if k in compute else 4)} for k, v in table.items()],
+                 "step": ctx.schedule.state_step, "logical_param_bytes": p_bytes,
+                 "expected": expect.state_factors(groups.numel / max(groups.numel + sum(groups.frozen), 1)),
+                 "semantics": ctx.adapter.semantics} for r in range(ctx.world_size)]
+
+    @classmethod
+    def dry_report(cls, results: list[dict[str, Any]], cfg: DictConfig, source: str) -> ProbeReport:
+        """Derived: every rank's table (the formulas'). Traced: rank 0's bytes x N, checked against rank 0's bytes
+        by the formulas x N (:data:`FACTORS_BASIS`)."""
+        if source == "derived":
+            report = cls.aggregate(results, cfg)
+            return ProbeReport({**report.section, "ranks_in_table": "every rank (formulas)"}, report.tables)
+        report = cls.aggregate(results, cfg)
+        s, n, p = report.section, int(cfg.world_size), int(results[0]["logical_param_bytes"])
+        frame = report.tables["rank_state.csv"]
+        logical = {k: n * int(frame[frame.kind == k].logical_bytes.sum()) for k in s["factors"]}
+        physical = {k: n * int(frame[frame.kind == k].physical_bytes.sum()) for k in s["factors"]}
+        reasons = check_factors({k: v / p for k, v in logical.items()}, _rank0_factors(cfg, s["expected"], n, p),
+                                logical, p, n, basis=f"= rank 0 x {n}",
+                                note=" (rank 0's bytes by the formulas x N: see factors_basis)")
+        s.update(factors={k: v / p for k, v in logical.items()},
+                 physical_factors={k: v / p for k, v in physical.items()},
+                 padding_bytes=physical.get("param", 0) - logical.get("param", 0),
+                 padding_bytes_by_kind={k: physical[k] - logical[k] for k in logical},
+                 physical_param_bytes=physical.get("param", 0), optim_scalar_bytes=physical.get("optim_scalar", 0),
+                 owner_imbalance=None, check="FAIL" if reasons else "PASS", reasons=reasons,
+                 factors_basis=FACTORS_BASIS, ranks_in_table="rank 0")
+        return ProbeReport(s, {"rank_state.csv": frame})
+
+
+#: How a traced dry run's factors are read: rank 0's bytes times N.
+FACTORS_BASIS = ("rank 0 x world_size: a dry run measures rank 0 only. Exact when every rank holds as much as "
+                 "rank 0 (N divides every unit, or every parameter's dim 0 for FSDP2); otherwise above the sum "
+                 "over ranks by the padding the last ranks hold instead of parameters. Checked against rank 0's "
+                 "bytes by the formulas x world_size (zeroexp.formulas.rank_state_bytes), padding included")
+
+
+def _rank0_factors(cfg: DictConfig, expected: dict[str, float], n: int, p: int) -> dict[str, float]:
+    """The factors rank 0's bytes x N give by the formulas (``zeroexp.plan.check.cell.rank_state_of``): the strategy's
+    ``expected`` where every rank holds as much as rank 0, above them by the padding the last ranks hold instead of
+    parameters otherwise; ``expected`` itself for a kind, precision or offload the formulas do not model."""
+    from zeroexp.plan.check.cell import rank_state_of
+
+    table = rank_state_of(cfg)
+    if table is None:
+        return expected
+    return {k: n * table[k][0][0] / p if k in table else v for k, v in expected.items()}
+
 
 # The digest line and the report section (Probe.digest_line, Probe.report_table).
 

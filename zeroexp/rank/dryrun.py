@@ -48,10 +48,8 @@ from zeroexp._lib.fsdp2 import fsdp2_chunking, fsdp2_post_forward_mesh_in
 from zeroexp._lib.fsdp1 import allocated_by_size
 from zeroexp.models import build_model
 from zeroexp.models.module import CellModule, SyntheticBatches
-from zeroexp.probes import (CollectivesProbe, MemoryProbe, RunContext, StateProbe, absent_in_dry_run, as_callback,
-                            probes_for)
+from zeroexp.probes import ProbeReport, RunContext, absent_in_dry_run, as_callback, probes_for
 from zeroexp.probes.memory import freeze_startup_objects
-from zeroexp.probes.state import check_factors
 from zeroexp.results.files import write_text
 from zeroexp.config.schedule import Schedule
 from zeroexp.rank.summary import summary_head, write_summary
@@ -68,10 +66,6 @@ SOURCES = {
 }
 #: The sections of a real run that a dry run leaves out, and why (each probe's ``Probe.dry_run_absent``).
 ABSENT = absent_in_dry_run()
-FACTORS_BASIS = ("rank 0 x world_size: a dry run measures rank 0 only. Exact when every rank holds as much as "
-                 "rank 0 (N divides every unit, or every parameter's dim 0 for FSDP2); otherwise above the sum "
-                 "over ranks by the padding the last ranks hold instead of parameters. Checked against rank 0's "
-                 "bytes by the formulas x world_size (zeroexp.formulas.rank_state_bytes), padding included")
 CPU = torch.device("cpu")
 
 
@@ -86,19 +80,11 @@ def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any]) -> d
         ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg),
                          expect=Expectation(cfg, adapter.live_groups))
         source = "traced" if adapter.dry_run_traced else "derived"
-        state, collectives, memory, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
-        write_text(Path(cell) / ".ranks" / "rank0.json",
-                   json.dumps({"state": state, "collectives": collectives, "memory": memory}))
-        return _finalize(Path(cell), cfg, run_info, source, state, collectives, steps, ctx.expect.groups_record(),
-                         memory)
+        results, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
+        write_text(Path(cell) / ".ranks" / "rank0.json", json.dumps(results))
+        return _finalize(Path(cell), cfg, run_info, source, results, steps, ctx.expect.groups_record())
     finally:
         dist.destroy_process_group()
-
-
-#: What the memory probe's figures mean in a traced dry run.
-SIMULATED = ("simulated: rank 0's steps under FakeTensorMode and a fake process group, tracked by the memory probe's "
-             "MemTracker (fake storages, nothing allocated); the backend's own buffers (gloo's or NCCL's copies) are "
-             "not in it: the fake process group makes none")
 
 
 class LazyChunks(Sequence):
@@ -162,27 +148,26 @@ def play_rank0(cfg_dict: dict[str, Any], device: torch.device) -> dict[str, Any]
                              "(StrategyAdapter.dry_run_traced)")
         ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=device, adapter=adapter,
                          schedule=Schedule.from_cfg(cfg), expect=Expectation(cfg, adapter.live_groups))
-        state, collectives, memory, steps = _traced(cfg, ctx, fake=False)
+        results, steps = _traced(cfg, ctx, fake=False)
     finally:
         dist.destroy_process_group()
-    section = {**MemoryProbe.aggregate([memory], cfg).section, "backend": "fake"} if memory else None
-    return {"state": state, "collectives": collectives, "memory": memory, "memory_section": section, "steps": steps}
+    memory = results.get("memory")
+    section = {**_probe(cfg, "memory").aggregate([memory], cfg).section, "backend": "fake"} if memory else None
+    return {**results, "memory": memory, "memory_section": section, "steps": steps}
 
 
-def _traced(cfg: DictConfig, ctx: RunContext, fake: bool = True
-            ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
+def _traced(cfg: DictConfig, ctx: RunContext, fake: bool = True) -> tuple[dict[str, Any], int]:
     """Rank 0's steps under FakeTensorMode (``fake``; else real tensors on ``ctx.device``: :func:`play_rank0`),
     trained by the real run's loop (zeroexp.rank.fit: Lightning's Trainer and the adapter's strategy) with the real
     run's state and collectives probes, and the memory probe (its figures simulated under FakeTensorMode: see
-    :data:`SIMULATED`) where the cell runs it."""
+    :data:`zeroexp.probes.memory.SIMULATED`) where the cell runs it."""
     import lightning.pytorch as pl
 
     from zeroexp.rank.fit import fit_cell
 
     adapter, schedule, n = ctx.adapter, ctx.schedule, ctx.world_size
     adapter.setup(ctx.device)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
-    classes = [cls for cls in probes_for(cfg) if not cls.dry_run_absent]  # the state and collectives probes
-    classes += [cls for cls in probes_for(cfg) if cls is MemoryProbe and _simulates_memory(cfg)]
+    classes = [cls for cls in probes_for(cfg) if cls.in_dry_run(cfg)]  # each probe says whether it runs
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
     accum = int(cfg.get("grad_accum") or 1)
     # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group
@@ -198,8 +183,7 @@ def _traced(cfg: DictConfig, ctx: RunContext, fake: bool = True
                                 0, steps * accum)
         data = FakeBatches(data, mode) if fake else DataLoader(data, batch_size=None)  # as a real rank's
         fit_cell(ctx, module, data, probes, steps=steps, num_nodes=n)  # one process, playing one node of n
-    results = {probe.name: probe.rank_result() for probe in probes}
-    return results["state"], results["collectives"], results.get("memory"), steps
+    return {probe.name: probe.rank_result() for probe in probes}, steps
 
 
 class FakeBatches:
@@ -239,12 +223,6 @@ def _rank_of(world_size: int) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _simulates_memory(cfg: DictConfig) -> bool:
-    """Whether a traced dry run of ``cfg`` runs the memory probe: one micro-batch a step (MemTracker refuses a
-    second forward in one tracked step, as in a real run)."""
-    return int(cfg.get("grad_accum") or 1) == 1
-
-
 def _steps_read(schedule: Any, classes: list[Any]) -> int:
     """One past the last step that ``classes`` read (``Probe.steps`` on ``schedule``), at least warm-up."""
     ends = [schedule.warmup]
@@ -255,104 +233,44 @@ def _steps_read(schedule: Any, classes: list[Any]) -> int:
     return max(ends)
 
 
-def _derived(cfg: DictConfig, ctx: RunContext
-             ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None, int]:
+def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[dict[str, Any], int]:
     """The model's structure on the meta device: the groups the cell's row derives from its shapes (what the
-    adapter reads off its live structure in a real run), turned into collectives and a state table by the one
-    expectation model (zeroexp.formulas)."""
-    from zeroexp.formulas import rank_state_bytes, step_collectives
+    adapter reads off its live structure in a real run), and each probe's records derived from them by the one
+    expectation model (``Probe.derived``: every rank's)."""
     from zeroexp.plan.check.cell import cell_groups
-    from zeroexp.probes.collectives import SOURCE
 
-    n, offload, expect = ctx.world_size, str(cfg.offload.name), ctx.expect
-    layout, itemsize, knobs = expect.layout, expect.itemsize, expect.knobs
-    groups = expect.groups = cell_groups(cfg)
-    p_bytes = 4 * (groups.numel + sum(groups.frozen))  # P: every parameter, frozen ones included
-    how = (f"zeroexp.formulas.step_collectives over the groups the row {expect.name} ({layout.label}) derives from "
-           "the model's shapes")
-    expected = step_collectives(layout, groups, itemsize, knobs)
-    limits = layout.payload_limits(groups, knobs, expect.precision, offload) if layout.payload_limits else []
-    if limits:  # the payload model is not exact for this cell: say so where the figures are shown
-        how += "; not exact here: " + "; ".join(limits)
-    dtype = str(cfg.precision.param_dtype)
-    steps = list(ctx.schedule.profiled)
-    records = [{"phase": "step", "step": s, "op": op, "dtype": dtype, "count": e["count"],
-                "payload_bytes": e["payload_bytes"]} for s in steps for op, e in expected.items()]
-    collectives = {"records": records, "steps": steps, "expected": expected, "expected_error": None,
-                   "param_bytes": p_bytes, "source": f"derived, not traced: {how}", "derived_from": SOURCE}
-    table = rank_state_bytes(layout, groups, itemsize, knobs, offload)
-    compute = {"param", "grad"}  # in the compute dtype; masters, moments and step scalars in fp32
-    state = [{"rows": [{"kind": k, "logical_bytes": v[r][0], "physical_bytes": v[r][1],
-                        "dtype": dtype if k in compute else "float32", "device": "",
-                        "numel": v[r][0] // (itemsize if k in compute else 4)} for k, v in table.items()],
-              "step": ctx.schedule.state_step, "logical_param_bytes": p_bytes,
-              "expected": expect.state_factors(groups.numel / max(groups.numel + sum(groups.frozen), 1)),
-              "semantics": ctx.adapter.semantics} for r in range(n)]
-    return state, collectives, None, 0
+    groups = ctx.expect.groups = cell_groups(cfg)
+    records = {cls.name: cls.derived(ctx, groups) for cls in probes_for(cfg)}
+    return {name: r for name, r in records.items() if r is not None}, 0
 
 
-def _state_section(state: Any, cfg: DictConfig, source: str) -> tuple[dict[str, Any], Any]:
-    """The state probe's section: over every rank (derived), or rank 0's bytes times N (traced)."""
-    if source == "derived":
-        report = StateProbe.aggregate(state, cfg)
-        return {**report.section, "ranks_in_table": "every rank (formulas)"}, report.tables["rank_state.csv"]
-    report = StateProbe.aggregate([state], cfg)
-    s, n, p = report.section, int(cfg.world_size), int(state["logical_param_bytes"])
-    frame = report.tables["rank_state.csv"]
-    logical = {k: n * int(frame[frame.kind == k].logical_bytes.sum()) for k in s["factors"]}
-    physical = {k: n * int(frame[frame.kind == k].physical_bytes.sum()) for k in s["factors"]}
-    reasons = check_factors({k: v / p for k, v in logical.items()}, _rank0_factors(cfg, s["expected"], n, p),
-                            logical, p, n, basis=f"= rank 0 x {n}",
-                            note=" (rank 0's bytes by the formulas x N: see factors_basis)")
-    s.update(factors={k: v / p for k, v in logical.items()}, physical_factors={k: v / p for k, v in physical.items()},
-             padding_bytes=physical.get("param", 0) - logical.get("param", 0),
-             padding_bytes_by_kind={k: physical[k] - logical[k] for k in logical},
-             physical_param_bytes=physical.get("param", 0), optim_scalar_bytes=physical.get("optim_scalar", 0),
-             owner_imbalance=None, check="FAIL" if reasons else "PASS", reasons=reasons,
-             factors_basis=FACTORS_BASIS, ranks_in_table="rank 0")
-    return s, frame
+def _probe(cfg: DictConfig, name: str) -> Any:
+    """The probe class of this cell named ``name``."""
+    return next(cls for cls in probes_for(cfg) if cls.name == name)
 
 
-def _rank0_factors(cfg: DictConfig, expected: dict[str, float], n: int, p: int) -> dict[str, float]:
-    """The factors rank 0's bytes x N give by the formulas (``zeroexp.plan.check.cell.rank_state_of``): the strategy's
-    ``expected`` where every rank holds as much as rank 0, above them by the padding the last ranks hold instead of
-    parameters otherwise; ``expected`` itself for a kind, precision or offload the formulas do not model."""
-    from zeroexp.plan.check.cell import rank_state_of
-
-    table = rank_state_of(cfg)
-    if table is None:
-        return expected
-    return {k: n * table[k][0][0] / p if k in table else v for k, v in expected.items()}
-
-
-def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, state: Any,
-              collectives: dict[str, Any], steps: int, live_groups: dict[str, Any] | None,
-              memory: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write ``rank_state.csv``, ``collectives.csv``, ``memory.csv`` (simulated) and ``summary.json`` (with the
-    planner's prediction)."""
-    n = int(cfg.world_size)
-    state_section, state_frame = _state_section(state, cfg, source)
-    coll = CollectivesProbe.aggregate([collectives], cfg)
-    coll_section = dict(coll.section)
-    if source == "derived":  # measured == expected by construction: there is nothing to check
-        coll_section.update(source=collectives["source"], check="n/a",
-                            reasons=["derived from the model's structure, not traced: nothing measured to check"])
-    coll_section["ranks_in_table"] = "rank 0"
-    tables = {"rank_state.csv": state_frame, "collectives.csv": coll.tables["collectives.csv"]}
-    absent = absent_in_dry_run(cfg)
-    memory_section = None
-    if memory and memory.get("records"):
-        mem = MemoryProbe.aggregate([memory], cfg)
-        memory_section = {**mem.section, "source": SIMULATED, "simulated": True}
-        tables["memory.csv"] = mem.tables["memory.csv"]
-        absent.pop(MemoryProbe.name, None)
+def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, results: dict[str, Any],
+              steps: int, live_groups: dict[str, Any] | None) -> dict[str, Any]:
+    """Each probe's section and tables from the played rank's results (traced) or its derived records
+    (``Probe.dry_report``), every other probe absent with its reason; ``summary.json`` with the planner's
+    prediction. A probe with neither a section nor a reason is an error: no result is dropped silently."""
+    n, sections, tables, absent = int(cfg.world_size), {}, {}, {}
+    for cls in probes_for(cfg):
+        found = results.get(cls.name)
+        rows = found if source == "derived" else [found]
+        report: ProbeReport | None = cls.dry_report(rows, cfg, source) if found is not None else None
+        if report is None:
+            if not cls.dry_run_absent:
+                raise RuntimeError(f"probe {cls.name!r} gave no dry-run section and no reason (Probe.dry_run_absent)")
+            absent[cls.name] = cls.dry_run_absent
+            continue
+        sections[cls.name] = report.section
+        tables.update(report.tables)
     summary = summary_head(run_info, n, steps, mode="dry_run",
                            dry_run={"source": SOURCES[source], "played_rank": 0, "world_size": n, "backend": "fake",
                                     "steps_run": steps, "absent": absent,
                                     "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
-                           state=state_section, collectives=coll_section)
-    if memory_section is not None:
-        summary["memory"] = memory_section
+                           **sections)
     itself = None if source == "traced" else ("a derived dry run's state and collectives are the planner's own "
                                               "model of this cell: comparing them with the plan cannot fail")
     write_summary(cell, cfg, summary, tables, live_groups=live_groups, itself=itself)

@@ -12,7 +12,7 @@ from zeroexp.formulas.families.fsdp1 import OS_G_P
 from zeroexp.formulas.init import fsdp2_init_peak_bytes
 from zeroexp.formulas.layout import StateLayout, local_numels
 from zeroexp.formulas.paper import fsdp2_padded_numel
-from zeroexp.formulas.peak.phases import fsdp2_phase_peaks
+from zeroexp.formulas.peak.fsdp2 import fsdp2_phase_peaks
 from zeroexp.formulas.shapes import Shard, Unit
 
 __all__ = ["Fsdp2Rows", "FSDP2", "ROWS"]

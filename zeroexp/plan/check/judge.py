@@ -90,8 +90,9 @@ def nz(cats: dict[str, Any]) -> dict[str, int]:
 
 
 def as_simulated(section: dict[str, Any]) -> dict[str, Any]:
-    """A traced dry run's memory is a simulation (``zeroexp.rank.dryrun.SIMULATED``), not a measurement: its figures sit
-    beside the prediction as ``simulated_*``, the same rule's verdict as ``simulated_check``; ``check`` is n/a."""
+    """A traced dry run's memory is a simulation (``zeroexp.probes.memory.SIMULATED``), not a measurement: its
+    figures sit beside the prediction as ``simulated_*``, the same rule's verdict as ``simulated_check``; ``check`` is
+    n/a."""
     renamed = {"measured_bytes": "simulated_bytes", "measured_peak_bytes": "simulated_peak_bytes",
                "measured_by_category": "simulated_by_category", "check": "simulated_check"}
     phases = {ph: {renamed.get(k, k): v for k, v in rec.items()} for ph, rec in section["phases"].items()}

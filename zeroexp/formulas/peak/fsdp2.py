@@ -1,0 +1,177 @@
+"""FSDP2's phase peaks (:func:`fsdp2_phase_peaks`): per-parameter units, their copy-in and copy-out, the implicit and
+explicit prefetch, the reshard to a smaller group after forward (:func:`post_forward_bump`); the rest of the peak
+model over units is :mod:`zeroexp.formulas.peak.phases`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from zeroexp.formulas.peak.adamw import adamw_temporary_blocks
+from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_end, _backward_order, _Highest,
+                                          _unit_index)
+
+__all__ = ["fsdp2_phase_peaks", "post_forward_bump"]
+
+
+def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
+                      optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
+                      block: int = 1, reshard_after_forward: bool = True, one_unit: bool = False,
+                      root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
+                      post_forward: int = 0, root_params: tuple[int, ...] = ()) -> dict[str, dict]:
+    """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
+    buffer), per phase, the bytes above steady at the peak, by category. ``reshard_after_forward=False``
+    (SHARD_GRAD_OP's FSDP2 form): every unit stays unsharded from its forward to its backward, which gathers nothing
+    and prefetches nothing; what follows otherwise holds for both.
+
+    FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, _fsdp_collectives.py) all-gathers a unit into
+    one output buffer and copies it out into the unsharded parameters (``split_with_sizes_copy``). Forward: two
+    unit-sizes while a unit computes, three at a unit's copy-out: the previous unit's all-gather output (the first
+    unit's: the root's, gathered before any unit), kept as the ``AllGatherState``, is freed when the unit's
+    ``wait_for_unshard`` returns, after its copy-out (its local ``prev_all_gather_state`` holds it past
+    ``comm_ctx.all_gather_state = None``; Python references, alike on every device: on CUDA FSDP2 guards the buffer
+    with events, not ``record_stream``). Backward, as measured on torch 2.13
+    and modelled so: each unit's pre-backward issues the next unit's all-gather (implicit prefetch); a unit computes
+    with its parameters, the prefetched buffer and, except the first, the previous unit's reduce-scatter input (FSDP2
+    keeps one, ``reduce_scatter_states``, until the next reduce; the memory probe's ``comm`` showed it); its
+    post-backward hook reshards it and holds the parameters' own gradients, their padded concatenation
+    (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo, the input's copy,
+    beside the prefetched buffer; below fp32 the shard's up-cast follows ``unsharded_grads.clear()``, when of the
+    unit's own gradients only the last is still referenced; the sharded gradients of the units done are kept. Each
+    unit after the first in backward copies its prefetched output out in its pre-backward (``wait_for_unshard``):
+    two of its sizes beside the previous unit's kept reduce-scatter input. The root unit
+    (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
+    temporaries over the local shards (one per parameter). Categories: the all-gather outputs and the unsharded
+    parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and the previous unit's, kept,
+    ``comm``; the output shards ``gradients``. ``one_unit``: the model is one unit (``wrap: null``,
+    ``strategy.wrap=[]``): no all-gather follows its forward's, whose output stays alive through backward beside the
+    unsharded parameters, and it reduces in the root's final callback, after autograd (measured on torch 2.13, a
+    10-7-3 biased stack at N=2 and 3, both reshard settings). ``root_kept`` (``reshard_after_forward=None``, FSDP2's
+    default): the root's own parameters stay unsharded from its forward into its backward, so the loss and its
+    backward run beside them (gathered again otherwise only when autograd reaches the root). ``ahead``: explicit
+    prefetch, (forward, backward) units ahead (0: FSDP2's default, none in forward, its implicit one in backward;
+    _fsdp_state.py ``_pre_forward``, ``_pre_backward``): a unit's pre-forward, after its own copy-out, all-gathers the
+    next units not yet gathered, whose outputs stay alive (``_all_gather_result``) until each one's own copy-out: unit
+    k computes beside the next ``ahead[0]`` outputs, and copies out beside the ``ahead[0] - 1`` after it that unit
+    k - 1 issued; in backward a unit computes and reduces beside the next ``ahead[1]`` units' outputs (the
+    backward-order units before it in forward). ``post_forward`` (``reshard_after_forward=k``, ZeRO++'s hpZ): each
+    unit, the root too, keeps 1/k of its unsharded bytes from the end of its forward (cloned parameter by parameter
+    while the unit is still unsharded, :func:`post_forward_bump`: a moment of its own) until its backward's copy-out
+    frees them."""
+    k_of = _unit_index(trace, units)
+    best = _Highest()
+    kept = not reshard_after_forward
+    # what each unit holds from its forward to its backward, and the root at the loss
+    held = [u.unsharded if kept else u.unsharded // post_forward if post_forward else 0 for u in units]
+    root_after = root if kept or root_kept else root // post_forward if post_forward else 0
+    bump = [post_forward_bump(p, post_forward) if post_forward and not kept else 0
+            for p in [u.params for u in units] + [root_params]]  # the units', then the root's
+    _fsdp2_forward(best.keep, trace, units, k_of, root=root, held=held, root_after=root_after, ahead=ahead[0],
+                   bump=bump)
+    _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
+                    kept=kept, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1))
+    return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
+
+
+def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
+                   root: int, held: list[int], root_after: int, ahead: int = 0, bump: list[int] | None = None) -> None:
+    """:func:`fsdp2_phase_peaks`' forward moments, each to ``keep``: unit k computing, its post-forward reshard, its
+    copy-out, the loss (``held``: what each unit keeps from its forward to its backward, all of it when kept, 1/k
+    under ``reshard_after_forward=k``; ``root_after``: the root's, at the loss; ``ahead``: the units each unit's
+    pre-forward prefetches; ``bump``: each unit's most bytes above its parameters while it reshards to k ranks)."""
+    full = [u.unsharded for u in units]
+    act = {"activations": -trace.loss_bytes}
+    last = None  # the last unit's end: what is alive when the root reshards (its all-gather output too)
+    for s in (s for s in trace.segments if s.phase == "forward"):
+        if s.unit == "loss":  # the root resharded at the end of its forward, and the units, but what they hold
+            if bump and bump[-1] and last is not None:  # the root's post-forward shard cloned out of it
+                keep("forward", _add(_add(last.end_by_category, act),
+                                     {"unsharded": root + bump[-1] + sum(held) + full[k_of[last.unit]]}))
+            keep("forward", _add(_add(s.peak_by_category, act), {"unsharded": root_after + sum(held)}))
+            continue
+        last = s if s.at == "end" else last
+        k = k_of[s.unit]
+        before = sum(held[:k])  # what the units before it hold since their forward
+        if s.at == "end":  # unit k computing: its all-gather output and its unsharded parameters, the prefetched
+            keep("forward", _add(_add(s.peak_by_category, act),
+                                 {"unsharded": root + before + 2 * full[k] + sum(full[k + 1:k + 1 + ahead])}))
+            if bump and bump[k]:  # its post-forward shard cloned out of it, parameter by parameter
+                keep("forward", _add(_add(s.end_by_category, act), {
+                    "unsharded": root + before + 2 * full[k] + bump[k] + sum(full[k + 1:k + 1 + ahead])}))
+        else:  # unit k's copy-out: the previous all-gather output kept (unit 0: the root's), unit k-1's prefetched
+            early = sum(full[k + 1:k + ahead]) if k else 0
+            keep("forward", _add(_add(s.end_by_category, act),
+                                 {"unsharded": root + before + 2 * full[k] + (full[k - 1] if k else root) + early}))
+
+
+def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
+                    root: int, steady_grad_bytes: int, gloo: bool, kept: bool, one_unit: bool,
+                    held: list[int], root_after: int, ahead: int = 1) -> None:
+    """:func:`fsdp2_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own
+    peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction."""
+    full = [u.unsharded for u in units]
+    segs = list(trace.segments)
+    order = _backward_order(k_of)
+    shards_done, grads_done = 0, 0
+    reduced: dict[str, int] = {}  # the previous unit's post-backward, its reduction done
+    for pos, (name, k) in enumerate(order):
+        i = _backward_end(segs, name)
+        u = units[k]
+        after = segs[i + 1].end_by_category
+        t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
+        prefetched = sum(full[j] for _, j in order[pos + 1:pos + 1 + ahead]) if not kept else 0
+        pending = sum(held[j] for _, j in order[pos + 1:])  # what the units after it hold since their forward
+        # The previous unit's reduce-scatter input, kept until this unit's reduce (FSDP2's reduce_scatter_states, one
+        # buffer): comm.
+        rs_kept = units[order[pos - 1][1]].scattered if pos and not kept else 0
+        if pos and not kept and not one_unit:
+            # u's copy-out in its pre-backward (wait_for_unshard), before it prefetches the next unit: its all-gather
+            # output (prefetched by the previous unit) beside its unsharded parameters and the units prefetched before
+            # it, the previous unit's reduction done (as forward's copy-out)
+            early = sum(full[j] for _, j in order[pos + 1:pos + ahead])
+            keep("backward", {**reduced, "comm": rs_kept,
+                              "unsharded": root + 2 * full[k] + early + pending + held[k]})
+        # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only what
+        # the units and the root hold since forward is unsharded).
+        before = ((segs[i - 1], root_after + held[k] + pending, 0),) if pos == 0 else ()
+        # A model that is one unit all-gathers nothing after its forward: that all-gather's output (AllGatherState)
+        # is still alive through its backward, beside the unsharded parameters.
+        ag_kept = full[k] if one_unit and not kept else 0
+        for seg, unsharded, comm in ((segs[i], root + u.unsharded + prefetched + pending + ag_kept, rs_kept), *before):
+            g = seg.peak_by_category.get("gradients", 0)
+            keep("backward", _add(seg.peak_by_category, {
+                "activations": -trace.loss_bytes, "unsharded": unsharded, "comm": comm,
+                "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
+        # chunk_cat's output, the reduce-scatter's input, is comm; the output shard is kept as the gradient. gloo's
+        # copy of the input (no collective's argument: temporaries) is alive at this moment only while gloo's worker
+        # still holds it: the upper end of the range.
+        copy = max(u.scattered - u.upcast, 0) if gloo else 0
+        # A model that is one unit reduces in the root's final callback, after autograd: by gloo's copy of the input
+        # the parameters' own gradients are freed but the last one (FSDP2's reduction still references it), and the
+        # copy is alive.
+        alone = one_unit and gloo
+        post = {"activations": after.get("activations", 0) - trace.loss_bytes, "comm": u.scattered,
+                "unsharded": root + prefetched + pending,
+                "gradients": t_root + shards_done + u.shard - steady_grad_bytes + (u.last_grad if alone else 0)}
+        note = (f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive at its post-backward only while "
+                "gloo's worker holds it")
+        keep("backward", {**post, "temporaries": after.get("temporaries", 0) + (copy if alone else u.grads)},
+             timing={"temporaries": 0 if alone else copy}, note=note)
+        if u.upcast:  # below fp32: the reduced shard's up-cast (foreach_reduce's _to_dtype_if_needed) comes after
+            # unsharded_grads.clear() (_fsdp_collectives.py): of the unit's own gradients only the last is still
+            # referenced then
+            keep("backward", {**post, "temporaries": after.get("temporaries", 0) + u.upcast
+                              + (0 if alone else u.last_grad)},
+                 timing={"temporaries": 0 if alone else copy}, note=note)
+        shards_done += u.upcast or u.shard
+        grads_done += u.grads
+        reduced = {"activations": after.get("activations", 0) - trace.loss_bytes,
+                   "temporaries": after.get("temporaries", 0), "gradients": t_root + shards_done - steady_grad_bytes}
+
+
+def post_forward_bump(params: tuple[int, ...], k: int) -> int:
+    """The most bytes above a unit's unsharded parameters while FSDP2 reshards it to ``k`` ranks after forward, one
+    parameter after another: its 1/k cloned (``to_sharded_post_forward``), then its unsharded storage freed."""
+    best = run = 0
+    for b in params:
+        best, run = max(best, run + b // k), run + b // k - b
+    return best
