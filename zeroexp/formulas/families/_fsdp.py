@@ -1,8 +1,8 @@
 """What FSDP1's flat units and FSDP2's per-parameter rows share: units gathered before their forward and backward,
 reduce-scattered after their backward [FSDP] [FSDP2]; the timeline of those calls, the framework's cost per call,
 the peak model over units (:func:`zeroexp.formulas.peak.phases.fsdp_phase_peaks`,
-:mod:`zeroexp.formulas.peak.fsdp2`), the tensors gloo may free late. Each family (:mod:`~zeroexp.formulas.families.fsdp1`, :mod:`~zeroexp.formulas.families.fsdp2`)
-says where they differ."""
+:mod:`zeroexp.formulas.peak.fsdp2`), the tensors gloo may free late. Each family
+(:mod:`~zeroexp.formulas.families.fsdp1`, :mod:`~zeroexp.formulas.families.fsdp2`) says where they differ."""
 
 from __future__ import annotations
 
