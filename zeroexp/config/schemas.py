@@ -23,7 +23,6 @@ from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
 from zeroexp.models.schemas import MODEL_RESERVED_KEYS, GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
-from zeroexp.formulas.rows import row_of
 from zeroexp.strategies.schemas import SCHEMAS, schema_keys
 from zeroexp.config.resources import ResourcesConfig, check_resources
 
@@ -414,6 +413,7 @@ def _check_model_keys(cfg: DictConfig) -> None:
 def _check_what_the_strategy_runs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
     """What the strategy implements (its row's precisions, its adapter's offloads, axes, warm-up, checkpoints,
     init), then the adapter's own refusals."""
+    from zeroexp.formulas.rows import row_of  # the expectation model: not for --help or a refused override
     from zeroexp.strategies import get_adapter_class, registered
 
     name = cfg.strategy.name
