@@ -37,10 +37,10 @@ def _constants(node: ast.AST) -> list[ast.Constant]:
     return []
 
 
-def name_tests(source: str, names: set[str]) -> list[tuple[int, str]]:
+def name_tests(source: str, names: set[str], compared_only: bool = False) -> list[tuple[int, str]]:
     """(line, name) of each strategy name ``source`` compares against (``==``, ``!=``, ``in``, ``not in``, either
-    side, a literal collection's members included) or keys a literal dict or collection with (a by-name table, read
-    later by a comparison or a lookup)."""
+    side, a literal collection's members included) or, unless ``compared_only``, keys a literal dict or collection
+    with (a by-name table, read later by a comparison or a lookup)."""
     hits: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         found: list[ast.Constant] = []
@@ -48,6 +48,8 @@ def name_tests(source: str, names: set[str]) -> list[tuple[int, str]]:
                                                  for op in node.ops):
             for side in (node.left, *node.comparators):
                 found += _constants(side)
+        elif compared_only:
+            continue
         elif isinstance(node, (ast.Dict, ast.Tuple, ast.List, ast.Set)):
             found += _constants(node)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
@@ -109,15 +111,8 @@ def _family_sources() -> list[Path]:
 
 
 def discriminator_tests(source: str, values: set[str]) -> list[tuple[int, str]]:
-    """(line, value) of each family discriminator ``source`` compares against (``==``, ``!=``, ``in``, ``not in``,
-    either side, a literal collection's members included)."""
-    hits = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                 for op in node.ops):
-            hits += [(c.lineno, c.value) for side in (node.left, *node.comparators) for c in _constants(side)
-                     if c.value in values]
-    return sorted(set(hits))
+    """(line, value) of each family discriminator ``source`` compares against (:func:`name_tests`' comparisons)."""
+    return name_tests(source, values, compared_only=True)
 
 
 def test_the_families_discriminators_are_known():
