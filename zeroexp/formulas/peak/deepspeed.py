@@ -215,28 +215,27 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     return out.best
 
 
+# [Note: DeepSpeed stage 3's phase peaks]
+# Forward: the root's prefetch gathers every parameter of a module forward calls (the trace's units; none of a module it
+# never calls) into one flat buffer (each padded to N), and the first module's fetch concatenates each into its own
+# tensor; the flat buffer lives until the last module whose parameters came in it is fetched; nothing is released before
+# backward but the parameters no module that backward reaches uses (a frozen module fed by nothing that trains): the
+# coordinator's trace holds no later use of them (``__params_to_release``), so they go after their last module's
+# forward. Backward: the bare backward less the traced parameter gradients (copied into the steady bucket), beside the
+# parameters not yet released (a module's after its backward, unless an earlier one in forward order uses them too, or
+# autograd never reaches its inputs: those until ``step``); a reduce-scatter's concatenation and its padding chunks when
+# a bucket is reduced (the last one in the epilogue, after autograd), on gloo with ``_reduce_scatter_base``'s copy of
+# its input. Optimizer: the flat fp32 gradient copy beside AdamW's temporaries over the fp32 partition and the step's
+# float64 norms (one per sub-group, their combination, the new ``_global_grad_norm``).
 def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_size: int,
                           buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool,
                           partitions: tuple[int, ...] | None = None, foreach: bool = False) -> dict[str, dict]:
     """Stage 3 (``numels``: every parameter, frozen ones too, in parameter order, the indices ``trace.units`` use;
     ``partitions``: the trainable parameters' partitions, None: every parameter's ceil(numel / N); ``buckets``: the
     reduce-scatters' gradient numels in backward order), per phase, the bytes above steady at the peak, by category.
-    Frozen parameters are gathered and released with their modules as the others; only the trainable ones have an
-    fp32 partition. Steady holds the ipg bucket, the partitions and ``grad_partitions_flat_buffer``; the trace must
-    carry its units (``own_params_units``).
-
-    Forward: the root's prefetch gathers every parameter of a module forward calls (the trace's units; none of a
-    module it never calls) into one flat buffer (each padded to N), and the first module's fetch concatenates each
-    into its own tensor; the flat buffer lives until the last module whose parameters came in it is fetched; nothing
-    is released before backward but the parameters no module that backward reaches uses (a frozen module fed by
-    nothing that trains): the coordinator's trace holds no later use of them (``__params_to_release``), so they go
-    after their last module's forward. Backward: the bare backward less the traced parameter gradients (copied into
-    the steady bucket), beside the parameters not yet released (a module's after its backward, unless an earlier one
-    in forward order uses them too, or autograd never reaches its inputs: those until ``step``); a reduce-scatter's
-    concatenation and its padding chunks when a bucket is reduced (the last one in the epilogue, after autograd), on
-    gloo with ``_reduce_scatter_base``'s copy of its input.
-    Optimizer: the flat fp32 gradient copy beside AdamW's temporaries over the fp32 partition and the step's float64
-    norms (one per sub-group, their combination, the new ``_global_grad_norm``)."""
+    Frozen parameters are gathered and released with their modules as the others; only the trainable ones have an fp32
+    partition. Steady holds the ipg bucket, the partitions and ``grad_partitions_flat_buffer``; the trace must carry its
+    units (``own_params_units``). ([Note: DeepSpeed stage 3's phase peaks] above.)"""
     c, n, out = itemsize, world_size, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:

@@ -13,50 +13,52 @@ from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_e
 __all__ = ["fsdp2_phase_peaks", "post_forward_bump"]
 
 
+# [Note: FSDP2's phase peaks]
+# FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, _fsdp_collectives.py) all-gathers a unit into one
+# output buffer and copies it out into the unsharded parameters (``split_with_sizes_copy``). Forward: two unit-sizes
+# while a unit computes, three at a unit's copy-out: the previous unit's all-gather output (the first unit's: the
+# root's, gathered before any unit), kept as the ``AllGatherState``, is freed when the unit's ``wait_for_unshard``
+# returns, after its copy-out (its local ``prev_all_gather_state`` holds it past ``comm_ctx.all_gather_state = None``;
+# Python references, alike on every device: on CUDA FSDP2 guards the buffer with events, not ``record_stream``).
+# Backward, as measured on torch 2.13 and modelled so: each unit's pre-backward issues the next unit's all-gather
+# (implicit prefetch); a unit computes with its parameters, the prefetched buffer and, except the first, the previous
+# unit's reduce-scatter input (FSDP2 keeps one, ``reduce_scatter_states``, until the next reduce; the memory probe's
+# ``comm`` showed it); its post-backward hook reshards it and holds the parameters' own gradients, their padded
+# concatenation (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo, the input's copy, beside
+# the prefetched buffer; below fp32 the shard's up-cast follows ``unsharded_grads.clear()``, when of the unit's own
+# gradients only the last is still referenced; the sharded gradients of the units done are kept. Each unit after the
+# first in backward copies its prefetched output out in its pre-backward (``wait_for_unshard``): two of its sizes
+# beside the previous unit's kept reduce-scatter input. The root unit (its own parameters) is held from its forward to
+# the end of forward and through backward. Optimizer: AdamW's temporaries over the local shards (one per parameter).
+# Categories: the all-gather outputs and the unsharded parameters are ``unsharded``; ``chunk_cat``'s output (the
+# reduce-scatter's input) and the previous unit's, kept, ``comm``; the output shards ``gradients``. ``one_unit``: the
+# model is one unit (``wrap: null``, ``strategy.wrap=[]``): no all-gather follows its forward's, whose output stays
+# alive through backward beside the unsharded parameters, and it reduces in the root's final callback, after autograd
+# (measured on torch 2.13, a 10-7-3 biased stack at N=2 and 3, both reshard settings). ``root_kept``
+# (``reshard_after_forward=None``, FSDP2's default): the root's own parameters stay unsharded from its forward into its
+# backward, so the loss and its backward run beside them (gathered again otherwise only when autograd reaches the
+# root). ``ahead``: explicit prefetch, (forward, backward) units ahead (0: FSDP2's default, none in forward, its
+# implicit one in backward; _fsdp_state.py ``_pre_forward``, ``_pre_backward``): a unit's pre-forward, after its own
+# copy-out, all-gathers the next units not yet gathered, whose outputs stay alive (``_all_gather_result``) until each
+# one's own copy-out: unit k computes beside the next ``ahead[0]`` outputs, and copies out beside the ``ahead[0] - 1``
+# after it that unit k - 1 issued; in backward a unit computes and reduces beside the next ``ahead[1]`` units' outputs
+# (the backward-order units before it in forward). ``post_forward`` (``reshard_after_forward=k``, ZeRO++'s hpZ): each
+# unit, the root too, keeps 1/k of its unsharded bytes from the end of its forward (cloned parameter by parameter while
+# the unit is still unsharded, :func:`post_forward_bump`: a moment of its own) until its backward's copy-out frees
+# them.
+
+
 def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int, gloo: bool,
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                       block: int = 1, reshard_after_forward: bool = True, one_unit: bool = False,
                       root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
                       post_forward: int = 0, root_params: tuple[int, ...] = ()) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
-    buffer), per phase, the bytes above steady at the peak, by category. ``reshard_after_forward=False``
-    (SHARD_GRAD_OP's FSDP2 form): every unit stays unsharded from its forward to its backward, which gathers nothing
-    and prefetches nothing; what follows otherwise holds for both.
-
-    FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, _fsdp_collectives.py) all-gathers a unit into
-    one output buffer and copies it out into the unsharded parameters (``split_with_sizes_copy``). Forward: two
-    unit-sizes while a unit computes, three at a unit's copy-out: the previous unit's all-gather output (the first
-    unit's: the root's, gathered before any unit), kept as the ``AllGatherState``, is freed when the unit's
-    ``wait_for_unshard`` returns, after its copy-out (its local ``prev_all_gather_state`` holds it past
-    ``comm_ctx.all_gather_state = None``; Python references, alike on every device: on CUDA FSDP2 guards the buffer
-    with events, not ``record_stream``). Backward, as measured on torch 2.13
-    and modelled so: each unit's pre-backward issues the next unit's all-gather (implicit prefetch); a unit computes
-    with its parameters, the prefetched buffer and, except the first, the previous unit's reduce-scatter input (FSDP2
-    keeps one, ``reduce_scatter_states``, until the next reduce; the memory probe's ``comm`` showed it); its
-    post-backward hook reshards it and holds the parameters' own gradients, their padded concatenation
-    (``chunk_cat``, the reduce-scatter's input), the output shard and, on gloo, the input's copy,
-    beside the prefetched buffer; below fp32 the shard's up-cast follows ``unsharded_grads.clear()``, when of the
-    unit's own gradients only the last is still referenced; the sharded gradients of the units done are kept. Each
-    unit after the first in backward copies its prefetched output out in its pre-backward (``wait_for_unshard``):
-    two of its sizes beside the previous unit's kept reduce-scatter input. The root unit
-    (its own parameters) is held from its forward to the end of forward and through backward. Optimizer: AdamW's
-    temporaries over the local shards (one per parameter). Categories: the all-gather outputs and the unsharded
-    parameters are ``unsharded``; ``chunk_cat``'s output (the reduce-scatter's input) and the previous unit's, kept,
-    ``comm``; the output shards ``gradients``. ``one_unit``: the model is one unit (``wrap: null``,
-    ``strategy.wrap=[]``): no all-gather follows its forward's, whose output stays alive through backward beside the
-    unsharded parameters, and it reduces in the root's final callback, after autograd (measured on torch 2.13, a
-    10-7-3 biased stack at N=2 and 3, both reshard settings). ``root_kept`` (``reshard_after_forward=None``, FSDP2's
-    default): the root's own parameters stay unsharded from its forward into its backward, so the loss and its
-    backward run beside them (gathered again otherwise only when autograd reaches the root). ``ahead``: explicit
-    prefetch, (forward, backward) units ahead (0: FSDP2's default, none in forward, its implicit one in backward;
-    _fsdp_state.py ``_pre_forward``, ``_pre_backward``): a unit's pre-forward, after its own copy-out, all-gathers the
-    next units not yet gathered, whose outputs stay alive (``_all_gather_result``) until each one's own copy-out: unit
-    k computes beside the next ``ahead[0]`` outputs, and copies out beside the ``ahead[0] - 1`` after it that unit
-    k - 1 issued; in backward a unit computes and reduces beside the next ``ahead[1]`` units' outputs (the
-    backward-order units before it in forward). ``post_forward`` (``reshard_after_forward=k``, ZeRO++'s hpZ): each
-    unit, the root too, keeps 1/k of its unsharded bytes from the end of its forward (cloned parameter by parameter
-    while the unit is still unsharded, :func:`post_forward_bump`: a moment of its own) until its backward's copy-out
-    frees them."""
+    buffer), per phase, the bytes above steady at the peak, by category [FSDP2] (the moments of each phase: [Note:
+    FSDP2's phase peaks] above). ``reshard_after_forward=False`` (SHARD_GRAD_OP's FSDP2 form): every unit stays
+    unsharded from its forward to its backward. ``one_unit``: the model is one unit; ``root_kept``
+    (``reshard_after_forward=None``): the root's own parameters stay unsharded into backward; ``ahead``: explicit
+    prefetch, (forward, backward) units ahead (0: FSDP2's default); ``post_forward``: ``reshard_after_forward=k``."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     kept = not reshard_after_forward

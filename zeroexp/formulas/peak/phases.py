@@ -224,27 +224,26 @@ class FsdpUnit(NamedTuple):
         return self.unsharded if self.reduced is None else self.reduced
 
 
+# [Note: FSDP1's phase peaks]
+# Forward: while unit k computes, FULL_SHARD holds k unsharded, SHARD_GRAD_OP every unit up to k (freed after backward).
+# Backward, unit u after the units before it in backward order: two moments, read from FSDP1's post-backward hook
+# (torch/distributed/fsdp/_runtime_utils.py): A -- the per-parameter gradients (``grads``) are concatenated into the
+# FlatParameter's unsharded gradient (a new ``unsharded`` buffer) while u is still unsharded; B -- u is resharded, the
+# reduce-scatter's output (``shard``) is allocated, and on gloo ``_reduce_scatter_base`` copies its input (another
+# ``unsharded``). Both hold the bare backward's activations and their gradients at u's end (the trace, its parameter
+# gradients taken out), the sharded gradients of the units done (``zero_grad`` freed the steady ones), and the unsharded
+# units: FULL_SHARD u at A; BACKWARD_PRE the next unit at A and B, BACKWARD_POST at B only; SHARD_GRAD_OP every unit not
+# yet done (u at A only). Optimizer: AdamW's temporaries over the shards. Categories as the memory probe names them
+# (zeroexp/_lib/memtrack.py): the units gathered are ``unsharded``, the unsharded gradient (the reduce-scatter's input)
+# ``comm``, the output shards ``gradients`` (FSDP keeps them as the sharded gradient). ``grads_held_into_backward``
+# (zeroexp.formulas.orig_params): backward starts holding the steady shards.
 def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
                      reshard_after_forward: bool, prefetch: str, gloo: bool,
                      optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                      block: int = 1, grads_held_into_backward: bool = False) -> dict[str, dict]:
-    """FSDP1 (FlatParameter per unit; ``units`` in forward order, ``root``: the root unit's unsharded bytes, held
-    from its forward to the end of backward), per phase, the bytes above steady at the peak, by category.
-
-    Forward: while unit k computes, FULL_SHARD holds k unsharded, SHARD_GRAD_OP every unit up to k (freed after
-    backward). Backward, unit u after the units before it in backward order: two moments, read from FSDP1's
-    post-backward hook (torch/distributed/fsdp/_runtime_utils.py):
-      A -- the per-parameter gradients (``grads``) are concatenated into the FlatParameter's unsharded gradient
-           (a new ``unsharded`` buffer) while u is still unsharded;
-      B -- u is resharded, the reduce-scatter's output (``shard``) is allocated, and on gloo
-           ``_reduce_scatter_base`` copies its input (another ``unsharded``).
-    Both hold the bare backward's activations and their gradients at u's end (the trace, its parameter gradients
-    taken out), the sharded gradients of the units done (``zero_grad`` freed the steady ones), and the unsharded
-    units: FULL_SHARD u at A; BACKWARD_PRE the next unit at A and B, BACKWARD_POST at B only; SHARD_GRAD_OP every
-    unit not yet done (u at A only). Optimizer: AdamW's temporaries over the shards. Categories as the memory probe
-    names them (zeroexp/_lib/memtrack.py): the units gathered are ``unsharded``, the unsharded gradient (the
-    reduce-scatter's input) ``comm``, the output shards ``gradients`` (FSDP keeps them as the sharded gradient).
-    ``grads_held_into_backward`` (zeroexp.formulas.orig_params): backward starts holding the steady shards."""
+    """FSDP1 (FlatParameter per unit; ``units`` in forward order, ``root``: the root unit's unsharded bytes, held from
+    its forward to the end of backward), per phase, the bytes above steady at the peak, by category. ([Note: FSDP1's
+    phase peaks] above.)"""
     k_of = _unit_index(trace, units)
     best = _Highest()
     _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward,
