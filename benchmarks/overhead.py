@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    from zeroexp.config.schedule import Schedule
+    from zeroexp.cell.schedule import Schedule
 
     a = {k: getattr(args, k) for k in ("width", "depth", "world_size", "batch_size", "steps", "seed")}
     times: dict[str, dict[str, list[float]]] = {s: {"zeroexp": [], "bare": []} for s in args.strategies}

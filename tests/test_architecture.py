@@ -97,6 +97,7 @@ LAYERS = [
     ("_lib",),                                       # shims over torch's and Lightning's own machinery
     ("results",),                                    # the files a cell and a sweep leave, table parts
     ("models",),                                     # the models, their schemas, the LightningModule
+    ("cell",),                                       # the validated cell: its policies, schedule, identity, Cell
     ("plan",),                                       # the planner and a cell's expectation (plan.expect)
     ("strategies",),                                 # the adapters and zeroexp's own ZeRO
     ("config",),                                     # composition and checks before launch
@@ -204,11 +205,11 @@ def test_no_source_file_over_500_lines():
 
 
 def test_the_schedule_reads_each_registered_probes_own_steps():
-    """zeroexp.config.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process
+    """zeroexp.cell.schedule.PROBE_STEPS declares the steps of the registered probes (so the launching process
     validates a
     schedule without importing them): each registered probe that needs steps takes exactly its entry, in order."""
     from zeroexp.probes import registry
-    from zeroexp.config.schedule import PROBE_STEPS
+    from zeroexp.cell.schedule import PROBE_STEPS
 
     needing = [p for p in registry() if p.steps is not None]
     assert [p.name for p in needing] == list(PROBE_STEPS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import STEPS, WINDOWS, read_csv
-from zeroexp.config.cell import cell_id, cell_identity, cell_name
+from zeroexp.cell.identity import cell_id, cell_identity, cell_name
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.plan.check.expect import knobs_of, layout_of
 from zeroexp.formulas import Groups, Unit, step_collectives

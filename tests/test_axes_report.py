@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from zeroexp.config.cell import cell_name
+from zeroexp.cell.identity import cell_name
 from zeroexp.report import build_report, write_report
 from zeroexp.results.axes import AXES, axis_values, set_axes, varies
 from zeroexp.results.format import NA

@@ -14,7 +14,7 @@ from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import compose_config, run_cli
-from zeroexp.config.cell import cell_id, cell_identity, cell_name
+from zeroexp.cell.identity import cell_id, cell_identity, cell_name
 from zeroexp.cli.run import CONF_DIR, register
 from zeroexp.config.schemas import ConfigError, strategy_extras, validate, without_strategy_extras
 from zeroexp.strategies import registered
@@ -222,7 +222,7 @@ def test_layout_is_set_for_every_strategy_and_is_not_identity():
 def test_every_strategy_has_its_schema_in_the_torch_free_table():
     import sys
 
-    from zeroexp.strategies.schemas import SCHEMAS, StrategyConfig, schema_keys
+    from zeroexp.cell.strategy import SCHEMAS, StrategyConfig, schema_keys
 
     assert set(SCHEMAS) == set(registered()) == {p.stem for p in (Path(CONF_DIR) / "strategy").glob("*.yaml")}
     for name, adapter in registered().items():
@@ -239,7 +239,7 @@ def test_every_strategy_has_its_schema_in_the_torch_free_table():
     # composing and naming a cell needs no adapter: neither torch nor Lightning is imported
     probe = ("import sys; from zeroexp.cli.run import register, CONF_DIR;"
              "from hydra import compose, initialize_config_dir;"
-             "from zeroexp.config.cell import cell_name; register();"
+             "from zeroexp.cell.identity import cell_name; register();"
              "initialize_config_dir(config_dir=CONF_DIR, version_base='1.3').__enter__();"
              "[cell_name(compose('config', [f'strategy={s}', 'strategy.shard_size=2'])) for s in "
              f"{sorted(SCHEMAS)!r}];"

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import WINDOWS, read_csv
 
+from zeroexp.cell.policy import CellPolicy
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.strategies import deepspeed as ds_adapter
 
@@ -117,7 +118,7 @@ def test_bf16_optimizer_offload_cell_keeps_optimizer_state_on_the_host(cell):
 
 
 def test_stage_names_the_cell(compose):
-    from zeroexp.config.cell import cell_name
+    from zeroexp.cell.identity import cell_name
 
     assert cell_name(compose(*N2, "strategy.stage=3")).startswith("deepspeed-stage3_mlp_fp32_n2_")
 
@@ -130,7 +131,7 @@ def test_both_checkpoint_kinds_validate_at_every_stage(compose, stage):
     for kind in ("full", "sharded"):
         cfg = compose(*N2, f"strategy.stage={stage}", f"checkpoint={kind}")
         validate(cfg)
-        formats[kind] = ds_adapter.DeepSpeedAdapter(cfg).checkpoint_format(kind)
+        formats[kind] = ds_adapter.DeepSpeedAdapter(CellPolicy.of(cfg)).checkpoint_format(kind)
     assert ds_adapter.DS_FULL_FILE in formats["full"] and ("all-gathered" if stage == 3 else "all_reduce" if stage
                                                            else "no collective") in formats["full"]
     assert ("zero_pp_rank_<r>_" in formats["sharded"]) == (stage > 0)

@@ -255,7 +255,7 @@ def _main_process(sig: signal.Signals, tmp_path: Path) -> None:
 def _stale_sweep(compose, tmp_path: Path) -> None:
     """A sweep directory left by a killed run (a manifest still ``running``, a partial result, a temporary file,
     rank files): ``resume=true`` re-runs that cell from clean and it ends ok."""
-    from zeroexp.config.cell import cell_name
+    from zeroexp.cell.identity import cell_name
 
     sweep = tmp_path / "sweep"
     args = ("logger=none", "model.width=32", "steps=9", *SMALL)

@@ -231,7 +231,7 @@ def test_schedule_is_assembled_from_the_probes():
     come from the probe registry, so a new probe with a window moves the timed steps by itself."""
     from zeroexp.rank.dryrun import ABSENT
     from zeroexp.probes import Probe, Steps, registry
-    from zeroexp.config.schedule import Schedule
+    from zeroexp.cell.schedule import Schedule
 
     cfg = OmegaConf.create({"steps": 12, "warmup_steps": 3, "probes": {"profile_steps": 2, "memory_steps": 1}})
     s = Schedule.from_cfg(cfg)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import read_csv
-from zeroexp.config.cell import cell_id, cell_name
+from zeroexp.cell.identity import cell_id, cell_name
 from zeroexp.rank.dryrun import ABSENT
 
 WIDTH, DEPTH = 64, 8  # conftest BASE: model.width=64, the mlp's default depth

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroexp.config.cell import cell_name
+from zeroexp.cell.identity import cell_name
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.plan.check.expect import Expectation
 from zeroexp.formulas import ModelShape, PlanKnobs, bus_bytes, padded_numel

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from zeroexp.cell.policy import CellPolicy
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import LAYOUTS
 from zeroexp.formulas.init import init_peak_bytes
@@ -69,7 +70,7 @@ def test_bad_init_is_refused_before_any_rank(compose):
 
 
 def test_cell_identity_gains_init_only_when_meta(compose):
-    from zeroexp.config.cell import cell_identity, cell_name
+    from zeroexp.cell.identity import cell_identity, cell_name
 
     full, meta = (compose("strategy=fsdp_full", "world_size=2"),
                   compose("strategy=fsdp_full", "world_size=2", "init=meta"))
@@ -133,7 +134,7 @@ def _init_rank(rank: int, port: int, cases: list, out: str, n: int) -> None:
         cfg = OmegaConf.create(case)
         values, peaks = {}, {}
         for init in ("full", "meta"):
-            adapter = get_adapter_class(cfg.strategy.name)(cfg)
+            adapter = get_adapter_class(cfg.strategy.name)(CellPolicy.of(cfg))
             mt = MemTracker()
             mt.__enter__()
             torch.manual_seed(int(cfg.seed))  # as the worker's seed_everything

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import read_csv
+from zeroexp.cell.policy import CellPolicy
 from zeroexp.plan.check.expect import Expectation
 from zeroexp.formulas import padded_numel
 from zeroexp.launch.local import free_port
@@ -106,7 +107,7 @@ def _orig_params_rank(rank: int, port: int, cfg_dict: dict, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=PAD_N)
     torch.set_num_threads(1)
     cfg = OmegaConf.create(cfg_dict)
-    adapter = get_adapter_class(cfg.strategy.name)(cfg)
+    adapter = get_adapter_class(cfg.strategy.name)(CellPolicy.of(cfg))
     torch.manual_seed(0)
     model = adapter.wrap(LinearStack(PAD_WIDTH, DEPTH), torch.device("cpu"))
     optimizer = adapter.make_optimizer(model.parameters())
@@ -153,7 +154,7 @@ def _stepped_adamw(params):
 
 def test_check_fails_on_an_unsharded_optimizer_under_a_zero1_claim(compose):
     cfg = compose("strategy=zro", "world_size=2")
-    adapter = get_adapter_class("zro")(cfg)
+    adapter = get_adapter_class("zro")(CellPolicy.of(cfg))
     model = LinearStack(16, 4)
     p = 4 * sum(q.numel() for q in model.parameters())
     # Plain AdamW on both ranks: every rank holds every moment, while zro claims ZeRO-1 (optim factor 2).

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 import conftest
 from conftest import read_csv
+from zeroexp.cell.policy import CellPolicy
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.formulas import bus_bytes, padded_numel, sharded_zero_rank_bytes
 from zeroexp.launch.local import free_port
@@ -46,7 +47,7 @@ def _train(cfg, rank: int, sharded: bool) -> tuple[list[float], dict[str, torch.
     net = LinearStack(int(cfg.model.width), int(cfg.model.depth))
     clip = cfg.strategy.clip_grad_norm
     if sharded:
-        adapter = get_adapter_class(cfg.strategy.name)(cfg)
+        adapter = get_adapter_class(cfg.strategy.name)(CellPolicy.of(cfg))
         model = adapter.wrap(net, torch.device("cpu"))
         opt = adapter.make_optimizer(model.parameters())
     else:

@@ -27,8 +27,10 @@ def run_hydra_app(config_name: str, task_fn: Callable[[DictConfig], None], start
     mistyped value, unknown key) and exits 1 before any task ran: that is bad input, reported as exit code 2
     (an :class:`AppExit` keeps its code)."""
     try:
+        from zeroexp.cell.memo import invocation_memo  # a sweep's jobs share their models' checks and shapes
+
         with (_mode_from_the_command_line(), _each_config_composed_once(), _each_sweep_expanded_once(),
-              _group_options_from_one_repo()):
+              _group_options_from_one_repo(), invocation_memo()):
             hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task_fn)()
     except SystemExit as e:
         if e.code == 1 and not started() and not isinstance(e, AppExit):

@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from zeroexp.config.cell import cell_name
+from zeroexp.cell.identity import cell_name
 from zeroexp.cli.hydra_app import CONF_DIR, run_hydra_app  # noqa: F401 - CONF_DIR: tests and callers read it here
 from zeroexp.config.schemas import ConfigError, InvalidCell, NotApplicableHere, register_schemas
 
@@ -169,7 +169,7 @@ def _not_run(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str |
     """The manifest of a sweep job that does not run, and its line: ``skipped`` (``NotApplicableHere``: not on this
     machine) or ``refused`` (``InvalidCell``: invalid for this cell), the refusal's key, value, accepted values and
     message in ``error``. ``launch``: how it would have been launched (default: locally)."""
-    from zeroexp.config.cell import cell_axes, cell_id
+    from zeroexp.cell.identity import cell_axes, cell_id
     from zeroexp.results.files import utc_now, write_json
     from zeroexp.launch.runner import manifest_config, new_manifest
 

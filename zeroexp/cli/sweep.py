@@ -66,12 +66,12 @@ def check_resume(config: DictConfig) -> None:
 
 def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: Any) -> None:
     """A ``strategy.<key>`` of a sweep (on the command line, or set by an experiment preset) applies to every job
-    whose strategy has that key; to the others it does not apply and makes no new cell (zeroexp.config.cell). Print
+    whose strategy has that key; to the others it does not apply and makes no new cell (zeroexp.cell.identity). Print
     which keys did not apply to which cells; refuse (exit 2, before the first cell) a key that the sweep names and that
     no job's strategy has (a typo: ``strategy.reduse=x``)."""
-    from zeroexp.config.cell import cell_name
+    from zeroexp.cell.identity import cell_name
     from zeroexp.config.schemas import ConfigError, owners_of, strategy_extras, strategy_key
-    from zeroexp.strategies.schemas import SCHEMAS, schema_keys
+    from zeroexp.cell.strategy import SCHEMAS, schema_keys
 
     named = {k for job in jobs for o in job if (k := strategy_key(o.split("=", 1)[0].lstrip("+~"))) and k != "name"}
     applied: set[str] = set()
@@ -144,7 +144,7 @@ def check_jobs(config: DictConfig) -> None:
     from hydra.core.global_hydra import GlobalHydra
     from rich.console import Console
 
-    from zeroexp.config.cell import cell_name
+    from zeroexp.cell.identity import cell_name
     from zeroexp.config.schemas import ConfigError, InvalidCell, NotApplicableHere, validate
 
     try:

@@ -13,7 +13,7 @@ from omegaconf import MISSING
 
 from zeroexp.errors import ConfigError
 
-__all__ = ["InitConfig", "INIT_OPTIONS", "check_init", "init_of"]
+__all__ = ["InitConfig", "INIT_OPTIONS", "check_init"]
 
 INIT_OPTIONS = ("full", "meta")
 
@@ -53,10 +53,3 @@ def check_init(cfg: Any, adapter: Any) -> None:
     if cfg.get("dry_run"):
         raise ConfigError("init", node.name, "full", why="a dry run allocates no parameter: there is nothing to "
                           "initialise")
-
-
-def init_of(cfg: Any) -> str:
-    """The cell's ``init`` (conf/init/): ``full`` or ``meta``; a config from before the axis:
-    full."""
-    node = cfg.get("init")
-    return str(node.name) if node is not None else "full"

@@ -14,22 +14,22 @@ from zeroexp.errors import ConfigError
 __all__ = ["check_model", "CHECK_BATCH", "OPTIONAL_EXTRAS"]
 
 
-#: The model configs (their resolved YAML) this process has checked and found good: a sweep validates each of its jobs,
-#: and its jobs mostly share a model (the check is a meta build and a forward: 0.1 s on a small MLP, more on a GPT).
-_PASSED: set[str] = set()
-
-
 def check_model(cfg: Any) -> None:
     """Refuse the cell's model (``cfg.model``) if it does not import, build, or run one forward and its loss. A model
-    config found good once in this process is not built again (a refusal is always computed afresh)."""
+    config found good once in this invocation is not built again (a refusal is always computed afresh)."""
     from omegaconf import OmegaConf
 
-    key = OmegaConf.to_yaml(cfg.model, resolve=True)
-    if key in _PASSED:
+    from zeroexp.cell.memo import memo_table
+
+    # a sweep validates each of its jobs, which mostly share a model (a meta build and a forward: 0.1 s on a small
+    # MLP, more on a GPT): a model config found good is remembered for the invocation (zeroexp.cell.memo)
+    key, passed = OmegaConf.to_yaml(cfg.model, resolve=True), memo_table("models_checked")
+    if passed is not None and key in passed:
         return
     _check_target(str(cfg.model._target_))
     _check_model_builds(cfg)
-    _PASSED.add(key)
+    if passed is not None:
+        passed[key] = True
 
 
 #: The batch of the model check: 2 samples (a batch dimension of 1 can hide a shape mistake).

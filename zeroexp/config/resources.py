@@ -74,14 +74,15 @@ def mem_available() -> int | None:
     return None
 
 
-def _state_bytes(cfg: Any, on_gpu: bool) -> tuple[int, str]:
-    """The largest rank's model state in host memory, from the planner's row of the cell."""
-    from zeroexp.plan.check.expect import knobs_of, layout_of
+def _state_bytes(cfg: Any, on_gpu: bool, shape: Any = None) -> tuple[int, str]:
+    """The largest rank's model state in host memory, from the planner's row of the cell (``shape``: its model's,
+    read by validation; None: read here)."""
+    from zeroexp.cell.resolved import knobs_of, layout_of
     from zeroexp.models import wrap_paths
     from zeroexp.plan.core import Precision, plan_record
     from zeroexp.plan.shape import model_shape
 
-    shape = model_shape(cfg.model, wrap_paths(cfg))
+    shape = shape if shape is not None else model_shape(cfg.model, wrap_paths(cfg))
     precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
     offload = str(cfg.offload.name)
     try:
@@ -97,11 +98,11 @@ def _state_bytes(cfg: Any, on_gpu: bool) -> tuple[int, str]:
     return int(record["total_bytes"]), f"the planner's {name} row: total_bytes of the largest rank"
 
 
-def estimate(cfg: Any) -> Estimate:
+def estimate(cfg: Any, shape: Any = None) -> Estimate:
     from zeroexp.devices import ranks_get_a_gpu
 
     n = int(cfg.world_size)
-    state, source = _state_bytes(cfg, ranks_get_a_gpu(cfg))
+    state, source = _state_bytes(cfg, ranks_get_a_gpu(cfg), shape)
     per_rank = state + RANK_OVERHEAD_BYTES
     return Estimate(n, state, per_rank, n * per_rank + SHARED_BYTES, mem_available(), source)
 
@@ -126,16 +127,14 @@ def _user_tasks() -> int:
     return count
 
 
-def check_resources(cfg: Any) -> None:
-    """Refuse (ConfigError naming ``world_size``) a local training cell that cannot fit this machine."""
-    if cfg.launcher.name != "local" or cfg.get("dry_run"):
-        return
-    res = cfg.get("resources")
-    if res is not None and not res.get("check", True):
+def check_resources(cfg: Any, shape: Any = None) -> None:
+    """Refuse (ConfigError naming ``world_size``) a local training cell that cannot fit this machine (``shape``: its
+    model's, read by validation)."""
+    if cfg.launcher.name != "local" or cfg.dry_run or not cfg.resources.check:
         return
     n = int(cfg.world_size)
     override = "resources.check=false to start it anyway"
-    e = estimate(cfg)
+    e = estimate(cfg, shape)
     if e.available_bytes is not None and e.total_bytes > e.available_bytes:
         fit = max(0, (e.available_bytes - SHARED_BYTES) // e.per_rank_bytes)
         raise ConfigError("world_size", n, f"at most {fit} ranks of this cell here; or {override}",

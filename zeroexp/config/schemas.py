@@ -3,7 +3,7 @@
 Every option YAML under ``conf/`` extends one of these schemas through its defaults list
 (``- /schema/<group>@_here_: <schema>``), so a mistyped value (``model.width=abc``) or an unknown top-level key
 fails at composition time with the full key in Hydra's message. Each strategy's schema is its entry in
-zeroexp.strategies.schemas (``StrategyAdapter.schema``; torch-free, so composing needs no adapter) and is open to
+zeroexp.cell.strategy (``StrategyAdapter.schema``; torch-free, so composing needs no adapter) and is open to
 the keys of other strategies, so that one sweep can set a key for the strategies that have it
 (:func:`strategy_extras`). :func:`validate` then checks what types cannot express (a ``strategy.<key>`` the strategy
 lacks, positive sizes, axes that do not apply to a strategy, targets that must import) before any rank is started,
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
@@ -23,8 +23,11 @@ from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
 from zeroexp.models.schemas import MODEL_RESERVED_KEYS, GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
-from zeroexp.strategies.schemas import SCHEMAS, schema_keys
+from zeroexp.cell.strategy import SCHEMAS, schema_keys
 from zeroexp.config.resources import ResourcesConfig, check_resources
+
+if TYPE_CHECKING:
+    from zeroexp.cell.resolved import Cell
 
 __all__ = ["ConfigError", "InvalidCell", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
            "strategy_extras", "without_strategy_extras"]
@@ -33,7 +36,7 @@ __all__ = ["ConfigError", "InvalidCell", "NotApplicableHere", "register_schemas"
 # --- model: zeroexp.models.schemas --------------------------------------------------------------------
 
 # --- strategies --------------------------------------------------------------------------------------
-# Each strategy's schema is its entry in zeroexp.strategies.schemas.SCHEMAS, registered here (register_schemas).
+# Each strategy's schema is its entry in zeroexp.cell.strategy.SCHEMAS, registered here (register_schemas).
 
 
 # --- small axes --------------------------------------------------------------------------------------
@@ -108,7 +111,7 @@ class TimeoutConfig:
 
 @dataclass
 class ProbesConfig:
-    """How many post-warm-up steps each measurement owns (see ``zeroexp.config.schedule``)."""
+    """How many post-warm-up steps each measurement owns (see ``zeroexp.cell.schedule``)."""
 
     profile_steps: int = 2  # steps the collectives probe records with the torch profiler
     memory_steps: int = 2  # steps the memory probe tracks for the training peak
@@ -165,7 +168,7 @@ def register_schemas() -> None:
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
     cs.store(group="schema/model", name="gpt", node=GPTConfig)
     cs.store(group="schema/model", name="lora_gpt", node=LoRAGPTConfig)
-    # Each strategy's own schema (zeroexp.strategies.schemas) as schema/strategy/<name>. Typed, and open to keys of
+    # Each strategy's own schema (zeroexp.cell.strategy) as schema/strategy/<name>. Typed, and open to keys of
     # other strategies: in a sweep across strategies a key set for all (strategy.stage=2,3) stays in the jobs whose
     # strategy lacks it; it does not apply there (not in the cell's identity, removed before the cell runs), and
     # validate() refuses it where the user asked for it in a single run (strategy_extras).
@@ -323,8 +326,9 @@ def _check_ranges(cfg: DictConfig) -> None:
                                   why="a local cell runs its world_size ranks on this machine")
 
 
-def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
-    """Check a composed cell config; raise :class:`ConfigError` on the first problem.
+def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> Cell:
+    """Check a composed cell config; raise :class:`ConfigError` on the first problem; return the cell, resolved
+    (:class:`zeroexp.cell.resolved.Cell`, its model's shape read once here).
 
     ``explicit_overrides`` are the keys the user set on the command line (``prefetch``,
     ``strategy.bucket_cap_mb``...): an axis or a ``strategy.<key>`` that does not apply to the strategy is an error
@@ -344,13 +348,29 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> None:
     _check_knobs(cfg, explicit_overrides)
     _check_model_keys(cfg)
     check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
+    shape = _shape_of(cfg)
     try:
-        _check_what_the_strategy_runs(cfg, explicit_overrides)
-        check_resources(cfg)  # last: a local cell whose ranks cannot fit this machine (memory, processes, open files)
+        _check_what_the_strategy_runs(cfg, explicit_overrides, shape)
+        check_resources(cfg, shape)  # last: a local cell whose ranks cannot fit this machine (memory, processes, files)
     except (InvalidCell, NotApplicableHere):
         raise
     except ConfigError as e:  # the strategy's and the adapters' refusals are plain ConfigErrors: this cell's own
         raise InvalidCell.of(e) from e
+    from zeroexp.cell.resolved import Cell
+
+    return Cell.of(cfg, shape)
+
+
+def _shape_of(cfg: DictConfig) -> Any:
+    """The model's shape (zeroexp.plan.shape.model_shape), once the model check passed; None where it cannot be read
+    on the meta device (a model the forward check skipped): the plan reads it then, and says why it cannot."""
+    from zeroexp.models import wrap_paths
+    from zeroexp.plan.shape import model_shape
+
+    try:
+        return model_shape(cfg.model, wrap_paths(cfg))
+    except Exception:  # noqa: BLE001 - the model check decided what is refused; the plan reports this one
+        return None
 
 
 def _check_knobs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
@@ -374,7 +394,7 @@ def _check_knobs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
     _positive_int(cfg, "batch_size")
     _positive_int(cfg, "grad_accum")
     _positive_int(cfg, "warmup_steps", minimum=0)
-    from zeroexp.config.schedule import Schedule
+    from zeroexp.cell.schedule import Schedule
 
     for key in ("probes.profile_steps", "probes.memory_steps"):
         _positive_int(cfg, key)
@@ -410,7 +430,7 @@ def _check_model_keys(cfg: DictConfig) -> None:
         raise ConfigError("model.loss", model.loss, ", ".join(sorted(LOSSES)))
 
 
-def _check_what_the_strategy_runs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
+def _check_what_the_strategy_runs(cfg: DictConfig, explicit_overrides: tuple[str, ...], shape: Any = None) -> None:
     """What the strategy implements (its row's precisions, its adapter's offloads, axes, warm-up, checkpoints,
     init), then the adapter's own refusals."""
     from zeroexp.formulas.rows import row_of  # the expectation model: not for --help or a refused override
@@ -448,7 +468,7 @@ def _check_what_the_strategy_runs(cfg: DictConfig, explicit_overrides: tuple[str
     _validate_launcher_and_checkpoint(cfg, adapter)
     check_init(cfg, adapter)
     adapter.validate(cfg)
-    adapter.validate_model(cfg)
+    adapter.validate_model(cfg, shape)
 
 
 def _validate_launcher_and_checkpoint(cfg: DictConfig, adapter: Any) -> None:

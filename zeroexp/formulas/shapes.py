@@ -124,7 +124,7 @@ class PlanKnobs:
     bucket_cap_bytes: int = 25 * 2**20
     reduce: str = "reduce_scatter"
     norm_allreduce: bool = False
-    use_orig_params: bool = True  # FSDP1's default (zeroexp.strategies.schemas.FSDPConfig); no other row reads it
+    use_orig_params: bool = True  # FSDP1's default (zeroexp.cell.strategy.FSDPConfig); no other row reads it
     loss_scaling: bool = False
     parameters_as_bucket_view: bool = False
     shard_size: int = 0

@@ -209,10 +209,10 @@ def local_rank_entry(*args: Any) -> None:
 
 
 def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], rank_entry: Callable[..., None],
-                 on_started: Callable[[list[int | None]], None] | None = None) -> LaunchResult:
+                 on_started: Callable[[list[int | None]], None] | None = None, cell: Any = None) -> LaunchResult:
     """Run every rank of the cell on this machine: ``rank_entry(rank, world_size, port, cfg, cell_dir, run_info,
-    environ)`` in a process each (``zeroexp.rank.worker.rank_entry``, handed in by the runner); block until all have
-    exited.
+    environ, cell)`` in a process each (``zeroexp.rank.worker.rank_entry``, handed in by the runner; ``cell``: the
+    cell validation resolved, zeroexp.cell.resolved.Cell); block until all have exited.
 
     ``on_started`` is called with the rank pids once every rank process exists. A dry run
     (``cfg["dry_run"]``, zeroexp.rank.dryrun) starts one process, rank 0, which plays its part of ``world_size``.
@@ -225,7 +225,7 @@ def launch_local(cfg: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], 
     environ = dict(os.environ)
     environ["ZEROEXP_LAUNCHER_PID"] = str(os.getpid())  # zeroexp.rank.worker: a rank whose launcher is gone exits
     nprocs = 1 if cfg.get("dry_run") else world_size
-    procs = [ctx.Process(target=rank_entry, args=(r, world_size, port, cfg, str(cell_dir), run_info, environ),
+    procs = [ctx.Process(target=rank_entry, args=(r, world_size, port, cfg, str(cell_dir), run_info, environ, cell),
                          name=f"zeroexp-rank{r}") for r in range(nprocs)]
     error: dict[str, Any] | None = None
     killed_by_us: set[int] = set()

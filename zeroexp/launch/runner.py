@@ -16,13 +16,15 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from zeroexp.config.cell import cell_axes, cell_id, cell_name
+from zeroexp.cell.identity import cell_axes, cell_id, cell_name
 from zeroexp.config.schemas import validate, without_strategy_extras
 from zeroexp.errors import Interrupted
+if TYPE_CHECKING:
+    from zeroexp.cell.resolved import Cell
 from zeroexp.results.files import SCHEMA_VERSION, git_commit, host, read_json, utc_now, versions, write_json
 
 __all__ = ["CellResult", "device_and_backend", "mark_partial", "new_manifest", "run_cell", "stop_on_signals",
@@ -112,12 +114,12 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
 
     ``progress``: show rank 0's progress on stderr while the ranks train (``zeroexp.launch.progress``; the CLI's
     runs)."""
-    validate(cfg, tuple(explicit_keys))
+    cell = validate(cfg, tuple(explicit_keys))
     with stop_on_signals():
-        return _run_valid_cell(cfg, cell_dir, overrides, sweep, progress)
+        return _run_valid_cell(cfg, cell, cell_dir, overrides, sweep, progress)
 
 
-def _run_valid_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str], sweep: str | None,
+def _run_valid_cell(cfg: DictConfig, cell: Cell, cell_dir: Path, overrides: Sequence[str], sweep: str | None,
                     progress: bool) -> CellResult:
     cfg = without_strategy_extras(cfg)  # keys a sweep set for other strategies: they do not apply to this cell
     if cfg.get("launcher") is not None and cfg.launcher.name != "local":
@@ -148,7 +150,8 @@ def _run_valid_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str], s
         for attempt in range(3):
             with watch_progress(cell_dir, run_info["cell_name"]) if progress and not cfg.get("dry_run") \
                     else nullcontext():
-                launched = launch_local(resolved, cell_dir, run_info, local_rank_entry, on_started=started)
+                launched = launch_local(resolved, cell_dir, run_info, local_rank_entry, on_started=started,
+                                        cell=cell)
             # The free port can be taken by another process between probing and binding: retry that alone.
             if not (launched.error and "address already in use" in launched.error["message"].lower()):
                 break

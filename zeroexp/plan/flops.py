@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-__all__ = ["step_flops", "step_ops"]
+from zeroexp.cell.memo import memoized
 
-#: The counts of this process, by their arguments.
-_COUNTS: dict[tuple, Any] = {}
+__all__ = ["step_flops", "step_ops"]
 
 
 def _key(model_cfg: Mapping[str, Any], *rest: Any) -> tuple:
@@ -55,17 +54,18 @@ def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, 
     recompute where checkpointed), counted by ``FlopCounterMode`` on the meta device (shapes alone: a FLOP count
     needs no values, and meta tensors skip the initialisation and the fake-tensor dispatch); a deep stack of
     identical blocks from two, three and four blocks (:func:`_derived`; ``derive=False``: counted whole)."""
+    key = _key(model_cfg, "flops", int(batch_size), tuple(c.__qualname__ for c in wrap), bool(checkpointing), derive)
+    return memoized("op_counts", key, lambda: _step_flops(model_cfg, batch_size, wrap, checkpointing, derive))
+
+
+def _step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: Any, checkpointing: bool, derive: bool) -> int:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from zeroexp.models import build_model, checkpoint_units, loss_of, zeros_batch
 
-    key = _key(model_cfg, "flops", int(batch_size), tuple(c.__qualname__ for c in wrap), bool(checkpointing), derive)
-    if key in _COUNTS:
-        return _COUNTS[key]
     grown = _derived(model_cfg, derive, lambda cfg: step_flops(cfg, batch_size, wrap, checkpointing))
     if grown is not None:
-        _COUNTS[key] = grown
         return grown
     with torch.device("meta"):
         net = build_model(model_cfg)
@@ -75,8 +75,7 @@ def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, 
         with FlopCounterMode(display=False) as counter:
             loss = loss_of(model_cfg)(net(batch), batch)
             loss.backward()
-    _COUNTS[key] = int(counter.get_total_flops())
-    return _COUNTS[key]
+    return int(counter.get_total_flops())
 
 
 def step_ops(model_cfg: Mapping[str, Any], device: str = "cpu", batch_size: int = 1, derive: bool = True
@@ -87,18 +86,19 @@ def step_ops(model_cfg: Mapping[str, Any], device: str = "cpu", batch_size: int 
     device, as scaled-dot-product attention's fused CPU kernel, one call, against the meta device's math path, eight);
     a deep stack derived as :func:`step_flops`'s. What a step's fixed cost
     per call is paid on (:meth:`~zeroexp.formulas.time.rates.ComputeRate.call_seconds`)."""
+    key = _key(model_cfg, "ops", str(device), int(batch_size), derive)
+    return memoized("op_counts", key, lambda: _step_ops(model_cfg, device, batch_size, derive))
+
+
+def _step_ops(model_cfg: Mapping[str, Any], device: str, batch_size: int, derive: bool) -> tuple[int, int]:
     import torch
 
     from zeroexp._lib.dispatch import dispatch_mode_base
     from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import build_model, loss_of, zeros_batch
 
-    key = _key(model_cfg, "ops", str(device), int(batch_size), derive)
-    if key in _COUNTS:
-        return _COUNTS[key]
     grown = _derived(model_cfg, derive, lambda cfg: step_ops(cfg, device, batch_size))
     if grown is not None:
-        _COUNTS[key] = grown
         return grown
 
     class Count(dispatch_mode_base()):
@@ -115,5 +115,4 @@ def step_ops(model_cfg: Mapping[str, Any], device: str = "cpu", batch_size: int 
             loss = loss_of(model_cfg)(net(batch), batch)
         with Count() as backward:
             loss.backward()
-    _COUNTS[key] = (forward.calls, backward.calls)
-    return _COUNTS[key]
+    return forward.calls, backward.calls

@@ -15,16 +15,11 @@ from typing import Any
 
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, derive_groups,
                               offloaded_kinds)
+from zeroexp.cell.memo import memoized
 from zeroexp.formulas.device import DeviceSemantics
 
 __all__ = ["row_peak", "activation_bytes", "forward_trace", "precision_of"]
 
-#: activation_bytes's answers in this process, by their arguments (model config, batch, dtype, checkpointing).
-_ACTIVATIONS: dict[tuple, int] = {}
-#: forward_trace's answers in this process, by what is traced (model config, batch, units, dtypes).
-_FORWARDS: dict[tuple, Any] = {}
-#: The fake modules they run, by model config and module dtype: one build serves every batch and autocast dtype.
-_BUILDS: dict[tuple, Any] = {}
 
 
 def _model_key(model_cfg: Any, wrap: list[type]) -> tuple:
@@ -41,25 +36,28 @@ def forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any = Non
     (``fake_build``) and run at every batch and autocast dtype asked. A model that declares a stack of identical
     blocks deeper than ``DERIVED_ABOVE`` is traced at two, three and four blocks and its trace derived
     (``zeroexp.plan.stack.derived_trace``), or traced whole where the three do not check."""
+    model = _model_key(model_cfg, wrap)
+    key = (*model, int(batch), dtype, module_dtype)  # remembered by what is traced (zeroexp.cell.memo)
+    return memoized("forward_traces", key, lambda: _forward_trace(model_cfg, batch, wrap, dtype, module_dtype, model))
+
+
+def _forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any, module_dtype: Any, model: tuple) -> Any:
     import torch
 
     from zeroexp.plan.activations import fake_build, trace_activations
     from zeroexp.plan.stack import at_depth, derived_trace, stack_of
 
-    model = _model_key(model_cfg, wrap)
-    key = (*model, int(batch), dtype, module_dtype)
-    stack = stack_of(model_cfg) if key not in _FORWARDS else None
+    stack, trace = stack_of(model_cfg), None
     if stack is not None:  # a deep stack of identical blocks: from 2, 3 and 4 blocks (zeroexp.plan.stack)
         argument, container, depth = stack
         shallow = [forward_trace(at_depth(model_cfg, argument, d), batch, wrap, dtype, module_dtype) for d in (2, 3, 4)]
-        _FORWARDS[key] = derived_trace(*shallow, depth, container)
-    if _FORWARDS.get(key) is None:
+        trace = derived_trace(*shallow, depth, container)
+    if trace is None:
         cast = module_dtype if module_dtype not in (None, torch.float32) else None
-        if (model[0], cast) not in _BUILDS:
-            _BUILDS[(model[0], cast)] = fake_build(model_cfg, module_dtype=cast)
-        _FORWARDS[key] = trace_activations(model_cfg, batch, wrap, dtype=dtype, module_dtype=module_dtype,
-                                           build=_BUILDS[(model[0], cast)])
-    return _FORWARDS[key]
+        # one fake build serves every batch and autocast dtype of a model config and module dtype
+        build = memoized("fake_builds", (model[0], cast), lambda: fake_build(model_cfg, module_dtype=cast))
+        trace = trace_activations(model_cfg, batch, wrap, dtype=dtype, module_dtype=module_dtype, build=build)
+    return trace
 
 
 def activation_bytes(model_cfg: Any, batch: int, wrap: list[type], param_dtype: str, checkpointing: bool) -> int:
@@ -70,14 +68,16 @@ def activation_bytes(model_cfg: Any, batch: int, wrap: list[type], param_dtype: 
     from zeroexp.models import torch_dtype
 
     key = (*_model_key(model_cfg, wrap), int(batch), param_dtype, bool(checkpointing))
-    if key not in _ACTIVATIONS:
+
+    def compute() -> int:
         dtype = torch_dtype(param_dtype)
         traces = [forward_trace(model_cfg, batch, wrap, dtype=dtype)]
         if dtype.itemsize < 4:
             traces.append(forward_trace(model_cfg, batch, wrap, module_dtype=dtype))
-        _ACTIVATIONS[key] = min(checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes)
-                                if checkpointing else t.total_bytes for t in traces)
-    return _ACTIVATIONS[key]
+        return min(checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes)
+                   if checkpointing else t.total_bytes for t in traces)
+
+    return memoized("activation_bytes", key, compute)
 
 
 def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: PlanKnobs, model_cfg: Any,
@@ -95,7 +95,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     phase's categories above steady)."""
     from zeroexp.formulas.peak.allocator import allocations, reserved_peak
     from zeroexp.plan.core import judge_fits
-    from zeroexp.plan.check.memory import (cell_precision_terms, shape_limits, steady_buffers_bytes,
+    from zeroexp.plan.check.memory import (precision_terms_of, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.reserved import steady_blocks
 
@@ -126,7 +126,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
         out["by_category"] = {**state, "gather_floor": record["gather_floor_bytes"] or 0,
                               "activations": out["activation_bytes"] or 0, "workspace": device.workspace_bytes}
         return out
-    terms = cell_precision_terms(name, SimpleNamespace(precision=precision))
+    terms = precision_terms_of(name, precision.name, precision.param_dtype)
     trace, in_place = step_traces(name, model_cfg, batch, wrap, checkpointing, k, dtype, terms, device.block)
     root_kept = knobs.root_kept_after_forward and LAYOUTS[name].gathers_per_unit(True, knobs) == 1
     phases = worst_rank_phases(name, groups, shape, trace, c, prefetch, k, in_place, knobs.bucket_cap_bytes, terms,

@@ -8,10 +8,13 @@ import torch
 from torch import nn
 
 from zeroexp._lib.modules import conv_base
+from zeroexp.cell.memo import memoized
+from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import ModelShape, next_reached
 from zeroexp.models import build_model, import_class, loss_of, requires_grad, zeros_batch
 
-__all__ = ["model_shape", "shared_across_units", "shape_of", "trace_units", "ready_order", "arguments_key", "remember"]
+__all__ = ["model_shape", "cell_shape", "shared_across_units", "shape_of", "trace_units", "ready_order",
+           "arguments_key"]
 
 
 def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[int, ...] | None = None,
@@ -210,32 +213,24 @@ def arguments_key(*parts: Any) -> str | None:
         return None
 
 
-def remember(answers: dict[str, Any], key: str | None, value: Any, most: int = 64) -> Any:
-    """Keep ``value`` under ``key`` in ``answers`` (a long-lived process, the planner over many models, keeps the
-    ``most`` newest); return it."""
-    if key is not None:
-        if len(answers) >= most:
-            answers.pop(next(iter(answers)))
-        answers[key] = value
-    return value
-
-
-#: model_shape's answers in this process, by its arguments (a finalize asks twice: the byte plan and the time plan).
-_SHAPES: dict[str, ModelShape] = {}
-
-
 def model_shape(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> ModelShape:
     """Build the model config's module on the meta device and read its shape, FSDP units cut by ``wrap`` (import
-    paths), gradient-ready order traced by one meta-device backward. Built once per process for the same arguments
-    (a ModelShape is immutable)."""
+    paths), gradient-ready order traced by one meta-device backward. Built once per invocation for the same
+    arguments (zeroexp.cell.memo; a ModelShape is immutable)."""
     wrap = tuple(wrap)
-    key = arguments_key(model_cfg, wrap)
-    if key is not None and key in _SHAPES:
-        return _SHAPES[key]
-    classes = [import_class(p) for p in wrap]
-    with torch.device("meta"):
-        net = build_model(model_cfg)
-    return remember(_SHAPES, key, shape_of(net, classes, model_cfg=model_cfg))
+
+    def compute() -> ModelShape:
+        classes = [import_class(p) for p in wrap]
+        with torch.device("meta"):
+            net = build_model(model_cfg)
+        return shape_of(net, classes, model_cfg=model_cfg)
+
+    return memoized("model_shapes", arguments_key(model_cfg, wrap), compute)
+
+
+def cell_shape(cell: Cell) -> ModelShape:
+    """The cell's model shape: the one validation read (``Cell.shape``), else read now (:func:`model_shape`)."""
+    return cell.shape if cell.shape is not None else model_shape(cell.model, cell.wrap)
 
 
 def shared_across_units(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> list[tuple[str, ...]]:

@@ -2,8 +2,8 @@
 
 A probe is a plug-in: besides measuring (Lightning's callback hooks, run in a rank as :func:`as_callback`;
 :meth:`Probe.rank_result`, :meth:`Probe.aggregate`) its class declares the steps it needs (:attr:`Probe.steps`, from
-which ``zeroexp.config.schedule.Schedule`` is assembled; a registered probe's is its entry of
-``zeroexp.config.schedule.PROBE_STEPS``, which the launching process reads without importing the probes), whether and
+which ``zeroexp.cell.schedule.Schedule`` is assembled; a registered probe's is its entry of
+``zeroexp.cell.schedule.PROBE_STEPS``, which the launching process reads without importing the probes), whether and
 when it runs (:meth:`Probe.runs`), why it is absent from a dry run (:attr:`Probe.dry_run_absent`), its line in the
 terminal digest (:meth:`Probe.digest_line`) and its section of the sweep report (:meth:`Probe.report_table`). The run,
 the dry run, the digest and the report loop over ``zeroexp.probes.registry()``: a new probe is one module plus its test,
@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from zeroexp._lib.callbacks import as_callback
-from zeroexp.config.schedule import Steps
+from zeroexp.cell.schedule import Steps
 
 __all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "as_callback"]
 
@@ -33,9 +33,11 @@ class RunContext:
     world_size: int
     device: torch.device
     adapter: Any  # zeroexp.strategies.StrategyAdapter; typed loosely so probes do not import adapters
-    schedule: Any  # zeroexp.config.schedule.Schedule (which imports the probe registry)
+    schedule: Any  # zeroexp.cell.schedule.Schedule (which imports the probe registry)
     #: zeroexp.plan.check.expect.Expectation: the one expectation model for this cell (state factors, collectives)
     expect: Any = None
+    #: zeroexp.cell.resolved.Cell: the cell as validation resolved it (what a probe reads of its settings)
+    cell: Any = None
 
 
 @dataclass

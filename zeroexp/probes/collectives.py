@@ -40,7 +40,7 @@ from zeroexp.probes.exposed import exposed_comm
 from zeroexp.results.cells import column
 from zeroexp.results.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.results.section import OPS, Column, ReportTable, raw_rows
-from zeroexp.config.schedule import PROBE_STEPS
+from zeroexp.cell.schedule import PROBE_STEPS
 
 __all__ = ["CollectivesProbe", "GroupMarks", "SOURCE"]
 
@@ -244,7 +244,7 @@ class CollectivesProbe(Probe):
 
     name = "collectives"
     order = 30
-    steps = PROBE_STEPS["collectives"]  # declared in zeroexp.config.schedule
+    steps = PROBE_STEPS["collectives"]  # declared in zeroexp.cell.schedule
 
     digest_line = staticmethod(collectives_line)
     report_table = staticmethod(collectives_table)

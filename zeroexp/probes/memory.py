@@ -42,7 +42,7 @@ from zeroexp._lib.memtrack import step_mem_tracker as _step_mem_tracker, totals 
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.results.format import NA, byte_unit, missing
 from zeroexp.results.section import Column, ReportTable, raw_rows
-from zeroexp.config.schedule import PROBE_STEPS
+from zeroexp.cell.schedule import PROBE_STEPS
 
 __all__ = ["MemoryProbe", "PEAK_MEANING", "PHASES", "freeze_startup_objects", "memory_source"]
 
@@ -340,7 +340,7 @@ class MemoryProbe(Probe):
     name = "memory"
     order = 40
     report_order = 25  # in the report, beside the state table
-    steps = PROBE_STEPS["memory"]  # declared in zeroexp.config.schedule
+    steps = PROBE_STEPS["memory"]  # declared in zeroexp.cell.schedule
     dry_run_absent = "no real memory: no tensor is allocated, and the fake process group moves no bytes"
 
     digest_line = staticmethod(memory_line)

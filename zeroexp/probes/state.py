@@ -21,7 +21,7 @@ from zeroexp.probes.base import Probe, ProbeReport, RunContext
 from zeroexp.results.cells import column
 from zeroexp.results.format import NA, byte_unit, fmt_factor, missing
 from zeroexp.results.section import CORE_KINDS, Column, ReportTable, joined, raw_rows
-from zeroexp.config.schedule import PROBE_STEPS
+from zeroexp.cell.schedule import PROBE_STEPS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -136,7 +136,7 @@ class StateProbe(Probe):
 
     name = "state"
     order = 20
-    steps = PROBE_STEPS["state"]  # declared in zeroexp.config.schedule
+    steps = PROBE_STEPS["state"]  # declared in zeroexp.cell.schedule
 
     digest_line = staticmethod(state_line)
     report_table = staticmethod(state_table)
@@ -290,9 +290,10 @@ def _rank0_factors(cfg: DictConfig, expected: dict[str, float], n: int, p: int) 
     """The factors rank 0's bytes x N give by the formulas (``zeroexp.plan.check.cell.rank_state_of``): the strategy's
     ``expected`` where every rank holds as much as rank 0, above them by the padding the last ranks hold instead of
     parameters otherwise; ``expected`` itself for a kind, precision or offload the formulas do not model."""
+    from zeroexp.cell.resolved import Cell
     from zeroexp.plan.check.cell import rank_state_of
 
-    table = rank_state_of(cfg)
+    table = rank_state_of(Cell.of(cfg))
     if table is None:
         return expected
     return {k: n * table[k][0][0] / p if k in table else v for k, v in expected.items()}

@@ -21,7 +21,7 @@ from zeroexp.hostload import activity, busy_cpu_s, own_cpu_s
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.results.format import NA, fmt_int, fmt_ms, fmt_pct, missing
 from zeroexp.results.section import Column, ReportTable, raw_rows
-from zeroexp.config.schedule import PROBE_STEPS
+from zeroexp.cell.schedule import PROBE_STEPS
 
 __all__ = ["TimingProbe", "step_statistics", "CV_UNSTABLE"]
 
@@ -74,7 +74,7 @@ class TimingProbe(Probe):
 
     name = "timing"
     order = 50
-    steps = PROBE_STEPS["timing"]  # declared in zeroexp.config.schedule
+    steps = PROBE_STEPS["timing"]  # declared in zeroexp.cell.schedule
     dry_run_absent = "no step time: a fake step computes nothing and communicates with no peer"
 
     digest_line = staticmethod(timing_line)

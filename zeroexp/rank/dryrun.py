@@ -51,7 +51,8 @@ from zeroexp.models.module import CellModule, SyntheticBatches
 from zeroexp.probes import ProbeReport, RunContext, absent_in_dry_run, as_callback, probes_for
 from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.results.files import write_text
-from zeroexp.config.schedule import Schedule
+from zeroexp.cell.memo import invocation_memo
+from zeroexp.cell.resolved import Cell
 from zeroexp.rank.summary import summary_head, write_summary
 from zeroexp.strategies import get_adapter_class
 
@@ -69,22 +70,26 @@ ABSENT = absent_in_dry_run()
 CPU = torch.device("cpu")
 
 
-def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any]) -> dict[str, Any]:
-    """Play rank 0 of the cell under a fake process group; write the cell's files; return the summary."""
+def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any], resolved: Cell | None = None
+            ) -> dict[str, Any]:
+    """Play rank 0 of the cell under a fake process group; write the cell's files; return the summary. ``resolved``:
+    the cell validation resolved (None: resolved here)."""
     warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
     cfg = OmegaConf.create(cfg_dict)
-    n = int(cfg.world_size)
+    resolved = resolved or Cell.of(cfg)
+    n = resolved.world_size
     dist.init_process_group("fake", rank=0, world_size=n)  # no store: torch makes the fake backend's own
-    try:
-        adapter = get_adapter_class(cfg.strategy.name)(cfg)
-        ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=Schedule.from_cfg(cfg),
-                         expect=Expectation(cfg, adapter.live_groups))
-        source = "traced" if adapter.dry_run_traced else "derived"
-        results, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
-        write_text(Path(cell) / ".ranks" / "rank0.json", json.dumps(results))
-        return _finalize(Path(cell), cfg, run_info, source, results, steps, ctx.expect.groups_record())
-    finally:
-        dist.destroy_process_group()
+    with invocation_memo():
+        try:
+            adapter = get_adapter_class(cfg.strategy.name)(resolved.policy)
+            ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=CPU, adapter=adapter, schedule=resolved.schedule,
+                             expect=Expectation(resolved, adapter.live_groups), cell=resolved)
+            source = "traced" if adapter.dry_run_traced else "derived"
+            results, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
+            write_text(Path(cell) / ".ranks" / "rank0.json", json.dumps(results))
+            return _finalize(Path(cell), cfg, run_info, source, results, steps, ctx.expect.groups_record(), resolved)
+        finally:
+            dist.destroy_process_group()
 
 
 class LazyChunks(Sequence):
@@ -139,15 +144,16 @@ def play_rank0(cfg_dict: dict[str, Any], device: torch.device) -> dict[str, Any]
     aggregated section as ``memory_section`` (``backend: fake``), and ``steps``."""
     freeze_startup_objects()  # as a rank does: the memory probe's cycle collections walk only what the cell creates
     cfg = OmegaConf.create(cfg_dict)
-    n = int(cfg.world_size)
+    cell = Cell.of(cfg)
+    n = cell.world_size
     dist.init_process_group("fake", rank=0, world_size=n)
     try:
-        adapter = get_adapter_class(cfg.strategy.name)(cfg)
+        adapter = get_adapter_class(cfg.strategy.name)(cell.policy)
         if not adapter.dry_run_traced:
             raise ValueError(f"strategy={cfg.strategy.name} is not traced under the fake process group "
                              "(StrategyAdapter.dry_run_traced)")
         ctx = RunContext(cfg=cfg, rank=0, world_size=n, device=device, adapter=adapter,
-                         schedule=Schedule.from_cfg(cfg), expect=Expectation(cfg, adapter.live_groups))
+                         schedule=cell.schedule, expect=Expectation(cell, adapter.live_groups), cell=cell)
         results, steps = _traced(cfg, ctx, fake=False)
     finally:
         dist.destroy_process_group()
@@ -169,7 +175,7 @@ def _traced(cfg: DictConfig, ctx: RunContext, fake: bool = True) -> tuple[dict[s
     adapter.setup(ctx.device)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
     classes = [cls for cls in probes_for(cfg) if cls.in_dry_run(cfg)]  # each probe says whether it runs
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
-    accum = int(cfg.get("grad_accum") or 1)
+    accum = ctx.cell.grad_accum
     # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group
     # (zeroexp._lib.fake_collectives)
     with (fake_tensor_mode() if fake else nullcontext()) as mode, IssueFunctionalCollectives(), \
@@ -239,7 +245,7 @@ def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[dict[str, Any], int]:
     expectation model (``Probe.derived``: every rank's)."""
     from zeroexp.plan.check.cell import cell_groups
 
-    groups = ctx.expect.groups = cell_groups(cfg)
+    groups = ctx.expect.groups = cell_groups(ctx.cell)
     records = {cls.name: cls.derived(ctx, groups) for cls in probes_for(cfg)}
     return {name: r for name, r in records.items() if r is not None}, 0
 
@@ -250,7 +256,7 @@ def _probe(cfg: DictConfig, name: str) -> Any:
 
 
 def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, results: dict[str, Any],
-              steps: int, live_groups: dict[str, Any] | None) -> dict[str, Any]:
+              steps: int, live_groups: dict[str, Any] | None, resolved: Cell) -> dict[str, Any]:
     """Each probe's section and tables from the played rank's results (traced) or its derived records
     (``Probe.dry_report``), every other probe absent with its reason; ``summary.json`` with the planner's
     prediction. A probe with neither a section nor a reason is an error: no result is dropped silently."""
@@ -273,7 +279,7 @@ def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str
                            **sections)
     itself = None if source == "traced" else ("a derived dry run's state and collectives are the planner's own "
                                               "model of this cell: comparing them with the plan cannot fail")
-    write_summary(cell, cfg, summary, tables, live_groups=live_groups, itself=itself)
+    write_summary(cell, resolved, summary, tables, live_groups=live_groups, itself=itself)
     if cfg.logger.name == "wandb":
         from zeroexp.rank.wandb_log import log_summary, make_logger
 

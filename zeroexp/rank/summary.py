@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.results.files import SCHEMA_VERSION, write_csv, write_json
 
 __all__ = ["summary_head", "write_summary"]
@@ -24,7 +25,7 @@ def summary_head(run_info: dict[str, Any], world_size: int, steps: int, mode: st
             **fields}
 
 
-def write_summary(cell: Path, cfg: Any, summary: dict[str, Any], tables: Mapping[str, Any],
+def write_summary(cell_dir: Path, cell: Cell, summary: dict[str, Any], tables: Mapping[str, Any],
                   live_groups: dict[str, Any] | None = None, itself: str | None = None) -> dict[str, Any]:
     """Write each table (``name.csv`` -> a DataFrame) and ``summary.json`` with its ``plan`` section (the planner's
     prediction for this cell against the measured sections, zeroexp.plan.check.cell.plan_section; ``itself``: why the
@@ -32,7 +33,7 @@ def write_summary(cell: Path, cfg: Any, summary: dict[str, Any], tables: Mapping
     from zeroexp.plan.check.cell import plan_section
 
     for name, frame in tables.items():
-        write_csv(cell / name, frame)
-    summary["plan"] = plan_section(cfg, cell, summary, itself=itself, live_groups=live_groups)
-    write_json(cell / "summary.json", summary)
+        write_csv(cell_dir / name, frame)
+    summary["plan"] = plan_section(cell, cell_dir, summary, itself=itself, live_groups=live_groups)
+    write_json(cell_dir / "summary.json", summary)
     return summary

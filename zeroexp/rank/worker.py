@@ -29,12 +29,12 @@ from zeroexp.devices import pin_host_allocator, rank_threads, ranks_get_a_gpu
 from zeroexp.errors import one_line
 from zeroexp.plan.check.expect import Expectation
 from zeroexp.models import build_model
-from zeroexp.config.init_mode import init_of
+from zeroexp.cell.memo import invocation_memo
+from zeroexp.cell.resolved import Cell
 from zeroexp.models.module import CellModule, SyntheticBatches
 from zeroexp.probes import RunContext, as_callback, probes_for
 from zeroexp.probes.init_peak import InitPeak, init_fields
 from zeroexp.probes.memory import freeze_startup_objects
-from zeroexp.config.schedule import Schedule
 from zeroexp.results.files import write_json, write_text
 from zeroexp.strategies import get_adapter_class
 from zeroexp.rank.fit import fit_cell
@@ -51,20 +51,21 @@ LAUNCHER_PID_ENV = "ZEROEXP_LAUNCHER_PID"
 
 
 def rank_entry(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_dir: str, run_info: dict,
-               environ: dict[str, str]) -> None:
+               environ: dict[str, str], cell: Cell | None = None) -> None:
     """Process target of the local launcher: set up the rank's environment and logs, then :func:`run_rank`.
 
     ``environ`` is the launching process's environment: ranks are forked from a forkserver started earlier,
-    whose environment may be older.
+    whose environment may be older. ``cell``: the cell validation resolved (zeroexp.cell.resolved).
     """
     _die_with_parent(int(environ.get(LAUNCHER_PID_ENV, 0)) or None)
     os.environ.update(environ)
-    cell = Path(cell_dir)
-    with rank_log(cell / "logs" / f"rank{rank}.log"):
-        _run_local_rank(rank, world_size, port, cfg, cell, run_info)
+    where = Path(cell_dir)
+    with rank_log(where / "logs" / f"rank{rank}.log"):
+        _run_local_rank(rank, world_size, port, cfg, where, run_info, cell)
 
 
-def _run_local_rank(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell: Path, run_info: dict) -> None:
+def _run_local_rank(rank: int, world_size: int, port: int, cfg: dict[str, Any], cell_dir: Path, run_info: dict,
+                    cell: Cell | None) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0",
@@ -77,12 +78,12 @@ def _run_local_rank(rank: int, world_size: int, port: int, cfg: dict[str, Any], 
     os.environ["NCCL_SOCKET_IFNAME"] = "lo"
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     try:
-        if cfg.get("dry_run"):  # one process plays rank 0 of world_size under a fake process group
+        if cfg["dry_run"]:  # one process plays rank 0 of world_size under a fake process group
             from zeroexp.rank.dryrun import run_dry
 
-            run_dry(cfg, cell, run_info)
+            run_dry(cfg, cell_dir, run_info, cell)
         else:
-            run_rank(cfg, cell, run_info)
+            run_rank(cfg, cell_dir, run_info, cell)
     except BaseException as e:  # noqa: BLE001 - every failure is recorded, then re-raised as exit code 1
         traceback.print_exc()
         write_json(cell / RANKS_DIR / f"rank{rank}.error.json",
@@ -156,11 +157,17 @@ def resolve_device(cfg: Any) -> torch.device:
     return torch.device("cuda" if ranks_get_a_gpu(cfg) else "cpu")  # zeroexp.devices: the one rule
 
 
-def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
-    """Train one rank of the cell and write its results; rank 0 also writes the cell's files."""
+def run_rank(cfg_dict: dict[str, Any], cell_dir: Path, run_info: dict, resolved: Cell | None = None) -> None:
+    """Train one rank of the cell and write its results; rank 0 also writes the cell's files. ``resolved``: the cell
+    validation resolved (the local launcher's); None: resolved here (a torchrun or SLURM rank, which validated)."""
     _quiet()
     freeze_startup_objects()  # the memory probe's cycle collections walk only what this rank creates from here
     cfg = OmegaConf.create(cfg_dict)
+    with invocation_memo():
+        _train(cfg, cfg_dict, cell_dir, run_info, resolved or Cell.of(cfg))
+
+
+def _train(cfg: Any, cfg_dict: dict[str, Any], cell: Path, run_info: dict, resolved: Cell) -> None:
     # The rank's place: what its process group is made of (the launcher's, torchrun's or SLURM's environment), the one
     # source in the rank (RunContext, the adapters through torch.distributed); zeroexp.launch.cluster.rank refuses a
     # cell whose world_size is not it.
@@ -169,18 +176,19 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
     pin_host_allocator()  # zeroexp.devices: the same C allocator settings as a calibration's ranks
     if device.type == "cpu":  # ranks share the cores: do not oversubscribe them
         torch.set_num_threads(rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-    adapter = get_adapter_class(cfg.strategy.name)(cfg)
+    adapter = get_adapter_class(cfg.strategy.name)(resolved.policy)
     ctx = RunContext(cfg=cfg, rank=rank, world_size=world_size,
                      device=torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device.type == "cuda" else device,
-                     adapter=adapter, schedule=Schedule.from_cfg(cfg), expect=Expectation(cfg, adapter.live_groups))
+                     adapter=adapter, schedule=resolved.schedule, expect=Expectation(resolved, adapter.live_groups),
+                     cell=resolved)
 
     pl.seed_everything(cfg.seed, workers=False, verbose=False)  # identical initial weights on every rank
     init_peak = InitPeak(ctx.device)  # measured from here to on_fit_start: the model built and wrapped
     init_peak.begin()
-    with torch.device("meta") if init_of(cfg) == "meta" else nullcontext():  # init=meta: the adapter materialises it
+    with torch.device("meta") if resolved.init == "meta" else nullcontext():  # init=meta: the adapter materialises it
         net = build_model(cfg.model)
     module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients)
-    accum = int(cfg.get("grad_accum", 1))  # micro-batches per optimizer step (zeroexp.rank.microbatches)
+    accum = resolved.grad_accum  # micro-batches per optimizer step (zeroexp.rank.microbatches)
     data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps * accum),
                       batch_size=None)
     probe_classes = probes_for(cfg)
@@ -207,11 +215,12 @@ def run_rank(cfg_dict: dict[str, Any], cell: Path, run_info: dict) -> None:
         from zeroexp.formulas.device import CPU, cuda
         from zeroexp.plan.check.memory import write_traces_ahead
 
-        write_traces_ahead(cfg, cell / RANKS_DIR / TRACES_AHEAD, (cuda() if device.type == "cuda" else CPU).block)
+        write_traces_ahead(resolved, cell / RANKS_DIR / TRACES_AHEAD, (cuda() if device.type == "cuda" else CPU).block)
     write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
     dist.barrier()  # outside every measured window: all rank files exist
     if rank == 0:
-        summary = finalize(cell, cfg, probe_classes, run_info, live_groups=ctx.expect.groups_record())
+        summary = finalize(cell, cfg, probe_classes, run_info, live_groups=ctx.expect.groups_record(),
+                           resolved=resolved)
         if logger and cfg.logger.name == "wandb":
             log_summary(logger, summary, cell)
     dist.barrier()
@@ -238,14 +247,16 @@ class _Progress(pl.Callback):
 
 
 def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
-             live_groups: dict[str, Any] | None = None) -> dict[str, Any]:
+             live_groups: dict[str, Any] | None = None, resolved: Cell | None = None) -> dict[str, Any]:
     """Read every rank's results, write the probes' tables and ``summary.json``; return the summary.
-    ``live_groups``: rank 0's groups as its adapter read them (compared with the planner's in ``plan``)."""
+    ``live_groups``: rank 0's groups as its adapter read them (compared with the planner's in ``plan``); ``resolved``:
+    the cell (default: resolved from ``cfg``)."""
+    resolved = resolved or Cell.of(cfg)
     world_size = int(cfg.world_size)
     ranks = [json.loads((cell / RANKS_DIR / f"rank{r}.json").read_text()) for r in range(world_size)]
     summary = summary_head(run_info, world_size, int(cfg.steps), final_loss=None)
     tables: dict[str, Any] = {}
-    skipped = Schedule.from_cfg(cfg).skipped  # windows that did not fit in `steps`: those probes read n/a
+    skipped = resolved.schedule.skipped  # windows that did not fit in `steps`: those probes read n/a
     for cls in probe_classes:
         window = cls.steps.window if cls.steps is not None else None
         if window in skipped:
@@ -261,8 +272,8 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
 
     read_traces_ahead(cell / RANKS_DIR / TRACES_AHEAD)  # the step traces the last rank made, if it did
 
-    init = init_fields([r.get(INIT_RECORD) for r in ranks], init_of(cfg))  # measured: the build and wrap of the model
+    init = init_fields([r.get(INIT_RECORD) for r in ranks], resolved.init)  # measured: the build and wrap of the model
     if init and isinstance(summary.get("memory"), dict):
         summary["memory"].update(init)
-    return write_summary(cell, cfg, summary, tables, live_groups=live_groups)
+    return write_summary(cell, resolved, summary, tables, live_groups=live_groups)
 

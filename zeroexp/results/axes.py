@@ -1,7 +1,7 @@
 """The axes a cell may set beyond model x strategy x precision x offload x N, as columns of the report's cells table.
 
 Each axis shows only in a sweep where some cell sets it (as the cell's identity holds it only when set,
-zeroexp.config.cell), and for each cell only where it applies: ``mesh`` (hybrid sharding:
+zeroexp.cell.identity), and for each cell only where it applies: ``mesh`` (hybrid sharding:
 ``world_size / strategy.shard_size`` replicas x ``strategy.shard_size`` ranks per shard group) for ``fsdp_hybrid`` and
 ``fsdp2_hybrid`` only, n/a for the others; ``strategy.sync_each_microbatch`` for FSDP and FSDP2 only; activation
 checkpointing, ``grad_accum`` and ``strategy.clip_grad_norm`` for every strategy (their defaults ``none``, ``1``,

@@ -1,7 +1,7 @@
 """The strategy axis: a registry of small adapters, one module per strategy family.
 
 Adding a strategy is one Python file in this package (a :class:`StrategyAdapter` subclass decorated with
-:func:`register`), its schema's entry in :mod:`zeroexp.strategies.schemas` and one YAML file in ``conf/strategy/``.
+:func:`register`), its schema's entry in :mod:`zeroexp.cell.strategy` and one YAML file in ``conf/strategy/``.
 Modules here are discovered automatically. Importing this package imports no adapter (and so no torch): the
 registry is filled on first use, and :class:`StrategyAdapter` is read from ``base`` when asked for.
 """
@@ -33,11 +33,11 @@ def register(cls: type[StrategyAdapter]) -> type[StrategyAdapter]:
     """Class decorator: make ``cls`` selectable as ``strategy=<cls.name>``."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"strategy {cls.name!r} registered twice ({_REGISTRY[cls.name].__name__}, {cls.__name__})")
-    from zeroexp.strategies.schemas import SCHEMAS
+    from zeroexp.cell.strategy import SCHEMAS
 
     if SCHEMAS.get(cls.name) is not cls.schema:
         raise ValueError(f"strategy {cls.name!r}: its schema {cls.schema.__name__} is not its entry in "
-                         "zeroexp.strategies.schemas.SCHEMAS")
+                         "zeroexp.cell.strategy.SCHEMAS")
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -18,8 +18,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from zeroexp.formulas import Groups
-from zeroexp.strategies.policy import CellPolicy
-from zeroexp.strategies.schemas import StrategyConfig
+from zeroexp.cell.policy import CellPolicy
+from zeroexp.cell.strategy import StrategyConfig
 
 
 def post_order(module: nn.Module, keep: Any) -> list[nn.Module]:
@@ -84,7 +84,7 @@ class StrategyAdapter:
     """One data-parallel strategy: how to wrap the model and build the optimizer, and what it claims.
 
     Subclasses set ``name`` (the ``strategy=`` option) and ``schema`` (the dataclass of its ``strategy.*`` keys, its
-    entry in zeroexp.strategies.schemas, which also names the cell axes that apply to it: ``schema.axes``).
+    entry in zeroexp.cell.strategy, which also names the cell axes that apply to it: ``schema.axes``).
     """
 
     name: ClassVar[str]
@@ -106,9 +106,9 @@ class StrategyAdapter:
     #: Reducer): the dry run then derives the collectives and the state table instead, and says so.
     dry_run_traced: ClassVar[bool] = False
 
-    def __init__(self, cfg: DictConfig) -> None:
-        #: The cell's settings the adapter acts on, resolved once (zeroexp.strategies.policy); ``config``: its own.
-        self.policy = CellPolicy.of(cfg)
+    def __init__(self, policy: CellPolicy) -> None:
+        #: The cell's settings the adapter acts on, resolved once (``Cell.policy``, zeroexp.cell); ``config``: its own.
+        self.policy = policy
         self.config = self.policy.strategy
 
     @classmethod
@@ -116,9 +116,10 @@ class StrategyAdapter:
         """Refuse settings this strategy cannot run (raise ``zeroexp.errors.ConfigError``)."""
 
     @classmethod
-    def validate_model(cls, cfg: DictConfig) -> None:
+    def validate_model(cls, cfg: DictConfig, shape: Any = None) -> None:
         """Refuse a model this strategy cannot run as configured (``ConfigError`` naming the key), read on the meta
-        device before launch, once the model check passed. Default: nothing."""
+        device before launch, once the model check passed (``shape``: its shape, zeroexp.formulas.ModelShape, read by
+        validation; None where it could not be). Default: nothing."""
 
     def setup(self, device: torch.device) -> None:
         """Once the process group exists and before any model is built (a dry run calls it before entering

@@ -14,7 +14,7 @@ from zeroexp.errors import ConfigError
 from zeroexp.formulas import Groups, buffer_broadcasts
 from zeroexp.strategies import register
 from zeroexp.strategies.base import StrategyAdapter, buffer_record
-from zeroexp.strategies.schemas import DDPConfig
+from zeroexp.cell.strategy import DDPConfig
 
 
 @register
@@ -41,7 +41,7 @@ class DDPAdapter(StrategyAdapter):
         return strategy
 
     @classmethod
-    def validate_model(cls, cfg: Any) -> None:
+    def validate_model(cls, cfg: Any, shape: Any = None) -> None:
         """Refuse ``strategy.find_unused_parameters=false`` for a model whose step leaves trainable parameters
         without a gradient (found from the meta-device step before launch): DDP's reducer would wait for their
         gradients and fail in the ranks."""

@@ -49,7 +49,8 @@ from zeroexp.strategies import _deepspeed_checkpoint as _ckpt, register
 from zeroexp.strategies._deepspeed_checkpoint import DS_FULL_FILE, DS_TAG  # noqa: F401 - re-exported
 from zeroexp.strategies.base import (StateTensor, StrategyAdapter, buffer_state_tensors,
                                     optimizer_state_tensors, post_order)
-from zeroexp.strategies.schemas import DeepSpeedConfig
+from zeroexp.cell.policy import CellPolicy
+from zeroexp.cell.strategy import DeepSpeedConfig
 
 
 #: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
@@ -171,8 +172,8 @@ class DeepSpeedAdapter(StrategyAdapter):
     #: its constructor after every module exists, would then draw into partitions, not the full build's tensors.
     meta_init = None
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
+    def __init__(self, policy: CellPolicy) -> None:
+        super().__init__(policy)
         self.stage = int(self.config.stage)
         self.dtype = torch_dtype(self.policy.precision.param_dtype)
         self.engine: Any = None

@@ -32,7 +32,7 @@ from zeroexp.strategies._checkpoint import load_sharded, read_full, save_sharded
 from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import (StateTensor, StrategyAdapter, optimizer_state_tensors, post_order,
                                      parameter_state_tensors)
-from zeroexp.strategies.schemas import FSDPConfig, FSDPFullConfig
+from zeroexp.cell.strategy import FSDPConfig, FSDPFullConfig
 
 
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
@@ -80,7 +80,7 @@ class FSDPAdapter(StrategyAdapter):
                 raise ConfigError(f"{key}[{i}]", path, "import paths of nn.Module classes", why=str(e)) from e
 
     @classmethod
-    def validate_model(cls, cfg) -> None:
+    def validate_model(cls, cfg, shape: Any = None) -> None:
         """Refuse a unit that mixes frozen and trainable parameters without ``strategy.use_orig_params=true``: FSDP1
         flattens a unit's parameters into one FlatParameter, which then needs one ``requires_grad`` ("Must flatten
         tensors with uniform requires_grad" in every rank otherwise). Refuse a parameter that modules of two units
@@ -96,10 +96,10 @@ class FSDPAdapter(StrategyAdapter):
                               "modules in one unit (e.g. the model's blocks), or a model without tied weights",
                               why=f"{', '.join(' = '.join(names) for names in shared)}: one parameter held by "
                                   "modules of two FSDP units, which FSDP1 flattens in each (the tie broken)")
-        if cfg.strategy.get("use_orig_params"):
+        if cfg.strategy.use_orig_params:
             return
 
-        shape = model_shape(cfg.model, wrap_paths(cfg))
+        shape = shape if shape is not None else model_shape(cfg.model, wrap_paths(cfg))
         if not shape.trains:
             return
         for unit, root in zip(shape.units, shape.root):

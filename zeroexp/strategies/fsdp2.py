@@ -34,7 +34,8 @@ from zeroexp.strategies._unit_trace import UnitTrace
 from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
 from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
-from zeroexp.strategies.schemas import (FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch,
+from zeroexp.cell.policy import CellPolicy
+from zeroexp.cell.strategy import (FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch,
                                        check_fsdp2_reshard)
 
 
@@ -77,8 +78,8 @@ class FSDP2Adapter(StrategyAdapter):
     dry_run_traced = True
     checkpoint_kinds = frozenset({"full", "sharded"})  # torch's state-dict API (DTensors): the default trio
 
-    def __init__(self, cfg) -> None:
-        super().__init__(cfg)
+    def __init__(self, policy: CellPolicy) -> None:
+        super().__init__(policy)
         self._mesh: Any = None
         self._root: nn.Module | None = None  # the wrapped model (mesh_dims reads its units' groups)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from zeroexp.strategies import register
 from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
 from zeroexp.strategies.fsdp2 import FSDP2Adapter
-from zeroexp.strategies.schemas import FSDP2HybridConfig
+from zeroexp.cell.strategy import FSDP2HybridConfig
 
 
 @register

@@ -20,7 +20,8 @@ from zeroexp.errors import ConfigError
 from zeroexp.strategies import register
 from zeroexp.strategies._hybrid import check_shard_size, hybrid_mesh, mesh_dims
 from zeroexp.strategies.fsdp import PREFETCH, FSDPAdapter
-from zeroexp.strategies.schemas import FSDPHybridConfig
+from zeroexp.cell.policy import CellPolicy
+from zeroexp.cell.strategy import FSDPHybridConfig
 
 #: ``strategy.sharding`` -> FSDP's strategy (its row ``fsdp_<sharding>`` holds the ZeRO stage within a shard group)
 _SHARDINGS = {"HYBRID_SHARD": ShardingStrategy.HYBRID_SHARD, "_HYBRID_SHARD_ZERO2": hybrid_shard_zero2()}
@@ -36,8 +37,8 @@ class FSDPHybridAdapter(FSDPAdapter):
         "(SHARD_GRAD_OP's); per unit all_gather and reduce_scatter in the shard group, all_reduce across replicas."
     )
 
-    def __init__(self, cfg) -> None:
-        super().__init__(cfg)
+    def __init__(self, policy: CellPolicy) -> None:
+        super().__init__(policy)
         self.sharding = _SHARDINGS[str(self.config.sharding)]
         self._mesh: Any = None
 

@@ -24,7 +24,8 @@ from zeroexp.models import torch_dtype
 from zeroexp.strategies import register
 from zeroexp.strategies.base import (StateTensor, StrategyAdapter, optimizer_state_tensors,
                                      parameter_state_tensors)
-from zeroexp.strategies.schemas import ZeroConfig
+from zeroexp.cell.policy import CellPolicy
+from zeroexp.cell.strategy import ZeroConfig
 
 
 def _cast_floating_inputs(dtype: torch.dtype) -> Callable[..., Any]:
@@ -54,8 +55,8 @@ class ShardedZeroAdapter(StrategyAdapter):
 
     schema = ZeroConfig
 
-    def __init__(self, cfg) -> None:
-        super().__init__(cfg)
+    def __init__(self, policy: CellPolicy) -> None:
+        super().__init__(policy)
         p = self.policy.precision
         self.dtype = torch_dtype(p.param_dtype)
         self.loss_scale = None if p.loss_scale is None else DynamicLossScale(p.loss_scale, p.growth_interval)

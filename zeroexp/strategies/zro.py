@@ -23,7 +23,7 @@ from zeroexp.strategies import register
 from zeroexp.strategies._checkpoint import read_full, write_full
 from zeroexp.strategies.base import StateTensor
 from zeroexp.strategies.ddp import DDPAdapter
-from zeroexp.strategies.schemas import ZROConfig
+from zeroexp.cell.strategy import ZROConfig
 
 
 @register

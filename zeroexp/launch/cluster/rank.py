@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig
 
-from zeroexp.config.cell import cell_axes, cell_id, cell_name
+from zeroexp.cell.identity import cell_axes, cell_id, cell_name
 from zeroexp.launch.cluster.env import RankEnv, detect
 from zeroexp.config.schemas import ConfigError, validate, without_strategy_extras
 from zeroexp.errors import one_line

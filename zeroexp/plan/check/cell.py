@@ -1,7 +1,8 @@
 """``summary.json["plan"]``: the planner's per-rank prediction for a cell that ran, beside what it measured.
 
 Rank 0 calls :func:`plan_section` in ``zeroexp.rank.worker.finalize`` after the probes' sections are written: the
-prediction uses the cell's own model (built again on the meta device), N, precision, offload and strategy settings,
+prediction uses the cell's own model (its shape, read by validation: ``Cell.shape``), N, precision, offload and strategy
+settings,
 through the groups its row derives from the shapes (:func:`cell_groups`); the measurement is the state probe's
 ``rank_state.csv`` and the collectives probe's counts and payloads.
 """
@@ -11,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zeroexp.plan.check.expect import groups_record, itemsize_of, knobs_of, layout_of
+from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import STATE_KINDS, Groups, PlanKnobs, StateLayout, derive_groups, rank_state_bytes
-from zeroexp.models import wrap_paths
+from zeroexp.plan.check.expect import groups_record
 from zeroexp.plan.core import Precision, plan_record
-from zeroexp.plan.shape import model_shape
+from zeroexp.plan.shape import cell_shape
 
 __all__ = ["plan_section", "cell_groups", "collective_rows"]
 
@@ -23,34 +24,31 @@ __all__ = ["plan_section", "cell_groups", "collective_rows"]
 RESIDUALS = {"optim_scalar": "Adam's 4-byte step scalar per optimizer tensor"}
 
 
-def cell_groups(cfg: Any) -> Groups:
+def cell_groups(cell: Cell) -> Groups:
     """The groups the cell's row (``strategy.layout``) derives from its model's shapes on the meta device: what the
     strategy's adapter reads off its live structure when the cell runs."""
-    name, layout = layout_of(cfg)
-    return derive_groups(name, layout, model_shape(cfg.model, wrap_paths(cfg)), int(cfg.world_size), itemsize_of(cfg),
-                         knobs_of(cfg))
+    return derive_groups(cell.row_name, cell.row, cell_shape(cell), cell.world_size, cell.itemsize, cell.knobs)
 
 
-def no_byte_model(cfg: Any) -> str | None:
+def no_byte_model(cell: Cell) -> str | None:
     """Why the formulas have no byte model for the cell's row in its precision and offload; None where they have."""
-    name, layout = layout_of(cfg)
-    precision, offload = str(cfg.precision.name), str(cfg.offload.name)
+    name, layout, precision, offload = cell.row_name, cell.row, cell.precision, cell.offload
     if precision in layout.precisions and offload in layout.offloads:
         return None
     return (f"no byte model for strategy.layout={name} precision={precision} offload={offload} "
             "(zeroexp.formulas.LAYOUTS)")
 
 
-def rank_state_of(cfg: Any) -> dict[str, list[tuple[int, int]]] | None:
+def rank_state_of(cell: Cell) -> dict[str, list[tuple[int, int]]] | None:
     """The cell's state table by the formulas: per kind, each rank's (logical, physical) bytes
     (``zeroexp.formulas.rank_state_bytes`` over :func:`cell_groups`); None where there is no byte model
     (:func:`no_byte_model`)."""
-    if no_byte_model(cfg):
+    if no_byte_model(cell):
         return None
-    return rank_state_bytes(layout_of(cfg)[1], cell_groups(cfg), itemsize_of(cfg), knobs_of(cfg), str(cfg.offload.name))
+    return rank_state_bytes(cell.row, cell_groups(cell), cell.itemsize, cell.knobs, cell.offload)
 
 
-def plan_section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None = None,
+def plan_section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: str | None = None,
                  live_groups: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predicted vs measured bytes per state kind (largest rank, physical) and per rank (logical and physical), and
     the calls and payload per collective; ``check`` PASS when every state kind matches exactly on every rank, the
@@ -63,28 +61,29 @@ def plan_section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | No
     from zeroexp.plan.check.step_time import time_section
 
     try:
-        section = _section(cfg, Path(cell), summary, itself, live_groups)
+        section = _section(cell, Path(cell_dir), summary, itself, live_groups)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
         section = {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
-    section["time"] = time_section(cfg, summary)  # predicted vs measured step time (zeroexp.plan.check.step_time)
+    section["time"] = time_section(cell, summary)  # predicted vs measured step time (zeroexp.plan.check.step_time)
     return section
 
 
-def _memory(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int, shape: Any) -> dict[str, Any]:
+def _memory(cell: Cell, summary: dict[str, Any], name: str, groups: Groups, itemsize: int, shape: Any
+            ) -> dict[str, Any]:
     """``plan.memory`` (:mod:`zeroexp.plan.check.memory`); never raises: a failure becomes ``check: ERROR``."""
     from zeroexp.models import import_class
     from zeroexp.plan.check.memory import memory_section
 
     try:
-        return memory_section(cfg, summary, name, groups, itemsize, [import_class(p) for p in wrap_paths(cfg)], shape)
+        return memory_section(cell, summary, name, groups, itemsize, [import_class(p) for p in cell.wrap], shape)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
         return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
 
 
-def _measured(cell: Path) -> dict[str, list[tuple[int, int]]] | None:
+def _measured(cell_dir: Path) -> dict[str, list[tuple[int, int]]] | None:
     import pandas as pd
 
-    path = cell / "rank_state.csv"
+    path = cell_dir / "rank_state.csv"
     if not path.exists():
         return None
     frame = pd.read_csv(path).sort_values("rank")
@@ -102,20 +101,20 @@ def collective_rows(predicted: dict[str, dict[str, int]], measured_counts: dict[
             for op in dict.fromkeys([*predicted, *measured_payload, *measured_counts])]
 
 
-def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
+def _section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: str | None,
              live_groups: dict[str, Any] | None) -> dict[str, Any]:
     """:func:`plan_section`'s section but ``time``; raises where the planner fails."""
-    n, offload = int(cfg.world_size), str(cfg.offload.name)
-    precision = Precision(str(cfg.precision.name), str(cfg.precision.param_dtype))
-    name, layout = layout_of(cfg)
-    if why := no_byte_model(cfg):
+    n, offload = cell.world_size, cell.offload
+    precision = Precision(cell.precision, cell.policy.precision.param_dtype)
+    name, layout = cell.row_name, cell.row
+    if why := no_byte_model(cell):
         return {"check": "n/a", "row": name, "reasons": [why]}
-    measured = _measured(cell)
+    measured = _measured(cell_dir)
     if measured is None:
         return {"check": "n/a", "row": name, "reasons": ["no rank_state.csv: the state probe did not run"]}
-    shape, knobs = model_shape(cfg.model, wrap_paths(cfg)), knobs_of(cfg)
+    shape, knobs = cell_shape(cell), cell.knobs
     groups = derive_groups(name, layout, shape, n, precision.itemsize, knobs)
-    record = plan_record(name, layout, shape, n, precision, offload, knobs, model=str(cfg.model.name))
+    record = plan_record(name, layout, shape, n, precision, offload, knobs, model=str(cell.model["name"]))
     predicted = rank_state_bytes(layout, groups, precision.itemsize, knobs, offload)
     kinds = [k for k in STATE_KINDS if k in predicted]
     ranks, reasons = _state_ranks(predicted, measured, n)
@@ -151,7 +150,7 @@ def _section(cfg: Any, cell: Path, summary: dict[str, Any], itself: str | None,
         "check": "FAIL" if reasons else "PASS",
         "reasons": reasons,
     }
-    section["memory"] = _memory(cfg, summary, name, groups, precision.itemsize, shape)
+    section["memory"] = _memory(cell, summary, name, groups, precision.itemsize, shape)
     if itself:  # the "measurement" is this model: comparing them cannot fail
         section.update(check="n/a", payload_check="n/a", reasons=[f"not checked: {itself}"])
         for part in ("groups", "state", "calls"):

@@ -11,41 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Callable
 
-from zeroexp.formulas import (ITEMSIZE, LAYOUTS, Collectives, Groups, PlanKnobs, StateLayout, rank_state_bytes,
-                              state_factors, step_collectives)
+from zeroexp.cell.resolved import Cell
+from zeroexp.formulas import ITEMSIZE, Collectives, Groups, rank_state_bytes, state_factors, step_collectives
 
-__all__ = ["Expectation", "knobs_of", "itemsize_of", "layout_of", "groups_record", "post_forward_ranks"]
-
-
-def knobs_of(cfg: Any) -> PlanKnobs:
-    """The byte-relevant settings of a cell config (a strategy that lacks a key takes the default)."""
-    s, default = cfg.strategy, PlanKnobs()
-    cap = s.get("bucket_cap_mb")
-    scaling = cfg.precision.get("loss_scale") is not None
-    return PlanKnobs(
-        bucket_cap_bytes=default.bucket_cap_bytes if cap is None else int(float(cap) * 2**20),
-        reduce=str(s.get("reduce") or default.reduce),
-        norm_allreduce=s.get("clip_grad_norm") is not None or scaling,
-        use_orig_params=bool(s.get("use_orig_params", default.use_orig_params)),
-        loss_scaling=scaling,
-        parameters_as_bucket_view=bool(s.get("parameters_as_bucket_view", False)),
-        shard_size=int(s.get("shard_size") or 0),
-        clipping=s.get("clip_grad_norm") is not None,
-        micro_batches=int(cfg.get("grad_accum") or 1),
-        sync_each_microbatch=bool(s.get("sync_each_microbatch", False)),
-        find_unused_parameters=s.get("find_unused_parameters"),
-        compute_dtype=str(cfg.precision.param_dtype),
-        root_kept_after_forward="reshard_after_forward" in s and s.get("reshard_after_forward") is None,
-        forward_prefetch=int(s.get("forward_prefetch") or 0),
-        backward_prefetch=int(s.get("backward_prefetch") or 0),
-        reduce_dtype=str(s.get("reduce_dtype") or ""),
-        post_forward_ranks=post_forward_ranks(s.get("reshard_after_forward")),
-    )
-
-
-def post_forward_ranks(value: Any) -> int:
-    """FSDP2's ``reshard_after_forward`` as :attr:`PlanKnobs.post_forward_ranks`: the int, 0 for a bool or null."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+__all__ = ["Expectation", "itemsize_of", "groups_record"]
 
 
 def itemsize_of(cfg: Any) -> int:
@@ -53,22 +22,14 @@ def itemsize_of(cfg: Any) -> int:
     return ITEMSIZE[str(cfg.precision.param_dtype)]
 
 
-def layout_of(cfg: Any) -> tuple[str, StateLayout]:
-    """The row the cell's strategy names (``strategy.layout``, e.g. ``deepspeed_stage2``), and its name."""
-    name = str(cfg.strategy.get("layout") or cfg.strategy.name)
-    if name not in LAYOUTS:
-        raise KeyError(f"strategy.layout={name!r} is no row of zeroexp.formulas.LAYOUTS ({', '.join(LAYOUTS)})")
-    return name, LAYOUTS[name]
-
-
 class Expectation:
     """What a cell should show, from its strategy's row and ``groups_of(model, optimizer)`` (the adapter's live
     groups): the closed-form state factors, the per-step collectives. Issues no collective."""
 
-    def __init__(self, cfg: Any, groups_of: Callable[[Any, Any], Groups]) -> None:
-        self.name, self.layout = layout_of(cfg)
-        self.world_size, self.itemsize = int(cfg.world_size), itemsize_of(cfg)
-        self.precision, self.offload, self.knobs = str(cfg.precision.name), str(cfg.offload.name), knobs_of(cfg)
+    def __init__(self, cell: Cell, groups_of: Callable[[Any, Any], Groups]) -> None:
+        self.name, self.layout = cell.row_name, cell.row
+        self.world_size, self.itemsize = cell.world_size, cell.itemsize
+        self.precision, self.offload, self.knobs = cell.precision, cell.offload, cell.knobs
         self.groups_of = groups_of
         self.groups: Groups | None = None  # the live groups, once read
 

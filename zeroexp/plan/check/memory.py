@@ -17,13 +17,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from zeroexp.cell.memo import memo_table, memoized
+from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
 from zeroexp.formulas.peak.phases import StepTrace
 from zeroexp.formulas.peak.precision import PrecisionTerms
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
 from zeroexp.plan.check.judge import TOLERANCE, as_simulated, judge_rank
-from zeroexp.plan.check.expect import knobs_of
 from zeroexp.plan.check.gloo import late_free
 from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
 
@@ -115,7 +116,7 @@ def needs_in_place(name: str, micro_batches: int) -> bool:
 
 def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int,
                       prefetch: str, micro_batches: int = 1, in_place: StepTrace | None = None,
-                      bucket_cap_bytes: int = 25 * 2**20, terms: PrecisionTerms | None = None,
+                      bucket_cap_bytes: int = PlanKnobs.bucket_cap_bytes, terms: PrecisionTerms | None = None,
                       device: DeviceSemantics = CPU, root_kept: bool = False,
                       knobs: PlanKnobs = PlanKnobs()) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
@@ -129,7 +130,7 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
 
 def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, rank: int = 0,
                    prefetch: str = "none", gloo: bool = False, micro_batches: int = 1,
-                   in_place: StepTrace | None = None, bucket_cap_bytes: int = 25 * 2**20,
+                   in_place: StepTrace | None = None, bucket_cap_bytes: int = PlanKnobs.bucket_cap_bytes,
                    terms: PrecisionTerms | None = None, reduce: str = "reduce_scatter", root_kept: bool = False,
                    foreach: bool = False, knobs: PlanKnobs = PlanKnobs(), block: int = 1) -> dict[str, dict]:
     """The peak model for a covered row (:func:`uncovered` is empty): per phase, ``bytes`` above steady and
@@ -152,10 +153,16 @@ def predict_phases(name: str, groups: Groups, shape: ModelShape, trace: StepTrac
                                   block=block)
 
 
-def cell_precision_terms(name: str, cfg: Any) -> PrecisionTerms | None:
-    """How the cell's row applies its precision (None: a row without precision terms: DeepSpeed's, or no model)."""
-    row, p = _row(name), cfg.precision
-    return row.family.precision_terms(row, str(p.name), str(p.param_dtype), ITEMSIZE[str(p.param_dtype)])
+def precision_terms_of(name: str, precision: str, param_dtype: str) -> PrecisionTerms | None:
+    """How row ``name`` applies a precision (its name and compute dtype; None: a row without precision terms:
+    DeepSpeed's, or no model)."""
+    row = _row(name)
+    return row.family.precision_terms(row, precision, param_dtype, ITEMSIZE[param_dtype])
+
+
+def cell_precision_terms(name: str, cell: Cell) -> PrecisionTerms | None:
+    """:func:`precision_terms_of` the cell's precision."""
+    return precision_terms_of(name, cell.precision, cell.policy.precision.param_dtype)
 
 
 def _trace_record(terms: PrecisionTerms | None) -> dict[str, Any]:
@@ -164,7 +171,7 @@ def _trace_record(terms: PrecisionTerms | None) -> dict[str, Any]:
     return {"autocast": terms and terms.autocast, "param_dtype": terms and terms.module_dtype}
 
 
-def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_bytes: int = 25 * 2**20,
+def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_bytes: int = PlanKnobs.bucket_cap_bytes,
                          terms: PrecisionTerms | None = None) -> int:
     """What a rank holds at the optimizer boundary beside its model state: DDP's gradient buckets (ddp, zro:
     ``gradient_as_bucket_view=false``, a copy of every gradient), DeepSpeed stage 3's ipg bucket; given ``terms``,
@@ -185,7 +192,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     import torch
 
     from zeroexp.models import torch_dtype
-    from zeroexp.plan.shape import arguments_key, remember
+    from zeroexp.plan.shape import arguments_key
     from zeroexp.plan.steptrace import trace_step_of
 
     row = _row(name)
@@ -204,33 +211,24 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
                   **{k: v for k, v in dtypes.items() if v is not None},
                   **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
     key = arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kwargs.items()))
-    if key is not None and key in _TRACES:
-        return _TRACES[key]
-    return remember(_TRACES, key, trace_step_of(model_cfg, batch_size, wrap, **kwargs))
+    return memoized(TRACES, key, lambda: trace_step_of(model_cfg, batch_size, wrap, **kwargs))
 
 
-def _uncovered_cell(cfg: Any, name: str) -> list[str]:
-    """:func:`uncovered` for a composed cell of row ``name``."""
-    ac = cfg.get("activation_checkpointing")
-    cast = cfg.strategy.get("output_dtype")
+def _uncovered_cell(cell: Cell, name: str) -> list[str]:
+    """:func:`uncovered` for a cell of row ``name``."""
+    cast = cell.strategy_setting("output_dtype")
     why = [] if cast is None else [f"no peak model yet for strategy.output_dtype={cast}: FSDP2 casts the model's "
                                    "outputs, the traced step does not"]
-    return why + uncovered(name, str(cfg.precision.name), str(cfg.offload.name),
-                           str(ac.name) if ac is not None else "none", int(cfg.get("grad_accum") or 1),
-                           bool(cfg.strategy.get("sync_each_microbatch", False)))
+    return why + uncovered(name, cell.precision, cell.offload, cell.activation_checkpointing, cell.grad_accum,
+                           cell.knobs.sync_each_microbatch)
 
 
-def _checkpointing(cfg: Any) -> bool:
-    ac = cfg.get("activation_checkpointing")
-    return ac is not None and str(ac.name) == "full"
-
-
-def _cell_step_traces(cfg: Any, name: str, wrap: list[type], terms: PrecisionTerms | None, block: int = 1
+def _cell_step_traces(cell: Cell, name: str, wrap: list[type], terms: PrecisionTerms | None, block: int = 1
                       ) -> tuple[StepTrace, StepTrace | None]:
-    """:func:`step_traces` for a composed cell of row ``name``: what its ``plan.memory`` reads (``block``: its
-    device's, ``DeviceSemantics.block``)."""
-    return step_traces(name, cfg.model, int(cfg.batch_size), wrap, _checkpointing(cfg),
-                       int(cfg.get("grad_accum") or 1), str(cfg.precision.param_dtype), terms, block)
+    """:func:`step_traces` for a cell of row ``name``: what its ``plan.memory`` reads (``block``: its device's,
+    ``DeviceSemantics.block``)."""
+    return step_traces(name, cell.model, cell.batch_size, wrap, cell.checkpointed, cell.grad_accum,
+                       cell.policy.precision.param_dtype, terms, block)
 
 
 # -- Traces ahead. A cell's rank 0 trains the equivalence reference after the last step while its other ranks wait;
@@ -238,28 +236,29 @@ def _cell_step_traces(cfg: Any, name: str, wrap: list[type], terms: PrecisionTer
 # rank 0's finalize reads (``read_traces_ahead``) before :func:`memory_section`. A trace is a function of its
 # arguments alone (fake tensors, no measurement): rank 0 uses one only under the same arguments (its key, as trace_for
 # remembers its own), and traces itself whatever the file lacks, so the plan never depends on the other rank.
-#: trace_for's answers in this process, by its arguments (a StepTrace is immutable); read_traces_ahead adds another
-#: rank's.
-_TRACES: dict[str, StepTrace] = {}
+#: The memo table of trace_for's answers (zeroexp.cell.memo), by its arguments (a StepTrace is immutable);
+#: read_traces_ahead adds another rank's.
+TRACES = "step_traces"
 
 
-def write_traces_ahead(cfg: Any, path: Any, block: int = 1) -> None:
+def write_traces_ahead(cell: Cell, path: Any, block: int = 1) -> None:
     """Trace the step a composed cell's ``plan.memory`` will read into ``path`` (nothing where the peak model does not
     cover the cell; a file already at ``path`` is removed first; ``block``: the ranks' device's,
     ``DeviceSemantics.block``). Never raises: rank 0 then traces it itself."""
     import pickle
 
-    from zeroexp.plan.check.expect import layout_of
-    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.cell.memo import invocation_memo
+    from zeroexp.models import import_class
 
     try:
         Path(path).unlink(missing_ok=True)  # a file an earlier run left in this cell directory is no trace of this one
-        name = layout_of(cfg)[0]
-        if _uncovered_cell(cfg, name):
+        name = cell.row_name
+        if _uncovered_cell(cell, name):
             return
-        traces = _cell_step_traces(cfg, name, [import_class(p) for p in wrap_paths(cfg)],
-                                   cell_precision_terms(name, cfg), block)
-        ours = {k: t for k, t in _TRACES.items() if any(t is mine for mine in traces)}  # this cell's, by their keys
+        with invocation_memo() as memo:
+            traces = _cell_step_traces(cell, name, [import_class(p) for p in cell.wrap],
+                                       cell_precision_terms(name, cell), block)
+            ours = {k: t for k, t in memo.get(TRACES, {}).items() if any(t is mine for mine in traces)}  # by key
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # .ranks/: the first rank to write makes it
         tmp = f"{path}.tmp"
         with open(tmp, "wb") as f:
@@ -279,37 +278,40 @@ def read_traces_ahead(path: Any) -> int:
     except Exception:  # noqa: BLE001 - missing or unreadable: rank 0 traces the step itself
         return 0
     good = {k: t for k, t in traces.items() if isinstance(k, str) and isinstance(t, StepTrace)}
-    _TRACES.update(good)
+    table = memo_table(TRACES)
+    if table is None:  # no invocation open: nothing would keep them
+        return 0
+    table.update(good)
     return len(good)
 
 
-def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
+def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
                    wrap: list[type], shape: ModelShape) -> dict[str, Any]:
     """The plan's memory section for a cell that ran (``name``: its row; ``groups``: derived from the shapes)."""
     measured = summary.get("memory") or {}
-    reasons = _uncovered_cell(cfg, name)
-    cap = int(float(cfg.strategy.get("bucket_cap_mb", 25)) * 2**20)
+    reasons = _uncovered_cell(cell, name)
+    knobs = cell.knobs
+    cap = knobs.bucket_cap_bytes
     row = _row(name)
     reasons += row.family.peak_limits(row, groups, cap) + shape_limits(name, shape, groups)
     if reasons:
         return {"check": "n/a", "reasons": reasons}
-    terms = cell_precision_terms(name, cfg)
+    terms = cell_precision_terms(name, cell)
     several = terms is not None and terms.master_below_compute and len(groups.shards) > 1
     if several and measured.get("phases_of_max_rank"):
         return {"check": "n/a", "reasons": [
             f"no peak model yet for {name} below fp32 with {len(groups.shards)} buckets: gloo held every bucket's "
             "all-gather input through forward in the cell measured, more than the one late tensor the check allows "
             "(docs/planner.md, the peak model)"]}
-    checkpointing, micro_batches = _checkpointing(cfg), int(cfg.get("grad_accum") or 1)
+    checkpointing, micro_batches, prefetch = cell.checkpointed, cell.grad_accum, cell.policy.prefetch
     device = (measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
                            measured.get("backend") == "fake") if measured.get("phases_of_max_rank") else FAKE_GROUP)
-    trace, in_place = _cell_step_traces(cfg, name, wrap, terms, device.block)
+    trace, in_place = _cell_step_traces(cell, name, wrap, terms, device.block)
     traced = {"batch_size": trace.batch_size, "device": "cpu", "block_bytes": device.block,
               "loss_bytes": trace.loss_bytes, "checkpointing": checkpointing, "micro_batches": micro_batches,
               **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
-        knobs = knobs_of(cfg)
-        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, str(cfg.prefetch.name), micro_batches,
+        predicted = worst_rank_phases(name, groups, shape, trace, itemsize, prefetch, micro_batches,
                                       in_place, cap, terms, FAKE_GROUP, knobs.root_kept_after_forward, knobs)
         return {"model": f"peak model (zeroexp.formulas.peak.phases), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
@@ -323,14 +325,14 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
     steady_by_rank = measured.get("steady_categories_by_rank") or [None] * len(by_rank)
     out_reasons, errs, ranks = [], [], []
     phases: dict[str, Any] = {}
-    reduce, knobs = str(cfg.strategy.get("reduce", "reduce_scatter")), knobs_of(cfg)
+    reduce = knobs.reduce
     for rank in range(len(by_rank)):  # every rank judged against its own prediction
         got_phases = measured["phases_of_max_rank"] if rank == worst_rank else by_rank[rank]
         if got_phases is None:
             continue
         steady_cats = (measured.get("steady_categories_of_max_rank") if rank == worst_rank
                        else steady_by_rank[rank]) or {}
-        predicted = predict_phases(name, groups, shape, trace, itemsize, rank, str(cfg.prefetch.name), gloo,
+        predicted = predict_phases(name, groups, shape, trace, itemsize, rank, prefetch, gloo,
                                    micro_batches, in_place, cap, terms, reduce, knobs.root_kept_after_forward,
                                    foreach=device.foreach, knobs=knobs, block=device.block)
         judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
@@ -338,7 +340,7 @@ def memory_section(cfg: Any, summary: dict[str, Any], name: str, groups: Groups,
         reserved = (measured.get("reserved_by_rank") or [None] * len(by_rank))[rank]
         if reserved is not None:  # a CUDA cell: the caching allocator's segments beside allocated
             buffers = steady_buffers_bytes(name, groups, itemsize if terms is None else terms.grad_itemsize, cap, terms)
-            blocks = cell_steady_blocks(row, groups, itemsize, knobs_of(cfg), str(cfg.offload.name), rank,
+            blocks = cell_steady_blocks(row, groups, itemsize, knobs, cell.offload, rank,
                                         buffers, device.workspace_bytes, row.family.step_frees_grads(row))
             reasons += judge_reserved(judged, reserved, blocks, predicted)
         out_reasons += [f"rank {rank} {r}" for r in reasons]

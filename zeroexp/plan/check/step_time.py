@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.results.calibration import DEFAULT_DIR, Calibration, find_calibration, load_calibration
 from zeroexp.formulas import steps_to_narrow
 
-__all__ = ["time_section", "median_ci95", "time_check", "cell_backend", "RATIO_LIMIT", "MEDIAN_CI_LIMIT", "BOOTSTRAP"]
+__all__ = ["time_section", "median_ci95", "time_check", "RATIO_LIMIT", "MEDIAN_CI_LIMIT", "BOOTSTRAP"]
 
 #: A prediction passes within this factor of the measured median, either way.
 RATIO_LIMIT = 1.25
@@ -64,40 +65,35 @@ def time_check(predicted_ms: float, median_ms: float, ci: tuple[float, float], t
 BUSY_HOST_CORES = 0.25
 
 
-def _calibration(cfg: Any, backend: str) -> tuple[Calibration | None, str | None]:
-    path = cfg.get("calibration")
-    if path:
-        return load_calibration(path), None
-    found = find_calibration(backend, int(cfg.world_size))
+def _calibration(cell: Cell) -> tuple[Calibration | None, str | None]:
+    if cell.calibration:
+        return load_calibration(cell.calibration), None
+    backend, n = cell.backend, cell.world_size
+    found = find_calibration(backend, n)
     if found is None:
-        return None, (f"no calibration of this machine, backend {backend} and world_size={cfg.world_size} in "
-                      f"{DEFAULT_DIR}/: run `python -m zeroexp.calibrate world_size={cfg.world_size}` (or give "
+        return None, (f"no calibration of this machine, backend {backend} and world_size={n} in "
+                      f"{DEFAULT_DIR}/: run `python -m zeroexp.calibrate world_size={n}` (or give "
                       "calibration=PATH)")
     return found, None
 
 
-def time_section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
+def time_section(cell: Cell, summary: dict[str, Any]) -> dict[str, Any]:
     """``plan.time`` of a cell (fields: docs/results.md), over the groups the cell's row derives from its shapes.
     Never raises: a failure becomes ``check: ERROR``."""
     try:
-        return _section(cfg, summary)
+        return _section(cell, summary)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
         return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
 
 
-def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
-    from zeroexp.plan.check.expect import itemsize_of, knobs_of, layout_of
+def _section(cell: Cell, summary: dict[str, Any]) -> dict[str, Any]:
     from zeroexp.formulas import checkpointed_numel, derive_groups
-    from zeroexp.models import wrap_paths
-    from zeroexp.plan.shape import model_shape
+    from zeroexp.plan.shape import cell_shape
 
-    name, layout = layout_of(cfg)
-    itemsize, knobs = itemsize_of(cfg), knobs_of(cfg)
-    shape = model_shape(cfg.model, wrap_paths(cfg))
-    groups = derive_groups(name, layout, shape, int(cfg.world_size), itemsize, knobs)
-    ac = cfg.get("activation_checkpointing")
-    checkpointed = (checkpointed_numel(shape.units, shape.root, shape.numels)
-                    if ac is not None and str(ac.name) == "full" else 0)
+    name, layout, n, batch = cell.row_name, cell.row, cell.world_size, cell.batch_size
+    itemsize, knobs, shape = cell.itemsize, cell.knobs, cell_shape(cell)
+    groups = derive_groups(name, layout, shape, n, itemsize, knobs)
+    checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels) if cell.checkpointed else 0
     coll = summary.get("collectives") or {}
     out: dict[str, Any] = {"predicted_step_ms": None, "measured_median_ms": None, "median_ci95_ms": None,
                            "ratio": None, "exposed_comm_ms": None,
@@ -110,11 +106,11 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
         from zeroexp.plan.network import tokens_per_sample
 
         median, low, high = median_ci95(steps)
-        samples = int(cfg.batch_size) * int(cfg.get("grad_accum") or 1) * int(cfg.world_size) / (median / 1e3)
+        samples = batch * cell.grad_accum * n / (median / 1e3)
         out.update(measured_median_ms=median, median_ci95_ms=[low, high], throughput={
-            "samples_per_s": samples, "tokens_per_s": samples * tokens_per_sample(cfg.model), "mfu": None,
+            "samples_per_s": samples, "tokens_per_s": samples * tokens_per_sample(cell.model), "mfu": None,
             "why": "measured median; MFU needs the device's peak FLOP/s, which zeroexp knows for no CPU"})
-    cal, why = _calibration(cfg, cell_backend(cfg))
+    cal, why = _calibration(cell)
     if cal is None:
         out["reasons"].append(why)
         return out
@@ -122,21 +118,20 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     from zeroexp.plan.network import calibrated_network, model_ops, predict_on
 
     network = calibrated_network(cal)
-    ops = model_ops(network, cfg.model, int(cfg.batch_size))
-    t = predict_on(network, layout, groups, itemsize, knobs, int(cfg.batch_size), int(cfg.world_size),
-                   str(cfg.prefetch.name), checkpointed, ops=ops)
+    ops = model_ops(network, cell.model, batch)
+    t = predict_on(network, layout, groups, itemsize, knobs, batch, n, cell.policy.prefetch, checkpointed, ops=ops)
     out.update(predicted_step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s,
                predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
                framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},
                           "not_modelled": list(t.framework_notes)})
     notes = []
-    if str(cfg.precision.name) != "fp32" or str(cfg.offload.name) != "none":
-        notes.append(f"the calibration times fp32 compute on the device; precision={cfg.precision.name} "
-                     f"offload={cfg.offload.name} is not modelled")
+    if cell.precision != "fp32" or cell.offload != "none":
+        notes.append(f"the calibration times fp32 compute on the device; precision={cell.precision} "
+                     f"offload={cell.offload} is not modelled")
     c = cal.data["compute"]
-    if int(cal.world_size) != int(cfg.world_size) or cal.data["backend"] != cell_backend(cfg):
+    if int(cal.world_size) != n or cal.data["backend"] != cell.backend:
         out["reasons"].append(f"calibrated with {cal.data['backend']} at N={cal.world_size}, this cell "
-                              f"{cell_backend(cfg)} at N={cfg.world_size}: busbw carried over as the ring model says")
+                              f"{cell.backend} at N={n}: busbw carried over as the ring model says")
     missing = cal.missing_terms() if layout.family.dtensor_params else None
     if missing:
         out["reasons"].append(missing)
@@ -150,10 +145,9 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
     if busy is not None:
         out["reasons"].append(f"this cell's timed steps ran beside other work ({busy:.2f} cores busy with other "
                               "processes on average, timing.host_activity): its median is not this host's quiet one")
-    if (c["model"] != str(cfg.model.name) or int(c["numel"]) != groups.numel
-            or int(c["batch_size"]) != int(cfg.batch_size)):
+    if c["model"] != str(cell.model["name"]) or int(c["numel"]) != groups.numel or int(c["batch_size"]) != batch:
         out["reasons"].append(f"compute calibrated on {c['model']} ({c['numel']} parameters, batch {c['batch_size']}), "
-                              f"this cell {cfg.model.name} ({groups.numel}, batch {cfg.batch_size}): rates per "
+                              f"this cell {cell.model['name']} ({groups.numel}, batch {batch}): rates per "
                               "parameter x sample carried over" + (
                                   f", each call's cost per operator ({ops[0]} forward, {ops[1]} backward) and per "
                                   "parameter" if network.rate.counts_ops else
@@ -167,11 +161,3 @@ def _section(cfg: Any, summary: dict[str, Any]) -> dict[str, Any]:
                                 len(steps))
     out.update(check=check, reasons=reasons + out["reasons"])
     return out
-
-
-def cell_backend(cfg: Any) -> str:
-    """The backend a cell's ranks use (the one device rule, :func:`zeroexp.devices.ranks_get_a_gpu`)."""
-    from zeroexp.devices import ranks_get_a_gpu
-
-    return "nccl" if ranks_get_a_gpu(cfg) else "gloo"
-

@@ -2,7 +2,7 @@
 policies (:class:`CellPolicy`), so that no adapter reads the whole config ad hoc.
 
 An adapter's instance methods read ``self.policy`` and its own strategy config, ``self.config`` (an instance of its
-schema, zeroexp.strategies.schemas); its classmethods ``validate`` / ``validate_model`` still read the composed config,
+schema, zeroexp.cell.strategy); its classmethods ``validate`` / ``validate_model`` still read the composed config,
 before launch, where a refusal names the config key.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from zeroexp.strategies.schemas import SCHEMAS, StrategyConfig
+from zeroexp.cell.strategy import SCHEMAS, StrategyConfig
 
 __all__ = ["CellPolicy", "PrecisionPolicy", "OptimizerPolicy", "strategy_config"]
 
@@ -73,19 +73,17 @@ class CellPolicy:
         p, o = cfg.precision, cfg.optimizer
         model = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
         OmegaConf.set_readonly(model, True)
-        ac = cfg.get("activation_checkpointing")
-        prefetch = cfg.get("prefetch")
         return cls(strategy=strategy_config(cfg.strategy),
                    precision=PrecisionPolicy(str(p.name), str(p.param_dtype), str(p.master_dtype),
-                                             None if p.get("loss_scale") is None else float(p.loss_scale),
+                                             None if p.loss_scale is None else float(p.loss_scale),
                                              int(p.growth_interval)),
-                   offload=str(cfg.offload.name), prefetch=str(prefetch.name) if prefetch is not None else "none",
+                   offload=str(cfg.offload.name), prefetch=str(cfg.prefetch.name),
                    wrap=tuple(str(w) for w in wrap_paths(cfg)),
-                   activation_checkpointing=ac is not None and ac.name != "none",
+                   activation_checkpointing=cfg.activation_checkpointing.name != "none",
                    optimizer=OptimizerPolicy(float(o.lr), (float(o.betas[0]), float(o.betas[1])), float(o.eps),
                                              float(o.weight_decay)),
                    model=model, seed=int(cfg.seed), batch_size=int(cfg.batch_size),
-                   grad_accum=int(cfg.get("grad_accum") or 1), warmup_steps=int(cfg.warmup_steps))
+                   grad_accum=int(cfg.grad_accum), warmup_steps=int(cfg.warmup_steps))
 
 
 def strategy_config(node: DictConfig) -> StrategyConfig:

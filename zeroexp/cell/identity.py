@@ -3,7 +3,7 @@
 Two configs with the same identity are the same cell: a sweep runs it once. Axes that do not apply to the
 strategy (``prefetch`` for ``ddp``) are not part of the identity, nor are logging and timeout knobs, nor the
 ``strategy.*`` keys its schema lacks (set in a sweep for other strategies) or marks as derived (``layout``).
-The optional axes are the strategy's (its schema's ``axes``, zeroexp.strategies.schemas): a top-level group
+The optional axes are the strategy's (its schema's ``axes``, zeroexp.cell.strategy): a top-level group
 (``prefetch``) or one of its own keys (deepspeed's ``strategy.stage``, named ``stage<N>``).
 """
 
@@ -15,17 +15,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from zeroexp.config.init_mode import init_of
-from zeroexp.strategies.schemas import SCHEMAS, identity_keys, identity_when_set, schema_keys
+from zeroexp.cell.strategy import SCHEMAS, identity_keys, identity_when_set, schema_keys
 
-__all__ = ["cell_axes", "cell_identity", "cell_id", "cell_name"]
+__all__ = ["cell_axes", "cell_identity", "cell_id", "cell_name", "init_of"]
 
 _IDENTITY_KEYS = ("model", "strategy", "precision", "offload", "optimizer", "world_size", "steps",
                   "batch_size", "seed", "warmup_steps", "device")
 
 
 def _schema(cfg: DictConfig) -> Any:
-    """The strategy's schema (zeroexp.strategies.schemas; torch-free: a cell is named before anything is built)."""
+    """The strategy's schema (zeroexp.cell.strategy; torch-free: a cell is named before anything is built)."""
     return SCHEMAS.get(cfg.strategy.name)
 
 
@@ -134,3 +133,10 @@ def cell_name(cfg: DictConfig) -> str:
         parts.append(f"init-{ax['init']}")
     parts += [f"n{ax['world_size']}", *(["dry"] if cfg.get("dry_run") else []), cell_id(cfg)]
     return "_".join(parts)
+
+
+def init_of(cfg: Any) -> str:
+    """The cell's ``init`` (conf/init/): ``full`` or ``meta``; a config from before the axis:
+    full."""
+    node = cfg.get("init")
+    return str(node.name) if node is not None else "full"

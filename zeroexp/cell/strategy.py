@@ -14,8 +14,14 @@ from omegaconf import MISSING
 
 from zeroexp.errors import ConfigError
 
-__all__ = ["SCHEMAS", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set", "check_fsdp2_prefetch",
+__all__ = ["SCHEMAS", "BUCKET_CAP_MB", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set", "check_fsdp2_prefetch",
            "check_fsdp2_dtype"]
+
+
+#: The bucket cap every bucketed strategy defaults to (``strategy.bucket_cap_mb``, MiB): DDP's own default
+#: (torch.nn.parallel.DistributedDataParallel, ``bucket_cap_mb=25``), kept for ZeroRedundancyOptimizer's DDP, zeroexp's
+#: ZeRO buckets and DeepSpeed's reduce / all-gather buckets so that their cells compare bucket for bucket.
+BUCKET_CAP_MB = 25.0
 
 
 @dataclass
@@ -23,7 +29,7 @@ class StrategyConfig:
     """What every strategy's config (``strategy.*``) holds; each adapter's ``schema`` extends it with its own keys.
 
     A field whose metadata says ``identity: False`` is derived from the others and not part of the cell's identity
-    (zeroexp.config.cell): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
+    (zeroexp.cell.identity): adding such a field leaves every cell id as it was; ``identity: "when_set"`` enters it only
     when not at its default (so a knob added to every strategy leaves the ids of the cells that do not set it as
     they were).
     """
@@ -60,7 +66,7 @@ class DDPConfig(StrategyConfig):
     """``strategy=ddp`` (conf/strategy/ddp.yaml)."""
 
     # Set explicitly, DDP also uses it as the first bucket's cap (otherwise 1 MiB), so buckets are even.
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = BUCKET_CAP_MB
     gradient_as_bucket_view: bool = False
     #: DDP's ``find_unused_parameters``; null: set when one meta-device step of the model leaves a trainable
     #: parameter without a gradient (zeroexp.models.unused_parameters), as DDP requires then.
@@ -198,7 +204,7 @@ class ZeroConfig(StrategyConfig):
     """``strategy=zero1`` / ``zero2``: zeroexp's own ZeRO-1 / ZeRO-2 (``zeroexp.strategies.sharding``)."""
 
     # Flat buckets, in compute-dtype bytes of parameters: one reduce_scatter and one all_gather each per step.
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = BUCKET_CAP_MB
     reduce: str = "reduce_scatter"  # reduce_scatter | allreduce (the naive ZeRO: all_reduce, keep the shard)
     # Global-norm clipping inside ShardedAdamW.step; redeclared without ``when_set``: zero1/zero2 had the key in their
     # identity before every strategy did, so their cell ids stay as they were.
@@ -212,7 +218,7 @@ class DeepSpeedConfig(StrategyConfig):
     axes: ClassVar[frozenset[str]] = frozenset({"stage"})  # strategy.stage names the cell: deepspeed-stage2_...
 
     stage: int = 2  # ZeRO stage 0 | 1 | 2 | 3 (a cell axis)
-    bucket_cap_mb: float = 25.0  # reduce_bucket_size and allgather_bucket_size, in MiB of fp32 elements
+    bucket_cap_mb: float = BUCKET_CAP_MB  # reduce_bucket_size and allgather_bucket_size, in MiB of fp32 elements
     #: ZeRO++ hpZ (``zero_hpz_partition_size``): refused when above 1 (DeepSpeedAdapter.validate says why), so it
     #: never changes a cell: not in its identity.
     hpz_size: Optional[int] = field(default=None, metadata={"identity": False})

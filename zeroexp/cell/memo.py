@@ -1,0 +1,55 @@
+"""What one invocation computes once about the cells it reads: a model's shape, a traced step, a model found good.
+
+The cache belongs to an invocation (a run or a sweep, ``python -m zeroexp.plan``, ``zeroexp.recommend``, a rank), which
+opens it (:func:`invocation_memo`) and drops it when it ends; outside one, every answer is computed afresh. No module
+keeps answers of its own between calls: a function that may be asked twice for the same thing asks :func:`memoized`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
+
+__all__ = ["invocation_memo", "memoized", "memo_table"]
+
+#: The open invocation's tables by name (None: no invocation open). A ContextVar, not a dict: it holds no answer itself.
+_ACTIVE: ContextVar[dict[str, dict[Any, Any]] | None] = ContextVar("zeroexp_invocation_memo", default=None)
+#: The newest answers a table keeps (a recommend over many models would otherwise keep every traced step).
+MOST = 64
+
+
+@contextmanager
+def invocation_memo() -> Iterator[dict[str, dict[Any, Any]]]:
+    """Open this invocation's memo for the body (nested: the body shares the open one); yield its tables."""
+    open_ = _ACTIVE.get()
+    if open_ is not None:
+        yield open_
+        return
+    tables: dict[str, dict[Any, Any]] = {}
+    token = _ACTIVE.set(tables)
+    try:
+        yield tables
+    finally:
+        _ACTIVE.reset(token)
+
+
+def memo_table(name: str) -> dict[Any, Any] | None:
+    """The open invocation's table ``name`` (made empty on first use); None when no invocation is open."""
+    tables = _ACTIVE.get()
+    return None if tables is None else tables.setdefault(name, {})
+
+
+def memoized(name: str, key: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()``, remembered in table ``name`` under ``key`` for the rest of the invocation (the :data:`MOST`
+    newest); computed every time outside an invocation or for a ``key`` of None (arguments with no stable key)."""
+    table = memo_table(name)
+    if table is None or key is None:
+        return compute()
+    if key in table:
+        return table[key]
+    value = compute()
+    if len(table) >= MOST:
+        table.pop(next(iter(table)))
+    table[key] = value
+    return value
