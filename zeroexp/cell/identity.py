@@ -83,7 +83,7 @@ def _checkpointing(cfg: DictConfig) -> str:
 
 
 def _grad_accum(cfg: DictConfig) -> int:
-    return int(cfg.get("grad_accum") or 1)
+    return int(cfg.grad_accum)
 
 
 def _checkpoint(cfg: DictConfig) -> str:

@@ -86,7 +86,7 @@ class Schedule:
         if cfg.get("dry_run"):  # a dry run plays warm-up and its probes' windows only: ``steps`` does not limit it
             steps = max(steps, warmup + sum(n for s, n in needs if s.kind == "window")
                         + max([s.at_least for s, _ in needs if s.kind == "rest"] or [0]))
-        return cls(steps=steps, warmup=warmup, needs=needs, grad_accum=int(cfg.get("grad_accum") or 1))
+        return cls(steps=steps, warmup=warmup, needs=needs, grad_accum=int(cfg.grad_accum))
 
     @cached_property
     def windows(self) -> dict[str, Any]:

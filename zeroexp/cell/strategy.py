@@ -14,8 +14,8 @@ from omegaconf import MISSING
 
 from zeroexp.errors import ConfigError
 
-__all__ = ["SCHEMAS", "BUCKET_CAP_MB", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set", "check_fsdp2_prefetch",
-           "check_fsdp2_dtype"]
+__all__ = ["SCHEMAS", "BUCKET_CAP_MB", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set",
+           "check_fsdp2_prefetch", "check_fsdp2_dtype"]
 
 
 #: The bucket cap every bucketed strategy defaults to (``strategy.bucket_cap_mb``, MiB): DDP's own default

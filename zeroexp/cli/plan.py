@@ -157,7 +157,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     shard = cfg.get("shard_size")
     if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 2):
         raise ConfigError("shard_size", shard, "null or an integer >= 2 (ranks per shard group of the hybrid rows)")
-    accum = cfg.get("grad_accum", 1)
+    accum = cfg.grad_accum
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ConfigError("grad_accum", accum, "an integer >= 1 (micro-batches of batch_size per optimizer step)")
     ac = str(cfg.activation_checkpointing.name) if cfg.get("activation_checkpointing") is not None else "none"
@@ -204,8 +204,8 @@ def _device(cfg: DictConfig, memory: int | None) -> Any:
     a GPU network preset is given, else cpu; on cuda the GPU's ``compute_capability`` (else the network preset's)."""
     from zeroexp.formulas.device import CPU, cuda
 
-    network = cfg.get("network") or {}
-    name = cfg.get("device") or ("cuda" if memory is not None or network.get("device") == "cuda" else "cpu")
+    network = cfg.network or {}
+    name = cfg.device or ("cuda" if memory is not None or network.get("device") == "cuda" else "cpu")
     if name not in ("cpu", "cuda"):
         raise ConfigError("device", name, "cpu, cuda (null: cuda with device_memory or a GPU network, else cpu)")
     capability = cfg.get("compute_capability")

@@ -59,7 +59,7 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     o = cfg.optimizer
     opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     loss_fn = LOSSES[cfg.model.loss]
-    n, k = int(cfg.world_size), int(cfg.get("grad_accum") or 1)
+    n, k = int(cfg.world_size), int(cfg.grad_accum)
     initial = {name: b.detach().clone() for name, b in net.named_buffers()}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)

@@ -17,7 +17,7 @@ def fit_cell(ctx: Any, module: CellModule, batches: Iterable[Any], callbacks: Se
     iterable of the micro-batches, a ``DataLoader`` in a real run) under the adapter's Lightning strategy
     (``ctx.adapter.lightning_strategy``), ``callbacks`` seeing whole optimizer steps (zeroexp.rank.microbatches),
     ``per_batch`` Lightning's own batches; return the trainer."""
-    accum = int(ctx.cfg.get("grad_accum") or 1)
+    accum = ctx.cell.grad_accum
     callbacks = list(callbacks)
     if accum > 1:  # the probes (and the rest) see optimizer steps, each spanning its micro-batches
         from zeroexp.rank.microbatches import OptimizerSteps

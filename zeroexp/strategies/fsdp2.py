@@ -96,7 +96,7 @@ class FSDP2Adapter(StrategyAdapter):
                 "accelerator device when none is available' (torch 2.13), and without pinning nothing would move"))
         FSDPAdapter.validate(cfg)  # the wrap classes must import, as for FSDP1
         back = cfg.strategy.get("backward_prefetch")
-        check_fsdp2_prefetch(cfg.strategy.get("forward_prefetch", 0), back)
+        check_fsdp2_prefetch(cfg.strategy.forward_prefetch, back)
         for key in ("reduce_dtype", "output_dtype"):
             check_fsdp2_dtype(f"strategy.{key}", cfg.strategy.get(key))
         reduce, compute = cfg.strategy.get("reduce_dtype"), str(cfg.precision.param_dtype)
@@ -305,7 +305,7 @@ class FSDP2FullAdapter(FSDP2Adapter):
 
     @classmethod
     def validate(cls, cfg) -> None:
-        check_fsdp2_reshard(cfg.strategy.get("reshard_after_forward", True), [int(cfg.world_size)])
+        check_fsdp2_reshard(cfg.strategy.reshard_after_forward, [int(cfg.world_size)])
         super().validate(cfg)
 
 
