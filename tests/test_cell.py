@@ -57,7 +57,8 @@ def test_knobs_read_the_strategys_schema_only():
 
 def test_bucket_default_is_the_schemas():
     """One default: every bucketed schema's is BUCKET_CAP_MB, and no strategy YAML sets its own."""
-    bucketed = [name for name, schema in SCHEMAS.items() if "bucket_cap_mb" in {f.name for f in dataclasses.fields(schema)}]
+    bucketed = [name for name, schema in SCHEMAS.items()
+                if "bucket_cap_mb" in {f.name for f in dataclasses.fields(schema)}]
     assert set(bucketed) >= {"ddp", "zro", "zero1", "zero2", "deepspeed"}
     for name in bucketed:
         assert SCHEMAS[name]().bucket_cap_mb == BUCKET_CAP_MB
