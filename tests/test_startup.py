@@ -47,17 +47,22 @@ def test_python_m_zeroexp_starts_it_before_importing_the_cli():
     assert later == ["from zeroexp.cli.run import main"]
 
 
-def test_the_forkserver_preloads_what_a_wandb_run_start_imports_before_torch(tmp_path):
-    """``wandb.init`` imports W&B's launch inputs (1.4 to 2 s in a rank, after torch: docs/benchmarks.md); the ranks'
-    forkserver imports them once, before torch (zeroexp.launch.wandb_preload). Checked in fresh interpreters: that
-    module imports no torch, and an offline ``wandb.init`` imports nothing of W&B beyond what it preloads under
-    ``wandb.sdk.launch``, so the preload goes stale loudly if W&B moves it."""
+def test_the_launcher_preloads_what_a_wandb_run_start_imports_before_torch(tmp_path):
+    """``wandb.init`` imports W&B's launch inputs (1.4 to 2 s after torch: docs/benchmarks.md); the launching process,
+    which logs the cell's run, imports them before validation imports torch (zeroexp.launch.wandb_preload, in
+    run_cell before ``validate``); the ranks import no W&B. Checked in fresh interpreters: that module imports no
+    torch, and an offline ``wandb.init`` imports nothing of W&B beyond what it preloads under ``wandb.sdk.launch``, so
+    the preload goes stale loudly if W&B moves it."""
+    import inspect
     import subprocess
     import sys
 
     from zeroexp.launch.local import FORKSERVER_PRELOAD
+    from zeroexp.launch.runner import run_cell
 
-    assert FORKSERVER_PRELOAD.index("zeroexp.launch.wandb_preload") < FORKSERVER_PRELOAD.index("zeroexp.rank.worker")
+    assert not any("wandb" in m for m in FORKSERVER_PRELOAD)
+    body = inspect.getsource(run_cell)
+    assert body.index("import zeroexp.launch.wandb_preload") < body.index("validate(cfg")
     code = """
 import sys
 import zeroexp.launch.wandb_preload

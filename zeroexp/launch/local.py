@@ -38,12 +38,12 @@ _CTX: Any = None
 #: Seconds a stopped rank's leftover process (W&B's service) gets between SIGTERM and SIGKILL.
 LEFTOVER_GRACE_S = 0.5
 #: What the ranks' forkserver imports before it forks a rank, in order: first zeroexp.rank.deathsig, which makes the
-#: forkserver die with this process (each rank dies with the forkserver: zeroexp.rank.worker); then what W&B's run start
-#: imports, cheaper before torch (zeroexp.launch.wandb_preload); then the ranks' module and every strategy adapter,
-#: which a rank would otherwise import afresh in each cell; last what else a rank imports, with the objects of every
-#: import frozen once for all ranks (zeroexp.launch.rank_preload).
-FORKSERVER_PRELOAD = ("zeroexp.rank.deathsig", "zeroexp.launch.wandb_preload", "zeroexp.rank.worker",
-                      "zeroexp.strategies._preload", "zeroexp.launch.rank_preload")
+#: forkserver die with this process (each rank dies with the forkserver: zeroexp.rank.worker); then the ranks' module
+#: and every strategy adapter, which a rank would otherwise import afresh in each cell; last what else a rank imports,
+#: with the objects of every import frozen once for all ranks (zeroexp.launch.rank_preload). No W&B: the launching
+#: process logs a cell's run (zeroexp.launch.wandb_cell).
+FORKSERVER_PRELOAD = ("zeroexp.rank.deathsig", "zeroexp.rank.worker", "zeroexp.strategies._preload",
+                      "zeroexp.launch.rank_preload")
 
 
 def rank_context() -> Any:

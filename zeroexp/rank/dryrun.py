@@ -53,7 +53,7 @@ from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.results.files import write_text
 from zeroexp.cell.memo import invocation_memo
 from zeroexp.cell.resolved import Cell
-from zeroexp.rank.summary import summary_head, write_summary
+from zeroexp.rank.summary import summary_head, write_measured
 from zeroexp.strategies import get_adapter_class
 
 __all__ = ["run_dry", "play_rank0", "SOURCES", "ABSENT", "LazyChunks", "lazy_fsdp2_chunks"]
@@ -72,8 +72,8 @@ CPU = torch.device("cpu")
 
 def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any], resolved: Cell | None = None
             ) -> dict[str, Any]:
-    """Play rank 0 of the cell under a fake process group; write the cell's files; return the summary. ``resolved``:
-    the cell validation resolved (None: resolved here)."""
+    """Play rank 0 of the cell under a fake process group; write its tables and measured summary; return it.
+    ``resolved``: the cell validation resolved (None: resolved here)."""
     warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
     cfg = OmegaConf.create(cfg_dict)
     resolved = resolved or Cell.of(cfg)
@@ -87,7 +87,7 @@ def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any], reso
             source = "traced" if adapter.dry_run_traced else "derived"
             results, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
             write_text(Path(cell) / ".ranks" / "rank0.json", json.dumps(results))
-            return _finalize(Path(cell), cfg, run_info, source, results, steps, ctx.expect.groups_record(), resolved)
+            return _finalize(Path(cell), cfg, run_info, source, results, steps, ctx.expect.groups_record())
         finally:
             dist.destroy_process_group()
 
@@ -256,10 +256,11 @@ def _probe(cfg: DictConfig, name: str) -> Any:
 
 
 def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, results: dict[str, Any],
-              steps: int, live_groups: dict[str, Any] | None, resolved: Cell) -> dict[str, Any]:
+              steps: int, live_groups: dict[str, Any] | None) -> dict[str, Any]:
     """Each probe's section and tables from the played rank's results (traced) or its derived records
-    (``Probe.dry_report``), every other probe absent with its reason; ``summary.json`` with the planner's
-    prediction. A probe with neither a section nor a reason is an error: no result is dropped silently."""
+    (``Probe.dry_report``), every other probe absent with its reason: the measured summary, to which the launching
+    process adds the planner's prediction (zeroexp.launch.epilogue). A probe with neither a section nor a reason is
+    an error: no result is dropped silently."""
     n, sections, tables, absent = int(cfg.world_size), {}, {}, {}
     for cls in probes_for(cfg):
         found = results.get(cls.name)
@@ -279,9 +280,4 @@ def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str
                            **sections)
     itself = None if source == "traced" else ("a derived dry run's state and collectives are the planner's own "
                                               "model of this cell: comparing them with the plan cannot fail")
-    write_summary(cell, resolved, summary, tables, live_groups=live_groups, itself=itself)
-    if cfg.logger.name == "wandb":
-        from zeroexp.rank.wandb_log import log_summary, make_logger
-
-        log_summary(make_logger(cfg, cell, run_info), summary, cell)
-    return summary
+    return write_measured(cell, summary, tables, live_groups=live_groups, itself=itself)

@@ -32,3 +32,13 @@ def fit_cell(ctx: Any, module: CellModule, batches: Iterable[Any], callbacks: Se
     )
     trainer.fit(module, train_dataloaders=batches)
     return trainer
+
+
+def make_logger(cfg: Any, cell: Any) -> Any:
+    """Rank 0's Lightning logger: a CSV logger for ``logger=csv``; False otherwise (``logger=wandb``: the launching
+    process logs the cell's W&B run once its ranks are done, zeroexp.launch.wandb_cell)."""
+    if cfg.logger.name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(cell), name="csv", version="")
+    return False

@@ -37,15 +37,11 @@ from zeroexp.probes.init_peak import InitPeak, init_fields
 from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.results.files import write_json, write_text
 from zeroexp.strategies import get_adapter_class
-from zeroexp.rank.fit import fit_cell
-from zeroexp.rank.summary import summary_head, write_summary
-from zeroexp.rank.wandb_log import log_summary, make_logger
+from zeroexp.rank.fit import fit_cell, make_logger
+from zeroexp.rank.summary import RANKS_DIR, summary_head, write_measured
 
-RANKS_DIR = ".ranks"
 #: The key of a rank's init-peak record in its ``.ranks/rank<r>.json`` (zeroexp.probes.init_peak).
 INIT_RECORD = "init_peak"
-#: The plan's step traces the cell's last rank writes for rank 0's finalize (zeroexp.plan.check.memory, traces ahead).
-TRACES_AHEAD = "plan_traces.pkl"
 #: In a local rank's ``environ``: the pid of the launching (main) process (zeroexp.launch.local), watched at start-up.
 LAUNCHER_PID_ENV = "ZEROEXP_LAUNCHER_PID"
 
@@ -200,9 +196,7 @@ def _train(cfg: Any, cfg_dict: dict[str, Any], cell: Path, run_info: dict, resol
         callbacks.append(fault_injector(Fault.parse(run_info["fault"]), rank, run_info["cell_name"]))
     if rank == 0:  # rank 0's progress in .progress.json, shown live by the launching process (zeroexp.launch.progress)
         callbacks.append(_Progress(cell, int(cfg.steps)))
-    logger = make_logger(cfg, cell, run_info)
-    if logger and rank == 0 and cfg.logger.name == "wandb":
-        _ = logger.experiment  # start the W&B run before training, not inside the first timed step
+    logger = make_logger(cfg, cell) if rank == 0 else False
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     fit_cell(ctx, module, data, callbacks, per_batch=[init_peak], steps=int(cfg.steps), logger=logger,
@@ -211,18 +205,10 @@ def _train(cfg: Any, cfg_dict: dict[str, Any], cell: Path, run_info: dict, resol
 
     results = {p.name: p.rank_result() for p in probes}
     results[INIT_RECORD] = init_peak.record
-    if rank == world_size - 1 > 0:  # while rank 0 trains the equivalence reference: its plan's step traces
-        from zeroexp.formulas.device import CPU, cuda
-        from zeroexp.plan.check.memory import write_traces_ahead
-
-        write_traces_ahead(resolved, cell / RANKS_DIR / TRACES_AHEAD, (cuda() if device.type == "cuda" else CPU).block)
     write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
     dist.barrier()  # outside every measured window: all rank files exist
-    if rank == 0:
-        summary = finalize(cell, cfg, probe_classes, run_info, live_groups=ctx.expect.groups_record(),
-                           resolved=resolved)
-        if logger and cfg.logger.name == "wandb":
-            log_summary(logger, summary, cell)
+    if rank == 0:  # the plan is the launching process's, once every rank is done (zeroexp.launch.epilogue)
+        finalize(cell, cfg, probe_classes, run_info, live_groups=ctx.expect.groups_record(), resolved=resolved)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -248,7 +234,8 @@ class _Progress(pl.Callback):
 
 def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
              live_groups: dict[str, Any] | None = None, resolved: Cell | None = None) -> dict[str, Any]:
-    """Read every rank's results, write the probes' tables and ``summary.json``; return the summary.
+    """Read every rank's results, write the probes' tables and the measured summary (``.ranks/measured.json``,
+    zeroexp.rank.summary); return the summary.
     ``live_groups``: rank 0's groups as its adapter read them (compared with the planner's in ``plan``); ``resolved``:
     the cell (default: resolved from ``cfg``)."""
     resolved = resolved or Cell.of(cfg)
@@ -268,12 +255,8 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
         summary.update(report.top_level)
         if report.section:
             summary[cls.name] = report.section
-    from zeroexp.plan.check.memory import read_traces_ahead
-
-    read_traces_ahead(cell / RANKS_DIR / TRACES_AHEAD)  # the step traces the last rank made, if it did
-
     init = init_fields([r.get(INIT_RECORD) for r in ranks], resolved.init)  # measured: the build and wrap of the model
     if init and isinstance(summary.get("memory"), dict):
         summary["memory"].update(init)
-    return write_summary(cell, resolved, summary, tables, live_groups=live_groups)
+    return write_measured(cell, summary, tables, live_groups=live_groups)
 

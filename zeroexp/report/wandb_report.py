@@ -9,7 +9,7 @@ call) and then, when logged in (an API key in ``WANDB_API_KEY`` or ``~/.netrc``)
 The report: the verdicts and what won as text, then one section per report table (the cells, each probe's, the
 planner's, the failures when any), each with its table as Markdown and a panel grid over the sweep's cell runs (a run
 set filtered to the sweep's group and ``job_type=cell``). The panels read the keys the cells really log
-(``zeroexp.rank.wandb_log``): ``train/loss_rank0`` per ``trainer/global_step``, and their ``summary.json`` flattened
+(``zeroexp.launch.wandb_cell``): ``train/loss_rank0`` per ``trainer/global_step``, and their ``summary.json`` flattened
 with ``/`` (``state/max_rank_bytes/param``, ``collectives/counts/all_gather``, ``timing/median_ms``, ...).
 """
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["LOSS_KEY", "STEP_KEY", "BARS", "report_target", "build_wandb_report", "describe", "logged_in",
            "save_wandb_report", "sync_commands"]
 
-#: What every cell logs per step (``zeroexp.models.module``, Lightning's step counter beside it).
+#: What every cell's W&B run logs per step: rank 0's loss and the step (zeroexp.launch.wandb_cell).
 LOSS_KEY, STEP_KEY = "train/loss_rank0", "trainer/global_step"
 #: Bar plots per report section (table key): (title, summary fields). A field ending in ``.`` stands for every
 #: numeric field under it that some cell has, in :data:`_ORDER`, then by name; one with ``*`` for every numeric field

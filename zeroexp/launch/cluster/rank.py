@@ -21,6 +21,7 @@ every node sees.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import shutil
@@ -71,12 +72,13 @@ def run_external_rank(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] 
     import torch
     import torch.distributed as dist
 
-    validate(cfg, tuple(explicit_keys))
+    cell = validate(cfg, tuple(explicit_keys))
     cfg = without_strategy_extras(cfg)  # keys a sweep set for other strategies: they do not apply to this cell
     env = _check(cfg, multirun)
     env.export()
     cell_dir = Path(cell_dir).resolve()
     device, backend = device_and_backend(cfg, env.local_world_size)
+    cell = dataclasses.replace(cell, device=device, backend=backend)  # this node's ranks, as the environment says
     if device == "cuda":
         torch.cuda.set_device(env.local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=float(cfg.timeout.collective_s)))
@@ -102,7 +104,7 @@ def run_external_rank(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] 
     if decision[0] == "skip":
         dist.destroy_process_group()
         return CellResult(cell_dir, "skipped", None, None) if env.rank == 0 else None
-    return _run(resolved, cell_dir, run_info, env)
+    return _run(cfg, cell, resolved, cell_dir, run_info, env)
 
 
 def _prepare(cfg: DictConfig, cell_dir: Path, multirun: bool) -> str:
@@ -118,7 +120,8 @@ def _prepare(cfg: DictConfig, cell_dir: Path, multirun: bool) -> str:
     return "run"
 
 
-def _run(resolved: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], env: RankEnv) -> CellResult | None:
+def _run(cfg: DictConfig, cell: Any, resolved: dict[str, Any], cell_dir: Path, run_info: dict[str, Any],
+         env: RankEnv) -> CellResult | None:
     import torch.distributed as dist
 
     from zeroexp.rank.worker import RANKS_DIR, rank_log, run_rank
@@ -131,7 +134,7 @@ def _run(resolved: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], env
     try:
         with rank_log(cell_dir / log):
             try:
-                run_rank(resolved, cell_dir, run_info)
+                run_rank(resolved, cell_dir, run_info, cell)
             except BaseException:
                 traceback.print_exc()
                 raise
@@ -152,16 +155,28 @@ def _run(resolved: dict[str, Any], cell_dir: Path, run_info: dict[str, Any], env
         signal.signal(signal.SIGTERM, previous)
     if env.rank != 0:
         return None
-    return _record_success(cell_dir)
+    return _record_success(cfg, cell, cell_dir, run_info)
 
 
-def _record_success(cell_dir: Path) -> CellResult:
-    """Rank 0, after every rank passed run_rank's last barrier: the manifest says ``ok``."""
+def _record_success(cfg: DictConfig, cell: Any, cell_dir: Path, run_info: dict[str, Any]) -> CellResult:
+    """Rank 0, after every rank passed run_rank's last barrier (the others gone): the cell's epilogue (its plan,
+    ``summary.json``, its W&B run: zeroexp.launch.epilogue), then the manifest says ``ok``."""
+    from zeroexp.launch.epilogue import finish_cell
+    from zeroexp.rank.summary import MEASURED, RANKS_DIR
+
     manifest = read_json(cell_dir / "manifest.json")
+    error = None
+    if not (cell_dir / RANKS_DIR / MEASURED).exists():
+        error = {"rank": 0, "cause": "missing", "message": "ranks finished but rank 0 wrote no measured summary "
+                 f"({RANKS_DIR}/{MEASURED}): summary.json was not written", "log": "logs/rank0.log"}
+    else:
+        try:
+            finish_cell(cfg, cell, cell_dir, run_info)
+        except Exception as e:  # noqa: BLE001 - recorded as the cell's failure, as a rank's exception is
+            error = {"rank": 0, "cause": "epilogue", "log": None,
+                     "message": f"after the ranks: {type(e).__name__}: {one_line(str(e), 2000)}"}
     summary_path = cell_dir / "summary.json"
-    if not summary_path.exists():
-        error = {"rank": 0, "cause": "missing", "message": "ranks finished but summary.json was not written",
-                 "log": "logs/rank0.log"}
+    if error is not None:
         _record_failure(cell_dir, error)
         return CellResult(cell_dir, "failed", error, None)
     for r in manifest["ranks"]:

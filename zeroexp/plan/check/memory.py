@@ -13,11 +13,9 @@ passes when the measured minus the prediction minus that tensor lies in the same
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
-from zeroexp.cell.memo import memo_table, memoized
+from zeroexp.cell.memo import memoized
 from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
@@ -29,8 +27,7 @@ from zeroexp.plan.check.gloo import late_free
 from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
-           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE", "write_traces_ahead",
-           "read_traces_ahead"]
+           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE"]
 
 # The peak model asks a row's family (StateLayout.family: zeroexp.formulas.families), never its name.
 
@@ -211,7 +208,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
                   **{k: v for k, v in dtypes.items() if v is not None},
                   **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
     key = arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kwargs.items()))
-    return memoized(TRACES, key, lambda: trace_step_of(model_cfg, batch_size, wrap, **kwargs))
+    return memoized("step_traces", key, lambda: trace_step_of(model_cfg, batch_size, wrap, **kwargs))
 
 
 def _uncovered_cell(cell: Cell, name: str) -> list[str]:
@@ -229,60 +226,6 @@ def _cell_step_traces(cell: Cell, name: str, wrap: list[type], terms: PrecisionT
     ``DeviceSemantics.block``)."""
     return step_traces(name, cell.model, cell.batch_size, wrap, cell.checkpointed, cell.grad_accum,
                        cell.policy.precision.param_dtype, terms, block)
-
-
-# -- Traces ahead. A cell's rank 0 trains the equivalence reference after the last step while its other ranks wait;
-# the last rank traces the step for rank 0's plan meanwhile (zeroexp.rank.worker) and leaves the traces in a file that
-# rank 0's finalize reads (``read_traces_ahead``) before :func:`memory_section`. A trace is a function of its
-# arguments alone (fake tensors, no measurement): rank 0 uses one only under the same arguments (its key, as trace_for
-# remembers its own), and traces itself whatever the file lacks, so the plan never depends on the other rank.
-#: The memo table of trace_for's answers (zeroexp.cell.memo), by its arguments (a StepTrace is immutable);
-#: read_traces_ahead adds another rank's.
-TRACES = "step_traces"
-
-
-def write_traces_ahead(cell: Cell, path: Any, block: int = 1) -> None:
-    """Trace the step a composed cell's ``plan.memory`` will read into ``path`` (nothing where the peak model does not
-    cover the cell; a file already at ``path`` is removed first; ``block``: the ranks' device's,
-    ``DeviceSemantics.block``). Never raises: rank 0 then traces it itself."""
-    import pickle
-
-    from zeroexp.cell.memo import invocation_memo
-    from zeroexp.models import import_class
-
-    try:
-        Path(path).unlink(missing_ok=True)  # a file an earlier run left in this cell directory is no trace of this one
-        name = cell.row_name
-        if _uncovered_cell(cell, name):
-            return
-        with invocation_memo() as memo:
-            traces = _cell_step_traces(cell, name, [import_class(p) for p in cell.wrap],
-                                       cell_precision_terms(name, cell), block)
-            ours = {k: t for k, t in memo.get(TRACES, {}).items() if any(t is mine for mine in traces)}  # by key
-        Path(path).parent.mkdir(parents=True, exist_ok=True)  # .ranks/: the first rank to write makes it
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(ours, f)
-        os.replace(tmp, path)
-    except Exception:  # noqa: BLE001 - a courtesy to rank 0, never a cell's failure
-        pass
-
-
-def read_traces_ahead(path: Any) -> int:
-    """Make the traces another rank wrote (:func:`write_traces_ahead`) this process's; how many (0: none usable)."""
-    import pickle
-
-    try:
-        with open(path, "rb") as f:
-            traces = pickle.load(f)
-    except Exception:  # noqa: BLE001 - missing or unreadable: rank 0 traces the step itself
-        return 0
-    good = {k: t for k, t in traces.items() if isinstance(k, str) and isinstance(t, StepTrace)}
-    table = memo_table(TRACES)
-    if table is None:  # no invocation open: nothing would keep them
-        return 0
-    table.update(good)
-    return len(good)
 
 
 def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
