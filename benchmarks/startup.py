@@ -6,12 +6,12 @@ model, per-rank batch, steps and ranks, both whole processes timed from outside,
     python benchmarks/startup.py --pairs 0 --breakdown 0 --answers 5   # --help and a refused override alone
     python benchmarks/startup.py --sweep 6     # also a 6-cell sweep (seed=0..5) against 6 bare loops in one process
 
-``--breakdown 1`` (the default) also runs the default cell once with every rank timing its phases (process start
-to the rank's entry, the rendezvous inside the strategy's setup, Lightning's Trainer, W&B's offline init, each probe's
-hooks, the training steps, the results) and the launching process's own (imports, composing the config, the forkserver
-until the first rank runs, waiting, writing the manifest); each phase is measured (``time.monotonic`` around the same
-calls the cell makes), printed in seconds. Not a test: it prints tables. The host's load changes both runs alike;
-read the ratios, which are measured side by side.
+``--breakdown 1`` (the default) also runs the default cell once with every rank timing its phases (process start to the
+rank's entry, the rendezvous inside the strategy's setup, Lightning's Trainer, each probe's hooks, the training steps,
+the results) and the launching process's own (imports, composing the config, the forkserver until the first rank runs,
+waiting, writing the manifest, the cell's epilogue: its plan, summary.json and W&B run); each phase is measured
+(``time.monotonic`` around the same calls the cell makes), printed in seconds. Not a test: it prints tables. The host's
+load changes both runs alike; read the ratios, which are measured side by side.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _timing(obj, attr: str, name: str) -> None:
     setattr(obj, attr, wrapped)
 
 
-def timed_rank_entry(rank, world_size, port, cfg, cell_dir, run_info, environ) -> None:
+def timed_rank_entry(rank, world_size, port, cfg, cell_dir, run_info, environ, cell=None) -> None:
     """zeroexp.rank.worker.rank_entry with its phases timed; writes ``.startup/rank<r>.json`` in the cell."""
     entered = time.time()
     import lightning.pytorch as pl
@@ -154,9 +154,7 @@ def timed_rank_entry(rank, world_size, port, cfg, cell_dir, run_info, environ) -
     t_start = time.monotonic()
     _timing(pl.Trainer, "__init__", "Lightning Trainer()")
     _timing(pl.Trainer, "fit", "trainer.fit (all below)")
-    _timing(worker, "finalize", "finalize: probes' tables, summary.json, the plan (rank 0)")
-    _timing(worker, "log_summary", "W&B summary and artifacts (rank 0)")
-    _timing(worker, "make_logger", "W&B logger object")
+    _timing(worker, "finalize", "finalize: probes' tables, the measured summary (rank 0)")
     _timing(worker, "build_model", "build the model")
     original_probes_for = probes.probes_for
 
@@ -170,26 +168,11 @@ def timed_rank_entry(rank, world_size, port, cfg, cell_dir, run_info, environ) -
         return classes
 
     worker.probes_for = probes_for
-    try:
-        from lightning.pytorch.loggers import WandbLogger
-
-        fget = WandbLogger.experiment.fget  # a property: its first read starts the offline run
-
-        def experiment(self):
-            t0 = time.monotonic()
-            try:
-                return fget(self)
-            finally:
-                _mark("W&B offline init (logger.experiment)", time.monotonic() - t0)
-
-        WandbLogger.experiment = property(experiment)
-    except ImportError:
-        pass
     from lightning.pytorch.strategies import DDPStrategy
 
     _timing(DDPStrategy, "setup_environment", "rendezvous + process group (strategy setup)")
     try:
-        worker.rank_entry(rank, world_size, port, cfg, cell_dir, run_info, environ)
+        worker.rank_entry(rank, world_size, port, cfg, cell_dir, run_info, environ, cell)
     finally:
         _mark("rank total (entry to exit)", time.monotonic() - t_start)
         out = Path(cell_dir, ".startup")
@@ -219,18 +202,41 @@ def breakdown_child(cell_dir: str) -> None:
     original = launch.launch_local
     seen: dict[str, float] = {}
 
-    def launch_local(resolved, cell, run_info, rank_entry, on_started=None):
+    def launch_local(resolved, cell_dir, run_info, rank_entry, on_started=None, cell=None):
         seen["launch"] = time.time()
         try:
-            return original(resolved, cell, run_info, timed_rank_entry, on_started)
+            return original(resolved, cell_dir, run_info, timed_rank_entry, on_started, cell)
         finally:
             seen["joined"] = time.time()
 
     launch.launch_local = launch_local
+    import zeroexp.launch.epilogue as epilogue
+    import zeroexp.launch.wandb_cell as wandb_cell
+
+    finish = epilogue.finish_cell
+
+    def finish_cell(*args, **kwargs):
+        t = time.monotonic()
+        try:
+            return finish(*args, **kwargs)
+        finally:
+            marks["  the cell's epilogue: the plan, summary.json, the W&B run"] = time.monotonic() - t
+
+    epilogue.finish_cell = finish_cell
+    log_run = wandb_cell.log_cell_run
+
+    def log_cell_run(*args, **kwargs):
+        t = time.monotonic()
+        try:
+            return log_run(*args, **kwargs)
+        finally:
+            marks["    of which the W&B run (offline)"] = time.monotonic() - t
+
+    wandb_cell.log_cell_run = log_cell_run
     t = time.monotonic()
     seen["run_cell"] = time.time()
     result = runner.run_cell(cfg, Path(cell_dir))
-    marks["run_cell (validate, manifest, launch, wait, record)"] = time.monotonic() - t
+    marks["run_cell (validate, manifest, launch, wait, epilogue, record)"] = time.monotonic() - t
     if result.status != "ok":
         raise SystemExit(f"cell failed: {result.error}")
     ranks = [json.loads(p.read_text()) for p in sorted(Path(cell_dir, ".startup").glob("rank*.json"))]

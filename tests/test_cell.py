@@ -183,3 +183,24 @@ def test_no_module_global_cache():
                                                                             set()))}
     assert found == {}
     assert module_containers("_SHAPES: dict[str, int] = {}\nX = 1\n_SEEN = set()\n") == {"_SHAPES", "_SEEN"}
+
+
+def test_the_plan_is_the_launching_processs_and_its_failure_is_the_cells(tmp_path, monkeypatch):
+    """A dry run's rank leaves its measured summary; the launching process plans it and writes summary.json
+    (zeroexp.launch.epilogue). An epilogue that raises fails the cell (``error.cause: epilogue``), no summary.json."""
+    import zeroexp.launch.epilogue as epilogue
+    from zeroexp.launch.runner import run_cell
+    from zeroexp.rank.summary import MEASURED, RANKS_DIR
+
+    cfg = compose_config([*BASE, "strategy=zero2", "dry_run=true"])
+    ok = run_cell(cfg, tmp_path / "ok")
+    assert ok.status == "ok" and ok.summary["plan"]["check"] in ("PASS", "n/a")
+    assert (tmp_path / "ok" / RANKS_DIR / MEASURED).exists()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(epilogue, "finish_cell", broken)
+    failed = run_cell(cfg, tmp_path / "failed")
+    assert failed.status == "failed" and failed.error["cause"] == "epilogue" and "planted" in failed.error["message"]
+    assert not (tmp_path / "failed" / "summary.json").exists()

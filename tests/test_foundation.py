@@ -216,7 +216,7 @@ def test_every_registered_probe_has_its_dry_run_section_or_says_why_not(tmp_path
             return ProbeReport({"check": "n/a", "seen": results})
 
     cfg = OmegaConf.create({"world_size": 2, "logger": {"name": "none"}})
-    monkeypatch.setattr(dryrun, "write_summary", lambda cell, cfg, summary, tables, **kw: summary)
+    monkeypatch.setattr(dryrun, "write_measured", lambda cell, summary, tables, **kw: summary)
     info = {"cell": "c", "cell_id": "i"}
     monkeypatch.setattr(dryrun, "probes_for", lambda cfg: [Said])
     summary = dryrun._finalize(tmp_path, cfg, info, "derived", {"said": [{"x": 1}]}, 0, None)

@@ -144,42 +144,25 @@ def test_plan_memory_passes_with_exact_categories(cell, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp_full"])
-def test_the_last_rank_traces_ahead_what_rank_0s_plan_reads(cell, compose, monkeypatch, tmp_path, strategy):
-    """The cell's last rank left the step traces in .ranks/ (zeroexp.rank.worker, while rank 0 trained the equivalence
-    reference); they are what this process traces for the same cell, under the keys rank 0's plan looks up."""
-    import pickle
+def test_the_launching_process_plans_after_the_ranks(cell, compose, strategy):
+    """Rank 0 leaves what the ranks measured (``.ranks/measured.json``: no plan); the launching process adds the plan
+    (zeroexp.launch.epilogue) from the Cell, and the same records planned again give the same plan."""
     from pathlib import Path
 
-    from zeroexp.models import import_class, wrap_paths
-    from zeroexp.plan.check import memory as pm
-    from zeroexp.rank.worker import RANKS_DIR, TRACES_AHEAD
+    from zeroexp.cell.resolved import Cell
+    from zeroexp.plan.check.cell import plan_section
+    from zeroexp.rank.summary import MEASURED, RANKS_DIR
+    from zeroexp.results.files import read_json
 
     r = cell(f"strategy={strategy}", "world_size=2")
+    measured = read_json(Path(r.cell_dir) / RANKS_DIR / MEASURED)
+    assert set(measured) == {"summary", "live_groups", "itself"} and "plan" not in measured["summary"]
+    assert {k: v for k, v in r.summary.items() if k != "plan"} == measured["summary"]
     assert r.summary["plan"]["memory"]["check"] == "PASS", r.summary["plan"]["memory"]["reasons"]
-    ahead = pickle.loads((Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD).read_bytes())
-    cfg = compose(f"strategy={strategy}", "world_size=2")
-    monkeypatch.setattr(pm, "_TRACES", {})  # what tracing here computes, under its keys
-    wrap = [import_class(p) for p in wrap_paths(cfg)]
-    trace, in_place = pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))
-    assert (in_place is not None) == (strategy == "zero1")  # zero1's gradients live across steps: two traces
-    assert ahead == pm._TRACES and len(ahead) == 1 + (in_place is not None)
-    # read back, rank 0 traces nothing: a lookup returns the very trace the file held
-    monkeypatch.setattr(pm, "_TRACES", {})
-    assert pm.read_traces_ahead(Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD) == len(ahead)
-    key = next(iter(ahead))
-    def no_tracing(*args, **kwargs):
-        raise AssertionError("traced again")
-
-    monkeypatch.setattr("zeroexp.plan.steptrace.trace_step", no_tracing)
-    assert pm._cell_step_traces(cfg, strategy, wrap, pm.cell_precision_terms(strategy, cfg))[0] is pm._TRACES[key]
-    # where the peak model does not cover the cell nothing is traced ahead (and an earlier run's file is gone); an
-    # unreadable file is no trace
-    uncovered = compose("strategy=fsdp_full", "world_size=2", "precision=bf16", "activation_checkpointing=full")
-    (tmp_path / "none.pkl").write_bytes((Path(r.cell_dir) / RANKS_DIR / TRACES_AHEAD).read_bytes())  # an earlier run's
-    pm.write_traces_ahead(uncovered, tmp_path / "none.pkl")
-    assert not (tmp_path / "none.pkl").exists()
-    (tmp_path / "bad.pkl").write_bytes(b"not a pickle")
-    assert pm.read_traces_ahead(tmp_path / "bad.pkl") == 0
+    again = plan_section(Cell.of(compose(f"strategy={strategy}", "world_size=2")), Path(r.cell_dir),
+                         measured["summary"], itself=measured["itself"], live_groups=measured["live_groups"])
+    assert {k: v for k, v in again.items() if k != "time"} == {k: v for k, v in r.summary["plan"].items()
+                                                               if k != "time"}
 
 
 def test_fsdp1_units_are_held_as_the_strategy_says(cell):
