@@ -304,7 +304,8 @@ class CheckpointProbe(Probe):
         restored, continued = first["restored"], first["continued"]
         reasons = []
         if not restored.get("bit_identical"):
-            reasons.append(Reason(Code.CHECKPOINT_RESTORE_DIFFERS, "the restored parameters differ from the saved ones"))
+            reasons.append(Reason(Code.CHECKPOINT_RESTORE_DIFFERS,
+                                  "the restored parameters differ from the saved ones"))
         if not continued.get("bit_identical"):
             reasons.append(Reason(Code.CHECKPOINT_CONTINUATION_DIFFERS, "one more step after the restore differs from "
                                   f"one more step without it (max abs diff {continued.get('max_abs_diff')})"))
