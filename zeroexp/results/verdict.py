@@ -26,6 +26,7 @@ class Verdict(str, Enum):
     SKIP = "SKIP"  # measured, but no bound to judge it by (an equivalence without a threshold)
 
     __str__ = str.__str__
+    __hash__ = str.__hash__
     __format__ = str.__format__
 
     @classmethod
@@ -112,6 +113,7 @@ class Code(str, Enum):
     TIME_COMPUTE_CARRIED = "time.compute_carried"  # compute calibrated on another model or batch: carried over
 
     __str__ = str.__str__
+    __hash__ = str.__hash__
     __format__ = str.__format__
 
 
