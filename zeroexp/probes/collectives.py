@@ -409,8 +409,8 @@ def _check(reasons: list[Reason], not_modelled: str | None) -> dict[str, Any]:
     to check against (``not_modelled``: why, its reason last)."""
     if not_modelled is None:
         return Check.failed_if(reasons).fields()
-    return Check.failed_if([*reasons, Reason(Code.COLLECTIVES_NOT_MODELLED, f"not checked: {not_modelled}")],
-                           Verdict.NA).fields()
+    return Check(Verdict.FAIL if reasons else Verdict.NA,
+                 (*reasons, Reason(Code.COLLECTIVES_NOT_MODELLED, f"not checked: {not_modelled}"))).fields()
 
 
 def _per_step_mean(records: list[dict[str, Any]], steps: list[int], world_size: int) -> tuple[dict, list[str]]:
