@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from zeroexp.report.checks import cell_checks, failed_checks, plan_checks, worst
+from zeroexp.results.verdict import Code
 
 ROWS = [{"op": "all_gather", "predicted_count": 2, "measured_count": 2, "predicted_bytes": 64, "measured_bytes": 64}]
 #: A plan whose own parts pass: the shape zeroexp.plan.check.cell.plan_section writes.
@@ -20,7 +21,8 @@ PLAN = {"layout": "FSDP2 reshard_after_forward=True", "row": "fsdp2_full", "rank
         "groups": {"check": "PASS", "reasons": []}, "payload_check": "PASS", "payload_reasons": [],
         "check": "PASS", "reasons": [],
         "memory": {"check": "PASS", "max_rel_err": 0.01, "reasons": []},
-        "time": {"check": "n/a", "predicted_step_ms": None, "reasons": ["no calibration of this machine"]}}
+        "time": {"check": "n/a", "predicted_step_ms": None, "reasons": ["no calibration of this machine"],
+                 "reason_codes": ["time.no_calibration"]}}
 SUMMARY = {"status": "ok", "final_loss": 0.5, "state": {"check": "PASS", "reasons": []},
            "collectives": {"check": "PASS", "reasons": []}, "memory": {"steady_bytes_max": 1},
            "equivalence": {"check": "PASS", "max_abs_err": 0.0, "effective_threshold": 1e-5}, "plan": PLAN}
@@ -33,7 +35,7 @@ def summary(**plan: object) -> dict:
     return s
 
 
-MEMORY_ERROR = summary(memory={"check": "ERROR", "reasons": ["KeyError: 'backward'"]})
+MEMORY_ERROR = summary(memory={"check": "ERROR", "reasons": ["KeyError: 'backward'"], "reason_codes": ["probe.raised"]})
 
 
 def test_worst_orders_error_fail_pass_then_the_rest():
@@ -47,10 +49,12 @@ def test_every_part_of_the_plan_is_a_check_and_n_a_carries_its_reason():
     parts = {c.name: c for c in plan_checks(SUMMARY["plan"])}
     assert list(parts) == ["plan.state", "plan.collectives", "plan.groups", "plan.memory", "plan.time"]
     assert {n: c.verdict for n, c in parts.items() if n != "plan.time"} == dict.fromkeys(list(parts)[:4], "PASS")
-    assert parts["plan.time"].reasons == ("no calibration of this machine",)
+    assert parts["plan.time"].check.codes == [Code.TIME_NO_CALIBRATION]
     assert failed_checks(SUMMARY) == []
     bare = summary(time={"check": "n/a", "reasons": []})
-    assert next(c for c in cell_checks(bare) if c.name == "plan.time").reasons == ("no reason recorded",)
+    assert next(c for c in cell_checks(bare) if c.name == "plan.time").check.codes == [Code.UNRECORDED]
+    old = summary(time={"check": "n/a", "reasons": ["no calibration of this machine"]})  # before reason codes
+    assert next(c for c in cell_checks(old) if c.name == "plan.time").check.codes == [Code.UNCODED]
 
 
 def test_the_plans_own_fail_is_split_into_its_parts():
@@ -60,13 +64,14 @@ def test_the_plans_own_fail_is_split_into_its_parts():
                      groups={"check": "FAIL", "reasons": ["owners: live [0, 1], planned [1, 0]"]})
     assert [(c.name, c.verdict) for c in failed_checks(groups)] == [("plan.groups", "FAIL")]
     calls = summary(check="FAIL", reasons=["rank 1 param: measured 8 B", "all_gather: measured 3 calls"],
+                    reason_codes=["plan.state_differs", "plan.calls_differ"],
                     collectives=[{**ROWS[0], "measured_count": 3}])
-    assert [(c.name, c.verdict, c.reasons) for c in failed_checks(calls)] == [
-        ("plan.state", "FAIL", ("rank 1 param: measured 8 B",)),
-        ("plan.collectives", "FAIL", ("all_gather: measured 3 calls",))]
-    unmodelled = summary(collectives=None, payload_check="n/a", payload_reasons=["offload: not modelled"])
+    assert [(c.name, c.verdict, c.check.codes) for c in failed_checks(calls)] == [
+        ("plan.state", "FAIL", [Code.PLAN_STATE_DIFFERS]), ("plan.collectives", "FAIL", [Code.PLAN_CALLS_DIFFER])]
+    unmodelled = summary(collectives=None, payload_check="n/a", payload_reasons=["offload: not modelled"],
+                         payload_reason_codes=["plan.payload_not_modelled"])
     part = next(c for c in cell_checks(unmodelled) if c.name == "plan.collectives")
-    assert (part.verdict, part.reasons) == ("n/a", ("offload: not modelled",))
+    assert (part.verdict, part.check.codes) == ("n/a", [Code.PLAN_PAYLOAD_NOT_MODELLED])
 
 
 def test_a_plan_that_raised_before_its_parts_is_one_error():
@@ -79,12 +84,21 @@ def test_a_plan_that_raised_before_its_parts_is_one_error():
 
 def test_every_section_check_counts_and_an_equivalence_fail_says_its_numbers():
     s = copy.deepcopy(SUMMARY)
-    s["equivalence"].update(check="FAIL", max_abs_err=2.4e-3, threshold_basis="precision")
-    s["checkpoint"] = {"check": "FAIL", "reasons": ["continuation differs"]}
-    s["timing"] = {"check": "n/a", "reason": "too few steps: 2"}  # a probe not measured: not a failure
+    s["equivalence"].update(check="FAIL", max_abs_err=2.4e-3, threshold_basis="precision",
+                            reason_codes=["equivalence.above_bound"])
+    s["checkpoint"] = {"check": "FAIL", "reasons": ["continuation differs"],
+                       "reason_codes": ["checkpoint.continuation_differs"]}
+    s["timing"] = {"check": "n/a", "reason": "too few steps: 2", "reasons": ["too few steps: 2"],
+                   "reason_codes": ["schedule.too_few_steps"]}  # a probe not measured: not a failure
     failed = {c.name: c for c in failed_checks(s)}
     assert list(failed) == ["equivalence", "checkpoint"]
-    assert failed["equivalence"].reasons[0].startswith("max abs err 2.40e-03 > bound 1.00e-05 (precision)")
+    assert failed["checkpoint"].check.codes == [Code.CHECKPOINT_CONTINUATION_DIFFERS]
+    assert failed["equivalence"].check.codes == [Code.EQUIVALENCE_ABOVE_BOUND]
+    # what a user reads: the report's sentence from the numbers (the probe writes no ``why`` for it), also for a
+    # file written before reason codes
+    assert failed["equivalence"].texts[0].startswith("max abs err 2.40e-03 > bound 1.00e-05 (precision)")
+    del s["equivalence"]["reason_codes"]
+    assert failed_checks(s)[0].texts == failed["equivalence"].texts
     assert failed_checks({"status": "ok"}) == failed_checks(None) == []
 
 

@@ -8,6 +8,7 @@ from conftest import read_csv
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.formulas import bus_bytes, bus_factor, padded_numel
 from zeroexp.probes.collectives import SOURCE, CollectivesProbe
+from zeroexp.results.verdict import Code
 
 N, WIDTH, DEPTH = 4, 64, 8  # conftest BASE: model.width=64, the mlp's default depth
 P = WIDTH * WIDTH * DEPTH * 4  # 128 KiB of fp32 parameters: 8 Linear units of 16 KiB
@@ -92,6 +93,7 @@ def test_aggregate_reports_disagreeing_ranks_and_unsteady_steps(compose):
     assert bad["check"] == "FAIL"
     assert bad["rank_disagreements"] == [{"op": "broadcast", "dtype": "int32", "mesh_dim": "world", "group_size": 2,
                                           "counts": [0, 1], "payload_bytes": [0, 22]}]
-    assert any(x.startswith("rank 1: step 4") for x in bad["reasons"])
+    assert bad["reason_codes"] == [Code.COLLECTIVES_UNSTEADY, Code.COLLECTIVES_RANKS_DISAGREE]
+    assert bad["reasons"][0].startswith("rank 1: step 4")  # the rank and the step it names
     none = CollectivesProbe.aggregate([_rank(steady), _rank(steady)], cfg).section
-    assert none["check"] == "n/a" and "not checked" in none["reasons"][-1]  # measured, nothing to hold it to
+    assert none["check"] == "n/a" and none["reason_codes"] == [Code.COLLECTIVES_NOT_MODELLED]  # nothing to hold to

@@ -14,6 +14,7 @@ import pytest
 
 from zeroexp.errors import ConfigError
 from zeroexp.report.checks import cell_checks
+from zeroexp.results.verdict import Code
 from conftest import WINDOWS
 
 BASE = ("logger=none", "steps=5", *WINDOWS, "batch_size=2")  # warm-up, one profiled, one memory-tracked step
@@ -442,4 +443,5 @@ def test_fsdp2_output_dtype_runs_and_says_the_peak_is_not_modelled(cell):
     assert r.status == "ok", r.error
     assert [(c.name, c.verdict) for c in cell_checks(r.summary) if c.verdict not in ("PASS", "n/a")] == []
     memory = r.summary["plan"]["memory"]
-    assert memory["check"] == "n/a" and "strategy.output_dtype=float32" in memory["reasons"][0]
+    assert memory["check"] == "n/a" and memory["reason_codes"] == [Code.MEMORY_NOT_MODELLED]
+    assert "strategy.output_dtype=float32" in memory["reasons"][0]  # the key it does not model

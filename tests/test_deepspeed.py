@@ -15,6 +15,7 @@ from conftest import WINDOWS, read_csv
 from zeroexp.cell.policy import CellPolicy
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.strategies import deepspeed as ds_adapter
+from zeroexp.results.verdict import Code
 
 pytestmark = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
                                 reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
@@ -276,7 +277,8 @@ def test_a_parameter_forward_never_uses_holds_every_check_and_weight_decay_is_na
     else:
         assert payload == {"all_reduce": 4 * 2 * k + 4, "all_gather": 4 * 3 * k}
     if decay:
-        assert eq["check"] == "FAIL" and eq["cause"] == ds_adapter.DECAYS_UNGRADED and "unused.weight" in eq["why"]
+        assert eq["check"] == "FAIL" and eq["cause"] == ds_adapter.DECAYS_UNGRADED
+        assert eq["reason_codes"] == [Code.EQUIVALENCE_ABOVE_BOUND] and "unused.weight" in eq["why"]
     else:
         assert eq["check"] == "PASS" and "cause" not in eq
 

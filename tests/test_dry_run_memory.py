@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zeroexp.formulas.peak.phases import PHASES
+from zeroexp.results.verdict import Code
 
 DRY = "dry_run=true"
 
@@ -18,7 +19,7 @@ def test_simulated_phases_beside_the_prediction_at_n8(cell, overrides):
     assert r.status == "ok", r.error
     mem, plan = r.summary["memory"], r.summary["plan"]["memory"]
     assert mem["simulated"] is True and mem["source"].startswith("simulated")
-    assert plan["check"] == "n/a" and "simulated" in plan["reasons"][0]
+    assert plan["check"] == "n/a" and plan["reason_codes"][0] == Code.MEMORY_SIMULATED
     # the fake process group makes no backend buffer: the model without gloo's copies is the simulation, exactly
     assert plan["simulated_check"] == "PASS", plan["reasons"]
     for ph in PHASES:

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from conftest import STEPS, WINDOWS, read_csv, run_cli
 from zeroexp.cli.run import CONF_DIR
 from zeroexp.config.schemas import ConfigError, validate
+from zeroexp.results.verdict import Code
 
 LADDER = [("strategy=ddp",), ("strategy=zro",), ("strategy=fsdp_grad_op",),
           ("strategy=fsdp_full", "prefetch=pre"), ("strategy=fsdp_full", "prefetch=post"),
@@ -266,6 +267,7 @@ def test_a_short_run_runs_and_says_what_it_skipped(tmp_path):
     summary = json.loads((tmp_path / "cell" / "summary.json").read_text())
     assert sorted(summary["skipped"]) == ["collectives", "memory", "state", "timing"]
     for name in summary["skipped"]:
-        assert summary[name]["check"] == "n/a" and summary[name]["reason"].startswith("too few steps"), name
+        assert summary[name]["check"] == "n/a" and summary[name]["reason_codes"] == [Code.TOO_FEW_STEPS], name
+        assert summary[name]["reason"] == summary[name]["reasons"][0], name
     assert summary["equivalence"]["check"] == "PASS"
     assert proc.stdout.count("not measured: too few") == 4  # the digest line of each skipped probe

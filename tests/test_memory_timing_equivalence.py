@@ -11,6 +11,7 @@ from zeroexp.probes.equivalence import compare
 from zeroexp.probes.timing import TimingProbe, step_statistics
 from zeroexp.launch.runner import run_cell
 from zeroexp.plan.check.expect import Expectation
+from zeroexp.results.verdict import Code
 
 N = 4
 #: The six cells of the ladder, with exactly the overrides other test modules use (shared runs).
@@ -161,7 +162,7 @@ def test_compare_fails_on_different_names():
     import torch
 
     out = compare({"net.0.weight": torch.zeros(2)}, {"net.1.weight": torch.zeros(2)}, 1e-5)
-    assert out["check"] == "FAIL" and "names differ" in out["why"]
+    assert out["check"] == "FAIL" and out["reason_codes"] == [Code.EQUIVALENCE_NAMES_DIFFER] and out["why"]
 
 
 def test_compare_raises_the_bound_to_the_reduction_order_floor():

@@ -11,6 +11,7 @@ from zeroexp.formulas.peak.adamw import adamw_temporaries
 from zeroexp.formulas.peak.phases import Segment, StepTrace, phase_peaks
 from zeroexp.plan.check.judge import judge as _judge
 from zeroexp.plan.steptrace import trace_step
+from zeroexp.results.verdict import Code
 from conftest import FLOW
 
 W, DEPTH, B = 64, 8, 8  # tests/conftest.py's BASE model at its per-rank batch
@@ -203,7 +204,8 @@ def test_fsdp2_keeps_an_all_gather_output_beside_the_unsharded_parameters(cell):
 def test_plan_memory_is_na_where_no_model_exists(cell):
     memory = cell("strategy=fsdp_full", "world_size=2", "precision=bf16",
                   "activation_checkpointing=full").summary["plan"]["memory"]
-    assert memory["check"] == "n/a" and "activation_checkpointing=full" in memory["reasons"][0]
+    assert memory["check"] == "n/a" and memory["reason_codes"] == [Code.MEMORY_NOT_MODELLED]
+    assert "activation_checkpointing=full" in memory["reasons"][0]  # the key it does not model
 
 
 def test_planner_rows_judge_fits_on_the_peak():

@@ -10,6 +10,7 @@ import pytest
 
 from zeroexp.formulas.peak.allocator import counted_sum
 from zeroexp.formulas.device import CPU, cublas_workspace_bytes, cuda
+from zeroexp.results.verdict import Code
 
 from test_plan_fits import _run
 from conftest import FLOW
@@ -422,5 +423,6 @@ def test_a_cuda_cells_allocated_and_reserved_phases_are_judged_on_cuda_semantics
         assert phases["optimizer"]["predicted_bytes"] == counted_sum((k * 4 for k in cell_groups(cfg).numels), 512)
     # below the allocator's model of the same live bytes: a FAIL naming reserved
     low = memory_section(cfg, _cuda_measurement(first, 2, 10**8, want - 512), *args)
-    assert low["check"] == "FAIL" and all("reserved" in r for r in low["reasons"])
+    assert low["check"] == "FAIL" and low["reason_codes"]
+    assert set(low["reason_codes"]) == {Code.MEMORY_RESERVED_BELOW_PREDICTION}
     assert phases["steady"]["measured_reserved_bytes"] == 10**10

@@ -27,6 +27,7 @@ from zeroexp.models import LinearStack
 from zeroexp.plan import Precision, plan
 from zeroexp.plan.shape import shape_of
 from zeroexp.strategies import deepspeed as ds_adapter
+from zeroexp.results.verdict import Code
 
 pytestmark = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
                                 reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
@@ -116,7 +117,8 @@ def test_an_offloaded_bf16_cell_plans_its_state_and_says_why_not_its_payload(cel
     psi = 8 * 4096
     assert _per_rank(frame, "grad") == [(4 * psi // 2, 4 * psi // 2)] * 2  # the fp32 partition on the host
     assert section["payload_check"] == "n/a" and section["payload"] is None
-    assert any("offload=optimizer" in why for why in section["payload_reasons"])
+    said = dict(zip(section["payload_reasons"], section["payload_reason_codes"]))
+    assert [c for why, c in said.items() if "offload=optimizer" in why] == [Code.PLAN_PAYLOAD_NOT_MODELLED]
 
 
 # --- planner only: a large model, nothing run ---------------------------------------------------------------

@@ -20,6 +20,7 @@ from zeroexp.formulas import (LAYOUTS, LinkFit, ModelShape, PlanKnobs, bus_facto
                               derive_groups, fit_link, overlap_possible, predict_step, simulate_step, step_collectives,
                               two_level_seconds)
 from zeroexp.plan.check.step_time import MEDIAN_CI_LIMIT, median_ci95, time_check, time_section
+from zeroexp.results.verdict import Code
 from zeroexp.probes.exposed import measure, merge, subtract
 
 MLP = ModelShape(params=((768, 768),) * 8, units=tuple((i,) for i in range(8)), root=(False,) * 8)
@@ -142,9 +143,11 @@ def test_time_check_on_given_numbers():
     assert time_check(124.0, 100.0, (95.0, 105.0), 40)[0] == "PASS"
     assert time_check(80.5, 100.0, (95.0, 105.0), 40)[0] == "PASS"  # 1/1.25 = 0.8
     check, reasons = time_check(130.0, 100.0, (95.0, 105.0), 40)
-    assert check == "FAIL" and "1.30x" in reasons[0]
+    assert check == "FAIL" and [r.code for r in reasons] == [Code.TIME_RATIO_OUT_OF_BOUND]
     check, reasons = time_check(100.0, 100.0, (85.0, 104.0), 40)  # +-15 %: not known
-    assert check == "n/a" and f"about {math.ceil(40 * (0.15 / MEDIAN_CI_LIMIT) ** 2)} timed steps" in reasons[0]
+    assert check == "n/a" and [r.code for r in reasons] == [Code.TIME_MEDIAN_UNKNOWN]
+    # the steps that would narrow it: a number said only in the sentence
+    assert f"about {math.ceil(40 * (0.15 / MEDIAN_CI_LIMIT) ** 2)} timed steps" in reasons[0].text
     median, low, high = median_ci95([5.0] * 30)
     assert (median, low, high) == (5.0, 5.0, 5.0)
     assert median_ci95([1.0, 2.0, 3.0, 4.0, 100.0]) == median_ci95([1.0, 2.0, 3.0, 4.0, 100.0])  # seeded
@@ -195,9 +198,10 @@ def test_plan_time_of_a_composed_cell(compose, tmp_path):
     assert time_section(cfg, _summary([pred] * 40))["check"] == "PASS"
     assert time_section(cfg, _summary([pred * 1.3] * 40))["check"] == "FAIL"
     wide = time_section(cfg, _summary([pred * (0.5 + (i % 2)) for i in range(41)]))
-    assert wide["check"] == "n/a" and "median not known" in wide["reasons"][0]
+    assert wide["check"] == "n/a" and wide["reason_codes"][0] == Code.TIME_MEDIAN_UNKNOWN
     none = time_section(compose("world_size=3"), _summary([10.0] * 40))  # no calibration at N=3 here
-    assert none["check"] == "n/a" and "no calibration" in none["reasons"][0] and none["predicted_step_ms"] is None
+    assert none["check"] == "n/a" and none["reason_codes"] == [Code.TIME_NO_CALIBRATION]
+    assert none["predicted_step_ms"] is None
     assert t0.step_s > 0
 
 
@@ -370,7 +374,7 @@ def test_plan_time_says_its_calibration_ran_beside_other_work(compose, tmp_path)
         path = tmp_path / f"cal{busy}.json"
         path.write_text(json.dumps(data))
         t = time_section(compose("world_size=2", f"calibration={path}"), _summary([10.0] * 40))
-        said[busy] = [r for r in t["reasons"] if "beside other work" in r]
+        said[busy] = [r for r, c in zip(t["reasons"], t["reason_codes"]) if c == Code.TIME_CALIBRATION_BUSY]
         assert t["check"] == ("PASS" if 0.8 <= t["ratio"] <= 1.25 else "FAIL")  # a reason, not a verdict
     assert said[0.0] == [] and said[None] == [] and "0.26 cores" in said[BUSY_HOST_CORES + 0.01][0]
 
@@ -389,7 +393,7 @@ def test_plan_time_says_its_cell_ran_beside_other_work(compose, tmp_path):
         summary = _summary([10.0] * 40)
         summary["timing"]["host_activity"] = host
         t = time_section(cfg, summary)
-        reasons = [r for r in t["reasons"] if "timed steps ran beside other work" in r]
+        reasons = [r for r, c in zip(t["reasons"], t["reason_codes"]) if c == Code.TIME_CELL_BUSY]
         assert bool(reasons) == said, (host, t["reasons"])
         assert not reasons or f"{over:.2f} cores" in reasons[0]
         assert t["check"] == ("PASS" if 0.8 <= t["ratio"] <= 1.25 else "FAIL")
@@ -437,8 +441,9 @@ def test_plan_time_says_what_it_does_not_model(compose, tmp_path):
     bf16 = time_section(compose("strategy=zero2", "world_size=2", "precision=bf16", f"calibration={path}"),
                         _summary([10.0] * 40))
     assert bf16["check"] == "n/a" and bf16["predicted_step_ms"] > 0 and bf16["ratio"] is None
-    assert any("precision=bf16" in r for r in bf16["reasons"])
-    assert any("N=4" in r for r in bf16["reasons"])  # a calibration of another N is said, not hidden
+    assert Code.TIME_PRECISION_NOT_MODELLED in bf16["reason_codes"]
+    assert Code.TIME_CALIBRATION_CARRIED in bf16["reason_codes"]  # a calibration of another N is said, not hidden
+    assert len(bf16["reason_codes"]) == len(bf16["reasons"])
     assert bf16["throughput"]["samples_per_s"] == pytest.approx(8 * 2 / 0.010)
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from zeroexp.results.calibration import Calibration
+from zeroexp.results.verdict import Code
 from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, ModelShape, PlanKnobs, derive_groups,
                               framework_time, predict_step, step_collectives)
 
@@ -153,7 +154,7 @@ def test_plan_time_of_fsdp2_names_the_terms_an_old_calibration_lacks(compose, tm
         path.write_text(json.dumps({**data, "schema": schema, "framework": {**data["framework"], **extra}}))
         section = time_section(compose("strategy=fsdp2_full", "world_size=2", f"calibration={path}"),
                                {"timing": {"step_ms": [10.0] * 40}, "collectives": {}})
-        lacks = [r for r in section["reasons"] if "lacks fsdp2_call_s" in r]
+        lacks = [c for c in section["reason_codes"] if c == Code.TIME_CALIBRATION_LACKS_TERMS]
         terms = section["framework"]["terms_ms"]
         assert len(lacks) == (1 if schema == 6 else 0) and "dtensor_optimizer_step" in terms
         if schema == 7:

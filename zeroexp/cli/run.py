@@ -145,6 +145,7 @@ def _print_digest(summary: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     from zeroexp.report.digest import digest
+    from zeroexp.results.verdict import Verdict
 
     rows = digest(summary)
     if not rows:
@@ -152,7 +153,7 @@ def _print_digest(summary: dict[str, Any], console: Any) -> None:
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     for col in ("probe", "found", "check"):
         table.add_column(col, overflow="fold")
-    colours = {"PASS": "green", "FAIL": "red", "ERROR": "red"}
+    colours = {Verdict.PASS: "green", Verdict.FAIL: "red", Verdict.ERROR: "red"}
     for probe, found, check in rows:
         table.add_row(probe, found, f"[{colours[check]}]{check}[/]" if check in colours else check)
     console.print(table)

@@ -8,6 +8,7 @@ from typing import Any
 from zeroexp.formulas import Groups, PlanKnobs, StateLayout, rank_state_bytes
 from zeroexp.formulas.peak.allocator import allocations, reserved_peak
 from zeroexp.formulas.device import TRAINING_HANDLES
+from zeroexp.results.verdict import Code, Reason, Verdict
 
 __all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved"]
 
@@ -33,7 +34,7 @@ def cell_steady_blocks(layout: StateLayout, groups: Groups, itemsize: int, knobs
 
 
 def judge_reserved(judged: dict[str, Any], reserved: dict[str, Any], blocks: dict[str, int],
-                    predicted: dict[str, dict]) -> list[str]:
+                    predicted: dict[str, dict]) -> list[Reason]:
     """A CUDA cell's reserved bytes per phase (``max_memory_reserved``, the probe's ``reserved_by_rank``) beside the
     caching allocator's model of the same step (:func:`zeroexp.formulas.peak.allocator.reserved_peak`; segments are
     cached, so every phase of a step after the first reads the step's whole reserved figure). A lower bound: PASS
@@ -46,9 +47,10 @@ def judge_reserved(judged: dict[str, Any], reserved: dict[str, Any], blocks: dic
             continue
         ok = want <= int(got)
         judged[ph].update(predicted_reserved_bytes=want, measured_reserved_bytes=int(got),
-                          reserved_check="PASS" if ok else "FAIL")
+                          reserved_check=Verdict.passed_if(ok))
         if not ok:
-            reasons.append(f"{ph}: measured {int(got)} B reserved, predicted at least {want} B (the caching "
-                           "allocator's segments for the modelled live bytes)")
+            reasons.append(Reason(Code.MEMORY_RESERVED_BELOW_PREDICTION, f"{ph}: measured {int(got)} B reserved, "
+                                  f"predicted at least {want} B (the caching allocator's segments for the modelled "
+                                  "live bytes)"))
     judged["steady"]["measured_reserved_bytes"] = int(reserved["steady_bytes"])
     return reasons

@@ -42,6 +42,7 @@ from zeroexp.results.files import write_json
 from zeroexp.results.cells import column
 from zeroexp.results.format import byte_unit, fmt_err, fmt_int, fmt_ms, missing
 from zeroexp.results.section import OPS, Column, ReportTable, raw_rows
+from zeroexp.results.verdict import Check, Code, Reason
 
 if TYPE_CHECKING:
     from zeroexp.models.module import CellModule
@@ -303,10 +304,11 @@ class CheckpointProbe(Probe):
         restored, continued = first["restored"], first["continued"]
         reasons = []
         if not restored.get("bit_identical"):
-            reasons.append("the restored parameters differ from the saved ones")
+            reasons.append(Reason(Code.CHECKPOINT_RESTORE_DIFFERS,
+                                  "the restored parameters differ from the saved ones"))
         if not continued.get("bit_identical"):
-            reasons.append(f"one more step after the restore differs from one more step without it "
-                           f"(max abs diff {continued.get('max_abs_diff')})")
+            reasons.append(Reason(Code.CHECKPOINT_CONTINUATION_DIFFERS, "one more step after the restore differs from "
+                                  f"one more step without it (max abs diff {continued.get('max_abs_diff')})"))
         section = {
             "kind": first["kind"], "format": first["format"], "kept": first["kept"], "directory": first["directory"],
             "files": sum(len(r["files"]) for r in results),
@@ -320,7 +322,7 @@ class CheckpointProbe(Probe):
             "continuation_bit_identical": bool(continued.get("bit_identical")),
             "continuation_max_abs_diff": continued.get("max_abs_diff"),
             "compared_tensors": continued.get("compared_tensors"),
-            "check": "FAIL" if reasons else "PASS", "reasons": reasons,
+            **Check.failed_if(reasons).fields(),
         }
         return ProbeReport(section=section, tables={"checkpoint.csv": frame})
 

@@ -36,10 +36,11 @@ from zeroexp._lib.dispatch import dispatch_mode_base, op_argument_names, process
 from zeroexp._lib.profiler import is_torch_op
 from zeroexp.formulas import WORLD, bus_bytes, op_bus_bytes, step_collectives
 from zeroexp.probes.base import Probe, ProbeReport
-from zeroexp.probes.exposed import exposed_comm
+from zeroexp.probes.exposed import exposed_comm, exposed_section
 from zeroexp.results.cells import column
 from zeroexp.results.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.results.section import OPS, Column, ReportTable, raw_rows
+from zeroexp.results.verdict import Check, Code, Reason, Verdict
 from zeroexp.cell.schedule import PROBE_STEPS
 
 __all__ = ["CollectivesProbe", "GroupMarks", "SOURCE"]
@@ -310,7 +311,7 @@ class CollectivesProbe(Probe):
         for rank, res in enumerate(results):
             mean, unsteady = _per_step_mean([r for r in res["records"] if r["phase"] == "step"], res["steps"], n)
             per_rank.append(mean)
-            reasons += [f"rank {rank}: {u}" for u in unsteady]
+            reasons += [Reason(Code.COLLECTIVES_UNSTEADY, f"rank {rank}: {u}") for u in unsteady]
         rows = [{"rank": r, "op": op, "count": c, "dtype": d, "payload_bytes": b, "bus_bytes": bus_bytes(op, b, size),
                  "mesh_dim": dim, "group_size": size}
                 for r, mean in enumerate(per_rank) for (op, d, dim, size), (c, b) in mean.items()]
@@ -319,8 +320,9 @@ class CollectivesProbe(Probe):
                           "payload_bytes": [m.get(k, (0, 0))[1] for m in per_rank]}
                          for k in sorted(set().union(*per_rank)) for op, d, dim, size in [k]
                          if len({m.get(k) for m in per_rank}) > 1]
-        reasons += [f"ranks disagree on {x['op']} ({x['dtype']}, {x['mesh_dim']} group of {x['group_size']}): counts "
-                    f"{x['counts']}, payload bytes {x['payload_bytes']}" for x in disagreements]
+        reasons += [Reason(Code.COLLECTIVES_RANKS_DISAGREE, f"ranks disagree on {x['op']} ({x['dtype']}, "
+                           f"{x['mesh_dim']} group of {x['group_size']}): counts {x['counts']}, payload bytes "
+                           f"{x['payload_bytes']}") for x in disagreements]
         counts, payload, dtypes = defaultdict(int), defaultdict(int), defaultdict(set)
         groups: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
         for (op, d, dim, size), (c, b) in per_rank[0].items():  # rank 0 speaks for all; disagreements are listed
@@ -339,13 +341,15 @@ class CollectivesProbe(Probe):
         want_groups = {op: e["groups"] for op, e in expected.items() if e.get("groups")}
         for op, want in want_groups.items():  # where the model names each call's group (hybrid sharding)
             if groups.get(op, {}) != want:
-                reasons.append(f"{op}: by group {dict(groups.get(op, {}))} per step measured, {want} expected")
+                reasons.append(Reason(Code.COLLECTIVES_GROUPS_DIFFER,
+                                      f"{op}: by group {dict(groups.get(op, {}))} per step measured, {want} expected"))
         for op in () if unmodelled else sorted(set(counts) | set(expected)):  # unmodelled: nothing to compare
             if counts.get(op, 0) != want_counts.get(op, 0):
-                reasons.append(f"{op}: {counts.get(op, 0)} per step measured, {want_counts.get(op, 0)} expected")
+                reasons.append(Reason(Code.COLLECTIVES_COUNT_DIFFERS, f"{op}: {counts.get(op, 0)} per step measured, "
+                                      f"{want_counts.get(op, 0)} expected"))
             if payload.get(op, 0) != want_payload.get(op, 0):
-                reasons.append(f"{op}: {payload.get(op, 0)} payload bytes per step measured, "
-                               f"{want_payload.get(op, 0)} expected")
+                reasons.append(Reason(Code.COLLECTIVES_PAYLOAD_DIFFERS, f"{op}: {payload.get(op, 0)} payload bytes per "
+                                      f"step measured, {want_payload.get(op, 0)} expected"))
         p_bytes = int(first["param_bytes"])
         section = {
             "source": first["source"],
@@ -366,14 +370,12 @@ class CollectivesProbe(Probe):
             "expected_groups": want_groups,
             "rank_disagreements": disagreements,
             "between_steps": _between(first),
-            **_exposed(results),
-            "check": "FAIL" if reasons else "PASS",
-            "reasons": reasons,
+            **exposed_section(results),
+            **_check(reasons, first["expected_error"] if unmodelled else None),
         }
         if unmodelled:  # ranks that disagree or an unsteady fingerprint still fail; the rest is not checked
-            section.update(check="FAIL" if reasons else "n/a", expected_counts=None, expected_payload_bytes=None,
-                           expected_bus_bytes=None, expected_groups=None,
-                           reasons=[*reasons, f"not checked: {first['expected_error']}"])
+            section.update(expected_counts=None, expected_payload_bytes=None, expected_bus_bytes=None,
+                           expected_groups=None)
         return ProbeReport(section=section, tables={"collectives.csv": pd.DataFrame(rows, columns=COLUMNS)})
 
 
@@ -396,9 +398,19 @@ class CollectivesProbe(Probe):
     def dry_report(cls, results: list[dict[str, Any]], cfg, source: str) -> ProbeReport:
         """Rank 0's table; derived: nothing measured to check (measured equals expected by construction)."""
         report = cls.aggregate(results, cfg)
-        why = {"source": results[0]["source"], "check": "n/a", "reasons": [
-            "derived from the model's structure, not traced: nothing measured to check"]} if source == "derived" else {}
+        why = {"source": results[0]["source"], **Check(Verdict.NA, (Reason(
+            Code.DERIVED, "derived from the model's structure, not traced: nothing measured to check"),)).fields()
+               } if source == "derived" else {}
         return ProbeReport({**report.section, **why, "ranks_in_table": "rank 0"}, report.tables)
+
+
+def _check(reasons: list[Reason], not_modelled: str | None) -> dict[str, Any]:
+    """The section's verdict fields, its one writer: FAIL with ``reasons``; else PASS, or n/a where there is nothing
+    to check against (``not_modelled``: why, its reason last)."""
+    if not_modelled is None:
+        return Check.failed_if(reasons).fields()
+    return Check(Verdict.FAIL if reasons else Verdict.NA,
+                 (*reasons, Reason(Code.COLLECTIVES_NOT_MODELLED, f"not checked: {not_modelled}"))).fields()
 
 
 def _per_step_mean(records: list[dict[str, Any]], steps: list[int], world_size: int) -> tuple[dict, list[str]]:
@@ -428,28 +440,6 @@ def _between(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
             e["payload_bytes"] += r["payload_bytes"] / gaps
     return {op: {**e, "count": _exact(e["count"]), "payload_bytes": _exact(e["payload_bytes"])}
             for op, e in out.items()}
-
-
-def _exposed(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Exposed communication per profiled step (:mod:`zeroexp.probes.exposed`), mean over steps and ranks: measured
-    on the profiled steps, which the profiler slows; per rank beside it."""
-    per_rank = [res.get("exposed") or [] for res in results]
-    if not all(per_rank):
-        return {"exposed_comm_ms": None, "in_flight_ms": None, "exposed_comm_ms_by_rank": None,
-                "exposed_comm_ms_by_op": None}
-
-    def mean(key: str, rows: list[dict[str, Any]]) -> float:
-        return sum(r[key] for r in rows) / len(rows)
-
-    return {"exposed_comm_ms": mean("exposed_comm_ms", [r for rows in per_rank for r in rows]),
-            "in_flight_ms": mean("in_flight_ms", [r for rows in per_rank for r in rows]),
-            "profiled_compute_ms": mean("compute_ms", [r for rows in per_rank for r in rows]),
-            "profiled_step_ms": mean("step_ms", [r for rows in per_rank for r in rows]),
-            "exposed_comm_ms_by_rank": [mean("exposed_comm_ms", rows) for rows in per_rank],
-            "exposed_comm_ms_by_op": {op: sum((r.get("exposed_comm_ms_by_op") or {}).get(op, 0.0) for rows in per_rank
-                                              for r in rows) / sum(len(rows) for rows in per_rank)
-                                      for op in sorted({op for rows in per_rank for r in rows
-                                                        for op in r.get("exposed_comm_ms_by_op") or {}})}}
 
 
 def _exact(x: float) -> int | float:

@@ -32,6 +32,7 @@ from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.tolerances import FLOOR_FACTOR, THRESHOLDS
 from zeroexp.results.format import fmt_err, fmt_int, missing
 from zeroexp.results.section import Column, ReportTable, raw_rows
+from zeroexp.results.verdict import Check, Code, Reason, Verdict
 
 __all__ = ["EquivalenceProbe", "FLOOR_FACTOR", "THRESHOLDS", "train_reference", "compare", "max_abs_diff"]
 
@@ -114,9 +115,15 @@ def compare_buffers(pl_module: Any, seen: Mapping[str, Any]) -> dict[str, Any]:
         mine[name] = b.detach().to("cpu")
     differ = [n for n, ref in reference.items() if n not in moved  # in the dtype the strategy holds it in
               and (n not in mine or mine[n].shape != ref.shape or not torch.equal(mine[n], ref.to(mine[n].dtype)))]
-    return {"buffers_compared": len(reference) - len(moved), "buffers_check": "FAIL" if differ else "PASS",
+    return {"buffers_compared": len(reference) - len(moved), "buffers_check": Verdict.passed_if(not differ),
             "buffers_differ": differ, "buffers_not_compared": [{"tensor": n, "why": PER_RANK_BUFFER}
                                                                for n in sorted(moved)]}
+
+
+def equivalence_check(verdict: Verdict, code: Code | None = None, why: str = "") -> dict[str, Any]:
+    """The section's verdict fields, their one writer: ``check``, ``why`` (where said) and ``reason_codes``. A FAIL
+    above the bound says no ``why`` of its own (its numbers are in the section) unless a cause is known."""
+    return Check(verdict, () if code is None else (Reason(code, why),)).fields("why")
 
 
 def max_abs_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
@@ -144,16 +151,17 @@ def compare(trained: Mapping[str, torch.Tensor], reference: Mapping[str, torch.T
         out["threshold_basis"] = "reduction-order floor" if raised else "precision"
     if set(trained) != set(reference):
         diff = sorted(set(trained) ^ set(reference))
-        return {**out, "max_abs_err": None, "max_rel_err": None, "check": "FAIL",
-                "why": f"parameter names differ: {', '.join(diff[:5])}"}
+        return {**out, "max_abs_err": None, "max_rel_err": None, **equivalence_check(
+            Verdict.FAIL, Code.EQUIVALENCE_NAMES_DIFFER, f"parameter names differ: {', '.join(diff[:5])}")}
     abs_err = rel_err = 0.0
     bound = out.get("effective_threshold")
     not_compared = []
     for name, ref in reference.items():
         got = trained[name].to(ref.dtype)
         if got.shape != ref.shape:
-            return {**out, "max_abs_err": None, "max_rel_err": None, "check": "FAIL",
-                    "why": f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"}
+            return {**out, "max_abs_err": None, "max_rel_err": None, **equivalence_check(
+                Verdict.FAIL, Code.EQUIVALENCE_SHAPE_DIFFERS,
+                f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}")}
         err = float((got - ref).abs().max()) if ref.numel() else 0.0
         if name in by_design and bound is not None and err > bound:
             not_compared.append({"tensor": name, "max_abs_err": err, "why": by_design[name]})
@@ -164,8 +172,11 @@ def compare(trained: Mapping[str, torch.Tensor], reference: Mapping[str, torch.T
     out.update(max_abs_err=abs_err, max_rel_err=rel_err, not_compared=not_compared,
                compared_tensors=len(reference) - len(not_compared))
     if threshold is None:
-        return {**out, "check": "SKIP", "why": "no equivalence threshold for this precision"}
-    return {**out, "check": "PASS" if abs_err <= out["effective_threshold"] else "FAIL"}
+        return {**out, **equivalence_check(Verdict.SKIP, Code.EQUIVALENCE_NO_THRESHOLD,
+                                           "no equivalence threshold for this precision")}
+    if abs_err <= out["effective_threshold"]:
+        return {**out, **equivalence_check(Verdict.PASS)}
+    return {**out, **equivalence_check(Verdict.FAIL, Code.EQUIVALENCE_ABOVE_BOUND)}
 
 
 def equivalence_table(ok: pd.DataFrame) -> ReportTable:
@@ -230,15 +241,18 @@ class EquivalenceProbe(Probe):
                            **compare(trained, {_PREFIX + n: t for n, t in reference.items()}, self.threshold, floor,
                                      by_design),
                            **compare_buffers(pl_module, seen)}
-            if self.result.get("buffers_check") == "FAIL" and self.result.get("check") in ("PASS", "SKIP"):
-                self.result.update(check="FAIL", why="buffers the reference keeps unchanged differ: "
-                                                     + ", ".join(self.result["buffers_differ"][:5]))
+            if self.result.get("buffers_check") == Verdict.FAIL and self.result.get("check") in (Verdict.PASS,
+                                                                                                 Verdict.SKIP):
+                self.result.update(equivalence_check(Verdict.FAIL, Code.EQUIVALENCE_BUFFERS_DIFFER,
+                                                     "buffers the reference keeps unchanged differ: "
+                                                     + ", ".join(self.result["buffers_differ"][:5])))
             if known is not None:  # the configuration implies the divergence: named, whatever the verdict
                 self.result["cause"] = known[0]
                 r = self.result
-                if r.get("check") == "FAIL" and "why" not in r:
-                    r["why"] = (f"max abs err {fmt_err(r.get('max_abs_err'))} > bound "
-                                f"{fmt_err(r.get('effective_threshold'))}: {known[1]}")
+                if r.get("check") == Verdict.FAIL and "why" not in r:  # above the bound: the cause says why
+                    r.update(equivalence_check(Verdict.FAIL, Code.EQUIVALENCE_ABOVE_BOUND,
+                                               f"max abs err {fmt_err(r.get('max_abs_err'))} > bound "
+                                               f"{fmt_err(r.get('effective_threshold'))}: {known[1]}"))
 
     def rank_result(self) -> dict[str, Any]:
         return self.result

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-__all__ = ["exposed_comm", "merge", "measure", "subtract"]
+__all__ = ["exposed_comm", "exposed_section", "merge", "measure", "subtract"]
 
 Interval = tuple[int, int]
 
@@ -100,3 +100,25 @@ def exposed_comm(tree: Iterable[Any], mark: str, op_of: Callable[[str], str] = l
                      "compute_ms": measure(compute, lo, hi) / 1e6, "exposed_comm_ms": measure(exposed, lo, hi) / 1e6,
                      "exposed_comm_ms_by_op": {op: measure(x, lo, hi) / 1e6 for op, x in exposed_by_op.items()}})
     return rows
+
+
+def exposed_section(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exposed communication per profiled step (:func:`exposed_comm`), mean over steps and ranks: measured
+    on the profiled steps, which the profiler slows; per rank beside it."""
+    per_rank = [res.get("exposed") or [] for res in results]
+    if not all(per_rank):
+        return {"exposed_comm_ms": None, "in_flight_ms": None, "exposed_comm_ms_by_rank": None,
+                "exposed_comm_ms_by_op": None}
+
+    def mean(key: str, rows: list[dict[str, Any]]) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    return {"exposed_comm_ms": mean("exposed_comm_ms", [r for rows in per_rank for r in rows]),
+            "in_flight_ms": mean("in_flight_ms", [r for rows in per_rank for r in rows]),
+            "profiled_compute_ms": mean("compute_ms", [r for rows in per_rank for r in rows]),
+            "profiled_step_ms": mean("step_ms", [r for rows in per_rank for r in rows]),
+            "exposed_comm_ms_by_rank": [mean("exposed_comm_ms", rows) for rows in per_rank],
+            "exposed_comm_ms_by_op": {op: sum((r.get("exposed_comm_ms_by_op") or {}).get(op, 0.0) for rows in per_rank
+                                              for r in rows) / sum(len(rows) for rows in per_rank)
+                                      for op in sorted({op for rows in per_rank for r in rows
+                                                        for op in r.get("exposed_comm_ms_by_op") or {}})}}

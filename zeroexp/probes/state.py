@@ -21,6 +21,7 @@ from zeroexp.probes.base import Probe, ProbeReport, RunContext
 from zeroexp.results.cells import column
 from zeroexp.results.format import NA, byte_unit, fmt_factor, missing
 from zeroexp.results.section import CORE_KINDS, Column, ReportTable, joined, raw_rows
+from zeroexp.results.verdict import Check, Code, Reason
 from zeroexp.cell.schedule import PROBE_STEPS
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def count_state(items: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def check_factors(factors: dict[str, float], expected: dict[str, float], per_kind_bytes: dict[str, int],
-                  param_bytes: int, world_size: int, basis: str | None = None, note: str = "") -> list[str]:
+                  param_bytes: int, world_size: int, basis: str | None = None, note: str = "") -> list[Reason]:
     """Why the measured factors do not match the expected ones (empty: PASS); each reason names the numbers.
     ``basis``: how the bytes were counted (default ``summed over N ranks``; a dry run's ``= rank 0 x N``); ``note``
     ends each reason."""
@@ -80,9 +81,15 @@ def check_factors(factors: dict[str, float], expected: dict[str, float], per_kin
     for kind, want in expected.items():
         got = factors.get(kind, 0.0)
         if abs(got - want) > FACTOR_TOL:
-            reasons.append(f"{kind}: measured factor {got:.6g} ({per_kind_bytes.get(kind, 0)} B {basis} / P = "
-                           f"{param_bytes} B), expected {want:g}{note}")
+            reasons.append(Reason(Code.STATE_FACTOR_DIFFERS, f"{kind}: measured factor {got:.6g} "
+                                  f"({per_kind_bytes.get(kind, 0)} B {basis} / P = {param_bytes} B), expected {want:g}"
+                                  f"{note}"))
     return reasons
+
+
+def state_check(reasons: list[Reason]) -> dict[str, Any]:
+    """The state section's verdict fields, its one writer: FAIL with ``reasons``, else PASS."""
+    return Check.failed_if(reasons).fields()
 
 
 def state_table(ok: pd.DataFrame) -> ReportTable:
@@ -199,7 +206,8 @@ class StateProbe(Probe):
         per_rank = {k: frame[frame.kind == k].set_index("rank") for k in kinds}
         factors = {k: logical[k] / p_bytes for k in kinds}
         reasons = check_factors(factors, expected, logical, p_bytes, n)
-        reasons += [f"{k}: physical {physical[k]} B < logical {logical[k]} B"
+        reasons += [Reason(Code.STATE_PHYSICAL_BELOW_LOGICAL,
+                           f"{k}: physical {physical[k]} B < logical {logical[k]} B")
                     for k in kinds if physical[k] < logical[k]]
         optim = per_rank.get("optim")
         mean_optim = float(optim.logical_bytes.mean()) if optim is not None else 0.0
@@ -218,8 +226,7 @@ class StateProbe(Probe):
             "optim_scalar_bytes": int(physical.get("optim_scalar", 0)),
             "owner_imbalance": float(optim.logical_bytes.max()) / mean_optim if mean_optim else None,
             "unchecked_kinds": [k for k in kinds if k not in expected],
-            "check": "FAIL" if reasons else "PASS",
-            "reasons": reasons,
+            **state_check(reasons),
             "semantics": first["semantics"],
             "dtypes": {k: "+".join(sorted({d for d in per_rank[k].dtype if d})) for k in kinds},
             # Per kind, physical bytes summed over ranks: in host memory and on the training device (an accelerator;
@@ -274,8 +281,7 @@ class StateProbe(Probe):
                  padding_bytes=physical.get("param", 0) - logical.get("param", 0),
                  padding_bytes_by_kind={k: physical[k] - logical[k] for k in logical},
                  physical_param_bytes=physical.get("param", 0), optim_scalar_bytes=physical.get("optim_scalar", 0),
-                 owner_imbalance=None, check="FAIL" if reasons else "PASS", reasons=reasons,
-                 factors_basis=FACTORS_BASIS, ranks_in_table="rank 0")
+                 owner_imbalance=None, **state_check(reasons), factors_basis=FACTORS_BASIS, ranks_in_table="rank 0")
         return ProbeReport(s, {"rank_state.csv": frame})
 
 

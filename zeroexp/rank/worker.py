@@ -36,6 +36,7 @@ from zeroexp.probes import RunContext, as_callback, probes_for
 from zeroexp.probes.init_peak import InitPeak, init_fields
 from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.results.files import write_json, write_text
+from zeroexp.results.verdict import Check, Code, Reason, Verdict
 from zeroexp.strategies import get_adapter_class
 from zeroexp.rank.fit import fit_cell, make_logger
 from zeroexp.rank.summary import RANKS_DIR, summary_head, write_measured
@@ -247,7 +248,8 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
     for cls in probe_classes:
         window = cls.steps.window if cls.steps is not None else None
         if window in skipped:
-            summary[cls.name] = {"check": "n/a", "reason": skipped[window], "reasons": [skipped[window]]}
+            said = Check(Verdict.NA, (Reason(Code.TOO_FEW_STEPS, skipped[window]),))
+            summary[cls.name] = {"check": said.verdict, "reason": skipped[window], **said.fields()}  # both keys
             summary.setdefault("skipped", {})[cls.name] = skipped[window]
             continue
         report = cls.aggregate([r[cls.name] for r in ranks], cfg)

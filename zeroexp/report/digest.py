@@ -14,6 +14,7 @@ from typing import Any
 
 from zeroexp.report.checks import cell_checks, worst
 from zeroexp.report.tables import sections
+from zeroexp.results.verdict import Code
 
 __all__ = ["digest"]
 
@@ -38,7 +39,7 @@ def digest(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
         line = s.digest_line(section)
         if line is None:
             continue
-        if section.get("check") == "n/a" and str(section.get("reason", "")).startswith("too few steps"):
+        if Code.TOO_FEW_STEPS in (section.get("reason_codes") or ()):
             line = f"not measured: {section['reason']}"  # a probe skipped in a short run, whichever it is
         rows.append((s.name, line, check_of(s.name)))
         rows += [(name, text, check_of(name)) for name, text in getattr(s, "digest_parts", lambda _: [])(section)]

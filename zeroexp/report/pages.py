@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from zeroexp.results.format import NA
+from zeroexp.results.verdict import Verdict
 
 if TYPE_CHECKING:
     from zeroexp.report.model import Report
@@ -81,7 +82,7 @@ img{max-width:100%;border:1px solid #d0d7de}figcaption{color:#59636e;font-size:.
 
 
 def _td(text: str) -> str:
-    cls = {"PASS": "pass", "FAIL": "fail", "ERROR": "fail", "failed": "fail", "unstable": "warn",
+    cls = {Verdict.PASS: "pass", Verdict.FAIL: "fail", Verdict.ERROR: "fail", "failed": "fail", "unstable": "warn",
            "ok": "pass"}.get(text, "")
     stripped = text.replace(",", "").replace("×", "").replace(" %", "").split(" (exp.")[0]
     try:

@@ -12,6 +12,7 @@ import pandas as pd
 from zeroexp.results.cells import column
 from zeroexp.results.format import NA, fmt_ms, missing
 from zeroexp.results.section import Column, ReportTable, raw_rows
+from zeroexp.results.verdict import Verdict
 
 __all__ = ["TimeSection", "time_table", "planned_vs_measured", "order_agreement"]
 
@@ -91,7 +92,7 @@ class TimeSection:
                 f"measured median {fmt_ms(measured)} ms {_ci(t.get('median_ci95_ms'))}")
         if t.get("ratio") is not None:
             line += f", ratio {t['ratio']:.2f}"
-        return line + (f" ({t['reasons'][0]})" if t.get("check") != "PASS" and t.get("reasons") else "")
+        return line + (f" ({t['reasons'][0]})" if t.get("check") != Verdict.PASS and t.get("reasons") else "")
 
     @staticmethod
     def report_table(ok: pd.DataFrame) -> ReportTable | None:

@@ -15,9 +15,10 @@ import pandas as pd
 
 from zeroexp.results.axes import axis_values, fmt_axis, set_axes
 from zeroexp.results.cells import column, is_dry_run
-from zeroexp.report.checks import Check, plan_checks
+from zeroexp.report.checks import NamedCheck, plan_checks
 from zeroexp.results.format import NA, byte_unit, fmt_int, fmt_number, missing
 from zeroexp.results.section import OPS, Column, ReportTable, raw_rows
+from zeroexp.results.verdict import Verdict
 
 __all__ = ["Column", "ReportTable", "PlanSection", "build_tables", "sections", "OPS"]
 
@@ -137,9 +138,10 @@ class PlanSection:
         """The plan's summary line: its layout, how many of its parts PASS, and each other part's verdict (the check
         of the line is the worst of them: :func:`zeroexp.report.digest.digest`)."""
         parts = plan_checks(p)
-        said = [f"{sum(c.verdict == 'PASS' for c in parts)} of {len(parts)} parts PASS"]
+        said = [f"{sum(c.verdict is Verdict.PASS for c in parts)} of {len(parts)} parts PASS"]
+        # "plan": stopped before its parts, no line of its own
         said += [f"{c.name} {c.verdict}" + (f" ({_reasons(c)})" if c.name == "plan" else "")
-                 for c in parts if c.verdict != "PASS"]  # "plan": stopped before its parts, no line of its own
+                 for c in parts if c.verdict is not Verdict.PASS]
         layout = p.get("layout") or p.get("row")
         return (f"{layout}: " if layout else "") + ", ".join(said)
 
@@ -158,10 +160,10 @@ class PlanSection:
         for c in plan_checks(p):
             if c.name not in passed:
                 continue
-            if c.verdict == "PASS":
+            if c.verdict is Verdict.PASS:
                 lines.append((c.name, passed[c.name]))
             else:
-                lines.append((c.name, (f"{peak}; " if c.name == "plan.memory" and c.verdict == "FAIL" else "")
+                lines.append((c.name, (f"{peak}; " if c.name == "plan.memory" and c.verdict is Verdict.FAIL else "")
                               + _reasons(c)))
         return lines
 
@@ -170,10 +172,10 @@ class PlanSection:
         return plan_table(ok)
 
 
-def _reasons(c: Check, shown: int = 2) -> str:
+def _reasons(c: NamedCheck, shown: int = 2) -> str:
     """A check's first reasons, and how many more ``summary.json`` holds."""
     more = len(c.reasons) - shown
-    return "; ".join(c.reasons[:shown]) + (f" (and {more} more in summary.json)" if more > 0 else "")
+    return "; ".join(c.texts[:shown]) + (f" (and {more} more in summary.json)" if more > 0 else "")
 
 
 def sections(report: bool = False) -> list[Any]:

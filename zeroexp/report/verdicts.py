@@ -8,8 +8,9 @@ from typing import Any
 import pandas as pd
 
 from zeroexp.results.cells import column, is_dry_run
-from zeroexp.report.checks import FAILED, Check, cell_checks, failed_checks
+from zeroexp.report.checks import FAILED, NamedCheck, cell_checks, failed_checks
 from zeroexp.results.format import fmt_ms, missing
+from zeroexp.results.verdict import Verdict
 
 __all__ = ["Verdicts", "verdicts"]
 
@@ -64,7 +65,7 @@ def _nested(row: pd.Series) -> dict[str, Any]:
     return out
 
 
-def _verdict_of(checks: dict[str, Check], name: str) -> str | None:
+def _verdict_of(checks: dict[str, NamedCheck], name: str) -> Verdict | None:
     """The cell's verdict of check ``name``; a part of a plan that stopped before its parts takes the plan's
     (``ERROR``: none of them was checked)."""
     if name in checks:
@@ -73,11 +74,11 @@ def _verdict_of(checks: dict[str, Check], name: str) -> str | None:
     return plan.verdict if plan is not None and name.startswith("plan.") else None
 
 
-def _check_line(name: str, claim: str, verdicts: list[str | None], dry: list[bool]) -> str:
-    passed = verdicts.count("PASS")
+def _check_line(name: str, claim: str, verdicts: list[Verdict | None], dry: list[bool]) -> str:
+    passed = verdicts.count(Verdict.PASS)
     na_dry = sum(v is None and d for v, d in zip(verdicts, dry))
     na = sum(v is None for v in verdicts) - na_dry
-    others = [v for v in verdicts if v is not None and v != "PASS"]
+    others = [v for v in verdicts if v is not None and v is not Verdict.PASS]
     order = sorted(set(others), key=lambda v: (v not in FAILED, FAILED.index(v) if v in FAILED else 0, v))
     line = f"{name}: {passed} of {len(verdicts)} finished cells PASS ({claim})"
     line += "".join(f", {others.count(v)} {v}" for v in order)
@@ -92,7 +93,7 @@ def _check_lines(ok: pd.DataFrame) -> list[str]:
     dry = list(is_dry_run(ok))
     names = [n for n in CHECKS if n in REQUIRED or any(_verdict_of(c, n) is not None for c in per_cell)]
     names += [n for n in dict.fromkeys(n for c in per_cell for n in c) if n not in CHECKS and n != "plan"
-              and any(c[n].verdict in (*FAILED, "PASS") for c in per_cell if n in c)]  # not a skipped probe's n/a
+              and any(c[n].verdict in (*FAILED, Verdict.PASS) for c in per_cell if n in c)]  # not a skipped probe's n/a
     return [_check_line(n, CHECKS.get(n, "its check"), [_verdict_of(c, n) for c in per_cell], dry) for n in names]
 
 
@@ -131,7 +132,7 @@ def _failures(cells: pd.DataFrame) -> list[str]:
                        f"{row.get('error.message') if not missing(row.get('error.message')) else 'no error recorded'}"
                        + ("" if missing(log) else f" (see {row['cell_name']}/{log})"))
             continue
-        out += [f"{label}: {c.name} {c.verdict}: " + "; ".join(c.reasons) for c in failed_checks(_nested(row))]
+        out += [f"{label}: {c.name} {c.verdict}: " + "; ".join(c.texts) for c in failed_checks(_nested(row))]
     return out
 
 

@@ -17,6 +17,7 @@ from zeroexp.formulas import STATE_KINDS, Groups, PlanKnobs, StateLayout, derive
 from zeroexp.plan.check.expect import groups_record
 from zeroexp.plan.core import Precision, plan_record
 from zeroexp.plan.shape import cell_shape
+from zeroexp.results.verdict import Check, Code, Reason, Verdict, reasons as coded
 
 __all__ = ["plan_section", "cell_groups", "collective_rows"]
 
@@ -63,7 +64,7 @@ def plan_section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: st
     try:
         section = _section(cell, Path(cell_dir), summary, itself, live_groups)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
-        section = {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
+        section = Check.raised(e).fields()
     section["time"] = time_section(cell, summary)  # predicted vs measured step time (zeroexp.plan.check.step_time)
     return section
 
@@ -77,7 +78,7 @@ def _memory(cell: Cell, summary: dict[str, Any], name: str, groups: Groups, item
     try:
         return memory_section(cell, summary, name, groups, itemsize, [import_class(p) for p in cell.wrap], shape)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
-        return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
+        return Check.raised(e).fields()
 
 
 def _measured(cell_dir: Path) -> dict[str, list[tuple[int, int]]] | None:
@@ -108,10 +109,10 @@ def _section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: str | 
     precision = Precision(cell.precision, cell.policy.precision.param_dtype)
     name, layout = cell.row_name, cell.row
     if why := no_byte_model(cell):
-        return {"check": "n/a", "row": name, "reasons": [why]}
+        return _stopped(name, Reason(Code.PLAN_NO_BYTE_MODEL, why))
     measured = _measured(cell_dir)
     if measured is None:
-        return {"check": "n/a", "row": name, "reasons": ["no rank_state.csv: the state probe did not run"]}
+        return _stopped(name, Reason(Code.PLAN_NO_STATE_MEASURED, "no rank_state.csv: the state probe did not run"))
     shape, knobs = cell_shape(cell), cell.knobs
     groups = derive_groups(name, layout, shape, n, precision.itemsize, knobs)
     record = plan_record(name, layout, shape, n, precision, offload, knobs, model=str(cell.model["name"]))
@@ -121,12 +122,9 @@ def _section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: str | 
     pred = {k: _largest(predicted, [k], n) for k in kinds} | {"total": record["total_bytes"]}
     meas = ({k: _largest(measured, [k], n) if k in measured else 0 for k in kinds}
             | {"total": _largest(measured, kinds, n)})
-    state_reasons = list(reasons)
     rows, payload_reasons, coll_reasons = _collectives(layout, groups, knobs, precision.name, offload, record,
                                                        summary.get("collectives", {}))
-    reasons += coll_reasons
     group_check, differ = _group_check(groups, live_groups, itself)
-    reasons += [f"groups {d}" for d in differ]
     payload = None if rows is None else [
         {"op": r["op"], "predicted_bytes": r["predicted_bytes"], "measured_bytes": r["measured_bytes"],
          "difference_bytes": r["measured_bytes"] - r["predicted_bytes"]} for r in rows]
@@ -141,21 +139,39 @@ def _section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: str | 
         "collectives": rows,
         "groups": group_check,
         "payload": payload,
-        "payload_check": "n/a" if payload is None else
-                         "PASS" if all(p["difference_bytes"] == 0 for p in payload) else "FAIL",
-        "payload_reasons": payload_reasons,
-        "state": {"check": "FAIL" if state_reasons else "PASS", "reasons": state_reasons},
-        "calls": {"check": "n/a" if rows is None else "FAIL" if coll_reasons else "PASS",
-                  "reasons": payload_reasons if rows is None else coll_reasons},
-        "check": "FAIL" if reasons else "PASS",
-        "reasons": reasons,
+        **_verdicts(reasons, coll_reasons, differ, payload_reasons, payload, itself),
     }
     section["memory"] = _memory(cell, summary, name, groups, precision.itemsize, shape)
-    if itself:  # the "measurement" is this model: comparing them cannot fail
-        section.update(check="n/a", payload_check="n/a", reasons=[f"not checked: {itself}"])
-        for part in ("groups", "state", "calls"):
-            section[part].update(check="n/a", reasons=[f"not checked: {itself}"])
     return section
+
+
+def _stopped(name: str, why: Reason) -> dict[str, Any]:
+    """A plan that stopped before its parts: n/a, ``why``."""
+    return {"check": Verdict.NA, "row": name, **Check(Verdict.NA, (why,)).fields()}
+
+
+def _verdicts(state: list[Reason], calls: list[Reason], groups: list[Reason], payload_reasons: list[Reason],
+              payload: list[dict[str, Any]] | None, itself: str | None) -> dict[str, Any]:
+    """The plan's verdict fields, their one writer: ``payload_check`` and why it is not checked
+    (``payload_reasons``: then ``calls`` reads n/a with them), the ``state`` and ``calls`` parts, and the plan's own
+    ``check`` over the state's, the calls' and the groups' reasons in that order (``plan.groups`` is
+    :func:`_group_check`'s). ``itself``: why the measurement is the planner's own model: every check n/a."""
+    if itself:  # the "measurement" is this model: comparing them cannot fail
+        said = Check(Verdict.NA, (Reason(Code.NOT_CHECKED, f"not checked: {itself}"),))
+        return {"payload_check": Verdict.NA, **_payload_why(payload_reasons), "state": said.fields(),
+                "calls": said.fields(), **said.fields()}
+    return {"payload_check": Verdict.NA if payload is None else
+            Verdict.passed_if(all(p["difference_bytes"] == 0 for p in payload)),
+            **_payload_why(payload_reasons),
+            "state": Check.failed_if(state).fields(),
+            "calls": (Check(Verdict.NA, tuple(payload_reasons)) if payload is None else
+                      Check.failed_if(calls)).fields(),
+            **Check.failed_if([*state, *calls, *(r.prefixed("groups ") for r in groups)]).fields()}
+
+
+def _payload_why(payload_reasons: list[Reason]) -> dict[str, Any]:
+    return {"payload_reasons": [r.text for r in payload_reasons],
+            "payload_reason_codes": [r.code.value for r in payload_reasons]}
 
 
 def _largest(table: dict[str, list[tuple[int, int]]], ks: list[str], n: int) -> int:
@@ -166,58 +182,64 @@ def _largest(table: dict[str, list[tuple[int, int]]], ks: list[str], n: int) -> 
 
 
 def _state_ranks(predicted: dict[str, list[tuple[int, int]]], measured: dict[str, list[tuple[int, int]]],
-                 n: int) -> tuple[list[dict[str, Any]], list[str]]:
+                 n: int) -> tuple[list[dict[str, Any]], list[Reason]]:
     """Per rank and planned kind, the predicted and measured logical and physical bytes, and the reasons the state
     check fails: a rank's bytes of a kind differ from the plan, or a measured kind the plan leaves out is held and is
     not an explained residual (:data:`RESIDUALS`)."""
-    reasons: list[str] = []
+    reasons: list[Reason] = []
     ranks: list[dict[str, Any]] = []
     for kind in dict.fromkeys([*predicted, *measured]):
         want, got = predicted.get(kind), measured.get(kind)
         if want is None:
             if kind not in RESIDUALS and any(ph for _, ph in got):
-                reasons.append(f"{kind}: {max(ph for _, ph in got)} B measured on the largest rank, not planned")
+                reasons.append(Reason(Code.PLAN_STATE_UNPLANNED, f"{kind}: {max(ph for _, ph in got)} B measured on "
+                                      "the largest rank, not planned"))
             continue
         got = got or [(0, 0)] * n
         ranks += [{"rank": r, "kind": kind, "predicted_logical_bytes": w[0], "predicted_physical_bytes": w[1],
                    "measured_logical_bytes": int(g[0]), "measured_physical_bytes": int(g[1])}
                   for r, (w, g) in enumerate(zip(want, got))]
-        reasons += [f"rank {r} {kind}: measured {g[0]} B logical / {g[1]} B physical, planned {w[0]} / {w[1]}"
+        reasons += [Reason(Code.PLAN_STATE_DIFFERS, f"rank {r} {kind}: measured {g[0]} B logical / {g[1]} B physical, "
+                           f"planned {w[0]} / {w[1]}")
                     for r, (w, g) in enumerate(zip(want, got)) if tuple(map(int, g)) != tuple(w)]
     return ranks, reasons
 
 
 def _collectives(layout: StateLayout, groups: Groups, knobs: PlanKnobs, precision: str, offload: str,
                  record: dict[str, Any],
-                 coll: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[str], list[str]]:
+                 coll: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[Reason], list[Reason]]:
     """The planned against the measured collectives (``coll``: the collectives probe's section): the rows
     (:func:`collective_rows`; None where the payload model does not cover the cell or the probe did not run), why
     they are not compared, and the ops whose calls or payload differ."""
     payload_reasons = [] if layout.payload_limits is None else \
-        layout.payload_limits(groups, knobs, precision, offload)
+        coded(Code.PLAN_PAYLOAD_NOT_MODELLED, layout.payload_limits(groups, knobs, precision, offload))
     if coll.get("payload_bytes") is None:
-        payload_reasons.append("no collectives section: the collectives probe did not run")
+        payload_reasons.append(Reason(Code.PLAN_NO_COLLECTIVES_MEASURED,
+                                      "no collectives section: the collectives probe did not run"))
     rows = None if payload_reasons else collective_rows(
         {op: {"count": record["counts"][op], "payload_bytes": b} for op, b in record["payload_bytes"].items()},
         coll.get("counts") or {}, coll["payload_bytes"])
-    coll_reasons = [f"{r['op']}: measured {r['measured_count']} calls / {r['measured_bytes']} B per step, planned "
-                    f"{r['predicted_count']} / {r['predicted_bytes']}" for r in rows or ()
+    coll_reasons = [Reason(Code.PLAN_CALLS_DIFFER, f"{r['op']}: measured {r['measured_count']} calls / "
+                           f"{r['measured_bytes']} B per step, planned {r['predicted_count']} / {r['predicted_bytes']}")
+                    for r in rows or ()
                     if (r["measured_count"], r["measured_bytes"]) != (r["predicted_count"], r["predicted_bytes"])]
     return rows, payload_reasons, coll_reasons
 
 
 def _group_check(groups: Groups, live_groups: dict[str, Any] | None,
-                 itself: str | None) -> tuple[dict[str, Any], list[str]]:
+                 itself: str | None) -> tuple[dict[str, Any], list[Reason]]:
     """``plan.groups``: the planned groups (:func:`~zeroexp.plan.check.expect.groups_record`) against the live ones the
-    adapter reported, and the elements that differ."""
+    adapter reported, and the elements that differ; n/a where none were reported, or where the live groups are the
+    planner's own (``itself``: why)."""
     planned = groups_record(groups)
-    differ: list[str] = []
-    if live_groups is None:
-        group_check = {"check": "n/a", "reasons": ["the adapter reported no live groups for this cell (see "
-                                                  "collectives.reasons)" if itself is None else itself]}
+    differ: list[Reason] = []
+    if itself:
+        check = Check(Verdict.NA, (Reason(Code.NOT_CHECKED, f"not checked: {itself}"),))
+    elif live_groups is None:
+        check = Check(Verdict.NA, (Reason(Code.PLAN_NO_LIVE_GROUPS, "the adapter reported no live groups for this "
+                                          "cell (see collectives.reasons)"),))
     else:
-        differ = [f"{k}: live {live_groups.get(k)!r}, planned {v!r}" for k, v in planned.items()
-                  if live_groups.get(k) != v]
-        group_check = {"check": "FAIL" if differ else "PASS", "reasons": differ}
-    group_check["planned"] = planned
-    return group_check, differ
+        differ = [Reason(Code.PLAN_GROUPS_DIFFER, f"{k}: live {live_groups.get(k)!r}, planned {v!r}")
+                  for k, v in planned.items() if live_groups.get(k) != v]
+        check = Check.failed_if(differ)
+    return {**check.fields(), "planned": planned}, differ

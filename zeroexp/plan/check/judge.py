@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas.peak.phases import PHASES
+from zeroexp.results.verdict import Check, Code, Reason, Verdict
 
 __all__ = ["TOLERANCE", "ABS_TOLERANCE", "judge_rank", "judge", "nz", "as_simulated"]
 
@@ -20,7 +21,7 @@ RANGE_NOTE = "within the predicted range"
 
 
 def judge_rank(got_phases: dict[str, Any], steady: int, steady_cats: dict[str, Any], predicted: dict[str, dict],
-                late: dict[str, list[tuple[str, int]]]) -> tuple[dict[str, Any], list[str], list[float]]:
+                late: dict[str, list[tuple[str, int]]]) -> tuple[dict[str, Any], list[Reason], list[float]]:
     """One rank's phases: measured (above that rank's steady) beside predicted, each judged (:func:`judge`)."""
     phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": nz(steady_cats)}}
     reasons, errs = [], []
@@ -43,16 +44,16 @@ def judge_rank(got_phases: dict[str, Any], steady: int, steady_cats: dict[str, A
         if note:  # within the range's upper end, or one tensor gloo freed late
             rec["in_range" if note.startswith(RANGE_NOTE) else "late_free"] = note
         errs.append(rel)
-        if verdict == "FAIL":
+        if verdict is Verdict.FAIL:
             span = f"{want['bytes']} B" if upper is None else f"{want['bytes']}-{upper} B"
-            reasons.append(f"{ph}: measured {above} B above steady, predicted {span} "
-                           f"({_worst_category(want['by_category'], by_cat)})")
+            reasons.append(Reason(Code.MEMORY_PHASE_DIFFERS, f"{ph}: measured {above} B above steady, predicted "
+                                  f"{span} ({_worst_category(want['by_category'], by_cat)})"))
         phases[ph] = rec
     return phases, reasons, errs
 
 
 def judge(measured: int, predicted: int, late: list[tuple[str, int]], upper: int | None = None,
-           upper_note: str = "") -> tuple[str, str | None, float]:
+           upper_note: str = "") -> tuple[Verdict, str | None, float]:
     """PASS when 0 <= measured - predicted <= max(TOLERANCE * |measured|, ABS_TOLERANCE); or when the excess is at
     most one named tensor that gloo may free late (``late``: each candidate's description and bytes), said in the
     note; or, where the prediction is a range (``upper``: a moment only timing decides, ``upper_note``), when
@@ -63,20 +64,21 @@ def judge(measured: int, predicted: int, late: list[tuple[str, int]], upper: int
     excess = measured - predicted
     rel = abs(excess) / abs(measured) if measured else float(excess != 0)
     if 0 <= excess <= band:
-        return "PASS", None, rel
+        return Verdict.PASS, None, rel
     if excess > 0:
         for note, size in sorted(late, key=lambda c: c[1]):
             if excess <= size + band:
-                return "PASS", f"{excess} B above the prediction, within one late-freed tensor: {note} ({size} B)", rel
+                return (Verdict.PASS, f"{excess} B above the prediction, within one late-freed tensor: {note} "
+                        f"({size} B)", rel)
     if upper is not None and 0 <= excess and measured <= upper + band:
-        return "PASS", f"{RANGE_NOTE} {predicted}-{upper} B: {upper_note}", \
+        return Verdict.PASS, f"{RANGE_NOTE} {predicted}-{upper} B: {upper_note}", \
             min(rel, abs(measured - upper) / abs(measured) if measured else 0.0)
     if upper is not None and excess > 0:  # the range's timing and one earlier work object gloo still holds
         for note, size in sorted(late, key=lambda c: c[1]):
             if measured <= upper + size + band:
-                return "PASS", (f"{measured - upper} B above the predicted range's upper end {upper} B ({upper_note}), "
-                                f"within one late-freed tensor: {note} ({size} B)"), rel
-    return "FAIL", None, rel
+                return Verdict.PASS, (f"{measured - upper} B above the predicted range's upper end {upper} B "
+                                      f"({upper_note}), within one late-freed tensor: {note} ({size} B)"), rel
+    return Verdict.FAIL, None, rel
 
 
 def _worst_category(predicted: dict[str, int], measured: dict[str, int]) -> str:
@@ -96,7 +98,9 @@ def as_simulated(section: dict[str, Any]) -> dict[str, Any]:
     renamed = {"measured_bytes": "simulated_bytes", "measured_peak_bytes": "simulated_peak_bytes",
                "measured_by_category": "simulated_by_category", "check": "simulated_check"}
     phases = {ph: {renamed.get(k, k): v for k, v in rec.items()} for ph, rec in section["phases"].items()}
-    why = [f"simulated {r}" for r in section["reasons"]]
-    return {**section, "phases": phases, "simulated_check": section["check"], "check": "n/a",
-            "reasons": ["a dry run measures no memory: the phases' simulated_* figures are the memory probe's over "
-                        "fake storages (summary.json memory.source), beside the prediction, not a check of it", *why]}
+    judged = Check.read(section)
+    said = Check(Verdict.NA, (Reason(Code.MEMORY_SIMULATED, "a dry run measures no memory: the phases' simulated_* "
+                                     "figures are the memory probe's over fake storages (summary.json memory.source), "
+                                     "beside the prediction, not a check of it"),
+                              *(r.prefixed("simulated ") for r in judged.reasons)))
+    return {**section, "phases": phases, "simulated_check": section["check"], **said.fields()}

@@ -25,6 +25,7 @@ from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
 from zeroexp.plan.check.judge import TOLERANCE, as_simulated, judge_rank
 from zeroexp.plan.check.gloo import late_free
 from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
+from zeroexp.results.verdict import Check, Code, Reason, Verdict, reasons as coded
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
            "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE"]
@@ -232,20 +233,21 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
                    wrap: list[type], shape: ModelShape) -> dict[str, Any]:
     """The plan's memory section for a cell that ran (``name``: its row; ``groups``: derived from the shapes)."""
     measured = summary.get("memory") or {}
-    reasons = _uncovered_cell(cell, name)
     knobs = cell.knobs
     cap = knobs.bucket_cap_bytes
     row = _row(name)
-    reasons += row.family.peak_limits(row, groups, cap) + shape_limits(name, shape, groups)
-    if reasons:
-        return {"check": "n/a", "reasons": reasons}
+    uncovered = (_uncovered_cell(cell, name) + row.family.peak_limits(row, groups, cap)
+                 + shape_limits(name, shape, groups))
+    if uncovered:
+        return Check(Verdict.NA, tuple(coded(Code.MEMORY_NOT_MODELLED, uncovered))).fields()
     terms = cell_precision_terms(name, cell)
     several = terms is not None and terms.master_below_compute and len(groups.shards) > 1
     if several and measured.get("phases_of_max_rank"):
-        return {"check": "n/a", "reasons": [
+        return Check(Verdict.NA, (Reason(
+            Code.MEMORY_NOT_MODELLED,
             f"no peak model yet for {name} below fp32 with {len(groups.shards)} buckets: gloo held every bucket's "
             "all-gather input through forward in the cell measured, more than the one late tensor the check allows "
-            "(docs/planner.md, the peak model)"]}
+            "(docs/planner.md, the peak model)"),)).fields()
     checkpointing, micro_batches, prefetch = cell.checkpointed, cell.grad_accum, cell.policy.prefetch
     device = (measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
                            measured.get("backend") == "fake") if measured.get("phases_of_max_rank") else FAKE_GROUP)
@@ -259,8 +261,8 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
         return {"model": f"peak model (zeroexp.formulas.peak.phases), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
-                "check": "n/a", "reasons": ["no per-phase memory measurement (a dry run, or the memory probe did "
-                                            "not run): predicted only"]}
+                **Check(Verdict.NA, (Reason(Code.MEMORY_NO_MEASUREMENT, "no per-phase memory measurement (a dry run, "
+                                            "or the memory probe did not run): predicted only"),)).fields()}
     worst_rank = int(measured["max_rank"])
     gloo = device.gloo
     late = late_free(name, groups, itemsize, gloo, micro_batches)
@@ -286,9 +288,9 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
             blocks = cell_steady_blocks(row, groups, itemsize, knobs, cell.offload, rank,
                                         buffers, device.workspace_bytes, row.family.step_frees_grads(row))
             reasons += judge_reserved(judged, reserved, blocks, predicted)
-        out_reasons += [f"rank {rank} {r}" for r in reasons]
+        out_reasons += [r.prefixed(f"rank {rank} ") for r in reasons]
         errs += rank_errs
-        ranks.append({"rank": rank, "check": "FAIL" if reasons else "PASS",
+        ranks.append({"rank": rank, "check": Verdict.passed_if(not reasons),
                       **{ph: {k: rec[k] for k in ("measured_bytes", "predicted_bytes", "check")
                               if k in rec} for ph, rec in judged.items() if ph != "steady"}})
         if rank == worst_rank:
@@ -298,5 +300,5 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
     source = row.family.peak_source
     out = {"rank": worst_rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
            "trace": traced, "phases": phases, "ranks": ranks, "max_rel_err": max(errs) if errs else None,
-           "tolerance": TOLERANCE, "check": "FAIL" if out_reasons else "PASS", "reasons": out_reasons}
+           "tolerance": TOLERANCE, **Check.failed_if(out_reasons).fields()}
     return as_simulated(out) if measured.get("simulated") else out

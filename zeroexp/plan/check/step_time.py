@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from zeroexp.cell.resolved import Cell
 from zeroexp.results.calibration import DEFAULT_DIR, Calibration, find_calibration, load_calibration
 from zeroexp.formulas import steps_to_narrow
+from zeroexp.results.verdict import Check, Code, Reason, Verdict
 
 __all__ = ["time_section", "median_ci95", "time_check", "RATIO_LIMIT", "MEDIAN_CI_LIMIT", "BOOTSTRAP"]
 
@@ -44,19 +45,20 @@ def median_ci95(step_ms: Sequence[float], resamples: int = BOOTSTRAP[0], seed: i
 
 
 def time_check(predicted_ms: float, median_ms: float, ci: tuple[float, float], timed_steps: int
-               ) -> tuple[str, list[str]]:
+               ) -> tuple[Verdict, list[Reason]]:
     """``(check, reasons)`` for a prediction against a measured median with its 95 % CI (see the module)."""
     half = max(median_ms - ci[0], ci[1] - median_ms) / median_ms
     ratio = predicted_ms / median_ms
     if half > MEDIAN_CI_LIMIT:
         more = steps_to_narrow(timed_steps, half, MEDIAN_CI_LIMIT)
-        return "n/a", [f"median not known: its 95 % CI [{ci[0]:.3f}, {ci[1]:.3f}] ms is +-{100 * half:.1f} % of "
-                       f"{median_ms:.3f} ms (> +-{100 * MEDIAN_CI_LIMIT:.0f} %) over {timed_steps} timed steps; about "
-                       f"{more} timed steps would narrow it (a CI shrinks as 1/sqrt(steps))"]
+        return Verdict.NA, [Reason(Code.TIME_MEDIAN_UNKNOWN, f"median not known: its 95 % CI [{ci[0]:.3f}, "
+                                   f"{ci[1]:.3f}] ms is +-{100 * half:.1f} % of {median_ms:.3f} ms "
+                                   f"(> +-{100 * MEDIAN_CI_LIMIT:.0f} %) over {timed_steps} timed steps; about {more} "
+                                   "timed steps would narrow it (a CI shrinks as 1/sqrt(steps))")]
     if 1 / RATIO_LIMIT <= ratio <= RATIO_LIMIT:
-        return "PASS", []
-    return "FAIL", [f"predicted {predicted_ms:.3f} ms is {ratio:.2f}x the measured median {median_ms:.3f} ms "
-                    f"(outside 1/{RATIO_LIMIT} .. {RATIO_LIMIT})"]
+        return Verdict.PASS, []
+    return Verdict.FAIL, [Reason(Code.TIME_RATIO_OUT_OF_BOUND, f"predicted {predicted_ms:.3f} ms is {ratio:.2f}x the "
+                                 f"measured median {median_ms:.3f} ms (outside 1/{RATIO_LIMIT} .. {RATIO_LIMIT})")]
 
 
 #: Cores' worth of other processes' work during a calibration, or during a cell's timed steps, above which a cell says
@@ -83,7 +85,7 @@ def time_section(cell: Cell, summary: dict[str, Any]) -> dict[str, Any]:
     try:
         return _section(cell, summary)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
-        return {"check": "ERROR", "reasons": [f"{type(e).__name__}: {e}"]}
+        return Check.raised(e).fields()
 
 
 def _section(cell: Cell, summary: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +101,8 @@ def _section(cell: Cell, summary: dict[str, Any]) -> dict[str, Any]:
                            "ratio": None, "exposed_comm_ms": None,
                            "measured_exposed_comm_ms": coll.get("exposed_comm_ms"), "predicted_by_phase": None,
                            "throughput": None, "framework": None,
-                           "calibration": None, "overlap_rule": None, "check": "n/a", "reasons": []}
+                           "calibration": None, "overlap_rule": None, "check": Verdict.NA, "reasons": []}
+    notes: list[Reason] = []  # why not checked, or what a check notes: written by Check.fields at each return
     timing = summary.get("timing") or {}
     steps = timing.get("step_ms") or []
     if steps:
@@ -112,8 +115,7 @@ def _section(cell: Cell, summary: dict[str, Any]) -> dict[str, Any]:
             "why": "measured median; MFU needs the device's peak FLOP/s, which zeroexp knows for no CPU"})
     cal, why = _calibration(cell)
     if cal is None:
-        out["reasons"].append(why)
-        return out
+        return {**out, **Check(Verdict.NA, (Reason(Code.TIME_NO_CALIBRATION, why),)).fields()}
     out["calibration"] = cal.summary()
     from zeroexp.plan.network import calibrated_network, model_ops, predict_on
 
@@ -124,40 +126,45 @@ def _section(cell: Cell, summary: dict[str, Any]) -> dict[str, Any]:
                predicted_by_phase=t.by_phase_ms(), overlap_rule=t.rule,
                framework={"terms_ms": {k: 1e3 * v for k, v in t.framework_terms},
                           "not_modelled": list(t.framework_notes)})
-    notes = []
+    unmodelled = []
     if cell.precision != "fp32" or cell.offload != "none":
-        notes.append(f"the calibration times fp32 compute on the device; precision={cell.precision} "
-                     f"offload={cell.offload} is not modelled")
+        unmodelled.append(f"the calibration times fp32 compute on the device; precision={cell.precision} "
+                          f"offload={cell.offload} is not modelled")
     c = cal.data["compute"]
     if int(cal.world_size) != n or cal.data["backend"] != cell.backend:
-        out["reasons"].append(f"calibrated with {cal.data['backend']} at N={cal.world_size}, this cell "
-                              f"{cell.backend} at N={n}: busbw carried over as the ring model says")
+        notes.append(Reason(Code.TIME_CALIBRATION_CARRIED, f"calibrated with {cal.data['backend']} at "
+                            f"N={cal.world_size}, this cell {cell.backend} at N={n}: busbw carried "
+                            "over as the ring model says"))
     missing = cal.missing_terms() if layout.family.dtensor_params else None
     if missing:
-        out["reasons"].append(missing)
+        notes.append(Reason(Code.TIME_CALIBRATION_LACKS_TERMS, missing))
     from zeroexp.hostload import busy_beyond
 
     busy = busy_beyond(cal.data.get("host_activity"), BUSY_HOST_CORES)
     if busy is not None:
-        out["reasons"].append(f"the calibration ran beside other work ({busy:.2f} cores busy with other processes "
-                              "on average): its times are not this host's quiet ones; recalibrate on a quiet host")
+        notes.append(Reason(Code.TIME_CALIBRATION_BUSY, f"the calibration ran beside other work ({busy:.2f} cores "
+                            "busy with other processes on average): its times are not this host's quiet ones; "
+                            "recalibrate on a quiet host"))
     busy = busy_beyond(timing.get("host_activity"), BUSY_HOST_CORES)
     if busy is not None:
-        out["reasons"].append(f"this cell's timed steps ran beside other work ({busy:.2f} cores busy with other "
-                              "processes on average, timing.host_activity): its median is not this host's quiet one")
+        notes.append(Reason(Code.TIME_CELL_BUSY, f"this cell's timed steps ran beside other work ({busy:.2f} cores "
+                            "busy with other processes on average, timing.host_activity): its median is not this "
+                            "host's quiet one"))
     if c["model"] != str(cell.model["name"]) or int(c["numel"]) != groups.numel or int(c["batch_size"]) != batch:
-        out["reasons"].append(f"compute calibrated on {c['model']} ({c['numel']} parameters, batch {c['batch_size']}), "
-                              f"this cell {cell.model['name']} ({groups.numel}, batch {batch}): rates per "
-                              "parameter x sample carried over" + (
-                                  f", each call's cost per operator ({ops[0]} forward, {ops[1]} backward) and per "
-                                  "parameter" if network.rate.counts_ops else
-                                  ", each call's own cost as the calibration's model's (schema 8: not carried)"
-                                  if cal.rate.forward_call_s or cal.rate.backward_call_s else ""))
-    if notes or not steps:
-        out["reasons"] += notes or ["no timed steps: the timing probe did not run"]
-        return out
+        notes.append(Reason(Code.TIME_COMPUTE_CARRIED, (
+            f"compute calibrated on {c['model']} ({c['numel']} parameters, batch {c['batch_size']}), "
+            f"this cell {cell.model['name']} ({groups.numel}, batch {batch}): rates per "
+            "parameter x sample carried over" + (
+                f", each call's cost per operator ({ops[0]} forward, {ops[1]} backward) and per "
+                "parameter" if network.rate.counts_ops else
+                ", each call's own cost as the calibration's model's (schema 8: not carried)"
+                if cal.rate.forward_call_s or cal.rate.backward_call_s else ""))))
+    if unmodelled or not steps:
+        notes += ([Reason(Code.TIME_PRECISION_NOT_MODELLED, n) for n in unmodelled] if unmodelled else
+                  [Reason(Code.TIME_NO_TIMED_STEPS, "no timed steps: the timing probe did not run")])
+        return {**out, **Check(Verdict.NA, tuple(notes)).fields()}
     out["ratio"] = out["predicted_step_ms"] / out["measured_median_ms"]
     check, reasons = time_check(out["predicted_step_ms"], out["measured_median_ms"], tuple(out["median_ci95_ms"]),
                                 len(steps))
-    out.update(check=check, reasons=reasons + out["reasons"])
-    return out
+    return {**out, **Check(check, (*reasons, *notes)).fields()}
+
