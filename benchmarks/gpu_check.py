@@ -73,7 +73,8 @@ def measured(model: str, strategy: str, prefetch: str, n: int, batch: int, devic
     from zeroexp.config.schemas import validate
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.check.cell import cell_groups
-    from zeroexp.plan.check.expect import itemsize_of, layout_of
+    from zeroexp.cell.resolved import Cell, layout_of
+    from zeroexp.plan.check.expect import itemsize_of
     from zeroexp.plan.check.memory import memory_section
     from zeroexp.plan.shape import model_shape
     from zeroexp.rank.dryrun import play_rank0
@@ -89,7 +90,8 @@ def measured(model: str, strategy: str, prefetch: str, n: int, batch: int, devic
     section = out["memory_section"]
     if section is None:
         return {"error": "the memory probe tracked no step", "seconds": seconds}
-    plan = memory_section(cfg, {"memory": section}, layout_of(cfg)[0], cell_groups(cfg), itemsize_of(cfg),
+    cell = Cell.of(cfg)
+    plan = memory_section(cell, {"memory": section}, layout_of(cfg)[0], cell_groups(cell), itemsize_of(cfg),
                           [import_class(p) for p in wrap_paths(cfg)], model_shape(cfg.model, wrap_paths(cfg)))
     keep = ("source", "steady_bytes", "peak_bytes", "phase_peak_bytes_max", "reserved_of_max_rank",
             "compute_capability")

@@ -37,40 +37,43 @@ WIDE = ["model=gpt2_small", "world_size=64", "device_memory=80GB", "network=h100
 
 
 def search_alone() -> None:
-    from hydra import compose, initialize_config_dir
+    from zeroexp.cell.memo import invocation_memo
 
-    import zeroexp.recommend.core as core
-    from zeroexp.cli.hydra_app import CONF_DIR
-    from zeroexp.cli.recommend import register, run
-    from zeroexp.recommend.search import Evaluator, Scored, search
-    from zeroexp.recommend.space import configurations
+    with invocation_memo():  # one invocation, as the command line's: the second search finds the traces
+        from hydra import compose, initialize_config_dir
 
-    register()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="recommend", overrides=WIDE)
-    seen = {}
-    original = core.search
+        import zeroexp.recommend.core as core
+        from zeroexp.cli.hydra_app import CONF_DIR
+        from zeroexp.cli.recommend import register, run
+        from zeroexp.recommend.search import Evaluator, Scored, search
+        from zeroexp.recommend.space import configurations
 
-    def first(problem, axes, top_k, evaluator=None):  # the Problem and Axes the command line builds
-        seen.setdefault("args", (problem, axes, top_k))
-        return original(problem, axes, top_k, evaluator)
-    core.search = first
-    t0 = time.perf_counter()
-    run(cfg)
-    whole = time.perf_counter() - t0
-    core.search = original
-    problem, axes, top_k = seen["args"]
-    t0, c0 = time.perf_counter(), time.process_time()
-    ev = Evaluator(problem)
-    timed = [Scored(c, ev.step(c), ev.state_bytes(c)) for c in configurations(axes, problem.world_size)]
-    arithmetic, cpu = time.perf_counter() - t0, time.process_time() - c0
-    t0 = time.perf_counter()
-    result = search(problem, axes, top_k)  # the traces are remembered from the run above
-    warm = time.perf_counter() - t0
-    print(f"search: {len(timed):,} configurations; state + step of each in {arithmetic:.2f} s ({cpu:.2f} s CPU; a "
-          "fresh evaluator); "
-          f"the whole run (shape, FLOPs, every step, the traces of the {result.judged} judged) {whole:.2f} s; "
-          f"the search again with its traces remembered {warm:.2f} s")
+        register()
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="recommend", overrides=WIDE)
+        seen = {}
+        original = core.search
+
+        def first(problem, axes, top_k, evaluator=None):  # the Problem and Axes the command line builds
+            seen.setdefault("args", (problem, axes, top_k))
+            return original(problem, axes, top_k, evaluator)
+        core.search = first
+        t0 = time.perf_counter()
+        run(cfg)
+        whole = time.perf_counter() - t0
+        core.search = original
+        problem, axes, top_k = seen["args"]
+        t0, c0 = time.perf_counter(), time.process_time()
+        ev = Evaluator(problem)
+        timed = [Scored(c, ev.step(c), ev.state_bytes(c)) for c in configurations(axes, problem.world_size)]
+        arithmetic, cpu = time.perf_counter() - t0, time.process_time() - c0
+        t0 = time.perf_counter()
+        result = search(problem, axes, top_k)  # the traces are remembered from the run above
+        warm = time.perf_counter() - t0
+        print(f"search: {len(timed):,} configurations; state + step of each in {arithmetic:.2f} s ({cpu:.2f} s CPU; a "
+              "fresh evaluator); "
+              f"the whole run (shape, FLOPs, every step, the traces of the {result.judged} judged) {whole:.2f} s; "
+              f"the search again with its traces remembered {warm:.2f} s")
 
 
 def cli() -> None:

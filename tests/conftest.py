@@ -288,6 +288,17 @@ def _starts_processes(func, depth: int = 3) -> bool:
     return depth > 0 and any(_starts_processes(f, depth - 1) for f in helpers)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_invocation():
+    """The test session is one invocation (zeroexp.cell.memo): what it computes once about a model (its shape, traced
+    step, op counts, the model check) it keeps, as a sweep or a recommend does; a test that counts builds opens a
+    fresh memo (``invocation_memo(fresh=True)``)."""
+    from zeroexp.cell.memo import invocation_memo
+
+    with invocation_memo():
+        yield
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts rank processes (a cell, a sweep, the CLI); deselect with "
                                        "-m 'not slow'")

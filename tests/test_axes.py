@@ -8,7 +8,7 @@ import pytest
 from conftest import STEPS, WINDOWS, read_csv
 from zeroexp.cell.identity import cell_id, cell_identity, cell_name
 from zeroexp.config.schemas import ConfigError, validate
-from zeroexp.plan.check.expect import knobs_of, layout_of
+from zeroexp.cell.resolved import knobs_of, layout_of
 from zeroexp.formulas import Groups, Unit, step_collectives
 from zeroexp.probes.equivalence import max_abs_diff, train_reference
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import compose_config
-from zeroexp.cell.memo import invocation_memo, memo_table, memoized
+from zeroexp.cell.memo import _ACTIVE, invocation_memo, memo_table, memoized
 from zeroexp.cell.resolved import Cell
 from zeroexp.cell.strategy import BUCKET_CAP_MB, SCHEMAS
 from zeroexp.config.schemas import validate
@@ -74,6 +74,14 @@ def test_memo_belongs_to_an_invocation(monkeypatch):
         calls.append(1)
         return len(calls)
 
+    token = _ACTIVE.set(None)  # outside the test session's invocation (conftest)
+    try:
+        _memo_outside_an_invocation(compute)
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _memo_outside_an_invocation(compute) -> None:
     assert memo_table("t") is None and memoized("t", "k", compute) == 1 and memoized("t", "k", compute) == 2
     with invocation_memo() as tables:
         assert memoized("t", "k", compute) == 3 and memoized("t", "k", compute) == 3  # remembered
@@ -90,12 +98,16 @@ def test_model_shape_is_read_once_per_invocation(monkeypatch):
     real = shapes.shape_of
     monkeypatch.setattr(shapes, "shape_of", lambda *a, **k: built.append(1) or real(*a, **k))
     model = compose_config(list(BASE)).model
-    shapes.model_shape(model)
-    shapes.model_shape(model)
-    assert len(built) == 2  # no invocation: nothing kept between calls
-    with invocation_memo():
-        first, second = shapes.model_shape(model), shapes.model_shape(model)
-    assert len(built) == 3 and first is second
+    token = _ACTIVE.set(None)  # outside the test session's invocation (conftest)
+    try:
+        shapes.model_shape(model)
+        shapes.model_shape(model)
+        assert len(built) == 2  # no invocation: nothing kept between calls
+        with invocation_memo():
+            first, second = shapes.model_shape(model), shapes.model_shape(model)
+        assert len(built) == 3 and first is second
+    finally:
+        _ACTIVE.reset(token)
 
 
 # -- What the code may not do ------------------------------------------------------------------------------------------

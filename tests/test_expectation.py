@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import LAYOUTS, ModelShape, PlanKnobs, cut_buckets, derive_groups, step_collectives
 from zeroexp.strategies.deepspeed import deepspeed_available
 from zeroexp.results.verdict import Code
@@ -60,7 +61,7 @@ def test_ddp_buckets_follow_gradient_readiness(compose):
     shape = model_shape(cfg.model, wrap_paths(cfg))
     assert shape.ready is not None and shape.ready != tuple(range(len(shape.params)))[::-1]
     assert shape.ready[-1] == 0  # the tied embedding: its gradient is complete only after the head's
-    flat = [k for bucket in cell_groups(cfg).buckets for k in bucket]
+    flat = [k for bucket in cell_groups(Cell.of(cfg)).buckets for k in bucket]
     assert flat == [shape.numels[i] for i in shape.ready]
     tiny = ModelShape(((4,), (4,), (4,)), ((0, 1, 2),), (True,), ready=(1, 2, 0))
     assert derive_groups("ddp", LAYOUTS["ddp"], tiny, 2, 4, PlanKnobs(bucket_cap_bytes=32)).buckets == ((4, 4), (4,))

@@ -182,18 +182,20 @@ def test_a_model_found_good_is_not_built_again_and_a_bad_one_is_refused_every_ti
     built = []
     real = model_check._check_model_builds
     monkeypatch.setattr(model_check, "_check_model_builds", lambda cfg: built.append(cfg.model._target_) or real(cfg))
-    monkeypatch.setattr(model_check, "_PASSED", set())
-    linear = ("model=custom", "model._target_=torch.nn.Linear", "+model.in_features=16", "+model.out_features=16")
-    for strategy in ("ddp", "zero2", "fsdp_full"):
-        validate(compose(*linear, "model.input_shape=[16]", f"strategy={strategy}", "world_size=2", base=base))
-    assert built == ["torch.nn.Linear"]
-    validate(compose(*linear[:3], "+model.out_features=8", "model.input_shape=[16]", "world_size=2", base=base))
-    assert len(built) == 2  # another model: built
-    for _ in range(2):
-        with pytest.raises(ConfigError) as e:
-            validate(compose(*linear, "model.input_shape=[12]", "world_size=2", base=base))
-        assert e.value.key == "model.input_shape"
-    assert len(built) == 4
+    from zeroexp.cell.memo import invocation_memo
+
+    with invocation_memo(fresh=True):  # this test's own invocation: nothing checked yet
+        linear = ("model=custom", "model._target_=torch.nn.Linear", "+model.in_features=16", "+model.out_features=16")
+        for strategy in ("ddp", "zero2", "fsdp_full"):
+            validate(compose(*linear, "model.input_shape=[16]", f"strategy={strategy}", "world_size=2", base=base))
+        assert built == ["torch.nn.Linear"]
+        validate(compose(*linear[:3], "+model.out_features=8", "model.input_shape=[16]", "world_size=2", base=base))
+        assert len(built) == 2  # another model: built
+        for _ in range(2):
+            with pytest.raises(ConfigError) as e:
+                validate(compose(*linear, "model.input_shape=[12]", "world_size=2", base=base))
+            assert e.value.key == "model.input_shape"
+        assert len(built) == 4
 
 
 def test_every_registered_probe_has_its_dry_run_section_or_says_why_not(tmp_path, monkeypatch):
@@ -234,7 +236,8 @@ def test_schedule_is_assembled_from_the_probes():
     from zeroexp.probes import Probe, Steps, registry
     from zeroexp.cell.schedule import Schedule
 
-    cfg = OmegaConf.create({"steps": 12, "warmup_steps": 3, "probes": {"profile_steps": 2, "memory_steps": 1}})
+    cfg = OmegaConf.create({"steps": 12, "warmup_steps": 3, "grad_accum": 1, "dry_run": False,
+                            "probes": {"profile_steps": 2, "memory_steps": 1}})
     s = Schedule.from_cfg(cfg)
     assert (s.state_step, s.profiled, s.memory_tracked, s.timed) == (3, range(3, 5), range(5, 6), range(6, 12))
     assert s.problems() == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.cell.identity import cell_name
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.plan.check.expect import Expectation
@@ -45,10 +46,10 @@ def test_modelled_before_measured(compose, name):
     """From the config alone (no rank started): factors 2 / 2 / 4 and the fingerprint of the docstring."""
     cfg = compose(*_overrides(name))
     validate(cfg)
-    expect = Expectation(cfg, lambda model, optimizer: cell_groups(cfg))
+    expect = Expectation(Cell.of(cfg), lambda model, optimizer: cell_groups(Cell.of(cfg)))
     assert {k: expect.state_factors()[k] for k in ("param", "grad", "optim")} == {"param": 2.0, "grad": 2.0,
                                                                                   "optim": 4.0}
-    groups = cell_groups(cfg)
+    groups = cell_groups(Cell.of(cfg))
     assert groups.shard_size == S and groups.world_size == N and len(groups.units) == DEPTH
     assert expect.collectives(None, None) == _fingerprint(CELLS[name][1])
 

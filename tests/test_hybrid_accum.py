@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.config.schemas import validate
 from zeroexp.plan.check.expect import Expectation
 from zeroexp.plan.check.cell import cell_groups
@@ -45,7 +46,7 @@ def _fingerprint(case: str) -> dict[str, dict]:
 def test_hybrid_accumulation_modelled_before_measured(compose, case):
     cfg = compose(*_overrides(case))
     validate(cfg)
-    expect = Expectation(cfg, lambda model, optimizer: cell_groups(cfg))
+    expect = Expectation(Cell.of(cfg), lambda model, optimizer: cell_groups(Cell.of(cfg)))
     assert expect.collectives(None, None) == _fingerprint(case)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import (LAYOUTS, ComputeRate, ModelShape, PlanKnobs, Slot, accumulation_repeats,
                               checkpointed_numel, derive_groups, micro_batch_slots, predict_step, recompute_seconds,
                               step_collectives)
@@ -216,14 +217,15 @@ def test_recompute_and_micro_batches_in_the_step_time():
 
 def _predicted_forward(cfg) -> int:
     """The peak model's forward prediction for a composed cell, without running it (``plan.memory``'s dry form)."""
-    from zeroexp.plan.check.expect import layout_of
+    from zeroexp.cell.resolved import layout_of
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.check.cell import cell_groups
     from zeroexp.plan.check.memory import memory_section
     from zeroexp.plan.shape import model_shape
 
     name, _ = layout_of(cfg)
-    section = memory_section(cfg, {}, name, cell_groups(cfg), 4, [import_class(p) for p in wrap_paths(cfg)],
+    cell = Cell.of(cfg)
+    section = memory_section(cell, {}, name, cell_groups(cell), 4, [import_class(p) for p in wrap_paths(cfg)],
                              model_shape(cfg.model, wrap_paths(cfg)))
     return section["phases"]["forward"]["predicted_bytes"]
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.formulas.peak.phases import Segment, StepTrace, TracedUnit
 from zeroexp.formulas.peak.deepspeed import (DsPartition, ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
@@ -201,7 +202,7 @@ def test_gloos_copy_of_a_reduce_scatter_input_held_into_the_step_is_one_named_la
     from zeroexp._lib.memtrack import step_mem_tracker, totals
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.check.cell import cell_groups
-    from zeroexp.plan.check.expect import layout_of
+    from zeroexp.cell.resolved import layout_of
     from zeroexp.plan.check.memory import memory_section
     from zeroexp.plan.shape import model_shape
 
@@ -225,7 +226,7 @@ def test_gloos_copy_of_a_reduce_scatter_input_held_into_the_step_is_one_named_la
                   "model._target_=corpus.biased", "model.input_shape=[10]",
                   base=("logger=none", "steps=10", "warmup_steps=3"))
     name = layout_of(cfg)[0]
-    args = (name, cell_groups(cfg), 4, [import_class(p) for p in wrap_paths(cfg)],
+    args = (name, cell_groups(Cell.of(cfg)), 4, [import_class(p) for p in wrap_paths(cfg)],
             model_shape(cfg.model, wrap_paths(cfg)))
 
     def check(predicted: list[dict] | None, extra: int = 0) -> dict:
@@ -235,7 +236,7 @@ def test_gloos_copy_of_a_reduce_scatter_input_held_into_the_step_is_one_named_la
         by_rank = [{ph: {"peak_bytes": steady + (p[ph]["predicted_bytes"] if predicted else 10**9) + (
             extra if ph == "optimizer" else 0), "by_category": {}} for ph in ("forward", "backward", "optimizer")}
             for p in (predicted or [None] * n)]
-        return memory_section(cfg, {"memory": {
+        return memory_section(Cell.of(cfg), {"memory": {
             "source": "torch.distributed._tools.MemTracker: ...", "max_rank": 0, "steady_bytes": [steady] * n,
             "phases_of_max_rank": by_rank[0], "phases_by_rank": by_rank, "steady_categories_of_max_rank": {},
             "steady_categories_by_rank": [{}] * n}}, *args)

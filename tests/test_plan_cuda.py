@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.formulas.peak.allocator import counted_sum
 from zeroexp.formulas.device import CPU, cublas_workspace_bytes, cuda
 from zeroexp.results.verdict import Code
@@ -404,25 +405,26 @@ def test_a_cuda_cells_allocated_and_reserved_phases_are_judged_on_cuda_semantics
     semantics (AdamW's foreach list in the optimizer phase), reserved per phase at least the allocator's model."""
     from zeroexp.models import import_class, wrap_paths
     from zeroexp.plan.check.cell import cell_groups
-    from zeroexp.plan.check.expect import layout_of
+    from zeroexp.cell.resolved import layout_of
     from zeroexp.plan.check.memory import memory_section
     from zeroexp.plan.shape import model_shape
 
     cfg = compose(f"strategy={strategy}", "world_size=2", "model=mlp", "batch_size=4")
     name = layout_of(cfg)[0]
-    args = (name, cell_groups(cfg), 4, [import_class(p) for p in wrap_paths(cfg)], model_shape(cfg.model,
+    args = (name, cell_groups(Cell.of(cfg)), 4, [import_class(p) for p in wrap_paths(cfg)], model_shape(cfg.model,
                                                                                                 wrap_paths(cfg)))
-    first = memory_section(cfg, _cuda_measurement(None, 2, 10**8, 10**10), *args)
-    exact = memory_section(cfg, _cuda_measurement(first, 2, 10**8, 10**10), *args)
+    first = memory_section(Cell.of(cfg), _cuda_measurement(None, 2, 10**8, 10**10), *args)
+    exact = memory_section(Cell.of(cfg), _cuda_measurement(first, 2, 10**8, 10**10), *args)
     assert exact["check"] == "PASS", exact["reasons"]
     phases = exact["phases"]
     want = phases["forward"]["predicted_reserved_bytes"]
     assert all(phases[ph]["predicted_reserved_bytes"] == want and phases[ph]["reserved_check"] == "PASS"
                for ph in ("forward", "backward", "optimizer"))
     if strategy == "ddp":  # the optimizer phase holds foreach's list: as many bytes as the parameters
-        assert phases["optimizer"]["predicted_bytes"] == counted_sum((k * 4 for k in cell_groups(cfg).numels), 512)
+        numels = cell_groups(Cell.of(cfg)).numels
+        assert phases["optimizer"]["predicted_bytes"] == counted_sum((k * 4 for k in numels), 512)
     # below the allocator's model of the same live bytes: a FAIL naming reserved
-    low = memory_section(cfg, _cuda_measurement(first, 2, 10**8, want - 512), *args)
+    low = memory_section(Cell.of(cfg), _cuda_measurement(first, 2, 10**8, want - 512), *args)
     assert low["check"] == "FAIL" and low["reason_codes"]
     assert set(low["reason_codes"]) == {Code.MEMORY_RESERVED_BELOW_PREDICTION}
     assert phases["steady"]["measured_reserved_bytes"] == 10**10

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import read_csv
+from zeroexp.cell.resolved import Cell
 from zeroexp.cell.policy import CellPolicy
 from zeroexp.plan.check.expect import Expectation
 from zeroexp.formulas import padded_numel
@@ -116,7 +117,7 @@ def _orig_params_rank(rank: int, port: int, cfg_dict: dict, out: str) -> None:
     optimizer.step()
     result = {"rows": count_state(adapter.state_tensors(model, optimizer)), "step": 0,
               "logical_param_bytes": PAD_WIDTH * PAD_WIDTH * DEPTH * 4,
-              "expected": Expectation(cfg, adapter.groups).state_factors(), "semantics": adapter.semantics}
+              "expected": Expectation(Cell.of(cfg), adapter.groups).state_factors(), "semantics": adapter.semantics}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears gloo down while a peer is still in a collective (SIGABRT in CI once)
     dist.destroy_process_group()
@@ -141,7 +142,7 @@ def test_flat_parameters_pad_the_moments_too(compose, tmp_path):
 def _rank_result(cfg, adapter, model, optimizer, world_size):
     return {"rows": count_state(adapter.state_tensors(model, optimizer)), "step": 3,
             "logical_param_bytes": 4 * sum(q.numel() for q in model.parameters()),
-            "expected": Expectation(cfg, adapter.groups).state_factors(), "semantics": adapter.semantics}
+            "expected": Expectation(Cell.of(cfg), adapter.groups).state_factors(), "semantics": adapter.semantics}
 
 
 def _stepped_adamw(params):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.results.calibration import SCHEMA, find_calibration, load_calibration, machine
 from zeroexp.formulas import (LAYOUTS, LinkFit, ModelShape, PlanKnobs, bus_factor, collective_seconds,
                               derive_groups, fit_link, overlap_possible, predict_step, simulate_step, step_collectives,
@@ -186,7 +187,7 @@ def test_plan_time_of_a_composed_cell(compose, tmp_path):
     path.write_text(json.dumps(calibration_data(numel=8 * 64 * 64)))
     cfg = compose("strategy=fsdp_full", "world_size=2", "prefetch=none", f"calibration={path}")
     t0, _ = _predict("fsdp_full", calibration_data(), "none")
-    section = time_section(cfg, _summary([10.0] * 40))
+    section = time_section(Cell.of(cfg), _summary([10.0] * 40))
     assert set(section) >= {"predicted_step_ms", "measured_median_ms", "median_ci95_ms", "ratio", "exposed_comm_ms",
                             "measured_exposed_comm_ms", "predicted_by_phase", "calibration", "check", "reasons"}
     assert section["measured_median_ms"] == 10.0 and section["median_ci95_ms"] == [10.0, 10.0]
@@ -195,9 +196,9 @@ def test_plan_time_of_a_composed_cell(compose, tmp_path):
     assert section["check"] == ("PASS" if 0.8 <= section["ratio"] <= 1.25 else "FAIL")
     assert section["calibration"]["path"] == str(path)
     pred = section["predicted_step_ms"]
-    assert time_section(cfg, _summary([pred] * 40))["check"] == "PASS"
-    assert time_section(cfg, _summary([pred * 1.3] * 40))["check"] == "FAIL"
-    wide = time_section(cfg, _summary([pred * (0.5 + (i % 2)) for i in range(41)]))
+    assert time_section(Cell.of(cfg), _summary([pred] * 40))["check"] == "PASS"
+    assert time_section(Cell.of(cfg), _summary([pred * 1.3] * 40))["check"] == "FAIL"
+    wide = time_section(Cell.of(cfg), _summary([pred * (0.5 + (i % 2)) for i in range(41)]))
     assert wide["check"] == "n/a" and wide["reason_codes"][0] == Code.TIME_MEDIAN_UNKNOWN
     none = time_section(compose("world_size=3"), _summary([10.0] * 40))  # no calibration at N=3 here
     assert none["check"] == "n/a" and none["reason_codes"] == [Code.TIME_NO_CALIBRATION]
@@ -392,7 +393,7 @@ def test_plan_time_says_its_cell_ran_beside_other_work(compose, tmp_path):
                        ({"other_cores": 0.0, "resolution_cores": 0.0}, False), ({"other_cores": over}, True)):
         summary = _summary([10.0] * 40)
         summary["timing"]["host_activity"] = host
-        t = time_section(cfg, summary)
+        t = time_section(Cell.of(cfg), summary)
         reasons = [r for r, c in zip(t["reasons"], t["reason_codes"]) if c == Code.TIME_CELL_BUSY]
         assert bool(reasons) == said, (host, t["reasons"])
         assert not reasons or f"{over:.2f} cores" in reasons[0]

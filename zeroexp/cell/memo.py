@@ -20,10 +20,11 @@ MOST = 64
 
 
 @contextmanager
-def invocation_memo() -> Iterator[dict[str, dict[Any, Any]]]:
-    """Open this invocation's memo for the body (nested: the body shares the open one); yield its tables."""
+def invocation_memo(fresh: bool = False) -> Iterator[dict[str, dict[Any, Any]]]:
+    """Open this invocation's memo for the body (nested: the body shares the open one, unless ``fresh``: a memo of its
+    own, the open one back after it); yield its tables."""
     open_ = _ACTIVE.get()
-    if open_ is not None:
+    if open_ is not None and not fresh:
         yield open_
         return
     tables: dict[str, dict[Any, Any]] = {}
