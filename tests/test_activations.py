@@ -97,10 +97,12 @@ def test_the_activations_with_and_without_checkpointing_read_one_forward():
     from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes
     from zeroexp.plan import row_peak
 
-    cfg = {**GPT, "n_layer": 3}  # a model no other test traces here
-    before = len(row_peak._FORWARDS)
-    got = {ckpt: row_peak.activation_bytes(cfg, 4, [Block], "bfloat16", ckpt) for ckpt in (False, True)}
-    assert len(row_peak._FORWARDS) - before == 2
+    from zeroexp.cell.memo import invocation_memo
+
+    cfg = {**GPT, "n_layer": 3}
+    with invocation_memo(fresh=True) as memo:  # an invocation of its own: what it traces, counted
+        got = {ckpt: row_peak.activation_bytes(cfg, 4, [Block], "bfloat16", ckpt) for ckpt in (False, True)}
+        assert len(memo["forward_traces"]) == 2
     fresh = [trace_activations(cfg, 4, [Block], dtype=torch.bfloat16),
              trace_activations(cfg, 4, [Block], module_dtype=torch.bfloat16)]
     assert got[False] == min(t.total_bytes for t in fresh)

@@ -267,8 +267,8 @@ def test_plan_time_of_a_cell_counts_its_recompute_and_micro_batches(compose, tmp
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(calibration_data(numel=8 * 64 * 64)))
     summary = {"timing": {"step_ms": [10.0] * 40}, "collectives": {"exposed_comm_ms": 1.5}}
-    plain, ac, ga = (time_section(compose("strategy=ddp", "world_size=2", f"calibration={path}", *extra), summary)
-                     for extra in ((), ("activation_checkpointing=full",), ("grad_accum=2",)))
+    plain, ac, ga = (time_section(Cell.of(compose("strategy=ddp", "world_size=2", f"calibration={path}", *extra)),
+                                  summary) for extra in ((), ("activation_checkpointing=full",), ("grad_accum=2",)))
     one, ckpt, two = (t["predicted_by_phase"] for t in (plain, ac, ga))
     # Every Linear of the mlp is a checkpointed unit (the root has no parameters): the whole forward again.
     assert ckpt["recompute"] == pytest.approx(one["forward"]) and one["recompute"] == 0

@@ -200,7 +200,7 @@ def test_plan_time_of_a_composed_cell(compose, tmp_path):
     assert time_section(Cell.of(cfg), _summary([pred * 1.3] * 40))["check"] == "FAIL"
     wide = time_section(Cell.of(cfg), _summary([pred * (0.5 + (i % 2)) for i in range(41)]))
     assert wide["check"] == "n/a" and wide["reason_codes"][0] == Code.TIME_MEDIAN_UNKNOWN
-    none = time_section(compose("world_size=3"), _summary([10.0] * 40))  # no calibration at N=3 here
+    none = time_section(Cell.of(compose("world_size=3")), _summary([10.0] * 40))  # no calibration at N=3 here
     assert none["check"] == "n/a" and none["reason_codes"] == [Code.TIME_NO_CALIBRATION]
     assert none["predicted_step_ms"] is None
     assert t0.step_s > 0
@@ -374,7 +374,7 @@ def test_plan_time_says_its_calibration_ran_beside_other_work(compose, tmp_path)
         data["host_activity"] = None if busy is None else {"other_cores": busy}
         path = tmp_path / f"cal{busy}.json"
         path.write_text(json.dumps(data))
-        t = time_section(compose("world_size=2", f"calibration={path}"), _summary([10.0] * 40))
+        t = time_section(Cell.of(compose("world_size=2", f"calibration={path}")), _summary([10.0] * 40))
         said[busy] = [r for r, c in zip(t["reasons"], t["reason_codes"]) if c == Code.TIME_CALIBRATION_BUSY]
         assert t["check"] == ("PASS" if 0.8 <= t["ratio"] <= 1.25 else "FAIL")  # a reason, not a verdict
     assert said[0.0] == [] and said[None] == [] and "0.26 cores" in said[BUSY_HOST_CORES + 0.01][0]
@@ -439,7 +439,7 @@ def test_order_agreement_on_given_numbers():
 def test_plan_time_says_what_it_does_not_model(compose, tmp_path):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(calibration_data(world_size=4, numel=8 * 64 * 64)))
-    bf16 = time_section(compose("strategy=zero2", "world_size=2", "precision=bf16", f"calibration={path}"),
+    bf16 = time_section(Cell.of(compose("strategy=zero2", "world_size=2", "precision=bf16", f"calibration={path}")),
                         _summary([10.0] * 40))
     assert bf16["check"] == "n/a" and bf16["predicted_step_ms"] > 0 and bf16["ratio"] is None
     assert Code.TIME_PRECISION_NOT_MODELLED in bf16["reason_codes"]

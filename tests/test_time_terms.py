@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from zeroexp.cell.resolved import Cell
 from zeroexp.results.calibration import Calibration
 from zeroexp.results.verdict import Code
 from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, ModelShape, PlanKnobs, derive_groups,
@@ -152,7 +153,7 @@ def test_plan_time_of_fsdp2_names_the_terms_an_old_calibration_lacks(compose, tm
                                         "dtensor_param_step_s": 5e-5})):
         path = tmp_path / f"cal{schema}.json"
         path.write_text(json.dumps({**data, "schema": schema, "framework": {**data["framework"], **extra}}))
-        section = time_section(compose("strategy=fsdp2_full", "world_size=2", f"calibration={path}"),
+        section = time_section(Cell.of(compose("strategy=fsdp2_full", "world_size=2", f"calibration={path}")),
                                {"timing": {"step_ms": [10.0] * 40}, "collectives": {}})
         lacks = [c for c in section["reason_codes"] if c == Code.TIME_CALIBRATION_LACKS_TERMS]
         terms = section["framework"]["terms_ms"]
@@ -224,7 +225,7 @@ def test_plan_time_reports_the_framework_terms(compose, tmp_path):
                          "fsdp1_call_s": 5e-4}
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(data))
-    section = time_section(compose("strategy=fsdp_full", "world_size=2", f"calibration={path}"),
+    section = time_section(Cell.of(compose("strategy=fsdp_full", "world_size=2", f"calibration={path}")),
                            {"timing": {"step_ms": [10.0] * 40}, "collectives": {}})
     terms = section["framework"]["terms_ms"]
     assert terms["loop"] == pytest.approx(1.0)

@@ -121,7 +121,7 @@ def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true, null or an int k
     dividing every world size (an int equal to world_size is true, as FSDP2 takes it), ``forward_prefetch``,
     ``backward_prefetch``, ``reduce_dtype``."""
-    from zeroexp.plan.check.expect import post_forward_ranks
+    from zeroexp.cell.resolved import post_forward_ranks
     from zeroexp.cell.strategy import check_fsdp2_prefetch, check_fsdp2_reshard
 
     check_fsdp2_reshard(cfg.reshard_after_forward, _world_sizes(cfg.world_size), key="reshard_after_forward")

@@ -8,12 +8,14 @@ Which strategy runs a row, and with which key, is read from the strategies' YAML
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
+from zeroexp.cell.strategy import SCHEMAS
 from zeroexp.formulas import LAYOUTS
 
 __all__ = ["Config", "Axes", "configurations", "strategy_of", "run_overrides", "divisors", "CONF_DIR"]
@@ -98,15 +100,18 @@ def configurations(axes: Axes, world_size: int) -> Iterator[Config]:
 @lru_cache(maxsize=None)
 def _strategies() -> dict[str, tuple[str, dict[str, str], frozenset[str]]]:
     """Row -> (strategy option, the strategy keys that select the row, every key the strategy has), from
-    ``conf/strategy/*.yaml``: a ``layout`` with ``${.key}`` in it selects the row whose name matches with the key
-    set (``deepspeed_stage${.stage}``: ``deepspeed_stage3`` is ``strategy=deepspeed strategy.stage=3``)."""
+    ``conf/strategy/*.yaml`` and the strategy's schema (zeroexp.cell.strategy): a ``layout`` with ``${.key}`` in it
+    selects the row whose name matches with the key set (``deepspeed_stage${.stage}``: ``deepspeed_stage3`` is
+    ``strategy=deepspeed strategy.stage=3``)."""
     from omegaconf import OmegaConf
 
     found: dict[str, tuple[str, dict[str, str], frozenset[str]]] = {}
     for path in sorted((CONF_DIR / "strategy").glob("*.yaml")):
         node = OmegaConf.load(path)
         template = str(OmegaConf.to_container(node)["layout"])
-        keys = frozenset(k for k in node if k != "defaults")
+        schema = SCHEMAS.get(path.stem)  # its keys: the schema's (defaults there, as bucket_cap_mb's) and the YAML's
+        keys = frozenset(k for k in node if k != "defaults") | frozenset(
+            f.name for f in (dataclasses.fields(schema) if schema is not None else ()))
         fields = re.findall(r"\$\{\.(\w+)\}", template)
         pattern = re.escape(template)
         for key in fields:
