@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import read_csv
+from zeroexp.cell.resolved import Cell
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.formulas import bus_bytes, bus_factor, padded_numel
 from zeroexp.probes.collectives import SOURCE, CollectivesProbe
@@ -87,13 +88,13 @@ def test_aggregate_reports_disagreeing_ranks_and_unsteady_steps(compose):
     steady = [{**ar, "step": 3}, {**ar, "step": 4}]
     extra = {"phase": "step", "step": 4, "op": "broadcast", "dtype": "int32", "count": 2, "payload_bytes": 44}
     expected = {"all_reduce": {"count": 2, "payload_bytes": P}}
-    ok = CollectivesProbe.aggregate([_rank(steady, expected), _rank(steady, expected)], cfg).section
+    ok = CollectivesProbe.aggregate([_rank(steady, expected), _rank(steady, expected)], Cell.of(cfg)).section
     assert ok["check"] == "PASS" and ok["counts"] == {"all_reduce": 2}
-    bad = CollectivesProbe.aggregate([_rank(steady, expected), _rank([*steady, extra], expected)], cfg).section
+    bad = CollectivesProbe.aggregate([_rank(steady, expected), _rank([*steady, extra], expected)], Cell.of(cfg)).section
     assert bad["check"] == "FAIL"
     assert bad["rank_disagreements"] == [{"op": "broadcast", "dtype": "int32", "mesh_dim": "world", "group_size": 2,
                                           "counts": [0, 1], "payload_bytes": [0, 22]}]
     assert bad["reason_codes"] == [Code.COLLECTIVES_UNSTEADY, Code.COLLECTIVES_RANKS_DISAGREE]
     assert bad["reasons"][0].startswith("rank 1: step 4")  # the rank and the step it names
-    none = CollectivesProbe.aggregate([_rank(steady), _rank(steady)], cfg).section
+    none = CollectivesProbe.aggregate([_rank(steady), _rank(steady)], Cell.of(cfg)).section
     assert none["check"] == "n/a" and none["reason_codes"] == [Code.COLLECTIVES_NOT_MODELLED]  # nothing to hold to

@@ -215,7 +215,7 @@ def test_every_registered_probe_has_its_dry_run_section_or_says_why_not(tmp_path
         name = "said"
 
         @classmethod
-        def dry_report(cls, results, cfg, source):
+        def dry_report(cls, results, cell, source):
             return ProbeReport({"check": "n/a", "seen": results})
 
     cfg = OmegaConf.create({"world_size": 2, "logger": {"name": "none"}})

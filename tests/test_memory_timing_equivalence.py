@@ -217,20 +217,20 @@ def test_timing_says_when_ranks_outnumber_the_cores():
     def ranks(n, cores, host="h"):
         return [{"step_ms": [(7, 10.0), (8, 11.0)], "hostname": host, "cores": cores} for _ in range(n)]
 
-    four_on_two = TimingProbe.aggregate(ranks(4, 2), cfg=None).section
+    four_on_two = TimingProbe.aggregate(ranks(4, 2), None).section
     assert four_on_two["cores"] == {"ranks": 4, "cores": 2, "time_sliced": True}
     assert "4 ranks time-sliced on 2 cores" in four_on_two["note"]
     assert "4 ranks on 2 cores: time-sliced" in timing_line(four_on_two)
-    two_on_two = TimingProbe.aggregate(ranks(2, 2), cfg=None).section
+    two_on_two = TimingProbe.aggregate(ranks(2, 2), None).section
     assert two_on_two["cores"]["time_sliced"] is False and "time-sliced" not in timing_line(two_on_two)
     # ranks on another host do not share rank 0's cores
     spread = ranks(2, 2) + ranks(2, 2, host="other")
-    assert TimingProbe.aggregate(spread, cfg=None).section["cores"] == {"ranks": 2, "cores": 2, "time_sliced": False}
-    assert TimingProbe.aggregate([{"step_ms": [(7, 10.0)]}], cfg=None).section["cores"] is None
+    assert TimingProbe.aggregate(spread, None).section["cores"] == {"ranks": 2, "cores": 2, "time_sliced": False}
+    assert TimingProbe.aggregate([{"step_ms": [(7, 10.0)]}], None).section["cores"] is None
 
 
 def test_timing_aggregate_takes_the_slowest_rank_per_step():
     results = [{"step_ms": [(7, 10.0), (8, 30.0)]}, {"step_ms": [(7, 20.0), (8, 10.0)]}]
-    section = TimingProbe.aggregate(results, cfg=None).section
+    section = TimingProbe.aggregate(results, None).section
     assert section["step_ms"] == [20.0, 30.0] and section["median_ms"] == 25.0
     assert section["rank_median_ms"] == [20.0, 15.0] and section["unstable"] is True

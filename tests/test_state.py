@@ -135,7 +135,7 @@ def test_flat_parameters_pad_the_moments_too(compose, tmp_path):
     mp.start_processes(_orig_params_rank, args=(free_port(), cfg_dict, str(tmp_path)), nprocs=PAD_N,
                        start_method="fork")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(PAD_N)]
-    report = StateProbe.aggregate(results, cfg)
+    report = StateProbe.aggregate(results, Cell.of(cfg))
     _assert_padded(report.section, report.tables["rank_state.csv"], optim_padded=True)  # moments padded too
 
 
@@ -161,7 +161,7 @@ def test_check_fails_on_an_unsharded_optimizer_under_a_zero1_claim(compose):
     p = 4 * sum(q.numel() for q in model.parameters())
     # Plain AdamW on both ranks: every rank holds every moment, while zro claims ZeRO-1 (optim factor 2).
     full = _rank_result(cfg, adapter, model, _stepped_adamw(model.parameters()), 2)
-    report = StateProbe.aggregate([full, full], cfg)
+    report = StateProbe.aggregate([full, full], Cell.of(cfg))
     s = report.section
     assert s["check"] == "FAIL" and s["factors"]["optim"] == 4.0
     assert s["reason_codes"] == [Code.STATE_FACTOR_DIFFERS] and s["reasons"][0].startswith("optim:")
@@ -170,7 +170,7 @@ def test_check_fails_on_an_unsharded_optimizer_under_a_zero1_claim(compose):
     layers = list(model)
     owned = [_rank_result(cfg, adapter, model, _stepped_adamw(q for m in part for q in m.parameters()), 2)
              for part in (layers[:2], layers[2:])]
-    s = StateProbe.aggregate(owned, cfg).section
+    s = StateProbe.aggregate(owned, Cell.of(cfg)).section
     assert s["check"] == "PASS" and s["factors"]["optim"] == 2.0 and s["owner_imbalance"] == 1.0
     assert len(report.tables["rank_state.csv"]) == 2 * 4  # param, grad, optim, optim_scalar per rank
 

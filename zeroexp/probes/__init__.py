@@ -39,13 +39,13 @@ def default_probes() -> list[type[Probe]]:
     return [p for p in REGISTRY if p.always]
 
 
-def probes_for(cfg) -> list[type[Probe]]:
+def probes_for(cell) -> list[type[Probe]]:
     """The probes of this cell, in ``summary.json`` order: each registered probe whose :meth:`Probe.runs` says
     so (the checkpoint probe with ``checkpoint`` other than ``none``)."""
-    return [p for p in REGISTRY if p.runs(cfg)]
+    return [p for p in REGISTRY if p.runs(cell)]
 
 
-def absent_in_dry_run(cfg=None) -> dict[str, str]:
+def absent_in_dry_run(cell=None) -> dict[str, str]:
     """``{probe: why}`` for the probes of a cell (default: :func:`default_probes`) that a dry run leaves out."""
-    probes = default_probes() if cfg is None else probes_for(cfg)
+    probes = default_probes() if cell is None else probes_for(cell)
     return {p.name: p.dry_run_absent for p in probes if p.dry_run_absent}

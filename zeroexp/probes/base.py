@@ -87,17 +87,18 @@ class Probe:
         raise NotImplementedError
 
     @classmethod
-    def aggregate(cls, results: list[dict[str, Any]], cfg: DictConfig) -> ProbeReport:
-        """Combine the ``rank_result`` of every rank (index = rank) into the cell's report."""
+    def aggregate(cls, results: list[dict[str, Any]], cell: Any) -> ProbeReport:
+        """Combine the ``rank_result`` of every rank (index = rank) into the cell's report (``cell``: the
+        :class:`~zeroexp.cell.resolved.Cell`)."""
         raise NotImplementedError
 
     @classmethod
-    def runs(cls, cfg: DictConfig) -> bool:
+    def runs(cls, cell: Any) -> bool:
         """Whether this cell runs the probe: every cell when :attr:`always`; override it for a condition."""
         return cls.always
 
     @classmethod
-    def in_dry_run(cls, cfg: DictConfig) -> bool:
+    def in_dry_run(cls, cell: Any) -> bool:
         """Whether a traced dry run runs the probe on its played rank 0: every probe not absent from it."""
         return not cls.dry_run_absent
 
@@ -108,7 +109,7 @@ class Probe:
         return None
 
     @classmethod
-    def dry_report(cls, results: list[dict[str, Any]], cfg: DictConfig, source: str) -> ProbeReport | None:
+    def dry_report(cls, results: list[dict[str, Any]], cell: Any, source: str) -> ProbeReport | None:
         """The probe's report in a dry run (``source``: ``traced``, ``results`` the played rank 0's; ``derived``,
         every rank's from :meth:`derived`); None: absent, for the reason :attr:`dry_run_absent` gives."""
         return None

@@ -190,8 +190,8 @@ class CheckpointProbe(Probe):
     dry_run_absent = "no checkpoint: a dry run holds no tensor values to save (dry_run=true refuses checkpoint)"
 
     @classmethod
-    def runs(cls, cfg: Any) -> bool:
-        return cfg.get("checkpoint") is not None and cfg.checkpoint.name != "none"
+    def runs(cls, cell: Any) -> bool:
+        return cell.checkpoint != "none"
 
     digest_line = staticmethod(checkpoint_line)
     report_table = staticmethod(checkpoint_table)
@@ -288,7 +288,7 @@ class CheckpointProbe(Probe):
         return self.result
 
     @classmethod
-    def aggregate(cls, results: list[dict[str, Any]], cfg) -> ProbeReport:
+    def aggregate(cls, results: list[dict[str, Any]], cell) -> ProbeReport:
         first = results[0]
         rows = []
         for rank, res in enumerate(results):

@@ -304,9 +304,9 @@ class CollectivesProbe(Probe):
                 "exposed": self.exposed}
 
     @classmethod
-    def aggregate(cls, results: list[dict[str, Any]], cfg) -> ProbeReport:
+    def aggregate(cls, results: list[dict[str, Any]], cell) -> ProbeReport:
         """Per-step fingerprint of every rank -> ``collectives.csv`` and the checked ``collectives`` section."""
-        n, first = int(cfg.world_size), results[0]
+        n, first = cell.world_size, results[0]
         per_rank, reasons = [], []
         for rank, res in enumerate(results):
             mean, unsteady = _per_step_mean([r for r in res["records"] if r["phase"] == "step"], res["steps"], n)
@@ -395,9 +395,9 @@ class CollectivesProbe(Probe):
                  "derived_from": SOURCE}]
 
     @classmethod
-    def dry_report(cls, results: list[dict[str, Any]], cfg, source: str) -> ProbeReport:
+    def dry_report(cls, results: list[dict[str, Any]], cell, source: str) -> ProbeReport:
         """Rank 0's table; derived: nothing measured to check (measured equals expected by construction)."""
-        report = cls.aggregate(results, cfg)
+        report = cls.aggregate(results, cell)
         why = {"source": results[0]["source"], **Check(Verdict.NA, (Reason(
             Code.DERIVED, "derived from the model's structure, not traced: nothing measured to check"),)).fields()
                } if source == "derived" else {}

@@ -258,7 +258,7 @@ class EquivalenceProbe(Probe):
         return self.result
 
     @classmethod
-    def aggregate(cls, results, cfg) -> ProbeReport:
+    def aggregate(cls, results, cell) -> ProbeReport:
         return ProbeReport(section=dict(results[0]))
 
 

@@ -40,7 +40,7 @@ class IterationsProbe(Probe):
         return {"rows": self.rows}
 
     @classmethod
-    def aggregate(cls, results, cfg) -> ProbeReport:
+    def aggregate(cls, results, cell) -> ProbeReport:
         frame = pd.DataFrame(
             [{"rank": r, **row} for r, res in enumerate(results) for row in res["rows"]],
             columns=["rank", "step", "loss", "step_ms"],

@@ -347,17 +347,17 @@ class MemoryProbe(Probe):
     report_table = staticmethod(memory_table)
 
     @classmethod
-    def in_dry_run(cls, cfg) -> bool:
+    def in_dry_run(cls, cell) -> bool:
         """A traced dry run tracks one micro-batch a step (MemTracker refuses a second forward in one tracked step,
         as in a real run): its phase peaks are a simulation (:data:`SIMULATED`)."""
-        return int(cfg.grad_accum) == 1
+        return cell.grad_accum == 1
 
     @classmethod
-    def dry_report(cls, results: list[dict[str, Any]], cfg, source: str) -> ProbeReport | None:
+    def dry_report(cls, results: list[dict[str, Any]], cell, source: str) -> ProbeReport | None:
         """A traced dry run's phase peaks, marked simulated; absent otherwise (:attr:`dry_run_absent`)."""
         if source != "traced" or not results or not (results[0] or {}).get("records"):
             return None
-        report = cls.aggregate(results, cfg)
+        report = cls.aggregate(results, cell)
         return ProbeReport({**report.section, "source": SIMULATED, "simulated": True},
                            {"memory.csv": report.tables["memory.csv"]})
 
@@ -400,7 +400,7 @@ class MemoryProbe(Probe):
         return {"source": self.source.source, "records": self.records}
 
     @classmethod
-    def aggregate(cls, results, cfg) -> ProbeReport:
+    def aggregate(cls, results, cell) -> ProbeReport:
         rows, picked = [], []  # per rank: (the last tracked step, the step of the highest peak)
         for rank, res in enumerate(results):
             records = res["records"]

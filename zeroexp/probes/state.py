@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable
 
 import pandas as pd
-from omegaconf import DictConfig
 
 from zeroexp._lib.storages import storage_address
 from zeroexp.probes.base import Probe, ProbeReport, RunContext
@@ -190,7 +189,7 @@ class StateProbe(Probe):
         }
 
     @classmethod
-    def aggregate(cls, results: list[dict[str, Any]], cfg: DictConfig) -> ProbeReport:
+    def aggregate(cls, results: list[dict[str, Any]], cell: Any) -> ProbeReport:
         """Factors, padding, imbalance and the PASS/FAIL check; ``rank_state.csv`` with a row per rank per kind."""
         first, n = results[0], len(results)
         p_bytes, expected = int(first["logical_param_bytes"]), dict(first["expected"])
@@ -262,18 +261,18 @@ class StateProbe(Probe):
                  "semantics": ctx.adapter.semantics} for r in range(ctx.world_size)]
 
     @classmethod
-    def dry_report(cls, results: list[dict[str, Any]], cfg: DictConfig, source: str) -> ProbeReport:
+    def dry_report(cls, results: list[dict[str, Any]], cell: Any, source: str) -> ProbeReport:
         """Derived: every rank's table (the formulas'). Traced: rank 0's bytes x N, checked against rank 0's bytes
         by the formulas x N (:data:`FACTORS_BASIS`)."""
         if source == "derived":
-            report = cls.aggregate(results, cfg)
+            report = cls.aggregate(results, cell)
             return ProbeReport({**report.section, "ranks_in_table": "every rank (formulas)"}, report.tables)
-        report = cls.aggregate(results, cfg)
-        s, n, p = report.section, int(cfg.world_size), int(results[0]["logical_param_bytes"])
+        report = cls.aggregate(results, cell)
+        s, n, p = report.section, cell.world_size, int(results[0]["logical_param_bytes"])
         frame = report.tables["rank_state.csv"]
         logical = {k: n * int(frame[frame.kind == k].logical_bytes.sum()) for k in s["factors"]}
         physical = {k: n * int(frame[frame.kind == k].physical_bytes.sum()) for k in s["factors"]}
-        reasons = check_factors({k: v / p for k, v in logical.items()}, _rank0_factors(cfg, s["expected"], n, p),
+        reasons = check_factors({k: v / p for k, v in logical.items()}, _rank0_factors(cell, s["expected"], n, p),
                                 logical, p, n, basis=f"= rank 0 x {n}",
                                 note=" (rank 0's bytes by the formulas x N: see factors_basis)")
         s.update(factors={k: v / p for k, v in logical.items()},
@@ -292,14 +291,13 @@ FACTORS_BASIS = ("rank 0 x world_size: a dry run measures rank 0 only. Exact whe
                  "bytes by the formulas x world_size (zeroexp.formulas.rank_state_bytes), padding included")
 
 
-def _rank0_factors(cfg: DictConfig, expected: dict[str, float], n: int, p: int) -> dict[str, float]:
+def _rank0_factors(cell: Any, expected: dict[str, float], n: int, p: int) -> dict[str, float]:
     """The factors rank 0's bytes x N give by the formulas (``zeroexp.plan.check.cell.rank_state_of``): the strategy's
     ``expected`` where every rank holds as much as rank 0, above them by the padding the last ranks hold instead of
     parameters otherwise; ``expected`` itself for a kind, precision or offload the formulas do not model."""
-    from zeroexp.cell.resolved import Cell
     from zeroexp.plan.check.cell import rank_state_of
 
-    table = rank_state_of(Cell.of(cfg))
+    table = rank_state_of(cell)
     if table is None:
         return expected
     return {k: n * table[k][0][0] / p if k in table else v for k, v in expected.items()}

@@ -127,7 +127,7 @@ class TimingProbe(Probe):
                 "cores": usable_cores()}
 
     @classmethod
-    def aggregate(cls, results, cfg) -> ProbeReport:
+    def aggregate(cls, results, cell) -> ProbeReport:
         frame = pd.DataFrame([(r, s, ms) for r, res in enumerate(results) for s, ms in res["step_ms"]],
                              columns=["rank", "step", "step_ms"])
         slowest = frame.groupby("step").step_ms.max()  # per step: the rank everybody waited for

@@ -87,7 +87,8 @@ def run_dry(cfg_dict: dict[str, Any], cell: Path, run_info: dict[str, Any], reso
             source = "traced" if adapter.dry_run_traced else "derived"
             results, steps = (_traced if source == "traced" else _derived)(cfg, ctx)
             write_text(Path(cell) / ".ranks" / "rank0.json", json.dumps(results))
-            return _finalize(Path(cell), cfg, run_info, source, results, steps, ctx.expect.groups_record())
+            return _finalize(Path(cell), cfg, run_info, source, results, steps, ctx.expect.groups_record(),
+                             resolved)
         finally:
             dist.destroy_process_group()
 
@@ -158,7 +159,7 @@ def play_rank0(cfg_dict: dict[str, Any], device: torch.device) -> dict[str, Any]
     finally:
         dist.destroy_process_group()
     memory = results.get("memory")
-    section = {**_probe(cfg, "memory").aggregate([memory], cfg).section, "backend": "fake"} if memory else None
+    section = {**_probe(cell, "memory").aggregate([memory], cell).section, "backend": "fake"} if memory else None
     return {**results, "memory": memory, "memory_section": section, "steps": steps}
 
 
@@ -173,7 +174,7 @@ def _traced(cfg: DictConfig, ctx: RunContext, fake: bool = True) -> tuple[dict[s
 
     adapter, schedule, n = ctx.adapter, ctx.schedule, ctx.world_size
     adapter.setup(ctx.device)  # e.g. FSDP2's device mesh: real tensors, made before FakeTensorMode
-    classes = [cls for cls in probes_for(cfg) if cls.in_dry_run(cfg)]  # each probe says whether it runs
+    classes = [cls for cls in probes_for(ctx.cell) if cls.in_dry_run(ctx.cell)]  # each probe says whether it runs
     steps = _steps_read(schedule, classes)  # warm-up and those probes' steps; nothing later is measured
     accum = ctx.cell.grad_accum
     # a functional collective (FSDP2 clipping's norm) issues its c10d op on the fake group
@@ -246,26 +247,26 @@ def _derived(cfg: DictConfig, ctx: RunContext) -> tuple[dict[str, Any], int]:
     from zeroexp.plan.check.cell import cell_groups
 
     groups = ctx.expect.groups = cell_groups(ctx.cell)
-    records = {cls.name: cls.derived(ctx, groups) for cls in probes_for(cfg)}
+    records = {cls.name: cls.derived(ctx, groups) for cls in probes_for(ctx.cell)}
     return {name: r for name, r in records.items() if r is not None}, 0
 
 
-def _probe(cfg: DictConfig, name: str) -> Any:
+def _probe(cell: Cell, name: str) -> Any:
     """The probe class of this cell named ``name``."""
-    return next(cls for cls in probes_for(cfg) if cls.name == name)
+    return next(cls for cls in probes_for(cell) if cls.name == name)
 
 
 def _finalize(cell: Path, cfg: DictConfig, run_info: dict[str, Any], source: str, results: dict[str, Any],
-              steps: int, live_groups: dict[str, Any] | None) -> dict[str, Any]:
+              steps: int, live_groups: dict[str, Any] | None, resolved: Cell | None = None) -> dict[str, Any]:
     """Each probe's section and tables from the played rank's results (traced) or its derived records
     (``Probe.dry_report``), every other probe absent with its reason: the measured summary, to which the launching
     process adds the planner's prediction (zeroexp.launch.epilogue). A probe with neither a section nor a reason is
     an error: no result is dropped silently."""
     n, sections, tables, absent = int(cfg.world_size), {}, {}, {}
-    for cls in probes_for(cfg):
+    for cls in probes_for(resolved):
         found = results.get(cls.name)
         rows = found if source == "derived" else [found]
-        report: ProbeReport | None = cls.dry_report(rows, cfg, source) if found is not None else None
+        report: ProbeReport | None = cls.dry_report(rows, resolved, source) if found is not None else None
         if report is None:
             if not cls.dry_run_absent:
                 raise RuntimeError(f"probe {cls.name!r} gave no dry-run section and no reason (Probe.dry_run_absent)")

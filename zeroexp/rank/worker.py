@@ -188,7 +188,7 @@ def _train(cfg: Any, cfg_dict: dict[str, Any], cell: Path, run_info: dict, resol
     accum = resolved.grad_accum  # micro-batches per optimizer step (zeroexp.rank.microbatches)
     data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps * accum),
                       batch_size=None)
-    probe_classes = probes_for(cfg)
+    probe_classes = probes_for(resolved)
     probes = [as_callback(cls)(ctx) for cls in probe_classes]  # each a Lightning callback
     callbacks: list[pl.Callback] = list(probes)
     if run_info.get("fault"):
@@ -252,7 +252,7 @@ def finalize(cell: Path, cfg: Any, probe_classes: list, run_info: dict,
             summary[cls.name] = {"check": said.verdict, "reason": skipped[window], **said.fields()}  # both keys
             summary.setdefault("skipped", {})[cls.name] = skipped[window]
             continue
-        report = cls.aggregate([r[cls.name] for r in ranks], cfg)
+        report = cls.aggregate([r[cls.name] for r in ranks], resolved)
         tables.update(report.tables)
         summary.update(report.top_level)
         if report.section:
