@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STEPS, assert_threshold_rule, read_csv
+from zeroexp.cell.resolved import Cell
 from zeroexp.probes.equivalence import compare
 from zeroexp.probes.timing import TimingProbe, step_statistics
 from zeroexp.launch.runner import run_cell
@@ -54,7 +55,7 @@ def test_steady_at_most_peak_on_every_rank(ladder, name):
 def test_fsdp_full_steady_below_ddp_by_the_sharded_state(ladder, compose):
     cfg = compose(*LADDER["ddp"])
     p = _param_bytes(cfg)
-    per_rank = {name: sum(Expectation(compose(*LADDER[key]), None).state_factors().values()) / N
+    per_rank = {name: sum(Expectation(Cell.of(compose(*LADDER[key])), None).state_factors().values()) / N
                 for name, key in (("ddp", "ddp"), ("fsdp_full", "fsdp_full-pre"))}
     state_delta = (per_rank["ddp"] - per_rank["fsdp_full"]) * p  # 4P - 4P/N: params, grads, Adam moments
     ddp, full = read_csv(ladder["ddp"], "memory.csv"), read_csv(ladder["fsdp_full-pre"], "memory.csv")

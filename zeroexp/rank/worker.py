@@ -83,7 +83,7 @@ def _run_local_rank(rank: int, world_size: int, port: int, cfg: dict[str, Any], 
             run_rank(cfg, cell_dir, run_info, cell)
     except BaseException as e:  # noqa: BLE001 - every failure is recorded, then re-raised as exit code 1
         traceback.print_exc()
-        write_json(cell / RANKS_DIR / f"rank{rank}.error.json",
+        write_json(cell_dir / RANKS_DIR / f"rank{rank}.error.json",
                    {"rank": rank, "cause": "exception", "type": type(e).__name__, "message": one_line(str(e), 2000),
                     "time": time.time(),
                     "traceback": traceback.format_exc()[-8000:]})
