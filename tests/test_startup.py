@@ -49,20 +49,23 @@ def test_python_m_zeroexp_starts_it_before_importing_the_cli():
 
 def test_the_launcher_preloads_what_a_wandb_run_start_imports_before_torch(tmp_path):
     """``wandb.init`` imports W&B's launch inputs (1.4 to 2 s after torch: docs/benchmarks.md); the launching process,
-    which logs the cell's run, imports them before validation imports torch (zeroexp.launch.wandb_preload, in
-    run_cell before ``validate``); the ranks import no W&B. Checked in fresh interpreters: that module imports no
-    torch, and an offline ``wandb.init`` imports nothing of W&B beyond what it preloads under ``wandb.sdk.launch``, so
-    the preload goes stale loudly if W&B moves it."""
+    which logs the cell's run, imports them before validation imports torch (zeroexp.launch.wandb_preload, once
+    the config's own keys passed: a refusal of a key pays none of it); the ranks import no W&B. Checked in fresh
+    interpreters: that module imports no torch, and an offline ``wandb.init`` imports nothing of W&B beyond what
+    it preloads under ``wandb.sdk.launch``, so the preload goes stale loudly if W&B moves it."""
     import inspect
     import subprocess
     import sys
 
     from zeroexp.launch.local import FORKSERVER_PRELOAD
-    from zeroexp.launch.runner import run_cell
+    from zeroexp.config.schemas import validate
+    from zeroexp.launch.runner import _preload_wandb, run_cell
 
     assert not any("wandb" in m for m in FORKSERVER_PRELOAD)
-    body = inspect.getsource(run_cell)
-    assert body.index("import zeroexp.launch.wandb_preload") < body.index("validate(cfg")
+    assert "import zeroexp.launch.wandb_preload" in inspect.getsource(_preload_wandb)
+    assert "before_torch=_preload_wandb" in inspect.getsource(run_cell)
+    body = inspect.getsource(validate)
+    assert body.index("before_torch()") < body.index("check_model(cfg)")
     code = """
 import sys
 import zeroexp.launch.wandb_preload

@@ -326,10 +326,11 @@ def _check_ranges(cfg: DictConfig) -> None:
                                   why="a local cell runs its world_size ranks on this machine")
 
 
-def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> Cell:
+def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = (), before_torch: Any = None) -> Cell:
     """Check a composed cell config; raise :class:`ConfigError` on the first problem; return the cell, resolved
     (:class:`zeroexp.cell.resolved.Cell`, its model's shape read once here).
 
+    ``before_torch``: called once the config's own keys passed, before the model check imports torch.
     ``explicit_overrides`` are the keys the user set on the command line (``prefetch``,
     ``strategy.bucket_cap_mb``...): an axis or a ``strategy.<key>`` that does not apply to the strategy is an error
     only when the user asked for it explicitly in a single run (sweeps de-duplicate such cells instead).
@@ -347,6 +348,8 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = ()) -> Cell:
         raise ConfigError("strategy", name, ", ".join(sorted(SCHEMAS)))
     _check_knobs(cfg, explicit_overrides)
     _check_model_keys(cfg)
+    if before_torch is not None:  # the caller's imports that are cheaper before torch's (a refusal above pays none)
+        before_torch()
     check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
     shape = _shape_of(cfg)
     try:

@@ -114,12 +114,7 @@ def run_cell(cfg: DictConfig, cell_dir: Path, overrides: Sequence[str] = (), swe
 
     ``progress``: show rank 0's progress on stderr while the ranks train (``zeroexp.launch.progress``; the CLI's
     runs)."""
-    if cfg.logger.name == "wandb":  # the cell's W&B run starts here after the ranks: its imports before torch's
-        try:
-            import zeroexp.launch.wandb_preload  # noqa: F401
-        except ImportError:
-            pass
-    cell = validate(cfg, tuple(explicit_keys))
+    cell = validate(cfg, tuple(explicit_keys), before_torch=_preload_wandb if cfg.logger.name == "wandb" else None)
     with stop_on_signals():
         return _run_valid_cell(cfg, cell, cell_dir, overrides, sweep, progress)
 
@@ -177,6 +172,14 @@ def _run_valid_cell(cfg: DictConfig, cell: Cell, cell_dir: Path, overrides: Sequ
     _finish(manifest, cell_dir, status, error, t0)
     summary = read_json(cell_dir / "summary.json") if status == "ok" else None
     return CellResult(cell_dir=cell_dir, status=status, error=error, summary=summary)
+
+
+def _preload_wandb() -> None:
+    """The cell's W&B run starts here after the ranks (zeroexp.launch.wandb_cell): its imports, before torch's."""
+    try:
+        import zeroexp.launch.wandb_preload  # noqa: F401
+    except ImportError:
+        pass
 
 
 def _epilogue(cfg: DictConfig, cell: Cell, cell_dir: Path, run_info: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,5 +1,6 @@
 """What the launching process of a ``logger=wandb`` cell (the default) imports before torch, for the cell's W&B run
-(zeroexp.launch.wandb_cell; zeroexp.launch.runner.run_cell imports this before validation imports torch).
+(zeroexp.launch.wandb_cell; zeroexp.launch.runner.run_cell has validation import this once the config's keys
+passed, before its model check imports torch).
 
 ``wandb.init`` imports W&B's launch inputs (``Run._detect_and_apply_job_inputs``), and with them ``wandb.apis.public``,
 whose pydantic models read their fields' docstrings through ``inspect.getmodule``: a walk over every module in
