@@ -1,8 +1,7 @@
 """``summary.json["plan"]``: the planner's per-rank prediction for a cell that ran, beside what it measured.
 
-Rank 0 calls :func:`plan_section` in ``zeroexp.rank.worker.finalize`` after the probes' sections are written: the
-prediction uses the cell's own model (its shape, read by validation: ``Cell.shape``), N, precision, offload and strategy
-settings,
+The launching process calls :func:`plan_section` once the ranks are done (zeroexp.launch.epilogue): the prediction uses
+the cell's own model (its shape, read by validation: ``Cell.shape``), N, precision, offload and strategy settings,
 through the groups its row derives from the shapes (:func:`cell_groups`); the measurement is the state probe's
 ``rank_state.csv`` and the collectives probe's counts and payloads.
 """
