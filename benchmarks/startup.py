@@ -129,16 +129,17 @@ def _mark(name: str, seconds: float) -> None:
     _MARKS[name] = _MARKS.get(name, 0.0) + seconds
 
 
-def _timing(obj, attr: str, name: str) -> None:
-    """Wrap ``obj.attr`` so that each call adds its wall time to phase ``name``."""
+def _timing(obj, attr: str, name: str, into: dict[str, float] | None = None) -> None:
+    """Wrap ``obj.attr`` so that each call adds its wall time to phase ``name`` (of ``into``, else the rank's)."""
     original = getattr(obj, attr)
+    marks = _MARKS if into is None else into
 
     def wrapped(*args, **kwargs):
         t0 = time.monotonic()
         try:
             return original(*args, **kwargs)
         finally:
-            _mark(name, time.monotonic() - t0)
+            marks[name] = marks.get(name, 0.0) + time.monotonic() - t0
 
     setattr(obj, attr, wrapped)
 
@@ -213,26 +214,8 @@ def breakdown_child(cell_dir: str) -> None:
     import zeroexp.launch.epilogue as epilogue
     import zeroexp.launch.wandb_cell as wandb_cell
 
-    finish = epilogue.finish_cell
-
-    def finish_cell(*args, **kwargs):
-        t = time.monotonic()
-        try:
-            return finish(*args, **kwargs)
-        finally:
-            marks["  the cell's epilogue: the plan, summary.json, the W&B run"] = time.monotonic() - t
-
-    epilogue.finish_cell = finish_cell
-    log_run = wandb_cell.log_cell_run
-
-    def log_cell_run(*args, **kwargs):
-        t = time.monotonic()
-        try:
-            return log_run(*args, **kwargs)
-        finally:
-            marks["    of which the W&B run (offline)"] = time.monotonic() - t
-
-    wandb_cell.log_cell_run = log_cell_run
+    _timing(epilogue, "finish_cell", "  the cell's epilogue: the plan, summary.json, the W&B run", into=marks)
+    _timing(wandb_cell, "log_cell_run", "    of which the W&B run (offline)", into=marks)
     t = time.monotonic()
     seen["run_cell"] = time.time()
     result = runner.run_cell(cfg, Path(cell_dir))
