@@ -15,7 +15,7 @@ from typing import Any
 
 from zeroexp.results.files import read_json, write_json
 
-__all__ = ["finish_cell"]
+__all__ = ["finish_cell", "epilogue_error"]
 
 
 def finish_cell(cfg: Any, cell: Any, cell_dir: Path, run_info: dict[str, Any]) -> dict[str, Any]:
@@ -37,3 +37,22 @@ def finish_cell(cfg: Any, cell: Any, cell_dir: Path, run_info: dict[str, Any]) -
 
         log_cell_run(cfg, Path(cell_dir), run_info, summary)
     return summary
+
+
+def epilogue_error(cfg: Any, cell: Any, cell_dir: Path, run_info: dict[str, Any], rank: int | None,
+                   log: str | None) -> dict[str, Any] | None:
+    """:func:`finish_cell`, its failure as the cell's error record (None: done): ``missing`` where rank 0 left no
+    measured summary (``log``: where to look), ``epilogue`` where the plan, ``summary.json`` or the W&B run failed
+    (``rank``: the process that ran it; None: the launching process)."""
+    from zeroexp.errors import one_line
+    from zeroexp.rank.summary import MEASURED, RANKS_DIR
+
+    if not (Path(cell_dir) / RANKS_DIR / MEASURED).exists():
+        return {"rank": 0, "cause": "missing", "message": "ranks finished but rank 0 wrote no measured summary "
+                f"({RANKS_DIR}/{MEASURED}): summary.json was not written", **({"log": log} if log else {})}
+    try:
+        finish_cell(cfg, cell, cell_dir, run_info)
+    except Exception as e:  # noqa: BLE001 - recorded as the cell's failure, as a rank's exception is
+        return {"rank": rank, "cause": "epilogue", "log": None,
+                "message": f"after the ranks: {type(e).__name__}: {one_line(str(e), 2000)}"}
+    return None

@@ -160,7 +160,9 @@ def _run_valid_cell(cfg: DictConfig, cell: Cell, cell_dir: Path, overrides: Sequ
         manifest["ranks"] = [{"rank": r, "pid": pid, "exitcode": code}
                              for r, (pid, code) in enumerate(zip(launched.pids, launched.exitcodes))]
         if error is None:
-            error = _epilogue(cfg, cell, cell_dir, run_info)
+            from zeroexp.launch.epilogue import epilogue_error  # the plan, summary.json, the W&B run
+
+            error = epilogue_error(cfg, cell, cell_dir, run_info, rank=None, log=None)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (stop_on_signals): every rank is reaped by now
         name = e.signal_name if isinstance(e, Interrupted) else "SIGINT"
         how = "by the user (Ctrl-C, SIGINT)" if name == "SIGINT" else f"by {name}"
@@ -180,25 +182,6 @@ def _preload_wandb() -> None:
         import zeroexp.launch.wandb_preload  # noqa: F401
     except ImportError:
         pass
-
-
-def _epilogue(cfg: DictConfig, cell: Cell, cell_dir: Path, run_info: dict[str, Any]) -> dict[str, Any] | None:
-    """The plan, ``summary.json`` and the W&B run once the ranks are done (zeroexp.launch.epilogue); the error, if
-    any, as a rank's is recorded."""
-    from zeroexp.launch.epilogue import finish_cell
-    from zeroexp.rank.summary import MEASURED, RANKS_DIR
-
-    if not (cell_dir / RANKS_DIR / MEASURED).exists():
-        return {"rank": 0, "cause": "missing", "message": "ranks exited cleanly but rank 0 wrote no measured summary "
-                f"({RANKS_DIR}/{MEASURED}): summary.json was not written"}
-    try:
-        finish_cell(cfg, cell, cell_dir, run_info)
-    except Exception as e:  # noqa: BLE001 - recorded as the cell's failure, as a rank's exception is
-        from zeroexp.errors import one_line
-
-        return {"rank": None, "cause": "epilogue", "log": None,
-                "message": f"after the ranks: {type(e).__name__}: {one_line(str(e), 2000)}"}
-    return None
 
 
 def _finish(manifest: dict[str, Any], cell_dir: Path, status: str, error: Any, t0: float) -> None:

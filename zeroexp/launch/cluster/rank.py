@@ -161,20 +161,10 @@ def _run(cfg: DictConfig, cell: Any, resolved: dict[str, Any], cell_dir: Path, r
 def _record_success(cfg: DictConfig, cell: Any, cell_dir: Path, run_info: dict[str, Any]) -> CellResult:
     """Rank 0, after every rank passed run_rank's last barrier (the others gone): the cell's epilogue (its plan,
     ``summary.json``, its W&B run: zeroexp.launch.epilogue), then the manifest says ``ok``."""
-    from zeroexp.launch.epilogue import finish_cell
-    from zeroexp.rank.summary import MEASURED, RANKS_DIR
+    from zeroexp.launch.epilogue import epilogue_error
 
     manifest = read_json(cell_dir / "manifest.json")
-    error = None
-    if not (cell_dir / RANKS_DIR / MEASURED).exists():
-        error = {"rank": 0, "cause": "missing", "message": "ranks finished but rank 0 wrote no measured summary "
-                 f"({RANKS_DIR}/{MEASURED}): summary.json was not written", "log": "logs/rank0.log"}
-    else:
-        try:
-            finish_cell(cfg, cell, cell_dir, run_info)
-        except Exception as e:  # noqa: BLE001 - recorded as the cell's failure, as a rank's exception is
-            error = {"rank": 0, "cause": "epilogue", "log": None,
-                     "message": f"after the ranks: {type(e).__name__}: {one_line(str(e), 2000)}"}
+    error = epilogue_error(cfg, cell, cell_dir, run_info, rank=0, log="logs/rank0.log")
     summary_path = cell_dir / "summary.json"
     if error is not None:
         _record_failure(cell_dir, error)
