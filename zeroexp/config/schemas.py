@@ -22,7 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
-from zeroexp.models.schemas import MODEL_RESERVED_KEYS, GPTConfig, LoRAGPTConfig, MLPConfig, ModelConfig
+from zeroexp.models.schemas import MODEL_RESERVED_KEYS, GPTConfig, HFConfig, LoRAGPTConfig, MLPConfig, ModelConfig
 from zeroexp.cell.strategy import SCHEMAS, schema_keys
 from zeroexp.config.resources import ResourcesConfig, check_resources
 
@@ -168,6 +168,7 @@ def register_schemas() -> None:
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
     cs.store(group="schema/model", name="gpt", node=GPTConfig)
     cs.store(group="schema/model", name="lora_gpt", node=LoRAGPTConfig)
+    cs.store(group="schema/model", name="hf", node=HFConfig)
     # Each strategy's own schema (zeroexp.cell.strategy) as schema/strategy/<name>. Typed, and open to keys of
     # other strategies: in a sweep across strategies a key set for all (strategy.stage=2,3) stays in the jobs whose
     # strategy lacks it; it does not apply there (not in the cell's identity, removed before the cell runs), and
@@ -417,12 +418,14 @@ def _check_model_keys(cfg: DictConfig) -> None:
             raise ConfigError(f"model.{key}", "???", "a class or factory by import path (model._target_=pkg.Module)"
                               if key == "_target_" else "a non-empty list of positive integers ('model.input_shape="
                               "[16]')", why=f"model={model.get('name')} needs it")
-    for key in ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "lora_rank"):
-        if key in model:
+    for key in ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "lora_rank", "hidden_size",
+                "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "num_local_experts", "num_experts_per_tok"):
+        if model.get(key) is not None:
             _positive_int(cfg, f"model.{key}")
     if "n_head" in model and model.n_embd % model.n_head:
         raise ConfigError("model.n_head", model.n_head, f"a divisor of model.n_embd={model.n_embd}")
-    if model.dtype == "long" and not 0 <= model.low < model.high:
+    if model.dtype == "long" and model.high is not None and not 0 <= model.low < model.high:
         raise ConfigError("model.high", model.high, f"an integer above model.low={model.low} >= 0")
     shape = list(model.input_shape)
     if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):

@@ -16,8 +16,8 @@ from zeroexp.formulas import ITEMSIZE
 from zeroexp.models.schemas import MODEL_RESERVED_KEYS
 
 __all__ = ["LinearStack", "LOSSES", "MODEL_RESERVED_KEYS", "build_model", "make_batch", "zeros_batch", "loss_of",
-           "import_class", "wrap_paths", "torch_dtype", "checkpoint_units", "grad_tensors", "requires_grad",
-           "unused_parameters"]
+           "import_class", "wrap_paths", "token_range", "torch_dtype", "checkpoint_units", "grad_tensors",
+           "requires_grad", "unused_parameters"]
 
 
 
@@ -81,6 +81,9 @@ def build_model(model_cfg: Mapping[str, Any]) -> nn.Module:
     module = instantiate(kwargs, _convert_="all")
     if not isinstance(module, nn.Module):
         raise TypeError(f"model._target_={model_cfg['_target_']} returned {type(module).__name__}, not an nn.Module")
+    from zeroexp._lib.hf_masks import install_unpacked_positions
+
+    install_unpacked_positions()  # a transformers model traced on fake tensors takes the path it takes on data
     return module
 
 
@@ -94,7 +97,7 @@ def make_batch(model_cfg: Mapping[str, Any], batch_size: int, seed: int, step: i
     shape = (batch_size, *model_cfg["input_shape"])
     dtype = torch_dtype(model_cfg.get("dtype", "float32"))
     if dtype == torch.long:
-        return torch.randint(int(model_cfg.get("low", 0)), int(model_cfg.get("high", 2)), shape, generator=g)
+        return torch.randint(*token_range(model_cfg), shape, generator=g)
     return torch.randn(shape, generator=g).to(dtype)
 
 
@@ -127,7 +130,25 @@ def wrap_paths(cfg: Any) -> list[str]:
     whole model is then one unit)."""
     strategy = cfg.strategy if cfg.get("strategy") is not None else {}
     paths = strategy.get("wrap") if strategy.get("wrap") is not None else cfg.model.get("wrap")
+    if paths is None:
+        paths = _factory_hook(cfg.model, "zeroexp_units")
     return [str(p) for p in (paths or [])]
+
+
+def _factory_hook(model_cfg: Mapping[str, Any], name: str) -> Any:
+    """What the model's factory says of itself (``zeroexp.models.hf.causal_lm``: its units, its vocabulary), from the
+    model node; None when the factory has no such hook."""
+    hook = getattr(import_class(str(model_cfg["_target_"]), base=None), name, None)
+    return hook(model_cfg) if callable(hook) else None
+
+
+def token_range(model_cfg: Mapping[str, Any]) -> tuple[int, int]:
+    """``[low, high)`` of a ``long`` input's token ids: ``model.low`` and ``model.high``, a null ``high`` the factory's
+    own vocabulary (an HF model's ``vocab_size``)."""
+    high = model_cfg.get("high")
+    if high is None:
+        high = _factory_hook(model_cfg, "zeroexp_vocab_size")
+    return int(model_cfg.get("low", 0)), int(high if high is not None else 2)
 
 
 def checkpoint_units(module: nn.Module, classes: tuple[type, ...]) -> None:

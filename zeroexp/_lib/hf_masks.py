@@ -1,0 +1,42 @@
+"""transformers' attention-mask preparation as zeroexp's fake-tensor traces need it (``transformers.masking_utils``,
+transformers 5: a module-level function, not a documented hook). A leaf: it imports nothing of zeroexp.
+
+With no cache (training: ``use_cache=False``) transformers looks for packed sequences in the position ids
+(``find_packed_sequence_indices``): on real data it finds none in ``0..S-1`` and attention takes SDPA's ``is_causal``
+path (no mask; grouped-query K/V not repeated); on fake tensors it cannot read the values, keeps a packed-sequence
+mask, and attention then builds an explicit mask and repeats K/V -- another path, whose saved tensors are not the
+run's (a shrunk Llama: 24,576 B a layer at two samples). zeroexp feeds one token tensor and never position ids, so the
+model's positions are its own ``arange``: never packed. Under fake tensors the check answers as it does on that data.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+__all__ = ["install_unpacked_positions"]
+
+
+def install_unpacked_positions() -> bool:
+    """If transformers' ``masking_utils`` is imported, make its ``find_packed_sequence_indices`` answer None (no
+    packed sequences) for fake position ids, as it answers for the ``arange`` positions of every zeroexp input; real
+    tensors are answered by transformers' own function. Idempotent; False when transformers' module is not loaded."""
+    masks = sys.modules.get("transformers.masking_utils")
+    if masks is None or not hasattr(masks, "find_packed_sequence_indices"):
+        return False
+    original = masks.find_packed_sequence_indices
+    if getattr(original, "_zeroexp_unpacked", False):
+        return True
+
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: Any) -> Any:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(position_ids):
+            return None
+        return original(position_ids)
+
+    find_packed_sequence_indices._zeroexp_unpacked = True  # type: ignore[attr-defined]
+    masks.find_packed_sequence_indices = find_packed_sequence_indices
+    return True
