@@ -50,8 +50,6 @@ $(STAMP): pyproject.toml
 	$(PIP) setuptools wheel
 	DS_BUILD_OPS=0 $(PIP) --no-build-isolation "deepspeed>=0.15" \
 	    || echo "deepspeed did not install: tests/test_deepspeed.py skips"
-# The hf extra (transformers), so the Hugging Face GPT-2 cell runs too; without it that test skips.
-	$(PIP) -e ".[hf]" || echo "transformers did not install: the Hugging Face test skips"
 	touch $@
 
 # The browser test of report.html (tests/test_report_browser.py) drives the system's Chromium headless. Installed

@@ -174,6 +174,7 @@ NOT_CACHES = {
     "zeroexp/cell/schedule.py": {"SINGLE_MICRO_BATCH"},  # a constant table (empty today)
     "zeroexp/probes/memory.py": {"_FROZEN_TENSORS"},  # a rank's tensors frozen at start-up, once per process
     "zeroexp/cli/run.py": {"_RAN_THIS_INVOCATION"},  # the command line's own invocation
+    "zeroexp/_lib/grouped_mm.py": {"_LIBRARY"},  # torch's registration of a meta kernel, kept alive
 }
 
 

@@ -22,7 +22,6 @@ DTENSOR = "torch.testing._internal.distributed._tensor.common_dtensor"
 HF = importlib.util.find_spec("transformers") is not None
 TT = importlib.util.find_spec("expecttest") is not None
 BERT = "transformers.models.bert.modeling_bert"
-LLAMA = "transformers.models.llama.modeling_llama"
 
 
 def _custom(target: str, shape: str, *args: str) -> tuple[str, ...]:
@@ -47,12 +46,10 @@ MODELS = {
                         "+model.config.hidden_dropout_prob=0.0", "+model.config.attention_probs_dropout_prob=0.0",
                         "model.dtype=long", "model.high=64", "model.loss=next_token",
                         f"model.wrap=[{BERT}.BertLayer]"), HF),
-    "hf_llama": (_custom("transformers.LlamaForCausalLM", "[8]", "+model.config._target_=transformers.LlamaConfig",
-                         "+model.config.vocab_size=64", "+model.config.hidden_size=32",
-                         "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=2",
-                         "+model.config.num_key_value_heads=1", "+model.config.intermediate_size=64",
-                         "+model.config.max_position_embeddings=16", "model.dtype=long", "model.high=64",
-                         "model.loss=next_token", f"model.wrap=[{LLAMA}.LlamaDecoderLayer]"), HF),
+    # model=hf (zeroexp.models.hf): the config's fields flat, units from _no_split_modules, no KV cache
+    "hf_llama": (("model=hf", "model.arch=llama", "model.vocab_size=64", "model.hidden_size=32",
+                  "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+                  "model.intermediate_size=64", "model.max_position_embeddings=16", "model.seq_len=8"), HF),
     "torch_transformer": (_custom(f"{DTENSOR}.Transformer", "[8]", f"+model.args._target_={DTENSOR}.ModelArgs",
                                   "+model.args.n_layers=2", "+model.args.vocab_size=32", "+model.args.max_seq_len=8",
                                   "+model.args.dim=32", "+model.args.n_heads=4", "+model.args.weight_tying=false",

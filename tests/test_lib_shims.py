@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -573,3 +575,56 @@ def test_fsdp1_flat_param_internals(fake_group, use_orig_params):
     assert hasattr(flat, "_full_param_padded") and fsdp1.full_param_padded(flat) is flat._full_param_padded
     params = fsdp1.orig_params(flat)
     assert (params is not None and len(params) == 2) if use_orig_params else not params
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_hf_masks_make_a_fake_trace_save_what_the_run_saves():
+    """A Llama with no KV cache (training): without the shim the fake trace keeps a packed-sequence mask and repeats
+    grouped K/V, another path than the run's; with it, the fake trace's saved bytes are the real forward's."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from zeroexp._lib.hf_masks import install_unpacked_positions
+    from zeroexp.models import build_model, loss_of, zeros_batch
+    from zeroexp.plan.activations import trace_activations
+
+    cfg = OmegaConf.create({"_target_": "transformers.LlamaForCausalLM", "name": "llama", "input_shape": [16],
+                            "dtype": "long", "low": 0, "high": 64, "loss": "next_token", "wrap": None,
+                            "config": {"_target_": "transformers.LlamaConfig", "hidden_size": 32,
+                                       "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "vocab_size": 64, "use_cache": False}})
+    net, saved = build_model(cfg), {}
+    assert install_unpacked_positions()  # transformers' masking module is loaded by the build
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    batch = zeros_batch(cfg, 2)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_of(cfg)(net(batch), batch)
+    assert trace_activations(cfg, 2).saved_bytes == sum(saved.values())
+
+
+def test_grouped_mm_meta_takes_every_floating_dtype():
+    """torch's own meta kernel of ``aten._grouped_mm`` takes bf16 alone; the shim's takes fp32 too, on the meta
+    device and on fake tensors, forward and backward, with the CPU kernel's output shape."""
+    import torch
+
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
+    from zeroexp._lib.grouped_mm import install_grouped_mm_meta
+
+    assert install_grouped_mm_meta() and install_grouped_mm_meta()  # idempotent
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    real = torch._grouped_mm(torch.randn(8, 8), torch.randn(2, 8, 4), offs=offs)
+    with torch.device("meta"):
+        out = torch._grouped_mm(torch.randn(8, 8), torch.randn(2, 8, 4), offs=offs.to("meta"))
+    assert out.shape == real.shape and out.dtype == torch.float32
+    with fake_tensor_mode():
+        a = torch.randn(8, 4, requires_grad=True)
+        b = torch.randn(2, 4, 6, requires_grad=True)
+        torch._grouped_mm(a, b, offs=torch.tensor([3, 8], dtype=torch.int32)).sum().backward()
+        assert a.grad.shape == a.shape and b.grad.shape == b.shape
+    with pytest.raises(RuntimeError, match="one floating dtype"), torch.device("meta"):
+        torch._grouped_mm(torch.randn(8, 4), torch.randn(2, 4, 6, dtype=torch.bfloat16), offs=offs.to("meta"))

@@ -3,11 +3,11 @@ transformers 5: a module-level function, not a documented hook). A leaf: it impo
 
 With no cache (training: ``use_cache=False``) transformers looks for packed sequences in the position ids
 (``find_packed_sequence_indices``): on real data it finds none in ``0..S-1`` and attention takes SDPA's ``is_causal``
-path (no mask; grouped-query K/V not repeated); on fake tensors it cannot read the values, keeps a packed-sequence
-mask, and attention then builds an explicit mask and repeats K/V -- another path, whose saved tensors are not the
-run's (a shrunk Llama: 24,576 B a layer at two samples). zeroexp feeds one token tensor and never position ids, so the
-model's positions are its own ``arange``: never packed. Under fake tensors the check answers as it does on that data.
-"""
+path (no mask; grouped-query K/V not repeated); on fake tensors (or the meta device) it cannot read the values, keeps a
+packed-sequence mask, and attention then builds an explicit mask and repeats K/V -- another path, whose saved tensors
+are not the run's (a shrunk Llama: 24,576 B a layer at two samples). zeroexp feeds one token tensor and never position
+ids, so the model's positions are its own ``arange``: never packed. Under fake tensors the check answers as it does on
+that data."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ __all__ = ["install_unpacked_positions"]
 
 
 def install_unpacked_positions() -> bool:
-    """If transformers' ``masking_utils`` is imported, make its ``find_packed_sequence_indices`` answer None (no
-    packed sequences) for fake position ids, as it answers for the ``arange`` positions of every zeroexp input; real
-    tensors are answered by transformers' own function. Idempotent; False when transformers' module is not loaded."""
+    """If transformers' ``masking_utils`` is imported, make its ``find_packed_sequence_indices`` answer None (no packed
+    sequences) for fake or meta position ids (the meta device cannot read them either: ``.item()`` raises), as it
+    answers for the ``arange`` positions of every zeroexp input; real tensors are answered by transformers' own
+    function. Idempotent; False when transformers' module is not loaded."""
     masks = sys.modules.get("transformers.masking_utils")
     if masks is None or not hasattr(masks, "find_packed_sequence_indices"):
         return False
@@ -33,7 +34,7 @@ def install_unpacked_positions() -> bool:
     def find_packed_sequence_indices(position_ids: Any) -> Any:
         from torch._subclasses.fake_tensor import is_fake
 
-        if is_fake(position_ids):
+        if is_fake(position_ids) or position_ids.device.type == "meta":
             return None
         return original(position_ids)
 

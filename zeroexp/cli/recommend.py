@@ -239,6 +239,21 @@ def _notes(cfg: DictConfig, tie_given: Any, networks: dict[str, Any], device: An
     return notes
 
 
+def model_overrides(task: list[str]) -> list[str]:
+    """The overrides of a recommend command line that say which model, as a cell takes them: ``model=``,
+    ``model.<key>=`` and ``+model.<key>=`` as given, the planner's ``wrap=`` as the cell's ``model.wrap=`` (the units
+    every strategy of the run then wraps). The run commands recommend prints carry them, so that each builds the
+    model that was planned."""
+    out = []
+    for o in task:
+        key, _, value = o.partition("=")
+        if key.lstrip("+~").split(".")[0] == "model":
+            out.append(o)
+        elif key == "wrap" and value not in ("", "null"):
+            out.append(f"model.wrap={value}")
+    return out
+
+
 def task(cfg: DictConfig) -> None:
     """Hydra's task: answer and print (a table on stdout; with JSON, the answer alone)."""
     import json
@@ -250,7 +265,7 @@ def task(cfg: DictConfig) -> None:
 
     global _STARTED
     _STARTED = True
-    overrides = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].split(".")[0] in ("model", "wrap")]
+    overrides = model_overrides(HydraConfig.get().overrides.task)
     console = Console(highlight=False, width=100)
     errors = Console(stderr=True, highlight=False)
     try:

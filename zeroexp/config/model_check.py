@@ -55,8 +55,11 @@ def _check_model_builds(cfg: Any) -> None:
         unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
         if isinstance(cause, TypeError) and unexpected and unexpected.group(1) in cfg.model:
             key = f"model.{unexpected.group(1)}"
-            raise ConfigError(key, cfg.model[unexpected.group(1)], f"the arguments of {cfg.model._target_}",
-                              why=f"{cfg.model._target_} does not take {unexpected.group(1)!r}") from e
+            near = re.search(r"\(nearest fields: ([^)]*)\)", str(cause))  # zeroexp.models.hf names them
+            raise ConfigError(key, cfg.model[unexpected.group(1)],
+                              near.group(1) if near else f"the arguments of {cfg.model._target_}",
+                              why=f"{cfg.model._target_} does not take {unexpected.group(1)!r}"
+                                  + (f" ({one_line(str(cause), 200)})" if near else "")) from e
         raise ConfigError("model._target_", cfg.model._target_, "a factory that builds an nn.Module from the "
                           "model config's other keys", why=f"{type(cause).__name__}: {one_line(str(cause), 300)}") \
             from e

@@ -81,9 +81,13 @@ def build_model(model_cfg: Mapping[str, Any]) -> nn.Module:
     module = instantiate(kwargs, _convert_="all")
     if not isinstance(module, nn.Module):
         raise TypeError(f"model._target_={model_cfg['_target_']} returned {type(module).__name__}, not an nn.Module")
+    from zeroexp._lib.grouped_mm import install_grouped_mm_meta
     from zeroexp._lib.hf_masks import install_unpacked_positions
 
-    install_unpacked_positions()  # a transformers model traced on fake tensors takes the path it takes on data
+    # a model traced on the meta device or fake tensors takes the path it takes on data: transformers' masks, and
+    # fused experts (torch._grouped_mm) in every floating dtype
+    install_unpacked_positions()
+    install_grouped_mm_meta()
     return module
 
 

@@ -129,6 +129,7 @@ def _binds(b: dict[str, Any]) -> str:
 def render(answer: dict[str, Any], console: Any) -> None:
     """The answer as a table of 100 columns, then each configuration's binding constraint and command, the nearest
     changes when nothing fits, and what the figures rest on."""
+    from rich.markup import escape
     from rich.table import Table
 
     recs = answer["recommendations"]
@@ -147,7 +148,7 @@ def render(answer: dict[str, Any], console: Any) -> None:
         console.print(table)
         for i, r in enumerate(recs, 1):
             console.print(f"{i}: binds: {_binds(r['binding'])}", overflow="fold")
-            console.print(f"   {r['command']}", overflow="fold")
+            console.print(f"   {escape(r['command'])}", overflow="fold")
             for note in r["notes"] + ([r["peak_note"]] if r["peak_note"] else []):
                 console.print(f"   note: {note}", overflow="fold")
     else:
@@ -159,7 +160,7 @@ def render(answer: dict[str, Any], console: Any) -> None:
         console.print(f"change: {ch['change']}: {ch['config']}, peak {_gb(ch['fits_bytes'])}"
                       + ("" if ch["fits_on"] == "peak" else "*")
                       + f", {ch['step_ms']:.2f} ms ({ch['cost_ms']:+.2f} ms against the fastest)", overflow="fold")
-        console.print(f"   {ch['command']}", overflow="fold")
+        console.print(f"   {escape(ch['command'])}", overflow="fold")
         for note in ch["notes"]:
             console.print(f"   note: {note}", overflow="fold")
     if answer.get("nearest_changes") == []:
