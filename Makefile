@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml
 # CUDA torch) and no prebuilt ops (~15 s; the CPU comm op is JIT-compiled at first use). Without it the
 # DeepSpeed tests skip with the reason.
 	$(PIP) setuptools wheel
-	DS_BUILD_OPS=0 $(PIP) --no-build-isolation "deepspeed>=0.15" \
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation "deepspeed>=0.19.2" \
 	    || echo "deepspeed did not install: tests/test_deepspeed.py skips"
 	touch $@
 

@@ -70,6 +70,11 @@ _HPZ_REFUSED = (
     "the hpz group), which the stage-3 model of zeroexp.formulas.deepspeed does not cover")
 
 
+#: The oldest DeepSpeed the expectation model follows: 0.19.2 keeps fp32 buffers under bf16 / fp16 (PR #8066;
+#: zeroexp.formulas.families.deepspeed), where earlier releases cast them with the parameters.
+MIN_DEEPSPEED = "0.19.2"
+
+
 def deepspeed_available() -> bool:
     """True when ``import deepspeed`` would work (checked without importing it: it is slow)."""
     import importlib.util
@@ -188,6 +193,14 @@ class DeepSpeedAdapter(StrategyAdapter):
         if not deepspeed_available():
             raise ConfigError("strategy", s.name, "any other strategy, or install DeepSpeed",
                               why="deepspeed is not installed; install it with: pip install -e '.[deepspeed]'")
+        from importlib.metadata import version
+
+        from packaging.version import Version
+
+        if Version(version("deepspeed")) < Version(MIN_DEEPSPEED):
+            raise ConfigError("strategy", s.name, f"DeepSpeed >= {MIN_DEEPSPEED}",
+                              why=f"deepspeed {version('deepspeed')} is installed; its buffers' dtype, state and "
+                                  f"buffers are modelled from {MIN_DEEPSPEED} on: pip install -e '.[deepspeed]'")
         if s.stage not in (0, 1, 2, 3):
             raise ConfigError("strategy.stage", s.stage, "0, 1, 2, 3")
         if s.get("hpz_size") not in (None, 1):

@@ -165,8 +165,11 @@ _SOURCE = ("DeepSpeed 0.19, measured by zeroexp's state probe (CPU, gloo; fp32 a
 
 
 def _row(stage: int, **kw) -> StateLayout:
+    # Buffers keep their dtype under bf16 / fp16: DeepSpeed >= 0.19.2 casts parameters alone unless
+    # data_types.buffer_dtype is set (runtime/engine.py _cast_module_mixed_precision; DeepSpeed PR #8066, "preserve
+    # fp32 buffers", first in v0.19.2), so a rotary inv_freq stays fp32; before it, module.bfloat16() cast them too.
     return StateLayout(f"DeepSpeed 0.19 stage {stage}", stage, family=DEEPSPEED,
-                       payload=partial(deepspeed_payload, stage), casts_buffers=True,
+                       payload=partial(deepspeed_payload, stage), casts_buffers=False,
                        comm=partial(deepspeed_comm, stage),
                        payload_limits=partial(deepspeed_payload_limits, stage), precisions=MIXED,
                        deepspeed_stage=stage, ranks_differ=stage in (1, 2), **kw)
