@@ -140,3 +140,21 @@ def test_every_command_recommend_prints_composes_to_its_row():
     console = Console(record=True, width=100, highlight=False)
     render(answer, console)
     assert f"model.wrap=[{LLAMA_LAYER}]" in console.export_text().replace("\n", "")
+
+
+def test_fsdp2_names_the_expert_padding_of_fused_experts():
+    """A Mixtral's fused experts (2 experts: dim 0 = 2) under FSDP2 at N=8: each expert tensor padded to 8 rows; the
+    row says so (``state_note``), FSDP1 (flat parameters) and N=2 do not."""
+    from zeroexp.cli.plan import run
+    from test_recommend import _compose
+
+    cfg = _compose("plan", "model=mixtral_8x7b", "model.num_hidden_layers=2", "model.hidden_size=32",
+                   "model.intermediate_size=64", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+                   "model.vocab_size=64", "model.seq_len=8", "model.num_local_experts=2", "world_size=[2,8]",
+                   "strategies=[fsdp2_full,fsdp_full]")
+    records, notes = run(cfg)
+    noted = {(r["strategy"], r["world_size"]) for r in records if r["state_note"]}
+    assert noted == {("fsdp2_full", 8)}
+    # 2 layers x (gate_up 2 x 128 x 32 + down 2 x 32 x 64) padded from 2 to 8 rows: 4x their elements
+    assert "4.0x" in next(r["state_note"] for r in records if r["state_note"])
+    assert any(n.startswith("fsdp2_full at world_size=8: FSDP2 chunks") for n in notes)

@@ -99,6 +99,7 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
         "counts": {op: v["count"] for op, v in collectives.items()}, "payload_bytes": payload, "bus_bytes": bus,
         "payload_total_bytes": sum(payload.values()),
         "bus_total_bytes": sum(b for b in bus.values() if b is not None), "source": layout.source,
+        "state_note": layout.family.state_note(layout, shape, knobs.shard_size if layout.hybrid else n),
     }
 
 
@@ -161,6 +162,8 @@ def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, of
                                  "strictly between 1 and it")
                 else:
                     records.append(plan_record(name, layout, shape, n, precision, offload, knobs, device_memory, model))
+                    if records[-1]["state_note"]:
+                        notes.append(f"{name} at world_size={n}: {records[-1]['state_note']}")
     return records, notes
 
 

@@ -148,6 +148,11 @@ class Family:
         shares (:func:`zeroexp.plan.check.memory.shape_limits`): before them, after the RNN one, last."""
         return [], [], []
 
+    def state_note(self, row: StateLayout, shape: ModelShape, n: int) -> str | None:
+        """What a reader of the row's per-rank state at N should know of how it shards this model (None: nothing
+        beyond its factors)."""
+        return None
+
     def peak_limits(self, row: StateLayout, groups: Groups, bucket_cap_bytes: int) -> list[str]:
         """Why the peak model does not cover these groups (empty: it does)."""
         return []

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families._fsdp import FsdpFamily, gather_units, hybrid_units
 from zeroexp.formulas.families.base import Cut
@@ -55,6 +57,24 @@ class Fsdp2Rows(FsdpFamily):
                 out.units.append(self.unit(size, row.gathers_per_unit(root, knobs), shape.calls(u), shape.backward(u),
                                            reduced, shape.next_reached(u), narrow=bool(narrow)))
         return out
+
+    def state_note(self, row, shape, n):
+        """Parameters whose dim 0 is short of N (a fused-experts tensor's expert dimension): FSDP2 pads each to N
+        rows, so a rank's share of them stops shrinking at N = dim 0; named when the padding adds 10 % or more to
+        what the row's parameters would hold unpadded."""
+        if not shape.exact:
+            return None
+        short = [s for s in shape.params if s and s[0] < n]
+        padded = sum(fsdp2_padded_numel(s, n) for s in short)
+        numel = sum(math.prod(s) for s in short)
+        if not short or padded - numel < 0.1 * shape.numel:
+            return None
+        dims = sorted({s[0] for s in short})
+        return (f"FSDP2 chunks each parameter on dim 0: {len(short)} of {len(shape.params)} parameters have dim 0 < "
+                f"N={n} ({', '.join(map(str, dims[:4]))}{', ...' if len(dims) > 4 else ''}), each padded to N rows: "
+                f"{padded / max(numel, 1):.1f}x their elements; all parameters: {padded + shape.numel - numel:,} "
+                f"elements across the N ranks against {shape.numel:,} unpadded, so a rank's share of them stops "
+                f"shrinking at N = dim 0 [torch _fsdp_param.py]")
 
     def extra_groups(self, row, shape, full, cut):
         ungraded = bool(shape.unused)
