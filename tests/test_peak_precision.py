@@ -4,6 +4,7 @@ against the memory probe in a grid of real mixed-precision cells."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -98,6 +99,13 @@ def test_zeros_master_up_casts_and_gather_inputs_on_a_given_trace():
 def test_what_the_model_covers_and_why_not_elsewhere():
     for name in ("ddp", "zro", "zero1", "zero2", "fsdp_full", "fsdp_grad_op", "fsdp2_full", "fsdp2_grad_op"):
         assert all(uncovered(name, p, "none") == [] for p in ("fp32", "bf16", "fp16")), name
+    for name in ("ddp", "zro", "zero1", "zero2", "fsdp_full", "fsdp_grad_op", "fsdp2_full", "fsdp2_grad_op"):
+        assert uncovered(name, "bf16", "none", "full") == [], name  # checkpointing below fp32, as in fp32
+    for name in ("ddp", "zro", "zero1", "zero2"):
+        assert uncovered(name, "fp16", "none", "full", 2) == [], name  # and accumulation
+    refused = uncovered("fsdp_grad_op", "bf16", "none", "none", 2)  # FSDP1's no_sync below fp32: by name
+    assert len(refused) == 1 and refused[0].startswith("no peak model yet for FSDP1's no_sync accumulation below fp32")
+    assert uncovered("fsdp_grad_op", "fp32", "none", "none", 2) == []
     assert uncovered("fsdp_full", "bf16", "full") == [
         "no peak model yet for offload=full (no strategy the peak model covers runs it on CPU: FSDP's CPUOffload "
         "needs a GPU; covered: offload none)"]
@@ -151,3 +159,32 @@ def test_zero_below_fp32_with_several_buckets_reads_na(cell):
     memory = cell(*overrides).summary["plan"]["memory"]
     assert memory["check"] == "n/a" and memory["reason_codes"] == [Code.MEMORY_NOT_MODELLED]
     assert "4 buckets" in memory["reasons"][0]  # the count of buckets it names
+
+
+#: A GPT (biased Linears, LayerNorms, tied head) at N=3 below fp32 with checkpointing or accumulation.
+GPT = ("model=gpt", "model.n_layer=2", "model.n_embd=32", "model.seq_len=16", "model.vocab_size=64", "world_size=3")
+
+
+@pytest.mark.parametrize("overrides", [("strategy=ddp", "precision=bf16", "activation_checkpointing=full"),
+                                       ("strategy=fsdp2_full", "precision=bf16", "activation_checkpointing=full"),
+                                       ("strategy=zero2", "precision=fp16", "activation_checkpointing=full",
+                                        "grad_accum=2")])
+def test_checkpointing_and_accumulation_below_fp32_pass_on_every_rank(cell, overrides):
+    """Below fp32 the step is traced checkpointed and accumulating as in fp32: every phase of every rank PASS; DDP's
+    buckets follow the autocast step's gradient order (a biased Linear's weight ready before its bias)."""
+    from conftest import WINDOWS
+
+    r = cell(*GPT, *overrides, base=("logger=none", "steps=6", *WINDOWS))
+    plan = r.summary["plan"]
+    assert plan["memory"]["check"] == "PASS", plan["memory"]["reasons"]
+    assert len(plan["memory"]["ranks"]) == 3 and all(k["check"] == "PASS" for k in plan["memory"]["ranks"])
+    assert plan["groups"]["check"] == "PASS", plan["groups"]["reasons"]
+
+
+def test_the_autocast_step_readies_a_weight_before_its_bias():
+    from zeroexp.plan.shape import autocast_ready, model_shape
+    from conftest import compose_config
+
+    model = compose_config(list(GPT[:-1])).model
+    meta, autocast = model_shape(model).ready, autocast_ready(model, "bfloat16")
+    assert sorted(meta) == sorted(autocast) and meta != autocast

@@ -229,8 +229,48 @@ def model_shape(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> Model
 
 
 def cell_shape(cell: Cell) -> ModelShape:
-    """The cell's model shape: the one validation read (``Cell.shape``), else read now (:func:`model_shape`)."""
-    return cell.shape if cell.shape is not None else model_shape(cell.model, cell.wrap)
+    """The cell's model shape: the one validation read (``Cell.shape``), else read now (:func:`model_shape`); for a
+    row that computes under ``torch.autocast`` (its family's precision terms: DDP's, below fp32), the gradient-ready
+    order is the one of a step under autocast (:func:`autocast_ready`)."""
+    from dataclasses import replace
+
+    shape = cell.shape if cell.shape is not None else model_shape(cell.model, cell.wrap)
+    row = cell.row
+    terms = row.family.precision_terms(row, cell.precision, cell.policy.precision.param_dtype, cell.itemsize)
+    if terms is None or terms.autocast is None or not shape.exact or shape.ready is None:
+        return shape
+    ready = autocast_ready(cell.model, terms.autocast)
+    return replace(shape, ready=ready) if ready is not None and sorted(ready) == sorted(shape.ready) else shape
+
+
+def autocast_ready(model_cfg: Mapping[str, Any], dtype: str) -> tuple[int, ...] | None:
+    """The gradient-ready order of one step under ``torch.autocast("cpu", dtype)``, on fake CPU tensors (autocast
+    does not reach the meta device): each autocast cast is a node of its own in backward, so a Linear's weight
+    gradient is ready before its bias's where the fp32 step readies the bias first (DDP rebuilds its buckets in this
+    order). None where the step does not run on fake tensors. Remembered for the invocation."""
+    def compute() -> tuple[int, ...] | None:
+        from zeroexp._lib.fake_tensors import fake_tensor_mode
+
+        with fake_tensor_mode(), torch.device("cpu"):
+            net = build_model(model_cfg)
+            params = list(net.parameters())
+            index, order = {id(p): i for i, p in enumerate(params)}, []
+            hooks = [p.register_post_accumulate_grad_hook(lambda t: order.append(index[id(t)])) for p in params
+                     if p.requires_grad]
+            try:
+                batch = zeros_batch(model_cfg, 2)
+                with torch.autocast("cpu", dtype=getattr(torch, dtype)):
+                    loss = loss_of(model_cfg)(net(batch), batch)
+                if loss.requires_grad:
+                    loss.backward()
+            except Exception:  # noqa: BLE001 - a step that needs real data: the meta step's order stands
+                return None
+            finally:
+                for h in hooks:
+                    h.remove()
+        return tuple(order)
+
+    return memoized("model_shapes", arguments_key("autocast_ready", model_cfg, dtype), compute)
 
 
 def shared_across_units(model_cfg: Mapping[str, Any], wrap: Iterable[str] = ()) -> list[tuple[str, ...]]:

@@ -148,6 +148,11 @@ class Family:
         shares (:func:`zeroexp.plan.check.memory.shape_limits`): before them, after the RNN one, last."""
         return [], [], []
 
+    def mixed_accumulation_limit(self, row: StateLayout) -> str | None:
+        """Why the peak model does not cover the row's accumulation (grad_accum > 1 under its no_sync) below fp32
+        (None: it does, as in fp32)."""
+        return None
+
     def state_note(self, row: StateLayout, shape: ModelShape, n: int) -> str | None:
         """What a reader of the row's per-rank state at N should know of how it shards this model (None: nothing
         beyond its factors)."""

@@ -50,6 +50,12 @@ class Fsdp1Units(FsdpFamily):
     views_with_orig_params = True
     holds_kept_units = True
 
+    def mixed_accumulation_limit(self, row):
+        # measured (gpt, N=3, bf16, grad_accum=2, fsdp_grad_op): the gradient the first micro-batch leaves under
+        # no_sync is freed in the next forward at twice the bytes the peak model's bf16 trace holds for it
+        return ("no peak model yet for FSDP1's no_sync accumulation below fp32: the accumulated unsharded gradient is "
+                "freed at twice the compute dtype's bytes the model traces (measured, bf16); covered in fp32")
+
     def groups_kind(self, row):
         return "units"
 

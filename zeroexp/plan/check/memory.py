@@ -47,13 +47,14 @@ def uncovered(name: str, precision: str, offload: str,
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
-    if precision != "fp32" and (activation_checkpointing != "none" or micro_batches > 1):
-        reasons.append(f"no peak model yet for precision={precision} with activation_checkpointing="
-                       f"{activation_checkpointing} grad_accum={micro_batches} (each is covered in fp32)")
     if activation_checkpointing not in ("none", "full"):
         reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
     elif flow is not None and not row.family.models_checkpointing and activation_checkpointing != "none":
         reasons.append(f"no peak model yet for DeepSpeed with activation_checkpointing={activation_checkpointing}")
+    mixed_limit = row.family.mixed_accumulation_limit(row) if precision != "fp32" else None
+    if micro_batches > 1 and flow is not None and mixed_limit and row.no_sync_accumulation \
+            and not sync_each_microbatch:
+        reasons.append(mixed_limit)
     modelled = row.no_sync_accumulation and not sync_each_microbatch and activation_checkpointing == "none"
     if micro_batches > 1 and flow is not None and not row.family.accumulates(row) and not modelled:
         covered = _modelled(lambda r: r.family.accumulates(r)) + [
