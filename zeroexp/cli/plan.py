@@ -56,6 +56,48 @@ class PlanConfig:
     forward_prefetch: Any = 0  # units each unit's pre-forward all-gathers ahead (0: FSDP2's default, none)
     backward_prefetch: Any = None  # units each unit's pre-backward all-gathers ahead (null: FSDP2's implicit one)
     reduce_dtype: Any = None  # FSDP2 rows: MixedPrecisionPolicy's reduce dtype (null: precision.param_dtype)
+    # strategy=<a cell's strategy> (conf/strategy/): its row alone (strategy.layout), its strategy.* keys over the
+    # flat aliases above (bucket_cap_mb, shard_size, use_orig_params, reshard_after_forward, ..., wrap)
+    strategy: Any = None
+
+
+#: The run's keys the planner reads nothing of (zeroexp.config.schemas.ZeroexpConfig's): a run's command line plans
+#: as it is, each of these dropped from it with a note.
+RUN_ONLY = ("logger", "launcher", "checkpoint", "optimizer", "timeout", "probes", "resources", "steps", "seed",
+            "warmup_steps", "resume", "dry_run", "calibration")
+#: A cell's strategy.* keys that the planner reads, as its flat keys of the same name.
+STRATEGY_KEYS = ("bucket_cap_mb", "shard_size", "use_orig_params", "reshard_after_forward", "forward_prefetch",
+                 "backward_prefetch", "reduce_dtype", "wrap")
+#: The overrides of this command line that only a run reads (:func:`split_run_only`), told in a note.
+_IGNORED: tuple[str, ...] = ()
+
+
+def split_run_only(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A command line's arguments less the overrides of the keys only a run reads (:data:`RUN_ONLY`), and those."""
+    keep, dropped = [], []
+    for a in argv:
+        key = a.split("=", 1)[0].lstrip("+~") if "=" in a and not a.startswith("-") else ""
+        (dropped if key.split(".")[0] in RUN_ONLY else keep).append(a)
+    return keep, dropped
+
+
+def with_strategy(cfg: DictConfig) -> tuple[DictConfig, list[str] | None]:
+    """``strategy=<a cell's strategy>``: its row alone (``strategy.layout``) and its ``strategy.*`` keys over the
+    planner's flat keys of the same name (:data:`STRATEGY_KEYS`); without it the config and ``strategies=`` as given.
+    Both at once is refused (one row, or a list of rows)."""
+    strategies = cfg.strategies
+    if strategies is not None:
+        strategies = [str(s) for s in (strategies if isinstance(strategies, ListConfig) else [strategies])]
+    if cfg.get("strategy") is None:
+        return cfg, strategies
+    if strategies is not None:
+        raise ConfigError("strategies", strategies, "null with strategy= (which plans its own row), or drop strategy=",
+                          why=f"both strategy={cfg.strategy.name} and strategies= given")
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for key in STRATEGY_KEYS:
+        if key in cfg.strategy and (cfg.strategy[key] is not None or key == "reshard_after_forward"):
+            out[key] = cfg.strategy[key]
+    return out, [str(cfg.strategy.layout)]
 
 
 def register() -> None:
@@ -148,9 +190,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         memory = None if cfg.device_memory is None else parse_bytes(cfg.device_memory)
     except ValueError as e:
         raise ConfigError("device_memory", cfg.device_memory, "a size: 32GB, 80GiB, or bytes", why=str(e)) from e
-    strategies = cfg.strategies
-    if strategies is not None:
-        strategies = [str(s) for s in (strategies if isinstance(strategies, ListConfig) else [strategies])]
+    cfg, strategies = with_strategy(cfg)
     batch = cfg.get("batch_size")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ConfigError("batch_size", batch, "null or an integer >= 1 (samples per rank)")
@@ -374,6 +414,7 @@ def task(cfg: DictConfig) -> None:
     except ConfigError as e:
         Console(stderr=True, highlight=False).print(f"[red]error:[/] {e}")
         sys.exit(2)
+    notes += [f"ignored: {a} (a run's key: the plan reads none of it)" for a in _IGNORED]
     if cfg.format == "json":
         print(render_json(records))
         for note in notes:
@@ -386,5 +427,8 @@ def main() -> None:
     """``python -m zeroexp.plan``."""
     from zeroexp.cli.hydra_app import run_hydra_app
 
+    global _IGNORED
     register()
+    sys.argv[1:], dropped = split_run_only(sys.argv[1:])
+    _IGNORED = tuple(dropped)
     run_hydra_app("plan", task, lambda: _STARTED)
