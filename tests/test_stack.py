@@ -87,6 +87,14 @@ if TT:
         _stacked(f"{DTENSOR}.TransformerBlock", [8, 16], args={"_target_": f"{DTENSOR}.ModelArgs", "dim": 16,
                                                                 "n_heads": 2, "dropout_p": 0.0, "max_seq_len": 8}),
         [f"{DTENSOR}.TransformerBlock"])
+if importlib.util.find_spec("transformers") is not None:  # model=hf: its decoder layers declared a stack
+    for arch in ("llama",):
+        CASES[f"hf_{arch}"] = (
+            {"_target_": "zeroexp.models.hf.causal_lm", "arch": arch, "num_hidden_layers": DEEP, "hidden_size": 16,
+             "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 32,
+             "num_local_experts": 2 if arch == "mixtral" else None, "input_shape": [8], "dtype": "long",
+             "high": 32, "loss": "next_token"},
+            [f"transformers.models.{arch}.modeling_{arch}.{arch.capitalize()}DecoderLayer"])
 WAYS = {"fp32": {}, "autocast": {"dtype": torch.bfloat16}, "cast": {"module_dtype": torch.bfloat16}}
 
 

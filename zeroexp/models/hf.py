@@ -108,3 +108,8 @@ def vocab_size(model_cfg: Mapping[str, Any]) -> int:
 causal_lm.zeroexp_units = unit_paths  # type: ignore[attr-defined]
 #: ``zeroexp.models.token_high``: a factory's own token range when model.high is null.
 causal_lm.zeroexp_vocab_size = vocab_size  # type: ignore[attr-defined]
+#: ``zeroexp.plan.stack``: the decoder layers (``model.layers``, ``num_hidden_layers`` of them) run one after another,
+#: built alike (their ``layer_idx`` reads only a KV cache, off in training); a deep model's traces are derived from
+#: two, three and four layers, checked at four (an architecture whose layers differ, Gemma 2's alternating sliding
+#: and global attention beyond the window, fails that check and is traced whole).
+causal_lm.repeated_blocks = ("num_hidden_layers", "model.layers")  # type: ignore[attr-defined]
