@@ -49,8 +49,10 @@ def test_every_option_composes_and_validates(compose, group):
         OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
         try:
             validate(cfg)
-        except ConfigError as e:  # an option of an optional extra that is not installed says how to get it
-            assert "is not installed; install it with: pip install" in str(e), (option, e)
+        except ConfigError as e:  # an option of an optional extra that is not installed says how to get it; a model
+            # preset larger than this host (llama3_70b's state at N=4) is refused by the resource check, naming N
+            assert "is not installed; install it with: pip install" in str(e) or (
+                group == "model" and e.key == "world_size" and "resources.check=false" in str(e)), (option, e)
 
 
 @pytest.mark.parametrize("override, key", [
