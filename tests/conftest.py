@@ -2,8 +2,8 @@
 
 ``cell(*overrides)`` runs the cell that the overrides compose (on top of :data:`BASE`) and caches its
 :class:`~zeroexp.launch.runner.CellResult` by the composed config, so tests of different probes that look at the same
-cell share one run. ``ladder_sweep`` and ``failed_sweep`` run two small CLI sweeps once per session for every module
-that asserts on a sweep's files or output.
+cell share one run. ``ladder_sweep`` and ``failed_sweep`` run two small CLI sweeps (through the CLI's entry point, in
+the test process) once per session for every module that asserts on a sweep's files or output.
 """
 
 from __future__ import annotations
@@ -194,12 +194,6 @@ def _sweep_env(fault: str | None = None) -> dict[str, str]:
     return {**env, FAULT_ENV: fault} if fault else env
 
 
-def run_sweep(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """``python -m zeroexp --multirun ...`` into ``sweep_dir``, in a fresh process, as a user runs it."""
-    cmd = [sys.executable, "-m", "zeroexp", "--multirun", *overrides, *SWEEP_SMALL, f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, env=_sweep_env(), capture_output=True, text=True, timeout=900)
-
-
 def run_cli(*argv: str, app: str = "zeroexp.cli.run", cwd: Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m zeroexp <argv>`` (or ``python -m zeroexp.plan``: ``app="zeroexp.cli.plan"``) through the app's
@@ -244,15 +238,20 @@ def run_cli(*argv: str, app: str = "zeroexp.cli.run", cwd: Path | None = None,
 
 @pytest.fixture(scope="session")
 def ladder_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """:data:`LADDER_SWEEP` through the CLI, once per session: its directory and the finished process."""
+    """:data:`LADDER_SWEEP` through the CLI's entry point in this process (:func:`run_cli`), once per session: its
+    directory and the exit code and output. In a process of its own it cost an interpreter and a forkserver more
+    (imports: 39 s against 20 s for the fixture on the loaded host); a fresh ``python -m zeroexp`` sweep is still run
+    as a user runs it by tests/test_reliability.py (SIGTERM to a sweep) and tests/test_cluster.py (the submitit sweep,
+    its report), and a fresh cell with W&B by tests/test_fault_matrix.py."""
     sweep_dir = tmp_path_factory.mktemp("ladder_sweep") / "sweep"
-    return sweep_dir, run_sweep(sweep_dir, *LADDER_SWEEP)
+    return sweep_dir, run_cli("--multirun", *LADDER_SWEEP, *SWEEP_SMALL, f"hydra.sweep.dir={sweep_dir}",
+                              cwd=sweep_dir.parent, env=_sweep_env())
 
 
 @pytest.fixture(scope="session")
 def failed_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """ddp ok and zro failing on purpose at step 4 (N=2, no W&B), once per session, through the CLI's entry point
-    in this process (the ladder sweep runs in a process of its own): its directory and the exit code and output.
+    in this process, as the ladder sweep: its directory and the exit code and output.
     Read it only; copy it to change it."""
     sweep_dir = tmp_path_factory.mktemp("failed_sweep") / "sweep"
     return sweep_dir, run_cli("--multirun", "strategy=ddp,zro", "logger=none", *SWEEP_SMALL,

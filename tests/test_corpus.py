@@ -421,8 +421,10 @@ def test_fsdp2_below_fp32_predicts_every_ranks_backward_on_pytorchs_transformer(
 def test_fsdp2_reduce_dtype_reduces_in_fp32_under_bf16(cell, n):
     """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (strategy.reduce_dtype=float32): gloo
     reduce-scatters fp32, twice the bf16 default's bytes, the all-gathers unchanged; every check and every rank's
-    peak PASS."""
-    model = (*MODELS["torch_transformer"][0], *DEEP, "strategy=fsdp2_full", "precision=bf16", f"world_size={n}")
+    peak PASS. At N=2 on the summed loss: its bf16 default is the cell of
+    test_fsdp2_below_fp32_predicts_every_ranks_backward_on_pytorchs_transformer[fsdp2_full-2], run once for both."""
+    model = (*MODELS["torch_transformer"][0], *DEEP, *(("model.loss=sum",) if n == 2 else ()), "strategy=fsdp2_full",
+             "precision=bf16", f"world_size={n}")
     r, default = cell(*model, "strategy.reduce_dtype=float32", base=BASE), cell(*model, base=BASE)
     assert r.status == "ok", r.error
     co, bf16 = r.summary["collectives"], default.summary["collectives"]

@@ -4,12 +4,11 @@ baseline run as cells (fresh interpreters), planned beside measured, the order, 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from test_time import calibration_data
 from zeroexp.results.calibration import machine
 
@@ -20,13 +19,15 @@ def test_verify_runs_the_top_two_and_a_ddp_baseline_and_orders_them(tmp_path):
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps(calibration_data(machine_id=machine()["id"], numel=8 * 64 * 64)))
     out = tmp_path / "verify"
-    args = [sys.executable, "-m", "zeroexp.recommend", "model=gpt", "model.n_layer=2", "world_size=2",
+    # ``python -m zeroexp.recommend`` through its entry point in this process (conftest.run_cli: an interpreter's
+    # imports spared); the cells it verifies are fresh interpreters still (zeroexp.cli.verify), and a fresh
+    # ``python -m zeroexp.recommend`` is run by tests/test_recommend.py
+    args = ["model=gpt", "model.n_layer=2", "world_size=2",
             "network=this_machine", f"network.calibration={cal}", "device=cpu", "device_memory=8GB",
             "precisions=[fp32]", "global_batch=4", "recommend.strategies=[zero2,fsdp_full]",
             "recommend.activation_checkpointing=[none]", "recommend.micro_batches=[2]", "recommend.verify=2",
             "recommend.verify_steps=10", "recommend.verify_rounds=1", f"recommend.verify_dir={out}", "format=json"]
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    done = run_cli(*args, app="zeroexp.cli.recommend", cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     answer = json.loads(done.stdout)
     v, recs = answer["verify"], answer["recommendations"]

@@ -216,10 +216,11 @@ STEPS = [{"root_unit": True, "checkpointing": True}, {"own_params_units": True, 
 
 
 @pytest.mark.parametrize("k, name", list(enumerate(CASES)))
-def test_a_derived_step_is_the_whole_models_step(k, name):
+def test_a_derived_step_is_the_whole_models_step(k, name, monkeypatch):
     """The planner's traced step (``zeroexp.plan.steptrace.trace_step_of``): derived from the steps at five, six and
     seven blocks, every segment (its peak and end bytes by category) and unit (its parameters' indices) equals the
     whole step's, at the shallowest depth derived."""
+    import zeroexp.plan.steptrace as steptrace
     from zeroexp.plan.stack import STEP_DEPTHS, derived_step
     from zeroexp.plan.steptrace import trace_step, trace_step_of
 
@@ -227,9 +228,21 @@ def test_a_derived_step_is_the_whole_models_step(k, name):
     wrap = [import_class(w) if isinstance(w, str) else w for w in wrap]
     argument, container, depth = stack_of(cfg)
     kwargs = STEPS[k % len(STEPS)]
-    shallow = [trace_step(at_depth(cfg, argument, d), 2, wrap, **kwargs) for d in STEP_DEPTHS]
-    assert derived_step(*shallow, depth, container) is not None, (name, kwargs)  # derived, not traced whole
-    assert trace_step_of(cfg, 2, wrap, **kwargs) == trace_step(cfg, 2, wrap, **kwargs), (name, kwargs)
+    shallow = {d: trace_step(at_depth(cfg, argument, d), 2, wrap, **kwargs) for d in STEP_DEPTHS}
+    assert derived_step(*shallow.values(), depth, container) is not None, (name, kwargs)  # derived, not traced whole
+    # trace_step_of traces the same three shallow steps again (a trace is a function of its arguments): it is handed
+    # the ones above instead of tracing them twice (a third of this test's time), and it asks for no other
+    asked = []
+
+    def traced_above(model_cfg, batch_size, wrap_=(), **kw):
+        asked.append(model_cfg[argument])
+        assert (model_cfg, batch_size, list(wrap_), kw) == (at_depth(cfg, argument, asked[-1]), 2, wrap, kwargs)
+        return shallow[asked[-1]]
+
+    monkeypatch.setattr(steptrace, "trace_step", traced_above)
+    derived = trace_step_of(cfg, 2, wrap, **kwargs)
+    assert asked == list(STEP_DEPTHS), (name, kwargs)  # derived from the shallow steps, the whole step never traced
+    assert derived == trace_step(cfg, 2, wrap, **kwargs), (name, kwargs)
 
 
 def test_a_declared_stack_whose_steps_differ_is_stepped_whole():
