@@ -64,3 +64,21 @@ def test_a_recommended_command_plans_as_printed():
     assert [(r["strategy"], r["grad_accum"], r["activation_checkpointing"]) for r in records] == [
         ("deepspeed_stage2", 2, "full")]
     assert "note: ignored: steps=8" in out.stderr and "note: ignored: logger=none" in out.stderr
+
+
+def test_a_recommended_command_recommends_itself():
+    """The overrides of a recommendation, given back to recommend (the network and memory added), fix every axis
+    they name: the answer is that configuration alone, at the same step time."""
+    from zeroexp.cli.recommend import run as recommend
+
+    question = ["world_size=4", "network=a100_ib", "device_memory=80GB", "global_batch=8", "precisions=[bf16]"]
+    first = recommend(_compose("recommend", *GPT, *question, "recommend.top_k=3"), ["model=gpt", *GPT[1:]])
+    assert len(first["recommendations"]) == 3
+    for rec in first["recommendations"]:
+        again = recommend(_compose("recommend", *rec["overrides"], "network=a100_ib", "device_memory=80GB"),
+                          ["model=gpt", *GPT[1:]])
+        assert again["recommendations"][0]["config"] == rec["config"], (rec["config"], again["recommendations"])
+        assert again["recommendations"][0]["step_ms"] == rec["step_ms"]
+    with pytest.raises(ConfigError) as e:
+        recommend(_compose("recommend", *GPT, *question, "strategy=ddp", "recommend.strategies=[ddp]"))
+    assert e.value.key == "recommend.strategies"

@@ -18,6 +18,8 @@ from zeroexp.errors import ConfigError
 __all__ = ["RecommendConfig", "main", "run"]
 
 _STARTED = False
+#: The overrides of this command line that only a run reads (zeroexp.cli.plan.split_run_only), told in a note.
+_IGNORED: tuple[str, ...] = ()
 _OFFLOADS, _AC, _PREFETCH = ("none", "optimizer", "full"), ("none", "full"), ("pre", "post", "none")
 
 
@@ -63,6 +65,14 @@ class RecommendConfig:
     compute_capability: Any = None
     format: str = "table"
     recommend: SearchConfig = field(default_factory=SearchConfig)
+    # a run's own keys (conf/recommend.yaml): each given fixes its axis (:func:`as_run`)
+    strategy: Any = None
+    precision: Any = None
+    offload: Any = None
+    activation_checkpointing: Any = None
+    prefetch: Any = None
+    batch_size: Any = None
+    grad_accum: Any = None
 
 
 def register() -> None:
@@ -124,6 +134,38 @@ def _precision(name: str) -> tuple[str, bool]:
     return str(node.param_dtype), node.get("loss_scale") is not None
 
 
+def as_run(cfg: DictConfig) -> DictConfig:
+    """A run's own keys on a recommend command line, each fixing its axis: ``strategy=`` (with its ``strategy.*``
+    keys) the row alone and its ``bucket_cap_mb`` / ``shard_size``, ``precision=`` the precisions, ``offload=``,
+    ``activation_checkpointing=``, ``prefetch=`` their axes, ``batch_size=`` the micro-batch, and with it
+    ``grad_accum=`` the global batch (x world_size). A run's key beside the search key it fixes is refused."""
+    fixes = {"strategy": "recommend.strategies", "batch_size": "recommend.micro_batches"}
+    for key, search in fixes.items():
+        if cfg.get(key) is not None and OmegaConf.select(cfg, search) is not None:
+            raise ConfigError(search, OmegaConf.select(cfg, search), f"null with {key}= (which fixes it)",
+                              why=f"both {key}= and {search}= given")
+    if cfg.get("grad_accum") is not None and (cfg.get("batch_size") is None or cfg.global_batch is not None
+                                              or cfg.global_tokens is not None):
+        raise ConfigError("grad_accum", cfg.grad_accum, "with batch_size= and no global_batch= / global_tokens=",
+                          why="it sets the global batch: batch_size x grad_accum x world_size")
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if cfg.get("strategy") is not None:
+        out.recommend.strategies = [str(cfg.strategy.layout)]
+        for key, axis in (("bucket_cap_mb", "bucket_cap_mb"), ("shard_size", "shard_size")):
+            if cfg.strategy.get(key) is not None:
+                out.recommend[axis] = [cfg.strategy[key]]
+    if cfg.get("precision") is not None:
+        out.precisions = [str(cfg.precision.name)]
+    for group in ("offload", "activation_checkpointing", "prefetch"):
+        if cfg.get(group) is not None:
+            out.recommend[group] = [str(cfg[group].name)]
+    if cfg.get("batch_size") is not None:
+        out.recommend.micro_batches = [cfg.batch_size]
+        if cfg.get("grad_accum") is not None:
+            out.global_batch = int(cfg.batch_size) * int(cfg.grad_accum) * _world(cfg)[0]
+    return out
+
+
 def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, Any]:
     """Validate a composed recommend config and answer it; :class:`ConfigError` on bad input, before any work."""
     from zeroexp.cli.plan import _device, _shape, wrap_classes
@@ -134,6 +176,7 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
 
     if cfg.format not in ("table", "json"):
         raise ConfigError("format", cfg.format, "table, json")
+    cfg = as_run(cfg)
     if cfg.network is None:
         raise ConfigError("network", None, "h100_ib, a100_ib (presets) or this_machine (its calibration): the step "
                           "time ranks the configurations")
@@ -266,6 +309,7 @@ def task(cfg: DictConfig) -> None:
     global _STARTED
     _STARTED = True
     overrides = model_overrides(HydraConfig.get().overrides.task)
+    ignored = [f"ignored: {a} (a run's key: the recommendation reads none of it)" for a in _IGNORED]
     console = Console(highlight=False, width=100)
     errors = Console(stderr=True, highlight=False)
     try:
@@ -276,6 +320,7 @@ def task(cfg: DictConfig) -> None:
             cfg.recommend.top_k = checks.k
         with errors.status("searching: the model's shapes, every configuration's step, the fastest ones' peaks"):
             answer = run(cfg, overrides or None)
+            answer["notes"] += ignored
     except ConfigError as e:
         errors.print(f"[red]error:[/] {e}")
         sys.exit(2)
@@ -299,5 +344,10 @@ def main() -> None:
     """``python -m zeroexp.recommend``."""
     from zeroexp.cli.hydra_app import run_hydra_app
 
+    from zeroexp.cli.plan import split_run_only
+
+    global _IGNORED
     register()
+    sys.argv[1:], dropped = split_run_only(sys.argv[1:])
+    _IGNORED = tuple(dropped)
     run_hydra_app("recommend", task, lambda: _STARTED)
