@@ -238,13 +238,13 @@ def test_cli_json_reproduces_figure_1():
 
 
 def test_cli_table_says_its_unit():
-    out = _cli(*FIG1_ARGS, "device_memory=32GB")
+    out = _cli(*FIG1_ARGS, "device_memory=32GB", "units=GB")  # the paper's unit
     assert out.returncode == 0, out.stderr
     assert "GB = 1e9 bytes" in out.stdout and "fits 32.0 GB" in out.stdout
     for label, total in zip(("baseline", "P_os ", "P_os+g ", "P_os+g+p"), FIGURE_1):
         line = next(x for x in out.stdout.splitlines() if label in x)
         assert f" {total} " in line, line
-    gib = _cli(*FIG1_ARGS, "units=GiB")
+    gib = _cli(*FIG1_ARGS)  # GiB by default, as a run reports
     assert gib.returncode == 0 and "GiB = 2^30 bytes" in gib.stdout and "111.8" in gib.stdout  # 120e9 / 2^30
 
 

@@ -34,7 +34,7 @@ class PlanConfig:
     world_size: Any = 8  # one value or a list
     strategies: Any = None  # null: every strategy the planner knows; or a list
     device_memory: Any = None  # 32GB, 80GiB, or bytes: adds the fits column
-    units: str = "GB"  # GB (1e9) | GiB (2^30): tables only, JSON is in bytes
+    units: str = "GiB"  # GiB (2^30, as a run reports) | GB (1e9, the ZeRO paper's): tables only, JSON in bytes
     format: str = "table"  # table | json
     wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
     bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket

@@ -115,8 +115,8 @@ def mark_ties(records: list[dict[str, Any]], tolerance: float) -> None:
 
 
 def _gb(x: float | None) -> str:
-    """Bytes in GB (1e9), or MB below 1 GB."""
-    return "-" if x is None else f"{x / 1e9:.1f} GB" if x >= 1e9 else f"{x / 1e6:.1f} MB"
+    """Bytes in GiB (2^30, as a run's memory is reported), or MiB below 1 GiB."""
+    return "-" if x is None else f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 
 
 def _binds(b: dict[str, Any]) -> str:
