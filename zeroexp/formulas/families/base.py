@@ -114,8 +114,6 @@ class Family:
     covered_rank = 9
     #: Where the peak model of the family is written.
     peak_source = "zeroexp.formulas.peak.phases"
-    #: Whether the peak model covers activation checkpointing for the family's rows.
-    models_checkpointing = True
 
     def covered_key(self, row: StateLayout) -> tuple:
         return ()

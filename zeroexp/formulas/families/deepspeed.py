@@ -64,7 +64,6 @@ class DeepSpeedPartitions(Family):
     # --- the peak model: stages 1-3 ------------------------------------------------------------------------------
     #: Where the peak model of the family is written.
     peak_source = "zeroexp.formulas.peak.deepspeed"
-    models_checkpointing = False
 
     def flow(self, row):
         return "deepspeed" if row.deepspeed_stage else None
