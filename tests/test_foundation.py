@@ -276,3 +276,26 @@ def test_a_short_run_runs_and_says_what_it_skipped(tmp_path):
         assert summary[name]["reason"] == summary[name]["reasons"][0], name
     assert summary["equivalence"]["check"] == "PASS"
     assert proc.stdout.count("not measured: too few") == 4  # the digest line of each skipped probe
+
+
+def test_a_cell_says_what_it_will_hold_before_its_ranks_start(compose):
+    """Before launch the command line prints the model's parameters (trainable ones where some are frozen) and the
+    planned state of its largest rank, from the planner's row: here a LoRA GPT under zero2 at N=2."""
+    import re
+
+    import torch
+
+    from zeroexp.config.resources import estimate, prelaunch_line
+    from zeroexp.models import build_model
+
+    cfg = compose("model=lora_gpt", "strategy=zero2", "world_size=2", base=("logger=none",))
+    cell = validate(cfg)
+    with torch.device("meta"):
+        net = build_model(cfg.model)
+    numel = sum(p.numel() for p in net.parameters())
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    line = prelaunch_line(cfg, cell.shape)
+    assert line.startswith(f"lora_gpt: {numel:,} parameters ({trainable:,} trainable); planned per rank: ")
+    assert "the planner's zero2 row" in line and "2 ranks need" in line
+    mib = float(re.search(r"planned per rank: ([0-9.]+) MiB", line).group(1))
+    assert abs(mib - estimate(cfg, cell.shape).state_bytes / 2**20) <= 0.05

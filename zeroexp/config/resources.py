@@ -25,7 +25,8 @@ from typing import Any
 
 from zeroexp.errors import ConfigError
 
-__all__ = ["ResourcesConfig", "Estimate", "estimate", "check_resources", "RANK_OVERHEAD_BYTES", "SHARED_BYTES"]
+__all__ = ["ResourcesConfig", "Estimate", "estimate", "check_resources", "prelaunch_line", "RANK_OVERHEAD_BYTES",
+           "SHARED_BYTES"]
 
 #: Memory of one rank process beyond its model state: its own (unshared) pages with torch, Lightning and gloo
 #: loaded and training. Measured 2026-11-30 on the development machine (2 vCPUs, torch 2.13.0, Lightning 2.6.6,
@@ -60,7 +61,7 @@ class Estimate:
 
 
 def _gib(b: float) -> str:
-    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
+    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
 
 
 def mem_available() -> int | None:
@@ -125,6 +126,21 @@ def _user_tasks() -> int:
             except (OSError, KeyError, ValueError):
                 continue
     return count
+
+
+def prelaunch_line(cfg: Any, shape: Any = None) -> str:
+    """What a cell will hold, said before its ranks start: the model's parameters (trainable ones where some are
+    frozen), the planned model state of its largest rank (the planner's row) and what the ranks need of this
+    machine's memory (:func:`estimate`). Computed, not measured."""
+    e = estimate(cfg, shape)
+    numel = shape.numel if shape is not None else None
+    trainable = sum(shape.numels[i] for i in range(len(shape.params)) if shape.train(i)) \
+        if shape is not None and shape.exact else numel
+    model = f"{cfg.model.get('name')}: " + (f"{numel:,} parameters" if numel is not None else "parameters unknown") + (
+        f" ({trainable:,} trainable)" if trainable is not None and numel is not None and trainable != numel else "")
+    have = f" of {_gib(e.available_bytes)} available" if e.available_bytes is not None else ""
+    return (f"{model}; planned per rank: {_gib(e.state_bytes)} model state ({e.source}); {e.world_size} ranks need "
+            f"~{_gib(e.total_bytes)}{have} (computed)")
 
 
 def check_resources(cfg: Any, shape: Any = None) -> None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import threading
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -142,6 +143,10 @@ def _run_valid_cell(cfg: DictConfig, cell: Cell, cell_dir: Path, overrides: Sequ
     from zeroexp.launch.local import launch_local, local_rank_entry
     from zeroexp.launch.progress import watch_progress
 
+    if progress and cell.shape is not None:  # the command line's cell: what it will hold, before its ranks start
+        from zeroexp.config.resources import prelaunch_line
+
+        print(prelaunch_line(cfg, cell.shape), file=sys.stderr, flush=True)
     try:
         def started(pids: list[int | None]) -> None:
             manifest["ranks"] = [{"rank": r, "pid": pid, "exitcode": None} for r, pid in enumerate(pids)]
