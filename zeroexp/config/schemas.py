@@ -22,7 +22,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
-from zeroexp.models.schemas import MODEL_RESERVED_KEYS, GPTConfig, HFConfig, LoRAGPTConfig, MLPConfig, ModelConfig
+from zeroexp.models.schemas import (MODEL_COUNTS, MODEL_RESERVED_KEYS, GPTConfig, HFConfig, LoRAGPTConfig, MLPConfig,
+                                    ModelConfig)
 from zeroexp.cell.strategy import SCHEMAS, schema_keys
 from zeroexp.config.resources import ResourcesConfig, check_resources
 
@@ -418,9 +419,7 @@ def _check_model_keys(cfg: DictConfig) -> None:
             raise ConfigError(f"model.{key}", "???", "a class or factory by import path (model._target_=pkg.Module)"
                               if key == "_target_" else "a non-empty list of positive integers ('model.input_shape="
                               "[16]')", why=f"model={model.get('name')} needs it")
-    for key in ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "lora_rank", "hidden_size",
-                "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "num_local_experts", "num_experts_per_tok"):
+    for key in MODEL_COUNTS:
         if model.get(key) is not None:
             _positive_int(cfg, f"model.{key}")
     if "n_head" in model and model.n_embd % model.n_head:

@@ -9,7 +9,12 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-__all__ = ["MODEL_RESERVED_KEYS", "ModelConfig", "MLPConfig", "GPTConfig", "LoRAGPTConfig", "HFConfig"]
+__all__ = ["MODEL_RESERVED_KEYS", "MODEL_COUNTS", "ModelConfig", "MLPConfig", "GPTConfig", "LoRAGPTConfig", "HFConfig"]
+
+#: The built-in models' keys that count something (layers, heads, widths): each set one is a positive integer.
+MODEL_COUNTS = ("width", "depth", "vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "lora_rank", "hidden_size",
+                "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "num_local_experts", "num_experts_per_tok")
 
 #: Keys of the model node that belong to zeroexp (data spec, loss, naming, FSDP unit); every other key is passed to
 #: the ``_target_`` factory.
