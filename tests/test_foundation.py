@@ -42,6 +42,9 @@ def test_every_option_composes_and_validates(compose, group):
             overrides += ["strategy=deepspeed", "strategy.stage=3"]
         if group == "strategy" and option in ("fsdp_hybrid", "fsdp2_hybrid"):  # its required key
             overrides.append("strategy.shard_size=2")
+        if (group, option) == ("model", "hf"):  # its architecture (a local config.json would do too)
+            overrides += ["model.arch=llama", "model.num_hidden_layers=1", "model.hidden_size=32",
+                          "model.intermediate_size=64", "model.num_attention_heads=2", "model.vocab_size=64"]
         if (group, option) == ("model", "custom"):  # its two required keys
             overrides += ["model._target_=torch.nn.Linear", "+model.in_features=4", "+model.out_features=4",
                           "model.input_shape=[4]"]

@@ -77,14 +77,16 @@ def test_the_architecture_alone_and_a_local_config_json(tmp_path):
     config = hf_config(cfg.model)
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("mistral", 1, 32)
     assert token_range(cfg.model) == (0, 96)
-    with pytest.raises(ValueError, match="llama"):
+    with pytest.raises(ConfigError) as e:  # a file of another architecture
         hf_config(compose_config(["model=hf", f"model.config_path={tmp_path}", "model.arch=llama"]).model)
+    assert e.value.key == "model.arch"
 
 
 @pytest.mark.parametrize("override, key", [
     ("+model.hidden_sise=64", "model.hidden_sise"),  # a field the config class lacks
-    ("model.arch=lama", "model._target_"),           # an architecture transformers does not know
+    ("model.arch=lama", "model.arch"),               # an architecture transformers does not know
     ("model.num_hidden_layers=0", "model.num_hidden_layers"),
+    ("model.arch=null", "model.arch"),               # no architecture and no config.json
 ])
 def test_a_bad_field_is_refused_before_launch_naming_it(override, key):
     from zeroexp.config.schemas import validate

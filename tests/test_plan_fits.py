@@ -119,7 +119,7 @@ def test_cli_says_a_row_is_judged_on_state_alone_and_marks_the_references():
     assert "(state): model state + gather floor alone" in text
     assert "zero_stage3 (reference)" in text and "never recommended" in text
     sentence = next(line for line in out.stdout.splitlines() if line.startswith("N=64:"))
-    assert "the fastest that fits 80.0 GB" in sentence and "judged on model state + gather floor alone" in sentence
+    assert "the fastest that fits 74.5 GiB" in sentence and "judged on model state + gather floor alone" in sentence
     assert not any(name in sentence for name in PAPER)
 
 

@@ -22,7 +22,8 @@ def install_unpacked_positions() -> bool:
     """If transformers' ``masking_utils`` is imported, make its ``find_packed_sequence_indices`` answer None (no packed
     sequences) for fake or meta position ids (the meta device cannot read them either: ``.item()`` raises), as it
     answers for the ``arange`` positions of every zeroexp input; real tensors are answered by transformers' own
-    function. Idempotent; False when transformers' module is not loaded."""
+    function. On fake and meta tensors its operators and the check run as on data (a traced step counts and
+    allocates what the run does), the answer None. Idempotent; False when transformers' module is not loaded."""
     masks = sys.modules.get("transformers.masking_utils")
     if masks is None or not hasattr(masks, "find_packed_sequence_indices"):
         return False
@@ -34,9 +35,17 @@ def install_unpacked_positions() -> bool:
     def find_packed_sequence_indices(position_ids: Any) -> Any:
         from torch._subclasses.fake_tensor import is_fake
 
-        if is_fake(position_ids) or position_ids.device.type == "meta":
+        if position_ids.device.type == "meta":  # the meta device reads no value, and counts no operator
             return None
-        return original(position_ids)
+        if not is_fake(position_ids):
+            return original(position_ids)
+        mask = original(position_ids)  # its operators, as a step on data dispatches them (step_ops counts them)
+        if mask is not None:
+            try:  # and the check data answers (a real step dispatches it; here its value cannot be read)
+                bool((mask[:, -1] == 0).all())
+            except RuntimeError:  # fake tensors' DataDependentOutputException
+                pass
+        return None
 
     find_packed_sequence_indices._zeroexp_unpacked = True  # type: ignore[attr-defined]
     masks.find_packed_sequence_indices = find_packed_sequence_indices

@@ -142,6 +142,8 @@ def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
             net = build_model(cfg.model)
     except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
         cause = e.__cause__ or e
+        if isinstance(cause, ConfigError):  # the factory named the key itself (zeroexp.models.hf)
+            raise cause from e
         raise ConfigError("model._target_", cfg.model.get("_target_"), "a factory that builds an nn.Module from "
                           "the model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
     shape = shape_of(net, classes, model_cfg=cfg.model)

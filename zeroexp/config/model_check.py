@@ -52,14 +52,13 @@ def _check_model_builds(cfg: Any) -> None:
             net = build_model(cfg.model)
     except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
         cause = e.__cause__ or e
+        if isinstance(cause, ConfigError):  # the factory named the key itself (zeroexp.models.hf)
+            raise cause from e
         unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
         if isinstance(cause, TypeError) and unexpected and unexpected.group(1) in cfg.model:
             key = f"model.{unexpected.group(1)}"
-            near = re.search(r"\(nearest fields: ([^)]*)\)", str(cause))  # zeroexp.models.hf names them
-            raise ConfigError(key, cfg.model[unexpected.group(1)],
-                              near.group(1) if near else f"the arguments of {cfg.model._target_}",
-                              why=f"{cfg.model._target_} does not take {unexpected.group(1)!r}"
-                                  + (f" ({one_line(str(cause), 200)})" if near else "")) from e
+            raise ConfigError(key, cfg.model[unexpected.group(1)], f"the arguments of {cfg.model._target_}",
+                              why=f"{cfg.model._target_} does not take {unexpected.group(1)!r}") from e
         raise ConfigError("model._target_", cfg.model._target_, "a factory that builds an nn.Module from the "
                           "model config's other keys", why=f"{type(cause).__name__}: {one_line(str(cause), 300)}") \
             from e

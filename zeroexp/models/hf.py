@@ -35,12 +35,14 @@ def hf_config(model_cfg: Mapping[str, Any]) -> Any:
     """The ``PretrainedConfig`` of an HF model node: ``config_path``'s file (a ``config.json`` or its directory, read
     locally) or ``arch``'s defaults (transformers' ``AutoConfig.for_model``), with the node's non-null fields set over
     it, ``dtype`` the node's ``weights_dtype`` and ``use_cache`` off (training keeps no KV cache). A field the
-    architecture's config class does not have is refused (TypeError, naming it and the nearest fields), as is an
-    ``arch`` transformers does not know (ValueError, naming the accepted ones)."""
+    architecture's config class does not have is refused naming it and the nearest fields, as are a missing or unknown
+    ``arch`` and a file of another architecture (:class:`~zeroexp.errors.ConfigError`, naming the key)."""
     import torch
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from zeroexp.errors import ConfigError
 
     arch, path = model_cfg.get("arch"), model_cfg.get("config_path")
     fields = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
@@ -48,22 +50,23 @@ def hf_config(model_cfg: Mapping[str, Any]) -> Any:
     if path is not None:
         base = AutoConfig.from_pretrained(str(path), local_files_only=True)
         if arch is not None and base.model_type != arch:
-            raise ValueError(f"model.arch={arch} but {path} is a {base.model_type!r} config")
+            raise ConfigError("model.arch", arch, f"null or {base.model_type} (the file's)",
+                              why=f"{path} is a {base.model_type!r} config")
         cls = type(base)
     else:
-        if arch is None:
-            raise ValueError("model.arch or model.config_path is needed (an architecture: llama, mistral, qwen2, ...)")
-        if arch not in CONFIG_MAPPING:
-            near = difflib.get_close_matches(str(arch), list(CONFIG_MAPPING.keys()), n=5)
-            raise ValueError(f"model.arch={arch} is not an architecture transformers knows"
-                             + (f" (nearest: {', '.join(near)})" if near else ""))
+        if arch is None or arch not in CONFIG_MAPPING:
+            near = difflib.get_close_matches(str(arch), list(CONFIG_MAPPING.keys()), n=5) if arch else []
+            raise ConfigError("model.arch", arch, ", ".join(near or ("llama", "mistral", "qwen2", "mixtral", "gemma2"))
+                              + ", ... (transformers' model_type), or model.config_path=<a local config.json>",
+                              why="an architecture transformers knows is needed" if arch is None else
+                              "not an architecture transformers knows")
         cls, base = CONFIG_MAPPING[arch], None
     known = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
     for key in fields:
         if key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=3)
-            raise TypeError(f"{cls.__name__} got an unexpected keyword argument '{key}'"
-                            + (f" (nearest fields: {', '.join(near)})" if near else ""))
+            raise ConfigError(f"model.{key}", fields[key], ", ".join(near) if near else f"the fields of {cls.__name__}",
+                              why=f"{cls.__name__} has no field {key!r}")
     if base is None:
         config = cls(**fields)
     else:
