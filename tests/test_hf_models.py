@@ -182,3 +182,16 @@ def test_a_mixtral_cell_holds_every_check_and_its_peak(cell, overrides):
     assert not [(c.name, c.reasons) for c in checks.values() if c.verdict not in ("PASS", "n/a", "SKIP")]
     assert {"state", "collectives", "equivalence", "plan.state", "plan.groups", "plan.memory"} <= {
         n for n, c in checks.items() if c.verdict == "PASS"}
+
+
+def test_a_moe_step_counts_the_experts_each_token_is_routed_to():
+    """Fused experts' grouped matmul (``aten._grouped_mm``, which torch's FlopCounterMode does not count) is counted:
+    each further expert a token is routed to adds its two projections, forward and backward (x3), for every token
+    of every layer: 3 x 2 x (h x 2i + i x h) x tokens x layers, exactly."""
+    from zeroexp.plan.flops import step_flops
+
+    h, i, layers, tokens = 32, 64, 2, 2 * 8  # MIXTRAL's sizes, 2 samples of 8 tokens
+    flops = [step_flops(compose_config([*MIXTRAL, "model.num_local_experts=4",
+                                        f"model.num_experts_per_tok={k}"]).model, 2) for k in (1, 2, 4)]
+    per_expert = 3 * 2 * (h * 2 * i + i * h) * tokens * layers
+    assert flops[1] - flops[0] == per_expert and flops[2] - flops[1] == 2 * per_expert

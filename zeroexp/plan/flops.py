@@ -1,15 +1,14 @@
-"""What one training step runs, counted on the operations it runs, not assumed: its FLOPs (not 6 x parameters x
-tokens) and the ATen operators its forward and its backward dispatch.
+"""What one training step runs, counted on the operations it runs, not assumed: its FLOPs (not 6 x parameters x tokens)
+and the ATen operators its forward and its backward dispatch.
 
-The step (forward, the loss, backward: the model config's module and loss) runs on the meta device. FLOPs: under
-torch's ``FlopCounterMode`` (``torch.utils.flop_counter``: matmuls, convolutions and scaled-dot-product attention
-counted by their shapes; elementwise ops count 0, as in every MFU convention since PaLM's appendix B). Attention's
-FLOPs are in it; with ``checkpointing`` each wrap unit is checkpointed, so its forward runs again inside backward and
-its recompute is counted too. Operators: every call that reaches the dispatcher below autograd (a Python dispatch
-mode sees each, views and in-place ops included: what a CPU or a GPU pays a call's fixed cost for), forward (with
-the loss) apart from backward, on fake tensors of the step's device (its kernels' choice is the device's). Nothing
-is allocated.
-"""
+The step (forward, the loss, backward: the model config's module and loss) runs on the meta device. FLOPs: under torch's
+``FlopCounterMode`` (``torch.utils.flop_counter``: matmuls, convolutions and scaled-dot-product attention counted by
+their shapes; elementwise ops count 0, as in every MFU convention since PaLM's appendix B; torch 2.13's registry lacks
+fused experts' grouped matmul, ``aten._grouped_mm``, counted here: :func:`grouped_mm_flops`). Attention's FLOPs are in
+it; with ``checkpointing`` each wrap unit is checkpointed, so its forward runs again inside backward and its recompute
+is counted too. Operators: every call that reaches the dispatcher below autograd (a Python dispatch mode sees each,
+views and in-place ops included: what a CPU or a GPU pays a call's fixed cost for), forward (with the loss) apart from
+backward, on fake tensors of the step's device (its kernels' choice is the device's). Nothing is allocated."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from zeroexp.cell.memo import memoized
 
-__all__ = ["step_flops", "step_ops"]
+__all__ = ["step_flops", "step_ops", "grouped_mm_flops"]
 
 
 def _key(model_cfg: Mapping[str, Any], *rest: Any) -> tuple:
@@ -48,6 +47,18 @@ def _derived(model_cfg: Mapping[str, Any], derive: bool, count: Callable[[Mappin
     return grown[0] if one else grown
 
 
+def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``aten._grouped_mm(a, b, offs)`` (fused experts: each row of ``a`` multiplied by its group's matrix of
+    ``b``): 2 x M x K x N for every row once, whatever the routing, so a MoE step counts the experts each token is
+    routed to (``num_experts_per_tok``), not all of them. 2-D x 3-D and 3-D x 3-D: 2 x (output elements) x K; 2-D x
+    2-D (groups along K): 2 x M x K x N over all the groups."""
+    import math
+
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
 def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, ...] = (),
                checkpointing: bool = False, derive: bool = True) -> int:
     """The FLOPs one rank computes in one micro-batch of ``batch_size`` samples (forward, loss, backward; the
@@ -72,10 +83,16 @@ def _step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: Any, checkp
         if checkpointing and wrap:
             checkpoint_units(net, tuple(wrap))
         batch = zeros_batch(model_cfg, batch_size, device="meta")
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=_MAPPING()) as counter:
             loss = loss_of(model_cfg)(net(batch), batch)
             loss.backward()
     return int(counter.get_total_flops())
+
+
+def _MAPPING() -> dict[Any, Any]:  # noqa: N802 - a table, made where torch is imported
+    import torch
+
+    return {torch.ops.aten._grouped_mm: grouped_mm_flops} if hasattr(torch.ops.aten, "_grouped_mm") else {}
 
 
 def step_ops(model_cfg: Mapping[str, Any], device: str = "cpu", batch_size: int = 1, derive: bool = True
