@@ -613,9 +613,10 @@ def test_grouped_mm_meta_takes_every_floating_dtype():
     import torch
 
     from zeroexp._lib.fake_tensors import fake_tensor_mode
-    from zeroexp._lib.grouped_mm import install_grouped_mm_meta
+    from zeroexp._lib.grouped_mm import grouped_mm_op, install_grouped_mm_meta
 
     assert install_grouped_mm_meta() and install_grouped_mm_meta()  # idempotent
+    assert grouped_mm_op() is torch.ops.aten._grouped_mm  # the FLOP counter's key (zeroexp.plan.flops)
     offs = torch.tensor([3, 8], dtype=torch.int32)
     real = torch._grouped_mm(torch.randn(8, 8), torch.randn(2, 8, 4), offs=offs)
     with torch.device("meta"):

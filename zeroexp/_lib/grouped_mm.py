@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["install_grouped_mm_meta"]
+__all__ = ["install_grouped_mm_meta", "grouped_mm_op"]
 
 #: The library holding the registration (kept alive: a dropped Library unregisters its kernels).
 _LIBRARY: list[Any] = []
@@ -36,3 +36,11 @@ def install_grouped_mm_meta() -> bool:
     library.impl("_grouped_mm", grouped_mm_meta, "Meta")
     _LIBRARY.append(library)
     return True
+
+
+def grouped_mm_op() -> Any:
+    """The ``aten._grouped_mm`` operator (a FLOP counter's key: torch 2.13's registry lacks it); None where torch has
+    no such op."""
+    import torch
+
+    return torch.ops.aten._grouped_mm if hasattr(torch.ops.aten, "_grouped_mm") else None

@@ -90,9 +90,10 @@ def _step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: Any, checkp
 
 
 def _MAPPING() -> dict[Any, Any]:  # noqa: N802 - a table, made where torch is imported
-    import torch
+    from zeroexp._lib.grouped_mm import grouped_mm_op
 
-    return {torch.ops.aten._grouped_mm: grouped_mm_flops} if hasattr(torch.ops.aten, "_grouped_mm") else {}
+    op = grouped_mm_op()
+    return {op: grouped_mm_flops} if op is not None else {}
 
 
 def step_ops(model_cfg: Mapping[str, Any], device: str = "cpu", batch_size: int = 1, derive: bool = True
