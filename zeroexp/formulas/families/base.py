@@ -146,6 +146,10 @@ class Family:
         shares (:func:`zeroexp.plan.check.memory.shape_limits`): before them, after the RNN one, last."""
         return [], [], []
 
+    def checkpointing_limit(self, row: StateLayout) -> str | None:
+        """Why the peak model does not cover the row with activation checkpointing (None: it does)."""
+        return None
+
     def mixed_accumulation_limit(self, row: StateLayout) -> str | None:
         """Why the peak model does not cover the row's accumulation (grad_accum > 1 under its no_sync) below fp32
         (None: it does, as in fp32)."""

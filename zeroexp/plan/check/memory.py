@@ -49,6 +49,8 @@ def uncovered(name: str, precision: str, offload: str,
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
     if activation_checkpointing not in ("none", "full"):
         reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
+    if activation_checkpointing != "none" and flow is not None and row.family.checkpointing_limit(row):
+        reasons.append(row.family.checkpointing_limit(row))
     mixed_limit = row.family.mixed_accumulation_limit(row) if precision != "fp32" else None
     if micro_batches > 1 and flow is not None and mixed_limit and row.no_sync_accumulation \
             and not sync_each_microbatch:
