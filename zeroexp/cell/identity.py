@@ -78,8 +78,10 @@ def cell_axes(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _checkpointing(cfg: DictConfig) -> str:
-    node = cfg.get("activation_checkpointing")
-    return str(node.name) if node is not None else "none"
+    """The option with its keys where they are not the defaults (``selective_layer-every2``; ``none`` when absent)."""
+    from zeroexp.config.checkpointing import checkpointing_of
+
+    return checkpointing_of(cfg.get("activation_checkpointing")).label
 
 
 def _grad_accum(cfg: DictConfig) -> int:

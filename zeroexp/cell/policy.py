@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cell.strategy import SCHEMAS, StrategyConfig
+from zeroexp.formulas.peak.checkpointing import Checkpointing
 
 __all__ = ["CellPolicy", "PrecisionPolicy", "OptimizerPolicy", "strategy_config"]
 
@@ -57,7 +58,7 @@ class CellPolicy:
     offload: str
     prefetch: str
     wrap: tuple[str, ...]
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
     optimizer: OptimizerPolicy
     model: Mapping[str, Any]
     seed: int
@@ -68,6 +69,7 @@ class CellPolicy:
     @classmethod
     def of(cls, cfg: DictConfig) -> CellPolicy:
         """The policy of a composed cell config (its strategy's keys that its schema lacks left out)."""
+        from zeroexp.config.checkpointing import checkpointing_of
         from zeroexp.models import wrap_paths
 
         p, o = cfg.precision, cfg.optimizer
@@ -79,7 +81,7 @@ class CellPolicy:
                                              int(p.growth_interval)),
                    offload=str(cfg.offload.name), prefetch=str(cfg.prefetch.name),
                    wrap=tuple(str(w) for w in wrap_paths(cfg)),
-                   activation_checkpointing=cfg.activation_checkpointing.name != "none",
+                   activation_checkpointing=checkpointing_of(cfg.activation_checkpointing),
                    optimizer=OptimizerPolicy(float(o.lr), (float(o.betas[0]), float(o.betas[1])), float(o.eps),
                                              float(o.weight_decay)),
                    model=model, seed=int(cfg.seed), batch_size=int(cfg.batch_size),

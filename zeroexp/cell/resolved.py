@@ -17,6 +17,7 @@ from zeroexp.cell.policy import CellPolicy, strategy_config
 from zeroexp.cell.schedule import Schedule
 from zeroexp.cell.strategy import BUCKET_CAP_MB
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs, StateLayout
+from zeroexp.formulas.peak.checkpointing import Checkpointing
 
 __all__ = ["Cell", "knobs_of", "layout_of", "post_forward_ranks"]
 
@@ -104,9 +105,9 @@ class Cell:
         return self.policy.wrap
 
     @property
-    def checkpointed(self) -> bool:
-        """Whether every wrap unit's activations are recomputed (``activation_checkpointing=full``)."""
-        return self.activation_checkpointing == "full"
+    def checkpointed(self) -> Checkpointing:
+        """Which wrap units' activations are recomputed, and how (``activation_checkpointing``; false for none)."""
+        return self.policy.activation_checkpointing
 
 
 def knobs_of(cfg: Any) -> PlanKnobs:

@@ -20,6 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
+from zeroexp.config.checkpointing import (ActivationCheckpointingConfig, check_checkpointing, check_checkpointing_units,
+                                         check_save_ops)
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
 from zeroexp.models.schemas import (MODEL_COUNTS, MODEL_RESERVED_KEYS, GPTConfig, HFConfig, LoRAGPTConfig, MLPConfig,
@@ -60,11 +62,6 @@ class PrecisionConfig:
 @dataclass
 class OffloadConfig:
     name: str = MISSING
-
-
-@dataclass
-class ActivationCheckpointingConfig:
-    name: str = MISSING  # none | full (each wrap unit checkpointed: StrategyAdapter.checkpoint_activations)
 
 
 @dataclass
@@ -195,7 +192,6 @@ _ACCEPTED = {
     "precision.param_dtype": ("float32", "bfloat16", "float16"),
     "precision.master_dtype": ("float32",),
     "offload.name": ("none", "optimizer", "full"),
-    "activation_checkpointing.name": ("none", "full"),
     "init.name": INIT_OPTIONS,
     "logger.name": ("wandb", "csv", "none"),
     "logger.mode": ("offline", "online", "disabled"),
@@ -352,6 +348,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = (), before_t
     _check_model_keys(cfg)
     if before_torch is not None:  # the caller's imports that are cheaper before torch's (a refusal above pays none)
         before_torch()
+    check_save_ops(cfg)
     check_model(cfg)  # zeroexp.config.model_check: importable, builds on the meta device, one forward and the loss
     shape = _shape_of(cfg)
     try:
@@ -390,6 +387,7 @@ def _check_knobs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
                               why=str(e)) from e
     _check_unread_keys(cfg)
     _check_strategy_keys(cfg, explicit_overrides)
+    check_checkpointing(cfg)
     for key, accepted in _ACCEPTED.items():
         value = OmegaConf.select(cfg, key)
         if value not in accepted:
@@ -463,13 +461,9 @@ def _check_what_the_strategy_runs(cfg: DictConfig, explicit_overrides: tuple[str
         raise ConfigError("warmup_steps", cfg.warmup_steps, f"an integer >= {adapter.min_warmup_steps}",
                           why=f"strategy={name} issues its steady per-step collectives only from step "
                               f"{adapter.min_warmup_steps} on")
-    if cfg.activation_checkpointing.name != "none":
-        from zeroexp.models import wrap_paths
+    from zeroexp.models import wrap_paths
 
-        if not wrap_paths(cfg):
-            raise ConfigError("activation_checkpointing", cfg.activation_checkpointing.name, "none",
-                              why="it checkpoints each wrap unit (strategy.wrap, else model.wrap), and this cell has "
-                                  "none (set model.wrap or strategy.wrap to module classes)")
+    check_checkpointing_units(cfg, wrap_paths(cfg))
     _validate_launcher_and_checkpoint(cfg, adapter)
     check_init(cfg, adapter)
     adapter.validate(cfg)

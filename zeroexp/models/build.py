@@ -155,12 +155,22 @@ def token_range(model_cfg: Mapping[str, Any]) -> tuple[int, int]:
     return int(model_cfg.get("low", 0)), int(high if high is not None else 2)
 
 
-def checkpoint_units(module: nn.Module, classes: tuple[type, ...]) -> None:
-    """Replace each module of ``classes`` inside ``module`` by torch's non-reentrant ``checkpoint_wrapper``: the one
-    way zeroexp checkpoints activations (``StrategyAdapter.checkpoint_activations`` and the traced step)."""
+def checkpoint_units(module: nn.Module, classes: tuple[type, ...], mode: Any = None) -> None:
+    """Replace the modules of ``classes`` inside ``module`` that ``mode`` checkpoints (a
+    :class:`~zeroexp.formulas.peak.checkpointing.Checkpointing`; None: ``full``, every one) by torch's non-reentrant
+    ``checkpoint_wrapper``, under ``selective_op`` with its policy (:func:`zeroexp.models.sac.policy_contexts`): the
+    one way zeroexp checkpoints activations (``StrategyAdapter.checkpoint_activations``, the traced step, the counted
+    FLOPs)."""
     from zeroexp._lib.checkpointing import checkpoint_modules
+    from zeroexp.formulas.peak.checkpointing import FULL
+    from zeroexp.models.sac import policy_contexts
 
-    checkpoint_modules(module, classes)
+    mode = FULL if mode is None else mode
+    if not mode:
+        return
+    units = [m for m in module.modules() if isinstance(m, classes)]  # in forward order (registration order)
+    chosen = {id(m) for i, m in enumerate(units) if mode.checkpointed(i)}
+    checkpoint_modules(module, classes, lambda m: id(m) in chosen, policy_contexts(mode) if mode.policy else None)
 
 
 def grad_tensors(output: Any) -> list[torch.Tensor]:

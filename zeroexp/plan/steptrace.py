@@ -30,7 +30,7 @@ __all__ = ["trace_step", "trace_step_of"]
 
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
-               dtype: torch.dtype | None = None, checkpointing: bool = False,
+               dtype: torch.dtype | None = None, checkpointing: Any = False,
                grads_in_place: bool = False, own_params_units: bool = False,
                module_dtype: torch.dtype | None = None, root_unit: bool = False, block: int = 1) -> StepTrace:
     """Trace one step of the model config's module at ``batch_size`` samples of ``model.input_shape`` on fake tensors
@@ -44,9 +44,11 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     cast to it inside the step, as a strategy that computes in a low precision does (DeepSpeed's bf16 engine converts
     the module; FSDP's ``MixedPrecision`` / ``MixedPrecisionPolicy``, zeroexp's ZeRO;
     :func:`zeroexp.formulas.peak.precision.trace_dtypes` says which for a cell). ``checkpointing``: each
-    unit in torch's non-reentrant ``checkpoint_wrapper`` (``activation_checkpointing=full``, as the strategies apply
-    it): forward keeps each unit's input, and a unit's backward segment holds its recompute (the unit's forward hooks
-    that fire again inside backward end no segment). ``grads_in_place``: every parameter's ``.grad`` exists before
+    unit ``checkpointing`` names (a :class:`~zeroexp.formulas.peak.checkpointing.Checkpointing`; True: ``full``) in
+    torch's non-reentrant ``checkpoint_wrapper``, as the strategies apply it (:func:`zeroexp.models.checkpoint_units`,
+    ``selective_op`` with its policy): forward keeps each such unit's input (and what its policy saves), and the
+    unit's backward segment holds its recompute (the unit's forward hooks that fire again inside backward end no
+    segment). ``grads_in_place``: every parameter's ``.grad`` exists before
     the step (views of one zeroed flat buffer, part of the step's start), so autograd adds into it in place and
     backward allocates no gradient: the step of a flow whose gradients live across the step (zeroexp's ZeRO-1/2
     buckets, a later micro-batch of ``grad_accum``). Without checkpointing its segments are the plain trace's less its
@@ -87,7 +89,11 @@ def trace_step_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[
     three shallow steps ~1 s)."""
     from zeroexp.plan.stack import STEP_DEPTHS, at_depth, derived_step, stack_of
 
+    from zeroexp.formulas.peak.checkpointing import mode_of
+
     stack = stack_of(model_cfg)
+    if mode_of(kwargs.get("checkpointing")).mode == "selective_layer":  # its blocks differ (every k-th checkpointed)
+        stack = None
     if stack is not None:
         argument, container, depth = stack
         shallow = [trace_step(at_depth(model_cfg, argument, d), batch_size, wrap, **kwargs) for d in STEP_DEPTHS]
@@ -98,9 +104,10 @@ def trace_step_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[
 
 
 def _step_module(model_cfg: Mapping[str, Any], device: str, classes: tuple[type, ...],
-                 module_dtype: torch.dtype | None, checkpointing: bool) -> torch.nn.Module:
+                 module_dtype: torch.dtype | None, checkpointing: Any) -> torch.nn.Module:
     """The model config's module on fake tensors, its floating parameters and buffers cast to ``module_dtype``, and
     with ``checkpointing`` each module of a ``classes`` class checkpointed (:func:`trace_step`)."""
+    from zeroexp.formulas.peak.checkpointing import mode_of
     from zeroexp.models import checkpoint_units
 
     net = _fake_module(model_cfg, device)
@@ -109,7 +116,7 @@ def _step_module(model_cfg: Mapping[str, Any], device: str, classes: tuple[type,
             if t.is_floating_point():
                 t.data = t.data.to(module_dtype)
     if checkpointing and classes:
-        checkpoint_units(net, classes)
+        checkpoint_units(net, classes, mode_of(checkpointing))
     return net
 
 

@@ -171,14 +171,15 @@ class StrategyAdapter:
         return self.wrap(module, device)
 
     def checkpoint_activations(self, module: nn.Module) -> None:
-        """``activation_checkpointing=full``: replace each wrap unit of ``module`` (``strategy.wrap``, else
-        ``model.wrap``) by torch's ``checkpoint_wrapper`` (``torch.utils.checkpoint``, non-reentrant): forward keeps
-        only the unit's input, backward recomputes the unit. Nothing for ``none``."""
+        """``activation_checkpointing``: replace the wrap units of ``module`` (``strategy.wrap``, else
+        ``model.wrap``) its mode checkpoints by torch's ``checkpoint_wrapper`` (``torch.utils.checkpoint``,
+        non-reentrant; ``selective_op`` with its policy): forward keeps the unit's input (and what the policy saves),
+        backward recomputes the rest (:func:`zeroexp.models.checkpoint_units`). Nothing for ``none``."""
         if not self.policy.activation_checkpointing:
             return
         from zeroexp.models import checkpoint_units, import_class
 
-        checkpoint_units(module, tuple(import_class(p) for p in self.policy.wrap))
+        checkpoint_units(module, tuple(import_class(p) for p in self.policy.wrap), self.policy.activation_checkpointing)
 
     def no_sync(self, model: nn.Module) -> Any:
         """The context of the first K-1 micro-batches of ``grad_accum=K`` (forward and backward): gradients

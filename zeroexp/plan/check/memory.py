@@ -19,6 +19,7 @@ from zeroexp.cell.memo import memoized
 from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
+from zeroexp.formulas.peak.checkpointing import mode_of
 from zeroexp.formulas.peak.phases import StepTrace
 from zeroexp.formulas.peak.precision import PrecisionTerms
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
@@ -47,8 +48,6 @@ def uncovered(name: str, precision: str, offload: str,
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
-    if activation_checkpointing not in ("none", "full"):
-        reasons.append(f"no peak model for activation_checkpointing={activation_checkpointing} (covered: none, full)")
     if activation_checkpointing != "none" and flow is not None and row.family.checkpointing_limit(row):
         reasons.append(row.family.checkpointing_limit(row))
     mixed_limit = row.family.mixed_accumulation_limit(row) if precision != "fp32" else None
@@ -93,7 +92,7 @@ def flow_of(name: str) -> str | None:
     return row.family.flow(row)
 
 
-def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: bool,
+def step_traces(name: str, model_cfg: Any, batch_size: int, wrap: list[type], checkpointing: Any,
                 micro_batches: int, param_dtype: str = "float32", terms: PrecisionTerms | None = None,
                 block: int = 1) -> tuple[StepTrace, StepTrace | None]:
     """The bare step traced for row ``name`` (:func:`trace_for`, checkpointed as the cell, in its precision, each
@@ -180,7 +179,7 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
 
 
 def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",
-              checkpointing: bool = False, grads_in_place: bool = False,
+              checkpointing: Any = False, grads_in_place: bool = False,
               terms: PrecisionTerms | None = None, block: int = 1) -> StepTrace:
     """The bare step the row's peak model reads (:func:`zeroexp.plan.steptrace.trace_step`): segmented at the
     strategy's units, or, for DeepSpeed (which gathers and releases stage-3 parameters module by module) and for the
@@ -205,7 +204,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
         dtypes = {}
     # remembered by what is traced, not by the row: rows that trace the same step share it
     block = 1 if options["tensor_bytes"] else block  # DeepSpeed's closed-form terms are tensor bytes: its trace too
-    kwargs = dict(device="cpu", checkpointing=bool(checkpointing), grads_in_place=bool(grads_in_place),
+    kwargs = dict(device="cpu", checkpointing=mode_of(checkpointing), grads_in_place=bool(grads_in_place),
                   own_params_units=options["own_params_units"], root_unit=options["root_unit"],
                   **{k: v for k, v in dtypes.items() if v is not None},
                   **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
@@ -254,7 +253,7 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
                            measured.get("backend") == "fake") if measured.get("phases_of_max_rank") else FAKE_GROUP)
     trace, in_place = _cell_step_traces(cell, name, wrap, terms, device.block)
     traced = {"batch_size": trace.batch_size, "device": "cpu", "block_bytes": device.block,
-              "loss_bytes": trace.loss_bytes, "checkpointing": checkpointing, "micro_batches": micro_batches,
+              "loss_bytes": trace.loss_bytes, "checkpointing": bool(checkpointing), "micro_batches": micro_batches,
               **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, prefetch, micro_batches,

@@ -1,0 +1,101 @@
+"""The ``activation_checkpointing`` axis (conf/activation_checkpointing/): ``none``, ``full``, ``selective_layer``
+(every k-th wrap unit, ``activation_checkpointing.every=k``), ``selective_op`` (every wrap unit under a per-op
+policy: ``activation_checkpointing.save_ops``, ``activation_checkpointing.matmul_recompute_every``). What each mode
+does is :mod:`zeroexp.formulas.peak.checkpointing`'s; how it is applied, :func:`zeroexp.models.checkpoint_units`.
+
+Its schema, its checks before launch and the option a node names live here; zeroexp.config.schemas registers and
+calls them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+
+from zeroexp.errors import ConfigError
+from zeroexp.formulas.peak.checkpointing import MODES, NONE, SAVE_OPS, Checkpointing
+
+__all__ = ["ActivationCheckpointingConfig", "MODES", "MODE_KEYS", "checkpointing_of", "check_checkpointing",
+           "check_save_ops", "check_checkpointing_units"]
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    name: str = MISSING  # none | full | selective_layer | selective_op (zeroexp.formulas.peak.checkpointing)
+    every: Optional[int] = None  # selective_layer: every k-th wrap unit checkpointed (torchtitan's selective_ac_option)
+    save_ops: Optional[List[str]] = None  # selective_op: ATen ops whose outputs are kept; null: torchtitan's list
+    matmul_recompute_every: Optional[int] = None  # selective_op: each unit's every k-th matmul recomputed; null: 2
+
+
+#: The keys each mode reads (a key set under another mode is refused: it would change nothing).
+MODE_KEYS = {"none": (), "full": (), "selective_layer": ("every",),
+             "selective_op": ("save_ops", "matmul_recompute_every")}
+
+
+def checkpointing_of(node: Any) -> Checkpointing:
+    """The option a composed ``activation_checkpointing`` node names (None or absent: ``none``); its keys are
+    checked by :func:`check_checkpointing`."""
+    if node is None:
+        return NONE
+    get = node.get if hasattr(node, "get") else (lambda k, d=None: getattr(node, k, d))
+    mode = str(get("name"))
+    every, ops, mm = get("every"), get("save_ops"), get("matmul_recompute_every")
+    return Checkpointing(mode, every=int(every) if every is not None else (2 if mode == "selective_layer" else 1),
+                         save_ops=tuple(str(o) for o in ops) if ops is not None else SAVE_OPS,
+                         matmul_recompute_every=2 if mm is None else int(mm))
+
+
+def check_checkpointing(cfg: Any) -> None:
+    """The node's mode and keys, from the config alone (no torch): a key of another mode refused, ``every`` an
+    integer >= 1, ``matmul_recompute_every`` one >= 0 (0: every matmul saved), ``save_ops`` a list of names."""
+    node = cfg.get("activation_checkpointing")
+    if node is None:
+        return
+    mode = str(node.name)
+    if mode not in MODES:
+        raise ConfigError("activation_checkpointing", mode, ", ".join(MODES))
+    for key in ("every", "save_ops", "matmul_recompute_every"):
+        if node.get(key) is not None and key not in MODE_KEYS[mode]:
+            owner = next(m for m, keys in MODE_KEYS.items() if key in keys)
+            raise ConfigError(f"activation_checkpointing.{key}", OmegaConf.select(cfg, f"activation_checkpointing."
+                                                                                       f"{key}"),
+                              "null", why=f"a key of activation_checkpointing={owner} only (this cell: {mode})")
+    for key, low in (("every", 1), ("matmul_recompute_every", 0)):
+        value = node.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ConfigError(f"activation_checkpointing.{key}", value, f"null or an integer >= {low}")
+    ops = node.get("save_ops")
+    if ops is not None and (not OmegaConf.is_list(ops) or not all(isinstance(o, str) and o for o in ops)):
+        raise ConfigError("activation_checkpointing.save_ops", ops, "null or a list of ATen op names ([mm, bmm])")
+
+
+def check_save_ops(cfg: Any) -> None:
+    """``selective_op``'s ``save_ops``: each an ATen operator (``torch.ops.aten.<name>``; torch imported)."""
+    mode = checkpointing_of(cfg.get("activation_checkpointing"))
+    if not mode.policy:
+        return
+    import torch
+
+    unknown = [o for o in mode.save_ops if not _is_aten_op(torch, o)]
+    if unknown:
+        raise ConfigError("activation_checkpointing.save_ops", list(mode.save_ops),
+                          "ATen operator names (torch.ops.aten.<name>: mm, addmm, bmm, "
+                          "_scaled_dot_product_flash_attention_for_cpu)", why=f"not ATen operators: {unknown}")
+
+
+def _is_aten_op(torch: Any, name: str) -> bool:
+    try:
+        return callable(getattr(torch.ops.aten, name)) and not name.startswith("__")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def check_checkpointing_units(cfg: Any, wrap: Any) -> None:
+    """A mode other than ``none`` checkpoints wrap units: refused for a cell with none (``wrap``: its wrap paths)."""
+    mode = checkpointing_of(cfg.get("activation_checkpointing"))
+    if mode and not wrap:
+        raise ConfigError("activation_checkpointing", mode.mode, "none",
+                          why="it checkpoints wrap units (strategy.wrap, else model.wrap), and this cell has none "
+                              "(set model.wrap or strategy.wrap to module classes)")
