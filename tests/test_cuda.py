@@ -186,6 +186,7 @@ def test_no_fsdp_row_is_planned_or_searched_at_one_rank():
     """The rows' own minimum (StateLayout.min_world_size): the planner notes why, the recommender never offers a
     command the strategy refuses."""
     from zeroexp.formulas.rows import LAYOUTS
+    from zeroexp.formulas.peak.checkpointing import NONE
     from zeroexp.recommend.space import Axes, configurations
 
     from test_plan_fits import _run
@@ -195,6 +196,6 @@ def test_no_fsdp_row_is_planned_or_searched_at_one_rank():
     records, notes = _run("model=mlp", "world_size=1")
     assert records and not {r["strategy"] for r in records} & fsdp
     assert any("fsdp_full at world_size=1: runs at 2 ranks or more" in n for n in notes), notes
-    axes = Axes(tuple(LAYOUTS), ("fp32",), ("none",), (False,), 4, None, (25.0,), ("pre",), None)
+    axes = Axes(tuple(LAYOUTS), ("fp32",), ("none",), (NONE,), 4, None, (25.0,), ("pre",), None)
     one, two = ({c.row for c in configurations(axes, n)} for n in (1, 2))
     assert not one & fsdp and fsdp - {n for n in fsdp if LAYOUTS[n].hybrid} <= two

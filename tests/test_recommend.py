@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from zeroexp.cli.recommend import register, run
 from zeroexp.errors import ConfigError
+from zeroexp.formulas.peak.checkpointing import FULL, NONE
 from zeroexp.recommend import Axes, Config, configurations
 from zeroexp.recommend.answer import mark_ties
 from zeroexp.recommend.space import run_overrides, strategy_of
@@ -39,7 +40,7 @@ def _compose(name: str, *overrides: str):
 
 def test_the_space_is_every_knob_a_row_has_and_no_other():
     axes = Axes(("ddp", "fsdp_full", "fsdp2_hybrid", "deepspeed_stage3", "zero_stage3"), ("bf16",), ("none",),
-                (False, True), 4, None, (25.0, 100.0), ("pre", "post", "none"), None)
+                (NONE, FULL), 4, None, (25.0, 100.0), ("pre", "post", "none"), None)
     configs = list(configurations(axes, 4))
     by_row = {row: sum(c.row == row for c in configs) for row in axes.rows}
     # 2 checkpointing x 3 micro-batches (1, 2, 4 of 4 samples) x ddp's 2 bucket sizes, fsdp_full's 3 prefetches,
@@ -47,7 +48,7 @@ def test_the_space_is_every_knob_a_row_has_and_no_other():
     assert by_row == {"ddp": 12, "fsdp_full": 18, "fsdp2_hybrid": 6, "deepspeed_stage3": 12, "zero_stage3": 0}
     assert all(c.micro_batch * c.grad_accum == 4 for c in configs)
     offloads = Axes(("deepspeed_stage1", "deepspeed_stage3", "fsdp_full"), ("bf16",), ("none", "optimizer", "full"),
-                    (False,), 1, None, (25.0,), ("pre",), None)
+                    (NONE,), 1, None, (25.0,), ("pre",), None)
     assert sorted((c.row, c.offload) for c in configurations(offloads, 8)) == [
         ("deepspeed_stage1", "none"), ("deepspeed_stage1", "optimizer"), ("deepspeed_stage3", "full"),
         ("deepspeed_stage3", "none"), ("deepspeed_stage3", "optimizer"), ("fsdp_full", "none")]
@@ -58,7 +59,7 @@ def test_each_row_runs_as_its_strategy_yaml_says():
     assert strategy_of("fsdp__HYBRID_SHARD_ZERO2")[:2] == ("fsdp_hybrid", {"sharding": "_HYBRID_SHARD_ZERO2"})
     assert strategy_of("fsdp2_full")[:2] == ("fsdp2_full", {})
     assert strategy_of("zero_stage2") is None  # the paper's rows run nowhere
-    c = Config("deepspeed_stage3", "bf16", "optimizer", True, 2, 4, 100.0, None, None)
+    c = Config("deepspeed_stage3", "bf16", "optimizer", FULL, 2, 4, 100.0, None, None)
     assert run_overrides(c, ["model=gpt"], 16) == [
         "strategy=deepspeed", "strategy.stage=3", "model=gpt", "world_size=16", "precision=bf16",
         "offload=optimizer", "activation_checkpointing=full", "batch_size=2", "grad_accum=4",

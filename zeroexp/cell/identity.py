@@ -79,7 +79,7 @@ def cell_axes(cfg: DictConfig) -> dict[str, Any]:
 
 def _checkpointing(cfg: DictConfig) -> str:
     """The option with its keys where they are not the defaults (``selective_layer-every2``; ``none`` when absent)."""
-    from zeroexp.config.checkpointing import checkpointing_of
+    from zeroexp.formulas.peak.checkpointing import checkpointing_of
 
     return checkpointing_of(cfg.get("activation_checkpointing")).label
 

@@ -69,7 +69,7 @@ class CellPolicy:
     @classmethod
     def of(cls, cfg: DictConfig) -> CellPolicy:
         """The policy of a composed cell config (its strategy's keys that its schema lacks left out)."""
-        from zeroexp.config.checkpointing import checkpointing_of
+        from zeroexp.formulas.peak.checkpointing import checkpointing_of
         from zeroexp.models import wrap_paths
 
         p, o = cfg.precision, cfg.optimizer

@@ -12,6 +12,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from zeroexp.config.checkpointing import check_checkpointing, check_save_ops, checkpointing_of
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import COMPUTE_ITEMSIZE, ModelShape, PlanKnobs
 from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
@@ -43,7 +44,8 @@ class PlanConfig:
     use_orig_params: bool = True  # the FSDP1 rows' strategy.use_orig_params (a cell's default: true)
     # network=<option of conf/network/>: adds step_ms, exposed_comm_ms, tokens_per_s (needs batch_size)
     network: Any = None
-    activation_checkpointing: Any = MISSING  # none | full (the runner's group): every wrap unit recomputed in backward
+    # none | full | selective_layer | selective_op (the runner's group, with its keys: zeroexp.config.checkpointing)
+    activation_checkpointing: Any = MISSING
     grad_accum: Any = 1  # micro-batches of batch_size per optimizer step: their collectives, the gradients held, time
     device: Any = None  # cpu | cuda: the device semantics of the peak model (null: cuda with device_memory or a network
     # preset of GPUs, else cpu; zeroexp.formulas.device)
@@ -202,9 +204,10 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     accum = cfg.grad_accum
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ConfigError("grad_accum", accum, "an integer >= 1 (micro-batches of batch_size per optimizer step)")
-    ac = str(cfg.activation_checkpointing.name) if cfg.get("activation_checkpointing") is not None else "none"
-    if ac not in ("none", "full"):
-        raise ConfigError("activation_checkpointing", ac, "none, full")
+    check_checkpointing(cfg)
+    mode = checkpointing_of(cfg.get("activation_checkpointing"))
+    check_save_ops(cfg)
+    ac = mode.label
     shape, model = _shape(cfg)
     network = _network(cfg, batch)
     if network is not None and memory is None and network.device_memory is not None:
@@ -215,7 +218,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
     records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
                           model)
-    activations = _activations(cfg, batch, ac == "full") if batch is not None else None
+    activations = _activations(cfg, batch, mode) if batch is not None else None
     if batch is not None and activations is None:
         notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
                      "model=)")
@@ -225,14 +228,14 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
                                  "korthikanti_bytes": None})
     device = _device(cfg, memory)
     notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}"] if device.name == "cuda" else []
-    _peaks(cfg, records, shape, batch, knobs, ac == "full", device)
+    _peaks(cfg, records, shape, batch, knobs, mode, device)
     _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
     _init_peaks(str(cfg.init.name), records, shape, memory, bool(cfg.use_orig_params))
     if network is not None:  # after the peaks: "the fastest that fits" reads fits
         from zeroexp.plan.network import add_step_times, model_ops
 
-        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), ac == "full",
-                       model_ops(network, cfg.model, batch))
+        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), mode,
+                       model_ops(network, cfg.model, batch), _recompute_share(cfg, batch, mode, notes))
         if cfg.model is None and network.rate.counts_ops:
             notes.append("step_ms: a parameter count has no operators to count: each forward's and backward's cost "
                          "per operator left out (give model= for it)")
@@ -266,15 +269,16 @@ def _device(cfg: DictConfig, memory: int | None) -> Any:
 
 
 def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, batch: int | None,
-           knobs: PlanKnobs, checkpointing: bool = False, device: Any = None) -> None:
+           knobs: PlanKnobs, checkpointing: Any = False, device: Any = None) -> None:
     """The peak model (``zeroexp.plan.check.memory``, docs/planner.md) on every row it covers, in the precision the row
     computes in (the step traced in its dtypes, ``cell_precision_terms``): ``peak_bytes`` (model state + its steady
     buffers + the largest phase above steady, the largest rank), ``peak_phase``, ``phase_bytes``; ``peak_note`` where
     it does not cover the row. Then ``fits`` of every row (``core.judge_fits``: on the peak where there is one).
     ``init_peak_bytes``: every rank builds the whole model before wrapping it (fp32, as the runner does).
-    ``checkpointing``: the traced step checkpoints every wrap unit; ``knobs.micro_batches``: each phase the highest
-    over the micro-batches, and ``accum_grad_bytes``, the gradients held between them. ``device``: the semantics
-    (zeroexp.formulas.device: AdamW's update, the backend's copies, the cuBLAS workspaces in ``steady_bytes``);
+    ``checkpointing``: the option whose wrap units the traced step checkpoints; ``knobs.micro_batches``: each phase
+    the highest over the micro-batches, and ``accum_grad_bytes``, the gradients held between them. ``device``: the
+    semantics (zeroexp.formulas.device: AdamW's update, the backend's copies, the cuBLAS workspaces in
+    ``steady_bytes``);
     on cuda ``reserved_peak_bytes``, the caching allocator's segments for the same live bytes
     (zeroexp.formulas.peak.allocator), on which ``fits`` is then judged."""
     from zeroexp.formulas.device import CPU
@@ -365,36 +369,48 @@ def _network(cfg: DictConfig, batch: int | None):
     return network_of(cfg.network, str(cfg.precision.name), _tokens(cfg))
 
 
-def _activations(cfg: DictConfig, batch: int, checkpointing: bool = False) -> dict[str, Any] | None:
+def _recompute_share(cfg: DictConfig, batch: int, mode: Any, notes: list[str]) -> float:
+    """``selective_op``'s recomputed share of its units' forward (``zeroexp.plan.flops.recompute_share``, counted on
+    the model); 1 otherwise, and for a parameter count (no ops to count: said in a note)."""
+    if not mode.policy:
+        return 1.0
+    if cfg.model is None:
+        notes.append(f"activation_checkpointing={mode.label}: recompute timed as full's (a parameter count has no ops "
+                     "to count which the policy saves; give model=)")
+        return 1.0
+    from zeroexp.plan.flops import recompute_share
+
+    return recompute_share(cfg.model, batch, tuple(wrap_classes(cfg)), mode)
+
+
+def _activations(cfg: DictConfig, batch: int, checkpointing: Any = None) -> dict[str, Any] | None:
     """One forward of the model at ``batch`` samples per rank, traced under FakeTensorMode in the compute dtype
     (``zeroexp.plan.activations``): the bytes autograd saves, per unit, plus the output and the loss; and for a
-    GPT-shaped config, Korthikanti et al.'s closed form beside it. None without a model. ``checkpointing``:
-    ``activation_bytes`` is what the checkpointed forward keeps and ``recompute_bytes`` the largest unit's recompute
-    (``zeroexp.formulas.peak.checkpointing``, from the same per-unit figures); ``activation_unit_bytes`` stays each
-    unit's
-    own activations. Below fp32, ``activation_cast_bytes``: the same forward with the module cast to the compute
-    dtype instead of autocast (None in fp32)."""
-    from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes, recompute_bytes
+    GPT-shaped config, Korthikanti et al.'s closed form beside it. None without a model. ``checkpointing`` (a
+    ``Checkpointing`` other than none): ``activation_bytes`` is what the checkpointed forward keeps and
+    ``recompute_bytes`` the largest checkpointed unit's recompute (``zeroexp.formulas.peak.checkpointing``, from the
+    same per-unit figures, ``selective_op``'s policy counted in the trace); ``activation_unit_bytes`` stays each
+    unit's own activations. Below fp32, ``activation_cast_bytes``: the same forward with the module cast to the
+    compute dtype instead of autocast (None in fp32)."""
+    from zeroexp.formulas.peak.checkpointing import mode_of, recompute_bytes
     from zeroexp.models import torch_dtype
     from zeroexp.plan.activations import korthikanti_layer_bytes
-    from zeroexp.plan.row_peak import forward_trace
+    from zeroexp.plan.row_peak import checkpointed_kept, forward_trace
 
     if cfg.model is None:
         return None
+    mode = mode_of(checkpointing)
     wrap = wrap_classes(cfg)
     dtype = torch_dtype(str(cfg.precision.param_dtype))
-    trace = forward_trace(cfg.model, batch, wrap, dtype=dtype)
-    cast = forward_trace(cfg.model, batch, wrap, module_dtype=dtype) if dtype.itemsize < 4 else None
+    trace = forward_trace(cfg.model, batch, wrap, dtype=dtype, policy=mode)
+    cast = forward_trace(cfg.model, batch, wrap, module_dtype=dtype, policy=mode) if dtype.itemsize < 4 else None
     m = cfg.model
     gpt = all(k in m for k in ("n_layer", "n_embd", "n_head", "seq_len"))
-
-    def kept(t: Any) -> int:
-        return (checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes) if checkpointing
-                else t.total_bytes)
-
-    return {"activation_bytes": kept(trace), "activation_cast_bytes": kept(cast) if cast else None,
+    return {"activation_bytes": checkpointed_kept(trace, mode),
+            "activation_cast_bytes": checkpointed_kept(cast, mode) if cast else None,
             "activation_unit_bytes": trace.unit_bytes,
-            "recompute_bytes": recompute_bytes(trace.unit_bytes) if checkpointing else None,
+            "recompute_bytes": recompute_bytes(trace.unit_bytes, mode, trace.unit_policy_bytes,
+                                               list(trace.unit_input_bytes)) if mode else None,
             "korthikanti_bytes": int(m.n_layer) * korthikanti_layer_bytes(
                 int(m.seq_len), batch, int(m.n_embd), int(m.n_head), dtype.itemsize) if gpt else None}
 

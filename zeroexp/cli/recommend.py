@@ -14,13 +14,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from zeroexp.errors import ConfigError
+from zeroexp.formulas.peak.checkpointing import MODES
 
 __all__ = ["RecommendConfig", "main", "run"]
 
 _STARTED = False
 #: The overrides of this command line that only a run reads (zeroexp.cli.plan.split_run_only), told in a note.
 _IGNORED: tuple[str, ...] = ()
-_OFFLOADS, _AC, _PREFETCH = ("none", "optimizer", "full"), ("none", "full"), ("pre", "post", "none")
+_OFFLOADS, _PREFETCH = ("none", "optimizer", "full"), ("pre", "post", "none")
 
 
 @dataclass
@@ -194,7 +195,7 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     rows = _names(r.strategies, "recommend.strategies", tuple(n for n, row in LAYOUTS.items() if not row.reference)) \
         if r.strategies is not None else tuple(LAYOUTS)
     offloads = _names(r.offload, "recommend.offload", _OFFLOADS)
-    ac = _names(r.activation_checkpointing, "recommend.activation_checkpointing", _AC)
+    ac = _names(r.activation_checkpointing, "recommend.activation_checkpointing", MODES)
     prefetch = _names(r.prefetch, "recommend.prefetch", _PREFETCH)
     caps = list(r.bucket_cap_mb) if isinstance(r.bucket_cap_mb, ListConfig) else [r.bucket_cap_mb]
     if not caps or any(isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0 for c in caps):
@@ -222,7 +223,7 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     problem = Problem(shape, n, networks, device, memory, float(r.headroom), {p: d for p, (d, _) in dtypes.items()},
                       {p: s for p, (_, s) in dtypes.items()}, tokens, cfg.model, wrap, flops,
                       {p: peaks.get(p) for p in precisions})
-    axes = Axes(rows, precisions, offloads, tuple(a == "full" for a in ac), samples, micro,
+    axes = Axes(rows, precisions, offloads, _checkpointing_axis(cfg, ac), samples, micro,
                 tuple(float(c) for c in caps), prefetch, shards)
     tie = float(r.tie) if r.tie is not None else MEASURED_TIME_ERROR[0]
     overrides = model_overrides if model_overrides is not None else (
@@ -233,6 +234,18 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
                   device_semantics=device.name)
     answer["notes"] += _notes(cfg, r.tie, networks, device, tie)
     return answer
+
+
+def _checkpointing_axis(cfg: DictConfig, names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The options of ``recommend.activation_checkpointing`` as their YAML sets them, or, for the one a run's
+    ``activation_checkpointing=`` fixed, with its keys as given."""
+    from zeroexp.config.checkpointing import check_checkpointing, check_save_ops, checkpointing_of, option
+
+    given = cfg.get("activation_checkpointing")
+    if given is not None:
+        check_checkpointing(cfg)
+        check_save_ops(cfg)
+    return tuple(checkpointing_of(given) if given is not None and str(given.name) == n else option(n) for n in names)
 
 
 def _samples(cfg: DictConfig, n: int, tokens: int) -> int:
@@ -259,7 +272,7 @@ def _flops_of(model_cfg: Any, wrap: tuple[type, ...]) -> Any:
     the batch-free ones constant; tests/test_recommend.py holds F(4) to it)."""
     from zeroexp.plan.flops import step_flops
 
-    def flops(m: int, checkpointing: bool) -> float:
+    def flops(m: int, checkpointing: Any) -> float:
         one = step_flops(model_cfg, 1, wrap, checkpointing)
         return one + (m - 1) * (step_flops(model_cfg, 2, wrap, checkpointing) - one) if m > 1 else one
     return flops

@@ -15,9 +15,10 @@ from typing import Any, List, Optional
 from omegaconf import MISSING, OmegaConf
 
 from zeroexp.errors import ConfigError
-from zeroexp.formulas.peak.checkpointing import MODES, NONE, SAVE_OPS, Checkpointing
+from zeroexp.formulas.peak.checkpointing import MODES, Checkpointing, checkpointing_of
 
-__all__ = ["ActivationCheckpointingConfig", "MODES", "MODE_KEYS", "checkpointing_of", "check_checkpointing",
+__all__ = ["ActivationCheckpointingConfig", "MODES", "MODE_KEYS", "checkpointing_of", "option", "overrides_of",
+           "check_checkpointing",
            "check_save_ops", "check_checkpointing_units"]
 
 
@@ -34,17 +35,28 @@ MODE_KEYS = {"none": (), "full": (), "selective_layer": ("every",),
              "selective_op": ("save_ops", "matmul_recompute_every")}
 
 
-def checkpointing_of(node: Any) -> Checkpointing:
-    """The option a composed ``activation_checkpointing`` node names (None or absent: ``none``); its keys are
-    checked by :func:`check_checkpointing`."""
-    if node is None:
-        return NONE
-    get = node.get if hasattr(node, "get") else (lambda k, d=None: getattr(node, k, d))
-    mode = str(get("name"))
-    every, ops, mm = get("every"), get("save_ops"), get("matmul_recompute_every")
-    return Checkpointing(mode, every=int(every) if every is not None else (2 if mode == "selective_layer" else 1),
-                         save_ops=tuple(str(o) for o in ops) if ops is not None else SAVE_OPS,
-                         matmul_recompute_every=2 if mm is None else int(mm))
+def option(name: str) -> Checkpointing:
+    """The option ``name`` as its YAML (conf/activation_checkpointing/<name>.yaml) sets it."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "conf" / "activation_checkpointing" / f"{name}.yaml"
+    if name not in MODES or not path.exists():
+        raise ConfigError("activation_checkpointing", name, ", ".join(MODES))
+    return checkpointing_of(OmegaConf.load(path))
+
+
+def overrides_of(mode: Checkpointing) -> list[str]:
+    """The ``python -m zeroexp`` overrides that select ``mode``: the option, and each of its keys where the option's
+    YAML sets another value."""
+    out = [f"activation_checkpointing={mode.mode}"]
+    default = option(mode.mode)
+    if mode.every != default.every:
+        out.append(f"activation_checkpointing.every={mode.every}")
+    if mode.save_ops != default.save_ops:
+        out.append(f"activation_checkpointing.save_ops=[{','.join(mode.save_ops)}]")
+    if mode.matmul_recompute_every != default.matmul_recompute_every:
+        out.append(f"activation_checkpointing.matmul_recompute_every={mode.matmul_recompute_every}")
+    return out
 
 
 def check_checkpointing(cfg: Any) -> None:

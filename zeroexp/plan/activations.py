@@ -35,7 +35,11 @@ class ActivationTrace:
     held_bytes: int = 0
     tensors: int = 0
     #: Each unit's input (its tensor arguments' storages, the first time one is seen): what a checkpointed unit keeps.
+    #: Every unit is in it, in the order its forward started (0 where its input was seen before).
     unit_input_bytes: dict[str, int] = field(default_factory=dict)
+    #: Traced with a selective policy (``activation_checkpointing=selective_op``): per unit, the outputs of the ops
+    #: the policy saves that are no unit's input (what a checkpointed unit keeps besides its input); else empty.
+    unit_policy_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> int:
@@ -77,7 +81,7 @@ def fake_build(model_cfg: Mapping[str, Any], device: str = "cpu",
 
 def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
                       dtype: torch.dtype | None = None, module_dtype: torch.dtype | None = None,
-                      build: FakeBuild | None = None) -> ActivationTrace:
+                      build: FakeBuild | None = None, policy: Any = None) -> ActivationTrace:
     """Build the model config's module under ``FakeTensorMode`` on ``device``, run one forward and the loss at
     ``batch_size`` samples of ``model.input_shape``, and count what autograd saves, per unit of a ``wrap`` class.
     ``dtype``: the compute dtype (autocast on ``device``; None or fp32: the model's own); ``module_dtype``: the
@@ -85,7 +89,10 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
     compute below fp32). ``build``: the module already built (:func:`fake_build` of the same config, device and
     ``module_dtype``) to run instead of building one: what is counted is what the forward saves and holds, never
     the module's own tensors, so several batches traced on one build count what fresh builds do
-    (tests/test_activations.py, on the corpus of foreign models)."""
+    (tests/test_activations.py, on the corpus of foreign models). ``policy``: a selective
+    :class:`~zeroexp.formulas.peak.checkpointing.Checkpointing` whose per-op policy is counted too
+    (``unit_policy_bytes``: the outputs it would save, its matmuls counted per unit as torch's checkpoint counts them
+    per checkpointed call)."""
     from contextlib import nullcontext
 
     from zeroexp.models import loss_of, zeros_batch
@@ -120,6 +127,7 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
         def enter(m: torch.nn.Module, args: Any) -> None:
             name = names[id(m)]
             stack.append(name)
+            trace.unit_input_bytes.setdefault(name, 0)
             for t in (a for a in args if isinstance(a, torch.Tensor)):
                 if _key(t) not in inputs:
                     inputs.add(_key(t))
@@ -131,8 +139,9 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
         hooks += [m.register_forward_hook(lambda m, a, o: stack.pop() and None) for m in units]  # None: output kept
         batch = zeros_batch(model_cfg, batch_size)
         cast = torch.autocast(device, dtype=dtype) if dtype not in (None, torch.float32) else nullcontext()
+        counting = _policy_counter(policy, stack, inputs, held, trace) if policy is not None else nullcontext()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, counting:
                 out = net(batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point() else batch)
                 loss = loss_of(model_cfg)(out, batch)
         finally:
@@ -145,6 +154,42 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
     order = {n: i for i, n in enumerate(names.values())}
     trace.unit_bytes = dict(sorted(trace.unit_bytes.items(), key=lambda kv: (kv[0] == "root", order.get(kv[0], 0))))
     return trace
+
+
+def _policy_counter(policy: Any, stack: list[str], inputs: set[Any], held: list[torch.Tensor],
+                    trace: ActivationTrace) -> Any:
+    """A dispatch mode that adds to ``trace.unit_policy_bytes`` the output storages of the ops ``policy`` saves
+    inside a unit (``stack[-1]``; never the root's, which is not checkpointed), each once, no unit's input."""
+    from zeroexp._lib.dispatch import dispatch_mode_base
+    from zeroexp.formulas.peak.checkpointing import MATMULS
+    from zeroexp.models.sac import op_name
+
+    matmuls: dict[str, int] = {}
+    seen: set[Any] = set()
+
+    def tensors(out: Any) -> list[torch.Tensor]:
+        if isinstance(out, torch.Tensor):
+            return [out]
+        return [t for o in out for t in tensors(o)] if isinstance(out, (list, tuple)) else []
+
+    class Count(dispatch_mode_base()):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            unit, name = stack[-1], op_name(func)
+            if unit == "root" or name is None:
+                return out
+            if name in MATMULS:
+                matmuls[unit] = matmuls.get(unit, 0) + 1
+            if policy.saves(name, matmuls.get(unit, 0)):
+                for t in tensors(out):
+                    if _key(t) not in seen and _key(t) not in inputs:
+                        seen.add(_key(t))
+                        held.append(t)
+                        trace.unit_policy_bytes[unit] = (trace.unit_policy_bytes.get(unit, 0)
+                                                         + t.untyped_storage().nbytes())
+            return out
+
+    return Count()
 
 
 def _key(t: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from zeroexp.cell.memo import memoized
 
-__all__ = ["step_flops", "step_ops", "grouped_mm_flops"]
+__all__ = ["step_flops", "step_ops", "grouped_mm_flops", "recompute_share"]
 
 
 def _key(model_cfg: Mapping[str, Any], *rest: Any) -> tuple:
@@ -60,16 +60,37 @@ def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = No
 
 
 def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, ...] = (),
-               checkpointing: bool = False, derive: bool = True) -> int:
+               checkpointing: Any = False, derive: bool = True) -> int:
     """The FLOPs one rank computes in one micro-batch of ``batch_size`` samples (forward, loss, backward; the
-    recompute where checkpointed), counted by ``FlopCounterMode`` on the meta device (shapes alone: a FLOP count
-    needs no values, and meta tensors skip the initialisation and the fake-tensor dispatch); a deep stack of
-    identical blocks from two, three and four blocks (:func:`_derived`; ``derive=False``: counted whole)."""
-    key = _key(model_cfg, "flops", int(batch_size), tuple(c.__qualname__ for c in wrap), bool(checkpointing), derive)
-    return memoized("op_counts", key, lambda: _step_flops(model_cfg, batch_size, wrap, checkpointing, derive))
+    recompute of the units ``checkpointing`` checkpoints: a ``Checkpointing``, True for ``full``; under
+    ``selective_op`` the ops its policy does not save, as torch's checkpoint reruns them), counted by
+    ``FlopCounterMode`` on the meta device (shapes alone: a FLOP count needs no values, and meta tensors skip the
+    initialisation and the fake-tensor dispatch); a deep stack of identical blocks from two, three and four blocks
+    (:func:`_derived`; ``derive=False``: counted whole; ``selective_layer``'s blocks differ: derived only where the
+    counts at two, three and four blocks grow alike)."""
+    from zeroexp.formulas.peak.checkpointing import mode_of
+
+    mode = mode_of(checkpointing)
+    key = _key(model_cfg, "flops", int(batch_size), tuple(c.__qualname__ for c in wrap), mode, derive)
+    return memoized("op_counts", key, lambda: _step_flops(model_cfg, batch_size, wrap, mode, derive))
 
 
-def _step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: Any, checkpointing: bool, derive: bool) -> int:
+def recompute_share(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, ...], checkpointing: Any
+                    ) -> float:
+    """The share of its checkpointed units' forward FLOPs that ``checkpointing`` recomputes: 1 where a checkpointed
+    unit reruns whole (``full``, ``selective_layer``), else (``selective_op``) the FLOPs its recompute counts over
+    those ``full``'s counts (:func:`step_flops`, each less the step without checkpointing)."""
+    from zeroexp.formulas.peak.checkpointing import FULL, mode_of
+
+    mode = mode_of(checkpointing)
+    if not mode.policy:
+        return 1.0 if mode else 0.0
+    bare = step_flops(model_cfg, batch_size, wrap, False)
+    full = step_flops(model_cfg, batch_size, wrap, FULL) - bare
+    return (step_flops(model_cfg, batch_size, wrap, mode) - bare) / full if full > 0 else 0.0
+
+
+def _step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: Any, checkpointing: Any, derive: bool) -> int:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -81,7 +102,7 @@ def _step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: Any, checkp
     with torch.device("meta"):
         net = build_model(model_cfg)
         if checkpointing and wrap:
-            checkpoint_units(net, tuple(wrap))
+            checkpoint_units(net, tuple(wrap), checkpointing)
         batch = zeros_batch(model_cfg, batch_size, device="meta")
         with FlopCounterMode(display=False, custom_mapping=_MAPPING()) as counter:
             loss = loss_of(model_cfg)(net(batch), batch)

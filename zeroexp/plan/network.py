@@ -176,15 +176,16 @@ def tokens_per_sample(model: Any) -> int:
 
 
 def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Network, itemsize: int,
-                   knobs: PlanKnobs, batch: int, tokens: int, checkpointing: bool = False,
-                   ops: tuple[int, int] = (0, 0)) -> None:
+                   knobs: PlanKnobs, batch: int, tokens: int, checkpointing: Any = False,
+                   ops: tuple[int, int] = (0, 0), share: float = 1.0) -> None:
     """Add ``step_ms``, ``exposed_comm_ms``, ``recompute_ms``, ``tokens_per_s`` (global, every micro-batch of the
     optimizer step) and ``fastest`` (per world size, among the rows a strategy runs that fit, or all of them when fit
     is unknown: :func:`zeroexp.plan.core.recommendable`; the paper's rows never) to each record, in place; and
     ``tie_fastest`` on those rows whose step is within :data:`MODEL_TIME_ERROR` of the fastest's.
-    ``checkpointing``: every wrap unit recomputed in backward; ``knobs.micro_batches``: grad_accum; ``ops``: the
-    model's operators (:func:`model_ops`)."""
-    checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels) if checkpointing else 0
+    ``checkpointing``: the option (a ``Checkpointing``; True: ``full``) whose units are recomputed in backward,
+    ``share`` the part of their forward it reruns (``zeroexp.plan.flops.recompute_share``); ``knobs.micro_batches``:
+    grad_accum; ``ops``: the model's operators (:func:`model_ops`)."""
+    checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels, checkpointing, share)
     for r in records:
         name, n = r["strategy"], r["world_size"]
         layout = LAYOUTS[name]

@@ -92,7 +92,8 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     cols = ["strategy", "stage", "N", "params", "grads", "moments", "master", "total"]
     cols += ["host", "device"] if offload else []
     acts = any(r.get("activation_bytes") is not None for r in records)
-    ckpt = ", checkpointed" if first.get("activation_checkpointing") == "full" else ""
+    ac = first.get("activation_checkpointing") or "none"
+    ckpt = "" if ac == "none" else ", checkpointed" if ac == "full" else f", checkpointed {ac}"
     accum = f" x {first['grad_accum']} micro-batches" if (first.get("grad_accum") or 1) > 1 else ""
     cols += ["gather floor"] + ([f"activations (batch {first['batch_size']}{accum}{ckpt})"] if acts else [])
     peaks = any(r.get("peak_bytes") is not None for r in records)

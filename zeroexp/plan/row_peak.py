@@ -17,8 +17,9 @@ from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape
                               offloaded_kinds)
 from zeroexp.cell.memo import memoized
 from zeroexp.formulas.device import DeviceSemantics
+from zeroexp.formulas.peak.checkpointing import mode_of
 
-__all__ = ["row_peak", "activation_bytes", "forward_trace", "precision_of"]
+__all__ = ["row_peak", "activation_bytes", "checkpointed_kept", "forward_trace", "precision_of"]
 
 
 
@@ -29,19 +30,24 @@ def _model_key(model_cfg: Any, wrap: list[type]) -> tuple:
             repr(model_cfg), tuple(c.__qualname__ for c in wrap))
 
 
-def forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any = None, module_dtype: Any = None) -> Any:
+def forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any = None, module_dtype: Any = None,
+                  policy: Any = None) -> Any:
     """``zeroexp.plan.activations.trace_activations`` remembered by its arguments in this process (an
     ``ActivationTrace`` is read, never changed): the activations with and without checkpointing, the planner's table
     and its peaks read one forward; the module is built once per model config and module dtype
     (``fake_build``) and run at every batch and autocast dtype asked. A model that declares a stack of identical
     blocks deeper than ``DERIVED_ABOVE`` is traced at two, three and four blocks and its trace derived
-    (``zeroexp.plan.stack.derived_trace``), or traced whole where the three do not check."""
+    (``zeroexp.plan.stack.derived_trace``), or traced whole where the three do not check. ``policy``: a
+    ``selective_op`` mode whose policy the trace counts too (``ActivationTrace.unit_policy_bytes``); None else."""
+    policy = policy if policy is not None and policy.policy else None
     model = _model_key(model_cfg, wrap)
-    key = (*model, int(batch), dtype, module_dtype)  # remembered by what is traced (zeroexp.cell.memo)
-    return memoized("forward_traces", key, lambda: _forward_trace(model_cfg, batch, wrap, dtype, module_dtype, model))
+    key = (*model, int(batch), dtype, module_dtype, policy)  # remembered by what is traced (zeroexp.cell.memo)
+    return memoized("forward_traces", key,
+                    lambda: _forward_trace(model_cfg, batch, wrap, dtype, module_dtype, model, policy))
 
 
-def _forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any, module_dtype: Any, model: tuple) -> Any:
+def _forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any, module_dtype: Any, model: tuple,
+                   policy: Any = None) -> Any:
     import torch
 
     from zeroexp.plan.activations import fake_build, trace_activations
@@ -50,38 +56,49 @@ def _forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any, mod
     stack, trace = stack_of(model_cfg), None
     if stack is not None:  # a deep stack of identical blocks: from 2, 3 and 4 blocks (zeroexp.plan.stack)
         argument, container, depth = stack
-        shallow = [forward_trace(at_depth(model_cfg, argument, d), batch, wrap, dtype, module_dtype) for d in (2, 3, 4)]
+        shallow = [forward_trace(at_depth(model_cfg, argument, d), batch, wrap, dtype, module_dtype, policy)
+                   for d in (2, 3, 4)]
         trace = derived_trace(*shallow, depth, container)
     if trace is None:
         cast = module_dtype if module_dtype not in (None, torch.float32) else None
         # one fake build serves every batch and autocast dtype of a model config and module dtype
         build = memoized("fake_builds", (model[0], cast), lambda: fake_build(model_cfg, module_dtype=cast))
-        trace = trace_activations(model_cfg, batch, wrap, dtype=dtype, module_dtype=module_dtype, build=build)
+        trace = trace_activations(model_cfg, batch, wrap, dtype=dtype, module_dtype=module_dtype, build=build,
+                                  policy=policy)
     return trace
 
 
-def activation_bytes(model_cfg: Any, batch: int, wrap: list[type], param_dtype: str, checkpointing: bool) -> int:
+def checkpointed_kept(trace: Any, mode: Any) -> int:
+    """What the forward of ``trace`` (an ``ActivationTrace``, traced with ``mode``'s policy where it has one) keeps
+    for backward under ``mode`` (``zeroexp.formulas.peak.checkpointing.checkpointed_forward_bytes``)."""
+    from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes
+
+    return checkpointed_forward_bytes(trace.total_bytes, trace.unit_bytes, trace.unit_input_bytes, mode_of(mode),
+                                      trace.unit_policy_bytes, list(trace.unit_input_bytes))
+
+
+def activation_bytes(model_cfg: Any, batch: int, wrap: list[type], param_dtype: str, checkpointing: Any) -> int:
     """What one forward keeps for backward at ``batch`` samples (``zeroexp.plan.activations.trace_activations``, on
     fake tensors): below fp32 the fewer of autocast's and the module cast's (a row without a peak model computes one
-    way or the other, as ``judge_fits`` reads them); checkpointed: ``checkpointed_forward_bytes`` of the same."""
-    from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes
+    way or the other, as ``judge_fits`` reads them); checkpointed (a ``Checkpointing``, or True: ``full``):
+    :func:`checkpointed_kept` of the same."""
     from zeroexp.models import torch_dtype
 
-    key = (*_model_key(model_cfg, wrap), int(batch), param_dtype, bool(checkpointing))
+    mode = mode_of(checkpointing)
+    key = (*_model_key(model_cfg, wrap), int(batch), param_dtype, mode)
 
     def compute() -> int:
         dtype = torch_dtype(param_dtype)
-        traces = [forward_trace(model_cfg, batch, wrap, dtype=dtype)]
+        traces = [forward_trace(model_cfg, batch, wrap, dtype=dtype, policy=mode)]
         if dtype.itemsize < 4:
-            traces.append(forward_trace(model_cfg, batch, wrap, module_dtype=dtype))
-        return min(checkpointed_forward_bytes(t.total_bytes, t.unit_bytes, t.unit_input_bytes)
-                   if checkpointing else t.total_bytes for t in traces)
+            traces.append(forward_trace(model_cfg, batch, wrap, module_dtype=dtype, policy=mode))
+        return min(checkpointed_kept(t, mode) for t in traces)
 
     return memoized("activation_bytes", key, compute)
 
 
 def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: PlanKnobs, model_cfg: Any,
-             batch: int | None, wrap: list[type], checkpointing: bool, prefetch: str, device: DeviceSemantics,
+             batch: int | None, wrap: list[type], checkpointing: Any, prefetch: str, device: DeviceSemantics,
              budget: int | None) -> dict[str, Any]:
     """The peak of ``record`` (a ``zeroexp.plan.core.plan_record`` of one row at one world size, precision and
     offload, ``knobs.micro_batches`` the grad_accum) at ``batch`` samples a micro-batch (None, or no ``model_cfg``:
@@ -109,8 +126,8 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     out.setdefault("activation_cast_bytes", None)
     row = LAYOUTS[name]
     out["accum_grad_bytes"] = row.family.accumulated_grad_bytes(row, record["grad_bytes"]) if k > 1 else None
-    why = uncovered(name, str(precision.name), record["offload"], activation_checkpointing="full" if checkpointing
-                    else "none", micro_batches=k)
+    why = uncovered(name, str(precision.name), record["offload"], activation_checkpointing=mode_of(checkpointing).mode,
+                    micro_batches=k)
     if not traced:
         why = why or ["no traced step: give model= and batch_size="]
     groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)

@@ -100,9 +100,10 @@ def deepen(two: Any, three: Any, depth: int, container: str) -> Any:
     prefix = f"{container}." if container else ""
     units = _grow(two.unit_bytes, three.unit_bytes, depth, prefix)
     inputs = _grow(two.unit_input_bytes, three.unit_input_bytes, depth, prefix)
-    if units is None or inputs is None or not any(_block(name, prefix) for name in two.unit_bytes):
+    kept = _grow(two.unit_policy_bytes, three.unit_policy_bytes, depth, prefix)
+    if units is None or inputs is None or kept is None or not any(_block(name, prefix) for name in two.unit_bytes):
         return None
-    return replace(two, unit_bytes=units, unit_input_bytes=inputs,
+    return replace(two, unit_bytes=units, unit_input_bytes=inputs, unit_policy_bytes=kept,
                    held_bytes=_affine(two.held_bytes, three.held_bytes, depth),
                    tensors=_affine(two.tensors, three.tensors, depth))
 
@@ -110,7 +111,8 @@ def deepen(two: Any, three: Any, depth: int, container: str) -> Any:
 def _same(a: Any, b: Any) -> bool:
     """Equal traces, the order of their units included."""
     return (a == b and list(a.unit_bytes.items()) == list(b.unit_bytes.items())
-            and list(a.unit_input_bytes.items()) == list(b.unit_input_bytes.items()))
+            and list(a.unit_input_bytes.items()) == list(b.unit_input_bytes.items())
+            and list(a.unit_policy_bytes.items()) == list(b.unit_policy_bytes.items()))
 
 
 def derived_trace(two: Any, three: Any, four: Any, depth: int, container: str) -> Any:

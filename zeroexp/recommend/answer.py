@@ -18,7 +18,7 @@ def label(c: Config) -> str:
     if c.offload != "none":
         parts.append(f"offload={c.offload}")
     if c.checkpointing:
-        parts.append("ac")
+        parts.append("ac" if c.checkpointing.mode == "full" else f"ac={c.checkpointing.label}")
     parts.append(f"mb{c.micro_batch}x{c.grad_accum}")
     if c.prefetch is not None:
         parts.append(f"pf={c.prefetch}")

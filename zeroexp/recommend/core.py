@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
+from zeroexp.formulas.peak.checkpointing import FULL
 from zeroexp.recommend.answer import command, label, mark_ties, notes_of, recommendation
 from zeroexp.recommend.search import Evaluator, Problem, search
 from zeroexp.recommend.space import Axes, run_overrides
@@ -51,8 +52,8 @@ def nearest_changes(problem: Problem, axes: Axes, fastest_ms: float, model_overr
     search's, when given)."""
     ev = evaluator or Evaluator(problem)
     opened = {}
-    if True not in axes.checkpointing:
-        opened["activation_checkpointing=full"] = {"checkpointing": axes.checkpointing + (True,)}
+    if FULL not in axes.checkpointing:
+        opened["activation_checkpointing=full"] = {"checkpointing": axes.checkpointing + (FULL,)}
     more = tuple(o for o in ("optimizer", "full") if o not in axes.offloads)
     if more:
         opened[f"offload={'|'.join(more)}"] = {"offloads": axes.offloads + more}

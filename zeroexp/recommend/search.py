@@ -91,7 +91,19 @@ class Evaluator:
         self._records: dict[tuple, dict[str, Any]] = {}
         self._groups: dict[tuple, Any] = {}
         self._steps: dict[tuple, Any] = {}
-        self._checkpointed = checkpointed_numel(problem.shape.units, problem.shape.root, problem.shape.numels)
+        self._checkpointed: dict[Any, int] = {}
+
+    def checkpointed(self, mode: Any) -> int:
+        """The parameters whose forward ``mode`` recomputes (``checkpointed_numel``, ``selective_op``'s share
+        counted on the model: ``zeroexp.plan.flops.recompute_share``; 1 for a parameter count)."""
+        if mode not in self._checkpointed:
+            from zeroexp.plan.flops import recompute_share
+
+            shape = self.p.shape
+            share = (recompute_share(self.p.model_cfg, 1, tuple(self.p.wrap), mode)
+                     if self.p.model_cfg is not None and mode.policy else 1.0)
+            self._checkpointed[mode] = checkpointed_numel(shape.units, shape.root, shape.numels, mode, share)
+        return self._checkpointed[mode]
 
     def knobs(self, c: Config) -> PlanKnobs:
         return PlanKnobs(bucket_cap_bytes=int((c.bucket_cap_mb or 25) * 2**20),
@@ -129,7 +141,7 @@ class Evaluator:
             network = self.p.networks[c.precision]
             self._steps[key] = predict_on(network, LAYOUTS[c.row], self.groups(c),
                                           self.itemsize(c), self.knobs(c), c.micro_batch, self.p.world_size,
-                                          c.prefetch or "pre", self._checkpointed if c.checkpointing else 0, without,
+                                          c.prefetch or "pre", self.checkpointed(c.checkpointing), without,
                                           model_ops(network, self.p.model_cfg, c.micro_batch))
         return self._steps[key]
 

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from zeroexp.cell.strategy import SCHEMAS
+from zeroexp.config.checkpointing import overrides_of
+from zeroexp.formulas.peak.checkpointing import Checkpointing
 from zeroexp.formulas import LAYOUTS
 
 __all__ = ["Config", "Axes", "configurations", "strategy_of", "run_overrides", "divisors", "CONF_DIR"]
@@ -32,7 +34,7 @@ class Config:
     row: str
     precision: str
     offload: str
-    checkpointing: bool
+    checkpointing: Checkpointing
     micro_batch: int
     grad_accum: int
     bucket_cap_mb: float | None = None
@@ -47,7 +49,7 @@ class Axes:
     rows: tuple[str, ...]
     precisions: tuple[str, ...]
     offloads: tuple[str, ...]
-    checkpointing: tuple[bool, ...]
+    checkpointing: tuple[Checkpointing, ...]
     samples: int
     micro_batches: tuple[int, ...] | None  # None: every divisor of samples
     bucket_caps_mb: tuple[float, ...]
@@ -133,8 +135,7 @@ def run_overrides(config: Config, model: list[str], world_size: int) -> list[str
     strategy, selects, _ = strategy_of(config.row)
     out = [f"strategy={strategy}", *(f"strategy.{k}={v}" for k, v in selects.items()), *model,
            f"world_size={world_size}", f"precision={config.precision}", f"offload={config.offload}",
-           f"activation_checkpointing={'full' if config.checkpointing else 'none'}",
-           f"batch_size={config.micro_batch}", f"grad_accum={config.grad_accum}"]
+           *overrides_of(config.checkpointing), f"batch_size={config.micro_batch}", f"grad_accum={config.grad_accum}"]
     if config.bucket_cap_mb is not None:
         out.append(f"strategy.bucket_cap_mb={config.bucket_cap_mb:g}")
     if config.prefetch is not None:

@@ -27,9 +27,10 @@ arXiv:2205.05198, section 5 (selective recomputation).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-__all__ = ["Checkpointing", "NONE", "FULL", "MODES", "mode_of", "SAVE_OPS", "MATMULS", "checkpointed_forward_bytes",
+__all__ = ["Checkpointing", "NONE", "FULL", "MODES", "mode_of", "checkpointing_of", "SAVE_OPS", "MATMULS",
+           "checkpointed_forward_bytes",
            "recompute_bytes"]
 
 MODES = ("none", "full", "selective_layer", "selective_op")
@@ -45,7 +46,7 @@ SAVE_OPS = (*MATMULS, "_scaled_dot_product_flash_attention", "_scaled_dot_produc
             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Checkpointing:
     """One ``activation_checkpointing`` option: its ``mode`` and that mode's keys (``every``: selective_layer's k;
     ``save_ops`` and ``matmul_recompute_every``: selective_op's policy). False for ``none``."""
@@ -96,6 +97,18 @@ class Checkpointing:
 
 NONE = Checkpointing("none")
 FULL = Checkpointing("full")
+
+
+def checkpointing_of(node: Any) -> Checkpointing:
+    """The option a composed ``activation_checkpointing`` node names (a mapping with ``name`` and the modes' keys;
+    None: ``none``); null keys take the defaults above (``every``: 2 for ``selective_layer``)."""
+    if node is None:
+        return NONE
+    mode = str(node.get("name"))
+    every, ops, mm = node.get("every"), node.get("save_ops"), node.get("matmul_recompute_every")
+    return Checkpointing(mode, every=int(every) if every is not None else (2 if mode == "selective_layer" else 1),
+                         save_ops=tuple(str(o) for o in ops) if ops is not None else SAVE_OPS,
+                         matmul_recompute_every=2 if mm is None else int(mm))
 
 
 def mode_of(checkpointing: Checkpointing | bool | None) -> Checkpointing:

@@ -53,6 +53,7 @@ from zeroexp.formulas.time.framework import FrameworkCost, framework_time
 from zeroexp.formulas.layout import (STEP_BYTES, Groups, PlanKnobs, StateLayout, rank_state_bytes,
                                      step_collectives)
 from zeroexp.formulas.paper import Collectives
+from zeroexp.formulas.peak.checkpointing import Checkpointing, mode_of
 from zeroexp.formulas.time.rates import ComputeRate
 
 __all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step",
@@ -104,10 +105,17 @@ class StepTime:
                                                              "comm", "wake", "exposed_comm")}
 
 
-def checkpointed_numel(units: tuple[tuple[int, ...], ...], root: tuple[bool, ...], numels: tuple[int, ...]) -> int:
-    """The parameters inside checkpointed units (every wrap unit; the root unit's own parameters are not
-    checkpointed): a ``ModelShape``'s ``units``, ``root`` and ``numels``."""
-    return sum(numels[i] for members, is_root in zip(units, root) if not is_root for i in members)
+def checkpointed_numel(units: tuple[tuple[int, ...], ...], root: tuple[bool, ...], numels: tuple[int, ...],
+                       mode: Checkpointing | bool = True, share: float = 1.0) -> int:
+    """The parameters whose forward a step recomputes: those inside the wrap units ``mode`` checkpoints (True:
+    every one, ``full``; ``selective_layer``: every k-th in order; the root unit's own parameters are never
+    checkpointed), times ``share``, the part of their forward the recompute reruns (``selective_op``'s policy
+    saves some ops' outputs: ``zeroexp.plan.flops.recompute_share``, counted FLOPs; 1 otherwise): a ``ModelShape``'s
+    ``units``, ``root`` and ``numels``."""
+    mode = mode_of(mode)
+    wrapped = [members for members, is_root in zip(units, root) if not is_root]
+    inside = sum(numels[i] for k, members in enumerate(wrapped) if mode.checkpointed(k) for i in members)
+    return round(inside * share)
 
 
 def recompute_seconds(forward_s: float, checkpointed: int, numel: int) -> float:

@@ -95,7 +95,13 @@ def _section(cell: Cell, summary: dict[str, Any]) -> dict[str, Any]:
     name, layout, n, batch = cell.row_name, cell.row, cell.world_size, cell.batch_size
     itemsize, knobs, shape = cell.itemsize, cell.knobs, cell_shape(cell)
     groups = derive_groups(name, layout, shape, n, itemsize, knobs)
-    checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels) if cell.checkpointed else 0
+    share = 1.0
+    if cell.checkpointed.policy:  # selective_op: the part of the units' forward its recompute reruns, counted
+        from zeroexp.models import import_class
+        from zeroexp.plan.flops import recompute_share
+
+        share = recompute_share(cell.model, batch, tuple(import_class(p) for p in cell.wrap), cell.checkpointed)
+    checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels, cell.checkpointed, share)
     coll = summary.get("collectives") or {}
     out: dict[str, Any] = {"predicted_step_ms": None, "measured_median_ms": None, "median_ci95_ms": None,
                            "ratio": None, "exposed_comm_ms": None,
