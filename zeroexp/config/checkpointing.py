@@ -59,9 +59,11 @@ def overrides_of(mode: Checkpointing) -> list[str]:
     return out
 
 
-def check_checkpointing(cfg: Any) -> None:
-    """The node's mode and keys, from the config alone (no torch): a key of another mode refused, ``every`` an
-    integer >= 1, ``matmul_recompute_every`` one >= 0 (0: every matmul saved), ``save_ops`` a list of names."""
+def check_checkpointing(cfg: Any, explicit_overrides: tuple[str, ...] | None = None) -> None:
+    """The node's mode and keys, from the config alone (no torch): a key of another mode refused where the user set
+    it for this cell (``explicit_overrides``: a single run's keys; None: every key, as the planner reads them; in a
+    sweep, set for the other modes, it does not apply and the mode reads its default), ``every`` an integer >= 1,
+    ``matmul_recompute_every`` one >= 0 (0: every matmul saved), ``save_ops`` a list of names."""
     node = cfg.get("activation_checkpointing")
     if node is None:
         return
@@ -69,7 +71,8 @@ def check_checkpointing(cfg: Any) -> None:
     if mode not in MODES:
         raise ConfigError("activation_checkpointing", mode, ", ".join(MODES))
     for key in ("every", "save_ops", "matmul_recompute_every"):
-        if node.get(key) is not None and key not in MODE_KEYS[mode]:
+        asked = explicit_overrides is None or f"activation_checkpointing.{key}" in explicit_overrides
+        if node.get(key) is not None and key not in MODE_KEYS[mode] and asked:
             owner = next(m for m, keys in MODE_KEYS.items() if key in keys)
             raise ConfigError(f"activation_checkpointing.{key}", OmegaConf.select(cfg, f"activation_checkpointing."
                                                                                        f"{key}"),

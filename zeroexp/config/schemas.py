@@ -387,7 +387,7 @@ def _check_knobs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
                               why=str(e)) from e
     _check_unread_keys(cfg)
     _check_strategy_keys(cfg, explicit_overrides)
-    check_checkpointing(cfg)
+    check_checkpointing(cfg, explicit_overrides)
     for key, accepted in _ACCEPTED.items():
         value = OmegaConf.select(cfg, key)
         if value not in accepted:

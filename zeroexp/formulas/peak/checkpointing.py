@@ -101,11 +101,14 @@ FULL = Checkpointing("full")
 
 def checkpointing_of(node: Any) -> Checkpointing:
     """The option a composed ``activation_checkpointing`` node names (a mapping with ``name`` and the modes' keys;
-    None: ``none``); null keys take the defaults above (``every``: 2 for ``selective_layer``)."""
+    None: ``none``); null keys take the defaults above (``every``: 2 for ``selective_layer``), and so do the keys of
+    other modes (set in a sweep over modes: they do not apply)."""
     if node is None:
         return NONE
     mode = str(node.get("name"))
-    every, ops, mm = node.get("every"), node.get("save_ops"), node.get("matmul_recompute_every")
+    layer, op = mode == "selective_layer", mode == "selective_op"
+    every = node.get("every") if layer else None
+    ops, mm = (node.get("save_ops"), node.get("matmul_recompute_every")) if op else (None, None)
     return Checkpointing(mode, every=int(every) if every is not None else (2 if mode == "selective_layer" else 1),
                          save_ops=tuple(str(o) for o in ops) if ops is not None else SAVE_OPS,
                          matmul_recompute_every=2 if mm is None else int(mm))
