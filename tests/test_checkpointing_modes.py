@@ -170,7 +170,7 @@ def test_plan_and_recommend_take_each_mode_and_print_commands_that_compose_to_it
     mode = Checkpointing("selective_layer", every=3)
     assert overrides_of(mode) == ["activation_checkpointing=selective_layer", "activation_checkpointing.every=3"]
     printed = run_overrides(Config("fsdp2_full", "bf16", "none", mode, 1, 1), ["model=gpt"], 2)
-    assert checkpointing_of(compose(*printed).activation_checkpointing) == mode
+    assert checkpointing_of(compose(*printed, base=()).activation_checkpointing) == mode
 
 
 CELLS = [pytest.param(("model=gpt", "strategy=zero2", "activation_checkpointing=selective_op", "world_size=3"),
