@@ -75,7 +75,8 @@ AXES = (
          "mesh: hybrid sharding's (replicate, shard) device mesh, world_size / strategy.shard_size replicas x "
          "strategy.shard_size ranks per shard group"),
     Axis("axis.activation_checkpointing", "act. ckpt", _checkpointing, lambda v: v not in (None, "none"),
-         "act. ckpt: activation_checkpointing (full: each wrap unit recomputed in backward)"),
+         "act. ckpt: activation_checkpointing (full: each wrap unit recomputed in backward; selective_layer-everyK: "
+         "every K-th; selective_op: each unit under a per-op policy)"),
     Axis("axis.grad_accum", "grad accum", _grad_accum, lambda v: v not in (None, 1),
          "grad accum: grad_accum, micro-batches per optimizer step (every probe counts optimizer steps)"),
     Axis("axis.sync_each_microbatch", "sync each micro-batch", _sync_each, bool,
