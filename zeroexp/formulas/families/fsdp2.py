@@ -24,12 +24,22 @@ __all__ = ["Fsdp2Rows", "FSDP2", "ROWS"]
 OFFLOADS = frozenset({"none", "full"})
 
 
-def _twice(root: bool, knobs) -> int:
-    # FSDP2 reshard_after_forward=True passed explicitly: the root too; None (its default) keeps the root
-    return 1 if root and knobs.root_kept_after_forward else 2
+def kept_after_forward(knobs, root: bool, last: bool = False) -> bool:
+    """Whether FSDP2 keeps a unit unsharded from its forward to its backward under ``fsdp2_full``'s knobs: the root
+    where ``reshard_after_forward=None`` (its default) or the policy keeps it; under ``strategy.reshard_policy``
+    (torchtitan's, zeroexp.cell.strategy.RESHARD_POLICIES) ``never`` every unit, ``default`` the ``last`` (the last
+    unit in forward order, outside the root)."""
+    policy = knobs.reshard_policy
+    return policy == "never" or (knobs.root_kept_after_forward if root else last and policy == "default")
 
 
-def _twice_always(root: bool, knobs) -> int:
+def _twice(root: bool, knobs, last: bool = False) -> int:
+    # FSDP2 reshard_after_forward=True passed explicitly: the root too; None (its default) keeps the root; a unit kept
+    # after forward is gathered once
+    return 1 if kept_after_forward(knobs, root, last) else 2
+
+
+def _twice_always(root: bool, knobs, last: bool = False) -> int:
     return 2  # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob
 
 
@@ -49,12 +59,14 @@ class Fsdp2Rows(FsdpFamily):
         out.shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
         out.grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
                            enumerate(zip(shape.params, numels)) if k and shape.train(i) and i not in shape.unused]
+        last = max((u for u, root in enumerate(shape.root) if not root), default=-1)  # the last unit in forward
         for u, (unit, root) in enumerate(zip(shape.units, shape.root)):  # each unit as it is gathered
             size = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)
             reduced = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit
                           if shape.train(i) and i not in shape.unused)
             if size:
-                out.units.append(self.unit(size, row.gathers_per_unit(root, knobs), shape.calls(u), shape.backward(u),
+                out.units.append(self.unit(size, row.gathers_per_unit(root, knobs, u == last), shape.calls(u),
+                                           shape.backward(u),
                                            reduced, shape.next_reached(u), narrow=bool(narrow)))
         return out
 
@@ -130,8 +142,12 @@ class Fsdp2Rows(FsdpFamily):
         # what zero_grad frees between steps: each unit's reduce-scatter output, of which each parameter's sharded
         # gradient is a view
         steady_grads = counted_sum((u.scattered // n * kept for u in groups.units), block)
+        # each unit's kept after forward: gathered once (strategy.reshard_policy: per unit), in held.units' order
+        sized = [root for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
+        kept_units = tuple(u.gathers < 2 for u, root in zip(groups.units, sized) if alone or not root)
         return fsdp2_phase_peaks(trace, held.units, root=held.root, steady_grad_bytes=steady_grads, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **held.adamw,
+                                 kept_units=kept_units if knobs.reshard_policy else None,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                                  one_unit=alone, root_kept=root_kept and not alone,
                                  ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
