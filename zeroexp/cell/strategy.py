@@ -161,7 +161,8 @@ def check_reshard_policy(policy: Any, strategy: str, reshard_after_forward: Any 
         raise ConfigError(key, policy, "null (the strategy's reshard_after_forward on every unit), "
                           + ", ".join(RESHARD_POLICIES) + " (torchtitan's reshard_after_forward policies)")
     if reshard_after_forward is not True:
-        raise ConfigError(key, policy, f"null with {prefix}reshard_after_forward={reshard_after_forward}, or "
+        shown = "null" if reshard_after_forward is None else str(reshard_after_forward).lower()
+        raise ConfigError(key, policy, f"null with {prefix}reshard_after_forward={shown}, or "
                           f"{prefix}reshard_after_forward=true (its default) with a policy",
                           why=f"both {key} and {prefix}reshard_after_forward set: the policy sets "
                               "reshard_after_forward for each unit itself")

@@ -53,6 +53,9 @@ class PlanConfig:
     # FSDP2 rows, as a cell's strategy.* keys: true | null (fsdp2_full: the root kept unsharded forward to backward)
     # | an int k dividing each world_size (fsdp2_full: each unit resharded to k ranks after forward, ZeRO++'s hpZ)
     reshard_after_forward: Any = True
+    # fsdp2_full: torchtitan's reshard_after_forward per unit, as a cell's strategy.reshard_policy: null | always |
+    # default (every unit but the last resharded, the root kept) | never (every unit kept: fsdp2_grad_op's state)
+    reshard_policy: Any = None
     forward_prefetch: Any = 0  # units each unit's pre-forward all-gathers ahead (0: FSDP2's default, none)
     backward_prefetch: Any = None  # units each unit's pre-backward all-gathers ahead (null: FSDP2's implicit one)
     reduce_dtype: Any = None  # FSDP2 rows: MixedPrecisionPolicy's reduce dtype (null: precision.param_dtype)
@@ -67,7 +70,7 @@ RUN_ONLY = ("logger", "launcher", "checkpoint", "optimizer", "timeout", "probes"
             "warmup_steps", "resume", "dry_run", "calibration")
 #: A cell's strategy.* keys that the planner reads, as its flat keys of the same name.
 STRATEGY_KEYS = ("bucket_cap_mb", "shard_size", "use_orig_params", "reshard_after_forward", "forward_prefetch",
-                 "backward_prefetch", "reduce_dtype", "wrap")
+                 "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy")
 #: The overrides of this command line that only a run reads (:func:`split_run_only`), told in a note.
 _IGNORED: tuple[str, ...] = ()
 
@@ -163,17 +166,22 @@ def wrap_classes(cfg: DictConfig) -> list[type]:
 
 def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true, null or an int k
-    dividing every world size (an int equal to world_size is true, as FSDP2 takes it), ``forward_prefetch``,
-    ``backward_prefetch``, ``reduce_dtype``."""
+    dividing every world size (an int equal to world_size is true, as FSDP2 takes it), ``reshard_policy``
+    (torchtitan's, with ``reshard_after_forward`` true; with ``strategy=``, as that strategy accepts it),
+    ``forward_prefetch``, ``backward_prefetch``, ``reduce_dtype``."""
     from zeroexp.cell.resolved import post_forward_ranks
-    from zeroexp.cell.strategy import check_fsdp2_prefetch, check_fsdp2_reshard
+    from zeroexp.cell.strategy import check_fsdp2_prefetch, check_fsdp2_reshard, check_reshard_policy
 
     check_fsdp2_reshard(cfg.reshard_after_forward, _world_sizes(cfg.world_size), key="reshard_after_forward")
+    policy = cfg.get("reshard_policy")
+    check_reshard_policy(policy, str(cfg.strategy.name) if cfg.get("strategy") else "fsdp2_full",
+                         cfg.reshard_after_forward, prefix="")
     check_fsdp2_prefetch(cfg.forward_prefetch, cfg.backward_prefetch, prefix="")
     if cfg.reduce_dtype not in (None, "float32", cfg.precision.param_dtype):
         raise ConfigError("reduce_dtype", cfg.reduce_dtype, "null, float32 or precision.param_dtype",
                           why="as a cell's strategy.reduce_dtype: no reduction below the compute dtype")
-    return {"root_kept_after_forward": cfg.reshard_after_forward is None,
+    return {"root_kept_after_forward": cfg.reshard_after_forward is None or policy in ("default", "never"),
+            "reshard_policy": str(policy or ""),
             "post_forward_ranks": post_forward_ranks(cfg.reshard_after_forward),
             "forward_prefetch": int(cfg.forward_prefetch), "backward_prefetch": int(cfg.backward_prefetch or 0),
             "reduce_dtype": str(cfg.reduce_dtype or "")}
