@@ -39,6 +39,10 @@ def _twice(root: bool, knobs, last: bool = False) -> int:
     return 1 if kept_after_forward(knobs, root, last) else 2
 
 
+def _once(root: bool, knobs, last: bool = False) -> int:
+    return 1  # FSDP2 reshard_after_forward=False: every unit kept after forward, gathered once
+
+
 def _twice_always(root: bool, knobs, last: bool = False) -> int:
     return 2  # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob
 
@@ -166,7 +170,8 @@ FSDP2 = Fsdp2Rows()
 ROWS = {
     "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, OS_G_P, "never", FSDP2,
                                  gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
-                                 precisions=MIXED, offloads=OFFLOADS, source="zeroexp.strategies.fsdp2; [FSDP2]",
+                                 precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_once,
+                                 source="zeroexp.strategies.fsdp2; [FSDP2]",
                                  init_modelled=True, min_world_size=2),
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, OS_G_P, "never", FSDP2,
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
