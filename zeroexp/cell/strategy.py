@@ -153,7 +153,7 @@ def check_reshard_policy(policy: Any, strategy: str, reshard_after_forward: Any 
     """Refuse a ``reshard_policy`` (a cell's ``strategy.reshard_policy``, the planner's ``reshard_policy`` with
     ``prefix`` "") that is not null or one of :data:`RESHARD_POLICIES`, one beside a ``reshard_after_forward`` other
     than its default (true: the policy sets it per unit), and under ``fsdp2_grad_op`` any but ``never`` (what it
-    does) or under ``fsdp2_hybrid`` any at all (no model of it yet)."""
+    does)."""
     key = f"{prefix}reshard_policy"
     if policy is None:
         return
@@ -170,9 +170,6 @@ def check_reshard_policy(policy: Any, strategy: str, reshard_after_forward: Any 
         raise ConfigError(key, policy, "null or never under strategy=fsdp2_grad_op",
                           why="fsdp2_grad_op keeps every unit unsharded from forward to backward (never); a policy "
                               "that reshards is strategy=fsdp2_full's")
-    if strategy == "fsdp2_hybrid":
-        raise ConfigError(key, policy, "null under strategy=fsdp2_hybrid (or strategy=fsdp2_full with the policy)",
-                          why="no expectation model of a per-unit policy under hybrid sharding yet")
 
 
 def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.") -> None:

@@ -43,8 +43,10 @@ def _once(root: bool, knobs, last: bool = False) -> int:
     return 1  # FSDP2 reshard_after_forward=False: every unit kept after forward, gathered once
 
 
-def _twice_always(root: bool, knobs, last: bool = False) -> int:
-    return 2  # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob
+def _twice_hybrid(root: bool, knobs, last: bool = False) -> int:
+    # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob; a
+    # strategy.reshard_policy sets it per unit, as under fsdp2_full
+    return 1 if knobs.reshard_policy and kept_after_forward(knobs, root, last) else 2
 
 
 class Fsdp2Rows(FsdpFamily):
@@ -180,7 +182,7 @@ ROWS = {
                               init_modelled=True, min_world_size=2),
     "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, OS_G_P, "never", FSDP2,
                                 hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
-                                precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice_always, hybrid=True,
+                                precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice_hybrid, hybrid=True,
                                 source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid",
                                 reshard_after_forward=True, min_world_size=2),
 }
