@@ -19,6 +19,19 @@ LLAMA = ("model=llama3_8b", "model.num_hidden_layers=2", "model.hidden_size=64",
 BASE = ("logger=none", "steps=6", *WINDOWS)
 
 
+def _planned(*overrides: str, n: int = 2) -> dict:
+    """The planner's one row for the GPT's overrides at N=``n``, 8 samples a rank."""
+    from hydra import compose, initialize_config_dir
+
+    from zeroexp.cli.plan import register, run
+    from zeroexp.cli.run import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="plan", overrides=[*GPT, f"world_size={n}", "batch_size=8", *overrides])
+    return run(cfg)[0][0]
+
+
 @pytest.mark.parametrize("overrides, key", [
     (("strategy=fsdp2_full", "strategy.reshard_policy=sometimes"), "strategy.reshard_policy"),
     (("strategy=fsdp2_full", "strategy.reshard_policy=default", "strategy.reshard_after_forward=null"),
@@ -55,18 +68,7 @@ def test_the_planner_counts_one_all_gather_less_for_each_unit_kept_after_forward
     """gpt, 2 blocks and the root at N=2: always 2 x 3 all_gathers (every unit gathered again in backward), default
     2 + 1 + 1 (the last block and the root kept), never 3 (fsdp2_grad_op's); the flat key plans as strategy.*;
     each unit kept after forward raises the forward peak; fsdp2_hybrid follows the policy alike."""
-    from hydra import compose, initialize_config_dir
-
-    from zeroexp.cli.plan import register, run
-    from zeroexp.cli.run import CONF_DIR
-
-    register()
-
-    def planned(*overrides: str, n: int = 2) -> dict:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="plan", overrides=[*GPT, f"world_size={n}", "batch_size=8", *overrides])
-        return run(cfg)[0][0]
-
+    planned = _planned
     rows = {p: planned("strategy=fsdp2_full", f"strategy.reshard_policy={p}") for p in ("always", "default", "never")}
     assert {p: r["counts"]["all_gather"] for p, r in rows.items()} == {"always": 6, "default": 4, "never": 3}
     assert all(r["counts"]["reduce_scatter"] == 3 for r in rows.values())
@@ -89,6 +91,23 @@ def test_adamw_temporaries_follow_the_path():
     assert adamw_temporary_blocks(n, 4, "single") == adamw_temporary_blocks(n, 4, False) == single
     assert adamw_temporary_blocks(n, 4, "foreach") == adamw_temporary_blocks(n, 4, True) == (40, 16, 24)
     assert adamw_temporary_blocks(n, 4, "fused") == ()
+
+
+def test_the_planner_plans_a_runs_adamw_path():
+    """``python -m zeroexp.plan ... optimizer.impl=fused`` plans as ``adamw_impl=fused``: nothing above the state in
+    the update; single-tensor's two of one parameter below foreach's one of every parameter; beside ``foreach=``
+    it is refused, naming it."""
+    from zeroexp.cli.plan import as_plan_keys, split_run_only
+
+    assert split_run_only(as_plan_keys(["optimizer.impl=fused", "optimizer.lr=0.1"])) == (
+        ["adamw_impl=fused"], ["optimizer.lr=0.1"])
+    optimizer = {impl: _planned("strategy=fsdp2_full", f"adamw_impl={impl}")["phase_bytes"]["optimizer"]
+                 for impl in ("single", "foreach", "fused")}
+    assert optimizer["fused"] == 0 < optimizer["single"] < optimizer["foreach"]
+    with pytest.raises(ConfigError) as e:
+        _planned("strategy=fsdp2_full", "adamw_impl=fused", "foreach=true", "device=cuda")
+    assert e.value.key == "adamw_impl"
+
 
 
 @pytest.mark.parametrize("overrides, gathers", [

@@ -16,7 +16,7 @@ from zeroexp.errors import ConfigError
 from zeroexp.formulas import COMPUTE_ITEMSIZE, ModelShape, PlanKnobs
 from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
 
-__all__ = ["PlanConfig", "main", "run"]
+__all__ = ["PlanConfig", "as_plan_keys", "main", "run"]
 
 _STARTED = False
 
@@ -50,6 +50,9 @@ class PlanConfig:
     compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
     prefetch: Any = MISSING  # pre | post | none (the runner's group): fsdp_full's backward prefetch, as in a cell
     foreach: Any = None  # cuda: AdamW's foreach update (null, true: torch's CUDA default; false: single-tensor)
+    # AdamW's update path on any device, as a run's optimizer.impl (which plans as this key): null (the device's),
+    # single | foreach | fused (no temporaries)
+    adamw_impl: Any = None
     # FSDP2 rows, as a cell's strategy.* keys: true | null (fsdp2_full: the root kept unsharded forward to backward)
     # | an int k dividing each world_size (fsdp2_full: each unit resharded to k ranks after forward, ZeRO++'s hpZ)
     reshard_after_forward: Any = True
@@ -82,6 +85,12 @@ def split_run_only(argv: list[str]) -> tuple[list[str], list[str]]:
         key = a.split("=", 1)[0].lstrip("+~") if "=" in a and not a.startswith("-") else ""
         (dropped if key.split(".")[0] in RUN_ONLY else keep).append(a)
     return keep, dropped
+
+
+def as_plan_keys(argv: list[str]) -> list[str]:
+    """A command line's arguments with a run's ``optimizer.impl`` (AdamW's update path) as the planner's
+    ``adamw_impl``; the rest of ``optimizer.*`` is a run's alone (:data:`RUN_ONLY`)."""
+    return [f"adamw_impl={a.split('=', 1)[1]}" if a.split("=", 1)[0] == "optimizer.impl" else a for a in argv]
 
 
 def with_strategy(cfg: DictConfig) -> tuple[DictConfig, list[str] | None]:
@@ -252,6 +261,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
 def _device(cfg: DictConfig, memory: int | None) -> Any:
     """The peak model's device semantics (zeroexp.formulas.device): ``device=``, else cuda where a device memory or
     a GPU network preset is given, else cpu; on cuda the GPU's ``compute_capability`` (else the network preset's)."""
+    from zeroexp.config.optimizer import ADAMW_IMPLS
     from zeroexp.formulas.device import CPU, cuda
 
     network = cfg.network or {}
@@ -263,13 +273,17 @@ def _device(cfg: DictConfig, memory: int | None) -> Any:
         capability = network.get("compute_capability")
     if capability is not None and (isinstance(capability, bool) or not isinstance(capability, (int, float))):
         raise ConfigError("compute_capability", capability, "a number: 7.0 (V100), 8.0 (A100), 9.0 (H100)")
-    foreach = cfg.get("foreach")
+    foreach, impl = cfg.get("foreach"), cfg.get("adamw_impl")
     if foreach is not None and (not isinstance(foreach, bool) or name != "cuda"):
         raise ConfigError("foreach", foreach, "null, true or false with device=cuda (AdamW's foreach update; the CPU "
                           "steps single-tensor)")
+    if impl is not None and (impl not in ADAMW_IMPLS or foreach is not None):
+        raise ConfigError("adamw_impl", impl, "null (the device's AdamW update) or " + ", ".join(ADAMW_IMPLS)
+                          + " (a run's optimizer.impl), without foreach=", why="foreach= given too"
+                          if foreach is not None and impl in ADAMW_IMPLS else "")
     if name == "cpu":
-        return CPU
-    semantics = cuda(None if capability is None else float(capability))
+        return CPU.with_adamw(impl)
+    semantics = cuda(None if capability is None else float(capability)).with_adamw(impl)
     return semantics if foreach is None else replace(semantics, foreach=foreach)
 
 
@@ -439,6 +453,6 @@ def main() -> None:
 
     global _IGNORED
     register()
-    sys.argv[1:], dropped = split_run_only(sys.argv[1:])
+    sys.argv[1:], dropped = split_run_only(as_plan_keys(sys.argv[1:]))
     _IGNORED = tuple(dropped)
     run_hydra_app("plan", task, lambda: _STARTED)
