@@ -132,3 +132,17 @@ def test_a_cell_with_a_policy_and_a_path_holds_every_check(cell, overrides, gath
     assert (counts["all_gather"], counts["reduce_scatter"]) == (gathers, 3)
     if "optimizer.impl=fused" in overrides:
         assert r.summary["plan"]["memory"]["phases"]["optimizer"]["predicted_bytes"] == 0
+
+
+def test_the_report_names_a_cells_policy_and_path():
+    """The cells table's axes: a column for the reshard policy and one for AdamW's path where a cell sets them, and
+    a label suffix each (the cell's row stays its strategy's: fsdp2_full)."""
+    import pandas as pd
+
+    from zeroexp.results.axes import axis_values, label_axes, set_axes
+
+    frame = pd.DataFrame({"cell_name": ["a", "b"], "label": ["fsdp2_full", "fsdp2_full"], "cell.world_size": [2, 2],
+                          "config.strategy.reshard_policy": [None, "never"], "config.optimizer.impl": [None, "fused"]})
+    assert [a.key for a in set_axes(frame)] == ["axis.reshard_policy", "axis.adamw_impl"]
+    assert list(axis_values(frame)["axis.reshard_policy"]) == [None, "never"]
+    assert label_axes(frame) == [[], ["reshard=never", "adamw=fused"]]
