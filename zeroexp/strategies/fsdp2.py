@@ -12,6 +12,9 @@ left unset). ``False`` (``fsdp2_grad_op``) keeps the unsharded parameters until 
 (``fsdp2_full``, ZeRO++'s hpZ) keeps each unit's 1/k after forward, the root too, and backward all-gathers it from k
 ranks: each ``fully_shard`` call makes its own ``DeviceMesh`` of k-rank rows (``_get_post_forward_mesh_info``), so
 every unit has a post-forward process group of its own (:meth:`FSDP2Adapter.mesh_dims` names them ``post_forward``).
+``strategy.reshard_policy`` (torchtitan's) sets ``reshard_after_forward`` unit by unit instead
+(:meth:`FSDP2Adapter.reshard_per_unit`): ``always`` True, ``never`` False, ``default`` every unit but the last True,
+the last False and the root None (FSDP2's default: kept).
 The device mesh is made on the rank's device type (``init_device_mesh("cpu", (N,))`` with gloo) in
 :meth:`FSDP2Adapter.setup`, before any model exists (a dry run enters ``FakeTensorMode`` after it).
 """
@@ -200,14 +203,14 @@ class FSDP2Adapter(StrategyAdapter):
         self._root = root
         return module
 
-    def reshard_per_unit(self, units: list[nn.Module]) -> dict[int, bool | int | None]:
+    def reshard_per_unit(self, units: list[nn.Module]) -> dict[int | None, bool | int | None]:
         """Each unit's ``reshard_after_forward`` by ``id`` (the root's under the key None): the strategy's own for all
         without ``strategy.reshard_policy``; else torchtitan's policy (zeroexp.cell.strategy.RESHARD_POLICIES): under
         ``default`` the last unit (the last in forward order not inside another unit: the last transformer block)
         False, the others True, the root None (FSDP2's default: kept)."""
         policy = self.config.reshard_policy
         value = {None: self.reshard_after_forward, "always": True, "never": False, "default": True}[policy]
-        out: dict[Any, bool | int | None] = {id(u): value for u in units}
+        out: dict[int | None, bool | int | None] = {id(u): value for u in units}
         inside = {id(m) for u in units for m in u.modules() if m is not u}
         tops = [u for u in units if id(u) not in inside]
         if policy == "default" and tops:

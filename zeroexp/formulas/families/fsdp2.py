@@ -25,7 +25,7 @@ OFFLOADS = frozenset({"none", "full"})
 
 
 def kept_after_forward(knobs, root: bool, last: bool = False) -> bool:
-    """Whether FSDP2 keeps a unit unsharded from its forward to its backward under ``fsdp2_full``'s knobs: the root
+    """Whether FSDP2 keeps a unit unsharded from its forward to its backward under a resharding row's knobs: the root
     where ``reshard_after_forward=None`` (its default) or the policy keeps it; under ``strategy.reshard_policy``
     (torchtitan's, zeroexp.cell.strategy.RESHARD_POLICIES) ``never`` every unit, ``default`` the ``last`` (the last
     unit in forward order, outside the root)."""
@@ -72,8 +72,7 @@ class Fsdp2Rows(FsdpFamily):
                           if shape.train(i) and i not in shape.unused)
             if size:
                 out.units.append(self.unit(size, row.gathers_per_unit(root, knobs, u == last), shape.calls(u),
-                                           shape.backward(u),
-                                           reduced, shape.next_reached(u), narrow=bool(narrow)))
+                                           shape.backward(u), reduced, shape.next_reached(u), narrow=bool(narrow)))
         return out
 
     def state_note(self, row, shape, n):
