@@ -148,12 +148,12 @@ class FSDP2Config(StrategyConfig):
 RESHARD_POLICIES = ("always", "default", "never")
 
 
-def check_reshard_policy(policy: Any, strategy: str, reshard_after_forward: Any = True, prefix: str = "strategy."
-                         ) -> None:
+def check_reshard_policy(policy: Any, strategy: str, reshards: bool = True, reshard_after_forward: Any = True,
+                         prefix: str = "strategy.") -> None:
     """Refuse a ``reshard_policy`` (a cell's ``strategy.reshard_policy``, the planner's ``reshard_policy`` with
     ``prefix`` "") that is not null or one of :data:`RESHARD_POLICIES`, one beside a ``reshard_after_forward`` other
-    than its default (true: the policy sets it per unit), and under ``fsdp2_grad_op`` any but ``never`` (what it
-    does)."""
+    than its default (true: the policy sets it per unit), and under a ``strategy`` that never ``reshards`` after
+    forward (``fsdp2_grad_op``) any but ``never`` (what it does)."""
     key = f"{prefix}reshard_policy"
     if policy is None:
         return
@@ -166,9 +166,9 @@ def check_reshard_policy(policy: Any, strategy: str, reshard_after_forward: Any 
                           f"{prefix}reshard_after_forward=true (its default) with a policy",
                           why=f"both {key} and {prefix}reshard_after_forward set: the policy sets "
                               "reshard_after_forward for each unit itself")
-    if strategy == "fsdp2_grad_op" and policy != "never":
-        raise ConfigError(key, policy, "null or never under strategy=fsdp2_grad_op",
-                          why="fsdp2_grad_op keeps every unit unsharded from forward to backward (never); a policy "
+    if not reshards and policy != "never":
+        raise ConfigError(key, policy, f"null or never under strategy={strategy}",
+                          why=f"{strategy} keeps every unit unsharded from forward to backward (never); a policy "
                               "that reshards is strategy=fsdp2_full's")
 
 

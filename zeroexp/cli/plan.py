@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import COMPUTE_ITEMSIZE, ModelShape, PlanKnobs
+from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs
 from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
 
 __all__ = ["PlanConfig", "as_plan_keys", "main", "run"]
@@ -182,9 +182,10 @@ def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
     from zeroexp.cell.strategy import check_fsdp2_prefetch, check_fsdp2_reshard, check_reshard_policy
 
     check_fsdp2_reshard(cfg.reshard_after_forward, _world_sizes(cfg.world_size), key="reshard_after_forward")
-    policy = cfg.get("reshard_policy")
-    check_reshard_policy(policy, str(cfg.strategy.name) if cfg.get("strategy") else "fsdp2_full",
-                         cfg.reshard_after_forward, prefix="")
+    policy, row = cfg.get("reshard_policy"), LAYOUTS.get(str(cfg.strategy.layout)) if cfg.get("strategy") else None
+    check_reshard_policy(policy, str(cfg.strategy.name) if row else "fsdp2_full",
+                         reshards=row.reshard_after_forward if row else True,
+                         reshard_after_forward=cfg.reshard_after_forward, prefix="")
     check_fsdp2_prefetch(cfg.forward_prefetch, cfg.backward_prefetch, prefix="")
     if cfg.reduce_dtype not in (None, "float32", cfg.precision.param_dtype):
         raise ConfigError("reduce_dtype", cfg.reduce_dtype, "null, float32 or precision.param_dtype",

@@ -108,7 +108,8 @@ class FSDP2Adapter(StrategyAdapter):
                               why="a reduction below the compute dtype has no model in zeroexp's expectation (the "
                                   "gradients' cast before the reduce-scatter, the peak) yet")
         policy = cfg.strategy.get("reshard_policy")
-        check_reshard_policy(policy, cls.name)  # fsdp2_full's own reshard_after_forward: FSDP2FullAdapter.validate
+        # fsdp2_full's own reshard_after_forward beside it: FSDP2FullAdapter.validate
+        check_reshard_policy(policy, cls.name, reshards=cls.reshard_after_forward is not False)
         if back is not None and (cls.reshard_after_forward is False or policy == "never"):
             raise ConfigError("strategy.backward_prefetch", back, "null",
                               why=f"strategy={cls.name}" + (" with strategy.reshard_policy=never" if policy else "")
@@ -327,7 +328,8 @@ class FSDP2FullAdapter(FSDP2Adapter):
     @classmethod
     def validate(cls, cfg) -> None:
         check_fsdp2_reshard(cfg.strategy.reshard_after_forward, [int(cfg.world_size)])
-        check_reshard_policy(cfg.strategy.get("reshard_policy"), cls.name, cfg.strategy.reshard_after_forward)
+        check_reshard_policy(cfg.strategy.get("reshard_policy"), cls.name,
+                             reshard_after_forward=cfg.strategy.reshard_after_forward)
         super().validate(cfg)
 
 
