@@ -97,6 +97,8 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
     ident = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in _IDENTITY_KEYS if k != "strategy"}
     ident["strategy"] = _strategy_identity(cfg)
+    if isinstance(ident.get("optimizer"), dict) and ident["optimizer"].get("impl") is None:
+        ident["optimizer"].pop("impl", None)  # AdamW's path enters only when set: the ids of every other cell unchanged
     for a in _applicable(cfg):
         ident[a] = _axis_value(cfg, a)
     if cfg.get("dry_run"):  # a dry run is another cell than the real run of the same axes (absent: ids unchanged)

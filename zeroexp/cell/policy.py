@@ -33,16 +33,23 @@ class PrecisionPolicy:
 
 @dataclass(frozen=True)
 class OptimizerPolicy:
-    """``optimizer.*``: AdamW's hyper-parameters."""
+    """``optimizer.*``: AdamW's hyper-parameters and its update path (``impl``: single, foreach, fused; None: torch's
+    choice)."""
 
     lr: float
     betas: tuple[float, float]
     eps: float
     weight_decay: float
+    impl: str | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        """As ``torch.optim.AdamW`` takes them."""
-        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+        """As ``torch.optim.AdamW`` takes them (``impl`` as its ``foreach=`` / ``fused=``, only when set)."""
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
+                **self.path()}
+
+    def path(self) -> dict[str, bool]:
+        """``impl`` as ``torch.optim.AdamW``'s ``foreach=`` and ``fused=`` (none when unset: torch's choice)."""
+        return {} if self.impl is None else {"foreach": self.impl == "foreach", "fused": self.impl == "fused"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ class CellPolicy:
                    wrap=tuple(str(w) for w in wrap_paths(cfg)),
                    activation_checkpointing=checkpointing_of(cfg.activation_checkpointing),
                    optimizer=OptimizerPolicy(float(o.lr), (float(o.betas[0]), float(o.betas[1])), float(o.eps),
-                                             float(o.weight_decay)),
+                                             float(o.weight_decay), None if o.get("impl") is None else str(o.impl)),
                    model=model, seed=int(cfg.seed), batch_size=int(cfg.batch_size),
                    grad_accum=int(cfg.grad_accum), warmup_steps=int(cfg.warmup_steps))
 

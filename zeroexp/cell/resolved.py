@@ -134,7 +134,9 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         sync_each_microbatch=bool(knob("sync_each_microbatch", False)),
         find_unused_parameters=knob("find_unused_parameters", None),
         compute_dtype=str(cfg.precision.param_dtype),
-        root_kept_after_forward=hasattr(own, "reshard_after_forward") and reshard is None,
+        root_kept_after_forward=hasattr(own, "reshard_after_forward") and reshard is None
+        or knob("reshard_policy", None) in ("default", "never"),
+        reshard_policy=str(knob("reshard_policy", None) or ""),
         forward_prefetch=int(knob("forward_prefetch", 0) or 0),
         backward_prefetch=int(knob("backward_prefetch", 0) or 0),
         reduce_dtype=str(knob("reduce_dtype", None) or ""),

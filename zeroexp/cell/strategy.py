@@ -15,7 +15,7 @@ from omegaconf import MISSING
 from zeroexp.errors import ConfigError
 
 __all__ = ["SCHEMAS", "BUCKET_CAP_MB", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set",
-           "check_fsdp2_prefetch", "check_fsdp2_dtype"]
+           "check_fsdp2_prefetch", "check_fsdp2_dtype", "RESHARD_POLICIES", "check_reshard_policy"]
 
 
 #: The bucket cap every bucketed strategy defaults to (``strategy.bucket_cap_mb``, MiB): DDP's own default
@@ -136,6 +136,40 @@ class FSDP2Config(StrategyConfig):
     #: ``MixedPrecisionPolicy(output_dtype=)`` of the root: the dtype the model's forward outputs are cast to (the
     #: loss computed in it); null: none. In the identity only when set.
     output_dtype: Optional[str] = field(default=None, metadata={"identity": "when_set"})
+    #: torchtitan's ``reshard_after_forward`` policy per unit (:data:`RESHARD_POLICIES`); null: the strategy's own
+    #: ``reshard_after_forward`` on every unit and the root. In the identity only when set.
+    reshard_policy: Optional[str] = field(default=None, metadata={"identity": "when_set"})
+
+
+#: torchtitan's reshard policies (torchtitan/distributed, ``apply_fsdp``'s ``reshard_after_forward_policy``), as each
+#: ``fully_shard`` call gets its ``reshard_after_forward``: ``always`` True for every unit and the root; ``default``
+#: True for every unit but the last (the last transformer block, which backward needs first: kept), the root None
+#: (FSDP2's default: the root kept unsharded from its forward to its backward); ``never`` False for all.
+RESHARD_POLICIES = ("always", "default", "never")
+
+
+def check_reshard_policy(policy: Any, strategy: str, reshards: bool = True, reshard_after_forward: Any = True,
+                         prefix: str = "strategy.") -> None:
+    """Refuse a ``reshard_policy`` (a cell's ``strategy.reshard_policy``, the planner's ``reshard_policy`` with
+    ``prefix`` "") that is not null or one of :data:`RESHARD_POLICIES`, one beside a ``reshard_after_forward`` other
+    than its default (true: the policy sets it per unit), and under a ``strategy`` that never ``reshards`` after
+    forward (``fsdp2_grad_op``) any but ``never`` (what it does)."""
+    key = f"{prefix}reshard_policy"
+    if policy is None:
+        return
+    if policy not in RESHARD_POLICIES:
+        raise ConfigError(key, policy, "null (the strategy's reshard_after_forward on every unit), "
+                          + ", ".join(RESHARD_POLICIES) + " (torchtitan's reshard_after_forward policies)")
+    if reshard_after_forward is not True:
+        shown = "null" if reshard_after_forward is None else str(reshard_after_forward).lower()
+        raise ConfigError(key, policy, f"null with {prefix}reshard_after_forward={shown}, or "
+                          f"{prefix}reshard_after_forward=true (its default) with a policy",
+                          why=f"both {key} and {prefix}reshard_after_forward set: the policy sets "
+                              "reshard_after_forward for each unit itself")
+    if not reshards and policy != "never":
+        raise ConfigError(key, policy, f"null or never under strategy={strategy}",
+                          why=f"{strategy} keeps every unit unsharded from forward to backward (never); a policy "
+                              "that reshards is strategy=fsdp2_full's")
 
 
 def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.") -> None:

@@ -14,10 +14,10 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from zeroexp.config.checkpointing import check_checkpointing, check_save_ops, checkpointing_of
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import COMPUTE_ITEMSIZE, ModelShape, PlanKnobs
+from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs
 from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
 
-__all__ = ["PlanConfig", "main", "run"]
+__all__ = ["PlanConfig", "as_plan_keys", "main", "run"]
 
 _STARTED = False
 
@@ -52,9 +52,15 @@ class PlanConfig:
     compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
     prefetch: Any = MISSING  # pre | post | none (the runner's group): fsdp_full's backward prefetch, as in a cell
     foreach: Any = None  # cuda: AdamW's foreach update (null, true: torch's CUDA default; false: single-tensor)
+    # AdamW's update path on any device, as a run's optimizer.impl (which plans as this key): null (the device's),
+    # single | foreach | fused (no temporaries)
+    adamw_impl: Any = None
     # FSDP2 rows, as a cell's strategy.* keys: true | null (fsdp2_full: the root kept unsharded forward to backward)
     # | an int k dividing each world_size (fsdp2_full: each unit resharded to k ranks after forward, ZeRO++'s hpZ)
     reshard_after_forward: Any = True
+    # fsdp2_full: torchtitan's reshard_after_forward per unit, as a cell's strategy.reshard_policy: null | always |
+    # default (every unit but the last resharded, the root kept) | never (every unit kept: fsdp2_grad_op's state)
+    reshard_policy: Any = None
     forward_prefetch: Any = 0  # units each unit's pre-forward all-gathers ahead (0: FSDP2's default, none)
     backward_prefetch: Any = None  # units each unit's pre-backward all-gathers ahead (null: FSDP2's implicit one)
     reduce_dtype: Any = None  # FSDP2 rows: MixedPrecisionPolicy's reduce dtype (null: precision.param_dtype)
@@ -69,7 +75,7 @@ RUN_ONLY = ("logger", "launcher", "checkpoint", "optimizer", "timeout", "probes"
             "warmup_steps", "resume", "dry_run", "calibration")
 #: A cell's strategy.* keys that the planner reads, as its flat keys of the same name.
 STRATEGY_KEYS = ("bucket_cap_mb", "shard_size", "use_orig_params", "reshard_after_forward", "forward_prefetch",
-                 "backward_prefetch", "reduce_dtype", "wrap")
+                 "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy")
 #: The overrides of this command line that only a run reads (:func:`split_run_only`), told in a note.
 _IGNORED: tuple[str, ...] = ()
 
@@ -81,6 +87,12 @@ def split_run_only(argv: list[str]) -> tuple[list[str], list[str]]:
         key = a.split("=", 1)[0].lstrip("+~") if "=" in a and not a.startswith("-") else ""
         (dropped if key.split(".")[0] in RUN_ONLY else keep).append(a)
     return keep, dropped
+
+
+def as_plan_keys(argv: list[str]) -> list[str]:
+    """A command line's arguments with a run's ``optimizer.impl`` (AdamW's update path) as the planner's
+    ``adamw_impl``; the rest of ``optimizer.*`` is a run's alone (:data:`RUN_ONLY`)."""
+    return [f"adamw_impl={a.split('=', 1)[1]}" if a.split("=", 1)[0] == "optimizer.impl" else a for a in argv]
 
 
 def with_strategy(cfg: DictConfig) -> tuple[DictConfig, list[str] | None]:
@@ -165,17 +177,23 @@ def wrap_classes(cfg: DictConfig) -> list[type]:
 
 def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true, null or an int k
-    dividing every world size (an int equal to world_size is true, as FSDP2 takes it), ``forward_prefetch``,
-    ``backward_prefetch``, ``reduce_dtype``."""
+    dividing every world size (an int equal to world_size is true, as FSDP2 takes it), ``reshard_policy``
+    (torchtitan's, with ``reshard_after_forward`` true; with ``strategy=``, as that strategy accepts it),
+    ``forward_prefetch``, ``backward_prefetch``, ``reduce_dtype``."""
     from zeroexp.cell.resolved import post_forward_ranks
-    from zeroexp.cell.strategy import check_fsdp2_prefetch, check_fsdp2_reshard
+    from zeroexp.cell.strategy import check_fsdp2_prefetch, check_fsdp2_reshard, check_reshard_policy
 
     check_fsdp2_reshard(cfg.reshard_after_forward, _world_sizes(cfg.world_size), key="reshard_after_forward")
+    policy, row = cfg.get("reshard_policy"), LAYOUTS.get(str(cfg.strategy.layout)) if cfg.get("strategy") else None
+    check_reshard_policy(policy, str(cfg.strategy.name) if row else "fsdp2_full",
+                         reshards=row.reshard_after_forward if row else True,
+                         reshard_after_forward=cfg.reshard_after_forward, prefix="")
     check_fsdp2_prefetch(cfg.forward_prefetch, cfg.backward_prefetch, prefix="")
     if cfg.reduce_dtype not in (None, "float32", cfg.precision.param_dtype):
         raise ConfigError("reduce_dtype", cfg.reduce_dtype, "null, float32 or precision.param_dtype",
                           why="as a cell's strategy.reduce_dtype: no reduction below the compute dtype")
-    return {"root_kept_after_forward": cfg.reshard_after_forward is None,
+    return {"root_kept_after_forward": cfg.reshard_after_forward is None or policy in ("default", "never"),
+            "reshard_policy": str(policy or ""),
             "post_forward_ranks": post_forward_ranks(cfg.reshard_after_forward),
             "forward_prefetch": int(cfg.forward_prefetch), "backward_prefetch": int(cfg.backward_prefetch or 0),
             "reduce_dtype": str(cfg.reduce_dtype or "")}
@@ -247,6 +265,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
 def _device(cfg: DictConfig, memory: int | None) -> Any:
     """The peak model's device semantics (zeroexp.formulas.device): ``device=``, else cuda where a device memory or
     a GPU network preset is given, else cpu; on cuda the GPU's ``compute_capability`` (else the network preset's)."""
+    from zeroexp.config.optimizer import ADAMW_IMPLS
     from zeroexp.formulas.device import CPU, cuda
 
     network = cfg.network or {}
@@ -258,13 +277,17 @@ def _device(cfg: DictConfig, memory: int | None) -> Any:
         capability = network.get("compute_capability")
     if capability is not None and (isinstance(capability, bool) or not isinstance(capability, (int, float))):
         raise ConfigError("compute_capability", capability, "a number: 7.0 (V100), 8.0 (A100), 9.0 (H100)")
-    foreach = cfg.get("foreach")
+    foreach, impl = cfg.get("foreach"), cfg.get("adamw_impl")
     if foreach is not None and (not isinstance(foreach, bool) or name != "cuda"):
         raise ConfigError("foreach", foreach, "null, true or false with device=cuda (AdamW's foreach update; the CPU "
                           "steps single-tensor)")
+    if impl is not None and (impl not in ADAMW_IMPLS or foreach is not None):
+        raise ConfigError("adamw_impl", impl, "null (the device's AdamW update) or " + ", ".join(ADAMW_IMPLS)
+                          + " (a run's optimizer.impl), without foreach=", why="foreach= given too"
+                          if foreach is not None and impl in ADAMW_IMPLS else "")
     if name == "cpu":
-        return CPU
-    semantics = cuda(None if capability is None else float(capability))
+        return CPU.with_adamw(impl)
+    semantics = cuda(None if capability is None else float(capability)).with_adamw(impl)
     return semantics if foreach is None else replace(semantics, foreach=foreach)
 
 
@@ -447,6 +470,6 @@ def main() -> None:
 
     global _IGNORED
     register()
-    sys.argv[1:], dropped = split_run_only(sys.argv[1:])
+    sys.argv[1:], dropped = split_run_only(as_plan_keys(sys.argv[1:]))
     _IGNORED = tuple(dropped)
     run_hydra_app("plan", task, lambda: _STARTED)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
@@ -24,6 +24,7 @@ from zeroexp.config.checkpointing import (ActivationCheckpointingConfig, check_c
                                          check_save_ops)
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
 from zeroexp.config.model_check import check_model
+from zeroexp.config.optimizer import OptimizerConfig, check_optimizer
 from zeroexp.models.schemas import (MODEL_COUNTS, MODEL_RESERVED_KEYS, GPTConfig, HFConfig, LoRAGPTConfig, MLPConfig,
                                     ModelConfig)
 from zeroexp.cell.strategy import SCHEMAS, schema_keys
@@ -88,16 +89,6 @@ class LoggerConfig:
     mode: str = "offline"  # wandb only: offline | online | disabled
     project: str = "zeroexp"
     entity: Optional[str] = None
-
-
-@dataclass
-class OptimizerConfig:
-    """AdamW, the optimizer of the reference experiment (two fp32 moments per parameter)."""
-
-    lr: float = 1e-3
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.01
 
 
 @dataclass
@@ -300,13 +291,7 @@ def _check_ranges(cfg: DictConfig) -> None:
         if v is None or (v <= low if strict else v < low):
             raise ConfigError(key, OmegaConf.select(cfg, key), accepted)
 
-    at_least("optimizer.lr", 0, "a number >= 0")
-    at_least("optimizer.eps", 0, "a number > 0", strict=True)
-    at_least("optimizer.weight_decay", 0, "a number >= 0")
-    betas = list(cfg.optimizer.betas)
-    if len(betas) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1
-                              for b in betas):
-        raise ConfigError("optimizer.betas", betas, "two numbers in [0, 1)")
+    check_optimizer(cfg)
     seed = OmegaConf.select(cfg, "seed")
     if not 0 <= seed < 2**32:
         raise ConfigError("seed", seed, "an integer in [0, 2**32)")

@@ -37,7 +37,7 @@ event while the CPU runs ahead) is not modelled: the model takes one stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zeroexp.formulas.peak.allocator import MIN_BLOCK
 
@@ -65,17 +65,22 @@ def cublas_workspace_bytes(capability: float | None) -> int:
 
 @dataclass(frozen=True)
 class DeviceSemantics:
-    """``name``: cpu | cuda; ``foreach``: AdamW's foreach update (else single-tensor); ``gloo``: the backend copies
+    """``name``: cpu | cuda; ``foreach``: AdamW's foreach update (else single-tensor), or the path a cell sets
+    (``optimizer.impl``: ``"single"``, ``"foreach"``, ``"fused"``, :meth:`with_adamw`); ``gloo``: the backend copies
     collectives' inputs and outputs (gloo) or works in place (NCCL); ``workspace_bytes``: what the steady state holds
     beside the model's state (cuBLAS workspaces); ``not_modelled``: what the peak model leaves out on it; ``block``:
     the bytes each allocation is counted in (:func:`zeroexp.formulas.peak.allocator.counted`)."""
 
     name: str
-    foreach: bool
+    foreach: bool | str
     gloo: bool
     workspace_bytes: int = 0
     not_modelled: tuple[str, ...] = ()
     block: int = 1
+
+    def with_adamw(self, impl: str | None) -> DeviceSemantics:
+        """These semantics with AdamW's update path ``impl`` (a cell's ``optimizer.impl``; None: the device's)."""
+        return self if impl is None else replace(self, foreach=impl)
 
 
 CPU = DeviceSemantics("cpu", foreach=False, gloo=True)

@@ -148,6 +148,10 @@ class PlanKnobs:
     #: its gathered parameters (``to_sharded_post_forward``), gathered again in backward from a group of k ranks;
     #: 0: not an int (resharded over the whole shard group, or kept)
     post_forward_ranks: int = 0
+    #: FSDP2's per-unit reshard policy (``strategy.reshard_policy``, torchtitan's): "" none (every unit as the row
+    #: reshards it), ``always``, ``default`` (the last unit kept after forward, the root kept) or ``never`` (all kept):
+    #: :func:`zeroexp.formulas.families.fsdp2.kept_after_forward`
+    reshard_policy: str = ""
 
     def post_forward_over(self, shard_over: int) -> int:
         """The ranks FSDP2 reshards each unit to after forward over a shard group of ``shard_over`` ranks

@@ -58,7 +58,9 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     net = build_model(model_cfg)
     params = list(net.parameters())
     o = cfg.optimizer
-    opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    impl = o.get("impl")  # the cell's AdamW path (optimizer.impl), so that only the sharding differs
+    path = {} if impl is None else {"foreach": impl == "foreach", "fused": impl == "fused"}
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **path)
     loss_fn = LOSSES[cfg.model.loss]
     n, k = int(cfg.world_size), int(cfg.grad_accum)
     initial = {name: b.detach().clone() for name, b in net.named_buffers()}

@@ -5,9 +5,11 @@ zeroexp.cell.identity), and for each cell only where it applies: ``mesh`` (hybri
 ``world_size / strategy.shard_size`` replicas x ``strategy.shard_size`` ranks per shard group) for ``fsdp_hybrid`` and
 ``fsdp2_hybrid`` only, n/a for the others; ``strategy.sync_each_microbatch`` for FSDP and FSDP2 only; activation
 checkpointing, ``grad_accum`` and ``strategy.clip_grad_norm`` for every strategy (their defaults ``none``, ``1``,
-``none`` where a cell leaves them). Read from what the cell wrote: ``manifest.json`` ``cell`` (``cell.shard_size``,
+``none`` where a cell leaves them); ``strategy.reshard_policy`` (FSDP2) and ``optimizer.impl`` where a cell sets
+them. Read from what the cell wrote: ``manifest.json`` ``cell`` (``cell.shard_size``,
 ``cell.grad_accum``, ``cell.activation_checkpointing``) and its resolved ``config`` (``config.strategy.clip_grad_norm``,
-which names no cell, and ``config.strategy.sync_each_microbatch``), never from the sweep's command line.
+which names no cell, ``config.strategy.sync_each_microbatch``, ``config.strategy.reshard_policy``,
+``config.optimizer.impl``), never from the sweep's command line.
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ def _sync_each(row: pd.Series) -> Any:
     return None if missing(value) else bool(value)  # None: a strategy without the key (not FSDP / FSDP2)
 
 
+def _reshard_policy(row: pd.Series) -> Any:
+    value = row.get("config.strategy.reshard_policy")
+    return None if missing(value) else str(value)  # None: unset, or a strategy without the key (not FSDP2)
+
+
+def _adamw_impl(row: pd.Series) -> Any:
+    value = row.get("config.optimizer.impl")
+    return None if missing(value) else str(value)  # None: torch's own choice
+
+
 @dataclass(frozen=True)
 class Axis:
     """One axis: its column ``key`` in the report's raw rows, the header, the value of a cell (None where the axis
@@ -85,6 +97,12 @@ AXES = (
     Axis("axis.clip_grad_norm", "clip grad norm", _clip, lambda v: v not in (None, "none"),
          "clip grad norm: strategy.clip_grad_norm, the max global gradient norm (none: not clipped)",
          lambda v: f"clip={fmt_number(v)}"),
+    Axis("axis.reshard_policy", "reshard policy", _reshard_policy, lambda v: v is not None,
+         "reshard policy: strategy.reshard_policy of FSDP2, torchtitan's reshard_after_forward per unit (always, "
+         "default: the last unit and the root kept after forward, never)", lambda v: f"reshard={v}"),
+    Axis("axis.adamw_impl", "AdamW", _adamw_impl, lambda v: v is not None,
+         "AdamW: optimizer.impl, AdamW's update path (single, foreach, fused; torch's own choice where unset)",
+         lambda v: f"adamw={v}"),
 )
 
 

@@ -12,6 +12,9 @@ left unset). ``False`` (``fsdp2_grad_op``) keeps the unsharded parameters until 
 (``fsdp2_full``, ZeRO++'s hpZ) keeps each unit's 1/k after forward, the root too, and backward all-gathers it from k
 ranks: each ``fully_shard`` call makes its own ``DeviceMesh`` of k-rank rows (``_get_post_forward_mesh_info``), so
 every unit has a post-forward process group of its own (:meth:`FSDP2Adapter.mesh_dims` names them ``post_forward``).
+``strategy.reshard_policy`` (torchtitan's) sets ``reshard_after_forward`` unit by unit instead
+(:meth:`FSDP2Adapter.reshard_per_unit`): ``always`` True, ``never`` False, ``default`` every unit but the last True,
+the last False and the root None (FSDP2's default: kept).
 The device mesh is made on the rank's device type (``init_device_mesh("cpu", (N,))`` with gloo) in
 :meth:`FSDP2Adapter.setup`, before any model exists (a dry run enters ``FakeTensorMode`` after it).
 """
@@ -36,7 +39,7 @@ from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
 from zeroexp.cell.policy import CellPolicy
 from zeroexp.cell.strategy import (FSDP2Config, FSDP2FullConfig, check_fsdp2_dtype, check_fsdp2_prefetch,
-                                       check_fsdp2_reshard)
+                                   check_fsdp2_reshard, check_reshard_policy)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -104,10 +107,14 @@ class FSDP2Adapter(StrategyAdapter):
             raise ConfigError("strategy.reduce_dtype", reduce, f"null, float32, {compute} (precision.param_dtype)",
                               why="a reduction below the compute dtype has no model in zeroexp's expectation (the "
                                   "gradients' cast before the reduce-scatter, the peak) yet")
-        if back is not None and cls.reshard_after_forward is False:
+        policy = cfg.strategy.get("reshard_policy")
+        # fsdp2_full's own reshard_after_forward beside it: FSDP2FullAdapter.validate
+        check_reshard_policy(policy, cls.name, reshards=cls.reshard_after_forward is not False)
+        if back is not None and (cls.reshard_after_forward is False or policy == "never"):
             raise ConfigError("strategy.backward_prefetch", back, "null",
-                              why=f"strategy={cls.name} keeps every unit unsharded from forward to backward: backward "
-                                  "gathers nothing to prefetch")
+                              why=f"strategy={cls.name}" + (" with strategy.reshard_policy=never" if policy else "")
+                                  + " keeps every unit unsharded from forward to backward: backward gathers nothing "
+                                  "to prefetch")
 
     def mesh_dims(self) -> dict[str, str]:
         """``post_forward`` for each unit's post-forward process group (``reshard_after_forward=k``: FSDP2 makes a
@@ -186,16 +193,31 @@ class FSDP2Adapter(StrategyAdapter):
         self.setup(device)
         root = getattr(module, "net", module)
         classes = tuple(import_class(p) for p in self.policy.wrap)
-        kwargs = {"mesh": self._mesh, "reshard_after_forward": self.reshard_after_forward,
-                  "mp_policy": self.mp_policy(), "offload_policy": self.offload_policy()}
+        kwargs = {"mesh": self._mesh, "mp_policy": self.mp_policy(), "offload_policy": self.offload_policy()}
         units = [m for m in root.modules() if classes and isinstance(m, classes) and m is not root]
+        reshard = self.reshard_per_unit(units)
         for unit in reversed(units):  # reversed pre-order: every child before its parent
-            fully_shard(unit, **kwargs)
-        fully_shard(root, **{**kwargs, "mp_policy": self.mp_policy(root=True)})
+            fully_shard(unit, **kwargs, reshard_after_forward=reshard[id(unit)])
+        fully_shard(root, **{**kwargs, "mp_policy": self.mp_policy(root=True)}, reshard_after_forward=reshard[None])
         self._explicit_prefetch(units)
         self._trace = UnitTrace(root, [*units, root])
         self._root = root
         return module
+
+    def reshard_per_unit(self, units: list[nn.Module]) -> dict[int | None, bool | int | None]:
+        """Each unit's ``reshard_after_forward`` by ``id`` (the root's under the key None): the strategy's own for all
+        without ``strategy.reshard_policy``; else torchtitan's policy (zeroexp.cell.strategy.RESHARD_POLICIES): under
+        ``default`` the last unit (the last in forward order not inside another unit: the last transformer block)
+        False, the others True, the root None (FSDP2's default: kept)."""
+        policy = self.config.reshard_policy
+        value = {None: self.reshard_after_forward, "always": True, "never": False, "default": True}[policy]
+        out: dict[int | None, bool | int | None] = {id(u): value for u in units}
+        inside = {id(m) for u in units for m in u.modules() if m is not u}
+        tops = [u for u in units if id(u) not in inside]
+        if policy == "default" and tops:
+            out[id(tops[-1])] = False
+        out[None] = None if policy == "default" else value
+        return out
 
     def _explicit_prefetch(self, units: list[nn.Module]) -> None:
         """``strategy.forward_prefetch`` / ``backward_prefetch``: each wrapped unit (in definition order, a stack's
@@ -306,6 +328,8 @@ class FSDP2FullAdapter(FSDP2Adapter):
     @classmethod
     def validate(cls, cfg) -> None:
         check_fsdp2_reshard(cfg.strategy.reshard_after_forward, [int(cfg.world_size)])
+        check_reshard_policy(cfg.strategy.get("reshard_policy"), cls.name,
+                             reshard_after_forward=cfg.strategy.reshard_after_forward)
         super().validate(cfg)
 
 

@@ -165,13 +165,14 @@ class ShardedAdamW(torch.optim.Optimizer):
     def __init__(self, buckets: list[Bucket], *, stage: int, reduce: str = "reduce_scatter",
                  clip_grad_norm: float | None = None, loss_scale: DynamicLossScale | None = None,
                  group: Any = None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01) -> None:
+                 weight_decay: float = 0.01, foreach: bool | None = None, fused: bool | None = None) -> None:
         if stage not in (1, 2) or reduce not in ("reduce_scatter", "allreduce"):
             raise ValueError(f"stage must be 1 or 2 and reduce reduce_scatter or allreduce, got {stage}, {reduce}")
         hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__([p for b in buckets for p in b.params], hyper)
         self.buckets = buckets
-        self.local = torch.optim.AdamW([b.master for b in buckets], **hyper)
+        # foreach / fused: the cell's AdamW path (optimizer.impl), of the local AdamW alone
+        self.local = torch.optim.AdamW([b.master for b in buckets], **hyper, foreach=foreach, fused=fused)
         # Mutable state lives in objects, never in rebound attributes: Lightning's LightningOptimizer copies
         # this optimizer's __dict__ at wrap time.
         self.settings = _Settings(stage, reduce, clip_grad_norm, loss_scale, group,

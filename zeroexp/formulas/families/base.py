@@ -238,7 +238,9 @@ class StateLayout:
     flat_optimizer: bool = False
     payload_limits: Callable[..., list[str]] | None = None
     comm: Callable[[ModelShape, int, PlanKnobs], dict] | None = field(default=None, compare=False)
-    gathers_per_unit: Callable[[bool, PlanKnobs], int] = field(default=lambda root, knobs: 1, compare=False)
+    #: A unit's all_gathers per step from (whether it is the root, the knobs[, whether it is the last unit in forward
+    #: order: FSDP2's ``strategy.reshard_policy=default`` keeps it]).
+    gathers_per_unit: Callable[..., int] = field(default=lambda root, knobs, last=False: 1, compare=False)
     #: Whether the strategy passes ``PlanKnobs.post_forward_ranks`` (FSDP2's ``reshard_after_forward=k``) to every
     #: unit: resharded after forward to a group of k ranks (:attr:`Groups.post_forward_size`, ``Unit.post_forward``).
     post_forward_group: bool = False

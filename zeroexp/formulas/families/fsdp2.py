@@ -24,13 +24,29 @@ __all__ = ["Fsdp2Rows", "FSDP2", "ROWS"]
 OFFLOADS = frozenset({"none", "full"})
 
 
-def _twice(root: bool, knobs) -> int:
-    # FSDP2 reshard_after_forward=True passed explicitly: the root too; None (its default) keeps the root
-    return 1 if root and knobs.root_kept_after_forward else 2
+def kept_after_forward(knobs, root: bool, last: bool = False) -> bool:
+    """Whether FSDP2 keeps a unit unsharded from its forward to its backward under a resharding row's knobs: the root
+    where ``reshard_after_forward=None`` (its default) or the policy keeps it; under ``strategy.reshard_policy``
+    (torchtitan's, zeroexp.cell.strategy.RESHARD_POLICIES) ``never`` every unit, ``default`` the ``last`` (the last
+    unit in forward order, outside the root)."""
+    policy = knobs.reshard_policy
+    return policy == "never" or (knobs.root_kept_after_forward if root else last and policy == "default")
 
 
-def _twice_always(root: bool, knobs) -> int:
-    return 2  # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob
+def _twice(root: bool, knobs, last: bool = False) -> int:
+    # FSDP2 reshard_after_forward=True passed explicitly: the root too; None (its default) keeps the root; a unit kept
+    # after forward is gathered once
+    return 1 if kept_after_forward(knobs, root, last) else 2
+
+
+def _once(root: bool, knobs, last: bool = False) -> int:
+    return 1  # FSDP2 reshard_after_forward=False: every unit kept after forward, gathered once
+
+
+def _twice_hybrid(root: bool, knobs, last: bool = False) -> int:
+    # FSDP2 HSDP passes reshard_after_forward=True: the root too, whatever the planner's fsdp2_full knob; a
+    # strategy.reshard_policy sets it per unit, as under fsdp2_full
+    return 1 if knobs.reshard_policy and kept_after_forward(knobs, root, last) else 2
 
 
 class Fsdp2Rows(FsdpFamily):
@@ -49,13 +65,14 @@ class Fsdp2Rows(FsdpFamily):
         out.shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for s, k in zip(shape.params, numels) if k]
         out.grad_shards = [Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
                            enumerate(zip(shape.params, numels)) if k and shape.train(i) and i not in shape.unused]
+        last = max((u for u, root in enumerate(shape.root) if not root), default=-1)  # the last unit in forward
         for u, (unit, root) in enumerate(zip(shape.units, shape.root)):  # each unit as it is gathered
             size = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit)
             reduced = sum(fsdp2_padded_numel(shape.params[i], n) for i in unit
                           if shape.train(i) and i not in shape.unused)
             if size:
-                out.units.append(self.unit(size, row.gathers_per_unit(root, knobs), shape.calls(u), shape.backward(u),
-                                           reduced, shape.next_reached(u), narrow=bool(narrow)))
+                out.units.append(self.unit(size, row.gathers_per_unit(root, knobs, u == last), shape.calls(u),
+                                           shape.backward(u), reduced, shape.next_reached(u), narrow=bool(narrow)))
         return out
 
     def state_note(self, row, shape, n):
@@ -130,8 +147,12 @@ class Fsdp2Rows(FsdpFamily):
         # what zero_grad frees between steps: each unit's reduce-scatter output, of which each parameter's sharded
         # gradient is a view
         steady_grads = counted_sum((u.scattered // n * kept for u in groups.units), block)
+        # each unit's kept after forward: gathered once (strategy.reshard_policy: per unit), in held.units' order
+        sized = [root for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
+        kept_units = tuple(u.gathers < 2 for u, root in zip(groups.units, sized) if alone or not root)
         return fsdp2_phase_peaks(trace, held.units, root=held.root, steady_grad_bytes=steady_grads, gloo=gloo,
                                  optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **held.adamw,
+                                 kept_units=kept_units if knobs.reshard_policy else None,
                                  reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                                  one_unit=alone, root_kept=root_kept and not alone,
                                  ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
@@ -150,7 +171,8 @@ FSDP2 = Fsdp2Rows()
 ROWS = {
     "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, OS_G_P, "never", FSDP2,
                                  gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
-                                 precisions=MIXED, offloads=OFFLOADS, source="zeroexp.strategies.fsdp2; [FSDP2]",
+                                 precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_once,
+                                 source="zeroexp.strategies.fsdp2; [FSDP2]",
                                  init_modelled=True, min_world_size=2),
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, OS_G_P, "never", FSDP2,
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
@@ -159,7 +181,7 @@ ROWS = {
                               init_modelled=True, min_world_size=2),
     "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, OS_G_P, "never", FSDP2,
                                 hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
-                                precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice_always, hybrid=True,
+                                precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice_hybrid, hybrid=True,
                                 source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid",
                                 reshard_after_forward=True, min_world_size=2),
 }

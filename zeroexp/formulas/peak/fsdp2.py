@@ -52,25 +52,29 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                       optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                       block: int = 1, reshard_after_forward: bool = True, one_unit: bool = False,
                       root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
-                      post_forward: int = 0, root_params: tuple[int, ...] = ()) -> dict[str, dict]:
+                      post_forward: int = 0, root_params: tuple[int, ...] = (),
+                      kept_units: tuple[bool, ...] | None = None) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category [FSDP2] (the moments of each phase: [Note:
     FSDP2's phase peaks] above). ``reshard_after_forward=False`` (SHARD_GRAD_OP's FSDP2 form): every unit stays
     unsharded from its forward to its backward. ``one_unit``: the model is one unit; ``root_kept``
     (``reshard_after_forward=None``): the root's own parameters stay unsharded into backward; ``ahead``: explicit
-    prefetch, (forward, backward) units ahead (0: FSDP2's default); ``post_forward``: ``reshard_after_forward=k``."""
+    prefetch, (forward, backward) units ahead (0: FSDP2's default); ``post_forward``: ``reshard_after_forward=k``;
+    ``kept_units``: each unit's kept unsharded from its forward to its backward (``strategy.reshard_policy``: per
+    unit), else every unit as ``reshard_after_forward`` says."""
     k_of = _unit_index(trace, units)
     best = _Highest()
-    kept = not reshard_after_forward
+    kept_k = list(kept_units) if kept_units is not None else [not reshard_after_forward] * len(units)
+    kept = all(kept_k)
     # what each unit holds from its forward to its backward, and the root at the loss
-    held = [u.unsharded if kept else u.unsharded // post_forward if post_forward else 0 for u in units]
+    held = [u.unsharded if c else u.unsharded // post_forward if post_forward else 0 for u, c in zip(units, kept_k)]
     root_after = root if kept or root_kept else root // post_forward if post_forward else 0
-    bump = [post_forward_bump(p, post_forward) if post_forward and not kept else 0
-            for p in [u.params for u in units] + [root_params]]  # the units', then the root's
+    bump = [post_forward_bump(p, post_forward) if post_forward and not c else 0
+            for p, c in zip([u.params for u in units] + [root_params], kept_k + [kept])]  # the units', the root's
     _fsdp2_forward(best.keep, trace, units, k_of, root=root, held=held, root_after=root_after, ahead=ahead[0],
                    bump=bump)
     _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
-                    kept=kept, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1))
+                    kept=kept_k, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1))
     return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
 
 
@@ -106,10 +110,11 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
 
 
 def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
-                    root: int, steady_grad_bytes: int, gloo: bool, kept: bool, one_unit: bool,
+                    root: int, steady_grad_bytes: int, gloo: bool, kept: list[bool], one_unit: bool,
                     held: list[int], root_after: int, ahead: int = 1) -> None:
     """:func:`fsdp2_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own
-    peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction."""
+    peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction
+    (``kept``: each unit's kept unsharded from its forward: not gathered again, nor prefetched)."""
     full = [u.unsharded for u in units]
     segs = list(trace.segments)
     order = _backward_order(k_of)
@@ -120,16 +125,16 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         u = units[k]
         after = segs[i + 1].end_by_category
         t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)
-        prefetched = sum(full[j] for _, j in order[pos + 1:pos + 1 + ahead]) if not kept else 0
+        prefetched = sum(full[j] for _, j in order[pos + 1:pos + 1 + ahead] if not kept[j])
         pending = sum(held[j] for _, j in order[pos + 1:])  # what the units after it hold since their forward
         # The previous unit's reduce-scatter input, kept until this unit's reduce (FSDP2's reduce_scatter_states, one
         # buffer): comm.
-        rs_kept = units[order[pos - 1][1]].scattered if pos and not kept else 0
-        if pos and not kept and not one_unit:
+        rs_kept = units[order[pos - 1][1]].scattered if pos and not kept[k] else 0
+        if pos and not kept[k] and not one_unit:
             # u's copy-out in its pre-backward (wait_for_unshard), before it prefetches the next unit: its all-gather
             # output (prefetched by the previous unit) beside its unsharded parameters and the units prefetched before
             # it, the previous unit's reduction done (as forward's copy-out)
-            early = sum(full[j] for _, j in order[pos + 1:pos + ahead])
+            early = sum(full[j] for _, j in order[pos + 1:pos + ahead] if not kept[j])
             keep("backward", {**reduced, "comm": rs_kept,
                               "unsharded": root + 2 * full[k] + early + pending + held[k]})
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only what
@@ -137,7 +142,7 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         before = ((segs[i - 1], root_after + held[k] + pending, 0),) if pos == 0 else ()
         # A model that is one unit all-gathers nothing after its forward: that all-gather's output (AllGatherState)
         # is still alive through its backward, beside the unsharded parameters.
-        ag_kept = full[k] if one_unit and not kept else 0
+        ag_kept = full[k] if one_unit and not kept[k] else 0
         for seg, unsharded, comm in ((segs[i], root + u.unsharded + prefetched + pending + ag_kept, rs_kept), *before):
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {

@@ -250,14 +250,15 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
             "(docs/planner.md, the peak model)"),)).fields()
     checkpointing, micro_batches, prefetch = cell.checkpointed, cell.grad_accum, cell.policy.prefetch
     device = (measured_on(str(measured.get("source", "")), measured.get("compute_capability"),
-                           measured.get("backend") == "fake") if measured.get("phases_of_max_rank") else FAKE_GROUP)
+                           measured.get("backend") == "fake") if measured.get("phases_of_max_rank") else FAKE_GROUP
+              ).with_adamw(cell.policy.optimizer.impl)
     trace, in_place = _cell_step_traces(cell, name, wrap, terms, device.block)
     traced = {"batch_size": trace.batch_size, "device": "cpu", "block_bytes": device.block,
               "loss_bytes": trace.loss_bytes, "checkpointing": bool(checkpointing), "micro_batches": micro_batches,
               **_trace_record(terms)}
     if not measured.get("phases_of_max_rank"):  # a dry run: the prediction alone, for every rank's worst
         predicted = worst_rank_phases(name, groups, shape, trace, itemsize, prefetch, micro_batches,
-                                      in_place, cap, terms, FAKE_GROUP, knobs.root_kept_after_forward, knobs)
+                                      in_place, cap, terms, device, knobs.root_kept_after_forward, knobs)
         return {"model": f"peak model (zeroexp.formulas.peak.phases), row {name}", "trace": traced,
                 "phases": {ph: {"predicted_bytes": v["bytes"], "predicted_by_category": v["by_category"]}
                            for ph, v in predicted.items()},
