@@ -56,7 +56,8 @@ def test_a_node_reads_its_modes_keys_and_the_defaults_of_its_yaml(compose):
 
 @pytest.mark.parametrize("overrides, key", [
     (("activation_checkpointing=full", "activation_checkpointing.every=2"), "activation_checkpointing.every"),
-    (("activation_checkpointing=selective_layer", "activation_checkpointing.every=0"), "activation_checkpointing.every"),
+    (("activation_checkpointing=selective_layer", "activation_checkpointing.every=0"),
+     "activation_checkpointing.every"),
     (("activation_checkpointing=selective_op", "activation_checkpointing.save_ops=[mm,not_an_op]"),
      "activation_checkpointing.save_ops"),
     (("activation_checkpointing=selective_layer", "activation_checkpointing.save_ops=[mm]"),
