@@ -252,7 +252,7 @@ class FsdpFamily(Family):
                          adamw)
         return self.unit_phase_peaks(row, groups, shape, trace, itemsize, held, rank=rank, prefetch=prefetch,
                                      gloo=gloo, micro_batches=micro_batches, root_kept=root_kept, knobs=knobs,
-                                     block=block, foreach=foreach)
+                                     block=block, foreach=foreach, in_place=in_place)
 
     def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held: UnitTerms, **kw) -> dict[str, dict]:
         raise NotImplementedError

@@ -150,6 +150,11 @@ class Family:
         """Why the peak model does not cover the row with activation checkpointing (None: it does)."""
         return None
 
+    def no_sync_checkpointing(self, row: StateLayout) -> bool:
+        """Whether the peak model of the row's no_sync accumulation (``StateLayout.no_sync_accumulation``) covers
+        activation checkpointing too."""
+        return False
+
     def mixed_accumulation_limit(self, row: StateLayout) -> str | None:
         """Why the peak model does not cover the row's accumulation (grad_accum > 1 under its no_sync) below fp32
         (None: it does, as in fp32)."""

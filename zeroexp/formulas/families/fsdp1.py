@@ -99,7 +99,7 @@ class Fsdp1Units(FsdpFamily):
         return (counted(unit.numel // n * itemsize, block) if terms.module_dtype else 0), ()
 
     def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held, *, rank, prefetch, gloo, micro_batches,
-                         root_kept, knobs, block, foreach):
+                         root_kept, knobs, block, foreach, in_place=None):
         """SHARD_GRAD_OP and FULL_SHARD, the root unit kept unsharded from forward into backward; ``grad_accum`` > 1
         SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.peak.accumulation.fsdp_no_sync_phase_peaks`)."""
         n, kept, adamw = groups.shard_over, held.adamw["optimizer_itemsize"], held.adamw

@@ -14,7 +14,7 @@ from zeroexp.formulas.families.fsdp1 import OS_G_P
 from zeroexp.formulas.init import fsdp2_init_peak_bytes
 from zeroexp.formulas.layout import StateLayout, local_numels
 from zeroexp.formulas.paper import fsdp2_padded_numel
-from zeroexp.formulas.peak.fsdp2 import fsdp2_phase_peaks
+from zeroexp.formulas.peak.fsdp2 import fsdp2_no_sync_phase_peaks, fsdp2_phase_peaks
 from zeroexp.formulas.shapes import Shard, Unit
 
 __all__ = ["Fsdp2Rows", "FSDP2", "ROWS"]
@@ -138,11 +138,11 @@ class Fsdp2Rows(FsdpFamily):
         return 0, tuple(counted(fsdp2_padded_numel(shape.params[i], n) * itemsize, block) for i in members)
 
     def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held, *, rank, prefetch, gloo, micro_batches,
-                         root_kept, knobs, block, foreach):
+                         root_kept, knobs, block, foreach, in_place=None):
         """AdamW steps each parameter's local rows, in definition order; the root kept unsharded from forward to
         backward where ``root_kept`` (``PlanKnobs.root_kept_after_forward``)."""
         n, kept, alone = groups.shard_over, held.adamw["optimizer_itemsize"], held.alone
-        if micro_batches > 1:
+        if micro_batches > 1 and (not row.no_sync_accumulation or in_place is None):
             raise ValueError(f"no accumulation model for {row.label} (plan.memory.uncovered names it)")
         # what zero_grad frees between steps: each unit's reduce-scatter output, of which each parameter's sharded
         # gradient is a view
@@ -150,13 +150,27 @@ class Fsdp2Rows(FsdpFamily):
         # each unit's kept after forward: gathered once (strategy.reshard_policy: per unit), in held.units' order
         sized = [root for unit, root in zip(shape.units, shape.root) if sum(shape.numels[i] for i in unit)]
         kept_units = tuple(u.gathers < 2 for u, root in zip(groups.units, sized) if alone or not root)
-        return fsdp2_phase_peaks(trace, held.units, root=held.root, steady_grad_bytes=steady_grads, gloo=gloo,
-                                 optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **held.adamw,
-                                 kept_units=kept_units if knobs.reshard_policy else None,
-                                 reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
-                                 one_unit=alone, root_kept=root_kept and not alone,
-                                 ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
-                                 post_forward=groups.post_forward_size, root_params=held.root_params)
+        terms = dict(units=held.units, root=held.root, steady_grad_bytes=steady_grads, gloo=gloo,
+                     optimizer_numels=local_numels(groups.trained_shards, n, rank % n), **held.adamw,
+                     kept_units=kept_units if knobs.reshard_policy else None,
+                     reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
+                     one_unit=alone, root_kept=root_kept and not alone,
+                     ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
+                     post_forward=groups.post_forward_size, root_params=held.root_params)
+        if micro_batches > 1:
+            return fsdp2_no_sync_phase_peaks(trace, in_place, micro_batches,
+                                             held.root_grads + sum(u.grads for u in held.units), **terms)
+        return fsdp2_phase_peaks(trace, **terms)
+
+    def needs_in_place(self, row, micro_batches):
+        return micro_batches > 1 and row.no_sync_accumulation
+
+    def no_sync_checkpointing(self, row):
+        return True  # the steps traced checkpointed, with and without the gradients allocated
+
+    def mixed_accumulation_limit(self, row):
+        return ("no peak model yet for FSDP2's grad_accum below fp32: its no_sync keeps each unsharded gradient's "
+                "copy in the reduce dtype (unsharded_accumulated_grad)")
 
     def forward_late_free(self, sizes):
         # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
@@ -172,13 +186,13 @@ ROWS = {
     "fsdp2_grad_op": StateLayout("FSDP2 reshard_after_forward=False", 2, OS_G_P, "never", FSDP2,
                                  gather_units(dtensor_grads=True), "all", fp32_at_rest=True, padded_moments=False,
                                  precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_once,
-                                 source="zeroexp.strategies.fsdp2; [FSDP2]",
+                                 source="zeroexp.strategies.fsdp2; [FSDP2]", no_sync_accumulation=True,
                                  init_modelled=True, min_world_size=2),
     "fsdp2_full": StateLayout("FSDP2 reshard_after_forward=True", 3, OS_G_P, "never", FSDP2,
                               gather_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                               precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice, post_forward_group=True,
                               source="zeroexp.strategies.fsdp2; [FSDP2]", reshard_after_forward=True,
-                              init_modelled=True, min_world_size=2),
+                              init_modelled=True, min_world_size=2, no_sync_accumulation=True),
     "fsdp2_hybrid": StateLayout("FSDP2 HSDP reshard_after_forward=True", 3, OS_G_P, "never", FSDP2,
                                 hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                                 precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice_hybrid, hybrid=True,

@@ -10,7 +10,7 @@ from zeroexp.formulas.peak.adamw import adamw_temporary_blocks
 from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_end, _backward_order, _Highest,
                                           _unit_index)
 
-__all__ = ["fsdp2_phase_peaks", "post_forward_bump"]
+__all__ = ["fsdp2_phase_peaks", "fsdp2_no_sync_phase_peaks", "post_forward_bump"]
 
 
 # [Note: FSDP2's phase peaks]
@@ -53,7 +53,8 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                       block: int = 1, reshard_after_forward: bool = True, one_unit: bool = False,
                       root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
                       post_forward: int = 0, root_params: tuple[int, ...] = (),
-                      kept_units: tuple[bool, ...] | None = None) -> dict[str, dict]:
+                      kept_units: tuple[bool, ...] | None = None, reduce: bool = True,
+                      accumulated: int = 0) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category [FSDP2] (the moments of each phase: [Note:
     FSDP2's phase peaks] above). ``reshard_after_forward=False`` (SHARD_GRAD_OP's FSDP2 form): every unit stays
@@ -61,7 +62,11 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     (``reshard_after_forward=None``): the root's own parameters stay unsharded into backward; ``ahead``: explicit
     prefetch, (forward, backward) units ahead (0: FSDP2's default); ``post_forward``: ``reshard_after_forward=k``;
     ``kept_units``: each unit's kept unsharded from its forward to its backward (``strategy.reshard_policy``: per
-    unit), else every unit as ``reshard_after_forward`` says."""
+    unit), else every unit as ``reshard_after_forward`` says. ``reduce=False``: a micro-batch under
+    ``set_requires_gradient_sync(False)`` (:func:`fsdp2_no_sync_phase_peaks`): no unit reduces its gradients;
+    ``accumulated``: the unsharded gradient bytes held from the micro-batch's start (a later micro-batch's, which the
+    step traced with its gradients allocated counts in its start, not in its segments), each unit's freed by its
+    reduction."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     kept_k = list(kept_units) if kept_units is not None else [not reshard_after_forward] * len(units)
@@ -71,11 +76,40 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     root_after = root if kept or root_kept else root // post_forward if post_forward else 0
     bump = [post_forward_bump(p, post_forward) if post_forward and not c else 0
             for p, c in zip([u.params for u in units] + [root_params], kept_k + [kept])]  # the units', the root's
-    _fsdp2_forward(best.keep, trace, units, k_of, root=root, held=held, root_after=root_after, ahead=ahead[0],
+    keep = best.keep
+    if accumulated:  # a later micro-batch: the steady shards freed (zero_grad), the unsharded gradients held
+        def keep(phase: str, cats: dict, **kw) -> None:
+            best.keep(phase, _add(cats, {"gradients": accumulated - steady_grad_bytes}) if phase == "forward" else cats,
+                      **kw)
+    _fsdp2_forward(keep, trace, units, k_of, root=root, held=held, root_after=root_after, ahead=ahead[0],
                    bump=bump)
-    _fsdp2_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
-                    kept=kept_k, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1))
+    _fsdp2_backward(keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
+                    kept=kept_k, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1),
+                    reduce=reduce, accumulated=accumulated)
     return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
+
+
+def fsdp2_no_sync_phase_peaks(trace: StepTrace, in_place: StepTrace, micro_batches: int, accumulated: int,
+                              **kwargs) -> dict[str, dict]:
+    """FSDP2 under ``set_requires_gradient_sync(False)`` for the first ``micro_batches - 1`` micro-batches of a step
+    (``grad_accum=K``, ``sync_each_microbatch`` false; zeroexp.strategies.fsdp2 ``no_sync``), per phase the highest
+    over the micro-batches of :func:`fsdp2_phase_peaks` (``kwargs``: its keywords).
+
+    torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py ``post_backward``: without gradient sync a unit reshards
+    (``reshard_after_backward`` stays true) and reduces nothing; its parameters' unsharded gradients stay on the
+    unsharded parameters (``_unsharded_param.grad``, the same Parameter each later all-gather refills), into which
+    autograd adds in place in the next micro-batch; the last micro-batch reduces them unit by unit (``foreach_reduce``
+    takes each ``unsharded_grad_data`` and sets ``.grad`` to None). So: the first micro-batch is the step ``trace``
+    with no reduction (its gradients as autograd makes them, held); every later one runs the step traced with the
+    whole gradient allocated before it (``in_place``: autograd allocates none), the last with its reductions, each
+    freeing its unit's unsharded gradients. Where the reduce dtype is not the parameters' (below fp32) FSDP2 keeps a
+    copy in it (``unsharded_accumulated_grad``): not this model (``Fsdp2Rows.mixed_accumulation_limit``).
+    ``accumulated``: the unsharded gradients' bytes (every unit's, the root's)."""
+    runs = [fsdp2_phase_peaks(trace, **kwargs, reduce=False),
+            fsdp2_phase_peaks(in_place, **kwargs, reduce=True, accumulated=accumulated)]
+    if micro_batches > 2:
+        runs.append(fsdp2_phase_peaks(in_place, **kwargs, reduce=False, accumulated=accumulated))
+    return {ph: max((r[ph] for r in runs if ph in r), key=lambda rec: rec["bytes"]) for ph in runs[0]}
 
 
 def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
@@ -111,10 +145,12 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
 
 def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
                     root: int, steady_grad_bytes: int, gloo: bool, kept: list[bool], one_unit: bool,
-                    held: list[int], root_after: int, ahead: int = 1) -> None:
+                    held: list[int], root_after: int, ahead: int = 1, reduce: bool = True,
+                    accumulated: int = 0) -> None:
     """:func:`fsdp2_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own
     peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction
-    (``kept``: each unit's kept unsharded from its forward: not gathered again, nor prefetched)."""
+    (``kept``: each unit's kept unsharded from its forward: not gathered again, nor prefetched; ``reduce=False``: no
+    reduction, each unit's gradients held as the trace holds them)."""
     full = [u.unsharded for u in units]
     segs = list(trace.segments)
     order = _backward_order(k_of)
@@ -129,7 +165,7 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         pending = sum(held[j] for _, j in order[pos + 1:])  # what the units after it hold since their forward
         # The previous unit's reduce-scatter input, kept until this unit's reduce (FSDP2's reduce_scatter_states, one
         # buffer): comm.
-        rs_kept = units[order[pos - 1][1]].scattered if pos and not kept[k] else 0
+        rs_kept = units[order[pos - 1][1]].scattered if pos and not kept[k] and reduce else 0
         if pos and not kept[k] and not one_unit:
             # u's copy-out in its pre-backward (wait_for_unshard), before it prefetches the next unit: its all-gather
             # output (prefetched by the previous unit) beside its unsharded parameters and the units prefetched before
@@ -147,7 +183,13 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {
                 "activations": -trace.loss_bytes, "unsharded": unsharded, "comm": comm,
-                "gradients": shards_done - steady_grad_bytes - min(g, grads_done)}))
+                "gradients": shards_done - steady_grad_bytes - min(g, grads_done)
+                + max(accumulated - grads_done, 0)}))
+        if not reduce:  # resharded, nothing reduced: its gradients stay where the trace holds them
+            reduced = {"activations": after.get("activations", 0) - trace.loss_bytes,
+                       "temporaries": after.get("temporaries", 0),
+                       "gradients": after.get("gradients", 0) - steady_grad_bytes + accumulated}
+            continue
         # chunk_cat's output, the reduce-scatter's input, is comm; the output shard is kept as the gradient. gloo's
         # copy of the input (no collective's argument: temporaries) is alive at this moment only while gloo's worker
         # still holds it: the upper end of the range.
@@ -158,7 +200,8 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         alone = one_unit and gloo
         post = {"activations": after.get("activations", 0) - trace.loss_bytes, "comm": u.scattered,
                 "unsharded": root + prefetched + pending,
-                "gradients": t_root + shards_done + u.shard - steady_grad_bytes + (u.last_grad if alone else 0)}
+                "gradients": t_root + shards_done + u.shard - steady_grad_bytes + (u.last_grad if alone else 0)
+                + max(accumulated - grads_done - u.grads, 0)}
         note = (f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive at its post-backward only while "
                 "gloo's worker holds it")
         keep("backward", {**post, "temporaries": after.get("temporaries", 0) + (copy if alone else u.grads)},
@@ -172,7 +215,8 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         shards_done += u.upcast or u.shard
         grads_done += u.grads
         reduced = {"activations": after.get("activations", 0) - trace.loss_bytes,
-                   "temporaries": after.get("temporaries", 0), "gradients": t_root + shards_done - steady_grad_bytes}
+                   "temporaries": after.get("temporaries", 0),
+                   "gradients": t_root + shards_done - steady_grad_bytes + max(accumulated - grads_done, 0)}
 
 
 def post_forward_bump(params: tuple[int, ...], k: int) -> int:

@@ -54,7 +54,8 @@ def uncovered(name: str, precision: str, offload: str,
     if micro_batches > 1 and flow is not None and mixed_limit and row.no_sync_accumulation \
             and not sync_each_microbatch:
         reasons.append(mixed_limit)
-    modelled = row.no_sync_accumulation and not sync_each_microbatch and activation_checkpointing == "none"
+    modelled = row.no_sync_accumulation and not sync_each_microbatch and (
+        activation_checkpointing == "none" or row.family.no_sync_checkpointing(row))
     if micro_batches > 1 and flow is not None and not row.family.accumulates(row) and not modelled:
         covered = _modelled(lambda r: r.family.accumulates(r)) + [
             f"{n} under no_sync without activation checkpointing" for n in _modelled(lambda r: r.no_sync_accumulation)]
