@@ -150,6 +150,12 @@ class Family:
         """Why the peak model does not cover the row with activation checkpointing (None: it does)."""
         return None
 
+    def accumulation_limit(self, row: StateLayout, reduce_dtype: str | None, param_dtype: str) -> str | None:
+        """Why the peak model does not cover the row's accumulation with these dtypes (``strategy.reduce_dtype``,
+        None: the compute dtype; ``precision.param_dtype``); None: it does (or :meth:`mixed_accumulation_limit`
+        says)."""
+        return None
+
     def no_sync_checkpointing(self, row: StateLayout) -> bool:
         """Whether the peak model of the row's no_sync accumulation (``StateLayout.no_sync_accumulation``) covers
         activation checkpointing too."""

@@ -168,9 +168,12 @@ class Fsdp2Rows(FsdpFamily):
     def no_sync_checkpointing(self, row):
         return True  # the steps traced checkpointed, with and without the gradients allocated
 
-    def mixed_accumulation_limit(self, row):
-        return ("no peak model yet for FSDP2's grad_accum below fp32: its no_sync keeps each unsharded gradient's "
-                "copy in the reduce dtype (unsharded_accumulated_grad)")
+    def accumulation_limit(self, row, reduce_dtype, param_dtype):
+        if reduce_dtype is not None and reduce_dtype != param_dtype:
+            return (f"no peak model yet for FSDP2's grad_accum with strategy.reduce_dtype={reduce_dtype} (compute "
+                    f"{param_dtype}): its no_sync keeps each unsharded gradient's copy in the reduce dtype "
+                    "(unsharded_accumulated_grad)")
+        return None
 
     def forward_late_free(self, sizes):
         # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)

@@ -36,8 +36,10 @@ __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces
 
 def uncovered(name: str, precision: str, offload: str,
               activation_checkpointing: str = "none", micro_batches: int = 1,
-              sync_each_microbatch: bool = False) -> list[str]:
-    """Why the peak model does not cover a row in this precision, offload and axes (empty: it does)."""
+              sync_each_microbatch: bool = False, reduce_dtype: str | None = None,
+              param_dtype: str = "float32") -> list[str]:
+    """Why the peak model does not cover a row in this precision, offload and axes (empty: it does);
+    ``reduce_dtype``: FSDP2's ``strategy.reduce_dtype`` (None: the compute dtype, ``param_dtype``)."""
     row = _row(name)
     flow = row.family.flow(row)
     reasons = []
@@ -54,6 +56,9 @@ def uncovered(name: str, precision: str, offload: str,
     if micro_batches > 1 and flow is not None and mixed_limit and row.no_sync_accumulation \
             and not sync_each_microbatch:
         reasons.append(mixed_limit)
+    dtype_limit = row.family.accumulation_limit(row, reduce_dtype, param_dtype) if micro_batches > 1 else None
+    if dtype_limit and flow is not None and row.no_sync_accumulation and not sync_each_microbatch:
+        reasons.append(dtype_limit)
     modelled = row.no_sync_accumulation and not sync_each_microbatch and (
         activation_checkpointing == "none" or row.family.no_sync_checkpointing(row))
     if micro_batches > 1 and flow is not None and not row.family.accumulates(row) and not modelled:
@@ -219,7 +224,8 @@ def _uncovered_cell(cell: Cell, name: str) -> list[str]:
     why = [] if cast is None else [f"no peak model yet for strategy.output_dtype={cast}: FSDP2 casts the model's "
                                    "outputs, the traced step does not"]
     return why + uncovered(name, cell.precision, cell.offload, cell.activation_checkpointing, cell.grad_accum,
-                           cell.knobs.sync_each_microbatch)
+                           cell.knobs.sync_each_microbatch, cell.strategy_setting("reduce_dtype"),
+                           cell.policy.precision.param_dtype)
 
 
 def _cell_step_traces(cell: Cell, name: str, wrap: list[type], terms: PrecisionTerms | None, block: int = 1
