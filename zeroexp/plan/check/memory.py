@@ -63,14 +63,16 @@ def uncovered(name: str, precision: str, offload: str,
         activation_checkpointing == "none" or row.family.no_sync_checkpointing(row))
     if micro_batches > 1 and flow is not None and not row.family.accumulates(row) and not modelled:
         covered = _modelled(lambda r: r.family.accumulates(r)) + [
-            f"{n} under no_sync without activation checkpointing" for n in _modelled(lambda r: r.no_sync_accumulation)]
+            f"{n} under no_sync" + ("" if LAYOUTS[n].family.no_sync_checkpointing(LAYOUTS[n])
+                                    else " without activation checkpointing")
+            for n in _modelled(lambda r: r.no_sync_accumulation)]
         how = "".join(f" {k}={v}" for k, v in (("strategy.sync_each_microbatch", "true" if sync_each_microbatch
                                                                                else None),
                                                ("activation_checkpointing", activation_checkpointing))
                       if v not in (None, "none"))
         reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name}{how} (covered: "
-                       f"{', '.join(covered)}; FULL_SHARD's and FSDP2's no_sync, which hold each unit's unsharded "
-                       "gradient, and DeepSpeed's accumulation, not yet)")
+                       f"{', '.join(covered)}; FSDP1 FULL_SHARD's no_sync, which holds each unit's unsharded "
+                       "gradient, strategy.sync_each_microbatch and DeepSpeed's accumulation, not yet)")
     return reasons
 
 

@@ -1,0 +1,56 @@
+"""FSDP2's ``grad_accum`` under ``set_requires_gradient_sync(False)`` in the peak model: cells of foreign and own
+models judged (not n/a) and PASS on every rank, the planner's peak above one micro-batch's by what the later ones
+hold, and the one case not modelled (a reduce dtype of its own) refused by name."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from conftest import WINDOWS
+from test_checkpointing_modes import LLAMA
+from test_recommend import _compose
+
+HF = importlib.util.find_spec("transformers") is not None
+
+
+def test_only_a_reduce_dtype_of_its_own_is_left_out():
+    from zeroexp.plan.check.memory import uncovered
+
+    for row in ("fsdp2_full", "fsdp2_grad_op"):
+        assert uncovered(row, "bf16", "none", "selective_op", 2, param_dtype="bfloat16") == []
+        assert uncovered(row, "fp32", "none", "full", 4) == []
+        assert len(uncovered(row, "bf16", "none", "none", 2, reduce_dtype="float32", param_dtype="bfloat16")) == 1
+        assert uncovered(row, "bf16", "none", "none", 1, reduce_dtype="float32", param_dtype="bfloat16") == []
+    assert len(uncovered("fsdp2_full", "fp32", "none", "none", 2, sync_each_microbatch=True)) == 1
+
+
+def test_the_planned_peak_holds_the_unsharded_gradients_of_the_later_micro_batches():
+    from zeroexp.cli.plan import run
+
+    peaks = {}
+    for k in (1, 2):
+        records, _ = run(_compose("plan", "model=gpt", "world_size=2", "batch_size=2", f"grad_accum={k}",
+                                  "strategies=[fsdp2_full]"))
+        assert records[0]["peak_bytes"] and not records[0].get("peak_note")
+        peaks[k] = records[0]["peak_bytes"]
+    # every unit's unsharded gradient is held through the later micro-batches; the steady shard is freed
+    assert peaks[2] > peaks[1]
+
+
+CELLS = [pytest.param(("model=gpt", "strategy=fsdp2_grad_op", "grad_accum=3", "world_size=2"), id="gpt-grad_op-k3-n2"),
+         pytest.param((*LLAMA, "strategy=fsdp2_full", "grad_accum=2", "precision=bf16",
+                       "activation_checkpointing=selective_op", "world_size=3"), id="llama-full-k2-bf16-sac-n3",
+                      marks=pytest.mark.skipif(not HF, reason="transformers is not installed"))]
+
+
+@pytest.mark.parametrize("overrides", CELLS)
+def test_an_accumulating_fsdp2_cell_is_judged_and_holds(cell, overrides):
+    from zeroexp.report.checks import cell_checks
+
+    r = cell(*overrides, base=("logger=none", "steps=8", *WINDOWS))
+    assert r.status == "ok", r.error
+    checks = {c.name: c for c in cell_checks(r.summary)}
+    assert not [(c.name, c.reasons) for c in checks.values() if c.verdict not in ("PASS", "n/a", "SKIP")]
+    assert checks["plan.memory"].verdict == "PASS"
