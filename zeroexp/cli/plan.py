@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from zeroexp.config.checkpointing import check_checkpointing, check_save_ops, checkpointing_of
+from zeroexp.config.checkpointing import checked_option
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs
 from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
@@ -222,9 +222,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     accum = cfg.grad_accum
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ConfigError("grad_accum", accum, "an integer >= 1 (micro-batches of batch_size per optimizer step)")
-    check_checkpointing(cfg)
-    mode = checkpointing_of(cfg.get("activation_checkpointing"))
-    check_save_ops(cfg)
+    mode = checked_option(cfg)
     ac = mode.label
     shape, model = _shape(cfg)
     network = _network(cfg, batch)

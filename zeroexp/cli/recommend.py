@@ -239,13 +239,10 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
 def _checkpointing_axis(cfg: DictConfig, names: tuple[str, ...]) -> tuple[Any, ...]:
     """The options of ``recommend.activation_checkpointing`` as their YAML sets them, or, for the one a run's
     ``activation_checkpointing=`` fixed, with its keys as given."""
-    from zeroexp.config.checkpointing import check_checkpointing, check_save_ops, checkpointing_of, option
+    from zeroexp.config.checkpointing import checked_option, option
 
-    given = cfg.get("activation_checkpointing")
-    if given is not None:
-        check_checkpointing(cfg)
-        check_save_ops(cfg)
-    return tuple(checkpointing_of(given) if given is not None and str(given.name) == n else option(n) for n in names)
+    given = checked_option(cfg) if cfg.get("activation_checkpointing") is not None else None
+    return tuple(given if given is not None and given.mode == n else option(n) for n in names)
 
 
 def _samples(cfg: DictConfig, n: int, tokens: int) -> int:

@@ -18,7 +18,7 @@ from zeroexp.errors import ConfigError
 from zeroexp.formulas.peak.checkpointing import MODES, Checkpointing, checkpointing_of
 
 __all__ = ["ActivationCheckpointingConfig", "MODES", "MODE_KEYS", "checkpointing_of", "option", "overrides_of",
-           "check_checkpointing",
+           "check_checkpointing", "checked_option",
            "check_save_ops", "check_checkpointing_units"]
 
 
@@ -84,6 +84,14 @@ def check_checkpointing(cfg: Any, explicit_overrides: tuple[str, ...] | None = N
     ops = node.get("save_ops")
     if ops is not None and (not OmegaConf.is_list(ops) or not all(isinstance(o, str) and o for o in ops)):
         raise ConfigError("activation_checkpointing.save_ops", ops, "null or a list of ATen op names ([mm, bmm])")
+
+
+def checked_option(cfg: Any) -> Checkpointing:
+    """The option of ``cfg``'s ``activation_checkpointing`` node, its keys and op names checked (the planner's and
+    the recommender's reading of a run's command line: every key as given)."""
+    check_checkpointing(cfg)
+    check_save_ops(cfg)
+    return checkpointing_of(cfg.get("activation_checkpointing"))
 
 
 def check_save_ops(cfg: Any) -> None:
