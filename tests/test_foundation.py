@@ -302,3 +302,41 @@ def test_a_cell_says_what_it_will_hold_before_its_ranks_start(compose):
     assert "the planner's zero2 row" in line and "2 ranks need" in line
     mib = float(re.search(r"planned per rank: ([0-9.]+) MiB", line).group(1))
     assert abs(mib - estimate(cfg, cell.shape).state_bytes / 2**20) <= 0.05
+    assert "activations" in line and "equivalence reference on rank 0" in line
+
+
+def test_the_resource_check_counts_activations_and_the_equivalence_reference(compose, monkeypatch):
+    """Before launch the check counts what the ranks will hold beside their model state: each rank's traced
+    activations at its micro-batch and precision, and the unsharded reference rank 0 trains for the equivalence
+    check (zeroexp.formulas.reference); it refuses, naming world_size, a cell whose total exceeds the available
+    memory less the one headroom (zeroexp.plan.core.usable_bytes), and lets it through with resources.headroom=0
+    where the total fits the whole; a headroom outside [0, 1) is refused naming resources.headroom."""
+    from zeroexp.config import resources
+    from zeroexp.errors import ConfigError
+    from zeroexp.formulas.peak.checkpointing import NONE
+    from zeroexp.formulas.reference import reference_host_bytes
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.row_peak import activation_bytes
+
+    cfg = compose("model=lora_gpt", "strategy=zero2", "world_size=3", "precision=bf16", base=("logger=none",))
+    cell = validate(cfg)
+    e = resources.estimate(cfg, cell.shape)
+    wrap = [import_class(p) for p in wrap_paths(cfg)]
+    ref_acts = activation_bytes(cfg.model, int(cfg.batch_size), wrap, "float32", NONE)
+    shape = cell.shape
+    trainable = sum(shape.numels[i] for i in range(len(shape.params)) if shape.train(i))
+    assert trainable < shape.numel  # LoRA: the reference's moments and gradients are the adapters' alone
+    assert e.activation_bytes == activation_bytes(cfg.model, int(cfg.batch_size), wrap, "bfloat16", NONE) > 0
+    assert e.activation_bytes < ref_acts  # bf16's forward saves less than the fp32 reference's
+    assert e.reference_bytes == reference_host_bytes(shape.numel, trainable, ref_acts, 3) > 3 * ref_acts
+    assert e.total_bytes == 3 * (e.state_bytes + e.activation_bytes + resources.RANK_OVERHEAD_BYTES) \
+        + e.reference_bytes + resources.SHARED_BYTES
+    monkeypatch.setattr(resources, "mem_available", lambda: e.total_bytes)  # fits the whole, not less 10 %
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg)
+    assert refused.value.key == "world_size" and "equivalence reference" in str(refused.value)
+    validate(compose("model=lora_gpt", "strategy=zero2", "world_size=3", "precision=bf16", "resources.headroom=0",
+                     base=("logger=none",)))
+    with pytest.raises(ConfigError) as bad:
+        validate(compose("model=lora_gpt", "resources.headroom=1", base=("logger=none",)))
+    assert bad.value.key == "resources.headroom"

@@ -240,7 +240,7 @@ def test_cli_json_reproduces_figure_1():
 def test_cli_table_says_its_unit():
     out = _cli(*FIG1_ARGS, "device_memory=32GB", "units=GB")  # the paper's unit
     assert out.returncode == 0, out.stderr
-    assert "GB = 1e9 bytes" in out.stdout and "fits 32.0 GB" in out.stdout
+    assert "GB = 1e9 bytes" in out.stdout and "fits 28.8 GB (32.0 less 10 %)" in out.stdout
     for label, total in zip(("baseline", "P_os ", "P_os+g ", "P_os+g+p"), FIGURE_1):
         line = next(x for x in out.stdout.splitlines() if label in x)
         assert f" {total} " in line, line

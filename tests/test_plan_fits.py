@@ -68,7 +68,7 @@ def test_a_65b_gpt_fits_nowhere_at_64_ranks_on_the_peak_and_no_paper_row_is_fast
     assert not any(r["fastest"] for r in records)  # nothing fits: nothing is recommended
     from zeroexp.plan.output import fastest_sentences
 
-    assert fastest_sentences(records, "GB") == ["N=64: no row a strategy runs fits 80.0 GB"]
+    assert fastest_sentences(records, "GB") == ["N=64: no row a strategy runs fits 72.0 GB (80.0 less 10 %)"]
 
 
 def test_a_paper_row_is_never_the_fastest_even_where_it_is_fastest():
@@ -91,7 +91,8 @@ def test_mixed_precision_rows_are_judged_on_the_peak(precision):
     covered = names
     for name in covered:
         r = rows[name]
-        assert r["fits_on"] == "peak" and r["fits"] == (r["peak_bytes"] <= memory), (name, r.get("peak_note"))
+        assert r["fits_on"] == "peak" and r["fits"] == (r["peak_bytes"] <= r["usable_memory_bytes"]), \
+            (name, r.get("peak_note"))
         # traced in the compute dtype: the forward holds 2-byte activations where fp32's are 4
         assert r["phase_bytes"]["forward"] < full[name]["phase_bytes"]["forward"], name
     assert {rows[n]["fits"] for n in covered} == {True, False}  # the peak decides: some fit 6 MB, some do not
@@ -119,7 +120,8 @@ def test_cli_says_a_row_is_judged_on_state_alone_and_marks_the_references():
     assert "(state): model state + gather floor alone" in text
     assert "zero_stage3 (reference)" in text and "never recommended" in text
     sentence = next(line for line in out.stdout.splitlines() if line.startswith("N=64:"))
-    assert "the fastest that fits 74.5 GiB" in sentence and "judged on model state + gather floor alone" in sentence
+    assert "the fastest that fits 67.1 GiB (74.5 less 10 %)" in sentence
+    assert "judged on model state + gather floor alone" in sentence
     assert not any(name in sentence for name in PAPER)
 
 
@@ -137,3 +139,29 @@ def test_a_model_the_peak_model_does_not_cover_is_judged_on_state_with_the_cells
         assert "that backward does not reach" in rows[name]["peak_note"], name
         assert "a root unit that trains" in rows[name]["peak_note"], name
     assert rows["ddp"]["peak_bytes"] > rows["ddp"]["total_bytes"] and not rows["ddp"].get("peak_note")
+
+
+def test_fits_leaves_the_one_headroom_free_in_plan_and_recommend():
+    """``fits`` is judged against the device's memory less ``headroom`` (zeroexp.plan.core.usable_bytes, 10 % by
+    default): a row whose judged bytes lie between the usable memory and the whole device does not fit, and fits with
+    ``headroom=0``; recommend's budget is the same figure; a headroom outside [0, 1) is refused naming its key."""
+    from zeroexp.errors import ConfigError
+    from zeroexp.plan.core import HEADROOM, usable_bytes
+
+    first = {r["strategy"]: r for r in _run(*TINY_GPT, "world_size=4", "precision=bf16", "device_memory=1TB")[0]}
+    judged = first["fsdp2_full"]["fits_bytes"]
+    memory = int(judged / (1 - HEADROOM / 2))  # the row's bytes above the usable 90 %, below the whole
+    for headroom, fits in ((None, False), (0, True), (0.04, True), (0.2, False)):
+        extra = [] if headroom is None else [f"headroom={headroom}"]
+        r = {r["strategy"]: r for r in _run(*TINY_GPT, "world_size=4", "precision=bf16", f"device_memory={memory}",
+                                            *extra)[0]}["fsdp2_full"]
+        h = HEADROOM if headroom is None else headroom
+        assert (r["headroom"], r["usable_memory_bytes"]) == (h, usable_bytes(memory, h))
+        assert r["fits_bytes"] == judged and r["fits"] is (judged <= usable_bytes(memory, h)) is fits
+    from zeroexp.recommend.search import Problem
+
+    assert Problem(None, 8, {}, None, memory, HEADROOM, {}, {}).budget == usable_bytes(memory, HEADROOM)
+    for bad in (1.5, -0.1, True):
+        with pytest.raises(ConfigError) as e:
+            _run(*TINY_GPT, "world_size=4", f"headroom={bad}", "device_memory=1GB")
+        assert e.value.key == "headroom"

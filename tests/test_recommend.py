@@ -136,7 +136,7 @@ def test_every_faster_configuration_left_out_does_not_fit(tiny_answer):
     assert [r["step_ms"] for r in recs] == sorted(r["step_ms"] for r in recs)
     assert all(r["fits"] and r["fits_bytes"] <= answer["budget_bytes"] for r in recs)
     assert answer["budget_bytes"] == int(32e6 * 0.9)
-    assert all(r["headroom"] >= 0.1 for r in recs)
+    assert all(r["free_fraction"] >= 0.1 for r in recs)
     problem, axes = _problem(cfg)
     ev = Evaluator(problem)
     listed = {r["config"] for r in recs}

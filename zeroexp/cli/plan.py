@@ -15,7 +15,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from zeroexp.config.checkpointing import checked_option
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs
-from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
+from zeroexp.plan.core import HEADROOM, UNITS, Precision, check_headroom, parse_bytes, parse_count, plan
 
 __all__ = ["PlanConfig", "as_plan_keys", "main", "run"]
 
@@ -35,6 +35,7 @@ class PlanConfig:
     world_size: Any = 8  # one value or a list
     strategies: Any = None  # null: every strategy the planner knows; or a list
     device_memory: Any = None  # 32GB, 80GiB, or bytes: adds the fits column
+    headroom: Any = HEADROOM  # the fraction of device_memory fits leaves free (zeroexp.plan.core.HEADROOM)
     units: str = "GiB"  # GiB (2^30, as a run reports) | GB (1e9, the ZeRO paper's): tables only, JSON in bytes
     format: str = "table"  # table | json
     wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
@@ -212,6 +213,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         memory = None if cfg.device_memory is None else parse_bytes(cfg.device_memory)
     except ValueError as e:
         raise ConfigError("device_memory", cfg.device_memory, "a size: 32GB, 80GiB, or bytes", why=str(e)) from e
+    headroom = check_headroom(cfg.headroom, "headroom")
     cfg, strategies = with_strategy(cfg)
     batch = cfg.get("batch_size")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
@@ -233,7 +235,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
                       micro_batches=accum, use_orig_params=bool(cfg.use_orig_params), **_fsdp2_knobs(cfg))
     precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
     records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
-                          model)
+                          model, headroom)
     activations = _activations(cfg, batch, mode) if batch is not None else None
     if batch is not None and activations is None:
         notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
@@ -310,7 +312,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         wrap = wrap_classes(cfg)
     for r in records:
         peak = row_peak(r, shape, cfg.precision, knobs, cfg.model, batch, wrap, checkpointing,
-                        str(cfg.prefetch.name), device or CPU, r["device_memory_bytes"])
+                        str(cfg.prefetch.name), device or CPU, r["device_memory_bytes"], r["headroom"])
         del peak["by_category"]
         r.update(peak, init_peak_bytes=4 * r["numel"])
 
@@ -369,7 +371,7 @@ def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, mem
         if note:
             r["init_note"] = note
         elif memory is not None and r.get("fits") is not None:
-            r["fits"] = r["fits"] and r["init_peak_bytes"] <= memory
+            r["fits"] = r["fits"] and r["init_peak_bytes"] <= r["usable_memory_bytes"]
 
 
 def _tokens(cfg: DictConfig) -> int:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas.peak.checkpointing import MODES
+from zeroexp.plan.core import HEADROOM, check_headroom
 
 __all__ = ["RecommendConfig", "main", "run"]
 
@@ -29,7 +30,7 @@ class SearchConfig:
     """``recommend.*``: the search's axes and the answer's size."""
 
     top_k: int = 5
-    headroom: float = 0.1
+    headroom: float = HEADROOM  # zeroexp.plan.core.HEADROOM: the one rule of plan, recommend and a run
     tie: Optional[float] = None
     strategies: Any = None
     offload: Any = field(default_factory=lambda: ["none"])
@@ -184,8 +185,7 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     r = cfg.recommend
     n, per_node = _world(cfg)
     top_k = _positive(r.top_k, "recommend.top_k", "an integer >= 1")
-    if isinstance(r.headroom, bool) or not isinstance(r.headroom, (int, float)) or not 0 <= r.headroom < 1:
-        raise ConfigError("recommend.headroom", r.headroom, "a fraction in [0, 1): 0.1 keeps 10 % free")
+    headroom = check_headroom(r.headroom, "recommend.headroom")
     if r.tie is not None and (isinstance(r.tie, bool) or not isinstance(r.tie, (int, float)) or r.tie < 0):
         raise ConfigError("recommend.tie", r.tie, "null or a fraction >= 0")
     options = tuple(sorted(p.stem for p in (CONF_DIR / "precision").glob("*.yaml")))
@@ -220,7 +220,7 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
         wrap = wrap_classes(cfg)
         flops = _flops_of(cfg.model, tuple(wrap))
     peaks = cfg.network.get("peak_flops") or {}
-    problem = Problem(shape, n, networks, device, memory, float(r.headroom), {p: d for p, (d, _) in dtypes.items()},
+    problem = Problem(shape, n, networks, device, memory, headroom, {p: d for p, (d, _) in dtypes.items()},
                       {p: s for p, (_, s) in dtypes.items()}, tokens, cfg.model, wrap, flops,
                       {p: peaks.get(p) for p in precisions})
     axes = Axes(rows, precisions, offloads, _checkpointing_axis(cfg, ac), samples, micro,

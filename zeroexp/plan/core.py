@@ -16,7 +16,8 @@ from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape
                               step_collectives, unsharded_floor_bytes)
 
 __all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
-           "judge_fits", "recommendable", "FITS_ON", "OFFLOADS", "UNITS"]
+           "judge_fits", "recommendable", "usable_bytes", "check_headroom", "FITS_ON", "HEADROOM", "OFFLOADS",
+           "UNITS"]
 
 OFFLOADS = ("none", "optimizer", "full")
 #: Table units: GB is 1e9 bytes (the ZeRO paper's, Figure 1), GiB is 2^30 bytes.
@@ -24,6 +25,12 @@ UNITS = {"GB": 10**9, "GiB": 2**30}
 _SIZE = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
          "GIB": 2**30, "TIB": 2**40}
 _COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+#: The fraction of a device's memory every prediction must leave free, in ``plan`` (``headroom=``), ``recommend``
+#: (``recommend.headroom=``) and before a local run (``resources.headroom=``, against the host's available memory):
+#: what none of them counts (the CUDA context, NCCL's communicator buffers, the caching allocator's fragmentation
+#: beyond its rounding: docs/planner.md, What the planner does not model). A margin the user sets, not a measured
+#: figure: every answer states it beside ``fits`` (``headroom``, ``usable_memory_bytes``).
+HEADROOM = 0.1
 #: What ``fits`` was judged on (a record's ``fits_on``; ``fits_bytes`` the bytes held against ``device_memory``).
 FITS_ON = {
     "reserved": "the CUDA caching allocator's segments for the peak model's live bytes, phase after phase "
@@ -67,10 +74,11 @@ def largest_unit_bytes(shape: ModelShape, world_size: int, itemsize: int) -> int
 
 def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: int, precision: Precision,
                 offload: str = "none", knobs: PlanKnobs = PlanKnobs(), device_memory: int | None = None,
-                model: str = "params") -> dict[str, Any]:
+                model: str = "params", headroom: float = HEADROOM) -> dict[str, Any]:
     """One strategy at one world size: per-rank bytes of each kind (the largest rank's, padding included), device
-    and host totals, the gather floor, fits, and per-step calls, payload and bus bytes by collective (bytes
-    throughout), from the groups the row derives from ``shape`` (``zeroexp.formulas.derive_groups``)."""
+    and host totals, the gather floor, fits (against ``device_memory`` less ``headroom``: :func:`usable_bytes`), and
+    per-step calls, payload and bus bytes by collective (bytes throughout), from the groups the row derives from
+    ``shape`` (``zeroexp.formulas.derive_groups``)."""
     n, c = world_size, precision.itemsize
     groups = derive_groups(name, layout, shape, n, c, knobs)
     state = rank_state_bytes(layout, groups, c, knobs, offload)
@@ -94,13 +102,28 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
         **{f"{k}_bytes": largest([k]) for k in STATE_KINDS},
         "total_bytes": largest(STATE_KINDS), "device_bytes": device, "host_bytes": largest(host),
         "largest_unit_bytes": largest_unit_bytes(shape, n, c), "gather_floor_bytes": floor,
-        "device_floor_bytes": judged, "device_memory_bytes": device_memory,
-        "fits": None if device_memory is None else judged <= device_memory, "fits_on": "state", "fits_bytes": judged,
+        "device_floor_bytes": judged, "device_memory_bytes": device_memory, "headroom": headroom,
+        "usable_memory_bytes": usable_bytes(device_memory, headroom),
+        "fits": None if device_memory is None else judged <= usable_bytes(device_memory, headroom), "fits_on": "state",
+        "fits_bytes": judged,
         "counts": {op: v["count"] for op, v in collectives.items()}, "payload_bytes": payload, "bus_bytes": bus,
         "payload_total_bytes": sum(payload.values()),
         "bus_total_bytes": sum(b for b in bus.values() if b is not None), "source": layout.source,
         "state_note": layout.family.state_note(layout, shape, knobs.shard_size if layout.hybrid else n),
     }
+
+
+def check_headroom(value: Any, key: str) -> float:
+    """``value`` as a headroom fraction in [0, 1), or a :class:`ConfigError` naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(key, value, f"a fraction in [0, 1): {HEADROOM} keeps {100 * HEADROOM:.0f} % free")
+    return float(value)
+
+
+def usable_bytes(memory: int | None, headroom: float = HEADROOM) -> int | None:
+    """The bytes a prediction may reach on a memory of ``memory`` bytes: all but its ``headroom`` (:data:`HEADROOM`);
+    None where no memory is given. The one rule of ``fits`` in plan, recommend and a run's resource check."""
+    return None if memory is None else int(memory * (1 - headroom))
 
 
 def judge_fits(record: dict[str, Any]) -> None:
@@ -109,7 +132,8 @@ def judge_fits(record: dict[str, Any]) -> None:
     model covers the row, else its model state and gather floor with the activations
     where those were traced (below fp32 the fewer of autocast's, ``activation_bytes``, and the module cast's,
     ``activation_cast_bytes``: a row without a peak model computes one way or the other), else the state and gather
-    floor alone; each with the device's ``workspace_bytes`` (cuBLAS's, on CUDA)."""
+    floor alone; each with the device's ``workspace_bytes`` (cuBLAS's, on CUDA); against ``usable_memory_bytes``
+    (:func:`usable_bytes`: the device's memory less the record's ``headroom``)."""
     state = record["device_bytes"] + (record["gather_floor_bytes"] or 0) + (record.get("workspace_bytes") or 0)
     acts = [a for a in (record.get("activation_bytes"), record.get("activation_cast_bytes")) if a is not None]
     if record.get("reserved_peak_bytes") is not None:
@@ -120,7 +144,7 @@ def judge_fits(record: dict[str, Any]) -> None:
         on, judged = "state+activations", state + min(acts)
     else:
         on, judged = "state", state
-    memory = record["device_memory_bytes"]
+    memory = record["usable_memory_bytes"]
     record.update(fits_on=on, fits_bytes=judged, fits=None if memory is None else judged <= memory)
 
 
@@ -132,7 +156,7 @@ def recommendable(record: dict[str, Any]) -> bool:
 
 def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, offload: str = "none",
          strategies: Iterable[str] | None = None, knobs: PlanKnobs = PlanKnobs(), device_memory: int | None = None,
-         model: str = "params") -> tuple[list[dict[str, Any]], list[str]]:
+         model: str = "params", headroom: float = HEADROOM) -> tuple[list[dict[str, Any]], list[str]]:
     """Records for every strategy x world size, and a note for each strategy whose byte model does not cover the
     precision or offload (those are left out). Raises :class:`ConfigError` for an unknown strategy or offload."""
     table, world_sizes = strategy_table(), list(world_sizes)
@@ -161,7 +185,8 @@ def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, of
                     notes.append(f"{name} at world_size={n}: shard_size={knobs.shard_size} is no divisor of {n} "
                                  "strictly between 1 and it")
                 else:
-                    records.append(plan_record(name, layout, shape, n, precision, offload, knobs, device_memory, model))
+                    records.append(plan_record(name, layout, shape, n, precision, offload, knobs, device_memory, model,
+                                               headroom))
                     if records[-1]["state_note"]:
                         notes.append(f"{name} at world_size={n}: {records[-1]['state_note']}")
     return records, notes

@@ -101,7 +101,7 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     reserved = any(r.get("reserved_peak_bytes") is not None for r in records)
     cols += ["reserved"] if reserved else []
     cols += [f"init peak ({first.get('init', 'full')})"]
-    cols += [f"fits {fmt_size(first['device_memory_bytes'], unit)} {unit}"] if fits else []
+    cols += [f"fits {_room(first, unit)}"] if fits else []
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in records:
@@ -160,6 +160,15 @@ def _legend(records: list[dict[str, Any]]) -> str:
     return " · ".join(out)
 
 
+def _room(record: dict[str, Any], unit: str) -> str:
+    """What ``fits`` was judged against: the usable memory, and the device's memory less its headroom where there
+    is one (``zeroexp.plan.core.usable_bytes``)."""
+    usable = f"{fmt_size(record['usable_memory_bytes'], unit)} {unit}"
+    if not record["headroom"]:
+        return usable
+    return f"{usable} ({fmt_size(record['device_memory_bytes'], unit)} less {100 * record['headroom']:.3g} %)"
+
+
 def fastest_sentences(records: list[dict[str, Any]], unit: str) -> list[str]:
     """Per world size, the fastest row a strategy runs that fits (the record's ``fastest``), and what its fits was
     judged on; or that no such row fits."""
@@ -167,8 +176,7 @@ def fastest_sentences(records: list[dict[str, Any]], unit: str) -> list[str]:
     for n in dict.fromkeys(r["world_size"] for r in records):
         rows = [r for r in records if r["world_size"] == n]
         best = next((r for r in rows if r.get("fastest")), None)
-        memory = rows[0]["device_memory_bytes"]
-        room = f"{fmt_size(memory, unit)} {unit}" if memory is not None else None
+        room = _room(rows[0], unit) if rows[0]["device_memory_bytes"] is not None else None
         if best is None:
             out.append(f"N={n}: no row a strategy runs fits {room}" if room else f"N={n}: no row a strategy runs")
         elif best["fits"] is None:

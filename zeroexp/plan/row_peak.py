@@ -99,10 +99,11 @@ def activation_bytes(model_cfg: Any, batch: int, wrap: list[type], param_dtype: 
 
 def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: PlanKnobs, model_cfg: Any,
              batch: int | None, wrap: list[type], checkpointing: Any, prefetch: str, device: DeviceSemantics,
-             budget: int | None) -> dict[str, Any]:
+             memory: int | None, headroom: float | None = None) -> dict[str, Any]:
     """The peak of ``record`` (a ``zeroexp.plan.core.plan_record`` of one row at one world size, precision and
     offload, ``knobs.micro_batches`` the grad_accum) at ``batch`` samples a micro-batch (None, or no ``model_cfg``:
-    a parameter count, nothing traced), judged against ``budget`` bytes (``judge_fits``: on the peak where the peak
+    a parameter count, nothing traced), judged against ``memory`` bytes less ``headroom`` (None: the record's;
+    ``zeroexp.plan.core.usable_bytes``; ``judge_fits``: on the peak where the peak
     model covers the row, on cuda its reserved memory, else the model state + gather floor + one forward's
     activations). The planner's table (``zeroexp.cli.plan``) and the search (``zeroexp.recommend``) both read it.
     Returns the record with the fields the planner sets (``peak_bytes``, ``peak_phase``, ``phase_bytes``,
@@ -111,7 +112,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     held at the peak by category (the record's device state kinds, the steady buffers and workspace, the peak
     phase's categories above steady)."""
     from zeroexp.formulas.peak.allocator import allocations, reserved_peak
-    from zeroexp.plan.core import judge_fits
+    from zeroexp.plan.core import judge_fits, usable_bytes
     from zeroexp.plan.check.memory import (precision_terms_of, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.reserved import steady_blocks
@@ -121,7 +122,9 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     traced = batch is not None and model_cfg is not None
     out: dict[str, Any] = {**record, "peak_bytes": None, "peak_phase": None, "phase_bytes": None,
                            "steady_bytes": None, "reserved_peak_bytes": None, "device_semantics": device.name,
-                           "workspace_bytes": device.workspace_bytes, "device_memory_bytes": budget}
+                           "workspace_bytes": device.workspace_bytes, "device_memory_bytes": memory}
+    out["headroom"] = record["headroom"] if headroom is None else headroom
+    out["usable_memory_bytes"] = usable_bytes(memory, out["headroom"])
     out.setdefault("activation_bytes", None)
     out.setdefault("activation_cast_bytes", None)
     row = LAYOUTS[name]

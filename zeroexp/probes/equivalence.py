@@ -14,7 +14,9 @@ rounding falls (the order of the sums, the division by N before or after them), 
 data parallelism from one process. Their largest difference is the run's **reduction-order floor** (computed). AdamW
 normalises each update, so a few ulps of gradient on a near-zero component become a sizeable step, and the floor grows
 with the steps; a fixed absolute threshold would then call plain DDP wrong. The check's bound is the precision's
-threshold, or ``FLOOR_FACTOR`` times the floor where that is larger (``threshold_basis`` says which).
+threshold, or ``FLOOR_FACTOR`` times the floor where that is larger (``threshold_basis`` says which). What the
+reference holds in rank 0's host memory is :mod:`zeroexp.formulas.reference`'s (counted before launch by
+``zeroexp.config.resources``): a change to what it keeps changes that formula.
 """
 
 from __future__ import annotations

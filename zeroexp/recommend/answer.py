@@ -76,7 +76,7 @@ def recommendation(ev: Evaluator, s: Scored, model_overrides: list[str], ranks_p
         "config": label(c), "overrides": overrides, "command": command(overrides, p.world_size, ranks_per_node),
         "fits": peak.get("fits"), "fits_on": peak.get("fits_on"), "peak_bytes": peak_bytes,
         "fits_bytes": judged, "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
-        "headroom": None if judged is None else (p.memory - judged) / p.memory,
+        "free_fraction": None if judged is None else (p.memory - judged) / p.memory,
         "peak_phase": peak.get("peak_phase"), "peak_note": peak.get("peak_note"),
         "step_ms": 1e3 * t.step_s, "comm_ms": 1e3 * t.comm_s, "exposed_comm_ms": 1e3 * t.exposed_comm_s,
         "tokens_per_s": p.tokens * c.micro_batch * c.grad_accum * p.world_size / t.step_s,
@@ -142,7 +142,7 @@ def render(answer: dict[str, Any], console: Any) -> None:
     for i, r in enumerate(recs, 1):
         tie = f" ={','.join(map(str, r['tie_with']))}" if r["tie_with"] else ""
         table.add_row(f"{i}{tie}", r["config"], _gb(r["fits_bytes"]) + ("" if r["fits_on"] == "peak" else "*"),
-                      f"{100 * r['headroom']:.0f}%", f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.3g}",
+                      f"{100 * r['free_fraction']:.0f}%", f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.3g}",
                       "-" if r["mfu"] is None else f"{100 * r['mfu']:.0f}%", f"{r['exposed_comm_ms']:.2f}")
     if recs:
         console.print(table)

@@ -53,7 +53,9 @@ class Problem:
     @property
     def budget(self) -> int:
         """The bytes a configuration's peak may reach: the device less its headroom."""
-        return int(self.memory * (1 - self.headroom))
+        from zeroexp.plan.core import usable_bytes
+
+        return usable_bytes(self.memory, self.headroom)
 
 
 @dataclass
@@ -122,7 +124,7 @@ class Evaluator:
             knobs = replace(self.knobs(c), micro_batches=1)
             self._records[key] = plan_record(c.row, LAYOUTS[c.row], self.p.shape, self.p.world_size,
                                              Precision(c.precision, self.p.param_dtypes[c.precision]), c.offload,
-                                             knobs, self.p.budget)
+                                             knobs, self.p.memory, headroom=self.p.headroom)
         return self._records[key]
 
     def groups(self, c: Config) -> Any:
@@ -172,12 +174,12 @@ class Evaluator:
         c, record = s.config, self.record(s.config)
         if self.p.model_cfg is None:
             out = {**record, "peak_bytes": None, "workspace_bytes": self.p.device.workspace_bytes,
-                   "device_memory_bytes": self.p.budget, "by_category": {}}
+                   "by_category": {}}
             judge_fits(out)
         else:
             out = row_peak(record, self.p.shape, precision_of(c.precision, self.p.param_dtypes[c.precision]),
                            self.knobs(c), self.p.model_cfg, c.micro_batch, self.p.wrap, c.checkpointing,
-                           c.prefetch or "none", self.p.device, self.p.budget)
+                           c.prefetch or "none", self.p.device, self.p.memory, self.p.headroom)
         s.peak = out
         return out
 
