@@ -165,3 +165,20 @@ def test_fits_leaves_the_one_headroom_free_in_plan_and_recommend():
         with pytest.raises(ConfigError) as e:
             _run(*TINY_GPT, "world_size=4", f"headroom={bad}", "device_memory=1GB")
         assert e.value.key == "headroom"
+
+
+def test_each_row_shows_the_one_activation_figure_its_fits_uses():
+    """``row_activation_bytes``, the memory table's activations column: the forward in the dtypes the row computes in
+    (the module cast under FSDP's and DeepSpeed's mixed precision, autocast under DDP's), and for a row judged on
+    state + activations the figure its ``fits_bytes`` adds, the fewer of the two."""
+    records, _ = _run(*TINY_GPT, "world_size=2", "precision=bf16", "device_memory=1TB", "device=cpu")
+    rows = {r["strategy"]: r for r in records}
+    autocast, cast = rows["ddp"]["activation_bytes"], rows["ddp"]["activation_cast_bytes"]
+    assert cast < autocast  # autocast also saves each weight's bf16 copy
+    assert rows["ddp"]["row_activation_bytes"] == rows["zro"]["row_activation_bytes"] == autocast
+    for name in ("fsdp_full", "fsdp2_full", "zero2", "deepspeed_stage3"):
+        assert rows[name]["row_activation_bytes"] == cast, name
+    for r in records:
+        if r["fits_on"] == "state+activations":
+            assert r["fits_bytes"] == r["device_bytes"] + (r["gather_floor_bytes"] or 0) + r["workspace_bytes"] \
+                + r["row_activation_bytes"], r["strategy"]

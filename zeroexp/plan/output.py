@@ -44,7 +44,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         console.print(_memory_table(records, unit))
         acts = first.get("activation_bytes")
         traced = ("activations: one forward at the per-rank batch traced under FakeTensorMode (saved for backward, "
-                  "plus output and loss); peak: model state + its steady buffers + the peak model's largest phase "
+                  "plus output and loss), each row's in the dtypes it computes in (autocast or the module cast, as its "
+                  "peak model traces it; without a peak model the fewer of the two, which its fits adds); peak: model state + its steady buffers + the peak model's largest phase "
                   "(docs/planner.md; '-': no peak model for the row); init peak: building and wrapping the model "
                   "(init=meta: fits needs it too)" + (f"; Korthikanti et al. 34sbh+5as^2b: "
                   f"{fmt_size(first['korthikanti_bytes'], unit)} {unit}" if first.get("korthikanti_bytes") else "")
@@ -110,7 +111,8 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
         row += [fmt_size(r[k], unit)
                 for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "total_bytes")]
         row += [fmt_size(r["host_bytes"], unit), fmt_size(r["device_bytes"], unit)] if offload else []
-        row += [fmt_size(r["gather_floor_bytes"], unit)] + ([fmt_size(r["activation_bytes"], unit)] if acts else [])
+        row += [fmt_size(r["gather_floor_bytes"], unit)] + ([fmt_size(r.get("row_activation_bytes"), unit)]
+                                                            if acts else [])
         row += ([f"{fmt_size(r['peak_bytes'], unit)} ({r['peak_phase']})" if r.get("peak_bytes") is not None
                  else "-"] if peaks else [])
         row += ([fmt_size(r["reserved_peak_bytes"], unit) if r.get("reserved_peak_bytes") is not None else "-"]

@@ -108,12 +108,15 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     activations). The planner's table (``zeroexp.cli.plan``) and the search (``zeroexp.recommend``) both read it.
     Returns the record with the fields the planner sets (``peak_bytes``, ``peak_phase``, ``phase_bytes``,
     ``steady_bytes``, ``reserved_peak_bytes``, ``peak_note``, ``activation_bytes`` (the record's where it has one),
+    ``row_activation_bytes`` (the one activation figure of the row: its own forward's, autocast's or the module
+    cast's as its peak model traces it, ``casts_module``; without a peak model the fewer of the two, what ``fits``
+    adds),
     ``workspace_bytes``, ``device_semantics``, ``fits_on``, ``fits_bytes``, ``fits``) and ``by_category``: the bytes
     held at the peak by category (the record's device state kinds, the steady buffers and workspace, the peak
     phase's categories above steady)."""
     from zeroexp.formulas.peak.allocator import allocations, reserved_peak
     from zeroexp.plan.core import judge_fits, usable_bytes
-    from zeroexp.plan.check.memory import (precision_terms_of, shape_limits, steady_buffers_bytes,
+    from zeroexp.plan.check.memory import (casts_module, precision_terms_of, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.reserved import steady_blocks
 
@@ -142,11 +145,15 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
         out["peak_note"] = "; ".join(why)
         if out["activation_bytes"] is None and traced:
             out["activation_bytes"] = activation_bytes(model_cfg, batch, wrap, dtype, checkpointing)
+        acts = [a for a in (out["activation_bytes"], out["activation_cast_bytes"]) if a is not None]
+        out["row_activation_bytes"] = min(acts) if acts else None  # what judge_fits adds to the state
         judge_fits(out)
         out["by_category"] = {**state, "gather_floor": record["gather_floor_bytes"] or 0,
-                              "activations": out["activation_bytes"] or 0, "workspace": device.workspace_bytes}
+                              "activations": out["row_activation_bytes"] or 0, "workspace": device.workspace_bytes}
         return out
     terms = precision_terms_of(name, precision.name, precision.param_dtype)
+    cast = out["activation_cast_bytes"] if casts_module(name, dtype, terms) else None
+    out["row_activation_bytes"] = out["activation_bytes"] if cast is None else cast  # the row's own forward
     trace, in_place = step_traces(name, model_cfg, batch, wrap, checkpointing, k, dtype, terms, device.block)
     root_kept = knobs.root_kept_after_forward and LAYOUTS[name].gathers_per_unit(True, knobs) == 1
     phases = worst_rank_phases(name, groups, shape, trace, c, prefetch, k, in_place, knobs.bucket_cap_bytes, terms,

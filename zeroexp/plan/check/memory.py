@@ -186,6 +186,16 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
     return row.family.steady_buffers(row, groups, itemsize, bucket_cap_bytes, terms)
 
 
+def casts_module(name: str, param_dtype: str, terms: PrecisionTerms | None) -> bool:
+    """Whether row ``name``'s step computes with its module cast to ``param_dtype`` (DeepSpeed's engine converts it;
+    FSDP's mixed precision, zeroexp's ZeRO below fp32: ``terms.module_dtype``) rather than under autocast, as
+    :func:`trace_for` traces it: which of the planner's two traced forwards is the row's own."""
+    row = _row(name)
+    if row.family.trace_options(row)["converts_module"]:
+        return param_dtype != "float32"
+    return terms is not None and terms.module_dtype is not None
+
+
 def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",
               checkpointing: Any = False, grads_in_place: bool = False,
               terms: PrecisionTerms | None = None, block: int = 1) -> StepTrace:
