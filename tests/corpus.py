@@ -62,3 +62,21 @@ class AppliedTwice(nn.Module):
 
 def applied_twice(width: int = 8) -> nn.Module:
     return AppliedTwice(width)
+
+
+class PositiveOnly(nn.Module):
+    """Keeps the hidden features whose batch sum is positive (``nonzero``): a shape that depends on the values, which
+    a step on fake tensors cannot have (the planner's traces), a real one can."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        kept = h.index_select(1, torch.nonzero(h.sum(0) > 0).flatten())
+        return self.b(h + kept.sum(1, keepdim=True))
+
+
+def positive_only(width: int = 8) -> nn.Module:
+    return PositiveOnly(width)

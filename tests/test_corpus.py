@@ -15,7 +15,7 @@ import pytest
 from zeroexp.errors import ConfigError
 from zeroexp.report.checks import cell_checks
 from zeroexp.results.verdict import Code
-from conftest import WINDOWS
+from conftest import WINDOWS, run_cli
 
 BASE = ("logger=none", "steps=5", *WINDOWS, "batch_size=2")  # warm-up, one profiled, one memory-tracked step
 DTENSOR = "torch.testing._internal.distributed._tensor.common_dtensor"
@@ -444,3 +444,20 @@ def test_fsdp2_output_dtype_runs_and_says_the_peak_is_not_modelled(cell):
     memory = r.summary["plan"]["memory"]
     assert memory["check"] == "n/a" and memory["reason_codes"] == [Code.MEMORY_NOT_MODELLED]
     assert "strategy.output_dtype=float32" in memory["reasons"][0]  # the key it does not model
+
+
+def test_a_step_fake_tensors_cannot_run_is_measured_in_a_cell_and_refused_by_the_planner(cell):
+    """A model with a data-dependent shape (``nonzero``) trains in a cell, every measurement judged, its plan.memory
+    n/a naming the op (the peak model reads a fake-tensor trace); ``plan`` and ``recommend`` refuse it before any
+    answer, exit 2 naming ``model`` and the op, never a traceback."""
+    model = _custom("corpus.positive_only", "[8]")
+    r = cell(*model, "strategy=ddp", "world_size=2", base=BASE)
+    assert r.status == "ok", r.error
+    plan = r.summary["plan"]
+    assert plan["memory"]["check"] == "n/a" and "aten.nonzero" in plan["memory"]["reasons"][0]
+    assert plan["memory"]["reason_codes"] == [Code.MEMORY_NOT_MODELLED.value]
+    assert all(plan[k]["check"] == "PASS" for k in ("state", "calls", "groups"))
+    for app, extra in (("zeroexp.cli.plan", ("batch_size=2",)), ("zeroexp.cli.recommend", ("network=h100_ib",))):
+        out = run_cli(*model, "world_size=2", *extra, app=app)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (app, out.stderr[-2000:])
+        assert "model=" in out.stderr and "aten.nonzero" in out.stderr, (app, out.stderr[-2000:])

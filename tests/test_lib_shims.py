@@ -66,6 +66,23 @@ def test_is_data_dependent_names_fake_tensors_refusal():
     assert not is_data_dependent(ValueError("x"))
 
 
+def test_untraceable_names_the_op_a_fake_step_cannot_run():
+    from zeroexp._lib.fake_tensors import fake_tensor_mode, untraceable
+
+    with fake_tensor_mode():
+        t = torch.ones(3)
+        with pytest.raises(Exception) as shape:
+            torch.nonzero(t)  # a data-dependent output shape
+        with pytest.raises(Exception) as values:
+            t.sum().item()
+    assert "aten.nonzero" in untraceable(shape.value) and "DynamicOutputShapeException" in untraceable(shape.value)
+    assert "DataDependentOutputException" in untraceable(values.value)
+    wrapped = RuntimeError("in the step")
+    wrapped.__cause__ = shape.value
+    assert untraceable(wrapped) == untraceable(shape.value)
+    assert untraceable(ValueError("x")) is None
+
+
 # -- public APIs that replaced private ones (what the code now relies on) ----------------------------------------
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fake_tensor_mode", "real_tensors", "is_data_dependent"]
+__all__ = ["fake_tensor_mode", "real_tensors", "is_data_dependent", "untraceable"]
 
 
 def fake_tensor_mode() -> Any:
@@ -31,3 +31,26 @@ def is_data_dependent(exc: BaseException) -> bool:
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     return isinstance(exc, DataDependentOutputException)
+
+
+def untraceable(exc: BaseException) -> str | None:
+    """Why a model's step cannot run on fake tensors, where ``exc`` (or one of its causes) says so, else None: an op
+    whose output's shape depends on its input's values (``DynamicOutputShapeException``: ``nonzero``, boolean
+    masking), one that reads values (``DataDependentOutputException``: ``.item()``, ``.tolist()``), one without a fake
+    kernel (``UnsupportedOperatorException``) (``torch._subclasses.fake_tensor``, torch 2.13)."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               UnsupportedOperatorException)
+
+    what = {DynamicOutputShapeException: "its output's shape depends on the input's values",
+            DataDependentOutputException: "it reads a tensor's values",
+            UnsupportedOperatorException: "torch has no fake-tensor kernel for it"}
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        for kind, why in what.items():
+            if isinstance(cause, kind):
+                op = cause.args[0] if cause.args else kind.__name__
+                return f"{op}: {why} ({kind.__name__})"
+        cause = cause.__cause__ or cause.__context__
+    return None

@@ -15,7 +15,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from zeroexp.config.checkpointing import checked_option
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs
-from zeroexp.plan.core import HEADROOM, UNITS, Precision, check_headroom, parse_bytes, parse_count, plan
+from zeroexp.plan.core import (HEADROOM, UNITS, Precision, check_headroom, parse_bytes, parse_count, plan,
+                               untraced)
 
 __all__ = ["PlanConfig", "as_plan_keys", "main", "run"]
 
@@ -225,7 +226,6 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ConfigError("grad_accum", accum, "an integer >= 1 (micro-batches of batch_size per optimizer step)")
     mode = checked_option(cfg)
-    ac = mode.label
     shape, model = _shape(cfg)
     network = _network(cfg, batch)
     if network is not None and memory is None and network.device_memory is not None:
@@ -233,6 +233,20 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
                       micro_batches=accum, use_orig_params=bool(cfg.use_orig_params), **_fsdp2_knobs(cfg))
+    try:
+        return _traced(cfg, shape, model, memory, headroom, strategies, batch, accum, mode, network, knobs)
+    except Exception as e:  # noqa: BLE001 - only a step fake tensors cannot run is the model's: the rest re-raised
+        refused = untraced(e, cfg.model.get("name") if cfg.model is not None else None)
+        if refused is None:
+            raise
+        raise refused from e
+
+
+def _traced(cfg: DictConfig, shape: ModelShape, model: str, memory: int | None, headroom: float, strategies: Any,
+            batch: int | None, accum: int, mode: Any, network: Any, knobs: PlanKnobs
+            ) -> tuple[list[dict[str, Any]], list[str]]:
+    """:func:`run`'s records and notes once its input is checked: everything the traced step gives."""
+    ac = mode.label
     precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
     records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
                           model, headroom)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas.peak.checkpointing import MODES
-from zeroexp.plan.core import HEADROOM, check_headroom
+from zeroexp.plan.core import HEADROOM, check_headroom, untraced
 
 __all__ = ["RecommendConfig", "main", "run"]
 
@@ -228,7 +228,13 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     tie = float(r.tie) if r.tie is not None else MEASURED_TIME_ERROR[0]
     overrides = model_overrides if model_overrides is not None else (
         [f"model={model}"] if cfg.model is not None else [])
-    answer = recommend(problem, axes, top_k, tie, overrides, per_node, lambda m: with_world_size(problem, m))
+    try:
+        answer = recommend(problem, axes, top_k, tie, overrides, per_node, lambda m: with_world_size(problem, m))
+    except Exception as e:  # noqa: BLE001 - only a step fake tensors cannot run is the model's: the rest re-raised
+        refused = untraced(e, model)
+        if refused is None:
+            raise
+        raise refused from e
     answer.update(model=model, numel=shape.numel, network=cfg.network.name, samples_per_rank=samples,
                   global_batch=samples * n, tokens_per_sample=tokens, precisions=list(precisions),
                   device_semantics=device.name)

@@ -16,8 +16,8 @@ from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape
                               step_collectives, unsharded_floor_bytes)
 
 __all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
-           "judge_fits", "recommendable", "usable_bytes", "check_headroom", "FITS_ON", "HEADROOM", "OFFLOADS",
-           "UNITS"]
+           "judge_fits", "recommendable", "usable_bytes", "check_headroom", "untraced", "FITS_ON", "HEADROOM",
+           "OFFLOADS", "UNITS"]
 
 OFFLOADS = ("none", "optimizer", "full")
 #: Table units: GB is 1e9 bytes (the ZeRO paper's, Figure 1), GiB is 2^30 bytes.
@@ -124,6 +124,18 @@ def usable_bytes(memory: int | None, headroom: float = HEADROOM) -> int | None:
     """The bytes a prediction may reach on a memory of ``memory`` bytes: all but its ``headroom`` (:data:`HEADROOM`);
     None where no memory is given. The one rule of ``fits`` in plan, recommend and a run's resource check."""
     return None if memory is None else int(memory * (1 - headroom))
+
+
+def untraced(exc: BaseException, model: Any) -> ConfigError | None:
+    """The refusal (exit 2, naming ``model``, the model option) of a model whose step the planner cannot trace on
+    fake tensors, where ``exc`` says so (``zeroexp._lib.fake_tensors.untraceable``); None for any other exception."""
+    from zeroexp._lib.fake_tensors import untraceable
+
+    why = untraceable(exc)
+    if why is None:
+        return None
+    return ConfigError("model", model, "a model whose training step runs on fake tensors (the planner traces it "
+                       "without data; a cell still measures it, its plan.memory n/a)", why=why)
 
 
 def judge_fits(record: dict[str, Any]) -> None:

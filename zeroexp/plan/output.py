@@ -45,7 +45,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
         acts = first.get("activation_bytes")
         traced = ("activations: one forward at the per-rank batch traced under FakeTensorMode (saved for backward, "
                   "plus output and loss), each row's in the dtypes it computes in (autocast or the module cast, as its "
-                  "peak model traces it; without a peak model the fewer of the two, which its fits adds); peak: model state + its steady buffers + the peak model's largest phase "
+                  "peak model traces it; without a peak model the fewer of the two, which its fits adds); peak: model "
+                  "state + its steady buffers + the peak model's largest phase "
                   "(docs/planner.md; '-': no peak model for the row); init peak: building and wrapping the model "
                   "(init=meta: fits needs it too)" + (f"; Korthikanti et al. 34sbh+5as^2b: "
                   f"{fmt_size(first['korthikanti_bytes'], unit)} {unit}" if first.get("korthikanti_bytes") else "")

@@ -74,9 +74,15 @@ def _memory(cell: Cell, summary: dict[str, Any], name: str, groups: Groups, item
     from zeroexp.models import import_class
     from zeroexp.plan.check.memory import memory_section
 
+    from zeroexp._lib.fake_tensors import untraceable
+
     try:
         return memory_section(cell, summary, name, groups, itemsize, [import_class(p) for p in cell.wrap], shape)
     except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
+        why = untraceable(e)  # the model's step, not the check, cannot run on fake tensors: not modelled, said why
+        if why is not None:
+            return Check(Verdict.NA, (Reason(Code.MEMORY_NOT_MODELLED, "no peak model for a step the planner cannot "
+                                             f"trace on fake tensors: {why}"),)).fields()
         return Check.raised(e).fields()
 
 
