@@ -49,6 +49,9 @@ class PlanConfig:
     # none | full | selective_layer | selective_op (the runner's group, with its keys: zeroexp.config.checkpointing)
     activation_checkpointing: Any = MISSING
     grad_accum: Any = 1  # micro-batches of batch_size per optimizer step: their collectives, the gradients held, time
+    # FSDP and FSDP2 rows with grad_accum, as a cell's strategy.sync_each_microbatch: false (no_sync: gradients held
+    # unsharded to the last micro-batch) | true (reduce-scatter every micro-batch, torchtitan's: the shards accumulate)
+    sync_each_microbatch: bool = False
     device: Any = None  # cpu | cuda: the device semantics of the peak model (null: cuda with device_memory or a network
     # preset of GPUs, else cpu; zeroexp.formulas.device)
     compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
@@ -77,7 +80,7 @@ RUN_ONLY = ("logger", "launcher", "checkpoint", "optimizer", "timeout", "probes"
             "warmup_steps", "resume", "dry_run", "calibration")
 #: A cell's strategy.* keys that the planner reads, as its flat keys of the same name.
 STRATEGY_KEYS = ("bucket_cap_mb", "shard_size", "use_orig_params", "reshard_after_forward", "forward_prefetch",
-                 "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy")
+                 "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy", "sync_each_microbatch")
 #: The overrides of this command line that only a run reads (:func:`split_run_only`), told in a note.
 _IGNORED: tuple[str, ...] = ()
 
@@ -232,7 +235,8 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         memory = parse_bytes(network.device_memory)
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
-                      micro_batches=accum, use_orig_params=bool(cfg.use_orig_params), **_fsdp2_knobs(cfg))
+                      micro_batches=accum, use_orig_params=bool(cfg.use_orig_params),
+                      sync_each_microbatch=bool(cfg.sync_each_microbatch), **_fsdp2_knobs(cfg))
     try:
         return _traced(cfg, shape, model, memory, headroom, strategies, batch, accum, mode, network, knobs)
     except Exception as e:  # noqa: BLE001 - only a step fake tensors cannot run is the model's: the rest re-raised

@@ -161,6 +161,11 @@ class Family:
         activation checkpointing too."""
         return False
 
+    def sync_accumulation(self, row: StateLayout) -> bool:
+        """Whether the peak model covers the row's accumulation reducing every micro-batch
+        (``strategy.sync_each_microbatch``), any checkpointing and dtypes."""
+        return False
+
     def mixed_accumulation_limit(self, row: StateLayout) -> str | None:
         """Why the peak model does not cover the row's accumulation (grad_accum > 1 under its no_sync) below fp32
         (None: it does, as in fp32)."""

@@ -14,7 +14,7 @@ from zeroexp.formulas.families.fsdp1 import OS_G_P
 from zeroexp.formulas.init import fsdp2_init_peak_bytes
 from zeroexp.formulas.layout import StateLayout, local_numels
 from zeroexp.formulas.paper import fsdp2_padded_numel
-from zeroexp.formulas.peak.fsdp2 import fsdp2_no_sync_phase_peaks, fsdp2_phase_peaks
+from zeroexp.formulas.peak.fsdp2 import fsdp2_no_sync_phase_peaks, fsdp2_sync_phase_peaks, fsdp2_phase_peaks
 from zeroexp.formulas.shapes import Shard, Unit
 
 __all__ = ["Fsdp2Rows", "FSDP2", "ROWS"]
@@ -142,7 +142,8 @@ class Fsdp2Rows(FsdpFamily):
         """AdamW steps each parameter's local rows, in definition order; the root kept unsharded from forward to
         backward where ``root_kept`` (``PlanKnobs.root_kept_after_forward``)."""
         n, kept, alone = groups.shard_over, held.adamw["optimizer_itemsize"], held.alone
-        if micro_batches > 1 and (not row.no_sync_accumulation or in_place is None):
+        each = micro_batches > 1 and knobs.sync_each_microbatch
+        if micro_batches > 1 and not each and (not row.no_sync_accumulation or in_place is None):
             raise ValueError(f"no accumulation model for {row.label} (plan.memory.uncovered names it)")
         # what zero_grad frees between steps: each unit's reduce-scatter output, of which each parameter's sharded
         # gradient is a view
@@ -157,6 +158,8 @@ class Fsdp2Rows(FsdpFamily):
                      one_unit=alone, root_kept=root_kept and not alone,
                      ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
                      post_forward=groups.post_forward_size, root_params=held.root_params)
+        if each:
+            return fsdp2_sync_phase_peaks(trace, **terms)
         if micro_batches > 1:
             return fsdp2_no_sync_phase_peaks(trace, in_place, micro_batches,
                                              held.root_grads + sum(u.grads for u in held.units), **terms)
@@ -167,6 +170,9 @@ class Fsdp2Rows(FsdpFamily):
 
     def no_sync_checkpointing(self, row):
         return True  # the steps traced checkpointed, with and without the gradients allocated
+
+    def sync_accumulation(self, row):
+        return not row.hybrid  # fsdp2_sync_phase_peaks; HSDP's all-reduce of each shard not read
 
     def accumulation_limit(self, row, reduce_dtype, param_dtype):
         if reduce_dtype is not None and reduce_dtype != param_dtype:

@@ -10,7 +10,7 @@ from zeroexp.formulas.peak.adamw import adamw_temporary_blocks
 from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_end, _backward_order, _Highest,
                                           _unit_index)
 
-__all__ = ["fsdp2_phase_peaks", "fsdp2_no_sync_phase_peaks", "post_forward_bump"]
+__all__ = ["fsdp2_phase_peaks", "fsdp2_no_sync_phase_peaks", "fsdp2_sync_phase_peaks", "post_forward_bump"]
 
 
 # [Note: FSDP2's phase peaks]
@@ -54,7 +54,7 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                       root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
                       post_forward: int = 0, root_params: tuple[int, ...] = (),
                       kept_units: tuple[bool, ...] | None = None, reduce: bool = True,
-                      accumulated: int = 0) -> dict[str, dict]:
+                      accumulated: int = 0, shards_held: bool = False) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category [FSDP2] (the moments of each phase: [Note:
     FSDP2's phase peaks] above). ``reshard_after_forward=False`` (SHARD_GRAD_OP's FSDP2 form): every unit stays
@@ -66,7 +66,9 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     ``set_requires_gradient_sync(False)`` (:func:`fsdp2_no_sync_phase_peaks`): no unit reduces its gradients;
     ``accumulated``: the unsharded gradient bytes held from the micro-batch's start (a later micro-batch's, which the
     step traced with its gradients allocated counts in its start, not in its segments), each unit's freed by its
-    reduction."""
+    reduction. ``shards_held``: a later micro-batch under ``strategy.sync_each_microbatch``
+    (:func:`fsdp2_sync_phase_peaks`): every sharded gradient held from its start, each unit's reduction a transient
+    added into them."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     kept_k = list(kept_units) if kept_units is not None else [not reshard_after_forward] * len(units)
@@ -85,7 +87,7 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                    bump=bump)
     _fsdp2_backward(keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
                     kept=kept_k, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1),
-                    reduce=reduce, accumulated=accumulated)
+                    reduce=reduce, accumulated=accumulated, shards_held=shards_held)
     return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
 
 
@@ -110,6 +112,23 @@ def fsdp2_no_sync_phase_peaks(trace: StepTrace, in_place: StepTrace, micro_batch
     if micro_batches > 2:
         runs.append(fsdp2_phase_peaks(in_place, **kwargs, reduce=False, accumulated=accumulated))
     return {ph: max((r[ph] for r in runs if ph in r), key=lambda rec: rec["bytes"]) for ph in runs[0]}
+
+
+def fsdp2_sync_phase_peaks(trace: StepTrace, **kwargs) -> dict[str, dict]:
+    """FSDP2 reducing every micro-batch of a step (``grad_accum=K`` with ``strategy.sync_each_microbatch``: gradient
+    sync left on, as torchtitan accumulates), per phase the highest over the micro-batches of
+    :func:`fsdp2_phase_peaks` (``kwargs``: its keywords).
+
+    Each micro-batch runs the step ``trace`` (autograd's unsharded gradients are new each time: FSDP2's reduction sets
+    them to None) and reduce-scatters unit by unit. The first starts as a step without accumulation (Lightning's
+    ``zero_grad`` before its backward frees the sharded gradients, its reductions keep each output as the
+    gradient); every later one holds every sharded gradient from its start (no ``zero_grad`` inside an accumulation:
+    Lightning's closure), and each unit's reduce-scatter output is a transient: _fsdp_collectives.py ``foreach_reduce``
+    adds it into the existing gradient (``sharded_param.grad._local_tensor += new_sharded_grad``) and drops it when it
+    returns."""
+    first = fsdp2_phase_peaks(trace, **kwargs)
+    later = fsdp2_phase_peaks(trace, **kwargs, shards_held=True)
+    return {ph: max((first[ph], later[ph]), key=lambda rec: rec["bytes"]) for ph in first}
 
 
 def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
@@ -146,12 +165,15 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
 def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
                     root: int, steady_grad_bytes: int, gloo: bool, kept: list[bool], one_unit: bool,
                     held: list[int], root_after: int, ahead: int = 1, reduce: bool = True,
-                    accumulated: int = 0) -> None:
+                    accumulated: int = 0, shards_held: bool = False) -> None:
     """:func:`fsdp2_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own
     peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction
     (``kept``: each unit's kept unsharded from its forward: not gathered again, nor prefetched; ``reduce=False``: no
-    reduction, each unit's gradients held as the trace holds them)."""
+    reduction, each unit's gradients held as the trace holds them; ``shards_held``: every sharded gradient held
+    throughout, steady's, each reduction's output a transient added into it)."""
     full = [u.unsharded for u in units]
+    if shards_held:  # nothing freed before backward; no reduction's output kept
+        steady_grad_bytes = 0
     segs = list(trace.segments)
     order = _backward_order(k_of)
     shards_done, grads_done = 0, 0
@@ -198,10 +220,12 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         # the parameters' own gradients are freed but the last one (FSDP2's reduction still references it), and the
         # copy is alive.
         alone = one_unit and gloo
-        post = {"activations": after.get("activations", 0) - trace.loss_bytes, "comm": u.scattered,
-                "unsharded": root + prefetched + pending,
-                "gradients": t_root + shards_done + u.shard - steady_grad_bytes + (u.last_grad if alone else 0)
-                + max(accumulated - grads_done - u.grads, 0)}
+        # the output shard: kept as the gradient, or (``shards_held``) a transient the memory probe leaves ``comm``,
+        # a collective's output freed before the step's end
+        post = {"activations": after.get("activations", 0) - trace.loss_bytes,
+                "comm": u.scattered + (u.shard if shards_held else 0), "unsharded": root + prefetched + pending,
+                "gradients": t_root + shards_done + (0 if shards_held else u.shard) - steady_grad_bytes
+                + (u.last_grad if alone else 0) + max(accumulated - grads_done - u.grads, 0)}
         note = (f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive at its post-backward only while "
                 "gloo's worker holds it")
         keep("backward", {**post, "temporaries": after.get("temporaries", 0) + (copy if alone else u.grads)},
@@ -212,7 +236,7 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
             keep("backward", {**post, "temporaries": after.get("temporaries", 0) + u.upcast
                               + (0 if alone else u.last_grad)},
                  timing={"temporaries": 0 if alone else copy}, note=note)
-        shards_done += u.upcast or u.shard
+        shards_done += 0 if shards_held else u.upcast or u.shard
         grads_done += u.grads
         reduced = {"activations": after.get("activations", 0) - trace.loss_bytes,
                    "temporaries": after.get("temporaries", 0),

@@ -59,20 +59,22 @@ def uncovered(name: str, precision: str, offload: str,
     dtype_limit = row.family.accumulation_limit(row, reduce_dtype, param_dtype) if micro_batches > 1 else None
     if dtype_limit and flow is not None and row.no_sync_accumulation and not sync_each_microbatch:
         reasons.append(dtype_limit)
-    modelled = row.no_sync_accumulation and not sync_each_microbatch and (
-        activation_checkpointing == "none" or row.family.no_sync_checkpointing(row))
+    modelled = (row.no_sync_accumulation and not sync_each_microbatch and (
+        activation_checkpointing == "none" or row.family.no_sync_checkpointing(row))) or (
+        sync_each_microbatch and row.family.sync_accumulation(row))
     if micro_batches > 1 and flow is not None and not row.family.accumulates(row) and not modelled:
         covered = _modelled(lambda r: r.family.accumulates(r)) + [
             f"{n} under no_sync" + ("" if LAYOUTS[n].family.no_sync_checkpointing(LAYOUTS[n])
                                     else " without activation checkpointing")
-            for n in _modelled(lambda r: r.no_sync_accumulation)]
+            for n in _modelled(lambda r: r.no_sync_accumulation)] + [
+            f"{n} with strategy.sync_each_microbatch" for n in _modelled(lambda r: r.family.sync_accumulation(r))]
         how = "".join(f" {k}={v}" for k, v in (("strategy.sync_each_microbatch", "true" if sync_each_microbatch
                                                                                else None),
                                                ("activation_checkpointing", activation_checkpointing))
                       if v not in (None, "none"))
         reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name}{how} (covered: "
                        f"{', '.join(covered)}; FSDP1 FULL_SHARD's no_sync, which holds each unit's unsharded "
-                       "gradient, strategy.sync_each_microbatch and DeepSpeed's accumulation, not yet)")
+                       "gradient, FSDP1's strategy.sync_each_microbatch and DeepSpeed's accumulation, not yet)")
     return reasons
 
 
