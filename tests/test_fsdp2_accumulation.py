@@ -67,7 +67,7 @@ CELLS = [pytest.param(("model=gpt", "strategy=fsdp2_grad_op", "grad_accum=3", "w
                        "activation_checkpointing=selective_op", "world_size=3"), id="llama-full-k2-bf16-sac-n3",
                       marks=pytest.mark.skipif(not HF, reason="transformers is not installed")),
          pytest.param((*LLAMA, "strategy=fsdp2_full", "grad_accum=2", "precision=bf16", "strategy.reduce_dtype=float32",
-                       "strategy.sync_each_microbatch=true", "world_size=2"), id="llama-full-k2-bf16-fp32reduce-each-n2",
+                       "strategy.sync_each_microbatch=true", "world_size=2"), id="llama-full-k2-bf16-each-n2",
                       marks=pytest.mark.skipif(not HF, reason="transformers is not installed"))]
 
 
