@@ -93,8 +93,11 @@ def test_what_the_peak_model_covers():
     assert uncovered("fsdp_grad_op", "fp32", "none", micro_batches=2) == []  # SHARD_GRAD_OP under no_sync
     why = uncovered("fsdp_full", "fp32", "none", micro_batches=2)
     assert len(why) == 1 and "grad_accum=2 with strategy.layout=fsdp_full (covered:" in why[0]
-    why = uncovered("fsdp_grad_op", "fp32", "none", micro_batches=2, sync_each_microbatch=True)
-    assert "fsdp_grad_op strategy.sync_each_microbatch=true (covered" in why[0]
+    for row in ("fsdp_full", "fsdp_grad_op"):  # reducing every micro-batch, any checkpointing and precision
+        assert uncovered(row, "bf16", "none", "selective_op", 2, sync_each_microbatch=True,
+                         param_dtype="bfloat16") == []
+    why = uncovered("fsdp_HYBRID_SHARD", "fp32", "none", micro_batches=2, sync_each_microbatch=True)
+    assert why and "sync_each_microbatch=true" in why[0]
 
 
 def test_the_memory_probe_keeps_each_phase_highest_over_micro_batches():
@@ -235,6 +238,7 @@ CELLS = {
     **{f"{s}-ac": (f"strategy={s}", "activation_checkpointing=full")
        for s in ("ddp", "fsdp_full", "fsdp2_full", "zero2")},
     **{f"{s}-ga2": (f"strategy={s}", "grad_accum=2") for s in ("ddp", "fsdp_grad_op", "zero2")},
+    "fsdp_full-ga2-each": ("strategy=fsdp_full", "grad_accum=2", "strategy.sync_each_microbatch=true"),
 }
 
 

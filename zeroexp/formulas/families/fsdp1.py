@@ -16,7 +16,7 @@ from zeroexp.formulas.init import fsdp1_init_peak_bytes
 from zeroexp.formulas.layout import StateLayout, pack
 from zeroexp.formulas.orig_params import orig_param_views
 from zeroexp.formulas.paper import padded_numel
-from zeroexp.formulas.peak.phases import fsdp_phase_peaks
+from zeroexp.formulas.peak.phases import fsdp_phase_peaks, fsdp_sync_phase_peaks
 from zeroexp.formulas.shapes import Shard
 
 __all__ = ["Fsdp1Units", "FSDP1", "ROWS", "OS_G_P", "twice_unless_root", "packed_units"]
@@ -55,6 +55,9 @@ class Fsdp1Units(FsdpFamily):
         # no_sync is freed in the next forward at twice the bytes the peak model's bf16 trace holds for it
         return ("no peak model yet for FSDP1's no_sync accumulation below fp32: the accumulated unsharded gradient is "
                 "freed at twice the compute dtype's bytes the model traces (measured, bf16); covered in fp32")
+
+    def sync_accumulation(self, row):
+        return not row.hybrid  # fsdp_sync_phase_peaks; HSDP's all-reduce of each shard not read
 
     def groups_kind(self, row):
         return "units"
@@ -101,7 +104,9 @@ class Fsdp1Units(FsdpFamily):
     def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held, *, rank, prefetch, gloo, micro_batches,
                          root_kept, knobs, block, foreach, in_place=None):
         """SHARD_GRAD_OP and FULL_SHARD, the root unit kept unsharded from forward into backward; ``grad_accum`` > 1
-        SHARD_GRAD_OP under ``no_sync`` (:func:`zeroexp.formulas.peak.accumulation.fsdp_no_sync_phase_peaks`)."""
+        reducing every micro-batch (``strategy.sync_each_microbatch``:
+        :func:`zeroexp.formulas.peak.phases.fsdp_sync_phase_peaks`), or SHARD_GRAD_OP under ``no_sync``
+        (:func:`zeroexp.formulas.peak.accumulation.fsdp_no_sync_phase_peaks`)."""
         n, kept, adamw = groups.shard_over, held.adamw["optimizer_itemsize"], held.adamw
         shards = [u.scattered // n for u in groups.units]
         # what zero_grad frees between steps: each unit's gradient shard, one storage (the flat gradient)
@@ -111,6 +116,12 @@ class Fsdp1Units(FsdpFamily):
         # original parameter's view of this rank's shard, in the model's order
         stepped = (orig_param_views(groups, shape, held.members, rank % n) if orig
                    else tuple(shards[-1:] + shards[:-1]))
+        full_shard = row.reshard_after_forward and not held.alone
+        common = dict(root=held.root, steady_grad_bytes=steady_grads, reshard_after_forward=full_shard,
+                      prefetch=prefetch if full_shard else "none", gloo=gloo, optimizer_numels=stepped,
+                      grads_held_into_backward=orig, **adamw)
+        if micro_batches > 1 and knobs.sync_each_microbatch:
+            return fsdp_sync_phase_peaks(trace, held.units, **common)
         if micro_batches > 1:
             if not row.no_sync_accumulation:
                 raise ValueError(f"no accumulation model for {row.label} (plan.memory.uncovered names it)")
@@ -118,10 +129,7 @@ class Fsdp1Units(FsdpFamily):
                 trace, [u.unsharded for u in held.units], held.flat_grads, root=held.root,
                 root_grads=held.root_flat, steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
                 optimizer_temporaries=adamw_temporaries(stepped, kept, foreach, block), grads_held_into_backward=orig)
-        full_shard = row.reshard_after_forward and not held.alone
-        return fsdp_phase_peaks(trace, held.units, root=held.root, steady_grad_bytes=steady_grads,
-                                reshard_after_forward=full_shard, prefetch=prefetch if full_shard else "none",
-                                gloo=gloo, optimizer_numels=stepped, grads_held_into_backward=orig, **adamw)
+        return fsdp_phase_peaks(trace, held.units, **common)
 
     def init_peak_bytes(self, shape, init, world_size, itemsize, use_orig_params):
         return fsdp1_init_peak_bytes(shape, init, world_size, itemsize, use_orig_params)

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 from zeroexp.formulas.peak.adamw import adamw_temporary_blocks, update_phase
 
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES",
-           "phase_peaks", "fsdp_phase_peaks"]
+           "phase_peaks", "fsdp_phase_peaks", "fsdp_sync_phase_peaks"]
 
 
 @dataclass(frozen=True)
@@ -240,17 +240,33 @@ class FsdpUnit(NamedTuple):
 def fsdp_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, steady_grad_bytes: int,
                      reshard_after_forward: bool, prefetch: str, gloo: bool,
                      optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
-                     block: int = 1, grads_held_into_backward: bool = False) -> dict[str, dict]:
+                     block: int = 1, grads_held_into_backward: bool = False,
+                     shards_held: bool = False) -> dict[str, dict]:
     """FSDP1 (FlatParameter per unit; ``units`` in forward order, ``root``: the root unit's unsharded bytes, held from
     its forward to the end of backward), per phase, the bytes above steady at the peak, by category. ([Note: FSDP1's
-    phase peaks] above.)"""
+    phase peaks] above.) ``shards_held``: a later micro-batch reducing every micro-batch
+    (:func:`fsdp_sync_phase_peaks`)."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward,
                   grads_held_into_backward=grads_held_into_backward)
     _fsdp_backward(best.keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes,
-                   reshard_after_forward=reshard_after_forward, prefetch=prefetch, gloo=gloo)
+                   reshard_after_forward=reshard_after_forward, prefetch=prefetch, gloo=gloo, shards_held=shards_held)
     return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
+
+
+def fsdp_sync_phase_peaks(trace: StepTrace, units: list[FsdpUnit], **kwargs) -> dict[str, dict]:
+    """FSDP1 reducing every micro-batch of a step (``grad_accum=K`` with ``strategy.sync_each_microbatch``: no
+    ``no_sync``), per phase the highest over the micro-batches of :func:`fsdp_phase_peaks` (``kwargs``: its keywords).
+
+    The first micro-batch starts as a step without accumulation; every later one holds every unit's sharded gradient
+    from its start (no ``zero_grad`` inside an accumulation: Lightning's closure) and each unit's reduce-scatter output
+    is a transient: torch/distributed/fsdp/_flat_param.py ``prepare_gradient_for_backward`` keeps the shard as
+    ``_saved_grad_shard``, _runtime_utils.py ``_accumulate_sharded_grad`` adds the new one into it
+    (``flat_param._saved_grad_shard += sharded_grad``), which is then dropped."""
+    first = fsdp_phase_peaks(trace, units, **kwargs)
+    later = fsdp_phase_peaks(trace, units, **kwargs, shards_held=True)
+    return {ph: max((first[ph], later[ph]), key=lambda rec: rec["bytes"]) for ph in first}
 
 
 def _backward_order(k_of: dict[str, int]) -> list[tuple[str, int]]:
@@ -288,10 +304,15 @@ def _fsdp_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpU
 
 
 def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
-                   root: int, steady_grad_bytes: int, reshard_after_forward: bool, prefetch: str, gloo: bool) -> None:
+                   root: int, steady_grad_bytes: int, reshard_after_forward: bool, prefetch: str, gloo: bool,
+                   shards_held: bool = False) -> None:
     """:func:`fsdp_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own peaks
-    (u computing; for the first unit, the loss's backward before it) and, where it reduces, moments A and B."""
+    (u computing; for the first unit, the loss's backward before it) and, where it reduces, moments A and B
+    (``shards_held``: every sharded gradient held throughout, steady's, each reduction's output a transient the
+    memory probe leaves ``comm``)."""
     full = [u.unsharded for u in units]
+    if shards_held:  # nothing freed before backward; no reduction's output kept
+        steady_grad_bytes = 0
     segs = list(trace.segments)
     order = _backward_order(k_of)
     shards_done, grads_done = 0, 0  # the units done: their shards (kept), their traced full gradients (not kept)
@@ -334,10 +355,11 @@ def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
             last = pos + 1 == len(order) and not root
             keep("backward", {"activations": t_act,
                               "temporaries": t_temp + max(u.upcast, u.scattered if gloo else 0),
-                              "comm": u.scattered, "unsharded": root + held_b,
-                              "gradients": t_root + shards_done + u.shard - steady_grad_bytes},
+                              "comm": u.scattered + (u.shard if shards_held else 0), "unsharded": root + held_b,
+                              "gradients": t_root + shards_done + (0 if shards_held else u.shard)
+                              - steady_grad_bytes},
                  timing={"temporaries": u.grads if last and len(order) == 1 else 0},
                  note=f"unit {k}'s own parameter gradients ({u.grads} B) still alive beside gloo's copy of its "
                       "reduce-scatter input, the model being one unit")
-        shards_done += u.upcast or u.shard
+        shards_done += 0 if shards_held else u.upcast or u.shard
         grads_done += u.grads
