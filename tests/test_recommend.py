@@ -14,7 +14,7 @@ from zeroexp.cli.recommend import register, run
 from zeroexp.errors import ConfigError
 from zeroexp.formulas.peak.checkpointing import FULL, NONE
 from zeroexp.recommend import Axes, Config, configurations
-from zeroexp.recommend.answer import mark_ties
+from zeroexp.recommend.answer import label, mark_ties
 from zeroexp.recommend.space import run_overrides, strategy_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +44,11 @@ def test_the_space_is_every_knob_a_row_has_and_no_other():
     configs = list(configurations(axes, 4))
     by_row = {row: sum(c.row == row for c in configs) for row in axes.rows}
     # 2 checkpointing x 3 micro-batches (1, 2, 4 of 4 samples) x ddp's 2 bucket sizes, fsdp_full's 3 prefetches,
-    # fsdp2_hybrid's one shard size strictly between 1 and 4, DeepSpeed's 2 bucket sizes; a paper row never
-    assert by_row == {"ddp": 12, "fsdp_full": 18, "fsdp2_hybrid": 6, "deepspeed_stage3": 12, "zero_stage3": 0}
+    # fsdp2_hybrid's one shard size strictly between 1 and 4, DeepSpeed's 2 bucket sizes; FSDP's with 2 and 4
+    # micro-batches a step each way of accumulating (strategy.sync_each_microbatch); a paper row never
+    assert by_row == {"ddp": 12, "fsdp_full": 30, "fsdp2_hybrid": 10, "deepspeed_stage3": 12, "zero_stage3": 0}
+    assert {c.sync_each_microbatch for c in configs if c.row == "fsdp_full" and c.grad_accum > 1} == {False, True}
+    assert {c.sync_each_microbatch for c in configs if c.row == "ddp" or c.grad_accum == 1} == {None}
     assert all(c.micro_batch * c.grad_accum == 4 for c in configs)
     offloads = Axes(("deepspeed_stage1", "deepspeed_stage3", "fsdp_full"), ("bf16",), ("none", "optimizer", "full"),
                     (NONE,), 1, None, (25.0,), ("pre",), None)
@@ -64,6 +67,9 @@ def test_each_row_runs_as_its_strategy_yaml_says():
         "strategy=deepspeed", "strategy.stage=3", "model=gpt", "world_size=16", "precision=bf16",
         "offload=optimizer", "activation_checkpointing=full", "batch_size=2", "grad_accum=4",
         "strategy.bucket_cap_mb=100"]
+    each = Config("fsdp2_full", "bf16", "none", FULL, 1, 4, None, None, None, True)
+    assert run_overrides(each, [], 8)[-1] == "strategy.sync_each_microbatch=true"
+    assert label(each) == "fsdp2_full bf16 ac mb1x4 sync_each"
 
 
 def test_ties_are_steps_closer_than_the_tolerance():
@@ -92,7 +98,7 @@ def test_the_ranking_on_a_given_network_is_exact(tiny_answer):
         "zero1 fp32 ac mb1x4 cap25", "fsdp_grad_op fp32 ac mb2x2", "fsdp_grad_op fp32 ac mb1x4",
         "zero2 fp32 ac mb1x4 cap25"]
     assert [r["tie_with"] for r in answer["recommendations"]] == [[], [3], [2], []]
-    assert answer["searched"] == 72 and answer["fastest"]["config"] == "ddp fp32 mb1x4 cap25"
+    assert answer["searched"] == 96 and answer["fastest"]["config"] == "ddp fp32 mb1x4 cap25"
     budget = 0.9 * 32e6
     rows = {}
     for ac in ("none", "full"):
@@ -141,8 +147,6 @@ def test_every_faster_configuration_left_out_does_not_fit(tiny_answer):
     ev = Evaluator(problem)
     listed = {r["config"] for r in recs}
     same = {(r["step_ms"], r["fits_bytes"]) for r in recs}
-    from zeroexp.recommend.answer import label
-
     for c in configurations(axes, 16):
         s = Scored(c, ev.step(c), ev.state_bytes(c))
         if s.state_bytes <= problem.budget:  # the floor the search prunes by never exceeds a peak

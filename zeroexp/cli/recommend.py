@@ -39,6 +39,7 @@ class SearchConfig:
     bucket_cap_mb: Any = field(default_factory=lambda: [25, 100])
     prefetch: Any = field(default_factory=lambda: list(_PREFETCH))
     shard_size: Any = None
+    sync_each_microbatch: Any = field(default_factory=lambda: [False, True])
     verify: Any = None
     verify_model: Any = None
     verify_world_size: Any = None
@@ -153,7 +154,8 @@ def as_run(cfg: DictConfig) -> DictConfig:
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     if cfg.get("strategy") is not None:
         out.recommend.strategies = [str(cfg.strategy.layout)]
-        for key, axis in (("bucket_cap_mb", "bucket_cap_mb"), ("shard_size", "shard_size")):
+        for key, axis in (("bucket_cap_mb", "bucket_cap_mb"), ("shard_size", "shard_size"),
+                          ("sync_each_microbatch", "sync_each_microbatch")):
             if cfg.strategy.get(key) is not None:
                 out.recommend[axis] = [cfg.strategy[key]]
     if cfg.get("precision") is not None:
@@ -202,6 +204,11 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
         raise ConfigError("recommend.bucket_cap_mb", r.bucket_cap_mb, "a list of positive MiB: [25, 100]")
     micro = _ints(r.micro_batches, "recommend.micro_batches")
     shards = _ints(r.shard_size, "recommend.shard_size", 2)
+    syncs = list(r.sync_each_microbatch) if isinstance(r.sync_each_microbatch, ListConfig) else [
+        r.sync_each_microbatch]
+    if not syncs or any(not isinstance(v, bool) for v in syncs):
+        raise ConfigError("recommend.sync_each_microbatch", r.sync_each_microbatch,
+                          "a list of true / false: [false, true] (FSDP's and FSDP2's rows with grad_accum > 1)")
     try:
         memory = parse_bytes(cfg.device_memory if cfg.device_memory is not None else cfg.network.get("device_memory"))
     except ValueError as e:
@@ -224,7 +231,7 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
                       {p: s for p, (_, s) in dtypes.items()}, tokens, cfg.model, wrap, flops,
                       {p: peaks.get(p) for p in precisions})
     axes = Axes(rows, precisions, offloads, _checkpointing_axis(cfg, ac), samples, micro,
-                tuple(float(c) for c in caps), prefetch, shards)
+                tuple(float(c) for c in caps), prefetch, shards, tuple(dict.fromkeys(syncs)))
     tie = float(r.tie) if r.tie is not None else MEASURED_TIME_ERROR[0]
     overrides = model_overrides if model_overrides is not None else (
         [f"model={model}"] if cfg.model is not None else [])

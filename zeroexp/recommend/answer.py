@@ -26,6 +26,8 @@ def label(c: Config) -> str:
         parts.append(f"cap{c.bucket_cap_mb:g}")
     if c.shard_size is not None:
         parts.append(f"shard{c.shard_size}")
+    if c.sync_each_microbatch:
+        parts.append("sync_each")
     return " ".join(parts)
 
 

@@ -110,7 +110,7 @@ class Evaluator:
     def knobs(self, c: Config) -> PlanKnobs:
         return PlanKnobs(bucket_cap_bytes=int((c.bucket_cap_mb or 25) * 2**20),
                          loss_scaling=self.p.loss_scaling[c.precision], shard_size=c.shard_size or 0,
-                         micro_batches=c.grad_accum)
+                         micro_batches=c.grad_accum, sync_each_microbatch=bool(c.sync_each_microbatch))
 
     def itemsize(self, c: Config) -> int:
         return COMPUTE_ITEMSIZE[self.p.param_dtypes[c.precision]]

@@ -40,6 +40,7 @@ class Config:
     bucket_cap_mb: float | None = None
     prefetch: str | None = None
     shard_size: int | None = None
+    sync_each_microbatch: bool | None = None  # FSDP's and FSDP2's with grad_accum > 1; None elsewhere
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Axes:
     bucket_caps_mb: tuple[float, ...]
     prefetches: tuple[str, ...]
     shard_sizes: tuple[int, ...] | None  # None: every divisor of the world size strictly between 1 and it
+    syncs: tuple[bool, ...] = (False, True)  # strategy.sync_each_microbatch where a row has it and grad_accum > 1
 
     def relaxed(self, **changes: Any) -> "Axes":
         return replace(self, **changes)
@@ -74,7 +76,8 @@ def reads_prefetch(row: str) -> bool:
 
 def configurations(axes: Axes, world_size: int) -> Iterator[Config]:
     """Every configuration of ``axes`` a row runs at ``world_size``: its precisions and offloads, a bucket size
-    where its strategy has ``bucket_cap_mb``, a prefetch where it reads one, a shard size where it is hybrid."""
+    where its strategy has ``bucket_cap_mb``, a prefetch where it reads one, a shard size where it is hybrid, and
+    with more than one micro-batch ``strategy.sync_each_microbatch`` where the strategy has it."""
     micro = [m for m in (axes.micro_batches or divisors(axes.samples)) if axes.samples % m == 0]
     shards = [s for s in (axes.shard_sizes or divisors(world_size)) if 1 < s < world_size and world_size % s == 0]
     for row in axes.rows:
@@ -85,6 +88,7 @@ def configurations(axes: Axes, world_size: int) -> Iterator[Config]:
         buckets = axes.bucket_caps_mb if "bucket_cap_mb" in strategy[2] else (None,)
         prefetches = axes.prefetches if reads_prefetch(row) else (None,)
         sizes = shards if layout.hybrid else [None]
+        syncs = axes.syncs if "sync_each_microbatch" in strategy[2] else (None,)
         for precision in axes.precisions:
             if precision not in layout.precisions:
                 continue
@@ -93,10 +97,12 @@ def configurations(axes: Axes, world_size: int) -> Iterator[Config]:
                     continue
                 for ac in axes.checkpointing:
                     for m in micro:
+                        k = axes.samples // m
                         for cap in buckets:
                             for pf in prefetches:
                                 for s in sizes:
-                                    yield Config(row, precision, offload, ac, m, axes.samples // m, cap, pf, s)
+                                    for each in (syncs if k > 1 else (None,)):
+                                        yield Config(row, precision, offload, ac, m, k, cap, pf, s, each)
 
 
 @lru_cache(maxsize=None)
@@ -142,4 +148,6 @@ def run_overrides(config: Config, model: list[str], world_size: int) -> list[str
         out.append(f"prefetch={config.prefetch}")
     if config.shard_size is not None:
         out.append(f"strategy.shard_size={config.shard_size}")
+    if config.sync_each_microbatch is not None:
+        out.append(f"strategy.sync_each_microbatch={str(config.sync_each_microbatch).lower()}")
     return out
