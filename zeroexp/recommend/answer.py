@@ -116,6 +116,11 @@ def mark_ties(records: list[dict[str, Any]], tolerance: float) -> None:
                          abs(a["step_ms"] - b["step_ms"]) <= tolerance * min(a["step_ms"], b["step_ms"])]
 
 
+def _star(fits_on: str) -> str:
+    """The mark of a figure not the peak model's (state + activations, or state alone)."""
+    return "" if fits_on in ("peak", "reserved") else "*"
+
+
 def _gb(x: float | None) -> str:
     """Bytes in GiB (2^30, as a run's memory is reported), or MiB below 1 GiB."""
     return "-" if x is None else f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
@@ -143,7 +148,7 @@ def render(answer: dict[str, Any], console: Any) -> None:
         table.add_column(name, justify="left" if name == "configuration" else "right", overflow="fold")
     for i, r in enumerate(recs, 1):
         tie = f" ={','.join(map(str, r['tie_with']))}" if r["tie_with"] else ""
-        table.add_row(f"{i}{tie}", r["config"], _gb(r["fits_bytes"]) + ("" if r["fits_on"] == "peak" else "*"),
+        table.add_row(f"{i}{tie}", r["config"], _gb(r["fits_bytes"]) + _star(r["fits_on"]),
                       f"{100 * r['free_fraction']:.0f}%", f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.3g}",
                       "-" if r["mfu"] is None else f"{100 * r['mfu']:.0f}%", f"{r['exposed_comm_ms']:.2f}")
     if recs:
@@ -160,7 +165,7 @@ def render(answer: dict[str, Any], console: Any) -> None:
                       overflow="fold")
     for ch in answer.get("nearest_changes") or []:
         console.print(f"change: {ch['change']}: {ch['config']}, peak {_gb(ch['fits_bytes'])}"
-                      + ("" if ch["fits_on"] == "peak" else "*")
+                      + _star(ch["fits_on"])
                       + f", {ch['step_ms']:.2f} ms ({ch['cost_ms']:+.2f} ms against the fastest)", overflow="fold")
         console.print(f"   {escape(ch['command'])}", overflow="fold")
         for note in ch["notes"]:
