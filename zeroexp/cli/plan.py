@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from zeroexp.config.checkpointing import checked_option
+from zeroexp.cell.strategy import DS_STAGE3_KEYS, check_ds_stage3_limits
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs
 from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
@@ -64,6 +65,10 @@ class PlanConfig:
     forward_prefetch: Any = 0  # units each unit's pre-forward all-gathers ahead (0: FSDP2's default, none)
     backward_prefetch: Any = None  # units each unit's pre-backward all-gathers ahead (null: FSDP2's implicit one)
     reduce_dtype: Any = None  # FSDP2 rows: MixedPrecisionPolicy's reduce dtype (null: precision.param_dtype)
+    # deepspeed_stage3, as a cell's strategy.* keys (parameter elements; null: the default, ds_stage3_limits)
+    stage3_prefetch_bucket_size: Any = None
+    stage3_max_live_parameters: Any = None
+    stage3_param_persistence_threshold: Any = None
     # strategy=<a cell's strategy> (conf/strategy/): its row alone (strategy.layout), its strategy.* keys over the
     # flat aliases above (bucket_cap_mb, shard_size, use_orig_params, reshard_after_forward, ..., wrap)
     strategy: Any = None
@@ -75,7 +80,7 @@ RUN_ONLY = ("logger", "launcher", "checkpoint", "optimizer", "timeout", "probes"
             "warmup_steps", "resume", "dry_run", "calibration")
 #: A cell's strategy.* keys that the planner reads, as its flat keys of the same name.
 STRATEGY_KEYS = ("bucket_cap_mb", "shard_size", "use_orig_params", "reshard_after_forward", "forward_prefetch",
-                 "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy")
+                 "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy", *DS_STAGE3_KEYS)
 #: The overrides of this command line that only a run reads (:func:`split_run_only`), told in a note.
 _IGNORED: tuple[str, ...] = ()
 
@@ -199,6 +204,13 @@ def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
             "reduce_dtype": str(cfg.reduce_dtype or "")}
 
 
+def _ds_knobs(cfg: DictConfig) -> dict[str, Any]:
+    """The deepspeed_stage3 row's coordinator limits (PlanKnobs), validated as a cell's."""
+    check_ds_stage3_limits(cfg, None, prefix="")
+    return {"ds_prefetch_bucket": cfg.stage3_prefetch_bucket_size, "ds_max_live": cfg.stage3_max_live_parameters,
+            "ds_persistence": cfg.stage3_param_persistence_threshold}
+
+
 def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     """Validate a composed plan config and plan it; raises :class:`ConfigError` on bad input."""
     for key, accepted in (("units", tuple(UNITS)), ("format", ("table", "json"))):
@@ -230,7 +242,8 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         memory = parse_bytes(network.device_memory)
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
-                      micro_batches=accum, use_orig_params=bool(cfg.use_orig_params), **_fsdp2_knobs(cfg))
+                      micro_batches=accum, use_orig_params=bool(cfg.use_orig_params), **_fsdp2_knobs(cfg),
+                      **_ds_knobs(cfg))
     precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
     records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
                           model)

@@ -10,25 +10,64 @@ remove_grads, average_tensor, get_grad_norm_direct, has_overflow, step -> all_ga
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from zeroexp.formulas.deepspeed_fetch import ModuleCall, ds_stage3_schedule
 from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, cut_buckets
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_FETCH_LIMIT",
-           "DS_NORM_BYTES", "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups",
+           "DS_NORM_BYTES", "DS_PERSISTENCE_THRESHOLD", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
+           "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "deepspeed_buckets", "deepspeed_sub_groups",
            "deepspeed_gathers",
            "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
 DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
-#: runtime/zero/config.py defaults zeroexp's ds_config leaves alone: stage 3's optimizer sub-group, prefetch
-#: bucket, live parameters and reuse distance, in elements.
+#: runtime/zero/config.py defaults (DeepSpeedZeroConfig, 0.19.8), in elements: stage 3's optimizer sub-group and reuse
+#: distance (zeroexp's ds_config leaves them alone), its prefetch bucket and live parameters (``strategy.stage3_*``'s
+#: defaults), its persistence threshold (1e5: zeroexp sets 0 unless ``strategy.stage3_param_persistence_threshold``
+#: says otherwise, so that every parameter is partitioned, ZeRO-3 as the paper counts it).
 DS_SUB_GROUP_SIZE = 1_000_000_000
 DS_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 DS_MAX_REUSE_DISTANCE = 1_000_000_000
-#: Parameter elements stage 3 fetches once per step and keeps for backward: within one prefetch bucket, and below
-#: the live-parameter and reuse-distance limits, nothing is released before backward.
-DS_FETCH_LIMIT = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)
+DS_PERSISTENCE_THRESHOLD = 100_000
+DS_FETCH_LIMIT = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)  # TEMP
+#: zeroexp's persistence threshold when the cell sets none: every parameter partitioned.
+ZEROEXP_PERSISTENCE_THRESHOLD = 0
+
+
+class Stage3Limits(NamedTuple):
+    """Stage 3's coordinator limits, in parameter elements (partitioned_param_coordinator.py): ``prefetch_bucket``
+    (``stage3_prefetch_bucket_size``), ``max_live`` (``stage3_max_live_parameters``), ``persistence``
+    (``stage3_param_persistence_threshold``: a parameter of at most that many elements is never released between its
+    modules), ``max_reuse`` (``stage3_max_reuse_distance``, DeepSpeed's default)."""
+
+    prefetch_bucket: int = DS_PREFETCH_BUCKET_SIZE
+    max_live: int = DS_MAX_LIVE_PARAMETERS
+    persistence: int = ZEROEXP_PERSISTENCE_THRESHOLD
+    max_reuse: int = DS_MAX_REUSE_DISTANCE
+
+    def ds_config(self) -> dict[str, int]:
+        """The ``zero_optimization`` keys that set them."""
+        return {"stage3_prefetch_bucket_size": self.prefetch_bucket, "stage3_max_live_parameters": self.max_live,
+                "stage3_param_persistence_threshold": self.persistence}
+
+
+def ds_stage3_limits(prefetch_bucket: int | None = None, max_live: int | None = None,
+                     persistence: int | None = None) -> Stage3Limits:
+    """The limits a cell's ``strategy.stage3_*`` keys (or the planner's knobs of the same values) set; None: the
+    default (:class:`Stage3Limits`)."""
+    d = Stage3Limits()
+    return Stage3Limits(d.prefetch_bucket if prefetch_bucket is None else int(prefetch_bucket),
+                        d.max_live if max_live is None else int(max_live),
+                        d.persistence if persistence is None else int(persistence))
+
+
+def knobs_limits(knobs: PlanKnobs) -> Stage3Limits:
+    """:func:`ds_stage3_limits` of a cell's (or the planner's) knobs."""
+    return ds_stage3_limits(knobs.ds_prefetch_bucket, knobs.ds_max_live, knobs.ds_persistence)
 #: Bytes of one gradient-norm scalar (all-reduced once per flat group or sub-group, then kept through the step):
 #: stages 1-2 cast the squared norm to fp32 (stage_1_and_2.py ``get_grad_norm_direct``: ``.float()``), stage 3 keeps
 #: ``get_norm_dtype()``'s float64 (stage3.py ``get_grad_norm_direct``).
@@ -61,6 +100,16 @@ def deepspeed_gathers(numels: list[int], own: int = 0) -> tuple[tuple[int, ...],
     modelled: see :func:`deepspeed_payload_limits`)."""
     fetches = tuple(g for g in (tuple(numels[:own]), tuple(numels[own:])) if g)
     return fetches if sum(numels) <= DS_FETCH_LIMIT else fetches + fetches
+
+
+def deepspeed_stage3_gathers(calls: tuple[ModuleCall, ...], numels: tuple[int, ...],
+                             limits: Stage3Limits) -> tuple[tuple[int, ...], ...]:
+    """Stage 3's parameter all_gathers per step (each its parameters' ``ds_numel``), DeepSpeed's coordinator replayed
+    over the step's module ``calls`` (``numels``: every parameter's, frozen ones too;
+    :func:`zeroexp.formulas.deepspeed_fetch.ds_stage3_schedule`) under ``limits``."""
+    schedule = ds_stage3_schedule(calls, numels, prefetch_bucket=limits.prefetch_bucket, max_live=limits.max_live,
+                                  persistence=limits.persistence, max_reuse=limits.max_reuse)
+    return tuple(tuple(numels[p] for p in g) for g in schedule.gathers)
 
 
 def deepspeed_sub_groups(partition_numels: list[int] | tuple[int, ...], sub_group_size: int = DS_SUB_GROUP_SIZE) -> int:

@@ -152,6 +152,12 @@ class PlanKnobs:
     #: reshards it), ``always``, ``default`` (the last unit kept after forward, the root kept) or ``never`` (all kept):
     #: :func:`zeroexp.formulas.families.fsdp2.kept_after_forward`
     reshard_policy: str = ""
+    #: DeepSpeed stage 3's coordinator limits as the cell sets them (``strategy.stage3_prefetch_bucket_size``,
+    #: ``stage3_max_live_parameters``, ``stage3_param_persistence_threshold``), parameter elements; None: the default
+    #: :func:`zeroexp.formulas.deepspeed.ds_stage3_limits` resolves
+    ds_prefetch_bucket: int | None = None
+    ds_max_live: int | None = None
+    ds_persistence: int | None = None
 
     def post_forward_over(self, shard_over: int) -> int:
         """The ranks FSDP2 reshards each unit to after forward over a shard group of ``shard_over`` ranks
