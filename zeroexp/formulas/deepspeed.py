@@ -145,7 +145,10 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
     out = {"buckets": deepspeed_buckets(stage, order, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))}
     if idle:
         out["ungraded"] = tuple(sorted(idle))
-    if stage == 3:
+    if stage == 3 and shape.module_calls:  # the root (the LightningModule around the model) is called first
+        calls = (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in shape.module_calls))
+        out["gathers"] = deepspeed_stage3_gathers(calls, shape.numels, knobs_limits(knobs))
+    elif stage == 3:
         out["gathers"] = deepspeed_gathers([k for i, k in enumerate(shape.numels) if i not in set(shape.uncalled)])
     return out
 

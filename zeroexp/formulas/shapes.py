@@ -51,6 +51,9 @@ class ModelShape:
     #: Indices of the parameters, frozen ones too, that no module holding them (as its own) is called for in a traced
     #: forward: DeepSpeed stage 3 fetches a module's parameters in its pre-forward hook, so never these.
     uncalled: tuple[int, ...] = ()
+    #: Every module call of a traced forward, as DeepSpeed stage 3's hooks see them (``ModuleCall``\ s: the module, its
+    #: own parameters' indices, whether its input and its output need a gradient, its depth); empty: not traced.
+    module_calls: tuple = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -97,7 +100,7 @@ class ModelShape:
                           None if self.ready is None else tuple(new[i] for i in self.ready if i in new),
                           remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached,
                           self.buffers, tuple(new[i] for i in self.unused if i in new), self.opaque,
-                          tuple(new[i] for i in self.uncalled if i in new))
+                          tuple(new[i] for i in self.uncalled if i in new), ())
 
     def calls(self, u: int) -> int:
         """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""
