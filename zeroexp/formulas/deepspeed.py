@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from zeroexp.formulas.deepspeed_fetch import ModuleCall, ds_stage3_schedule
+from zeroexp.formulas.deepspeed_fetch import ModuleCall, Stage3Schedule, ds_stage3_schedule
 from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, cut_buckets
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
-__all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_FETCH_LIMIT",
+__all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE",
            "DS_NORM_BYTES", "DS_PERSISTENCE_THRESHOLD", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
-           "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "deepspeed_buckets", "deepspeed_sub_groups",
+           "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls", "stage3_schedule", "deepspeed_buckets", "deepspeed_sub_groups",
            "deepspeed_gathers",
            "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
 
@@ -33,7 +33,6 @@ DS_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 DS_MAX_REUSE_DISTANCE = 1_000_000_000
 DS_PERSISTENCE_THRESHOLD = 100_000
-DS_FETCH_LIMIT = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)  # TEMP
 #: zeroexp's persistence threshold when the cell sets none: every parameter partitioned.
 ZEROEXP_PERSISTENCE_THRESHOLD = 0
 
@@ -94,12 +93,25 @@ def deepspeed_buckets(stage: int, numels: list[int], bucket_numel: int) -> tuple
 
 
 def deepspeed_gathers(numels: list[int], own: int = 0) -> tuple[tuple[int, ...], ...]:
-    """Stage 3's parameter all_gathers per step: the root module's own ``own`` first parameters with it, then one
-    prefetch of the rest; within one prefetch bucket (``DS_FETCH_LIMIT``) nothing is released before backward, else
-    everything is gathered again for backward (as the paper counts; DeepSpeed's schedule beyond one bucket is not
-    modelled: see :func:`deepspeed_payload_limits`)."""
-    fetches = tuple(g for g in (tuple(numels[:own]), tuple(numels[own:])) if g)
-    return fetches if sum(numels) <= DS_FETCH_LIMIT else fetches + fetches
+    """Stage 3's parameter all_gathers of a step before its module calls are known (a live engine before its first
+    step): the root module's own ``own`` first parameters with it, then one prefetch of the rest (within one prefetch
+    bucket; :func:`deepspeed_stage3_gathers` replays the coordinator over a step's calls)."""
+    return tuple(g for g in (tuple(numels[:own]), tuple(numels[own:])) if g)
+
+
+def stage3_calls(shape: ModelShape) -> tuple[ModuleCall, ...]:
+    """The module calls of a step of ``shape`` as the engine's hooks see them: the root (the LightningModule around
+    the model, no parameters of its own) first, the model's traced calls inside it (untraced: each module holding
+    parameters once, in definition order)."""
+    calls = shape.module_calls or tuple(ModuleCall(k, m, True, True) for k, m in enumerate(shape.modules))
+    return (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in calls))
+
+
+def stage3_schedule(shape: ModelShape, knobs: PlanKnobs) -> Stage3Schedule:
+    """The coordinator's schedule of a step of ``shape`` under the knobs' limits (``shape.module_calls`` traced)."""
+    limits = knobs_limits(knobs)
+    return ds_stage3_schedule(stage3_calls(shape), shape.numels, prefetch_bucket=limits.prefetch_bucket,
+                              max_live=limits.max_live, persistence=limits.persistence, max_reuse=limits.max_reuse)
 
 
 def deepspeed_stage3_gathers(calls: tuple[ModuleCall, ...], numels: tuple[int, ...],
@@ -145,11 +157,8 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
     out = {"buckets": deepspeed_buckets(stage, order, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))}
     if idle:
         out["ungraded"] = tuple(sorted(idle))
-    if stage == 3 and shape.module_calls:  # the root (the LightningModule around the model) is called first
-        calls = (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in shape.module_calls))
-        out["gathers"] = deepspeed_stage3_gathers(calls, shape.numels, knobs_limits(knobs))
-    elif stage == 3:
-        out["gathers"] = deepspeed_gathers([k for i, k in enumerate(shape.numels) if i not in set(shape.uncalled)])
+    if stage == 3:
+        out["gathers"] = deepspeed_stage3_gathers(stage3_calls(shape), shape.numels, knobs_limits(knobs))
     return out
 
 
@@ -193,8 +202,4 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
     if stage > 0 and max(groups.numels) > bucket:
         reasons.append(f"a parameter of {max(groups.numels)} elements exceeds reduce_bucket_size={bucket}: reduced on "
                        "its own (extra_large_param_to_reduce), not measured")
-    fetched = groups.numel + sum(groups.frozen)
-    if stage == 3 and fetched > DS_FETCH_LIMIT:
-        reasons.append(f"stage 3: {fetched} parameter elements exceed one prefetch bucket ({DS_FETCH_LIMIT}): "
-                       "DeepSpeed's fetch and release schedule is not modelled")
     return reasons

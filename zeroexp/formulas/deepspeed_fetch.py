@@ -41,14 +41,20 @@ class ModuleCall(NamedTuple):
 class FetchEvent(NamedTuple):
     """One coordinator hook in a step: ``phase`` (forward / backward), ``call`` (the index of its
     :class:`ModuleCall`), ``fetch`` (a pre hook; else a release), ``gathered`` (the parameters each ``all_gather`` it
-    issued holds), ``released`` (the parameters it released), ``available`` (every parameter available after it)."""
+    issued holds), ``released`` (the parameters it released); after it, ``whole`` (the parameters whose unsharded
+    tensor exists: a gather's are made at once, at the first wait on it, ``AllGatherCoalescedHandle.wait``) and
+    ``flats`` (the all_gathers, by their index in the step, whose flat buffer is still held: until the last of its
+    parameters is waited for, the in-flight registry holding the handle); ``peak``: the two at its highest moment (a
+    fetch: its waits done, before the handles are dropped, or its prefetch issued)."""
 
     phase: str
     call: int
     fetch: bool
     gathered: tuple[tuple[int, ...], ...]
     released: tuple[int, ...]
-    available: frozenset[int]
+    whole: frozenset[int]
+    flats: tuple[int, ...]
+    peak: tuple[frozenset[int], tuple[int, ...]]
 
 
 class Stage3Schedule(NamedTuple):
@@ -83,6 +89,8 @@ def ds_stage3_schedule(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], *
     trace = [k for _, k, fetch in events if fetch]  # the modules in fetch order: the trace's submodule order
     queue = deque((p, step) for step, k in enumerate(trace) for p in sorted(set(calls[k].params)))
     available: set[int] = set()
+    whole: set[int] = set()
+    inflight: dict[int, int] = {}  # parameter -> its all_gather (the in-flight registry)
     active: dict[int, set[int]] = {}
     recent: dict[int, int] = {}
     live, step, gathers, out = 0, 0, [], []
@@ -90,17 +98,30 @@ def ds_stage3_schedule(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], *
     def gather(params: list[int]) -> tuple[int, ...]:
         nonlocal live
         todo = tuple(p for p in dict.fromkeys(params) if p not in available)
-        available.update(todo)
-        live += sum(numels[p] for p in todo)
+        if todo:
+            available.update(todo)
+            inflight.update((p, len(gathers)) for p in todo)
+            live += sum(numels[p] for p in todo)
+            gathers.append(todo)
+            issued.append(todo)
         return todo
+
+    def flats() -> tuple[int, ...]:
+        return tuple(sorted(set(inflight.values())))
 
     for phase, k, fetch in events:
         c, issued, released = calls[k], [], []
         own = set(c.params)
+        peak = (frozenset(whole), flats())
         if fetch:
-            issued.append(gather(sorted(own)))
+            gather(sorted(own))
             for p in own:
                 active.setdefault(p, set()).add(c.module)
+            for g in {inflight[p] for p in own if p in inflight}:  # the first wait makes a gather's tensors
+                whole.update(q for q, h in inflight.items() if h == g)
+            peak = (frozenset(whole), flats())
+            for p in own:
+                inflight.pop(p, None)
             fresh = {p for p in own if recent.get(p, -10**18) < step}  # not popped by an earlier prefetch
             popped: set[int] = set()
             while queue and len(popped) < len(fresh):
@@ -117,7 +138,8 @@ def ds_stage3_schedule(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], *
                         ahead.append(p)
                         numel += numels[p]
                     recent[p] = max(recent.get(p, -10**18), at)
-                issued.append(gather(ahead))
+                if gather(ahead):
+                    peak = max(peak, (frozenset(whole), flats()), key=lambda m: _size(m, numels, gathers))
             step += 1
         else:
             drop = {p for p in own if numels[p] > persistence and recent.get(p, -10**18) <= step}
@@ -130,11 +152,16 @@ def ds_stage3_schedule(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], *
                     traversed += numels[p]
             for p in sorted(own):
                 active.get(p, set()).discard(c.module)
-                if p in drop and p in available and not active.get(p):
+                if p in drop and p in whole and not active.get(p):
                     available.discard(p)
+                    whole.discard(p)
                     live -= numels[p]
                     released.append(p)
-        issued = [g for g in issued if g]
-        gathers += issued
-        out.append(FetchEvent(phase, k, fetch, tuple(issued), tuple(released), frozenset(available)))
+        out.append(FetchEvent(phase, k, fetch, tuple(issued), tuple(released), frozenset(whole), flats(), peak))
     return Stage3Schedule(tuple(gathers), tuple(out))
+
+
+def _size(moment: tuple[frozenset[int], tuple[int, ...]], numels: tuple[int, ...], gathers: list) -> int:
+    """Elements held at a moment (unsharded parameters and flat buffers, unpadded)."""
+    params, flat = moment
+    return sum(numels[p] for p in params) + sum(numels[p] for g in flat for p in gathers[g])

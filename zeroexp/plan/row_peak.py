@@ -127,7 +127,8 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     row = LAYOUTS[name]
     out["accum_grad_bytes"] = row.family.accumulated_grad_bytes(row, record["grad_bytes"]) if k > 1 else None
     why = uncovered(name, str(precision.name), record["offload"], activation_checkpointing=mode_of(checkpointing).mode,
-                    micro_batches=k, reduce_dtype=knobs.reduce_dtype or None, param_dtype=dtype)
+                    micro_batches=k, reduce_dtype=knobs.reduce_dtype or None, param_dtype=dtype,
+                    frozen=bool(shape.frozen))
     if not traced:
         why = why or ["no traced step: give model= and batch_size="]
     groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
