@@ -15,7 +15,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from zeroexp.config.checkpointing import checked_option
 from zeroexp.cell.strategy import DS_STAGE3_KEYS, check_ds_stage3_limits
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs
+from zeroexp.formulas import (COMPUTE_ITEMSIZE, DS_PERSISTENCE_REFUSED, LAYOUTS, ModelShape, PlanKnobs, ds_persistent,
+                              ds_stage3_limits)
 from zeroexp.plan.core import UNITS, Precision, parse_bytes, parse_count, plan
 
 __all__ = ["PlanConfig", "as_plan_keys", "main", "run"]
@@ -237,6 +238,11 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     mode = checked_option(cfg)
     ac = mode.label
     shape, model = _shape(cfg)
+    persistent = ds_persistent(shape.numels, ds_stage3_limits(persistence=cfg.stage3_param_persistence_threshold))
+    if persistent and (strategies is None or "deepspeed_stage3" in strategies):
+        raise ConfigError("stage3_param_persistence_threshold", cfg.stage3_param_persistence_threshold,
+                          f"below {min(shape.numels)} (the smallest parameter's elements), or null",
+                          why=DS_PERSISTENCE_REFUSED)
     network = _network(cfg, batch)
     if network is not None and memory is None and network.device_memory is not None:
         memory = parse_bytes(network.device_memory)

@@ -16,10 +16,10 @@ from zeroexp.formulas.deepspeed_fetch import ModuleCall, Stage3Schedule, ds_stag
 from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, cut_buckets
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
-__all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE",
-           "DS_NORM_BYTES", "DS_PERSISTENCE_THRESHOLD", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
-           "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls", "stage3_schedule", "deepspeed_buckets", "deepspeed_sub_groups",
-           "deepspeed_gathers",
+__all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_NORM_BYTES",
+           "DS_PERSISTENCE_THRESHOLD", "DS_PERSISTENCE_REFUSED", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
+           "ds_persistent", "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls",
+           "stage3_schedule", "deepspeed_buckets", "deepspeed_sub_groups", "deepspeed_gathers",
            "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
@@ -62,6 +62,22 @@ def ds_stage3_limits(prefetch_bucket: int | None = None, max_live: int | None = 
     return Stage3Limits(d.prefetch_bucket if prefetch_bucket is None else int(prefetch_bucket),
                         d.max_live if max_live is None else int(max_live),
                         d.persistence if persistence is None else int(persistence))
+
+
+#: Why a stage-3 cell with persistent parameters is refused (measured, DeepSpeed 0.19.8 on CPU / gloo, N=2, four
+#: Linear(64, 64) under stage3_param_persistence_threshold=5000): each persistent parameter is gathered on its own (4
+#: all_gathers where the coordinator's prefetch gathers 1) and stays unsharded through the step (65536 B of
+#: param_unsharded at the optimizer boundary), which the state, collectives and peak models do not hold.
+DS_PERSISTENCE_REFUSED = ("DeepSpeed keeps a parameter of at most stage3_param_persistence_threshold elements "
+                          "unsharded through the step and gathers it on its own (measured: 4 all_gathers where 1 is "
+                          "planned and 65536 B of unsharded parameters at the optimizer boundary on four Linear(64, "
+                          "64) at N=2); zeroexp's state, collectives and peak models hold no persistent parameter")
+
+
+def ds_persistent(numels: tuple[int, ...] | list[int], limits: Stage3Limits) -> tuple[int, ...]:
+    """The parameters (indices) stage 3 keeps persistent: ``ds_numel`` at most the threshold
+    (parameter_offload.py ``mark_persistent_parameters``; ``stage3_model_persistence_threshold`` left unbounded)."""
+    return tuple(i for i, k in enumerate(numels) if k <= limits.persistence)
 
 
 def knobs_limits(knobs: PlanKnobs) -> Stage3Limits:

@@ -42,9 +42,9 @@ from torch import nn
 
 from zeroexp._lib.parallel import after_closure
 from zeroexp.devices import ranks_get_a_gpu
-from zeroexp.errors import ConfigError, NotApplicableHere
+from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
 from zeroexp.formulas import (Groups, Shard, Unit, deepspeed_buckets, deepspeed_gathers, deepspeed_reduce_bucket_numel,
-                              deepspeed_stage3_gathers, ds_stage3_limits)
+                              deepspeed_stage3_gathers, ds_persistent, ds_stage3_limits, DS_PERSISTENCE_REFUSED)
 from zeroexp.models import torch_dtype
 from zeroexp.strategies import _deepspeed_checkpoint as _ckpt, register
 from zeroexp.strategies._deepspeed_use import StepUse
@@ -223,6 +223,16 @@ class DeepSpeedAdapter(StrategyAdapter):
         if cfg.precision.name == "fp16" and not _cuda_for(cfg):
             raise ConfigError("precision", "fp16", "fp32, bf16",
                               why="DeepSpeed's CPU accelerator does not support fp16 (no GPU for each rank here)")
+
+    @classmethod
+    def validate_model(cls, cfg: Any, shape: Any = None) -> None:
+        """Stage 3 with a parameter DeepSpeed keeps persistent (``strategy.stage3_param_persistence_threshold``)."""
+        s = cfg.strategy
+        limits = ds_stage3_limits(persistence=s.get("stage3_param_persistence_threshold"))
+        if s.stage == 3 and shape is not None and ds_persistent(shape.numels, limits):
+            raise InvalidCell("strategy.stage3_param_persistence_threshold", limits.persistence,
+                              f"below {min(shape.numels)} (the smallest parameter's elements), or null",
+                              why=DS_PERSISTENCE_REFUSED)
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``deepspeed.initialize`` over the LightningModule with AdamW; returns the engine (converts the module
