@@ -249,7 +249,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
                       micro_batches=accum, use_orig_params=bool(cfg.use_orig_params), **_fsdp2_knobs(cfg),
-                      **_ds_knobs(cfg))
+                      recompute=mode.mode != "none", **_ds_knobs(cfg))
     precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
     records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
                           model)

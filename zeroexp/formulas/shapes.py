@@ -161,6 +161,9 @@ class PlanKnobs:
     ds_prefetch_bucket: int | None = None
     ds_max_live: int | None = None
     ds_persistence: int | None = None
+    #: Activation checkpointing on (``activation_checkpointing`` not none): a checkpointed unit's forward runs again in
+    #: backward, its modules' hooks with it
+    recompute: bool = False
 
     def post_forward_over(self, shard_over: int) -> int:
         """The ranks FSDP2 reshards each unit to after forward over a shard group of ``shard_over`` ranks
