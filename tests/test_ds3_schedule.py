@@ -5,6 +5,7 @@ under activation checkpointing whose plan checks all pass."""
 from __future__ import annotations
 
 import pytest
+from conftest import WINDOWS
 
 from zeroexp.cell.strategy import check_ds_stage3_limits
 from zeroexp.errors import ConfigError
@@ -89,6 +90,7 @@ needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
 LLAMA = ("model=llama3_8b", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=256", "model.seq_len=16")
 GPT = ("model=gpt", "model.n_layer=2")
+MODEL_BASE = ("logger=none", "steps=8", *WINDOWS)  # conftest's BASE without the mlp's width
 
 
 @needs_deepspeed
@@ -120,7 +122,7 @@ def test_a_persistent_parameter_is_refused_by_name(compose):
     ((*LLAMA, "world_size=2", "activation_checkpointing=full", "strategy.stage3_prefetch_bucket_size=5000"), None),
 ])
 def test_stage3_cells_beyond_one_bucket_pass_every_plan_check(cell, overrides, gathers):
-    res = cell("strategy=deepspeed", "strategy.stage=3", *overrides)
+    res = cell("strategy=deepspeed", "strategy.stage=3", *overrides, base=MODEL_BASE)
     assert res.status == "ok", res.error
     plan = res.summary["plan"]
     assert (plan["check"], plan["payload_check"]) == ("PASS", "PASS"), (plan["reasons"], plan["payload_reasons"])
