@@ -133,3 +133,25 @@ def test_stage3_cells_beyond_one_bucket_pass_every_plan_check(cell, overrides, g
     planned = {c["op"]: c for c in plan["collectives"]}["all_gather"]
     assert planned["predicted_count"] == measured and planned["predicted_bytes"] == planned["measured_bytes"]
     assert measured == gathers
+
+
+def test_the_planner_reads_the_stage3_keys_as_a_cell_does():
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from zeroexp.cli.plan import register, run
+    from zeroexp.cli.run import CONF_DIR
+
+    def plan(*overrides: str) -> dict:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = hydra_compose(config_name="plan", overrides=["model=mlp", "model.width=64", "world_size=2",
+                                                               *overrides])
+        return run(cfg)[0][0]
+
+    register()
+    # the mlp's 8 Linear(64, 64) (bias-free), a 10000-element prefetch bucket: 3 all_gathers (the cell's measured)
+    assert plan("strategies=[deepspeed_stage3]", "stage3_prefetch_bucket_size=10000")["counts"]["all_gather"] == 3
+    as_cell = plan("strategy=deepspeed", "strategy.stage=3", "strategy.stage3_prefetch_bucket_size=10000")
+    assert as_cell["counts"]["all_gather"] == 3
+    assert plan("strategies=[deepspeed_stage3]")["counts"]["all_gather"] == 1  # one bucket: the root's prefetch
+    with pytest.raises(ConfigError, match="stage3_param_persistence_threshold=4096"):
+        plan("strategies=[deepspeed_stage3]", "stage3_param_persistence_threshold=4096")
