@@ -365,7 +365,8 @@ class DeepSpeedAdapter(StrategyAdapter):
         2N) and the ``ipg`` buckets of the parameters in reduce order (stage 1 group order at the step, stage 2
         backward hooks: reverse registration order, true of a stack of layers); stage 3 every parameter's partition
         (``ds_numel`` padded to N, frozen ones too: ``grad_shards`` are the trainable ones'), the buckets in backward
-        order and the fetches (the root module's own parameters, then one prefetch of the rest, frozen ones too).
+        order and the fetches (DeepSpeed's coordinator replayed over the last step's module calls, recorded live by
+        :class:`StepUse`; before the first step, the root's own parameters, then one prefetch of the rest).
         DeepSpeed's optimizer holds the trainable parameters alone (``is_optimized_parameter``); stages 0-2 leave the
         frozen ones as plain module parameters (``frozen``). A trainable parameter the last step gave no gradient
         (:class:`StepUse`): stage 0 all-reduces a zero gradient for it; stages 1-3 reduce none (``ungraded``, out of
