@@ -31,8 +31,8 @@ runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
   size (the flat buffer lives while any of its parameters is still in the coordinator's in-flight registry).
   ``partitioned_param_coordinator.py``: the root module's pre-forward prefetches every parameter within one prefetch
   bucket; beyond it the fetches and flat buffers are the coordinator's replayed
-  (:mod:`zeroexp.formulas.deepspeed_fetch`); within the reuse distance nothing is released in forward; ``parameter_offload.py``: a module's parameters
-  are released after its backward reaches its inputs (``PostBackwardFunctionModule``), never in backward for a module
+  (:mod:`zeroexp.formulas.deepspeed_fetch`); within the reuse distance nothing is released in forward;
+  ``parameter_offload.py``: a module's parameters are released after its backward reaches its inputs (``PostBackwardFunctionModule``), never in backward for a module
   whose inputs need no gradient (an embedding of token ids, the first Linear on the batch): those wait for
   ``step``'s ``_partition_all_parameters``.
 
