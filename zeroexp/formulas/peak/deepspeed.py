@@ -33,8 +33,8 @@ runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
   bucket; beyond it the fetches and flat buffers are the coordinator's replayed
   (:mod:`zeroexp.formulas.deepspeed_fetch`); within the reuse distance nothing is released in forward;
   ``parameter_offload.py``: a module's parameters are released after its backward reaches its inputs
-  (``PostBackwardFunctionModule``), never in backward for a module whose inputs need no gradient (an embedding of token ids, the first Linear on the batch): those wait for
-  ``step``'s ``_partition_all_parameters``.
+  (``PostBackwardFunctionModule``), never in backward for a module whose inputs need no gradient (an embedding of
+  token ids, the first Linear on the batch): those wait for ``step``'s ``_partition_all_parameters``.
 
 Each moment is a lower bound of what the rank holds then (allocations between hooks that the trace cannot place,
 scalars, are left out), so the phase's prediction is never above the measurement.
