@@ -141,6 +141,10 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         backward_prefetch=int(knob("backward_prefetch", 0) or 0),
         reduce_dtype=str(knob("reduce_dtype", None) or ""),
         post_forward_ranks=post_forward_ranks(reshard),
+        ds_prefetch_bucket=knob("stage3_prefetch_bucket_size", None),
+        ds_max_live=knob("stage3_max_live_parameters", None),
+        ds_persistence=knob("stage3_param_persistence_threshold", None),
+        recompute=str(cfg.activation_checkpointing.name) != "none",
     )
 
 

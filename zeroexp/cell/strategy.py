@@ -15,7 +15,8 @@ from omegaconf import MISSING
 from zeroexp.errors import ConfigError
 
 __all__ = ["SCHEMAS", "BUCKET_CAP_MB", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set",
-           "check_fsdp2_prefetch", "check_fsdp2_dtype", "RESHARD_POLICIES", "check_reshard_policy"]
+           "check_fsdp2_prefetch", "check_fsdp2_dtype",
+           "DS_STAGE3_KEYS", "check_ds_stage3_limits", "RESHARD_POLICIES", "check_reshard_policy"]
 
 
 #: The bucket cap every bucketed strategy defaults to (``strategy.bucket_cap_mb``, MiB): DDP's own default
@@ -184,6 +185,25 @@ def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.")
                           why="an empty list leaves FSDP2's implicit prefetch on" if backward == 0 else "")
 
 
+#: DeepSpeed stage 3's coordinator limits (``strategy.<key>``; the planner's keys of the same names).
+DS_STAGE3_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold")
+
+
+def check_ds_stage3_limits(values: Any, stage: int | None, prefix: str = "strategy.") -> None:
+    """Refuse DeepSpeed's stage-3 limits (``values``: a mapping holding :data:`DS_STAGE3_KEYS`) that are not null or an
+    integer >= 0 (DeepSpeed's own bound: runtime/zero/config.py, ``ge=0``), or set under ``stage`` 0-2 (None: the
+    planner, whose stage-3 row alone reads them)."""
+    for key in DS_STAGE3_KEYS:
+        v = values.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"{prefix}{key}", v, "null (the default) or an integer >= 0 (parameter elements)")
+        if stage is not None and stage != 3:
+            raise ConfigError(f"{prefix}{key}", v, "null below stage 3, or strategy.stage=3",
+                              why=f"stage 3's parameter coordinator alone reads it (strategy.stage={stage})")
+
+
 def check_fsdp2_reshard(value: Any, world_sizes: list[int], key: str = "strategy.reshard_after_forward") -> None:
     """Refuse an ``fsdp2_full`` ``reshard_after_forward`` (a cell's ``key``, the planner's ``reshard_after_forward``
     over its world sizes) that is none of true, null or an int k dividing each world size with 1 < k: the ranks each
@@ -256,6 +276,12 @@ class DeepSpeedConfig(StrategyConfig):
     #: ZeRO++ hpZ (``zero_hpz_partition_size``): refused when above 1 (DeepSpeedAdapter.validate says why), so it
     #: never changes a cell: not in its identity.
     hpz_size: Optional[int] = field(default=None, metadata={"identity": False})
+    #: Stage 3's coordinator limits, in parameter elements (null: DeepSpeed's default, except the persistence threshold:
+    #: zeroexp's 0, every parameter partitioned; zeroexp.formulas.deepspeed.ds_stage3_limits resolves them); stage 3
+    #: only (set under stages 0-2: refused). In the cell's identity only when set.
+    stage3_prefetch_bucket_size: Optional[int] = field(default=None, metadata={"identity": "when_set"})
+    stage3_max_live_parameters: Optional[int] = field(default=None, metadata={"identity": "when_set"})
+    stage3_param_persistence_threshold: Optional[int] = field(default=None, metadata={"identity": "when_set"})
 
 
 #: The schema of every registered strategy (``strategy=<name>``): an adapter's ``schema`` is its entry here

@@ -13,8 +13,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from zeroexp.config.checkpointing import checked_option
+from zeroexp.cell.strategy import DS_STAGE3_KEYS
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs
+from zeroexp.formulas import (COMPUTE_ITEMSIZE, DS_PERSISTENCE_REFUSED, ModelShape, PlanKnobs, ds_persistent,
+                              ds_stage3_limits)
+from zeroexp.plan.knobs import ds_knobs, fsdp2_knobs
 from zeroexp.plan.core import (HEADROOM, UNITS, Precision, check_headroom, parse_bytes, parse_count, plan,
                                untraced)
 
@@ -69,6 +72,10 @@ class PlanConfig:
     forward_prefetch: Any = 0  # units each unit's pre-forward all-gathers ahead (0: FSDP2's default, none)
     backward_prefetch: Any = None  # units each unit's pre-backward all-gathers ahead (null: FSDP2's implicit one)
     reduce_dtype: Any = None  # FSDP2 rows: MixedPrecisionPolicy's reduce dtype (null: precision.param_dtype)
+    # deepspeed_stage3, as a cell's strategy.* keys (parameter elements; null: the default, ds_stage3_limits)
+    stage3_prefetch_bucket_size: Any = None
+    stage3_max_live_parameters: Any = None
+    stage3_param_persistence_threshold: Any = None
     # strategy=<a cell's strategy> (conf/strategy/): its row alone (strategy.layout), its strategy.* keys over the
     # flat aliases above (bucket_cap_mb, shard_size, use_orig_params, reshard_after_forward, ..., wrap)
     strategy: Any = None
@@ -80,7 +87,8 @@ RUN_ONLY = ("logger", "launcher", "checkpoint", "optimizer", "timeout", "probes"
             "warmup_steps", "resume", "dry_run", "calibration")
 #: A cell's strategy.* keys that the planner reads, as its flat keys of the same name.
 STRATEGY_KEYS = ("bucket_cap_mb", "shard_size", "use_orig_params", "reshard_after_forward", "forward_prefetch",
-                 "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy", "sync_each_microbatch")
+                 "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy", "sync_each_microbatch",
+                 *DS_STAGE3_KEYS)
 #: The overrides of this command line that only a run reads (:func:`split_run_only`), told in a note.
 _IGNORED: tuple[str, ...] = ()
 
@@ -180,30 +188,6 @@ def wrap_classes(cfg: DictConfig) -> list[type]:
                                                                    "model": cfg.model}))]
 
 
-def _fsdp2_knobs(cfg: DictConfig) -> dict[str, Any]:
-    """The FSDP2 rows' knobs (PlanKnobs), validated as a cell's: ``reshard_after_forward`` true, null or an int k
-    dividing every world size (an int equal to world_size is true, as FSDP2 takes it), ``reshard_policy``
-    (torchtitan's, with ``reshard_after_forward`` true; with ``strategy=``, as that strategy accepts it),
-    ``forward_prefetch``, ``backward_prefetch``, ``reduce_dtype``."""
-    from zeroexp.cell.resolved import post_forward_ranks
-    from zeroexp.cell.strategy import check_fsdp2_prefetch, check_fsdp2_reshard, check_reshard_policy
-
-    check_fsdp2_reshard(cfg.reshard_after_forward, _world_sizes(cfg.world_size), key="reshard_after_forward")
-    policy, row = cfg.get("reshard_policy"), LAYOUTS.get(str(cfg.strategy.layout)) if cfg.get("strategy") else None
-    check_reshard_policy(policy, str(cfg.strategy.name) if row else "fsdp2_full",
-                         reshards=row.reshard_after_forward if row else True,
-                         reshard_after_forward=cfg.reshard_after_forward, prefix="")
-    check_fsdp2_prefetch(cfg.forward_prefetch, cfg.backward_prefetch, prefix="")
-    if cfg.reduce_dtype not in (None, "float32", cfg.precision.param_dtype):
-        raise ConfigError("reduce_dtype", cfg.reduce_dtype, "null, float32 or precision.param_dtype",
-                          why="as a cell's strategy.reduce_dtype: no reduction below the compute dtype")
-    return {"root_kept_after_forward": cfg.reshard_after_forward is None or policy in ("default", "never"),
-            "reshard_policy": str(policy or ""),
-            "post_forward_ranks": post_forward_ranks(cfg.reshard_after_forward),
-            "forward_prefetch": int(cfg.forward_prefetch), "backward_prefetch": int(cfg.backward_prefetch or 0),
-            "reduce_dtype": str(cfg.reduce_dtype or "")}
-
-
 def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     """Validate a composed plan config and plan it; raises :class:`ConfigError` on bad input."""
     for key, accepted in (("units", tuple(UNITS)), ("format", ("table", "json"))):
@@ -230,13 +214,19 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         raise ConfigError("grad_accum", accum, "an integer >= 1 (micro-batches of batch_size per optimizer step)")
     mode = checked_option(cfg)
     shape, model = _shape(cfg)
+    persistent = ds_persistent(shape.numels, ds_stage3_limits(persistence=cfg.stage3_param_persistence_threshold))
+    if persistent and (strategies is None or "deepspeed_stage3" in strategies):
+        raise ConfigError("stage3_param_persistence_threshold", cfg.stage3_param_persistence_threshold,
+                          f"below {min(shape.numels)} (the smallest parameter's elements), or null",
+                          why=DS_PERSISTENCE_REFUSED)
     network = _network(cfg, batch)
     if network is not None and memory is None and network.device_memory is not None:
         memory = parse_bytes(network.device_memory)
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
                       micro_batches=accum, use_orig_params=bool(cfg.use_orig_params),
-                      sync_each_microbatch=bool(cfg.sync_each_microbatch), **_fsdp2_knobs(cfg))
+                      sync_each_microbatch=bool(cfg.sync_each_microbatch),
+                      **fsdp2_knobs(cfg, _world_sizes(cfg.world_size)), recompute=mode.mode != "none", **ds_knobs(cfg))
     try:
         return _traced(cfg, shape, model, memory, headroom, strategies, batch, accum, mode, network, knobs)
     except Exception as e:  # noqa: BLE001 - only a step fake tensors cannot run is the model's: the rest re-raised

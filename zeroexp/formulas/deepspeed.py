@@ -10,25 +10,79 @@ remove_grads, average_tensor, get_grad_norm_direct, has_overflow, step -> all_ga
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from zeroexp.formulas.deepspeed_fetch import ModuleCall, Stage3Schedule, ds_stage3_schedule
 from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, cut_buckets
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
-__all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_FETCH_LIMIT",
-           "DS_NORM_BYTES", "deepspeed_reduce_bucket_numel", "deepspeed_buckets", "deepspeed_sub_groups",
-           "deepspeed_gathers",
+__all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_NORM_BYTES",
+           "DS_PERSISTENCE_THRESHOLD", "DS_PERSISTENCE_REFUSED", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
+           "ds_persistent", "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls",
+           "stage3_schedule", "deepspeed_buckets", "deepspeed_sub_groups", "deepspeed_gathers",
            "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
 DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
-#: runtime/zero/config.py defaults zeroexp's ds_config leaves alone: stage 3's optimizer sub-group, prefetch
-#: bucket, live parameters and reuse distance, in elements.
+#: runtime/zero/config.py defaults (DeepSpeedZeroConfig, 0.19.8), in elements: stage 3's optimizer sub-group and reuse
+#: distance (zeroexp's ds_config leaves them alone), its prefetch bucket and live parameters (``strategy.stage3_*``'s
+#: defaults), its persistence threshold (1e5: zeroexp sets 0 unless ``strategy.stage3_param_persistence_threshold``
+#: says otherwise, so that every parameter is partitioned, ZeRO-3 as the paper counts it).
 DS_SUB_GROUP_SIZE = 1_000_000_000
 DS_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 DS_MAX_REUSE_DISTANCE = 1_000_000_000
-#: Parameter elements stage 3 fetches once per step and keeps for backward: within one prefetch bucket, and below
-#: the live-parameter and reuse-distance limits, nothing is released before backward.
-DS_FETCH_LIMIT = min(DS_PREFETCH_BUCKET_SIZE, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE)
+DS_PERSISTENCE_THRESHOLD = 100_000
+#: zeroexp's persistence threshold when the cell sets none: every parameter partitioned.
+ZEROEXP_PERSISTENCE_THRESHOLD = 0
+
+
+class Stage3Limits(NamedTuple):
+    """Stage 3's coordinator limits, in parameter elements (partitioned_param_coordinator.py): ``prefetch_bucket``
+    (``stage3_prefetch_bucket_size``), ``max_live`` (``stage3_max_live_parameters``), ``persistence``
+    (``stage3_param_persistence_threshold``: a parameter of at most that many elements is never released between its
+    modules), ``max_reuse`` (``stage3_max_reuse_distance``, DeepSpeed's default)."""
+
+    prefetch_bucket: int = DS_PREFETCH_BUCKET_SIZE
+    max_live: int = DS_MAX_LIVE_PARAMETERS
+    persistence: int = ZEROEXP_PERSISTENCE_THRESHOLD
+    max_reuse: int = DS_MAX_REUSE_DISTANCE
+
+    def ds_config(self) -> dict[str, int]:
+        """The ``zero_optimization`` keys that set them."""
+        return {"stage3_prefetch_bucket_size": self.prefetch_bucket, "stage3_max_live_parameters": self.max_live,
+                "stage3_param_persistence_threshold": self.persistence}
+
+
+def ds_stage3_limits(prefetch_bucket: int | None = None, max_live: int | None = None,
+                     persistence: int | None = None) -> Stage3Limits:
+    """The limits a cell's ``strategy.stage3_*`` keys (or the planner's knobs of the same values) set; None: the
+    default (:class:`Stage3Limits`)."""
+    d = Stage3Limits()
+    return Stage3Limits(d.prefetch_bucket if prefetch_bucket is None else int(prefetch_bucket),
+                        d.max_live if max_live is None else int(max_live),
+                        d.persistence if persistence is None else int(persistence))
+
+
+#: Why a stage-3 cell with persistent parameters is refused (measured, DeepSpeed 0.19.8 on CPU / gloo, N=2, four
+#: Linear(64, 64) under stage3_param_persistence_threshold=5000): each persistent parameter is gathered on its own (4
+#: all_gathers where the coordinator's prefetch gathers 1) and stays unsharded through the step (65536 B of
+#: param_unsharded at the optimizer boundary), which the state, collectives and peak models do not hold.
+DS_PERSISTENCE_REFUSED = ("DeepSpeed keeps a parameter of at most stage3_param_persistence_threshold elements "
+                          "unsharded through the step and gathers it on its own (measured: 4 all_gathers where 1 is "
+                          "planned and 65536 B of unsharded parameters at the optimizer boundary on four Linear(64, "
+                          "64) at N=2); zeroexp's state, collectives and peak models hold no persistent parameter")
+
+
+def ds_persistent(numels: tuple[int, ...] | list[int], limits: Stage3Limits) -> tuple[int, ...]:
+    """The parameters (indices) stage 3 keeps persistent: ``ds_numel`` at most the threshold
+    (parameter_offload.py ``mark_persistent_parameters``; ``stage3_model_persistence_threshold`` left unbounded)."""
+    return tuple(i for i, k in enumerate(numels) if k <= limits.persistence)
+
+
+def knobs_limits(knobs: PlanKnobs) -> Stage3Limits:
+    """:func:`ds_stage3_limits` of a cell's (or the planner's) knobs."""
+    return ds_stage3_limits(knobs.ds_prefetch_bucket, knobs.ds_max_live, knobs.ds_persistence)
 #: Bytes of one gradient-norm scalar (all-reduced once per flat group or sub-group, then kept through the step):
 #: stages 1-2 cast the squared norm to fp32 (stage_1_and_2.py ``get_grad_norm_direct``: ``.float()``), stage 3 keeps
 #: ``get_norm_dtype()``'s float64 (stage3.py ``get_grad_norm_direct``).
@@ -55,12 +109,35 @@ def deepspeed_buckets(stage: int, numels: list[int], bucket_numel: int) -> tuple
 
 
 def deepspeed_gathers(numels: list[int], own: int = 0) -> tuple[tuple[int, ...], ...]:
-    """Stage 3's parameter all_gathers per step: the root module's own ``own`` first parameters with it, then one
-    prefetch of the rest; within one prefetch bucket (``DS_FETCH_LIMIT``) nothing is released before backward, else
-    everything is gathered again for backward (as the paper counts; DeepSpeed's schedule beyond one bucket is not
-    modelled: see :func:`deepspeed_payload_limits`)."""
-    fetches = tuple(g for g in (tuple(numels[:own]), tuple(numels[own:])) if g)
-    return fetches if sum(numels) <= DS_FETCH_LIMIT else fetches + fetches
+    """Stage 3's parameter all_gathers of a step before its module calls are known (a live engine before its first
+    step): the root module's own ``own`` first parameters with it, then one prefetch of the rest (within one prefetch
+    bucket; :func:`deepspeed_stage3_gathers` replays the coordinator over a step's calls)."""
+    return tuple(g for g in (tuple(numels[:own]), tuple(numels[own:])) if g)
+
+
+def stage3_calls(shape: ModelShape) -> tuple[ModuleCall, ...]:
+    """The module calls of a step of ``shape`` as the engine's hooks see them: the root (the LightningModule around
+    the model, no parameters of its own) first, the model's traced calls inside it (untraced: each module holding
+    parameters once, in definition order)."""
+    calls = shape.module_calls or tuple(ModuleCall(k, m, True, True) for k, m in enumerate(shape.modules))
+    return (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in calls))
+
+
+def stage3_schedule(shape: ModelShape, knobs: PlanKnobs) -> Stage3Schedule:
+    """The coordinator's schedule of a step of ``shape`` under the knobs' limits (``shape.module_calls`` traced)."""
+    limits = knobs_limits(knobs)
+    return ds_stage3_schedule(stage3_calls(shape), shape.numels, prefetch_bucket=limits.prefetch_bucket,
+                              max_live=limits.max_live, persistence=limits.persistence, max_reuse=limits.max_reuse)
+
+
+def deepspeed_stage3_gathers(calls: tuple[ModuleCall, ...], numels: tuple[int, ...],
+                             limits: Stage3Limits) -> tuple[tuple[int, ...], ...]:
+    """Stage 3's parameter all_gathers per step (each its parameters' ``ds_numel``), DeepSpeed's coordinator replayed
+    over the step's module ``calls`` (``numels``: every parameter's, frozen ones too;
+    :func:`zeroexp.formulas.deepspeed_fetch.ds_stage3_schedule`) under ``limits``."""
+    schedule = ds_stage3_schedule(calls, numels, prefetch_bucket=limits.prefetch_bucket, max_live=limits.max_live,
+                                  persistence=limits.persistence, max_reuse=limits.max_reuse)
+    return tuple(tuple(numels[p] for p in g) for g in schedule.gathers)
 
 
 def deepspeed_sub_groups(partition_numels: list[int] | tuple[int, ...], sub_group_size: int = DS_SUB_GROUP_SIZE) -> int:
@@ -97,7 +174,7 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
     if idle:
         out["ungraded"] = tuple(sorted(idle))
     if stage == 3:
-        out["gathers"] = deepspeed_gathers([k for i, k in enumerate(shape.numels) if i not in set(shape.uncalled)])
+        out["gathers"] = deepspeed_stage3_gathers(stage3_calls(shape), shape.numels, knobs_limits(knobs))
     return out
 
 
@@ -137,12 +214,14 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
     if not groups.exact:
         reasons.append("a parameter count: DeepSpeed's buckets need the parameters' shapes")
         return reasons
+    fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
+    if stage == 3 and knobs.recompute and (groups.frozen or gathered > fetched):
+        # measured: a LoRA GPT (n_layer=2, N=2 and 3, bf16), 9 all_gathers a step where the replay finds 1
+        reasons.append("stage 3 with activation checkpointing and a parameter released before backward (a frozen "
+                       "module's, or beyond the reuse distance): the recompute in backward gathers it again, its "
+                       "fetches not replayed (measured 9 all_gathers a step on a LoRA GPT where 1 is planned)")
     bucket = deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes)
     if stage > 0 and max(groups.numels) > bucket:
         reasons.append(f"a parameter of {max(groups.numels)} elements exceeds reduce_bucket_size={bucket}: reduced on "
                        "its own (extra_large_param_to_reduce), not measured")
-    fetched = groups.numel + sum(groups.frozen)
-    if stage == 3 and fetched > DS_FETCH_LIMIT:
-        reasons.append(f"stage 3: {fetched} parameter elements exceed one prefetch bucket ({DS_FETCH_LIMIT}): "
-                       "DeepSpeed's fetch and release schedule is not modelled")
     return reasons

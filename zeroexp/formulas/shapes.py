@@ -51,6 +51,9 @@ class ModelShape:
     #: Indices of the parameters, frozen ones too, that no module holding them (as its own) is called for in a traced
     #: forward: DeepSpeed stage 3 fetches a module's parameters in its pre-forward hook, so never these.
     uncalled: tuple[int, ...] = ()
+    #: Every module call of a traced forward, as DeepSpeed stage 3's hooks see them (``ModuleCall``\ s: the module, its
+    #: own parameters' indices, whether its input and its output need a gradient, its depth); empty: not traced.
+    module_calls: tuple = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -97,7 +100,7 @@ class ModelShape:
                           None if self.ready is None else tuple(new[i] for i in self.ready if i in new),
                           remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached,
                           self.buffers, tuple(new[i] for i in self.unused if i in new), self.opaque,
-                          tuple(new[i] for i in self.uncalled if i in new))
+                          tuple(new[i] for i in self.uncalled if i in new), ())
 
     def calls(self, u: int) -> int:
         """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""
@@ -152,6 +155,15 @@ class PlanKnobs:
     #: reshards it), ``always``, ``default`` (the last unit kept after forward, the root kept) or ``never`` (all kept):
     #: :func:`zeroexp.formulas.families.fsdp2.kept_after_forward`
     reshard_policy: str = ""
+    #: DeepSpeed stage 3's coordinator limits as the cell sets them (``strategy.stage3_prefetch_bucket_size``,
+    #: ``stage3_max_live_parameters``, ``stage3_param_persistence_threshold``), parameter elements; None: the default
+    #: :func:`zeroexp.formulas.deepspeed.ds_stage3_limits` resolves
+    ds_prefetch_bucket: int | None = None
+    ds_max_live: int | None = None
+    ds_persistence: int | None = None
+    #: Activation checkpointing on (``activation_checkpointing`` not none): a checkpointed unit's forward runs again in
+    #: backward, its modules' hooks with it
+    recompute: bool = False
 
     def post_forward_over(self, shard_over: int) -> int:
         """The ranks FSDP2 reshards each unit to after forward over a shard group of ``shard_over`` ranks

@@ -134,7 +134,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     out["accum_grad_bytes"] = row.family.accumulated_grad_bytes(row, record["grad_bytes"]) if k > 1 else None
     why = uncovered(name, str(precision.name), record["offload"], activation_checkpointing=mode_of(checkpointing).mode,
                     micro_batches=k, sync_each_microbatch=knobs.sync_each_microbatch,
-                    reduce_dtype=knobs.reduce_dtype or None, param_dtype=dtype)
+                    reduce_dtype=knobs.reduce_dtype or None, param_dtype=dtype, frozen=bool(shape.frozen))
     if not traced:
         why = why or ["no traced step: give model= and batch_size="]
     groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)

@@ -11,7 +11,9 @@ from zeroexp._lib.modules import conv_base
 from zeroexp.cell.memo import memoized
 from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import ModelShape, next_reached
+from zeroexp.formulas.deepspeed_fetch import ModuleCall
 from zeroexp.models import build_model, import_class, loss_of, requires_grad, zeros_batch
+from zeroexp.models.calls import CallRecorder
 
 __all__ = ["model_shape", "cell_shape", "shared_across_units", "shape_of", "trace_units", "ready_order",
            "arguments_key"]
@@ -38,16 +40,17 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
     backward: tuple[bool, ...] = ()
     after: tuple[bool, ...] = ()
     called: tuple[bool, ...] = ()
+    module_calls: tuple[ModuleCall, ...] = ()
     traced = False
     if model_cfg is not None:
         step = derived_units(net, model_cfg, classes, unit_modules) if derive else None
-        ready, calls, backward, after, called = step or trace_units(net, model_cfg, unit_modules)
+        ready, calls, backward, after, called, module_calls = step or trace_units(net, model_cfg, unit_modules)
         traced = ready is not None
     unused = tuple(i for i, p in enumerate(params) if p.requires_grad and i not in set(ready)) if traced else ()
     uncalled = tuple(i for i, c in enumerate(called) if not c) if traced else ()
     return ModelShape(tuple(tuple(p.shape) for p in params), tuple(units), tuple(roots), ready=ready,
                       modules=tuple(m for m in own if m), trains=() if all(trains) else trains,
-                      unit_calls=calls, unit_backward=backward, unit_next_reached=after,
+                      unit_calls=calls, unit_backward=backward, unit_next_reached=after, module_calls=module_calls,
                       buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
                                     for b in net.buffers()), unused=unused, uncalled=uncalled,
                       opaque=tuple(sorted({type(m).__name__ for m in net.modules()
@@ -90,7 +93,7 @@ def _units(net: nn.Module, classes: tuple[type, ...]) -> tuple[list[tuple[int, .
 
 def derived_units(net: nn.Module, model_cfg: Mapping[str, Any], classes: tuple[type, ...], units: list[nn.Module]
                   ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...], tuple[bool, ...],
-                             tuple[bool, ...]] | None:
+                             tuple[bool, ...], tuple[ModuleCall, ...]] | None:
     """:func:`trace_units` of ``net`` (the model config's module) from the same step traced at three and four blocks,
     for a model that declares a stack of identical blocks deeper than ``DERIVED_ABOVE`` (``zeroexp.plan.stack``):
     the gradient-ready order by parameter name, each unit's calls, backward reach and next unit's reach by unit
@@ -116,30 +119,40 @@ def derived_units(net: nn.Module, model_cfg: Mapping[str, Any], classes: tuple[t
     grown = [grow_runs(records, 4, container) for records in steps[3]]
     if grown != list(steps[4]):
         return None
-    ready, per_unit, per_param = (grow_runs(records, depth, container) for records in steps[3])
+    ready, per_unit, per_param, per_call = (grow_runs(records, depth, container) for records in steps[3])
     index = {name: i for i, (name, _) in enumerate(net.named_parameters())}
     names = {id(m): name for name, m in net.named_modules()}
-    if ready is None or per_unit is None or per_param is None \
+    if ready is None or per_unit is None or per_param is None or per_call is None \
             or [n for n, _ in per_unit] != [names[id(m)] for m in units] or any(n not in index for n, _ in ready) \
             or [n for n, _ in per_param] != list(index):
         return None
     return (tuple(index[n] for n, _ in ready), tuple(c for _, (c, _, _) in per_unit),
             tuple(b for _, (_, b, _) in per_unit), tuple(a for _, (_, _, a) in per_unit),
-            tuple(c for _, c in per_param))
+            tuple(c for _, c in per_param), _module_calls(net, per_call))
+
+
+def _module_calls(net: nn.Module, named: list[tuple[str, tuple[bool, bool, int]]]) -> tuple[ModuleCall, ...]:
+    """Module calls by name (:func:`_named_step`) as :class:`ModuleCall`\\ s of ``net``."""
+    modules = {name: k for k, (name, _) in enumerate(net.named_modules())}
+    index = {id(p): i for i, p in enumerate(net.parameters())}
+    own = [tuple(sorted(index[id(p)] for p in m.parameters(recurse=False))) for m in net.modules()]
+    return tuple(ModuleCall(modules[n], own[modules[n]], g, r, d) for n, (g, r, d) in named)
 
 
 def _named_step(net: nn.Module, step: tuple, units: list[nn.Module]) -> tuple[list, list, list] | None:
     """A :func:`trace_units` answer by name: (the gradient-ready order as (parameter name, None), each unit's (name,
     (calls, backward reached, next reached)), each parameter's (name, whether its module is called)); None where the
     step did not trace."""
-    ready, calls, backward, after, called = step
+    ready, calls, backward, after, called, module_calls = step
     if ready is None:
         return None
     params = [name for name, _ in net.named_parameters()]
     names = {id(m): name for name, m in net.named_modules()}
+    modules = [name for name, _ in net.named_modules()]
     return ([(params[i], None) for i in ready],
             [(names[id(m)], (c, b, a)) for m, c, b, a in zip(units, calls, backward, after, strict=True)],
-            list(zip(params, called, strict=True)))
+            list(zip(params, called, strict=True)),
+            [(modules[c.module], (c.grad_input, c.reached, c.depth)) for c in module_calls])
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:
@@ -149,13 +162,14 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
 
 def trace_units(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Module] = ()
                ) -> tuple[tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...], tuple[bool, ...],
-                          tuple[bool, ...]]:
+                          tuple[bool, ...], tuple[ModuleCall, ...]]:
     """One step of ``net`` on the meta device (one sample of ``model.input_shape``, the model's loss): the order in
     which the trainable parameters' gradients become ready (as DDP's Reducer records it to rebuild its buckets: each
     parameter's post-accumulate-grad hook fires once, after its last contribution, a tied weight too; one a step
     gives no gradient is not in it), and for each of ``units`` its forward calls, whether its output requires grad
     (backward reaches it) and whether backward reaches the unit after it in forward order; and for each parameter
-    whether a module holding it as its own is called in forward (DeepSpeed stage 3 fetches no other). None and empty
+    whether a module holding it as its own is called in forward (DeepSpeed stage 3 fetches no other), and every module
+    call of the forward (:class:`~zeroexp.models.calls.CallRecorder`: DeepSpeed stage 3's hooks). None and empty
     when the module's step does not run on the meta device (then reverse definition order, one call per unit and
     backward through each are assumed)."""
     params = list(net.parameters())
@@ -169,6 +183,7 @@ def trace_units(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Mod
             finished.append(k)
         return hook
 
+    recorder = CallRecorder(net)
     hooks = [p.register_post_accumulate_grad_hook(lambda t: order.append(index[id(t)])) for p in params
              if p.requires_grad]
     hooks += [m.register_forward_hook(seen(k)) for k, m in enumerate(units)]
@@ -177,15 +192,17 @@ def trace_units(net: nn.Module, model_cfg: Mapping[str, Any], units: list[nn.Mod
     try:
         batch = zeros_batch(model_cfg, 2, device="meta")  # two samples: BatchNorm needs more than one
         loss = loss_of(model_cfg)(net(batch), batch)
+        module_calls = recorder.take()
         if loss.requires_grad:
             loss.backward()
     except Exception:  # noqa: BLE001 - a module whose forward needs real data: fall back, do not fail the plan
-        return None, (), (), (), ()
+        return None, (), (), (), (), ()
     finally:
+        recorder.remove()
         for h in hooks:
             h.remove()
     return (tuple(order), tuple(calls), tuple(backward), next_reached(finished, backward),
-            tuple(id(p) in called for p in params))
+            tuple(id(p) in called for p in params), module_calls)
 
 
 def ready_order(net: nn.Module, model_cfg: Mapping[str, Any]) -> tuple[int, ...] | None:

@@ -42,15 +42,17 @@ from torch import nn
 
 from zeroexp._lib.parallel import after_closure
 from zeroexp.devices import ranks_get_a_gpu
-from zeroexp.errors import ConfigError, NotApplicableHere
-from zeroexp.formulas import Groups, Shard, Unit, deepspeed_buckets, deepspeed_gathers, deepspeed_reduce_bucket_numel
+from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
+from zeroexp.formulas import (Groups, Shard, Unit, deepspeed_buckets, deepspeed_gathers, deepspeed_reduce_bucket_numel,
+                              deepspeed_stage3_gathers, ds_persistent, ds_stage3_limits, DS_PERSISTENCE_REFUSED)
 from zeroexp.models import torch_dtype
 from zeroexp.strategies import _deepspeed_checkpoint as _ckpt, register
+from zeroexp.strategies._deepspeed_use import StepUse
 from zeroexp.strategies._deepspeed_checkpoint import DS_FULL_FILE, DS_TAG  # noqa: F401 - re-exported
 from zeroexp.strategies.base import (StateTensor, StrategyAdapter, buffer_state_tensors,
                                     optimizer_state_tensors, post_order)
 from zeroexp.cell.policy import CellPolicy
-from zeroexp.cell.strategy import DeepSpeedConfig
+from zeroexp.cell.strategy import DeepSpeedConfig, check_ds_stage3_limits
 
 
 #: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
@@ -86,13 +88,16 @@ def ds_config(policy: Any, device_type: str) -> dict[str, Any]:
     """The DeepSpeed config of a cell (its CellPolicy): ZeRO stage, precision, offload; nothing DeepSpeed would add on
     its own.
 
-    ``stage3_param_persistence_threshold: 0``: every parameter is partitioned (DeepSpeed keeps parameters under
-    1e5 elements whole on every rank by default, which is not ZeRO-3). ``zero_force_ds_cpu_optimizer: false``:
-    offload keeps torch's AdamW (the reference's), not DeepSpeedCPUAdam (a compiled op).
+    Stage 3's limits from ``strategy.stage3_*`` (:func:`ds_stage3_limits`, the planner's too): the persistence threshold
+    0 unless set, so every parameter is partitioned (DeepSpeed keeps parameters under 1e5 elements whole on every rank
+    by default, which is not ZeRO-3). ``zero_force_ds_cpu_optimizer: false``: offload keeps torch's AdamW (the
+    reference's), not DeepSpeedCPUAdam (a compiled op).
     """
     s, p, off = policy.strategy, policy.precision, policy.offload
     bucket = deepspeed_reduce_bucket_numel(int(float(s.bucket_cap_mb) * 2**20))  # the expectation model's too
-    zero: dict[str, Any] = {"stage": int(s.stage), "stage3_param_persistence_threshold": 0,
+    limits = ds_stage3_limits(s.stage3_prefetch_bucket_size, s.stage3_max_live_parameters,
+                              s.stage3_param_persistence_threshold)
+    zero: dict[str, Any] = {"stage": int(s.stage), **limits.ds_config(),
                             "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                             "overlap_comm": False, "contiguous_gradients": True}
     pin = device_type == "cuda"
@@ -146,8 +151,10 @@ def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
             ``scale_wrt_gas=False``). The engine owns the accumulation boundary (``gradient_accumulation_steps``):
             before it, ``engine.step`` only counts the micro-batch (Lightning steps on the boundary's alone)."""
             engine = adapter.engine
-            boundary = engine.is_gradient_accumulation_boundary()
+            boundary, use = engine.is_gradient_accumulation_boundary(), adapter._use or StepUse()
+            use.backward_begins()
             engine.backward(tensor, scale_wrt_gas=False)
+            use.backward_ends()
             if not boundary:
                 engine.step()
 
@@ -185,7 +192,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         self._steps = 0
         self._capture_at = self.policy.warmup_steps  # schedule.state_step
         self._grads: list[StateTensor] = []
-        self._use: _StepUse | None = None
+        self._use: StepUse | None = None
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
@@ -203,6 +210,7 @@ class DeepSpeedAdapter(StrategyAdapter):
                                   f"buffers are modelled from {MIN_DEEPSPEED} on: pip install -e '.[deepspeed]'")
         if s.stage not in (0, 1, 2, 3):
             raise ConfigError("strategy.stage", s.stage, "0, 1, 2, 3")
+        check_ds_stage3_limits(s, s.stage)
         if s.get("hpz_size") not in (None, 1):
             raise ConfigError("strategy.hpz_size", s.hpz_size, "null (or 1: no secondary partition)", why=_HPZ_REFUSED)
         if not s.bucket_cap_mb > 0:
@@ -216,13 +224,23 @@ class DeepSpeedAdapter(StrategyAdapter):
             raise ConfigError("precision", "fp16", "fp32, bf16",
                               why="DeepSpeed's CPU accelerator does not support fp16 (no GPU for each rank here)")
 
+    @classmethod
+    def validate_model(cls, cfg: Any, shape: Any = None) -> None:
+        """Stage 3 with a parameter DeepSpeed keeps persistent (``strategy.stage3_param_persistence_threshold``)."""
+        s = cfg.strategy
+        limits = ds_stage3_limits(persistence=s.get("stage3_param_persistence_threshold"))
+        if s.stage == 3 and shape is not None and ds_persistent(shape.numels, limits):
+            raise InvalidCell("strategy.stage3_param_persistence_threshold", limits.persistence,
+                              f"below {min(shape.numels)} (the smallest parameter's elements), or null",
+                              why=DS_PERSISTENCE_REFUSED)
+
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``deepspeed.initialize`` over the LightningModule with AdamW; returns the engine (converts the module
         to the compute dtype; stage 3 partitions its parameters)."""
         import deepspeed
 
         _no_shm_comm(deepspeed)
-        self._use = _StepUse(module)
+        self._use = StepUse(module)
         client = torch.optim.AdamW(self.trainable(module.parameters()), **self.optimizer_kwargs())
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, dist_init_required=False,
                                                     config=ds_config(self.policy, device.type))
@@ -347,10 +365,11 @@ class DeepSpeedAdapter(StrategyAdapter):
         2N) and the ``ipg`` buckets of the parameters in reduce order (stage 1 group order at the step, stage 2
         backward hooks: reverse registration order, true of a stack of layers); stage 3 every parameter's partition
         (``ds_numel`` padded to N, frozen ones too: ``grad_shards`` are the trainable ones'), the buckets in backward
-        order and the fetches (the root module's own parameters, then one prefetch of the rest, frozen ones too).
+        order and the fetches (DeepSpeed's coordinator replayed over the last step's module calls, recorded live by
+        :class:`StepUse`; before the first step, the root's own parameters, then one prefetch of the rest).
         DeepSpeed's optimizer holds the trainable parameters alone (``is_optimized_parameter``); stages 0-2 leave the
         frozen ones as plain module parameters (``frozen``). A trainable parameter the last step gave no gradient
-        (:class:`_StepUse`): stage 0 all-reduces a zero gradient for it; stages 1-3 reduce none (``ungraded``, out of
+        (:class:`StepUse`): stage 0 all-reduces a zero gradient for it; stages 1-3 reduce none (``ungraded``, out of
         the buckets); stage 3 fetches no parameter of a module forward did not call. Not modelled (the check reads
         n/a with the reason): offload, DeepSpeed's reduce (not all_reduce) gradient path."""
         off, eng, opt, n = self.policy.offload, self.engine, self.engine.optimizer, dist.get_world_size()
@@ -363,7 +382,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         if self.stage == 0:
             numels = [p.numel() for p in params]
             return Groups(self.layout, n, tuple(numels), buckets=deepspeed_buckets(0, numels, 0), frozen=frozen)
-        bucket, use = int(opt.reduce_bucket_size), self._use or _StepUse()  # none recorded: every one used
+        bucket, use = int(opt.reduce_bucket_size), self._use or StepUse()  # none recorded: every one used
         if self.stage in (1, 2):
             import deepspeed.comm as ds_comm
 
@@ -389,6 +408,11 @@ class DeepSpeedAdapter(StrategyAdapter):
         own = {id(p) for p in eng.module.parameters(recurse=False)}
         # the root's own parameters are fetched with it, then those of the modules forward called
         first = sorted((p for p in every if id(p) in own or use.called(p)), key=lambda p: id(p) not in own)
+        s = self.config
+        limits = ds_stage3_limits(s.stage3_prefetch_bucket_size, s.stage3_max_live_parameters,
+                                  s.stage3_param_persistence_threshold)
+        gathers = deepspeed_gathers([p.ds_numel for p in first], own=len(own)) if not use.calls() else \
+            deepspeed_stage3_gathers(use.calls(), tuple(p.ds_numel for p in every), limits)
         fetched = post_order(eng.module, lambda m: any(True for _ in m.parameters(recurse=False)))
         units = tuple(Unit(sum(p.partition_numel() * n for p in m.parameters(recurse=False)), 1) for m in fetched)
 
@@ -398,7 +422,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         return Groups(self.layout, n, tuple(numels), tuple(shard(p) for p in every), units,
                       buckets=deepspeed_buckets(3, [k for i, k in enumerate(numels) if i not in ungraded][::-1],
                                                 bucket),
-                      gathers=deepspeed_gathers([p.ds_numel for p in first], own=len(own)), frozen=frozen,
+                      gathers=gathers, frozen=frozen,
                       grad_shards=tuple(shard(p) for p in params) if frozen else None, ungraded=ungraded)
 
     def known_divergence(self, ungraded: list[str]) -> tuple[str, str] | None:
@@ -451,40 +475,6 @@ class DeepSpeedAdapter(StrategyAdapter):
 #: The equivalence section's ``cause`` when weight decay moves the parameters a step gives no gradient
 #: (:meth:`DeepSpeedAdapter.known_divergence`).
 DECAYS_UNGRADED = "weight_decay_on_ungraded"
-
-
-class _StepUse:
-    """Which parameters of ``module`` a training step used, observed live: those autograd gave a gradient (their
-    post-accumulate-grad hooks, the hooks DeepSpeed's own reductions hang on) and those held by a module forward
-    called (DeepSpeed stage 3 fetches a module's parameters in its pre-forward hook). Registered before
-    ``deepspeed.initialize``; :meth:`close` (at each optimizer step) ends a step's record, the micro-batches' together.
-    Before the first record (or without a module) every parameter counts as used."""
-
-    def __init__(self, module: nn.Module | None = None) -> None:
-        self._graded: set[int] = set()
-        self._called: set[int] = set()
-        self._last: tuple[frozenset[int], frozenset[int]] | None = None
-        if module is None:
-            return
-        for p in module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda t: self._graded.add(id(t)))
-        for m in module.modules():
-            if any(True for _ in m.parameters(recurse=False)):
-                m.register_forward_pre_hook(lambda m, args: self._called.update(map(id, m.parameters(recurse=False))))
-
-    def close(self) -> None:
-        """End the step's record (the last one :meth:`ungraded` and :meth:`called` answer for)."""
-        self._last = frozenset(self._graded), frozenset(self._called)
-        self._graded, self._called = set(), set()
-
-    def ungraded(self, params: list[nn.Parameter]) -> tuple[int, ...]:
-        """Indices into ``params`` of those the last step gave no gradient."""
-        return () if self._last is None else tuple(i for i, p in enumerate(params) if id(p) not in self._last[0])
-
-    def called(self, p: nn.Parameter) -> bool:
-        """Whether a module holding ``p`` as its own was called in the last step's forward."""
-        return self._last is None or id(p) in self._last[1]
 
 
 def _ds_real(p: nn.Parameter) -> int:

@@ -146,8 +146,9 @@ class Family:
         shares (:func:`zeroexp.plan.check.memory.shape_limits`): before them, after the RNN one, last."""
         return [], [], []
 
-    def checkpointing_limit(self, row: StateLayout) -> str | None:
-        """Why the peak model does not cover the row with activation checkpointing (None: it does)."""
+    def checkpointing_limit(self, row: StateLayout, frozen: bool = False) -> str | None:
+        """Why the peak model does not cover the row with activation checkpointing (None: it does); ``frozen``: the
+        model has parameters that do not train."""
         return None
 
     def accumulation_limit(self, row: StateLayout, reduce_dtype: str | None, param_dtype: str) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from zeroexp.formulas.deepspeed import (DS_FETCH_LIMIT, DS_NORM_BYTES, deepspeed_comm, deepspeed_payload,
+from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, stage3_calls, stage3_schedule, deepspeed_comm, deepspeed_payload,
                                         deepspeed_payload_limits, deepspeed_reduce_bucket_numel,
                                         deepspeed_sub_groups)
 from zeroexp.formulas.families.base import Cut, Family
@@ -68,12 +68,15 @@ class DeepSpeedPartitions(Family):
     def flow(self, row):
         return "deepspeed" if row.deepspeed_stage else None
 
-    def checkpointing_limit(self, row):
-        # measured: a LoRA GPT (n_layer=2, N=2 and 3, bf16) under stage 3 with checkpointing re-fetches its modules'
-        # parameters in the recompute: 9 all_gathers a step where one is planned (plan.collectives FAILs as well)
-        return ("no peak model yet for DeepSpeed stage 3 with activation checkpointing: the recompute re-fetches "
-                "parameters (measured 9 all_gathers a step on a LoRA GPT where 1 is planned)"
-                if row.deepspeed_stage == 3 else None)
+    def checkpointing_limit(self, row, frozen=False):
+        # measured: a LoRA GPT (n_layer=2, N=2 and 3, bf16) under stage 3 with checkpointing re-fetches its frozen
+        # modules' parameters in the recompute (the coordinator released them after forward: backward never reaches
+        # them; the recompute gathers them again and hands them to the module being differentiated,
+        # update_recompute_parameters): 9 all_gathers a step where one is planned (plan.collectives FAILs as well).
+        # Every parameter trained: the recompute finds them all still gathered (measured on the GPT and a Llama).
+        return ("no peak model yet for DeepSpeed stage 3 with activation checkpointing and frozen parameters: the "
+                "recompute re-fetches the frozen modules' parameters (measured 9 all_gathers a step on a LoRA GPT "
+                "where 1 is planned)" if row.deepspeed_stage == 3 and frozen else None)
 
     def trace_options(self, row):
         """Segmented at every module holding parameters (stage 3 gathers and releases module by module); bf16 runs
@@ -88,10 +91,11 @@ class DeepSpeedPartitions(Family):
         if max(groups.numels, default=0) > bucket:
             reasons.append(f"no peak model yet for a parameter of {max(groups.numels)} elements above "
                            f"reduce_bucket_size={bucket} (reduced on its own, extra_large_param_to_reduce)")
-        fetched = groups.numel + sum(groups.frozen)
-        if stage == 3 and fetched > DS_FETCH_LIMIT:
-            reasons.append(f"no peak model yet for stage 3 beyond one prefetch bucket ({fetched} parameter elements "
-                           f"> {DS_FETCH_LIMIT}: DeepSpeed fetches and releases in several buckets)")
+        fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
+        if stage == 3 and gathered > fetched:
+            reasons.append(f"no peak model yet for stage 3 gathering a parameter twice in a step ({gathered} "
+                           f"parameter elements gathered of {fetched}: released before a later use and fetched again, "
+                           "the reuse distance or live-parameter limit exceeded)")
         return reasons
 
     def _covered(self, row) -> int:
@@ -107,9 +111,11 @@ class DeepSpeedPartitions(Family):
         stage, n = self._covered(row), groups.world_size
         if stage == 3:  # the shards: every parameter, frozen ones too, in parameter order
             every = tuple(sh.spans[0][1] for sh in groups.shards)
+            traced = shape.module_calls and len(shape.numels) == len(every)
             return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
                                          gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
-                                         foreach=foreach)
+                                         foreach=foreach, schedule=stage3_schedule(shape, knobs) if traced else None,
+                                         calls=stage3_calls(shape) if traced else ())
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
         return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                                       numels=groups.numels, part=part,

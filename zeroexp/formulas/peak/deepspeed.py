@@ -30,10 +30,11 @@ runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
   N padded chunks; ``AllGatherCoalescedHandle.wait`` concatenates each parameter's chunks into a new tensor of its
   size (the flat buffer lives while any of its parameters is still in the coordinator's in-flight registry).
   ``partitioned_param_coordinator.py``: the root module's pre-forward prefetches every parameter within one prefetch
-  bucket; within the reuse distance nothing is released in forward; ``parameter_offload.py``: a module's parameters
-  are released after its backward reaches its inputs (``PostBackwardFunctionModule``), never in backward for a module
-  whose inputs need no gradient (an embedding of token ids, the first Linear on the batch): those wait for
-  ``step``'s ``_partition_all_parameters``.
+  bucket; beyond it the fetches and flat buffers are the coordinator's replayed
+  (:mod:`zeroexp.formulas.deepspeed_fetch`); within the reuse distance nothing is released in forward;
+  ``parameter_offload.py``: a module's parameters are released after its backward reaches its inputs
+  (``PostBackwardFunctionModule``), never in backward for a module whose inputs need no gradient (an embedding of
+  token ids, the first Linear on the batch): those wait for ``step``'s ``_partition_all_parameters``.
 
 Each moment is a lower bound of what the rank holds then (allocations between hooks that the trace cannot place,
 scalars, are left out), so the phase's prediction is never above the measurement.
@@ -44,6 +45,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups
+from zeroexp.formulas.deepspeed_fetch import ModuleCall, Stage3Schedule
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.adamw import adamw_temporaries
 from zeroexp.formulas.peak.phases import StepTrace
@@ -229,13 +231,18 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
 # float64 norms (one per sub-group, their combination, the new ``_global_grad_norm``).
 def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_size: int,
                           buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool,
-                          partitions: tuple[int, ...] | None = None, foreach: bool = False) -> dict[str, dict]:
+                          partitions: tuple[int, ...] | None = None, foreach: bool = False,
+                          schedule: Stage3Schedule | None = None, calls: tuple[ModuleCall, ...] = ()
+                          ) -> dict[str, dict]:
     """Stage 3 (``numels``: every parameter, frozen ones too, in parameter order, the indices ``trace.units`` use;
     ``partitions``: the trainable parameters' partitions, None: every parameter's ceil(numel / N); ``buckets``: the
     reduce-scatters' gradient numels in backward order), per phase, the bytes above steady at the peak, by category.
     Frozen parameters are gathered and released with their modules as the others; only the trainable ones have an fp32
     partition. Steady holds the ipg bucket, the partitions and ``grad_partitions_flat_buffer``; the trace must carry its
-    units (``own_params_units``). ([Note: DeepSpeed stage 3's phase peaks] above.)"""
+    units (``own_params_units``). ([Note: DeepSpeed stage 3's phase peaks] above.) ``schedule``: the coordinator's
+    over the step's module ``calls`` (:func:`zeroexp.formulas.deepspeed_fetch.ds_stage3_schedule`, nothing gathered
+    twice): forward then holds, at each hook, the parameters made and the flat buffers still held as it says, and
+    backward releases what its post-backward hooks release (none of a persistent parameter)."""
     c, n, out = itemsize, world_size, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:
@@ -243,9 +250,14 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     uses = _stage3_uses(trace, numels, c)
     gathered = sum(numels[p] for p in uses.first_use) * c  # every fetched parameter's unsharded tensor: a module's
     # parameters are fetched in its pre-forward hook, never those of a module forward does not call
-    _stage3_forward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered)
+    held = released = None
+    if schedule is None:
+        _stage3_forward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered)
+    else:
+        held, released = _stage3_forward_scheduled(keep, loss, trace, schedule, calls, numels=numels, world_size=n,
+                                                   itemsize=c)
     _stage3_backward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered,
-                     buckets=buckets, gloo=gloo)
+                     buckets=buckets, gloo=gloo, held=held, released=released)
     parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
     part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
     keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, foreach) + norms})
@@ -300,9 +312,12 @@ def _stage3_forward(keep: Callable[..., None], loss: dict, trace: StepTrace, use
 
 def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, uses: _Stage3Uses, *,
                      numels: tuple[int, ...], world_size: int, itemsize: int, gathered: int,
-                     buckets: tuple[tuple[int, ...], ...], gloo: bool) -> None:
+                     buckets: tuple[tuple[int, ...], ...], gloo: bool, held: int | None = None,
+                     released: dict[str, int] | None = None) -> None:
     """:func:`ds_stage3_phase_peaks`' backward moments, each to ``keep``: each segment's peak less its parameter
-    gradients beside the parameters not yet released, and each bucket's reduce-scatter (the last in the epilogue)."""
+    gradients beside the parameters not yet released, and each bucket's reduce-scatter (the last in the epilogue).
+    ``held``, ``released``: the bytes held at forward's end and released after each unit's backward, as a schedule
+    says (None: from the units' uses)."""
     c, n = itemsize, world_size
     first_use, unreached, dropped = uses
     # Backward: a parameter is released after the backward of its first user in forward order, if autograd reaches
@@ -312,6 +327,7 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
         u = trace.units[k]
         if u.grad_input and p not in unreached:
             released_by[u.name] = released_by.get(u.name, 0) + numels[p] * c
+    released_by = released_by if released is None else released
     # A bucket's reduce-scatter: the concatenation (none for one tensor divisible by N), the padding chunks it was
     # made of, on gloo a copy of the input.
     sizes = []
@@ -319,7 +335,8 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
         cat = sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0
         sizes.append(cat + (cat - sum(b) * c if cat else 0) + (sum(padded_numel(x, n) for x in b) * c if gloo else 0))
     edges = [sum(sum(b) for b in buckets[:i]) * c for i in range(len(buckets) + 1)]
-    held, before, backward = gathered - sum(dropped.values()), 0, [s for s in trace.segments if s.phase == "backward"]
+    held = gathered - sum(dropped.values()) if held is None else held
+    before, backward = 0, [s for s in trace.segments if s.phase == "backward"]
     for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
         keep("backward", s.peak_by_category, loss, {"gradients": -grads, "parameters": held})
@@ -333,3 +350,52 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
     end = trace.segments[-1].end_by_category
     keep("backward", end, loss, {"gradients": -end.get("gradients", 0), "parameters": held,
                                  "temporaries": sizes[-1] if sizes else 0})
+
+
+def _stage3_forward_scheduled(keep: Callable[..., None], loss: dict, trace: StepTrace, schedule: Stage3Schedule,
+                              calls: tuple[ModuleCall, ...], *, numels: tuple[int, ...], world_size: int,
+                              itemsize: int) -> tuple[int, dict[str, int]]:
+    """:func:`ds_stage3_phase_peaks`' forward moments under ``schedule``, each to ``keep``: each segment's peak beside
+    the parameters made before its hook (none is made or released between two hooks of modules holding parameters)
+    and the flat buffers held throughout it (a module without parameters may prefetch inside it: the fewest), and each
+    unit's fetch at its highest. Returns the parameter bytes held at forward's end and, per unit, those its
+    post-backward hook releases."""
+    c, n, gathers = itemsize, world_size, schedule.gathers
+
+    def bytes_of(whole: frozenset[int], flats: tuple[int, ...]) -> dict[str, int]:
+        return {"parameters": sum(numels[p] for p in whole) * c,
+                "temporaries": sum(padded_numel(numels[p], n) for g in flats for p in gathers[g]) * c}
+
+    forward = [e for e in schedule.events if e.phase == "forward"]
+    name_of, hooks = _unit_calls(trace, calls), {}
+    for i, e in enumerate(forward):
+        if calls[e.call].module in name_of:
+            hooks.setdefault((name_of[calls[e.call].module], "start" if e.fetch else "end"), i)
+    after = [bytes_of(e.whole, e.flats) for e in forward]
+    previous = -1
+    for s in (s for s in trace.segments if s.phase == "forward"):
+        hook = len(forward) if s.unit == "loss" else hooks[(s.unit, s.at)]
+        stretch = [after[i] for i in range(max(previous, 0), hook)] if previous >= 0 else [{}]
+        made = after[hook - 1]["parameters"] if hook > 0 else 0
+        keep("forward", s.peak_by_category, loss, {"parameters": made,
+                                                   "temporaries": min(a.get("temporaries", 0) for a in stretch)})
+        if s.unit != "loss" and s.at == "start":
+            keep("forward", s.end_by_category, loss, bytes_of(*forward[hook].peak))
+        previous = hook
+    released: dict[str, int] = {}
+    for e in (e for e in schedule.events if e.phase == "backward" and not e.fetch and e.released):
+        name = name_of.get(calls[e.call].module)
+        released[name] = released.get(name, 0) + sum(numels[p] for p in e.released) * c
+    return after[-1]["parameters"] if after else 0, released
+
+
+def _unit_calls(trace: StepTrace, calls: tuple[ModuleCall, ...]) -> dict[int, str]:
+    """The traced units' names by the module of their first call (the calls of modules holding parameters, first of
+    each module, in order, are the trace's units)."""
+    firsts: list[ModuleCall] = []
+    for c in calls:
+        if c.params and all(f.module != c.module for f in firsts):
+            firsts.append(c)
+    if [set(c.params) for c in firsts] != [set(u.params) for u in trace.units]:
+        raise ValueError("the step's module calls are not the trace's units")
+    return {c.module: u.name for c, u in zip(firsts, trace.units)}

@@ -37,9 +37,10 @@ __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces
 def uncovered(name: str, precision: str, offload: str,
               activation_checkpointing: str = "none", micro_batches: int = 1,
               sync_each_microbatch: bool = False, reduce_dtype: str | None = None,
-              param_dtype: str = "float32") -> list[str]:
+              param_dtype: str = "float32", frozen: bool = False) -> list[str]:
     """Why the peak model does not cover a row in this precision, offload and axes (empty: it does);
-    ``reduce_dtype``: FSDP2's ``strategy.reduce_dtype`` (None: the compute dtype, ``param_dtype``)."""
+    ``reduce_dtype``: FSDP2's ``strategy.reduce_dtype`` (None: the compute dtype, ``param_dtype``); ``frozen``: the
+    model has parameters that do not train."""
     row = _row(name)
     flow = row.family.flow(row)
     reasons = []
@@ -50,8 +51,8 @@ def uncovered(name: str, precision: str, offload: str,
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
-    if activation_checkpointing != "none" and flow is not None and row.family.checkpointing_limit(row):
-        reasons.append(row.family.checkpointing_limit(row))
+    if activation_checkpointing != "none" and flow is not None and row.family.checkpointing_limit(row, frozen):
+        reasons.append(row.family.checkpointing_limit(row, frozen))
     mixed_limit = row.family.mixed_accumulation_limit(row) if precision != "fp32" else None
     if micro_batches > 1 and flow is not None and mixed_limit and row.no_sync_accumulation \
             and not sync_each_microbatch:
@@ -239,7 +240,7 @@ def _uncovered_cell(cell: Cell, name: str) -> list[str]:
                                    "outputs, the traced step does not"]
     return why + uncovered(name, cell.precision, cell.offload, cell.activation_checkpointing, cell.grad_accum,
                            cell.knobs.sync_each_microbatch, cell.strategy_setting("reduce_dtype"),
-                           cell.policy.precision.param_dtype)
+                           cell.policy.precision.param_dtype, frozen=bool(cell.shape and cell.shape.frozen))
 
 
 def _cell_step_traces(cell: Cell, name: str, wrap: list[type], terms: PrecisionTerms | None, block: int = 1

@@ -1,0 +1,157 @@
+"""DeepSpeed stage 3's fetch and release schedule (zeroexp/formulas/deepspeed_fetch.py): the coordinator replayed on
+given calls, the strategy.stage3_* keys refused where they do not apply, and cells beyond one prefetch bucket and
+under activation checkpointing whose plan checks all pass."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import WINDOWS
+
+from zeroexp.cell.strategy import check_ds_stage3_limits
+from zeroexp.errors import ConfigError
+from zeroexp.formulas.deepspeed import DS_MAX_REUSE_DISTANCE
+from zeroexp.formulas.deepspeed_fetch import ModuleCall, ds_stage3_events, ds_stage3_schedule
+from zeroexp.strategies import deepspeed as ds_adapter
+
+#: The engine's root (no parameters of its own), a Sequential inside it, 8 Linear(64, 64) without bias in it.
+CHAIN = (ModuleCall(0, (), False, True, 0), ModuleCall(1, (), False, True, 1),
+         *(ModuleCall(2 + i, (i,), i > 0, True, 2) for i in range(8)))
+NUMELS = (4096,) * 8
+
+
+def _schedule(calls=CHAIN, prefetch=50_000_000, live=1_000_000_000, persistence=0, reuse=DS_MAX_REUSE_DISTANCE):
+    return ds_stage3_schedule(calls, NUMELS, prefetch_bucket=prefetch, max_live=live, persistence=persistence,
+                              max_reuse=reuse)
+
+
+def test_hooks_nest_forward_and_mirror_in_backward():
+    calls = CHAIN[:4]  # root > Sequential > Linear 0 (its input the batch), Linear 1
+    assert ds_stage3_events(calls) == [
+        ("forward", 0, True), ("forward", 1, True), ("forward", 2, True), ("forward", 2, False),
+        ("forward", 3, True), ("forward", 3, False), ("forward", 1, False), ("forward", 0, False),
+        # backward: an output's pre-backward hook before those nested in it; a post-backward hook only where the
+        # call's input needs a gradient (Linear 1's; not Linear 0's, on the batch, nor the containers')
+        ("backward", 0, True), ("backward", 1, True), ("backward", 3, True), ("backward", 3, False),
+        ("backward", 2, True)]
+
+
+def test_the_prefetch_bucket_cuts_the_forward_gathers():
+    # One bucket holds the model: the root's fetch prefetches every parameter in one all_gather, none released.
+    assert _schedule().gathers == (tuple(range(8)),)
+    # 10000 elements: each prefetch pops the queue until 3 x 4096 >= 10000; the root's, the Sequential's and Linear
+    # 0's fetches each prefetch one bucket (measured: 3 all_gathers of 131072 B in all, the mlp at N=2).
+    assert _schedule(prefetch=10_000).gathers == ((0, 1, 2), (3, 4, 5), (6, 7))
+    # No prefetch room (max_live 0): each Linear is gathered by its own fetch; nothing is released before backward
+    # (every parameter is used again within the reuse distance), so backward gathers none.
+    schedule = _schedule(live=0)
+    assert schedule.gathers == tuple((i,) for i in range(8))
+    assert not any(e.released for e in schedule.events if e.phase == "forward")
+
+
+def test_the_flat_buffer_lives_until_its_last_parameter_is_fetched():
+    schedule = _schedule(prefetch=10_000)
+    forward = [e for e in schedule.events if e.phase == "forward"]
+    first = next(e for e in forward if e.fetch and e.call == 2)  # Linear 0: the first wait makes gather 0's tensors
+    # at its highest after its own prefetch (gather 2): gathers 0 (parameters 1 and 2 still in flight) and 1 (the
+    # Sequential's prefetch) still held
+    assert first.peak == (frozenset({0, 1, 2}), (0, 1, 2))
+    assert first.whole == frozenset({0, 1, 2}) and first.flats == (0, 1, 2)
+    linear2 = next(e for e in forward if e.fetch and e.call == 4)  # Linear 2, gather 0's last parameter
+    assert 0 not in linear2.flats
+
+
+def test_beyond_the_reuse_distance_a_parameter_is_released_and_gathered_again():
+    # A reuse distance of one Linear: each Linear's parameter is released after its forward unless the next module
+    # of the trace uses it (Linear 7's: its backward comes next), and fetched again by its backward hook.
+    schedule = _schedule(live=0, reuse=4096)
+    assert sum(len(g) for g in schedule.gathers) == 8 + 7
+    released = [p for e in schedule.events if e.phase == "forward" for p in e.released]
+    assert released == list(range(7))
+    # persistent parameters are never released
+    assert not any(e.released for e in _schedule(live=0, reuse=4096, persistence=4096).events)
+
+
+def test_the_stage3_keys_are_refused_below_stage_3_and_out_of_range():
+    check_ds_stage3_limits({"stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": None}, 3)
+    with pytest.raises(ConfigError, match="strategy.stage3_max_live_parameters=-1"):
+        check_ds_stage3_limits({"stage3_max_live_parameters": -1}, 3)
+    with pytest.raises(ConfigError, match="strategy.stage3_prefetch_bucket_size=True"):
+        check_ds_stage3_limits({"stage3_prefetch_bucket_size": True}, 3)
+    with pytest.raises(ConfigError, match="strategy.stage=2"):
+        check_ds_stage3_limits({"stage3_prefetch_bucket_size": 10}, 2)
+    check_ds_stage3_limits({"stage3_prefetch_bucket_size": None}, 2)  # unset: nothing to refuse
+    with pytest.raises(ConfigError, match="stage3_param_persistence_threshold=1.5"):  # the planner's flat key
+        check_ds_stage3_limits({"stage3_param_persistence_threshold": 1.5}, None, prefix="")
+
+
+needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
+                                     reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+
+LLAMA = ("model=llama3_8b", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=256", "model.seq_len=16")
+GPT = ("model=gpt", "model.n_layer=2")
+MODEL_BASE = ("logger=none", "steps=8", *WINDOWS)  # conftest's BASE without the mlp's width
+
+
+@needs_deepspeed
+def test_a_persistent_parameter_is_refused_by_name(compose):
+    from zeroexp.errors import InvalidCell
+    from zeroexp.plan.shape import model_shape
+
+    cfg = compose("strategy=deepspeed", "strategy.stage=3", "world_size=2", "model.depth=4",
+                  "strategy.stage3_param_persistence_threshold=5000")
+    with pytest.raises(InvalidCell, match="stage3_param_persistence_threshold=5000.*unsharded through the step"):
+        ds_adapter.DeepSpeedAdapter.validate_model(cfg, model_shape(cfg.model, ()))
+    # below the smallest parameter (4096 elements) nothing is persistent: the cell runs as plain stage 3
+    cfg = compose("strategy=deepspeed", "strategy.stage=3", "world_size=2", "model.depth=4",
+                  "strategy.stage3_param_persistence_threshold=4095")
+    ds_adapter.DeepSpeedAdapter.validate_model(cfg, model_shape(cfg.model, ()))
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("overrides,gathers", [
+    # GPT (wte, wpe, 2 blocks, ln_f; lm_head tied) beyond one prefetch bucket, fp32 at N=2 and under full
+    # checkpointing in bf16 at N=3: the recompute finds every parameter still gathered
+    ((*GPT, "world_size=2", "strategy.stage3_prefetch_bucket_size=10000"), 8),
+    ((*GPT, "world_size=3", "precision=bf16", "activation_checkpointing=full",
+      "strategy.stage3_prefetch_bucket_size=10000"), 8),
+    # the shrunk Llama (its modules called in another order than defined) with a live-parameter limit: the prefetch
+    # stops once 20000 elements are live; bf16 under selective_op at N=3, fp32 under full at N=2
+    ((*LLAMA, "world_size=3", "precision=bf16", "activation_checkpointing=selective_op",
+      "strategy.stage3_max_live_parameters=20000"), 19),
+    ((*LLAMA, "world_size=2", "activation_checkpointing=full", "strategy.stage3_prefetch_bucket_size=5000"), 12),
+])
+def test_stage3_cells_beyond_one_bucket_pass_every_plan_check(cell, overrides, gathers):
+    res = cell("strategy=deepspeed", "strategy.stage=3", *overrides, base=MODEL_BASE)
+    assert res.status == "ok", res.error
+    plan = res.summary["plan"]
+    assert (plan["check"], plan["payload_check"]) == ("PASS", "PASS"), (plan["reasons"], plan["payload_reasons"])
+    for part in ("state", "calls", "groups", "memory"):
+        assert plan[part]["check"] == "PASS", (part, plan[part]["reasons"])
+    assert plan["time"]["check"] == "PASS" or plan["time"]["reason_codes"], plan["time"]
+    measured = res.summary["collectives"]["counts"]["all_gather"]
+    planned = {c["op"]: c for c in plan["collectives"]}["all_gather"]
+    assert planned["predicted_count"] == measured and planned["predicted_bytes"] == planned["measured_bytes"]
+    assert measured == gathers
+
+
+def test_the_planner_reads_the_stage3_keys_as_a_cell_does():
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from zeroexp.cli.plan import register, run
+    from zeroexp.cli.run import CONF_DIR
+
+    def plan(*overrides: str) -> dict:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = hydra_compose(config_name="plan", overrides=["model=mlp", "model.width=64", "world_size=2",
+                                                               *overrides])
+        return run(cfg)[0][0]
+
+    register()
+    # the mlp's 8 Linear(64, 64) (bias-free), a 10000-element prefetch bucket: 3 all_gathers (the cell's measured)
+    assert plan("strategies=[deepspeed_stage3]", "stage3_prefetch_bucket_size=10000")["counts"]["all_gather"] == 3
+    as_cell = plan("strategy=deepspeed", "strategy.stage=3", "strategy.stage3_prefetch_bucket_size=10000")
+    assert as_cell["counts"]["all_gather"] == 3
+    assert plan("strategies=[deepspeed_stage3]")["counts"]["all_gather"] == 1  # one bucket: the root's prefetch
+    with pytest.raises(ConfigError, match="stage3_param_persistence_threshold=4096"):
+        plan("strategies=[deepspeed_stage3]", "stage3_param_persistence_threshold=4096")

@@ -1,0 +1,66 @@
+"""What a DeepSpeed training step used, observed live (:class:`StepUse`): the parameters it gave a gradient, those of
+the modules forward called, and its module calls as stage 3's hooks see them (DeepSpeed's fetch schedule,
+:mod:`zeroexp.formulas.deepspeed_fetch`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from zeroexp.formulas.deepspeed_fetch import ModuleCall
+from zeroexp.models.calls import CallRecorder
+
+__all__ = ["StepUse"]
+
+
+class StepUse:
+    """Which parameters of ``module`` a training step used, observed live: those autograd gave a gradient (their
+    post-accumulate-grad hooks, the hooks DeepSpeed's own reductions hang on) and those held by a module forward
+    called (DeepSpeed stage 3 fetches a module's parameters in its pre-forward hook). Registered before
+    ``deepspeed.initialize``; :meth:`close` (at each optimizer step) ends a step's record, the micro-batches' together.
+    Before the first record (or without a module) every parameter counts as used."""
+
+    def __init__(self, module: nn.Module | None = None) -> None:
+        self._graded: set[int] = set()
+        self._called: set[int] = set()
+        self._last: tuple[frozenset[int], frozenset[int]] | None = None
+        self._micro: tuple[ModuleCall, ...] = ()  # the last micro-batch's forward calls
+        self._calls: tuple[ModuleCall, ...] = ()  # the last step's
+        self.recorder: CallRecorder | None = None
+        if module is None:
+            return
+        self.recorder = CallRecorder(module)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda t: self._graded.add(id(t)))
+        for m in module.modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                m.register_forward_pre_hook(lambda m, args: self._called.update(map(id, m.parameters(recurse=False))))
+
+    def backward_begins(self) -> None:
+        """A micro-batch's forward is over: its calls are kept; none is recorded in backward (a checkpointed module's
+        recompute)."""
+        if self.recorder is not None:
+            self._micro, self.recorder.paused = self.recorder.take(), True
+
+    def backward_ends(self) -> None:
+        if self.recorder is not None:
+            self.recorder.paused = False
+
+    def close(self) -> None:
+        """End the step's record (the last one :meth:`ungraded`, :meth:`called` and :meth:`calls` answer for)."""
+        self._last = frozenset(self._graded), frozenset(self._called)
+        self._graded, self._called, self._calls = set(), set(), self._micro
+
+    def calls(self) -> tuple[ModuleCall, ...]:
+        """The module calls of the last step's (last micro-batch's) forward; empty before the first step."""
+        return self._calls
+
+    def ungraded(self, params: list[nn.Parameter]) -> tuple[int, ...]:
+        """Indices into ``params`` of those the last step gave no gradient."""
+        return () if self._last is None else tuple(i for i, p in enumerate(params) if id(p) not in self._last[0])
+
+    def called(self, p: nn.Parameter) -> bool:
+        """Whether a module holding ``p`` as its own was called in the last step's forward."""
+        return self._last is None or id(p) in self._last[1]
+
+
