@@ -26,7 +26,8 @@ def test_only_a_reduce_dtype_of_its_own_is_left_out():
         assert uncovered(row, "bf16", "none", "none", 1, reduce_dtype="float32", param_dtype="bfloat16") == []
         assert uncovered(row, "bf16", "none", "full", 2, sync_each_microbatch=True, reduce_dtype="float32",
                          param_dtype="bfloat16") == []
-    assert len(uncovered("fsdp_full", "fp32", "none", "none", 2, sync_each_microbatch=True)) == 1  # FSDP1's: not yet
+    assert uncovered("fsdp_full", "fp32", "none", "none", 2, sync_each_microbatch=True) == []
+    assert len(uncovered("fsdp_full", "fp32", "none", "none", 2)) == 1  # FULL_SHARD's no_sync: not yet
 
 
 def test_the_planned_peak_holds_the_unsharded_gradients_of_the_later_micro_batches():
