@@ -249,7 +249,8 @@ def _traced(cfg: DictConfig, shape: ModelShape, model: str, memory: int | None, 
         notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
                      "model=)")
     for r in records:
-        r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac)
+        r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac,
+                 sync_each_microbatch=bool(cfg.sync_each_microbatch))
         r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None, "activation_unit_bytes": None,
                                  "korthikanti_bytes": None})
     device = _device(cfg, memory)

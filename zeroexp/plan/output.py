@@ -96,7 +96,7 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     acts = any(r.get("activation_bytes") is not None for r in records)
     ac = first.get("activation_checkpointing") or "none"
     ckpt = "" if ac == "none" else ", checkpointed" if ac == "full" else f", checkpointed {ac}"
-    accum = f" x {first['grad_accum']} micro-batches" if (first.get("grad_accum") or 1) > 1 else ""
+    accum = _accumulation(first)
     cols += ["gather floor"] + ([f"activations (batch {first['batch_size']}{accum}{ckpt})"] if acts else [])
     peaks = any(r.get("peak_bytes") is not None for r in records)
     cols += ["peak (phase)"] if peaks else []
@@ -163,6 +163,15 @@ def _legend(records: list[dict[str, Any]]) -> str:
     return " · ".join(out)
 
 
+def _accumulation(record: dict[str, Any]) -> str:
+    """`` x K micro-batches`` and how the FSDP rows accumulate (``sync_each_microbatch``), or nothing at K=1."""
+    k = record.get("grad_accum") or 1
+    if k == 1:
+        return ""
+    how = "FSDP reducing each" if record.get("sync_each_microbatch") else "FSDP under no_sync"
+    return f" x {k} micro-batches, {how}"
+
+
 def _room(record: dict[str, Any], unit: str) -> str:
     """What ``fits`` was judged against: the usable memory, and the device's memory less its headroom where there
     is one (``zeroexp.plan.core.usable_bytes``)."""
@@ -199,7 +208,7 @@ def fastest_sentences(records: list[dict[str, Any]], unit: str) -> list[str]:
 
 def _time_table(records: list[dict[str, Any]]) -> Table:
     first = records[0]
-    accum = f" x {first['grad_accum']} micro-batches" if (first.get("grad_accum") or 1) > 1 else ""
+    accum = _accumulation(first)
     recompute = any(r.get("recompute_ms") for r in records)
     table = Table(title=f"Step time on {first['network']} at batch {first['batch_size'] or '?'}{accum} per rank "
                         "(computed)")
