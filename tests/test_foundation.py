@@ -331,10 +331,16 @@ def test_the_resource_check_counts_activations_and_the_equivalence_reference(com
     assert e.reference_bytes == reference_host_bytes(shape.numel, trainable, ref_acts, 3) > 3 * ref_acts
     assert e.total_bytes == 3 * (e.state_bytes + e.activation_bytes + resources.RANK_OVERHEAD_BYTES) \
         + e.reference_bytes + resources.SHARED_BYTES
-    monkeypatch.setattr(resources, "mem_available", lambda: e.total_bytes)  # fits the whole, not less 10 %
+    state_alone = resources.estimate(cfg, cell.shape, activations=False).total_bytes
+    assert state_alone == e.total_bytes - 3 * e.activation_bytes - e.reference_bytes
+    # usable (less 10 %) between the state alone and the whole: refused for the activations and the reference
+    monkeypatch.setattr(resources, "mem_available", lambda: int((state_alone + e.total_bytes) / 2 / 0.9))
     with pytest.raises(ConfigError) as refused:
         validate(cfg)
     assert refused.value.key == "world_size" and "equivalence reference" in str(refused.value)
+    monkeypatch.setattr(resources, "mem_available", lambda: e.total_bytes)  # fits the whole, not less 10 %
+    with pytest.raises(ConfigError):
+        validate(cfg)
     validate(compose("model=lora_gpt", "strategy=zero2", "world_size=3", "precision=bf16", "resources.headroom=0",
                      base=("logger=none",)))
     with pytest.raises(ConfigError) as bad:

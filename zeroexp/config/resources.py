@@ -129,14 +129,16 @@ def _activations(cfg: Any, shape: Any) -> tuple[int, int, str | None]:
         return 0, 0, f"activations not counted: the forward does not trace ({type(e).__name__}: {e})"
 
 
-def estimate(cfg: Any, shape: Any = None) -> Estimate:
+def estimate(cfg: Any, shape: Any = None, activations: bool = True) -> Estimate:
+    """What the cell's ranks will hold of this machine's memory (see the module); ``activations=False``: without the
+    traced activations and the equivalence reference (a lower bound, no trace)."""
     from zeroexp.devices import ranks_get_a_gpu
     from zeroexp.formulas.reference import reference_host_bytes
     from zeroexp.plan.core import usable_bytes
 
     n, on_gpu = int(cfg.world_size), ranks_get_a_gpu(cfg)
     state, source = _state_bytes(cfg, on_gpu, shape)
-    acts, ref_acts, note = _activations(cfg, shape)
+    acts, ref_acts, note = _activations(cfg, shape) if activations else (0, 0, "activations not counted")
     per_rank = state + (0 if on_gpu else acts) + RANK_OVERHEAD_BYTES
     reference = 0
     if note is None:
@@ -196,7 +198,9 @@ def check_resources(cfg: Any, shape: Any = None) -> None:
         return
     n = int(cfg.world_size)
     override = "resources.check=false to start it anyway"
-    e = estimate(cfg, shape)
+    e = estimate(cfg, shape, activations=False)  # a cell its state alone refuses traces nothing
+    if e.usable_bytes is None or e.total_bytes <= e.usable_bytes:
+        e = estimate(cfg, shape)
     if e.usable_bytes is not None and e.total_bytes > e.usable_bytes:
         fit = max(0, (e.usable_bytes - SHARED_BYTES - e.reference_bytes) // e.per_rank_bytes)
         acts = f" + {_gib(e.activation_bytes)} activations" if e.activation_bytes else ""
