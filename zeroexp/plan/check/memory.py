@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroexp.cell.memo import memoized
+from zeroexp.cell.memo import memo_table, memoized
 from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
@@ -216,8 +216,25 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
                   own_params_units=options["own_params_units"], root_unit=options["root_unit"],
                   **{k: v for k, v in dtypes.items() if v is not None},
                   **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
-    key = arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kwargs.items()))
-    return memoized("step_traces", key, lambda: trace_step_of(model_cfg, batch_size, wrap, **kwargs))
+    def key_of(kw: dict[str, Any]) -> str | None:
+        return arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kw.items()))
+
+    twin = _root_twin(memo_table("step_traces") or {}, key_of({**kwargs, "root_unit": not kwargs["root_unit"]}),
+                      kwargs["root_unit"])
+    return twin or memoized("step_traces", key_of(kwargs), lambda: trace_step_of(model_cfg, batch_size, wrap,
+                                                                                  **kwargs))
+
+
+def _root_twin(traces: dict[Any, StepTrace], other: str | None, root_unit: bool) -> StepTrace | None:
+    """The step this invocation traced with ``root_unit`` the other way (its key ``other``), where it is the same
+    step: ``root_unit`` (the model as its one unit where no unit is found, FSDP2's) changes nothing when the step
+    traced without it started a unit's forward, nor when the step traced with it has no unit ``<model>``."""
+    trace = traces.get(other)
+    if trace is None:
+        return None
+    if root_unit:
+        return trace if any(s.phase == "forward" and s.at == "start" for s in trace.segments) else None
+    return trace if all(s.unit != "<model>" for s in trace.segments) else None
 
 
 def _uncovered_cell(cell: Cell, name: str) -> list[str]:
