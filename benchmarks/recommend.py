@@ -1,4 +1,4 @@
-"""How fast ``python -m zeroexp.recommend`` answers (docs/benchmarks.md, Recommend).
+"""How fast ``python -m zeroexp.recommend`` (and the planner at LLM scale) answers (docs/benchmarks.md, Recommend).
 
 1. The search alone, in process: GPT-2 small at N=64 on h100_ib, every axis opened wide enough for 10,000
    configurations (3 precisions x 3 offloads x 2 checkpointing x 16 micro-batches of 120 samples a rank x 7 bucket
@@ -9,8 +9,13 @@
    host the CPU seconds compare, the wall does not): GPT-2 small at N=64, a 7B GPT at N=64 and a 70B-like GPT at N=8
    (nothing fits: the nearest changes), each ``device_memory=80GB network=h100_ib``.
 
-    python benchmarks/recommend.py              # both
+3. Answers at LLM scale (issue 51 item 7), each command a fresh process, ``--llm`` repeats (median and spread of
+   wall and CPU seconds): ``zeroexp.recommend`` on Llama 3.1 405B at 8192 tokens and N=1024 (target: under 10 s),
+   ``zeroexp.plan`` on Llama 3 70B at N=8, 64, 512 with batch_size=1, bf16, full checkpointing (target: under 5 s).
+
+    python benchmarks/recommend.py              # all three
     python benchmarks/recommend.py --cli 0      # the search alone
+    python benchmarks/recommend.py --search 0 --cli 0 --llm 5   # the LLM-scale answers alone, 5 repeats
 """
 
 from __future__ import annotations
@@ -98,15 +103,51 @@ def cli() -> None:
               + (f"; {changes} nearest changes" if not answer["recommendations"] else ""))
 
 
+#: The LLM-scale commands (3. above): (label, module, overrides, target seconds).
+LLM = [
+    ("recommend llama3_405b N=1024", "zeroexp.recommend",
+     ["model=llama3_405b", "model.seq_len=8192", "world_size=1024", "device_memory=80GB", "network=h100_ib"], 10.0),
+    ("plan llama3_70b N=8,64,512", "zeroexp.plan",
+     ["model=llama3_70b", "world_size=[8,64,512]", "batch_size=1", "precision=bf16", "activation_checkpointing=full",
+      "device_memory=80GB", "network=h100_ib"], 5.0),
+]
+
+
+def llm_scale(repeats: int) -> None:
+    """Time each LLM-scale command as a fresh process ``repeats`` times (interleaved, so that a change of load on
+    this shared host falls on both): the median wall and CPU (user + sys) seconds, and their range."""
+    import resource
+    import statistics
+
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in LLM}
+    for _ in range(repeats):
+        for label, module, overrides, _target in LLM:
+            t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            out = subprocess.run([sys.executable, "-m", module, *overrides, "format=json"], cwd=ROOT,
+                                 capture_output=True, text=True)
+            wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+            if out.returncode:
+                raise SystemExit(f"{label}: exit {out.returncode}: {out.stderr[-500:]}")
+            times[label].append((wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime))
+    for label, *_, target in LLM:
+        walls, cpus = ([t[i] for t in times[label]] for i in (0, 1))
+        print(f"{label}: median {statistics.median(walls):.1f} s wall ({min(walls):.1f}-{max(walls):.1f}), "
+              f"{statistics.median(cpus):.1f} s CPU ({min(cpus):.1f}-{max(cpus):.1f}); {repeats} runs; "
+              f"target {target:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--search", type=int, default=1, help="1: time the search in process")
     parser.add_argument("--cli", type=int, default=1, help="1: time the command line on the three models")
+    parser.add_argument("--llm", type=int, default=3, help="repeats of each LLM-scale command (0: none)")
     args = parser.parse_args()
     if args.search:
         search_alone()
     if args.cli:
         cli()
+    if args.llm:
+        llm_scale(args.llm)
 
 
 if __name__ == "__main__":

@@ -428,3 +428,40 @@ def test_a_cuda_cells_allocated_and_reserved_phases_are_judged_on_cuda_semantics
     assert low["check"] == "FAIL" and low["reason_codes"]
     assert set(low["reason_codes"]) == {Code.MEMORY_RESERVED_BELOW_PREDICTION}
     assert phases["steady"]["measured_reserved_bytes"] == 10**10
+
+
+def test_the_allocator_merges_a_freed_block_as_a_scan_of_every_block_would():
+    """``CachingAllocator.free`` finds a freed block's neighbours by offset: over random mallocs and frees of every
+    pool's sizes, the same blocks, allocated, reserved and peaks as merging by a scan of every block."""
+    import random
+
+    from zeroexp.formulas.peak.allocator import CachingAllocator
+
+    class Scan(CachingAllocator):
+        def free(self, i):
+            block = self._blocks[i]
+            block[3] = True
+            self.allocated -= block[2]
+            for j, other in list(self._blocks.items()):
+                if j != i and other[3] and other[0] == block[0] and other[1] + other[2] == block[1]:
+                    block[1], block[2] = other[1], block[2] + other[2]
+                    del self._blocks[j]
+            for j, other in list(self._blocks.items()):
+                if j != i and other[3] and other[0] == block[0] and block[1] + block[2] == other[1]:
+                    block[2] += other[2]
+                    del self._blocks[j]
+
+    rnd = random.Random(1)
+    for _ in range(100):
+        fast, scan, live = CachingAllocator(), Scan(), []
+        for _ in range(rnd.randint(1, 150)):
+            if live and rnd.random() < 0.45:
+                i, j = live.pop(rnd.randrange(len(live)))
+                fast.free(i)
+                scan.free(j)
+            else:
+                n = rnd.choice([rnd.randint(1, 4096), rnd.randint(1, 3 << 20), rnd.randint(1, 40 << 20)])
+                live.append((fast.malloc(n), scan.malloc(n)))
+            assert fast._blocks == scan._blocks
+            assert (fast.allocated, fast.reserved, fast.peak_allocated, fast.peak_reserved) == \
+                   (scan.allocated, scan.reserved, scan.peak_allocated, scan.peak_reserved)

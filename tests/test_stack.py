@@ -230,19 +230,68 @@ def test_a_derived_step_is_the_whole_models_step(k, name, monkeypatch):
     kwargs = STEPS[k % len(STEPS)]
     shallow = {d: trace_step(at_depth(cfg, argument, d), 2, wrap, **kwargs) for d in STEP_DEPTHS}
     assert derived_step(*shallow.values(), depth, container) is not None, (name, kwargs)  # derived, not traced whole
+    whole = trace_step(cfg, 2, wrap, **kwargs)
     # trace_step_of traces the same three shallow steps again (a trace is a function of its arguments): it is handed
     # the ones above instead of tracing them twice (a third of this test's time), and it asks for no other
     asked = []
+    units = ((kwargs.get("own_params_units", False), kwargs.get("root_unit", False)),)
+    rest = {k: v for k, v in kwargs.items() if k not in ("own_params_units", "root_unit")}
 
     def traced_above(model_cfg, batch_size, wrap_=(), **kw):
         asked.append(model_cfg[argument])
-        assert (model_cfg, batch_size, list(wrap_), kw) == (at_depth(cfg, argument, asked[-1]), 2, wrap, kwargs)
-        return shallow[asked[-1]]
+        assert (model_cfg, batch_size, list(wrap_), kw) == (at_depth(cfg, argument, asked[-1]), 2, wrap,
+                                                            {**rest, "units": units})
+        return (shallow[asked[-1]],)
 
-    monkeypatch.setattr(steptrace, "trace_step", traced_above)
+    monkeypatch.setattr(steptrace, "trace_steps", traced_above)
     derived = trace_step_of(cfg, 2, wrap, **kwargs)
     assert asked == list(STEP_DEPTHS), (name, kwargs)  # derived from the shallow steps, the whole step never traced
-    assert derived == trace_step(cfg, 2, wrap, **kwargs), (name, kwargs)
+    assert derived == whole, (name, kwargs)
+
+
+class Pair(nn.Module):
+    """A unit called with two inputs that require grad: its backward end holds the first one's gradient."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * y
+
+
+class PairStack(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inp, self.pair = nn.Linear(width, width), Pair(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.pair(h, h.relu())
+
+
+@pytest.mark.parametrize("name, kwargs", [("gpt", {"module_dtype": torch.bfloat16, "checkpointing": True}),
+                                          ("gpt_linear_units", {"grads_in_place": True}),
+                                          ("hf_llama", {"dtype": torch.bfloat16, "block": 512}),
+                                          ("pair", {}), ("pair", {"grads_in_place": True})])
+def test_segmentations_traced_in_one_run_are_each_traced_alone(name, kwargs):
+    """``trace_steps``: the steps of several segmentations from one run equal each one traced in a run of its own,
+    every segment, category and unit; a unit of two inputs that require grad (whose hook holds a gradient) gets
+    each its own run."""
+    from zeroexp.plan.steptrace import trace_step, trace_steps
+
+    if name == "pair":
+        cfg, wrap = {"_target_": f"{__name__}.PairStack", "width": 8, "input_shape": [8], "dtype": "float32",
+                     "loss": "mean_square"}, [Pair]
+    elif name in CASES:
+        cfg, wrap = CASES[name]
+        cfg = at_depth(cfg, stack_of(cfg)[0], 3)
+    else:
+        pytest.skip(f"{name}: not installed")
+    wrap = [import_class(w) if isinstance(w, str) else w for w in wrap]
+    units = ((False, False), (True, False), (False, True))
+    alone = tuple(trace_step(cfg, 2, wrap, own_params_units=own, root_unit=root, **kwargs) for own, root in units)
+    assert trace_steps(cfg, 2, wrap, units=units, **kwargs) == alone
 
 
 def test_a_declared_stack_whose_steps_differ_is_stepped_whole():

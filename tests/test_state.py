@@ -186,3 +186,25 @@ def test_count_state_counts_each_storage_and_each_element_once():
     assert (rows["grad"]["logical_bytes"], rows["grad"]["physical_bytes"]) == (24, 24)
     assert (rows["optim"]["logical_bytes"], rows["optim"]["physical_bytes"]) == (0, 0)  # inside the counted shard
     assert rows["param"]["dtype"] == "float32" and rows["param"]["device"] == "cpu" and rows["grad"]["numel"] == 6
+
+
+def test_views_per_rank_counts_each_rank_s_nonempty_views():
+    """``views_per_rank`` (counted at each span's first and last chunk) equals its definition: per rank, the spans
+    whose ``view_numels`` in that rank's chunk is above 0, over odd chunk sizes, empty spans and hybrid shards."""
+    import random
+    from types import SimpleNamespace
+
+    from zeroexp.formulas.orig_params import view_numels, views_per_rank
+    from zeroexp.formulas.shapes import Shard
+
+    rnd = random.Random(0)
+    for _ in range(500):
+        over = rnd.randint(1, 12)
+        shards = []
+        for _ in range(rnd.randint(0, 4)):
+            numel = rnd.randint(0, 60)
+            cuts = sorted(rnd.randint(0, numel) for _ in range(rnd.randint(0, 6)))
+            shards.append(Shard(tuple(zip(cuts[::2], cuts[1::2])) + ((5, 5),) * (rnd.random() < .2), numel))
+        groups = SimpleNamespace(trained_shards=shards, shard_over=over, world_size=over * rnd.randint(1, 3))
+        per = [sum(k > 0 for sh in shards for k in view_numels(sh, over, i)) for i in range(over)]
+        assert views_per_rank(groups) == [per[r % over] for r in range(groups.world_size)]

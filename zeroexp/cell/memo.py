@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
-__all__ = ["invocation_memo", "memoized", "memo_table"]
+__all__ = ["invocation_memo", "memoized", "memo_table", "remember"]
 
 #: The open invocation's tables by name (None: no invocation open). A ContextVar, not a dict: it holds no answer itself.
 _ACTIVE: ContextVar[dict[str, dict[Any, Any]] | None] = ContextVar("zeroexp_invocation_memo", default=None)
@@ -39,6 +39,17 @@ def memo_table(name: str) -> dict[Any, Any] | None:
     """The open invocation's table ``name`` (made empty on first use); None when no invocation is open."""
     tables = _ACTIVE.get()
     return None if tables is None else tables.setdefault(name, {})
+
+
+def remember(name: str, key: Any, value: Any) -> Any:
+    """Keep ``value`` in table ``name`` under ``key`` (the :data:`MOST` newest), as :func:`memoized` would have
+    computed it (an answer computed beside another); ``value``. Nothing is kept outside an invocation."""
+    table = memo_table(name)
+    if table is not None and key is not None:
+        if key not in table and len(table) >= MOST:
+            table.pop(next(iter(table)))
+        table[key] = value
+    return value
 
 
 def memoized(name: str, key: Any, compute: Callable[[], Any]) -> Any:

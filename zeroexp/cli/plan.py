@@ -318,7 +318,10 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
 
     wrap = []
     if batch is not None and cfg.model is not None:  # a parameter count traces nothing: no torch
+        from zeroexp.plan.check.memory import trace_units_wanted
+
         wrap = wrap_classes(cfg)
+        trace_units_wanted([r["strategy"] for r in records])  # every row's segmentation from one run per step
     for r in records:
         peak = row_peak(r, shape, cfg.precision, knobs, cfg.model, batch, wrap, checkpointing,
                         str(cfg.prefetch.name), device or CPU, r["device_memory_bytes"], r["headroom"])

@@ -33,7 +33,18 @@ def views_per_rank(groups: Groups) -> list[int]:
     """Per rank, the original parameters AdamW steps (:func:`view_numels` above 0 over the units' trained spans;
     hybrid sharding: rank r holds shard r % shard_size), so its 4-byte ``step`` scalars."""
     s = groups.shard_over
-    per = [sum(k > 0 for sh in groups.trained_shards for k in view_numels(sh, s, i)) for i in range(s)]
+    starts = [0] * (s + 1)  # each span's views over a run of chunks: counted at its ends, summed once (O(spans + s))
+    for sh in groups.trained_shards:
+        size = sh.numel // s
+        for a, b in sh.spans if size else ():
+            first, last = a // size, min(s - 1, (b - 1) // size)  # the chunks [i*size, (i+1)*size) meeting [a, b)
+            if a < b and first <= last:
+                starts[first] += 1
+                starts[last + 1] -= 1
+    per, running = [], 0
+    for d in starts[:s]:
+        running += d
+        per.append(running)
     return [per[r % s] for r in range(groups.world_size)]
 
 

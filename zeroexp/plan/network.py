@@ -154,7 +154,15 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None,
                         stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None,
                         ahead=(knobs.forward_prefetch, knobs.backward_prefetch), ops=ops,
-                        tensors=optimizer_tensors(layout, groups, knobs), orig_params=knobs.use_orig_params)
+                        tensors=_optimizer_tensors(layout, groups, knobs), orig_params=knobs.use_orig_params)
+
+
+def _optimizer_tensors(layout: Any, groups: Any, knobs: PlanKnobs) -> int:
+    """:func:`~zeroexp.formulas.optimizer_tensors`, once per invocation for the same layout, groups and knobs (a
+    search times many configurations of the same groups: every micro-batch, checkpointing and prefetch)."""
+    from zeroexp.cell.memo import memoized
+
+    return memoized("optimizer_tensors", (layout, groups, knobs), lambda: optimizer_tensors(layout, groups, knobs))
 
 
 def model_ops(network: Network, model_cfg: Any, batch: int) -> tuple[int, int]:

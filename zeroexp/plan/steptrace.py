@@ -26,7 +26,7 @@ from zeroexp.formulas.peak.phases import Segment, StepTrace, TracedUnit
 from zeroexp._lib.memtrack import step_mem_tracker, totals
 from zeroexp._lib.modules import own_buffers, own_parameters
 
-__all__ = ["trace_step", "trace_step_of"]
+__all__ = ["trace_step", "trace_steps", "trace_step_of", "trace_steps_of"]
 
 
 def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
@@ -55,6 +55,20 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
     gradients (measured on the GPT); with it, where the incoming gradients are freed moves the recompute's peak.
     ``block``: each storage counted in blocks of that many bytes (512: CUDA's allocated bytes,
     :func:`zeroexp.formulas.peak.allocator.counted`; 1: the CPU's), the loss too."""
+    return trace_steps(model_cfg, batch_size, wrap, device, dtype, checkpointing, grads_in_place,
+                       ((own_params_units, root_unit),), module_dtype, block)[0]
+
+
+def trace_steps(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
+                dtype: torch.dtype | None = None, checkpointing: Any = False, grads_in_place: bool = False,
+                units: tuple[tuple[bool, bool], ...] = ((False, False),), module_dtype: torch.dtype | None = None,
+                block: int = 1) -> tuple[StepTrace, ...]:
+    """:func:`trace_step` once per ``(own_params_units, root_unit)`` of ``units``, from one run of the step where they
+    cannot differ (its ops and tensors are the same whatever the segments): each segmentation's marks cut the run's
+    peak into finer intervals, and a segment's peak is the first highest of the intervals it spans (as MemTracker
+    raises its peak only on a higher total). A unit whose call has more than one input requiring grad holds its
+    inputs' gradients until the last (``register_multi_grad_hook``): a segmentation with such a unit is traced in a
+    run of its own."""
     from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import zeros_batch
 
@@ -67,40 +81,56 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
             _give_flat_grads([p for p in net.parameters() if p.requires_grad])
         mt = step_mem_tracker(block)
         mt.track_external(net, batch)
-        marks = _Marks(mt, device, {id(p): i for i, p in enumerate(net.parameters())}, own_params_units)
-        units = _units(net, names, classes, own_params_units, root_unit)
-        hooks = marks.hook(units, names)
+        clock = _Clock(mt, device)
+        index = {id(p): i for i, p in enumerate(net.parameters())}
+        marks = [_Marks(clock, index, own) for own, _ in units]
+        hooks = []
+        for m, (own, root) in zip(marks, units):
+            seg_names = dict(names)
+            hooks += m.hook(_units(net, seg_names, classes, own, root), seg_names)
         try:
-            loss = _run_step(net, batch, model_cfg, marks, device, dtype, module_dtype)
+            loss = _run_step(net, batch, model_cfg, clock, device, dtype, module_dtype)
         finally:
             for h in hooks:
                 h.remove()
-    return StepTrace(batch_size=int(batch_size), segments=tuple(marks.segments),
-                     loss_bytes=2 * counted(loss.untyped_storage().nbytes(), block),
-                     units=tuple(marks.seen.values()))
+    if len(units) > 1 and clock.several_inputs:
+        return tuple(trace_steps(model_cfg, batch_size, classes, device, dtype, checkpointing, grads_in_place, (u,),
+                                 module_dtype, block)[0] for u in units)
+    loss_bytes = 2 * counted(loss.untyped_storage().nbytes(), block)
+    return tuple(StepTrace(batch_size=int(batch_size), segments=tuple(m.segments), loss_bytes=loss_bytes,
+                           units=tuple(m.seen.values())) for m in marks)
 
 
 def trace_step_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), **kwargs: Any
                   ) -> StepTrace:
-    """:func:`trace_step`; for a model that declares a stack of identical blocks deeper than
-    ``zeroexp.plan.stack.DERIVED_ABOVE``, derived from its steps at ``zeroexp.plan.stack.STEP_DEPTHS`` blocks
-    (``zeroexp.plan.stack.derived_step``: exact, checked at the third), or traced whole where they do not check. A
-    step's fake-tensor trace costs about the same per block whatever the block's width (an 80-block GPT ~5 s here, its
-    three shallow steps ~1 s)."""
+    """:func:`trace_steps_of` for one ``(own_params_units, root_unit)``."""
+    units = ((bool(kwargs.pop("own_params_units", False)), bool(kwargs.pop("root_unit", False))),)
+    return trace_steps_of(model_cfg, batch_size, wrap, units=units, **kwargs)[0]
+
+
+def trace_steps_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), **kwargs: Any
+                   ) -> tuple[StepTrace, ...]:
+    """:func:`trace_steps`; for a model that declares a stack of identical blocks deeper than
+    ``zeroexp.plan.stack.DERIVED_ABOVE``, each step derived from its steps at ``zeroexp.plan.stack.STEP_DEPTHS``
+    blocks (``zeroexp.plan.stack.derived_step``: exact, checked at the third), or traced whole where they do not
+    check. A step's fake-tensor trace costs about the same per block whatever the block's width (an 80-block GPT ~5 s
+    here, its three shallow steps ~1 s)."""
     from zeroexp.plan.stack import STEP_DEPTHS, at_depth, derived_step, stack_of
 
     from zeroexp.formulas.peak.checkpointing import mode_of
 
+    units = kwargs.pop("units", ((False, False),))
     stack = stack_of(model_cfg)
     if mode_of(kwargs.get("checkpointing")).mode == "selective_layer":  # its blocks differ (every k-th checkpointed)
         stack = None
-    if stack is not None:
-        argument, container, depth = stack
-        shallow = [trace_step(at_depth(model_cfg, argument, d), batch_size, wrap, **kwargs) for d in STEP_DEPTHS]
-        derived = derived_step(*shallow, depth, container)
-        if derived is not None:
-            return derived
-    return trace_step(model_cfg, batch_size, wrap, **kwargs)
+    if stack is None:
+        return trace_steps(model_cfg, batch_size, wrap, units=units, **kwargs)
+    argument, container, depth = stack
+    shallow = [trace_steps(at_depth(model_cfg, argument, d), batch_size, wrap, units=units, **kwargs)
+               for d in STEP_DEPTHS]
+    derived = [derived_step(*(s[k] for s in shallow), depth, container) for k in range(len(units))]
+    return tuple(d if d is not None else trace_steps(model_cfg, batch_size, wrap, units=(u,), **kwargs)[0]
+                 for d, u in zip(derived, units))
 
 
 def _step_module(model_cfg: Mapping[str, Any], device: str, classes: tuple[type, ...],
@@ -139,32 +169,62 @@ def _units(net: torch.nn.Module, names: dict[int, str], classes: tuple[type, ...
     return units
 
 
-class _Marks:
-    """The segments of one traced step: a mark ends one (its peak and the bytes live at its end, above the step's
-    start, by category) and starts the next; the units' forward hooks mark their forward and arm their backward
-    marks (:func:`_mark_backward`), and with ``own_params_units`` record each unit (``seen``)."""
+class _Clock:
+    """The run's peak cut at every mark of every segmentation (:func:`trace_steps`): each tick folds the interval's
+    peak into each segmentation's (:meth:`_Marks.fold`) and starts the next; ``several_inputs``: a unit's call had
+    more than one input requiring grad."""
 
-    def __init__(self, mt: Any, device: str, index: dict[int, int], own_params_units: bool) -> None:
-        self.mt, self.device, self.index, self.own_params_units = mt, device, index, own_params_units
-        self.segments: list[Segment] = []
+    def __init__(self, mt: Any, device: str) -> None:
+        self.mt, self.device, self.marks = mt, device, []
         self.base: tuple[int, dict[str, int]] | None = None  # the step's start: parameters and the batch
         self.in_backward = False
-        self.seen: dict[str, TracedUnit] = {}
-        self.inputs: dict[str, list[torch.Tensor]] = {}  # each call's inputs that require grad, till its forward ends
+        self.several_inputs = False
 
     def start(self) -> None:
         """The step's start (inside the entered tracker): the bytes every segment is counted above."""
         self.base = totals(self.mt.get_tracker_snapshot("current"), self.device)
         self.mt.reset_peak()
 
+    def tick(self) -> tuple[int, dict[str, int]]:
+        """End the interval: its peak folded into every segmentation's; the bytes live now."""
+        peak = totals(self.mt.get_tracker_snapshot("peak"), self.device)
+        for m in self.marks:
+            m.fold(peak)
+        self.mt.reset_peak()
+        return totals(self.mt.get_tracker_snapshot("current"), self.device)
+
     def mark(self, phase: str, unit: str, at: str) -> None:
-        if phase == "forward" and self.in_backward:  # a checkpointed unit's recompute, inside its backward
+        """A mark of every segmentation (the loss, backward's end)."""
+        for m in self.marks:
+            m.mark(phase, unit, at)
+
+
+class _Marks:
+    """The segments of one traced step: a mark ends one (its peak and the bytes live at its end, above the step's
+    start, by category) and starts the next; the units' forward hooks mark their forward and arm their backward
+    marks (:func:`_mark_backward`), and with ``own_params_units`` record each unit (``seen``)."""
+
+    def __init__(self, clock: _Clock, index: dict[int, int], own_params_units: bool) -> None:
+        self.clock, self.index, self.own_params_units = clock, index, own_params_units
+        clock.marks.append(self)
+        self.segments: list[Segment] = []
+        self.high: tuple[int, dict[str, int]] | None = None  # the peak since this segmentation's last mark
+        self.seen: dict[str, TracedUnit] = {}
+        self.inputs: dict[str, list[torch.Tensor]] = {}  # each call's inputs that require grad, till its forward ends
+
+    def fold(self, peak: tuple[int, dict[str, int]]) -> None:
+        if self.high is None or peak[0] > self.high[0]:  # the first highest, as MemTracker keeps it
+            self.high = peak
+
+    def mark(self, phase: str, unit: str, at: str) -> None:
+        clock = self.clock
+        if phase == "forward" and clock.in_backward:  # a checkpointed unit's recompute, inside its backward
             return
-        (b, b_cats), (peak, peak_cats) = self.base, totals(self.mt.get_tracker_snapshot("peak"), self.device)
-        now, now_cats = totals(self.mt.get_tracker_snapshot("current"), self.device)
+        now, now_cats = clock.tick()
+        (b, b_cats), (peak, peak_cats) = clock.base, self.high
         self.segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b,
                                      _less(now_cats, b_cats)))
-        self.mt.reset_peak()
+        self.high = None
 
     def pre_forward(self, m: torch.nn.Module, args: tuple, kwargs: dict, u: str) -> None:
         from zeroexp.models import grad_tensors
@@ -172,16 +232,17 @@ class _Marks:
         if self.own_params_units and u not in self.seen:  # its parameters and whether autograd reaches its input
             self.seen[u] = TracedUnit(u, tuple(self.index[id(p)] for p in m.parameters(recurse=False)),
                                       any(isinstance(t, torch.Tensor) and t.requires_grad for t in args), False)
-        if not self.in_backward:  # a recompute's inputs are not held: its forward gets no backward marks
+        if not self.clock.in_backward:  # a recompute's inputs are not held: its forward gets no backward marks
             self.inputs[u] = grad_tensors((args, kwargs))
+            self.clock.several_inputs |= len(self.inputs[u]) > 1
         self.mark("forward", u, "start")
 
     def post_forward(self, output: Any, u: str) -> None:
         from zeroexp.models import grad_tensors, requires_grad
 
-        if self.own_params_units and not self.in_backward and requires_grad(output):  # backward reaches the unit
+        if self.own_params_units and not self.clock.in_backward and requires_grad(output):  # backward reaches the unit
             self.seen[u] = self.seen[u]._replace(reached=True)
-        if not self.in_backward:  # a checkpointed unit's recompute is never differentiated: no backward marks
+        if not self.clock.in_backward:  # a checkpointed unit's recompute is never differentiated: no backward marks
             _mark_backward(grad_tensors(output), self.inputs.pop(u, []), u, self.mark)
         self.mark("forward", u, "end")
 
@@ -196,7 +257,7 @@ class _Marks:
         return hooks
 
 
-def _run_step(net: torch.nn.Module, batch: torch.Tensor, model_cfg: Mapping[str, Any], marks: _Marks, device: str,
+def _run_step(net: torch.nn.Module, batch: torch.Tensor, model_cfg: Mapping[str, Any], marks: _Clock, device: str,
               dtype: torch.dtype | None, module_dtype: torch.dtype | None) -> torch.Tensor:
     """Run the step inside the tracker: forward (under autocast for a low ``dtype``; the floating input cast to
     ``module_dtype``), the loss, Lightning's detached copy of it, backward, marking the loss and backward's end; the

@@ -74,6 +74,10 @@ class CachingAllocator:
     def __init__(self) -> None:
         # a block: [segment, offset, size, free]; a segment: whether it is the small pool's
         self._blocks: dict[int, list] = {}
+        # (segment, offset) -> the block starting there, and the block ending there: a block's neighbours found at
+        # once, not by a scan of every block (a segment's blocks tile it, so each lookup finds at most one)
+        self._starts: dict[tuple[int, int], int] = {}
+        self._ends: dict[tuple[int, int], int] = {}
         self._small: list[bool] = []
         self._next = 0
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
@@ -95,7 +99,9 @@ class CachingAllocator:
             block = self._blocks[i]
         rest = block[2] - size
         if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+            del self._ends[(seg, off + block[2])]
             block[2] = size
+            self._ends[(seg, off + size)] = i
             self._new(seg, off + size, rest)
         block[3] = False
         self.allocated += block[2]
@@ -106,17 +112,23 @@ class CachingAllocator:
         block = self._blocks[i]
         block[3] = True
         self.allocated -= block[2]
-        for j, other in list(self._blocks.items()):  # merge with the free neighbours in its segment
-            if j != i and other[3] and other[0] == block[0] and other[1] + other[2] == block[1]:
-                block[1], block[2] = other[1], block[2] + other[2]
-                del self._blocks[j]
-        for j, other in list(self._blocks.items()):
-            if j != i and other[3] and other[0] == block[0] and block[1] + block[2] == other[1]:
-                block[2] += other[2]
-                del self._blocks[j]
+        seg = block[0]
+        j = self._ends.get((seg, block[1]))  # merge with the free neighbours in its segment: the one before
+        if j is not None and j != i and self._blocks[j][3]:
+            other = self._blocks.pop(j)
+            del self._ends[(seg, block[1])], self._starts[(seg, block[1])]
+            block[1], block[2] = other[1], block[2] + other[2]
+            self._starts[(seg, block[1])] = i
+        j = self._starts.get((seg, block[1] + block[2]))  # and the one after
+        if j is not None and j != i and self._blocks[j][3]:
+            other = self._blocks.pop(j)
+            del self._starts[(seg, other[1])]
+            block[2] += other[2]
+            self._ends[(seg, block[1] + block[2])] = i
 
     def _new(self, seg: int, off: int, size: int) -> int:
         self._blocks[self._next] = [seg, off, size, True]
+        self._starts[(seg, off)] = self._ends[(seg, off + size)] = self._next
         self._next += 1
         return self._next - 1
 

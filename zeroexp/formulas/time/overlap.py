@@ -146,7 +146,8 @@ def micro_batch_slots(slots: list[Slot], repeats: dict[str, float], micro_batche
             at = range(micro_batches)
         else:
             at = (0,) if s.op == "all_gather" else (micro_batches - 1,)
-        out += [s._replace(issue_s=s.issue_s + j * micro_s, need_s=s.need_s + j * micro_s) for j in at]
+        op, weight, issue, need, order, burst, group = s  # a Slot built whole: _replace's keyword path costs more
+        out += [Slot(op, weight, issue + j * micro_s, need + j * micro_s, order, burst, group) for j in at]
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroexp.cell.memo import memoized
+from zeroexp.cell.memo import memo_table, remember
 from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
@@ -29,7 +29,7 @@ from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
 from zeroexp.results.verdict import Check, Code, Reason, Verdict, reasons as coded
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
-           "uncovered", "steady_buffers_bytes", "trace_for", "TOLERANCE"]
+           "uncovered", "steady_buffers_bytes", "trace_for", "trace_units_wanted", "TOLERANCE"]
 
 # The peak model asks a row's family (StateLayout.family: zeroexp.formulas.families), never its name.
 
@@ -212,7 +212,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
 
     from zeroexp.models import torch_dtype
     from zeroexp.plan.shape import arguments_key
-    from zeroexp.plan.steptrace import trace_step_of
+    from zeroexp.plan.steptrace import trace_steps_of
 
     row = _row(name)
     options = row.family.trace_options(row)
@@ -229,8 +229,44 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
                   own_params_units=options["own_params_units"], root_unit=options["root_unit"],
                   **{k: v for k, v in dtypes.items() if v is not None},
                   **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
-    key = arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kwargs.items()))
-    return memoized("step_traces", key, lambda: trace_step_of(model_cfg, batch_size, wrap, **kwargs))
+    def key_of(kw: dict[str, Any]) -> str | None:
+        return arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kw.items()))
+
+    traces = memo_table("step_traces") or {}
+    twin = _root_twin(traces, key_of({**kwargs, "root_unit": not kwargs["root_unit"]}), kwargs["root_unit"])
+    if twin is not None or key_of(kwargs) in traces:
+        return twin or traces[key_of(kwargs)]
+    units = [(kwargs["own_params_units"], kwargs["root_unit"])]
+    units += [u for u in (memo_table("step_trace_units") or {})  # the other segmentations the invocation reads
+              if u not in units and key_of({**kwargs, "own_params_units": u[0], "root_unit": u[1]}) not in traces]
+    rest = {k: v for k, v in kwargs.items() if k not in ("own_params_units", "root_unit")}
+    traced = trace_steps_of(model_cfg, batch_size, wrap, units=tuple(units), **rest)
+    for (own, root), trace in zip(units, traced):
+        remember("step_traces", key_of({**kwargs, "own_params_units": own, "root_unit": root}), trace)
+    return traced[0]
+
+
+def trace_units_wanted(names: list[str]) -> None:
+    """The rows this invocation will read the peak of (the planner's table: every row shown): a step traced for one
+    of their segmentations (``trace_options``: ``own_params_units``, ``root_unit``) is traced with the others in the
+    same run (:func:`zeroexp.plan.steptrace.trace_steps`: one fake-tensor run for all, the segments of each the
+    same as its own run's). Nothing outside an invocation."""
+    table = memo_table("step_trace_units")
+    for name in names if table is not None else ():
+        options = _row(name).family.trace_options(_row(name))
+        table[(bool(options["own_params_units"]), bool(options["root_unit"]))] = True
+
+
+def _root_twin(traces: dict[Any, StepTrace], other: str | None, root_unit: bool) -> StepTrace | None:
+    """The step this invocation traced with ``root_unit`` the other way (its key ``other``), where it is the same
+    step: ``root_unit`` (the model as its one unit where no unit is found, FSDP2's) changes nothing when the step
+    traced without it started a unit's forward, nor when the step traced with it has no unit ``<model>``."""
+    trace = traces.get(other)
+    if trace is None:
+        return None
+    if root_unit:
+        return trace if any(s.phase == "forward" and s.at == "start" for s in trace.segments) else None
+    return trace if all(s.unit != "<model>" for s in trace.segments) else None
 
 
 def _uncovered_cell(cell: Cell, name: str) -> list[str]:
