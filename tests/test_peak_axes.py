@@ -136,7 +136,7 @@ def test_planner_rows_under_checkpointing_and_accumulation():
 
     register()
     base = ["model=gpt", "model.n_layer=3", "world_size=2", "batch_size=8", "strategies=[ddp,zero2,fsdp_full]",
-            "device_memory=5000000", "device=cpu"]
+            "device_memory=5000000", "headroom=0", "device=cpu"]  # fits on the whole 5 MB
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         plain, ac, ga = (hydra_compose(config_name="plan", overrides=[*base, *extra]) for extra in
                          ((), ("activation_checkpointing=full",), ("grad_accum=4", "network=h100_ib")))
