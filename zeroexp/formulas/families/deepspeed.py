@@ -9,7 +9,7 @@ from functools import partial
 
 from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, stage3_calls, stage3_schedule, deepspeed_comm, deepspeed_payload,
                                         deepspeed_payload_limits, deepspeed_reduce_bucket_numel,
-                                        deepspeed_sub_groups)
+                                        deepspeed_sub_groups, ds_reduce_order)
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import MIXED, ddp_bucket_slots, ddp_bucket_terms
 from zeroexp.formulas.layout import StateLayout, pack
@@ -163,10 +163,8 @@ class DeepSpeedPartitions(Family):
 
 
 def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
-    """The trainable parameters in the order their gradients are reduced: parameter order at stage 1, backward (a
-    stack's reverse, as ``deepspeed_buckets`` is given it) at stage 2; none a step gives no gradient."""
-    nonzero = [i for i, k in enumerate(groups.numels) if k and i not in set(groups.ungraded)]
-    return tuple(nonzero if stage == 1 else nonzero[::-1])
+    """:func:`ds_reduce_order` of ``groups``."""
+    return ds_reduce_order(groups.numels, groups.ungraded, stage)
 
 
 DEEPSPEED = DeepSpeedPartitions()
