@@ -88,7 +88,7 @@ class DeepSpeedPartitions(Family):
         reasons, bucket, stage = [], deepspeed_reduce_bucket_numel(bucket_cap_bytes), row.deepspeed_stage
         if self.flow(row) is None:
             return reasons
-        if max(groups.numels, default=0) > bucket:
+        if stage == 3 and max(groups.numels, default=0) > bucket:
             reasons.append(f"no peak model yet for a parameter of {max(groups.numels)} elements above "
                            f"reduce_bucket_size={bucket} (reduced on its own, extra_large_param_to_reduce)")
         fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
@@ -132,7 +132,7 @@ class DeepSpeedPartitions(Family):
         free theirs in every backward's epilogue."""
         return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if row.deepspeed_stage == 3 else 0
 
-    def late_free(self, row, groups, itemsize, micro_batches):
+    def late_free(self, row, groups, itemsize, micro_batches, bucket_cap_bytes=0):
         """Stages 1-2 a bucket's flattened all_reduce tensor (in backward, or into the step); stage 3 the
         parameters' all_gather buffer (forward), a bucket's reduce-scatter concatenation (backward) and gloo's copy
         of it (backward, or into the step: the work object gloo's worker thread still holds); in the step, the
@@ -144,7 +144,8 @@ class DeepSpeedPartitions(Family):
                                DS_NORM_BYTES[stage])]}
         if stage < 3:
             copies = ds_allreduce_copies(groups.buckets, _reduce_order(groups, stage), groups.numels,
-                                         groups.shards[0].numel // groups.world_size)
+                                         groups.shards[0].numel // groups.world_size,
+                                         deepspeed_reduce_bucket_numel(bucket_cap_bytes) if bucket_cap_bytes else None)
             flat = [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", e * itemsize)
                     for k, e in enumerate(copies) if e]
             # the last bucket's, reduced at backward's end, may outlive it into the step (seen on rank 1 of 3)
