@@ -19,7 +19,8 @@ from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_NORM_BYTES",
            "DS_PERSISTENCE_THRESHOLD", "DS_PERSISTENCE_REFUSED", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
            "ds_persistent", "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls",
-           "stage3_schedule", "deepspeed_buckets", "ds_reduce_order", "ds_allreduce_calls", "deepspeed_sub_groups", "deepspeed_gathers",
+           "stage3_schedule", "deepspeed_buckets", "ds_reduce_order", "ds_allreduce_calls", "deepspeed_sub_groups",
+           "deepspeed_gathers",
            "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
@@ -226,8 +227,9 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
 def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     """Per-step collectives of one rank of DeepSpeed ZeRO ``stage`` (no offload) [DS-COMM], S per [NCCL-TESTS].
     Stage 0: an all_reduce per chunk (P). Stages 1-2: an all_reduce per bucket (every rank's slice in one call; P;
-    a gradient above the bucket one per run of its partition slices past it, :func:`ds_allreduce_calls`), one fp32 all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one
-    all_gather per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
+    a gradient above the bucket one per run of its partition slices past it, :func:`ds_allreduce_calls`), one fp32
+    all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one all_gather
+    per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
     fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P, frozen
     parameters included: stage 3 partitions and fetches them with their modules).
     ``gradient_accumulation_steps`` K (measured, 0.19.8): stages 2 and 3 reduce every micro-batch's buckets and stage

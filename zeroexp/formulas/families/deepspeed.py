@@ -85,12 +85,9 @@ class DeepSpeedPartitions(Family):
 
     def peak_limits(self, row, groups, bucket_cap_bytes):
         """DeepSpeed's paths the peak model has not read."""
-        reasons, bucket, stage = [], deepspeed_reduce_bucket_numel(bucket_cap_bytes), row.deepspeed_stage
+        reasons, stage = [], row.deepspeed_stage
         if self.flow(row) is None:
             return reasons
-        if stage == 3 and max(groups.numels, default=0) > bucket:
-            reasons.append(f"no peak model yet for a parameter of {max(groups.numels)} elements above "
-                           f"reduce_bucket_size={bucket} (reduced on its own, extra_large_param_to_reduce)")
         fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
         if stage == 3 and gathered > fetched:
             reasons.append(f"no peak model yet for stage 3 gathering a parameter twice in a step ({gathered} "
@@ -115,7 +112,8 @@ class DeepSpeedPartitions(Family):
             return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
                                          gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
                                          foreach=foreach, schedule=stage3_schedule(shape, knobs) if traced else None,
-                                         calls=stage3_calls(shape) if traced else ())
+                                         calls=stage3_calls(shape) if traced else (),
+                                         bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes))
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
         return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                                       numels=groups.numels, part=part,

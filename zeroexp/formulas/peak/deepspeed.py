@@ -231,8 +231,8 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
 def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_size: int,
                           buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool,
                           partitions: tuple[int, ...] | None = None, foreach: bool = False,
-                          schedule: Stage3Schedule | None = None, calls: tuple[ModuleCall, ...] = ()
-                          ) -> dict[str, dict]:
+                          schedule: Stage3Schedule | None = None, calls: tuple[ModuleCall, ...] = (),
+                          bucket_numel: int | None = None) -> dict[str, dict]:
     """Stage 3 (``numels``: every parameter, frozen ones too, in parameter order, the indices ``trace.units`` use;
     ``partitions``: the trainable parameters' partitions, None: every parameter's ceil(numel / N); ``buckets``: the
     reduce-scatters' gradient numels in backward order), per phase, the bytes above steady at the peak, by category.
@@ -241,7 +241,11 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     units (``own_params_units``). ([Note: DeepSpeed stage 3's phase peaks] above.) ``schedule``: the coordinator's
     over the step's module ``calls`` (:func:`zeroexp.formulas.deepspeed_fetch.ds_stage3_schedule`, nothing gathered
     twice): forward then holds, at each hook, the parameters made and the flat buffers still held as it says, and
-    backward releases what its post-backward hooks release (none of a persistent parameter)."""
+    backward releases what its post-backward hooks release (none of a persistent parameter). ``bucket_numel``
+    (``reduce_bucket_size``; None: no gradient above it): a gradient above it is a bucket alone, never copied into the
+    ipg bucket (stage3.py ``__add_grad_to_ipg_bucket``: ``bucket.elements + param.grad.numel() <=
+    self.reduce_bucket_size``), autograd's tensor held from its hook until its reduce-scatter (the next gradient's
+    hook, or the epilogue), then partitioned and freed (``partition_grads``)."""
     c, n, out = itemsize, world_size, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:
@@ -256,7 +260,7 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
         held, released = _stage3_forward_scheduled(keep, loss, trace, schedule, calls, numels=numels, world_size=n,
                                                    itemsize=c)
     _stage3_backward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered,
-                     buckets=buckets, gloo=gloo, held=held, released=released)
+                     buckets=buckets, gloo=gloo, held=held, released=released, bucket_numel=bucket_numel)
     parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
     part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
     keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, foreach) + norms})
@@ -312,7 +316,7 @@ def _stage3_forward(keep: Callable[..., None], loss: dict, trace: StepTrace, use
 def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, uses: _Stage3Uses, *,
                      numels: tuple[int, ...], world_size: int, itemsize: int, gathered: int,
                      buckets: tuple[tuple[int, ...], ...], gloo: bool, held: int | None = None,
-                     released: dict[str, int] | None = None) -> None:
+                     released: dict[str, int] | None = None, bucket_numel: int | None = None) -> None:
     """:func:`ds_stage3_phase_peaks`' backward moments, each to ``keep``: each segment's peak less its parameter
     gradients beside the parameters not yet released, and each bucket's reduce-scatter (the last in the epilogue).
     ``held``, ``released``: the bytes held at forward's end and released after each unit's backward, as a schedule
@@ -334,20 +338,24 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
         cat = sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0
         sizes.append(cat + (cat - sum(b) * c if cat else 0) + (sum(padded_numel(x, n) for x in b) * c if gloo else 0))
     edges = [sum(sum(b) for b in buckets[:i]) * c for i in range(len(buckets) + 1)]
+    big = {k: b[0] * c for k, b in enumerate(buckets)
+           if bucket_numel is not None and len(b) == 1 and b[0] > bucket_numel}
     held = gathered - sum(dropped.values()) if held is None else held
     before, backward = 0, [s for s in trace.segments if s.phase == "backward"]
     for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
-        keep("backward", s.peak_by_category, loss, {"gradients": -grads, "parameters": held})
+        whole = sum(x for k, x in big.items() if edges[k] < grads <= edges[k + 1])  # the last one made, autograd's
+        keep("backward", s.peak_by_category, loss, {"gradients": whole - grads, "parameters": held})
         after = s.end_by_category.get("gradients", 0)
         for k in range(_closed(edges, before), _closed(edges, after)):  # in the hook of bucket k+1's first gradient
-            keep("backward", _at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c - after,
+            keep("backward", _at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after,
                                                        "parameters": held, "temporaries": sizes[k]})
         if s.at == "end":
             held -= released_by.get(s.unit, 0)
         before = after
     end = trace.segments[-1].end_by_category
-    keep("backward", end, loss, {"gradients": -end.get("gradients", 0), "parameters": held,
+    last = big.get(len(buckets) - 1, 0)  # a gradient above the bucket reduced in the epilogue: held until then
+    keep("backward", end, loss, {"gradients": last - end.get("gradients", 0), "parameters": held,
                                  "temporaries": sizes[-1] if sizes else 0})
 
 
