@@ -70,10 +70,10 @@ def test_stage2_holds_a_large_gradient_as_autograds_until_the_next_hook_reduces_
     # stage 3 bf16 at N=3, a 13106-element bucket: 10 reduce_scatters, the fp64 norm
     ((*LLAMA, "strategy.stage=3", "world_size=3", "precision=bf16", "strategy.bucket_cap_mb=0.05"),
      {"reduce_scatter": 10, "all_reduce": 1, "all_gather": 1}),
-    # stage 3 fp32 at N=2, a 2048-token vocabulary (wte 131072 elements), one sample of 4 tokens: backward held by
-    # the gradients, not the activations
-    ((*GPT, "strategy.stage=3", "world_size=2", "strategy.bucket_cap_mb=0.05", "batch_size=1", "model.seq_len=4",
-      "model.vocab_size=2048"), {"reduce_scatter": 12, "all_reduce": 1, "all_gather": 1}),
+    # stage 2 fp32 at N=2, one sample: rank 1's backward peak is where lm_head's gradient (the first of backward,
+    # above the bucket) is still autograd's (measured 482324 B; predicted 478156 B, 453324 B without that term)
+    ((*LLAMA, "strategy.stage=2", "world_size=2", "strategy.bucket_cap_mb=0.05", "batch_size=1"),
+     {"all_reduce": 11, "all_gather": 1}),
 ])
 def test_cells_with_a_parameter_above_the_bucket_pass_every_plan_check(cell, overrides, counts):
     res = cell("strategy=deepspeed", *overrides, base=MODEL_BASE)
