@@ -19,7 +19,8 @@ from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_NORM_BYTES",
            "DS_PERSISTENCE_THRESHOLD", "DS_PERSISTENCE_REFUSED", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
            "ds_persistent", "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls",
-           "stage3_schedule", "deepspeed_buckets", "deepspeed_sub_groups", "deepspeed_gathers",
+           "stage3_schedule", "deepspeed_buckets", "ds_reduce_order", "ds_allreduce_calls", "deepspeed_sub_groups",
+           "deepspeed_gathers",
            "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
@@ -99,13 +100,58 @@ def deepspeed_buckets(stage: int, numels: list[int], bucket_numel: int) -> tuple
     """DeepSpeed's gradient reductions per step, each its gradients' numels, given them in reduce order (stage 0 and 1:
     parameter order; 2 and 3: backward order). Stage 0: chunks of more than ``DS_MEMORY_OPT_ALLREDUCE_SIZE``
     elements (``allreduce_no_retain``). Stages 1-3: the ``ipg`` buckets: before a gradient is added, a bucket it would
-    take past ``bucket_numel`` is reduced; a gradient larger than the bucket is reduced on its own
-    (``extra_large_param_to_reduce``, read, not measured), listed last."""
+    take past ``bucket_numel`` is reduced (none when empty); a gradient larger than the bucket is a bucket alone, in its
+    place: it flushes the bucket before it and the next gradient (or the epilogue) flushes it (stage_1_and_2.py
+    ``reduce_independent_p_g_buckets_and_remove_grads``: ``bucket.elements + param.numel() > reduce_bucket_size``, the
+    gradient kept in ``extra_large_param_to_reduce`` and counted in ``bucket.elements``; stage3.py
+    ``reduce_independent_p_g_buckets_and_remove_grads``: the same test, ``and bucket.elements > 0``)."""
     numels = [k for k in numels if k]
-    if stage == 0:
-        return tuple(tuple(numels[i] for i in b) for b in cut_buckets(numels, DS_MEMORY_OPT_ALLREDUCE_SIZE, "exceed"))
-    fit, big = [k for k in numels if k <= bucket_numel], [k for k in numels if k > bucket_numel]
-    return tuple(tuple(fit[i] for i in b) for b in cut_buckets(fit, bucket_numel)) + tuple((k,) for k in big)
+    rule = "exceed" if stage == 0 else "fit"
+    cap = DS_MEMORY_OPT_ALLREDUCE_SIZE if stage == 0 else bucket_numel
+    return tuple(tuple(numels[i] for i in b) for b in cut_buckets(numels, cap, rule))
+
+
+def ds_reduce_order(numels: tuple[int, ...] | list[int], ungraded: tuple[int, ...], stage: int) -> tuple[int, ...]:
+    """Stages 1-2, the trainable parameters (indices) in the order their gradients are reduced: parameter order at
+    stage 1 (``reduce_gradients``), backward (a stack's reverse, as :func:`deepspeed_buckets` is given it) at stage 2;
+    none a step gives no gradient, nor an empty one."""
+    nonzero = [i for i, k in enumerate(numels) if k and i not in set(ungraded)]
+    return tuple(nonzero if stage == 1 else nonzero[::-1])
+
+
+def ds_allreduce_calls(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...], numels: tuple[int, ...],
+                       partition_numel: int, bucket_numel: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Stages 1-2, per bucket (reduce order; ``order``: its parameters' indices, ``numels`` in parameter order), its
+    all_reduce calls, each the gradient slices it flattens (elements). ``average_tensor`` cuts the bucket into one
+    slice per parameter and partition it overlaps, merging a slice into the previous one of the same partition;
+    ``allreduce_and_scatter`` (``numel_per_bucket=self.reduce_bucket_size``) all-reduces the slices gathered so far as
+    soon as they total more than ``reduce_bucket_size``, the rest at the end: one call for a bucket within the size,
+    and for a gradient larger than it (a bucket alone, ``extra_large_param_to_reduce``) one call per run of its
+    partition slices that first passes the size."""
+    start, offset = {}, 0
+    for i, n in enumerate(numels):
+        start[i], offset = offset, offset + n
+    out, pos = [], 0
+    for b in buckets:
+        slices: list[list[int]] = []  # [rank, elements]
+        for p in order[pos:pos + len(b)]:
+            lo, hi = start[p], start[p] + numels[p]
+            for rank in range(lo // partition_numel, (hi - 1) // partition_numel + 1):
+                inside = min(hi, (rank + 1) * partition_numel) - max(lo, rank * partition_numel)
+                if slices and slices[-1][0] == rank:
+                    slices[-1][1] += inside
+                else:
+                    slices.append([rank, inside])
+        calls, small, total = [], [], 0
+        for _, k in slices:
+            small.append(k)
+            total += k
+            if total > bucket_numel:
+                calls.append(tuple(small))
+                small, total = [], 0
+        out.append(tuple(calls + ([tuple(small)] if small else [])))
+        pos += len(b)
+    return tuple(out)
 
 
 def deepspeed_gathers(numels: list[int], own: int = 0) -> tuple[tuple[int, ...], ...]:
@@ -180,9 +226,10 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
 
 def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     """Per-step collectives of one rank of DeepSpeed ZeRO ``stage`` (no offload) [DS-COMM], S per [NCCL-TESTS].
-    Stage 0: an all_reduce per chunk (P). Stages 1-2: an all_reduce per bucket (every rank's slice in one call; P),
-    one fp32 all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one
-    all_gather per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
+    Stage 0: an all_reduce per chunk (P). Stages 1-2: an all_reduce per bucket (every rank's slice in one call; P;
+    a gradient above the bucket one per run of its partition slices past it, :func:`ds_allreduce_calls`), one fp32
+    all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one all_gather
+    per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
     fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P, frozen
     parameters included: stage 3 partitions and fetches them with their modules).
     ``gradient_accumulation_steps`` K (measured, 0.19.8): stages 2 and 3 reduce every micro-batch's buckets and stage
@@ -194,7 +241,10 @@ def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collec
         return collectives_of(all_reduce=[sum(b) * c for b in g.buckets])
     if stage in (1, 2):
         norms = [DS_NORM_BYTES[stage]] * len(g.shards)
-        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] * each + norms + ([1] if c != 4 else []),
+        calls = ds_allreduce_calls(g.buckets, ds_reduce_order(g.numels, g.ungraded, stage), g.numels,
+                                   g.shards[0].numel // n, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))
+        grads = [sum(call) * c for b in calls for call in b]
+        return collectives_of(all_reduce=grads * each + norms + ([1] if c != 4 else []),
                               all_gather=[sh.numel * c for sh in g.shards])
     norms = deepspeed_sub_groups([sh.numel // n for sh in g.trained_shards])
     return collectives_of(reduce_scatter=[sum(padded_numel(k, n) for k in b) * c for b in g.buckets] * each,
@@ -220,8 +270,4 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
         reasons.append("stage 3 with activation checkpointing and a parameter released before backward (a frozen "
                        "module's, or beyond the reuse distance): the recompute in backward gathers it again, its "
                        "fetches not replayed (measured 9 all_gathers a step on a LoRA GPT where 1 is planned)")
-    bucket = deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes)
-    if stage > 0 and max(groups.numels) > bucket:
-        reasons.append(f"a parameter of {max(groups.numels)} elements exceeds reduce_bucket_size={bucket}: reduced on "
-                       "its own (extra_large_param_to_reduce), not measured")
     return reasons

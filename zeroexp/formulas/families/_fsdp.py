@@ -257,7 +257,7 @@ class FsdpFamily(Family):
     def unit_phase_peaks(self, row, groups, shape, trace, itemsize, held: UnitTerms, **kw) -> dict[str, dict]:
         raise NotImplementedError
 
-    def late_free(self, row, groups, itemsize, micro_batches):
+    def late_free(self, row, groups, itemsize, micro_batches, bucket_cap_bytes=0):
         """In backward and the optimizer step a unit's reduce-scatter input, gloo's copy of it or its output (gloo
         frees them when the work object goes, which may be after a later moment of the phase; docs/results.md
         measures how often)."""

@@ -197,9 +197,10 @@ class Family:
         """Whether the step frees the gradients the state at the optimizer boundary holds (none between steps)."""
         return False
 
-    def late_free(self, row: StateLayout, groups: Groups, itemsize: int,
-                  micro_batches: int) -> dict[str, list[tuple[str, int]]]:
-        """Per phase, the tensors of which gloo may free one late (a CPU cell), each with its bytes."""
+    def late_free(self, row: StateLayout, groups: Groups, itemsize: int, micro_batches: int,
+                  bucket_cap_bytes: int = 0) -> dict[str, list[tuple[str, int]]]:
+        """Per phase, the tensors of which gloo may free one late (a CPU cell), each with its bytes
+        (``bucket_cap_bytes``: ``strategy.bucket_cap_mb`` in bytes; 0: not known)."""
         return {}
 
     # --- init=meta ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from functools import partial
 
 from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, stage3_calls, stage3_schedule, deepspeed_comm, deepspeed_payload,
                                         deepspeed_payload_limits, deepspeed_reduce_bucket_numel,
-                                        deepspeed_sub_groups)
+                                        deepspeed_sub_groups, ds_reduce_order)
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import MIXED, ddp_bucket_slots, ddp_bucket_terms
 from zeroexp.formulas.layout import StateLayout, pack
@@ -85,12 +85,9 @@ class DeepSpeedPartitions(Family):
 
     def peak_limits(self, row, groups, bucket_cap_bytes):
         """DeepSpeed's paths the peak model has not read."""
-        reasons, bucket, stage = [], deepspeed_reduce_bucket_numel(bucket_cap_bytes), row.deepspeed_stage
+        reasons, stage = [], row.deepspeed_stage
         if self.flow(row) is None:
             return reasons
-        if max(groups.numels, default=0) > bucket:
-            reasons.append(f"no peak model yet for a parameter of {max(groups.numels)} elements above "
-                           f"reduce_bucket_size={bucket} (reduced on its own, extra_large_param_to_reduce)")
         fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
         if stage == 3 and gathered > fetched:
             reasons.append(f"no peak model yet for stage 3 gathering a parameter twice in a step ({gathered} "
@@ -115,7 +112,8 @@ class DeepSpeedPartitions(Family):
             return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
                                          gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
                                          foreach=foreach, schedule=stage3_schedule(shape, knobs) if traced else None,
-                                         calls=stage3_calls(shape) if traced else ())
+                                         calls=stage3_calls(shape) if traced else (),
+                                         bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes))
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
         return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                                       numels=groups.numels, part=part,
@@ -132,7 +130,7 @@ class DeepSpeedPartitions(Family):
         free theirs in every backward's epilogue."""
         return deepspeed_reduce_bucket_numel(bucket_cap_bytes) * itemsize if row.deepspeed_stage == 3 else 0
 
-    def late_free(self, row, groups, itemsize, micro_batches):
+    def late_free(self, row, groups, itemsize, micro_batches, bucket_cap_bytes=0):
         """Stages 1-2 a bucket's flattened all_reduce tensor (in backward, or into the step); stage 3 the
         parameters' all_gather buffer (forward), a bucket's reduce-scatter concatenation (backward) and gloo's copy
         of it (backward, or into the step: the work object gloo's worker thread still holds); in the step, the
@@ -144,7 +142,8 @@ class DeepSpeedPartitions(Family):
                                DS_NORM_BYTES[stage])]}
         if stage < 3:
             copies = ds_allreduce_copies(groups.buckets, _reduce_order(groups, stage), groups.numels,
-                                         groups.shards[0].numel // groups.world_size)
+                                         groups.shards[0].numel // groups.world_size,
+                                         deepspeed_reduce_bucket_numel(bucket_cap_bytes) if bucket_cap_bytes else None)
             flat = [(f"bucket {k}'s flattened all_reduce tensor (allreduce_bucket)", e * itemsize)
                     for k, e in enumerate(copies) if e]
             # the last bucket's, reduced at backward's end, may outlive it into the step (seen on rank 1 of 3)
@@ -163,10 +162,8 @@ class DeepSpeedPartitions(Family):
 
 
 def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
-    """The trainable parameters in the order their gradients are reduced: parameter order at stage 1, backward (a
-    stack's reverse, as ``deepspeed_buckets`` is given it) at stage 2; none a step gives no gradient."""
-    nonzero = [i for i, k in enumerate(groups.numels) if k and i not in set(groups.ungraded)]
-    return tuple(nonzero if stage == 1 else nonzero[::-1])
+    """:func:`ds_reduce_order` of ``groups``."""
+    return ds_reduce_order(groups.numels, groups.ungraded, stage)
 
 
 DEEPSPEED = DeepSpeedPartitions()

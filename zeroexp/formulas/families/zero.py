@@ -140,7 +140,7 @@ class ZeroBuckets(Family):
             return 0
         return gather_input_bytes(tuple(s.numel // groups.world_size for s in groups.shards), terms, itemsize)
 
-    def late_free(self, row, groups, itemsize, micro_batches):
+    def late_free(self, row, groups, itemsize, micro_batches, bucket_cap_bytes=0):
         """Below fp32, in forward a bucket's all-gather input, which the next forward drops when it waits for the
         bucket; the optimizer step: the reduced copy of a bucket gloo's reduce_scatter hands back at its wait (the
         model counts it at the wait), held on by gloo's work; with ``micro_batches`` > 1 ZeRO-2's in backward (a

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups
+from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups, ds_allreduce_calls
 from zeroexp.formulas.deepspeed_fetch import ModuleCall, Stage3Schedule
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.adamw import adamw_temporaries
@@ -87,26 +87,15 @@ def ds_partition(numels: tuple[int, ...] | list[int], flat_numel: int, world_siz
 
 
 def ds_allreduce_copies(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...], numels: tuple[int, ...],
-                        partition_numel: int) -> tuple[int, ...]:
+                        partition_numel: int, bucket_numel: int | None = None) -> tuple[int, ...]:
     """Stages 1-2, per bucket (reduce order; ``order``: its parameters' indices, ``numels`` in parameter order), the
-    elements ``allreduce_bucket`` copies: ``average_tensor`` cuts the bucket into one slice per parameter and
-    partition, merging a slice into the previous one of the same partition, and ``self.flatten`` copies the slices
-    into one new tensor, unless there is only one (torch's ``flatten_dense_tensors`` returns a view of it)."""
-    offset, start = 0, {}
-    for i, n in enumerate(numels):
-        start[i] = offset
-        offset += n
-    out, pos = [], 0
-    for b in buckets:
-        owners: list[int] = []
-        for p in order[pos:pos + len(b)]:
-            lo, hi = start[p], start[p] + numels[p]
-            for rank in range(lo // partition_numel, (hi - 1) // partition_numel + 1):
-                if not owners or owners[-1] != rank:
-                    owners.append(rank)
-        out.append(sum(b) if len(owners) > 1 else 0)
-        pos += len(b)
-    return tuple(out)
+    most elements one of its all_reduces copies (:func:`zeroexp.formulas.deepspeed.ds_allreduce_calls`; None
+    ``bucket_numel``: each bucket one call): ``allreduce_bucket`` flattens the call's slices into one new tensor
+    (``self.flatten``), unless there is only one (torch's ``flatten_dense_tensors`` returns a view of it); the calls
+    of a bucket run one after the other, each copy freed before the next."""
+    cap = max((sum(b) for b in buckets), default=0) if bucket_numel is None else bucket_numel
+    calls = ds_allreduce_calls(buckets, order, numels, partition_numel, cap)
+    return tuple(max((sum(c) for c in b if len(c) > 1), default=0) for b in calls)
 
 
 class _Moments:
@@ -159,13 +148,20 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     then the flat partition beside AdamW's temporaries, the last two beside the combined norm and the new
     ``_global_grad_norm``. A parameter the step gives no gradient (``ungraded``, out of ``order`` and the buckets):
     its gradient is a zeros tensor of its size made in the epilogue (``get_all_grad_tensors``), held with the
-    partition until the step; ``grads_in_partition`` is made only where a parameter with a gradient is reduced."""
+    partition until the step; ``grads_in_partition`` is made only where a parameter with a gradient is reduced. A
+    gradient above ``bucket_numel`` (a bucket alone, ``extra_large_param_to_reduce``): autograd's tensor, never copied
+    into the bucket, held until its own reduction (in the next gradient's hook at stage 2, in the epilogue at stage 1)
+    beside its largest all_reduce's flat copy."""
     c, out = itemsize, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
     pad = part.padding * c
     zeros = sum(numels[i] for i in part.params if i in set(ungraded)) * c  # the epilogue's zero gradients
-    sizes = [k * c for k in ds_allreduce_copies(buckets, order, numels, part.numel)]
+    sizes = [k * c for k in ds_allreduce_copies(buckets, order, numels, part.numel, bucket_numel)]
+    # A gradient above the bucket (a bucket alone): never copied into the bucket, autograd's tensor is reduced in place
+    # and kept from its hook until it is reduced (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads:
+    # extra_large_param_to_reduce; reduce_ipg_grads), then copied into grads_in_partition or cleared.
+    big = {k: b[0] * c for k, b in enumerate(buckets) if len(b) == 1 and b[0] > bucket_numel}
     edges = [sum(b) * c for b in buckets]
     edges = [sum(edges[:i]) for i in range(len(edges) + 1)]
     # The first bucket (reduce order) that holds a gradient of the partition: grads_in_partition is made when it is.
@@ -182,11 +178,14 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
         if stage == 2:  # each gradient moved into the bucket in its hook; buckets reduced in backward order
             done = _closed(edges, before)
             kept = {"temporaries": gip} if first_gip is not None and done > first_gip else {}
-            keep("backward", s.peak_by_category, loss, {"gradients": -grads}, held, kept)
+            # a gradient above the bucket, the last one made, is still autograd's
+            whole = sum(x for k, x in big.items() if edges[k] < grads <= edges[k + 1])
+            keep("backward", s.peak_by_category, loss, {"gradients": whole - grads}, held, kept)
             after = s.end_by_category.get("gradients", 0)
             for k in range(done, _closed(edges, after)):  # bucket k reduced in this stretch, at its end at the latest
                 # by the hook of bucket k+1's first gradient, before that gradient is copied into the bucket
-                base = (_at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c - after}, bucket)
+                base = (_at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after},
+                        bucket)
                 made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
                 keep("backward", *base, made, {"temporaries": sizes[k]})
                 if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
@@ -200,7 +199,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     # yet copied still held), stage 2 the last one.
     first = 0 if stage == 1 else len(buckets) - 1
     for k in range(first, len(buckets)):
-        pending = sum(sum(b) for b in buckets[k + 1:]) * c if stage == 1 else 0
+        pending = (sum(sum(b) for b in buckets[k + 1:]) * c if stage == 1 else 0) + big.get(k, 0)
         made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
         keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, made, {"temporaries": sizes[k]})
         if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
@@ -232,8 +231,8 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
 def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_size: int,
                           buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool,
                           partitions: tuple[int, ...] | None = None, foreach: bool = False,
-                          schedule: Stage3Schedule | None = None, calls: tuple[ModuleCall, ...] = ()
-                          ) -> dict[str, dict]:
+                          schedule: Stage3Schedule | None = None, calls: tuple[ModuleCall, ...] = (),
+                          bucket_numel: int | None = None) -> dict[str, dict]:
     """Stage 3 (``numels``: every parameter, frozen ones too, in parameter order, the indices ``trace.units`` use;
     ``partitions``: the trainable parameters' partitions, None: every parameter's ceil(numel / N); ``buckets``: the
     reduce-scatters' gradient numels in backward order), per phase, the bytes above steady at the peak, by category.
@@ -242,7 +241,11 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     units (``own_params_units``). ([Note: DeepSpeed stage 3's phase peaks] above.) ``schedule``: the coordinator's
     over the step's module ``calls`` (:func:`zeroexp.formulas.deepspeed_fetch.ds_stage3_schedule`, nothing gathered
     twice): forward then holds, at each hook, the parameters made and the flat buffers still held as it says, and
-    backward releases what its post-backward hooks release (none of a persistent parameter)."""
+    backward releases what its post-backward hooks release (none of a persistent parameter). ``bucket_numel``
+    (``reduce_bucket_size``; None: no gradient above it): a gradient above it is a bucket alone, never copied into the
+    ipg bucket (stage3.py ``__add_grad_to_ipg_bucket``: ``bucket.elements + param.grad.numel() <=
+    self.reduce_bucket_size``), autograd's tensor held from its hook until its reduce-scatter (the next gradient's
+    hook, or the epilogue), then partitioned and freed (``partition_grads``)."""
     c, n, out = itemsize, world_size, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:
@@ -257,7 +260,7 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
         held, released = _stage3_forward_scheduled(keep, loss, trace, schedule, calls, numels=numels, world_size=n,
                                                    itemsize=c)
     _stage3_backward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered,
-                     buckets=buckets, gloo=gloo, held=held, released=released)
+                     buckets=buckets, gloo=gloo, held=held, released=released, bucket_numel=bucket_numel)
     parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
     part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
     keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, foreach) + norms})
@@ -313,7 +316,7 @@ def _stage3_forward(keep: Callable[..., None], loss: dict, trace: StepTrace, use
 def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, uses: _Stage3Uses, *,
                      numels: tuple[int, ...], world_size: int, itemsize: int, gathered: int,
                      buckets: tuple[tuple[int, ...], ...], gloo: bool, held: int | None = None,
-                     released: dict[str, int] | None = None) -> None:
+                     released: dict[str, int] | None = None, bucket_numel: int | None = None) -> None:
     """:func:`ds_stage3_phase_peaks`' backward moments, each to ``keep``: each segment's peak less its parameter
     gradients beside the parameters not yet released, and each bucket's reduce-scatter (the last in the epilogue).
     ``held``, ``released``: the bytes held at forward's end and released after each unit's backward, as a schedule
@@ -335,20 +338,24 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
         cat = sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0
         sizes.append(cat + (cat - sum(b) * c if cat else 0) + (sum(padded_numel(x, n) for x in b) * c if gloo else 0))
     edges = [sum(sum(b) for b in buckets[:i]) * c for i in range(len(buckets) + 1)]
+    big = {k: b[0] * c for k, b in enumerate(buckets)
+           if bucket_numel is not None and len(b) == 1 and b[0] > bucket_numel}
     held = gathered - sum(dropped.values()) if held is None else held
     before, backward = 0, [s for s in trace.segments if s.phase == "backward"]
     for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
-        keep("backward", s.peak_by_category, loss, {"gradients": -grads, "parameters": held})
+        whole = sum(x for k, x in big.items() if edges[k] < grads <= edges[k + 1])  # the last one made, autograd's
+        keep("backward", s.peak_by_category, loss, {"gradients": whole - grads, "parameters": held})
         after = s.end_by_category.get("gradients", 0)
         for k in range(_closed(edges, before), _closed(edges, after)):  # in the hook of bucket k+1's first gradient
-            keep("backward", _at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c - after,
+            keep("backward", _at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after,
                                                        "parameters": held, "temporaries": sizes[k]})
         if s.at == "end":
             held -= released_by.get(s.unit, 0)
         before = after
     end = trace.segments[-1].end_by_category
-    keep("backward", end, loss, {"gradients": -end.get("gradients", 0), "parameters": held,
+    last = big.get(len(buckets) - 1, 0)  # a gradient above the bucket reduced in the epilogue: held until then
+    keep("backward", end, loss, {"gradients": last - end.get("gradients", 0), "parameters": held,
                                  "temporaries": sizes[-1] if sizes else 0})
 
 

@@ -9,8 +9,8 @@ from zeroexp.formulas.rows import row_of as _row
 __all__ = ["late_free"]
 
 
-def late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
-               micro_batches: int = 1) -> dict[str, list[tuple[str, int]]]:
+def late_free(name: str, groups: Groups, itemsize: int, gloo: bool, micro_batches: int = 1,
+              bucket_cap_bytes: int = 0) -> dict[str, list[tuple[str, int]]]:
     """Per phase, the tensors of which gloo may free one late (CPU cells), each with its bytes (the row's family's:
     :meth:`zeroexp.formulas.families.Family.late_free`). zeroexp's ZeRO-1
     and ZeRO-2 below fp32: in forward a bucket's all-gather input, which the
@@ -24,4 +24,4 @@ def late_free(name: str, groups: Groups, itemsize: int, gloo: bool,
     if not gloo:
         return {}
     row = _row(name)
-    return row.family.late_free(row, groups, itemsize, micro_batches)
+    return row.family.late_free(row, groups, itemsize, micro_batches, bucket_cap_bytes)

@@ -324,7 +324,7 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
                                             "or the memory probe did not run): predicted only"),)).fields()}
     worst_rank = int(measured["max_rank"])
     gloo = device.gloo
-    late = late_free(name, groups, itemsize, gloo, micro_batches)
+    late = late_free(name, groups, itemsize, gloo, micro_batches, cap)
     by_rank = measured.get("phases_by_rank") or [None] * len(measured["steady_bytes"])
     steady_by_rank = measured.get("steady_categories_by_rank") or [None] * len(by_rank)
     out_reasons, errs, ranks = [], [], []
