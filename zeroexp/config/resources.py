@@ -145,7 +145,7 @@ def estimate(cfg: Any, shape: Any = None, activations: bool = True) -> Estimate:
         trainable = sum(shape.numels[i] for i in range(len(shape.params)) if shape.train(i))
         reference = reference_host_bytes(shape.numel, trainable, ref_acts, n)
     available = mem_available()
-    headroom = float(cfg.resources.get("headroom", HEADROOM))
+    headroom = float(cfg.resources.headroom)
     return Estimate(n, state, 0 if on_gpu else acts, per_rank, reference, n * per_rank + reference + SHARED_BYTES,
                     available, usable_bytes(available, headroom), source, note)
 
@@ -193,7 +193,7 @@ def check_resources(cfg: Any, shape: Any = None) -> None:
     model's, read by validation)."""
     from zeroexp.plan.core import check_headroom
 
-    check_headroom(cfg.resources.get("headroom", HEADROOM), "resources.headroom")
+    check_headroom(cfg.resources.headroom, "resources.headroom")
     if cfg.launcher.name != "local" or cfg.dry_run or not cfg.resources.check:
         return
     n = int(cfg.world_size)
@@ -210,7 +210,7 @@ def check_resources(cfg: Any, shape: Any = None) -> None:
                               f"model state, {e.source}{acts}, + {_gib(RANK_OVERHEAD_BYTES)} per process){ref} + "
                               f"{_gib(SHARED_BYTES)} shared), this machine has {_gib(e.usable_bytes)} usable "
                               f"({_gib(e.available_bytes)} available less resources.headroom="
-                              f"{cfg.resources.get('headroom', HEADROOM)})")
+                              f"{cfg.resources.headroom})")
     nproc = _soft(resource.RLIMIT_NPROC)
     if nproc is not None and os.geteuid() != 0:
         threads = n * (RANK_THREADS + max(1, (os.cpu_count() or 1) // n))
