@@ -9,7 +9,7 @@ from conftest import WINDOWS
 
 from zeroexp.cell.strategy import check_ds_stage3_limits
 from zeroexp.errors import ConfigError
-from zeroexp.formulas.deepspeed import DS_MAX_REUSE_DISTANCE
+from zeroexp.formulas.deepspeed import DS_MAX_REUSE_DISTANCE, ds_stage3_limits
 from zeroexp.formulas.deepspeed_fetch import ModuleCall, ds_stage3_events, ds_stage3_schedule
 from zeroexp.strategies import deepspeed as ds_adapter
 
@@ -82,6 +82,16 @@ def test_the_stage3_keys_are_refused_below_stage_3_and_out_of_range():
     check_ds_stage3_limits({"stage3_prefetch_bucket_size": None}, 2)  # unset: nothing to refuse
     with pytest.raises(ConfigError, match="stage3_param_persistence_threshold=1.5"):  # the planner's flat key
         check_ds_stage3_limits({"stage3_param_persistence_threshold": 1.5}, None, prefix="")
+    with pytest.raises(ConfigError, match="strategy.stage3_max_reuse_distance=-1"):
+        check_ds_stage3_limits({"stage3_max_reuse_distance": -1}, 3)
+    with pytest.raises(ConfigError, match="strategy.stage3_max_reuse_distance=4096.*strategy.stage=2"):
+        check_ds_stage3_limits({"stage3_max_reuse_distance": 4096}, 2)
+
+
+def test_the_reuse_distance_reaches_the_ds_config():
+    # null: DeepSpeed 0.19's default (runtime/zero/config.py max_reuse_distance, 1e9), written out as the others are
+    assert ds_stage3_limits().ds_config()["stage3_max_reuse_distance"] == DS_MAX_REUSE_DISTANCE == 1_000_000_000
+    assert ds_stage3_limits(max_reuse=4096).ds_config()["stage3_max_reuse_distance"] == 4096
 
 
 needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
@@ -155,3 +165,13 @@ def test_the_planner_reads_the_stage3_keys_as_a_cell_does():
     assert plan("strategies=[deepspeed_stage3]")["counts"]["all_gather"] == 1  # one bucket: the root's prefetch
     with pytest.raises(ConfigError, match="stage3_param_persistence_threshold=4096"):
         plan("strategies=[deepspeed_stage3]", "stage3_param_persistence_threshold=4096")
+    # a reuse distance of one Linear and no prefetch room: each Linear but the last is released after its forward and
+    # gathered again in backward, 8 + 7 all_gathers (the replay's, test_beyond_the_reuse_distance_...); as a cell's key
+    # too; within one prefetch bucket the root's prefetch pops every use, so nothing is released
+    reuse = ("stage3_max_reuse_distance=4096", "stage3_max_live_parameters=0")
+    assert plan("strategies=[deepspeed_stage3]", *reuse)["counts"]["all_gather"] == 15
+    as_cell = plan("strategy=deepspeed", "strategy.stage=3", *(f"strategy.{k}" for k in reuse))
+    assert as_cell["counts"]["all_gather"] == 15
+    assert plan("strategies=[deepspeed_stage3]", reuse[0])["counts"]["all_gather"] == 1
+    with pytest.raises(ConfigError, match="stage3_max_reuse_distance=-1"):
+        plan("strategies=[deepspeed_stage3]", "stage3_max_reuse_distance=-1")
