@@ -324,8 +324,9 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
     """:func:`ds_stage3_phase_peaks`' backward moments, each to ``keep``: each segment's peak less its parameter
     gradients beside the parameters not yet released, and each bucket's reduce-scatter (the last in the epilogue).
     ``held``, ``released``: the bytes held at forward's end and released after each unit's backward, as a schedule
-    says (None: from the units' uses); ``hooks``: a schedule's backward hooks where it gathers again (None: none
-    does), each segment then beside what the last hook before it holds, each fetch at its highest."""
+    says (None: from the units' uses); ``hooks``: a schedule's backward hooks where it gathers again or holds a flat
+    buffer past forward (None: neither), each segment then beside what the last hook before it holds, each fetch at
+    its highest."""
     c, n = itemsize, world_size
     first_use, unreached, dropped = uses
     # Backward: a parameter is released after the backward of its first user in forward order, if autograd reaches
@@ -346,7 +347,8 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
     big = {k: b[0] * c for k, b in enumerate(buckets)
            if bucket_numel is not None and len(b) == 1 and b[0] > bucket_numel}
     held = gathered - sum(dropped.values()) if held is None else held
-    before, backward, at, flat = 0, [s for s in trace.segments if s.phase == "backward"], 0, 0
+    before, backward, at = 0, [s for s in trace.segments if s.phase == "backward"], 1
+    flat = hooks[0].after["temporaries"] if hooks else 0  # forward's flat buffers still held
     for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
         whole = sum(x for k, x in big.items() if edges[k] < grads <= edges[k + 1])  # the last one made, autograd's
@@ -406,16 +408,18 @@ def _stage3_forward_scheduled(keep: Callable[..., None], loss: dict, trace: Step
     for e in (e for e in schedule.events if e.phase == "backward" and not e.fetch and e.released):
         name = name_of.get(calls[e.call].module)
         released[name] = released.get(name, 0) + sum(numels[p] for p in e.released) * c
-    hooks = None
-    if any(e.gathered for e in schedule.events if e.phase == "backward"):
-        hooks = [_Hook(name_of[calls[e.call].module], "start" if e.fetch else "end", bytes_of(e.whole, e.flats),
-                       bytes_of(*e.peak)) for e in schedule.events
-                 if e.phase == "backward" and calls[e.call].module in name_of]
+    hooks = None  # forward's end first (no unit's), then each unit's backward hook
+    if any(e.gathered for e in schedule.events if e.phase == "backward") or forward and forward[-1].flats:
+        hooks = [_Hook("", "", after[-1], {})] + [
+            _Hook(name_of[calls[e.call].module], "start" if e.fetch else "end", bytes_of(e.whole, e.flats),
+                  bytes_of(*e.peak)) for e in schedule.events
+            if e.phase == "backward" and calls[e.call].module in name_of]
     return after[-1]["parameters"] if after else 0, released, hooks
 
 
 class _Hook(NamedTuple):
-    """A backward hook of a unit under a schedule that gathers again: the unit's ``name``, ``at`` (start: its
+    """A backward hook of a unit under a schedule that gathers again or holds a flat buffer past forward (the first:
+    forward's end, no unit's): the unit's ``name``, ``at`` (start: its
     pre-backward fetch; end: its post-backward release), the bytes held ``after`` it and at its ``peak``
     (parameters, temporaries: the flat buffers)."""
 
