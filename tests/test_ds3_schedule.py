@@ -9,7 +9,7 @@ from conftest import WINDOWS
 
 from zeroexp.cell.strategy import check_ds_stage3_limits
 from zeroexp.errors import ConfigError
-from zeroexp.formulas.deepspeed import DS_MAX_REUSE_DISTANCE
+from zeroexp.formulas.deepspeed import DS_MAX_REUSE_DISTANCE, ds_stage3_limits
 from zeroexp.formulas.deepspeed_fetch import ModuleCall, ds_stage3_events, ds_stage3_schedule
 from zeroexp.strategies import deepspeed as ds_adapter
 
@@ -82,6 +82,16 @@ def test_the_stage3_keys_are_refused_below_stage_3_and_out_of_range():
     check_ds_stage3_limits({"stage3_prefetch_bucket_size": None}, 2)  # unset: nothing to refuse
     with pytest.raises(ConfigError, match="stage3_param_persistence_threshold=1.5"):  # the planner's flat key
         check_ds_stage3_limits({"stage3_param_persistence_threshold": 1.5}, None, prefix="")
+    with pytest.raises(ConfigError, match="strategy.stage3_max_reuse_distance=-1"):
+        check_ds_stage3_limits({"stage3_max_reuse_distance": -1}, 3)
+    with pytest.raises(ConfigError, match="strategy.stage3_max_reuse_distance=4096.*strategy.stage=2"):
+        check_ds_stage3_limits({"stage3_max_reuse_distance": 4096}, 2)
+
+
+def test_the_reuse_distance_reaches_the_ds_config():
+    # null: DeepSpeed 0.19's default (runtime/zero/config.py max_reuse_distance, 1e9), written out as the others are
+    assert ds_stage3_limits().ds_config()["stage3_max_reuse_distance"] == DS_MAX_REUSE_DISTANCE == 1_000_000_000
+    assert ds_stage3_limits(max_reuse=4096).ds_config()["stage3_max_reuse_distance"] == 4096
 
 
 needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
@@ -135,6 +145,29 @@ def test_stage3_cells_beyond_one_bucket_pass_every_plan_check(cell, overrides, g
     assert measured == gathers
 
 
+@needs_deepspeed
+@pytest.mark.parametrize("overrides,gathers", [
+    # no prefetch and a reuse distance of 1000 elements: each module's parameters are released after its forward
+    # (__params_to_release) and gathered again by its pre-backward hook; the GPT fp32 at N=2 (measured 31
+    # all_gathers, 1013760 B; every phase's peak within 8 bytes), the shrunk Llama in bf16 at N=3 (41, 394620 B)
+    ((*GPT, "world_size=2"), 31),
+    ((*LLAMA, "world_size=3", "precision=bf16"), 41),
+])
+def test_stage3_cells_gathering_again_in_backward_pass_every_plan_check(cell, overrides, gathers):
+    res = cell("strategy=deepspeed", "strategy.stage=3", *overrides, "strategy.stage3_prefetch_bucket_size=0",
+               "strategy.stage3_max_reuse_distance=1000", base=MODEL_BASE)
+    assert res.status == "ok", res.error
+    plan = res.summary["plan"]
+    for part in ("state", "calls", "groups", "memory"):
+        assert plan[part]["check"] == "PASS", (part, plan[part]["reasons"])
+    measured = res.summary["collectives"]["counts"]["all_gather"]
+    planned = {c["op"]: c for c in plan["collectives"]}["all_gather"]
+    assert planned["predicted_count"] == measured == gathers
+    assert planned["predicted_bytes"] == planned["measured_bytes"]
+    backward = plan["memory"]["phases"]["backward"]
+    assert abs(backward["predicted_bytes"] - backward["measured_bytes"]) <= 16, backward
+
+
 def test_the_planner_reads_the_stage3_keys_as_a_cell_does():
     from hydra import compose as hydra_compose, initialize_config_dir
 
@@ -155,3 +188,37 @@ def test_the_planner_reads_the_stage3_keys_as_a_cell_does():
     assert plan("strategies=[deepspeed_stage3]")["counts"]["all_gather"] == 1  # one bucket: the root's prefetch
     with pytest.raises(ConfigError, match="stage3_param_persistence_threshold=4096"):
         plan("strategies=[deepspeed_stage3]", "stage3_param_persistence_threshold=4096")
+    # a reuse distance of one Linear and no prefetch room: each Linear but the last is released after its forward and
+    # gathered again in backward, 8 + 7 all_gathers (the replay's, test_beyond_the_reuse_distance_...); as a cell's key
+    # too; within one prefetch bucket the root's prefetch pops every use, so nothing is released
+    reuse = ("stage3_max_reuse_distance=4096", "stage3_max_live_parameters=0")
+    assert plan("strategies=[deepspeed_stage3]", *reuse)["counts"]["all_gather"] == 15
+    as_cell = plan("strategy=deepspeed", "strategy.stage=3", *(f"strategy.{k}" for k in reuse))
+    assert as_cell["counts"]["all_gather"] == 15
+    assert plan("strategies=[deepspeed_stage3]", reuse[0])["counts"]["all_gather"] == 1
+    with pytest.raises(ConfigError, match="stage3_max_reuse_distance=-1"):
+        plan("strategies=[deepspeed_stage3]", "stage3_max_reuse_distance=-1")
+
+
+def test_a_parameter_gathered_again_has_a_peak_unless_the_recompute_fetches_it():
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from zeroexp.cli.plan import register, run
+    from zeroexp.cli.run import CONF_DIR
+
+    def plan(*overrides: str) -> dict:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = hydra_compose(config_name="plan", overrides=[*GPT, "world_size=2", "batch_size=8",
+                                                               "strategies=[deepspeed_stage3]",
+                                                               "stage3_max_reuse_distance=1000",
+                                                               "stage3_prefetch_bucket_size=0", *overrides])
+        return run(cfg)[0][0]
+
+    register()
+    # released after forward, gathered again by the pre-backward hooks: 31 all_gathers (the cell's measured) and a peak
+    plain = plan()
+    assert plain["counts"]["all_gather"] == 31 and plain["peak_bytes"]
+    # under checkpointing the recompute's own fetches are not replayed: refused by name
+    recomputed = plan("activation_checkpointing=full")
+    assert recomputed["peak_bytes"] is None
+    assert "activation checkpointing gathering a parameter twice" in recomputed["peak_note"]

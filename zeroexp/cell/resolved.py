@@ -144,6 +144,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         ds_prefetch_bucket=knob("stage3_prefetch_bucket_size", None),
         ds_max_live=knob("stage3_max_live_parameters", None),
         ds_persistence=knob("stage3_param_persistence_threshold", None),
+        ds_max_reuse=knob("stage3_max_reuse_distance", None),
         recompute=str(cfg.activation_checkpointing.name) != "none",
     )
 

@@ -186,7 +186,8 @@ def check_fsdp2_prefetch(forward: Any, backward: Any, prefix: str = "strategy.")
 
 
 #: DeepSpeed stage 3's coordinator limits (``strategy.<key>``; the planner's keys of the same names).
-DS_STAGE3_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold")
+DS_STAGE3_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold",
+                  "stage3_max_reuse_distance")
 
 
 def check_ds_stage3_limits(values: Any, stage: int | None, prefix: str = "strategy.") -> None:
@@ -282,6 +283,7 @@ class DeepSpeedConfig(StrategyConfig):
     stage3_prefetch_bucket_size: Optional[int] = field(default=None, metadata={"identity": "when_set"})
     stage3_max_live_parameters: Optional[int] = field(default=None, metadata={"identity": "when_set"})
     stage3_param_persistence_threshold: Optional[int] = field(default=None, metadata={"identity": "when_set"})
+    stage3_max_reuse_distance: Optional[int] = field(default=None, metadata={"identity": "when_set"})
 
 
 #: The schema of every registered strategy (``strategy=<name>``): an adapter's ``schema`` is its entry here

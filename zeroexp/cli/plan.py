@@ -76,6 +76,7 @@ class PlanConfig:
     stage3_prefetch_bucket_size: Any = None
     stage3_max_live_parameters: Any = None
     stage3_param_persistence_threshold: Any = None
+    stage3_max_reuse_distance: Any = None
     # strategy=<a cell's strategy> (conf/strategy/): its row alone (strategy.layout), its strategy.* keys over the
     # flat aliases above (bucket_cap_mb, shard_size, use_orig_params, reshard_after_forward, ..., wrap)
     strategy: Any = None

@@ -25,10 +25,11 @@ __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUC
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
 DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
-#: runtime/zero/config.py defaults (DeepSpeedZeroConfig, 0.19.8), in elements: stage 3's optimizer sub-group and reuse
-#: distance (zeroexp's ds_config leaves them alone), its prefetch bucket and live parameters (``strategy.stage3_*``'s
-#: defaults), its persistence threshold (1e5: zeroexp sets 0 unless ``strategy.stage3_param_persistence_threshold``
-#: says otherwise, so that every parameter is partitioned, ZeRO-3 as the paper counts it).
+#: runtime/zero/config.py defaults (DeepSpeedZeroConfig, 0.19.8), in elements: stage 3's optimizer sub-group (zeroexp's
+#: ds_config leaves it alone), its prefetch bucket, live parameters and reuse distance (``max_reuse_distance``,
+#: alias ``stage3_max_reuse_distance``: ``strategy.stage3_*``'s defaults), its persistence threshold (1e5: zeroexp
+#: sets 0 unless ``strategy.stage3_param_persistence_threshold`` says otherwise, so that every parameter is
+#: partitioned, ZeRO-3 as the paper counts it).
 DS_SUB_GROUP_SIZE = 1_000_000_000
 DS_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
@@ -42,7 +43,8 @@ class Stage3Limits(NamedTuple):
     """Stage 3's coordinator limits, in parameter elements (partitioned_param_coordinator.py): ``prefetch_bucket``
     (``stage3_prefetch_bucket_size``), ``max_live`` (``stage3_max_live_parameters``), ``persistence``
     (``stage3_param_persistence_threshold``: a parameter of at most that many elements is never released between its
-    modules), ``max_reuse`` (``stage3_max_reuse_distance``, DeepSpeed's default)."""
+    modules), ``max_reuse`` (``stage3_max_reuse_distance``: a module's parameters that a module within that many
+    elements of the trace onward uses are not released, ``__params_to_release``)."""
 
     prefetch_bucket: int = DS_PREFETCH_BUCKET_SIZE
     max_live: int = DS_MAX_LIVE_PARAMETERS
@@ -52,17 +54,18 @@ class Stage3Limits(NamedTuple):
     def ds_config(self) -> dict[str, int]:
         """The ``zero_optimization`` keys that set them."""
         return {"stage3_prefetch_bucket_size": self.prefetch_bucket, "stage3_max_live_parameters": self.max_live,
-                "stage3_param_persistence_threshold": self.persistence}
+                "stage3_param_persistence_threshold": self.persistence, "stage3_max_reuse_distance": self.max_reuse}
 
 
 def ds_stage3_limits(prefetch_bucket: int | None = None, max_live: int | None = None,
-                     persistence: int | None = None) -> Stage3Limits:
+                     persistence: int | None = None, max_reuse: int | None = None) -> Stage3Limits:
     """The limits a cell's ``strategy.stage3_*`` keys (or the planner's knobs of the same values) set; None: the
     default (:class:`Stage3Limits`)."""
     d = Stage3Limits()
     return Stage3Limits(d.prefetch_bucket if prefetch_bucket is None else int(prefetch_bucket),
                         d.max_live if max_live is None else int(max_live),
-                        d.persistence if persistence is None else int(persistence))
+                        d.persistence if persistence is None else int(persistence),
+                        d.max_reuse if max_reuse is None else int(max_reuse))
 
 
 #: Why a stage-3 cell with persistent parameters is refused (measured, DeepSpeed 0.19.8 on CPU / gloo, N=2, four
@@ -83,7 +86,7 @@ def ds_persistent(numels: tuple[int, ...] | list[int], limits: Stage3Limits) -> 
 
 def knobs_limits(knobs: PlanKnobs) -> Stage3Limits:
     """:func:`ds_stage3_limits` of a cell's (or the planner's) knobs."""
-    return ds_stage3_limits(knobs.ds_prefetch_bucket, knobs.ds_max_live, knobs.ds_persistence)
+    return ds_stage3_limits(knobs.ds_prefetch_bucket, knobs.ds_max_live, knobs.ds_persistence, knobs.ds_max_reuse)
 #: Bytes of one gradient-norm scalar (all-reduced once per flat group or sub-group, then kept through the step):
 #: stages 1-2 cast the squared norm to fp32 (stage_1_and_2.py ``get_grad_norm_direct``: ``.float()``), stage 3 keeps
 #: ``get_norm_dtype()``'s float64 (stage3.py ``get_grad_norm_direct``).

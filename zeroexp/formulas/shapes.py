@@ -156,11 +156,13 @@ class PlanKnobs:
     #: :func:`zeroexp.formulas.families.fsdp2.kept_after_forward`
     reshard_policy: str = ""
     #: DeepSpeed stage 3's coordinator limits as the cell sets them (``strategy.stage3_prefetch_bucket_size``,
-    #: ``stage3_max_live_parameters``, ``stage3_param_persistence_threshold``), parameter elements; None: the default
+    #: ``stage3_max_live_parameters``, ``stage3_param_persistence_threshold``, ``stage3_max_reuse_distance``), parameter
+    #: elements; None: the default
     #: :func:`zeroexp.formulas.deepspeed.ds_stage3_limits` resolves
     ds_prefetch_bucket: int | None = None
     ds_max_live: int | None = None
     ds_persistence: int | None = None
+    ds_max_reuse: int | None = None
     #: Activation checkpointing on (``activation_checkpointing`` not none): a checkpointed unit's forward runs again in
     #: backward, its modules' hooks with it
     recompute: bool = False

@@ -42,4 +42,4 @@ def ds_knobs(cfg: DictConfig) -> dict[str, Any]:
     """The deepspeed_stage3 row's coordinator limits (PlanKnobs), validated as a cell's."""
     check_ds_stage3_limits(cfg, None, prefix="")
     return {"ds_prefetch_bucket": cfg.stage3_prefetch_bucket_size, "ds_max_live": cfg.stage3_max_live_parameters,
-            "ds_persistence": cfg.stage3_param_persistence_threshold}
+            "ds_persistence": cfg.stage3_param_persistence_threshold, "ds_max_reuse": cfg.stage3_max_reuse_distance}

@@ -96,7 +96,7 @@ def ds_config(policy: Any, device_type: str) -> dict[str, Any]:
     s, p, off = policy.strategy, policy.precision, policy.offload
     bucket = deepspeed_reduce_bucket_numel(int(float(s.bucket_cap_mb) * 2**20))  # the expectation model's too
     limits = ds_stage3_limits(s.stage3_prefetch_bucket_size, s.stage3_max_live_parameters,
-                              s.stage3_param_persistence_threshold)
+                              s.stage3_param_persistence_threshold, s.stage3_max_reuse_distance)
     zero: dict[str, Any] = {"stage": int(s.stage), **limits.ds_config(),
                             "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                             "overlap_comm": False, "contiguous_gradients": True}
@@ -410,7 +410,7 @@ class DeepSpeedAdapter(StrategyAdapter):
         first = sorted((p for p in every if id(p) in own or use.called(p)), key=lambda p: id(p) not in own)
         s = self.config
         limits = ds_stage3_limits(s.stage3_prefetch_bucket_size, s.stage3_max_live_parameters,
-                                  s.stage3_param_persistence_threshold)
+                                  s.stage3_param_persistence_threshold, s.stage3_max_reuse_distance)
         gathers = deepspeed_gathers([p.ds_numel for p in first], own=len(own)) if not use.calls() else \
             deepspeed_stage3_gathers(use.calls(), tuple(p.ds_numel for p in every), limits)
         fetched = post_order(eng.module, lambda m: any(True for _ in m.parameters(recurse=False)))

@@ -177,8 +177,10 @@ class Family:
         beyond its factors)."""
         return None
 
-    def peak_limits(self, row: StateLayout, groups: Groups, bucket_cap_bytes: int) -> list[str]:
-        """Why the peak model does not cover these groups (empty: it does)."""
+    def peak_limits(self, row: StateLayout, groups: Groups, bucket_cap_bytes: int,
+                    recompute: bool = False) -> list[str]:
+        """Why the peak model does not cover these groups (empty: it does; ``recompute``: activation checkpointing
+        on)."""
         return []
 
     def phase_peaks(self, row: StateLayout, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, *,

@@ -31,7 +31,8 @@ runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
   size (the flat buffer lives while any of its parameters is still in the coordinator's in-flight registry).
   ``partitioned_param_coordinator.py``: the root module's pre-forward prefetches every parameter within one prefetch
   bucket; beyond it the fetches and flat buffers are the coordinator's replayed
-  (:mod:`zeroexp.formulas.deepspeed_fetch`); within the reuse distance nothing is released in forward;
+  (:mod:`zeroexp.formulas.deepspeed_fetch`), beyond the reuse distance a parameter released in forward and gathered
+  again by its pre-backward hook (``__params_to_release``, ``fetch_sub_module``);
   ``parameter_offload.py``: a module's parameters are released after its backward reaches its inputs
   (``PostBackwardFunctionModule``), never in backward for a module whose inputs need no gradient (an embedding of
   token ids, the first Linear on the batch): those wait for ``step``'s ``_partition_all_parameters``.
@@ -239,9 +240,11 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     Frozen parameters are gathered and released with their modules as the others; only the trainable ones have an fp32
     partition. Steady holds the ipg bucket, the partitions and ``grad_partitions_flat_buffer``; the trace must carry its
     units (``own_params_units``). ([Note: DeepSpeed stage 3's phase peaks] above.) ``schedule``: the coordinator's
-    over the step's module ``calls`` (:func:`zeroexp.formulas.deepspeed_fetch.ds_stage3_schedule`, nothing gathered
-    twice): forward then holds, at each hook, the parameters made and the flat buffers still held as it says, and
-    backward releases what its post-backward hooks release (none of a persistent parameter). ``bucket_numel``
+    over the step's module ``calls`` (:func:`zeroexp.formulas.deepspeed_fetch.ds_stage3_schedule`): forward then holds,
+    at each hook, the parameters made and the flat buffers still held as it says, and backward releases what its
+    post-backward hooks release (none of a persistent parameter); a parameter it released before backward (beyond
+    ``stage3_max_reuse_distance``: ``__params_to_release``) a pre-backward hook gathers again (``fetch_sub_module``),
+    backward then holding at each hook what the schedule says. ``bucket_numel``
     (``reduce_bucket_size``; None: no gradient above it): a gradient above it is a bucket alone, never copied into the
     ipg bucket (stage3.py ``__add_grad_to_ipg_bucket``: ``bucket.elements + param.grad.numel() <=
     self.reduce_bucket_size``), autograd's tensor held from its hook until its reduce-scatter (the next gradient's
@@ -253,14 +256,14 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     uses = _stage3_uses(trace, numels, c)
     gathered = sum(numels[p] for p in uses.first_use) * c  # every fetched parameter's unsharded tensor: a module's
     # parameters are fetched in its pre-forward hook, never those of a module forward does not call
-    held = released = None
+    held = released = hooks = None
     if schedule is None:
         _stage3_forward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered)
     else:
-        held, released = _stage3_forward_scheduled(keep, loss, trace, schedule, calls, numels=numels, world_size=n,
-                                                   itemsize=c)
+        held, released, hooks = _stage3_forward_scheduled(keep, loss, trace, schedule, calls, numels=numels,
+                                                          world_size=n, itemsize=c)
     _stage3_backward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered,
-                     buckets=buckets, gloo=gloo, held=held, released=released, bucket_numel=bucket_numel)
+                     buckets=buckets, gloo=gloo, held=held, released=released, bucket_numel=bucket_numel, hooks=hooks)
     parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
     part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
     keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, foreach) + norms})
@@ -316,11 +319,14 @@ def _stage3_forward(keep: Callable[..., None], loss: dict, trace: StepTrace, use
 def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, uses: _Stage3Uses, *,
                      numels: tuple[int, ...], world_size: int, itemsize: int, gathered: int,
                      buckets: tuple[tuple[int, ...], ...], gloo: bool, held: int | None = None,
-                     released: dict[str, int] | None = None, bucket_numel: int | None = None) -> None:
+                     released: dict[str, int] | None = None, bucket_numel: int | None = None,
+                     hooks: list[_Hook] | None = None) -> None:
     """:func:`ds_stage3_phase_peaks`' backward moments, each to ``keep``: each segment's peak less its parameter
     gradients beside the parameters not yet released, and each bucket's reduce-scatter (the last in the epilogue).
     ``held``, ``released``: the bytes held at forward's end and released after each unit's backward, as a schedule
-    says (None: from the units' uses)."""
+    says (None: from the units' uses); ``hooks``: a schedule's backward hooks where it gathers again or holds a flat
+    buffer past forward (None: neither), each segment then beside what the last hook before it holds, each fetch at
+    its highest."""
     c, n = itemsize, world_size
     first_use, unreached, dropped = uses
     # Backward: a parameter is released after the backward of its first user in forward order, if autograd reaches
@@ -341,32 +347,41 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
     big = {k: b[0] * c for k, b in enumerate(buckets)
            if bucket_numel is not None and len(b) == 1 and b[0] > bucket_numel}
     held = gathered - sum(dropped.values()) if held is None else held
-    before, backward = 0, [s for s in trace.segments if s.phase == "backward"]
+    before, backward, at = 0, [s for s in trace.segments if s.phase == "backward"], 1
+    flat = hooks[0].after["temporaries"] if hooks else 0  # forward's flat buffers still held
     for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
         whole = sum(x for k, x in big.items() if edges[k] < grads <= edges[k + 1])  # the last one made, autograd's
-        keep("backward", s.peak_by_category, loss, {"gradients": whole - grads, "parameters": held})
+        keep("backward", s.peak_by_category, loss, {"gradients": whole - grads, "parameters": held,
+                                                    "temporaries": flat})
+        match = next((j for j in range(at, len(hooks)) if hooks[j][:2] == (s.unit, s.at)), None) if hooks else None
+        if match is not None:  # this hook (the ones between, of modules without parameters, prefetch at most)
+            hook = hooks[match]
+            if s.at == "start":
+                keep("backward", s.end_by_category, loss, {"gradients": -s.end_by_category.get("gradients", 0),
+                                                           **hook.peak})
+            held, flat, at = hook.after["parameters"], hook.after["temporaries"], match + 1
         after = s.end_by_category.get("gradients", 0)
         for k in range(_closed(edges, before), _closed(edges, after)):  # in the hook of bucket k+1's first gradient
             keep("backward", _at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after,
-                                                       "parameters": held, "temporaries": sizes[k]})
-        if s.at == "end":
+                                                       "parameters": held, "temporaries": sizes[k] + flat})
+        if s.at == "end" and hooks is None:
             held -= released_by.get(s.unit, 0)
         before = after
     end = trace.segments[-1].end_by_category
     last = big.get(len(buckets) - 1, 0)  # a gradient above the bucket reduced in the epilogue: held until then
     keep("backward", end, loss, {"gradients": last - end.get("gradients", 0), "parameters": held,
-                                 "temporaries": sizes[-1] if sizes else 0})
+                                 "temporaries": (sizes[-1] if sizes else 0) + flat})
 
 
 def _stage3_forward_scheduled(keep: Callable[..., None], loss: dict, trace: StepTrace, schedule: Stage3Schedule,
                               calls: tuple[ModuleCall, ...], *, numels: tuple[int, ...], world_size: int,
-                              itemsize: int) -> tuple[int, dict[str, int]]:
+                              itemsize: int) -> tuple[int, dict[str, int], list[_Hook] | None]:
     """:func:`ds_stage3_phase_peaks`' forward moments under ``schedule``, each to ``keep``: each segment's peak beside
     the parameters made before its hook (none is made or released between two hooks of modules holding parameters)
     and the flat buffers held throughout it (a module without parameters may prefetch inside it: the fewest), and each
-    unit's fetch at its highest. Returns the parameter bytes held at forward's end and, per unit, those its
-    post-backward hook releases."""
+    unit's fetch at its highest. Returns the parameter bytes held at forward's end, per unit those its
+    post-backward hook releases, and where backward gathers again its hooks (:class:`_Hook`; else None)."""
     c, n, gathers = itemsize, world_size, schedule.gathers
 
     def bytes_of(whole: frozenset[int], flats: tuple[int, ...]) -> dict[str, int]:
@@ -393,7 +408,25 @@ def _stage3_forward_scheduled(keep: Callable[..., None], loss: dict, trace: Step
     for e in (e for e in schedule.events if e.phase == "backward" and not e.fetch and e.released):
         name = name_of.get(calls[e.call].module)
         released[name] = released.get(name, 0) + sum(numels[p] for p in e.released) * c
-    return after[-1]["parameters"] if after else 0, released
+    hooks = None  # forward's end first (no unit's), then each unit's backward hook
+    if any(e.gathered for e in schedule.events if e.phase == "backward") or forward and forward[-1].flats:
+        hooks = [_Hook("", "", after[-1], {})] + [
+            _Hook(name_of[calls[e.call].module], "start" if e.fetch else "end", bytes_of(e.whole, e.flats),
+                  bytes_of(*e.peak)) for e in schedule.events
+            if e.phase == "backward" and calls[e.call].module in name_of]
+    return after[-1]["parameters"] if after else 0, released, hooks
+
+
+class _Hook(NamedTuple):
+    """A backward hook of a unit under a schedule that gathers again or holds a flat buffer past forward (the first:
+    forward's end, no unit's): the unit's ``name``, ``at`` (start: its
+    pre-backward fetch; end: its post-backward release), the bytes held ``after`` it and at its ``peak``
+    (parameters, temporaries: the flat buffers)."""
+
+    name: str
+    at: str
+    after: dict[str, int]
+    peak: dict[str, int]
 
 
 def _unit_calls(trace: StepTrace, calls: tuple[ModuleCall, ...]) -> dict[int, str]:

@@ -294,7 +294,7 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
     knobs = cell.knobs
     cap = knobs.bucket_cap_bytes
     row = _row(name)
-    uncovered = (_uncovered_cell(cell, name) + row.family.peak_limits(row, groups, cap)
+    uncovered = (_uncovered_cell(cell, name) + row.family.peak_limits(row, groups, cap, knobs.recompute)
                  + shape_limits(name, shape, groups))
     if uncovered:
         return Check(Verdict.NA, tuple(coded(Code.MEMORY_NOT_MODELLED, uncovered))).fields()
