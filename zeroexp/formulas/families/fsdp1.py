@@ -57,7 +57,7 @@ class Fsdp1Units(FsdpFamily):
                 "freed at twice the compute dtype's bytes the model traces (measured, bf16); covered in fp32")
 
     def sync_accumulation(self, row):
-        return not row.hybrid  # fsdp_sync_phase_peaks; HSDP's all-reduce of each shard not read
+        return True  # fsdp_sync_phase_peaks, HSDP included (its all_reduce on the reduced shard, in place)
 
     def groups_kind(self, row):
         return "units"
