@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO stages 1-3 with a parameter larger than ``reduce_bucket_size`` (every real LLM's embedding): its
-gradient a bucket alone, in its place (``extra_large_param_to_reduce``), stages 1-2 all-reducing it in one call per
-run of its partition slices past the bucket size (``allreduce_and_scatter``), held as autograd's tensor until then;
-cells whose plan checks all pass with the limit crossed (zeroexp/formulas/deepspeed.py, peak/deepspeed.py)."""
+gradient a bucket alone at its position in the reduce order (``extra_large_param_to_reduce``), stages 1-2
+all-reducing it in one call per run of its partition slices past the bucket size (``allreduce_and_scatter``), held as
+autograd's tensor until then; cells whose plan checks all pass with the limit crossed (zeroexp/formulas/deepspeed.py,
+peak/deepspeed.py)."""
 
 from __future__ import annotations
 
