@@ -228,48 +228,36 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
                       micro_batches=accum, use_orig_params=bool(cfg.use_orig_params),
                       sync_each_microbatch=bool(cfg.sync_each_microbatch),
                       **fsdp2_knobs(cfg, _world_sizes(cfg.world_size)), recompute=mode.mode != "none", **ds_knobs(cfg))
-    try:
-        return _traced(cfg, shape, model, memory, headroom, strategies, batch, accum, mode, network, knobs)
-    except Exception as e:  # noqa: BLE001 - only a step fake tensors cannot run is the model's: the rest re-raised
-        refused = untraced(e, cfg.model.get("name") if cfg.model is not None else None)
-        if refused is None:
-            raise
-        raise refused from e
+    with untraced(cfg.model.get("name") if cfg.model is not None else None):  # a step fake tensors cannot run: exit 2
+        ac = mode.label
+        precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
+        records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs,
+                              memory, model, headroom)
+        activations = _activations(cfg, batch, mode) if batch is not None else None
+        if batch is not None and activations is None:
+            notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
+                         "model=)")
+        for r in records:
+            r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac,
+                     sync_each_microbatch=bool(cfg.sync_each_microbatch))
+            r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None,
+                                     "activation_unit_bytes": None, "korthikanti_bytes": None})
+        device = _device(cfg, memory)
+        notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}"] if device.name == "cuda" else []
+        _peaks(cfg, records, shape, batch, knobs, mode, device)
+        _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
+        _init_peaks(str(cfg.init.name), records, shape, memory, bool(cfg.use_orig_params))
+        if network is not None:  # after the peaks: "the fastest that fits" reads fits
+            from zeroexp.plan.network import add_step_times, model_ops
 
-
-def _traced(cfg: DictConfig, shape: ModelShape, model: str, memory: int | None, headroom: float, strategies: Any,
-            batch: int | None, accum: int, mode: Any, network: Any, knobs: PlanKnobs
-            ) -> tuple[list[dict[str, Any]], list[str]]:
-    """:func:`run`'s records and notes once its input is checked: everything the traced step gives."""
-    ac = mode.label
-    precision = Precision(cfg.precision.name, cfg.precision.param_dtype)
-    records, notes = plan(shape, _world_sizes(cfg.world_size), precision, cfg.offload.name, strategies, knobs, memory,
-                          model, headroom)
-    activations = _activations(cfg, batch, mode) if batch is not None else None
-    if batch is not None and activations is None:
-        notes.append(f"activations at batch_size={batch}: unknown for a parameter count (no shapes to trace; give "
-                     "model=)")
-    for r in records:
-        r.update(batch_size=batch, grad_accum=accum, activation_checkpointing=ac,
-                 sync_each_microbatch=bool(cfg.sync_each_microbatch))
-        r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None, "activation_unit_bytes": None,
-                                 "korthikanti_bytes": None})
-    device = _device(cfg, memory)
-    notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}"] if device.name == "cuda" else []
-    _peaks(cfg, records, shape, batch, knobs, mode, device)
-    _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
-    _init_peaks(str(cfg.init.name), records, shape, memory, bool(cfg.use_orig_params))
-    if network is not None:  # after the peaks: "the fastest that fits" reads fits
-        from zeroexp.plan.network import add_step_times, model_ops
-
-        add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), mode,
-                       model_ops(network, cfg.model, batch), _recompute_share(cfg, batch, mode, notes))
-        if cfg.model is None and network.rate.counts_ops:
-            notes.append("step_ms: a parameter count has no operators to count: each forward's and backward's cost "
-                         "per operator left out (give model= for it)")
-        if cfg.model is None:
-            notes.append("tokens_per_s: a parameter count has no input shape, one token a sample assumed")
-    return records, notes
+            add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), mode,
+                           model_ops(network, cfg.model, batch), _recompute_share(cfg, batch, mode, notes))
+            if cfg.model is None and network.rate.counts_ops:
+                notes.append("step_ms: a parameter count has no operators to count: each forward's and backward's cost "
+                             "per operator left out (give model= for it)")
+            if cfg.model is None:
+                notes.append("tokens_per_s: a parameter count has no input shape, one token a sample assumed")
+        return records, notes
 
 
 def _device(cfg: DictConfig, memory: int | None) -> Any:

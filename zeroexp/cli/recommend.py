@@ -39,7 +39,7 @@ class SearchConfig:
     bucket_cap_mb: Any = field(default_factory=lambda: [25, 100])
     prefetch: Any = field(default_factory=lambda: list(_PREFETCH))
     shard_size: Any = None
-    sync_each_microbatch: Any = field(default_factory=lambda: [False, True])
+    sync_each_microbatch: Any = None  # null: both ways (zeroexp.recommend.space.Axes.syncs); or a list of them
     verify: Any = None
     verify_model: Any = None
     verify_world_size: Any = None
@@ -204,8 +204,8 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
         raise ConfigError("recommend.bucket_cap_mb", r.bucket_cap_mb, "a list of positive MiB: [25, 100]")
     micro = _ints(r.micro_batches, "recommend.micro_batches")
     shards = _ints(r.shard_size, "recommend.shard_size", 2)
-    syncs = list(r.sync_each_microbatch) if isinstance(r.sync_each_microbatch, ListConfig) else [
-        r.sync_each_microbatch]
+    syncs = list(Axes.syncs) if r.sync_each_microbatch is None else list(r.sync_each_microbatch) if isinstance(
+        r.sync_each_microbatch, ListConfig) else [r.sync_each_microbatch]
     if not syncs or any(not isinstance(v, bool) for v in syncs):
         raise ConfigError("recommend.sync_each_microbatch", r.sync_each_microbatch,
                           "a list of true / false: [false, true] (FSDP's and FSDP2's rows with grad_accum > 1)")
@@ -235,13 +235,8 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     tie = float(r.tie) if r.tie is not None else MEASURED_TIME_ERROR[0]
     overrides = model_overrides if model_overrides is not None else (
         [f"model={model}"] if cfg.model is not None else [])
-    try:
+    with untraced(model):
         answer = recommend(problem, axes, top_k, tie, overrides, per_node, lambda m: with_world_size(problem, m))
-    except Exception as e:  # noqa: BLE001 - only a step fake tensors cannot run is the model's: the rest re-raised
-        refused = untraced(e, model)
-        if refused is None:
-            raise
-        raise refused from e
     answer.update(model=model, numel=shape.numel, network=cfg.network.name, samples_per_rank=samples,
                   global_batch=samples * n, tokens_per_sample=tokens, precisions=list(precisions),
                   device_semantics=device.name)

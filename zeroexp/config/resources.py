@@ -142,7 +142,7 @@ def estimate(cfg: Any, shape: Any = None, activations: bool = True) -> Estimate:
     per_rank = state + (0 if on_gpu else acts) + RANK_OVERHEAD_BYTES
     reference = 0
     if note is None:
-        trainable = sum(shape.numels[i] for i in range(len(shape.params)) if shape.train(i))
+        trainable = shape.numel - sum(shape.frozen)
         reference = reference_host_bytes(shape.numel, trainable, ref_acts, n)
     available = mem_available()
     headroom = float(cfg.resources.headroom)
@@ -176,7 +176,7 @@ def prelaunch_line(cfg: Any, shape: Any = None) -> str:
     machine's memory (:func:`estimate`). Computed, not measured."""
     e = estimate(cfg, shape)
     numel = shape.numel if shape is not None else None
-    trainable = sum(shape.numels[i] for i in range(len(shape.params)) if shape.train(i)) \
+    trainable = shape.numel - sum(shape.frozen) \
         if shape is not None and shape.exact else numel
     model = f"{cfg.model.get('name')}: " + (f"{numel:,} parameters" if numel is not None else "parameters unknown") + (
         f" ({trainable:,} trainable)" if trainable is not None and numel is not None and trainable != numel else "")

@@ -7,8 +7,9 @@ shapes and FSDP units, read on the meta device by :mod:`zeroexp.plan.shape`) or 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout,
@@ -126,16 +127,21 @@ def usable_bytes(memory: int | None, headroom: float = HEADROOM) -> int | None:
     return None if memory is None else int(memory * (1 - headroom))
 
 
-def untraced(exc: BaseException, model: Any) -> ConfigError | None:
-    """The refusal (exit 2, naming ``model``, the model option) of a model whose step the planner cannot trace on
-    fake tensors, where ``exc`` says so (``zeroexp._lib.fake_tensors.untraceable``); None for any other exception."""
+@contextmanager
+def untraced(model: Any) -> Iterator[None]:
+    """Run the body; a step the planner cannot trace on fake tensors (``zeroexp._lib.fake_tensors.untraceable``)
+    raised in it becomes the refusal of the model (exit 2, naming ``model``, the model option); any other exception
+    passes."""
     from zeroexp._lib.fake_tensors import untraceable
 
-    why = untraceable(exc)
-    if why is None:
-        return None
-    return ConfigError("model", model, "a model whose training step runs on fake tensors (the planner traces it "
-                       "without data; a cell still measures it, its plan.memory n/a)", why=why)
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - only a step fake tensors cannot run is the model's: the rest re-raised
+        why = untraceable(e)
+        if why is None:
+            raise
+        raise ConfigError("model", model, "a model whose training step runs on fake tensors (the planner traces it "
+                          "without data; a cell still measures it, its plan.memory n/a)", why=why) from e
 
 
 def judge_fits(record: dict[str, Any]) -> None:

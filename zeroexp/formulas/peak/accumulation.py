@@ -10,7 +10,7 @@ far). Sources: torch's ``AccumulateGrad`` (an existing ``.grad`` is added into i
 
 from __future__ import annotations
 
-from zeroexp.formulas.peak.phases import StepTrace, phase_peaks
+from zeroexp.formulas.peak.phases import StepTrace, highest_phases, phase_peaks
 
 __all__ = ["accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp_no_sync_phase_peaks"]
 
@@ -30,7 +30,7 @@ def accumulated_phase_peaks(trace: StepTrace, micro_batches: int, *, live_grads:
     if micro_batches < 2 or live_grads:
         return first
     later = phase_peaks(trace, live_grads=True, **terms)
-    return {ph: max((first[ph], later[ph]), key=lambda rec: rec["bytes"]) for ph in first}
+    return highest_phases(first, later)
 
 
 def accumulated_grad_bytes(grad_bytes: int, live_grads: bool) -> int:

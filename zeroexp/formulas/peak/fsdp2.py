@@ -8,7 +8,7 @@ from typing import Callable
 
 from zeroexp.formulas.peak.adamw import adamw_temporary_blocks
 from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_end, _backward_order, _Highest,
-                                          _unit_index)
+                                          _unit_index, highest_phases)
 
 __all__ = ["fsdp2_phase_peaks", "fsdp2_no_sync_phase_peaks", "fsdp2_sync_phase_peaks", "post_forward_bump"]
 
@@ -111,7 +111,7 @@ def fsdp2_no_sync_phase_peaks(trace: StepTrace, in_place: StepTrace, micro_batch
             fsdp2_phase_peaks(in_place, **kwargs, reduce=True, accumulated=accumulated)]
     if micro_batches > 2:
         runs.append(fsdp2_phase_peaks(in_place, **kwargs, reduce=False, accumulated=accumulated))
-    return {ph: max((r[ph] for r in runs if ph in r), key=lambda rec: rec["bytes"]) for ph in runs[0]}
+    return highest_phases(*runs)
 
 
 def fsdp2_sync_phase_peaks(trace: StepTrace, **kwargs) -> dict[str, dict]:
@@ -126,9 +126,7 @@ def fsdp2_sync_phase_peaks(trace: StepTrace, **kwargs) -> dict[str, dict]:
     Lightning's closure), and each unit's reduce-scatter output is a transient: _fsdp_collectives.py ``foreach_reduce``
     adds it into the existing gradient (``sharded_param.grad._local_tensor += new_sharded_grad``) and drops it when it
     returns."""
-    first = fsdp2_phase_peaks(trace, **kwargs)
-    later = fsdp2_phase_peaks(trace, **kwargs, shards_held=True)
-    return {ph: max((first[ph], later[ph]), key=lambda rec: rec["bytes"]) for ph in first}
+    return highest_phases(fsdp2_phase_peaks(trace, **kwargs), fsdp2_phase_peaks(trace, **kwargs, shards_held=True))
 
 
 def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 from zeroexp.formulas.peak.adamw import adamw_temporary_blocks, update_phase
 
 __all__ = ["Segment", "StepTrace", "TracedUnit", "FsdpUnit", "PHASES",
-           "phase_peaks", "fsdp_phase_peaks", "fsdp_sync_phase_peaks"]
+           "phase_peaks", "fsdp_phase_peaks", "fsdp_sync_phase_peaks", "highest_phases"]
 
 
 @dataclass(frozen=True)
@@ -264,9 +264,14 @@ def fsdp_sync_phase_peaks(trace: StepTrace, units: list[FsdpUnit], **kwargs) -> 
     is a transient: torch/distributed/fsdp/_flat_param.py ``prepare_gradient_for_backward`` keeps the shard as
     ``_saved_grad_shard``, _runtime_utils.py ``_accumulate_sharded_grad`` adds the new one into it
     (``flat_param._saved_grad_shard += sharded_grad``), which is then dropped."""
-    first = fsdp_phase_peaks(trace, units, **kwargs)
-    later = fsdp_phase_peaks(trace, units, **kwargs, shards_held=True)
-    return {ph: max((first[ph], later[ph]), key=lambda rec: rec["bytes"]) for ph in first}
+    return highest_phases(fsdp_phase_peaks(trace, units, **kwargs),
+                          fsdp_phase_peaks(trace, units, **kwargs, shards_held=True))
+
+
+def highest_phases(*runs: dict[str, dict]) -> dict[str, dict]:
+    """Per phase of the first run, the highest of the runs' records (the micro-batches of one optimizer step: the
+    memory probe keeps each phase's peak over them)."""
+    return {ph: max((r[ph] for r in runs if ph in r), key=lambda rec: rec["bytes"]) for ph in runs[0]}
 
 
 def _backward_order(k_of: dict[str, int]) -> list[tuple[str, int]]:

@@ -189,14 +189,21 @@ def steady_buffers_bytes(name: str, groups: Groups, itemsize: int, bucket_cap_by
     return row.family.steady_buffers(row, groups, itemsize, bucket_cap_bytes, terms)
 
 
-def casts_module(name: str, param_dtype: str, terms: PrecisionTerms | None) -> bool:
-    """Whether row ``name``'s step computes with its module cast to ``param_dtype`` (DeepSpeed's engine converts it;
-    FSDP's mixed precision, zeroexp's ZeRO below fp32: ``terms.module_dtype``) rather than under autocast, as
-    :func:`trace_for` traces it: which of the planner's two traced forwards is the row's own."""
+def trace_dtypes(name: str, param_dtype: str, terms: PrecisionTerms | None) -> tuple[str | None, str | None]:
+    """(the autocast dtype, the dtype the module is cast to) row ``name``'s step computes in, as :func:`trace_for`
+    traces it (None: neither, the model's own fp32): DeepSpeed's engine converts the module below fp32; the other rows
+    as their ``terms`` say (FSDP's mixed precision and zeroexp's ZeRO cast, DDP autocasts:
+    :mod:`zeroexp.formulas.peak.precision`)."""
     row = _row(name)
     if row.family.trace_options(row)["converts_module"]:
-        return param_dtype != "float32"
-    return terms is not None and terms.module_dtype is not None
+        return None, param_dtype if param_dtype != "float32" else None
+    return (None, None) if terms is None else (terms.autocast, terms.module_dtype)
+
+
+def casts_module(name: str, param_dtype: str, terms: PrecisionTerms | None) -> bool:
+    """Whether row ``name``'s step computes with its module cast (:func:`trace_dtypes`) rather than under autocast:
+    which of the planner's two traced forwards is the row's own."""
+    return trace_dtypes(name, param_dtype, terms)[1] is not None
 
 
 def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], param_dtype: str = "float32",
@@ -210,19 +217,13 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     each storage counted in ``block``-byte blocks (CUDA's 512; DeepSpeed's rows: 1, as their closed-form terms)."""
     import torch
 
-    from zeroexp.models import torch_dtype
     from zeroexp.plan.shape import arguments_key
     from zeroexp.plan.steptrace import trace_steps_of
 
     row = _row(name)
     options = row.family.trace_options(row)
-    if options["converts_module"]:
-        dtypes = {"module_dtype": torch_dtype(param_dtype) if param_dtype != "float32" else None}
-    elif terms is not None:
-        dtypes = {"dtype": None if terms.autocast is None else getattr(torch, terms.autocast),
-                  "module_dtype": None if terms.module_dtype is None else getattr(torch, terms.module_dtype)}
-    else:
-        dtypes = {}
+    autocast, cast = trace_dtypes(name, param_dtype, terms)
+    dtypes = {"dtype": autocast and getattr(torch, autocast), "module_dtype": cast and getattr(torch, cast)}
     # remembered by what is traced, not by the row: rows that trace the same step share it
     block = 1 if options["tensor_bytes"] else block  # DeepSpeed's closed-form terms are tensor bytes: its trace too
     kwargs = dict(device="cpu", checkpointing=mode_of(checkpointing), grads_in_place=bool(grads_in_place),
