@@ -72,6 +72,10 @@ class CellPolicy:
     batch_size: int
     grad_accum: int
     warmup_steps: int
+    #: Whether the model's step leaves a trainable parameter without a gradient (DDP's ``find_unused_parameters`` when
+    #: null), read once before launch from the shape's meta-device step (``ModelShape.unused``); None: not read there
+    #: (the model's shape was not traced), the adapter reads it itself.
+    ungraded: bool | None = None
 
     @classmethod
     def of(cls, cfg: DictConfig) -> CellPolicy:

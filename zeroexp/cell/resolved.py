@@ -56,7 +56,10 @@ class Cell:
 
         name, row = layout_of(cfg)
         on_gpu = ranks_get_a_gpu(cfg, local_world_size)
-        return cls(policy=CellPolicy.of(cfg), knobs=knobs_of(cfg), schedule=Schedule.from_cfg(cfg), row_name=name,
+        policy = CellPolicy.of(cfg)
+        if shape is not None and shape.ready is not None:  # a traced step: its ungraded parameters are known
+            policy = dataclasses.replace(policy, ungraded=bool(shape.unused))
+        return cls(policy=policy, knobs=knobs_of(cfg), schedule=Schedule.from_cfg(cfg), row_name=name,
                    row=row, world_size=int(cfg.world_size), steps=int(cfg.steps), precision=str(cfg.precision.name),
                    offload=str(cfg.offload.name), init=init_of(cfg),
                    activation_checkpointing=str(cfg.activation_checkpointing.name),

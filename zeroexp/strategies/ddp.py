@@ -57,9 +57,11 @@ class DDPAdapter(StrategyAdapter):
 
     def find_unused(self) -> bool:
         """``strategy.find_unused_parameters``, or, when null, whether the model's meta-device step leaves a trainable
-        parameter without a gradient."""
+        parameter without a gradient (``CellPolicy.ungraded``, read before launch; else read here)."""
         value = self.config.find_unused_parameters
         if value is None:
+            value = self.policy.ungraded
+        if value is None:  # not read before launch
             from zeroexp.models import unused_parameters
 
             value = bool(unused_parameters(self.policy.model))
