@@ -56,11 +56,16 @@ rank_context().set_forkserver_preload([*FORKSERVER_PRELOAD[:-1], "deepspeed.runt
                                        "transformers.models.bert.modeling_bert",
                                        "transformers.models.llama.modeling_llama", FORKSERVER_PRELOAD[-1]])
 
-#: The suite's cells' measurement windows (zeroexp.cell.schedule): warm-up 3, one profiled step and one
-#: memory-tracked step (the product's default is two of each; every check reads one), then the steps left are timed.
-WINDOWS = ("warmup_steps=3", "probes.profile_steps=1", "probes.memory_steps=1")
-#: Shrinks every test cell: no W&B unless a test asks for it, a small 8-layer Linear stack, 8 steps (3 of them timed).
-STEPS = 8
+#: The suite's cells' measurement windows (zeroexp.cell.schedule): warm-up 2 (the least any strategy takes: DDP's
+#: steady fingerprint; the product's default is 3), one profiled step and one memory-tracked step (the product's
+#: default is two of each; every check reads one), then the steps left are timed.
+WARMUP = 2
+WINDOWS = (f"warmup_steps={WARMUP}", "probes.profile_steps=1", "probes.memory_steps=1")
+#: The steps the windows take: a cell of PROBED steps has every probe but timing (n/a: no step left to time).
+PROBED = WARMUP + 2
+#: Shrinks every test cell: no W&B unless a test asks for it, a small 8-layer Linear stack, two steps timed (the least
+#: the timing probe takes).
+STEPS = PROBED + 2
 BASE = ("logger=none", "model.width=64", f"steps={STEPS}", *WINDOWS)
 
 

@@ -139,7 +139,7 @@ def test_activation_checkpointing_is_a_group_in_the_identity_only_when_full(comp
 
 
 GPT = ("model=gpt", "model.n_layer=2", "world_size=2")
-GPT_BASE = ("logger=none", "steps=8", *WINDOWS)  # conftest.BASE without the mlp's width
+GPT_BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)  # conftest.BASE without the mlp's width
 
 
 def test_checkpointing_recomputes_without_new_collectives_and_cuts_the_forward_peak(cell):

@@ -43,36 +43,38 @@ def _same_measurements(a: Path, b: Path) -> None:
 
 
 def test_two_torchrun_nodes_measure_what_the_local_launcher_measures(cell, tmp_path):
-    """Two torchrun agents on loopback (--nnodes=2, c10d rendezvous), 2 ranks each: one cell of world size 4."""
+    """Two torchrun agents on loopback (--nnodes=2, c10d rendezvous), one rank each: one cell of world size 2 (ranks
+    and nodes counted apart: node_rank and local_rank differ from rank as they do at any size)."""
     port = free_port()
     procs = []
     for node in (0, 1):
-        cmd = [*TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        cmd = [*TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes", f"--rdzv-conf=is_host={int(node == 0)}",
-               "--local-addr=127.0.0.1", "-m", "zeroexp", "launcher=torchrun", "strategy=fsdp_full", *BASE]
+               "--local-addr=127.0.0.1", "-m", "zeroexp", "launcher=torchrun", "strategy=fsdp_full", "world_size=2",
+               *BASE]
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     (cell_dir,) = (tmp_path / "outputs" / "runs").iterdir()
-    assert cell_dir.name.startswith("torchrun-twonodes_fsdp_full-pre_mlp_fp32_n4_")
+    assert cell_dir.name.startswith("torchrun-twonodes_fsdp_full-pre_mlp_fp32_n2_")
     assert any(out.strip().endswith(str(cell_dir)) for out in outputs)  # rank 0's node prints the directory last
     rank0_out = next(out for out in outputs if out.strip().endswith(str(cell_dir)))
     for probe in ("state", "collectives", "memory", "timing", "equivalence", "plan"):  # the digest, one line each
         assert re.search(rf"^{probe}\s", rank0_out, re.M), (probe, rank0_out[-2000:])
     manifest = json.loads((cell_dir / "manifest.json").read_text())
     assert (manifest["status"], manifest["launcher"], manifest["nodes"], manifest["ranks_per_node"]) == \
-           ("ok", "torchrun", 2, 2)
-    assert manifest["job_id"] == "twonodes" and manifest["world_size"] == 4
-    assert sorted((r["node_rank"], r["local_rank"]) for r in manifest["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert [r["rank"] for r in manifest["ranks"]] == [0, 1, 2, 3] and all(r["exitcode"] == 0 for r in manifest["ranks"])
-    assert sorted(p.name for p in (cell_dir / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
+           ("ok", "torchrun", 2, 1)
+    assert manifest["job_id"] == "twonodes" and manifest["world_size"] == 2
+    assert sorted((r["node_rank"], r["local_rank"]) for r in manifest["ranks"]) == [(0, 0), (1, 0)]
+    assert [r["rank"] for r in manifest["ranks"]] == [0, 1] and all(r["exitcode"] == 0 for r in manifest["ranks"])
+    assert sorted(p.name for p in (cell_dir / "logs").iterdir()) == [f"rank{r}.log" for r in range(2)]
 
-    local = cell("strategy=fsdp_full")
+    local = cell("strategy=fsdp_full", "world_size=2")
     assert local.status == "ok"
     assert json.loads((local.cell_dir / "manifest.json").read_text())["launcher"] == "local"
     _same_measurements(cell_dir, local.cell_dir)
-    assert read_csv(local, "collectives.csv").groupby("rank")["count"].sum().tolist() == [24] * 4  # 16 AG + 8 RS
+    assert read_csv(local, "collectives.csv").groupby("rank")["count"].sum().tolist() == [24] * 2  # 16 AG + 8 RS
 
 
 def test_a_failing_torchrun_rank_is_recorded(tmp_path):

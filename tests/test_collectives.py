@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import read_csv
+from conftest import WARMUP, read_csv
 from zeroexp.cell.resolved import Cell
 from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.formulas import bus_bytes, bus_factor, padded_numel
@@ -32,7 +32,7 @@ def test_reference_fingerprint(cell, name):
     assert r.status == "ok", r.error
     s = r.summary["collectives"]
     assert s["check"] == "PASS" and s["reasons"] == [], s["reasons"]
-    assert s["source"] == SOURCE and s["profiled_steps"] == [3] and s["rank_disagreements"] == []
+    assert s["source"] == SOURCE and s["profiled_steps"] == [WARMUP] and s["rank_disagreements"] == []
     assert s["counts"] == {op: c for op, (c, _) in want.items()} == s["expected_counts"]
     assert s["payload_bytes"] == {op: k * P for op, (_, k) in want.items()} == s["expected_payload_bytes"]
     assert s["bus_bytes"] == {op: round(k * P * bus_factor(op, N)) for op, (_, k) in want.items()}

@@ -15,9 +15,9 @@ import pytest
 from zeroexp.errors import ConfigError
 from zeroexp.report.checks import cell_checks
 from zeroexp.results.verdict import Code
-from conftest import WINDOWS, run_cli
+from conftest import PROBED, WINDOWS, run_cli
 
-BASE = ("logger=none", "steps=5", *WINDOWS, "batch_size=2")  # warm-up, one profiled, one memory-tracked step
+BASE = ("logger=none", f"steps={PROBED}", *WINDOWS, "batch_size=2")  # warm-up, one profiled, one memory-tracked step
 DTENSOR = "torch.testing._internal.distributed._tensor.common_dtensor"
 HF = importlib.util.find_spec("transformers") is not None
 TT = importlib.util.find_spec("expecttest") is not None
@@ -217,7 +217,7 @@ def test_pytorchs_test_transformer_peak_on_every_rank(cell, strategy):
                       "+model.args.dim=768", "+model.args.n_heads=12", "+model.args.weight_tying=false",
                       "+model.args.dropout_p=0.0", "model.dtype=long", "model.high=32", "model.loss=next_token",
                       f"model.wrap=[{DTENSOR}.TransformerBlock]"),
-             f"strategy={strategy}", "world_size=2", "batch_size=1", "steps=5", *WINDOWS, base=("logger=none",))
+             f"strategy={strategy}", "world_size=2", "batch_size=1", f"steps={PROBED}", *WINDOWS, base=("logger=none",))
     memory = r.summary["plan"]["memory"]
     assert memory["check"] == "PASS", memory["reasons"]
     assert [rank["check"] for rank in memory["ranks"]] == ["PASS", "PASS"]

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from conftest import WINDOWS, read_csv
+from conftest import PROBED, STEPS, WINDOWS, read_csv
 
 from zeroexp.cell.policy import CellPolicy
 from zeroexp.config.schemas import ConfigError, validate
@@ -159,7 +159,7 @@ def test_refusals(compose, monkeypatch):
 #: Each corpus model and its sample's shape.
 CORPUS = {"biased": "[10]", "conv_bn": "[3,8,8]", "frozen_mlp": "[16]"}
 #: conftest.BASE without model.width (the default Linear stack's), which the corpus factories do not take.
-FOREIGN_BASE = ("logger=none", "steps=8", *WINDOWS)
+FOREIGN_BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)
 
 
 def _foreign(cell, model: str, stage: int, n: int, *extra: str):
@@ -251,7 +251,7 @@ def test_a_frozen_layer_is_held_whole_at_stage2_and_partitioned_and_fetched_at_s
 #: tests/test_corpus.py's cell of unused_branch (its base and overrides): a cell both modules run is run once.
 UNUSED = ("strategy=deepspeed", "model=custom", "model._target_=corpus.unused_branch", "model.input_shape=[8]",
           "model.wrap=[torch.nn.Linear]")
-CORPUS_BASE = ("logger=none", "steps=5", *WINDOWS, "batch_size=2")
+CORPUS_BASE = ("logger=none", f"steps={PROBED}", *WINDOWS, "batch_size=2")
 
 
 @pytest.mark.parametrize("stage, n, decay", [(1, 3, False), (3, 2, False), (2, 2, True), (3, 3, True)])

@@ -5,7 +5,7 @@ under activation checkpointing whose plan checks all pass."""
 from __future__ import annotations
 
 import pytest
-from conftest import WINDOWS
+from conftest import STEPS, WINDOWS
 
 from zeroexp.cell.strategy import check_ds_stage3_limits
 from zeroexp.errors import ConfigError
@@ -100,7 +100,7 @@ needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
 LLAMA = ("model=llama3_8b", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=256", "model.seq_len=16")
 GPT = ("model=gpt", "model.n_layer=2")
-MODEL_BASE = ("logger=none", "steps=8", *WINDOWS)  # conftest's BASE without the mlp's width
+MODEL_BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)  # conftest's BASE without the mlp's width
 
 
 @needs_deepspeed

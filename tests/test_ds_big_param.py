@@ -7,7 +7,7 @@ peak/deepspeed.py)."""
 from __future__ import annotations
 
 import pytest
-from conftest import WINDOWS
+from conftest import STEPS, WINDOWS
 
 from zeroexp.formulas.deepspeed import deepspeed_buckets, ds_allreduce_calls
 from zeroexp.formulas.peak.deepspeed import ds_allreduce_copies, ds_partition, ds_stage12_phase_peaks
@@ -19,7 +19,7 @@ needs_deepspeed = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
 LLAMA = ("model=llama3_8b", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=256", "model.seq_len=16")
 GPT = ("model=gpt", "model.n_layer=2")
-MODEL_BASE = ("logger=none", "steps=8", *WINDOWS)
+MODEL_BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)
 
 
 def test_a_gradient_above_the_bucket_is_a_bucket_alone_in_its_place():

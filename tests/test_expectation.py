@@ -15,18 +15,18 @@ from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import LAYOUTS, ModelShape, PlanKnobs, cut_buckets, derive_groups, step_collectives
 from zeroexp.strategies.deepspeed import deepspeed_available
 from zeroexp.results.verdict import Code
-from conftest import WINDOWS
+from conftest import PROBED, STEPS, WINDOWS
 
 STRATEGIES = ["ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp_full", "fsdp2_full", "deepspeed"]
 MODELS = {"mlp": ("model=mlp", "strategy.bucket_cap_mb=0.05"),  # 3 x 4096 elements of 4 B fit in 0.05 MiB
           "gpt": ("model=gpt", "model.n_layer=2", "strategy.bucket_cap_mb=0.1")}  # above the 16384-element embedding
-GPT_BASE = ("logger=none", "steps=8", *WINDOWS)  # conftest's BASE without the mlp's width
+GPT_BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)  # conftest's BASE without the mlp's width
 _NO_BUCKETS = {"fsdp_grad_op", "fsdp_full", "fsdp2_full"}  # strategies without a bucket cap
 
 
 def _overrides(strategy: str, model: str) -> list[str]:
     keys = [o for o in MODELS[model] if not (strategy in _NO_BUCKETS and o.startswith("strategy.bucket_cap_mb"))]
-    return [f"strategy={strategy}", "world_size=3", "steps=5", *keys]  # warm-up 3, profiled, memory: timing n/a
+    return [f"strategy={strategy}", "world_size=3", f"steps={PROBED}", *keys]  # warm-up, profiled, memory: timing n/a
 
 
 @pytest.mark.parametrize("model", list(MODELS))

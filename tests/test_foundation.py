@@ -152,7 +152,7 @@ def test_multirun_runs_each_distinct_cell_once(ladder_sweep):
 
 def test_any_module_through_target(cell, compose):
     """torch's own TransformerEncoderLayer, built from the model config's _target_ and its arguments."""
-    base = ("logger=none", "steps=8", *WINDOWS)
+    base = ("logger=none", f"steps={STEPS}", *WINDOWS)
     with pytest.raises(ConfigError, match="width"):
         validate(compose("model=transformer_layer", "+model.width=64", base=()))
     ddp = cell("model=transformer_layer", "strategy=ddp", "world_size=2", base=base)
@@ -166,7 +166,7 @@ def test_any_module_through_target(cell, compose):
 def test_model_custom_runs_a_module_from_the_command_line_alone(cell, compose):
     """model=custom holds only what every model needs: _target_ and input_shape are required, the factory's
     arguments come with +model.<arg>=..."""
-    base = ("logger=none", "steps=8", *WINDOWS)
+    base = ("logger=none", f"steps={STEPS}", *WINDOWS)
     for overrides, key in ((("model=custom",), "model._target_"),
                            (("model=custom", "model._target_=torch.nn.Linear"), "model.input_shape")):
         with pytest.raises(ConfigError) as e:

@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import WINDOWS, read_csv
+from conftest import STEPS, WINDOWS, read_csv
 
-BASE = ("logger=none", "steps=8", *WINDOWS)
+BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)
 LADDER = [("strategy=ddp",), ("strategy=zro",), ("strategy=fsdp_grad_op",), ("strategy=fsdp_full", "prefetch=post")]
 EXPECTED = {"ddp": (2, 2, 4), "zro": (2, 2, 2), "fsdp_grad_op": (1, 1, 2), "fsdp_full": (1, 1, 2)}
 

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from zeroexp.errors import ConfigError
-from conftest import STEPS, WINDOWS, compose_config
+from conftest import PROBED, STEPS, WINDOWS, compose_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed")
@@ -176,7 +176,7 @@ def test_a_mixtral_cell_holds_every_check_and_its_peak(cell, overrides):
     DeepSpeed keeps the rotary inv_freq fp32 under bf16 as the plan says (plan.state, plan.groups)."""
     from zeroexp.report.checks import cell_checks
 
-    r = cell(*MIXTRAL, *overrides, base=("logger=none", "steps=6", *WINDOWS))
+    r = cell(*MIXTRAL, *overrides, base=("logger=none", f"steps={PROBED + 1}", *WINDOWS))
     assert r.status == "ok", r.error
     checks = {c.name: c for c in cell_checks(r.summary)}
     assert not [(c.name, c.reasons) for c in checks.values() if c.verdict not in ("PASS", "n/a", "SKIP")]

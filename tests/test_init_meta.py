@@ -22,12 +22,12 @@ from zeroexp.formulas.init import init_peak_bytes
 from zeroexp.models import LinearStack, build_model, import_class, wrap_paths
 from zeroexp.models.gpt import GPT
 from zeroexp.models.init import replay_init
-from conftest import WINDOWS
+from conftest import STEPS, WINDOWS
 
 W, DEPTH, N = 64, 4, 2
 MLP = ("model=mlp", f"model.width={W}", f"model.depth={DEPTH}")
 GPT_ = ("model=gpt",)  # 4 blocks of 64, a tied 256-token head
-BASE = ("logger=none", "steps=8", *WINDOWS)
+BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)
 KIND = {"fsdp_full": "fsdp1", "fsdp2_full": "fsdp2", "ddp": "replica"}  # each a family's init model
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import STEPS, assert_threshold_rule, read_csv
+from conftest import PROBED, STEPS, assert_threshold_rule, read_csv
 from zeroexp.cell.resolved import Cell
 from zeroexp.probes.equivalence import compare
 from zeroexp.probes.timing import TimingProbe, step_statistics
@@ -133,8 +133,8 @@ def test_equivalence_passes_on_the_ladder(ladder, name):
 
 def test_timing_section_over_timed_steps_only(ladder):
     timing = ladder["ddp"].summary["timing"]
-    assert timing["steps"] == [5, 6, 7]  # steps=8: warm-up 0-2, profiled 3, memory 4
-    assert timing["timed_steps"] == 3 and isinstance(timing["unstable"], bool)
+    assert timing["steps"] == list(range(PROBED, STEPS))  # warm-up 0..WARMUP-1, then one profiled, one memory
+    assert timing["timed_steps"] == STEPS - PROBED and isinstance(timing["unstable"], bool)
     # each timed step split at on_before_backward and on_after_backward: three phases, each measured (> 0)
     assert set(timing["phase_ms"]) == {"forward", "backward", "optimizer"}
     assert all(v > 0 for v in timing["phase_ms"].values())

@@ -14,11 +14,11 @@ from zeroexp.formulas.peak.accumulation import accumulated_grad_bytes, accumulat
 from zeroexp.formulas.peak.checkpointing import checkpointed_forward_bytes, recompute_bytes
 from zeroexp.formulas.peak.phases import Segment, StepTrace, phase_peaks
 from zeroexp.plan.check.memory import uncovered
-from conftest import FLOW, WINDOWS
+from conftest import FLOW, STEPS, WINDOWS
 
 #: A 3-block GPT, small (conf/model/gpt.yaml's width), at N=2: the cells this module checks against the models.
 GPT = ("model=gpt", "model.n_layer=3", "world_size=2")
-GPT_BASE = ("logger=none", "steps=8", *WINDOWS)  # conftest.BASE without the mlp's width
+GPT_BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)  # conftest.BASE without the mlp's width
 
 
 def _trace(*segments: dict) -> StepTrace:

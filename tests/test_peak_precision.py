@@ -179,9 +179,9 @@ GPT = ("model=gpt", "model.n_layer=2", "model.n_embd=32", "model.seq_len=16", "m
 def test_checkpointing_and_accumulation_below_fp32_pass_on_every_rank(cell, overrides):
     """Below fp32 the step is traced checkpointed and accumulating as in fp32: every phase of every rank PASS; DDP's
     buckets follow the autocast step's gradient order (a biased Linear's weight ready before its bias)."""
-    from conftest import WINDOWS
+    from conftest import PROBED, WINDOWS
 
-    r = cell(*GPT, *overrides, base=("logger=none", "steps=6", *WINDOWS))
+    r = cell(*GPT, *overrides, base=("logger=none", f"steps={PROBED + 1}", *WINDOWS))
     plan = r.summary["plan"]
     assert plan["memory"]["check"] == "PASS", plan["memory"]["reasons"]
     assert len(plan["memory"]["ranks"]) == 3 and all(k["check"] == "PASS" for k in plan["memory"]["ranks"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import WINDOWS, compose_config
+from conftest import PROBED, WINDOWS, compose_config
 from zeroexp.cell.identity import cell_id, cell_identity
 from zeroexp.config.schemas import validate
 from zeroexp.errors import ConfigError
@@ -16,7 +16,7 @@ CHECK = ("logger=none", "world_size=2", "steps=8", "resources.check=false")
 GPT = ("model=gpt", "model.n_layer=2")
 LLAMA = ("model=llama3_8b", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=256", "model.seq_len=16")
-BASE = ("logger=none", "steps=6", *WINDOWS)
+BASE = ("logger=none", f"steps={PROBED + 1}", *WINDOWS)
 
 
 def _planned(*overrides: str, n: int = 2) -> dict:
