@@ -16,6 +16,7 @@ from zeroexp.formulas.layout import StateLayout, pack
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
+from zeroexp.formulas.peak.phases import highest_phases
 from zeroexp.formulas.shapes import Groups, Shard, Unit
 
 __all__ = ["DeepSpeedPartitions", "DEEPSPEED", "ROWS", "DEEPSPEED_ROWS"]
@@ -100,6 +101,16 @@ class DeepSpeedPartitions(Family):
                            "replayed: measured 41 all_gathers a step on a GPT where 31 are planned)")
         return reasons
 
+    def accumulates(self, row):
+        """Stages 1-3 under ``gradient_accumulation_steps`` > 1, the engine's own accumulation (zeroexp's adapter hands
+        DeepSpeed ``grad_accum`` and steps the engine after every micro-batch: strategies/deepspeed.py)."""
+        return self.flow(row) is not None
+
+    def needs_in_place(self, row, micro_batches):
+        """Stage 1 adds every later micro-batch's gradients into autograd's whole ones (nothing reduced before the
+        boundary: :func:`zeroexp.formulas.peak.deepspeed.ds_accumulation`)."""
+        return self.flow(row) is not None and row.deepspeed_stage == 1 and micro_batches > 1
+
     def _covered(self, row) -> int:
         if self.flow(row) is None:
             raise KeyError(row.label)
@@ -120,10 +131,15 @@ class DeepSpeedPartitions(Family):
                                          calls=stage3_calls(shape) if traced else (),
                                          bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes))
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
-        return ds_stage12_phase_peaks(trace, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
-                                      numels=groups.numels, part=part,
-                                      bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
-                                      foreach=foreach, ungraded=groups.ungraded)
+        peaks = partial(ds_stage12_phase_peaks, stage=stage, buckets=groups.buckets,
+                        order=_reduce_order(groups, stage), numels=groups.numels, part=part,
+                        bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
+                        foreach=foreach, ungraded=groups.ungraded)
+        if micro_batches < 2:
+            return peaks(trace)
+        # the first micro-batch as a step without accumulation (stage 1 reduces nothing in it: a lower bound), every
+        # later one holding what the earlier ones left (stage 1: traced with its gradients allocated)
+        return highest_phases(peaks(trace), peaks(in_place if stage == 1 else trace, later=True))
 
     def step_frees_grads(self, row):
         """Stages 1-2 (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``);

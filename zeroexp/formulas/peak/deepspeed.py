@@ -51,8 +51,8 @@ from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.adamw import adamw_temporaries
 from zeroexp.formulas.peak.phases import StepTrace
 
-__all__ = ["DsPartition", "ds_partition", "ds_allreduce_copies", "ds_stage12_phase_peaks", "ds_stage3_phase_peaks",
-           "FP64"]
+__all__ = ["DsPartition", "ds_partition", "ds_allreduce_copies", "ds_accumulation", "ds_stage12_phase_peaks",
+           "ds_stage3_phase_peaks", "FP64"]
 
 #: ``get_norm_dtype``: DeepSpeed's gradient norms accumulate in float64 (8 bytes) on a device that has it.
 FP64 = 8
@@ -126,6 +126,38 @@ def _at_hook(segments: list, i: int) -> dict:
     return {c: min(b, nxt.get(c, 0)) for c, b in end.items()}
 
 
+def _first_partition_bucket(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...],
+                            part: DsPartition) -> int | None:
+    """The first bucket (reduce order) that holds a gradient of the partition: ``grads_in_partition`` is made when it
+    is reduced (None: no gradient of the partition is reduced)."""
+    bucket_of = [k for k, b in enumerate(buckets) for _ in b]
+    return min((bucket_of[i] for i, p in enumerate(order) if p in part.params), default=None)
+
+
+def ds_accumulation(stage: int, bucket: int, partition: int, graded: int) -> dict[str, int]:
+    """Stages 1-2 under ``gradient_accumulation_steps`` > 1: what a micro-batch after the first holds from its start
+    above a step without accumulation, by category (``bucket``: the ipg bucket's bytes; ``partition``: the rank's
+    ``grads_in_partition`` and the epilogue's zero gradients, :func:`ds_stage12_phase_peaks`; ``graded``: autograd's
+    gradients of every parameter the step gives one).
+
+    Stage 1 (stage_1_and_2.py): the engine reduces only at the boundary (engine.py ``allreduce_gradients``:
+    ``reduce_gradients`` when ``is_gradient_accumulation_boundary``), yet every gradient hook calls
+    ``process_gradients`` -> ``setup_buckets``, which allocates the ipg bucket at the step's first hook; only the
+    boundary's epilogue releases it (``_release_ipg_buffers``): the bucket is held from the first micro-batch's
+    first hook to the last one's epilogue, beside autograd's whole gradients, into which the later micro-batches add
+    (the step traced with its gradients allocated, which counts none of them). Stage 2 (``partition_gradients``):
+    every micro-batch reduces its buckets and runs the epilogue
+    (``overlapping_partition_gradients_reduce_epilogue``); the first one's epilogue keeps the partition's gradients
+    (``all_grad_tensors[i] = get_all_grad_tensors(...)``: views of that micro-batch's ``grads_in_partition`` and
+    zeros for a parameter without a gradient) after ``_release_ipg_buffers`` drops the attribute, so that storage
+    lives to the step; each later micro-batch makes its own ``grads_in_partition`` and zeros (``avg_new``) and adds
+    them in (``accumulated_grad.add_``), freed at its epilogue's end; the boundary's ``get_flat_partition`` reads
+    ``all_grad_tensors``, so the step holds what a step without accumulation holds."""
+    if stage == 1:
+        return {"temporaries": bucket, "gradients": graded}
+    return {"temporaries": partition}
+
+
 def _closed(edges: list[int], traced: int) -> int:
     """How many buckets (``edges``: their cumulative bytes in reduce order) are reduced once ``traced`` gradient bytes
     exist: bucket k is reduced when a gradient beyond it arrives."""
@@ -134,7 +166,8 @@ def _closed(edges: list[int], traced: int) -> int:
 
 def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
                            order: tuple[int, ...], numels: tuple[int, ...], part: DsPartition, bucket_numel: int,
-                           itemsize: int, foreach: bool = False, ungraded: tuple[int, ...] = ()) -> dict[str, dict]:
+                           itemsize: int, foreach: bool = False, ungraded: tuple[int, ...] = (),
+                           later: bool = False) -> dict[str, dict]:
     """Stages 1 and 2 (``buckets``: the ipg buckets' gradient numels in reduce order, parameter order at stage 1,
     backward order at stage 2; ``order``: the parameters' indices in that order, ``numels`` in parameter order;
     ``part``: the rank's partition; ``bucket_numel``: ``reduce_bucket_size``), per phase, the bytes above steady at
@@ -152,12 +185,21 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     partition until the step; ``grads_in_partition`` is made only where a parameter with a gradient is reduced. A
     gradient above ``bucket_numel`` (a bucket alone, ``extra_large_param_to_reduce``): autograd's tensor, never copied
     into the bucket, held until its own reduction (in the next gradient's hook at stage 2, in the epilogue at stage 1)
-    beside its largest all_reduce's flat copy."""
+    beside its largest all_reduce's flat copy.
+
+    ``later``: a micro-batch after the first of a step's accumulation (``grad_accum`` > 1; :func:`ds_accumulation`
+    says what it holds from its start, and at stage 1 ``trace`` is the step traced with its gradients allocated)."""
     c, out = itemsize, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
     pad = part.padding * c
     zeros = sum(numels[i] for i in part.params if i in set(ungraded)) * c  # the epilogue's zero gradients
+    first_gip = _first_partition_bucket(buckets, order, part)
+    gip = part.overlapped * c if first_gip is not None else 0  # never made where no gradient of it is reduced
+    # what a later micro-batch holds from its start: stage 1 the ipg bucket, stage 2 the partition accumulated so far
+    graded = sum(k for i, k in enumerate(numels) if i not in set(ungraded)) * c  # autograd's whole gradients
+    carried = ds_accumulation(stage, bucket_numel * c, gip + zeros, graded) if later else {}
+    loss = {**loss, **carried}  # beside every forward and backward moment (no category in common)
     sizes = [k * c for k in ds_allreduce_copies(buckets, order, numels, part.numel, bucket_numel)]
     # A gradient above the bucket (a bucket alone): never copied into the bucket, autograd's tensor is reduced in place
     # and kept from its hook until it is reduced (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads:
@@ -165,17 +207,13 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     big = {k: b[0] * c for k, b in enumerate(buckets) if len(b) == 1 and b[0] > bucket_numel}
     edges = [sum(b) * c for b in buckets]
     edges = [sum(edges[:i]) for i in range(len(edges) + 1)]
-    # The first bucket (reduce order) that holds a gradient of the partition: grads_in_partition is made when it is.
-    bucket_of = [k for k, b in enumerate(buckets) for _ in b]
-    first_gip = min((bucket_of[i] for i, p in enumerate(order) if p in part.params), default=None)
-    gip = part.overlapped * c if first_gip is not None else 0  # never made where no gradient of it is reduced
 
     for s in (s for s in trace.segments if s.phase == "forward"):
         keep("forward", s.peak_by_category, loss)
     before, backward = 0, [s for s in trace.segments if s.phase == "backward"]
     for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
-        held = bucket if before else {}
+        held = bucket if before and not (later and stage == 1) else {}  # a later stage-1 micro-batch: carried
         if stage == 2:  # each gradient moved into the bucket in its hook; buckets reduced in backward order
             done = _closed(edges, before)
             kept = {"temporaries": gip} if first_gip is not None and done > first_gip else {}
@@ -195,10 +233,11 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
             keep("backward", s.peak_by_category, loss, held)
         before = s.end_by_category.get("gradients", 0)
     end = trace.segments[-1].end_by_category
-    end_grads = end.get("gradients", 0)
+    end_grads = end.get("gradients", 0) + carried.get("gradients", 0)  # a later stage-1 micro-batch's: carried
     # The epilogue, from the bare step's end: stage 1 reduces every bucket (autograd's gradients of the buckets not
     # yet copied still held), stage 2 the last one.
     first = 0 if stage == 1 else len(buckets) - 1
+    bucket = {} if later and stage == 1 else bucket  # carried from the first micro-batch already
     for k in range(first, len(buckets)):
         pending = (sum(sum(b) for b in buckets[k + 1:]) * c if stage == 1 else 0) + big.get(k, 0)
         made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
@@ -207,6 +246,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
             keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, {"temporaries": gip})
     keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + zeros + pad})
 
+    loss = {"activations": -trace.loss_bytes}  # the step holds nothing carried: the partition is the one kept
     held, norms = {"temporaries": gip + zeros + pad}, 2 * DS_NORM_BYTES[stage]  # the combined and new global norm
     # get_grad_norm_direct: each piece in turn copied to float64 and its norm taken, beside the pieces' norms before it
     copy = max(((k + 1) + x) * FP64 for k, x in enumerate(part.pieces)) if part.pieces else 0
@@ -248,7 +288,14 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     (``reduce_bucket_size``; None: no gradient above it): a gradient above it is a bucket alone, never copied into the
     ipg bucket (stage3.py ``__add_grad_to_ipg_bucket``: ``bucket.elements + param.grad.numel() <=
     self.reduce_bucket_size``), autograd's tensor held from its hook until its reduce-scatter (the next gradient's
-    hook, or the epilogue), then partitioned and freed (``partition_grads``)."""
+    hook, or the epilogue), then partitioned and freed (``partition_grads``).
+
+    Under ``gradient_accumulation_steps`` > 1 every micro-batch is such a step: a gradient's partition accumulates in
+    the steady ``grad_partitions_flat_buffer`` (``partition_grads``: ``copy_`` at ``micro_step_id`` 0, ``add_`` in
+    place after), the epilogue's ``averaged_gradients`` are views of it (its ``torch.zeros_like`` is for a parameter
+    without ``requires_grad`` of the optimizer's groups, which hold the trained ones alone here), and each backward's
+    epilogue releases what its post-backward hooks did not (``backward_epilogue``: ``release_backward_leftovers``);
+    measured on the Linear stack, a 2-layer Llama and a LoRA GPT (frozen parameters), fp32 and bf16, N=2 and 3."""
     c, n, out = itemsize, world_size, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:

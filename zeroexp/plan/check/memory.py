@@ -75,7 +75,7 @@ def uncovered(name: str, precision: str, offload: str,
                       if v not in (None, "none"))
         reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name}{how} (covered: "
                        f"{', '.join(covered)}; FSDP1 FULL_SHARD's no_sync, which holds each unit's unsharded "
-                       "gradient, and DeepSpeed's accumulation, not yet)")
+                       "gradient, not yet)")
     return reasons
 
 
