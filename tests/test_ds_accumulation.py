@@ -6,7 +6,7 @@ micro-batch's epilogue kept, stage 3 nothing beyond its steady buffers (zeroexp/
 from __future__ import annotations
 
 import pytest
-from conftest import WINDOWS
+from conftest import STEPS, WINDOWS
 from test_ds_big_param import GPT, needs_deepspeed
 from test_recommend import _compose
 
@@ -75,7 +75,7 @@ CELLS = [pytest.param(("strategy.stage=1", *MLP, "grad_accum=3", "world_size=3")
 @needs_deepspeed
 @pytest.mark.parametrize("overrides", CELLS)
 def test_an_accumulating_deepspeed_cell_holds_the_peak_model(cell, overrides):
-    r = cell("strategy=deepspeed", *overrides, base=("logger=none", "steps=8", *WINDOWS))
+    r = cell("strategy=deepspeed", *overrides, base=("logger=none", f"steps={STEPS}", *WINDOWS))
     assert r.status == "ok", r.error
     memory = r.summary["plan"]["memory"]
     assert memory["check"] == "PASS" and memory["trace"]["micro_batches"] in (2, 3)
