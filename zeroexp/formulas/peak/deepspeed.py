@@ -43,6 +43,8 @@ scalars, are left out), so the phase's prediction is never above the measurement
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from itertools import accumulate
 from typing import Callable, NamedTuple
 
 from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups, ds_allreduce_calls
@@ -130,8 +132,8 @@ def _first_partition_bucket(buckets: tuple[tuple[int, ...], ...], order: tuple[i
                             part: DsPartition) -> int | None:
     """The first bucket (reduce order) that holds a gradient of the partition: ``grads_in_partition`` is made when it
     is reduced (None: no gradient of the partition is reduced)."""
-    bucket_of = [k for k, b in enumerate(buckets) for _ in b]
-    return min((bucket_of[i] for i, p in enumerate(order) if p in part.params), default=None)
+    bucket_of, mine = [k for k, b in enumerate(buckets) for _ in b], set(part.params)
+    return min((bucket_of[i] for i, p in enumerate(order) if p in mine), default=None)
 
 
 def ds_accumulation(stage: int, bucket: int, partition: int, graded: int) -> dict[str, int]:
@@ -161,7 +163,14 @@ def ds_accumulation(stage: int, bucket: int, partition: int, graded: int) -> dic
 def _closed(edges: list[int], traced: int) -> int:
     """How many buckets (``edges``: their cumulative bytes in reduce order) are reduced once ``traced`` gradient bytes
     exist: bucket k is reduced when a gradient beyond it arrives."""
-    return sum(1 for e in edges[1:-1] if traced > e)
+    return bisect_left(edges, traced, 1, len(edges) - 1) - 1  # the inner edges below traced
+
+
+def _being_made(edges: list[int], big: dict[int, int], traced: int) -> int:
+    """The bytes of the gradient above the bucket (``big``: by bucket) whose bucket ``traced`` gradient bytes reach
+    into: bucket k's where ``edges[k] < traced <= edges[k + 1]`` (the last one made, still autograd's); else 0."""
+    k = bisect_left(edges, traced) - 1
+    return big.get(k, 0) if 0 <= k < len(edges) - 1 else 0
 
 
 def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
@@ -193,11 +202,12 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
     pad = part.padding * c
-    zeros = sum(numels[i] for i in part.params if i in set(ungraded)) * c  # the epilogue's zero gradients
+    no_grad = set(ungraded)
+    zeros = sum(numels[i] for i in part.params if i in no_grad) * c  # the epilogue's zero gradients
     first_gip = _first_partition_bucket(buckets, order, part)
     gip = part.overlapped * c if first_gip is not None else 0  # never made where no gradient of it is reduced
     # what a later micro-batch holds from its start: stage 1 the ipg bucket, stage 2 the partition accumulated so far
-    graded = sum(k for i, k in enumerate(numels) if i not in set(ungraded)) * c  # autograd's whole gradients
+    graded = sum(k for i, k in enumerate(numels) if i not in no_grad) * c  # autograd's whole gradients
     carried = ds_accumulation(stage, bucket_numel * c, gip + zeros, graded) if later else {}
     loss = {**loss, **carried}  # beside every forward and backward moment (no category in common)
     sizes = [k * c for k in ds_allreduce_copies(buckets, order, numels, part.numel, bucket_numel)]
@@ -205,8 +215,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     # and kept from its hook until it is reduced (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads:
     # extra_large_param_to_reduce; reduce_ipg_grads), then copied into grads_in_partition or cleared.
     big = {k: b[0] * c for k, b in enumerate(buckets) if len(b) == 1 and b[0] > bucket_numel}
-    edges = [sum(b) * c for b in buckets]
-    edges = [sum(edges[:i]) for i in range(len(edges) + 1)]
+    edges = list(accumulate((sum(b) * c for b in buckets), initial=0))  # bucket k: edges[k] to edges[k + 1] bytes
 
     for s in (s for s in trace.segments if s.phase == "forward"):
         keep("forward", s.peak_by_category, loss)
@@ -218,7 +227,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
             done = _closed(edges, before)
             kept = {"temporaries": gip} if first_gip is not None and done > first_gip else {}
             # a gradient above the bucket, the last one made, is still autograd's
-            whole = sum(x for k, x in big.items() if edges[k] < grads <= edges[k + 1])
+            whole = _being_made(edges, big, grads)
             keep("backward", s.peak_by_category, loss, {"gradients": whole - grads}, held, kept)
             after = s.end_by_category.get("gradients", 0)
             for k in range(done, _closed(edges, after)):  # bucket k reduced in this stretch, at its end at the latest
@@ -239,7 +248,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     first = 0 if stage == 1 else len(buckets) - 1
     bucket = {} if later and stage == 1 else bucket  # carried from the first micro-batch already
     for k in range(first, len(buckets)):
-        pending = (sum(sum(b) for b in buckets[k + 1:]) * c if stage == 1 else 0) + big.get(k, 0)
+        pending = (edges[-1] - edges[k + 1] if stage == 1 else 0) + big.get(k, 0)
         made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
         keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, made, {"temporaries": sizes[k]})
         if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
@@ -390,7 +399,7 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
     for b in buckets:
         cat = sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0
         sizes.append(cat + (cat - sum(b) * c if cat else 0) + (sum(padded_numel(x, n) for x in b) * c if gloo else 0))
-    edges = [sum(sum(b) for b in buckets[:i]) * c for i in range(len(buckets) + 1)]
+    edges = list(accumulate((sum(b) * c for b in buckets), initial=0))
     big = {k: b[0] * c for k, b in enumerate(buckets)
            if bucket_numel is not None and len(b) == 1 and b[0] > bucket_numel}
     held = gathered - sum(dropped.values()) if held is None else held
@@ -398,7 +407,7 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
     flat = hooks[0].after["temporaries"] if hooks else 0  # forward's flat buffers still held
     for i, s in enumerate(backward):
         grads = s.peak_by_category.get("gradients", 0)
-        whole = sum(x for k, x in big.items() if edges[k] < grads <= edges[k + 1])  # the last one made, autograd's
+        whole = _being_made(edges, big, grads)  # the last one made, autograd's
         keep("backward", s.peak_by_category, loss, {"gradients": whole - grads, "parameters": held,
                                                     "temporaries": flat})
         match = next((j for j in range(at, len(hooks)) if hooks[j][:2] == (s.unit, s.at)), None) if hooks else None
