@@ -27,7 +27,7 @@ def test_only_a_reduce_dtype_of_its_own_is_left_out():
         assert uncovered(row, "bf16", "none", "full", 2, sync_each_microbatch=True, reduce_dtype="float32",
                          param_dtype="bfloat16") == []
     assert uncovered("fsdp_full", "fp32", "none", "none", 2, sync_each_microbatch=True) == []
-    assert len(uncovered("fsdp_full", "fp32", "none", "none", 2)) == 1  # FULL_SHARD's no_sync: not yet
+    assert uncovered("fsdp_full", "fp32", "none", "none", 2) == []  # FULL_SHARD's no_sync
 
 
 def test_the_planned_peak_holds_the_unsharded_gradients_of_the_later_micro_batches():

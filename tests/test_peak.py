@@ -11,7 +11,6 @@ from zeroexp.formulas.peak.adamw import adamw_temporaries
 from zeroexp.formulas.peak.phases import Segment, StepTrace, phase_peaks
 from zeroexp.plan.check.judge import judge as _judge
 from zeroexp.plan.steptrace import trace_step
-from zeroexp.results.verdict import Code
 from conftest import FLOW
 
 W, DEPTH, B = 64, 8, 8  # tests/conftest.py's BASE model at its per-rank batch
@@ -201,11 +200,12 @@ def test_fsdp2_keeps_an_all_gather_output_beside_the_unsharded_parameters(cell):
     assert all(p["measured_bytes"] >= p["predicted_bytes"] for ph, p in memory["phases"].items() if ph != "steady")
 
 
-def test_plan_memory_is_na_where_no_model_exists(cell):
+def test_plan_memory_judges_fsdp1_below_fp32(cell):
+    # SHARD_GRAD_OP's no_sync in bf16: the unsharded gradients bf16 (autograd's), the steady shards zero_grad frees
+    # fp32 (FSDP1 casts each reduced shard to the parameters' dtype); every rank PASS
     memory = cell("strategy=fsdp_grad_op", "world_size=2", "precision=bf16", "grad_accum=2").summary["plan"]["memory"]
-    assert memory["check"] == "n/a" and memory["reason_codes"] == [Code.MEMORY_NOT_MODELLED]
-    assert "FSDP1's no_sync accumulation below fp32" in memory["reasons"][0]  # what it does not model
-    # bf16 with checkpointing is modelled (it was not): judged, every phase PASS
+    assert memory["check"] == "PASS" and [r["check"] for r in memory["ranks"]] == ["PASS", "PASS"], memory["reasons"]
+    # bf16 with checkpointing: judged, every phase PASS
     memory = cell("strategy=fsdp_full", "world_size=2", "precision=bf16",
                   "activation_checkpointing=full").summary["plan"]["memory"]
     assert memory["check"] == "PASS", memory["reasons"]

@@ -54,8 +54,9 @@ def test_accumulation_takes_each_phase_highest_over_the_micro_batches():
         "ddp": 400, "zro": 400, "zero1": 0, "zero2": 0, "fsdp_full": None, "deepspeed_stage2": None}
 
 
-def test_shard_grad_op_under_no_sync_holds_every_unit_and_unsharded_gradient():
-    from zeroexp.formulas.peak.accumulation import fsdp_no_sync_phase_peaks
+def test_fsdp1_under_no_sync_holds_every_unsharded_gradient():
+    from zeroexp.formulas.peak.accumulation import fsdp1_no_sync_phase_peaks
+    from zeroexp.formulas.peak.phases import FsdpUnit
 
     def seg(phase, unit, at, cats):
         return Segment(phase, unit, at, sum(cats.values()), cats, sum(cats.values()), cats)
@@ -67,8 +68,14 @@ def test_shard_grad_op_under_no_sync_holds_every_unit_and_unsharded_gradient():
                           seg("backward", "b", "end", {"activations": 150, "temporaries": 60, "gradients": 40}),
                           seg("backward", "a", "end", {"activations": 20, "temporaries": 60, "gradients": 80}),
                           seg("backward", "root", "end", {"gradients": 90})), loss_bytes=8)
-    got = fsdp_no_sync_phase_peaks(trace, [48, 48], [40, 40], root=16, root_grads=10, steady_grad_bytes=45,
-                                   optimizer_temporaries=7)
+
+    def peaks(reshard_after_forward: bool, prefetch: str = "none") -> dict:
+        return fsdp1_no_sync_phase_peaks(trace, [FsdpUnit(48, 24, 40)] * 2, [40, 40], micro_batches=2,
+                                         reshard_after_forward=reshard_after_forward, root=16, root_grads=10,
+                                         steady_grad_bytes=45, prefetch=prefetch, gloo=False, optimizer_numels=(7,),
+                                         optimizer_itemsize=4, foreach=False)
+
+    got = peaks(False)  # SHARD_GRAD_OP
     # Later micro-batches: both units and the root unsharded (112), every unsharded gradient (90) less the steady
     # shards (45), beside the forward's 300 B at the loss.
     assert got["forward"] == {"bytes": 300 + 112 + 45, "by_category": {"activations": 300, "unsharded": 112,
@@ -76,7 +83,13 @@ def test_shard_grad_op_under_no_sync_holds_every_unit_and_unsharded_gradient():
     # The loss's backward before any post-backward hook: every unit and gradient held, autograd adding in place.
     assert got["backward"] == {"bytes": 292 + 50 + 112 + 45, "by_category": {
         "activations": 292, "temporaries": 50, "unsharded": 112, "comm": 90, "gradients": -45}}
-    assert got["optimizer"] == {"bytes": 7, "by_category": {"optimizer_state": 7}}
+    # FULL_SHARD: the root alone gathered at the loss (no prefetch); BACKWARD_PRE's root hook gathers b there too
+    got = peaks(True)
+    assert got["forward"] == {"bytes": 300 + 16 + 45, "by_category": {"activations": 300, "unsharded": 16,
+                                                                      "comm": 90, "gradients": -45}}
+    assert got["backward"] == {"bytes": 292 + 50 + 16 + 45, "by_category": {
+        "activations": 292, "temporaries": 50, "unsharded": 16, "comm": 90, "gradients": -45}}
+    assert peaks(True, "pre")["backward"]["by_category"]["unsharded"] == 16 + 48
 
 
 def test_checkpointing_from_the_per_unit_figures():
@@ -91,8 +104,9 @@ def test_what_the_peak_model_covers():
     assert uncovered("zero2", "fp32", "none", micro_batches=2) == []
     assert uncovered("fsdp2_full", "fp32", "none", activation_checkpointing="full") == []
     assert uncovered("fsdp_grad_op", "fp32", "none", micro_batches=2) == []  # SHARD_GRAD_OP under no_sync
-    why = uncovered("fsdp_full", "fp32", "none", micro_batches=2)
-    assert len(why) == 1 and "grad_accum=2 with strategy.layout=fsdp_full (covered:" in why[0]
+    for row in ("fsdp_full", "fsdp_grad_op", "fsdp_HYBRID_SHARD", "fsdp__HYBRID_SHARD_ZERO2"):  # FSDP1's no_sync
+        for ac in ("none", "full", "selective_layer", "selective_op"):
+            assert uncovered(row, "bf16", "none", ac, 2, param_dtype="bfloat16") == [], (row, ac)
     for row in ("fsdp_full", "fsdp_grad_op"):  # reducing every micro-batch, any checkpointing and precision
         assert uncovered(row, "bf16", "none", "selective_op", 2, sync_each_microbatch=True,
                          param_dtype="bfloat16") == []
@@ -150,12 +164,13 @@ def test_planner_rows_under_checkpointing_and_accumulation():
         assert rows["ac"][name]["peak_bytes"] < rows["plain"][name]["peak_bytes"], name
         assert rows["ac"][name]["fits"] and not rows["plain"][name]["fits"], name  # 5 MB: only checkpointed
     # Accumulation: DDP's later micro-batches hold the whole gradient from their start; four micro-batches' reduce-
-    # scatters for zero2, one all_reduce for ddp; FULL_SHARD's no_sync is not modelled (the state decides fits).
+    # scatters for zero2, one all_reduce for ddp; FULL_SHARD's no_sync holds every unit's unsharded gradient.
     assert rows["ga"]["ddp"]["accum_grad_bytes"] == rows["ga"]["ddp"]["grad_bytes"]
     assert rows["ga"]["ddp"]["phase_bytes"]["backward"] > rows["plain"]["ddp"]["phase_bytes"]["backward"]
     assert rows["ga"]["zero2"]["counts"]["reduce_scatter"] == 4 * rows["plain"]["zero2"]["counts"]["reduce_scatter"]
     assert rows["ga"]["ddp"]["counts"] == rows["plain"]["ddp"]["counts"]
-    assert rows["ga"]["fsdp_full"]["peak_bytes"] is None and "grad_accum=4" in rows["ga"]["fsdp_full"]["peak_note"]
+    assert rows["ga"]["fsdp_full"]["peak_bytes"] and not rows["ga"]["fsdp_full"].get("peak_note")
+    assert rows["ga"]["fsdp_full"]["phase_bytes"]["backward"] > rows["plain"]["fsdp_full"]["phase_bytes"]["backward"]
     assert all(r["grad_accum"] == 4 and r["step_ms"] > 0 for r in rows["ga"].values())
     with pytest.raises(ConfigError) as e:
         run(bad)

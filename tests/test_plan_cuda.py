@@ -103,7 +103,7 @@ def test_every_cuda_phase_counts_whole_blocks_on_an_odd_sized_model(precision):
     all-gather inputs below fp32, FSDP1's flat gradient under no_sync too): every phase of every row but DeepSpeed's
     (tensor bytes, said in the notes) is a whole number of blocks, on 8 x Linear(100, 100) at N=3."""
     rows = "[ddp,zro,zero1,zero2,fsdp_grad_op,fsdp_full,fsdp2_full,fsdp2_grad_op]"
-    for accum in (1, 2) if precision == "fp32" else (1,):  # accumulation's peak model is fp32's
+    for accum in (1, 2):
         records, notes = _run("model=mlp", "model.width=100", "world_size=3", "batch_size=4", "device=cuda",
                               f"precision={precision}", f"grad_accum={accum}", f"strategies={rows}")
         covered = [r for r in records if r["phase_bytes"] is not None]

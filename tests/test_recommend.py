@@ -89,15 +89,16 @@ def test_the_ranking_on_a_given_network_is_exact(tiny_answer):
     a GPU preset ``fits`` is judged on reserved memory (the caching allocator's segments,
     zeroexp.formulas.peak.allocator):
     DDP's allocated peak is within the 28.8 MB (32 MB less the headroom), its reserved peak is not. What fits is
-    checkpointed: zero1's reserved peak fits with it and not without; FSDP's no_sync rows under checkpointing are
-    judged on state + activations (no peak model), and tie with each other (within the model's 8 %)."""
+    checkpointed: zero1's reserved peak fits with it and not without; FSDP's no_sync rows hold every unit's unsharded
+    gradient through the later micro-batches and do not fit; FSDP1's and FSDP2's SHARD_GRAD_OP reducing every
+    micro-batch fit, and tie with each other (within the model's 8 %)."""
     from zeroexp.cli.plan import run as plan_run
 
     _, answer = tiny_answer
     assert [r["config"] for r in answer["recommendations"]] == [
-        "zero1 fp32 ac mb1x4 cap25", "fsdp_grad_op fp32 ac mb2x2", "fsdp_grad_op fp32 ac mb1x4",
-        "zero2 fp32 ac mb1x4 cap25"]
-    assert [r["tie_with"] for r in answer["recommendations"]] == [[], [3], [2], []]
+        "zero1 fp32 ac mb1x4 cap25", "zero2 fp32 ac mb1x4 cap25", "fsdp2_grad_op fp32 ac mb2x2 sync_each",
+        "fsdp_grad_op fp32 ac mb2x2 sync_each"]
+    assert [r["tie_with"] for r in answer["recommendations"]] == [[], [], [4], [3]]
     assert answer["searched"] == 96 and answer["fastest"]["config"] == "ddp fp32 mb1x4 cap25"
     budget = 0.9 * 32e6
     rows = {}
@@ -125,7 +126,8 @@ def test_the_answer_is_the_planners_own_step_and_peak(tiny_answer):
                             f"strategies=[{o['strategy']}]", f"precision={o['precision']}",
                             f"batch_size={o['batch_size']}", f"grad_accum={o['grad_accum']}",
                             f"activation_checkpointing={o['activation_checkpointing']}",
-                            f"bucket_cap_mb={o.get('strategy.bucket_cap_mb', 25)}")
+                            f"bucket_cap_mb={o.get('strategy.bucket_cap_mb', 25)}",
+                            f"sync_each_microbatch={o.get('strategy.sync_each_microbatch', 'false')}")
         (row,), _ = plan_run(plan_cfg)
         assert rec["step_ms"] == row["step_ms"] and rec["exposed_comm_ms"] == row["exposed_comm_ms"]
         assert rec["peak_bytes"] == row["peak_bytes"]

@@ -6,8 +6,7 @@ all_reduce of each reduced gradient shard runs in place, ``_runtime_utils.py _re
 
 from __future__ import annotations
 
-from zeroexp.formulas.peak.accumulation import fsdp_no_sync_phase_peaks
-from zeroexp.formulas.peak.adamw import adamw_temporaries
+from zeroexp.formulas.peak.accumulation import fsdp1_no_sync_phase_peaks
 from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families._fsdp import FsdpFamily, gather_units, hybrid_units
 from zeroexp.formulas.families.base import Cut
@@ -50,11 +49,8 @@ class Fsdp1Units(FsdpFamily):
     views_with_orig_params = True
     holds_kept_units = True
 
-    def mixed_accumulation_limit(self, row):
-        # measured (gpt, N=3, bf16, grad_accum=2, fsdp_grad_op): the gradient the first micro-batch leaves under
-        # no_sync is freed in the next forward at twice the bytes the peak model's bf16 trace holds for it
-        return ("no peak model yet for FSDP1's no_sync accumulation below fp32: the accumulated unsharded gradient is "
-                "freed at twice the compute dtype's bytes the model traces (measured, bf16); covered in fp32")
+    def no_sync_checkpointing(self, row):
+        return True  # the trace's segments checkpointed (recompute inside each unit's backward, gathered)
 
     def sync_accumulation(self, row):
         return True  # fsdp_sync_phase_peaks, HSDP included (its all_reduce on the reduced shard, in place)
@@ -105,8 +101,8 @@ class Fsdp1Units(FsdpFamily):
                          root_kept, knobs, block, foreach, in_place=None):
         """SHARD_GRAD_OP and FULL_SHARD, the root unit kept unsharded from forward into backward; ``grad_accum`` > 1
         reducing every micro-batch (``strategy.sync_each_microbatch``:
-        :func:`zeroexp.formulas.peak.phases.fsdp_sync_phase_peaks`), or SHARD_GRAD_OP under ``no_sync``
-        (:func:`zeroexp.formulas.peak.accumulation.fsdp_no_sync_phase_peaks`)."""
+        :func:`zeroexp.formulas.peak.phases.fsdp_sync_phase_peaks`) or under ``no_sync``, hybrid sharding's within
+        its shard group (:func:`zeroexp.formulas.peak.accumulation.fsdp1_no_sync_phase_peaks`)."""
         n, kept, adamw = groups.shard_over, held.adamw["optimizer_itemsize"], held.adamw
         shards = [u.scattered // n for u in groups.units]
         # what zero_grad frees between steps: each unit's gradient shard, one storage (the flat gradient)
@@ -125,10 +121,8 @@ class Fsdp1Units(FsdpFamily):
         if micro_batches > 1:
             if not row.no_sync_accumulation:
                 raise ValueError(f"no accumulation model for {row.label} (plan.memory.uncovered names it)")
-            return fsdp_no_sync_phase_peaks(
-                trace, [u.unsharded for u in held.units], held.flat_grads, root=held.root,
-                root_grads=held.root_flat, steady_grad_bytes=counted_sum((k * itemsize for k in shards), block),
-                optimizer_temporaries=adamw_temporaries(stepped, kept, foreach, block), grads_held_into_backward=orig)
+            return fsdp1_no_sync_phase_peaks(trace, held.units, held.flat_grads, micro_batches=micro_batches,
+                                             root_grads=held.root_flat, **common)
         return fsdp_phase_peaks(trace, held.units, **common)
 
     def init_peak_bytes(self, shape, init, world_size, itemsize, use_orig_params):
@@ -145,16 +139,16 @@ ROWS = {
     "fsdp_full": StateLayout("FSDP FULL_SHARD", 3, OS_G_P, "never", FSDP1, gather_units(), "largest",
                              fp32_at_rest=True, precisions=MIXED, gathers_per_unit=twice_unless_root,
                              casts_buffers=True, source="zeroexp.strategies.fsdp; [FSDP]", reshard_after_forward=True,
-                             init_modelled=True, min_world_size=2),
+                             init_modelled=True, min_world_size=2, no_sync_accumulation=True),
     # hybrid sharding: FULL_SHARD (SHARD_GRAD_OP for _HYBRID_SHARD_ZERO2) within shard_size ranks, replicated across
     "fsdp__HYBRID_SHARD_ZERO2": StateLayout("FSDP _HYBRID_SHARD_ZERO2", 2, OS_G_P, "never", FSDP1,
                                             hybrid_units(kept_under_no_sync=True), "all", fp32_at_rest=True,
                                             precisions=MIXED, hybrid=True, casts_buffers=True,
                                             source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid",
-                                            min_world_size=2),
+                                            min_world_size=2, no_sync_accumulation=True),
     "fsdp_HYBRID_SHARD": StateLayout("FSDP HYBRID_SHARD", 3, OS_G_P, "never", FSDP1, hybrid_units(), "largest",
                                      fp32_at_rest=True, precisions=MIXED, gathers_per_unit=twice_unless_root,
                                      hybrid=True, casts_buffers=True, reshard_after_forward=True,
                                      source="zeroexp.strategies.fsdp_hybrid; [FSDP]; zeroexp.formulas.hybrid",
-                                     min_world_size=2),
+                                     min_world_size=2, no_sync_accumulation=True),
 }

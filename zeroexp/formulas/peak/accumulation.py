@@ -10,9 +10,11 @@ far). Sources: torch's ``AccumulateGrad`` (an existing ``.grad`` is added into i
 
 from __future__ import annotations
 
-from zeroexp.formulas.peak.phases import StepTrace, highest_phases, phase_peaks
+from zeroexp.formulas.peak.adamw import adamw_temporary_blocks
+from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_end, _backward_order, _fsdp_forward,
+                                          _Highest, _unit_index, highest_phases, phase_peaks)
 
-__all__ = ["accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp_no_sync_phase_peaks"]
+__all__ = ["accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp1_no_sync_phase_peaks"]
 
 
 def accumulated_phase_peaks(trace: StepTrace, micro_batches: int, *, live_grads: bool = False,
@@ -40,58 +42,96 @@ def accumulated_grad_bytes(grad_bytes: int, live_grads: bool) -> int:
     return 0 if live_grads else int(grad_bytes)
 
 
-def fsdp_no_sync_phase_peaks(trace: StepTrace, unsharded: list[int], grads: list[int], *, root: int, root_grads: int,
-                             steady_grad_bytes: int, optimizer_temporaries: int,
-                             grads_held_into_backward: bool = False) -> dict[str, dict]:
-    """FSDP1 SHARD_GRAD_OP under ``no_sync`` (``grad_accum=K``, ``sync_each_microbatch`` false), per phase, the bytes
-    above steady at the peak over the K micro-batches, by category; ``unsharded`` and ``grads``: each non-root unit's
-    padded FlatParameter and its parameters' own gradients (bytes, forward order); ``root``, ``root_grads``: the root
-    unit's.
+def fsdp1_no_sync_phase_peaks(trace: StepTrace, units: list[FsdpUnit], grads: list[int], *, micro_batches: int,
+                              reshard_after_forward: bool, root: int, root_grads: int, steady_grad_bytes: int,
+                              prefetch: str, gloo: bool, optimizer_numels: tuple[int, ...], optimizer_itemsize: int,
+                              foreach: bool, block: int = 1, grads_held_into_backward: bool = False) -> dict[str, dict]:
+    """FSDP1 under ``no_sync`` (``grad_accum=K``, ``sync_each_microbatch`` false), FULL_SHARD
+    (``reshard_after_forward``) or SHARD_GRAD_OP, per phase, the bytes above steady at the peak over the K
+    micro-batches, by category; ``units`` as :func:`zeroexp.formulas.peak.phases.fsdp_phase_peaks` takes them,
+    ``grads``: each one's unsharded gradient (its trained parameters' flat ``.grad``), ``root_grads`` the root unit's.
 
-    torch/distributed/fsdp/_runtime_utils.py: under ``no_sync`` the post-backward hook neither reduce-scatters nor, for
-    SHARD_GRAD_OP (``_should_free_in_backward``), reshards: after the first micro-batch every unit stays unsharded
-    and keeps its unsharded gradient (the FlatParameter's ``.grad``, into which autograd adds in place) to the last
-    micro-batch's post-backward hooks. Lower bounds at every moment:
-      first micro-batch, backward: every unit unsharded, autograd's gradients new (``zero_grad`` freed the steady
-        shards);
-      later micro-batches, forward and backward until the first post-backward hook: every unit and every unsharded
-        gradient held, autograd's gradients added in place; after unit u's hook in the last micro-batch: the units
-        and gradients not yet reduced.
-    Categories as the memory probe names them: the units held are ``unsharded``, the unsharded gradients held
-    ``comm`` (each is its unit's reduce-scatter input in the last micro-batch), ``gradients`` the steady shards freed.
-    Its forward is never below the first micro-batch's (which holds no more). Optimizer: AdamW's temporaries.
-    ``grads_held_into_backward`` (``use_orig_params``): the first micro-batch's backward starts holding the steady
-    shards, freed by the root's pre-backward hook (``StepTrace.backward_start``), every unit
-    unsharded."""
-    params, held = root + sum(unsharded), root_grads + sum(grads)
-    best: dict[str, dict] = {}
+    torch/distributed/fsdp/_runtime_utils.py: ``_post_backward_hook`` returns after ``_post_backward_reshard`` while
+    ``_sync_gradients`` is false, so each unit keeps its unsharded gradient (the FlatParameter's ``.grad``, in the
+    compute dtype: autograd's), which ``_finalize_params`` leaves and _flat_param.py
+    ``prepare_gradient_for_backward`` keeps (its size the unpadded unsharded one), and into which autograd's
+    ``AccumulateGrad`` adds each later micro-batch's in place. ``_should_free_in_backward``: FULL_SHARD frees its units
+    in backward as without accumulation (``RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES``; ``_post_forward_reshard`` after
+    forward), so every micro-batch gathers as a step without accumulation does; SHARD_GRAD_OP keeps them unsharded from
+    the first micro-batch's forward to the last one's post-backward hooks. Moments, each a lower bound:
+      first micro-batch: the step's forward; in backward the unsharded gradients of the units done (``zero_grad``
+        freed the steady shards), and at each unit's end its parameters' gradients concatenated into its new unsharded
+        gradient (the split views' backward: its output beside its inputs);
+      later micro-batches: every unsharded gradient held from the start (the steady shards gone), the concatenated
+        new gradient beside them before ``AccumulateGrad`` adds it; the last one's post-backward hooks
+        (``_reduce_grad``) reshard each unit and reduce-scatter its accumulated gradient (the input ``comm``, its output
+        shard kept, up-cast below fp32 by ``_cast_grad_to_param_dtype``), then drop it.
+    The steady shards ``zero_grad`` frees are the parameters' dtype (fp32: ``_cast_grad_to_param_dtype``), the
+    unsharded gradients the compute dtype's. Gathers as :func:`zeroexp.formulas.peak.phases.fsdp_phase_peaks` (the
+    root kept from forward into backward; ``prefetch``). Optimizer: AdamW's temporaries."""
+    k_of = _unit_index(trace, units)
+    best = _Highest()
+    held, full = root_grads + sum(grads), [u.unsharded for u in units]
+    _fsdp_forward(best.keep, trace, units, k_of, root=root, reshard_after_forward=reshard_after_forward,
+                  grads_held_into_backward=grads_held_into_backward)  # the first micro-batch
 
-    def keep(phase: str, cats: dict) -> None:
-        cats = {c: int(b) for c, b in cats.items() if b}
-        if phase not in best or best[phase]["bytes"] < sum(cats.values()):
-            best[phase] = {"bytes": sum(cats.values()), "by_category": cats}
-
-    loss = {"activations": -trace.loss_bytes}
-    for s in (s for s in trace.segments if s.phase == "forward"):
-        keep("forward", {**_plus(s.peak_by_category, loss), "unsharded": params, "gradients": -steady_grad_bytes,
-                         "comm": s.peak_by_category.get("gradients", 0) + held})
-    if grads_held_into_backward:  # every unit held; the traced gradients at the forward's end are unsharded ones
-        start = trace.backward_start()
-        keep("backward", {**_plus(start, {}), "unsharded": params, "comm": start.get("gradients", 0)})
-    done = 0  # units whose last post-backward hook has run (their unit and gradient freed in the last micro-batch)
-    order = list(range(len(unsharded)))[::-1]
-    for s in (s for s in trace.segments if s.phase == "backward"):
-        traced = s.peak_by_category.get("gradients", 0)
-        keep("backward", {**_plus(s.peak_by_category, loss), "unsharded": params, "comm": traced,
-                          "gradients": -steady_grad_bytes})  # the first micro-batch
-        left = order[done:]
-        keep("backward", {**_plus(s.peak_by_category, loss), "unsharded": root + sum(unsharded[i] for i in left),
-                          "comm": root_grads + sum(grads[i] for i in left),
-                          "gradients": -steady_grad_bytes})  # later ones
-        if s.at == "end" and s.unit not in ("root", "loss"):
-            done += 1
-    best["optimizer"] = {"bytes": optimizer_temporaries, "by_category": {"optimizer_state": optimizer_temporaries}}
-    return best
+    def later_forward(phase: str, cats: dict, **_: object) -> None:
+        if phase == "forward":
+            best.keep(phase, _add(_plus(cats, {}), {"comm": cats.get("gradients", 0) + held,
+                                                    "gradients": -steady_grad_bytes}))
+    if reshard_after_forward:
+        _fsdp_forward(later_forward, trace, units, k_of, root=root, reshard_after_forward=True)
+    else:  # every unit held from the first micro-batch
+        for s in (s for s in trace.segments if s.phase == "forward"):
+            later_forward("forward", _add(s.peak_by_category, {"activations": -trace.loss_bytes,
+                                                               "unsharded": root + sum(full)}))
+    segs, order = list(trace.segments), _backward_order(k_of)
+    middle = micro_batches > 2  # a micro-batch neither first nor last: every gradient held throughout
+    traced_done, flat_done, left, shards_done = 0, 0, held, 0
+    for pos, (name, k) in enumerate(order):
+        i, u = _backward_end(segs, name), units[k]
+        nxt = full[order[pos + 1][1]] if pos + 1 < len(order) else 0
+        pending = sum(full[j] for _, j in order[pos + 1:])
+        if reshard_after_forward:  # every micro-batch alike
+            held_a = u.unsharded + (nxt if prefetch == "pre" else 0)
+            held_b = nxt if prefetch in ("pre", "post") else 0
+            before = u.unsharded if prefetch == "pre" and root else 0
+            kept_a, kept_before = held_a, before
+        else:  # the last micro-batch frees each unit at its hook; the others keep every unit
+            held_a, held_b, kept_a = u.unsharded + pending, pending, sum(full)
+            before, kept_before = held_a, kept_a
+        for seg, on, kept in ((segs[i], held_a, kept_a), *(((segs[i - 1], before, kept_before),) if pos == 0 else ())):
+            fresh = max(seg.peak_by_category.get("gradients", 0) - traced_done, 0)  # autograd's, not yet flat
+            base = _plus(seg.peak_by_category, {"activations": -trace.loss_bytes})
+            best.keep("backward", _add(base, {"unsharded": root + kept, "comm": flat_done + fresh,
+                                              "gradients": -steady_grad_bytes}))
+            best.keep("backward", _add(base, {"unsharded": root + on, "comm": left + fresh,
+                                              "gradients": shards_done - steady_grad_bytes}))
+            if middle:
+                best.keep("backward", _add(base, {"unsharded": root + kept, "comm": held + fresh,
+                                                  "gradients": -steady_grad_bytes}))
+        after = segs[i + 1].end_by_category  # u's backward done
+        t_act, t_temp = after.get("activations", 0) - trace.loss_bytes, after.get("temporaries", 0)
+        t_root = max(after.get("gradients", 0) - traced_done - u.grads, 0)  # the root's, not yet flat
+        a = {"activations": t_act, "temporaries": t_temp + u.grads}
+        best.keep("backward", {**a, "unsharded": root + kept_a, "comm": t_root + flat_done + grads[k],
+                               "gradients": -steady_grad_bytes})
+        best.keep("backward", {**a, "unsharded": root + held_a, "comm": t_root + left + grads[k],
+                               "gradients": shards_done - steady_grad_bytes})
+        if middle:
+            best.keep("backward", {**a, "unsharded": root + kept_a, "comm": t_root + held + grads[k],
+                                   "gradients": -steady_grad_bytes})
+        if u.scattered:  # the last micro-batch's reduction of u's accumulated gradient (padded: the input)
+            copy = u.scattered if gloo else 0  # gloo's copy of the reduce-scatter input
+            best.keep("backward", {"activations": t_act, "temporaries": t_temp + max(u.upcast, copy),
+                                   "comm": t_root + left - grads[k] + max(u.scattered, grads[k]),
+                                   "unsharded": root + held_b,
+                                   "gradients": shards_done + u.shard - steady_grad_bytes})
+            left -= grads[k]
+            shards_done += u.upcast or u.shard
+        traced_done += u.grads
+        flat_done += grads[k]
+    return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
 
 
 def _plus(cats: dict, more: dict) -> dict:

@@ -74,8 +74,7 @@ def uncovered(name: str, precision: str, offload: str,
                                                ("activation_checkpointing", activation_checkpointing))
                       if v not in (None, "none"))
         reasons.append(f"no peak model yet for grad_accum={micro_batches} with strategy.layout={name}{how} (covered: "
-                       f"{', '.join(covered)}; FSDP1 FULL_SHARD's no_sync, which holds each unit's unsharded "
-                       "gradient, not yet)")
+                       f"{', '.join(covered)})")
     return reasons
 
 
