@@ -110,6 +110,10 @@ class Family:
         """The row's gradient flow in the peak model, by name (None: no peak model)."""
         return None
 
+    def unmodelled(self, row: StateLayout) -> str | None:
+        """Why a row without a flow can have no peak model at all (None: a runtime whose model is not built yet)."""
+        return None
+
     #: Where the family's rows are listed among the covered ones (messages), and the order within it.
     covered_rank = 9
     #: Where the peak model of the family is written.

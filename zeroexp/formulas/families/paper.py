@@ -38,6 +38,10 @@ class PaperStages(Family):
 
     name = "paper"
 
+    def unmodelled(self, row):
+        return (f"{row.label}: the paper's stage has no runtime whose step holds memory, so no peak model (its state "
+                "and communication are the paper's formulas)")
+
     def groups_kind(self, row):
         return "flat" if row.stage else "none"
 

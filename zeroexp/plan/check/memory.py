@@ -47,7 +47,8 @@ def uncovered(name: str, precision: str, offload: str,
     if flow is None:  # by family, FSDP's rows FULL_SHARD, SHARD_GRAD_OP, then hybrid sharding's
         covered = sorted(_modelled(lambda r: r.family.flow(r) is not None),
                          key=lambda n: (LAYOUTS[n].family.covered_rank, LAYOUTS[n].family.covered_key(LAYOUTS[n])))
-        reasons.append(f"no peak model yet for strategy.layout={name} (covered: {', '.join(covered)})")
+        reasons.append(row.family.unmodelled(row)
+                       or f"no peak model yet for strategy.layout={name} (covered: {', '.join(covered)})")
     if offload != "none":
         reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
                        "FSDP's CPUOffload needs a GPU; covered: offload none)")
