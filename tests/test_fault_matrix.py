@@ -259,7 +259,7 @@ def _stale_sweep(compose, tmp_path: Path) -> None:
 
     sweep = tmp_path / "sweep"
     args = ("logger=none", "model.width=32", "steps=9", *SMALL)
-    stale = sweep / cell_name(compose(*args))
+    stale = sweep / cell_name(compose(*args, base=()))  # the cell the command below runs
     (stale / ".ranks").mkdir(parents=True)
     (stale / "manifest.json").write_text(json.dumps({"status": "running", "started_at": "stale", "ranks": None}))
     (stale / "iterations.csv.partial").write_text("step,loss\n1,0.5\n")
