@@ -86,19 +86,19 @@ class DeepSpeedPartitions(Family):
 
     def peak_limits(self, row, groups, bucket_cap_bytes, recompute=False):
         """DeepSpeed's paths the peak model has not read: a parameter gathered twice (released in forward beyond the
-        reuse distance, gathered again by its pre-backward hook) is replayed, except under activation checkpointing,
-        whose recompute's fetches are not (``deepspeed_payload_limits``)."""
+        reuse distance, gathered again by its pre-backward hook or by the recompute of a checkpointed unit) is
+        replayed under ``activation_checkpointing`` none and full (``recompute``: the mode, or True where unknown);
+        under selective_layer and selective_op the recompute's fetches are not."""
         reasons, stage = [], row.deepspeed_stage
         if self.flow(row) is None:
             return reasons
         fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
-        if stage == 3 and gathered > fetched and recompute:
-            # measured: GPT n_layer=2, N=2, fp32, full checkpointing, prefetch 0, reuse distance 1000: 41 all_gathers
-            # a step where the replay's 31 (every pre-forward and pre-backward fetch) are planned
-            reasons.append(f"no peak model yet for stage 3 with activation checkpointing gathering a parameter twice "
-                           f"in a step ({gathered} parameter elements gathered of {fetched}: released in forward "
-                           "beyond the reuse distance or live-parameter limit, the recompute's own fetches not "
-                           "replayed: measured 41 all_gathers a step on a GPT where 31 are planned)")
+        if stage == 3 and gathered > fetched and recompute and recompute != "full":
+            how = f"activation_checkpointing={recompute}" if isinstance(recompute, str) else "activation checkpointing"
+            reasons.append(f"no peak model yet for stage 3 with {how} gathering a parameter twice in a step "
+                           f"({gathered} parameter elements gathered of {fetched}: released in forward beyond the "
+                           "reuse distance or live-parameter limit, the recompute's own fetches replayed under full "
+                           "alone)")
         return reasons
 
     def accumulates(self, row):
