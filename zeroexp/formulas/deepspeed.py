@@ -164,38 +164,43 @@ def deepspeed_gathers(numels: list[int], own: int = 0) -> tuple[tuple[int, ...],
     return tuple(g for g in (tuple(numels[:own]), tuple(numels[own:])) if g)
 
 
-def stage3_calls(shape: ModelShape) -> tuple[ModuleCall, ...]:
+def stage3_calls(shape: ModelShape, knobs: PlanKnobs | None = None) -> tuple[ModuleCall, ...]:
     """The module calls of a step of ``shape`` as the engine's hooks see them: the root (the LightningModule around
     the model, no parameters of its own) first, the model's traced calls inside it (untraced: each module holding
-    parameters once, in definition order)."""
+    parameters once, in definition order); under ``activation_checkpointing=full`` (``knobs.recompute_mode``) each wrap
+    unit's outermost call (the one holding exactly the unit's parameters) inside the call of its checkpoint wrapper
+    (torch's ``CheckpointWrapper``: a module without parameters, module index below -1), whose hooks run outside the
+    checkpoint."""
     calls = shape.module_calls or tuple(ModuleCall(k, m, True, True) for k, m in enumerate(shape.modules))
-    return (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in calls))
+    calls = (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in calls))
+    if knobs is None or knobs.recompute_mode != "full" or not shape.module_calls:
+        return calls
+    ends = [next((j for j in range(k + 1, len(calls)) if calls[j].depth <= c.depth), len(calls))
+            for k, c in enumerate(calls)]
+    below = [{p for j in range(k, ends[k]) for p in calls[j].params} for k in range(len(calls))]
+    roots = {next((k for k, b in enumerate(below) if b == set(unit)), None)
+             for unit, root in zip(shape.units, shape.root, strict=True) if not root and unit}
+    if None in roots:
+        raise ValueError("a checkpointed unit is no module call's")
+    out: list[ModuleCall] = []
+    for k, c in enumerate(calls):
+        if k in roots:
+            out.append(ModuleCall(-2 - k, (), c.grad_input, c.reached, c.depth))
+        out.append(c._replace(depth=c.depth + sum(r <= k < ends[r] for r in roots)))
+    return tuple(out)
 
 
 def stage3_recomputed(shape: ModelShape, knobs: PlanKnobs) -> frozenset[int]:
-    """The :func:`stage3_calls` of ``shape`` whose forward backward runs again under ``activation_checkpointing=full``
-    (every wrap unit checkpointed): each unit's outermost call holding exactly the unit's parameters; none under
-    another mode (``PlanKnobs.recompute_mode``) or untraced calls."""
-    if knobs.recompute_mode != "full" or not shape.module_calls:
-        return frozenset()
-    calls = stage3_calls(shape)
-    below: list[set[int]] = []  # each call's parameters and those of the calls nested in it
-    for k, c in enumerate(calls):
-        end = next((j for j in range(k + 1, len(calls)) if calls[j].depth <= c.depth), len(calls))
-        below.append({p for j in range(k, end) for p in calls[j].params})
-    out = set()
-    for unit, root in zip(shape.units, shape.root, strict=True):
-        if not root and unit:
-            out.add(next((k for k, b in enumerate(below) if b == set(unit)), None))
-    if None in out:
-        raise ValueError("a checkpointed unit is no module call's")
-    return frozenset(out)
+    """The :func:`stage3_calls` of ``shape`` (under ``knobs``) whose forward backward runs again: each one a checkpoint
+    wrapper's call makes (under ``activation_checkpointing=full``; none under another mode)."""
+    calls = stage3_calls(shape, knobs)
+    return frozenset(k + 1 for k, c in enumerate(calls) if c.module < -1)
 
 
 def stage3_schedule(shape: ModelShape, knobs: PlanKnobs) -> Stage3Schedule:
     """The coordinator's schedule of a step of ``shape`` under the knobs' limits (``shape.module_calls`` traced)."""
     limits = knobs_limits(knobs)
-    return ds_stage3_schedule(stage3_calls(shape), shape.numels, prefetch_bucket=limits.prefetch_bucket,
+    return ds_stage3_schedule(stage3_calls(shape, knobs), shape.numels, prefetch_bucket=limits.prefetch_bucket,
                               max_live=limits.max_live, persistence=limits.persistence, max_reuse=limits.max_reuse,
                               recomputed=stage3_recomputed(shape, knobs))
 
@@ -244,7 +249,7 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
     if idle:
         out["ungraded"] = tuple(sorted(idle))
     if stage == 3:
-        out["gathers"] = deepspeed_stage3_gathers(stage3_calls(shape), shape.numels, knobs_limits(knobs),
+        out["gathers"] = deepspeed_stage3_gathers(stage3_calls(shape, knobs), shape.numels, knobs_limits(knobs),
                                                   stage3_recomputed(shape, knobs))
     return out
 

@@ -128,7 +128,7 @@ class DeepSpeedPartitions(Family):
             return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
                                          gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
                                          foreach=foreach, schedule=stage3_schedule(shape, knobs) if traced else None,
-                                         calls=stage3_calls(shape) if traced else (),
+                                         calls=stage3_calls(shape, knobs) if traced else (),
                                          bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes))
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
         peaks = partial(ds_stage12_phase_peaks, stage=stage, buckets=groups.buckets,
