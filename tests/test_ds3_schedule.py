@@ -248,7 +248,7 @@ def test_the_planner_reads_the_stage3_keys_as_a_cell_does():
         plan("strategies=[deepspeed_stage3]", "stage3_max_reuse_distance=-1")
 
 
-def test_a_parameter_gathered_again_has_a_peak_unless_a_selective_recompute_fetches_it():
+def test_a_parameter_gathered_again_has_a_peak_under_every_checkpointing_mode():
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from zeroexp.cli.plan import register, run
@@ -269,7 +269,8 @@ def test_a_parameter_gathered_again_has_a_peak_unless_a_selective_recompute_fetc
     # under full checkpointing the recompute gathers each block's modules again, all but its last: 41 (the cell's)
     recomputed = plan("activation_checkpointing=full")
     assert recomputed["counts"]["all_gather"] == 41 and recomputed["peak_bytes"]
-    # selective_layer's and selective_op's recompute are not replayed: refused by name
-    selective = plan("activation_checkpointing=selective_layer")
-    assert selective["peak_bytes"] is None
-    assert "activation_checkpointing=selective_layer gathering a parameter twice" in selective["peak_note"]
+    # selective_layer checkpoints the second block alone: its recompute alone gathers again, 36 (the cell's measured);
+    # selective_op each block, as full
+    assert plan("activation_checkpointing=selective_layer")["counts"]["all_gather"] == 36
+    selective = plan("activation_checkpointing=selective_op")
+    assert selective["counts"]["all_gather"] == 41 and selective["peak_bytes"]

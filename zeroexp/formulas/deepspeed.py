@@ -19,9 +19,12 @@ from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_NORM_BYTES",
            "DS_PERSISTENCE_THRESHOLD", "DS_PERSISTENCE_REFUSED", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
            "ds_persistent", "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls",
-           "stage3_recomputed", "stage3_schedule", "deepspeed_buckets", "ds_reduce_order", "ds_allreduce_calls",
-           "deepspeed_sub_groups", "deepspeed_gathers",
+           "REPLAYED_RECOMPUTE", "stage3_recomputed", "stage3_schedule", "deepspeed_buckets", "ds_reduce_order",
+           "ds_allreduce_calls", "deepspeed_sub_groups", "deepspeed_gathers",
            "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
+
+#: The ``activation_checkpointing`` modes whose recompute the stage-3 replay runs ([DS-RECOMPUTE]).
+REPLAYED_RECOMPUTE = frozenset({"full", "selective_layer", "selective_op"})
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
 DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
@@ -167,13 +170,14 @@ def deepspeed_gathers(numels: list[int], own: int = 0) -> tuple[tuple[int, ...],
 def stage3_calls(shape: ModelShape, knobs: PlanKnobs | None = None) -> tuple[ModuleCall, ...]:
     """The module calls of a step of ``shape`` as the engine's hooks see them: the root (the LightningModule around
     the model, no parameters of its own) first, the model's traced calls inside it (untraced: each module holding
-    parameters once, in definition order); under ``activation_checkpointing=full`` (``knobs.recompute_mode``) each wrap
-    unit's outermost call (the one holding exactly the unit's parameters) inside the call of its checkpoint wrapper
-    (torch's ``CheckpointWrapper``: a module without parameters, module index below -1), whose hooks run outside the
+    parameters once, in definition order); under activation checkpointing (``knobs.recompute_mode``) each checkpointed
+    wrap unit's outermost call (the one holding exactly the unit's parameters; ``selective_layer``: every
+    ``knobs.recompute_every``-th unit in forward order) inside the call of its checkpoint wrapper (torch's
+    ``CheckpointWrapper``: a module without parameters, module index below -1), whose hooks run outside the
     checkpoint."""
     calls = shape.module_calls or tuple(ModuleCall(k, m, True, True) for k, m in enumerate(shape.modules))
     calls = (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in calls))
-    if knobs is None or knobs.recompute_mode != "full" or not shape.module_calls:
+    if knobs is None or knobs.recompute_mode not in REPLAYED_RECOMPUTE or not shape.module_calls:
         return calls
     ends = [next((j for j in range(k + 1, len(calls)) if calls[j].depth <= c.depth), len(calls))
             for k, c in enumerate(calls)]
@@ -182,6 +186,8 @@ def stage3_calls(shape: ModelShape, knobs: PlanKnobs | None = None) -> tuple[Mod
              for unit, root in zip(shape.units, shape.root, strict=True) if not root and unit}
     if None in roots:
         raise ValueError("a checkpointed unit is no module call's")
+    if knobs.recompute_mode == "selective_layer":  # Checkpointing.checkpointed
+        roots = {r for i, r in enumerate(sorted(roots)) if (i + 1) % knobs.recompute_every == 0}
     out: list[ModuleCall] = []
     for k, c in enumerate(calls):
         if k in roots:
@@ -192,7 +198,7 @@ def stage3_calls(shape: ModelShape, knobs: PlanKnobs | None = None) -> tuple[Mod
 
 def stage3_recomputed(shape: ModelShape, knobs: PlanKnobs) -> frozenset[int]:
     """The :func:`stage3_calls` of ``shape`` (under ``knobs``) whose forward backward runs again: each one a checkpoint
-    wrapper's call makes (under ``activation_checkpointing=full``; none under another mode)."""
+    wrapper's call makes."""
     calls = stage3_calls(shape, knobs)
     return frozenset(k + 1 for k, c in enumerate(calls) if c.module < -1)
 
@@ -301,8 +307,8 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
                        "gathers the frozen modules' parameters again and hands them to the module being "
                        "differentiated (update_recompute_parameters), not replayed (measured 9 all_gathers a step on "
                        "a LoRA GPT where 1 is planned)")
-    elif stage == 3 and knobs.recompute and gathered > fetched and knobs.recompute_mode != "full":
-        reasons.append(f"stage 3 with activation_checkpointing={knobs.recompute_mode or 'on'} and a parameter "
-                       "released before backward (beyond the reuse distance or live-parameter limit): the recompute's "
-                       "fetches are replayed under full alone")
+    elif stage == 3 and knobs.recompute and gathered > fetched and knobs.recompute_mode not in REPLAYED_RECOMPUTE:
+        reasons.append("stage 3 with activation checkpointing of an unknown mode and a parameter released before "
+                       "backward (beyond the reuse distance or live-parameter limit): the recompute's fetches are "
+                       "replayed only where the mode is known")
     return reasons

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, stage3_calls, stage3_schedule, deepspeed_comm, deepspeed_payload,
-                                        deepspeed_payload_limits, deepspeed_reduce_bucket_numel,
-                                        deepspeed_sub_groups, ds_reduce_order)
+from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, REPLAYED_RECOMPUTE, stage3_calls, stage3_schedule,
+                                        deepspeed_comm, deepspeed_payload, deepspeed_payload_limits,
+                                        deepspeed_reduce_bucket_numel, deepspeed_sub_groups, ds_reduce_order)
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import MIXED, ddp_bucket_slots, ddp_bucket_terms
 from zeroexp.formulas.layout import StateLayout, pack
@@ -87,18 +87,18 @@ class DeepSpeedPartitions(Family):
     def peak_limits(self, row, groups, bucket_cap_bytes, recompute=False):
         """DeepSpeed's paths the peak model has not read: a parameter gathered twice (released in forward beyond the
         reuse distance, gathered again by its pre-backward hook or by the recompute of a checkpointed unit) is
-        replayed under ``activation_checkpointing`` none and full (``recompute``: the mode, or True where unknown);
-        under selective_layer and selective_op the recompute's fetches are not."""
+        replayed under every ``activation_checkpointing`` mode (``recompute``: the mode; True where unknown: its
+        recompute not replayed)."""
         reasons, stage = [], row.deepspeed_stage
         if self.flow(row) is None:
             return reasons
         fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
-        if stage == 3 and gathered > fetched and recompute and recompute != "full":
+        if stage == 3 and gathered > fetched and recompute and recompute not in REPLAYED_RECOMPUTE:
             how = f"activation_checkpointing={recompute}" if isinstance(recompute, str) else "activation checkpointing"
             reasons.append(f"no peak model yet for stage 3 with {how} gathering a parameter twice in a step "
                            f"({gathered} parameter elements gathered of {fetched}: released in forward beyond the "
-                           "reuse distance or live-parameter limit, the recompute's own fetches replayed under full "
-                           "alone)")
+                           "reuse distance or live-parameter limit, the recompute's own fetches replayed only where "
+                           "the mode is known)")
         return reasons
 
     def accumulates(self, row):
