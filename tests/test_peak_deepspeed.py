@@ -185,12 +185,15 @@ def test_planner_rows_of_deepspeed_peak_with_the_bucket_and_name_what_is_not_mod
     # stage 3's forward: every parameter gathered (8 x 64^2 fp32) beside the all_gather's flat buffer
     assert rows["deepspeed_stage3"]["phase_bytes"]["forward"] >= 2 * 8 * 64 * 64 * 4
     # A stage-3 step that gathers a parameter twice (released in forward and fetched again in backward) is replayed
-    # (tests/test_ds3_schedule.py), but not under checkpointing (the recompute's own fetches): n/a. Several prefetch
+    # (tests/test_ds3_schedule.py), under checkpointing too (the recompute's own fetches replayed, every mode); n/a
+    # where the mode is not given. Several prefetch
     # buckets and a parameter above the reduce bucket (a bucket alone, tests/test_ds_big_param.py) are modelled.
     g = Groups("deepspeed_stage3", 2, (10**8,), gathers=((10**8,), (10**8,)))
     assert ds_peak_limits("deepspeed_stage3", g, 2**20) == []
     assert [r.split(" (")[0] for r in ds_peak_limits("deepspeed_stage3", g, 2**20, recompute=True)] == [
         "no peak model yet for stage 3 with activation checkpointing gathering a parameter twice in a step"]
+    for mode in ("full", "selective_layer", "selective_op"):
+        assert ds_peak_limits("deepspeed_stage3", g, 2**20, recompute=mode) == []
     assert ds_peak_limits("deepspeed_stage2", Groups("deepspeed_stage2", 2, (10**8,)), 2**20) == []
     assert ds_peak_limits("deepspeed_stage3", Groups("deepspeed_stage3", 2, (10, 10), gathers=((10,), (10,))),
                           2**20) == []

@@ -149,6 +149,8 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         ds_persistence=knob("stage3_param_persistence_threshold", None),
         ds_max_reuse=knob("stage3_max_reuse_distance", None),
         recompute=str(cfg.activation_checkpointing.name) != "none",
+        recompute_mode=str(cfg.activation_checkpointing.name).replace("none", ""),
+        recompute_every=int(cfg.activation_checkpointing.get("every", 1) or 1),
     )
 
 

@@ -227,7 +227,9 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
                       micro_batches=accum, use_orig_params=bool(cfg.use_orig_params),
                       sync_each_microbatch=bool(cfg.sync_each_microbatch),
-                      **fsdp2_knobs(cfg, _world_sizes(cfg.world_size)), recompute=mode.mode != "none", **ds_knobs(cfg))
+                      **fsdp2_knobs(cfg, _world_sizes(cfg.world_size)), recompute=mode.mode != "none",
+                      recompute_mode=mode.mode.replace("none", ""),
+                      recompute_every=mode.every, **ds_knobs(cfg))
     with untraced(cfg.model.get("name") if cfg.model is not None else None):  # a step fake tensors cannot run: exit 2
         ac = mode.label
         precision = Precision(cfg.precision.name, cfg.precision.param_dtype)

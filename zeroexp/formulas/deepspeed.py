@@ -19,9 +19,12 @@ from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_NORM_BYTES",
            "DS_PERSISTENCE_THRESHOLD", "DS_PERSISTENCE_REFUSED", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
            "ds_persistent", "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls",
-           "stage3_schedule", "deepspeed_buckets", "ds_reduce_order", "ds_allreduce_calls", "deepspeed_sub_groups",
-           "deepspeed_gathers",
+           "REPLAYED_RECOMPUTE", "stage3_recomputed", "stage3_schedule", "deepspeed_buckets", "ds_reduce_order",
+           "ds_allreduce_calls", "deepspeed_sub_groups", "deepspeed_gathers",
            "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
+
+#: The ``activation_checkpointing`` modes whose recompute the stage-3 replay runs ([DS-RECOMPUTE]).
+REPLAYED_RECOMPUTE = frozenset({"full", "selective_layer", "selective_op"})
 
 #: engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per all_reduce of ZeRO-0's buffered_allreduce_fallback.
 DS_MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
@@ -164,28 +167,57 @@ def deepspeed_gathers(numels: list[int], own: int = 0) -> tuple[tuple[int, ...],
     return tuple(g for g in (tuple(numels[:own]), tuple(numels[own:])) if g)
 
 
-def stage3_calls(shape: ModelShape) -> tuple[ModuleCall, ...]:
+def stage3_calls(shape: ModelShape, knobs: PlanKnobs | None = None) -> tuple[ModuleCall, ...]:
     """The module calls of a step of ``shape`` as the engine's hooks see them: the root (the LightningModule around
     the model, no parameters of its own) first, the model's traced calls inside it (untraced: each module holding
-    parameters once, in definition order)."""
+    parameters once, in definition order); under activation checkpointing (``knobs.recompute_mode``) each checkpointed
+    wrap unit's outermost call (the one holding exactly the unit's parameters; ``selective_layer``: every
+    ``knobs.recompute_every``-th unit in forward order) inside the call of its checkpoint wrapper (torch's
+    ``CheckpointWrapper``: a module without parameters, module index below -1), whose hooks run outside the
+    checkpoint."""
     calls = shape.module_calls or tuple(ModuleCall(k, m, True, True) for k, m in enumerate(shape.modules))
-    return (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in calls))
+    calls = (ModuleCall(-1, (), False, True, 0), *(c._replace(depth=c.depth + 1) for c in calls))
+    if knobs is None or knobs.recompute_mode not in REPLAYED_RECOMPUTE or not shape.module_calls:
+        return calls
+    ends = [next((j for j in range(k + 1, len(calls)) if calls[j].depth <= c.depth), len(calls))
+            for k, c in enumerate(calls)]
+    below = [{p for j in range(k, ends[k]) for p in calls[j].params} for k in range(len(calls))]
+    roots = {next((k for k, b in enumerate(below) if b == set(unit)), None)
+             for unit, root in zip(shape.units, shape.root, strict=True) if not root and unit}
+    if None in roots:
+        raise ValueError("a checkpointed unit is no module call's")
+    if knobs.recompute_mode == "selective_layer":  # Checkpointing.checkpointed
+        roots = {r for i, r in enumerate(sorted(roots)) if (i + 1) % knobs.recompute_every == 0}
+    out: list[ModuleCall] = []
+    for k, c in enumerate(calls):
+        if k in roots:
+            out.append(ModuleCall(-2 - k, (), c.grad_input, c.reached, c.depth))
+        out.append(c._replace(depth=c.depth + sum(r <= k < ends[r] for r in roots)))
+    return tuple(out)
+
+
+def stage3_recomputed(shape: ModelShape, knobs: PlanKnobs) -> frozenset[int]:
+    """The :func:`stage3_calls` of ``shape`` (under ``knobs``) whose forward backward runs again: each one a checkpoint
+    wrapper's call makes."""
+    calls = stage3_calls(shape, knobs)
+    return frozenset(k + 1 for k, c in enumerate(calls) if c.module < -1)
 
 
 def stage3_schedule(shape: ModelShape, knobs: PlanKnobs) -> Stage3Schedule:
     """The coordinator's schedule of a step of ``shape`` under the knobs' limits (``shape.module_calls`` traced)."""
     limits = knobs_limits(knobs)
-    return ds_stage3_schedule(stage3_calls(shape), shape.numels, prefetch_bucket=limits.prefetch_bucket,
-                              max_live=limits.max_live, persistence=limits.persistence, max_reuse=limits.max_reuse)
+    return ds_stage3_schedule(stage3_calls(shape, knobs), shape.numels, prefetch_bucket=limits.prefetch_bucket,
+                              max_live=limits.max_live, persistence=limits.persistence, max_reuse=limits.max_reuse,
+                              recomputed=stage3_recomputed(shape, knobs))
 
 
-def deepspeed_stage3_gathers(calls: tuple[ModuleCall, ...], numels: tuple[int, ...],
-                             limits: Stage3Limits) -> tuple[tuple[int, ...], ...]:
+def deepspeed_stage3_gathers(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], limits: Stage3Limits,
+                             recomputed: frozenset[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
     """Stage 3's parameter all_gathers per step (each its parameters' ``ds_numel``), DeepSpeed's coordinator replayed
     over the step's module ``calls`` (``numels``: every parameter's, frozen ones too;
     :func:`zeroexp.formulas.deepspeed_fetch.ds_stage3_schedule`) under ``limits``."""
     schedule = ds_stage3_schedule(calls, numels, prefetch_bucket=limits.prefetch_bucket, max_live=limits.max_live,
-                                  persistence=limits.persistence, max_reuse=limits.max_reuse)
+                                  persistence=limits.persistence, max_reuse=limits.max_reuse, recomputed=recomputed)
     return tuple(tuple(numels[p] for p in g) for g in schedule.gathers)
 
 
@@ -223,7 +255,8 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
     if idle:
         out["ungraded"] = tuple(sorted(idle))
     if stage == 3:
-        out["gathers"] = deepspeed_stage3_gathers(stage3_calls(shape), shape.numels, knobs_limits(knobs))
+        out["gathers"] = deepspeed_stage3_gathers(stage3_calls(shape, knobs), shape.numels, knobs_limits(knobs),
+                                                  stage3_recomputed(shape, knobs))
     return out
 
 
@@ -268,9 +301,14 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
         reasons.append("a parameter count: DeepSpeed's buckets need the parameters' shapes")
         return reasons
     fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
-    if stage == 3 and knobs.recompute and (groups.frozen or gathered > fetched):
+    if stage == 3 and knobs.recompute and groups.frozen:
         # measured: a LoRA GPT (n_layer=2, N=2 and 3, bf16), 9 all_gathers a step where the replay finds 1
-        reasons.append("stage 3 with activation checkpointing and a parameter released before backward (a frozen "
-                       "module's, or beyond the reuse distance): the recompute in backward gathers it again, its "
-                       "fetches not replayed (measured 9 all_gathers a step on a LoRA GPT where 1 is planned)")
+        reasons.append("stage 3 with activation checkpointing and frozen parameters: the recompute in backward "
+                       "gathers the frozen modules' parameters again and hands them to the module being "
+                       "differentiated (update_recompute_parameters), not replayed (measured 9 all_gathers a step on "
+                       "a LoRA GPT where 1 is planned)")
+    elif stage == 3 and knobs.recompute and gathered > fetched and knobs.recompute_mode not in REPLAYED_RECOMPUTE:
+        reasons.append("stage 3 with activation checkpointing of an unknown mode and a parameter released before "
+                       "backward (beyond the reuse distance or live-parameter limit): the recompute's fetches are "
+                       "replayed only where the mode is known")
     return reasons

@@ -15,6 +15,21 @@ that no module within ``stage3_max_reuse_distance`` elements of the trace onward
 unless another active module holds them. A module whose inputs need no gradient has no post-backward hook: its
 parameters wait for the step (``release_backward_leftovers``, ``_partition_all_parameters``), as do the persistent ones;
 every step (every micro-batch: its backward ends in ``reset_step``) starts with none available.
+
+[DS-RECOMPUTE] Under activation checkpointing (torch's non-reentrant ``checkpoint``) a checkpointed unit's forward
+runs again inside its backward, DeepSpeed's forward hooks with it: each recomputed call's pre-forward hook is
+``fetch_sub_module`` (``forward=True``; a parameter released after forward is gathered again) and its post-forward
+hook ``release_sub_module``, both counted in the trace (``record_module``: the recorded step holds the recompute's
+modules, so the next steps' order matches it, ``trace_prologue`` invalidates nothing and the trace is complete from
+the third step as without). The recompute starts at the first backward node that saved a tensor: the pre-backward
+hooks of the unit's call and of its last calls down to the last one (each output's gradient passes a residual add,
+which saves none) fire first, the last call's own node then unpacks. Its forward stops once every saved tensor is
+made again (``checkpoint``'s early stop): inside the last call, after its pre-forward hook, so that call and the
+calls around it release nothing there. A parameter the recompute releases stays allocated: the saved tensors the
+recompute made again are views of its gathered tensor (``checkpoint`` keeps ``x.detach()``), itself a view of its
+all_gather's flat buffer (``_all_gather_coalesced``), until the module's backward consumes them; its pre-backward
+hook, finding it released, gathers it again (both held at once). Every module of a checkpointed unit is taken to
+save one of its parameters (a Linear its weight, a norm its weight): one that saves none frees its buffer earlier.
 """
 
 from __future__ import annotations
@@ -39,12 +54,14 @@ class ModuleCall(NamedTuple):
 
 
 class FetchEvent(NamedTuple):
-    """One coordinator hook in a step: ``phase`` (forward / backward), ``call`` (the index of its
+    """One coordinator hook in a step: ``phase`` (forward / backward / recompute: a checkpointed unit's forward hooks
+    run again inside backward, [DS-RECOMPUTE]), ``call`` (the index of its
     :class:`ModuleCall`), ``fetch`` (a pre hook; else a release), ``gathered`` (the parameters each ``all_gather`` it
     issued holds), ``released`` (the parameters it released); after it, ``whole`` (the parameters whose unsharded
     tensor exists: a gather's are made at once, at the first wait on it, ``AllGatherCoalescedHandle.wait``) and
     ``flats`` (the all_gathers, by their index in the step, whose flat buffer is still held: until the last of its
-    parameters is waited for, the in-flight registry holding the handle); ``peak``: the two at its highest moment (a
+    parameters is waited for, the in-flight registry holding the handle; one whose parameters the recompute released,
+    until the module's post-backward hook); ``peak``: the two at its highest moment (a
     fetch: its waits done, before the handles are dropped, or its prefetch issued)."""
 
     phase: str
@@ -64,33 +81,66 @@ class Stage3Schedule(NamedTuple):
     events: tuple[FetchEvent, ...]
 
 
-def ds_stage3_events(calls: tuple[ModuleCall, ...]) -> list[tuple[str, int, bool]]:
+def ds_stage3_events(calls: tuple[ModuleCall, ...], recomputed: frozenset[int] = frozenset()
+                     ) -> list[tuple[str, int, bool]]:
     """The coordinator's hooks of a step as ``(phase, call, fetch)``: forward each call's pre hook, the calls nested in
     it, its post hook; backward in reverse, a reached call's pre-backward hook before those of the calls nested in it
-    (its output's gradient arrives first), its post-backward hook (where its input needs a gradient) after theirs."""
-    forward: list[tuple[int, bool]] = []
-    open_: list[int] = []
-    for k, c in enumerate(calls):
-        while open_ and calls[open_[-1]].depth >= c.depth:
-            forward.append((open_.pop(), False))
-        forward.append((k, True))
-        open_.append(k)
-    forward += [(k, False) for k in reversed(open_)]
+    (its output's gradient arrives first), its post-backward hook (where its input needs a gradient) after theirs.
+    ``recomputed``: the calls of checkpointed units, whose forward backward runs again [DS-RECOMPUTE]."""
+    forward = _nested(calls, range(len(calls)))
     backward = [(k, not fetch) for k, fetch in reversed(forward)
                 if (calls[k].reached if not fetch else calls[k].reached and calls[k].grad_input)]
-    return [("forward", k, f) for k, f in forward] + [("backward", k, f) for k, f in backward]
+    events = [("forward", k, f) for k, f in forward]
+    pending = {k: _subtree(calls, k) for k in recomputed}
+    i = 0
+    while i < len(backward):
+        k, fetch = backward[i]
+        events.append(("backward", k, fetch))
+        i += 1
+        root = next((r for r, sub in pending.items() if k in sub), None)
+        if root is None or (i < len(backward) and backward[i][1] and backward[i][0] in pending[root]
+                            and calls[backward[i][0]].depth > calls[k].depth):
+            continue
+        sub = pending.pop(root)  # the pre-backward hooks down the unit's last calls fired: its forward runs again
+        replay = _nested(calls, sub)
+        last = max(j for j, (_, fetch_) in enumerate(replay) if fetch_)
+        events += [("recompute", j, f) for j, f in replay[:last + 1]]
+    return events
+
+
+def _subtree(calls: tuple[ModuleCall, ...], k: int) -> list[int]:
+    """Call ``k`` and the calls nested in it, in order."""
+    end = next((j for j in range(k + 1, len(calls)) if calls[j].depth <= calls[k].depth), len(calls))
+    return list(range(k, end))
+
+
+def _nested(calls: tuple[ModuleCall, ...], ks) -> list[tuple[int, bool]]:
+    """The forward hooks ``(call, fetch)`` of the calls ``ks`` (in order): each call's pre hook, those nested in it,
+    its post hook."""
+    out: list[tuple[int, bool]] = []
+    open_: list[int] = []
+    for k in ks:
+        c = calls[k]
+        while open_ and calls[open_[-1]].depth >= c.depth:
+            out.append((open_.pop(), False))
+        out.append((k, True))
+        open_.append(k)
+    return out + [(k, False) for k in reversed(open_)]
 
 
 def ds_stage3_schedule(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], *, prefetch_bucket: int,
-                       max_live: int, persistence: int, max_reuse: int) -> Stage3Schedule:
+                       max_live: int, persistence: int, max_reuse: int,
+                       recomputed: frozenset[int] = frozenset()) -> Stage3Schedule:
     """One step of the coordinator over ``calls`` (``numels``: every parameter's ``ds_numel``), its trace complete
-    (module docstring)."""
-    events = ds_stage3_events(calls)
+    (module docstring); ``recomputed``: the calls of checkpointed units (:func:`ds_stage3_events`)."""
+    events = ds_stage3_events(calls, recomputed)
     trace = [k for _, k, fetch in events if fetch]  # the modules in fetch order: the trace's submodule order
     queue = deque((p, step) for step, k in enumerate(trace) for p in sorted(set(calls[k].params)))
     available: set[int] = set()
     whole: set[int] = set()
     inflight: dict[int, int] = {}  # parameter -> its all_gather (the in-flight registry)
+    made: dict[int, int] = {}  # parameter -> the all_gather whose flat buffer its tensor is a view of
+    kept: dict[int, int] = {}  # all_gather -> the module whose backward frees its flat buffer [DS-RECOMPUTE]
     active: dict[int, set[int]] = {}
     recent: dict[int, int] = {}
     live, step, gathers, out = 0, 0, [], []
@@ -101,13 +151,14 @@ def ds_stage3_schedule(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], *
         if todo:
             available.update(todo)
             inflight.update((p, len(gathers)) for p in todo)
+            made.update((p, len(gathers)) for p in todo)
             live += sum(numels[p] for p in todo)
             gathers.append(todo)
             issued.append(todo)
         return todo
 
     def flats() -> tuple[int, ...]:
-        return tuple(sorted(set(inflight.values())))
+        return tuple(sorted(set(inflight.values()) | set(kept)))
 
     for phase, k, fetch in events:
         c, issued, released = calls[k], [], []
@@ -157,6 +208,11 @@ def ds_stage3_schedule(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], *
                     whole.discard(p)
                     live -= numels[p]
                     released.append(p)
+                    if phase == "recompute":  # the recompute's saved tensors still view its flat buffer
+                        kept[made[p]] = c.module
+            if phase == "backward":  # its backward consumed what its recompute saved
+                for g in [g for g, m in kept.items() if m == c.module]:
+                    del kept[g]
         out.append(FetchEvent(phase, k, fetch, tuple(issued), tuple(released), frozenset(whole), flats(), peak))
     return Stage3Schedule(tuple(gathers), tuple(out))
 

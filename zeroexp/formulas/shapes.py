@@ -166,6 +166,10 @@ class PlanKnobs:
     #: Activation checkpointing on (``activation_checkpointing`` not none): a checkpointed unit's forward runs again in
     #: backward, its modules' hooks with it
     recompute: bool = False
+    #: The ``activation_checkpointing`` mode (``full``, ``selective_layer``, ``selective_op``; "" none or unknown)
+    recompute_mode: str = ""
+    #: ``selective_layer``'s k: the wrap units it checkpoints are every k-th in forward order
+    recompute_every: int = 1
 
     def post_forward_over(self, shard_over: int) -> int:
         """The ranks FSDP2 reshards each unit to after forward over a shard group of ``shard_over`` ranks

@@ -139,7 +139,8 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
         why = why or ["no traced step: give model= and batch_size="]
     groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
     # what the model brings that the peak model does not cover: the same limits as a cell's check (memory_section)
-    why = why or (row.family.peak_limits(row, groups, knobs.bucket_cap_bytes, knobs.recompute)
+    why = why or (row.family.peak_limits(row, groups, knobs.bucket_cap_bytes,
+                                                knobs.recompute_mode or knobs.recompute)
                   + shape_limits(name, shape, groups))
     host = offloaded_kinds(LAYOUTS[name], record["offload"])
     state = {kind: record[f"{kind}_bytes"] for kind in STATE_KINDS if kind not in host}

@@ -268,7 +268,13 @@ def deepen_step(shallow: Any, deeper: Any, depth: int, container: str) -> Any:
         peak, end = ({f[1]: x for f, x in v.items() if isinstance(f, tuple) and f[0] == kind}
                      for kind in ("peak", "end"))
         segments.append(Segment(key[1], name, key[2], v["peak_bytes"], peak, v["end_bytes"], end))
-    return replace(deeper, segments=tuple(segments), units=tuple(units))
+    out = replace(deeper, segments=tuple(segments), units=tuple(units))
+    if shallow.recomputes or deeper.recomputes:  # grown as the segments are
+        bare = {"units": (), "recomputes": ()}
+        grown = deepen_step(replace(shallow, segments=shallow.recomputes, **bare),
+                            replace(deeper, segments=deeper.recomputes, **bare), depth, container)
+        return None if grown is None else replace(out, recomputes=grown.segments)
+    return out
 
 
 def derived_step(shallow: Any, deeper: Any, check: Any, depth: int, container: str) -> Any:

@@ -98,7 +98,7 @@ def trace_steps(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[ty
                                  module_dtype, block)[0] for u in units)
     loss_bytes = 2 * counted(loss.untyped_storage().nbytes(), block)
     return tuple(StepTrace(batch_size=int(batch_size), segments=tuple(m.segments), loss_bytes=loss_bytes,
-                           units=tuple(m.seen.values())) for m in marks)
+                           units=tuple(m.seen.values()), recomputes=tuple(m.recomputes)) for m in marks)
 
 
 def trace_step_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), **kwargs: Any
@@ -208,23 +208,38 @@ class _Marks:
         self.clock, self.index, self.own_params_units = clock, index, own_params_units
         clock.marks.append(self)
         self.segments: list[Segment] = []
+        self.recomputes: list[Segment] = []  # StepTrace.recomputes (own_params_units)
         self.high: tuple[int, dict[str, int]] | None = None  # the peak since this segmentation's last mark
+        self.since: tuple[int, dict[str, int]] | None = None  # the peak since its last mark or recompute mark
+        self.recomputed = False  # a recompute mark since the last mark
         self.seen: dict[str, TracedUnit] = {}
         self.inputs: dict[str, list[torch.Tensor]] = {}  # each call's inputs that require grad, till its forward ends
 
     def fold(self, peak: tuple[int, dict[str, int]]) -> None:
         if self.high is None or peak[0] > self.high[0]:  # the first highest, as MemTracker keeps it
             self.high = peak
+        if self.since is None or peak[0] > self.since[0]:
+            self.since = peak
 
     def mark(self, phase: str, unit: str, at: str) -> None:
         clock = self.clock
         if phase == "forward" and clock.in_backward:  # a checkpointed unit's recompute, inside its backward
+            if self.own_params_units:  # cut no segment: a recompute segment beside them
+                self.recomputes.append(self._segment("recompute", unit, at, clock.tick(), self.since))
+                self.since, self.recomputed = None, True
             return
-        now, now_cats = clock.tick()
-        (b, b_cats), (peak, peak_cats) = clock.base, self.high
-        self.segments.append(Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), now - b,
-                                     _less(now_cats, b_cats)))
-        self.high = None
+        now = clock.tick()
+        if self.recomputed:  # the rest of the segment, after its recompute's last mark
+            self.recomputes.append(self._segment("tail", unit, at, now, self.since))
+        self.segments.append(self._segment(phase, unit, at, now, self.high))
+        self.high = self.since = None
+        self.recomputed = False
+
+    def _segment(self, phase: str, unit: str, at: str, now: tuple[int, dict[str, int]],
+                 high: tuple[int, dict[str, int]] | None) -> Segment:
+        (b, b_cats), (n, n_cats) = self.clock.base, now
+        peak, peak_cats = high if high is not None else now
+        return Segment(phase, unit, at, peak - b, _less(peak_cats, b_cats), n - b, _less(n_cats, b_cats))
 
     def pre_forward(self, m: torch.nn.Module, args: tuple, kwargs: dict, u: str) -> None:
         from zeroexp.models import grad_tensors

@@ -26,9 +26,11 @@ class StepUse:
         self._micro: tuple[ModuleCall, ...] = ()  # the last micro-batch's forward calls
         self._calls: tuple[ModuleCall, ...] = ()  # the last step's
         self.recorder: CallRecorder | None = None
+        self._modules: list[nn.Module] = []
         if module is None:
             return
         self.recorder = CallRecorder(module)
+        self._modules = list(module.modules())
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda t: self._graded.add(id(t)))
@@ -54,6 +56,16 @@ class StepUse:
     def calls(self) -> tuple[ModuleCall, ...]:
         """The module calls of the last step's (last micro-batch's) forward; empty before the first step."""
         return self._calls
+
+    def recomputed(self) -> frozenset[int]:
+        """The last step's calls whose forward backward runs again: each call a checkpoint wrapper makes (torch's
+        ``checkpoint_wrapper``: its wrapped module's, the call after the wrapper's; the wrapper's own hooks run outside
+        the checkpoint)."""
+        from zeroexp._lib.checkpointing import checkpoint_prefix
+
+        attr = checkpoint_prefix().rstrip(".")
+        return frozenset(k + 1 for k, c in enumerate(self._calls)
+                         if k + 1 < len(self._calls) and hasattr(self._modules[c.module], attr))
 
     def ungraded(self, params: list[nn.Parameter]) -> tuple[int, ...]:
         """Indices into ``params`` of those the last step gave no gradient."""

@@ -412,7 +412,9 @@ class DeepSpeedAdapter(StrategyAdapter):
         limits = ds_stage3_limits(s.stage3_prefetch_bucket_size, s.stage3_max_live_parameters,
                                   s.stage3_param_persistence_threshold, s.stage3_max_reuse_distance)
         gathers = deepspeed_gathers([p.ds_numel for p in first], own=len(own)) if not use.calls() else \
-            deepspeed_stage3_gathers(use.calls(), tuple(p.ds_numel for p in every), limits)
+            deepspeed_stage3_gathers(use.calls(), tuple(p.ds_numel for p in every), limits,
+                                     use.recomputed() if self.policy.activation_checkpointing else
+                                     frozenset())
         fetched = post_order(eng.module, lambda m: any(True for _ in m.parameters(recurse=False)))
         units = tuple(Unit(sum(p.partition_numel() * n for p in m.parameters(recurse=False)), 1) for m in fetched)
 

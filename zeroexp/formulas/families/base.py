@@ -182,9 +182,9 @@ class Family:
         return None
 
     def peak_limits(self, row: StateLayout, groups: Groups, bucket_cap_bytes: int,
-                    recompute: bool = False) -> list[str]:
+                    recompute: bool | str = False) -> list[str]:
         """Why the peak model does not cover these groups (empty: it does; ``recompute``: activation checkpointing
-        on)."""
+        on, its mode where known)."""
         return []
 
     def phase_peaks(self, row: StateLayout, groups: Groups, shape: ModelShape, trace: StepTrace, itemsize: int, *,

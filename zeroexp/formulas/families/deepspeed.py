@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, stage3_calls, stage3_schedule, deepspeed_comm, deepspeed_payload,
-                                        deepspeed_payload_limits, deepspeed_reduce_bucket_numel,
-                                        deepspeed_sub_groups, ds_reduce_order)
+from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, REPLAYED_RECOMPUTE, stage3_calls, stage3_schedule,
+                                        deepspeed_comm, deepspeed_payload, deepspeed_payload_limits,
+                                        deepspeed_reduce_bucket_numel, deepspeed_sub_groups, ds_reduce_order)
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import MIXED, ddp_bucket_slots, ddp_bucket_terms
 from zeroexp.formulas.layout import StateLayout, pack
@@ -86,19 +86,19 @@ class DeepSpeedPartitions(Family):
 
     def peak_limits(self, row, groups, bucket_cap_bytes, recompute=False):
         """DeepSpeed's paths the peak model has not read: a parameter gathered twice (released in forward beyond the
-        reuse distance, gathered again by its pre-backward hook) is replayed, except under activation checkpointing,
-        whose recompute's fetches are not (``deepspeed_payload_limits``)."""
+        reuse distance, gathered again by its pre-backward hook or by the recompute of a checkpointed unit) is
+        replayed under every ``activation_checkpointing`` mode (``recompute``: the mode; True where unknown: its
+        recompute not replayed)."""
         reasons, stage = [], row.deepspeed_stage
         if self.flow(row) is None:
             return reasons
         fetched, gathered = groups.numel + sum(groups.frozen), sum(sum(g) for g in groups.gathers)
-        if stage == 3 and gathered > fetched and recompute:
-            # measured: GPT n_layer=2, N=2, fp32, full checkpointing, prefetch 0, reuse distance 1000: 41 all_gathers
-            # a step where the replay's 31 (every pre-forward and pre-backward fetch) are planned
-            reasons.append(f"no peak model yet for stage 3 with activation checkpointing gathering a parameter twice "
-                           f"in a step ({gathered} parameter elements gathered of {fetched}: released in forward "
-                           "beyond the reuse distance or live-parameter limit, the recompute's own fetches not "
-                           "replayed: measured 41 all_gathers a step on a GPT where 31 are planned)")
+        if stage == 3 and gathered > fetched and recompute and recompute not in REPLAYED_RECOMPUTE:
+            how = f"activation_checkpointing={recompute}" if isinstance(recompute, str) else "activation checkpointing"
+            reasons.append(f"no peak model yet for stage 3 with {how} gathering a parameter twice in a step "
+                           f"({gathered} parameter elements gathered of {fetched}: released in forward beyond the "
+                           "reuse distance or live-parameter limit, the recompute's own fetches replayed only where "
+                           "the mode is known)")
         return reasons
 
     def accumulates(self, row):
@@ -128,7 +128,7 @@ class DeepSpeedPartitions(Family):
             return ds_stage3_phase_peaks(trace, numels=every, world_size=n, buckets=groups.buckets, itemsize=itemsize,
                                          gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
                                          foreach=foreach, schedule=stage3_schedule(shape, knobs) if traced else None,
-                                         calls=stage3_calls(shape) if traced else (),
+                                         calls=stage3_calls(shape, knobs) if traced else (),
                                          bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes))
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
         peaks = partial(ds_stage12_phase_peaks, stage=stage, buckets=groups.buckets,

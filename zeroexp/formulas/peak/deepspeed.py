@@ -51,6 +51,7 @@ from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups, ds_a
 from zeroexp.formulas.deepspeed_fetch import ModuleCall, Stage3Schedule
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.adamw import adamw_temporaries
+from zeroexp.formulas.peak.ds_recompute import REDO, Hook as _Hook, recompute_moments, unit_calls as _unit_calls
 from zeroexp.formulas.peak.phases import StepTrace
 
 __all__ = ["DsPartition", "ds_partition", "ds_allreduce_copies", "ds_accumulation", "ds_stage12_phase_peaks",
@@ -293,7 +294,9 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     at each hook, the parameters made and the flat buffers still held as it says, and backward releases what its
     post-backward hooks release (none of a persistent parameter); a parameter it released before backward (beyond
     ``stage3_max_reuse_distance``: ``__params_to_release``) a pre-backward hook gathers again (``fetch_sub_module``),
-    backward then holding at each hook what the schedule says. ``bucket_numel``
+    backward then holding at each hook what the schedule says; a checkpointed unit's recompute (the schedule's
+    ``recompute`` hooks, [DS-RECOMPUTE]) at each of its traced hooks (``trace.recomputes``), the rest of its backward
+    segment after them. ``bucket_numel``
     (``reduce_bucket_size``; None: no gradient above it): a gradient above it is a bucket alone, never copied into the
     ipg bucket (stage3.py ``__add_grad_to_ipg_bucket``: ``bucket.elements + param.grad.numel() <=
     self.reduce_bucket_size``), autograd's tensor held from its hook until its reduce-scatter (the next gradient's
@@ -405,11 +408,17 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
     held = gathered - sum(dropped.values()) if held is None else held
     before, backward, at = 0, [s for s in trace.segments if s.phase == "backward"], 1
     flat = hooks[0].after["temporaries"] if hooks else 0  # forward's flat buffers still held
+    redo = recompute_moments(trace, hooks)  # a checkpointed unit's recompute: each of its hooks, then the rest
     for i, s in enumerate(backward):
-        grads = s.peak_by_category.get("gradients", 0)
-        whole = _being_made(edges, big, grads)  # the last one made, autograd's
-        keep("backward", s.peak_by_category, loss, {"gradients": whole - grads, "parameters": held,
-                                                    "temporaries": flat})
+        pairs, tail = redo.get(i, ((), s))
+        for r, hook in (*pairs, (tail, None)):
+            grads = r.peak_by_category.get("gradients", 0)
+            keep("backward", r.peak_by_category, loss, {"gradients": _being_made(edges, big, grads) - grads,
+                                                        "parameters": held, "temporaries": flat})
+            if hook is not None and r.at == "start":  # a recompute's fetch at its highest
+                keep("backward", r.end_by_category, loss, {"gradients": -r.end_by_category.get("gradients", 0),
+                                                           **hook.peak})
+            held, flat = (hook.after["parameters"], hook.after["temporaries"]) if hook is not None else (held, flat)
         match = next((j for j in range(at, len(hooks)) if hooks[j][:2] == (s.unit, s.at)), None) if hooks else None
         if match is not None:  # this hook (the ones between, of modules without parameters, prefetch at most)
             hook = hooks[match]
@@ -465,33 +474,9 @@ def _stage3_forward_scheduled(keep: Callable[..., None], loss: dict, trace: Step
         name = name_of.get(calls[e.call].module)
         released[name] = released.get(name, 0) + sum(numels[p] for p in e.released) * c
     hooks = None  # forward's end first (no unit's), then each unit's backward hook
-    if any(e.gathered for e in schedule.events if e.phase == "backward") or forward and forward[-1].flats:
+    if any(e.gathered for e in schedule.events if e.phase != "forward") or forward and forward[-1].flats:
         hooks = [_Hook("", "", after[-1], {})] + [
-            _Hook(name_of[calls[e.call].module], "start" if e.fetch else "end", bytes_of(e.whole, e.flats),
-                  bytes_of(*e.peak)) for e in schedule.events
-            if e.phase == "backward" and calls[e.call].module in name_of]
+            _Hook(name_of[calls[e.call].module], (REDO if e.phase == "recompute" else "") + ("start" if e.fetch else
+                  "end"), bytes_of(e.whole, e.flats), bytes_of(*e.peak)) for e in schedule.events
+            if e.phase != "forward" and calls[e.call].module in name_of]
     return after[-1]["parameters"] if after else 0, released, hooks
-
-
-class _Hook(NamedTuple):
-    """A backward hook of a unit under a schedule that gathers again or holds a flat buffer past forward (the first:
-    forward's end, no unit's): the unit's ``name``, ``at`` (start: its
-    pre-backward fetch; end: its post-backward release), the bytes held ``after`` it and at its ``peak``
-    (parameters, temporaries: the flat buffers)."""
-
-    name: str
-    at: str
-    after: dict[str, int]
-    peak: dict[str, int]
-
-
-def _unit_calls(trace: StepTrace, calls: tuple[ModuleCall, ...]) -> dict[int, str]:
-    """The traced units' names by the module of their first call (the calls of modules holding parameters, first of
-    each module, in order, are the trace's units)."""
-    firsts: list[ModuleCall] = []
-    for c in calls:
-        if c.params and all(f.module != c.module for f in firsts):
-            firsts.append(c)
-    if [set(c.params) for c in firsts] != [set(u.params) for u in trace.units]:
-        raise ValueError("the step's module calls are not the trace's units")
-    return {c.module: u.name for c, u in zip(firsts, trace.units)}

@@ -48,6 +48,11 @@ class StepTrace:
     segments: tuple[Segment, ...]
     loss_bytes: int
     units: tuple[TracedUnit, ...] = ()
+    #: Traced with ``own_params_units`` and checkpointing: each hook of a unit's forward run again inside backward
+    #: (phase ``recompute``: the stretch since the last mark or recompute mark, ending at it), then the rest of the
+    #: backward segment they fall in (phase ``tail``, named as that segment), in time order; the segments themselves
+    #: span their recompute.
+    recomputes: tuple[Segment, ...] = ()
 
     def backward_start(self) -> dict[str, int]:
         """Backward's start above steady: the forward's end less steady's loss scalars, plus autograd's seed."""

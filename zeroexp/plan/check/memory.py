@@ -293,9 +293,9 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
     """The plan's memory section for a cell that ran (``name``: its row; ``groups``: derived from the shapes)."""
     measured = summary.get("memory") or {}
     knobs = cell.knobs
-    cap = knobs.bucket_cap_bytes
+    cap, recompute = knobs.bucket_cap_bytes, knobs.recompute_mode or knobs.recompute
     row = _row(name)
-    uncovered = (_uncovered_cell(cell, name) + row.family.peak_limits(row, groups, cap, knobs.recompute)
+    uncovered = (_uncovered_cell(cell, name) + row.family.peak_limits(row, groups, cap, recompute)
                  + shape_limits(name, shape, groups))
     if uncovered:
         return Check(Verdict.NA, tuple(coded(Code.MEMORY_NOT_MODELLED, uncovered))).fields()
