@@ -17,7 +17,7 @@ from zeroexp.cell.policy import CellPolicy, strategy_config
 from zeroexp.cell.schedule import Schedule
 from zeroexp.cell.strategy import BUCKET_CAP_MB
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs, StateLayout
-from zeroexp.formulas.peak.checkpointing import Checkpointing
+from zeroexp.formulas.peak.checkpointing import Checkpointing, checkpointing_of
 
 __all__ = ["Cell", "knobs_of", "layout_of", "post_forward_ranks"]
 
@@ -124,6 +124,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
     cap, clip, scaling = knob("bucket_cap_mb", BUCKET_CAP_MB), knob("clip_grad_norm", None), \
         cfg.precision.loss_scale is not None
     reshard = knob("reshard_after_forward", True)
+    checkpointing = checkpointing_of(cfg.activation_checkpointing)
     return PlanKnobs(
         bucket_cap_bytes=int(float(cap) * 2**20),
         reduce=str(knob("reduce", PlanKnobs.reduce)),
@@ -148,9 +149,9 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         ds_max_live=knob("stage3_max_live_parameters", None),
         ds_persistence=knob("stage3_param_persistence_threshold", None),
         ds_max_reuse=knob("stage3_max_reuse_distance", None),
-        recompute=str(cfg.activation_checkpointing.name) != "none",
-        recompute_mode=str(cfg.activation_checkpointing.name).replace("none", ""),
-        recompute_every=int(cfg.activation_checkpointing.get("every", 1) or 1),
+        recompute=bool(checkpointing),
+        recompute_mode=checkpointing.mode.replace("none", ""),
+        recompute_every=checkpointing.every,  # selective_layer's k, its null the mode's default (checkpointing_of)
     )
 
 
