@@ -166,6 +166,22 @@ def test_stage3_cells_beyond_one_bucket_pass_every_plan_check(cell, overrides, g
     assert measured == gathers
 
 
+def _gathering_again(cell, gathers: int, *overrides: str) -> dict:
+    """A stage-3 cell at a reuse distance of 1000 elements: it ran, its plan's state, calls, groups and memory PASS,
+    and its all_gathers are ``gathers``, planned as measured (count and bytes); its plan section."""
+    res = cell("strategy=deepspeed", "strategy.stage=3", *overrides, "strategy.stage3_max_reuse_distance=1000",
+               base=MODEL_BASE)
+    assert res.status == "ok", res.error
+    plan = res.summary["plan"]
+    for part in ("state", "calls", "groups", "memory"):
+        assert plan[part]["check"] == "PASS", (part, plan[part]["reasons"])
+    measured = res.summary["collectives"]["counts"]["all_gather"]
+    planned = {c["op"]: c for c in plan["collectives"]}["all_gather"]
+    assert planned["predicted_count"] == measured == gathers
+    assert planned["predicted_bytes"] == planned["measured_bytes"]
+    return plan
+
+
 @needs_deepspeed
 @pytest.mark.parametrize("overrides,gathers", [
     # no prefetch and a reuse distance of 1000 elements: each module's parameters are released after its forward
@@ -175,16 +191,7 @@ def test_stage3_cells_beyond_one_bucket_pass_every_plan_check(cell, overrides, g
     ((*LLAMA, "world_size=3", "precision=bf16"), 41),
 ])
 def test_stage3_cells_gathering_again_in_backward_pass_every_plan_check(cell, overrides, gathers):
-    res = cell("strategy=deepspeed", "strategy.stage=3", *overrides, "strategy.stage3_prefetch_bucket_size=0",
-               "strategy.stage3_max_reuse_distance=1000", base=MODEL_BASE)
-    assert res.status == "ok", res.error
-    plan = res.summary["plan"]
-    for part in ("state", "calls", "groups", "memory"):
-        assert plan[part]["check"] == "PASS", (part, plan[part]["reasons"])
-    measured = res.summary["collectives"]["counts"]["all_gather"]
-    planned = {c["op"]: c for c in plan["collectives"]}["all_gather"]
-    assert planned["predicted_count"] == measured == gathers
-    assert planned["predicted_bytes"] == planned["measured_bytes"]
+    plan = _gathering_again(cell, gathers, *overrides, "strategy.stage3_prefetch_bucket_size=0")
     backward = plan["memory"]["phases"]["backward"]
     assert abs(backward["predicted_bytes"] - backward["measured_bytes"]) <= 16, backward
 
@@ -201,17 +208,8 @@ def test_stage3_cells_gathering_again_in_backward_pass_every_plan_check(cell, ov
     ((*GPT, "world_size=3", "precision=bf16", "strategy.stage3_prefetch_bucket_size=10000"), 9, 8),
 ])
 def test_stage3_recompute_gathering_again_passes_every_plan_check(cell, overrides, gathers, gap):
-    res = cell("strategy=deepspeed", "strategy.stage=3", *overrides, "activation_checkpointing=full",
-               "strategy.stage3_max_reuse_distance=1000", base=MODEL_BASE)
-    assert res.status == "ok", res.error
-    plan = res.summary["plan"]
-    for part in ("state", "calls", "groups", "memory"):
-        assert plan[part]["check"] == "PASS", (part, plan[part]["reasons"])
+    plan = _gathering_again(cell, gathers, *overrides, "activation_checkpointing=full")
     assert all(r["check"] == "PASS" for r in plan["memory"]["ranks"])
-    measured = res.summary["collectives"]["counts"]["all_gather"]
-    planned = {c["op"]: c for c in plan["collectives"]}["all_gather"]
-    assert planned["predicted_count"] == measured == gathers
-    assert planned["predicted_bytes"] == planned["measured_bytes"]
     for r in plan["memory"]["ranks"]:
         assert 0 <= r["backward"]["measured_bytes"] - r["backward"]["predicted_bytes"] <= gap, r
 

@@ -121,7 +121,8 @@ def ds_reduce_order(numels: tuple[int, ...] | list[int], ungraded: tuple[int, ..
     """Stages 1-2, the trainable parameters (indices) in the order their gradients are reduced: parameter order at
     stage 1 (``reduce_gradients``), backward (a stack's reverse, as :func:`deepspeed_buckets` is given it) at stage 2;
     none a step gives no gradient, nor an empty one."""
-    nonzero = [i for i, k in enumerate(numels) if k and i not in set(ungraded)]
+    skipped = set(ungraded)
+    nonzero = [i for i, k in enumerate(numels) if k and i not in skipped]
     return tuple(nonzero if stage == 1 else nonzero[::-1])
 
 
@@ -133,7 +134,7 @@ def ds_allreduce_calls(buckets: tuple[tuple[int, ...], ...], order: tuple[int, .
     ``allreduce_and_scatter`` (``numel_per_bucket=self.reduce_bucket_size``) all-reduces the slices gathered so far as
     soon as they total more than ``reduce_bucket_size``, the rest at the end: one call for a bucket within the size,
     and for a gradient larger than it (a bucket alone, ``extra_large_param_to_reduce``) one call per run of its
-    partition slices that first passes the size."""
+    partition slices whose total passes the size, the slices left over one call more."""
     start, offset = {}, 0
     for i, n in enumerate(numels):
         start[i], offset = offset, offset + n
