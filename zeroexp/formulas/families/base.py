@@ -161,6 +161,11 @@ class Family:
         says)."""
         return None
 
+    def frozen_accumulation_limit(self, row: StateLayout) -> str | None:
+        """Why the peak model does not cover the row's accumulation (no_sync, or reducing every micro-batch) on a model
+        with frozen parameters (None: it does)."""
+        return None
+
     def no_sync_checkpointing(self, row: StateLayout) -> bool:
         """Whether the peak model of the row's no_sync accumulation (``StateLayout.no_sync_accumulation``) covers
         activation checkpointing too."""

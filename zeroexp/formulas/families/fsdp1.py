@@ -52,6 +52,17 @@ class Fsdp1Units(FsdpFamily):
     def no_sync_checkpointing(self, row):
         return True  # the trace's segments checkpointed (recompute inside each unit's backward, gathered)
 
+    def frozen_accumulation_limit(self, row):
+        # measured (LoRA GPT, n_layer=2, n_embd=32, fp32, grad_accum=2, N=2 and 3, fsdp_grad_op and fsdp_full):
+        # under no_sync each unit's held unsharded gradient is the FlatParameter's, its frozen views included
+        # (118,016 B at N=2, where the trained parameters' are 29,440 B and the padded unit 128,512 B); under no_sync
+        # and reducing every micro-batch alike, a later micro-batch's forward holds 16,380-17,412 B of activations more
+        # than the traced step: unplaced
+        return ("no peak model yet for FSDP1's accumulation with frozen parameters: a later micro-batch's forward "
+                "holds more activations than the traced step, and under no_sync each unit's held gradient spans its "
+                "FlatParameter's frozen views (measured on a LoRA GPT, fp32, grad_accum=2: forward 848,960 B where "
+                "740,416 are predicted under no_sync, 789,952 where 772,544 reducing every micro-batch)")
+
     def sync_accumulation(self, row):
         return True  # fsdp_sync_phase_peaks, HSDP included (its all_reduce on the reduced shard, in place)
 

@@ -58,6 +58,9 @@ def uncovered(name: str, precision: str, offload: str,
     if micro_batches > 1 and flow is not None and mixed_limit and row.no_sync_accumulation \
             and not sync_each_microbatch:
         reasons.append(mixed_limit)
+    frozen_limit = row.family.frozen_accumulation_limit(row) if micro_batches > 1 and frozen else None
+    if frozen_limit and flow is not None:
+        reasons.append(frozen_limit)
     dtype_limit = row.family.accumulation_limit(row, reduce_dtype, param_dtype) if micro_batches > 1 else None
     if dtype_limit and flow is not None and row.no_sync_accumulation and not sync_each_microbatch:
         reasons.append(dtype_limit)
