@@ -156,11 +156,16 @@ def test_any_module_through_target(cell, compose):
     with pytest.raises(ConfigError, match="width"):
         validate(compose("model=transformer_layer", "+model.width=64", base=()))
     ddp = cell("model=transformer_layer", "strategy=ddp", "world_size=2", base=base)
+    # logger=csv: Lightning's CSV logger on rank 0, the one logger the training step hands its loss to
     fsdp = cell("model=transformer_layer", "strategy=fsdp_full", "prefetch=pre", "world_size=2",
-                "strategy.wrap=[torch.nn.TransformerEncoderLayer]", base=base)
+                "strategy.wrap=[torch.nn.TransformerEncoderLayer]", base=("logger=csv", *base[1:]))
     assert ddp.status == "ok" and fsdp.status == "ok", (ddp.error, fsdp.error)
     a, b = read_csv(ddp, "iterations.csv"), read_csv(fsdp, "iterations.csv")
     assert ((a.loss - b.loss).abs() / a.loss.abs()).max() <= 1e-5
+    logged = read_csv(fsdp, "csv/metrics.csv")
+    assert logged.step.tolist() == list(range(STEPS))
+    assert logged["train/loss_rank0"].tolist() == pytest.approx(b[b["rank"] == 0].loss.tolist(), rel=1e-6)
+    assert not (ddp.cell_dir / "csv").exists()  # no logger, nothing logged
 
 
 def test_model_custom_runs_a_module_from_the_command_line_alone(cell, compose):

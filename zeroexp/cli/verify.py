@@ -210,7 +210,7 @@ def verify(cfg: DictConfig, answer: dict[str, Any], s: Settings, say: Any) -> di
                 "why": "no configuration fits: nothing to run"}
     s.out_dir.mkdir(parents=True, exist_ok=True)
     calibration = calibration_for(cfg, s, [c["overrides"] for c in cells if c["overrides"] is not None], say)
-    common = [f"steps={s.steps}", "logger=csv", f"calibration={calibration}"]
+    common = [f"steps={s.steps}", "logger=none", f"calibration={calibration}"]
     say(f"verify: {sum(c['overrides'] is not None for c in cells)} cells at N={s.world_size} on this machine, "
         f"calibration {calibration}, into {s.out_dir}:")
     for c in cells:
