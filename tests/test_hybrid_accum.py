@@ -3,14 +3,16 @@ _HYBRID_SHARD_ZERO2) and fsdp2_hybrid at N=4, shard_size=2, grad_accum=2 on the 
 per optimizer step: as FSDP's no_sync, every micro-batch gathers each unit again (twice under FULL_SHARD, and
 _HYBRID_SHARD_ZERO2 keeps its units gathered to the step's last micro-batch: once), while the gradients are
 reduce-scattered within the shard group and all-reduced across the replicas once per step; with
-strategy.sync_each_microbatch both every micro-batch. The model predicts it before any rank starts; FSDP1's peak
-model judges its cells on every rank.
+strategy.sync_each_microbatch both every micro-batch. The model predicts it before any rank starts; the peak model
+judges every cell on every rank (FSDP2's HSDP holds each unit's all-reduce buffer to backward's end where it is not the
+gradient: a later micro-batch's, and below fp32, where the gradient is its up-cast copy).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from conftest import STEPS, WINDOWS
 from zeroexp.cell.resolved import Cell
 from zeroexp.config.schemas import validate
 from zeroexp.plan.check.expect import Expectation
@@ -57,9 +59,27 @@ def test_hybrid_accumulation_measured_per_optimizer_step(cell, case):
     assert r.status == "ok", r.error
     s = r.summary
     assert all(s[k]["check"] == "PASS" for k in ("state", "collectives", "equivalence", "plan")), s["collectives"]
-    if case.startswith("fsdp_hybrid"):  # FSDP1's HSDP, under no_sync or reducing every micro-batch: judged
-        memory = s["plan"]["memory"]
-        assert [r["check"] for r in memory["ranks"]] == ["PASS"] * N, memory.get("reasons")
+    memory = s["plan"]["memory"]  # under no_sync or reducing every micro-batch: judged
+    assert [r["check"] for r in memory["ranks"]] == ["PASS"] * N, memory.get("reasons")
     c = s["collectives"]
     assert {op: {"count": c["counts"][op], "payload_bytes": c["payload_bytes"][op], "groups": c["groups"][op]}
             for op in c["counts"]} == _fingerprint(case)
+
+
+LLAMA = ("model=llama3_8b", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=256", "model.seq_len=16")
+
+
+def test_fsdp2_hsdp_below_fp32_holds_each_units_all_reduce_buffer_to_backwards_end(cell):
+    """A shrunk Llama under fsdp2_hybrid in bf16, reducing every micro-batch of 2: each unit's bf16 reduce-scatter
+    output, all-reduced over the replicas, stays in FSDPParamGroup._all_reduce_state beside its fp32 up-cast gradient
+    (and, in the later micro-batch, beside the held gradient it was added into) until finalize_backward. Measured on
+    every rank: each phase 4 bytes above the prediction."""
+    r = cell(*LLAMA, "strategy=fsdp2_hybrid", f"world_size={N}", f"strategy.shard_size={S}", f"grad_accum={K}",
+             "strategy.sync_each_microbatch=true", "precision=bf16", base=("logger=none", f"steps={STEPS}", *WINDOWS))
+    assert r.status == "ok", r.error
+    memory = r.summary["plan"]["memory"]
+    assert [x["check"] for x in memory["ranks"]] == ["PASS"] * N, memory.get("reasons")
+    for x in memory["ranks"]:
+        for phase in ("forward", "backward", "optimizer"):
+            assert 0 <= x[phase]["measured_bytes"] - x[phase]["predicted_bytes"] <= 8, (x["rank"], phase, x[phase])

@@ -157,7 +157,8 @@ class Fsdp2Rows(FsdpFamily):
                      reshard_after_forward=row.reshard_after_forward and not (alone and root_kept),
                      one_unit=alone, root_kept=root_kept and not alone,
                      ahead=(knobs.forward_prefetch, knobs.backward_prefetch),
-                     post_forward=groups.post_forward_size, root_params=held.root_params)
+                     post_forward=groups.post_forward_size, root_params=held.root_params,
+                     all_reduce_held=row.hybrid)
         if each:
             return fsdp2_sync_phase_peaks(trace, **terms)
         if micro_batches > 1:
@@ -172,9 +173,7 @@ class Fsdp2Rows(FsdpFamily):
         return True  # the steps traced checkpointed, with and without the gradients allocated
 
     def sync_accumulation(self, row):
-        # fsdp2_sync_phase_peaks; not HSDP: measured (mlp, N=4, shard 2, K=2) backward's comm 73,728 B where 16,384
-        # are predicted: FSDP2 keeps each all_reduce's buffer across units (FSDPParamGroup._all_reduce_state)
-        return not row.hybrid
+        return True  # fsdp2_sync_phase_peaks, HSDP's all-reduce buffers held to backward's end included
 
     def accumulation_limit(self, row, reduce_dtype, param_dtype):
         if reduce_dtype is not None and reduce_dtype != param_dtype:
@@ -208,5 +207,5 @@ ROWS = {
                                 hybrid_units(dtensor_grads=True), "largest", fp32_at_rest=True, padded_moments=False,
                                 precisions=MIXED, offloads=OFFLOADS, gathers_per_unit=_twice_hybrid, hybrid=True,
                                 source="zeroexp.strategies.fsdp2_hybrid; [FSDP2]; zeroexp.formulas.hybrid",
-                                reshard_after_forward=True, min_world_size=2),
+                                reshard_after_forward=True, min_world_size=2, no_sync_accumulation=True),
 }

@@ -54,7 +54,8 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                       root_kept: bool = False, ahead: tuple[int, int] = (0, 0),
                       post_forward: int = 0, root_params: tuple[int, ...] = (),
                       kept_units: tuple[bool, ...] | None = None, reduce: bool = True,
-                      accumulated: int = 0, shards_held: bool = False) -> dict[str, dict]:
+                      accumulated: int = 0, shards_held: bool = False,
+                      all_reduce_held: bool = False) -> dict[str, dict]:
     """FSDP2 ``fully_shard`` (``units`` in forward order; ``unsharded``: a unit's padded rows, all-gathered into one
     buffer), per phase, the bytes above steady at the peak, by category [FSDP2] (the moments of each phase: [Note:
     FSDP2's phase peaks] above). ``reshard_after_forward=False`` (SHARD_GRAD_OP's FSDP2 form): every unit stays
@@ -68,7 +69,10 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
     step traced with its gradients allocated counts in its start, not in its segments), each unit's freed by its
     reduction. ``shards_held``: a later micro-batch under ``strategy.sync_each_microbatch``
     (:func:`fsdp2_sync_phase_peaks`): every sharded gradient held from its start, each unit's reduction a transient
-    added into them."""
+    added into them. ``all_reduce_held`` (HSDP): each unit's reduce-scatter output, all-reduced over the replicate
+    group, is held by its param group (``FSDPParamGroup._all_reduce_state``) until ``finalize_backward`` at backward's
+    end; where it is not the gradient itself (below fp32 the gradient is its up-cast copy; under ``shards_held`` it is
+    added into the held gradient), it stays beside it through the rest of backward (comm)."""
     k_of = _unit_index(trace, units)
     best = _Highest()
     kept_k = list(kept_units) if kept_units is not None else [not reshard_after_forward] * len(units)
@@ -87,7 +91,7 @@ def fsdp2_phase_peaks(trace: StepTrace, units: list[FsdpUnit], *, root: int, ste
                    bump=bump)
     _fsdp2_backward(keep, trace, units, k_of, root=root, steady_grad_bytes=steady_grad_bytes, gloo=gloo,
                     kept=kept_k, one_unit=one_unit, held=held, root_after=root_after, ahead=max(ahead[1], 1),
-                    reduce=reduce, accumulated=accumulated, shards_held=shards_held)
+                    reduce=reduce, accumulated=accumulated, shards_held=shards_held, all_reduce_held=all_reduce_held)
     return best.phases(adamw_temporary_blocks(optimizer_numels, optimizer_itemsize, foreach, block))
 
 
@@ -163,18 +167,22 @@ def _fsdp2_forward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
 def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
                     root: int, steady_grad_bytes: int, gloo: bool, kept: list[bool], one_unit: bool,
                     held: list[int], root_after: int, ahead: int = 1, reduce: bool = True,
-                    accumulated: int = 0, shards_held: bool = False) -> None:
+                    accumulated: int = 0, shards_held: bool = False, all_reduce_held: bool = False) -> None:
     """:func:`fsdp2_phase_peaks`' backward moments, each to ``keep``: per unit in backward order, the trace's own
     peaks (u computing; for the first unit, the loss's backward before it) and its post-backward reduction
     (``kept``: each unit's kept unsharded from its forward: not gathered again, nor prefetched; ``reduce=False``: no
     reduction, each unit's gradients held as the trace holds them; ``shards_held``: every sharded gradient held
-    throughout, steady's, each reduction's output a transient added into it)."""
+    throughout, steady's, each reduction's output a transient added into it; ``all_reduce_held``: HSDP's all-reduce
+    buffers kept to backward's end, :func:`fsdp2_phase_peaks`)."""
     full = [u.unsharded for u in units]
     if shards_held:  # nothing freed before backward; no reduction's output kept
         steady_grad_bytes = 0
     segs = list(trace.segments)
     order = _backward_order(k_of)
     shards_done, grads_done = 0, 0
+    # HSDP: the reduced units' all-reduce buffers (foreach_reduce's reduce_output) that are not their gradients, held
+    # in FSDPParamGroup._all_reduce_state until finalize_backward (_fsdp_param_group.py post_backward)
+    ar_done = 0
     reduced: dict[str, int] = {}  # the previous unit's post-backward, its reduction done
     for pos, (name, k) in enumerate(order):
         i = _backward_end(segs, name)
@@ -191,7 +199,7 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
             # output (prefetched by the previous unit) beside its unsharded parameters and the units prefetched before
             # it, the previous unit's reduction done (as forward's copy-out)
             early = sum(full[j] for _, j in order[pos + 1:pos + ahead] if not kept[j])
-            keep("backward", {**reduced, "comm": rs_kept,
+            keep("backward", {**reduced, "comm": rs_kept + ar_done,
                               "unsharded": root + 2 * full[k] + early + pending + held[k]})
         # The trace's own peaks: u computing, and, for the first unit, the loss's backward before it (where only what
         # the units and the root hold since forward is unsharded).
@@ -199,7 +207,8 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         # A model that is one unit all-gathers nothing after its forward: that all-gather's output (AllGatherState)
         # is still alive through its backward, beside the unsharded parameters.
         ag_kept = full[k] if one_unit and not kept[k] else 0
-        for seg, unsharded, comm in ((segs[i], root + u.unsharded + prefetched + pending + ag_kept, rs_kept), *before):
+        for seg, unsharded, comm in ((segs[i], root + u.unsharded + prefetched + pending + ag_kept, rs_kept + ar_done),
+                                     *before):
             g = seg.peak_by_category.get("gradients", 0)
             keep("backward", _add(seg.peak_by_category, {
                 "activations": -trace.loss_bytes, "unsharded": unsharded, "comm": comm,
@@ -221,7 +230,8 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
         # the output shard: kept as the gradient, or (``shards_held``) a transient the memory probe leaves ``comm``,
         # a collective's output freed before the step's end
         post = {"activations": after.get("activations", 0) - trace.loss_bytes,
-                "comm": u.scattered + (u.shard if shards_held else 0), "unsharded": root + prefetched + pending,
+                "comm": u.scattered + (u.shard if shards_held else 0) + ar_done,
+                "unsharded": root + prefetched + pending,
                 "gradients": t_root + shards_done + (0 if shards_held else u.shard) - steady_grad_bytes
                 + (u.last_grad if alone else 0) + max(accumulated - grads_done - u.grads, 0)}
         note = (f"gloo's copy of unit {k}'s reduce-scatter input ({copy} B), alive at its post-backward only while "
@@ -236,7 +246,8 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
                  timing={"temporaries": 0 if alone else copy}, note=note)
         shards_done += 0 if shards_held else u.upcast or u.shard
         grads_done += u.grads
-        reduced = {"activations": after.get("activations", 0) - trace.loss_bytes,
+        ar_done += u.shard if all_reduce_held and u.scattered and (shards_held or u.upcast) else 0
+        reduced = {"activations": after.get("activations", 0) - trace.loss_bytes, "comm": ar_done,
                    "temporaries": after.get("temporaries", 0),
                    "gradients": t_root + shards_done - steady_grad_bytes + max(accumulated - grads_done, 0)}
 
