@@ -210,11 +210,12 @@ def test_a_model_that_is_one_fsdp2_unit_has_its_peak_modelled(cell, model, strat
 @pytest.mark.skipif(not TT, reason="expecttest is not installed (PyTorch's test Transformer imports it)")
 @pytest.mark.parametrize("strategy", ["fsdp2_full", "fsdp2_grad_op"])
 def test_pytorchs_test_transformer_peak_on_every_rank(cell, strategy):
-    """The model of PyTorch's test_fully_shard_memory.py (3 layers, dim 768, 12 heads), N = 2: every rank's backward
-    within the predicted range, whether or not gloo still holds its copy of a reduce-scatter input."""
+    """The model of PyTorch's test_fully_shard_memory.py (3 layers, 12 heads) at half its width (dim 384 where that
+    test has 768: a quarter of the parameters, the same layers and heads), N = 2: every rank's backward within the
+    predicted range, whether or not gloo still holds its copy of a reduce-scatter input."""
     r = cell(*_custom(f"{DTENSOR}.Transformer", "[4]", f"+model.args._target_={DTENSOR}.ModelArgs",
                       "+model.args.n_layers=3", "+model.args.vocab_size=32", "+model.args.max_seq_len=16",
-                      "+model.args.dim=768", "+model.args.n_heads=12", "+model.args.weight_tying=false",
+                      "+model.args.dim=384", "+model.args.n_heads=12", "+model.args.weight_tying=false",
                       "+model.args.dropout_p=0.0", "model.dtype=long", "model.high=32", "model.loss=next_token",
                       f"model.wrap=[{DTENSOR}.TransformerBlock]"),
              f"strategy={strategy}", "world_size=2", "batch_size=1", f"steps={PROBED}", *WINDOWS, base=("logger=none",))
