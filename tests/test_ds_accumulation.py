@@ -35,7 +35,7 @@ def test_what_a_later_micro_batch_holds_from_its_start():
     # parameter 0 alone (grads_in_partition 200 B). A later micro-batch's forward holds it beside its activations.
     trace = StepTrace(1, (_seg("forward", "u0", {"activations": 100}, {"activations": 100}),
                           _seg("backward", "u0", {"activations": 100, "gradients": 400},
-                               {"activations": 8, "gradients": 400})), loss_bytes=8)
+                               {"activations": 8, "gradients": 400})), loss_bytes=8, seed_bytes=4)
     kw = dict(stage=2, buckets=((50, 50),), order=(1, 0), numels=(50, 50), part=ds_partition((50, 50), 100, 2, 0),
               bucket_numel=100, itemsize=4)
     first, later = ds_stage12_phase_peaks(trace, **kw), ds_stage12_phase_peaks(trace, **kw, later=True)

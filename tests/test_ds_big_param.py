@@ -53,7 +53,7 @@ def test_stage2_holds_a_large_gradient_as_autograds_until_the_next_hook_reduces_
                           _seg("backward", "u0", {"activations": 100, "gradients": 200},
                                {"activations": 8, "gradients": 400}),
                           _seg("backward", "root", {"activations": 8, "gradients": 400},
-                               {"activations": 8, "gradients": 400})), loss_bytes=8)
+                               {"activations": 8, "gradients": 400})), loss_bytes=8, seed_bytes=4)
     peaks = ds_stage12_phase_peaks(trace, stage=2, buckets=((50,), (50,)), order=(1, 0), numels=(50, 50),
                                    part=ds_partition((50, 50), 100, 2, 0), bucket_numel=40, itemsize=4)
     assert peaks["backward"] == {"bytes": 560, "by_category": {"gradients": 560}}

@@ -24,7 +24,7 @@ GPT_BASE = ("logger=none", f"steps={STEPS}", *WINDOWS)  # conftest.BASE without 
 def _trace(*segments: dict) -> StepTrace:
     segs = tuple(Segment(ph, f"u{i}", "end", sum(c.values()), c, sum(c.values()), c)
                  for i, (ph, c) in enumerate(segments))
-    return StepTrace(batch_size=1, segments=segs, loss_bytes=8)
+    return StepTrace(batch_size=1, segments=segs, loss_bytes=8, seed_bytes=4)
 
 
 GIVEN = _trace(("forward", {"activations": 1000}),
@@ -67,7 +67,7 @@ def test_fsdp1_under_no_sync_holds_every_unsharded_gradient():
                           seg("backward", "b", "start", {"activations": 300, "temporaries": 50}),
                           seg("backward", "b", "end", {"activations": 150, "temporaries": 60, "gradients": 40}),
                           seg("backward", "a", "end", {"activations": 20, "temporaries": 60, "gradients": 80}),
-                          seg("backward", "root", "end", {"gradients": 90})), loss_bytes=8)
+                          seg("backward", "root", "end", {"gradients": 90})), loss_bytes=8, seed_bytes=4)
 
     def peaks(reshard_after_forward: bool, prefetch: str = "none") -> dict:
         return fsdp1_no_sync_phase_peaks(trace, [FsdpUnit(48, 24, 40)] * 2, [40, 40], micro_batches=2,

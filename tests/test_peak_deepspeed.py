@@ -46,7 +46,7 @@ BACKWARD = (_seg("backward", "u1", "end", {"activations": 500, "temporaries": 30
                  {"activations": 100, "gradients": 400}),
             _seg("backward", "root", "end", {"activations": 100, "gradients": 400},
                  {"activations": 8, "gradients": 400}))
-TRACE12 = StepTrace(1, (_seg("forward", "u0", "end", {"activations": 1000}), *BACKWARD), loss_bytes=8)
+TRACE12 = StepTrace(1, (_seg("forward", "u0", "end", {"activations": 1000}), *BACKWARD), loss_bytes=8, seed_bytes=4)
 PART0 = ds_partition((50, 50), 100, 2, 0)
 
 

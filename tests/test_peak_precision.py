@@ -78,7 +78,7 @@ def test_zeros_master_up_casts_and_gather_inputs_on_a_given_trace():
     segs = (Segment("forward", "u0", "end", 1000, {"activations": 1000}, 1000, {"activations": 1000}),
             Segment("backward", "u0", "end", 700, {"activations": 300, "gradients": 400}, 700,
                     {"activations": 300, "gradients": 400}))
-    t = StepTrace(batch_size=1, segments=segs, loss_bytes=8)
+    t = StepTrace(batch_size=1, segments=segs, loss_bytes=8, seed_bytes=4)
     kw = {"steady_grad_bytes": 0, "optimizer_numels": (50,), "optimizer_itemsize": 4, "foreach": False}
     # Below fp32: 50 fp32 master gradients (200 B) beside AdamW's 400 B; steady's 100 B all-gather input freed in
     # forward, so every phase is 100 B lower.
@@ -142,10 +142,10 @@ def test_plan_memory_passes_below_fp32_with_exact_categories(cell):
         if strategy.startswith("fsdp"):
             if strategy == "fsdp_full":  # unit 7 gathered beside the first seven outputs: from its bf16 shard copy
                 assert memory["phases"]["forward"]["predicted_by_category"] == {
-                    "activations": DEPTH * BW2 - 8, "unsharded": WW2, "comm": WW2 // 2}
+                    "activations": DEPTH * BW2 - 4, "unsharded": WW2, "comm": WW2 // 2}
             continue
         fwd, opt = memory["phases"]["forward"], memory["phases"]["optimizer"]
-        loss = 2 * BW4 + 4 - 8  # the loss's fp32 up-casts and mean, less the last step's loss and copy
+        loss = 2 * BW4 + 4 - 4  # the loss's fp32 up-casts and mean, less the last step's copy of its loss
         if strategy in ("ddp", "zro"):  # autocast: seven weight casts saved
             assert fwd["predicted_by_category"] == {"activations": (DEPTH + 1) * BW2 + (DEPTH - 1) * WW2 + loss}
             assert fwd["measured_bytes"] == fwd["predicted_bytes"]

@@ -301,7 +301,7 @@ def _loop(steps: int) -> dict[str, float]:
     batches = [torch.randn(TINY_BATCH, 1) for _ in range(steps + 2)]
     window = Window()
     module = CellModule(nn.Linear(1, 1, bias=False), "mean_square", lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                        log_loss=False)  # as a cell's without logger=csv (zeroexp.rank.fit.logs_loss)
+                        log_loss=False)  # as a cell's without logger=csv (Cell.logs_loss)
     trainer = cell_trainer(accelerator="cpu", devices=1, max_steps=steps + 2, logger=False, callbacks=[window])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     net = nn.Linear(1, 1, bias=False)

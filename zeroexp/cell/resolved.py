@@ -28,7 +28,13 @@ class Cell:
     settings that change its bytes, as the expectation model reads them; ``schedule``: the steps each probe owns;
     ``row_name`` / ``row``: its row of the expectation model (``strategy.layout``); ``device`` / ``backend``: where its
     ranks run (``cuda``/``nccl`` or ``cpu``/``gloo``, zeroexp.devices' one rule); ``shape``: its model's shape (units
-    cut by its wrap classes), read by validation; None where the model does not build on the meta device."""
+    cut by its wrap classes), read by validation; None where the model does not build on the meta device.
+    ``logs_loss``: whether its training step hands the loss to Lightning's ``self.log``: only where Lightning has a
+    logger to write it to (``logger=csv``, zeroexp.rank.fit.make_logger; never in a dry run, whose fake loss has no
+    value); otherwise the call would only fill
+    ``callback_metrics``, which nothing reads (the loss is the iterations probe's; W&B's run is logged from the
+    files), at about a tenth of a small model's step in Lightning's result collection on every rank. The logged loss
+    is held to the next step (``StepTrace.for_cell``)."""
 
     policy: CellPolicy
     knobs: PlanKnobs
@@ -47,6 +53,7 @@ class Cell:
     dry_run: bool
     calibration: str | None
     shape: ModelShape | None = None
+    logs_loss: bool = False
 
     @classmethod
     def of(cls, cfg: Any, shape: ModelShape | None = None, local_world_size: int | None = None) -> Cell:
@@ -65,7 +72,8 @@ class Cell:
                    activation_checkpointing=str(cfg.activation_checkpointing.name),
                    checkpoint=str(cfg.checkpoint.name), device="cuda" if on_gpu else "cpu",
                    backend="nccl" if on_gpu else "gloo", dry_run=bool(cfg.dry_run),
-                   calibration=None if cfg.calibration is None else str(cfg.calibration), shape=shape)
+                   calibration=None if cfg.calibration is None else str(cfg.calibration), shape=shape,
+                   logs_loss=cfg.logger.name == "csv" and not cfg.dry_run)
 
     def __getstate__(self) -> dict[str, Any]:
         # to the ranks by pickle: a row holds its family's closures, so it travels by name (zeroexp.formulas.LAYOUTS)

@@ -19,7 +19,7 @@ class CellModule(pl.LightningModule):
     def __init__(self, net: nn.Module, loss: str, optimizer_factory: Callable[[Iterable[nn.Parameter]], Any],
                  clip_gradients: Callable[[nn.Module], None] | None = None, log_loss: bool = True) -> None:
         super().__init__()
-        self.log_loss = log_loss  # zeroexp.rank.fit.logs_loss; False in a dry run (a fake loss has no value to log)
+        self.log_loss = log_loss  # Cell.logs_loss; False in a dry run (a fake loss has no value to log)
         self.net = net
         self.loss_fn = LOSSES[loss]
         self.optimizer_factory = optimizer_factory

@@ -96,8 +96,8 @@ def trace_steps(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[ty
     if len(units) > 1 and clock.several_inputs:
         return tuple(trace_steps(model_cfg, batch_size, classes, device, dtype, checkpointing, grads_in_place, (u,),
                                  module_dtype, block)[0] for u in units)
-    loss_bytes = 2 * counted(loss.untyped_storage().nbytes(), block)
-    return tuple(StepTrace(batch_size=int(batch_size), segments=tuple(m.segments), loss_bytes=loss_bytes,
+    one = counted(loss.untyped_storage().nbytes(), block)  # the closure's copy kept to the next forward: one loss
+    return tuple(StepTrace(batch_size=int(batch_size), segments=tuple(m.segments), loss_bytes=one, seed_bytes=one,
                            units=tuple(m.seen.values()), recomputes=tuple(m.recomputes)) for m in marks)
 
 

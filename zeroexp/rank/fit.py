@@ -34,14 +34,6 @@ def fit_cell(ctx: Any, module: CellModule, batches: Iterable[Any], callbacks: Se
     return trainer
 
 
-def logs_loss(cfg: Any) -> bool:
-    """Whether the training step hands its loss to Lightning's ``self.log``: only where Lightning has a logger to
-    write it to (``logger=csv``, :func:`make_logger`). Otherwise the call would only fill ``callback_metrics``, which
-    nothing reads (the loss is the iterations probe's, ``iterations.csv``; W&B's run is logged from the files), at
-    about a tenth of a small model's step in Lightning's result collection on every rank."""
-    return cfg.logger.name == "csv"
-
-
 def make_logger(cfg: Any, cell: Any) -> Any:
     """Rank 0's Lightning logger: a CSV logger for ``logger=csv``; False otherwise (``logger=wandb``: the launching
     process logs the cell's W&B run once its ranks are done, zeroexp.launch.wandb_cell)."""

@@ -38,7 +38,7 @@ from zeroexp.probes.memory import freeze_startup_objects
 from zeroexp.results.files import write_json, write_text
 from zeroexp.results.verdict import Check, Code, Reason, Verdict
 from zeroexp.strategies import get_adapter_class
-from zeroexp.rank.fit import fit_cell, logs_loss, make_logger
+from zeroexp.rank.fit import fit_cell, make_logger
 from zeroexp.rank.summary import RANKS_DIR, summary_head, write_measured
 
 #: The key of a rank's init-peak record in its ``.ranks/rank<r>.json`` (zeroexp.probes.init_peak).
@@ -184,7 +184,8 @@ def _train(cfg: Any, cfg_dict: dict[str, Any], cell: Path, run_info: dict, resol
     init_peak.begin()
     with torch.device("meta") if resolved.init == "meta" else nullcontext():  # init=meta: the adapter materialises it
         net = build_model(cfg.model)
-    module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients, log_loss=logs_loss(cfg))
+    module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients,
+                        log_loss=resolved.logs_loss)
     accum = resolved.grad_accum  # micro-batches per optimizer step (zeroexp.rank.microbatches)
     data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps * accum),
                       batch_size=None)

@@ -7,7 +7,7 @@ peak model and the collectives check use. Nothing here is fitted to a cell or a 
 
 - **The loop** (every row): the training loop's own per-step work (Lightning's hooks, closure), measured on a
   trivial model as the loop's step less the same model's bare step; a cell's ``self.log`` of the loss runs only under
-  ``logger=csv`` (``zeroexp.rank.fit.logs_loss``) and is not in this term.
+  ``logger=csv`` (``Cell.logs_loss``) and is not in this term.
 - **Per collective call of a wrapper** (its hooks, bookkeeping, handoffs to the backend's thread, and the passes
   over the call's bytes it makes beyond the call itself): measured as the wrapper's step less the bare step less
   its calls timed alone, divided by its calls, on two models of 8 square Linear units: a tiny one (16 x 16, where

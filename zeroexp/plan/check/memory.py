@@ -287,8 +287,9 @@ def _cell_step_traces(cell: Cell, name: str, wrap: list[type], terms: PrecisionT
                       ) -> tuple[StepTrace, StepTrace | None]:
     """:func:`step_traces` for a cell of row ``name``: what its ``plan.memory`` reads (``block``: its device's,
     ``DeviceSemantics.block``)."""
-    return step_traces(name, cell.model, cell.batch_size, wrap, cell.checkpointed, cell.grad_accum,
-                       cell.policy.precision.param_dtype, terms, block)
+    trace, in_place = step_traces(name, cell.model, cell.batch_size, wrap, cell.checkpointed, cell.grad_accum,
+                                  cell.policy.precision.param_dtype, terms, block)
+    return trace.for_cell(cell.logs_loss), in_place and in_place.for_cell(cell.logs_loss)
 
 
 def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Groups, itemsize: int,
