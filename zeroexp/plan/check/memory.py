@@ -132,8 +132,13 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
                       device: DeviceSemantics = CPU, root_kept: bool = False,
                       knobs: PlanKnobs = PlanKnobs()) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
-    that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
-    ranks = range(groups.world_size) if _row(name).ranks_differ else (0,)
+    that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions): where the
+    row's family finds that rank without each rank's phases (``Family.worst_rank``), that rank's alone."""
+    row = _row(name)
+    worst = row.family.worst_rank(row, groups, trace, itemsize, micro_batches=micro_batches, in_place=in_place,
+                                  bucket_cap_bytes=bucket_cap_bytes, foreach=device.foreach) \
+        if row.ranks_differ else 0
+    ranks = range(groups.world_size) if worst is None else (worst,)
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, device.gloo, micro_batches, in_place,
                                bucket_cap_bytes, terms, root_kept=root_kept, foreach=device.foreach, knobs=knobs,
                                block=device.block)
