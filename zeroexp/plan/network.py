@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, ModelShape, PlanKnobs,
-                              accumulation_repeats, checkpointed_numel, derive_groups, optimizer_tensors, predict_step,
+                              accumulation_repeats, checkpointed_numel, optimizer_tensors, predict_step,
                               step_collectives, two_level_seconds)
-from zeroexp.plan.core import recommendable
+from zeroexp.plan.core import recommendable, row_groups
 
 __all__ = ["Network", "network_of", "calibrated_network", "predict_on", "model_ops", "add_step_times",
            "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
@@ -197,7 +197,7 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
     for r in records:
         name, n = r["strategy"], r["world_size"]
         layout = LAYOUTS[name]
-        groups = derive_groups(name, layout, shape, n, itemsize, knobs)
+        groups = row_groups(name, layout, shape, n, itemsize, knobs)
         t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed, ops=ops)
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s,
