@@ -197,6 +197,13 @@ def search(problem: Problem, axes: Axes, top_k: int, evaluator: Evaluator | None
     scored.sort(key=lambda s: (s.step.step_s, s.config.offload != "none", s.config))
     timed = len(scored)
     scored = _distinct(scored)
+    if problem.model_cfg is not None:  # the views of a step the walk may judge, traced in one run per step
+        from zeroexp.plan.check.memory import trace_units_wanted
+
+        # grad_accum 1: the step with its gradients allocated is traced for the rows the walk judges it for alone
+        trace_units_wanted(list(dict.fromkeys(
+            (s.config.row, s.config.precision, problem.param_dtypes[s.config.precision], 1) for s in scored
+            if s.config.offload == "none" and s.state_bytes <= problem.budget)))
     fitting, judged = [], 0
     for s in scored:
         if len(fitting) >= top_k:
