@@ -262,10 +262,10 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
 
 def trace_units_wanted(rows: list[tuple[str, str, str, int]]) -> None:
     """The rows this invocation will read the peak of, each ``(name, precision, param_dtype, grad_accum)`` (the
-    planner's table: every row shown; the search: the rows of its space whose model state fits): a step traced for one of their
-    segmentations and block sizes (``trace_options``: ``own_params_units``, ``root_unit``, ``tensor_bytes``) is
-    traced with the others of the same dtypes (:func:`trace_dtypes`) and gradients (the step with its gradients
-    allocated where the row reads it: :func:`needs_in_place`) in the same run
+    planner's table: every row shown; the search: the rows of its space whose model state fits): a step traced for
+    one of their segmentations and block sizes (``trace_options``: ``own_params_units``, ``root_unit``,
+    ``tensor_bytes``) is traced with the others of the same dtypes (:func:`trace_dtypes`) and gradients (the step
+    with its gradients allocated where the row reads it: :func:`needs_in_place`) in the same run
     (:func:`zeroexp.plan.steptrace.trace_steps`: one fake-tensor run for all, the segments of each the same as its
     own run's). Nothing outside an invocation."""
     table = memo_table("step_trace_units")
