@@ -158,11 +158,13 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
 
 
 def _optimizer_tensors(layout: Any, groups: Any, knobs: PlanKnobs) -> int:
-    """:func:`~zeroexp.formulas.optimizer_tensors`, once per invocation for the same layout, groups and knobs (a
-    search times many configurations of the same groups: every micro-batch, checkpointing and prefetch)."""
+    """:func:`~zeroexp.formulas.optimizer_tensors`, once per invocation for the same layout, groups and the one knob
+    it reads, ``use_orig_params`` (through ``rank_state_bytes``; a search times many configurations of the same
+    groups: every micro-batch, checkpointing and prefetch)."""
     from zeroexp.cell.memo import memoized
 
-    return memoized("optimizer_tensors", (layout, groups, knobs), lambda: optimizer_tensors(layout, groups, knobs))
+    return memoized("optimizer_tensors", (layout, groups, knobs.use_orig_params),
+                    lambda: optimizer_tensors(layout, groups, knobs))
 
 
 def model_ops(network: Network, model_cfg: Any, batch: int) -> tuple[int, int]:
