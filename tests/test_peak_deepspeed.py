@@ -278,3 +278,32 @@ def test_stage12_holds_a_zeros_gradient_for_a_parameter_without_one():
                                    part=ds_partition((10, 20, 30), 60, 3, 2), bucket_numel=1000, itemsize=4,
                                    ungraded=(2,))
     assert alone["optimizer"]["by_category"]["temporaries"] == 4 * 30
+
+
+@pytest.mark.parametrize("n", [4, 7])
+def test_stage12_worst_rank_from_rank_independent_moments_equals_each_ranks_phases(n):
+    # Uneven partitions of 10 + 21 + 7 + 40 + 3 elements (parameter 0 without a gradient, parameter 3 above the
+    # 30-element bucket): every rank's phases' bytes from the moments summed once equal the direct evaluation's, at
+    # both stages, with and without a later micro-batch; the worst rank is the direct one's.
+    from zeroexp.formulas.paper import padded_numel
+    from zeroexp.formulas.peak.ds_ranks import DsStage12Ranks, ds_partitions, ds_worst_rank
+
+    numels, flat = (10, 21, 7, 40, 3), padded_numel(81, 2 * n)
+    grads = (12, 172, 200, 296, 324)
+    backward = tuple(_seg("backward", f"u{k}", "end", {"activations": 400 - 60 * k, "temporaries": 30 + 7 * k,
+                                                        "gradients": g}, {"activations": 380 - 60 * k, "gradients": g})
+                     for k, g in enumerate(grads))
+    trace = StepTrace(1, (_seg("forward", "u0", "end", {"activations": 500}), *backward), loss_bytes=8)
+    parts = ds_partitions(numels, flat, n)
+    assert parts == [ds_partition(numels, flat, n, r) for r in range(n)]
+    for stage, buckets, order in ((1, ((21, 7), (40,), (3,)), (1, 2, 3, 4)), (2, ((3,), (40,), (7, 21)), (4, 3, 2, 1))):
+        kw = dict(stage=stage, buckets=buckets, order=order, numels=numels, bucket_numel=30, itemsize=4,
+                  ungraded=(0,))
+        fast = {later: DsStage12Ranks(trace, partition_numel=flat // n, later=later, **kw) for later in (False, True)}
+        direct = []
+        for part in parts:
+            runs = [ds_stage12_phase_peaks(trace, part=part, later=later, **kw) for later in (False, True)]
+            for later, run in zip((False, True), runs):
+                assert fast[later].phase_bytes(part) == {ph: v["bytes"] for ph, v in run.items()}
+            direct.append(max(max(a["bytes"], runs[1][ph]["bytes"]) for ph, a in runs[0].items()))
+        assert ds_worst_rank(fast[False], parts, fast[True]) == direct.index(max(direct))

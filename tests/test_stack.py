@@ -276,8 +276,8 @@ class PairStack(nn.Module):
                                           ("pair", {}), ("pair", {"grads_in_place": True})])
 def test_segmentations_traced_in_one_run_are_each_traced_alone(name, kwargs):
     """``trace_steps``: the steps of several segmentations from one run equal each one traced in a run of its own,
-    every segment, category and unit; a unit of two inputs that require grad (whose hook holds a gradient) gets
-    each its own run."""
+    every segment, category and unit, each counted in its own block size (one tracker per size around the run); a
+    unit of two inputs that require grad (whose hook holds a gradient) gets each its own run."""
     from zeroexp.plan.steptrace import trace_step, trace_steps
 
     if name == "pair":
@@ -289,8 +289,9 @@ def test_segmentations_traced_in_one_run_are_each_traced_alone(name, kwargs):
     else:
         pytest.skip(f"{name}: not installed")
     wrap = [import_class(w) if isinstance(w, str) else w for w in wrap]
-    units = ((False, False), (True, False), (False, True))
-    alone = tuple(trace_step(cfg, 2, wrap, own_params_units=own, root_unit=root, **kwargs) for own, root in units)
+    units = ((False, False), (True, False, 1), (False, True, 512))
+    alone = tuple(trace_step(cfg, 2, wrap, own_params_units=u[0], root_unit=u[1],
+                             **{**kwargs, **({"block": u[2]} if len(u) > 2 else {})}) for u in units)
     assert trace_steps(cfg, 2, wrap, units=units, **kwargs) == alone
 
 

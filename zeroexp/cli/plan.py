@@ -312,7 +312,8 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
         from zeroexp.plan.check.memory import trace_units_wanted
 
         wrap = wrap_classes(cfg)
-        trace_units_wanted([r["strategy"] for r in records])  # every row's segmentation from one run per step
+        trace_units_wanted([(r["strategy"], str(cfg.precision.name), str(cfg.precision.param_dtype),
+                             knobs.micro_batches) for r in records])  # every row's view of a step from one run
     for r in records:
         peak = row_peak(r, shape, cfg.precision, knobs, cfg.model, batch, wrap, checkpointing,
                         str(cfg.prefetch.name), device or CPU, r["device_memory_bytes"], r["headroom"])

@@ -11,14 +11,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from zeroexp.cell.memo import memoized
 from zeroexp.errors import ConfigError
-from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, StateLayout,
+from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, Groups, ModelShape, PlanKnobs, StateLayout,
                               derive_groups, offloaded_kinds, op_bus_bytes, pack, padded_numel, rank_state_bytes,
                               step_collectives, unsharded_floor_bytes)
 
-__all__ = ["Precision", "strategy_table", "plan", "plan_record", "largest_unit_bytes", "parse_bytes", "parse_count",
-           "judge_fits", "recommendable", "usable_bytes", "check_headroom", "untraced", "FITS_ON", "HEADROOM",
-           "OFFLOADS", "UNITS"]
+__all__ = ["Precision", "strategy_table", "plan", "plan_record", "row_groups", "largest_unit_bytes", "parse_bytes",
+           "parse_count", "judge_fits", "recommendable", "usable_bytes", "check_headroom", "untraced", "FITS_ON",
+           "HEADROOM", "OFFLOADS", "UNITS"]
 
 OFFLOADS = ("none", "optimizer", "full")
 #: Table units: GB is 1e9 bytes (the ZeRO paper's, Figure 1), GiB is 2^30 bytes.
@@ -73,6 +74,14 @@ def largest_unit_bytes(shape: ModelShape, world_size: int, itemsize: int) -> int
     return max(size for size in sizes if size) * itemsize
 
 
+def row_groups(name: str, layout: StateLayout, shape: ModelShape, world_size: int, itemsize: int,
+               knobs: PlanKnobs = PlanKnobs()) -> Groups:
+    """:func:`zeroexp.formulas.derive_groups`, remembered for the invocation by its arguments (``zeroexp.cell.memo``;
+    a ``Groups`` is read, never changed): a row's record, peak and step time at one world size read one derivation."""
+    return memoized("row_groups", (name, layout, shape, int(world_size), int(itemsize), knobs),
+                    lambda: derive_groups(name, layout, shape, world_size, itemsize, knobs))
+
+
 def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: int, precision: Precision,
                 offload: str = "none", knobs: PlanKnobs = PlanKnobs(), device_memory: int | None = None,
                 model: str = "params", headroom: float = HEADROOM) -> dict[str, Any]:
@@ -81,7 +90,7 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
     per-step calls, payload and bus bytes by collective (bytes throughout), from the groups the row derives from
     ``shape`` (``zeroexp.formulas.derive_groups``)."""
     n, c = world_size, precision.itemsize
-    groups = derive_groups(name, layout, shape, n, c, knobs)
+    groups = row_groups(name, layout, shape, n, c, knobs)
     state = rank_state_bytes(layout, groups, c, knobs, offload)
     host = offloaded_kinds(layout, offload)
 

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, ModelShape, PlanKnobs,
-                              accumulation_repeats, checkpointed_numel, derive_groups, optimizer_tensors, predict_step,
+                              accumulation_repeats, checkpointed_numel, optimizer_tensors, predict_step,
                               step_collectives, two_level_seconds)
-from zeroexp.plan.core import recommendable
+from zeroexp.plan.core import recommendable, row_groups
 
 __all__ = ["Network", "network_of", "calibrated_network", "predict_on", "model_ops", "add_step_times",
            "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
@@ -158,11 +158,13 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
 
 
 def _optimizer_tensors(layout: Any, groups: Any, knobs: PlanKnobs) -> int:
-    """:func:`~zeroexp.formulas.optimizer_tensors`, once per invocation for the same layout, groups and knobs (a
-    search times many configurations of the same groups: every micro-batch, checkpointing and prefetch)."""
+    """:func:`~zeroexp.formulas.optimizer_tensors`, once per invocation for the same layout, groups and the one knob
+    it reads, ``use_orig_params`` (through ``rank_state_bytes``; a search times many configurations of the same
+    groups: every micro-batch, checkpointing and prefetch)."""
     from zeroexp.cell.memo import memoized
 
-    return memoized("optimizer_tensors", (layout, groups, knobs), lambda: optimizer_tensors(layout, groups, knobs))
+    return memoized("optimizer_tensors", (layout, groups, knobs.use_orig_params),
+                    lambda: optimizer_tensors(layout, groups, knobs))
 
 
 def model_ops(network: Network, model_cfg: Any, batch: int) -> tuple[int, int]:
@@ -197,7 +199,7 @@ def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Ne
     for r in records:
         name, n = r["strategy"], r["world_size"]
         layout = LAYOUTS[name]
-        groups = derive_groups(name, layout, shape, n, itemsize, knobs)
+        groups = row_groups(name, layout, shape, n, itemsize, knobs)
         t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed, ops=ops)
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s,

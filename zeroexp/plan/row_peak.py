@@ -13,8 +13,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from zeroexp.formulas import (COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, derive_groups,
-                              offloaded_kinds)
+from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, STATE_KINDS, ModelShape, PlanKnobs, offloaded_kinds
 from zeroexp.cell.memo import memoized
 from zeroexp.formulas.device import DeviceSemantics
 from zeroexp.formulas.peak.checkpointing import mode_of
@@ -115,7 +114,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     held at the peak by category (the record's device state kinds, the steady buffers and workspace, the peak
     phase's categories above steady)."""
     from zeroexp.formulas.peak.allocator import allocations, reserved_peak
-    from zeroexp.plan.core import judge_fits, usable_bytes
+    from zeroexp.plan.core import judge_fits, row_groups, usable_bytes
     from zeroexp.plan.check.memory import (casts_module, precision_terms_of, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
     from zeroexp.plan.reserved import steady_blocks
@@ -137,7 +136,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
                     reduce_dtype=knobs.reduce_dtype or None, param_dtype=dtype, frozen=bool(shape.frozen))
     if not traced:
         why = why or ["no traced step: give model= and batch_size="]
-    groups = None if why else derive_groups(name, LAYOUTS[name], shape, n, c, knobs)
+    groups = None if why else row_groups(name, LAYOUTS[name], shape, n, c, knobs)
     # what the model brings that the peak model does not cover: the same limits as a cell's check (memory_section)
     why = why or (row.family.peak_limits(row, groups, knobs.bucket_cap_bytes,
                                                 knobs.recompute_mode or knobs.recompute)

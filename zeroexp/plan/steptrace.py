@@ -61,44 +61,50 @@ def trace_step(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[typ
 
 def trace_steps(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",
                 dtype: torch.dtype | None = None, checkpointing: Any = False, grads_in_place: bool = False,
-                units: tuple[tuple[bool, bool], ...] = ((False, False),), module_dtype: torch.dtype | None = None,
+                units: tuple[tuple, ...] = ((False, False),), module_dtype: torch.dtype | None = None,
                 block: int = 1) -> tuple[StepTrace, ...]:
-    """:func:`trace_step` once per ``(own_params_units, root_unit)`` of ``units``, from one run of the step where they
-    cannot differ (its ops and tensors are the same whatever the segments): each segmentation's marks cut the run's
-    peak into finer intervals, and a segment's peak is the first highest of the intervals it spans (as MemTracker
-    raises its peak only on a higher total). A unit whose call has more than one input requiring grad holds its
-    inputs' gradients until the last (``register_multi_grad_hook``): a segmentation with such a unit is traced in a
-    run of its own."""
+    """:func:`trace_step` once per ``(own_params_units, root_unit)`` or ``(own_params_units, root_unit, block)`` of
+    ``units`` (a pair counted in ``block``-byte blocks), from one run of the step where they cannot differ (its ops and
+    tensors are the same whatever the segments and blocks): each segmentation's marks cut the run's peak into finer
+    intervals, and a segment's peak is the first highest of the intervals it spans (as MemTracker raises its peak only
+    on a higher total); each block size has its own tracker, entered around the same run. A unit whose call has more
+    than one input requiring grad holds its inputs' gradients until the last (``register_multi_grad_hook``): a
+    segmentation with such a unit is traced in a run of its own."""
     from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import zeros_batch
 
     classes = tuple(wrap)
+    units = tuple((bool(u[0]), bool(u[1]), int(u[2]) if len(u) > 2 else int(block)) for u in units)
     with fake_tensor_mode(), torch.device(device):
         net = _step_module(model_cfg, device, classes, module_dtype, checkpointing)
         names = {id(m): name or "root" for name, m in net.named_modules()}
         batch = zeros_batch(model_cfg, batch_size)
         if grads_in_place:
             _give_flat_grads([p for p in net.parameters() if p.requires_grad])
-        mt = step_mem_tracker(block)
-        mt.track_external(net, batch)
-        clock = _Clock(mt, device)
+        clocks: dict[int, _Clock] = {}
+        for b in dict.fromkeys(u[2] for u in units):  # one tracker per block size, in the order first asked
+            mt = step_mem_tracker(b)
+            mt.track_external(net, batch)
+            clocks[b] = _Clock(mt, device)
         index = {id(p): i for i, p in enumerate(net.parameters())}
-        marks = [_Marks(clock, index, own) for own, _ in units]
+        marks = [_Marks(clocks[b], index, own) for own, _, b in units]
         hooks = []
-        for m, (own, root) in zip(marks, units):
+        for m, (own, root, _) in zip(marks, units):
             seg_names = dict(names)
             hooks += m.hook(_units(net, seg_names, classes, own, root), seg_names)
         try:
-            loss = _run_step(net, batch, model_cfg, clock, device, dtype, module_dtype)
+            loss = _run_step(net, batch, model_cfg, list(clocks.values()), device, dtype, module_dtype)
         finally:
             for h in hooks:
                 h.remove()
-    if len(units) > 1 and clock.several_inputs:
+    if len(units) > 1 and any(c.several_inputs for c in clocks.values()):
         return tuple(trace_steps(model_cfg, batch_size, classes, device, dtype, checkpointing, grads_in_place, (u,),
-                                 module_dtype, block)[0] for u in units)
-    one = counted(loss.untyped_storage().nbytes(), block)  # the closure's copy kept to the next forward: one loss
-    return tuple(StepTrace(batch_size=int(batch_size), segments=tuple(m.segments), loss_bytes=one, seed_bytes=one,
-                           units=tuple(m.seen.values()), recomputes=tuple(m.recomputes)) for m in marks)
+                                 module_dtype)[0] for u in units)
+    nbytes = loss.untyped_storage().nbytes()  # the closure's copy kept to the next forward: one loss
+    return tuple(StepTrace(batch_size=int(batch_size), segments=tuple(m.segments), loss_bytes=counted(nbytes, b),
+                           seed_bytes=counted(nbytes, b), units=tuple(m.seen.values()),
+                           recomputes=tuple(m.recomputes))
+                 for m, (_, _, b) in zip(marks, units))
 
 
 def trace_step_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), **kwargs: Any
@@ -272,12 +278,12 @@ class _Marks:
         return hooks
 
 
-def _run_step(net: torch.nn.Module, batch: torch.Tensor, model_cfg: Mapping[str, Any], marks: _Clock, device: str,
-              dtype: torch.dtype | None, module_dtype: torch.dtype | None) -> torch.Tensor:
-    """Run the step inside the tracker: forward (under autocast for a low ``dtype``; the floating input cast to
-    ``module_dtype``), the loss, Lightning's detached copy of it, backward, marking the loss and backward's end; the
-    loss."""
-    from contextlib import nullcontext
+def _run_step(net: torch.nn.Module, batch: torch.Tensor, model_cfg: Mapping[str, Any], clocks: list[_Clock],
+              device: str, dtype: torch.dtype | None, module_dtype: torch.dtype | None) -> torch.Tensor:
+    """Run the step inside the trackers (each clock's, entered in order): forward (under autocast for a low ``dtype``;
+    the floating input cast to ``module_dtype``), the loss, Lightning's detached copy of it, backward, marking the loss
+    and backward's end on every clock; the loss."""
+    from contextlib import ExitStack, nullcontext
 
     from zeroexp.models import loss_of
 
@@ -285,8 +291,11 @@ def _run_step(net: torch.nn.Module, batch: torch.Tensor, model_cfg: Mapping[str,
     # cache_enabled=False): a cast the backward does not need (the first Linear's weight) is freed at once.
     cast = (torch.autocast(device, dtype=dtype, cache_enabled=False) if dtype not in (None, torch.float32)
             else nullcontext())
-    with marks.mt:
-        marks.start()
+    with ExitStack() as trackers:
+        for clock in clocks:
+            trackers.enter_context(clock.mt)
+        for clock in clocks:
+            clock.start()
         with cast:
             x = batch.to(module_dtype) if module_dtype is not None and batch.is_floating_point() else batch
             out = net(x)
@@ -294,10 +303,12 @@ def _run_step(net: torch.nn.Module, batch: torch.Tensor, model_cfg: Mapping[str,
             loss = loss_of(model_cfg)(out, batch)
         del out  # the step keeps only what autograd saved of the output
         kept = loss.detach().clone()  # Lightning's ClosureResult keeps this copy of the loss
-        marks.mark("forward", "loss", "end")
-        marks.in_backward = True
+        for clock in clocks:
+            clock.mark("forward", "loss", "end")
+            clock.in_backward = True
         loss.backward()
-        marks.mark("backward", "root", "end")
+        for clock in clocks:
+            clock.mark("backward", "root", "end")
         del kept
     return loss
 

@@ -2,7 +2,7 @@
 judged by the planner's peak model against the device less its headroom until ``top_k`` fit.
 
 Everything is the planner's (one fact, one place): the model state of a row (``zeroexp.plan.core.plan_record``),
-its groups (``zeroexp.formulas.derive_groups``), its step (``zeroexp.plan.network.predict_on``) and its peak
+its groups (``zeroexp.plan.core.row_groups``), its step (``zeroexp.plan.network.predict_on``) and its peak
 (``zeroexp.plan.row_peak.row_peak``: the peak model, or state + activations where the peak model does not cover the
 row). What makes 10,000 configurations cheap: the shape is read once; a row's state is computed once per (row,
 precision, offload, bucket size, shard size) and its groups once per (row, precision, bucket size, shard size,
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs, checkpointed_numel, derive_groups
+from zeroexp.formulas import COMPUTE_ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs, checkpointed_numel
 from zeroexp.formulas.device import DeviceSemantics
 from zeroexp.recommend.space import Axes, Config, configurations
 
@@ -130,10 +130,12 @@ class Evaluator:
         return self._records[key]
 
     def groups(self, c: Config) -> Any:
+        from zeroexp.plan.core import row_groups
+
         key = (c.row, c.precision, c.bucket_cap_mb, c.shard_size, c.grad_accum)
         if key not in self._groups:
-            self._groups[key] = derive_groups(c.row, LAYOUTS[c.row], self.p.shape, self.p.world_size,
-                                              self.itemsize(c), self.knobs(c))
+            self._groups[key] = row_groups(c.row, LAYOUTS[c.row], self.p.shape, self.p.world_size,
+                                           self.itemsize(c), self.knobs(c))
         return self._groups[key]
 
     def step(self, c: Config, without: str | None = None) -> Any:
@@ -195,6 +197,13 @@ def search(problem: Problem, axes: Axes, top_k: int, evaluator: Evaluator | None
     scored.sort(key=lambda s: (s.step.step_s, s.config.offload != "none", s.config))
     timed = len(scored)
     scored = _distinct(scored)
+    if problem.model_cfg is not None:  # the views of a step the walk may judge, traced in one run per step
+        from zeroexp.plan.check.memory import trace_units_wanted
+
+        # grad_accum 1: the step with its gradients allocated is traced for the rows the walk judges it for alone
+        trace_units_wanted(list(dict.fromkeys(
+            (s.config.row, s.config.precision, problem.param_dtypes[s.config.precision], 1) for s in scored
+            if s.config.offload == "none" and s.state_bytes <= problem.budget)))
     fitting, judged = [], 0
     for s in scored:
         if len(fitting) >= top_k:

@@ -199,6 +199,12 @@ class Family:
         """Per phase, the bytes rank ``rank`` holds above steady at the phase's peak, by category."""
         raise KeyError(row.label)  # no peak model
 
+    def worst_rank(self, row: StateLayout, groups: Groups, trace: StepTrace, itemsize: int, *, micro_batches: int,
+                   in_place: StepTrace | None, bucket_cap_bytes: int, foreach: bool) -> int | None:
+        """For a row whose ranks differ (``ranks_differ``), the first rank whose largest phase in
+        :meth:`phase_peaks` is highest, found without each rank's phases; None: each rank's phases are evaluated."""
+        return None
+
     def steady_buffers(self, row: StateLayout, groups: Groups, itemsize: int, bucket_cap_bytes: int,
                        terms: PrecisionTerms | None) -> int:
         """What a rank holds at the optimizer boundary beside its model state."""

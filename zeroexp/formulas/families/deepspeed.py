@@ -16,6 +16,7 @@ from zeroexp.formulas.layout import StateLayout, pack
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
+from zeroexp.formulas.peak.ds_ranks import DsStage12Ranks, ds_partitions, ds_worst_rank
 from zeroexp.formulas.peak.phases import highest_phases
 from zeroexp.formulas.shapes import Groups, Shard, Unit
 
@@ -140,6 +141,19 @@ class DeepSpeedPartitions(Family):
         # the first micro-batch as a step without accumulation (stage 1 reduces nothing in it: a lower bound), every
         # later one holding what the earlier ones left (stage 1: traced with its gradients allocated)
         return highest_phases(peaks(trace), peaks(in_place if stage == 1 else trace, later=True))
+
+    def worst_rank(self, row, groups, trace, itemsize, *, micro_batches, in_place, bucket_cap_bytes, foreach):
+        """Stages 1-2: each rank's phases' bytes from the moments' rank-independent terms summed once
+        (:class:`zeroexp.formulas.peak.ds_ranks.DsStage12Ranks`), the first highest rank of them."""
+        stage, n = self._covered(row), groups.world_size
+        if stage == 3:
+            return None
+        ranks = partial(DsStage12Ranks, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
+                        numels=groups.numels, partition_numel=groups.shards[0].numel // n,
+                        bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
+                        foreach=foreach, ungraded=groups.ungraded)
+        later = ranks(in_place if stage == 1 else trace, later=True) if micro_batches > 1 else None
+        return ds_worst_rank(ranks(trace), ds_partitions(groups.numels, groups.shards[0].numel, n), later)
 
     def step_frees_grads(self, row):
         """Stages 1-2 (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``);

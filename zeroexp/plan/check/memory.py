@@ -132,8 +132,13 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
                       device: DeviceSemantics = CPU, root_kept: bool = False,
                       knobs: PlanKnobs = PlanKnobs()) -> dict[str, dict]:
     """:func:`predict_phases` for the rank whose largest phase is highest, without a measurement to say which rank
-    that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions)."""
-    ranks = range(groups.world_size) if _row(name).ranks_differ else (0,)
+    that is (zro's ranks differ by their owned parameters, DeepSpeed stage 1-2's by their partitions): where the
+    row's family finds that rank without each rank's phases (``Family.worst_rank``), that rank's alone."""
+    row = _row(name)
+    worst = row.family.worst_rank(row, groups, trace, itemsize, micro_batches=micro_batches, in_place=in_place,
+                                  bucket_cap_bytes=bucket_cap_bytes, foreach=device.foreach) \
+        if row.ranks_differ else 0
+    ranks = range(groups.world_size) if worst is None else (worst,)
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, device.gloo, micro_batches, in_place,
                                bucket_cap_bytes, terms, root_kept=root_kept, foreach=device.foreach, knobs=knobs,
                                block=device.block)
@@ -228,37 +233,52 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
     autocast, cast = trace_dtypes(name, param_dtype, terms)
     dtypes = {"dtype": autocast and getattr(torch, autocast), "module_dtype": cast and getattr(torch, cast)}
     # remembered by what is traced, not by the row: rows that trace the same step share it
-    block = 1 if options["tensor_bytes"] else block  # DeepSpeed's closed-form terms are tensor bytes: its trace too
-    kwargs = dict(device="cpu", checkpointing=mode_of(checkpointing), grads_in_place=bool(grads_in_place),
-                  own_params_units=options["own_params_units"], root_unit=options["root_unit"],
-                  **{k: v for k, v in dtypes.items() if v is not None},
-                  **({"block": int(block)} if block > 1 else {}))  # CPU traces keep their keys
-    def key_of(kw: dict[str, Any]) -> str | None:
+    device_block = int(block)
+    rest = dict(device="cpu", checkpointing=mode_of(checkpointing), grads_in_place=bool(grads_in_place),
+                **{k: v for k, v in dtypes.items() if v is not None})
+
+    def key_of(own: bool, root: bool, tensor_bytes: bool) -> str | None:
+        b = 1 if tensor_bytes else device_block  # DeepSpeed's closed-form terms are tensor bytes: its trace too
+        kw = {**rest, "own_params_units": bool(own), "root_unit": bool(root),
+              **({"block": b} if b > 1 else {})}  # CPU traces keep their keys
         return arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kw.items()))
 
     traces = memo_table("step_traces") or {}
-    twin = _root_twin(traces, key_of({**kwargs, "root_unit": not kwargs["root_unit"]}), kwargs["root_unit"])
-    if twin is not None or key_of(kwargs) in traces:
-        return twin or traces[key_of(kwargs)]
-    units = [(kwargs["own_params_units"], kwargs["root_unit"])]
-    units += [u for u in (memo_table("step_trace_units") or {})  # the other segmentations the invocation reads
-              if u not in units and key_of({**kwargs, "own_params_units": u[0], "root_unit": u[1]}) not in traces]
-    rest = {k: v for k, v in kwargs.items() if k not in ("own_params_units", "root_unit")}
-    traced = trace_steps_of(model_cfg, batch_size, wrap, units=tuple(units), **rest)
-    for (own, root), trace in zip(units, traced):
-        remember("step_traces", key_of({**kwargs, "own_params_units": own, "root_unit": root}), trace)
+    asked = (bool(options["own_params_units"]), bool(options["root_unit"]), bool(options["tensor_bytes"]))
+    own, root, tensor_bytes = asked
+    twin = _root_twin(traces, key_of(own, not root, tensor_bytes), root)
+    if twin is not None or key_of(*asked) in traces:
+        return twin or traces[key_of(*asked)]
+    views = [asked]  # the other segmentations and block sizes the invocation reads of the same step, in the same run
+    same = (autocast, cast, bool(grads_in_place))
+    views += [v[:3] for v in (memo_table("step_trace_units") or {})
+              if v[3:] == same and v[:3] not in views and key_of(*v[:3]) not in traces]
+    units = tuple((own, root, 1 if tensor_bytes else device_block) for own, root, tensor_bytes in views)
+    traced = trace_steps_of(model_cfg, batch_size, wrap, units=units, **rest)
+    for view, trace in zip(views, traced):
+        remember("step_traces", key_of(*view), trace)
     return traced[0]
 
 
-def trace_units_wanted(names: list[str]) -> None:
-    """The rows this invocation will read the peak of (the planner's table: every row shown): a step traced for one
-    of their segmentations (``trace_options``: ``own_params_units``, ``root_unit``) is traced with the others in the
-    same run (:func:`zeroexp.plan.steptrace.trace_steps`: one fake-tensor run for all, the segments of each the
-    same as its own run's). Nothing outside an invocation."""
+def trace_units_wanted(rows: list[tuple[str, str, str, int]]) -> None:
+    """The rows this invocation will read the peak of, each ``(name, precision, param_dtype, grad_accum)`` (the
+    planner's table: every row shown; the search: the rows of its space whose model state fits): a step traced for
+    one of their segmentations and block sizes (``trace_options``: ``own_params_units``, ``root_unit``,
+    ``tensor_bytes``) is traced with the others of the same dtypes (:func:`trace_dtypes`) and gradients (the step
+    with its gradients allocated where the row reads it: :func:`needs_in_place`) in the same run
+    (:func:`zeroexp.plan.steptrace.trace_steps`: one fake-tensor run for all, the segments of each the same as its
+    own run's). Nothing outside an invocation."""
     table = memo_table("step_trace_units")
-    for name in names if table is not None else ():
-        options = _row(name).family.trace_options(_row(name))
-        table[(bool(options["own_params_units"]), bool(options["root_unit"]))] = True
+    for name, precision, param_dtype, micro_batches in rows if table is not None else ():
+        row = _row(name)
+        if row.family.flow(row) is None:  # no peak model: nothing traced
+            continue
+        options = row.family.trace_options(row)
+        view = (bool(options["own_params_units"]), bool(options["root_unit"]), bool(options["tensor_bytes"]),
+                *trace_dtypes(name, param_dtype, precision_terms_of(name, precision, param_dtype)))
+        table[(*view, False)] = True
+        if needs_in_place(name, micro_batches):
+            table[(*view, True)] = True
 
 
 def _root_twin(traces: dict[Any, StepTrace], other: str | None, root_unit: bool) -> StepTrace | None:
