@@ -57,14 +57,12 @@ def test_a_65b_gpt_fits_nowhere_at_64_ranks_on_the_peak_and_no_paper_row_is_fast
     assert stage3["fits_bytes"] == (stage3["device_bytes"] + stage3["gather_floor_bytes"] + acts
                                     + stage3["workspace_bytes"])  # h100_ib: CUDA, two 32 MiB cuBLAS workspaces
     for name in ("ddp", "zro", "zero1", "zero2", "fsdp_grad_op", "fsdp2_grad_op", "fsdp_full", "fsdp2_full",
-                 "deepspeed_stage1", "deepspeed_stage2", "deepspeed_stage3"):
+                 "deepspeed_stage0", "deepspeed_stage1", "deepspeed_stage2", "deepspeed_stage3"):
         r = rows[name]  # the peak model covers them: the largest phase above steady holds the activations; on a GPU
         # fits is judged on the caching allocator's segments for it (reserved)
         assert r["fits_on"] == "reserved" and r["fits_bytes"] == r["reserved_peak_bytes"] >= r["peak_bytes"], name
         assert r["peak_bytes"] >= r["device_bytes"] + acts, name
         assert r["fits"] is False, name
-    for name in ("deepspeed_stage0",):  # no peak model (stage 3's second gathers: tests/test_ds3_schedule.py)
-        assert rows[name]["fits_on"] == "state+activations" and rows[name]["fits"] is False, name
     assert all(r["fits_bytes"] > memory for r in records)
     assert not any(r["fastest"] for r in records)  # nothing fits: nothing is recommended
     from zeroexp.plan.output import fastest_sentences

@@ -4,8 +4,8 @@ model of DeepSpeed's rows is its family's: :mod:`zeroexp.formulas.families.deeps
 from __future__ import annotations
 
 from zeroexp.formulas import LAYOUTS, deepspeed_reduce_bucket_numel
-from zeroexp.formulas.peak.deepspeed_terms import (TERMS, ds_estimator_bytes, ds_estimator_name, ds_term_peak,
-                                                   largest_layer_numel)
+from zeroexp.formulas.peak.deepspeed_terms import (ESTIMATOR_TERMS, TERMS, ds_estimator_bytes, ds_estimator_name,
+                                                   ds_term_peak, largest_layer_numel)
 from zeroexp.formulas import ModelShape
 
 __all__ = ["ds_stage", "ds_term_record", "ds_term_legend"]
@@ -20,7 +20,8 @@ def ds_stage(name: str) -> int | None:
 
 def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int, offload: str, bucket_cap_bytes: int,
                    largest_layer: int | None, foreach: bool, fp16: bool = False) -> dict | None:
-    """The planner's ``ds_peak`` of a DeepSpeed row (None for any other row): the model-state peak term by term
+    """The planner's ``ds_peak`` of a DeepSpeed row (None for any other row; a note alone at stage 0, which has no
+    term model, and with offload): the model-state peak term by term
     (:func:`zeroexp.formulas.peak.deepspeed_terms.ds_term_peak`, computed, a lower bound: activations and scalars left
     out) beside DeepSpeed's own estimator, which terms both count and which differ. ``largest_layer``: the largest
     module's own parameters (None: from the shape's modules where it has them, else unknown); ``fp16``: the precision
@@ -28,6 +29,8 @@ def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int,
     stage = ds_stage(name)
     if stage is None:
         return None
+    if stage not in ESTIMATOR_TERMS:  # stage 0: its peak is the traced model's alone (zeroexp.formulas.peak.ds_stage0)
+        return {"note": f"no term model yet for DeepSpeed stage {stage} (covered: stages 1-3)"}
     if offload != "none":
         return {"note": f"no term model yet for offload={offload} (covered: offload none)"}
     if largest_layer is None and shape.exact:

@@ -1,6 +1,7 @@
 """DeepSpeed's family [DS]: ZeRO stage 0 (DDP-like all_reduce chunks), stages 1-2 (one flat group per parameter
 group, partitioned; its runtime model :mod:`zeroexp.formulas.deepspeed`), stage 3 (every parameter partitioned on its
-own, fetched module by module); the peak model of stages 1-3 (:mod:`zeroexp.formulas.peak.deepspeed`); rows
+own, fetched module by module); the peak model of stages 1-3 (:mod:`zeroexp.formulas.peak.deepspeed`) and of stage
+0 (:mod:`zeroexp.formulas.peak.ds_stage0`); rows
 ``deepspeed_stage0`` .. ``deepspeed_stage3``, DeepSpeed 0.19 as zeroexp's state probe measures it."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
 from zeroexp.formulas.peak.ds_ranks import DsStage12Ranks, ds_partitions, ds_worst_rank
+from zeroexp.formulas.peak.ds_stage0 import ds_stage0_accumulated_phase_peaks
 from zeroexp.formulas.peak.phases import highest_phases
 from zeroexp.formulas.shapes import Groups, Shard, Unit
 
@@ -63,11 +65,13 @@ class DeepSpeedPartitions(Family):
             return 0.0, b, o
         return super().framework_terms(row, groups, itemsize, cost, orig_params, terms, notes)
 
-    # --- the peak model: stages 1-3 ------------------------------------------------------------------------------
+    # --- the peak model: stages 0-3 ------------------------------------------------------------------------------
     #: Where the peak model of the family is written.
-    peak_source = "zeroexp.formulas.peak.deepspeed"
+    peak_source = "zeroexp.formulas.peak.deepspeed; stage 0: zeroexp.formulas.peak.ds_stage0"
 
     def flow(self, row):
+        if row.deepspeed_stage == 0:  # the module's own gradients, all-reduced at the boundary (peak/ds_stage0.py)
+            return "allreduce_fallback"
         return "deepspeed" if row.deepspeed_stage else None
 
     def checkpointing_limit(self, row, frozen=False):
@@ -103,13 +107,17 @@ class DeepSpeedPartitions(Family):
         return reasons
 
     def accumulates(self, row):
-        """Stages 1-3 under ``gradient_accumulation_steps`` > 1, the engine's own accumulation (zeroexp's adapter hands
+        """Stages 0-3 under ``gradient_accumulation_steps`` > 1, the engine's own accumulation (zeroexp's adapter hands
         DeepSpeed ``grad_accum`` and steps the engine after every micro-batch: strategies/deepspeed.py)."""
         return self.flow(row) is not None
 
     def needs_in_place(self, row, micro_batches):
-        """Stage 1 adds every later micro-batch's gradients into autograd's whole ones (nothing reduced before the
-        boundary: :func:`zeroexp.formulas.peak.deepspeed.ds_accumulation`)."""
+        """Stage 0 adds every later micro-batch's gradients into the module's ``.grad`` (autograd's
+        ``AccumulateGrad``: :func:`zeroexp.formulas.peak.ds_stage0.ds_stage0_accumulated_phase_peaks`). Stage 1 adds
+        every later micro-batch's gradients into autograd's whole ones (nothing reduced before the boundary:
+        :func:`zeroexp.formulas.peak.deepspeed.ds_accumulation`)."""
+        if row.deepspeed_stage == 0:
+            return micro_batches > 1
         return self.flow(row) is not None and row.deepspeed_stage == 1 and micro_batches > 1
 
     def _covered(self, row) -> int:
@@ -123,6 +131,11 @@ class DeepSpeedPartitions(Family):
         ``reduce_bucket_size``; ``gloo``: the CPU backend's copies; ``foreach``: the client AdamW's update, foreach on
         a CUDA rank); stage 3 needs a trace with its units (``own_params_units``)."""
         stage, n = self._covered(row), groups.world_size
+        if stage == 0:  # every gradient whole on every rank; trainable parameters the step leaves ungraded
+            idle = shape.trainable().unused if shape.exact else ()
+            return ds_stage0_accumulated_phase_peaks(trace, in_place, micro_batches, numels=groups.numels,
+                                                     buckets=groups.buckets, itemsize=itemsize, foreach=foreach,
+                                                     ungraded=tuple(idle))
         if stage == 3:  # the shards: every parameter, frozen ones too, in parameter order
             every = tuple(sh.spans[0][1] for sh in groups.shards)
             traced = shape.module_calls and len(shape.numels) == len(every)
@@ -156,7 +169,8 @@ class DeepSpeedPartitions(Family):
         return ds_worst_rank(ranks(trace), ds_partitions(groups.numels, groups.shards[0].numel, n), later)
 
     def step_frees_grads(self, row):
-        """Stages 1-2 (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``);
+        """Stage 0 (engine.py ``_take_model_step``: ``zero_grad``, every ``.grad`` set to None); stages 1-2
+        (stage_1_and_2.py ``step``: ``free_grad_in_param_list``, ``averaged_gradients[i] = None``);
         stage 3 keeps its gradient buffer (stage3.py ``grad_partitions_flat_buffer``, allocated once)."""
         return self.flow(row) is not None and row.deepspeed_stage < 3
 
@@ -172,6 +186,8 @@ class DeepSpeedPartitions(Family):
         squared gradient norm's all_reduce tensor."""
         stage = row.deepspeed_stage
         if self.flow(row) is None:
+            return {}
+        if stage == 0:  # none allowed: the model names no tensor gloo frees late at stage 0
             return {}
         norm = {"optimizer": [("the squared gradient norm's all_reduce tensor (get_grad_norm_direct)",
                                DS_NORM_BYTES[stage])]}

@@ -7,7 +7,8 @@
 - :mod:`~zeroexp.formulas.peak.checkpointing`: what a checkpointed forward keeps and a unit's recompute adds;
 - :mod:`~zeroexp.formulas.peak.adamw`: AdamW's temporaries; :mod:`~zeroexp.formulas.peak.allocator`: the caching
   allocator's blocks and segments;
-- :mod:`~zeroexp.formulas.peak.deepspeed`, :mod:`~zeroexp.formulas.peak.deepspeed_terms`: DeepSpeed's.
+- :mod:`~zeroexp.formulas.peak.deepspeed`, :mod:`~zeroexp.formulas.peak.deepspeed_terms`: DeepSpeed's stages 1-3;
+  :mod:`~zeroexp.formulas.peak.ds_stage0`: its stage 0.
 
 Which of these a row uses is its family's (:mod:`zeroexp.formulas.families`).
 """
