@@ -159,7 +159,7 @@ class DeepSpeedPartitions(Family):
         """Stages 1-2: each rank's phases' bytes from the moments' rank-independent terms summed once
         (:class:`zeroexp.formulas.peak.ds_ranks.DsStage12Ranks`), the first highest rank of them."""
         stage, n = self._covered(row), groups.world_size
-        if stage == 3:
+        if stage not in (1, 2):  # stage 0 replicates everything (every rank alike); stage 3: each rank evaluated
             return None
         ranks = partial(DsStage12Ranks, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                         numels=groups.numels, partition_numel=groups.shards[0].numel // n,
