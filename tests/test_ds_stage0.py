@@ -73,7 +73,9 @@ def test_stage0_is_covered_under_every_checkpointing_mode_and_accumulation():
 UNUSED = ("model=custom", "model._target_=corpus.unused_branch", "model.input_shape=[8]")  # tests/corpus.py
 LORA = ("model=lora_gpt", "model.n_layer=2", "model.n_embd=32", "model.seq_len=16", "model.vocab_size=64")
 CELLS = [pytest.param((*UNUSED, "world_size=2", "precision=bf16", "grad_accum=2"), id="unused-n2-bf16-k2"),
-         pytest.param((*GPT, "world_size=2", "activation_checkpointing=selective_op"), id="gpt-n2-fp32-selective_op"),
+         # clipping in fp32: the engine's clip_fp32_gradients all-reduces the 4-byte norm (plan.collectives)
+         pytest.param((*GPT, "world_size=2", "activation_checkpointing=selective_op", "strategy.clip_grad_norm=1"),
+                      id="gpt-n2-fp32-selective_op-clip"),
          pytest.param((*LORA, "world_size=2", "precision=bf16", "activation_checkpointing=full", "grad_accum=2"),
                       id="lora-n2-bf16-full-k2")]
 
@@ -83,7 +85,9 @@ CELLS = [pytest.param((*UNUSED, "world_size=2", "precision=bf16", "grad_accum=2"
 def test_a_stage0_cell_holds_the_peak_model_on_every_rank(cell, overrides):
     r = cell("strategy=deepspeed", "strategy.stage=0", *overrides, base=("logger=none", f"steps={PROBED}", *WINDOWS))
     assert r.status == "ok", r.error
-    memory = r.summary["plan"]["memory"]
+    plan = r.summary["plan"]
+    assert [plan[part]["check"] for part in ("state", "calls", "groups")] == ["PASS"] * 3, plan["reasons"]
+    memory = plan["memory"]
     assert memory["check"] == "PASS", memory.get("reasons")
     assert [x["check"] for x in memory["ranks"]] == ["PASS"] * r.summary["world_size"]
     for rank in memory["ranks"]:

@@ -263,8 +263,11 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
 
 def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
     """Per-step collectives of one rank of DeepSpeed ZeRO ``stage`` (no offload) [DS-COMM], S per [NCCL-TESTS].
-    Stage 0: an all_reduce per chunk (P). Stages 1-2: an all_reduce per bucket (every rank's slice in one call; P;
-    a gradient above the bucket one per run of its partition slices past it, :func:`ds_allreduce_calls`), one fp32
+    Stage 0: an all_reduce per chunk (P); in fp32 with ``strategy.clip_grad_norm``, the engine's ``clip_fp32_gradients``
+    (runtime/utils.py ``clip_grad_norm_``) all-reduces the one-element fp32 norm over the data-parallel group (below
+    fp32 its FP16_UnfusedOptimizer computes the norm without a collective). Stages 1-2: an all_reduce per bucket
+    (every rank's slice in one call; P; a gradient above the bucket one per run of its partition slices past it,
+    :func:`ds_allreduce_calls`), one fp32
     all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one all_gather
     per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
     fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P, frozen
@@ -275,7 +278,7 @@ def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collec
     n = g.world_size
     each = knobs.micro_batches if stage in (2, 3) else 1
     if stage == 0:
-        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets])
+        return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([4] if knobs.clipping and c == 4 else []))
     if stage in (1, 2):
         norms = [DS_NORM_BYTES[stage]] * len(g.shards)
         calls = ds_allreduce_calls(g.buckets, ds_reduce_order(g.numels, g.ungraded, stage), g.numels,
