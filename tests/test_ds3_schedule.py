@@ -203,7 +203,7 @@ def test_stage3_cells_gathering_again_in_backward_pass_every_plan_check(cell, ov
     # all_gathers (1282048 B; 31 without checkpointing), backward 264 B above the prediction; on the shrunk Llama bf16
     # at N=3 57 (509868 B), within 12 B; with a prefetch bucket of 10000 (each checkpoint wrapper's call a prefetch of
     # its own) the GPT in bf16 at N=3 9 (274284 B), within 8 B. The GPT fp32 cell's residual varies between runs of
-    # the same cell (264 B in most; 1,032 B and 66,824 B in some, here and in CI): one module's gathered parameters
+    # the same cell (264 B in most; 1,032 B and 66,824 B in some): one module's gathered parameters
     # (c_attn's bias, 768 B; the mlp's c_fc, (64 x 256 + 256) x 4 = 66,560 B) are still alive at the backward peak in
     # those runs, not yet placed; the bound allows the largest such module, c_fc's full weight and bias
     ((*GPT, "world_size=2", "strategy.stage3_prefetch_bucket_size=0"), 41, 264 + (64 * 256 + 256) * 4),
