@@ -263,6 +263,17 @@ def failed_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
                               f"hydra.sweep.dir={sweep_dir}", cwd=sweep_dir.parent, env=_sweep_env("0:4:raise:zro"))
 
 
+def held_checks(result: CellResult) -> dict[str, Any]:
+    """A cell that ran, its checks by name (``zeroexp.report.checks.cell_checks``), every one asserted PASS, n/a or
+    SKIP."""
+    from zeroexp.report.checks import cell_checks
+
+    assert result.status == "ok", result.error
+    checks = {c.name: c for c in cell_checks(result.summary)}
+    assert not [(c.name, c.reasons) for c in checks.values() if c.verdict not in ("PASS", "n/a", "SKIP")]
+    return checks
+
+
 def read_csv(result: CellResult, name: str):
     import pandas as pd
 

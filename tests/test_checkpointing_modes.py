@@ -13,7 +13,7 @@ from torch import nn
 from zeroexp.errors import ConfigError
 from zeroexp.formulas.peak.checkpointing import (FULL, NONE, SAVE_OPS, Checkpointing, checkpointed_forward_bytes,
                                                  checkpointing_of)
-from conftest import STEPS, WINDOWS, compose_config
+from conftest import STEPS, WINDOWS, compose_config, held_checks
 from test_recommend import _compose
 
 HF = importlib.util.find_spec("transformers") is not None
@@ -189,11 +189,7 @@ CELLS = [pytest.param(("model=gpt", "strategy=zero2", "activation_checkpointing=
 
 @pytest.mark.parametrize("overrides", CELLS)
 def test_a_selective_cell_holds_every_check_and_its_peak(cell, overrides):
-    from zeroexp.report.checks import cell_checks
-
     r = cell(*overrides, base=("logger=none", f"steps={STEPS}", *WINDOWS))
-    assert r.status == "ok", r.error
-    checks = {c.name: c for c in cell_checks(r.summary)}
-    assert not [(c.name, c.reasons) for c in checks.values() if c.verdict not in ("PASS", "n/a", "SKIP")]
+    checks = held_checks(r)
     assert {"state", "collectives", "equivalence", "plan.state", "plan.memory"} <= {
         n for n, c in checks.items() if c.verdict == "PASS"}

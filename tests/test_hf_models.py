@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from zeroexp.errors import ConfigError
-from conftest import PROBED, STEPS, WINDOWS, compose_config
+from conftest import PROBED, STEPS, WINDOWS, compose_config, held_checks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed")
@@ -174,12 +174,8 @@ MIXTRAL = ("model=mixtral_8x7b", "model.num_hidden_layers=2", "model.hidden_size
 def test_a_mixtral_cell_holds_every_check_and_its_peak(cell, overrides):
     """Fused experts trace on fake tensors in fp32 too (zeroexp._lib.grouped_mm), so the peak model judges the cell;
     DeepSpeed keeps the rotary inv_freq fp32 under bf16 as the plan says (plan.state, plan.groups)."""
-    from zeroexp.report.checks import cell_checks
-
     r = cell(*MIXTRAL, *overrides, base=("logger=none", f"steps={PROBED + 1}", *WINDOWS))
-    assert r.status == "ok", r.error
-    checks = {c.name: c for c in cell_checks(r.summary)}
-    assert not [(c.name, c.reasons) for c in checks.values() if c.verdict not in ("PASS", "n/a", "SKIP")]
+    checks = held_checks(r)
     assert {"state", "collectives", "equivalence", "plan.state", "plan.groups", "plan.memory"} <= {
         n for n, c in checks.items() if c.verdict == "PASS"}
 
