@@ -43,7 +43,7 @@ scalars, are left out), so the phase's prediction is never above the measurement
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from typing import Callable, NamedTuple
 
@@ -54,8 +54,8 @@ from zeroexp.formulas.peak.adamw import adamw_temporaries
 from zeroexp.formulas.peak.ds_recompute import REDO, Hook as _Hook, recompute_moments, unit_calls as _unit_calls
 from zeroexp.formulas.peak.phases import StepTrace
 
-__all__ = ["DsPartition", "ds_partition", "ds_allreduce_copies", "ds_accumulation", "ds_stage12_phase_peaks",
-           "ds_stage3_phase_peaks", "FP64"]
+__all__ = ["DsPartition", "ds_partition", "ds_partitions", "ds_allreduce_copies", "ds_accumulation",
+           "ds_stage12_phase_peaks", "ds_stage3_phase_peaks", "FP64"]
 
 #: ``get_norm_dtype``: DeepSpeed's gradient norms accumulate in float64 (8 bytes) on a device that has it.
 FP64 = 8
@@ -77,17 +77,31 @@ class DsPartition(NamedTuple):
 def ds_partition(numels: tuple[int, ...] | list[int], flat_numel: int, world_size: int, rank: int) -> DsPartition:
     """Rank ``rank``'s partition of a flat group of ``flat_numel`` elements (padded to 2N) holding ``numels`` in
     parameter order (stage_1_and_2.py ``get_partition_info``, ``get_flat_partition``)."""
+    return ds_partitions(numels, flat_numel, world_size, (rank,))[0]
+
+
+def ds_partitions(numels: tuple[int, ...] | list[int], flat_numel: int, world_size: int,
+                  ranks: tuple[int, ...] | range | None = None) -> list[DsPartition]:
+    """:func:`ds_partition` of each rank of ``ranks`` (None: every rank, in rank order), the parameters' offsets summed
+    once: each rank reads only the parameters its range overlaps."""
     size = flat_numel // world_size
-    lo, hi = rank * size, (rank + 1) * size
-    overlapped, pieces, params, offset = 0, [], [], 0
-    for i, n in enumerate(numels):
-        inside = min(offset + n, hi) - max(offset, lo)
-        if n and inside > 0:
-            overlapped += n
-            pieces.append(inside)
-            params.append(i)
-        offset += n
-    return DsPartition(size, overlapped, tuple(pieces), size - sum(pieces), tuple(params))
+    starts = list(accumulate(numels, initial=0))
+    ends = starts[1:]
+    out = []
+    for rank in range(world_size) if ranks is None else ranks:
+        lo, hi = rank * size, (rank + 1) * size
+        overlapped, pieces, params = 0, [], []
+        for i in range(bisect_right(ends, lo), len(numels)):  # the first parameter ending past lo, then on
+            offset, n = starts[i], numels[i]
+            if offset >= hi:
+                break
+            inside = min(offset + n, hi) - max(offset, lo)
+            if n and inside > 0:
+                overlapped += n
+                pieces.append(inside)
+                params.append(i)
+        out.append(DsPartition(size, overlapped, tuple(pieces), size - sum(pieces), tuple(params)))
+    return out
 
 
 def ds_allreduce_copies(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...], numels: tuple[int, ...],

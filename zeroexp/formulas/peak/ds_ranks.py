@@ -21,35 +21,12 @@ from itertools import accumulate
 from zeroexp.formulas.deepspeed import DS_NORM_BYTES
 from zeroexp.formulas.peak.adamw import adamw_temporaries
 from zeroexp.formulas.peak.deepspeed import (FP64, DsPartition, _at_hook, _being_made, _closed, ds_accumulation,
-                                             ds_allreduce_copies)
+                                             ds_allreduce_copies, ds_partitions)
 from zeroexp.formulas.peak.phases import StepTrace
 
 __all__ = ["DsStage12Ranks", "ds_partitions", "ds_worst_rank"]
 
 _NONE = float("-inf")
-
-
-def ds_partitions(numels: tuple[int, ...] | list[int], flat_numel: int, world_size: int) -> list[DsPartition]:
-    """:func:`zeroexp.formulas.peak.deepspeed.ds_partition` for every rank, in rank order, in one sweep over the
-    parameters (each rank reads only the parameters its range overlaps)."""
-    size = flat_numel // world_size
-    starts = list(accumulate(numels, initial=0))
-    ends = starts[1:]
-    out = []
-    for rank in range(world_size):
-        lo, hi = rank * size, (rank + 1) * size
-        overlapped, pieces, params = 0, [], []
-        for i in range(bisect_right(ends, lo), len(numels)):  # the first parameter ending past lo, then on
-            offset, n = starts[i], numels[i]
-            if offset >= hi:
-                break
-            inside = min(offset + n, hi) - max(offset, lo)
-            if n and inside > 0:
-                overlapped += n
-                pieces.append(inside)
-                params.append(i)
-        out.append(DsPartition(size, overlapped, tuple(pieces), size - sum(pieces), tuple(params)))
-    return out
 
 
 class _Indexed:
