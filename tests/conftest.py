@@ -286,8 +286,10 @@ _SPAWNS = re.compile(r"\brun_cell\(|(?<![\w.])cell\(|\bmp\.spawn\(|\bstart_proce
                      r"\blaunch_local\(|\brun_dry\(|\bmain\(\)|\brun_cli\(")
 
 
+@functools.lru_cache(maxsize=None)
 def _starts_processes(func, depth: int = 3) -> bool:
-    """Whether ``func``'s body, or a function of its module it calls (``depth`` levels down), starts processes."""
+    """Whether ``func``'s body, or a function of its module it calls (``depth`` levels down), starts processes (asked
+    once per function: the items of a parametrized test, and the tests that share a fixture, share the answer)."""
     import inspect
 
     try:

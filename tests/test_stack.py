@@ -103,12 +103,14 @@ def _same(a, b) -> bool:
             and list(a.unit_input_bytes.items()) == list(b.unit_input_bytes.items()))
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_a_derived_trace_is_the_whole_models_trace(name):
+@pytest.mark.parametrize("k, name", list(enumerate(CASES)))
+def test_a_derived_trace_is_the_whole_models_trace(k, name):
+    """The forward's trace derived from two, three and four blocks equals the whole model's, in one of the three ways
+    a strategy computes per case in turn (every way meets four models or more), and one deeper in fp32."""
     cfg, wrap = CASES[name]
     wrap = [import_class(w) if isinstance(w, str) else w for w in wrap]
     argument, container, depth = stack_of(cfg)
-    for way, batch in (("fp32", 3), ("autocast", 1), ("cast", 2)):
+    for way, batch in ((("fp32", 3), ("autocast", 1), ("cast", 2))[k % len(WAYS)],):
         derived = row_peak.forward_trace(cfg, batch, wrap, **WAYS[way])
         whole = trace_activations(cfg, batch, wrap, **WAYS[way])
         assert _same(derived, whole), (name, way)
