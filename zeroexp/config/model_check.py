@@ -41,15 +41,21 @@ def _check_model_builds(cfg: Any) -> None:
     the cell's input shape, so bad factory arguments (``model._target_`` or the argument's key), a sample shape the
     model cannot take (``model.input_shape``) and a loss that cannot take its output (``model.loss``) fail now, in
     one line, before any rank starts. An operator with no meta kernel (or a model that reads values, ``.item()``)
-    cannot be checked this way: the forward check is then skipped, not refused."""
+    cannot be checked this way: the forward check is then skipped, not refused. A model that declares a stack of
+    identical blocks deeper than the planner derives (``zeroexp.plan.stack.stack_of``: Llama 3 405B's 126 decoder
+    layers) is checked at the planner's shallowest depth: each block takes what the one before gives, so the stack
+    runs at any depth where it runs at that one (the whole 405B forward on meta tensors took 1.7 s of a 2.4-s check)."""
     import torch
 
     from zeroexp.errors import one_line
     from zeroexp.models import LOSSES, build_model, torch_dtype
+    from zeroexp.plan.stack import STEP_DEPTHS, at_depth, stack_of
 
+    stack = stack_of(cfg.model)
+    model_cfg = cfg.model if stack is None else at_depth(cfg.model, stack[0], STEP_DEPTHS[0])
     try:
         with torch.device("meta"):
-            net = build_model(cfg.model)
+            net = build_model(model_cfg)
     except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
         cause = e.__cause__ or e
         if isinstance(cause, ConfigError):  # the factory named the key itself (zeroexp.models.hf)
