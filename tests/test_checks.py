@@ -120,11 +120,16 @@ def test_the_digest_gives_each_plan_part_its_line_and_the_plan_line_the_worst():
 def test_the_digest_names_a_phase_within_a_late_freed_tensor():
     from zeroexp.report.digest import digest
 
-    memory = {"check": "PASS", "max_rel_err": 0.149, "phases": {
+    memory = {"check": "PASS", "max_rel_err": 0.149, "max_rel_err_modelled": 0.0012, "phases": {
         "forward": {"check": "PASS", "rel_err": 0.0},
-        "backward": {"check": "PASS", "rel_err": 0.149, "late_free": "139268 B above the prediction, ..."}}}
+        "backward": {"check": "PASS", "rel_err": 0.149, "measured_bytes": 934685, "predicted_bytes": 795417,
+                     "late_free": "139268 B above the prediction, ..."}}}
     line = dict((n, f) for n, f, _ in digest(summary(memory=memory)))["plan.memory"]
-    assert line == "peak model: largest error 14.90 % (backward: within a late-freed tensor, plan.memory says which)"
+    assert line == ("peak model: largest error 0.12 % (backward 139,268 B above the prediction: within a "
+                    "late-freed tensor, plan.memory says which)")
+    del memory["max_rel_err_modelled"]  # a summary written before the field: its one figure
+    line = dict((n, f) for n, f, _ in digest(summary(memory=memory)))["plan.memory"]
+    assert line.startswith("peak model: largest error 14.90 % (backward 139,268 B above")
 
 
 #: The manifest ``error`` of a cell that did not finish, by its status (docs/results.md).

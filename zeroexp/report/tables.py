@@ -149,9 +149,13 @@ class PlanSection:
     def digest_parts(p: dict[str, Any]) -> list[tuple[str, str]]:
         """A line per part of the plan with no section of its own in the digest (``plan.time`` has one)."""
         memory = p.get("memory") or {}
-        late = [ph for ph, d in (memory.get("phases") or {}).items() if isinstance(d, dict) and d.get("late_free")]
-        peak = (f"peak model: largest error {100 * float(memory.get('max_rel_err') or 0):.2f} %"
-                + (f" ({', '.join(late)}: within a late-freed tensor, plan.memory says which)" if late else ""))
+        late = {ph: d for ph, d in (memory.get("phases") or {}).items() if isinstance(d, dict) and d.get("late_free")}
+        modelled = memory.get("max_rel_err_modelled", memory.get("max_rel_err"))  # older summaries: one figure
+        above = ", ".join(f"{ph} {d['measured_bytes'] - d['predicted_bytes']:,} B" if "measured_bytes" in d else ph
+                          for ph, d in late.items())
+        peak = (f"peak model: largest error {100 * float(modelled or 0):.2f} %"
+                + (f" ({above} above the prediction: within a late-freed tensor, plan.memory says which)"
+                   if late else ""))
         passed = {"plan.state": "planned state bytes of every rank and kind equal the measured",
                   "plan.collectives": "planned calls and payload of every op equal the measured",
                   "plan.groups": "the planned buckets, units, owners and partitions equal the live ones",

@@ -21,8 +21,10 @@ RANGE_NOTE = "within the predicted range"
 
 
 def judge_rank(got_phases: dict[str, Any], steady: int, steady_cats: dict[str, Any], predicted: dict[str, dict],
-                late: dict[str, list[tuple[str, int]]]) -> tuple[dict[str, Any], list[Reason], list[float]]:
-    """One rank's phases: measured (above that rank's steady) beside predicted, each judged (:func:`judge`)."""
+                late: dict[str, list[tuple[str, int]]]
+                ) -> tuple[dict[str, Any], list[Reason], list[tuple[float, bool]]]:
+    """One rank's phases: measured (above that rank's steady) beside predicted, each judged (:func:`judge`); with
+    each phase's relative error, whether the phase PASSed by a late-freed tensor (its error is that tensor's)."""
     phases: dict[str, Any] = {"steady": {"measured_bytes": steady, "measured_by_category": nz(steady_cats)}}
     reasons, errs = [], []
     for ph in PHASES:
@@ -43,7 +45,7 @@ def judge_rank(got_phases: dict[str, Any], steady: int, steady_cats: dict[str, A
         rec.update(check=verdict, rel_err=rel)
         if note:  # within the range's upper end, or one tensor gloo freed late
             rec["in_range" if note.startswith(RANGE_NOTE) else "late_free"] = note
-        errs.append(rel)
+        errs.append((rel, bool(note) and not note.startswith(RANGE_NOTE)))
         if verdict is Verdict.FAIL:
             span = f"{want['bytes']} B" if upper is None else f"{want['bytes']}-{upper} B"
             reasons.append(Reason(Code.MEMORY_PHASE_DIFFERS, f"{ph}: measured {above} B above steady, predicted "

@@ -383,6 +383,7 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
             phases = judged
     source = row.family.peak_source
     out = {"rank": worst_rank, "model": f"peak model, gradient flow '{flow_of(name)}' ({source})",
-           "trace": traced, "phases": phases, "ranks": ranks, "max_rel_err": max(errs) if errs else None,
+           "trace": traced, "phases": phases, "ranks": ranks, "max_rel_err": max((e for e, _ in errs), default=None),
+           "max_rel_err_modelled": max((e for e, late in errs if not late), default=None),
            "tolerance": TOLERANCE, **Check.failed_if(out_reasons).fields()}
     return as_simulated(out) if measured.get("simulated") else out
