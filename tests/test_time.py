@@ -216,7 +216,8 @@ def test_a_bad_calibration_path_is_refused_before_any_rank(compose, tmp_path):
 
 @pytest.mark.slow
 def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
-    """N=2, 4 KiB .. 16 KiB: the file's fields, the fit of every op, the PNG; then a cell's plan.time from it."""
+    """N=3 (uneven: FSDP's calls move units padded to a multiple of N), 4 KiB .. 16 KiB: the file's fields, the fit
+    of every op, the PNG; then a cell's plan.time from it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -226,16 +227,16 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="calibrate", overrides=[
-            "world_size=2", "model.width=64", "calibrate.max_bytes=16384", "calibrate.target_s=0.001",
+            "world_size=3", "model.width=64", "calibrate.max_bytes=16384", "calibrate.target_s=0.001",
             "calibrate.repeats=1", "calibrate.compute_steps=2", "calibrate.wake_gaps_ms=[0,1]",
             "calibrate.wake_calls=3", f"output_dir={tmp_path}"])
     path = run(cfg)
     data = json.loads(path.read_text())
-    assert data["schema"] == SCHEMA and data["world_size"] == 2 and data["backend"] == "gloo"
+    assert data["schema"] == SCHEMA and data["world_size"] == 3 and data["backend"] == "gloo"
     assert data["machine"]["id"] == machine()["id"] and data["versions"]["torch"]
     assert set(data["collectives"]) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
     for e in data["collectives"].values():
-        assert [r["bytes"] for r in e["sizes"]] == [4096, 8192, 16384]
+        assert [r["bytes"] for r in e["sizes"]] == [4092, 8184, 16380]  # whole fp32 elements a rank, N=3
         assert all(r["iters"] >= 2 and r["mean_s"] > 0 for r in e["sizes"])  # min_iters 2, one round
         assert all(r["burst_iters"] >= 1 and r["burst_mean_s"] > 0 for r in e["sizes"])  # 8 async calls at once
         assert all(r["stream_iters"] >= 1 and r["stream_mean_s"] > 0 for r in e["sizes"])  # 8 sync, one by one
@@ -295,14 +296,18 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     from zeroexp.calibrate.framework import stream_floor
     raw = data["framework"]["raw"]  # the floors the per-call costs were taken net of, read off the streams measured
     assert raw["zro_broadcast_s_floor"] == 0.0
-    assert raw["ddp_bucket_s_floor"] == stream_floor(data["collectives"], "all_reduce", 8 * 16 * 16 * 4, 2)
+    assert raw["ddp_bucket_s_floor"] == stream_floor(data["collectives"], "all_reduce", 8 * 16 * 16 * 4, 3)
     assert data["framework"]["copy_s_per_byte"] > 0 and "barrier" in data["method"]
     from zeroexp.calibrate.framework import TINY_UNITS, TINY_WIDTH, WIDE_WIDTH
     assert (raw["tiny_width"], raw["wide_width"]) == (TINY_WIDTH, WIDE_WIDTH)
+    def padded(width: int) -> int:  # one unit's bytes as FSDP's calls move it: padded to a multiple of N=3
+        return 4 * -(-width ** 2 // 3) * 3
+
+    assert (padded(TINY_WIDTH), padded(WIDE_WIDTH)) == (4 * 258, 4 * 262146)
     for key, tiny_bytes, wide_bytes in (("ddp_bucket_s", 4 * TINY_UNITS * TINY_WIDTH ** 2,
                                          4 * TINY_UNITS * WIDE_WIDTH ** 2),  # one bucket: the whole model
-                                        ("fsdp1_call_s", 4 * TINY_WIDTH ** 2, 4 * WIDE_WIDTH ** 2),  # one unit
-                                        ("fsdp1_orig_call_s", 4 * TINY_WIDTH ** 2, 4 * WIDE_WIDTH ** 2)):
+                                        ("fsdp1_call_s", padded(TINY_WIDTH), padded(WIDE_WIDTH)),  # one unit
+                                        ("fsdp1_orig_call_s", padded(TINY_WIDTH), padded(WIDE_WIDTH))):
         # the line through the per-call costs on the tiny and the wide model, as they were measured
         slope = max(0.0, (raw[f"{key}_wide"] - raw[f"{key}_tiny"]) / (wide_bytes - tiny_bytes))
         assert data["framework"][f"{key}_per_byte"] == pytest.approx(slope, rel=1e-12, abs=1e-30)
@@ -313,8 +318,8 @@ def test_a_tiny_calibration_and_a_cell_that_uses_it(compose, cell, tmp_path):
     assert data["framework"]["zro_broadcast_s"] == raw["zro_broadcast_s_tiny"]
     raw = data["framework"]["raw"]  # each wrapper's step, the step it is compared with and its calls, side by side
     assert all(raw[f"{w}_{part}"] > 0 for w in ("ddp", "zro", "fsdp1") for part in ("step_s", "base_step_s", "calls_s"))
-    assert find_calibration("gloo", 2, tmp_path).path == str(path)
-    result = cell("strategy=zero2", "world_size=2", f"calibration={path}")
+    assert find_calibration("gloo", 3, tmp_path).path == str(path)
+    result = cell("strategy=zero2", "world_size=3", f"calibration={path}")
     summary = json.loads((Path(result.cell_dir) / "summary.json").read_text())
     t = summary["plan"]["time"]
     assert t["calibration"]["path"] == str(path) and t["predicted_step_ms"] > 0

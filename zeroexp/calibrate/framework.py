@@ -184,7 +184,8 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
 
     unit = width * width
     full = torch.ones(unit * TINY_UNITS, device=device)
-    one, chunk = torch.ones(unit, device=device), torch.ones(unit // world, device=device)
+    shard = -(-unit // world)  # FSDP's calls move a unit padded to a multiple of N (N=3: 86 x 3 of 256 elements)
+    one, chunk = torch.ones(shard * world, device=device), torch.ones(shard, device=device)
     owners = [min(k * world // TINY_UNITS, world - 1) for k in range(TINY_UNITS)]  # each parameter from its owner
     params = [torch.ones(unit, device=device) for _ in owners]
 
@@ -201,8 +202,8 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
         "fsdp2_call_s": lambda: (fsdp2_step(), bare_step, fsdp_calls, len(fsdp_calls)),  # as FSDP1's
     }
     runs = {k: make() for k, make in made.items() if k in paths}
-    unit_bytes = unit * 4  # FSDP1's calls: two all_gathers per reduce_scatter, each of one unit
-    nbytes = {k: v for k, v in (("ddp_bucket_s", full.numel() * 4), ("zro_broadcast_s", unit_bytes),
+    unit_bytes = one.numel() * 4  # FSDP1's calls: two all_gathers per reduce_scatter, each of one (padded) unit
+    nbytes = {k: v for k, v in (("ddp_bucket_s", full.numel() * 4), ("zro_broadcast_s", unit * 4),
                                 ("fsdp1_call_s", unit_bytes), ("fsdp1_orig_call_s", unit_bytes),
                                 ("fsdp2_call_s", unit_bytes)) if k in runs}
     floors = {"ddp_bucket_s": stream_floor(collectives, "all_reduce", full.numel() * 4, world),
