@@ -151,8 +151,7 @@ class PlanSection:
         memory = p.get("memory") or {}
         late = {ph: d for ph, d in (memory.get("phases") or {}).items() if isinstance(d, dict) and d.get("late_free")}
         modelled = memory.get("max_rel_err_modelled", memory.get("max_rel_err"))  # older summaries: one figure
-        above = ", ".join(f"{ph} {d['measured_bytes'] - d['predicted_bytes']:,} B" if "measured_bytes" in d else ph
-                          for ph, d in late.items())
+        above = ", ".join(f"{ph} {d['measured_bytes'] - d['predicted_bytes']:,} B" for ph, d in late.items())
         peak = (f"peak model: largest error {100 * float(modelled or 0):.2f} %"
                 + (f" ({above} above the prediction: within a late-freed tensor, plan.memory says which)"
                    if late else ""))

@@ -185,9 +185,7 @@ class DeepSpeedPartitions(Family):
         of it (backward, or into the step: the work object gloo's worker thread still holds); in the step, the
         squared gradient norm's all_reduce tensor."""
         stage = row.deepspeed_stage
-        if self.flow(row) is None:
-            return {}
-        if stage == 0:  # none allowed: the model names no tensor gloo frees late at stage 0
+        if self.flow(row) is None or stage == 0:  # stage 0: the model names no tensor gloo frees late
             return {}
         norm = {"optimizer": [("the squared gradient norm's all_reduce tensor (get_grad_norm_direct)",
                                DS_NORM_BYTES[stage])]}

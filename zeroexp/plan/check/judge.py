@@ -43,9 +43,10 @@ def judge_rank(got_phases: dict[str, Any], steady: int, steady_cats: dict[str, A
                        upper_note=want.get("upper_note", ""))
         verdict, note, rel = judge(above, want["bytes"], late.get(ph, []), upper, want.get("upper_note", ""))
         rec.update(check=verdict, rel_err=rel)
+        late_free = bool(note) and not note.startswith(RANGE_NOTE)
         if note:  # within the range's upper end, or one tensor gloo freed late
-            rec["in_range" if note.startswith(RANGE_NOTE) else "late_free"] = note
-        errs.append((rel, bool(note) and not note.startswith(RANGE_NOTE)))
+            rec["late_free" if late_free else "in_range"] = note
+        errs.append((rel, late_free))
         if verdict is Verdict.FAIL:
             span = f"{want['bytes']} B" if upper is None else f"{want['bytes']}-{upper} B"
             reasons.append(Reason(Code.MEMORY_PHASE_DIFFERS, f"{ph}: measured {above} B above steady, predicted "
