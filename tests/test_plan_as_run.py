@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,30 @@ def test_a_cells_strategy_plans_its_row_with_its_keys(overrides, row, knob):
     if row == "zero2":  # 0.01 MiB buckets: many all_gathers where the 25 MiB default has one
         default, _ = run(_compose("plan", *GPT, "world_size=2", "batch_size=2", "strategy=zero2"))
         assert records[0]["counts"]["all_gather"] > default[0]["counts"]["all_gather"] == 1
+
+
+#: Every strategy of conf/strategy/, each with what it needs to plan (the hybrids a 2 x 2 mesh).
+STRATEGY_OPTIONS = sorted(p.stem for p in (Path(ROOT) / "conf" / "strategy").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_OPTIONS)
+def test_every_strategy_of_a_run_plans_its_row(strategy):
+    """``strategy=<any strategy>`` with its defaults plans the row a cell of it runs (exit 0): no strategy key of a
+    run is refused by the planner's key of the same name (FSDP1's ``forward_prefetch`` is a bool where FSDP2's counts
+    units; both plan as a cell plans them, ``zeroexp.cell.resolved.units_ahead``)."""
+    from zeroexp.cell.resolved import knobs_of
+    from conftest import compose_config
+
+    extra = ("world_size=4", "strategy.shard_size=2") if "hybrid" in strategy else ("world_size=2",)
+    records, _ = run(_compose("plan", *GPT, "batch_size=2", f"strategy={strategy}", *extra))
+    cell = compose_config([*GPT, f"strategy={strategy}", *extra])
+    assert [r["strategy"] for r in records] == [str(cell.strategy.layout)]
+    if strategy.startswith("fsdp_"):  # FSDP1's bool prefetch plans as the cell's knob: the next unit's or none
+        ahead, _ = run(_compose("plan", *GPT, "batch_size=2", f"strategy={strategy}", *extra,
+                                "strategy.forward_prefetch=true"))
+        assert knobs_of(compose_config([*GPT, f"strategy={strategy}", *extra, "strategy.forward_prefetch=true"])
+                        ).forward_prefetch == 1
+        assert [r["strategy"] for r in ahead] == [str(cell.strategy.layout)]
 
 
 def test_strategy_and_strategies_together_are_refused():

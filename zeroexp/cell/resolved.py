@@ -19,7 +19,7 @@ from zeroexp.cell.strategy import BUCKET_CAP_MB
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs, StateLayout
 from zeroexp.formulas.peak.checkpointing import Checkpointing, checkpointing_of
 
-__all__ = ["Cell", "knobs_of", "layout_of", "post_forward_ranks"]
+__all__ = ["Cell", "knobs_of", "layout_of", "post_forward_ranks", "units_ahead"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         root_kept_after_forward=hasattr(own, "reshard_after_forward") and reshard is None
         or knob("reshard_policy", None) in ("default", "never"),
         reshard_policy=str(knob("reshard_policy", None) or ""),
-        forward_prefetch=int(knob("forward_prefetch", 0) or 0),
+        forward_prefetch=units_ahead(knob("forward_prefetch", 0)),
         backward_prefetch=int(knob("backward_prefetch", 0) or 0),
         reduce_dtype=str(knob("reduce_dtype", None) or ""),
         post_forward_ranks=post_forward_ranks(reshard),
@@ -161,6 +161,12 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         recompute_mode=checkpointing.mode.replace("none", ""),
         recompute_every=checkpointing.every,  # selective_layer's k, its null the mode's default (checkpointing_of)
     )
+
+
+def units_ahead(forward_prefetch: Any) -> int:
+    """A strategy's ``forward_prefetch`` as :attr:`PlanKnobs.forward_prefetch`, the units each unit's pre-forward
+    all-gathers ahead: FSDP2's int as it is, FSDP1's bool one unit (its next unit's all-gather) or none."""
+    return int(forward_prefetch or 0)
 
 
 def post_forward_ranks(value: Any) -> int:

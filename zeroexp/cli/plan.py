@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from zeroexp.config.checkpointing import checked_option
+from zeroexp.cell.resolved import units_ahead
 from zeroexp.cell.strategy import DS_STAGE3_KEYS
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, DS_PERSISTENCE_REFUSED, ModelShape, PlanKnobs, ds_persistent,
@@ -125,6 +126,8 @@ def with_strategy(cfg: DictConfig) -> tuple[DictConfig, list[str] | None]:
     for key in STRATEGY_KEYS:
         if key in cfg.strategy and (cfg.strategy[key] is not None or key == "reshard_after_forward"):
             out[key] = cfg.strategy[key]
+    if isinstance(out.forward_prefetch, bool):  # FSDP1's: the next unit's all-gather or none, as a cell plans it
+        out.forward_prefetch = units_ahead(out.forward_prefetch)
     return out, [str(cfg.strategy.layout)]
 
 
