@@ -7,8 +7,10 @@ torch's private ``torch.distributed._tools.mem_tracker`` (torch 2.13)."""
 from __future__ import annotations
 
 import threading
+import warnings
+from contextlib import contextmanager
 from copy import deepcopy
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ from torch.distributed._tools.mem_tracker import (_TOTAL_KEY, MemTracker, _MemRe
                                                   _WeakRefInfo)
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StepMemTracker"]
+__all__ = ["NAME_REPEATED", "StepMemTracker"]
 
 
 class _Role(_RefType):
@@ -69,6 +71,27 @@ class _Blocked(_WeakRefInfo):
         return counted(self.size * self.element_size, self.block)
 
 
+#: What torch's ModTracker (inside MemTracker) warns when a module enters a name already on its stack of parents.
+NAME_REPEATED = "The module hierarchy tracking maybe be messed up"
+
+
+@contextmanager
+def _quiet_module_names() -> Iterator[None]:
+    """Without ModTracker's :data:`NAME_REPEATED` warning and with ``warnings.formatwarning`` as it was (torch 2.13's
+    ``mod_tracker.py`` replaces it for the process before it warns). A module outside the model's named hierarchy is
+    named by its class: transformers' hub kernels wrap functions in such modules (Llama's ``apply_rotary_pos_emb``, a
+    ``Func`` calling a ``Func``), so the inner one repeats its parent's name. The warning is about ModTracker's
+    per-module statistics, which zeroexp never reads (a step's totals by category and phase, the storages' roles);
+    printed, it asked a user of ``python -m zeroexp.plan`` to file a bug with PyTorch."""
+    format_warning = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NAME_REPEATED)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = format_warning
+
+
 class StepMemTracker(MemTracker):
     """A MemTracker whose optimizer-state region is only the optimizer's update (see the memory probe), and which
     names the ``unsharded`` and ``comm`` storages (``zeroexp._lib.memtrack``'s docstring). ``block`` > 1: every
@@ -110,9 +133,17 @@ class StepMemTracker(MemTracker):
             self._peak_clock = dict.fromkeys(self._peak_mem, self._clock)
 
     def __enter__(self) -> Any:
+        self._quiet = _quiet_module_names()
+        self._quiet.__enter__()
         super().__enter__()
         self._peak_clock = dict.fromkeys(self._peak_mem, self._clock)  # the first peak: the bytes at entry
         return self
+
+    def __exit__(self, *args: Any) -> Any:
+        try:
+            return super().__exit__(*args)
+        finally:
+            self._quiet.__exit__(None, None, None)
 
     def close_phase(self, phase: str) -> None:
         """Keep the peak of the phase that ends now (:func:`~zeroexp._lib.memtrack.totals` of ``phases[phase][0]``
