@@ -96,13 +96,15 @@ def test_a_cell_record_reads_the_summary_and_the_table_shows_planned_beside_meas
     assert (rec["predicted_peak_bytes"], rec["measured_peak_bytes"], rec["peak_check"]) == (500, 520, "PASS")
     off = cell_record("#2 y", None, [], None, None, "not run", "no mesh")
     assert off["predicted_step_ms"] is None and off["why"] == "no mesh"
-    other = dict(rec, cell="#3 z", predicted_step_ms=10.0, measured_median_ms=40.0, median_ci95_ms=[39, 41])
+    other = dict(rec, cell="#3 z", predicted_step_ms=10.0, measured_median_ms=40.0, median_ci95_ms=[39, 41],
+                 recommended_step_ms=0.0244)  # a small model's step on a GPU preset: shown, not rounded to 0.0
     v = {"world_size": 2, "calibration": "cal.json", "cells": [rec, off, other], "report": "r/report.md",
          "why": None, **pair_order([rec, other], 0.08)}
     out = io.StringIO()
     render(v, Console(file=out, width=100, highlight=False))
     text = " ".join(out.getvalue().split())  # the lines as read, wrapped at 100 columns
     assert "20.0 [19.0, 22.0]" in text and "21.0" in text and "not run: no mesh" in text
+    assert "0.024 │ 10.000" in text  # #3 z: its recommended and predicted steps
     assert "1 of 1 pairs separable" in text and "0 ordered as predicted, 0 predicted to tie (within 8 %), 1 flipped" \
         in text and "flipped: #1 x < #3 z" in text and "tau over them -1.00" in text
 

@@ -246,7 +246,9 @@ def _mb(x: float | None) -> str:
 
 
 def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+    from zeroexp.results.format import fmt_ms
+
+    return "-" if x is None else fmt_ms(x)  # a small model's GPU step (0.024 ms) is not 0.0
 
 
 def render(v: dict[str, Any], console: Any) -> None:
