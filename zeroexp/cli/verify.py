@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig
 
 from zeroexp.errors import ConfigError
+from zeroexp.results.format import fmt_ms
 
 __all__ = ["Settings", "settings", "verify", "render"]
 
@@ -246,8 +247,6 @@ def _mb(x: float | None) -> str:
 
 
 def _ms(x: float | None) -> str:
-    from zeroexp.results.format import fmt_ms
-
     return "-" if x is None else fmt_ms(x)  # a small model's GPU step (0.024 ms) is not 0.0
 
 
