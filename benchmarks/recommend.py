@@ -124,18 +124,18 @@ def llm_scale(repeats: int) -> None:
     import resource
     import statistics
 
-    times: dict[str, list[tuple[float, float]]] = {label: [] for label in [FLOOR[0], *(c[0] for c in LLM)]}
-    commands = [(FLOOR[0], FLOOR[1])] + [(label, ["-m", module, *overrides, "format=json"])
-                                         for label, module, overrides, _ in LLM]
+    commands = [(*FLOOR, None)] + [(label, ["-m", module, *overrides, "format=json"], target)
+                                   for label, module, overrides, target in LLM]  # (label, argv, target seconds)
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in commands}
     for _ in range(repeats):
-        for label, argv in commands:
+        for label, argv, _target in commands:
             t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
             out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
             wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
             if out.returncode:
                 raise SystemExit(f"{label}: exit {out.returncode}: {out.stderr[-500:]}")
             times[label].append((wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime))
-    for label, target in [(FLOOR[0], None), *((c[0], c[3]) for c in LLM)]:
+    for label, _argv, target in commands:
         walls, cpus = ([t[i] for t in times[label]] for i in (0, 1))
         print(f"{label}: median {statistics.median(walls):.1f} s wall ({min(walls):.1f}-{max(walls):.1f}), "
               f"{statistics.median(cpus):.1f} s CPU ({min(cpus):.1f}-{max(cpus):.1f}); {repeats} runs"

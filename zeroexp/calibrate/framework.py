@@ -19,6 +19,7 @@ from torch import nn
 
 from zeroexp.calibrate.calls import all_gather, from_barrier, reduce_scatter, slowest_each, sync, trimmed_mean
 from zeroexp.results.calibration import call_table
+from zeroexp.formulas import padded_numel
 from zeroexp.formulas.time.rates import LinkFit, WakeCurve, measured_call_seconds
 
 __all__ = ["measure_framework", "per_call", "per_byte_fit", "stream_floor", "dtensor_step", "TINY_UNITS", "TINY_WIDTH",
@@ -184,8 +185,8 @@ def _wrappers(world: int, steps: int, device: torch.device, wake: WakeCurve | No
 
     unit = width * width
     full = torch.ones(unit * TINY_UNITS, device=device)
-    shard = -(-unit // world)  # FSDP's calls move a unit padded to a multiple of N (N=3: 86 x 3 of 256 elements)
-    one, chunk = torch.ones(shard * world, device=device), torch.ones(shard, device=device)
+    padded = padded_numel(unit, world)  # FSDP's calls move a unit padded to a multiple of N (N=3: 86 x 3 of 256)
+    one, chunk = torch.ones(padded, device=device), torch.ones(padded // world, device=device)
     owners = [min(k * world // TINY_UNITS, world - 1) for k in range(TINY_UNITS)]  # each parameter from its owner
     params = [torch.ones(unit, device=device) for _ in owners]
 
