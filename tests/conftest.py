@@ -320,8 +320,8 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts rank processes (a cell, a sweep, the CLI); deselect with "
                                        "-m 'not slow'")
     config.addinivalue_line("markers", "serial: signals a fresh `python -m zeroexp` or bounds its time in seconds "
-                                       "(the fault matrix, the reliability rows): `make test` runs these alone, after "
-                                       "the others")
+                                       "(the fault matrix, the reliability rows): `make test` runs these in a pytest "
+                                       "run of their own, beside the others at a higher priority (Makefile)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/test_cuda.py; benchmarks/gpu_check.sh "
                                        "runs these)")
 
@@ -390,8 +390,8 @@ def pytest_runtest_logreport(report) -> None:
 
 def pytest_sessionfinish(session) -> None:
     """With ``ZEROEXP_SUITE_DURATIONS=<path>``: each module's seconds (setup, call and teardown of its tests, as the
-    workers reported them) into ``path``, over what it holds of other modules (``make test``'s two phases), costliest
-    first, for :data:`DURATIONS`."""
+    workers reported them) into ``path``, over what it holds of other modules (``make test``'s two runs, the serial
+    one ending first), costliest first, for :data:`DURATIONS`."""
     path = os.environ.get("ZEROEXP_SUITE_DURATIONS")
     if path and _SPENT and not hasattr(session.config, "workerinput"):
         held = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
