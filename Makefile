@@ -27,9 +27,10 @@ run: $(STAMP)
 # The whole suite (PYTEST_ARGS empty; CI): two pytest runs side by side. The modules on two pytest-xdist workers, each
 # module on one (its cells are shared there; the modules reading a shared session sweep are one unit:
 # tests/conftest.py), at `nice` 10; beside them, ahead of them in the scheduler, the `serial` modules (a fresh
-# `python -m zeroexp` signalled, or its time bounded in seconds), collected by their module marker, two of their tests
-# at a time: they wait on their fresh interpreters about half of their minute, time the first run fills, and at nice
-# 0 against 10 they get a core whenever they ask (docs/benchmarks.md, The suite's time). The first run's output
+# `python -m zeroexp` signalled, or its time bounded in seconds), collected by their module marker, in one process:
+# they wait on their fresh interpreters about half of their time, which the first run fills, and at nice 0 against 10
+# they get a core whenever they ask (docs/benchmarks.md, The suite's time); in one process, not two workers, they
+# spare a worker's start-up and forkserver and still end minutes before the first run. The first run's output
 # streams; the serial run's is printed when both have ended. Exit: the first run's code, else the serial run's.
 # With PYTEST_ARGS: one pytest run of what they name. Bytecode is written (__pycache__/, ignored by git) whatever
 # PYTHONDONTWRITEBYTECODE says: each worker, forkserver and fresh `python -m zeroexp` of the suite then reads the
@@ -38,7 +39,7 @@ test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP) browser
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@serial_log=$$(mktemp); trap 'kill 0 2>/dev/null; rm -f "$$serial_log"' INT TERM; \
-	$(VPY) -m pytest -q --durations=10 -n 2 --dist load -m serial \
+	$(VPY) -m pytest -q --durations=10 -m serial \
 	    $$(grep -l '^pytestmark = pytest.mark.serial' tests/test_*.py) >"$$serial_log" 2>&1 & serial=$$!; \
 	nice -n 10 $(VPY) -m pytest -q --durations=15 -n 2 --dist loadfile -m "not serial"; rest_rc=$$?; \
 	wait $$serial; serial_rc=$$?; \
