@@ -31,18 +31,20 @@ run: $(STAMP)
 # they wait on their fresh interpreters about half of their time, which the first run fills, and at nice 0 against 10
 # they get a core whenever they ask (docs/benchmarks.md, The suite's time); in one process, not two workers, they
 # spare a worker's start-up and forkserver and still end minutes before the first run. The first run's output
-# streams; the serial run's is printed when both have ended. Exit: the first run's code, else the serial run's.
+# streams; the serial run's is printed when both have ended. Exit: the first run's code, else the serial run's; on
+# INT or TERM (Ctrl-C reaches the first run, the shell's group), the serial run is stopped too, and 143.
 # With PYTEST_ARGS: one pytest run of what they name. Bytecode is written (__pycache__/, ignored by git) whatever
 # PYTHONDONTWRITEBYTECODE says: each worker, forkserver and fresh `python -m zeroexp` of the suite then reads the
 # modules the first one compiled, and the test modules as pytest rewrote their asserts (a collection 11 s -> 8 s).
 test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP) browser
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@serial_log=$$(mktemp); trap 'kill 0 2>/dev/null; rm -f "$$serial_log"' INT TERM; \
+	@serial_log=$$(mktemp); \
 	$(VPY) -m pytest -q --durations=10 -m serial \
 	    $$(grep -l '^pytestmark = pytest.mark.serial' tests/test_*.py) >"$$serial_log" 2>&1 & serial=$$!; \
+	trap 'kill $$serial 2>/dev/null; rm -f "$$serial_log"; exit 143' INT TERM; \
 	nice -n 10 $(VPY) -m pytest -q --durations=15 -n 2 --dist loadfile -m "not serial"; rest_rc=$$?; \
-	wait $$serial; serial_rc=$$?; \
+	wait $$serial; serial_rc=$$?; trap - INT TERM; \
 	echo "==== the serial modules (run beside the others): exit $$serial_rc ===="; cat "$$serial_log"; \
 	rm -f "$$serial_log"; \
 	if [ $$rest_rc -ne 0 ]; then exit $$rest_rc; fi; exit $$serial_rc

@@ -72,9 +72,14 @@ def wait_until_gone(sid: int, within_s: float) -> list[int]:
 def _as_from_a_terminal() -> None:
     """In the child before exec: Ctrl-C's default disposition and no blocked signals, as a shell's foreground job
     starts (the test process may hold SIGINT ignored or blocked from an earlier test's machinery; a CI run saw the
-    ctrl_c row's cell train on through the signal for 60 s, once)."""
+    ctrl_c row's cell train on through the signal for 60 s, once; `make test` runs this module in the background,
+    where SIGINT starts ignored). And SIGTERM when the test process dies: a run in a session of its own is not in the
+    group a Ctrl-C or a stopped `make test` signals, and would train on."""
+    from zeroexp.rank.deathsig import die_with_parent
+
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    die_with_parent(signal.SIGTERM)
 
 
 def start_cli(tmp_path: Path, *args: str, logger: str = "none") -> tuple[subprocess.Popen, Path]:

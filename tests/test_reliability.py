@@ -328,13 +328,14 @@ def test_a_sweep_that_would_run_nothing_or_has_an_invalid_config_stops_before_it
 def test_sigterm_stops_a_sweep_and_reports_its_finished_cells(tmp_path):
     """SIGTERM to a sweep's main process: the running cell ends (every rank reaped, ``failed`` naming SIGTERM), no
     further cell starts, and the sweep's report covers the cells that finished; exit 143, nothing left running."""
-    from test_fault_matrix import session_processes, wait_until_gone
+    from test_fault_matrix import _as_from_a_terminal, session_processes, wait_until_gone
 
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen([sys.executable, "-m", "zeroexp", "--multirun", "strategy=ddp,zro,fsdp_grad_op",
                              "logger=none", "world_size=2", "model.width=32", "steps=9", "timeout.collective_s=600",
                              f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=_env(ZEROEXP_FAULT="0:3:hang:zro"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal)
     deadline, zro = time.monotonic() + 240, None
     while time.monotonic() < deadline and zro is None:  # ddp done, zro's ranks started (rank 0 hangs at step 3)
         time.sleep(0.3)
