@@ -23,6 +23,7 @@ import pytest
 
 from conftest import run_cli
 from zeroexp.launch.progress import read_progress
+from zeroexp.rank.deathsig import die_with_parent
 from zeroexp.results.files import read_json
 
 pytestmark = pytest.mark.serial  # fresh interpreters waited on with timeouts: run alone (conftest, Makefile)
@@ -74,9 +75,7 @@ def _as_from_a_terminal() -> None:
     starts (the test process may hold SIGINT ignored or blocked from an earlier test's machinery; a CI run saw the
     ctrl_c row's cell train on through the signal for 60 s, once; `make test` runs this module in the background,
     where SIGINT starts ignored). And SIGTERM when the test process dies: a run in a session of its own is not in the
-    group a Ctrl-C or a stopped `make test` signals, and would train on."""
-    from zeroexp.rank.deathsig import die_with_parent
-
+    group a Ctrl-C or a stopped `make test` signals, and would train on. Nothing imported here: a fork's child."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     die_with_parent(signal.SIGTERM)

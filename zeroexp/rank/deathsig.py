@@ -17,14 +17,24 @@ import sys
 __all__ = ["die_with_parent", "in_forkserver"]
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent dies; False where that is not available."""
+def _libc_prctl():
     try:
         import ctypes
 
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig)) == 0  # PR_SET_PDEATHSIG
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+#: libc's ``prctl``, looked up when this module is imported: :func:`die_with_parent` is called in the child of a fork
+#: (a rank; a test's ``preexec_fn``), where loading a library could wait forever on a lock another thread of the
+#: parent held at the fork. None where there is no glibc.
+_PRCTL = _libc_prctl()
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies; False where that is not available."""
+    return _PRCTL is not None and _PRCTL(1, int(sig)) == 0  # PR_SET_PDEATHSIG
 
 
 def in_forkserver() -> bool:
