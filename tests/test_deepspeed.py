@@ -80,7 +80,7 @@ def test_depth_and_bucket_size_move_the_collectives_as_modelled(cell, stage):
 
 
 def test_collectives_model_follows_buckets_and_depth():
-    from zeroexp.formulas import LAYOUTS, Groups, Shard, deepspeed_buckets, step_collectives
+    from zeroexp.formulas import LAYOUTS, Groups, PlanKnobs, Shard, deepspeed_buckets, step_collectives
 
     assert deepspeed_buckets(1, [3, 3, 3], 6) == ((3, 3), (3,))
     assert deepspeed_buckets(1, [3, 3, 3], 5) == ((3,), (3,), (3,))
@@ -98,6 +98,12 @@ def test_collectives_model_follows_buckets_and_depth():
             "reduce_scatter": {"count": depth, "payload_bytes": depth * 4098 * 2},
             "all_reduce": {"count": 1, "payload_bytes": 8},
             "all_gather": {"count": 1, "payload_bytes": depth * 4098 * 2}}
+        # the optimizer offloaded (optimizer, full): the same gradients and parameters, the norm an fp32 scalar
+        for off in ("optimizer", "full"):
+            assert step_collectives(LAYOUTS["deepspeed_stage3"], g3, 2, PlanKnobs(offload=off))["all_reduce"] == {
+                "count": 1, "payload_bytes": 4}
+        assert step_collectives(LAYOUTS["deepspeed_stage2"], g, 4, PlanKnobs(offload="optimizer")) == \
+            step_collectives(LAYOUTS["deepspeed_stage2"], g, 4)
     g0 = Groups("deepspeed_stage0", 2, (4096,) * 8, buckets=deepspeed_buckets(0, [4096] * 8, 0))
     assert step_collectives(LAYOUTS["deepspeed_stage0"], g0, 2) == {"all_reduce": {"count": 1, "payload_bytes": 65536}}
 

@@ -27,7 +27,6 @@ from zeroexp.models import LinearStack
 from zeroexp.plan import Precision, plan
 from zeroexp.plan.shape import shape_of
 from zeroexp.strategies import deepspeed as ds_adapter
-from zeroexp.results.verdict import Code
 
 pytestmark = pytest.mark.skipif(not ds_adapter.deepspeed_available(),
                                 reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
@@ -111,14 +110,29 @@ def test_a_bf16_cell_is_planned_to_the_byte(cell):
                                                                           "all_gather": 2 * psi}
 
 
-def test_an_offloaded_bf16_cell_plans_its_state_and_says_why_not_its_payload(cell):
+def test_an_offloaded_bf16_cell_plans_its_state_groups_and_payload(cell):
+    """The optimizer offloaded: the same buckets, partitions and collectives as offload none (the reduced partition
+    copied to the host, the updated one back), the gradient norm an fp32 scalar."""
     r = cell(*N2, "strategy.stage=2", "precision=bf16", "offload=optimizer")  # as tests/test_deepspeed.py
     section, frame = _planned_exactly(r, 2, 2, offload="optimizer")
     psi = 8 * 4096
     assert _per_rank(frame, "grad") == [(4 * psi // 2, 4 * psi // 2)] * 2  # the fp32 partition on the host
-    assert section["payload_check"] == "n/a" and section["payload"] is None
-    said = dict(zip(section["payload_reasons"], section["payload_reason_codes"]))
-    assert [c for why, c in said.items() if "offload=optimizer" in why] == [Code.PLAN_PAYLOAD_NOT_MODELLED]
+    assert section["payload_check"] == "PASS" and not section["payload_reasons"], section["payload_reasons"]
+    assert {p["op"]: p["measured_bytes"] for p in section["payload"]} == {"all_reduce": 2 * psi + 4 + 1,
+                                                                          "all_gather": 2 * psi}
+    assert section["groups"]["check"] == section["calls"]["check"] == r.summary["collectives"]["check"] == "PASS"
+
+
+def test_stage3_with_its_optimizer_offloaded_all_reduces_an_fp32_norm(cell):
+    """Stage 3 at N=3 (padded partitions), parameters and optimizer offloaded: planned and measured alike, the norm
+    4 bytes where stage 3 alone all-reduces a float64 one."""
+    r = cell("strategy=deepspeed", "world_size=3", "strategy.stage=3", "offload=full", "precision=bf16")
+    assert r.status == "ok", r.error
+    section = r.summary["plan"]
+    assert section["check"] == "PASS", section["reasons"]
+    assert section["payload_check"] == "PASS" and not section["payload_reasons"], section["payload_reasons"]
+    assert {p["op"]: (p["predicted_bytes"], p["measured_bytes"]) for p in section["payload"]}["all_reduce"] == (4, 4)
+    assert section["groups"]["check"] == section["calls"]["check"] == r.summary["collectives"]["check"] == "PASS"
 
 
 # --- planner only: a large model, nothing run ---------------------------------------------------------------

@@ -158,6 +158,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         ds_persistence=knob("stage3_param_persistence_threshold", None),
         ds_max_reuse=knob("stage3_max_reuse_distance", None),
         recompute=bool(checkpointing),
+        offload=str(cfg.offload.name),
         recompute_mode=checkpointing.mode.replace("none", ""),
         recompute_every=checkpointing.every,  # selective_layer's k, its null the mode's default (checkpointing_of)
     )

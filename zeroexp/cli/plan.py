@@ -232,7 +232,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
                       sync_each_microbatch=bool(cfg.sync_each_microbatch),
                       **fsdp2_knobs(cfg, _world_sizes(cfg.world_size)), recompute=mode.mode != "none",
                       recompute_mode=mode.mode.replace("none", ""),
-                      recompute_every=mode.every, **ds_knobs(cfg))
+                      recompute_every=mode.every, offload=str(cfg.offload.name), **ds_knobs(cfg))
     with untraced(cfg.model.get("name") if cfg.model is not None else None):  # a step fake tensors cannot run: exit 2
         ac = mode.label
         precision = Precision(cfg.precision.name, cfg.precision.param_dtype)

@@ -17,6 +17,7 @@ from zeroexp.formulas.layout import Groups, ModelShape, PlanKnobs, cut_buckets
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 
 __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUCKET_SIZE", "DS_NORM_BYTES",
+           "DS_OFFLOAD_NORM_BYTES", "ds_norm_bytes",
            "DS_PERSISTENCE_THRESHOLD", "DS_PERSISTENCE_REFUSED", "Stage3Limits", "ds_stage3_limits", "knobs_limits",
            "ds_persistent", "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls",
            "REPLAYED_RECOMPUTE", "stage3_recomputed", "stage3_schedule", "deepspeed_buckets", "ds_reduce_order",
@@ -94,6 +95,16 @@ def knobs_limits(knobs: PlanKnobs) -> Stage3Limits:
 #: stages 1-2 cast the squared norm to fp32 (stage_1_and_2.py ``get_grad_norm_direct``: ``.float()``), stage 3 keeps
 #: ``get_norm_dtype()``'s float64 (stage3.py ``get_grad_norm_direct``).
 DS_NORM_BYTES = {1: 4, 2: 4, 3: 8}
+#: With the optimizer offloaded (``offload_optimizer``), every stage sums the parameters' host-side norms into one
+#: fp32 scalar and all-reduces that (``complete_grad_norm_calculation_for_cpu_offload``: ``FloatTensor([total_norm])``,
+#: stage_1_and_2.py and stage3.py).
+DS_OFFLOAD_NORM_BYTES = 4
+
+
+def ds_norm_bytes(stage: int, offload: str) -> int:
+    """Bytes of the gradient-norm scalar stage ``stage`` all-reduces per flat group or sub-group under ``offload``
+    (none, optimizer, full): :data:`DS_NORM_BYTES`, or :data:`DS_OFFLOAD_NORM_BYTES` with the optimizer offloaded."""
+    return DS_NORM_BYTES[stage] if offload == "none" else DS_OFFLOAD_NORM_BYTES
 
 
 def deepspeed_reduce_bucket_numel(bucket_cap_bytes: int) -> int:
@@ -262,7 +273,7 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
 
 
 def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collectives:
-    """Per-step collectives of one rank of DeepSpeed ZeRO ``stage`` (no offload) [DS-COMM], S per [NCCL-TESTS].
+    """Per-step collectives of one rank of DeepSpeed ZeRO ``stage`` [DS-COMM], S per [NCCL-TESTS].
     Stage 0: an all_reduce per chunk (P); in fp32 with ``strategy.clip_grad_norm``, the engine's ``clip_fp32_gradients``
     (runtime/utils.py ``clip_grad_norm_``) all-reduces the one-element fp32 norm over the data-parallel group (below
     fp32 its FP16_UnfusedOptimizer computes the norm without a collective). Stages 1-2: an all_reduce per bucket
@@ -271,7 +282,10 @@ def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collec
     all_reduce of the squared norm per flat group, with bf16 / fp16 a uint8 overflow all_reduce, then one all_gather
     per padded flat group (P). Stage 3: a reduce_scatter per bucket (each gradient padded to N; P), one
     fp64 norm all_reduce per optimizer sub-group, fp16 a uint8 overflow flag, one all_gather per fetch (P, frozen
-    parameters included: stage 3 partitions and fetches them with their modules).
+    parameters included: stage 3 partitions and fetches them with their modules). ``offload`` (``knobs.offload``:
+    optimizer, or stage 3's full) sends the same gradients and parameters (the reduced partition is copied to the
+    host after its collective, the updated one back before the all_gather); only the norm differs, an fp32 scalar per
+    group or sub-group (:func:`ds_norm_bytes`; measured: stages 1-3, fp32 and bf16, N=2 and 3).
     ``gradient_accumulation_steps`` K (measured, 0.19.8): stages 2 and 3 reduce every micro-batch's buckets and stage
     3 fetches every micro-batch's parameters (K x); stages 0 and 1 reduce once, at the boundary; the norm, overflow
     and stage 1-2 parameter all_gather come once per optimizer step."""
@@ -280,15 +294,16 @@ def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collec
     if stage == 0:
         return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([4] if knobs.clipping and c == 4 else []))
     if stage in (1, 2):
-        norms = [DS_NORM_BYTES[stage]] * len(g.shards)
+        norms = [ds_norm_bytes(stage, knobs.offload)] * len(g.shards)
         calls = ds_allreduce_calls(g.buckets, ds_reduce_order(g.numels, g.ungraded, stage), g.numels,
                                    g.shards[0].numel // n, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))
         grads = [sum(call) * c for b in calls for call in b]
         return collectives_of(all_reduce=grads * each + norms + ([1] if c != 4 else []),
                               all_gather=[sh.numel * c for sh in g.shards])
     norms = deepspeed_sub_groups([sh.numel // n for sh in g.trained_shards])
+    norm = ds_norm_bytes(stage, knobs.offload)
     return collectives_of(reduce_scatter=[sum(padded_numel(k, n) for k in b) * c for b in g.buckets] * each,
-                          all_reduce=[DS_NORM_BYTES[stage]] * norms + ([1] if knobs.loss_scaling else []),
+                          all_reduce=[norm] * norms + ([1] if knobs.loss_scaling else []),
                           all_gather=[sum(padded_numel(k, n) for k in f) * c for f in g.gathers] * each)
 
 
@@ -296,8 +311,6 @@ def deepspeed_payload_limits(stage: int, groups: Groups, knobs: PlanKnobs, preci
     """Why the payload model is not DeepSpeed's real per-step payload for a cell (empty: it is, as the collectives
     probe measures it on CPU / gloo)."""
     reasons = []
-    if offload != "none":
-        reasons.append(f"offload={offload}: DeepSpeed's offloaded gradient and norm collectives are not modelled")
     if precision == "fp16":
         reasons.append("fp16: DeepSpeed's overflow and loss-scale collectives are read, not measured (fp16 needs a "
                        "GPU)")

@@ -170,6 +170,9 @@ class PlanKnobs:
     recompute_mode: str = ""
     #: ``selective_layer``'s k: the wrap units it checkpoints are every k-th in forward order
     recompute_every: int = 1
+    #: ``offload`` (none, optimizer, full): what a row keeps on the host (DeepSpeed's offloaded optimizer computes its
+    #: gradient norm on the host: :func:`zeroexp.formulas.deepspeed.ds_norm_bytes`)
+    offload: str = "none"
 
     def post_forward_over(self, shard_over: int) -> int:
         """The ranks FSDP2 reshards each unit to after forward over a shard group of ``shard_over`` ranks

@@ -112,7 +112,7 @@ class Evaluator:
                          loss_scaling=self.p.loss_scaling[c.precision], shard_size=c.shard_size or 0,
                          micro_batches=c.grad_accum, sync_each_microbatch=bool(c.sync_each_microbatch),
                          recompute=bool(c.checkpointing), recompute_mode=c.checkpointing.mode.replace("none", ""),
-                         recompute_every=c.checkpointing.every)
+                         recompute_every=c.checkpointing.every, offload=c.offload)
 
     def itemsize(self, c: Config) -> int:
         return COMPUTE_ITEMSIZE[self.p.param_dtypes[c.precision]]

@@ -370,11 +370,10 @@ class DeepSpeedAdapter(StrategyAdapter):
         DeepSpeed's optimizer holds the trainable parameters alone (``is_optimized_parameter``); stages 0-2 leave the
         frozen ones as plain module parameters (``frozen``). A trainable parameter the last step gave no gradient
         (:class:`StepUse`): stage 0 all-reduces a zero gradient for it; stages 1-3 reduce none (``ungraded``, out of
-        the buckets); stage 3 fetches no parameter of a module forward did not call. Not modelled (the check reads
-        n/a with the reason): offload, DeepSpeed's reduce (not all_reduce) gradient path."""
-        off, eng, opt, n = self.policy.offload, self.engine, self.engine.optimizer, dist.get_world_size()
-        if off != "none":
-            raise NotImplementedError(f"strategy 'deepspeed' has no collectives model for offload={off!r}")
+        the buckets); stage 3 fetches no parameter of a module forward did not call. Offloaded (optimizer, or stage
+        3's full), the partitions, buckets and fetches are the same (the host holds copies of the partitions). Not
+        modelled (the check reads n/a with the reason): DeepSpeed's reduce (not all_reduce) gradient path."""
+        eng, opt, n = self.engine, self.engine.optimizer, dist.get_world_size()
         every = list(eng.module.parameters())
         params = self.trainable(every)
         numel = (lambda p: p.ds_numel) if self.stage == 3 else (lambda p: p.numel())
