@@ -113,6 +113,9 @@ def test_what_the_model_covers_and_why_not_elsewhere():
     assert uncovered("fsdp_full", "bf16", "full") == [
         "no peak model yet for offload=full (no strategy the peak model covers runs it on CPU: FSDP's CPUOffload "
         "needs a GPU; covered: offload none)"]
+    for stage, offload in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "full")):  # runs on CPU
+        (why,) = uncovered(f"deepspeed_stage{stage}", "bf16", offload)
+        assert why.startswith(f"no peak model yet for offload={offload}: DeepSpeed's") and "CPUOffload" not in why
 
 
 def test_a_phase_below_steady_is_judged_on_its_magnitude():

@@ -150,6 +150,12 @@ class Family:
         shares (:func:`zeroexp.plan.check.memory.shape_limits`): before them, after the RNN one, last."""
         return [], [], []
 
+    def offload_limit(self, row: StateLayout, offload: str) -> str:
+        """Why the peak model does not cover the row with ``offload`` (optimizer, full): FSDP's offload runs on a
+        GPU alone, so no CPU cell can check a model of it."""
+        return (f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: FSDP's "
+                "CPUOffload needs a GPU; covered: offload none)")
+
     def checkpointing_limit(self, row: StateLayout, frozen: bool = False) -> str | None:
         """Why the peak model does not cover the row with activation checkpointing (None: it does); ``frozen``: the
         model has parameters that do not train."""

@@ -74,6 +74,17 @@ class DeepSpeedPartitions(Family):
             return "allreduce_fallback"
         return "deepspeed" if row.deepspeed_stage else None
 
+    def offload_limit(self, row, offload):
+        # DeepSpeed's offload runs on CPU (its state, groups and collectives are checked there); its step is not
+        # modelled: stage_1_and_2.py with cpu_offload allocates no grads_in_partition but, per partition parameter
+        # at each bucket's reduction, a float64 copy of its slice and a float64 norm kept to the step
+        # (set_norm_for_param_grad_in_gpu), below fp32 an fp32 copy of it (async_inplace_copy_grad_to_fp32_buffer_
+        # from_gpu); the step runs AdamW on the host's fp32 partition (no flat gradient copy) beside fp32 norm
+        # scalars (complete_grad_norm_calculation_for_cpu_offload); on a GPU the host's share leaves the device.
+        return (f"no peak model yet for offload={offload}: DeepSpeed's offloaded backward and step (each partition "
+                "gradient's float64 norm, AdamW on the host's fp32 partition) are not modelled (they run on CPU: "
+                "state, groups and collectives are checked; covered: offload none)")
+
     def checkpointing_limit(self, row, frozen=False):
         # measured: a LoRA GPT (n_layer=2, N=2 and 3, bf16) under stage 3 with checkpointing re-fetches its frozen
         # modules' parameters in the recompute (the coordinator released them after forward: backward never reaches

@@ -50,8 +50,7 @@ def uncovered(name: str, precision: str, offload: str,
         reasons.append(row.family.unmodelled(row)
                        or f"no peak model yet for strategy.layout={name} (covered: {', '.join(covered)})")
     if offload != "none":
-        reasons.append(f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: "
-                       "FSDP's CPUOffload needs a GPU; covered: offload none)")
+        reasons.append(row.family.offload_limit(row, offload))
     if activation_checkpointing != "none" and flow is not None and row.family.checkpointing_limit(row, frozen):
         reasons.append(row.family.checkpointing_limit(row, frozen))
     mixed_limit = row.family.mixed_accumulation_limit(row) if precision != "fp32" else None
