@@ -121,6 +121,39 @@ def test_an_offloaded_bf16_cell_plans_its_state_groups_and_payload(cell):
     assert {p["op"]: p["measured_bytes"] for p in section["payload"]} == {"all_reduce": 2 * psi + 4 + 1,
                                                                           "all_gather": 2 * psi}
     assert section["groups"]["check"] == section["calls"]["check"] == r.summary["collectives"]["check"] == "PASS"
+    memory = section["memory"]  # and its peak: every phase of every rank
+    assert memory["check"] == "PASS" and [x["check"] for x in memory["ranks"]] == ["PASS"] * 2, memory["reasons"]
+
+
+def test_an_offloaded_stage1_cell_of_several_buckets_meets_its_peak_model_on_every_rank(cell):
+    """Stage 1 at N=3 (uneven partitions: a parameter cut by two of them), 0.05 MiB buckets: each bucket's partition
+    parameters copied to float64 for their norms, kept to the step, AdamW on the host's fp32 partition."""
+    r = cell("strategy=deepspeed", "world_size=3", "strategy.stage=1", "offload=optimizer",
+             "strategy.bucket_cap_mb=0.05")
+    assert r.status == "ok", r.error
+    memory = r.summary["plan"]["memory"]
+    assert memory["check"] == "PASS" and [x["check"] for x in memory["ranks"]] == ["PASS"] * 3, memory["reasons"]
+    opt = [x["optimizer"] for x in memory["ranks"]]
+    # rank 1's partition overlaps one parameter more than the others: one more float64 norm kept into the step
+    assert [o["predicted_bytes"] - opt[0]["predicted_bytes"] for o in opt] == [0, 8, 0]
+    assert all(0 <= o["measured_bytes"] - o["predicted_bytes"] <= 16 for o in opt), opt
+
+
+def test_offloaded_stages_1_2_on_a_gpu_keep_the_optimizers_update_on_the_host():
+    """The planner on CUDA: the device's steady state without the host's kinds (the fp32 gradient partition, master,
+    moments), and its step holds the kept norms alone (AdamW runs on the host); on the CPU the update is the
+    device's."""
+    from test_plan_fits import _run
+
+    args = ("model=mlp", "model.width=64", "world_size=3", "batch_size=8", "offload=optimizer",
+            "strategies=[deepspeed_stage1,deepspeed_stage2]")
+    (gpu, _), (cpu, _) = _run(*args, "device=cuda"), _run(*args, "device=cpu")
+    assert [r["strategy"] for r in gpu] == [r["strategy"] for r in cpu] == ["deepspeed_stage1", "deepspeed_stage2"]
+    for g, c in zip(gpu, cpu):
+        assert "peak_note" not in g and "peak_note" not in c and g["peak_bytes"] and c["peak_bytes"]
+        assert g["steady_bytes"] == g["device_bytes"] + g["workspace_bytes"]  # nothing of the host's
+        assert g["phase_bytes"]["optimizer"] in (24, 32)  # the kept float64 norms of 3 or 4 partition parameters
+        assert c["phase_bytes"]["optimizer"] > 2 * 4 * (8 * 4096 // 3)  # AdamW's two fp32 temporaries on the host
 
 
 def test_stage3_with_its_optimizer_offloaded_all_reduces_an_fp32_norm(cell):

@@ -163,13 +163,14 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     top = max(phases, key=lambda ph: phases[ph]["bytes"])
     buffers = steady_buffers_bytes(name, groups, c if terms is None else terms.grad_itemsize, knobs.bucket_cap_bytes,
                                    terms)
-    freed = record["grad_bytes"] if row.family.step_frees_grads(row) else 0  # none between
-    steady = record["device_bytes"] - freed + buffers + device.workspace_bytes                          # steps
+    on = {kind: record[f"{kind}_bytes"] or 0 for kind in STATE_KINDS if kind not in host}  # the device's state
+    freed = on.get("grad", 0) if row.family.step_frees_grads(row) else 0  # none between steps (offloaded: the host's)
+    steady = record["device_bytes"] - freed + buffers + device.workspace_bytes
     out.update(phase_bytes={ph: v["bytes"] for ph, v in phases.items()}, peak_phase=top, steady_bytes=steady,
                peak_bytes=steady + max(phases[top]["bytes"], 0))
     if device.name == "cuda":  # the caching allocator's segments for the same live bytes
-        blocks = steady_blocks(record["param_bytes"], record["grad_bytes"] - freed,
-                               record["optim_bytes"] + (record["master_bytes"] or 0), buffers, device.workspace_bytes)
+        blocks = steady_blocks(on.get("param", 0), on.get("grad", 0) - freed, on.get("optim", 0) + on.get("master", 0),
+                               buffers, device.workspace_bytes)
         out["reserved_peak_bytes"] = reserved_peak(blocks, [allocations(v) for v in phases.values()])[0]
     judge_fits(out)
     above = phases[top]["by_category"] if phases[top]["bytes"] > 0 else {}

@@ -150,9 +150,9 @@ class Family:
         shares (:func:`zeroexp.plan.check.memory.shape_limits`): before them, after the RNN one, last."""
         return [], [], []
 
-    def offload_limit(self, row: StateLayout, offload: str) -> str:
-        """Why the peak model does not cover the row with ``offload`` (optimizer, full): FSDP's offload runs on a
-        GPU alone, so no CPU cell can check a model of it."""
+    def offload_limit(self, row: StateLayout, offload: str, micro_batches: int = 1) -> str | None:
+        """Why the peak model does not cover the row with ``offload`` (optimizer, full) and ``micro_batches`` (None:
+        it does): FSDP's offload runs on a GPU alone, so no CPU cell can check a model of it."""
         return (f"no peak model yet for offload={offload} (no strategy the peak model covers runs it on CPU: FSDP's "
                 "CPUOffload needs a GPU; covered: offload none)")
 
@@ -206,9 +206,11 @@ class Family:
         raise KeyError(row.label)  # no peak model
 
     def worst_rank(self, row: StateLayout, groups: Groups, trace: StepTrace, itemsize: int, *, micro_batches: int,
-                   in_place: StepTrace | None, bucket_cap_bytes: int, foreach: bool) -> int | None:
+                   in_place: StepTrace | None, bucket_cap_bytes: int, foreach: bool, offload: str = "none"
+                   ) -> int | tuple[int, ...] | None:
         """For a row whose ranks differ (``ranks_differ``), the first rank whose largest phase in
-        :meth:`phase_peaks` is highest, found without each rank's phases; None: each rank's phases are evaluated."""
+        :meth:`phase_peaks` is highest, found without each rank's phases; a tuple: the ranks to evaluate, the highest
+        taken; None: each rank's phases are evaluated."""
         return None
 
     def steady_buffers(self, row: StateLayout, groups: Groups, itemsize: int, bucket_cap_bytes: int,

@@ -74,16 +74,18 @@ class DeepSpeedPartitions(Family):
             return "allreduce_fallback"
         return "deepspeed" if row.deepspeed_stage else None
 
-    def offload_limit(self, row, offload):
-        # DeepSpeed's offload runs on CPU (its state, groups and collectives are checked there); its step is not
-        # modelled: stage_1_and_2.py with cpu_offload allocates no grads_in_partition but, per partition parameter
-        # at each bucket's reduction, a float64 copy of its slice and a float64 norm kept to the step
-        # (set_norm_for_param_grad_in_gpu), below fp32 an fp32 copy of it (async_inplace_copy_grad_to_fp32_buffer_
-        # from_gpu); the step runs AdamW on the host's fp32 partition (no flat gradient copy) beside fp32 norm
-        # scalars (complete_grad_norm_calculation_for_cpu_offload); on a GPU the host's share leaves the device.
-        return (f"no peak model yet for offload={offload}: DeepSpeed's offloaded backward and step (each partition "
-                "gradient's float64 norm, AdamW on the host's fp32 partition) are not modelled (they run on CPU: "
-                "state, groups and collectives are checked; covered: offload none)")
+    def offload_limit(self, row, offload, micro_batches=1):
+        """Stages 1-2 with the optimizer offloaded, one micro-batch a step: modelled
+        (:func:`zeroexp.formulas.peak.deepspeed.ds_stage12_phase_peaks`, ``offload``). Not yet: stage 3's (its
+        backward measured above offload none's on one rank), and accumulation offloaded (the partition's gradients
+        added on the host across micro-batches, ``async_accumulate_grad_in_cpu_via_gpu``)."""
+        if row.deepspeed_stage in (1, 2) and offload == "optimizer" and micro_batches == 1:
+            return None
+        what = "with grad_accum > 1" if row.deepspeed_stage in (1, 2) and offload == "optimizer" else \
+            f"at stage {row.deepspeed_stage}"
+        return (f"no peak model yet for offload={offload} {what}: DeepSpeed's offloaded backward and step are not "
+                "modelled there (it runs on CPU: state, groups and collectives are checked; covered: offload none, "
+                "and offload=optimizer at stages 1-2 without accumulation)")
 
     def checkpointing_limit(self, row, frozen=False):
         # measured: a LoRA GPT (n_layer=2, N=2 and 3, bf16) under stage 3 with checkpointing re-fetches its frozen
@@ -156,22 +158,32 @@ class DeepSpeedPartitions(Family):
                                          calls=stage3_calls(shape, knobs) if traced else (),
                                          bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes))
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
+        # offloaded: the host's memory is the device's on a gloo (CPU) rank, another one on an NCCL rank
         peaks = partial(ds_stage12_phase_peaks, stage=stage, buckets=groups.buckets,
                         order=_reduce_order(groups, stage), numels=groups.numels, part=part,
                         bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
-                        foreach=foreach, ungraded=groups.ungraded)
+                        foreach=foreach, ungraded=groups.ungraded, offload=knobs.offload != "none",
+                        host_is_device=gloo)
         if micro_batches < 2:
             return peaks(trace)
         # the first micro-batch as a step without accumulation (stage 1 reduces nothing in it: a lower bound), every
         # later one holding what the earlier ones left (stage 1: traced with its gradients allocated)
         return highest_phases(peaks(trace), peaks(in_place if stage == 1 else trace, later=True))
 
-    def worst_rank(self, row, groups, trace, itemsize, *, micro_batches, in_place, bucket_cap_bytes, foreach):
+    def worst_rank(self, row, groups, trace, itemsize, *, micro_batches, in_place, bucket_cap_bytes, foreach,
+                   offload="none"):
         """Stages 1-2: each rank's phases' bytes from the moments' rank-independent terms summed once
-        (:class:`zeroexp.formulas.peak.ds_ranks.DsStage12Ranks`), the first highest rank of them."""
+        (:class:`zeroexp.formulas.peak.ds_ranks.DsStage12Ranks`), the first highest rank of them. Offloaded, the ranks
+        differ only by their pieces' float64 copies and kept norms: the ranks of the largest piece and of the most
+        pieces, to be evaluated (a rank whose smaller piece lands on a higher moment is not sought)."""
         stage, n = self._covered(row), groups.world_size
         if stage not in (1, 2):  # stage 0 replicates everything (every rank alike); stage 3: each rank evaluated
             return None
+        if offload != "none":
+            parts = ds_partitions(groups.numels, groups.shards[0].numel, n)
+            graded = [[x for i, x in zip(p.params, p.pieces) if i not in set(groups.ungraded)] for p in parts]
+            largest = max(range(n), key=lambda r: max(graded[r], default=0))
+            return tuple(dict.fromkeys((largest, max(range(n), key=lambda r: len(graded[r])))))
         ranks = partial(DsStage12Ranks, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                         numels=groups.numels, partition_numel=groups.shards[0].numel // n,
                         bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,

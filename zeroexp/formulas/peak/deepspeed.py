@@ -43,65 +43,21 @@ scalars, are left out), so the phase's prediction is never above the measurement
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from itertools import accumulate
 from typing import Callable, NamedTuple
 
-from zeroexp.formulas.deepspeed import DS_NORM_BYTES, deepspeed_sub_groups, ds_allreduce_calls
+from zeroexp.formulas.deepspeed import DS_NORM_BYTES, DS_OFFLOAD_NORM_BYTES, deepspeed_sub_groups, ds_allreduce_calls
 from zeroexp.formulas.deepspeed_fetch import ModuleCall, Stage3Schedule
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.adamw import adamw_temporaries
+from zeroexp.formulas.peak.ds_partition import FP64, DsPartition, ds_offload_norms, ds_partition, ds_partitions
 from zeroexp.formulas.peak.ds_recompute import REDO, Hook as _Hook, recompute_moments, unit_calls as _unit_calls
 from zeroexp.formulas.peak.phases import StepTrace
 
 __all__ = ["DsPartition", "ds_partition", "ds_partitions", "ds_allreduce_copies", "ds_accumulation",
            "ds_stage12_phase_peaks", "ds_stage3_phase_peaks", "FP64"]
 
-#: ``get_norm_dtype``: DeepSpeed's gradient norms accumulate in float64 (8 bytes) on a device that has it.
-FP64 = 8
-
-
-class DsPartition(NamedTuple):
-    """Stages 1-2, one rank's share of the flat group: ``numel`` (the partition, ``partition_size``), ``overlapped``
-    (the whole numel of the parameters it overlaps: ``grads_in_partition``), ``pieces`` (each overlapped parameter's
-    elements inside it, the gradient views ``get_flat_partition`` returns), ``padding`` (its zeros tensor),
-    ``params`` (the overlapped parameters' indices)."""
-
-    numel: int
-    overlapped: int
-    pieces: tuple[int, ...]
-    padding: int
-    params: tuple[int, ...]
-
-
-def ds_partition(numels: tuple[int, ...] | list[int], flat_numel: int, world_size: int, rank: int) -> DsPartition:
-    """Rank ``rank``'s partition of a flat group of ``flat_numel`` elements (padded to 2N) holding ``numels`` in
-    parameter order (stage_1_and_2.py ``get_partition_info``, ``get_flat_partition``)."""
-    return ds_partitions(numels, flat_numel, world_size, (rank,))[0]
-
-
-def ds_partitions(numels: tuple[int, ...] | list[int], flat_numel: int, world_size: int,
-                  ranks: tuple[int, ...] | range | None = None) -> list[DsPartition]:
-    """:func:`ds_partition` of each rank of ``ranks`` (None: every rank, in rank order), the parameters' offsets summed
-    once: each rank reads only the parameters its range overlaps."""
-    size = flat_numel // world_size
-    starts = list(accumulate(numels, initial=0))
-    ends = starts[1:]
-    out = []
-    for rank in range(world_size) if ranks is None else ranks:
-        lo, hi = rank * size, (rank + 1) * size
-        overlapped, pieces, params = 0, [], []
-        for i in range(bisect_right(ends, lo), len(numels)):  # the first parameter ending past lo, then on
-            offset, n = starts[i], numels[i]
-            if offset >= hi:
-                break
-            inside = min(offset + n, hi) - max(offset, lo)
-            if n and inside > 0:
-                overlapped += n
-                pieces.append(inside)
-                params.append(i)
-        out.append(DsPartition(size, overlapped, tuple(pieces), size - sum(pieces), tuple(params)))
-    return out
 
 
 def ds_allreduce_copies(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...], numels: tuple[int, ...],
@@ -191,7 +147,8 @@ def _being_made(edges: list[int], big: dict[int, int], traced: int) -> int:
 def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
                            order: tuple[int, ...], numels: tuple[int, ...], part: DsPartition, bucket_numel: int,
                            itemsize: int, foreach: bool = False, ungraded: tuple[int, ...] = (),
-                           later: bool = False) -> dict[str, dict]:
+                           later: bool = False, offload: bool = False, host_is_device: bool = True
+                           ) -> dict[str, dict]:
     """Stages 1 and 2 (``buckets``: the ipg buckets' gradient numels in reduce order, parameter order at stage 1,
     backward order at stage 2; ``order``: the parameters' indices in that order, ``numels`` in parameter order;
     ``part``: the rank's partition; ``bucket_numel``: ``reduce_bucket_size``), per phase, the bytes above steady at
@@ -212,7 +169,17 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     beside its largest all_reduce's flat copy.
 
     ``later``: a micro-batch after the first of a step's accumulation (``grad_accum`` > 1; :func:`ds_accumulation`
-    says what it holds from its start, and at stage 1 ``trace`` is the step traced with its gradients allocated)."""
+    says what it holds from its start, and at stage 1 ``trace`` is the step traced with its gradients allocated).
+
+    ``offload``: the optimizer offloaded (``cpu_offload``, one micro-batch a step): no ``grads_in_partition``, no
+    epilogue zeros or padding (``copy_grads_in_partition`` returns first; ``independent_gradient_partition_epilogue``
+    builds no ``all_grad_tensors``); after each bucket's all_reduce, each partition parameter of it in turn: a float64
+    copy of its piece and that copy's float64 norm, kept to the step (``set_norm_for_param_grad_in_gpu``), below fp32
+    then an fp32 copy of the piece for the host's gradient partition (``async_inplace_copy_grad_to_fp32_buffer_from_
+    gpu``). The step: AdamW on the host's fp32 partition (its gradient is state: no flat copy) beside the kept norms
+    and two fp32 norm scalars (``complete_grad_norm_calculation_for_cpu_offload``, ``scaled_global_norm``);
+    ``host_is_device`` false (an NCCL rank): AdamW's temporaries and those scalars are the host's, the device holds the
+    kept norms alone."""
     c, out = itemsize, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
@@ -221,6 +188,10 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     zeros = sum(numels[i] for i in part.params if i in no_grad) * c  # the epilogue's zero gradients
     first_gip = _first_partition_bucket(buckets, order, part)
     gip = part.overlapped * c if first_gip is not None else 0  # never made where no gradient of it is reduced
+    norms, copies = ds_offload_norms(buckets, order, part, no_grad, c) if offload else ([0] * (len(buckets) + 1), [])
+    if offload:  # none of grads_in_partition, the zeros and the padding is made
+        zeros = pad = gip = 0
+        first_gip = None
     # what a later micro-batch holds from its start: stage 1 the ipg bucket, stage 2 the partition accumulated so far
     graded = sum(k for i, k in enumerate(numels) if i not in no_grad) * c  # autograd's whole gradients
     carried = ds_accumulation(stage, bucket_numel * c, gip + zeros, graded) if later else {}
@@ -241,6 +212,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
         if stage == 2:  # each gradient moved into the bucket in its hook; buckets reduced in backward order
             done = _closed(edges, before)
             kept = {"temporaries": gip} if first_gip is not None and done > first_gip else {}
+            kept = {"temporaries": norms[done]} if offload else kept
             # a gradient above the bucket, the last one made, is still autograd's
             whole = _being_made(edges, big, grads)
             keep("backward", s.peak_by_category, loss, {"gradients": whole - grads}, held, kept)
@@ -250,9 +222,12 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
                 base = (_at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after},
                         bucket)
                 made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
+                made = {"temporaries": norms[k]} if offload else made
                 keep("backward", *base, made, {"temporaries": sizes[k]})
                 if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
                     keep("backward", *base, {"temporaries": gip})
+                if offload:  # its partition parameters' float64 copies and norms, one after the other
+                    keep("backward", *base, {"temporaries": norms[k] + copies[k]})
         else:
             keep("backward", s.peak_by_category, loss, held)
         before = s.end_by_category.get("gradients", 0)
@@ -265,11 +240,19 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     for k in range(first, len(buckets)):
         pending = (edges[-1] - edges[k + 1] if stage == 1 else 0) + big.get(k, 0)
         made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
+        made = {"temporaries": norms[k]} if offload else made
         keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, made, {"temporaries": sizes[k]})
         if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
             keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, {"temporaries": gip})
-    keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + zeros + pad})
+        if offload:
+            keep("backward", end, loss, {"gradients": pending - end_grads}, bucket,
+                 {"temporaries": norms[k] + copies[k]})
+    keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + zeros + pad + norms[-1]})
 
+    if offload:  # the kept norms; AdamW on the host's fp32 partition beside the group's and the combined norm
+        update = adamw_temporaries((part.numel,), 4, foreach) + 2 * DS_OFFLOAD_NORM_BYTES if host_is_device else 0
+        keep("optimizer", {"temporaries": norms[-1]}, {"optimizer_state": update})
+        return out.best
     loss = {"activations": -trace.loss_bytes}  # the step holds nothing carried: the partition is the one kept
     held, norms = {"temporaries": gip + zeros + pad}, 2 * DS_NORM_BYTES[stage]  # the combined and new global norm
     # get_grad_norm_direct: each piece in turn copied to float64 and its norm taken, beside the pieces' norms before it

@@ -49,8 +49,8 @@ def uncovered(name: str, precision: str, offload: str,
                          key=lambda n: (LAYOUTS[n].family.covered_rank, LAYOUTS[n].family.covered_key(LAYOUTS[n])))
         reasons.append(row.family.unmodelled(row)
                        or f"no peak model yet for strategy.layout={name} (covered: {', '.join(covered)})")
-    if offload != "none":
-        reasons.append(row.family.offload_limit(row, offload))
+    if offload != "none" and (why := row.family.offload_limit(row, offload, micro_batches)):
+        reasons.append(why)
     if activation_checkpointing != "none" and flow is not None and row.family.checkpointing_limit(row, frozen):
         reasons.append(row.family.checkpointing_limit(row, frozen))
     mixed_limit = row.family.mixed_accumulation_limit(row) if precision != "fp32" else None
@@ -135,9 +135,9 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
     row's family finds that rank without each rank's phases (``Family.worst_rank``), that rank's alone."""
     row = _row(name)
     worst = row.family.worst_rank(row, groups, trace, itemsize, micro_batches=micro_batches, in_place=in_place,
-                                  bucket_cap_bytes=bucket_cap_bytes, foreach=device.foreach) \
+                                  bucket_cap_bytes=bucket_cap_bytes, foreach=device.foreach, offload=knobs.offload) \
         if row.ranks_differ else 0
-    ranks = range(groups.world_size) if worst is None else (worst,)
+    ranks = range(groups.world_size) if worst is None else (worst,) if isinstance(worst, int) else worst
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, device.gloo, micro_batches, in_place,
                                bucket_cap_bytes, terms, root_kept=root_kept, foreach=device.foreach, knobs=knobs,
                                block=device.block)

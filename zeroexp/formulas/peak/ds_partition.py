@@ -1,0 +1,75 @@
+"""DeepSpeed stages 1-2: a rank's partition of a flat group (:class:`DsPartition`), and what the optimizer offloaded
+keeps per partition parameter (:func:`ds_offload_norms`), for the peak model of :mod:`zeroexp.formulas.peak.deepspeed`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from itertools import accumulate
+from typing import NamedTuple
+
+__all__ = ["DsPartition", "ds_partition", "ds_partitions", "ds_offload_norms", "FP64"]
+
+#: ``get_norm_dtype``: DeepSpeed's gradient norms accumulate in float64 (8 bytes) on a device that has it.
+FP64 = 8
+
+
+class DsPartition(NamedTuple):
+    """Stages 1-2, one rank's share of the flat group: ``numel`` (the partition, ``partition_size``), ``overlapped``
+    (the whole numel of the parameters it overlaps: ``grads_in_partition``), ``pieces`` (each overlapped parameter's
+    elements inside it, the gradient views ``get_flat_partition`` returns), ``padding`` (its zeros tensor),
+    ``params`` (the overlapped parameters' indices)."""
+
+    numel: int
+    overlapped: int
+    pieces: tuple[int, ...]
+    padding: int
+    params: tuple[int, ...]
+
+
+def ds_partition(numels: tuple[int, ...] | list[int], flat_numel: int, world_size: int, rank: int) -> DsPartition:
+    """Rank ``rank``'s partition of a flat group of ``flat_numel`` elements (padded to 2N) holding ``numels`` in
+    parameter order (stage_1_and_2.py ``get_partition_info``, ``get_flat_partition``)."""
+    return ds_partitions(numels, flat_numel, world_size, (rank,))[0]
+
+
+def ds_partitions(numels: tuple[int, ...] | list[int], flat_numel: int, world_size: int,
+                  ranks: tuple[int, ...] | range | None = None) -> list[DsPartition]:
+    """:func:`ds_partition` of each rank of ``ranks`` (None: every rank, in rank order), the parameters' offsets summed
+    once: each rank reads only the parameters its range overlaps."""
+    size = flat_numel // world_size
+    starts = list(accumulate(numels, initial=0))
+    ends = starts[1:]
+    out = []
+    for rank in range(world_size) if ranks is None else ranks:
+        lo, hi = rank * size, (rank + 1) * size
+        overlapped, pieces, params = 0, [], []
+        for i in range(bisect_right(ends, lo), len(numels)):  # the first parameter ending past lo, then on
+            offset, n = starts[i], numels[i]
+            if offset >= hi:
+                break
+            inside = min(offset + n, hi) - max(offset, lo)
+            if n and inside > 0:
+                overlapped += n
+                pieces.append(inside)
+                params.append(i)
+        out.append(DsPartition(size, overlapped, tuple(pieces), size - sum(pieces), tuple(params)))
+    return out
+
+
+def ds_offload_norms(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...], part: DsPartition,
+                   no_grad: set[int], itemsize: int) -> tuple[list[int], list[int]]:
+    """Stages 1-2 with the optimizer offloaded (:func:`ds_stage12_phase_peaks`): the bytes of the float64 norms kept
+    before each bucket's reduction (and, last, after every one), and per bucket the most one of its partition
+    parameters adds over them while its piece is copied: the float64 copy and its norm, below fp32 then the norm and
+    the fp32 copy (the norms of the bucket's parameters before it counted too)."""
+    piece = dict(zip(part.params, part.pieces))
+    bucket_of = [k for k, b in enumerate(buckets) for _ in b]
+    mine: list[list[int]] = [[] for _ in buckets]
+    for i, p in enumerate(order):
+        if p in piece and p not in no_grad:
+            mine[bucket_of[i]].append(piece[p])
+    norms = list(accumulate((len(m) * FP64 for m in mine), initial=0))
+    copies = [max(((j * FP64 + x * FP64 + FP64, (j + 1) * FP64 + (x * 4 if itemsize != 4 else 0))[t]
+                   for j, x in enumerate(m) for t in (0, 1)), default=0) for m in mine]
+    return norms, copies
