@@ -188,7 +188,8 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     zeros = sum(numels[i] for i in part.params if i in no_grad) * c  # the epilogue's zero gradients
     first_gip = _first_partition_bucket(buckets, order, part)
     gip = part.overlapped * c if first_gip is not None else 0  # never made where no gradient of it is reduced
-    norms, copies = ds_offload_norms(buckets, order, part, no_grad, c) if offload else ([0] * (len(buckets) + 1), [])
+    fp64_norms, copies = (ds_offload_norms(buckets, order, part, no_grad, c) if offload
+                          else ([0] * (len(buckets) + 1), []))
     if offload:  # none of grads_in_partition, the zeros and the padding is made
         zeros = pad = gip = 0
         first_gip = None
@@ -212,7 +213,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
         if stage == 2:  # each gradient moved into the bucket in its hook; buckets reduced in backward order
             done = _closed(edges, before)
             kept = {"temporaries": gip} if first_gip is not None and done > first_gip else {}
-            kept = {"temporaries": norms[done]} if offload else kept
+            kept = {"temporaries": fp64_norms[done]} if offload else kept
             # a gradient above the bucket, the last one made, is still autograd's
             whole = _being_made(edges, big, grads)
             keep("backward", s.peak_by_category, loss, {"gradients": whole - grads}, held, kept)
@@ -222,12 +223,12 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
                 base = (_at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after},
                         bucket)
                 made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
-                made = {"temporaries": norms[k]} if offload else made
+                made = {"temporaries": fp64_norms[k]} if offload else made
                 keep("backward", *base, made, {"temporaries": sizes[k]})
                 if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
                     keep("backward", *base, {"temporaries": gip})
                 if offload:  # its partition parameters' float64 copies and norms, one after the other
-                    keep("backward", *base, {"temporaries": norms[k] + copies[k]})
+                    keep("backward", *base, {"temporaries": fp64_norms[k] + copies[k]})
         else:
             keep("backward", s.peak_by_category, loss, held)
         before = s.end_by_category.get("gradients", 0)
@@ -240,18 +241,18 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     for k in range(first, len(buckets)):
         pending = (edges[-1] - edges[k + 1] if stage == 1 else 0) + big.get(k, 0)
         made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
-        made = {"temporaries": norms[k]} if offload else made
+        made = {"temporaries": fp64_norms[k]} if offload else made
         keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, made, {"temporaries": sizes[k]})
         if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
             keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, {"temporaries": gip})
         if offload:
             keep("backward", end, loss, {"gradients": pending - end_grads}, bucket,
-                 {"temporaries": norms[k] + copies[k]})
-    keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + zeros + pad + norms[-1]})
+                 {"temporaries": fp64_norms[k] + copies[k]})
+    keep("backward", end, loss, {"gradients": -end_grads}, bucket, {"temporaries": gip + zeros + pad + fp64_norms[-1]})
 
     if offload:  # the kept norms; AdamW on the host's fp32 partition beside the group's and the combined norm
         update = adamw_temporaries((part.numel,), 4, foreach) + 2 * DS_OFFLOAD_NORM_BYTES if host_is_device else 0
-        keep("optimizer", {"temporaries": norms[-1]}, {"optimizer_state": update})
+        keep("optimizer", {"temporaries": fp64_norms[-1]}, {"optimizer_state": update})
         return out.best
     loss = {"activations": -trace.loss_bytes}  # the step holds nothing carried: the partition is the one kept
     held, norms = {"temporaries": gip + zeros + pad}, 2 * DS_NORM_BYTES[stage]  # the combined and new global norm
