@@ -17,6 +17,7 @@ from zeroexp.formulas.layout import StateLayout, pack
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
+from zeroexp.formulas.peak.ds_partition import graded_pieces
 from zeroexp.formulas.peak.ds_ranks import DsStage12Ranks, ds_partitions, ds_worst_rank
 from zeroexp.formulas.peak.ds_stage0 import ds_stage0_accumulated_phase_peaks
 from zeroexp.formulas.peak.phases import highest_phases
@@ -180,8 +181,8 @@ class DeepSpeedPartitions(Family):
         if stage not in (1, 2):  # stage 0 replicates everything (every rank alike); stage 3: each rank evaluated
             return None
         if offload != "none":
-            parts = ds_partitions(groups.numels, groups.shards[0].numel, n)
-            graded = [[x for i, x in zip(p.params, p.pieces) if i not in set(groups.ungraded)] for p in parts]
+            idle, parts = frozenset(groups.ungraded), ds_partitions(groups.numels, groups.shards[0].numel, n)
+            graded = [list(graded_pieces(p, idle).values()) for p in parts]
             largest = max(range(n), key=lambda r: max(graded[r], default=0))
             return tuple(dict.fromkeys((largest, max(range(n), key=lambda r: len(graded[r])))))
         ranks = partial(DsStage12Ranks, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),

@@ -193,6 +193,9 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     if offload:  # none of grads_in_partition, the zeros and the padding is made
         zeros = pad = gip = 0
         first_gip = None
+
+    def _gip_after(k: int) -> int:  # grads_in_partition, held once the first bucket with a gradient of it was reduced
+        return gip if first_gip is not None and k > first_gip else 0
     # what a later micro-batch holds from its start: stage 1 the ipg bucket, stage 2 the partition accumulated so far
     graded = sum(k for i, k in enumerate(numels) if i not in no_grad) * c  # autograd's whole gradients
     carried = ds_accumulation(stage, bucket_numel * c, gip + zeros, graded) if later else {}
@@ -212,8 +215,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
         held = bucket if before and not (later and stage == 1) else {}  # a later stage-1 micro-batch: carried
         if stage == 2:  # each gradient moved into the bucket in its hook; buckets reduced in backward order
             done = _closed(edges, before)
-            kept = {"temporaries": gip} if first_gip is not None and done > first_gip else {}
-            kept = {"temporaries": fp64_norms[done]} if offload else kept
+            kept = {"temporaries": _gip_after(done) + fp64_norms[done]}
             # a gradient above the bucket, the last one made, is still autograd's
             whole = _being_made(edges, big, grads)
             keep("backward", s.peak_by_category, loss, {"gradients": whole - grads}, held, kept)
@@ -222,8 +224,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
                 # by the hook of bucket k+1's first gradient, before that gradient is copied into the bucket
                 base = (_at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after},
                         bucket)
-                made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
-                made = {"temporaries": fp64_norms[k]} if offload else made
+                made = {"temporaries": _gip_after(k) + fp64_norms[k]}
                 keep("backward", *base, made, {"temporaries": sizes[k]})
                 if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
                     keep("backward", *base, {"temporaries": gip})
@@ -240,8 +241,7 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     bucket = {} if later and stage == 1 else bucket  # carried from the first micro-batch already
     for k in range(first, len(buckets)):
         pending = (edges[-1] - edges[k + 1] if stage == 1 else 0) + big.get(k, 0)
-        made = {"temporaries": gip} if first_gip is not None and k > first_gip else {}
-        made = {"temporaries": fp64_norms[k]} if offload else made
+        made = {"temporaries": _gip_after(k) + fp64_norms[k]}
         keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, made, {"temporaries": sizes[k]})
         if k == first_gip:  # grads_in_partition made right after this bucket's all_reduce
             keep("backward", end, loss, {"gradients": pending - end_grads}, bucket, {"temporaries": gip})

@@ -8,7 +8,7 @@ from bisect import bisect_right
 from itertools import accumulate
 from typing import NamedTuple
 
-__all__ = ["DsPartition", "ds_partition", "ds_partitions", "ds_offload_norms", "FP64"]
+__all__ = ["DsPartition", "ds_partition", "ds_partitions", "graded_pieces", "ds_offload_norms", "FP64"]
 
 #: ``get_norm_dtype``: DeepSpeed's gradient norms accumulate in float64 (8 bytes) on a device that has it.
 FP64 = 8
@@ -57,19 +57,25 @@ def ds_partitions(numels: tuple[int, ...] | list[int], flat_numel: int, world_si
     return out
 
 
+def graded_pieces(part: DsPartition, ungraded: set[int] | frozenset[int] | tuple[int, ...]) -> dict[int, int]:
+    """The partition's pieces by parameter index, those of parameters the step gives a gradient: what the offloaded
+    optimizer copies to float64 and keeps a norm of."""
+    return {i: x for i, x in zip(part.params, part.pieces) if i not in ungraded}
+
+
 def ds_offload_norms(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...], part: DsPartition,
                    no_grad: set[int], itemsize: int) -> tuple[list[int], list[int]]:
     """Stages 1-2 with the optimizer offloaded (:func:`ds_stage12_phase_peaks`): the bytes of the float64 norms kept
     before each bucket's reduction (and, last, after every one), and per bucket the most one of its partition
-    parameters adds over them while its piece is copied: the float64 copy and its norm, below fp32 then the norm and
-    the fp32 copy (the norms of the bucket's parameters before it counted too)."""
-    piece = dict(zip(part.params, part.pieces))
+    parameters adds over them while its piece is copied: the float64 copy and its norm (the norms of the bucket's
+    parameters before it counted too). Below fp32 the fp32 copy of the piece that follows, beside the norm alone, is
+    smaller than the float64 one, whatever ``itemsize``."""
+    piece = graded_pieces(part, no_grad)
     bucket_of = [k for k, b in enumerate(buckets) for _ in b]
     mine: list[list[int]] = [[] for _ in buckets]
     for i, p in enumerate(order):
-        if p in piece and p not in no_grad:
+        if p in piece:
             mine[bucket_of[i]].append(piece[p])
     norms = list(accumulate((len(m) * FP64 for m in mine), initial=0))
-    copies = [max(((j * FP64 + x * FP64 + FP64, (j + 1) * FP64 + (x * 4 if itemsize != 4 else 0))[t]
-                   for j, x in enumerate(m) for t in (0, 1)), default=0) for m in mine]
+    copies = [max(((j + x + 1) * FP64 for j, x in enumerate(m)), default=0) for m in mine]
     return norms, copies
