@@ -158,6 +158,63 @@ def test_every_faster_configuration_left_out_does_not_fit(tiny_answer):
                 assert not judged["fits"] or (s.step_ms, judged["fits_bytes"]) in same, label(c)
 
 
+def _eager(problem, axes, top_k):
+    """The walk the search must equal, done the plain way: every configuration timed, sorted by (step, offload,
+    configuration), a bucket size that changes nothing dropped, then judged in order until ``top_k`` fit."""
+    from dataclasses import replace
+
+    from zeroexp.recommend.search import Evaluator, Scored
+
+    ev = Evaluator(problem)
+    scored = sorted((Scored(c, ev.step(c), ev.state_bytes(c)) for c in configurations(axes, problem.world_size)),
+                    key=lambda s: (s.step.step_s, s.config.offload != "none", s.config))
+    seen, walk = set(), []
+    for s in scored:
+        key = (replace(s.config, bucket_cap_mb=None), s.step.step_s, s.state_bytes)
+        if s.config.bucket_cap_mb is None or key not in seen:
+            walk.append(s)
+        seen.add(key)
+    fitting, judged = [], 0
+    for s in walk:
+        if len(fitting) >= top_k:
+            break
+        if s.state_bytes > problem.budget or ev.floor_bytes(s.config) > problem.budget:
+            continue
+        judged += 1
+        fitting += [s] if ev.judge(s)["fits"] else []
+    return [label(s.config) for s in fitting], judged, label(walk[0].config), len(scored), ev
+
+
+def test_the_lazy_walk_is_the_eager_ranking(tiny_answer):
+    """The search times a configuration only when the walk reaches it at its step's floor and it could fit or be the
+    fastest: its answer is the plain walk's (every configuration timed and sorted), and every floor is below its step.
+    On a device whose compute is 1,000 times slower (compute binds, so the floors are close to the steps) it times
+    fewer than all: where the walk ends early (two fit) and where nothing fits but some configurations' model state
+    alone exceeds the device (set aside untimed)."""
+    from dataclasses import replace
+
+    from zeroexp.recommend.search import search
+
+    cfg, _ = tiny_answer
+    problem, axes = _problem(cfg)
+    net = problem.networks["fp32"]
+    slow = replace(net, rate=replace(net.rate, forward_s_per_param_sample=1e3 * net.rate.forward_s_per_param_sample,
+                                     backward_s_per_param_sample=1e3 * net.rate.backward_s_per_param_sample))
+    states = sorted({_eager(problem, axes, 1)[4].state_bytes(c) for c in configurations(axes, 16)})
+    fits = []
+    for p, top_k in ((problem, 4), (replace(problem, networks={"fp32": slow}), 2),
+                     *((replace(problem, networks={"fp32": slow}, memory=int(b / (1 - problem.headroom))), 2)
+                       for b in (states[-1] - 1, states[1] + 1))):
+        fitting, judged, fastest, searched, ev = _eager(p, axes, top_k)
+        result = search(p, axes, top_k)
+        assert [label(s.config) for s in result.fitting] == fitting
+        assert (result.judged, label(result.fastest.config), result.searched) == (judged, fastest, searched)
+        assert all(ev.floor_s(c) <= ev.step(c).step_s for c in configurations(axes, 16))
+        assert (result.timed < searched) == (p is not problem), result.timed
+        fits.append(len(fitting))
+    assert fits[1:] == [2, 2, 0]  # the slow device: two fit; a budget just below the largest state; nothing fits
+
+
 def _problem(cfg):
     """The Problem and Axes cli.recommend.run built (run again through its own functions)."""
     import zeroexp.recommend.core as core

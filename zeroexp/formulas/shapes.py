@@ -70,6 +70,11 @@ class ModelShape:
         """Psi: the number of parameters."""
         return sum(self.numels)
 
+    @cached_property
+    def trained_numel(self) -> int:
+        """The parameters that train (``Groups.numel`` of every layout: what forward and backward are timed over)."""
+        return sum(k for i, k in enumerate(self.numels) if self.train(i))
+
     @property
     def ready_order(self) -> tuple[int, ...]:
         """Parameter indices in gradient-ready order (reverse definition order when no backward was traced)."""

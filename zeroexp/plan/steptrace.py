@@ -121,6 +121,7 @@ def trace_steps_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable
     blocks (``zeroexp.plan.stack.derived_step``: exact, checked at the third), or traced whole where they do not
     check. A step's fake-tensor trace costs about the same per block whatever the block's width (an 80-block GPT ~5 s
     here, its three shallow steps ~1 s)."""
+    from zeroexp.plan.forked import fork_map
     from zeroexp.plan.stack import STEP_DEPTHS, at_depth, derived_step, stack_of
 
     from zeroexp.formulas.peak.checkpointing import mode_of
@@ -132,8 +133,8 @@ def trace_steps_of(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable
     if stack is None:
         return trace_steps(model_cfg, batch_size, wrap, units=units, **kwargs)
     argument, container, depth = stack
-    shallow = [trace_steps(at_depth(model_cfg, argument, d), batch_size, wrap, units=units, **kwargs)
-               for d in STEP_DEPTHS]
+    shallow = fork_map(lambda d: trace_steps(at_depth(model_cfg, argument, d), batch_size, wrap, units=units,
+                                             **kwargs), STEP_DEPTHS)  # side by side where there are cores
     derived = [derived_step(*(s[k] for s in shallow), depth, container) for k in range(len(units))]
     return tuple(d if d is not None else trace_steps(model_cfg, batch_size, wrap, units=(u,), **kwargs)[0]
                  for d, u in zip(derived, units))

@@ -1,12 +1,14 @@
-"""The search: every configuration of the space timed by the planner's step-time model, walked fastest first, each
-judged by the planner's peak model against the device less its headroom until ``top_k`` fit.
+"""The search: the configurations of the space walked fastest first by the planner's step-time model, each judged
+by the planner's peak model against the device less its headroom until ``top_k`` fit.
 
 Everything is the planner's (one fact, one place): the model state of a row (``zeroexp.plan.core.plan_record``),
 its groups (``zeroexp.plan.core.row_groups``), its step (``zeroexp.plan.network.predict_on``) and its peak
 (``zeroexp.plan.row_peak.row_peak``: the peak model, or state + activations where the peak model does not cover the
 row). What makes 10,000 configurations cheap: the shape is read once; a row's state is computed once per (row,
 precision, offload, bucket size, shard size) and its groups once per (row, precision, bucket size, shard size,
-grad_accum); a step once per configuration less its offload (the step-time model has no offload term); and a peak
+grad_accum); a step once per configuration less its offload (the step-time model has no offload term), and only
+for the configurations the walk reaches that could fit or be the fastest (:func:`search`: every other one is set
+aside at a floor of its step that needs no groups, its micro-batches' compute); and a peak
 only for the configurations walked, its step traces once per (model, micro-batch, dtypes, checkpointing,
 segmentation). A configuration whose floor (its model state with the device's workspace, and the activations one
 forward keeps, :meth:`Evaluator.floor_bytes`: a lower bound of its peak) exceeds the budget is known not to fit
@@ -15,6 +17,7 @@ without a trace of its own.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -75,14 +78,16 @@ class Scored:
 
 @dataclass
 class Result:
-    """The search's answer: ``fitting`` (fastest first, at most top_k), ``searched`` (configurations timed),
-    ``judged`` (peaks computed), ``fastest`` (the fastest configuration, fitting or not)."""
+    """The search's answer: ``fitting`` (fastest first, at most top_k), ``searched`` (configurations of the space),
+    ``judged`` (peaks computed), ``fastest`` (the fastest configuration, fitting or not), ``timed`` (steps
+    computed: the others were set aside by their model state, :func:`search`)."""
 
     fitting: list[Scored]
     searched: int
     judged: int
     fastest: Scored | None
     world_size: int
+    timed: int = 0
 
 
 class Evaluator:
@@ -151,6 +156,15 @@ class Evaluator:
                                           model_ops(network, self.p.model_cfg, c.micro_batch))
         return self._steps[key]
 
+    def floor_s(self, c: Config) -> float:
+        """A lower bound of :meth:`step`'s ``step_s`` without the row's groups (``zeroexp.formulas.step_floor``)."""
+        from zeroexp.formulas import step_floor
+        from zeroexp.plan.network import model_ops
+
+        network = self.p.networks[c.precision]
+        return step_floor(network.rate, self.p.shape.trained_numel, c.micro_batch, c.grad_accum,
+                          model_ops(network, self.p.model_cfg, c.micro_batch), self.checkpointed(c.checkpointing))
+
     def state_bytes(self, c: Config) -> int:
         """A lower bound of the peak: the device's model state and the workspace it keeps."""
         return self.record(c)["device_bytes"] + self.p.device.workspace_bytes
@@ -191,39 +205,43 @@ class Evaluator:
 def search(problem: Problem, axes: Axes, top_k: int, evaluator: Evaluator | None = None) -> Result:
     """The ``top_k`` fastest configurations of ``axes`` that fit (see the module): ranked by predicted step time;
     at equal time a configuration without offload first (the step-time model has no offload term), then the
-    configurations' own order (deterministic); a bucket size that changes nothing is searched once."""
+    configurations' own order (deterministic); a bucket size that changes nothing is searched once.
+
+    Walked lazily, in exactly that order: every configuration enters a heap at its step's floor
+    (:meth:`Evaluator.floor_s`, below its step), is timed when it comes first, and re-enters at its step; a timed
+    one that comes first is the next in the order. Once the fastest is timed, a configuration whose model state
+    exceeds the budget is set aside untimed when it comes first: it can neither fit nor be the fastest."""
     ev = evaluator or Evaluator(problem)
-    scored = [Scored(c, ev.step(c), ev.state_bytes(c)) for c in configurations(axes, problem.world_size)]
-    scored.sort(key=lambda s: (s.step.step_s, s.config.offload != "none", s.config))
-    timed = len(scored)
-    scored = _distinct(scored)
+    configs = list(configurations(axes, problem.world_size))
+    states = [ev.state_bytes(c) for c in configs]
     if problem.model_cfg is not None:  # the views of a step the walk may judge, traced in one run per step
         from zeroexp.plan.check.memory import trace_units_wanted
 
         # grad_accum 1: the step with its gradients allocated is traced for the rows the walk judges it for alone
         trace_units_wanted(list(dict.fromkeys(
-            (s.config.row, s.config.precision, problem.param_dtypes[s.config.precision], 1) for s in scored
-            if s.config.offload == "none" and s.state_bytes <= problem.budget)))
-    fitting, judged = [], 0
-    for s in scored:
-        if len(fitting) >= top_k:
-            break
-        if s.state_bytes > problem.budget or ev.floor_bytes(s.config) > problem.budget:
+            (c.row, c.precision, problem.param_dtypes[c.precision], 1) for c, state in zip(configs, states)
+            if c.offload == "none" and state <= problem.budget)))
+    floor, timed = 0, 1  # a heap entry's kind (a configuration has one entry at a time: keys never tie)
+    heap = [(ev.floor_s(c), c.offload != "none", c, floor, i) for i, c in enumerate(configs)]
+    heapq.heapify(heap)
+    scored: dict[int, Scored] = {}
+    fitting, judged, fastest, seen = [], 0, None, set()
+    while heap and len(fitting) < top_k:
+        _, _, c, kind, i = heapq.heappop(heap)
+        if kind == floor:
+            if fastest is None or states[i] <= problem.budget:
+                scored[i] = Scored(c, ev.step(c), states[i])
+                heapq.heappush(heap, (scored[i].step.step_s, c.offload != "none", c, timed, i))
+            continue
+        s = scored[i]
+        fastest = fastest or s
+        key = (replace(c, bucket_cap_mb=None), s.step.step_s, s.state_bytes)  # a bucket size that changes nothing
+        if c.bucket_cap_mb is not None and key in seen:
+            continue
+        seen.add(key)
+        if s.state_bytes > problem.budget or ev.floor_bytes(c) > problem.budget:
             continue
         judged += 1
         if ev.judge(s)["fits"]:
             fitting.append(s)
-    return Result(fitting, timed, judged, scored[0] if scored else None, problem.world_size)
-
-
-def _distinct(scored: list[Scored]) -> list[Scored]:
-    """Less the configurations a bucket size changes nothing of (the same step and state as the same configuration
-    at a smaller bucket size: a model smaller than both caps), so that a tie is never one configuration twice."""
-    seen: set[tuple] = set()
-    out = []
-    for s in scored:
-        key = (replace(s.config, bucket_cap_mb=None), s.step.step_s, s.state_bytes)
-        if s.config.bucket_cap_mb is None or key not in seen:
-            out.append(s)
-        seen.add(key)
-    return out
+    return Result(fitting, len(configs), judged, fastest, problem.world_size, timed=len(scored))

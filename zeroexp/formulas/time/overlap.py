@@ -58,7 +58,7 @@ from zeroexp.formulas.time.rates import ComputeRate
 
 __all__ = ["Slot", "StepTime", "collective_slots", "simulate_step", "channel_step", "predict_step",
            "optimizer_elements", "optimizer_tensors", "recompute_seconds", "checkpointed_numel", "micro_batch_slots",
-           "accumulation_repeats"]
+           "accumulation_repeats", "compute_seconds", "step_floor"]
 
 #: (op, payload bytes S, calls) -> seconds: a calibration's fit, or a network preset's two-level ring.
 CollectiveTime = Callable[[str, float, float], float]
@@ -285,6 +285,29 @@ def _op_seconds(op: str, entry: dict, share: float, seconds_of: CollectiveTime,
                for dim, g in parts.items())
 
 
+def compute_seconds(rate: ComputeRate, psi: int, samples: int, ops: tuple[int, int] = (0, 0),
+                    checkpointed: int = 0) -> tuple[float, float, float]:
+    """(forward, its recompute, backward with the recompute) seconds of one micro-batch of ``samples`` over ``psi``
+    trained parameters (:func:`predict_step`'s compute, before the framework's costs and the optimizer)."""
+    f = rate.forward_s_per_param_sample * psi * samples + rate.call_seconds("forward", ops[0], psi)
+    r = recompute_seconds(f, checkpointed, psi)
+    return f, r, rate.backward_s_per_param_sample * psi * samples + rate.call_seconds("backward", ops[1], psi) + r
+
+
+#: A step's floor below its micro-batches' compute (:func:`step_floor`): the float rounding of the simulated clock,
+#: which sums the same seconds in another order.
+FLOOR_ROUNDING = 1e-9
+
+
+def step_floor(rate: ComputeRate, psi: int, samples: int, micro_batches: int, ops: tuple[int, int] = (0, 0),
+               checkpointed: int = 0) -> float:
+    """A lower bound of :func:`predict_step`'s ``step_s`` that needs no groups: every micro-batch's forward and
+    backward (:func:`compute_seconds`), less :data:`FLOOR_ROUNDING`; the framework's costs, the optimizer and every
+    exposed collective only add to it."""
+    f, _, b = compute_seconds(rate, psi, samples, ops, checkpointed)
+    return max(int(micro_batches), 1) * (f + b) * (1 - FLOOR_ROUNDING)
+
+
 def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, rate: ComputeRate,
                  samples: int, seconds_of: CollectiveTime, overlap: bool, prefetch: str = "pre",
                  framework: FrameworkCost | None = None, itemsize: int = 4, checkpointed: int = 0,
@@ -319,10 +342,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     busiest rank (:func:`optimizer_tensors`), each at its own cost
     (:meth:`~zeroexp.formulas.time.rates.ComputeRate.optimizer_seconds`); ``orig_params``: FSDP1 keeps its original
     parameters (:func:`~zeroexp.formulas.time.framework.framework_time`)."""
-    psi = groups.numel
-    f = rate.forward_s_per_param_sample * psi * samples + rate.call_seconds("forward", ops[0], psi)
-    r = recompute_seconds(f, checkpointed, psi)
-    b = rate.backward_s_per_param_sample * psi * samples + rate.call_seconds("backward", ops[1], psi) + r
+    f, r, b = compute_seconds(rate, groups.numel, samples, ops, checkpointed)
     o = rate.optimizer_seconds(tensors, optimizer_elements(layout, groups))
     fw = framework_time(layout, groups, itemsize, framework or FrameworkCost(), orig_params)
     bare = (f, b - r, o)
