@@ -34,6 +34,7 @@ save one of its parameters (a Linear its weight, a norm its weight): one that sa
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import NamedTuple
 
@@ -128,6 +129,7 @@ def _nested(calls: tuple[ModuleCall, ...], ks) -> list[tuple[int, bool]]:
     return out + [(k, False) for k in reversed(open_)]
 
 
+@functools.lru_cache(maxsize=64)  # a pure function of its arguments: a search asks for the same schedule per row
 def ds_stage3_schedule(calls: tuple[ModuleCall, ...], numels: tuple[int, ...], *, prefetch_bucket: int,
                        max_live: int, persistence: int, max_reuse: int,
                        recomputed: frozenset[int] = frozenset()) -> Stage3Schedule:
