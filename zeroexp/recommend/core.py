@@ -20,7 +20,7 @@ MORE_GPUS = (2, 4, 8)
 def recommend(problem: Problem, axes: Axes, top_k: int, tie: float, model_overrides: list[str],
               ranks_per_node: int | None, problem_at: Callable[[int], Problem] | None = None) -> dict[str, Any]:
     """The answer (docs/results.md): ``recommendations`` (the ``top_k`` fastest that fit, ranked, ties within
-    ``tie`` marked), ``searched``, ``judged``, ``fastest`` (fitting or not), and when none fits ``nearest_changes``:
+    ``tie`` marked), ``searched``, ``timed``, ``judged``, ``fastest`` (fitting or not), and when none fits ``nearest_changes``:
     for each change the search's axes leave out (activation checkpointing, offload, a smaller micro-batch) and for
     more GPUs (``problem_at(N')``, the global batch kept), the fastest configuration it makes fit, its cost in step
     time against the fastest configuration."""
@@ -31,14 +31,16 @@ def recommend(problem: Problem, axes: Axes, top_k: int, tie: float, model_overri
     fastest = result.fastest
     answer: dict[str, Any] = {
         "world_size": problem.world_size, "device_memory_bytes": problem.memory, "headroom": problem.headroom,
-        "budget_bytes": problem.budget, "searched": result.searched, "judged": result.judged,
+        "budget_bytes": problem.budget, "searched": result.searched, "timed": result.timed,
+        "judged": result.judged,
         "tie_tolerance": tie, "recommendations": records,
         "fastest": None if fastest is None else {"config": label(fastest.config), "step_ms": fastest.step_ms},
         "nearest_changes": None, "notes": [],
     }
     if not records and fastest is not None:
         changes = nearest_changes(problem, axes, fastest.step_ms, model_overrides, ranks_per_node, problem_at, ev)
-        answer["searched"] += sum(ch.pop("searched") for ch in changes)
+        for count in ("searched", "timed"):
+            answer[count] += sum(ch.pop(count) for ch in changes)
         answer["nearest_changes"] = [ch for ch in changes if ch.pop("fits")]
     return answer
 
@@ -87,7 +89,7 @@ def _fits(what: str, problem: Problem, axes: Axes, fastest_ms: float, model_over
     ``problem``'s, shared across changes (None: a fresh one)."""
     result = search(problem, axes, 1, evaluator)
     if not result.fitting:
-        return [{"change": what, "fits": False, "searched": result.searched}]
+        return [{"change": what, "fits": False, "searched": result.searched, "timed": result.timed}]
     s = result.fitting[0]
     overrides = run_overrides(s.config, model_overrides, problem.world_size)
     return [{"change": what, "fits": True, "config": label(s.config), "overrides": overrides,
@@ -95,7 +97,7 @@ def _fits(what: str, problem: Problem, axes: Axes, fastest_ms: float, model_over
              "fits_on": s.peak.get("fits_on"), "step_ms": s.step_ms, "cost_ms": s.step_ms - fastest_ms,
              "command": command(overrides, problem.world_size, ranks_per_node),
              "notes": notes_of(s.config, s.step) + ([s.peak["peak_note"]] if s.peak.get("peak_note") else []),
-             "searched": result.searched}]
+             "searched": result.searched, "timed": result.timed}]
 
 
 def with_world_size(problem: Problem, n: int) -> Problem:
