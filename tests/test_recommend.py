@@ -235,7 +235,8 @@ def _problem(cfg):
 
 def test_the_answer_keeps_the_contract(tiny_answer):
     _, answer = tiny_answer
-    assert {"recommendations", "searched", "nearest_changes"} <= set(answer)
+    assert {"recommendations", "searched", "timed", "nearest_changes"} <= set(answer)
+    assert 0 < answer["timed"] <= answer["searched"]
     assert answer["nearest_changes"] is None and answer["searched"] >= len(answer["recommendations"])
     for rec in answer["recommendations"]:
         assert CONTRACT <= set(rec)
