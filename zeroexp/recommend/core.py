@@ -20,10 +20,10 @@ MORE_GPUS = (2, 4, 8)
 def recommend(problem: Problem, axes: Axes, top_k: int, tie: float, model_overrides: list[str],
               ranks_per_node: int | None, problem_at: Callable[[int], Problem] | None = None) -> dict[str, Any]:
     """The answer (docs/results.md): ``recommendations`` (the ``top_k`` fastest that fit, ranked, ties within
-    ``tie`` marked), ``searched``, ``timed``, ``judged``, ``fastest`` (fitting or not), and when none fits ``nearest_changes``:
-    for each change the search's axes leave out (activation checkpointing, offload, a smaller micro-batch) and for
-    more GPUs (``problem_at(N')``, the global batch kept), the fastest configuration it makes fit, its cost in step
-    time against the fastest configuration."""
+    ``tie`` marked), ``searched``, ``timed``, ``judged``, ``fastest`` (fitting or not), and when none fits
+    ``nearest_changes``: for each change the search's axes leave out (activation checkpointing, offload, a smaller
+    micro-batch) and for more GPUs (``problem_at(N')``, the global batch kept), the fastest configuration it makes
+    fit, its cost in step time against the fastest configuration."""
     ev = Evaluator(problem)
     result = search(problem, axes, top_k, ev)
     records = [recommendation(ev, s, model_overrides, ranks_per_node) for s in result.fitting]
