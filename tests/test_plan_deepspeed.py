@@ -139,20 +139,49 @@ def test_an_offloaded_stage1_cell_of_several_buckets_meets_its_peak_model_on_eve
     assert all(0 <= o["measured_bytes"] - o["predicted_bytes"] <= 16 for o in opt), opt
 
 
-def test_offloaded_stages_1_2_on_a_gpu_keep_the_optimizers_update_on_the_host():
+def test_an_offloaded_stage3_cell_meets_its_peak_model_on_every_rank(cell):
+    """Stage 3 at N=3, the optimizer offloaded, 0.01 MiB buckets (4096-element weights, 4096 % 3 = 1): after each
+    bucket's reduce-scatter each of the rank's partitions is copied to float64 for its norm, kept to the step; the
+    last rank's partition of a weight holds 1,364 real elements where the others hold 1,366, so its copy is 16 B
+    smaller; the step: AdamW on the host's fp32 partition beside the 8 kept norms."""
+    r = cell("strategy=deepspeed", "world_size=3", "strategy.stage=3", "offload=optimizer", "precision=bf16",
+             "strategy.bucket_cap_mb=0.01")
+    assert r.status == "ok", r.error
+    memory = r.summary["plan"]["memory"]
+    assert memory["check"] == "PASS" and [x["check"] for x in memory["ranks"]] == ["PASS"] * 3, memory["reasons"]
+    backward = [x["backward"]["predicted_bytes"] for x in memory["ranks"]]
+    assert [b - backward[0] for b in backward] == [0, 0, -16]
+    for phase in ("backward", "optimizer"):
+        assert all(0 <= x[phase]["measured_bytes"] - x[phase]["predicted_bytes"] <= 16 for x in memory["ranks"])
+
+
+def test_ds3_offload_norms_follow_the_ranks_real_elements():
+    """A bucket of a 5- and a 2-element gradient (backward order) at N=3: partitioned in parameter order (2, then
+    5), chunks of 1 and 2 elements; rank 2 holds no element of the 2 (skipped) and 1 real element of the 5."""
+    from zeroexp.formulas.peak.ds_partition import ds3_offload_norms
+
+    assert ds3_offload_norms(((5, 2),), 3, 0) == ([0, 16], [32])  # (1 norm before + 2 elements + its norm) x 8
+    assert ds3_offload_norms(((5, 2),), 3, 2) == ([0, 8], [16])
+    assert ds3_offload_norms(((5, 2), (4,)), 3, 1) == ([0, 16, 24], [32, 24])
+
+
+def test_offloaded_stages_on_a_gpu_keep_the_optimizers_update_on_the_host():
     """The planner on CUDA: the device's steady state without the host's kinds (the fp32 gradient partition, master,
     moments), and its step holds the kept norms alone (AdamW runs on the host); on the CPU the update is the
     device's."""
     from test_plan_fits import _run
 
     args = ("model=mlp", "model.width=64", "world_size=3", "batch_size=8", "offload=optimizer",
-            "strategies=[deepspeed_stage1,deepspeed_stage2]")
+            "strategies=[deepspeed_stage1,deepspeed_stage2,deepspeed_stage3]")
     (gpu, _), (cpu, _) = _run(*args, "device=cuda"), _run(*args, "device=cpu")
-    assert [r["strategy"] for r in gpu] == [r["strategy"] for r in cpu] == ["deepspeed_stage1", "deepspeed_stage2"]
+    rows = ["deepspeed_stage1", "deepspeed_stage2", "deepspeed_stage3"]
+    assert [r["strategy"] for r in gpu] == [r["strategy"] for r in cpu] == rows
     for g, c in zip(gpu, cpu):
         assert "peak_note" not in g and "peak_note" not in c and g["peak_bytes"] and c["peak_bytes"]
-        assert g["steady_bytes"] == g["device_bytes"] + g["workspace_bytes"]  # nothing of the host's
-        assert g["phase_bytes"]["optimizer"] in (24, 32)  # the kept float64 norms of 3 or 4 partition parameters
+        ipg = 25 * 2**20 if g["strategy"] == "deepspeed_stage3" else 0  # stage 3's reduce bucket, kept between steps
+        assert g["steady_bytes"] == g["device_bytes"] + g["workspace_bytes"] + ipg  # nothing of the host's
+        # the kept float64 norms: of 3 or 4 partition parameters (stages 1-2), of every one of the 8 (stage 3)
+        assert g["phase_bytes"]["optimizer"] in ((24, 32) if g["strategy"] != "deepspeed_stage3" else (64,))
         assert c["phase_bytes"]["optimizer"] > 2 * 4 * (8 * 4096 // 3)  # AdamW's two fp32 temporaries on the host
 
 

@@ -76,17 +76,17 @@ class DeepSpeedPartitions(Family):
         return "deepspeed" if row.deepspeed_stage else None
 
     def offload_limit(self, row, offload, micro_batches=1):
-        """Stages 1-2 with the optimizer offloaded, one micro-batch a step: modelled
-        (:func:`zeroexp.formulas.peak.deepspeed.ds_stage12_phase_peaks`, ``offload``). Not yet: stage 3's (its
-        backward measured above offload none's on one rank), and accumulation offloaded (the partition's gradients
-        added on the host across micro-batches, ``async_accumulate_grad_in_cpu_via_gpu``)."""
-        if row.deepspeed_stage in (1, 2) and offload == "optimizer" and micro_batches == 1:
+        """Stages 1-3 with the optimizer offloaded, one micro-batch a step: modelled
+        (:func:`zeroexp.formulas.peak.deepspeed.ds_stage12_phase_peaks`, :func:`~zeroexp.formulas.peak.deepspeed.
+        ds_stage3_phase_peaks`, ``offload``). Not yet: accumulation offloaded (the partition's gradients added on the
+        host across micro-batches: ``async_accumulate_grad_in_cpu_via_gpu``, stage 3's ``partition_grads``), and stage
+        3's parameters offloaded (``offload=full``: ``offload_param``)."""
+        if row.deepspeed_stage in (1, 2, 3) and offload == "optimizer" and micro_batches == 1:
             return None
-        what = "with grad_accum > 1" if row.deepspeed_stage in (1, 2) and offload == "optimizer" else \
-            f"at stage {row.deepspeed_stage}"
+        what = "with grad_accum > 1" if offload == "optimizer" else f"at stage {row.deepspeed_stage}"
         return (f"no peak model yet for offload={offload} {what}: DeepSpeed's offloaded backward and step are not "
                 "modelled there (it runs on CPU: state, groups and collectives are checked; covered: offload none, "
-                "and offload=optimizer at stages 1-2 without accumulation)")
+                "and offload=optimizer without accumulation)")
 
     def checkpointing_limit(self, row, frozen=False):
         # measured: a LoRA GPT (n_layer=2, N=2 and 3, bf16) under stage 3 with checkpointing re-fetches its frozen
@@ -157,7 +157,8 @@ class DeepSpeedPartitions(Family):
                                          gloo=gloo, partitions=tuple(sh.numel // n for sh in groups.trained_shards),
                                          foreach=foreach, schedule=stage3_schedule(shape, knobs) if traced else None,
                                          calls=stage3_calls(shape, knobs) if traced else (),
-                                         bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes))
+                                         bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes),
+                                         offload=knobs.offload != "none", host_is_device=gloo, rank=rank)
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
         # offloaded: the host's memory is the device's on a gloo (CPU) rank, another one on an NCCL rank
         peaks = partial(ds_stage12_phase_peaks, stage=stage, buckets=groups.buckets,

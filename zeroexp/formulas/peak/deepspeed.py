@@ -51,7 +51,8 @@ from zeroexp.formulas.deepspeed import DS_NORM_BYTES, DS_OFFLOAD_NORM_BYTES, dee
 from zeroexp.formulas.deepspeed_fetch import ModuleCall, Stage3Schedule
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.adamw import adamw_temporaries
-from zeroexp.formulas.peak.ds_partition import FP64, DsPartition, ds_offload_norms, ds_partition, ds_partitions
+from zeroexp.formulas.peak.ds_partition import (FP64, DsPartition, ds3_offload_norms, ds_offload_norms, ds_partition,
+                                                ds_partitions)
 from zeroexp.formulas.peak.ds_recompute import REDO, Hook as _Hook, recompute_moments, unit_calls as _unit_calls
 from zeroexp.formulas.peak.phases import StepTrace
 
@@ -281,7 +282,8 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
                           buckets: tuple[tuple[int, ...], ...], itemsize: int, gloo: bool,
                           partitions: tuple[int, ...] | None = None, foreach: bool = False,
                           schedule: Stage3Schedule | None = None, calls: tuple[ModuleCall, ...] = (),
-                          bucket_numel: int | None = None) -> dict[str, dict]:
+                          bucket_numel: int | None = None, offload: bool = False, host_is_device: bool = True,
+                          rank: int = 0) -> dict[str, dict]:
     """Stage 3 (``numels``: every parameter, frozen ones too, in parameter order, the indices ``trace.units`` use;
     ``partitions``: the trainable parameters' partitions, None: every parameter's ceil(numel / N); ``buckets``: the
     reduce-scatters' gradient numels in backward order), per phase, the bytes above steady at the peak, by category.
@@ -305,7 +307,12 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     place after), the epilogue's ``averaged_gradients`` are views of it (its ``torch.zeros_like`` is for a parameter
     without ``requires_grad`` of the optimizer's groups, which hold the trained ones alone here), and each backward's
     epilogue releases what its post-backward hooks did not (``backward_epilogue``: ``release_backward_leftovers``);
-    measured on the Linear stack, a 2-layer Llama and a LoRA GPT (frozen parameters), fp32 and bf16, N=2 and 3."""
+    measured on the Linear stack, a 2-layer Llama and a LoRA GPT (frozen parameters), fp32 and bf16, N=2 and 3.
+
+    ``offload`` (one micro-batch a step): after each bucket's reduce-scatter, beside its concatenation (the outputs
+    view it), ``rank``'s partitions copied to float64 for their norms, kept to the step (``ds3_offload_norms``); the
+    step: AdamW on the host's fp32 partition (its gradient steady) beside the norms and an fp32 scalar per sub-group
+    and two more; ``host_is_device`` false (an NCCL rank): the device holds the kept norms alone."""
     c, n, out = itemsize, world_size, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:
@@ -314,16 +321,23 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     gathered = sum(numels[p] for p in uses.first_use) * c  # every fetched parameter's unsharded tensor: a module's
     # parameters are fetched in its pre-forward hook, never those of a module forward does not call
     held = released = hooks = None
+    offloaded = ds3_offload_norms(buckets, n, rank) if offload else None
     if schedule is None:
         _stage3_forward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered)
     else:
         held, released, hooks = _stage3_forward_scheduled(keep, loss, trace, schedule, calls, numels=numels,
                                                           world_size=n, itemsize=c)
-    _stage3_backward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered,
-                     buckets=buckets, gloo=gloo, held=held, released=released, bucket_numel=bucket_numel, hooks=hooks)
+    _stage3_backward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered, hooks=hooks,
+                     buckets=buckets, gloo=gloo, held=held, released=released, bucket_numel=bucket_numel,
+                     offloaded=offloaded)
     parts = list(partitions) if partitions is not None else [-(-x // n) for x in numels]  # the fp32 partition
-    part, norms = sum(parts), (deepspeed_sub_groups(parts) + 2) * DS_NORM_BYTES[3]
-    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, foreach) + norms})
+    part, scalars = sum(parts), deepspeed_sub_groups(parts) + 2
+    if offloaded is not None:  # the host's fp32 gradient is state: no flat copy
+        update = adamw_temporaries((part,), 4, foreach) + scalars * DS_OFFLOAD_NORM_BYTES if host_is_device else 0
+        keep("optimizer", {"temporaries": offloaded[0][-1]}, {"optimizer_state": update})
+        return out.best
+    keep("optimizer", {"optimizer_state": part * 4 + adamw_temporaries((part,), 4, foreach)
+                       + scalars * DS_NORM_BYTES[3]})
     return out.best
 
 
@@ -377,13 +391,13 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
                      numels: tuple[int, ...], world_size: int, itemsize: int, gathered: int,
                      buckets: tuple[tuple[int, ...], ...], gloo: bool, held: int | None = None,
                      released: dict[str, int] | None = None, bucket_numel: int | None = None,
-                     hooks: list[_Hook] | None = None) -> None:
+                     hooks: list[_Hook] | None = None, offloaded: tuple[list[int], list[int]] | None = None) -> None:
     """:func:`ds_stage3_phase_peaks`' backward moments, each to ``keep``: each segment's peak less its parameter
     gradients beside the parameters not yet released, and each bucket's reduce-scatter (the last in the epilogue).
     ``held``, ``released``: the bytes held at forward's end and released after each unit's backward, as a schedule
     says (None: from the units' uses); ``hooks``: a schedule's backward hooks where it gathers again or holds a flat
     buffer past forward (None: neither), each segment then beside what the last hook before it holds, each fetch at
-    its highest."""
+    its highest; ``offloaded``: :func:`~zeroexp.formulas.peak.ds_partition.ds3_offload_norms`' (None: not)."""
     c, n = itemsize, world_size
     first_use, unreached, dropped = uses
     # Backward: a parameter is released after the backward of its first user in forward order, if autograd reaches
@@ -396,10 +410,10 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
     released_by = released_by if released is None else released
     # A bucket's reduce-scatter: the concatenation (none for one tensor divisible by N), the padding chunks it was
     # made of, on gloo a copy of the input.
-    sizes = []
-    for b in buckets:
-        cat = sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0
+    sizes, cats = [], [sum(padded_numel(x, n) for x in b) * c if len(b) > 1 or b[0] % n else 0 for b in buckets]
+    for b, cat in zip(buckets, cats):
         sizes.append(cat + (cat - sum(b) * c if cat else 0) + (sum(padded_numel(x, n) for x in b) * c if gloo else 0))
+    norms, copies = offloaded or ([0] * (len(buckets) + 1), [0] * len(buckets))
     edges = list(accumulate((sum(b) * c for b in buckets), initial=0))
     big = {k: b[0] * c for k, b in enumerate(buckets)
            if bucket_numel is not None and len(b) == 1 and b[0] > bucket_numel}
@@ -412,7 +426,8 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
         for r, hook in (*pairs, (tail, None)):
             grads = r.peak_by_category.get("gradients", 0)
             keep("backward", r.peak_by_category, loss, {"gradients": _being_made(edges, big, grads) - grads,
-                                                        "parameters": held, "temporaries": flat})
+                                                        "parameters": held,
+                                                        "temporaries": flat + norms[_closed(edges, before)]})
             if hook is not None and r.at == "start":  # a recompute's fetch at its highest
                 keep("backward", r.end_by_category, loss, {"gradients": -r.end_by_category.get("gradients", 0),
                                                            **hook.peak})
@@ -426,15 +441,20 @@ def _stage3_backward(keep: Callable[..., None], loss: dict, trace: StepTrace, us
             held, flat, at = hook.after["parameters"], hook.after["temporaries"], match + 1
         after = s.end_by_category.get("gradients", 0)
         for k in range(_closed(edges, before), _closed(edges, after)):  # in the hook of bucket k+1's first gradient
-            keep("backward", _at_hook(backward, i), loss, {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after,
-                                                       "parameters": held, "temporaries": sizes[k] + flat})
+            pending = {"gradients": buckets[k + 1][0] * c + big.get(k, 0) - after, "parameters": held}
+            keep("backward", _at_hook(backward, i), loss, pending, {"temporaries": sizes[k] + flat + norms[k]})
+            if offloaded:  # then its partitions copied to float64 one by one, beside the concatenation
+                keep("backward", _at_hook(backward, i), loss, pending,
+                     {"temporaries": cats[k] + flat + norms[k] + copies[k]})
         if s.at == "end" and hooks is None:
             held -= released_by.get(s.unit, 0)
         before = after
     end = trace.segments[-1].end_by_category
     last = big.get(len(buckets) - 1, 0)  # a gradient above the bucket reduced in the epilogue: held until then
-    keep("backward", end, loss, {"gradients": last - end.get("gradients", 0), "parameters": held,
-                                 "temporaries": (sizes[-1] if sizes else 0) + flat})
+    pending, kept = {"gradients": last - end.get("gradients", 0), "parameters": held}, norms[max(len(buckets) - 1, 0)]
+    keep("backward", end, loss, pending, {"temporaries": (sizes[-1] if sizes else 0) + flat + kept})  # the epilogue's
+    if offloaded and buckets:
+        keep("backward", end, loss, pending, {"temporaries": cats[-1] + flat + kept + copies[-1]})
 
 
 def _stage3_forward_scheduled(keep: Callable[..., None], loss: dict, trace: StepTrace, schedule: Stage3Schedule,
