@@ -140,19 +140,21 @@ def test_an_offloaded_stage1_cell_of_several_buckets_meets_its_peak_model_on_eve
 
 
 def test_an_offloaded_stage3_cell_meets_its_peak_model_on_every_rank(cell):
-    """Stage 3 at N=3, the optimizer offloaded, 0.01 MiB buckets (4096-element weights, 4096 % 3 = 1): after each
-    bucket's reduce-scatter each of the rank's partitions is copied to float64 for its norm, kept to the step; the
-    last rank's partition of a weight holds 1,364 real elements where the others hold 1,366, so its copy is 16 B
-    smaller; the step: AdamW on the host's fp32 partition beside the 8 kept norms."""
+    """Stage 3 at N=3, the optimizer offloaded, 0.01 MiB buckets (4096-element weights, 4096 % 3 = 1), two
+    micro-batches: in the last one's backward, after each bucket's reduce-scatter, each of the rank's partitions is
+    copied to float64 for its norm, kept to the step; the last rank's partition of a weight holds 1,364 real elements
+    where the others hold 1,366, so its copy is 16 B smaller; the step: AdamW on the host's fp32 partition beside
+    the 8 kept norms."""
     r = cell("strategy=deepspeed", "world_size=3", "strategy.stage=3", "offload=optimizer", "precision=bf16",
-             "strategy.bucket_cap_mb=0.01")
+             "strategy.bucket_cap_mb=0.01", "grad_accum=2")
     assert r.status == "ok", r.error
     memory = r.summary["plan"]["memory"]
     assert memory["check"] == "PASS" and [x["check"] for x in memory["ranks"]] == ["PASS"] * 3, memory["reasons"]
     backward = [x["backward"]["predicted_bytes"] for x in memory["ranks"]]
     assert [b - backward[0] for b in backward] == [0, 0, -16]
-    for phase in ("backward", "optimizer"):
-        assert all(0 <= x[phase]["measured_bytes"] - x[phase]["predicted_bytes"] <= 16 for x in memory["ranks"])
+    for phase in ("backward", "optimizer"):  # exact but for a scalar, or a tensor gloo freed late (named)
+        assert all(0 <= x[phase]["measured_bytes"] - x[phase]["predicted_bytes"] <= 16 or x[phase].get("late_free")
+                   for x in memory["ranks"]), [x[phase] for x in memory["ranks"]]
 
 
 def test_ds3_offload_norms_follow_the_ranks_real_elements():

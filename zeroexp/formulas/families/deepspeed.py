@@ -76,17 +76,18 @@ class DeepSpeedPartitions(Family):
         return "deepspeed" if row.deepspeed_stage else None
 
     def offload_limit(self, row, offload, micro_batches=1):
-        """Stages 1-3 with the optimizer offloaded, one micro-batch a step: modelled
-        (:func:`zeroexp.formulas.peak.deepspeed.ds_stage12_phase_peaks`, :func:`~zeroexp.formulas.peak.deepspeed.
-        ds_stage3_phase_peaks`, ``offload``). Not yet: accumulation offloaded (the partition's gradients added on the
-        host across micro-batches: ``async_accumulate_grad_in_cpu_via_gpu``, stage 3's ``partition_grads``), and stage
-        3's parameters offloaded (``offload=full``: ``offload_param``)."""
-        if row.deepspeed_stage in (1, 2, 3) and offload == "optimizer" and micro_batches == 1:
+        """The optimizer offloaded: modelled at stages 1-3 (:func:`zeroexp.formulas.peak.deepspeed.
+        ds_stage12_phase_peaks`, :func:`~zeroexp.formulas.peak.deepspeed.ds_stage3_phase_peaks`, ``offload``), with
+        accumulation at stages 2-3 (each micro-batch as without offload, the boundary's as offloaded: measured exact,
+        their host buffers made once and kept). Not yet: stage 1's accumulation offloaded (measured above the model
+        by up to a bucket's gradients on one rank), and stage 3's parameters offloaded (``offload=full``)."""
+        stage = row.deepspeed_stage
+        if offload == "optimizer" and (micro_batches == 1 or stage in (2, 3)):
             return None
-        what = "with grad_accum > 1" if offload == "optimizer" else f"at stage {row.deepspeed_stage}"
+        what = "with grad_accum > 1 at stage 1" if offload == "optimizer" else f"at stage {stage}"
         return (f"no peak model yet for offload={offload} {what}: DeepSpeed's offloaded backward and step are not "
                 "modelled there (it runs on CPU: state, groups and collectives are checked; covered: offload none, "
-                "and offload=optimizer without accumulation)")
+                "and offload=optimizer at stages 1-3, with grad_accum at stages 2-3)")
 
     def checkpointing_limit(self, row, frozen=False):
         # measured: a LoRA GPT (n_layer=2, N=2 and 3, bf16) under stage 3 with checkpointing re-fetches its frozen

@@ -374,7 +374,7 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
         out_reasons += [r.prefixed(f"rank {rank} ") for r in reasons]
         errs += rank_errs
         ranks.append({"rank": rank, "check": Verdict.passed_if(not reasons),
-                      **{ph: {k: rec[k] for k in ("measured_bytes", "predicted_bytes", "check")
+                      **{ph: {k: rec[k] for k in ("measured_bytes", "predicted_bytes", "check", "late_free", "in_range")
                               if k in rec} for ph, rec in judged.items() if ph != "steady"}})
         if rank == worst_rank:
             judged["steady"]["predicted_buffers_bytes"] = steady_buffers_bytes(  # DDP's: the grads' dtype
