@@ -108,6 +108,33 @@ def test_collectives_model_follows_buckets_and_depth():
     assert step_collectives(LAYOUTS["deepspeed_stage0"], g0, 2) == {"all_reduce": {"count": 1, "payload_bytes": 65536}}
 
 
+def test_stage3_hooks_fire_a_biased_linears_weight_before_its_bias():
+    """Stage 3's F.linear (LinearFunctionForZeroStage3) returns the weight's gradient before the bias's: each pair
+    torch's backward fires bias first is swapped, the rest of the order kept."""
+    from zeroexp.formulas.deepspeed import ds_stage3_hooks
+
+    assert ds_stage3_hooks((3, 2, 4, 1, 0), ((2, 3), (0, 1))) == [2, 3, 4, 0, 1]
+    assert ds_stage3_hooks((2, 3, 1, 0), ((2, 3),)) == [2, 3, 1, 0]  # already weight first
+    assert ds_stage3_hooks((5, 1, 0), ((0, 1), (7, 8))) == [5, 0, 1]  # a pair without gradient: left out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_buckets_smaller_than_a_layer_fill_in_the_order_the_hooks_fire(cell, stage):
+    """A 2-layer Llama with 0.01 MiB buckets: its norms' gradients come between the attention's and the MLP's, not
+    beside each other as in the reverse of the parameters' order: 21 buckets, planned and measured (18 when the
+    planner took a stack's order)."""
+    llama = ("model=llama3_8b", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+             "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=256", "model.seq_len=16")
+    r = cell("strategy=deepspeed", f"strategy.stage={stage}", "world_size=2", "strategy.bucket_cap_mb=0.01", *llama,
+             base=("logger=none", f"steps={STEPS}", *WINDOWS))
+    assert r.status == "ok", r.error
+    plan = r.summary["plan"]
+    assert plan["groups"]["check"] == plan["calls"]["check"] == r.summary["collectives"]["check"] == "PASS"
+    op, coll = "reduce_scatter" if stage == 3 else "all_reduce", r.summary["collectives"]
+    # stage 2: one all_reduce a bucket and the norm's
+    assert coll["counts"][op] == coll["expected_counts"][op] == 21 + (stage == 2)
+
+
 def test_bf16_optimizer_offload_cell_keeps_optimizer_state_on_the_host(cell):
     res = cell(*N2, "strategy.stage=2", "precision=bf16", "offload=optimizer")
     assert res.status == "ok", res.error

@@ -128,12 +128,16 @@ def deepspeed_buckets(stage: int, numels: list[int], bucket_numel: int) -> tuple
     return tuple(tuple(numels[i] for i in b) for b in cut_buckets(numels, cap, rule))
 
 
-def ds_reduce_order(numels: tuple[int, ...] | list[int], ungraded: tuple[int, ...], stage: int) -> tuple[int, ...]:
+def ds_reduce_order(numels: tuple[int, ...] | list[int], ungraded: tuple[int, ...], stage: int,
+                    hooks: tuple[int, ...] = ()) -> tuple[int, ...]:
     """Stages 1-2, the trainable parameters (indices) in the order their gradients are reduced: parameter order at
-    stage 1 (``reduce_gradients``), backward (a stack's reverse, as :func:`deepspeed_buckets` is given it) at stage 2;
+    stage 1 (``reduce_gradients``), at stage 2 the order their hooks fire (``hooks``: ``Groups.reduce_order``, as
+    :func:`deepspeed_comm` gives :func:`deepspeed_buckets` them; none given: backward as a stack's, its reverse);
     none a step gives no gradient, nor an empty one."""
     skipped = set(ungraded)
     nonzero = [i for i, k in enumerate(numels) if k and i not in skipped]
+    if stage != 1 and hooks:
+        return tuple(i for i in hooks if numels[i] and i not in skipped)
     return tuple(nonzero if stage == 1 else nonzero[::-1])
 
 
@@ -261,14 +265,31 @@ def deepspeed_comm(stage: int, shape: ModelShape, world_size: int, knobs: PlanKn
     hook: those of a module forward never calls (``shape.uncalled``) are never gathered."""
     trained = shape.trainable()
     idle = set(trained.unused) if stage else set()
-    numels = [k for i, k in enumerate(trained.numels) if i not in idle]
-    order = numels if stage in (0, 1) else numels[::-1]  # stages 2, 3: backward order, a stack's reverse
-    out = {"buckets": deepspeed_buckets(stage, order, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))}
+    # stages 0-1: parameter order; 2-3: the order the gradients' hooks fire, the traced backward's (3: its F.linear)
+    ready = ds_stage3_hooks(trained.ready_order, trained.linear_pairs) if stage == 3 else trained.ready_order
+    order = [i for i in (ready if stage in (2, 3) else range(len(trained.numels))) if i not in idle]
+    numels = [trained.numels[i] for i in order]
+    out = {"buckets": deepspeed_buckets(stage, numels, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))}
+    if stage in (2, 3):
+        out["reduce_order"] = tuple(i for i in order if trained.numels[i])
     if idle:
         out["ungraded"] = tuple(sorted(idle))
     if stage == 3:
         out["gathers"] = deepspeed_stage3_gathers(stage3_calls(shape, knobs), shape.numels, knobs_limits(knobs),
                                                   stage3_recomputed(shape, knobs))
+    return out
+
+
+def ds_stage3_hooks(ready: tuple[int, ...], linear_pairs: tuple[tuple[int, int], ...]) -> list[int]:
+    """Stage 3's gradient hooks in the order they fire, from torch's (``ready``): stage 3 overrides ``F.linear`` with
+    ``LinearFunctionForZeroStage3`` (partition_parameters.py ``_enable_mem_efficient_linear``), whose backward returns
+    the input's, the weight's, then the bias's gradient, so each biased Linear's (``linear_pairs``) weight fires just
+    before its bias where torch's own linear fires the bias first."""
+    out = list(ready)
+    for w, b in linear_pairs:
+        if w in out and b in out and out.index(b) < out.index(w):
+            out.remove(w)
+            out.insert(out.index(b), w)
     return out
 
 
@@ -295,7 +316,7 @@ def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collec
         return collectives_of(all_reduce=[sum(b) * c for b in g.buckets] + ([4] if knobs.clipping and c == 4 else []))
     if stage in (1, 2):
         norms = [ds_norm_bytes(stage, knobs.offload)] * len(g.shards)
-        calls = ds_allreduce_calls(g.buckets, ds_reduce_order(g.numels, g.ungraded, stage), g.numels,
+        calls = ds_allreduce_calls(g.buckets, ds_reduce_order(g.numels, g.ungraded, stage, g.reduce_order), g.numels,
                                    g.shards[0].numel // n, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))
         grads = [sum(call) * c for b in calls for call in b]
         return collectives_of(all_reduce=grads * each + norms + ([1] if c != 4 else []),

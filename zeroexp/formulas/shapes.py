@@ -54,6 +54,9 @@ class ModelShape:
     #: Every module call of a traced forward, as DeepSpeed stage 3's hooks see them (``ModuleCall``\ s: the module, its
     #: own parameters' indices, whether its input and its output need a gradient, its depth); empty: not traced.
     module_calls: tuple = ()
+    #: Each ``torch.nn.Linear`` with a bias as (its weight's index, its bias's): DeepSpeed stage 3 computes them with
+    #: its own ``F.linear`` (``LinearFunctionForZeroStage3``), whose hooks fire the weight's gradient before the bias's.
+    linear_pairs: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -105,7 +108,8 @@ class ModelShape:
                           None if self.ready is None else tuple(new[i] for i in self.ready if i in new),
                           remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached,
                           self.buffers, tuple(new[i] for i in self.unused if i in new), self.opaque,
-                          tuple(new[i] for i in self.uncalled if i in new), ())
+                          tuple(new[i] for i in self.uncalled if i in new), (),
+                          tuple((new[w], new[b]) for w, b in self.linear_pairs if w in new and b in new))
 
     def calls(self, u: int) -> int:
         """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""
@@ -244,6 +248,8 @@ class Groups:
     padded to it and replicated across the world_size / shard_size replicas); 0: over all world_size ranks.
     ``post_forward_size``: the ranks FSDP2 reshards each unit to after forward (``reshard_after_forward=k``: each
     rank holds 1/k of the unit until backward gathers it from those k ranks, ``Unit.post_forward``); 0: none.
+    ``reduce_order``: DeepSpeed stages 2-3, the indices into ``numels`` of the parameters whose gradients are
+    reduced, in the order their hooks fire (the traced backward's, ``ModelShape.ready_order``); empty: none given.
     """
 
     layout: str
@@ -264,6 +270,7 @@ class Groups:
     ungraded: tuple[int, ...] = ()
     used_map_bytes: int = 0
     post_forward_size: int = 0
+    reduce_order: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:

@@ -54,7 +54,10 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
                       buffers=tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size())
                                     for b in net.buffers()), unused=unused, uncalled=uncalled,
                       opaque=tuple(sorted({type(m).__name__ for m in net.modules()
-                                           if isinstance(m, (conv_base(), nn.RNNBase))})))
+                                           if isinstance(m, (conv_base(), nn.RNNBase))})),
+                      linear_pairs=tuple((index[id(m.weight)], index[id(m.bias)]) for m in net.modules()
+                                         if isinstance(m, nn.Linear) and m.bias is not None
+                                         and id(m.weight) in index and id(m.bias) in index))
 
 
 def _units(net: nn.Module, classes: tuple[type, ...]) -> tuple[list[tuple[int, ...]], list[bool], list[nn.Module]]:

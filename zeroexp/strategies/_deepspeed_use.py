@@ -14,15 +14,16 @@ __all__ = ["StepUse"]
 
 class StepUse:
     """Which parameters of ``module`` a training step used, observed live: those autograd gave a gradient (their
-    post-accumulate-grad hooks, the hooks DeepSpeed's own reductions hang on) and those held by a module forward
+    post-accumulate-grad hooks, the hooks DeepSpeed's own reductions hang on; in the order they first fired, the order
+    stages 2-3 reduce them) and those held by a module forward
     called (DeepSpeed stage 3 fetches a module's parameters in its pre-forward hook). Registered before
     ``deepspeed.initialize``; :meth:`close` (at each optimizer step) ends a step's record, the micro-batches' together.
     Before the first record (or without a module) every parameter counts as used."""
 
     def __init__(self, module: nn.Module | None = None) -> None:
-        self._graded: set[int] = set()
+        self._graded: dict[int, None] = {}  # in the order the hooks first fired
         self._called: set[int] = set()
-        self._last: tuple[frozenset[int], frozenset[int]] | None = None
+        self._last: tuple[dict[int, None], frozenset[int]] | None = None
         self._micro: tuple[ModuleCall, ...] = ()  # the last micro-batch's forward calls
         self._calls: tuple[ModuleCall, ...] = ()  # the last step's
         self.recorder: CallRecorder | None = None
@@ -33,7 +34,7 @@ class StepUse:
         self._modules = list(module.modules())
         for p in module.parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda t: self._graded.add(id(t)))
+                p.register_post_accumulate_grad_hook(lambda t: self._graded.setdefault(id(t)))
         for m in module.modules():
             if any(True for _ in m.parameters(recurse=False)):
                 m.register_forward_pre_hook(lambda m, args: self._called.update(map(id, m.parameters(recurse=False))))
@@ -50,8 +51,8 @@ class StepUse:
 
     def close(self) -> None:
         """End the step's record (the last one :meth:`ungraded`, :meth:`called` and :meth:`calls` answer for)."""
-        self._last = frozenset(self._graded), frozenset(self._called)
-        self._graded, self._called, self._calls = set(), set(), self._micro
+        self._last = dict(self._graded), frozenset(self._called)
+        self._graded, self._called, self._calls = {}, set(), self._micro
 
     def calls(self) -> tuple[ModuleCall, ...]:
         """The module calls of the last step's (last micro-batch's) forward; empty before the first step."""
@@ -70,6 +71,14 @@ class StepUse:
     def ungraded(self, params: list[nn.Parameter]) -> tuple[int, ...]:
         """Indices into ``params`` of those the last step gave no gradient."""
         return () if self._last is None else tuple(i for i, p in enumerate(params) if id(p) not in self._last[0])
+
+    def ready(self, params: list[nn.Parameter]) -> list[int] | None:
+        """Indices into ``params`` of those the last step gave a gradient, in the order their hooks first fired; None
+        before the first step."""
+        if self._last is None:
+            return None
+        at = {id(p): i for i, p in enumerate(params)}
+        return [at[g] for g in self._last[0] if g in at]
 
     def called(self, p: nn.Parameter) -> bool:
         """Whether a module holding ``p`` as its own was called in the last step's forward."""

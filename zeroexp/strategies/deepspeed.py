@@ -362,11 +362,12 @@ class DeepSpeedAdapter(StrategyAdapter):
     def groups(self, model: nn.Module, optimizer: Any) -> Groups:
         """DeepSpeed's partitions and buckets, read off the built engine and its ZeRO optimizer (they come from the
         cell's ds config): stage 0 its all_reduce chunks; stages 1-2 the flat groups (``bit16_groups_flat``, padded to
-        2N) and the ``ipg`` buckets of the parameters in reduce order (stage 1 group order at the step, stage 2
-        backward hooks: reverse registration order, true of a stack of layers); stage 3 every parameter's partition
-        (``ds_numel`` padded to N, frozen ones too: ``grad_shards`` are the trainable ones'), the buckets in backward
-        order and the fetches (DeepSpeed's coordinator replayed over the last step's module calls, recorded live by
-        :class:`StepUse`; before the first step, the root's own parameters, then one prefetch of the rest).
+        2N) and the ``ipg`` buckets of the parameters in reduce order (stage 1 group order at the step, stage 2 the
+        order its gradient hooks fired in the last step, :class:`StepUse`'s; before the first, a stack's); stage 3
+        every parameter's partition (``ds_numel`` padded to N, frozen ones too: ``grad_shards`` are the trainable
+        ones'), the buckets in the order the hooks fired and the fetches (DeepSpeed's coordinator replayed over the
+        last step's module calls, recorded live by :class:`StepUse`; before the first step, the root's own
+        parameters, then one prefetch of the rest).
         DeepSpeed's optimizer holds the trainable parameters alone (``is_optimized_parameter``); stages 0-2 leave the
         frozen ones as plain module parameters (``frozen``). A trainable parameter the last step gave no gradient
         (:class:`StepUse`): stage 0 all-reduces a zero gradient for it; stages 1-3 reduce none (``ungraded``, out of
@@ -391,7 +392,8 @@ class DeepSpeedAdapter(StrategyAdapter):
                                           "all_gather_into_tensor per group are modelled")
             flat = [p for group in opt.bit16_groups for p in group]  # stage 1: reduce_gradients, group order
             ungraded = use.ungraded(flat)
-            order = [p.numel() for i, p in enumerate(flat) if i not in ungraded]
+            hooks = _hook_order(use, flat, ungraded) if self.stage == 2 else ()
+            order = [flat[i].numel() for i in (hooks or [i for i in range(len(flat)) if i not in ungraded])]
             shards = []
             for buffer, group in zip(opt.bit16_groups_flat, opt.bit16_groups):
                 spans, offset = [], 0
@@ -400,10 +402,10 @@ class DeepSpeedAdapter(StrategyAdapter):
                     offset += p.numel()
                 shards.append(Shard(tuple(spans), buffer.numel()))
             return Groups(self.layout, n, tuple(p.numel() for p in flat), tuple(shards), frozen=frozen,
-                          buckets=deepspeed_buckets(self.stage, order if self.stage == 1 else order[::-1], bucket),
-                          ungraded=ungraded)
+                          buckets=deepspeed_buckets(self.stage, order, bucket), ungraded=ungraded,
+                          reduce_order=tuple(i for i in hooks if flat[i].numel()))
         ungraded = use.ungraded(params)
-        numels = [p.ds_numel for p in params]
+        numels, hooks = [p.ds_numel for p in params], _hook_order(use, params, ungraded)
         own = {id(p) for p in eng.module.parameters(recurse=False)}
         # the root's own parameters are fetched with it, then those of the modules forward called
         first = sorted((p for p in every if id(p) in own or use.called(p)), key=lambda p: id(p) not in own)
@@ -421,9 +423,8 @@ class DeepSpeedAdapter(StrategyAdapter):
             return Shard(((0, p.ds_numel),), p.partition_numel() * n)
 
         return Groups(self.layout, n, tuple(numels), tuple(shard(p) for p in every), units,
-                      buckets=deepspeed_buckets(3, [k for i, k in enumerate(numels) if i not in ungraded][::-1],
-                                                bucket),
-                      gathers=gathers, frozen=frozen,
+                      buckets=deepspeed_buckets(3, [numels[i] for i in hooks], bucket),
+                      gathers=gathers, frozen=frozen, reduce_order=tuple(i for i in hooks if numels[i]),
                       grad_shards=tuple(shard(p) for p in params) if frozen else None, ungraded=ungraded)
 
     def known_divergence(self, ungraded: list[str]) -> tuple[str, str] | None:
@@ -487,3 +488,10 @@ def _ds_real(p: nn.Parameter) -> int:
 
 
 _cuda_for = ranks_get_a_gpu  # one rule for every adapter (zeroexp.devices)
+
+
+def _hook_order(use: StepUse, params: list[nn.Parameter], ungraded: tuple[int, ...]) -> list[int]:
+    """Stages 2-3: the indices into ``params`` in the order their gradients' hooks fired in the last step (the order
+    DeepSpeed fills its buckets); before the first step, the reverse of ``params``' (a stack's backward)."""
+    ready = use.ready(params)
+    return ready if ready is not None else [i for i in range(len(params))[::-1] if i not in ungraded]

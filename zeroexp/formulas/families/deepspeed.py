@@ -159,7 +159,8 @@ class DeepSpeedPartitions(Family):
                                          foreach=foreach, schedule=stage3_schedule(shape, knobs) if traced else None,
                                          calls=stage3_calls(shape, knobs) if traced else (),
                                          bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes),
-                                         offload=knobs.offload != "none", host_is_device=gloo, rank=rank)
+                                         offload=knobs.offload != "none", host_is_device=gloo, rank=rank,
+                                         order=groups.reduce_order)
         part = ds_partition(groups.numels, groups.shards[0].numel, n, rank)
         # offloaded: the host's memory is the device's on a gloo (CPU) rank, another one on an NCCL rank
         peaks = partial(ds_stage12_phase_peaks, stage=stage, buckets=groups.buckets,
@@ -238,7 +239,7 @@ class DeepSpeedPartitions(Family):
 
 def _reduce_order(groups: Groups, stage: int) -> tuple[int, ...]:
     """:func:`ds_reduce_order` of ``groups``."""
-    return ds_reduce_order(groups.numels, groups.ungraded, stage)
+    return ds_reduce_order(groups.numels, groups.ungraded, stage, groups.reduce_order)
 
 
 DEEPSPEED = DeepSpeedPartitions()

@@ -283,7 +283,7 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
                           partitions: tuple[int, ...] | None = None, foreach: bool = False,
                           schedule: Stage3Schedule | None = None, calls: tuple[ModuleCall, ...] = (),
                           bucket_numel: int | None = None, offload: bool = False, host_is_device: bool = True,
-                          rank: int = 0) -> dict[str, dict]:
+                          rank: int = 0, order: tuple[int, ...] = ()) -> dict[str, dict]:
     """Stage 3 (``numels``: every parameter, frozen ones too, in parameter order, the indices ``trace.units`` use;
     ``partitions``: the trainable parameters' partitions, None: every parameter's ceil(numel / N); ``buckets``: the
     reduce-scatters' gradient numels in backward order), per phase, the bytes above steady at the peak, by category.
@@ -321,7 +321,7 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     gathered = sum(numels[p] for p in uses.first_use) * c  # every fetched parameter's unsharded tensor: a module's
     # parameters are fetched in its pre-forward hook, never those of a module forward does not call
     held = released = hooks = None
-    offloaded = ds3_offload_norms(buckets, n, rank) if offload else None
+    offloaded = ds3_offload_norms(buckets, n, rank, order) if offload else None
     if schedule is None:
         _stage3_forward(keep, loss, trace, uses, numels=numels, world_size=n, itemsize=c, gathered=gathered)
     else:

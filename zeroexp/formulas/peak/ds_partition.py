@@ -81,18 +81,23 @@ def ds_offload_norms(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...
     return norms, copies
 
 
-def ds3_offload_norms(buckets: tuple[tuple[int, ...], ...], world_size: int, rank: int) -> tuple[list[int], list[int]]:
+def ds3_offload_norms(buckets: tuple[tuple[int, ...], ...], world_size: int, rank: int, order: tuple[int, ...] = ()
+                      ) -> tuple[list[int], list[int]]:
     """Stage 3 with the optimizer offloaded (``partition_grads`` -> ``_offload_grad_partition_at_boundary``): the
     bytes of the float64 norms kept before each bucket's partitioning (and, last, after every one), and per bucket the
     most one of its parameters adds over them while its partition is copied to float64 for its norm
     (``_constant_buffered_norm2``: the copy beside the norm it makes, the bucket's norms before it counted too). A
-    bucket's parameters are partitioned in parameter order (``__avg_scatter_grads`` sorts them by ``ds_id``: a bucket of
-    a stack's backward order reversed); a parameter whose partition on ``rank`` holds none of its elements
+    bucket's parameters are partitioned in parameter order (``__avg_scatter_grads`` sorts them by ``ds_id``: ``order``,
+    the parameters' indices in the buckets' order, sorted within each; none given: a stack's, each bucket reversed);
+    a parameter whose partition on ``rank`` holds none of its elements
     (``contains_real_data`` false) is skipped. A partition copied is the rank's real elements of its ``ceil(numel /
     N)``-element chunk (``reduce_scatter_coalesced`` narrows its output to them: the last rank's may be shorter). The
     fp32 copy that follows below fp32 is never larger."""
-    n = world_size
-    mine = [[min(-(-x // n), x - -(-x // n) * rank) for x in reversed(b) if -(-x // n) * rank < x] for b in buckets]
+    n, flat = world_size, list(order)
+    ends = list(accumulate((len(b) for b in buckets), initial=0))[1:] or [0]
+    ordered = [[x for _, x in sorted(zip(flat[e - len(b):e], b))] if len(flat) == ends[-1] else list(reversed(b))
+               for b, e in zip(buckets, ends)]
+    mine = [[min(-(-x // n), x - -(-x // n) * rank) for x in b if -(-x // n) * rank < x] for b in ordered]
     norms = list(accumulate((len(m) * FP64 for m in mine), initial=0))
     copies = [max(((j + x + 1) * FP64 for j, x in enumerate(m)), default=0) for m in mine]
     return norms, copies
