@@ -309,10 +309,10 @@ def ds_stage3_phase_peaks(trace: StepTrace, *, numels: tuple[int, ...], world_si
     epilogue releases what its post-backward hooks did not (``backward_epilogue``: ``release_backward_leftovers``);
     measured on the Linear stack, a 2-layer Llama and a LoRA GPT (frozen parameters), fp32 and bf16, N=2 and 3.
 
-    ``offload`` (one micro-batch a step): after each bucket's reduce-scatter, beside its concatenation (the outputs
-    view it), ``rank``'s partitions copied to float64 for their norms, kept to the step (``ds3_offload_norms``); the
-    step: AdamW on the host's fp32 partition (its gradient steady) beside the norms and an fp32 scalar per sub-group
-    and two more; ``host_is_device`` false (an NCCL rank): the device holds the kept norms alone."""
+    ``offload`` (accumulating: the boundary's micro-batch): after each bucket's reduce-scatter, beside its concatenation
+    (its outputs), ``rank``'s partitions copied to float64 for their norms, kept to the step (``ds3_offload_norms``);
+    the step: AdamW on the host's fp32 partition (its gradient steady) beside the norms and an fp32 scalar per
+    sub-group and two more; ``host_is_device`` false (an NCCL rank): the device holds the kept norms alone."""
     c, n, out = itemsize, world_size, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
     if not trace.units:

@@ -1,5 +1,6 @@
-"""DeepSpeed stages 1-2: a rank's partition of a flat group (:class:`DsPartition`), and what the optimizer offloaded
-keeps per partition parameter (:func:`ds_offload_norms`), for the peak model of :mod:`zeroexp.formulas.peak.deepspeed`.
+"""DeepSpeed stages 1-2: a rank's partition of a flat group (:class:`DsPartition`); stages 1-3: what the optimizer
+offloaded keeps per partition parameter (:func:`ds_offload_norms`, :func:`ds3_offload_norms`), for the peak model of
+:mod:`zeroexp.formulas.peak.deepspeed`.
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ def ds_offload_norms(buckets: tuple[tuple[int, ...], ...], order: tuple[int, ...
     for i, p in enumerate(order):
         if p in piece:
             mine[bucket_of[i]].append(piece[p])
+    return _norms_and_copies(mine)
+
+
+def _norms_and_copies(mine: list[list[int]]) -> tuple[list[int], list[int]]:
+    """From each bucket's copied pieces (elements, in the order copied): the float64 norms kept before each bucket
+    (and after the last), and per bucket the most one piece's float64 copy and its norm add over them."""
     norms = list(accumulate((len(m) * FP64 for m in mine), initial=0))
     copies = [max(((j + x + 1) * FP64 for j, x in enumerate(m)), default=0) for m in mine]
     return norms, copies
@@ -93,11 +100,13 @@ def ds3_offload_norms(buckets: tuple[tuple[int, ...], ...], world_size: int, ran
     (``contains_real_data`` false) is skipped. A partition copied is the rank's real elements of its ``ceil(numel /
     N)``-element chunk (``reduce_scatter_coalesced`` narrows its output to them: the last rank's may be shorter). The
     fp32 copy that follows below fp32 is never larger."""
-    n, flat = world_size, list(order)
-    ends = list(accumulate((len(b) for b in buckets), initial=0))[1:] or [0]
-    ordered = [[x for _, x in sorted(zip(flat[e - len(b):e], b))] if len(flat) == ends[-1] else list(reversed(b))
-               for b, e in zip(buckets, ends)]
-    mine = [[min(-(-x // n), x - -(-x // n) * rank) for x in b if -(-x // n) * rank < x] for b in ordered]
-    norms = list(accumulate((len(m) * FP64 for m in mine), initial=0))
-    copies = [max(((j + x + 1) * FP64 for j, x in enumerate(m)), default=0) for m in mine]
-    return norms, copies
+    if len(order) == sum(len(b) for b in buckets):  # each bucket's numels by their parameters' indices
+        starts = accumulate((len(b) for b in buckets), initial=0)
+        ordered = [[x for _, x in sorted(zip(order[s:s + len(b)], b))] for s, b in zip(starts, buckets)]
+    else:
+        ordered = [list(reversed(b)) for b in buckets]
+
+    def real(x: int) -> int:  # the rank's real elements of a parameter's ceil(x / N) chunk
+        chunk = -(-x // world_size)
+        return min(chunk, x - chunk * rank)
+    return _norms_and_copies([[real(x) for x in b if real(x) > 0] for b in ordered])
