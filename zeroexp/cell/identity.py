@@ -92,6 +92,14 @@ def _checkpoint(cfg: DictConfig) -> str:
     return str(cfg.checkpoint.name) if cfg.get("checkpoint") is not None else "none"
 
 
+def _load_from(cfg: DictConfig) -> str | None:
+    """The checkpoint directory the cell starts from, absolute; None when it starts from its seed."""
+    from pathlib import Path
+
+    where = OmegaConf.select(cfg, "checkpoint.load_from")
+    return None if where is None else str(Path(str(where)).expanduser().resolve())
+
+
 def cell_identity(cfg: DictConfig) -> dict[str, Any]:
     """Everything that determines what the cell computes and measures, resolved."""
     ident = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
@@ -105,6 +113,8 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
         ident["dry_run"] = True
     if _checkpoint(cfg) != "none":
         ident["checkpoint"] = _checkpoint(cfg)
+    if _load_from(cfg) is not None:  # a cell that starts from a checkpoint (absent: every other id unchanged)
+        ident["load_from"] = _load_from(cfg)
     if _grad_accum(cfg) != 1:
         ident["grad_accum"] = _grad_accum(cfg)
     if _checkpointing(cfg) != "none":
@@ -129,6 +139,8 @@ def cell_name(cfg: DictConfig) -> str:
         parts.append(f"off-{ax['offload']}")
     if "checkpoint" in ax:
         parts.append(f"ckpt-{ax['checkpoint']}")
+    if _load_from(cfg) is not None:
+        parts.append("resumed")
     if "grad_accum" in ax:
         parts.append(f"ga{ax['grad_accum']}")
     if "activation_checkpointing" in ax:

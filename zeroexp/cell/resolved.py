@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from zeroexp.cell.identity import init_of
 from zeroexp.cell.policy import CellPolicy, strategy_config
 from zeroexp.cell.schedule import Schedule
+from zeroexp.cell.source import Source
 from zeroexp.cell.strategy import BUCKET_CAP_MB
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, ModelShape, PlanKnobs, StateLayout
 from zeroexp.formulas.peak.checkpointing import Checkpointing, checkpointing_of
@@ -34,7 +35,8 @@ class Cell:
     value); otherwise the call would only fill
     ``callback_metrics``, which nothing reads (the loss is the iterations probe's; W&B's run is logged from the
     files), at about a tenth of a small model's step in Lightning's result collection on every rank. The logged loss
-    is held to the next step (``StepTrace.for_cell``)."""
+    is held to the next step (``StepTrace.for_cell``). ``load_from``: the checkpoint its training starts from
+    (``checkpoint.load_from``), its model and optimizer state and its data position (:attr:`first_step`)."""
 
     policy: CellPolicy
     knobs: PlanKnobs
@@ -54,6 +56,7 @@ class Cell:
     calibration: str | None
     shape: ModelShape | None = None
     logs_loss: bool = False
+    load_from: Source | None = None
 
     @classmethod
     def of(cls, cfg: Any, shape: ModelShape | None = None, local_world_size: int | None = None) -> Cell:
@@ -66,14 +69,19 @@ class Cell:
         policy = CellPolicy.of(cfg)
         if shape is not None and shape.ready is not None:  # a traced step: its ungraded parameters are known
             policy = dataclasses.replace(policy, ungraded=bool(shape.unused))
-        return cls(policy=policy, knobs=knobs_of(cfg), schedule=Schedule.from_cfg(cfg), row_name=name,
+        source = None if cfg.checkpoint.load_from is None else Source.read(cfg.checkpoint.load_from, verify=False)
+        knobs = knobs_of(cfg)
+        if source is not None and source.kind == "full":
+            knobs = dataclasses.replace(knobs, state_loaded_whole=True)
+        return cls(policy=policy, knobs=knobs, schedule=Schedule.from_cfg(cfg), row_name=name,
                    row=row, world_size=int(cfg.world_size), steps=int(cfg.steps), precision=str(cfg.precision.name),
                    offload=str(cfg.offload.name), init=init_of(cfg),
                    activation_checkpointing=str(cfg.activation_checkpointing.name),
                    checkpoint=str(cfg.checkpoint.name), device="cuda" if on_gpu else "cpu",
                    backend="nccl" if on_gpu else "gloo", dry_run=bool(cfg.dry_run),
                    calibration=None if cfg.calibration is None else str(cfg.calibration), shape=shape,
-                   logs_loss=cfg.logger.name == "csv" and not cfg.dry_run)
+                   logs_loss=cfg.logger.name == "csv" and not cfg.dry_run,
+                   load_from=source)
 
     def __getstate__(self) -> dict[str, Any]:
         # to the ranks by pickle: a row holds its family's closures, so it travels by name (zeroexp.formulas.LAYOUTS)
@@ -95,6 +103,12 @@ class Cell:
     def itemsize(self) -> int:
         """Bytes per element of the compute dtype (``precision.param_dtype``)."""
         return ITEMSIZE[self.policy.precision.param_dtype]
+
+    @property
+    def first_step(self) -> int:
+        """The optimizer step its first step is, counted from the run that began the training: 0, or the step of the
+        checkpoint it starts from (its batches are those of steps ``first_step``, ``first_step + 1``, ...)."""
+        return 0 if self.load_from is None else self.load_from.step
 
     @property
     def grad_accum(self) -> int:

@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
+from zeroexp.config.moves import check_load_from
 from zeroexp.config.checkpointing import (ActivationCheckpointingConfig, check_checkpointing, check_checkpointing_units,
                                          check_save_ops)
 from zeroexp.config.init_mode import INIT_OPTIONS, InitConfig, check_init
@@ -81,6 +82,8 @@ class CheckpointConfig:
     name: str = MISSING  # none | full | sharded
     dir: Optional[str] = None  # where the checkpoint is written, seen by every rank; null: <cell>/checkpoint
     keep: bool = False  # keep the files once checked (else they are removed: the summary keeps their sizes)
+    load_from: Optional[str] = None  # a kept checkpoint's directory the cell's training starts from (any strategy of
+    # its layout, any world size; zeroexp.config.moves); null: from the seed's initial weights
 
 
 @dataclass
@@ -450,6 +453,7 @@ def _check_what_the_strategy_runs(cfg: DictConfig, explicit_overrides: tuple[str
 
     check_checkpointing_units(cfg, wrap_paths(cfg))
     _validate_launcher_and_checkpoint(cfg, adapter)
+    check_load_from(cfg, adapter)
     check_init(cfg, adapter)
     adapter.validate(cfg)
     adapter.validate_model(cfg, shape)

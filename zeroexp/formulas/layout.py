@@ -235,7 +235,7 @@ def rank_state_bytes(layout: StateLayout, groups: Groups, itemsize: int, knobs: 
     if knobs.use_orig_params and layout.family.views_with_orig_params:  # moments and steps per unpadded view [FSDP]
         out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
         tensors = views_per_rank(groups) if groups.exact else None
-    if not layout.padded_moments:
+    if not (layout.padded_moments or knobs.state_loaded_whole):
         out["optim"] = [(lo, lo) for lo, _ in out["optim"]]
     if layout.flat_optimizer and groups.exact:  # one flat fp32 partition (per sub-group) per rank [DS]
         parts = [sh.numel // n for sh in groups.trained_shards]

@@ -182,6 +182,11 @@ class PlanKnobs:
     #: ``offload`` (none, optimizer, full): what a row keeps on the host (DeepSpeed's offloaded optimizer computes its
     #: gradient norm on the host: :func:`zeroexp.formulas.deepspeed.ds_norm_bytes`)
     offload: str = "none"
+    #: The optimizer state was loaded from a whole (``full``) checkpoint (``checkpoint.load_from``): torch's
+    #: ``set_state_dict(full_state_dict=True)`` distributes each moment into its parameter's shard layout, padding
+    #: included, so Adam's moments are as long as the padded shard even where the row creates them unpadded (FSDP2:
+    #: ``zeros_like`` of the unpadded local chunk; measured, a 64-row weight at N=3: 20 rows held in 22 on rank 2)
+    state_loaded_whole: bool = False
 
     def post_forward_over(self, shard_over: int) -> int:
         """The ranks FSDP2 reshards each unit to after forward over a shard group of ``shard_over`` ranks

@@ -54,17 +54,20 @@ class CellModule(pl.LightningModule):
 
 
 class SyntheticBatches(Dataset):
-    """``steps`` batches for one rank; item ``i`` is :func:`zeroexp.models.make_batch` at step ``i`` (with
-    ``grad_accum=K``: ``steps`` x K micro-batches, item ``s * K + k`` the k-th of optimizer step s)."""
+    """``steps`` batches for one rank; item ``i`` is :func:`zeroexp.models.make_batch` at step ``start + i`` (with
+    ``grad_accum=K``: ``steps`` x K micro-batches, item ``s * K + k`` the k-th of optimizer step s; ``start``: the
+    micro-batches a run resumed from a checkpoint has already trained, ``Cell.first_step`` x K)."""
 
-    def __init__(self, model_cfg: Mapping[str, Any], batch_size: int, seed: int, rank: int, steps: int) -> None:
+    def __init__(self, model_cfg: Mapping[str, Any], batch_size: int, seed: int, rank: int, steps: int,
+                 start: int = 0) -> None:
         self.model_cfg, self.batch_size, self.seed, self.rank, self.steps = model_cfg, batch_size, seed, rank, steps
+        self.start = start
 
     def __len__(self) -> int:
         return self.steps
 
     def __getitem__(self, step: int) -> torch.Tensor:
-        return make_batch(self.model_cfg, self.batch_size, self.seed, step, self.rank)
+        return make_batch(self.model_cfg, self.batch_size, self.seed, self.start + step, self.rank)
 
 
 def cell_trainer(**settings: Any) -> pl.Trainer:

@@ -8,24 +8,30 @@ after the equivalence probe, so no measured step and no other probe sees it), on
    profiler (collectives, counted by :func:`zeroexp.probes.collectives.extract`) and the memory probe's
    tracker (:func:`zeroexp.probes.memory.memory_source`) running: wall time, files and bytes written, the
    collectives issued, the bytes held when the save started and the peak during it.
-2. **meta.json**: rank 0 records kind, strategy, world size and every file's size and SHA-256, last: a
-   directory without it is an unfinished save.
+2. **meta.json**: rank 0 records kind, strategy, world size, the step, the cell's configuration
+   (zeroexp.cell.source.CELL_KEYS) and every file's size and SHA-256, last: a directory without it is an unfinished
+   save.
 3. **load**: a fresh model (another seed, so every tensor must come from the checkpoint), wrapped by the
    adapter, and its optimizer. :func:`verify_checkpoint` refuses a checkpoint of another kind or strategy, a
    sharded one of another world size, and a missing, truncated or altered file (:class:`CheckpointError`);
    then the adapter's ``load_checkpoint``, measured like the save.
 4. **continuation**: the restored parameters against the saved ones, bit for bit; then one more step (the
    batches of step ``steps``) on the trained model and on the restored one, and the parameters again.
+
+With ``checkpoint.load_from`` (any ``checkpoint``, ``none`` included: zeroexp.config.moves), before the first step
+(``on_train_start``): the checkpoint, written by any strategy of the cell's layout at any world size, loaded by the
+adapter's ``load_checkpoint`` (measured as a restore), then the state the cell holds gathered whole to rank 0 and
+compared with the checkpoint's own, read whole there (:func:`moved_state`): ``summary.json[checkpoint][moved]``. That
+training resumed from it matches the target configuration's uninterrupted run from the same state is the
+equivalence probe's check: its reference starts from the checkpoint (zeroexp.probes.equivalence.train_reference).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
 import torch
@@ -33,6 +39,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile
 
+from zeroexp.cell.source import FORMAT, META, CheckpointError, Source, cell_record, file_sha256, verify_checkpoint
 from zeroexp.models import build_model, make_batch
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.collectives import SOURCE as COLLECTIVES_SOURCE
@@ -49,66 +56,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointProbe", "CheckpointError", "verify_checkpoint", "META", "FORMAT"]
 
-META = "meta.json"
-FORMAT = "zeroexp-checkpoint/1"
 COLUMNS = ["rank", "phase", "ms", "bytes_written", "start_bytes", "peak_bytes", "peak_over_start_bytes",
            "collective_calls", "collective_payload_bytes"]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that zeroexp refuses to load; the message says which file or field and why."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_checkpoint(path: Path | str, *, kind: str | None = None, strategy: str | None = None,
-                      world_size: int | None = None, hash_files: Iterable[str] | None = None) -> dict[str, Any]:
-    """Check a checkpoint directory against its ``meta.json`` before anything is loaded; return the meta.
-
-    Refuses (``CheckpointError``): no or unreadable ``meta.json``; another ``kind`` or ``strategy`` than
-    given; a sharded checkpoint written by another ``world_size`` (its files hold that many ranks' shards);
-    a listed file that is missing or whose size differs (truncated); a SHA-256 that differs (altered). Only
-    the files named in ``hash_files`` are hashed (default: all). Issues no collective.
-    """
-    path = Path(path)
-    meta_path = path / META
-    if not meta_path.is_file():
-        raise CheckpointError(f"{path}: no {META}: not a zeroexp checkpoint, or its save did not finish")
-    try:
-        meta = json.loads(meta_path.read_text())
-        files = list(meta["files"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{meta_path}: unreadable ({type(e).__name__}: {e}): the checkpoint is corrupted") from e
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, this zeroexp reads {FORMAT!r}")
-    if kind is not None and meta.get("kind") != kind:
-        raise CheckpointError(f"{path}: a {meta.get('kind')} checkpoint; a {kind} one was asked for")
-    if strategy is not None and meta.get("strategy") != strategy:
-        raise CheckpointError(f"{path}: written by strategy={meta.get('strategy')}; it loads only into that "
-                              f"strategy, not into strategy={strategy}")
-    if world_size is not None and meta.get("kind") == "sharded" and meta.get("world_size") != world_size:
-        raise CheckpointError(f"{path}: a sharded checkpoint written by {meta.get('world_size')} ranks; it holds "
-                              f"their shards and loads only at world_size={meta.get('world_size')}, not "
-                              f"world_size={world_size}")
-    to_hash = None if hash_files is None else set(hash_files)
-    for entry in files:
-        file = path / entry["name"]
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (listed in {META}, written by rank {entry['rank']})")
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, {META} says {entry['bytes']}: the file is truncated or "
-                                  "corrupted")
-        if (to_hash is None or entry["name"] in to_hash) and _sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"{file}: its SHA-256 differs from the one in {META}: the file was altered "
-                                  "or corrupted")
-    return meta
 
 
 def _measured(fn: Callable[[], Any], device: torch.device, model: torch.nn.Module,
@@ -175,10 +124,20 @@ def checkpoint_table(ok: pd.DataFrame) -> ReportTable | None:
 
 
 def checkpoint_line(c: dict[str, Any]) -> str:
-    save, load = c.get("save", {}), c.get("load", {})
-    return (f"{c.get('kind')}: {c.get('files')} files saved in {fmt_ms(save.get('ms'))} ms, restored in "
-            f"{fmt_ms(load.get('ms'))} ms; restored and continued bit for bit: "
-            f"{c.get('restored_bit_identical')} / {c.get('continuation_bit_identical')}")
+    parts = []
+    moved = c.get("moved")
+    if moved:
+        src = moved.get("source", {})
+        parts.append(f"started from step {src.get('step')} of a {src.get('kind')} checkpoint by {src.get('strategy')} "
+                     f"at N={src.get('world_size')}: {moved.get('bit_identical_tensors')} of "
+                     f"{moved.get('compared_tensors')} tensors bit-identical"
+                     + (f", {len(moved['cast'])} cast" if moved.get("cast") else ""))
+    if "save" in c:
+        save, load = c.get("save", {}), c.get("load", {})
+        parts.append(f"{c.get('kind')}: {c.get('files')} files saved in {fmt_ms(save.get('ms'))} ms, restored in "
+                     f"{fmt_ms(load.get('ms'))} ms; restored and continued bit for bit: "
+                     f"{c.get('restored_bit_identical')} / {c.get('continuation_bit_identical')}")
+    return "; ".join(parts)
 
 
 class CheckpointProbe(Probe):
@@ -191,7 +150,7 @@ class CheckpointProbe(Probe):
 
     @classmethod
     def runs(cls, cell: Any) -> bool:
-        return cell.checkpoint != "none"
+        return cell.checkpoint != "none" or cell.load_from is not None
 
     digest_line = staticmethod(checkpoint_line)
     report_table = staticmethod(checkpoint_table)
@@ -200,6 +159,22 @@ class CheckpointProbe(Probe):
         super().__init__(ctx)
         self.kind = str(ctx.cfg.checkpoint.name)
         self.result: dict[str, Any] = {}
+        self.moved: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """``checkpoint.load_from``: before the first step, the checkpoint loaded into the wrapped model and its
+        optimizer by the adapter's own load (measured as a restore is), then the state it holds gathered whole and
+        compared with the checkpoint's, read whole on rank 0 (:func:`moved_state`)."""
+        source = self.ctx.cell.load_from
+        if source is None:
+            return
+        adapter, device, n = self.ctx.adapter, self.ctx.device, self.ctx.world_size
+        model, optimizer = trainer.strategy.model, trainer.optimizers[0]
+        _, load = _measured(lambda: adapter.load_checkpoint(source.kind, Path(source.dir), model, optimizer),
+                            device, model, optimizer, n, adapter.mesh_dims())
+        held = adapter.full_state_dicts(model, optimizer)  # a collective: the state whole on rank 0
+        self.moved = {"source": source.record(), "load": load,
+                      **(moved_state(source, *held) if self.ctx.rank == 0 else {})}
 
     def _directory(self, trainer) -> Path:
         where = self.ctx.cfg.checkpoint.get("dir")
@@ -236,6 +211,10 @@ class CheckpointProbe(Probe):
                 "compared_tensors": len(x)}
 
     def on_train_end(self, trainer, pl_module) -> None:
+        if self.kind != "none":
+            self._save_and_restore(trainer, pl_module)
+
+    def _save_and_restore(self, trainer, pl_module) -> None:
         cfg, adapter, rank, n = self.ctx.cfg, self.ctx.adapter, self.ctx.rank, self.ctx.world_size
         path = self._directory(trainer)
         model, optimizer, device = trainer.strategy.model, trainer.optimizers[0], self.ctx.device
@@ -245,13 +224,14 @@ class CheckpointProbe(Probe):
         dist.barrier()
         files, save = _measured(lambda: adapter.save_checkpoint(self.kind, path, model, optimizer),
                                 device, model, optimizer, n, adapter.mesh_dims())
-        mine = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size, "sha256": _sha256(f), "rank": rank}
-                for f in files]
+        mine = [{"name": f.relative_to(path).as_posix(), "bytes": f.stat().st_size, "sha256": file_sha256(f),
+                 "rank": rank} for f in files]
         written: list[Any] = [None] * n
         dist.all_gather_object(written, mine)
         if rank == 0:
             write_json(path / META, {"format": FORMAT, "kind": self.kind, "strategy": cfg.strategy.name,
-                                     "world_size": n, "step": int(trainer.global_step),
+                                     "world_size": n, "step": self.ctx.cell.first_step + int(trainer.global_step),
+                                     "cell": cell_record(cfg),
                                      "files": [f for per_rank in written for f in per_rank]})
         dist.barrier()
         fresh, fresh_module, fresh_optimizer = self._fresh()
@@ -268,7 +248,7 @@ class CheckpointProbe(Probe):
         _, load = _measured(lambda: adapter.load_checkpoint(self.kind, path, fresh, fresh_optimizer),
                             device, fresh, fresh_optimizer, n, adapter.mesh_dims())
         restored = self._compare(model, fresh)
-        step = int(trainer.global_step)
+        step = self.ctx.cell.first_step + int(trainer.global_step)  # the batches of the step after the last
         batch = make_batch(OmegaConf.to_container(cfg.model, resolve=True), int(cfg.batch_size), int(cfg.seed), step,
                            rank).to(device)
         adapter.settle_restored(fresh, fresh_module.loss_fn, batch)  # e.g. DDP's bucket layout after a first step
@@ -285,15 +265,17 @@ class CheckpointProbe(Probe):
                        "directory": _shown(path, Path(trainer.default_root_dir)) if keep else None}
 
     def rank_result(self) -> dict[str, Any]:
-        return self.result
+        return {**self.result, **({"moved": self.moved} if self.moved is not None else {})}
 
     @classmethod
     def aggregate(cls, results: list[dict[str, Any]], cell) -> ProbeReport:
         first = results[0]
+        phases = {**({"move": lambda r: r["moved"]["load"]} if "moved" in first else {}),
+                  **({"save": lambda r: r["save"], "load": lambda r: r["load"]} if "save" in first else {})}
         rows = []
         for rank, res in enumerate(results):
-            for phase in ("save", "load"):
-                m = res[phase]
+            for phase, of in phases.items():
+                m = of(res)
                 rows.append({"rank": rank, "phase": phase, "ms": m["ms"],
                              "bytes_written": sum(f["bytes"] for f in res["files"]) if phase == "save" else 0,
                              "start_bytes": m["start_bytes"], "peak_bytes": m["peak_bytes"],
@@ -301,36 +283,103 @@ class CheckpointProbe(Probe):
                              "collective_calls": sum(m["counts"].values()),
                              "collective_payload_bytes": sum(m["payload_bytes"].values())})
         frame = pd.DataFrame(rows, columns=COLUMNS)
-        restored, continued = first["restored"], first["continued"]
-        reasons = []
-        if not restored.get("bit_identical"):
-            reasons.append(Reason(Code.CHECKPOINT_RESTORE_DIFFERS,
-                                  "the restored parameters differ from the saved ones"))
-        if not continued.get("bit_identical"):
-            reasons.append(Reason(Code.CHECKPOINT_CONTINUATION_DIFFERS, "one more step after the restore differs from "
-                                  f"one more step without it (max abs diff {continued.get('max_abs_diff')})"))
-        section = {
-            "kind": first["kind"], "format": first["format"], "kept": first["kept"], "directory": first["directory"],
-            "files": sum(len(r["files"]) for r in results),
-            "save": {**_phase(results, frame, "save"),
-                     "bytes_written": int(sum(sum(f["bytes"] for f in r["files"]) for r in results)),
-                     "rank_bytes_written": [int(sum(f["bytes"] for f in r["files"])) for r in results]},
-            "load": _phase(results, frame, "load"),
-            "memory_source": first["save"]["memory_source"], "collectives_source": COLLECTIVES_SOURCE,
-            "restored_bit_identical": bool(restored.get("bit_identical")),
-            "continuation_step": first["continuation_step"],
-            "continuation_bit_identical": bool(continued.get("bit_identical")),
-            "continuation_max_abs_diff": continued.get("max_abs_diff"),
-            "compared_tensors": continued.get("compared_tensors"),
-            **Check.failed_if(reasons).fields(),
-        }
+        reasons: list[Reason] = []
+        section: dict[str, Any] = {"kind": cell.checkpoint}
+        if "moved" in first:
+            moved = {**first["moved"], "load": _phase(results, frame, "move", phases["move"])}
+            reasons += moved_reasons(moved)
+            section["moved"] = {**moved, **Check.failed_if(moved_reasons(moved)).fields()}
+        if "save" in first:
+            restored, continued = first["restored"], first["continued"]
+            if not restored.get("bit_identical"):
+                reasons.append(Reason(Code.CHECKPOINT_RESTORE_DIFFERS,
+                                      "the restored parameters differ from the saved ones"))
+            if not continued.get("bit_identical"):
+                reasons.append(Reason(Code.CHECKPOINT_CONTINUATION_DIFFERS, "one more step after the restore differs "
+                                      f"from one more step without it (max abs diff {continued.get('max_abs_diff')})"))
+            section.update({
+                "format": first["format"], "kept": first["kept"], "directory": first["directory"],
+                "files": sum(len(r["files"]) for r in results),
+                "save": {**_phase(results, frame, "save", phases["save"]),
+                         "bytes_written": int(sum(sum(f["bytes"] for f in r["files"]) for r in results)),
+                         "rank_bytes_written": [int(sum(f["bytes"] for f in r["files"])) for r in results]},
+                "load": _phase(results, frame, "load", phases["load"]),
+                "memory_source": first["save"]["memory_source"], "collectives_source": COLLECTIVES_SOURCE,
+                "restored_bit_identical": bool(restored.get("bit_identical")),
+                "continuation_step": first["continuation_step"],
+                "continuation_bit_identical": bool(continued.get("bit_identical")),
+                "continuation_max_abs_diff": continued.get("max_abs_diff"),
+                "compared_tensors": continued.get("compared_tensors")})
+        section.update(Check.failed_if(reasons).fields())
         return ProbeReport(section=section, tables={"checkpoint.csv": frame})
 
 
-def _phase(results: list[dict[str, Any]], frame: pd.DataFrame, phase: str) -> dict[str, Any]:
-    """One phase's section: the slowest rank's time, per-rank memory, rank 0's collectives."""
+def _flat(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
+    """A state's tensors by name: each model entry by its name, each optimizer entry ``<parameter>:<key>``
+    (``exp_avg``, ``exp_avg_sq``, ``step``; a number as a tensor)."""
+    out = {str(n): t for n, t in model_sd.items() if isinstance(t, torch.Tensor)}
+    for name, entry in (optim_sd.get("state") or {}).items():
+        for key, value in entry.items():
+            out[f"{name}:{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    return out
+
+
+def moved_state(source: Source, model_sd: dict, optim_sd: dict) -> dict[str, Any]:
+    """Rank 0: the state a cell holds after loading ``source`` (``model_sd`` and ``optim_sd`` whole, as a full
+    checkpoint would write them) against the checkpoint's own, read whole here: every tensor of the checkpoint by
+    name, equal bit for bit where its dtype did not change; ``cast``: those that changed dtype (what the cast
+    lost: their largest difference); ``lost``: tensors of the checkpoint the cell holds none of; ``initialised``:
+    optimizer state the cell holds and the checkpoint has none of, all zero (torch's state-dict API creates every
+    trainable parameter's state by a step of zero gradients at lr 0 before it loads: a parameter no step had given
+    a gradient yet); ``added``: any other tensor the checkpoint lacks."""
+    from zeroexp.strategies._checkpoint import read_whole
+
+    whole = read_whole(source.kind, Path(source.dir))
+    theirs, ours = _flat(whole["model"], whole["optim"]), _flat(model_sd, optim_sd)
+    common = [k for k in theirs if k in ours]
+    differ, cast, worst = [], [], 0.0
+    for name in common:
+        a, b = theirs[name], ours[name].to("cpu")
+        if a.shape != b.shape:
+            differ.append({"tensor": name, "why": f"shape {tuple(b.shape)}, the checkpoint's {tuple(a.shape)}"})
+            continue
+        diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        worst = max(worst, diff)
+        if a.dtype != b.dtype:
+            cast.append({"tensor": name, "from": str(a.dtype).removeprefix("torch."),
+                         "to": str(b.dtype).removeprefix("torch."), "max_abs_diff": diff})
+        elif not torch.equal(a, b):
+            differ.append({"tensor": name, "why": f"max abs diff {diff:.3g}"})
+    extra = [k for k in ours if k not in theirs]
+    zero = [k for k in extra if ":" in k and not k.endswith(":step") and not bool(ours[k].count_nonzero())]
+    fresh = {k.split(":")[0] for k in zero}
+    initialised = sorted(k for k in extra if k in zero or (k.endswith(":step") and k.split(":")[0] in fresh))
+    return {"compared_tensors": len(common), "bit_identical_tensors": len(common) - len(differ) - len(cast),
+            "max_abs_diff": worst, "differ": differ, "cast": cast, "lost": sorted(k for k in theirs if k not in ours),
+            "initialised": initialised, "added": sorted(k for k in extra if k not in initialised)}
+
+
+def moved_reasons(moved: dict[str, Any]) -> list[Reason]:
+    """Why a moved state is not the checkpoint's (none: PASS): a tensor that differs without a cast, or one lost
+    or added."""
+    reasons = []
+    if moved.get("differ"):
+        reasons.append(Reason(Code.CHECKPOINT_MOVE_DIFFERS, f"{len(moved['differ'])} tensors differ from the "
+                              f"checkpoint's with their dtype unchanged, first {moved['differ'][0]['tensor']} "
+                              f"({moved['differ'][0]['why']})"))
+    if moved.get("lost") or moved.get("added"):
+        said = [f"{len(moved[k])} {k} (first {moved[k][0]})" for k in ("lost", "added") if moved.get(k)]
+        reasons.append(Reason(Code.CHECKPOINT_MOVE_NAMES_DIFFER, "the moved state's tensors are not the "
+                              f"checkpoint's: {', '.join(said)}"))
+    return reasons
+
+
+def _phase(results: list[dict[str, Any]], frame: pd.DataFrame, phase: str,
+           of: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """One phase's section: the slowest rank's time, per-rank memory, rank 0's collectives (``of``: a rank's
+    measurement of the phase)."""
     rows = frame[frame.phase == phase]
-    r0 = results[0][phase]
+    r0 = of(results[0])
     return {"ms": float(rows.ms.max()), "rank_ms": [float(v) for v in rows.ms],
             "start_bytes": [int(v) for v in rows.start_bytes], "peak_bytes": [int(v) for v in rows.peak_bytes],
             "peak_over_start_bytes": [int(v) for v in rows.peak_over_start_bytes],

@@ -21,6 +21,7 @@ reference holds in rank 0's host memory is :mod:`zeroexp.formulas.reference`'s (
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import pandas as pd
@@ -28,6 +29,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp._lib.modules import wrapper_prefixes
+from zeroexp.cell.source import Source
 from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.probes.base import Probe, ProbeReport
 
@@ -44,8 +46,14 @@ _PREFIX = "net."
 
 
 def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None,
-                    averaged_grads: bool = False, seen: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+                    averaged_grads: bool = False, seen: dict[str, Any] | None = None,
+                    start: Source | None = None) -> dict[str, torch.Tensor]:
     """Train the unsharded reference for ``steps`` steps; return its parameters by name (on the CPU).
+
+    ``start``: the checkpoint the cell started from (``checkpoint.load_from``): the reference starts from its
+    state as written (parameters, AdamW's moments and step, read whole in this process: not the state the cell
+    loaded) and trains on the batches of the steps after it, so it is the target configuration's uninterrupted run
+    from the same state.
 
     ``clip_grad_norm``: clip by the global norm as the strategy does. ``averaged_grads``: data parallelism's
     arithmetic instead of the mean loss's: each rank's gradient of its own loss, summed in the reverse rank
@@ -63,10 +71,13 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     impl = o.get("impl")  # the cell's AdamW path (optimizer.impl), so that only the sharding differs
     path = {} if impl is None else {"foreach": impl == "foreach", "fused": impl == "fused"}
     opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **path)
+    if start is not None:
+        start_from(net, opt, start)
     loss_fn = LOSSES[cfg.model.loss]
     n, k = int(cfg.world_size), int(cfg.grad_accum)
+    first = 0 if start is None else start.step
     initial = {name: b.detach().clone() for name, b in net.named_buffers()}
-    for step in range(steps):
+    for step in range(first, first + steps):
         opt.zero_grad(set_to_none=True)
         for micro in range(step * k, step * k + k):  # grad_accum=K: K micro-batches per step, each loss / K
             # The global batch, fed rank by rank: each rank's loss is the loss of its own batch, as in training.
@@ -87,13 +98,26 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
                 (loss / k if k > 1 else loss).backward()
         if clip_grad_norm is not None:  # the strategy clips by the global norm: so does the reference
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        if seen is not None and step == 0:
+        if seen is not None and step == first:
             seen["ungraded"] = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
         opt.step()
     if seen is not None:
         seen["buffers"] = {name: b.detach() for name, b in net.named_buffers()}
         seen["moved_buffers"] = [name for name, b in net.named_buffers() if not torch.equal(b, initial[name])]
     return {name: p.detach() for name, p in net.named_parameters()}
+
+
+def start_from(net: torch.nn.Module, opt: torch.optim.Optimizer, source: Source) -> None:
+    """Load the checkpoint ``source``, read whole (``zeroexp.strategies._checkpoint.read_whole``), into the plain
+    ``net`` and its AdamW ``opt``: the parameters and buffers it holds by name (CellModule's ``net.`` prefix taken
+    off), each parameter's moments and step where it has them."""
+    from zeroexp.strategies._checkpoint import read_whole
+
+    whole = read_whole(source.kind, Path(source.dir))
+    net.load_state_dict({n.removeprefix(_PREFIX): t for n, t in whole["model"].items()})
+    index = {name: i for i, (name, _) in enumerate(net.named_parameters())}
+    state = {index[n.removeprefix(_PREFIX)]: s for n, s in whole["optim"]["state"].items()}
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 
 #: Why a parameter forward never uses may differ from the reference by design.
@@ -231,10 +255,12 @@ class EquivalenceProbe(Probe):
         if self.ctx.rank == 0:
             steps, clip = int(trainer.global_step), self.ctx.adapter.clip_grad_norm
             seen: dict[str, Any] = {}
-            reference = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, seen=seen)
+            start = self.ctx.cell.load_from
+            reference = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, seen=seen, start=start)
             floor = None
             if self.ctx.world_size > 1:  # one rank: there is no other order
-                averaged = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, averaged_grads=True)
+                averaged = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, averaged_grads=True,
+                                           start=start)
                 floor = max_abs_diff(averaged, reference)
             # only a flat gradient buffer (zeroexp's ZeRO, FSDP1) gives an unused parameter a gradient by design;
             # elsewhere it must stay where the reference leaves it, or the adapter names why not (``cause``)

@@ -187,8 +187,8 @@ def _train(cfg: Any, cfg_dict: dict[str, Any], cell: Path, run_info: dict, resol
     module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients,
                         log_loss=resolved.logs_loss)
     accum = resolved.grad_accum  # micro-batches per optimizer step (zeroexp.rank.microbatches)
-    data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps * accum),
-                      batch_size=None)
+    data = DataLoader(SyntheticBatches(cfg_dict["model"], cfg.batch_size, cfg.seed, rank, cfg.steps * accum,
+                                       start=resolved.first_step * accum), batch_size=None)
     probe_classes = probes_for(resolved)
     probes = [as_callback(cls)(ctx) for cls in probe_classes]  # each a Lightning callback
     callbacks: list[pl.Callback] = list(probes)

@@ -84,6 +84,8 @@ class Code(str, Enum):
     # the checkpoint probe
     CHECKPOINT_RESTORE_DIFFERS = "checkpoint.restore_differs"  # restored parameters differ from the saved
     CHECKPOINT_CONTINUATION_DIFFERS = "checkpoint.continuation_differs"  # the step after a restore differs
+    CHECKPOINT_MOVE_DIFFERS = "checkpoint.move_differs"  # a moved tensor differs from the checkpoint's, same dtype
+    CHECKPOINT_MOVE_NAMES_DIFFER = "checkpoint.move_names_differ"  # the moved state lost or gained a tensor
     # summary.json["plan"]: state, calls, groups
     PLAN_NO_BYTE_MODEL = "plan.no_byte_model"  # the formulas have no byte model for the row, precision, offload
     PLAN_NO_STATE_MEASURED = "plan.no_state_measured"  # no rank_state.csv: the state probe did not run

@@ -28,16 +28,20 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = ["FULL_FILE", "save_full", "load_full", "write_full", "read_full", "save_sharded", "load_sharded",
-           "save_state_dicts", "load_state_dicts", "dcp_files"]
+           "save_state_dicts", "load_state_dicts", "dcp_files", "full_state_dicts", "read_whole"]
 
 FULL_FILE = "full.pt"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole model and optimizer state on rank 0 (CPU), keyed by parameter name; empty dicts elsewhere."""
+    return get_state_dict(model, optimizer, options=_FULL)
+
+
 def save_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
     """Gather the whole model and optimizer state to rank 0 (CPU) and write it there; the files this rank wrote."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FULL)
-    return write_full(path, model_sd, optim_sd)
+    return write_full(path, *full_state_dicts(model, optimizer))
 
 
 def write_full(path: Path, model_sd: dict, optim_sd: dict) -> list[Path]:
@@ -91,3 +95,20 @@ def dcp_files(path: Path, rank: int) -> list[Path]:
     the ``.metadata`` it writes as coordinator)."""
     files = sorted(path.glob(f"__{rank}_*.distcp"))
     return files + ([path / ".metadata"] if rank == 0 and (path / ".metadata").exists() else [])
+
+
+def read_whole(kind: str, path: Path) -> dict:
+    """``{"model": ..., "optim": ...}`` of a :func:`save_state_dicts` checkpoint of either kind, whole, on the CPU, in
+    this process alone (no collective): a full one as written; a sharded one through torch.distributed.checkpoint's
+    ``dcp_to_torch_save`` (its shards read whole, with no process group). What a moved checkpoint is checked against,
+    and what the unsharded reference starts from (zeroexp.probes.checkpoint, zeroexp.probes.equivalence)."""
+    if kind == "full":
+        return read_full(path)
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(prefix="zeroexp-whole-") as scratch:
+        whole = Path(scratch) / "whole.pt"
+        dcp_to_torch_save(path, whole)
+        return torch.load(whole, map_location="cpu", weights_only=True)

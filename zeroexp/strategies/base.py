@@ -101,6 +101,12 @@ class StrategyAdapter:
     #: refuses the others. The default save and load are torch's state-dict API (zeroexp.strategies._checkpoint),
     #: which an adapter overrides only where its state needs its own.
     checkpoint_kinds: ClassVar[frozenset[str]] = frozenset()
+    #: The layout of the state its checkpoints hold, where other strategies share it; None where none does. A
+    #: checkpoint of one layout loads into every strategy of that layout at any world size (``checkpoint.load_from``,
+    #: zeroexp.probes.checkpoint). ``state_dict``: torch's state-dict API, the model's and the optimizer's state keyed
+    #: by parameter name (``get_state_dict``), whole in one file or through torch.distributed.checkpoint, which
+    #: reshards it to whatever the loading strategy holds.
+    moved_layout: ClassVar[str | None] = None
     #: ``dry_run=true`` (zeroexp.rank.dryrun): True when the strategy's own code runs under a fake process group and
     #: ``FakeTensorMode`` (its state and collectives are traced); False when it needs real storage (DDP's C++
     #: Reducer): the dry run then derives the collectives and the state table instead, and says so.
@@ -279,6 +285,14 @@ class StrategyAdapter:
                     "which writes it to one file")
         return ("torch.distributed.checkpoint of get_state_dict's state: each rank writes its items (a tensor the "
                 "ranks hold alike once, DCP's deduplication), __<rank>_0.distcp; rank 0 the .metadata")
+
+    def full_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The model's and the optimizer's state whole on rank 0, on the CPU, keyed by parameter name (the other ranks:
+        empty dicts): what a ``full`` checkpoint writes. A collective: call it on every rank. Default: torch's
+        ``get_state_dict(full_state_dict, cpu_offload)``."""
+        from zeroexp.strategies._checkpoint import full_state_dicts
+
+        return full_state_dicts(model, optimizer)
 
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
         """Write the wrapped ``model``'s and ``optimizer``'s state as a ``kind`` checkpoint into the existing

@@ -133,6 +133,7 @@ class FSDPAdapter(StrategyAdapter):
             model.clip_grad_norm_(self.clip_grad_norm)
 
     checkpoint_kinds = frozenset({"full", "sharded"})
+    moved_layout = "state_dict"
 
     def checkpoint_format(self, kind: str) -> str:
         if kind == "full":
@@ -148,13 +149,15 @@ class FSDPAdapter(StrategyAdapter):
         it is about to read, torch 2.13); sharded: zeroexp.strategies._checkpoint.save_sharded."""
         if kind != "full":
             return save_sharded(path, model, optimizer)
+        return write_full(path, *self.full_state_dicts(model, optimizer))
+
+    def full_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """FULL_STATE_DICT, rank0_only; CPU offload on CUDA only (see :meth:`save_checkpoint`)."""
         offload = next(model.parameters()).device.type != "cpu"
         with FullyShardedDataParallel.state_dict_type(
                 model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
                 FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True)):
-            model_sd = model.state_dict()
-            optim_sd = FullyShardedDataParallel.optim_state_dict(model, optimizer)
-        return write_full(path, model_sd, optim_sd)
+            return model.state_dict(), FullyShardedDataParallel.optim_state_dict(model, optimizer)
 
     def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """full: every rank reads the file and keeps its shards (optim_state_dict_to_load); sharded: DCP."""
