@@ -173,7 +173,7 @@ class CheckpointProbe(Probe):
         _, load = _measured(lambda: adapter.load_checkpoint(source.kind, Path(source.dir), model, optimizer),
                             device, model, optimizer, n, adapter.mesh_dims())
         held = adapter.full_state_dicts(model, optimizer)  # a collective: the state whole on rank 0
-        self.moved = {"source": source.record(), "load": load,
+        self.moved = {"source": source.record(), "load": load, "not_moved": not_moved(source, self.ctx.cell),
                       **(moved_state(source, *held) if self.ctx.rank == 0 else {})}
 
     def _directory(self, trainer) -> Path:
@@ -357,6 +357,21 @@ def moved_state(source: Source, model_sd: dict, optim_sd: dict) -> dict[str, Any
     return {"compared_tensors": len(common), "bit_identical_tensors": len(common) - len(differ) - len(cast),
             "max_abs_diff": worst, "differ": differ, "cast": cast, "lost": sorted(k for k in theirs if k not in ours),
             "initialised": initialised, "added": sorted(k for k in extra if k not in initialised)}
+
+
+def not_moved(source: Source, cell: Any) -> list[dict[str, str]]:
+    """What of the checkpoint's training a cell that starts from it does not carry on, each ``{state, why}``: none
+    but fp16's dynamic loss scale (a checkpoint holds the model's and AdamW's state; the scale a run has grown or
+    cut is not in it) and a precision change (each says what its state keeps)."""
+    out = []
+    if source.cell["precision"].get("loss_scale") is not None:
+        out.append({"state": "the fp16 loss scale and its growth count", "why": "not in the checkpoint: the cell "
+                    f"starts at precision.loss_scale={cell.policy.precision.loss_scale}"})
+    if source.precision != cell.precision:
+        out.append({"state": f"precision {source.precision}", "why": f"the cell trains in {cell.precision}: the "
+                    "checkpoint's parameters and moments are loaded as the cell holds them (``cast`` lists each "
+                    "tensor whose dtype changed, none where both keep fp32 masters)"})
+    return out
 
 
 def moved_reasons(moved: dict[str, Any]) -> list[Reason]:

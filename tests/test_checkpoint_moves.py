@@ -1,0 +1,159 @@
+"""Checkpoints that move (``checkpoint.load_from``, zeroexp.config.moves, zeroexp.probes.checkpoint): a checkpoint a
+cell kept, written by one strategy at one world size, starts another cell under another strategy and world size;
+the state it holds after the load equals the checkpoint's tensor by tensor, and its training from there equals the
+unsharded reference started from the same state (the equivalence check), every other check as in any cell.
+
+The sources are tests/test_checkpoint.py's cells (the 8 x Linear(64, 64) mlp at N=2, kept: shared, not run again);
+the moves grow N (2 -> 3, 2 -> 4 hybrid), shrink it (3 -> 2, a moved cell's own checkpoint), change strategy
+within torch's state-dict layout (DDP, FSDP1, FSDP2, HSDP) and kind (full, sharded), on the mlp, a shrunk Hugging
+Face Llama in bf16 (rotary buffers) and a model with frozen parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import STEPS, WINDOWS
+from test_hf_models import SHRUNK
+from zeroexp.cell.source import META, Source
+from zeroexp.config.schemas import validate
+from zeroexp.errors import ConfigError, InvalidCell
+
+#: Tensors of the mlp's state: 8 parameters, each with AdamW's exp_avg, exp_avg_sq and step.
+MLP_TENSORS = 8 * 4
+
+
+def _source(cell, strategy: str, kind: str, *more: str, world_size: int = 2, base=None) -> Path:
+    """The kept checkpoint of a cell (tests/test_checkpoint.py's where the overrides are its)."""
+    over = (f"strategy={strategy}", f"checkpoint={kind}", f"world_size={world_size}", "checkpoint.keep=true", *more)
+    result = cell(*over) if base is None else cell(*over, base=base)
+    assert result.status == "ok", result.error
+    return Path(result.cell_dir) / "checkpoint"
+
+
+def _moved(result, tensors: int, source: Path, strategy: str, world_size: int) -> dict:
+    """Every check of a cell that started from ``source`` held, its moved state bit-identical; its section."""
+    from conftest import held_checks
+
+    checks = held_checks(result)
+    assert checks["equivalence"].verdict == "PASS" and checks["checkpoint"].verdict == "PASS"
+    assert result.summary["plan"]["check"] == "PASS" and "plan.state" in checks
+    moved = result.summary["checkpoint"]["moved"]
+    assert moved["check"] == "PASS" and moved["reason_codes"] == []
+    assert moved["compared_tensors"] == moved["bit_identical_tensors"] == tensors
+    assert moved["max_abs_diff"] == 0.0 and not (moved["differ"] or moved["lost"] or moved["added"] or moved["cast"])
+    src = json.loads((source / META).read_text())
+    assert moved["source"] == {"dir": str(source.resolve()), "kind": src["kind"], "strategy": strategy,
+                               "world_size": world_size, "step": src["step"], "precision": src["cell"]["precision"]
+                               ["name"]}
+    assert len(moved["load"]["rank_ms"]) == result.summary["cell"]["world_size"]
+    assert "resumed" in json.loads((Path(result.cell_dir) / "manifest.json").read_text())["cell_name"]
+    return moved
+
+
+MOVES = [  # (source strategy, kind, N) -> (target strategy, N, its own keys)
+    (("fsdp_full", "sharded"), ("ddp", 3, ())),                                  # FSDP1's shards resharded to DDP
+    (("ddp", "full"), ("fsdp2_full", 3, ())),                                    # whole state into uneven DTensors
+    (("fsdp2_full", "sharded"), ("fsdp2_hybrid", 4, ("strategy.shard_size=2",))),  # onto a 2 x 2 mesh
+]
+
+
+@pytest.mark.parametrize("source, target", MOVES, ids=[f"{s[0]}-{s[1]}-to-{t[0]}-n{t[1]}" for s, t in MOVES])
+def test_a_checkpoint_moves_to_another_strategy_and_world_size(cell, source, target):
+    strategy, n, keys = target
+    where = _source(cell, *source)
+    result = cell(f"strategy={strategy}", f"world_size={n}", *keys, f"checkpoint.load_from={where}")
+    moved = _moved(result, MLP_TENSORS, where, source[0], 2)
+    assert moved["source"]["step"] == STEPS and moved["not_moved"] == []
+    assert result.summary["equivalence"]["steps"] == STEPS  # the cell's own steps, after the checkpoint's
+    if strategy == "fsdp2_full":  # the whole state distributed into padded shards: planned (PlanKnobs.state_loaded_whole)
+        assert result.summary["plan"]["state"]["check"] == "PASS"
+
+
+def test_a_moved_cell_saves_where_it_stands_and_shrinks_back(cell):
+    """A cell that started from step STEPS writes its checkpoint at step 2 x STEPS; a cell at a smaller N starts from
+    it (FSDP1 at N=2 from DDP's checkpoint at N=3)."""
+    first = _source(cell, "fsdp_full", "sharded")
+    grown = cell("strategy=ddp", "world_size=3", "checkpoint=sharded", "checkpoint.keep=true",
+                 f"checkpoint.load_from={first}")
+    _moved(grown, MLP_TENSORS, first, "fsdp_full", 2)
+    second = Path(grown.cell_dir) / "checkpoint"
+    meta = json.loads((second / META).read_text())
+    assert meta["step"] == 2 * STEPS and meta["world_size"] == 3 and meta["cell"]["world_size"] == 3
+    assert grown.summary["checkpoint"]["continuation_step"] == 2 * STEPS  # its continuation: the step after its last
+    shrunk = cell("strategy=fsdp_full", "world_size=2", f"checkpoint.load_from={second}")
+    assert _moved(shrunk, MLP_TENSORS, second, "ddp", 3)["source"]["step"] == 2 * STEPS
+
+
+def test_foreign_models_move(cell):
+    """A shrunk Hugging Face Llama in bf16 (FSDP2 N=2, full -> DDP N=3; its rotary inv_freq a buffer) and a model with
+    frozen parameters (FSDP1 N=3, sharded -> FSDP2 N=2: the frozen ones hold no optimizer state)."""
+    llama = ("logger=none", f"steps={STEPS}", *WINDOWS, *SHRUNK, "precision=bf16")
+    where = _source(cell, "fsdp2_full", "full", base=llama)
+    moved = _moved(cell("strategy=ddp", "world_size=3", f"checkpoint.load_from={where}", base=llama), 21 * 4, where,
+                   "fsdp2_full", 2)
+    assert moved["source"]["precision"] == "bf16"
+    frozen = ("logger=none", f"steps={STEPS}", *WINDOWS, "model=custom", "model._target_=corpus.frozen_mlp",
+              "model.input_shape=[16]", "+model.frozen=[1,2]", "model.wrap=[torch.nn.Linear]")
+    where = _source(cell, "fsdp_full", "sharded", world_size=3, base=frozen)
+    # 4 bias-free Linear layers, 2 of them frozen: 4 weights, and AdamW's 3 tensors for each of the 2 trained ones
+    _moved(cell("strategy=fsdp2_full", "world_size=2", f"checkpoint.load_from={where}", base=frozen), 4 + 2 * 3,
+           where, "fsdp_full", 3)
+
+
+def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_path):
+    where = shutil.copytree(_source(cell, "ddp", "full"), tmp_path / "ddp-full")
+    assert validate(compose("strategy=fsdp_full", "world_size=3", f"checkpoint.load_from={where}"))
+    refusals = {
+        ("strategy=zro", f"checkpoint.load_from={where}"): (InvalidCell, "the cell's strategy, zro"),
+        ("strategy=deepspeed", f"checkpoint.load_from={where}"): (InvalidCell, "the cell's strategy, deepspeed"),
+        (f"checkpoint.load_from={_source(cell, 'zro', 'full')}",): (InvalidCell, "the checkpoint's strategy, zro"),
+        ("model.width=32", f"checkpoint.load_from={where}"): (InvalidCell, "model.width=64 there, 32 here"),
+        ("optimizer.lr=0.5", f"checkpoint.load_from={where}"): (InvalidCell, "optimizer.lr="),
+        ("dry_run=true", f"checkpoint.load_from={where}"): (ConfigError, "a dry run holds no tensor values"),
+        (f"checkpoint.load_from={tmp_path / 'nothing'}",): (ConfigError, "no meta.json"),
+    }
+    for overrides, (error, said) in refusals.items():
+        with pytest.raises(error, match="checkpoint.load_from") as e:
+            validate(compose(*overrides))
+        assert said in str(e.value), (overrides, str(e.value))
+    assert validate(compose("optimizer.impl=foreach", "model.wrap=[]", f"checkpoint.load_from={where}"))  # free keys
+    meta = json.loads((where / META).read_text())
+    (where / META).write_text(json.dumps({k: v for k, v in meta.items() if k != "cell"}))
+    with pytest.raises(ConfigError, match="records no cell configuration"):
+        validate(compose(f"checkpoint.load_from={where}"))
+
+
+def test_the_moved_state_is_judged_tensor_by_tensor(tmp_path):
+    """moved_state against a whole checkpoint written here: equal, a tensor changed, cast, lost, and the zero
+    optimizer state torch's state-dict API creates for a parameter without any (not a difference)."""
+    from zeroexp.probes.checkpoint import moved_reasons, moved_state
+
+    w, b = torch.arange(6.0).reshape(2, 3), torch.ones(2)
+    state = {"net.w": {"step": torch.tensor(3.0), "exp_avg": w / 7, "exp_avg_sq": w / 9}}
+    torch.save({"model": {"net.w": w, "net.b": b}, "optim": {"state": state, "param_groups": []}}, tmp_path / "full.pt")
+    source = Source(dir=str(tmp_path), kind="full", strategy="ddp", world_size=2, step=3, cell={})
+
+    def judged(model, optim):
+        moved = moved_state(source, model, {"state": optim})
+        return moved, [r.code.value for r in moved_reasons(moved)]
+
+    same, codes = judged({"net.w": w.clone(), "net.b": b.clone()}, {"net.w": dict(state["net.w"])})
+    assert codes == [] and same["compared_tensors"] == same["bit_identical_tensors"] == 5
+    changed = dict(state["net.w"], exp_avg=state["net.w"]["exp_avg"] + 1e-7)
+    moved, codes = judged({"net.w": w, "net.b": b}, {"net.w": changed})
+    assert codes == ["checkpoint.move_differs"] and moved["differ"][0]["tensor"] == "net.w:exp_avg"
+    moved, codes = judged({"net.w": w.bfloat16(), "net.b": b}, {"net.w": state["net.w"]})
+    assert codes == [] and [c["tensor"] for c in moved["cast"]] == ["net.w"] and moved["cast"][0]["to"] == "bfloat16"
+    moved, codes = judged({"net.w": w}, {"net.w": state["net.w"]})
+    assert codes == ["checkpoint.move_names_differ"] and moved["lost"] == ["net.b"]
+    fresh = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+    moved, codes = judged({"net.w": w, "net.b": b}, {"net.w": state["net.w"], "net.b": fresh})
+    assert codes == [] and moved["initialised"] == ["net.b:exp_avg", "net.b:exp_avg_sq", "net.b:step"]
+    moved, codes = judged({"net.w": w, "net.b": b}, {"net.w": state["net.w"], "net.b": dict(fresh, exp_avg=b)})
+    assert codes == ["checkpoint.move_names_differ"] and "net.b:exp_avg" in moved["added"]
