@@ -20,7 +20,7 @@ import torch
 
 from conftest import STEPS, WINDOWS
 from test_hf_models import SHRUNK
-from zeroexp.cell.source import META, Source
+from zeroexp.cell.source import META
 from zeroexp.config.schemas import validate
 from zeroexp.errors import ConfigError, InvalidCell
 
@@ -71,7 +71,7 @@ def test_a_checkpoint_moves_to_another_strategy_and_world_size(cell, source, tar
     moved = _moved(result, MLP_TENSORS, where, source[0], 2)
     assert moved["source"]["step"] == STEPS and moved["not_moved"] == []
     assert result.summary["equivalence"]["steps"] == STEPS  # the cell's own steps, after the checkpoint's
-    if strategy == "fsdp2_full":  # the whole state distributed into padded shards: planned (PlanKnobs.state_loaded_whole)
+    if strategy == "fsdp2_full":  # the whole state in padded shards: planned (PlanKnobs.state_loaded_whole)
         assert result.summary["plan"]["state"]["check"] == "PASS"
 
 
@@ -130,17 +130,16 @@ def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_pa
 
 
 def test_the_moved_state_is_judged_tensor_by_tensor(tmp_path):
-    """moved_state against a whole checkpoint written here: equal, a tensor changed, cast, lost, and the zero
+    """moved_state against a whole checkpoint's state: equal, a tensor changed, cast, lost, and the zero
     optimizer state torch's state-dict API creates for a parameter without any (not a difference)."""
     from zeroexp.probes.checkpoint import moved_reasons, moved_state
 
     w, b = torch.arange(6.0).reshape(2, 3), torch.ones(2)
     state = {"net.w": {"step": torch.tensor(3.0), "exp_avg": w / 7, "exp_avg_sq": w / 9}}
-    torch.save({"model": {"net.w": w, "net.b": b}, "optim": {"state": state, "param_groups": []}}, tmp_path / "full.pt")
-    source = Source(dir=str(tmp_path), kind="full", strategy="ddp", world_size=2, step=3, cell={})
+    whole = {"model": {"net.w": w, "net.b": b}, "optim": {"state": state, "param_groups": []}}
 
     def judged(model, optim):
-        moved = moved_state(source, model, {"state": optim})
+        moved = moved_state(whole, model, {"state": optim})
         return moved, [r.code.value for r in moved_reasons(moved)]
 
     same, codes = judged({"net.w": w.clone(), "net.b": b.clone()}, {"net.w": dict(state["net.w"])})

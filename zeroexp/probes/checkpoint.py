@@ -174,7 +174,8 @@ class CheckpointProbe(Probe):
                             device, model, optimizer, n, adapter.mesh_dims())
         held = adapter.full_state_dicts(model, optimizer)  # a collective: the state whole on rank 0
         self.moved = {"source": source.record(), "load": load, "not_moved": not_moved(source, self.ctx.cell),
-                      **(moved_state(source, *held) if self.ctx.rank == 0 else {})}
+                      **(moved_state(adapter.read_whole(source.kind, Path(source.dir)), *held)
+                         if self.ctx.rank == 0 else {})}
 
     def _directory(self, trainer) -> Path:
         where = self.ctx.cfg.checkpoint.get("dir")
@@ -324,17 +325,15 @@ def _flat(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def moved_state(source: Source, model_sd: dict, optim_sd: dict) -> dict[str, Any]:
-    """Rank 0: the state a cell holds after loading ``source`` (``model_sd`` and ``optim_sd`` whole, as a full
-    checkpoint would write them) against the checkpoint's own, read whole here: every tensor of the checkpoint by
+def moved_state(whole: dict, model_sd: dict, optim_sd: dict) -> dict[str, Any]:
+    """Rank 0: the state a cell holds after loading a checkpoint (``model_sd`` and ``optim_sd`` whole, as a full
+    checkpoint would write them) against the checkpoint's own, read whole (``whole``: ``StrategyAdapter.read_whole``,
+    in this process): every tensor of the checkpoint by
     name, equal bit for bit where its dtype did not change; ``cast``: those that changed dtype (what the cast
     lost: their largest difference); ``lost``: tensors of the checkpoint the cell holds none of; ``initialised``:
     optimizer state the cell holds and the checkpoint has none of, all zero (torch's state-dict API creates every
     trainable parameter's state by a step of zero gradients at lr 0 before it loads: a parameter no step had given
     a gradient yet); ``added``: any other tensor the checkpoint lacks."""
-    from zeroexp.strategies._checkpoint import read_whole
-
-    whole = read_whole(source.kind, Path(source.dir))
     theirs, ours = _flat(whole["model"], whole["optim"]), _flat(model_sd, optim_sd)
     common = [k for k in theirs if k in ours]
     differ, cast, worst = [], [], 0.0

@@ -47,13 +47,13 @@ _PREFIX = "net."
 
 def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None,
                     averaged_grads: bool = False, seen: dict[str, Any] | None = None,
-                    start: Source | None = None) -> dict[str, torch.Tensor]:
+                    start: tuple[Source, dict] | None = None) -> dict[str, torch.Tensor]:
     """Train the unsharded reference for ``steps`` steps; return its parameters by name (on the CPU).
 
-    ``start``: the checkpoint the cell started from (``checkpoint.load_from``): the reference starts from its
-    state as written (parameters, AdamW's moments and step, read whole in this process: not the state the cell
-    loaded) and trains on the batches of the steps after it, so it is the target configuration's uninterrupted run
-    from the same state.
+    ``start``: the checkpoint the cell started from (``checkpoint.load_from``) and its state read whole in this
+    process (``StrategyAdapter.read_whole``; not the state the cell loaded): the reference starts from that state
+    (parameters, AdamW's moments and step) and trains on the batches of the steps after it: the target
+    configuration's uninterrupted run from the same state.
 
     ``clip_grad_norm``: clip by the global norm as the strategy does. ``averaged_grads``: data parallelism's
     arithmetic instead of the mean loss's: each rank's gradient of its own loss, summed in the reverse rank
@@ -72,10 +72,10 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     path = {} if impl is None else {"foreach": impl == "foreach", "fused": impl == "fused"}
     opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **path)
     if start is not None:
-        start_from(net, opt, start)
+        start_from(net, opt, start[1])
     loss_fn = LOSSES[cfg.model.loss]
     n, k = int(cfg.world_size), int(cfg.grad_accum)
-    first = 0 if start is None else start.step
+    first = 0 if start is None else start[0].step
     initial = {name: b.detach().clone() for name, b in net.named_buffers()}
     for step in range(first, first + steps):
         opt.zero_grad(set_to_none=True)
@@ -107,13 +107,10 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     return {name: p.detach() for name, p in net.named_parameters()}
 
 
-def start_from(net: torch.nn.Module, opt: torch.optim.Optimizer, source: Source) -> None:
-    """Load the checkpoint ``source``, read whole (``zeroexp.strategies._checkpoint.read_whole``), into the plain
-    ``net`` and its AdamW ``opt``: the parameters and buffers it holds by name (CellModule's ``net.`` prefix taken
-    off), each parameter's moments and step where it has them."""
-    from zeroexp.strategies._checkpoint import read_whole
-
-    whole = read_whole(source.kind, Path(source.dir))
+def start_from(net: torch.nn.Module, opt: torch.optim.Optimizer, whole: Mapping[str, Any]) -> None:
+    """Load a checkpoint's state read whole (``{"model": ..., "optim": ...}``) into the plain ``net`` and its AdamW
+    ``opt``: the parameters and buffers it holds by name (CellModule's ``net.`` prefix taken off), each parameter's
+    moments and step where it has them."""
     net.load_state_dict({n.removeprefix(_PREFIX): t for n, t in whole["model"].items()})
     index = {name: i for i, (name, _) in enumerate(net.named_parameters())}
     state = {index[n.removeprefix(_PREFIX)]: s for n, s in whole["optim"]["state"].items()}
@@ -255,7 +252,8 @@ class EquivalenceProbe(Probe):
         if self.ctx.rank == 0:
             steps, clip = int(trainer.global_step), self.ctx.adapter.clip_grad_norm
             seen: dict[str, Any] = {}
-            start = self.ctx.cell.load_from
+            source = self.ctx.cell.load_from
+            start = None if source is None else (source, self.ctx.adapter.read_whole(source.kind, Path(source.dir)))
             reference = train_reference(self.ctx.cfg, steps, clip_grad_norm=clip, seen=seen, start=start)
             floor = None
             if self.ctx.world_size > 1:  # one rank: there is no other order

@@ -294,6 +294,15 @@ class StrategyAdapter:
 
         return full_state_dicts(model, optimizer)
 
+    def read_whole(self, kind: str, path: Path) -> dict:
+        """``{"model": ..., "optim": ...}`` of a ``kind`` checkpoint of this strategy's :attr:`moved_layout`, whole,
+        on the CPU, in this process alone (no collective): what a moved state is checked against and what the
+        unsharded reference starts from. Default: torch's state-dict layout
+        (:func:`zeroexp.strategies._checkpoint.read_whole`)."""
+        from zeroexp.strategies._checkpoint import read_whole
+
+        return read_whole(kind, path)
+
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
         """Write the wrapped ``model``'s and ``optimizer``'s state as a ``kind`` checkpoint into the existing
         directory ``path``; return the files this rank wrote. A collective: call it on every rank. Default: torch's
