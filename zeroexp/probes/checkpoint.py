@@ -106,7 +106,14 @@ def checkpoint_table(ok: pd.DataFrame) -> ReportTable | None:
     keys = ["checkpoint.kind", "checkpoint.files", "checkpoint.save.bytes_written",
             "checkpoint.save.rank0_peak_over_start_bytes", "checkpoint.save.max_peak_over_start_bytes",
             "checkpoint.save.ms", "checkpoint.load.ms", "checkpoint.continuation_max_abs_diff", "checkpoint.check"]
-    raw = raw_rows(ok, keys + [f"checkpoint.save.collectives.counts.{op}" for op in ops])
+    moved = ["checkpoint.moved.source.strategy", "checkpoint.moved.source.world_size", "checkpoint.moved.source.step",
+             "checkpoint.moved.bit_identical_tensors", "checkpoint.moved.compared_tensors"]
+    raw = raw_rows(ok, keys + [f"checkpoint.save.collectives.counts.{op}" for op in ops]
+                   + [k for k in moved if k in ok.columns])
+    raw["started from"] = ["none" if missing(row.get(moved[0])) else
+                           f"{row[moved[0]]} N={fmt_int(row[moved[1]])} step {fmt_int(row[moved[2]])}: "
+                           f"{fmt_int(row[moved[3]])} of {fmt_int(row[moved[4]])} tensors bit-identical"
+                           for _, row in raw.iterrows()]
     raw["save collectives"] = [", ".join(f"{OPS.get(op, op)} {fmt_int(row[f'checkpoint.save.collectives.counts.{op}'])}"
                                          for op in ops if not missing(row[f"checkpoint.save.collectives.counts.{op}"]))
                                or "none" for _, row in raw.iterrows()]
@@ -115,11 +122,14 @@ def checkpoint_table(ok: pd.DataFrame) -> ReportTable | None:
             Column(f"written {unit}", keys[2], unit), Column(f"rank-0 save peak + {unit}", keys[3], unit),
             Column(f"max save peak + {unit}", keys[4], unit), Column("save collectives", "save collectives", str),
             Column("save ms", keys[5], fmt_ms), Column("load ms", keys[6], fmt_ms),
-            Column("continuation max abs diff", keys[7], fmt_err), Column("check", keys[8])]
+            Column("continuation max abs diff", keys[7], fmt_err), Column("started from", "started from", str),
+            Column("check", keys[8])]
     note = (f"After training: bytes written by all ranks; save peak + is the highest allocation during the save "
             f"above what the rank held when it started ({unit}; rank 0, and the largest rank); the save's collectives "
             "(rank 0's calls, torch.profiler); times with the profiler and memory tracker running. PASS: restored into "
-            "a fresh model, one more step gives bit-identical parameters.")
+            "a fresh model, one more step gives bit-identical parameters; a cell started from a checkpoint "
+            "(checkpoint.load_from): the writing strategy, N and step, and its tensors held bit-identical after the "
+            "move.")
     return ReportTable("checkpoint", "Checkpoint: save and restore", raw, cols, note)
 
 
