@@ -106,12 +106,30 @@ def test_foreign_models_move(cell):
            where, "fsdp_full", 3)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_moves_its_full_state_both_ways(cell, stage):
+    """DeepSpeed's full checkpoint is torch's state-dict layout (the fp32 masters, both moments and Adam's step by
+    parameter name): a DeepSpeed cell at N=2 starts FSDP2 at N=3, and a DDP checkpoint at N=2 starts DeepSpeed at
+    N=3 (its safe_set_full_* API), each with every tensor bit-identical after the move."""
+    from test_checkpoint import _ds_cell
+
+    where = Path(_ds_cell(cell, stage, "full").cell_dir) / "checkpoint"
+    _moved(cell("strategy=fsdp2_full", "world_size=3", f"checkpoint.load_from={where}"), MLP_TENSORS, where,
+           "deepspeed", 2)
+    where = _source(cell, "ddp", "full")
+    _moved(cell("strategy=deepspeed", f"strategy.stage={stage}", "world_size=3", f"checkpoint.load_from={where}"),
+           MLP_TENSORS, where, "ddp", 2)
+
+
 def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_path):
     where = shutil.copytree(_source(cell, "ddp", "full"), tmp_path / "ddp-full")
-    assert validate(compose("strategy=fsdp_full", "world_size=3", f"checkpoint.load_from={where}"))
+    for strategy in ("fsdp_full", "fsdp2_hybrid", "deepspeed"):
+        assert validate(compose(f"strategy={strategy}", "world_size=4", f"checkpoint.load_from={where}",
+                                *(["strategy.shard_size=2"] if strategy == "fsdp2_hybrid" else [])))
     refusals = {
         ("strategy=zro", f"checkpoint.load_from={where}"): (InvalidCell, "the cell's strategy, zro"),
-        ("strategy=deepspeed", f"checkpoint.load_from={where}"): (InvalidCell, "the cell's strategy, deepspeed"),
+        ("strategy=deepspeed", f"checkpoint.load_from={_source(cell, 'ddp', 'sharded')}"):
+            (InvalidCell, "the cell's strategy, deepspeed, reads and writes full checkpoints"),
         (f"checkpoint.load_from={_source(cell, 'zro', 'full')}",): (InvalidCell, "the checkpoint's strategy, zro"),
         ("model.width=32", f"checkpoint.load_from={where}"): (InvalidCell, "model.width=64 there, 32 here"),
         ("optimizer.lr=0.5", f"checkpoint.load_from={where}"): (InvalidCell, "optimizer.lr="),

@@ -1,13 +1,14 @@
 """``checkpoint.load_from``: a cell whose training starts from a kept checkpoint, checked before launch.
 
 The checkpoint may have been written by another strategy, at another world size, micro-batch count or precision: its
-state moves wherever the writing and the loading strategy share a layout (``StrategyAdapter.moved_layout``: torch's
-state-dict API for DDP, FSDP1, FSDP2 and their hybrids, where torch.distributed.checkpoint reshards a sharded
-checkpoint to the loading strategy's shards). Refused by name, before any rank starts: a directory that is not a
-whole zeroexp checkpoint (unfinished, a file missing, truncated or altered: zeroexp.cell.source), one that records no
-cell, a dry run, a strategy whose state has no shared layout yet (ZeroRedundancyOptimizer's per-owner state,
-zeroexp's ZeRO-1/2 buckets, DeepSpeed's partitions), and a model or optimizer other than the checkpoint's (the state
-would not fit it, or AdamW would resume other hyper-parameters than the cell's).
+state moves wherever the writing and the loading strategy write and read its kind in torch's state-dict layout
+(``StrategyAdapter.moved_kinds``: DDP, FSDP1, FSDP2 and their hybrids both kinds, torch.distributed.checkpoint
+resharding a sharded one to the loading strategy's shards; DeepSpeed, every stage, the full one). Refused by name,
+before any rank starts: a directory that is not a whole zeroexp checkpoint (unfinished, a file missing, truncated or
+altered: zeroexp.cell.source), one that records no cell, a dry run, a kind either strategy keeps in a layout of its
+own (ZeroRedundancyOptimizer's per-owner state, zeroexp's ZeRO-1/2 buckets, DeepSpeed's sharded partitions), and a
+model or optimizer other than the checkpoint's (the state would not fit it, or AdamW would resume other
+hyper-parameters than the cell's).
 """
 
 from __future__ import annotations
@@ -43,19 +44,17 @@ def check_load_from(cfg: Any, adapter: Any) -> Source | None:
     from zeroexp.strategies import registered
 
     writer = registered().get(source.strategy)
-    ours, theirs = adapter.moved_layout, getattr(writer, "moved_layout", None)
-    movable = sorted(n for n, a in registered().items() if a.moved_layout is not None)
-    for whose, strategy, layout in (("the cell's", cfg.strategy.name, ours),
-                                    ("the checkpoint's", source.strategy, theirs)):
-        if layout is None:
+    movable = ", ".join(f"{n} ({'|'.join(sorted(a.moved_kinds))})" for n, a in sorted(registered().items())
+                        if a.moved_kinds)
+    for whose, strategy, kinds in (("the checkpoint's", source.strategy, getattr(writer, "moved_kinds", ())),
+                                   ("the cell's", cfg.strategy.name, adapter.moved_kinds)):
+        if source.kind not in kinds:
+            held = (f"reads and writes {' and '.join(sorted(kinds))} checkpoints in torch's state-dict layout, not "
+                    f"{source.kind} ones (write the source with checkpoint={'|'.join(sorted(kinds))})" if kinds else
+                    "keeps its state in a layout of its own (its checkpoints restore in its own round trip)")
             raise InvalidCell("checkpoint.load_from", where, ACCEPTED, why=(
-                f"{whose} strategy, {strategy}, keeps its state in a layout no other strategy reads yet (its "
-                f"checkpoints restore in its own round trip, checkpoint=full|sharded); the strategies whose "
-                f"checkpoints move: {', '.join(movable)}"))
-    if ours != theirs:
-        raise InvalidCell("checkpoint.load_from", where, ACCEPTED, why=(
-            f"written by {source.strategy} (layout {theirs}), read by {cfg.strategy.name} (layout {ours}): "
-            "no layout in common"))
+                f"a {source.kind} checkpoint of {source.strategy}: {whose} strategy, {strategy}, {held}; the "
+                f"strategies whose checkpoints move, by kind: {movable}"))
     mine = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
             for k in CELL_KEYS}
     for key, free in (("model", MODEL_KEYS_FREE), ("optimizer", OPTIMIZER_KEYS_FREE)):

@@ -9,7 +9,9 @@ At every stage; what DeepSpeed 0.19 writes differs by stage:
   ``zero_to_torch.py``. Stage 0 partitions nothing: rank 0 alone writes ``mp_rank_00_model_states.pt``, the module
   and the optimizer's ``state_dict`` in one file (no ``zero_pp_rank`` file; the other ranks write nothing).
 - **full**: the consolidated fp32 state, on rank 0, in one file (:data:`DS_FULL_FILE`): every parameter's fp32
-  master, its Adam moments and Adam's step count, by parameter name. Stages 1-3 read them with
+  master, its Adam moments and Adam's step count, by parameter name, in torch's state-dict layout (as
+  ``get_state_dict(full_state_dict)`` writes it for DDP and FSDP: any of them starts from it, and DeepSpeed from
+  theirs, ``checkpoint.load_from``; :func:`full_state`). Stages 1-3 read them with
   ``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` (what ``zero_to_fp32`` would
   rebuild from a sharded checkpoint, without writing one first): stage 3 all-gathers each parameter's partitions,
   stages 1 and 2 all-reduce a zero buffer into which every rank copied its fragment (``_hp_mapping``), three
@@ -18,7 +20,8 @@ At every stage; what DeepSpeed 0.19 writes differs by stage:
   ``FP16_UnfusedOptimizer``'s fp32 copy in ``fp32_groups``) and its ``optimizer.state`` directly, no collective.
   Restore: every rank reads the file and sets the compute parameters from the fp32 master cast to the compute dtype
   (stage 3 inside ``GatheredParameters`` with ``modifier_rank=0``; stages 0-2 hold them replicated, every rank its
-  copy), creates the torch optimizer's state (a fresh one has none before its first step) with the saved step, and
+  copy), creates the torch optimizer's state (a fresh one has none before its first step) with the saved step (the
+  latest of the file's parameters: DeepSpeed steps its flat partitions together), and
   sets the master and moments: ``safe_set_full_*`` (stages 1, 2 first link each parameter's fragment to the new
   moment tensors, ``_lazy_init_hp_params_optimizer_state``, which DeepSpeed otherwise does after the first step), at
   stage 0 the tensors themselves. Because the moments and the step are in the file, a full restore continues
@@ -38,11 +41,13 @@ import torch
 import torch.distributed as dist
 
 from zeroexp._lib.deepspeed_internals import link_optimizer_state, linked_to_fp32_partition
+from zeroexp.strategies._checkpoint import FULL_FILE, read_full, write_full
 
-__all__ = ["DS_FULL_FILE", "DS_TAG", "checkpoint_format", "save", "load"]
+__all__ = ["DS_FULL_FILE", "DS_TAG", "checkpoint_format", "save", "load", "full_state"]
 
-#: The one file of a full DeepSpeed checkpoint (rank 0): fp32 master, Adam moments and step, by parameter name.
-DS_FULL_FILE = "full_fp32.pt"
+#: The one file of a full DeepSpeed checkpoint (rank 0): fp32 master, Adam moments and step, by parameter name, in
+#: torch's state-dict layout (zeroexp.strategies._checkpoint's full file: any strategy of that layout loads it).
+DS_FULL_FILE = FULL_FILE
 #: DeepSpeed's checkpoint tag (its subdirectory) for a sharded checkpoint.
 DS_TAG = "zeroexp"
 
@@ -78,6 +83,16 @@ def save(stage: int, kind: str, path: Path, model: Any) -> list[Path]:
         if rank == 0:  # the files of no rank in particular (mp_rank_00_model_states.pt, zero_to_fp32.py)
             mine += [f for f in sorted(path.rglob("*")) if f.is_file() and "zero_pp_rank_" not in f.name]
         return mine
+    return write_full(path, *full_state(stage, model))
+
+
+def full_state(stage: int, model: Any) -> tuple[dict, dict]:
+    """The engine's state whole on rank 0 in torch's state-dict layout (what ``get_state_dict(full_state_dict)``
+    gives a torch optimizer's user; other ranks: empty dicts): ``model`` each parameter's fp32 master by name and
+    the module's persistent buffers; ``optim`` ``state`` each trained parameter's moments and Adam's ``step`` (the
+    one step of the flat partitions, which every sub-group takes together) and ``param_groups`` (the torch
+    optimizer's hyper-parameters, the parameters by name). A collective at stages 1-3."""
+    rank = dist.get_rank()
     base = _base_optimizer(model)
     keys = _moment_keys(base)
     masters = _stage0_masters(model) if stage == 0 else {}
@@ -90,11 +105,19 @@ def save(stage: int, kind: str, path: Path, model: Any) -> list[Path]:
             weights[name] = w.detach().to("cpu", torch.float32, copy=True).view(shape)
             moments[name] = {k: v.detach().to("cpu", copy=True).view(shape) for k, v in m.items()}
     if rank != 0:
-        return []
-    steps = [base.state[q]["step"].detach().to("cpu", copy=True) if "step" in base.state.get(q, {}) else None
-             for q in _flat_partitions(model)]
-    torch.save({"model": weights, "optim": moments, "step": steps, "moment_keys": keys}, path / DS_FULL_FILE)
-    return [path / DS_FULL_FILE]
+        return {}, {}
+    steps = {float(base.state[q]["step"]) for q in _flat_partitions(model) if "step" in base.state.get(q, {})}
+    if len(steps) > 1:
+        raise RuntimeError(f"DeepSpeed's flat partitions took different steps ({sorted(steps)}): no one Adam step "
+                           "per parameter to write")
+    step = next(iter(base.state[q]["step"] for q in _flat_partitions(model) if "step" in base.state.get(q, {})),
+                None)
+    buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.module.state_dict().items() if n not in weights}
+    state = {n: {**m, **({"step": step.detach().to("cpu", copy=True)} if step is not None else {})}
+             for n, m in moments.items() if m}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [n for n in weights if n in state]}
+              for g in base.param_groups[:1]]
+    return {**weights, **buffers}, {"state": state, "param_groups": groups}
 
 
 def load(stage: int, kind: str, path: Path, model: Any) -> None:
@@ -105,13 +128,17 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
         if loaded is None:
             raise RuntimeError(f"{path}: DeepSpeed found no checkpoint with tag {DS_TAG!r}")
         return
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                                 safe_set_local_optimizer_state)
 
-    full = torch.load(path / DS_FULL_FILE, map_location="cpu", weights_only=True)
+    full = read_full(path)  # torch's state-dict layout: any strategy's full checkpoint (full_state)
     named = dict(model.module.named_parameters())
-    if set(named) != set(full["model"]):
-        raise RuntimeError(f"{path / DS_FULL_FILE}: parameters {sorted(set(full['model']) ^ set(named))} are in "
-                           "only one of the checkpoint and the model")
+    if not set(named) <= set(full["model"]):
+        raise RuntimeError(f"{path / DS_FULL_FILE}: parameters {sorted(set(named) - set(full['model']))} of the "
+                           "model are not in the checkpoint")
+    state = full["optim"]["state"]
+    keys = sorted({k for s in state.values() for k in s if k != "step"})
+    steps = [s["step"] for s in state.values() if "step" in s]
     if stage == 3:  # the compute parameters: the fp32 master cast, as DeepSpeed's step makes them
         import deepspeed
 
@@ -124,23 +151,25 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
             for name, p in named.items():
                 p.data.copy_(full["model"][name].to(p.dtype).view_as(p.data))
     base = _base_optimizer(model)
-    flats = _flat_partitions(model)
-    if len(flats) != len(full["step"]):
-        raise RuntimeError(f"{path / DS_FULL_FILE}: {len(full['step'])} optimizer sub-groups, the engine has "
-                           f"{len(flats)}")
-    for q, step in zip(flats, full["step"]):  # a fresh torch optimizer has no state until its first step
-        if step is None:
-            continue
-        state = base.state[q]
-        state["step"] = step.clone()
-        for k in full["moment_keys"]:
-            state[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
+    # one Adam step for every flat partition (DeepSpeed steps them together): the checkpoint's latest (a parameter
+    # another strategy gave its first gradient later holds fewer); none before the first step
+    step = max(steps, key=float) if steps else None
+    for q in _flat_partitions(model) if step is not None else ():  # a fresh optimizer has no state until a step
+        held = base.state[q]
+        held["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
+        for k in keys:
+            held[k] = torch.zeros_like(q, memory_format=torch.preserve_format)
     # Stages 1, 2 (and the BF16 optimizer) link each parameter's fragment to the moment tensors only after the
     # first step (_lazy_init_hp_params_optimizer_state): link them to the state just made, as that step would.
     link_optimizer_state(model.optimizer)  # zeroexp._lib.deepspeed_internals
     masters = _stage0_masters(model) if stage == 0 else {}
     for name, p in named.items():
-        w, m = full["model"][name], full["optim"][name]
+        w, m = full["model"][name], {k: v for k, v in state.get(name, {}).items() if k != "step"}
+        if hasattr(p, "ds_id"):  # stage 3: this rank's slice of the padded partitions, through the local API
+            safe_set_local_fp32_param(p, _own_partition(p, w))
+            for k, v in m.items():
+                safe_set_local_optimizer_state(p, _own_partition(p, v), k)
+            continue
         if _is_deepspeed_partitioned(p):
             safe_set_full_fp32_param(p, w.to(p.device).flatten())
             for k, v in m.items():
@@ -152,6 +181,19 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
                 master.copy_(w.to(master.dtype).view_as(master))
             for k, v in m.items():
                 base.state[master][k].copy_(v.view_as(master))
+
+
+def _own_partition(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """ZeRO-3: this rank's partition of the full tensor ``full`` of parameter ``p``, as DeepSpeed pads it (each of
+    the N ranks ``partition_numel()`` elements, the last ones zero beyond ``ds_numel``). Not ``safe_set_full_*``:
+    DeepSpeed 0.19.8's stage-3 ``set_full_hp_param`` takes the unpadded tensor and narrows it at rank x partition,
+    past its end on the last rank whenever N does not divide the parameter (stage3.py ``set_full_hp_param``; a
+    64 x 64 weight at N=3: 1366 x 3 = 4098 > 4096)."""
+    size = p.partition_numel()
+    rank, n = dist.get_rank(group=p.ds_process_group), dist.get_world_size(group=p.ds_process_group)
+    padded = torch.zeros(size * n, dtype=full.dtype)
+    padded[:full.numel()] = full.flatten()
+    return padded.narrow(0, rank * size, size).to(p.ds_tensor.device)
 
 
 def _is_deepspeed_partitioned(p: torch.Tensor) -> bool:

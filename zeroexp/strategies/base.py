@@ -101,12 +101,12 @@ class StrategyAdapter:
     #: refuses the others. The default save and load are torch's state-dict API (zeroexp.strategies._checkpoint),
     #: which an adapter overrides only where its state needs its own.
     checkpoint_kinds: ClassVar[frozenset[str]] = frozenset()
-    #: The layout of the state its checkpoints hold, where other strategies share it; None where none does. A
-    #: checkpoint of one layout loads into every strategy of that layout at any world size (``checkpoint.load_from``,
-    #: zeroexp.probes.checkpoint). ``state_dict``: torch's state-dict API, the model's and the optimizer's state keyed
-    #: by parameter name (``get_state_dict``), whole in one file or through torch.distributed.checkpoint, which
-    #: reshards it to whatever the loading strategy holds.
-    moved_layout: ClassVar[str | None] = None
+    #: The ``checkpoint`` kinds it writes and reads in torch's state-dict layout, the one its checkpoints share with
+    #: other strategies: the model's and the optimizer's state keyed by parameter name (``get_state_dict``), whole in
+    #: one file (``full``) or through torch.distributed.checkpoint (``sharded``), which reshards it to whatever the
+    #: loading strategy holds. A checkpoint of such a kind starts a cell of any strategy that reads its kind, at any
+    #: world size (``checkpoint.load_from``, zeroexp.config.moves); empty: its checkpoints are its own.
+    moved_kinds: ClassVar[frozenset[str]] = frozenset()
     #: ``dry_run=true`` (zeroexp.rank.dryrun): True when the strategy's own code runs under a fake process group and
     #: ``FakeTensorMode`` (its state and collectives are traced); False when it needs real storage (DDP's C++
     #: Reducer): the dry run then derives the collectives and the state table instead, and says so.
@@ -295,9 +295,9 @@ class StrategyAdapter:
         return full_state_dicts(model, optimizer)
 
     def read_whole(self, kind: str, path: Path) -> dict:
-        """``{"model": ..., "optim": ...}`` of a ``kind`` checkpoint of this strategy's :attr:`moved_layout`, whole,
-        on the CPU, in this process alone (no collective): what a moved state is checked against and what the
-        unsharded reference starts from. Default: torch's state-dict layout
+        """``{"model": ..., "optim": ...}`` of a ``kind`` checkpoint in torch's state-dict layout (:attr:`moved_kinds`),
+        whole, on the CPU, in this process alone (no collective): what a moved state is checked against and what the
+        unsharded reference starts from. Default: that layout's files
         (:func:`zeroexp.strategies._checkpoint.read_whole`)."""
         from zeroexp.strategies._checkpoint import read_whole
 

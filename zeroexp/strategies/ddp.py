@@ -77,7 +77,7 @@ class DDPAdapter(StrategyAdapter):
         )
 
     checkpoint_kinds = frozenset({"full", "sharded"})
-    moved_layout = "state_dict"
+    moved_kinds = frozenset({"full", "sharded"})
 
     def settle_restored(self, model: nn.Module, loss_fn: Any, batch: torch.Tensor) -> None:
         """DDP's Reducer buckets the gradients in reverse parameter order until its first backward, then rebuilds

@@ -173,6 +173,7 @@ class DeepSpeedAdapter(StrategyAdapter):
     schema = DeepSpeedConfig
     offloads = frozenset({"none", "optimizer", "full"})
     checkpoint_kinds = frozenset({"full", "sharded"})  # every stage; files and collectives differ by stage
+    moved_kinds = frozenset({"full"})  # the consolidated fp32 state by name; sharded: DeepSpeed's own partitions
     semantics = ("DeepSpeed ZeRO (runtime): stage 0 replicates everything; 1 partitions the fp32 master and Adam "
                  "moments; 2 also the gradients; 3 also the parameters. Mixed precision: compute-dtype parameters "
                  "and gradients, fp32 master and moments; DeepSpeed keeps the fp32 master partition in fp32 "
@@ -455,7 +456,6 @@ class DeepSpeedAdapter(StrategyAdapter):
             with torch.no_grad():
                 yield {name: p.detach() for name, p in module.named_parameters()}
 
-
     # --- checkpoints (stages 0-3): zeroexp.strategies._deepspeed_checkpoint ------------------------------
     def train_step(self, model: nn.Module, loss_fn: Any, optimizer: Any, batch: torch.Tensor) -> None:
         """The engine's step: ``engine.backward`` (reduce-scatters the gradients) and ``engine.step``."""
@@ -472,6 +472,9 @@ class DeepSpeedAdapter(StrategyAdapter):
 
     def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: Any) -> None:
         _ckpt.load(self.stage, kind, path, model)
+
+    def full_state_dicts(self, model: nn.Module, optimizer: Any) -> tuple[dict, dict]:
+        return _ckpt.full_state(self.stage, model)
 
 
 #: The equivalence section's ``cause`` when weight decay moves the parameters a step gives no gradient

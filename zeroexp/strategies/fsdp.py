@@ -133,7 +133,7 @@ class FSDPAdapter(StrategyAdapter):
             model.clip_grad_norm_(self.clip_grad_norm)
 
     checkpoint_kinds = frozenset({"full", "sharded"})
-    moved_layout = "state_dict"
+    moved_kinds = frozenset({"full", "sharded"})
 
     def checkpoint_format(self, kind: str) -> str:
         if kind == "full":

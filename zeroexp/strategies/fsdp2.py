@@ -80,7 +80,7 @@ class FSDP2Adapter(StrategyAdapter):
     #: rank's gradient shards (DTensors) and all-reduces found_inf, as with FSDP1.
     dry_run_traced = True
     checkpoint_kinds = frozenset({"full", "sharded"})  # torch's state-dict API (DTensors): the default trio
-    moved_layout = "state_dict"
+    moved_kinds = frozenset({"full", "sharded"})
 
     def __init__(self, policy: CellPolicy) -> None:
         super().__init__(policy)

@@ -34,7 +34,7 @@ class ZROAdapter(DDPAdapter):
         "ZeRO-1 (P_os): parameters and gradients replicated, Adam moments only on the owning rank; "
         "owners broadcast their updated parameters after the step."
     )
-    moved_layout = None  # its optimizer state is per owner (consolidated, or one file per owner), not DDP's
+    moved_kinds = frozenset()  # its optimizer state is per owner and by index (consolidated, or a file per owner)
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
         """Replicated parameters and gradients, and only the owned moments: the wrapped local optimizer's state.
