@@ -107,7 +107,7 @@ LAYERS = [
     ("launch",),                                     # the launching process: runner, launchers, preloads
     ("calibrate",),                                  # one calibration (its ranks, the file)
     ("recommend",),                                  # which configuration to run: a search over the planner
-    ("cli",),                                        # the command lines
+    ("cli", "checkpoint"),                           # the command lines (zeroexp.checkpoint: its entry alone)
 ]
 ROOT_MODULES_AT_MOST = 6
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import STEPS, WINDOWS
+from conftest import STEPS, WINDOWS, run_cli
 from test_hf_models import SHRUNK
 from zeroexp.cell.source import META
 from zeroexp.config.schemas import validate
@@ -145,6 +145,42 @@ def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_pa
     (where / META).write_text(json.dumps({k: v for k, v in meta.items() if k != "cell"}))
     with pytest.raises(ConfigError, match="records no cell configuration"):
         validate(compose(f"checkpoint.load_from={where}"))
+
+
+def test_convert_moves_a_checkpoint_offline_and_a_cell_starts_from_it(cell, tmp_path):
+    """``python -m zeroexp.checkpoint convert``: DDP's sharded checkpoint (N=2) to one full file, that to a sharded
+    one recorded for FSDP2 at N=3, each read back bit-identical, and an FSDP2 cell at N=3 starts from the last."""
+    src = shutil.copytree(_source(cell, "ddp", "sharded"), tmp_path / "src")
+    convert = lambda *argv: run_cli("convert", *map(str, argv), app="zeroexp.cli.checkpoint")  # noqa: E731
+    done = convert(src, tmp_path / "full")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert (answer["kind"], answer["strategy"], answer["world_size"], answer["tensors"]) == ("full", "ddp", 2,
+                                                                                            MLP_TENSORS)
+    assert answer["verified"] == {"compared_tensors": MLP_TENSORS, "bit_identical_tensors": MLP_TENSORS,
+                                  "max_abs_diff": 0.0}
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["convert.json", "full.pt", META]
+    done = convert(tmp_path / "full", tmp_path / "sharded", "strategy=fsdp2_full", "world_size=3")
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((tmp_path / "sharded" / META).read_text())
+    assert (meta["kind"], meta["strategy"], meta["world_size"], meta["step"]) == ("sharded", "fsdp2_full", 3, STEPS)
+    assert meta["converted_from"]["kind"] == "full" and meta["cell"]["world_size"] == 3
+    manifest = json.loads((tmp_path / "sharded" / "convert.json").read_text())
+    assert manifest["tensor_count"] == len(manifest["tensors"]) == MLP_TENSORS
+    assert manifest["bytes"] == sum(t["bytes"] for t in manifest["tensors"]) > 3 * 8 * 64 * 64 * 4
+    assert not list(tmp_path.glob("*.partial"))
+    _moved(cell("strategy=fsdp2_full", "world_size=3", f"checkpoint.load_from={tmp_path / 'sharded'}"), MLP_TENSORS,
+           tmp_path / "sharded", "fsdp2_full", 3)
+    refused = {("convert", src, tmp_path / "full"): "DST=",  # exists, not empty
+               ("move", src, tmp_path / "x"): "command='move'",
+               ("convert", src, tmp_path / "x", "model.width=32"): "model.width=",
+               ("convert", src, tmp_path / "x", "checkpoint=full", "strategy=zro"): "strategy='zro'",
+               ("convert", _source(cell, "zro", "full"), tmp_path / "x"): "a layout of its own",
+               ("convert", tmp_path / "nothing", tmp_path / "x"): "SRC="}
+    for argv, said in refused.items():
+        done = run_cli(*map(str, argv), app="zeroexp.cli.checkpoint")
+        assert done.returncode == 2 and said in done.stderr, (argv, done.stderr)
+        assert not (tmp_path / "x").exists()
 
 
 def test_the_moved_state_is_judged_tensor_by_tensor(tmp_path):

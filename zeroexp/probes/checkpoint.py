@@ -325,7 +325,7 @@ class CheckpointProbe(Probe):
         return ProbeReport(section=section, tables={"checkpoint.csv": frame})
 
 
-def _flat(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
+def state_tensors(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
     """A state's tensors by name: each model entry by its name, each optimizer entry ``<parameter>:<key>``
     (``exp_avg``, ``exp_avg_sq``, ``step``; a number as a tensor)."""
     out = {str(n): t for n, t in model_sd.items() if isinstance(t, torch.Tensor)}
@@ -344,7 +344,7 @@ def moved_state(whole: dict, model_sd: dict, optim_sd: dict) -> dict[str, Any]:
     optimizer state the cell holds and the checkpoint has none of, all zero (torch's state-dict API creates every
     trainable parameter's state by a step of zero gradients at lr 0 before it loads: a parameter no step had given
     a gradient yet); ``added``: any other tensor the checkpoint lacks."""
-    theirs, ours = _flat(whole["model"], whole["optim"]), _flat(model_sd, optim_sd)
+    theirs, ours = state_tensors(whole["model"], whole["optim"]), state_tensors(model_sd, optim_sd)
     common = [k for k in theirs if k in ours]
     differ, cast, worst = [], [], 0.0
     for name in common:

@@ -1,0 +1,1 @@
+"""``python -m zeroexp.checkpoint``: converting kept checkpoints offline; see :mod:`zeroexp.cli.checkpoint`."""
