@@ -59,6 +59,8 @@ def _moved(result, tensors: int, source: Path, strategy: str, world_size: int) -
 MOVES = [  # (source strategy, kind, N) -> (target strategy, N, its own keys)
     (("fsdp_full", "sharded"), ("ddp", 3, ())),                                  # FSDP1's shards resharded to DDP
     (("ddp", "full"), ("fsdp2_full", 3, ())),                                    # whole state into uneven DTensors
+    (("zro", "full"), ("fsdp_full", 3, ())),                                     # owners' state consolidated, by name
+    (("fsdp2_full", "full"), ("zro", 3, ())),                                    # re-partitioned over 3 owners
     (("fsdp2_full", "sharded"), ("fsdp2_hybrid", 4, ("strategy.shard_size=2",))),  # onto a 2 x 2 mesh
 ]
 
@@ -127,10 +129,11 @@ def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_pa
         assert validate(compose(f"strategy={strategy}", "world_size=4", f"checkpoint.load_from={where}",
                                 *(["strategy.shard_size=2"] if strategy == "fsdp2_hybrid" else [])))
     refusals = {
-        ("strategy=zro", f"checkpoint.load_from={where}"): (InvalidCell, "the cell's strategy, zro"),
+        ("strategy=zro", f"checkpoint.load_from={_source(cell, 'ddp', 'sharded')}"):
+            (InvalidCell, "the cell's strategy, zro, reads and writes full checkpoints"),
         ("strategy=deepspeed", f"checkpoint.load_from={_source(cell, 'ddp', 'sharded')}"):
             (InvalidCell, "the cell's strategy, deepspeed, reads and writes full checkpoints"),
-        (f"checkpoint.load_from={_source(cell, 'zro', 'full')}",): (InvalidCell, "the checkpoint's strategy, zro"),
+        (f"checkpoint.load_from={_source(cell, 'zro', 'sharded')}",): (InvalidCell, "the checkpoint's strategy, zro"),
         ("model.width=32", f"checkpoint.load_from={where}"): (InvalidCell, "model.width=64 there, 32 here"),
         ("optimizer.lr=0.5", f"checkpoint.load_from={where}"): (InvalidCell, "optimizer.lr="),
         ("dry_run=true", f"checkpoint.load_from={where}"): (ConfigError, "a dry run holds no tensor values"),
@@ -174,8 +177,8 @@ def test_convert_moves_a_checkpoint_offline_and_a_cell_starts_from_it(cell, tmp_
     refused = {("convert", src, tmp_path / "full"): "DST=",  # exists, not empty
                ("move", src, tmp_path / "x"): "command='move'",
                ("convert", src, tmp_path / "x", "model.width=32"): "model.width=",
-               ("convert", src, tmp_path / "x", "checkpoint=full", "strategy=zro"): "strategy='zro'",
-               ("convert", _source(cell, "zro", "full"), tmp_path / "x"): "a layout of its own",
+               ("convert", src, tmp_path / "x", "checkpoint=sharded", "strategy=zro"): "strategy='zro'",
+               ("convert", _source(cell, "zro", "sharded"), tmp_path / "x"): "a layout of its own",
                ("convert", tmp_path / "nothing", tmp_path / "x"): "SRC="}
     for argv, said in refused.items():
         done = run_cli(*map(str, argv), app="zeroexp.cli.checkpoint")

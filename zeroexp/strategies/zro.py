@@ -34,7 +34,7 @@ class ZROAdapter(DDPAdapter):
         "ZeRO-1 (P_os): parameters and gradients replicated, Adam moments only on the owning rank; "
         "owners broadcast their updated parameters after the step."
     )
-    moved_kinds = frozenset()  # its optimizer state is per owner and by index (consolidated, or a file per owner)
+    moved_kinds = frozenset({"full"})  # consolidated and keyed by name; sharded: each owner's state by index
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
         """Replicated parameters and gradients, and only the owned moments: the wrapped local optimizer's state.
@@ -70,16 +70,28 @@ class ZROAdapter(DDPAdapter):
     def checkpoint_format(self, kind: str) -> str:
         if kind == "full":
             return ("ZeroRedundancyOptimizer.consolidate_state_dict(to=0) (every owner broadcasts its state), rank 0 "
-                    "writes model and optimizer state to one file")
+                    "writes model and optimizer state to one file, by parameter name (torch's state-dict layout)")
         return ("rank 0 writes the replicated parameters (model.pt), each rank its owned optimizer state "
                 "(optim_rank<r>.pt)")
+
+    def full_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Every owner's state consolidated on rank 0 (``consolidate_state_dict(to=0)``, each owner broadcasts), keyed
+        by parameter name in torch's state-dict layout (ZeroRedundancyOptimizer numbers its parameters)."""
+        optimizer.consolidate_state_dict(to=0)  # a collective: every rank broadcasts what it owns
+        if dist.get_rank() != 0:
+            return {}, {}
+        module, by_index = _unwrapped(model), optimizer.state_dict()
+        names = _names(module, optimizer)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+                  for g in by_index["param_groups"]]
+        return module.state_dict(), {"state": {names[i]: s for i, s in by_index["state"].items()},
+                                     "param_groups": groups}
 
     def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
         """full: consolidate to rank 0, one file; sharded: no collective, each rank writes the state it owns."""
         rank, module = dist.get_rank(), _unwrapped(model)
         if kind == "full":
-            optimizer.consolidate_state_dict(to=0)  # a collective: every rank broadcasts what it owns
-            return write_full(path, module.state_dict(), optimizer.state_dict() if rank == 0 else {})
+            return write_full(path, *self.full_state_dicts(model, optimizer))
         files = [path / f"optim_rank{rank}.pt"]
         torch.save(optimizer.optim.state_dict(), files[0])  # the local AdamW over the owned parameters
         if rank == 0:
@@ -94,11 +106,23 @@ class ZROAdapter(DDPAdapter):
         if kind == "full":
             full = read_full(path)
             module.load_state_dict(full["model"])
-            optimizer.load_state_dict(full["optim"])
+            names = _names(module, optimizer)  # the consolidated state's indices, by parameter name
+            index = {name: i for i, name in enumerate(names)}
+            state = full["optim"]["state"]
+            hyper = {k: v for k, v in full["optim"]["param_groups"][0].items() if k != "params"}
+            optimizer.load_state_dict({"state": {index[n]: s for n, s in state.items()},
+                                       "param_groups": [{**hyper, "params": list(range(len(names)))}]})
             return
         module.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
         optimizer.optim.load_state_dict(
             torch.load(path / f"optim_rank{dist.get_rank()}.pt", map_location="cpu", weights_only=True))
+
+
+def _names(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> list[str]:
+    """The optimizer's parameters by name, in the order its consolidated state dict indexes them (its param groups',
+    as ZeroRedundancyOptimizer numbers them)."""
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
