@@ -119,8 +119,8 @@ def test_damaged_or_mismatched_checkpoints_are_refused(cell, tmp_path):
 
 
 def test_checkpoint_kind_the_strategy_lacks_is_refused(compose):
-    with pytest.raises(ConfigError, match="invalid config: checkpoint='full'.*strategy=zero1 does not implement it"):
-        validate(compose("strategy=zero1", "checkpoint=full"))
+    with pytest.raises(ConfigError, match="invalid config: checkpoint='sharded'.*strategy=zero1 does not implement it"):
+        validate(compose("strategy=zero1", "checkpoint=sharded"))
 
 
 def test_report_has_a_checkpoint_table(cell, tmp_path):

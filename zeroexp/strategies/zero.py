@@ -51,9 +51,12 @@ def _loss_scaling_precision(scale: DynamicLossScale) -> Any:
 
 
 class ShardedZeroAdapter(StrategyAdapter):
-    """Shared by ``zero1`` and ``zero2``: the stage is their row's (``StateLayout.stage``)."""
+    """Shared by ``zero1`` and ``zero2``: the stage is their row's (``StateLayout.stage``). It keeps each module it
+    wrapped with its buckets and optimizer (a checkpoint's restore wraps a second module beside the trained one)."""
 
     schema = ZeroConfig
+    checkpoint_kinds = frozenset({"full"})  # no sharded kind: zeroexp.strategies._zero_checkpoint
+    moved_kinds = frozenset({"full"})
 
     def __init__(self, policy: CellPolicy) -> None:
         super().__init__(policy)
@@ -63,6 +66,7 @@ class ShardedZeroAdapter(StrategyAdapter):
         self.buckets: list[Bucket] = []
         self.module: nn.Module | None = None
         self.optimizer: ShardedAdamW | None = None
+        self._held: dict[int, tuple[list[Bucket], ShardedAdamW | None]] = {}  # by id of the module wrapped
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -81,6 +85,7 @@ class ShardedZeroAdapter(StrategyAdapter):
         cap = int(float(self.config.bucket_cap_mb) * 1024 * 1024)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.buckets = flatten_into_buckets(trainable, dist.get_world_size(), dist.get_rank(), cap, self.dtype)
+        self._held[id(module)] = (self.buckets, None)
         if self.dtype != torch.float32:
             for t in [*module.buffers(), *(p for p in module.parameters() if not p.requires_grad)]:
                 if t.is_floating_point():
@@ -97,23 +102,25 @@ class ShardedZeroAdapter(StrategyAdapter):
                                  clip_grad_norm=self.config.clip_grad_norm, loss_scale=self.loss_scale,
                                  **self.optimizer_kwargs())
         self.optimizer = optimizer
+        self._held[id(self.module)] = (self.buckets, optimizer)
         optimizer.overlap_parameter_gather(self.module)  # the next forward waits for each bucket's all_gather
         return optimizer
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
         """The padded buckets (param; stage 1 grad), the stage-2 gradient shards, the fp32 master shards
         (``master``) and AdamW's moments of them; logical numel excludes the padding."""
-        for b in self.buckets:
+        buckets = self.held(model)[0]
+        for b in buckets:
             yield StateTensor("param", b.flat, b.numel)
             if b.grad is not None:
                 yield StateTensor("grad", b.grad, b.numel)
             if b.grad_shard is not None:
                 yield StateTensor("grad", b.grad_shard, b.logical_shard_numel)
         yield from parameter_state_tensors(model)  # views into the buckets (not counted twice); frozen ones
-        for b in self.buckets:
+        for b in buckets:
             yield StateTensor("master", b.master, b.logical_shard_numel)
         local = optimizer.local if isinstance(optimizer, ShardedAdamW) else optimizer
-        yield from optimizer_state_tensors(local, {id(b.master): b.logical_shard_numel for b in self.buckets})
+        yield from optimizer_state_tensors(local, {id(b.master): b.logical_shard_numel for b in buckets})
 
     def current_loss_scale(self) -> float | None:
         return None if self.loss_scale is None else float(self.loss_scale.value)
@@ -121,7 +128,7 @@ class ShardedZeroAdapter(StrategyAdapter):
     def no_sync(self, model: nn.Module) -> Any:
         """``ShardedAdamW.accumulating``: stage 1 reduces the accumulated buffer once, at the last micro-batch;
         stage 2 reduce-scatters every micro-batch into its gradient shard."""
-        return self.optimizer.accumulating()
+        return self.held(model)[1].accumulating()
 
     def clip_gradients(self, model: nn.Module) -> None:
         """Nothing here: ``ShardedAdamW.step`` clips the averaged gradient shards by their global norm (one fp32
@@ -130,9 +137,10 @@ class ShardedZeroAdapter(StrategyAdapter):
     def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
         """Each flat bucket as it is laid out (its parameters' element ranges, its padded length): one reduce_scatter
         (or all_reduce) and one all_gather each per step."""
+        buckets = self.held(model)[0]
         shards = tuple(Shard(tuple((off, off + p.numel()) for p, off in zip(b.params, b.offsets)), b.flat.numel())
-                       for b in self.buckets)
-        numels = tuple(p.numel() for b in self.buckets for p in b.params)
+                       for b in buckets)
+        numels = tuple(p.numel() for b in buckets for p in b.params)
         frozen = tuple(p.numel() for p in model.parameters() if not p.requires_grad)
         return Groups(self.layout, dist.get_world_size(), numels, shards, frozen=frozen)
 
@@ -140,11 +148,36 @@ class ShardedZeroAdapter(StrategyAdapter):
     def full_parameters(self, model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         """The fp32 master shards all-gathered (what the optimizer trains; the compute parameters are their
         cast): a collective, enter it on every rank. Parameters outside the buckets are returned as they are."""
+        buckets, optimizer = self.held(model)
         with torch.no_grad():
-            if self.optimizer is not None:  # the last step's all_gather: in flight until now
-                self.optimizer.wait_for_parameters()
-            full = gather_full_masters(self.buckets)
+            if optimizer is not None:  # the last step's all_gather: in flight until now
+                optimizer.wait_for_parameters()
+            full = gather_full_masters(buckets)
             yield {name: full.get(p, p.detach()) for name, p in model.named_parameters()}
+
+    def held(self, model: nn.Module) -> tuple[list[Bucket], ShardedAdamW | None]:
+        """The buckets and the optimizer of the module ``model`` (the last wrapped where it is no module wrapped)."""
+        return self._held.get(id(model), (self.buckets, self.optimizer))
+
+    def checkpoint_format(self, kind: str) -> str:
+        return ("each bucket's fp32 master and AdamW moments all-gathered and cut into its parameters; rank 0 writes "
+                "them by name with Adam's step (torch's state-dict layout) to one file")
+
+    def full_state_dicts(self, model: nn.Module, optimizer: Any) -> tuple[dict, dict]:
+        from zeroexp.strategies._zero_checkpoint import full_state
+
+        return full_state(model, *self.held(model))
+
+    def save_checkpoint(self, kind: str, path: Any, model: nn.Module, optimizer: Any) -> list[Any]:
+        from zeroexp.strategies._checkpoint import write_full
+
+        return write_full(path, *self.full_state_dicts(model, optimizer))
+
+    def load_checkpoint(self, kind: str, path: Any, model: nn.Module, optimizer: Any) -> None:
+        from zeroexp.strategies._checkpoint import read_full
+        from zeroexp.strategies._zero_checkpoint import load_full_state
+
+        load_full_state(model, *self.held(model), read_full(path))
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:
         strategy = super().lightning_strategy(timeout_s, backend)
