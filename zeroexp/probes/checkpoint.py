@@ -378,8 +378,8 @@ def not_moved(source: Source, cell: Any) -> list[dict[str, str]]:
                     f"starts at precision.loss_scale={cell.policy.precision.loss_scale}"})
     if source.precision != cell.precision:
         out.append({"state": f"precision {source.precision}", "why": f"the cell trains in {cell.precision}: the "
-                    "checkpoint's parameters and moments are loaded as the cell holds them (``cast`` lists each "
-                    "tensor whose dtype changed, none where both keep fp32 masters)"})
+                    "checkpoint's parameters and moments are loaded as the cell holds them (cast lists each tensor "
+                    "whose dtype changed: none where both keep fp32 masters)"})
     return out
 
 
