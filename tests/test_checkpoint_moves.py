@@ -266,3 +266,26 @@ def test_the_moved_state_is_judged_tensor_by_tensor(tmp_path):
     assert codes == [] and moved["initialised"] == ["net.b:exp_avg", "net.b:exp_avg_sq", "net.b:step"]
     moved, codes = judged({"net.w": w, "net.b": b}, {"net.w": state["net.w"], "net.b": dict(fresh, exp_avg=b)})
     assert codes == ["checkpoint.move_names_differ"] and "net.b:exp_avg" in moved["added"]
+
+
+def test_the_report_lays_the_moves_out_as_a_matrix():
+    """The sweep report's moves: the checkpoint's writer by row, the cell by column, each entry its verdict (the moved
+    state's, then the resumed training's); no table without a moved cell."""
+    import pandas as pd
+
+    from zeroexp.report.moves import moves_table
+
+    def row(target: str, n: int, source: str | None, moved: str = "PASS", equivalence: str = "PASS") -> dict:
+        out = {"cell.strategy": target, "cell.world_size": n, "equivalence.check": equivalence}
+        if source is not None:
+            out.update({"checkpoint.moved.source.strategy": source, "checkpoint.moved.source.world_size": 2,
+                        "checkpoint.moved.source.kind": "full", "checkpoint.moved.check": moved})
+        return out
+
+    ok = pd.DataFrame([row("ddp", 3, "fsdp_full"), row("fsdp2_full", 3, "fsdp_full", equivalence="FAIL"),
+                       row("ddp", 3, "zro", moved="FAIL"), row("zro", 2, None)])
+    shown = moves_table(ok).display()
+    assert list(shown.columns) == ["from (writer, N, kind)", "ddp N=3", "fsdp2_full N=3"]
+    assert shown.values.tolist() == [["fsdp_full N=2 (full)", "PASS", "equivalence FAIL"],
+                                     ["zro N=2 (full)", "moved FAIL", "-"]]
+    assert moves_table(ok.iloc[3:]) is None

@@ -188,12 +188,13 @@ def sections(report: bool = False) -> list[Any]:
     ``digest_parts(section)``, a line per part."""
     from zeroexp.probes import registry  # here, not at the top: the probes load torch (not Lightning: probes.base)
     from zeroexp.report.groups import GroupsSection
+    from zeroexp.report.moves import MovesSection
     from zeroexp.report.step_time import TimeSection
 
     def key(s: Any) -> int:
         return s.report_order if report and s.report_order is not None else s.order
 
-    return sorted([*registry(), GroupsSection, PlanSection, TimeSection], key=key)
+    return sorted([*registry(), GroupsSection, PlanSection, TimeSection, MovesSection], key=key)
 
 
 def build_tables(cells: pd.DataFrame) -> list[ReportTable]:
