@@ -176,6 +176,22 @@ def test_deepspeed_moves_its_full_state_both_ways(cell, stage):
            MLP_TENSORS, where, "ddp", 2)
 
 
+def test_a_tied_weight_moves_by_both_its_names(cell):
+    """The GPT's head is its token embedding (one parameter, two state-dict names): DeepSpeed stage 3 at N=2, whose
+    second name holds an empty local tensor, writes the master under both; zero2 at N=3 starts from it."""
+    from zeroexp.strategies import deepspeed as ds_adapter
+
+    if not ds_adapter.deepspeed_available():
+        pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
+    gpt = ("logger=none", f"steps={STEPS}", *WINDOWS, "model=gpt")
+    where = _source(cell, "deepspeed", "full", "strategy.stage=3", base=gpt)
+    whole = torch.load(where / "full.pt", weights_only=True)["model"]
+    assert torch.equal(whole["net.lm_head.weight"], whole["net.wte.weight"]) and whole["net.wte.weight"].numel() > 0
+    moved = _moved(cell("strategy=zero2", "world_size=3", f"checkpoint.load_from={where}", base=gpt), None, where,
+                   "deepspeed", 2)
+    assert moved["compared_tensors"] > 4 * 52
+
+
 def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_path):
     where = shutil.copytree(_source(cell, "ddp", "full"), tmp_path / "ddp-full")
     for strategy in ("fsdp_full", "fsdp2_hybrid", "deepspeed"):

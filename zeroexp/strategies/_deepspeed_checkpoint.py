@@ -112,7 +112,7 @@ def full_state(stage: int, model: Any) -> tuple[dict, dict]:
                            "per parameter to write")
     step = next(iter(base.state[q]["step"] for q in _flat_partitions(model) if "step" in base.state.get(q, {})),
                 None)
-    buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.module.state_dict().items() if n not in weights}
+    buffers = _the_rest(model.module, weights)
     state = {n: {**m, **({"step": step.detach().to("cpu", copy=True)} if step is not None else {})}
              for n, m in moments.items() if m}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [n for n in weights if n in state]}
@@ -181,6 +181,14 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
                 master.copy_(w.to(master.dtype).view_as(master))
             for k, v in m.items():
                 base.state[master][k].copy_(v.view_as(master))
+
+
+def _the_rest(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The module's state-dict entries beside its parameters' fp32 masters ``weights`` (by name): a tied parameter's
+    second name the master of the parameter it is (stage 3 holds an empty local tensor there), buffers as they are."""
+    named = {id(p): n for n, p in module.named_parameters()}
+    return {n: weights[named[id(t)]] if id(t) in named else t.detach().to("cpu", copy=True)
+            for n, t in module.state_dict(keep_vars=True).items() if n not in weights}
 
 
 def _own_partition(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,9 @@ def full_state(module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW
                 moments[name] = {k: full[k][off:off + p.numel()].view(p.shape).to("cpu", copy=True) for k in MOMENTS}
     if dist.get_rank() != 0:
         return {}, {}
-    model_sd = {n: masters.get(n, t.detach().to("cpu", copy=True)) for n, t in module.state_dict().items()}
+    # a tied parameter's second name holds its master too; frozen parameters and buffers as the module holds them
+    model_sd = {n: masters[name_of[id(t)]] if name_of.get(id(t)) in masters else t.detach().to("cpu", copy=True)
+                for n, t in module.state_dict(keep_vars=True).items()}
     state = {n: {**m, "step": step.detach().to("cpu", copy=True)} for n, m in moments.items()}
     hyper = {k: v for k, v in local.param_groups[0].items() if k != "params"}
     return model_sd, {"state": state, "param_groups": [{**hyper, "params": [n for n in masters if n in state]}]}
@@ -71,10 +73,10 @@ def load_full_state(module: nn.Module, buckets: list[Bucket], optimizer: Sharded
     model_sd, state = full["model"], full["optim"]["state"]
     steps = [s["step"] for s in state.values() if "step" in s]
     step = max(steps, key=float) if steps else None
-    bucketed = {name_of[id(p)] for b in buckets for p in b.params}
+    bucketed = {id(p) for b in buckets for p in b.params}
     with torch.no_grad():
         for name, t in module.state_dict(keep_vars=True).items():  # frozen parameters and buffers as they are
-            if name not in bucketed:
+            if id(t) not in bucketed:  # (a tied parameter's second name is its bucketed first)
                 t.copy_(model_sd[name].to(t.dtype))
         for b in buckets:
             full_of = {k: torch.zeros(b.flat.numel(), dtype=torch.float32, device=b.master.device)
