@@ -176,6 +176,19 @@ def test_deepspeed_moves_its_full_state_both_ways(cell, stage):
            MLP_TENSORS, where, "ddp", 2)
 
 
+def test_a_parameter_no_step_graded_restores_and_moves_without_state(cell):
+    """A branch forward never calls: no gradient, so no AdamW state in the checkpoint. DDP's own full round trip
+    restores it (torch 2.13's strict set_state_dict refused it: "Missing optimizer state"), and FSDP2 at N=3 starts
+    from it holding no state for it either (the zero state the load makes is removed): every check, state included."""
+    branch = ("logger=none", f"steps={STEPS}", *WINDOWS, "model=custom", "model._target_=corpus.unused_branch",
+              "model.input_shape=[8]", "model.wrap=[torch.nn.Linear]")
+    where = _source(cell, "ddp", "full", base=branch)
+    assert "net.unused.weight" not in torch.load(where / "full.pt", weights_only=True)["optim"]["state"]
+    moved = _moved(cell("strategy=fsdp2_full", "world_size=3", f"checkpoint.load_from={where}", base=branch), None,
+                   where, "ddp", 2)
+    assert moved["initialised"] == [] and moved["added"] == []
+
+
 def test_a_tied_weight_moves_by_both_its_names(cell):
     """The GPT's head is its token embedding (one parameter, two state-dict names): DeepSpeed stage 3 at N=2, whose
     second name holds an empty local tensor, writes the master under both; zero2 at N=3 starts from it."""

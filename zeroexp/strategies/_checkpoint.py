@@ -28,7 +28,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = ["FULL_FILE", "save_full", "load_full", "write_full", "read_full", "save_sharded", "load_sharded",
-           "save_state_dicts", "load_state_dicts", "dcp_files", "full_state_dicts", "read_whole"]
+           "save_state_dicts", "load_state_dicts", "dcp_files", "full_state_dicts", "read_whole",
+           "drop_state_not_saved"]
 
 FULL_FILE = "full.pt"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -58,10 +59,15 @@ def read_full(path: Path) -> dict:
 
 
 def load_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank reads :data:`FULL_FILE` and keeps what its model and optimizer hold of it."""
+    """Every rank reads :data:`FULL_FILE` and keeps what its model and optimizer hold of it. Not strict: a parameter no
+    step gave a gradient has no optimizer state in the file, which torch 2.13's ``set_state_dict`` refuses as strict
+    ("Missing optimizer state for parameter"); the state the load made for it is removed (:func:`drop_state_not_saved`).
+    What the load restored is checked by the probe, tensor by tensor (zeroexp.probes.checkpoint: a restore's
+    parameters, a move's whole state)."""
     full = read_full(path)
     set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
-                   options=StateDictOptions(full_state_dict=True))
+                   options=StateDictOptions(full_state_dict=True, strict=False))
+    drop_state_not_saved("full", path, model, optimizer)
 
 
 def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
@@ -72,11 +78,17 @@ def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load a :func:`save_sharded` checkpoint in place into ``model`` and ``optimizer``."""
+    """Load a :func:`save_sharded` checkpoint in place into ``model`` and ``optimizer``; a partial load, as
+    :func:`load_full` is not strict (the state the load made for a parameter without any in the checkpoint is removed;
+    what was restored is the probe's to check)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
+    drop_state_not_saved("sharded", path, model, optimizer)
 
 
 def save_state_dicts(kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
@@ -112,3 +124,27 @@ def read_whole(kind: str, path: Path) -> dict:
         whole = Path(scratch) / "whole.pt"
         dcp_to_torch_save(path, whole)
         return torch.load(whole, map_location="cpu", weights_only=True)
+
+
+def drop_state_not_saved(kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """After a load of a checkpoint in this layout: the optimizer state the load created for a parameter the
+    checkpoint holds none of, removed (torch's state-dict API first gives every trainable parameter zero moments and
+    a step, ``_init_optim_state``; a parameter no step had given a gradient has none in the checkpoint, and keeps
+    none in a run that was not interrupted). Only a parameter of the model by its own name (a wrapper's prefixes and
+    DDP's ``module.`` taken off) whose tensor keys the optimizer's state; the names removed."""
+    from zeroexp._lib.modules import wrapper_prefixes
+
+    if kind == "full":
+        saved = set(read_full(path)["optim"]["state"])
+    else:
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")}
+    prefixes = [*wrapper_prefixes().values(), "module."]
+    dropped = []
+    for name, p in model.named_parameters():
+        for prefix in prefixes:
+            name = name.replace(prefix, "")
+        if p in optimizer.state and name not in saved and p.requires_grad and "_flat_param" not in name:
+            optimizer.state.pop(p)
+            dropped.append(name)
+    return dropped
