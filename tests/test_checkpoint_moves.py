@@ -177,15 +177,20 @@ def test_deepspeed_moves_its_full_state_both_ways(cell, stage):
 
 
 def test_a_parameter_no_step_graded_restores_and_moves_without_state(cell):
-    """A branch forward never calls: no gradient, so no AdamW state in the checkpoint. DDP's own full round trip
-    restores it (torch 2.13's strict set_state_dict refused it: "Missing optimizer state"), and FSDP2 at N=3 starts
-    from it holding no state for it either (the zero state the load makes is removed): every check, state included."""
+    """A branch forward never calls: no gradient, so no AdamW state in the checkpoint. DDP's own full round trip and
+    FSDP2's sharded one restore it (torch 2.13's strict set_state_dict refused it: "Missing optimizer state"); FSDP2
+    at N=3 starts from the first, DDP at N=3 from the second, holding no state for it either (the zero state the load
+    makes is removed): every check, state included."""
     branch = ("logger=none", f"steps={STEPS}", *WINDOWS, "model=custom", "model._target_=corpus.unused_branch",
               "model.input_shape=[8]", "model.wrap=[torch.nn.Linear]")
     where = _source(cell, "ddp", "full", base=branch)
     assert "net.unused.weight" not in torch.load(where / "full.pt", weights_only=True)["optim"]["state"]
     moved = _moved(cell("strategy=fsdp2_full", "world_size=3", f"checkpoint.load_from={where}", base=branch), None,
                    where, "ddp", 2)
+    assert moved["initialised"] == [] and moved["added"] == []
+    where = _source(cell, "fsdp2_full", "sharded", base=branch)  # through DCP: a partial load, the same removal
+    moved = _moved(cell("strategy=ddp", "world_size=3", f"checkpoint.load_from={where}", base=branch), None, where,
+                   "fsdp2_full", 2)
     assert moved["initialised"] == [] and moved["added"] == []
 
 

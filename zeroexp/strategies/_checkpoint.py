@@ -67,7 +67,7 @@ def load_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) ->
     full = read_full(path)
     set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
                    options=StateDictOptions(full_state_dict=True, strict=False))
-    drop_state_not_saved("full", path, model, optimizer)
+    drop_state_not_saved(set(full["optim"]["state"]), model, optimizer)
 
 
 def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
@@ -88,7 +88,9 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=DefaultLoadPlanner(allow_partial_load=True))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
-    drop_state_not_saved("sharded", path, model, optimizer)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # "optim.state.<name>.<key>"
+    saved = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")}
+    drop_state_not_saved(saved, model, optimizer)
 
 
 def save_state_dicts(kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Path]:
@@ -126,19 +128,15 @@ def read_whole(kind: str, path: Path) -> dict:
         return torch.load(whole, map_location="cpu", weights_only=True)
 
 
-def drop_state_not_saved(kind: str, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def drop_state_not_saved(saved: set[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """After a load of a checkpoint in this layout: the optimizer state the load created for a parameter the
     checkpoint holds none of, removed (torch's state-dict API first gives every trainable parameter zero moments and
     a step, ``_init_optim_state``; a parameter no step had given a gradient has none in the checkpoint, and keeps
     none in a run that was not interrupted). Only a parameter of the model by its own name (a wrapper's prefixes and
-    DDP's ``module.`` taken off) whose tensor keys the optimizer's state; the names removed."""
+    DDP's ``module.`` taken off) whose tensor keys the optimizer's state; ``saved``: the names the checkpoint holds
+    optimizer state for. The names removed."""
     from zeroexp._lib.modules import wrapper_prefixes
 
-    if kind == "full":
-        saved = set(read_full(path)["optim"]["state"])
-    else:
-        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        saved = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")}
     prefixes = [*wrapper_prefixes().values(), "module."]
     dropped = []
     for name, p in model.named_parameters():
