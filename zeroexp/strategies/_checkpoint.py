@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 __all__ = ["FULL_FILE", "save_full", "load_full", "write_full", "read_full", "save_sharded", "load_sharded",
            "save_state_dicts", "load_state_dicts", "dcp_files", "full_state_dicts", "read_whole",
-           "drop_state_not_saved"]
+           "drop_state_not_saved", "whole_model_state"]
 
 FULL_FILE = "full.pt"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -146,3 +146,13 @@ def drop_state_not_saved(saved: set[str], model: nn.Module, optimizer: torch.opt
             optimizer.state.pop(p)
             dropped.append(name)
     return dropped
+
+
+def whole_model_state(module: nn.Module, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``module``'s state dict as a full checkpoint writes it, on the CPU: each parameter's fp32 master from
+    ``masters`` (by its first name) under every name it has (a tied parameter's second name too: a sharding strategy
+    holds an empty or compute-dtype tensor there), every other entry (frozen parameters outside ``masters``,
+    buffers) as the module holds it."""
+    first = {id(p): n for n, p in module.named_parameters()}
+    return {n: masters[first[id(t)]] if first.get(id(t)) in masters else t.detach().to("cpu", copy=True)
+            for n, t in module.state_dict(keep_vars=True).items()}

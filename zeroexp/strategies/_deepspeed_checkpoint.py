@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from zeroexp._lib.deepspeed_internals import link_optimizer_state, linked_to_fp32_partition
-from zeroexp.strategies._checkpoint import FULL_FILE, read_full, write_full
+from zeroexp.strategies._checkpoint import FULL_FILE, read_full, whole_model_state, write_full
 
 __all__ = ["DS_FULL_FILE", "DS_TAG", "checkpoint_format", "save", "load", "full_state"]
 
@@ -112,12 +112,11 @@ def full_state(stage: int, model: Any) -> tuple[dict, dict]:
                            "per parameter to write")
     step = next(iter(base.state[q]["step"] for q in _flat_partitions(model) if "step" in base.state.get(q, {})),
                 None)
-    buffers = _the_rest(model.module, weights)
     state = {n: {**m, **({"step": step.detach().to("cpu", copy=True)} if step is not None else {})}
              for n, m in moments.items() if m}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [n for n in weights if n in state]}
               for g in base.param_groups[:1]]
-    return {**weights, **buffers}, {"state": state, "param_groups": groups}
+    return whole_model_state(model.module, weights), {"state": state, "param_groups": groups}
 
 
 def load(stage: int, kind: str, path: Path, model: Any) -> None:
@@ -181,14 +180,6 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
                 master.copy_(w.to(master.dtype).view_as(master))
             for k, v in m.items():
                 base.state[master][k].copy_(v.view_as(master))
-
-
-def _the_rest(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The module's state-dict entries beside its parameters' fp32 masters ``weights`` (by name): a tied parameter's
-    second name the master of the parameter it is (stage 3 holds an empty local tensor there), buffers as they are."""
-    named = {id(p): n for n, p in module.named_parameters()}
-    return {n: weights[named[id(t)]] if id(t) in named else t.detach().to("cpu", copy=True)
-            for n, t in module.state_dict(keep_vars=True).items() if n not in weights}
 
 
 def _own_partition(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

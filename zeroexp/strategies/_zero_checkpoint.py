@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroexp.strategies._checkpoint import whole_model_state
 from zeroexp.strategies.sharding import Bucket, ShardedAdamW
 
 __all__ = ["full_state", "load_full_state", "MOMENTS"]
@@ -56,9 +57,7 @@ def full_state(module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW
                 moments[name] = {k: full[k][off:off + p.numel()].view(p.shape).to("cpu", copy=True) for k in MOMENTS}
     if dist.get_rank() != 0:
         return {}, {}
-    # a tied parameter's second name holds its master too; frozen parameters and buffers as the module holds them
-    model_sd = {n: masters[name_of[id(t)]] if name_of.get(id(t)) in masters else t.detach().to("cpu", copy=True)
-                for n, t in module.state_dict(keep_vars=True).items()}
+    model_sd = whole_model_state(module, masters)
     state = {n: {**m, "step": step.detach().to("cpu", copy=True)} for n, m in moments.items()}
     hyper = {k: v for k, v in local.param_groups[0].items() if k != "params"}
     return model_sd, {"state": state, "param_groups": [{**hyper, "params": [n for n in masters if n in state]}]}
