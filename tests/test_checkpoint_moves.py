@@ -50,8 +50,8 @@ def _moved(result, tensors: int | None, source: Path, strategy: str, world_size:
     assert moved["max_abs_diff"] == 0.0 and not (moved["differ"] or moved["lost"] or moved["added"] or moved["cast"])
     src = json.loads((source / META).read_text())
     assert moved["source"] == {"dir": str(source.resolve()), "kind": src["kind"], "strategy": strategy,
-                               "world_size": world_size, "step": src["step"], "precision": src["cell"]["precision"]
-                               ["name"]}
+                               "label": src.get("strategy_label", strategy), "world_size": world_size,
+                               "step": src["step"], "precision": src["cell"]["precision"]["name"]}
     assert len(moved["load"]["rank_ms"]) == result.summary["cell"]["world_size"]
     assert "resumed" in json.loads((Path(result.cell_dir) / "manifest.json").read_text())["cell_name"]
     return moved
@@ -194,20 +194,43 @@ def test_a_parameter_no_step_graded_restores_and_moves_without_state(cell):
     assert moved["initialised"] == [] and moved["added"] == []
 
 
-def test_a_tied_weight_moves_by_both_its_names(cell):
-    """The GPT's head is its token embedding (one parameter, two state-dict names): DeepSpeed stage 3 at N=2, whose
-    second name holds an empty local tensor, writes the master under both; zero2 at N=3 starts from it."""
+def test_a_sweep_writes_each_source_once_and_moves_it_to_each_target(tmp_path):
+    """``experiment=checkpoint_moves`` with one source and two targets: the source cell (DeepSpeed stage 3 at N=2 on
+    the GPT, whose tied head is one parameter under two state-dict names: its second holds an empty local tensor
+    there) runs once, before the first target, and writes its master under both names; zero2 and FSDP2 at N=3 start
+    from it, every check PASS; the sweep report lays the moves out by the writer's and the target's labels; a later
+    job of the same source reuses its checkpoint."""
+    from conftest import compose_config
+    from zeroexp.launch.sources import ensure_source
     from zeroexp.strategies import deepspeed as ds_adapter
 
     if not ds_adapter.deepspeed_available():
         pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
-    gpt = ("logger=none", f"steps={STEPS}", *WINDOWS, "model=gpt")
-    where = _source(cell, "deepspeed", "full", "strategy.stage=3", base=gpt)
-    whole = torch.load(where / "full.pt", weights_only=True)["model"]
+    source = "strategy=deepspeed strategy.stage=3 world_size=2"
+    over = ["experiment=checkpoint_moves", f'checkpoint.source="{source}"', "world_size=3", "logger=none",
+            f"steps={STEPS}", *WINDOWS, "model.n_layer=2", f"checkpoint.sources_dir={tmp_path / 'sources'}"]
+    done = run_cli("--multirun", *over, "strategy=zero2,fsdp2_full", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("source 'strategy=deepspeed strategy.stage=3 world_size=2': writing") == 1
+    assert done.stdout.count("': reusing") == 1
+    (written,) = (tmp_path / "sources").glob("deepspeed_stage3_n2_*")
+    meta = json.loads((written / "checkpoint" / META).read_text())
+    assert (meta["strategy"], meta["strategy_label"], meta["world_size"], meta["kind"]) == (
+        "deepspeed", "deepspeed-stage3", 2, "full")
+    whole = torch.load(written / "checkpoint" / "full.pt", weights_only=True)["model"]
     assert torch.equal(whole["net.lm_head.weight"], whole["net.wte.weight"]) and whole["net.wte.weight"].numel() > 0
-    moved = _moved(cell("strategy=zero2", "world_size=3", f"checkpoint.load_from={where}", base=gpt), None, where,
-                   "deepspeed", 2)
-    assert moved["compared_tensors"] > 4 * 52
+    for cell_dir in (tmp_path / "sweep").glob("*_resumed_n3_*"):
+        summary = json.loads((cell_dir / "summary.json").read_text())
+        moved = summary["checkpoint"]["moved"]
+        assert moved["check"] == "PASS" and moved["max_abs_diff"] == 0.0 and moved["compared_tensors"] > 4 * 26
+        assert moved["source"]["label"] == "deepspeed-stage3" and moved["source"]["step"] == STEPS
+        assert summary["equivalence"]["check"] == "PASS", summary["equivalence"]
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "| deepspeed-stage3 N=2 (full) | PASS | PASS |" in report, report
+    assert "zero2 N=3" in report and "fsdp2_full N=3" in report
+    said: list[str] = []
+    cfg = compose_config([*over, "strategy=ddp"])
+    assert ensure_source(cfg, over, say=said.append) == written / "checkpoint" and "reusing" in said[0]
 
 
 def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_path):
@@ -235,6 +258,26 @@ def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_pa
     (where / META).write_text(json.dumps({k: v for k, v in meta.items() if k != "cell"}))
     with pytest.raises(ConfigError, match="records no cell configuration"):
         validate(compose(f"checkpoint.load_from={where}"))
+
+
+def test_a_source_that_cannot_be_written_or_read_is_refused_before_launch(compose):
+    """``checkpoint.source``: a spelling it does not read stops a sweep (ConfigError); a kind the cell's or the
+    source's strategy keeps in a layout of its own refuses the one job (InvalidCell); each names the key."""
+    for spec, said in {"world_size=2": "names no strategy=", "strategy=ddp model.width=32": "'model.width=32'",
+                       "strategy=nope": "strategy=nope is none of", "strategy=ddp world_size=0": "world_size=0",
+                       "strategy=ddp checkpoint=none": "checkpoint=none", "strategy=ddp world": "'world'"}.items():
+        with pytest.raises(ConfigError, match="checkpoint.source") as e:
+            validate(compose(f'checkpoint.source="{spec}"'))
+        assert not isinstance(e.value, InvalidCell) and said in str(e.value), (spec, str(e.value))
+    for over, said in {("strategy=zero1", "strategy=ddp checkpoint=sharded"): "the cell's strategy, zero1",
+                       ("strategy=ddp", "strategy=zro checkpoint=sharded"): "the checkpoint's strategy, zro"}.items():
+        with pytest.raises(InvalidCell, match="checkpoint.source") as e:
+            validate(compose(over[0], "world_size=2", f'checkpoint.source="{over[1]}"'))
+        assert said in str(e.value), (over, str(e.value))
+    with pytest.raises(ConfigError, match="checkpoint.source"):
+        validate(compose('checkpoint.source="strategy=ddp"', "checkpoint.load_from=/nowhere"))
+    assert validate(compose("strategy=fsdp2_full", "world_size=2", 'checkpoint.source="strategy=ddp world_size=3"',
+                            "checkpoint.sources_dir=/nonexistent/sources")).load_from is None  # not written yet
 
 
 def test_convert_moves_a_checkpoint_offline_and_a_cell_starts_from_it(cell, tmp_path):
@@ -316,10 +359,13 @@ def test_the_report_lays_the_moves_out_as_a_matrix():
                         "checkpoint.moved.source.kind": "full", "checkpoint.moved.check": moved})
         return out
 
+    labelled = {**row("deepspeed", 3, "deepspeed"), "checkpoint.moved.source.label": "deepspeed-stage3",
+                "checkpoint.moved.target_label": "deepspeed-stage2"}  # a label: the strategy with its axes
     ok = pd.DataFrame([row("ddp", 3, "fsdp_full"), row("fsdp2_full", 3, "fsdp_full", equivalence="FAIL"),
-                       row("ddp", 3, "zro", moved="FAIL"), row("zro", 2, None)])
+                       row("ddp", 3, "zro", moved="FAIL"), labelled, row("zro", 2, None)])
     shown = moves_table(ok).display()
-    assert list(shown.columns) == ["from (writer, N, kind)", "ddp N=3", "fsdp2_full N=3"]
-    assert shown.values.tolist() == [["fsdp_full N=2 (full)", "PASS", "equivalence FAIL"],
-                                     ["zro N=2 (full)", "moved FAIL", "-"]]
-    assert moves_table(ok.iloc[3:]) is None
+    assert list(shown.columns) == ["from (writer, N, kind)", "ddp N=3", "fsdp2_full N=3", "deepspeed-stage2 N=3"]
+    assert shown.values.tolist() == [["fsdp_full N=2 (full)", "PASS", "equivalence FAIL", "-"],
+                                     ["zro N=2 (full)", "moved FAIL", "-", "-"],
+                                     ["deepspeed-stage3 N=2 (full)", "-", "-", "PASS"]]
+    assert moves_table(ok.iloc[4:]) is None

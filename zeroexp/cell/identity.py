@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.cell.strategy import SCHEMAS, identity_keys, identity_when_set, schema_keys
 
-__all__ = ["cell_axes", "cell_identity", "cell_id", "cell_name", "init_of"]
+__all__ = ["cell_axes", "cell_identity", "cell_id", "cell_name", "strategy_label", "init_of"]
 
 _IDENTITY_KEYS = ("model", "strategy", "precision", "offload", "optimizer", "world_size", "steps",
                   "batch_size", "seed", "warmup_steps", "device")
@@ -93,11 +93,11 @@ def _checkpoint(cfg: DictConfig) -> str:
 
 
 def _load_from(cfg: DictConfig) -> str | None:
-    """The checkpoint directory the cell starts from, absolute; None when it starts from its seed."""
-    from pathlib import Path
+    """The checkpoint directory the cell starts from, absolute (``checkpoint.load_from``, or the one its
+    ``checkpoint.source`` writes: zeroexp.cell.written); None when it starts from its seed."""
+    from zeroexp.cell.written import load_dir
 
-    where = OmegaConf.select(cfg, "checkpoint.load_from")
-    return None if where is None else str(Path(str(where)).expanduser().resolve())
+    return load_dir(cfg) if cfg.get("checkpoint") is not None else None
 
 
 def cell_identity(cfg: DictConfig) -> dict[str, Any]:
@@ -130,10 +130,16 @@ def cell_id(cfg: DictConfig) -> str:
     return hashlib.sha1(blob).hexdigest()[:8]
 
 
+def strategy_label(cfg: DictConfig) -> str:
+    """The strategy with its applicable axes, as a cell's name begins: ``deepspeed-stage3``, ``fsdp_full-pre``."""
+    ax = cell_axes(cfg)
+    return "-".join([ax["strategy"], *(_axis_label(cfg, a, ax[a]) for a in _applicable(cfg))])
+
+
 def cell_name(cfg: DictConfig) -> str:
     """A readable, unique directory name, e.g. ``fsdp_full-pre_mlp_fp32_n4_1a2b3c4d``."""
     ax = cell_axes(cfg)
-    strategy = "-".join([ax["strategy"], *(_axis_label(cfg, a, ax[a]) for a in _applicable(cfg))])
+    strategy = strategy_label(cfg)
     parts = [strategy, ax["model"], ax["precision"]]
     if ax["offload"] != "none":
         parts.append(f"off-{ax['offload']}")

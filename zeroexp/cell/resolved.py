@@ -69,7 +69,7 @@ class Cell:
         policy = CellPolicy.of(cfg)
         if shape is not None and shape.ready is not None:  # a traced step: its ungraded parameters are known
             policy = dataclasses.replace(policy, ungraded=bool(shape.unused))
-        source = None if cfg.checkpoint.load_from is None else Source.read(cfg.checkpoint.load_from, verify=False)
+        source = _source(cfg)
         knobs = knobs_of(cfg)
         if source is not None and source.kind == "full":
             knobs = dataclasses.replace(knobs, state_loaded_whole=True)
@@ -195,3 +195,18 @@ def layout_of(cfg: Any) -> tuple[str, StateLayout]:
     if name not in LAYOUTS:
         raise KeyError(f"strategy.layout={name!r} is no row of zeroexp.formulas.LAYOUTS ({', '.join(LAYOUTS)})")
     return name, LAYOUTS[name]
+
+
+def _source(cfg: Any) -> Source | None:
+    """The checkpoint the cell starts from (``checkpoint.load_from``, or its ``checkpoint.source``'s:
+    zeroexp.cell.written), its ``meta.json`` read; None where it starts from its seed, or where its source cell has
+    not written it yet (a sweep's check of its jobs, before the job writes it: zeroexp.launch.sources)."""
+    from pathlib import Path
+
+    from zeroexp.cell.source import META
+    from zeroexp.cell.written import load_dir
+
+    where = load_dir(cfg)
+    if where is None or (cfg.checkpoint.get("source") is not None and not (Path(where) / META).is_file()):
+        return None
+    return Source.read(where, verify=False)

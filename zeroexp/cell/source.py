@@ -101,6 +101,7 @@ class Source:
     world_size: int
     step: int
     cell: Mapping[str, Any]
+    label: str = ""  # the strategy with its axes (``deepspeed-stage3``; a checkpoint written before labels: its name)
 
     @property
     def precision(self) -> str:
@@ -118,9 +119,10 @@ class Source:
             raise CheckpointError(f"{path / META}: records no cell configuration (a checkpoint of a zeroexp before "
                                   "checkpoints recorded their cell): a cell cannot start from it")
         return cls(dir=str(path), kind=str(meta["kind"]), strategy=str(meta["strategy"]),
-                   world_size=int(meta["world_size"]), step=int(meta["step"]), cell=cell)
+                   world_size=int(meta["world_size"]), step=int(meta["step"]), cell=cell,
+                   label=str(meta.get("strategy_label") or meta["strategy"]))
 
     def record(self) -> dict[str, Any]:
         """``summary.json["checkpoint"]["moved"]["source"]``: where the state came from."""
-        return {"dir": self.dir, "kind": self.kind, "strategy": self.strategy, "world_size": self.world_size,
-                "step": self.step, "precision": self.precision}
+        return {"dir": self.dir, "kind": self.kind, "strategy": self.strategy, "label": self.label or self.strategy,
+                "world_size": self.world_size, "step": self.step, "precision": self.precision}

@@ -136,6 +136,7 @@ def convert(plan: Conversion, say: Any = print) -> dict[str, Any]:
                     "seconds": time.perf_counter() - t0}
         write_json(work / "convert.json", manifest)
         write_json(work / META, {"format": FORMAT, "kind": plan.kind, "strategy": plan.strategy,
+                                 "strategy_label": src.label if plan.strategy == src.strategy else plan.strategy,
                                  "world_size": plan.world_size, "step": src.step,
                                  "cell": {**src.cell, "world_size": plan.world_size}, "converted_from": src.record(),
                                  "files": [{"name": f.relative_to(work).as_posix(), "bytes": f.stat().st_size,

@@ -86,6 +86,17 @@ def task(cfg: DictConfig) -> None:
         _clear(cell_dir)
     started = time.monotonic()
     try:
+        if cfg.checkpoint.get("source") is not None:  # its source cell writes the checkpoint it starts from, first
+            from zeroexp.launch.sources import SourceFailed, ensure_source
+
+            try:
+                ensure_source(cfg, overrides, say=console.print)
+            except SourceFailed as e:
+                _not_run(cfg, cell_dir, overrides, sweep, e, console=console)
+                print(cell_dir)
+                if not multirun:
+                    sys.exit(1)
+                return
         result = run_cell(cfg, cell_dir, overrides=overrides, sweep=sweep,
                           explicit_keys=() if multirun else explicit_keys(overrides), progress=True)
     except (NotApplicableHere, InvalidCell) as e:  # a sweep records the job, and runs its others
@@ -165,22 +176,27 @@ NOT_RUN = {NotApplicableHere: ("skipped", "not_applicable"), InvalidCell: ("refu
 REFUSED_BEFORE = "refused in an earlier run of this sweep, its configuration unchanged (resume=true does not retry it)"
 
 
-def _not_run(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, e: ConfigError,
+def _not_run(cfg: DictConfig, cell_dir: Path, overrides: list[str], sweep: str | None, e: Exception,
              launch: dict[str, Any] | None = None, console: Any = None) -> None:
     """The manifest of a sweep job that does not run, and its line: ``skipped`` (``NotApplicableHere``: not on this
-    machine) or ``refused`` (``InvalidCell``: invalid for this cell), the refusal's key, value, accepted values and
-    message in ``error``. ``launch``: how it would have been launched (default: locally)."""
+    machine), ``refused`` (``InvalidCell``: invalid for this cell) or ``failed`` (``SourceFailed``: the source cell
+    of its ``checkpoint.source`` wrote no checkpoint), the refusal's key, value, accepted values and message in
+    ``error``. ``launch``: how it would have been launched (default: locally)."""
     from zeroexp.cell.identity import cell_axes, cell_id
     from zeroexp.results.files import utc_now, write_json
     from zeroexp.launch.runner import manifest_config, new_manifest
 
-    status, cause = NOT_RUN[NotApplicableHere if isinstance(e, NotApplicableHere) else InvalidCell]
+    from zeroexp.launch.sources import SourceFailed
+
+    status, cause = (("failed", "source_failed") if isinstance(e, SourceFailed) else
+                     NOT_RUN[NotApplicableHere if isinstance(e, NotApplicableHere) else InvalidCell])
     resolved = manifest_config(cfg)
     run_info = {"cell": cell_axes(cfg), "cell_id": cell_id(cfg), "cell_name": cell_name(cfg), "sweep": sweep}
     manifest = new_manifest(cfg, resolved, run_info, overrides, sweep, "n/a", "n/a", launch or
                             {"launcher": "local", "nodes": 1, "ranks_per_node": int(cfg.world_size), "job_id": None})
-    manifest.update(status=status, error={"rank": None, "cause": cause, "key": e.key, "value": _plain(e.value),
-                                          "accepted": e.accepted, "message": str(e)},
+    manifest.update(status=status, error={"rank": None, "cause": cause, "key": getattr(e, "key", "checkpoint.source"),
+                                          "value": _plain(getattr(e, "value", cfg.checkpoint.get("source"))),
+                                          "accepted": getattr(e, "accepted", None), "message": str(e)},
                     ended_at=utc_now(), duration_s=None)  # nothing ran: no wall time (the report reads n/a)
     cell_dir.mkdir(parents=True, exist_ok=True)
     if (cell_dir / "manifest.json").exists():  # an earlier attempt of this cell: its files are not this outcome's

@@ -76,6 +76,7 @@ def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: 
     named = {k for job in jobs for o in job if (k := strategy_key(o.split("=", 1)[0].lstrip("+~"))) and k != "name"}
     applied: set[str] = set()
     not_applied: dict[str, dict[str, Any]] = {}  # key -> {cell name: the value it did not take}
+    lacking: dict[str, dict[str, None]] = {}  # key -> the strategies without it, in the sweep's order
     strategies: set[str] = set()
     for cfg in cfgs:
         strategies.add(str(cfg.strategy.name))
@@ -83,6 +84,7 @@ def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: 
         applied.update(k for k in cfg.strategy if k not in extras)
         for key in extras:
             not_applied.setdefault(key, {})[cell_name(cfg)] = cfg.strategy.get(key)
+            lacking.setdefault(key, {})[str(cfg.strategy.name)] = None
     for key in sorted(named - applied):
         own = sorted({k for s in strategies if s in SCHEMAS for k in schema_keys(SCHEMAS[s])} - {"name"})
         owners = owners_of(key)
@@ -92,9 +94,10 @@ def check_strategy_keys(jobs: list[list[str]], cfgs: list[DictConfig], console: 
                             + (f"; strategies that do: {', '.join(owners)}" if owners else ""))
         console.print(f"[red]error:[/] {e}\nnothing was run")
         sys.exit(2)
-    for key, cells in sorted(not_applied.items()):
+    for key, cells in sorted(not_applied.items()):  # the cells by name while few; by strategy where many
+        which = ", ".join(cells) if len(cells) <= 4 else f"those of {', '.join(lacking[key])}"
         console.print(f"[yellow]not applied:[/] strategy.{key} to {len(cells)} cell(s) whose strategy has no such key "
-                      f"(it makes no new cell): {', '.join(cells)}")
+                      f"(it makes no new cell): {which}")
 
 
 #: In a sweep directory: {job number: the earlier job number of the same cell}, written before the first job.

@@ -19,7 +19,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from zeroexp.cell.source import CELL_KEYS, CheckpointError, Source
+from pathlib import Path
+
+from zeroexp.cell.source import CELL_KEYS, META, CheckpointError, Source
+from zeroexp.cell.written import ACCEPTED as SOURCE_ACCEPTED
+from zeroexp.cell.written import load_dir, parse_source
 from zeroexp.errors import ConfigError, InvalidCell
 
 __all__ = ["check_load_from", "MODEL_KEYS_FREE", "OPTIMIZER_KEYS_FREE"]
@@ -34,36 +38,64 @@ ACCEPTED = "null, or the directory of a checkpoint a zeroexp cell kept (checkpoi
 def check_load_from(cfg: Any, adapter: Any) -> Source | None:
     """The checkpoint ``cfg`` starts from (None: none), every file checked, or the ConfigError that names why the cell
     cannot start from it (``adapter``: the cell's adapter class)."""
-    where = cfg.checkpoint.load_from
+    spec = parse_source(cfg.checkpoint.get("source"))
+    key = "checkpoint.load_from" if spec is None else "checkpoint.source"
+    where = cfg.checkpoint.load_from if spec is None else spec.text
+    if spec is not None and cfg.checkpoint.load_from is not None:
+        raise ConfigError("checkpoint.source", where, "null when checkpoint.load_from is set",
+                          why="a cell starts from one checkpoint: an existing one (load_from) or one its source "
+                              "cell writes first (source)")
     if where is None:
         return None
     if cfg.dry_run:
-        raise ConfigError("checkpoint.load_from", where, "null", why="a dry run holds no tensor values to load")
-    try:
-        source = Source.read(where)
-    except CheckpointError as e:
-        raise ConfigError("checkpoint.load_from", where, ACCEPTED, why=str(e)) from None
+        raise ConfigError(key, where, "null", why="a dry run holds no tensor values to load")
     from zeroexp.strategies import registered
 
-    writer = registered().get(source.strategy)
+    if spec is not None:
+        if cfg.launcher.name != "local":
+            raise ConfigError(key, where, "null with launcher=torchrun|slurm", why=(
+                "the source cell is run by this process before the cell: on a cluster, run it first with "
+                "checkpoint.keep=true and start from it with checkpoint.load_from=<its checkpoint>"))
+        written = Path(str(load_dir(cfg)))
+        if not (written / META).is_file():  # not written yet (zeroexp.launch.sources writes it first): its kind only
+            source = None
+            strategy, kind = spec.strategy, spec.kind
+        else:
+            source = _read(key, where, written)
+            strategy, kind = source.strategy, source.kind
+    else:
+        source = _read(key, where, Path(str(where)))
+        strategy, kind = source.strategy, source.kind
+    writer = registered().get(strategy)
     movable = ", ".join(f"{n} ({'|'.join(sorted(a.moved_kinds))})" for n, a in sorted(registered().items())
                         if a.moved_kinds)
-    for whose, strategy, kinds in (("the checkpoint's", source.strategy, getattr(writer, "moved_kinds", ())),
-                                   ("the cell's", cfg.strategy.name, adapter.moved_kinds)):
-        if source.kind not in kinds:
+    for whose, name, kinds in (("the checkpoint's", strategy, getattr(writer, "moved_kinds", ())),
+                               ("the cell's", cfg.strategy.name, adapter.moved_kinds)):
+        if kind not in kinds:
             held = (f"reads and writes {' and '.join(sorted(kinds))} checkpoints in torch's state-dict layout, not "
-                    f"{source.kind} ones (write the source with checkpoint={'|'.join(sorted(kinds))})" if kinds else
+                    f"{kind} ones (write the source with checkpoint={'|'.join(sorted(kinds))})" if kinds else
                     "keeps its state in a layout of its own (its checkpoints restore in its own round trip)")
-            raise InvalidCell("checkpoint.load_from", where, ACCEPTED, why=(
-                f"a {source.kind} checkpoint of {source.strategy}: {whose} strategy, {strategy}, {held}; the "
+            raise InvalidCell(key, where, ACCEPTED if spec is None else SOURCE_ACCEPTED, why=(
+                f"a {kind} checkpoint of {strategy}: {whose} strategy, {name}, {held}; the "
                 f"strategies whose checkpoints move, by kind: {movable}"))
+    if source is None:
+        return None
     mine = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
             for k in CELL_KEYS}
-    for key, free in (("model", MODEL_KEYS_FREE), ("optimizer", OPTIMIZER_KEYS_FREE)):
-        theirs, ours = dict(source.cell[key]), dict(mine[key])
+    for part, free in (("model", MODEL_KEYS_FREE), ("optimizer", OPTIMIZER_KEYS_FREE)):
+        theirs, ours = dict(source.cell[part]), dict(mine[part])
         differ = sorted(k for k in set(theirs) | set(ours) if k not in free and theirs.get(k) != ours.get(k))
         if differ:
-            said = ", ".join(f"{key}.{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ[:4])
-            raise InvalidCell("checkpoint.load_from", where, ACCEPTED, why=(
-                f"the checkpoint's cell trained another {key} ({said}): set the checkpoint's values"))
+            said = ", ".join(f"{part}.{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ[:4])
+            raise InvalidCell(key, where, ACCEPTED if spec is None else SOURCE_ACCEPTED, why=(
+                f"the checkpoint's cell trained another {part} ({said}): set the checkpoint's values"))
     return source
+
+
+def _read(key: str, where: Any, path: Path) -> Source:
+    """The checkpoint at ``path``, every file checked, or the ConfigError naming ``key``."""
+    try:
+        return Source.read(path)
+    except CheckpointError as e:
+        raise ConfigError(key, where, ACCEPTED if key == "checkpoint.load_from" else SOURCE_ACCEPTED,
+                          why=str(e)) from None

@@ -84,6 +84,9 @@ class CheckpointConfig:
     keep: bool = False  # keep the files once checked (else they are removed: the summary keeps their sizes)
     load_from: Optional[str] = None  # a kept checkpoint's directory the cell's training starts from (any strategy of
     # its layout, any world size; zeroexp.config.moves); null: from the seed's initial weights
+    source: Optional[str] = None  # or the overrides of a cell that writes the checkpoint first, e.g. "strategy=ddp
+    # world_size=2" (zeroexp.cell.written; experiment=checkpoint_moves sweeps it); null: none
+    sources_dir: str = "outputs/checkpoint_sources"  # where source cells keep their checkpoints (reused when there)
 
 
 @dataclass
@@ -363,6 +366,17 @@ def _shape_of(cfg: DictConfig) -> Any:
         return None
 
 
+def _check_source(cfg: DictConfig) -> None:
+    """``checkpoint.source`` reads as overrides of a strategy zeroexp has (zeroexp.cell.written): a typo stops a
+    sweep before its first cell; what the cell's strategy reads is its own (zeroexp.config.moves)."""
+    from zeroexp.cell.written import ACCEPTED, parse_source
+
+    spec = parse_source(cfg.checkpoint.get("source"))
+    if spec is not None and spec.strategy not in SCHEMAS:
+        raise ConfigError("checkpoint.source", spec.text, ACCEPTED,
+                          why=f"strategy={spec.strategy} is none of {', '.join(sorted(SCHEMAS))}")
+
+
 def _check_knobs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
     """The keys, options, sizes, windows and timeouts of the cell, from the config alone (no torch)."""
     if cfg.get("calibration"):  # plan.time's calibration: readable before any rank starts
@@ -381,6 +395,7 @@ def _check_knobs(cfg: DictConfig, explicit_overrides: tuple[str, ...]) -> None:
         if value not in accepted:
             raise ConfigError(key, value, ", ".join(accepted))
     _positive_int(cfg, "world_size")
+    _check_source(cfg)
     _positive_int(cfg, "steps")
     _positive_int(cfg, "batch_size")
     _positive_int(cfg, "grad_accum")

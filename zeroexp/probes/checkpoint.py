@@ -39,6 +39,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile
 
+from zeroexp.cell.identity import strategy_label
 from zeroexp.cell.source import FORMAT, META, CheckpointError, Source, cell_record, file_sha256, verify_checkpoint
 from zeroexp.models import build_model, make_batch
 from zeroexp.probes.base import Probe, ProbeReport
@@ -183,7 +184,8 @@ class CheckpointProbe(Probe):
         _, load = _measured(lambda: adapter.load_checkpoint(source.kind, Path(source.dir), model, optimizer),
                             device, model, optimizer, n, adapter.mesh_dims())
         held = adapter.full_state_dicts(model, optimizer)  # a collective: the state whole on rank 0
-        self.moved = {"source": source.record(), "load": load, "not_moved": not_moved(source, self.ctx.cell),
+        self.moved = {"source": source.record(), "target_label": strategy_label(self.ctx.cfg), "load": load,
+                      "not_moved": not_moved(source, self.ctx.cell),
                       **(moved_state(adapter.read_whole(source.kind, Path(source.dir)), *held)
                          if self.ctx.rank == 0 else {})}
 
@@ -241,7 +243,8 @@ class CheckpointProbe(Probe):
         dist.all_gather_object(written, mine)
         if rank == 0:
             write_json(path / META, {"format": FORMAT, "kind": self.kind, "strategy": cfg.strategy.name,
-                                     "world_size": n, "step": self.ctx.cell.first_step + int(trainer.global_step),
+                                     "strategy_label": strategy_label(cfg), "world_size": n,
+                                     "step": self.ctx.cell.first_step + int(trainer.global_step),
                                      "cell": cell_record(cfg),
                                      "files": [f for per_rank in written for f in per_rank]})
         dist.barrier()

@@ -26,6 +26,11 @@ def _verdict(moved: Any, equivalence: Any) -> str:
     return "PASS"
 
 
+def _label(label: Any, strategy: Any) -> str:
+    """The strategy with its axes (``deepspeed-stage3``); a cell written before labels: its strategy."""
+    return str(strategy if missing(label) else label)
+
+
 def moves_table(ok: pd.DataFrame) -> ReportTable | None:
     """The matrix of the cells that started from a checkpoint (``checkpoint.moved``); None where no cell did."""
     strategies = column(ok, "checkpoint.moved.source.strategy")
@@ -33,10 +38,14 @@ def moves_table(ok: pd.DataFrame) -> ReportTable | None:
     if not any(has):
         return None
     moved = ok[has]
-    src = [f"{s} N={int(n)} ({k})" for s, n, k in zip(column(moved, "checkpoint.moved.source.strategy"),
-                                                      column(moved, "checkpoint.moved.source.world_size"),
-                                                      column(moved, "checkpoint.moved.source.kind"))]
-    dst = [f"{s} N={int(n)}" for s, n in zip(column(moved, "cell.strategy"), column(moved, "cell.world_size"))]
+    src = [f"{_label(lab, s)} N={int(n)} ({k})"
+           for lab, s, n, k in zip(column(moved, "checkpoint.moved.source.label"),
+                                   column(moved, "checkpoint.moved.source.strategy"),
+                                   column(moved, "checkpoint.moved.source.world_size"),
+                                   column(moved, "checkpoint.moved.source.kind"))]
+    dst = [f"{_label(lab, s)} N={int(n)}" for lab, s, n in zip(column(moved, "checkpoint.moved.target_label"),
+                                                            column(moved, "cell.strategy"),
+                                                            column(moved, "cell.world_size"))]
     verdicts = [_verdict(m, e) for m, e in zip(column(moved, "checkpoint.moved.check"),
                                               column(moved, "equivalence.check"))]
     entries: dict[str, dict[str, list[str]]] = {}
