@@ -345,6 +345,25 @@ def test_the_moved_state_is_judged_tensor_by_tensor(tmp_path):
     assert codes == ["checkpoint.move_names_differ"] and "net.b:exp_avg" in moved["added"]
 
 
+def test_a_full_checkpoint_holds_each_tensor_compact(tmp_path):
+    """torch.save writes a tensor's whole storage: a view of a padded buffer (FSDP2's full state dict: a DTensor made
+    whole out of its uneven all_gather) is written, and read back by a loader that keeps it, as compact; one tensor
+    under two names stays one."""
+    from zeroexp.strategies._checkpoint import compact
+
+    padded = torch.arange(66 * 4, dtype=torch.float32).reshape(66, 4)
+    view, tied = padded[:64], torch.ones(3)
+    state = {"model": {"w": view, "a": tied, "b": tied}, "optim": {"state": {"w": {"exp_avg": view * 2}}}}
+    small = compact(state)
+    assert small["model"]["a"] is small["model"]["b"] is tied  # already compact, and one tensor
+    assert torch.equal(small["model"]["w"], view) and small["model"]["w"].untyped_storage().nbytes() == 64 * 4 * 4
+    torch.save(small, tmp_path / "small.pt")
+    torch.save(state, tmp_path / "padded.pt")
+    read = torch.load(tmp_path / "small.pt", weights_only=True)
+    assert read["model"]["w"].untyped_storage().nbytes() == 64 * 4 * 4 and read["model"]["a"] is read["model"]["b"]
+    assert (tmp_path / "padded.pt").stat().st_size - (tmp_path / "small.pt").stat().st_size >= 2 * 4 * 4
+
+
 def test_the_report_lays_the_moves_out_as_a_matrix():
     """The sweep report's moves: the checkpoint's writer by row, the cell by column, each entry its verdict (the moved
     state's, then the resumed training's); no table without a moved cell."""

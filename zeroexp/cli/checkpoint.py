@@ -97,7 +97,7 @@ def convert(plan: Conversion, say: Any = print) -> dict[str, Any]:
     from zeroexp.cell.source import FORMAT, META, file_sha256
     from zeroexp.probes.checkpoint import moved_reasons, moved_state, state_tensors
     from zeroexp.results.files import write_json
-    from zeroexp.strategies._checkpoint import FULL_FILE, read_whole
+    from zeroexp.strategies._checkpoint import FULL_FILE, compact, read_whole
 
     src = plan.source
     t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def convert(plan: Conversion, say: Any = print) -> dict[str, Any]:
     work.mkdir(parents=True)
     try:
         if plan.kind == "full":
-            torch.save(whole, work / FULL_FILE)
+            torch.save(compact(whole), work / FULL_FILE)  # a view's padded storage is not the state
         else:  # one process writes every item; a loading strategy at any N reads its own slices (DCP reshards)
             import warnings
 

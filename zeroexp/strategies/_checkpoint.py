@@ -20,6 +20,7 @@ Every function here is a collective: call it on every rank.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 __all__ = ["FULL_FILE", "save_full", "load_full", "write_full", "read_full", "save_sharded", "load_sharded",
            "save_state_dicts", "load_state_dicts", "dcp_files", "full_state_dicts", "read_whole",
-           "drop_state_not_saved", "whole_model_state"]
+           "drop_state_not_saved", "whole_model_state", "compact"]
 
 FULL_FILE = "full.pt"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -46,11 +47,32 @@ def save_full(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def write_full(path: Path, model_sd: dict, optim_sd: dict) -> list[Path]:
-    """Rank 0 writes the full model and optimizer state dicts to :data:`FULL_FILE`; the files this rank wrote."""
+    """Rank 0 writes the full model and optimizer state dicts to :data:`FULL_FILE`, each tensor compact
+    (:func:`compact`); the files this rank wrote."""
     if dist.get_rank() != 0:
         return []
-    torch.save({"model": model_sd, "optim": optim_sd}, path / FULL_FILE)
+    torch.save(compact({"model": model_sd, "optim": optim_sd}), path / FULL_FILE)
     return [path / FULL_FILE]
+
+
+def compact(state: Any, done: dict[int, torch.Tensor] | None = None) -> Any:
+    """``state`` with every tensor that is a view into a larger storage copied into one of its own size. torch.save
+    writes a tensor's whole storage, and a loader that keeps the tensors it reads (DDP's and ZeroRedundancyOptimizer's
+    AdamW) keeps all of it: FSDP2's full state dict holds each DTensor made whole as a view of the padded all_gather
+    buffer (measured: a 64-row weight at N=3, 66 rows written, the moments loaded into DDP held 1.5 % more bytes than
+    they are). One tensor under two names (a tied weight) stays one tensor."""
+    done = {} if done is None else done
+    if isinstance(state, torch.Tensor):
+        if id(state) not in done:
+            whole = state.untyped_storage().nbytes() == state.numel() * state.element_size()
+            done[id(state)] = state if whole and state.is_contiguous() else state.clone(
+                memory_format=torch.contiguous_format)
+        return done[id(state)]
+    if isinstance(state, dict):
+        return {k: compact(v, done) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(compact(v, done) for v in state)
+    return state
 
 
 def read_full(path: Path) -> dict:
