@@ -57,6 +57,9 @@ class ModelShape:
     #: Each ``torch.nn.Linear`` with a bias as (its weight's index, its bias's): DeepSpeed stage 3 computes them with
     #: its own ``F.linear`` (``LinearFunctionForZeroStage3``), whose hooks fire the weight's gradient before the bias's.
     linear_pairs: tuple[tuple[int, int], ...] = ()
+    #: Each parameter with more than one name in the module's state dict (a tied weight: the GPT's head is its token
+    #: embedding) as (its index, its names beyond the first).
+    aliases: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -109,7 +112,8 @@ class ModelShape:
                           remap(self.modules), (), self.unit_calls, self.unit_backward, self.unit_next_reached,
                           self.buffers, tuple(new[i] for i in self.unused if i in new), self.opaque,
                           tuple(new[i] for i in self.uncalled if i in new), (),
-                          tuple((new[w], new[b]) for w, b in self.linear_pairs if w in new and b in new))
+                          tuple((new[w], new[b]) for w, b in self.linear_pairs if w in new and b in new),
+                          tuple((new[i], k) for i, k in self.aliases if i in new))
 
     def calls(self, u: int) -> int:
         """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""

@@ -57,8 +57,18 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
                                            if isinstance(m, (conv_base(), nn.RNNBase))})),
                       linear_pairs=tuple((index[id(m.weight)], index[id(m.bias)]) for m in net.modules()
                                          if isinstance(m, nn.Linear) and m.bias is not None
-                                         and id(m.weight) in index and id(m.bias) in index))
+                                         and id(m.weight) in index and id(m.bias) in index),
+                      aliases=_aliases(net, index))
 
+
+
+def _aliases(net: nn.Module, index: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    """Each parameter the state dict names more than once (a tied weight), as (its index, its names beyond the
+    first)."""
+    names: dict[int, int] = {}
+    for _, p in net.named_parameters(remove_duplicate=False):
+        names[id(p)] = names.get(id(p), 0) + 1
+    return tuple((index[k], c - 1) for k, c in names.items() if c > 1 and k in index)
 
 def _units(net: nn.Module, classes: tuple[type, ...]) -> tuple[list[tuple[int, ...]], list[bool], list[nn.Module]]:
     """(each unit's parameter indices, whether it is the root, its module), as :func:`shape_of` cuts them."""

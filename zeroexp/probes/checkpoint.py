@@ -46,6 +46,7 @@ from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.collectives import SOURCE as COLLECTIVES_SOURCE
 from zeroexp.probes.collectives import GroupMarks, extract
 from zeroexp.probes.memory import memory_source
+from zeroexp.probes.payload import files_payload
 from zeroexp.results.files import write_json
 from zeroexp.results.cells import column
 from zeroexp.results.format import byte_unit, fmt_err, fmt_int, fmt_ms, missing
@@ -248,6 +249,7 @@ class CheckpointProbe(Probe):
                                      "cell": cell_record(cfg),
                                      "files": [f for per_rank in written for f in per_rank]})
         dist.barrier()
+        payload = files_payload(path, [f["name"] for f in mine])  # the tensors' bytes of this rank's files
         fresh, fresh_module, fresh_optimizer = self._fresh()
         refusals: list[Any] = [None] * n
         try:
@@ -274,6 +276,7 @@ class CheckpointProbe(Probe):
         if rank == 0 and not keep:
             shutil.rmtree(path, ignore_errors=True)
         self.result = {"kind": self.kind, "format": adapter.checkpoint_format(self.kind), "files": mine,
+                       "payload_bytes": payload,
                        "save": save, "load": load, "restored": restored, "continued": continued,
                        "continuation_step": step, "kept": keep,
                        "directory": _shown(path, Path(trainer.default_root_dir)) if keep else None}
@@ -316,7 +319,9 @@ class CheckpointProbe(Probe):
                 "files": sum(len(r["files"]) for r in results),
                 "save": {**_phase(results, frame, "save", phases["save"]),
                          "bytes_written": int(sum(sum(f["bytes"] for f in r["files"]) for r in results)),
-                         "rank_bytes_written": [int(sum(f["bytes"] for f in r["files"])) for r in results]},
+                         "rank_bytes_written": [int(sum(f["bytes"] for f in r["files"])) for r in results],
+                         "payload_bytes": int(sum(r["payload_bytes"] for r in results)),
+                         "rank_payload_bytes": [int(r["payload_bytes"]) for r in results]},
                 "load": _phase(results, frame, "load", phases["load"]),
                 "memory_source": first["save"]["memory_source"], "collectives_source": COLLECTIVES_SOURCE,
                 "restored_bit_identical": bool(restored.get("bit_identical")),

@@ -20,7 +20,8 @@ from zeroexp.results.verdict import FAILED, Check, Code, Reason, Verdict, worst
 __all__ = ["FAILED", "NamedCheck", "worst", "plan_checks", "cell_checks", "failed_checks"]
 
 #: The plan's parts with a section of their own in ``summary.json["plan"]``, by the check's name.
-_PLAN_SECTIONS = {"state": "state", "calls": "collectives", "groups": "groups", "memory": "memory", "time": "time"}
+_PLAN_SECTIONS = {"state": "state", "calls": "collectives", "groups": "groups", "memory": "memory", "time": "time",
+                  "checkpoint": "checkpoint"}
 
 
 @dataclass(frozen=True)

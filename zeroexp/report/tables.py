@@ -155,10 +155,13 @@ class PlanSection:
         peak = (f"peak model: largest error {100 * float(modelled or 0):.2f} %"
                 + (f" ({above} above the prediction: within a late-freed tensor, plan.memory says which)"
                    if late else ""))
+        ck = p.get("checkpoint") or {}
         passed = {"plan.state": "planned state bytes of every rank and kind equal the measured",
                   "plan.collectives": "planned calls and payload of every op equal the measured",
                   "plan.groups": "the planned buckets, units, owners and partitions equal the live ones",
-                  "plan.memory": peak}
+                  "plan.memory": peak,
+                  "plan.checkpoint": (f"checkpoint: {ck.get('measured_bytes', 0):,} B of tensors written "
+                                      f"({ck.get('kind')}), as planned")}
         lines = []
         for c in plan_checks(p):
             if c.name not in passed:

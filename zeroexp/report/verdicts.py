@@ -22,6 +22,7 @@ CHECKS = {"state": "state factors match the ZeRO formula", "collectives": "colle
           "plan.groups": "planned groups equal the live ones",
           "plan.memory": "the peak model matches each phase's measured peak within its tolerance",
           "plan.time": "the predicted step time matches the measured median within its tolerance",
+          "plan.checkpoint": "the tensors' bytes each rank wrote for the checkpoint equal the planned",
           "checkpoint": "one step after save and restore is bit-identical"}
 #: Checks every cell has; the others get a line when some finished cell has them (plans are newer than the probes,
 #: checkpoints opt-in).

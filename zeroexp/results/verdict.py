@@ -96,6 +96,10 @@ class Code(str, Enum):
     PLAN_NO_COLLECTIVES_MEASURED = "plan.no_collectives_measured"  # the collectives probe did not run
     PLAN_GROUPS_DIFFER = "plan.groups_differ"  # a planned group element differs from the live one
     PLAN_NO_LIVE_GROUPS = "plan.no_live_groups"  # the adapter reported no live groups
+    # summary.json["plan"]["checkpoint"]
+    PLAN_CHECKPOINT_DIFFERS = "plan.checkpoint_differs"  # the tensors' bytes a rank wrote differ from the plan
+    PLAN_CHECKPOINT_NOT_MODELLED = "plan.checkpoint_not_modelled"  # a checkpoint layout the planner does not model
+    PLAN_CHECKPOINT_NOT_MEASURED = "plan.checkpoint_not_measured"  # no save measured: the checkpoint probe did not
     # summary.json["plan"]["memory"]
     MEMORY_NOT_MODELLED = "memory.not_modelled"  # the peak model does not cover the cell
     MEMORY_NO_MEASUREMENT = "memory.no_measurement"  # no per-phase measurement: predicted only

@@ -176,5 +176,9 @@ def whole_model_state(module: nn.Module, masters: dict[str, torch.Tensor]) -> di
     holds an empty or compute-dtype tensor there), every other entry (frozen parameters outside ``masters``,
     buffers) as the module holds it."""
     first = {id(p): n for n, p in module.named_parameters()}
-    return {n: masters[first[id(t)]] if first.get(id(t)) in masters else t.detach().to("cpu", copy=True)
+    copies: dict[int, torch.Tensor] = {}  # one copy of a tensor under two names (a tied frozen weight): written once
+    for t in module.state_dict(keep_vars=True).values():
+        if first.get(id(t)) not in masters and id(t) not in copies:
+            copies[id(t)] = t.detach().to("cpu", copy=True)
+    return {n: masters[first[id(t)]] if first.get(id(t)) in masters else copies[id(t)]
             for n, t in module.state_dict(keep_vars=True).items()}

@@ -99,6 +99,14 @@ def full_state(stage: int, model: Any) -> tuple[dict, dict]:
     weights: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in model.module.named_parameters():  # every rank, same order: stages 1-3 each a collective
+        if not p.requires_grad:  # frozen: no master, no moments; as the module holds it (whole_model_state)
+            if hasattr(p, "ds_id"):  # stage 3 partitions it too: gathered, in its own dtype (a collective)
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    if rank == 0:
+                        weights[name] = p.data.detach().to("cpu", copy=True).view(_full_shape(p))
+            continue
         w, m = _full_fp32_state(p, keys, base, masters)
         if rank == 0:
             shape = _full_shape(p)
@@ -164,6 +172,8 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
     masters = _stage0_masters(model) if stage == 0 else {}
     for name, p in named.items():
         w, m = full["model"][name], {k: v for k, v in state.get(name, {}).items() if k != "step"}
+        if not p.requires_grad:  # frozen: set above with the compute parameters; no master, no moments
+            continue
         if hasattr(p, "ds_id"):  # stage 3: this rank's slice of the padded partitions, through the local API
             safe_set_local_fp32_param(p, _own_partition(p, w))
             for k, v in m.items():

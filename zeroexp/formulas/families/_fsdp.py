@@ -133,6 +133,7 @@ class FsdpFamily(Family):
     """A family of gathered units (its subclasses: FSDP1, FSDP2)."""
 
     shards_frozen = True
+    gathers_each_name = True
     steps_per_shard = True
     gathers_units = True
     covered_rank = 1

@@ -34,6 +34,7 @@ class DeepSpeedPartitions(Family):
 
     name = "deepspeed"
     covered_rank = 3
+    sharded_checkpoint = None  # DeepSpeed's padded flat partitions in its own files
 
     def groups_kind(self, row):
         return _KIND[row.deepspeed_stage]

@@ -37,6 +37,7 @@ class PaperStages(Family):
     """The paper's stages: no runtime, so no peak model, no init, no framework cost."""
 
     name = "paper"
+    sharded_checkpoint = None  # no runtime, no files
 
     def unmodelled(self, row):
         return (f"{row.label}: the paper's stage has no runtime whose step holds memory, so no peak model (its state "

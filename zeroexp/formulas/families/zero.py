@@ -48,6 +48,7 @@ class ZeroBuckets(Family):
 
     name = "zero"
     steps_per_shard = True
+    sharded_checkpoint = None  # no sharded kind: the buckets cut parameters at any element
     flat_buffers = True
     covered_rank = 0
 

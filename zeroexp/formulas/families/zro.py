@@ -38,6 +38,7 @@ class ZroOwners(DdpBuckets):
     """DDP's family, the optimizer state of each parameter on its owner alone."""
 
     name = "zro"
+    sharded_checkpoint = "owners"
 
     def groups_kind(self, row):
         return "owners"

@@ -147,6 +147,10 @@ def _section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: str | 
         **_verdicts(reasons, coll_reasons, differ, payload_reasons, payload, itself),
     }
     section["memory"] = _memory(cell, summary, name, groups, precision.itemsize, shape)
+    if cell.checkpoint != "none":  # the tensors' bytes each rank wrote (zeroexp.plan.check.checkpoint)
+        from zeroexp.plan.check.checkpoint import checkpoint_section
+
+        section["checkpoint"] = checkpoint_section(cell, summary, groups, precision.itemsize, shape)
     return section
 
 

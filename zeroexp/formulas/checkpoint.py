@@ -1,0 +1,109 @@
+"""What a checkpoint of the training state holds and what each rank writes (``checkpoint=full|sharded``).
+
+The state a checkpoint holds, by name (torch's state-dict layout, which every strategy's ``full`` checkpoint and the
+``sharded`` one of DDP, FSDP1, FSDP2 and hybrids write; zeroexp.strategies._checkpoint):
+
+- every trainable parameter's fp32 value (the master where the strategy keeps one: every precision of every strategy
+  here trains fp32 masters, ``precision.master_dtype``), a parameter shared by two modules once (torch.save and
+  torch.distributed.checkpoint store one storage once; a full checkpoint writes the one tensor under both names);
+- every frozen parameter and buffer as the strategy holds it (``Groups.frozen`` at its at-rest dtype, ``Groups.buffers``
+  in the dtype the row casts them to);
+- AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32) and ``step`` (a 4-byte fp32 scalar tensor, torch.optim.AdamW with
+  ``capturable=False``) of every parameter a step gave a gradient (``Groups.ungraded`` have none).
+
+``full``: rank 0 gathers all of it and writes one file; the other ranks write nothing. ``sharded``, torch's layout
+(torch.distributed.checkpoint): each item is written once over all ranks (a sharded tensor's shards by their ranks,
+a replicated one by one rank that ``dedup_save_plans`` picks, the least loaded): the ranks together write the same
+bytes as a full checkpoint, about 1/N each. ZeroRedundancyOptimizer's ``sharded`` (a layout of its own): rank 0
+writes the module's state dict, each rank the optimizer state of the parameters it owns. DeepSpeed's ``sharded``
+partitions are padded flat buffers in DeepSpeed's own files: not modelled here (said where asked). Bytes are the
+tensors' payload: what the files hold besides (zip records, pickled structure, DCP's metadata) is serialization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroexp.formulas.layout import MASTER_BYTES, MOMENT_BYTES, STEP_BYTES, _ungraded_per_rank, owner_assignment
+from zeroexp.formulas.families.base import StateLayout
+from zeroexp.formulas.shapes import Groups, ModelShape
+
+__all__ = ["StatePayload", "state_payload", "written_bytes", "sharded_layout", "alias_bytes"]
+
+
+@dataclass(frozen=True)
+class StatePayload:
+    """The tensors' bytes a checkpoint holds, by part."""
+
+    params: int
+    frozen: int
+    buffers: int
+    moments: int
+    steps: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.frozen + self.buffers + self.moments + self.steps
+
+    def record(self) -> dict[str, int]:
+        return {"params": self.params, "frozen": self.frozen, "buffers": self.buffers, "moments": self.moments,
+                "steps": self.steps, "total": self.total}
+
+
+def _at_rest(layout: StateLayout, itemsize: int) -> int:
+    """Bytes per element of a parameter the strategy holds between steps (a frozen one: no master)."""
+    return MASTER_BYTES if layout.fp32_at_rest else itemsize
+
+
+def state_payload(layout: StateLayout, groups: Groups, itemsize: int) -> StatePayload:
+    """The state a checkpoint of ``layout`` over ``groups`` holds (module docstring), in bytes by part."""
+    idle = set(groups.ungraded)
+    stepped = [k for i, k in enumerate(groups.numels) if i not in idle]
+    return StatePayload(params=MASTER_BYTES * sum(groups.numels),
+                        frozen=_at_rest(layout, itemsize) * sum(groups.frozen),
+                        buffers=sum(b for _, b in groups.buffers), moments=MOMENT_BYTES * sum(stepped),
+                        steps=STEP_BYTES * len(stepped))
+
+
+def sharded_layout(layout: StateLayout) -> str | None:
+    """How ``layout``'s strategy writes ``checkpoint=sharded``: ``dcp`` (torch.distributed.checkpoint, torch's
+    state-dict layout), ``owners`` (ZeroRedundancyOptimizer's per-owner files), None (a layout of its own, not
+    modelled: DeepSpeed's partitions; or no sharded kind: zeroexp's ZeRO-1/2)."""
+    return layout.family.sharded_checkpoint
+
+
+def alias_bytes(layout: StateLayout, shape: ModelShape, itemsize: int) -> int:
+    """The bytes of the parameters' names beyond their first (``ModelShape.aliases``), each its parameter's value
+    again: what a writer that stores each state-dict name's tensor of its own writes twice."""
+    trains = shape.trains or (True,) * len(shape.params)
+    return sum(k * shape.numels[i] * (MASTER_BYTES if trains[i] else _at_rest(layout, itemsize))
+               for i, k in shape.aliases)
+
+
+def written_bytes(layout: StateLayout, groups: Groups, itemsize: int, kind: str, shape: ModelShape | None = None
+                  ) -> dict[str, object] | None:
+    """What the ranks write for a ``kind`` checkpoint: ``total`` (all ranks), ``ranks`` (each rank's bytes; None
+    where DCP's de-duplication picks the rank of a replicated item at run time: then only the total is exact),
+    ``state`` (:meth:`StatePayload.record`) and ``aliases`` (a tied parameter's value again, once per name beyond its
+    first: torch.distributed.checkpoint writes each name's item; a full checkpoint where the family gathers each name
+    apart, ``Family.gathers_each_name``); None where the layout is not modelled (:func:`sharded_layout`). ``shape``:
+    the model's (its aliases; None: none)."""
+    n = groups.world_size
+    state = state_payload(layout, groups, itemsize)
+    again = 0 if shape is None else alias_bytes(layout, shape, itemsize)
+    if kind == "full":
+        total = state.total + (again if layout.family.gathers_each_name else 0)
+        return {"total": total, "ranks": [total] + [0] * (n - 1), "state": state.record(),
+                "aliases": total - state.total}
+    how = sharded_layout(layout)
+    if how == "dcp":
+        return {"total": state.total + again, "ranks": None, "state": state.record(), "aliases": again}
+    if how == "owners":  # rank 0: the module's state dict; each rank: its owned parameters' AdamW state
+        owners, idle = owner_assignment(groups.numels, n), _ungraded_per_rank(groups, n)
+        owned = [sum(groups.numels[i] for i in o) - e for o, (e, _) in zip(owners, idle)]
+        counts = [len(o) - c for o, (_, c) in zip(owners, idle)]
+        module = state.params + state.frozen + state.buffers
+        ranks = [MOMENT_BYTES * e + STEP_BYTES * c + (module if r == 0 else 0)
+                 for r, (e, c) in enumerate(zip(owned, counts))]
+        return {"total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
+    return None

@@ -1,0 +1,50 @@
+"""``summary.json["plan"]["checkpoint"]`` (``plan.checkpoint``): the tensors' bytes each rank wrote for the cell's
+checkpoint (the checkpoint probe's ``save.rank_payload_bytes``, read from the files: zeroexp.probes.payload) beside
+the planner's (zeroexp.formulas.checkpoint.written_bytes), exact: the total over the ranks, and each rank's where the
+layout fixes it (a full checkpoint: rank 0 all of it; ZeroRedundancyOptimizer's owners; torch.distributed.checkpoint
+picks the rank of a replicated item at run time, so its ranks are shown, their total judged)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroexp.formulas import Groups
+from zeroexp.formulas.checkpoint import sharded_layout, written_bytes
+from zeroexp.results.verdict import Check, Code, Reason, Verdict
+
+__all__ = ["checkpoint_section"]
+
+
+def checkpoint_section(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, shape: Any
+                       ) -> dict[str, Any]:
+    """The part; never raises (a failure is ``check: ERROR``)."""
+    try:
+        return _section(cell, summary, groups, itemsize, shape)
+    except Exception as e:  # noqa: BLE001 - the plan must never fail a cell that ran
+        return Check.raised(e).fields()
+
+
+def _section(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, shape: Any) -> dict[str, Any]:
+    kind, layout = cell.checkpoint, cell.row
+    save = (summary.get("checkpoint") or {}).get("save") or {}
+    predicted = written_bytes(layout, groups, itemsize, kind, shape)
+    out: dict[str, Any] = {"kind": kind, "layout": "full" if kind == "full" else sharded_layout(layout)}
+    if predicted is None:
+        return {**out, **Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_NOT_MODELLED, (
+            f"{cell.row_name}'s {kind} checkpoint is a layout of its own (DeepSpeed's padded flat partitions in its "
+            "files): the planner models torch's state-dict layout and ZeroRedundancyOptimizer's owners")),)).fields()}
+    out.update(predicted_bytes=predicted["total"], predicted_rank_bytes=predicted["ranks"],
+               state_bytes=predicted["state"], aliases_bytes=predicted["aliases"])
+    if "rank_payload_bytes" not in save:
+        return {**out, **Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_NOT_MEASURED,
+                                                   "no save measured: the checkpoint probe did not run"),)).fields()}
+    ranks = [int(b) for b in save["rank_payload_bytes"]]
+    out.update(measured_bytes=sum(ranks), measured_rank_bytes=ranks)
+    reasons = []
+    if sum(ranks) != predicted["total"]:
+        reasons.append(Reason(Code.PLAN_CHECKPOINT_DIFFERS, f"all ranks wrote {sum(ranks)} B of tensors, planned "
+                              f"{predicted['total']} B"))
+    for r, (got, want) in enumerate(zip(ranks, predicted["ranks"] or ())):
+        if got != want:
+            reasons.append(Reason(Code.PLAN_CHECKPOINT_DIFFERS, f"rank {r} wrote {got} B of tensors, planned {want} B"))
+    return {**out, **Check.failed_if(reasons).fields()}
