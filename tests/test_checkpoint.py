@@ -19,6 +19,20 @@ from zeroexp.config.schemas import ConfigError, validate
 from zeroexp.probes.checkpoint import META, CheckpointError, verify_checkpoint
 
 P = 8 * 64 * 64 * 4  # logical parameter bytes of the test mlp
+#: What a checkpoint of it holds: fp32 parameters, AdamW's two moments, one 4-byte step per parameter.
+STATE_OPTIM = 2 * P + 8 * 4
+STATE = P + STATE_OPTIM
+
+
+def _planned_exactly(result, ranks: list[int] | None) -> None:
+    """plan.checkpoint PASS: the tensors' bytes of the files (all ranks: the mlp's whole state; each rank's where the
+    layout fixes it, ``ranks``) equal the plan's, which equal ``ranks`` here (None: DCP picks, only the total)."""
+    part = result.summary["plan"]["checkpoint"]
+    assert part["check"] == "PASS", part
+    assert part["predicted_bytes"] == part["measured_bytes"] == sum(part["measured_rank_bytes"])
+    assert part["predicted_rank_bytes"] == ranks
+    if ranks is not None:
+        assert part["measured_rank_bytes"] == ranks
 STRATEGIES = ("ddp", "zro", "fsdp_full")
 #: Strategies whose checkpoints are the base adapter's default (torch's state-dict API) alone, besides DDP's.
 DEFAULT_TRIO = ("fsdp2_full",)
@@ -50,6 +64,8 @@ def test_round_trip_continues_bit_identically(cell, strategy, kind):
     meta = json.loads((Path(result.cell_dir) / "checkpoint" / META).read_text())
     assert meta["world_size"] == 2 and meta["strategy"] == strategy
     assert sum(f["bytes"] for f in meta["files"]) == ck["save"]["bytes_written"]
+    _planned_exactly(result, {"full": [STATE, 0], "sharded": {"zro": [P + STATE_OPTIM // 2, STATE_OPTIM // 2]}
+                              .get(strategy)}[kind])
     frame = read_csv(result, "checkpoint.csv")
     assert sorted(frame.phase.unique()) == ["load", "save"] and len(frame) == 4
 
@@ -206,6 +222,11 @@ def test_deepspeed_round_trip_continues_bit_identically(cell, stage, kind):
             assert optim.stat().st_size > 3 * P // 2
     meta = json.loads((directory / META).read_text())
     assert meta["strategy"] == "deepspeed" and meta["world_size"] == 2
+    # DeepSpeed's own files: stage 0 all on rank 0; 1-2 rank 0 the module (P) and each rank its fp32 partition, both
+    # moments and one step (3P/2 + 4); 3 each rank its partitions (the module's parameters are empty there)
+    own = 3 * P // 2 + 4
+    _planned_exactly(result, [STATE, 0] if kind == "full" or stage == 0 else
+                     [P + own, own] if stage < 3 else [own, own])
     assert {f["name"] for f in meta["files"]} == {f.relative_to(directory).as_posix() for f in directory.rglob("*")
                                                   if f.is_file() and f.name != META}  # every file DeepSpeed wrote
 

@@ -120,20 +120,22 @@ def plan_record(name: str, layout: StateLayout, shape: ModelShape, world_size: i
         "payload_total_bytes": sum(payload.values()),
         "bus_total_bytes": sum(b for b in bus.values() if b is not None), "source": layout.source,
         "state_note": layout.family.state_note(layout, shape, knobs.shard_size if layout.hybrid else n),
-        "checkpoint": checkpoint_record(layout, groups, c, shape),
+        "checkpoint": checkpoint_record(layout, groups, c, shape, knobs),
     }
 
 
-def checkpoint_record(layout: StateLayout, groups: Any, itemsize: int, shape: ModelShape) -> dict[str, Any]:
+def checkpoint_record(layout: StateLayout, groups: Any, itemsize: int, shape: ModelShape, knobs: PlanKnobs
+                      ) -> dict[str, Any]:
     """What a checkpoint of the row writes (zeroexp.formulas.checkpoint.written_bytes), per kind: ``written_bytes``
     (the tensors' bytes, all ranks), ``rank0_bytes`` (full: what rank 0 gathers on its host and writes alone) or
     ``largest_rank_bytes`` (sharded, where the layout fixes each rank's: ZeroRedundancyOptimizer's owners) and
     ``mean_rank_bytes`` (sharded: the total over N; torch.distributed.checkpoint balances the replicated items at run
-    time); ``layout``; None for a kind the row's layout writes in a layout of its own (DeepSpeed's sharded)."""
+    time); ``layout``; None where not modelled (no sharded kind: zeroexp's ZeRO-1/2; DeepSpeed's with frozen
+    parameters at stages 2-3)."""
     from zeroexp.formulas.checkpoint import sharded_layout, written_bytes
 
-    full = written_bytes(layout, groups, itemsize, "full", shape)
-    sharded = written_bytes(layout, groups, itemsize, "sharded", shape)
+    full = written_bytes(layout, groups, itemsize, "full", shape, knobs)
+    sharded = written_bytes(layout, groups, itemsize, "sharded", shape, knobs)
     n = groups.world_size
     return {"state_bytes": full["state"]["total"],
             "full": {"written_bytes": full["total"], "rank0_bytes": full["ranks"][0]},

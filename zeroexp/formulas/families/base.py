@@ -46,7 +46,8 @@ class Family:
     holds_kept_units = False
     #: How ``checkpoint=sharded`` is written (zeroexp.formulas.checkpoint): ``dcp``, torch.distributed.checkpoint in
     #: torch's state-dict layout (DDP, FSDP1, FSDP2, hybrids); ``owners``, ZeroRedundancyOptimizer's per-owner files;
-    #: None, a layout of its own not modelled (DeepSpeed's partitions) or no sharded kind (zeroexp's ZeRO-1/2).
+    #: ``deepspeed``, DeepSpeed's own files (each rank's partitions as it holds them); None, no sharded kind
+    #: (zeroexp's ZeRO-1/2).
     sharded_checkpoint: str | None = "dcp"
     #: A full state dict made whole name by name (FSDP1's FULL_STATE_DICT, FSDP2's DTensors): a parameter with two
     #: names is gathered, and written, twice; otherwise a tied parameter is one tensor under both names, written once.

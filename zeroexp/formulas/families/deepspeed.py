@@ -34,7 +34,7 @@ class DeepSpeedPartitions(Family):
 
     name = "deepspeed"
     covered_rank = 3
-    sharded_checkpoint = None  # DeepSpeed's padded flat partitions in its own files
+    sharded_checkpoint = "deepspeed"  # its own files: each rank's padded flat partitions (zeroexp.formulas.checkpoint)
 
     def groups_kind(self, row):
         return _KIND[row.deepspeed_stage]

@@ -27,12 +27,12 @@ def checkpoint_section(cell: Any, summary: dict[str, Any], groups: Groups, items
 def _section(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, shape: Any) -> dict[str, Any]:
     kind, layout = cell.checkpoint, cell.row
     save = (summary.get("checkpoint") or {}).get("save") or {}
-    predicted = written_bytes(layout, groups, itemsize, kind, shape)
+    predicted = written_bytes(layout, groups, itemsize, kind, shape, cell.knobs)
     out: dict[str, Any] = {"kind": kind, "layout": "full" if kind == "full" else sharded_layout(layout)}
     if predicted is None:
         return {**out, **Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_NOT_MODELLED, (
-            f"{cell.row_name}'s {kind} checkpoint is a layout of its own (DeepSpeed's padded flat partitions in its "
-            "files): the planner models torch's state-dict layout and ZeroRedundancyOptimizer's owners")),)).fields()}
+            f"{cell.row_name}'s {kind} checkpoint of a model with frozen parameters: DeepSpeed writes their "
+            "fragments apart from its partitions at stages 2-3, which the planner does not model")),)).fields()}
     out.update(predicted_bytes=predicted["total"], predicted_rank_bytes=predicted["ranks"],
                state_bytes=predicted["state"], aliases_bytes=predicted["aliases"])
     if "rank_payload_bytes" not in save:
