@@ -16,8 +16,8 @@ The state a checkpoint holds, by name (torch's state-dict layout, which every st
 a replicated one by one rank that ``dedup_save_plans`` picks, the least loaded): the ranks together write the same
 bytes as a full checkpoint, about 1/N each. ZeroRedundancyOptimizer's ``sharded`` (a layout of its own): rank 0
 writes the module's state dict, each rank the optimizer state of the parameters it owns. DeepSpeed's ``sharded``
-partitions are padded flat buffers in DeepSpeed's own files: not modelled here (said where asked). Bytes are the
-tensors' payload: what the files hold besides (zip records, pickled structure, DCP's metadata) is serialization.
+(its own files): each rank its padded flat partitions as it holds them (:func:`_deepspeed`). Bytes are the tensors'
+payload: what the files hold besides (zip records, pickled structure, DCP's metadata) is serialization.
 """
 
 from __future__ import annotations
