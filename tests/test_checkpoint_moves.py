@@ -159,6 +159,15 @@ def test_foreign_models_move(cell):
     # 4 bias-free Linear layers, 2 of them frozen: 4 weights, and AdamW's 3 tensors for each of the 2 trained ones
     _moved(cell("strategy=fsdp2_full", "world_size=2", f"checkpoint.load_from={where}", base=frozen), 4 + 2 * 3,
            where, "fsdp_full", 3)
+    from zeroexp.strategies import deepspeed as ds_adapter
+
+    if ds_adapter.deepspeed_available():  # DeepSpeed stage 3 partitions the frozen ones too: gathered, as held
+        where = _source(cell, "deepspeed", "full", "strategy.stage=3", base=frozen)
+        ds = cell("strategy=deepspeed", "strategy.stage=3", "checkpoint=full", "world_size=2", "checkpoint.keep=true",
+                  base=frozen).summary
+        assert ds["checkpoint"]["check"] == "PASS" and ds["plan"]["checkpoint"]["check"] == "PASS", ds["checkpoint"]
+        whole = torch.load(where / "full.pt", weights_only=True)
+        assert len(whole["model"]) == 4 and len(whole["optim"]["state"]) == 2
 
 
 @pytest.mark.parametrize("stage", [1, 3])
