@@ -25,8 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroexp.formulas.families.base import StateLayout
-from zeroexp.formulas.layout import (MASTER_BYTES, MOMENT_BYTES, STEP_BYTES, _ungraded_per_rank, owner_assignment,
-                                     rank_state_bytes)
+from zeroexp.formulas.layout import MASTER_BYTES, MOMENT_BYTES, STEP_BYTES
 from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs
 
 __all__ = ["StatePayload", "state_payload", "written_bytes", "sharded_layout", "alias_bytes"]
@@ -67,9 +66,8 @@ def state_payload(layout: StateLayout, groups: Groups, itemsize: int) -> StatePa
 
 
 def sharded_layout(layout: StateLayout) -> str | None:
-    """How ``layout``'s strategy writes ``checkpoint=sharded``: ``dcp`` (torch.distributed.checkpoint, torch's
-    state-dict layout), ``owners`` (ZeroRedundancyOptimizer's per-owner files), None (a layout of its own, not
-    modelled: DeepSpeed's partitions; or no sharded kind: zeroexp's ZeRO-1/2)."""
+    """How ``layout``'s strategy writes ``checkpoint=sharded``, as its family names it (``Family.sharded_checkpoint``:
+    ``dcp``, ``owners``, ``deepspeed``; None: no sharded kind)."""
     return layout.family.sharded_checkpoint
 
 
@@ -87,8 +85,8 @@ def written_bytes(layout: StateLayout, groups: Groups, itemsize: int, kind: str,
     where DCP's de-duplication picks the rank of a replicated item at run time: then only the total is exact),
     ``state`` (:meth:`StatePayload.record`) and ``aliases`` (a tied parameter's value again, once per name beyond its
     first: torch.distributed.checkpoint writes each name's item; a full checkpoint where the family gathers each name
-    apart, ``Family.gathers_each_name``); None where the layout is not modelled (:func:`sharded_layout`). ``shape``:
-    the model's (its aliases; None: none)."""
+    apart, ``Family.gathers_each_name``); None where not modelled. ``sharded``: as the row's family writes it
+    (``Family.sharded_written``). ``shape``: the model's (its aliases; None: none)."""
     n = groups.world_size
     state = state_payload(layout, groups, itemsize)
     again = 0 if shape is None else alias_bytes(layout, shape, itemsize)
@@ -96,41 +94,4 @@ def written_bytes(layout: StateLayout, groups: Groups, itemsize: int, kind: str,
         total = state.total + (again if layout.family.gathers_each_name else 0)
         return {"total": total, "ranks": [total] + [0] * (n - 1), "state": state.record(),
                 "aliases": total - state.total}
-    how = sharded_layout(layout)
-    if how == "deepspeed":
-        return _deepspeed(layout, groups, itemsize, knobs, state)
-    if how == "dcp":
-        return {"total": state.total + again, "ranks": None, "state": state.record(), "aliases": again}
-    if how == "owners":  # rank 0: the module's state dict; each rank: its owned parameters' AdamW state
-        owners, idle = owner_assignment(groups.numels, n), _ungraded_per_rank(groups, n)
-        owned = [sum(groups.numels[i] for i in o) - e for o, (e, _) in zip(owners, idle)]
-        counts = [len(o) - c for o, (_, c) in zip(owners, idle)]
-        module = state.params + state.frozen + state.buffers
-        ranks = [MOMENT_BYTES * e + STEP_BYTES * c + (module if r == 0 else 0)
-                 for r, (e, c) in enumerate(zip(owned, counts))]
-        return {"total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
-    return None
-
-
-def _deepspeed(layout: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs, state: StatePayload
-               ) -> dict[str, object] | None:
-    """DeepSpeed's ``save_checkpoint`` (engine.py ``_save_checkpoint``, ``_save_zero_checkpoint``): each rank's
-    ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds the optimizer state it holds (its fp32 partition, both moments
-    and the step: the state model's ``master``, ``optim``, ``optim_scalar`` at rank r, padding included) at stages 1-3;
-    the module's state dict goes to ``mp_rank_00_model_states.pt`` on rank 0 at stages 0-2 (the parameters as held,
-    whole: ``param`` at rank 0; at stage 0 the torch optimizer's state too) and to each rank's
-    ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` at stage 3 (its buffers: the parameters are empty partitions).
-    None with frozen parameters at stages 2-3 (DeepSpeed writes their fragments apart: not modelled)."""
-    stage, n = layout.deepspeed_stage, groups.world_size
-    if stage >= 2 and sum(groups.frozen):
-        return None
-    held = rank_state_bytes(layout, groups, itemsize, knobs)
-
-    def at(kind: str, r: int) -> int:
-        return int(held[kind][r][1]) if kind in held else 0
-
-    optim = [at("master", r) + at("optim", r) + at("optim_scalar", r) for r in range(n)]
-    module = [at("param", 0) + state.buffers if stage < 3 else state.buffers] + [
-        state.buffers if stage == 3 else 0] * (n - 1)
-    ranks = [module[r] + (optim[r] if stage > 0 or r == 0 else 0) for r in range(n)]
-    return {"total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
+    return layout.family.sharded_written(layout, groups, itemsize, knobs, state, again)

@@ -53,6 +53,15 @@ class Family:
     #: names is gathered, and written, twice; otherwise a tied parameter is one tensor under both names, written once.
     gathers_each_name = False
 
+    def sharded_written(self, row: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs, state: Any,
+                        again: int) -> dict[str, Any] | None:
+        """What ``checkpoint=sharded`` writes (zeroexp.formulas.checkpoint.written_bytes; ``state``: its
+        ``StatePayload``, ``again``: a tied parameter's value under its other names): torch.distributed.checkpoint's
+        items (DDP, FSDP1, FSDP2 and hybrids): every item once over the ranks, each state-dict name its own item (a
+        tied parameter's value again), the rank of a replicated one decided at run time by ``dedup_save_plans``
+        (``ranks`` None); a family that writes its own files overrides it."""
+        return {"total": state.total + again, "ranks": None, "state": state.record(), "aliases": again}
+
     def cuts_frozen(self, row: StateLayout) -> bool:
         """Whether the row's groups are cut from every parameter, frozen ones too (:attr:`shards_frozen`)."""
         return self.shards_frozen

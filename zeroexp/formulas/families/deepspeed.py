@@ -39,6 +39,31 @@ class DeepSpeedPartitions(Family):
     def groups_kind(self, row):
         return _KIND[row.deepspeed_stage]
 
+    def sharded_written(self, row, groups, itemsize, knobs, state, again):
+        """DeepSpeed's ``save_checkpoint`` (engine.py ``_save_checkpoint``, ``_save_zero_checkpoint``): each rank's
+        ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` the optimizer state it holds (its fp32 partition, both moments
+        and the step: the state model's ``master``, ``optim``, ``optim_scalar`` at rank r, padding included) at stages
+        1-3; the module's state dict in ``mp_rank_00_model_states.pt`` on rank 0 at stages 0-2 (the parameters as held,
+        whole: ``param`` at rank 0; at stage 0 the torch optimizer's state too) and in each rank's
+        ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` at stage 3 (its buffers: the parameters are empty partitions).
+        None with frozen parameters at stages 2-3 (DeepSpeed writes their fragments apart: not modelled)."""
+        from zeroexp.formulas.layout import rank_state_bytes
+
+        stage, n = row.deepspeed_stage, groups.world_size
+        if stage >= 2 and sum(groups.frozen):
+            return None
+        held = rank_state_bytes(row, groups, itemsize, knobs)
+
+        def at(kind: str, r: int) -> int:
+            return int(held[kind][r][1]) if kind in held else 0
+
+        optim = [at("master", r) + at("optim", r) + at("optim_scalar", r) if stage > 0 or r == 0 else 0
+                 for r in range(n)]
+        module = [at("param", 0) if stage < 3 else 0] + [0] * (n - 1)
+        buffers = [state.buffers if stage == 3 or r == 0 else 0 for r in range(n)]
+        ranks = [m + o + b for m, o, b in zip(module, optim, buffers)]
+        return {"total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
+
     def cuts_frozen(self, row):
         return row.deepspeed_stage == 3  # stage 3 partitions every module parameter, frozen ones too
 

@@ -39,6 +39,9 @@ class PaperStages(Family):
     name = "paper"
     sharded_checkpoint = None  # no runtime, no files
 
+    def sharded_written(self, row, groups, itemsize, knobs, state, again):
+        return None
+
     def unmodelled(self, row):
         return (f"{row.label}: the paper's stage has no runtime whose step holds memory, so no peak model (its state "
                 "and communication are the paper's formulas)")

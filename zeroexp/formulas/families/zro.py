@@ -46,6 +46,20 @@ class ZroOwners(DdpBuckets):
     def cut(self, row, shape, n, knobs, itemsize, narrow):
         return Cut(owners=[tuple(shape.numels[i] for i in o) for o in owner_assignment(shape.numels, n)])
 
+    def sharded_written(self, row, groups, itemsize, knobs, state, again):
+        """Its own files: rank 0 the module's state dict (``model.pt``: a tied parameter once), each rank the AdamW
+        state of the parameters it owns (``optim_rank<r>.pt``: moments and a step for each it gave a gradient)."""
+        from zeroexp.formulas.layout import MOMENT_BYTES, STEP_BYTES, _ungraded_per_rank
+
+        n = groups.world_size
+        owners, idle = owner_assignment(groups.numels, n), _ungraded_per_rank(groups, n)
+        owned = [sum(groups.numels[i] for i in o) - e for o, (e, _) in zip(owners, idle)]
+        counts = [len(o) - c for o, (_, c) in zip(owners, idle)]
+        module = state.params + state.frozen + state.buffers
+        ranks = [MOMENT_BYTES * e + STEP_BYTES * c + (module if r == 0 else 0)
+                 for r, (e, c) in enumerate(zip(owned, counts))]
+        return {"total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
+
     def stepped(self, groups: Groups, rank: int) -> list[int]:
         """The parameters rank ``rank`` owns."""
         return owner_assignment(groups.numels, groups.world_size)[rank]
