@@ -44,6 +44,7 @@ def _moved(result, tensors: int | None, source: Path, strategy: str, world_size:
     checks = held_checks(result)
     assert checks["equivalence"].verdict == "PASS" and checks["checkpoint"].verdict == "PASS"
     assert result.summary["plan"]["check"] == "PASS" and "plan.state" in checks
+    assert result.summary["plan"].get("checkpoint", {"check": "PASS"})["check"] == "PASS"  # a saving mover's files
     moved = result.summary["checkpoint"]["moved"]
     assert moved["check"] == "PASS" and moved["reason_codes"] == []
     assert moved["compared_tensors"] == moved["bit_identical_tensors"] == (tensors or moved["compared_tensors"])

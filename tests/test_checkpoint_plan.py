@@ -18,7 +18,8 @@ from zeroexp.probes.payload import file_payload, files_payload
 
 
 class _Tied(nn.Module):
-    """A tied embedding and head, a frozen layer, a buffer and a layer forward never calls."""
+    """A tied embedding and head, a frozen layer, a buffer, one the state dict leaves out and a layer forward never
+    calls."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -28,6 +29,7 @@ class _Tied(nn.Module):
         self.head.weight = self.emb.weight
         self.unused = nn.Linear(8, 8, bias=False)
         self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("table", torch.ones(8), persistent=False)  # held, never saved (Llama's inv_freq)
 
     def forward(self, x):
         return self.head(self.frozen(self.emb(x)) * self.scale[0])
@@ -44,9 +46,9 @@ def test_the_state_a_checkpoint_holds_by_part():
     from dataclasses import replace
 
     shape = replace(shape_of(_Tied(), [nn.Linear]), unused=(2,))  # parameters: emb, frozen, unused (as a trace says)
-    assert shape.aliases == ((0, 1),)
+    assert shape.aliases == ((0, 1),) and shape.unsaved_buffers == (1,)
     layout, groups = _groups("ddp", shape, 2)
-    state = state_payload(layout, groups, 4)
+    state = state_payload(layout, groups, 4, shape)
     assert state.record() == {"params": 4 * (128 + 64), "frozen": 4 * 64, "buffers": 16, "moments": 8 * 128,
                               "steps": 4, "total": 4 * (128 + 64) + 4 * 64 + 16 + 8 * 128 + 4}
     assert written_bytes(layout, groups, 4, "full", shape)["ranks"] == [state.total, 0]  # one tensor, both names

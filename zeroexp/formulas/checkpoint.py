@@ -7,7 +7,7 @@ The state a checkpoint holds, by name (torch's state-dict layout, which every st
   here trains fp32 masters, ``precision.master_dtype``), a parameter shared by two modules once (torch.save and
   torch.distributed.checkpoint store one storage once; a full checkpoint writes the one tensor under both names);
 - every frozen parameter and buffer as the strategy holds it (``Groups.frozen`` at its at-rest dtype, ``Groups.buffers``
-  in the dtype the row casts them to);
+  in the dtype the row casts them to), but a buffer the state dict leaves out (``persistent=False``);
 - AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32) and ``step`` (a 4-byte fp32 scalar tensor, torch.optim.AdamW with
   ``capturable=False``) of every parameter a step gave a gradient (``Groups.ungraded`` have none).
 
@@ -55,13 +55,17 @@ def _at_rest(layout: StateLayout, itemsize: int) -> int:
     return MASTER_BYTES if layout.fp32_at_rest else itemsize
 
 
-def state_payload(layout: StateLayout, groups: Groups, itemsize: int) -> StatePayload:
-    """The state a checkpoint of ``layout`` over ``groups`` holds (module docstring), in bytes by part."""
+def state_payload(layout: StateLayout, groups: Groups, itemsize: int, shape: ModelShape | None = None
+                  ) -> StatePayload:
+    """The state a checkpoint of ``layout`` over ``groups`` holds (module docstring), in bytes by part; ``shape``: the
+    model's (the buffers its state dict leaves out, ``ModelShape.unsaved_buffers``; None: every buffer saved)."""
     idle = set(groups.ungraded)
+    unsaved = set(shape.unsaved_buffers) if shape is not None else set()
     stepped = [k for i, k in enumerate(groups.numels) if i not in idle]
     return StatePayload(params=MASTER_BYTES * sum(groups.numels),
                         frozen=_at_rest(layout, itemsize) * sum(groups.frozen),
-                        buffers=sum(b for _, b in groups.buffers), moments=MOMENT_BYTES * sum(stepped),
+                        buffers=sum(b for i, (_, b) in enumerate(groups.buffers) if i not in unsaved),
+                        moments=MOMENT_BYTES * sum(stepped),
                         steps=STEP_BYTES * len(stepped))
 
 
@@ -88,7 +92,7 @@ def written_bytes(layout: StateLayout, groups: Groups, itemsize: int, kind: str,
     apart, ``Family.gathers_each_name``); None where not modelled. ``sharded``: as the row's family writes it
     (``Family.sharded_written``). ``shape``: the model's (its aliases; None: none)."""
     n = groups.world_size
-    state = state_payload(layout, groups, itemsize)
+    state = state_payload(layout, groups, itemsize, shape)
     again = 0 if shape is None else alias_bytes(layout, shape, itemsize)
     if kind == "full":
         total = state.total + (again if layout.family.gathers_each_name else 0)

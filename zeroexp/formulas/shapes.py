@@ -60,6 +60,9 @@ class ModelShape:
     #: Each parameter with more than one name in the module's state dict (a tied weight: the GPT's head is its token
     #: embedding) as (its index, its names beyond the first).
     aliases: tuple[tuple[int, int], ...] = ()
+    #: Indices into ``buffers`` of those the state dict leaves out (``persistent=False``: the rotary ``inv_freq`` of
+    #: transformers' Llama): held, never in a checkpoint.
+    unsaved_buffers: tuple[int, ...] = ()
 
     @classmethod
     def from_count(cls, numel: int) -> ModelShape:
@@ -113,7 +116,7 @@ class ModelShape:
                           self.buffers, tuple(new[i] for i in self.unused if i in new), self.opaque,
                           tuple(new[i] for i in self.uncalled if i in new), (),
                           tuple((new[w], new[b]) for w, b in self.linear_pairs if w in new and b in new),
-                          tuple((new[i], k) for i, k in self.aliases if i in new))
+                          tuple((new[i], k) for i, k in self.aliases if i in new), self.unsaved_buffers)
 
     def calls(self, u: int) -> int:
         """Forward calls of unit ``u`` per step (1 unless traced otherwise)."""

@@ -58,7 +58,9 @@ def shape_of(net: nn.Module, wrap: Iterable[type[nn.Module]] = (), ready: tuple[
                       linear_pairs=tuple((index[id(m.weight)], index[id(m.bias)]) for m in net.modules()
                                          if isinstance(m, nn.Linear) and m.bias is not None
                                          and id(m.weight) in index and id(m.bias) in index),
-                      aliases=_aliases(net, index))
+                      aliases=_aliases(net, index),
+                      unsaved_buffers=tuple(i for i, (name, _) in enumerate(net.named_buffers())
+                                            if name not in net.state_dict(keep_vars=True)))
 
 
 
