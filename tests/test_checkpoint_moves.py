@@ -171,6 +171,36 @@ def test_foreign_models_move(cell):
         assert len(whole["model"]) == 4 and len(whole["optim"]["state"]) == 2
 
 
+def test_deepspeeds_sharded_partitions_convert_and_move(cell, compose, tmp_path):
+    """DeepSpeed stage 3's sharded checkpoint at N=2 (its padded partitions in its own files) is refused as a cell's
+    start, naming the convert command that turns it into torch's layout; converted (DeepSpeed's ds_to_universal merges
+    the partitions), every tensor equals the twin cell's full checkpoint (same training, written whole) bit for bit,
+    and FSDP2 at N=3 starts from it with every check PASS. Stage 0's (no partitions) is refused by name."""
+    from test_checkpoint import _ds_cell
+
+    from zeroexp.strategies._checkpoint import read_full
+
+    sharded = Path(_ds_cell(cell, 3, "sharded").cell_dir) / "checkpoint"
+    with pytest.raises(InvalidCell, match="checkpoint.load_from") as e:
+        validate(compose("strategy=fsdp2_full", "world_size=3", f"checkpoint.load_from={sharded}"))
+    printed = f"python -m zeroexp.checkpoint convert {sharded} {sharded}_full"
+    assert printed in str(e.value)
+    done = run_cli("convert", str(sharded), str(tmp_path / "full"), app="zeroexp.cli.checkpoint")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["verified"]["bit_identical_tensors"] == MLP_TENSORS
+    twin = read_full(Path(_ds_cell(cell, 3, "full").cell_dir) / "checkpoint")
+    converted = read_full(tmp_path / "full")
+    from zeroexp.probes.checkpoint import moved_state
+
+    same = moved_state(twin, converted["model"], converted["optim"])
+    assert same["bit_identical_tensors"] == same["compared_tensors"] == MLP_TENSORS, same
+    _moved(cell("strategy=fsdp2_full", "world_size=3", f"checkpoint.load_from={tmp_path / 'full'}"), MLP_TENSORS,
+           tmp_path / "full", "deepspeed", 2)
+    stage0 = Path(_ds_cell(cell, 0, "sharded").cell_dir) / "checkpoint"
+    done = run_cli("convert", str(stage0), str(tmp_path / "x"), app="zeroexp.cli.checkpoint")
+    assert done.returncode == 2 and "SRC=" in done.stderr and "stage 0" in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_deepspeed_moves_its_full_state_both_ways(cell, stage):
     """DeepSpeed's full checkpoint is torch's state-dict layout (the fp32 masters, both moments and Adam's step by

@@ -68,9 +68,10 @@ def conversion(src: str, dst: str, overrides: list[str]) -> Conversion:
     writer = adapters.get(source.strategy)
     movable = ", ".join(f"{n} ({'|'.join(sorted(a.moved_kinds))})" for n, a in sorted(adapters.items())
                         if a.moved_kinds)
-    if source.kind not in getattr(writer, "moved_kinds", ()):
-        raise ConfigError("SRC", src, f"a checkpoint in torch's state-dict layout: {movable}",
-                          why=f"a {source.kind} checkpoint of {source.strategy} is in a layout of its own")
+    why = "no strategy of that name" if writer is None else writer.unreadable(source.kind, Path(source.dir))
+    if why:
+        raise ConfigError("SRC", src, f"a checkpoint in torch's state-dict layout ({movable}), or DeepSpeed's "
+                          "sharded one at stages 1-3 without frozen parameters", why=why)
     kind = given.get("checkpoint", "sharded" if source.kind == "full" else "full")
     if kind not in KINDS:
         raise ConfigError("checkpoint", kind, "full, sharded")
@@ -101,7 +102,9 @@ def convert(plan: Conversion, say: Any = print) -> dict[str, Any]:
 
     src = plan.source
     t0 = time.perf_counter()
-    whole = read_whole(src.kind, Path(src.dir))
+    from zeroexp.strategies import registered
+
+    whole = registered()[src.strategy].read_whole(src.kind, Path(src.dir))  # DeepSpeed's sharded: its universal
     tensors = state_tensors(whole["model"], whole["optim"])
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     say(f"read {src.dir} ({src.kind}, written by {src.strategy} at N={src.world_size}, step {src.step}): "

@@ -75,9 +75,13 @@ def check_load_from(cfg: Any, adapter: Any) -> Source | None:
             held = (f"reads and writes {' and '.join(sorted(kinds))} checkpoints in torch's state-dict layout, not "
                     f"{kind} ones (write the source with checkpoint={'|'.join(sorted(kinds))})" if kinds else
                     "keeps its state in a layout of its own (its checkpoints restore in its own round trip)")
+            readable = (source is not None and writer is not None and whose == "the checkpoint's"
+                        and writer.unreadable(kind, Path(source.dir)) is None)
+            convert = (f"; `python -m zeroexp.checkpoint convert {source.dir} {source.dir}_full` turns it into a "
+                       "full one in that layout, which moves" if readable else "")
             raise InvalidCell(key, where, ACCEPTED if spec is None else SOURCE_ACCEPTED, why=(
                 f"a {kind} checkpoint of {strategy}: {whose} strategy, {name}, {held}; the "
-                f"strategies whose checkpoints move, by kind: {movable}"))
+                f"strategies whose checkpoints move, by kind: {movable}{convert}"))
     if source is None:
         return None
     mine = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]

@@ -272,3 +272,113 @@ def _moment_keys(base: torch.optim.Optimizer) -> list[str]:
     for state in base.state.values():
         return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return []
+
+
+def sharded_unreadable(path: Path) -> str | None:
+    """Why :func:`read_sharded_whole` cannot read a DeepSpeed sharded checkpoint (None: it can): stage 0's, which has
+    no partitions (its module file is the state, DeepSpeed's own), and one with frozen parameters (their fragments
+    are written apart from the partitions)."""
+    tag = path / DS_TAG
+    if not list(tag.glob("*zero_pp_rank_*_optim_states.pt")):  # bf16_zero_pp_rank_... with bf16
+        return ("a DeepSpeed stage 0 sharded checkpoint (no partitions to merge): only DeepSpeed restores it; write "
+                "checkpoint=full for one that moves")
+    states = sorted(tag.glob("*model_states.pt"))
+    if not states or torch.load(states[0], map_location="cpu", weights_only=False).get("frozen_param_shapes"):
+        return ("frozen parameters, whose fragments DeepSpeed writes apart from its partitions: write "
+                "checkpoint=full for a checkpoint that moves")
+    return None
+
+
+def read_sharded_whole(path: Path) -> dict:
+    """:func:`_read_sharded_whole`, DeepSpeed's log lines on stderr: unpickling its files imports DeepSpeed, whose
+    logger writes to the stdout of its import (``python -m zeroexp.checkpoint convert`` answers on stdout)."""
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return _read_sharded_whole(path)
+
+
+def _read_sharded_whole(path: Path) -> dict:
+    """A DeepSpeed ``sharded`` checkpoint (stages 1-3) read whole, in torch's state-dict layout (``{"model", "optim"}``
+    as :func:`full_state` writes it), in this process alone: DeepSpeed's own ``ds_to_universal`` (run as its documented
+    command, ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state``) merges every rank's padded
+    partitions into each parameter's fp32 value and moments (``zero/<name>/fp32.pt``, ``exp_avg.pt``,
+    ``exp_avg_sq.pt``, ``step.pt`` at stages 1-2; stage 3's step in ``zero/optimizer_state.pt``), shaped here by the
+    checkpoint's ``param_shapes``; buffers and a tied parameter's other names (``shared_params``) from the model
+    states. Refuses (CheckpointError) stage 0 (no partitions to merge: its module file is the state) and frozen
+    parameters (their fragments are written apart)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from zeroexp.cell.source import CheckpointError
+
+    why = sharded_unreadable(path)
+    if why:
+        raise CheckpointError(f"{path}: {why}")
+    tag = path / DS_TAG
+    model_states = torch.load(sorted(tag.glob("*model_states.pt"))[0], map_location="cpu", weights_only=False)
+    with tempfile.TemporaryDirectory(prefix="zeroexp-universal-") as scratch:
+        out = Path(scratch) / "universal"
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+                               "--output_folder", str(out), "--inject_missing_state"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if done.returncode != 0:
+            raise CheckpointError(f"{path}: DeepSpeed's ds_to_universal failed (exit {done.returncode}): "
+                                  + (done.stdout.strip().splitlines() or ["no output"])[-1])
+        zero = out / "zero"
+        common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
+        shapes = {n: s for group in model_states["param_shapes"] for n, s in group.items()}
+        step = next((s["step"] for s in common.get("optimizer_state_dict", {}).get("state", {}).values()
+                     if "step" in s), None)
+        model: dict[str, torch.Tensor] = {}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for name, shape in shapes.items():
+            part = {k: _universal(zero / name / f"{k}.pt") for k in ("fp32", "exp_avg", "exp_avg_sq", "step")
+                    if (zero / name / f"{k}.pt").is_file()}
+            model[name] = part.pop("fp32").view(shape)
+            held = part.pop("step", step)
+            state[name] = {**{k: v.view(shape) for k, v in part.items()},
+                           **({"step": torch.as_tensor(held, dtype=torch.float32).clone()} if held is not None else {})}
+    for alias, name in (model_states.get("shared_params") or {}).items():
+        model[alias] = model[name]
+    for name in model_states.get("buffer_names") or ():
+        model[name] = model_states["module"][name].to("cpu")
+    hyper = {k: v for k, v in common["param_groups"][0].items() if k != "params"}
+    return {"model": model, "optim": {"state": state, "param_groups": [{**hyper, "params": list(shapes)}]}}
+
+
+def _universal(file: Path) -> torch.Tensor:
+    """One tensor of a universal checkpoint: stages 1-2 write ``{"param": tensor, "cat_dim": 0}``, stage 3 the flat
+    tensor itself."""
+    held = torch.load(file, map_location="cpu", weights_only=False)
+    return (held["param"] if isinstance(held, dict) else held).detach()
+
+
+class DeepSpeedCheckpoints:
+    """The DeepSpeed adapter's checkpoints (its ``stage``), before ``StrategyAdapter`` in its bases: save and load
+    both kinds, the full state whole on rank 0, and a sharded checkpoint read whole offline (DeepSpeed's
+    ``ds_to_universal``: ``python -m zeroexp.checkpoint convert`` moves it into torch's layout)."""
+
+    stage: int
+
+    def checkpoint_format(self, kind: str) -> str:
+        return checkpoint_format(self.stage, kind)
+
+    def save_checkpoint(self, kind: str, path: Path, model: Any, optimizer: Any) -> list[Path]:
+        return save(self.stage, kind, path, model)
+
+    def load_checkpoint(self, kind: str, path: Path, model: Any, optimizer: Any) -> None:
+        load(self.stage, kind, path, model)
+
+    def full_state_dicts(self, model: Any, optimizer: Any) -> tuple[dict, dict]:
+        return full_state(self.stage, model)
+
+    @classmethod
+    def unreadable(cls, kind: str, path: Path) -> str | None:
+        return sharded_unreadable(path) if kind == "sharded" else super().unreadable(kind, path)  # type: ignore[misc]
+
+    @classmethod
+    def read_whole(cls, kind: str, path: Path) -> dict:
+        return read_sharded_whole(path) if kind == "sharded" else super().read_whole(kind, path)  # type: ignore[misc]

@@ -294,7 +294,15 @@ class StrategyAdapter:
 
         return full_state_dicts(model, optimizer)
 
-    def read_whole(self, kind: str, path: Path) -> dict:
+    @classmethod
+    def unreadable(cls, kind: str, path: Path) -> str | None:
+        """Why :meth:`read_whole` cannot read the ``kind`` checkpoint at ``path`` offline (None: it can):
+        ``python -m zeroexp.checkpoint convert``'s refusal of a source. Default: a kind outside :attr:`moved_kinds`
+        is a layout of its own."""
+        return None if kind in cls.moved_kinds else f"a {kind} checkpoint of {cls.name} is in a layout of its own"
+
+    @classmethod
+    def read_whole(cls, kind: str, path: Path) -> dict:
         """``{"model": ..., "optim": ...}`` of a ``kind`` checkpoint in torch's state-dict layout (:attr:`moved_kinds`),
         whole, on the CPU, in this process alone (no collective): what a moved state is checked against and what the
         unsharded reference starts from. Default: that layout's files

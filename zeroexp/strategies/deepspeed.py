@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -168,7 +167,7 @@ def _engine_precision(adapter: "DeepSpeedAdapter") -> Any:
 
 
 @register
-class DeepSpeedAdapter(StrategyAdapter):
+class DeepSpeedAdapter(_ckpt.DeepSpeedCheckpoints, StrategyAdapter):
     name = "deepspeed"
     schema = DeepSpeedConfig
     offloads = frozenset({"none", "optimizer", "full"})
@@ -463,18 +462,6 @@ class DeepSpeedAdapter(StrategyAdapter):
             loss = loss_fn(model(batch), batch)
             model.backward(loss)
         model.step()
-
-    def checkpoint_format(self, kind: str) -> str:
-        return _ckpt.checkpoint_format(self.stage, kind)
-
-    def save_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: Any) -> list[Path]:
-        return _ckpt.save(self.stage, kind, path, model)
-
-    def load_checkpoint(self, kind: str, path: Path, model: nn.Module, optimizer: Any) -> None:
-        _ckpt.load(self.stage, kind, path, model)
-
-    def full_state_dicts(self, model: nn.Module, optimizer: Any) -> tuple[dict, dict]:
-        return _ckpt.full_state(self.stage, model)
 
 
 #: The equivalence section's ``cause`` when weight decay moves the parameters a step gives no gradient
