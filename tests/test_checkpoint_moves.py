@@ -318,6 +318,13 @@ def test_a_source_that_cannot_be_written_or_read_is_refused_before_launch(compos
         validate(compose('checkpoint.source="strategy=ddp"', "checkpoint.load_from=/nowhere"))
     assert validate(compose("strategy=fsdp2_full", "world_size=2", 'checkpoint.source="strategy=ddp world_size=3"',
                             "checkpoint.sources_dir=/nonexistent/sources")).load_from is None  # not written yet
+    from zeroexp.cell.written import source_dir
+
+    where = {over: source_dir(compose(*over)) for over in [  # one directory per checkpoint, whoever starts from it
+        ('checkpoint.source="strategy=ddp"', "world_size=2"), ('checkpoint.source="strategy=ddp"', "world_size=3"),
+        ('checkpoint.source="strategy=ddp world_size=2"', "world_size=3"),
+        ('checkpoint.source="strategy=ddp world_size=2"', "world_size=4", "strategy=zro")]}
+    assert len(set(where.values())) == 3 and list(where.values())[2].name.startswith("ddp_n2_")
 
 
 def test_convert_moves_a_checkpoint_offline_and_a_cell_starts_from_it(cell, tmp_path):

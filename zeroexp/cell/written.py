@@ -6,9 +6,9 @@ The writing cell is the cell itself with the source's overrides applied (its str
 :data:`SOURCE_KEYS` allows), ``checkpoint=<kind>`` (default ``full``: every strategy whose checkpoints move writes it)
 and ``checkpoint.keep=true``; it trains the same model, optimizer, precision, data and steps. Its checkpoint lives in
 ``checkpoint.sources_dir`` under a directory named by the source and by what determines the checkpoint's tensors
-(:func:`source_dir`: the model, optimizer, precision, batch, micro-batches, seed and steps), so that a sweep writes
-each source once and a later sweep of the same sources reuses them (zeroexp.launch.sources). Torch-free: validation
-reads it before launch.
+(:func:`source_dir`: the model, optimizer, precision, batch, micro-batches, seed, steps and the writer's world size),
+so that a sweep writes each source once and a later sweep of the same sources reuses them (zeroexp.launch.sources).
+Torch-free: validation reads it before launch.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def source_dir(cfg: Any) -> Path | None:
     spec = parse_source(cfg.checkpoint.source)
     if spec is None:
         return None
-    content = {k: _plain(cfg[k]) for k in _CONTENT_KEYS} | {"source": spec.overrides}
+    content = {k: _plain(cfg[k]) for k in _CONTENT_KEYS} | {"source": spec.overrides,
+                                                            "world_size": spec.world_size or int(cfg.world_size)}
     digest = hashlib.sha1(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return Path(str(cfg.checkpoint.sources_dir)).expanduser().resolve() / f"{_spelled(spec)[:80]}_{digest}"
 
