@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ def ensure_source(cfg: Any, overrides: Sequence[str], say: Any = print) -> Path:
             say(f"source {cfg.checkpoint.source!r}: reusing {checkpoint}")
             return checkpoint
         command = source_command(cfg, overrides)
-        say(f"source {cfg.checkpoint.source!r}: writing {checkpoint} ({' '.join(command[1:])})")
+        say(f"source {cfg.checkpoint.source!r}: writing {checkpoint}: {shlex.join(command)}")  # runs as printed
         where.mkdir(parents=True, exist_ok=True)
         with open(where / "source.log", "w") as log:
             rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
