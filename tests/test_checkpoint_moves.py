@@ -169,6 +169,10 @@ def test_foreign_models_move(cell):
         assert ds["checkpoint"]["check"] == "PASS" and ds["plan"]["checkpoint"]["check"] == "PASS", ds["checkpoint"]
         whole = torch.load(where / "full.pt", weights_only=True)
         assert len(whole["model"]) == 4 and len(whole["optim"]["state"]) == 2
+        # its own sharded files: each rank's frozen fragments beside its partitions, planned to the byte
+        own = cell("strategy=deepspeed", "strategy.stage=3", "checkpoint=sharded", "world_size=2", base=frozen).summary
+        assert own["checkpoint"]["check"] == "PASS" and own["plan"]["checkpoint"]["check"] == "PASS"
+        assert own["plan"]["checkpoint"]["predicted_rank_bytes"] == own["plan"]["checkpoint"]["measured_rank_bytes"]
 
 
 def test_deepspeeds_sharded_partitions_convert_and_move(cell, compose, tmp_path):

@@ -45,13 +45,12 @@ class DeepSpeedPartitions(Family):
         and the step: the state model's ``master``, ``optim``, ``optim_scalar`` at rank r, padding included) at stages
         1-3; the module's state dict in ``mp_rank_00_model_states.pt`` on rank 0 at stages 0-2 (the parameters as held,
         whole: ``param`` at rank 0; at stage 0 the torch optimizer's state too) and in each rank's
-        ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` at stage 3 (its buffers: the parameters are empty partitions).
-        None with frozen parameters at stages 2-3 (DeepSpeed writes their fragments apart: not modelled)."""
-        from zeroexp.formulas.layout import rank_state_bytes
+        ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` at stage 3 (its buffers and its partitions of the frozen
+        parameters, ``frozen_param_fragments``: the rank's ``param`` less its trainable partition, held in the compute
+        dtype; at stages 1-2 the frozen parameters' fragments are the module's own tensors, stored once)."""
+        from zeroexp.formulas.layout import MASTER_BYTES, rank_state_bytes
 
         stage, n = row.deepspeed_stage, groups.world_size
-        if stage >= 2 and sum(groups.frozen):
-            return None
         held = rank_state_bytes(row, groups, itemsize, knobs)
 
         def at(kind: str, r: int) -> int:
@@ -59,7 +58,9 @@ class DeepSpeedPartitions(Family):
 
         optim = [at("master", r) + at("optim", r) + at("optim_scalar", r) if stage > 0 or r == 0 else 0
                  for r in range(n)]
-        module = [at("param", 0) if stage < 3 else 0] + [0] * (n - 1)
+        frozen = [at("param", r) - at("master", r) // MASTER_BYTES * itemsize if sum(groups.frozen) else 0
+                  for r in range(n)]
+        module = [at("param", 0) if stage < 3 else frozen[0]] + [frozen[r] if stage == 3 else 0 for r in range(1, n)]
         buffers = [state.buffers if stage == 3 or r == 0 else 0 for r in range(n)]
         ranks = [m + o + b for m, o, b in zip(module, optim, buffers)]
         return {"total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}

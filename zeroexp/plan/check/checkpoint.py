@@ -31,8 +31,7 @@ def _section(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, 
     out: dict[str, Any] = {"kind": kind, "layout": "full" if kind == "full" else sharded_layout(layout)}
     if predicted is None:
         return {**out, **Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_NOT_MODELLED, (
-            f"{cell.row_name}'s {kind} checkpoint of a model with frozen parameters: DeepSpeed writes their "
-            "fragments apart from its partitions at stages 2-3, which the planner does not model")),)).fields()}
+            f"{cell.row_name} writes no {kind} checkpoint the planner models")),)).fields()}
     out.update(predicted_bytes=predicted["total"], predicted_rank_bytes=predicted["ranks"],
                state_bytes=predicted["state"], aliases_bytes=predicted["aliases"])
     if "rank_payload_bytes" not in save:
