@@ -275,6 +275,10 @@ def test_a_sweep_writes_each_source_once_and_moves_it_to_each_target(tmp_path):
     said: list[str] = []
     cfg = compose_config([*over, "strategy=ddp"])
     assert ensure_source(cfg, over, say=said.append) == written / "checkpoint" and "reusing" in said[0]
+    refused = [*over[:1], 'checkpoint.source="strategy=fsdp2_hybrid world_size=3"', *over[2:]]  # no shard group of 3
+    with pytest.raises(InvalidCell, match="checkpoint.source") as e:  # the source cell's own refusal, the job's
+        ensure_source(compose_config([*refused, "strategy=ddp"]), refused, say=said.append)
+    assert "exit 2" in str(e.value) and "shard_size" in str(e.value)
 
 
 def test_what_cannot_start_a_cell_is_refused_before_launch(cell, compose, tmp_path):
