@@ -90,7 +90,8 @@ def task(cfg: DictConfig) -> None:
             from zeroexp.launch.sources import SourceFailed, ensure_source
 
             try:
-                ensure_source(cfg, overrides, say=console.print)
+                # one line each, as printed: no wrap inside the command, its brackets not read as markup
+                ensure_source(cfg, overrides, say=lambda line: console.print(line, soft_wrap=True, markup=False))
             except SourceFailed as e:
                 _not_run(cfg, cell_dir, overrides, sweep, e, console=console)
                 print(cell_dir)
