@@ -100,3 +100,23 @@ def test_the_planner_gives_a_70b_class_checkpoint_at_64_ranks():
     ds = ck["deepspeed_stage3"]["sharded"]
     # fp32 partitions and moments, padded to 64 ranks, and one step per flat partition (not per tensor)
     assert ds["layout"] == "deepspeed" and 12 * psi <= ds["written_bytes"] <= state + 12 * 64 * tensors
+
+
+def test_the_plan_table_shows_what_a_checkpoint_writes():
+    """``python -m zeroexp.plan`` prints the checkpoint table beside the JSON rows' ``checkpoint`` (GiB)."""
+    import json
+
+    from conftest import run_cli
+
+    args = ("model=gpt", "world_size=4", "strategies=[ddp,zero2,fsdp2_full]", "units=GB")
+    table = run_cli(*args, app="zeroexp.cli.plan")
+    rows = {r["strategy"]: r["checkpoint"] for r in json.loads(run_cli(*args, "format=json",
+                                                                          app="zeroexp.cli.plan").stdout)}
+    assert table.returncode == 0 and "What a checkpoint writes, in GB" in table.stdout
+    shown = table.stdout.split("What a checkpoint writes")[1].splitlines()
+    line = next(x for x in shown if x.strip("│ ").startswith("fsdp2_full"))
+    cells = [c.strip() for c in line.strip("│").split("│")]
+    assert cells[:2] == ["fsdp2_full", "4"] and cells[6] != "-"
+    assert float(cells[3]) == pytest.approx(rows["fsdp2_full"]["full"]["rank0_bytes"] / 1e9, abs=0.0011)
+    zero2 = next(x for x in shown if x.strip("│ ").startswith("zero2"))
+    assert zero2.strip("│").split("│")[4].strip() == "-" and rows["zero2"]["sharded"] is None

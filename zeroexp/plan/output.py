@@ -73,6 +73,12 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                       "group (hybrid rows: shard_size for all_gather and reduce_scatter, N / shard_size for "
                       "all_reduce; fsdp2_full with reshard_after_forward=k: k for the all_gathers from a unit's "
                       "post-forward shard)\n")
+        console.print(_checkpoint_table(records, unit))
+        console.print("the tensors' bytes a checkpoint writes (computed, zeroexp/formulas/checkpoint.py; checked to "
+                      "the byte in every checkpoint cell, plan.checkpoint; the files add serialization): full, rank 0 "
+                      "gathers the whole state on its host and writes it alone; sharded, the ranks share it (DCP: "
+                      "each rank's own decided at run time, the mean shown; zro's and DeepSpeed's rank 0 at stages "
+                      "0-2 writes the whole module beside its share); '-': no sharded kind\n")
         if "step_ms" in first:
             console.print(_time_table(records))
             console.print(f"computed on {first['network_source']} (zeroexp.formulas.time.overlap; docs/planner.md, "
@@ -233,4 +239,21 @@ def _comm_table(records: list[dict[str, Any]], unit: str) -> Table:
                       *(f"{r['counts'][op]} / {fmt_size(r['payload_bytes'][op], unit)}" if op in r["payload_bytes"]
                         else "-" for op in ops),
                       fmt_size(r["payload_total_bytes"], unit), fmt_size(r["bus_total_bytes"], unit))
+    return table
+
+
+def _checkpoint_table(records: list[dict[str, Any]], unit: str) -> Table:
+    """Per row: the state a checkpoint holds, what rank 0 writes for ``full``, what ``sharded`` writes in all and per
+    rank (``checkpoint`` of each record: zeroexp.plan.core.checkpoint_record)."""
+    table = Table(title=f"What a checkpoint writes, in {unit}")
+    for i, c in enumerate(["strategy", "N", "state", "full: rank 0", "sharded: all ranks", "largest rank",
+                           "mean rank"]):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in records:
+        ck = r["checkpoint"]
+        sharded = ck["sharded"] or {}
+        size = (lambda key: "-" if sharded.get(key) is None else fmt_size(sharded[key], unit))  # noqa: E731
+        table.add_row(r["strategy"], str(r["world_size"]), fmt_size(ck["state_bytes"], unit),
+                      fmt_size(ck["full"]["rank0_bytes"], unit), size("written_bytes"), size("largest_rank_bytes"),
+                      size("mean_rank_bytes"))
     return table
