@@ -201,12 +201,9 @@ def _source(cfg: Any) -> Source | None:
     """The checkpoint the cell starts from (``checkpoint.load_from``, or its ``checkpoint.source``'s:
     zeroexp.cell.written), its ``meta.json`` read; None where it starts from its seed, or where its source cell has
     not written it yet (a sweep's check of its jobs, before the job writes it: zeroexp.launch.sources)."""
-    from pathlib import Path
-
-    from zeroexp.cell.source import META
-    from zeroexp.cell.written import load_dir
+    from zeroexp.cell.written import load_dir, source_pending
 
     where = load_dir(cfg)
-    if where is None or (cfg.checkpoint.get("source") is not None and not (Path(where) / META).is_file()):
+    if where is None or source_pending(cfg):
         return None
     return Source.read(where, verify=False)

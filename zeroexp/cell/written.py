@@ -22,7 +22,7 @@ from typing import Any
 
 from zeroexp.errors import ConfigError
 
-__all__ = ["SOURCE_KEYS", "KINDS", "SourceSpec", "parse_source", "source_dir", "load_dir"]
+__all__ = ["SOURCE_KEYS", "KINDS", "SourceSpec", "parse_source", "source_dir", "source_pending", "load_dir"]
 
 #: The keys a source may set otherwise than the cell that starts from it: what a checkpoint's writer may differ in
 #: (its strategy and that strategy's own keys, its world size, the kind it writes, the precision and micro-batches
@@ -109,6 +109,15 @@ def _spelled(spec: SourceSpec) -> str:
         parts.append(value if key == "strategy" else f"n{value}" if key == "world_size" else
                      f"{key.rsplit('.', 1)[-1]}{value}")
     return re.sub(r"[^A-Za-z0-9_]+", "-", "_".join(parts)).strip("-")
+
+
+def source_pending(cfg: Any) -> bool:
+    """Whether the cell's ``checkpoint.source`` has not written its checkpoint yet (a sweep's check of its jobs runs
+    before a job writes it: zeroexp.launch.sources)."""
+    from zeroexp.cell.source import META
+
+    found = source_dir(cfg) if cfg.checkpoint.get("source") is not None else None
+    return found is not None and not (found / "checkpoint" / META).is_file()
 
 
 def load_dir(cfg: Any) -> str | None:

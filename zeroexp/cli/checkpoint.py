@@ -66,8 +66,9 @@ def conversion(src: str, dst: str, overrides: list[str]) -> Conversion:
         raise ConfigError("SRC", src, "the directory of a checkpoint a zeroexp cell kept", why=str(e)) from None
     adapters = registered()
     writer = adapters.get(source.strategy)
-    movable = ", ".join(f"{n} ({'|'.join(sorted(a.moved_kinds))})" for n, a in sorted(adapters.items())
-                        if a.moved_kinds)
+    from zeroexp.config.moves import movable_kinds
+
+    movable = movable_kinds()
     why = "no strategy of that name" if writer is None else writer.unreadable(source.kind, Path(source.dir))
     if why:
         raise ConfigError("SRC", src, f"a checkpoint in torch's state-dict layout ({movable}), or DeepSpeed's "

@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 
 from pathlib import Path
 
-from zeroexp.cell.source import CELL_KEYS, META, CheckpointError, Source
+from zeroexp.cell.source import CELL_KEYS, CheckpointError, Source
 from zeroexp.cell.written import ACCEPTED as SOURCE_ACCEPTED
-from zeroexp.cell.written import load_dir, parse_source
+from zeroexp.cell.written import load_dir, parse_source, source_pending
 from zeroexp.errors import ConfigError, InvalidCell
 
 __all__ = ["check_load_from", "MODEL_KEYS_FREE", "OPTIMIZER_KEYS_FREE"]
@@ -56,19 +56,17 @@ def check_load_from(cfg: Any, adapter: Any) -> Source | None:
             raise ConfigError(key, where, "null with launcher=torchrun|slurm", why=(
                 "the source cell is run by this process before the cell: on a cluster, run it first with "
                 "checkpoint.keep=true and start from it with checkpoint.load_from=<its checkpoint>"))
-        written = Path(str(load_dir(cfg)))
-        if not (written / META).is_file():  # not written yet (zeroexp.launch.sources writes it first): its kind only
+        if source_pending(cfg):  # not written yet (zeroexp.launch.sources writes it first): its kind only
             source = None
             strategy, kind = spec.strategy, spec.kind
         else:
-            source = _read(key, where, written)
+            source = _read(key, where, Path(str(load_dir(cfg))))
             strategy, kind = source.strategy, source.kind
     else:
         source = _read(key, where, Path(str(where)))
         strategy, kind = source.strategy, source.kind
     writer = registered().get(strategy)
-    movable = ", ".join(f"{n} ({'|'.join(sorted(a.moved_kinds))})" for n, a in sorted(registered().items())
-                        if a.moved_kinds)
+    movable = movable_kinds()
     for whose, name, kinds in (("the checkpoint's", strategy, getattr(writer, "moved_kinds", ())),
                                ("the cell's", cfg.strategy.name, adapter.moved_kinds)):
         if kind not in kinds:
@@ -94,6 +92,14 @@ def check_load_from(cfg: Any, adapter: Any) -> Source | None:
             raise InvalidCell(key, where, ACCEPTED if spec is None else SOURCE_ACCEPTED, why=(
                 f"the checkpoint's cell trained another {part} ({said}): set the checkpoint's values"))
     return source
+
+
+def movable_kinds() -> str:
+    """The strategies whose checkpoints move, with their kinds (``ddp (full|sharded), ...``): what a refusal names."""
+    from zeroexp.strategies import registered
+
+    return ", ".join(f"{n} ({'|'.join(sorted(a.moved_kinds))})" for n, a in sorted(registered().items())
+                     if a.moved_kinds)
 
 
 def _read(key: str, where: Any, path: Path) -> Source:

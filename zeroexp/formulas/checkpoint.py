@@ -28,7 +28,7 @@ from zeroexp.formulas.families.base import StateLayout
 from zeroexp.formulas.layout import MASTER_BYTES, MOMENT_BYTES, STEP_BYTES
 from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs
 
-__all__ = ["StatePayload", "state_payload", "written_bytes", "sharded_layout", "alias_bytes"]
+__all__ = ["StatePayload", "state_payload", "written_bytes", "alias_bytes"]
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,6 @@ def state_payload(layout: StateLayout, groups: Groups, itemsize: int, shape: Mod
                         steps=STEP_BYTES * len(stepped))
 
 
-def sharded_layout(layout: StateLayout) -> str | None:
-    """How ``layout``'s strategy writes ``checkpoint=sharded``, as its family names it (``Family.sharded_checkpoint``:
-    ``dcp``, ``owners``, ``deepspeed``; None: no sharded kind)."""
-    return layout.family.sharded_checkpoint
-
-
 def alias_bytes(layout: StateLayout, shape: ModelShape, itemsize: int) -> int:
     """The bytes of the parameters' names beyond their first (``ModelShape.aliases``), each its parameter's value
     again: what a writer that stores each state-dict name's tensor of its own writes twice."""
@@ -85,7 +79,8 @@ def alias_bytes(layout: StateLayout, shape: ModelShape, itemsize: int) -> int:
 
 def written_bytes(layout: StateLayout, groups: Groups, itemsize: int, kind: str, shape: ModelShape | None = None,
                   knobs: PlanKnobs = PlanKnobs()) -> dict[str, object] | None:
-    """What the ranks write for a ``kind`` checkpoint: ``total`` (all ranks), ``ranks`` (each rank's bytes; None
+    """What the ranks write for a ``kind`` checkpoint: ``layout`` (``full``; sharded: as the family writes it),
+    ``total`` (all ranks), ``ranks`` (each rank's bytes; None
     where DCP's de-duplication picks the rank of a replicated item at run time: then only the total is exact),
     ``state`` (:meth:`StatePayload.record`) and ``aliases`` (a tied parameter's value again, once per name beyond its
     first: torch.distributed.checkpoint writes each name's item; a full checkpoint where the family gathers each name
@@ -96,6 +91,6 @@ def written_bytes(layout: StateLayout, groups: Groups, itemsize: int, kind: str,
     again = 0 if shape is None else alias_bytes(layout, shape, itemsize)
     if kind == "full":
         total = state.total + (again if layout.family.gathers_each_name else 0)
-        return {"total": total, "ranks": [total] + [0] * (n - 1), "state": state.record(),
+        return {"layout": "full", "total": total, "ranks": [total] + [0] * (n - 1), "state": state.record(),
                 "aliases": total - state.total}
     return layout.family.sharded_written(layout, groups, itemsize, knobs, state, again)

@@ -131,7 +131,7 @@ def checkpoint_record(layout: StateLayout, groups: Any, itemsize: int, shape: Mo
     ``largest_rank_bytes`` (sharded, where the layout fixes each rank's: ZeroRedundancyOptimizer's owners) and
     ``mean_rank_bytes`` (sharded: the total over N; torch.distributed.checkpoint balances the replicated items at run
     time); ``layout``; None for a row with no sharded kind (zeroexp's ZeRO-1/2, the paper's stages)."""
-    from zeroexp.formulas.checkpoint import sharded_layout, written_bytes
+    from zeroexp.formulas.checkpoint import written_bytes
 
     full = written_bytes(layout, groups, itemsize, "full", shape, knobs)
     sharded = written_bytes(layout, groups, itemsize, "sharded", shape, knobs)
@@ -139,7 +139,7 @@ def checkpoint_record(layout: StateLayout, groups: Any, itemsize: int, shape: Mo
     return {"state_bytes": full["state"]["total"],
             "full": {"written_bytes": full["total"], "rank0_bytes": full["ranks"][0]},
             "sharded": None if sharded is None else {
-                "layout": sharded_layout(layout), "written_bytes": sharded["total"],
+                "layout": sharded["layout"], "written_bytes": sharded["total"],
                 "largest_rank_bytes": max(sharded["ranks"]) if sharded["ranks"] else None,
                 "mean_rank_bytes": sharded["total"] // n}}
 

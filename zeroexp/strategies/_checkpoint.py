@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 __all__ = ["FULL_FILE", "save_full", "load_full", "write_full", "read_full", "save_sharded", "load_sharded",
            "save_state_dicts", "load_state_dicts", "dcp_files", "full_state_dicts", "read_whole",
-           "drop_state_not_saved", "whole_model_state", "compact"]
+           "drop_state_not_saved", "whole_model_state", "compact", "optim_by_name", "latest_step"]
 
 FULL_FILE = "full.pt"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -168,6 +168,21 @@ def drop_state_not_saved(saved: set[str], model: nn.Module, optimizer: torch.opt
             optimizer.state.pop(p)
             dropped.append(name)
     return dropped
+
+
+def optim_by_name(state: dict, group: dict, names: list) -> dict:
+    """An optimizer state dict in this layout: ``state`` by parameter name and one param group, ``group``'s
+    hyper-parameters with ``names`` as its parameters (what ``get_state_dict(full_state_dict)`` gives for one group;
+    a writer whose optimizer numbers its parameters, or holds flat partitions, names them)."""
+    return {"state": state, "param_groups": [{**{k: v for k, v in group.items() if k != "params"}, "params": names}]}
+
+
+def latest_step(state: dict) -> Any:
+    """The latest of Adam's ``step`` among a checkpoint's per-parameter states (None before any step): the one step
+    of an optimizer that steps its flat buffers together (a parameter another strategy first graded later holds
+    fewer)."""
+    steps = [s["step"] for s in state.values() if "step" in s]
+    return max(steps, key=float) if steps else None
 
 
 def whole_model_state(module: nn.Module, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

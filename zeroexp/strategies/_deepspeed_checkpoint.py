@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from zeroexp._lib.deepspeed_internals import link_optimizer_state, linked_to_fp32_partition
-from zeroexp.strategies._checkpoint import FULL_FILE, read_full, whole_model_state, write_full
+from zeroexp.strategies._checkpoint import (FULL_FILE, latest_step, optim_by_name, read_full, whole_model_state,
+                                            write_full)
 
 __all__ = ["DS_FULL_FILE", "DS_TAG", "checkpoint_format", "save", "load", "full_state"]
 
@@ -122,9 +123,8 @@ def full_state(stage: int, model: Any) -> tuple[dict, dict]:
                 None)
     state = {n: {**m, **({"step": step.detach().to("cpu", copy=True)} if step is not None else {})}
              for n, m in moments.items() if m}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [n for n in weights if n in state]}
-              for g in base.param_groups[:1]]
-    return whole_model_state(model.module, weights), {"state": state, "param_groups": groups}
+    return whole_model_state(model.module, weights), optim_by_name(state, base.param_groups[0],
+                                                                   [n for n in weights if n in state])
 
 
 def load(stage: int, kind: str, path: Path, model: Any) -> None:
@@ -145,7 +145,6 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
                            "model are not in the checkpoint")
     state = full["optim"]["state"]
     keys = sorted({k for s in state.values() for k in s if k != "step"})
-    steps = [s["step"] for s in state.values() if "step" in s]
     if stage == 3:  # the compute parameters: the fp32 master cast, as DeepSpeed's step makes them
         import deepspeed
 
@@ -160,7 +159,7 @@ def load(stage: int, kind: str, path: Path, model: Any) -> None:
     base = _base_optimizer(model)
     # one Adam step for every flat partition (DeepSpeed steps them together): the checkpoint's latest (a parameter
     # another strategy gave its first gradient later holds fewer); none before the first step
-    step = max(steps, key=float) if steps else None
+    step = latest_step(state)
     for q in _flat_partitions(model) if step is not None else ():  # a fresh optimizer has no state until a step
         held = base.state[q]
         held["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
@@ -345,8 +344,7 @@ def _read_sharded_whole(path: Path) -> dict:
         model[alias] = model[name]
     for name in model_states.get("buffer_names") or ():
         model[name] = model_states["module"][name].to("cpu")
-    hyper = {k: v for k, v in common["param_groups"][0].items() if k != "params"}
-    return {"model": model, "optim": {"state": state, "param_groups": [{**hyper, "params": list(shapes)}]}}
+    return {"model": model, "optim": optim_by_name(state, common["param_groups"][0], list(shapes))}
 
 
 def _universal(file: Path) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroexp.strategies._checkpoint import whole_model_state
+from zeroexp.strategies._checkpoint import latest_step, optim_by_name, whole_model_state
 from zeroexp.strategies.sharding import Bucket, ShardedAdamW
 
 __all__ = ["full_state", "load_full_state", "MOMENTS"]
@@ -59,8 +59,7 @@ def full_state(module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW
         return {}, {}
     model_sd = whole_model_state(module, masters)
     state = {n: {**m, "step": step.detach().to("cpu", copy=True)} for n, m in moments.items()}
-    hyper = {k: v for k, v in local.param_groups[0].items() if k != "params"}
-    return model_sd, {"state": state, "param_groups": [{**hyper, "params": [n for n in masters if n in state]}]}
+    return model_sd, optim_by_name(state, local.param_groups[0], [n for n in masters if n in state])
 
 
 def load_full_state(module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW, full: dict[str, Any]) -> None:
@@ -70,8 +69,7 @@ def load_full_state(module: nn.Module, buckets: list[Bucket], optimizer: Sharded
     optimizer.wait_for_parameters()
     name_of = {id(p): n for n, p in module.named_parameters()}
     model_sd, state = full["model"], full["optim"]["state"]
-    steps = [s["step"] for s in state.values() if "step" in s]
-    step = max(steps, key=float) if steps else None
+    step = latest_step(state)
     bucketed = {id(p) for b in buckets for p in b.params}
     with torch.no_grad():
         for name, t in module.state_dict(keep_vars=True).items():  # frozen parameters and buffers as they are

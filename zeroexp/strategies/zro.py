@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zeroexp._lib.parallel import zero_buckets, zero_partitions
 from zeroexp.formulas import Groups
 from zeroexp.strategies import register
-from zeroexp.strategies._checkpoint import read_full, write_full
+from zeroexp.strategies._checkpoint import optim_by_name, read_full, write_full
 from zeroexp.strategies.base import StateTensor
 from zeroexp.strategies.ddp import DDPAdapter
 from zeroexp.cell.strategy import ZROConfig
@@ -109,9 +109,8 @@ class ZROAdapter(DDPAdapter):
             names = _names(module, optimizer)  # the consolidated state's indices, by parameter name
             index = {name: i for i, name in enumerate(names)}
             state = full["optim"]["state"]
-            hyper = {k: v for k, v in full["optim"]["param_groups"][0].items() if k != "params"}
-            optimizer.load_state_dict({"state": {index[n]: s for n, s in state.items()},
-                                       "param_groups": [{**hyper, "params": list(range(len(names)))}]})
+            optimizer.load_state_dict(optim_by_name({index[n]: s for n, s in state.items()},
+                                                    full["optim"]["param_groups"][0], list(range(len(names)))))
             return
         module.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
         optimizer.optim.load_state_dict(

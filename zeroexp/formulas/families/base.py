@@ -44,11 +44,6 @@ class Family:
     views_with_orig_params = False
     #: A unit kept unsharded from step to step (``Unit.kept``) holds its unsharded parameters at rest (FSDP1).
     holds_kept_units = False
-    #: How ``checkpoint=sharded`` is written (zeroexp.formulas.checkpoint): ``dcp``, torch.distributed.checkpoint in
-    #: torch's state-dict layout (DDP, FSDP1, FSDP2, hybrids); ``owners``, ZeroRedundancyOptimizer's per-owner files;
-    #: ``deepspeed``, DeepSpeed's own files (each rank's partitions as it holds them); None, no sharded kind
-    #: (zeroexp's ZeRO-1/2).
-    sharded_checkpoint: str | None = "dcp"
     #: A full state dict made whole name by name (FSDP1's FULL_STATE_DICT, FSDP2's DTensors): a parameter with two
     #: names is gathered, and written, twice; otherwise a tied parameter is one tensor under both names, written once.
     gathers_each_name = False
@@ -59,8 +54,10 @@ class Family:
         ``StatePayload``, ``again``: a tied parameter's value under its other names): torch.distributed.checkpoint's
         items (DDP, FSDP1, FSDP2 and hybrids): every item once over the ranks, each state-dict name its own item (a
         tied parameter's value again), the rank of a replicated one decided at run time by ``dedup_save_plans``
-        (``ranks`` None); a family that writes its own files overrides it."""
-        return {"total": state.total + again, "ranks": None, "state": state.record(), "aliases": again}
+        (``ranks`` None); a family that writes its own files overrides it. ``layout`` names how: ``dcp``, ``owners``
+        (ZeroRedundancyOptimizer), ``deepspeed``."""
+        return {"layout": "dcp", "total": state.total + again, "ranks": None, "state": state.record(),
+                "aliases": again}
 
     def cuts_frozen(self, row: StateLayout) -> bool:
         """Whether the row's groups are cut from every parameter, frozen ones too (:attr:`shards_frozen`)."""

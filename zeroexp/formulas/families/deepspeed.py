@@ -34,7 +34,6 @@ class DeepSpeedPartitions(Family):
 
     name = "deepspeed"
     covered_rank = 3
-    sharded_checkpoint = "deepspeed"  # its own files: each rank's padded flat partitions (zeroexp.formulas.checkpoint)
 
     def groups_kind(self, row):
         return _KIND[row.deepspeed_stage]
@@ -63,7 +62,7 @@ class DeepSpeedPartitions(Family):
         module = [at("param", 0) if stage < 3 else frozen[0]] + [frozen[r] if stage == 3 else 0 for r in range(1, n)]
         buffers = [state.buffers if stage == 3 or r == 0 else 0 for r in range(n)]
         ranks = [m + o + b for m, o, b in zip(module, optim, buffers)]
-        return {"total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
+        return {"layout": "deepspeed", "total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
 
     def cuts_frozen(self, row):
         return row.deepspeed_stage == 3  # stage 3 partitions every module parameter, frozen ones too

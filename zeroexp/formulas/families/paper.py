@@ -37,10 +37,8 @@ class PaperStages(Family):
     """The paper's stages: no runtime, so no peak model, no init, no framework cost."""
 
     name = "paper"
-    sharded_checkpoint = None  # no runtime, no files
-
     def sharded_written(self, row, groups, itemsize, knobs, state, again):
-        return None
+        return None  # no runtime, no files
 
     def unmodelled(self, row):
         return (f"{row.label}: the paper's stage has no runtime whose step holds memory, so no peak model (its state "

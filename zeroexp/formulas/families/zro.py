@@ -38,7 +38,6 @@ class ZroOwners(DdpBuckets):
     """DDP's family, the optimizer state of each parameter on its owner alone."""
 
     name = "zro"
-    sharded_checkpoint = "owners"
 
     def groups_kind(self, row):
         return "owners"
@@ -58,7 +57,7 @@ class ZroOwners(DdpBuckets):
         module = state.params + state.frozen + state.buffers
         ranks = [MOMENT_BYTES * e + STEP_BYTES * c + (module if r == 0 else 0)
                  for r, (e, c) in enumerate(zip(owned, counts))]
-        return {"total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
+        return {"layout": "owners", "total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
 
     def stepped(self, groups: Groups, rank: int) -> list[int]:
         """The parameters rank ``rank`` owns."""

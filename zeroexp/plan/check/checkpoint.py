@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas import Groups
-from zeroexp.formulas.checkpoint import sharded_layout, written_bytes
+from zeroexp.formulas.checkpoint import written_bytes
 from zeroexp.results.verdict import Check, Code, Reason, Verdict
 
 __all__ = ["checkpoint_section"]
@@ -28,7 +28,7 @@ def _section(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, 
     kind, layout = cell.checkpoint, cell.row
     save = (summary.get("checkpoint") or {}).get("save") or {}
     predicted = written_bytes(layout, groups, itemsize, kind, shape, cell.knobs)
-    out: dict[str, Any] = {"kind": kind, "layout": "full" if kind == "full" else sharded_layout(layout)}
+    out: dict[str, Any] = {"kind": kind, "layout": None if predicted is None else predicted["layout"]}
     if predicted is None:
         return {**out, **Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_NOT_MODELLED, (
             f"{cell.row_name} writes no {kind} checkpoint the planner models")),)).fields()}
