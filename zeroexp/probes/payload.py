@@ -27,19 +27,43 @@ def _zip_payload(blob: io.BufferedIOBase | io.BytesIO) -> int:
         return 0
 
 
+class _Window(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file, seekable: one DCP item as the zip reader sees it, which
+    reads its end records and central directory alone, not the tensors (a checkpoint's files are not read again)."""
+
+    def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
+        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = max(0, {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence] + pos)
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        size = self._length - self._pos if size is None or size < 0 else min(size, self._length - self._pos)
+        self._f.seek(self._offset + self._pos)
+        data = self._f.read(max(size, 0))
+        self._pos += len(data)
+        return data
+
+
 def file_payload(path: Path, items: dict[str, list[tuple[int, int]]] | None = None) -> int:
     """The tensors' bytes of one checkpoint file: a ``torch.save`` archive, or a ``.distcp`` file whose items
-    (``items``: per file name, each item's offset and length, from DCP's metadata) are read one by one."""
+    (``items``: per file name, each item's offset and length, from DCP's metadata) are read one by one (their zip
+    directories, not their data)."""
     if path.name == ".metadata":
         return 0
-    if path.suffix == ".distcp":
-        total = 0
-        with open(path, "rb") as f:
-            for offset, length in (items or {}).get(path.name, []):
-                f.seek(offset)
-                total += _zip_payload(io.BytesIO(f.read(length)))
-        return total
     with open(path, "rb") as f:
+        if path.suffix == ".distcp":
+            return sum(_zip_payload(_Window(f, offset, length)) for offset, length in (items or {}).get(path.name, []))
         return _zip_payload(f)
 
 
