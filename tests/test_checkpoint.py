@@ -157,6 +157,30 @@ def test_report_has_a_checkpoint_table(cell, tmp_path):
     assert rows["ddp", "full"]["save collectives"] == "none"
 
 
+def test_save_and_load_peaks_as_planned(cell):
+    """plan.checkpoint's peaks, the mlp at N=2 (P: its fp32 parameters; AdamW single-tensor on the CPU holds 3 x 4096
+    elements of temporaries; a 4-byte step per parameter): a DDP full save copies nothing on the CPU, its full load
+    reads the whole file beside the zero step (gradients, both moments, steps, temporaries); FSDP2's full save keeps
+    every gathered tensor on rank 0 (parameters and both moments, no padding at N=2) and its full load the file, the
+    rank's half of the parameters and the zero step's moments beside those made from the file; a sharded load the
+    zero step alone (a lower bound: DCP's planning objects are not sized). FSDP1 has no model: n/a, named."""
+    temps, steps = 3 * 4096 * 4, 8 * 4
+    want = {("ddp", "full"): ([0, 0], [STATE + 3 * P + steps + temps] * 2),
+            ("ddp", "sharded"): ([0, 0], [3 * P + steps + temps] * 2),
+            ("fsdp2_full", "full"): ([3 * P, 64 * 64 * 4], [STATE + P // 2 + 2 * P + steps] * 2),
+            ("fsdp2_full", "sharded"): ([0, 0], [3 * P // 2 + steps + temps // 2] * 2)}
+    for (strategy, kind), (save, load) in want.items():
+        part = _cell(cell, strategy, kind).summary["plan"]["checkpoint"]
+        peaks = part["peaks"]
+        assert part["check"] == peaks["check"] == "PASS", (strategy, kind, peaks)
+        assert (peaks["save"]["rank_bytes"], peaks["load"]["rank_bytes"]) == (save, load), (strategy, kind)
+        assert peaks["load"]["measured_rank_bytes"] == load  # the zero step's peak above DCP's objects here
+    assert peaks["load"]["exact"] == [False, False] and peaks["load"]["unsized"]
+    fsdp = _cell(cell, "fsdp_full", "full").summary["plan"]["checkpoint"]
+    assert fsdp["check"] == "PASS" and fsdp["peaks"]["check"] == "n/a"
+    assert fsdp["peaks"]["reason_codes"] == ["plan.checkpoint_peak_not_modelled"]
+
+
 @pytest.mark.parametrize("strategy, kind", [("ddp", "full"), ("zro", "sharded")])
 def test_a_ddp_round_trip_at_three_ranks_continues_bit_identically(cell, strategy, kind):
     """At N=3 gloo's ring sums an element in a rank order that depends on its offset in DDP's bucket, and a freshly

@@ -12,7 +12,10 @@ from torch import nn
 
 from zeroexp.formulas import LAYOUTS, ModelShape, derive_groups
 from zeroexp.formulas.checkpoint import state_payload, written_bytes
+from zeroexp.formulas.device import cuda
+from zeroexp.formulas.shapes import PlanKnobs
 from zeroexp.plan import Precision, plan
+from zeroexp.plan.core import checkpoint_peak_records
 from zeroexp.plan.shape import shape_of
 from zeroexp.probes.payload import file_payload, files_payload
 
@@ -100,6 +103,17 @@ def test_the_planner_gives_a_70b_class_checkpoint_at_64_ranks():
     ds = ck["deepspeed_stage3"]["sharded"]
     # fp32 partitions and moments, padded to 64 ranks, and one step per flat partition (not per tensor)
     assert ds["layout"] == "deepspeed" and 12 * psi <= ds["written_bytes"] <= state + 12 * 64 * tensors
+    # save and load on H100s (foreach AdamW, 512-B blocks): a full save holds the file on rank 0's host; a full load
+    # reads it on every rank's host, and FSDP2's device holds its 1/64 of the parameters and the moments twice; a
+    # sharded load the zero step alone (gradients, both moments, foreach temporaries: 4 bytes each of the 1/64)
+    checkpoint_peak_records(records, shape, Precision("bf16", "bfloat16"), PlanKnobs(), cuda(9.0))
+    full, sharded = ck["fsdp2_full"]["full"]["peaks"], ck["fsdp2_full"]["sharded"]["peaks"]
+    assert ck["ddp"]["full"]["peaks"]["save"]["host_rank0_bytes"] == state
+    assert full["save"]["host_rank0_bytes"] == full["load"]["host_largest_rank_bytes"] == state + head
+    assert full["save"]["lower_bound"] and full["save"]["largest_rank_bytes"] == 4 * 4 * 8192 * 8192  # an MLP weight
+    assert 5 * 4 * psi / 64 < full["load"]["largest_rank_bytes"] < 5 * 4 * psi / 64 * 1.01
+    assert 4 * 4 * psi / 64 <= sharded["load"]["largest_rank_bytes"] < 4 * 4 * psi / 64 * 1.01
+    assert ck["zro"]["full"]["peaks"] is None and ck["zro"]["full"]["peaks_note"]
 
 
 def test_the_plan_table_shows_what_a_checkpoint_writes():
@@ -118,5 +132,11 @@ def test_the_plan_table_shows_what_a_checkpoint_writes():
     cells = [c.strip() for c in line.strip("│").split("│")]
     assert cells[:2] == ["fsdp2_full", "4"] and cells[6] != "-"
     assert float(cells[3]) == pytest.approx(rows["fsdp2_full"]["full"]["rank0_bytes"] / 1e9, abs=0.0011)
+    peaks = table.stdout.split("What a checkpoint's save and load hold")[1].splitlines()
+    line = next(x for x in peaks if x.strip("│ ").startswith("fsdp2_full") and "sharded" in x)
+    cells = [c.strip() for c in line.strip("│").split("│")]
+    load = rows["fsdp2_full"]["sharded"]["peaks"]["load"]
+    assert cells[3] == ">= 0" and float(cells[5].removeprefix(">= ")) == pytest.approx(load["largest_rank_bytes"] / 1e9,
+                                                                                          abs=0.0011)
     zero2 = next(x for x in shown if x.strip("│ ").startswith("zero2"))
     assert zero2.strip("│").split("│")[4].strip() == "-" and rows["zero2"]["sharded"] is None

@@ -19,8 +19,8 @@ from zeroexp.errors import ConfigError
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, DS_PERSISTENCE_REFUSED, ModelShape, PlanKnobs, ds_persistent,
                               ds_stage3_limits)
 from zeroexp.plan.knobs import ds_knobs, fsdp2_knobs
-from zeroexp.plan.core import (HEADROOM, UNITS, Precision, check_headroom, parse_bytes, parse_count, plan,
-                               untraced)
+from zeroexp.plan.core import (HEADROOM, UNITS, Precision, check_headroom, checkpoint_peak_records, parse_bytes,
+                               parse_count, plan, untraced)
 
 __all__ = ["PlanConfig", "as_plan_keys", "main", "run"]
 
@@ -252,6 +252,8 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
         _peaks(cfg, records, shape, batch, knobs, mode, device)
         _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)
         _init_peaks(str(cfg.init.name), records, shape, memory, bool(cfg.use_orig_params))
+        if shape.exact:  # each parameter's shape: what a checkpoint's save and load hold per rank
+            checkpoint_peak_records(records, shape, precision, knobs, device)
         if network is not None:  # after the peaks: "the fastest that fits" reads fits
             from zeroexp.plan.network import add_step_times, model_ops
 

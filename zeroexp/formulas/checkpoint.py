@@ -24,11 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zeroexp.formulas.checkpoint_peak import CheckpointPeaks
+from zeroexp.formulas.device import DeviceSemantics
 from zeroexp.formulas.families.base import StateLayout
 from zeroexp.formulas.layout import MASTER_BYTES, MOMENT_BYTES, STEP_BYTES
 from zeroexp.formulas.shapes import Groups, ModelShape, PlanKnobs
 
-__all__ = ["StatePayload", "state_payload", "written_bytes", "alias_bytes"]
+__all__ = ["StatePayload", "state_payload", "written_bytes", "alias_bytes", "checkpoint_peaks"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,6 @@ class StatePayload:
                 "steps": self.steps, "total": self.total}
 
 
-def _at_rest(layout: StateLayout, itemsize: int) -> int:
-    """Bytes per element of a parameter the strategy holds between steps (a frozen one: no master)."""
-    return MASTER_BYTES if layout.fp32_at_rest else itemsize
-
-
 def state_payload(layout: StateLayout, groups: Groups, itemsize: int, shape: ModelShape | None = None
                   ) -> StatePayload:
     """The state a checkpoint of ``layout`` over ``groups`` holds (module docstring), in bytes by part; ``shape``: the
@@ -63,7 +60,7 @@ def state_payload(layout: StateLayout, groups: Groups, itemsize: int, shape: Mod
     unsaved = set(shape.unsaved_buffers) if shape is not None else set()
     stepped = [k for i, k in enumerate(groups.numels) if i not in idle]
     return StatePayload(params=MASTER_BYTES * sum(groups.numels),
-                        frozen=_at_rest(layout, itemsize) * sum(groups.frozen),
+                        frozen=layout.at_rest_bytes(itemsize) * sum(groups.frozen),
                         buffers=sum(b for i, (_, b) in enumerate(groups.buffers) if i not in unsaved),
                         moments=MOMENT_BYTES * sum(stepped),
                         steps=STEP_BYTES * len(stepped))
@@ -73,7 +70,7 @@ def alias_bytes(layout: StateLayout, shape: ModelShape, itemsize: int) -> int:
     """The bytes of the parameters' names beyond their first (``ModelShape.aliases``), each its parameter's value
     again: what a writer that stores each state-dict name's tensor of its own writes twice."""
     trains = shape.trains or (True,) * len(shape.params)
-    return sum(k * shape.numels[i] * (MASTER_BYTES if trains[i] else _at_rest(layout, itemsize))
+    return sum(k * shape.numels[i] * (MASTER_BYTES if trains[i] else layout.at_rest_bytes(itemsize))
                for i, k in shape.aliases)
 
 
@@ -94,3 +91,13 @@ def written_bytes(layout: StateLayout, groups: Groups, itemsize: int, kind: str,
         return {"layout": "full", "total": total, "ranks": [total] + [0] * (n - 1), "state": state.record(),
                 "aliases": total - state.total}
     return layout.family.sharded_written(layout, groups, itemsize, knobs, state, again)
+
+
+def checkpoint_peaks(layout: StateLayout, groups: Groups, itemsize: int, kind: str, shape: ModelShape,
+                     device: DeviceSemantics, knobs: PlanKnobs = PlanKnobs()) -> CheckpointPeaks | None:
+    """What a ``kind`` checkpoint's save and load hold on each rank above what it held before
+    (zeroexp.formulas.checkpoint_peak, as the row's family answers it, ``Family.checkpoint_peaks``); None: not
+    modelled. ``device``: where the ranks run (on the CPU, the host's bytes are the tracked device's)."""
+    full = written_bytes(layout, groups, itemsize, "full", shape, knobs)
+    return layout.family.checkpoint_peaks(layout, groups, shape, itemsize, kind, device, int(full["total"]),
+                                          state_payload(layout, groups, itemsize, shape))

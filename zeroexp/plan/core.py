@@ -144,6 +144,35 @@ def checkpoint_record(layout: StateLayout, groups: Any, itemsize: int, shape: Mo
                 "mean_rank_bytes": sharded["total"] // n}}
 
 
+def checkpoint_peak_records(records: list[dict[str, Any]], shape: ModelShape, precision: Precision,
+                            knobs: PlanKnobs, device: Any) -> None:
+    """Each record's ``checkpoint[kind]["peaks"]`` (zeroexp.formulas.checkpoint.checkpoint_peaks, on ``device``'s
+    semantics): per phase (``save``, ``load``) ``rank0_bytes`` and ``largest_rank_bytes`` above what the rank held
+    before (the device's), ``host_rank0_bytes`` and ``host_largest_rank_bytes`` (an accelerator: what the host holds
+    at the phase's peak; null on the CPU, where it is in the device's), ``lower_bound`` (some term is not sized:
+    ``unsized`` names it); ``peaks`` null where the row's family has no model (``peaks_note`` says so)."""
+    from zeroexp.formulas.checkpoint import checkpoint_peaks
+
+    table = strategy_table()
+    for r in records:
+        name, n, layout = r["strategy"], r["world_size"], table[r["strategy"]]
+        groups = row_groups(name, layout, shape, n, precision.itemsize, knobs)
+        for kind in ("full", "sharded"):
+            if r["checkpoint"][kind] is None:
+                continue
+            peaks = checkpoint_peaks(layout, groups, precision.itemsize, kind, shape, device, knobs)
+            r["checkpoint"][kind]["peaks"] = None if peaks is None else {
+                ph: {"rank0_bytes": p.ranks[0], "largest_rank_bytes": max(p.ranks),
+                     "host_rank0_bytes": None if p.host is None else p.host[0],
+                     "host_largest_rank_bytes": None if p.host is None else max(p.host),
+                     "lower_bound": not p.exact[p.ranks.index(max(p.ranks))], "unsized": p.record()["unsized"],
+                     "rank0_terms": p.terms}
+                for ph, p in (("save", peaks.save), ("load", peaks.load))}
+            if peaks is None:
+                r["checkpoint"][kind]["peaks_note"] = (f"no save and load peak model for {name} "
+                                                       f"({layout.family.name})")
+
+
 def check_headroom(value: Any, key: str) -> float:
     """``value`` as a headroom fraction in [0, 1), or a :class:`ConfigError` naming ``key``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:

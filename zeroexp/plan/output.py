@@ -79,6 +79,13 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                       "gathers the whole state on its host and writes it alone; sharded, the ranks share it (DCP: "
                       "each rank's own decided at run time, the mean shown; zro's and DeepSpeed's rank 0 at stages "
                       "0-2 writes the whole module beside its share); '-': no sharded kind\n")
+        if any((r["checkpoint"]["full"] or {}).get("peaks") for r in records):
+            console.print(_checkpoint_peak_table(records, unit))
+            console.print("what a checkpoint's save and load hold above what each rank held before (computed, "
+                          "zeroexp/formulas/checkpoint_peak.py; judged in every checkpoint cell, plan.checkpoint): "
+                          "device, the largest rank (rank 0's where it differs); host, what the host holds at the "
+                          "phase's peak (an accelerator; on the CPU it is in the device's); '>=': a lower bound (DCP's "
+                          "pickled plans, a gather's transients not sized); '-': no model for the row's family\n")
         if "step_ms" in first:
             console.print(_time_table(records))
             console.print(f"computed on {first['network_source']} (zeroexp.formulas.time.overlap; docs/planner.md, "
@@ -239,6 +246,32 @@ def _comm_table(records: list[dict[str, Any]], unit: str) -> Table:
                       *(f"{r['counts'][op]} / {fmt_size(r['payload_bytes'][op], unit)}" if op in r["payload_bytes"]
                         else "-" for op in ops),
                       fmt_size(r["payload_total_bytes"], unit), fmt_size(r["bus_total_bytes"], unit))
+    return table
+
+
+def _checkpoint_peak_table(records: list[dict[str, Any]], unit: str) -> Table:
+    """Per row and kind: the save's and the load's bytes above each rank's start, device and host
+    (``checkpoint[kind]["peaks"]``: zeroexp.plan.core.checkpoint_peak_records)."""
+    table = Table(title=f"What a checkpoint's save and load hold, in {unit}")
+    for i, c in enumerate(["strategy", "N", "kind", "save: device", "save: host", "load: device", "load: host"]):
+        table.add_column(c, justify="left" if i in (0, 2) else "right")
+
+    def size(p: dict[str, Any], host: bool) -> str:
+        big, r0 = (p["host_largest_rank_bytes"], p["host_rank0_bytes"]) if host else (p["largest_rank_bytes"],
+                                                                                        p["rank0_bytes"])
+        if big is None:
+            return "-"
+        shown = fmt_size(big, unit) + ("" if big == r0 else f" (rank 0 {fmt_size(r0, unit)})")
+        return (">= " if p["lower_bound"] and not host else "") + shown
+
+    for r in records:
+        for kind in ("full", "sharded"):
+            peaks = (r["checkpoint"][kind] or {}).get("peaks")
+            if r["checkpoint"][kind] is None:
+                continue
+            cells = ["-"] * 4 if peaks is None else [size(peaks[ph], host) for ph in ("save", "load")
+                                                     for host in (False, True)]
+            table.add_row(r["strategy"], str(r["world_size"]), kind, *cells)
     return table
 
 

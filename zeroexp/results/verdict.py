@@ -98,6 +98,8 @@ class Code(str, Enum):
     PLAN_NO_LIVE_GROUPS = "plan.no_live_groups"  # the adapter reported no live groups
     # summary.json["plan"]["checkpoint"]
     PLAN_CHECKPOINT_DIFFERS = "plan.checkpoint_differs"  # the tensors' bytes a rank wrote differ from the plan
+    PLAN_CHECKPOINT_PEAK_DIFFERS = "plan.checkpoint_peak_differs"  # a save or load held other bytes than planned
+    PLAN_CHECKPOINT_PEAK_NOT_MODELLED = "plan.checkpoint_peak_not_modelled"  # no save/load peak model for the family
     PLAN_CHECKPOINT_NOT_MODELLED = "plan.checkpoint_not_modelled"  # a checkpoint layout the planner does not model
     PLAN_CHECKPOINT_NOT_MEASURED = "plan.checkpoint_not_measured"  # no save measured: the checkpoint probe did not
     # summary.json["plan"]["memory"]

@@ -248,6 +248,15 @@ class Family:
         """The largest rank's init peak in bytes (:mod:`zeroexp.formulas.init`); None: not modelled."""
         return None
 
+    # --- checkpoints ----------------------------------------------------------------------------------------------
+    def checkpoint_peaks(self, row: StateLayout, groups: Groups, shape: ModelShape, itemsize: int, kind: str,
+                         device: Any, full_file: int, state: Any) -> Any:
+        """What a ``kind`` checkpoint's save and load hold on each rank, a ``CheckpointPeaks`` on ``device``'s
+        ``DeviceSemantics`` (zeroexp.formulas.checkpoint_peak, whose terms import the layout this module is part of;
+        ``full_file``: the tensors' bytes of the row's full checkpoint, ``state``: its ``StatePayload``); None: not
+        modelled for the family."""
+        return None
+
 
 NO_FAMILY = Family()
 
@@ -298,6 +307,11 @@ class StateLayout:
     #: A unit's all_gathers per step from (whether it is the root, the knobs[, whether it is the last unit in forward
     #: order: FSDP2's ``strategy.reshard_policy=default`` keeps it]).
     gathers_per_unit: Callable[..., int] = field(default=lambda root, knobs, last=False: 1, compare=False)
+
+    def at_rest_bytes(self, itemsize: int) -> int:
+        """Bytes per element of a parameter held between steps without a master (a frozen one): fp32 where the row
+        keeps parameters fp32 at rest, else the precision's ``itemsize``."""
+        return 4 if self.fp32_at_rest else itemsize
     #: Whether the strategy passes ``PlanKnobs.post_forward_ranks`` (FSDP2's ``reshard_after_forward=k``) to every
     #: unit: resharded after forward to a group of k ranks (:attr:`Groups.post_forward_size`, ``Unit.post_forward``).
     post_forward_group: bool = False

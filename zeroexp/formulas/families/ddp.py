@@ -8,6 +8,7 @@ from typing import Any
 
 from zeroexp.formulas.peak.accumulation import accumulated_grad_bytes, accumulated_phase_peaks
 from zeroexp.formulas.peak.allocator import counted_sum
+from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, full_load, phase, zero_step
 from zeroexp.formulas.families.base import Family
 from zeroexp.formulas.init import replica_init_peak_bytes
 from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, cut_buckets
@@ -168,6 +169,22 @@ class DdpBuckets(Family):
 
     def init_peak_bytes(self, shape, init, world_size, itemsize, use_orig_params):
         return replica_init_peak_bytes(shape, init, itemsize)
+
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state):
+        """Every rank holds the whole state as plain tensors (torch's state-dict API, zeroexp.strategies._checkpoint):
+        a full save makes rank 0's copy on the host, none on the CPU; a sharded one copies nothing (DCP writes each
+        item where it lies); a full load reads the file on every rank and, on an accelerator, makes a device copy of
+        each of its model tensors and moments; every load steps once at zero (checkpoint_peak.zero_step)."""
+        n, cpu = groups.world_size, device.name == "cpu"
+        zs = zero_step(groups.numels, device)
+        none = [{"copied": 0}] * n
+        if kind == "full":
+            save = phase(none, [True] * n, None if cpu else [full_file] + [0] * (n - 1))
+            made = 0 if cpu else state.params + state.frozen + state.buffers
+            load = full_load(0 if not cpu else full_file, made, zs, 0 if cpu else state.moments)
+            return CheckpointPeaks(kind, save, phase([load] * n, [True] * n, None if cpu else [full_file] * n))
+        save = phase(none, [False] * n, unsized=("dcp_objects",))
+        return CheckpointPeaks(kind, save, phase([zs.terms()] * n, [False] * n, unsized=("dcp_objects",)))
 
 
 DDP = DdpBuckets()

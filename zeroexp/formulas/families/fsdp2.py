@@ -12,7 +12,8 @@ from zeroexp.formulas.families.base import Cut
 from zeroexp.formulas.families.ddp import MIXED
 from zeroexp.formulas.families.fsdp1 import OS_G_P
 from zeroexp.formulas.init import fsdp2_init_peak_bytes
-from zeroexp.formulas.layout import StateLayout, local_numels
+from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, full_load, phase, zero_step
+from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, local_numels
 from zeroexp.formulas.paper import fsdp2_padded_numel
 from zeroexp.formulas.peak.fsdp2 import fsdp2_no_sync_phase_peaks, fsdp2_sync_phase_peaks, fsdp2_phase_peaks
 from zeroexp.formulas.shapes import Shard, Unit
@@ -185,6 +186,52 @@ class Fsdp2Rows(FsdpFamily):
     def forward_late_free(self, sizes):
         # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
         return {"forward": [("one unit's all-gather input (a shard copied in) or output", b) for b in sizes]}
+
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state):
+        """Each state-dict entry a DTensor of dim-0 chunks padded to the shard group (every name of a tied parameter
+        its own entry). A full save gathers each whole on every rank (padded, then a view of it), rank 0 keeping it
+        (and zeroexp copying each view compact, zeroexp.strategies._checkpoint.compact), on an accelerator to the
+        host; a sharded save copies nothing. A full load makes each rank's padded chunk of every entry
+        (``distribute_tensor``); every load steps once at zero over the rank's rows (checkpoint_peak.zero_step)."""
+        if not shape.exact:
+            return None
+        n, world, cpu, b = groups.shard_over, groups.world_size, device.name == "cpu", device.block
+        names = dict(shape.aliases)
+        entries = []  # (padded numel, numel, bytes per element) of each state-dict entry the DTensors hold
+        for i, s in enumerate(shape.params):
+            each = MASTER_BYTES if shape.train(i) else row.at_rest_bytes(itemsize)
+            entries += [(fsdp2_padded_numel(s, n), math.prod(s), each)] * (1 + names.get(i, 0))
+            if shape.train(i) and i not in shape.unused:
+                entries += [(fsdp2_padded_numel(s, n), math.prod(s), MASTER_BYTES)] * 2
+        gathered = [counted(p * e, b) for p, _, e in entries if p]
+        largest = max(gathered, default=0)
+        if kind == "full":
+            compact = counted_sum((k * e for p, k, e in entries if p != k), b)
+            keep = {"gathered": sum(gathered), "compact_copies": compact} if cpu else {"gathered_one": largest}
+            rest = {"gathered_one": largest}
+            save = phase([keep] + [rest] * (world - 1), [cpu] + [False] * (world - 1),
+                         None if cpu else [full_file] + [0] * (world - 1), unsized=("gather_transients",))
+        else:
+            save = phase([{"copied": 0}] * world, [False] * world, unsized=("dcp_objects",))
+        loads, hosts = [], []
+        model = [(i, s) for i, s in enumerate(shape.params) for _ in range(1 + names.get(i, 0))]
+        made = counted_sum((fsdp2_padded_numel(s, n) // n * (MASTER_BYTES if shape.train(i) else
+                            row.at_rest_bytes(itemsize)) for i, s in model), b)
+        moments_in = 2 * counted_sum((fsdp2_padded_numel(s, n) // n * MASTER_BYTES for i, s in enumerate(shape.params)
+                                      if shape.train(i) and i not in shape.unused), b)
+        # the zero step gives every trainable parameter state, one no step graded too
+        trainable = tuple(Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
+                          enumerate(zip(shape.params, shape.numels)) if k and shape.train(i))
+        for r in range(world):
+            zs = zero_step(local_numels(trainable, n, r % n), device)
+            if kind == "full":
+                loads.append(full_load(full_file if cpu else 0, made + (0 if cpu else state.buffers), zs, moments_in))
+                hosts.append(full_file)
+            else:
+                loads.append(zs.terms())
+        full = kind == "full"
+        return CheckpointPeaks(kind, save, phase(loads, [full] * world, hosts if full and not cpu else None,
+                                                 unsized=() if full else ("dcp_objects",)))
 
     def init_peak_bytes(self, shape, init, world_size, itemsize, use_orig_params):
         return fsdp2_init_peak_bytes(shape, init, world_size, itemsize)

@@ -59,6 +59,11 @@ class ZroOwners(DdpBuckets):
                  for r, (e, c) in enumerate(zip(owned, counts))]
         return {"layout": "owners", "total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
 
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state):
+        """Not modelled: ZeroRedundancyOptimizer consolidates its state on rank 0 and loads through its own
+        re-partitioning (zeroexp.strategies.zro), not DDP's state-dict path."""
+        return None
+
     def stepped(self, groups: Groups, rank: int) -> list[int]:
         """The parameters rank ``rank`` owns."""
         return owner_assignment(groups.numels, groups.world_size)[rank]

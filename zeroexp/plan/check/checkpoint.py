@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from zeroexp.formulas import Groups
-from zeroexp.formulas.checkpoint import written_bytes
-from zeroexp.results.verdict import Check, Code, Reason, Verdict
+from zeroexp.formulas.checkpoint import checkpoint_peaks, written_bytes
+from zeroexp.formulas.device import measured_on
+from zeroexp.plan.check.judge import judge
+from zeroexp.results.verdict import Check, Code, Reason, Verdict, worst
 
 __all__ = ["checkpoint_section"]
 
@@ -46,4 +48,38 @@ def _section(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, 
     for r, (got, want) in enumerate(zip(ranks, predicted["ranks"] or ())):
         if got != want:
             reasons.append(Reason(Code.PLAN_CHECKPOINT_DIFFERS, f"rank {r} wrote {got} B of tensors, planned {want} B"))
+    written = Check.failed_if(reasons)
+    peaks = _peaks(cell, summary, groups, itemsize, shape)
+    parts = [written, Check.read(peaks)]
+    verdict = worst(c.verdict for c in parts)  # a summary shows its worst part
+    why = tuple(r for c in parts if c.verdict is verdict for r in c.reasons)
+    return {**out, "peaks": peaks, **Check(verdict, why if verdict is not Verdict.PASS else ()).fields()}
+
+
+def _peaks(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, shape: Any) -> dict[str, Any]:
+    """The save's and the load's bytes above each rank's start (the probe's ``peak_over_start_bytes``) beside the
+    planner's (zeroexp.formulas.checkpoint.checkpoint_peaks), per rank: where the model sizes every allocation
+    judged as plan.memory judges a phase (zeroexp.plan.check.judge.judge: at most 2 % below the measurement, never
+    above it), where it is a lower bound (what it leaves out named) never above the measurement."""
+    measured = summary.get("checkpoint") or {}
+    device = measured_on(str(measured.get("memory_source", "")))
+    predicted = checkpoint_peaks(cell.row, groups, itemsize, cell.checkpoint, shape, device, cell.knobs)
+    if predicted is None:
+        return Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_PEAK_NOT_MODELLED, (
+            f"no save and load peak model for {cell.row_name} ({cell.row.family.name})")),)).fields()
+    out: dict[str, Any] = {"device": device.name}
+    reasons: list[Reason] = []
+    for name in ("save", "load"):
+        want, got = getattr(predicted, name), (measured.get(name) or {}).get("peak_over_start_bytes")
+        out[name] = want.record()
+        if got is None:
+            reasons.append(Reason(Code.PLAN_CHECKPOINT_NOT_MEASURED, f"no {name} measured"))
+            continue
+        out[name]["measured_rank_bytes"] = [int(v) for v in got]
+        for r, (m, p, exact) in enumerate(zip(got, want.ranks, want.exact)):
+            ok = judge(int(m), p, [])[0] is Verdict.PASS if exact else int(m) >= p
+            if not ok:
+                reasons.append(Reason(Code.PLAN_CHECKPOINT_PEAK_DIFFERS, (
+                    f"rank {r}'s {name} held {int(m)} B above its start, planned {p} B"
+                    + ("" if exact else " at least"))))
     return {**out, **Check.failed_if(reasons).fields()}
