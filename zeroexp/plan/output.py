@@ -84,8 +84,10 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
             console.print("what a checkpoint's save and load hold above what each rank held before (computed, "
                           "zeroexp/formulas/checkpoint_peak.py; judged in every checkpoint cell, plan.checkpoint): "
                           "device, the largest rank (rank 0's where it differs); host, what the host holds at the "
-                          "phase's peak (an accelerator; on the CPU it is in the device's); '>=': a lower bound (DCP's "
-                          "pickled plans, a gather's transients not sized); '-': no model for the row's family\n")
+                          "phase's peak (an accelerator; '-': on the CPU, where it is in the device's, and a sharded "
+                          "phase's host staging, not sized); '>=': a lower "
+                          "bound (DCP's pickled plans, a gather's transients not sized); rows of DDP, FSDP2 and its "
+                          "hybrid: the others have no model yet (their JSON rows' peaks_note)\n")
         if "step_ms" in first:
             console.print(_time_table(records))
             console.print(f"computed on {first['network_source']} (zeroexp.formulas.time.overlap; docs/planner.md, "
@@ -267,11 +269,9 @@ def _checkpoint_peak_table(records: list[dict[str, Any]], unit: str) -> Table:
     for r in records:
         for kind in ("full", "sharded"):
             peaks = (r["checkpoint"][kind] or {}).get("peaks")
-            if r["checkpoint"][kind] is None:
-                continue
-            cells = ["-"] * 4 if peaks is None else [size(peaks[ph], host) for ph in ("save", "load")
-                                                     for host in (False, True)]
-            table.add_row(r["strategy"], str(r["world_size"]), kind, *cells)
+            if peaks is not None:
+                table.add_row(r["strategy"], str(r["world_size"]), kind,
+                              *(size(peaks[ph], host) for ph in ("save", "load") for host in (False, True)))
     return table
 
 
