@@ -163,7 +163,7 @@ def test_save_and_load_peaks_as_planned(cell):
     reads the whole file beside the zero step (gradients, both moments, steps, temporaries); FSDP2's full save keeps
     every gathered tensor on rank 0 (parameters and both moments, no padding at N=2) and its full load the file, the
     rank's half of the parameters and the zero step's moments beside those made from the file; a sharded load the
-    zero step alone (a lower bound: DCP's planning objects are not sized). FSDP1 has no model: n/a, named."""
+    zero step alone (a lower bound: DCP's planning objects are not sized)."""
     temps, steps = 3 * 4096 * 4, 8 * 4
     want = {("ddp", "full"): ([0, 0], [STATE + 3 * P + steps + temps] * 2),
             ("ddp", "sharded"): ([0, 0], [3 * P + steps + temps] * 2),
@@ -176,9 +176,16 @@ def test_save_and_load_peaks_as_planned(cell):
         assert (peaks["save"]["rank_bytes"], peaks["load"]["rank_bytes"]) == (save, load), (strategy, kind)
         assert peaks["load"]["measured_rank_bytes"] == load  # the zero step's peak above DCP's objects here
     assert peaks["load"]["exact"] == [False, False] and peaks["load"]["unsized"]
-    fsdp = _cell(cell, "fsdp_full", "full").summary["plan"]["checkpoint"]
-    assert fsdp["check"] == "PASS" and fsdp["peaks"]["check"] == "n/a"
-    assert fsdp["peaks"]["reason_codes"] == ["plan.checkpoint_peak_not_modelled"]
+    # FSDP1's full load: the file and the moments of the rank's half; its save at least the state on rank 0
+    fsdp = _cell(cell, "fsdp_full", "full").summary["plan"]["checkpoint"]["peaks"]
+    assert fsdp["check"] == "PASS" and fsdp["load"]["rank_bytes"] == fsdp["load"]["measured_rank_bytes"] == [
+        STATE + P] * 2
+    assert fsdp["save"]["exact"] == [False, False] and fsdp["save"]["rank_bytes"][0] == STATE
+    # ZeroRedundancyOptimizer's sharded save copies nothing; its load the larger of the module's file and the
+    # rank's optimizer file (4 of the 8 weights each: their moments and steps)
+    zro = _cell(cell, "zro", "sharded").summary["plan"]["checkpoint"]["peaks"]
+    assert zro["check"] == "PASS" and zro["save"]["measured_rank_bytes"] == [0, 0]
+    assert zro["load"]["rank_bytes"] == zro["load"]["measured_rank_bytes"] == [max(P, STATE_OPTIM // 2)] * 2
 
 
 @pytest.mark.parametrize("strategy, kind", [("ddp", "full"), ("zro", "sharded")])

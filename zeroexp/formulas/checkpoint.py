@@ -22,7 +22,7 @@ payload: what the files hold besides (zip records, pickled structure, DCP's meta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zeroexp.formulas.checkpoint_peak import CheckpointPeaks
 from zeroexp.formulas.device import DeviceSemantics
@@ -99,5 +99,10 @@ def checkpoint_peaks(layout: StateLayout, groups: Groups, itemsize: int, kind: s
     (zeroexp.formulas.checkpoint_peak, as the row's family answers it, ``Family.checkpoint_peaks``); None: not
     modelled. ``device``: where the ranks run (on the CPU, the host's bytes are the tracked device's)."""
     full = written_bytes(layout, groups, itemsize, "full", shape, knobs)
-    return layout.family.checkpoint_peaks(layout, groups, shape, itemsize, kind, device, int(full["total"]),
-                                          state_payload(layout, groups, itemsize, shape))
+    peaks = layout.family.checkpoint_peaks(layout, groups, shape, itemsize, kind, device, int(full["total"]),
+                                           state_payload(layout, groups, itemsize, shape), knobs)
+    if peaks is None or device.name == "cpu":
+        return peaks
+    # on an accelerator every figure is a lower bound until a GPU cell has measured the family's terms there
+    return replace(peaks, **{ph: replace(p, exact=(False,) * len(p.ranks), unsized=(*p.unsized, "accelerator"))
+                             for ph, p in (("save", peaks.save), ("load", peaks.load))})

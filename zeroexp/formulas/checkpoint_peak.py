@@ -45,6 +45,11 @@ UNSIZED = {
     "dcp_objects": "torch.distributed.checkpoint's pickled save plans and metadata",
     "gather_transients": "the transients of gathering one tensor on a rank that does not keep it (its padded input, "
                          "the backend's staging)",
+    "flat_state": "FSDP1's own copies while it makes its optimizer state whole or sharded (all-gathered flat moments)",
+    "engine_state": "what DeepSpeed allocates beside the state it gathers or reads (its bookkeeping, the other "
+                 "moments of a parameter, the fresh engine's state)",
+    "objects": "the pickled optimizer state ZeroRedundancyOptimizer broadcasts, beyond its tensors' bytes",
+    "accelerator": "the terms on an accelerator: no GPU cell has measured them yet",
 }
 
 

@@ -44,18 +44,19 @@ def full_state(module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW
     name_of = {id(p): n for n, p in module.named_parameters()}
     masters: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
-    step = None
+    step, keeps = None, dist.get_rank() == 0
     for b in buckets:
         held = local.state.get(b.master, {})
         full = {"master": _gathered(b, b.master)}
         full.update({k: _gathered(b, held[k] if k in held else torch.zeros_like(b.master)) for k in MOMENTS})
         step = held.get("step", step)
-        for p, off in zip(b.params, b.offsets):
+        for p, off in zip(b.params, b.offsets) if keeps else ():  # rank 0 copies each parameter's part to the host
             name = name_of[id(p)]
             masters[name] = full["master"][off:off + p.numel()].view(p.shape).to("cpu", copy=True)
             if held:
                 moments[name] = {k: full[k][off:off + p.numel()].view(p.shape).to("cpu", copy=True) for k in MOMENTS}
-    if dist.get_rank() != 0:
+        del full  # one bucket gathered at a time
+    if not keeps:
         return {}, {}
     model_sd = whole_model_state(module, masters)
     state = {n: {**m, "step": step.detach().to("cpu", copy=True)} for n, m in moments.items()}
@@ -89,3 +90,4 @@ def load_full_state(module: nn.Module, buckets: list[Bucket], optimizer: Sharded
             if step is not None:
                 optimizer.local.state[b.master] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
                                                    **{k: b.shard(full_of[k]).clone() for k in MOMENTS}}
+            del full_of  # one bucket laid out at a time

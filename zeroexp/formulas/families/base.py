@@ -250,7 +250,7 @@ class Family:
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
     def checkpoint_peaks(self, row: StateLayout, groups: Groups, shape: ModelShape, itemsize: int, kind: str,
-                         device: Any, full_file: int, state: Any) -> Any:
+                         device: Any, full_file: int, state: Any, knobs: PlanKnobs) -> Any:
         """What a ``kind`` checkpoint's save and load hold on each rank, a ``CheckpointPeaks`` on ``device``'s
         ``DeviceSemantics`` (zeroexp.formulas.checkpoint_peak, whose terms import the layout this module is part of;
         ``full_file``: the tensors' bytes of the row's full checkpoint, ``state``: its ``StatePayload``); None: not

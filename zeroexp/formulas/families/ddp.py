@@ -170,7 +170,7 @@ class DdpBuckets(Family):
     def init_peak_bytes(self, shape, init, world_size, itemsize, use_orig_params):
         return replica_init_peak_bytes(shape, init, itemsize)
 
-    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state):
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state, knobs):
         """Every rank holds the whole state as plain tensors (torch's state-dict API, zeroexp.strategies._checkpoint):
         a full save makes rank 0's copy on the host, none on the CPU; a sharded one copies nothing (DCP writes each
         item where it lies); a full load reads the file on every rank and, on an accelerator, makes a device copy of

@@ -13,7 +13,8 @@ from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, REPLAYED_RECOMPUTE, stage
                                         deepspeed_reduce_bucket_numel, deepspeed_sub_groups, ds_reduce_order)
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import MIXED, ddp_bucket_slots, ddp_bucket_terms
-from zeroexp.formulas.layout import StateLayout, pack
+from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
+from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, pack
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
@@ -62,7 +63,31 @@ class DeepSpeedPartitions(Family):
         module = [at("param", 0) if stage < 3 else frozen[0]] + [frozen[r] if stage == 3 else 0 for r in range(1, n)]
         buffers = [state.buffers if stage == 3 or r == 0 else 0 for r in range(n)]
         ranks = [m + o + b for m, o, b in zip(module, optim, buffers)]
-        return {"layout": "deepspeed", "total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
+        return {"layout": "deepspeed", "total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0,
+                "optimizer_ranks": optim}
+
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state, knobs):
+        """Lower bounds (zeroexp.strategies.deepspeed): a full save makes each parameter's fp32 master and moments
+        whole on every rank, one parameter at a time (``safe_get_full_*``: a zeros tensor of its size all-reduced at
+        stages 1-2, all-gathered at 3; stage 0 reads its replica), rank 0 keeping them all (to the host on an
+        accelerator); a full load reads the file on every rank; a sharded save writes DeepSpeed's own partitions;
+        a sharded load reads the rank's optimizer file (its fp32 partition, both moments, the step; stage 0: the
+        one file, the whole state). What DeepSpeed allocates beside them is not sized."""
+        n, cpu, stage = groups.world_size, device.name == "cpu", row.deepspeed_stage
+        if kind == "full":
+            trained = [k for i, k in enumerate(shape.numels) if shape.train(i)]
+            one = 0 if stage == 0 else MASTER_BYTES * max(trained, default=0)
+            keep = [{"kept": full_file if cpu else one}] + [{"one_parameter": one}] * (n - 1)
+            save = phase(keep, [cpu and stage == 0] * n, None if cpu else [full_file] + [0] * (n - 1),
+                         unsized=() if stage == 0 else ("engine_state",))
+            load = phase([{"file": full_file if cpu else 0}] * n, [False] * n, None if cpu else [full_file] * n,
+                         unsized=("engine_state",))
+            return CheckpointPeaks(kind, save, load)
+        read = ([full_file] * n if stage == 0 else
+                self.sharded_written(row, groups, itemsize, knobs, state, 0)["optimizer_ranks"])
+        save = phase([{"copied": 0}] * n, [False] * n, unsized=("engine_state",))
+        load = phase([{"optimizer_file": b} for b in read], [False] * n, unsized=("engine_state",))
+        return CheckpointPeaks(kind, save, load)
 
     def cuts_frozen(self, row):
         return row.deepspeed_stage == 3  # stage 3 partitions every module parameter, frozen ones too

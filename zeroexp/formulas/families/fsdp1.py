@@ -12,7 +12,8 @@ from zeroexp.formulas.families._fsdp import FsdpFamily, gather_units, hybrid_uni
 from zeroexp.formulas.families.base import Cut
 from zeroexp.formulas.families.ddp import MIXED
 from zeroexp.formulas.init import fsdp1_init_peak_bytes
-from zeroexp.formulas.layout import StateLayout, pack
+from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
+from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, local_numels, pack
 from zeroexp.formulas.orig_params import orig_param_views
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.phases import fsdp_phase_peaks, fsdp_sync_phase_peaks
@@ -138,6 +139,31 @@ class Fsdp1Units(FsdpFamily):
 
     def init_peak_bytes(self, shape, init, world_size, itemsize, use_orig_params):
         return fsdp1_init_peak_bytes(shape, init, world_size, itemsize, use_orig_params)
+
+
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state, knobs):
+        """zeroexp.strategies.fsdp: a full save (``FULL_STATE_DICT``, rank 0 only) unshards each unit and rank 0
+        keeps every parameter and moment whole (a lower bound: FSDP1's gathering of the flat moments is not sized;
+        a rank that keeps nothing holds at least one unsharded unit); a full load reads the file on every rank and
+        keeps the moments of the rank's flat shards, the real elements of them (``optim_state_dict_to_load``; a lower
+        bound where a unit holds frozen parameters: measured above it, not sized); a
+        sharded save copies no state on its own (its optimizer state dict all-gathers: not sized); a sharded load at
+        least the zero step's gradients and moments over the rank's elements (checkpoint_peak.zero_step)."""
+        n, world, cpu, b = groups.shard_over, groups.world_size, device.name == "cpu", device.block
+        unit = max((counted(MASTER_BYTES * sh.numel, b) for sh in groups.shards), default=0)
+        logical = [sum(local_numels(groups.trained_shards, n, r % n)) for r in range(world)]
+        if kind == "full":
+            save = phase([{"kept": full_file if cpu else unit}] + [{"one_unit": unit}] * (world - 1), [False] * world,
+                         None if cpu else [full_file] + [0] * (world - 1), unsized=("flat_state", "gather_transients"))
+            whole = not sum(groups.frozen)  # a unit with frozen parameters: FSDP1 flattens their moments apart
+            load = phase([{"file": full_file if cpu else 0, "moments": 2 * counted(MASTER_BYTES * k, b)}
+                          for k in logical], [whole] * world, None if cpu else [full_file] * world,
+                         unsized=() if whole else ("flat_state",))
+            return CheckpointPeaks(kind, save, load)
+        save = phase([{"copied": 0}] * world, [False] * world, unsized=("flat_state", "dcp_objects"))
+        load = phase([{"grads": counted(MASTER_BYTES * k, b), "moments": 2 * counted(MASTER_BYTES * k, b)}
+                      for k in logical], [False] * world, unsized=("flat_state", "dcp_objects"))
+        return CheckpointPeaks(kind, save, load)
 
 
 FSDP1 = Fsdp1Units()

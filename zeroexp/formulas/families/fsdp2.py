@@ -187,12 +187,14 @@ class Fsdp2Rows(FsdpFamily):
         # FSDP2 copies each shard into a fresh all-gather input (FSDP1 sends its shard)
         return {"forward": [("one unit's all-gather input (a shard copied in) or output", b) for b in sizes]}
 
-    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state):
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state, knobs):
         """Each state-dict entry a DTensor of dim-0 chunks padded to the shard group (every name of a tied parameter
         its own entry). A full save gathers each whole on every rank (padded, then a view of it), rank 0 keeping it
         (and zeroexp copying each view compact, zeroexp.strategies._checkpoint.compact), on an accelerator to the
         host; a sharded save copies nothing. A full load makes each rank's padded chunk of every entry
-        (``distribute_tensor``); every load steps once at zero over the rank's rows (checkpoint_peak.zero_step)."""
+        (``distribute_tensor``); every load steps once at zero over the rank's rows (checkpoint_peak.zero_step).
+        Measured on a full load: one padded chunk more where the first parameter is uneven (a 64-row embedding at
+        N=3: 0.7 % of the load's bytes), not sized: within the check's band."""
         if not shape.exact:
             return None
         n, world, cpu, b = groups.shard_over, groups.world_size, device.name == "cpu", device.block

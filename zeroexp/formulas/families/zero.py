@@ -9,7 +9,8 @@ from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import ADAMW, MIXED
 from zeroexp.formulas.init import replica_init_peak_bytes
-from zeroexp.formulas.layout import StateLayout, cut_buckets, pack
+from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
+from zeroexp.formulas.layout import MASTER_BYTES, MOMENT_BYTES, STEP_BYTES, StateLayout, cut_buckets, pack
 from zeroexp.formulas.time.overlap import Slot, cumulative
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
 from zeroexp.formulas.peak.precision import (FP32_TERMS, PrecisionTerms, gather_input_bytes,
@@ -52,6 +53,31 @@ class ZeroBuckets(Family):
         return None  # no sharded kind: the buckets cut parameters at any element
     flat_buffers = True
     covered_rank = 0
+
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state, knobs):
+        """zeroexp.strategies._zero_checkpoint (``full`` alone): a save all-gathers each bucket's master and both
+        moments (three fp32 tensors of its padded length, freed before the next bucket's) and rank 0 copies each
+        parameter's part of them to the host, then a 4-byte step each and the module's frozen parameters and buffers; a
+        load reads the file on every rank and lays each bucket out whole in three fp32 tensors (and the master's cast
+        to the compute dtype below fp32) beside the moments' shards and the step it keeps of each bucket so far."""
+        if kind != "full":
+            return None
+        n, b, cpu = groups.world_size, device.block, device.name == "cpu"
+        gathered = [3 * counted(MASTER_BYTES * sh.numel, b) for sh in groups.shards]
+        copies = [sum((MASTER_BYTES + MOMENT_BYTES) * (e - a) for a, e in sh.spans) for sh in groups.shards]
+        steps = sum(STEP_BYTES * len(sh.spans) for sh in groups.shards)  # each parameter's, after the buckets
+        kept = [2 * counted(MASTER_BYTES * sh.numel // n, b) + counted(STEP_BYTES, b) for sh in groups.shards]
+        cast = [counted(itemsize * sh.numel, b) if itemsize != MASTER_BYTES else 0 for sh in groups.shards]
+        load = max((g + c + sum(kept[:k + 1]) for k, (g, c) in enumerate(zip(gathered, cast))), default=0)
+        gather = max(gathered, default=0)
+        if cpu:
+            rank0 = max([sum(copies[:k + 1]) + g for k, g in enumerate(gathered)]
+                        + [sum(copies) + steps + state.frozen + state.buffers])
+            save = phase([{"gathered_and_copies": rank0}] + [{"gathered": gather}] * (n - 1), [True] * n)
+        else:
+            save = phase([{"gathered": gather}] * n, [True] * n, [full_file] + [0] * (n - 1))
+        terms = {"file": full_file if cpu else 0, "buckets_laid_out": load}
+        return CheckpointPeaks(kind, save, phase([terms] * n, [True] * n, None if cpu else [full_file] * n))
 
     def groups_kind(self, row):
         return "buckets"

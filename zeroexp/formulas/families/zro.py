@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from zeroexp.formulas.families.base import Cut
+from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
 from zeroexp.formulas.families.ddp import MIXED, DdpBuckets, buffer_broadcasts, ddp_buckets, ddp_unused
 from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, owner_assignment
 from zeroexp.formulas.paper import Collectives, collectives_of
@@ -59,10 +60,24 @@ class ZroOwners(DdpBuckets):
                  for r, (e, c) in enumerate(zip(owned, counts))]
         return {"layout": "owners", "total": sum(ranks), "ranks": ranks, "state": state.record(), "aliases": 0}
 
-    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state):
-        """Not modelled: ZeroRedundancyOptimizer consolidates its state on rank 0 and loads through its own
-        re-partitioning (zeroexp.strategies.zro), not DDP's state-dict path."""
-        return None
+    def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state, knobs):
+        """zeroexp.strategies.zro: a full save consolidates on rank 0 (``consolidate_state_dict``: each owner's AdamW
+        state broadcast as a pickled object, so rank 0 holds every other owner's, each owner its own pickled; a lower
+        bound: the pickles' structure is not sized); a full load reads the file on every rank and keeps its owned
+        state from it; a sharded save writes each rank's own files from its tensors (nothing copied); a sharded load
+        reads the module's file, then the rank's optimizer file (the larger of the two)."""
+        n, cpu = groups.world_size, device.name == "cpu"
+        module = state.params + state.frozen + state.buffers
+        files = self.sharded_written(row, groups, itemsize, knobs, state, 0)["ranks"]
+        owned = [b - (module if r == 0 else 0) for r, b in enumerate(files)]  # each owner's optimizer state
+        if kind == "full":
+            save = phase([{"others_received": sum(owned[1:])}] + [{"own_pickled": b} for b in owned[1:]],
+                         [False] * n, None if cpu else [full_file] + [0] * (n - 1), unsized=("objects",))
+            load = phase([{"file": full_file if cpu else 0, "owned": 0 if cpu else b} for b in owned], [True] * n,
+                         None if cpu else [full_file] * n)
+            return CheckpointPeaks(kind, save, load)
+        save = phase([{"copied": 0}] * n, [True] * n)
+        return CheckpointPeaks(kind, save, phase([{"largest_file": max(module, b)} for b in owned], [True] * n))
 
     def stepped(self, groups: Groups, rank: int) -> list[int]:
         """The parameters rank ``rank`` owns."""
