@@ -85,9 +85,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                           "zeroexp/formulas/checkpoint_peak.py; judged in every checkpoint cell, plan.checkpoint): "
                           "device, the largest rank (rank 0's where it differs); host, what the host holds at the "
                           "phase's peak (an accelerator; '-': on the CPU, where it is in the device's, and a sharded "
-                          "phase's host staging, not sized); '>=': a lower "
-                          "bound (DCP's pickled plans, a gather's transients not sized); rows of DDP, FSDP2 and its "
-                          "hybrid: the others have no model yet (their JSON rows' peaks_note)\n")
+                          "phase's host staging, not sized); '>=': a lower bound (what is not sized: the JSON rows' "
+                          "unsized; on an accelerator every figure, until a GPU cell has measured the terms there)\n")
         if "step_ms" in first:
             console.print(_time_table(records))
             console.print(f"computed on {first['network_source']} (zeroexp.formulas.time.overlap; docs/planner.md, "

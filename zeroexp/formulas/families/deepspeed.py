@@ -86,7 +86,8 @@ class DeepSpeedPartitions(Family):
         read = ([full_file] * n if stage == 0 else
                 self.sharded_written(row, groups, itemsize, knobs, state, 0)["optimizer_ranks"])
         save = phase([{"copied": 0}] * n, [False] * n, unsized=("engine_state",))
-        load = phase([{"optimizer_file": b} for b in read], [False] * n, unsized=("engine_state",))
+        load = phase([{"optimizer_file": b if cpu else 0} for b in read], [False] * n, None if cpu else list(read),
+                     unsized=("engine_state",))  # read to the host, then copied into the partitions
         return CheckpointPeaks(kind, save, load)
 
     def cuts_frozen(self, row):

@@ -77,7 +77,11 @@ class ZroOwners(DdpBuckets):
                          None if cpu else [full_file] * n)
             return CheckpointPeaks(kind, save, load)
         save = phase([{"copied": 0}] * n, [True] * n)
-        return CheckpointPeaks(kind, save, phase([{"largest_file": max(module, b)} for b in owned], [True] * n))
+        if cpu:
+            return CheckpointPeaks(kind, save, phase([{"largest_file": max(module, b)} for b in owned], [True] * n))
+        # read to the host; the owned state moved to the device
+        return CheckpointPeaks(kind, save, phase([{"owned": b} for b in owned], [True] * n,
+                                                 [max(module, b) for b in owned]))
 
     def stepped(self, groups: Groups, rank: int) -> list[int]:
         """The parameters rank ``rank`` owns."""
