@@ -63,7 +63,8 @@ MOVES = [  # (source strategy, kind, N) -> (target strategy, N, its own keys)
     (("ddp", "full"), ("fsdp2_full", 3, ())),                                    # whole state into uneven DTensors
     (("zro", "full"), ("fsdp_full", 3, ())),                                     # owners' state consolidated, by name
     (("fsdp2_full", "full"), ("zro", 3, ())),                                    # re-partitioned over 3 owners
-    (("zero2", "full"), ("fsdp2_full", 3, ())),                                  # zeroexp's buckets, cut by name
+    (("zero2", "sharded"), ("fsdp2_full", 3, ())),                               # zeroexp's buckets' pieces, by DCP
+    (("fsdp2_full", "sharded"), ("zero1", 3, ())),                               # DCP's shards into 3-way buckets
     (("ddp", "full"), ("zero1", 3, ())),                                         # laid out in 3-way buckets
     (("fsdp2_full", "sharded"), ("fsdp2_hybrid", 4, ("strategy.shard_size=2",))),  # onto a 2 x 2 mesh
 ]
@@ -119,16 +120,25 @@ def test_a_moved_cell_trains_from_the_checkpoints_state_and_data_position(cell, 
             assert abs(from_fresh - first) > 1e-3 * abs(first), (rank, from_fresh, first)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_zeroexps_zero_saves_and_restores_a_full_checkpoint(cell, strategy):
-    """zero1 and zero2 at N=2: each bucket's master and both moments all-gathered (3 calls: the mlp is one bucket) and
-    written by name; restored into a fresh model beside the trained one, one more step bit-identical."""
-    result = cell(f"strategy={strategy}", "checkpoint=full", "world_size=2", "checkpoint.keep=true")
+@pytest.mark.parametrize("strategy, kind", [("zero1", "full"), ("zero2", "sharded")])
+def test_zeroexps_zero_saves_and_restores_a_checkpoint(cell, strategy, kind):
+    """zero1 and zero2 at N=2. Full: each bucket's master and both moments all-gathered (3 calls: the mlp is one
+    bucket) and written by name on rank 0. Sharded: each rank its pieces of every parameter (a bucket's shard cuts
+    them anywhere), no tensor gathered, the files' tensors the whole state once. Restored into a fresh model beside the
+    trained one, one more step bit-identical; the plan's bytes and peaks PASS."""
+    result = cell(f"strategy={strategy}", f"checkpoint={kind}", "world_size=2", "checkpoint.keep=true")
     assert result.status == "ok", result.error
-    ck = result.summary["checkpoint"]
+    ck, plan = result.summary["checkpoint"], result.summary["plan"]["checkpoint"]
     assert ck["check"] == "PASS" and ck["restored_bit_identical"] and ck["continuation_bit_identical"]
-    assert ck["save"]["collectives"]["counts"] == {"all_gather": 3} and ck["compared_tensors"] == 8
-    assert ck["save"]["rank_bytes_written"][1] == 0 and ck["save"]["bytes_written"] > 3 * 8 * 64 * 64 * 4
+    assert ck["compared_tensors"] == 8 and plan["check"] == plan["peaks"]["check"] == "PASS"
+    if kind == "full":
+        assert ck["save"]["collectives"]["counts"] == {"all_gather": 3}
+        assert ck["save"]["rank_bytes_written"][1] == 0 and ck["save"]["bytes_written"] > 3 * 8 * 64 * 64 * 4
+    else:
+        assert "all_gather" not in ck["save"]["collectives"]["counts"] or ck["save"]["collectives"]["payload_bytes"][
+            "all_gather"] < 1024  # DCP's plan exchange alone
+        assert all(b > 0 for b in ck["save"]["rank_payload_bytes"])
+        assert sum(ck["save"]["rank_payload_bytes"]) == plan["predicted_bytes"] == 8 * 64 * 64 * 12 + 8 * 4
 
 
 def test_a_moved_cell_saves_where_it_stands_and_shrinks_back(cell):
@@ -317,7 +327,7 @@ def test_a_source_that_cannot_be_written_or_read_is_refused_before_launch(compos
         with pytest.raises(ConfigError, match="checkpoint.source") as e:
             validate(compose(f'checkpoint.source="{spec}"'))
         assert not isinstance(e.value, InvalidCell) and said in str(e.value), (spec, str(e.value))
-    for over, said in {("strategy=zero1", "strategy=ddp checkpoint=sharded"): "the cell's strategy, zero1",
+    for over, said in {("strategy=deepspeed", "strategy=ddp checkpoint=sharded"): "the cell's strategy, deepspeed",
                        ("strategy=ddp", "strategy=zro checkpoint=sharded"): "the checkpoint's strategy, zro"}.items():
         with pytest.raises(InvalidCell, match="checkpoint.source") as e:
             validate(compose(over[0], "world_size=2", f'checkpoint.source="{over[1]}"'))

@@ -693,3 +693,22 @@ def test_grouped_mm_meta_takes_every_floating_dtype():
         assert a.grad.shape == a.shape and b.grad.shape == b.shape
     with pytest.raises(RuntimeError, match="one floating dtype"), torch.device("meta"):
         torch._grouped_mm(torch.randn(8, 4), torch.randn(2, 4, 6, dtype=torch.bfloat16), offs=offs.to("meta"))
+
+
+def test_sharded_tensor_holds_this_ranks_pieces_and_every_ranks_places(fake_group):
+    """A 3 x 4 tensor cut at element 5 of 12 over two ranks (zeroexp's ZeRO buckets cut anywhere): rank 0 holds one
+    whole row and the first column of the next, as views into its flat shard; the metadata places rank 1's two
+    rectangles too, and the whole tensor is covered."""
+    from zeroexp._lib.sharded_tensor import is_sharded_tensor, sharded_tensor
+    from zeroexp.strategies._zero_checkpoint import rectangles
+
+    flat = torch.arange(12, dtype=torch.float32)
+    mine = rectangles((3, 4), 0, 5)
+    assert [(o, z) for o, z, _ in mine] == [((0, 0), (1, 4)), ((1, 0), (1, 1))]
+    pieces = [(flat[f:f + z[0] * z[1]].view(z), o) for o, z, f in mine]
+    places = [(o, z, 0) for o, z, _ in mine] + [(o, z, 1) for o, z, _ in rectangles((3, 4), 5, 12)]
+    st = sharded_tensor(pieces, places, (3, 4), torch.float32, 0, torch.device("cpu"))
+    assert is_sharded_tensor(st) and not is_sharded_tensor(flat) and tuple(st.size()) == (3, 4)
+    assert [s.tensor.data_ptr() for s in st.local_shards()] == [flat.data_ptr(), flat[4:].data_ptr()]
+    shards = st.metadata().shards_metadata
+    assert sum(m.shard_sizes[0] * m.shard_sizes[1] for m in shards) == 12 and len(shards) == 2 + 2

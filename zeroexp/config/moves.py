@@ -3,12 +3,11 @@
 The checkpoint may have been written by another strategy, at another world size, micro-batch count or precision: its
 state moves wherever the writing and the loading strategy write and read its kind in torch's state-dict layout
 (``StrategyAdapter.moved_kinds``: DDP, FSDP1, FSDP2 and their hybrids both kinds, torch.distributed.checkpoint
-resharding a sharded one to the loading strategy's shards; DeepSpeed at every stage, ZeroRedundancyOptimizer and
-zeroexp's ZeRO-1/2 the full one). Refused by name,
+resharding a sharded one to the loading strategy's shards, zeroexp's ZeRO-1/2 both kinds too; DeepSpeed at every stage
+and ZeroRedundancyOptimizer the full one). Refused by name,
 before any rank starts: a directory that is not a whole zeroexp checkpoint (unfinished, a file missing, truncated or
 altered: zeroexp.cell.source), one that records no cell, a dry run, a kind either strategy keeps in a layout of its
-own (ZeroRedundancyOptimizer's per-owner files, DeepSpeed's sharded partitions; zeroexp's ZeRO-1/2 write no sharded
-checkpoint), and a
+own (ZeroRedundancyOptimizer's per-owner files, DeepSpeed's sharded partitions), and a
 model or optimizer other than the checkpoint's (the state would not fit it, or AdamW would resume other
 hyper-parameters than the cell's).
 """

@@ -130,7 +130,7 @@ def checkpoint_record(layout: StateLayout, groups: Any, itemsize: int, shape: Mo
     (the tensors' bytes, all ranks), ``rank0_bytes`` (full: what rank 0 gathers on its host and writes alone) or
     ``largest_rank_bytes`` (sharded, where the layout fixes each rank's: ZeroRedundancyOptimizer's owners) and
     ``mean_rank_bytes`` (sharded: the total over N; torch.distributed.checkpoint balances the replicated items at run
-    time); ``layout``; None for a row with no sharded kind (zeroexp's ZeRO-1/2, the paper's stages)."""
+    time); ``layout``; None for a row with no sharded kind (the paper's stages)."""
     from zeroexp.formulas.checkpoint import written_bytes
 
     full = written_bytes(layout, groups, itemsize, "full", shape, knobs)

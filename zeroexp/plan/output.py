@@ -78,7 +78,7 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                       "the byte in every checkpoint cell, plan.checkpoint; the files add serialization): full, rank 0 "
                       "gathers the whole state on its host and writes it alone; sharded, the ranks share it (DCP: "
                       "each rank's own decided at run time, the mean shown; zro's and DeepSpeed's rank 0 at stages "
-                      "0-2 writes the whole module beside its share); '-': no sharded kind\n")
+                      "0-2 writes the whole module beside its share); '-': no sharded kind (the paper's stages)\n")
         if any((r["checkpoint"]["full"] or {}).get("peaks") for r in records):
             console.print(_checkpoint_peak_table(records, unit))
             console.print("what a checkpoint's save and load hold above what each rank held before (computed, "

@@ -1,4 +1,4 @@
-"""zeroexp's ZeRO-1/2 (zeroexp.strategies.zero) checkpoints, ``full`` only, in torch's state-dict layout.
+"""zeroexp's ZeRO-1/2 (zeroexp.strategies.zero) checkpoints, ``full`` and ``sharded``, in torch's state-dict layout.
 
 Each rank holds its 1/N shard of every flat bucket's fp32 master and of AdamW's moments over it (``ShardedAdamW``'s
 local AdamW; ``Bucket``): a full checkpoint all-gathers each bucket's master and both moments (three all_gathers a
@@ -8,13 +8,20 @@ buffers, as the module holds them): the layout ``get_state_dict(full_state_dict)
 strategy of that layout loads, and whose checkpoints these load (``checkpoint.load_from``). Loading: every rank reads
 the file, lays each bucket's parameters out in a full fp32 buffer (the padding zero), keeps its shard as the master
 and the moments (Adam's step the file's latest: the local AdamW steps every bucket together) and the cast of the whole
-as the compute parameters, as the step's all_gather leaves them. No sharded kind: the buckets cut parameters at any
-element, which torch.distributed.checkpoint's shards cannot describe (FSDP1's flat parameters are all-gathered per
-parameter for the same reason, ``SHARDED_STATE_DICT``).
+as the compute parameters, as the step's all_gather leaves them.
+
+``sharded``: through torch.distributed.checkpoint, keyed as a full checkpoint is, each trained parameter's master and
+moments a ShardedTensor (zeroexp._lib.sharded_tensor) whose pieces are this rank's part of it: a bucket's shard cuts a
+parameter at any element, and the part of it one rank holds is up to two partial rows and a block of whole ones in
+each dimension (:func:`rectangles`), each a contiguous view into the shard; every rank knows every rank's from the
+bucket layout. DCP writes each piece as one item and reshards on load, so the checkpoint moves to and from DDP, FSDP1,
+FSDP2 and hybrids at any world size; loading fills this rank's pieces of the masters and of fresh moments in place, then
+all-gathers the compute parameters as the step does.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,7 +31,7 @@ from torch import nn
 from zeroexp.strategies._checkpoint import latest_step, optim_by_name, whole_model_state
 from zeroexp.strategies.sharding import Bucket, ShardedAdamW
 
-__all__ = ["full_state", "load_full_state", "MOMENTS"]
+__all__ = ["full_state", "load_full_state", "save_sharded_state", "load_sharded_state", "rectangles", "MOMENTS"]
 
 #: AdamW's element-wise state, sharded with the master.
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -91,3 +98,114 @@ def load_full_state(module: nn.Module, buckets: list[Bucket], optimizer: Sharded
                 optimizer.local.state[b.master] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
                                                    **{k: b.shard(full_of[k]).clone() for k in MOMENTS}}
             del full_of  # one bucket laid out at a time
+
+
+def rectangles(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Elements ``[start, stop)`` of a row-major tensor of ``shape`` as rectangles in it, in order: each
+    ``(offsets, sizes, flat start)``; each is contiguous in memory (a partial row of the first dimension that is cut,
+    recursively, then whole rows)."""
+    if stop <= start:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,), start)]
+    row = math.prod(shape[1:])
+    first, last = start // row, (stop - 1) // row
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    head_stop = min(stop, (first + 1) * row)
+    if start % row or head_stop - start < row:  # a partial first row
+        out += [((first, *o), (1, *z), first * row + f) for o, z, f in
+                rectangles(shape[1:], start - first * row, head_stop - first * row)]
+        first += 1
+    whole_stop = last + 1 if stop % row == 0 else last
+    if whole_stop > first:  # whole rows
+        out.append(((first, *(0,) * (len(shape) - 1)), (whole_stop - first, *shape[1:]), first * row))
+    if stop % row and last >= first and last * row >= start:  # a partial last row
+        out += [((last, *o), (1, *z), last * row + f) for o, z, f in rectangles(shape[1:], 0, stop - last * row)]
+    return out
+
+
+def _pieces(b: Bucket, p: nn.Parameter, off: int, shard: torch.Tensor, rank: int) -> list:
+    """This rank's rectangles of parameter ``p`` (at ``off`` in bucket ``b``) as views into ``shard`` (the rank's
+    shard of a bucket-sized tensor), each with its offsets."""
+    lo, hi = max(off, rank * b.shard_numel), min(off + p.numel(), (rank + 1) * b.shard_numel)
+    return [(shard[off + f - rank * b.shard_numel:off + f - rank * b.shard_numel + math.prod(z)].view(z), o)
+            for o, z, f in rectangles(tuple(p.shape), lo - off, hi - off)]
+
+
+def _places(b: Bucket, p: nn.Parameter, off: int) -> list:
+    """Every rank's rectangles of parameter ``p`` (offsets, sizes, rank)."""
+    out = []
+    for r in range(b.world_size):
+        lo, hi = max(off, r * b.shard_numel), min(off + p.numel(), (r + 1) * b.shard_numel)
+        out += [(o, z, r) for o, z, _ in rectangles(tuple(p.shape), lo - off, hi - off)]
+    return out
+
+
+def _sharded_dicts(module: nn.Module, buckets: list[Bucket], shards: dict[int, dict[str, torch.Tensor]],
+                   steps: dict[str, torch.Tensor] | None, group: dict) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts, by name, each bucketed parameter's master and moments a
+    ShardedTensor of this rank's pieces of ``shards[id(bucket)]`` (``master``, the moments); the module's other entries
+    as it holds them; each parameter's ``step`` from ``steps`` (None: no optimizer state)."""
+    from zeroexp._lib.sharded_tensor import sharded_tensor
+
+    rank, name_of = dist.get_rank(), {id(p): n for n, p in module.named_parameters()}
+    made: dict[str, dict[str, Any]] = {}
+    for b in buckets:
+        for p, off in zip(b.params, b.offsets):
+            places = _places(b, p, off)
+            made[name_of[id(p)]] = {k: sharded_tensor(_pieces(b, p, off, t, rank), places, tuple(p.shape),
+                                                      torch.float32, rank, t.device)
+                                    for k, t in shards[id(b)].items() if k == "master" or steps is not None}
+    model_sd = {n: made[name_of[id(t)]]["master"] if name_of.get(id(t)) in made else t
+                for n, t in module.state_dict(keep_vars=True).items()}
+    if steps is None:
+        return model_sd, {}
+    state = {n: {**{k: m[k] for k in MOMENTS}, "step": steps[n]} for n, m in made.items()}
+    return model_sd, optim_by_name(state, group, list(made))
+
+
+def save_sharded_state(path: Any, module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW) -> None:
+    """Each rank writes its pieces of every bucketed parameter's master and moments, and a step per parameter
+    (torch.distributed.checkpoint; a replicated entry, a frozen parameter or buffer, by one rank). A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    optimizer.wait_for_parameters()
+    local = optimizer.local
+    held = {id(b): local.state.get(b.master, {}) for b in buckets}
+    stepped = any(held.values())
+    shards = {id(b): {"master": b.master, **({k: held[id(b)][k] for k in MOMENTS} if held[id(b)] else
+                                              {k: torch.zeros_like(b.master) for k in MOMENTS})} for b in buckets}
+    step = latest_step({i: h for i, h in enumerate(held.values()) if h}) if stepped else None
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    steps = ({name_of[id(p)]: torch.as_tensor(step, dtype=torch.float32).clone() for b in buckets for p in b.params}
+             if stepped else None)
+    model_sd, optim_sd = _sharded_dicts(module, buckets, shards, steps, local.param_groups[0])
+    dcp.save({"model": model_sd, **({"optim": optim_sd} if optim_sd else {})},
+             storage_writer=dcp.FileSystemWriter(path))
+
+
+def load_sharded_state(path: Any, module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW) -> None:
+    """Fill this rank's pieces of every bucket's master and of fresh moments from a sharded checkpoint in torch's
+    layout written by any strategy at any world size (DCP reshards; a parameter without optimizer state in it keeps
+    zero moments), the module's other entries in place; then the compute parameters as the step's all_gather leaves
+    them and Adam's step the checkpoint's latest. A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    optimizer.wait_for_parameters()
+    shards = {id(b): {"master": b.master, **{k: torch.zeros_like(b.master) for k in MOMENTS}} for b in buckets}
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    steps = {name_of[id(p)]: torch.zeros((), dtype=torch.float32) for b in buckets for p in b.params}
+    model_sd, optim_sd = _sharded_dicts(module, buckets, shards, steps, optimizer.local.param_groups[0])
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    with torch.no_grad():
+        for b in buckets:
+            b.flat.copy_(_gathered(b, b.master).to(b.flat.dtype))
+    if not any(k.startswith("optim.state.") for k in keys):
+        return
+    step = max(float(t) for t in steps.values())
+    for b in buckets:
+        optimizer.local.state[b.master] = {"step": torch.tensor(step, dtype=torch.float32),
+                                           **{k: shards[id(b)][k] for k in MOMENTS}}

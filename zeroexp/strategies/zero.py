@@ -55,8 +55,8 @@ class ShardedZeroAdapter(StrategyAdapter):
     wrapped with its buckets and optimizer (a checkpoint's restore wraps a second module beside the trained one)."""
 
     schema = ZeroConfig
-    checkpoint_kinds = frozenset({"full"})  # no sharded kind: zeroexp.strategies._zero_checkpoint
-    moved_kinds = frozenset({"full"})
+    checkpoint_kinds = frozenset({"full", "sharded"})  # zeroexp.strategies._zero_checkpoint
+    moved_kinds = frozenset({"full", "sharded"})
 
     def __init__(self, policy: CellPolicy) -> None:
         super().__init__(policy)
@@ -160,6 +160,9 @@ class ShardedZeroAdapter(StrategyAdapter):
         return self._held.get(id(model), (self.buckets, self.optimizer))
 
     def checkpoint_format(self, kind: str) -> str:
+        if kind == "sharded":
+            return ("torch.distributed.checkpoint, by parameter name (torch's state-dict layout): each rank its pieces "
+                    "of every parameter's fp32 master and AdamW moments, as its bucket shards cut them")
         return ("each bucket's fp32 master and AdamW moments all-gathered and cut into its parameters; rank 0 writes "
                 "them by name with Adam's step (torch's state-dict layout) to one file")
 
@@ -169,14 +172,20 @@ class ShardedZeroAdapter(StrategyAdapter):
         return full_state(model, *self.held(model))
 
     def save_checkpoint(self, kind: str, path: Any, model: nn.Module, optimizer: Any) -> list[Any]:
-        from zeroexp.strategies._checkpoint import write_full
+        from zeroexp.strategies._checkpoint import dcp_files, write_full
+        from zeroexp.strategies._zero_checkpoint import save_sharded_state
 
+        if kind == "sharded":
+            save_sharded_state(path, model, *self.held(model))
+            return dcp_files(path, dist.get_rank())
         return write_full(path, *self.full_state_dicts(model, optimizer))
 
     def load_checkpoint(self, kind: str, path: Any, model: nn.Module, optimizer: Any) -> None:
         from zeroexp.strategies._checkpoint import read_full
-        from zeroexp.strategies._zero_checkpoint import load_full_state
+        from zeroexp.strategies._zero_checkpoint import load_full_state, load_sharded_state
 
+        if kind == "sharded":
+            return load_sharded_state(path, model, *self.held(model))
         load_full_state(model, *self.held(model), read_full(path))
 
     def lightning_strategy(self, timeout_s: float, backend: str) -> Any:

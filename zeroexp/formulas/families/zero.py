@@ -49,25 +49,31 @@ class ZeroBuckets(Family):
 
     name = "zero"
     steps_per_shard = True
-    def sharded_written(self, row, groups, itemsize, knobs, state, again):
-        return None  # no sharded kind: the buckets cut parameters at any element
     flat_buffers = True
     covered_rank = 0
 
     def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state, knobs):
-        """zeroexp.strategies._zero_checkpoint (``full`` alone): a save all-gathers each bucket's master and both
+        """zeroexp.strategies._zero_checkpoint. ``full``: a save all-gathers each bucket's master and both
         moments (three fp32 tensors of its padded length, freed before the next bucket's) and rank 0 copies each
         parameter's part of them to the host, then a 4-byte step each and the module's frozen parameters and buffers; a
         load reads the file on every rank and lays each bucket out whole in three fp32 tensors (and the master's cast
-        to the compute dtype below fp32) beside the moments' shards and the step it keeps of each bucket so far."""
-        if kind != "full":
-            return None
+        to the compute dtype below fp32) beside the moments' shards and the step it keeps of each bucket so far.
+        ``sharded`` (lower bounds: DCP's objects, its copies of the pieces it writes): a save copies nothing; a load
+        fills fresh moment shards and a step a parameter, then all-gathers each bucket's fp32 master whole (and casts
+        it to the compute dtype) for the compute parameters, one bucket at a time."""
         n, b, cpu = groups.world_size, device.block, device.name == "cpu"
+        cast = [counted(itemsize * sh.numel, b) if itemsize != MASTER_BYTES else 0 for sh in groups.shards]
+        if kind == "sharded":  # DCP writes this rank's pieces of the shards where they lie; a load fills fresh moments
+            moments = sum(2 * counted(MASTER_BYTES * sh.numel // n, b) for sh in groups.shards)
+            steps = counted(STEP_BYTES, b) * len(groups.numels)
+            gather = max((counted(MASTER_BYTES * sh.numel, b) + c for sh, c in zip(groups.shards, cast)), default=0)
+            return CheckpointPeaks(kind, phase([{"copied": 0}] * n, [False] * n, unsized=("dcp_objects",)),
+                                   phase([{"moments": moments, "steps": steps, "bucket_gathered": gather}] * n,
+                                         [False] * n, unsized=("dcp_objects",)))
         gathered = [3 * counted(MASTER_BYTES * sh.numel, b) for sh in groups.shards]
         copies = [sum((MASTER_BYTES + MOMENT_BYTES) * (e - a) for a, e in sh.spans) for sh in groups.shards]
         steps = sum(STEP_BYTES * len(sh.spans) for sh in groups.shards)  # each parameter's, after the buckets
         kept = [2 * counted(MASTER_BYTES * sh.numel // n, b) + counted(STEP_BYTES, b) for sh in groups.shards]
-        cast = [counted(itemsize * sh.numel, b) if itemsize != MASTER_BYTES else 0 for sh in groups.shards]
         load = max((g + c + sum(kept[:k + 1]) for k, (g, c) in enumerate(zip(gathered, cast))), default=0)
         gather = max(gathered, default=0)
         if cpu:
