@@ -135,7 +135,8 @@ def test_damaged_or_mismatched_checkpoints_are_refused(cell, tmp_path):
 
 
 def test_checkpoint_kind_the_strategy_lacks_is_refused(compose, monkeypatch):
-    """Every strategy implements both kinds; one that did not (its adapter's ``checkpoint_kinds``) is refused by name."""
+    """Every strategy implements both kinds; one that did not (its adapter's ``checkpoint_kinds``) is refused, by
+    name."""
     from zeroexp.strategies.zero import Zero1Adapter
 
     monkeypatch.setattr(Zero1Adapter, "checkpoint_kinds", frozenset({"full"}))
