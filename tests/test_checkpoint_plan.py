@@ -142,3 +142,17 @@ def test_the_plan_table_shows_what_a_checkpoint_writes():
                                                                                           abs=0.0011)
     zero2 = next(x for x in shown if x.strip("│ ").startswith("zero2"))  # DCP's items: each tensor once
     assert rows["zero2"]["sharded"]["layout"] == "dcp" and zero2.strip("│").split("│")[4].strip() != "-"
+
+
+def test_every_ranks_local_elements_at_once_equal_each_ranks():
+    """``local_numels_by_rank`` (what the checkpoint peaks read for every rank of a 64-rank row at once) equals
+    ``local_numels`` rank by rank: FSDP2's padded rows (a parameter shorter than N: the last ranks hold none), FSDP1's
+    units of several spans with padding between and after them."""
+    from zeroexp.formulas.layout import local_numels, local_numels_by_rank
+    from zeroexp.formulas.shapes import Shard
+
+    cases = [((Shard(((0, 10),), 12), Shard(((0, 2),), 3), Shard(((0, 64),), 66)), 3),
+             ((Shard(((0, 5), (6, 17), (20, 23)), 24), Shard(((0, 7),), 8)), 4),
+             ((Shard(((0, 1),), 8),), 8)]
+    for shards, n in cases:
+        assert local_numels_by_rank(shards, n) == [local_numels(shards, n, r) for r in range(n)], (shards, n)

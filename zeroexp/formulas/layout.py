@@ -23,6 +23,7 @@ from zeroexp.formulas.families.base import StateLayout
 __all__ = ["STATE_KINDS", "ModelShape", "PlanKnobs", "Shard", "Unit", "next_reached", "Groups", "Cut",
            "StateLayout", "cut_buckets", "pack", "owner_assignment", "derive_groups", "rank_state_bytes",
            "step_collectives", "state_factors", "unsharded_floor_bytes", "offloaded_kinds", "local_numels",
+           "local_numels_by_rank",
            "MOMENT_BYTES", "MASTER_BYTES", "STEP_BYTES"]
 
 #: The model-state kinds the planner predicts, named as the state probe names them.
@@ -143,6 +144,18 @@ def _spread(shards: tuple[Shard, ...], world_size: int) -> tuple[list[int], list
         run += step[r]
         logical[r] += run
     return logical[:world_size], [physical] * world_size
+
+
+def local_numels_by_rank(shards: tuple[Shard, ...], world_size: int) -> list[tuple[int, ...]]:
+    """:func:`local_numels` of every rank at once (``world_size`` ranks a shard is cut over): one pass over the
+    shards' spans per rank, not the difference arrays of each."""
+    out = [[0] * len(shards) for _ in range(world_size)]
+    for j, (spans, padded) in enumerate(shards):
+        chunk = padded // world_size
+        for a, b in spans:
+            for r in range(a // chunk if chunk else 0, min(world_size, -(-b // chunk) if chunk else 0)):
+                out[r][j] += min(b, (r + 1) * chunk) - max(a, r * chunk)
+    return [tuple(row) for row in out]
 
 
 def local_numels(shards: tuple[Shard, ...], world_size: int, rank: int) -> tuple[int, ...]:

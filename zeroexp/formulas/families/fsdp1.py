@@ -13,7 +13,7 @@ from zeroexp.formulas.families.base import Cut
 from zeroexp.formulas.families.ddp import MIXED
 from zeroexp.formulas.init import fsdp1_init_peak_bytes
 from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
-from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, local_numels, pack
+from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, local_numels_by_rank, pack
 from zeroexp.formulas.orig_params import orig_param_views
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.phases import fsdp_phase_peaks, fsdp_sync_phase_peaks
@@ -151,7 +151,8 @@ class Fsdp1Units(FsdpFamily):
         least the zero step's gradients and moments over the rank's elements (checkpoint_peak.zero_step)."""
         n, world, cpu, b = groups.shard_over, groups.world_size, device.name == "cpu", device.block
         unit = max((counted(MASTER_BYTES * sh.numel, b) for sh in groups.shards), default=0)
-        logical = [sum(local_numels(groups.trained_shards, n, r % n)) for r in range(world)]
+        by_rank = local_numels_by_rank(groups.trained_shards, n)
+        logical = [sum(by_rank[r % n]) for r in range(world)]
         if kind == "full":
             save = phase([{"kept": full_file if cpu else unit}] + [{"one_unit": unit}] * (world - 1), [False] * world,
                          None if cpu else [full_file] + [0] * (world - 1), unsized=("flat_state", "gather_transients"))

@@ -13,7 +13,7 @@ from zeroexp.formulas.families.ddp import MIXED
 from zeroexp.formulas.families.fsdp1 import OS_G_P
 from zeroexp.formulas.init import fsdp2_init_peak_bytes
 from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, full_load, phase, zero_step
-from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, local_numels
+from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, local_numels, local_numels_by_rank
 from zeroexp.formulas.paper import fsdp2_padded_numel
 from zeroexp.formulas.peak.fsdp2 import fsdp2_no_sync_phase_peaks, fsdp2_sync_phase_peaks, fsdp2_phase_peaks
 from zeroexp.formulas.shapes import Shard, Unit
@@ -224,8 +224,10 @@ class Fsdp2Rows(FsdpFamily):
         # the zero step gives every trainable parameter state, one no step graded too
         trainable = tuple(Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
                           enumerate(zip(shape.params, shape.numels)) if k and shape.train(i))
+        by_rank, steps = local_numels_by_rank(trainable, n), {}
         for r in range(world):
-            zs = zero_step(local_numels(trainable, n, r % n), device)
+            local = by_rank[r % n]
+            zs = steps[local] = steps[local] if local in steps else zero_step(local, device)  # ranks alike: once
             if kind == "full":
                 loads.append(full_load(full_file if cpu else 0, made + (0 if cpu else state.buffers), zs, moments_in))
                 hosts.append(full_file)
