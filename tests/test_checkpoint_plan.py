@@ -155,4 +155,4 @@ def test_every_ranks_local_elements_at_once_equal_each_ranks():
              ((Shard(((0, 5), (6, 17), (20, 23)), 24), Shard(((0, 7),), 8)), 4),
              ((Shard(((0, 1),), 8),), 8)]
     for shards, n in cases:
-        assert local_numels_by_rank(shards, n) == [local_numels(shards, n, r) for r in range(n)], (shards, n)
+        assert local_numels_by_rank(shards, n) == tuple(local_numels(shards, n, r) for r in range(n)), (shards, n)

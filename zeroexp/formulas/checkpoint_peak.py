@@ -31,6 +31,7 @@ holds at the phase's peak (computed only: the probe measures the device).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from zeroexp.formulas.device import DeviceSemantics
@@ -101,7 +102,8 @@ class ZeroStep:
         return {"grads": self.grads, "moments": self.moments, "steps": self.steps, "temporaries": self.temporaries}
 
 
-def zero_step(numels: tuple[int, ...] | list[int], device: DeviceSemantics) -> ZeroStep:
+@functools.lru_cache(maxsize=256)
+def zero_step(numels: tuple[int, ...], device: DeviceSemantics) -> ZeroStep:
     """The zero step over the rank's trainable tensors (``numels``: each one's local elements, fp32 masters): AdamW's
     ``step`` is a host scalar but where the update is fused (torch/optim/adam.py ``_init_group``)."""
     b = device.block

@@ -12,6 +12,8 @@ model.
 
 from __future__ import annotations
 
+import functools
+
 import heapq
 
 from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, padded_numel)
@@ -146,16 +148,20 @@ def _spread(shards: tuple[Shard, ...], world_size: int) -> tuple[list[int], list
     return logical[:world_size], [physical] * world_size
 
 
-def local_numels_by_rank(shards: tuple[Shard, ...], world_size: int) -> list[tuple[int, ...]]:
-    """:func:`local_numels` of every rank at once (``world_size`` ranks a shard is cut over): one pass over the
-    shards' spans per rank, not the difference arrays of each."""
-    out = [[0] * len(shards) for _ in range(world_size)]
+@functools.lru_cache(maxsize=64)
+def local_numels_by_rank(shards: tuple[Shard, ...], world_size: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`local_numels` of every rank at once (``world_size`` ranks a shard is cut over): each span against every
+    rank's chunk in one array operation, not the difference arrays of each rank (a 512-rank plan's rows ask it of
+    every rank); remembered for the rows and kinds that ask it again."""
+    import numpy as np
+
+    out = np.zeros((world_size, len(shards)), dtype=np.int64)
+    starts = np.arange(world_size, dtype=np.int64)
     for j, (spans, padded) in enumerate(shards):
         chunk = padded // world_size
         for a, b in spans:
-            for r in range(a // chunk if chunk else 0, min(world_size, -(-b // chunk) if chunk else 0)):
-                out[r][j] += min(b, (r + 1) * chunk) - max(a, r * chunk)
-    return [tuple(row) for row in out]
+            out[:, j] += np.clip(np.minimum(b, (starts + 1) * chunk) - np.maximum(a, starts * chunk), 0, None)
+    return tuple(tuple(int(v) for v in row) for row in out.tolist())
 
 
 def local_numels(shards: tuple[Shard, ...], world_size: int, rank: int) -> tuple[int, ...]:

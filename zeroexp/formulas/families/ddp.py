@@ -176,7 +176,7 @@ class DdpBuckets(Family):
         item where it lies); a full load reads the file on every rank and, on an accelerator, makes a device copy of
         each of its model tensors and moments; every load steps once at zero (checkpoint_peak.zero_step)."""
         n, cpu = groups.world_size, device.name == "cpu"
-        zs = zero_step(groups.numels, device)
+        zs = zero_step(tuple(groups.numels), device)
         none = [{"copied": 0}] * n
         if kind == "full":
             save = phase(none, [True] * n, None if cpu else [full_file] + [0] * (n - 1))

@@ -224,10 +224,9 @@ class Fsdp2Rows(FsdpFamily):
         # the zero step gives every trainable parameter state, one no step graded too
         trainable = tuple(Shard(((0, k),), fsdp2_padded_numel(s, n)) for i, (s, k) in
                           enumerate(zip(shape.params, shape.numels)) if k and shape.train(i))
-        by_rank, steps = local_numels_by_rank(trainable, n), {}
+        by_rank = local_numels_by_rank(trainable, n)
         for r in range(world):
-            local = by_rank[r % n]
-            zs = steps[local] = steps[local] if local in steps else zero_step(local, device)  # ranks alike: once
+            zs = zero_step(by_rank[r % n], device)  # remembered: ranks alike computed once
             if kind == "full":
                 loads.append(full_load(full_file if cpu else 0, made + (0 if cpu else state.buffers), zs, moments_in))
                 hosts.append(full_file)
