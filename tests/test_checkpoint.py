@@ -181,6 +181,9 @@ def test_save_and_load_peaks_as_planned(cell):
         assert (peaks["save"]["rank_bytes"], peaks["load"]["rank_bytes"]) == (save, load), (strategy, kind)
         assert peaks["load"]["measured_rank_bytes"] == load  # the zero step's peak above DCP's objects here
     assert peaks["load"]["exact"] == [False, False] and peaks["load"]["unsized"]
+    from zeroexp.report.tables import _peaks_said  # the digest's words: a lower bound said as one
+
+    assert f"load {load[0]:,} B above its start (planned >= {load[0]:,} B)" in _peaks_said(peaks)
     # FSDP1's full load: the file and the moments of the rank's half; its save at least the state on rank 0
     fsdp = _cell(cell, "fsdp_full", "full").summary["plan"]["checkpoint"]["peaks"]
     assert fsdp["check"] == "PASS" and fsdp["load"]["rank_bytes"] == fsdp["load"]["measured_rank_bytes"] == [

@@ -161,7 +161,7 @@ class PlanSection:
                   "plan.groups": "the planned buckets, units, owners and partitions equal the live ones",
                   "plan.memory": peak,
                   "plan.checkpoint": (f"checkpoint: {ck.get('measured_bytes', 0):,} B of tensors written "
-                                      f"({ck.get('kind')}), as planned")}
+                                      f"({ck.get('kind')}), as planned; {_peaks_said(ck.get('peaks') or {})}")}
         lines = []
         for c in plan_checks(p):
             if c.name not in passed:
@@ -211,3 +211,17 @@ def build_tables(cells: pd.DataFrame) -> list[ReportTable]:
             tables.append(table)
     tables.append(failures_table(cells if "status" in cells.columns else cells.assign(status="unknown")))
     return tables
+
+
+def _peaks_said(peaks: dict[str, Any]) -> str:
+    """plan.checkpoint's save and load peaks in a few words: the largest above-start bytes of each phase, measured
+    beside planned, and whether the plan is exact there or a lower bound; or why there is none."""
+    if peaks.get("check") != "PASS":
+        return f"save and load peaks {peaks.get('check', 'n/a')}: {'; '.join(peaks.get('reasons') or ['not planned'])}"
+    said = []
+    for phase in ("save", "load"):
+        p = peaks.get(phase) or {}
+        got, want, exact = p.get("measured_rank_bytes") or [0], p.get("rank_bytes") or [0], p.get("exact") or [False]
+        r = max(range(len(got)), key=got.__getitem__)
+        said.append(f"{phase} {got[r]:,} B above its start (planned {'' if exact[r] else '>= '}{want[r]:,} B)")
+    return "peaks: " + ", ".join(said)
