@@ -107,7 +107,7 @@ LAYERS = [
     ("launch",),                                     # the launching process: runner, launchers, preloads
     ("calibrate",),                                  # one calibration (its ranks, the file)
     ("recommend",),                                  # which configuration to run: a search over the planner
-    ("cli", "checkpoint"),                           # the command lines (zeroexp.checkpoint: its entry alone)
+    ("cli", "checkpoint", "explain"),                # the command lines (zeroexp.checkpoint, .explain: their entries)
 ]
 ROOT_MODULES_AT_MOST = 6
 

@@ -1,0 +1,112 @@
+"""``python -m zeroexp.explain A B [format=table|json]``: two finished cells side by side.
+
+What differs between the two cells' configurations (``manifest.json``: the composed configuration, where each wrote
+left out), their checks (each verdict in each), and every figure both measured (``summary.json``: state bytes by kind,
+steady, peak and phase peaks, collective calls, payload and bus bytes by op, exposed communication, step time, the
+equivalence error, the final loss, a checkpoint's bytes and times), the largest difference first (by the ratio of
+the two; a figure one cell lacks or has at zero first of all). Measured figures only: nothing is run or predicted
+(zeroexp.report.compare). One cell's explanation (where a FAIL came from) is not built yet.
+
+Exit 0 compared; 2 refused before reading anything else (the argument named): not two directories, one that is no
+cell directory or whose cell wrote no summary, an unknown ``format``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from zeroexp.errors import ConfigError
+
+__all__ = ["main", "USAGE"]
+
+USAGE = "usage: python -m zeroexp.explain A B [format=table|json]   (A, B: cell directories)"
+FORMATS = ("table", "json")
+
+
+def _args(args: list[str]) -> tuple[list[str], str]:
+    """The two directories and the format; ConfigError naming the argument otherwise."""
+    fmt, dirs = "table", []
+    for a in args:
+        if a.startswith("format="):
+            fmt = a.partition("=")[2]
+            if fmt not in FORMATS:
+                raise ConfigError("format", fmt, ", ".join(FORMATS))
+        elif "=" in a:
+            raise ConfigError(a.partition("=")[0], a.partition("=")[2], "format=table|json", why="the one key")
+        else:
+            dirs.append(a)
+    if len(dirs) != 2:
+        raise ConfigError("A B", " ".join(dirs) or None, "two cell directories",
+                          why=f"{len(dirs)} given" + ("; one cell's explanation is not built yet" if len(dirs) == 1
+                                                      else ""))
+    return dirs, fmt
+
+
+def _shown(value: Any, unit: str) -> str:
+    from zeroexp.results.format import byte_unit, fmt_err, fmt_number
+
+    if value is None:
+        return "-"
+    if unit == "B":
+        u = byte_unit([value])
+        return f"{u(value)} {u.name}"
+    if unit == "":
+        return fmt_err(value) if abs(value) < 1e-2 else fmt_number(value)
+    return f"{fmt_number(value)} {unit}"
+
+
+def _print(diff: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=True)
+    console.print(f"A: {diff['a']['cell']} ({diff['a']['dir']})\nB: {diff['b']['cell']} ({diff['b']['dir']})\n")
+    table = Table(title=f"Configuration: {len(diff['config'])} keys differ")
+    for c in ("key", "A", "B"):
+        table.add_column(c)
+    for row in diff["config"]:
+        table.add_row(row["key"], str(row["a"]), str(row["b"]))
+    console.print(table)
+    table = Table(title="Checks (those that differ first)")
+    for c in ("check", "A", "B"):
+        table.add_column(c)
+    for row in diff["checks"]:
+        table.add_row(row["check"], row["a"], row["b"], style=None if row["a"] == row["b"] else "bold")
+    console.print(table)
+    table = Table(title=f"Measured figures that differ, largest difference first ({diff['same']} equal, not shown)")
+    for i, c in enumerate(("figure", "of", "A", "B", "B / A")):
+        table.add_column(c, justify="right" if i > 1 else "left")
+    for row in diff["figures"]:
+        table.add_row(row["figure"], row["of"], _shown(row["a"], row["unit"]), _shown(row["b"], row["unit"]),
+                      "-" if row["ratio"] is None else f"{row['ratio']:.3g}")
+    console.print(table)
+    for note in diff["notes"]:
+        console.print(f"note: {note}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line (module docstring)."""
+    from zeroexp.report.compare import compare, read_cell
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
+        raise SystemExit(0 if args else 2)
+    try:
+        (a, b), fmt = _args(args)
+        cells = []
+        for key, where in (("A", a), ("B", b)):
+            try:
+                cells.append(read_cell(where))
+            except ValueError as e:
+                raise ConfigError(key, where, "a cell directory with its summary.json", why=str(e)) from None
+    except ConfigError as e:
+        print(f"{e}\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2) from None
+    diff = compare(*cells)
+    if fmt == "json":
+        print(json.dumps(diff, indent=1, default=str))
+    else:
+        _print(diff)

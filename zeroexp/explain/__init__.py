@@ -1,0 +1,1 @@
+"""``python -m zeroexp.explain``: two finished cells side by side; see :mod:`zeroexp.cli.explain`."""
