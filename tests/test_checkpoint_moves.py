@@ -122,15 +122,18 @@ def test_a_moved_cell_trains_from_the_checkpoints_state_and_data_position(cell, 
 
 @pytest.mark.parametrize("strategy, kind", [("zero1", "full"), ("zero2", "sharded")])
 def test_zeroexps_zero_saves_and_restores_a_checkpoint(cell, strategy, kind):
-    """zero1 and zero2 at N=2. Full: each bucket's master and both moments all-gathered (3 calls: the mlp is one
-    bucket) and written by name on rank 0. Sharded: each rank its pieces of every parameter (a bucket's shard cuts
-    them anywhere), no tensor gathered, the files' tensors the whole state once. Restored into a fresh model beside the
-    trained one, one more step bit-identical; the plan's bytes and peaks PASS."""
-    result = cell(f"strategy={strategy}", f"checkpoint={kind}", "world_size=2", "checkpoint.keep=true")
+    """zero1 (bf16: its load casts each bucket's master) and zero2 at N=2. Full: each bucket's master and both
+    moments all-gathered (3 calls: the mlp is one bucket) and written by name on rank 0. Sharded: each rank its
+    pieces of every parameter (a bucket's shard cuts them anywhere), no tensor gathered, the files' tensors the whole
+    state once. Restored into a fresh model beside the trained one, one more step bit-identical; the plan's bytes and
+    peaks PASS."""
+    bf16 = ("precision=bf16",) if kind == "full" else ()
+    result = cell(f"strategy={strategy}", f"checkpoint={kind}", "world_size=2", "checkpoint.keep=true", *bf16)
     assert result.status == "ok", result.error
     ck, plan = result.summary["checkpoint"], result.summary["plan"]["checkpoint"]
     assert ck["check"] == "PASS" and ck["restored_bit_identical"] and ck["continuation_bit_identical"]
     assert ck["compared_tensors"] == 8 and plan["check"] == plan["peaks"]["check"] == "PASS"
+    assert plan["peaks"]["load"]["check"] == "PASS"  # judged: sized, not a bound of nothing
     if kind == "full":
         assert ck["save"]["collectives"]["counts"] == {"all_gather": 3}
         assert ck["save"]["rank_bytes_written"][1] == 0 and ck["save"]["bytes_written"] > 3 * 8 * 64 * 64 * 4

@@ -147,12 +147,14 @@ def test_the_plan_table_shows_what_a_checkpoint_writes():
 def test_every_ranks_local_elements_at_once_equal_each_ranks():
     """``local_numels_by_rank`` (what the checkpoint peaks read for every rank of a 64-rank row at once) equals
     ``local_numels`` rank by rank: FSDP2's padded rows (a parameter shorter than N: the last ranks hold none), FSDP1's
-    units of several spans with padding between and after them."""
+    units of several spans with padding between and after them, parameters of no elements (a zero-length span: none
+    anywhere)."""
     from zeroexp.formulas.layout import local_numels, local_numels_by_rank
     from zeroexp.formulas.shapes import Shard
 
     cases = [((Shard(((0, 10),), 12), Shard(((0, 2),), 3), Shard(((0, 64),), 66)), 3),
              ((Shard(((0, 5), (6, 17), (20, 23)), 24), Shard(((0, 7),), 8)), 4),
-             ((Shard(((0, 1),), 8),), 8)]
+             ((Shard(((0, 1),), 8),), 8),
+             ((Shard(((0, 4), (4, 4), (4, 9)), 12), Shard(((0, 0),), 3)), 3)]  # parameters of no elements
     for shards, n in cases:
         assert local_numels_by_rank(shards, n) == tuple(local_numels(shards, n, r) for r in range(n)), (shards, n)

@@ -712,3 +712,6 @@ def test_sharded_tensor_holds_this_ranks_pieces_and_every_ranks_places(fake_grou
     assert [s.tensor.data_ptr() for s in st.local_shards()] == [flat.data_ptr(), flat[4:].data_ptr()]
     shards = st.metadata().shards_metadata
     assert sum(m.shard_sizes[0] * m.shard_sizes[1] for m in shards) == 12 and len(shards) == 2 + 2
+    assert rectangles((), 0, 1) == [((), (), 0)] and rectangles((), 1, 1) == []  # a scalar parameter: itself
+    scalar = sharded_tensor([(flat[3:4].view(()), ())], [((), (), 0)], (), torch.float32, 0, torch.device("cpu"))
+    assert tuple(scalar.size()) == () and scalar.local_shards()[0].tensor.data_ptr() == flat[3:].data_ptr()

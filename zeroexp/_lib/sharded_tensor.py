@@ -1,7 +1,9 @@
 """torch's ShardedTensor (``torch.distributed._shard``) made from this rank's pieces and every rank's pieces' places,
 without a collective: how torch.distributed.checkpoint describes a tensor whose ranks each hold rectangular pieces of
 it (zeroexp's ZeRO buckets cut a parameter at any element: a rank's part of one is a few rectangles, and every rank
-knows every rank's from the bucket layout). DCP writes each local piece as one item and reshards on load."""
+knows every rank's from the bucket layout). DCP writes each local piece as one item and reshards on load. torch 2.13
+warns that it is deprecating ShardedTensor (a FutureWarning on each use; DTensor cannot place a piece that is not a
+chunk of one dimension): tests/test_lib_shims.py builds one, and fails the day the API goes."""
 
 from __future__ import annotations
 

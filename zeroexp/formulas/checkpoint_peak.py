@@ -39,11 +39,12 @@ from zeroexp.formulas.layout import MASTER_BYTES, STEP_BYTES
 from zeroexp.formulas.peak.adamw import adamw_temporaries
 from zeroexp.formulas.peak.allocator import counted, counted_sum
 
-__all__ = ["PhasePeak", "CheckpointPeaks", "ZeroStep", "zero_step", "full_load", "phase", "UNSIZED"]
+__all__ = ["PhasePeak", "CheckpointPeaks", "ZeroStep", "zero_step", "step_bytes", "full_load", "phase", "UNSIZED"]
 
 #: What a lower bound leaves out, by code (module docstring).
 UNSIZED = {
     "dcp_objects": "torch.distributed.checkpoint's pickled save plans and metadata",
+    "dcp_copies": "torch.distributed.checkpoint's copy of each tensor it writes that is a view into a larger storage",
     "gather_transients": "the transients of gathering one tensor on a rank that does not keep it (its padded input, "
                          "the backend's staging)",
     "flat_state": "FSDP1's own copies while it makes its optimizer state whole or sharded (all-gathered flat moments)",
@@ -102,15 +103,21 @@ class ZeroStep:
         return {"grads": self.grads, "moments": self.moments, "steps": self.steps, "temporaries": self.temporaries}
 
 
+def step_bytes(device: DeviceSemantics) -> int:
+    """What one AdamW ``step`` adds to the tracked device: a 4-byte scalar on the CPU; on an accelerator a host scalar
+    but where the update is fused (torch/optim/adam.py ``_init_group``: ``capturable`` or ``fused`` keep it on the
+    parameter's device)."""
+    return counted(STEP_BYTES, device.block) if device.name == "cpu" or device.foreach == "fused" else 0
+
+
 @functools.lru_cache(maxsize=256)
 def zero_step(numels: tuple[int, ...], device: DeviceSemantics) -> ZeroStep:
-    """The zero step over the rank's trainable tensors (``numels``: each one's local elements, fp32 masters): AdamW's
-    ``step`` is a host scalar but where the update is fused (torch/optim/adam.py ``_init_group``)."""
+    """The zero step over the rank's trainable tensors (``numels``: each one's local elements, fp32 masters), each
+    with its ``step`` (:func:`step_bytes`)."""
     b = device.block
-    device_steps = device.name == "cpu" or device.foreach == "fused"
     return ZeroStep(grads=counted_sum((k * MASTER_BYTES for k in numels), b),
                     moments=2 * counted_sum((k * MASTER_BYTES for k in numels), b),
-                    steps=counted(STEP_BYTES, b) * len(numels) if device_steps else 0,
+                    steps=step_bytes(device) * len(numels),
                     temporaries=adamw_temporaries(numels, MASTER_BYTES, device.foreach, b))
 
 

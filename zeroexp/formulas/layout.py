@@ -133,6 +133,8 @@ def _spread(shards: tuple[Shard, ...], world_size: int) -> tuple[list[int], list
         shard = padded // world_size
         physical += shard
         for a, b in spans:
+            if b <= a:  # a parameter of no elements holds none anywhere
+                continue
             first, last = a // shard, (b - 1) // shard
             if first == last:
                 logical[first] += b - a

@@ -86,7 +86,8 @@ def render_tables(records: list[dict[str, Any]], notes: list[str], unit: str, co
                           "device, the largest rank (rank 0's where it differs); host, what the host holds at the "
                           "phase's peak (an accelerator; '-': on the CPU, where it is in the device's, and a sharded "
                           "phase's host staging, not sized); '>=': a lower bound (what is not sized: the JSON rows' "
-                          "unsized; on an accelerator every figure, until a GPU cell has measured the terms there)\n")
+                          "unsized; on an accelerator every device figure, until a GPU cell has measured the terms "
+                          "there); the host's: the files read or gathered, as computed\n")
         if "step_ms" in first:
             console.print(_time_table(records))
             console.print(f"computed on {first['network_source']} (zeroexp.formulas.time.overlap; docs/planner.md, "

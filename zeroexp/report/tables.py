@@ -221,7 +221,10 @@ def _peaks_said(peaks: dict[str, Any]) -> str:
     said = []
     for phase in ("save", "load"):
         p = peaks.get(phase) or {}
-        got, want, exact = p.get("measured_rank_bytes") or [0], p.get("rank_bytes") or [0], p.get("exact") or [False]
+        got, want, exact = p.get("measured_rank_bytes") or [], p.get("rank_bytes") or [], p.get("exact") or []
+        if p.get("check") != "PASS" or not got or len(got) != len(want):
+            said.append(f"{phase} {p.get('check', 'n/a')} ({'; '.join(p.get('reasons') or ['not planned'])})")
+            continue
         r = max(range(len(got)), key=got.__getitem__)
         said.append(f"{phase} {got[r]:,} B above its start (planned {'' if exact[r] else '>= '}{want[r]:,} B)")
     return "peaks: " + ", ".join(said)

@@ -106,7 +106,9 @@ def rectangles(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tupl
     recursively, then whole rows)."""
     if stop <= start:
         return []
-    if len(shape) <= 1:
+    if not shape:  # a scalar: itself
+        return [((), (), 0)]
+    if len(shape) == 1:
         return [((start,), (stop - start,), start)]
     row = math.prod(shape[1:])
     first, last = start // row, (stop - 1) // row
@@ -142,43 +144,42 @@ def _places(b: Bucket, p: nn.Parameter, off: int) -> list:
 
 
 def _sharded_dicts(module: nn.Module, buckets: list[Bucket], shards: dict[int, dict[str, torch.Tensor]],
-                   steps: dict[str, torch.Tensor] | None, group: dict) -> tuple[dict, dict]:
+                   steps: dict[str, torch.Tensor], group: dict) -> tuple[dict, dict]:
     """The model's and the optimizer's state dicts, by name, each bucketed parameter's master and moments a
-    ShardedTensor of this rank's pieces of ``shards[id(bucket)]`` (``master``, the moments); the module's other entries
-    as it holds them; each parameter's ``step`` from ``steps`` (None: no optimizer state)."""
+    ShardedTensor of this rank's pieces of ``shards[id(bucket)]`` (``master``, the moments; a parameter of no
+    elements a plain empty tensor); the module's other entries as it holds them; optimizer state (both moments and
+    ``step``) for the parameters ``steps`` names (none: an empty optimizer state dict)."""
     from zeroexp._lib.sharded_tensor import sharded_tensor
 
     rank, name_of = dist.get_rank(), {id(p): n for n, p in module.named_parameters()}
     made: dict[str, dict[str, Any]] = {}
     for b in buckets:
         for p, off in zip(b.params, b.offsets):
-            places = _places(b, p, off)
-            made[name_of[id(p)]] = {k: sharded_tensor(_pieces(b, p, off, t, rank), places, tuple(p.shape),
-                                                      torch.float32, rank, t.device)
-                                    for k, t in shards[id(b)].items() if k == "master" or steps is not None}
+            name = name_of[id(p)]
+            kinds = ("master", *MOMENTS) if name in steps else ("master",)
+            made[name] = {k: torch.empty(p.shape, dtype=torch.float32, device=b.master.device) if p.numel() == 0
+                          else sharded_tensor(_pieces(b, p, off, shards[id(b)][k], rank), _places(b, p, off),
+                                              tuple(p.shape), torch.float32, rank, b.master.device) for k in kinds}
     model_sd = {n: made[name_of[id(t)]]["master"] if name_of.get(id(t)) in made else t
                 for n, t in module.state_dict(keep_vars=True).items()}
-    if steps is None:
-        return model_sd, {}
-    state = {n: {**{k: m[k] for k in MOMENTS}, "step": steps[n]} for n, m in made.items()}
-    return model_sd, optim_by_name(state, group, list(made))
+    state = {n: {**{k: made[n][k] for k in MOMENTS}, "step": t} for n, t in steps.items()}
+    return model_sd, (optim_by_name(state, group, list(state)) if state else {})
 
 
 def save_sharded_state(path: Any, module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW) -> None:
-    """Each rank writes its pieces of every bucketed parameter's master and moments, and a step per parameter
-    (torch.distributed.checkpoint; a replicated entry, a frozen parameter or buffer, by one rank). A collective."""
+    """Each rank writes its pieces of every bucketed parameter's master, and of both moments with a step per
+    parameter where its bucket has optimizer state (as a full checkpoint: zeroexp.strategies._zero_checkpoint
+    .full_state), through torch.distributed.checkpoint; a replicated entry (a frozen parameter, a buffer) by one rank.
+    A collective."""
     import torch.distributed.checkpoint as dcp
 
     optimizer.wait_for_parameters()
     local = optimizer.local
     held = {id(b): local.state.get(b.master, {}) for b in buckets}
-    stepped = any(held.values())
-    shards = {id(b): {"master": b.master, **({k: held[id(b)][k] for k in MOMENTS} if held[id(b)] else
-                                              {k: torch.zeros_like(b.master) for k in MOMENTS})} for b in buckets}
-    step = latest_step({i: h for i, h in enumerate(held.values()) if h}) if stepped else None
+    shards = {id(b): {"master": b.master, **{k: held[id(b)][k] for k in MOMENTS if k in held[id(b)]}} for b in buckets}
     name_of = {id(p): n for n, p in module.named_parameters()}
-    steps = ({name_of[id(p)]: torch.as_tensor(step, dtype=torch.float32).clone() for b in buckets for p in b.params}
-             if stepped else None)
+    steps = {name_of[id(p)]: held[id(b)]["step"].detach().to("cpu", copy=True) for b in buckets if held[id(b)]
+             for p in b.params}
     model_sd, optim_sd = _sharded_dicts(module, buckets, shards, steps, local.param_groups[0])
     dcp.save({"model": model_sd, **({"optim": optim_sd} if optim_sd else {})},
              storage_writer=dcp.FileSystemWriter(path))
@@ -186,26 +187,30 @@ def save_sharded_state(path: Any, module: nn.Module, buckets: list[Bucket], opti
 
 def load_sharded_state(path: Any, module: nn.Module, buckets: list[Bucket], optimizer: ShardedAdamW) -> None:
     """Fill this rank's pieces of every bucket's master and of fresh moments from a sharded checkpoint in torch's
-    layout written by any strategy at any world size (DCP reshards; a parameter without optimizer state in it keeps
-    zero moments), the module's other entries in place; then the compute parameters as the step's all_gather leaves
-    them and Adam's step the checkpoint's latest. A collective."""
+    layout written by any strategy at any world size (DCP reshards), the module's other entries in place: every
+    entry of the module the file must hold (a strict load), the optimizer state of each parameter it holds it for (a
+    parameter without keeps zero moments); then the compute parameters as the step's all_gather leaves them and Adam's
+    step the checkpoint's latest (on the master's device where the update is fused or capturable, as torch keeps it).
+    A collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     optimizer.wait_for_parameters()
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     shards = {id(b): {"master": b.master, **{k: torch.zeros_like(b.master) for k in MOMENTS}} for b in buckets}
     name_of = {id(p): n for n, p in module.named_parameters()}
-    steps = {name_of[id(p)]: torch.zeros((), dtype=torch.float32) for b in buckets for p in b.params}
-    model_sd, optim_sd = _sharded_dicts(module, buckets, shards, steps, optimizer.local.param_groups[0])
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=DefaultLoadPlanner(allow_partial_load=True))
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    steps = {name_of[id(p)]: torch.zeros((), dtype=torch.float32) for b in buckets for p in b.params
+             if f"optim.state.{name_of[id(p)]}.exp_avg" in keys}
+    group = optimizer.local.param_groups[0]
+    model_sd, optim_sd = _sharded_dicts(module, buckets, shards, steps, group)
+    state = {"model": model_sd, **({"optim": {"state": optim_sd["state"]}} if optim_sd else {})}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     with torch.no_grad():
         for b in buckets:
             b.flat.copy_(_gathered(b, b.master).to(b.flat.dtype))
-    if not any(k.startswith("optim.state.") for k in keys):
+    if not steps:
         return
     step = max(float(t) for t in steps.values())
     for b in buckets:
-        optimizer.local.state[b.master] = {"step": torch.tensor(step, dtype=torch.float32),
+        on = b.master.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+        optimizer.local.state[b.master] = {"step": torch.tensor(step, dtype=torch.float32, device=on),
                                            **{k: shards[id(b)][k] for k in MOMENTS}}

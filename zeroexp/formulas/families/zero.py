@@ -9,7 +9,7 @@ from zeroexp.formulas.peak.allocator import counted, counted_sum
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import ADAMW, MIXED
 from zeroexp.formulas.init import replica_init_peak_bytes
-from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
+from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase, step_bytes
 from zeroexp.formulas.layout import MASTER_BYTES, MOMENT_BYTES, STEP_BYTES, StateLayout, cut_buckets, pack
 from zeroexp.formulas.time.overlap import Slot, cumulative
 from zeroexp.formulas.paper import Collectives, collectives_of, padded_numel
@@ -55,26 +55,31 @@ class ZeroBuckets(Family):
     def checkpoint_peaks(self, row, groups, shape, itemsize, kind, device, full_file, state, knobs):
         """zeroexp.strategies._zero_checkpoint. ``full``: a save all-gathers each bucket's master and both
         moments (three fp32 tensors of its padded length, freed before the next bucket's) and rank 0 copies each
-        parameter's part of them to the host, then a 4-byte step each and the module's frozen parameters and buffers; a
-        load reads the file on every rank and lays each bucket out whole in three fp32 tensors (and the master's cast
-        to the compute dtype below fp32) beside the moments' shards and the step it keeps of each bucket so far.
-        ``sharded`` (lower bounds: DCP's objects, its copies of the pieces it writes): a save copies nothing; a load
-        fills fresh moment shards and a step a parameter, then all-gathers each bucket's fp32 master whole (and casts
-        it to the compute dtype) for the compute parameters, one bucket at a time."""
+        parameter's part of them to the host, then a 4-byte step each and the module's frozen parameters and
+        buffers; a load reads the file on every rank and lays each bucket out whole in three fp32 tensors (and the
+        master's cast to the compute dtype below fp32, freed before the bucket's moments are copied) beside the
+        moments' shards and the step it keeps of each bucket so far (a step on the device only where it is:
+        checkpoint_peak.step_bytes). ``sharded`` (lower bounds: DCP's objects and its copy of each piece it writes,
+        a view into a bucket's shard): a save sized as nothing; a load fills fresh moment shards and a step a
+        parameter, then all-gathers each bucket's fp32 master whole (and casts it to the compute dtype) for the
+        compute parameters, one bucket at a time."""
         n, b, cpu = groups.world_size, device.block, device.name == "cpu"
+        step = step_bytes(device)
         cast = [counted(itemsize * sh.numel, b) if itemsize != MASTER_BYTES else 0 for sh in groups.shards]
         if kind == "sharded":  # DCP writes this rank's pieces of the shards where they lie; a load fills fresh moments
             moments = sum(2 * counted(MASTER_BYTES * sh.numel // n, b) for sh in groups.shards)
-            steps = counted(STEP_BYTES, b) * len(groups.numels)
+            steps = step * len(groups.numels)
             gather = max((counted(MASTER_BYTES * sh.numel, b) + c for sh, c in zip(groups.shards, cast)), default=0)
-            return CheckpointPeaks(kind, phase([{"copied": 0}] * n, [False] * n, unsized=("dcp_objects",)),
+            return CheckpointPeaks(kind, phase([{"copied": 0}] * n, [False] * n, unsized=("dcp_objects", "dcp_copies")),
                                    phase([{"moments": moments, "steps": steps, "bucket_gathered": gather}] * n,
                                          [False] * n, unsized=("dcp_objects",)))
         gathered = [3 * counted(MASTER_BYTES * sh.numel, b) for sh in groups.shards]
         copies = [sum((MASTER_BYTES + MOMENT_BYTES) * (e - a) for a, e in sh.spans) for sh in groups.shards]
         steps = sum(STEP_BYTES * len(sh.spans) for sh in groups.shards)  # each parameter's, after the buckets
-        kept = [2 * counted(MASTER_BYTES * sh.numel // n, b) + counted(STEP_BYTES, b) for sh in groups.shards]
-        load = max((g + c + sum(kept[:k + 1]) for k, (g, c) in enumerate(zip(gathered, cast))), default=0)
+        kept = [2 * counted(MASTER_BYTES * sh.numel // n, b) + step for sh in groups.shards]
+        # bucket k: its three fp32 tensors, the shards kept of the buckets before, then the cast (freed at once) or
+        # its own shards' copies, whichever is larger
+        load = max((g + sum(kept[:k]) + max(c, kept[k]) for k, (g, c) in enumerate(zip(gathered, cast))), default=0)
         gather = max(gathered, default=0)
         if cpu:
             rank0 = max([sum(copies[:k + 1]) + g for k, g in enumerate(gathered)]

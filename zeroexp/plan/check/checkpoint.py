@@ -60,7 +60,9 @@ def _peaks(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, sh
     """The save's and the load's bytes above each rank's start (the probe's ``peak_over_start_bytes``) beside the
     planner's (zeroexp.formulas.checkpoint.checkpoint_peaks), per rank: where the model sizes every allocation
     judged as plan.memory judges a phase (zeroexp.plan.check.judge.judge: at most 2 % below the measurement, never
-    above it), where it is a lower bound (what it leaves out named) never above the measurement."""
+    above it), where it is a lower bound (what it leaves out named) never above the measurement. Each phase its own
+    ``check``: n/a where it was not measured, or where nothing of it is sized (every rank a lower bound of 0: a bound
+    that cannot fail is no check); the peaks' check the worst of the two."""
     measured = summary.get("checkpoint") or {}
     device = measured_on(str(measured.get("memory_source", "")))
     predicted = checkpoint_peaks(cell.row, groups, itemsize, cell.checkpoint, shape, device, cell.knobs)
@@ -68,18 +70,28 @@ def _peaks(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, sh
         return Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_PEAK_NOT_MODELLED, (
             f"no save and load peak model for {cell.row_name} ({cell.row.family.name})")),)).fields()
     out: dict[str, Any] = {"device": device.name}
-    reasons: list[Reason] = []
+    phases = []
     for name in ("save", "load"):
         want, got = getattr(predicted, name), (measured.get(name) or {}).get("peak_over_start_bytes")
         out[name] = want.record()
         if got is None:
-            reasons.append(Reason(Code.PLAN_CHECKPOINT_NOT_MEASURED, f"no {name} measured"))
-            continue
-        out[name]["measured_rank_bytes"] = [int(v) for v in got]
-        for r, (m, p, exact) in enumerate(zip(got, want.ranks, want.exact)):
-            ok = judge(int(m), p, [])[0] is Verdict.PASS if exact else int(m) >= p
-            if not ok:
-                reasons.append(Reason(Code.PLAN_CHECKPOINT_PEAK_DIFFERS, (
-                    f"rank {r}'s {name} held {int(m)} B above its start, planned {p} B"
-                    + ("" if exact else " at least"))))
-    return {**out, **Check.failed_if(reasons).fields()}
+            check = Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_NOT_MEASURED, f"no {name} measured"),))
+        elif not any(want.exact) and not any(want.ranks):
+            check = Check(Verdict.NA, (Reason(Code.PLAN_CHECKPOINT_PEAK_NOT_MODELLED, (
+                f"nothing of the {name} is sized ({'; '.join(out[name]['unsized'])})")),))
+        else:
+            reasons = [] if len(got) == len(want.ranks) else [Reason(Code.PLAN_CHECKPOINT_PEAK_DIFFERS, (
+                f"the {name} was measured on {len(got)} ranks, planned for {len(want.ranks)}"))]
+            for r, (m, p, exact) in enumerate(zip(got, want.ranks, want.exact)):
+                if not (judge(int(m), p, [])[0] is Verdict.PASS if exact else int(m) >= p):
+                    reasons.append(Reason(Code.PLAN_CHECKPOINT_PEAK_DIFFERS, (
+                        f"rank {r}'s {name} held {int(m)} B above its start, planned {p} B"
+                        + ("" if exact else " at least"))))
+            check = Check.failed_if(reasons)
+        if got is not None:
+            out[name]["measured_rank_bytes"] = [int(v) for v in got]
+        out[name].update(check.fields())
+        phases.append(check)
+    verdict = worst(c.verdict for c in phases)
+    why = tuple(r for c in phases if c.verdict is verdict for r in c.reasons)
+    return {**out, **Check(verdict, why if verdict is not Verdict.PASS else ()).fields()}
