@@ -208,3 +208,18 @@ def test_views_per_rank_counts_each_rank_s_nonempty_views():
         groups = SimpleNamespace(trained_shards=shards, shard_over=over, world_size=over * rnd.randint(1, 3))
         per = [sum(k > 0 for sh in shards for k in view_numels(sh, over, i)) for i in range(over)]
         assert views_per_rank(groups) == [per[r % over] for r in range(groups.world_size)]
+
+
+def test_a_scalar_parameters_moments_are_optimizer_state_not_scalars():
+    """Adam's ``step`` is a scalar of the optimizer; a 0-dim parameter's moments are element-wise state like any
+    other's (they were counted as scalars beside the steps, and plan.state FAILed on a model with a learnable scale)."""
+    import torch
+
+    from zeroexp.strategies.base import optimizer_state_tensors
+
+    scale, weight = torch.nn.Parameter(torch.tensor(1.5)), torch.nn.Parameter(torch.ones(3, 4))
+    opt = torch.optim.AdamW([scale, weight])
+    (scale * weight).sum().backward()
+    opt.step()
+    kinds = [(t.kind, t.tensor.dim()) for t in optimizer_state_tensors(opt)]
+    assert sorted(kinds) == sorted([("optim_scalar", 0)] * 2 + [("optim", 0)] * 2 + [("optim", 2)] * 2)

@@ -63,18 +63,24 @@ def buffer_record(model: nn.Module) -> tuple[tuple[str, int], ...]:
     return tuple((str(b.dtype).removeprefix("torch."), b.numel() * b.element_size()) for b in model.buffers())
 
 
+def state_kind(key: str, value: torch.Tensor, param: torch.Tensor) -> str:
+    """An optimizer state tensor's kind: ``optim_scalar`` for Adam's ``step`` and any other 0-dim entry of a
+    parameter that has dimensions; ``optim`` otherwise (the moments, a 0-dim parameter's too)."""
+    return "optim_scalar" if key == "step" or (value.dim() == 0 and param.dim() != 0) else "optim"
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer,
                             logical_numel: dict[int, int] | None = None) -> Iterator[StateTensor]:
-    """Every tensor in ``optimizer.state``: 0-dim ones (Adam's ``step``) as ``optim_scalar``, others ``optim``.
+    """Every tensor in ``optimizer.state``: Adam's ``step`` as ``optim_scalar``, others ``optim`` (:func:`state_kind`).
 
     ``logical_numel`` maps ``id(param)`` to the param's logical numel when it differs from its numel (a
     padded FSDP shard); element-wise state of that param (same numel, e.g. Adam's moments) takes it too.
     """
     logical_numel = logical_numel or {}
     for param, state in optimizer.state.items():
-        for value in state.values():
+        for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                kind = "optim_scalar" if value.dim() == 0 else "optim"
+                kind = state_kind(key, value, param)
                 elementwise = kind == "optim" and value.numel() == param.numel()
                 yield StateTensor(kind, value, logical_numel.get(id(param), value.numel()) if elementwise
                                   else value.numel())

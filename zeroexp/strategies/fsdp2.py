@@ -34,7 +34,7 @@ from zeroexp.errors import ConfigError, NotApplicableHere
 from zeroexp.formulas import LAYOUTS, POST_FORWARD, Groups, Shard, fsdp2_padded_numel
 from zeroexp.strategies import register
 from zeroexp.strategies._unit_trace import UnitTrace
-from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order
+from zeroexp.strategies.base import StateTensor, StrategyAdapter, buffer_state_tensors, post_order, state_kind
 from zeroexp.models import import_class, torch_dtype
 from zeroexp.strategies.fsdp import FSDPAdapter
 from zeroexp.cell.policy import CellPolicy
@@ -258,11 +258,11 @@ class FSDP2Adapter(StrategyAdapter):
             if p.grad is not None:
                 grad = _local(p.grad)
                 yield StateTensor("grad", grad, grad.numel())
-        for state in optimizer.state.values():
-            for value in state.values():
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     value = _local(value)
-                    yield StateTensor("optim_scalar" if value.dim() == 0 else "optim", value, value.numel())
+                    yield StateTensor(state_kind(key, value, param), value, value.numel())
         for group in _param_groups(model):
             for fsdp_param in group.fsdp_params:
                 for out in fsdp_param.all_gather_outputs:
