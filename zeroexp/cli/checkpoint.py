@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zeroexp.cli.plain_args import args_or_help
 from zeroexp.errors import ConfigError
 
 __all__ = ["main", "Conversion", "conversion", "convert", "USAGE"]
@@ -156,10 +157,7 @@ def convert(plan: Conversion, say: Any = print) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """The command line; exit 0 converted and verified, 2 refused (the argument named), 3 not verified."""
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
-        raise SystemExit(0 if args else 2)
+    args = args_or_help(argv, __doc__, USAGE)
     try:
         if args[0] != "convert":
             raise ConfigError("command", args[0], "convert")

@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any
 
+from zeroexp.cli.plain_args import args_or_help
 from zeroexp.errors import ConfigError
 
 __all__ = ["main", "USAGE"]
@@ -90,10 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     """The command line (module docstring)."""
     from zeroexp.report.compare import compare, read_cell
 
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
-        raise SystemExit(0 if args else 2)
+    args = args_or_help(argv, __doc__, USAGE)
     try:
         (a, b), fmt = _args(args)
         cells = []

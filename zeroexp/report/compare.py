@@ -4,12 +4,12 @@ first. Read from each cell's ``manifest.json`` (the composed configuration) and 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 from zeroexp.report.checks import cell_checks
+from zeroexp.results.files import flat_keys, read_json
 
 __all__ = ["Cell", "read_cell", "compare", "FIGURES"]
 
@@ -52,18 +52,10 @@ def read_cell(path: str | Path) -> Cell:
         raise ValueError(f"{where} is no cell directory (no manifest.json)")
     if not summary.is_file():
         raise ValueError(f"{where} holds no summary.json (the cell did not finish: its manifest's status is "
-                         f"{json.loads(manifest.read_text()).get('status')!r})")
-    meta = json.loads(manifest.read_text())
-    return Cell(where, dict(_flat(meta.get("config") or {})), json.loads(summary.read_text()),
+                         f"{read_json(manifest).get('status')!r})")
+    meta = read_json(manifest)
+    return Cell(where, flat_keys(meta.get("config") or {}), read_json(summary),
                 str(meta.get("cell_name") or where.name))
-
-
-def _flat(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            yield from _flat(v, f"{prefix}{k}.")
-    else:
-        yield prefix.rstrip("."), tree
 
 
 def _figures(summary: Mapping[str, Any]) -> dict[tuple[str, str], tuple[float, str]]:

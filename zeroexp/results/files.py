@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["redact", "redact_obj", "write_text", "write_json", "write_csv", "read_json", "versions", "git_commit",
-           "utc_now", "load_sweep", "SCHEMA_VERSION", "schema_version"]
+__all__ = ["redact", "redact_obj", "write_text", "write_json", "write_csv", "read_json", "flat_keys", "versions",
+           "git_commit", "utc_now", "load_sweep", "SCHEMA_VERSION", "schema_version"]
 
 #: The version of the cell files' layout, written as ``schema_version`` at the top of ``summary.json`` and
 #: ``manifest.json`` (docs/results.md). 1: files written before the field existed (they have none); 2: the
@@ -157,11 +157,12 @@ def host() -> str:
     return socket.gethostname()
 
 
-def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_keys(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``d`` with its nested mappings spelled as dotted keys (an empty mapping kept as a value)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, Mapping) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -203,12 +204,12 @@ def load_sweep(sweep_dir: Path | str) -> Any:
         try:
             manifest = read_json(manifest_path)
             version = schema_version(manifest, f"{cell.name}/manifest.json")  # before the row takes its status
-            row.update(_flat(manifest), schema_version=version)
+            row.update(flat_keys(manifest), schema_version=version)
             summary_path = cell / "summary.json"
             if row.get("status") == "ok" and summary_path.exists():
                 summary = read_json(summary_path)
                 schema_version(summary, f"{cell.name}/summary.json")  # versions 1 and 2: the same fields
-                row.update(_flat({k: v for k, v in summary.items() if k not in _SUMMARY_DUPLICATES}))
+                row.update(flat_keys({k: v for k, v in summary.items() if k not in _SUMMARY_DUPLICATES}))
         except (OSError, ValueError) as e:  # unreadable JSON: keep the cell, say why
             row.setdefault("status", "unreadable")
             row["error.message"] = f"cannot read {cell.name}: {e}"

@@ -170,6 +170,14 @@ class Check:
         return cls(Verdict.FAIL if found else otherwise, found)
 
     @classmethod
+    def worst_of(cls, parts: Iterable[Check]) -> Check:
+        """A summary of ``parts``: their worst verdict (:func:`worst`) with the reasons of the parts that have it."""
+        parts = list(parts)
+        verdict = worst(c.verdict for c in parts)
+        return cls(verdict, () if verdict is Verdict.PASS else
+                   tuple(r for c in parts if c.verdict is verdict for r in c.reasons))
+
+    @classmethod
     def raised(cls, e: BaseException) -> Check:
         """ERROR: the check raised ``e``."""
         return cls(Verdict.ERROR, (Reason(Code.PROBE_RAISED, f"{type(e).__name__}: {e}"),))

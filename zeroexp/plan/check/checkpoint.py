@@ -12,7 +12,7 @@ from zeroexp.formulas import Groups
 from zeroexp.formulas.checkpoint import checkpoint_peaks, written_bytes
 from zeroexp.formulas.device import measured_on
 from zeroexp.plan.check.judge import judge
-from zeroexp.results.verdict import Check, Code, Reason, Verdict, worst
+from zeroexp.results.verdict import Check, Code, Reason, Verdict
 
 __all__ = ["checkpoint_section"]
 
@@ -50,10 +50,7 @@ def _section(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, 
             reasons.append(Reason(Code.PLAN_CHECKPOINT_DIFFERS, f"rank {r} wrote {got} B of tensors, planned {want} B"))
     written = Check.failed_if(reasons)
     peaks = _peaks(cell, summary, groups, itemsize, shape)
-    parts = [written, Check.read(peaks)]
-    verdict = worst(c.verdict for c in parts)  # a summary shows its worst part
-    why = tuple(r for c in parts if c.verdict is verdict for r in c.reasons)
-    return {**out, "peaks": peaks, **Check(verdict, why if verdict is not Verdict.PASS else ()).fields()}
+    return {**out, "peaks": peaks, **Check.worst_of([written, Check.read(peaks)]).fields()}  # its worst part
 
 
 def _peaks(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, shape: Any) -> dict[str, Any]:
@@ -92,6 +89,4 @@ def _peaks(cell: Any, summary: dict[str, Any], groups: Groups, itemsize: int, sh
             out[name]["measured_rank_bytes"] = [int(v) for v in got]
         out[name].update(check.fields())
         phases.append(check)
-    verdict = worst(c.verdict for c in phases)
-    why = tuple(r for c in phases if c.verdict is verdict for r in c.reasons)
-    return {**out, **Check(verdict, why if verdict is not Verdict.PASS else ()).fields()}
+    return {**out, **Check.worst_of(phases).fields()}
