@@ -51,6 +51,8 @@ UNSIZED = {
     "engine_state": "what DeepSpeed allocates beside the state it gathers or reads (its bookkeeping, the other "
                  "moments of a parameter, the fresh engine's state)",
     "objects": "the pickled optimizer state ZeroRedundancyOptimizer broadcasts, beyond its tensors' bytes",
+    "uneven_chunk": "one padded chunk more, measured on an FSDP2 full load where a parameter's rows do not divide "
+                    "over the shard group: an allocation not found yet",
     "accelerator": "the terms on an accelerator: no GPU cell has measured them yet",
 }
 
