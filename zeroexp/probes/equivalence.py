@@ -26,95 +26,49 @@ from typing import Any, Mapping
 
 import pandas as pd
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from zeroexp._lib.modules import wrapper_prefixes
 from zeroexp.cell.source import Source
-from zeroexp.models import LOSSES, build_model, make_batch
 from zeroexp.probes.base import Probe, ProbeReport
+from zeroexp.probes.divergence import divergence_line
+from zeroexp.probes.reference import PREFIX as _PREFIX, Reference, start_from
 
 from zeroexp.tolerances import FLOOR_FACTOR, THRESHOLDS
 from zeroexp.results.format import fmt_err, fmt_int, missing
 from zeroexp.results.section import Column, ReportTable, raw_rows
 from zeroexp.results.verdict import Check, Code, Reason, Verdict
 
-__all__ = ["EquivalenceProbe", "FLOOR_FACTOR", "THRESHOLDS", "train_reference", "compare", "max_abs_diff"]
+__all__ = ["EquivalenceProbe", "FLOOR_FACTOR", "THRESHOLDS", "train_reference", "start_from", "compare", "max_abs_diff"]
 
 REFERENCE = "unsharded nn.Module + torch.optim.AdamW, one process, same seed, identical global batches"
-#: CellModule keeps the user's model as ``net``: the prefix of every parameter name the adapter reports.
-_PREFIX = "net."
 
 
 def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None,
                     averaged_grads: bool = False, seen: dict[str, Any] | None = None,
                     start: tuple[Source, dict] | None = None) -> dict[str, torch.Tensor]:
-    """Train the unsharded reference for ``steps`` steps; return its parameters by name (on the CPU).
+    """Train the unsharded reference (:class:`~zeroexp.probes.reference.Reference`) for ``steps`` steps; return its
+    parameters by name (on the CPU).
 
     ``start``: the checkpoint the cell started from (``checkpoint.load_from``) and its state read whole in this
     process (``StrategyAdapter.read_whole``; not the state the cell loaded): the reference starts from that state
     (parameters, AdamW's moments and step) and trains on the batches of the steps after it: the target
     configuration's uninterrupted run from the same state.
 
-    ``clip_grad_norm``: clip by the global norm as the strategy does. ``averaged_grads``: data parallelism's
-    arithmetic instead of the mean loss's: each rank's gradient of its own loss, summed in the reverse rank
-    order, then divided by the world size (for the reduction-order floor). ``seen``, when given, is filled with
-    ``ungraded`` (the trainable parameters the first step gave no gradient, by name), ``buffers`` (the buffers
-    after the last step) and ``moved_buffers`` (the names of those training changed).
+    ``clip_grad_norm``, ``averaged_grads``: :class:`~zeroexp.probes.reference.Reference`'s. ``seen``, when given, is
+    filled with ``ungraded`` (the trainable parameters the first step gave no gradient, by name), ``buffers`` (the
+    buffers after the last step) and ``moved_buffers`` (the names of those training changed).
     """
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    import lightning.pytorch as pl  # here: the probe's module is read without Lightning (zeroexp.probes.base)
-
-    pl.seed_everything(int(cfg.seed), workers=False, verbose=False)  # exactly what each rank did before build
-    net = build_model(model_cfg)
-    params = list(net.parameters())
-    o = cfg.optimizer
-    impl = o.get("impl")  # the cell's AdamW path (optimizer.impl), so that only the sharding differs
-    path = {} if impl is None else {"foreach": impl == "foreach", "fused": impl == "fused"}
-    opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **path)
-    if start is not None:
-        start_from(net, opt, start[1])
-    loss_fn = LOSSES[cfg.model.loss]
-    n, k = int(cfg.world_size), int(cfg.grad_accum)
-    first = 0 if start is None else start[0].step
-    initial = {name: b.detach().clone() for name, b in net.named_buffers()}
-    for step in range(first, first + steps):
-        opt.zero_grad(set_to_none=True)
-        for micro in range(step * k, step * k + k):  # grad_accum=K: K micro-batches per step, each loss / K
-            # The global batch, fed rank by rank: each rank's loss is the loss of its own batch, as in training.
-            parts = [make_batch(model_cfg, int(cfg.batch_size), int(cfg.seed), micro, r) for r in range(n)]
-            if averaged_grads:
-                total: list[torch.Tensor | None] = [None] * len(params)
-                held = [p.grad for p in params]
-                for b in reversed(parts):
-                    for p in params:
-                        p.grad = None
-                    (loss_fn(net(b), b) / k if k > 1 else loss_fn(net(b), b)).backward()
-                    total = [g if t is None else (t if g is None else t + g)
-                             for t, g in zip(total, (p.grad for p in params))]
-                for p, t, h in zip(params, total, held):
-                    p.grad = None if t is None else (t / n if h is None else h + t / n)
-            else:
-                loss = torch.stack([loss_fn(net(b), b) for b in parts]).mean()
-                (loss / k if k > 1 else loss).backward()
-        if clip_grad_norm is not None:  # the strategy clips by the global norm: so does the reference
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        if seen is not None and step == first:
-            seen["ungraded"] = [name for name, p in net.named_parameters() if p.requires_grad and p.grad is None]
-        opt.step()
+    ref = Reference(cfg, clip_grad_norm=clip_grad_norm, averaged_grads=averaged_grads, start=start)
+    initial = {name: b.detach().clone() for name, b in ref.net.named_buffers()}
+    for i in range(steps):
+        ref.take_step()
+        if seen is not None and i == 0:
+            seen["ungraded"] = list(ref.ungraded)
     if seen is not None:
-        seen["buffers"] = {name: b.detach() for name, b in net.named_buffers()}
-        seen["moved_buffers"] = [name for name, b in net.named_buffers() if not torch.equal(b, initial[name])]
-    return {name: p.detach() for name, p in net.named_parameters()}
-
-
-def start_from(net: torch.nn.Module, opt: torch.optim.Optimizer, whole: Mapping[str, Any]) -> None:
-    """Load a checkpoint's state read whole (``{"model": ..., "optim": ...}``) into the plain ``net`` and its AdamW
-    ``opt``: the parameters and buffers it holds by name (CellModule's ``net.`` prefix taken off), each parameter's
-    moments and step where it has them."""
-    net.load_state_dict({n.removeprefix(_PREFIX): t for n, t in whole["model"].items()})
-    index = {name: i for i, (name, _) in enumerate(net.named_parameters())}
-    state = {index[n.removeprefix(_PREFIX)]: s for n, s in whole["optim"]["state"].items()}
-    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+        seen["buffers"] = {name: b.detach() for name, b in ref.net.named_buffers()}
+        seen["moved_buffers"] = [name for name, b in ref.net.named_buffers() if not torch.equal(b, initial[name])]
+    return ref.parameters()
 
 
 #: Why a parameter forward never uses may differ from the reference by design.
@@ -225,7 +179,8 @@ def equivalence_line(e: dict[str, Any]) -> str:
     basis = e.get("threshold_basis")
     return (f"max abs err {fmt_err(e.get('max_abs_err'))} vs bound {fmt_err(bound)}"
             + ("" if missing(basis) else f" ({basis})") + f" after {e.get('steps')} steps"
-            + ("" if missing(e.get("cause")) else f"; cause: {e['cause']}"))
+            + ("" if missing(e.get("cause")) else f"; cause: {e['cause']}")
+            + (f"; {divergence_line(e['divergence'])}" if isinstance(e.get("divergence"), dict) else ""))
 
 
 class EquivalenceProbe(Probe):

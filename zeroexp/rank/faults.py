@@ -7,7 +7,10 @@ process. ``enospc`` counts result writes, not steps: after training, the rank's 
 (0 first; a CSV table or ``summary.json`` in the cell directory) fails with ENOSPC half-way through its data. It exists
 so that the reliability tests can prove that a failed or hung rank ends its cell within the timeouts, leaves no process
 behind, and does not stop a sweep. It does nothing when unset. Kind ``perturb`` changes that rank's batch of that step
-instead, so the equivalence tests can prove that a run that computed something else FAILs.
+instead, so the equivalence tests can prove that a run that computed something else FAILs. Kinds ``frozen``,
+``round_grads`` and ``clip_world`` make a strategy's arithmetic wrong in a way users meet (see :data:`KINDS`), so that
+the divergence replay (zeroexp.probes.divergence) is proven to name the step, the tensor and the cause. A cell that
+replays its steps (``probes.trace_divergence``) re-applies the kinds of :data:`REPLAYED`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ ENV = "ZEROEXP_FAULT"
 #: ``raise_tensor``: raises an error whose message holds a parameter's repr (as torch's C++ errors can).
 #: ``memory``: raises MemoryError (what an allocation beyond the machine's memory raises in Python).
 #: ``enospc``: a result write fails with ENOSPC (see the module's doc).
-KINDS = ("raise", "raise_tensor", "kill", "hang", "perturb", "memory", "enospc")
+#: ``frozen``: after that step's optimizer step, the rank's copy (its shard) of the model's first frozen parameter
+#: moves by 1e-2 (a frozen parameter the optimizer updated: accelerate#3844's class).
+#: ``round_grads``: before that step's optimizer step, the rank's gradients rounded to bf16 (a reduction or
+#: accumulation in bf16 in an fp32 cell).
+#: ``clip_world``: at that step, every rank (the rank field is ignored: a norm is a collective) clips by a total norm
+#: whose squares are all-reduced over the whole world instead of the shard group (VeOmni#184's HSDP bug: each square
+#: counted once per replica); the same as the right norm where there is no replicate dimension.
+KINDS = ("raise", "raise_tensor", "kill", "hang", "perturb", "memory", "enospc", "frozen", "round_grads",
+         "clip_world")
+#: The kinds that change what a cell computes, re-applied when it replays its steps (probes.trace_divergence).
+REPLAYED = ("perturb", "frozen", "round_grads", "clip_world")
 
 
 @dataclass(frozen=True)
@@ -68,9 +81,40 @@ class FaultInjector:
         if self.armed and self.rank == self.fault.rank and self.fault.kind == "enospc":
             fill_disk_at_result_write(self.fault.step)
 
+    def _here(self, step: int, kind: str) -> bool:
+        return self.armed and self.fault.kind == kind and step == self.fault.step and \
+            (self.rank == self.fault.rank or kind == "clip_world")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.armed and self.fault.kind == "clip_world" and pl_module.clip_gradients is not None:
+            right = pl_module.clip_gradients
+            max_norm = right.__self__.clip_grad_norm
+
+            def clip(model) -> None:
+                if not self._here(trainer.global_step, "clip_world") or max_norm is None:
+                    return right(model)
+                clip_over_world(model, max_norm)
+            pl_module.clip_gradients = clip
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._here(trainer.global_step, "round_grads"):
+            import torch
+
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    if p.grad is not None:
+                        p.grad.copy_(p.grad.to(torch.bfloat16).to(p.grad.dtype))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._here(batch_idx, "frozen"):
+            import torch
+
+            with torch.no_grad():
+                next(p for p in pl_module.parameters() if not p.requires_grad).add_(1e-2)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.armed or self.rank != self.fault.rank or batch_idx != self.fault.step \
-                or self.fault.kind == "enospc":
+                or self.fault.kind in ("enospc", "frozen", "round_grads", "clip_world"):
             return
         if self.fault.kind == "memory":
             raise MemoryError(f"injected fault: rank {self.rank} ran out of memory at step {batch_idx}")
@@ -87,6 +131,19 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang: never reach the step's collectives
             time.sleep(3600)
+
+
+def clip_over_world(model, max_norm: float) -> None:
+    """Clip ``model``'s gradients by a norm whose squares are summed over every rank of the world: the rank's local
+    gradient (its shard of a DTensor) squared and all-reduced over the default group (``clip_world``)."""
+    import torch
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params)]
+    squares = torch.stack([t.detach().float().pow(2).sum() for t in local]).sum()
+    dist.all_reduce(squares)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, squares.sqrt())
 
 
 def fill_disk_at_result_write(n: int) -> None:

@@ -1,0 +1,118 @@
+"""The unsharded reference a cell is checked against, one optimizer step at a time.
+
+A plain ``nn.Module`` from the cell's seed and ``build_model`` (so the same initial weights), ``torch.optim.AdamW`` with
+the cell's hyper-parameters and update path, one process, on the identical global batches (every rank's ``make_batch``
+of each step) with the loss of data parallelism, the mean over ranks of the per-rank losses. The equivalence probe
+(:mod:`zeroexp.probes.equivalence`) trains it to the end; the divergence replay (:mod:`zeroexp.probes.divergence`)
+steps it beside the strategy and compares after every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from zeroexp.models import LOSSES, build_model, make_batch
+
+__all__ = ["Reference", "start_from", "PREFIX"]
+
+#: CellModule keeps the user's model as ``net``: the prefix of every parameter name the adapter reports.
+PREFIX = "net."
+
+
+class Reference:
+    """The reference of ``cfg``, ready for its first step (``start``: the checkpoint the cell started from, read
+    whole; the reference starts from its parameters, moments and step, on the batches of the steps after it).
+
+    ``clip_grad_norm``: clip by the global norm as the strategy does. ``averaged_grads``: data parallelism's arithmetic
+    instead of the mean loss's: each rank's gradient of its own loss, summed in the reverse rank order, then divided by
+    the world size (what separates data parallelism from one process: the reduction-order floor)."""
+
+    def __init__(self, cfg: DictConfig, *, clip_grad_norm: float | None = None, averaged_grads: bool = False,
+                 start: tuple[Any, Mapping[str, Any]] | None = None) -> None:
+        import lightning.pytorch as pl  # here: the probes' modules are read without Lightning (zeroexp.probes.base)
+
+        self.model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        pl.seed_everything(int(cfg.seed), workers=False, verbose=False)  # exactly what each rank did before build
+        self.net = build_model(self.model_cfg)
+        self.params = list(self.net.parameters())
+        o = cfg.optimizer
+        impl = o.get("impl")  # the cell's AdamW path (optimizer.impl), so that only the sharding differs
+        path = {} if impl is None else {"foreach": impl == "foreach", "fused": impl == "fused"}
+        self.betas = tuple(float(b) for b in o.betas)
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=self.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                     **path)
+        if start is not None:
+            start_from(self.net, self.opt, start[1])
+        self.loss_fn = LOSSES[cfg.model.loss]
+        self.n, self.k, self.batch, self.seed = int(cfg.world_size), int(cfg.grad_accum), int(cfg.batch_size), \
+            int(cfg.seed)
+        self.clip, self.averaged = clip_grad_norm, averaged_grads
+        self.step = 0 if start is None else start[0].step  # the next optimizer step's index
+        #: After each step: each rank's loss of the step (the mean of its micro-batches'), the total gradient norm
+        #: before clipping (None without clipping), the trainable parameters the step gave no gradient (by name).
+        self.rank_losses: list[float] = []
+        self.grad_norm: float | None = None
+        self.ungraded: list[str] = []
+
+    def take_step(self) -> None:
+        """One optimizer step of ``grad_accum`` micro-batches, each rank's part of the global batch in turn."""
+        params, n, k = self.params, self.n, self.k
+        self.opt.zero_grad(set_to_none=True)
+        losses = [0.0] * n
+        for micro in range(self.step * k, self.step * k + k):  # grad_accum=K: K micro-batches per step, each loss / K
+            # The global batch, fed rank by rank: each rank's loss is the loss of its own batch, as in training.
+            parts = [make_batch(self.model_cfg, self.batch, self.seed, micro, r) for r in range(n)]
+            if self.averaged:
+                total: list[torch.Tensor | None] = [None] * len(params)
+                held = [p.grad for p in params]
+                for r in reversed(range(n)):
+                    for p in params:
+                        p.grad = None
+                    loss = self.loss_fn(self.net(parts[r]), parts[r])
+                    losses[r] += float(loss.detach()) / k
+                    (loss / k if k > 1 else loss).backward()
+                    total = [g if t is None else (t if g is None else t + g)
+                             for t, g in zip(total, (p.grad for p in params))]
+                for p, t, h in zip(params, total, held):
+                    p.grad = None if t is None else (t / n if h is None else h + t / n)
+            else:
+                each = [self.loss_fn(self.net(b), b) for b in parts]
+                losses = [s + float(x.detach()) / k for s, x in zip(losses, each)]
+                loss = torch.stack(each).mean()
+                (loss / k if k > 1 else loss).backward()
+        self.rank_losses = losses
+        self.ungraded = [name for name, p in self.net.named_parameters() if p.requires_grad and p.grad is None]
+        self.grad_norm = None
+        if self.clip is not None:  # the strategy clips by the global norm: so does the reference
+            self.grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
+        self.opt.step()
+        self.step += 1
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter by its name in the model (no prefix), detached."""
+        return {name: p.detach() for name, p in self.net.named_parameters()}
+
+    def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """AdamW's ``(exp_avg, exp_avg_sq)`` of every parameter that has them, by name."""
+        out = {}
+        for name, p in self.net.named_parameters():
+            s = self.opt.state.get(p)
+            if s and "exp_avg" in s:
+                out[name] = (s["exp_avg"], s["exp_avg_sq"])
+        return out
+
+    def trainable(self) -> set[str]:
+        return {name for name, p in self.net.named_parameters() if p.requires_grad}
+
+
+def start_from(net: torch.nn.Module, opt: torch.optim.Optimizer, whole: Mapping[str, Any]) -> None:
+    """Load a checkpoint's state read whole (``{"model": ..., "optim": ...}``) into the plain ``net`` and its AdamW
+    ``opt``: the parameters and buffers it holds by name (CellModule's ``net.`` prefix taken off), each parameter's
+    moments and step where it has them."""
+    net.load_state_dict({n.removeprefix(PREFIX): t for n, t in whole["model"].items()})
+    index = {name: i for i, (name, _) in enumerate(net.named_parameters())}
+    state = {index[n.removeprefix(PREFIX)]: s for n, s in whole["optim"]["state"].items()}
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
