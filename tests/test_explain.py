@@ -34,9 +34,10 @@ def test_two_cells_differ_where_their_strategies_do(cell, capsys):
     assert sizes[0] == float("inf") and diff["same"] > 0
 
 
-def test_what_is_not_two_cells_is_refused_naming_the_argument(cell, tmp_path, capsys):
+def test_what_is_not_one_or_two_cells_is_refused_naming_the_argument(cell, tmp_path, capsys):
     one = _dir(cell, "ddp")
-    for args, named in [([one], "A B="), ([one, str(tmp_path)], "B="), ([one, one, "format=xml"], "format="),
+    for args, named in [([one, one, one], "CELL="), ([one, str(tmp_path)], "B="),
+                        ([str(tmp_path)], "CELL="), ([one, one, "format=xml"], "format="),
                         ([one, one, "steps=3"], "steps=")]:
         with pytest.raises(SystemExit) as e:
             main(args)
@@ -44,3 +45,6 @@ def test_what_is_not_two_cells_is_refused_naming_the_argument(cell, tmp_path, ca
     main([one, one])  # a cell against itself: nothing differs
     shown = capsys.readouterr().out
     assert "Configuration: 0 keys differ" in shown and "Measured figures that differ" in shown
+    main([one])  # one cell: its checks, none failed, nothing to locate
+    shown = capsys.readouterr().out
+    assert "0 check(s) FAILed" in shown and "replay it" not in shown

@@ -1,14 +1,20 @@
-"""``python -m zeroexp.explain A B [format=table|json]``: two finished cells side by side.
+"""``python -m zeroexp.explain CELL [format=table|json]``: one finished cell's checks and where a FAIL came from;
+``python -m zeroexp.explain A B [format=table|json]``: two finished cells side by side.
 
+One cell (zeroexp.report.explain_cell): every check with its verdict and reasons, the failed first, and the
+equivalence's divergence as the cell recorded it (the first step, tensor, kind and cause where training parted from the
+reference: zeroexp.probes.divergence), or, for a FAIL the cell did not replay, the command that replays it.
+
+Two cells:
 What differs between the two cells' configurations (``manifest.json``: the composed configuration, where each wrote
 left out), their checks (each verdict in each), and every figure both measured (``summary.json``: state bytes by kind,
 steady, peak and phase peaks, collective calls, payload and bus bytes by op, exposed communication, step time, the
 equivalence error, the final loss, a checkpoint's bytes and times), the largest difference first (by the ratio of
 the two; a figure one cell lacks or has at zero first of all). Measured figures only: nothing is run or predicted
-(zeroexp.report.compare). One cell's explanation (where a FAIL came from) is not built yet.
+(zeroexp.report.compare).
 
-Exit 0 compared; 2 refused before reading anything else (the argument named): not two directories, one that is no
-cell directory or whose cell wrote no summary, an unknown ``format``.
+Exit 0 explained or compared; 2 refused before reading anything else (the argument named): not one or two
+directories, one that is no cell directory or whose cell wrote no summary, an unknown ``format``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from zeroexp.errors import ConfigError
 
 __all__ = ["main", "USAGE"]
 
-USAGE = "usage: python -m zeroexp.explain A B [format=table|json]   (A, B: cell directories)"
+USAGE = ("usage: python -m zeroexp.explain CELL [format=table|json]   (one cell: its checks, where a FAIL came from)\n"
+         "       python -m zeroexp.explain A B [format=table|json]  (two cells side by side)")
 FORMATS = ("table", "json")
 
 
@@ -38,10 +45,8 @@ def _args(args: list[str]) -> tuple[list[str], str]:
             raise ConfigError(a.partition("=")[0], a.partition("=")[2], "format=table|json", why="the one key")
         else:
             dirs.append(a)
-    if len(dirs) != 2:
-        raise ConfigError("A B", " ".join(dirs) or None, "two cell directories",
-                          why=f"{len(dirs)} given" + ("; one cell's explanation is not built yet" if len(dirs) == 1
-                                                      else ""))
+    if len(dirs) not in (1, 2):
+        raise ConfigError("CELL", " ".join(dirs) or None, "one or two cell directories", why=f"{len(dirs)} given")
     return dirs, fmt
 
 
@@ -87,15 +92,38 @@ def _print(diff: dict[str, Any]) -> None:
         console.print(f"note: {note}")
 
 
+def _print_one(told: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from zeroexp.probes.divergence import divergence_line
+
+    console = Console(soft_wrap=True)
+    console.print(f"{told['cell']} ({told['dir']}): {told['failed']} check(s) FAILed or ERRORed\n")
+    table = Table(title="Checks (failed first)")
+    for c in ("check", "verdict", "why"):
+        table.add_column(c)
+    for row in told["checks"]:
+        table.add_row(row["check"], row["verdict"], "; ".join(row["reasons"]) or "-",
+                      style="bold" if row["verdict"] in ("FAIL", "ERROR") else None)
+    console.print(table)
+    eq = told["equivalence"]
+    if eq["divergence"] is not None:
+        console.print(f"equivalence ({eq['check']}): {divergence_line(eq['divergence'])}")
+    if eq["replay"]:
+        console.print(f"equivalence FAIL, not located (the cell did not replay its steps, or the replay raised); "
+                      f"replay it:\n  {eq['replay']}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """The command line (module docstring)."""
     from zeroexp.report.compare import compare, read_cell
 
     args = args_or_help(argv, __doc__, USAGE)
     try:
-        (a, b), fmt = _args(args)
+        dirs, fmt = _args(args)
         cells = []
-        for key, where in (("A", a), ("B", b)):
+        for key, where in zip(("A", "B") if len(dirs) == 2 else ("CELL",), dirs):
             try:
                 cells.append(read_cell(where))
             except ValueError as e:
@@ -103,6 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"{e}\n{USAGE}", file=sys.stderr)
         raise SystemExit(2) from None
+    if len(cells) == 1:
+        from zeroexp.report.explain_cell import explain_cell
+
+        told = explain_cell(cells[0])
+        print(json.dumps(told, indent=1, default=str)) if fmt == "json" else _print_one(told)
+        return
     diff = compare(*cells)
     if fmt == "json":
         print(json.dumps(diff, indent=1, default=str))

@@ -110,8 +110,7 @@ class ProbesConfig:
 
     profile_steps: int = 2  # steps the collectives probe records with the torch profiler
     memory_steps: int = 2  # steps the memory probe tracks for the training peak
-    # Replay the steps after the measured ones to locate where training parts from the reference
-    # (zeroexp.probes.divergence): null when equivalence FAILs, true always, false never.
+    # Replay to locate where training parts from the reference (zeroexp.probes.divergence): null on a FAIL
     trace_divergence: Optional[bool] = None
 
 

@@ -56,8 +56,15 @@ class Evidence:
     excused: Mapping[str, str] = field(default_factory=dict)
 
 
-def cause_of(kind: str, tensor: str, e: Evidence) -> tuple[str, str]:
-    """``(code, sentence)`` for the first parting, ``kind`` of ``tensor`` (``grad``, ``exp_avg_sq``, ``param``)."""
+def cause_of(kind: str, tensor: str, e: Evidence) -> tuple[str, str, dict[str, float]]:
+    """``(code, sentence, numbers)`` for the first parting, ``kind`` of ``tensor`` (``grad``, ``exp_avg_sq``,
+    ``param``); ``numbers``: what decided it, where a number did (``clip_scale``: ``factor``, ``norm``,
+    ``reference_norm``, ``squares_counted``; ``grad_scale``: ``factor``; ``rounding``: ``relative``)."""
+    code, why, *numbers = _cause(kind, tensor, e)
+    return code, why, (numbers[0] if numbers else {})
+
+
+def _cause(kind: str, tensor: str, e: Evidence) -> tuple[Any, ...]:
     if e.ranks:
         which = ", ".join(str(r) for r in e.ranks)
         return "rank_batch", (f"the loss of rank {which} at step {e.step} differs from the reference's loss of the "
@@ -78,9 +85,9 @@ def cause_of(kind: str, tensor: str, e: Evidence) -> tuple[str, str]:
         scaled = uniform_scale(e.got, e.ref, e.bound)
         if scaled is not None:
             return _scale_cause(scaled, e)
-        fmt = rounding_format(e.got, e.ref)
+        fmt, relative = rounding_format(e.got, e.ref)
         if fmt is not None:
-            return "rounding", _rounding_sentence(fmt, e)
+            return "rounding", _rounding_sentence(fmt, e), {"relative": relative}
         return "gradient", (f"the gradient of {tensor} at step {e.step} differs in no pattern (not one factor, not a "
                             "16-bit rounding) while every rank's loss agrees: the backward or the reduction differs")
     if kind == "exp_avg_sq":
@@ -111,28 +118,32 @@ def uniform_scale(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tenso
     return c
 
 
-def _scale_cause(c: float, e: Evidence) -> tuple[str, str]:
+def _scale_cause(c: float, e: Evidence) -> tuple[Any, ...]:
     clip = e.cfg.strategy.get("clip_grad_norm")
     if clip is None or e.ref_norm is None:
         return "grad_scale", (f"every gradient at step {e.step} is the reference's times {c:.6g}: a loss or gradient "
-                              "scale differs (the division by the world size or by the accumulation steps)")
+                              "scale differs (the division by the world size or by the accumulation steps)"), \
+            {"factor": c}
     ref_coef = min(1.0, float(clip) / (e.ref_norm + 1e-6))  # torch.nn.utils.clip_grads_with_norm_'s coefficient
     coef = c * ref_coef
     said = f"every gradient at step {e.step} is the reference's times {c:.6g} under clip_grad_norm={float(clip):g}"
     if coef >= 1.0:
-        return "clip_scale", f"{said}: the strategy did not clip where the reference's total norm {e.ref_norm:.6g} did"
+        return "clip_scale", (f"{said}: the strategy did not clip where the reference's total norm "
+                              f"{e.ref_norm:.6g} did"), {"factor": c, "reference_norm": e.ref_norm}
     norm = float(clip) / coef - 1e-6
     ratio = (norm / e.ref_norm) ** 2
     times = (f"each square counted {ratio:.3g} times: a norm summed over a group {round(ratio)} times too large"
              if ratio > 1 else f"{ratio:.3g} of the squares counted: a norm summed over too small a group")
     return "clip_scale", (f"{said}: the strategy clipped by a total norm of {norm:.6g} where the reference's is "
-                          f"{e.ref_norm:.6g} ({times})")
+                          f"{e.ref_norm:.6g} ({times})"), \
+        {"factor": c, "norm": norm, "reference_norm": e.ref_norm, "squares_counted": ratio}
 
 
-def rounding_format(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> str | None:
+def rounding_format(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> tuple[str | None, float]:
     """The 16-bit format whose rounding every gradient's relative difference (its norm against the reference's)
     matches: between an eighth of and twice its unit roundoff (round to nearest moves an element by at most the
-    roundoff, relative, on average about half of it); None where no format matches every gradient."""
+    roundoff, relative, on average about half of it), and the largest relative difference; None where no format
+    matches every gradient."""
     errs = []
     for n, r in ref.items():
         g = got.get(n)
@@ -142,8 +153,8 @@ def rounding_format(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Ten
         errs.append(float((g.double() - r.double()).norm()) / norm)
     for fmt, u in ROUNDOFF.items():
         if errs and all(u / 8 <= x <= 2 * u for x in errs):
-            return fmt
-    return None
+            return fmt, max(errs)
+    return None, max(errs, default=0.0)
 
 
 def _rounding_sentence(fmt: str, e: Evidence) -> str:

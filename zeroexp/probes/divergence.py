@@ -151,10 +151,10 @@ class Watch:
                 if not hits:
                     continue
                 _, name, size, bound = hits[0]
-                code, why = cause_of(kind, name, evidence)
+                code, why, numbers = cause_of(kind, name, evidence)
                 found = {"step": step, "tensor": name, "kind": kind, "size": size, "bound": bound,
                          "relative": kind != "param", "tensors_beyond": len(hits), "cause": code, "why": why,
-                         **({"ranks": ranks} if ranks else {})}
+                         **({"ranks": ranks} if ranks else {}), **({"evidence": numbers} if numbers else {})}
                 if excused_pass:
                     self.excused_found = self.excused_found or {**found, "by_design": self.excused[name]}
                     return False

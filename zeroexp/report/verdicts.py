@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,8 +134,20 @@ def _failures(cells: pd.DataFrame) -> list[str]:
                        f"{row.get('error.message') if not missing(row.get('error.message')) else 'no error recorded'}"
                        + ("" if missing(log) else f" (see {row['cell_name']}/{log})"))
             continue
-        out += [f"{label}: {c.name} {c.verdict}: " + "; ".join(c.texts) for c in failed_checks(_nested(row))]
+        failed = failed_checks(_nested(row))
+        out += [f"{label}: {c.name} {c.verdict}: " + "; ".join(c.texts) + _located(row, c.name) for c in failed]
+        if failed and not missing(row.get("cell_dir")):
+            out[-1] += f" (every check: `python -m zeroexp.explain {shlex.quote(str(row['cell_dir']))}`)"
     return out
+
+
+def _located(row: pd.Series, check: str) -> str:
+    """An equivalence FAIL's divergence, where the cell replayed its steps (zeroexp.probes.divergence)."""
+    if check != "equivalence" or missing(row.get("equivalence.divergence.found")):
+        return ""
+    from zeroexp.probes.divergence import divergence_line
+
+    return "; " + divergence_line(_nested(row)["equivalence"]["divergence"])
 
 
 def verdicts(cells: pd.DataFrame) -> Verdicts:
