@@ -16,17 +16,19 @@ from zeroexp.probes.collectives import CollectivesProbe
 from zeroexp.probes.memory import MemoryProbe
 from zeroexp.probes.timing import TimingProbe
 from zeroexp.probes.equivalence import EquivalenceProbe
+from zeroexp.probes.grad_norm import GradNormProbe
 from zeroexp.probes.checkpoint import CheckpointProbe
 
 __all__ = ["Probe", "ProbeReport", "RunContext", "Steps", "as_callback", "REGISTRY", "registry", "IterationsProbe",
-           "StateProbe", "CollectivesProbe", "MemoryProbe", "TimingProbe", "EquivalenceProbe", "CheckpointProbe",
+           "StateProbe", "CollectivesProbe", "MemoryProbe", "TimingProbe", "EquivalenceProbe",
+           "GradNormProbe", "CheckpointProbe",
            "default_probes", "probes_for", "absent_in_dry_run"]
 
 
 #: Every probe, in the order their sections appear in ``summary.json``; the checkpoint probe last (its
 #: ``on_train_end`` runs after the equivalence probe's).
 REGISTRY: tuple[type[Probe], ...] = (IterationsProbe, StateProbe, CollectivesProbe, MemoryProbe, TimingProbe,
-                                     EquivalenceProbe, CheckpointProbe)
+                                     EquivalenceProbe, GradNormProbe, CheckpointProbe)
 
 
 def registry() -> list[type[Probe]]:

@@ -38,16 +38,24 @@ from zeroexp.probes.causes import Evidence, cause_of
 from zeroexp.probes.reference import PREFIX, Reference
 from zeroexp.tolerances import FLOOR_FACTOR
 
-__all__ = ["DivergenceTracer", "Watch", "ULPS", "replay_wanted", "divergence_line"]
+__all__ = ["DivergenceTracer", "Watch", "ULPS", "relative_bound", "replay_wanted", "divergence_line"]
 
-#: The least relative bound of a gradient, moment or loss comparison: this many units in the last place of the
-#: compute dtype (``torch.finfo(dtype).eps``) at the tensor's largest element. Summation error grows with the number
-#: of terms (Higham, Accuracy and Stability of Numerical Algorithms, 2002, section 4.2: |error| <= (n-1) u sum|x_i|);
-#: 64 ulps is far above the few ulps a reordered fp32 reduction moves a gradient (the floor, measured each step) and far
-#: below a changed batch or a bf16 rounding (2^-8 relative) in an fp32 cell.
+#: The least relative bound of a gradient, moment, loss or norm comparison: this many units of roundoff of the
+#: compute dtype (``torch.finfo(dtype).eps / 2``) at the tensor's largest element. Summation error grows with the
+#: number of terms (Higham, Accuracy and Stability of Numerical Algorithms, 2002, section 4.2: |error| <= (n-1) u
+#: sum|x_i|); 64 roundoffs are far above the few ulps a reordered fp32 reduction moves a gradient (the floor, measured
+#: each step) and far below a changed batch or a bf16 rounding (2^-8 relative) in an fp32 cell.
 ULPS = 64
 #: The kinds compared, in the order a step computes them.
 KINDS = ("grad", "exp_avg_sq", "param")
+
+
+def relative_bound(floor: float, dtype: str | torch.dtype) -> float:
+    """The bound of a relative difference: ``FLOOR_FACTOR`` times its floor (the same figure of data parallelism's
+    arithmetic), or :data:`ULPS` units of roundoff of ``dtype`` (``torch.finfo(dtype).eps / 2``), whichever is
+    larger."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return max(ULPS * torch.finfo(dtype).eps / 2, FLOOR_FACTOR * floor)
 
 
 def replay_wanted(setting: bool | None, equivalence: Mapping[str, Any] | None) -> bool:
@@ -94,8 +102,7 @@ class Watch:
         self.avg = Reference(cfg, clip_grad_norm=clip, averaged_grads=True, start=start) \
             if int(cfg.world_size) > 1 else None
         self.threshold = threshold
-        dtype = getattr(torch, str(cfg.precision.get("param_dtype") or "float32"))
-        self.ulp_bound = ULPS * torch.finfo(dtype).eps
+        self.dtype = str(cfg.precision.get("param_dtype") or "float32")
         #: Why a parameter the step gives no gradient may move by design (a flat gradient buffer's zero gradient:
         #: the equivalence excuses it too); None: it may not.
         self.ungraded_why = ungraded_why
@@ -132,15 +139,15 @@ class Watch:
             ref, got, avg = values["ref"][kind], values["got"][kind], values.get("avg", {}).get(kind, {})
             measure = _abs if kind == "param" else _rel
             floor = max((measure(avg[n], ref[n]) for n in ref if n in avg), default=0.0)
-            least = (self.threshold if self.threshold is not None else 0.0) if kind == "param" else self.ulp_bound
-            bound = max(least, FLOOR_FACTOR * floor)
+            bound = max(self.threshold or 0.0, FLOOR_FACTOR * floor) if kind == "param" else \
+                relative_bound(floor, self.dtype)
             bounds[kind] = bound
             partings[kind] = sorted(((measure(got[n], ref[n]) / bound if bound > 0 else float("inf"), n,
                                       measure(got[n], ref[n]), bound) for n in ref
                                      if n in got and measure(got[n], ref[n]) > bound), reverse=True)
         loss_floor = max((abs(a - r) / abs(r) for a, r in zip(self.avg.rank_losses, self.ref.rank_losses) if r),
                          default=0.0) if self.avg is not None else 0.0
-        loss_bound = max(self.ulp_bound, FLOOR_FACTOR * loss_floor)
+        loss_bound = relative_bound(loss_floor, self.dtype)
         ranks = [r for r, (g, ref) in enumerate(zip(losses, self.ref.rank_losses))
                  if ref and abs(g - ref) / abs(ref) > loss_bound]
         evidence = Evidence(self.cfg, step, values["got"]["grad"], values["ref"]["grad"], bounds["grad"],

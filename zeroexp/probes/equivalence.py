@@ -32,7 +32,7 @@ from zeroexp._lib.modules import wrapper_prefixes
 from zeroexp.cell.source import Source
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.divergence import divergence_line
-from zeroexp.probes.reference import PREFIX as _PREFIX, Reference, start_from
+from zeroexp.probes.reference import PREFIX as _PREFIX, start_from, trajectory
 
 from zeroexp.tolerances import FLOOR_FACTOR, THRESHOLDS
 from zeroexp.results.format import fmt_err, fmt_int, missing
@@ -59,16 +59,10 @@ def train_reference(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None
     filled with ``ungraded`` (the trainable parameters the first step gave no gradient, by name), ``buffers`` (the
     buffers after the last step) and ``moved_buffers`` (the names of those training changed).
     """
-    ref = Reference(cfg, clip_grad_norm=clip_grad_norm, averaged_grads=averaged_grads, start=start)
-    initial = {name: b.detach().clone() for name, b in ref.net.named_buffers()}
-    for i in range(steps):
-        ref.take_step()
-        if seen is not None and i == 0:
-            seen["ungraded"] = list(ref.ungraded)
+    run = trajectory(cfg, steps, clip_grad_norm=clip_grad_norm, averaged_grads=averaged_grads, start=start)
     if seen is not None:
-        seen["buffers"] = {name: b.detach() for name, b in ref.net.named_buffers()}
-        seen["moved_buffers"] = [name for name, b in ref.net.named_buffers() if not torch.equal(b, initial[name])]
-    return ref.parameters()
+        seen.update(ungraded=list(run.ungraded), buffers=run.buffers, moved_buffers=list(run.moved_buffers))
+    return run.params
 
 
 #: Why a parameter forward never uses may differ from the reference by design.

@@ -9,6 +9,7 @@ steps it beside the strategy and compares after every step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -16,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.models import LOSSES, build_model, make_batch
 
-__all__ = ["Reference", "start_from", "PREFIX"]
+__all__ = ["Reference", "Trajectory", "trajectory", "start_from", "PREFIX"]
 
 #: CellModule keeps the user's model as ``net``: the prefix of every parameter name the adapter reports.
 PREFIX = "net."
@@ -52,8 +53,10 @@ class Reference:
         self.clip, self.averaged = clip_grad_norm, averaged_grads
         self.step = 0 if start is None else start[0].step  # the next optimizer step's index
         #: After each step: each rank's loss of the step (the mean of its micro-batches'), the total gradient norm
-        #: before clipping (None without clipping), the trainable parameters the step gave no gradient (by name).
+        #: before clipping (``total_norm``; ``grad_norm`` the same where the reference clips, else None), the
+        #: trainable parameters the step gave no gradient (by name).
         self.rank_losses: list[float] = []
+        self.total_norm: float = 0.0
         self.grad_norm: float | None = None
         self.ungraded: list[str] = []
 
@@ -85,9 +88,14 @@ class Reference:
                 (loss / k if k > 1 else loss).backward()
         self.rank_losses = losses
         self.ungraded = [name for name, p in self.net.named_parameters() if p.requires_grad and p.grad is None]
+        graded = [p for p in params if p.grad is not None]
+        # torch.nn.utils.clip_grad_norm_ is these two calls (torch/nn/utils/clip_grad.py): the norm is kept
+        total = torch.nn.utils.get_total_norm([p.grad for p in graded], 2.0)
+        self.total_norm = float(total)
         self.grad_norm = None
         if self.clip is not None:  # the strategy clips by the global norm: so does the reference
-            self.grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
+            torch.nn.utils.clip_grads_with_norm_(graded, self.clip, total)
+            self.grad_norm = self.total_norm
         self.opt.step()
         self.step += 1
 
@@ -106,6 +114,46 @@ class Reference:
 
     def trainable(self) -> set[str]:
         return {name for name, p in self.net.named_parameters() if p.requires_grad}
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A reference trained for its steps: ``params`` after the last (by name), ``norms`` the total gradient norm of
+    each step before clipping, ``ungraded`` the trainable parameters the first step gave no gradient, ``buffers``
+    after the last step and ``moved_buffers`` the names of those training changed."""
+
+    params: dict[str, torch.Tensor]
+    norms: tuple[float, ...]
+    ungraded: tuple[str, ...]
+    buffers: dict[str, torch.Tensor]
+    moved_buffers: tuple[str, ...]
+
+
+#: The trajectories this process trained, by what decides them (the equivalence and gradient-norm probes of one cell
+#: read the same runs: each is trained once).
+_TRAINED: dict[tuple, Trajectory] = {}
+
+
+def trajectory(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None, averaged_grads: bool = False,
+               start: tuple[Any, Mapping[str, Any]] | None = None) -> Trajectory:
+    """:class:`Reference` of ``cfg`` trained ``steps`` steps (its arguments), once per process for the same
+    arguments."""
+    key = (OmegaConf.to_yaml(cfg), steps, clip_grad_norm, averaged_grads, None if start is None else repr(start[0]))
+    if key not in _TRAINED:
+        ref = Reference(cfg, clip_grad_norm=clip_grad_norm, averaged_grads=averaged_grads, start=start)
+        initial = {name: b.detach().clone() for name, b in ref.net.named_buffers()}
+        norms, ungraded = [], ()
+        for i in range(steps):
+            ref.take_step()
+            norms.append(ref.total_norm)
+            if i == 0:
+                ungraded = tuple(ref.ungraded)
+        buffers = {name: b.detach() for name, b in ref.net.named_buffers()}
+        if len(_TRAINED) >= 4:  # a cell's two runs, kept; a process that trains many cells (tests) keeps few
+            _TRAINED.pop(next(iter(_TRAINED)))
+        _TRAINED[key] = Trajectory(ref.parameters(), tuple(norms), ungraded, buffers,
+                                   tuple(n for n, b in buffers.items() if not torch.equal(b, initial[n])))
+    return _TRAINED[key]
 
 
 def start_from(net: torch.nn.Module, opt: torch.optim.Optimizer, whole: Mapping[str, Any]) -> None:

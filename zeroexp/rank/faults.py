@@ -93,7 +93,7 @@ class FaultInjector:
             def clip(model) -> None:
                 if not self._here(trainer.global_step, "clip_world") or max_norm is None:
                     return right(model)
-                clip_over_world(model, max_norm)
+                right.__self__._clip_norm = clip_over_world(model, max_norm)  # the norm the strategy then took
             pl_module.clip_gradients = clip
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -133,9 +133,9 @@ class FaultInjector:
             time.sleep(3600)
 
 
-def clip_over_world(model, max_norm: float) -> None:
+def clip_over_world(model, max_norm: float) -> Any:
     """Clip ``model``'s gradients by a norm whose squares are summed over every rank of the world: the rank's local
-    gradient (its shard of a DTensor) squared and all-reduced over the default group (``clip_world``)."""
+    gradient (its shard of a DTensor) squared and all-reduced over the default group (``clip_world``); the norm."""
     import torch
     import torch.distributed as dist
 
@@ -144,6 +144,7 @@ def clip_over_world(model, max_norm: float) -> None:
     squares = torch.stack([t.detach().float().pow(2).sum() for t in local]).sum()
     dist.all_reduce(squares)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, squares.sqrt())
+    return squares.sqrt()
 
 
 def fill_disk_at_result_write(n: int) -> None:

@@ -18,6 +18,7 @@ __all__ = ["Verdicts", "verdicts"]
 #: The checks of a cell (zeroexp.report.checks.cell_checks) -> what each asserts, in the verdicts' order.
 CHECKS = {"state": "state factors match the ZeRO formula", "collectives": "collective fingerprint matches",
           "equivalence": "parameters match the unsharded reference",
+          "grad_norm": "every rank's total gradient norm matches the reference's, every step",
           "plan.state": "planned state bytes of every rank and kind equal the measured",
           "plan.collectives": "planned calls and payload of every op equal the measured",
           "plan.groups": "planned groups equal the live ones",

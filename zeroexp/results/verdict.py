@@ -81,6 +81,8 @@ class Code(str, Enum):
     EQUIVALENCE_ABOVE_BOUND = "equivalence.above_bound"  # max abs err above the bound (the section's numbers)
     EQUIVALENCE_NO_THRESHOLD = "equivalence.no_threshold"  # no threshold for this precision: SKIP
     EQUIVALENCE_BUFFERS_DIFFER = "equivalence.buffers_differ"  # buffers the reference keeps unchanged differ
+    GRAD_NORM_NOT_TAKEN = "grad_norm.not_taken"  # no gradient norm the strategy computed or the probe could take
+    GRAD_NORM_DIFFERS = "grad_norm.differs"  # a rank's total gradient norm of a step beyond its bound
     # the checkpoint probe
     CHECKPOINT_RESTORE_DIFFERS = "checkpoint.restore_differs"  # restored parameters differ from the saved
     CHECKPOINT_CONTINUATION_DIFFERS = "checkpoint.continuation_differs"  # the step after a restore differs

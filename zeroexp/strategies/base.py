@@ -209,7 +209,30 @@ class StrategyAdapter:
         ``configure_gradient_clipping``). Default: ``torch.nn.utils.clip_grad_norm_`` over gradients every rank holds
         in full (DDP's, all-reduced already): no collective. Sharded strategies override it."""
         if self.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+            self._clip_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+
+    #: The total gradient norm the strategy's clipping took in the step just taken (a 0-dim tensor); None before.
+    _clip_norm: Any = None
+
+    @property
+    def computes_grad_norm(self) -> bool:
+        """Whether the strategy computes the total gradient norm itself every step (:meth:`step_grad_norm`). Default:
+        where it clips by the global norm (``strategy.clip_grad_norm``)."""
+        return self.clip_grad_norm is not None
+
+    def step_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """The total gradient norm, before clipping, the strategy computed in the step just taken (a number or a 0-dim
+        tensor), without computing or sending anything; None where it computed none (the gradient-norm probe then
+        takes :meth:`grad_norm`). Default: its clipping's (:meth:`clip_gradients`)."""
+        return self._clip_norm if self.computes_grad_norm else None
+
+    def grad_norm(self, model: nn.Module) -> Any:
+        """The total norm of the gradients now (after backward and their reduction, before clipping and the step),
+        taken the way the strategy's clipping takes it: a collective where the gradients are sharded, so call it on
+        every rank. Raise ``NotImplementedError`` with the reason where the gradients are not complete here. Default:
+        the whole gradient every rank holds (DDP's, all-reduced already): ``torch.nn.utils.get_total_norm``, no
+        collective."""
+        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], 2.0)
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         return self.policy.optimizer.kwargs()

@@ -349,6 +349,20 @@ class DeepSpeedAdapter(_ckpt.DeepSpeedCheckpoints, StrategyAdapter):
         """Nothing here: the engine clips in ``engine.step`` (ds config ``gradient_clipping``), by the global norm its
         ZeRO optimizer all-reduces at every step anyway (stages 1-3), as ``max_norm / (norm + 1e-6)``."""
 
+    @property
+    def computes_grad_norm(self) -> bool:
+        """DeepSpeed's ZeRO optimizer (stages 1-3) takes the global norm at every ``engine.step``, clipping or not;
+        stage 0 steps torch's optimizer and takes none."""
+        return self.stage > 0
+
+    def step_grad_norm(self, model: nn.Module, optimizer: Any) -> Any:
+        """``engine.get_global_grad_norm()``: the unscaled norm the ZeRO optimizer took in the last step."""
+        return self.engine.get_global_grad_norm() if self.computes_grad_norm else None
+
+    def grad_norm(self, model: nn.Module) -> Any:
+        raise NotImplementedError("DeepSpeed stage 0 reduces the gradients in engine.step, after Lightning's "
+                                  "optimizer hooks, and takes no norm of them")
+
     def current_loss_scale(self) -> float | None:
         """fp16: the FP16 / ZeRO optimizer's dynamic loss scale (``cur_scale``); None otherwise."""
         return float(self.engine.optimizer.cur_scale) if self.policy.precision.name == "fp16" else None

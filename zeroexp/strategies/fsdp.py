@@ -9,6 +9,8 @@ On CPU, FSDP runs with gloo when given ``device_id=torch.device("cpu")``.
 
 from __future__ import annotations
 
+import math
+
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -130,7 +132,12 @@ class FSDPAdapter(StrategyAdapter):
         all_reduce of their squares' sum (the total norm), each shard scaled by ``max_norm / (norm + 1e-6)``, at most
         1."""
         if self.clip_grad_norm is not None:
-            model.clip_grad_norm_(self.clip_grad_norm)
+            self._clip_norm = model.clip_grad_norm_(self.clip_grad_norm)
+
+    def grad_norm(self, model: nn.Module) -> Any:
+        """``FullyShardedDataParallel.clip_grad_norm_`` with an infinite max norm: its total norm (one fp32 all_reduce
+        of the shards' squares over the root's process group), every gradient scaled by 1."""
+        return model.clip_grad_norm_(math.inf)
 
     checkpoint_kinds = frozenset({"full", "sharded"})
     moved_kinds = frozenset({"full", "sharded"})

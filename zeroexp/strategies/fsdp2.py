@@ -177,10 +177,15 @@ class FSDP2Adapter(StrategyAdapter):
         if self.clip_grad_norm is None:
             return
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = self.grad_norm(model)
         torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
+        self._clip_norm = norm
+
+    def grad_norm(self, model: nn.Module) -> Any:
+        """``get_total_norm`` of the DTensor gradients (a partial DTensor over the shard dimension), ``full_tensor()``:
+        one fp32 all_reduce of the squared norms over the shard group, as :meth:`clip_gradients` takes it."""
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], 2.0)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``fully_shard`` each module of a wrapped class, innermost first, then the root; returns ``module``.

@@ -134,6 +134,20 @@ class ShardedZeroAdapter(StrategyAdapter):
         """Nothing here: ``ShardedAdamW.step`` clips the averaged gradient shards by their global norm (one fp32
         all_reduce of the squared norm), after the reduce_scatter."""
 
+    @property
+    def computes_grad_norm(self) -> bool:
+        """``ShardedAdamW.step`` takes the global norm where it clips or scales the loss (fp16)."""
+        return self.clip_grad_norm is not None or self.loss_scale is not None
+
+    def step_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """The norm ``ShardedAdamW.step`` all-reduced (``taken["norm"]``), where it took one."""
+        return self.held(model)[1].taken["norm"] if self.computes_grad_norm else None
+
+    def grad_norm(self, model: nn.Module) -> Any:
+        raise NotImplementedError("zeroexp's ZeRO reduces the gradients inside its optimizer step (its reduce_scatter "
+                                  "waited there): before the step no rank holds its averaged shard; it takes the norm "
+                                  "only where it clips (strategy.clip_grad_norm) or scales the loss")
+
     def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
         """Each flat bucket as it is laid out (its parameters' element ranges, its padded length): one reduce_scatter
         (or all_reduce) and one all_gather each per step."""
