@@ -81,8 +81,13 @@ def test_the_model_adds_the_clip_all_reduce_of_fsdp1_and_fsdp2(compose):
 def test_cells_of_the_axes_pass_every_check_with_the_measured_collectives(cell, compose, case):
     r = cell(*CELLS[case], *N2)
     assert r.status == "ok", r.error
-    for probe in ("state", "collectives", "equivalence", "plan"):
+    for probe in ("state", "collectives", "equivalence", "grad_norm", "plan"):
         assert r.summary[probe]["check"] == "PASS", (probe, r.summary[probe].get("reasons"))
+    # the norm each strategy took when it clips (DeepSpeed's engine always), else the probe's at the warm-up steps
+    norm = r.summary["grad_norm"]
+    own = "clip" in case or case.startswith("deepspeed")
+    assert (norm["source"], norm["steps"]) == (("strategy", list(range(STEPS))) if own else ("probe", [0, 1])), norm
+    assert norm["ranks"] == [0, 1]
     c = r.summary["collectives"]
     assert {op: (c["counts"][op], c["payload_bytes"][op]) for op in c["counts"]} == COUNTS[case]
     if "clip" in case:

@@ -170,7 +170,9 @@ def test_the_sweep_verdicts_count_each_plan_part_and_failures_name_it(tmp_path):
         "plan.memory"]
     assert lines["plan.state"].startswith("plan.state: 2 of 2 finished cells PASS")
     assert lines["plan.time"].startswith("plan.time: 0 of 2 finished cells PASS") and ", 2 n/a" in lines["plan.time"]
-    assert v.failures == ["fsdp2_full: plan.memory ERROR: KeyError: 'backward'"] and not v.ok
+    (failure,) = v.failures  # then the command that explains the cell, every check
+    assert failure.startswith("fsdp2_full: plan.memory ERROR: KeyError: 'backward' (every check: `python -m "
+                              "zeroexp.explain ") and "fsdp2_full_" in failure and not v.ok
 
 
 def test_a_plan_that_raised_counts_in_each_of_its_parts_and_is_one_failure(tmp_path):
@@ -179,7 +181,8 @@ def test_a_plan_that_raised_counts_in_each_of_its_parts_and_is_one_failure(tmp_p
     v = _verdicts(_write_sweep(tmp_path, {"ddp": SUMMARY, "zro": raised}))
     for part in ("plan.state", "plan.collectives", "plan.groups", "plan.memory"):
         assert next(line for line in v.lines if line.startswith(f"{part}:")).endswith("1 ERROR."), part
-    assert v.failures == ["zro: plan ERROR: ValueError: no shape"]
+    (failure,) = v.failures
+    assert failure.startswith("zro: plan ERROR: ValueError: no shape (every check: `python -m zeroexp.explain ")
 
 
 @pytest.mark.parametrize("cells, code", [

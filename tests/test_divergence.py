@@ -39,9 +39,10 @@ def faulted(compose, tmp_path, monkeypatch):
         result = run_cell(cfg, tmp_path / f"cell{len(run.dirs)}")
         assert result.status == "ok", result.error
         run.dirs.append(result.cell_dir)
+        run.summaries.append(result.summary)
         return result.summary["equivalence"]
 
-    run.dirs = []
+    run.dirs, run.summaries = [], []
     return run
 
 
@@ -88,6 +89,8 @@ def test_frozen_parameter_updated_on_a_sharded_model(faulted):
     assert eq["check"] == "FAIL"
     assert (d["step"], d["tensor"], d["kind"], d["cause"]) == (1, first_frozen, "param", "frozen_updated"), d
     assert d["size"] == pytest.approx(1e-2, rel=1e-3) and not d["relative"]
+    g = faulted.summaries[-1]["grad_norm"]  # frozen parameters hold no gradient: the norm is the trainable ones'
+    assert (g["check"], g["source"], g["ranks"]) == ("PASS", "probe", [0, 1, 2]), g
 
 
 def test_gradients_rounded_to_bf16_in_an_fp32_cell(faulted):
@@ -119,6 +122,9 @@ def test_clipping_norm_over_the_whole_hybrid_mesh(faulted):
     assert (d["step"], d["kind"], d["cause"]) == (1, "grad", "clip_scale"), d
     assert d["evidence"]["squares_counted"] == pytest.approx(2, rel=1e-3)
     assert d["evidence"]["factor"] == pytest.approx(2 ** -0.5, rel=1e-3)
+    g = faulted.summaries[-1]["grad_norm"]  # the gradient-norm check names it too: rank 0, step 1, each square twice
+    assert (g["check"], g["reason_codes"], g["first_failed"]["step"]) == ("FAIL", ["grad_norm.differs"], 1), g
+    assert g["squares_counted"] == pytest.approx(2, rel=1e-3)
 
 
 def test_a_correct_foreign_model_replayed_locates_nothing(faulted):

@@ -87,6 +87,8 @@ def test_a_stage0_cell_holds_the_peak_model_on_every_rank(cell, overrides):
     assert r.status == "ok", r.error
     plan = r.summary["plan"]
     assert [plan[part]["check"] for part in ("state", "calls", "groups")] == ["PASS"] * 3, plan["reasons"]
+    # stage 0 takes no norm and holds no whole gradient before engine.step: n/a, said why
+    assert (r.summary["grad_norm"]["check"], r.summary["grad_norm"]["reason_codes"]) == ("n/a", ["grad_norm.not_taken"])
     memory = plan["memory"]
     assert memory["check"] == "PASS", memory.get("reasons")
     assert [x["check"] for x in memory["ranks"]] == ["PASS"] * r.summary["world_size"]

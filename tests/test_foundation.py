@@ -251,7 +251,7 @@ def test_schedule_is_assembled_from_the_probes():
     s = Schedule.from_cfg(cfg)
     assert (s.state_step, s.profiled, s.memory_tracked, s.timed) == (3, range(3, 5), range(5, 6), range(6, 12))
     assert s.problems() == []
-    assert list(ABSENT) == ["iterations", "memory", "timing", "equivalence"]
+    assert list(ABSENT) == ["iterations", "memory", "timing", "equivalence", "grad_norm"]
 
     class Traced(Probe):
         name = "traced"

@@ -122,6 +122,9 @@ def test_hybrid_cell_state_collectives_equivalence_and_plan(cell, name):
     assert s["equivalence"]["check"] == "PASS", s["equivalence"]
     assert s["plan"]["groups"]["check"] == "PASS" and s["plan"]["check"] == "PASS", s["plan"]["reasons"]
     assert s["plan"]["groups"]["planned"]["shard_size"] == S
+    # the norm taken the strategy's way (over the shard group) at the warm-up steps, on every rank: the reference's
+    assert (s["grad_norm"]["check"], s["grad_norm"]["source"], s["grad_norm"]["ranks"]) == ("PASS", "probe",
+                                                                                           list(range(N)))
 
 
 @pytest.mark.parametrize("strategy", ["fsdp_hybrid", "fsdp2_hybrid"])

@@ -292,7 +292,7 @@ def test_terminal_digest_shows_the_summary_numbers(sweep):
 
     summary = read_json(cell_dirs(sweep)[0] / "summary.json")
     rows = {probe: (found, check) for probe, found, check in digest(summary)}
-    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "plan", "plan.state",
+    assert list(rows) == ["state", "collectives", "memory", "timing", "equivalence", "grad_norm", "plan", "plan.state",
                           "plan.collectives", "plan.groups", "plan.memory", "plan.time"]
     for probe in ("state", "collectives", "equivalence"):
         assert rows[probe][1] == summary[probe]["check"]

@@ -102,7 +102,7 @@ class Watch:
         self.avg = Reference(cfg, clip_grad_norm=clip, averaged_grads=True, start=start) \
             if int(cfg.world_size) > 1 else None
         self.threshold = threshold
-        self.dtype = str(cfg.precision.get("param_dtype") or "float32")
+        self.dtype = str(cfg.precision.param_dtype)
         #: Why a parameter the step gives no gradient may move by design (a flat gradient buffer's zero gradient:
         #: the equivalence excuses it too); None: it may not.
         self.ungraded_why = ungraded_why

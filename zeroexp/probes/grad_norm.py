@@ -25,8 +25,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.divergence import relative_bound
 from zeroexp.results.verdict import Check, Code, Reason, Verdict
@@ -69,14 +67,19 @@ class GradNormProbe(Probe):
         self.source = "probe"
         self.norms[step] = float(norm)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """The strategy keeps the norm it takes for this step unless the step is memory-tracked (a kept 0-dim tensor
+        would count in its phases; DeepSpeed's engine keeps its own anyway)."""
+        tracked = self.ctx.schedule.windows.get("memory_tracked") or range(0)
+        self.ctx.adapter.keep_grad_norm(trainer.strategy.model, int(batch_idx) not in tracked)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         norm = self.ctx.adapter.step_grad_norm(trainer.strategy.model, trainer.optimizers[0])
-        if norm is not None:
+        if norm is not None:  # read now (after the timing and memory probes' reads of the step): nothing held
             self.source = "strategy"
-            self.norms[int(batch_idx)] = norm.detach() if isinstance(norm, torch.Tensor) else norm  # read at the end
+            self.norms[int(batch_idx)] = float(norm)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.norms = {s: float(n) for s, n in self.norms.items()}
         if self.ctx.rank != 0 or not self.norms:
             return
         from zeroexp.probes.reference import trajectory
@@ -88,7 +91,7 @@ class GradNormProbe(Probe):
         ref = trajectory(cfg, steps, clip_grad_norm=clip, start=start)
         avg = trajectory(cfg, steps, clip_grad_norm=clip, averaged_grads=True, start=start) \
             if self.ctx.world_size > 1 else ref
-        dtype = str(cfg.precision.get("param_dtype") or "float32")
+        dtype = str(cfg.precision.param_dtype)
         self.reference = {"first_step": first, "norms": list(ref.norms), "floor_norms": list(avg.norms),
                           "dtype": dtype}
 

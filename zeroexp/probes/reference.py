@@ -129,31 +129,29 @@ class Trajectory:
     moved_buffers: tuple[str, ...]
 
 
-#: The trajectories this process trained, by what decides them (the equivalence and gradient-norm probes of one cell
-#: read the same runs: each is trained once).
-_TRAINED: dict[tuple, Trajectory] = {}
-
-
 def trajectory(cfg: DictConfig, steps: int, *, clip_grad_norm: float | None = None, averaged_grads: bool = False,
                start: tuple[Any, Mapping[str, Any]] | None = None) -> Trajectory:
-    """:class:`Reference` of ``cfg`` trained ``steps`` steps (its arguments), once per process for the same
-    arguments."""
+    """:class:`Reference` of ``cfg`` trained ``steps`` steps (its arguments), once per invocation for the same
+    arguments (``zeroexp.cell.memo``: the equivalence and gradient-norm probes of a rank read the same runs)."""
+    from zeroexp.cell.memo import memoized
+
     key = (OmegaConf.to_yaml(cfg), steps, clip_grad_norm, averaged_grads, None if start is None else repr(start[0]))
-    if key not in _TRAINED:
-        ref = Reference(cfg, clip_grad_norm=clip_grad_norm, averaged_grads=averaged_grads, start=start)
-        initial = {name: b.detach().clone() for name, b in ref.net.named_buffers()}
-        norms, ungraded = [], ()
-        for i in range(steps):
-            ref.take_step()
-            norms.append(ref.total_norm)
-            if i == 0:
-                ungraded = tuple(ref.ungraded)
-        buffers = {name: b.detach() for name, b in ref.net.named_buffers()}
-        if len(_TRAINED) >= 4:  # a cell's two runs, kept; a process that trains many cells (tests) keeps few
-            _TRAINED.pop(next(iter(_TRAINED)))
-        _TRAINED[key] = Trajectory(ref.parameters(), tuple(norms), ungraded, buffers,
-                                   tuple(n for n, b in buffers.items() if not torch.equal(b, initial[n])))
-    return _TRAINED[key]
+    return memoized("reference_runs", key, lambda: _train(cfg, steps, clip_grad_norm, averaged_grads, start))
+
+
+def _train(cfg: DictConfig, steps: int, clip: float | None, averaged: bool, start: Any) -> Trajectory:
+    ref = Reference(cfg, clip_grad_norm=clip, averaged_grads=averaged, start=start)
+    initial = {name: b.detach().clone() for name, b in ref.net.named_buffers()}
+    norms: list[float] = []
+    ungraded: tuple[str, ...] = ()
+    for i in range(steps):
+        ref.take_step()
+        norms.append(ref.total_norm)
+        if i == 0:
+            ungraded = tuple(ref.ungraded)
+    buffers = {name: b.detach() for name, b in ref.net.named_buffers()}
+    return Trajectory(ref.parameters(), tuple(norms), ungraded, buffers,
+                      tuple(n for n, b in buffers.items() if not torch.equal(b, initial[n])))
 
 
 def start_from(net: torch.nn.Module, opt: torch.optim.Optimizer, whole: Mapping[str, Any]) -> None:

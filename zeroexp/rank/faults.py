@@ -93,7 +93,7 @@ class FaultInjector:
             def clip(model) -> None:
                 if not self._here(trainer.global_step, "clip_world") or max_norm is None:
                     return right(model)
-                right.__self__._clip_norm = clip_over_world(model, max_norm)  # the norm the strategy then took
+                right.__self__.took_grad_norm(clip_over_world(model, max_norm))  # the norm the strategy then took
             pl_module.clip_gradients = clip
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:

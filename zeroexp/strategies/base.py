@@ -209,10 +209,21 @@ class StrategyAdapter:
         ``configure_gradient_clipping``). Default: ``torch.nn.utils.clip_grad_norm_`` over gradients every rank holds
         in full (DDP's, all-reduced already): no collective. Sharded strategies override it."""
         if self.clip_grad_norm is not None:
-            self._clip_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+            self.took_grad_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm))
 
-    #: The total gradient norm the strategy's clipping took in the step just taken (a 0-dim tensor); None before.
+    #: The total gradient norm the strategy's clipping took in the step just taken (a 0-dim tensor), where kept.
     _clip_norm: Any = None
+    _keep_norm: bool = False
+
+    def keep_grad_norm(self, model: nn.Module, keep: bool) -> None:
+        """Whether the norm the strategy takes in the coming step is kept until :meth:`step_grad_norm` reads it: a
+        0-dim tensor alive past the clipping, which the gradient-norm probe keeps through no memory-tracked step (it
+        would count there)."""
+        self._keep_norm = keep
+
+    def took_grad_norm(self, norm: Any) -> None:
+        """The strategy's clipping took ``norm``: kept where :meth:`keep_grad_norm` asked for it."""
+        self._clip_norm = norm if self._keep_norm else None
 
     @property
     def computes_grad_norm(self) -> bool:
@@ -222,9 +233,11 @@ class StrategyAdapter:
 
     def step_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         """The total gradient norm, before clipping, the strategy computed in the step just taken (a number or a 0-dim
-        tensor), without computing or sending anything; None where it computed none (the gradient-norm probe then
-        takes :meth:`grad_norm`). Default: its clipping's (:meth:`clip_gradients`)."""
-        return self._clip_norm if self.computes_grad_norm else None
+        tensor), without computing or sending anything, and no longer kept; None where it computed none or did not
+        keep it (:meth:`keep_grad_norm`; the gradient-norm probe takes :meth:`grad_norm` where it computes none).
+        Default: its clipping's (:meth:`clip_gradients`)."""
+        norm, self._clip_norm = self._clip_norm, None
+        return norm if self.computes_grad_norm else None
 
     def grad_norm(self, model: nn.Module) -> Any:
         """The total norm of the gradients now (after backward and their reduction, before clipping and the step),

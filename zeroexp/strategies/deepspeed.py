@@ -351,8 +351,7 @@ class DeepSpeedAdapter(_ckpt.DeepSpeedCheckpoints, StrategyAdapter):
 
     @property
     def computes_grad_norm(self) -> bool:
-        """DeepSpeed's ZeRO optimizer (stages 1-3) takes the global norm at every ``engine.step``, clipping or not;
-        stage 0 steps torch's optimizer and takes none."""
+        """The ZeRO optimizer (stages 1-3) takes the global norm at every ``engine.step``, clipping or not."""
         return self.stage > 0
 
     def step_grad_norm(self, model: nn.Module, optimizer: Any) -> Any:

@@ -132,7 +132,7 @@ class FSDPAdapter(StrategyAdapter):
         all_reduce of their squares' sum (the total norm), each shard scaled by ``max_norm / (norm + 1e-6)``, at most
         1."""
         if self.clip_grad_norm is not None:
-            self._clip_norm = model.clip_grad_norm_(self.clip_grad_norm)
+            self.took_grad_norm(model.clip_grad_norm_(self.clip_grad_norm))
 
     def grad_norm(self, model: nn.Module) -> Any:
         """``FullyShardedDataParallel.clip_grad_norm_`` with an infinite max norm: its total norm (one fp32 all_reduce

@@ -179,7 +179,7 @@ class FSDP2Adapter(StrategyAdapter):
         params = [p for p in model.parameters() if p.grad is not None]
         norm = self.grad_norm(model)
         torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad_norm, norm)
-        self._clip_norm = norm
+        self.took_grad_norm(norm)
 
     def grad_norm(self, model: nn.Module) -> Any:
         """``get_total_norm`` of the DTensor gradients (a partial DTensor over the shard dimension), ``full_tensor()``:

@@ -175,7 +175,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.local = torch.optim.AdamW([b.master for b in buckets], **hyper, foreach=foreach, fused=fused)
         # Mutable state lives in objects, never in rebound attributes: Lightning's LightningOptimizer copies
         # this optimizer's __dict__ at wrap time.
-        self.taken: dict[str, torch.Tensor | None] = {"norm": None}  # the global norm of the last step, if taken
+        self.taken: dict[str, Any] = {"norm": None, "keep": False}  # the last step's global norm, where kept
         self.settings = _Settings(stage, reduce, clip_grad_norm, loss_scale, group,
                                   buckets[0].world_size if buckets else 1)
         self.micro = {"accumulating": False}  # inside accumulating(): a micro-batch before a step's last
@@ -327,7 +327,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             squares += b.master.grad.pow(2).sum()
         dist.all_reduce(squares, group=s.group)
         norm = squares.sqrt()
-        self.taken["norm"] = norm  # read after the step (StrategyAdapter.step_grad_norm)
+        self.taken["norm"] = norm if self.taken["keep"] else None  # read after the step (step_grad_norm)
         if s.loss_scale is not None:
             finite = bool(torch.isfinite(norm))
             s.loss_scale.update(finite)

@@ -140,8 +140,13 @@ class ShardedZeroAdapter(StrategyAdapter):
         return self.clip_grad_norm is not None or self.loss_scale is not None
 
     def step_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-        """The norm ``ShardedAdamW.step`` all-reduced (``taken["norm"]``), where it took one."""
-        return self.held(model)[1].taken["norm"] if self.computes_grad_norm else None
+        """The norm ``ShardedAdamW.step`` all-reduced (``taken["norm"]``), where it took and kept one."""
+        taken = self.held(model)[1].taken
+        norm, taken["norm"] = taken["norm"], None
+        return norm if self.computes_grad_norm else None
+
+    def keep_grad_norm(self, model: nn.Module, keep: bool) -> None:
+        self.held(model)[1].taken["keep"] = keep
 
     def grad_norm(self, model: nn.Module) -> Any:
         raise NotImplementedError("zeroexp's ZeRO reduces the gradients inside its optimizer step (its reduce_scatter "

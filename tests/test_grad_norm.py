@@ -1,0 +1,54 @@
+"""Every rank's total gradient norm of every step against the reference's (zeroexp.probes.grad_norm): the norm each
+strategy takes on its own layout and group, hybrid meshes with clipping; the judgement on every rank, a norm reduced
+over a group twice too large named. Cells without clipping, DeepSpeed's engine norm, frozen parameters and the
+hybrids without clipping are asserted where their cells run (test_axes, test_hybrid, test_divergence,
+test_ds_stage0)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroexp.probes.divergence import relative_bound
+from zeroexp.probes.grad_norm import judge_norms
+
+N, S, CLIP = 4, 2, 1e-4  # CLIP: below the mlp's gradient norms, every step clipped
+
+
+def _results(norms_by_rank: list[dict[int, float]], reference: list[float], floors: list[float]) -> list[dict]:
+    out = [{"norms": {str(k): v for k, v in n.items()}, "source": "strategy", "why_none": None, "reference": {}}
+           for n in norms_by_rank]
+    out[0]["reference"] = {"first_step": 0, "norms": reference, "floor_norms": floors, "dtype": "float32"}
+    return out
+
+
+def test_every_rank_and_step_is_judged_within_the_floor():
+    ref = [1.0, 0.5, 0.25]
+    floors = [1.0, 0.5 * (1 + 1e-6), 0.25]  # the floor of step 1: 1e-6 relative, its bound 1e-5
+    ok = judge_norms(_results([{s: r for s, r in enumerate(ref)}] * 3, ref, floors))
+    assert (ok["check"], ok["compared"], ok["ranks"], ok["steps"]) == ("PASS", 9, [0, 1, 2], [0, 1, 2])
+    assert relative_bound(1e-6, "float32") == pytest.approx(1e-5)
+    inside = _results([{1: 0.5 * (1 + 9e-6)}], ref, floors)  # within 10 x the floor of its step
+    assert judge_norms(inside)["check"] == "PASS"
+    wrong = [{s: r for s, r in enumerate(ref)}, {0: 1.0, 1: 0.5 * 2 ** 0.5, 2: 0.25}]  # rank 1, step 1: sqrt(2) off
+    bad = judge_norms(_results(wrong, ref, floors))
+    assert (bad["check"], bad["reason_codes"], bad["failed"]) == ("FAIL", ["grad_norm.differs"], 1)
+    assert (bad["first_failed"]["rank"], bad["first_failed"]["step"]) == (1, 1)
+    assert bad["squares_counted"] == pytest.approx(2.0)
+
+
+def test_no_norm_taken_is_na_with_its_reason():
+    out = judge_norms([{"norms": {}, "source": None, "why_none": "reduced inside its step", "reference": {}}] * 2)
+    assert (out["check"], out["reason_codes"], out["reasons"]) == ("n/a", ["grad_norm.not_taken"],
+                                                                  ["reduced inside its step"])
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_hybrid", "fsdp2_hybrid"])
+def test_a_hybrid_mesh_that_clips_takes_the_reference_norm_on_every_rank(cell, strategy):
+    """HSDP 2 x 2: FSDP1's clip_grad_norm_ all-reduces over the root's shard group, FSDP2's full_tensor() over the
+    mesh's shard dimension; replicas hold equal gradients, so neither counts a square twice."""
+    r = cell(f"strategy={strategy}", f"world_size={N}", f"strategy.shard_size={S}", f"strategy.clip_grad_norm={CLIP}")
+    assert r.status == "ok", r.error
+    g = r.summary["grad_norm"]
+    assert (g["check"], g["source"], g["ranks"]) == ("PASS", "strategy", list(range(N))), g
+    assert len(g["steps"]) == r.summary["steps"] and g["compared"] == N * r.summary["steps"]
+    assert r.summary["equivalence"]["check"] == "PASS"
