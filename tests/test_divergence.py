@@ -180,3 +180,27 @@ def test_watch_locates_an_update_beside_the_reference(at):
         assert d["found"] is False and d["steps_compared"] == 3
     else:
         assert (d["step"], d["tensor"], d["kind"], d["cause"]) == (at, name, "param", "update"), d
+
+
+def test_references_started_from_one_checkpoint_state_leave_it_as_it_was():
+    """The equivalence trains two references from the same state read whole (its floor is their distance): AdamW's
+    load keeps a moment or step tensor that needs no cast as it is and steps it in place, so the second had started
+    where the first ended (a load_from cell's floor was 2.4e-3 where it is 0: a bound 2,400 times too loose)."""
+    from types import SimpleNamespace
+
+    cfg = compose_config(["model=mlp", "model.width=16", "world_size=2", "steps=3"])
+    trained = Reference(cfg)
+    for _ in range(2):
+        trained.take_step()
+    model = {PREFIX + n: t.clone() for n, t in trained.parameters().items()}
+    state = {PREFIX + n: {k: v.clone() for k, v in trained.opt.state[p].items()}
+             for n, p in trained.net.named_parameters()}
+    whole = {"model": model, "optim": {"state": state}}
+    start = (SimpleNamespace(step=2), whole)
+    a, b = Reference(cfg, start=start), Reference(cfg, start=start)
+    a.take_step()
+    b.take_step()
+    assert all(torch.equal(a.parameters()[n], b.parameters()[n]) for n in a.parameters())
+    assert all(float(s["step"]) == 2 for s in state.values())  # the state read whole is as it was
+    assert all(torch.equal(s["exp_avg"], trained.opt.state[p]["exp_avg"])
+               for s, p in zip(state.values(), trained.net.parameters()))

@@ -87,12 +87,11 @@ class GradNormProbe(Probe):
         cfg, steps, clip = self.ctx.cfg, int(trainer.global_step), self.ctx.adapter.clip_grad_norm
         source = self.ctx.cell.load_from
         start = None if source is None else (source, self.ctx.adapter.read_whole(source.kind, Path(source.dir)))
-        first = 0 if source is None else source.step
         ref = trajectory(cfg, steps, clip_grad_norm=clip, start=start)
         avg = trajectory(cfg, steps, clip_grad_norm=clip, averaged_grads=True, start=start) \
             if self.ctx.world_size > 1 else ref
         dtype = str(cfg.precision.param_dtype)
-        self.reference = {"first_step": first, "norms": list(ref.norms), "floor_norms": list(avg.norms),
+        self.reference = {"norms": list(ref.norms), "floor_norms": list(avg.norms),
                           "dtype": dtype}
 
     def rank_result(self) -> dict[str, Any]:
@@ -114,13 +113,11 @@ def judge_norms(results: list[dict[str, Any]]) -> dict[str, Any]:
             "no step outside the measured windows to take the norm at (warmup_steps=0), and the strategy computes none"
         said = Check(Verdict.NA, (Reason(Code.GRAD_NORM_NOT_TAKEN, why),))
         return {"source": None, **said.fields()}
-    first = int(ref.get("first_step", 0))
     norms, floors = ref.get("norms") or [], ref.get("floor_norms") or []
     rows, worst = [], None
     for rank, r in enumerate(results):
         for key, got in (r.get("norms") or {}).items():
-            step = int(key)
-            i = step - first
+            step = i = int(key)  # the cell's steps from 0, as the reference's from its start (a checkpoint's too)
             if not 0 <= i < len(norms) or not math.isfinite(got):
                 continue
             want = norms[i]

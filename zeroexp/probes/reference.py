@@ -157,8 +157,11 @@ def _train(cfg: DictConfig, steps: int, clip: float | None, averaged: bool, star
 def start_from(net: torch.nn.Module, opt: torch.optim.Optimizer, whole: Mapping[str, Any]) -> None:
     """Load a checkpoint's state read whole (``{"model": ..., "optim": ...}``) into the plain ``net`` and its AdamW
     ``opt``: the parameters and buffers it holds by name (CellModule's ``net.`` prefix taken off), each parameter's
-    moments and step where it has them."""
+    moments and step where it has them (copied: ``whole`` is left as it was)."""
     net.load_state_dict({n.removeprefix(PREFIX): t for n, t in whole["model"].items()})
     index = {name: i for i, (name, _) in enumerate(net.named_parameters())}
-    state = {index[n.removeprefix(PREFIX)]: s for n, s in whole["optim"]["state"].items()}
+    # copies: AdamW's load keeps a tensor that needs no cast as it is, and its step updates moments and step count in
+    # place: a second reference started from the same state read whole would start where the first one ended
+    state = {index[n.removeprefix(PREFIX)]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for n, s in whole["optim"]["state"].items()}
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
