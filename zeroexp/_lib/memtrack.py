@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "ROLE_CATEGORIES", "totals", "mem_tracker", "step_mem_tracker"]
+__all__ = ["CATEGORIES", "ROLE_CATEGORIES", "totals", "born_at_peak", "mem_tracker", "step_mem_tracker"]
 
 #: MemTracker's reference types and zeroexp's two roles -> the category names in memory.csv and the summary.
 CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
@@ -53,6 +53,50 @@ def totals(snapshot: dict[torch.device, dict[Any, int]], device_type: str) -> tu
             elif name in CATEGORIES:
                 cats[CATEGORIES[name]] += int(nbytes)
     return total, cats
+
+
+#: How many of the largest storages, modules and ops :func:`born_at_peak` keeps.
+KEPT = 8
+
+
+def _user_path(module: str) -> str:
+    """A module's name as the user's model names it: ModTracker's root class name, the wrappers' attributes (DDP's
+    ``module``, FSDP1's and checkpoint_wrapper's) and CellModule's ``net`` dropped; ``(model)`` for the root."""
+    from zeroexp._lib.modules import wrapper_prefixes
+
+    name, _, backward = module.partition(" ")
+    if name == "-":
+        return module
+    for w in wrapper_prefixes().values():
+        name = name.replace(w, "")
+    parts = name.split(".")[1:]  # ModTracker names the root by its class
+    while parts and parts[0] in ("module", "net"):
+        parts = parts[1:]
+    return ".".join(parts) + (f" {backward}" if backward else "") if parts else "(model)" + (
+        f" {backward}" if backward else "")
+
+
+def born_at_peak(tracker: Any, phase: str) -> dict[str, Any]:
+    """What the step made that was alive at ``phase``'s peak, from ``StepMemTracker.born_alive_at``: ``bytes`` in
+    all, ``by_module`` and ``by_op`` (the :data:`KEPT` largest, bytes each), ``groups`` (the storages by category, op
+    and module, the module as the user's model names it: ``category``, ``op``, ``module``, ``count``, ``bytes``; the
+    :data:`KEPT` largest of each category)."""
+    alive = [(b, CATEGORIES.get(c, c), op, _user_path(m)) for b, c, op, m in tracker.born_alive_at(phase)]
+    by_module: dict[str, int] = {}
+    by_op: dict[str, int] = {}
+    grouped: dict[tuple[str, str, str], list[int]] = {}
+    for b, c, op, m in alive:
+        by_module[m] = by_module.get(m, 0) + b
+        by_op[op] = by_op.get(op, 0) + b
+        g = grouped.setdefault((c, op, m), [0, 0])
+        g[0], g[1] = g[0] + 1, g[1] + b
+    groups = []
+    for category in dict.fromkeys(c for c, _, _ in grouped):
+        mine = sorted(((k, v) for k, v in grouped.items() if k[0] == category), key=lambda kv: -kv[1][1])[:KEPT]
+        groups += [{"category": c, "op": op, "module": m, "count": n, "bytes": b} for (c, op, m), (n, b) in mine]
+    return {"bytes": sum(b for b, *_ in alive),
+            "by_module": dict(sorted(by_module.items(), key=lambda kv: -kv[1])[:KEPT]),
+            "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:KEPT]), "groups": groups}
 
 
 def import_mem_tracker() -> None:

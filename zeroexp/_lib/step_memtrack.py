@@ -112,6 +112,11 @@ class StepMemTracker(MemTracker):
         self._settled = False  # see ``settle``
         #: each closed phase's peak snapshot and its moment (``close_phase``), corrected as storages get roles
         self.phases: dict[str, tuple[dict, dict]] = {}
+        #: every storage born while entered, with the op that made it and the innermost module it was made in
+        #: (``zx_op``, ``zx_module``; ``zx_died``: the moment it was freed): what was alive at a phase's peak
+        #: (:meth:`born_alive_at`)
+        self.births: list[Any] = []
+        self._op = ""  # the op being dispatched
 
     # Lightning runs forward and backward inside ``optimizer.step(closure)``: MemTracker's global step
     # hooks would label every activation "optimizer state". The probe marks the update region instead.
@@ -186,8 +191,37 @@ class StepMemTracker(MemTracker):
             grown = u_type == _UpdateType.SIZE and not old_mem_consumed and winfo.mem_consumed
             if self._depth and (u_type == _UpdateType.ADD or grown):
                 winfo.zx_born, winfo.zx_labels = self._clock, [(self._clock, winfo.reftype)]
+                winfo.zx_op, winfo.zx_module = self._op or "(no op: a hook or the optimizer)", self._innermost()
+                self.births.append(winfo)
             elif u_type == _UpdateType.REF and hasattr(winfo, "zx_labels"):
                 winfo.zx_labels.append((self._clock, winfo.reftype))
+            elif u_type == _UpdateType.DEL and hasattr(winfo, "zx_op"):
+                winfo.zx_died = self._clock
+
+    def _innermost(self) -> str:
+        """The innermost module the dispatched op runs in (ModTracker's deepest entered name; backward marked), or
+        ``-`` outside every module."""
+        names = [n for n in getattr(self._mod_tracker, "parents", ()) if n != "Global"]
+        if not names:
+            return "-"
+        deepest = max(names, key=lambda n: (n.count("."), n))
+        return deepest + (" (backward)" if getattr(self._mod_tracker, "is_bw", False) else "")
+
+    def born_alive_at(self, phase: str) -> list[tuple[int, str, str, str]]:
+        """The storages born while tracked and alive at the moment of ``phase``'s peak (``close_phase``):
+        ``(bytes, category, op, module)`` each, the category as the step ended (``settle``'s names) or as it was
+        labelled then."""
+        if phase not in self.phases:
+            return []
+        clock = self.phases[phase][1]
+        out = []
+        for w in self.births:
+            at = clock.get(w.device, -1)
+            if w.zx_born > at or getattr(w, "zx_died", at + 1) <= at or not w.mem_consumed:
+                continue
+            role = getattr(w, "zx_role", None) or [label for moment, label in w.zx_labels if moment <= at][-1]
+            out.append((int(w.mem_consumed), getattr(role, "value", str(role)), w.zx_op, w.zx_module))
+        return out
 
     # After every op: the device's peak, as MemTracker keeps it, and its moment. Not MemTracker's per-module
     # peaks, which nothing in zeroexp reads: its walk over every tracked module on every op was 12 % of a small
@@ -278,7 +312,8 @@ class StepMemTracker(MemTracker):
         if ns in ("c10d", "_c10d_functional") or name in _MARKS:
             self._assign_arguments(func, ns, name, args, kwargs)
         self._born_role = _Role.UNSHARDED if self._copies_unsharded(name, args) else _born_role(ns, name)
+        self._op = name
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         finally:
-            self._born_role = None
+            self._born_role, self._op = None, ""

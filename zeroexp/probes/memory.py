@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from zeroexp.formulas.peak.phases import PHASES
-from zeroexp._lib.memtrack import step_mem_tracker as _step_mem_tracker, totals as _totals
+from zeroexp._lib.memtrack import born_at_peak as _born_at_peak, step_mem_tracker as _step_mem_tracker, \
+    totals as _totals
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.results.format import NA, byte_unit, missing
 from zeroexp.results.section import Column, ReportTable, raw_rows
@@ -247,8 +248,10 @@ class _TensorTracker:
         mt.track_external(model, *_trackable(self._optimizers))  # label this step's new gradients and optimizer state
         steady, steady_cats = _totals(mt.get_tracker_snapshot("current"), self.device.type)
         peaks = _peak_of_phases({ph: _totals(snap, self.device.type) for ph, (snap, _) in mt.phases.items()})
+        born = {ph: _born_at_peak(mt, ph) for ph in mt.phases}  # what the step made, alive at each phase's peak
         self.abort()
-        return {"steady": steady, "steady_categories": steady_cats, "settle_ms": settle_ms, **peaks}
+        return {"steady": steady, "steady_categories": steady_cats, "settle_ms": settle_ms, **peaks,
+                "born_at_peak": born}
 
     def _settle(self) -> float:
         """Wait (at most ``SETTLE_S``) while the rank holds more than at the step's start, activations aside (the
@@ -452,6 +455,8 @@ class MemoryProbe(Probe):
         section["phases_by_rank"] = [phases_of(t) for _, t in picked]  # every rank's, for the plan's per-rank check
         section["steady_categories_by_rank"] = [{c: int(b) for c, b in lt["steady_categories"].items()}
                                                 for lt, _ in picked]
+        if all("born_at_peak" in t for _, t in picked):  # CPU: what each rank's step made, alive at each phase's peak
+            section["born_at_peak_by_rank"] = [t["born_at_peak"] for _, t in picked]
         return ProbeReport(section=section, tables={"memory.csv": frame})
 
 

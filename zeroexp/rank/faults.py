@@ -36,8 +36,13 @@ ENV = "ZEROEXP_FAULT"
 #: ``clip_world``: at that step, every rank (the rank field is ignored: a norm is a collective) clips by a total norm
 #: whose squares are all-reduced over the whole world instead of the shard group (VeOmni#184's HSDP bug: each square
 #: counted once per replica); the same as the right norm where there is no replicate dimension.
+#: ``hold`` / ``upcast``: during that step, the rank's first module with parameters to take a floating-point
+#: input keeps a copy of it (float64 for ``upcast``) alive through forward and backward, from a forward pre-hook
+#: (memory above the plan: the memory explanation must name that module and the op, zeroexp.plan.check.memory_excess).
 KINDS = ("raise", "raise_tensor", "kill", "hang", "perturb", "memory", "enospc", "frozen", "round_grads",
-         "clip_world")
+         "clip_world", "hold", "upcast")
+#: The kinds that keep memory alive in their step, not raising nor changing what is computed.
+HOLDS = ("hold", "upcast")
 #: The kinds that change what a cell computes, re-applied when it replays its steps (probes.trace_divergence).
 REPLAYED = ("perturb", "frozen", "round_grads", "clip_world")
 
@@ -97,6 +102,12 @@ class FaultInjector:
             pl_module.clip_gradients = clip
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        held = getattr(self, "_held", None)
+        if held is not None:  # backward is over: the copies and the hooks go (the step ends without them)
+            for hook in held[1]:
+                hook.remove()
+            held[0].clear()
+            self._held = None
         if self._here(trainer.global_step, "round_grads"):
             import torch
 
@@ -104,6 +115,20 @@ class FaultInjector:
                 for p in pl_module.parameters():
                     if p.grad is not None:
                         p.grad.copy_(p.grad.to(torch.bfloat16).to(p.grad.dtype))
+
+    def _hold(self, pl_module) -> None:
+        import torch
+
+        kept: list = []
+
+        def keep(module, args) -> None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if kept or x is None or not x.is_floating_point():
+                return
+            with torch.no_grad():
+                kept.append((x.to(torch.float64) if self.fault.kind == "upcast" else x.clone(), module))
+        owners = [m for m in pl_module.modules() if any(True for _ in m.parameters(recurse=False))]
+        self._held = (kept, [m.register_forward_pre_hook(keep) for m in owners])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._here(batch_idx, "frozen"):
@@ -116,6 +141,8 @@ class FaultInjector:
         if not self.armed or self.rank != self.fault.rank or batch_idx != self.fault.step \
                 or self.fault.kind in ("enospc", "frozen", "round_grads", "clip_world"):
             return
+        if self.fault.kind in HOLDS:
+            return self._hold(pl_module)
         if self.fault.kind == "memory":
             raise MemoryError(f"injected fault: rank {self.rank} ran out of memory at step {batch_idx}")
         if self.fault.kind == "perturb":  # in place: training_step receives this very tensor

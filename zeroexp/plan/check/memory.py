@@ -23,6 +23,7 @@ from zeroexp.formulas.peak.checkpointing import mode_of
 from zeroexp.formulas.peak.phases import StepTrace
 from zeroexp.formulas.peak.precision import PrecisionTerms
 from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
+from zeroexp.plan.check.memory_excess import excess_sentence, explain_excess
 from zeroexp.plan.check.judge import TOLERANCE, as_simulated, judge_rank
 from zeroexp.plan.check.gloo import late_free
 from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
@@ -365,6 +366,7 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
                                    foreach=device.foreach, knobs=knobs, block=device.block)
         judged, reasons, rank_errs = judge_rank(got_phases, int(measured["steady_bytes"][rank]), steady_cats,
                                                  predicted, late)
+        reasons = _explained(judged, reasons, (measured.get("born_at_peak_by_rank") or [None] * len(by_rank))[rank])
         reserved = (measured.get("reserved_by_rank") or [None] * len(by_rank))[rank]
         if reserved is not None:  # a CUDA cell: the caching allocator's segments beside allocated
             buffers = steady_buffers_bytes(name, groups, itemsize if terms is None else terms.grad_itemsize, cap, terms)
@@ -374,7 +376,8 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
         out_reasons += [r.prefixed(f"rank {rank} ") for r in reasons]
         errs += rank_errs
         ranks.append({"rank": rank, "check": Verdict.passed_if(not reasons),
-                      **{ph: {k: rec[k] for k in ("measured_bytes", "predicted_bytes", "check", "late_free", "in_range")
+                      **{ph: {k: rec[k] for k in ("measured_bytes", "predicted_bytes", "check", "late_free", "in_range",
+                                                  "explained")
                               if k in rec} for ph, rec in judged.items() if ph != "steady"}})
         if rank == worst_rank:
             judged["steady"]["predicted_buffers_bytes"] = steady_buffers_bytes(  # DDP's: the grads' dtype
@@ -386,3 +389,19 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
            "max_rel_err_modelled": max((e for e, late in errs if not late), default=None),
            "tolerance": TOLERANCE, **Check.failed_if(out_reasons).fields()}
     return as_simulated(out) if measured.get("simulated") else out
+
+
+def _explained(judged: dict[str, Any], reasons: list[Reason], born: dict[str, Any] | None) -> list[Reason]:
+    """Each FAILed phase above its prediction broken down at its peak (zeroexp.plan.check.memory_excess): the record
+    gains ``explained``, the phase's reason the residual in words."""
+    out = []
+    for reason in reasons:
+        phase = reason.text.split(":", 1)[0]
+        rec = judged.get(phase)
+        told = explain_excess(rec, (born or {}).get(phase)) if rec and rec["measured_bytes"] > rec["predicted_bytes"] \
+            else None
+        if told is not None:
+            rec["explained"] = told
+            reason = Reason(reason.code, f"{reason.text}; {excess_sentence(told)}")
+        out.append(reason)
+    return out
