@@ -56,3 +56,10 @@ def test_a_plan_memory_fail_made_on_purpose_is_explained_to_the_module_and_op(co
         assert (first["module"], first["op"], first["count"], first["bytes"], first["cause"]) == (module, op, 1, grew,
                                                                                                 cause), rank0[ph]
         assert rank0[ph]["explained"]["excess_by_category"]["activations"] >= grew
+    from zeroexp.report.compare import read_cell  # python -m zeroexp.explain CELL shows the highest peak's makers
+    from zeroexp.report.explain_cell import explain_cell
+
+    peak = explain_cell(read_cell(r.cell_dir))["memory_at_peak"]
+    assert peak["rank"] == r.summary["memory"]["max_rank"] and peak["phase"] == r.summary["memory"][
+        "peak_phase_of_max_rank"]
+    assert peak["bytes"] >= sum(peak["by_module"].values()) > 0

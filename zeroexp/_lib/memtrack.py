@@ -64,9 +64,9 @@ def _user_path(module: str) -> str:
     ``module``, FSDP1's and checkpoint_wrapper's) and CellModule's ``net`` dropped; ``(model)`` for the root."""
     from zeroexp._lib.modules import wrapper_prefixes
 
-    name, _, backward = module.partition(" ")
-    if name == "-":
+    if module.startswith("("):
         return module
+    name, _, backward = module.partition(" ")
     for w in wrapper_prefixes().values():
         name = name.replace(w, "")
     parts = name.split(".")[1:]  # ModTracker names the root by its class

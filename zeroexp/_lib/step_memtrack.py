@@ -200,10 +200,10 @@ class StepMemTracker(MemTracker):
 
     def _innermost(self) -> str:
         """The innermost module the dispatched op runs in (ModTracker's deepest entered name; backward marked), or
-        ``-`` outside every module."""
+        ``(no module)`` outside every module (the optimizer's update, a hook)."""
         names = [n for n in getattr(self._mod_tracker, "parents", ()) if n != "Global"]
         if not names:
-            return "-"
+            return "(no module)"
         deepest = max(names, key=lambda n: (n.count("."), n))
         return deepest + (" (backward)" if getattr(self._mod_tracker, "is_bw", False) else "")
 

@@ -107,6 +107,17 @@ def _print_one(told: dict[str, Any]) -> None:
         table.add_row(row["check"], row["verdict"], "; ".join(row["reasons"]) or "-",
                       style="bold" if row["verdict"] in ("FAIL", "ERROR") else None)
     console.print(table)
+    peak = told["memory_at_peak"]
+    if peak is not None:
+        table = Table(title=f"What the step made alive at rank {peak['rank']}'s peak ({peak['phase']}, "
+                            f"{peak['bytes']} B), by module and by op")
+        for c in ("module", "bytes", "op", "bytes "):
+            table.add_column(c, justify="right" if c.startswith("bytes") else "left")
+        mods, ops = list(peak["by_module"].items()), list(peak["by_op"].items())
+        for i in range(max(len(mods), len(ops))):
+            m, o = (mods[i] if i < len(mods) else ("", "")), (ops[i] if i < len(ops) else ("", ""))
+            table.add_row(m[0], str(m[1]), o[0], str(o[1]))
+        console.print(table)
     eq = told["equivalence"]
     if eq["divergence"] is not None:
         console.print(f"equivalence ({eq['check']}): {divergence_line(eq['divergence'])}")
