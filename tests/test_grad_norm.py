@@ -54,3 +54,8 @@ def test_a_hybrid_mesh_that_clips_takes_the_reference_norm_on_every_rank(cell, s
     # every step but the memory-tracked one (PROBED - 1), where the strategy keeps no norm: it would count there
     assert g["steps"] == [s for s in range(STEPS) if s != PROBED - 1] and g["compared"] == N * (STEPS - 1)
     assert r.summary["equivalence"]["check"] == "PASS"
+    # the plan's reduction of the norm (the collectives model with clipping less without): one all_reduce over the
+    # shard group, the only call there, as the collectives probe measured it
+    planned = r.summary["plan"]["grad_norm"]["collectives"]
+    assert set(planned) == {"all_reduce"} and set(planned["all_reduce"]["groups"]) == {"shard"}
+    assert planned["all_reduce"]["groups"]["shard"] == r.summary["collectives"]["groups"]["all_reduce"]["shard"]

@@ -146,6 +146,7 @@ def _section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: str | 
         "payload": payload,
         **_verdicts(reasons, coll_reasons, differ, payload_reasons, payload, itself),
     }
+    section["grad_norm"] = norm_reduction(layout, groups, knobs, precision.itemsize)
     section["memory"] = _memory(cell, summary, name, groups, precision.itemsize, shape)
     if cell.checkpoint != "none":  # the tensors' bytes each rank wrote (zeroexp.plan.check.checkpoint)
         from zeroexp.plan.check.checkpoint import checkpoint_section
@@ -252,3 +253,33 @@ def _group_check(groups: Groups, live_groups: dict[str, Any] | None,
                   for k, v in planned.items() if live_groups.get(k) != v]
         check = Check.failed_if(differ)
     return {**check.fields(), "planned": planned}, differ
+
+
+def norm_reduction(layout: StateLayout, groups: Groups, knobs: PlanKnobs, itemsize: int) -> dict[str, Any]:
+    """The collectives per step the total gradient norm of global-norm clipping adds, by op and process group: the
+    one collectives model (``step_collectives``) with clipping less the same without, so the figure the
+    collectives check holds the cell to (``plan.collectives``) and this one are the same fact. ``collectives``:
+    ``{op: {count, payload_bytes, groups?}}``, empty where the norm needs none (every rank holds the whole gradient,
+    DDP's), or where the strategy takes the norm whether it clips or not (DeepSpeed's ZeRO optimizer: in the model
+    without clipping too)."""
+    from dataclasses import replace
+
+    from zeroexp.formulas import step_collectives
+
+    on = step_collectives(layout, groups, itemsize, replace(knobs, clipping=True, norm_allreduce=True))
+    off = step_collectives(layout, groups, itemsize, replace(knobs, clipping=False,  # zeroexp's ZeRO scales with it
+                                                              norm_allreduce=knobs.loss_scaling))
+    added: dict[str, Any] = {}
+    for op, entry in on.items():
+        was = off.get(op, {})
+        count, payload = entry["count"] - was.get("count", 0), entry["payload_bytes"] - was.get("payload_bytes", 0)
+        if count <= 0:
+            continue
+        added[op] = {"count": count, "payload_bytes": payload}
+        by_group = {g: {"size": e["size"], "count": e["count"] - was.get("groups", {}).get(g, {}).get("count", 0),
+                        "payload_bytes": e["payload_bytes"]
+                        - was.get("groups", {}).get(g, {}).get("payload_bytes", 0)}
+                    for g, e in entry.get("groups", {}).items()}
+        if by_group:
+            added[op]["groups"] = {g: e for g, e in by_group.items() if e["count"] > 0}
+    return {"collectives": added, "clipping": bool(knobs.clipping)}
