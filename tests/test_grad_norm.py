@@ -37,6 +37,18 @@ def test_every_rank_and_step_is_judged_within_the_floor():
     assert bad["squares_counted"] == pytest.approx(2.0)
 
 
+def test_a_rank_without_a_norm_or_a_nan_norm_fails_unless_the_loss_scaler_skipped_the_step():
+    ref, floors = [1.0, 0.5], [1.0, 0.5]
+    lost = judge_norms(_results([{0: 1.0, 1: 0.5}, {0: 1.0}], ref, floors))  # rank 1 has no norm at step 1
+    assert (lost["check"], lost["reason_codes"]) == ("FAIL", ["grad_norm.missing"])
+    nan = judge_norms(_results([{0: 1.0, 1: float("nan")}] * 2, ref, floors))
+    assert (nan["check"], nan["reason_codes"], nan["failed"]) == ("FAIL", ["grad_norm.differs"], 2)
+    scaled = _results([{0: 1.0, 1: float("inf")}] * 2, ref, floors)
+    scaled[0]["reference"]["loss_scaling"] = True  # fp16: the scaler skips a step whose norm overflowed
+    skipped = judge_norms(scaled)
+    assert (skipped["check"], skipped["skipped_nonfinite"], skipped["steps"]) == ("PASS", 2, [0])
+
+
 def test_no_norm_taken_is_na_with_its_reason():
     out = judge_norms([{"norms": {}, "source": None, "why_none": "reduced inside its step", "reference": {}}] * 2)
     assert (out["check"], out["reason_codes"], out["reasons"]) == ("n/a", ["grad_norm.not_taken"],

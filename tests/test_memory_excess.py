@@ -60,6 +60,6 @@ def test_a_plan_memory_fail_made_on_purpose_is_explained_to_the_module_and_op(co
     from zeroexp.report.explain_cell import explain_cell
 
     peak = explain_cell(read_cell(r.cell_dir))["memory_at_peak"]
-    assert peak["rank"] == r.summary["memory"]["max_rank"] and peak["phase"] == r.summary["memory"][
-        "peak_phase_of_max_rank"]
-    assert peak["bytes"] >= sum(peak["by_module"].values()) > 0
+    m = r.summary["memory"]
+    assert peak == {"rank": m["max_rank"], "phase": m["peak_phase_of_max_rank"],
+                    **m["born_at_peak_by_rank"][m["max_rank"]][m["peak_phase_of_max_rank"]]}

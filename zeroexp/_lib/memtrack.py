@@ -55,7 +55,7 @@ def totals(snapshot: dict[torch.device, dict[Any, int]], device_type: str) -> tu
     return total, cats
 
 
-#: How many of the largest storages, modules and ops :func:`born_at_peak` keeps.
+#: How many of the largest modules and ops :func:`born_at_peak` names.
 KEPT = 8
 
 
@@ -78,9 +78,9 @@ def _user_path(module: str) -> str:
 
 def born_at_peak(tracker: Any, phase: str) -> dict[str, Any]:
     """What the step made that was alive at ``phase``'s peak, from ``StepMemTracker.born_alive_at``: ``bytes`` in
-    all, ``by_module`` and ``by_op`` (the :data:`KEPT` largest, bytes each), ``groups`` (the storages by category, op
-    and module, the module as the user's model names it: ``category``, ``op``, ``module``, ``count``, ``bytes``; the
-    :data:`KEPT` largest of each category)."""
+    all, ``by_module`` and ``by_op`` (the :data:`KEPT` largest, bytes each), ``groups`` (every group of the storages
+    by category, op and module, the module as the user's model names it: ``category``, ``op``, ``module``, ``count``,
+    ``bytes``; by category, largest first)."""
     alive = [(b, CATEGORIES.get(c, c), op, _user_path(m)) for b, c, op, m in tracker.born_alive_at(phase)]
     by_module: dict[str, int] = {}
     by_op: dict[str, int] = {}
@@ -90,10 +90,8 @@ def born_at_peak(tracker: Any, phase: str) -> dict[str, Any]:
         by_op[op] = by_op.get(op, 0) + b
         g = grouped.setdefault((c, op, m), [0, 0])
         g[0], g[1] = g[0] + 1, g[1] + b
-    groups = []
-    for category in dict.fromkeys(c for c, _, _ in grouped):
-        mine = sorted(((k, v) for k, v in grouped.items() if k[0] == category), key=lambda kv: -kv[1][1])[:KEPT]
-        groups += [{"category": c, "op": op, "module": m, "count": n, "bytes": b} for (c, op, m), (n, b) in mine]
+    groups = [{"category": c, "op": op, "module": m, "count": n, "bytes": b}
+              for (c, op, m), (n, b) in sorted(grouped.items(), key=lambda kv: (kv[0][0], -kv[1][1]))]
     return {"bytes": sum(b for b, *_ in alive),
             "by_module": dict(sorted(by_module.items(), key=lambda kv: -kv[1])[:KEPT]),
             "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:KEPT]), "groups": groups}

@@ -112,8 +112,9 @@ class StepMemTracker(MemTracker):
         self._settled = False  # see ``settle``
         #: each closed phase's peak snapshot and its moment (``close_phase``), corrected as storages get roles
         self.phases: dict[str, tuple[dict, dict]] = {}
-        #: every storage born while entered, with the op that made it and the innermost module it was made in
-        #: (``zx_op``, ``zx_module``; ``zx_died``: the moment it was freed): what was alive at a phase's peak
+        #: every storage born (or grown from 0 B) while entered, once, with the op that made it and the innermost module
+        #: it was made in (``zx_op``, ``zx_module``) and its bytes from each moment on (``zx_sizes``: allocated,
+        #: resized, ``resize_(0)`` as FSDP frees its unsharded buffers, freed): what was alive at a phase's peak
         #: (:meth:`born_alive_at`)
         self.births: list[Any] = []
         self._op = ""  # the op being dispatched
@@ -191,12 +192,14 @@ class StepMemTracker(MemTracker):
             grown = u_type == _UpdateType.SIZE and not old_mem_consumed and winfo.mem_consumed
             if self._depth and (u_type == _UpdateType.ADD or grown):
                 winfo.zx_born, winfo.zx_labels = self._clock, [(self._clock, winfo.reftype)]
-                winfo.zx_op, winfo.zx_module = self._op or "(no op: a hook or the optimizer)", self._innermost()
-                self.births.append(winfo)
+                if not hasattr(winfo, "zx_sizes"):  # a storage grown from 0 B again keeps its first record
+                    winfo.zx_op, winfo.zx_module = self._op or "(no op: a hook or the optimizer)", self._innermost()
+                    winfo.zx_sizes = []
+                    self.births.append(winfo)
             elif u_type == _UpdateType.REF and hasattr(winfo, "zx_labels"):
                 winfo.zx_labels.append((self._clock, winfo.reftype))
-            elif u_type == _UpdateType.DEL and hasattr(winfo, "zx_op"):
-                winfo.zx_died = self._clock
+            if hasattr(winfo, "zx_sizes") and u_type != _UpdateType.REF:  # its bytes from each moment on
+                winfo.zx_sizes.append((self._clock, 0 if u_type == _UpdateType.DEL else int(winfo.mem_consumed)))
 
     def _innermost(self) -> str:
         """The innermost module the dispatched op runs in (ModTracker's deepest entered name; backward marked), or
@@ -208,8 +211,8 @@ class StepMemTracker(MemTracker):
         return deepest + (" (backward)" if getattr(self._mod_tracker, "is_bw", False) else "")
 
     def born_alive_at(self, phase: str) -> list[tuple[int, str, str, str]]:
-        """The storages born while tracked and alive at the moment of ``phase``'s peak (``close_phase``):
-        ``(bytes, category, op, module)`` each, the category as the step ended (``settle``'s names) or as it was
+        """The storages born while tracked and holding bytes at the moment of ``phase``'s peak (``close_phase``):
+        ``(bytes then, category, op, module)`` each, the category as the step ended (``settle``'s names) or as it was
         labelled then."""
         if phase not in self.phases:
             return []
@@ -217,10 +220,12 @@ class StepMemTracker(MemTracker):
         out = []
         for w in self.births:
             at = clock.get(w.device, -1)
-            if w.zx_born > at or getattr(w, "zx_died", at + 1) <= at or not w.mem_consumed:
+            then = [b for moment, b in w.zx_sizes if moment <= at]  # its bytes at the peak (resize_(0) frees)
+            if not then or not then[-1]:
                 continue
-            role = getattr(w, "zx_role", None) or [label for moment, label in w.zx_labels if moment <= at][-1]
-            out.append((int(w.mem_consumed), getattr(role, "value", str(role)), w.zx_op, w.zx_module))
+            labels = [label for moment, label in w.zx_labels if moment <= at]
+            role = getattr(w, "zx_role", None) or (labels[-1] if labels else w.reftype)
+            out.append((then[-1], getattr(role, "value", str(role)), w.zx_op, w.zx_module))
         return out
 
     # After every op: the device's peak, as MemTracker keeps it, and its moment. Not MemTracker's per-module

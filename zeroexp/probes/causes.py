@@ -127,7 +127,7 @@ def _scale_cause(c: float, e: Evidence) -> tuple[Any, ...]:
     ref_coef = min(1.0, float(clip) / (e.ref_norm + 1e-6))  # torch.nn.utils.clip_grads_with_norm_'s coefficient
     coef = c * ref_coef
     said = f"every gradient at step {e.step} is the reference's times {c:.6g} under clip_grad_norm={float(clip):g}"
-    if coef >= 1.0:
+    if coef >= 1.0 - e.bound:  # within the gradients' bound of not clipping at all
         return "clip_scale", (f"{said}: the strategy did not clip where the reference's total norm "
                               f"{e.ref_norm:.6g} did"), {"factor": c, "reference_norm": e.ref_norm}
     norm = float(clip) / coef - 1e-6

@@ -50,12 +50,11 @@ ULPS = 64
 KINDS = ("grad", "exp_avg_sq", "param")
 
 
-def relative_bound(floor: float, dtype: str | torch.dtype) -> float:
+def relative_bound(floor: float, dtype: str | torch.dtype, ulps: int = ULPS) -> float:
     """The bound of a relative difference: ``FLOOR_FACTOR`` times its floor (the same figure of data parallelism's
-    arithmetic), or :data:`ULPS` units of roundoff of ``dtype`` (``torch.finfo(dtype).eps / 2``), whichever is
-    larger."""
+    arithmetic), or ``ulps`` units of roundoff of ``dtype`` (``torch.finfo(dtype).eps / 2``), whichever is larger."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    return max(ULPS * torch.finfo(dtype).eps / 2, FLOOR_FACTOR * floor)
+    return max(ulps * torch.finfo(dtype).eps / 2, FLOOR_FACTOR * floor)
 
 
 def replay_wanted(setting: bool | None, equivalence: Mapping[str, Any] | None) -> bool:
@@ -135,8 +134,14 @@ class Watch:
             self.prev[side] = {n: t[0].detach().clone() for n, t in m.items()}
         partings: dict[str, list[tuple[float, str, float, float]]] = {}
         bounds: dict[str, float] = {}
+        if not set(values["got"]["param"]) & set(values["ref"]["param"]):
+            raise ValueError(f"no parameter of the strategy's state ({', '.join(sorted(got_p)[:3])} ...) is one the "
+                             f"reference names ({', '.join(sorted(values['ref']['param'])[:3])} ...)")
+        skipped = set(self.ref.ungraded)  # AdamW skipped them in the reference: their moments did not move
         for kind in KINDS:
             ref, got, avg = values["ref"][kind], values["got"][kind], values.get("avg", {}).get(kind, {})
+            if kind != "param":
+                ref = {n: t for n, t in ref.items() if n not in skipped}
             measure = _abs if kind == "param" else _rel
             floor = max((measure(avg[n], ref[n]) for n in ref if n in avg), default=0.0)
             bound = max(self.threshold or 0.0, FLOOR_FACTOR * floor) if kind == "param" else \
@@ -192,9 +197,11 @@ class DivergenceTracer:
     outside every measured window), rank 0's :class:`Watch` compares; once it has found the parting, nothing more is
     gathered."""
 
-    def __init__(self, ctx: Any, watch: Watch | None) -> None:
+    def __init__(self, ctx: Any, watch: Watch | None, failed: str | None = None) -> None:
         self.ctx, self.watch = ctx, watch
-        self.done = False
+        #: rank 0 without its references (``failed``: why) gathers nothing from the first step on, nor do the others
+        self.error = failed
+        self.done = ctx.rank == 0 and watch is None
 
     def on_train_start(self, trainer, pl_module) -> None:
         """``checkpoint.load_from``: the checkpoint loaded as the measured run loaded it (the checkpoint probe's
@@ -217,11 +224,18 @@ class DivergenceTracer:
         if bool(every[0][1]):  # rank 0 found the parting at an earlier step
             return
         model_sd, optim_sd = self.ctx.adapter.full_state_dicts(trainer.strategy.model, trainer.optimizers[0])
-        if self.watch is not None:
-            self.done = self.watch.observe(int(batch_idx), [float(t[0]) for t in every], model_sd, optim_sd)
+        if self.watch is not None and self.error is None:
+            try:  # rank 0 alone: a comparison that raises stops the gathering on every rank at the next step
+                self.done = self.watch.observe(int(batch_idx), [float(t[0]) for t in every], model_sd, optim_sd)
+            except Exception as e:  # noqa: BLE001 - said in the result
+                self.error, self.done = f"{type(e).__name__}: {e}", True
 
     def rank_result(self) -> dict[str, Any]:
-        return self.watch.result() if self.watch is not None else {}
+        if self.ctx.rank != 0:
+            return {}
+        if self.error is not None:
+            return {"found": False, "error": self.error, "why": "the replay's comparison raised: no divergence located"}
+        return self.watch.result()
 
 
 def divergence_line(d: Mapping[str, Any]) -> str:

@@ -35,7 +35,8 @@ ENV = "ZEROEXP_FAULT"
 #: accumulation in bf16 in an fp32 cell).
 #: ``clip_world``: at that step, every rank (the rank field is ignored: a norm is a collective) clips by a total norm
 #: whose squares are all-reduced over the whole world instead of the shard group (VeOmni#184's HSDP bug: each square
-#: counted once per replica); the same as the right norm where there is no replicate dimension.
+#: counted once per replica); the right norm for FSDP2 without a replicate dimension; DTensor gradients only (DDP's
+#: and the flat-buffer ZeRO's whole gradient on every rank would count each square N times).
 #: ``hold`` / ``upcast``: during that step, the rank's first module with parameters to take a floating-point
 #: input keeps a copy of it (float64 for ``upcast``) alive through forward and backward, from a forward pre-hook
 #: (memory above the plan: the memory explanation must name that module and the op, zeroexp.plan.check.memory_excess).

@@ -206,18 +206,19 @@ def _train(cfg: Any, cfg_dict: dict[str, Any], cell: Path, run_info: dict, resol
              backend="nccl" if device.type == "cuda" else "gloo")
 
     results = {p.name: p.rank_result() for p in probes}
-    from zeroexp.rank.replay import locate_divergence  # after every measured window: where training parted
-
-    located = locate_divergence(ctx, cfg_dict, run_info, results.get("equivalence"), root=cell / RANKS_DIR / "replay",
-                                devices=local, num_nodes=world_size // local,
-                                backend="nccl" if device.type == "cuda" else "gloo")
-    if located and isinstance(results.get("equivalence"), dict):
-        results["equivalence"]["divergence"] = located
     results[INIT_RECORD] = init_peak.record
     write_text(cell / RANKS_DIR / f"rank{rank}.json", json.dumps(results))
     dist.barrier()  # outside every measured window: all rank files exist
     if rank == 0:  # the plan is the launching process's, once every rank is done (zeroexp.launch.epilogue)
         finalize(cell, cfg, probe_classes, run_info, live_groups=ctx.expect.groups_record(), resolved=resolved)
+    del module, net, data  # the measured model: the replay builds its own
+    import gc
+
+    gc.collect()
+    from zeroexp.rank.replay import locate_divergence  # after the measured summary: where training parted
+
+    locate_divergence(ctx, cfg_dict, run_info, results.get("equivalence"), cell=cell, devices=local,
+                      num_nodes=world_size // local, backend="nccl" if device.type == "cuda" else "gloo")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -43,7 +43,7 @@ def explain_cell(cell: Cell) -> dict[str, Any]:
     eq = cell.summary.get("equivalence") or {}
     divergence = eq.get("divergence") if isinstance(eq.get("divergence"), dict) else None
     failed = eq.get("check") == "FAIL"
-    located = divergence is not None and divergence.get("found")
+    replayed = divergence is not None and not divergence.get("error")  # found or not, the cell replayed its steps
     memory = cell.summary.get("memory") or {}
     worst, phase = memory.get("max_rank"), memory.get("peak_phase_of_max_rank")
     ranks = memory.get("born_at_peak_by_rank") or []
@@ -53,5 +53,5 @@ def explain_cell(cell: Cell) -> dict[str, Any]:
            "failed": sum(1 for c in checks if c.verdict in FAILED),
            "equivalence": {"check": eq.get("check"), "max_abs_err": eq.get("max_abs_err"),
                            "bound": eq.get("effective_threshold", eq.get("threshold")), "divergence": divergence,
-                           "replay": replay_command(cell) if failed and not located else None}}
+                           "replay": replay_command(cell) if failed and not replayed else None}}
     return out

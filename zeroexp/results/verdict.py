@@ -83,6 +83,7 @@ class Code(str, Enum):
     EQUIVALENCE_BUFFERS_DIFFER = "equivalence.buffers_differ"  # buffers the reference keeps unchanged differ
     GRAD_NORM_NOT_TAKEN = "grad_norm.not_taken"  # no gradient norm the strategy computed or the probe could take
     GRAD_NORM_DIFFERS = "grad_norm.differs"  # a rank's total gradient norm of a step beyond its bound
+    GRAD_NORM_MISSING = "grad_norm.missing"  # a rank has no norm at a step another rank has
     # the checkpoint probe
     CHECKPOINT_RESTORE_DIFFERS = "checkpoint.restore_differs"  # restored parameters differ from the saved
     CHECKPOINT_CONTINUATION_DIFFERS = "checkpoint.continuation_differs"  # the step after a restore differs

@@ -146,7 +146,10 @@ def _section(cell: Cell, cell_dir: Path, summary: dict[str, Any], itself: str | 
         "payload": payload,
         **_verdicts(reasons, coll_reasons, differ, payload_reasons, payload, itself),
     }
-    section["grad_norm"] = norm_reduction(layout, groups, knobs, precision.itemsize)
+    try:  # a figure beside the checks, judged by none: its failure is said, not the plan's
+        section["grad_norm"] = norm_reduction(layout, groups, knobs, precision.itemsize)
+    except Exception as e:  # noqa: BLE001
+        section["grad_norm"] = {"error": f"{type(e).__name__}: {e}"}
     section["memory"] = _memory(cell, summary, name, groups, precision.itemsize, shape)
     if cell.checkpoint != "none":  # the tensors' bytes each rank wrote (zeroexp.plan.check.checkpoint)
         from zeroexp.plan.check.checkpoint import checkpoint_section

@@ -3,9 +3,9 @@ moment into what the step made and kept alive there (the memory probe's ``born_a
 the op that allocated it and the innermost module it was made in, CPU cells), beside the prediction's own terms for
 the same moment (its bytes by category); the residual is named: of the categories measured above their prediction,
 the storages made by the ops the step used least often in that category (the prediction's terms are kinds of
-tensor the step makes per unit or layer, again and again), then by module, largest first, up to the excess; each
-with its op, its module and the known cause its category and op match. The choice of the residual is a likelihood,
-not a proof: ``groups`` holds every candidate."""
+tensor the step makes per unit or layer, again and again), then the fewest storages, then the largest, until they
+cover the excess; each with its op, its module and the known cause its category and op match. The choice of the
+residual is a likelihood, not a proof: ``groups`` holds every candidate."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def explain_excess(record: Mapping[str, Any], born: Mapping[str, Any] | None) ->
         often[g["category"], g["op"]] = often.get((g["category"], g["op"]), 0) + g["count"]
     residual, left = [], dict(excess)
     for g in sorted(candidates, key=lambda g: (often[g["category"], g["op"]], g["count"], -g["bytes"])):
-        if 0 < g["bytes"] <= left[g["category"]]:
+        if left[g["category"]] > 0:  # until the excess is covered (the last may be larger than what is left)
             code, why = _cause(g)
             residual.append({**g, "cause": code, "why": why})
             left[g["category"]] -= g["bytes"]
@@ -73,7 +73,7 @@ def explain_excess(record: Mapping[str, Any], born: Mapping[str, Any] | None) ->
 
 
 def excess_sentence(explained: Mapping[str, Any]) -> str:
-    """The residual in words: its largest storage, its op, module and cause."""
+    """The residual in words: its first group (the rarest op's), its op, module and cause."""
     if not explained.get("residual"):
         return "above the plan: no storage the step made is alive at the peak in the categories above their prediction"
     s = explained["residual"][0]
