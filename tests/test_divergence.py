@@ -136,9 +136,14 @@ def test_clipping_norm_over_the_whole_hybrid_mesh(faulted):
     assert g["squares_counted"] == pytest.approx(2, rel=1e-3)
 
 
-def test_a_correct_foreign_model_replayed_locates_nothing(faulted):
-    """A Hugging Face Llama under FSDP2 at N=3 (uneven shards): every step within its bounds."""
-    eq = faulted(None, "strategy=fsdp2_full", "world_size=3", *HF_LLAMA, TRACE)
+@pytest.mark.parametrize("overrides", [("strategy=fsdp2_full", "world_size=3", *HF_LLAMA),
+                                       ("strategy=ddp", "world_size=2", "grad_accum=2")],
+                         ids=["llama-fsdp2-n3", "mlp-ddp-n2-ga2"])
+def test_a_correct_cell_replayed_locates_nothing(faulted, overrides):
+    """A Hugging Face Llama under FSDP2 at N=3 (uneven shards); DDP accumulating two micro-batches a step (the tracer
+    sees optimizer steps, the reference each rank's loss as the mean of its micro-batches'): every step within its
+    bounds."""
+    eq = faulted(None, *overrides, TRACE)
     assert eq["check"] == "PASS"
     assert eq["divergence"] == {"found": False, "steps_compared": STEPS, "why": eq["divergence"]["why"]}
 
