@@ -58,6 +58,10 @@ class GradNormProbe(Probe):
             out |= set(window) if isinstance(window, range) else ({window} if window is not None else set())
         return out
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        adapter = self.ctx.adapter  # a strategy that takes no norm and holds no whole gradient to take one of: why
+        self.why_none = None if adapter.computes_grad_norm else adapter.grad_norm_unavailable
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """No norm of the strategy's own: take it, the strategy's way, at a step outside every measured window."""
         if self.ctx.adapter.computes_grad_norm or self.why_none is not None:
@@ -65,13 +69,8 @@ class GradNormProbe(Probe):
         step = int(trainer.global_step)
         if step in self._measured_steps():
             return
-        try:
-            norm = self.ctx.adapter.grad_norm(trainer.strategy.model)
-        except NotImplementedError as e:  # the same on every rank: no collective was entered
-            self.why_none = str(e)
-            return
         self.source = "probe"
-        self.norms[step] = float(norm)
+        self.norms[step] = float(self.ctx.adapter.grad_norm(trainer.strategy.model))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         """The strategy keeps the norm it takes for this step unless the step is memory-tracked (a kept 0-dim tensor

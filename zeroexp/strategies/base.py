@@ -239,10 +239,14 @@ class StrategyAdapter:
         norm, self._clip_norm = self._clip_norm, None
         return norm if self.computes_grad_norm else None
 
+    #: Why :meth:`grad_norm` cannot be taken between backward and the optimizer step (the gradients are not whole
+    #: anywhere yet); None: it can.
+    grad_norm_unavailable: str | None = None
+
     def grad_norm(self, model: nn.Module) -> Any:
         """The total norm of the gradients now (after backward and their reduction, before clipping and the step),
         taken the way the strategy's clipping takes it: a collective where the gradients are sharded, so call it on
-        every rank. Raise ``NotImplementedError`` with the reason where the gradients are not complete here. Default:
+        every rank; not where :attr:`grad_norm_unavailable` says why not. Default:
         the whole gradient every rank holds (DDP's, all-reduced already): ``torch.nn.utils.get_total_norm``, no
         collective."""
         return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], 2.0)

@@ -358,9 +358,9 @@ class DeepSpeedAdapter(_ckpt.DeepSpeedCheckpoints, StrategyAdapter):
         """``engine.get_global_grad_norm()``: the unscaled norm the ZeRO optimizer took in the last step."""
         return self.engine.get_global_grad_norm() if self.computes_grad_norm else None
 
-    def grad_norm(self, model: nn.Module) -> Any:
-        raise NotImplementedError("DeepSpeed stage 0 reduces the gradients in engine.step, after Lightning's hooks; "
-                                  "its bf16 / fp16 optimizer's norm is not the step's total norm (5.7-8.1 % above)")
+    #: (stage 0: :meth:`grad_norm` is not to be taken; stages 1-3 take their own)
+    grad_norm_unavailable = ("DeepSpeed stage 0 reduces the gradients in engine.step, after Lightning's hooks; its "
+                             "bf16 / fp16 optimizer's norm is not the step's total norm (5.7-8.1 % above)")
 
     def current_loss_scale(self) -> float | None:
         """fp16: the FP16 / ZeRO optimizer's dynamic loss scale (``cur_scale``); None otherwise."""

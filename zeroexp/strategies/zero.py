@@ -148,10 +148,12 @@ class ShardedZeroAdapter(StrategyAdapter):
     def keep_grad_norm(self, model: nn.Module, keep: bool) -> None:
         self.held(model)[1].taken["keep"] = keep
 
+    grad_norm_unavailable = ("zeroexp's ZeRO reduces the gradients inside its optimizer step (its reduce_scatter "
+                             "waited there): before the step no rank holds its averaged shard; it takes the norm "
+                             "only where it clips (strategy.clip_grad_norm) or scales the loss")
+
     def grad_norm(self, model: nn.Module) -> Any:
-        raise NotImplementedError("zeroexp's ZeRO reduces the gradients inside its optimizer step (its reduce_scatter "
-                                  "waited there): before the step no rank holds its averaged shard; it takes the norm "
-                                  "only where it clips (strategy.clip_grad_norm) or scales the loss")
+        raise NotImplementedError(self.grad_norm_unavailable)
 
     def groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Groups:
         """Each flat bucket as it is laid out (its parameters' element ranges, its padded length): one reduce_scatter
