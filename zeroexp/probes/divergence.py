@@ -155,7 +155,8 @@ class Watch:
         loss_bound = relative_bound(loss_floor, self.dtype)
         ranks = [r for r, (g, ref) in enumerate(zip(losses, self.ref.rank_losses))
                  if ref and abs(g - ref) / abs(ref) > loss_bound]
-        evidence = Evidence(self.cfg, step, values["got"]["grad"], values["ref"]["grad"], bounds["grad"],
+        graded = {n: t for n, t in values["ref"]["grad"].items() if n not in skipped}
+        evidence = Evidence(self.cfg, step, values["got"]["grad"], graded, bounds["grad"],
                             ranks, self.ref.trainable(), self.ref.ungraded, self.ref.grad_norm, self.excused)
         for excused_pass in (False, True):
             for kind in KINDS:
