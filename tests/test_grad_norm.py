@@ -18,7 +18,7 @@ N, S, CLIP = 4, 2, 1e-4  # CLIP: below the mlp's gradient norms, every step clip
 def _results(norms_by_rank: list[dict[int, float]], reference: list[float], floors: list[float]) -> list[dict]:
     out = [{"norms": {str(k): v for k, v in n.items()}, "source": "strategy", "why_none": None, "reference": {}}
            for n in norms_by_rank]
-    out[0]["reference"] = {"norms": reference, "floor_norms": floors, "dtype": "float32"}
+    out[0]["reference"] = {"numel": 2, "norms": reference, "floor_norms": floors, "dtype": "float32"}
     return out
 
 
