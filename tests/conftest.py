@@ -67,6 +67,10 @@ PROBED = WARMUP + 2
 #: the timing probe takes).
 STEPS = PROBED + 2
 BASE = ("logger=none", "model.width=64", f"steps={STEPS}", *WINDOWS)
+#: A Hugging Face Llama from its config, shrunk (2 layers of width 32, grouped-query attention, 8 tokens).
+HF_LLAMA = ("model=hf", "model.arch=llama", "model.vocab_size=64", "model.hidden_size=32", "model.num_hidden_layers=2",
+            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.intermediate_size=64",
+            "model.max_position_embeddings=16", "model.seq_len=8")
 
 
 class _Composer:

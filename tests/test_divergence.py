@@ -9,7 +9,7 @@ import shlex
 import pytest
 import torch
 
-from conftest import STEPS, WINDOWS, compose_config
+from conftest import HF_LLAMA, STEPS, WINDOWS, compose_config
 from zeroexp.config.schemas import validate
 from zeroexp.launch.runner import run_cell
 from zeroexp.models import build_model
@@ -21,9 +21,6 @@ from zeroexp.rank.faults import ENV as FAULT_ENV
 TRACE = "probes.trace_divergence=true"
 #: conftest's BASE without the mlp's width: the cells of models that have none.
 OWN_SIZE = ("logger=none", f"steps={STEPS}", *WINDOWS)
-HF_LLAMA = ("model=hf", "model.arch=llama", "model.vocab_size=64", "model.hidden_size=32", "model.num_hidden_layers=2",
-            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.intermediate_size=64",
-            "model.max_position_embeddings=16", "model.seq_len=8")
 
 
 @pytest.fixture

@@ -264,6 +264,9 @@ def test_wrapper_prefixes_are_what_the_wrappers_put_in_a_path():
     names = [n for n, _ in nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2))).named_parameters()]
     assert names == ["0." + prefixes["checkpoint"] + "weight", "0." + prefixes["checkpoint"] + "bias"]
     assert prefixes["fsdp"] == "_fsdp_wrapped_module."  # FSDP1 needs a process group to wrap: its name, read
+    from zeroexp._lib.modules import strip_wrappers
+
+    assert strip_wrappers(names[0]) == "0.weight"
 
 
 # -- zeroexp._lib.memtrack.mem_tracker -----------------------------------------------------------------------------

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import STEPS, WINDOWS, PROBED
+from conftest import HF_LLAMA, STEPS, WINDOWS, PROBED
 from zeroexp.launch.runner import run_cell
 from zeroexp.plan.check.memory_excess import explain_excess
 from zeroexp.rank.faults import ENV as FAULT_ENV
 
 MEMORY_STEP = PROBED - 1  # the memory-tracked step of conftest's windows
-HF_LLAMA = ("model=hf", "model.arch=llama", "model.vocab_size=64", "model.hidden_size=32", "model.num_hidden_layers=2",
-            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.intermediate_size=64",
-            "model.max_position_embeddings=16")
 
 
 def test_the_residual_is_the_groups_made_least_often_up_to_the_excess():
@@ -33,7 +30,8 @@ def test_the_residual_is_the_groups_made_least_often_up_to_the_excess():
 @pytest.mark.parametrize("kind, overrides, module, op, grew, cause", [
     ("hold", ("strategy=ddp", "world_size=2"), "0", "aten::clone", 8 * 64 * 4, "copy"),  # the batch into Linear 0
     # the embeddings into the first RMSNorm, as float64: 64 KiB, beyond the band and one late-freed unit (12.9 KB)
-    ("upcast", ("strategy=fsdp2_full", "world_size=3", *HF_LLAMA, "batch_size=16", "model.seq_len=16"),
+    ("upcast", ("strategy=fsdp2_full", "world_size=3", *(o for o in HF_LLAMA if not o.startswith("model.seq_len")),
+                "batch_size=16", "model.seq_len=16"),
      "model.layers.0.input_layernorm", "aten::_to_copy", 16 * 16 * 32 * 8, "upcast"),
 ], ids=["mlp-ddp-hold", "llama-fsdp2-n3-upcast"])
 def test_a_plan_memory_fail_made_on_purpose_is_explained_to_the_module_and_op(compose, tmp_path, monkeypatch, kind,

@@ -62,14 +62,12 @@ KEPT = 8
 def _user_path(module: str) -> str:
     """A module's name as the user's model names it: ModTracker's root class name, the wrappers' attributes (DDP's
     ``module``, FSDP1's and checkpoint_wrapper's) and CellModule's ``net`` dropped; ``(model)`` for the root."""
-    from zeroexp._lib.modules import wrapper_prefixes
+    from zeroexp._lib.modules import strip_wrappers
 
     if module.startswith("("):
         return module
     name, _, backward = module.partition(" ")
-    for w in wrapper_prefixes().values():
-        name = name.replace(w, "")
-    parts = name.split(".")[1:]  # ModTracker names the root by its class
+    parts = strip_wrappers(name).split(".")[1:]  # ModTracker names the root by its class
     while parts and parts[0] in ("module", "net"):
         parts = parts[1:]
     return ".".join(parts) + (f" {backward}" if backward else "") if parts else "(model)" + (

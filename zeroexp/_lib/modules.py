@@ -46,3 +46,11 @@ def wrapper_prefixes() -> dict[str, str]:
     from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
 
     return {"fsdp": FSDP_WRAPPED_MODULE + ".", "checkpoint": _CHECKPOINT_WRAPPED_MODULE + "."}
+
+
+def strip_wrappers(name: str) -> str:
+    """A parameter's, buffer's or module's path without the attributes torch's wrappers put into it
+    (:func:`wrapper_prefixes`)."""
+    for w in wrapper_prefixes().values():
+        name = name.replace(w, "")
+    return name

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 import torch
 
-from zeroexp._lib.modules import wrapper_prefixes
+from zeroexp._lib.modules import strip_wrappers
 from zeroexp.probes.causes import Evidence, cause_of
 from zeroexp.probes.reference import PREFIX, Reference
 from zeroexp.tolerances import FLOOR_FACTOR
@@ -68,9 +68,7 @@ def replay_wanted(setting: bool | None, equivalence: Mapping[str, Any] | None) -
 
 def _name(key: str) -> str:
     """A state dict's key as the model names the parameter: wrapper prefixes and CellModule's ``net.`` taken off."""
-    for w in wrapper_prefixes().values():
-        key = key.replace(w, "")
-    return key.removeprefix(PREFIX)
+    return strip_wrappers(key).removeprefix(PREFIX)
 
 
 def _derived(m_now: torch.Tensor, m_prev: torch.Tensor | None, beta1: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig
 
-from zeroexp._lib.modules import wrapper_prefixes
+from zeroexp._lib.modules import strip_wrappers, wrapper_prefixes
 from zeroexp.cell.source import Source
 from zeroexp.probes.base import Probe, ProbeReport
 from zeroexp.probes.divergence import divergence_line
@@ -83,9 +83,7 @@ def compare_buffers(pl_module: Any, seen: Mapping[str, Any]) -> dict[str, Any]:
     moved = {_PREFIX + n for n in seen.get("moved_buffers", [])}
     mine = {}
     for name, b in pl_module.named_buffers():
-        for w in wrapper_prefixes().values():  # FSDP1's and checkpoint_wrapper's names in the path
-            name = name.replace(w, "")
-        mine[name] = b.detach().to("cpu")
+        mine[strip_wrappers(name)] = b.detach().to("cpu")  # FSDP1's and checkpoint_wrapper's names out of the path
     differ = [n for n, ref in reference.items() if n not in moved  # in the dtype the strategy holds it in
               and (n not in mine or mine[n].shape != ref.shape or not torch.equal(mine[n], ref.to(mine[n].dtype)))]
     return {"buffers_compared": len(reference) - len(moved), "buffers_check": Verdict.passed_if(not differ),

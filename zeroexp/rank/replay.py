@@ -6,6 +6,7 @@ Nothing of it is measured: every probe's window closed before it starts."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -73,7 +74,7 @@ def _replay(ctx: Any, cfg_dict: Mapping[str, Any], run_info: Mapping[str, Any], 
         except Exception as e:  # noqa: BLE001 - said in the result, the other ranks stop with rank 0
             failed = f"{type(e).__name__}: {one_line(str(e), 500)}"
     pl.seed_everything(cfg.seed, workers=False, verbose=False)  # the measured run's initial weights
-    with torch.device("meta") if resolved.init == "meta" else _nothing():
+    with torch.device("meta") if resolved.init == "meta" else nullcontext():
         net = build_model(cfg.model)
     module = CellModule(net, cfg.model.loss, adapter.make_optimizer, adapter.clip_gradients, log_loss=False)
     accum = resolved.grad_accum
@@ -91,9 +92,3 @@ def _replay(ctx: Any, cfg_dict: Mapping[str, Any], run_info: Mapping[str, Any], 
     fit_cell(replayed, module, data, [*callbacks, tracer], steps=int(cfg.steps), logger=False, root=str(root),
              devices=devices, num_nodes=num_nodes, backend=backend)
     return tracer.rank_result()
-
-
-def _nothing() -> Any:
-    from contextlib import nullcontext
-
-    return nullcontext()
