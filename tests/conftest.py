@@ -22,6 +22,10 @@ from typing import Any, Callable
 # thread spins beside the other worker's busy core (one rank of N played on the CPU: 1.5 s with one, 5-7 s with
 # torch.set_num_threads(1) called after the import, on the same loaded host).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No store of the planner's answers on disk (zeroexp.cell.store) in the tests and the processes they start: each test
+# computes what it checks (a test that monkeypatches a trace must not read another's answer); tests/test_answer_store.py
+# opens one of its own.
+os.environ["ZEROEXP_CACHE_DIR"] = "off"
 
 import pytest
 import torch

@@ -430,14 +430,48 @@ def test_a_cuda_cells_allocated_and_reserved_phases_are_judged_on_cuda_semantics
     assert phases["steady"]["measured_reserved_bytes"] == 10**10
 
 
-def test_the_allocator_merges_a_freed_block_as_a_scan_of_every_block_would():
-    """``CachingAllocator.free`` finds a freed block's neighbours by offset: over random mallocs and frees of every
-    pool's sizes, the same blocks, allocated, reserved and peaks as merging by a scan of every block."""
+def test_the_allocator_fits_and_merges_blocks_as_a_scan_of_every_block_would():
+    """``CachingAllocator`` finds a request's best fit by bisection of each pool's sorted free blocks and a freed
+    block's neighbours by offset: over random mallocs and frees of every pool's sizes, the same block ids, blocks,
+    allocated, reserved and peaks as an allocator that scans every block for both (the smallest free block of the
+    request's pool that fits, the lowest segment, offset and id on ties; the free neighbours that touch it)."""
     import random
 
-    from zeroexp.formulas.peak.allocator import CachingAllocator
+    from zeroexp.formulas.peak.allocator import (MIN_BLOCK, SMALL_SIZE, CachingAllocator, round_size,
+                                                 segment_size)
 
-    class Scan(CachingAllocator):
+    class Scan:
+        def __init__(self):
+            self._blocks, self._small, self._next = {}, [], 0
+            self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+
+        def malloc(self, nbytes):
+            size = round_size(nbytes)
+            small = size <= SMALL_SIZE
+            fits = [(b[2], b[0], b[1], i) for i, b in self._blocks.items()
+                    if b[3] and b[2] >= size and self._small[b[0]] == small]
+            if fits:
+                i = min(fits)[3]
+            else:
+                self._small.append(small)
+                self.reserved += segment_size(size)
+                self.peak_reserved = max(self.peak_reserved, self.reserved)
+                i = self._new(len(self._small) - 1, 0, segment_size(size))
+            block = self._blocks[i]
+            rest = block[2] - size
+            if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+                block[2] = size
+                self._new(block[0], block[1] + size, rest)
+            block[3] = False
+            self.allocated += block[2]
+            self.peak_allocated = max(self.peak_allocated, self.allocated)
+            return i
+
+        def _new(self, seg, off, size):
+            self._blocks[self._next] = [seg, off, size, True]
+            self._next += 1
+            return self._next - 1
+
         def free(self, i):
             block = self._blocks[i]
             block[3] = True
@@ -462,6 +496,7 @@ def test_the_allocator_merges_a_freed_block_as_a_scan_of_every_block_would():
             else:
                 n = rnd.choice([rnd.randint(1, 4096), rnd.randint(1, 3 << 20), rnd.randint(1, 40 << 20)])
                 live.append((fast.malloc(n), scan.malloc(n)))
+                assert live[-1][0] == live[-1][1]
             assert fast._blocks == scan._blocks
             assert (fast.allocated, fast.reserved, fast.peak_allocated, fast.peak_reserved) == \
                    (scan.allocated, scan.reserved, scan.peak_allocated, scan.peak_reserved)

@@ -15,6 +15,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from zeroexp.config.checkpointing import checked_option
 from zeroexp.cell.resolved import units_ahead
 from zeroexp.cell.strategy import DS_STAGE3_KEYS
+from zeroexp.cli.planned_model import answer_store, model_shape, wrap_units
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import (COMPUTE_ITEMSIZE, DS_PERSISTENCE_REFUSED, ModelShape, PlanKnobs, ds_persistent,
                               ds_stage3_limits)
@@ -56,6 +57,9 @@ class PlanConfig:
     # FSDP and FSDP2 rows with grad_accum, as a cell's strategy.sync_each_microbatch: false (no_sync: gradients held
     # unsharded to the last micro-batch) | true (reduce-scatter every micro-batch, torchtitan's: the shards accumulate)
     sync_each_microbatch: bool = False
+    # true: a model's shape, units and traced steps read from and written to outputs/cache/ (or $ZEROEXP_CACHE_DIR;
+    # zeroexp.cell.store), answers of an earlier plan of the same model and code; false: every one computed afresh
+    cache: bool = True
     device: Any = None  # cpu | cuda: the device semantics of the peak model (null: cuda with device_memory or a network
     # preset of GPUs, else cpu; zeroexp.formulas.device)
     compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
@@ -147,53 +151,16 @@ def _world_sizes(value: Any) -> list[int]:
     return sizes
 
 
-def _shape(cfg: DictConfig) -> tuple[ModelShape, str]:
-    """The planned model's shape: a parameter count's (no torch), or the model config's built on the meta device."""
-    if (cfg.model is None) == (cfg.params is None):
-        raise ConfigError("params", cfg.params, "either a parameter count (params=7.5e9) or a model (model=mlp, "
-                          "conf/model/), not both", why="both given" if cfg.model is not None else "neither given")
-    if cfg.model is None:
-        try:
-            return ModelShape.from_count(parse_count(cfg.params)), "params"
-        except ValueError as e:
-            raise ConfigError("params", cfg.params, "a positive count: 7.5e9, 7.5B, 350M, 1T", why=str(e)) from e
-    import torch
-
-    from zeroexp.models import build_model, import_class, wrap_paths
-    from zeroexp.plan.shape import shape_of
-
-    wrap = wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap}, "model": cfg.model}))
-    try:
-        classes = [import_class(p) for p in wrap]
-    except (ImportError, AttributeError, ValueError, TypeError) as e:
-        key = "wrap" if cfg.wrap is not None else "model.wrap"
-        raise ConfigError(key, wrap, "import paths of nn.Module classes", why=f"{type(e).__name__}: {e}") from e
-    try:
-        with torch.device("meta"):
-            net = build_model(cfg.model)
-    except Exception as e:  # noqa: BLE001 - any failure of the user's factory is a config error
-        cause = e.__cause__ or e
-        if isinstance(cause, ConfigError):  # the factory named the key itself (zeroexp.models.hf)
-            raise cause from e
-        raise ConfigError("model._target_", cfg.model.get("_target_"), "a factory that builds an nn.Module from "
-                          "the model config's other keys", why=f"{type(cause).__name__}: {cause}") from e
-    shape = shape_of(net, classes, model_cfg=cfg.model)
-    if not shape.numel:
-        raise ConfigError("model", cfg.model.name, "a model with parameters", why="it has none")
-    return shape, str(cfg.model.name)
-
-
-def wrap_classes(cfg: DictConfig) -> list[type]:
-    """The FSDP unit classes of a plan or recommend config: ``wrap=``, else the model's own ``model.wrap`` (their
-    import paths checked by :func:`_shape` first)."""
-    from zeroexp.models import import_class, wrap_paths
-
-    return [import_class(p) for p in wrap_paths(OmegaConf.create({"strategy": {"wrap": cfg.wrap},
-                                                                   "model": cfg.model}))]
-
-
 def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
-    """Validate a composed plan config and plan it; raises :class:`ConfigError` on bad input."""
+    """Validate a composed plan config and plan it; raises :class:`ConfigError` on bad input. A model's shape, units
+    and traces are read from and written to the store on disk (:func:`answer_store`)."""
+    stored: list[str] = []
+    with answer_store(cfg, stored):
+        records, notes = _run(cfg)
+    return records, notes + stored
+
+
+def _run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     for key, accepted in (("units", tuple(UNITS)), ("format", ("table", "json"))):
         if cfg[key] not in accepted:
             raise ConfigError(key, cfg[key], ", ".join(accepted))
@@ -217,7 +184,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ConfigError("grad_accum", accum, "an integer >= 1 (micro-batches of batch_size per optimizer step)")
     mode = checked_option(cfg)
-    shape, model = _shape(cfg)
+    shape, model = model_shape(cfg)
     persistent = ds_persistent(shape.numels, ds_stage3_limits(persistence=cfg.stage3_param_persistence_threshold))
     if persistent and (strategies is None or "deepspeed_stage3" in strategies):
         raise ConfigError("stage3_param_persistence_threshold", cfg.stage3_param_persistence_threshold,
@@ -316,7 +283,7 @@ def _peaks(cfg: DictConfig, records: list[dict[str, Any]], shape: ModelShape, ba
     if batch is not None and cfg.model is not None:  # a parameter count traces nothing: no torch
         from zeroexp.plan.check.memory import trace_units_wanted
 
-        wrap = wrap_classes(cfg)
+        wrap = wrap_units(cfg)
         trace_units_wanted([(r["strategy"], str(cfg.precision.name), str(cfg.precision.param_dtype),
                              knobs.micro_batches) for r in records])  # every row's view of a step from one run
     for r in records:
@@ -412,7 +379,7 @@ def _recompute_share(cfg: DictConfig, batch: int, mode: Any, notes: list[str]) -
         return 1.0
     from zeroexp.plan.flops import recompute_share
 
-    return recompute_share(cfg.model, batch, tuple(wrap_classes(cfg)), mode)
+    return recompute_share(cfg.model, batch, tuple(wrap_units(cfg)), mode)
 
 
 def _activations(cfg: DictConfig, batch: int, checkpointing: Any = None) -> dict[str, Any] | None:
@@ -432,7 +399,7 @@ def _activations(cfg: DictConfig, batch: int, checkpointing: Any = None) -> dict
     if cfg.model is None:
         return None
     mode = mode_of(checkpointing)
-    wrap = wrap_classes(cfg)
+    wrap = wrap_units(cfg)
     dtype = torch_dtype(str(cfg.precision.param_dtype))
     trace = forward_trace(cfg.model, batch, wrap, dtype=dtype, policy=mode)
     cast = forward_trace(cfg.model, batch, wrap, module_dtype=dtype, policy=mode) if dtype.itemsize < 4 else None

@@ -67,6 +67,7 @@ class RecommendConfig:
     device: Any = None
     compute_capability: Any = None
     format: str = "table"
+    cache: bool = True  # shapes, units, traces of an earlier answer of the same model and code (zeroexp.cell.store)
     recommend: SearchConfig = field(default_factory=SearchConfig)
     # a run's own keys (conf/recommend.yaml): each given fixes its axis (:func:`as_run`)
     strategy: Any = None
@@ -172,7 +173,8 @@ def as_run(cfg: DictConfig) -> DictConfig:
 
 def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, Any]:
     """Validate a composed recommend config and answer it; :class:`ConfigError` on bad input, before any work."""
-    from zeroexp.cli.plan import _device, _shape, wrap_classes
+    from zeroexp.cli.plan import _device
+    from zeroexp.cli.planned_model import answer_store, model_shape, wrap_units
     from zeroexp.plan.core import parse_bytes
     from zeroexp.recommend import MEASURED_TIME_ERROR, Axes, Problem, recommend
     from zeroexp.recommend.core import with_world_size
@@ -218,29 +220,31 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
 
     tokens = 1 if cfg.model is None else tokens_per_sample(cfg.model)
     samples = _samples(cfg, n, tokens)
-    shape, model = _shape(cfg)
-    device = _device(cfg, memory)
-    networks = {p: network_of(cfg.network, p, tokens) for p in precisions}
-    dtypes = {p: _precision(p) for p in precisions}
-    wrap, flops = [], None
-    if cfg.model is not None:
-        wrap = wrap_classes(cfg)
-        flops = _flops_of(cfg.model, tuple(wrap))
-    peaks = cfg.network.get("peak_flops") or {}
-    problem = Problem(shape, n, networks, device, memory, headroom, {p: d for p, (d, _) in dtypes.items()},
-                      {p: s for p, (_, s) in dtypes.items()}, tokens, cfg.model, wrap, flops,
-                      {p: peaks.get(p) for p in precisions})
-    axes = Axes(rows, precisions, offloads, _checkpointing_axis(cfg, ac), samples, micro,
-                tuple(float(c) for c in caps), prefetch, shards, tuple(dict.fromkeys(syncs)))
-    tie = float(r.tie) if r.tie is not None else MEASURED_TIME_ERROR[0]
-    overrides = model_overrides if model_overrides is not None else (
-        [f"model={model}"] if cfg.model is not None else [])
-    with untraced(model):
-        answer = recommend(problem, axes, top_k, tie, overrides, per_node, lambda m: with_world_size(problem, m))
+    stored: list[str] = []
+    with answer_store(cfg, stored):  # a model's shape, units and traces of an earlier answer (zeroexp.cell.store)
+        shape, model = model_shape(cfg)
+        device = _device(cfg, memory)
+        networks = {p: network_of(cfg.network, p, tokens) for p in precisions}
+        dtypes = {p: _precision(p) for p in precisions}
+        wrap, flops = [], None
+        if cfg.model is not None:
+            wrap = wrap_units(cfg)
+            flops = _flops_of(cfg.model, tuple(wrap))
+        peaks = cfg.network.get("peak_flops") or {}
+        problem = Problem(shape, n, networks, device, memory, headroom, {p: d for p, (d, _) in dtypes.items()},
+                          {p: s for p, (_, s) in dtypes.items()}, tokens, cfg.model, wrap, flops,
+                          {p: peaks.get(p) for p in precisions})
+        axes = Axes(rows, precisions, offloads, _checkpointing_axis(cfg, ac), samples, micro,
+                    tuple(float(c) for c in caps), prefetch, shards, tuple(dict.fromkeys(syncs)))
+        tie = float(r.tie) if r.tie is not None else MEASURED_TIME_ERROR[0]
+        overrides = model_overrides if model_overrides is not None else (
+            [f"model={model}"] if cfg.model is not None else [])
+        with untraced(model):
+            answer = recommend(problem, axes, top_k, tie, overrides, per_node, lambda m: with_world_size(problem, m))
     answer.update(model=model, numel=shape.numel, network=cfg.network.name, samples_per_rank=samples,
                   global_batch=samples * n, tokens_per_sample=tokens, precisions=list(precisions),
                   device_semantics=device.name)
-    answer["notes"] += _notes(cfg, r.tie, networks, device, tie)
+    answer["notes"] += _notes(cfg, r.tie, networks, device, tie) + stored
     return answer
 
 

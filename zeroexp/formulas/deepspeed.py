@@ -198,7 +198,10 @@ def stage3_calls(shape: ModelShape, knobs: PlanKnobs | None = None) -> tuple[Mod
     ends = [next((j for j in range(k + 1, len(calls)) if calls[j].depth <= c.depth), len(calls))
             for k, c in enumerate(calls)]
     below = [{p for j in range(k, ends[k]) for p in calls[j].params} for k in range(len(calls))]
-    roots = {next((k for k, b in enumerate(below) if b == set(unit)), None)
+    first = {}  # the first call holding exactly these parameters
+    for k, b in enumerate(below):
+        first.setdefault(frozenset(b), k)
+    roots = {first.get(frozenset(unit))
              for unit, root in zip(shape.units, shape.root, strict=True) if not root and unit}
     if None in roots:
         raise ValueError("a checkpointed unit is no module call's")

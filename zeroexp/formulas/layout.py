@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import heapq
+import itertools
 
 from zeroexp.formulas.paper import (COMPUTE_ITEMSIZE, Collectives, padded_numel)
 from zeroexp.formulas.shapes import Cut, Groups, ModelShape, PlanKnobs, Shard, Unit, next_reached
@@ -73,12 +74,18 @@ def owner_assignment(numels: list[int] | tuple[int, ...], world_size: int) -> li
     """Indices of the parameters each rank owns under ZeroRedundancyOptimizer, in assignment order: largest first
     (a stable sort), each to the rank owning the fewest elements so far, the lowest rank on ties
     (``_partition_parameters``, torch/distributed/optim/zero_redundancy_optimizer.py)."""
+    return [list(o) for o in owner_tuples(tuple(numels), int(world_size))]
+
+
+@functools.lru_cache(maxsize=64)
+def owner_tuples(numels: tuple[int, ...], world_size: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`owner_assignment`, immutable, remembered for the ranks that each ask their own (a 512-rank row's)."""
     heap, owned = [(0, r) for r in range(world_size)], [[] for _ in range(world_size)]
     for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
         size, rank = heapq.heappop(heap)
         owned[rank].append(i)
         heapq.heappush(heap, (size + numels[i], rank))
-    return owned
+    return tuple(tuple(o) for o in owned)
 
 
 # --- the planner's groups, from shapes ------------------------------------------------------------------------
@@ -143,11 +150,8 @@ def _spread(shards: tuple[Shard, ...], world_size: int) -> tuple[list[int], list
             logical[last] += b - last * shard
             step[first + 1] += shard
             step[last] -= shard
-    run = 0
-    for r in range(world_size):
-        run += step[r]
-        logical[r] += run
-    return logical[:world_size], [physical] * world_size
+    whole = itertools.accumulate(step[:world_size])  # the whole shards each rank holds of the spans it is inside
+    return [part + run for part, run in zip(logical, whole)], [physical] * world_size
 
 
 @functools.lru_cache(maxsize=64)
@@ -170,7 +174,10 @@ def local_numels(shards: tuple[Shard, ...], world_size: int, rank: int) -> tuple
     """The elements of real parameters in rank ``rank``'s chunk of each of ``shards`` (the last ranks of an uneven
     FSDP2 parameter hold fewer rows, or none): the tensors that rank's optimizer steps. Hybrid sharding: rank r holds
     shard r % shard_size, so pass that."""
-    return tuple(_spread((sh,), world_size)[0][rank] for sh in shards)
+    def held(spans: tuple[tuple[int, int], ...], chunk: int) -> int:  # the span's overlap with the rank's chunk
+        low, high = rank * chunk, (rank + 1) * chunk
+        return sum(max(0, min(b, high) - max(a, low)) for a, b in spans)
+    return tuple(held(spans, padded // world_size) for spans, padded in shards)
 
 
 def _held_grads(shards: tuple[Shard, ...], world_size: int, ungraded: tuple[int, ...] = ()) -> list[int]:

@@ -15,7 +15,8 @@ from zeroexp.models.schemas import MODEL_RESERVED_KEYS
 
 #: The names :mod:`zeroexp.models.build` provides here.
 _BUILD = ("LinearStack", "LOSSES", "build_model", "make_batch", "zeros_batch", "loss_of", "import_class", "wrap_paths",
-          "token_range", "torch_dtype", "checkpoint_units", "grad_tensors", "requires_grad", "unused_parameters")
+          "token_range", "torch_dtype", "checkpoint_units", "grad_tensors", "requires_grad", "unused_parameters",
+          "unit_classes", "unit_names")
 
 __all__ = ["MODEL_RESERVED_KEYS", *_BUILD]
 

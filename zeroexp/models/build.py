@@ -7,7 +7,7 @@ put in a cell. The loss is a fixed, documented function of the output (:data:`LO
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -127,6 +127,17 @@ def import_class(path: str, base: type | None = nn.Module) -> Any:
     if base is not None and not (isinstance(obj, type) and issubclass(obj, base)):
         raise TypeError(f"{path} is not a {base.__module__}.{base.__qualname__} class")
     return obj
+
+
+def unit_classes(wrap: Iterable[Any]) -> tuple[type, ...]:
+    """The unit classes of ``wrap``: classes, or import paths imported here (the planner keeps paths, so that an
+    answer read from its store needs no import of the model's code: :mod:`zeroexp.cell.store`)."""
+    return tuple(import_class(c) if isinstance(c, str) else c for c in wrap)
+
+
+def unit_names(wrap: Iterable[Any]) -> tuple[str, ...]:
+    """What keys an answer by ``wrap``'s classes: an import path as given, a class by its qualified name."""
+    return tuple(c if isinstance(c, str) else c.__qualname__ for c in wrap)
 
 
 def wrap_paths(cfg: Any) -> list[str]:

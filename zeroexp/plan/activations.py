@@ -101,7 +101,9 @@ def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Itera
     build = build or fake_build(model_cfg, device, module_dtype)
     if (build.device, build.module_dtype) != (device, cast_to):
         raise ValueError(f"a build on {build.device} in {build.module_dtype} traced as {device} in {cast_to}")
-    classes = tuple(wrap)
+    from zeroexp.models import unit_classes
+
+    classes = unit_classes(wrap)
     trace = ActivationTrace(batch_size=int(batch_size))
     stack: list[str] = ["root"]
     # storages are told apart by address: every tensor counted is held here until the trace ends, so that no

@@ -69,9 +69,10 @@ def step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: tuple[type, 
     (:func:`_derived`; ``derive=False``: counted whole; ``selective_layer``'s blocks differ: derived only where the
     counts at two, three and four blocks grow alike)."""
     from zeroexp.formulas.peak.checkpointing import mode_of
+    from zeroexp.models import unit_names
 
     mode = mode_of(checkpointing)
-    key = _key(model_cfg, "flops", int(batch_size), tuple(c.__qualname__ for c in wrap), mode, derive)
+    key = _key(model_cfg, "flops", int(batch_size), unit_names(wrap), mode, derive)
     return memoized("op_counts", key, lambda: _step_flops(model_cfg, batch_size, wrap, mode, derive))
 
 
@@ -94,7 +95,7 @@ def _step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: Any, checkp
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from zeroexp.models import build_model, checkpoint_units, loss_of, zeros_batch
+    from zeroexp.models import build_model, checkpoint_units, loss_of, unit_classes, zeros_batch
 
     grown = _derived(model_cfg, derive, lambda cfg: step_flops(cfg, batch_size, wrap, checkpointing))
     if grown is not None:
@@ -102,7 +103,7 @@ def _step_flops(model_cfg: Mapping[str, Any], batch_size: int, wrap: Any, checkp
     with torch.device("meta"):
         net = build_model(model_cfg)
         if checkpointing and wrap:
-            checkpoint_units(net, tuple(wrap), checkpointing)
+            checkpoint_units(net, unit_classes(wrap), checkpointing)
         batch = zeros_batch(model_cfg, batch_size, device="meta")
         with FlopCounterMode(display=False, custom_mapping=_MAPPING()) as counter:
             loss = loss_of(model_cfg)(net(batch), batch)

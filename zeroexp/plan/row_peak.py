@@ -22,11 +22,13 @@ __all__ = ["row_peak", "activation_bytes", "checkpointed_kept", "forward_trace",
 
 
 
-def _model_key(model_cfg: Any, wrap: list[type]) -> tuple:
+def _model_key(model_cfg: Any, wrap: list[Any]) -> tuple:
     from omegaconf import OmegaConf
 
+    from zeroexp.models import unit_names
+
     return (repr(OmegaConf.to_container(model_cfg, resolve=True)) if OmegaConf.is_config(model_cfg) else
-            repr(model_cfg), tuple(c.__qualname__ for c in wrap))
+            repr(model_cfg), unit_names(wrap))
 
 
 def forward_trace(model_cfg: Any, batch: int, wrap: list[type], dtype: Any = None, module_dtype: Any = None,

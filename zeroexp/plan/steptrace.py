@@ -71,9 +71,9 @@ def trace_steps(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[ty
     than one input requiring grad holds its inputs' gradients until the last (``register_multi_grad_hook``): a
     segmentation with such a unit is traced in a run of its own."""
     from zeroexp._lib.fake_tensors import fake_tensor_mode
-    from zeroexp.models import zeros_batch
+    from zeroexp.models import unit_classes, zeros_batch
 
-    classes = tuple(wrap)
+    classes = unit_classes(wrap)
     units = tuple((bool(u[0]), bool(u[1]), int(u[2]) if len(u) > 2 else int(block)) for u in units)
     with fake_tensor_mode(), torch.device(device):
         net = _step_module(model_cfg, device, classes, module_dtype, checkpointing)

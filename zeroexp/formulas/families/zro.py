@@ -6,7 +6,7 @@ from __future__ import annotations
 from zeroexp.formulas.families.base import Cut
 from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
 from zeroexp.formulas.families.ddp import MIXED, DdpBuckets, buffer_broadcasts, ddp_buckets, ddp_unused
-from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, owner_assignment
+from zeroexp.formulas.layout import ModelShape, PlanKnobs, StateLayout, owner_assignment, owner_tuples
 from zeroexp.formulas.paper import Collectives, collectives_of
 from zeroexp.formulas.shapes import Groups
 
@@ -85,7 +85,7 @@ class ZroOwners(DdpBuckets):
 
     def stepped(self, groups: Groups, rank: int) -> list[int]:
         """The parameters rank ``rank`` owns."""
-        return owner_assignment(groups.numels, groups.world_size)[rank]
+        return list(owner_tuples(tuple(groups.numels), groups.world_size)[rank])
 
 
 ZRO = ZroOwners()

@@ -11,7 +11,7 @@ far). Sources: torch's ``AccumulateGrad`` (an existing ``.grad`` is added into i
 from __future__ import annotations
 
 from zeroexp.formulas.peak.adamw import adamw_temporary_blocks
-from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_end, _backward_order, _fsdp_forward,
+from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_ends, _backward_order, _fsdp_forward,
                                           _Highest, _unit_index, highest_phases, phase_peaks)
 
 __all__ = ["accumulated_phase_peaks", "accumulated_grad_bytes", "fsdp1_no_sync_phase_peaks"]
@@ -88,8 +88,9 @@ def fsdp1_no_sync_phase_peaks(trace: StepTrace, units: list[FsdpUnit], grads: li
     segs, order = list(trace.segments), _backward_order(k_of)
     middle = micro_batches > 2  # a micro-batch neither first nor last: every gradient held throughout
     traced_done, flat_done, left, shards_done = 0, 0, held, 0
+    ends = _backward_ends(segs)
     for pos, (name, k) in enumerate(order):
-        i, u = _backward_end(segs, name), units[k]
+        i, u = ends[name], units[k]
         nxt = full[order[pos + 1][1]] if pos + 1 < len(order) else 0
         pending = sum(full[j] for _, j in order[pos + 1:])
         if reshard_after_forward:  # every micro-batch alike

@@ -26,6 +26,7 @@ NCCL's own buffers (outside the allocator), the CUDA context.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from typing import Iterable, Mapping, Sequence
 
 __all__ = ["MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size",
@@ -79,23 +80,26 @@ class CachingAllocator:
         self._starts: dict[tuple[int, int], int] = {}
         self._ends: dict[tuple[int, int], int] = {}
         self._small: list[bool] = []
+        # each pool's free blocks as sorted (size, segment, offset, id): the best fit is the first of at least the
+        # request's size, found by bisection, not by a scan of every block
+        self._free: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}
         self._next = 0
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
     def malloc(self, nbytes: int) -> int:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        fits = [(b[2], b[0], b[1], i) for i, b in self._blocks.items()
-                if b[3] and b[2] >= size and self._small[b[0]] == small]
-        if fits:
-            _, seg, off, i = min(fits)
+        pool = self._free[small]
+        at = bisect_left(pool, (size,))  # the smallest free block that fits, the lowest segment and offset on ties
+        if at < len(pool):
+            _, seg, off, i = pool.pop(at)
             block = self._blocks[i]
         else:
             seg, off = len(self._small), 0
             self._small.append(small)
             self.reserved += segment_size(size)
             self.peak_reserved = max(self.peak_reserved, self.reserved)
-            i = self._new(seg, 0, segment_size(size))
+            i = self._new(seg, 0, segment_size(size), free=False)
             block = self._blocks[i]
         rest = block[2] - size
         if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
@@ -115,22 +119,33 @@ class CachingAllocator:
         seg = block[0]
         j = self._ends.get((seg, block[1]))  # merge with the free neighbours in its segment: the one before
         if j is not None and j != i and self._blocks[j][3]:
+            self._unlist(j)
             other = self._blocks.pop(j)
             del self._ends[(seg, block[1])], self._starts[(seg, block[1])]
             block[1], block[2] = other[1], block[2] + other[2]
             self._starts[(seg, block[1])] = i
         j = self._starts.get((seg, block[1] + block[2]))  # and the one after
         if j is not None and j != i and self._blocks[j][3]:
+            self._unlist(j)
             other = self._blocks.pop(j)
             del self._starts[(seg, other[1])]
             block[2] += other[2]
             self._ends[(seg, block[1] + block[2])] = i
+        insort(self._free[self._small[seg]], (block[2], seg, block[1], i))
 
-    def _new(self, seg: int, off: int, size: int) -> int:
+    def _new(self, seg: int, off: int, size: int, free: bool = True) -> int:
         self._blocks[self._next] = [seg, off, size, True]
         self._starts[(seg, off)] = self._ends[(seg, off + size)] = self._next
+        if free:
+            insort(self._free[self._small[seg]], (size, seg, off, self._next))
         self._next += 1
         return self._next - 1
+
+    def _unlist(self, i: int) -> None:
+        """Take free block ``i`` off its pool's sorted list (before its size or offset changes)."""
+        seg, off, size, _ = self._blocks[i]
+        pool = self._free[self._small[seg]]
+        del pool[bisect_left(pool, (size, seg, off, i))]
 
 
 def allocations(phase: dict) -> dict[str, int | tuple[int, ...]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from zeroexp.formulas.peak.adamw import adamw_temporary_blocks
-from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_end, _backward_order, _Highest,
+from zeroexp.formulas.peak.phases import (FsdpUnit, StepTrace, _add, _backward_ends, _backward_order, _Highest,
                                           _unit_index, highest_phases)
 
 __all__ = ["fsdp2_phase_peaks", "fsdp2_no_sync_phase_peaks", "fsdp2_sync_phase_peaks", "post_forward_bump"]
@@ -184,8 +184,9 @@ def _fsdp2_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsd
     # in FSDPParamGroup._all_reduce_state until finalize_backward (_fsdp_param_group.py post_backward)
     ar_done = 0
     reduced: dict[str, int] = {}  # the previous unit's post-backward, its reduction done
+    ends = _backward_ends(segs)
     for pos, (name, k) in enumerate(order):
-        i = _backward_end(segs, name)
+        i = ends[name]
         u = units[k]
         after = segs[i + 1].end_by_category
         t_root = max(after.get("gradients", 0) - grads_done - u.grads, 0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -82,6 +84,17 @@ def _add(into: dict, cats: dict, sign: int = 1) -> dict:
     return out
 
 
+def _opened_by(buckets: tuple[int, ...], edges: list[int]) -> Callable[[int], int]:
+    """The bytes of the buckets opened below a traced gradient figure: ``sum(b for b, lo in zip(buckets, edges) if lo
+    < at)``, by bisection over the edges' running sums where they rise (a deep model's every backward segment asks
+    it of every bucket), else by that sum."""
+    edges = edges[:len(buckets)]
+    if any(b < a for a, b in zip(edges, edges[1:])):
+        return lambda at: sum(b for b, lo in zip(buckets, edges) if lo < at)
+    below = list(itertools.accumulate(buckets[:len(edges)], initial=0))
+    return lambda at: below[bisect.bisect_left(edges, at)]
+
+
 def phase_peaks(trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int, ...],
                 optimizer_numels: tuple[int, ...], optimizer_itemsize: int, foreach: bool,
                 in_place: StepTrace | None = None, master_grads: int = 0, gather_inputs: int = 0,
@@ -116,7 +129,8 @@ def phase_peaks(trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int,
     out = {"forward": {"bytes": top.peak_bytes - trace.loss_bytes,
                        "by_category": _add(top.peak_by_category, {"activations": -trace.loss_bytes})}}
     best, upper, before = None, None, 0  # before: traced gradient bytes at the segment's start
-    edges = list(bucket_edges) if bucket_edges is not None else [sum(buckets[:i]) for i in range(len(buckets) + 1)]
+    edges = list(bucket_edges) if bucket_edges is not None else list(itertools.accumulate(buckets, initial=0))
+    opened = _opened_by(buckets, edges)
     alike = in_place is not None and live_grads
     if alike and [(s.phase, s.at) for s in in_place.segments] != [(s.phase, s.at) for s in trace.segments]:
         raise ValueError("the in-place trace's segments are not the trace's")
@@ -132,11 +146,11 @@ def phase_peaks(trace: StepTrace, *, steady_grad_bytes: int, buckets: tuple[int,
         else:
             cats = _add(cats, {"gradients": -grads})
             if open_buckets:
-                held = sum(b for b, lo in zip(buckets, edges) if lo < before)
+                held = opened(before)
                 cats = _add(cats, {"comm": held})  # a bucket is its reduce-scatter's buffer from its birth
                 # a bucket this segment opens may be born before its peak or after: the upper end of the range
                 now = s.end_by_category.get("gradients", 0)
-                late = {"comm": sum(b for b, lo in zip(buckets, edges) if before <= lo < now)}
+                late = {"comm": opened(now) - held if now > before else 0}
         total = sum(cats.values())
         if best is None or total > best["bytes"]:
             best = {"bytes": total, "by_category": cats}
@@ -295,9 +309,13 @@ def _backward_order(k_of: dict[str, int]) -> list[tuple[str, int]]:
     return sorted(k_of.items(), key=lambda kv: -kv[1])
 
 
-def _backward_end(segs: list[Segment], name: str) -> int:
-    """The position in ``segs`` of the segment ending unit ``name``'s backward."""
-    return next(j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", name, "end"))
+def _backward_ends(segs: list[Segment]) -> dict[str, int]:
+    """Each unit's position in ``segs`` of the (first) segment ending its backward, by the unit's name."""
+    ends: dict[str, int] = {}
+    for j, s in enumerate(segs):
+        if s.phase == "backward" and s.at == "end":
+            ends.setdefault(s.unit, j)
+    return ends
 
 
 def _fsdp_forward(keep: Callable[..., None], trace: StepTrace, units: list[FsdpUnit], k_of: dict[str, int], *,
@@ -337,8 +355,9 @@ def _fsdp_backward(keep: Callable[..., None], trace: StepTrace, units: list[Fsdp
     segs = list(trace.segments)
     order = _backward_order(k_of)
     shards_done, grads_done = 0, 0  # the units done: their shards (kept), their traced full gradients (not kept)
+    ends = _backward_ends(segs)
     for pos, (name, k) in enumerate(order):
-        i = _backward_end(segs, name)
+        i = ends[name]
         u = units[k]
         after = segs[i + 1].end_by_category  # u's backward done, its output gradient freed
         t_act = after.get("activations", 0) - trace.loss_bytes

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroexp.cell.memo import memo_table, remember
+from zeroexp.cell.memo import memo_table, recall, remember
 from zeroexp.cell.resolved import Cell
 from zeroexp.formulas import ITEMSIZE, LAYOUTS, Groups, ModelShape, PlanKnobs
 from zeroexp.formulas.device import CPU, FAKE_GROUP, DeviceSemantics, measured_on
@@ -243,16 +243,19 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
               **({"block": b} if b > 1 else {})}  # CPU traces keep their keys
         return arguments_key(model_cfg, int(batch_size), wrap, sorted((k, str(v)) for k, v in kw.items()))
 
-    traces = memo_table("step_traces") or {}
     asked = (bool(options["own_params_units"]), bool(options["root_unit"]), bool(options["tensor_bytes"]))
     own, root, tensor_bytes = asked
-    twin = _root_twin(traces, key_of(own, not root, tensor_bytes), root)
-    if twin is not None or key_of(*asked) in traces:
-        return twin or traces[key_of(*asked)]
+    other = key_of(own, not root, tensor_bytes)
+    twin = _root_twin({other: recall("step_traces", other)[1]}, other, root)
+    if twin is not None:
+        return twin
+    found, trace = recall("step_traces", key_of(*asked))  # this invocation's, or the store's (zeroexp.cell.memo)
+    if found:
+        return trace
     views = [asked]  # the other segmentations and block sizes the invocation reads of the same step, in the same run
     same = (autocast, cast, bool(grads_in_place))
     views += [v[:3] for v in (memo_table("step_trace_units") or {})
-              if v[3:] == same and v[:3] not in views and key_of(*v[:3]) not in traces]
+              if v[3:] == same and v[:3] not in views and not recall("step_traces", key_of(*v[:3]))[0]]
     units = tuple((own, root, 1 if tensor_bytes else device_block) for own, root, tensor_bytes in views)
     traced = trace_steps_of(model_cfg, batch_size, wrap, units=units, **rest)
     for view, trace in zip(views, traced):
