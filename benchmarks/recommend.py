@@ -12,7 +12,9 @@
 3. Answers at LLM scale (issue 51 item 7), each command a fresh process, ``--llm`` repeats (median and spread of
    wall and CPU seconds): ``zeroexp.recommend`` on Llama 3.1 405B at 8192 tokens and N=1024 (target: under 10 s),
    ``zeroexp.plan`` on Llama 3 70B at N=8, 64, 512 with batch_size=1, bf16, full checkpointing (target: under 5 s);
-   beside them the import floor every such answer pays (torch and transformers' Llama modeling module).
+   each as the first answer for its model (everything computed) and again (its shape, units and traces read from
+   the store on disk, zeroexp.cell.store); beside them the import floor the first answer pays (torch and
+   transformers' Llama modeling module; the second imports neither the modeling module nor transformers).
 
     python benchmarks/recommend.py              # all three
     python benchmarks/recommend.py --cli 0      # the search alone
@@ -39,7 +41,7 @@ MODELS = {
 }
 WIDE = ["model=gpt2_small", "world_size=64", "device_memory=80GB", "network=h100_ib", "global_batch=7680",
         "precisions=[fp32,bf16,fp16]", "recommend.offload=[none,optimizer,full]",
-        "recommend.bucket_cap_mb=[10,25,50,100,200,400,800]"]
+        "recommend.bucket_cap_mb=[10,25,50,100,200,400,800]", "cache=false"]  # computed: no store on disk
 
 
 def search_alone() -> None:
@@ -88,7 +90,8 @@ def cli() -> None:
     for name, overrides in MODELS.items():
         t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run([sys.executable, "-m", "zeroexp.recommend", *overrides, "device_memory=80GB",
-                              "network=h100_ib", "format=json"], cwd=ROOT, capture_output=True, text=True)
+                              "network=h100_ib", "format=json", "cache=false"], cwd=ROOT, capture_output=True,
+                             text=True)  # every answer computed (no store on disk: zeroexp.cell.store)
         wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime  # the command's user + sys
         if out.returncode:
@@ -120,22 +123,33 @@ LLM = [
 
 def llm_scale(repeats: int) -> None:
     """Time each LLM-scale command as a fresh process ``repeats`` times (interleaved, so that a change of load on
-    this shared host falls on both): the median wall and CPU (user + sys) seconds, and their range."""
+    this shared host falls on both): the median wall and CPU (user + sys) seconds, and their range. Each command
+    twice: ``first``, as the first answer for its model (no store: ``ZEROEXP_CACHE_DIR=off``, its shape, units and
+    traces computed), and ``again``, as every later one (the store on disk, zeroexp.cell.store, filled by one
+    untimed run of the same command into a temporary directory, read back)."""
+    import os
     import resource
     import statistics
+    import tempfile
 
-    commands = [(*FLOOR, None)] + [(label, ["-m", module, *overrides, "format=json"], target)
-                                   for label, module, overrides, target in LLM]  # (label, argv, target seconds)
+    store = tempfile.mkdtemp(prefix="zeroexp-store-")
+    commands = [(*FLOOR, None, "off")]
+    for label, module, overrides, target in LLM:  # (label, argv, target seconds, the store)
+        argv = ["-m", module, *overrides, "format=json"]
+        commands += [(f"{label}, first", argv, target, "off"), (f"{label}, again", argv, target, store)]
+        subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, check=True,
+                       env={**os.environ, "ZEROEXP_CACHE_DIR": store})  # the run before "again": fills the store
     times: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in commands}
     for _ in range(repeats):
-        for label, argv, _target in commands:
+        for label, argv, _target, where in commands:
+            env = {**os.environ, "ZEROEXP_CACHE_DIR": where}
             t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-            out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
+            out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
             wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
             if out.returncode:
                 raise SystemExit(f"{label}: exit {out.returncode}: {out.stderr[-500:]}")
             times[label].append((wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime))
-    for label, _argv, target in commands:
+    for label, _argv, target, _where in commands:
         walls, cpus = ([t[i] for t in times[label]] for i in (0, 1))
         print(f"{label}: median {statistics.median(walls):.1f} s wall ({min(walls):.1f}-{max(walls):.1f}), "
               f"{statistics.median(cpus):.1f} s CPU ({min(cpus):.1f}-{max(cpus):.1f}); {repeats} runs"

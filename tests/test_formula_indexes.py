@@ -1,6 +1,7 @@
 """The planner's indexed paths equal the scans they replace, on random inputs (a deep model at 512 ranks asks each of
 them thousands of times): the buckets opened below a gradient figure, a rank's elements of each shard, the owners
-of ZeroRedundancyOptimizer's parameters, each unit's backward end. (The allocator's best fit: tests/test_plan_cuda.)"""
+of ZeroRedundancyOptimizer's parameters and its worst rank, each unit's backward end. (The allocator's best fit:
+tests/test_plan_cuda.)"""
 
 from __future__ import annotations
 
@@ -72,3 +73,33 @@ def test_each_units_backward_end_is_the_first_segment_ending_it():
         for u in units:
             first = next((j for j, s in enumerate(segs) if (s.phase, s.unit, s.at) == ("backward", u, "end")), None)
             assert ends.get(u) == first
+
+
+def test_zros_worst_rank_from_its_distinct_owned_sizes_is_the_highest_of_every_rank():
+    """ZeroRedundancyOptimizer's ranks differ only by the sizes of what each steps: the planner's worst rank, found
+    from one rank of each distinct list of them, has the phases of the first highest of every rank's (uneven sizes,
+    a parameter without a gradient, repeated layers, N from 2 to 9, foreach and single-tensor AdamW)."""
+    from zeroexp.formulas import LAYOUTS, ModelShape
+    from zeroexp.formulas.device import CPU, cuda
+    from zeroexp.formulas.layout import derive_groups
+    from zeroexp.formulas.peak.phases import StepTrace
+    from zeroexp.plan.check.memory import predict_phases, worst_rank_phases
+
+    def seg(phase, unit, at, peak, end=None):
+        end = peak if end is None else end
+        return Segment(phase, unit, at, sum(peak.values()), peak, sum(end.values()), end)
+    trace = StepTrace(1, (seg("forward", "root", "end", {"activations": 1000}),
+                          seg("backward", "root", "end", {"activations": 300, "gradients": 400},
+                              {"activations": 8, "gradients": 400})), loss_bytes=8, seed_bytes=4)
+    rnd = random.Random(5)
+    for _ in range(40):
+        layer = [rnd.choice((16, 64, 96)) for _ in range(rnd.randint(1, 3))]
+        numels = [rnd.randint(1, 200), *(layer * rnd.randint(1, 6)), rnd.randint(1, 50)]
+        shape = ModelShape(tuple((k,) for k in numels), (tuple(range(len(numels))),), (True,),
+                           unused=(0,) if rnd.random() < 0.5 else ())
+        n = rnd.randint(2, 9)
+        groups = derive_groups("zro", LAYOUTS["zro"], shape, n, 4)
+        for device in (CPU, cuda(9.0)):
+            every = max((predict_phases("zro", groups, shape, trace, 4, r, foreach=device.foreach, block=device.block)
+                         for r in range(n)), key=lambda ph: max(v["bytes"] for v in ph.values()))
+            assert worst_rank_phases("zro", groups, shape, trace, 4, "none", device=device) == every

@@ -144,12 +144,12 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
     collectives' times (each group's, a burst's, a stream's), compute rate, overlap, framework costs and waking.
     ``without``: the same step with that op's calls left out (what the op costs the step); ``ops``: the model's
     operators per forward and backward (:func:`model_ops`)."""
-    collectives = step_collectives(layout, groups, itemsize, knobs)
-    collectives = {op: v for op, v in collectives.items() if op != without}
+    at_k = step_collectives(layout, groups, itemsize, knobs)
+    collectives = {op: v for op, v in at_k.items() if op != without}
     return predict_step(layout, groups, collectives, network.rate, batch,
                         network.seconds_at(n), network.overlap, prefetch, network.framework, itemsize,
                         checkpointed=checkpointed, micro_batches=knobs.micro_batches,
-                        repeats=accumulation_repeats(layout, groups, itemsize, knobs),
+                        repeats=accumulation_repeats(layout, groups, itemsize, knobs, at_k),
                         group_seconds=network.groups_at(n), wake=network.wake,
                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None,
                         stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None,

@@ -124,13 +124,16 @@ def recompute_seconds(forward_s: float, checkpointed: int, numel: int) -> float:
     return forward_s * checkpointed / numel if numel else 0.0
 
 
-def accumulation_repeats(layout: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs) -> dict[str, float]:
+def accumulation_repeats(layout: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs,
+                         at_k: Collectives | None = None) -> dict[str, float]:
     """Per op, how many times more calls a step of ``knobs.micro_batches`` micro-batches sends than a step of one:
-    the one model's counts (:func:`~zeroexp.formulas.step_collectives`) at K over those at 1."""
+    the one model's counts (:func:`~zeroexp.formulas.step_collectives`) at K over those at 1; ``at_k``: those at K
+    where the caller has them."""
     from dataclasses import replace
 
-    at_k = step_collectives(layout, groups, itemsize, knobs)
-    at_1 = step_collectives(layout, groups, itemsize, replace(knobs, micro_batches=1))
+    at_k = at_k if at_k is not None else step_collectives(layout, groups, itemsize, knobs)
+    at_1 = at_k if knobs.micro_batches == 1 else step_collectives(layout, groups, itemsize,
+                                                                  replace(knobs, micro_batches=1))
     return {op: e["count"] / at_1[op]["count"] for op, e in at_k.items() if at_1.get(op, {}).get("count")}
 
 
