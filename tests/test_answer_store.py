@@ -140,3 +140,19 @@ def test_a_key_naming_an_address_is_never_stored(tmp_path):
     assert store.load("step_traces", ("model", 2)) == (True, {"a": 1}) and store.written == store.read == {
         "step_traces": 1}
     assert AnswerStore(tmp_path, "e" * 64).load("step_traces", ("model", 2)) == (False, None)
+
+
+def test_an_editable_install_is_not_a_version_to_store_under(tmp_path, monkeypatch):
+    """A distribution's version names its code unless it is installed editable (PEP 610's ``dir_info.editable``:
+    the code changes under the same version): then the fingerprint of a model using it is None, nothing stored."""
+    from zeroexp.cell.store import _distribution, fingerprint
+
+    for name, editable in (("zx_fixed_pkg", False), ("zx_edited_pkg", True)):
+        info = tmp_path / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "direct_url.json").write_text(json.dumps({"url": "file:///src", "dir_info": {"editable": editable}}))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _distribution("zx_fixed_pkg.models.Net") == "zx_fixed_pkg==1.0"
+    assert _distribution("zx_edited_pkg.models.Net") is None
+    assert fingerprint(["zx_fixed_pkg.models.Net"]) is not None and fingerprint(["zx_edited_pkg.models.Net"]) is None

@@ -8,14 +8,17 @@ that computed it. The code is a fingerprint of zeroexp's sources (every ``.py`` 
 the Python, torch and transformers versions, and the distribution of the model's own code (its ``_target_``'s and
 its unit classes' top-level package, with its version): an answer is read back only under the same fingerprint,
 so an edit of any of them computes everything afresh. A model whose code is no installed distribution's nor
-zeroexp's (a module on ``PYTHONPATH`` that may change under the same name) is never stored: :func:`fingerprint`
-says None. The files are ``<directory>/<table>/<sha256 of the fingerprint, table and key>.pkl``, each written whole
-(a temporary file renamed over it); one that does not read back is computed again and rewritten.
+zeroexp's (a module on ``PYTHONPATH``, or an editable install, that may change under the same name and version)
+is never stored: :func:`fingerprint` says None. The files are
+``<directory>/<table>/<sha256 of the fingerprint, table and key>.pkl``, each written whole (a temporary file renamed
+over it); one that does not read back is computed again and rewritten.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
 import pickle
 import sys
@@ -58,14 +61,22 @@ def _zeroexp_sources() -> str:
 
 def _distribution(module: str) -> str | None:
     """``name==version`` of the installed distribution named as ``module``'s top-level package (torch, transformers,
-    deepspeed), ``zeroexp`` for zeroexp's own; None for any other code (a module on ``PYTHONPATH``)."""
+    deepspeed), ``zeroexp`` for zeroexp's own (its sources are hashed); None for any other code: a module on
+    ``PYTHONPATH``, or an editable install (``pip install -e``: its code changes under the same version)."""
     top = str(module).split(".", 1)[0]
     if top == "zeroexp":
         return "zeroexp"
     try:
-        return f"{top}=={metadata.version(top)}"
+        dist = metadata.distribution(top)
     except metadata.PackageNotFoundError:
         return None
+    try:  # PEP 610's record of a direct install: {"dir_info": {"editable": true}, ...}
+        editable = json.loads(dist.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable", False)
+    except ValueError:
+        editable = False
+    if editable:
+        return None
+    return f"{top}=={dist.version}"
 
 
 def fingerprint(code: Iterable[str], files: Iterable[str] = ()) -> str | None:
@@ -75,8 +86,11 @@ def fingerprint(code: Iterable[str], files: Iterable[str] = ()) -> str | None:
     one in a directory); None where an import path is no installed distribution's nor zeroexp's, or a file does
     not read."""
     parts = [f"python=={sys.version}", _zeroexp_sources()]
-    for name in ("torch", "transformers"):
-        parts.append(_distribution(name) or f"{name}: none")
+    for name in ("torch", "transformers"):  # what builds and traces every model
+        dist = _distribution(name)
+        if dist is None and importlib.util.find_spec(name) is not None:  # editable, or not a distribution's
+            return None
+        parts.append(dist or f"{name}: none")
     for path in sorted(set(code)):
         dist = _distribution(path)
         if dist is None:
