@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import ModelShape
@@ -33,10 +33,11 @@ def model_shape(cfg: DictConfig) -> tuple[ModelShape, str]:
     return memoized("plan_shapes", _model_wrap_key(cfg), lambda: _built_shape(cfg))
 
 
-def _model_wrap_key(cfg: DictConfig) -> str:
+def _model_wrap_key(cfg: DictConfig) -> str | None:
     """The model config (resolved) and ``wrap=``: what a plan's shape and units are answers of."""
-    return repr((OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.wrap)
-                 if isinstance(cfg.wrap, ListConfig) else cfg.wrap))
+    from zeroexp.plan.shape import arguments_key
+
+    return arguments_key(cfg.model, list(cfg.wrap) if cfg.wrap is not None else None)
 
 
 def _built_shape(cfg: DictConfig) -> tuple[ModelShape, str]:

@@ -174,10 +174,7 @@ def local_numels(shards: tuple[Shard, ...], world_size: int, rank: int) -> tuple
     """The elements of real parameters in rank ``rank``'s chunk of each of ``shards`` (the last ranks of an uneven
     FSDP2 parameter hold fewer rows, or none): the tensors that rank's optimizer steps. Hybrid sharding: rank r holds
     shard r % shard_size, so pass that."""
-    def held(spans: tuple[tuple[int, int], ...], chunk: int) -> int:  # the span's overlap with the rank's chunk
-        low, high = rank * chunk, (rank + 1) * chunk
-        return sum(max(0, min(b, high) - max(a, low)) for a, b in spans)
-    return tuple(held(spans, padded // world_size) for spans, padded in shards)
+    return local_numels_by_rank(tuple(shards), world_size)[rank]
 
 
 def _held_grads(shards: tuple[Shard, ...], world_size: int, ungraded: tuple[int, ...] = ()) -> list[int]:

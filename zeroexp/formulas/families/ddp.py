@@ -151,16 +151,22 @@ class DdpBuckets(Family):
         """Indices of the parameters rank ``rank``'s optimizer steps: every one."""
         return range(len(groups.numels))
 
+    def stepped_numels(self, groups: Groups, rank: int) -> tuple[int, ...]:
+        """The sizes of the parameters rank ``rank``'s AdamW steps (:meth:`stepped`, less those a step gives no
+        gradient): all :meth:`phase_peaks` reads of the rank."""
+        idle = set(groups.ungraded)
+        return tuple(groups.numels[i] for i in self.stepped(groups, rank) if i not in idle)
+
     def phase_peaks(self, row, groups, shape, trace, itemsize, *, rank, prefetch, gloo, micro_batches, in_place,
                     bucket_cap_bytes, terms, reduce, root_kept, foreach, knobs, block):
         """A parameter a step gives no gradient has no gradient and no moments to step; ``zero_grad`` frees the
         gradients of those that have one."""
         g = (terms or FP32_TERMS).grad_itemsize
         idle = set(groups.ungraded)
-        numels = [groups.numels[i] for i in self.stepped(groups, rank) if i not in idle]
+        numels = self.stepped_numels(groups, rank)
         graded = counted_sum((k * g for i, k in enumerate(groups.numels) if i not in idle), block)
         return accumulated_phase_peaks(trace, micro_batches, in_place=in_place, steady_grad_bytes=graded, buckets=(),
-                                       optimizer_numels=tuple(numels), **{**ADAMW, "foreach": foreach,
+                                       optimizer_numels=numels, **{**ADAMW, "foreach": foreach,
                                                                           "block": block})
 
     def steady_buffers(self, row, groups, itemsize, bucket_cap_bytes, terms):

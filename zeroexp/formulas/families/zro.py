@@ -89,12 +89,12 @@ class ZroOwners(DdpBuckets):
 
     def worst_rank(self, row, groups, trace, itemsize, *, micro_batches, in_place, bucket_cap_bytes, foreach,
                    offload="none"):
-        """The ranks differ only by the sizes of the parameters each steps (:meth:`phase_peaks`' ``optimizer_numels``,
-        AdamW's temporaries): the first rank of each distinct list of them, each evaluated (a 512-rank Llama row
-        has a handful, not 512)."""
-        idle, first = set(groups.ungraded), {}
-        for r, owned in enumerate(owner_tuples(tuple(groups.numels), groups.world_size)):
-            first.setdefault(tuple(groups.numels[i] for i in owned if i not in idle), r)
+        """The ranks differ only by the sizes of the parameters each steps (:meth:`stepped_numels`, AdamW's
+        temporaries in :meth:`phase_peaks`): the first rank of each distinct list of them, each evaluated (a 512-rank
+        Llama row has a handful, not 512)."""
+        first: dict[tuple[int, ...], int] = {}
+        for r in range(groups.world_size):
+            first.setdefault(self.stepped_numels(groups, r), r)
         return tuple(first.values())
 
 

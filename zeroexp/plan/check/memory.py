@@ -245,8 +245,7 @@ def trace_for(name: str, model_cfg: Any, batch_size: int, wrap: list[type], para
 
     asked = (bool(options["own_params_units"]), bool(options["root_unit"]), bool(options["tensor_bytes"]))
     own, root, tensor_bytes = asked
-    other = key_of(own, not root, tensor_bytes)
-    twin = _root_twin({other: recall("step_traces", other)[1]}, other, root)
+    twin = _root_twin(recall("step_traces", key_of(own, not root, tensor_bytes))[1], root)
     if twin is not None:
         return twin
     found, trace = recall("step_traces", key_of(*asked))  # this invocation's, or the store's (zeroexp.cell.memo)
@@ -284,11 +283,10 @@ def trace_units_wanted(rows: list[tuple[str, str, str, int]]) -> None:
             table[(*view, True)] = True
 
 
-def _root_twin(traces: dict[Any, StepTrace], other: str | None, root_unit: bool) -> StepTrace | None:
-    """The step this invocation traced with ``root_unit`` the other way (its key ``other``), where it is the same
-    step: ``root_unit`` (the model as its one unit where no unit is found, FSDP2's) changes nothing when the step
-    traced without it started a unit's forward, nor when the step traced with it has no unit ``<model>``."""
-    trace = traces.get(other)
+def _root_twin(trace: StepTrace | None, root_unit: bool) -> StepTrace | None:
+    """``trace``, the step traced with ``root_unit`` the other way (None: not traced), where it is the same step:
+    ``root_unit`` (the model as its one unit where no unit is found, FSDP2's) changes nothing when the step traced
+    without it started a unit's forward, nor when the step traced with it has no unit ``<model>``."""
     if trace is None:
         return None
     if root_unit:
