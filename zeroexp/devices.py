@@ -8,7 +8,10 @@ import os
 from typing import Any
 
 __all__ = ["ranks_get_a_gpu", "local_world_size", "rank_threads", "usable_cores", "pin_host_allocator",
-           "HOST_ALLOCATOR"]
+           "HOST_ALLOCATOR", "cuda_alloc_conf", "ALLOC_CONF_ENV"]
+
+#: torch's CUDA caching allocator reads its settings from this variable at its first allocation
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 #: glibc mallopt(3) settings of every rank: allocations below 32 MiB (the largest threshold glibc allows on 64-bit)
 #: from the heap, and the heap's top never given back under 1 GiB. glibc's default moves the mmap threshold with
@@ -64,3 +67,15 @@ def pin_host_allocator() -> dict[str, int] | None:
         return None
     ok = all(libc.mallopt(_MALLOPT[k], v) == 1 for k, v in HOST_ALLOCATOR.items())
     return dict(HOST_ALLOCATOR) if ok else None
+
+
+def cuda_alloc_conf(expandable_segments: bool, current: str | None) -> str | None:
+    """``PYTORCH_CUDA_ALLOC_CONF`` for a rank whose cell sets ``allocator.expandable_segments``: the variable's
+    ``current`` options (comma-separated ``key:value``) with ``expandable_segments`` set to the cell's (the cell's key
+    wins over the environment's); None where neither sets anything (torch's default, false)."""
+    options = [o for o in (current or "").split(",") if o.strip() and o.split(":")[0].strip() != "expandable_segments"]
+    if expandable_segments:
+        options.append("expandable_segments:True")
+    elif current and "expandable_segments" in current:
+        options.append("expandable_segments:False")
+    return ",".join(options) or None

@@ -121,6 +121,8 @@ def cell_identity(cfg: DictConfig) -> dict[str, Any]:
         ident["activation_checkpointing"] = _checkpointing(cfg)
     if init_of(cfg) != "full":
         ident["init"] = init_of(cfg)
+    if OmegaConf.select(cfg, "allocator.expandable_segments"):  # absent when false: every other id unchanged
+        ident["allocator"] = {"expandable_segments": True}
     return ident
 
 

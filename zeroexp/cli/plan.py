@@ -6,12 +6,13 @@ Exit codes: 0 planned; 2 bad input (an unknown key, a bad value), with a message
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from zeroexp.config.allocator import AllocatorConfig
 from zeroexp.config.checkpointing import checked_option
 from zeroexp.cell.resolved import units_ahead
 from zeroexp.cell.strategy import DS_STAGE3_KEYS
@@ -60,6 +61,8 @@ class PlanConfig:
     # true: a model's shape, units and traced steps read from and written to outputs/cache/ (or $ZEROEXP_CACHE_DIR;
     # zeroexp.cell.store), answers of an earlier plan of the same model and code; false: every one computed afresh
     cache: bool = True
+    # the CUDA caching allocator's mode, as a cell's allocator.expandable_segments: reserved_peak_bytes under it
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     device: Any = None  # cpu | cuda: the device semantics of the peak model (null: cuda with device_memory or a network
     # preset of GPUs, else cpu; zeroexp.formulas.device)
     compute_capability: Any = None  # cuda: the GPU's (7.0, 8.0, 9.0), its cuBLAS workspace size; null: the network's
@@ -236,7 +239,9 @@ def _run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
 
 def _device(cfg: DictConfig, memory: int | None) -> Any:
     """The peak model's device semantics (zeroexp.formulas.device): ``device=``, else cuda where a device memory or
-    a GPU network preset is given, else cpu; on cuda the GPU's ``compute_capability`` (else the network preset's)."""
+    a GPU network preset is given, else cpu; on cuda the GPU's ``compute_capability`` (else the network preset's),
+    the allocator's mode (``allocator.expandable_segments``), NCCL's topology and settings and the CUDA context (the
+    network preset's ``nccl`` and ``context_bytes``: :func:`zeroexp.plan.network.nccl_of`)."""
     from zeroexp.config.optimizer import ADAMW_IMPLS
     from zeroexp.formulas.device import CPU, cuda
 
@@ -257,9 +262,17 @@ def _device(cfg: DictConfig, memory: int | None) -> Any:
         raise ConfigError("adamw_impl", impl, "null (the device's AdamW update) or " + ", ".join(ADAMW_IMPLS)
                           + " (a run's optimizer.impl), without foreach=", why="foreach= given too"
                           if foreach is not None and impl in ADAMW_IMPLS else "")
+    expandable = bool(OmegaConf.select(cfg, "allocator.expandable_segments", default=False))
     if name == "cpu":
+        if expandable:
+            raise ConfigError("allocator.expandable_segments", True, "false with device=cpu (the CUDA caching "
+                              "allocator's mode: true needs device=cuda, a device_memory or a GPU network)")
         return CPU.with_adamw(impl)
-    semantics = cuda(None if capability is None else float(capability)).with_adamw(impl)
+    from zeroexp.plan.network import nccl_of
+
+    topology, settings, context = nccl_of(network)
+    semantics = cuda(None if capability is None else float(capability), expandable, topology, settings,
+                     context).with_adamw(impl)
     return semantics if foreach is None else replace(semantics, foreach=foreach)
 
 

@@ -13,6 +13,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from zeroexp.config.allocator import AllocatorConfig
 from zeroexp.errors import ConfigError
 from zeroexp.formulas.peak.checkpointing import MODES
 from zeroexp.plan.core import HEADROOM, check_headroom, untraced
@@ -68,6 +69,7 @@ class RecommendConfig:
     compute_capability: Any = None
     format: str = "table"
     cache: bool = True  # shapes, units, traces of an earlier answer of the same model and code (zeroexp.cell.store)
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)  # the CUDA caching allocator's mode
     recommend: SearchConfig = field(default_factory=SearchConfig)
     # a run's own keys (conf/recommend.yaml): each given fixes its axis (:func:`as_run`)
     strategy: Any = None

@@ -29,6 +29,7 @@ from zeroexp.config.optimizer import OptimizerConfig, check_optimizer
 from zeroexp.models.schemas import (MODEL_COUNTS, MODEL_RESERVED_KEYS, GPTConfig, HFConfig, LoRAGPTConfig, MLPConfig,
                                     ModelConfig)
 from zeroexp.cell.strategy import SCHEMAS, schema_keys
+from zeroexp.config.allocator import AllocatorConfig, check_allocator
 from zeroexp.config.resources import ResourcesConfig, check_resources
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class ZeroexpConfig:
     probes: ProbesConfig = field(default_factory=ProbesConfig)
     # zeroexp.config.resources: the check before launch
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     world_size: int = 4
     steps: int = 30
     batch_size: int = 8  # per rank and micro-batch; the global batch is batch_size * grad_accum * world_size
@@ -186,19 +188,12 @@ def register_schemas() -> None:
 
 # --- validation --------------------------------------------------------------------------------------
 _ACCEPTED = {
-    "prefetch.name": ("pre", "post", "none"),
-    "precision.name": ("fp32", "bf16", "fp16"),
-    "precision.param_dtype": ("float32", "bfloat16", "float16"),
-    "precision.master_dtype": ("float32",),
-    "offload.name": ("none", "optimizer", "full"),
-    "init.name": INIT_OPTIONS,
-    "logger.name": ("wandb", "csv", "none"),
-    "logger.mode": ("offline", "online", "disabled"),
-    "device": ("auto", "cpu", "cuda"),
-    "model.dtype": ("float32", "float16", "bfloat16", "long"),
-    "launcher.name": ("local", "torchrun", "slurm"),
-    "checkpoint.name": ("none", "full", "sharded"),
-}
+    "prefetch.name": ("pre", "post", "none"), "precision.name": ("fp32", "bf16", "fp16"),
+    "precision.param_dtype": ("float32", "bfloat16", "float16"), "precision.master_dtype": ("float32",),
+    "offload.name": ("none", "optimizer", "full"), "init.name": INIT_OPTIONS,
+    "logger.name": ("wandb", "csv", "none"), "logger.mode": ("offline", "online", "disabled"),
+    "device": ("auto", "cpu", "cuda"), "model.dtype": ("float32", "float16", "bfloat16", "long"),
+    "launcher.name": ("local", "torchrun", "slurm"), "checkpoint.name": ("none", "full", "sharded")}
 
 
 def strategy_extras(cfg: DictConfig) -> tuple[str, ...]:
@@ -346,6 +341,7 @@ def validate(cfg: DictConfig, explicit_overrides: tuple[str, ...] = (), before_t
     shape = _shape_of(cfg)
     try:
         _check_what_the_strategy_runs(cfg, explicit_overrides, shape)
+        check_allocator(cfg)
         check_resources(cfg, shape)  # last: a local cell whose ranks cannot fit this machine (memory, processes, files)
     except (InvalidCell, NotApplicableHere):
         raise

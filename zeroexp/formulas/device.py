@@ -23,8 +23,9 @@ terms of FSDP, DDP and zeroexp's ZeRO add. Not modelled on CUDA (named where the
 DeepSpeed's rows (their trace and closed-form terms count tensor bytes), what CUDA's kernels allocate beyond the CPU
 kernels the step is traced with (PyTorch's test Transformer at dim 32, 4 heads of 8: backward 91,648-131,584 B above
 the prediction on an H200, where at dim 256 it is within 512 B), the allocator's fragmentation beyond its rounding and
-segments (the order of a phase's requests), NCCL's own buffers (outside the allocator), the CUDA context,
-``expandable_segments``, DeepSpeed's fused optimizers, and the side streams. A block freed on a collective's stream
+segments (the order of a phase's requests), DeepSpeed's fused optimizers, and the side streams. NCCL's buffers and the
+CUDA context, outside the allocator, are the device's terms beside it (:mod:`zeroexp.formulas.device_memory`):
+``nvidia-smi`` shows all three. A block freed on a collective's stream
 returns to that stream's free blocks (the allocator keys its free blocks by stream): FSDP1 allocates each all-gather's
 output on its all-gather stream, frees it after the unit's compute and rate-limits the gathers in flight to two
 (``limit_all_gathers``: the CPU waits on the oldest free event); FSDP2 allocates its all-gather outputs on its copy-in
@@ -37,8 +38,9 @@ event while the CPU runs ahead) is not modelled: the model takes one stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from zeroexp.formulas.device_memory import NcclSettings, NcclTopology
 from zeroexp.formulas.peak.allocator import MIN_BLOCK
 
 __all__ = ["DeviceSemantics", "CPU", "FAKE_GROUP", "cuda", "cublas_workspace_bytes", "CUDA_NOT_MODELLED", "measured_on"]
@@ -52,9 +54,10 @@ TRAINING_HANDLES = 2
 CUDA_NOT_MODELLED = ("the 512-B blocks on DeepSpeed's rows (their trace and closed-form terms count tensor bytes)",
                      "what CUDA kernels allocate beyond the CPU trace (PyTorch's test Transformer at dim 32: backward "
                      "91,648-131,584 B above the prediction on an H200; at dim 256 within 512 B)",
-                     "the caching allocator's fragmentation beyond its rounding and segments", "NCCL's own buffers",
-                     "the CUDA context", "the side streams' own free blocks and the frees they delay to an event",
-                     "expandable_segments", "DeepSpeed's fused optimizers")
+                     "the caching allocator's fragmentation beyond its rounding and segments",
+                     "NCCL's host-side state and a one-rank group's communicator",
+                     "the side streams' own free blocks and the frees they delay to an event",
+                     "DeepSpeed's fused optimizers")
 
 
 def cublas_workspace_bytes(capability: float | None) -> int:
@@ -69,7 +72,9 @@ class DeviceSemantics:
     (``optimizer.impl``: ``"single"``, ``"foreach"``, ``"fused"``, :meth:`with_adamw`); ``gloo``: the backend copies
     collectives' inputs and outputs (gloo) or works in place (NCCL); ``workspace_bytes``: what the steady state holds
     beside the model's state (cuBLAS workspaces); ``not_modelled``: what the peak model leaves out on it; ``block``:
-    the bytes each allocation is counted in (:func:`zeroexp.formulas.peak.allocator.counted`)."""
+    the bytes each allocation is counted in (:func:`zeroexp.formulas.peak.allocator.counted`); on CUDA
+    ``expandable_segments`` (the caching allocator's mode), ``nccl_topology`` (None: unknown, no NCCL term) and
+    ``nccl`` (NCCL's settings) size the communicators' buffers, ``context_bytes`` the CUDA context (None: unknown)."""
 
     name: str
     foreach: bool | str
@@ -77,6 +82,10 @@ class DeviceSemantics:
     workspace_bytes: int = 0
     not_modelled: tuple[str, ...] = ()
     block: int = 1
+    expandable_segments: bool = False
+    nccl_topology: NcclTopology | None = None
+    nccl: NcclSettings = field(default_factory=NcclSettings)
+    context_bytes: int | None = None
 
     def with_adamw(self, impl: str | None) -> DeviceSemantics:
         """These semantics with AdamW's update path ``impl`` (a cell's ``optimizer.impl``; None: the device's)."""
@@ -88,11 +97,15 @@ CPU = DeviceSemantics("cpu", foreach=False, gloo=True)
 FAKE_GROUP = DeviceSemantics("cpu", foreach=False, gloo=False, not_modelled=("the backend's own buffers",))
 
 
-def cuda(capability: float | None = None) -> DeviceSemantics:
-    """A CUDA rank of compute ``capability`` (None: before Hopper) with NCCL."""
+def cuda(capability: float | None = None, expandable_segments: bool = False, nccl_topology: NcclTopology | None = None,
+         nccl: NcclSettings | None = None, context_bytes: int | None = None) -> DeviceSemantics:
+    """A CUDA rank of compute ``capability`` (None: before Hopper) with NCCL: the caching allocator in its
+    ``expandable_segments`` mode or not, NCCL on ``nccl_topology`` with ``nccl`` settings, a context of
+    ``context_bytes``."""
     return DeviceSemantics("cuda", foreach=True, gloo=False,
                            workspace_bytes=TRAINING_HANDLES * cublas_workspace_bytes(capability),
-                           not_modelled=CUDA_NOT_MODELLED, block=MIN_BLOCK)
+                           not_modelled=CUDA_NOT_MODELLED, block=MIN_BLOCK, expandable_segments=expandable_segments,
+                           nccl_topology=nccl_topology, nccl=nccl or NcclSettings(), context_bytes=context_bytes)
 
 
 def measured_on(source: str, capability: float | None = None, fake_group: bool = False) -> DeviceSemantics:

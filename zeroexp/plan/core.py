@@ -29,12 +29,15 @@ _SIZE = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KI
 _COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 #: The fraction of a device's memory every prediction must leave free, in ``plan`` (``headroom=``), ``recommend``
 #: (``recommend.headroom=``) and before a local run (``resources.headroom=``, against the host's available memory):
-#: what none of them counts (the CUDA context, NCCL's communicator buffers, the caching allocator's fragmentation
-#: beyond its rounding: docs/planner.md, What the planner does not model). A margin the user sets, not a measured
-#: figure: every answer states it beside ``fits`` (``headroom``, ``usable_memory_bytes``).
+#: what none of them counts (the caching allocator's fragmentation beyond its rounding and the order of requests,
+#: the side streams, NCCL's structures beside its buffers, a kernel's own workspace: docs/planner.md, What the
+#: planner does not model). A margin the user sets, not a measured figure: every answer states it beside ``fits``
+#: (``headroom``, ``usable_memory_bytes``).
 HEADROOM = 0.1
 #: What ``fits`` was judged on (a record's ``fits_on``; ``fits_bytes`` the bytes held against ``device_memory``).
 FITS_ON = {
+    "device": "the device as nvidia-smi counts it (device_total_bytes): the CUDA caching allocator's reserved peak + "
+              "NCCL's communicator buffers + the CUDA context (zeroexp.formulas.device_memory)",
     "reserved": "the CUDA caching allocator's segments for the peak model's live bytes, phase after phase "
                 "(reserved_peak_bytes: zeroexp.formulas.peak.allocator)",
     "peak": "the peak model: model state + its steady buffers + the largest phase above steady (activations, "
@@ -210,10 +213,15 @@ def judge_fits(record: dict[str, Any]) -> None:
     where those were traced (below fp32 the fewer of autocast's, ``activation_bytes``, and the module cast's,
     ``activation_cast_bytes``: a row without a peak model computes one way or the other), else the state and gather
     floor alone; each with the device's ``workspace_bytes`` (cuBLAS's, on CUDA); against ``usable_memory_bytes``
-    (:func:`usable_bytes`: the device's memory less the record's ``headroom``)."""
+    (:func:`usable_bytes`: the device's memory less the record's ``headroom``). On a GPU whose NCCL buffers and
+    context are known, the device's whole use (``device_total_bytes``: ``fits_on`` ``device``); where the reserved
+    peak is not, what is known of the two beside the figure judged (``beside_bytes``)."""
     state = record["device_bytes"] + (record["gather_floor_bytes"] or 0) + (record.get("workspace_bytes") or 0)
     acts = [a for a in (record.get("activation_bytes"), record.get("activation_cast_bytes")) if a is not None]
-    if record.get("reserved_peak_bytes") is not None:
+    beside = (record.get("nccl_bytes") or 0) + (record.get("context_bytes") or 0)
+    if record.get("device_total_bytes") is not None:
+        on, judged, beside = "device", record["device_total_bytes"], 0
+    elif record.get("reserved_peak_bytes") is not None:
         on, judged = "reserved", record["reserved_peak_bytes"]
     elif record.get("peak_bytes") is not None:
         on, judged = "peak", record["peak_bytes"]
@@ -221,8 +229,9 @@ def judge_fits(record: dict[str, Any]) -> None:
         on, judged = "state+activations", state + min(acts)
     else:
         on, judged = "state", state
-    memory = record["usable_memory_bytes"]
-    record.update(fits_on=on, fits_bytes=judged, fits=None if memory is None else judged <= memory)
+    memory, judged = record["usable_memory_bytes"], judged + beside
+    record.update(fits_on=on, fits_bytes=judged, beside_bytes=beside or None,
+                  fits=None if memory is None else judged <= memory)
 
 
 def recommendable(record: dict[str, Any]) -> bool:

@@ -18,9 +18,10 @@ from zeroexp.errors import ConfigError
 from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, ModelShape, PlanKnobs,
                               accumulation_repeats, checkpointed_numel, optimizer_tensors, predict_step,
                               step_collectives, two_level_seconds)
+from zeroexp.formulas.device_memory import NcclSettings, NcclTopology, context_bytes, group_placement
 from zeroexp.plan.core import recommendable, row_groups
 
-__all__ = ["Network", "network_of", "calibrated_network", "predict_on", "model_ops", "add_step_times",
+__all__ = ["Network", "network_of", "nccl_of", "calibrated_network", "predict_on", "model_ops", "add_step_times",
            "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
 
 #: The step-time model's own error, as measured on this machine (predicted / measured step time of real cells
@@ -92,15 +93,10 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
         return lambda op, s, calls: two_level_seconds(op, s, per_node, math.ceil(n / per_node), intra, inter, calls)
 
     def group_seconds_at(n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
-        """Hybrid sharding's groups on the mesh (N / s, s), rank r in shard group r // s: a shard group of s ranks
-        spans ceil(s / g) nodes (within one when s <= g, a node's GPUs); a replicate group (one rank of each shard
-        group) holds g // s ranks a node when s < g, else one rank a node (every rank its own NIC)."""
+        """Hybrid sharding's groups on the mesh (N / s, s), placed on the nodes as
+        :func:`zeroexp.formulas.device_memory.group_placement` places them (every rank its own NIC)."""
         def for_group(dim: str, size: int) -> Callable[[str, float, float], float]:
-            if dim == "replicate" and size < n:
-                per_node = max(1, min(size, g // max(n // size, 1)))
-            else:
-                per_node = min(size, g)
-            nodes = math.ceil(size / per_node)
+            per_node, nodes = group_placement(dim, size, n, g)
             return lambda op, s, calls: two_level_seconds(op, s, per_node, nodes, intra, inter, calls)
         return for_group
 
@@ -108,6 +104,40 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
     return Network(str(node.name), seconds_at, rate, True, node.get("device_memory"),
                    f"preset conf/network/{node.name}.yaml: {g} ranks a node, peak {peak:.3g} FLOP/s x {efficiency}",
                    group_seconds_at=group_seconds_at)
+
+
+def nccl_of(node: Any) -> tuple[NcclTopology | None, NcclSettings, int]:
+    """A network node's NCCL topology (its ``nccl`` node's ``channels``, ``p2p_channels``, ``nvls``, ``p2p_read`` and
+    the node's ``ranks_per_node``; None without an ``nccl`` node: a calibration, no network), NCCL's settings (the
+    ``nccl`` node's environment keys, :data:`zeroexp.formulas.device_memory.NCCL_ENV`) and the CUDA context's bytes
+    (``context_bytes``; null: :func:`zeroexp.formulas.device_memory.context_bytes`'s); :class:`ConfigError` naming a
+    bad key."""
+    from omegaconf import OmegaConf
+
+    node = node or {}
+    nccl = node.get("nccl")
+    context = node.get("context_bytes")
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 0):
+        raise ConfigError("network.context_bytes", context, "null or bytes (an integer >= 0)")
+    if nccl is None:
+        return None, NcclSettings(), context_bytes(context)
+    values = OmegaConf.to_container(nccl) if OmegaConf.is_config(nccl) else dict(nccl)
+    topo = {k: values.pop(k, None) for k in ("channels", "p2p_channels", "nvls", "p2p_read")}
+    for key in ("channels", "p2p_channels"):
+        if isinstance(topo[key], bool) or not isinstance(topo[key], int) or topo[key] < 1:
+            raise ConfigError(f"network.nccl.{key}", topo[key], "a positive integer (NCCL's channels on this node)")
+    for key in ("nvls", "p2p_read"):
+        if not isinstance(topo[key], bool):
+            raise ConfigError(f"network.nccl.{key}", topo[key], "true or false")
+    try:
+        settings = NcclSettings.of(values)
+    except ValueError as e:
+        key = str(e).split(":")[0].split("=")[0]
+        raise ConfigError(f"network.nccl.{key}", values.get(key), "null (NCCL's default) or "
+                          + ("true | false" if key == "nvls_enable" else "a positive integer"), why=str(e)) from e
+    ranks = node.get("ranks_per_node")
+    return NcclTopology(int(ranks), topo["channels"], topo["p2p_channels"], topo["nvls"], topo["p2p_read"]), \
+        settings, context_bytes(context)
 
 
 def _calibrated(node: Any, tokens: int) -> Network:

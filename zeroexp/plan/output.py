@@ -15,7 +15,7 @@ __all__ = ["render_json", "render_tables", "fmt_size", "fastest_sentences"]
 
 _UNIT_NOTE = {"GB": "GB = 1e9 bytes", "GiB": "GiB = 2^30 bytes"}
 #: The mark beside ``fits`` of a row not judged on the peak model (``fits_on``).
-_BASIS = {"reserved": "", "peak": "", "state+activations": " (state+act)", "state": " (state)"}
+_BASIS = {"device": "", "reserved": "", "peak": "", "state+activations": " (state+act)", "state": " (state)"}
 _REFERENCE = " [dim](reference)[/]"
 
 
@@ -117,6 +117,8 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
     cols += ["peak (phase)"] if peaks else []
     reserved = any(r.get("reserved_peak_bytes") is not None for r in records)
     cols += ["reserved"] if reserved else []
+    beside = any(r.get("nccl_bytes") is not None for r in records)
+    cols += ["NCCL", "device (smi)"] if beside else []
     cols += [f"init peak ({first.get('init', 'full')})"]
     cols += [f"fits {_room(first, unit)}"] if fits else []
     for i, c in enumerate(cols):
@@ -133,6 +135,9 @@ def _memory_table(records: list[dict[str, Any]], unit: str) -> Table:
                  else "-"] if peaks else [])
         row += ([fmt_size(r["reserved_peak_bytes"], unit) if r.get("reserved_peak_bytes") is not None else "-"]
                 if reserved else [])
+        row += ([fmt_size(r.get("nccl_bytes"), unit) if r.get("nccl_bytes") is not None else "-",
+                 fmt_size(r.get("device_total_bytes"), unit) if r.get("device_total_bytes") is not None else "-"]
+                if beside else [])
         row += [fmt_size(r["init_peak_bytes"], unit) if r.get("init_peak_bytes") is not None else "-"]
         row += [_fits(r)] if fits else []
         table.add_row(*row)

@@ -1,16 +1,20 @@
-"""Reserved memory on CUDA: a rank's live bytes as the caching allocator's blocks, and a CUDA cell's reserved bytes
-per phase (``torch.cuda.max_memory_reserved``) beside the model of them (:mod:`zeroexp.formulas.peak.allocator`)."""
+"""Reserved memory on CUDA: a rank's live bytes as the caching allocator's blocks, a CUDA cell's reserved bytes per
+phase (``torch.cuda.max_memory_reserved``) beside the model of them (:mod:`zeroexp.formulas.peak.allocator`), and the
+device's whole use as ``nvidia-smi`` counts it: reserved + NCCL's buffers + the CUDA context
+(:mod:`zeroexp.formulas.device_memory`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from zeroexp.formulas import Groups, PlanKnobs, StateLayout, rank_state_bytes
+from zeroexp.formulas import Groups, PlanKnobs, StateLayout, rank_state_bytes, step_collectives
+from zeroexp.formulas.device import DeviceSemantics
+from zeroexp.formulas.device_memory import communicators, nccl_bytes
 from zeroexp.formulas.peak.allocator import allocations, reserved_peak
 from zeroexp.formulas.device import TRAINING_HANDLES
 from zeroexp.results.verdict import Code, Reason, Verdict
 
-__all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved"]
+__all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved", "device_terms"]
 
 
 def steady_blocks(param: int, grad: int, optim: int, buffers: int, workspace_bytes: int) -> dict[str, int]:
@@ -54,3 +58,23 @@ def judge_reserved(judged: dict[str, Any], reserved: dict[str, Any], blocks: dic
                                   "live bytes)"))
     judged["steady"]["measured_reserved_bytes"] = int(reserved["steady_bytes"])
     return reasons
+
+
+def device_terms(layout: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs, device: DeviceSemantics,
+                 reserved: int | None) -> dict[str, Any]:
+    """What a CUDA rank of ``layout`` holds beside the caching allocator's ``reserved`` bytes: ``nccl_bytes`` (its
+    communicators' buffers, :func:`zeroexp.formulas.device_memory.nccl_bytes`: one per process group the row's
+    collectives run over, the default group's and the strategy's clone of it; null where the device has no NCCL
+    topology), ``nccl`` (by communicator, and the settings assumed), ``context_bytes`` (the CUDA context; null where
+    unknown) and ``device_total_bytes``, the three together (what ``nvidia-smi`` shows; null where one is
+    unknown). Nothing on the CPU (all null)."""
+    if device.name != "cuda":
+        return {"nccl_bytes": None, "nccl": None, "context_bytes": None, "device_total_bytes": None}
+    nccl = None
+    if device.nccl_topology is not None:
+        comms = communicators(step_collectives(layout, groups, itemsize, knobs), groups.world_size,
+                              device.nccl_topology.ranks_per_node, layout.family.clones_world)
+        nccl = nccl_bytes(comms, device.nccl_topology, device.nccl)
+    parts = [reserved, None if nccl is None else nccl["total_bytes"], device.context_bytes]
+    return {"nccl_bytes": parts[1], "nccl": nccl, "context_bytes": device.context_bytes,
+            "device_total_bytes": None if None in parts else sum(parts)}

@@ -119,7 +119,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     from zeroexp.plan.core import judge_fits, row_groups, usable_bytes
     from zeroexp.plan.check.memory import (casts_module, precision_terms_of, shape_limits, steady_buffers_bytes,
                                      step_traces, uncovered, worst_rank_phases)
-    from zeroexp.plan.reserved import steady_blocks
+    from zeroexp.plan.reserved import device_terms, steady_blocks
 
     name, n, k = record["strategy"], record["world_size"], knobs.micro_batches
     c, dtype = COMPUTE_ITEMSIZE[str(precision.param_dtype)], str(precision.param_dtype)
@@ -151,6 +151,7 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
             out["activation_bytes"] = activation_bytes(model_cfg, batch, wrap, dtype, checkpointing)
         acts = [a for a in (out["activation_bytes"], out["activation_cast_bytes"]) if a is not None]
         out["row_activation_bytes"] = min(acts) if acts else None  # what judge_fits adds to the state
+        out.update(device_terms(row, groups or row_groups(name, row, shape, n, c, knobs), c, knobs, device, None))
         judge_fits(out)
         out["by_category"] = {**state, "gather_floor": record["gather_floor_bytes"] or 0,
                               "activations": out["row_activation_bytes"] or 0, "workspace": device.workspace_bytes}
@@ -173,7 +174,9 @@ def row_peak(record: dict[str, Any], shape: ModelShape, precision: Any, knobs: P
     if device.name == "cuda":  # the caching allocator's segments for the same live bytes
         blocks = steady_blocks(on.get("param", 0), on.get("grad", 0) - freed, on.get("optim", 0) + on.get("master", 0),
                                buffers, device.workspace_bytes)
-        out["reserved_peak_bytes"] = reserved_peak(blocks, [allocations(v) for v in phases.values()])[0]
+        out["reserved_peak_bytes"] = reserved_peak(blocks, [allocations(v) for v in phases.values()],
+                                                   expandable=device.expandable_segments)[0]
+    out.update(device_terms(row, groups, c, knobs, device, out["reserved_peak_bytes"]))
     judge_fits(out)
     above = phases[top]["by_category"] if phases[top]["bytes"] > 0 else {}
     out["by_category"] = {**state, "steady_buffers": buffers, "workspace": device.workspace_bytes,

@@ -158,6 +158,12 @@ def run_rank(cfg_dict: dict[str, Any], cell_dir: Path, run_info: dict, resolved:
     """Train one rank of the cell and write its results; rank 0 also writes the cell's files. ``resolved``: the cell
     validation resolved (the local launcher's); None: resolved here (a torchrun or SLURM rank, which validated)."""
     _quiet()
+    from zeroexp.devices import ALLOC_CONF_ENV, cuda_alloc_conf
+
+    conf = cuda_alloc_conf(bool((cfg_dict.get("allocator") or {}).get("expandable_segments")),
+                           os.environ.get(ALLOC_CONF_ENV))
+    if conf is not None:  # before the rank's first CUDA allocation, which reads it
+        os.environ[ALLOC_CONF_ENV] = conf
     freeze_startup_objects()  # the memory probe's cycle collections walk only what this rank creates from here
     cfg = OmegaConf.create(cfg_dict)
     with invocation_memo():

@@ -78,6 +78,8 @@ def recommendation(ev: Evaluator, s: Scored, model_overrides: list[str], ranks_p
         "config": label(c), "overrides": overrides, "command": command(overrides, p.world_size, ranks_per_node),
         "fits": peak.get("fits"), "fits_on": peak.get("fits_on"), "peak_bytes": peak_bytes,
         "fits_bytes": judged, "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
+        "nccl_bytes": peak.get("nccl_bytes"), "context_bytes": peak.get("context_bytes"),
+        "device_total_bytes": peak.get("device_total_bytes"),
         "free_fraction": None if judged is None else (p.memory - judged) / p.memory,
         "peak_phase": peak.get("peak_phase"), "peak_note": peak.get("peak_note"),
         "step_ms": 1e3 * t.step_s, "comm_ms": 1e3 * t.comm_s, "exposed_comm_ms": 1e3 * t.exposed_comm_s,

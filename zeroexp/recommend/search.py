@@ -191,8 +191,13 @@ class Evaluator:
 
         c, record = s.config, self.record(s.config)
         if self.p.model_cfg is None:
+            from zeroexp.formulas import LAYOUTS
+            from zeroexp.plan.reserved import device_terms
+
             out = {**record, "peak_bytes": None, "workspace_bytes": self.p.device.workspace_bytes,
                    "by_category": {}}
+            out.update(device_terms(LAYOUTS[c.row], self.groups(c), self.itemsize(c), self.knobs(c), self.p.device,
+                                    None))
             judge_fits(out)
         else:
             out = row_peak(record, self.p.shape, precision_of(c.precision, self.p.param_dtypes[c.precision]),

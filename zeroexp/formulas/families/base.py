@@ -47,6 +47,9 @@ class Family:
     #: A full state dict made whole name by name (FSDP1's FULL_STATE_DICT, FSDP2's DTensors): a parameter with two
     #: names is gathered, and written, twice; otherwise a tied parameter is one tensor under both names, written once.
     gathers_each_name = False
+    #: The strategy runs its collectives on a process group of its own over every rank, a second NCCL communicator
+    #: beside the default group's (DeepSpeed: deepspeed/utils/groups.py ``_clone_world_group``).
+    clones_world = False
 
     def sharded_written(self, row: StateLayout, groups: Groups, itemsize: int, knobs: PlanKnobs, state: Any,
                         again: int) -> dict[str, Any] | None:

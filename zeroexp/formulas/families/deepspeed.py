@@ -34,6 +34,7 @@ class DeepSpeedPartitions(Family):
     """DeepSpeed's ZeRO stages, each row's ``deepspeed_stage``."""
 
     name = "deepspeed"
+    clones_world = True  # its data-parallel group without an mpu: groups._clone_world_group()
     covered_rank = 3
 
     def groups_kind(self, row):

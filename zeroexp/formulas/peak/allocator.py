@@ -18,10 +18,25 @@ never fewer than its allocated peak. The rules, as the allocator's source states
 :class:`CachingAllocator` follows these rules over a sequence of requests and frees; :func:`reserved_peak` runs it
 over the live blocks of the phases of a step, each phase's blocks freed before the next one's are taken.
 
+With ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (:class:`ExpandableAllocator`, the mode most LLM trainers
+set: torchtitan's launch script, Megatron-LM's docs) each pool of a stream is one ``ExpandableSegment``: a virtual range
+(larger than the device) mapped page by page with ``cuMemMap``, a page of ``kSmallBuffer`` = 2 MiB in the small pool
+and ``kLargeBuffer`` = 20 MiB in the large one (``find_expandable_block``: ``segment_size = pool->is_small ?
+kSmallBuffer : kLargeBuffer``; ``ExpandableSegment::map`` rounds a range out to whole pages). The rules, as its source
+states them:
+
+- ``get_free_block`` takes the smallest cached free block that fits, but a free block at the mapped end of the segment
+  counts as the size it can grow to (``expandable_size``), so any other free block that fits is taken before it;
+- ``should_split`` cuts off any rest of at least 512 B, in either pool;
+- where no free block fits (``try_allocate_expandable_block``), the pages the request needs beyond the free block at
+  the mapped end (if there is one) are mapped and merged with it; reserved bytes are the mapped pages, which stay
+  mapped (``empty_cache`` unmaps them; not modelled).
+
 Not modelled: what a request's order inside a phase does (a phase's blocks are taken at once, largest first), the
 fragmentation that follows from it, a tensor freed on a side stream reused only after its event (FSDP1's
-``limit_all_gathers``, FSDP2's all-gather and reduce-scatter streams: one stream here), ``expandable_segments``,
-NCCL's own buffers (outside the allocator), the CUDA context.
+``limit_all_gathers``, FSDP2's all-gather and reduce-scatter streams: one stream here: with expandable segments each
+stream maps a segment of its own), NCCL's own buffers and the CUDA context (outside the allocator:
+:mod:`zeroexp.formulas.device_memory`).
 """
 
 from __future__ import annotations
@@ -30,7 +45,8 @@ from bisect import bisect_left, insort
 from typing import Iterable, Mapping, Sequence
 
 __all__ = ["MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE", "round_size",
-           "counted", "counted_sum", "allocations", "segment_size", "CachingAllocator", "reserved_peak"]
+           "counted", "counted_sum", "allocations", "segment_size", "CachingAllocator", "ExpandableAllocator",
+           "reserved_peak"]
 
 MIN_BLOCK = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" allocation is 1 MiB
@@ -148,6 +164,58 @@ class CachingAllocator:
         del pool[bisect_left(pool, (size, seg, off, i))]
 
 
+class ExpandableAllocator(CachingAllocator):
+    """The caching allocator with ``expandable_segments:True`` on one stream: one segment a pool, mapped in pages
+    (2 MiB small, 20 MiB large) as the requests need them; ``reserved`` is the mapped pages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._small = [True, False]  # segment 0: the small pool's, 1: the large pool's
+        self._mapped = [0, 0]
+
+    def malloc(self, nbytes: int) -> int:
+        size = round_size(nbytes)
+        seg = 0 if size <= SMALL_SIZE else 1
+        pool = self._free[seg == 0]
+        tail = self._ends.get((seg, self._mapped[seg]))
+        tail = tail if tail is not None and self._blocks[tail][3] else None
+        at = bisect_left(pool, (size,))
+        if at < len(pool) and pool[at][3] == tail:  # the free block at the mapped end: last (expandable_size)
+            at += 1
+        if at < len(pool):
+            i = pool.pop(at)[3]
+        elif tail is not None and self._blocks[tail][2] >= size:
+            self._unlist(tail)
+            i = tail
+        else:  # map the pages the request needs beyond the free block at the end, merged with it
+            page = SMALL_BUFFER if seg == 0 else LARGE_BUFFER
+            have = self._blocks[tail][2] if tail is not None else 0
+            grow = -(-(size - have) // page) * page
+            end = self._mapped[seg]
+            self._mapped[seg] += grow
+            self.reserved += grow
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            if tail is None:
+                i = self._new(seg, end, grow, free=False)
+            else:
+                self._unlist(tail)
+                i = tail
+                del self._ends[(seg, end)]
+                self._blocks[i][2] += grow
+                self._ends[(seg, end + grow)] = i
+        block = self._blocks[i]
+        off, rest = block[1], block[2] - size
+        if rest >= MIN_BLOCK:  # should_split: any rest of 512 B or more, in either pool
+            del self._ends[(seg, off + block[2])]
+            block[2] = size
+            self._ends[(seg, off + size)] = i
+            self._new(seg, off + size, rest)
+        block[3] = False
+        self.allocated += block[2]
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return i
+
+
 def allocations(phase: dict) -> dict[str, int | tuple[int, ...]]:
     """A predicted phase's bytes above steady by category (``by_category``), where the model knows a category's
     tensors one by one (``blocks``: AdamW's foreach list) those sizes instead: what
@@ -156,15 +224,17 @@ def allocations(phase: dict) -> dict[str, int | tuple[int, ...]]:
 
 
 def reserved_peak(steady: Mapping[str, int], phases: Iterable[Mapping[str, int | Sequence[int]]],
-                  steps: int = 2) -> tuple[int, int]:
+                  steps: int = 2, expandable: bool = False) -> tuple[int, int]:
     """The caching allocator's peak (reserved, allocated) bytes over ``steps`` steps. ``steady``: the blocks a rank
     holds between steps (bytes by name, one block each), taken first. ``phases``: each phase's bytes above steady by
     category, in phase order (:func:`allocations`); a positive one is one block, a sequence that many
     blocks (tensors the model knows one by one), taken with the phase's others at once, largest first; a
     negative one is a steady block of that name shrunk within the phase (``zero_grad`` freed the steady gradients:
     the block freed, what is left of it taken again with the phase's). At a phase's end its blocks are freed and the
-    steady blocks it shrank taken back. A second step reuses the segments the first left cached."""
-    alloc = CachingAllocator()
+    steady blocks it shrank taken back. A second step reuses the segments the first left cached. ``expandable``:
+    ``expandable_segments:True`` (:class:`ExpandableAllocator`)."""
+    alloc = ExpandableAllocator() if expandable else CachingAllocator()
+    phases = list(phases)
     held = {name: alloc.malloc(int(b)) for name, b in steady.items() if b > 0}
     for _ in range(steps):
         for phase in phases:
