@@ -196,6 +196,7 @@ def _run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     network = _network(cfg, batch)
     if network is not None and memory is None and network.device_memory is not None:
         memory = parse_bytes(network.device_memory)
+    device = _device(cfg, memory)  # its keys refused before anything is traced
     knobs = PlanKnobs(bucket_cap_bytes=int(float(cfg.bucket_cap_mb) * 2**20),
                       loss_scaling=cfg.precision.get("loss_scale") is not None, shard_size=shard or 0,
                       micro_batches=accum, use_orig_params=bool(cfg.use_orig_params),
@@ -217,7 +218,6 @@ def _run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
                      sync_each_microbatch=bool(cfg.sync_each_microbatch))
             r.update(activations or {"activation_bytes": None, "activation_cast_bytes": None,
                                      "activation_unit_bytes": None, "korthikanti_bytes": None})
-        device = _device(cfg, memory)
         notes += [f"device=cuda: not modelled: {', '.join(device.not_modelled)}"] if device.name == "cuda" else []
         _peaks(cfg, records, shape, batch, knobs, mode, device)
         _ds_terms(records, shape, _largest_layer(cfg, shape), precision, str(cfg.offload.name), knobs, device)

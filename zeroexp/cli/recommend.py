@@ -224,8 +224,8 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     samples = _samples(cfg, n, tokens)
     stored: list[str] = []
     with answer_store(cfg, stored):  # a model's shape, units and traces of an earlier answer (zeroexp.cell.store)
+        device = _device(cfg, memory)  # its keys refused before the model is built
         shape, model = model_shape(cfg)
-        device = _device(cfg, memory)
         networks = {p: network_of(cfg.network, p, tokens) for p in precisions}
         dtypes = {p: _precision(p) for p in precisions}
         wrap, flops = [], None

@@ -173,6 +173,11 @@ class ExpandableAllocator(CachingAllocator):
         self._small = [True, False]  # segment 0: the small pool's, 1: the large pool's
         self._mapped = [0, 0]
 
+    @property
+    def mapped(self) -> tuple[int, int]:
+        """The bytes mapped in the small pool's segment and in the large pool's."""
+        return self._mapped[0], self._mapped[1]
+
     def malloc(self, nbytes: int) -> int:
         size = round_size(nbytes)
         seg = 0 if size <= SMALL_SIZE else 1
