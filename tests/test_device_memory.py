@@ -179,3 +179,61 @@ def test_a_cells_allocator_key_sets_the_ranks_environment_and_is_refused_on_the_
     assert e.value.key == "allocator.expandable_segments"
     assert cell_id(compose("device=cpu")) == cell_id(compose("device=cpu", "allocator.expandable_segments=false"))
     assert cell_id(compose("device=cuda", "allocator.expandable_segments=true")) != cell_id(compose("device=cuda"))
+
+
+@pytest.mark.parametrize("nvml", [True, False])
+def test_a_cuda_cells_device_reading_is_judged_against_reserved_and_the_context(compose, nvml):
+    """The check a GPU cell's plan.memory runs on the probe's device reading (NVML's used bytes, else
+    cudaMemGetInfo's): at least the allocator's reserved model and the CUDA context; what the device holds beyond the
+    measured reserved bytes laid beside."""
+    from zeroexp.cell.resolved import Cell, layout_of
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.check.cell import cell_groups
+    from zeroexp.plan.check.memory import memory_section
+    from zeroexp.plan.shape import model_shape
+    from zeroexp.results.verdict import Code
+
+    from test_plan_cuda import _cuda_measurement
+
+    cfg = compose("strategy=fsdp2_full", "world_size=2", "model=mlp", "batch_size=4")
+    args = (layout_of(cfg)[0], cell_groups(Cell.of(cfg)), 4, [import_class(p) for p in wrap_paths(cfg)],
+            model_shape(cfg.model, wrap_paths(cfg)))
+    first = memory_section(Cell.of(cfg), _cuda_measurement(None, 2, 10**8, 10**10), *args)
+    reserved = first["phases"]["forward"]["predicted_reserved_bytes"]
+
+    def judged(used: int) -> dict:
+        measured = _cuda_measurement(first, 2, 10**8, reserved)
+        reading = {"cudamem_used_bytes": used, "total_bytes": 80 * 2**30, "nvml_used_bytes": used if nvml else None}
+        measured["memory"]["device_by_rank"] = [reading, reading]
+        return memory_section(Cell.of(cfg), measured, *args)
+
+    floor = reserved + CUDA_CONTEXT_BYTES
+    ok = judged(floor + 300 * MiB)
+    steady = ok["phases"]["steady"]
+    assert ok["check"] == "PASS" and steady["device_check"] == "PASS"
+    assert steady["predicted_device_floor_bytes"] == floor
+    assert steady["beyond_allocator_bytes"] == floor + 300 * MiB - reserved
+    assert steady["device_used_source"] == ("nvml" if nvml else "cudaMemGetInfo")
+    low = judged(floor - 512)
+    assert low["check"] == "FAIL" and set(low["reason_codes"]) == {Code.MEMORY_DEVICE_BELOW_PREDICTION}
+
+
+def test_the_probes_device_reading_takes_nvml_and_cudas_figures(monkeypatch):
+    import torch
+
+    from zeroexp.probes.memory import ALLOCATOR_STATS, device_reading
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (30 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d=None: {k: 7 for k in ALLOCATOR_STATS} | {"other": 1})
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda d=None: 51 * 2**30)
+    got = device_reading(torch.device("cuda", 0))
+    assert (got["cudamem_used_bytes"], got["nvml_used_bytes"], got["total_bytes"]) == (50 * 2**30, 51 * 2**30,
+                                                                                        80 * 2**30)
+    assert got["allocator_stats"] == {k: 7 for k in ALLOCATOR_STATS} and got["nccl_bytes"] is None
+
+    def no_nvml(d=None):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "device_memory_used", no_nvml)
+    got = device_reading(torch.device("cuda", 0))
+    assert got["nvml_used_bytes"] is None and "pynvml" in got["nvml_why"]

@@ -9,12 +9,12 @@ from typing import Any
 
 from zeroexp.formulas import Groups, PlanKnobs, StateLayout, rank_state_bytes, step_collectives
 from zeroexp.formulas.device import DeviceSemantics
-from zeroexp.formulas.device_memory import communicators, nccl_bytes
+from zeroexp.formulas.device_memory import communicators, context_bytes, nccl_bytes
 from zeroexp.formulas.peak.allocator import allocations, reserved_peak
 from zeroexp.formulas.device import TRAINING_HANDLES
 from zeroexp.results.verdict import Code, Reason, Verdict
 
-__all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved", "device_terms"]
+__all__ = ["steady_blocks", "cell_steady_blocks", "judge_reserved", "judge_device", "device_terms"]
 
 
 def steady_blocks(param: int, grad: int, optim: int, buffers: int, workspace_bytes: int) -> dict[str, int]:
@@ -78,3 +78,31 @@ def device_terms(layout: StateLayout, groups: Groups, itemsize: int, knobs: Plan
     parts = [reserved, None if nccl is None else nccl["total_bytes"], device.context_bytes]
     return {"nccl_bytes": parts[1], "nccl": nccl, "context_bytes": device.context_bytes,
             "device_total_bytes": None if None in parts else sum(parts)}
+
+
+def judge_device(judged: dict[str, Any], reading: dict[str, Any] | None) -> list[Reason]:
+    """A CUDA cell's whole device as ``nvidia-smi`` counts it (the probe's ``device_by_rank`` reading: NVML's used
+    bytes, else ``cudaMemGetInfo``'s) beside the prediction of what it holds at least: the allocator's reserved
+    model (``predicted_reserved_bytes`` of :func:`judge_reserved`) and the CUDA context
+    (:func:`zeroexp.formulas.device_memory.context_bytes`). NCCL's buffers are not predicted for a cell (its node's
+    topology is not known to it: ``nccl_why``); what the device holds beyond the allocator's measured reserved bytes
+    (``beyond_allocator_bytes``: NCCL, the context, the kernels loaded) is recorded beside. A lower bound: PASS when
+    the prediction does not exceed the reading; nothing judged without a reading."""
+    steady = judged["steady"]
+    wants = [rec["predicted_reserved_bytes"] for ph, rec in judged.items() if "predicted_reserved_bytes" in rec]
+    if reading is None or not wants:
+        return []
+    used = reading.get("nvml_used_bytes")
+    source = "nvml" if used is not None else "cudaMemGetInfo"
+    used = int(used if used is not None else reading["cudamem_used_bytes"])
+    want = max(wants) + context_bytes()
+    reserved = max(int(rec.get("measured_reserved_bytes") or 0) for rec in judged.values())
+    ok = want <= used
+    steady.update(measured_device_used_bytes=used, device_used_source=source, predicted_device_floor_bytes=want,
+                  beyond_allocator_bytes=used - reserved, device_check=Verdict.passed_if(ok),
+                  nccl_why="a cell's NCCL topology (channels, NVLS) is not known to it: NCCL's buffers are not "
+                           "predicted, only laid beside (beyond_allocator_bytes)")
+    if ok:
+        return []
+    return [Reason(Code.MEMORY_DEVICE_BELOW_PREDICTION, f"device: {source} measured {used} B used, predicted at least "
+                   f"{want} B (the allocator's reserved model and the CUDA context)")]

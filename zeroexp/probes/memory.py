@@ -131,10 +131,35 @@ class _CudaAllocator:
         self._gc.release()
         return {"steady": steady, "steady_categories": {}, **_peak_of_phases(self._phases),
                 "steady_reserved": int(torch.cuda.memory_reserved(self.device)), "phase_reserved": dict(self._reserved),
-                "compute_capability": float("{}.{}".format(*torch.cuda.get_device_capability(self.device)))}
+                "compute_capability": float("{}.{}".format(*torch.cuda.get_device_capability(self.device))),
+                "device": device_reading(self.device)}
 
     def abort(self) -> None:
         self._gc.release()
+
+
+#: The caching allocator's counters a CUDA cell records beside its peaks (``torch.cuda.memory_stats``).
+ALLOCATOR_STATS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "inactive_split_bytes.all.peak",
+                   "reserved_bytes.all.peak", "allocated_bytes.all.peak")
+
+
+def device_reading(device: torch.device) -> dict[str, Any]:
+    """The device's whole use after the tracked steps, as ``nvidia-smi`` counts it: NVML's used bytes
+    (``torch.cuda.device_memory_used``; null where NVML is not importable, ``nvml_why``), ``cudaMemGetInfo``'s total
+    less free (``torch.cuda.mem_get_info``), the caching allocator's counters (:data:`ALLOCATOR_STATS`) and NCCL's
+    own bytes where torch exposes them (it does not: null, ``nccl_why``). Both device readings count the whole GPU:
+    every process on it and the driver's own reservation."""
+    free, total = torch.cuda.mem_get_info(device)
+    out: dict[str, Any] = {"cudamem_used_bytes": int(total - free), "total_bytes": int(total), "nvml_used_bytes": None,
+                           "nccl_bytes": None, "nccl_why": "torch exposes no NCCL memory figure (NCCL_DEBUG=INFO "
+                           "NCCL_DEBUG_SUBSYS=ALLOC logs its allocations)"}
+    try:
+        out["nvml_used_bytes"] = int(torch.cuda.device_memory_used(device))
+    except Exception as e:  # noqa: BLE001 - NVML (pynvml) missing or failing: the reading says why
+        out["nvml_why"] = f"{type(e).__name__}: {e}"
+    stats = torch.cuda.memory_stats(device)
+    out["allocator_stats"] = {k: int(stats[k]) for k in ALLOCATOR_STATS if k in stats}
+    return out
 
 
 def _keep_higher(phases: dict[str, tuple[int, dict[str, int]]], phase: str, got: tuple[int, dict[str, int]]) -> None:
@@ -451,6 +476,8 @@ class MemoryProbe(Probe):
                                             "phases": {ph: int(b) for ph, b in t["phase_reserved"].items()}}
                                            for lt, t in picked]
             section["compute_capability"] = top["compute_capability"]
+            if all("device" in t for _, t in picked):  # the whole device, as nvidia-smi counts it (device_reading)
+                section["device_by_rank"] = [t["device"] for _, t in picked]
         section["phases_of_max_rank"] = phases_of(top)
         section["phases_by_rank"] = [phases_of(t) for _, t in picked]  # every rank's, for the plan's per-rank check
         section["steady_categories_by_rank"] = [{c: int(b) for c, b in lt["steady_categories"].items()}

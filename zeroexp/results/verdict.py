@@ -110,6 +110,7 @@ class Code(str, Enum):
     MEMORY_NO_MEASUREMENT = "memory.no_measurement"  # no per-phase measurement: predicted only
     MEMORY_PHASE_DIFFERS = "memory.phase_differs"  # a phase's bytes above steady outside the prediction's band
     MEMORY_RESERVED_BELOW_PREDICTION = "memory.reserved_below_prediction"  # reserved below the allocator model
+    MEMORY_DEVICE_BELOW_PREDICTION = "memory.device_below_prediction"  # nvidia-smi's used below reserved + context
     MEMORY_SIMULATED = "memory.simulated"  # a dry run: the phases are simulated over fake storages, not measured
     # summary.json["plan"]["time"]
     TIME_NO_CALIBRATION = "time.no_calibration"  # no calibration of this machine, backend and world size

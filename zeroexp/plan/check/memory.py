@@ -26,7 +26,7 @@ from zeroexp.formulas.rows import row_of as _row, rows_where as _modelled
 from zeroexp.plan.check.memory_excess import excess_sentence, explain_excess
 from zeroexp.plan.check.judge import TOLERANCE, as_simulated, judge_rank
 from zeroexp.plan.check.gloo import late_free
-from zeroexp.plan.reserved import cell_steady_blocks, judge_reserved
+from zeroexp.plan.reserved import cell_steady_blocks, judge_device, judge_reserved
 from zeroexp.results.verdict import Check, Code, Reason, Verdict, reasons as coded
 
 __all__ = ["memory_section", "predict_phases", "worst_rank_phases", "step_traces", "needs_in_place", "flow_of",
@@ -374,6 +374,7 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
             blocks = cell_steady_blocks(row, groups, itemsize, knobs, cell.offload, rank,
                                         buffers, device.workspace_bytes, row.family.step_frees_grads(row))
             reasons += judge_reserved(judged, reserved, blocks, predicted)
+            reasons += judge_device(judged, (measured.get("device_by_rank") or [None] * len(by_rank))[rank])
         out_reasons += [r.prefixed(f"rank {rank} ") for r in reasons]
         errs += rank_errs
         ranks.append({"rank": rank, "check": Verdict.passed_if(not reasons),
