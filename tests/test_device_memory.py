@@ -216,6 +216,11 @@ def test_a_cuda_cells_device_reading_is_judged_against_reserved_and_the_context(
     assert steady["device_used_source"] == ("nvml" if nvml else "cudaMemGetInfo")
     low = judged(floor - 512)
     assert low["check"] == "FAIL" and set(low["reason_codes"]) == {Code.MEMORY_DEVICE_BELOW_PREDICTION}
+    # a rank that ran with expandable_segments is judged on that allocator's model of reserved
+    measured = _cuda_measurement(first, 2, 10**8, 10**10)
+    measured["memory"]["device_by_rank"] = [{"cudamem_used_bytes": 2**40, "expandable_segments": True}] * 2
+    pages = memory_section(Cell.of(cfg), measured, *args)["phases"]["forward"]["predicted_reserved_bytes"]
+    assert pages % (2 * MiB) == 0 and pages != reserved
 
 
 def test_the_probes_device_reading_takes_nvml_and_cudas_figures(monkeypatch):

@@ -38,13 +38,14 @@ def cell_steady_blocks(layout: StateLayout, groups: Groups, itemsize: int, knobs
 
 
 def judge_reserved(judged: dict[str, Any], reserved: dict[str, Any], blocks: dict[str, int],
-                    predicted: dict[str, dict]) -> list[Reason]:
+                    predicted: dict[str, dict], expandable: bool = False) -> list[Reason]:
     """A CUDA cell's reserved bytes per phase (``max_memory_reserved``, the probe's ``reserved_by_rank``) beside the
     caching allocator's model of the same step (:func:`zeroexp.formulas.peak.allocator.reserved_peak`; segments are
     cached, so every phase of a step after the first reads the step's whole reserved figure). A lower bound: PASS
     when the prediction does not exceed the measurement (fragmentation, the side streams' own free blocks, NCCL's
-    use of the allocator are not modelled); why not, otherwise."""
-    want = reserved_peak(blocks, [allocations(predicted[ph]) for ph in predicted])[0]
+    use of the allocator are not modelled); why not, otherwise. ``expandable``: the cell's ranks ran with
+    ``expandable_segments`` (its device reading says so)."""
+    want = reserved_peak(blocks, [allocations(predicted[ph]) for ph in predicted], expandable=expandable)[0]
     reasons = []
     for ph, got in reserved["phases"].items():
         if ph not in judged:

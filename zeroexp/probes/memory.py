@@ -30,6 +30,7 @@ Sources (``memory.source`` names the one used):
 from __future__ import annotations
 
 import gc
+import os
 import time
 from typing import Any
 
@@ -146,11 +147,16 @@ ALLOCATOR_STATS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "inactiv
 def device_reading(device: torch.device) -> dict[str, Any]:
     """The device's whole use after the tracked steps, as ``nvidia-smi`` counts it: NVML's used bytes
     (``torch.cuda.device_memory_used``; null where NVML is not importable, ``nvml_why``), ``cudaMemGetInfo``'s total
-    less free (``torch.cuda.mem_get_info``), the caching allocator's counters (:data:`ALLOCATOR_STATS`) and NCCL's
+    less free (``torch.cuda.mem_get_info``), the allocator's mode this process runs (``expandable_segments``, from
+    ``PYTORCH_CUDA_ALLOC_CONF``), the caching allocator's counters (:data:`ALLOCATOR_STATS`) and NCCL's
     own bytes where torch exposes them (it does not: null, ``nccl_why``). Both device readings count the whole GPU:
     every process on it and the driver's own reservation."""
+    from zeroexp.devices import ALLOC_CONF_ENV
+
     free, total = torch.cuda.mem_get_info(device)
+    conf = os.environ.get(ALLOC_CONF_ENV, "").replace(" ", "").lower()
     out: dict[str, Any] = {"cudamem_used_bytes": int(total - free), "total_bytes": int(total), "nvml_used_bytes": None,
+                           "expandable_segments": "expandable_segments:true" in conf,
                            "nccl_bytes": None, "nccl_why": "torch exposes no NCCL memory figure (NCCL_DEBUG=INFO "
                            "NCCL_DEBUG_SUBSYS=ALLOC logs its allocations)"}
     try:

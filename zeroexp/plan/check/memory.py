@@ -373,8 +373,10 @@ def memory_section(cell: Cell, summary: dict[str, Any], name: str, groups: Group
             buffers = steady_buffers_bytes(name, groups, itemsize if terms is None else terms.grad_itemsize, cap, terms)
             blocks = cell_steady_blocks(row, groups, itemsize, knobs, cell.offload, rank,
                                         buffers, device.workspace_bytes, row.family.step_frees_grads(row))
-            reasons += judge_reserved(judged, reserved, blocks, predicted)
-            reasons += judge_device(judged, (measured.get("device_by_rank") or [None] * len(by_rank))[rank])
+            reading = (measured.get("device_by_rank") or [None] * len(by_rank))[rank]
+            reasons += judge_reserved(judged, reserved, blocks, predicted,
+                                      bool(reading and reading.get("expandable_segments")))
+            reasons += judge_device(judged, reading)
         out_reasons += [r.prefixed(f"rank {rank} ") for r in reasons]
         errs += rank_errs
         ranks.append({"rank": rank, "check": Verdict.passed_if(not reasons),
