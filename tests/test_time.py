@@ -355,8 +355,11 @@ def test_planner_step_time_on_network_presets():
         rows = [r for r in h100 if r["world_size"] == n]
         assert [r["fastest"] for r in rows].count(True) == 1
         assert min(rows, key=lambda r: r["step_ms"])["fastest"]
+    # efficiency given overrides the op-level compute: 6 x parameters x tokens at that fraction of the peak
+    assert all("each kernel of the traced step" in h["network_source"] for h in h100)
     slower, _ = _plan(*common, "network=h100_ib", "network.efficiency=0.2")
-    assert all(s["step_ms"] > h["step_ms"] for s, h in zip(slower, h100))
+    faster, _ = _plan(*common, "network=h100_ib", "network.efficiency=0.4")
+    assert all(s["step_ms"] > f["step_ms"] and "x 0.2" in s["network_source"] for s, f in zip(slower, faster))
 
 
 def test_planner_network_refuses_bad_input():

@@ -228,7 +228,8 @@ def _run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
             from zeroexp.plan.network import add_step_times, model_ops
 
             add_step_times(records, shape, network, precision.itemsize, knobs, batch, _tokens(cfg), mode,
-                           model_ops(network, cfg.model, batch), _recompute_share(cfg, batch, mode, notes))
+                           model_ops(network, cfg.model, batch), _recompute_share(cfg, batch, mode, notes),
+                           cfg.model)
             if cfg.model is None and network.rate.counts_ops:
                 notes.append("step_ms: a parameter count has no operators to count: each forward's and backward's cost "
                              "per operator left out (give model= for it)")

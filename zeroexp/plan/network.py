@@ -19,10 +19,11 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, Mode
                               accumulation_repeats, checkpointed_numel, optimizer_tensors, predict_step,
                               step_collectives, two_level_seconds)
 from zeroexp.formulas.device_memory import NcclSettings, NcclTopology, context_bytes, group_placement
+from zeroexp.formulas.time.kernels import KernelRates, ops_seconds
 from zeroexp.plan.core import recommendable, row_groups
 
-__all__ = ["Network", "network_of", "nccl_of", "calibrated_network", "predict_on", "model_ops", "add_step_times",
-           "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
+__all__ = ["Network", "network_of", "nccl_of", "compute_rate", "calibrated_network", "predict_on", "model_ops",
+           "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
 
 #: The step-time model's own error, as measured on this machine (predicted / measured step time of real cells
 #: against this machine's calibration: docs/benchmarks.md, benchmarks/time_check.py, 2026-12-01, commit fd50a75:
@@ -55,6 +56,10 @@ class Network:
     stream_seconds_at: Callable[[int], Callable[[str, float, float], float]] | None = None
     #: the device its compute was timed on, whose operators a model's call is counted in (:func:`model_ops`)
     device: str = "cpu"
+    #: a preset's op-level compute rates (its ``kernels`` node; None: none, or ``efficiency`` given, which overrides
+    #: them) and the compute dtype its kernels are traced in
+    kernels: KernelRates | None = None
+    dtype: str = "float32"
 
     def groups_at(self, n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
         """(mesh dimension, group size) -> the time of a call over that group of an N-rank job."""
@@ -84,7 +89,8 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
     intra = LinkFit(_number(node.intra, "alpha_s", "intra."), _number(node.intra, "busbw_Bps", "intra."))
     inter = LinkFit(_number(node.inter, "alpha_s", "inter."), _number(node.inter, "busbw_Bps", "inter."))
     peak = _number(node.get("peak_flops"), precision, "peak_flops.")
-    efficiency = _number(node, "efficiency", "")
+    kernels = None if node.get("efficiency") is not None else _kernels(node, precision, peak)
+    efficiency = kernels.matmul_flops / peak if kernels is not None else _number(node, "efficiency", "")
     if efficiency > 1:
         raise ConfigError("network.efficiency", efficiency, "a fraction of the peak in (0, 1]")
 
@@ -101,9 +107,50 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
         return for_group
 
     rate = ComputeRate.from_peak(peak, efficiency, tokens, _number(node, "memory_Bps", ""), ADAMW_BYTES_PER_ELEMENT)
+    how = (f"each kernel of the traced step by its FLOPs and bytes (matmuls at {kernels.matmul_flops:.3g} FLOP/s, "
+           f"attention at {kernels.attention_efficiency} of the peak, HBM {kernels.memory_Bps:.3g} B/s, "
+           f"{kernels.launch_s * 1e6:g} us a launch); a parameter count: 6 x parameters x tokens at the matmul rate"
+           if kernels is not None else f"peak {peak:.3g} FLOP/s x {efficiency}")
     return Network(str(node.name), seconds_at, rate, True, node.get("device_memory"),
-                   f"preset conf/network/{node.name}.yaml: {g} ranks a node, peak {peak:.3g} FLOP/s x {efficiency}",
-                   group_seconds_at=group_seconds_at)
+                   f"preset conf/network/{node.name}.yaml: {g} ranks a node, {how}",
+                   group_seconds_at=group_seconds_at, kernels=kernels, device="cuda", dtype=_DTYPES[precision])
+
+
+#: A precision's compute dtype, as the op-level compute traces it.
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _kernels(node: Any, precision: str, peak: float) -> KernelRates:
+    """A preset's ``kernels`` node at ``precision`` (:class:`~zeroexp.formulas.time.kernels.KernelRates`); a
+    :class:`ConfigError` naming the key where it is missing or bad (a preset without it sets ``efficiency``)."""
+    k = node.get("kernels")
+    if k is None:
+        raise ConfigError("network.efficiency", None, "a fraction of the peak in (0, 1], or a kernels node "
+                          "(network.kernels: the op-level compute's rates)")
+    rate = _number(k.get("matmul_flops"), precision, "kernels.matmul_flops.")
+    share = _number(k, "attention_efficiency", "kernels.")
+    if rate > peak or share > 1:
+        raise ConfigError("network.kernels", {"matmul_flops": rate, "attention_efficiency": share},
+                          "a matmul rate at most the peak and an attention share at most 1")
+    return KernelRates(rate, peak, share, _number(node, "memory_Bps", ""), _number(k, "launch_s", "kernels."))
+
+
+def compute_rate(network: Network, model_cfg: Any, batch: int, numel: int) -> ComputeRate:
+    """The rate a step of ``model_cfg`` at micro-batch ``batch`` computes at on ``network``: with the preset's
+    kernels, its forward's and backward's kernels costed one by one (``zeroexp.plan.optrace.step_kernels``,
+    :func:`~zeroexp.formulas.time.kernels.ops_seconds`) as seconds per parameter and sample over the ``numel``
+    parameters the step trains; else (a calibration, ``efficiency`` given, a parameter count) the network's rate."""
+    if network.kernels is None or model_cfg is None:
+        return network.rate
+    from dataclasses import replace
+
+    from zeroexp.plan.optrace import step_kernels
+
+    forward, backward = step_kernels(model_cfg, batch, network.dtype)
+    f, b = (sum(v for k, v in ops_seconds(ops, network.kernels).items() if k != "kernels")
+            for ops in (forward, backward))
+    per = max(numel, 1) * batch
+    return replace(network.rate, forward_s_per_param_sample=f / per, backward_s_per_param_sample=b / per)
 
 
 def nccl_of(node: Any) -> tuple[NcclTopology | None, NcclSettings, int]:
@@ -169,14 +216,15 @@ def calibrated_network(cal: Any) -> Network:
 
 def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs: PlanKnobs, batch: int, n: int,
                prefetch: str = "pre", checkpointed: int = 0, without: str | None = None,
-               ops: tuple[int, int] = (0, 0)) -> Any:
+               ops: tuple[int, int] = (0, 0), rate: ComputeRate | None = None) -> Any:
     """:func:`~zeroexp.formulas.predict_step` of ``layout`` over ``groups`` at ``n`` ranks on ``network``: its
     collectives' times (each group's, a burst's, a stream's), compute rate, overlap, framework costs and waking.
     ``without``: the same step with that op's calls left out (what the op costs the step); ``ops``: the model's
-    operators per forward and backward (:func:`model_ops`)."""
+    operators per forward and backward (:func:`model_ops`); ``rate``: the compute rate of this model and micro-batch
+    (:func:`compute_rate`; None: the network's)."""
     at_k = step_collectives(layout, groups, itemsize, knobs)
     collectives = {op: v for op, v in at_k.items() if op != without}
-    return predict_step(layout, groups, collectives, network.rate, batch,
+    return predict_step(layout, groups, collectives, rate or network.rate, batch,
                         network.seconds_at(n), network.overlap, prefetch, network.framework, itemsize,
                         checkpointed=checkpointed, micro_batches=knobs.micro_batches,
                         repeats=accumulation_repeats(layout, groups, itemsize, knobs, at_k),
@@ -217,20 +265,22 @@ def tokens_per_sample(model: Any) -> int:
 
 def add_step_times(records: list[dict[str, Any]], shape: ModelShape, network: Network, itemsize: int,
                    knobs: PlanKnobs, batch: int, tokens: int, checkpointing: Any = False,
-                   ops: tuple[int, int] = (0, 0), share: float = 1.0) -> None:
+                   ops: tuple[int, int] = (0, 0), share: float = 1.0, model_cfg: Any = None) -> None:
     """Add ``step_ms``, ``exposed_comm_ms``, ``recompute_ms``, ``tokens_per_s`` (global, every micro-batch of the
     optimizer step) and ``fastest`` (per world size, among the rows a strategy runs that fit, or all of them when fit
     is unknown: :func:`zeroexp.plan.core.recommendable`; the paper's rows never) to each record, in place; and
     ``tie_fastest`` on those rows whose step is within :data:`MODEL_TIME_ERROR` of the fastest's.
     ``checkpointing``: the option (a ``Checkpointing``; True: ``full``) whose units are recomputed in backward,
     ``share`` the part of their forward it reruns (``zeroexp.plan.flops.recompute_share``); ``knobs.micro_batches``:
-    grad_accum; ``ops``: the model's operators (:func:`model_ops`)."""
+    grad_accum; ``ops``: the model's operators (:func:`model_ops`); ``model_cfg``: the model whose kernels a preset
+    with kernels costs (:func:`compute_rate`; None: a parameter count)."""
     checkpointed = checkpointed_numel(shape.units, shape.root, shape.numels, checkpointing, share)
     for r in records:
         name, n = r["strategy"], r["world_size"]
         layout = LAYOUTS[name]
         groups = row_groups(name, layout, shape, n, itemsize, knobs)
-        t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed, ops=ops)
+        t = predict_on(network, layout, groups, itemsize, knobs, batch, n, "pre", checkpointed, ops=ops,
+                       rate=compute_rate(network, model_cfg, batch, groups.numel))
         r.update(step_ms=1e3 * t.step_s, exposed_comm_ms=1e3 * t.exposed_comm_s, comm_ms=1e3 * t.comm_s,
                  recompute_ms=1e3 * t.recompute_s, tokens_per_s=tokens * batch * knobs.micro_batches * n / t.step_s,
                  network=network.name, network_source=network.source, overlap_rule=t.rule, fastest=False,

@@ -145,24 +145,25 @@ class Evaluator:
 
     def step(self, c: Config, without: str | None = None) -> Any:
         """The predicted step (``zeroexp.plan.network.predict_on``); ``without``: with that op left out."""
-        from zeroexp.plan.network import model_ops, predict_on
+        from zeroexp.plan.network import compute_rate, model_ops, predict_on
 
         key = (replace(c, offload="none"), without)
         if key not in self._steps:
-            network = self.p.networks[c.precision]
-            self._steps[key] = predict_on(network, LAYOUTS[c.row], self.groups(c),
+            network, groups = self.p.networks[c.precision], self.groups(c)
+            self._steps[key] = predict_on(network, LAYOUTS[c.row], groups,
                                           self.itemsize(c), self.knobs(c), c.micro_batch, self.p.world_size,
                                           c.prefetch or "pre", self.checkpointed(c.checkpointing), without,
-                                          model_ops(network, self.p.model_cfg, c.micro_batch))
+                                          model_ops(network, self.p.model_cfg, c.micro_batch),
+                                          compute_rate(network, self.p.model_cfg, c.micro_batch, groups.numel))
         return self._steps[key]
 
     def floor_s(self, c: Config) -> float:
         """A lower bound of :meth:`step`'s ``step_s`` without the row's groups (``zeroexp.formulas.step_floor``)."""
         from zeroexp.formulas import step_floor
-        from zeroexp.plan.network import model_ops
+        from zeroexp.plan.network import compute_rate, model_ops
 
-        network = self.p.networks[c.precision]
-        return step_floor(network.rate, self.p.shape.trained_numel, c.micro_batch, c.grad_accum,
+        network, psi = self.p.networks[c.precision], self.p.shape.trained_numel
+        return step_floor(compute_rate(network, self.p.model_cfg, c.micro_batch, psi), psi, c.micro_batch, c.grad_accum,
                           model_ops(network, self.p.model_cfg, c.micro_batch), self.checkpointed(c.checkpointing))
 
     def state_bytes(self, c: Config) -> int:

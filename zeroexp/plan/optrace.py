@@ -1,0 +1,124 @@
+"""The kernels one micro-batch's forward (with the loss) and backward run, each with its kind, FLOPs and bytes
+(:class:`zeroexp.formulas.time.kernels.OpCost`): what the op-level step time costs on a GPU.
+
+Traced on fake tensors of the CPU (nothing allocated), the module cast to the compute dtype (the bytes each kernel
+moves are the dtype's), under a dispatch mode that sees every ATen call below autograd: views are left out (no
+kernel); FLOPs are torch's own count (``torch.utils.flop_counter``'s registry: matmuls, convolutions, attention),
+and for the CPU's fused attention kernel (which the registry lacks) its ``sdpa_flop_count`` of the same shapes, as
+the GPU's flash kernel is counted, halved where causal (FlashAttention skips the masked blocks: the work its published
+rates count, FlashAttention-2 paper section 4.1); bytes are every tensor argument's and output's. A deep stack of identical blocks
+is derived from two, three and four blocks (each block's kernels the same multiset: C(L) = C(2) + (L - 2) x the
+block's, checked at four), as :mod:`zeroexp.plan.flops` derives its counts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Mapping
+
+from zeroexp.cell.memo import memoized
+from zeroexp.formulas.time.kernels import OpCost
+
+__all__ = ["step_kernels", "ATTENTION_FORWARD", "ATTENTION_BACKWARD"]
+
+#: The fused attention kernels (their names in torch's aten namespace), forward and backward: CPU's and the GPU's.
+ATTENTION_FORWARD = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+ATTENTION_BACKWARD = tuple(f"{name}_backward" for name in ATTENTION_FORWARD)
+
+
+def step_kernels(model_cfg: Mapping[str, Any], batch_size: int, dtype: str = "float32", derive: bool = True
+                 ) -> tuple[Counter, Counter]:
+    """(forward, backward): the kernels one micro-batch of ``batch_size`` runs with the module in ``dtype``, each
+    :class:`OpCost` with its count; remembered for the invocation (and stored between, with the op counts)."""
+    from zeroexp.plan.flops import _key
+
+    key = _key(model_cfg, "kernels", int(batch_size), str(dtype), derive)
+    return memoized("op_counts", key, lambda: _step_kernels(model_cfg, batch_size, dtype, derive))
+
+
+def _step_kernels(model_cfg: Mapping[str, Any], batch_size: int, dtype: str, derive: bool) -> tuple[Counter, Counter]:
+    from zeroexp.plan.stack import at_depth, stack_of
+
+    stack = stack_of(model_cfg) if derive else None
+    if stack is not None:
+        argument, _, depth = stack
+        two, three, four = (step_kernels(at_depth(model_cfg, argument, d), batch_size, dtype, False)
+                            for d in (2, 3, 4))
+        grown = []
+        for b, c, d in zip(two, three, four):
+            block = c - b
+            if d - c != block or b - c:  # a block adds the same kernels, and takes none away
+                break
+            grown.append(b + Counter({op: n * (depth - 2) for op, n in block.items()}))
+        if len(grown) == 2:
+            return grown[0], grown[1]
+    return _traced(model_cfg, batch_size, dtype)
+
+
+def _arg(args: Any, kwargs: Any, at: int, name: str) -> Any:
+    """A call's argument by position or keyword (None where absent)."""
+    return args[at] if len(args) > at else (kwargs or {}).get(name)
+
+
+def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[Counter, Counter]:
+    import torch
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+    from zeroexp._lib.dispatch import dispatch_mode_base
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
+    from zeroexp.models import build_model, loss_of, zeros_batch
+
+    def nbytes(t: Any) -> int:
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    def tensors_of(x: Any) -> list[Any]:
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, (list, tuple)):
+            return [t for v in x for t in tensors_of(v)]
+        if isinstance(x, dict):
+            return [t for v in x.values() for t in tensors_of(v)]
+        return []
+
+    def cost(func: Any, args: Any, kwargs: Any, out: Any) -> OpCost:
+        name = func.overloadpacket.__name__
+        moved = sum(nbytes(t) for t in tensors_of((args, kwargs))) + sum(nbytes(t) for t in tensors_of(out))
+        if name in ATTENTION_FORWARD:
+            q, k, v = args[:3]
+            causal = _arg(args, kwargs, 4, "is_causal")
+            return OpCost("attention", int(sdpa_flop_count(q.shape, k.shape, v.shape)) // (2 if causal else 1), moved)
+        if name in ATTENTION_BACKWARD:
+            grad, q, k, v = args[:4]
+            causal = _arg(args, kwargs, 7, "is_causal")
+            flops = int(sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+            return OpCost("attention", flops // (2 if causal else 1), moved)
+        count = flop_registry.get(func.overloadpacket)
+        if count is not None:  # torch's registry takes the call's own arguments and output (FlopCounterMode's)
+            return OpCost("matmul", int(count(*args, **(kwargs or {}), out_val=out)), moved)
+        return OpCost("memory", 0, moved)
+
+    class Kernels(dispatch_mode_base()):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.namespace != "prim" and not func.is_view:  # a view launches no kernel
+                self.ops[cost(func, args, kwargs, out)] += 1
+            return out
+
+    with fake_tensor_mode(), torch.device("cpu"):
+        net = build_model(model_cfg)
+        for t in [*net.parameters(), *net.buffers()]:  # the module cast (.data, as the peak model's trace casts it)
+            if t.is_floating_point():
+                t.data = t.data.to(getattr(torch, dtype))
+        batch = zeros_batch(model_cfg, batch_size)
+        if batch.is_floating_point():
+            batch = batch.to(getattr(torch, dtype))
+        with Kernels() as forward:
+            loss = loss_of(model_cfg)(net(batch), batch)
+        with Kernels() as backward:
+            loss.backward()
+    return forward.ops, backward.ops
