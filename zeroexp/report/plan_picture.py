@@ -52,7 +52,8 @@ def _state(record: dict[str, Any]) -> list[Part]:
 
 def _nccl_detail(record: dict[str, Any]) -> str:
     comms = (record.get("nccl") or {}).get("by_communicator") or []
-    return "; ".join(f"{c['name']} ({c['size']} ranks, {', '.join(c.get('ops') or [])}): {c['bytes']:,} B"
+    return "; ".join(f"{c['name']} ({c['size']} ranks{''.join(', ' + op for op in c.get('ops') or [])}): "
+                     f"{c['bytes']:,} B"
                      + "".join(f", {k} {c[k]:,}" for k in ("setup_bytes", "ring_bytes", "tree_bytes", "nvls_bytes")
                                if c.get(k)) for c in comms)
 
@@ -240,7 +241,7 @@ def answer_page(answer: dict[str, Any]) -> str:
     recs = answer["recommendations"]
     intro = [f"model {answer.get('model')}, {answer.get('numel', 0):,} parameters, world_size "
              f"{answer['world_size']}, network {answer.get('network')}, {answer['searched']:,} configurations "
-             f"searched, the {len(recs)} fastest that fit"]
+             f"searched" + (f", the {len(recs)} fastest that fit" if recs else "")]
     if not recs and answer.get("fastest"):
         intro.append(f"Nothing fits; the fastest would be {answer['fastest']['config']} "
                      f"({answer['fastest']['step_ms']:.4g} ms). "
