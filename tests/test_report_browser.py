@@ -206,3 +206,66 @@ def test_the_failed_cell_is_shown(page):
     row = dict(zip(failures["head"], failures["rows"][0]))
     assert len(failures["rows"]) == 1 and row["cell"] == "zro" and row["status"] == "failed"
     assert "injected fault" in row["error"]
+
+
+# The plan's picture (python -m zeroexp.plan format=html, zeroexp.report.plan_picture), laid out by the browser.
+PICTURE_MEASURE = """<script>
+window.addEventListener('load', () => {
+  const box = e => { const r = e.getBoundingClientRect(); return {left: r.left, right: r.right, width: r.width}; };
+  const out = {viewport: document.documentElement.clientWidth, scrollWidth: document.documentElement.scrollWidth,
+    bars: [...document.querySelectorAll('svg.bar')].map(s => ({
+      row: s.closest('section').dataset.key, box: box(s),
+      segs: [...s.querySelectorAll('rect.seg')].map(r => ({kind: r.dataset.bar, field: r.dataset.field,
+        value: parseFloat(r.dataset.bytes || r.dataset.ms), tip: r.querySelector('title').textContent, box: box(r)})),
+      lines: [...s.querySelectorAll('line.limit')].map(l => ({field: l.dataset.field,
+        value: parseFloat(l.dataset.bytes), x: l.getBoundingClientRect().left}))}))};
+  const pre = document.createElement('pre');
+  pre.id = 'zx-measure';
+  pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+@pytest.fixture(scope="module")
+def plan_picture(tmp_path_factory) -> tuple[list[dict], dict]:
+    """The tiny GPT's plan on 8 H100s (tests/test_plan_picture.py's) drawn, opened in Chromium: records, layout."""
+    from test_plan_picture import GPU_PLAN, _compose
+
+    from zeroexp.cli.plan import run
+    from zeroexp.report.plan_picture import plan_page
+
+    records, notes = run(_compose("plan", *GPU_PLAN))
+    root = tmp_path_factory.mktemp("browser_plan")
+    page = root / "plan.html"
+    page.write_text(plan_page(records, notes).replace("</body>", PICTURE_MEASURE + "</body>"), encoding="utf-8")
+    dom = _chromium("--virtual-time-budget=10000", "--dump-dom", page.as_uri(), user_data=root / "profile")
+    found = re.search(r'<pre id="zx-measure">(.*?)</pre>', dom.stdout, re.S)
+    assert found, f"no measurements in the dumped DOM (rc {dom.returncode}): {dom.stderr[-2000:]}"
+    return records, json.loads(html.unescape(found[1]))
+
+
+def test_the_plan_picture_draws_each_field_to_one_scale_in_a_1400_pixel_page(plan_picture):
+    """Every row's two bars lie in the page; each segment's drawn width is its record field to the bar kind's one
+    scale (within a pixel), the segments abut, each has its tooltip naming the field; the usable and device lines
+    stand at their fields' values on the memory scale."""
+    records, m = plan_picture
+    assert m["viewport"] == WIDTH and m["scrollWidth"] <= WIDTH, (m["viewport"], m["scrollWidth"])
+    by_key = {f"{r['strategy']}@{r['world_size']}": r for r in records}
+    assert {b["row"] for b in m["bars"]} == set(by_key) and len(m["bars"]) == 2 * len(records)
+    for kind in ("memory", "step"):
+        segs = [s for b in m["bars"] for s in b["segs"] if s["kind"] == kind]
+        scale = sum(s["box"]["width"] for s in segs) / sum(s["value"] for s in segs)  # px per byte, per ms
+        for s in segs:
+            assert abs(s["box"]["width"] - scale * s["value"]) <= 1, (kind, s)
+            assert s["tip"].startswith(f"{s['tip'].split(':')[0]}: {s['field']} = "), s["tip"]
+        if kind == "memory":
+            for b in m["bars"]:
+                origin = b["segs"][0]["box"]["left"] if b["segs"] else None
+                for line in b["lines"]:
+                    assert line["value"] == by_key[b["row"]][line["field"]]
+                    assert abs(line["x"] - origin - scale * line["value"]) <= 1.5, (b["row"], line)
+    for b in m["bars"]:
+        assert 0 <= b["box"]["left"] and b["box"]["right"] <= WIDTH, b["box"]
+        for a, c in zip(b["segs"], b["segs"][1:]):
+            assert abs(a["box"]["right"] - c["box"]["left"]) <= 0.5, (b["row"], a["field"], c["field"])

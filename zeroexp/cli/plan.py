@@ -1,4 +1,5 @@
-"""``python -m zeroexp.plan``: Hydra-configured like the runner (``conf/plan.yaml``), prints tables or JSON.
+"""``python -m zeroexp.plan``: Hydra-configured like the runner (``conf/plan.yaml``), prints tables, JSON or a
+self-contained HTML page of the answer as a picture (``zeroexp.report.plan_picture``).
 
 Exit codes: 0 planned; 2 bad input (an unknown key, a bad value), with a message naming the key.
 """
@@ -27,6 +28,8 @@ from zeroexp.plan.core import (HEADROOM, UNITS, Precision, check_headroom, check
 __all__ = ["PlanConfig", "as_plan_keys", "main", "run"]
 
 _STARTED = False
+#: What ``format=`` prints on stdout: rich tables, the records as JSON, or the records drawn as one HTML page.
+FORMATS = ("table", "json", "html")
 
 
 @dataclass
@@ -44,7 +47,7 @@ class PlanConfig:
     device_memory: Any = None  # 32GB, 80GiB, or bytes: adds the fits column
     headroom: Any = HEADROOM  # the fraction of device_memory fits leaves free (zeroexp.plan.core.HEADROOM)
     units: str = "GiB"  # GiB (2^30, as a run reports) | GB (1e9, the ZeRO paper's): tables only, JSON in bytes
-    format: str = "table"  # table | json
+    format: str = "table"  # table | json | html (the records drawn: zeroexp.report.plan_picture)
     wrap: Optional[List[str]] = None  # FSDP unit classes; null: the model's own (model.wrap)
     bucket_cap_mb: float = 25.0  # zero1 / zero2 buckets (MiB of compute-dtype parameters); DeepSpeed's reduce bucket
     batch_size: Optional[int] = None  # samples per rank: adds the activations one forward saves (traced; needs model=)
@@ -164,7 +167,7 @@ def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def _run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
-    for key, accepted in (("units", tuple(UNITS)), ("format", ("table", "json"))):
+    for key, accepted in (("units", tuple(UNITS)), ("format", FORMATS)):
         if cfg[key] not in accepted:
             raise ConfigError(key, cfg[key], ", ".join(accepted))
     if cfg.precision.param_dtype not in COMPUTE_ITEMSIZE:
@@ -429,7 +432,8 @@ def _activations(cfg: DictConfig, batch: int, checkpointing: Any = None) -> dict
 
 
 def task(cfg: DictConfig) -> None:
-    """Hydra's task: plan and print (tables on stdout; with JSON, the notes on stderr)."""
+    """Hydra's task: plan and print (tables on stdout; with JSON, the notes on stderr; with HTML, the page on stdout,
+    its notes in it)."""
     from rich.console import Console
 
     from zeroexp.plan.output import render_json, render_tables
@@ -450,6 +454,10 @@ def task(cfg: DictConfig) -> None:
         print(render_json(records))
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
+    elif cfg.format == "html":
+        from zeroexp.report.plan_picture import plan_page
+
+        sys.stdout.write(plan_page(records, notes))
     else:
         render_tables(records, notes, cfg.units, console)
 

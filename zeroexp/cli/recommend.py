@@ -1,4 +1,5 @@
-"""``python -m zeroexp.recommend``: which configuration to run (``conf/recommend.yaml``), as a table or JSON.
+"""``python -m zeroexp.recommend``: which configuration to run (``conf/recommend.yaml``), as a table, JSON or a
+self-contained HTML page of each recommendation as a picture (``zeroexp.report.plan_picture``).
 
 Exit codes: 0 answered (also when nothing fits: the answer then lists the nearest changes); 2 bad input, with a
 message naming the key.
@@ -182,8 +183,10 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     from zeroexp.recommend.core import with_world_size
     from zeroexp.recommend.space import CONF_DIR
 
-    if cfg.format not in ("table", "json"):
-        raise ConfigError("format", cfg.format, "table, json")
+    from zeroexp.cli.plan import FORMATS
+
+    if cfg.format not in FORMATS:
+        raise ConfigError("format", cfg.format, ", ".join(FORMATS))
     cfg = as_run(cfg)
     if cfg.network is None:
         raise ConfigError("network", None, "h100_ib, a100_ib (presets) or this_machine (its calibration): the step "
@@ -322,7 +325,8 @@ def model_overrides(task: list[str]) -> list[str]:
 
 
 def task(cfg: DictConfig) -> None:
-    """Hydra's task: answer and print (a table on stdout; with JSON, the answer alone)."""
+    """Hydra's task: answer and print (a table on stdout; with JSON, the answer alone; with HTML, the answer drawn
+    as one page, ``zeroexp.report.plan_picture.answer_page``)."""
     import json
 
     from hydra.core.hydra_config import HydraConfig
@@ -356,6 +360,10 @@ def task(cfg: DictConfig) -> None:
         answer["verify"] = verify(cfg, answer, checks, lambda line: print(line, file=sys.stderr, flush=True))
     if cfg.format == "json":
         print(json.dumps(answer, indent=1, default=str))
+    elif cfg.format == "html":
+        from zeroexp.report.plan_picture import answer_page
+
+        sys.stdout.write(answer_page(answer))
     elif checks is None:
         render(answer, console)
     else:

@@ -9,7 +9,14 @@ from typing import Any
 from zeroexp.recommend.search import Evaluator, Problem, Scored
 from zeroexp.recommend.space import Config, run_overrides
 
-__all__ = ["recommendation", "mark_ties", "command", "label", "render", "notes_of"]
+__all__ = ["recommendation", "mark_ties", "command", "label", "render", "notes_of", "picture_fields", "PICTURED"]
+
+#: The peak's fields a recommendation and a nearest change carry beside their figures, the terms the answer's
+#: picture draws (``format=html``: zeroexp.report.plan_picture): the device's state by kind, the steady buffers, the
+#: figures judge_fits adds without a peak model, the device and its usable part, NCCL's communicators.
+PICTURED = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "device_bytes", "host_bytes",
+            "gather_floor_bytes", "workspace_bytes", "steady_bytes", "row_activation_bytes", "device_memory_bytes",
+            "usable_memory_bytes", "headroom", "nccl")
 
 
 def label(c: Config) -> str:
@@ -63,6 +70,15 @@ def _ops(ev: Evaluator, c: Config) -> list[str]:
     return sorted(step_collectives(LAYOUTS[c.row], ev.groups(c), ev.itemsize(c), ev.knobs(c)))
 
 
+def picture_fields(p: Problem, s: Scored) -> dict[str, Any]:
+    """What the answer's picture draws beyond the contract's figures (:data:`PICTURED`, from the peak; null where
+    the peak has none), the row and offload (which state kinds the device holds), ``recompute_ms`` and the
+    ``network_source`` the step was timed on."""
+    peak = s.peak or {}
+    return {"strategy": s.config.row, "offload": s.config.offload, **{k: peak.get(k) for k in PICTURED},
+            "recompute_ms": 1e3 * s.step.recompute_s, "network_source": p.networks[s.config.precision].source}
+
+
 def recommendation(ev: Evaluator, s: Scored, model_overrides: list[str], ranks_per_node: int | None
                    ) -> dict[str, Any]:
     """The contract's record of one judged configuration (docs/results.md)."""
@@ -86,6 +102,7 @@ def recommendation(ev: Evaluator, s: Scored, model_overrides: list[str], ranks_p
         "tokens_per_s": p.tokens * c.micro_batch * c.grad_accum * p.world_size / t.step_s,
         "flops_per_rank_step": None if flops is None else flops * c.grad_accum, "mfu": mfu,
         "overlap_rule": t.rule, "binding": _binding(ev, s), "tie_with": [], "notes": _notes(c, t, flops, peak_flops),
+        **picture_fields(p, s),
     }
     return rec
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from zeroexp.formulas.peak.checkpointing import FULL
-from zeroexp.recommend.answer import command, label, mark_ties, notes_of, recommendation
+from zeroexp.recommend.answer import command, label, mark_ties, notes_of, picture_fields, recommendation
 from zeroexp.recommend.search import Evaluator, Problem, search
 from zeroexp.recommend.space import Axes, run_overrides
 
@@ -97,6 +97,10 @@ def _fits(what: str, problem: Problem, axes: Axes, fastest_ms: float, model_over
              "fits_on": s.peak.get("fits_on"), "step_ms": s.step_ms, "cost_ms": s.step_ms - fastest_ms,
              "command": command(overrides, problem.world_size, ranks_per_node),
              "notes": notes_of(s.config, s.step) + ([s.peak["peak_note"]] if s.peak.get("peak_note") else []),
+             "reserved_peak_bytes": s.peak.get("reserved_peak_bytes"), "nccl_bytes": s.peak.get("nccl_bytes"),
+             "context_bytes": s.peak.get("context_bytes"), "peak_phase": s.peak.get("peak_phase"),
+             "peak_note": s.peak.get("peak_note"), "comm_ms": 1e3 * s.step.comm_s,
+             "exposed_comm_ms": 1e3 * s.step.exposed_comm_s, **picture_fields(problem, s),
              "searched": result.searched, "timed": result.timed}]
 
 

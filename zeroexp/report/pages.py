@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from zeroexp.report.model import Report
     from zeroexp.results.section import ReportTable
 
-__all__ = ["to_markdown", "to_html"]
+__all__ = ["to_markdown", "to_html", "CSS"]
 
 
 def _md_cell(text: str) -> str:
@@ -60,7 +60,7 @@ def to_markdown(report: Report) -> str:
 
 #: Tables fit the page's 1200 px column (tests/test_report_browser.py measures it at a 1400 px window): headers
 #: wrap at their spaces, long or spaced texts wrap and a cell's directory anywhere; numbers and verdicts stay whole.
-_CSS = """
+CSS = """
 body{font:14px/1.45 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1f2328;max-width:1200px;\
 margin:2em auto;padding:0 1.5em}
 h1{font-size:1.6em;border-bottom:1px solid #d0d7de;padding-bottom:.3em}h2{font-size:1.25em;margin-top:1.8em}
@@ -145,5 +145,5 @@ def to_html(report: Report) -> str:
                 parts.append(f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}">'
                              f"<figcaption>{esc(caption)} ({esc(name)})</figcaption></figure>")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>zeroexp report {esc(report.sweep_dir.name)}</title><style>{_CSS}</style></head><body>"
+            f"<title>zeroexp report {esc(report.sweep_dir.name)}</title><style>{CSS}</style></head><body>"
             + "\n".join(parts) + "</body></html>\n")

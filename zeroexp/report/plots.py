@@ -18,13 +18,12 @@ from zeroexp.formulas import WORLD
 from zeroexp.results.cells import column
 from zeroexp.results.format import byte_unit, missing
 from zeroexp.report.groups import groups_of
+from zeroexp.report.plan_picture import KIND_COLOURS  # stacked kinds; every other kind is "other"
 from zeroexp.results.section import OPS
 from zeroexp.report.step_time import planned_vs_measured
 
 __all__ = ["PLOTS", "state_bytes", "steady_vs_peak", "planned_peaks", "step_times", "collective_payload"]
 
-#: Stacked kinds; every other kind (optimizer step scalars, an unfreed FSDP unsharded buffer, ...) is "other".
-KIND_COLOURS = {"param": "#4C72B0", "grad": "#DD8452", "optim": "#55A868", "master": "#8172B3", "other": "#8C8C8C"}
 OP_COLOURS = {"all_reduce": "#4C72B0", "broadcast": "#C44E52", "all_gather": "#55A868", "reduce_scatter": "#DD8452"}
 
 
