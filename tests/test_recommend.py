@@ -111,7 +111,8 @@ def test_the_ranking_on_a_given_network_is_exact(tiny_answer):
     rows = {}
     for ac in ("none", "full"):
         cfg = _compose("plan", *TINY, *ALLOCATOR_ALONE, *AT_EFFICIENCY, "world_size=16", "network=a100_ib",
-                       "device_memory=32MB", "strategies=[ddp,zero1]", "batch_size=1", "grad_accum=4", f"activation_checkpointing={ac}")
+                       "device_memory=32MB", "strategies=[ddp,zero1]", "batch_size=1", "grad_accum=4",
+                       f"activation_checkpointing={ac}")
         rows.update({(r["strategy"], ac): r for r in plan_run(cfg)[0]})
     ddp = rows["ddp", "none"]
     assert ddp["fits_on"] == "reserved" and ddp["peak_bytes"] <= budget < ddp["reserved_peak_bytes"]

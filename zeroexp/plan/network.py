@@ -128,7 +128,8 @@ def _kernels(node: Any, precision: str, peak: float) -> KernelRates:
         raise ConfigError("network.efficiency", None, "a fraction of the peak in (0, 1], or a kernels node "
                           "(network.kernels: the op-level compute's rates)")
     rate = _number(k.get("matmul_flops"), precision, "kernels.matmul_flops.")
-    share = _number(k, "attention_efficiency", "kernels.")
+    # no published attention figure for the device: its FLOPs at the matmul rate, the fastest they could run
+    share = rate / peak if k.get("attention_efficiency") is None else _number(k, "attention_efficiency", "kernels.")
     if rate > peak or share > 1:
         raise ConfigError("network.kernels", {"matmul_flops": rate, "attention_efficiency": share},
                           "a matmul rate at most the peak and an attention share at most 1")

@@ -6,9 +6,9 @@ moves are the dtype's), under a dispatch mode that sees every ATen call below au
 kernel); FLOPs are torch's own count (``torch.utils.flop_counter``'s registry: matmuls, convolutions, attention),
 and for the CPU's fused attention kernel (which the registry lacks) its ``sdpa_flop_count`` of the same shapes, as
 the GPU's flash kernel is counted, halved where causal (FlashAttention skips the masked blocks: the work its
-published rates count, FlashAttention-2 paper section 4.1); bytes are every tensor argument's and output's. A deep stack of identical blocks
-is derived from two, three and four blocks (each block's kernels the same multiset: C(L) = C(2) + (L - 2) x the
-block's, checked at four), as :mod:`zeroexp.plan.flops` derives its counts.
+published rates count, FlashAttention-2 paper section 4.1); bytes are every tensor argument's and output's. A deep
+stack of identical blocks is derived from two, three and four blocks (each block's kernels the same multiset:
+C(L) = C(2) + (L - 2) x the block's, checked at four), as :mod:`zeroexp.plan.flops` derives its counts.
 """
 
 from __future__ import annotations
