@@ -210,8 +210,8 @@ def _page(title: str, intro: list[str], rows: list[tuple[str, dict[str, Any], st
     scale = max([*totals, *(r.get("device_memory_bytes") or 0 for _, r, _ in rows)], default=0) or 1
     step_scale = max([r.get("step_ms") or 0 for _, r, _ in rows], default=0) or 1
     sources = sorted({r["network_source"] for _, r, _ in rows if r.get("network_source")})
-    rest = [f"The step time rests on {esc(s)}" + (": a preset's compute is its peak FLOP/s times an assumed "
-            "efficiency, not a measurement" if s.startswith("preset") else "") + "." for s in sources]
+    rest = [f"The step time rests on {esc(s)}" + (": a preset's compute is computed from its published rates, not "
+            "measured on it" if s.startswith("preset") else "") + "." for s in sources]
     parts = [f"<h1>{esc(title)}</h1>", *(f'<p class="meta">{esc(line)}</p>' for line in intro),
              '<p class="note">Every drawn number is a field of the row\'s record (python -m zeroexp.plan / recommend '
              "format=json) or the difference of two, named beside it; all are computed by the planner's models, "
