@@ -100,3 +100,24 @@ def test_the_searchs_floors_stay_below_its_op_level_steps():
     ev = Evaluator(problem)
     for c in configurations(axes, 8):
         assert ev.floor_s(c) <= ev.step(c).step_s, c
+
+
+def test_mfu_counts_the_models_flops_and_hfu_the_recompute_too():
+    from zeroexp.cli.recommend import run
+
+    from test_recommend import _compose as compose
+
+    answer = run(compose("recommend", *TINY, "world_size=8", "network=h100_ib", "global_batch=32",
+                         "precisions=[bf16]", "recommend.strategies=[ddp]", "activation_checkpointing=full",
+                         "recommend.top_k=1"))
+    (rec,) = answer["recommendations"]
+    # full checkpointing reruns each unit's forward: the step's FLOPs exceed the model's, HFU exceeds MFU by as much
+    assert 0 < rec["mfu"] < rec["hfu"] < 1
+    from zeroexp.formulas.peak.checkpointing import FULL
+    from zeroexp.models import import_class, wrap_paths
+    from zeroexp.plan.flops import step_flops
+
+    model = _compose(*TINY).model
+    wrap = tuple(import_class(p) for p in wrap_paths(compose("plan", *TINY)))
+    m = int(dict(o.split("=", 1) for o in rec["overrides"])["batch_size"])
+    assert rec["hfu"] / rec["mfu"] == pytest.approx(step_flops(model, m, wrap, FULL) / step_flops(model, m, wrap))

@@ -85,9 +85,11 @@ def recommendation(ev: Evaluator, s: Scored, model_overrides: list[str], ranks_p
     p: Problem = ev.p
     c, t, peak = s.config, s.step, s.peak or {}
     overrides = run_overrides(c, model_overrides, p.world_size)
-    flops = p.flops(c.micro_batch, c.checkpointing) if p.flops else None
+    flops = p.flops(c.micro_batch, c.checkpointing) if p.flops else None  # what the step runs, its recompute too
+    model_flops = p.flops(c.micro_batch, False) if p.flops else None  # the model's: MFU counts no recompute [PaLM B]
     peak_flops = p.peak_flops.get(c.precision)
-    mfu = flops * c.grad_accum / (t.step_s * peak_flops) if flops and peak_flops else None
+    mfu = model_flops * c.grad_accum / (t.step_s * peak_flops) if model_flops and peak_flops else None
+    hfu = flops * c.grad_accum / (t.step_s * peak_flops) if flops and peak_flops else None
     peak_bytes = peak.get("peak_bytes")
     judged = peak.get("fits_bytes")
     rec = {
@@ -100,7 +102,7 @@ def recommendation(ev: Evaluator, s: Scored, model_overrides: list[str], ranks_p
         "peak_phase": peak.get("peak_phase"), "peak_note": peak.get("peak_note"),
         "step_ms": 1e3 * t.step_s, "comm_ms": 1e3 * t.comm_s, "exposed_comm_ms": 1e3 * t.exposed_comm_s,
         "tokens_per_s": p.tokens * c.micro_batch * c.grad_accum * p.world_size / t.step_s,
-        "flops_per_rank_step": None if flops is None else flops * c.grad_accum, "mfu": mfu,
+        "flops_per_rank_step": None if flops is None else flops * c.grad_accum, "mfu": mfu, "hfu": hfu,
         "overlap_rule": t.rule, "binding": _binding(ev, s), "tie_with": [], "notes": _notes(c, t, flops, peak_flops),
         **picture_fields(p, s),
     }
