@@ -718,3 +718,18 @@ def test_sharded_tensor_holds_this_ranks_pieces_and_every_ranks_places(fake_grou
     assert rectangles((), 0, 1) == [((), (), 0)] and rectangles((), 1, 1) == []  # a scalar parameter: itself
     scalar = sharded_tensor([(flat[3:4].view(()), ())], [((), (), 0)], (), torch.float32, 0, torch.device("cpu"))
     assert tuple(scalar.size()) == () and scalar.local_shards()[0].tensor.data_ptr() == flat[3:].data_ptr()
+
+
+def test_flop_counts_are_torchs_registry_and_attention_counts():
+    """zeroexp._lib.flop_counts: a matmul's FLOPs as FlopCounterMode counts them (2 x M x K x N), none for an
+    elementwise op; attention's 4 x B x H x S x S x D forward, 2.5 times it backward."""
+    import torch
+
+    from zeroexp._lib.flop_counts import attention_flops, op_flops
+
+    a, b = torch.empty(3, 5), torch.empty(5, 7)
+    assert op_flops(torch.ops.aten.mm.default, (a, b), {}, torch.empty(3, 7)) == 2 * 3 * 5 * 7
+    assert op_flops(torch.ops.aten.add.Tensor, (a, a), {}, a) is None
+    q = torch.Size([2, 4, 16, 8])
+    assert attention_flops(q, q, q) == 4 * 2 * 4 * 16 * 16 * 8
+    assert attention_flops(q, q, q, q) == 10 * 2 * 4 * 16 * 16 * 8

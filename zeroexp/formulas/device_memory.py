@@ -22,7 +22,9 @@ channel; counted as the ring's connections again for a communicator across nodes
 [NCCL-NVLS] src/transport/nvls.cc (2.23 on): NVLink SHARP (NVSwitch multicast, compute capability 9.0 and later) binds
 ``nHeads`` (the node's ranks, up to ``NCCL_MAX_NVLS_ARITY``) x ``NVLS_NCHANNELS_SM90`` 16 (env
 ``NCCL_NVLS_NCHANNELS``) x 2 (reduce and broadcast) x a buffer of 8 x ``NCCL_NVLS_CHUNKSIZE`` 128 KiB to each rank:
-256 MiB on an 8-GPU node; none where ``NCCL_NVLS_ENABLE=0`` or the communicator has 2 ranks or fewer on the node.
+256 MiB on an 8-GPU node; none where ``NCCL_NVLS_ENABLE=0`` or the communicator has 2 ranks or fewer on the node
+(``ncclNvlsInit``: ``gpuCount <= 2`` from 2.23 to 2.27; from 2.28 ``gpuCount < 2``, so a 2-rank one gets NVLS there:
+not modelled, the 2.23-2.27 rule taken).
 [NCCL-SETUP] src/channel.cc ``initChannel``: three device arrays a channel (its peers, its ring's ranks), for each of
 the communicator's collective and send/recv channels (``p2pnChannels``: 32 on an 8-GPU NVSwitch node,
 src/graph/paths.cc), each rounded up to cuMem's 2 MiB granularity (src/include/alloc.h ``ncclCuMemAlloc``; cuMem is
@@ -38,6 +40,11 @@ the default since 12.2): 287,047,680 B, torch's own measurement when it turned l
 ``cudaMemGetInfo``'s total - free after one 6.4 MB tensor; 666,632,192 B loading every module eagerly); "around 400MB"
 (pytorch/pytorch#109888, NVIDIA's ptrblck). The kernels a step loads on first use (cuBLAS's, attention's) add to it
 and are not counted: a cell on a GPU measures the whole.
+
+An upper bound for a communicator that is not a node's ranks: its channels are the node's ring channels (24 on an
+8-GPU NVSwitch node), where NCCL's search across nodes with one or two ranks a node finds its channels by the NICs
+(fewer, on most systems); and a default group that only runs a barrier is counted its ring and setup (under
+``NCCL_RUNTIME_CONNECT`` the barrier's small all_reduce connects the algorithm NCCL picks for it, on all channels).
 
 Not modelled: NCCL's host-side state (the work FIFO, 1 MiB, is pinned host memory); send/recv's per-peer buffers (no
 strategy here sends point to point); across nodes the network transport's buffers (``net.cc``: about 8.7 MiB a send

@@ -3,7 +3,7 @@
 
 Traced on fake tensors of the CPU (nothing allocated), the module cast to the compute dtype (the bytes each kernel
 moves are the dtype's), under a dispatch mode that sees every ATen call below autograd: views are left out (no
-kernel); FLOPs are torch's own count (``torch.utils.flop_counter``'s registry: matmuls, convolutions, attention),
+kernel); FLOPs are torch's own count (``torch.utils.flop_counter``'s registry, ``zeroexp._lib.flop_counts``),
 and for the CPU's fused attention kernel (which the registry lacks) its ``sdpa_flop_count`` of the same shapes, as
 the GPU's flash kernel is counted, halved where causal (FlashAttention skips the masked blocks: the work its
 published rates count, FlashAttention-2 paper section 4.1); bytes are every tensor argument's and output's. A deep
@@ -63,9 +63,9 @@ def _arg(args: Any, kwargs: Any, at: int, name: str) -> Any:
 
 def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[Counter, Counter]:
     import torch
-    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
     from zeroexp._lib.dispatch import dispatch_mode_base
+    from zeroexp._lib.flop_counts import attention_flops, op_flops
     from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import build_model, loss_of, zeros_batch
 
@@ -87,16 +87,14 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
         if name in ATTENTION_FORWARD:
             q, k, v = args[:3]
             causal = _arg(args, kwargs, 4, "is_causal")
-            return OpCost("attention", int(sdpa_flop_count(q.shape, k.shape, v.shape)) // (2 if causal else 1), moved)
+            return OpCost("attention", attention_flops(q.shape, k.shape, v.shape) // (2 if causal else 1), moved)
         if name in ATTENTION_BACKWARD:
             grad, q, k, v = args[:4]
             causal = _arg(args, kwargs, 7, "is_causal")
-            flops = int(sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+            flops = attention_flops(q.shape, k.shape, v.shape, grad.shape)
             return OpCost("attention", flops // (2 if causal else 1), moved)
-        count = flop_registry.get(func.overloadpacket)
-        if count is not None:  # torch's registry takes the call's own arguments and output (FlopCounterMode's)
-            return OpCost("matmul", int(count(*args, **(kwargs or {}), out_val=out)), moved)
-        return OpCost("memory", 0, moved)
+        flops = op_flops(func, args, kwargs, out)
+        return OpCost("memory", 0, moved) if flops is None else OpCost("matmul", flops, moved)
 
     class Kernels(dispatch_mode_base()):
         def __init__(self) -> None:

@@ -154,7 +154,8 @@ def device_reading(device: torch.device) -> dict[str, Any]:
     from zeroexp.devices import ALLOC_CONF_ENV
 
     free, total = torch.cuda.mem_get_info(device)
-    conf = os.environ.get(ALLOC_CONF_ENV, "").replace(" ", "").lower()
+    # torch reads PYTORCH_ALLOC_CONF too (its device-generic name), the CUDA one taking precedence where both are set
+    conf = os.environ.get(ALLOC_CONF_ENV, os.environ.get("PYTORCH_ALLOC_CONF", "")).replace(" ", "").lower()
     out: dict[str, Any] = {"cudamem_used_bytes": int(total - free), "total_bytes": int(total), "nvml_used_bytes": None,
                            "expandable_segments": "expandable_segments:true" in conf,
                            "nccl_bytes": None, "nccl_why": "torch exposes no NCCL memory figure (NCCL_DEBUG=INFO "
