@@ -108,17 +108,22 @@ class CachingAllocator:
         pool = self._free[small]
         at = bisect_left(pool, (size,))  # the smallest free block that fits, the lowest segment and offset on ties
         if at < len(pool):
-            _, seg, off, i = pool.pop(at)
-            block = self._blocks[i]
-        else:
-            seg, off = len(self._small), 0
+            i = pool.pop(at)[3]
+        else:  # a new segment
             self._small.append(small)
             self.reserved += segment_size(size)
             self.peak_reserved = max(self.peak_reserved, self.reserved)
-            i = self._new(seg, 0, segment_size(size), free=False)
-            block = self._blocks[i]
-        rest = block[2] - size
-        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+            i = self._new(len(self._small) - 1, 0, segment_size(size), free=False)
+        rest = self._blocks[i][2] - size
+        return self._take(i, size, rest >= MIN_BLOCK if small else rest > SMALL_SIZE)
+
+    def _take(self, i: int, size: int, split: bool) -> int:
+        """Block ``i`` allocated for a request of ``size`` (rounded) bytes, the rest of it cut off as a free block of
+        its own where ``split`` (``should_split``)."""
+        block = self._blocks[i]
+        seg, off = block[0], block[1]
+        if split:
+            rest = block[2] - size
             del self._ends[(seg, off + block[2])]
             block[2] = size
             self._ends[(seg, off + size)] = i
@@ -208,17 +213,8 @@ class ExpandableAllocator(CachingAllocator):
                 del self._ends[(seg, end)]
                 self._blocks[i][2] += grow
                 self._ends[(seg, end + grow)] = i
-        block = self._blocks[i]
-        off, rest = block[1], block[2] - size
-        if rest >= MIN_BLOCK:  # should_split: any rest of 512 B or more, in either pool
-            del self._ends[(seg, off + block[2])]
-            block[2] = size
-            self._ends[(seg, off + size)] = i
-            self._new(seg, off + size, rest)
-        block[3] = False
-        self.allocated += block[2]
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        return i
+        # should_split: any rest of 512 B or more, in either pool
+        return self._take(i, size, self._blocks[i][2] - size >= MIN_BLOCK)
 
 
 def allocations(phase: dict) -> dict[str, int | tuple[int, ...]]:
