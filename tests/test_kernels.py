@@ -121,3 +121,20 @@ def test_mfu_counts_the_models_flops_and_hfu_the_recompute_too():
     wrap = tuple(import_class(p) for p in wrap_paths(compose("plan", *TINY)))
     m = int(dict(o.split("=", 1) for o in rec["overrides"])["batch_size"])
     assert rec["hfu"] / rec["mfu"] == pytest.approx(step_flops(model, m, wrap, FULL) / step_flops(model, m, wrap))
+
+
+def test_fused_experts_grouped_matmuls_are_counted_as_matmuls():
+    """A shrunk Mixtral's experts run torch._grouped_mm, which torch's registry lacks: counted as the FLOP count of
+    the step counts them (zeroexp.plan.flops.grouped_mm_flops), so the kernels' matmuls and attention add up to it."""
+    from zeroexp.plan.flops import step_flops
+    from zeroexp.plan.optrace import step_kernels
+
+    from test_hf_models import MIXTRAL
+
+    model = _compose(*MIXTRAL).model
+    with invocation_memo(fresh=True):
+        kernels = step_kernels(model, 2, derive=False)
+        total = step_flops(model, 2, derive=False)
+    flops = {kind: sum(op.flops * n for ops in kernels for op, n in ops.items() if op.kind == kind)
+             for kind in ("matmul", "attention")}
+    assert 7 * (total - flops["matmul"]) == 3 * 2 * 2 * flops["attention"] > 0

@@ -3,7 +3,8 @@
 
 Traced on fake tensors of the CPU (nothing allocated), the module cast to the compute dtype (the bytes each kernel
 moves are the dtype's), under a dispatch mode that sees every ATen call below autograd: views are left out (no
-kernel); FLOPs are torch's own count (``torch.utils.flop_counter``'s registry, ``zeroexp._lib.flop_counts``),
+kernel); FLOPs are torch's own count (``torch.utils.flop_counter``'s registry, ``zeroexp._lib.flop_counts``; fused
+experts' grouped matmul as :func:`zeroexp.plan.flops.grouped_mm_flops` counts it),
 and for the CPU's fused attention kernel (which the registry lacks) its ``sdpa_flop_count`` of the same shapes, as
 the GPU's flash kernel is counted, halved where causal (FlashAttention skips the masked blocks: the work its
 published rates count, FlashAttention-2 paper section 4.1); bytes are every tensor argument's and output's. A deep
@@ -66,6 +67,10 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
 
     from zeroexp._lib.dispatch import dispatch_mode_base
     from zeroexp._lib.flop_counts import attention_flops, op_flops
+    from zeroexp._lib.grouped_mm import grouped_mm_op
+    from zeroexp.plan.flops import grouped_mm_flops
+
+    grouped = grouped_mm_op()
     from zeroexp._lib.fake_tensors import fake_tensor_mode
     from zeroexp.models import build_model, loss_of, zeros_batch
 
@@ -93,6 +98,8 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
             causal = _arg(args, kwargs, 7, "is_causal")
             flops = attention_flops(q.shape, k.shape, v.shape, grad.shape)
             return OpCost("attention", flops // (2 if causal else 1), moved)
+        if func.overloadpacket is grouped:  # fused experts' grouped matmul, which torch's registry lacks (zeroexp.plan.flops)
+            return OpCost("matmul", grouped_mm_flops(args[0].shape, args[1].shape, out_shape=out.shape), moved)
         flops = op_flops(func, args, kwargs, out)
         return OpCost("memory", 0, moved) if flops is None else OpCost("matmul", flops, moved)
 
