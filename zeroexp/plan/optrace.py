@@ -98,7 +98,7 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
             causal = _arg(args, kwargs, 7, "is_causal")
             flops = attention_flops(q.shape, k.shape, v.shape, grad.shape)
             return OpCost("attention", flops // (2 if causal else 1), moved)
-        if func.overloadpacket is grouped:  # fused experts' grouped matmul, which torch's registry lacks (zeroexp.plan.flops)
+        if func.overloadpacket is grouped:  # fused experts' grouped matmul: torch's registry lacks it
             return OpCost("matmul", grouped_mm_flops(args[0].shape, args[1].shape, out_shape=out.shape), moved)
         flops = op_flops(func, args, kwargs, out)
         return OpCost("memory", 0, moved) if flops is None else OpCost("matmul", flops, moved)
