@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 __all__ = ["ranks_get_a_gpu", "local_world_size", "rank_threads", "usable_cores", "pin_host_allocator",
-           "HOST_ALLOCATOR", "cuda_alloc_conf", "ALLOC_CONF_ENV"]
+           "HOST_ALLOCATOR", "cuda_alloc_conf", "runs_expandable", "ALLOC_CONF_ENV"]
 
 #: torch's CUDA caching allocator reads its settings from this variable at its first allocation
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -69,13 +69,25 @@ def pin_host_allocator() -> dict[str, int] | None:
     return dict(HOST_ALLOCATOR) if ok else None
 
 
+def _alloc_options(conf: str | None) -> dict[str, str]:
+    """An allocator configuration's options (comma-separated ``key:value``), by key, in order."""
+    pairs = [o.split(":", 1) for o in (conf or "").split(",") if o.strip()]
+    return {p[0].strip(): (p[1].strip() if len(p) > 1 else "") for p in pairs}
+
+
 def cuda_alloc_conf(expandable_segments: bool, current: str | None) -> str | None:
     """``PYTORCH_CUDA_ALLOC_CONF`` for a rank whose cell sets ``allocator.expandable_segments``: the variable's
     ``current`` options (comma-separated ``key:value``) with ``expandable_segments`` set to the cell's (the cell's key
     wins over the environment's); None where neither sets anything (torch's default, false)."""
-    options = [o for o in (current or "").split(",") if o.strip() and o.split(":")[0].strip() != "expandable_segments"]
-    if expandable_segments:
-        options.append("expandable_segments:True")
-    elif current and "expandable_segments" in current:
-        options.append("expandable_segments:False")
-    return ",".join(options) or None
+    options = _alloc_options(current)
+    if expandable_segments or "expandable_segments" in options:
+        options["expandable_segments"] = str(expandable_segments)
+    return ",".join(f"{k}:{v}" if v else k for k, v in options.items()) or None
+
+
+def runs_expandable(environ: Any = None) -> bool:
+    """Whether torch's caching allocator in a process of ``environ`` (default: this one's) maps expandable segments:
+    ``PYTORCH_CUDA_ALLOC_CONF``'s option, else ``PYTORCH_ALLOC_CONF``'s (torch's device-generic name)."""
+    env = os.environ if environ is None else environ
+    conf = env.get(ALLOC_CONF_ENV, env.get("PYTORCH_ALLOC_CONF"))
+    return _alloc_options(conf).get("expandable_segments", "").lower() == "true"

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from zeroexp.cell.memo import memoized
 
-__all__ = ["step_flops", "step_ops", "grouped_mm_flops", "recompute_share"]
+__all__ = ["step_flops", "step_ops", "grouped_mm_flops", "recompute_share", "dispatched_step"]
 
 
 def _key(model_cfg: Mapping[str, Any], *rest: Any) -> tuple:
@@ -131,28 +131,48 @@ def step_ops(model_cfg: Mapping[str, Any], device: str = "cpu", batch_size: int 
 
 
 def _step_ops(model_cfg: Mapping[str, Any], device: str, batch_size: int, derive: bool) -> tuple[int, int]:
-    import torch
-
-    from zeroexp._lib.dispatch import dispatch_mode_base
-    from zeroexp._lib.fake_tensors import fake_tensor_mode
-    from zeroexp.models import build_model, loss_of, zeros_batch
-
     grown = _derived(model_cfg, derive, lambda cfg: step_ops(cfg, device, batch_size))
     if grown is not None:
         return grown
+    # prim.device: a fake tensor's device asked, no operator
+    forward, backward = dispatched_step(model_cfg, batch_size, device,
+                                        on_call=lambda func, *_: True if func.namespace != "prim" else None)
+    return len(forward), len(backward)
 
-    class Count(dispatch_mode_base()):
-        calls = 0
+
+def dispatched_step(model_cfg: Mapping[str, Any], batch_size: int, device: str = "cpu", module_dtype: Any = None,
+                    on_call: Callable[..., Any] = lambda *call: None) -> tuple[list, list]:
+    """One micro-batch of ``batch_size``'s forward (with the loss) and backward on fake tensors of ``device``, the
+    module cast to ``module_dtype`` (``zeroexp.plan.activations.fake_build``; a floating input too), under a dispatch
+    mode that sees every ATen call below autograd: ``on_call(func, args, kwargs, out)`` for each; returns what it
+    returned (None left out) in the forward and in the backward. What :func:`step_ops` counts and
+    ``zeroexp.plan.optrace`` costs."""
+    import torch
+
+    from zeroexp._lib.dispatch import dispatch_mode_base
+    from zeroexp.models import loss_of, zeros_batch
+    from zeroexp.plan.activations import fake_build
+
+    class Calls(dispatch_mode_base()):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list = []
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.calls += func.namespace != "prim"  # prim.device: a fake tensor's device asked, no operator
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            got = on_call(func, args, kwargs, out)
+            if got is not None:
+                self.seen.append(got)
+            return out
 
-    with fake_tensor_mode(), torch.device(device):
-        net = build_model(model_cfg)
+    dtype = getattr(torch, module_dtype) if isinstance(module_dtype, str) else module_dtype
+    build = fake_build(model_cfg, device, dtype)
+    with build.mode, torch.device(device):
         batch = zeros_batch(model_cfg, batch_size)
-        with Count() as forward:
-            loss = loss_of(model_cfg)(net(batch), batch)
-        with Count() as backward:
+        if build.module_dtype is not None and batch.is_floating_point():
+            batch = batch.to(build.module_dtype)
+        with Calls() as forward:
+            loss = loss_of(model_cfg)(build.net(batch), batch)
+        with Calls() as backward:
             loss.backward()
-    return forward.calls, backward.calls
+    return forward.seen, backward.seen

@@ -65,14 +65,11 @@ def _arg(args: Any, kwargs: Any, at: int, name: str) -> Any:
 def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[Counter, Counter]:
     import torch
 
-    from zeroexp._lib.dispatch import dispatch_mode_base
     from zeroexp._lib.flop_counts import attention_flops, op_flops
     from zeroexp._lib.grouped_mm import grouped_mm_op
-    from zeroexp.plan.flops import grouped_mm_flops
+    from zeroexp.plan.flops import dispatched_step, grouped_mm_flops
 
     grouped = grouped_mm_op()
-    from zeroexp._lib.fake_tensors import fake_tensor_mode
-    from zeroexp.models import build_model, loss_of, zeros_batch
 
     def nbytes(t: Any) -> int:
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
@@ -103,27 +100,10 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
         flops = op_flops(func, args, kwargs, out)
         return OpCost("memory", 0, moved) if flops is None else OpCost("matmul", flops, moved)
 
-    class Kernels(dispatch_mode_base()):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: Counter = Counter()
+    def kernel(func: Any, args: Any, kwargs: Any, out: Any) -> OpCost | None:
+        if func.namespace == "prim" or func.is_view:  # a view launches no kernel
+            return None
+        return cost(func, args, kwargs, out)
 
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            if func.namespace != "prim" and not func.is_view:  # a view launches no kernel
-                self.ops[cost(func, args, kwargs, out)] += 1
-            return out
-
-    with fake_tensor_mode(), torch.device("cpu"):
-        net = build_model(model_cfg)
-        for t in [*net.parameters(), *net.buffers()]:  # the module cast (.data, as the peak model's trace casts it)
-            if t.is_floating_point():
-                t.data = t.data.to(getattr(torch, dtype))
-        batch = zeros_batch(model_cfg, batch_size)
-        if batch.is_floating_point():
-            batch = batch.to(getattr(torch, dtype))
-        with Kernels() as forward:
-            loss = loss_of(model_cfg)(net(batch), batch)
-        with Kernels() as backward:
-            loss.backward()
-    return forward.ops, backward.ops
+    forward, backward = dispatched_step(model_cfg, batch_size, "cpu", dtype, kernel)
+    return Counter(forward), Counter(backward)

@@ -30,7 +30,6 @@ Sources (``memory.source`` names the one used):
 from __future__ import annotations
 
 import gc
-import os
 import time
 from typing import Any
 
@@ -151,13 +150,11 @@ def device_reading(device: torch.device) -> dict[str, Any]:
     ``PYTORCH_CUDA_ALLOC_CONF``), the caching allocator's counters (:data:`ALLOCATOR_STATS`) and NCCL's
     own bytes where torch exposes them (it does not: null, ``nccl_why``). Both device readings count the whole GPU:
     every process on it and the driver's own reservation."""
-    from zeroexp.devices import ALLOC_CONF_ENV
+    from zeroexp.devices import runs_expandable
 
     free, total = torch.cuda.mem_get_info(device)
-    # torch reads PYTORCH_ALLOC_CONF too (its device-generic name), the CUDA one taking precedence where both are set
-    conf = os.environ.get(ALLOC_CONF_ENV, os.environ.get("PYTORCH_ALLOC_CONF", "")).replace(" ", "").lower()
     out: dict[str, Any] = {"cudamem_used_bytes": int(total - free), "total_bytes": int(total), "nvml_used_bytes": None,
-                           "expandable_segments": "expandable_segments:true" in conf,
+                           "expandable_segments": runs_expandable(),
                            "nccl_bytes": None, "nccl_why": "torch exposes no NCCL memory figure (NCCL_DEBUG=INFO "
                            "NCCL_DEBUG_SUBSYS=ALLOC logs its allocations)"}
     try:
