@@ -72,11 +72,19 @@ def fake_build(model_cfg: Mapping[str, Any], device: str = "cpu",
     mode = fake_tensor_mode()
     with mode, torch.device(device):
         net = build_model(model_cfg)
-        if module_dtype not in (None, torch.float32):
-            for t in [*net.parameters(), *net.buffers()]:
-                if t.is_floating_point():
-                    t.data = t.data.to(module_dtype)
-    return FakeBuild(mode, net, device, module_dtype if module_dtype not in (None, torch.float32) else None)
+        cast = cast_module(net, module_dtype)
+    return FakeBuild(mode, net, device, cast)
+
+
+def cast_module(net: torch.nn.Module, module_dtype: torch.dtype | None) -> torch.dtype | None:
+    """Cast ``net``'s floating parameters and buffers to ``module_dtype`` below fp32 (``.data``: as ``trace_step``
+    casts them); the dtype cast to (None: none, fp32 or no dtype)."""
+    if module_dtype in (None, torch.float32):
+        return None
+    for t in [*net.parameters(), *net.buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(module_dtype)
+    return module_dtype
 
 
 def trace_activations(model_cfg: Mapping[str, Any], batch_size: int, wrap: Iterable[type] = (), device: str = "cpu",

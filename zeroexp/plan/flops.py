@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from zeroexp.cell.memo import memoized
 
-__all__ = ["step_flops", "step_ops", "grouped_mm_flops", "recompute_share", "dispatched_step"]
+__all__ = ["step_flops", "step_ops", "grouped_mm_flops", "recompute_share", "dispatched_step", "RAISED"]
 
 
 def _key(model_cfg: Mapping[str, Any], *rest: Any) -> tuple:
@@ -140,18 +140,24 @@ def _step_ops(model_cfg: Mapping[str, Any], device: str, batch_size: int, derive
     return len(forward), len(backward)
 
 
+#: What :func:`dispatched_step` hands ``on_call`` as the output of a call that raised.
+RAISED = object()
+
+
 def dispatched_step(model_cfg: Mapping[str, Any], batch_size: int, device: str = "cpu", module_dtype: Any = None,
                     on_call: Callable[..., Any] = lambda *call: None) -> tuple[list, list]:
     """One micro-batch of ``batch_size``'s forward (with the loss) and backward on fake tensors of ``device``, the
-    module cast to ``module_dtype`` (``zeroexp.plan.activations.fake_build``; a floating input too), under a dispatch
-    mode that sees every ATen call below autograd: ``on_call(func, args, kwargs, out)`` for each; returns what it
-    returned (None left out) in the forward and in the backward. What :func:`step_ops` counts and
-    ``zeroexp.plan.optrace`` costs."""
+    module cast to ``module_dtype`` (``zeroexp.plan.activations.cast_module``; a floating input too), under a
+    dispatch mode that sees every ATen call below autograd: ``on_call(func, args, kwargs, out)`` for each (``out``
+    :data:`RAISED` where the call raised on fake tensors and the model caught it: a data-dependent ``.item()``, which
+    the CPU dispatches: HF Llama's forward has one); returns what it returned (None left out) in the forward and in
+    the backward. What :func:`step_ops` counts and ``zeroexp.plan.optrace`` costs."""
     import torch
 
     from zeroexp._lib.dispatch import dispatch_mode_base
-    from zeroexp.models import loss_of, zeros_batch
-    from zeroexp.plan.activations import fake_build
+    from zeroexp._lib.fake_tensors import fake_tensor_mode
+    from zeroexp.models import build_model, loss_of, zeros_batch
+    from zeroexp.plan.activations import cast_module
 
     class Calls(dispatch_mode_base()):
         def __init__(self) -> None:
@@ -159,20 +165,27 @@ def dispatched_step(model_cfg: Mapping[str, Any], batch_size: int, device: str =
             self.seen: list = []
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            got = on_call(func, args, kwargs, out)
-            if got is not None:
-                self.seen.append(got)
+            try:
+                out = func(*args, **(kwargs or {}))
+            except Exception:
+                self.see(on_call(func, args, kwargs, RAISED))
+                raise
+            self.see(on_call(func, args, kwargs, out))
             return out
 
+        def see(self, got: Any) -> None:
+            if got is not None:
+                self.seen.append(got)
+
     dtype = getattr(torch, module_dtype) if isinstance(module_dtype, str) else module_dtype
-    build = fake_build(model_cfg, device, dtype)
-    with build.mode, torch.device(device):
+    with fake_tensor_mode(), torch.device(device):
+        net = build_model(model_cfg)
+        cast = cast_module(net, dtype)
         batch = zeros_batch(model_cfg, batch_size)
-        if build.module_dtype is not None and batch.is_floating_point():
-            batch = batch.to(build.module_dtype)
+        if cast is not None and batch.is_floating_point():
+            batch = batch.to(cast)
         with Calls() as forward:
-            loss = loss_of(model_cfg)(build.net(batch), batch)
+            loss = loss_of(model_cfg)(net(batch), batch)
         with Calls() as backward:
             loss.backward()
     return forward.seen, backward.seen

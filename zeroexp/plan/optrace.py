@@ -67,7 +67,7 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
 
     from zeroexp._lib.flop_counts import attention_flops, op_flops
     from zeroexp._lib.grouped_mm import grouped_mm_op
-    from zeroexp.plan.flops import dispatched_step, grouped_mm_flops
+    from zeroexp.plan.flops import RAISED, dispatched_step, grouped_mm_flops
 
     grouped = grouped_mm_op()
 
@@ -101,7 +101,7 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
         return OpCost("memory", 0, moved) if flops is None else OpCost("matmul", flops, moved)
 
     def kernel(func: Any, args: Any, kwargs: Any, out: Any) -> OpCost | None:
-        if func.namespace == "prim" or func.is_view:  # a view launches no kernel
+        if func.namespace == "prim" or func.is_view or out is RAISED:  # a view launches no kernel
             return None
         return cost(func, args, kwargs, out)
 
