@@ -366,13 +366,14 @@ def measure_compute(model_cfg: Any, batch_size: int, steps: int, device: torch.d
     ops = dict(zip(phases, step_ops(model_cfg, device.type, int(batch_size))))
     stack_ops = {name: dict(zip(phases, step_ops(cfg, device.type))) for name, (cfg, _, _) in stacks.items()}
     shallow, deep = (f"stack{d}" for d in OPS_DEPTHS)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"dispatch": {}}
     fit: dict[str, str] = {}
     for phase in phases:
         calls = fit_calls([(size, at[size][phase]) for size in sizes])
         call, slope = calls if calls is not None else (0.0, med[phase] / batch_size)
         fixed, per_op = _stack_line((stack_ops[shallow][phase], at[shallow][phase]),
                                     (stack_ops[deep][phase], at[deep][phase]))
+        out["dispatch"][phase] = {"fixed_s": fixed, "s_per_op": per_op}  # the op-level compute's, whatever the fit
         per_param, why = split_cost(call, ops[phase], psi, fixed, per_op) if calls is not None else (0.0, None)
         out.update({f"{phase}_call_s": call, f"{phase}_s_per_param_sample": slope / psi,
                     f"{phase}_call_fixed_s": fixed if calls is not None else 0.0,
@@ -448,6 +449,7 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         from zeroexp.calibrate.framework import measure_framework
+        from zeroexp.calibrate.kernels import measure_kernels
 
         dist.barrier()
         start = (time.perf_counter(), busy_cpu_s(), own_cpu_s())
@@ -455,7 +457,8 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
         wake = measure_wake(c.calibrate, device) if world > 1 else None
         result = {"threads_per_rank": torch.get_num_threads(), "host_allocator": allocator,
                   "collectives": collectives, "wake": wake,
-                  "compute": measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),
+                  "compute": {**measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),
+                              "kernels": measure_kernels(device)},
                   "framework": measure_framework(world, int(c.calibrate.compute_steps), device, wake, collectives)}
         dist.barrier()
         result["host_activity"] = host_activity(start, device)

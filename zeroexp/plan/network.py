@@ -19,7 +19,7 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, Mode
                               accumulation_repeats, checkpointed_numel, optimizer_tensors, predict_step,
                               step_collectives, two_level_seconds)
 from zeroexp.formulas.device_memory import NcclSettings, NcclTopology, context_bytes, group_placement
-from zeroexp.formulas.time.kernels import KernelRates, ops_seconds
+from zeroexp.formulas.time.kernels import KernelRates, MeasuredKernels, ops_seconds
 from zeroexp.plan.core import recommendable, row_groups
 
 __all__ = ["Network", "network_of", "nccl_of", "compute_rate", "calibrated_network", "predict_on", "model_ops",
@@ -56,9 +56,9 @@ class Network:
     stream_seconds_at: Callable[[int], Callable[[str, float, float], float]] | None = None
     #: the device its compute was timed on, whose operators a model's call is counted in (:func:`model_ops`)
     device: str = "cpu"
-    #: a preset's op-level compute rates (its ``kernels`` node; None: none, or ``efficiency`` given, which overrides
-    #: them) and the compute dtype its kernels are traced in
-    kernels: KernelRates | None = None
+    #: the op-level compute's rates: a preset's (its ``kernels`` node; None: none, or ``efficiency`` given, which
+    #: overrides them), a calibration's microbenchmarks (schema 10); and the compute dtype its kernels are traced in
+    kernels: KernelRates | MeasuredKernels | None = None
     dtype: str = "float32"
 
     def groups_at(self, n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
@@ -137,10 +137,13 @@ def _kernels(node: Any, precision: str, peak: float) -> KernelRates:
 
 
 def compute_rate(network: Network, model_cfg: Any, batch: int, numel: int) -> ComputeRate:
-    """The rate a step of ``model_cfg`` at micro-batch ``batch`` computes at on ``network``: with the preset's
-    kernels, its forward's and backward's kernels costed one by one (``zeroexp.plan.optrace.step_kernels``,
-    :func:`~zeroexp.formulas.time.kernels.ops_seconds`) as seconds per parameter and sample over the ``numel``
-    parameters the step trains; else (a calibration, ``efficiency`` given, a parameter count) the network's rate."""
+    """The rate a step of ``model_cfg`` at micro-batch ``batch`` computes at on ``network``: with op-level rates (a
+    preset's kernels, a calibration's microbenchmarks), its forward's and backward's kernels costed one by one
+    (``zeroexp.plan.optrace.step_kernels``, :func:`~zeroexp.formulas.time.kernels.ops_seconds`) as seconds per
+    parameter and sample over the ``numel`` parameters the step trains, and on a calibrated machine each call's
+    dispatch per operator beside them (the operator stacks', :class:`~zeroexp.formulas.time.kernels.MeasuredKernels`:
+    the host runs it between the operations, where a GPU's launches hide behind its kernels); else (a calibration
+    without them, ``efficiency`` given, a parameter count) the network's rate."""
     if network.kernels is None or model_cfg is None:
         return network.rate
     from dataclasses import replace
@@ -151,7 +154,13 @@ def compute_rate(network: Network, model_cfg: Any, batch: int, numel: int) -> Co
     f, b = (sum(v for k, v in ops_seconds(ops, network.kernels).items() if k != "kernels")
             for ops in (forward, backward))
     per = max(numel, 1) * batch
-    return replace(network.rate, forward_s_per_param_sample=f / per, backward_s_per_param_sample=b / per)
+    rate = replace(network.rate, forward_s_per_param_sample=f / per, backward_s_per_param_sample=b / per)
+    k = network.kernels
+    if not isinstance(k, MeasuredKernels):
+        return rate
+    return replace(rate, forward_call_s=k.forward_fixed_s, forward_s_per_op=k.forward_s_per_op,
+                   backward_call_s=k.backward_fixed_s, backward_s_per_op=k.backward_s_per_op,
+                   forward_call_s_per_param=0.0, backward_call_s_per_param=0.0)
 
 
 def nccl_of(node: Any) -> tuple[NcclTopology | None, NcclSettings, int]:
@@ -212,7 +221,7 @@ def calibrated_network(cal: Any) -> Network:
                    "at every N)", cal.framework, wake=cal.wake,
                    burst_seconds_at=lambda n: cal.seconds_at(n, burst=True),
                    stream_seconds_at=lambda n: cal.seconds_at(n, stream=True),
-                   device=str(cal.data.get("device", "cpu")))
+                   device=str(cal.data.get("device", "cpu")), kernels=cal.kernels)
 
 
 def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs: PlanKnobs, batch: int, n: int,
@@ -249,8 +258,8 @@ def _optimizer_tensors(layout: Any, groups: Any, knobs: PlanKnobs) -> int:
 def model_ops(network: Network, model_cfg: Any, batch: int) -> tuple[int, int]:
     """The operators one forward and one backward of ``model_cfg`` at micro-batch ``batch`` dispatch on the device
     ``network`` timed compute on (:func:`zeroexp.plan.flops.step_ops`), where its compute rate prices them (a
-    calibration of schema 9); (0, 0) elsewhere (a preset, or no model: nothing counted)."""
-    if not network.rate.counts_ops or model_cfg is None:
+    calibration of schema 9 or 10); (0, 0) elsewhere (a preset, or no model: nothing counted)."""
+    if model_cfg is None or not (network.rate.counts_ops or isinstance(network.kernels, MeasuredKernels)):
         return 0, 0
     from zeroexp.plan.flops import step_ops
 

@@ -62,6 +62,19 @@ def _arg(args: Any, kwargs: Any, at: int, name: str) -> Any:
     return args[at] if len(args) > at else (kwargs or {}).get(name)
 
 
+#: The matmuls whose (batch, m, k, n) their two matrix arguments give, by name: the position of the first.
+MATMUL_ARGS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}
+
+
+def _dims(name: str, args: Any) -> tuple[int, ...]:
+    """A matmul's (batch, m, k, n) from its arguments (:data:`MATMUL_ARGS`), () for any other FLOP-counted op."""
+    at = MATMUL_ARGS.get(name)
+    if at is None or len(args) < at + 2:
+        return ()
+    a, b = args[at].shape, args[at + 1].shape
+    return (a[0] if len(a) == 3 else 1, int(a[-2]), int(a[-1]), int(b[-1]))
+
+
 def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[Counter, Counter]:
     import torch
 
@@ -98,7 +111,7 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
         if func.overloadpacket is grouped:  # fused experts' grouped matmul: torch's registry lacks it
             return OpCost("matmul", grouped_mm_flops(args[0].shape, args[1].shape, out_shape=out.shape), moved)
         flops = op_flops(func, args, kwargs, out)
-        return OpCost("memory", 0, moved) if flops is None else OpCost("matmul", flops, moved)
+        return OpCost("memory", 0, moved) if flops is None else OpCost("matmul", flops, moved, _dims(name, args))
 
     def kernel(func: Any, args: Any, kwargs: Any, out: Any) -> OpCost | None:
         if func.namespace == "prim" or func.is_view or out is RAISED:  # a view launches no kernel

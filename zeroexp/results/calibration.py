@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from zeroexp.formulas.time.framework import PER_CALL_PATHS, SCHEMA_7_TERMS, FrameworkCost
+from zeroexp.formulas.time.kernels import MeasuredKernels
 from zeroexp.formulas.time.rates import CALIBRATED_OPS, ComputeRate, LinkFit, WakeCurve, measured_call_seconds
 
 __all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "call_table", "machine", "find_calibration", "load_calibration",
@@ -39,14 +40,19 @@ DEFAULT_DIR = Path("outputs") / "calibration"
 #: ``adamw_s_per_tensor``, ``compute.tensors``, ``adamw_cache_elements``, ``adamw_s_per_element_beyond``,
 #: ``adamw_beyond``), so that both carry to a model of other operators, tensors and size; and FSDP1's per-call
 #: cost with its original parameters kept (``framework.fsdp1_orig_call_s``, ``_per_byte``; before it: a cell of
-#: ``use_orig_params=true`` timed at the flat parameters' cost, and says so).
-SCHEMA = 9
+#: ``use_orig_params=true`` timed at the flat parameters' cost, and says so); 10: the op-level compute's microbenchmarks
+#: (``compute.kernels``: ``torch.mm`` over a grid of shapes, ``torch.add`` over a range of sizes, and the operator
+#: stacks' dispatch, ``compute.dispatch``, kept whatever the model's fit), so that a model never calibrated is costed
+#: from its traced operations (:class:`~zeroexp.formulas.time.kernels.MeasuredKernels`).
+SCHEMA = 10
 #: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
 #: 2's and 3's no bursts (a burst's call is timed as one alone); 2-4 no streams (a call in a stream pays its waking
 #: only); 2-5 no wrapper cost per byte (0); 2-6 no FSDP2 terms (0, and a cell of FSDP2 says so:
 #: :meth:`Calibration.missing_terms`); 2-7 no call cost (0: their rate, timed at one micro-batch size, holds the
-#: call's cost spread over that size's samples); 8 a call cost of its own model, fixed (carried to no other model).
-READS = (2, 3, 4, 5, 6, 7, 8, 9)
+#: call's cost spread over that size's samples); 8 a call cost of its own model, fixed (carried to no other model);
+#: 2-9 no operation microbenchmarks (compute at the calibrated model's rates per parameter x sample and its call
+#: costs: :attr:`Calibration.kernels` None).
+READS = (2, 3, 4, 5, 6, 7, 8, 9, 10)
 #: How ``compute.fit`` begins for a phase whose two micro-batch sizes fit no call cost (schema 8).
 NO_CALL_COST = "no call cost"
 
@@ -148,6 +154,21 @@ class Calibration:
                            **{k: float(c[k]) for k in ("adamw_step_s", "adamw_s_per_tensor",
                                                        "adamw_s_per_element_beyond") if k in c},
                            adamw_cache_elements=int(c.get("adamw_cache_elements", 0)))
+
+    @property
+    def kernels(self) -> MeasuredKernels | None:
+        """The operation microbenchmarks and the operator stacks' dispatch (schema 10), what the op-level compute
+        costs a traced step with; None before them."""
+        c = self.data["compute"]
+        k, dispatch = c.get("kernels"), c.get("dispatch")
+        if not k or not dispatch:
+            return None
+        mm, mem = k["matmul"], k["memory"]
+        return MeasuredKernels(tuple(int(d) for d in mm["dims"]),
+                               tuple(tuple(tuple(float(x) for x in row) for row in plane) for plane in mm["seconds"]),
+                               tuple(int(b) for b in mem["bytes"]), tuple(float(x) for x in mem["seconds"]),
+                               **{f"{p}{k}": float(dispatch[p][f"{k[1:]}"]) for p in ("forward", "backward")
+                                  for k in ("_fixed_s", "_s_per_op")})
 
     @property
     def framework(self) -> FrameworkCost:

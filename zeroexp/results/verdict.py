@@ -115,7 +115,7 @@ class Code(str, Enum):
     # summary.json["plan"]["time"]
     TIME_NO_CALIBRATION = "time.no_calibration"  # no calibration of this machine, backend and world size
     TIME_NO_TIMED_STEPS = "time.no_timed_steps"  # the timing probe did not run
-    TIME_MEDIAN_UNKNOWN = "time.median_unknown"  # the median's 95 % CI is wider than the limit
+    TIME_MEDIAN_UNSTABLE = "time.median_unstable"  # the median's 95 % CI is wider than the limit: judged by the CI
     TIME_RATIO_OUT_OF_BOUND = "time.ratio_out_of_bound"  # predicted / measured median outside the bound
     TIME_PRECISION_NOT_MODELLED = "time.precision_not_modelled"  # precision or offload the calibration does not time
     TIME_CALIBRATION_CARRIED = "time.calibration_carried"  # calibrated at another backend or N: carried over
@@ -123,6 +123,7 @@ class Code(str, Enum):
     TIME_CALIBRATION_BUSY = "time.calibration_busy"  # the calibration ran beside other work
     TIME_CELL_BUSY = "time.cell_busy"  # the cell's timed steps ran beside other work
     TIME_COMPUTE_CARRIED = "time.compute_carried"  # compute calibrated on another model or batch: carried over
+    TIME_COMPUTE_BY_OPERATION = "time.compute_by_operation"  # compute costed op by op from the microbenchmarks
 
     __str__ = str.__str__
     __hash__ = str.__hash__
