@@ -29,8 +29,8 @@ and its work one after the other: a call's dispatch is priced per operator apart
 operation's work beyond it: a matmul's from the times of ``torch.mm`` measured over a grid of (m, k, n) (its rate on a
 CPU depends on each dimension, not on its FLOPs alone: measured on the 2-core host, 62 GFLOP/s at 128 x 128 x 128,
 8.5 at 512 x 512 x 8 of the same FLOPs as 8 x 512 x 512 at 36), interpolated in the logarithms, less the smallest
-call's (its dispatch); a memory-bound operation's from ``torch.add``'s time over a range of bytes moved (in the cache and
-beyond it), less the smallest's.
+call's (its dispatch); a memory-bound operation's from ``torch.add``'s time over a range of bytes moved (in the cache
+and beyond it), less the smallest's.
 """
 
 from __future__ import annotations

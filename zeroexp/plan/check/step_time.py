@@ -68,8 +68,8 @@ def time_check(predicted_ms: float, median_ms: float, ci: tuple[float, float], t
         return Verdict.PASS, [wide]
     return Verdict.FAIL, [Reason(Code.TIME_RATIO_OUT_OF_BOUND, f"predicted {predicted_ms:.3f} ms is "
                                  f"{predicted_ms / (ci[1] if predicted_ms > ci[1] else ci[0]):.2f}x the nearest end of "
-                                 f"the measured median's 95 % CI [{ci[0]:.3f}, {ci[1]:.3f}] ms (outside 1/{RATIO_LIMIT} "
-                                 f".. {RATIO_LIMIT} of every time in it)"), wide]
+                                 f"the measured median's 95 % CI [{ci[0]:.3f}, {ci[1]:.3f}] ms (outside "
+                                 f"1/{RATIO_LIMIT} .. {RATIO_LIMIT} of every time in it)"), wide]
 
 
 #: Cores' worth of other processes' work during a calibration, or during a cell's timed steps, above which a cell says

@@ -1,0 +1,163 @@
+"""The op-level compute on a calibrated machine: the operation microbenchmarks a calibration holds (schema 10,
+``compute.kernels``), how :class:`MeasuredKernels` costs an operation from them, and a cell's and the planner's step
+from a model's traced operations. Tables are given (a power law, where the logarithmic interpolation is exact), so
+every expected time is computed here from the same law, never one CPU's timing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import HF_LLAMA
+
+from zeroexp.cell.memo import invocation_memo
+from zeroexp.formulas.time.kernels import MeasuredKernels, OpCost, ops_seconds
+
+DIMS = (1, 8, 32, 128, 512)
+#: a given machine: a matmul call C x m x k x n seconds, an add call A x bytes
+C, A = 1e-11, 1e-10
+BYTES = tuple(12 * 256 * 4**i for i in range(8))
+
+
+def _kernels(**dispatch: float) -> MeasuredKernels:
+    grid = tuple(tuple(tuple(C * m * k * n for n in DIMS) for k in DIMS) for m in DIMS)
+    return MeasuredKernels(DIMS, grid, BYTES, tuple(A * b for b in BYTES), **dispatch)
+
+
+def _data(**dispatch: float) -> dict:
+    k = _kernels()
+    return {"kernels": {"dtype": "float32", "matmul": {"op": "torch.mm", "dims": list(DIMS),
+                                                       "seconds": [[list(r) for r in p] for p in k.matmul_seconds]},
+                        "memory": {"op": "torch.add", "bytes": list(BYTES), "seconds": list(k.memory_seconds)}},
+            "dispatch": {p: {"fixed_s": dispatch.get(f"{p}_fixed_s", 0.0), "s_per_op": dispatch.get(f"{p}_s_per_op",
+                                                                                                   0.0)}
+                         for p in ("forward", "backward")}}
+
+
+def test_an_operation_costs_its_measured_time_beyond_the_smallest_call():
+    k = _kernels()
+    base = C  # the 1 x 1 x 1 call: its dispatch, priced per operator apart
+    for dims in ((1, 8, 8, 8), (1, 20, 100, 300), (1, 512, 512, 512), (1, 2048, 64, 1024), (6, 17, 33, 90)):
+        b, m, kk, n = dims
+        op = OpCost("matmul", 2 * b * m * kk * n, 0, dims)
+        assert k.seconds(op) == pytest.approx(b * (C * m * kk * n - base), rel=1e-9), dims
+    # without its dims (a convolution): the cube of its FLOPs
+    assert k.seconds(OpCost("matmul", 2 * 64**3, 0)) == pytest.approx(C * 64**3 - base, rel=1e-9)
+    # attention: a matmul of its FLOPs
+    assert k.seconds(OpCost("attention", 2 * 100**3, 0)) == pytest.approx(C * 100**3 - base, rel=1e-6)
+    # memory-bound: by its bytes, in the table, beyond it (its bandwidth held) and below it (nothing beyond dispatch)
+    for nbytes in (BYTES[3], 5 * BYTES[2] + 7, 10 * BYTES[-1]):
+        assert k.seconds(OpCost("memory", 0, nbytes)) == pytest.approx(A * (nbytes - BYTES[0]), rel=1e-9)
+    assert k.seconds(OpCost("memory", 0, 100)) == 0.0
+    by_kind = ops_seconds({OpCost("matmul", 0, 0, (1, 8, 8, 8)): 3, OpCost("memory", 0, BYTES[4]): 2}, k)
+    assert by_kind["matmul"] == pytest.approx(3 * C * (512 - 1)) and by_kind["kernels"] == 5
+    assert by_kind["memory"] == pytest.approx(2 * A * (BYTES[4] - BYTES[0]))
+
+
+def test_a_matmul_shaped_otherwise_costs_what_its_shape_measured():
+    """A CPU's GEMM rate depends on each dimension: a grid whose narrow n is 4 x slower gives that shape 4 x the
+    work of the same FLOPs shaped otherwise (the table, not the FLOPs, decides)."""
+    grid = tuple(tuple(tuple(C * m * k * n * (4 if n == 8 else 1) for n in DIMS) for k in DIMS) for m in DIMS)
+    k = MeasuredKernels(DIMS, grid, BYTES, tuple(A * b for b in BYTES))
+    narrow, wide = (k.seconds(OpCost("matmul", 2 * 512 * 512 * 8, 0, (1, *d))) for d in ((512, 512, 8), (8, 512, 512)))
+    assert narrow == pytest.approx(4 * C * 512 * 512 * 8 - C) and wide == pytest.approx(C * 512 * 512 * 8 - C)
+
+
+def test_a_calibration_of_schema_10_gives_its_kernels_and_an_older_none():
+    from test_time import calibration_data
+
+    from zeroexp.results.calibration import Calibration
+
+    old = Calibration("old", {**calibration_data(), "schema": 9})
+    assert old.kernels is None
+    data = calibration_data()
+    data["compute"].update(_data(forward_fixed_s=2e-4, forward_s_per_op=5e-6, backward_s_per_op=2e-6))
+    k = Calibration("new", data).kernels
+    assert k == _kernels(forward_fixed_s=2e-4, forward_s_per_op=5e-6, backward_s_per_op=2e-6)
+
+
+def _network(**dispatch: float):
+    from test_time import calibration_data
+
+    from zeroexp.plan.network import calibrated_network
+    from zeroexp.results.calibration import Calibration
+
+    data = calibration_data()
+    data["compute"].update(_data(**dispatch))
+    return calibrated_network(Calibration("given", data))
+
+
+def test_a_step_costs_its_traced_operations_and_their_dispatch(compose):
+    """compute_rate on a calibrated machine: per parameter x sample, the traced forward's and backward's work by
+    the tables; per call, the stacks' fixed cost and their cost per operator dispatched (even where the calibrated
+    model's own fit found no call cost: the old rate's ``*_s_per_op`` are 0 in ``calibration_data``)."""
+    from zeroexp.plan.network import compute_rate, model_ops
+    from zeroexp.plan.optrace import step_kernels
+
+    net = _network(forward_fixed_s=2e-4, forward_s_per_op=5e-6, backward_fixed_s=3e-4, backward_s_per_op=2e-6)
+    cfg = compose("model=gpt", base=("logger=none",)).model
+    assert not net.rate.counts_ops
+    with invocation_memo(fresh=True):
+        ops = model_ops(net, cfg, 4)
+        rate = compute_rate(net, cfg, 4, 1000)
+        forward, backward = step_kernels(cfg, 4, "float32")
+    assert ops[0] > 0 and ops[1] > 0
+    work = [sum(v for k, v in ops_seconds(o, net.kernels).items() if k != "kernels") for o in (forward, backward)]
+    assert rate.forward_s_per_param_sample * 1000 * 4 == pytest.approx(work[0])
+    assert rate.backward_s_per_param_sample * 1000 * 4 == pytest.approx(work[1])
+    assert rate.call_seconds("forward", ops[0], 1000) == pytest.approx(2e-4 + 5e-6 * ops[0])
+    assert rate.call_seconds("backward", ops[1], 1000) == pytest.approx(3e-4 + 2e-6 * ops[1])
+
+
+def test_a_steps_time_follows_its_shapes_at_equal_parameters(compose):
+    """At equal parameter count (a Llama's rotary positions hold no parameter), a longer sequence costs more work
+    and the same operators dispatched; a smaller micro-batch less a call but more a sample (its calls' dispatch
+    spread over fewer samples); each as its traced operations' costs say (the sums recomputed here from the traced
+    kernels)."""
+    from zeroexp.plan.network import compute_rate, model_ops
+    from zeroexp.plan.optrace import step_kernels
+
+    net = _network(forward_fixed_s=1e-4, forward_s_per_op=4e-6, backward_fixed_s=1e-4, backward_s_per_op=2e-6)
+    llama = (*(o for o in HF_LLAMA if not o.startswith(("model.seq_len", "model.max_position"))),
+             "model.max_position_embeddings=64")
+
+    def step(seq: int, batch: int) -> tuple[float, tuple[int, int]]:
+        cfg = compose(*llama, f"model.seq_len={seq}", base=("logger=none",)).model
+        rate, ops = compute_rate(net, cfg, batch, 1000), model_ops(net, cfg, batch)
+        fwd, bwd = step_kernels(cfg, batch, "float32")
+        by_ops = sum(v for o in (fwd, bwd) for k, v in ops_seconds(o, net.kernels).items() if k != "kernels")
+        assert (rate.forward_s_per_param_sample + rate.backward_s_per_param_sample) * 1000 * batch == \
+            pytest.approx(by_ops)
+        calls = rate.call_seconds("forward", ops[0], 1000) + rate.call_seconds("backward", ops[1], 1000)
+        assert calls == pytest.approx(2e-4 + 4e-6 * ops[0] + 2e-6 * ops[1])
+        return by_ops + calls, ops
+
+    with invocation_memo(fresh=True):
+        (short, ops_short), (long_, ops_long), (small, _) = step(8, 4), step(32, 4), step(32, 1)
+    assert long_ > short and ops_long == ops_short
+    assert small < long_ and small / 1 > long_ / 4
+    assert math.isfinite(long_)
+
+
+def test_the_microbenchmarks_time_every_point_on_every_rank(monkeypatch):
+    """measure_kernels: a barrier before each point, one all_reduce (MAX) of every point after the timed work; the
+    grid cubed and the memory sizes, each a positive time, laid out as a calibration holds them."""
+    import torch
+
+    from zeroexp.calibrate import kernels as measure
+
+    barriers, reduced = [], []
+    monkeypatch.setattr(measure.dist, "barrier", lambda: barriers.append(1))
+    monkeypatch.setattr(measure, "MATMUL_DIMS", (1, 8))
+    monkeypatch.setattr(measure, "MEMORY_ELEMENTS", (256, 1024))
+    monkeypatch.setattr(measure, "BLOCKS", 3)
+
+    def all_reduce(t, op=None):
+        reduced.append(op)
+    monkeypatch.setattr("zeroexp.calibrate.calls.dist.all_reduce", all_reduce)
+    out = measure.measure_kernels(torch.device("cpu"))
+    assert len(barriers) == 2**3 + 2 and len(reduced) == 1
+    assert out["matmul"]["dims"] == [1, 8] and len(out["matmul"]["seconds"]) == 2
+    assert all(s > 0 for plane in out["matmul"]["seconds"] for row in plane for s in row)
+    assert out["memory"]["bytes"] == [12 * 256, 12 * 1024] and all(s > 0 for s in out["memory"]["seconds"])
