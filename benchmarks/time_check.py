@@ -3,7 +3,9 @@ cells on it and on two models it was not timed on (width 768: 9x its parameters;
 measured per cell and whether the prediction orders the strategies as the measurement does, model by model.
 
     python benchmarks/time_check.py                      # calibrate + three sweeps (about 12 min, quiet 2-core host)
-    python benchmarks/time_check.py --widths 768         # one model only
+    python benchmarks/time_check.py --models mlp768      # one model only
+    python benchmarks/time_check.py --models gpt,llama,mlp64,mlp1024 \
+        --cells strategy=ddp,zero2,fsdp_full,fsdp2_full,deepspeed  # models of other operators (issue 52's sweep)
     python benchmarks/time_check.py --calibration F.json # reuse a calibration
     python benchmarks/time_check.py --sweep DIR          # only print the table of a sweep that ran
 
@@ -28,6 +30,21 @@ COMMON = ["world_size=2"]
 #: The calibration's model (conf/model/mlp.yaml: 8 x 256^2 parameters) and the cells' widths: its own, 9x its
 #: parameters (8 x 768^2) and about 1/8 (8 x 90^2): a calibration's compute carries to another model's size.
 CAL_WIDTH, WIDTHS = 256, (256, 768, 90)
+#: The models a sweep may name besides ``mlp<width>``: zeroexp's GPT (4 blocks of 64, 32 tokens) and a Hugging Face
+#: Llama from its config, shrunk (2 layers of width 32, grouped-query attention, 8 tokens: tests/conftest.py's).
+MODELS = {"gpt": ["model=gpt"],
+          "llama": ["model=hf", "model.arch=llama", "model.vocab_size=64", "model.hidden_size=32",
+                    "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+                    "model.intermediate_size=64", "model.max_position_embeddings=16", "model.seq_len=8"]}
+
+
+def model_args(name: str) -> list[str]:
+    """A model's overrides: ``mlp<width>`` or one of :data:`MODELS`."""
+    if name.startswith("mlp") and name[3:].isdigit():
+        return [f"model.width={int(name[3:])}"]
+    if name not in MODELS:
+        raise ValueError(f"{name!r} is neither mlp<width> nor one of {', '.join(MODELS)}")
+    return MODELS[name]
 ORDER = ["ddp", "zro", "zero2", "fsdp_grad_op", "fsdp_full-pre", "fsdp_full-post", "fsdp_full-none"]
 
 
@@ -48,8 +65,8 @@ def calibrate(out_dir: Path) -> Path:
     return Path([line for line in out.splitlines() if line.endswith(".json")][-1])
 
 
-def sweep(calibration: Path, sweep_dir: Path, steps: int, width: int) -> Path:
-    _run([sys.executable, "-m", "zeroexp", "--multirun", *CELLS, *COMMON, f"model.width={width}", f"steps={steps}",
+def sweep(calibration: Path, sweep_dir: Path, steps: int, model: str, cells: list[str] = CELLS) -> Path:
+    _run([sys.executable, "-m", "zeroexp", "--multirun", *cells, *COMMON, *model_args(model), f"steps={steps}",
           "logger=csv", f"calibration={calibration}", f"hydra.sweep.dir={sweep_dir}"], ok=(0, 3))
     return sweep_dir
 
@@ -102,19 +119,26 @@ def main() -> int:
     ap.add_argument("--calibration", type=Path, help="a calibration JSON to reuse (default: calibrate now)")
     ap.add_argument("--sweep", type=Path, help="print the table of this sweep directory only")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)),
-                    help=f"the cells' model widths, comma-separated (default {','.join(map(str, WIDTHS))})")
+    ap.add_argument("--models", default=",".join(f"mlp{w}" for w in WIDTHS),
+                    help="the cells' models, comma-separated: mlp<width>, " + ", ".join(MODELS)
+                    + f" (default {','.join(f'mlp{w}' for w in WIDTHS)})")
+    ap.add_argument("--cells", default=" ".join(CELLS), help=f"the sweep's axes (default {' '.join(CELLS)!r})")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "time_check")
     a = ap.parse_args()
     if a.sweep:
         return table(a.sweep)
+    models = a.models.split(",")
+    for m in models:  # a bad name refused before the calibration (exit 2, as argparse's own)
+        try:
+            model_args(m)
+        except ValueError as e:
+            ap.error(f"--models: {e}")
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
     load = os.getloadavg()[0]
     print(f"load average {load:.2f} (run on a quiet host: < 1)", file=sys.stderr)
     cal = a.calibration or calibrate(a.out / "calibration")
     print(f"calibration: {cal}", file=sys.stderr)
-    widths = [int(w) for w in a.widths.split(",")]
-    sweeps = [sweep(cal, a.out / f"sweep_{stamp}_w{w}", a.steps, w) for w in widths]
+    sweeps = [sweep(cal, a.out / f"sweep_{stamp}_{m}", a.steps, m, a.cells.split()) for m in models]
     return max(table(d) for d in sweeps)
 
 
