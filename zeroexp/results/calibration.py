@@ -177,7 +177,9 @@ class Calibration:
         return FrameworkCost(loop_s=f["loop_s"], copy_s_per_byte=f["copy_s_per_byte"],
                              dtensor_param_step_s=f.get("dtensor_param_step_s", 0.0),
                              **{f"{k}_s{per}": f.get(f"{k}_s{per}", None if k == "fsdp1_orig_call" else 0.0)
-                                for k in PER_CALL_PATHS for per in ("", "_per_byte")})
+                                for k in PER_CALL_PATHS for per in ("", "_per_byte")},
+                             deepspeed_step_s=f.get("deepspeed_step_s"),
+                             deepspeed_step_s_per_byte=f.get("deepspeed_step_s_per_byte"))
 
     def missing_terms(self) -> str | None:
         """A note naming the framework terms this calibration lacks (read as 0), None when it has them all."""

@@ -114,10 +114,22 @@ class DeepSpeedPartitions(Family):
         return super().collective_slots(row, groups, prefetch, f, b, o, ahead)
 
     def framework_terms(self, row, groups, itemsize, cost, orig_params, terms, notes):
-        if row.deepspeed_stage == 0 and groups.buckets:
+        """Stage 0: DDP's buckets. Stages 1 and 2 (DeepSpeed's ``DeepSpeedZeroOptimizer``): the engine's own step,
+        ``deepspeed_step_s`` + the model's fp32 parameter bytes x ``deepspeed_step_s_per_byte`` (calibrated on
+        stage 2 as zeroexp configures it: :mod:`zeroexp.calibrate.deepspeed_engine`), after backward. Stage 3's
+        engine (parameter hooks per module) is not calibrated: said."""
+        stage = row.deepspeed_stage
+        if stage == 0 and groups.buckets:
             b, o = ddp_bucket_terms(groups, itemsize, cost, terms)
             return 0.0, b, o
-        return super().framework_terms(row, groups, itemsize, cost, orig_params, terms, notes)
+        engine = cost.deepspeed_step_s
+        if stage in (1, 2) and engine is not None:
+            terms["deepspeed_engine"] = engine + 4 * groups.numel * (cost.deepspeed_step_s_per_byte or 0.0)
+            return 0.0, 0.0, terms["deepspeed_engine"]
+        notes.append(f"DeepSpeed's stage-{stage} engine: its own cost not calibrated "
+                     + ("(a calibration before schema 10, or without DeepSpeed installed)" if stage in (1, 2) else
+                        "(stages 1 and 2's engine is; stage 3's parameter hooks are not)"))
+        return 0.0, 0.0, 0.0
 
     # --- the peak model: stages 0-3 ------------------------------------------------------------------------------
     #: Where the peak model of the family is written.

@@ -29,6 +29,14 @@ peak model and the collectives check use. Nothing here is fitted to a cell or a 
   parameters, ``dtensor_param_step_s`` per parameter beyond the same step over plain tensors of the same shapes (each
   of the step's per-parameter ops goes through DTensor's dispatch: sharding propagation, then the local op), measured
   as the rank's thread CPU time of the two steps side by side on 64 small parameters.
+- **DeepSpeed's ZeRO engine** (stages 1 and 2: ``deepspeed/runtime/zero/stage_1_and_2.py``'s
+  ``DeepSpeedZeroOptimizer``), per step: its backward hooks filling the contiguous gradient buffer, the reduction's
+  bookkeeping, the gradient norm's pass, the fp32 partition's step and its copy back before the all-gather,
+  ``deepspeed_step_s`` + the model's fp32 parameter bytes x ``deepspeed_step_s_per_byte``, measured as the wrappers'
+  (the engine's step less the bare step less its collectives, recorded on a warm step and replayed alone) on the same
+  two models (:mod:`zeroexp.calibrate.deepspeed_engine`). Measured on the 2-core host (N=2, 2026-12-07): the tiny
+  model's DeepSpeed step 6.3 ms beside the bare step's 1.3 and its three calls (the gradients' all_reduce, a 4-byte
+  all_reduce, the parameters' all_gather); the wide one's 65 ms beside 21.
 - **Copies between warm buffers**, per byte: FSDP1 concatenates each unit's per-parameter gradients into its
   unsharded gradient in backward (the views' ``SplitWithSizesBackward``, a new tensor) and pre-divides it in place
   (``_div_if_needed``): two passes over the unit; zeroexp's ZeRO-2 zeroes each bucket's flat gradient
@@ -79,6 +87,10 @@ class FrameworkCost:
     #: None: not calibrated (a calibration before it: such a cell is timed with the flat parameters' cost and says so)
     fsdp1_orig_call_s: float | None = None
     fsdp1_orig_call_s_per_byte: float | None = None
+    #: DeepSpeed's ZeRO engine (stages 1 and 2) a step beyond its collectives, and per byte of the model's fp32
+    #: parameters; None: not calibrated (before schema 10, or DeepSpeed not installed where it was made)
+    deepspeed_step_s: float | None = None
+    deepspeed_step_s_per_byte: float | None = None
 
     def call_s(self, path: str, nbytes: float) -> float:
         """One call of ``path`` (:data:`PER_CALL_PATHS`) with a payload of ``nbytes``."""
