@@ -16,6 +16,7 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, ModelShape, P
 
 MLP = ModelShape(params=((768, 768),) * 8, units=tuple((i,) for i in range(8)), root=(False,) * 8)
 PSI = 8 * 768 * 768
+CPU = __import__("torch").device("cpu")
 COST = FrameworkCost(loop_s=1e-3, ddp_bucket_s=2e-4, zro_broadcast_s=3e-4, fsdp1_call_s=5e-4, copy_s_per_byte=1e-10)
 KNOBS = PlanKnobs()  # the default 25 MiB bucket cap: the 18 MiB mlp is one bucket
 
@@ -110,8 +111,38 @@ def test_the_per_byte_fit_is_the_line_through_the_tiny_and_the_wide_model():
 
 
 def test_a_row_without_calibrated_paths_says_so():
-    t = framework_time(*_groups("deepspeed_stage3"), 4, COST)
+    t = framework_time(*_groups("zero_stage3"), 4, COST)  # the paper's row: no runtime of its own
     assert t.terms == {"loop": 1e-3} and "only the loop" in t.notes[0]
+    for row in ("deepspeed_stage3", "deepspeed_stage2"):  # stage 3's engine never, stage 2's not in this cost
+        t = framework_time(*_groups(row), 4, COST)
+        assert t.terms == {"loop": 1e-3} and "engine: its own cost not calibrated" in t.notes[0], row
+
+
+@pytest.mark.parametrize("row", ["deepspeed_stage1", "deepspeed_stage2"])
+def test_deepspeeds_engine_costs_a_step_and_a_pass_over_the_models_bytes(row):
+    """Stages 1 and 2 (DeepSpeedZeroOptimizer): ``deepspeed_step_s`` + the model's fp32 parameter bytes x
+    ``deepspeed_step_s_per_byte``, after backward, whatever the precision's itemsize (calibrated in fp32)."""
+    from dataclasses import replace
+
+    cost = replace(COST, deepspeed_step_s=3e-4, deepspeed_step_s_per_byte=4e-10)
+    for itemsize in (4, 2):
+        t = framework_time(*_groups(row), itemsize, cost)
+        assert t.terms["deepspeed_engine"] == pytest.approx(3e-4 + 4 * PSI * 4e-10)
+        assert t.optimizer_s == pytest.approx(1e-3 + t.terms["deepspeed_engine"]) and not t.notes
+        assert t.forward_s == t.backward_s == 0.0
+    assert "deepspeed_engine" not in framework_time(*_groups("deepspeed_stage3"), 4, cost).terms
+
+
+def test_deepspeeds_recorded_collectives_replay_at_their_sizes_or_not_at_all():
+    """The engine's collectives, recorded on a warm step, become calls of the same ops and sizes; an op the replay
+    does not know leaves the term unmeasured (None), never timed without it."""
+    from zeroexp.calibrate.deepspeed_engine import replay
+
+    calls = replay([("allreduce_", [2048]), ("allreduce_", [1]), ("_allgather_base_", [2048, 1024]),
+                    ("_reduce_scatter_base_", [512, 1024]), ("broadcast_", [16]), ("reduce_", [8])], CPU)
+    assert calls is not None and len(calls) == 6 and all(callable(c) for c in calls)
+    assert replay([("alltoall_base_", [64, 64])], CPU) is None
+    assert replay([("_allgather_base_", [64])], CPU) is None  # not the (output, input) it takes
 
 
 FSDP2_COST = FrameworkCost(loop_s=1e-3, fsdp2_call_s=4e-4, fsdp2_call_s_per_byte=1e-10, dtensor_param_step_s=5e-5)
@@ -200,6 +231,10 @@ def test_a_calibration_reads_its_framework_costs(tmp_path):
     got = Calibration("given", wide).framework  # schema 6; before it, no per-byte figure: 0
     assert (got.ddp_bucket_s_per_byte, got.fsdp1_call_s_per_byte, got.zro_broadcast_s_per_byte) == (6e-10, 2e-10, 0)
     assert COST.ddp_bucket_s_per_byte == 0.0
+    assert (got.deepspeed_step_s, got.deepspeed_step_s_per_byte) == (None, None)  # before schema 10: not calibrated
+    ds = dict(data, framework={**data["framework"], "deepspeed_step_s": 3e-4, "deepspeed_step_s_per_byte": 4e-10})
+    got = Calibration("given", ds).framework
+    assert (got.deepspeed_step_s, got.deepspeed_step_s_per_byte) == (3e-4, 4e-10)
 
 
 def test_schema_1_calibrations_are_not_used(tmp_path):
