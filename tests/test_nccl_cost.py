@@ -46,6 +46,9 @@ def test_the_presets_topology_is_nccls_reading_of_them():
         g = ring_graph(topo, 8, 1)
         assert g.channels * g.bw_intra <= topo.nvlink_GBps
     assert _preset("mi300x") is None  # RCCL: not NCCL's model
+    # network.nccl=null (NCCL's buffers not counted) keeps NCCL's model, with no NVLS known
+    node = OmegaConf.merge(OmegaConf.load(CONF / "network" / "h100_ib.yaml"), {"nccl": None})
+    assert nccl_topo(node) == NcclTopo(90, H100.nvlink_GBps, 50.0, nvls=False)
 
 
 @pytest.mark.parametrize("op", COLLECTIVES)

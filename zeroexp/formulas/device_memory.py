@@ -142,16 +142,13 @@ class NcclTopology:
     """What NCCL's topology search finds on the machine (a network preset's ``nccl`` node): ``channels``, the ring
     channels of a communicator within a node [NCCL-RING]; ``p2p_channels``, its send/recv channels [NCCL-SETUP];
     ``nvls``, NVSwitch with multicast (NVLink SHARP) [NCCL-NVLS]; ``p2p_read``, NVLink P2P read (compute capability
-    8.0) [NCCL-P2P]; ``ranks_per_node``; for NCCL's cost model (:mod:`zeroexp.formulas.time.nccl_cost`)
-    ``nvlinks``, a GPU's NVLink links (0: PCIe only), and ``cpu``, the host CPU's vendor (``intel`` | ``amd``)."""
+    8.0) [NCCL-P2P]; ``ranks_per_node``."""
 
     ranks_per_node: int
     channels: int
     p2p_channels: int = 0
     nvls: bool = False
     p2p_read: bool = False
-    nvlinks: int = 0
-    cpu: str = "intel"
 
 
 @dataclass(frozen=True)

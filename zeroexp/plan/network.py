@@ -4,7 +4,7 @@ their source in ``conf/network/``).
 
 A preset's collective is timed as NCCL itself predicts it (:mod:`zeroexp.formulas.time.nccl_cost`, NCCL's
 src/graph/tuning.cc: the algorithm and protocol of least latency + bytes / bandwidth over the group's ranks a node and
-nodes, a NIC per rank); a preset without an ``nccl`` node (RCCL's ``mi300x``) in two levels
+nodes, a NIC per rank); a preset without ``nvlinks`` (RCCL's ``mi300x``) in two levels
 (:func:`zeroexp.formulas.two_level_seconds`: the intra link inside a node, a NIC per rank across). Its compute is
 the device's peak FLOP/s x ``efficiency`` (2 FLOPs per parameter per token forward, 4 backward [KAPLAN]) and AdamW's
 update bound by memory bandwidth; collectives overlap compute (CUDA streams). The step is
@@ -120,23 +120,31 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
 
 def nccl_topo(node: Any) -> NcclTopo | None:
     """A preset's topology for NCCL's cost model (:class:`~zeroexp.formulas.time.nccl_cost.NcclTopo`): its
-    ``compute_capability``, its ``nccl`` node's ``nvlinks``, ``nvls`` (off where ``nvls_enable`` is false), ``cpu``
-    and ``max_nchannels`` (:func:`nccl_of`), each rank's NIC at ``inter.busbw_Bps``; None without an ``nccl`` node (a
-    calibration; RCCL on ``mi300x``)."""
-    topology, settings, _ = nccl_of(node)
-    if topology is None:
+    ``compute_capability``, ``nvlinks`` (a GPU's NVLink links) and ``cpu`` (the host's vendor), each rank's NIC at
+    ``inter.busbw_Bps``, and from its ``nccl`` node (:func:`nccl_of`) ``nvls`` (off where ``nvls_enable`` is false;
+    ``nccl: null``, NCCL's buffers not counted: none known) and ``max_nchannels``; None for a preset without
+    ``nvlinks`` (RCCL's ``mi300x``: not NCCL's tuning)."""
+    links = node.get("nvlinks")
+    if links is None:
         return None
+    if isinstance(links, bool) or not isinstance(links, int) or links < 0:
+        raise ConfigError("network.nvlinks", links, "an integer >= 0 (a GPU's NVLink links; 0: PCIe only)")
+    cpu = node.get("cpu", "intel")
+    if cpu not in ("intel", "amd"):
+        raise ConfigError("network.cpu", cpu, "intel | amd (the host CPU's vendor, as NCCL's tuning reads it)")
     cc = node.get("compute_capability")
     if isinstance(cc, bool) or not isinstance(cc, (int, float)) or cc <= 0:
         raise ConfigError("network.compute_capability", cc, "a number: 7.0 (V100), 8.0 (A100), 9.0 (H100)")
+    topology, settings, _ = nccl_of(node)
+    nvls = topology is not None and topology.nvls and settings.nvls_enable is not False
     cc10 = round(float(cc) * 10)
-    return NcclTopo(cc10, nvlink_of(cc10, topology.nvlinks), _number(node.inter, "busbw_Bps", "inter.") / 1e9,
-                    topology.nvls and settings.nvls_enable is not False, topology.cpu, settings.max_nchannels)
+    return NcclTopo(cc10, nvlink_of(cc10, links), _number(node.inter, "busbw_Bps", "inter.") / 1e9, nvls, str(cpu),
+                    settings.max_nchannels)
 
 
 def _collective_model(node: Any, g: int) -> Callable[[int, int], Callable[[str, float, float], float]]:
     """(ranks a node, nodes) -> a call's time ``(op, S, calls)``: NCCL's own cost model
-    (:func:`~zeroexp.formulas.time.nccl_cost.nccl_seconds`) where the preset has an ``nccl`` node; else (RCCL's
+    (:func:`~zeroexp.formulas.time.nccl_cost.nccl_seconds`) where the preset gives ``nvlinks``; else (RCCL's
     ``mi300x``, whose tuning is not NCCL's) the two-level ring of ``intra`` / ``inter`` latency and bus bandwidth
     (:func:`~zeroexp.formulas.two_level_seconds`)."""
     topo = nccl_topo(node)
@@ -213,17 +221,12 @@ def nccl_of(node: Any) -> tuple[NcclTopology | None, NcclSettings, int]:
         return None, NcclSettings(), context_bytes(context)
     values = OmegaConf.to_container(nccl) if OmegaConf.is_config(nccl) else dict(nccl)
     topo = {k: values.pop(k, None) for k in ("channels", "p2p_channels", "nvls", "p2p_read")}
-    links, cpu = values.pop("nvlinks", 0), values.pop("cpu", "intel")
     for key in ("channels", "p2p_channels"):
         if isinstance(topo[key], bool) or not isinstance(topo[key], int) or topo[key] < 1:
             raise ConfigError(f"network.nccl.{key}", topo[key], "a positive integer (NCCL's channels on this node)")
     for key in ("nvls", "p2p_read"):
         if not isinstance(topo[key], bool):
             raise ConfigError(f"network.nccl.{key}", topo[key], "true or false")
-    if isinstance(links, bool) or not isinstance(links, int) or links < 0:
-        raise ConfigError("network.nccl.nvlinks", links, "an integer >= 0 (a GPU's NVLink links; 0: PCIe only)")
-    if cpu not in ("intel", "amd"):
-        raise ConfigError("network.nccl.cpu", cpu, "intel | amd (the host CPU's vendor, as NCCL's tuning reads it)")
     try:
         settings = NcclSettings.of(values)
     except ValueError as e:
@@ -231,8 +234,8 @@ def nccl_of(node: Any) -> tuple[NcclTopology | None, NcclSettings, int]:
         raise ConfigError(f"network.nccl.{key}", values.get(key), "null (NCCL's default) or "
                           + ("true | false" if key == "nvls_enable" else "a positive integer"), why=str(e)) from e
     ranks = node.get("ranks_per_node")
-    return NcclTopology(int(ranks), topo["channels"], topo["p2p_channels"], topo["nvls"], topo["p2p_read"], links,
-                        cpu), settings, context_bytes(context)
+    return NcclTopology(int(ranks), topo["channels"], topo["p2p_channels"], topo["nvls"], topo["p2p_read"]), \
+        settings, context_bytes(context)
 
 
 def _calibrated(node: Any, tokens: int) -> Network:
