@@ -277,10 +277,15 @@ def test_nothing_fits_a_70b_at_8_ranks_and_the_nearest_changes_are_listed():
     assert changes, "a change that fits"
     kinds = {ch["change"].split(":")[0].split("=")[0] for ch in changes}
     assert "offload" in kinds and "more GPUs" in kinds
-    for ch in changes:
-        assert ch["fits_bytes"] <= answer["budget_bytes"] and ch["step_ms"] > 0 and ch["cost_ms"] >= 0
-        assert {"overrides", "peak_bytes", "step_ms"} <= set(ch)
     more = next(ch for ch in changes if ch["change"].startswith("more GPUs"))
+    fastest = [ch["step_ms"] - ch["cost_ms"] for ch in changes]
+    assert max(fastest) == pytest.approx(min(fastest))  # every change costed against the one fastest step at N=8
+    for ch in changes:
+        assert ch["fits_bytes"] <= answer["budget_bytes"] and ch["step_ms"] > 0
+        # at N=8 a change that fits is no faster than the fastest step that need not fit; more GPUs split the global
+        # batch, each rank's step on fewer samples, and may be faster (NCCL's model: 2 nodes of 8 on 8 NICs each)
+        assert ch is more or ch["cost_ms"] >= 0
+        assert {"overrides", "peak_bytes", "step_ms"} <= set(ch)
     assert "world_size=16" in more["overrides"] or "world_size=32" in more["overrides"]
 
 
@@ -337,5 +342,7 @@ def test_the_planners_table_marks_the_rows_tied_with_its_fastest():
     tied = {r["strategy"] for r in runs if r["tie_fastest"]}
     assert tied == {r["strategy"] for r in runs if r is not best
                     and r["step_ms"] <= best["step_ms"] * (1 + MODEL_TIME_ERROR[0])}
-    assert tied == {"deepspeed_stage0"}  # DDP's all_reduce and DeepSpeed stage 0's take the same time here
+    # DDP's all_reduce and DeepSpeed stage 0's take the same time here; on NCCL's model (2 nodes of 8, the tiny
+    # model's calls latency-bound on the tree and ring) ZeRO-1's and ZeRO-2's steps come within the bar too
+    assert tied == {"deepspeed_stage0", "zero1", "zero2"}
     assert not best["tie_fastest"] and not any(r["tie_fastest"] for r in records if r["reference"])

@@ -1,5 +1,5 @@
-"""The step-time model times hybrid sharding's collectives over their own process groups (two-level
-hybrid collectives in the step-time model): exact on given links, no timing."""
+"""The step-time model times hybrid sharding's collectives over their own process groups (NCCL's cost model on a
+preset, two levels on a preset without NCCL): exact on given links, no timing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 
 from zeroexp.formulas import LAYOUTS, PlanKnobs, derive_groups, step_collectives, two_level_seconds
 from zeroexp.formulas.time.overlap import _op_seconds
-from zeroexp.plan.network import network_of
+from zeroexp.formulas.time.nccl_cost import nccl_seconds
+from zeroexp.plan.network import nccl_topo, network_of
 from zeroexp.plan.shape import model_shape
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -34,20 +35,32 @@ def test_each_group_of_an_op_is_timed_at_its_own_size():
 
 
 def test_a_preset_places_shard_groups_in_a_node_and_replicas_across_nodes():
-    net = network_of(OmegaConf.load(CONF / "network" / "h100_ib.yaml"), "bf16", 1024)
+    """Each group of a preset is timed by NCCL's cost model at its own (ranks a node, nodes)."""
     node = OmegaConf.load(CONF / "network" / "h100_ib.yaml")
-    from zeroexp.formulas import LinkFit
-
-    intra = LinkFit(node.intra.alpha_s, node.intra.busbw_Bps)
-    inter = LinkFit(node.inter.alpha_s, node.inter.busbw_Bps)
+    net = network_of(node, "bf16", 1024)
+    topo = nccl_topo(node)
     at = net.groups_at(512)  # 64 nodes of 8
     s = 2**30
-    assert at("shard", 8)("reduce_scatter", s, 1) == two_level_seconds("reduce_scatter", s, 8, 1, intra, inter, 1)
-    # shard_size 8: the replicate group holds one rank a node, 64 nodes: the inter link alone
-    assert at("replicate", 64)("all_reduce", s, 1) == two_level_seconds("all_reduce", s, 1, 64, intra, inter, 1)
+    assert at("shard", 8)("reduce_scatter", s, 1) == nccl_seconds("reduce_scatter", s, 8, 1, topo, 1)
+    # shard_size 8: the replicate group holds one rank a node, 64 nodes: the NICs alone
+    assert at("replicate", 64)("all_reduce", s, 1) == nccl_seconds("all_reduce", s, 1, 64, topo, 1)
     # shard_size 4 at N=512: 128 replicas, two of each replicate group a node
-    assert at("replicate", 128)("all_reduce", s, 1) == two_level_seconds("all_reduce", s, 2, 64, intra, inter, 1)
+    assert at("replicate", 128)("all_reduce", s, 1) == nccl_seconds("all_reduce", s, 2, 64, topo, 1)
     assert at("world", 512)("all_reduce", s, 1) == net.seconds_at(512)("all_reduce", s, 1)
+    assert net.seconds_at(512)("all_reduce", s, 1) == nccl_seconds("all_reduce", s, 8, 64, topo, 1)
+
+
+def test_a_preset_without_nccl_keeps_the_two_level_ring():
+    """RCCL's mi300x (``nccl: null``): its groups in two levels of its intra / inter links."""
+    from zeroexp.formulas import LinkFit
+
+    node = OmegaConf.load(CONF / "network" / "mi300x.yaml")
+    intra = LinkFit(node.intra.alpha_s, node.intra.busbw_Bps)
+    inter = LinkFit(node.inter.alpha_s, node.inter.busbw_Bps)
+    at = network_of(node, "bf16", 1024).groups_at(512)
+    s = 2**30
+    assert at("replicate", 64)("all_reduce", s, 1) == two_level_seconds("all_reduce", s, 1, 64, intra, inter, 1)
+    assert at("shard", 8)("reduce_scatter", s, 1) == two_level_seconds("reduce_scatter", s, 8, 1, intra, inter, 1)
 
 
 def test_the_hybrid_row_names_its_groups_for_the_time_model(compose):

@@ -2,10 +2,13 @@
 machine you have (``this_machine``: its calibration) or not (``h100_ib``, ``a100_ib``: presets whose numbers carry
 their source in ``conf/network/``).
 
-A preset's collectives cross nodes in two levels (:func:`zeroexp.formulas.two_level_seconds`: NVLink inside a node,
-a NIC per rank across); its compute is the device's peak FLOP/s x ``efficiency`` (2 FLOPs per parameter per token
-forward, 4 backward [KAPLAN]) and AdamW's update bound by memory bandwidth; collectives overlap compute (CUDA
-streams). The step is :func:`zeroexp.formulas.predict_step` over the row's groups, as in every cell's ``plan.time``.
+A preset's collective is timed as NCCL itself predicts it (:mod:`zeroexp.formulas.time.nccl_cost`, NCCL's
+src/graph/tuning.cc: the algorithm and protocol of least latency + bytes / bandwidth over the group's ranks a node and
+nodes, a NIC per rank); a preset without ``nvlinks`` (RCCL's ``mi300x``) in two levels
+(:func:`zeroexp.formulas.two_level_seconds`: the intra link inside a node, a NIC per rank across). Its compute is
+the device's peak FLOP/s x ``efficiency`` (2 FLOPs per parameter per token forward, 4 backward [KAPLAN]) and AdamW's
+update bound by memory bandwidth; collectives overlap compute (CUDA streams). The step is
+:func:`zeroexp.formulas.predict_step` over the row's groups, as in every cell's ``plan.time``.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, Mode
                               step_collectives, two_level_seconds)
 from zeroexp.formulas.device_memory import NcclSettings, NcclTopology, context_bytes, group_placement
 from zeroexp.formulas.time.kernels import KernelRates, MeasuredKernels, ops_seconds
+from zeroexp.formulas.time.nccl_cost import NcclTopo, nccl_seconds, nvlink_of
 from zeroexp.plan.core import recommendable, row_groups
 
-__all__ = ["Network", "network_of", "nccl_of", "compute_rate", "calibrated_network", "predict_on", "model_ops",
-           "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
+__all__ = ["Network", "network_of", "nccl_of", "nccl_topo", "compute_rate", "calibrated_network", "predict_on",
+           "model_ops", "add_step_times", "tokens_per_sample", "ADAMW_BYTES_PER_ELEMENT", "MODEL_TIME_ERROR"]
 
 #: The step-time model's own error, as measured on this machine (predicted / measured step time of real cells
 #: against this machine's calibration: docs/benchmarks.md, benchmarks/time_check.py, 2026-12-01, commit fd50a75:
@@ -86,8 +90,7 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
     g = node.get("ranks_per_node")
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
         raise ConfigError("network.ranks_per_node", g, "an integer >= 1")
-    intra = LinkFit(_number(node.intra, "alpha_s", "intra."), _number(node.intra, "busbw_Bps", "intra."))
-    inter = LinkFit(_number(node.inter, "alpha_s", "inter."), _number(node.inter, "busbw_Bps", "inter."))
+    time_call = _collective_model(node, g)
     peak = _number(node.get("peak_flops"), precision, "peak_flops.")
     kernels = None if node.get("efficiency") is not None else _kernels(node, precision, peak)
     efficiency = kernels.matmul_flops / peak if kernels is not None else _number(node, "efficiency", "")
@@ -96,14 +99,13 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
 
     def seconds_at(n: int) -> Callable[[str, float, float], float]:
         per_node = min(n, g)
-        return lambda op, s, calls: two_level_seconds(op, s, per_node, math.ceil(n / per_node), intra, inter, calls)
+        return time_call(per_node, math.ceil(n / per_node))
 
     def group_seconds_at(n: int) -> Callable[[str, int], Callable[[str, float, float], float]]:
         """Hybrid sharding's groups on the mesh (N / s, s), placed on the nodes as
         :func:`zeroexp.formulas.device_memory.group_placement` places them (every rank its own NIC)."""
         def for_group(dim: str, size: int) -> Callable[[str, float, float], float]:
-            per_node, nodes = group_placement(dim, size, n, g)
-            return lambda op, s, calls: two_level_seconds(op, s, per_node, nodes, intra, inter, calls)
+            return time_call(*group_placement(dim, size, n, g))
         return for_group
 
     rate = ComputeRate.from_peak(peak, efficiency, tokens, _number(node, "memory_Bps", ""), ADAMW_BYTES_PER_ELEMENT)
@@ -114,6 +116,45 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
     return Network(str(node.name), seconds_at, rate, True, node.get("device_memory"),
                    f"preset conf/network/{node.name}.yaml: {g} ranks a node, {how}",
                    group_seconds_at=group_seconds_at, kernels=kernels, device="cuda", dtype=_DTYPES[precision])
+
+
+def nccl_topo(node: Any) -> NcclTopo | None:
+    """A preset's topology for NCCL's cost model (:class:`~zeroexp.formulas.time.nccl_cost.NcclTopo`): its
+    ``compute_capability``, ``nvlinks`` (a GPU's NVLink links) and ``cpu`` (the host's vendor), each rank's NIC at
+    ``inter.busbw_Bps``, and from its ``nccl`` node (:func:`nccl_of`) ``nvls`` (off where ``nvls_enable`` is false;
+    ``nccl: null``, NCCL's buffers not counted: none known) and ``max_nchannels``; None for a preset without
+    ``nvlinks`` (RCCL's ``mi300x``: not NCCL's tuning)."""
+    links = node.get("nvlinks")
+    if links is None:
+        return None
+    if isinstance(links, bool) or not isinstance(links, int) or links < 0:
+        raise ConfigError("network.nvlinks", links, "an integer >= 0 (a GPU's NVLink links; 0: PCIe only)")
+    cpu = node.get("cpu", "intel")
+    if cpu not in ("intel", "amd"):
+        raise ConfigError("network.cpu", cpu, "intel | amd (the host CPU's vendor, as NCCL's tuning reads it)")
+    cc = node.get("compute_capability")
+    if isinstance(cc, bool) or not isinstance(cc, (int, float)) or cc <= 0:
+        raise ConfigError("network.compute_capability", cc, "a number: 7.0 (V100), 8.0 (A100), 9.0 (H100)")
+    topology, settings, _ = nccl_of(node)
+    nvls = topology is not None and topology.nvls and settings.nvls_enable is not False
+    cc10 = round(float(cc) * 10)
+    return NcclTopo(cc10, nvlink_of(cc10, links), _number(node.inter, "busbw_Bps", "inter.") / 1e9, nvls, str(cpu),
+                    settings.max_nchannels)
+
+
+def _collective_model(node: Any, g: int) -> Callable[[int, int], Callable[[str, float, float], float]]:
+    """(ranks a node, nodes) -> a call's time ``(op, S, calls)``: NCCL's own cost model
+    (:func:`~zeroexp.formulas.time.nccl_cost.nccl_seconds`) where the preset gives ``nvlinks``; else (RCCL's
+    ``mi300x``, whose tuning is not NCCL's) the two-level ring of ``intra`` / ``inter`` latency and bus bandwidth
+    (:func:`~zeroexp.formulas.two_level_seconds`)."""
+    topo = nccl_topo(node)
+    if topo is not None:
+        return lambda per_node, nodes: (
+            lambda op, s, calls: nccl_seconds(op, s, per_node, nodes, topo, calls))
+    intra = LinkFit(_number(node.intra, "alpha_s", "intra."), _number(node.intra, "busbw_Bps", "intra."))
+    inter = LinkFit(_number(node.inter, "alpha_s", "inter."), _number(node.inter, "busbw_Bps", "inter."))
+    return lambda per_node, nodes: (
+        lambda op, s, calls: two_level_seconds(op, s, per_node, nodes, intra, inter, calls))
 
 
 #: A precision's compute dtype, as the op-level compute traces it.
