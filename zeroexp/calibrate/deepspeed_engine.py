@@ -23,7 +23,7 @@ import torch.distributed as dist
 from zeroexp._lib.dispatch import dispatch_mode_base
 from zeroexp.calibrate.calls import all_gather, reduce_scatter
 
-__all__ = ["deepspeed_engine", "replay"]
+__all__ = ["deepspeed_engine", "deepspeed_terms", "replay"]
 
 
 class _Record(dispatch_mode_base()):  # torch's TorchDispatchMode (zeroexp._lib.dispatch)
@@ -110,14 +110,17 @@ def deepspeed_engine(steps: int, device: torch.device, width: int, bare_step: Ca
     return {"extra_s": got["extra_s"], "bytes": nbytes, "raw": raw, "calls": len(calls)}
 
 
-def deepspeed_terms(steps: int, device: torch.device, wake: Any) -> dict[str, Any]:
+def deepspeed_terms(steps: int, device: torch.device, wake: dict[str, Any] | None) -> dict[str, Any]:
     """``deepspeed_step_s`` and ``deepspeed_step_s_per_byte`` (the line through the engine's cost on the tiny and the
     wide model, per byte of the model's fp32 parameters, :func:`~zeroexp.calibrate.framework.per_byte_fit`), each
     model's cost net of its first collective's waking after the step's compute
-    (:func:`~zeroexp.calibrate.framework.per_call`), and ``raw``; both None where DeepSpeed is not installed or its
-    collectives could not be replayed (said in ``raw.deepspeed``)."""
+    (:func:`~zeroexp.calibrate.framework.per_call`, on the calibration's ``wake`` curve), and ``raw``; both None
+    where DeepSpeed is not installed or its collectives could not be replayed (said in ``raw.deepspeed``)."""
     from zeroexp.calibrate.framework import TINY_WIDTH, WIDE_WIDTH, _stack, _train_step, per_byte_fit, per_call
+    from zeroexp.formulas.time.rates import WakeCurve
     from zeroexp.strategies.deepspeed import deepspeed_available
+
+    curve = WakeCurve(tuple(wake["gaps_s"]), tuple(wake["extra_s"])) if wake else None
 
     none = {"deepspeed_step_s": None, "deepspeed_step_s_per_byte": None}
     if not deepspeed_available():
@@ -130,7 +133,7 @@ def deepspeed_terms(steps: int, device: torch.device, wake: Any) -> dict[str, An
         raw.update({(k if name == "tiny" else f"wide_{k}"): v for k, v in got["raw"].items()})
         if got["extra_s"] is None:
             return {**none, "raw": {**raw, "deepspeed": f"a collective of the engine's step ({name}) not replayed"}}
-        fits[name] = {"deepspeed_step_s": per_call(got["extra_s"], 1, got["raw"]["deepspeed_base_step_s"], wake),
+        fits[name] = {"deepspeed_step_s": per_call(got["extra_s"], 1, got["raw"]["deepspeed_base_step_s"], curve),
                       "bytes": {"deepspeed_step_s": got["bytes"]}}
         raw[f"deepspeed_step_s_{name}"] = fits[name]["deepspeed_step_s"]
     return {**per_byte_fit(fits["tiny"], fits["wide"]), "raw": raw}

@@ -339,12 +339,8 @@ def measure_framework(world: int, steps: int, device: torch.device, wake: dict[s
         tiny = _wrappers(world, steps, device, curve, collectives, dtensor_s=dtensor_s)
         wide = _wrappers(world, steps, device, curve, collectives, WIDE_WIDTH, copy["copy_s_per_byte"], WIDE_PATHS,
                          dtensor_s)
-        from zeroexp.calibrate.deepspeed_engine import deepspeed_terms
-
-        ds = deepspeed_terms(steps, device, curve)
         wrappers = {**per_byte_fit(tiny, wide), "dtensor_param_step_s": dtensor_s,
-                    **{k: v for k, v in ds.items() if k != "raw"},
-                    "raw": {**tiny["raw"], **dt["raw"], **ds["raw"], **{f"{k}_tiny": tiny[k] for k in tiny["bytes"]},
+                    "raw": {**tiny["raw"], **dt["raw"], **{f"{k}_tiny": tiny[k] for k in tiny["bytes"]},
                             **{f"{k}_wide": wide[k] for k in wide["bytes"]},
                             **{f"wide_{k}": v for k, v in wide["raw"].items()},
                             "tiny_width": TINY_WIDTH, "wide_width": WIDE_WIDTH}}

@@ -449,6 +449,7 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         from zeroexp.calibrate.framework import measure_framework
+        from zeroexp.calibrate.deepspeed_engine import deepspeed_terms
         from zeroexp.calibrate.kernels import measure_kernels
 
         dist.barrier()
@@ -460,6 +461,10 @@ def rank_main(rank: int, world: int, port: int, backend: str, device_type: str, 
                   "compute": {**measure_compute(c.model, int(c.batch_size), int(c.calibrate.compute_steps), device),
                               "kernels": measure_kernels(device)},
                   "framework": measure_framework(world, int(c.calibrate.compute_steps), device, wake, collectives)}
+        if world > 1:  # DeepSpeed's engine beside the wrappers (zeroexp.calibrate.deepspeed_engine)
+            ds = deepspeed_terms(int(c.calibrate.compute_steps), device, wake)
+            result["framework"].update({k: v for k, v in ds.items() if k != "raw"})
+            result["framework"]["raw"].update(ds["raw"])
         dist.barrier()
         result["host_activity"] = host_activity(start, device)
         if rank == 0:
