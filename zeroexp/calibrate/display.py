@@ -72,6 +72,11 @@ def render_table(cal: Calibration, console: Any) -> None:
                                                           if per_byte is not None else ""))
     if "dtensor_param_step_s" in f:
         v.add_row("AdamW step, per DTensor parameter (thread CPU)", f"{f['dtensor_param_step_s'] * 1e6:.1f} us")
+    if "deepspeed_step_s" in f:
+        ds, per_byte = f["deepspeed_step_s"], f.get("deepspeed_step_s_per_byte")
+        v.add_row("DeepSpeed ZeRO-1/2 engine, per step",
+                  f"not calibrated: {f.get('raw', {}).get('deepspeed', 'unknown')}" if ds is None else
+                  f"{ds * 1e3:.3f} ms + {(per_byte or 0.0) * 1e12:.1f} ps per byte of the model's fp32 parameters")
     v.add_row("copy between warm buffers", f"{f['copy_s_per_byte'] * 1e12:.1f} ps per byte")
     console.print(v)
     w = d.get("wake")
