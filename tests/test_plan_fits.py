@@ -76,7 +76,9 @@ def test_a_65b_gpt_fits_nowhere_at_64_ranks_on_the_peak_and_no_paper_row_is_fast
 
 
 def test_a_paper_row_is_never_the_fastest_even_where_it_is_fastest():
-    records, _ = _run(*TINY_GPT, "world_size=64", "network=h100_ib", "strategies=[zero_stage3,deepspeed_stage3]")
+    # the paper's ZeRO-2 (one reduce_scatter and one all_gather of the whole model) against DeepSpeed's stage 2 (its
+    # buckets' all_reduce and all_gather): on NCCL's cost model at 8 nodes the paper's step is the shorter
+    records, _ = _run(*TINY_GPT, "world_size=64", "network=h100_ib", "strategies=[zero_stage2,deepspeed_stage2]")
     paper, ds = records
     assert paper["reference"] and paper["fits"] and paper["step_ms"] < ds["step_ms"]
     assert not paper["fastest"] and ds["fastest"] and ds["fits_on"] == "device"
