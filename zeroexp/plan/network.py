@@ -23,7 +23,7 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, Mode
                               step_collectives, two_level_seconds)
 from zeroexp.formulas.device_memory import NcclSettings, NcclTopology, context_bytes, group_placement
 from zeroexp.formulas.time.kernels import KernelRates, MeasuredKernels, ops_seconds
-from zeroexp.formulas.time.nccl_cost import NcclTopo, nccl_seconds, nvlink_of
+from zeroexp.formulas.time.nccl_cost import NCCL_VERSION, NcclTopo, nccl_seconds, nvlink_of
 from zeroexp.plan.core import recommendable, row_groups
 
 __all__ = ["Network", "network_of", "nccl_of", "nccl_topo", "compute_rate", "calibrated_network", "predict_on",
@@ -114,7 +114,9 @@ def network_of(node: Any, precision: str, tokens: int) -> Network:
            f"{kernels.launch_s * 1e6:g} us a launch); a parameter count: 6 x parameters x tokens at the matmul rate"
            if kernels is not None else f"peak {peak:.3g} FLOP/s x {efficiency}")
     return Network(str(node.name), seconds_at, rate, True, node.get("device_memory"),
-                   f"preset conf/network/{node.name}.yaml: {g} ranks a node, {how}",
+                   f"preset conf/network/{node.name}.yaml: {g} ranks a node, {how}; collectives: "
+                   + (f"NCCL {NCCL_VERSION}'s own cost model (its tuning.cc)" if nccl_topo(node) is not None else
+                      "a two-level ring (intra, inter)"),
                    group_seconds_at=group_seconds_at, kernels=kernels, device="cuda", dtype=_DTYPES[precision])
 
 
