@@ -441,3 +441,15 @@ def test_a_deep_stacks_operators_are_derived_from_shallow_ones(compose):
 
     model = compose("model=gpt", "model.n_layer=22", "model.n_embd=32", "model.n_head=2", base=("logger=none",)).model
     assert step_ops(model, "cpu") == step_ops(model, "cpu", derive=False)
+
+
+def test_deepspeeds_engine_is_calibrated_under_a_default_cells_config(compose):
+    """The calibration measures the engine a ``strategy=deepspeed`` cell of the defaults runs (stage 2, fp32, batch
+    8): its config is the cell's own (``ds_config``), not a copy."""
+    from zeroexp.calibrate.deepspeed_engine import engine_config
+    from zeroexp.strategies.deepspeed import ds_config
+
+    cell = Cell.of(compose("strategy=deepspeed", "world_size=2", base=("logger=none",)))
+    assert cell.batch_size == 8 and cell.grad_accum == 1 and cell.precision == "fp32"
+    assert engine_config("cpu") == ds_config(cell.policy, "cpu")
+    assert engine_config("cpu")["zero_optimization"]["stage"] == 2

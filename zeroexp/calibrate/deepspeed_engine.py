@@ -15,6 +15,7 @@ sizes; an op this module cannot replay leaves the term unmeasured (None), said i
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from zeroexp._lib.dispatch import dispatch_mode_base
 from zeroexp.calibrate.calls import all_gather, reduce_scatter
 
-__all__ = ["deepspeed_engine", "deepspeed_terms", "replay"]
+__all__ = ["deepspeed_engine", "deepspeed_terms", "engine_config", "replay"]
 
 
 class _Record(dispatch_mode_base()):  # torch's TorchDispatchMode (zeroexp._lib.dispatch)
@@ -65,6 +66,20 @@ def replay(calls: list[tuple[str, list[int]]], device: torch.device) -> list[Cal
     return out
 
 
+def engine_config(device_type: str) -> dict[str, Any]:
+    """The DeepSpeed config the engine is measured under: a cell's (``zeroexp.strategies.deepspeed.ds_config``, the
+    one place it is written) of ``strategy=deepspeed`` at its defaults (stage 2, zeroexp's bucket, no clipping), fp32,
+    no offload, 8 samples a rank, one micro-batch."""
+    from zeroexp.cell.strategy import BUCKET_CAP_MB
+    from zeroexp.strategies.deepspeed import ds_config
+
+    strategy = SimpleNamespace(stage=2, bucket_cap_mb=BUCKET_CAP_MB, clip_grad_norm=None,
+                               stage3_prefetch_bucket_size=None, stage3_max_live_parameters=None,
+                               stage3_param_persistence_threshold=None, stage3_max_reuse_distance=None)
+    return ds_config(SimpleNamespace(strategy=strategy, precision=SimpleNamespace(name="fp32"), offload="none",
+                                     batch_size=8, grad_accum=1), device_type)
+
+
 def deepspeed_engine(steps: int, device: torch.device, width: int, bare_step: Callable[[], None]) -> dict[str, Any]:
     """The engine's seconds a step beyond ``bare_step`` and its collectives on the framework's 8 Linear units of
     ``width`` (``extra_s``), its calls' number (``calls``), the model's parameter bytes (``bytes``) and the
@@ -72,8 +87,6 @@ def deepspeed_engine(steps: int, device: torch.device, width: int, bare_step: Ca
     import deepspeed
 
     from zeroexp.calibrate.framework import _paired, _stack
-    from zeroexp.cell.strategy import BUCKET_CAP_MB
-    from zeroexp.formulas.deepspeed import deepspeed_reduce_bucket_numel
     from zeroexp.strategies.deepspeed import _no_shm_comm
 
     _no_shm_comm(deepspeed)
@@ -81,13 +94,8 @@ def deepspeed_engine(steps: int, device: torch.device, width: int, bare_step: Ca
     os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()))
     net = _stack(device, width)
-    bucket = deepspeed_reduce_bucket_numel(int(BUCKET_CAP_MB * 2**20))  # zeroexp's default, as ds_config takes it
-    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                    "overlap_comm": False, "contiguous_gradients": True},
-              "zero_force_ds_cpu_optimizer": False, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3),
-                                           config=config, dist_init_required=False)
+                                           config=engine_config(device.type), dist_init_required=False)
     x = torch.randn(8, width, device=device)
 
     def step() -> None:
