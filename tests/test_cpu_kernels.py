@@ -161,3 +161,23 @@ def test_the_microbenchmarks_time_every_point_on_every_rank(monkeypatch):
     assert out["matmul"]["dims"] == [1, 8] and len(out["matmul"]["seconds"]) == 2
     assert all(s > 0 for plane in out["matmul"]["seconds"] for row in plane for s in row)
     assert out["memory"]["bytes"] == [12 * 256, 12 * 1024] and all(s > 0 for s in out["memory"]["seconds"])
+
+
+def test_calibrates_table_shows_the_operations_it_measured():
+    """``python -m zeroexp.calibrate``'s console table lists a few of the grid's shapes and sizes, each with its
+    rate computed from the file's time, and the stacks' dispatch."""
+    import io
+
+    from rich.console import Console
+
+    from zeroexp.calibrate.display import _operations
+
+    data = _data(forward_fixed_s=2e-4, forward_s_per_op=5e-6, backward_s_per_op=2e-6)
+    out = io.StringIO()
+    _operations(data, Console(file=out, width=200))
+    text = out.getvalue()
+    top = 2 * 512**3 / (C * 512**3) / 1e9  # GFLOP/s of the 512^3 call on the given machine
+    assert "torch.mm 512 x 512 x 512" in text and f"{top:.2f} GFLOP/s" in text
+    assert f"{1 / A / 1e9:.2f} GB/s" in text  # every size of the add at A seconds a byte
+    assert "4.00 us an operator" not in text and "5.00 us an operator" in text and "2.00 us an operator" in text
+    _operations({}, Console(file=io.StringIO()))  # a calibration before schema 10: nothing shown, nothing raised

@@ -56,6 +56,8 @@ def render_table(cal: Calibration, console: Any) -> None:
     for phase, how in (c.get("fit") or {}).items():
         console.print(f"compute fit, {phase}: {how} (" + ", ".join(
             f"{p[f'{phase}_s'] * 1e3:.3f} ms at {p['batch_size']}" for p in c.get("points", [])) + ")")
+    _operations(c, console)
+
     f = d["framework"]
     v = Table(title="framework per step (measured differences, zeroexp.calibrate.framework)")
     for col in ("primitive", "value"):
@@ -89,6 +91,33 @@ def render_table(cal: Calibration, console: Any) -> None:
             x.add_row(f"{gap * 1e3:g} ms", f"{mean * 1e3:.3f} ms", f"{extra * 1e3:+.3f} ms")
         console.print(x)
     console.print(f"overlap: {'possible' if d['overlap']['possible'] else 'none'} ({d['overlap']['why']})")
+
+
+def _operations(c: dict[str, Any], console: Any) -> None:
+    """The op-level compute's microbenchmarks (schema 10): a few of the matmul grid's shapes and of the memory-bound
+    op's sizes, each a call's time and its rate, and the operator stacks' dispatch."""
+    from rich.table import Table
+
+    k, dispatch = c.get("kernels"), c.get("dispatch")
+    if not k or not dispatch:
+        return
+    o = Table(title="operations (measured, a call each, every rank at once; zeroexp.calibrate.kernels): the op-level "
+                    "compute of any model's traced step")
+    for col in ("operation", "us a call", "rate"):
+        o.add_column(col, justify="left" if col == "operation" else "right")
+    dims, grid = k["matmul"]["dims"], k["matmul"]["seconds"]
+    top = len(dims) - 1
+    for i, j, m in ((0, 0, 0), (1, top, top), (top, top, 1), (top - 1, top - 1, top - 1), (top, top, top)):
+        sec = grid[i][j][m]
+        o.add_row(f"{k['matmul']['op']} {dims[i]} x {dims[j]} x {dims[m]}", f"{sec * 1e6:.1f}",
+                  f"{2 * dims[i] * dims[j] * dims[m] / sec / 1e9:.2f} GFLOP/s")
+    for nbytes, sec in list(zip(k["memory"]["bytes"], k["memory"]["seconds"]))[::3]:
+        o.add_row(f"{k['memory']['op']}, {_size(nbytes)} moved", f"{sec * 1e6:.1f}", f"{nbytes / sec / 1e9:.2f} GB/s")
+    for phase in ("forward", "backward"):
+        d = dispatch[phase]
+        o.add_row(f"{phase}'s dispatch (operator stacks)", f"{d['fixed_s'] * 1e6:.1f} + per operator",
+                  f"{d['s_per_op'] * 1e6:.2f} us an operator")
+    console.print(o)
 
 
 def write_plot(cal: Calibration, path: Path) -> None:
