@@ -82,8 +82,8 @@ def engine_config(device_type: str) -> dict[str, Any]:
 
 def deepspeed_engine(steps: int, device: torch.device, width: int, bare_step: Callable[[], None]) -> dict[str, Any]:
     """The engine's seconds a step beyond ``bare_step`` and its collectives on the framework's 8 Linear units of
-    ``width`` (``extra_s``), its calls' number (``calls``), the model's parameter bytes (``bytes``) and the
-    measurements (``raw``); ``extra_s`` None where its collectives could not be replayed."""
+    ``width`` (``extra_s``), the model's parameter bytes (``bytes``) and the measurements (``raw``); ``extra_s`` None
+    where its collectives could not be replayed."""
     import deepspeed
 
     from zeroexp.calibrate.framework import _paired, _stack
@@ -115,7 +115,7 @@ def deepspeed_engine(steps: int, device: torch.device, width: int, bare_step: Ca
     got = _paired(step, bare_step, calls, steps, device)
     raw.update(deepspeed_step_s=got["wrapped_s"], deepspeed_base_step_s=got["base_s"],
                deepspeed_calls_s=got["calls_s"], deepspeed_step_s_measured=got["extra_s"])
-    return {"extra_s": got["extra_s"], "bytes": nbytes, "raw": raw, "calls": len(calls)}
+    return {"extra_s": got["extra_s"], "bytes": nbytes, "raw": raw}
 
 
 def deepspeed_terms(steps: int, device: torch.device, wake: dict[str, Any] | None) -> dict[str, Any]:
