@@ -8,12 +8,15 @@ the test process) once per session for every module that asserts on a sweep's fi
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +29,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # computes what it checks (a test that monkeypatches a trace must not read another's answer); tests/test_answer_store.py
 # opens one of its own.
 os.environ["ZEROEXP_CACHE_DIR"] = "off"
+# No calibration of the user's (outputs/calibration/ of the working directory) reaches the suite's cells or the
+# processes it starts: they look in an empty directory of the session's own (zeroexp.results.calibration.ENV); a
+# test that wants one names it (calibration=PATH) or sets the variable itself.
+_NO_CALIBRATION = tempfile.mkdtemp(prefix="zeroexp-no-calibration-")
+atexit.register(shutil.rmtree, _NO_CALIBRATION, True)
+os.environ["ZEROEXP_CALIBRATION_DIR"] = _NO_CALIBRATION
 
 import pytest
 import torch

@@ -145,6 +145,7 @@ def test_the_cells_calibration_is_one_of_their_model_or_made_on_it(tmp_path, mon
     assert items == ["model=gpt", "model.n_embd=128", "model.seq_len=64", "batch_size=4"]
     assert (config["name"], config["n_embd"], config["seq_len"], config["input_shape"]) == ("gpt", 128, 64, [64])
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ZEROEXP_CALIBRATION_DIR")  # the default directory (the suite points it elsewhere)
     (tmp_path / "outputs" / "calibration").mkdir(parents=True)
     mlp = calibration_data(machine_id=machine()["id"], created="2026-01-02")
     mlp["compute"]["model_config"] = {"name": "mlp", "width": 768}

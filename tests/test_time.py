@@ -185,6 +185,29 @@ def test_the_newest_calibration_of_this_machine_backend_and_n(tmp_path):
         load_calibration(tmp_path / "junk.json")
 
 
+def test_calibrations_are_looked_for_where_the_variable_says_read_at_each_call(tmp_path, monkeypatch):
+    """A user's outputs/calibration/ never reaches the suite (conftest points ZEROEXP_CALIBRATION_DIR at an empty
+    directory); unset, the default directory of the working directory is read; set, its directory, at each call."""
+    from zeroexp.results.calibration import DEFAULT_DIR, ENV, calibration_directory
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / DEFAULT_DIR).mkdir(parents=True)
+    (tmp_path / DEFAULT_DIR / "user.json").write_text(json.dumps(calibration_data(machine_id=machine()["id"])))
+    assert find_calibration("gloo", 2) is None  # the suite's own, empty directory
+    assert find_calibration("gloo", None) is None
+    monkeypatch.delenv(ENV)
+    assert calibration_directory() == DEFAULT_DIR
+    assert Path(find_calibration("gloo", 2).path).name == "user.json"
+    monkeypatch.setenv(ENV, "")
+    assert calibration_directory() == DEFAULT_DIR  # empty: unset
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv(ENV, str(elsewhere))
+    assert find_calibration("gloo", 2) is None
+    (elsewhere / "moved.json").write_text(json.dumps(calibration_data(machine_id=machine()["id"], world_size=3)))
+    assert Path(find_calibration("gloo", 3).path).name == "moved.json"
+
+
 def _summary(step_ms: list[float]) -> dict:
     return {"timing": {"step_ms": step_ms}, "collectives": {"exposed_comm_ms": 1.5}}
 

@@ -1,7 +1,8 @@
 """``python -m zeroexp.calibrate``: Hydra-configured (``conf/calibrate.yaml``); spawns ``world_size`` ranks on
 loopback, measures (:mod:`zeroexp.calibrate.measure`), fits each op's latency and bus bandwidth
-(:func:`zeroexp.formulas.fit_link`), writes ``<output_dir>/<time>_<backend>_n<N>.json`` and a PNG of busbw against
-size beside it, and prints a table.
+(:func:`zeroexp.formulas.fit_link`), writes ``<output_dir>/<time>_<backend>_n<N>.json`` (``output_dir`` null, the
+default: ``$ZEROEXP_CALIBRATION_DIR`` or ``outputs/calibration``) and a PNG of busbw against size beside it, and prints
+a table.
 
 Exit codes: 0 calibrated; 2 bad input (a key and what it accepts); 1 a rank failed.
 """
@@ -14,12 +15,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from zeroexp.results.calibration import SCHEMA, load_calibration, machine
+from zeroexp.results.calibration import SCHEMA, calibration_directory, load_calibration, machine
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import CALIBRATED_OPS, fit_link, overlap_possible
 
@@ -52,7 +53,7 @@ class CalibrateConfig:
     world_size: int = 2
     batch_size: int = 8
     device: str = "auto"
-    output_dir: str = "outputs/calibration"
+    output_dir: Optional[str] = None  # None: zeroexp.results.calibration.calibration_directory()
     calibrate: SweepConfig = field(default_factory=SweepConfig)
 
 
@@ -154,7 +155,7 @@ def run(cfg: DictConfig) -> Path:
         "source": "measured: python -m zeroexp.calibrate",
         "settings": OmegaConf.to_container(cfg.calibrate, resolve=True),
     }
-    directory = Path(cfg.output_dir)
+    directory = Path(cfg.output_dir) if cfg.output_dir else calibration_directory()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{created.strftime('%Y-%m-%d_%H-%M-%S')}_{backend}_n{n}.json"
     path.write_text(json.dumps(data, indent=1))

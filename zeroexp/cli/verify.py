@@ -127,7 +127,7 @@ def _same_model(cal: Any, config: dict[str, Any] | None, batches: set[int] = fro
 def calibration_for(cfg: DictConfig, s: Settings, cells: list[list[str]], say: Any) -> str:
     """The calibration the cells (their overrides) use (see the module's docstring): one of that size named or timed
     on the cells' model, else one made first on it at their largest micro-batch."""
-    from zeroexp.results.calibration import DEFAULT_DIR, find_calibration, load_calibration
+    from zeroexp.results.calibration import calibration_directory, find_calibration, load_calibration
 
     items, config = _model_of(cells[0])
     items = [o for o in items if not o.startswith("batch_size=")]
@@ -141,7 +141,7 @@ def calibration_for(cfg: DictConfig, s: Settings, cells: list[list[str]], say: A
         if cal is not None and cal.world_size == s.world_size and (path or _same_model(cal, config, batches)):
             return str(Path(cal.path).resolve())  # one named (network.calibration=PATH) is the user's choice
     out = s.out_dir / "calibration"  # where this verify makes one: an earlier run of it made it (resumed)
-    for directory in (DEFAULT_DIR, out):
+    for directory in (calibration_directory(), out):
         found = find_calibration("gloo", s.world_size, directory, model=lambda c: _same_model(c, config, batches))
         if found is not None:
             return str(Path(found.path).resolve())

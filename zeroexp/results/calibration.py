@@ -3,7 +3,8 @@ uses. Schema in docs/results.md (Calibration files).
 
 A calibration knows nothing of the cells: the collectives' latency and bus bandwidth on this machine, backend and
 world size, and the compute rate of one model's forward, backward and AdamW update. A cell uses the newest file
-of its machine, backend and world size in :data:`DEFAULT_DIR` (or ``calibration=PATH``).
+of its machine, backend and world size in :func:`calibration_directory` (``$ZEROEXP_CALIBRATION_DIR`` where set, else
+:data:`DEFAULT_DIR`), or the file ``calibration=PATH`` names.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from zeroexp.formulas.time.framework import PER_CALL_PATHS, SCHEMA_7_TERMS, Fram
 from zeroexp.formulas.time.kernels import MeasuredKernels
 from zeroexp.formulas.time.rates import CALIBRATED_OPS, ComputeRate, LinkFit, WakeCurve, measured_call_seconds
 
-__all__ = ["DEFAULT_DIR", "SCHEMA", "Calibration", "call_table", "machine", "find_calibration", "load_calibration",
+__all__ = ["DEFAULT_DIR", "ENV", "SCHEMA", "calibration_directory", "Calibration", "call_table", "machine",
+           "find_calibration", "load_calibration",
            "NO_CALL_COST", "call_cost_fitted"]
 
 #: Where ``python -m zeroexp.calibrate`` writes and cells look (relative to the working directory, like outputs/runs).
 DEFAULT_DIR = Path("outputs") / "calibration"
+#: The environment variable that moves that directory, for calibrate's writes and the cells' reads alike (the test
+#: suite points it at an empty directory of its own, so a user's calibrations never reach its cells).
+ENV = "ZEROEXP_CALIBRATION_DIR"
 #: 2: collectives timed one call at a time from a barrier (1 timed back-to-back loops), and ``framework``;
 #: 3: each size's trimmed mean (``mean_s``, what the model uses) and the ``wake`` curve; 4: each size's share of an
 #: async burst (``burst_mean_s``), the framework's wrappers measured side by side; 5: each size's share of a stream
@@ -215,11 +220,18 @@ def load_calibration(path: str | Path) -> Calibration:
     return Calibration(str(p), data)
 
 
-def find_calibration(backend: str, world_size: int | None, directory: Path = DEFAULT_DIR,
+def calibration_directory() -> Path:
+    """Where calibrations are written and looked for: ``$ZEROEXP_CALIBRATION_DIR`` where set and not empty, else
+    :data:`DEFAULT_DIR` (read at each call, not at import)."""
+    return Path(os.environ.get(ENV) or DEFAULT_DIR)
+
+
+def find_calibration(backend: str, world_size: int | None, directory: Path | None = None,
                      machine_id: str | None = None, model: Callable[[Calibration], bool] | None = None
                      ) -> Calibration | None:
-    """The newest calibration in ``directory`` of this machine (or ``machine_id``), ``backend`` and ``world_size``
-    (None: any), and, given ``model``, one it accepts."""
+    """The newest calibration in ``directory`` (None: :func:`calibration_directory`) of this machine (or
+    ``machine_id``), ``backend`` and ``world_size`` (None: any), and, given ``model``, one it accepts."""
+    directory = calibration_directory() if directory is None else directory
     want = machine_id or machine()["id"]
     found = []
     for p in sorted(Path(directory).glob("*.json")) if Path(directory).is_dir() else []:

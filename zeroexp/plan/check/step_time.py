@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from zeroexp.cell.resolved import Cell
-from zeroexp.results.calibration import DEFAULT_DIR, Calibration, find_calibration, load_calibration
+from zeroexp.results.calibration import Calibration, calibration_directory, find_calibration, load_calibration
 from zeroexp.formulas import steps_to_narrow
 from zeroexp.results.verdict import Check, Code, Reason, Verdict
 
@@ -85,7 +85,7 @@ def _calibration(cell: Cell) -> tuple[Calibration | None, str | None]:
     found = find_calibration(backend, n)
     if found is None:
         return None, (f"no calibration of this machine, backend {backend} and world_size={n} in "
-                      f"{DEFAULT_DIR}/: run `python -m zeroexp.calibrate world_size={n}` (or give "
+                      f"{calibration_directory()}/: run `python -m zeroexp.calibrate world_size={n}` (or give "
                       "calibration=PATH)")
     return found, None
 
