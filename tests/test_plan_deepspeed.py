@@ -273,6 +273,19 @@ def test_the_planner_plans_the_deepspeed_rows():
     assert count["grad"] == [(2 * 7_500_000_000 // 64,) * 2] * 64
     groups = derive_groups("deepspeed_stage0", LAYOUTS["deepspeed_stage0"], shape, 8, 2, PlanKnobs())
     assert step_collectives(LAYOUTS["deepspeed_stage0"], groups, 2)["all_reduce"]["payload_bytes"] == 2 * psi
+    # its time: every chunk all-reduced after backward (no gradient hook), the fallback's three passes over the
+    # gradients (flatten, scale, copy back)
+    from zeroexp.formulas.time.framework import FrameworkCost
+    from zeroexp.formulas.time.overlap import collective_slots
+
+    slots, rule = collective_slots(LAYOUTS["deepspeed_stage0"], groups, "pre", 1.0, 2.0, 0.5)
+    assert slots and all(s.op == "all_reduce" and s.issue_s == s.need_s == 3.0 for s in slots)
+    assert sum(s.weight for s in slots) == psi and "after backward" in rule
+    terms, notes = {}, []
+    f, b, o = LAYOUTS["deepspeed_stage0"].family.framework_terms(
+        LAYOUTS["deepspeed_stage0"], groups, 2, FrameworkCost(copy_s_per_byte=1e-9), False, terms, notes)
+    assert (f, o) == (0.0, 0.0) and b == terms["deepspeed_fallback_copies"] == pytest.approx(3 * 2 * psi * 1e-9)
+    assert any("stage-0 engine" in n for n in notes)
 
 
 def test_a_parameter_forward_never_uses_is_planned_as_deepspeed_holds_it(compose):

@@ -453,3 +453,25 @@ def test_deepspeeds_engine_is_calibrated_under_a_default_cells_config(compose):
     assert cell.batch_size == 8 and cell.grad_accum == 1 and cell.precision == "fp32"
     assert engine_config("cpu") == ds_config(cell.policy, "cpu")
     assert engine_config("cpu")["zero_optimization"]["stage"] == 2
+
+
+def test_deepspeeds_cpu_accelerator_notice_is_dropped_and_its_other_records_pass():
+    """A calibration's ranks print to the console: DeepSpeed's "no GPU found" warning is dropped there, nothing else."""
+    import importlib.util
+    import logging
+    from pathlib import Path
+
+    from zeroexp.calibrate import deepspeed_engine as engine
+
+    source = Path(importlib.util.find_spec("deepspeed").submodule_search_locations[0], "accelerator",
+                  "real_accelerator.py").read_text()
+    assert engine.CPU_ACCELERATOR_NOTICE in source  # the text this DeepSpeed warns with
+    engine.quiet_cpu_accelerator_notice()
+    engine.quiet_cpu_accelerator_notice()  # added once
+    log = logging.getLogger("DeepSpeed")
+    assert sum(getattr(f, "_zeroexp", False) for f in log.filters) == 1
+
+    def record(text: str) -> logging.LogRecord:
+        return logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1, text, None, None)
+    assert not log.filter(record(f"{engine.CPU_ACCELERATOR_NOTICE}. If you have GPU or other accelerator, ..."))
+    assert log.filter(record("Setting ZeRO stage to 2"))

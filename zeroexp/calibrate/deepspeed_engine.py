@@ -14,6 +14,7 @@ sizes; an op this module cannot replay leaves the term unmeasured (None), said i
 
 from __future__ import annotations
 
+import logging
 import os
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -24,7 +25,8 @@ import torch.distributed as dist
 from zeroexp._lib.dispatch import dispatch_mode_base
 from zeroexp.calibrate.calls import all_gather, reduce_scatter
 
-__all__ = ["deepspeed_engine", "deepspeed_terms", "engine_config", "replay"]
+__all__ = ["CPU_ACCELERATOR_NOTICE", "deepspeed_engine", "deepspeed_terms", "engine_config",
+           "quiet_cpu_accelerator_notice", "replay"]
 
 
 class _Record(dispatch_mode_base()):  # torch's TorchDispatchMode (zeroexp._lib.dispatch)
@@ -80,14 +82,32 @@ def engine_config(device_type: str) -> dict[str, Any]:
                                      batch_size=8, grad_accum=1), device_type)
 
 
+#: DeepSpeed's notice that it found no GPU (deepspeed/accelerator/real_accelerator.py ``get_accelerator``), a
+#: warning on its "DeepSpeed" logger: on a CPU rank zeroexp asked for, it says nothing the user did not choose.
+CPU_ACCELERATOR_NOTICE = "Setting accelerator to CPU"
+
+
+def quiet_cpu_accelerator_notice() -> None:
+    """Drop :data:`CPU_ACCELERATOR_NOTICE` from DeepSpeed's logger (a filter: its other records pass), before
+    DeepSpeed is first imported in a process whose output is the user's console (a calibration's ranks)."""
+    log = logging.getLogger("DeepSpeed")
+    if not any(getattr(f, "_zeroexp", False) for f in log.filters):
+        def drop(record: logging.LogRecord) -> bool:
+            return CPU_ACCELERATOR_NOTICE not in record.getMessage()
+        drop._zeroexp = True  # type: ignore[attr-defined]
+        log.addFilter(drop)
+
+
 def deepspeed_engine(steps: int, device: torch.device, width: int, bare_step: Callable[[], None]) -> dict[str, Any]:
     """The engine's seconds a step beyond ``bare_step`` and its collectives on the framework's 8 Linear units of
     ``width`` (``extra_s``), the model's parameter bytes (``bytes``) and the measurements (``raw``); ``extra_s`` None
     where its collectives could not be replayed."""
+    from zeroexp.strategies.deepspeed import _no_shm_comm
+
+    quiet_cpu_accelerator_notice()  # the ranks print to the console
     import deepspeed
 
     from zeroexp.calibrate.framework import _paired, _stack
-    from zeroexp.strategies.deepspeed import _no_shm_comm
 
     _no_shm_comm(deepspeed)
     # DeepSpeed's sanity check wants a launcher's variables (this rank's, as a cell's worker sets them)

@@ -12,7 +12,7 @@ from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, REPLAYED_RECOMPUTE, stage
                                         deepspeed_comm, deepspeed_payload, deepspeed_payload_limits,
                                         deepspeed_reduce_bucket_numel, deepspeed_sub_groups, ds_reduce_order)
 from zeroexp.formulas.families.base import Cut, Family
-from zeroexp.formulas.families.ddp import MIXED, ddp_bucket_slots, ddp_bucket_terms
+from zeroexp.formulas.families.ddp import MIXED
 from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
 from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, pack
 from zeroexp.formulas.paper import padded_numel
@@ -23,6 +23,7 @@ from zeroexp.formulas.peak.ds_ranks import DsStage12Ranks, ds_partitions, ds_wor
 from zeroexp.formulas.peak.ds_stage0 import ds_stage0_accumulated_phase_peaks
 from zeroexp.formulas.peak.phases import highest_phases
 from zeroexp.formulas.shapes import Groups, Shard, Unit
+from zeroexp.formulas.time.overlap import Slot
 
 __all__ = ["DeepSpeedPartitions", "DEEPSPEED", "ROWS", "DEEPSPEED_ROWS"]
 
@@ -109,19 +110,29 @@ class DeepSpeedPartitions(Family):
         return Cut()
 
     def collective_slots(self, row, groups, prefetch, f, b, o, ahead):
+        """Stage 0: every chunk's all_reduce after backward, nothing overlapped (engine.py ``backward`` ->
+        ``allreduce_gradients`` -> ``buffered_allreduce_fallback``: no gradient hook reduces). Stages 1-3: no rule
+        (``overlap_comm`` off, as zeroexp configures DeepSpeed): every collective exposed."""
         if row.deepspeed_stage == 0:
-            return ddp_bucket_slots(groups, f, b, o)
+            end_b = f + b
+            return ([Slot("all_reduce", sum(k), end_b, end_b, order=i) for i, k in enumerate(groups.buckets)],
+                    "stage 0 all-reduces after backward (buffered_allreduce_fallback): nothing overlapped")
         return super().collective_slots(row, groups, prefetch, f, b, o, ahead)
 
     def framework_terms(self, row, groups, itemsize, cost, orig_params, terms, notes):
-        """Stage 0: DDP's buckets. Stages 1 and 2 (DeepSpeed's ``DeepSpeedZeroOptimizer``): the engine's own step,
-        ``deepspeed_step_s`` + the model's fp32 parameter bytes x ``deepspeed_step_s_per_byte`` (calibrated on
-        stage 2 as zeroexp configures it: :mod:`zeroexp.calibrate.deepspeed_engine`), after backward. Stage 3's
-        engine (parameter hooks per module) is not calibrated: said."""
+        """Stage 0: the fallback's passes over the gradients (engine.py ``allreduce_bucket``: ``flatten`` into one
+        tensor, ``mul_`` by 1/N after the all_reduce, each gradient copied back: three copies' worth,
+        ``copy_s_per_byte``); its engine's own step not calibrated: said. Stages 1 and 2 (DeepSpeed's
+        ``DeepSpeedZeroOptimizer``): the engine's own step, ``deepspeed_step_s`` + the model's fp32 parameter bytes x
+        ``deepspeed_step_s_per_byte`` (calibrated on stage 2 as zeroexp configures it:
+        :mod:`zeroexp.calibrate.deepspeed_engine`), after backward. Stage 3's engine (parameter hooks per module) is
+        not calibrated: said."""
         stage = row.deepspeed_stage
-        if stage == 0 and groups.buckets:
-            b, o = ddp_bucket_terms(groups, itemsize, cost, terms)
-            return 0.0, b, o
+        if stage == 0:
+            terms["deepspeed_fallback_copies"] = 3 * sum(map(sum, groups.buckets)) * itemsize * cost.copy_s_per_byte
+            notes.append("DeepSpeed's stage-0 engine: its gradients' copies costed, its own step not calibrated "
+                         "(stages 1 and 2's is)")
+            return 0.0, terms["deepspeed_fallback_copies"], 0.0
         engine = cost.deepspeed_step_s
         if stage in (1, 2) and engine is not None:
             terms["deepspeed_engine"] = engine + 4 * groups.numel * (cost.deepspeed_step_s_per_byte or 0.0)
