@@ -51,6 +51,27 @@ def test_the_presets_topology_is_nccls_reading_of_them():
     assert nccl_topo(node) == NcclTopo(90, H100.nvlink_GBps, 50.0, nvls=False)
 
 
+def test_the_device_memorys_channels_are_nccls_search_unless_a_preset_states_them():
+    """One fact, one place: ``network.nccl.channels: null`` is the communicator's channels of the cost model's search
+    (24 on an 8-GPU NVSwitch node, as NCCL logs "24 coll channels", NVIDIA/nccl#1781); a number states them; null on
+    a preset without ``nvlinks`` (no search modelled) is refused, naming the key."""
+    from zeroexp.errors import ConfigError
+    from zeroexp.formulas.time.nccl_cost import communicator_channels
+    from zeroexp.plan.network import nccl_of
+
+    for name in ("a100_ib", "h100_ib", "h100_96gb", "h200_ib"):
+        node = OmegaConf.load(CONF / "network" / f"{name}.yaml")
+        assert node.nccl.channels is None
+        assert nccl_of(node)[0].channels == communicator_channels(_preset(name), node.ranks_per_node, 1) == 24
+    h100 = OmegaConf.load(CONF / "network" / "h100_ib.yaml")
+    four = OmegaConf.merge(h100, {"ranks_per_node": 4})
+    assert nccl_of(four)[0].channels == communicator_channels(nccl_topo(four), 4, 1)
+    assert nccl_of(OmegaConf.merge(h100, {"nccl": {"channels": 16}}))[0].channels == 16
+    with pytest.raises(ConfigError) as e:
+        nccl_of(OmegaConf.merge(h100, {"nvlinks": None}))
+    assert e.value.key == "network.nccl.channels"
+
+
 @pytest.mark.parametrize("op", COLLECTIVES)
 def test_a_small_call_picks_ll_and_costs_about_nccls_latency(op):
     for topo in (H100, A100):

@@ -14,7 +14,7 @@ update bound by memory bandwidth; collectives overlap compute (CUDA streams). Th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from zeroexp.errors import ConfigError
@@ -23,7 +23,7 @@ from zeroexp.formulas import (LAYOUTS, ComputeRate, FrameworkCost, LinkFit, Mode
                               step_collectives, two_level_seconds)
 from zeroexp.formulas.device_memory import NcclSettings, NcclTopology, context_bytes, group_placement
 from zeroexp.formulas.time.kernels import KernelRates, MeasuredKernels, ops_seconds
-from zeroexp.formulas.time.nccl_cost import NCCL_VERSION, NcclTopo, nccl_seconds, nvlink_of
+from zeroexp.formulas.time.nccl_cost import NCCL_VERSION, NcclTopo, communicator_channels, nccl_seconds, nvlink_of
 from zeroexp.plan.core import recommendable, row_groups
 
 __all__ = ["Network", "network_of", "nccl_of", "nccl_topo", "compute_rate", "calibrated_network", "predict_on",
@@ -126,6 +126,17 @@ def nccl_topo(node: Any) -> NcclTopo | None:
     ``inter.busbw_Bps``, and from its ``nccl`` node (:func:`nccl_of`) ``nvls`` (off where ``nvls_enable`` is false;
     ``nccl: null``, NCCL's buffers not counted: none known) and ``max_nchannels``; None for a preset without
     ``nvlinks`` (RCCL's ``mi300x``: not NCCL's tuning)."""
+    base = _searched_topo(node)
+    if base is None:
+        return None
+    topology, settings, _ = nccl_of(node)
+    nvls = topology is not None and topology.nvls and settings.nvls_enable is not False
+    return replace(base, nvls=nvls, max_channels=settings.max_nchannels)
+
+
+def _searched_topo(node: Any) -> NcclTopo | None:
+    """:func:`nccl_topo` before the ``nccl`` node's settings (no NVLS, NCCL's channel cap): what NCCL's topology search
+    reads of the machine; None without ``nvlinks``."""
     links = node.get("nvlinks")
     if links is None:
         return None
@@ -137,11 +148,9 @@ def nccl_topo(node: Any) -> NcclTopo | None:
     cc = node.get("compute_capability")
     if isinstance(cc, bool) or not isinstance(cc, (int, float)) or cc <= 0:
         raise ConfigError("network.compute_capability", cc, "a number: 7.0 (V100), 8.0 (A100), 9.0 (H100)")
-    topology, settings, _ = nccl_of(node)
-    nvls = topology is not None and topology.nvls and settings.nvls_enable is not False
     cc10 = round(float(cc) * 10)
-    return NcclTopo(cc10, nvlink_of(cc10, links), _number(node.inter, "busbw_Bps", "inter.") / 1e9, nvls, str(cpu),
-                    settings.max_nchannels)
+    return NcclTopo(cc10, nvlink_of(cc10, links), _number(node.inter, "busbw_Bps", "inter.") / 1e9, False, str(cpu),
+                    None)
 
 
 def _collective_model(node: Any, g: int) -> Callable[[int, int], Callable[[str, float, float], float]]:
@@ -207,11 +216,12 @@ def compute_rate(network: Network, model_cfg: Any, batch: int, numel: int) -> Co
 
 
 def nccl_of(node: Any) -> tuple[NcclTopology | None, NcclSettings, int]:
-    """A network node's NCCL topology (its ``nccl`` node's ``channels``, ``p2p_channels``, ``nvls``, ``p2p_read`` and
-    the node's ``ranks_per_node``; None without an ``nccl`` node: a calibration, no network), NCCL's settings (the
-    ``nccl`` node's environment keys, :data:`zeroexp.formulas.device_memory.NCCL_ENV`) and the CUDA context's bytes
-    (``context_bytes``; null: :func:`zeroexp.formulas.device_memory.context_bytes`'s); :class:`ConfigError` naming a
-    bad key."""
+    """A network node's NCCL topology (its ``nccl`` node's ``channels``, null: the communicator's channels NCCL's
+    search gives the node's ranks, :func:`~zeroexp.formulas.time.nccl_cost.communicator_channels`; ``p2p_channels``,
+    ``nvls``, ``p2p_read`` and the node's ``ranks_per_node``; None without an ``nccl`` node: a calibration, no
+    network), NCCL's settings (the ``nccl`` node's environment keys, :data:`zeroexp.formulas.device_memory.NCCL_ENV`)
+    and the CUDA context's bytes (``context_bytes``; null: :func:`zeroexp.formulas.device_memory.context_bytes`'s);
+    :class:`ConfigError` naming a bad key."""
     from omegaconf import OmegaConf
 
     node = node or {}
@@ -223,6 +233,13 @@ def nccl_of(node: Any) -> tuple[NcclTopology | None, NcclSettings, int]:
         return None, NcclSettings(), context_bytes(context)
     values = OmegaConf.to_container(nccl) if OmegaConf.is_config(nccl) else dict(nccl)
     topo = {k: values.pop(k, None) for k in ("channels", "p2p_channels", "nvls", "p2p_read")}
+    ranks = node.get("ranks_per_node")
+    if topo["channels"] is None:  # what NCCL's search gives a communicator of the node's ranks (its cap applied later)
+        searched = _searched_topo(node)
+        if searched is None:
+            raise ConfigError("network.nccl.channels", None, "a positive integer (NCCL's channels on this node)",
+                              why="null takes NCCL's topology search, which needs the preset's nvlinks")
+        topo["channels"] = communicator_channels(searched, int(ranks), 1)
     for key in ("channels", "p2p_channels"):
         if isinstance(topo[key], bool) or not isinstance(topo[key], int) or topo[key] < 1:
             raise ConfigError(f"network.nccl.{key}", topo[key], "a positive integer (NCCL's channels on this node)")
@@ -235,7 +252,6 @@ def nccl_of(node: Any) -> tuple[NcclTopology | None, NcclSettings, int]:
         key = str(e).split(":")[0].split("=")[0]
         raise ConfigError(f"network.nccl.{key}", values.get(key), "null (NCCL's default) or "
                           + ("true | false" if key == "nvls_enable" else "a positive integer"), why=str(e)) from e
-    ranks = node.get("ranks_per_node")
     return NcclTopology(int(ranks), topo["channels"], topo["p2p_channels"], topo["nvls"], topo["p2p_read"]), \
         settings, context_bytes(context)
 

@@ -35,7 +35,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["NcclTopo", "NcclChoice", "Graph", "nccl_call", "nccl_seconds", "ring_graph", "nvls_graph",
-           "algo_bandwidth", "algo_latency", "algo_time", "NCCL_OPS", "NCCL_VERSION", "NVLINK_GBPS"]
+           "algo_bandwidth", "algo_latency", "algo_time", "communicator_channels", "NCCL_OPS", "NCCL_VERSION",
+           "NVLINK_GBPS"]
 
 #: The NCCL whose model this is (makefiles/version.mk of the mirror's commit 5067397c).
 NCCL_VERSION = "2.30.7"
@@ -321,14 +322,14 @@ def algo_time(op: str, algo: str, proto: str, nbytes: float, topo: NcclTopo, per
     log_size = _log2i(int(nbytes) >> 6)
     if algo == "tree" and op == "all_reduce" and 0 <= log_size < 23:
         bw *= TREE_CORRECTION[proto][log_size]
-    comm_channels = _comm_channels(topo, per_node, nodes)
+    comm_channels = communicator_channels(topo, per_node, nodes)
     if (algo == "ring" and proto == "Simple" and nodes > 1 and op == "all_reduce"
             and nbytes / (comm_channels * per_node * nodes) >= 64):
         lat *= 1.9 if topo.compute_capability < 80 else 1.4
     return NcclChoice((lat + nbytes / (1000.0 * bw)) * 1e-6, algo, proto, lat, bw)
 
 
-def _comm_channels(topo: NcclTopo, per_node: int, nodes: int) -> int:
+def communicator_channels(topo: NcclTopo, per_node: int, nodes: int) -> int:
     """[CONNECT] the communicator's channels: twice the ring graph's, capped by ``NCCL_MAX_NCHANNELS`` (which caps
     only these: the tuning's bandwidth keeps the graph's channels)."""
     channels = 2 * ring_graph(topo, per_node, nodes).channels
