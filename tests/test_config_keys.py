@@ -417,3 +417,33 @@ def test_a_sweep_composes_each_job_once(monkeypatch, tmp_path):
     assert launched == [OmegaConf.to_yaml(compose_config([f"strategy={s}", *values])) for s in ("zero1", "zero2")]
     # the check ran (Hydra turns a callback's exception into a warning)
     assert "cell 1 of 2:" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("app, override, key, near", [
+    ("plan", "+world_sizes=8", "world_sizes", "world_size"),
+    ("recommend", "+world_sizes=8", "world_sizes", "world_size"),
+    ("recommend", "+recommend.topk=3", "recommend.topk", "recommend.top_k"),
+    ("recommend", "+allocator.expandable=true", "allocator.expandable", "allocator.expandable_segments"),
+    ("calibrate", "+calibrate.max_byte=8", "calibrate.max_byte", "calibrate.max_bytes"),
+    ("config", "+world_sizes=8", "world_sizes", "world_size"),
+])
+def test_every_app_refuses_a_key_nothing_reads_naming_its_nearest(app, override, key, near):
+    """Hydra's own advice for a misspelt key is to append it (``+world_sizes=8``), which the planner then ignored:
+    every app refuses it before any work, naming the key and its nearest keys."""
+    from zeroexp.errors import ConfigError
+
+    if app == "calibrate":
+        from zeroexp.cli.calibrate import register, validate as check
+        register()
+    elif app == "plan":
+        from zeroexp.cli.plan import register, run as check
+        register()
+    elif app == "recommend":
+        from zeroexp.cli.recommend import register, run as check
+        register()
+    else:
+        from zeroexp.config.schemas import validate as check
+    cfg = compose_config([override, *(["model=gpt2_small"] if app != "calibrate" else [])], config_name=app)
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert e.value.key == key and near in e.value.why

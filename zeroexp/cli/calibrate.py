@@ -66,6 +66,9 @@ def register() -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Refuse bad input before any rank starts, naming the key."""
+    from zeroexp.config.schemas import check_known_keys
+
+    check_known_keys(cfg, CalibrateConfig)
     c = cfg.calibrate
     for key in ("world_size", "batch_size", "calibrate.min_bytes", "calibrate.max_bytes", "calibrate.min_iters",
                 "calibrate.max_iters", "calibrate.repeats", "calibrate.compute_steps", "calibrate.wake_bytes",

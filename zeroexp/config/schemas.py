@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from zeroexp.cell.resolved import Cell
 
 __all__ = ["ConfigError", "InvalidCell", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
-           "strategy_extras", "without_strategy_extras"]
+           "check_known_keys", "strategy_extras", "without_strategy_extras"]
 
 
 # --- model: zeroexp.models.schemas --------------------------------------------------------------------
@@ -263,24 +263,44 @@ _FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes
                  "logger": LoggerConfig, "launcher": LauncherConfig, "checkpoint": CheckpointConfig}
 
 
+def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
+    """A key of an app's composed config (``cfg``) that its schema (a dataclass: ``ZeroexpConfig``, ``PlanConfig``,
+    ``RecommendConfig``, ``CalibrateConfig``) does not have is read by nothing (``+world_sizes=8``, as Hydra suggests
+    for a misspelt key): refused, naming it and its nearest keys. A field whose default is a dataclass (``recommend``,
+    ``calibrate``, ``allocator``, ``probes``) is checked within; any other (a config group: ``model``) is open."""
+    import difflib
+    from dataclasses import MISSING as NO_FACTORY
+    from dataclasses import fields, is_dataclass
+
+    own = {f.name: f for f in fields(schema)}
+    for key in map(str, cfg):
+        if key == "hydra" and not prefix:
+            continue
+        name, f = f"{prefix}{key}", own.get(key)
+        if f is None:
+            near = difflib.get_close_matches(key, list(own), n=3)
+            hint = f"did you mean {' or '.join(prefix + k for k in near)}?" if near else "a misspelt key?"
+            raise ConfigError(name, OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
+                              ", ".join(prefix + k for k in own), why=f"nothing reads {name!r} ({hint})")
+        default = f.default_factory() if f.default_factory is not NO_FACTORY else f.default
+        if is_dataclass(default) and isinstance(cfg._get_node(key), DictConfig):
+            check_known_keys(cfg[key], type(default), f"{name}.")
+
+
 def _check_unread_keys(cfg: DictConfig) -> None:
     """A key that nothing reads (``+stepz=10``, ``+optimizer.foo=1``) is refused, naming it."""
     from dataclasses import fields
 
-    def refuse(key: str, own: list[str]) -> None:
-        raise ConfigError(key, OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
-                          ", ".join(own), why=f"nothing reads {key!r} (a misspelt key?)")
-
-    top = [f.name for f in fields(ZeroexpConfig)]
-    for key in cfg:
-        if key not in top and key != "hydra":
-            refuse(str(key), top)
+    check_known_keys(cfg, ZeroexpConfig)
     for group, schema in _FIXED_GROUPS.items():
         node = cfg.get(group)
         own = [f.name for f in fields(schema)]
         for key in node if isinstance(node, DictConfig) else ():
             if key not in own:
-                refuse(f"{group}.{key}", [f"{group}.{k}" for k in own])
+                raise ConfigError(f"{group}.{key}", OmegaConf.select(cfg, f"{group}.{key}",
+                                                                     throw_on_resolution_failure=False),
+                                  ", ".join(f"{group}.{k}" for k in own),
+                                  why=f"nothing reads '{group}.{key}' (a misspelt key?)")
 
 
 def _check_ranges(cfg: DictConfig) -> None:
