@@ -66,7 +66,7 @@ def register() -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Refuse bad input before any rank starts, naming the key."""
-    from zeroexp.config.schemas import check_known_keys
+    from zeroexp.config.known_keys import check_known_keys
 
     check_known_keys(cfg, CalibrateConfig)
     c = cfg.calibrate

@@ -160,7 +160,7 @@ def _world_sizes(value: Any) -> list[int]:
 def run(cfg: DictConfig) -> tuple[list[dict[str, Any]], list[str]]:
     """Validate a composed plan config and plan it; raises :class:`ConfigError` on bad input. A model's shape, units
     and traces are read from and written to the store on disk (:func:`answer_store`)."""
-    from zeroexp.config.schemas import check_known_keys
+    from zeroexp.config.known_keys import check_known_keys
 
     check_known_keys(cfg, PlanConfig)
     stored: list[str] = []

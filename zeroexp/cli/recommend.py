@@ -184,7 +184,7 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     from zeroexp.recommend.space import CONF_DIR
 
     from zeroexp.cli.plan import FORMATS
-    from zeroexp.config.schemas import check_known_keys
+    from zeroexp.config.known_keys import check_known_keys
 
     check_known_keys(cfg, RecommendConfig)
     if cfg.format not in FORMATS:

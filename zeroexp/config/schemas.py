@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
+from zeroexp.config.known_keys import check_known_keys
 from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
 from zeroexp.config.moves import check_load_from
 from zeroexp.config.checkpointing import (ActivationCheckpointingConfig, check_checkpointing, check_checkpointing_units,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from zeroexp.cell.resolved import Cell
 
 __all__ = ["ConfigError", "InvalidCell", "NotApplicableHere", "register_schemas", "validate", "MODEL_RESERVED_KEYS",
-           "check_known_keys", "strategy_extras", "without_strategy_extras"]
+           "strategy_extras", "without_strategy_extras"]
 
 
 # --- model: zeroexp.models.schemas --------------------------------------------------------------------
@@ -261,30 +262,6 @@ _FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes
                  "activation_checkpointing": ActivationCheckpointingConfig,
                  "init": InitConfig,
                  "logger": LoggerConfig, "launcher": LauncherConfig, "checkpoint": CheckpointConfig}
-
-
-def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
-    """A key of an app's composed config (``cfg``) that its schema (a dataclass: ``ZeroexpConfig``, ``PlanConfig``,
-    ``RecommendConfig``, ``CalibrateConfig``) does not have is read by nothing (``+world_sizes=8``, as Hydra suggests
-    for a misspelt key): refused, naming it and its nearest keys. A field whose default is a dataclass (``recommend``,
-    ``calibrate``, ``allocator``, ``probes``) is checked within; any other (a config group: ``model``) is open."""
-    import difflib
-    from dataclasses import MISSING as NO_FACTORY
-    from dataclasses import fields, is_dataclass
-
-    own = {f.name: f for f in fields(schema)}
-    for key in map(str, cfg):
-        if key == "hydra" and not prefix:
-            continue
-        name, f = f"{prefix}{key}", own.get(key)
-        if f is None:
-            near = difflib.get_close_matches(key, list(own), n=3)
-            hint = f"did you mean {' or '.join(prefix + k for k in near)}?" if near else "a misspelt key?"
-            raise ConfigError(name, OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
-                              ", ".join(prefix + k for k in own), why=f"nothing reads {name!r} ({hint})")
-        default = f.default_factory() if f.default_factory is not NO_FACTORY else f.default
-        if is_dataclass(default) and isinstance(cfg._get_node(key), DictConfig):
-            check_known_keys(cfg[key], type(default), f"{name}.")
 
 
 def _check_unread_keys(cfg: DictConfig) -> None:
