@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from omegaconf import DictConfig, OmegaConf
 
 from zeroexp.errors import ConfigError
@@ -10,11 +12,13 @@ from zeroexp.errors import ConfigError
 __all__ = ["check_known_keys"]
 
 
-def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
+def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "", groups: Mapping[str, type] | None = None
+                     ) -> None:
     """A key of an app's composed config (``cfg``) that its schema (a dataclass: ``ZeroexpConfig``, ``PlanConfig``,
     ``RecommendConfig``, ``CalibrateConfig``) does not have is read by nothing (``+world_sizes=8``, as Hydra suggests
     for a misspelt key): refused, naming it and its nearest keys. A field whose default is a dataclass (``recommend``,
-    ``calibrate``, ``allocator``, ``probes``) is checked within; any other (a config group: ``model``) is open."""
+    ``calibrate``, ``allocator``, ``probes``) is checked within, as is a config group ``groups`` gives a schema of
+    (the cell's ``optimizer``, ``logger``, ...); any other (``model``) is open."""
     import difflib
     from dataclasses import MISSING as NO_FACTORY
     from dataclasses import fields, is_dataclass
@@ -29,6 +33,10 @@ def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
             hint = f"did you mean {' or '.join(prefix + k for k in near)}?" if near else "a misspelt key?"
             raise ConfigError(name, OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
                               ", ".join(prefix + k for k in own), why=f"nothing reads {name!r} ({hint})")
-        default = f.default_factory() if f.default_factory is not NO_FACTORY else f.default
-        if is_dataclass(default) and isinstance(cfg._get_node(key), DictConfig):
-            check_known_keys(cfg[key], type(default), f"{name}.")
+        inner = (groups or {}).get(key)
+        if inner is None:
+            default = f.default_factory() if f.default_factory is not NO_FACTORY else f.default
+            inner = type(default) if is_dataclass(default) else None
+        node = OmegaConf.select(cfg, key, throw_on_missing=False) if inner is not None else None
+        if isinstance(node, DictConfig):
+            check_known_keys(node, inner, f"{name}.")

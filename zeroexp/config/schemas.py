@@ -266,18 +266,7 @@ _FIXED_GROUPS = {"optimizer": OptimizerConfig, "timeout": TimeoutConfig, "probes
 
 def _check_unread_keys(cfg: DictConfig) -> None:
     """A key that nothing reads (``+stepz=10``, ``+optimizer.foo=1``) is refused, naming it."""
-    from dataclasses import fields
-
-    check_known_keys(cfg, ZeroexpConfig)
-    for group, schema in _FIXED_GROUPS.items():
-        node = cfg.get(group)
-        own = [f.name for f in fields(schema)]
-        for key in node if isinstance(node, DictConfig) else ():
-            if key not in own:
-                raise ConfigError(f"{group}.{key}", OmegaConf.select(cfg, f"{group}.{key}",
-                                                                     throw_on_resolution_failure=False),
-                                  ", ".join(f"{group}.{k}" for k in own),
-                                  why=f"nothing reads '{group}.{key}' (a misspelt key?)")
+    check_known_keys(cfg, ZeroexpConfig, groups=_FIXED_GROUPS)
 
 
 def _check_ranges(cfg: DictConfig) -> None:
