@@ -64,6 +64,64 @@ def test_a_matmul_shaped_otherwise_costs_what_its_shape_measured():
     assert narrow == pytest.approx(4 * C * 512 * 512 * 8 - C) and wide == pytest.approx(C * 512 * 512 * 8 - C)
 
 
+#: given pointwise and attention tables (schema 11): gelu P x bytes a call; attention per head H x seq^2 x dim, each
+#: call F more (its own cost, dispatch), at 8 and 32 heads
+P, H, F = 3e-9, 1e-10, 5e-5
+SEQ, HEAD_DIMS, HEADS = (16, 64, 256), (16, 64, 128), (8, 32)
+
+
+def _schema11(**dispatch: float) -> MeasuredKernels:
+    from dataclasses import replace
+
+    att = tuple((name, tuple(tuple(tuple(F + h * H * s * s * d for d in HEAD_DIMS) for s in SEQ) for h in HEADS))
+                for name in ("attention_backward", "attention_forward_causal"))
+    return replace(_kernels(**dispatch), pointwise=(("gelu", BYTES, tuple(P * b for b in BYTES)),),
+                   attention_heads=HEADS, attention_seq=SEQ, attention_dims=HEAD_DIMS, attention_seconds=att)
+
+
+def test_a_pointwise_operation_costs_its_own_table_and_attention_its_work_per_head():
+    """Schema 11: an operation of POINTWISE with a table costs its own time beyond its smallest call (a GELU at P
+    seconds a byte, not the add's A); one without a table, or unnamed, the add's. The attention kernel costs the
+    slope of its calls over the two head counts (the per-call F is dispatch, not work), at its sequence length and
+    head dimension, times its heads, its keys over its queries; beyond the grid, quadratic in the sequence and linear
+    in the head dimension; a name the table lacks (forward, not causal) as a square matmul of its FLOPs."""
+    k = _schema11()
+    nbytes = 5 * BYTES[2] + 7
+    assert k.seconds(OpCost("memory", 0, nbytes, name="gelu")) == pytest.approx(P * (nbytes - BYTES[0]), rel=1e-9)
+    for name in ("silu", ""):
+        assert k.seconds(OpCost("memory", 0, nbytes, name=name)) == pytest.approx(A * (nbytes - BYTES[0]), rel=1e-9)
+    for heads, seq, keys, dim in ((32, 64, 64, 64), (12, 64, 64, 16), (4, 256, 256, 128), (48, 1024, 1024, 256),
+                                  (8, 64, 128, 64)):
+        work = heads * H * seq * keys * dim
+        assert k.seconds(OpCost("attention", 1, 0, (heads, seq, keys, dim), "attention_backward")) == \
+            pytest.approx(work, rel=1e-9), (heads, seq, keys, dim)
+        assert k.seconds(OpCost("attention", 1, 0, (heads, seq, keys, dim), "attention_forward_causal")) == \
+            pytest.approx(work, rel=1e-9)
+    square = OpCost("attention", 2 * 100**3, 0, (8, 64, 64, 64), "attention_forward")
+    assert k.seconds(square) == pytest.approx(C * 100**3 - C, rel=1e-6)
+    assert _kernels().seconds(OpCost("memory", 0, nbytes, name="gelu")) == pytest.approx(A * (nbytes - BYTES[0]))
+
+
+def test_the_traced_step_names_its_pointwise_operations_and_attention_shapes(compose):
+    """The GPT's traced kernels: its GELU and layer norms (forward and backward) and log-softmax named as POINTWISE;
+    its attention calls with (batch x heads, queries, keys, head dimension) and their causal names."""
+    from zeroexp.formulas.time.kernels import POINTWISE
+    from zeroexp.plan.optrace import step_kernels
+
+    cfg = compose("model=gpt", base=("logger=none",)).model
+    with invocation_memo(fresh=True):
+        forward, backward = step_kernels(cfg, 4, "float32")
+    named = {op.name for ops in (forward, backward) for op in ops if op.kind == "memory" and op.name}
+    assert {"gelu", "gelu_backward", "native_layer_norm", "native_layer_norm_backward", "_log_softmax",
+            "_log_softmax_backward_data"} <= named <= set(POINTWISE)
+    head = cfg.n_embd // cfg.n_head
+    for ops, name in ((forward, "attention_forward_causal"), (backward, "attention_backward_causal")):
+        att = [(op, n) for op, n in ops.items() if op.kind == "attention"]
+        assert att and all(op.name == name and op.dims == (4 * cfg.n_head, cfg.seq_len, cfg.seq_len, head)
+                           for op, _ in att)
+        assert sum(n for _, n in att) == cfg.n_layer
+
+
 def test_a_calibration_of_schema_10_gives_its_kernels_and_an_older_none():
     from test_time import calibration_data
 
@@ -75,6 +133,15 @@ def test_a_calibration_of_schema_10_gives_its_kernels_and_an_older_none():
     data["compute"].update(_data(forward_fixed_s=2e-4, forward_s_per_op=5e-6, backward_s_per_op=2e-6))
     k = Calibration("new", data).kernels
     assert k == _kernels(forward_fixed_s=2e-4, forward_s_per_op=5e-6, backward_s_per_op=2e-6)
+    given = _schema11(forward_fixed_s=2e-4)  # schema 11: the pointwise and attention tables read back as written
+    data["compute"]["kernels"].update(
+        pointwise={name: {"bytes": list(b), "seconds": list(t)} for name, b, t in given.pointwise},
+        attention={"heads": list(HEADS), "seq": list(SEQ), "head_dim": list(HEAD_DIMS),
+                   "seconds": {name: [[list(row) for row in grid] for grid in g] for name, g in
+                               given.attention_seconds}})
+    data["compute"]["dispatch"]["forward"].update(fixed_s=2e-4, s_per_op=0.0)
+    data["compute"]["dispatch"]["backward"].update(fixed_s=0.0, s_per_op=0.0)
+    assert Calibration("11", {**data, "schema": 11}).kernels == given
 
 
 def _network(**dispatch: float):
@@ -152,15 +219,32 @@ def test_the_microbenchmarks_time_every_point_on_every_rank(monkeypatch):
     monkeypatch.setattr(measure, "MATMUL_DIMS", (1, 8))
     monkeypatch.setattr(measure, "MEMORY_ELEMENTS", (256, 1024))
     monkeypatch.setattr(measure, "BLOCKS", 3)
+    monkeypatch.setattr(measure, "POINTWISE_ELEMENTS", (256, 1024))
+    monkeypatch.setattr(measure, "ATTENTION_HEADS", (2, 4))
+    monkeypatch.setattr(measure, "ATTENTION_SEQ", (8, 16))
+    monkeypatch.setattr(measure, "ATTENTION_DIMS", (4,))
 
     def all_reduce(t, op=None):
         reduced.append(op)
     monkeypatch.setattr("zeroexp.calibrate.calls.dist.all_reduce", all_reduce)
     out = measure.measure_kernels(torch.device("cpu"))
-    assert len(barriers) == 2**3 + 2 and len(reduced) == 1
+    assert len(barriers) == 2**3 + 2 + 10 * 2 + 4 * 2 * 2 and len(reduced) == 1
     assert out["matmul"]["dims"] == [1, 8] and len(out["matmul"]["seconds"]) == 2
     assert all(s > 0 for plane in out["matmul"]["seconds"] for row in plane for s in row)
     assert out["memory"]["bytes"] == [12 * 256, 12 * 1024] and all(s > 0 for s in out["memory"]["seconds"])
+    from zeroexp.formulas.time.kernels import POINTWISE
+
+    table = out["pointwise"]
+    assert sorted(table) == sorted(POINTWISE) and all(len(t["seconds"]) == 2 and min(t["seconds"]) > 0
+                                                      for t in table.values())
+    # bytes moved as the traced step counts them: every tensor argument and output (fp32)
+    assert table["gelu"]["bytes"] == [8 * 256, 8 * 1024] and table["gelu_backward"]["bytes"] == [12 * 256, 12 * 1024]
+    att = out["attention"]
+    assert att["heads"] == [2, 4] and att["seq"] == [8, 16] and att["head_dim"] == [4]
+    assert sorted(att["seconds"]) == sorted(f"{n}{c}" for n in ("attention_forward", "attention_backward")
+                                            for c in ("", "_causal"))
+    assert all(len(g) == 2 and all(len(rows) == 2 and all(len(r) == 1 and r[0] > 0 for r in rows) for rows in g)
+               for g in att["seconds"].values())
 
 
 def test_calibrates_table_shows_the_operations_it_measured():

@@ -95,7 +95,9 @@ def render_table(cal: Calibration, console: Any) -> None:
 
 def _operations(c: dict[str, Any], console: Any) -> None:
     """The op-level compute's microbenchmarks (schema 10): a few of the matmul grid's shapes and of the memory-bound
-    op's sizes, each a call's time and its rate, and the operator stacks' dispatch."""
+    op's sizes, each a call's time and its rate, the largest size of each pointwise operation and the attention
+    kernel at the longest sequence (schema 11; its FLOPs as ``torch.utils.flop_counter`` counts them: 4 x heads x
+    seq^2 x dim forward, 2.5 times that backward, halved where causal), and the operator stacks' dispatch."""
     from rich.table import Table
 
     k, dispatch = c.get("kernels"), c.get("dispatch")
@@ -113,6 +115,16 @@ def _operations(c: dict[str, Any], console: Any) -> None:
                   f"{2 * dims[i] * dims[j] * dims[m] / sec / 1e9:.2f} GFLOP/s")
     for nbytes, sec in list(zip(k["memory"]["bytes"], k["memory"]["seconds"]))[::3]:
         o.add_row(f"{k['memory']['op']}, {_size(nbytes)} moved", f"{sec * 1e6:.1f}", f"{nbytes / sec / 1e9:.2f} GB/s")
+    for name, t in sorted((k.get("pointwise") or {}).items()):  # schema 11: the largest size of each
+        o.add_row(f"{name}, {_size(t['bytes'][-1])} moved", f"{t['seconds'][-1] * 1e6:.1f}",
+                  f"{t['bytes'][-1] / t['seconds'][-1] / 1e9:.2f} GB/s")
+    att = k.get("attention")
+    if att:  # schema 11: the longest sequence at each head dimension
+        for name, grids in sorted(att["seconds"].items()):
+            s, h = att["seq"][-1], att["heads"][-1]
+            for d, sec in zip(att["head_dim"], grids[-1][-1]):
+                flops = 4 * h * s * s * d * (2.5 if "backward" in name else 1.0) / (2 if "causal" in name else 1)
+                o.add_row(f"{name} {h} x {s} x {d}", f"{sec * 1e6:.1f}", f"{flops / sec / 1e9:.2f} GFLOP/s")
     for phase in ("forward", "backward"):
         d = dispatch[phase]
         o.add_row(f"{phase}'s dispatch (operator stacks)", f"{d['fixed_s'] * 1e6:.1f} + per operator",

@@ -7,6 +7,12 @@ operations, not from one model's step.
   depends on each dimension (its micro-kernel's tiles, the packing of each operand), not on the FLOPs alone;
 - ``memory``: ``torch.add`` of two fp32 vectors into a new one over :data:`MEMORY_ELEMENTS`, its bytes moved
   (3 x 4 B an element) from the first level of the cache to beyond the rank's share of the last;
+- ``pointwise`` (schema 11): each operation of :data:`~zeroexp.formulas.time.kernels.POINTWISE` (GELU, SiLU, softmax,
+  log-softmax, layer norm, forward and backward) over :data:`POINTWISE_ELEMENTS`, rows of :data:`ROW` elements, its
+  bytes moved counted as the traced step counts an operation's (every tensor argument and output);
+- ``attention`` (schema 11): ``scaled_dot_product_attention`` (the CPU's fused flash kernel) forward and backward,
+  causal and not, at each of :data:`ATTENTION_HEADS` batch x heads over :data:`ATTENTION_SEQ` x
+  :data:`ATTENTION_DIMS`;
 - each a call's whole time, the allocation of its output included (as a step's operators allocate theirs): the
   smallest call's is the dispatch the model prices per operator apart (the calibration's operator stacks).
 
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from zeroexp.calibrate.calls import slowest_each, sync
+from zeroexp.formulas.time.kernels import ATTENTION, POINTWISE
 
 __all__ = ["MATMUL_DIMS", "MEMORY_ELEMENTS", "measure_kernels"]
 
@@ -33,6 +40,13 @@ MATMUL_DIMS = (1, 8, 32, 128, 512)
 MEMORY_ELEMENTS = tuple(256 * 4**i for i in range(8))
 #: Seconds a timed block lasts at least (short calls repeated until it does) and the blocks a point is timed over.
 BLOCK_S, BLOCKS = 2e-4, 7
+#: The sizes of the pointwise operations, in elements of their input (256 to 262,144), in rows of ``ROW`` (a
+#: softmax's or a norm's row: their cost per element is flat beyond a few dozen).
+POINTWISE_ELEMENTS = tuple(256 * 4**i for i in range(6))
+ROW = 128
+#: The attention grid: two batch x heads counts (the slope between them is the work per head, the intercept the
+#: call's own cost), query (and key) lengths, head dimensions.
+ATTENTION_HEADS, ATTENTION_SEQ, ATTENTION_DIMS = (8, 32), (16, 48, 128), (16, 64, 128)
 
 
 def _per_call(fn: Callable[[], Any], device: torch.device) -> float:
@@ -67,10 +81,90 @@ def measure_kernels(device: torch.device) -> dict[str, Any]:
         x, y = torch.randn(elements, device=device), torch.randn(elements, device=device)
         dist.barrier()
         own.append(_per_call(lambda: torch.add(x, y), device))
+    pointwise = _pointwise_calls(device)
+    moved: dict[str, list[int]] = {}
+    for name, calls in pointwise.items():
+        for nbytes, fn in calls:
+            moved.setdefault(name, []).append(nbytes)
+            dist.barrier()
+            own.append(_per_call(fn, device))
+    for name in _ATTENTION_CALLS:
+        for h in ATTENTION_HEADS:
+            for s in ATTENTION_SEQ:
+                for d in ATTENTION_DIMS:
+                    dist.barrier()
+                    own.append(_per_call(_attention_call(name, h, s, d, device), device))
     times = slowest_each(own, device)
     d = len(MATMUL_DIMS)
     grid = [[[times[(i * d + j) * d + k] for k in range(d)] for j in range(d)] for i in range(d)]
+    at = d**3 + len(MEMORY_ELEMENTS)
+    table = {}
+    for name, nbytes in moved.items():
+        table[name] = {"bytes": nbytes, "seconds": times[at:at + len(nbytes)]}
+        at += len(nbytes)
+    per, dims = len(ATTENTION_SEQ) * len(ATTENTION_DIMS), len(ATTENTION_DIMS)
+    heads = len(ATTENTION_HEADS)
     return {"dtype": "float32",
             "matmul": {"op": "torch.mm", "dims": list(MATMUL_DIMS), "seconds": grid},
-            "memory": {"op": "torch.add", "bytes": [12 * e for e in MEMORY_ELEMENTS], "seconds": times[d**3:]}}
+            "memory": {"op": "torch.add", "bytes": [12 * e for e in MEMORY_ELEMENTS],
+                       "seconds": times[d**3:d**3 + len(MEMORY_ELEMENTS)]},
+            "pointwise": table,
+            "attention": {"op": "torch.nn.functional.scaled_dot_product_attention", "heads": list(ATTENTION_HEADS),
+                          "seq": list(ATTENTION_SEQ), "head_dim": list(ATTENTION_DIMS),
+                          "seconds": {name: [[times[at + (k * heads + h) * per + i * dims:][:dims]
+                                              for i in range(len(ATTENTION_SEQ))] for h in range(heads)]
+                                      for k, name in enumerate(_ATTENTION_CALLS)}}}
 
+
+#: The attention calls timed (zeroexp.formulas.time.kernels.ATTENTION, causal and not).
+_ATTENTION_CALLS = tuple(f"{n}{c}" for n in ATTENTION for c in ("", "_causal"))
+
+
+def _attention_call(name: str, heads: int, seq: int, dim: int, device: torch.device) -> Callable[[], Any]:
+    """One call of the fused attention kernel (``name``: forward or backward, causal or not) on queries, keys and
+    values of [1, ``heads``, ``seq``, ``dim``]; the backward through autograd on a kept graph."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, heads, seq, dim, device=device, requires_grad=name.startswith(ATTENTION[1]))
+               for _ in range(3))
+    causal = name.endswith("_causal")
+    if name.startswith(ATTENTION[0]):
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    grad = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+
+def _pointwise_calls(device: torch.device) -> dict[str, list[tuple[int, Callable[[], Any]]]]:
+    """Per operation of :data:`POINTWISE`, (bytes moved, a call) at each of :data:`POINTWISE_ELEMENTS`, each through
+    its ATen operation as the traced step names it."""
+    out: dict[str, list[tuple[int, Callable[[], Any]]]] = {name: [] for name in POINTWISE}
+    for elements in POINTWISE_ELEMENTS:
+        for name, (fn, inputs) in _pointwise_at(elements, device).items():
+            result = fn()
+            outputs = result if isinstance(result, (tuple, list)) else (result,)
+            out[name].append((sum(t.numel() * t.element_size() for t in (*inputs, *outputs)
+                                  if isinstance(t, torch.Tensor)), fn))
+    return out
+
+
+def _pointwise_at(elements: int, device: torch.device) -> dict[str, tuple[Callable[[], Any], tuple]]:
+    """Each operation of :data:`POINTWISE` on ``elements`` in rows of :data:`ROW`: (a call, its tensor inputs)."""
+    aten = torch.ops.aten
+    x, g = (torch.randn(elements // ROW, ROW, device=device) for _ in range(2))
+    w, b = torch.ones(ROW, device=device), torch.zeros(ROW, device=device)
+    y = aten._softmax(x, -1, False)
+    _, mean, rstd = aten.native_layer_norm(x, [ROW], w, b, 1e-5)
+    calls = {"gelu": (lambda: aten.gelu(x), (x,)),
+             "gelu_backward": (lambda: aten.gelu_backward(g, x), (g, x)),
+             "silu": (lambda: aten.silu(x), (x,)),
+             "silu_backward": (lambda: aten.silu_backward(g, x), (g, x)),
+             "_softmax": (lambda: aten._softmax(x, -1, False), (x,)),
+             "_softmax_backward_data": (lambda: aten._softmax_backward_data(g, y, -1, x.dtype), (g, y)),
+             "_log_softmax": (lambda: aten._log_softmax(x, -1, False), (x,)),
+             "_log_softmax_backward_data": (lambda: aten._log_softmax_backward_data(g, y, -1, x.dtype), (g, y)),
+             "native_layer_norm": (lambda: aten.native_layer_norm(x, [ROW], w, b, 1e-5), (x, w, b)),
+             "native_layer_norm_backward": (lambda: aten.native_layer_norm_backward(
+                 g, x, [ROW], mean, rstd, w, b, [True, True, True]), (g, x, mean, rstd, w, b))}
+    assert set(calls) == set(POINTWISE)
+    return calls

@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Any, Mapping
 
 from zeroexp.cell.memo import memoized
-from zeroexp.formulas.time.kernels import OpCost
+from zeroexp.formulas.time.kernels import ATTENTION, POINTWISE, OpCost
 
 __all__ = ["step_kernels", "ATTENTION_FORWARD", "ATTENTION_BACKWARD"]
 
@@ -75,6 +75,12 @@ def _dims(name: str, args: Any) -> tuple[int, ...]:
     return (a[0] if len(a) == 3 else 1, int(a[-2]), int(a[-1]), int(b[-1]))
 
 
+def _attention_dims(q: Any, k: Any) -> tuple[int, ...]:
+    """A fused attention kernel's (batch x heads, query length, key length, head dimension) from its query and key
+    shapes ([batch, heads, length, head dimension])."""
+    return (int(q[:-2].numel()), int(q[-2]), int(k[-2]), int(q[-1]))
+
+
 def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[Counter, Counter]:
     import torch
 
@@ -102,16 +108,20 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
         if name in ATTENTION_FORWARD:
             q, k, v = args[:3]
             causal = _arg(args, kwargs, 4, "is_causal")
-            return OpCost("attention", attention_flops(q.shape, k.shape, v.shape) // (2 if causal else 1), moved)
+            return OpCost("attention", attention_flops(q.shape, k.shape, v.shape) // (2 if causal else 1), moved,
+                          _attention_dims(q.shape, k.shape), ATTENTION[0] + ("_causal" if causal else ""))
         if name in ATTENTION_BACKWARD:
             grad, q, k, v = args[:4]
             causal = _arg(args, kwargs, 7, "is_causal")
             flops = attention_flops(q.shape, k.shape, v.shape, grad.shape)
-            return OpCost("attention", flops // (2 if causal else 1), moved)
+            return OpCost("attention", flops // (2 if causal else 1), moved, _attention_dims(q.shape, k.shape),
+                          ATTENTION[1] + ("_causal" if causal else ""))
         if func.overloadpacket is grouped:  # fused experts' grouped matmul: torch's registry lacks it
             return OpCost("matmul", grouped_mm_flops(args[0].shape, args[1].shape, out_shape=out.shape), moved)
         flops = op_flops(func, args, kwargs, out)
-        return OpCost("memory", 0, moved) if flops is None else OpCost("matmul", flops, moved, _dims(name, args))
+        if flops is None:
+            return OpCost("memory", 0, moved, name=name if name in POINTWISE else "")
+        return OpCost("matmul", flops, moved, _dims(name, args))
 
     def kernel(func: Any, args: Any, kwargs: Any, out: Any) -> OpCost | None:
         if func.namespace == "prim" or func.is_view or out is RAISED:  # a view launches no kernel

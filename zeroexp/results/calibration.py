@@ -48,16 +48,20 @@ ENV = "ZEROEXP_CALIBRATION_DIR"
 #: ``use_orig_params=true`` timed at the flat parameters' cost, and says so); 10: the op-level compute's microbenchmarks
 #: (``compute.kernels``: ``torch.mm`` over a grid of shapes, ``torch.add`` over a range of sizes, and the operator
 #: stacks' dispatch, ``compute.dispatch``, kept whatever the model's fit), so that a model never calibrated is costed
-#: from its traced operations (:class:`~zeroexp.formulas.time.kernels.MeasuredKernels`).
-SCHEMA = 10
+#: from its traced operations (:class:`~zeroexp.formulas.time.kernels.MeasuredKernels`); 11: the operations a CPU
+#: computes rather than streams timed on their own (``compute.kernels.pointwise``: GELU, SiLU, softmax, layer norm,
+#: forward and backward) and the fused attention kernel over sequence lengths and head dimensions
+#: (``compute.kernels.attention``); before it they cost their bytes at ``torch.add``'s times and their FLOPs as a
+#: square matmul's.
+SCHEMA = 11
 #: The schemas a cell reads: 2's collectives have no mean (their median is used) and no wake curve (no wake term);
 #: 2's and 3's no bursts (a burst's call is timed as one alone); 2-4 no streams (a call in a stream pays its waking
 #: only); 2-5 no wrapper cost per byte (0); 2-6 no FSDP2 terms (0, and a cell of FSDP2 says so:
 #: :meth:`Calibration.missing_terms`); 2-7 no call cost (0: their rate, timed at one micro-batch size, holds the
 #: call's cost spread over that size's samples); 8 a call cost of its own model, fixed (carried to no other model);
 #: 2-9 no operation microbenchmarks (compute at the calibrated model's rates per parameter x sample and its call
-#: costs: :attr:`Calibration.kernels` None).
-READS = (2, 3, 4, 5, 6, 7, 8, 9, 10)
+#: costs: :attr:`Calibration.kernels` None); 10 no pointwise or attention tables (their bytes and FLOPs costed).
+READS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 #: How ``compute.fit`` begins for a phase whose two micro-batch sizes fit no call cost (schema 8).
 NO_CALL_COST = "no call cost"
 
@@ -162,18 +166,29 @@ class Calibration:
 
     @property
     def kernels(self) -> MeasuredKernels | None:
-        """The operation microbenchmarks and the operator stacks' dispatch (schema 10), what the op-level compute
-        costs a traced step with; None before them."""
+        """The operation microbenchmarks and the operator stacks' dispatch (schema 10; the pointwise operations and the
+        attention kernel from schema 11, before it costed by their bytes and FLOPs), what the op-level compute costs a
+        traced step with; None before them."""
         c = self.data["compute"]
         k, dispatch = c.get("kernels"), c.get("dispatch")
         if not k or not dispatch:
             return None
-        mm, mem = k["matmul"], k["memory"]
+        mm, mem, att = k["matmul"], k["memory"], k.get("attention")
         return MeasuredKernels(tuple(int(d) for d in mm["dims"]),
                                tuple(tuple(tuple(float(x) for x in row) for row in plane) for plane in mm["seconds"]),
                                tuple(int(b) for b in mem["bytes"]), tuple(float(x) for x in mem["seconds"]),
                                **{f"{p}{k}": float(dispatch[p][f"{k[1:]}"]) for p in ("forward", "backward")
-                                  for k in ("_fixed_s", "_s_per_op")})
+                                  for k in ("_fixed_s", "_s_per_op")},
+                               pointwise=tuple((name, tuple(int(b) for b in t["bytes"]),
+                                                tuple(float(x) for x in t["seconds"]))
+                                               for name, t in sorted((k.get("pointwise") or {}).items())),
+                               **({"attention_heads": tuple(int(h) for h in att["heads"]),
+                                   "attention_seq": tuple(int(x) for x in att["seq"]),
+                                   "attention_dims": tuple(int(x) for x in att["head_dim"]),
+                                   "attention_seconds": tuple(
+                                       (name, tuple(tuple(tuple(float(x) for x in row) for row in grid) for grid in g))
+                                       for name, g in sorted(att["seconds"].items()))}
+                                  if att else {}))
 
     @property
     def framework(self) -> FrameworkCost:

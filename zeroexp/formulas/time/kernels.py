@@ -30,7 +30,12 @@ operation's work beyond it: a matmul's from the times of ``torch.mm`` measured o
 CPU depends on each dimension, not on its FLOPs alone: measured on the 2-core host, 62 GFLOP/s at 128 x 128 x 128,
 8.5 at 512 x 512 x 8 of the same FLOPs as 8 x 512 x 512 at 36), interpolated in the logarithms, less the smallest
 call's (its dispatch); a memory-bound operation's from ``torch.add``'s time over a range of bytes moved (in the cache
-and beyond it), less the smallest's.
+and beyond it), less the smallest's. A CPU computes what a GPU streams: an operation of :data:`POINTWISE` (GELU, SiLU,
+softmax, layer norm, and their backward) costs its own time over bytes moved (schema 11: measured on a 2-core host,
+``gelu`` of 65,536 elements 92 us where ``torch.add`` moving its 512 KiB takes 10), and the fused attention kernel its
+own work per head at its sequence length and head dimension (``attention``: the CPU's flash kernel at head dimension
+16 ran at a ninth of the rate of a square matmul of its FLOPs); a pointwise operation less its smallest call's time,
+the attention kernel its calls' slope over two head counts (their intercept is the call's own cost).
 """
 
 from __future__ import annotations
@@ -40,22 +45,33 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["KINDS", "KernelRates", "MeasuredKernels", "OpCost", "op_seconds", "ops_seconds"]
+__all__ = ["KINDS", "POINTWISE", "ATTENTION", "KernelRates", "MeasuredKernels", "OpCost", "op_seconds", "ops_seconds"]
 
 #: The kinds of operation the step's compute is split into.
 KINDS = ("matmul", "attention", "memory")
+#: The ATen operations (their overload packets' names) of kind ``memory`` a calibration times on their own (schema 11,
+#: ``compute.kernels.pointwise``): on a CPU their arithmetic (erf, exp, a row's reduction), not their bytes, sets their
+#: time. Elsewhere (a GPU preset, an older calibration) they cost their bytes as every ``memory`` operation.
+POINTWISE = ("gelu", "gelu_backward", "silu", "silu_backward", "_softmax", "_softmax_backward_data", "_log_softmax",
+             "_log_softmax_backward_data", "native_layer_norm", "native_layer_norm_backward")
+#: The names an attention kernel's :class:`OpCost` carries (forward or backward, causal or not) where a calibration
+#: times the fused kernel at its shapes (schema 11, ``compute.kernels.attention``).
+ATTENTION = ("attention_forward", "attention_backward")
 
 
 @dataclass(frozen=True)
 class OpCost:
     """One kernel of the traced step: its ``kind`` (:data:`KINDS`), FLOPs and bytes read and written; a matmul's
     ``dims`` (batch, m, k, n: a batch of [m, k] x [k, n]) where its arguments give them (mm, addmm, bmm, baddbmm),
-    else empty (a convolution, a grouped matmul: costed by its FLOPs alone)."""
+    an attention kernel's (batch x heads, query length, key length, head dimension), else empty (a convolution, a
+    grouped matmul: costed by its FLOPs alone); ``name``: an operation of :data:`POINTWISE` its ATen name, an
+    attention kernel one of :data:`ATTENTION` (``_causal`` appended where it is), else empty."""
 
     kind: str
     flops: int
     bytes: int
     dims: tuple[int, ...] = ()
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,15 @@ class MeasuredKernels:
     forward_s_per_op: float = 0.0
     backward_fixed_s: float = 0.0
     backward_s_per_op: float = 0.0
+    #: schema 11: each operation of :data:`POINTWISE` timed, ``(name, bytes moved, seconds a call)``
+    pointwise: tuple[tuple[str, tuple[int, ...], tuple[float, ...]], ...] = ()
+    #: schema 11: the fused attention kernel over ``attention_seq`` x ``attention_dims`` (query and key length, head
+    #: dimension) at each of the two batch x heads counts ``attention_heads``, ``attention_seconds[name][h][i][j]``
+    #: a call (names of :data:`ATTENTION`, with ``_causal``)
+    attention_heads: tuple[int, ...] = ()
+    attention_seq: tuple[int, ...] = ()
+    attention_dims: tuple[int, ...] = ()
+    attention_seconds: tuple[tuple[str, tuple[tuple[tuple[float, ...], ...], ...]], ...] = ()
 
     def _matmul(self, m: int, k: int, n: int) -> float:
         """A call of [m, k] x [k, n]: trilinear in the logarithms of the dimensions and of the time; a dimension
@@ -144,21 +169,45 @@ class MeasuredKernels:
         return scale * math.exp(total)
 
     def seconds(self, op: OpCost) -> float:
-        """The work of one operation beyond its dispatch: a matmul (an attention kernel: its FLOPs as a square
-        matmul's, as the CPU's flash kernel tiles them) by the grid (a batch as that many calls' work; without its
-        dims as the cube of its FLOPs), anything else by its bytes moved."""
+        """The work of one operation beyond its dispatch: an attention kernel the table times (schema 11) by its work
+        per head (:meth:`_attention`); a matmul (an attention kernel without a table: its FLOPs as a square matmul's)
+        by the grid (a batch as that many calls' work; without its dims as the cube of its FLOPs); a pointwise
+        operation with a table by its own curve of bytes moved, anything else by ``torch.add``'s."""
+        if op.kind == "attention" and len(op.dims) == 4 and op.name in dict(self.attention_seconds):
+            return self._attention(op)
         if op.kind in ("matmul", "attention"):
-            if len(op.dims) == 4:
+            if op.kind == "matmul" and len(op.dims) == 4:
                 batch, m, k, n = op.dims
             else:
                 batch, side = 1, max(1, round((op.flops / 2) ** (1 / 3)))
                 m = k = n = side
             smallest = self.matmul_seconds[0][0][0]
             return batch * max(0.0, self._matmul(m, k, n) - smallest)
-        at = _interpolate([math.log(b) for b in self.memory_bytes], [math.log(s) for s in self.memory_seconds],
-                          math.log(max(op.bytes, 1)))
-        beyond = max(1.0, op.bytes / self.memory_bytes[-1])  # past the largest size: its bandwidth held
-        return max(0.0, beyond * math.exp(at) - self.memory_seconds[0])
+        nbytes, seconds = next(((b, t) for name, b, t in self.pointwise if name == op.name),
+                               (self.memory_bytes, self.memory_seconds))
+        at = _interpolate([math.log(b) for b in nbytes], [math.log(s) for s in seconds], math.log(max(op.bytes, 1)))
+        beyond = max(1.0, op.bytes / nbytes[-1])  # past the largest size: its bandwidth held
+        return max(0.0, beyond * math.exp(at) - seconds[0])
+
+    def _attention(self, op: OpCost) -> float:
+        """A fused attention call beyond its dispatch: per head, the slope of the measured calls between the two
+        batch x heads counts (its intercept, the call's own cost, is dispatch: priced per operator apart), at its
+        query length and head dimension, interpolated in the logarithms (bilinear; held at the grid's edges, a
+        longer sequence scaled by its share of the work, quadratic, a wider head linearly), times its batch x heads,
+        and its keys over its queries (the grid's are as many)."""
+        heads, seq, keys, dim = op.dims
+        few, many = dict(self.attention_seconds)[op.name]
+        logs_s, logs_d = [math.log(x) for x in self.attention_seq], [math.log(x) for x in self.attention_dims]
+        x = math.log(min(max(seq, self.attention_seq[0]), self.attention_seq[-1]))
+        y = math.log(min(max(dim, self.attention_dims[0]), self.attention_dims[-1]))
+
+        def at(grid: tuple[tuple[float, ...], ...]) -> float:
+            return math.exp(_interpolate(logs_s, [_interpolate(logs_d, [math.log(t) for t in row], y) for row in grid],
+                                         x))
+        per_head = max(0.0, (at(many) - at(few)) / (self.attention_heads[1] - self.attention_heads[0]))
+        longer = max(1.0, seq / self.attention_seq[-1]) ** 2
+        wider = max(dim, self.attention_dims[-1]) / self.attention_dims[-1]
+        return heads * per_head * longer * wider * keys / seq
 
 
 def ops_seconds(ops: Mapping[OpCost, int] | Iterable[OpCost], rates: KernelRates | MeasuredKernels
