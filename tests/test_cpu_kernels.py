@@ -265,3 +265,15 @@ def test_calibrates_table_shows_the_operations_it_measured():
     assert f"{1 / A / 1e9:.2f} GB/s" in text  # every size of the add at A seconds a byte
     assert "4.00 us an operator" not in text and "5.00 us an operator" in text and "2.00 us an operator" in text
     _operations({}, Console(file=io.StringIO()))  # a calibration before schema 10: nothing shown, nothing raised
+    given = _schema11()  # schema 11: each pointwise operation at its largest size, attention at the longest sequence
+    data["kernels"].update(pointwise={"gelu": {"bytes": list(BYTES), "seconds": [P * b for b in BYTES]}},
+                           attention={"heads": list(HEADS), "seq": list(SEQ), "head_dim": list(HEAD_DIMS),
+                                      "seconds": {n: [[list(r) for r in grid] for grid in g]
+                                                  for n, g in given.attention_seconds}})
+    out = io.StringIO()
+    _operations(data, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "gelu, 48 MiB moved" in text and f"{1 / P / 1e9:.2f} GB/s" in text
+    sec = F + 32 * H * 256**2 * 128  # 4 x heads x seq^2 x dim FLOPs forward, 2.5 x backward, halved where causal
+    assert "attention_backward 32 x 256 x 128" in text and f"{10 * 32 * 256**2 * 128 / sec / 1e9:.2f} GFLOP/s" in text
+    assert f"{2 * 32 * 256**2 * 128 / sec / 1e9:.2f} GFLOP/s" in text  # attention_forward_causal
