@@ -1,6 +1,7 @@
-"""The op-level compute on a calibrated machine: the operation microbenchmarks a calibration holds (schema 10,
+"""The op-level compute on a calibrated machine: the operation microbenchmarks a calibration holds (schema 10 and 11,
 ``compute.kernels``), how :class:`MeasuredKernels` costs an operation from them, and a cell's and the planner's step
-from a model's traced operations. Tables are given (a power law, where the logarithmic interpolation is exact), so
+from a model's traced operations. Tables are given (power laws, where the logarithmic interpolation is exact; the
+attention table a power law per head plus a constant per call, which its slope over two head counts removes), so
 every expected time is computed here from the same law, never one CPU's timing."""
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ def test_a_matmul_shaped_otherwise_costs_what_its_shape_measured():
     assert narrow == pytest.approx(4 * C * 512 * 512 * 8 - C) and wide == pytest.approx(C * 512 * 512 * 8 - C)
 
 
-#: given pointwise and attention tables (schema 11): gelu P x bytes a call; attention per head H x seq^2 x dim, each
-#: call F more (its own cost, dispatch), at 8 and 32 heads
+#: given pointwise and attention tables (schema 11): gelu P x bytes a call over its own sizes (PBYTES, not the add's);
+#: attention per head H x seq^2 x dim, each call F more (its own cost, dispatch), at 8 and 32 heads
 P, H, F = 3e-9, 1e-10, 5e-5
+PBYTES = tuple(8 * 256 * 4**i for i in range(8))
 SEQ, HEAD_DIMS, HEADS = (16, 64, 256), (16, 64, 128), (8, 32)
 
 
@@ -75,7 +77,7 @@ def _schema11(**dispatch: float) -> MeasuredKernels:
 
     att = tuple((name, tuple(tuple(tuple(F + h * H * s * s * d for d in HEAD_DIMS) for s in SEQ) for h in HEADS))
                 for name in ("attention_backward", "attention_forward_causal"))
-    return replace(_kernels(**dispatch), pointwise=(("gelu", BYTES, tuple(P * b for b in BYTES)),),
+    return replace(_kernels(**dispatch), pointwise=(("gelu", PBYTES, tuple(P * b for b in PBYTES)),),
                    attention_heads=HEADS, attention_seq=SEQ, attention_dims=HEAD_DIMS, attention_seconds=att)
 
 
@@ -87,11 +89,13 @@ def test_a_pointwise_operation_costs_its_own_table_and_attention_its_work_per_he
     in the head dimension; a name the table lacks (forward, not causal) as a square matmul of its FLOPs."""
     k = _schema11()
     nbytes = 5 * BYTES[2] + 7
-    assert k.seconds(OpCost("memory", 0, nbytes, name="gelu")) == pytest.approx(P * (nbytes - BYTES[0]), rel=1e-9)
+    assert k.seconds(OpCost("memory", 0, nbytes, name="gelu")) == pytest.approx(P * (nbytes - PBYTES[0]), rel=1e-9)
     for name in ("silu", ""):
         assert k.seconds(OpCost("memory", 0, nbytes, name=name)) == pytest.approx(A * (nbytes - BYTES[0]), rel=1e-9)
+    # on the grid, between its points (the GPT's: 32 heads, 32 positions, head dimension 16), beyond it and below it
     for heads, seq, keys, dim in ((32, 64, 64, 64), (12, 64, 64, 16), (4, 256, 256, 128), (48, 1024, 1024, 256),
-                                  (8, 64, 128, 64)):
+                                  (8, 64, 128, 64), (32, 32, 32, 16), (8, 32, 32, 32), (6, 100, 100, 80),
+                                  (8, 4, 4, 8), (8, 1, 256, 64), (8, 8, 64, 64)):
         work = heads * H * seq * keys * dim
         assert k.seconds(OpCost("attention", 1, 0, (heads, seq, keys, dim), "attention_backward")) == \
             pytest.approx(work, rel=1e-9), (heads, seq, keys, dim)
@@ -232,7 +236,7 @@ def test_the_microbenchmarks_time_every_point_on_every_rank(monkeypatch):
     assert out["matmul"]["dims"] == [1, 8] and len(out["matmul"]["seconds"]) == 2
     assert all(s > 0 for plane in out["matmul"]["seconds"] for row in plane for s in row)
     assert out["memory"]["bytes"] == [12 * 256, 12 * 1024] and all(s > 0 for s in out["memory"]["seconds"])
-    from zeroexp.formulas.time.kernels import POINTWISE
+    from zeroexp.formulas.time.kernels import ATTENTION, POINTWISE
 
     table = out["pointwise"]
     assert sorted(table) == sorted(POINTWISE) and all(len(t["seconds"]) == 2 and min(t["seconds"]) > 0
@@ -245,6 +249,19 @@ def test_the_microbenchmarks_time_every_point_on_every_rank(monkeypatch):
                                             for c in ("", "_causal"))
     assert all(len(g) == 2 and all(len(rows) == 2 and all(len(r) == 1 and r[0] > 0 for r in rows) for rows in g)
                for g in att["seconds"].values())
+    # each entry is its own call's: the calls numbered in the order they are timed, each number read back where it
+    # belongs (matmul grid, add sizes, each pointwise operation's sizes, each attention call's heads x seq x dim)
+    calls = iter(range(10**6))
+    monkeypatch.setattr(measure, "_per_call", lambda fn, device: float(next(calls)))
+    out = measure.measure_kernels(torch.device("cpu"))
+    assert out["matmul"]["seconds"] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] and out["memory"]["seconds"] == [8, 9]
+    at = 10
+    for name in POINTWISE:
+        assert out["pointwise"][name]["seconds"] == [at, at + 1], name
+        at += 2
+    for name in (f"{n}{c}" for n in ATTENTION for c in ("", "_causal")):
+        assert out["attention"]["seconds"][name] == [[[at], [at + 1]], [[at + 2], [at + 3]]], name
+        at += 4
 
 
 def test_calibrates_table_shows_the_operations_it_measured():
@@ -266,14 +283,14 @@ def test_calibrates_table_shows_the_operations_it_measured():
     assert "4.00 us an operator" not in text and "5.00 us an operator" in text and "2.00 us an operator" in text
     _operations({}, Console(file=io.StringIO()))  # a calibration before schema 10: nothing shown, nothing raised
     given = _schema11()  # schema 11: each pointwise operation at its largest size, attention at the longest sequence
-    data["kernels"].update(pointwise={"gelu": {"bytes": list(BYTES), "seconds": [P * b for b in BYTES]}},
+    data["kernels"].update(pointwise={"gelu": {"bytes": list(PBYTES), "seconds": [P * b for b in PBYTES]}},
                            attention={"heads": list(HEADS), "seq": list(SEQ), "head_dim": list(HEAD_DIMS),
                                       "seconds": {n: [[list(r) for r in grid] for grid in g]
                                                   for n, g in given.attention_seconds}})
     out = io.StringIO()
     _operations(data, Console(file=out, width=200))
     text = out.getvalue()
-    assert "gelu, 48 MiB moved" in text and f"{1 / P / 1e9:.2f} GB/s" in text
+    assert "gelu, 32 MiB moved" in text and f"{1 / P / 1e9:.2f} GB/s" in text
     sec = F + 32 * H * 256**2 * 128  # 4 x heads x seq^2 x dim FLOPs forward, 2.5 x backward, halved where causal
     assert "attention_backward 32 x 256 x 128" in text and f"{10 * 32 * 256**2 * 128 / sec / 1e9:.2f} GFLOP/s" in text
     assert f"{2 * 32 * 256**2 * 128 / sec / 1e9:.2f} GFLOP/s" in text  # attention_forward_causal

@@ -94,10 +94,11 @@ def render_table(cal: Calibration, console: Any) -> None:
 
 
 def _operations(c: dict[str, Any], console: Any) -> None:
-    """The op-level compute's microbenchmarks (schema 10): a few of the matmul grid's shapes and of the memory-bound
-    op's sizes, each a call's time and its rate, the largest size of each pointwise operation and the attention
-    kernel at the longest sequence (schema 11; its FLOPs as ``torch.utils.flop_counter`` counts them: 4 x heads x
-    seq^2 x dim forward, 2.5 times that backward, halved where causal), and the operator stacks' dispatch."""
+    """The op-level compute's microbenchmarks (schema 10, and 11's tables): a few of the matmul grid's shapes and of
+    the memory-bound op's sizes, each a call's time and its rate, the largest size of each pointwise operation and
+    the attention kernel at the longest sequence (schema 11; its FLOPs as ``torch.utils.flop_counter`` counts them:
+    4 x heads x seq^2 x dim forward, 2.5 times that backward, halved where causal), and the operator stacks'
+    dispatch."""
     from rich.table import Table
 
     k, dispatch = c.get("kernels"), c.get("dispatch")

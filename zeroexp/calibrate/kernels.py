@@ -40,12 +40,13 @@ MATMUL_DIMS = (1, 8, 32, 128, 512)
 MEMORY_ELEMENTS = tuple(256 * 4**i for i in range(8))
 #: Seconds a timed block lasts at least (short calls repeated until it does) and the blocks a point is timed over.
 BLOCK_S, BLOCKS = 2e-4, 7
-#: The sizes of the pointwise operations, in elements of their input (256 to 262,144), in rows of ``ROW`` (a
-#: softmax's or a norm's row: their cost per element is flat beyond a few dozen).
-POINTWISE_ELEMENTS = tuple(256 * 4**i for i in range(6))
+#: Measurement design: the sizes of the pointwise operations, in elements of their input (256 to 4,194,304: 2 KiB
+#: to 48 MiB moved, the caches then memory, as ``MEMORY_ELEMENTS``), in rows of ``ROW`` (a softmax's or a norm's row;
+#: a transformer's are its width or its sequence, 64 and more).
+POINTWISE_ELEMENTS = tuple(256 * 4**i for i in range(8))
 ROW = 128
-#: The attention grid: two batch x heads counts (the slope between them is the work per head, the intercept the
-#: call's own cost), query (and key) lengths, head dimensions.
+#: Measurement design: the attention grid, two batch x heads counts (the slope between them is the work per head, the
+#: intercept the call's own cost), query (and key) lengths, head dimensions.
 ATTENTION_HEADS, ATTENTION_SEQ, ATTENTION_DIMS = (8, 32), (16, 48, 128), (16, 64, 128)
 
 

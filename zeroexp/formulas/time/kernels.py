@@ -32,7 +32,7 @@ CPU depends on each dimension, not on its FLOPs alone: measured on the 2-core ho
 call's (its dispatch); a memory-bound operation's from ``torch.add``'s time over a range of bytes moved (in the cache
 and beyond it), less the smallest's. A CPU computes what a GPU streams: an operation of :data:`POINTWISE` (GELU, SiLU,
 softmax, layer norm, and their backward) costs its own time over bytes moved (schema 11: measured on a 2-core host,
-``gelu`` of 65,536 elements 92 us where ``torch.add`` moving its 512 KiB takes 10), and the fused attention kernel its
+``gelu`` of 65,536 elements 40 us where ``torch.add`` moving its 512 KiB takes about 10), and the fused attention kernel its
 own work per head at its sequence length and head dimension (``attention``: the CPU's flash kernel at head dimension
 16 ran at a ninth of the rate of a square matmul of its FLOPs); a pointwise operation less its smallest call's time,
 the attention kernel its calls' slope over two head counts (their intercept is the call's own cost).
@@ -190,24 +190,21 @@ class MeasuredKernels:
         return max(0.0, beyond * math.exp(at) - seconds[0])
 
     def _attention(self, op: OpCost) -> float:
-        """A fused attention call beyond its dispatch: per head, the slope of the measured calls between the two
-        batch x heads counts (its intercept, the call's own cost, is dispatch: priced per operator apart), at its
-        query length and head dimension, interpolated in the logarithms (bilinear; held at the grid's edges, a
-        longer sequence scaled by its share of the work, quadratic, a wider head linearly), times its batch x heads,
-        and its keys over its queries (the grid's are as many)."""
+        """A fused attention call beyond its dispatch: per head, the slope of the measured calls between the fewest
+        and the most batch x heads measured (its intercept, the call's own cost, is dispatch: priced per operator
+        apart; a slope noise makes negative is 0), at each measured sequence length and head dimension, interpolated
+        in the logarithms at the call's (bilinear, at the grid's nearest within it), then scaled by the work's share
+        (queries x keys x head dimension, against the square call at those nearest) and times its batch x heads."""
         heads, seq, keys, dim = op.dims
-        few, many = dict(self.attention_seconds)[op.name]
-        logs_s, logs_d = [math.log(x) for x in self.attention_seq], [math.log(x) for x in self.attention_dims]
-        x = math.log(min(max(seq, self.attention_seq[0]), self.attention_seq[-1]))
-        y = math.log(min(max(dim, self.attention_dims[0]), self.attention_dims[-1]))
-
-        def at(grid: tuple[tuple[float, ...], ...]) -> float:
-            return math.exp(_interpolate(logs_s, [_interpolate(logs_d, [math.log(t) for t in row], y) for row in grid],
-                                         x))
-        per_head = max(0.0, (at(many) - at(few)) / (self.attention_heads[1] - self.attention_heads[0]))
-        longer = max(1.0, seq / self.attention_seq[-1]) ** 2
-        wider = max(dim, self.attention_dims[-1]) / self.attention_dims[-1]
-        return heads * per_head * longer * wider * keys / seq
+        grids = dict(self.attention_seconds)[op.name]
+        spread = self.attention_heads[-1] - self.attention_heads[0]
+        slopes = [[max((b - a) / spread, 1e-15) for a, b in zip(low, high)] for low, high in zip(grids[0], grids[-1])]
+        near_s = min(max(seq, self.attention_seq[0]), self.attention_seq[-1])
+        near_d = min(max(dim, self.attention_dims[0]), self.attention_dims[-1])
+        logs_d = [math.log(x) for x in self.attention_dims]
+        rows = [_interpolate(logs_d, [math.log(t) for t in row], math.log(near_d)) for row in slopes]
+        per_head = math.exp(_interpolate([math.log(x) for x in self.attention_seq], rows, math.log(near_s)))
+        return heads * per_head * (seq * keys * dim) / (near_s * near_s * near_d)
 
 
 def ops_seconds(ops: Mapping[OpCost, int] | Iterable[OpCost], rates: KernelRates | MeasuredKernels
