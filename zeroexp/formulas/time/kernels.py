@@ -32,10 +32,11 @@ CPU depends on each dimension, not on its FLOPs alone: measured on the 2-core ho
 call's (its dispatch); a memory-bound operation's from ``torch.add``'s time over a range of bytes moved (in the cache
 and beyond it), less the smallest's. A CPU computes what a GPU streams: an operation of :data:`POINTWISE` (GELU, SiLU,
 softmax, layer norm, and their backward) costs its own time over bytes moved (schema 11: measured on a 2-core host,
-``gelu`` of 65,536 elements 40 us where ``torch.add`` moving its 512 KiB takes about 10), and the fused attention kernel its
-own work per head at its sequence length and head dimension (``attention``: the CPU's flash kernel at head dimension
-16 ran at a ninth of the rate of a square matmul of its FLOPs); a pointwise operation less its smallest call's time,
-the attention kernel its calls' slope over two head counts (their intercept is the call's own cost).
+``gelu`` of 65,536 elements 40 us where ``torch.add`` moving its 512 KiB takes about 10), and the fused attention
+kernel its own work per head at its sequence length and head dimension (``attention``: the CPU's flash kernel at
+head dimension 16 ran at a ninth of the rate of a square matmul of its FLOPs); a pointwise operation less its
+smallest call's time, the attention kernel its calls' slope over two head counts (their intercept is the call's own
+cost).
 """
 
 from __future__ import annotations
