@@ -96,9 +96,8 @@ def render_table(cal: Calibration, console: Any) -> None:
 def _operations(c: dict[str, Any], console: Any) -> None:
     """The op-level compute's microbenchmarks (schema 10, and 11's tables): a few of the matmul grid's shapes and of
     the memory-bound op's sizes, each a call's time and its rate, the largest size of each pointwise operation and
-    the attention kernel at the longest sequence (schema 11; its FLOPs as ``torch.utils.flop_counter`` counts them:
-    4 x heads x seq^2 x dim forward, 2.5 times that backward, halved where causal), and the operator stacks'
-    dispatch."""
+    the attention kernel at the longest sequence (schema 11; its FLOPs as the traced step counts them: torch's flop
+    counter's, halved where causal), and the operator stacks' dispatch."""
     from rich.table import Table
 
     k, dispatch = c.get("kernels"), c.get("dispatch")
@@ -121,10 +120,14 @@ def _operations(c: dict[str, Any], console: Any) -> None:
                   f"{t['bytes'][-1] / t['seconds'][-1] / 1e9:.2f} GB/s")
     att = k.get("attention")
     if att:  # schema 11: the longest sequence at each head dimension
-        for name, grids in sorted(att["seconds"].items()):
+        from zeroexp._lib.flop_counts import attention_flops
+        from zeroexp.formulas.time.kernels import ATTENTION_CALLS
+
+        for name, backward, causal in sorted(c for c in ATTENTION_CALLS if c[0] in att["seconds"]):
             s, h = att["seq"][-1], att["heads"][-1]
-            for d, sec in zip(att["head_dim"], grids[-1][-1]):
-                flops = 4 * h * s * s * d * (2.5 if "backward" in name else 1.0) / (2 if "causal" in name else 1)
+            for d, sec in zip(att["head_dim"], att["seconds"][name][-1][-1]):
+                shape = (1, h, s, d)
+                flops = attention_flops(shape, shape, shape, shape if backward else None) / (2 if causal else 1)
                 o.add_row(f"{name} {h} x {s} x {d}", f"{sec * 1e6:.1f}", f"{flops / sec / 1e9:.2f} GFLOP/s")
     for phase in ("forward", "backward"):
         d = dispatch[phase]

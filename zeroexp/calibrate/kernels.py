@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from zeroexp.calibrate.calls import slowest_each, sync
-from zeroexp.formulas.time.kernels import ATTENTION, POINTWISE
+from zeroexp.formulas.time.kernels import ATTENTION_CALLS, POINTWISE
 
 __all__ = ["MATMUL_DIMS", "MEMORY_ELEMENTS", "measure_kernels"]
 
@@ -70,66 +70,55 @@ def _per_call(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def measure_kernels(device: torch.device) -> dict[str, Any]:
-    """``compute.kernels``' ``matmul`` and ``memory`` tables (see the module), the slowest rank's at each point."""
-    own = []
+    """``compute.kernels``' tables (see the module), the slowest rank's at each point."""
+    labels: list[tuple] = []
+    own: list[float] = []
+
+    def point(label: tuple, fn: Callable[[], Any]) -> None:
+        dist.barrier()
+        own.append(_per_call(fn, device))
+        labels.append(label)
+
     for m in MATMUL_DIMS:
         for k in MATMUL_DIMS:
             for n in MATMUL_DIMS:
                 a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-                dist.barrier()
-                own.append(_per_call(lambda: torch.mm(a, b), device))
+                point(("mm", m, k, n), lambda: torch.mm(a, b))
     for elements in MEMORY_ELEMENTS:
         x, y = torch.randn(elements, device=device), torch.randn(elements, device=device)
-        dist.barrier()
-        own.append(_per_call(lambda: torch.add(x, y), device))
+        point(("add", elements), lambda: torch.add(x, y))
     pointwise = _pointwise_calls(device)
-    moved: dict[str, list[int]] = {}
     for name, calls in pointwise.items():
         for nbytes, fn in calls:
-            moved.setdefault(name, []).append(nbytes)
-            dist.barrier()
-            own.append(_per_call(fn, device))
-    for name in _ATTENTION_CALLS:
+            point((name, nbytes), fn)
+    for name, backward, causal in ATTENTION_CALLS:
         for h in ATTENTION_HEADS:
             for s in ATTENTION_SEQ:
                 for d in ATTENTION_DIMS:
-                    dist.barrier()
-                    own.append(_per_call(_attention_call(name, h, s, d, device), device))
-    times = slowest_each(own, device)
-    d = len(MATMUL_DIMS)
-    grid = [[[times[(i * d + j) * d + k] for k in range(d)] for j in range(d)] for i in range(d)]
-    at = d**3 + len(MEMORY_ELEMENTS)
-    table = {}
-    for name, nbytes in moved.items():
-        table[name] = {"bytes": nbytes, "seconds": times[at:at + len(nbytes)]}
-        at += len(nbytes)
-    per, dims = len(ATTENTION_SEQ) * len(ATTENTION_DIMS), len(ATTENTION_DIMS)
-    heads = len(ATTENTION_HEADS)
+                    point((name, h, s, d), _attention_call(backward, causal, h, s, d, device))
+    at = dict(zip(labels, slowest_each(own, device)))
     return {"dtype": "float32",
-            "matmul": {"op": "torch.mm", "dims": list(MATMUL_DIMS), "seconds": grid},
+            "matmul": {"op": "torch.mm", "dims": list(MATMUL_DIMS),
+                       "seconds": [[[at["mm", m, k, n] for n in MATMUL_DIMS] for k in MATMUL_DIMS]
+                                   for m in MATMUL_DIMS]},
             "memory": {"op": "torch.add", "bytes": [12 * e for e in MEMORY_ELEMENTS],
-                       "seconds": times[d**3:d**3 + len(MEMORY_ELEMENTS)]},
-            "pointwise": table,
+                       "seconds": [at["add", e] for e in MEMORY_ELEMENTS]},
+            "pointwise": {name: {"bytes": [b for b, _ in calls], "seconds": [at[name, b] for b, _ in calls]}
+                          for name, calls in pointwise.items()},
             "attention": {"op": "torch.nn.functional.scaled_dot_product_attention", "heads": list(ATTENTION_HEADS),
                           "seq": list(ATTENTION_SEQ), "head_dim": list(ATTENTION_DIMS),
-                          "seconds": {name: [[times[at + (k * heads + h) * per + i * dims:][:dims]
-                                              for i in range(len(ATTENTION_SEQ))] for h in range(heads)]
-                                      for k, name in enumerate(_ATTENTION_CALLS)}}}
+                          "seconds": {name: [[[at[name, h, s, d] for d in ATTENTION_DIMS] for s in ATTENTION_SEQ]
+                                             for h in ATTENTION_HEADS] for name, _, _ in ATTENTION_CALLS}}}
 
 
-#: The attention calls timed (zeroexp.formulas.time.kernels.ATTENTION, causal and not).
-_ATTENTION_CALLS = tuple(f"{n}{c}" for n in ATTENTION for c in ("", "_causal"))
-
-
-def _attention_call(name: str, heads: int, seq: int, dim: int, device: torch.device) -> Callable[[], Any]:
-    """One call of the fused attention kernel (``name``: forward or backward, causal or not) on queries, keys and
-    values of [1, ``heads``, ``seq``, ``dim``]; the backward through autograd on a kept graph."""
+def _attention_call(backward: bool, causal: bool, heads: int, seq: int, dim: int, device: torch.device
+                    ) -> Callable[[], Any]:
+    """One call of the fused attention kernel, forward or backward, causal or not, on queries, keys and values of
+    [1, ``heads``, ``seq``, ``dim``]; the backward through autograd on a kept graph."""
     import torch.nn.functional as F
 
-    q, k, v = (torch.randn(1, heads, seq, dim, device=device, requires_grad=name.startswith(ATTENTION[1]))
-               for _ in range(3))
-    causal = name.endswith("_causal")
-    if name.startswith(ATTENTION[0]):
+    q, k, v = (torch.randn(1, heads, seq, dim, device=device, requires_grad=backward) for _ in range(3))
+    if not backward:
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     grad = torch.randn_like(out)

@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Any, Mapping
 
 from zeroexp.cell.memo import memoized
-from zeroexp.formulas.time.kernels import ATTENTION, POINTWISE, OpCost
+from zeroexp.formulas.time.kernels import POINTWISE, OpCost, attention_name
 
 __all__ = ["step_kernels", "ATTENTION_FORWARD", "ATTENTION_BACKWARD"]
 
@@ -109,13 +109,13 @@ def _traced(model_cfg: Mapping[str, Any], batch_size: int, dtype: str) -> tuple[
             q, k, v = args[:3]
             causal = _arg(args, kwargs, 4, "is_causal")
             return OpCost("attention", attention_flops(q.shape, k.shape, v.shape) // (2 if causal else 1), moved,
-                          _attention_dims(q.shape, k.shape), ATTENTION[0] + ("_causal" if causal else ""))
+                          _attention_dims(q.shape, k.shape), attention_name(False, bool(causal)))
         if name in ATTENTION_BACKWARD:
             grad, q, k, v = args[:4]
             causal = _arg(args, kwargs, 7, "is_causal")
             flops = attention_flops(q.shape, k.shape, v.shape, grad.shape)
             return OpCost("attention", flops // (2 if causal else 1), moved, _attention_dims(q.shape, k.shape),
-                          ATTENTION[1] + ("_causal" if causal else ""))
+                          attention_name(True, bool(causal)))
         if func.overloadpacket is grouped:  # fused experts' grouped matmul: torch's registry lacks it
             return OpCost("matmul", grouped_mm_flops(args[0].shape, args[1].shape, out_shape=out.shape), moved)
         flops = op_flops(func, args, kwargs, out)

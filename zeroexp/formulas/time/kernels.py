@@ -46,7 +46,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["KINDS", "POINTWISE", "ATTENTION", "KernelRates", "MeasuredKernels", "OpCost", "op_seconds", "ops_seconds"]
+__all__ = ["KINDS", "POINTWISE", "ATTENTION", "ATTENTION_CALLS", "attention_name", "KernelRates", "MeasuredKernels",
+           "OpCost", "op_seconds", "ops_seconds"]
 
 #: The kinds of operation the step's compute is split into.
 KINDS = ("matmul", "attention", "memory")
@@ -55,9 +56,18 @@ KINDS = ("matmul", "attention", "memory")
 #: time. Elsewhere (a GPU preset, an older calibration) they cost their bytes as every ``memory`` operation.
 POINTWISE = ("gelu", "gelu_backward", "silu", "silu_backward", "_softmax", "_softmax_backward_data", "_log_softmax",
              "_log_softmax_backward_data", "native_layer_norm", "native_layer_norm_backward")
-#: The names an attention kernel's :class:`OpCost` carries (forward or backward, causal or not) where a calibration
-#: times the fused kernel at its shapes (schema 11, ``compute.kernels.attention``).
+#: The names an attention kernel's :class:`OpCost` carries (forward or backward, causal or not: :func:`attention_name`)
+#: where a calibration times the fused kernel at its shapes (schema 11, ``compute.kernels.attention``).
 ATTENTION = ("attention_forward", "attention_backward")
+
+
+def attention_name(backward: bool, causal: bool) -> str:
+    """The name of a fused attention call (:data:`ATTENTION`, ``_causal`` appended where it is)."""
+    return ATTENTION[int(backward)] + ("_causal" if causal else "")
+
+
+#: Every attention call a calibration times: (its name, backward, causal).
+ATTENTION_CALLS = tuple((attention_name(b, c), b, c) for b in (False, True) for c in (False, True))
 
 
 @dataclass(frozen=True)
