@@ -126,7 +126,8 @@ def test_fsdp2_explicit_prefetch_issues_all_gathers_earlier_and_sends_the_same()
 
     layout = LAYOUTS["fsdp2_full"]
     groups = derive_groups("fsdp2_full", layout, MLP, 2, 4, PlanKnobs())
-    slots = {a: collective_slots(layout, groups, "pre", 1.0, 2.0, 1.0, a)[0] for a in ((0, 0), (1, 1), (3, 2))}
+    ahead = {a: PlanKnobs(forward_prefetch=a[0], backward_prefetch=a[1]) for a in ((0, 0), (1, 1), (3, 2))}
+    slots = {a: collective_slots(layout, groups, "pre", 1.0, 2.0, 1.0, k)[0] for a, k in ahead.items()}
     assert slots[(0, 0)] == slots[(1, 1)]
     same = [(s.op, s.weight, s.need_s) for s in slots[(0, 0)]]
     assert [(s.op, s.weight, s.need_s) for s in slots[(3, 2)]] == same
@@ -135,7 +136,8 @@ def test_fsdp2_explicit_prefetch_issues_all_gathers_earlier_and_sends_the_same()
     assert any(b < a for a, b in issues[8:])  # backward: 2 units ahead
     cal = Calibration("given", calibration_data(overlap=True))
     coll = step_collectives(layout, groups, 4, PlanKnobs())
-    t = {a: predict_step(layout, groups, coll, cal.rate, 8, cal.seconds_at(2), True, ahead=a) for a in ((0, 0), (3, 2))}
+    t = {a: predict_step(layout, groups, coll, cal.rate, 8, cal.seconds_at(2), True, knobs=ahead[a])
+         for a in ((0, 0), (3, 2))}
     assert t[(3, 2)].comm_s == t[(0, 0)].comm_s and t[(3, 2)].step_s <= t[(0, 0)].step_s
 
 

@@ -171,6 +171,7 @@ def knobs_of(cfg: Any) -> PlanKnobs:
         ds_max_live=knob("stage3_max_live_parameters", None),
         ds_persistence=knob("stage3_param_persistence_threshold", None),
         ds_max_reuse=knob("stage3_max_reuse_distance", None),
+        overlap_comm=bool(knob("overlap_comm", False)),
         recompute=bool(checkpointing),
         offload=str(cfg.offload.name),
         recompute_mode=checkpointing.mode.replace("none", ""),

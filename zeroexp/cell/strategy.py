@@ -205,6 +205,27 @@ def check_ds_stage3_limits(values: Any, stage: int | None, prefix: str = "strate
                               why=f"stage 3's parameter coordinator alone reads it (strategy.stage={stage})")
 
 
+#: Why ``overlap_comm`` is refused at stage 1 (DeepSpeed 0.19, stage_1_and_2.py): its gradient hooks then reduce at
+#: the accumulation boundary (``reduce_ready_partitions_and_remove_grads``: stage 2's path, buckets in backward order)
+#: where stage 1 otherwise reduces after backward in parameter order; zeroexp's stage-1 model follows the latter.
+DS_OVERLAP_STAGE1 = ("DeepSpeed then reduces stage 1's gradients in its backward hooks, in backward order (stage 2's "
+                     "path, stage_1_and_2.py reduce_ready_partitions_and_remove_grads), which zeroexp's stage-1 model "
+                     "does not follow; stage 2 and 3 with overlap_comm are modelled")
+
+
+def check_ds_overlap_comm(value: Any, stage: int | None, key: str = "strategy.overlap_comm") -> None:
+    """Refuse DeepSpeed's ``overlap_comm`` (``key``) that is not a bool, or true below stage 2 (stage 0: the engine's
+    all-reduce after backward has no side stream, ``overlap_comm`` is the ZeRO optimizer's; stage 1:
+    :data:`DS_OVERLAP_STAGE1`). ``stage`` None: the planner, whose stage 2-3 rows alone read it."""
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "true or false (DeepSpeed's zero_optimization.overlap_comm)")
+    if value and stage is not None and stage < 2:
+        why = (DS_OVERLAP_STAGE1 if stage == 1 else
+               "stage 0's engine all-reduces after backward (buffered_allreduce_fallback): overlap_comm is the ZeRO "
+               "optimizer's, stages 1-3")
+        raise ConfigError(key, value, "false below stage 2, or strategy.stage=2 or 3", why=why)
+
+
 def check_fsdp2_reshard(value: Any, world_sizes: list[int], key: str = "strategy.reshard_after_forward") -> None:
     """Refuse an ``fsdp2_full`` ``reshard_after_forward`` (a cell's ``key``, the planner's ``reshard_after_forward``
     over its world sizes) that is none of true, null or an int k dividing each world size with 1 < k: the ranks each
@@ -284,6 +305,11 @@ class DeepSpeedConfig(StrategyConfig):
     stage3_max_live_parameters: Optional[int] = field(default=None, metadata={"identity": "when_set"})
     stage3_param_persistence_threshold: Optional[int] = field(default=None, metadata={"identity": "when_set"})
     stage3_max_reuse_distance: Optional[int] = field(default=None, metadata={"identity": "when_set"})
+    #: DeepSpeed's ``overlap_comm``: the gradient reductions on a side stream, overlapping backward, stage 2 with a
+    #: second ipg buffer (stage_1_and_2.py ``setup_buckets``: "double buffers"). zeroexp's default off (DeepSpeed
+    #: 0.19's own: on at stage 3 alone, runtime/zero/config.py ``overlap_comm_valid``). Stages 2-3
+    #: (:func:`check_ds_overlap_comm`).
+    overlap_comm: bool = field(default=False, metadata={"identity": "when_set"})
 
 
 #: The schema of every registered strategy (``strategy=<name>``): an adapter's ``schema`` is its entry here

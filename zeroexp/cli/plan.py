@@ -88,6 +88,9 @@ class PlanConfig:
     stage3_max_live_parameters: Any = None
     stage3_param_persistence_threshold: Any = None
     stage3_max_reuse_distance: Any = None
+    # deepspeed_stage2 / _stage3, as a cell's strategy.overlap_comm: reductions overlapping backward (stage 2: a second
+    # ipg buffer); the stage 0-1 rows are planned without it (a cell refuses it there)
+    overlap_comm: Any = False
     # strategy=<a cell's strategy> (conf/strategy/): its row alone (strategy.layout), its strategy.* keys over the
     # flat aliases above (bucket_cap_mb, shard_size, use_orig_params, reshard_after_forward, ..., wrap)
     strategy: Any = None
@@ -100,7 +103,7 @@ RUN_ONLY = ("logger", "launcher", "checkpoint", "optimizer", "timeout", "probes"
 #: A cell's strategy.* keys that the planner reads, as its flat keys of the same name.
 STRATEGY_KEYS = ("bucket_cap_mb", "shard_size", "use_orig_params", "reshard_after_forward", "forward_prefetch",
                  "backward_prefetch", "reduce_dtype", "wrap", "reshard_policy", "sync_each_microbatch",
-                 *DS_STAGE3_KEYS)
+                 "overlap_comm", *DS_STAGE3_KEYS)
 #: The overrides of this command line that only a run reads (:func:`split_run_only`), told in a note.
 _IGNORED: tuple[str, ...] = ()
 
@@ -334,11 +337,14 @@ def _ds_terms(records: list[dict[str, Any]], shape: ModelShape, largest: int | N
               offload: str, knobs: PlanKnobs, device: Any) -> None:
     """``ds_peak`` of every DeepSpeed row (``zeroexp.plan.deepspeed_terms.ds_term_record``: the model-state peak term
     by term beside DeepSpeed's estimator; null for the other rows)."""
-    from zeroexp.plan.deepspeed_terms import ds_term_record
+    from zeroexp.formulas.deepspeed import ipg_buffers
+    from zeroexp.plan.deepspeed_terms import ds_stage, ds_term_record
 
     for r in records:
+        stage = ds_stage(r["strategy"])
         r["ds_peak"] = ds_term_record(r["strategy"], shape, r["world_size"], precision.itemsize, offload,
-                                      knobs.bucket_cap_bytes, largest, device.foreach, precision.name == "fp16")
+                                      knobs.bucket_cap_bytes, largest, device.foreach, precision.name == "fp16",
+                                      ipg_buffers(stage, knobs) if stage is not None else 1)
 
 
 def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None,

@@ -22,7 +22,7 @@ __all__ = ["DS_MEMORY_OPT_ALLREDUCE_SIZE", "DS_SUB_GROUP_SIZE", "DS_PREFETCH_BUC
            "ds_persistent", "deepspeed_reduce_bucket_numel", "deepspeed_stage3_gathers", "stage3_calls",
            "REPLAYED_RECOMPUTE", "stage3_recomputed", "stage3_schedule", "deepspeed_buckets", "ds_reduce_order",
            "ds_allreduce_calls", "deepspeed_sub_groups", "deepspeed_gathers",
-           "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload"]
+           "deepspeed_payload_limits", "deepspeed_comm", "deepspeed_payload", "ipg_buffers"]
 
 #: The ``activation_checkpointing`` modes whose recompute the stage-3 replay runs ([DS-RECOMPUTE]).
 REPLAYED_RECOMPUTE = frozenset({"full", "selective_layer", "selective_op"})
@@ -111,6 +111,13 @@ def deepspeed_reduce_bucket_numel(bucket_cap_bytes: int) -> int:
     """DeepSpeed's ``reduce_bucket_size`` (and ``allgather_bucket_size``) for ``strategy.bucket_cap_mb`` MiB: that many
     bytes of 4-byte elements, rounded down to even (DeepSpeed asserts a multiple of its NCCL start alignment, 2)."""
     return bucket_cap_bytes // 4 // 2 * 2
+
+
+def ipg_buffers(stage: int, knobs: PlanKnobs) -> int:
+    """The ipg bucket's buffers of ``reduce_bucket_size`` elements stages 1-2 allocate at a backward's first gradient
+    hook: two under ``overlap_comm`` (stage_1_and_2.py ``setup_buckets``, "double buffers": a bucket's reduction on
+    the side stream reads one while the hooks fill the other), else one. Stage 3's bucket is one, kept."""
+    return 2 if knobs.overlap_comm and stage in (1, 2) else 1
 
 
 def deepspeed_buckets(stage: int, numels: list[int], bucket_numel: int) -> tuple[tuple[int, ...], ...]:

@@ -179,6 +179,9 @@ class PlanKnobs:
     ds_max_live: int | None = None
     ds_persistence: int | None = None
     ds_max_reuse: int | None = None
+    #: DeepSpeed's ``overlap_comm`` (``strategy.overlap_comm``, stages 2-3): the reductions on a side stream (the
+    #: step-time model's slots) and, at stage 2, a second ipg buffer (the peak model)
+    overlap_comm: bool = False
     #: Activation checkpointing on (``activation_checkpointing`` not none): a checkpointed unit's forward runs again in
     #: backward, its modules' hooks with it
     recompute: bool = False

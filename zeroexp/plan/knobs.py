@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from zeroexp.cell.strategy import check_ds_stage3_limits
+from zeroexp.cell.strategy import check_ds_overlap_comm, check_ds_stage3_limits
 from zeroexp.errors import ConfigError
 from zeroexp.formulas import LAYOUTS
 
@@ -39,7 +39,12 @@ def fsdp2_knobs(cfg: DictConfig, world_sizes: list[int]) -> dict[str, Any]:
 
 
 def ds_knobs(cfg: DictConfig) -> dict[str, Any]:
-    """The deepspeed_stage3 row's coordinator limits (PlanKnobs), validated as a cell's."""
+    """The deepspeed_stage3 row's coordinator limits and the stage 2-3 rows' ``overlap_comm`` (PlanKnobs), validated as
+    a cell's."""
     check_ds_stage3_limits(cfg, None, prefix="")
+    strategy = cfg.get("strategy")  # strategy=deepspeed: its stage refuses it as a cell's does
+    stage = int(strategy.stage) if strategy is not None and strategy.get("stage") is not None else None
+    check_ds_overlap_comm(cfg.overlap_comm, stage, key="overlap_comm")
     return {"ds_prefetch_bucket": cfg.stage3_prefetch_bucket_size, "ds_max_live": cfg.stage3_max_live_parameters,
-            "ds_persistence": cfg.stage3_param_persistence_threshold, "ds_max_reuse": cfg.stage3_max_reuse_distance}
+            "ds_persistence": cfg.stage3_param_persistence_threshold, "ds_max_reuse": cfg.stage3_max_reuse_distance,
+            "overlap_comm": bool(cfg.overlap_comm)}

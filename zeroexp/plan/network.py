@@ -300,7 +300,7 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
                         group_seconds=network.groups_at(n), wake=network.wake,
                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None,
                         stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None,
-                        ahead=(knobs.forward_prefetch, knobs.backward_prefetch), ops=ops,
+                        knobs=knobs, ops=ops,
                         tensors=_optimizer_tensors(layout, groups, knobs), orig_params=knobs.use_orig_params)
 
 

@@ -51,7 +51,7 @@ from zeroexp.strategies._deepspeed_checkpoint import DS_FULL_FILE, DS_TAG  # noq
 from zeroexp.strategies.base import (StateTensor, StrategyAdapter, buffer_state_tensors,
                                     optimizer_state_tensors, post_order)
 from zeroexp.cell.policy import CellPolicy
-from zeroexp.cell.strategy import DeepSpeedConfig, check_ds_stage3_limits
+from zeroexp.cell.strategy import DeepSpeedConfig, check_ds_overlap_comm, check_ds_stage3_limits
 
 
 #: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
@@ -98,7 +98,7 @@ def ds_config(policy: Any, device_type: str) -> dict[str, Any]:
                               s.stage3_param_persistence_threshold, s.stage3_max_reuse_distance)
     zero: dict[str, Any] = {"stage": int(s.stage), **limits.ds_config(),
                             "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                            "overlap_comm": False, "contiguous_gradients": True}
+                            "overlap_comm": bool(s.overlap_comm), "contiguous_gradients": True}
     pin = device_type == "cuda"
     if off in ("optimizer", "full"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
@@ -203,7 +203,6 @@ class DeepSpeedAdapter(_ckpt.DeepSpeedCheckpoints, StrategyAdapter):
         from importlib.metadata import version
 
         from packaging.version import Version
-
         if Version(version("deepspeed")) < Version(MIN_DEEPSPEED):
             raise ConfigError("strategy", s.name, f"DeepSpeed >= {MIN_DEEPSPEED}",
                               why=f"deepspeed {version('deepspeed')} is installed; its buffers' dtype, state and "
@@ -211,6 +210,7 @@ class DeepSpeedAdapter(_ckpt.DeepSpeedCheckpoints, StrategyAdapter):
         if s.stage not in (0, 1, 2, 3):
             raise ConfigError("strategy.stage", s.stage, "0, 1, 2, 3")
         check_ds_stage3_limits(s, s.stage)
+        check_ds_overlap_comm(s.overlap_comm, int(s.stage))
         if s.get("hpz_size") not in (None, 1):
             raise ConfigError("strategy.hpz_size", s.hpz_size, "null (or 1: no secondary partition)", why=_HPZ_REFUSED)
         if not s.bucket_cap_mb > 0:

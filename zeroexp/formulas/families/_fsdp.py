@@ -142,14 +142,14 @@ class FsdpFamily(Family):
         return (row.hybrid, not row.reshard_after_forward)  # FULL_SHARD, SHARD_GRAD_OP, then hybrid sharding's
 
     # --- time ---------------------------------------------------------------------------------------------------
-    def slot_rule(self, row, prefetch: str, ahead: tuple[int, int]) -> tuple[str, int, int]:
+    def slot_rule(self, row, prefetch: str, knobs: PlanKnobs) -> tuple[str, int, int]:
         """The backward prefetch mode and the units the forward and backward gathers run ahead."""
         return prefetch, 1, 1
 
-    def collective_slots(self, row, groups, prefetch, f, b, o, ahead):
+    def collective_slots(self, row, groups, prefetch, f, b, o, knobs):
         if not groups.units:
-            return super().collective_slots(row, groups, prefetch, f, b, o, ahead)
-        mode, fwd, bwd = self.slot_rule(row, prefetch, ahead)
+            return super().collective_slots(row, groups, prefetch, f, b, o, knobs)
+        mode, fwd, bwd = self.slot_rule(row, prefetch, knobs)
         return fsdp_unit_slots(groups, mode, f, b, o, fwd, bwd)
 
     def call_path(self, cost: Any, orig_params: bool, notes: list[str]) -> str:

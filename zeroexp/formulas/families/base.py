@@ -105,9 +105,10 @@ class Family:
 
     # --- time ---------------------------------------------------------------------------------------------------
     def collective_slots(self, row: StateLayout, groups: Groups, prefetch: str, f: float, b: float, o: float,
-                         ahead: tuple[int, int]) -> tuple[list, str]:
+                         knobs: PlanKnobs) -> tuple[list, str]:
         """Where each collective of a step is issued and waited for (:func:`zeroexp.formulas.time.overlap.
-        collective_slots`), and the rule's name."""
+        collective_slots`) under the strategy's ``knobs`` (FSDP2's explicit prefetch, DeepSpeed's ``overlap_comm``),
+        and the rule's name."""
         return [], "no overlap rule for this row: every collective exposed"
 
     def follows_prefetch(self, row: StateLayout) -> bool:
@@ -223,11 +224,11 @@ class Family:
         raise KeyError(row.label)  # no peak model
 
     def worst_rank(self, row: StateLayout, groups: Groups, trace: StepTrace, itemsize: int, *, micro_batches: int,
-                   in_place: StepTrace | None, bucket_cap_bytes: int, foreach: bool, offload: str = "none"
+                   in_place: StepTrace | None, bucket_cap_bytes: int, foreach: bool, knobs: PlanKnobs = PlanKnobs()
                    ) -> int | tuple[int, ...] | None:
         """For a row whose ranks differ (``ranks_differ``), the first rank whose largest phase in
-        :meth:`phase_peaks` is highest, found without each rank's phases; a tuple: the ranks to evaluate, the highest
-        taken; None: each rank's phases are evaluated."""
+        :meth:`phase_peaks` (given the same ``knobs``) is highest, found without each rank's phases; a tuple: the
+        ranks to evaluate, the highest taken; None: each rank's phases are evaluated."""
         return None
 
     def steady_buffers(self, row: StateLayout, groups: Groups, itemsize: int, bucket_cap_bytes: int,

@@ -120,7 +120,7 @@ class DdpBuckets(Family):
     def groups_kind(self, row: StateLayout) -> str:
         return "none"
 
-    def collective_slots(self, row, groups, prefetch, f, b, o, ahead):
+    def collective_slots(self, row, groups, prefetch, f, b, o, knobs):
         return ddp_bucket_slots(groups, f, b, o)
 
     def framework_terms(self, row, groups, itemsize, cost, orig_params, terms, notes):

@@ -10,11 +10,12 @@ from functools import partial
 
 from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, REPLAYED_RECOMPUTE, stage3_calls, stage3_schedule,
                                         deepspeed_comm, deepspeed_payload, deepspeed_payload_limits,
-                                        deepspeed_reduce_bucket_numel, deepspeed_sub_groups, ds_reduce_order)
+                                        deepspeed_reduce_bucket_numel, deepspeed_sub_groups, ds_reduce_order,
+                                        ipg_buffers)
 from zeroexp.formulas.families.base import Cut, Family
 from zeroexp.formulas.families.ddp import MIXED
 from zeroexp.formulas.checkpoint_peak import CheckpointPeaks, phase
-from zeroexp.formulas.layout import MASTER_BYTES, StateLayout, pack
+from zeroexp.formulas.layout import MASTER_BYTES, PlanKnobs, StateLayout, pack
 from zeroexp.formulas.paper import padded_numel
 from zeroexp.formulas.peak.deepspeed import (ds_allreduce_copies, ds_partition, ds_stage3_phase_peaks,
                                              ds_stage12_phase_peaks)
@@ -23,7 +24,7 @@ from zeroexp.formulas.peak.ds_ranks import DsStage12Ranks, ds_partitions, ds_wor
 from zeroexp.formulas.peak.ds_stage0 import ds_stage0_accumulated_phase_peaks
 from zeroexp.formulas.peak.phases import highest_phases
 from zeroexp.formulas.shapes import Groups, Shard, Unit
-from zeroexp.formulas.time.overlap import Slot
+from zeroexp.formulas.time.overlap import Slot, cumulative
 
 __all__ = ["DeepSpeedPartitions", "DEEPSPEED", "ROWS", "DEEPSPEED_ROWS"]
 
@@ -109,15 +110,33 @@ class DeepSpeedPartitions(Family):
             return Cut(shards=[Shard(spans, padded_numel(length, row.pad * n))])
         return Cut()
 
-    def collective_slots(self, row, groups, prefetch, f, b, o, ahead):
+    def collective_slots(self, row, groups, prefetch, f, b, o, knobs):
         """Stage 0: every chunk's all_reduce after backward, nothing overlapped (engine.py ``backward`` ->
-        ``allreduce_gradients`` -> ``buffered_allreduce_fallback``: no gradient hook reduces). Stages 1-3: no rule
-        (``overlap_comm`` off, as zeroexp configures DeepSpeed): every collective exposed."""
-        if row.deepspeed_stage == 0:
-            end_b = f + b
+        ``allreduce_gradients`` -> ``buffered_allreduce_fallback``: no gradient hook reduces). Stages 1-3 without
+        ``overlap_comm`` (zeroexp's default): no rule, every collective exposed (the hooks reduce on the compute
+        stream). With it (stages 2-3), each bucket's reduction is issued on the side stream when the bucket is full,
+        as backward fills it (the hook of the next gradient that does not fit; the last in the epilogue): stage 2's
+        all_reduce is waited for when the next bucket is reduced (stage_1_and_2.py ``average_tensor``: the compute
+        stream waits on the reduction stream before the next reduction is issued; two buffers, one being filled),
+        stage 3's reduce_scatter at backward's end (stage3.py: the reduce-and-partition stream synchronized in the
+        epilogue); the step's norm all_reduce and the parameters' all_gathers as before, exposed."""
+        stage, end_b = row.deepspeed_stage, f + b
+        if stage == 0:
             return ([Slot("all_reduce", sum(k), end_b, end_b, order=i) for i, k in enumerate(groups.buckets)],
                     "stage 0 all-reduces after backward (buffered_allreduce_fallback): nothing overlapped")
-        return super().collective_slots(row, groups, prefetch, f, b, o, ahead)
+        if not knobs.overlap_comm or stage == 1 or not groups.buckets:
+            return super().collective_slots(row, groups, prefetch, f, b, o, knobs)
+        c = cumulative([sum(k) for k in groups.buckets])
+        full = [f + b * c[i + 1] / c[-1] for i in range(len(groups.buckets))]  # each bucket full, in reduce order
+        if stage == 3:
+            return ([Slot("reduce_scatter", sum(k), full[i], end_b) for i, k in enumerate(groups.buckets)],
+                    "overlap_comm: each bucket's reduce_scatter on the side stream as backward fills it, waited at "
+                    "backward's end")
+        needed = full[1:] + [end_b]
+        slots = [Slot("all_reduce", sum(k), full[i], needed[i]) for i, k in enumerate(groups.buckets)]
+        slots.append(Slot("all_reduce", 1, end_b, end_b, order=len(slots)))  # the step's norm: a scalar
+        return slots, ("overlap_comm: each bucket's all_reduce on the side stream as backward fills it, waited for "
+                       "when the next bucket is reduced")
 
     def framework_terms(self, row, groups, itemsize, cost, orig_params, terms, notes):
         """Stage 0: the fallback's passes over the gradients (engine.py ``allreduce_bucket``: ``flatten`` into one
@@ -243,7 +262,7 @@ class DeepSpeedPartitions(Family):
                         order=_reduce_order(groups, stage), numels=groups.numels, part=part,
                         bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
                         foreach=foreach, ungraded=groups.ungraded, offload=knobs.offload != "none",
-                        host_is_device=gloo)
+                        host_is_device=gloo, ipg_buffers=ipg_buffers(stage, knobs))
         if micro_batches < 2:
             return peaks(trace)
         # the first micro-batch as a step without accumulation (stage 1 reduces nothing in it: a lower bound), every
@@ -251,7 +270,7 @@ class DeepSpeedPartitions(Family):
         return highest_phases(peaks(trace), peaks(in_place if stage == 1 else trace, later=True))
 
     def worst_rank(self, row, groups, trace, itemsize, *, micro_batches, in_place, bucket_cap_bytes, foreach,
-                   offload="none"):
+                   knobs=PlanKnobs()):
         """Stages 1-2: each rank's phases' bytes from the moments' rank-independent terms summed once
         (:class:`zeroexp.formulas.peak.ds_ranks.DsStage12Ranks`), the first highest rank of them. Offloaded, the ranks
         differ only by their pieces' float64 copies and kept norms: the ranks of the largest piece and of the most
@@ -259,7 +278,7 @@ class DeepSpeedPartitions(Family):
         stage, n = self._covered(row), groups.world_size
         if stage not in (1, 2):  # stage 0 replicates everything (every rank alike); stage 3: each rank evaluated
             return None
-        if offload != "none":
+        if knobs.offload != "none":
             idle, parts = frozenset(groups.ungraded), ds_partitions(groups.numels, groups.shards[0].numel, n)
             graded = [list(graded_pieces(p, idle).values()) for p in parts]
             largest = max(range(n), key=lambda r: max(graded[r], default=0))
@@ -267,7 +286,7 @@ class DeepSpeedPartitions(Family):
         ranks = partial(DsStage12Ranks, stage=stage, buckets=groups.buckets, order=_reduce_order(groups, stage),
                         numels=groups.numels, partition_numel=groups.shards[0].numel // n,
                         bucket_numel=deepspeed_reduce_bucket_numel(bucket_cap_bytes), itemsize=itemsize,
-                        foreach=foreach, ungraded=groups.ungraded)
+                        foreach=foreach, ungraded=groups.ungraded, ipg_buffers=ipg_buffers(stage, knobs))
         later = ranks(in_place if stage == 1 else trace, later=True) if micro_batches > 1 else None
         return ds_worst_rank(ranks(trace), ds_partitions(groups.numels, groups.shards[0].numel, n), later)
 

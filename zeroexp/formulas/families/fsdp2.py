@@ -123,8 +123,9 @@ class Fsdp2Rows(FsdpFamily):
         return Unit(numel, total, None if scattered == numel else scattered, False, narrowed)
 
     # --- time ---------------------------------------------------------------------------------------------------
-    def slot_rule(self, row, prefetch, ahead):
-        fwd, bwd = (max(k, 1) for k in ahead)  # FSDP2's explicit prefetch; its own default is one unit
+    def slot_rule(self, row, prefetch, knobs):
+        # FSDP2's explicit prefetch; its own default is one unit
+        fwd, bwd = (max(k, 1) for k in (knobs.forward_prefetch, knobs.backward_prefetch))
         return "pre", fwd, bwd
 
     def backward_and_step_terms(self, groups, itemsize, cost, terms):

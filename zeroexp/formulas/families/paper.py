@@ -57,10 +57,10 @@ class PaperStages(Family):
         units = packed_units(self, row, shape, n, knobs, 0, narrow) if row.gather != "none" else []
         return Cut(shards=[Shard(spans, padded_numel(length, row.pad * n))], units=units)
 
-    def collective_slots(self, row, groups, prefetch, f, b, o, ahead):
+    def collective_slots(self, row, groups, prefetch, f, b, o, knobs):
         if not row.stage:
             return ddp_bucket_slots(groups, f, b, o)
-        return super().collective_slots(row, groups, prefetch, f, b, o, ahead)
+        return super().collective_slots(row, groups, prefetch, f, b, o, knobs)
 
     def framework_terms(self, row, groups, itemsize, cost, orig_params, terms, notes):
         if not row.stage and groups.buckets:

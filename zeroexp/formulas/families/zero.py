@@ -100,7 +100,7 @@ class ZeroBuckets(Family):
             shards.append(Shard(spans, padded_numel(length, n)))
         return Cut(shards=shards)
 
-    def collective_slots(self, row, groups, prefetch, f, b, o, ahead):
+    def collective_slots(self, row, groups, prefetch, f, b, o, knobs):
         end_b = f + b
         c, psi = cumulative([sum(e - a for a, e in sh.spans) for sh in groups.shards]), max(groups.numel, 1)
         several = len(groups.shards) > 1  # every bucket's all_gather issued async after the step

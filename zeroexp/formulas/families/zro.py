@@ -88,7 +88,7 @@ class ZroOwners(DdpBuckets):
         return list(owner_tuples(tuple(groups.numels), groups.world_size)[rank])
 
     def worst_rank(self, row, groups, trace, itemsize, *, micro_batches, in_place, bucket_cap_bytes, foreach,
-                   offload="none"):
+                   knobs=PlanKnobs()):
         """The ranks differ only by the sizes of the parameters each steps (:meth:`stepped_numels`, AdamW's
         temporaries in :meth:`phase_peaks`): the first rank of each distinct list of them, each evaluated (a 512-rank
         Llama row has a handful, not 512)."""

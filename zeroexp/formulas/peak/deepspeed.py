@@ -1,10 +1,10 @@
 """The peak model of DeepSpeed ZeRO stages 1-3: what a rank holds above its steady state in each phase, by category.
 
-DeepSpeed 0.19 as zeroexp configures it (zeroexp/strategies/deepspeed.py: ``overlap_comm`` off, ``contiguous_gradients``
-on, one parameter group, ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` at their defaults, every stage-3
-parameter partitioned; a parameter count's closed form, term by term: :mod:`zeroexp.formulas.peak.deepspeed_terms`),
-in fp32, and in bf16 / fp16 as the same path in 2-byte tensors (fp16's loss scale and overflow checks are scalars:
-runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
+DeepSpeed 0.19 as zeroexp configures it (zeroexp/strategies/deepspeed.py: ``overlap_comm`` off unless set, then a
+second ipg buffer at stage 2; ``contiguous_gradients`` on, one parameter group, ``reduce_scatter`` and
+``use_multi_rank_bucket_allreduce`` at their defaults, every stage-3 parameter partitioned; a count's closed form:
+:mod:`zeroexp.formulas.peak.deepspeed_terms`), in fp32, and in bf16 / fp16 as the same path in 2-byte tensors (fp16's
+loss scale and overflow checks are scalars: runtime/utils.py ``has_inf_or_nan``), from its runtime's source [DS-PEAK]:
 
 - ``runtime/zero/stage_1_and_2.py``: ``setup_buckets`` allocates the whole ipg bucket (``reduce_bucket_size``
   elements) at the first gradient hook of a backward; ``_release_ipg_buffers`` drops it in the epilogue
@@ -148,8 +148,8 @@ def _being_made(edges: list[int], big: dict[int, int], traced: int) -> int:
 def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
                            order: tuple[int, ...], numels: tuple[int, ...], part: DsPartition, bucket_numel: int,
                            itemsize: int, foreach: bool = False, ungraded: tuple[int, ...] = (),
-                           later: bool = False, offload: bool = False, host_is_device: bool = True
-                           ) -> dict[str, dict]:
+                           later: bool = False, offload: bool = False, host_is_device: bool = True,
+                           ipg_buffers: int = 1) -> dict[str, dict]:
     """Stages 1 and 2 (``buckets``: the ipg buckets' gradient numels in reduce order, parameter order at stage 1,
     backward order at stage 2; ``order``: the parameters' indices in that order, ``numels`` in parameter order;
     ``part``: the rank's partition; ``bucket_numel``: ``reduce_bucket_size``), per phase, the bytes above steady at
@@ -180,10 +180,10 @@ def ds_stage12_phase_peaks(trace: StepTrace, *, stage: int, buckets: tuple[tuple
     gpu``). The step: AdamW on the host's fp32 partition (its gradient is state: no flat copy) beside the kept norms
     and two fp32 norm scalars (``complete_grad_norm_calculation_for_cpu_offload``, ``scaled_global_norm``);
     ``host_is_device`` false (an NCCL rank): AdamW's temporaries and those scalars are the host's, the device holds the
-    kept norms alone."""
+    kept norms alone. ``ipg_buffers``: the ipg bucket's buffers (:func:`zeroexp.formulas.deepspeed.ipg_buffers`)."""
     c, out = itemsize, _Moments()
     keep, loss = out.keep, {"activations": -trace.loss_bytes}
-    bucket = {"gradients" if stage == 2 else "temporaries": bucket_numel * c}
+    bucket = {"gradients" if stage == 2 else "temporaries": ipg_buffers * bucket_numel * c}
     pad = part.padding * c
     no_grad = set(ungraded)
     zeros = sum(numels[i] for i in part.params if i in no_grad) * c  # the epilogue's zero gradients

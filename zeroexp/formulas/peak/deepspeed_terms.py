@@ -62,7 +62,7 @@ TERMS: dict[str, str] = {
     "fp32_grads": "the step's fp32 gradient partition (flatten(...).to(fp32))",
     "flat_grads": "the flattened compute-dtype gradient partition before .to(fp32) (below fp32)",
     "adamw_tmp": "torch AdamW's temporaries over the fp32 partition",
-    "bucket": "the ipg reduce bucket (reduce_bucket_size elements)",
+    "bucket": "the ipg reduce bucket (reduce_bucket_size elements; stage 2 with overlap_comm: two of them)",
     "bucket_copy": "a bucket's flattened all_reduce copy (stages 1-2: at least B - L elements, or P within one bucket)",
     "full_grads": "stage 1: autograd's gradient of every parameter, kept until backward's epilogue reduces it",
     "overflow_mask": "fp16, stage 3: isinf / isnan of the gradient buffer, a bool a gradient element (has_overflow)",
@@ -112,13 +112,14 @@ def largest_layer_numel(numels: tuple[int, ...], modules: tuple[tuple[int, ...],
 
 def ds_term_peak(stage: int, numel: int, world_size: int, itemsize: int, bucket_numel: int,
                  largest_layer: int | None, foreach: bool, sub_group_size: int = DS_SUB_GROUP_SIZE,
-                 frozen: int = 0, fp16: bool = False) -> DsTermPeak:
+                 frozen: int = 0, fp16: bool = False, ipg_buffers: int = 1) -> DsTermPeak:
     """DeepSpeed ZeRO ``stage`` (1-3, offload none) holding ``numel`` trainable parameters (and ``frozen`` ones, in
     ``params`` alone: no gradient, no optimizer state) on ``world_size`` ranks in a compute dtype of ``itemsize``
     bytes, ``reduce_bucket_size`` = ``bucket_numel``, the largest layer's
     ``largest_layer`` parameters (None: unknown, its terms left out; stages 1-2 then take the bucket copy as the full
-    bucket), AdamW ``foreach`` or single-tensor, ``fp16`` (its overflow check): the backward and step moments, term by
-    term (module docstring)."""
+    bucket), AdamW ``foreach`` or single-tensor, ``fp16`` (its overflow check), ``ipg_buffers`` (stages 1-2: 2 under
+    ``overlap_comm``, :func:`zeroexp.formulas.deepspeed.ipg_buffers`): the backward and step moments, term by term
+    (module docstring)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"no term model for DeepSpeed stage {stage} (covered: 1, 2, 3)")
     c, n = itemsize, world_size
@@ -133,10 +134,10 @@ def ds_term_peak(stage: int, numel: int, world_size: int, itemsize: int, bucket_
         step_part = sub
     else:
         filled = numel if numel <= bucket_numel else max(bucket_numel - big, 0)  # a reduced bucket's gradients
-        backward = {**steady, "grads": part * c, "bucket": bucket_numel * c,
+        backward = {**steady, "grads": part * c, "bucket": ipg_buffers * bucket_numel * c,
                     "bucket_copy": filled * c if n > 1 else 0}  # one owner: flatten returns a view, no copy
         if stage == 1:  # backward's end: every gradient beside the bucket, before the epilogue reduces the first
-            backward = {**steady, "bucket": bucket_numel * c, "full_grads": numel * c}
+            backward = {**steady, "bucket": ipg_buffers * bucket_numel * c, "full_grads": numel * c}
         step_part = part
     flat = {**steady, "flat_grads": step_part * c if c != 4 else 0, "fp32_grads": step_part * 4}
     if stage < 3:  # the gradient partition is freed after the fp32 copy is made

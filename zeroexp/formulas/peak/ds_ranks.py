@@ -65,12 +65,13 @@ class DsStage12Ranks:
 
     def __init__(self, trace: StepTrace, *, stage: int, buckets: tuple[tuple[int, ...], ...],
                  order: tuple[int, ...], numels: tuple[int, ...], partition_numel: int, bucket_numel: int,
-                 itemsize: int, foreach: bool = False, ungraded: tuple[int, ...] = (), later: bool = False) -> None:
+                 itemsize: int, foreach: bool = False, ungraded: tuple[int, ...] = (), later: bool = False,
+                 ipg_buffers: int = 1) -> None:
         c = itemsize
         self.stage, self.later, self.c, self.numel = stage, later, c, partition_numel
         self.no_grad = set(ungraded)
         self.numels = numels
-        bucket = bucket_numel * c
+        bucket = ipg_buffers * bucket_numel * c
         graded = sum(k for i, k in enumerate(numels) if i not in self.no_grad) * c
         # what every forward and backward moment holds beside its own terms: less the loss, and a later micro-batch's
         # carried terms (stage 2's depend on the partition: added per rank)

@@ -183,11 +183,12 @@ def cumulative(sizes: list[int]) -> list[int]:
 
 
 def collective_slots(layout: StateLayout, groups: Groups, prefetch: str, f: float, b: float,
-                     o: float, ahead: tuple[int, int] = (0, 0)) -> tuple[list[Slot], str]:
+                     o: float, knobs: PlanKnobs = PlanKnobs()) -> tuple[list[Slot], str]:
     """Where each collective of the step is issued and waited for (the rules of the module docstring), on a compute
-    timeline of forward ``f``, backward ``b`` and optimizer ``o`` seconds; and the rule's name. ``ahead``: FSDP2's
-    explicit forward and backward prefetch (units ahead; 0: its default)."""
-    return layout.family.collective_slots(layout, groups, prefetch, f, b, o, ahead)
+    timeline of forward ``f``, backward ``b`` and optimizer ``o`` seconds; and the rule's name. ``knobs``: the
+    strategy's settings that move calls (FSDP2's explicit forward and backward prefetch, units ahead, 0 its default;
+    DeepSpeed's ``overlap_comm``)."""
+    return layout.family.collective_slots(layout, groups, prefetch, f, b, o, knobs)
 
 
 def simulate_step(compute_s: float, calls: list[tuple[float, ...]], overlap: bool,
@@ -317,7 +318,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
                  micro_batches: int = 1, repeats: dict[str, float] | None = None,
                  group_seconds: GroupTime | None = None, wake: Callable[[float], float] | None = None,
                  burst_seconds: CollectiveTime | None = None, stream_seconds: CollectiveTime | None = None,
-                 ahead: tuple[int, int] = (0, 0), ops: tuple[int, int] = (0, 0), tensors: int = 0,
+                 knobs: PlanKnobs = PlanKnobs(), ops: tuple[int, int] = (0, 0), tensors: int = 0,
                  orig_params: bool = False) -> StepTime:
     """The step time of ``layout`` over ``groups`` at ``samples`` per rank and micro-batch: compute from ``rate``
     (forward and backward over every parameter, as data parallelism computes the whole model on each rank, each call
@@ -337,8 +338,8 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     which the backend runs side by side; a calibration's ``burst_mean_s``); None: ``seconds_of``.
     ``stream_seconds``: a call's time in a stream of sync calls (a calibration's ``stream_mean_s``): what it exceeds
     the call's time alone by is the call's floor (its extra is its waking or that, the larger: :func:`channel_step`);
-    not for burst slots (their own figure) nor calls timed group by group; None: no floor. ``ahead``: FSDP2's explicit
-    forward and backward prefetch (:func:`collective_slots`). ``ops``: the operators the model's forward and its
+    not for burst slots (their own figure) nor calls timed group by group; None: no floor. ``knobs``: the
+    strategy's settings that move calls (:func:`collective_slots`). ``ops``: the operators the model's forward and its
     backward dispatch (``zeroexp.plan.flops.step_ops``), what each call's own cost is paid on
     (:meth:`~zeroexp.formulas.time.rates.ComputeRate.call_seconds`); ``tensors``: the parameter tensors AdamW steps on
     the
@@ -351,7 +352,7 @@ def predict_step(layout: StateLayout, groups: Groups, collectives: Collectives, 
     bare = (f, b - r, o)
     f, b, o = f + fw.forward_s, b + fw.backward_s, o + fw.optimizer_s
     k = max(int(micro_batches), 1)
-    slots, rule = collective_slots(layout, groups, prefetch, f, b, o, ahead)
+    slots, rule = collective_slots(layout, groups, prefetch, f, b, o, knobs)
     slots = micro_batch_slots(slots, repeats or {}, k, f + b)
     last_b = (k - 1) * (f + b) + f + b  # the end of the last micro-batch's backward
     calls: list[tuple[float, float, int, float, float]] = []

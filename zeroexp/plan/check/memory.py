@@ -136,7 +136,7 @@ def worst_rank_phases(name: str, groups: Groups, shape: ModelShape, trace: StepT
     row's family finds that rank without each rank's phases (``Family.worst_rank``), that rank's alone."""
     row = _row(name)
     worst = row.family.worst_rank(row, groups, trace, itemsize, micro_batches=micro_batches, in_place=in_place,
-                                  bucket_cap_bytes=bucket_cap_bytes, foreach=device.foreach, offload=knobs.offload) \
+                                  bucket_cap_bytes=bucket_cap_bytes, foreach=device.foreach, knobs=knobs) \
         if row.ranks_differ else 0
     ranks = range(groups.world_size) if worst is None else (worst,) if isinstance(worst, int) else worst
     return max((predict_phases(name, groups, shape, trace, itemsize, r, prefetch, device.gloo, micro_batches, in_place,
