@@ -77,7 +77,8 @@ def engine_config(device_type: str) -> dict[str, Any]:
 
     strategy = SimpleNamespace(stage=2, bucket_cap_mb=BUCKET_CAP_MB, clip_grad_norm=None,
                                stage3_prefetch_bucket_size=None, stage3_max_live_parameters=None,
-                               stage3_param_persistence_threshold=None, stage3_max_reuse_distance=None)
+                               stage3_param_persistence_threshold=None, stage3_max_reuse_distance=None,
+                               overlap_comm=False)
     return ds_config(SimpleNamespace(strategy=strategy, precision=SimpleNamespace(name="fp32"), offload="none",
                                      batch_size=8, grad_accum=1), device_type)
 
