@@ -129,3 +129,29 @@ def test_the_planner_overlaps_the_reductions_and_doubles_stage2s_bucket():
         _plan("strategy=deepspeed", "strategy.stage=1", "strategy.overlap_comm=true")
     with pytest.raises(ConfigError, match="true or false"):
         _plan(*rows, "overlap_comm=3")
+
+
+def test_recommend_searches_it_and_prints_a_command_that_runs_as_printed(compose):
+    """DeepSpeed's stage 2-3 rows with overlap_comm and without: with it faster on an H100 node (its reductions
+    hidden behind backward), so the answer's first DeepSpeed configuration runs it, and its command line composes
+    and validates as a cell; a stage-1 cell's overlap_comm is refused by the recommender as by a cell."""
+    import shlex
+
+    from zeroexp.cli.recommend import register as register_recommend, run as recommend
+    from zeroexp.cli.run import CONF_DIR
+    from zeroexp.config.schemas import validate
+
+    register_recommend()
+    given = ["model=gpt", "world_size=8", "network=h100_ib", "global_batch=64", "precisions=[bf16]",
+             "recommend.strategies=[deepspeed_stage2,deepspeed_stage3]", "recommend.activation_checkpointing=[none]",
+             "recommend.bucket_cap_mb=[0.5]", "recommend.top_k=2"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        answer = recommend(hydra_compose(config_name="recommend", overrides=given))
+    first = answer["recommendations"][0]
+    assert "strategy.overlap_comm=true" in first["overrides"] and first["config"].endswith("overlap_comm")
+    args = shlex.split(first["command"])[3:]  # python -m zeroexp ...
+    validate(compose(*args, base=()))
+    with pytest.raises(ConfigError, match="overlap_comm"), initialize_config_dir(config_dir=CONF_DIR,
+                                                                                 version_base="1.3"):
+        recommend(hydra_compose(config_name="recommend", overrides=[
+            *given[:-4], "strategy=deepspeed", "strategy.stage=1", "strategy.overlap_comm=true"]))

@@ -52,16 +52,20 @@ def test_the_space_is_every_knob_a_row_has_and_no_other():
     by_row = {row: sum(c.row == row for c in configs) for row in axes.rows}
     # 2 checkpointing x 3 micro-batches (1, 2, 4 of 4 samples) x ddp's 2 bucket sizes, fsdp_full's 3 prefetches,
     # fsdp2_hybrid's one shard size strictly between 1 and 4, DeepSpeed's 2 bucket sizes; FSDP's with 2 and 4
-    # micro-batches a step each way of accumulating (strategy.sync_each_microbatch); a paper row never
-    assert by_row == {"ddp": 12, "fsdp_full": 30, "fsdp2_hybrid": 10, "deepspeed_stage3": 12, "zero_stage3": 0}
+    # micro-batches a step each way of accumulating (strategy.sync_each_microbatch); DeepSpeed's stage 3 with and
+    # without overlap_comm; a paper row never
+    assert by_row == {"ddp": 12, "fsdp_full": 30, "fsdp2_hybrid": 10, "deepspeed_stage3": 24, "zero_stage3": 0}
+    assert {c.overlap_comm for c in configs if c.row == "deepspeed_stage3"} == {False, True}
+    assert {c.overlap_comm for c in configs if c.row != "deepspeed_stage3"} == {None}
     assert {c.sync_each_microbatch for c in configs if c.row == "fsdp_full" and c.grad_accum > 1} == {False, True}
     assert {c.sync_each_microbatch for c in configs if c.row == "ddp" or c.grad_accum == 1} == {None}
     assert all(c.micro_batch * c.grad_accum == 4 for c in configs)
     offloads = Axes(("deepspeed_stage1", "deepspeed_stage3", "fsdp_full"), ("bf16",), ("none", "optimizer", "full"),
                     (NONE,), 1, None, (25.0,), ("pre",), None)
-    assert sorted((c.row, c.offload) for c in configurations(offloads, 8)) == [
-        ("deepspeed_stage1", "none"), ("deepspeed_stage1", "optimizer"), ("deepspeed_stage3", "full"),
-        ("deepspeed_stage3", "none"), ("deepspeed_stage3", "optimizer"), ("fsdp_full", "none")]
+    assert sorted((c.row, c.offload) for c in configurations(offloads, 8)) == [  # stage 3 with overlap_comm or not
+        ("deepspeed_stage1", "none"), ("deepspeed_stage1", "optimizer"), *[("deepspeed_stage3", "full")] * 2,
+        *[("deepspeed_stage3", "none")] * 2, *[("deepspeed_stage3", "optimizer")] * 2, ("fsdp_full", "none")]
+    assert {c.overlap_comm for c in configurations(offloads, 8) if c.row == "deepspeed_stage1"} == {None}
 
 
 def test_each_row_runs_as_its_strategy_yaml_says():
@@ -77,6 +81,9 @@ def test_each_row_runs_as_its_strategy_yaml_says():
     each = Config("fsdp2_full", "bf16", "none", FULL, 1, 4, None, None, None, True)
     assert run_overrides(each, [], 8)[-1] == "strategy.sync_each_microbatch=true"
     assert label(each) == "fsdp2_full bf16 ac mb1x4 sync_each"
+    overlapped = Config("deepspeed_stage2", "bf16", "none", NONE, 1, 1, 25.0, None, None, None, True)
+    assert run_overrides(overlapped, [], 8)[-1] == "strategy.overlap_comm=true"
+    assert label(overlapped).endswith("overlap_comm")
 
 
 def test_ties_are_steps_closer_than_the_tolerance():

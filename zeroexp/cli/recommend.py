@@ -42,6 +42,7 @@ class SearchConfig:
     prefetch: Any = field(default_factory=lambda: list(_PREFETCH))
     shard_size: Any = None
     sync_each_microbatch: Any = None  # null: both ways (zeroexp.recommend.space.Axes.syncs); or a list of them
+    overlap_comm: Any = None  # null: both ways where a row reads it (DeepSpeed's stages 2-3); or a list of them
     verify: Any = None
     verify_model: Any = None
     verify_world_size: Any = None
@@ -157,9 +158,13 @@ def as_run(cfg: DictConfig) -> DictConfig:
                           why="it sets the global batch: batch_size x grad_accum x world_size")
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     if cfg.get("strategy") is not None:
+        if cfg.strategy.get("overlap_comm") is not None:  # refused below stage 2, as a cell refuses it
+            from zeroexp.cell.strategy import check_ds_overlap_comm
+
+            check_ds_overlap_comm(cfg.strategy.overlap_comm, cfg.strategy.get("stage"))
         out.recommend.strategies = [str(cfg.strategy.layout)]
         for key, axis in (("bucket_cap_mb", "bucket_cap_mb"), ("shard_size", "shard_size"),
-                          ("sync_each_microbatch", "sync_each_microbatch")):
+                          ("sync_each_microbatch", "sync_each_microbatch"), ("overlap_comm", "overlap_comm")):
             if cfg.strategy.get(key) is not None:
                 out.recommend[axis] = [cfg.strategy[key]]
     if cfg.get("precision") is not None:
@@ -218,6 +223,11 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
     if not syncs or any(not isinstance(v, bool) for v in syncs):
         raise ConfigError("recommend.sync_each_microbatch", r.sync_each_microbatch,
                           "a list of true / false: [false, true] (FSDP's and FSDP2's rows with grad_accum > 1)")
+    overlaps = list(Axes.overlaps) if r.overlap_comm is None else list(r.overlap_comm) if isinstance(
+        r.overlap_comm, ListConfig) else [r.overlap_comm]
+    if not overlaps or any(not isinstance(v, bool) for v in overlaps):
+        raise ConfigError("recommend.overlap_comm", r.overlap_comm,
+                          "a list of true / false: [false, true] (DeepSpeed's stage 2-3 rows)")
     try:
         memory = parse_bytes(cfg.device_memory if cfg.device_memory is not None else cfg.network.get("device_memory"))
     except ValueError as e:
@@ -242,7 +252,8 @@ def run(cfg: DictConfig, model_overrides: list[str] | None = None) -> dict[str, 
                           {p: s for p, (_, s) in dtypes.items()}, tokens, cfg.model, wrap, flops,
                           {p: peaks.get(p) for p in precisions})
         axes = Axes(rows, precisions, offloads, _checkpointing_axis(cfg, ac), samples, micro,
-                    tuple(float(c) for c in caps), prefetch, shards, tuple(dict.fromkeys(syncs)))
+                    tuple(float(c) for c in caps), prefetch, shards, tuple(dict.fromkeys(syncs)),
+                    tuple(dict.fromkeys(overlaps)))
         tie = float(r.tie) if r.tie is not None else MEASURED_TIME_ERROR[0]
         overrides = model_overrides if model_overrides is not None else (
             [f"model={model}"] if cfg.model is not None else [])

@@ -35,6 +35,8 @@ def label(c: Config) -> str:
         parts.append(f"shard{c.shard_size}")
     if c.sync_each_microbatch:
         parts.append("sync_each")
+    if c.overlap_comm:
+        parts.append("overlap_comm")
     return " ".join(parts)
 
 

@@ -116,6 +116,7 @@ class Evaluator:
         return PlanKnobs(bucket_cap_bytes=int((c.bucket_cap_mb or 25) * 2**20),
                          loss_scaling=self.p.loss_scaling[c.precision], shard_size=c.shard_size or 0,
                          micro_batches=c.grad_accum, sync_each_microbatch=bool(c.sync_each_microbatch),
+                         overlap_comm=bool(c.overlap_comm),
                          recompute=bool(c.checkpointing), recompute_mode=c.checkpointing.mode.replace("none", ""),
                          recompute_every=c.checkpointing.every, offload=c.offload)
 

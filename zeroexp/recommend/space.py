@@ -1,6 +1,7 @@
 """The configurations a search walks: strategy x prefetch x precision x offload x activation checkpointing x
-micro-batch / grad_accum x bucket size x hybrid shard size (FSDP2's ``reshard_after_forward`` and FSDP's sharding are
-rows of their own), each an axis only where the row has the knob, and the overrides that run each one.
+micro-batch / grad_accum x bucket size x hybrid shard size x DeepSpeed's overlap_comm (FSDP2's
+``reshard_after_forward`` and FSDP's sharding are rows of their own), each an axis only where the row has the knob,
+and the overrides that run each one.
 
 Which strategy runs a row, and with which key, is read from the strategies' YAML files (``conf/strategy/*.yaml``:
 ``layout`` names the row, ``deepspeed_stage${.stage}`` through a key): nothing here names a strategy.
@@ -41,6 +42,7 @@ class Config:
     prefetch: str | None = None
     shard_size: int | None = None
     sync_each_microbatch: bool | None = None  # FSDP's and FSDP2's with grad_accum > 1; None elsewhere
+    overlap_comm: bool | None = None  # DeepSpeed's stages 2-3 (Family.reads_overlap_comm); None elsewhere
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Axes:
     prefetches: tuple[str, ...]
     shard_sizes: tuple[int, ...] | None  # None: every divisor of the world size strictly between 1 and it
     syncs: tuple[bool, ...] = (False, True)  # strategy.sync_each_microbatch where a row has it and grad_accum > 1
+    overlaps: tuple[bool, ...] = (False, True)  # strategy.overlap_comm where a row reads it
 
     def relaxed(self, **changes: Any) -> "Axes":
         return replace(self, **changes)
@@ -77,7 +80,8 @@ def reads_prefetch(row: str) -> bool:
 def configurations(axes: Axes, world_size: int) -> Iterator[Config]:
     """Every configuration of ``axes`` a row runs at ``world_size``: its precisions and offloads, a bucket size
     where its strategy has ``bucket_cap_mb``, a prefetch where it reads one, a shard size where it is hybrid, and
-    with more than one micro-batch ``strategy.sync_each_microbatch`` where the strategy has it."""
+    with more than one micro-batch ``strategy.sync_each_microbatch`` where the strategy has it, ``overlap_comm`` where
+    the row reads it."""
     micro = [m for m in (axes.micro_batches or divisors(axes.samples)) if axes.samples % m == 0]
     shards = [s for s in (axes.shard_sizes or divisors(world_size)) if 1 < s < world_size and world_size % s == 0]
     for row in axes.rows:
@@ -89,6 +93,7 @@ def configurations(axes: Axes, world_size: int) -> Iterator[Config]:
         prefetches = axes.prefetches if reads_prefetch(row) else (None,)
         sizes = shards if layout.hybrid else [None]
         syncs = axes.syncs if "sync_each_microbatch" in strategy[2] else (None,)
+        overlaps = axes.overlaps if layout.family.reads_overlap_comm(layout) else (None,)
         for precision in axes.precisions:
             if precision not in layout.precisions:
                 continue
@@ -102,7 +107,8 @@ def configurations(axes: Axes, world_size: int) -> Iterator[Config]:
                             for pf in prefetches:
                                 for s in sizes:
                                     for each in (syncs if k > 1 else (None,)):
-                                        yield Config(row, precision, offload, ac, m, k, cap, pf, s, each)
+                                        for oc in overlaps:
+                                            yield Config(row, precision, offload, ac, m, k, cap, pf, s, each, oc)
 
 
 @lru_cache(maxsize=None)
@@ -150,4 +156,6 @@ def run_overrides(config: Config, model: list[str], world_size: int) -> list[str
         out.append(f"strategy.shard_size={config.shard_size}")
     if config.sync_each_microbatch is not None:
         out.append(f"strategy.sync_each_microbatch={str(config.sync_each_microbatch).lower()}")
+    if config.overlap_comm is not None:
+        out.append(f"strategy.overlap_comm={str(config.overlap_comm).lower()}")
     return out

@@ -115,6 +115,10 @@ class Family:
         """Whether the row's backward prefetch (``prefetch``) is a knob of its step: FSDP1 resharding after forward."""
         return False
 
+    def reads_overlap_comm(self, row: StateLayout) -> bool:
+        """Whether ``PlanKnobs.overlap_comm`` (DeepSpeed's) is a knob of the row: its slots and peak read it."""
+        return False
+
     def framework_terms(self, row: StateLayout, groups: Groups, itemsize: int, cost: Any, orig_params: bool,
                         terms: dict[str, float], notes: list[str]) -> tuple[float, float, float]:
         """The framework's seconds of one step in forward, backward and the optimizer beyond the loop's

@@ -138,6 +138,11 @@ class DeepSpeedPartitions(Family):
         return slots, ("overlap_comm: each bucket's all_reduce on the side stream as backward fills it, waited for "
                        "when the next bucket is reduced")
 
+    def reads_overlap_comm(self, row):
+        """Stages 2-3 (stage 0 has no ZeRO optimizer; stage 1's hooks would take stage 2's path: refused there,
+        ``zeroexp.cell.strategy.check_ds_overlap_comm``)."""
+        return row.deepspeed_stage >= 2
+
     def framework_terms(self, row, groups, itemsize, cost, orig_params, terms, notes):
         """Stage 0: the fallback's passes over the gradients (engine.py ``allreduce_bucket``: ``flatten`` into one
         tensor, ``mul_`` by 1/N after the all_reduce, each gradient copied back: three copies' worth,
