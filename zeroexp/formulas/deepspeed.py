@@ -115,9 +115,11 @@ def deepspeed_reduce_bucket_numel(bucket_cap_bytes: int) -> int:
 
 def ipg_buffers(stage: int, knobs: PlanKnobs) -> int:
     """The ipg bucket's buffers of ``reduce_bucket_size`` elements stages 1-2 allocate at a backward's first gradient
-    hook: two under ``overlap_comm`` (stage_1_and_2.py ``setup_buckets``, "double buffers": a bucket's reduction on
-    the side stream reads one while the hooks fill the other), else one. Stage 3's bucket is one, kept."""
-    return 2 if knobs.overlap_comm and stage in (1, 2) else 1
+    hook: at stage 2 two under ``overlap_comm`` (stage_1_and_2.py ``setup_buckets``, "double buffers": a bucket's
+    reduction on the side stream reads one while the hooks fill the other), else one (stage 1 with it is refused:
+    ``zeroexp.cell.strategy.check_ds_overlap_comm``; a planner's stage-1 row is planned without it). Stage 3's bucket
+    is one, kept."""
+    return 2 if knobs.overlap_comm and stage == 2 else 1
 
 
 def deepspeed_buckets(stage: int, numels: list[int], bucket_numel: int) -> tuple[tuple[int, ...], ...]:

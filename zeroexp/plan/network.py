@@ -293,6 +293,7 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
     (:func:`compute_rate`; None: the network's)."""
     at_k = step_collectives(layout, groups, itemsize, knobs)
     collectives = {op: v for op, v in at_k.items() if op != without}
+    placed = layout.family.time_knobs(layout, knobs, network.device)  # what the runtime does with them there
     return predict_step(layout, groups, collectives, rate or network.rate, batch,
                         network.seconds_at(n), network.overlap, prefetch, network.framework, itemsize,
                         checkpointed=checkpointed, micro_batches=knobs.micro_batches,
@@ -300,7 +301,7 @@ def predict_on(network: Network, layout: Any, groups: Any, itemsize: int, knobs:
                         group_seconds=network.groups_at(n), wake=network.wake,
                         burst_seconds=network.burst_seconds_at(n) if network.burst_seconds_at else None,
                         stream_seconds=network.stream_seconds_at(n) if network.stream_seconds_at else None,
-                        knobs=knobs, ops=ops,
+                        knobs=placed, ops=ops,
                         tensors=_optimizer_tensors(layout, groups, knobs), orig_params=knobs.use_orig_params)
 
 

@@ -119,6 +119,11 @@ class Family:
         """Whether ``PlanKnobs.overlap_comm`` (DeepSpeed's) is a knob of the row: its slots and peak read it."""
         return False
 
+    def time_knobs(self, row: StateLayout, knobs: PlanKnobs, device: str) -> PlanKnobs:
+        """The knobs the step-time model places the row's calls with on ``device`` (``cpu``, ``cuda``): a knob the
+        runtime ignores there reads as off."""
+        return knobs
+
     def framework_terms(self, row: StateLayout, groups: Groups, itemsize: int, cost: Any, orig_params: bool,
                         terms: dict[str, float], notes: list[str]) -> tuple[float, float, float]:
         """The framework's seconds of one step in forward, backward and the optimizer beyond the loop's

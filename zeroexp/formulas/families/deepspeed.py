@@ -6,6 +6,7 @@ own, fetched module by module); the peak model of stages 1-3 (:mod:`zeroexp.form
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from zeroexp.formulas.deepspeed import (DS_NORM_BYTES, REPLAYED_RECOMPUTE, stage3_calls, stage3_schedule,
@@ -28,6 +29,9 @@ from zeroexp.formulas.time.overlap import Slot, cumulative
 
 __all__ = ["DeepSpeedPartitions", "DEEPSPEED", "ROWS", "DEEPSPEED_ROWS"]
 
+#: Stage 3's reductions in flight on the side stream at most under ``overlap_comm`` (stage3.py
+#: ``max_param_reduce_events``): before another is issued, the oldest beyond them is synchronized.
+DS3_REDUCE_EVENTS = 2
 #: How each stage's groups are cut: stage 0 replicated, stages 1-2 one flat group, stage 3 each parameter.
 _KIND = {0: "none", 1: "flat", 2: "flat", 3: "params"}
 
@@ -118,8 +122,10 @@ class DeepSpeedPartitions(Family):
         as backward fills it (the hook of the next gradient that does not fit; the last in the epilogue): stage 2's
         all_reduce is waited for when the next bucket is reduced (stage_1_and_2.py ``average_tensor``: the compute
         stream waits on the reduction stream before the next reduction is issued; two buffers, one being filled),
-        stage 3's reduce_scatter at backward's end (stage3.py: the reduce-and-partition stream synchronized in the
-        epilogue); the step's norm all_reduce and the parameters' all_gathers as before, exposed."""
+        stage 3's reduce_scatter when the third bucket after it is reduced (stage3.py ``__reduce_and_partition_ipg_
+        grads``: an event per reduction, ``max_param_reduce_events`` pending at most, the oldest synchronized before a
+        third is issued), the last ones at backward's end (the stream synchronized in the epilogue); the step's norm
+        all_reduce and the parameters' all_gathers as before, exposed."""
         stage, end_b = row.deepspeed_stage, f + b
         if stage == 0:
             return ([Slot("all_reduce", sum(k), end_b, end_b, order=i) for i, k in enumerate(groups.buckets)],
@@ -129,14 +135,21 @@ class DeepSpeedPartitions(Family):
         c = cumulative([sum(k) for k in groups.buckets])
         full = [f + b * c[i + 1] / c[-1] for i in range(len(groups.buckets))]  # each bucket full, in reduce order
         if stage == 3:
-            return ([Slot("reduce_scatter", sum(k), full[i], end_b) for i, k in enumerate(groups.buckets)],
-                    "overlap_comm: each bucket's reduce_scatter on the side stream as backward fills it, waited at "
-                    "backward's end")
+            needed = full[DS3_REDUCE_EVENTS + 1:] + [end_b] * (DS3_REDUCE_EVENTS + 1)
+            return ([Slot("reduce_scatter", sum(k), full[i], needed[i]) for i, k in enumerate(groups.buckets)],
+                    "overlap_comm: each bucket's reduce_scatter on the side stream as backward fills it, waited for "
+                    f"when the {DS3_REDUCE_EVENTS + 1}rd bucket after it is reduced")
         needed = full[1:] + [end_b]
         slots = [Slot("all_reduce", sum(k), full[i], needed[i]) for i, k in enumerate(groups.buckets)]
         slots.append(Slot("all_reduce", 1, end_b, end_b, order=len(slots)))  # the step's norm: a scalar
         return slots, ("overlap_comm: each bucket's all_reduce on the side stream as backward fills it, waited for "
                        "when the next bucket is reduced")
+
+    def time_knobs(self, row, knobs, device):
+        """``overlap_comm`` moves nothing off a GPU: DeepSpeed's CPU accelerator has no streams
+        (accelerator/cpu_accelerator.py: ``is_synchronized_device``, ``Stream()`` None, ``stream()`` a no-op), so its
+        reductions run where they are issued, as without it (its second ipg buffer is still allocated)."""
+        return knobs if device == "cuda" or not knobs.overlap_comm else replace(knobs, overlap_comm=False)
 
     def reads_overlap_comm(self, row):
         """Stages 2-3 (stage 0 has no ZeRO optimizer; stage 1's hooks would take stage 2's path: refused there,

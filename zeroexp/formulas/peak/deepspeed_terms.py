@@ -6,7 +6,8 @@ the count P, the ranks N, the compute dtype's bytes c, the largest layer's param
 holds itself: DeepSpeed's ``largest_layer_params``) and ``reduce_bucket_size`` B. Each moment is what a rank holds then,
 term by term; activations and scalars (the loss scale, the norms, fp16's overflow flags) are left out, so each moment is
 a lower bound. DeepSpeed 0.19, as zeroexp configures it (zeroexp/strategies/deepspeed.py: torch's AdamW as the client
-optimizer, ``contiguous_gradients`` on, ``overlap_comm`` off, offload none), read from its source:
+optimizer, ``contiguous_gradients`` on, ``overlap_comm`` off (on at stage 2: ``bucket`` twice), offload none), read from
+its source:
 
 - ``runtime/zero/stage_1_and_2.py``: the compute-dtype model ``bit16_groups_flat`` (``params``, c P), the fp32 master
   partition ``single_partition_of_fp32_groups`` (``master``, 4 P/N), AdamW's two moments (``moments``, 8 P/N).

@@ -24,8 +24,11 @@ gradient hook
   (``PlanKnobs.forward_prefetch`` / ``backward_prefetch``, k units) issues unit i's forward all_gather k units ahead
   and its backward one k units ahead of its own pre-backward hook (``_fsdp_state.py`` ``_pre_forward``,
   ``_pre_backward``: each unit's hook issues its targets' unshards).
-- any other row (DeepSpeed's, the paper's): no rule, every collective is counted exposed (``overlap_comm`` off, as
-  zeroexp configures DeepSpeed).
+- DeepSpeed stages 2-3 with ``overlap_comm`` on a GPU: each bucket's reduction issued when backward has filled it,
+  waited for when the next bucket is reduced (stage 2) or the third after it (stage 3), the last at backward's end
+  (``zeroexp.formulas.families.deepspeed``).
+- any other row (DeepSpeed's without ``overlap_comm``, zeroexp's default, and on a CPU; the paper's): no rule, every
+  collective is counted exposed.
 
 A call issued after the rank computed for a while pays the calibration's waking (:class:`~zeroexp.formulas.time.rates.
 WakeCurve`: the backend's idle threads woken and scheduled again) on top of its own time, and a call that follows
