@@ -321,3 +321,33 @@ def test_the_cause_is_named_only_with_weight_decay_and_a_parameter_without_gradi
     assert adapter.known_divergence(["unused.weight"])[0] == ds_adapter.DECAYS_UNGRADED
     assert adapter.known_divergence([]) is None
     assert ds_adapter.DeepSpeedAdapter(compose(*N2, "optimizer.weight_decay=0")).known_divergence(["w"]) is None
+
+
+# --- one rank (a single device: ZeRO-Offload's case) ---------------------------------------------------------------
+@pytest.mark.parametrize("stage,extra", [(1, ()), (2, ("offload=optimizer",))], ids=["stage1", "stage2-offload"])
+def test_stages_1_and_2_at_one_rank_gather_nothing_and_hold_every_check(cell, stage, extra):
+    """At one rank DeepSpeed skips the parameters' all_gather (runtime/utils.py ``all_gather_into_tensor_dp_groups``:
+    ``dp_world_size == 1``); the plan says so, and every check holds (a FAIL before: 1 all_gather planned)."""
+    r = cell(*N2[:1], "world_size=1", f"strategy.stage={stage}", *extra)
+    assert r.status == "ok", r.error
+    coll, plan = r.summary["collectives"], r.summary["plan"]
+    assert coll["check"] == "PASS" and "all_gather" not in coll["counts"] and coll["counts"]["all_reduce"] >= 2
+    assert [plan[k]["check"] for k in ("state", "calls", "groups", "memory")] == ["PASS"] * 4
+
+
+def test_stage3_at_one_rank_is_refused_and_planned_from_two(compose):
+    from zeroexp.config.schemas import NotApplicableHere
+    from zeroexp.formulas import LAYOUTS, ModelShape, derive_groups, step_collectives
+    from zeroexp.plan import Precision, plan
+
+    with pytest.raises(NotApplicableHere, match="stage 3 gathers nothing") as e:
+        validate(compose(*N2[:1], "world_size=1", "strategy.stage=3"))
+    assert e.value.key == "world_size"
+    records, notes = plan(ModelShape.from_count(10**6), [1, 2], Precision("fp32", "float32"),
+                          strategies=["deepspeed_stage2", "deepspeed_stage3"])
+    assert sorted((r["strategy"], r["world_size"]) for r in records) == [
+        ("deepspeed_stage2", 1), ("deepspeed_stage2", 2), ("deepspeed_stage3", 2)]
+    assert any("deepspeed_stage3 at world_size=1" in n for n in notes)
+    layout = LAYOUTS["deepspeed_stage2"]
+    one = step_collectives(layout, derive_groups("deepspeed_stage2", layout, ModelShape.from_count(10**6), 1, 4), 4)
+    assert "all_gather" not in one and one["all_reduce"]["count"] >= 2

@@ -321,7 +321,9 @@ def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collec
     group or sub-group (:func:`ds_norm_bytes`; measured: stages 1-3, fp32 and bf16, N=2 and 3).
     ``gradient_accumulation_steps`` K (measured, 0.19.8): stages 2 and 3 reduce every micro-batch's buckets and stage
     3 fetches every micro-batch's parameters (K x); stages 0 and 1 reduce once, at the boundary; the norm, overflow
-    and stage 1-2 parameter all_gather come once per optimizer step."""
+    and stage 1-2 parameter all_gather come once per optimizer step. At one rank stages 1-2 gather nothing
+    (runtime/utils.py ``all_gather_into_tensor_dp_groups``: ``dp_world_size == 1``, "no groups share optimizer
+    states"; measured: no all_gather at N=1); stage 3 starts at two ranks (its row's ``min_world_size``)."""
     n = g.world_size
     each = knobs.micro_batches if stage in (2, 3) else 1
     if stage == 0:
@@ -332,7 +334,7 @@ def deepspeed_payload(stage: int, g: Groups, c: int, knobs: PlanKnobs) -> Collec
                                    g.shards[0].numel // n, deepspeed_reduce_bucket_numel(knobs.bucket_cap_bytes))
         grads = [sum(call) * c for b in calls for call in b]
         return collectives_of(all_reduce=grads * each + norms + ([1] if c != 4 else []),
-                              all_gather=[sh.numel * c for sh in g.shards])
+                              all_gather=[sh.numel * c for sh in g.shards] if n > 1 else [])
     norms = deepspeed_sub_groups([sh.numel // n for sh in g.trained_shards])
     norm = ds_norm_bytes(stage, knobs.offload)
     return collectives_of(reduce_scatter=[sum(padded_numel(k, n) for k in b) * c for b in g.buckets] * each,

@@ -265,8 +265,8 @@ def plan(shape: ModelShape, world_sizes: Iterable[int], precision: Precision, of
         else:
             for n in world_sizes:
                 if n < layout.min_world_size:
-                    notes.append(f"{name} at world_size={n}: runs at {layout.min_world_size} ranks or more (at one "
-                                 "rank torch's FSDP shards nothing)")
+                    notes.append(f"{name} at world_size={n}: runs at {layout.min_world_size} ranks or more "
+                                 f"({layout.family.below_min_world(layout)})")
                 elif layout.hybrid and not (1 < knobs.shard_size < n and n % knobs.shard_size == 0):
                     notes.append(f"{name} at world_size={n}: shard_size={knobs.shard_size} is no divisor of {n} "
                                  "strictly between 1 and it")

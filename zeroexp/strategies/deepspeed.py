@@ -44,6 +44,7 @@ from zeroexp.devices import ranks_get_a_gpu
 from zeroexp.errors import ConfigError, InvalidCell, NotApplicableHere
 from zeroexp.formulas import (Groups, Shard, Unit, deepspeed_buckets, deepspeed_gathers, deepspeed_reduce_bucket_numel,
                               deepspeed_stage3_gathers, ds_persistent, ds_stage3_limits, DS_PERSISTENCE_REFUSED)
+from zeroexp.formulas.rows import row_of
 from zeroexp.models import torch_dtype
 from zeroexp.strategies import _deepspeed_checkpoint as _ckpt, register
 from zeroexp.strategies._deepspeed_use import StepUse
@@ -51,7 +52,7 @@ from zeroexp.strategies._deepspeed_checkpoint import DS_FULL_FILE, DS_TAG  # noq
 from zeroexp.strategies.base import (StateTensor, StrategyAdapter, buffer_state_tensors,
                                     optimizer_state_tensors, post_order)
 from zeroexp.cell.policy import CellPolicy
-from zeroexp.cell.strategy import DeepSpeedConfig, check_ds_overlap_comm, check_ds_stage3_limits
+from zeroexp.cell.strategy import DeepSpeedConfig, check_ds_cell
 
 
 #: The kinds DeepSpeed keeps beyond the canonical fp32 formula (param, grad, 2 moments), and in which tensors.
@@ -209,8 +210,7 @@ class DeepSpeedAdapter(_ckpt.DeepSpeedCheckpoints, StrategyAdapter):
                                   f"buffers are modelled from {MIN_DEEPSPEED} on: pip install -e '.[deepspeed]'")
         if s.stage not in (0, 1, 2, 3):
             raise ConfigError("strategy.stage", s.stage, "0, 1, 2, 3")
-        check_ds_stage3_limits(s, s.stage)
-        check_ds_overlap_comm(s.overlap_comm, int(s.stage))
+        check_ds_cell(s, int(cfg.world_size), row_of(str(s.layout)).min_world_size)
         if s.get("hpz_size") not in (None, 1):
             raise ConfigError("strategy.hpz_size", s.hpz_size, "null (or 1: no secondary partition)", why=_HPZ_REFUSED)
         if not s.bucket_cap_mb > 0:

@@ -138,6 +138,9 @@ class FsdpFamily(Family):
     gathers_units = True
     covered_rank = 1
 
+    def below_min_world(self, row):
+        return "at one rank torch's FSDP shards nothing"
+
     def covered_key(self, row):
         return (row.hybrid, not row.reshard_after_forward)  # FULL_SHARD, SHARD_GRAD_OP, then hybrid sharding's
 

@@ -115,6 +115,10 @@ class Family:
         """Whether the row's backward prefetch (``prefetch``) is a knob of its step: FSDP1 resharding after forward."""
         return False
 
+    def below_min_world(self, row: StateLayout) -> str:
+        """Why the row starts at ``row.min_world_size`` ranks (the planner's note for fewer)."""
+        return ""
+
     def reads_overlap_comm(self, row: StateLayout) -> bool:
         """Whether ``PlanKnobs.overlap_comm`` (DeepSpeed's) is a knob of the row: its slots and peak read it."""
         return False
