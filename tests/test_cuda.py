@@ -192,7 +192,8 @@ def test_no_fsdp_row_is_planned_or_searched_at_one_rank():
     from test_plan_fits import _run
 
     fsdp = {name for name, row in LAYOUTS.items() if row.family.gathers_units}
-    assert {name for name, row in LAYOUTS.items() if row.min_world_size == 2} == fsdp
+    # and DeepSpeed's stage 3 (tests/test_deepspeed.py: at one rank it gathers nothing, not modelled)
+    assert {name for name, row in LAYOUTS.items() if row.min_world_size == 2} == fsdp | {"deepspeed_stage3"}
     records, notes = _run("model=mlp", "world_size=1")
     assert records and not {r["strategy"] for r in records} & fsdp
     assert any("fsdp_full at world_size=1: runs at 2 ranks or more" in n for n in notes), notes
