@@ -12,7 +12,7 @@ from typing import Any, ClassVar, List, Optional
 
 from omegaconf import MISSING
 
-from zeroexp.errors import ConfigError
+from zeroexp.errors import ConfigError, NotApplicableHere
 
 __all__ = ["SCHEMAS", "BUCKET_CAP_MB", "StrategyConfig", "schema_keys", "identity_keys", "identity_when_set",
            "check_fsdp2_prefetch", "check_fsdp2_dtype",
@@ -226,23 +226,17 @@ def check_ds_overlap_comm(value: Any, stage: int | None, key: str = "strategy.ov
         raise ConfigError(key, value, "false below stage 2, or strategy.stage=2 or 3", why=why)
 
 
-#: Why DeepSpeed's stage 3 is refused at one rank (its row's ``min_world_size``).
-DS3_ONE_RANK = ("at one rank DeepSpeed's stage 3 gathers nothing (its parameters are whole there; measured: no "
-                "all_gather, the forward 4.2 MB under the stage-3 plan on the mlp), which zeroexp's stage-3 model does "
-                "not follow; stages 0-2 run one rank (ZeRO-Offload's single device: strategy.stage=2 "
-                "offload=optimizer); a sweep skips this job")
-
-
-def check_ds_cell(strategy: Any, world_size: int, least: int) -> None:
+def check_ds_cell(strategy: Any, world_size: int, row: Any) -> None:
     """A DeepSpeed cell's own keys (:func:`check_ds_stage3_limits`, :func:`check_ds_overlap_comm`) and its ranks:
-    fewer than ``least`` (its row's ``min_world_size``: 2 at stage 3) are refused as not applicable here."""
-    from zeroexp.errors import NotApplicableHere
-
+    fewer than its row's ``min_world_size`` (2 at stage 3) are refused as not applicable here, for the reason its
+    family gives (``Family.below_min_world``)."""
     check_ds_stage3_limits(strategy, strategy.stage)
     check_ds_overlap_comm(strategy.overlap_comm, int(strategy.stage))
-    if world_size < least:
-        raise NotApplicableHere("world_size", world_size, f"an integer >= {least} at strategy.stage="
-                                f"{strategy.stage}, or strategy.stage=0, 1 or 2", why=DS3_ONE_RANK)
+    if world_size < row.min_world_size:
+        raise NotApplicableHere("world_size", world_size, f"an integer >= {row.min_world_size} at strategy.stage="
+                                f"{strategy.stage}, or strategy.stage=0, 1 or 2",
+                                why=f"{row.family.below_min_world(row)}; stages 0-2 run one rank (ZeRO-Offload's "
+                                    "single device: strategy.stage=2 offload=optimizer); a sweep skips this job")
 
 
 def check_fsdp2_reshard(value: Any, world_sizes: list[int], key: str = "strategy.reshard_after_forward") -> None:

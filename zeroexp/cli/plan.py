@@ -337,14 +337,11 @@ def _ds_terms(records: list[dict[str, Any]], shape: ModelShape, largest: int | N
               offload: str, knobs: PlanKnobs, device: Any) -> None:
     """``ds_peak`` of every DeepSpeed row (``zeroexp.plan.deepspeed_terms.ds_term_record``: the model-state peak term
     by term beside DeepSpeed's estimator; null for the other rows)."""
-    from zeroexp.formulas.deepspeed import ipg_buffers
-    from zeroexp.plan.deepspeed_terms import ds_stage, ds_term_record
+    from zeroexp.plan.deepspeed_terms import ds_term_record
 
     for r in records:
-        stage = ds_stage(r["strategy"])
         r["ds_peak"] = ds_term_record(r["strategy"], shape, r["world_size"], precision.itemsize, offload,
-                                      knobs.bucket_cap_bytes, largest, device.foreach, precision.name == "fp16",
-                                      ipg_buffers(stage, knobs) if stage is not None else 1)
+                                      knobs.bucket_cap_bytes, largest, device.foreach, precision.name == "fp16", knobs)
 
 
 def _init_peaks(init: str, records: list[dict[str, Any]], shape: ModelShape, memory: int | None,

@@ -3,7 +3,8 @@ model of DeepSpeed's rows is its family's: :mod:`zeroexp.formulas.families.deeps
 
 from __future__ import annotations
 
-from zeroexp.formulas import LAYOUTS, deepspeed_reduce_bucket_numel
+from zeroexp.formulas import LAYOUTS, PlanKnobs, deepspeed_reduce_bucket_numel
+from zeroexp.formulas.deepspeed import ipg_buffers
 from zeroexp.formulas.peak.deepspeed_terms import (ESTIMATOR_TERMS, TERMS, ds_estimator_bytes, ds_estimator_name,
                                                    ds_term_peak, largest_layer_numel)
 from zeroexp.formulas import ModelShape
@@ -19,13 +20,15 @@ def ds_stage(name: str) -> int | None:
 
 
 def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int, offload: str, bucket_cap_bytes: int,
-                   largest_layer: int | None, foreach: bool, fp16: bool = False, ipg_buffers: int = 1) -> dict | None:
+                   largest_layer: int | None, foreach: bool, fp16: bool = False,
+                   knobs: PlanKnobs = PlanKnobs()) -> dict | None:
     """The planner's ``ds_peak`` of a DeepSpeed row (None for any other row; a note alone at stage 0, which has no
     term model, and with offload): the model-state peak term by term
     (:func:`zeroexp.formulas.peak.deepspeed_terms.ds_term_peak`, computed, a lower bound: activations and scalars left
     out) beside DeepSpeed's own estimator, which terms both count and which differ. ``largest_layer``: the largest
     module's own parameters (None: from the shape's modules where it has them, else unknown); ``fp16``: the precision
-    is fp16 (its overflow check); ``ipg_buffers``: the ipg bucket's buffers (2 under ``overlap_comm``)."""
+    is fp16 (its overflow check); ``knobs``: the row's settings (``overlap_comm``: the ipg bucket's buffers,
+    :func:`zeroexp.formulas.deepspeed.ipg_buffers`)."""
     stage = ds_stage(name)
     if stage is None:
         return None
@@ -37,7 +40,8 @@ def ds_term_record(name: str, shape: ModelShape, world_size: int, itemsize: int,
         largest_layer = largest_layer_numel(shape.numels, shape.modules)
     trained = shape.trainable().numel
     peak = ds_term_peak(stage, trained, world_size, itemsize, deepspeed_reduce_bucket_numel(bucket_cap_bytes),
-                        largest_layer, foreach, frozen=shape.numel - trained, fp16=fp16, ipg_buffers=ipg_buffers)
+                        largest_layer, foreach, frozen=shape.numel - trained, fp16=fp16,
+                        ipg_buffers=ipg_buffers(stage, knobs))
     unknown = stage == 3 and largest_layer is None
     # the estimator assumes 2-byte parameters and gradients: compared in bf16 / fp16, with the largest layer at stage 3
     estimate = None if itemsize != 2 or unknown else ds_estimator_bytes(stage, shape.numel, world_size,

@@ -210,7 +210,7 @@ class DeepSpeedAdapter(_ckpt.DeepSpeedCheckpoints, StrategyAdapter):
                                   f"buffers are modelled from {MIN_DEEPSPEED} on: pip install -e '.[deepspeed]'")
         if s.stage not in (0, 1, 2, 3):
             raise ConfigError("strategy.stage", s.stage, "0, 1, 2, 3")
-        check_ds_cell(s, int(cfg.world_size), row_of(str(s.layout)).min_world_size)
+        check_ds_cell(s, int(cfg.world_size), row_of(str(s.layout)))
         if s.get("hpz_size") not in (None, 1):
             raise ConfigError("strategy.hpz_size", s.hpz_size, "null (or 1: no secondary partition)", why=_HPZ_REFUSED)
         if not s.bucket_cap_mb > 0:
